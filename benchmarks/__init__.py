@@ -1,0 +1,1 @@
+"""firstbyte's benchmarks: transports, router overhead, routing, across emulated geographies."""

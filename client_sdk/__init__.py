@@ -1,0 +1,6 @@
+"""firstbyte's edge client SDK: prewarmed connections, one streaming API over SSE, WebSocket
+and long-poll on HTTP/1.1, HTTP/2 and HTTP/3, phase timings, resume and regional failover."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

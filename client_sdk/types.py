@@ -1,0 +1,301 @@
+"""OpenAI-compatible wire types for chat completions, as msgspec Structs.
+
+These are the contract between the SDK, the router and the simulated inference server.
+Decoding tolerates unknown fields wherever OpenAI does (every object here), and rejects
+invalid values with a :class:`RequestValidationError` that names the offending field,
+so a server can answer 400 with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "Choice",
+    "ChunkChoice",
+    "CompletionTokensDetails",
+    "ContentPart",
+    "Delta",
+    "ErrorBody",
+    "ErrorDetail",
+    "FunctionCall",
+    "Message",
+    "Model",
+    "ModelList",
+    "PromptTokensDetails",
+    "RequestValidationError",
+    "ResponseMessage",
+    "StreamOptions",
+    "ToolCall",
+    "ToolCallDelta",
+    "Usage",
+    "decode_chunk",
+    "decode_request",
+    "encode",
+    "error_body",
+    "message_text",
+]
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ContentPart(msgspec.Struct, omit_defaults=True):
+    """One part of a multi-part message content (``{"type": "text", "text": ...}`` etc.)."""
+
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+
+
+class FunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    """A chat message. ``content`` is a string, a list of content parts, or null."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ChatCompletionRequest(msgspec.Struct, omit_defaults=True):
+    """``POST /v1/chat/completions`` body. ``tools`` and ``tool_choice`` pass through untouched."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] | None = None
+    user: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
+    logprobs: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """The requested output token cap (``max_completion_tokens`` wins, as at OpenAI)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        details = self.prompt_tokens_details
+        return details.cached_tokens if details is not None else 0
+
+
+class ResponseMessage(msgspec.Struct):
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+
+
+class Choice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    refusal: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One streamed ``chat.completion.chunk``; the final usage chunk has no choices."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+
+
+class Model(msgspec.Struct):
+    id: str
+    created: int = 0
+    owned_by: str = "firstbyte"
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[Model]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class RequestValidationError(ValueError):
+    """A request body that OpenAI would reject with 400; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorBody:
+        return error_body(self.message, "invalid_request_error", param=self.param)
+
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def _param_from_path(path: str) -> str | None:
+    """Turn msgspec's ``$.messages[0].content`` path into OpenAI's ``messages[0].content``."""
+    path = path.lstrip(".")
+    return path or None
+
+
+_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_chunk_decoder = msgspec.json.Decoder(ChatCompletionChunk)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a chat completion request body.
+
+    Raises :class:`RequestValidationError` naming the field for any invalid value, and for
+    bodies that are not JSON objects at all.
+    """
+    try:
+        return _request_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        if match is None:
+            raise RequestValidationError(text) from None
+        param = _param_from_path(match.group("path"))
+        message = text[: match.start()]
+        if param is not None:
+            message = f"Invalid value for '{param}': {message}"
+        raise RequestValidationError(message, param) from None
+    except msgspec.DecodeError as exc:
+        raise RequestValidationError(f"The request body is not valid JSON: {exc}") from None
+
+
+def decode_chunk(data: bytes | str) -> ChatCompletionChunk:
+    """Decode one streamed chunk (the ``data:`` payload of an SSE event)."""
+    return _chunk_decoder.decode(data)
+
+
+def encode(obj: Any) -> bytes:
+    """Encode a wire object (or plain data) to compact JSON bytes."""
+    return _encoder.encode(obj)
+
+
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    *,
+    param: str | None = None,
+    code: str | None = None,
+) -> ErrorBody:
+    """Build OpenAI's error envelope."""
+    return ErrorBody(ErrorDetail(message=message, type=type, param=param, code=code))
+
+
+def message_text(message: Message) -> str:
+    """The textual content of a message: the string, or its text parts joined."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content if part.type == "text")

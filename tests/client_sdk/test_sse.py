@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client_sdk._core.sse import (
+    SSEDecoder,
+    SSEEvent,
+    SSEProtocolError,
+    encode_comment,
+    encode_event,
+)
+
+STREAM = (
+    b"\xef\xbb\xbf: comment\r\n"
+    b'id: 1\r\ndata: {"a": 1}\r\n\r\n'
+    b"event: error\nid: 2\ndata: line one\ndata: line two\n\n"
+    b": ping\n\n"
+    b"retry: 1500\rdata:no-space\r\r"
+    b"data: [DONE]\n\n"
+)
+EXPECTED = [
+    SSEEvent(data='{"a": 1}', id="1"),
+    SSEEvent(data="line one\nline two", event="error", id="2"),
+    SSEEvent(data="no-space", id="2", retry=1500),
+    SSEEvent(data="[DONE]", id="2"),
+]
+
+
+def decode_pieces(pieces: list[bytes]) -> list[SSEEvent]:
+    decoder = SSEDecoder()
+    events: list[SSEEvent] = []
+    for piece in pieces:
+        events.extend(decoder.receive_data(piece))
+    return events
+
+
+def test_whole_stream_decodes_exactly() -> None:
+    assert decode_pieces([STREAM]) == EXPECTED
+
+
+def test_byte_by_byte_decodes_exactly() -> None:
+    assert decode_pieces([STREAM[i : i + 1] for i in range(len(STREAM))]) == EXPECTED
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=20))
+def test_any_split_decodes_exactly(cuts: list[int]) -> None:
+    points = sorted(set(cuts))
+    pieces = [STREAM[a:b] for a, b in zip([0, *points], [*points, len(STREAM)], strict=True)]
+    assert decode_pieces(pieces) == EXPECTED
+
+
+@given(
+    st.lists(
+        st.text(
+            alphabet=st.characters(blacklist_characters="\r\n\x00", blacklist_categories=("Cs",)),
+            max_size=30,
+        ),
+        max_size=5,
+    ),
+    st.integers(min_value=0, max_value=10**9),
+)
+def test_encode_then_decode_round_trips(lines: list[str], seq: int) -> None:
+    data = "\n".join(lines)
+    events = decode_pieces([encode_event(data, id=seq), encode_comment("ping")])
+    assert events == [SSEEvent(data=data, id=str(seq))]
+
+
+def test_line_over_limit_is_rejected() -> None:
+    decoder = SSEDecoder(max_line_bytes=64)
+    with pytest.raises(SSEProtocolError):
+        decoder.receive_data(b"data: " + b"x" * 100)
+
+
+def test_event_over_limit_is_rejected() -> None:
+    decoder = SSEDecoder(max_event_bytes=100)
+    with pytest.raises(SSEProtocolError):
+        decoder.receive_data(b"data: " + b"x" * 60 + b"\n" + b"data: " + b"y" * 60 + b"\n")
+
+
+def test_id_with_nul_is_ignored_and_last_event_id_persists() -> None:
+    decoder = SSEDecoder()
+    decoder.receive_data(b"id: 7\ndata: a\n\n")
+    events = decoder.receive_data(b"id: 8\x00\ndata: b\n\n")
+    assert events == [SSEEvent(data="b", id="7")]
+    assert decoder.last_event_id == "7"
