@@ -1,0 +1,77 @@
+"""The per-request timing record: every network phase and every token, in milliseconds.
+
+Definitions follow ``vllm bench serve``: TTFT is request start to the first content chunk,
+ITL the gap between successive content chunks, TPOT ``(E2EL - TTFT) / (output_tokens - 1)``,
+E2EL request start to the last content chunk.
+
+Two kinds of fields:
+- *durations* of connection phases (``dns_ms``, ``tcp_connect_ms``, ``tls_handshake_ms``,
+  ``quic_handshake_ms``, ``pool_wait_ms``): ``None`` when the phase did not happen (a warm
+  connection has no connect or handshake phase);
+- *offsets* from the request start (``request_sent_ms``, ``first_byte_ms``, ``first_token_ms``,
+  ``last_token_ms``, ``render_ms``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["Timings"]
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """What one streamed request cost, phase by phase (all times in milliseconds)."""
+
+    transport: str = "sse"
+    """``sse``, ``websocket`` or ``longpoll``."""
+    http_version: str = ""
+    """Negotiated protocol: ``HTTP/1.1``, ``HTTP/2`` or ``HTTP/3``."""
+    warm: bool = False
+    """True when the request reused an open connection (no connect or handshake phase)."""
+    zero_rtt: bool = False
+    """True when an HTTP/3 connection sent the request as 0-RTT early data."""
+    region: str | None = None
+    """The region that served (``x-firstbyte-region``)."""
+    stream_id: str | None = None
+    started_at: float = 0.0
+    """Wall-clock start, seconds since the epoch (for correlating logs; not used for durations)."""
+
+    dns_ms: float | None = None
+    tcp_connect_ms: float | None = None
+    tls_handshake_ms: float | None = None
+    quic_handshake_ms: float | None = None
+    pool_wait_ms: float | None = None
+
+    request_sent_ms: float | None = None
+    first_byte_ms: float | None = None
+    first_token_ms: float | None = None
+    last_token_ms: float | None = None
+    render_ms: float | None = None
+    inter_token_ms: list[float] = msgspec.field(default_factory=list)
+
+    output_chunks: int = 0
+    """Content chunks received (each carries one token from an OpenAI-compatible server)."""
+    resumes: int = 0
+    """How many times the stream was resumed after a broken connection."""
+    server_timing: dict[str, float] = msgspec.field(default_factory=dict)
+    """The router's ``Server-Timing`` split (``queue``, ``route``, ``upstream-ttft``, ...)."""
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return self.first_token_ms
+
+    @property
+    def e2el_ms(self) -> float | None:
+        return self.last_token_ms
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.first_token_ms is None or self.last_token_ms is None or self.output_chunks < 2:
+            return None
+        return (self.last_token_ms - self.first_token_ms) / (self.output_chunks - 1)
+
+    @property
+    def connect_ms(self) -> float:
+        """Time spent opening a connection: DNS + TCP + TLS, or DNS + QUIC (0 when warm)."""
+        phases = (self.dns_ms, self.tcp_connect_ms, self.tls_handshake_ms, self.quic_handshake_ms)
+        return sum(p for p in phases if p is not None)
