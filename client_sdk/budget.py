@@ -110,12 +110,19 @@ class BudgetReport(msgspec.Struct, frozen=True):
             if line.overran:
                 status += "  OVER"
             rows.append((line.name, line.category, f"{line.allowance_ms:.1f}", measured, status))
-        safety_status = f"{self.safety_used_ms / self.safety_ms * 100:.0f}% used" if (
-            self.safety_ms > 0
-        ) else "-"
+        safety_status = (
+            f"{self.safety_used_ms / self.safety_ms * 100:.0f}% used"
+            if (self.safety_ms > 0)
+            else "-"
+        )
         rows.append(
-            ("safety (15%)", "safety", f"{self.safety_ms:.1f}", f"{self.safety_used_ms:.1f}",
-             safety_status)
+            (
+                "safety (15%)",
+                "safety",
+                f"{self.safety_ms:.1f}",
+                f"{self.safety_used_ms:.1f}",
+                safety_status,
+            )
         )
         verdict = "within budget" if self.within_budget else "OVER BUDGET"
         rows.append(("total", "", f"{self.total_ms:.1f}", f"{self.measured_ms:.1f}", verdict))
