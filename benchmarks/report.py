@@ -223,7 +223,9 @@ def _plot_phases(runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
             zorder=1,
             label=f"safety share ({safety_ms:.0f} ms)",
         )
-        ax.axhline(total_ms, color="#c00000", linewidth=1.5, label=f"budget {total_ms:.0f} ms")
+        ax.axhline(
+            total_ms, color="#c00000", linewidth=1.5, zorder=3, label=f"budget {total_ms:.0f} ms"
+        )
         ax.set_xticks(xs, list(bars), rotation=20, ha="right")
         ax.set_ylabel("mean ms per phase")
         ax.set_ylim(0, max([total_ms * 1.1, *(b * 1.05 for b in bottoms)]))
