@@ -16,6 +16,7 @@ from typing import Protocol
 # name -> (module, one-line help). Only subcommands that work are listed.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("router.sim.cli", "run the simulated OpenAI-compatible inference server"),
+    "bench": ("benchmarks.cli", "run a benchmark scenario and write its report, or compare two"),
 }
 
 

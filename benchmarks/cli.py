@@ -1,0 +1,174 @@
+"""``firstbyte bench``: run a benchmark scenario and write its report, or compare two results.
+
+Scenarios are discovered, not registered: every module in ``benchmarks/scenarios/`` that
+defines ``run(quick: bool) -> dict`` is one, named after its module, and its docstring's first
+line is its help. Discovery reads the sources without importing them, so ``--help`` works even
+when one scenario's optional dependency is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+import benchmarks.scenarios
+from benchmarks.compare import compare, load_results
+from benchmarks.report import markdown_summary, write_report
+from client_sdk.cli import CLIError
+
+__all__ = ["add_arguments", "discover_scenarios", "run", "run_scenario"]
+
+_RESERVED = {"all", "compare"}
+
+
+def discover_scenarios() -> dict[str, str]:
+    """Scenario name -> one-line description, for every module that defines ``run``."""
+    found: dict[str, str] = {}
+    for info in sorted(pkgutil.iter_modules(benchmarks.scenarios.__path__), key=lambda i: i.name):
+        if info.name.startswith("_") or info.ispkg or info.name in _RESERVED:
+            continue
+        path = Path(benchmarks.scenarios.__path__[0]) / f"{info.name}.py"
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        if not any(
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "run"
+            for node in tree.body
+        ):
+            continue
+        doc = (ast.get_docstring(tree) or "").strip().splitlines()
+        found[info.name] = doc[0].rstrip(".") if doc else "(no description)"
+    return found
+
+
+def _add_output_options(parser: argparse.ArgumentParser, default_out: str) -> None:
+    parser.add_argument(
+        "--quick", action="store_true", help="a short run (as CI does): fewer requests, less load"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=default_out,
+        help=f"where to write results.json, summary.md and plots (default: {default_out})",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results JSON on stdout instead of the Markdown summary",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scenarios = discover_scenarios()
+    listing = "\n".join(f"  {name:<18} {doc}" for name, doc in scenarios.items()) or "  (none yet)"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        f"scenarios:\n{listing}\n"
+        "  all                every scenario above, one combined results.json\n\n"
+        "compare:\n  firstbyte bench compare BASELINE.json NEW.json [--threshold 0.10]"
+    )
+    sub = parser.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
+    for name, doc in scenarios.items():
+        _add_output_options(
+            sub.add_parser(name, help=doc, description=doc + "."), f"bench-results/{name}"
+        )
+    every = sub.add_parser("all", help="run every scenario", description="Run every scenario.")
+    _add_output_options(every, "bench-results/all")
+    cmp = sub.add_parser(
+        "compare",
+        help="compare two result files; exit 1 when a P95/P99 latency regressed",
+        description=(
+            "Compare two results.json files. Exit 1 when a tracked P95/P99 latency metric "
+            "regressed by more than the threshold, 0 otherwise."
+        ),
+    )
+    cmp.add_argument("baseline", metavar="BASELINE.json")
+    cmp.add_argument("new", metavar="NEW.json")
+    cmp.add_argument(
+        "--threshold",
+        type=float,
+        default=0.10,
+        help="allowed relative increase, as a fraction (default 0.10 = 10%%)",
+    )
+    cmp.add_argument(
+        "--min-delta-ms",
+        type=float,
+        default=0.0,
+        help="also require an absolute increase above this many ms (noise floor; default 0)",
+    )
+
+
+def run_scenario(name: str, quick: bool) -> dict[str, Any]:
+    """Import and run one scenario; its results carry ``scenario`` and ``quick``."""
+    scenarios = discover_scenarios()
+    if name not in scenarios:
+        known = ", ".join(scenarios) or "none"
+        raise CLIError(f"unknown scenario {name!r} (available: {known})")
+    module = importlib.import_module(f"benchmarks.scenarios.{name}")
+    results = module.run(quick)
+    if not isinstance(results, dict):
+        raise CLIError(f"scenario {name!r} returned {type(results).__name__}, not a dict")
+    results.setdefault("scenario", name)
+    results["quick"] = quick
+    return dict(results)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    loaded = []
+    for path in (args.baseline, args.new):
+        try:
+            loaded.append(load_results(Path(path).read_bytes()))
+        except OSError as exc:
+            raise CLIError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise CLIError(f"{path}: {exc}") from None
+    try:
+        result = compare(
+            loaded[0], loaded[1], threshold=args.threshold, min_delta_ms=args.min_delta_ms
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    print(result.render())
+    return 0 if result.ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.scenario == "compare":
+        return _run_compare(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out} exists and is not a directory")
+    if args.scenario == "all":
+        combined: dict[str, Any] = {"scenario": "all", "quick": args.quick, "scenarios": {}}
+        for name in discover_scenarios():
+            print(f"bench: running {name}", file=sys.stderr)
+            written = write_report(run_scenario(name, args.quick), out / name)
+            # The written file has the metric definitions, date and host added.
+            combined["scenarios"][name] = msgspec.json.decode(written["json"].read_bytes())
+        paths = {"json": out / "results.json"}
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        paths["json"].write_bytes(msgspec.json.format(msgspec.json.encode(combined)) + b"\n")
+        if args.json:
+            sys.stdout.write(paths["json"].read_text())
+        else:
+            for name, results in combined["scenarios"].items():
+                print(markdown_summary(results, images={}))
+                print(f"(full report: {out / name})\n")
+        print(f"bench: wrote {paths['json']}", file=sys.stderr)
+        return 0
+    results = run_scenario(args.scenario, args.quick)
+    written = write_report(results, out)
+    if args.json:
+        sys.stdout.write(written["json"].read_text())
+    else:
+        sys.stdout.write(written["markdown"].read_text())
+    print("bench: wrote " + ", ".join(str(p) for p in written.values()), file=sys.stderr)
+    return 0
