@@ -1,0 +1,149 @@
+"""Echo servers and probes that measure round trips through the emulator.
+
+Run inside emulated hosts (``python -m benchmarks.wan.echo ...`` under ``ip netns exec``), so
+every measurement crosses the forwarder. Each command prints one JSON object on stdout:
+
+- ``serve --proto udp|tcp --bind IP``: prints ``{"port": N}`` (an ephemeral port), then echoes
+  every datagram (UDP) or every byte of every connection (TCP) until killed.
+- ``udp-ping --to IP --port N --count C [--interval-ms I]``: sends ``C`` numbered datagrams
+  ``I`` ms apart (several may be in flight) and prints ``{"rtt_ms": [...], "lost": L}``.
+- ``tcp-probe --to IP --port N --count C``: ``C`` times: opens a connection (``connect_ms``,
+  SYN to SYN-ACK = 1 RTT), sends one line and waits for its echo (``request_ms`` = 1 RTT),
+  closes. Prints ``{"connect_ms": [...], "request_ms": [...]}``.
+
+Timestamps are taken with ``time.perf_counter_ns`` in one process, so no clocks are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+
+_PING = struct.Struct("!Iq")  # sequence number, send time (ns)
+
+
+def serve(proto: str, bind: str) -> None:
+    if proto == "udp":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((bind, 0))
+        _announce(sock)
+        while True:
+            data, addr = sock.recvfrom(65535)
+            sock.sendto(data, addr)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((bind, 0))
+    sock.listen(128)
+    _announce(sock)
+    while True:
+        conn, _ = sock.accept()
+        threading.Thread(target=_echo_stream, args=(conn,), daemon=True).start()
+
+
+def _announce(sock: socket.socket) -> None:
+    sys.stdout.write(json.dumps({"port": sock.getsockname()[1]}) + "\n")
+    sys.stdout.flush()
+
+
+def _echo_stream(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+
+
+def udp_ping(
+    to: str, port: int, count: int, interval_ms: float, timeout_s: float
+) -> dict[str, object]:
+    """Paced pings; a reply later than ``timeout_s`` after the last send counts as lost."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.connect((to, port))
+    sock.setblocking(False)
+    rtts: dict[int, float] = {}
+    interval_ns = int(interval_ms * 1e6)
+    start = time.perf_counter_ns()
+    sent = 0
+    give_up = None
+    while len(rtts) < count:
+        now = time.perf_counter_ns()
+        if sent < count and now >= start + sent * interval_ns:
+            sock.send(_PING.pack(sent, now))
+            sent += 1
+            if sent == count:
+                give_up = now + int(timeout_s * 1e9)
+            continue
+        if give_up is not None and now >= give_up:
+            break
+        next_send = start + sent * interval_ns if sent < count else give_up
+        assert next_send is not None
+        ready, _, _ = select.select([sock], [], [], max(0.0, (next_send - now) / 1e9))
+        if ready:
+            data = sock.recv(65535)
+            now = time.perf_counter_ns()
+            seq, sent_at = _PING.unpack_from(data)
+            rtts[seq] = (now - sent_at) / 1e6
+    sock.close()
+    return {"rtt_ms": [rtts[k] for k in sorted(rtts)], "lost": count - len(rtts)}
+
+
+def tcp_probe(to: str, port: int, count: int, timeout_s: float) -> dict[str, object]:
+    connect_ms: list[float] = []
+    request_ms: list[float] = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter_ns()
+        sock.connect((to, port))
+        t1 = time.perf_counter_ns()
+        sock.sendall(b"ping\n")
+        got = b""
+        while not got.endswith(b"\n"):
+            chunk = sock.recv(64)
+            if not chunk:
+                raise ConnectionError("echo server closed the connection")
+            got += chunk
+        t2 = time.perf_counter_ns()
+        sock.close()
+        connect_ms.append((t1 - t0) / 1e6)
+        request_ms.append((t2 - t1) / 1e6)
+    return {"connect_ms": connect_ms, "request_ms": request_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.echo")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("serve")
+    p.add_argument("--proto", choices=["udp", "tcp"], required=True)
+    p.add_argument("--bind", required=True)
+    p = sub.add_parser("udp-ping")
+    p.add_argument("--to", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--count", type=int, default=20)
+    p.add_argument("--interval-ms", type=float, default=20.0)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p = sub.add_parser("tcp-probe")
+    p.add_argument("--to", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--count", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    if args.cmd == "serve":
+        serve(args.proto, args.bind)
+        return 0
+    if args.cmd == "udp-ping":
+        result = udp_ping(args.to, args.port, args.count, args.interval_ms, args.timeout)
+    else:
+        result = tcp_probe(args.to, args.port, args.count, args.timeout)
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
