@@ -32,7 +32,7 @@ class Progress:
         self._width = width
         self._started = time.monotonic()
         self._last_draw = 0.0
-        self._last_quarter = -1
+        self._last_quarter = 0
 
     def __enter__(self) -> Progress:
         return self

@@ -133,7 +133,17 @@ def _run_name(run: Mapping[str, Any]) -> str:
 
 def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     columns = [key for key in _RUN_COLUMNS if any(key in run for run in runs)]
-    header = ["run", *(_RUN_COLUMNS[key] for key in columns)]
+    names = dict(_RUN_COLUMNS)
+    if not columns:
+        # Not a request-level benchmark: show every scalar the runs report.
+        columns = [
+            key
+            for key in dict.fromkeys(k for run in runs for k in run)
+            if key not in _LABEL_KEYS
+            and all(isinstance(run.get(key), int | float | str | None) for run in runs)
+        ]
+        names = {key: key for key in columns}
+    header = ["run", *(names[key] for key in columns)]
     rows = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(columns) + "|"]
     for run in runs:
         cells = [_run_name(run), *(_fmt(run.get(key)) for key in columns)]
