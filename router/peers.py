@@ -1,0 +1,178 @@
+"""The other regions' state: the ``/v1/edge/status`` document, a table with staleness, a poller.
+
+Every router publishes :class:`EdgeStatus` at ``GET /v1/edge/status``; each router polls its
+peers' status over one kept-warm HTTP connection per peer (the same connection forwarded
+requests use, so it never goes cold) and keeps the latest in a :class:`PeerTable`. State older
+than ``ttl_s`` counts as unknown: the peer is then no candidate for forwarding or spilling.
+The poll's round-trip time feeds an EWMA, the measured router-to-router RTT.
+
+Router-to-router requests carry ``x-firstbyte-peer-key``; a forwarded request also carries
+``x-firstbyte-forwarded: REGION`` so the receiving router never forwards it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from router.backpressure import Ewma
+
+__all__ = [
+    "FORWARDED_HEADER",
+    "PEER_KEY_HEADER",
+    "BackendStatus",
+    "EdgeStatus",
+    "PeerPoller",
+    "PeerState",
+    "PeerTable",
+    "prefix_hash",
+]
+
+PEER_KEY_HEADER = "x-firstbyte-peer-key"
+FORWARDED_HEADER = "x-firstbyte-forwarded"
+
+
+def prefix_hash(text: str) -> str:
+    """The published identity of a warm prefix (its text is not published)."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class BackendStatus(msgspec.Struct, kw_only=True):
+    name: str
+    healthy: bool
+    in_flight: int
+    load: int
+    max_in_flight: int
+    saturated: bool
+    ttft_ms: float | None = None
+    warm_prefixes: list[str] = msgspec.field(default_factory=list)
+    """Names of the prefixes this backend holds warm."""
+
+
+class EdgeStatus(msgspec.Struct, kw_only=True):
+    """``GET /v1/edge/status``: what a peer needs to decide whether to send us a request."""
+
+    region: str
+    healthy: bool
+    saturated: bool
+    in_flight: int
+    capacity: int
+    queue_wait_ms: float
+    latitude: float | None = None
+    longitude: float | None = None
+    public_url: str | None = None
+    ttft_ms: float | None = None
+    warm_prefixes: list[str] = msgspec.field(default_factory=list)
+    """Hashes (:func:`prefix_hash`) of the prefixes warm on at least one backend."""
+    backends: list[BackendStatus] = msgspec.field(default_factory=list)
+
+
+@dataclass
+class PeerState:
+    name: str
+    url: str
+    status: EdgeStatus | None = None
+    received_at: float | None = None
+    failures: int = 0
+    rtt_ms: Ewma | None = None
+
+    def fresh(self, now: float, ttl_s: float) -> EdgeStatus | None:
+        """The latest status if younger than ``ttl_s``; otherwise ``None`` (unknown)."""
+        if self.status is None or self.received_at is None:
+            return None
+        return self.status if now - self.received_at <= ttl_s else None
+
+
+class PeerTable:
+    """Latest known state of each peer (sans-IO: callers pass ``now``)."""
+
+    def __init__(self, peers: Iterable[tuple[str, str]], ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self.peers: dict[str, PeerState] = {
+            name: PeerState(name, url, rtt_ms=Ewma(0.3)) for name, url in peers
+        }
+
+    def observe(self, name: str, status: EdgeStatus, now: float, rtt_ms: float) -> None:
+        peer = self.peers[name]
+        peer.status, peer.received_at, peer.failures = status, now, 0
+        assert peer.rtt_ms is not None
+        peer.rtt_ms.add(rtt_ms)
+
+    def failed(self, name: str, now: float) -> None:
+        """A poll failed: after the TTL the old state expires by itself; mark it now too."""
+        peer = self.peers[name]
+        peer.failures += 1
+        if peer.failures >= 2:
+            peer.status = None
+
+    def fresh(self, now: float) -> dict[str, EdgeStatus]:
+        out: dict[str, EdgeStatus] = {}
+        for name, peer in self.peers.items():
+            status = peer.fresh(now, self.ttl_s)
+            if status is not None:
+                out[name] = status
+        return out
+
+
+class PeerPoller:
+    """Polls every peer's ``/v1/edge/status`` on a kept-warm ``httpx.AsyncClient`` each."""
+
+    def __init__(
+        self,
+        table: PeerTable,
+        clients: dict[str, object],
+        *,
+        peer_key: str | None,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self.clients = clients
+        self.peer_key = peer_key
+        self.interval_s = interval_s
+        self.clock = clock
+        self._tasks: list[asyncio.Task[None]] = []
+        self._decoder = msgspec.json.Decoder(EdgeStatus)
+
+    async def poll_once(self, name: str) -> None:
+        import httpx
+
+        client = self.clients[name]
+        assert isinstance(client, httpx.AsyncClient)
+        headers = {PEER_KEY_HEADER: self.peer_key} if self.peer_key else {}
+        start = self.clock()
+        try:
+            response = await client.get(
+                "/v1/edge/status", headers=headers, timeout=self.interval_s * 2 + 1
+            )
+            response.raise_for_status()
+            status = self._decoder.decode(response.content)
+        except (httpx.HTTPError, msgspec.DecodeError):
+            self.table.failed(name, self.clock())
+            return
+        now = self.clock()
+        self.table.observe(name, status, now, (now - start) * 1000.0)
+
+    async def _loop(self, name: str) -> None:
+        while True:
+            await self.poll_once(name)
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        for name in self.table.peers:
+            self._tasks.append(asyncio.create_task(self._loop(name), name=f"peer-poll-{name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()

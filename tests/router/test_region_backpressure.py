@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from router.backpressure import BackendLoad, Ewma, LoadTracker, SpillBudget
+from router.upstream_metrics import BackendMetrics, parse_backend_metrics
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m",engine="0"} 3.0
+vllm:num_requests_waiting{model_name="m",engine="0"} 2.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.42
+vllm:prefix_cache_queries_total{model_name="m"} 1200.0
+vllm:prefix_cache_hits_total{model_name="m"} 900.0
+garbage line here
+"""
+
+
+def tracker(n: int = 2, limit: int = 4) -> LoadTracker:
+    return LoadTracker([BackendLoad(f"b{i}", max_in_flight=limit) for i in range(n)])
+
+
+def test_parse_vllm_metrics() -> None:
+    m = parse_backend_metrics(VLLM_METRICS)
+    assert (m.running, m.waiting, m.cache_usage) == (3.0, 2.0, 0.42)
+    assert m.counters() == (1200.0, 900.0)
+    sg = parse_backend_metrics("sglang:num_running_reqs 5\nsglang:num_queue_reqs 1\n")
+    assert (sg.running, sg.waiting) == (5.0, 1.0)
+    assert parse_backend_metrics("").running is None
+
+
+def test_load_is_max_of_own_count_and_fresh_metrics() -> None:
+    t = tracker()
+    t.started("b0")
+    assert t.load("b0", 0.0) == 1
+    t.observe_metrics("b0", BackendMetrics(running=3, waiting=0), now=0.0)
+    assert t.load("b0", 1.0) == 3
+    assert t.load("b0", 100.0) == 1  # stale metrics ignored
+
+
+def test_saturation_and_region_saturation() -> None:
+    t = tracker(limit=2)
+    for _ in range(2):
+        t.started("b0")
+    assert t.saturated("b0", 0.0)
+    assert not t.region_saturated(0.0)
+    t.observe_metrics("b1", BackendMetrics(running=1, waiting=1), now=0.0)  # waiting > 0
+    assert t.saturated("b1", 0.0)
+    assert t.region_saturated(0.0)
+    t.set_health("b1", False)
+    assert t.available(0.0) == []
+
+
+def test_queue_wait_and_retry_after_from_drain_estimate() -> None:
+    t = tracker(n=1, limit=4)
+    assert t.queue_wait_ms(0.0) == 0.0
+    for _ in range(4):
+        t.started("b0")
+    t.finished("b0", duration_ms=2000.0)
+    t.backends["b0"].service_ms = Ewma(0.2, 2000.0)
+    for _ in range(8):
+        t.started("b0")  # 11 in flight on a limit of 4: 8 over
+    wait = t.queue_wait_ms(0.0)
+    assert wait == 8 / 4 * 2000.0
+    assert t.retry_after_s(0.0) == 4
+    t2 = tracker(n=1, limit=4)
+    for _ in range(4):
+        t2.started("b0")
+    assert t2.retry_after_s(0.0) >= 1  # never 0
+    t2.set_health("b0", False)
+    assert t2.retry_after_s(0.0) >= 1
+
+
+def test_spill_budget_is_twenty_percent_with_minimum() -> None:
+    b = SpillBudget(ratio=0.2, min_concurrency=3)
+    assert [b.try_acquire(active=10) for _ in range(4)] == [True, True, True, False]
+    b.release()
+    assert b.try_acquire(active=10)
+    big = SpillBudget(ratio=0.2, min_concurrency=3)
+    assert sum(big.try_acquire(active=100) for _ in range(30)) == 20
+    assert big.refused_total == 10
