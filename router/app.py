@@ -1,0 +1,89 @@
+"""``build_app(config) -> ASGI app``: the router's routes, composed from its parts.
+
+No logic lives here: the endpoints run the pipeline stages, the state holds the store,
+backends and proxy. The returned app also serves the ASGI lifespan (housekeeping starts
+with the first request or at startup; shutdown cancels producers and closes the pool).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Awaitable, Callable
+
+from . import endpoints
+from .asgi import Receive, Scope, Send
+from .config import RouterConfig
+from .state import RouterState
+from .ws import websocket_session
+
+__all__ = ["RouterApp", "build_app"]
+
+Handler = Callable[[RouterState, Scope, Receive, Send], Awaitable[None]]
+
+_ROUTES: dict[str, dict[str, Handler]] = {
+    "/v1/chat/completions": {"POST": endpoints.chat_completions},
+    "/v1/streams": {"POST": endpoints.start_detached_stream},
+    "/v1/models": {"GET": endpoints.models},
+    "/healthz": {"GET": endpoints.healthz},
+    "/metrics": {"GET": endpoints.metrics},
+    "/v1/edge/status": {"GET": endpoints.edge_status},
+}
+_STREAM_PATH = re.compile(r"^/v1/streams/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$")
+
+
+class RouterApp:
+    """The ASGI application; ``state`` is exposed for tests and for the routing stages."""
+
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = RouterState(config, clock)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        self.state.ensure_started()
+        path: str = scope["path"]
+        if kind == "websocket":
+            if path == "/v1/ws":
+                await websocket_session(self.state, scope, receive, send)
+            else:
+                await send({"type": "websocket.close", "code": 1008, "reason": "no such path"})
+            return
+        method: str = scope["method"]
+        methods = _ROUTES.get(path)
+        if methods is not None:
+            handler = methods.get(method)
+            if handler is None:
+                await endpoints.not_found(scope, send, allowed=", ".join(methods))
+                return
+            await handler(self.state, scope, receive, send)
+            return
+        match = _STREAM_PATH.match(path)
+        if match is not None:
+            if method != "GET":
+                await endpoints.not_found(scope, send, allowed="GET")
+                return
+            if match.group("poll"):
+                await endpoints.poll_stream(self.state, scope, receive, send, match.group("id"))
+            else:
+                await endpoints.read_stream(self.state, scope, receive, send, match.group("id"))
+            return
+        await endpoints.not_found(scope, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.state.ensure_started()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.state.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def build_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> RouterApp:
+    """The router as an ASGI app for ``config``."""
+    return RouterApp(config, clock)

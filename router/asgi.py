@@ -1,0 +1,136 @@
+"""Thin ASGI plumbing: read a bounded body, send a whole response, stream with disconnect.
+
+Everything here is ``async def app(scope, receive, send)`` level and knows nothing about
+the router's logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+__all__ = [
+    "ASGIApp",
+    "Receive",
+    "Scope",
+    "Send",
+    "header_dict",
+    "read_body",
+    "send_bytes",
+    "stream_body",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+Headers = list[tuple[str, str]] | tuple[tuple[str, str], ...]
+
+
+def header_dict(scope: Scope) -> dict[str, str]:
+    """Request headers with lower-cased names (the last value of a repeated header wins)."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+class ClientGone(Exception):
+    """The client disconnected while the request body was being read."""
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """Read the request body, stopping once it exceeds ``limit`` (returns ``limit + 1`` bytes
+    at most, so the caller can answer 413 without buffering an unbounded upload)."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk: bytes = message.get("body", b"")
+        if chunk:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return b"".join(parts)[: limit + 1]
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    headers: Headers = (),
+) -> None:
+    """Send a complete response."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type.encode("latin-1")),
+                (b"content-length", str(len(body)).encode()),
+                *_encode_headers(headers),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def stream_body(
+    receive: Receive,
+    send: Send,
+    status: int,
+    headers: Headers,
+    chunks: AsyncIterator[bytes],
+) -> bool:
+    """Send ``chunks`` as one streamed response, each chunk flushed as it comes.
+
+    "Send the stream" and "listen for disconnect" run side by side; whichever finishes first
+    cancels the other (starlette's pattern). Returns True if the body completed, False if the
+    client went away first.
+    """
+    await send(
+        {"type": "http.response.start", "status": status, "headers": _encode_headers(headers)}
+    )
+
+    async def pump() -> None:
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def listen() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    pump_task = asyncio.ensure_future(pump())
+    listen_task = asyncio.ensure_future(listen())
+    try:
+        done, _ = await asyncio.wait({pump_task, listen_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pump_task, listen_task):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(pump_task, listen_task, return_exceptions=True)
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()  # run the producer's cleanup (reader detach) now, not at GC
+    if pump_task in done and pump_task.exception() is None:
+        return True
+    if pump_task in done:
+        exc = pump_task.exception()
+        if not isinstance(exc, OSError):
+            # A bug, not a vanished client: let it surface.
+            assert exc is not None
+            raise exc
+    return False

@@ -1,0 +1,157 @@
+"""The router's configuration: TOML (or command-line flags) -> typed msgspec Structs.
+
+Every field carries its unit in its name (``idle_timeout_s``, ``max_body_bytes``). Loading
+rejects unknown keys and bad values with a :class:`ConfigError` whose message names the file
+and the key, e.g. ``router.toml: listen.port: Expected `int` >= 0, got -1``.
+
+Upstreams come only from here, never from a request.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = [
+    "AuthConfig",
+    "ConfigError",
+    "LimitsConfig",
+    "ListenConfig",
+    "RouterConfig",
+    "StreamsConfig",
+    "UpstreamConfig",
+    "load_config",
+    "parse_config",
+]
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+NonNegSeconds = Annotated[float, msgspec.Meta(ge=0)]
+PositiveBytes = Annotated[int, msgspec.Meta(ge=1)]
+HttpUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+(/\S*)?$")]
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the file (if any) and the key."""
+
+
+class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where and how the router listens.
+
+    With ``certfile``/``keyfile`` it serves HTTPS (HTTP/1.1 and HTTP/2 by ALPN) on TCP and,
+    when ``http3`` is true, HTTP/3 on the same UDP port, advertised with ``Alt-Svc``. Without
+    a certificate it refuses to start unless ``insecure_plain_http`` is true (local use).
+    """
+
+    host: str = "127.0.0.1"
+    port: Port = 8443
+    certfile: str | None = None
+    keyfile: str | None = None
+    http3: bool = True
+    insecure_plain_http: bool = False
+    server: Annotated[str, msgspec.Meta(pattern=r"^(hypercorn|uvicorn)$")] = "hypercorn"
+    """``hypercorn`` (H1.1, H2, H3) or ``uvicorn`` (HTTP/1.1 only, httptools; plain or TLS)."""
+    keep_alive_timeout_s: PositiveSeconds = 75.0
+
+
+class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One inference server (OpenAI-compatible base URL, e.g. ``http://10.0.0.5:8000``)."""
+
+    url: HttpUrl
+    name: str = ""
+    api_key: str | None = None
+    """Sent upstream as ``Authorization: Bearer``; never the client's key."""
+
+
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """API keys accepted in ``Authorization: Bearer``. None configured: accept anything."""
+
+    api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = msgspec.field(default_factory=list)
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_body_bytes: PositiveBytes = 1 << 20
+    upstream_connect_timeout_s: PositiveSeconds = 5.0
+    upstream_read_timeout_s: PositiveSeconds = 300.0
+    """Longest silence between two upstream chunks before the stream fails."""
+    upstream_keepalive_expiry_s: PositiveSeconds = 120.0
+    """Idle upstream connections stay open this long (httpx's default of 5 s is too short)."""
+    upstream_max_connections: PositiveBytes = 512
+    heartbeat_interval_s: PositiveSeconds = 15.0
+    """An SSE reader idle this long gets a ``: ping`` comment."""
+
+
+class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The resumable stream store."""
+
+    max_total_bytes: PositiveBytes = 256 << 20
+    max_age_s: PositiveSeconds = 600.0
+    resume_grace_s: NonNegSeconds = 30.0
+    """With no reader attached for this long, a running upstream request is cancelled."""
+    max_poll_wait_s: PositiveSeconds = 30.0
+
+
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    region: Name = "local"
+    upstreams: Annotated[list[UpstreamConfig], msgspec.Meta(min_length=1)]
+    listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
+
+    def __post_init__(self) -> None:
+        listen = self.listen
+        if (listen.certfile is None) != (listen.keyfile is None):
+            raise ValueError("listen.certfile and listen.keyfile must be given together")
+        if listen.certfile is None and not listen.insecure_plain_http:
+            raise ValueError(
+                "listen.certfile/listen.keyfile are required"
+                " (or set listen.insecure_plain_http = true for local use)"
+            )
+        if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
+            # uvicorn has no HTTP/3: the flag would silently do nothing.
+            raise ValueError("listen.http3 needs listen.server = 'hypercorn'")
+
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`")
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    """Rewrite msgspec's ``msg - at `$.a[0].b``` as ``a[0].b: msg``."""
+    text = str(exc)
+    match = _PATH.search(text)
+    path = match.group("path").lstrip(".") if match else ""
+    message = text[: match.start()] if match else text
+    unknown = _UNKNOWN.match(message)
+    if unknown:
+        key = f"{path}.{unknown.group('field')}" if path else unknown.group("field")
+        return f"{key}: unknown key"
+    return f"{path}: {message}" if path else message
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>") -> RouterConfig:
+    """Validate a configuration mapping (as TOML decodes it)."""
+    try:
+        return msgspec.convert(data, RouterConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}") from None
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a TOML file; every failure is a :class:`ConfigError` naming it."""
+    source = str(path)
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return parse_config(data, source)

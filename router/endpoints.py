@@ -1,0 +1,359 @@
+"""HTTP endpoints: each runs the pipeline stages for its request and answers.
+
+The streamed completion path: admit -> choose backend -> create a stream in the store ->
+start the upstream producer -> wait for the upstream's response head -> answer 200 and
+follow the stream as SSE. ``Server-Timing`` at header time carries ``queue``, ``route`` and
+``upstream-headers`` (upstream request to its response head); ``upstream-ttft`` is not known
+yet when a live stream's headers go out, so it appears on non-streamed replies and on
+``GET /v1/streams/{id}`` once the first token has been produced.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import parse_qs
+
+import msgspec
+
+from client_sdk.types import encode
+
+from .asgi import ClientGone, Receive, Scope, Send, header_dict, read_body, send_bytes, stream_body
+from .pipeline.admit import admit_chat, authenticate
+from .pipeline.backend import choose_backend
+from .pipeline.context import (
+    CONTINUE,
+    Fallback,
+    LocalReply,
+    Outcome,
+    RequestContext,
+    Traceparent,
+    error_reply,
+)
+from .readers import parse_after, poll, sse_events
+from .state import RouterState
+from .streams import Stream, owner_of
+
+__all__ = [
+    "chat_completions",
+    "edge_status",
+    "healthz",
+    "metrics",
+    "models",
+    "new_context",
+    "not_found",
+    "read_stream",
+    "reply",
+    "start_detached_stream",
+]
+
+SSE_HEADERS = (
+    ("content-type", "text/event-stream; charset=utf-8"),
+    ("cache-control", "no-cache"),
+    ("x-accel-buffering", "no"),
+)
+
+
+def new_context(state: RouterState, scope: Scope) -> RequestContext:
+    headers = header_dict(scope)
+    client = scope.get("client")
+    return RequestContext(
+        method=scope.get("method", "GET"),
+        path=scope["path"],
+        headers=headers,
+        client=tuple(client) if client else None,
+        http_version=scope.get("http_version", "1.1"),
+        traceparent=Traceparent.continue_from(headers.get("traceparent")),
+        region=state.region,
+    )
+
+
+def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
+    return [("x-firstbyte-region", ctx.region), ("traceparent", ctx.traceparent.header())]
+
+
+async def reply(send: Send, ctx: RequestContext | None, outcome: LocalReply) -> None:
+    headers = [*(_common_headers(ctx) if ctx else []), *outcome.headers]
+    await send_bytes(send, outcome.status, outcome.body, headers=headers)
+
+
+def _fallback_reply(outcome: Fallback) -> LocalReply:
+    return error_reply(
+        503,
+        f"Cannot serve this request here: {outcome.reason}.",
+        "server_error",
+        code="unavailable",
+        headers=(("retry-after", "1"),),
+        outcome="unavailable",
+    )
+
+
+async def _finish(
+    state: RouterState, send: Send, ctx: RequestContext, outcome: Outcome, endpoint: str
+) -> bool:
+    """Answer a stage's non-continue outcome; True if the request is over."""
+    if outcome is CONTINUE:
+        return False
+    local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
+    assert isinstance(local, LocalReply)
+    state.metrics.count(endpoint, local.outcome)
+    await reply(send, ctx, local)
+    return True
+
+
+async def _admitted(
+    state: RouterState, scope: Scope, receive: Receive, send: Send, *, force_stream: bool
+) -> RequestContext | None:
+    """Read the body, admit and route; None if a reply was already sent."""
+    ctx = new_context(state, scope)
+    limit = state.config.limits.max_body_bytes
+    declared = ctx.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        ctx.body = b"\0" * (limit + 1)  # answer 413 without reading an oversized upload
+    else:
+        try:
+            ctx.body = await read_body(receive, limit)
+        except ClientGone:
+            return None
+    if await _finish(
+        state, send, ctx, admit_chat(ctx, state.api_keys, limit, force_stream=force_stream), "chat"
+    ):
+        return None
+    if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "chat"):
+        return None
+    return ctx
+
+
+async def chat_completions(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/chat/completions``: SSE through the store when streamed, else JSON."""
+    ctx = await _admitted(state, scope, receive, send, force_stream=False)
+    if ctx is None:
+        return
+    if not ctx.stream_requested:
+        answer = await state.proxy.forward(ctx, "POST", "/v1/chat/completions", ctx.body)
+        state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
+        timing = ctx.server_timing(upstream=answer.elapsed_ms)
+        await send_bytes(
+            send,
+            answer.status,
+            answer.body,
+            content_type=answer.content_type,
+            headers=[*_common_headers(ctx), ("server-timing", timing)],
+        )
+        return
+    stream = state.store.create(owner_of(ctx.api_key), state.clock())
+    state.store.evict(state.clock())
+    # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
+    stream.attach(state.clock())
+    try:
+        head = await state.proxy.start_stream(ctx, stream)
+    finally:
+        stream.detach(state.clock())
+    headers = [
+        *_common_headers(ctx),
+        ("x-firstbyte-stream", stream.id),
+        ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
+    ]
+    if head.status != 200:
+        await send_bytes(send, head.status, head.body, headers=headers)
+        return
+    await stream_body(
+        receive,
+        send,
+        200,
+        [*SSE_HEADERS, *headers],
+        sse_events(
+            stream, 0, heartbeat_s=state.config.limits.heartbeat_interval_s, clock=state.clock
+        ),
+    )
+
+
+async def start_detached_stream(
+    state: RouterState, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """``POST /v1/streams``: start a stream and answer 201 with its id at once."""
+    ctx = await _admitted(state, scope, receive, send, force_stream=True)
+    if ctx is None:
+        return
+    stream = state.store.create(owner_of(ctx.api_key), state.clock())
+    state.store.evict(state.clock())
+    state.proxy.start_stream(ctx, stream)
+    headers = [
+        *_common_headers(ctx),
+        ("x-firstbyte-stream", stream.id),
+        ("server-timing", ctx.server_timing()),
+    ]
+    await send_bytes(send, 201, encode({"stream": stream.id}), headers=headers)
+
+
+def _lookup(state: RouterState, ctx: RequestContext, stream_id: str) -> Stream | LocalReply:
+    outcome = authenticate(ctx, state.api_keys)
+    if isinstance(outcome, LocalReply):
+        return outcome
+    stream = state.store.get(stream_id, owner_of(ctx.api_key))
+    if stream is None:
+        return error_reply(
+            404, "No such stream.", code="stream_not_found", param="stream", outcome="not_found"
+        )
+    return stream
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    raw = scope.get("query_string", b"").decode("latin-1")
+    return {k: v[-1] for k, v in parse_qs(raw, keep_blank_values=True).items()}
+
+
+async def read_stream(
+    state: RouterState, scope: Scope, receive: Receive, send: Send, stream_id: str
+) -> None:
+    """``GET /v1/streams/{id}``: replay after ``Last-Event-ID`` (or ``?after``), then follow."""
+    ctx = new_context(state, scope)
+    found = _lookup(state, ctx, stream_id)
+    if isinstance(found, LocalReply):
+        await _finish(state, send, ctx, found, "stream")
+        return
+    raw_after = ctx.headers.get("last-event-id", _query(scope).get("after"))
+    after = parse_after(raw_after)
+    if after is None:
+        await _finish(
+            state,
+            send,
+            ctx,
+            error_reply(
+                400,
+                "Last-Event-ID / after must be a non-negative integer.",
+                param="after",
+                code="invalid_after",
+            ),
+            "stream",
+        )
+        return
+    state.metrics.count("stream", "ok")
+    timing = {} if found.upstream_ttft_ms is None else {"upstream_ttft": found.upstream_ttft_ms}
+    headers = [
+        *SSE_HEADERS,
+        *_common_headers(ctx),
+        ("x-firstbyte-stream", found.id),
+        ("server-timing", ctx.server_timing(**timing)),
+    ]
+    await stream_body(
+        receive,
+        send,
+        200,
+        headers,
+        sse_events(
+            found, after, heartbeat_s=state.config.limits.heartbeat_interval_s, clock=state.clock
+        ),
+    )
+
+
+async def poll_stream(
+    state: RouterState, scope: Scope, receive: Receive, send: Send, stream_id: str
+) -> None:
+    """``GET /v1/streams/{id}/poll?after=N&wait=S``: a JSON batch (long-poll)."""
+    ctx = new_context(state, scope)
+    found = _lookup(state, ctx, stream_id)
+    if isinstance(found, LocalReply):
+        await _finish(state, send, ctx, found, "poll")
+        return
+    query = _query(scope)
+    after = parse_after(query.get("after"))
+    if after is None:
+        await _finish(
+            state,
+            send,
+            ctx,
+            error_reply(
+                400, "after must be a non-negative integer.", param="after", code="invalid_after"
+            ),
+            "poll",
+        )
+        return
+    max_wait = state.config.streams.max_poll_wait_s
+    try:
+        wait_s = float(query.get("wait", "10"))
+        if not 0 <= wait_s <= max_wait:
+            raise ValueError
+    except ValueError:
+        await _finish(
+            state,
+            send,
+            ctx,
+            error_reply(
+                400,
+                f"wait must be a number of seconds from 0 to {max_wait:g}.",
+                param="wait",
+                code="invalid_wait",
+            ),
+            "poll",
+        )
+        return
+    batch = await poll(found, after, wait_s, clock=state.clock)
+    state.metrics.count("poll", "ok")
+    await send_bytes(
+        send,
+        200,
+        msgspec.json.encode(batch),
+        headers=[
+            *_common_headers(ctx),
+            ("x-firstbyte-stream", found.id),
+            ("cache-control", "no-cache"),
+        ],
+    )
+
+
+async def models(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``GET /v1/models``: the chosen upstream's list."""
+    ctx = new_context(state, scope)
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys), "models"):
+        return
+    if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "models"):
+        return
+    answer = await state.proxy.forward(ctx, "GET", "/v1/models")
+    state.metrics.count("models", "ok" if answer.status == 200 else f"upstream_{answer.status}")
+    await send_bytes(
+        send,
+        answer.status,
+        answer.body,
+        content_type=answer.content_type,
+        headers=_common_headers(ctx),
+    )
+
+
+async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    ok = state.healthy
+    await send_bytes(
+        send, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n", content_type="text/plain"
+    )
+
+
+async def metrics(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    await send_bytes(
+        send, 200, state.metrics.render().encode(), content_type="text/plain; version=0.0.4"
+    )
+
+
+async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``GET /v1/edge/status``: this region's load, for peers and dashboards."""
+    body = {
+        "region": state.region,
+        "healthy": state.healthy,
+        "in_flight": state.pool.in_flight,
+        "queue": 0,
+        "streams": len(state.store),
+        "backends": [
+            {"name": b.name, "in_flight": b.in_flight, "healthy": b.healthy}
+            for b in state.pool.backends
+        ],
+        "time": time.time(),
+    }
+    await send_bytes(send, 200, encode(body), headers=[("cache-control", "no-cache")])
+
+
+async def not_found(scope: Scope, send: Send, allowed: str | None = None) -> None:
+    if allowed is not None:
+        outcome = error_reply(
+            405, f"Method not allowed; use {allowed}.", headers=(("allow", allowed),)
+        )
+    else:
+        outcome = error_reply(404, f"No route for {scope.get('path', '')}.", code="not_found")
+    await reply(send, None, outcome)

@@ -1,0 +1,101 @@
+"""Admission: who is asking (API key), is the body acceptable (size), what is asked (parse).
+
+Each check is a plain function over the :class:`RequestContext`; :func:`admit_chat` runs them
+in order. API keys are compared in constant time against every configured key (no early
+exit), and never appear in a reply or a log line.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Sequence
+
+from client_sdk.types import RequestValidationError, decode_request
+
+from .context import CONTINUE, Outcome, RequestContext, error_reply
+
+__all__ = ["admit_chat", "authenticate", "check_body_size", "parse_chat"]
+
+
+def _bearer(headers: dict[str, str]) -> str | None:
+    value = headers.get("authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def authenticate(ctx: RequestContext, api_keys: Sequence[bytes]) -> Outcome:
+    """Accept a request whose bearer token is one of ``api_keys`` (any request if none)."""
+    token = _bearer(ctx.headers)
+    if not api_keys:
+        ctx.api_key = token
+        return CONTINUE
+    if token is None:
+        return error_reply(
+            401,
+            "Missing API key: send 'Authorization: Bearer KEY'.",
+            "authentication_error",
+            code="missing_api_key",
+            outcome="unauthorized",
+        )
+    candidate = token.encode()
+    matched = False
+    for key in api_keys:
+        # Every key is compared, so the time taken does not say which one (or how much) matched.
+        matched |= hmac.compare_digest(candidate, key)
+    if not matched:
+        return error_reply(
+            401,
+            "Incorrect API key.",
+            "authentication_error",
+            code="invalid_api_key",
+            outcome="unauthorized",
+        )
+    ctx.api_key = token
+    return CONTINUE
+
+
+def check_body_size(ctx: RequestContext, max_body_bytes: int) -> Outcome:
+    """413 for a body over the limit (the IO layer stops reading at ``max_body_bytes + 1``)."""
+    if len(ctx.body) > max_body_bytes:
+        return error_reply(
+            413,
+            f"Request body larger than {max_body_bytes} bytes.",
+            code="request_too_large",
+        )
+    return CONTINUE
+
+
+def parse_chat(ctx: RequestContext, *, force_stream: bool = False) -> Outcome:
+    """Decode the chat completion body (400 naming the field if invalid)."""
+    try:
+        request = decode_request(ctx.body)
+    except RequestValidationError as exc:
+        return error_reply(400, exc.message, param=exc.param, code="invalid_request")
+    ctx.request = request
+    ctx.stream_requested = request.stream or force_stream
+    return CONTINUE
+
+
+def admit_chat(
+    ctx: RequestContext,
+    api_keys: Sequence[bytes],
+    max_body_bytes: int,
+    *,
+    force_stream: bool = False,
+) -> Outcome:
+    """Run authentication, the body limit and parsing; stamp ``ctx.admitted_at``."""
+    for outcome in (
+        authenticate(ctx, api_keys),
+        check_body_size(ctx, max_body_bytes),
+    ):
+        if outcome is not CONTINUE:
+            return outcome
+    outcome = parse_chat(ctx, force_stream=force_stream)
+    if outcome is CONTINUE:
+        ctx.admitted_at = time.perf_counter()
+    return outcome

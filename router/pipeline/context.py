@@ -1,0 +1,140 @@
+"""The request context every pipeline stage reads and extends, and the stage outcomes.
+
+A non-IO stage is a plain function ``(ctx, ...) -> Continue | LocalReply | Fallback``:
+- :class:`Continue`: go on to the next stage;
+- :class:`LocalReply`: answer the client now (an error, a 429) without going upstream;
+- :class:`Fallback`: this stage cannot serve here; a later stage (e.g. the multi-region
+  router's peer forwarding) may take over, else it becomes a 503 reply.
+Stages are testable without sockets: build a context, call the function, look at the outcome.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from client_sdk.types import ChatCompletionRequest, encode, error_body
+
+__all__ = [
+    "CONTINUE",
+    "Continue",
+    "Fallback",
+    "LocalReply",
+    "Outcome",
+    "RequestContext",
+    "Traceparent",
+    "error_reply",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    """Proceed to the next stage."""
+
+
+CONTINUE = Continue()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalReply:
+    """Answer the client directly with this status, JSON body and extra headers."""
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+    outcome: str = "rejected"
+    """The ``outcome`` label in the requests metric."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """This stage could not serve the request here; ``reason`` says why (for logs/metrics)."""
+
+    reason: str
+
+
+Outcome = Continue | LocalReply | Fallback
+
+
+def error_reply(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: tuple[tuple[str, str], ...] = (),
+    outcome: str = "rejected",
+) -> LocalReply:
+    """A :class:`LocalReply` carrying OpenAI's error body."""
+    body = encode(error_body(message, type, param=param, code=code))
+    return LocalReply(status, body, headers, outcome)
+
+
+@dataclass(frozen=True, slots=True)
+class Traceparent:
+    """A W3C ``traceparent``: the request's trace id and the router's own span id."""
+
+    trace_id: str
+    parent_id: str
+    flags: str = "01"
+
+    @classmethod
+    def continue_from(cls, header: str | None) -> Traceparent:
+        """Join the caller's trace (new span id) or start a new one if absent or malformed."""
+        if header:
+            parts = header.strip().lower().split("-")
+            if (
+                len(parts) == 4
+                and parts[0] == "00"
+                and len(parts[1]) == 32
+                and len(parts[3]) == 2
+                and all(c in "0123456789abcdef" for c in parts[1] + parts[3])
+                and parts[1] != "0" * 32
+            ):
+                return cls(parts[1], secrets.token_hex(8), parts[3])
+        return cls(secrets.token_hex(16), secrets.token_hex(8))
+
+    def header(self) -> str:
+        return f"00-{self.trace_id}-{self.parent_id}-{self.flags}"
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """What the pipeline knows about one request; stages fill it in, in order.
+
+    Times are ``time.perf_counter()`` seconds: ``received_at`` when the request arrived,
+    ``admitted_at`` after admission, ``routed_at`` after the backend was chosen.
+    """
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    """Lower-cased header names; the last value wins."""
+    body: bytes = b""
+    client: tuple[str, int] | None = None
+    http_version: str = "1.1"
+    received_at: float = field(default_factory=time.perf_counter)
+    api_key: str | None = None
+    request: ChatCompletionRequest | None = None
+    stream_requested: bool = False
+    traceparent: Traceparent = field(default_factory=lambda: Traceparent.continue_from(None))
+    backend: Any = None
+    """The chosen upstream (a ``router.pipeline.backend.Backend``)."""
+    region: str = ""
+    admitted_at: float | None = None
+    routed_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Room for later stages (GeoIP location, region choice, prefix hash, ...)."""
+
+    def server_timing(self, **more_ms: float) -> str:
+        """``Server-Timing`` for what is known now: queue, route, then ``more_ms`` entries."""
+        parts: list[str] = []
+        if self.admitted_at is not None:
+            parts.append(f"queue;dur={(self.admitted_at - self.received_at) * 1000:.2f}")
+            if self.routed_at is not None:
+                parts.append(f"route;dur={(self.routed_at - self.admitted_at) * 1000:.2f}")
+        parts.extend(f"{name.replace('_', '-')};dur={ms:.2f}" for name, ms in more_ms.items())
+        return ", ".join(parts)

@@ -1,0 +1,275 @@
+"""The proxy stage: the one stage that does IO. Sends the request to the chosen upstream
+through a pooled keep-alive ``httpx.AsyncClient`` and, for streams, feeds the stream store.
+
+A streamed completion is produced by a task of its own, not by the client's connection:
+the upstream's SSE is decoded with the SDK's :class:`SSEDecoder`, and each event's payload
+is appended to the :class:`Stream` (re-framed with ``id: SEQ`` by whichever reader sends it
+on). So a client that disconnects does not lose the stream; the upstream request goes on
+into the store for ``resume_grace_s`` and is cancelled (closing the upstream connection,
+which a vLLM-like server treats as an abort) only if no reader comes back in that time (see
+:meth:`router.app.RouterState.maintain`).
+
+Errors after the stream started become an ``{"error": {...}}`` event followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+
+from client_sdk._core.sse import DONE, SSEDecoder, SSEProtocolError
+from client_sdk.types import encode, error_body
+
+from ..config import LimitsConfig
+from ..metrics import Metrics
+from ..streams import Stream
+from .backend import Backend
+from .context import RequestContext
+
+__all__ = ["Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
+
+_MAX_ERROR_BODY_BYTES = 64 << 10
+
+
+def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """An in-stream error payload (OpenAI's error body)."""
+    return encode(error_body(message, type, code=code))
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHead:
+    """How the upstream answered a streamed request: 200, or an error status with its body."""
+
+    status: int
+    body: bytes = b""
+    elapsed_ms: float = 0.0
+    """From sending the upstream request to its response headers."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamReply:
+    """A whole (non-streamed) upstream answer."""
+
+    status: int
+    body: bytes
+    content_type: str
+    elapsed_ms: float
+
+
+def _has_content(data: bytes) -> bool:
+    """Does this chunk carry output (text, a tool call, a refusal)? Cheap pre-check first."""
+    if b'"delta"' not in data:
+        return False
+    try:
+        chunk: Any = msgspec.json.decode(data)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls") or delta.get("refusal"):
+                return True
+    except (msgspec.DecodeError, AttributeError, TypeError):
+        return False
+    return False
+
+
+class Proxy:
+    """Upstream IO for one router: a shared connection pool and the stream producers."""
+
+    def __init__(
+        self,
+        limits: LimitsConfig,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self.clock = clock
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(
+                max_connections=limits.upstream_max_connections,
+                max_keepalive_connections=limits.upstream_max_connections,
+                keepalive_expiry=limits.upstream_keepalive_expiry_s,
+            ),
+            timeout=httpx.Timeout(
+                connect=limits.upstream_connect_timeout_s,
+                read=limits.upstream_read_timeout_s,
+                write=limits.upstream_connect_timeout_s,
+                pool=limits.upstream_connect_timeout_s,
+            ),
+            # Upstreams come from the config only: no proxy or netrc from the environment.
+            trust_env=False,
+            follow_redirects=False,
+        )
+        self.producers: set[asyncio.Task[None]] = set()
+
+    def _headers(self, ctx: RequestContext, backend: Backend, accept: str) -> dict[str, str]:
+        headers = {
+            "content-type": "application/json",
+            "accept": accept,
+            "traceparent": ctx.traceparent.header(),
+        }
+        if backend.api_key:
+            headers["authorization"] = f"Bearer {backend.api_key}"
+        return headers
+
+    def start_stream(self, ctx: RequestContext, stream: Stream) -> asyncio.Future[UpstreamHead]:
+        """Start producing ``stream`` from the upstream; the future resolves with its head."""
+        head: asyncio.Future[UpstreamHead] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._produce(ctx, stream, head))
+        self.producers.add(task)
+        task.add_done_callback(self.producers.discard)
+        stream.cancel_producer = task.cancel
+        return head
+
+    async def _produce(
+        self, ctx: RequestContext, stream: Stream, head: asyncio.Future[UpstreamHead]
+    ) -> None:
+        backend: Backend = ctx.backend
+        backend.in_flight += 1
+        backend.requests += 1
+        self.metrics.in_flight += 1
+        sent_at = time.perf_counter()
+        response: httpx.Response | None = None
+        try:
+            request = self.client.build_request(
+                "POST",
+                backend.url + "/v1/chat/completions",
+                content=_stream_body(ctx),
+                headers=self._headers(ctx, backend, "text/event-stream"),
+            )
+            response = await self.client.send(request, stream=True)
+            elapsed_ms = (time.perf_counter() - sent_at) * 1000
+            if response.status_code != 200:
+                body = await _read_bounded(response)
+                head.set_result(UpstreamHead(response.status_code, body, elapsed_ms))
+                backend.failures += 1
+                stream.append(_as_error_event(response.status_code, body), self.clock())
+                self.metrics.count("chat", f"upstream_{response.status_code}")
+                return
+            head.set_result(UpstreamHead(200, b"", elapsed_ms))
+            await self._pump(ctx, stream, response, sent_at)
+        except asyncio.CancelledError:
+            stream.append(
+                error_event("The upstream request was cancelled.", code="cancelled"),
+                self.clock(),
+            )
+            self.metrics.count("chat", "cancelled")
+            raise
+        except (httpx.HTTPError, SSEProtocolError, OSError) as exc:
+            backend.failures += 1
+            message = f"Upstream failed: {type(exc).__name__}."
+            if not head.done():
+                head.set_result(UpstreamHead(502, encode(error_body(message, "server_error"))))
+            stream.append(error_event(message, code="upstream_error"), self.clock())
+            self.metrics.count("chat", "upstream_error")
+        finally:
+            if not head.done():
+                head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
+            stream.finish(self.clock())
+            backend.in_flight -= 1
+            self.metrics.in_flight -= 1
+            if response is not None:
+                # Closing an unfinished response drops the connection: the upstream aborts.
+                await asyncio.shield(response.aclose())
+
+    async def _pump(
+        self, ctx: RequestContext, stream: Stream, response: httpx.Response, sent_at: float
+    ) -> None:
+        decoder = SSEDecoder()
+        first_content = False
+        async for raw in response.aiter_raw():
+            for event in decoder.receive_data(raw):
+                if event.data == DONE:
+                    self.metrics.count("chat", "ok")
+                    return
+                data = event.data.encode()
+                if not first_content and _has_content(data):
+                    first_content = True
+                    now = time.perf_counter()
+                    stream.upstream_ttft_ms = (now - sent_at) * 1000
+                    self.metrics.ttft.observe(now - ctx.received_at)
+                stream.append(data, self.clock())
+        stream.append(
+            error_event("The upstream closed the stream before [DONE].", code="upstream_eof"),
+            self.clock(),
+        )
+        self.metrics.count("chat", "upstream_eof")
+
+    async def forward(
+        self, ctx: RequestContext, method: str, path: str, body: bytes | None = None
+    ) -> UpstreamReply:
+        """Send one request upstream and return the whole answer (502 if it fails)."""
+        backend: Backend = ctx.backend
+        backend.in_flight += 1
+        self.metrics.in_flight += 1
+        sent_at = time.perf_counter()
+        try:
+            response = await self.client.request(
+                method,
+                backend.url + path,
+                content=body,
+                headers=self._headers(ctx, backend, "application/json"),
+            )
+            content_type = response.headers.get("content-type", "application/json")
+            return UpstreamReply(
+                response.status_code,
+                response.content,
+                content_type,
+                (time.perf_counter() - sent_at) * 1000,
+            )
+        except httpx.HTTPError as exc:
+            backend.failures += 1
+            message = f"Upstream failed: {type(exc).__name__}."
+            return UpstreamReply(
+                502,
+                encode(error_body(message, "server_error", code="upstream_error")),
+                "application/json",
+                (time.perf_counter() - sent_at) * 1000,
+            )
+        finally:
+            backend.in_flight -= 1
+            self.metrics.in_flight -= 1
+
+    async def aclose(self) -> None:
+        """Cancel every producer and close the pool."""
+        for task in list(self.producers):
+            task.cancel()
+        await asyncio.gather(*self.producers, return_exceptions=True)
+        await self.client.aclose()
+
+
+def _stream_body(ctx: RequestContext) -> bytes:
+    """The body to send upstream: the client's bytes untouched, with ``stream`` forced on
+    when the client did not ask for it (``POST /v1/streams``, WebSocket)."""
+    if ctx.request is not None and ctx.request.stream:
+        return ctx.body
+    data = msgspec.json.decode(ctx.body)
+    data["stream"] = True
+    return encode(data)
+
+
+async def _read_bounded(response: httpx.Response) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        parts.append(chunk)
+        size += len(chunk)
+        if size > _MAX_ERROR_BODY_BYTES:
+            break
+    return b"".join(parts)[:_MAX_ERROR_BODY_BYTES]
+
+
+def _as_error_event(status: int, body: bytes) -> bytes:
+    """An upstream error reply as an in-stream error event (its body if it is OpenAI's)."""
+    try:
+        data: Any = msgspec.json.decode(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return encode({"error": data["error"]})
+    except msgspec.DecodeError:
+        pass
+    return error_event(f"Upstream answered {status}.", code=f"upstream_{status}")

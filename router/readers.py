@@ -1,0 +1,119 @@
+"""Reading a stream from the store: as SSE (follow) and as long-poll batches.
+
+Both start after a sequence number the reader already has and deliver every later event
+exactly once, whether the stream is finished or still being produced. A reader is
+"attached" to the stream while it reads, which keeps the upstream request alive (see the
+resume grace period in ``router.pipeline.proxy``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+
+import msgspec
+
+from client_sdk._core.sse import encode_comment, encode_event
+
+from .streams import Stream, StreamEvent
+
+__all__ = ["PollBatch", "PollEvent", "follow", "parse_after", "poll", "sse_events"]
+
+
+class PollEvent(msgspec.Struct):
+    seq: int
+    data: msgspec.Raw
+
+
+class PollBatch(msgspec.Struct):
+    """The long-poll answer (see docs/protocol.md)."""
+
+    stream: str
+    events: list[PollEvent]
+    done: bool
+    next: int
+
+
+def parse_after(value: str | None) -> int | None:
+    """A sequence number from ``Last-Event-ID`` / ``after``: a non-negative integer, else None.
+
+    An absent value is 0; a malformed one is ``None`` (the caller answers 400).
+    """
+    if value is None or value == "":
+        return 0
+    value = value.strip()
+    if not value.isascii() or not value.isdigit() or len(value) > 18:
+        return None
+    return int(value)
+
+
+async def follow(
+    stream: Stream,
+    after: int,
+    *,
+    idle_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncGenerator[list[StreamEvent], None]:
+    """Batches of the events after ``after``, following the stream up to ``[DONE]``.
+
+    Events already in the store come as one batch (a resuming reader catches up at once);
+    live events come as they arrive. An empty batch means ``idle_s`` passed with nothing new
+    (time for a heartbeat). Ends after ``[DONE]``, or if the stream is evicted.
+    """
+    stream.attach(clock())
+    try:
+        seq = after
+        while True:
+            pending = stream.after(seq)
+            if pending:
+                yield pending
+                seq = pending[-1].seq
+                if pending[-1].is_done:
+                    return
+                continue
+            if stream.evicted or stream.done:
+                return
+            if not await stream.wait(seq, idle_s):
+                yield []
+    finally:
+        stream.detach(clock())
+
+
+async def sse_events(
+    stream: Stream,
+    after: int,
+    *,
+    heartbeat_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncGenerator[bytes, None]:
+    """SSE bytes for every event after ``after`` (``id: SEQ`` framing), ``: ping`` when idle."""
+    events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
+    try:
+        async for batch in events:
+            if batch:
+                yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
+            else:
+                yield encode_comment("ping")
+    finally:
+        await events.aclose()
+
+
+async def poll(
+    stream: Stream,
+    after: int,
+    wait_s: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> PollBatch:
+    """The events after ``after``, waiting up to ``wait_s`` for at least one."""
+    stream.attach(clock())
+    try:
+        if not stream.after(after) and not stream.done and wait_s > 0:
+            await stream.wait(after, wait_s)
+        pending = stream.after(after)
+        done = stream.done  # read together with ``pending``: nothing can come in between
+    finally:
+        stream.detach(clock())
+    events = [PollEvent(e.seq, msgspec.Raw(e.data)) for e in pending if not e.is_done]
+    next_seq = events[-1].seq if events else after
+    return PollBatch(stream=stream.id, events=events, done=done, next=next_seq)

@@ -1,0 +1,85 @@
+"""Everything one router process holds: config, stream store, backends, proxy, metrics.
+
+:meth:`RouterState.tick` is the periodic housekeeping, with the clock passed in: evict
+streams over the store's age and byte bounds, and cancel upstream requests nobody has read
+for ``resume_grace_s`` (a client that disconnected and did not resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from .config import RouterConfig
+from .metrics import Metrics
+from .pipeline.backend import Backend, BackendPool
+from .pipeline.proxy import Proxy
+from .streams import StreamStore
+
+__all__ = ["RouterState"]
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.region = config.region
+        self.api_keys = [key.encode() for key in config.auth.api_keys]
+        self.metrics = Metrics()
+        self.store = StreamStore(
+            max_total_bytes=config.streams.max_total_bytes,
+            max_age_s=config.streams.max_age_s,
+        )
+        self.pool = BackendPool(
+            [
+                Backend(name=u.name or f"upstream{i}", url=u.url.rstrip("/"), api_key=u.api_key)
+                for i, u in enumerate(config.upstreams)
+            ]
+        )
+        self.proxy = Proxy(config.limits, self.metrics, clock)
+        self.cancelled_unattended = 0
+        self._maintainer: asyncio.Task[None] | None = None
+        self.metrics.add_gauge_source(
+            "firstbyte_router_streams", "Streams held in the store.", lambda: len(self.store)
+        )
+        self.metrics.add_gauge_source(
+            "firstbyte_router_stream_store_bytes",
+            "Bytes held in the stream store.",
+            self.store.bytes_held,
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return any(b.healthy for b in self.pool.backends)
+
+    def ensure_started(self) -> None:
+        """Start housekeeping in the running loop (idempotent; called on every request)."""
+        if self._maintainer is None:
+            self._maintainer = asyncio.create_task(self._maintain())
+
+    def tick(self, now: float) -> None:
+        """Evict what the store's bounds say must go; cancel unattended upstream requests."""
+        self.store.evict(now)
+        grace = self.config.streams.resume_grace_s
+        for stream in self.store.running():
+            if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:
+                stream.cancel_producer()
+                stream.cancel_producer = None
+                self.cancelled_unattended += 1
+
+    async def _maintain(self) -> None:
+        # Check often enough that the grace period is honoured within ~25%.
+        interval = min(1.0, max(0.05, self.config.streams.resume_grace_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            self.tick(self.clock())
+
+    async def aclose(self) -> None:
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintainer
+            self._maintainer = None
+        await self.proxy.aclose()

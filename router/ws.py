@@ -1,0 +1,231 @@
+"""WebSocket ``/v1/ws``: start streams and resume them over one socket (docs/protocol.md).
+
+The message protocol is decoded with msgspec tagged unions; a malformed message gets an
+``error`` message and the socket closes with 1007, an unknown or foreign stream with 1008.
+Each stream on the socket is followed by its own task; sends are serialised by a lock so
+messages never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Annotated
+
+import msgspec
+
+from client_sdk.types import ErrorBody, encode, error_body
+
+from .asgi import Receive, Scope, Send
+from .endpoints import new_context
+from .pipeline.admit import admit_chat, authenticate
+from .pipeline.backend import choose_backend
+from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
+from .readers import follow
+from .state import RouterState
+from .streams import Stream, owner_of
+
+__all__ = ["websocket_session"]
+
+CLOSE_INVALID_PAYLOAD = 1007
+CLOSE_POLICY = 1008
+
+
+class WsRequest(msgspec.Struct, tag="request", tag_field="type"):
+    body: msgspec.Raw
+
+
+class WsResume(msgspec.Struct, tag="resume", tag_field="type"):
+    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+_decoder = msgspec.json.Decoder(WsRequest | WsResume)
+
+
+class _Start(msgspec.Struct, tag="start", tag_field="type"):
+    stream: str
+
+
+class _Event(msgspec.Struct, tag="event", tag_field="type"):
+    stream: str
+    seq: int
+    data: msgspec.Raw
+
+
+class _Done(msgspec.Struct, tag="done", tag_field="type"):
+    stream: str
+    seq: int
+
+
+class _Error(msgspec.Struct, tag="error", tag_field="type"):
+    stream: str | None
+    error: msgspec.Raw
+
+
+class _Close(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+
+
+def _error(stream: str | None, body: ErrorBody | bytes) -> _Error:
+    raw = body if isinstance(body, bytes) else encode(body)
+    # The message carries the inner error object, as in ``{"error": {...}}`` bodies.
+    inner = msgspec.json.decode(raw).get("error", {})
+    return _Error(stream, msgspec.Raw(encode(inner)))
+
+
+class _Session:
+    def __init__(self, state: RouterState, ctx: RequestContext, send: Send) -> None:
+        self.state = state
+        self.ctx = ctx
+        self._send = send
+        self._lock = asyncio.Lock()
+        self.followers: set[asyncio.Task[None]] = set()
+
+    async def send(self, message: msgspec.Struct) -> None:
+        async with self._lock:
+            await self._send({"type": "websocket.send", "text": encode(message).decode()})
+
+    async def handle(self, text: str | bytes) -> None:
+        try:
+            message = _decoder.decode(text)
+        except msgspec.DecodeError as exc:
+            reason = f"malformed message: {exc}"[:120]
+            await self.send(_error(None, error_body(reason, code="invalid_message")))
+            raise _Close(CLOSE_INVALID_PAYLOAD, reason) from None
+        if isinstance(message, WsRequest):
+            await self._request(message)
+        else:
+            await self._resume(message)
+
+    async def _request(self, message: WsRequest) -> None:
+        ctx = new_context(
+            self.state,
+            {
+                "path": "/v1/ws",
+                "method": "POST",
+                "headers": [],
+                "http_version": self.ctx.http_version,
+            },
+        )
+        ctx.headers = self.ctx.headers
+        ctx.traceparent = self.ctx.traceparent
+        ctx.body = bytes(message.body)
+        limits = self.state.config.limits
+        outcome = admit_chat(ctx, self.state.api_keys, limits.max_body_bytes, force_stream=True)
+        if isinstance(outcome, LocalReply):
+            self.state.metrics.count("ws", outcome.outcome)
+            await self.send(_error(None, outcome.body))
+            raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
+        outcome = choose_backend(ctx, self.state.pool)
+        if outcome is not CONTINUE:
+            reason = outcome.reason if isinstance(outcome, Fallback) else "unavailable"
+            self.state.metrics.count("ws", "unavailable")
+            await self.send(
+                _error(
+                    None,
+                    error_body(f"Cannot serve here: {reason}.", "server_error", code="unavailable"),
+                )
+            )
+            return
+        stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
+        self.state.store.evict(self.state.clock())
+        self.state.proxy.start_stream(ctx, stream)
+        await self.send(_Start(stream.id))
+        self._follow(stream, 0)
+
+    async def _resume(self, message: WsResume) -> None:
+        stream = self.state.store.get(message.stream, owner_of(self.ctx.api_key))
+        if stream is None:
+            await self.send(
+                _error(
+                    message.stream,
+                    error_body("No such stream.", code="stream_not_found", param="stream"),
+                )
+            )
+            raise _Close(CLOSE_POLICY, "unknown stream")
+        await self.send(_Start(stream.id))
+        self._follow(stream, message.after)
+
+    def _follow(self, stream: Stream, after: int) -> None:
+        task = asyncio.create_task(self._pump(stream, after))
+        self.followers.add(task)
+        task.add_done_callback(self.followers.discard)
+
+    async def _pump(self, stream: Stream, after: int) -> None:
+        self.state.metrics.count("ws", "stream")
+        batches = follow(
+            stream,
+            after,
+            idle_s=self.state.config.limits.heartbeat_interval_s,
+            clock=self.state.clock,
+        )
+        try:
+            async for batch in batches:
+                for event in batch:
+                    if event.is_done:
+                        await self.send(_Done(stream.id, event.seq))
+                        return
+                    await self.send(_Event(stream.id, event.seq, msgspec.Raw(event.data)))
+        finally:
+            await batches.aclose()
+
+    async def aclose(self) -> None:
+        for task in list(self.followers):
+            task.cancel()
+        await asyncio.gather(*self.followers, return_exceptions=True)
+
+
+async def _refuse(scope: Scope, send: Send, refusal: LocalReply) -> None:
+    """Refuse the upgrade with the HTTP status if the server can, else close with 1008."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": refusal.status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": refusal.body})
+    else:
+        await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
+
+
+async def websocket_session(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve one WebSocket connection until either side closes it."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    ctx = new_context(state, scope)
+    outcome = authenticate(ctx, state.api_keys)
+    if isinstance(outcome, LocalReply):
+        state.metrics.count("ws", outcome.outcome)
+        await _refuse(scope, send, outcome)
+        return
+    await send(
+        {
+            "type": "websocket.accept",
+            "headers": [
+                (b"x-firstbyte-region", state.region.encode()),
+            ],
+        }
+    )
+    session = _Session(state, ctx, send)
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message["type"] != "websocket.receive":
+                continue
+            text = message.get("text")
+            data = text if text is not None else message.get("bytes") or b""
+            await session.handle(data)
+    except _Close as close:
+        await session.aclose()
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": close.code, "reason": close.reason})
+    finally:
+        await session.aclose()

@@ -1,0 +1,148 @@
+"""A tiny OpenAI-compatible upstream for the router's tests (until/besides the sim).
+
+Deterministic output ``"w0 w1 w2 ..."`` (``max_tokens`` words), one chunk per word every
+``delay_s``; counts running streams and how many were cut off by the router
+(``vllm:num_requests_running`` on ``/metrics``, like vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+
+@dataclass
+class Upstream:
+    delay_s: float = 0.0
+    fail_status: int | None = None
+    running: int = 0
+    started: int = 0
+    cancelled: int = 0
+    completed: int = 0
+    last_headers: dict[str, str] = field(default_factory=dict)
+    url: str = ""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        self.last_headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if path == "/v1/models":
+            await _json(send, 200, {"object": "list", "data": [{"id": "test-model", "object": "model", "created": 0, "owned_by": "t"}]})
+            return
+        if path == "/metrics":
+            text = f"vllm:num_requests_running {self.running}\n"
+            await _send(send, 200, text.encode(), "text/plain")
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if self.fail_status is not None:
+            await _json(send, self.fail_status, {"error": {"message": "busy", "type": "server_error", "param": None, "code": "busy"}})
+            return
+        request = json.loads(body)
+        n = request.get("max_tokens") or 8
+        words = [f"w{i}" for i in range(n)]
+        if not request.get("stream"):
+            await _json(send, 200, completion(" ".join(words)))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        self.running += 1
+        self.started += 1
+        disconnected = asyncio.Event()
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+
+        listener = asyncio.create_task(listen())
+        try:
+            await send({"type": "http.response.body", "body": sse(chunk(role=True)), "more_body": True})
+            for i, word in enumerate(words):
+                if self.delay_s:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(disconnected.wait(), self.delay_s)
+                if disconnected.is_set():
+                    self.cancelled += 1
+                    return
+                text = word if i == 0 else " " + word
+                await send({"type": "http.response.body", "body": sse(chunk(content=text)), "more_body": True})
+            await send({"type": "http.response.body", "body": sse(chunk(finish=True)) + b"data: [DONE]\n\n", "more_body": False})
+            self.completed += 1
+        except OSError:
+            self.cancelled += 1
+        finally:
+            self.running -= 1
+            listener.cancel()
+
+
+def chunk(*, role: bool = False, content: str | None = None, finish: bool = False) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role:
+        delta = {"role": "assistant", "content": ""}
+    if content is not None:
+        delta["content"] = content
+    return {
+        "id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": "test-model",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": "stop" if finish else None}],
+    }
+
+
+def completion(text: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": "test-model",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def _send(send: Any, status: int, body: bytes, ctype: str) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype.encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Any, status: int, obj: Any) -> None:
+    await _send(send, status, json.dumps(obj).encode(), "application/json")
+
+
+@contextlib.asynccontextmanager
+async def running_upstream(**options: Any) -> AsyncIterator[Upstream]:
+    upstream = Upstream(**options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(upstream, lifespan="on", log_level="warning", loop="none", http="httptools"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:  # noqa: ASYNC110
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    upstream.url = f"http://127.0.0.1:{port}"
+    try:
+        yield upstream
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
