@@ -1,7 +1,8 @@
 """Compare two benchmark result files and flag tail-latency regressions.
 
-Tracked metrics are the P95 and P99 latencies (keys ``p95_*_ms`` and ``p99_*_ms``) of every run
-and of the headline ``summary`` of every scenario. A metric *regresses* when the new value
+Tracked metrics are the P95 and P99 latencies (keys ``p95_*_ms`` and ``p99_*_ms``, also with a
+prefix such as ``added_p99_ttft_ms``) of every run and of the headline ``summary`` of every
+scenario. A metric *regresses* when the new value
 exceeds the baseline by more than ``threshold`` (a fraction: 0.10 is 10%) and by more than
 ``min_delta_ms`` (an absolute noise floor, 0 unless asked for).
 
@@ -21,7 +22,7 @@ import msgspec
 
 __all__ = ["Comparison", "Row", "Status", "compare", "load_results", "tracked_metrics"]
 
-_TRACKED = re.compile(r"^p(95|99)_[a-z0-9_]+_ms$")
+_TRACKED = re.compile(r"(^|_)p(95|99)_[a-z0-9_]+_ms$")
 _LABEL_KEYS = ("label", "transport", "protocol", "geography")
 
 
@@ -130,7 +131,7 @@ def _scenario_metrics(scenario: str, results: Mapping[str, Any]) -> dict[str, fl
             continue
         for key, value in values.items():
             is_number = isinstance(value, int | float) and not isinstance(value, bool)
-            if is_number and _TRACKED.match(key):
+            if is_number and _TRACKED.search(key):
                 out[f"{scenario}/{section}/{key}"] = float(value)
     return out
 

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from benchmarks.compare import Status, compare, load_results, tracked_metrics
+
+
+def result(p99_ttft: float, p95_itl: float = 20.0, mean_ttft: float = 50.0) -> dict[str, Any]:
+    return {
+        "scenario": "router_overhead",
+        "summary": {"added_p99_ttft_ms": p99_ttft / 10, "ratio": 1.0},
+        "runs": [
+            {
+                "label": "via router c=100",
+                "transport": "sse",
+                "p99_ttft_ms": p99_ttft,
+                "p95_itl_ms": p95_itl,
+                "mean_ttft_ms": mean_ttft,
+                "p50_ttft_ms": mean_ttft,
+            }
+        ],
+    }
+
+
+def test_tracked_metrics_are_p95_p99_latencies() -> None:
+    metrics = tracked_metrics(result(100.0))
+    assert metrics == {
+        "router_overhead/summary/added_p99_ttft_ms": 10.0,
+        "router_overhead/via router c=100 sse/p99_ttft_ms": 100.0,
+        "router_overhead/via router c=100 sse/p95_itl_ms": 20.0,
+    }
+
+
+def test_combined_file_keys_by_scenario() -> None:
+    combined = {"scenario": "all", "scenarios": {"a": result(1.0), "b": result(2.0)}}
+    assert "a/via router c=100 sse/p99_ttft_ms" in tracked_metrics(combined)
+    assert tracked_metrics(combined)["b/via router c=100 sse/p99_ttft_ms"] == 2.0
+
+
+def test_regression_over_ten_percent_is_flagged() -> None:
+    comparison = compare(result(100.0), result(111.0))
+    assert not comparison.ok
+    regressed = {row.metric for row in comparison.regressions}
+    assert regressed == {
+        "router_overhead/via router c=100 sse/p99_ttft_ms",
+        "router_overhead/summary/added_p99_ttft_ms",
+    }
+    assert "REGRESSED" in comparison.render()
+    assert "+11.0%" in comparison.render()
+
+
+def test_within_threshold_and_untracked_changes_pass() -> None:
+    # p99 up 9%, mean (untracked) doubled, p95 ITL improved
+    comparison = compare(result(100.0), result(109.0, p95_itl=10.0, mean_ttft=100.0))
+    assert comparison.ok
+    statuses = {row.metric.rsplit("/", 1)[1]: row.status for row in comparison.rows}
+    assert statuses["p95_itl_ms"] is Status.IMPROVED
+    assert statuses["p99_ttft_ms"] is Status.OK
+    assert "mean_ttft_ms" not in statuses
+    assert "no tracked P95/P99 metric regressed by more than 10%" in comparison.render()
+
+
+def test_threshold_and_noise_floor_are_honoured() -> None:
+    assert compare(result(100.0), result(111.0), threshold=0.2).ok
+    # 5 ms -> 7 ms is +40% but under a 3 ms noise floor
+    assert compare(result(5.0), result(7.0), min_delta_ms=3.0).ok
+    assert not compare(result(5.0), result(7.0)).ok
+    with pytest.raises(ValueError, match="threshold"):
+        compare(result(1.0), result(1.0), threshold=0)
+
+
+def test_new_and_missing_metrics_do_not_fail() -> None:
+    base = result(100.0)
+    new = result(100.0)
+    new["runs"][0]["p99_e2el_ms"] = 900.0
+    del new["runs"][0]["p95_itl_ms"]
+    comparison = compare(base, new)
+    assert comparison.ok
+    statuses = {row.metric.rsplit("/", 1)[1]: row.status for row in comparison.rows}
+    assert statuses["p99_e2el_ms"] is Status.NEW
+    assert statuses["p95_itl_ms"] is Status.MISSING
+
+
+def test_load_results_rejects_non_results() -> None:
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_results(b"{nope")
+    with pytest.raises(ValueError, match="not a firstbyte benchmark result"):
+        load_results(b"[1, 2]")
+
+
+def write(path: Path, data: dict[str, Any]) -> Path:
+    path.write_bytes(msgspec.json.encode(data))
+    return path
+
+
+# What the `firstbyte` console script runs (``-m client_sdk.cli`` would make a second CLIError).
+MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
+
+
+def firstbyte(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", MAIN, "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_cli_compare_exit_codes(tmp_path: Path) -> None:
+    base = write(tmp_path / "base.json", result(100.0))
+    same = write(tmp_path / "same.json", result(105.0))
+    worse = write(tmp_path / "worse.json", result(130.0))
+    ok = firstbyte("compare", str(base), str(same))
+    assert ok.returncode == 0, ok.stderr
+    assert "p99_ttft_ms" in ok.stdout
+    bad = firstbyte("compare", str(base), str(worse))
+    assert bad.returncode == 1
+    assert "REGRESSED" in bad.stdout
+    assert "+30.0%" in bad.stdout
+    relaxed = firstbyte("compare", str(base), str(worse), "--threshold", "0.5")
+    assert relaxed.returncode == 0
+
+
+def test_cli_compare_bad_input_is_a_clear_error(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    missing = firstbyte("compare", str(tmp_path / "nope.json"), str(garbage))
+    assert missing.returncode == 2
+    assert "cannot read" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad = firstbyte("compare", str(garbage), str(garbage))
+    assert bad.returncode == 2
+    assert "not valid JSON" in bad.stderr
+    assert "Traceback" not in bad.stderr
