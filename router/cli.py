@@ -1,0 +1,147 @@
+"""``firstbyte router``: run the regional router (or check a config file).
+
+firstbyte router --config router.toml
+firstbyte router --upstream http://127.0.0.1:8001 --port 8443 --certfile C --keyfile K
+firstbyte router --check-config router.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from client_sdk.cli import CLIError
+
+from .config import ConfigError, RouterConfig, load_config, parse_config
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    parser.add_argument(
+        "--check-config", metavar="FILE", help="validate FILE, print OK or the error, and exit"
+    )
+    parser.add_argument(
+        "--upstream",
+        action="append",
+        metavar="URL",
+        help="inference server base URL (repeatable); without --config",
+    )
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port, and UDP port for HTTP/3 (default 8443)")
+    parser.add_argument("--certfile", help="TLS certificate chain (PEM)")
+    parser.add_argument("--keyfile", help="TLS private key (PEM)")
+    parser.add_argument(
+        "--api-key", action="append", metavar="KEY", help="accepted API key (repeatable)"
+    )
+    parser.add_argument("--region", help="this router's region name (default 'local')")
+    parser.add_argument(
+        "--server",
+        choices=["hypercorn", "uvicorn"],
+        help="hypercorn: HTTP/1.1, HTTP/2, HTTP/3; uvicorn: HTTP/1.1 only, less CPU",
+    )
+    parser.add_argument("--no-http3", action="store_true", help="do not serve HTTP/3")
+    parser.add_argument(
+        "--insecure-plain-http",
+        action="store_true",
+        help="serve plain HTTP without TLS (local use only)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The config from ``--config`` (flags override its listen settings) or from flags alone."""
+    if args.config and args.upstream:
+        raise CLIError("give either --config FILE or --upstream URL, not both")
+    listen: dict[str, Any] = {}
+    for flag in ("host", "port", "certfile", "keyfile", "server"):
+        value = getattr(args, flag)
+        if value is not None:
+            listen[flag] = value
+    if args.no_http3:
+        listen["http3"] = False
+    if args.insecure_plain_http:
+        listen["insecure_plain_http"] = True
+    try:
+        if args.config:
+            config = load_config(args.config)
+            if listen or args.api_key or args.region:
+                data = _to_builtins(config)
+                data["listen"].update(listen)
+                if args.api_key:
+                    data["auth"]["api_keys"] = args.api_key
+                if args.region:
+                    data["region"] = args.region
+                config = parse_config(data, f"{args.config} (with command-line flags)")
+            return config
+        if not args.upstream:
+            raise CLIError("give --config FILE or at least one --upstream URL")
+        data = {
+            "upstreams": [{"url": url} for url in args.upstream],
+            "listen": listen,
+            "auth": {"api_keys": args.api_key or []},
+        }
+        if args.region:
+            data["region"] = args.region
+        return parse_config(data, "command line")
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _check_tls_files(config: RouterConfig) -> None:
+    """Load the certificate once up front, so a bad path is one clear line, not a traceback."""
+    listen = config.listen
+    if listen.certfile is None or listen.keyfile is None:
+        return
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            listen.certfile, listen.keyfile
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise CLIError(
+            f"cannot load listen.certfile/keyfile ({listen.certfile}, {listen.keyfile}): {exc}"
+        ) from None
+
+
+def _to_builtins(config: RouterConfig) -> dict[str, Any]:
+    import msgspec
+
+    data: dict[str, Any] = msgspec.to_builtins(config)
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.check_config:
+        try:
+            load_config(args.check_config)
+        except ConfigError as exc:
+            raise CLIError(str(exc)) from None
+        print("OK")
+        return 0
+    config = config_from_args(args)
+    _check_tls_files(config)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from .serve import RouterEndpoints, serve
+
+    def started(ep: RouterEndpoints) -> None:
+        h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""
+        print(f"firstbyte router ({config.region}) on {ep.base_url}{h3}", file=sys.stderr)
+
+    try:
+        asyncio.run(serve(config, started=started))
+    except OSError as exc:
+        raise CLIError(
+            f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"
+        ) from None
+    except KeyboardInterrupt:
+        return 0
+    return 0
