@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+
+from router.sim.server import SimServer, sim_server
+from router.upstream_metrics import BackendMetrics, parse_backend_metrics
+from router.warmup import WarmPrefix, WarmState, WarmupRunner, WarmupScheduler
+
+SUPPORT = WarmPrefix("support", "You are a support agent for ACME routers. " * 40, ())
+CODER = WarmPrefix("coder", "You write Python code. " * 40, ("code-model",))
+
+
+def scheduler(**kw: float) -> WarmupScheduler:
+    s = WarmupScheduler([SUPPORT, CODER], interval_s=60, pressure_interval_s=5,
+                        busy_running_threshold=2, retry_s=2, **kw)  # type: ignore[arg-type]
+    s.add_backend("a", ["chat-model"])
+    s.add_backend("b", ["chat-model", "code-model"])
+    return s
+
+
+def finish_all(s: WarmupScheduler, now: float, cached: int = 0) -> None:
+    for task in s.due(now):
+        s.finished(task, now, ok=True, prompt_tokens=400, cached_tokens=cached)
+
+
+def test_everything_cold_is_due_at_start_respecting_models() -> None:
+    s = scheduler()
+    tasks = s.due(0.0)
+    assert sorted((t.backend, t.prefix, t.model, t.reason) for t in tasks) == [
+        ("a", "support", "chat-model", "cold"),
+        ("b", "coder", "code-model", "cold"),
+        ("b", "support", "chat-model", "cold"),
+    ]
+    assert s.due(0.1) == []  # in progress: not handed out twice
+    for t in tasks:
+        s.finished(t, 0.5, ok=True, prompt_tokens=400)
+    assert s.all_warm()
+    assert s.registry() == {"a": {"support": "warm"}, "b": {"support": "warm", "coder": "warm"}}
+
+
+def test_schedule_and_pressure_intervals() -> None:
+    s = scheduler()
+    finish_all(s, 0.0)
+    assert s.due(30.0) == []
+    assert {t.reason for t in s.due(60.0)} == {"schedule"}
+    s2 = scheduler()
+    finish_all(s2, 0.0)
+    s2.metrics("a", BackendMetrics(running=0, waiting=0, cache_usage=0.95))
+    assert [(t.backend, t.reason) for t in s2.due(6.0)] == [("a", "pressure")]
+
+
+def test_never_warm_a_busy_backend() -> None:
+    s = scheduler()
+    s.metrics("a", BackendMetrics(running=0, waiting=1))
+    s.metrics("b", BackendMetrics(running=5, waiting=0))
+    assert s.due(0.0) == []
+    s.metrics("a", BackendMetrics(running=2, waiting=0))  # at the threshold: fine
+    assert [t.backend for t in s.due(1.0)] == ["a"]
+
+
+def test_restart_by_health_flap_and_by_counters_going_back() -> None:
+    s = scheduler()
+    finish_all(s, 0.0)
+    s.health("a", False)
+    assert s.due(1.0) == []  # unhealthy: nothing to do
+    s.health("a", True)
+    assert [(t.backend, t.reason) for t in s.due(2.0)] == [("a", "cold")]
+    assert s.restarts_total["a"] == 1
+    s.metrics("b", BackendMetrics(prefix_queries=1000, prefix_hits=800))
+    s.metrics("b", BackendMetrics(prefix_queries=1200, prefix_hits=900))
+    assert [t.backend for t in s.due(3.0)] == []
+    s.metrics("b", BackendMetrics(prefix_queries=10, prefix_hits=0))
+    assert sorted(t.prefix for t in s.due(4.0)) == ["coder", "support"]
+    assert s.restarts_total["b"] == 1
+
+
+def test_uncached_reprobe_counts_an_eviction_and_failures_retry() -> None:
+    s = scheduler()
+    finish_all(s, 0.0)
+    tasks = s.due(60.0)
+    for t in tasks:
+        s.finished(t, 60.0, ok=True, prompt_tokens=400, cached_tokens=0 if t.backend == "a" else 384)
+    assert s.evictions_total == {("a", "support"): 1}
+    t = next(t for t in s.due(120.0) if t.backend == "a")
+    s.finished(t, 120.0, ok=False)
+    assert s.state("a", "support") is WarmState.COLD
+    assert [x for x in s.due(121.0) if x.backend == "a"] == []
+    assert [x.reason for x in s.due(122.5) if x.backend == "a"] == ["cold"]
+
+
+@contextlib.asynccontextmanager
+async def clients(urls: dict[str, str]) -> AsyncIterator[dict[str, httpx.AsyncClient]]:
+    cs = {n: httpx.AsyncClient(base_url=u) for n, u in urls.items()}
+    try:
+        yield cs
+    finally:
+        for c in cs.values():
+            await c.aclose()
+
+
+async def cached_tokens_for(sim: SimServer, system: str) -> tuple[int, int]:
+    async with httpx.AsyncClient(base_url=sim.url) as c:
+        r = await c.post("/v1/chat/completions", json={
+            "model": "chat-model", "max_tokens": 2,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "How do I reset my router?"}],
+        })
+        usage = r.json()["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_runner_warms_real_sims_and_rewarms_after_restart() -> None:
+    s = WarmupScheduler([SUPPORT], interval_s=600)
+    async with sim_server() as one, sim_server() as two:
+        s.add_backend("one", ["chat-model"])
+        s.add_backend("two", ["chat-model"])
+        async with clients({"one": one.url, "two": two.url}) as cs:
+            runner = WarmupRunner(s, cs, poll_interval_s=0.05)
+            assert await runner.wait_all_warm(timeout_s=20)
+            for sim in (one, two):
+                metrics = parse_backend_metrics((await cs["one" if sim is one else "two"].get("/metrics")).text)
+                assert metrics.prefix_queries is not None
+                assert metrics.prefix_queries > 0  # the probe went through the prefix cache
+                prompt, cached = await cached_tokens_for(sim, SUPPORT.text)
+                # The whole system prompt is cached (minus the partial last block and the user turn).
+                assert cached >= len(SUPPORT.text) // 4 - 32
+                assert cached < prompt
+            await runner.step()  # the scrape sees the counters the probes and requests moved
+            assert s.restarts_total["two"] == 0
+            # "two" restarts: a fresh sim behind the same name has its counters back at zero.
+            async with sim_server() as two_again:
+                await cs["two"].aclose()
+                cs["two"] = httpx.AsyncClient(base_url=two_again.url)
+                await runner.step()
+                assert s.restarts_total["two"] == 1
+                assert s.state("two", "support") is not WarmState.WARM
+                assert await runner.wait_all_warm(timeout_s=20)
+                _, cached = await cached_tokens_for(two_again, SUPPORT.text)
+                assert cached >= len(SUPPORT.text) // 4 - 32
+            await runner.stop()
