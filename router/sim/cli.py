@@ -1,0 +1,187 @@
+"""``firstbyte sim``: run the simulated OpenAI-compatible inference server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import msgspec
+
+from client_sdk.cli import CLIError
+from router.sim.faults import FaultSpecError, parse_fault
+from router.sim.profiles import PROFILES
+from router.sim.server import CONFIG_ENV, SERVERS, SimConfig, bind_socket, build_app, serve
+
+__all__ = ["add_arguments", "run"]
+
+_FAULT_HELP = """\
+inject a fault (repeatable). SPEC := KIND[:NAME=VALUE,...]:
+  stall:after=N[,rate=R]  stop sending after N tokens, keep the connection open;
+  drop:after=N[,rate=R]   close the connection abruptly after N tokens;
+  delay:ms=M[,rate=R]     wait M ms before the first byte;
+  error503:rate=R         answer 503 to a fraction R of requests.
+rate (0..1, default 1) picks requests deterministically from --seed"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawTextHelpFormatter
+    profiles = "\n".join(f"  {p.name}: {p.description}" for p in PROFILES.values())
+    parser.epilog = "profiles:\n" + profiles
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
+    parser.add_argument(
+        "--profile", default="h100-7b", choices=sorted(PROFILES), help="cost profile"
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences decoded together (default: the profile's)",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefix-cache capacity in 16-token blocks (default: the profile's)",
+    )
+    parser.add_argument(
+        "--queue-limit",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 1024)",
+    )
+    parser.add_argument("--fault", action="append", default=[], metavar="SPEC", help=_FAULT_HELP)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed for outputs and fault selection (default 0)"
+    )
+    parser.add_argument("--certfile", help="TLS certificate (PEM); enables HTTPS and HTTP/2")
+    parser.add_argument("--keyfile", help="TLS private key (PEM)")
+    parser.add_argument(
+        "--server",
+        choices=SERVERS,
+        default=None,
+        help="ASGI server (default: uvicorn, or hypercorn with TLS for HTTP/2)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="N",
+        help="largest request body accepted; larger gets 413 (default 4 MiB)",
+    )
+
+
+def _config(args: argparse.Namespace) -> SimConfig:
+    for name in ("max_num_seqs", "prefix_cache_blocks", "queue_limit", "max_body_bytes"):
+        value = getattr(args, name)
+        minimum = 1 if name in ("max_num_seqs", "max_body_bytes") else 0
+        if value is not None and value < minimum:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be 0..65535, got {args.port}")
+    if bool(args.certfile) != bool(args.keyfile):
+        raise CLIError("--certfile and --keyfile go together")
+    for path in (args.certfile, args.keyfile):
+        if path and not os.path.isfile(path):
+            raise CLIError(f"no such file: {path}")
+    for spec in args.fault:
+        try:
+            parse_fault(spec)
+        except FaultSpecError as exc:
+            raise CLIError(str(exc)) from None
+    return SimConfig(
+        profile=args.profile,
+        max_num_seqs=args.max_num_seqs,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        queue_limit=args.queue_limit,
+        faults=list(args.fault),
+        seed=args.seed,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    server = args.server or ("hypercorn" if args.certfile else "uvicorn")
+    if server == "uvicorn" and args.certfile and args.server:
+        print("firstbyte sim: note: uvicorn serves HTTP/1.1 only", file=sys.stderr)
+    if server == "granian":
+        return _run_granian(args, config)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    port = sock.getsockname()[1]
+    scheme = "https" if args.certfile else "http"
+    host = f"[{args.host}]" if ":" in args.host else args.host
+
+    def started() -> None:
+        print(
+            f"firstbyte sim: serving {scheme}://{host}:{port} "
+            f"(profile {config.profile}, server {server}, pid {os.getpid()})",
+            flush=True,
+        )
+
+    async def main() -> None:
+        shutdown = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, shutdown.set)
+        app = build_app(config)
+        await serve(
+            app,
+            sock,
+            server=server,
+            certfile=args.certfile,
+            keyfile=args.keyfile,
+            shutdown=shutdown,
+            started=started,
+        )
+
+    with contextlib.closing(sock), asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(main())
+    return 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _run_granian(args: argparse.Namespace, config: SimConfig) -> int:
+    from granian import Granian
+
+    os.environ[CONFIG_ENV] = msgspec.json.encode(config).decode()
+    kwargs: dict[str, object] = {}
+    if args.certfile:
+        from pathlib import Path
+
+        kwargs.update(ssl_cert=Path(args.certfile), ssl_key=Path(args.keyfile))
+    granian_server = Granian(
+        "router.sim.server:granian_app",
+        address=args.host,
+        port=args.port,
+        interface="asgi",  # type: ignore[arg-type]
+        factory=True,
+        workers=1,
+        log_enabled=False,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    print(
+        f"firstbyte sim: serving on {args.host}:{args.port} (profile {config.profile}, "
+        f"server granian, pid {os.getpid()})",
+        flush=True,
+    )
+    granian_server.serve()
+    return 0

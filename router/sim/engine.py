@@ -1,0 +1,312 @@
+"""The simulated GPU: a continuous-batching scheduler and a cost model, sans-IO.
+
+The engine never reads a clock or touches a socket: the caller passes ``now`` (seconds, any
+monotonic origin) to :meth:`Engine.submit` and :meth:`Engine.advance`, and sleeps until
+:meth:`Engine.next_deadline`. The model is vLLM's step loop:
+
+- a step runs every *running* sequence one token forward; its duration is the profile's decode
+  time for that batch size plus the prefill of the sequences admitted at its start (over their
+  *uncached* prompt tokens — the prefix cache is consulted on admission);
+- at each step boundary, finished sequences leave and waiting ones are admitted, first come
+  first served, up to ``max_num_seqs`` running;
+- a new request waits for the current step to end (an idle engine starts a step at once); the
+  first token of a sequence comes at the end of its admission step, so its TTFT includes its
+  queueing and its prefill, and every running sequence slows down while another prefills;
+- with more than ``max_num_seqs + queue_limit`` requests in the system, :meth:`submit` raises
+  :class:`Overloaded` (the server answers 503).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from router.sim.metrics import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+    render_counter,
+    render_gauge,
+)
+from router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
+from router.sim.profiles import Profile
+
+__all__ = ["Engine", "Overloaded", "SeqState", "Sequence"]
+
+
+class Overloaded(Exception):
+    """The waiting queue is full; answer 503."""
+
+
+class SeqState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One request inside the engine. Times are engine times (the ``now`` passed in)."""
+
+    id: int
+    arrival: float
+    prompt_len: int
+    block_keys: list[bytes]
+    max_output: int
+    finish_reason: str
+    """``"stop"`` or ``"length"``: what ending after ``max_output`` tokens means."""
+    state: SeqState = SeqState.WAITING
+    cached_tokens: int = 0
+    generated: int = 0
+    admitted_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    waiter: Any = None
+    """A slot for the IO layer (e.g. a future to wake); the engine never touches it."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state is SeqState.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+
+class Engine:
+    """Scheduler + cost model + prefix cache + vLLM-named metrics."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        max_num_seqs: int | None = None,
+        queue_limit: int = 1024,
+        prefix_cache_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        self.profile = profile
+        self.max_num_seqs = max_num_seqs if max_num_seqs is not None else profile.max_num_seqs
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if queue_limit < 0:
+            raise ValueError("queue_limit must be >= 0")
+        self.queue_limit = queue_limit
+        blocks = (
+            prefix_cache_blocks
+            if prefix_cache_blocks is not None
+            else (profile.prefix_cache_blocks)
+        )
+        self.cache = PrefixCache(blocks, block_size)
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._next_id = 0
+        self._step_start = 0.0
+        self._step_end: float | None = None
+        self._step_batch: list[Sequence] = []
+        self.steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.ttft_hist = Histogram(TTFT_BUCKETS)
+        self.itl_hist = Histogram(ITL_BUCKETS)
+        self.e2e_hist = Histogram(E2E_BUCKETS)
+
+    # -- input -------------------------------------------------------------------------------
+
+    def submit(
+        self, prompt_tokens: list[int], max_output: int, finish_reason: str, now: float
+    ) -> Sequence:
+        """Queue a request generating ``max_output`` (>= 1) tokens; :class:`Overloaded` if full."""
+        if max_output < 1:
+            raise ValueError("max_output must be >= 1")
+        in_system = len(self.waiting) + len(self.running)
+        if in_system >= self.max_num_seqs + self.queue_limit:
+            raise Overloaded(
+                f"{len(self.waiting)} requests waiting, {len(self.running)} running "
+                f"(max_num_seqs={self.max_num_seqs}, queue_limit={self.queue_limit})"
+            )
+        seq = Sequence(
+            id=self._next_id,
+            arrival=now,
+            prompt_len=len(prompt_tokens),
+            block_keys=block_hashes(prompt_tokens, self.block_size),
+            max_output=max_output,
+            finish_reason=finish_reason,
+        )
+        self._next_id += 1
+        self.waiting.append(seq)
+        if self._step_end is None:
+            self._start_step(now)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a sequence whose client went away; idempotent."""
+        if seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+        elif seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+        else:
+            return
+        seq.state = SeqState.CANCELLED
+        self.finished_by_reason["abort"] += 1
+
+    # -- time --------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When the current step ends (call :meth:`advance` then), or None when idle."""
+        return self._step_end
+
+    def advance(self, now: float) -> list[Sequence]:
+        """Complete every step that has ended by ``now``; return the sequences given tokens.
+
+        Steps run back to back in engine time (a late caller catches up without drift). A
+        zero-length step (the ``instant`` profile) completes at most once per call, so the
+        IO layer gets to send between steps instead of receiving whole responses at once.
+        """
+        touched: list[Sequence] = []
+        while self._step_end is not None and self._step_end <= now:
+            end = self._step_end
+            zero_length = end == self._step_start
+            self.steps += 1
+            for seq in self._step_batch:
+                if seq.state is not SeqState.RUNNING:
+                    continue  # cancelled during the step
+                self._emit(seq, end)
+                touched.append(seq)
+            if any(seq.state is not SeqState.RUNNING for seq in self.running):
+                self.running = [s for s in self.running if s.state is SeqState.RUNNING]
+            self._step_end = None
+            self._start_step(end)
+            if zero_length:
+                break
+        return touched
+
+    def _emit(self, seq: Sequence, at: float) -> None:
+        times = seq.token_times
+        if times:
+            self.itl_hist.observe(at - times[-1])
+        else:
+            self.ttft_hist.observe(at - seq.arrival)
+        times.append(at)
+        seq.generated += 1
+        self.generation_tokens_total += 1
+        if seq.generated >= seq.max_output:
+            seq.state = SeqState.FINISHED
+            self.finished_by_reason[seq.finish_reason] += 1
+            self.e2e_hist.observe(at - seq.arrival)
+
+    def _start_step(self, at: float) -> None:
+        prefill_s = 0.0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.cached_tokens = self.cache.match(seq.block_keys, seq.prompt_len)
+            self.cache.insert(seq.block_keys)
+            prefill_s += self.profile.prefill_s(seq.prompt_len - seq.cached_tokens)
+            self.prompt_tokens_total += seq.prompt_len
+            seq.state = SeqState.RUNNING
+            seq.admitted_at = at
+            self.running.append(seq)
+        if not self.running:
+            return
+        self._step_start = at
+        self._step_end = at + self.profile.decode_step_s(len(self.running)) + prefill_s
+        self._step_batch = list(self.running)
+
+    # -- observation -------------------------------------------------------------------------
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV-cache blocks held by running sequences (0..1)."""
+        capacity = self.cache.capacity_blocks
+        if capacity == 0:
+            return 0.0
+        size = self.block_size
+        used = sum((s.prompt_len + s.generated + size - 1) // size for s in self.running)
+        return min(1.0, used / capacity)
+
+    def render_metrics(self) -> str:
+        """All metrics in the Prometheus text exposition format (version 0.0.4)."""
+        labels = f'model_name="{self.profile.model}"'
+        usage = self.kv_cache_usage
+        parts = [
+            render_gauge(
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                labels,
+                len(self.running),
+            ),
+            render_gauge(
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                labels,
+                len(self.waiting),
+            ),
+            render_gauge(
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage.",
+                labels,
+                usage,
+            ),
+            render_gauge(
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                labels,
+                usage,
+            ),
+            render_counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                labels,
+                [("", self.cache.queries_tokens)],
+            ),
+            render_counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                labels,
+                [("", self.cache.hits_tokens)],
+            ),
+            render_counter(
+                "vllm:prompt_tokens",
+                "Number of prefill tokens processed.",
+                labels,
+                [("", self.prompt_tokens_total)],
+            ),
+            render_counter(
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                labels,
+                [("", self.generation_tokens_total)],
+            ),
+            render_counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                labels,
+                [(f'finished_reason="{r}"', n) for r, n in self.finished_by_reason.items()],
+            ),
+            self.ttft_hist.render(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                labels,
+            ),
+            self.itl_hist.render(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                labels,
+            ),
+            self.itl_hist.render(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds (older name of the above).",
+                labels,
+            ),
+            self.e2e_hist.render(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of end to end request latency in seconds.",
+                labels,
+            ),
+        ]
+        return "".join(parts)

@@ -1,0 +1,70 @@
+"""Deterministic completions: the same messages and seed always give the same text.
+
+A PRNG seeded from a hash of the request's messages, its ``seed`` and the server's ``--seed``
+draws words from a fixed vocabulary, one word per token. It also draws the length the "model"
+would naturally stop at (8..256 tokens): when that is within the request's limit the
+completion ends there with ``finish_reason: "stop"``, otherwise it is cut at the limit with
+``"length"``. Requests without ``max_tokens`` / ``max_completion_tokens`` get
+:data:`DEFAULT_MAX_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from client_sdk.types import ChatCompletionRequest, encode
+
+__all__ = ["DEFAULT_MAX_TOKENS", "VOCABULARY", "Completion", "plan_completion"]
+
+DEFAULT_MAX_TOKENS = 64
+
+# fmt: off
+VOCABULARY: tuple[str, ...] = (
+    "the", "of", "and", "to", "in", "is", "that", "it", "for", "as", "with", "was", "on", "be",
+    "by", "this", "are", "at", "from", "or", "an", "have", "not", "which", "but", "they", "we",
+    "can", "more", "their", "has", "one", "all", "been", "there", "were", "also", "its",
+    "other", "new", "when", "time", "these", "some", "would", "first", "only", "may", "into",
+    "about", "two", "over", "than", "most", "such", "could", "many", "them", "after", "like",
+    "between", "used", "made", "through", "where", "before", "well", "our", "because", "each",
+    "any", "both", "system", "model", "token", "cache", "region", "latency", "network",
+    "stream", "prefix", "request", "server", "client", "budget", "first", "fast", "slow",
+    "warm", "cold", "route", "edge", "queue", "batch", "decode", "prefill", "answer",
+    "question", "light", "speed", "distance", "ocean", "city", "morning", "river", "mountain",
+    "garden", "window", "signal", "packet", "handshake", "connection", "protocol", "measure",
+    "every", "second", "millisecond", "careful", "simple", "clear", "quiet", "bright",
+)
+# fmt: on
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What the "model" will say: one word per token, and why it stops after the last one."""
+
+    words: tuple[str, ...]
+    finish_reason: str
+
+    def token_text(self, index: int) -> str:
+        """The text of token ``index`` (words after the first carry a leading space)."""
+        word = self.words[index]
+        return word if index == 0 else " " + word
+
+
+def plan_completion(request: ChatCompletionRequest, server_seed: int = 0) -> Completion:
+    """The deterministic completion for ``request`` (see the module docstring)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{server_seed}/{request.seed}/{request.model}/".encode())
+    digest.update(encode(request.messages))
+    rng = random.Random(digest.digest())
+    natural = rng.randint(8, 256)
+    limit = request.output_limit
+    if limit is None:
+        limit = DEFAULT_MAX_TOKENS
+    if natural <= limit:
+        count, reason = natural, "stop"
+    else:
+        count, reason = limit, "length"
+    vocab = VOCABULARY
+    words = tuple(vocab[int(rng.random() * len(vocab))] for _ in range(count))
+    return Completion(words=words, finish_reason=reason)
