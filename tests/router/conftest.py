@@ -42,7 +42,9 @@ async def upstream() -> AsyncIterator[Upstream]:
         yield up
 
 
-def router_config(upstream_urls: list[str], tls: dict[str, str] | None, **overrides: Any) -> RouterConfig:
+def router_config(
+    upstream_urls: list[str], tls: dict[str, str] | None, **overrides: Any
+) -> RouterConfig:
     data: dict[str, Any] = {
         "region": "test-1",
         "upstreams": [{"url": u} for u in upstream_urls],
@@ -70,7 +72,9 @@ def start_router(tls_files: dict[str, str]) -> RouterFactory:
     """``async with start_router(upstream_urls, tls=True, **overrides) as endpoints: ...``"""
 
     @contextlib.asynccontextmanager
-    async def start(urls: list[str], *, tls: bool = True, **overrides: Any) -> AsyncIterator[RouterEndpoints]:
+    async def start(
+        urls: list[str], *, tls: bool = True, **overrides: Any
+    ) -> AsyncIterator[RouterEndpoints]:
         config = router_config(urls, tls_files if tls else None, **overrides)
         async with running_router(config) as endpoints:
             yield endpoints

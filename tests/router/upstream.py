@@ -41,7 +41,16 @@ class Upstream:
         path = scope["path"]
         self.last_headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         if path == "/v1/models":
-            await _json(send, 200, {"object": "list", "data": [{"id": "test-model", "object": "model", "created": 0, "owned_by": "t"}]})
+            await _json(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": "test-model", "object": "model", "created": 0, "owned_by": "t"}
+                    ],
+                },
+            )
             return
         if path == "/metrics":
             text = f"vllm:num_requests_running {self.running}\n"
@@ -54,7 +63,18 @@ class Upstream:
             if not message.get("more_body"):
                 break
         if self.fail_status is not None:
-            await _json(send, self.fail_status, {"error": {"message": "busy", "type": "server_error", "param": None, "code": "busy"}})
+            await _json(
+                send,
+                self.fail_status,
+                {
+                    "error": {
+                        "message": "busy",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "busy",
+                    }
+                },
+            )
             return
         request = json.loads(body)
         n = request.get("max_tokens") or 8
@@ -62,7 +82,13 @@ class Upstream:
         if not request.get("stream"):
             await _json(send, 200, completion(" ".join(words)))
             return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         self.running += 1
         self.started += 1
         disconnected = asyncio.Event()
@@ -74,7 +100,9 @@ class Upstream:
 
         listener = asyncio.create_task(listen())
         try:
-            await send({"type": "http.response.body", "body": sse(chunk(role=True)), "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": sse(chunk(role=True)), "more_body": True}
+            )
             for i, word in enumerate(words):
                 if self.delay_s:
                     with contextlib.suppress(TimeoutError):
@@ -83,8 +111,20 @@ class Upstream:
                     self.cancelled += 1
                     return
                 text = word if i == 0 else " " + word
-                await send({"type": "http.response.body", "body": sse(chunk(content=text)), "more_body": True})
-            await send({"type": "http.response.body", "body": sse(chunk(finish=True)) + b"data: [DONE]\n\n", "more_body": False})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": sse(chunk(content=text)),
+                        "more_body": True,
+                    }
+                )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse(chunk(finish=True)) + b"data: [DONE]\n\n",
+                    "more_body": False,
+                }
+            )
             self.completed += 1
         except OSError:
             self.cancelled += 1
@@ -93,22 +133,32 @@ class Upstream:
             listener.cancel()
 
 
-def chunk(*, role: bool = False, content: str | None = None, finish: bool = False) -> dict[str, Any]:
+def chunk(
+    *, role: bool = False, content: str | None = None, finish: bool = False
+) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role:
         delta = {"role": "assistant", "content": ""}
     if content is not None:
         delta["content"] = content
     return {
-        "id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": "test-model",
+        "id": "chatcmpl-test",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "test-model",
         "choices": [{"index": 0, "delta": delta, "finish_reason": "stop" if finish else None}],
     }
 
 
 def completion(text: str) -> dict[str, Any]:
     return {
-        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": "test-model",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "test-model",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
 
@@ -118,7 +168,13 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 async def _send(send: Any, status: int, body: bytes, ctype: str) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype.encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype.encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -132,10 +188,11 @@ async def running_upstream(**options: Any) -> AsyncIterator[Upstream]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(upstream, lifespan="on", log_level="warning", loop="none", http="httptools"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server = uvicorn.Server(
+        uvicorn.Config(upstream, lifespan="on", log_level="warning", loop="none", http="httptools")
+    )
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110
+    while not server.started:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)

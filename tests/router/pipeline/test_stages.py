@@ -1,0 +1,78 @@
+"""The non-IO pipeline stages as plain functions over a context: no sockets."""
+
+from __future__ import annotations
+
+import json
+
+from router.pipeline.admit import admit_chat, authenticate, check_body_size, parse_chat
+from router.pipeline.backend import Backend, BackendPool, choose_backend
+from router.pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext, Traceparent
+
+KEYS = [b"sk-one-00000000", b"sk-two-00000000"]
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def ctx(headers: dict[str, str] | None = None, body: bytes = BODY) -> RequestContext:
+    return RequestContext(method="POST", path="/v1/chat/completions", headers=headers or {}, body=body)
+
+
+def test_authenticate() -> None:
+    ok = ctx({"authorization": "Bearer sk-two-00000000"})
+    assert authenticate(ok, KEYS) is CONTINUE and ok.api_key == "sk-two-00000000"
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic sk-one-00000000"}):
+        outcome = authenticate(ctx(headers), KEYS)
+        assert isinstance(outcome, LocalReply) and outcome.status == 401
+        assert b"authentication_error" in outcome.body
+        assert b"sk-one" not in outcome.body  # a key is never echoed
+    assert authenticate(ctx({}), []) is CONTINUE  # no keys configured: open (local use)
+
+
+def test_body_limit_and_parse() -> None:
+    too_big = check_body_size(ctx(body=b"x" * 11), 10)
+    assert isinstance(too_big, LocalReply) and too_big.status == 413
+    bad = parse_chat(ctx(body=b"{not json"))
+    assert isinstance(bad, LocalReply) and bad.status == 400
+    wrong = parse_chat(ctx(body=b'{"model": "m", "messages": [], "stream": true}'))
+    assert isinstance(wrong, LocalReply) and json.loads(wrong.body)["error"]["param"] == "messages"
+    good = ctx({"authorization": "Bearer sk-one-00000000"})
+    assert admit_chat(good, KEYS, 1 << 20, force_stream=True) is CONTINUE
+    assert good.request is not None and good.stream_requested and good.admitted_at is not None
+
+
+def test_least_in_flight_round_robin_and_fallback() -> None:
+    a, b, c = Backend("a", "http://a"), Backend("b", "http://b"), Backend("c", "http://c")
+    pool = BackendPool([a, b, c])
+    assert [pool.pick() for _ in range(4)] == [a, b, c, a]  # ties: round robin
+    b.in_flight = 0
+    a.in_flight = c.in_flight = 2
+    assert pool.pick() is b
+    b.healthy = False
+    a.in_flight = 1
+    assert pool.pick() is a
+    request = ctx()
+    assert choose_backend(request, pool) is CONTINUE and request.backend is a
+    for backend in pool.backends:
+        backend.healthy = False
+    assert isinstance(choose_backend(ctx(), pool), Fallback)
+    chosen = ctx()
+    chosen.backend = c  # an earlier stage (affinity, region) already chose: respected
+    assert choose_backend(chosen, pool) is CONTINUE and chosen.backend is c
+
+
+def test_traceparent_is_continued_or_started() -> None:
+    incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    joined = Traceparent.continue_from(incoming)
+    assert joined.trace_id == "0af7651916cd43dd8448eb211c80319c"
+    assert joined.parent_id != "b7ad6b7169203331" and len(joined.parent_id) == 16
+    for bad in (None, "", "garbage", "00-" + "0" * 32 + "-b7ad6b7169203331-01"):
+        fresh = Traceparent.continue_from(bad)
+        assert len(fresh.trace_id) == 32 and fresh.trace_id != "0" * 32
+
+
+def test_server_timing_names_what_is_known() -> None:
+    request = ctx()
+    assert request.server_timing() == ""
+    request.admitted_at = request.received_at + 0.002
+    request.routed_at = request.admitted_at + 0.001
+    timing = request.server_timing(upstream_ttft=12.5)
+    assert timing == "queue;dur=2.00, route;dur=1.00, upstream-ttft;dur=12.50"

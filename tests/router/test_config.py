@@ -1,0 +1,84 @@
+"""Config validation names the file and key; the CLI prints it without a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, load_config
+
+GOOD = """
+region = "eu-west-1"
+[[upstreams]]
+url = "http://127.0.0.1:8001"
+[listen]
+insecure_plain_http = true
+port = 9000
+[streams]
+resume_grace_s = 10
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD + "bogus = 1\n", "streams.bogus: unknown key"),
+        (GOOD.replace("port = 9000", "port = 70000"), "listen.port: Expected `int` <= 65535"),
+        (GOOD.replace("resume_grace_s = 10", 'resume_grace_s = "x"'), "streams.resume_grace_s: Expected `float`"),
+        (GOOD.replace("http://127.0.0.1:8001", "ftp://x"), "upstreams[0].url"),
+        (GOOD.replace("insecure_plain_http = true", ""), "listen.certfile/listen.keyfile are required"),
+        ("region = [", "not valid TOML"),
+        ('region = "x"\n', "missing required field `upstreams`"),
+    ],
+)
+def test_errors_name_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert expected in str(info.value)
+
+
+def test_good_config_loads(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(GOOD)
+    config = load_config(path)
+    assert config.region == "eu-west-1"
+    assert config.listen.port == 9000
+    assert config.streams.resume_grace_s == 10
+    assert config.limits.upstream_keepalive_expiry_s > 5  # httpx's 5 s default is too short
+
+
+CLI = "import sys; from client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "router", *args],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+
+
+def test_check_config_cli(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(GOOD.replace("port = 9000", "port = -1"))
+    result = run_cli("--check-config", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}: listen.port" in result.stderr
+    assert "Traceback" not in result.stderr
+    good = tmp_path / "good.toml"
+    good.write_text(GOOD)
+    result = run_cli("--check-config", str(good))
+    assert (result.returncode, result.stdout.strip()) == (0, "OK")
+
+
+def test_cli_flag_errors_are_clear() -> None:
+    result = run_cli("--upstream", "not-a-url", "--insecure-plain-http")
+    assert result.returncode == 2 and "upstreams[0].url" in result.stderr
+    result = run_cli("--upstream", "http://127.0.0.1:1")
+    assert result.returncode == 2 and "certfile" in result.stderr
+    assert "Traceback" not in result.stderr
