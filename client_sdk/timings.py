@@ -40,6 +40,8 @@ class Timings(msgspec.Struct, kw_only=True):
     tcp_connect_ms: float | None = None
     tls_handshake_ms: float | None = None
     quic_handshake_ms: float | None = None
+    ws_upgrade_ms: float | None = None
+    """WebSocket only: the HTTP upgrade request and its 101 answer, after TLS."""
     pool_wait_ms: float | None = None
 
     request_sent_ms: float | None = None

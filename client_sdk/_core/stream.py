@@ -1,0 +1,116 @@
+"""Stream assembly, sans-IO: numbered events in, deltas out, each event exactly once.
+
+Every transport delivers the same thing: ``(seq, payload)`` pairs, where ``seq`` is the router's
+event sequence number (1, 2, 3, ...) and ``payload`` a chunk, an error or ``[DONE]``. The
+assembler drops events it has already seen (a resumed stream replays from the last sequence the
+client confirmed, and a reconnect may race a replay), refuses to skip over a missing one, and
+turns chunks into :class:`StreamDelta` values. This is what makes resume lose and repeat nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from client_sdk._core.sse import DONE
+from client_sdk.errors import StreamBrokenError, api_error_from_response
+from client_sdk.types import ChatCompletionChunk, ToolCallDelta, Usage
+
+__all__ = ["SequenceGapError", "StreamAssembler", "StreamDelta"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """One piece of the answer: text and/or tool-call fragments, as OpenAI streams them."""
+
+    text: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    finish_reason: str | None = None
+    role: str | None = None
+    seq: int | None = None
+    """The router's event sequence number (``None`` from servers that don't number events)."""
+
+    @property
+    def is_content(self) -> bool:
+        """True when it carries a token (text or tool-call arguments), as TTFT/ITL count."""
+        return bool(self.text) or bool(self.tool_calls)
+
+
+class SequenceGapError(StreamBrokenError):
+    """An event arrived after a missing one; the reader must resume from ``expected - 1``."""
+
+    def __init__(self, expected: int, got: int) -> None:
+        super().__init__(f"stream skipped from event {expected - 1} to {got}")
+        self.expected = expected
+        self.got = got
+
+
+_chunk = msgspec.json.Decoder(ChatCompletionChunk)
+
+
+class StreamAssembler:
+    """Feeds on ``(seq, payload)``; ``last_seq`` is what a resume asks to continue after."""
+
+    def __init__(self, *, after: int = 0) -> None:
+        self.last_seq = after
+        self.done = False
+        self.usage: Usage | None = None
+        self.chunk_id: str | None = None
+        self.model: str | None = None
+
+    def receive(self, seq: int | None, payload: str | bytes | dict[str, Any]) -> StreamDelta | None:
+        """Take one event. Returns a delta for a chunk that carries something, else ``None``.
+
+        Raises :class:`SequenceGapError` for a skipped sequence number and
+        :class:`~client_sdk.errors.APIError` for an error event.
+        """
+        if seq is not None:
+            if seq <= self.last_seq:
+                return None  # already delivered: a replay overlapping what we had
+            if self.last_seq and seq != self.last_seq + 1:
+                raise SequenceGapError(self.last_seq + 1, seq)
+            self.last_seq = seq
+        if self.done:
+            return None
+        if isinstance(payload, (str, bytes)):
+            text = payload.decode() if isinstance(payload, bytes) else payload
+            if text.strip() == DONE:
+                self.done = True
+                return None
+            try:
+                obj: Any = msgspec.json.decode(text)
+            except msgspec.DecodeError as exc:
+                raise StreamBrokenError(f"undecodable stream event: {exc}") from None
+        else:
+            obj = payload
+        if isinstance(obj, dict) and "error" in obj:
+            self.done = True
+            raise api_error_from_response(None, obj)
+        try:
+            chunk = msgspec.convert(obj, ChatCompletionChunk)
+        except msgspec.ValidationError as exc:
+            raise StreamBrokenError(f"invalid chunk in stream: {exc}") from None
+        self.chunk_id = chunk.id
+        self.model = chunk.model
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if not chunk.choices:
+            return None
+        choice = chunk.choices[0]
+        delta = choice.delta
+        out = StreamDelta(
+            text=delta.content or "",
+            tool_calls=tuple(delta.tool_calls or ()),
+            finish_reason=choice.finish_reason,
+            role=delta.role,
+            seq=seq,
+        )
+        if not out.is_content and out.finish_reason is None and out.role is None:
+            return None
+        return out
+
+    def mark_done(self) -> None:
+        """The transport saw the end of the stream by other means (WS ``done``, poll ``done``)."""
+        self.done = True

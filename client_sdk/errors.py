@@ -1,0 +1,165 @@
+"""Typed exceptions raised by the SDK.
+
+Every error the SDK raises derives from :class:`FirstbyteError`. HTTP error answers become
+:class:`APIError` (or a subclass chosen by status) carrying OpenAI's error body fields;
+network failures become :class:`ConnectError` (could not reach the server) or
+:class:`StreamBrokenError` (the stream was cut and could not be resumed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "APIError",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConnectError",
+    "FirstbyteError",
+    "NotFoundError",
+    "RateLimitError",
+    "ServiceUnavailableError",
+    "StreamBrokenError",
+    "StreamStalledError",
+    "TLSError",
+    "api_error_from_response",
+]
+
+
+class FirstbyteError(Exception):
+    """Base class of every exception raised by the SDK."""
+
+
+class ConnectError(FirstbyteError):
+    """The server could not be reached (DNS failure, refused or timed-out connection)."""
+
+
+class TLSError(ConnectError):
+    """The TLS (or QUIC) handshake failed, e.g. the certificate did not verify."""
+
+
+class StreamBrokenError(FirstbyteError):
+    """The stream was cut and every resume attempt failed."""
+
+
+class StreamStalledError(StreamBrokenError):
+    """No event (heartbeats do not count) arrived within the idle watchdog's limit."""
+
+    def __init__(self, message: str, *, idle_s: float) -> None:
+        super().__init__(message)
+        self.idle_s = idle_s
+
+
+class APIError(FirstbyteError):
+    """The server answered with an error: HTTP status plus OpenAI's error body fields.
+
+    ``status`` is ``None`` for an error event inside an already-started stream.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(f"{status} {message}" if status is not None else message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.code = code
+        self.param = param
+
+
+class BadRequestError(APIError):
+    """400: the request was invalid."""
+
+
+class AuthenticationError(APIError):
+    """401 (or a WebSocket close with 1008 for auth): the API key was missing or wrong."""
+
+
+class NotFoundError(APIError):
+    """404: unknown route, model, or a stream id this key does not own."""
+
+
+class RateLimitError(APIError):
+    """429: the server is saturated; ``retry_after`` seconds from its ``Retry-After`` header."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.retry_after = retry_after
+
+
+class ServiceUnavailableError(APIError):
+    """503 (or 502/504): no backend could serve the request right now."""
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str = ""
+    type: str | None = None
+    param: str | None = None
+    code: str | int | None = None
+
+
+class _ErrorEnvelope(msgspec.Struct):
+    error: _ErrorDetail
+
+
+def _parse_body(body: bytes | str | dict[str, Any] | None) -> _ErrorDetail | None:
+    if body is None:
+        return None
+    try:
+        if isinstance(body, dict):
+            return msgspec.convert(body, _ErrorEnvelope).error
+        return msgspec.json.decode(body, type=_ErrorEnvelope).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # an HTTP-date; the router always sends seconds
+    return max(seconds, 0.0)
+
+
+def api_error_from_response(
+    status: int | None,
+    body: bytes | str | dict[str, Any] | None,
+    *,
+    retry_after: str | None = None,
+) -> APIError:
+    """Build the typed error for an HTTP status and (OpenAI-style) error body.
+
+    ``body`` may also be an already-decoded ``{"error": {...}}`` dict, as found in a stream's
+    error event. Bodies that are not OpenAI errors still yield an error with the raw text.
+    """
+    detail = _parse_body(body)
+    if detail is not None:
+        message = detail.message or "(no message)"
+        code = None if detail.code is None else str(detail.code)
+        kw: dict[str, Any] = {"status": status, "type": detail.type, "code": code,
+                              "param": detail.param}
+    else:
+        raw = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body or "")
+        message = raw.strip()[:500] or "(empty body)"
+        kw = {"status": status}
+    if status == 401:
+        return AuthenticationError(message, **kw)
+    if status == 400:
+        return BadRequestError(message, **kw)
+    if status == 404:
+        return NotFoundError(message, **kw)
+    if status == 429:
+        return RateLimitError(message, retry_after=_retry_after(retry_after), **kw)
+    if status in (502, 503, 504):
+        return ServiceUnavailableError(message, **kw)
+    return APIError(message, **kw)

@@ -1,0 +1,119 @@
+"""Prewarmed, kept-warm connections per (origin, protocol).
+
+The pool owns everything that outlives one request: the resolver cache, one HTTP session per
+(origin, HTTP version), one WebSocket pool per origin, the QUIC session tickets, and the
+keep-warm task. Keep-warm exercises idle connections every ``keepalive_interval_s`` (HTTP/1.1
+and HTTP/2: ``GET /healthz``; HTTP/3: QUIC PING; WebSocket: ping frames) so that neither side's
+idle timer closes them, and stops after ``keepalive_expiry_s`` without a request, so an idle
+application does not hold connections open forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+
+from client_sdk.resolver import Origin, Resolver
+from client_sdk.transports.base import Session
+from client_sdk.transports.h3 import H3Session, TicketStore
+from client_sdk.transports.http import HttpxSession
+from client_sdk.transports.websocket import WebSocketPool
+
+__all__ = ["ConnectionPool"]
+
+
+class ConnectionPool:
+    """Sessions and sockets shared by every request of one client."""
+
+    def __init__(
+        self,
+        ssl_context: ssl.SSLContext,
+        *,
+        verify: bool | ssl.SSLContext = True,
+        ca_file: str | None = None,
+        keepalive_expiry_s: float = 120.0,
+        keepalive_interval_s: float = 15.0,
+        connect_timeout_s: float = 10.0,
+        max_connections: int = 16,
+    ) -> None:
+        self.ssl_context = ssl_context
+        self.resolver = Resolver()
+        self.tickets: TicketStore = {}
+        self._verify = verify
+        self._ca_file = ca_file
+        self._keepalive_expiry_s = keepalive_expiry_s
+        self._keepalive_interval_s = keepalive_interval_s
+        self._connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        self._sessions: dict[tuple[Origin, str], Session] = {}
+        self._websockets: dict[Origin, WebSocketPool] = {}
+        self._last_used = time.monotonic()
+        self._keepalive_task: asyncio.Task[None] | None = None
+
+    def touch(self) -> None:
+        """A request is being made: extend the keep-warm lifetime."""
+        self._last_used = time.monotonic()
+
+    def session(self, origin: Origin, http: str) -> Session:
+        key = (origin, http)
+        session = self._sessions.get(key)
+        if session is None:
+            if http == "3":
+                session = H3Session(
+                    origin, self.resolver, self.tickets, verify=self._verify,
+                    ca_file=self._ca_file, idle_timeout_s=self._keepalive_expiry_s,
+                    connect_timeout_s=self._connect_timeout_s,
+                )
+            else:
+                session = HttpxSession(
+                    origin, http, self.ssl_context, self.resolver,
+                    keepalive_expiry_s=self._keepalive_expiry_s,
+                    max_connections=self._max_connections,
+                    connect_timeout_s=self._connect_timeout_s,
+                )
+            self._sessions[key] = session
+        return session
+
+    def websockets(self, origin: Origin, headers: dict[str, str]) -> WebSocketPool:
+        pool = self._websockets.get(origin)
+        if pool is None:
+            pool = WebSocketPool(
+                origin, headers, self.ssl_context, self.resolver,
+                ping_interval_s=self._keepalive_interval_s,
+                connect_timeout_s=self._connect_timeout_s,
+            )
+            self._websockets[origin] = pool
+        return pool
+
+    async def prewarm(self, target: Session | WebSocketPool, connections: int = 1) -> None:
+        """Open connections now and keep them (and every other open one) warm."""
+        self.touch()
+        await target.prewarm(connections)
+        if self._keepalive_task is None or self._keepalive_task.done():
+            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        while time.monotonic() - self._last_used < self._keepalive_expiry_s:
+            await asyncio.sleep(self._keepalive_interval_s)
+            targets: list[Session | WebSocketPool] = [*self._sessions.values(),
+                                                      *self._websockets.values()]
+            for target in targets:
+                # One failed ping must not stop keep-warm of the others.
+                with contextlib.suppress(Exception):
+                    await target.keepalive()
+
+    async def aclose(self) -> None:
+        task, self._keepalive_task = self._keepalive_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        targets: list[Session | WebSocketPool] = [*self._sessions.values(),
+                                                  *self._websockets.values()]
+        for target in targets:
+            with contextlib.suppress(Exception):
+                await target.aclose()
+        self._sessions.clear()
+        self._websockets.clear()

@@ -1,0 +1,110 @@
+"""What every transport hands the client: a source of stream items, and the HTTP session shape.
+
+A *source* is an async iterator of :class:`Opened` (once, when the server accepted the request
+and the stream id is known) followed by :class:`Event` items (the router's numbered events). It
+raises :class:`TransportCut` when the connection broke mid-stream (the client resumes), an
+:class:`~client_sdk.errors.APIError` for an error answer, and
+:class:`~client_sdk.errors.ConnectError` when the server could not be reached.
+
+A *session* is one origin's HTTP connections for one HTTP version (httpx for 1.1 and 2,
+aioquic for 3); SSE and long-poll run over any session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from client_sdk._core.timing import TimingRecorder, parse_server_timing
+from client_sdk.errors import StreamBrokenError
+
+__all__ = ["Event", "HTTPResponse", "Item", "Opened", "Session", "Source", "TransportCut",
+           "note_response_headers"]
+
+
+class TransportCut(StreamBrokenError):
+    """The connection broke after the request was sent; the stream may be resumable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    stream_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int | None
+    payload: str | bytes | dict[str, Any]
+
+
+Item = Opened | Event
+Source = AsyncIterator[Item]
+
+
+@dataclass
+class HTTPResponse:
+    """A response whose body is read incrementally from ``chunks``."""
+
+    status: int
+    headers: dict[str, str]
+    http_version: str
+    chunks: AsyncIterator[bytes]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks])
+
+
+class Session(Protocol):
+    """HTTP requests to one origin over one HTTP version, with kept-warm connections."""
+
+    http_version: str
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        recorder: TimingRecorder | None,
+    ) -> AbstractAsyncContextManager[HTTPResponse]:
+        """Send a request; the response is open inside the context.
+
+        Connection failures before the response raise ConnectError (or TLSError); failures
+        while reading the body raise :class:`TransportCut`.
+        """
+        ...
+
+    async def prewarm(self, connections: int) -> None:
+        """Open ``connections`` connections now (idempotent: counts ones already open)."""
+        ...
+
+    async def keepalive(self) -> None:
+        """Exercise every idle connection once so neither end's idle timer closes it."""
+        ...
+
+    async def reset(self) -> None:
+        """Drop the open connections (after a stall they may be dead without knowing it)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def note_response_headers(recorder: TimingRecorder | None, response: HTTPResponse) -> None:
+    """Copy what the router tells us in headers (region, stream id, Server-Timing) to Timings."""
+    if recorder is None:
+        return
+    rec = recorder.record
+    rec.http_version = response.http_version
+    region = response.headers.get("x-firstbyte-region")
+    if region is not None:
+        rec.region = region
+    sid = response.headers.get("x-firstbyte-stream")
+    if sid is not None:
+        rec.stream_id = sid
+    timing = response.headers.get("server-timing")
+    if timing and not rec.server_timing:
+        rec.server_timing = parse_server_timing(timing)

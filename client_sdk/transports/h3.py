@@ -1,0 +1,300 @@
+"""HTTP/3 over QUIC (aioquic), with a small connection manager of our own.
+
+One QUIC connection per origin carries every request (QUIC multiplexes streams). The manager
+resolves the name itself (the ``dns`` phase), times the handshake from aioquic's
+``HandshakeCompleted`` event (``quic_handshake``), keeps the session tickets the server issues
+per host so that a reconnect resumes the TLS session and sends its request as 0-RTT early data
+when the ticket allows it, and keeps the connection warm with QUIC PING frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
+from aioquic.tls import SessionTicket
+
+from client_sdk._core.timing import TimingRecorder
+from client_sdk.errors import ConnectError, TLSError
+from client_sdk.resolver import Origin, Resolver
+from client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+
+__all__ = ["H3Session", "TicketStore", "quic_trust"]
+
+TicketStore = dict[str, SessionTicket]
+"""Session tickets per host name, shared by every H3 session of one client."""
+
+_END = object()
+
+
+def quic_trust(
+    config: QuicConfiguration, verify: bool | ssl.SSLContext, ca_file: str | None
+) -> None:
+    """Give aioquic the same trust as the client's ``SSLContext`` (aioquic has its own TLS)."""
+    if verify is False:
+        config.verify_mode = ssl.CERT_NONE
+        return
+    config.verify_mode = ssl.CERT_REQUIRED
+    if ca_file is not None:
+        config.load_verify_locations(cafile=ca_file)
+    elif isinstance(verify, ssl.SSLContext):
+        if verify.verify_mode == ssl.CERT_NONE:
+            config.verify_mode = ssl.CERT_NONE
+            return
+        ders = verify.get_ca_certs(binary_form=True)
+        if ders:
+            pem = "".join(ssl.DER_cert_to_PEM_cert(der) for der in ders)
+            config.load_verify_locations(cadata=pem.encode())
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.headers: asyncio.Future[tuple[list[tuple[bytes, bytes]], float]] = loop.create_future()
+        self.data: asyncio.Queue[bytes | object | BaseException] = asyncio.Queue()
+        self.ended = False
+
+
+class _H3Protocol(QuicConnectionProtocol):
+    def __init__(self, quic: QuicConnection, **kw: Any) -> None:
+        super().__init__(quic, **kw)
+        self.h3 = H3Connection(quic)
+        self.streams: dict[int, _Stream] = {}
+        self.handshake: HandshakeCompleted | None = None
+        self.handshake_at: float | None = None
+        self.terminated: ConnectionTerminated | None = None
+        self.handshake_waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def usable(self) -> bool:
+        return self.terminated is None
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, HandshakeCompleted):
+            self.handshake, self.handshake_at = event, time.perf_counter()
+            if not self.handshake_waiter.done():
+                self.handshake_waiter.set_result(None)
+        elif isinstance(event, ConnectionTerminated):
+            self.terminated = event
+            if not self.handshake_waiter.done():
+                self.handshake_waiter.set_exception(ConnectionError(event.reason_phrase))
+            cut = TransportCut(f"QUIC connection closed: {event.reason_phrase or event.error_code}")
+            for stream in self.streams.values():
+                if not stream.headers.done():
+                    stream.headers.set_exception(cut)
+                stream.data.put_nowait(cut)
+        elif isinstance(event, StreamReset):
+            reset = self.streams.get(event.stream_id)
+            if reset is not None:
+                stream = reset
+                cut = TransportCut(f"HTTP/3 stream reset ({event.error_code})")
+                if not stream.headers.done():
+                    stream.headers.set_exception(cut)
+                stream.data.put_nowait(cut)
+        for h3_event in self.h3.handle_event(event):
+            found = self.streams.get(getattr(h3_event, "stream_id", -1))
+            if found is None:
+                continue
+            stream = found
+            if isinstance(h3_event, HeadersReceived) and not stream.headers.done():
+                stream.headers.set_result((list(h3_event.headers), time.perf_counter()))
+            elif isinstance(h3_event, DataReceived) and h3_event.data:
+                stream.data.put_nowait(h3_event.data)
+            if getattr(h3_event, "stream_ended", False):
+                stream.ended = True
+                if not stream.headers.done():
+                    stream.headers.set_exception(TransportCut("HTTP/3 stream ended early"))
+                stream.data.put_nowait(_END)
+
+
+class H3Session:
+    """Requests to one origin over HTTP/3, on one kept-warm QUIC connection."""
+
+    http_version = "HTTP/3"
+
+    def __init__(
+        self,
+        origin: Origin,
+        resolver: Resolver,
+        tickets: TicketStore,
+        *,
+        verify: bool | ssl.SSLContext = True,
+        ca_file: str | None = None,
+        idle_timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if not origin.tls:
+            raise ValueError("HTTP/3 needs an https:// base URL")
+        self.origin = origin
+        self._resolver = resolver
+        self._tickets = tickets
+        self._verify = verify
+        self._ca_file = ca_file
+        self._idle_timeout_s = idle_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._proto: _H3Protocol | None = None
+        self._transport: asyncio.DatagramTransport | None = None
+        self._lock = asyncio.Lock()
+
+    def _config(self) -> QuicConfiguration:
+        config = QuicConfiguration(
+            is_client=True, alpn_protocols=list(H3_ALPN), server_name=self.origin.host,
+            idle_timeout=self._idle_timeout_s,
+        )
+        quic_trust(config, self._verify, self._ca_file)
+        config.session_ticket = self._tickets.get(self.origin.host)
+        return config
+
+    def _store_ticket(self, ticket: SessionTicket) -> None:
+        self._tickets[self.origin.host] = ticket
+
+    async def _connection(self, recorder: TimingRecorder | None) -> tuple[_H3Protocol, bool]:
+        """The open connection, or a new one; the flag is True when early data may be sent."""
+        async with self._lock:
+            proto = self._proto
+            if proto is not None and proto.usable:
+                if not proto.handshake_waiter.done():
+                    await self._await_handshake(proto, recorder)
+                return proto, False
+            await self._drop()
+            return await self._open(recorder)
+
+    async def _open(self, recorder: TimingRecorder | None) -> tuple[_H3Protocol, bool]:
+        import socket
+
+        address = await self._resolver.resolve(
+            self.origin.host, self.origin.port, recorder, kind=socket.SOCK_DGRAM)
+        config = self._config()
+        early = config.session_ticket is not None and (
+            config.session_ticket.max_early_data_size or 0) > 0
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        if recorder is not None:
+            recorder.feed("quic_handshake.started", started)
+        quic = QuicConnection(configuration=config, session_ticket_handler=self._store_ticket)
+        transport, proto = await loop.create_datagram_endpoint(
+            lambda: _H3Protocol(quic), remote_addr=(address, self.origin.port))
+        self._transport = transport
+        self._proto = proto
+        proto.connect((address, self.origin.port), transmit=True)
+        if not early:
+            await self._await_handshake(proto, recorder)
+        return proto, early
+
+    async def _await_handshake(self, proto: _H3Protocol, recorder: TimingRecorder | None) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(proto.handshake_waiter), self._connect_timeout_s)
+        except TimeoutError:
+            await self._drop()
+            raise ConnectError(
+                f"QUIC handshake with {self.origin.host}:{self.origin.port} timed out after "
+                f"{self._connect_timeout_s:g} s (is HTTP/3 served on UDP port {self.origin.port}?)"
+            ) from None
+        except ConnectionError as exc:
+            await self._drop()
+            reason = str(exc)
+            if "certificate" in reason.lower() or "verify" in reason.lower():
+                raise TLSError(f"QUIC TLS handshake failed: {reason}") from None
+            raise ConnectError(f"QUIC connection to {self.origin.host} failed: {reason}") from None
+        if recorder is not None and proto.handshake_at is not None:
+            recorder.feed("quic_handshake.complete", proto.handshake_at)
+
+    async def _drop(self) -> None:
+        proto, transport = self._proto, self._transport
+        self._proto, self._transport = None, None
+        if proto is not None:
+            proto.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proto.wait_closed(), 0.5)
+        if transport is not None:
+            transport.close()
+
+    @asynccontextmanager
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        recorder: TimingRecorder | None,
+    ) -> AsyncIterator[HTTPResponse]:
+        proto, early = await self._connection(recorder)
+        quic = proto._quic
+        stream_id = quic.get_next_available_stream_id()
+        stream = _Stream(asyncio.get_running_loop())
+        proto.streams[stream_id] = stream
+        fields = [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", self.origin.host_header.encode()), (b":path", path.encode()),
+            *((k.lower().encode(), v.encode()) for k, v in headers.items()),
+        ]
+        try:
+            proto.h3.send_headers(stream_id, fields, end_stream=body is None)
+            if body is not None:
+                proto.h3.send_data(stream_id, body, end_stream=True)
+            proto.transmit()
+            if recorder is not None:
+                recorder.feed("request_sent", time.perf_counter())
+                if early:
+                    # The handshake completes while the request is in flight (0-RTT).
+                    await self._await_handshake(proto, recorder)
+                    hs = proto.handshake
+                    recorder.record.zero_rtt = bool(hs is not None and hs.early_data_accepted)
+            raw_headers, at = await stream.headers
+            if recorder is not None:
+                recorder.feed("first_byte", at)
+            hdrs = {k.decode().lower(): v.decode() for k, v in raw_headers}
+            status = int(hdrs.pop(":status", "0"))
+            response = HTTPResponse(status, hdrs, "HTTP/3", self._chunks(stream))
+            note_response_headers(recorder, response)
+            yield response
+        finally:
+            proto.streams.pop(stream_id, None)
+            if not stream.ended and proto.usable:
+                with contextlib.suppress(Exception):
+                    quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+                    proto.transmit()
+
+    @staticmethod
+    async def _chunks(stream: _Stream) -> AsyncIterator[bytes]:
+        while True:
+            item = await stream.data.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes)
+            yield item
+
+    async def prewarm(self, connections: int = 1) -> None:
+        await self._connection(None)
+
+    async def keepalive(self) -> None:
+        proto = self._proto
+        if proto is None or not proto.usable:
+            return
+        try:
+            await asyncio.wait_for(proto.ping(), self._connect_timeout_s)
+        except (TimeoutError, ConnectionError):
+            async with self._lock:
+                if self._proto is proto:
+                    await self._drop()
+
+    async def reset(self) -> None:
+        """Forget the current connection (e.g. after a stall); the next request reconnects."""
+        async with self._lock:
+            await self._drop()
+
+    async def aclose(self) -> None:
+        await self.reset()

@@ -1,0 +1,161 @@
+"""HTTP/1.1 and HTTP/2 sessions on httpx, timed from httpcore's trace events.
+
+One ``httpx.AsyncClient`` per (origin, HTTP version), with ``keepalive_expiry`` far beyond
+httpx's 5 s default, the client's one ``SSLContext``, and requests sent to the address the
+SDK resolved itself (``sni_hostname`` and ``Host`` keep the name) so DNS is its own phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from client_sdk._core.timing import TimingRecorder
+from client_sdk.errors import ConnectError, TLSError
+from client_sdk.resolver import Origin, Resolver
+from client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+
+__all__ = ["HttpxSession", "connect_error"]
+
+
+def connect_error(exc: BaseException, origin: Origin) -> ConnectError:
+    """Our typed error for a failure to connect (TLS problems become :class:`TLSError`)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ssl.SSLError):
+            return TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    text = str(exc) or type(exc).__name__
+    return ConnectError(f"cannot connect to {origin.host}:{origin.port}: {text}")
+
+
+class HttpxSession:
+    """Requests to one origin over HTTP/1.1 or HTTP/2 (``http`` is ``"1.1"`` or ``"2"``)."""
+
+    def __init__(
+        self,
+        origin: Origin,
+        http: str,
+        ssl_context: ssl.SSLContext,
+        resolver: Resolver,
+        *,
+        keepalive_expiry_s: float = 120.0,
+        max_connections: int = 16,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if http not in ("1.1", "2"):
+            raise ValueError(f"httpx session speaks HTTP/1.1 or HTTP/2, not {http!r}")
+        self.origin = origin
+        self.http_version = "HTTP/1.1" if http == "1.1" else "HTTP/2"
+        self._resolver = resolver
+        self._http = http
+        self._ssl_context = ssl_context
+        self._limits = (max_connections, keepalive_expiry_s, connect_timeout_s)
+        self._client = self._make_client()
+
+    def _make_client(self) -> httpx.AsyncClient:
+        max_connections, keepalive_expiry_s, connect_timeout_s = self._limits
+        return httpx.AsyncClient(
+            http1=self._http == "1.1",
+            http2=self._http == "2",
+            verify=self._ssl_context,
+            trust_env=False,
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=keepalive_expiry_s,
+            ),
+            timeout=httpx.Timeout(
+                connect=connect_timeout_s, read=None, write=connect_timeout_s,
+                pool=connect_timeout_s,
+            ),
+        )
+
+    async def _url(self, path: str, recorder: TimingRecorder | None) -> httpx.URL:
+        address = await self._resolver.resolve(self.origin.host, self.origin.port, recorder)
+        host = f"[{address}]" if ":" in address else address
+        return httpx.URL(f"{self.origin.scheme}://{host}:{self.origin.port}{path}")
+
+    @asynccontextmanager
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str],
+        body: bytes | None,
+        recorder: TimingRecorder | None,
+    ) -> AsyncIterator[HTTPResponse]:
+        url = await self._url(path, recorder)
+        extensions: dict[str, Any] = {"sni_hostname": self.origin.host}
+        if recorder is not None:
+            rec = recorder
+
+            async def trace(name: str, info: dict[str, Any]) -> None:
+                rec.feed_httpcore(name, time.perf_counter())
+
+            extensions["trace"] = trace
+            rec.feed("pool_wait.started", time.perf_counter())
+        request = self._client.build_request(
+            method, url, headers={"host": self.origin.host_header, **headers}, content=body,
+            extensions=extensions,
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise connect_error(exc, self.origin) from exc
+        except httpx.TransportError as exc:
+            raise TransportCut(f"connection lost before the response: {exc!r}") from exc
+        try:
+            result = HTTPResponse(
+                status=response.status_code,
+                headers={k.lower(): v for k, v in response.headers.items()},
+                http_version=response.http_version,
+                chunks=self._chunks(response),
+            )
+            note_response_headers(recorder, result)
+            yield result
+        finally:
+            await response.aclose()
+
+    @staticmethod
+    async def _chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            raise TransportCut(f"connection lost mid-stream: {exc!r}") from exc
+
+    async def _ping(self) -> None:
+        try:
+            async with self.request("GET", "/healthz", headers={}, body=None,
+                                    recorder=None) as response:
+                await response.read()
+        except TransportCut:
+            pass
+
+    async def prewarm(self, connections: int = 1) -> None:
+        # HTTP/2 multiplexes: one connection carries every request. HTTP/1.1 needs one
+        # connection per concurrent request, opened by concurrent cheap requests.
+        n = 1 if self.http_version == "HTTP/2" else max(connections, 1)
+        await asyncio.gather(*(self._ping() for _ in range(n)))
+
+    async def keepalive(self) -> None:
+        pool = self._client._transport._pool  # type: ignore[attr-defined]
+        idle = sum(1 for c in pool.connections if c.is_idle())
+        if idle:
+            await asyncio.gather(*(self._ping() for _ in range(idle)))
+
+    async def reset(self) -> None:
+        """Drop every pooled connection (e.g. after a stall); the next request reconnects."""
+        old, self._client = self._client, self._make_client()
+        await old.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,91 @@
+"""Long-poll transport: ``POST /v1/streams`` then ``GET /v1/streams/{id}/poll?after=N&wait=S``.
+
+For networks where a held-open response is buffered or cut by a proxy. The cursor logic
+(position, duplicates, backoff, give-up) is the sans-IO
+:class:`~client_sdk._core.longpoll.PollCursor`; this module only sends the polls it asks
+for and sleeps until it says so. A failed poll is retried from the same cursor, so nothing
+is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from client_sdk._core.longpoll import PollCursor, decode_batch
+from client_sdk._core.sse import DONE
+from client_sdk._core.timing import TimingRecorder
+from client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
+from client_sdk.transports.base import Event, Opened, Session, Source, TransportCut
+
+__all__ = ["longpoll_source", "start_stream"]
+
+
+class _Created(msgspec.Struct):
+    stream: str
+
+
+async def start_stream(
+    session: Session, prefix: str, headers: dict[str, str], body: bytes,
+    recorder: TimingRecorder | None,
+) -> str:
+    """``POST /v1/streams``: the router admits the request and answers with the stream id."""
+    async with session.request(
+        "POST", f"{prefix}/streams", headers={**headers, "content-type": "application/json"},
+        body=body, recorder=recorder,
+    ) as response:
+        raw = await response.read()
+        if response.status not in (200, 201):
+            raise api_error_from_response(response.status, raw,
+                                          retry_after=response.headers.get("retry-after"))
+    try:
+        return msgspec.json.decode(raw, type=_Created).stream
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise StreamBrokenError(f"invalid POST /v1/streams answer: {exc}") from None
+
+
+async def longpoll_source(
+    session: Session,
+    prefix: str,
+    headers: dict[str, str],
+    *,
+    body: bytes | None,
+    stream_id: str | None,
+    after: int,
+    recorder: TimingRecorder | None,
+    wait_s: float = 10.0,
+    max_failures: int = 5,
+) -> Source:
+    """Start a stream (``stream_id`` None) or continue one after ``after``, by polling."""
+    if stream_id is None:
+        if body is None:
+            raise ValueError("a new long-poll stream needs a request body")
+        stream_id = await start_stream(session, prefix, headers, body, recorder)
+    if recorder is not None:
+        recorder.record.stream_id = stream_id
+    yield Opened(stream_id)
+    cursor = PollCursor(stream_id, after=after, wait_s=wait_s, max_failures=max_failures)
+    while (poll := cursor.next_poll(time.monotonic())) is not None:
+        delay = poll.not_before - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        query = "&".join(f"{k}={v}" for k, v in poll.params.items())
+        try:
+            async with session.request("GET", f"{prefix}{poll.path}?{query}", headers=headers,
+                                       body=None, recorder=None) as response:
+                raw = await response.read()
+                status = response.status
+                retry_after = response.headers.get("retry-after")
+        except (TransportCut, ConnectError) as exc:
+            cursor.receive_failure(time.monotonic(), f"poll failed: {exc}")
+            continue
+        if status in (429, 502, 503, 504):
+            cursor.receive_failure(time.monotonic(), f"poll answered {status}")
+            continue
+        if status != 200:
+            raise api_error_from_response(status, raw, retry_after=retry_after)
+        for event in cursor.receive_batch(decode_batch(raw), time.monotonic()):
+            yield Event(event.seq, event.data)
+    yield Event(None, DONE)

@@ -1,0 +1,54 @@
+"""SSE transport: ``POST /v1/chat/completions`` (stream) and resume by ``GET /v1/streams/{id}``.
+
+Runs over any :class:`~client_sdk.transports.base.Session` (httpx for HTTP/1.1 and 2, aioquic
+for HTTP/3); the bytes go through the shared sans-IO :class:`~client_sdk._core.sse.SSEDecoder`.
+Heartbeat comments never become items, so the client's idle watchdog ignores them.
+"""
+
+from __future__ import annotations
+
+from client_sdk._core.sse import SSEDecoder, SSEProtocolError
+from client_sdk._core.timing import TimingRecorder
+from client_sdk.errors import StreamBrokenError, api_error_from_response
+from client_sdk.transports.base import Event, Opened, Session, Source
+
+__all__ = ["sse_source"]
+
+
+async def sse_source(
+    session: Session,
+    prefix: str,
+    headers: dict[str, str],
+    *,
+    body: bytes | None,
+    stream_id: str | None,
+    after: int,
+    recorder: TimingRecorder | None,
+) -> Source:
+    """Start a stream (``stream_id`` None, ``body`` the request) or resume one after ``after``."""
+    if stream_id is None:
+        method, path = "POST", f"{prefix}/chat/completions"
+        req_headers = {**headers, "content-type": "application/json",
+                       "accept": "text/event-stream"}
+    else:
+        method, path = "GET", f"{prefix}/streams/{stream_id}"
+        req_headers = {**headers, "accept": "text/event-stream", "last-event-id": str(after)}
+        body = None
+    async with session.request(method, path, headers=req_headers, body=body,
+                               recorder=recorder) as response:
+        if response.status != 200:
+            raise api_error_from_response(response.status, await response.read(),
+                                          retry_after=response.headers.get("retry-after"))
+        ctype = response.headers.get("content-type", "")
+        if not ctype.startswith("text/event-stream"):
+            raise StreamBrokenError(f"expected an event stream, got content-type {ctype!r}")
+        yield Opened(response.headers.get("x-firstbyte-stream") or stream_id)
+        decoder = SSEDecoder()
+        async for chunk in response.chunks:
+            try:
+                events = decoder.receive_data(chunk)
+            except SSEProtocolError as exc:
+                raise StreamBrokenError(str(exc)) from None
+            for event in events:
+                seq = int(event.id) if event.id is not None and event.id.isdigit() else None
+                yield Event(seq, event.data)

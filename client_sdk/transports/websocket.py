@@ -1,0 +1,233 @@
+"""WebSocket transport (``/v1/ws``, docs/protocol.md) with a small pool of warm sockets.
+
+A socket carries one stream at a time and goes back to the pool when its stream ended
+cleanly; a socket abandoned mid-stream is closed (late messages would confuse the next user).
+The connect is done in steps so each is timed: DNS (our resolver), TCP (our own socket),
+TLS (until the protocol's ``connection_made``) and the HTTP upgrade (``ws_upgrade``).
+Keep-warm uses WebSocket ping frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from typing import Any
+
+import msgspec
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.protocol import State
+
+from client_sdk._core.sse import DONE
+from client_sdk._core.timing import TimingRecorder
+from client_sdk.errors import (
+    AuthenticationError,
+    ConnectError,
+    StreamBrokenError,
+    TLSError,
+    api_error_from_response,
+)
+from client_sdk.resolver import Origin, Resolver
+from client_sdk.transports.base import Event, Opened, Source, TransportCut
+
+__all__ = ["WebSocketPool", "websocket_source"]
+
+
+class _TimedConnection(ClientConnection):
+    made_at: float = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # For a TLS transport asyncio calls this once the handshake has completed.
+        self.made_at = time.perf_counter()
+        super().connection_made(transport)
+
+
+class _Message(msgspec.Struct):
+    type: str
+    stream: str | None = None
+    seq: int | None = None
+    data: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+_decode = msgspec.json.Decoder(_Message).decode
+
+
+class WebSocketPool:
+    """Open, idle WebSocket connections to one origin's ``{prefix}/ws``."""
+
+    http_version = "HTTP/1.1"
+
+    def __init__(
+        self,
+        origin: Origin,
+        headers: dict[str, str],
+        ssl_context: ssl.SSLContext,
+        resolver: Resolver,
+        *,
+        ping_interval_s: float = 20.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.origin = origin
+        self._headers = headers
+        self._ssl = ssl_context if origin.tls else None
+        self._resolver = resolver
+        self._ping_interval_s = ping_interval_s
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: list[ClientConnection] = []
+
+    @property
+    def url(self) -> str:
+        scheme = "wss" if self.origin.tls else "ws"
+        return f"{scheme}://{self.origin.host_header}{self.origin.prefix}/ws"
+
+    async def _connect(self, recorder: TimingRecorder | None) -> ClientConnection:
+        origin = self.origin
+        address = await self._resolver.resolve(origin.host, origin.port, recorder)
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (address, origin.port)),
+                                   self._connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            raise ConnectError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+        t1 = time.perf_counter()
+        if recorder is not None:
+            recorder.feed("tcp_connect.started", t0)
+            recorder.feed("tcp_connect.complete", t1)
+        kw: dict[str, Any] = {}
+        if self._ssl is not None:
+            kw = {"ssl": self._ssl, "server_hostname": origin.host}
+        try:
+            ws = await connect(
+                self.url, sock=sock, additional_headers=self._headers,
+                create_connection=_TimedConnection, open_timeout=self._connect_timeout_s,
+                ping_interval=self._ping_interval_s, ping_timeout=self._connect_timeout_s,
+                max_size=16 << 20, compression=None, **kw,
+            )
+        except InvalidStatus as exc:
+            sock.close()
+            body = bytes(exc.response.body or b"")
+            status = exc.response.status_code
+            raise api_error_from_response(status, body) from None
+        except ssl.SSLError as exc:
+            sock.close()
+            raise TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {exc}") from exc
+        except (OSError, TimeoutError, InvalidHandshake) as exc:
+            sock.close()
+            raise ConnectError(f"WebSocket connect to {self.url} failed: {exc!r}") from exc
+        t3 = time.perf_counter()
+        assert isinstance(ws, _TimedConnection)
+        if recorder is not None:
+            if self._ssl is not None:
+                recorder.feed("tls_handshake.started", t1)
+                recorder.feed("tls_handshake.complete", ws.made_at)
+            recorder.feed("ws_upgrade.started", ws.made_at)
+            recorder.feed("ws_upgrade.complete", t3)
+        return ws
+
+    async def acquire(self, recorder: TimingRecorder | None) -> ClientConnection:
+        """An idle open connection (warm), else a new one (cold, timed into ``recorder``)."""
+        while self._idle:
+            ws = self._idle.pop()
+            if ws.state is State.OPEN:
+                if recorder is not None:
+                    recorder.feed("pool_wait.started", time.perf_counter())
+                    recorder.feed("pool_wait.complete", time.perf_counter())
+                return ws
+        return await self._connect(recorder)
+
+    def release(self, ws: ClientConnection) -> None:
+        if ws.state is State.OPEN:
+            self._idle.append(ws)
+
+    async def prewarm(self, connections: int = 1) -> None:
+        missing = max(connections, 1) - sum(1 for ws in self._idle if ws.state is State.OPEN)
+        if missing > 0:
+            opened = await asyncio.gather(*(self._connect(None) for _ in range(missing)))
+            self._idle.extend(opened)
+
+    async def keepalive(self) -> None:
+        for ws in list(self._idle):
+            try:
+                pong = await ws.ping()
+                await asyncio.wait_for(pong, self._connect_timeout_s)
+            except (ConnectionClosed, TimeoutError):
+                with contextlib.suppress(ValueError):
+                    self._idle.remove(ws)
+                await ws.close()
+
+    async def reset(self) -> None:
+        idle, self._idle = self._idle, []
+        for ws in idle:
+            await ws.close()
+
+    async def aclose(self) -> None:
+        await self.reset()
+
+
+async def websocket_source(
+    pool: WebSocketPool,
+    *,
+    body: bytes | None,
+    stream_id: str | None,
+    after: int,
+    recorder: TimingRecorder | None,
+) -> Source:
+    """Start a stream (``{"type": "request"}``) or resume one (``{"type": "resume"}``)."""
+    ws = await pool.acquire(recorder)
+    clean = False
+    try:
+        if stream_id is None:
+            if body is None:
+                raise ValueError("a new WebSocket stream needs a request body")
+            message = b'{"type":"request","body":' + body + b"}"
+        else:
+            message = msgspec.json.encode({"type": "resume", "stream": stream_id, "after": after})
+        await ws.send(message.decode())
+        if recorder is not None:
+            recorder.feed("request_sent", time.perf_counter())
+            recorder.record.http_version = "HTTP/1.1"
+        first = True
+        async for raw in ws:
+            if first and recorder is not None:
+                recorder.feed("first_byte", time.perf_counter())
+            first = False
+            try:
+                msg = _decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise StreamBrokenError(f"invalid WebSocket message: {exc}") from None
+            if msg.type == "start":
+                if recorder is not None:
+                    recorder.record.stream_id = msg.stream
+                yield Opened(msg.stream)
+            elif msg.type == "event":
+                yield Event(msg.seq, msg.data or {})
+            elif msg.type == "done":
+                clean = True
+                yield Event(msg.seq, DONE)
+                return
+            elif msg.type == "error":
+                raise api_error_from_response(None, {"error": msg.error or {}})
+        raise TransportCut("WebSocket closed before the stream ended")
+    except ConnectionClosed as exc:
+        rcvd = exc.rcvd
+        if rcvd is not None and rcvd.code == 1008:
+            raise AuthenticationError(rcvd.reason or "WebSocket closed by policy (1008)") from None
+        if rcvd is not None and rcvd.code == 1007:
+            raise StreamBrokenError(f"router rejected the message: {rcvd.reason}") from None
+        raise TransportCut(f"WebSocket connection lost: {exc}") from exc
+    finally:
+        if clean:
+            pool.release(ws)
+        else:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), 1.0)
