@@ -16,6 +16,7 @@ from typing import Protocol
 # name -> (module, one-line help). Only subcommands that work are listed.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("router.sim.cli", "run the simulated OpenAI-compatible inference server"),
+    "probe": ("client_sdk.probe", "time one streamed request phase by phase, like curl -w"),
     "router": ("router.cli", "run the regional router (TLS, HTTP/1.1, HTTP/2, HTTP/3)"),
     "bench": ("benchmarks.cli", "run a benchmark scenario and write its report, or compare two"),
 }
