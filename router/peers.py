@@ -122,19 +122,23 @@ class PeerTable:
 
 
 class PeerPoller:
-    """Polls every peer's ``/v1/edge/status`` on a kept-warm ``httpx.AsyncClient`` each."""
+    """Polls every peer's ``/v1/edge/status`` through ``client`` (an ``httpx.AsyncClient``).
+
+    Pass the client that also forwards requests to peers: the polls keep its connection to
+    each peer warm (its keep-alive expiry must exceed the poll interval).
+    """
 
     def __init__(
         self,
         table: PeerTable,
-        clients: dict[str, object],
+        client: object,
         *,
         peer_key: str | None,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.table = table
-        self.clients = clients
+        self.client = client
         self.peer_key = peer_key
         self.interval_s = interval_s
         self.clock = clock
@@ -144,13 +148,15 @@ class PeerPoller:
     async def poll_once(self, name: str) -> None:
         import httpx
 
-        client = self.clients[name]
+        client = self.client
         assert isinstance(client, httpx.AsyncClient)
         headers = {PEER_KEY_HEADER: self.peer_key} if self.peer_key else {}
         start = self.clock()
         try:
             response = await client.get(
-                "/v1/edge/status", headers=headers, timeout=self.interval_s * 2 + 1
+                self.table.peers[name].url.rstrip("/") + "/v1/edge/status",
+                headers=headers,
+                timeout=self.interval_s * 2 + 1,
             )
             response.raise_for_status()
             status = self._decoder.decode(response.content)

@@ -118,6 +118,12 @@ class WarmupScheduler:
         self._mark_cold(name)
         self.restarts_total.setdefault(name, 0)
 
+    def set_models(self, name: str, models: Iterable[str]) -> None:
+        """The models a backend serves became known: its prefixes start cold."""
+        b = self.backends[name]
+        b.models = tuple(models)
+        self._mark_cold(name)
+
     def remove_backend(self, name: str) -> None:
         self.backends.pop(name, None)
 
@@ -263,17 +269,23 @@ class WarmupRunner:
     def __init__(
         self,
         scheduler: WarmupScheduler,
-        clients: Mapping[str, object],
+        client: object,
+        urls: Mapping[str, str],
         *,
         poll_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         on_metrics: Callable[[str, BackendMetrics | None], None] | None = None,
+        headers: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.scheduler = scheduler
-        self.clients = clients
+        self.client = client
+        self.urls = dict(urls)
+        """Backend name -> base URL (without ``/v1``)."""
         self.poll_interval_s = poll_interval_s
         self.clock = clock
         self.on_metrics = on_metrics
+        self.headers = {k: dict(v) for k, v in (headers or {}).items()}
+        """Per-backend extra headers for probes (e.g. the upstream's API key)."""
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -281,12 +293,19 @@ class WarmupRunner:
     async def scrape(self, name: str) -> None:
         import httpx
 
-        client = self.clients[name]
+        client = self.client
         assert isinstance(client, httpx.AsyncClient)
+        base = self.urls[name].rstrip("/")
         try:
-            response = await client.get("/metrics", timeout=self.poll_interval_s * 2 + 1)
+            response = await client.get(base + "/metrics", timeout=self.poll_interval_s * 2 + 1)
             response.raise_for_status()
-        except httpx.HTTPError:
+            if not self.scheduler.backends[name].models:
+                # No models configured: ask the server which it serves (vLLM rejects others).
+                listed = await client.get(base + "/v1/models", timeout=5.0)
+                listed.raise_for_status()
+                ids = [m["id"] for m in listed.json().get("data", []) if "id" in m]
+                self.scheduler.set_models(name, ids)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
             self.scheduler.health(name, False)
             if self.on_metrics is not None:
                 self.on_metrics(name, None)
@@ -299,12 +318,14 @@ class WarmupRunner:
     async def probe(self, task: WarmTask) -> None:
         import httpx
 
-        client = self.clients[task.backend]
+        client = self.client
         assert isinstance(client, httpx.AsyncClient)
         prefix = self.scheduler.prefixes[task.prefix]
+        headers = self.headers.get(task.backend, {})
         try:
             response = await client.post(
-                "/v1/chat/completions", json=probe_body(prefix, task.model), timeout=60.0
+                self.urls[task.backend].rstrip("/") + "/v1/chat/completions",
+                json=probe_body(prefix, task.model), headers=headers, timeout=60.0,
             )
             response.raise_for_status()
             usage = response.json().get("usage") or {}

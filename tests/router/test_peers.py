@@ -81,7 +81,7 @@ async def test_poller_over_one_kept_warm_connection() -> None:
     async with serve(status_app(seen, fail)) as url:
         table = PeerTable([("tokyo", url)], ttl_s=5.0)
         client = httpx.AsyncClient(base_url=url)
-        poller = PeerPoller(table, {"tokyo": client}, peer_key="k" * 16, interval_s=0.02)
+        poller = PeerPoller(table, client, peer_key="k" * 16, interval_s=0.02)
         try:
             for _ in range(3):
                 await poller.poll_once("tokyo")

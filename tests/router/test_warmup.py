@@ -118,10 +118,11 @@ async def test_runner_warms_real_sims_and_rewarms_after_restart() -> None:
         s.add_backend("one", ["chat-model"])
         s.add_backend("two", ["chat-model"])
         async with clients({"one": one.url, "two": two.url}) as cs:
-            runner = WarmupRunner(s, cs, poll_interval_s=0.05)
+            runner = WarmupRunner(s, cs["one"], {"one": one.url, "two": two.url},
+                                  poll_interval_s=0.05)
             assert await runner.wait_all_warm(timeout_s=20)
             for sim in (one, two):
-                metrics = parse_backend_metrics((await cs["one" if sim is one else "two"].get("/metrics")).text)
+                metrics = parse_backend_metrics((await cs["one"].get(f"{sim.url}/metrics")).text)
                 assert metrics.prefix_queries is not None
                 assert metrics.prefix_queries > 0  # the probe went through the prefix cache
                 prompt, cached = await cached_tokens_for(sim, SUPPORT.text)
@@ -132,8 +133,7 @@ async def test_runner_warms_real_sims_and_rewarms_after_restart() -> None:
             assert s.restarts_total["two"] == 0
             # "two" restarts: a fresh sim behind the same name has its counters back at zero.
             async with sim_server() as two_again:
-                await cs["two"].aclose()
-                cs["two"] = httpx.AsyncClient(base_url=two_again.url)
+                runner.urls["two"] = two_again.url
                 await runner.step()
                 assert s.restarts_total["two"] == 1
                 assert s.state("two", "support") is not WarmState.WARM
