@@ -26,8 +26,6 @@ from client_sdk.types import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
-    ChunkChoice,
-    Delta,
     Model,
     ModelList,
     PromptTokensDetails,
@@ -218,8 +216,8 @@ class SimApp:
             + encode(request.model)
             + b',"system_fingerprint":null,"choices":[{"index":0,"delta":'
         )
-        tail = b'},"logprobs":null,"finish_reason":null}]'
-        tail += b',"usage":null}\n\n' if request.wants_usage_chunk else b"}\n\n"
+        usage_null = b',"usage":null' if request.wants_usage_chunk else b""
+        tail = b'},"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
         content_head = head + b'{"content":'
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         limit = seq.max_output
@@ -248,17 +246,9 @@ class SimApp:
                 raise DropConnection(f"injected fault: drop after {sent} tokens")
             await disconnected  # stall: keep the connection open until the client leaves
             return
+        reason = seq.finish_reason.encode()
         final = [
-            encode_event(
-                encode(
-                    ChatCompletionChunk(
-                        id=chunk_id,
-                        created=created,
-                        model=request.model,
-                        choices=[_final_choice(seq.finish_reason)],
-                    )
-                )
-            )
+            head + b'{},"logprobs":null,"finish_reason":"' + reason + b'"}]' + usage_null + b"}\n\n"
         ]
         if request.wants_usage_chunk:
             usage_chunk = ChatCompletionChunk(
@@ -317,10 +307,6 @@ class SimApp:
             ],
             usage=_usage(seq),
         )
-
-
-def _final_choice(finish_reason: str) -> ChunkChoice:
-    return ChunkChoice(index=0, delta=Delta(), finish_reason=finish_reason)
 
 
 def _usage(seq: Sequence) -> Usage:
