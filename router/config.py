@@ -12,9 +12,18 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+
+from .regions_config import (
+    GeoConfig,
+    PeerConfig,
+    RoutingConfig,
+    WarmPrefixConfig,
+    WarmupConfig,
+    check_regions,
+)
 
 __all__ = [
     "AuthConfig",
@@ -66,6 +75,14 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = ""
     api_key: str | None = None
     """Sent upstream as ``Authorization: Bearer``; never the client's key."""
+    kind: Literal["vllm", "sglang", "openai"] = "vllm"
+    """Which metric names ``/metrics`` has (``openai``: no metrics; load from own counts)."""
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Requests in flight (or queued upstream) before it counts as saturated; default
+    ``routing.backend_max_in_flight``."""
+    models: list[str] = msgspec.field(default_factory=list)
+    """Models it serves (for warmup); empty: asked from its ``/v1/models``."""
 
 
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -103,8 +120,15 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
+    # Routing across regions (router/regions_config.py).
+    geo: GeoConfig = msgspec.field(default_factory=GeoConfig)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    peers: list[PeerConfig] = msgspec.field(default_factory=list)
+    warm_prefixes: list[WarmPrefixConfig] = msgspec.field(default_factory=list)
+    warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
 
     def __post_init__(self) -> None:
+        check_regions(self.region, self.geo, self.peers, self.routing, self.warm_prefixes)
         listen = self.listen
         if (listen.certfile is None) != (listen.keyfile is None):
             raise ValueError("listen.certfile and listen.keyfile must be given together")
