@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("client_sdk.probe", "time one streamed request phase by phase, like curl -w"),
     "router": ("router.cli", "run the regional router (TLS, HTTP/1.1, HTTP/2, HTTP/3)"),
     "bench": ("benchmarks.cli", "run a benchmark scenario and write its report, or compare two"),
+    "wan": ("benchmarks.wan.cli", "packet-level WAN emulator: up, down, exec, cleanup, precision"),
 }
 
 

@@ -29,20 +29,16 @@ import atexit
 import contextlib
 import itertools
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from benchmarks.stats import percentile
 from benchmarks.wan.delayline import NS_PER_MS, LinkParams
-from benchmarks.wan.netns import Network, WanError
-
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+from benchmarks.wan.netns import Network, WanError, python_env
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ class PairPrecision:
 
     src: str
     dst: str
-    method: str  # "udp" (echo datagram) or "tcp" (connect: SYN to SYN-ACK)
+    method: str  # "udp" (echo datagram), "tcp-connect" (SYN to SYN-ACK), "tcp-request"
     configured_rtt_ms: float
     samples: int
     lost: int
@@ -286,11 +282,6 @@ class Emulator:
 
     # -- precision -----------------------------------------------------------------------
 
-    def _echo_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
-        return env
-
     def echo_port(self, host: str, proto: Literal["udp", "tcp"]) -> int:
         """The port of an echo server (started on first use) inside ``host``."""
         key = (host, proto)
@@ -305,7 +296,7 @@ class Emulator:
                 "--bind",
                 self.ip(host),
             ]
-            proc = self.popen(host, argv, stdout=subprocess.PIPE, text=True, env=self._echo_env())
+            proc = self.popen(host, argv, stdout=subprocess.PIPE, text=True, env=python_env())
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if not line:
@@ -313,8 +304,12 @@ class Emulator:
             self._echo_ports[key] = int(json.loads(line)["port"])
         return self._echo_ports[key]
 
-    def probe(self, src: str, dst: str, method: Literal["udp", "tcp"], count: int) -> PairPrecision:
-        """Measure ``count`` round trips from ``src`` to ``dst`` through the emulator."""
+    def probe(
+        self, src: str, dst: str, method: Literal["udp", "tcp"], count: int
+    ) -> list[PairPrecision]:
+        """Measure ``count`` round trips from ``src`` to ``dst`` through the emulator: one
+        result for ``udp`` (echo), two for ``tcp`` (``tcp-connect``: SYN to SYN-ACK, and
+        ``tcp-request``: one line and its echo on the open connection)."""
         port = self.echo_port(dst, method)
         configured = self.configured_rtt_ms(src, dst)
         if method == "udp":
@@ -323,41 +318,40 @@ class Emulator:
             args = ["udp-ping", "--interval-ms", f"{interval:g}"]
         else:
             args = ["tcp-probe"]
-        argv = [
-            sys.executable,
-            "-m",
-            "benchmarks.wan.echo",
-            *args,
-            "--to",
-            self.ip(dst),
-            "--port",
-            str(port),
-            "--count",
-            str(count),
-        ]
+        argv = [sys.executable, "-m", "benchmarks.wan.echo", *args, "--to", self.ip(dst)]
+        argv += ["--port", str(port), "--count", str(count)]
         proc = subprocess.run(
             self.command(src, argv),
             capture_output=True,
             text=True,
             timeout=60 + count * configured / 100,
-            env=self._echo_env(),
+            env=python_env(),
         )
         if proc.returncode != 0:
             raise WanError(f"probe {src} -> {dst} ({method}) failed: {proc.stderr.strip()}")
         data = json.loads(proc.stdout)
-        samples: list[float] = data["rtt_ms"] if method == "udp" else data["connect_ms"]
-        median = percentile(samples, 50) if samples else float("nan")
-        return PairPrecision(
-            src=src,
-            dst=dst,
-            method=method,
-            configured_rtt_ms=configured,
-            samples=len(samples),
-            lost=int(data.get("lost", 0)),
-            median_ms=median,
-            p90_ms=percentile(samples, 90) if samples else float("nan"),
-            error_ms=median - configured,
+        series = (
+            {"udp": data["rtt_ms"]}
+            if method == "udp"
+            else {"tcp-connect": data["connect_ms"], "tcp-request": data["request_ms"]}
         )
+        out = []
+        for name, samples in series.items():
+            median = percentile(samples, 50) if samples else float("nan")
+            out.append(
+                PairPrecision(
+                    src=src,
+                    dst=dst,
+                    method=name,
+                    configured_rtt_ms=configured,
+                    samples=len(samples),
+                    lost=int(data.get("lost", 0)),
+                    median_ms=median,
+                    p90_ms=percentile(samples, 90) if samples else float("nan"),
+                    error_ms=median - configured,
+                )
+            )
+        return out
 
     def precision(
         self,
@@ -371,7 +365,7 @@ class Emulator:
         result in every benchmark report."""
         if pairs is None:
             pairs = list(itertools.combinations([h.name for h in self.hosts], 2))
-        results = [self.probe(a, b, m, count) for a, b in pairs for m in methods]
+        results = [r for a, b in pairs for m in methods for r in self.probe(a, b, m, count)]
         return PrecisionReport(results, self.stats())
 
     async def aprecision(

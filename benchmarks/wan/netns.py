@@ -76,6 +76,15 @@ def validate_host(name: str, ip: str) -> None:
         )
 
 
+def python_env() -> dict[str, str]:
+    """This environment with the directory holding ``benchmarks`` first on PYTHONPATH, so
+    helper processes import this same copy even when the package is not installed."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
 def ip_cmd(*args: str, stdin: str | None = None, check: bool = True) -> str:
     """Run ``ip ARGS`` (``-batch -`` reads ``stdin``); raise :class:`WanError` on failure."""
     proc = subprocess.run(["ip", *args], input=stdin, capture_output=True, text=True)
@@ -310,7 +319,9 @@ class Network:
         )
         config_path = STATE_DIR / f"{state.run_id}.forwarder.json"
         config_path.write_text(json.dumps(config.to_json()))
-        argv = [sys.executable, "-m", "benchmarks.wan.forwarder", "--config", str(config_path)]
+        # -c rather than -m: the package __init__ already imports this module (runpy warns).
+        code = "import sys; from benchmarks.wan.forwarder import main; sys.exit(main())"
+        argv = [sys.executable, "-c", code, "--config", str(config_path)]
         if detached:
             argv.append("--detached")
         proc = subprocess.Popen(
@@ -319,6 +330,7 @@ class Network:
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env=python_env(),
         )
         state.forwarder_pid = proc.pid
         state.forwarder_start = process_start_time(proc.pid)
