@@ -88,8 +88,11 @@ def granian_app() -> SimApp:
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket (port 0: an ephemeral port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto
+    # says TCP, and without it Nagle + delayed ACK hold small SSE writes back for ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)
