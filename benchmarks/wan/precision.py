@@ -42,7 +42,7 @@ def measure(
 def run(quick: bool) -> dict[str, Any]:
     """Results in the shape :mod:`benchmarks.report` writes (``runs`` = one row per probe)."""
     rtts = [150.0] if quick else [10.0, 50.0, 150.0, 300.0]
-    count = 20 if quick else 100
+    count = 10 if quick else 100
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     forwarder: dict[str, Any] = {}
