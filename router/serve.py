@@ -88,6 +88,7 @@ def _hypercorn_config(config: RouterConfig, h3_port: int | None, tickets: Ticket
     listen = config.listen
     hc: Any = Config()
     hc.keep_alive_timeout = listen.keep_alive_timeout_s
+    hc.errorlog = logging.getLogger("hypercorn.error")  # via logging: INFO lines stay quiet
     hc.accesslog = None  # request lines could carry stream ids: no access log by default
     hc.include_server_header = False
     hc.graceful_timeout = 5.0
@@ -142,9 +143,45 @@ async def serve(
     )
     loop = asyncio.get_running_loop()
     loop.call_soon(_announce, started, endpoints)
-    await worker_serve(
-        wrap_app(cast(Any, app), 0, "asgi"), hc, sockets=sockets, shutdown_trigger=shutdown
-    )
+    stop = shutdown or _signal_event().wait
+    poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
+    try:
+        await worker_serve(
+            wrap_app(cast(Any, app), 0, "asgi"), hc, sockets=sockets, shutdown_trigger=stop
+        )
+    finally:
+        if poker is not None:
+            poker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poker
+
+
+def _signal_event() -> asyncio.Event:
+    """An event set on SIGINT or SIGTERM."""
+    import signal
+
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.socket) -> None:
+    """After shutdown begins, poke the QUIC socket until the server has stopped.
+
+    hypercorn's UDP loop re-checks "terminated and idle" only when a datagram arrives, so
+    without traffic its shutdown waits the whole graceful timeout. A 1-byte datagram is
+    dropped by the QUIC header parser and lets the loop notice.
+    """
+    await stop()
+    address = quic.getsockname()[:2]
+    family = quic.family
+    with socket.socket(family, socket.SOCK_DGRAM) as poke:
+        while True:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(OSError):
+                poke.sendto(b"\0", address)
 
 
 def _announce(started: Callable[[RouterEndpoints], None] | None, ep: RouterEndpoints) -> None:

@@ -4,6 +4,7 @@ and a factory that starts routers on ephemeral ports (TLS by default)."""
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,8 @@ def auth(key: str = API_KEY) -> dict[str, str]:
 
 def cafile_path(tls_files: dict[str, str]) -> Path:
     return Path(tls_files["cafile"])
+
+
+def client_tls(tls_files: dict[str, str]) -> ssl.SSLContext:
+    """A client TLS context trusting the test CA."""
+    return ssl.create_default_context(cafile=tls_files["cafile"])

@@ -1,0 +1,100 @@
+"""A minimal aioquic HTTP/3 client for the router's tests: one request, whole response,
+optional session ticket for resumption and 0-RTT."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import QuicEvent
+from aioquic.tls import SessionTicket
+
+
+@dataclass
+class H3Response:
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    chunks: list[bytes] = field(default_factory=list)
+    session_resumed: bool = False
+    early_data_accepted: bool = False
+
+
+class _Client(QuicConnectionProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic)
+        self.response = H3Response()
+        self.done = asyncio.Event()
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        for h3_event in self.h3.handle_event(event):
+            self._h3_event(h3_event)
+
+    def _h3_event(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            for name, value in event.headers:
+                if name == b":status":
+                    self.response.status = int(value)
+                else:
+                    self.response.headers[name.decode()] = value.decode()
+        elif isinstance(event, DataReceived):
+            if event.data:
+                self.response.chunks.append(event.data)
+                self.response.body += event.data
+        if getattr(event, "stream_ended", False):
+            self.done.set()
+
+
+async def h3_request(
+    port: int,
+    method: str,
+    path: str,
+    *,
+    cafile: str,
+    headers: dict[str, str] | None = None,
+    body: bytes = b"",
+    ticket: SessionTicket | None = None,
+    tickets: list[SessionTicket] | None = None,
+    timeout_s: float = 15.0,
+) -> H3Response:
+    """Send one request over a new QUIC connection to 127.0.0.1:``port``.
+
+    With ``ticket`` the connection resumes that session and sends the request as 0-RTT
+    early data; new tickets from the server are appended to ``tickets``.
+    """
+    configuration = QuicConfiguration(alpn_protocols=H3_ALPN, is_client=True, server_name="localhost")
+    configuration.load_verify_locations(cafile)
+    configuration.verify_mode = ssl.CERT_REQUIRED
+    if ticket is not None:
+        configuration.session_ticket = ticket
+    async with connect(
+        "127.0.0.1", port, configuration=configuration, create_protocol=_Client,
+        session_ticket_handler=(tickets.append if tickets is not None else None),
+        wait_connected=ticket is None,
+    ) as protocol:
+        client: _Client = protocol  # type: ignore[assignment]
+        stream_id = client._quic.get_next_available_stream_id()
+        request_headers = [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", f"localhost:{port}".encode()), (b":path", path.encode()),
+            *((k.encode(), v.encode()) for k, v in (headers or {}).items()),
+        ]
+        client.h3.send_headers(stream_id, request_headers, end_stream=not body)
+        if body:
+            client.h3.send_data(stream_id, body, end_stream=True)
+        client.transmit()
+        await asyncio.wait_for(client.done.wait(), timeout_s)
+        tls = client._quic.tls
+        client.response.session_resumed = bool(tls.session_resumed)
+        client.response.early_data_accepted = bool(tls.early_data_accepted)
+        if tickets is not None and not tickets:
+            await asyncio.sleep(0.05)  # the ticket may come just after the response
+        return client.response
