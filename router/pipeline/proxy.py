@@ -115,6 +115,8 @@ class Proxy:
         }
         if backend.api_key:
             headers["authorization"] = f"Bearer {backend.api_key}"
+        # Set by the multi-region stage when the "backend" is a peer region's router.
+        headers.update(ctx.extra.get("upstream_headers", {}))
         return headers
 
     def start_stream(self, ctx: RequestContext, stream: Stream) -> asyncio.Future[UpstreamHead]:
@@ -135,24 +137,56 @@ class Proxy:
         self.metrics.in_flight += 1
         sent_at = time.perf_counter()
         response: httpx.Response | None = None
+        # The multi-region stage's per-request hooks (router.multiregion.Observation).
+        observer: Any = ctx.extra.get("observer")
+        ok = False
         try:
-            request = self.client.build_request(
-                "POST",
-                backend.url + "/v1/chat/completions",
-                content=_stream_body(ctx),
-                headers=self._headers(ctx, backend, "text/event-stream"),
-            )
-            response = await self.client.send(request, stream=True)
-            elapsed_ms = (time.perf_counter() - sent_at) * 1000
-            if response.status_code != 200:
-                body = await _read_bounded(response)
-                head.set_result(UpstreamHead(response.status_code, body, elapsed_ms))
-                backend.failures += 1
-                stream.append(_as_error_event(response.status_code, body), self.clock())
-                self.metrics.count("chat", f"upstream_{response.status_code}")
-                return
-            head.set_result(UpstreamHead(200, b"", elapsed_ms))
-            await self._pump(ctx, stream, response, sent_at)
+            appended = [0]
+            while True:
+                request = self.client.build_request(
+                    "POST",
+                    backend.url + "/v1/chat/completions",
+                    content=_stream_body(ctx),
+                    headers=self._headers(ctx, backend, "text/event-stream"),
+                )
+                try:
+                    async with asyncio.timeout(None) as watch:
+                        timer = _arm_deadline(observer, ctx, watch)
+                        try:
+                            response = await self.client.send(request, stream=True)
+                            elapsed_ms = (time.perf_counter() - sent_at) * 1000
+                            if response.status_code != 200:
+                                body = await _read_bounded(response)
+                                if not head.done():
+                                    head.set_result(
+                                        UpstreamHead(response.status_code, body, elapsed_ms)
+                                    )
+                                backend.failures += 1
+                                stream.append(
+                                    _as_error_event(response.status_code, body), self.clock()
+                                )
+                                self.metrics.count("chat", f"upstream_{response.status_code}")
+                                return
+                            if not head.done():
+                                head.set_result(UpstreamHead(200, b"", elapsed_ms))
+                            ok = await self._pump(
+                                ctx, stream, response, sent_at, watch, observer, appended
+                            )
+                        finally:
+                            if timer is not None:
+                                timer.cancel()
+                    break
+                except TimeoutError:
+                    # No first token by the deadline and the stage found somewhere better:
+                    # nothing was sent to the client yet, so switch without a trace.
+                    if response is not None:
+                        await asyncio.shield(response.aclose())
+                        response = None
+                    backend.in_flight -= 1
+                    backend = observer.switch(ctx)
+                    backend.in_flight += 1
+                    backend.requests += 1
+                    sent_at = time.perf_counter()
         except asyncio.CancelledError:
             stream.append(
                 error_event("The upstream request was cancelled.", code="cancelled"),
@@ -173,32 +207,58 @@ class Proxy:
             stream.finish(self.clock())
             backend.in_flight -= 1
             self.metrics.in_flight -= 1
+            if observer is not None:
+                observer.finished(ctx, ok)
             if response is not None:
                 # Closing an unfinished response drops the connection: the upstream aborts.
                 await asyncio.shield(response.aclose())
 
     async def _pump(
-        self, ctx: RequestContext, stream: Stream, response: httpx.Response, sent_at: float
-    ) -> None:
+        self,
+        ctx: RequestContext,
+        stream: Stream,
+        response: httpx.Response,
+        sent_at: float,
+        watch: asyncio.Timeout | None = None,
+        observer: Any = None,
+        appended: list[int] | None = None,
+    ) -> bool:
+        """Copy upstream events into ``stream``; True if it ended with ``[DONE]``.
+
+        After a switch (``appended[0] > 0``), events before the new upstream's first content
+        (its role chunk) are dropped: the client already has the first upstream's.
+        """
         decoder = SSEDecoder()
         first_content = False
+        count = appended if appended is not None else [0]
+        skip_preamble = count[0] > 0
         async for raw in response.aiter_raw():
             for event in decoder.receive_data(raw):
                 if event.data == DONE:
                     self.metrics.count("chat", "ok")
-                    return
+                    return True
                 data = event.data.encode()
+                now = time.perf_counter()
                 if not first_content and _has_content(data):
                     first_content = True
-                    now = time.perf_counter()
+                    if watch is not None:
+                        watch.reschedule(None)  # the first-token deadline no longer applies
                     stream.upstream_ttft_ms = (now - sent_at) * 1000
                     self.metrics.ttft.observe(now - ctx.received_at)
+                    if observer is not None:
+                        observer.first_token(ctx, (now - ctx.received_at) * 1000)
+                elif observer is not None and first_content:
+                    observer.chunk(ctx, now)
+                if skip_preamble and not first_content:
+                    continue
                 stream.append(data, self.clock())
+                count[0] += 1
         stream.append(
             error_event("The upstream closed the stream before [DONE].", code="upstream_eof"),
             self.clock(),
         )
         self.metrics.count("chat", "upstream_eof")
+        return False
 
     async def forward(
         self, ctx: RequestContext, method: str, path: str, body: bytes | None = None
@@ -208,6 +268,8 @@ class Proxy:
         backend.in_flight += 1
         self.metrics.in_flight += 1
         sent_at = time.perf_counter()
+        observer: Any = ctx.extra.get("observer")
+        ok = False
         try:
             response = await self.client.request(
                 method,
@@ -216,6 +278,7 @@ class Proxy:
                 headers=self._headers(ctx, backend, "application/json"),
             )
             content_type = response.headers.get("content-type", "application/json")
+            ok = response.status_code == 200
             return UpstreamReply(
                 response.status_code,
                 response.content,
@@ -234,6 +297,8 @@ class Proxy:
         finally:
             backend.in_flight -= 1
             self.metrics.in_flight -= 1
+            if observer is not None:
+                observer.finished(ctx, ok)
 
     async def aclose(self) -> None:
         """Cancel every producer and close the pool."""
@@ -241,6 +306,26 @@ class Proxy:
             task.cancel()
         await asyncio.gather(*self.producers, return_exceptions=True)
         await self.client.aclose()
+
+
+def _arm_deadline(
+    observer: Any, ctx: RequestContext, watch: asyncio.Timeout
+) -> asyncio.TimerHandle | None:
+    """At the observer's first-token deadline, expire ``watch`` if it can switch upstreams.
+
+    Asking first (instead of a plain timeout) means a request with nowhere better to go
+    keeps waiting on its upstream rather than being cut off.
+    """
+    deadline_s = getattr(observer, "first_token_deadline_s", None)
+    if deadline_s is None:
+        return None
+    loop = asyncio.get_running_loop()
+
+    def check() -> None:
+        if watch.when() is None and observer.can_switch(ctx):
+            watch.reschedule(loop.time())
+
+    return loop.call_later(max(0.0, deadline_s - (time.perf_counter() - ctx.received_at)), check)
 
 
 def _stream_body(ctx: RequestContext) -> bytes:
