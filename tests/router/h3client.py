@@ -45,10 +45,9 @@ class _Client(QuicConnectionProtocol):
                     self.response.status = int(value)
                 else:
                     self.response.headers[name.decode()] = value.decode()
-        elif isinstance(event, DataReceived):
-            if event.data:
-                self.response.chunks.append(event.data)
-                self.response.body += event.data
+        elif isinstance(event, DataReceived) and event.data:
+            self.response.chunks.append(event.data)
+            self.response.body += event.data
         if getattr(event, "stream_ended", False):
             self.done.set()
 
@@ -70,21 +69,28 @@ async def h3_request(
     With ``ticket`` the connection resumes that session and sends the request as 0-RTT
     early data; new tickets from the server are appended to ``tickets``.
     """
-    configuration = QuicConfiguration(alpn_protocols=H3_ALPN, is_client=True, server_name="localhost")
+    configuration = QuicConfiguration(
+        alpn_protocols=H3_ALPN, is_client=True, server_name="localhost"
+    )
     configuration.load_verify_locations(cafile)
     configuration.verify_mode = ssl.CERT_REQUIRED
     if ticket is not None:
         configuration.session_ticket = ticket
     async with connect(
-        "127.0.0.1", port, configuration=configuration, create_protocol=_Client,
+        "127.0.0.1",
+        port,
+        configuration=configuration,
+        create_protocol=_Client,
         session_ticket_handler=(tickets.append if tickets is not None else None),
         wait_connected=ticket is None,
     ) as protocol:
         client: _Client = protocol  # type: ignore[assignment]
         stream_id = client._quic.get_next_available_stream_id()
         request_headers = [
-            (b":method", method.encode()), (b":scheme", b"https"),
-            (b":authority", f"localhost:{port}".encode()), (b":path", path.encode()),
+            (b":method", method.encode()),
+            (b":scheme", b"https"),
+            (b":authority", f"localhost:{port}".encode()),
+            (b":path", path.encode()),
             *((k.encode(), v.encode()) for k, v in (headers or {}).items()),
         ]
         client.h3.send_headers(stream_id, request_headers, end_stream=not body)

@@ -27,9 +27,15 @@ resume_grace_s = 10
     [
         (GOOD + "bogus = 1\n", "streams.bogus: unknown key"),
         (GOOD.replace("port = 9000", "port = 70000"), "listen.port: Expected `int` <= 65535"),
-        (GOOD.replace("resume_grace_s = 10", 'resume_grace_s = "x"'), "streams.resume_grace_s: Expected `float`"),
+        (
+            GOOD.replace("resume_grace_s = 10", 'resume_grace_s = "x"'),
+            "streams.resume_grace_s: Expected `float`",
+        ),
         (GOOD.replace("http://127.0.0.1:8001", "ftp://x"), "upstreams[0].url"),
-        (GOOD.replace("insecure_plain_http = true", ""), "listen.certfile/listen.keyfile are required"),
+        (
+            GOOD.replace("insecure_plain_http = true", ""),
+            "listen.certfile/listen.keyfile are required",
+        ),
         ("region = [", "not valid TOML"),
         ('region = "x"\n', "missing required field `upstreams`"),
     ],
@@ -59,7 +65,10 @@ CLI = "import sys; from client_sdk.cli import main; sys.exit(main(sys.argv[1:]))
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", CLI, "router", *args],
-        capture_output=True, text=True, timeout=30, check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
 
 
@@ -78,7 +87,9 @@ def test_check_config_cli(tmp_path: Path) -> None:
 
 def test_cli_flag_errors_are_clear() -> None:
     result = run_cli("--upstream", "not-a-url", "--insecure-plain-http")
-    assert result.returncode == 2 and "upstreams[0].url" in result.stderr
+    assert result.returncode == 2
+    assert "upstreams[0].url" in result.stderr
     result = run_cli("--upstream", "http://127.0.0.1:1")
-    assert result.returncode == 2 and "certfile" in result.stderr
+    assert result.returncode == 2
+    assert "certfile" in result.stderr
     assert "Traceback" not in result.stderr

@@ -30,7 +30,8 @@ def test_sequence_numbers_and_after() -> None:
         stream.append(b'{"n": %d}' % i, 1.0)
     stream.finish(2.0)
     assert [e.seq for e in stream.events] == [1, 2, 3, 4, 5, 6]
-    assert stream.events[-1].data == DONE_DATA and stream.done
+    assert stream.events[-1].data == DONE_DATA
+    assert stream.done
     assert [e.seq for e in stream.after(3)] == [4, 5, 6]
     assert stream.after(6) == []
     assert stream.append(b"late", 3.0) is None  # nothing after [DONE]
@@ -120,7 +121,9 @@ async def test_poll_batches_and_done() -> None:
     stream.append(b'{"a":1}', 0.0)
     stream.append(b'{"a":2}', 0.0)
     batch = await poll(stream, 0, 1)
-    assert [e.seq for e in batch.events] == [1, 2] and batch.next == 2 and not batch.done
+    assert [e.seq for e in batch.events] == [1, 2]
+    assert batch.next == 2
+    assert not batch.done
     stream.finish(0.0)
     last = await poll(stream, 2, 10)  # finished: answers at once
     assert (last.events, last.done, last.next) == ([], True, 2)

@@ -68,21 +68,29 @@ async def test_sse_over_h1_and_h2_matches_the_sim(
     sim: SimServer, sim_router: RouterEndpoints, tls_files: dict[str, str], http2: bool
 ) -> None:
     expected = await direct_text(sim)
-    async with httpx.AsyncClient(verify=client_tls(tls_files), http2=http2) as client:
-        async with client.stream(
-            "POST", sim_router.base_url + "/v1/chat/completions", json=BODY,
-            headers={**auth(), "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
-        ) as response:
-            assert response.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
-            assert response.status_code == 200
-            body = b"".join([chunk async for chunk in response.aiter_raw()])
+    async with (
+        httpx.AsyncClient(verify=client_tls(tls_files), http2=http2) as client,
+        client.stream(
+            "POST",
+            sim_router.base_url + "/v1/chat/completions",
+            json=BODY,
+            headers={
+                **auth(),
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            },
+        ) as response,
+    ):
+        assert response.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+        assert response.status_code == 200
+        body = b"".join([chunk async for chunk in response.aiter_raw()])
     headers = response.headers
     assert headers["content-type"].startswith("text/event-stream")
     assert headers["cache-control"] == "no-cache"
     assert headers["x-accel-buffering"] == "no"
     assert headers["x-firstbyte-region"] == "test-1"
     assert len(headers["x-firstbyte-stream"]) == 22
-    assert "queue;dur=" in headers["server-timing"] and "route;dur=" in headers["server-timing"]
+    assert "queue;dur=" in headers["server-timing"]
+    assert "route;dur=" in headers["server-timing"]
     assert headers["alt-svc"] == f'h3=":{sim_router.h3_port}"; ma=86400'
     assert headers["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
     text, ids = text_of(body)
@@ -90,35 +98,50 @@ async def test_sse_over_h1_and_h2_matches_the_sim(
     assert ids == [str(i) for i in range(1, len(ids) + 1)]  # id: 1, 2, 3, ... [DONE] last
 
 
-async def test_non_streaming_json_and_models(sim_router: RouterEndpoints, tls_files: dict[str, str]) -> None:
+async def test_non_streaming_json_and_models(
+    sim_router: RouterEndpoints, tls_files: dict[str, str]
+) -> None:
     async with httpx.AsyncClient(verify=client_tls(tls_files), http2=True) as client:
         response = await client.post(
-            sim_router.base_url + "/v1/chat/completions", json={**BODY, "stream": False}, headers=auth()
+            sim_router.base_url + "/v1/chat/completions",
+            json={**BODY, "stream": False},
+            headers=auth(),
         )
         assert response.status_code == 200
         assert response.json()["object"] == "chat.completion"
         assert "upstream;dur=" in response.headers["server-timing"]
         models = await client.get(sim_router.base_url + "/v1/models", headers=auth())
-        assert models.status_code == 200 and models.json()["data"][0]["id"] == "sim-instant"
+        assert models.status_code == 200
+        assert models.json()["data"][0]["id"] == "sim-instant"
         assert (await client.get(sim_router.base_url + "/healthz")).text == "ok\n"
         status = (await client.get(sim_router.base_url + "/v1/edge/status")).json()
-        assert status["region"] == "test-1" and status["healthy"] is True and status["in_flight"] == 0
+        assert status["region"] == "test-1"
+        assert status["healthy"] is True
+        assert status["in_flight"] == 0
         metrics = (await client.get(sim_router.base_url + "/metrics")).text
         assert 'firstbyte_router_requests_total{endpoint="chat",outcome="ok"} 1' in metrics
         assert "firstbyte_router_ttft_seconds_count" in metrics
 
 
-async def test_traceparent_is_forwarded_upstream(start_router: RouterFactory, upstream: Any, tls_files: dict[str, str]) -> None:
-    async with start_router([upstream.url]) as endpoints:
-        async with httpx.AsyncClient(verify=client_tls(tls_files)) as client:
-            parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            await client.post(endpoints.base_url + "/v1/chat/completions", json=BODY,
-                              headers={**auth(), "traceparent": parent})
-            forwarded = upstream.last_headers["traceparent"]
-            assert forwarded.startswith("00-0af7651916cd43dd8448eb211c80319c-") and forwarded != parent
-            assert upstream.last_headers.get("authorization") is None  # client key never forwarded
-            await client.post(endpoints.base_url + "/v1/chat/completions", json=BODY, headers=auth())
-            assert len(upstream.last_headers["traceparent"].split("-")[1]) == 32  # started one
+async def test_traceparent_is_forwarded_upstream(
+    start_router: RouterFactory, upstream: Any, tls_files: dict[str, str]
+) -> None:
+    async with (
+        start_router([upstream.url]) as endpoints,
+        httpx.AsyncClient(verify=client_tls(tls_files)) as client,
+    ):
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        await client.post(
+            endpoints.base_url + "/v1/chat/completions",
+            json=BODY,
+            headers={**auth(), "traceparent": parent},
+        )
+        forwarded = upstream.last_headers["traceparent"]
+        assert forwarded.startswith("00-0af7651916cd43dd8448eb211c80319c-")
+        assert forwarded != parent
+        assert upstream.last_headers.get("authorization") is None  # client key never forwarded
+        await client.post(endpoints.base_url + "/v1/chat/completions", json=BODY, headers=auth())
+        assert len(upstream.last_headers["traceparent"].split("-")[1]) == 32  # started one
 
 
 async def test_http3_matches_the_sim_and_resumes_with_0rtt(
@@ -129,16 +152,31 @@ async def test_http3_matches_the_sim_and_resumes_with_0rtt(
     body = json.dumps(BODY).encode()
     headers = {**auth(), "content-type": "application/json"}
     tickets: list[Any] = []
-    first = await h3_request(sim_router.h3_port, "POST", "/v1/chat/completions", cafile=tls_files["cafile"],
-                             headers=headers, body=body, tickets=tickets)
+    first = await h3_request(
+        sim_router.h3_port,
+        "POST",
+        "/v1/chat/completions",
+        cafile=tls_files["cafile"],
+        headers=headers,
+        body=body,
+        tickets=tickets,
+    )
     assert first.status == 200
     assert text_of(first.body)[0] == expected
     assert first.headers["x-firstbyte-stream"]
     assert not first.session_resumed
     assert tickets, "the router issued no session ticket"
-    second = await h3_request(sim_router.h3_port, "POST", "/v1/chat/completions", cafile=tls_files["cafile"],
-                              headers=headers, body=body, ticket=tickets[-1])
-    assert second.status == 200 and text_of(second.body)[0] == expected
+    second = await h3_request(
+        sim_router.h3_port,
+        "POST",
+        "/v1/chat/completions",
+        cafile=tls_files["cafile"],
+        headers=headers,
+        body=body,
+        ticket=tickets[-1],
+    )
+    assert second.status == 200
+    assert text_of(second.body)[0] == expected
     assert second.session_resumed
     assert second.early_data_accepted  # the request went out as 0-RTT data
 
@@ -148,33 +186,56 @@ async def test_openai_sdk_streams_with_only_base_url_changed(
 ) -> None:
     expected = await direct_text(sim)
     http_client = httpx.AsyncClient(verify=client_tls(tls_files))
-    client = openai.AsyncOpenAI(base_url=sim_router.openai_base_url, api_key=API_KEY, http_client=http_client)
+    client = openai.AsyncOpenAI(
+        base_url=sim_router.openai_base_url, api_key=API_KEY, http_client=http_client
+    )
     try:
         stream = await client.chat.completions.create(
-            model="sim-instant", messages=[{"role": "user", "content": "Tell me about latency."}],
-            stream=True, max_tokens=24, seed=7,
+            model="sim-instant",
+            messages=[{"role": "user", "content": "Tell me about latency."}],
+            stream=True,
+            max_tokens=24,
+            seed=7,
         )
         text = ""
         async for chunk in stream:
             for choice in chunk.choices:
                 text += choice.delta.content or ""
         assert text == expected
-        wrong = openai.AsyncOpenAI(base_url=sim_router.openai_base_url, api_key="sk-wrong-key-123", http_client=http_client)
+        wrong = openai.AsyncOpenAI(
+            base_url=sim_router.openai_base_url, api_key="sk-wrong-key-123", http_client=http_client
+        )
         with pytest.raises(openai.AuthenticationError):
-            await wrong.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+            await wrong.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], stream=True
+            )
     finally:
         await client.close()
         await http_client.aclose()
 
 
-async def test_curl_http2_streams(sim: SimServer, sim_router: RouterEndpoints, tls_files: dict[str, str]) -> None:
+async def test_curl_http2_streams(
+    sim: SimServer, sim_router: RouterEndpoints, tls_files: dict[str, str]
+) -> None:
     expected = await direct_text(sim)
     process = await asyncio.create_subprocess_exec(
-        "/usr/bin/curl", "-sS", "-N", "--http2", "--cacert", tls_files["cafile"],
-        "-H", f"Authorization: Bearer {API_KEY}", "-H", "Content-Type: application/json",
-        "-w", "\n%{http_version}", "--data", json.dumps(BODY),
+        "/usr/bin/curl",
+        "-sS",
+        "-N",
+        "--http2",
+        "--cacert",
+        tls_files["cafile"],
+        "-H",
+        f"Authorization: Bearer {API_KEY}",
+        "-H",
+        "Content-Type: application/json",
+        "-w",
+        "\n%{http_version}",
+        "--data",
+        json.dumps(BODY),
         sim_router.base_url + "/v1/chat/completions",
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0, err

@@ -13,15 +13,23 @@ BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]
 
 
 def ctx(headers: dict[str, str] | None = None, body: bytes = BODY) -> RequestContext:
-    return RequestContext(method="POST", path="/v1/chat/completions", headers=headers or {}, body=body)
+    return RequestContext(
+        method="POST", path="/v1/chat/completions", headers=headers or {}, body=body
+    )
 
 
 def test_authenticate() -> None:
     ok = ctx({"authorization": "Bearer sk-two-00000000"})
-    assert authenticate(ok, KEYS) is CONTINUE and ok.api_key == "sk-two-00000000"
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic sk-one-00000000"}):
+    assert authenticate(ok, KEYS) is CONTINUE
+    assert ok.api_key == "sk-two-00000000"
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": "Basic sk-one-00000000"},
+    ):
         outcome = authenticate(ctx(headers), KEYS)
-        assert isinstance(outcome, LocalReply) and outcome.status == 401
+        assert isinstance(outcome, LocalReply)
+        assert outcome.status == 401
         assert b"authentication_error" in outcome.body
         assert b"sk-one" not in outcome.body  # a key is never echoed
     assert authenticate(ctx({}), []) is CONTINUE  # no keys configured: open (local use)
@@ -29,14 +37,19 @@ def test_authenticate() -> None:
 
 def test_body_limit_and_parse() -> None:
     too_big = check_body_size(ctx(body=b"x" * 11), 10)
-    assert isinstance(too_big, LocalReply) and too_big.status == 413
+    assert isinstance(too_big, LocalReply)
+    assert too_big.status == 413
     bad = parse_chat(ctx(body=b"{not json"))
-    assert isinstance(bad, LocalReply) and bad.status == 400
+    assert isinstance(bad, LocalReply)
+    assert bad.status == 400
     wrong = parse_chat(ctx(body=b'{"model": "m", "messages": [], "stream": true}'))
-    assert isinstance(wrong, LocalReply) and json.loads(wrong.body)["error"]["param"] == "messages"
+    assert isinstance(wrong, LocalReply)
+    assert json.loads(wrong.body)["error"]["param"] == "messages"
     good = ctx({"authorization": "Bearer sk-one-00000000"})
     assert admit_chat(good, KEYS, 1 << 20, force_stream=True) is CONTINUE
-    assert good.request is not None and good.stream_requested and good.admitted_at is not None
+    assert good.request is not None
+    assert good.stream_requested
+    assert good.admitted_at is not None
 
 
 def test_least_in_flight_round_robin_and_fallback() -> None:
@@ -50,23 +63,27 @@ def test_least_in_flight_round_robin_and_fallback() -> None:
     a.in_flight = 1
     assert pool.pick() is a
     request = ctx()
-    assert choose_backend(request, pool) is CONTINUE and request.backend is a
+    assert choose_backend(request, pool) is CONTINUE
+    assert request.backend is a
     for backend in pool.backends:
         backend.healthy = False
     assert isinstance(choose_backend(ctx(), pool), Fallback)
     chosen = ctx()
     chosen.backend = c  # an earlier stage (affinity, region) already chose: respected
-    assert choose_backend(chosen, pool) is CONTINUE and chosen.backend is c
+    assert choose_backend(chosen, pool) is CONTINUE
+    assert chosen.backend is c
 
 
 def test_traceparent_is_continued_or_started() -> None:
     incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     joined = Traceparent.continue_from(incoming)
     assert joined.trace_id == "0af7651916cd43dd8448eb211c80319c"
-    assert joined.parent_id != "b7ad6b7169203331" and len(joined.parent_id) == 16
+    assert joined.parent_id != "b7ad6b7169203331"
+    assert len(joined.parent_id) == 16
     for bad in (None, "", "garbage", "00-" + "0" * 32 + "-b7ad6b7169203331-01"):
         fresh = Traceparent.continue_from(bad)
-        assert len(fresh.trace_id) == 32 and fresh.trace_id != "0" * 32
+        assert len(fresh.trace_id) == 32
+        assert fresh.trace_id != "0" * 32
 
 
 def test_server_timing_names_what_is_known() -> None:
