@@ -1,0 +1,153 @@
+"""Every ``--fault`` mode over real HTTP, and the server keeps serving other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from client_sdk._core.sse import DONE, SSEDecoder
+from router.sim.server import running_sim
+from tests.router.sim.helpers import chat_body, stream_chat
+
+
+async def still_serving(client: httpx.AsyncClient, url: str) -> None:
+    """Health, models and a short completion all work (a fresh connection each)."""
+    assert (await client.get(f"{url}/health")).status_code == 200
+    assert (await client.get(f"{url}/v1/models")).status_code == 200
+    ok = await stream_chat(client, url, chat_body("still there?", max_tokens=1))
+    assert ok.status == 200
+    assert ok.done
+
+
+async def read_content_chunks(response: httpx.Response, want: int, within_s: float) -> list[str]:
+    """Content deltas read from ``response`` until ``want`` arrived or ``within_s`` passed."""
+    decoder = SSEDecoder()
+    contents: list[str] = []
+    stream = response.aiter_raw()
+    with pytest.raises(TimeoutError):  # the stall: nothing more arrives, nothing closes
+        async with asyncio.timeout(within_s):
+            async for piece in stream:
+                for event in decoder.receive_data(piece):
+                    assert event.data != DONE
+                    if '"content":"' in event.data and '"role"' not in event.data:
+                        contents.append(event.data)
+    return contents
+
+
+async def test_stall_keeps_the_connection_open_and_silent() -> None:
+    async with running_sim("instant", faults=["stall:after=3"]) as url, httpx.AsyncClient() as c:
+        body = chat_body("stall me", max_tokens=20)
+        async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            contents = await read_content_chunks(response, 3, within_s=0.8)
+            assert len(contents) == 3
+            # While that stream hangs, others are served (max_tokens 1 < 3: no stall).
+            await still_serving(c, url)
+        # Non-streaming: no answer at all while stalled.
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                f"{url}/v1/chat/completions",
+                json={**chat_body("x", max_tokens=20), "stream": False},
+                timeout=0.5,
+            )
+        await still_serving(c, url)
+
+
+async def test_drop_closes_the_connection_mid_stream() -> None:
+    async with running_sim("instant", faults=["drop:after=2"]) as url, httpx.AsyncClient() as c:
+        body = chat_body("drop me", max_tokens=20)
+        decoder = SSEDecoder()
+        events = []
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                async for piece in response.aiter_raw():
+                    events.extend(decoder.receive_data(piece))
+        assert len(events) == 1 + 2  # role chunk and two tokens, then the abrupt end
+        assert all(e.data != DONE for e in events)
+        with pytest.raises(httpx.RemoteProtocolError):
+            await c.post(
+                f"{url}/v1/chat/completions",
+                json={**chat_body("x", max_tokens=20), "stream": False},
+            )
+        await still_serving(c, url)
+
+
+async def test_delay_holds_back_the_first_byte() -> None:
+    async with running_sim("instant", faults=["delay:ms=400"]) as url, httpx.AsyncClient() as c:
+        start = time.perf_counter()
+        health = await c.get(f"{url}/health")
+        health_s = time.perf_counter() - start
+        start = time.perf_counter()
+        async with c.stream(
+            "POST", f"{url}/v1/chat/completions", json=chat_body("slow", max_tokens=2)
+        ) as response:
+            first_byte_s = time.perf_counter() - start
+            await response.aread()
+        assert health.status_code == 200
+        assert response.status_code == 200
+        assert first_byte_s >= 0.4
+        assert health_s < first_byte_s
+        # Two delayed requests overlap rather than queue behind each other.
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(stream_chat(c, url, chat_body(f"r{i}", max_tokens=1)) for i in range(2))
+        )
+        assert all(r.done for r in results)
+        assert time.perf_counter() - start < 0.4 * 2
+
+
+async def test_error503_rate_is_deterministic_with_the_seed() -> None:
+    async def statuses(seed: int) -> list[int]:
+        async with (
+            running_sim("instant", faults=["error503:rate=0.5"], seed=seed) as url,
+            httpx.AsyncClient() as c,
+        ):
+            codes = []
+            for i in range(24):
+                r = await c.post(
+                    f"{url}/v1/chat/completions",
+                    json={**chat_body(f"n{i}", max_tokens=1), "stream": False},
+                )
+                codes.append(r.status_code)
+                if r.status_code == 503:
+                    assert r.json()["error"]["type"] == "server_error"
+                    assert r.headers["retry-after"] == "1"
+            assert (await c.get(f"{url}/health")).status_code == 200
+            return codes
+
+    first, again, other = await statuses(3), await statuses(3), await statuses(4)
+    assert set(first) == {200, 503}
+    assert 4 <= first.count(503) <= 20
+    assert first == again
+    assert first != other
+
+
+async def test_error503_at_rate_one_still_serves_other_routes() -> None:
+    async with (
+        running_sim("instant", faults=["error503:rate=1"]) as url,
+        httpx.AsyncClient() as c,
+    ):
+        r = await stream_chat(c, url, chat_body("x"))
+        assert r.status == 503
+        assert (await c.get(f"{url}/health")).status_code == 200
+        assert (await c.get(f"{url}/metrics")).status_code == 200
+
+
+async def test_faults_at_a_rate_hit_only_some_requests() -> None:
+    async with (
+        running_sim("instant", faults=["drop:after=1,rate=0.5"], seed=1) as url,
+        httpx.AsyncClient() as c,
+    ):
+        outcomes = []
+        for i in range(12):
+            try:
+                r = await stream_chat(c, url, chat_body(f"n{i}", max_tokens=4))
+                outcomes.append(r.done)
+            except httpx.RemoteProtocolError:
+                outcomes.append(False)
+        assert True in outcomes
+        assert False in outcomes
