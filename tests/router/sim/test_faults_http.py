@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from client_sdk._core.sse import DONE, SSEDecoder
+from client_sdk._core.sse import DONE, SSEDecoder, SSEEvent
 from router.sim.server import running_sim
 from tests.router.sim.helpers import chat_body, stream_chat
 
@@ -22,19 +22,39 @@ async def still_serving(client: httpx.AsyncClient, url: str) -> None:
     assert ok.done
 
 
-async def read_content_chunks(response: httpx.Response, want: int, within_s: float) -> list[str]:
-    """Content deltas read from ``response`` until ``want`` arrived or ``within_s`` passed."""
+async def read_content_chunks(response: httpx.Response, within_s: float) -> list[str]:
+    """Content deltas read from ``response`` until the stream stalls for ``within_s``."""
     decoder = SSEDecoder()
     contents: list[str] = []
-    stream = response.aiter_raw()
+
+    async def consume() -> None:
+        async for piece in response.aiter_raw():
+            for event in decoder.receive_data(piece):
+                assert event.data != DONE
+                if '"content":"' in event.data and '"role"' not in event.data:
+                    contents.append(event.data)
+
     with pytest.raises(TimeoutError):  # the stall: nothing more arrives, nothing closes
-        async with asyncio.timeout(within_s):
-            async for piece in stream:
-                for event in decoder.receive_data(piece):
-                    assert event.data != DONE
-                    if '"content":"' in event.data and '"role"' not in event.data:
-                        contents.append(event.data)
+        await asyncio.wait_for(consume(), within_s)
     return contents
+
+
+async def read_until_broken(
+    client: httpx.AsyncClient, url: str, body: dict[str, object]
+) -> list[SSEEvent]:
+    """Events of a stream that must end with the connection torn down mid-response."""
+    decoder = SSEDecoder()
+    events: list[SSEEvent] = []
+
+    async def consume() -> None:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for piece in response.aiter_raw():
+                events.extend(decoder.receive_data(piece))
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        await consume()
+    return events
 
 
 async def test_stall_keeps_the_connection_open_and_silent() -> None:
@@ -42,7 +62,7 @@ async def test_stall_keeps_the_connection_open_and_silent() -> None:
         body = chat_body("stall me", max_tokens=20)
         async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            contents = await read_content_chunks(response, 3, within_s=0.8)
+            contents = await read_content_chunks(response, within_s=0.8)
             assert len(contents) == 3
             # While that stream hangs, others are served (max_tokens 1 < 3: no stall).
             await still_serving(c, url)
@@ -59,13 +79,7 @@ async def test_stall_keeps_the_connection_open_and_silent() -> None:
 async def test_drop_closes_the_connection_mid_stream() -> None:
     async with running_sim("instant", faults=["drop:after=2"]) as url, httpx.AsyncClient() as c:
         body = chat_body("drop me", max_tokens=20)
-        decoder = SSEDecoder()
-        events = []
-        with pytest.raises(httpx.RemoteProtocolError):
-            async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                async for piece in response.aiter_raw():
-                    events.extend(decoder.receive_data(piece))
+        events = await read_until_broken(c, url, body)
         assert len(events) == 1 + 2  # role chunk and two tokens, then the abrupt end
         assert all(e.data != DONE for e in events)
         with pytest.raises(httpx.RemoteProtocolError):

@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from client_sdk._core.sse import DONE, SSEDecoder
 from client_sdk.types import decode_chunk
 from router.sim.server import running_sim
 
-MESSAGES: list[dict[str, str]] = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are a terse assistant. " * 40},
     {"role": "user", "content": "Why is the sky blue?"},
 ]
@@ -40,7 +41,7 @@ async def test_non_streaming(client: openai.AsyncOpenAI) -> None:
         model="sim-instant",
         messages=MESSAGES,
         max_tokens=7,
-        seed=1,  # type: ignore[arg-type]
+        seed=1,
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "length"
@@ -57,17 +58,17 @@ async def test_streaming_with_usage_and_cached_tokens(client: openai.AsyncOpenAI
     async def stream_once() -> tuple[str, list[str | None], openai.types.CompletionUsage | None]:
         stream = await client.chat.completions.create(
             model="sim-instant",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             stream=True,
             stream_options={"include_usage": True},
             seed=5,
             max_tokens=1000,
         )
-        text, reasons, usage = "", [], None
+        text, reasons, usage = "", list[str | None](), None
         async for chunk in stream:
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
-                reasons.append(chunk.choices[0].finish_reason)
+                reasons.append(str(chunk.choices[0].finish_reason or "") or None)
             else:
                 usage = chunk.usage
         return text, reasons, usage
@@ -86,6 +87,7 @@ async def test_streaming_with_usage_and_cached_tokens(client: openai.AsyncOpenAI
     assert usage1.prompt_tokens_details.cached_tokens == 0
     # The second request's prompt is in the cache: every full block but the last token's.
     cached = usage2.prompt_tokens_details.cached_tokens
+    assert cached is not None
     assert cached % 16 == 0
     assert usage2.prompt_tokens - 16 <= cached < usage2.prompt_tokens
 
@@ -97,7 +99,7 @@ async def test_different_seed_different_text(client: openai.AsyncOpenAI) -> None
             model="sim-instant",
             messages=MESSAGES,
             max_tokens=20,
-            seed=seed,  # type: ignore[arg-type]
+            seed=seed,
         )
         texts.add(completion.choices[0].message.content)
     assert len(texts) == 2

@@ -43,14 +43,17 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         (json.dumps({**GOOD, "stream": "yes"}).encode(), "stream"),
         (json.dumps({**GOOD, "temperature": 9}).encode(), "temperature"),
         (json.dumps({"messages": GOOD["messages"]}).encode(), None),  # model missing
-        (json.dumps({**GOOD, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
-         "messages[0].role"),
+        (
+            json.dumps({**GOOD, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+            "messages[0].role",
+        ),
     ],
 )
 async def test_invalid_requests_get_400(url: str, body: bytes, param: str | None) -> None:
     async with httpx.AsyncClient() as c:
         r = await c.post(
-            f"{url}/v1/chat/completions", content=body,
+            f"{url}/v1/chat/completions",
+            content=body,
             headers={"content-type": "application/json"},
         )
         assert_error(r, 400, param)
@@ -62,7 +65,8 @@ async def test_ten_megabyte_body_gets_413(url: str) -> None:
     huge = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * (10 << 20)}]})
     async with httpx.AsyncClient() as c:
         r = await c.post(
-            f"{url}/v1/chat/completions", content=huge,
+            f"{url}/v1/chat/completions",
+            content=huge,
             headers={"content-type": "application/json"},
         )
         assert_error(r, 413)
@@ -72,7 +76,8 @@ async def test_ten_megabyte_body_gets_413(url: str) -> None:
                 yield huge[i : i + (1 << 20)].encode()
 
         r = await c.post(
-            f"{url}/v1/chat/completions", content=chunks(),
+            f"{url}/v1/chat/completions",
+            content=chunks(),
             headers={"content-type": "application/json"},
         )
         assert_error(r, 413)
@@ -84,12 +89,14 @@ async def test_non_json_content_type_gets_415(url: str) -> None:
         r = await c.post(f"{url}/v1/chat/completions", data={"model": "m"})  # form-encoded
         assert_error(r, 415)
         r = await c.post(
-            f"{url}/v1/chat/completions", content=json.dumps(GOOD),
+            f"{url}/v1/chat/completions",
+            content=json.dumps(GOOD),
             headers={"content-type": "text/plain"},
         )
         assert_error(r, 415)
         r = await c.post(
-            f"{url}/v1/chat/completions", content=json.dumps(GOOD),
+            f"{url}/v1/chat/completions",
+            content=json.dumps(GOOD),
             headers={"content-type": "application/json; charset=utf-8"},
         )
         assert r.status_code == 200
@@ -115,4 +122,7 @@ async def test_client_gone_before_the_end_frees_the_slot() -> None:
         r = await stream_chat(c, url, chat_body("next", max_tokens=2))
         assert r.done
         metrics = (await c.get(f"{url}/metrics")).text
-        assert 'vllm:request_success_total{model_name="sim-llama-7b",finished_reason="abort"} 1.0' in metrics
+        assert (
+            'vllm:request_success_total{model_name="sim-llama-7b",finished_reason="abort"} 1.0'
+            in metrics
+        )
