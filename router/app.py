@@ -77,6 +77,8 @@ class RouterApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.state.ensure_started()
+                # Serve only once the warm prefixes are in every backend's cache (bounded).
+                await self.state.routing.wait_warm()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.state.aclose()

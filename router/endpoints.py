@@ -68,7 +68,11 @@ def new_context(state: RouterState, scope: Scope) -> RequestContext:
 
 
 def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
-    return [("x-firstbyte-region", ctx.region), ("traceparent", ctx.traceparent.header())]
+    return [
+        ("x-firstbyte-region", ctx.region),
+        ("traceparent", ctx.traceparent.header()),
+        *ctx.extra.get("response_headers", ()),  # e.g. x-firstbyte-better-region
+    ]
 
 
 async def reply(send: Send, ctx: RequestContext | None, outcome: LocalReply) -> None:
@@ -117,6 +121,8 @@ async def _admitted(
     if await _finish(
         state, send, ctx, admit_chat(ctx, state.api_keys, limit, force_stream=force_stream), "chat"
     ):
+        return None
+    if await _finish(state, send, ctx, state.routing.route(ctx), "chat"):
         return None
     if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "chat"):
         return None
@@ -327,25 +333,17 @@ async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send
 
 
 async def metrics(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    await send_bytes(
-        send, 200, state.metrics.render().encode(), content_type="text/plain; version=0.0.4"
-    )
+    text = state.metrics.render() + state.routing.render_metrics()
+    await send_bytes(send, 200, text.encode(), content_type="text/plain; version=0.0.4")
 
 
 async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /v1/edge/status``: this region's load, for peers and dashboards."""
-    body = {
-        "region": state.region,
-        "healthy": state.healthy,
-        "in_flight": state.pool.in_flight,
-        "queue": 0,
-        "streams": len(state.store),
-        "backends": [
-            {"name": b.name, "in_flight": b.in_flight, "healthy": b.healthy}
-            for b in state.pool.backends
-        ],
-        "time": time.time(),
-    }
+    """``GET /v1/edge/status``: this region's load and warm prefixes, for peers and dashboards
+    (:class:`router.peers.EdgeStatus`, plus ``streams``, ``warm`` and ``time``)."""
+    body = msgspec.to_builtins(state.routing.status())
+    body["streams"] = len(state.store)
+    body["warm"] = state.routing.scheduler.registry()
+    body["time"] = time.time()
     await send_bytes(send, 200, encode(body), headers=[("cache-control", "no-cache")])
 
 

@@ -142,6 +142,8 @@ class WarmupConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     busy_running_threshold: Annotated[int, msgspec.Meta(ge=0)] = 4
     """Never warm a backend running more than this many requests (or with any waiting)."""
     retry_s: PositiveSeconds = 2.0
+    startup_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """At start, serve only once every prefix is warm everywhere, or after this long."""
 
 
 def check_regions(

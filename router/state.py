@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from .config import RouterConfig
 from .metrics import Metrics
+from .multiregion import RegionRouting
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.proxy import Proxy
 from .streams import StreamStore
@@ -39,6 +40,8 @@ class RouterState:
             ]
         )
         self.proxy = Proxy(config.limits, self.metrics, clock)
+        # Region choice, backend affinity, backpressure, peers and warmup (router/multiregion.py).
+        self.routing = RegionRouting(config, self.pool, self.proxy.client, clock)
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self.metrics.add_gauge_source(
@@ -58,6 +61,7 @@ class RouterState:
         """Start housekeeping in the running loop (idempotent; called on every request)."""
         if self._maintainer is None:
             self._maintainer = asyncio.create_task(self._maintain())
+            self.routing.start()
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests."""
@@ -82,4 +86,5 @@ class RouterState:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintainer
             self._maintainer = None
+        await self.routing.aclose()
         await self.proxy.aclose()

@@ -298,22 +298,36 @@ class WarmupRunner:
         base = self.urls[name].rstrip("/")
         try:
             response = await client.get(base + "/metrics", timeout=self.poll_interval_s * 2 + 1)
-            response.raise_for_status()
-            if not self.scheduler.backends[name].models:
-                # No models configured: ask the server which it serves (vLLM rejects others).
-                listed = await client.get(base + "/v1/models", timeout=5.0)
-                listed.raise_for_status()
-                ids = [m["id"] for m in listed.json().get("data", []) if "id" in m]
-                self.scheduler.set_models(name, ids)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except httpx.HTTPError:
+            # Unreachable (refused, reset, timed out): down, and probably restarting.
             self.scheduler.health(name, False)
             if self.on_metrics is not None:
                 self.on_metrics(name, None)
             return
-        metrics = parse_backend_metrics(response.text)
+        # Any HTTP answer means the server is up; without metrics there is just less to know.
+        metrics = parse_backend_metrics(response.text) if response.status_code == 200 else (
+            BackendMetrics()
+        )
         self.scheduler.metrics(name, metrics)
         if self.on_metrics is not None:
             self.on_metrics(name, metrics)
+        if not self.scheduler.backends[name].models:
+            await self._discover_models(name, base)
+
+    async def _discover_models(self, name: str, base: str) -> None:
+        """No models configured: ask the server which it serves (vLLM rejects others)."""
+        import httpx
+
+        assert isinstance(self.client, httpx.AsyncClient)
+        try:
+            listed = await self.client.get(
+                base + "/v1/models", headers=self.headers.get(name, {}), timeout=5.0
+            )
+            ids = [m["id"] for m in listed.json().get("data", []) if "id" in m]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        if ids:
+            self.scheduler.set_models(name, ids)
 
     async def probe(self, task: WarmTask) -> None:
         import httpx

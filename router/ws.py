@@ -119,7 +119,13 @@ class _Session:
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body))
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
-        outcome = choose_backend(ctx, self.state.pool)
+        outcome = self.state.routing.route(ctx)
+        if isinstance(outcome, LocalReply):
+            self.state.metrics.count("ws", outcome.outcome)
+            await self.send(_error(None, outcome.body))
+            return
+        if outcome is CONTINUE:
+            outcome = choose_backend(ctx, self.state.pool)
         if outcome is not CONTINUE:
             reason = outcome.reason if isinstance(outcome, Fallback) else "unavailable"
             self.state.metrics.count("ws", "unavailable")

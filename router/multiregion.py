@@ -1,0 +1,513 @@
+"""Routing across regions, wired into the router: the routing stage and its background tasks.
+
+:class:`RegionRouting` owns the control-plane cores and connects them to the data plane:
+
+- :meth:`RegionRouting.route` is the pipeline stage between admission and the proxy. It
+  locates the client (:mod:`router.geo`), chooses the region by expected TTFT
+  (:mod:`router.pipeline.region`), and then either picks a local backend by prefix affinity
+  (:mod:`router.pipeline.affinity`), forwards/spills to a peer's router (as an upstream, with
+  the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
+- An :class:`Observation` rides along in ``ctx.extra["observer"]``: the proxy reports the
+  first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
+  whether to switch upstream when the first token is late (``first_token_deadline_ms``).
+- Background: :class:`~router.peers.PeerPoller` (peer status over the proxy's kept-warm pool)
+  and :class:`~router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup probes).
+- :meth:`status` is ``GET /v1/edge/status``; :meth:`render_metrics` adds to ``/metrics``.
+
+Routers of one deployment share their API keys: a forwarded request carries the client's
+``Authorization`` to the peer, plus ``x-firstbyte-peer-key`` (router-to-router
+authentication; only then are ``x-firstbyte-forwarded`` and the forwarded client address
+believed).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from client_sdk.types import ChatCompletionRequest, message_text
+
+from .backpressure import BackendLoad, LoadTracker, SpillBudget
+from .config import RouterConfig
+from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
+from .metrics import TTFT_BUCKETS_S, Histogram
+from .peers import (
+    FORWARDED_HEADER,
+    PEER_KEY_HEADER,
+    BackendStatus,
+    EdgeStatus,
+    PeerPoller,
+    PeerTable,
+    prefix_hash,
+)
+from .pipeline.affinity import AffinityPolicy, affinity_key
+from .pipeline.backend import Backend, BackendPool
+from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
+from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
+from .regions_config import warm_prefix_text
+from .upstream_metrics import BackendMetrics
+from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
+
+__all__ = ["BETTER_REGION_HEADER", "Observation", "RegionRouting"]
+
+BETTER_REGION_HEADER = "x-firstbyte-better-region"
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+CHARS_PER_TOKEN = 4.0
+
+access_log = logging.getLogger("firstbyte.access")
+
+
+def _point(lat: float | None, lon: float | None, name: str) -> GeoPoint | None:
+    if lat is not None and lon is not None:
+        return GeoPoint(lat, lon)
+    known = known_regions().get(name)
+    return known.point if known is not None else None
+
+
+@dataclass(eq=False)
+class Observation:
+    """One request's routing record; the proxy calls its hooks (see the module docstring)."""
+
+    routing: RegionRouting
+    region: str
+    backend: str
+    local: bool
+    spill: bool
+    started: float
+    location: Location | None
+    first_token_deadline_s: float | None = None
+    ttft_ms: float | None = None
+    last_chunk: float | None = None
+    switched: bool = False
+    done: bool = False
+    reason: str = ""
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
+        self.ttft_ms = ttft_ms
+        self.last_chunk = time.perf_counter()
+        self.routing.first_token(self, ttft_ms)
+
+    def chunk(self, ctx: RequestContext, now: float) -> None:
+        if self.last_chunk is not None:
+            self.routing.itl.observe(now - self.last_chunk)
+        self.last_chunk = now
+
+    def can_switch(self, ctx: RequestContext) -> bool:
+        return self.ttft_ms is None and not self.done and self.routing.can_switch(self, ctx)
+
+    def switch(self, ctx: RequestContext) -> Backend:
+        return self.routing.switch(self, ctx)
+
+    def finished(self, ctx: RequestContext, ok: bool) -> None:
+        if not self.done:
+            self.done = True
+            self.routing.finished(self, ctx, ok)
+
+
+class RegionRouting:
+    """This region's routing state and decisions (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: BackendPool,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.region = config.region
+        self.pool = pool
+        self.client = client
+        self.clock = clock
+        routing = config.routing
+        self.here_point = _point(config.geo.latitude, config.geo.longitude, config.region)
+        self.trusted = TrustedProxies(config.geo.trusted_proxies)
+        self.locator = GeoLocator(config.geo.database) if config.geo.database else None
+        self.peer_key = routing.peer_key
+        self.model = RegionModel(
+            prefill_ms_per_1k_tokens=routing.prefill_ms_per_1k_tokens,
+            forward_overhead_ms=routing.forward_overhead_ms,
+            forward_margin_ms=routing.forward_margin_ms,
+        )
+        upstreams = config.upstreams
+        self.backends: dict[str, Backend] = {b.name: b for b in pool.backends}
+        self.kinds = {b.name: u.kind for b, u in zip(pool.backends, upstreams, strict=True)}
+        self.tracker = LoadTracker(
+            [
+                BackendLoad(
+                    b.name,
+                    max_in_flight=u.max_in_flight or routing.backend_max_in_flight,
+                    max_waiting=routing.backend_max_waiting,
+                    weight=u.weight,
+                )
+                for b, u in zip(pool.backends, upstreams, strict=True)
+            ],
+            metrics_ttl_s=max(2.0, 3 * routing.backend_metrics_interval_s),
+        )
+        self.policy = AffinityPolicy(
+            {b.name: u.weight for b, u in zip(pool.backends, upstreams, strict=True)},
+            policy=routing.backend_policy,
+            abs_threshold=routing.balance_abs_threshold,
+            rel_threshold=routing.balance_rel_threshold,
+            bounded_load_factor=routing.bounded_load_factor,
+            ttl_s=routing.affinity_ttl_s,
+        )
+        self.spill = SpillBudget(routing.spill_budget_ratio, routing.spill_min_concurrency)
+        self.deadline_s = (
+            routing.first_token_deadline_ms / 1000.0 if routing.first_token_deadline_ms else None
+        )
+        # Peers: their routers are upstreams like any other, with their own Backend record.
+        self.peer_table = PeerTable(
+            [(p.name, p.url) for p in config.peers], routing.peer_status_ttl_s
+        )
+        self.peer_backends = {
+            p.name: Backend(name=f"peer:{p.name}", url=p.url.rstrip("/")) for p in config.peers
+        }
+        self.peer_points = {p.name: _point(p.latitude, p.longitude, p.name) for p in config.peers}
+        self.peer_urls = {p.name: p.public_url or p.url for p in config.peers}
+        self.poller = PeerPoller(
+            self.peer_table, client, peer_key=self.peer_key,
+            interval_s=routing.peer_poll_interval_s, clock=clock,
+        )
+        # Warm prefixes.
+        self.prefixes = [
+            WarmPrefix(p.name, warm_prefix_text(p), tuple(p.models)) for p in config.warm_prefixes
+        ]
+        self.prefix_hashes = {p.name: prefix_hash(p.text) for p in self.prefixes}
+        self.scheduler = WarmupScheduler(
+            self.prefixes if config.warmup.enabled else [],
+            interval_s=config.warmup.interval_s,
+            pressure_interval_s=config.warmup.pressure_interval_s,
+            cache_pressure_perc=config.warmup.cache_pressure_perc,
+            busy_running_threshold=config.warmup.busy_running_threshold,
+            retry_s=config.warmup.retry_s,
+        )
+        scraped: dict[str, str] = {}
+        probe_headers: dict[str, dict[str, str]] = {}
+        for b, u in zip(pool.backends, upstreams, strict=True):
+            if u.kind == "openai" and not u.models:
+                continue  # no /metrics and no model list to warm with
+            self.scheduler.add_backend(b.name, u.models)
+            scraped[b.name] = b.url
+            if b.api_key:
+                probe_headers[b.name] = {"authorization": f"Bearer {b.api_key}"}
+        self.runner = WarmupRunner(
+            self.scheduler, client, scraped,
+            poll_interval_s=routing.backend_metrics_interval_s, clock=clock,
+            on_metrics=self._on_metrics, headers=probe_headers,
+        )
+        # Metrics.
+        self.outcomes: Counter[tuple[str, str, str]] = Counter()
+        self.spills: Counter[tuple[str, str]] = Counter()
+        self.forwards: Counter[str] = Counter()
+        self.ttft: dict[str, Histogram] = {}
+        self.itl = Histogram(ITL_BUCKETS_S)
+        self._started = False
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start peer polls and backend scrapes/warmup in the running loop (idempotent)."""
+        if self._started:
+            return
+        self._started = True
+        if self.peer_table.peers:
+            self.poller.start()
+        if self.runner.urls:
+            self.runner.start()
+
+    async def wait_warm(self) -> bool:
+        """Before serving: warm every prefix on every backend (bounded by the start-up timeout)."""
+        if not self.prefixes or not self.runner.urls:
+            return True
+        return await self.runner.wait_all_warm(self.config.warmup.startup_timeout_s)
+
+    async def aclose(self) -> None:
+        await self.poller.stop()
+        await self.runner.stop()
+        if self.locator is not None:
+            self.locator.close()
+
+    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> None:
+        healthy = metrics is not None
+        self.tracker.set_health(name, healthy)
+        self.backends[name].healthy = healthy
+        if metrics is not None:
+            self.tracker.observe_metrics(name, metrics, self.clock())
+
+    # --- the stage ---------------------------------------------------------------------
+    def _peer_authenticated(self, ctx: RequestContext) -> bool:
+        given = ctx.headers.get(PEER_KEY_HEADER)
+        if not given or not self.peer_key:
+            return False
+        return hmac.compare_digest(given.encode(), self.peer_key.encode())
+
+    def locate(self, ctx: RequestContext, from_peer: bool) -> Location | None:
+        peer = ctx.client[0] if ctx.client else None
+        trusted = self.trusted
+        if from_peer and peer is not None:
+            trusted = TrustedProxies([*self.config.geo.trusted_proxies, peer])
+        address = client_address(peer, ctx.headers, trusted)
+        if self.locator is None:
+            return None
+        return self.locator.locate(address)
+
+    def _prefix(self, request: ChatCompletionRequest) -> WarmPrefix | None:
+        first = request.messages[0]
+        if first.role not in ("system", "developer"):
+            return None
+        text = message_text(first)
+        for p in self.prefixes:
+            if (not p.models or request.model in p.models) and text.startswith(p.text):
+                return p
+        return None
+
+    def _here(self, now: float) -> RegionCandidate:
+        warm = {
+            self.prefix_hashes[name]
+            for backend in self.tracker.healthy()
+            for name in self.scheduler.warm(backend)
+        }
+        return RegionCandidate(
+            self.region, self.here_point, bool(self.tracker.healthy()),
+            self.tracker.region_saturated(now), self.tracker.queue_wait_ms(now), frozenset(warm),
+        )
+
+    def _peers(self, now: float) -> dict[str, RegionCandidate]:
+        out: dict[str, RegionCandidate] = {}
+        for name, status in self.peer_table.fresh(now).items():
+            rtt = self.peer_table.peers[name].rtt_ms
+            point = self.peer_points.get(name)
+            if point is None and status.latitude is not None and status.longitude is not None:
+                point = GeoPoint(status.latitude, status.longitude)
+            out[name] = RegionCandidate(
+                name, point, status.healthy, status.saturated, status.queue_wait_ms,
+                frozenset(status.warm_prefixes), rtt.value if rtt is not None else None,
+                status.public_url or self.peer_urls.get(name),
+            )
+        return out
+
+    def active(self) -> int:
+        return self.tracker.in_flight() + sum(b.in_flight for b in self.peer_backends.values())
+
+    def route(self, ctx: RequestContext) -> Outcome:
+        """Choose the region and backend for an admitted chat request (sets ``ctx.backend``)."""
+        request = ctx.request
+        assert request is not None
+        now = self.clock()
+        from_peer = self._peer_authenticated(ctx)
+        forwarded = from_peer and FORWARDED_HEADER in ctx.headers
+        location = self.locate(ctx, from_peer)
+        prefix = self._prefix(request)
+        chars = sum(len(message_text(m)) for m in request.messages)
+        decision = choose_region(
+            self.model, self._here(now), self._peers(now), client=location,
+            prompt_tokens=int(chars / CHARS_PER_TOKEN),
+            prefix=self.prefix_hashes[prefix.name] if prefix else None,
+            prefix_tokens=int(len(prefix.text) / CHARS_PER_TOKEN) if prefix else 0,
+            forwarded=forwarded,
+            spill_slot=self.spill.spilling < self.spill.limit(self.active()),
+        )
+        ctx.extra["location"] = location
+        ctx.extra["region_decision"] = decision
+        headers: list[tuple[str, str]] = []
+        if decision.better_region is not None:
+            headers.append((BETTER_REGION_HEADER, decision.better_region))
+            url = self.peer_urls.get(decision.better_region)
+            if url:
+                headers.append((BETTER_REGION_HEADER + "-url", url))
+        ctx.extra["response_headers"] = headers
+        if decision.verdict is Verdict.LOCAL:
+            chosen = self._local_backend(request, now)
+            if chosen is None:  # raced to saturation since the region check
+                return self._reject(ctx, now)
+            return self._serve_local(ctx, chosen, location, now)
+        if decision.verdict is Verdict.REJECT:
+            if not self.tracker.healthy() and not self.peer_table.peers:
+                return Fallback("no healthy upstream in this region")
+            return self._reject(ctx, now)
+        spill = decision.verdict is Verdict.SPILL
+        if spill and not self.spill.try_acquire(self.active()):
+            return self._reject(ctx, now)
+        if spill:
+            self.spills[(decision.region, "saturated")] += 1
+        else:
+            self.forwards[decision.region] += 1
+        self._to_peer(ctx, decision.region, location, spill)
+        return CONTINUE
+
+    def _local_backend(self, request: ChatCompletionRequest, now: float) -> str | None:
+        available = self.tracker.available(now)
+        loads = {n: self.tracker.load(n, now) for n in available}
+        texts = [p.text for p in self.prefixes]
+        key = affinity_key(request, texts, self.config.routing.affinity_chars)
+        choice = self.policy.choose(key, available, loads, now)
+        return choice.backend if choice is not None else None
+
+    def _serve_local(
+        self, ctx: RequestContext, name: str, location: Location | None, now: float
+    ) -> Outcome:
+        ctx.backend = self.backends[name]
+        ctx.region = self.region
+        self.tracker.started(name)
+        ctx.extra["observer"] = Observation(
+            self, self.region, name, True, False, time.perf_counter(), location,
+            first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
+        )
+        return CONTINUE
+
+    def _to_peer(
+        self, ctx: RequestContext, peer: str, location: Location | None, spill: bool
+    ) -> None:
+        backend = self.peer_backends[peer]
+        ctx.backend = backend
+        ctx.region = peer
+        headers = {FORWARDED_HEADER: self.region}
+        if self.peer_key:
+            headers[PEER_KEY_HEADER] = self.peer_key
+        auth = ctx.headers.get("authorization")
+        if auth:
+            headers["authorization"] = auth
+        address = client_address(ctx.client[0] if ctx.client else None, ctx.headers, self.trusted)
+        if address is not None:
+            headers["x-forwarded-for"] = str(address)
+        ctx.extra["upstream_headers"] = headers
+        observer = ctx.extra.get("observer")
+        if isinstance(observer, Observation):
+            observer.region, observer.backend, observer.local = peer, backend.name, False
+            observer.spill = observer.spill or spill
+        else:
+            ctx.extra["observer"] = Observation(
+                self, peer, backend.name, False, spill, time.perf_counter(), location
+            )
+
+    def _reject(self, ctx: RequestContext, now: float) -> Outcome:
+        retry = self.tracker.retry_after_s(now)
+        self.outcomes[(self.region, "", "rejected")] += 1
+        self._log(ctx, None, "rejected")
+        return error_reply(
+            429,
+            f"Region {self.region} is at capacity and no other region can take this request;"
+            f" retry after {retry} s.",
+            "rate_limit_error",
+            code="region_saturated",
+            headers=(("retry-after", str(retry)),),
+            outcome="rejected",
+        )
+
+    # --- observer callbacks ------------------------------------------------------------
+    def first_token(self, obs: Observation, ttft_ms: float) -> None:
+        if obs.local:
+            self.tracker.observe_ttft(obs.backend, ttft_ms)
+        hist = self.ttft.get(obs.region)
+        if hist is None:
+            hist = self.ttft[obs.region] = Histogram(TTFT_BUCKETS_S)
+        hist.observe(ttft_ms / 1000.0)
+
+    def can_switch(self, obs: Observation, ctx: RequestContext) -> bool:
+        if obs.switched or not obs.local:
+            return False
+        return self._switch_target(ctx) is not None
+
+    def _switch_target(self, ctx: RequestContext) -> str | None:
+        now = self.clock()
+        forwarded = self._peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
+        if forwarded:
+            return None
+        candidates = [c for c in self._peers(now).values() if c.healthy and not c.saturated]
+        if not candidates or self.spill.spilling >= self.spill.limit(self.active()):
+            return None
+        location = ctx.extra.get("location")
+        point = location.point if isinstance(location, Location) else None
+        here = self._here(now)
+        return min(
+            candidates,
+            key=lambda c: self.model.expected_ms(point, here, c, 0, None, 0),
+        ).name
+
+    def switch(self, obs: Observation, ctx: RequestContext) -> Backend:
+        """The first token is late: move the request to the best peer (a spill)."""
+        target = self._switch_target(ctx)
+        assert target is not None  # can_switch said yes a moment ago, in the same loop turn
+        self.tracker.finished(obs.backend)
+        self.spill.try_acquire(self.active())
+        self.spills[(target, "first_token_deadline")] += 1
+        obs.switched = True
+        obs.first_token_deadline_s = None
+        self._to_peer(ctx, target, obs.location, spill=True)
+        obs.reason = "first_token_deadline"
+        backend: Backend = ctx.backend
+        return backend
+
+    def finished(self, obs: Observation, ctx: RequestContext, ok: bool) -> None:
+        duration_ms = (time.perf_counter() - obs.started) * 1000
+        if obs.local:
+            self.tracker.finished(obs.backend, duration_ms)
+        if obs.spill:
+            self.spill.release()
+        outcome = "ok" if ok else "error"
+        self.outcomes[(obs.region, obs.backend, outcome)] += 1
+        self._log(ctx, obs, outcome, duration_ms)
+
+    def _log(
+        self, ctx: RequestContext, obs: Observation | None, outcome: str,
+        duration_ms: float | None = None,
+    ) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        location = ctx.extra.get("location")
+        record: dict[str, Any] = {
+            "ts": round(time.time(), 3),
+            "trace_id": ctx.traceparent.trace_id,
+            "path": ctx.path,
+            "region": obs.region if obs else self.region,
+            "entry_region": self.region,
+            "backend": obs.backend if obs else None,
+            "outcome": outcome,
+            "spill": obs.spill if obs else False,
+            "reason": obs.reason if obs else "",
+            "model": ctx.request.model if ctx.request else None,
+            "ttft_ms": round(obs.ttft_ms, 2) if obs and obs.ttft_ms is not None else None,
+            "duration_ms": round(duration_ms, 2) if duration_ms is not None else None,
+            "client_city": location.city if isinstance(location, Location) else None,
+            "client_country": location.country if isinstance(location, Location) else None,
+        }  # never the API key, the peer key, the client's address or the prompt
+        access_log.info(json.dumps(record, separators=(",", ":")))
+
+    # --- status and metrics ------------------------------------------------------------
+    def status(self) -> EdgeStatus:
+        now = self.clock()
+        here = self._here(now)
+        backends = [
+            BackendStatus(
+                name=name, healthy=b.healthy, in_flight=b.in_flight,
+                load=self.tracker.load(name, now), max_in_flight=b.max_in_flight,
+                saturated=self.tracker.saturated(name, now), ttft_ms=b.ttft_ms.value,
+                warm_prefixes=self.scheduler.warm(name),
+            )
+            for name, b in self.tracker.backends.items()
+        ]
+        wait = here.queue_wait_ms
+        return EdgeStatus(
+            region=self.region, healthy=here.healthy, saturated=here.saturated,
+            in_flight=self.tracker.in_flight(), capacity=self.tracker.capacity(),
+            queue_wait_ms=wait if math.isfinite(wait) else 1e9,
+            latitude=self.here_point.lat if self.here_point else None,
+            longitude=self.here_point.lon if self.here_point else None,
+            public_url=self.config.geo.public_url, ttft_ms=self.tracker.ttft_ms(),
+            warm_prefixes=sorted(here.warm_prefixes), backends=backends,
+        )
+
+    def render_metrics(self) -> str:
+        from .routing_metrics import render
+
+        return render(self)
