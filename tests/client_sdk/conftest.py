@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import trustme
 
+from router.config import parse_config
+from router.serve import running_router
+from router.sim.server import running_sim
 from tests.client_sdk.protocol_server import RunningServer, running_protocol_server
 
 API_KEY = "test-key"
@@ -45,3 +50,51 @@ def server(tls_files: tuple[str, str, str]) -> Iterator[RunningServer]:
 @pytest.fixture
 def ca_file(tls_files: tuple[str, str, str]) -> str:
     return tls_files[0]
+
+
+# -- the real stack: simulated inference server behind the real router, over TLS -----------------
+
+ROUTER_KEY = "sk-sdk-test-0001"
+OTHER_KEY = "sk-sdk-test-0002"
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str
+    """``https://localhost:PORT/v1`` (the name, so SNI and certificate checks are real)."""
+    port: int
+    sim_url: str
+    ca_file: str
+
+    def url_via(self, port: int) -> str:
+        return f"https://localhost:{port}/v1"
+
+
+@contextlib.asynccontextmanager
+async def start_stack(
+    tls_files: tuple[str, str, str],
+    *,
+    faults: Sequence[str] = (),
+    profile: str = "instant",
+    heartbeat_s: float = 15.0,
+) -> AsyncIterator[Stack]:
+    """Start ``firstbyte sim`` and the router in front of it in the running loop."""
+    ca_file, cert_file, key_file = tls_files
+    async with running_sim(profile, faults=list(faults), seed=7) as sim_url:
+        config = parse_config({
+            "region": "sdk-test",
+            "upstreams": [{"url": sim_url}],
+            "listen": {"host": "127.0.0.1", "port": 0, "certfile": cert_file,
+                       "keyfile": key_file},
+            "auth": {"api_keys": [ROUTER_KEY, OTHER_KEY]},
+            "limits": {"heartbeat_interval_s": heartbeat_s},
+        }, "<sdk-test>")
+        async with running_router(config) as endpoints:
+            yield Stack(f"https://localhost:{endpoints.port}/v1", endpoints.port, sim_url,
+                        ca_file)
+
+
+@pytest.fixture
+async def stack(tls_files: tuple[str, str, str]) -> AsyncIterator[Stack]:
+    async with start_stack(tls_files) as running:
+        yield running

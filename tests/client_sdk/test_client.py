@@ -1,0 +1,171 @@
+"""End to end: the SDK against the real router in front of the real sim, on loopback with TLS."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from typing import Any
+
+import httpx
+import pytest
+
+from client_sdk.client import AsyncClient, Client
+from client_sdk.errors import AuthenticationError, ConnectError, RateLimitError, TLSError
+from client_sdk.timings import Timings
+from tests.client_sdk.conftest import ROUTER_KEY, Stack
+from tests.client_sdk.protocol_server import RunningServer
+
+MESSAGES = [{"role": "user", "content": "Tell me about latency."}]
+COMBOS = [("sse", "1.1"), ("sse", "2"), ("sse", "3"), ("websocket", "1.1"),
+          ("longpoll", "1.1"), ("longpoll", "2"), ("longpoll", "3")]
+
+
+async def reference_text(stack: Stack, max_tokens: int, seed: int = 11) -> str:
+    """What the sim answers to this request, asked directly and without streaming."""
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{stack.sim_url}/v1/chat/completions", json={
+            "model": "sim-instant", "messages": MESSAGES, "max_tokens": max_tokens,
+            "seed": seed})
+    content: str = response.json()["choices"][0]["message"]["content"]
+    return content
+
+
+async def stream_once(client: AsyncClient, max_tokens: int = 24, **kw: Any) -> tuple[str, Timings, list[int]]:
+    seqs: list[int] = []
+    async with client.stream(model="sim-instant", messages=MESSAGES, max_tokens=max_tokens,
+                             seed=11, **kw) as stream:
+        parts = []
+        async for delta in stream:
+            parts.append(delta.text)
+            if delta.seq is not None:
+                seqs.append(delta.seq)
+    assert stream.usage is not None
+    assert stream.usage.completion_tokens == max_tokens
+    return "".join(parts), stream.timings, seqs
+
+
+@pytest.mark.parametrize(("transport", "http"), COMBOS)
+async def test_every_transport_streams_the_sims_text(stack: Stack, transport: str, http: str) -> None:
+    expected = await reference_text(stack, 24)
+    async with AsyncClient(stack.base_url, ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
+                           ca_file=stack.ca_file, idle_timeout_s=10) as client:
+        text, timings, seqs = await stream_once(client)
+    assert text == expected
+    assert seqs == sorted(set(seqs))
+    assert timings.transport == transport
+    assert timings.http_version == {"1.1": "HTTP/1.1", "2": "HTTP/2", "3": "HTTP/3"}[http]
+    assert timings.stream_id is not None
+    assert timings.warm is False
+    assert timings.output_chunks == 24
+    assert len(timings.inter_token_ms) == 23
+    assert timings.first_byte_ms is not None
+    assert timings.first_token_ms is not None
+    assert timings.last_token_ms is not None
+    assert timings.first_byte_ms <= timings.first_token_ms <= timings.last_token_ms
+    if http == "3":
+        assert timings.quic_handshake_ms is not None
+        assert timings.tcp_connect_ms is None
+    else:
+        assert timings.tcp_connect_ms is not None
+        assert timings.tls_handshake_ms is not None
+    if transport == "sse":
+        assert "queue" in timings.server_timing
+        assert timings.region == "sdk-test"
+
+
+@pytest.mark.parametrize(("transport", "http"), [("sse", "1.1"), ("sse", "2"), ("sse", "3"),
+                                                 ("websocket", "1.1"), ("longpoll", "2")])
+async def test_prewarmed_request_skips_the_handshake_and_gets_its_first_byte_sooner(
+    stack: Stack, transport: str, http: str
+) -> None:
+    cold: list[float] = []
+    warm: list[float] = []
+    for _ in range(5):
+        async with AsyncClient(stack.base_url, ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
+                               ca_file=stack.ca_file) as client:
+            _, t_cold, _ = await stream_once(client, max_tokens=4)
+        assert not t_cold.warm
+        assert t_cold.dns_ms is not None
+        assert t_cold.first_byte_ms is not None
+        cold.append(t_cold.first_byte_ms)
+    async with AsyncClient(stack.base_url, ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
+                           ca_file=stack.ca_file) as client:
+        await client.prewarm()
+        for _ in range(5):
+            _, t_warm, _ = await stream_once(client, max_tokens=4)
+            assert t_warm.warm
+            assert (t_warm.dns_ms, t_warm.tcp_connect_ms, t_warm.tls_handshake_ms,
+                    t_warm.quic_handshake_ms) == (None, None, None, None)
+            assert t_warm.first_byte_ms is not None
+            warm.append(t_warm.first_byte_ms)
+    assert statistics.median(warm) < statistics.median(cold), (warm, cold)
+
+
+@pytest.mark.parametrize(("transport", "http"), [("sse", "2"), ("sse", "3"), ("websocket", "1.1"),
+                                                 ("longpoll", "1.1")])
+async def test_wrong_api_key_is_an_authentication_error(stack: Stack, transport: str, http: str) -> None:
+    async with AsyncClient(stack.base_url, "sk-wrong-key-000", transport=transport, http=http,  # type: ignore[arg-type]
+                           ca_file=stack.ca_file) as client:
+        with pytest.raises(AuthenticationError) as info:
+            await stream_once(client)
+    assert info.value.status in (401, None)
+
+
+@pytest.mark.parametrize("http", ["2", "3"])
+async def test_untrusted_certificate_is_a_tls_error(stack: Stack, http: str) -> None:
+    async with AsyncClient(stack.base_url, ROUTER_KEY, http=http,  # type: ignore[arg-type]
+                           connect_timeout_s=5) as client:
+        with pytest.raises(TLSError):
+            await stream_once(client)
+
+
+async def test_unreachable_server_is_a_connect_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connection refused
+        async with AsyncClient(f"https://localhost:{port}/v1", ROUTER_KEY) as client:
+            with pytest.raises(ConnectError, match="cannot connect"):
+                await stream_once(client)
+
+
+async def test_saturation_is_a_rate_limit_error_with_retry_after(server: RunningServer,
+                                                                  ca_file: str) -> None:
+    async with AsyncClient(server.base_url, "test-key", ca_file=ca_file) as client:
+        with pytest.raises(RateLimitError) as info:
+            async with client.stream(model="busy", messages=MESSAGES):
+                pass
+    assert info.value.retry_after == 2.0
+    assert info.value.status == 429
+
+
+async def test_render_callback_sets_render_time(stack: Stack) -> None:
+    seen: list[str] = []
+    async with AsyncClient(stack.base_url, ROUTER_KEY, ca_file=stack.ca_file) as client:
+        _, timings, _ = await stream_once(client, on_first_token=lambda d: seen.append(d.text))
+    assert len(seen) == 1
+    assert timings.render_ms is not None
+    assert timings.first_token_ms is not None
+    assert timings.render_ms >= timings.first_token_ms
+
+
+def test_sync_client_streams_on_its_own_loop(server: RunningServer, ca_file: str) -> None:
+    from tests.client_sdk.protocol_server import expected_text
+
+    with Client(server.base_url, "test-key", ca_file=ca_file, http="2") as client:
+        client.prewarm()
+        with client.stream(model="m", messages=MESSAGES, max_tokens=9) as stream:
+            text = "".join(delta.text for delta in stream)
+        assert text == expected_text(9)
+        assert stream.usage is not None
+        assert stream.timings.warm
+        assert stream.timings.http_version == "HTTP/2"
+
+
+async def test_abandoning_a_stream_half_way_frees_the_connection(stack: Stack) -> None:
+    async with AsyncClient(stack.base_url, ROUTER_KEY, ca_file=stack.ca_file, http="1.1") as client:
+        await client.prewarm()
+        async with client.stream(model="sim-instant", messages=MESSAGES, max_tokens=50) as stream:
+            async for _ in stream:
+                break
+        _, timings, _ = await stream_once(client, max_tokens=3)
+    assert timings.output_chunks == 3
