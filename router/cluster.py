@@ -1,0 +1,205 @@
+"""Several regions on one machine: routers and simulated backends on 127.0.0.1.
+
+For tests, benchmarks and demos of routing across regions::
+
+    specs = [RegionSpec("tokyo", 35.68, 139.69), RegionSpec("frankfurt", 50.11, 8.68)]
+    async with running_regions(specs, peer_key="k" * 16) as regions:
+        regions["tokyo"].url            # the Tokyo router's base URL
+        await regions["tokyo"].sims[0].restart()
+
+Every router lists every other as a peer; router ports are reserved before any router starts
+(each router must know its peers' URLs), the sims bind ephemeral ports. A sim can be stopped
+and restarted on the same port, as a real backend restart looks to the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .config import parse_config
+from .serve import RouterEndpoints, running_router
+from .sim.server import SimConfig, bind_socket, build_app, serve
+from .state import RouterState
+
+__all__ = ["RegionHandle", "RegionSpec", "SimHandle", "running_regions", "wait_for_peers"]
+
+
+class SimHandle:
+    """One simulated backend on a fixed port, which can be stopped and started again."""
+
+    def __init__(self, config: SimConfig, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.host = host
+        self.port = 0
+        self.app: Any = None
+        self._task: asyncio.Future[None] | None = None
+        self._shutdown: asyncio.Event | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self.app = build_app(self.config)
+        self._sock = bind_socket(self.host, self.port)
+        self.port = self._sock.getsockname()[1]
+        self._shutdown = asyncio.Event()
+        ready = asyncio.Event()
+        self._task = asyncio.ensure_future(
+            serve(self.app, self._sock, shutdown=self._shutdown, started=ready.set)
+        )
+        waiter = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([self._task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if self._task.done():
+            waiter.cancel()
+            self._task.result()
+            raise RuntimeError("the sim stopped during start-up")
+
+    async def stop(self) -> None:
+        if self._shutdown is not None and self._task is not None:
+            self._shutdown.set()
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        if self._sock is not None:
+            self._sock.close()
+        self._task = self._shutdown = self._sock = None
+
+    async def restart(self, down_s: float = 0.0) -> None:
+        """Stop, stay down ``down_s`` seconds, start a fresh sim (empty cache) on the same port."""
+        await self.stop()
+        await asyncio.sleep(down_s)
+        await self.start()
+
+
+@dataclass
+class RegionSpec:
+    name: str
+    latitude: float
+    longitude: float
+    backends: int = 2
+    sim: dict[str, Any] = field(default_factory=dict)
+    """:class:`router.sim.server.SimConfig` fields (``profile``, ``max_num_seqs``, ``faults``)."""
+    upstream: dict[str, Any] = field(default_factory=dict)
+    """Extra fields for every upstream of this region (``max_in_flight``, ``models``)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Router config sections merged over the defaults (``routing``, ``warmup``, ...)."""
+
+
+@dataclass
+class RegionHandle:
+    spec: RegionSpec
+    endpoints: RouterEndpoints
+    sims: list[SimHandle]
+
+    @property
+    def url(self) -> str:
+        return self.endpoints.base_url
+
+    @property
+    def state(self) -> RouterState:
+        return self.endpoints.app.state
+
+
+def _reserve_ports(n: int) -> list[int]:
+    # Bound together so they differ, released just before the routers bind them.
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@contextlib.asynccontextmanager
+async def running_regions(
+    specs: Sequence[RegionSpec],
+    *,
+    peer_key: str = "firstbyte-test-peer-key",
+    api_keys: Sequence[str] = (),
+    warm_prefixes: Sequence[dict[str, Any]] = (),
+    geo_database: str | None = None,
+    trusted_proxies: Sequence[str] = ("127.0.0.1/32",),
+) -> AsyncIterator[dict[str, RegionHandle]]:
+    """Start every region's sims and router; stop them all on exit."""
+    ports = _reserve_ports(len(specs))
+    urls = {spec.name: f"http://127.0.0.1:{port}" for spec, port in zip(specs, ports, strict=True)}
+    async with contextlib.AsyncExitStack() as stack:
+        sims: dict[str, list[SimHandle]] = {}
+        for spec in specs:
+            sims[spec.name] = []
+            for _ in range(spec.backends):
+                sim = SimHandle(msgspec.convert(spec.sim, SimConfig))
+                await sim.start()
+                stack.push_async_callback(sim.stop)
+                sims[spec.name].append(sim)
+        handles: dict[str, RegionHandle] = {}
+        for spec, port in zip(specs, ports, strict=True):
+            data: dict[str, Any] = {
+                "region": spec.name,
+                "listen": {"host": "127.0.0.1", "port": port, "insecure_plain_http": True},
+                "auth": {"api_keys": list(api_keys)},
+                "upstreams": [
+                    {"url": s.url, "name": f"{spec.name}-{i}", **spec.upstream}
+                    for i, s in enumerate(sims[spec.name])
+                ],
+                "geo": {
+                    "latitude": spec.latitude,
+                    "longitude": spec.longitude,
+                    "public_url": urls[spec.name],
+                    "trusted_proxies": list(trusted_proxies),
+                    **({"database": geo_database} if geo_database else {}),
+                },
+                "routing": {"peer_key": peer_key, "peer_poll_interval_s": 0.2},
+                "peers": [
+                    {"name": o.name, "url": urls[o.name], "latitude": o.latitude,
+                     "longitude": o.longitude}
+                    for o in specs if o.name != spec.name
+                ],
+                "warm_prefixes": list(warm_prefixes),
+                "warmup": {"startup_timeout_s": 20.0},
+            }
+            config = parse_config(_merge(data, spec.config), f"<region {spec.name}>")
+            endpoints = await stack.enter_async_context(running_router(config))
+            handles[spec.name] = RegionHandle(spec, endpoints, sims[spec.name])
+        yield handles
+
+
+async def wait_for_peers(regions: dict[str, RegionHandle], timeout_s: float = 10.0) -> None:
+    """Wait until every router has fresh status from every peer (raises TimeoutError)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        if all(
+            len(h.state.routing.peer_table.fresh(h.state.clock())) == len(regions) - 1
+            for h in regions.values()
+        ):
+            return
+        if loop.time() > deadline:
+            raise TimeoutError("peers did not report status in time")
+        await asyncio.sleep(0.05)
