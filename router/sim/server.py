@@ -181,6 +181,7 @@ async def _serve_hypercorn(
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
+    _reset_unfinished_h2_streams()
     config = Config()
     # hypercorn takes ownership of (and closes) the descriptor it is given: give it a copy.
     config.bind = [f"fd://{os.dup(sock.fileno())}"]
@@ -196,6 +197,40 @@ async def _serve_hypercorn(
         asyncio.get_running_loop().call_soon(started)
     app_any: Any = app
     await hypercorn_serve(app_any, config, shutdown_trigger=shutdown.wait, mode="asgi")
+
+
+def _reset_unfinished_h2_streams() -> None:
+    """Make hypercorn reset an HTTP/2 stream whose app failed mid-response.
+
+    hypercorn (0.17, 0.18) forgets such a stream without sending END_STREAM or RST_STREAM, so
+    the peer waits on it forever; over HTTP/1.1 it closes the connection, as it should. The
+    ``drop`` fault relies on that abrupt end, so on HTTP/2 the stream is reset
+    (INTERNAL_ERROR, RFC 9113 section 5.4.2) and the connection's other streams go on.
+    """
+    from hypercorn.protocol.h2 import H2Protocol
+
+    if getattr(H2Protocol, "_firstbyte_resets", False):
+        return
+    import h2.errors
+    import h2.exceptions
+
+    original = H2Protocol._close_stream
+
+    async def _close_stream(self: Any, stream_id: int) -> None:
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is not None and not buffer.complete and stream_id in self.streams:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                await self._flush()
+            await buffer.close()
+            # Let the send loop visit the stream once more; it then drops its buffer.
+            with contextlib.suppress(Exception):
+                self.priority.unblock(stream_id)
+            await self.has_data.set()
+        await original(self, stream_id)
+
+    H2Protocol._close_stream = _close_stream  # type: ignore[method-assign]
+    H2Protocol._firstbyte_resets = True  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)
