@@ -39,9 +39,10 @@ class ClientGone(Exception):
     """The client disconnected while the request body was being read."""
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """Read the request body, stopping once it exceeds ``limit`` (returns ``limit + 1`` bytes
-    at most, so the caller can answer 413 without buffering an unbounded upload)."""
+async def read_body(receive: Receive, limit: int, *, drain_bytes: int = 64 << 20) -> bytes:
+    """Read the request body; past ``limit`` bytes, keep only ``limit + 1`` (so the caller
+    answers 413) but go on reading and discarding up to ``drain_bytes``: a client still
+    sending (an HTTP/2 stream, say) then receives the 413 instead of a write error."""
     parts: list[bytes] = []
     size = 0
     while True:
@@ -50,12 +51,11 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             raise ClientGone
         chunk: bytes = message.get("body", b"")
         if chunk:
-            parts.append(chunk)
+            if size <= limit:
+                parts.append(chunk)
             size += len(chunk)
-            if size > limit:
-                return b"".join(parts)[: limit + 1]
-        if not message.get("more_body", False):
-            return b"".join(parts)
+        if not message.get("more_body", False) or size > drain_bytes:
+            return b"".join(parts)[: limit + 1]
 
 
 def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
