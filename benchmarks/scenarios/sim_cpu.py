@@ -71,7 +71,8 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _sim_process(server: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     cmd = [
-        sys.executable, "-m", "client_sdk.cli", "sim", "--profile", "instant",
+        sys.executable, "-c", "import sys; from client_sdk.cli import main; sys.exit(main())",
+        "sim", "--profile", "instant",
         "--host", "127.0.0.1", "--port", str(port), "--server", server,
         "--max-num-seqs", "256", "--queue-limit", "4096",
     ]  # fmt: skip

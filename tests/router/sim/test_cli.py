@@ -1,0 +1,140 @@
+"""``firstbyte sim`` as a real process: start-up line, serving, clean exit, clear user errors."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from client_sdk._core.sse import DONE
+
+# Not ``-m client_sdk.cli``: that imports the module twice (as __main__ and by name), and
+# the subcommand's CLIError would then not be the one main() catches.
+SIM = [sys.executable, "-c", "import sys; from client_sdk.cli import main; sys.exit(main())", "sim"]
+
+
+@pytest.fixture
+def sim_process() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def start(procs: list[subprocess.Popen[str]], *args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [*SIM, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    procs.append(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.search(r"serving (http://\S+)", line)
+    assert match, (line, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+    return proc, match.group(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_healthy(url: str, within_s: float = 15.0) -> None:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError(f"{url} not healthy")
+
+
+def stream_text(url: str) -> list[str]:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 3,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        return [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+
+
+def test_serves_and_exits_cleanly_on_sigterm(sim_process: list[subprocess.Popen[str]]) -> None:
+    proc, url = start(sim_process, "--port", "0", "--profile", "instant", "--seed", "3")
+    data = stream_text(url)
+    assert data[-1] == DONE
+    assert len(data) == 1 + 3 + 1 + 1
+    assert "vllm:num_requests_running" in httpx.get(f"{url}/metrics").text
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert proc.stderr is not None
+    assert "Traceback" not in proc.stderr.read()
+
+
+def test_granian_server_option(sim_process: list[subprocess.Popen[str]]) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*SIM, "--port", str(port), "--profile", "instant", "--server", "granian"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sim_process.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    assert stream_text(url)[-1] == DONE
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fault", "explode"], "unknown fault 'explode'"),
+        (["--fault", "stall:after=x"], "after must be a number"),
+        (["--certfile", "/nonexistent.pem"], "--certfile and --keyfile go together"),
+        (["--certfile", "/nonexistent.pem", "--keyfile", "/x.pem"], "no such file"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--queue-limit", "-1"], "--queue-limit must be >= 0"),
+        (["--port", "70000"], "--port must be 0..65535"),
+        (["--profile", "gpu-9000"], "invalid choice"),
+    ],
+)
+def test_user_errors_are_clear(args: list[str], message: str) -> None:
+    result = subprocess.run([*SIM, *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_port_in_use_is_a_user_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [*SIM, "--port", str(port)], capture_output=True, text=True, timeout=30
+        )
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_documents_the_fault_grammar() -> None:
+    result = subprocess.run([*SIM, "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    for text in ("stall:after=N", "drop:after=N", "delay:ms=M", "error503:rate=R", "h100-7b"):
+        assert text in result.stdout
