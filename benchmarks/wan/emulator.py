@@ -315,7 +315,9 @@ class Emulator:
         if method == "udp":
             # Pace pings so that a few are in flight at once but the link is never busy.
             interval = max(5.0, min(50.0, configured / 4))
-            args = ["udp-ping", "--interval-ms", f"{interval:g}"]
+            # A reply this late is lost (loss tests would otherwise wait 5 s for each run).
+            give_up = 1.0 + 4 * configured / 1000 + 2 * self.link_params[(src, dst)].jitter_ns / 1e9
+            args = ["udp-ping", "--interval-ms", f"{interval:g}", "--timeout", f"{give_up:g}"]
         else:
             args = ["tcp-probe"]
         argv = [sys.executable, "-m", "benchmarks.wan.echo", *args, "--to", self.ip(dst)]

@@ -191,7 +191,7 @@ class Forwarder:
                 self.unknown_host += 1
                 continue
             self.line.push(packet, src, dst, now)
-        self.max_in_flight = max(self.max_in_flight, self.line.in_flight())
+            self.max_in_flight = max(self.max_in_flight, self.line.in_flight())
 
     def _handle_control(self) -> None:
         assert self.control is not None

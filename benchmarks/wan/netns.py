@@ -202,8 +202,9 @@ def teardown(state: RunState) -> None:
         )
     with contextlib.suppress(FileNotFoundError):
         state.path.unlink()
-    with contextlib.suppress(FileNotFoundError):
-        (STATE_DIR / f"{state.run_id}.forwarder.json").unlink()
+    for suffix in ("forwarder.json", "forwarder.log"):
+        with contextlib.suppress(FileNotFoundError):
+            (STATE_DIR / f"{state.run_id}.{suffix}").unlink()
 
 
 def cleanup_stale() -> list[str]:
@@ -324,14 +325,19 @@ class Network:
         argv = [sys.executable, "-c", code, "--config", str(config_path)]
         if detached:
             argv.append("--detached")
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL if detached else subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env=python_env(),
-        )
+        # Detached, the forwarder must not hold our caller's stderr open (a caller waiting for
+        # EOF on it would hang): it writes to a log file next to the state file instead.
+        log_path = STATE_DIR / f"{state.run_id}.forwarder.log"
+        with open(log_path, "ab") if detached else contextlib.nullcontext() as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL if detached else subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+                env=python_env(),
+            )
         state.forwarder_pid = proc.pid
         state.forwarder_start = process_start_time(proc.pid)
         if detached:

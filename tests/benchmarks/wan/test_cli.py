@@ -1,0 +1,88 @@
+"""``firstbyte wan``: clear errors without root or with a bad profile, and a real up / exec /
+status / down cycle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.wan import netns
+from benchmarks.wan.netns import python_env
+from client_sdk.cli import main
+
+MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
+
+
+def firstbyte(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", MAIN, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=python_env(),
+    )
+
+
+@pytest.mark.parametrize("action", [["precision"], ["up", "transpacific"], ["cleanup"], ["down"]])
+def test_without_root_the_error_says_so(
+    action: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # This machine's python lives under /root, so a real unprivileged user cannot start it;
+    # pretend to be one for the check itself.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["wan", *action]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_profile_is_a_clear_error() -> None:
+    done = firstbyte("wan", "up", "no-such-profile")
+    assert done.returncode == 2
+    assert "no profile 'no-such-profile'" in done.stderr
+    assert "transpacific" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_precision_rejects_bad_numbers() -> None:
+    done = firstbyte("wan", "precision", "--count", "0")
+    assert done.returncode == 2
+    assert "--count" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.netns
+def test_up_exec_status_down() -> None:
+    up = firstbyte("wan", "up", "transpacific")
+    assert up.returncode == 0, up.stderr
+    run_id = up.stdout.split()[2]
+    try:
+        assert "client-beijing" in up.stdout
+        assert "192.0.2.10" in up.stdout
+        state = netns.RunState.load(netns.STATE_DIR / f"{run_id}.json")
+        assert state.detached
+        assert set(state.namespaces.values()) <= set(netns.list_namespaces())
+        # The forwarder outlives the command that started it.
+        assert state.forwarder_pid is not None
+        assert netns.is_alive(state.forwarder_pid, state.forwarder_start)
+        ex = firstbyte("wan", "exec", "client-beijing", "--", "ip", "-o", "-4", "addr")
+        assert ex.returncode == 0, ex.stderr
+        assert "192.0.2.10/32" in ex.stdout
+        status = firstbyte("wan", "status")
+        assert run_id in status.stdout
+        assert "alive" in status.stdout
+        # A live `up` run is not stale.
+        assert firstbyte("wan", "cleanup").returncode == 0
+        assert set(state.namespaces.values()) <= set(netns.list_namespaces())
+        missing = firstbyte("wan", "exec", "nobody", "--", "true")
+        assert missing.returncode == 2
+        assert "no running emulator has a host 'nobody'" in missing.stderr
+    finally:
+        down = firstbyte("wan", "down", run_id)
+    assert down.returncode == 0, down.stderr
+    assert f"run {run_id} down" in down.stdout
+    assert not set(state.namespaces.values()) & set(netns.list_namespaces())
+    assert not netns.is_alive(state.forwarder_pid, state.forwarder_start)

@@ -1,0 +1,266 @@
+"""The emulator through real network namespaces, TUN devices and the forwarder: measured RTT
+against configured, handshake costs in round trips, isolation, teardown and crash cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from benchmarks.stats import percentile
+from benchmarks.wan import Emulator, Host, PrecisionReport, netns
+from benchmarks.wan.netns import python_env
+
+pytestmark = pytest.mark.netns
+
+RTT = 150.0
+CLIENT, SERVER, NEAR = "client-tokyo", "region-us", "region-ap"
+HOSTS = [Host(CLIENT, "192.0.2.10"), Host(SERVER, "198.51.100.10"), Host(NEAR, "198.51.100.11")]
+
+
+@pytest.fixture(scope="module")
+def wan() -> Iterator[Emulator]:
+    with Emulator(HOSTS, {(CLIENT, SERVER): RTT, (CLIENT, NEAR): 20.0}) as emulator:
+        yield emulator
+
+
+@pytest.fixture(scope="module")
+def report(wan: Emulator) -> PrecisionReport:
+    return wan.precision([(CLIENT, SERVER)], count=20, methods=("udp", "tcp"))
+
+
+def _result(report: PrecisionReport, method: str) -> float:
+    (pair,) = [p for p in report.pairs if p.method == method]
+    assert pair.configured_rtt_ms == RTT
+    assert pair.samples == 20
+    assert pair.lost == 0
+    return pair.error_ms
+
+
+def test_udp_echo_rtt_matches_configured_within_1ms(report: PrecisionReport) -> None:
+    error = _result(report, "udp")
+    assert 0.0 <= error <= 1.0, report.render()
+
+
+def test_tcp_connect_costs_one_rtt_within_1ms(report: PrecisionReport) -> None:
+    error = _result(report, "tcp-connect")
+    assert 0.0 <= error <= 1.0, report.render()
+
+
+def test_tcp_request_response_costs_one_rtt(report: PrecisionReport) -> None:
+    error = _result(report, "tcp-request")
+    assert 0.0 <= error <= 2.0, report.render()
+
+
+def test_forwarder_reports_its_lateness(report: PrecisionReport) -> None:
+    late = report.forwarder["lateness_us"]
+    assert late["samples"] >= 20 * 2 * 3
+    assert late["p50"] < 1000
+    assert report.forwarder["forwarded"] >= late["samples"]
+    assert report.forwarder["lost"] == 0
+    assert "max_abs_error_ms" in report.to_dict()
+
+
+def test_each_pair_has_its_own_delay(wan: Emulator) -> None:
+    near = wan.precision([(CLIENT, NEAR)], count=10)
+    (pair,) = near.pairs
+    assert pair.configured_rtt_ms == 20.0
+    assert 0.0 <= pair.error_ms <= 1.0, near.render()
+    # the pair nobody configured gets default_rtt_ms (0): just the forwarder's own cost
+    direct = wan.precision([(SERVER, NEAR)], count=10)
+    assert direct.pairs[0].median_ms < 2.0, direct.render()
+
+
+def test_namespaces_have_no_route_outside_the_emulated_prefixes(wan: Emulator) -> None:
+    code = textwrap.dedent(
+        """
+        import socket
+        for target in ("8.8.8.8", "10.0.0.1", "127.0.0.53"):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                s.connect((target, 53))
+                s.send(b"x")
+                print(target, "sent")
+            except OSError as exc:
+                print(target, exc.errno)
+        """
+    )
+    out = wan.run_sync(CLIENT, [sys.executable, "-c", code]).stdout.split("\n")
+    import errno
+
+    assert f"8.8.8.8 {errno.ENETUNREACH}" in out
+    assert f"10.0.0.1 {errno.ENETUNREACH}" in out
+    # loopback inside the namespace is its own, not the machine's resolver
+    assert "127.0.0.53 sent" in out or f"127.0.0.53 {errno.ECONNREFUSED}" in out
+    routes = wan.run_sync(CLIENT, ["ip", "route", "show", "table", "all"]).stdout
+    assert "default" not in routes
+
+
+SERVER_CODE = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(16)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    req = b""
+    while not req.endswith(b"\\r\\n\\r\\n"):
+        req += c.recv(4096)
+    c.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\n\\r\\nok")
+    c.close()
+"""
+
+CLIENT_CODE = """
+import json, socket, sys, time
+s = socket.socket()  # no getaddrinfo: its first call loads NSS modules (~1 ms of CPU)
+t0 = time.perf_counter()
+s.connect((sys.argv[1], int(sys.argv[2])))
+t1 = time.perf_counter()
+s.sendall(b"GET / HTTP/1.1\\r\\nhost: x\\r\\n\\r\\n")
+first = s.recv(1)
+t2 = time.perf_counter()
+print(json.dumps({"connect_ms": (t1 - t0) * 1e3, "first_byte_ms": (t2 - t1) * 1e3}))
+"""
+
+
+async def test_async_api_cold_request_costs_two_rtts() -> None:
+    rtt = 80.0
+    hosts = [Host("c", "192.0.2.20"), Host("s", "203.0.113.20")]
+    async with Emulator(hosts, {("c", "s"): rtt}) as wan:
+        server = await wan.spawn(
+            "s", [sys.executable, "-c", SERVER_CODE, "203.0.113.20"], stdout=subprocess.PIPE
+        )
+        assert server.stdout is not None
+        port = int(await server.stdout.readline())
+        results = []
+        for _ in range(5):
+            run = await wan.run("c", [sys.executable, "-c", CLIENT_CODE, "203.0.113.20", str(port)])
+            assert run.returncode == 0, run.stderr
+            results.append(json.loads(run.stdout))
+        connect = percentile([r["connect_ms"] for r in results], 50)
+        first_byte = percentile([r["first_byte_ms"] for r in results], 50)
+        # TCP handshake = 1 RTT, then request -> first response byte = 1 RTT.
+        assert rtt <= connect <= rtt + 2, results
+        assert rtt <= first_byte <= rtt + 2, results
+        namespaces = list(wan.network.state.namespaces.values())
+    assert server.returncode is not None  # killed on exit
+    assert not set(namespaces) & set(netns.list_namespaces())
+
+
+def _our_links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def test_teardown_removes_everything_and_is_idempotent() -> None:
+    wan = Emulator([Host("a", "192.0.2.30"), Host("b", "192.0.2.31")], {("a", "b"): 10.0})
+    wan.start()
+    state = wan.network.state
+    sleeper = wan.popen("a", ["sleep", "300"])
+    assert set(state.namespaces.values()) <= set(netns.list_namespaces())
+    assert state.path.exists()
+    wan.stop()
+    wan.stop()
+    assert sleeper.wait(timeout=5) is not None
+    assert not set(state.namespaces.values()) & set(netns.list_namespaces())
+    assert not state.path.exists()
+    assert not any(tun in _our_links() for tun in state.tuns.values())
+    assert state.forwarder_pid is not None
+    assert netns.process_start_time(state.forwarder_pid) is None
+    netns.teardown(state)  # once more from the record alone: nothing left, no error
+
+
+CRASHING_OWNER = """
+import os, sys, time
+from benchmarks.wan import Emulator, Host
+wan = Emulator([Host("x", "192.0.2.40"), Host("y", "198.51.100.40")], {("x", "y"): 10.0}).start()
+sleeper = wan.popen("y", ["sleep", "300"])
+state = wan.network.state
+print(state.run_id, state.forwarder_pid, sleeper.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_cleanup_after_a_crash_removes_only_dead_runs(wan: Emulator) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_OWNER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=python_env(),
+    )
+    try:
+        assert owner.stdout is not None
+        run_id, forwarder_pid, sleeper_pid = owner.stdout.readline().split()
+        state = netns.RunState.load(netns.STATE_DIR / f"{run_id}.json")
+        # The crash: owner and forwarder die without any cleanup.
+        os.kill(int(forwarder_pid), signal.SIGKILL)
+        owner.kill()
+        owner.wait(timeout=5)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+    deadline = time.monotonic() + 5
+    while netns.process_start_time(int(forwarder_pid)) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Left behind: namespaces, the process inside one, the state file.
+    assert set(state.namespaces.values()) <= set(netns.list_namespaces())
+    assert netns.process_start_time(int(sleeper_pid)) is not None
+    assert state.path.exists()
+
+    removed = netns.cleanup_stale()
+    assert set(state.namespaces.values()) <= set(removed)
+    assert not set(state.namespaces.values()) & set(netns.list_namespaces())
+    assert not state.path.exists()
+    deadline = time.monotonic() + 5
+    while netns.process_start_time(int(sleeper_pid)) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert netns.process_start_time(int(sleeper_pid)) is None
+    # The live run of this process was not touched and still forwards.
+    assert set(wan.network.state.namespaces.values()) <= set(netns.list_namespaces())
+    assert wan.precision([(CLIENT, NEAR)], count=3).pairs[0].lost == 0
+    assert netns.cleanup_stale() == []
+
+
+def test_loss_and_rate_limit_through_real_namespaces() -> None:
+    hosts = [Host("a", "192.0.2.50"), Host("b", "192.0.2.51")]
+    with Emulator(hosts, {("a", "b"): 10.0}, loss_pct=30.0, seed=1) as lossy:
+        report = lossy.precision([("a", "b")], count=60)
+        # each echo crosses two lossy directions: ~51% lost
+        assert 15 <= report.pairs[0].lost <= 45, report.render()
+        assert report.forwarder["lost"] >= report.pairs[0].lost
+    bulk = textwrap.dedent(
+        """
+        import socket, sys, time
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+        t0 = time.perf_counter()
+        s.sendall(b"x" * 400_000)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)
+        print(time.perf_counter() - t0)
+        """
+    )
+    sink = textwrap.dedent(
+        """
+        import socket, sys
+        s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
+        print(s.getsockname()[1], flush=True)
+        c, _ = s.accept()
+        while c.recv(65536):
+            pass
+        c.sendall(b"k")
+        """
+    )
+    with Emulator(hosts, {("a", "b"): 10.0}, rate_mbit=8.0) as slow:
+        server = slow.popen(
+            "b", [sys.executable, "-c", sink, "192.0.2.51"], stdout=subprocess.PIPE, text=True
+        )
+        assert server.stdout is not None
+        port = server.stdout.readline().strip()
+        seconds = float(slow.run_sync("a", [sys.executable, "-c", bulk, "192.0.2.51", port]).stdout)
+    # 400 kB at 8 Mbit/s = 0.4 s of serialisation (plus headers and slow start).
+    assert 0.4 <= seconds <= 1.5
