@@ -177,6 +177,7 @@ async def _measure(server: str, seconds: float, max_requests: int) -> dict[str, 
     cpu = cpu1 - cpu0
     wall = wall1 - wall0
     return {
+        "label": server,
         "server": server,
         "requests": load.requests,
         "chunks": load.chunks,
@@ -200,22 +201,36 @@ def run(quick: bool, servers: Sequence[str] = SERVERS) -> dict[str, Any]:
             try:
                 results.append(await _measure(server, seconds, max_requests))
             except RuntimeError as exc:
-                results.append({"server": server, "error": str(exc)})
+                results.append({"label": server, "server": server, "error": str(exc)})
 
     asyncio.run(all_servers())
     ok = [r for r in results if r.get("chunks_per_cpu_s")]
     best = max(ok, key=lambda r: r["chunks_per_cpu_s"], default=None)
     return {
         "scenario": "sim_cpu",
+        "description": (
+            "The sim's own CPU cost: SSE content chunks streamed per CPU-second of the server"
+            f" process, HTTP/1.1 on loopback, {STREAMS} concurrent keep-alive streams,"
+            " profile instant."
+        ),
         "quick": quick,
         "profile": "instant",
         "http": "HTTP/1.1",
         "streams": STREAMS,
         "max_tokens": MAX_TOKENS,
         "target_chunks_per_cpu_s": TARGET_CHUNKS_PER_CPU_S,
-        "servers": results,
-        "best": best["server"] if best else None,
-        "meets_target": bool(best and best["chunks_per_cpu_s"] >= TARGET_CHUNKS_PER_CPU_S),
+        "runs": results,
+        "summary": {
+            "best server": best["server"] if best else None,
+            "best chunks per CPU-second": best["chunks_per_cpu_s"] if best else None,
+            "target chunks per CPU-second": TARGET_CHUNKS_PER_CPU_S,
+            "meets target": bool(best and best["chunks_per_cpu_s"] >= TARGET_CHUNKS_PER_CPU_S),
+        },
+        "notes": [
+            "server CPU = user + system time of the server process and its children, from"
+            " /proc/PID/stat, over the measured window (after one warm-up request per stream)",
+            "the load generator is this process: a raw-socket HTTP/1.1 client",
+        ],
     }
 
 

@@ -1,0 +1,56 @@
+"""The sim CPU benchmark's quick mode (what CI runs): it finishes and its output has the shape
+the README's table is built from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from benchmarks.scenarios.sim_cpu import SERVERS, TARGET_CHUNKS_PER_CPU_S
+
+
+def test_quick_mode_runs_every_server_and_reports() -> None:
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scenarios.sim_cpu", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["scenario"] == "sim_cpu"
+    assert result["quick"] is True
+    assert result["streams"] == 200
+    assert [run["server"] for run in result["runs"]] == list(SERVERS)
+    for run in result["runs"]:
+        assert "error" not in run, run
+        assert run["errors"] == []
+        assert run["requests"] > 0
+        assert run["all_done"] is True  # every response ended with data: [DONE]
+        assert run["chunks"] > run["requests"]
+        assert run["server_cpu_s"] > 0
+        assert abs(run["chunks_per_cpu_s"] - run["chunks"] / run["server_cpu_s"]) <= 0.01 * run["chunks_per_cpu_s"]
+    summary = result["summary"]
+    assert summary["best server"] in SERVERS
+    assert summary["target chunks per CPU-second"] == TARGET_CHUNKS_PER_CPU_S
+    # The default server (uvicorn) meets the target on its own, with room to spare.
+    uvicorn = next(run for run in result["runs"] if run["server"] == "uvicorn")
+    assert uvicorn["chunks_per_cpu_s"] >= TARGET_CHUNKS_PER_CPU_S
+    assert elapsed < 45  # quick means quick (30 s budget, plus slack for a busy machine)
+
+
+def test_bad_server_name_is_a_usage_error() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scenarios.sim_cpu", "--servers", "apache"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--servers: choose from" in done.stderr
