@@ -175,7 +175,11 @@ async def running_regions(
                     "trusted_proxies": list(trusted_proxies),
                     **({"database": geo_database} if geo_database else {}),
                 },
-                "routing": {"peer_key": peer_key, "peer_poll_interval_s": 0.2},
+                "routing": {
+                    "peer_key": peer_key,
+                    "peer_poll_interval_s": 0.2,
+                    "backend_metrics_interval_s": 0.25,
+                },
                 "peers": [
                     {"name": o.name, "url": urls[o.name], "latitude": o.latitude,
                      "longitude": o.longitude}

@@ -156,15 +156,16 @@ class WarmupScheduler:
     def metrics(self, name: str, m: BackendMetrics) -> None:
         """A ``/metrics`` scrape: busy-ness, cache pressure and restart detection."""
         b = self.backends[name]
+        was_down = b.unhealthy_seen
+        self.health(name, True)  # back after a failure: that alone counts as a restart
         counters = m.counters()
-        if b.counters and len(counters) == len(b.counters) and any(
+        if not was_down and b.counters and len(counters) == len(b.counters) and any(
             new < old for new, old in zip(counters, b.counters, strict=True)
         ):
             self._restarted(b)
         b.counters = counters
         b.busy = (m.waiting or 0) > 0 or (m.running or 0) > self.busy_running_threshold
         b.pressure = m.cache_usage is not None and m.cache_usage >= self.cache_pressure_perc
-        self.health(name, True)
 
     def finished(
         self, task: WarmTask, now: float, *, ok: bool, prompt_tokens: int = 0,
