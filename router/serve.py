@@ -203,7 +203,7 @@ async def _serve_uvicorn(
     uv = uvicorn.Config(
         app,
         http="httptools",
-        ws="websockets",
+        ws="websockets-sansio",
         lifespan="on",
         loop="none",
         access_log=False,

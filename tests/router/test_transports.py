@@ -5,6 +5,7 @@ SDK and curl."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 from collections.abc import AsyncIterator
@@ -242,3 +243,51 @@ async def test_curl_http2_streams(
     body, _, version = out.rpartition(b"\n")
     assert version == b"2"
     assert text_of(body + b"\n")[0] == expected
+
+
+@pytest.mark.parametrize("http2", [False, True])
+async def test_events_are_flushed_as_produced(
+    start_router: RouterFactory, tls_files: dict[str, str], http2: bool
+) -> None:
+    from tests.router.upstream import running_upstream
+
+    async with (
+        running_upstream(delay_s=0.1) as slow,
+        start_router([slow.url]) as endpoints,
+        httpx.AsyncClient(verify=client_tls(tls_files), http2=http2) as client,
+        client.stream(
+            "POST",
+            endpoints.base_url + "/v1/chat/completions",
+            json={**BODY, "max_tokens": 5},
+            headers=auth(),
+        ) as response,
+    ):
+        decoder = SSEDecoder()
+        arrivals: list[float] = []
+        async for piece in response.aiter_raw():
+            for event in decoder.receive_data(piece):
+                if '"content": "' in event.data and '"content": ""' not in event.data:
+                    arrivals.append(asyncio.get_running_loop().time())
+    assert len(arrivals) == 5
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    # The upstream sends one token every 100 ms; buffering would bunch them up.
+    assert min(gaps) > 0.03
+    assert arrivals[-1] - arrivals[0] > 0.25
+
+
+async def test_uvicorn_listener_serves_http11_over_tls(
+    sim: SimServer, start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    expected = await direct_text(sim)
+    async with (
+        start_router([sim.url], listen={"server": "uvicorn", "http3": False}) as endpoints,
+        httpx.AsyncClient(verify=client_tls(tls_files)) as client,
+    ):
+        assert endpoints.h3_port is None
+        response = await client.post(
+            endpoints.base_url + "/v1/chat/completions", json=BODY, headers=auth()
+        )
+        assert response.status_code == 200
+        assert response.http_version == "HTTP/1.1"
+        assert text_of(response.content)[0] == expected
+        assert "alt-svc" not in response.headers
