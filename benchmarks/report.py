@@ -53,6 +53,7 @@ _RUN_COLUMNS: dict[str, str] = {
     "goodput_fraction": "goodput",
 }
 _LABEL_KEYS = ("label", "transport", "protocol", "geography")
+_META_KEYS = {"scenario", "description", "quick", "date", "host", "metric_definitions", "notes"}
 _PHASE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 
 
@@ -101,13 +102,26 @@ def markdown_summary(results: Mapping[str, Any], *, images: Mapping[str, str] | 
         meta.append(f"Python {host.get('python')} on {host.get('cpus')} CPUs")
     lines += ["_" + ", ".join(meta) + "_", ""]
     summary = results.get("summary")
-    if isinstance(summary, Mapping) and summary:
+    if not isinstance(summary, Mapping):
+        # A scenario with its own layout: its top-level scalars are its headline numbers.
+        summary = {
+            key: value
+            for key, value in results.items()
+            if key not in _META_KEYS and isinstance(value, int | float | str | bool)
+        }
+    if summary:
         lines += ["| result | value |", "|---|---:|"]
         lines += [f"| {key} | {_fmt(value)} |" for key, value in summary.items()]
         lines.append("")
     runs = _runs(results)
     if runs:
         lines += [*_runs_table(runs), ""]
+    for key, value in results.items():
+        if key in _META_KEYS or key == "runs" or not isinstance(value, list):
+            continue
+        rows = [row for row in value if isinstance(row, Mapping)]
+        if rows:
+            lines += [f"{key}:", "", *_runs_table(rows), ""]
     for name, file in (images or {}).items():
         lines += [f"![{name}]({file})", ""]
     notes = results.get("notes")
@@ -128,7 +142,9 @@ def _runs(results: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def _run_name(run: Mapping[str, Any]) -> str:
     parts = [str(run[key]) for key in _LABEL_KEYS if run.get(key)]
-    return " ".join(dict.fromkeys(parts)) or "run"
+    if not parts:  # no label: the row's first text field names it (e.g. "server")
+        parts = [next((v for v in run.values() if isinstance(v, str)), "run")]
+    return " ".join(dict.fromkeys(parts))
 
 
 def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -141,7 +157,7 @@ def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             for key in dict.fromkeys(k for run in runs for k in run)
             if key not in _LABEL_KEYS
             and all(isinstance(run.get(key), int | float | str | None) for run in runs)
-        ]
+        ][:12]
         names = {key: key for key in columns}
     header = ["run", *(names[key] for key in columns)]
     rows = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(columns) + "|"]
