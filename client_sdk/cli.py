@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "run the regional router (TLS, HTTP/1.1, HTTP/2, HTTP/3)"),
     "bench": ("benchmarks.cli", "run a benchmark scenario and write its report, or compare two"),
     "wan": ("benchmarks.wan.cli", "packet-level WAN emulator: up, down, exec, cleanup, precision"),
+    "demo": ("benchmarks.demo", "run the demo: an emulated multi-region world on this machine"),
 }
 
 
