@@ -143,11 +143,11 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             answer.status,
             answer.body,
             content_type=answer.content_type,
-            headers=[*_common_headers(ctx), ("server-timing", timing)],
+            headers=[*_common_headers(ctx), ("server-timing", timing), *_retry_after(state, answer.status)],
         )
         return
     stream = state.store.create(owner_of(ctx.api_key), state.clock())
-    state.store.evict(state.clock())
+    state.store.evict_over_budget()
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -160,7 +160,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
     ]
     if head.status != 200:
-        await send_bytes(send, head.status, head.body, headers=headers)
+        await send_bytes(send, head.status, head.body, headers=[*headers, *_retry_after(state, head.status)])
         return
     await stream_body(
         receive,
@@ -173,6 +173,13 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
     )
 
 
+def _retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:
+    """A 429 or 503 from upstream (a peer region, a backend) goes out with our Retry-After."""
+    if status in (429, 503):
+        return [("retry-after", str(state.routing.retry_after_s()))]
+    return []
+
+
 async def start_detached_stream(
     state: RouterState, scope: Scope, receive: Receive, send: Send
 ) -> None:
@@ -181,7 +188,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     stream = state.store.create(owner_of(ctx.api_key), state.clock())
-    state.store.evict(state.clock())
+    state.store.evict_over_budget()
     state.proxy.start_stream(ctx, stream)
     headers = [
         *_common_headers(ctx),

@@ -74,6 +74,7 @@ class Stream:
     """Upstream request sent to its first content chunk, once known."""
     cancel_producer: Callable[[], object] | None = None
     evicted: bool = False
+    _store: StreamStore | None = field(default=None, repr=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
@@ -90,7 +91,10 @@ class Stream:
             return None
         event = StreamEvent(len(self.events) + 1, data)
         self.events.append(event)
-        self.size_bytes += len(data) + _EVENT_OVERHEAD_BYTES
+        size = len(data) + _EVENT_OVERHEAD_BYTES
+        self.size_bytes += size
+        if self._store is not None:
+            self._store.total_bytes += size
         if event.is_done:
             self.finished_at = now
         self._wake()
@@ -157,6 +161,7 @@ class StreamStore:
 
     def create(self, owner: bytes, now: float) -> Stream:
         stream = Stream(id=new_stream_id(), owner=owner, created_at=now, last_reader_at=now)
+        stream._store = self
         self._streams[stream.id] = stream
         return stream
 
@@ -167,21 +172,25 @@ class StreamStore:
             return None
         return stream
 
-    def account(self) -> None:
-        """Recount total bytes (appends do not report to the store; one pass over streams)."""
-        self.total_bytes = sum(s.size_bytes for s in self._streams.values())
-
     def bytes_held(self) -> int:
-        self.account()
         return self.total_bytes
 
     def evict(self, now: float) -> list[Stream]:
-        """Drop streams past their age, then the oldest (finished first) until under budget."""
-        self.account()
+        """Drop streams past their age, then the oldest (finished first) until under budget.
+
+        The router calls this from its housekeeping tick (at least once a second) and
+        :meth:`evict_over_budget` whenever it creates a stream.
+        """
         evicted: list[Stream] = []
         for stream in list(self._streams.values()):
             if now - stream.created_at > self.max_age_s:
                 evicted.append(self._drop(stream))
+        return evicted + self.evict_over_budget()
+
+    def evict_over_budget(self) -> list[Stream]:
+        """While over ``max_total_bytes``: drop finished streams, then running ones, oldest
+        first. O(1) when under budget."""
+        evicted: list[Stream] = []
         if self.total_bytes > self.max_total_bytes:
             # Finished streams go before running ones; oldest first within each group.
             order = sorted(
@@ -196,6 +205,7 @@ class StreamStore:
     def _drop(self, stream: Stream) -> Stream:
         del self._streams[stream.id]
         self.total_bytes -= stream.size_bytes
+        stream._store = None
         self.evictions += 1
         stream.evicted = True
         stream._wake()

@@ -137,7 +137,7 @@ class _Session:
             )
             return
         stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
-        self.state.store.evict(self.state.clock())
+        self.state.store.evict_over_budget()
         self.state.proxy.start_stream(ctx, stream)
         await self.send(_Start(stream.id))
         self._follow(stream, 0)
