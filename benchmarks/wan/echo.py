@@ -12,12 +12,17 @@ every measurement crosses the forwarder. Each command prints one JSON object on 
   closes. Prints ``{"connect_ms": [...], "request_ms": [...]}``.
 
 Timestamps are taken with ``time.perf_counter_ns`` in one process, so no clocks are compared.
+The probes and servers run at a low SCHED_FIFO priority when allowed (below the forwarder's):
+they measure the emulator, and on a busy or virtualised machine an ordinary process can wait
+milliseconds to be scheduled after its packet arrived.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import select
 import socket
 import struct
@@ -25,6 +30,7 @@ import sys
 import threading
 import time
 
+PROBE_PRIORITY = 5  # below the forwarder's, so it is never starved by a probe
 _PING = struct.Struct("!Iq")  # sequence number, send time (ns)
 
 
@@ -134,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=5)
     p.add_argument("--timeout", type=float, default=10.0)
     args = parser.parse_args(argv)
+    # Unprivileged: measure anyway, with the scheduler's noise.
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(PROBE_PRIORITY))
     if args.cmd == "serve":
         serve(args.proto, args.bind)
         return 0
