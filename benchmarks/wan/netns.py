@@ -210,9 +210,9 @@ def teardown(state: RunState) -> None:
 def cleanup_stale() -> list[str]:
     """Tear down every run whose owner process is gone; return the namespaces removed.
 
-    Also removes ``fb-<pid>-<k>-<host>`` namespaces that no state file mentions (a crash
-    between creating the namespace and ... cannot happen, but /run may have been cleaned by
-    hand) when process ``pid`` no longer exists. Runs of live owners are never touched.
+    Also removes ``fb-<pid>-<k>-<host>`` namespaces that no state file mentions (state is
+    written before anything is created, but a state file can be deleted by hand) when process
+    ``pid`` no longer exists. Runs of live owners are never touched.
     """
     removed: list[str] = []
     recorded: set[str] = set()
