@@ -80,4 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # As ``python -m client_sdk.cli`` this file is ``__main__``; subcommands raise the
+    # ``client_sdk.cli.CLIError`` of the imported module, so dispatch through that one.
+    from client_sdk.cli import main as _main
+
+    sys.exit(_main())
