@@ -143,7 +143,11 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             answer.status,
             answer.body,
             content_type=answer.content_type,
-            headers=[*_common_headers(ctx), ("server-timing", timing), *_retry_after(state, answer.status)],
+            headers=[
+                *_common_headers(ctx),
+                ("server-timing", timing),
+                *_retry_after(state, answer.status),
+            ],
         )
         return
     stream = state.store.create(owner_of(ctx.api_key), state.clock())
@@ -160,7 +164,8 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
     ]
     if head.status != 200:
-        await send_bytes(send, head.status, head.body, headers=[*headers, *_retry_after(state, head.status)])
+        headers += _retry_after(state, head.status)
+        await send_bytes(send, head.status, head.body, headers=headers)
         return
     await stream_body(
         receive,

@@ -177,8 +177,11 @@ class RegionRouting:
         self.peer_urls = {p.name: p.public_url or p.url for p in config.peers}
         self.poller = PeerPoller(
             self.peer_table, client, peer_key=self.peer_key,
-            interval_s=routing.peer_poll_interval_s, clock=clock,
+            interval_s=routing.peer_poll_interval_s, clock=clock, on_status=self._on_peer_status,
         )
+        # Our requests in flight to each peer when its last status arrived: the status counts
+        # those; requests sent since are added on top (the status is up to one poll old).
+        self._sent_baseline = dict.fromkeys(self.peer_backends, 0)
         # Warm prefixes.
         self.prefixes = [
             WarmPrefix(p.name, warm_prefix_text(p), tuple(p.models)) for p in config.warm_prefixes
@@ -237,6 +240,9 @@ class RegionRouting:
         if self.locator is not None:
             self.locator.close()
 
+    def _on_peer_status(self, name: str) -> None:
+        self._sent_baseline[name] = self.peer_backends[name].in_flight
+
     def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> None:
         healthy = metrics is not None
         self.tracker.set_health(name, healthy)
@@ -289,8 +295,10 @@ class RegionRouting:
             point = self.peer_points.get(name)
             if point is None and status.latitude is not None and status.longitude is not None:
                 point = GeoPoint(status.latitude, status.longitude)
+            since = max(0, self.peer_backends[name].in_flight - self._sent_baseline[name])
+            saturated = status.saturated or status.in_flight + since >= status.capacity
             out[name] = RegionCandidate(
-                name, point, status.healthy, status.saturated, status.queue_wait_ms,
+                name, point, status.healthy, saturated, status.queue_wait_ms,
                 frozenset(status.warm_prefixes), rtt.value if rtt is not None else None,
                 status.public_url or self.peer_urls.get(name),
             )
@@ -315,7 +323,8 @@ class RegionRouting:
             prefix=self.prefix_hashes[prefix.name] if prefix else None,
             prefix_tokens=int(len(prefix.text) / CHARS_PER_TOKEN) if prefix else 0,
             forwarded=forwarded,
-            spill_slot=self.spill.spilling < self.spill.limit(self.active()),
+            # This request counts as active: it is one, wherever it goes.
+            spill_slot=self.spill.spilling < self.spill.limit(self.active() + 1),
         )
         ctx.extra["location"] = location
         ctx.extra["region_decision"] = decision
@@ -336,7 +345,7 @@ class RegionRouting:
                 return Fallback("no healthy upstream in this region")
             return self._reject(ctx, now)
         spill = decision.verdict is Verdict.SPILL
-        if spill and not self.spill.try_acquire(self.active()):
+        if spill and not self.spill.try_acquire(self.active() + 1):
             return self._reject(ctx, now)
         if spill:
             self.spills[(decision.region, "saturated")] += 1
@@ -389,6 +398,10 @@ class RegionRouting:
             ctx.extra["observer"] = Observation(
                 self, peer, backend.name, False, spill, time.perf_counter(), location
             )
+
+    def retry_after_s(self) -> int:
+        """``Retry-After`` for a 429 from here (also put on a peer's 429 passed through)."""
+        return self.tracker.retry_after_s(self.clock())
 
     def _reject(self, ctx: RequestContext, now: float) -> Outcome:
         retry = self.tracker.retry_after_s(now)

@@ -136,7 +136,9 @@ class PeerPoller:
         peer_key: str | None,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        on_status: Callable[[str], None] | None = None,
     ) -> None:
+        self.on_status = on_status
         self.table = table
         self.client = client
         self.peer_key = peer_key
@@ -165,6 +167,8 @@ class PeerPoller:
             return
         now = self.clock()
         self.table.observe(name, status, now, (now - start) * 1000.0)
+        if self.on_status is not None:
+            self.on_status(name)
 
     async def _loop(self, name: str) -> None:
         while True:

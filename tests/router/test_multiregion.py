@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from router.upstream_metrics import parse_backend_metrics

@@ -1,0 +1,165 @@
+"""Routing under load on loopback: prefix affinity vs round-robin, spills, 429, late first token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from client_sdk.client import AsyncClient
+from client_sdk.errors import RateLimitError
+from router.cluster import RegionSpec, running_regions, wait_for_peers
+
+SYSTEM = "You are a meticulous assistant for a travel company; answer briefly and kindly. " * 100
+
+
+def history_body(user: int, turns: list[tuple[str, str]], question: str, **kw: Any) -> dict[str, Any]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    for q, a in turns:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    messages.append({"role": "user", "content": question})
+    return {"model": "sim-model", "messages": messages, "max_tokens": kw.get("max_tokens", 24),
+            "user": f"user-{user}"}
+
+
+async def conversations(url: str, users: int, turns: int) -> tuple[float, dict[str, int]]:
+    """Each user has its own growing history; returns (cache-hit ratio, requests per backend)."""
+    histories: dict[int, list[tuple[str, str]]] = {u: [] for u in range(users)}
+    prompt = cached = 0
+    async with httpx.AsyncClient(timeout=60) as client:
+        for turn in range(turns):
+            async def one(u: int, turn: int = turn) -> tuple[int, int]:
+                question = f"User {u} here, trip plan {turn}: what should I pack for day {turn}? " * 3
+                r = await client.post(f"{url}/v1/chat/completions",
+                                      json=history_body(u, histories[u], question))
+                assert r.status_code == 200, r.text
+                data = r.json()
+                histories[u].append((question, data["choices"][0]["message"]["content"]))
+                usage = data["usage"]
+                return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+            for p, c in await asyncio.gather(*(one(u) for u in range(users))):
+                prompt += p
+                cached += c
+    return cached / prompt, {}
+
+
+async def affinity_run(policy: str) -> tuple[float, dict[str, int]]:
+    spec = RegionSpec("tokyo", 35.68, 139.69, backends=4,
+                      config={"routing": {"backend_policy": policy}})
+    async with running_regions([spec], warm_prefixes=[{"name": "sys", "text": SYSTEM}]) as regions:
+        ratio, _ = await conversations(regions["tokyo"].url, users=50, turns=4)
+        tracker = regions["tokyo"].state.routing.tracker
+        return ratio, {n: b.requests for n, b in tracker.backends.items()}
+
+
+async def test_prefix_affinity_beats_round_robin_and_stays_balanced() -> None:
+    prefix_ratio, prefix_load = await affinity_run("prefix")
+    rr_ratio, _ = await affinity_run("round_robin")
+    assert prefix_ratio > rr_ratio
+    assert prefix_ratio >= 0.9
+    total = sum(prefix_load.values())
+    assert total == 200
+    assert max(prefix_load.values()) / total <= 0.40, prefix_load
+    assert max(prefix_load.values()) / min(prefix_load.values()) <= 1.5, prefix_load
+
+
+def three_regions(tokyo: dict[str, Any], others: dict[str, Any] | None = None) -> list[RegionSpec]:
+    others = others or {}
+    return [
+        RegionSpec("tokyo", 35.68, 139.69, **tokyo),
+        RegionSpec("frankfurt", 50.11, 8.68, **others),
+        RegionSpec("virginia", 39.04, -77.49, **others),
+    ]
+
+
+def slow_body(i: int, max_tokens: int = 40, stream: bool = False) -> dict[str, Any]:
+    return {"model": "sim-model", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": f"request {i}: tell me a long story"}]}
+
+
+async def test_saturated_region_spills_to_peers_and_nothing_fails() -> None:
+    # Tokyo: 2 backends x 2 in flight. 10 concurrent requests need the peers for 6 of them;
+    # a spill budget of 60% of active requests allows that (the default 20% would 429 some).
+    tokyo = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 2},
+             "config": {"routing": {"spill_budget_ratio": 0.6}}}
+    async with running_regions(three_regions(tokyo, {"sim": {"profile": "h100-7b"}})) as regions:
+        await wait_for_peers(regions)
+        url = regions["tokyo"].url
+        async with httpx.AsyncClient(timeout=60) as client:
+            replies = await asyncio.gather(
+                *(client.post(f"{url}/v1/chat/completions", json=slow_body(i)) for i in range(10))
+            )
+        assert [r.status_code for r in replies] == [200] * 10
+        served = [r.headers["x-firstbyte-region"] for r in replies]
+        assert served.count("tokyo") == 4
+        assert served.count("frankfurt") + served.count("virginia") == 6
+        assert all(r.json()["choices"][0]["message"]["content"] for r in replies)
+        metrics = regions["tokyo"].state.routing.spills
+        assert sum(n for (_, reason), n in metrics.items() if reason == "saturated") == 6
+
+
+async def test_all_regions_saturated_answer_429_with_retry_after() -> None:
+    one = {"backends": 1, "sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 1}}
+    async with running_regions(three_regions(one, one)) as regions:
+        await wait_for_peers(regions)
+        url = regions["tokyo"].url
+        async with httpx.AsyncClient(timeout=60) as client:
+            replies = await asyncio.gather(
+                *(client.post(f"{url}/v1/chat/completions", json=slow_body(i, 60)) for i in range(8))
+            )
+            codes = sorted(r.status_code for r in replies)
+            assert codes.count(200) == 3  # one local, one spilled to each peer
+            assert codes.count(429) == 5
+            for r in replies:
+                if r.status_code == 429:
+                    assert int(r.headers["retry-after"]) >= 1
+                    error = r.json()["error"]
+                    assert error["type"] == "rate_limit_error"
+                    assert error["code"] == "region_saturated"
+                    assert r.headers["x-firstbyte-region"] == "tokyo"
+            # The SDK surfaces the Retry-After it must honour.
+            await asyncio.sleep(0.6)  # peers' status polls (every 0.2 s) see them idle again
+            busy = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=slow_body(i, 100)))
+                    for i in range(3)]
+            await asyncio.sleep(0.2)
+            async with AsyncClient(f"{url}/v1", http="1.1") as sdk:
+                try:
+                    async with sdk.stream(model="sim-model", messages=[{"role": "user", "content": "hi"}]) as s:
+                        async for _ in s:
+                            pass
+                    raised = None
+                except RateLimitError as exc:
+                    raised = exc
+            busy_replies = await asyncio.gather(*busy)
+            assert [r.status_code for r in busy_replies] == [200] * 3, [r.headers for r in busy_replies]
+            assert raised is not None
+            assert raised.retry_after is not None
+            assert raised.retry_after >= 1
+
+
+async def test_stalled_backend_spills_within_first_token_deadline() -> None:
+    tokyo = {"backends": 1, "sim": {"faults": ["stall:after=0"]},
+             "config": {"routing": {"first_token_deadline_ms": 400}}}
+    async with running_regions(three_regions(tokyo)) as regions:
+        await wait_for_peers(regions)
+        url = regions["tokyo"].url
+        async with httpx.AsyncClient(timeout=30) as client:
+            start = time.perf_counter()
+            first_token = None
+            text = ""
+            async with client.stream("POST", f"{url}/v1/chat/completions",
+                                     json=slow_body(1, 12, stream=True)) as r:
+                assert r.status_code == 200
+                async for chunk in r.aiter_text():
+                    if first_token is None and '"content"' in chunk:
+                        first_token = time.perf_counter() - start
+                    text += chunk
+        assert first_token is not None
+        assert 0.3 < first_token < 2.5  # after the 400 ms deadline, not after a timeout
+        assert text.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in text
+        assert text.count('"role"') <= 1  # the switch added no second preamble
+        spills = regions["tokyo"].state.routing.spills
+        assert sum(n for (_, reason), n in spills.items() if reason == "first_token_deadline") == 1
