@@ -77,6 +77,7 @@ async def start_stack(
     faults: Sequence[str] = (),
     profile: str = "instant",
     heartbeat_s: float = 15.0,
+    keep_alive_timeout_s: float = 75.0,
 ) -> AsyncIterator[Stack]:
     """Start ``firstbyte sim`` and the router in front of it in the running loop."""
     ca_file, cert_file, key_file = tls_files
@@ -85,7 +86,7 @@ async def start_stack(
             "region": "sdk-test",
             "upstreams": [{"url": sim_url}],
             "listen": {"host": "127.0.0.1", "port": 0, "certfile": cert_file,
-                       "keyfile": key_file},
+                       "keyfile": key_file, "keep_alive_timeout_s": keep_alive_timeout_s},
             "auth": {"api_keys": [ROUTER_KEY, OTHER_KEY]},
             "limits": {"heartbeat_interval_s": heartbeat_s},
         }, "<sdk-test>")

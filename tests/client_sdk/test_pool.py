@@ -1,0 +1,42 @@
+"""Keep-warm: prewarmed connections outlive the server's idle timeout because the pool
+exercises them; without keep-warm the same idle period makes the next request cold."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client_sdk.client import AsyncClient
+from tests.client_sdk.conftest import ROUTER_KEY, start_stack
+from tests.client_sdk.test_client import stream_once
+
+SERVER_IDLE_S = 1.0
+
+
+@pytest.mark.parametrize(("transport", "http"), [("sse", "1.1"), ("sse", "2"), ("sse", "3"),
+                                                 ("websocket", "1.1")])
+async def test_keep_warm_outlives_the_server_idle_timeout(
+    tls_files: tuple[str, str, str], transport: str, http: str
+) -> None:
+    async with start_stack(tls_files, keep_alive_timeout_s=SERVER_IDLE_S) as stack, \
+            AsyncClient(stack.base_url, ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
+                        ca_file=stack.ca_file, keepalive_interval_s=0.3) as client:
+        await client.prewarm()
+        await asyncio.sleep(2.5 * SERVER_IDLE_S)
+        _, timings, _ = await stream_once(client, max_tokens=3)
+    assert timings.warm, timings
+
+
+@pytest.mark.parametrize("http", ["1.1", "2"])
+async def test_without_keep_warm_the_server_closes_the_idle_connection(
+    tls_files: tuple[str, str, str], http: str
+) -> None:
+    async with start_stack(tls_files, keep_alive_timeout_s=SERVER_IDLE_S) as stack, \
+            AsyncClient(stack.base_url, ROUTER_KEY, http=http,  # type: ignore[arg-type]
+                        ca_file=stack.ca_file, keepalive_interval_s=60) as client:
+        await client.prewarm()
+        await asyncio.sleep(2.5 * SERVER_IDLE_S)
+        _, timings, _ = await stream_once(client, max_tokens=3)
+    assert not timings.warm
+    assert timings.tls_handshake_ms is not None
