@@ -171,3 +171,16 @@ async def test_abandoning_a_stream_half_way_frees_the_connection(stack: Stack) -
                 break
         _, timings, _ = await stream_once(client, max_tokens=3)
     assert timings.output_chunks == 3
+
+
+async def test_h3_reconnect_resumes_the_tls_session_and_sends_0rtt(stack: Stack) -> None:
+    async with AsyncClient(stack.base_url, ROUTER_KEY, http="3", ca_file=stack.ca_file) as client:
+        _, first, _ = await stream_once(client, max_tokens=3)
+        assert "localhost" in client.pool.tickets  # the router issued a session ticket
+        await client.pool.session(client.origin, "3").reset()  # connection gone, ticket kept
+        _, again, _ = await stream_once(client, max_tokens=3)
+    assert not first.zero_rtt
+    assert first.quic_handshake_ms is not None
+    assert again.quic_handshake_ms is not None  # a new connection...
+    assert again.zero_rtt  # ...whose request went out as early data, accepted by the router
+    assert again.output_chunks == 3
