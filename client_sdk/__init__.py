@@ -3,8 +3,62 @@ and long-poll on HTTP/1.1, HTTP/2 and HTTP/3, phase timings, resume and regional
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from client_sdk.budget import BudgetReport, LatencyBudget
+
+if TYPE_CHECKING:
+    from client_sdk._core.stream import StreamDelta
+    from client_sdk.client import AsyncClient, Client
+    from client_sdk.errors import (
+        APIError,
+        AuthenticationError,
+        ConnectError,
+        RateLimitError,
+        ServiceUnavailableError,
+        StreamBrokenError,
+        StreamStalledError,
+        TLSError,
+    )
+    from client_sdk.timings import Timings
 
 __version__ = "0.1.0"
 
-__all__ = ["BudgetReport", "LatencyBudget", "__version__"]
+__all__ = [
+    "APIError",
+    "AsyncClient",
+    "AuthenticationError",
+    "BudgetReport",
+    "Client",
+    "ConnectError",
+    "LatencyBudget",
+    "RateLimitError",
+    "ServiceUnavailableError",
+    "StreamBrokenError",
+    "StreamDelta",
+    "StreamStalledError",
+    "TLSError",
+    "Timings",
+    "__version__",
+]
+
+# The client pulls in httpx, aioquic and websockets; the router and the sim import
+# ``client_sdk.types`` only, so the client is imported on first use, not with the package.
+_LAZY = {
+    "AsyncClient": "client_sdk.client",
+    "Client": "client_sdk.client",
+    "StreamDelta": "client_sdk._core.stream",
+    "Timings": "client_sdk.timings",
+    **{name: "client_sdk.errors" for name in (
+        "APIError", "AuthenticationError", "ConnectError", "RateLimitError",
+        "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'client_sdk' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
