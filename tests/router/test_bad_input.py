@@ -182,3 +182,21 @@ async def test_upstream_errors_are_relayed(
         # 502 if the request got there first, 503 once health checks marked it down.
         assert response.status_code in (502, 503)
         assert error_of(response)["type"] == "server_error"
+
+
+async def test_no_secrets_in_logs(
+    routed: RouterEndpoints, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from tests.router.conftest import API_KEY
+
+    caplog.set_level(logging.DEBUG)
+    wrong = "sk-wrong-secret-999"
+    await client.post(routed.base_url + "/v1/chat/completions", json=BODY, headers=auth(wrong))
+    await client.post(routed.base_url + "/v1/chat/completions", content=b"{", headers=auth())
+    stream_id = await start_stream(client, routed.base_url)
+    await client.get(f"{routed.base_url}/v1/streams/{stream_id}", headers=auth())
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    assert API_KEY not in text
+    assert wrong not in text
