@@ -1,0 +1,9 @@
+"""``python -m client_sdk`` runs the ``firstbyte`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from client_sdk.cli import main
+
+sys.exit(main())
