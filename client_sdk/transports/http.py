@@ -14,6 +14,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+# httpcore imports its HTTP/2 connection and network backend on the first connection; left
+# to it, tens of milliseconds of one-time import CPU would land in the first request's phases.
+import anyio._backends._asyncio
+import anyio.streams.tls  # noqa: F401
+import httpcore._async.http2
+import httpcore._backends.anyio  # noqa: F401
 import httpx
 
 from client_sdk._core.timing import TimingRecorder
