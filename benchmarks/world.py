@@ -65,9 +65,10 @@ def choose_mode(force_loopback: bool = False) -> tuple[str, str | None]:
     """``("emulated", None)`` when the WAN emulator can run, else ``("loopback", why)``.
 
     Under ``CI=true`` an unusable emulator raises :class:`WorldError` (CI must measure
-    through the emulator); ``force_loopback`` always chooses loopback.
+    through the emulator); ``force_loopback`` (or ``FIRSTBYTE_LOOPBACK=1`` in the
+    environment, for ``firstbyte bench``) always chooses loopback.
     """
-    if force_loopback:
+    if force_loopback or os.environ.get("FIRSTBYTE_LOOPBACK") == "1":
         return "loopback", "loopback mode requested"
     try:
         check_capable()

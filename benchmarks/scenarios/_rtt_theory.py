@@ -1,0 +1,157 @@
+"""Round trips in theory vs measured, and the transport targets: pure functions over Timings.
+
+Theory, in round trips (RTT) from request start to the first byte of the response:
+
+==========================  ===  =====================================================
+cold HTTP/1.1 or HTTP/2      3   TCP handshake, TLS 1.3 handshake, the request
+cold HTTP/3                  2   QUIC handshake (transport + TLS together), the request
+HTTP/3 0-RTT (resumed)       1   the request rides in the first flight as early data
+cold WebSocket               4   TCP, TLS, the HTTP upgrade, the request message
+prewarmed / kept warm        1   the request on the open connection
+==========================  ===  =====================================================
+
+The first token needs one more round trip on long-poll (``POST /v1/streams`` answers at
+admission, then the first poll fetches the token); on SSE and WebSocket it comes on the same
+response. A measured count is ``(first_byte - server time) / RTT`` where server time is the
+``Server-Timing`` total; the *corrected* count also subtracts the same cell's median local
+cost measured at 0 ms RTT in the same run (client and server CPU: TLS and QUIC crypto, Python),
+so CPU is reported apart from round trips.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.stats import percentile
+from client_sdk.timings import Timings
+
+__all__ = [
+    "PREWARMED_FACTOR",
+    "TOLERANCE",
+    "ZERO_RTT_FACTOR",
+    "prewarmed_target",
+    "round_trips",
+    "server_ms",
+    "theory_first_byte",
+    "theory_ttft",
+    "zero_rtt_target",
+]
+
+TOLERANCE = 0.10
+"""Measured round trips must be within 10% of theory."""
+PREWARMED_FACTOR = 1.05
+"""Prewarmed TTFT at RTT R must be <= 1.05 x (R + server TTFT)."""
+ZERO_RTT_FACTOR = 0.55
+"""HTTP/3 0-RTT cold TTFT must be <= 0.55 x cold HTTP/2 TTFT."""
+
+
+def theory_first_byte(transport: str, http: str, mode: str) -> int:
+    """Round trips from request start to the first response byte (see the module table)."""
+    if mode in ("warm", "0rtt"):
+        return 1
+    if transport == "websocket":
+        return 4
+    return 2 if http == "3" else 3
+
+
+def theory_ttft(transport: str, http: str, mode: str) -> int:
+    """Round trips from request start to the first token (long-poll: one poll more)."""
+    return theory_first_byte(transport, http, mode) + (1 if transport == "longpoll" else 0)
+
+
+def server_ms(t: Timings) -> float:
+    """The router's own account of its time (queue, route, upstream), 0 without the header."""
+    return math.fsum(t.server_timing.values())
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return percentile(values, 50) if values else None
+
+
+def round_trips(
+    samples: Sequence[Timings], baseline: Sequence[Timings], rtt_ms: float, theory_fb: int,
+    theory_tt: int,
+) -> dict[str, Any]:
+    """Measured round trips of one cell at ``rtt_ms`` against theory.
+
+    ``baseline`` is the same cell measured at 0 ms RTT (its local cost is subtracted for the
+    corrected counts; empty: nothing subtracted). Medians over the samples.
+    """
+    fb = [(t.first_byte_ms, server_ms(t)) for t in samples if t.first_byte_ms is not None]
+    tt = [(t.first_token_ms, server_ms(t)) for t in samples if t.first_token_ms is not None]
+    cpu_fb = _median([t.first_byte_ms - server_ms(t) for t in baseline
+                      if t.first_byte_ms is not None]) or 0.0
+    cpu_tt = _median([t.first_token_ms - server_ms(t) for t in baseline
+                      if t.first_token_ms is not None]) or 0.0
+    out: dict[str, Any] = {
+        "rtt_ms": rtt_ms,
+        "theory_first_byte_rtts": theory_fb,
+        "theory_ttft_rtts": theory_tt,
+        "local_first_byte_ms": round(cpu_fb, 2),
+        "local_ttft_ms": round(cpu_tt, 2),
+    }
+    if rtt_ms <= 0 or not fb or not tt:
+        return out
+    raw_fb = _median([(v - s) / rtt_ms for v, s in fb])
+    cor_fb = _median([(v - s - cpu_fb) / rtt_ms for v, s in fb])
+    cor_tt = _median([(v - s - cpu_tt) / rtt_ms for v, s in tt])
+    assert raw_fb is not None
+    assert cor_fb is not None
+    assert cor_tt is not None
+    out |= {
+        "first_byte_rtts_raw": round(raw_fb, 3),
+        "first_byte_rtts": round(cor_fb, 3),
+        "ttft_rtts": round(cor_tt, 3),
+        "first_byte_within_10pct": abs(cor_fb - theory_fb) <= TOLERANCE * theory_fb,
+        "ttft_within_10pct": abs(cor_tt - theory_tt) <= TOLERANCE * theory_tt,
+    }
+    return out
+
+
+def prewarmed_target(
+    samples: Sequence[Timings], baseline: Sequence[Timings], rtt_ms: float
+) -> dict[str, Any] | None:
+    """Prewarmed TTFT (median) against ``1.05 x (RTT + server TTFT)``.
+
+    Server TTFT is the ``Server-Timing`` total when the transport carries it (SSE, long-poll),
+    else (WebSocket: no per-request headers) the same cell's median TTFT at 0 ms RTT.
+    """
+    ttft = _median([t.first_token_ms for t in samples if t.first_token_ms is not None])
+    if ttft is None:
+        return None
+    server = _median([server_ms(t) for t in samples if t.server_timing])
+    source = "Server-Timing"
+    if server is None:
+        server = _median([t.first_token_ms for t in baseline if t.first_token_ms is not None])
+        source = "TTFT at 0 ms RTT"
+    if server is None:
+        return None
+    limit = PREWARMED_FACTOR * (rtt_ms + server)
+    return {
+        "ttft_ms": round(ttft, 2),
+        "server_ttft_ms": round(server, 2),
+        "server_ttft_from": source,
+        "limit_ms": round(limit, 2),
+        "met": ttft <= limit,
+    }
+
+
+def zero_rtt_target(
+    zero_rtt: Sequence[Timings], cold_h2: Sequence[Timings]
+) -> dict[str, Any] | None:
+    """Median 0-RTT TTFT over median cold HTTP/2 TTFT, against 0.55."""
+    a = _median([t.first_token_ms for t in zero_rtt if t.first_token_ms is not None])
+    b = _median([t.first_token_ms for t in cold_h2 if t.first_token_ms is not None])
+    if a is None or b is None or b <= 0:
+        return None
+    accepted = sum(1 for t in zero_rtt if t.zero_rtt)
+    return {
+        "zero_rtt_ttft_ms": round(a, 2),
+        "cold_h2_ttft_ms": round(b, 2),
+        "ratio": round(a / b, 3),
+        "limit_ratio": ZERO_RTT_FACTOR,
+        "early_data_accepted": f"{accepted}/{len(zero_rtt)}",
+        "met": a / b <= ZERO_RTT_FACTOR,
+    }
