@@ -49,6 +49,12 @@ async def test_probe_json_decodes_to_timings(stack: Stack, transport: str, http:
     assert not timings.warm
 
 
+async def test_probe_insecure_skips_verification(stack: Stack) -> None:
+    code, out, err = await probe(stack.base_url, "--insecure", "--json")
+    assert code == 0, err
+    assert msgspec.json.decode(out, type=Timings).tls_handshake_ms is not None
+
+
 async def test_probe_warm_measures_a_prewarmed_connection(stack: Stack) -> None:
     url_without_v1 = stack.base_url.removesuffix("/v1")
     code, out, err = await probe(url_without_v1, "--cacert", stack.ca_file, "--json", "--warm")
