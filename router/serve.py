@@ -25,6 +25,10 @@ from .quic import TicketStore, enable_session_tickets
 __all__ = ["RouterEndpoints", "bind_sockets", "running_router", "serve"]
 
 log = logging.getLogger("firstbyte.router")
+# hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
+# whatever level the application sets, so a debug run cannot leak secrets.
+for _name in ("hpack", "h2"):
+    logging.getLogger(_name).setLevel(logging.INFO)
 
 
 @dataclass(frozen=True)
