@@ -6,7 +6,8 @@ It is not the router: one in-memory stream store, a deterministic token producer
 hypercorn on its own thread and event loop with real TLS (h1, h2 and h3 on QUIC).
 
 Behaviour is chosen per request through the model name: ``stall-K`` stops producing after K
-tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first token.
+tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first token,
+``tools`` streams one tool call (``get_weather``) in fragments, ``busy`` answers 429.
 """
 
 from __future__ import annotations
@@ -45,9 +46,15 @@ class _Stream:
     done: bool = False
 
 
+TOOL_ARGUMENTS = ('{"city"', ': "Par', 'is"}')
+
+
 def _chunk(sid: str, model: str, *, content: str | None = None, role: str | None = None,
-           finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+           finish: str | None = None, usage: dict[str, int] | None = None,
+           tool_call: dict[str, Any] | None = None) -> bytes:
     delta: dict[str, Any] = {}
+    if tool_call is not None:
+        delta["tool_calls"] = [tool_call]
     if role is not None:
         delta["role"] = role
     if content is not None:
@@ -97,6 +104,18 @@ class ProtocolApp:
         if model.startswith("slow-"):
             await asyncio.sleep(int(model.split("-", 1)[1]) / 1000)
         await self._emit(stream, _chunk(sid, model, role="assistant", content=""))
+        if model == "tools":
+            await self._emit(stream, _chunk(sid, model, tool_call={
+                "index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": ""}}))
+            for fragment in TOOL_ARGUMENTS:
+                await asyncio.sleep(self.token_interval)
+                await self._emit(stream, _chunk(sid, model, tool_call={
+                    "index": 0, "function": {"arguments": fragment}}))
+            await self._emit(stream, _chunk(sid, model, content=None, finish="tool_calls"))
+            await self._emit(stream, b"[DONE]")
+            stream.done = True
+            return
         for i in range(n):
             if stall_after is not None and i >= stall_after:
                 await asyncio.sleep(3600)

@@ -186,3 +186,24 @@ async def test_h3_reconnect_resumes_the_tls_session_and_sends_0rtt(stack: Stack)
     assert again.quic_handshake_ms is not None  # a new connection...
     assert again.zero_rtt  # ...whose request went out as early data, accepted by the router
     assert again.output_chunks == 3
+
+
+@pytest.mark.parametrize("transport", ["sse", "websocket", "longpoll"])
+async def test_tool_call_deltas_stream_through(server: RunningServer, ca_file: str,
+                                               transport: str) -> None:
+    from tests.client_sdk.protocol_server import TOOL_ARGUMENTS
+
+    async with AsyncClient(server.base_url, "test-key", transport=transport,  # type: ignore[arg-type]
+                           ca_file=ca_file) as client, \
+            client.stream(model="tools", messages=MESSAGES, tools=[{
+                "type": "function", "function": {"name": "get_weather"}}]) as stream:
+        deltas = [delta async for delta in stream]
+    calls = [call for delta in deltas for call in delta.tool_calls]
+    assert calls[0].id == "call_1"
+    assert calls[0].function is not None
+    assert calls[0].function.name == "get_weather"
+    arguments = "".join(c.function.arguments or "" for c in calls if c.function is not None)
+    assert arguments == "".join(TOOL_ARGUMENTS)
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert stream.timings.output_chunks == 1 + len(TOOL_ARGUMENTS)
+    assert stream.text == ""
