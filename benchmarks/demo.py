@@ -1,76 +1,249 @@
-"""``firstbyte demo``: for now, one streamed completion from a sim on this machine.
+"""``firstbyte demo``: an emulated world on this machine, the SDK through every transport,
+cold and warm, and the latency budget of what it measured.
 
-It starts the simulated inference server on loopback (profile ``h100-7b``), streams one chat
-completion over HTTP/1.1 with httpx and the SDK's sans-IO SSE decoder, prints the text as it
-arrives, then TTFT and E2EL (request start to first / last content chunk, as in
-``vllm bench serve``), and exits. The full multi-region demo will replace it.
+It brings up three regions (us-east-1, eu-central-1, ap-northeast-1: a router with a simulated
+inference server each) and clients in Tokyo, London, New York and Sydney, each in its own
+network namespace behind the WAN emulator, with round trips from the shared AWS RTT table plus
+each client's last mile (the ``world`` geography profile). Every client streams completions
+from its nearest region over SSE (HTTP/2 and HTTP/3, 0-RTT too), WebSocket and long-poll, on
+new (cold) and prewarmed connections. Then it prints the TTFT of each, the latency budget of a
+prewarmed request per client (each phase against its share of 500 ms, with the 15% safety
+share; :mod:`client_sdk.budget`) and where the report and plots are (``--out``, default
+``./firstbyte-report``).
+
+Without root or /dev/net/tun (or with ``--loopback``) everything runs on 127.0.0.1 and the
+demo says so, and what that cannot show. Progress goes to stderr; Ctrl-C or an error tears
+everything down (processes, namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
-import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-import httpx
+import msgspec
 
-from client_sdk._core.sse import DONE, SSEDecoder
+from benchmarks.report import write_report
+from benchmarks.stats import percentile, summarize
+from benchmarks.wan.geo import Profile, load_profile
+from benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
+from client_sdk.budget import LatencyBudget
 from client_sdk.cli import CLIError
-from client_sdk.types import decode_chunk
-from router.sim.profiles import PROFILES
-from router.sim.server import running_sim
+from client_sdk.timings import Timings
 
 __all__ = ["add_arguments", "run"]
 
-PROMPT = "In two sentences: why does a warm connection matter for the first token?"
+CELLS = [
+    "sse/2/cold", "sse/2/warm", "sse/3/cold", "sse/3/0rtt", "sse/3/warm",
+    "websocket/1.1/cold", "websocket/1.1/warm", "longpoll/2/cold", "longpoll/2/warm",
+]
+CELL_NAMES = {
+    "sse/2/cold": "SSE h2 cold", "sse/2/warm": "SSE h2 warm", "sse/3/cold": "SSE h3 cold",
+    "sse/3/0rtt": "SSE h3 0-RTT", "sse/3/warm": "SSE h3 warm", "websocket/1.1/cold": "WS cold",
+    "websocket/1.1/warm": "WS warm", "longpoll/2/cold": "poll cold", "longpoll/2/warm": "poll warm",
+}
+QUICK_CLIENTS = ("client-tokyo", "client-london")
+SIM_PROFILE = "h100-7b"
+MAX_TOKENS = 8
+PROTOCOL = {"1.1": "HTTP/1.1", "2": "HTTP/2", "3": "HTTP/3"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--profile", default="h100-7b", choices=sorted(PROFILES), help="sim cost profile"
+    parser.description = (
+        "Bring up an emulated world on this machine (three regions, clients on four "
+        "continents, through the WAN emulator), stream completions through every transport "
+        "cold and warm, print the latency budget, and write a report with plots. Needs root "
+        "and /dev/net/tun for the emulator; without them it runs on loopback and says what "
+        "that cannot show."
     )
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to stream (default 32)")
+    parser.add_argument("--out", metavar="DIR", default="firstbyte-report",
+                        help="where to write the report and plots (default: ./firstbyte-report)")
+    parser.add_argument("--quick", action="store_true",
+                        help="two clients, one request per cell (a few seconds; for CI)")
+    parser.add_argument("--loopback", action="store_true",
+                        help="run on 127.0.0.1 without the emulator (no distances: CPU only)")
+    parser.add_argument("--repeat", type=int, default=None, metavar="N",
+                        help="requests per transport and state (default 3, --quick 1)")
+
+
+def _log(message: str) -> None:
+    print(f"demo: {message}", file=sys.stderr, flush=True)
+
+
+def _nearest(profile: Profile) -> dict[str, tuple[str, float]]:
+    """Client host -> (nearest region host, RTT ms), by the profile's round trips."""
+    sites = {s.name: s for s in profile.sites}
+    regions = [s for s in profile.sites if s.role == "region"]
+    out = {}
+    for client in (s for s in profile.sites if s.role == "client"):
+        best = min(regions, key=lambda r: profile.rtt_ms(client, r))
+        out[client.name] = (best.name, profile.rtt_ms(client, sites[best.name]))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_tokens < 1:
-        raise CLIError("--max-tokens must be >= 1")
-    return asyncio.run(_demo(args.profile, args.max_tokens))
+    if args.repeat is not None and not 1 <= args.repeat <= 50:
+        raise CLIError("--repeat must be within 1..50")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out} exists and is not a directory")
+    try:
+        mode, why = choose_mode(args.loopback)
+    except WorldError as exc:
+        raise CLIError(f"{exc} (use --loopback to run without it)") from None
+    # SIGTERM tears down like Ctrl-C: the world's context managers run on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return asyncio.run(_demo(args, mode, why, out))
+    except WorldError as exc:
+        raise CLIError(str(exc)) from None
 
 
-async def _demo(profile: str, max_tokens: int) -> int:
-    body = {
-        "model": "demo",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "stream": True,
-        "max_tokens": max_tokens,
-        "seed": 1,
-    }
-    async with running_sim(profile) as url, httpx.AsyncClient() as client:
-        print(f"sim ({profile}) on {url}; streaming one completion over HTTP/1.1\n")
-        await client.get(f"{url}/health")  # open the connection first: this measures the model
-        decoder = SSEDecoder()
-        first = last = None
-        chunks = 0
-        start = time.perf_counter()
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            response.raise_for_status()
-            async for piece in response.aiter_raw():
-                for event in decoder.receive_data(piece):
-                    if event.data == DONE:
-                        continue
-                    chunk = decode_chunk(event.data)
-                    content = chunk.choices[0].delta.content if chunk.choices else None
-                    if content:
-                        last = time.perf_counter() - start
-                        first = last if first is None else first
-                        chunks += 1
-                        sys.stdout.write(content)
-                        sys.stdout.flush()
-        print("\n")
-        if first is None or last is None:
-            print("no tokens received", file=sys.stderr)
-            return 1
-        print(f"TTFT {first * 1000:.1f} ms   E2EL {last * 1000:.1f} ms   tokens {chunks}")
-    return 0
+async def _demo(args: argparse.Namespace, mode: str, why: str | None, out: Path) -> int:
+    profile = load_profile("world")
+    nearest = _nearest(profile)
+    clients = list(QUICK_CLIENTS) if args.quick else list(nearest)
+    # Every region runs, also in --quick: the world is three regions, whoever talks to them.
+    regions = [s.name for s in profile.sites if s.role == "region"]
+    repeat = args.repeat or (1 if args.quick else 3)
+    emulator = None
+    if mode == "emulated":
+        emulator = profile.emulator()
+        _log("emulated world: network namespaces + the WAN emulator's delay line")
+    else:
+        _log(f"LOOPBACK MODE ({why}). {LOOPBACK_LIMITS}")
+    samples: dict[tuple[str, str], list[Timings]] = {}
+    errors: dict[tuple[str, str], list[str]] = {}
+    async with World(regions=regions, clients=clients, emulator=emulator,
+                     sim_profile=SIM_PROFILE, log=_log) as world:
+        _log(f"streaming from {len(clients)} clients, {len(CELLS)} transport/state cells, "
+             f"{repeat} request(s) each")
+
+        async def one(client: str) -> None:
+            lines = await world.run_client(client, nearest[client][0], CELLS, repeat=repeat,
+                                           max_tokens=MAX_TOKENS, time_limit_s=300.0)
+            for line in lines:
+                key = (client, line["cell"])
+                if "timings" in line:
+                    samples.setdefault(key, []).append(msgspec.convert(line["timings"], Timings))
+                else:
+                    errors.setdefault(key, []).append(line["error"])
+            _log(f"{client} done")
+
+        await asyncio.gather(*(one(c) for c in clients))
+        rtts = {c: (world.rtt_ms(c, nearest[c][0])) for c in clients}
+    results = _results(mode, why, profile, clients, nearest, rtts, samples, errors, repeat)
+    _print(mode, clients, nearest, rtts, samples, errors)
+    written = write_report(results, out)
+    print(f"\nreport: {written['markdown']}  (also {written['json'].name}, "
+          + ", ".join(p.name for k, p in written.items() if p.suffix == ".png")
+          + f" in {out})")
+    failed = sum(len(v) for v in errors.values())
+    if failed:
+        print(f"{failed} request(s) failed; see {written['json']}", file=sys.stderr)
+    return 0 if not failed else 1
+
+
+def _median_request(timings: Sequence[Timings]) -> Timings | None:
+    ranked = sorted((t for t in timings if t.first_token_ms is not None),
+                    key=lambda t: t.first_token_ms or 0.0)
+    return ranked[(len(ranked) - 1) // 2] if ranked else None
+
+
+def _p50(timings: Sequence[Timings]) -> float | None:
+    values = [t.first_token_ms for t in timings if t.first_token_ms is not None]
+    return percentile(values, 50) if values else None
+
+
+def _print(
+    mode: str, clients: Sequence[str], nearest: dict[str, tuple[str, float]],
+    rtts: dict[str, float], samples: dict[tuple[str, str], list[Timings]],
+    errors: dict[tuple[str, str], list[str]],
+) -> None:
+    title = ("an emulated world (network namespaces, WAN emulator)" if mode == "emulated"
+             else "LOOPBACK MODE: everything on 127.0.0.1, no distances")
+    print(f"firstbyte demo: {title}\n")
+    print(f"  {'client':<18}{'nearest region':<22}{'RTT':>9}")
+    for c in clients:
+        print(f"  {c:<18}{nearest[c][0]:<22}{rtts[c]:>7.1f}ms")
+    print("\nTTFT p50 in ms (request start to first token), cold = new connection, "
+          "warm = prewarmed:")
+    print("  " + f"{'client':<18}" + "".join(f"{CELL_NAMES[c]:>14}" for c in CELLS))
+    for c in clients:
+        cells = []
+        for cell in CELLS:
+            value = _p50(samples.get((c, cell), []))
+            cells.append("failed" if value is None and errors.get((c, cell)) else
+                         "-" if value is None else f"{value:.1f}")
+        print("  " + f"{c:<18}" + "".join(f"{v:>14}" for v in cells))
+    budget = LatencyBudget()
+    print(f"\nLatency budget: {budget.total_ms:.0f} ms end to end, {budget.safety_ms:.0f} ms "
+          "(15%) kept as the safety share for the P95-P99 tail.")
+    for c in clients:
+        warm = _median_request(samples.get((c, "sse/2/warm"), []))
+        cold = _median_request(samples.get((c, "sse/2/cold"), []))
+        if warm is None:
+            continue
+        print(f"\n{c} -> {nearest[c][0]} (RTT {rtts[c]:.1f} ms), prewarmed SSE over HTTP/2:")
+        print("  " + budget.check(warm).render().replace("\n", "\n  "))
+        if cold is not None and cold.first_token_ms is not None and warm.first_token_ms:
+            print(f"  the same request on a new connection: TTFT {cold.first_token_ms:.1f} ms "
+                  f"(network {cold.request_sent_ms or 0:.1f} ms before the request was sent); "
+                  f"prewarming saved {cold.first_token_ms - warm.first_token_ms:.1f} ms")
+    if mode == "loopback":
+        print(f"\n{LOOPBACK_LIMITS}")
+
+
+def _results(
+    mode: str, why: str | None, profile: Profile, clients: Sequence[str],
+    nearest: dict[str, tuple[str, float]], rtts: dict[str, float],
+    samples: dict[tuple[str, str], list[Timings]], errors: dict[tuple[str, str], list[str]],
+    repeat: int,
+) -> dict[str, Any]:
+    runs = []
+    summary: dict[str, Any] = {"mode": mode}
+    for c in clients:
+        place = c.removeprefix("client-")
+        for cell in CELLS:
+            transport, http, state = cell.split("/")
+            got = samples.get((c, cell), [])
+            runs.append({
+                "transport": transport,
+                "protocol": PROTOCOL[http] + (" 0-RTT" if state == "0rtt" else ""),
+                "geography": f"{place} {state}",
+                "cell": cell,
+                "client": c,
+                "region": nearest[c][0],
+                "rtt_ms": rtts[c],
+                **summarize(got, duration_s=sum(t.e2el_ms or 0 for t in got) / 1000,
+                            failed=len(errors.get((c, cell), []))),
+                "errors": errors.get((c, cell), [])[:3],
+            })
+        for cell in ("sse/2/cold", "sse/2/warm"):
+            value = _p50(samples.get((c, cell), []))
+            summary[f"p50_ttft_ms {place} {cell}"] = None if value is None else round(value, 1)
+        warm = _median_request(samples.get((c, "sse/2/warm"), []))
+        if warm is not None:
+            summary[f"within_500ms_budget {place} warm"] = LatencyBudget().check(warm).within_budget
+    hosts = {row["name"]: row for row in profile.describe()}
+    description = (
+        f"firstbyte demo ({'emulated world' if mode == 'emulated' else 'LOOPBACK MODE'}): "
+        f"regions {', '.join(s.name for s in profile.sites if s.role == 'region')} (router + "
+        f"{SIM_PROFILE} sim each); clients "
+        + ", ".join(f"{c} ({hosts[c]['last_mile']}, {rtts[c]:.1f} ms to {nearest[c][0]})"
+                    for c in clients)
+        + f"; {repeat} request(s) of {MAX_TOKENS} tokens per transport and state."
+    )
+    notes = ["phases.png: one bar per client and state (SSE over HTTP/2 cold and warm, SSE over "
+             "HTTP/3 for 0-RTT) against the 500 ms budget and its 15% safety share.",
+             "RTTs: AWS inter-region table (cloudping.co) plus each client's last mile, with "
+             "the last mile's loss and bandwidth (see benchmarks/wan/data/SOURCES.md)."]
+    if mode == "loopback":
+        notes.insert(0, f"{LOOPBACK_LIMITS} Why loopback: {why}.")
+    return {"scenario": "demo", "description": description, "summary": summary,
+            "runs": runs, "notes": notes}
