@@ -153,6 +153,13 @@ class HttpxSession:
         await asyncio.gather(*(self._ping() for _ in range(n)))
 
     async def keepalive(self) -> None:
+        """``GET /healthz`` on each idle connection (HTTP/1.1 and HTTP/2 alike).
+
+        Not an HTTP/2 PING: servers commonly time idle connections by open streams, not frames
+        (hypercorn, which the router runs on, closed an HTTP/2 connection after its keep-alive
+        timeout although a PING arrived every 0.3 s), and httpcore has no public PING. A
+        request resets every server's idle timer.
+        """
         pool = self._client._transport._pool  # type: ignore[attr-defined]
         idle = sum(1 for c in pool.connections if c.is_idle())
         if idle:
