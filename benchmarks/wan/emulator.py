@@ -91,12 +91,12 @@ class PrecisionReport:
 
     def render(self) -> str:
         lines = [
-            f"{'pair':<40} {'method':<6} {'configured':>10} {'median':>9} {'p90':>9} "
+            f"{'pair':<40} {'method':<11} {'configured':>10} {'median':>9} {'p90':>9} "
             f"{'error':>8} {'n':>4} {'lost':>4}"
         ]
         for p in self.pairs:
             lines.append(
-                f"{p.src + ' -> ' + p.dst:<40} {p.method:<6} {p.configured_rtt_ms:>8.2f}ms "
+                f"{p.src + ' -> ' + p.dst:<40} {p.method:<11} {p.configured_rtt_ms:>8.2f}ms "
                 f"{p.median_ms:>7.2f}ms {p.p90_ms:>7.2f}ms {p.error_ms:>+6.2f}ms "
                 f"{p.samples:>4} {p.lost:>4}"
             )

@@ -145,9 +145,10 @@ async def test_async_api_cold_request_costs_two_rtts() -> None:
             results.append(json.loads(run.stdout))
         connect = percentile([r["connect_ms"] for r in results], 50)
         first_byte = percentile([r["first_byte_ms"] for r in results], 50)
-        # TCP handshake = 1 RTT, then request -> first response byte = 1 RTT.
-        assert rtt <= connect <= rtt + 2, results
-        assert rtt <= first_byte <= rtt + 2, results
+        # TCP handshake = 1 RTT, then request -> first response byte = 1 RTT. These endpoints
+        # are ordinary processes (not SCHED_FIFO like the probes): allow them some wake-up time.
+        assert rtt <= connect <= rtt + 5, results
+        assert rtt <= first_byte <= rtt + 5, results
         namespaces = list(wan.network.state.namespaces.values())
     assert server.returncode is not None  # killed on exit
     assert not set(namespaces) & set(netns.list_namespaces())
