@@ -1,8 +1,10 @@
 """Per-backend load, region saturation, spill budget and ``Retry-After`` (sans-IO).
 
-Load of a backend = the larger of the router's own count of requests in flight to it and, if
-fresh, the backend's reported ``running + waiting`` (vLLM metric names): the router's count
-is exact for its own traffic and instant; the metrics also see traffic from elsewhere.
+Load of a backend = the router's own count of requests in flight to it (exact and instant)
+plus, if its metrics are fresh, the traffic they show beyond ours: reported ``running +
+waiting`` (vLLM metric names) minus our in-flight count *when they were scraped*. A scrape is
+up to one interval old; comparing it with our count of that moment (not of now) keeps a stale
+scrape from making a backend look busier, or idler, than it is.
 
 A backend is *saturated* when its load reaches ``max_in_flight`` or it reports more than
 ``max_waiting`` waiting requests; the region is saturated when every healthy backend is.
@@ -49,6 +51,7 @@ class BackendLoad:
     healthy: bool = True
     metrics: BackendMetrics | None = None
     metrics_at: float | None = None
+    in_flight_at_metrics: int = 0
     ttft_ms: Ewma = field(default_factory=Ewma)
     service_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1000.0))
     requests: int = 0
@@ -81,7 +84,7 @@ class LoadTracker:
 
     def observe_metrics(self, name: str, metrics: BackendMetrics, now: float) -> None:
         b = self.backends[name]
-        b.metrics, b.metrics_at = metrics, now
+        b.metrics, b.metrics_at, b.in_flight_at_metrics = metrics, now, b.in_flight
 
     def set_health(self, name: str, healthy: bool) -> None:
         self.backends[name].healthy = healthy
@@ -95,8 +98,10 @@ class LoadTracker:
     def load(self, name: str, now: float) -> int:
         b = self.backends[name]
         m = self._fresh(b, now)
-        reported = int((m.running or 0) + (m.waiting or 0)) if m is not None else 0
-        return max(b.in_flight, reported)
+        if m is None:
+            return b.in_flight
+        others = int((m.running or 0) + (m.waiting or 0)) - b.in_flight_at_metrics
+        return b.in_flight + max(0, others)
 
     def saturated(self, name: str, now: float) -> bool:
         b = self.backends[name]

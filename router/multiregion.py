@@ -213,6 +213,8 @@ class RegionRouting:
         self.outcomes: Counter[tuple[str, str, str]] = Counter()
         self.spills: Counter[tuple[str, str]] = Counter()
         self.forwards: Counter[str] = Counter()
+        self.choices: Counter[str] = Counter()
+        """Backend choices by reason (affinity, new-key, balance, round-robin, least-loaded)."""
         self.ttft: dict[str, Histogram] = {}
         self.itl = Histogram(ITL_BUCKETS_S)
         self._started = False
@@ -295,8 +297,10 @@ class RegionRouting:
             point = self.peer_points.get(name)
             if point is None and status.latitude is not None and status.longitude is not None:
                 point = GeoPoint(status.latitude, status.longitude)
-            since = max(0, self.peer_backends[name].in_flight - self._sent_baseline[name])
-            saturated = status.saturated or status.in_flight + since >= status.capacity
+            # The status counted our requests of that moment; adjust by ours since (+ or -).
+            ours = self.peer_backends[name].in_flight - self._sent_baseline[name]
+            load = status.in_flight + ours
+            saturated = load >= status.capacity if ours else status.saturated
             out[name] = RegionCandidate(
                 name, point, status.healthy, saturated, status.queue_wait_ms,
                 frozenset(status.warm_prefixes), rtt.value if rtt is not None else None,
@@ -343,6 +347,9 @@ class RegionRouting:
         if decision.verdict is Verdict.REJECT:
             if not self.tracker.healthy() and not self.peer_table.peers:
                 return Fallback("no healthy upstream in this region")
+            queued = self._queue_locally(request, now)
+            if queued is not None:
+                return self._serve_local(ctx, queued, location, now)
             return self._reject(ctx, now)
         spill = decision.verdict is Verdict.SPILL
         if spill and not self.spill.try_acquire(self.active() + 1):
@@ -360,7 +367,25 @@ class RegionRouting:
         texts = [p.text for p in self.prefixes]
         key = affinity_key(request, texts, self.config.routing.affinity_chars)
         choice = self.policy.choose(key, available, loads, now)
-        return choice.backend if choice is not None else None
+        if choice is None:
+            return None
+        self.choices[choice.reason] += 1
+        return choice.backend
+
+    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> str | None:
+        """A backend to queue on when the expected wait is within ``max_queue_wait_ms``."""
+        healthy = self.tracker.healthy()
+        limit = self.config.routing.max_queue_wait_ms
+        if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now) > limit:
+            return None
+        loads = {n: self.tracker.load(n, now) for n in healthy}
+        texts = [p.text for p in self.prefixes]
+        key = affinity_key(request, texts, self.config.routing.affinity_chars)
+        choice = self.policy.choose(key, healthy, loads, now)
+        if choice is None:
+            return None
+        self.choices["queued"] += 1
+        return choice.backend
 
     def _serve_local(
         self, ctx: RequestContext, name: str, location: Location | None, now: float

@@ -118,8 +118,12 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend_metrics_interval_s: PositiveSeconds = 1.0
     backend_max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Default per-backend limit when an upstream sets none."""
-    backend_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """A backend reporting more waiting requests than this is saturated."""
+    backend_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 4
+    """A backend reporting more waiting requests than this is saturated (a few are normal:
+    vLLM counts a request as waiting until the next scheduler step picks it up)."""
+    max_queue_wait_ms: NonNegMs = 0.0
+    """A saturated region that cannot spill still queues a request on its least-loaded
+    backend if the expected wait is at most this; beyond it: 429. 0: never queue."""
 
 
 class WarmPrefixConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -58,6 +58,10 @@ def render(r: RegionRouting) -> str:
     for (region, backend, outcome), n in sorted(r.outcomes.items()):
         lab = _labels(region=region, backend=backend, outcome=outcome)
         lines.append(f"firstbyte_route_requests_total{lab} {n}")
+    _family(lines, "firstbyte_route_backend_choices_total", "counter",
+            "Local backend choices by reason (affinity, new-key, balance, ...).")
+    for reason, n in sorted(r.choices.items()):
+        lines.append(f"firstbyte_route_backend_choices_total{_labels(reason=reason)} {n}")
     _family(lines, "firstbyte_route_forwards_total", "counter",
             "Requests forwarded to a peer region expected to answer first.")
     for to, n in sorted(r.forwards.items()):

@@ -299,6 +299,8 @@ class WarmupRunner:
         base = self.urls[name].rstrip("/")
         try:
             response = await client.get(base + "/metrics", timeout=self.poll_interval_s * 2 + 1)
+        except httpx.TimeoutException:
+            return  # slow, not down: a busy server answers late; keep what we knew
         except httpx.HTTPError:
             # Unreachable (refused, reset, timed out): down, and probably restarting.
             self.scheduler.health(name, False)
