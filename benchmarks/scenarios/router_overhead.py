@@ -209,8 +209,12 @@ async def _measure(
     make_clients: Callable[[int], list[httpx.AsyncClient]],
     bar: Progress,
     pids: dict[str, int],
+    client_overrides: dict[str, Callable[[int], list[httpx.AsyncClient]]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Alternate phases over ``targets`` (name -> base URL), same workload each; summarise.
+
+    Every target has its own clients (``make_clients``, or its entry in ``client_overrides``),
+    so its connections stay open from the warm-up through every phase.
 
     Each summary also has ``cpu_ms_per_stream``: CPU time of this process (``client``) and of
     each process in ``pids`` during that target's phases, divided by the streams completed.
@@ -221,18 +225,21 @@ async def _measure(
     cpu: dict[str, dict[str, float]] = {
         name: dict.fromkeys(["client", *pids], 0.0) for name in targets
     }
-    clients = make_clients(concurrency)
+    overrides = client_overrides or {}
+    clients = {name: overrides.get(name, make_clients)(concurrency) for name in targets}
     async with contextlib.AsyncExitStack() as stack:
-        for client in dict.fromkeys(clients):
+        for client in dict.fromkeys(c for group in clients.values() for c in group):
             await stack.enter_async_context(client)
-        for url in targets.values():  # warm up: open the connections, fill the prefix cache
-            await _phase(clients, url, concurrency=concurrency, per_worker=1, max_tokens=4, seed=0)
+        for name, url in targets.items():  # warm up: open the connections, fill prefix caches
+            await _phase(
+                clients[name], url, concurrency=concurrency, per_worker=1, max_tokens=4, seed=0
+            )
         for r in range(rounds):
             for name, url in targets.items():
                 before = {"client": time.process_time()}
                 before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
                 ok, bad, seconds = await _phase(
-                    clients,
+                    clients[name],
                     url,
                     concurrency=concurrency,
                     per_worker=per_worker,
@@ -349,13 +356,16 @@ def _collect(
     concurrency: int,
     protocol: str,
 ) -> None:
+    """Add the runs and the added-latency summary; ``protocol`` is the client-to-router one
+    (the direct path is always plain HTTP/1.1)."""
     direct = measured["direct"]
+    tag = "" if protocol == "HTTP/1.1" else f" ({protocol} run)"
     for name, result in measured.items():
         runs.append(
             {
-                "label": f"{name} c={concurrency}",
+                "label": f"{name} c={concurrency}{tag}",
                 "transport": "sse",
-                "protocol": protocol,
+                "protocol": "HTTP/1.1" if name == "direct" else protocol,
                 "concurrency": concurrency,
             }
             | result
@@ -400,7 +410,8 @@ def _tls(
                     rounds=rounds,
                     per_worker=3,
                     max_tokens=max_tokens,
-                    make_clients=_h2_clients(paths["ca.pem"]),
+                    make_clients=_h1_clients,
+                    client_overrides={"router/hypercorn": _h2_clients(paths["ca.pem"])},
                     bar=bar,
                     pids={"sim": sim.pid, "router/hypercorn": router.pid},
                 )
