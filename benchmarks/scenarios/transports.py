@@ -78,7 +78,7 @@ GEOGRAPHIES: dict[str, Geography] = {
         Geography("lossy-long", "Sydney on 4G, 2% loss each way", "ap-southeast-2", "4g", 2.0),
     ]
 }
-QUICK_GEOGRAPHIES = ("local", "transatlantic", "transpacific")
+QUICK_GEOGRAPHIES = ("local", "transpacific")
 CDF_GEOGRAPHY = "transpacific"
 
 
