@@ -45,6 +45,7 @@ from .peers import (
     PEER_KEY_HEADER,
     BackendStatus,
     EdgeStatus,
+    PeerLink,
     PeerPoller,
     PeerTable,
     prefix_hash,
@@ -535,6 +536,7 @@ class RegionRouting:
             for name, b in self.tracker.backends.items()
         ]
         wait = here.queue_wait_ms
+        fresh = self._peers(now)
         return EdgeStatus(
             region=self.region, healthy=here.healthy, saturated=here.saturated,
             in_flight=self.tracker.in_flight(), capacity=self.tracker.capacity(),
@@ -543,6 +545,14 @@ class RegionRouting:
             longitude=self.here_point.lon if self.here_point else None,
             public_url=self.config.geo.public_url, ttft_ms=self.tracker.ttft_ms(),
             warm_prefixes=sorted(here.warm_prefixes), backends=backends,
+            peers=[
+                PeerLink(
+                    name=name,
+                    url=url,
+                    up=name in fresh and fresh[name].healthy and not fresh[name].saturated,
+                )
+                for name, url in self.peer_urls.items()
+            ],
         )
 
     def render_metrics(self) -> str:

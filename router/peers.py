@@ -27,6 +27,7 @@ __all__ = [
     "PEER_KEY_HEADER",
     "BackendStatus",
     "EdgeStatus",
+    "PeerLink",
     "PeerPoller",
     "PeerState",
     "PeerTable",
@@ -56,6 +57,14 @@ class BackendStatus(msgspec.Struct, kw_only=True):
     """Names of the prefixes this backend holds warm."""
 
 
+class PeerLink(msgspec.Struct, kw_only=True):
+    """A peer region as clients may reach it (for the SDK's region list)."""
+
+    name: str
+    url: str
+    up: bool
+
+
 class EdgeStatus(msgspec.Struct, kw_only=True):
     """``GET /v1/edge/status``: what a peer needs to decide whether to send us a request."""
 
@@ -72,6 +81,7 @@ class EdgeStatus(msgspec.Struct, kw_only=True):
     warm_prefixes: list[str] = msgspec.field(default_factory=list)
     """Hashes (:func:`prefix_hash`) of the prefixes warm on at least one backend."""
     backends: list[BackendStatus] = msgspec.field(default_factory=list)
+    peers: list[PeerLink] = msgspec.field(default_factory=list)
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Choosing a region from the client's side (sans-IO: every method takes ``now``).
+
+The SDK knows a list of regions (configured, or read from any router's
+``GET /v1/edge/status``: its ``region``/``public_url`` and its ``peers``) and measures the
+round trip to each (a probe on a warm connection, or the first byte of a request). The
+region with the lowest RTT EWMA is used by default, the second one is the standby worth
+keeping a warm connection to. A router that served a request from elsewhere says so with
+``x-firstbyte-better-region`` (and ``-url``): the hinted region is preferred for a while.
+
+On a connect failure, 429 or 503 the region is set aside for its ``Retry-After`` (or an
+exponential backoff) and the next region is tried; when every region is set aside,
+:meth:`RegionSelector.wait_s` says how long until the first comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Region", "RegionSelector", "regions_from_status"]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    name: str
+    url: str
+    """Base URL of the region's router (what ``AsyncClient(base_url=...)`` takes)."""
+
+
+def regions_from_status(status: Mapping[str, Any], url: str | None = None) -> list[Region]:
+    """The regions a router's ``/v1/edge/status`` document names (itself first)."""
+    out: list[Region] = []
+    own = status.get("public_url") or url
+    if status.get("region") and own:
+        out.append(Region(str(status["region"]), str(own)))
+    for peer in status.get("peers") or ():
+        name, peer_url = peer.get("name"), peer.get("url")
+        if name and peer_url and all(r.name != name for r in out):
+            out.append(Region(str(name), str(peer_url)))
+    return out
+
+
+@dataclass
+class _State:
+    region: Region
+    rtt_ms: float | None = None
+    unavailable_until: float = 0.0
+    failures: int = 0
+    hinted_until: float = 0.0
+
+
+class RegionSelector:
+    """Ranks regions by measured RTT; sets failing ones aside (see the module docstring)."""
+
+    def __init__(
+        self,
+        regions: Iterable[Region],
+        *,
+        alpha: float = 0.3,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        hint_ttl_s: float = 300.0,
+    ) -> None:
+        self._states = {r.name: _State(r) for r in regions}
+        if not self._states:
+            raise ValueError("a RegionSelector needs at least one region")
+        self.alpha = alpha
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.hint_ttl_s = hint_ttl_s
+
+    @property
+    def regions(self) -> list[Region]:
+        return [s.region for s in self._states.values()]
+
+    def add(self, region: Region) -> None:
+        self._states.setdefault(region.name, _State(region))
+
+    def rtt_ms(self, name: str) -> float | None:
+        return self._states[name].rtt_ms
+
+    # --- inputs
+    def observe_rtt(self, name: str, rtt_ms: float) -> None:
+        """A round-trip measurement to ``name`` (probe, or time to first byte minus server time)."""
+        state = self._states[name]
+        state.rtt_ms = rtt_ms if state.rtt_ms is None else (
+            self.alpha * rtt_ms + (1 - self.alpha) * state.rtt_ms
+        )
+
+    def succeeded(self, name: str) -> None:
+        state = self._states[name]
+        state.failures, state.unavailable_until = 0, 0.0
+
+    def failed(self, name: str, now: float, retry_after_s: float | None = None) -> None:
+        """Connect failure, 429 or 503: set aside for ``Retry-After`` or a growing backoff."""
+        state = self._states[name]
+        state.failures += 1
+        if retry_after_s is None:
+            retry_after_s = min(self.max_backoff_s, self.backoff_s * 2 ** (state.failures - 1))
+        state.unavailable_until = max(state.unavailable_until, now + max(0.0, retry_after_s))
+
+    def hint(self, name: str, url: str | None, now: float) -> None:
+        """A router said ``x-firstbyte-better-region: name`` (``-url``): prefer it for a while."""
+        if name not in self._states:
+            if url is None:
+                return
+            self.add(Region(name, url))
+        self._states[name].hinted_until = now + self.hint_ttl_s
+
+    # --- outputs
+    def available(self, name: str, now: float) -> bool:
+        return self._states[name].unavailable_until <= now
+
+    def ranked(self, now: float) -> list[Region]:
+        """Available regions, best first: hinted, then by RTT (unmeasured last, in order)."""
+        order = {name: i for i, name in enumerate(self._states)}
+
+        def key(s: _State) -> tuple[int, float, int]:
+            hinted = 0 if s.hinted_until > now else 1
+            rtt = s.rtt_ms if s.rtt_ms is not None else float("inf")
+            return (hinted, rtt, order[s.region.name])
+
+        states = [s for s in self._states.values() if s.unavailable_until <= now]
+        return [s.region for s in sorted(states, key=key)]
+
+    def choose(self, now: float) -> Region | None:
+        """The region to send the next request to; ``None`` if all are set aside."""
+        ranked = self.ranked(now)
+        return ranked[0] if ranked else None
+
+    def standby(self, now: float) -> Region | None:
+        """The second-best region: keep a prewarmed connection to it for fast failover."""
+        ranked = self.ranked(now)
+        return ranked[1] if len(ranked) > 1 else None
+
+    def failover(self, failed: str, now: float) -> Region | None:
+        """After ``failed`` failed (and :meth:`failed` was called): the next region to try."""
+        return next((r for r in self.ranked(now) if r.name != failed), None)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until some region is available again (0 if one is)."""
+        return max(0.0, min(s.unavailable_until for s in self._states.values()) - now)
+
+    def __repr__(self) -> str:
+        parts: Sequence[str] = [
+            f"{s.region.name}={'?' if s.rtt_ms is None else f'{s.rtt_ms:.0f}ms'}"
+            for s in self._states.values()
+        ]
+        return f"<RegionSelector [{', '.join(parts)}]>"
