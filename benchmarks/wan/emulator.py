@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from benchmarks.stats import percentile
 from benchmarks.wan.delayline import NS_PER_MS, LinkParams
-from benchmarks.wan.netns import Network, WanError, python_env
+from benchmarks.wan.netns import Network, WanError, python_env, validate_hosts
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class Emulator:
         seed: int = 0,
     ) -> None:
         self.hosts = list(hosts)
+        validate_hosts([(h.name, h.ip) for h in self.hosts])  # early: no root needed to fail
         names = [h.name for h in self.hosts]
         self._rtt: dict[tuple[str, str], float] = {}
         for (a, b), rtt in (rtt_ms or {}).items():

@@ -85,6 +85,20 @@ def python_env() -> dict[str, str]:
     return env
 
 
+def validate_hosts(hosts: list[tuple[str, str]]) -> None:
+    """Raise ValueError unless every ``(name, ip)`` is valid and names and addresses unique."""
+    for name, ip in hosts:
+        validate_host(name, ip)
+    names = [name for name, _ in hosts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate host names in {names}")
+    ips = [ip for _, ip in hosts]
+    if len(set(ips)) != len(ips):
+        raise ValueError(f"duplicate host addresses in {ips}")
+    if len(hosts) < 2:
+        raise ValueError("an emulated network needs at least two hosts")
+
+
 def ip_cmd(*args: str, stdin: str | None = None, check: bool = True) -> str:
     """Run ``ip ARGS`` (``-batch -`` reads ``stdin``); raise :class:`WanError` on failure."""
     proc = subprocess.run(["ip", *args], input=stdin, capture_output=True, text=True)
@@ -271,18 +285,12 @@ class Network:
         """Create one namespace per ``(name, ip)`` host and forward between them per ``links``
         (keyed by host names, one entry per direction). On failure everything created so far
         is removed before the exception propagates."""
-        check_capable()
+        validate_hosts(hosts)
         names = [name for name, _ in hosts]
-        for name, ip in hosts:
-            validate_host(name, ip)
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate host names in {names}")
-        ips = [ip for _, ip in hosts]
-        if len(set(ips)) != len(ips):
-            raise ValueError(f"duplicate host addresses in {ips}")
         for a, b in links:
             if a not in names or b not in names:
                 raise ValueError(f"link {a}->{b} names a host that is not in {names}")
+        check_capable()
         cleanup_stale()
         run_id = _new_run_id()
         _, pid, k = run_id.split("-")
@@ -291,12 +299,13 @@ class Network:
             owner_pid=os.getpid(),
             owner_start=process_start_time(os.getpid()),
             namespaces={name: f"{run_id}-{name}" for name in names},
-            tuns={name: f"fb{pid}t{k}n{i}"[:15] for i, name in enumerate(names)},
+            # IFNAMSIZ is 16 with the NUL: hex keeps "fb<pid>.<k>.<i>" within 15 characters.
+            tuns={name: f"fb{int(pid):x}.{int(k):x}.{i:x}" for i, name in enumerate(names)},
             ips=dict(hosts),
             detached=detached,
         )
-        if len(set(state.tuns.values())) != len(names):
-            raise WanError("TUN device names collide; too many hosts or runs in one process")
+        if any(len(tun) > 15 for tun in state.tuns.values()):
+            raise WanError("too many hosts or emulator runs in one process for TUN names")
         state.save()  # before creating anything, so a crash from here on can be cleaned up
         net = cls(state, None)
         try:
