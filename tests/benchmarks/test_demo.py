@@ -1,33 +1,186 @@
-"""``firstbyte demo`` as a real process: exits 0 within seconds and prints TTFT."""
+"""``firstbyte demo`` as a real process: loopback end to end, emulated (netns) end to end, bad
+options, and teardown on Ctrl-C (no namespaces or processes left behind)."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
 
 MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
+TAG = "FIRSTBYTE_DEMO_TEST_TAG"
 
 
-def test_demo_streams_and_prints_ttft() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", MAIN, "demo"], capture_output=True, text=True, timeout=60
-    )
+def demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return run_demo(*args, timeout=timeout)[0]
+
+
+def run_demo(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run the demo to completion; its result and its pid (which names its namespaces)."""
+    argv = [sys.executable, "-c", MAIN, "demo", *args]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), proc.pid
+
+
+def check_output(done: subprocess.CompletedProcess[str], out: Path) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr[-3000:]
-    match = re.search(r"TTFT ([\d.]+) ms\s+E2EL ([\d.]+) ms\s+tokens (\d+)", done.stdout)
-    assert match, done.stdout
-    ttft, e2el, tokens = float(match[1]), float(match[2]), int(match[3])
-    assert 0 < ttft < e2el
-    assert tokens == 32
+    assert "Traceback" not in done.stderr
+    # the latency budget table: each phase against the 500 ms budget, and the safety share
+    for phase in ("network", "first_byte", "first_token", "next_tokens", "render"):
+        assert f"\n  {phase} " in done.stdout
+    assert "safety (15%)" in done.stdout
+    assert "500.0" in done.stdout
+    assert "Latency budget: 500 ms end to end, 75 ms (15%)" in done.stdout
+    assert f"report: {out / 'summary.md'}" in done.stdout
+    results: dict[str, Any] = msgspec.json.decode((out / "results.json").read_bytes())
+    assert results["scenario"] == "demo"
+    assert (out / "summary.md").read_text().startswith("# Benchmark: demo")
+    for name in ("ttft_cdf.png", "phases.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    runs = results["runs"]
+    assert {run["transport"] for run in runs} == {"sse", "websocket", "longpoll"}
+    assert {run["cell"].split("/")[2] for run in runs} == {"cold", "warm", "0rtt"}
+    assert all(run["failed"] == 0 and run["completed"] >= 1 for run in runs), runs
+    # progress goes to stderr, results to stdout
+    assert "demo: streaming from" in done.stderr
+    return results
+
+
+def test_help_explains() -> None:
+    done = demo("--help", timeout=30)
+    assert done.returncode == 0
+    text = re.sub(r"-\s+", "-", " ".join(done.stdout.split()))  # argparse wraps at hyphens
+    for words in ("--loopback", "--out", "--quick", "firstbyte-report", "WAN emulator",
+                  "latency budget"):
+        assert words in text
+
+
+def test_loopback_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    done = demo("--loopback", "--quick", "--out", str(out))
+    results = check_output(done, out)
+    assert "LOOPBACK MODE" in done.stdout
+    assert "LOOPBACK MODE" in done.stderr
+    assert "cannot show round-trip counts" in done.stdout
+    assert results["summary"]["mode"] == "loopback"
+    assert all(run["rtt_ms"] == 0 for run in results["runs"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--repeat", "0"], "--repeat must be within 1..50"),
+        (["--out", "FILE"], "exists and is not a directory"),
+    ],
+)
+def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    done = demo("--loopback", *[str(file) if a == "FILE" else a for a in args], timeout=30)
+    assert done.returncode == 2
+    assert message in done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_demo_rejects_bad_options() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", MAIN, "demo", "--max-tokens", "0"],
-        capture_output=True,
+def tagged_processes(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries ``tag`` (children of one demo)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"{TAG}={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                status = (entry / "status").read_text()
+                if "\nState:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def namespaces_of(pid: int) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines()
+            if line.startswith(f"fb-{pid}-")]
+
+
+def interrupt_mid_run(tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """Start the demo, send SIGINT once it streams, wait for it; (pid, exit code, stderr)."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAIN, "demo", "--out", str(tmp_path / "r"), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
+        env={**os.environ, TAG: tag},
     )
-    assert done.returncode == 2
-    assert "--max-tokens must be >= 1" in done.stderr
+    assert proc.stderr is not None
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            lines.append(line)
+            if not line or "demo: streaming from" in line:
+                break
+        assert tagged_processes(tag), "the demo's region processes should be running"
+        time.sleep(1.0)  # the clients are mid-stream now
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        lines.append(proc.stderr.read())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 5
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tagged_processes(tag) == [], "processes left behind"
+    return proc.pid, code, "".join(lines)
+
+
+def test_ctrl_c_on_loopback_leaves_nothing_behind(tmp_path: Path) -> None:
+    _, code, stderr = interrupt_mid_run(tmp_path, "--loopback", "--repeat", "20")
+    assert code == 130, stderr[-3000:]
+
+
+@pytest.mark.netns
+def test_emulated_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    done, pid = run_demo("--quick", "--out", str(out))
+    results = check_output(done, out)
+    assert "an emulated world" in done.stdout
+    assert "LOOPBACK" not in done.stdout
+    assert results["summary"]["mode"] == "emulated"
+    # three regions, clients at real distances from them
+    assert "region-us-east" in done.stderr
+    assert "region-eu-central" in done.stderr
+    assert "region-ap-northeast" in done.stderr
+    rtts = {run["client"]: run["rtt_ms"] for run in results["runs"]}
+    assert rtts == {"client-tokyo": 9.0, "client-london": 42.0}
+    # at 42 ms a cold HTTP/2 request pays the TCP and TLS round trips; a warm one does not
+    london = {run["cell"]: run for run in results["runs"] if run["client"] == "client-london"}
+    assert london["sse/2/cold"]["p50_ttft_ms"] > london["sse/2/warm"]["p50_ttft_ms"] + 60
+    assert namespaces_of(pid) == []
+
+
+@pytest.mark.netns
+def test_ctrl_c_in_the_emulated_world_leaves_nothing_behind(tmp_path: Path) -> None:
+    pid, code, stderr = interrupt_mid_run(tmp_path, "--repeat", "20")
+    assert code == 130, stderr[-3000:]
+    assert "emulated world" in stderr
+    assert namespaces_of(pid) == [], "namespaces left behind"
