@@ -32,6 +32,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -39,6 +40,8 @@ from typing import Any, Literal
 from benchmarks.stats import percentile
 from benchmarks.wan.delayline import NS_PER_MS, LinkParams
 from benchmarks.wan.netns import Network, WanError, python_env, validate_hosts
+
+PARALLEL_PROBES = 4
 
 
 @dataclass(frozen=True)
@@ -368,8 +371,16 @@ class Emulator:
         result in every benchmark report."""
         if pairs is None:
             pairs = list(itertools.combinations([h.name for h in self.hosts], 2))
-        results = [r for a, b in pairs for m in methods for r in self.probe(a, b, m, count)]
-        return PrecisionReport(results, self.stats())
+        jobs: list[tuple[str, str, Literal["udp", "tcp"]]] = [
+            (a, b, m) for a, b in pairs for m in methods
+        ]
+        for _, b, m in jobs:
+            self.echo_port(b, m)  # start the servers one by one, before probing in parallel
+        # A few pairs at once: probes mostly wait on the delay, so a large profile's report
+        # takes seconds rather than minutes, without loading the machine's two CPUs.
+        with ThreadPoolExecutor(max_workers=PARALLEL_PROBES) as pool:
+            per_job = list(pool.map(lambda job: self.probe(job[0], job[1], job[2], count), jobs))
+        return PrecisionReport([r for results in per_job for r in results], self.stats())
 
     async def aprecision(
         self,

@@ -372,3 +372,17 @@ def test_jitter_spreads_round_trips_within_its_bound() -> None:
     assert min(rtts) >= 30.0, rtts
     assert max(rtts) <= 51.0, rtts
     assert max(rtts) - min(rtts) > 4.0, rtts
+
+
+def test_geography_profile_runs_with_its_configured_rtts() -> None:
+    from benchmarks.wan import geo
+
+    profile = geo.load_profile("transpacific")
+    with profile.emulator() as wan:
+        report = wan.precision(count=8)
+    sites = {s.name: s for s in profile.sites}
+    assert len(report.pairs) == 3
+    for pair in report.pairs:
+        assert pair.configured_rtt_ms == profile.rtt_ms(sites[pair.src], sites[pair.dst])
+        assert pair.samples == 8
+        assert 0.0 <= pair.error_ms <= 1.0, report.render()
