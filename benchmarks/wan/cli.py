@@ -4,7 +4,7 @@
   file, see :mod:`benchmarks.wan.geo`); prints each host's namespace and address.
 - ``exec HOST -- CMD ...``: run a command inside a host of the running ``up`` emulator.
 - ``status``: runs recorded in ``/run/firstbyte-wan`` and whether their owner is alive.
-- ``down [RUN_ID]``: tear down ``up`` runs (all of them, or one).
+- ``down [RUN_ID | --all]``: tear down an ``up`` run (the only one, the one named, or all).
 - ``cleanup``: tear down runs whose owning process died (crashed tests, killed benchmarks).
 - ``precision [--rtt MS] [--count N]``: configured vs measured RTT through a fresh emulator.
 """
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     sub.add_parser("status", help="list emulator runs on this machine")
     down = sub.add_parser("down", help="tear down emulators started with `up`")
-    down.add_argument("run_id", nargs="?", help="one run (default: every `up` run)")
+    down.add_argument("run_id", nargs="?", help="the run to stop (default: the only `up` run)")
+    down.add_argument("--all", action="store_true", help="stop every `up` run on this machine")
     clean = sub.add_parser("cleanup", help="remove what crashed runs left behind")
     clean.add_argument(
         "--stale", action="store_true", help="only runs whose owner died (the default, and safe)"
@@ -115,6 +116,9 @@ def _down(args: argparse.Namespace) -> int:
         states = [s for s in netns.load_states() if s.run_id == args.run_id]
         if not states:
             raise CLIError(f"no run {args.run_id!r} (see firstbyte wan status)")
+    elif len(states) > 1 and not args.all:
+        ids = ", ".join(s.run_id for s in states)
+        raise CLIError(f"several runs are up ({ids}): name one, or pass --all")
     for s in states:
         netns.teardown(s)
         print(f"wan: run {s.run_id} down")

@@ -86,3 +86,20 @@ def test_up_exec_status_down() -> None:
     assert f"run {run_id} down" in down.stdout
     assert not set(state.namespaces.values()) & set(netns.list_namespaces())
     assert not netns.is_alive(state.forwarder_pid, state.forwarder_start)
+
+
+@pytest.mark.netns
+def test_down_needs_a_name_when_several_runs_are_up() -> None:
+    ids = []
+    try:
+        for _ in range(2):
+            up = firstbyte("wan", "up", "transpacific")
+            assert up.returncode == 0, up.stderr
+            ids.append(up.stdout.split()[2])
+        down = firstbyte("wan", "down")
+        assert down.returncode == 2
+        assert "several runs are up" in down.stderr
+        assert all(i in down.stderr for i in ids)
+    finally:
+        for run_id in ids:
+            assert firstbyte("wan", "down", run_id).returncode == 0

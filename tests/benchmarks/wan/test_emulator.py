@@ -225,7 +225,8 @@ def test_cleanup_after_a_crash_removes_only_dead_runs(wan: Emulator) -> None:
     # The live run of this process was not touched and still forwards.
     assert set(wan.network.state.namespaces.values()) <= set(netns.list_namespaces())
     assert wan.precision([(CLIENT, NEAR)], count=3).pairs[0].lost == 0
-    assert netns.cleanup_stale() == []
+    # (Other runs on this machine may be stale; ours are not.)
+    assert not set(wan.network.state.namespaces.values()) & set(netns.cleanup_stale())
 
 
 def test_loss_and_rate_limit_through_real_namespaces() -> None:
