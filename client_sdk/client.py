@@ -6,6 +6,9 @@ sent and the response accepted on entry, so HTTP errors raise there) and an asyn
 items into a queue; the iterator waits on that queue with the idle watchdog, so heartbeats
 (which never become items) do not count as progress. A cut connection or a sequence gap
 resumes from the last delivered event; a stall resumes once on fresh connections, then raises.
+With several base URLs (one per region, nearest first), a request that cannot start on one
+region (unreachable, 429, 502-504) is sent to the next; a started stream stays on its region,
+since only that region's router holds it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from client_sdk._core.timing import TimingRecorder
 from client_sdk.errors import (
     ConnectError,
     FirstbyteError,
+    RateLimitError,
+    ServiceUnavailableError,
     StreamBrokenError,
     StreamStalledError,
 )
@@ -66,12 +71,13 @@ class AsyncClient:
 
     ``transport`` is ``"sse"``, ``"websocket"`` or ``"longpoll"``; ``http`` is ``"1.1"``,
     ``"2"`` or ``"3"`` (default ``"2"``; WebSocket runs on HTTP/1.1). ``idle_timeout_s`` is the
-    watchdog: the longest wait for the next event, heartbeats excluded.
+    watchdog: the longest wait for the next event, heartbeats excluded. ``base_url`` may be a
+    list of regional base URLs in order of preference (failover order).
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         api_key: str | None = None,
         *,
         transport: TransportName = "sse",
@@ -95,8 +101,13 @@ class AsyncClient:
             raise ValueError(f"http must be '1.1', '2' or '3', not {http!r}")
         if transport == "websocket" and http != "1.1":
             raise ValueError("WebSocket runs over HTTP/1.1; use http='1.1'")
-        self.origin = Origin.parse(base_url)
-        if http == "3" and not self.origin.tls:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: give at least one URL")
+        self.origins = [Origin.parse(url) for url in urls]
+        self.origin = self.origins[0]
+        """The preferred region; :meth:`prewarm` warms it."""
+        if http == "3" and not all(origin.tls for origin in self.origins):
             raise ValueError("HTTP/3 needs an https:// base URL")
         self.transport: TransportName = transport
         self.http: HTTPVersion = http
@@ -121,10 +132,11 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self.pool.aclose()
 
-    def _target(self) -> Session | WebSocketPool:
+    def _target(self, origin: Origin | None = None) -> Session | WebSocketPool:
+        origin = origin or self.origin
         if self.transport == "websocket":
-            return self.pool.websockets(self.origin, self.headers)
-        return self.pool.session(self.origin, self.http)
+            return self.pool.websockets(origin, self.headers)
+        return self.pool.session(origin, self.http)
 
     async def prewarm(self, connections: int = 1) -> None:
         """Open connections for the configured transport and HTTP version and keep them warm."""
@@ -152,14 +164,15 @@ class AsyncClient:
         return ChatStream(self, msgspec.json.encode(body), on_first_token)
 
     def _source(
-        self, body: bytes | None, stream_id: str | None, after: int, recorder: TimingRecorder
+        self, body: bytes | None, stream_id: str | None, after: int, recorder: TimingRecorder,
+        origin: Origin,
     ) -> Source:
         self.pool.touch()
-        target = self._target()
+        target = self._target(origin)
         if isinstance(target, WebSocketPool):
             return websocket_source(target, body=body, stream_id=stream_id, after=after,
                                     recorder=recorder)
-        prefix = self.origin.prefix
+        prefix = origin.prefix
         if self.transport == "longpoll":
             return longpoll_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                                    after=after, recorder=recorder, wait_s=self.poll_wait_s)
@@ -190,6 +203,11 @@ class ChatStream:
         self._stalls = 0
         self._pending: list[StreamDelta] = []
         self._parts: list[str] = []
+        self._region = 0  # index into client.origins
+
+    @property
+    def _origin(self) -> Origin:
+        return self._client.origins[self._region]
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -211,7 +229,7 @@ class ChatStream:
         return "".join(self._parts)
 
     async def __aenter__(self) -> ChatStream:
-        self._start(self._client._source(self._body, None, 0, self._recorder))
+        self._start(self._client._source(self._body, None, 0, self._recorder, self._origin))
         try:
             while not self._opened and not self._finished:
                 delta = await self._step()
@@ -289,6 +307,18 @@ class ChatStream:
             await self._recover(TransportCut("stream ended before its last event"))
             return None
         if isinstance(item, BaseException):
+            if (
+                self._stream_id is None
+                and isinstance(item, ConnectError | RateLimitError | ServiceUnavailableError)
+                and self._region + 1 < len(self._client.origins)
+            ):
+                # Not started here: the next region may answer. The failed attempt's
+                # phases stay in the timings; it is what this request cost.
+                await self._stop_pump()
+                self._region += 1
+                self._start(self._client._source(self._body, None, 0, self._recorder,
+                                                 self._origin))
+                return None
             if isinstance(item, TransportCut | SequenceGapError) or (
                 isinstance(item, ConnectError) and self._stream_id is not None
             ):
@@ -339,7 +369,7 @@ class ChatStream:
                 )
             # A stalled connection may be dead without knowing it: reconnect from scratch.
             with contextlib.suppress(Exception):
-                await client._target().reset()
+                await client._target(self._origin).reset()
         self._resumes += 1
         if self._resumes > client.max_resumes:
             self._finished = True
@@ -349,11 +379,11 @@ class ChatStream:
         await asyncio.sleep(min(client.resume_backoff_s * 2 ** (self._resumes - 1), 2.0))
         if self._stream_id is None:
             # Never opened: nothing to resume, send the request again.
-            self._start(client._source(self._body, None, 0, self._recorder))
+            self._start(client._source(self._body, None, 0, self._recorder, self._origin))
             return
         self._recorder.feed("resume", time.perf_counter())
         self._start(client._source(None, self._stream_id, self._assembler.last_seq,
-                                   self._recorder))
+                                   self._recorder, self._origin))
 
 
 class _LoopThread:

@@ -207,3 +207,29 @@ async def test_tool_call_deltas_stream_through(server: RunningServer, ca_file: s
     assert deltas[-1].finish_reason == "tool_calls"
     assert stream.timings.output_chunks == 1 + len(TOOL_ARGUMENTS)
     assert stream.text == ""
+
+
+async def test_failover_to_the_next_region_when_the_first_is_unreachable(stack: Stack) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"https://localhost:{s.getsockname()[1]}/v1"
+        async with AsyncClient([down, stack.base_url], ROUTER_KEY, ca_file=stack.ca_file) as client:
+            text, timings, _ = await stream_once(client, max_tokens=5)
+    assert text == await reference_text(stack, 5)
+    assert timings.region == "sdk-test"
+
+
+async def test_failover_on_429_and_a_started_stream_stays_on_its_region(
+    stack: Stack, tls_files: tuple[str, str, str]
+) -> None:
+    from tests.client_sdk.protocol_server import running_protocol_server
+
+    _, cert_file, key_file = tls_files
+    with running_protocol_server(cert_file, key_file, api_key=None) as saturated:
+        async with AsyncClient([saturated.base_url, stack.base_url], ROUTER_KEY,
+                               ca_file=stack.ca_file) as client, \
+                client.stream(model="busy", messages=MESSAGES, max_tokens=4) as stream:
+            chunks = [delta.text async for delta in stream]
+    assert stream.timings.region == "sdk-test"  # the router served, after the 429
+    assert stream.timings.output_chunks == len([c for c in chunks if c])
+    assert [method for method, _ in saturated.app.requests] == ["POST"]
