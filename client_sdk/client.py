@@ -70,9 +70,10 @@ class AsyncClient:
     """Streams chat completions over a prewarmed connection (see the README's SDK section).
 
     ``transport`` is ``"sse"``, ``"websocket"`` or ``"longpoll"``; ``http`` is ``"1.1"``,
-    ``"2"`` or ``"3"`` (default ``"2"``; WebSocket runs on HTTP/1.1). ``idle_timeout_s`` is the
-    watchdog: the longest wait for the next event, heartbeats excluded. ``base_url`` may be a
-    list of regional base URLs in order of preference (failover order).
+    ``"2"`` or ``"3"`` (default ``"2"`` over https, ``"1.1"`` over plain http and for
+    WebSocket). ``idle_timeout_s`` is the watchdog: the longest wait for the next event,
+    heartbeats excluded. ``base_url`` may be a list of regional base URLs in order of
+    preference (failover order).
     """
 
     def __init__(
@@ -95,18 +96,20 @@ class AsyncClient:
     ) -> None:
         if transport not in ("sse", "websocket", "longpoll"):
             raise ValueError(f"transport must be sse, websocket or longpoll, not {transport!r}")
-        if http is None:
-            http = "1.1" if transport == "websocket" else "2"
-        if http not in ("1.1", "2", "3"):
-            raise ValueError(f"http must be '1.1', '2' or '3', not {http!r}")
-        if transport == "websocket" and http != "1.1":
-            raise ValueError("WebSocket runs over HTTP/1.1; use http='1.1'")
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("base_url: give at least one URL")
         self.origins = [Origin.parse(url) for url in urls]
         self.origin = self.origins[0]
         """The preferred region; :meth:`prewarm` warms it."""
+        if http is None:
+            # HTTP/2 is negotiated with TLS (ALPN); over plain http it would need prior knowledge.
+            plain = not all(origin.tls for origin in self.origins)
+            http = "1.1" if transport == "websocket" or plain else "2"
+        if http not in ("1.1", "2", "3"):
+            raise ValueError(f"http must be '1.1', '2' or '3', not {http!r}")
+        if transport == "websocket" and http != "1.1":
+            raise ValueError("WebSocket runs over HTTP/1.1; use http='1.1'")
         if http == "3" and not all(origin.tls for origin in self.origins):
             raise ValueError("HTTP/3 needs an https:// base URL")
         self.transport: TransportName = transport
