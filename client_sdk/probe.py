@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              " the URL has no path)")
     parser.add_argument("--transport", choices=["sse", "websocket", "longpoll"], default="sse")
     parser.add_argument("--http", choices=["1.1", "2", "3"], default=None,
-                        help="HTTP version (default 2; 1.1 for websocket)")
+                        help="HTTP version (default 2; 1.1 for websocket and http:// URLs)")
     parser.add_argument("--warm", action="store_true",
                         help="prewarm a connection first, then measure the request on it")
     parser.add_argument("--json", action="store_true", help="print the Timings record as JSON")
