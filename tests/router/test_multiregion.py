@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from router.upstream_metrics import parse_backend_metrics
@@ -71,7 +74,10 @@ async def post(client: httpx.AsyncClient, region: RegionHandle, body: dict[str, 
     return await client.post(f"{region.url}/v1/chat/completions", json=body, headers=headers)
 
 
-async def test_client_served_by_its_region_via_trusted_proxy(tmp_path: Path) -> None:
+async def test_client_served_by_its_region_via_trusted_proxy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="firstbyte.access")
     async with cluster(tmp_path) as regions, httpx.AsyncClient(timeout=30) as client:
         frankfurt = regions["frankfurt"]
         r = await post(client, frankfurt, chat("hello from Tokyo"), xff=TOKYO_CLIENT)
@@ -97,6 +103,14 @@ async def test_client_served_by_its_region_via_trusted_proxy(tmp_path: Path) -> 
         # The peer served it as a forwarded request (never forwarded again).
         metrics = (await client.get(f"{frankfurt.url}/metrics")).text
         assert 'firstbyte_route_forwards_total{to="tokyo"} 2' in metrics
+    # One JSON access-log line per request, without secrets or addresses.
+    records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "firstbyte.access"]
+    forwarded = [r for r in records if r["entry_region"] == "frankfurt" and r["region"] == "tokyo"]
+    assert len(forwarded) == 2
+    assert forwarded[0]["client_city"] == "Tokyo"
+    assert forwarded[0]["outcome"] == "ok"
+    assert all(API_KEY not in r.getMessage() and TOKYO_CLIENT not in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_spoofed_forwarded_for_from_untrusted_peer_changes_nothing(tmp_path: Path) -> None:
