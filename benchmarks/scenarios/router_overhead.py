@@ -135,12 +135,29 @@ async def _one(client: httpx.AsyncClient, url: str, max_tokens: int, seed: int) 
         "max_tokens": max_tokens,
         "seed": seed,
     }
-    timings = Timings()
+    timings = Timings(warm=True)
     now = time.perf_counter
     start = now()
     last: float | None = None
     decoder = SSEDecoder()
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+    marks: dict[str, float] = {}
+
+    async def trace(name: str, info: dict[str, Any]) -> None:
+        # httpcore's trace hooks: when a connection was opened and the request written
+        if name.endswith((".started", ".complete")):
+            marks[name] = (now() - start) * 1000
+
+    async with client.stream(
+        "POST", url + "/v1/chat/completions", json=body, extensions={"trace": trace}
+    ) as response:
+        if "connection.connect_tcp.complete" in marks:
+            timings.warm = False
+            timings.tcp_connect_ms = (
+                marks["connection.connect_tcp.complete"] - marks["connection.connect_tcp.started"]
+            )
+        for sent in ("http11.send_request_body.complete", "http2.send_request_body.complete"):
+            if sent in marks:
+                timings.request_sent_ms = marks[sent]
         timings.first_byte_ms = (now() - start) * 1000
         timings.http_version = response.http_version
         response.raise_for_status()
