@@ -36,6 +36,7 @@ from client_sdk.errors import (
     StreamStalledError,
 )
 from client_sdk.pool import ConnectionPool
+from client_sdk.regions import Region, RegionSelector
 from client_sdk.resolver import Origin
 from client_sdk.timings import Timings
 from client_sdk.transports.base import Event, Item, Opened, Session, Source, TransportCut
@@ -96,12 +97,15 @@ class AsyncClient:
     ) -> None:
         if transport not in ("sse", "websocket", "longpoll"):
             raise ValueError(f"transport must be sse, websocket or longpoll, not {transport!r}")
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        urls = [base_url] if isinstance(base_url, str) else list(dict.fromkeys(base_url))
         if not urls:
             raise ValueError("base_url: give at least one URL")
         self.origins = [Origin.parse(url) for url in urls]
         self.origin = self.origins[0]
         """The preferred region; :meth:`prewarm` warms it."""
+        self.regions = RegionSelector(Region(url, url) for url in urls)
+        """Failover state: a region that refused (429 / 5xx / unreachable) is set aside for its
+        ``Retry-After`` or a growing backoff, so later requests skip it."""
         if http is None:
             # HTTP/2 is negotiated with TLS (ALPN); over plain http it would need prior knowledge.
             plain = not all(origin.tls for origin in self.origins)
@@ -206,11 +210,20 @@ class ChatStream:
         self._stalls = 0
         self._pending: list[StreamDelta] = []
         self._parts: list[str] = []
-        self._region = 0  # index into client.origins
+        # Regions to try, best first; set-aside ones last (better a retry than no answer).
+        ranked = [r.url for r in client.regions.ranked(time.monotonic())]
+        urls = [r.url for r in client.regions.regions]
+        self._plan = [urls.index(u) for u in ranked] + [
+            i for i, u in enumerate(urls) if u not in ranked]
+        self._attempt = 0
 
     @property
     def _origin(self) -> Origin:
-        return self._client.origins[self._region]
+        return self._client.origins[self._plan[self._attempt]]
+
+    @property
+    def _region_name(self) -> str:
+        return self._client.regions.regions[self._plan[self._attempt]].name
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -310,15 +323,20 @@ class ChatStream:
             await self._recover(TransportCut("stream ended before its last event"))
             return None
         if isinstance(item, BaseException):
+            if self._stream_id is None and isinstance(
+                item, ConnectError | RateLimitError | ServiceUnavailableError
+            ):
+                retry_after = item.retry_after if isinstance(item, RateLimitError) else None
+                self._client.regions.failed(self._region_name, time.monotonic(), retry_after)
             if (
                 self._stream_id is None
                 and isinstance(item, ConnectError | RateLimitError | ServiceUnavailableError)
-                and self._region + 1 < len(self._client.origins)
+                and self._attempt + 1 < len(self._plan)
             ):
                 # Not started here: the next region may answer. The failed attempt's
                 # phases stay in the timings; it is what this request cost.
                 await self._stop_pump()
-                self._region += 1
+                self._attempt += 1
                 self._start(self._client._source(self._body, None, 0, self._recorder,
                                                  self._origin))
                 return None
@@ -330,6 +348,8 @@ class ChatStream:
             self._finished = True
             raise item
         if isinstance(item, Opened):
+            if not self._opened:
+                self._client.regions.succeeded(self._region_name)
             self._opened = True
             if item.stream_id is not None:
                 self._stream_id = item.stream_id

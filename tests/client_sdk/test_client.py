@@ -227,9 +227,13 @@ async def test_failover_on_429_and_a_started_stream_stays_on_its_region(
     _, cert_file, key_file = tls_files
     with running_protocol_server(cert_file, key_file, api_key=None) as saturated:
         async with AsyncClient([saturated.base_url, stack.base_url], ROUTER_KEY,
-                               ca_file=stack.ca_file) as client, \
-                client.stream(model="busy", messages=MESSAGES, max_tokens=4) as stream:
-            chunks = [delta.text async for delta in stream]
+                               ca_file=stack.ca_file) as client:
+            async with client.stream(model="busy", messages=MESSAGES, max_tokens=4) as stream:
+                chunks = [delta.text async for delta in stream]
+            # The 429's Retry-After (2 s) sets the region aside: the next request skips it.
+            _, again, _ = await stream_once(client, max_tokens=3)
     assert stream.timings.region == "sdk-test"  # the router served, after the 429
     assert stream.timings.output_chunks == len([c for c in chunks if c])
+    assert again.region == "sdk-test"
+    assert again.warm  # straight onto the open connection to the second region
     assert [method for method, _ in saturated.app.requests] == ["POST"]
