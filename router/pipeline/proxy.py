@@ -167,11 +167,17 @@ class Proxy:
                                 )
                                 self.metrics.count("chat", f"upstream_{response.status_code}")
                                 return
-                            if not head.done():
-                                head.set_result(UpstreamHead(200, b"", elapsed_ms))
+                            ready = UpstreamHead(200, b"", elapsed_ms)
+                            if timer is None and not head.done():
+                                head.set_result(ready)
+                            # With a first-token deadline the client's response head waits for
+                            # the first token, so a switch also changes x-firstbyte-region.
                             ok = await self._pump(
-                                ctx, stream, response, sent_at, watch, observer, appended
+                                ctx, stream, response, sent_at, watch, observer, appended,
+                                None if head.done() else (head, ready),
                             )
+                            if not head.done():
+                                head.set_result(ready)
                         finally:
                             if timer is not None:
                                 timer.cancel()
@@ -222,6 +228,7 @@ class Proxy:
         watch: asyncio.Timeout | None = None,
         observer: Any = None,
         appended: list[int] | None = None,
+        release: tuple[asyncio.Future[UpstreamHead], UpstreamHead] | None = None,
     ) -> bool:
         """Copy upstream events into ``stream``; True if it ended with ``[DONE]``.
 
@@ -247,6 +254,8 @@ class Proxy:
                     self.metrics.ttft.observe(now - ctx.received_at)
                     if observer is not None:
                         observer.first_token(ctx, (now - ctx.received_at) * 1000)
+                    if release is not None and not release[0].done():
+                        release[0].set_result(release[1])
                 elif observer is not None and first_content:
                     observer.chunk(ctx, now)
                 if skip_preamble and not first_content:

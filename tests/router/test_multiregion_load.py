@@ -152,6 +152,8 @@ async def test_stalled_backend_spills_within_first_token_deadline() -> None:
             async with client.stream("POST", f"{url}/v1/chat/completions",
                                      json=slow_body(1, 12, stream=True)) as r:
                 assert r.status_code == 200
+                # The head waited for the first token, so it names the region that served.
+                assert r.headers["x-firstbyte-region"] in {"frankfurt", "virginia"}
                 async for chunk in r.aiter_text():
                     if first_token is None and '"content"' in chunk:
                         first_token = time.perf_counter() - start
