@@ -127,3 +127,10 @@ def test_check_config_cli_reports_region_errors(tmp_path: Path, db: str) -> None
     result = subprocess.run([sys.executable, "-c", cli, "router", "--check-config", str(good)],
                             capture_output=True, text=True, timeout=30, check=False)
     assert (result.returncode, result.stdout.strip()) == (0, "OK")
+
+
+def test_shipped_example_config_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "router-tokyo.toml"
+    config = load_config(example)
+    assert config.region == "ap-northeast-1"
+    assert [p.name for p in config.peers] == ["eu-central-1", "us-east-1"]
