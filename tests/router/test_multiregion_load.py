@@ -165,3 +165,23 @@ async def test_stalled_backend_spills_within_first_token_deadline() -> None:
         assert text.count('"role"') <= 1  # the switch added no second preamble
         spills = regions["tokyo"].state.routing.spills
         assert sum(n for (_, reason), n in spills.items() if reason == "first_token_deadline") == 1
+
+
+async def test_sdk_fails_over_on_429_and_sets_the_region_aside_for_retry_after() -> None:
+    one = {"backends": 1, "sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 1}}
+    # Two unconnected regions: Tokyo cannot spill, so a full Tokyo answers 429.
+    async with running_regions([RegionSpec("tokyo", 35.68, 139.69, **one)]) as tokyo, \
+            running_regions([RegionSpec("frankfurt", 50.11, 8.68, backends=1)]) as frankfurt:
+        t_url, f_url = tokyo["tokyo"].url + "/v1", frankfurt["frankfurt"].url + "/v1"
+        async with httpx.AsyncClient(timeout=60) as client:
+            busy = asyncio.create_task(
+                client.post(f"{tokyo['tokyo'].url}/v1/chat/completions", json=slow_body(0, 100)))
+            await asyncio.sleep(0.2)
+            async with AsyncClient([t_url, f_url], http="1.1") as sdk:
+                async with sdk.stream(model="sim-model",
+                                      messages=[{"role": "user", "content": "hi"}]) as s:
+                    text = "".join([d.text async for d in s])
+                assert text
+                assert not sdk.regions.available(t_url, time.monotonic())  # Retry-After >= 1 s
+                assert sdk.regions.available(f_url, time.monotonic())
+            assert (await busy).status_code == 200
