@@ -235,9 +235,13 @@ class WarmupScheduler:
         entry = b.entries.get(prefix) if b is not None else None
         return entry.state if entry is not None else None
 
-    def all_warm(self) -> bool:
+    def all_warm(self, *, healthy_only: bool = False) -> bool:
+        """Every prefix warm on every backend (or on every healthy one)."""
         return all(
-            e.state is WarmState.WARM for b in self.backends.values() for e in b.entries.values()
+            e.state is WarmState.WARM
+            for b in self.backends.values()
+            if b.healthy or not healthy_only
+            for e in b.entries.values()
         )
 
     def registry(self) -> dict[str, dict[str, str]]:
@@ -365,15 +369,20 @@ class WarmupRunner:
             probe.add_done_callback(self._probes.discard)
 
     async def wait_all_warm(self, timeout_s: float) -> bool:
-        """Run rounds until every prefix is warm everywhere (start-up), or the timeout."""
+        """Run rounds until every prefix is warm on every reachable backend, or the timeout.
+
+        A backend that is down at start-up does not hold the others back: it is warmed when
+        it comes up (its failed scrape then a good one count as a restart).
+        """
         deadline = self.clock() + timeout_s
-        while not self.scheduler.all_warm() and self.clock() < deadline:
+        await self.step()
+        while not self.scheduler.all_warm(healthy_only=True) and self.clock() < deadline:
             await self.step()
             if self._probes:
                 await asyncio.wait(set(self._probes), timeout=max(0.0, deadline - self.clock()))
             else:
                 await asyncio.sleep(0.05)
-        return self.scheduler.all_warm()
+        return self.scheduler.all_warm(healthy_only=True)
 
     async def _loop(self) -> None:
         while True:

@@ -141,3 +141,26 @@ async def test_runner_warms_real_sims_and_rewarms_after_restart() -> None:
                 _, cached = await cached_tokens_for(two_again, SUPPORT.text)
                 assert cached >= len(SUPPORT.text) // 4 - 32
             await runner.stop()
+
+
+async def test_startup_wait_does_not_wait_for_a_dead_backend() -> None:
+    import socket
+    import time
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        s = WarmupScheduler([SUPPORT])
+        async with sim_server() as alive, httpx.AsyncClient() as client:
+            s.add_backend("alive", ["chat-model"])
+            s.add_backend("dead", ["chat-model"])
+            urls = {"alive": alive.url, "dead": f"http://127.0.0.1:{dead.getsockname()[1]}"}
+            runner = WarmupRunner(s, client, urls, poll_interval_s=0.05)
+            start = time.monotonic()
+            assert await runner.wait_all_warm(timeout_s=20)
+            assert time.monotonic() - start < 10
+            assert s.warm("alive") == ["support"]
+            assert s.warm("dead") == []
+            await runner.stop()
+    finally:
+        dead.close()
