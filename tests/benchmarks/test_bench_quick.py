@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -44,12 +45,55 @@ def test_unknown_scenario_is_a_clear_error() -> None:
     assert "Traceback" not in done.stderr
 
 
+class QuickRuns:
+    """Every scenario's ``--quick --json`` run, started together so the file stays short
+    (these check that each scenario runs and writes valid output, not its numbers)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.done: dict[str, tuple[int, str, str]] = {}
+
+    def start(self) -> None:
+        for name in SCENARIOS:
+            args = ["bench", name, "--quick", "--out", str(self.root / name), "--json"]
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-c", MAIN, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+
+    def result(self, name: str) -> tuple[int, str, str, Path]:
+        if name not in self.done:
+            proc = self.procs[name]
+            stdout, stderr = proc.communicate(timeout=150)
+            self.done[name] = (proc.returncode, stdout, stderr)
+        code, stdout, stderr = self.done[name]
+        return code, stdout, stderr, self.root / name
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
+    runs = QuickRuns(tmp_path_factory.mktemp("bench"))
+    try:
+        runs.start()
+        yield runs
+    finally:
+        runs.stop()
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_quick_run_writes_valid_report(scenario: str, tmp_path: Path) -> None:
-    out = tmp_path / scenario
-    done = firstbyte("bench", scenario, "--quick", "--out", str(out), "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = msgspec.json.decode(done.stdout)
+def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> None:
+    code, stdout, stderr, out = quick_runs.result(scenario)
+    assert code == 0, stderr[-3000:]
+    printed = msgspec.json.decode(stdout)
     written = msgspec.json.decode((out / "results.json").read_bytes())
     assert printed == written
     assert written["scenario"] == scenario
@@ -64,10 +108,23 @@ def test_quick_run_writes_valid_report(scenario: str, tmp_path: Path) -> None:
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_decode_beats_openai_sdk_by_target(tmp_path: Path) -> None:
-    done = firstbyte("bench", "decode", "--quick", "--out", str(tmp_path), "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = msgspec.json.decode(done.stdout)
+def test_decode_beats_openai_sdk_by_target(quick_runs: QuickRuns) -> None:
+    code, stdout, stderr, _ = quick_runs.result("decode")
+    assert code == 0, stderr[-3000:]
+    results = msgspec.json.decode(stdout)
     assert all(run["events_ok"] for run in results["runs"])
     # measured ~28x on this machine; both sides run interleaved in one process
     assert results["summary"]["core_vs_openai_ratio"] >= 10
+
+
+def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
+    code, stdout, stderr, _ = quick_runs.result("router_overhead")
+    assert code == 0, stderr[-3000:]
+    results = msgspec.json.decode(stdout)
+    labels = {run["label"] for run in results["runs"]}
+    assert {"direct c=1", "router/hypercorn c=1", "direct c=100"} <= labels
+    for run in results["runs"]:
+        assert run["failed"] == 0, run["errors"]
+        assert run["completed"] > 0
+    # a routed stream cannot be faster than its upstream by more than noise
+    assert results["summary"]["c1_hypercorn_added_p50_ttft_ms"] > -5
