@@ -41,21 +41,9 @@ HTTP/2 + TLS run uses hypercorn, the only one of them with HTTP/2."""
 PROMPT = "Summarise the plot of Hamlet in one paragraph."
 SLO_TTFT_MS = 200.0
 
-# The sim's listening socket is created without proto=IPPROTO_TCP, so asyncio does not set
-# TCP_NODELAY on the accepted connections, and back-to-back streams on a kept-alive connection
-# stall ~40 ms (Nagle + delayed ACK) after the response headers. Set it on the listener (Linux
-# accepted sockets inherit it) so the direct path is not penalised by that; harmless once the
-# sim sets it itself.
 _SIM = """
-import asyncio, socket, sys
-import router.sim.server as server
+import asyncio, sys
 from router.sim.server import running_sim
-_bind = server.bind_socket
-def bind_socket(host, port):
-    sock = _bind(host, port)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-server.bind_socket = bind_socket
 async def main():
     async with running_sim(profile=sys.argv[1], max_num_seqs=256) as url:
         print(url, flush=True)
