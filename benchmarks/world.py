@@ -37,6 +37,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import trustme
+
 from benchmarks.wan import Emulator, PrecisionReport, WanUnavailable
 from benchmarks.wan.netns import check_capable, python_env
 
@@ -201,8 +203,6 @@ class World:
             self._tmp = None
 
     def _make_certificates(self, directory: Path) -> tuple[str, str]:
-        import trustme
-
         ca = trustme.CA(organization_name="firstbyte benchmark CA (this run only)")
         names = sorted({self.ip(host) for host in self.region_hosts} | {"127.0.0.1", "localhost"})
         issued = ca.issue_cert(*names)
