@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_demo(args, mode, why, out))
     except WorldError as exc:
         raise CLIError(str(exc)) from None
+    except KeyboardInterrupt:
+        _log("interrupted; every process and namespace of the demo has been removed")
+        return 130
 
 
 async def _demo(args: argparse.Namespace, mode: str, why: str | None, out: Path) -> int:

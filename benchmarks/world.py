@@ -219,6 +219,9 @@ class World:
             "stdout": subprocess.PIPE,
             "stderr": subprocess.PIPE,
             "env": python_env(),
+            # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in
+            # order; they end by themselves if we die (benchmarks.scenarios._parent).
+            "start_new_session": True,
         }
         if self.emulator is not None:
             return await self.emulator.spawn(host, argv, **pipes)

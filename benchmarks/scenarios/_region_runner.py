@@ -7,8 +7,8 @@ one JSON line on stdout::
 
     {"region": "us-east-1", "url": "https://198.51.100.10:40123", "h3_port": 40123, "pid": 7}
 
-and serves until SIGTERM or SIGINT. One process per region keeps the start-up of a world to
-one Python import per region. Used by :mod:`benchmarks.world`.
+and serves until SIGTERM or SIGINT, or until its parent is gone. One process per region keeps
+the start-up of a world to one Python import per region. Used by :mod:`benchmarks.world`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 
 import msgspec
 
+from benchmarks.scenarios._parent import orphaned
 from router.cluster import SimHandle
 from router.config import parse_config
 from router.serve import running_router
@@ -61,7 +62,13 @@ async def serve_region(args: argparse.Namespace) -> None:
             }
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
-            await stop.wait()
+            signalled, parent_gone = (
+                asyncio.ensure_future(stop.wait()), asyncio.ensure_future(orphaned()))
+            await asyncio.wait([signalled, parent_gone], return_when=asyncio.FIRST_COMPLETED)
+            if parent_gone.done():
+                # Nobody is left to talk to: no graceful shutdown (it waits for connections).
+                os._exit(0)
+            parent_gone.cancel()
     finally:
         await sim.stop()
 

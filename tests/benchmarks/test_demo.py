@@ -112,14 +112,25 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
+def describe(pid: int) -> str:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
+    except OSError:
+        return "(gone)"
+    return f"{state.strip()} {cmdline[:200]}"
+
+
 def namespaces_of(pid: int) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
     return [line.split()[0] for line in out.stdout.splitlines()
             if line.startswith(f"fb-{pid}-")]
 
 
-def interrupt_mid_run(tmp_path: Path, *args: str) -> tuple[int, str, str]:
-    """Start the demo, send SIGINT once it streams, wait for it; (pid, exit code, stderr)."""
+def interrupt_mid_run(
+    tmp_path: Path, *args: str, sig: signal.Signals = signal.SIGINT
+) -> tuple[int, int, str]:
+    """Start the demo, send ``sig`` once it streams, wait for it; (pid, exit code, stderr)."""
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         [sys.executable, "-c", MAIN, "demo", "--out", str(tmp_path / "r"), *args],
@@ -139,23 +150,37 @@ def interrupt_mid_run(tmp_path: Path, *args: str) -> tuple[int, str, str]:
                 break
         assert tagged_processes(tag), "the demo's region processes should be running"
         time.sleep(1.0)  # the clients are mid-stream now
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=30)
         lines.append(proc.stderr.read())
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while tagged_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert tagged_processes(tag) == [], "processes left behind"
+    left = {pid: describe(pid) for pid in tagged_processes(tag)}
+    assert left == {}, "processes left behind"
     return proc.pid, code, "".join(lines)
 
 
 def test_ctrl_c_on_loopback_leaves_nothing_behind(tmp_path: Path) -> None:
     _, code, stderr = interrupt_mid_run(tmp_path, "--loopback", "--repeat", "20")
     assert code == 130, stderr[-3000:]
+    assert "interrupted; every process and namespace of the demo has been removed" in stderr
+
+
+def test_sigterm_tears_down_like_ctrl_c(tmp_path: Path) -> None:
+    _, code, stderr = interrupt_mid_run(tmp_path, "--loopback", "--repeat", "20",
+                                        sig=signal.SIGTERM)
+    assert code == 130, stderr[-3000:]
+
+
+def test_helpers_of_a_killed_demo_end_by_themselves(tmp_path: Path) -> None:
+    # SIGKILL allows no teardown: the region and client processes notice their parent is gone
+    _, code, _ = interrupt_mid_run(tmp_path, "--loopback", "--repeat", "20", sig=signal.SIGKILL)
+    assert code == -signal.SIGKILL
 
 
 @pytest.mark.netns
