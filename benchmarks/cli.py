@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allowed relative increase, as a fraction (default 0.10 = 10%%)",
     )
     cmp.add_argument(
+        "--all", action="store_true", help="list every tracked metric, not only the changed ones"
+    )
+    cmp.add_argument(
         "--min-delta-ms",
         type=float,
         default=0.0,
@@ -136,7 +139,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    print(result.render())
+    print(result.render(all_rows=args.all))
     return 0 if result.ok else 1
 
 

@@ -47,6 +47,8 @@ class Comparison(msgspec.Struct, frozen=True):
     threshold: float
     min_delta_ms: float
     rows: list[Row]
+    skipped: list[str] = msgspec.field(default_factory=list)
+    """Scenarios in only one of the two files (not compared)."""
 
     @property
     def regressions(self) -> list[Row]:
@@ -56,9 +58,11 @@ class Comparison(msgspec.Struct, frozen=True):
     def ok(self) -> bool:
         return not self.regressions
 
-    def render(self) -> str:
-        """A plain-text table of every tracked metric and a one-line verdict."""
+    def render(self, *, all_rows: bool = True) -> str:
+        """A plain-text table and a one-line verdict; without ``all_rows`` only the metrics
+        that did not stay within the threshold (regressed, improved, new, missing)."""
         header = ("metric", "baseline", "new", "change", "status")
+        shown = [row for row in self.rows if all_rows or row.status is not Status.OK]
         body = [
             (
                 row.metric,
@@ -67,7 +71,7 @@ class Comparison(msgspec.Struct, frozen=True):
                 "-" if row.change is None else f"{row.change * 100:+.1f}%",
                 row.status.value,
             )
-            for row in self.rows
+            for row in shown
         ]
         widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
         lines = []
@@ -86,6 +90,11 @@ class Comparison(msgspec.Struct, frozen=True):
         )
         if not self.rows:
             verdict = "no tracked P95/P99 metrics in common"
+        if self.skipped:
+            verdict += f"; not in both files: {', '.join(self.skipped)}"
+        hidden = len(self.rows) - len(shown)
+        if hidden:
+            verdict += f" ({hidden} within the threshold not shown; --all shows them)"
         return "\n".join([*lines, "", verdict])
 
 
@@ -149,6 +158,13 @@ def compare(
     if min_delta_ms < 0:
         raise ValueError("min_delta_ms must not be negative")
     base, current = tracked_metrics(baseline), tracked_metrics(new)
+    # Only scenarios both files ran: one scenario's result against a combined baseline
+    # compares that scenario, not "missing" for all the others.
+    in_base = {key.split("/", 1)[0] for key in base}
+    in_new = {key.split("/", 1)[0] for key in current}
+    common = in_base & in_new
+    base = {k: v for k, v in base.items() if k.split("/", 1)[0] in common}
+    current = {k: v for k, v in current.items() if k.split("/", 1)[0] in common}
     rows: list[Row] = []
     for metric in sorted(base.keys() | current.keys()):
         b, n = base.get(metric), current.get(metric)
@@ -165,4 +181,9 @@ def compare(
         elif change is not None and change < -threshold:
             status = Status.IMPROVED
         rows.append(Row(metric, b, n, change, status))
-    return Comparison(threshold=threshold, min_delta_ms=min_delta_ms, rows=rows)
+    return Comparison(
+        threshold=threshold,
+        min_delta_ms=min_delta_ms,
+        rows=rows,
+        skipped=sorted((in_base | in_new) - common),
+    )

@@ -119,7 +119,10 @@ def test_cli_compare_exit_codes(tmp_path: Path) -> None:
     worse = write(tmp_path / "worse.json", result(130.0))
     ok = firstbyte("compare", str(base), str(same))
     assert ok.returncode == 0, ok.stderr
-    assert "p99_ttft_ms" in ok.stdout
+    assert "p99_ttft_ms" not in ok.stdout  # unchanged rows are only counted...
+    assert "3 within the threshold not shown" in ok.stdout
+    every = firstbyte("compare", str(base), str(same), "--all")
+    assert "p99_ttft_ms" in every.stdout  # ...unless asked for
     bad = firstbyte("compare", str(base), str(worse))
     assert bad.returncode == 1
     assert "REGRESSED" in bad.stdout
@@ -139,3 +142,14 @@ def test_cli_compare_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert "not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_single_scenario_against_combined_baseline_compares_that_scenario() -> None:
+    other = result(50.0)
+    other["scenario"] = "decode"
+    combined = {"scenario": "all", "scenarios": {"router_overhead": result(100.0), "decode": other}}
+    comparison = compare(combined, result(130.0))
+    assert not comparison.ok
+    assert comparison.skipped == ["decode"]
+    assert all(row.metric.startswith("router_overhead/") for row in comparison.rows)
+    assert "not in both files: decode" in comparison.render()
