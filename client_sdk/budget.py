@@ -18,7 +18,7 @@ line            share of   ms at   measured from ``Timings``
 ``first_byte``  io         75      ``first_byte_ms - request_sent_ms`` (the round trip,
                                    router admission and routing, response serialisation)
 ``first_token`` prefill +  170     ``first_token_ms - first_byte_ms`` (70 ms model prefill
-                decode                + 100 ms for the first token to be decoded and sent)
+                decode             + 100 ms for the first token to be decoded and sent)
 ``next_tokens`` decode     100     the first five ``inter_token_ms`` gaps (5 x 20 ms)
 ``render``      io         50      ``render_ms - first_token_ms`` (handing the first token
                                    to the application and drawing it)
@@ -26,7 +26,9 @@ line            share of   ms at   measured from ``Timings``
 ==============  =========  ======  =====================================================
 
 So B_prefill = 30 + 70 = 100 ms, B_io = 75 + 50 = 125 ms, B_decode = 100 + 100 = 200 ms and
-B_safety = 75 ms. A budget of another total keeps the same shares.
+B_safety = 75 ms (DESIGN.md's ~100 + ~75 + ~100 + 5 x ~20 + 75 leaves 50 ms, given here to
+``render``, which DESIGN.md counts among the phases). A budget of another total keeps the same
+shares.
 
 :meth:`LatencyBudget.check` compares one request's timings with the allowances and names the
 lines that overran; the request is *within budget* when the lines together fit in B_total (so
