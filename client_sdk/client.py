@@ -6,9 +6,12 @@ sent and the response accepted on entry, so HTTP errors raise there) and an asyn
 items into a queue; the iterator waits on that queue with the idle watchdog, so heartbeats
 (which never become items) do not count as progress. A cut connection or a sequence gap
 resumes from the last delivered event; a stall resumes once on fresh connections, then raises.
-With several base URLs (one per region, nearest first), a request that cannot start on one
-region (unreachable, 429, 502-504) is sent to the next; a started stream stays on its region,
-since only that region's router holds it.
+With several base URLs (one per region), :meth:`AsyncClient.prewarm` probes each region's
+RTT on a warm connection, sends requests to the fastest and keeps a warm standby connection to
+the second; a request that cannot start on one region (unreachable, 429, 502-504) is sent to
+the next, so failing over to the standby costs a round trip, not a handshake. A started stream
+stays on its region, since only that region's router holds it. A router's
+``x-firstbyte-better-region`` hint moves later requests to that region if it is configured.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import contextlib
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -36,6 +39,7 @@ from client_sdk.errors import (
     StreamStalledError,
 )
 from client_sdk.pool import ConnectionPool
+from client_sdk.region_probe import probe_region
 from client_sdk.regions import Region, RegionSelector
 from client_sdk.resolver import Origin
 from client_sdk.timings import Timings
@@ -52,6 +56,8 @@ HTTPVersion = Literal["1.1", "2", "3"]
 T = TypeVar("T")
 
 _EOF = object()
+_LABEL_PROBE_S = 60.0
+"""At most one probe per minute to learn router names for a better-region hint."""
 
 
 def build_ssl_context(
@@ -73,13 +79,14 @@ class AsyncClient:
     ``transport`` is ``"sse"``, ``"websocket"`` or ``"longpoll"``; ``http`` is ``"1.1"``,
     ``"2"`` or ``"3"`` (default ``"2"`` over https, ``"1.1"`` over plain http and for
     WebSocket). ``idle_timeout_s`` is the watchdog: the longest wait for the next event,
-    heartbeats excluded. ``base_url`` may be a list of regional base URLs in order of
-    preference (failover order).
+    heartbeats excluded. ``base_url`` may be a list of regional base URLs, or a mapping of
+    region name to base URL: before the first probe (:meth:`probe_regions`, done by
+    :meth:`prewarm`) they are tried in the order given; after it, fastest first.
     """
 
     def __init__(
         self,
-        base_url: str | Sequence[str],
+        base_url: str | Sequence[str] | Mapping[str, str],
         api_key: str | None = None,
         *,
         transport: TransportName = "sse",
@@ -97,15 +104,28 @@ class AsyncClient:
     ) -> None:
         if transport not in ("sse", "websocket", "longpoll"):
             raise ValueError(f"transport must be sse, websocket or longpoll, not {transport!r}")
-        urls = [base_url] if isinstance(base_url, str) else list(dict.fromkeys(base_url))
-        if not urls:
+        if isinstance(base_url, str):
+            named = {base_url: base_url}
+        elif isinstance(base_url, Mapping):
+            named = dict(base_url)
+        else:
+            named = {url: url for url in base_url}
+        if not named:
             raise ValueError("base_url: give at least one URL")
+        urls = list(named.values())
+        if len(set(urls)) != len(urls):
+            raise ValueError("base_url: the same URL is given for two regions")
         self.origins = [Origin.parse(url) for url in urls]
         self.origin = self.origins[0]
         """The preferred region; :meth:`prewarm` warms it."""
-        self.regions = RegionSelector(Region(url, url) for url in urls)
-        """Failover state: a region that refused (429 / 5xx / unreachable) is set aside for its
-        ``Retry-After`` or a growing backoff, so later requests skip it."""
+        self.regions = RegionSelector(Region(name, url) for name, url in named.items())
+        """Region state: measured RTTs (lowest first), better-region hints, and failover (a
+        region that refused with 429 / 5xx or was unreachable is set aside for its
+        ``Retry-After`` or a growing backoff, so later requests skip it)."""
+        self._origin_by_name = {name: origin for name, origin in zip(named, self.origins,
+                                                                     strict=True)}
+        self._background: set[asyncio.Task[None]] = set()
+        self._label_probe_at = -float("inf")
         if http is None:
             # HTTP/2 is negotiated with TLS (ALPN); over plain http it would need prior knowledge.
             plain = not all(origin.tls for origin in self.origins)
@@ -137,6 +157,10 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        tasks, self._background = self._background, set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.pool.aclose()
 
     def _target(self, origin: Origin | None = None) -> Session | WebSocketPool:
@@ -146,8 +170,98 @@ class AsyncClient:
         return self.pool.session(origin, self.http)
 
     async def prewarm(self, connections: int = 1) -> None:
-        """Open connections for the configured transport and HTTP version and keep them warm."""
-        await self.pool.prewarm(self._target(), connections)
+        """Open connections for the configured transport and HTTP version and keep them warm.
+
+        With several regions: :meth:`probe_regions` first, then ``connections`` to the fastest
+        region and one standby connection to the second, both kept warm (so a failover costs
+        no handshake); the probe's connections to any other region are closed.
+        """
+        if len(self.origins) == 1:
+            await self.pool.prewarm(self._target(), connections)
+            return
+        await self.probe_regions()
+        ranked = self.regions.ranked(time.monotonic())
+        primary = ranked[0] if ranked else self.regions.regions[0]
+        standby = ranked[1] if len(ranked) > 1 else None
+        self.origin = self._origin_by_name[primary.name]
+        keep = {primary.name} | ({standby.name} if standby is not None else set())
+        for region in self.regions.regions:
+            if region.name not in keep or self.transport == "websocket":
+                # WebSocket requests do not use the probe's HTTP session.
+                await self.pool.release(self._origin_by_name[region.name], self._probe_http)
+        await self.pool.prewarm(self._target(self.origin), connections)
+        if standby is not None:
+            await self._warm_region(standby)
+
+    @property
+    def _probe_http(self) -> str:
+        return "1.1" if self.transport == "websocket" else self.http
+
+    async def probe_regions(self, samples: int = 3) -> dict[str, float | None]:
+        """Measure each region's RTT on a warm connection (all regions at once) and rank them.
+
+        Returns ``{region name: RTT in ms}`` (None: unreachable, and set aside like a failed
+        request). The RTT is the fastest of ``samples`` cheap requests (``GET /healthz``) on
+        a connection opened first; it feeds the region ranking, and the router's own name
+        for each region (from ``GET /v1/edge/status``) is learned so that better-region hints
+        can name it.
+        """
+        regions = self.regions.regions
+        probes = await asyncio.gather(*(
+            probe_region(self.pool.session(self._origin_by_name[r.name], self._probe_http),
+                         samples)
+            for r in regions
+        ))
+        now = time.monotonic()
+        result: dict[str, float | None] = {}
+        for region, probe in zip(regions, probes, strict=True):
+            if probe.label is not None:
+                self.regions.learn_label(region.name, probe.label)
+            if probe.rtt_ms is None or not probe.healthy:
+                self.regions.failed(region.name, now)
+            else:
+                self.regions.succeeded(region.name)
+            if probe.rtt_ms is not None:
+                self.regions.observe_rtt(region.name, probe.rtt_ms)
+            result[region.name] = probe.rtt_ms
+        return result
+
+    async def _warm_region(self, region: Region) -> None:
+        """One kept-warm connection to ``region``; a failure sets the region aside."""
+        try:
+            await self.pool.prewarm(self._target(self._origin_by_name[region.name]), 1)
+        except (FirstbyteError, OSError):
+            self.regions.failed(region.name, time.monotonic())
+
+    def _note_hint(self, timings: Timings) -> None:
+        """Act on a response's ``x-firstbyte-better-region``: prefer and prewarm that region
+        if it is one of ours. Router names are learned by a probe; if some are unknown yet,
+        probe first (in the background) and match again."""
+        name = timings.better_region
+        if not name or len(self.origins) == 1:
+            return
+        url = timings.better_region_url
+        now = time.monotonic()
+        region = self.regions.hint(name, url, now)
+        if region is None:
+            # Not a configured region (never follow a URL from a header), unless a region
+            # whose router name we do not know yet is that one: probe to learn (not too often,
+            # a server without /v1/edge/status never tells).
+            if not self.regions.unlabelled() or now - self._label_probe_at < _LABEL_PROBE_S:
+                return
+            self._label_probe_at = now
+
+        async def act(region: Region | None) -> None:
+            if region is None:
+                await self.probe_regions()
+                region = self.regions.hint(name, url, time.monotonic())
+                if region is None:
+                    return
+            await self._warm_region(region)
+
+        task = asyncio.get_running_loop().create_task(act(region))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def stream(
         self,
@@ -350,6 +464,7 @@ class ChatStream:
         if isinstance(item, Opened):
             if not self._opened:
                 self._client.regions.succeeded(self._region_name)
+                self._client._note_hint(self._recorder.record)
             self._opened = True
             if item.stream_id is not None:
                 self._stream_id = item.stream_id
@@ -431,7 +546,10 @@ class _LoopThread:
 class Client:
     """The synchronous API: same arguments as :class:`AsyncClient`, run on a private loop."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, **kw: Any) -> None:
+    def __init__(
+        self, base_url: str | Sequence[str] | Mapping[str, str], api_key: str | None = None,
+        **kw: Any,
+    ) -> None:
         self._runner = _LoopThread()
 
         async def make() -> AsyncClient:
@@ -457,6 +575,9 @@ class Client:
 
     def prewarm(self, connections: int = 1) -> None:
         self._runner.run(self._client.prewarm(connections))
+
+    def probe_regions(self, samples: int = 3) -> dict[str, float | None]:
+        return self._runner.run(self._client.probe_regions(samples))
 
     def stream(self, **kw: Any) -> SyncChatStream:
         """Like :meth:`AsyncClient.stream`; use as ``with client.stream(...) as s: for d in s``."""

@@ -94,6 +94,20 @@ class ConnectionPool:
         if self._keepalive_task is None or self._keepalive_task.done():
             self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
 
+    async def release(self, origin: Origin, http: str | None = None) -> None:
+        """Close ``origin``'s connections (only its ``http`` session if given); not kept warm.
+
+        For regions a probe connected to that are neither the primary nor the standby: keep-warm
+        would otherwise hold a connection to every region open.
+        """
+        keys = [key for key in self._sessions if key[0] == origin and http in (None, key[1])]
+        targets: list[Session | WebSocketPool] = [self._sessions.pop(key) for key in keys]
+        if http is None and origin in self._websockets:
+            targets.append(self._websockets.pop(origin))
+        for target in targets:
+            with contextlib.suppress(Exception):
+                await target.aclose()
+
     async def _keepalive(self) -> None:
         while time.monotonic() - self._last_used < self._keepalive_expiry_s:
             await asyncio.sleep(self._keepalive_interval_s)

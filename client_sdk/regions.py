@@ -2,10 +2,13 @@
 
 The SDK knows a list of regions (configured, or read from any router's
 ``GET /v1/edge/status``: its ``region``/``public_url`` and its ``peers``) and measures the
-round trip to each (a probe on a warm connection, or the first byte of a request). The
-region with the lowest RTT EWMA is used by default, the second one is the standby worth
-keeping a warm connection to. A router that served a request from elsewhere says so with
-``x-firstbyte-better-region`` (and ``-url``): the hinted region is preferred for a while.
+round trip to each (``AsyncClient.probe_regions``: the fastest of a few cheap requests on a
+warm connection). The region with the lowest RTT EWMA is used by default, the second one is
+the standby worth keeping a warm connection to. A router that would rather have served a
+request from elsewhere says so with ``x-firstbyte-better-region`` (and ``-url``): when that
+names a *configured* region (by its name, the name its router reported, or its URL's origin)
+it is preferred for ``hint_ttl_s``. A hint never adds a region: where requests and API keys
+go comes from the configuration only, not from a response header.
 
 On a connect failure, 429 or 503 the region is set aside for its ``Retry-After`` (or an
 exponential backoff) and the next region is tried; when every region is set aside,
@@ -17,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-__all__ = ["Region", "RegionSelector", "regions_from_status"]
+__all__ = ["Region", "RegionSelector", "regions_from_status", "same_origin"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,22 @@ def regions_from_status(status: Mapping[str, Any], url: str | None = None) -> li
     return out
 
 
+def same_origin(a: str, b: str) -> bool:
+    """True when two URLs have the same scheme, host and port (paths such as ``/v1`` aside)."""
+    default = {"http": 80, "https": 443}
+
+    def key(url: str) -> tuple[str, str | None, int | None]:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        return scheme, parts.hostname, parts.port or default.get(scheme)
+
+    try:
+        ka, kb = key(a), key(b)
+    except ValueError:  # a malformed port in a header must not break a request
+        return False
+    return ka[1] is not None and ka == kb
+
+
 @dataclass
 class _State:
     region: Region
@@ -48,6 +68,8 @@ class _State:
     unavailable_until: float = 0.0
     failures: int = 0
     hinted_until: float = 0.0
+    label: str | None = None
+    """The name the region's router gives itself (``region`` in ``/v1/edge/status``)."""
 
 
 class RegionSelector:
@@ -100,13 +122,38 @@ class RegionSelector:
             retry_after_s = min(self.max_backoff_s, self.backoff_s * 2 ** (state.failures - 1))
         state.unavailable_until = max(state.unavailable_until, now + max(0.0, retry_after_s))
 
-    def hint(self, name: str, url: str | None, now: float) -> None:
-        """A router said ``x-firstbyte-better-region: name`` (``-url``): prefer it for a while."""
-        if name not in self._states:
-            if url is None:
-                return
-            self.add(Region(name, url))
-        self._states[name].hinted_until = now + self.hint_ttl_s
+    def learn_label(self, name: str, label: str) -> None:
+        """The router at region ``name`` calls itself ``label`` (hints use router names)."""
+        self._states[name].label = label
+
+    def label(self, name: str) -> str | None:
+        return self._states[name].label
+
+    def unlabelled(self) -> bool:
+        """True while some region's router name is unknown (a probe would learn it)."""
+        return any(s.label is None for s in self._states.values())
+
+    def match(self, name: str, url: str | None) -> Region | None:
+        """The configured region a router's ``name`` / ``url`` refers to, if any."""
+        for s in self._states.values():
+            if name in (s.region.name, s.label):
+                return s.region
+        if url:
+            for s in self._states.values():
+                if same_origin(s.region.url, url):
+                    return s.region
+        return None
+
+    def hint(self, name: str, url: str | None, now: float) -> Region | None:
+        """A router said ``x-firstbyte-better-region: name`` (``-url``): prefer it for a while.
+
+        Only a configured region can be preferred (matched as :meth:`match` says); a hint
+        naming anything else is ignored and returns None. Returns the preferred region.
+        """
+        region = self.match(name, url)
+        if region is not None:
+            self._states[region.name].hinted_until = now + self.hint_ttl_s
+        return region
 
     # --- outputs
     def available(self, name: str, now: float) -> bool:
@@ -144,7 +191,8 @@ class RegionSelector:
 
     def __repr__(self) -> str:
         parts: Sequence[str] = [
-            f"{s.region.name}={'?' if s.rtt_ms is None else f'{s.rtt_ms:.0f}ms'}"
+            f"{s.region.name}{f' ({s.label})' if s.label and s.label != s.region.name else ''}"
+            f"={'?' if s.rtt_ms is None else f'{s.rtt_ms:.1f}ms'}"
             for s in self._states.values()
         ]
         return f"<RegionSelector [{', '.join(parts)}]>"

@@ -32,6 +32,10 @@ class Timings(msgspec.Struct, kw_only=True):
     """True when an HTTP/3 connection sent the request as 0-RTT early data."""
     region: str | None = None
     """The region that served (``x-firstbyte-region``)."""
+    better_region: str | None = None
+    """``x-firstbyte-better-region``: where the router says this client would be served sooner."""
+    better_region_url: str | None = None
+    """``x-firstbyte-better-region-url`` (a hint only: the SDK goes to configured URLs only)."""
     stream_id: str | None = None
     started_at: float = 0.0
     """Wall-clock start, seconds since the epoch (for correlating logs; not used for durations)."""

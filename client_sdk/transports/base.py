@@ -102,6 +102,10 @@ def note_response_headers(recorder: TimingRecorder | None, response: HTTPRespons
     region = response.headers.get("x-firstbyte-region")
     if region is not None:
         rec.region = region
+    better = response.headers.get("x-firstbyte-better-region")
+    if better is not None:
+        rec.better_region = better
+        rec.better_region_url = response.headers.get("x-firstbyte-better-region-url")
     sid = response.headers.get("x-firstbyte-stream")
     if sid is not None:
         rec.stream_id = sid

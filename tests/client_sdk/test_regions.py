@@ -48,16 +48,48 @@ def test_backoff_without_retry_after_grows_and_resets() -> None:
     assert s.wait_s(1.0) == 0.0
 
 
-def test_better_region_hint_is_preferred_and_can_add_a_region() -> None:
-    s = RegionSelector([FRA], hint_ttl_s=60)
+def test_better_region_hint_prefers_a_configured_region_for_a_while() -> None:
+    s = RegionSelector([FRA, TOKYO], hint_ttl_s=60)
     s.observe_rtt("frankfurt", 5.0)
-    s.hint("tokyo", "https://tokyo.example", now=0.0)
+    s.observe_rtt("tokyo", 200.0)
+    assert s.hint("tokyo", None, now=0.0) == TOKYO
     assert s.choose(1.0) == TOKYO
-    assert s.choose(61.0) == FRA  # the hint expired; unmeasured Tokyo ranks after
-    s.hint("nowhere", None, 0.0)
-    assert [r.name for r in s.regions] == ["frankfurt", "tokyo"]
+    assert s.standby(1.0) == FRA
+    assert s.choose(61.0) == FRA  # the hint expired: back to the RTT order
     with pytest.raises(ValueError, match="at least one"):
         RegionSelector([])
+
+
+def test_a_hint_naming_an_unconfigured_region_or_url_is_ignored() -> None:
+    s = RegionSelector([FRA], hint_ttl_s=60)
+    assert s.hint("tokyo", "https://tokyo.example", now=0.0) is None
+    assert s.hint("tokyo", None, now=0.0) is None
+    # Same host, other scheme or port: another origin, not ours.
+    assert s.hint("x", "http://fra.example", 0.0) is None
+    assert s.hint("x", "https://fra.example:8443", 0.0) is None
+    assert s.hint("x", "https://fra.example:bad", 0.0) is None
+    assert s.regions == [FRA]
+
+
+def test_a_hint_matches_by_url_origin_or_by_the_routers_own_name() -> None:
+    by_url = [Region("https://fra.example/v1", "https://fra.example/v1"),
+              Region("https://tokyo.example:8443/v1", "https://tokyo.example:8443/v1")]
+    s = RegionSelector(by_url)
+    s.observe_rtt(by_url[0].name, 5.0)
+    s.observe_rtt(by_url[1].name, 90.0)
+    # The router's URL has no /v1 and may spell the default port: same origin.
+    assert s.hint("ap-northeast-1", "https://tokyo.example:8443", 0.0) == by_url[1]
+    assert s.choose(1.0) == by_url[1]
+    assert s.hint("x", "https://FRA.example:443/", 0.0) == by_url[0]  # host names ignore case
+    s = RegionSelector(by_url)
+    assert s.unlabelled()
+    s.learn_label(by_url[1].name, "tokyo")
+    assert s.label(by_url[1].name) == "tokyo"
+    assert s.hint("tokyo", "http://10.0.0.7:8080", 0.0) == by_url[1]  # the name, not the URL
+    assert s.unlabelled()  # frankfurt's router name is still unknown
+    s.learn_label(by_url[0].name, "frankfurt")
+    assert not s.unlabelled()
+    assert "tokyo" in repr(s)
 
 
 async def test_regions_from_a_routers_edge_status() -> None:
