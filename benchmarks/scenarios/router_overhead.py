@@ -90,29 +90,35 @@ def _cpu_seconds(pid: int) -> float:
 
 @contextmanager
 def _server(code: str, *args: str) -> Iterator[_Child]:
-    """Run a server snippet in a child process; yield its URL and pid; stop it on exit."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        if not url.startswith("http"):
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"server did not start: {err[-2000:]}")
-        yield _Child(url, proc.pid)
-    finally:
-        if proc.stdin is not None:
-            proc.stdin.close()  # the snippet exits when stdin closes
+    """Run a server snippet in a child process; yield its URL and pid; stop it on exit.
+
+    Its stderr goes to a temporary file, not a pipe: nobody reads a pipe during the run, and
+    a child that logged 64 KiB into one would block.
+    """
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            if not url.startswith("http"):
+                proc.wait(timeout=15)
+                log.seek(0)
+                raise RuntimeError(f"server did not start: {log.read()[-2000:]}")
+            yield _Child(url, proc.pid)
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the snippet exits when stdin closes
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 async def _one(client: httpx.AsyncClient, url: str, max_tokens: int, seed: int) -> Timings:
