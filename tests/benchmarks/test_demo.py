@@ -200,6 +200,9 @@ def test_emulated_end_to_end(tmp_path: Path) -> None:
     # at 42 ms a cold HTTP/2 request pays the TCP and TLS round trips; a warm one does not
     london = {run["cell"]: run for run in results["runs"] if run["client"] == "client-london"}
     assert london["sse/2/cold"]["p50_ttft_ms"] > london["sse/2/warm"]["p50_ttft_ms"] + 60
+    # the emulator's own precision is part of the report
+    assert "emulator precision: every measured RTT within" in done.stdout
+    assert len(results["emulator_precision"]) == 2 * 3  # per client: UDP, TCP connect, request
     assert namespaces_of(pid) == []
 
 
@@ -208,4 +211,7 @@ def test_ctrl_c_in_the_emulated_world_leaves_nothing_behind(tmp_path: Path) -> N
     pid, code, stderr = interrupt_mid_run(tmp_path, "--repeat", "20")
     assert code == 130, stderr[-3000:]
     assert "emulated world" in stderr
+    # the emulator's own precision is part of the report
+    assert "emulator precision: every measured RTT within" in done.stdout
+    assert len(results["emulator_precision"]) == 2 * 3  # per client: UDP, TCP connect, request
     assert namespaces_of(pid) == [], "namespaces left behind"
