@@ -149,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} exists and is not a directory")
+    try:  # now, not after a run of minutes
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"cannot create --out {out}: {exc.strerror or exc}") from None
     if args.scenario == "all":
         combined: dict[str, Any] = {"scenario": "all", "quick": args.quick, "scenarios": {}}
         for name in discover_scenarios():
