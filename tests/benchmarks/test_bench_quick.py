@@ -45,6 +45,16 @@ def test_unknown_scenario_is_a_clear_error() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_bad_out_dir_is_a_clear_error_before_running(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out, message in ((blocker, "is not a directory"), (blocker / "sub", "cannot create")):
+        done = firstbyte("bench", "decode", "--quick", "--out", str(out), timeout=30)
+        assert done.returncode == 2
+        assert message in done.stderr
+        assert "Traceback" not in done.stderr
+
+
 class QuickRuns:
     """Every scenario's ``--quick --json`` run, started together so the file stays short
     (these check that each scenario runs and writes valid output, not its numbers)."""
