@@ -304,9 +304,10 @@ async def test_a_hint_naming_an_unconfigured_region_is_ignored(
         assert proxies["tokyo"].accepted == 0
 
 
-@pytest.mark.parametrize("http", ["1.1", "2", "3"])
+@pytest.mark.parametrize(("transport", "http"), [("sse", "1.1"), ("sse", "2"), ("sse", "3"),
+                                               ("websocket", "1.1"), ("longpoll", "3")])
 async def test_probe_over_every_http_version_against_a_tls_router(
-    tls_files: tuple[str, str, str], http: str
+    tls_files: tuple[str, str, str], transport: str, http: str
 ) -> None:
     from tests.client_sdk.conftest import ROUTER_KEY, start_stack
 
@@ -314,7 +315,8 @@ async def test_probe_over_every_http_version_against_a_tls_router(
         # One router under two names (the certificate covers both): two "regions".
         other = f"https://127.0.0.1:{stack.port}/v1"
         async with AsyncClient({"a": stack.base_url, "b": other}, ROUTER_KEY,
-                               ca_file=stack.ca_file, http=http) as client:
+                               ca_file=stack.ca_file, http=http,
+                               transport=transport) as client:  # type: ignore[arg-type]
             rtts = await client.probe_regions(samples=2)
             assert set(rtts) == {"a", "b"}
             assert all(v is not None and 0 < v < 1000 for v in rtts.values()), rtts
@@ -322,4 +324,21 @@ async def test_probe_over_every_http_version_against_a_tls_router(
             await client.prewarm()
             timings = await stream_once(client)
             assert timings.warm
-            assert timings.http_version == f"HTTP/{http}"
+            assert timings.transport == transport
+            if transport != "websocket":
+                assert timings.http_version == f"HTTP/{http}"
+
+
+def test_sync_client_probes_a_server_without_edge_status(server: Any, ca_file: str) -> None:
+    from client_sdk.client import Client
+    from tests.client_sdk.protocol_server import expected_text
+
+    other = f"https://127.0.0.1:{server.port}/v1"
+    with Client([server.base_url, other], "test-key", ca_file=ca_file) as client:
+        rtts = client.probe_regions(samples=2)
+        assert set(rtts) == {server.base_url, other}
+        assert all(v is not None for v in rtts.values())
+        client.prewarm()
+        with client.stream(model="m", messages=MESSAGES, max_tokens=5) as stream:
+            assert "".join(d.text for d in stream) == expected_text(5)
+        assert stream.timings.warm
