@@ -211,7 +211,4 @@ def test_ctrl_c_in_the_emulated_world_leaves_nothing_behind(tmp_path: Path) -> N
     pid, code, stderr = interrupt_mid_run(tmp_path, "--repeat", "20")
     assert code == 130, stderr[-3000:]
     assert "emulated world" in stderr
-    # the emulator's own precision is part of the report
-    assert "emulator precision: every measured RTT within" in done.stdout
-    assert len(results["emulator_precision"]) == 2 * 3  # per client: UDP, TCP connect, request
     assert namespaces_of(pid) == [], "namespaces left behind"
