@@ -42,6 +42,10 @@ def error_event(message: str, type: str = "server_error", code: str | None = Non
     return encode(error_body(message, type, code=code))
 
 
+_DRAIN_AFTER_DONE_S = 1.0
+"""How long to read on after ``[DONE]`` for the body's end before dropping the connection."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamHead:
     """How the upstream answered a streamed request: 200, or an error status with its body."""
@@ -173,7 +177,13 @@ class Proxy:
                             # With a first-token deadline the client's response head waits for
                             # the first token, so a switch also changes x-firstbyte-region.
                             ok = await self._pump(
-                                ctx, stream, response, sent_at, watch, observer, appended,
+                                ctx,
+                                stream,
+                                response,
+                                sent_at,
+                                watch,
+                                observer,
+                                appended,
                                 None if head.done() else (head, ready),
                             )
                             if not head.done():
@@ -239,29 +249,44 @@ class Proxy:
         first_content = False
         count = appended if appended is not None else [0]
         skip_preamble = count[0] > 0
-        async for raw in response.aiter_raw():
-            for event in decoder.receive_data(raw):
-                if event.data == DONE:
-                    self.metrics.count("chat", "ok")
-                    return True
-                data = event.data.encode()
-                now = time.perf_counter()
-                if not first_content and _has_content(data):
-                    first_content = True
-                    if watch is not None:
-                        watch.reschedule(None)  # the first-token deadline no longer applies
-                    stream.upstream_ttft_ms = (now - sent_at) * 1000
-                    self.metrics.ttft.observe(now - ctx.received_at)
-                    if observer is not None:
-                        observer.first_token(ctx, (now - ctx.received_at) * 1000)
-                    if release is not None and not release[0].done():
-                        release[0].set_result(release[1])
-                elif observer is not None and first_content:
-                    observer.chunk(ctx, now)
-                if skip_preamble and not first_content:
-                    continue
-                stream.append(data, self.clock())
-                count[0] += 1
+        done = False
+        try:
+            # After [DONE], read on to the end of the body (briefly): closing an unfinished
+            # response drops the kept-alive connection, and every stream would pay a new one.
+            async with asyncio.timeout(None) as tail:
+                async for raw in response.aiter_raw():
+                    if done:
+                        continue
+                    for event in decoder.receive_data(raw):
+                        if event.data == DONE:
+                            done = True
+                            self.metrics.count("chat", "ok")
+                            loop_time = asyncio.get_running_loop().time()
+                            tail.reschedule(loop_time + _DRAIN_AFTER_DONE_S)
+                            break
+                        data = event.data.encode()
+                        now = time.perf_counter()
+                        if not first_content and _has_content(data):
+                            first_content = True
+                            if watch is not None:
+                                watch.reschedule(None)  # the first-token deadline no longer applies
+                            stream.upstream_ttft_ms = (now - sent_at) * 1000
+                            self.metrics.ttft.observe(now - ctx.received_at)
+                            if observer is not None:
+                                observer.first_token(ctx, (now - ctx.received_at) * 1000)
+                            if release is not None and not release[0].done():
+                                release[0].set_result(release[1])
+                        elif observer is not None and first_content:
+                            observer.chunk(ctx, now)
+                        if skip_preamble and not first_content:
+                            continue
+                        stream.append(data, self.clock())
+                        count[0] += 1
+        except TimeoutError:
+            if not done:
+                raise
+        if done:
+            return True
         stream.append(
             error_event("The upstream closed the stream before [DONE].", code="upstream_eof"),
             self.clock(),

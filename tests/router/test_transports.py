@@ -145,6 +145,26 @@ async def test_traceparent_is_forwarded_upstream(
         assert len(upstream.last_headers["traceparent"].split("-")[1]) == 32  # started one
 
 
+async def test_upstream_connection_is_reused_across_streams(
+    start_router: RouterFactory, upstream: Any, tls_files: dict[str, str]
+) -> None:
+    """The router reads each upstream body to its end, so the pooled connection is reused."""
+    async with (
+        start_router([upstream.url]) as endpoints,
+        httpx.AsyncClient(verify=client_tls(tls_files)) as client,
+    ):
+        for _ in range(5):
+            response = await client.post(
+                endpoints.base_url + "/v1/chat/completions", json=BODY, headers=auth()
+            )
+            assert response.status_code == 200
+            assert response.text.endswith("data: [DONE]\n\n")
+    assert upstream.completed >= 5
+    # Five streams, at most two connections: the pool may also hold the one its background
+    # metrics poll opened (a dropped connection per stream would show five ports).
+    assert len(upstream.client_ports) <= 2
+
+
 async def test_http3_matches_the_sim_and_resumes_with_0rtt(
     sim: SimServer, sim_router: RouterEndpoints, tls_files: dict[str, str]
 ) -> None:

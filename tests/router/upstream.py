@@ -27,6 +27,8 @@ class Upstream:
     cancelled: int = 0
     completed: int = 0
     last_headers: dict[str, str] = field(default_factory=dict)
+    client_ports: set[int] = field(default_factory=set)
+    """The client port of every chat request: one per TCP connection the router used."""
     url: str = ""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -39,6 +41,8 @@ class Upstream:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path = scope["path"]
+        if scope.get("client") and path == "/v1/chat/completions":
+            self.client_ports.add(scope["client"][1])
         self.last_headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         if path == "/v1/models":
             await _json(
