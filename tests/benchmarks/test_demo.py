@@ -148,6 +148,7 @@ def interrupt_mid_run(
             lines.append(line)
             if not line or "demo: streaming from" in line:
                 break
+        assert "demo: streaming from" in lines[-1], "".join(lines)[-3000:]
         assert tagged_processes(tag), "the demo's region processes should be running"
         time.sleep(1.0)  # the clients are mid-stream now
         proc.send_signal(sig)
