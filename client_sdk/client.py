@@ -514,7 +514,14 @@ class ChatStream:
             raise StreamBrokenError(
                 f"stream broken and {client.max_resumes} resumes failed: {reason}"
             ) from reason
-        await asyncio.sleep(min(client.resume_backoff_s * 2 ** (self._resumes - 1), 2.0))
+        if self._stream_id is None and self._resumes == 1 and not stalled:
+            # Cut before any answer, the first time: most likely a kept-alive connection the
+            # server had closed (or a region that died). Retry at once on a fresh connection:
+            # a dead region then fails to connect and the request fails over to the warm
+            # standby without having waited out a backoff.
+            pass
+        else:
+            await asyncio.sleep(min(client.resume_backoff_s * 2 ** (self._resumes - 1), 2.0))
         if self._stream_id is None:
             # Never opened: nothing to resume, send the request again.
             self._start(client._source(self._body, None, 0, self._recorder, self._origin))
