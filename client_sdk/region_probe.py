@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
-from client_sdk.errors import FirstbyteError
+from client_sdk.errors import APIError, FirstbyteError
+from client_sdk.regions import regions_from_status
+from client_sdk.resolver import Origin
 from client_sdk.transports.base import Session
 
-__all__ = ["RegionProbe", "probe_region"]
+__all__ = ["RegionProbe", "discover_regions", "probe_region"]
 
 _STATUS_PATH = "/v1/edge/status"
 _HEALTH_PATH = "/healthz"
@@ -65,3 +69,41 @@ async def probe_region(session: Session, samples: int = 3) -> RegionProbe:
     except (FirstbyteError, OSError) as exc:
         return RegionProbe(None, label, healthy=False, error=str(exc) or type(exc).__name__)
     return RegionProbe(best, label, healthy=healthy)
+
+
+async def discover_regions(base_url: str, **client_options: Any) -> dict[str, str]:
+    """``{region: base URL}`` for the router at ``base_url`` and every peer it lists.
+
+    Reads ``GET /v1/edge/status`` (its ``region``, ``public_url`` and ``peers``); the peers'
+    URLs get ``base_url``'s path (``/v1``). Calling this is trusting that router to name the
+    deployment's regions: pass the result to ``AsyncClient(...)``. ``client_options`` are
+    ``AsyncClient`` options (``ca_file``, ``verify``, ``http``, ...). Raises ConnectError, or
+    APIError when the router answers with an error.
+    """
+    from client_sdk.client import AsyncClient  # the client imports this module
+
+    origin = Origin.parse(base_url)
+    async with AsyncClient(base_url, **client_options) as client:
+        session = client.pool.session(origin, client.http if client.transport != "websocket"
+                                      else "1.1")
+        async with session.request("GET", _STATUS_PATH, headers={}, body=None,
+                                   recorder=None) as response:
+            body = await response.read()
+    if response.status != 200:
+        raise APIError(f"{_STATUS_PATH} answered {response.status}", status=response.status)
+    try:
+        status = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise APIError(f"{_STATUS_PATH} is not JSON: {exc}", status=response.status) from exc
+    if not isinstance(status, dict):
+        raise APIError(f"{_STATUS_PATH} is not a JSON object", status=response.status)
+    # This router at the URL the caller gave (known to work from here), then its peers.
+    own = status.get("region")
+    out: dict[str, str] = {str(own) if own else base_url: base_url}
+    for region in regions_from_status(status, base_url):
+        url = region.url
+        if region.name not in out:
+            if not urlsplit(url).path.strip("/"):
+                url = url.rstrip("/") + origin.prefix
+            out[region.name] = url
+    return out

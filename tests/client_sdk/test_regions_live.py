@@ -348,3 +348,28 @@ def test_sync_client_probes_a_server_without_edge_status(server: Any, ca_file: s
         with client.stream(model="m", messages=MESSAGES, max_tokens=5) as stream:
             assert "".join(d.text for d in stream) == expected_text(5)
         assert stream.timings.warm
+
+
+async def test_regions_discovered_from_one_routers_edge_status() -> None:
+    from client_sdk.region_probe import discover_regions
+
+    specs = [RegionSpec("tokyo", 35.68, 139.69, **FAST), RegionSpec("frankfurt", 50.11, 8.68, **FAST)]
+    async with running_regions(specs) as regions:
+        await wait_for_peers(regions)
+        found = await discover_regions(regions["frankfurt"].url + "/v1")
+        assert found == {"frankfurt": regions["frankfurt"].url + "/v1",
+                         "tokyo": regions["tokyo"].url + "/v1"}
+        async with AsyncClient(found) as client:
+            await client.prewarm()
+            assert {client.regions.label(n) for n in found} == {"tokyo", "frankfurt"}
+            timings = await stream_once(client)
+            assert timings.region in found
+            assert timings.warm
+
+
+def test_discovery_from_a_server_without_edge_status_is_an_error(server: Any, ca_file: str) -> None:
+    from client_sdk.errors import APIError
+    from client_sdk.region_probe import discover_regions
+
+    with pytest.raises(APIError):
+        asyncio.run(discover_regions(server.base_url, ca_file=ca_file))
