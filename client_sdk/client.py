@@ -425,10 +425,14 @@ class ChatStream:
     async def _step(self) -> StreamDelta | None:
         """Take one item; returns a delta for the user, or None. Sets ``_finished`` at the end."""
         try:
-            item = await asyncio.wait_for(self._queue.get(), self._client.idle_timeout_s)
-        except TimeoutError:
-            await self._recover(None, stalled=True)
-            return None
+            # Most items are already queued: take them without arming a watchdog timer each.
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), self._client.idle_timeout_s)
+            except TimeoutError:
+                await self._recover(None, stalled=True)
+                return None
         if item is _EOF:
             if self._assembler.done:
                 self._finished = True
