@@ -6,39 +6,16 @@ multi-region stages add their own families with :meth:`Metrics.add_gauge_source`
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["TTFT_BUCKETS_S", "Histogram", "Metrics"]
+from .prometheus import Histogram, labels, render_counter, render_gauge
+
+__all__ = ["SUM_SPEC", "TTFT_BUCKETS_S", "Metrics"]
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class Histogram:
-    """A cumulative Prometheus histogram over fixed buckets (seconds)."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str) -> list[str]:
-        lines: list[str] = []
-        running = 0
-        for bound, count in zip(self.buckets, self.counts, strict=False):
-            running += count
-            lines.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total:.6f}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+# The router's histogram sums are printed with microsecond precision.
+SUM_SPEC = ".6f"
 
 
 class Metrics:
@@ -58,23 +35,23 @@ class Metrics:
         self._gauges.append((name, help_text, read))
 
     def render(self) -> str:
-        lines = [
-            "# HELP firstbyte_router_requests_total Requests by endpoint and outcome.",
-            "# TYPE firstbyte_router_requests_total counter",
+        requests = [
+            (labels(endpoint=endpoint, outcome=outcome), value)
+            for (endpoint, outcome), value in sorted(self.requests.items())
         ]
-        for (endpoint, outcome), value in sorted(self.requests.items()):
-            lines.append(
-                f'firstbyte_router_requests_total{{endpoint="{endpoint}",outcome="{outcome}"}}'
-                f" {value}"
-            )
-        lines += [
-            "# HELP firstbyte_router_in_flight Upstream requests in flight.",
-            "# TYPE firstbyte_router_in_flight gauge",
-            f"firstbyte_router_in_flight {self.in_flight}",
-            "# HELP firstbyte_router_ttft_seconds Request arrival to first content chunk.",
-            "# TYPE firstbyte_router_ttft_seconds histogram",
-            *self.ttft.render("firstbyte_router_ttft_seconds"),
+        lines = [
+            *render_counter(
+                "firstbyte_router_requests_total", "Requests by endpoint and outcome.", requests
+            ),
+            *render_gauge(
+                "firstbyte_router_in_flight", "Upstream requests in flight.", [("", self.in_flight)]
+            ),
+            *self.ttft.render(
+                "firstbyte_router_ttft_seconds",
+                "Request arrival to first content chunk.",
+                sum_spec=SUM_SPEC,
+            ),
         ]
         for name, help_text, read in self._gauges:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {read()}"]
+            lines += render_gauge(name, help_text, [("", read())])
         return "\n".join(lines) + "\n"

@@ -23,14 +23,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from router.sim.metrics import (
-    E2E_BUCKETS,
-    ITL_BUCKETS,
-    TTFT_BUCKETS,
-    Histogram,
-    render_counter,
-    render_gauge,
-)
+from router.prometheus import Histogram, labels, render_counter, render_gauge
+from router.sim.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from router.sim.profiles import Profile
 
@@ -231,82 +225,77 @@ class Engine:
 
     def render_metrics(self) -> str:
         """All metrics in the Prometheus text exposition format (version 0.0.4)."""
-        labels = f'model_name="{self.profile.model}"'
+        model = labels(model_name=self.profile.model)
         usage = self.kv_cache_usage
-        parts = [
-            render_gauge(
+        # prometheus_client prints counter values as floats.
+        lines = [
+            *render_gauge(
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches.",
-                labels,
-                len(self.running),
+                [(model, len(self.running))],
             ),
-            render_gauge(
+            *render_gauge(
                 "vllm:num_requests_waiting",
                 "Number of requests waiting to be processed.",
-                labels,
-                len(self.waiting),
+                [(model, len(self.waiting))],
             ),
-            render_gauge(
+            *render_gauge(
                 "vllm:gpu_cache_usage_perc",
                 "GPU KV-cache usage. 1 means 100 percent usage.",
-                labels,
-                usage,
+                [(model, usage)],
             ),
-            render_gauge(
+            *render_gauge(
                 "vllm:kv_cache_usage_perc",
                 "KV-cache usage. 1 means 100 percent usage.",
-                labels,
-                usage,
+                [(model, usage)],
             ),
-            render_counter(
-                "vllm:prefix_cache_queries",
+            *render_counter(
+                "vllm:prefix_cache_queries_total",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                labels,
-                [("", self.cache.queries_tokens)],
+                [(model, float(self.cache.queries_tokens))],
             ),
-            render_counter(
-                "vllm:prefix_cache_hits",
+            *render_counter(
+                "vllm:prefix_cache_hits_total",
                 "Prefix cache hits, in terms of number of cached tokens.",
-                labels,
-                [("", self.cache.hits_tokens)],
+                [(model, float(self.cache.hits_tokens))],
             ),
-            render_counter(
-                "vllm:prompt_tokens",
+            *render_counter(
+                "vllm:prompt_tokens_total",
                 "Number of prefill tokens processed.",
-                labels,
-                [("", self.prompt_tokens_total)],
+                [(model, float(self.prompt_tokens_total))],
             ),
-            render_counter(
-                "vllm:generation_tokens",
+            *render_counter(
+                "vllm:generation_tokens_total",
                 "Number of generation tokens processed.",
-                labels,
-                [("", self.generation_tokens_total)],
+                [(model, float(self.generation_tokens_total))],
             ),
-            render_counter(
-                "vllm:request_success",
+            *render_counter(
+                "vllm:request_success_total",
                 "Count of successfully processed requests.",
-                labels,
-                [(f'finished_reason="{r}"', n) for r, n in self.finished_by_reason.items()],
+                [
+                    (f"{model},{labels(finished_reason=reason)}", float(n))
+                    for reason, n in self.finished_by_reason.items()
+                ],
             ),
-            self.ttft_hist.render(
+            *self.ttft_hist.render(
                 "vllm:time_to_first_token_seconds",
                 "Histogram of time to first token in seconds.",
-                labels,
+                model,
             ),
-            self.itl_hist.render(
+            *self.itl_hist.render(
                 "vllm:inter_token_latency_seconds",
                 "Histogram of inter-token latency in seconds.",
-                labels,
+                model,
             ),
-            self.itl_hist.render(
+            *self.itl_hist.render(
                 "vllm:time_per_output_token_seconds",
                 "Histogram of time per output token in seconds (older name of the above).",
-                labels,
+                model,
             ),
-            self.e2e_hist.render(
+            *self.e2e_hist.render(
                 "vllm:e2e_request_latency_seconds",
                 "Histogram of end to end request latency in seconds.",
-                labels,
+                model,
             ),
         ]
-        return "".join(parts)
+        return "\n".join(lines) + "\n"
