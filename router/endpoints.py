@@ -220,31 +220,47 @@ def _query(scope: Scope) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(raw, keep_blank_values=True).items()}
 
 
+async def _open_stream(
+    state: RouterState,
+    scope: Scope,
+    send: Send,
+    stream_id: str,
+    endpoint: str,
+    *,
+    last_event_id: bool,
+) -> tuple[RequestContext, Stream, int, dict[str, str]] | None:
+    """Authenticate, find the caller's stream and parse the ``after`` cursor (the
+    ``Last-Event-ID`` header first when ``last_event_id``); returns (context, stream, after,
+    query), or None once a 401/404/400 reply is sent."""
+    ctx = new_context(state, scope)
+    found = _lookup(state, ctx, stream_id)
+    if isinstance(found, LocalReply):
+        await _finish(state, send, ctx, found, endpoint)
+        return None
+    query = _query(scope)
+    raw_after = query.get("after")
+    name = "after"
+    if last_event_id:
+        raw_after = ctx.headers.get("last-event-id", raw_after)
+        name = "Last-Event-ID / after"
+    after = parse_after(raw_after)
+    if after is None:
+        invalid = error_reply(
+            400, f"{name} must be a non-negative integer.", param="after", code="invalid_after"
+        )
+        await _finish(state, send, ctx, invalid, endpoint)
+        return None
+    return ctx, found, after, query
+
+
 async def read_stream(
     state: RouterState, scope: Scope, receive: Receive, send: Send, stream_id: str
 ) -> None:
     """``GET /v1/streams/{id}``: replay after ``Last-Event-ID`` (or ``?after``), then follow."""
-    ctx = new_context(state, scope)
-    found = _lookup(state, ctx, stream_id)
-    if isinstance(found, LocalReply):
-        await _finish(state, send, ctx, found, "stream")
+    opened = await _open_stream(state, scope, send, stream_id, "stream", last_event_id=True)
+    if opened is None:
         return
-    raw_after = ctx.headers.get("last-event-id", _query(scope).get("after"))
-    after = parse_after(raw_after)
-    if after is None:
-        await _finish(
-            state,
-            send,
-            ctx,
-            error_reply(
-                400,
-                "Last-Event-ID / after must be a non-negative integer.",
-                param="after",
-                code="invalid_after",
-            ),
-            "stream",
-        )
-        return
+    ctx, found, after, _ = opened
     state.metrics.count("stream", "ok")
     timing = {} if found.upstream_ttft_ms is None else {"upstream_ttft": found.upstream_ttft_ms}
     headers = [
@@ -268,24 +284,10 @@ async def poll_stream(
     state: RouterState, scope: Scope, receive: Receive, send: Send, stream_id: str
 ) -> None:
     """``GET /v1/streams/{id}/poll?after=N&wait=S``: a JSON batch (long-poll)."""
-    ctx = new_context(state, scope)
-    found = _lookup(state, ctx, stream_id)
-    if isinstance(found, LocalReply):
-        await _finish(state, send, ctx, found, "poll")
+    opened = await _open_stream(state, scope, send, stream_id, "poll", last_event_id=False)
+    if opened is None:
         return
-    query = _query(scope)
-    after = parse_after(query.get("after"))
-    if after is None:
-        await _finish(
-            state,
-            send,
-            ctx,
-            error_reply(
-                400, "after must be a non-negative integer.", param="after", code="invalid_after"
-            ),
-            "poll",
-        )
-        return
+    ctx, found, after, query = opened
     max_wait = state.config.streams.max_poll_wait_s
     try:
         wait_s = float(query.get("wait", "10"))
