@@ -364,15 +364,7 @@ class RegionRouting:
         return CONTINUE
 
     def _local_backend(self, request: ChatCompletionRequest, now: float) -> str | None:
-        available = self.tracker.available(now)
-        loads = {n: self.tracker.load(n, now) for n in available}
-        texts = [p.text for p in self.prefixes]
-        key = affinity_key(request, texts, self.config.routing.affinity_chars)
-        choice = self.policy.choose(key, available, loads, now)
-        if choice is None:
-            return None
-        self.choices[choice.reason] += 1
-        return choice.backend
+        return self._choose(request, self.tracker.available(now), now, None)
 
     def _queue_locally(self, request: ChatCompletionRequest, now: float) -> str | None:
         """A backend to queue on when the expected wait is within ``max_queue_wait_ms``."""
@@ -380,13 +372,20 @@ class RegionRouting:
         limit = self.config.routing.max_queue_wait_ms
         if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now) > limit:
             return None
-        loads = {n: self.tracker.load(n, now) for n in healthy}
+        return self._choose(request, healthy, now, "queued")
+
+    def _choose(
+        self, request: ChatCompletionRequest, candidates: list[str], now: float, reason: str | None
+    ) -> str | None:
+        """The affinity policy's pick among ``candidates``, counted in ``choices`` under
+        ``reason`` (the policy's own reason when None); None if it picks nothing."""
+        loads = {n: self.tracker.load(n, now) for n in candidates}
         texts = [p.text for p in self.prefixes]
         key = affinity_key(request, texts, self.config.routing.affinity_chars)
-        choice = self.policy.choose(key, healthy, loads, now)
+        choice = self.policy.choose(key, candidates, loads, now)
         if choice is None:
             return None
-        self.choices["queued"] += 1
+        self.choices[reason or choice.reason] += 1
         return choice.backend
 
     def _serve_local(
