@@ -19,6 +19,7 @@ from client_sdk._core.sse import SSEDecoder
 from router.serve import RouterEndpoints
 from router.sim.server import SimServer, sim_server
 from tests.router.conftest import RouterFactory, auth, client_tls
+from tests.router.streamtext import chunk_text, sim_text
 
 TOKENS = 60
 BODY = {
@@ -41,18 +42,6 @@ async def sim() -> AsyncIterator[SimServer]:
 async def routed(start_router: RouterFactory, sim: SimServer) -> AsyncIterator[RouterEndpoints]:
     async with start_router([sim.url], streams={"resume_grace_s": 5.0}) as endpoints:
         yield endpoints
-
-
-def content(data: str) -> str:
-    chunk = json.loads(data)
-    return "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
-
-
-async def expected_text(sim: SimServer) -> str:
-    async with httpx.AsyncClient() as client:
-        response = await client.post(sim.url + "/v1/chat/completions", json=BODY)
-    events = SSEDecoder().receive_data(response.content)
-    return "".join(content(e.data) for e in events if e.data != "[DONE]")
 
 
 async def read_first_events(
@@ -83,7 +72,7 @@ async def in_flight(client: httpx.AsyncClient, url: str) -> int:
 async def test_sse_last_event_id_resumes_exactly_once(
     sim: SimServer, routed: RouterEndpoints, tls_files: dict[str, str]
 ) -> None:
-    expected = await expected_text(sim)
+    expected = await sim_text(sim, BODY)
     async with httpx.AsyncClient(verify=client_tls(tls_files), http2=True) as client:
         stream_id, first = await read_first_events(client, routed.base_url, 5)
         assert [seq for seq, _ in first] == [1, 2, 3, 4, 5]
@@ -102,13 +91,14 @@ async def test_sse_last_event_id_resumes_exactly_once(
     seqs = [seq for seq, _ in first + rest]
     assert seqs == list(range(1, len(seqs) + 1))  # every event exactly once, in order
     assert rest[-1][1] == "[DONE]"
-    assert "".join(content(d) for _, d in first + rest if d != "[DONE]") == expected
+    text = "".join(chunk_text(json.loads(d)) for _, d in first + rest if d != "[DONE]")
+    assert text == expected
 
 
 async def test_long_poll_after_n_exactly_once(
     sim: SimServer, routed: RouterEndpoints, tls_files: dict[str, str]
 ) -> None:
-    expected = await expected_text(sim)
+    expected = await sim_text(sim, BODY)
     async with httpx.AsyncClient(verify=client_tls(tls_files), http2=True) as client:
         started = await client.post(
             routed.base_url + "/v1/streams", json={**BODY, "stream": False}, headers=auth()
@@ -131,9 +121,7 @@ async def test_long_poll_after_n_exactly_once(
             running_seen |= not batch["done"] and bool(batch["events"])
             for event in batch["events"]:
                 seqs.append(event["seq"])
-                text += "".join(
-                    c["delta"].get("content") or "" for c in event["data"].get("choices", [])
-                )
+                text += chunk_text(event["data"])
             assert batch["next"] == (batch["events"][-1]["seq"] if batch["events"] else after)
             after, done = batch["next"], batch["done"]
         assert running_seen  # at least one batch came while the stream was in progress
@@ -163,7 +151,7 @@ async def ws_messages(ws: Any, until: int | None = None) -> list[dict[str, Any]]
 async def test_websocket_resume_exactly_once(
     sim: SimServer, routed: RouterEndpoints, tls_files: dict[str, str]
 ) -> None:
-    expected = await expected_text(sim)
+    expected = await sim_text(sim, BODY)
     uri = routed.base_url.replace("https://", "wss://") + "/v1/ws"
     tls = client_tls(tls_files)
     async with ws_connect(uri, ssl=tls, additional_headers=auth(), proxy=None) as ws:
@@ -180,9 +168,7 @@ async def test_websocket_resume_exactly_once(
     assert rest[-1]["type"] == "done"
     assert [m["seq"] for m in events] == list(range(1, len(events) + 1))
     assert rest[-1]["seq"] == len(events) + 1
-    text = "".join(
-        c["delta"].get("content") or "" for m in events for c in m["data"].get("choices", [])
-    )
+    text = "".join(chunk_text(m["data"]) for m in events)
     assert text == expected
 
 

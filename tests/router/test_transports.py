@@ -20,6 +20,7 @@ from router.serve import RouterEndpoints
 from router.sim.server import SimServer, sim_server
 from tests.router.conftest import API_KEY, RouterFactory, auth, client_tls
 from tests.router.h3client import h3_request
+from tests.router.streamtext import sim_text, sse_text
 
 BODY = {
     "model": "sim-instant",
@@ -42,24 +43,8 @@ async def sim_router(start_router: RouterFactory, sim: SimServer) -> AsyncIterat
         yield endpoints
 
 
-def text_of(sse: bytes) -> tuple[str, list[str | None]]:
-    """The concatenated content of an SSE body, and the event ids."""
-    events = SSEDecoder().receive_data(sse)
-    text, ids = "", []
-    for event in events:
-        ids.append(event.id)
-        if event.data == "[DONE]":
-            continue
-        data = json.loads(event.data)
-        for choice in data.get("choices", []):
-            text += choice["delta"].get("content") or ""
-    return text, ids
-
-
 async def direct_text(sim: SimServer) -> str:
-    async with httpx.AsyncClient() as client:
-        response = await client.post(sim.url + "/v1/chat/completions", json=BODY)
-    text, _ = text_of(response.content)
+    text = await sim_text(sim, BODY)
     assert len(text.split()) == 24
     return text
 
@@ -94,7 +79,7 @@ async def test_sse_over_h1_and_h2_matches_the_sim(
     assert "route;dur=" in headers["server-timing"]
     assert headers["alt-svc"] == f'h3=":{sim_router.h3_port}"; ma=86400'
     assert headers["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
-    text, ids = text_of(body)
+    text, ids = sse_text(body)
     assert text == expected
     assert ids == [str(i) for i in range(1, len(ids) + 1)]  # id: 1, 2, 3, ... [DONE] last
 
@@ -183,7 +168,7 @@ async def test_http3_matches_the_sim_and_resumes_with_0rtt(
         tickets=tickets,
     )
     assert first.status == 200
-    assert text_of(first.body)[0] == expected
+    assert sse_text(first.body)[0] == expected
     assert first.headers["x-firstbyte-stream"]
     assert not first.session_resumed
     assert tickets, "the router issued no session ticket"
@@ -197,7 +182,7 @@ async def test_http3_matches_the_sim_and_resumes_with_0rtt(
         ticket=tickets[-1],
     )
     assert second.status == 200
-    assert text_of(second.body)[0] == expected
+    assert sse_text(second.body)[0] == expected
     assert second.session_resumed
     assert second.early_data_accepted  # the request went out as 0-RTT data
 
@@ -262,7 +247,7 @@ async def test_curl_http2_streams(
     assert process.returncode == 0, err
     body, _, version = out.rpartition(b"\n")
     assert version == b"2"
-    assert text_of(body + b"\n")[0] == expected
+    assert sse_text(body + b"\n")[0] == expected
 
 
 @pytest.mark.parametrize("http2", [False, True])
@@ -309,5 +294,5 @@ async def test_uvicorn_listener_serves_http11_over_tls(
         )
         assert response.status_code == 200
         assert response.http_version == "HTTP/1.1"
-        assert text_of(response.content)[0] == expected
+        assert sse_text(response.content)[0] == expected
         assert "alt-svc" not in response.headers
