@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import ssl
-from pathlib import Path
-
 import httpx
 import pytest
-import trustme
 
 from client_sdk._core.sse import DONE, SSEDecoder
 from router.sim.server import running_sim
+from tests.router.conftest import client_tls
 from tests.router.sim.helpers import chat_body
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
-def cert_files(ca: trustme.CA, tmp_path: Path) -> tuple[str, str]:
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(str(certfile))
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(str(certfile), append=True)
-    cert.private_key_pem.write_to_path(str(keyfile))
-    return str(certfile), str(keyfile)
 
 
 async def stream_events(client: httpx.AsyncClient, url: str) -> tuple[str, list[str]]:
@@ -39,12 +20,9 @@ async def stream_events(client: httpx.AsyncClient, url: str) -> tuple[str, list[
         return response.http_version, data
 
 
-async def test_http2_over_tls_negotiates_and_streams(
-    ca: trustme.CA, cert_files: tuple[str, str]
-) -> None:
-    certfile, keyfile = cert_files
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
+async def test_http2_over_tls_negotiates_and_streams(tls_files: dict[str, str]) -> None:
+    certfile, keyfile = tls_files["certfile"], tls_files["keyfile"]
+    context = client_tls(tls_files)
     async with (
         running_sim("instant", certfile=certfile, keyfile=keyfile) as url,
         httpx.AsyncClient(http2=True, verify=context) as client,
@@ -74,12 +52,9 @@ async def test_h2c_prior_knowledge_on_hypercorn() -> None:
         assert data[-1] == DONE
 
 
-async def test_drop_over_http2_resets_only_that_stream(
-    ca: trustme.CA, cert_files: tuple[str, str]
-) -> None:
-    certfile, keyfile = cert_files
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
+async def test_drop_over_http2_resets_only_that_stream(tls_files: dict[str, str]) -> None:
+    certfile, keyfile = tls_files["certfile"], tls_files["keyfile"]
+    context = client_tls(tls_files)
     async with (
         running_sim("instant", certfile=certfile, keyfile=keyfile, faults=["drop:after=2"]) as url,
         httpx.AsyncClient(http2=True, verify=context) as client,
