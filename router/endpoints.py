@@ -105,9 +105,18 @@ async def _finish(
 
 
 async def _admitted(
-    state: RouterState, scope: Scope, receive: Receive, send: Send, *, force_stream: bool
+    state: RouterState,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    *,
+    force_stream: bool,
+    invalid: LocalReply | None = None,
 ) -> RequestContext | None:
-    """Read the body, admit and route; None if a reply was already sent."""
+    """Read the body, admit and route; None if a reply was already sent.
+
+    ``invalid`` (a bad query parameter found by the caller) is answered after admission and
+    before routing, so a rejected request never holds a routing slot."""
     ctx = new_context(state, scope)
     limit = state.config.limits.max_body_bytes
     declared = ctx.headers.get("content-length", "")
@@ -121,6 +130,8 @@ async def _admitted(
     if await _finish(
         state, send, ctx, admit_chat(ctx, state.api_keys, limit, force_stream=force_stream), "chat"
     ):
+        return None
+    if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
         return None
     if await _finish(state, send, ctx, state.routing.route(ctx), "chat"):
         return None
@@ -188,19 +199,44 @@ def _retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:
 async def start_detached_stream(
     state: RouterState, scope: Scope, receive: Receive, send: Send
 ) -> None:
-    """``POST /v1/streams``: start a stream and answer 201 with its id at once."""
-    ctx = await _admitted(state, scope, receive, send, force_stream=True)
+    """``POST /v1/streams[?wait=S]``: start a stream and answer 201.
+
+    Without ``wait`` (or ``wait=0``) the answer is ``{"stream": ID}`` at once. With ``wait > 0``
+    it is the stream's first long-poll batch (:func:`router.readers.poll` after 0, the stream id
+    included), so a long-poll client's first token costs one round trip, not two.
+    """
+    wait = _wait_param(state, _query(scope), default=0.0)
+    ctx = await _admitted(
+        state,
+        scope,
+        receive,
+        send,
+        force_stream=True,
+        invalid=wait if isinstance(wait, LocalReply) else None,
+    )
     if ctx is None:
         return
+    assert isinstance(wait, float)
     stream = state.store.create(owner_of(ctx.api_key), state.clock())
     state.store.evict_over_budget()
     state.proxy.start_stream(ctx, stream)
+    if wait == 0:
+        headers = [
+            *_common_headers(ctx),
+            ("x-firstbyte-stream", stream.id),
+            ("server-timing", ctx.server_timing()),
+        ]
+        await send_bytes(send, 201, encode({"stream": stream.id}), headers=headers)
+        return
+    batch = await poll(stream, 0, wait, clock=state.clock)
+    timing = {} if stream.upstream_ttft_ms is None else {"upstream_ttft": stream.upstream_ttft_ms}
     headers = [
         *_common_headers(ctx),
         ("x-firstbyte-stream", stream.id),
-        ("server-timing", ctx.server_timing()),
+        ("server-timing", ctx.server_timing(**timing)),
+        ("cache-control", "no-cache"),
     ]
-    await send_bytes(send, 201, encode({"stream": stream.id}), headers=headers)
+    await send_bytes(send, 201, msgspec.json.encode(batch), headers=headers)
 
 
 def _lookup(state: RouterState, ctx: RequestContext, stream_id: str) -> Stream | LocalReply:
@@ -218,6 +254,24 @@ def _lookup(state: RouterState, ctx: RequestContext, stream_id: str) -> Stream |
 def _query(scope: Scope) -> dict[str, str]:
     raw = scope.get("query_string", b"").decode("latin-1")
     return {k: v[-1] for k, v in parse_qs(raw, keep_blank_values=True).items()}
+
+
+def _wait_param(state: RouterState, query: dict[str, str], *, default: float) -> float | LocalReply:
+    """The long-poll ``wait`` (seconds, 0..``max_poll_wait_s``), or the 400 to answer."""
+    max_wait = state.config.streams.max_poll_wait_s
+    raw = query.get("wait")
+    try:
+        wait_s = default if raw is None else float(raw)
+        if not 0 <= wait_s <= max_wait:  # also rejects nan
+            raise ValueError
+    except ValueError:
+        return error_reply(
+            400,
+            f"wait must be a number of seconds from 0 to {max_wait:g}.",
+            param="wait",
+            code="invalid_wait",
+        )
+    return wait_s
 
 
 async def _open_stream(
@@ -288,24 +342,9 @@ async def poll_stream(
     if opened is None:
         return
     ctx, found, after, query = opened
-    max_wait = state.config.streams.max_poll_wait_s
-    try:
-        wait_s = float(query.get("wait", "10"))
-        if not 0 <= wait_s <= max_wait:
-            raise ValueError
-    except ValueError:
-        await _finish(
-            state,
-            send,
-            ctx,
-            error_reply(
-                400,
-                f"wait must be a number of seconds from 0 to {max_wait:g}.",
-                param="wait",
-                code="invalid_wait",
-            ),
-            "poll",
-        )
+    wait_s = _wait_param(state, query, default=10.0)
+    if isinstance(wait_s, LocalReply):
+        await _finish(state, send, ctx, wait_s, "poll")
         return
     batch = await poll(found, after, wait_s, clock=state.clock)
     state.metrics.count("poll", "ok")

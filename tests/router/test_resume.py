@@ -136,6 +136,48 @@ async def test_long_poll_after_n_exactly_once(
         assert replay.json()["done"] is True
 
 
+async def test_long_poll_post_with_wait_carries_the_first_batch(
+    sim: SimServer, routed: RouterEndpoints, tls_files: dict[str, str]
+) -> None:
+    """``POST /v1/streams?wait=S`` answers with the first events (one round trip to the first
+    token); polling from its ``next`` yields the rest exactly once."""
+    expected = await sim_text(sim, BODY)
+    async with httpx.AsyncClient(verify=client_tls(tls_files), http2=True, timeout=10) as client:
+        started = await client.post(
+            routed.base_url + "/v1/streams", params={"wait": 5}, json=BODY, headers=auth()
+        )
+        assert started.status_code == 201
+        first = started.json()
+        stream_id = first["stream"]
+        assert started.headers["x-firstbyte-stream"] == stream_id
+        assert set(first) == {"stream", "events", "done", "next"}
+        assert first["events"], first  # answered once events existed, not after the wait
+        assert not first["done"]  # a 60-token stream at ~10 ms a token is still running
+        assert first["next"] == first["events"][-1]["seq"]
+        seqs = [e["seq"] for e in first["events"]]
+        text = "".join(chunk_text(e["data"]) for e in first["events"])
+        after, done, polls = first["next"], False, 0
+        while not done:
+            polls += 1
+            assert polls < 500
+            response = await client.get(
+                f"{routed.base_url}/v1/streams/{stream_id}/poll",
+                params={"after": after, "wait": 5},
+                headers=auth(),
+            )
+            assert response.status_code == 200
+            batch = response.json()
+            seqs += [e["seq"] for e in batch["events"]]
+            text += "".join(chunk_text(e["data"]) for e in batch["events"])
+            after, done = batch["next"], batch["done"]
+        assert seqs == list(range(1, len(seqs) + 1))  # every event exactly once, in order
+        assert text == expected
+        # Without wait (or wait=0) the answer stays the bare id, at once.
+        bare = await client.post(routed.base_url + "/v1/streams", json=BODY, headers=auth())
+        assert bare.status_code == 201
+        assert set(bare.json()) == {"stream"}
+
+
 async def ws_messages(ws: Any, until: int | None = None) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     async for raw in ws:
