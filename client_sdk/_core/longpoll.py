@@ -25,7 +25,7 @@ class PollEvent(msgspec.Struct):
 
 
 class PollBatch(msgspec.Struct):
-    """``GET /v1/streams/{id}/poll`` answer (docs/protocol.md)."""
+    """A ``GET /v1/streams/{id}/poll`` or ``POST /v1/streams?wait=S`` answer (docs/protocol.md)."""
 
     stream: str
     events: list[PollEvent]

@@ -1,4 +1,9 @@
-"""Long-poll transport: ``POST /v1/streams`` then ``GET /v1/streams/{id}/poll?after=N&wait=S``.
+"""Long-poll transport: ``POST /v1/streams?wait=S``, then ``GET /v1/streams/{id}/poll?after=N``
+(``&wait=S``) until done.
+
+The POST carries ``wait``, so the router answers it with the stream's first batch of events (not
+just the stream id): the first token costs one round trip, like SSE. A router that answers the
+bare ``{"stream": ID}`` (``wait`` unsupported or 0) still works; the first poll fetches them.
 
 For networks where a held-open response is buffered or cut by a proxy. The cursor logic
 (position, duplicates, backoff, give-up) is the sans-IO
@@ -14,7 +19,7 @@ import time
 
 import msgspec
 
-from client_sdk._core.longpoll import PollCursor, decode_batch
+from client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
 from client_sdk._core.sse import DONE
 from client_sdk._core.timing import TimingRecorder
 from client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
@@ -24,26 +29,40 @@ __all__ = ["longpoll_source", "start_stream"]
 
 
 class _Created(msgspec.Struct):
+    """``POST /v1/streams`` answer: the stream id, plus its first batch when ``wait`` > 0."""
+
     stream: str
+    events: list[PollEvent] | None = None
+    done: bool = False
+    next: int = 0
+
+
+_created = msgspec.json.Decoder(_Created)
 
 
 async def start_stream(
     session: Session, prefix: str, headers: dict[str, str], body: bytes,
-    recorder: TimingRecorder | None,
-) -> str:
-    """``POST /v1/streams``: the router admits the request and answers with the stream id."""
+    recorder: TimingRecorder | None, *, wait_s: float = 0.0,
+) -> tuple[str, PollBatch | None]:
+    """``POST /v1/streams?wait=S``: the router admits the request and answers with the stream
+    id and, when ``wait_s`` > 0 and the router supports it, the stream's first batch (else
+    ``None``: the first poll fetches it)."""
+    query = f"?wait={wait_s:g}" if wait_s > 0 else ""
     async with session.request(
-        "POST", f"{prefix}/streams", headers={**headers, "content-type": "application/json"},
-        body=body, recorder=recorder,
+        "POST", f"{prefix}/streams{query}",
+        headers={**headers, "content-type": "application/json"}, body=body, recorder=recorder,
     ) as response:
         raw = await response.read()
         if response.status not in (200, 201):
             raise api_error_from_response(response.status, raw,
                                           retry_after=response.headers.get("retry-after"))
     try:
-        return msgspec.json.decode(raw, type=_Created).stream
+        created = _created.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise StreamBrokenError(f"invalid POST /v1/streams answer: {exc}") from None
+    if created.events is None:
+        return created.stream, None
+    return created.stream, PollBatch(created.stream, created.events, created.done, created.next)
 
 
 async def longpoll_source(
@@ -58,15 +77,23 @@ async def longpoll_source(
     wait_s: float = 10.0,
     max_failures: int = 5,
 ) -> Source:
-    """Start a stream (``stream_id`` None) or continue one after ``after``, by polling."""
+    """Start a stream (``stream_id`` None) or continue one after ``after``, by polling.
+
+    A new stream's first batch comes in the POST's answer; polls continue from its ``next``.
+    """
+    first: PollBatch | None = None
     if stream_id is None:
         if body is None:
             raise ValueError("a new long-poll stream needs a request body")
-        stream_id = await start_stream(session, prefix, headers, body, recorder)
+        stream_id, first = await start_stream(session, prefix, headers, body, recorder,
+                                              wait_s=wait_s)
     if recorder is not None:
         recorder.record.stream_id = stream_id
     yield Opened(stream_id)
     cursor = PollCursor(stream_id, after=after, wait_s=wait_s, max_failures=max_failures)
+    if first is not None:
+        for event in cursor.receive_batch(first, time.monotonic()):
+            yield Event(event.seq, event.data)
     while (poll := cursor.next_poll(time.monotonic())) is not None:
         delay = poll.not_before - time.monotonic()
         if delay > 0:

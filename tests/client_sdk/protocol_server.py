@@ -8,6 +8,8 @@ hypercorn on its own thread and event loop with real TLS (h1, h2 and h3 on QUIC)
 Behaviour is chosen per request through the model name: ``stall-K`` stops producing after K
 tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first token,
 ``tools`` streams one tool call (``get_weather``) in fragments, ``busy`` answers 429.
+``POST /v1/streams?wait=S`` answers with the first poll batch, unless ``post_batch`` is False
+(then it answers the bare ``{"stream": ID}``, as a router from before ``wait`` did).
 """
 
 from __future__ import annotations
@@ -72,12 +74,15 @@ class ProtocolApp:
     """The ASGI app. ``token_interval`` seconds between tokens, heartbeats every ``heartbeat``."""
 
     def __init__(self, *, api_key: str | None = None, token_interval: float = 0.005,
-                 heartbeat: float = 0.1) -> None:
+                 heartbeat: float = 0.1, post_batch: bool = True) -> None:
         self.api_key = api_key
+        self.post_batch = post_batch
         self.token_interval = token_interval
         self.heartbeat = heartbeat
         self.streams: dict[str, _Stream] = {}
         self.requests: list[tuple[str, str]] = []
+        self.batches: list[tuple[str, list[int]]] = []
+        """Long-poll answers in order: (method, the seqs of the events they carried)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- producer -------------------------------------------------------------------------------
@@ -179,7 +184,12 @@ class ProtocolApp:
         elif method == "POST" and path == "/v1/streams":
             body = json.loads(await _body(receive))
             sid = self._start(body, key)
-            await _json(send, 201, {"stream": sid}, extra=[(b"x-firstbyte-stream", sid.encode())])
+            wait = float(query.get("wait", "0"))
+            if wait > 0 and self.post_batch:
+                await self._poll(send, sid, self.streams[sid], 0, wait, status=201)
+            else:
+                await _json(send, 201, {"stream": sid},
+                            extra=[(b"x-firstbyte-stream", sid.encode())])
         elif method == "GET" and path.startswith("/v1/streams/"):
             rest = path[len("/v1/streams/"):]
             sid, _, tail = rest.partition("/")
@@ -217,7 +227,8 @@ class ProtocolApp:
             if last:
                 return
 
-    async def _poll(self, send: Send, sid: str, stream: _Stream, after: int, wait: float) -> None:
+    async def _poll(self, send: Send, sid: str, stream: _Stream, after: int, wait: float,
+                    status: int = 200) -> None:
         await self._wait_events(stream, after, wait)
         events, done = [], False
         for i, payload in enumerate(stream.events[after:]):
@@ -225,8 +236,10 @@ class ProtocolApp:
                 done = True
                 break
             events.append({"seq": after + i + 1, "data": json.loads(payload)})
-        nxt = after + len(events) + (1 if done else 0)
-        await _json(send, 200, {"stream": sid, "events": events, "done": done, "next": nxt})
+        nxt = after + len(events)  # the highest seq returned; [DONE]'s own seq is not in it
+        self.batches.append(("POST" if status == 201 else "GET", [e["seq"] for e in events]))
+        await _json(send, status, {"stream": sid, "events": events, "done": done, "next": nxt},
+                    extra=[(b"x-firstbyte-stream", sid.encode())])
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send, key: str | None) -> None:
         await receive()  # websocket.connect
