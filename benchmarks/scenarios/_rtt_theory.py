@@ -10,9 +10,10 @@ cold WebSocket               4   TCP, TLS, the HTTP upgrade, the request message
 prewarmed / kept warm        1   the request on the open connection
 ==========================  ===  =====================================================
 
-The first token needs one more round trip on long-poll (``POST /v1/streams`` answers at
-admission, then the first poll fetches the token); on SSE and WebSocket it comes on the same
-response. A measured count is ``(first_byte - server time) / RTT`` where server time is the
+The first token comes on that same first response on every transport: SSE and WebSocket
+stream it, and long-poll's ``POST /v1/streams?wait=S`` answers with the first batch of events
+(so cold long-poll is TCP + TLS + 1 = 3 on HTTP/1.1 and HTTP/2, warm 1). A measured count
+is ``(first_byte - server time) / RTT`` where server time is the
 ``Server-Timing`` total; the *corrected* count also subtracts the same cell's median local
 cost measured at 0 ms RTT in the same run (client and server CPU: TLS and QUIC crypto, Python),
 so CPU is reported apart from round trips.
@@ -57,8 +58,9 @@ def theory_first_byte(transport: str, http: str, mode: str) -> int:
 
 
 def theory_ttft(transport: str, http: str, mode: str) -> int:
-    """Round trips from request start to the first token (long-poll: one poll more)."""
-    return theory_first_byte(transport, http, mode) + (1 if transport == "longpoll" else 0)
+    """Round trips from request start to the first token: the first response carries it on
+    every transport (long-poll's POST waits for the first batch), so the same as first byte."""
+    return theory_first_byte(transport, http, mode)
 
 
 def server_ms(t: Timings) -> float:

@@ -270,7 +270,8 @@ def _notes(mode: str, why: str | None) -> list[str]:
     notes = [
         "Theory (round trips to the first byte): cold TCP+TLS 1.3 (HTTP/1.1, HTTP/2) 3, cold "
         "QUIC (HTTP/3) 2, HTTP/3 0-RTT 1, cold WebSocket 4 (TCP, TLS, upgrade, request), "
-        "prewarmed 1; long-poll needs one more round trip for the first token (POST, then poll).",
+        "prewarmed 1; long-poll's first token comes in the answer to its POST "
+        "(POST /v1/streams?wait=S), so it costs the same.",
         "first_byte_rtts = median (first_byte - Server-Timing total - local cost) / RTT, where "
         "local cost is the same cell's median at 0 ms RTT in this run (client and server CPU, "
         "reported apart from round trips); first_byte_rtts_raw subtracts only Server-Timing.",
@@ -280,7 +281,7 @@ def _notes(mode: str, why: str | None) -> list[str]:
         "warm, SSE over HTTP/3 for 0-RTT. ttft_cdf.png: every cell at ~150 ms (transpacific).",
         "server TTFT for the prewarmed target: Server-Timing total (queue, route, upstream) "
         "when the transport has response headers, else the cell's TTFT at 0 ms RTT. Long-poll "
-        "cannot meet it by design (2 round trips: POST, then poll); at short RTTs the local "
+        "needs 1 round trip too (its POST waits for the first batch); at short RTTs the local "
         "cost of a few ms (client and server CPU) is itself near the 5% margin.",
     ]
     if mode == "loopback":
