@@ -130,14 +130,15 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from .serve import RouterEndpoints, serve
+    from .serve import RouterEndpoints, loop_factory, serve
 
     def started(ep: RouterEndpoints) -> None:
         h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""
         print(f"firstbyte router ({config.region}) on {ep.base_url}{h3}", file=sys.stderr)
 
     try:
-        asyncio.run(serve(config, started=started))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(serve(config, started=started))
     except OSError as exc:
         raise CLIError(
             f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"

@@ -22,7 +22,7 @@ from .app import RouterApp, build_app
 from .config import RouterConfig
 from .quic import TicketStore, enable_session_tickets
 
-__all__ = ["RouterEndpoints", "bind_sockets", "running_router", "serve"]
+__all__ = ["RouterEndpoints", "bind_sockets", "loop_factory", "running_router", "serve"]
 
 log = logging.getLogger("firstbyte.router")
 # hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
@@ -47,6 +47,21 @@ class RouterEndpoints:
     @property
     def openai_base_url(self) -> str:
         return self.base_url + "/v1"
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a router process runs on: uvloop when installed (it comes with the
+    ``router`` extra through ``uvicorn[standard]``), else asyncio's default (``None``).
+
+    uvloop's C loop cuts the router's CPU per relayed chunk by roughly a tenth (measured
+    with ``firstbyte bench router_overhead``); every stream costs a loop turn per chunk.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return new_loop
 
 
 def bind_sockets(host: str, port: int, *, udp: bool) -> tuple[socket.socket, socket.socket | None]:

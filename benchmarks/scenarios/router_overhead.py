@@ -55,7 +55,7 @@ _ROUTER = """
 import asyncio, sys
 from router.config import ListenConfig, RouterConfig, UpstreamConfig
 from router.regions_config import RoutingConfig
-from router.serve import running_router
+from router.serve import loop_factory, running_router
 async def main():
     tls = len(sys.argv) > 3
     listen = ListenConfig(
@@ -69,7 +69,8 @@ async def main():
     async with running_router(config) as ep:
         print(ep.base_url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-asyncio.run(main())
+with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the loop `firstbyte router` uses
+    runner.run(main())
 """
 
 
