@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -75,7 +76,8 @@ class Stream:
     cancel_producer: Callable[[], object] | None = None
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
+    """One future per reader blocked in :meth:`wait`, all resolved by the next change."""
 
     @property
     def done(self) -> bool:
@@ -125,21 +127,35 @@ class Stream:
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool:
         """Wait until an event after ``seq`` exists (or the stream is evicted); False on timeout."""
+        if len(self.events) > seq or self.evicted:
+            return len(self.events) > seq
+        # A bare future and a timer handle, not ``wait_for(event.wait())``: that made a task
+        # per call, and every live reader calls this once per relayed chunk.
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        while len(self.events) <= seq and not self.evicted:
-            self._changed.clear()
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return len(self.events) > seq
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(waiter)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self._waiters:  # still listed after a timeout or a cancel, not after a wake
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
         return len(self.events) > seq
 
     def _wake(self) -> None:
-        self._changed.set()
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    """The wait's timeout: resolve it like a wake-up; ``wait`` then finds nothing new."""
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class StreamStore:
