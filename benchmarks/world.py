@@ -251,7 +251,7 @@ class World:
     async def run_client(
         self,
         client: str,
-        region: str,
+        region: str | Sequence[str],
         cells: Sequence[str],
         *,
         repeat: int,
@@ -260,10 +260,14 @@ class World:
         time_limit_s: float = 300.0,
     ) -> list[dict[str, Any]]:
         """Run the SDK in ``client`` against ``region`` for ``cells``; one dict per request
-        (``cell``, ``rep``, and ``timings`` + ``client_cpu_ms`` or ``error``)."""
-        argv = [
-            sys.executable, "-m", "benchmarks.scenarios._client_runner",
-            "--url", self.regions[region].url, "--cacert", self.ca_file,
+        (``cell``, ``rep``, and ``timings`` + ``client_cpu_ms`` or ``error``). Several regions:
+        the SDK is given all of them and chooses (a prewarmed cell probes their RTTs)."""
+        names = [region] if isinstance(region, str) else list(region)
+        argv = [sys.executable, "-m", "benchmarks.scenarios._client_runner"]
+        for name in names:
+            argv += ["--url", self.regions[name].url]
+        argv += [
+            "--cacert", self.ca_file,
             "--repeat", str(repeat), "--max-tokens", str(max_tokens),
             "--timeout", f"{request_timeout_s:g}",
         ]

@@ -15,6 +15,9 @@ Each request prints ``{"cell": ..., "rep": i, "timings": {...}, "client_cpu_ms":
 ``"error"`` instead of ``"timings"``); the run ends with ``{"done": true}``. Before the
 measured requests, each (transport, HTTP) pair makes one unmeasured request so that first-use
 costs in this process (lazy imports, code paths run once) are not charged to the first cell.
+With ``--url`` given more than once the SDK gets every region (``AsyncClient([...])``) and
+chooses as it does for applications: a prewarmed (``warm``) cell probes each region's round
+trip and streams from the fastest; ``timings.region`` names the region that served.
 The benchmark runs this inside an emulated client host (:mod:`benchmarks.world`).
 """
 
@@ -72,7 +75,8 @@ def parse_cell(spec: str) -> Cell:
 
 class _Runner:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.url: str = args.url
+        urls: list[str] = args.url
+        self.url: str | list[str] = urls[0] if len(urls) == 1 else urls
         self.cacert: str | None = args.cacert
         self.api_key: str | None = args.api_key
         self.model: str = args.model
@@ -156,7 +160,8 @@ async def _main(args: argparse.Namespace, cells: list[Cell]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scenarios._client_runner")
-    parser.add_argument("--url", required=True, help="the router's base URL")
+    parser.add_argument("--url", required=True, action="append",
+                        help="the router's base URL (repeat: several regions, the SDK chooses)")
     parser.add_argument("--cacert", default=None, help="CA certificate (PEM)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--model", default="default")

@@ -1,7 +1,13 @@
-"""Routing across regions: spill-over under 2x load, and prefix-aware vs round-robin placement.
+"""Routing across regions: nearest vs central region, fallback under load, prefix placement, warmup.
 
-Two experiments on loopback (routers and sims of the ``h100-7b`` profile, in this process):
+Four experiments. The first through the WAN emulator (:mod:`benchmarks.scenarios._routing_geo`),
+the others on loopback (routers and sims of the ``h100-7b`` profile, in this process):
 
+0. **Geography.** Clients in Tokyo, London, New York, Sydney and São Paulo; regions us-east-1,
+   eu-central-1 and ap-northeast-1. Prewarmed SSE over HTTP/2 from the nearest region (the
+   SDK's own RTT probe picks it among all three) vs from us-east-1 for everyone. Compared:
+   TTFT P50/P99 per client and overall against the 500 ms budget. Skipped (and said so)
+   without root and /dev/net/tun; an error under ``CI=true``.
 1. **Fallback.** Region ``tokyo`` has 2 backends of ``max_num_seqs`` 4 (capacity 8 streams).
    Closed-loop clients keep 16 streams going at it (2x its capacity). *Without fallback* the
    router admits everything and the backends queue it; *with fallback* the router caps each
@@ -13,6 +19,10 @@ Two experiments on loopback (routers and sims of the ``h100-7b`` profile, in thi
    user message, bounded loads) vs round-robin. Compared: prefix-cache hit ratio
    (cached / prompt tokens, from each response's ``usage``), TTFT, and backend balance.
    Target: hit ratio >= 90% and max/min backend load <= 1.5.
+3. **Warm vs cold prefix.** One region of 2 backends just started (fresh sims, empty caches),
+   with the shared ~3,700-token support prompt as a ``warm_prefixes`` entry (the router
+   warms it before serving) and without; users arrive every 20 ms and each sends its first
+   request. Compared: TTFT P50/P99, cached tokens, requests that missed the prefix.
 
 On loopback the hop to a peer costs ~1 ms; across real regions it costs their RTT (e.g.
 Tokyo-Frankfurt ~223 ms), which a spilled request adds to its TTFT.
@@ -27,7 +37,9 @@ from typing import Any
 
 import httpx
 
+from benchmarks.scenarios._routing_geo import geography
 from benchmarks.stats import percentile
+from benchmarks.world import LOOPBACK_LIMITS, WorldError
 from client_sdk._core.sse import DONE, SSEDecoder
 from router.cluster import RegionSpec, running_regions, wait_for_peers
 
@@ -38,6 +50,10 @@ SEQS_PER_BACKEND = 4
 SYSTEM = ("You are the concierge of a travel company. Be brief, precise and friendly. " * 200)[
     :8000
 ]  # ~2,000 tokens at ~4 characters per token
+SUPPORT_SYSTEM = ("You are the support assistant of an online bookshop. Quote order numbers, "
+                  "never guess delivery dates, and hand refunds to a human. " * 100)[:12000]
+# ~3,700 tokens (the sim's tokenizer); its uncached prefill is ~58 ms in h100-7b
+ARRIVAL_GAP_S = 0.02  # a new user every 20 ms (50/s) for the warm vs cold experiment
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -185,10 +201,78 @@ async def _placement(quick: bool) -> dict[str, Any]:
     return out
 
 
+async def _first_requests(url: str, users: int, system: str) -> list[dict[str, Any]]:
+    """Each user's first request (shared system prompt + their own question), one user
+    arriving every ``ARRIVAL_GAP_S`` (open loop, so a slow answer does not delay the next)."""
+    limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        # In rotation once ready, as a load balancer would put it: a router with warm
+        # prefixes answers (anything) only after warming them (its start-up, ~0.1 s here).
+        (await client.get(f"{url}/healthz")).raise_for_status()
+
+        async def one(u: int) -> dict[str, Any]:
+            await asyncio.sleep(u * ARRIVAL_GAP_S)
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"Customer {u} here: where is order {u}?"}]
+            body = {"model": "sim", "stream": True, "max_tokens": 8, "messages": messages,
+                    "stream_options": {"include_usage": True}}
+            return await _stream(client, url, body)
+
+        return list(await asyncio.gather(*(one(u) for u in range(users))))
+
+
+async def _warm_vs_cold(quick: bool) -> dict[str, Any]:
+    """Users' first requests right after a region (2 backends, fresh sims) starts: with the
+    support prompt as a warm prefix (warmed before the router takes requests) and without.
+    Rounds alternate the two conditions, each round a fresh region."""
+    rounds, users = (3, 12) if quick else (8, 16)
+    spec = RegionSpec("tokyo", 35.68, 139.69, sim={"profile": PROFILE})
+    # Unmeasured: this process's first-use costs (imports, first connections) are no one's.
+    async with running_regions([spec]) as regions:
+        await _first_requests(regions["tokyo"].url, 2, "Say hello.")
+    results: dict[str, list[dict[str, Any]]] = {"warm": [], "cold": []}
+    for _ in range(rounds):
+        for condition in ("warm", "cold"):
+            warm = [{"name": "support", "text": SUPPORT_SYSTEM}] if condition == "warm" else []
+            async with running_regions([spec], warm_prefixes=warm) as regions:
+                results[condition] += await _first_requests(
+                    regions["tokyo"].url, users, SUPPORT_SYSTEM)
+    out: dict[str, Any] = {"rounds": rounds, "users_per_round": users,
+                           "arrival_gap_ms": ARRIVAL_GAP_S * 1000, "backends": spec.backends}
+    for condition, got in results.items():
+        done = [r for r in got if r["ok"]]
+        cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                  for r in done]
+        prompt = [r["usage"].get("prompt_tokens", 0) for r in done]
+        # A request that found under half its prompt cached paid for the system prompt.
+        missed = [c < n / 2 for c, n in zip(cached, prompt, strict=True)]
+        miss_ttfts = [r["ttft_ms"] for r, m in zip(done, missed, strict=True) if m]
+        row = _summary(got)
+        row["mean_prompt_tokens"] = round(sum(prompt) / len(prompt), 1) if prompt else 0.0
+        row["mean_cached_tokens"] = round(sum(cached) / len(cached), 1) if cached else 0.0
+        row["p50_cached_tokens"] = round(percentile(cached, 50), 1) if cached else 0.0
+        row["prefix_misses"] = sum(missed)
+        row["p50_ttft_ms_prefix_misses"] = (
+            round(percentile(miss_ttfts, 50), 1) if miss_ttfts else None)
+        out[condition] = row
+    return out
+
+
 def run(quick: bool) -> dict[str, Any]:
-    """Both experiments; ``summary`` holds the compared numbers and whether targets are met."""
+    """Every experiment; ``summary`` holds the compared numbers and whether targets are met.
+
+    The geography experiment needs the WAN emulator; without it, it is skipped (``geography``
+    says why) and the others run; under ``CI=true`` that is a :class:`CLIError` instead.
+    """
+    from client_sdk.cli import CLIError
+
+    try:
+        geo = asyncio.run(geography(quick))
+    except WorldError as exc:
+        raise CLIError(str(exc)) from None
     fallback = asyncio.run(_fallback(quick))
     placement = asyncio.run(_placement(quick))
+    prefix_warmup = asyncio.run(_warm_vs_cold(quick))
     fb, nofb = fallback["with_fallback"], fallback["without_fallback"]
     prefix, rr = placement["prefix"], placement["round_robin"]
     summary = {
@@ -205,14 +289,58 @@ def run(quick: bool) -> dict[str, Any]:
         "placement_target_met": prefix["cache_hit_ratio"] >= 0.9
         and prefix["max_min_load"] <= 1.5,
     }
+    warm, cold = prefix_warmup["warm"], prefix_warmup["cold"]
+    summary |= {
+        "p50_ttft_ms_first_request_warm_prefix": warm["p50_ttft_ms"],
+        "p99_ttft_ms_first_request_warm_prefix": warm["p99_ttft_ms"],
+        "p50_ttft_ms_first_request_cold_prefix": cold["p50_ttft_ms"],
+        "p99_ttft_ms_first_request_cold_prefix": cold["p99_ttft_ms"],
+        "mean_cached_tokens_warm_prefix": warm["mean_cached_tokens"],
+        "mean_cached_tokens_cold_prefix": cold["mean_cached_tokens"],
+        "prefix_misses_warm": warm["prefix_misses"],
+        "prefix_misses_cold": cold["prefix_misses"],
+    }
+    if "skipped" in geo:
+        summary["geography"] = "SKIPPED: " + geo["skipped"]
+    else:
+        summary |= geo["summary"]
+    notes = [
+        "the geography experiment runs in network namespaces behind the WAN emulator: one "
+        "process per region (router + h100-7b sim) and per client (the SDK); all the other "
+        "experiments run on loopback in this process",
+        "geography: 'nearest' gives the SDK all three regions (us-east-1 first) and it picks "
+        "by its own RTT probe at prewarm(); 'central' gives it us-east-1 only; the five "
+        "clients run at once, sharing this machine's 2 CPUs",
+        "warm vs cold prefix: each round starts a fresh region (fresh sims, empty caches) and "
+        "sends users once the router answers /healthz; a router with warm prefixes answers "
+        "only after warming them (~0.1 s here), so requests arriving during its start-up wait "
+        "for that instead of being served cold",
+    ]
+    if "skipped" in geo:
+        notes.insert(0, f"geography experiment SKIPPED: {geo['skipped']}. {LOOPBACK_LIMITS}")
     return {
         "scenario": "routing",
         "description": __doc__.strip().splitlines()[0] if __doc__ else "routing",
         "summary": summary,
+        "runs": geo.get("runs", []),
+        "geography": {k: v for k, v in geo.items() if k not in ("runs", "summary")},
+        "geography_clients": geo.get("clients", []),
         "fallback": fallback,
         "placement": placement,
-        "notes": [
-            "routers, sims and clients share one process and this machine's 2 noisy CPUs",
+        "prefix_warmup": prefix_warmup,
+        # Names outside the report's request columns, so its table shows every one of them.
+        "prefix_warmup_rows": [
+            {"condition": c, "ttft_ms_p50": prefix_warmup[c]["p50_ttft_ms"],
+             "ttft_ms_p99": prefix_warmup[c]["p99_ttft_ms"],
+             "requests": prefix_warmup[c]["completed"] + prefix_warmup[c]["failed"],
+             "errors": prefix_warmup[c]["failed"],
+             **{k: prefix_warmup[c][k] for k in ("mean_prompt_tokens", "mean_cached_tokens",
+                                                 "prefix_misses", "p50_ttft_ms_prefix_misses")}}
+            for c in ("warm", "cold")
+        ],
+        "notes": [*notes,
+            "loopback experiments: routers, sims and clients share one process and this "
+            "machine's 2 noisy CPUs",
             "loopback: a spilled request pays ~1 ms for the peer hop here, the inter-region "
             "RTT in a real deployment",
             "fallback run uses spill_budget_ratio 0.6: at 2x capacity half the requests must "
