@@ -1,11 +1,20 @@
-"""The routing benchmark's quick run meets its targets (loopback; generous bounds)."""
+"""The routing benchmark's quick run meets its targets (generous bounds).
+
+The loopback experiments run with the geography experiment skipped (``FIRSTBYTE_LOOPBACK=1``,
+which the result must say); the geography experiment runs on its own in the netns test.
+"""
 
 from __future__ import annotations
 
+import pytest
+
+from benchmarks.report import markdown_summary
 from benchmarks.scenarios import routing
+from benchmarks.scenarios._routing_geo import geography
 
 
-def test_quick_routing_run_meets_targets() -> None:
+def test_quick_routing_run_meets_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FIRSTBYTE_LOOPBACK", "1")
     result = routing.run(quick=True)
     s = result["summary"]
     assert s["failed_with_fallback"] == 0
@@ -16,3 +25,45 @@ def test_quick_routing_run_meets_targets() -> None:
     assert s["max_min_load_prefix"] <= 1.5
     served = result["fallback"]["with_fallback"]["served_by"]
     assert served.get("frankfurt", 0) > 0  # the overflow really went to the peer
+
+    # Warm vs cold prefix: warmed, every first request finds the system prompt cached;
+    # cold, the first one per backend (at least) pays for its prefill.
+    warm, cold = result["prefix_warmup"]["warm"], result["prefix_warmup"]["cold"]
+    assert warm["failed"] == cold["failed"] == 0
+    assert warm["prefix_misses"] == 0
+    assert cold["prefix_misses"] >= result["prefix_warmup"]["backends"]
+    assert warm["mean_cached_tokens"] > cold["mean_cached_tokens"]
+    assert warm["mean_cached_tokens"] >= 0.9 * warm["mean_prompt_tokens"]
+    assert 2000 <= warm["mean_prompt_tokens"] <= 4000
+    assert cold["p50_ttft_ms_prefix_misses"] > warm["p50_ttft_ms"]
+    assert s["prefix_misses_warm"] == 0
+    assert s["mean_cached_tokens_warm_prefix"] > 0
+
+    # The skipped experiment says so, in the summary and in the report.
+    assert s["geography"].startswith("SKIPPED")
+    assert result["runs"] == []
+    assert "geography experiment SKIPPED" in markdown_summary(result)
+
+
+@pytest.mark.netns
+async def test_quick_geography_nearest_beats_central() -> None:
+    geo = await geography(quick=True)
+    assert "skipped" not in geo
+    s = geo["summary"]
+    assert s["geo_failed_nearest"] == s["geo_failed_central"] == 0
+    assert s["geo_sdk_chose_nearest"]  # the SDK's RTT probe found each client's nearest region
+    assert s["geo_p99_within_budget_nearest"]
+    assert s["geo_p50_ttft_ms_nearest"] < s["geo_p50_ttft_ms_central"]
+    rows = {row["client"]: row for row in geo["clients"]}
+    assert set(rows) == {"tokyo", "london", "new-york", "sydney", "sao-paulo"}
+    for row in rows.values():
+        assert row["p50_ttft_ms_nearest"] >= row["rtt_nearest_ms"]  # a round trip at least
+        assert row["p50_ttft_ms_central"] >= row["rtt_central_ms"]
+        assert row["served_by_central"] == f"us-east-1:{geo['repeat']}"
+        if row["rtt_central_ms"] - row["rtt_nearest_ms"] > 50:
+            # Far from us-east-1: the nearest region saves most of the RTT difference.
+            saved = row["p50_ttft_ms_central"] - row["p50_ttft_ms_nearest"]
+            assert saved > 0.5 * (row["rtt_central_ms"] - row["rtt_nearest_ms"])
+    assert rows["tokyo"]["served_by_nearest"].startswith("ap-northeast-1:")
+    assert len(geo["runs"]) == 10
+    assert all(run["ttfts_ms"] for run in geo["runs"])
