@@ -14,7 +14,13 @@ region is a router with an ``h100-7b`` sim. Every client streams prewarmed SSE o
 Compared per client and overall: TTFT P50/P99 against the 500 ms latency budget. Needs root
 and /dev/net/tun; without them the experiment is skipped and says why (under ``CI=true`` that
 is an error, as :func:`benchmarks.world.choose_mode` decides).
+
+Not measured here: a client entering at the wrong region and being forwarded or hinted
+(``x-firstbyte-better-region``). The world's routers have no peers or GeoIP database, and
+peering them over TLS would need the router's peer client to trust the run's CA (it verifies
+with certifi only); ``tests/router/test_multiregion.py`` covers forwarding on loopback.
 """
+
 
 from __future__ import annotations
 
@@ -32,13 +38,19 @@ from benchmarks.world import World, choose_mode
 from client_sdk.budget import LatencyBudget
 from client_sdk.timings import Timings
 
-__all__ = ["CENTRAL", "geography", "profile"]
+__all__ = ["CENTRAL", "NOT_MEASURED", "geography", "profile"]
 
 CENTRAL = "region-us-east"
 CELL = "sse/2/warm"
 SIM_PROFILE = "h100-7b"
 MAX_TOKENS = 8
 MODES = ("nearest", "central")
+
+NOT_MEASURED = (
+    "not measured: a client entering at the wrong region being forwarded or hinted "
+    "(x-firstbyte-better-region); the emulated routers have no peers or GeoIP database "
+    "(the router's peer client verifies TLS with certifi only, not the run's CA)"
+)
 
 
 def profile() -> Profile:

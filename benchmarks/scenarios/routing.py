@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.scenarios._routing_geo import geography
+from benchmarks.scenarios._routing_geo import NOT_MEASURED, geography
 from benchmarks.stats import percentile
 from benchmarks.world import LOOPBACK_LIMITS, WorldError
 from client_sdk._core.sse import DONE, SSEDecoder
@@ -316,6 +316,8 @@ def run(quick: bool) -> dict[str, Any]:
         "only after warming them (~0.1 s here), so requests arriving during its start-up wait "
         "for that instead of being served cold",
     ]
+    if "skipped" not in geo:
+        notes.append(NOT_MEASURED)
     if "skipped" in geo:
         notes.insert(0, f"geography experiment SKIPPED: {geo['skipped']}. {LOOPBACK_LIMITS}")
     return {
