@@ -126,8 +126,12 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peers: list[PeerConfig] = msgspec.field(default_factory=list)
     warm_prefixes: list[WarmPrefixConfig] = msgspec.field(default_factory=list)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
+    upstream_ca_file: str | None = None
+    """PEM CA bundle trusted for TLS to upstreams and peers (default: the public bundle)."""
 
     def __post_init__(self) -> None:
+        if self.upstream_ca_file is not None and not Path(self.upstream_ca_file).is_file():
+            raise ValueError(f"upstream_ca_file: no such file: {self.upstream_ca_file}")
         check_regions(self.region, self.geo, self.peers, self.routing, self.warm_prefixes)
         listen = self.listen
         if (listen.certfile is None) != (listen.keyfile is None):

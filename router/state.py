@@ -39,7 +39,7 @@ class RouterState:
                 for i, u in enumerate(config.upstreams)
             ]
         )
-        self.proxy = Proxy(config.limits, self.metrics, clock)
+        self.proxy = Proxy(config.limits, self.metrics, clock, ca_file=config.upstream_ca_file)
         # Region choice, backend affinity, backpressure, peers and warmup (router/multiregion.py).
         self.routing = RegionRouting(config, self.pool, self.proxy.client, clock)
         self.cancelled_unattended = 0

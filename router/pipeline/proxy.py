@@ -15,6 +15,7 @@ Errors after the stream started become an ``{"error": {...}}`` event followed by
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,8 +94,14 @@ class Proxy:
         limits: LimitsConfig,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        ca_file: str | None = None,
     ) -> None:
         self.limits = limits
+        # One TLS context for every pool: built once, it also shares TLS session state.
+        verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=ca_file) if ca_file is not None else True
+        )
         self.metrics = metrics
         self.clock = clock
         total = limits.upstream_max_connections
@@ -107,7 +114,7 @@ class Proxy:
         # connection). Shard 0 is ``client``: the non-streamed requests and the routing
         # stages' probes use it.
         self.stream_clients = [
-            self._new_client(limits, total // shards + (1 if i < total % shards else 0))
+            self._new_client(limits, total // shards + (1 if i < total % shards else 0), verify)
             for i in range(shards)
         ]
         self.client = self.stream_clients[0]
@@ -115,8 +122,11 @@ class Proxy:
         self.producers: set[asyncio.Task[None]] = set()
 
     @staticmethod
-    def _new_client(limits: LimitsConfig, max_connections: int) -> httpx.AsyncClient:
+    def _new_client(
+        limits: LimitsConfig, max_connections: int, verify: ssl.SSLContext | bool
+    ) -> httpx.AsyncClient:
         client = httpx.AsyncClient(
+            verify=verify,
             limits=httpx.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_connections,
