@@ -22,7 +22,14 @@ from .app import RouterApp, build_app
 from .config import RouterConfig
 from .quic import TicketStore, enable_session_tickets
 
-__all__ = ["RouterEndpoints", "bind_sockets", "loop_factory", "running_router", "serve"]
+__all__ = [
+    "RouterEndpoints",
+    "bind_sockets",
+    "loop_factory",
+    "running_router",
+    "serve",
+    "ws_max_message_bytes",
+]
 
 log = logging.getLogger("firstbyte.router")
 # hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
@@ -62,6 +69,16 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
     new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return new_loop
+
+
+def ws_max_message_bytes(config: RouterConfig) -> int:
+    """The largest WebSocket message either server accepts: one ``request`` message whose body
+    is at the ``max_body_bytes`` limit, plus room for its envelope.
+
+    Both servers default to 16 MiB, so a message far over the body limit would be buffered
+    whole before the body check could answer it; above this the server closes with 1009.
+    """
+    return config.limits.max_body_bytes + 4096
 
 
 def bind_sockets(host: str, port: int, *, udp: bool) -> tuple[socket.socket, socket.socket | None]:
@@ -112,6 +129,7 @@ def _hypercorn_config(config: RouterConfig, h3_port: int | None, tickets: Ticket
     hc.include_server_header = False
     hc.graceful_timeout = 5.0
     hc.alpn_protocols = ["h2", "http/1.1"]
+    hc.websocket_max_message_size = ws_max_message_bytes(config)
     if listen.certfile is not None:
         hc.certfile = listen.certfile
         hc.keyfile = listen.keyfile
@@ -223,6 +241,7 @@ async def _serve_uvicorn(
         app,
         http="httptools",
         ws="websockets-sansio",
+        ws_max_size=ws_max_message_bytes(config),
         lifespan="on",
         loop="none",
         access_log=False,

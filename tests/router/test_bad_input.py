@@ -167,6 +167,31 @@ async def test_websocket_bad_input(
     await still_serves(client, routed.base_url)
 
 
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_websocket_message_over_the_body_limit_is_refused(
+    start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str], server: str
+) -> None:
+    """A message far over ``max_body_bytes`` is cut off by the server (1009), not buffered."""
+    listen = {"server": server, "http3": server == "hypercorn"}
+    limits = {"max_body_bytes": MAX_BODY}
+    async with start_router([upstream.url], listen=listen, limits=limits) as endpoints:
+        uri = endpoints.base_url.replace("https://", "wss://") + "/v1/ws"
+        tls = client_tls(tls_files)
+        async with ws_connect(
+            uri, ssl=tls, additional_headers=auth(), proxy=None, max_size=None
+        ) as ws:
+            await ws.send(json.dumps({"type": "request", "body": BODY, "pad": "x" * 64 * MAX_BODY}))
+            with pytest.raises(ConnectionClosedError) as closed:
+                await ws.recv()
+            assert closed.value.rcvd is not None
+            assert closed.value.rcvd.code == 1009
+        # A request body at the limit still fits in one message.
+        body = {**BODY, "user": "u" * (MAX_BODY - len(json.dumps(BODY)) - 20)}
+        async with ws_connect(uri, ssl=tls, additional_headers=auth(), proxy=None) as ws:
+            await ws.send(json.dumps({"type": "request", "body": body}))
+            assert json.loads(await ws.recv())["type"] == "start"
+
+
 async def test_upstream_errors_are_relayed(
     start_router: RouterFactory, tls_files: dict[str, str]
 ) -> None:
