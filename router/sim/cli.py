@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable
 
@@ -32,10 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawTextHelpFormatter
     profiles = "\n".join(f"  {p.name}: {p.description}" for p in PROFILES.values())
     parser.epilog = "profiles:\n" + profiles
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8001, help="port (0: any free port)")
     parser.add_argument(
-        "--profile", default="h100-7b", choices=sorted(PROFILES), help="cost profile"
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8001, help="TCP port (default 8001; 0: any free port)"
+    )
+    parser.add_argument(
+        "--profile",
+        default="h100-7b",
+        choices=sorted(PROFILES),
+        help="cost profile (default h100-7b; see below)",
     )
     parser.add_argument(
         "--max-num-seqs",
@@ -92,6 +100,14 @@ def _config(args: argparse.Namespace) -> SimConfig:
     for path in (args.certfile, args.keyfile):
         if path and not os.path.isfile(path):
             raise CLIError(f"no such file: {path}")
+    if args.certfile:
+        # Load the pair here: the server would only fail later, with a traceback.
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                args.certfile, args.keyfile
+            )
+        except (ssl.SSLError, OSError) as exc:
+            raise CLIError(f"cannot load --certfile/--keyfile: {exc}") from None
     for spec in args.fault:
         try:
             parse_fault(spec)

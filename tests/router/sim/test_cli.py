@@ -107,6 +107,7 @@ def test_granian_server_option(sim_process: list[subprocess.Popen[str]]) -> None
         (["--fault", "stall:after=x"], "after must be a number"),
         (["--certfile", "/nonexistent.pem"], "--certfile and --keyfile go together"),
         (["--certfile", "/nonexistent.pem", "--keyfile", "/x.pem"], "no such file"),
+        (["--certfile", __file__, "--keyfile", __file__], "cannot load --certfile/--keyfile"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--queue-limit", "-1"], "--queue-limit must be >= 0"),
         (["--port", "70000"], "--port must be 0..65535"),
