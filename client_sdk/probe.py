@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", metavar="URL",
                         help="the API base URL, e.g. https://eu.example.com/v1 (/v1 is added if"
                              " the URL has no path)")
-    parser.add_argument("--transport", choices=["sse", "websocket", "longpoll"], default="sse")
+    parser.add_argument("--transport", choices=["sse", "websocket", "longpoll"], default="sse",
+                        help="how to stream (default sse)")
     parser.add_argument("--http", choices=["1.1", "2", "3"], default=None,
                         help="HTTP version (default 2; 1.1 for websocket and http:// URLs)")
     parser.add_argument("--warm", action="store_true",
@@ -45,15 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the Timings record as JSON")
     parser.add_argument("--api-key", default=None,
                         help="API key (default: the FIRSTBYTE_API_KEY environment variable)")
-    parser.add_argument("--model", default="default", help="model name to request")
-    parser.add_argument("--prompt", default="Say hello.", help="the user message")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--model", default="default",
+                        help="model name to request (default 'default')")
+    parser.add_argument("--prompt", default="Say hello.",
+                        help="the user message (default 'Say hello.')")
+    parser.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                        help="tokens to ask for (default 16)")
     parser.add_argument("--cacert", default=None, metavar="FILE",
                         help="CA certificate (PEM) to verify the server with")
     parser.add_argument("--insecure", action="store_true",
                         help="do not verify the server's certificate")
     parser.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                        help="give up after S seconds (connect, and idle between events)")
+                        help="give up after S seconds (connect, and idle between events;"
+                             " default 30)")
 
 
 async def probe(
@@ -141,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("FIRSTBYTE_API_KEY")
     if args.cacert is not None and not os.path.isfile(args.cacert):
         raise CLIError(f"--cacert {args.cacert}: no such file")
+    if not args.timeout > 0:
+        raise CLIError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    if args.max_tokens < 1:
+        raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         timings = asyncio.run(asyncio.wait_for(probe(
             url, transport=args.transport, http=args.http, warm=args.warm, api_key=api_key,

@@ -76,6 +76,8 @@ async def test_probe_errors_are_clear_and_without_traceback(stack: Stack) -> Non
             ((stack.base_url, "--cacert", stack.ca_file), None, "FIRSTBYTE_API_KEY"),
             (("ftp://example/v1",), ROUTER_KEY, "base URL"),
             ((stack.base_url, "--cacert", "/nonexistent.pem"), ROUTER_KEY, "no such file"),
+            ((stack.base_url, "--timeout", "-1"), ROUTER_KEY, "--timeout must be > 0"),
+            ((stack.base_url, "--max-tokens", "0"), ROUTER_KEY, "--max-tokens must be >= 1"),
         ]
         for args, key, expected in cases:
             code, out, err = await probe(*args, api_key=key)
