@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} exists and is not a directory")
+    try:  # now, not after the run: a path that cannot be written is a user error
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"cannot create --out {out}: {exc.strerror}") from None
     try:
         mode, why = choose_mode(args.loopback)
     except WorldError as exc:

@@ -42,7 +42,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Subcommand]]:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules: dict[str, _Subcommand] = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text.capitalize() + ".")
+        # Not str.capitalize(): it lowercases the rest ("TLS", "OpenAI", "HTTP/2").
+        description = help_text[0].upper() + help_text[1:] + "."
+        sub = subparsers.add_parser(name, help=help_text, description=description)
         try:
             module: _Subcommand = importlib.import_module(module_name)
         except ImportError as exc:

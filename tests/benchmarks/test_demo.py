@@ -85,12 +85,13 @@ def test_loopback_end_to_end(tmp_path: Path) -> None:
     [
         (["--repeat", "0"], "--repeat must be within 1..50"),
         (["--out", "FILE"], "exists and is not a directory"),
+        (["--out", "FILE/sub"], "cannot create --out"),  # under a file
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
     file = tmp_path / "file"
     file.write_text("x")
-    done = demo("--loopback", *[str(file) if a == "FILE" else a for a in args], timeout=30)
+    done = demo("--loopback", *[a.replace("FILE", str(file)) for a in args], timeout=30)
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
