@@ -22,25 +22,49 @@ from client_sdk.cli import CLIError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="wan_command", metavar="ACTION", required=True)
-    up = sub.add_parser("up", help="start an emulated geography in the background")
+    up = sub.add_parser(
+        "up",
+        help="start an emulated geography in the background",
+        description="Start an emulated geography in the background.",
+    )
     up.add_argument(
         "profile", metavar="PROFILE", help=f"built-in ({', '.join(geo.BUILTIN)}) or a TOML file"
     )
     up.add_argument("--seed", type=int, default=0, help="loss PRNG seed (default 0)")
-    ex = sub.add_parser("exec", help="run a command inside a host of the running emulator")
-    ex.add_argument("host")
+    ex = sub.add_parser(
+        "exec",
+        help="run a command inside a host of the running emulator",
+        description="Run a command inside a host of the running emulator.",
+    )
+    ex.add_argument("host", help="the emulated host, e.g. client-beijing (see `wan status`)")
     ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
-    sub.add_parser("status", help="list emulator runs on this machine")
-    down = sub.add_parser("down", help="tear down emulators started with `up`")
+    sub.add_parser(
+        "status",
+        help="list emulator runs on this machine",
+        description="List emulator runs on this machine.",
+    )
+    down = sub.add_parser(
+        "down",
+        help="tear down emulators started with `up`",
+        description="Tear down emulators started with `up`.",
+    )
     down.add_argument("run_id", nargs="?", help="the run to stop (default: the only `up` run)")
     down.add_argument("--all", action="store_true", help="stop every `up` run on this machine")
-    clean = sub.add_parser("cleanup", help="remove what crashed runs left behind")
+    clean = sub.add_parser(
+        "cleanup",
+        help="remove what crashed runs left behind",
+        description="Remove what crashed runs left behind.",
+    )
     clean.add_argument(
         "--stale", action="store_true", help="only runs whose owner died (the default, and safe)"
     )
-    prec = sub.add_parser("precision", help="configured vs measured RTT through the emulator")
-    prec.add_argument("--rtt", type=float, default=150.0, help="configured RTT in ms (150)")
-    prec.add_argument("--count", type=int, default=50, help="probes per method (50)")
+    prec = sub.add_parser(
+        "precision",
+        help="configured vs measured RTT through the emulator",
+        description="Configured vs measured RTT through the emulator.",
+    )
+    prec.add_argument("--rtt", type=float, default=150.0, help="configured RTT in ms (default 150)")
+    prec.add_argument("--count", type=int, default=50, help="probes per method (default 50)")
     prec.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
