@@ -20,8 +20,12 @@ from typing import Any, Protocol
 from client_sdk._core.timing import TimingRecorder, parse_server_timing
 from client_sdk.errors import StreamBrokenError
 
-__all__ = ["Event", "HTTPResponse", "Item", "Opened", "Session", "Source", "TransportCut",
-           "note_response_headers"]
+__all__ = ["MAX_BODY_BYTES", "Event", "HTTPResponse", "Item", "Opened", "Session", "Source",
+           "TransportCut", "note_response_headers"]
+
+MAX_BODY_BYTES = 64 << 20
+"""The most :meth:`HTTPResponse.read` holds: a long-poll batch of a long completion fits,
+a server that never stops sending does not take the client's memory."""
 
 
 class TransportCut(StreamBrokenError):
@@ -53,8 +57,17 @@ class HTTPResponse:
     chunks: AsyncIterator[bytes]
     extra: dict[str, Any] = field(default_factory=dict)
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks])
+    async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The whole body; :class:`~client_sdk.errors.StreamBrokenError` (not resumed) once
+        it passes ``limit`` bytes, without reading further."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks:
+            size += len(chunk)
+            if size > limit:
+                raise StreamBrokenError(f"response body larger than {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
 
 
 class Session(Protocol):
