@@ -56,6 +56,9 @@ HTTPVersion = Literal["1.1", "2", "3"]
 T = TypeVar("T")
 
 _EOF = object()
+_QUEUE_ITEMS = 256
+"""Items read ahead of a slow consumer; beyond this the transport stops reading (bounded
+memory whatever the server sends)."""
 _LABEL_PROBE_S = 60.0
 """At most one probe per minute to learn router names for a better-region hint."""
 
@@ -315,7 +318,7 @@ class ChatStream:
         self._on_first_token = on_first_token
         self._recorder = TimingRecorder(time.perf_counter(), transport=client.transport)
         self._assembler = StreamAssembler()
-        self._queue: asyncio.Queue[Item | object | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[Item | object | BaseException] = asyncio.Queue(_QUEUE_ITEMS)
         self._pump_task: asyncio.Task[None] | None = None
         self._stream_id: str | None = None
         self._opened = False
@@ -397,19 +400,19 @@ class ChatStream:
 
     # -- machinery ------------------------------------------------------------------------------
     def _start(self, source: Source) -> None:
-        self._queue = asyncio.Queue()
+        self._queue = asyncio.Queue(_QUEUE_ITEMS)
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(source, self._queue))
 
     @staticmethod
     async def _pump(source: Source, queue: asyncio.Queue[Item | object | BaseException]) -> None:
         try:
             async for item in source:
-                queue.put_nowait(item)
-            queue.put_nowait(_EOF)
+                await queue.put(item)  # a full queue stops reading: the server is slowed down
+            await queue.put(_EOF)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            queue.put_nowait(exc)
+            await queue.put(exc)
         finally:
             with contextlib.suppress(Exception):
                 await source.aclose()  # type: ignore[attr-defined]
