@@ -90,8 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "regressed by more than the threshold, 0 otherwise."
         ),
     )
-    cmp.add_argument("baseline", metavar="BASELINE.json")
-    cmp.add_argument("new", metavar="NEW.json")
+    cmp.add_argument("baseline", metavar="BASELINE.json", help="the reference results.json")
+    cmp.add_argument("new", metavar="NEW.json", help="the results.json to check against it")
     cmp.add_argument(
         "--threshold",
         type=float,

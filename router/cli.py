@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",
         choices=["hypercorn", "uvicorn"],
-        help="hypercorn: HTTP/1.1, HTTP/2, HTTP/3; uvicorn: HTTP/1.1 only, less CPU",
+        help="hypercorn: HTTP/1.1, HTTP/2, HTTP/3; uvicorn: HTTP/1.1 only, less CPU"
+        " (default: listen.server from --config, else hypercorn)",
     )
     parser.add_argument("--no-http3", action="store_true", help="do not serve HTTP/3")
     parser.add_argument(
