@@ -1,8 +1,9 @@
 """Backend choice: which upstream inference server takes this request.
 
-For now: the healthy backend with the fewest requests in flight, ties broken round-robin.
-The multi-region stages (prefix affinity, expected TTFT) replace :func:`choose_backend` or run
-before it and set ``ctx.backend`` themselves; a stage that already chose is respected.
+Chat requests get their backend from the routing stage (``router/multiregion.py``: prefix
+affinity balanced by load), which runs first and sets ``ctx.backend``; a stage that already
+chose is respected. :func:`choose_backend` picks only for the rest (e.g. ``GET /v1/models``):
+the healthy backend with the fewest requests in flight, ties broken round-robin.
 """
 
 from __future__ import annotations
