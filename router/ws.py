@@ -29,6 +29,9 @@ __all__ = ["websocket_session"]
 
 CLOSE_INVALID_PAYLOAD = 1007
 CLOSE_POLICY = 1008
+MAX_STREAMS_PER_SOCKET = 64
+"""Streams followed at once on one socket; one more is refused (error, close 1008), so a
+client cannot make the router hold a task per message it sends."""
 
 
 class WsRequest(msgspec.Struct, tag="request", tag_field="type"):
@@ -95,6 +98,10 @@ class _Session:
             reason = f"malformed message: {exc}"[:120]
             await self.send(_error(None, error_body(reason, code="invalid_message")))
             raise _Close(CLOSE_INVALID_PAYLOAD, reason) from None
+        if len(self.followers) >= MAX_STREAMS_PER_SOCKET:
+            reason = f"more than {MAX_STREAMS_PER_SOCKET} streams at once on one socket"
+            await self.send(_error(None, error_body(reason, code="too_many_streams")))
+            raise _Close(CLOSE_POLICY, reason)
         if isinstance(message, WsRequest):
             await self._request(message)
         else:

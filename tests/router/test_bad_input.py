@@ -3,11 +3,13 @@ the router keeps serving afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
@@ -190,6 +192,39 @@ async def test_websocket_message_over_the_body_limit_is_refused(
         async with ws_connect(uri, ssl=tls, additional_headers=auth(), proxy=None) as ws:
             await ws.send(json.dumps({"type": "request", "body": body}))
             assert json.loads(await ws.recv())["type"] == "start"
+
+
+async def test_websocket_streams_per_socket_are_bounded(
+    routed: RouterEndpoints, upstream: Upstream, tls_files: dict[str, str]
+) -> None:
+    from router.ws import MAX_STREAMS_PER_SOCKET
+
+    upstream.delay_s = 0.5  # the stream outlives the test: every follower stays attached
+    uri = routed.base_url.replace("https://", "wss://") + "/v1/ws"
+    async with ws_connect(
+        uri, ssl=client_tls(tls_files), additional_headers=auth(), proxy=None
+    ) as ws:
+        await ws.send(json.dumps({"type": "request", "body": {**BODY, "max_tokens": 40}}))
+        started = json.loads(await ws.recv())
+        assert started["type"] == "start"
+        resume = json.dumps({"type": "resume", "stream": started["stream"], "after": 0})
+        for _ in range(MAX_STREAMS_PER_SOCKET - 1):
+            await ws.send(resume)
+        await ws.send(resume)  # one past the bound
+        assert await error_codes_until_closed(ws) == (["too_many_streams"], 1008)
+
+
+async def error_codes_until_closed(ws: ClientConnection) -> tuple[list[str], int | None]:
+    """The error codes the router sends until it closes the socket, and its close code."""
+    codes: list[str] = []
+    try:
+        while True:
+            async with asyncio.timeout(10):  # fail, not hang, if the socket stays open
+                reply = json.loads(await ws.recv())
+            if reply["type"] == "error":
+                codes.append(reply["error"]["code"])
+    except ConnectionClosedError as closed:
+        return codes, closed.rcvd.code if closed.rcvd is not None else None
 
 
 async def test_upstream_errors_are_relayed(
