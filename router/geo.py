@@ -137,9 +137,17 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class TrustedProxies:
-    """A set of networks whose forwarding headers are believed."""
+    """A set of networks whose forwarding header is believed, and which header that is.
 
-    def __init__(self, cidrs: Iterable[str] = ()) -> None:
+    Only ``header`` (``x-forwarded-for`` or ``forwarded``, the one the proxies set) is read:
+    a proxy passes the other one through from the client untouched, so believing it would
+    let any client name its own address.
+    """
+
+    def __init__(self, cidrs: Iterable[str] = (), header: str = "x-forwarded-for") -> None:
+        if header not in ("x-forwarded-for", "forwarded"):
+            raise ValueError(f"forwarding header must be x-forwarded-for or forwarded: {header}")
+        self.header = header
         self.networks: tuple[IPNetwork, ...] = tuple(
             ipaddress.ip_network(c, strict=False) for c in cidrs
         )
@@ -168,22 +176,19 @@ def _parse_ip(text: str) -> IPAddress | None:
     return address
 
 
-def _forwarded_chain(headers: Sequence[tuple[str, str]]) -> list[str] | None:
-    """The hop addresses, leftmost (original client) first; ``Forwarded`` wins over XFF."""
-    forwarded = [v for k, v in headers if k.lower() == "forwarded"]
-    if forwarded:
-        chain: list[str] = []
-        for value in forwarded:
-            for element in value.split(","):
-                for pair in element.split(";"):
-                    key, _, val = pair.strip().partition("=")
-                    if key.lower() == "for":
-                        chain.append(val)
-        return chain
-    xff = [v for k, v in headers if k.lower() == "x-forwarded-for"]
-    if xff:
-        return [part for value in xff for part in value.split(",")]
-    return None
+def _forwarded_chain(headers: Sequence[tuple[str, str]], header: str) -> list[str]:
+    """The hop addresses in ``header`` (every line of it), leftmost (original client) first."""
+    values = [v for k, v in headers if k.lower() == header]
+    if header == "x-forwarded-for":
+        return [part for value in values for part in value.split(",")]
+    chain: list[str] = []
+    for value in values:
+        for element in value.split(","):
+            for pair in element.split(";"):
+                key, _, val = pair.strip().partition("=")
+                if key.lower() == "for":
+                    chain.append(val)
+    return chain
 
 
 def client_address(
@@ -193,15 +198,15 @@ def client_address(
 ) -> IPAddress | None:
     """The address to locate: the direct peer unless it is a trusted proxy.
 
-    Behind a trusted proxy, walk ``Forwarded`` (or ``X-Forwarded-For``) from the right,
-    skipping trusted proxies; the first untrusted hop is the client. An unparseable hop
-    stops the walk at the last good address (never trusting what is left of garbage).
+    Behind a trusted proxy, walk ``trusted.header`` from the right, skipping trusted proxies;
+    the first untrusted hop is the client. An unparseable hop stops the walk at the last good
+    address (never trusting what is left of garbage).
     """
     address = _parse_ip(peer) if peer else None
     if address is None or address not in trusted:
         return address
     pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
-    chain = _forwarded_chain(pairs)
+    chain = _forwarded_chain(pairs, trusted.header)
     if not chain:
         return address
     for hop in reversed(chain):

@@ -133,7 +133,7 @@ class RegionRouting:
         self.clock = clock
         routing = config.routing
         self.here_point = _point(config.geo.latitude, config.geo.longitude, config.region)
-        self.trusted = TrustedProxies(config.geo.trusted_proxies)
+        self.trusted = TrustedProxies(config.geo.trusted_proxies, config.geo.forwarded_header)
         self.locator = GeoLocator(config.geo.database) if config.geo.database else None
         self.peer_key = routing.peer_key
         self.model = RegionModel(
@@ -265,7 +265,8 @@ class RegionRouting:
         peer = ctx.client[0] if ctx.client else None
         trusted = self.trusted
         if from_peer and peer is not None:
-            trusted = TrustedProxies([*self.config.geo.trusted_proxies, peer])
+            # A peer router states the client's address in x-forwarded-for (see _to_peer).
+            trusted = TrustedProxies([*self.config.geo.trusted_proxies, peer], "x-forwarded-for")
         address = client_address(peer, ctx.headers, trusted)
         if self.locator is None:
             return None

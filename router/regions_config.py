@@ -73,7 +73,9 @@ class GeoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     database: str | None = None
     """A GeoIP2/GeoLite2 City ``.mmdb`` file."""
     trusted_proxies: list[str] = msgspec.field(default_factory=list)
-    """CIDRs whose ``X-Forwarded-For`` / ``Forwarded`` headers are believed."""
+    """CIDRs whose ``forwarded_header`` is believed."""
+    forwarded_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
+    """The one header the trusted proxies set; the other is ignored (a client could send it)."""
 
 
 class PeerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -89,12 +89,29 @@ def test_trusted_peer_multiple_xff_headers_concatenate() -> None:
     assert client_address("127.0.0.1", headers, TRUSTED) == ip(VIRGINIA_CLIENT)
 
 
-def test_forwarded_header_wins_and_handles_ports_and_v6() -> None:
+def test_forwarded_header_handles_ports_and_v6() -> None:
     headers = [
         ("x-forwarded-for", VIRGINIA_CLIENT),
         ("forwarded", 'for="[2001:db8::1]:4711";proto=https, for=10.0.0.9:80'),
     ]
-    assert client_address("127.0.0.1", headers, TRUSTED) == ip("2001:db8::1")
+    trusted = TrustedProxies(["127.0.0.1/32", "10.0.0.0/8"], "forwarded")
+    assert client_address("127.0.0.1", headers, trusted) == ip("2001:db8::1")
+
+
+def test_only_the_configured_forwarding_header_is_believed() -> None:
+    # The proxy sets X-Forwarded-For; a Forwarded header it passed through is the client's own.
+    headers = [
+        ("forwarded", f"for={TOKYO_CLIENT}"),
+        ("x-forwarded-for", VIRGINIA_CLIENT),
+    ]
+    assert client_address("127.0.0.1", headers, TRUSTED) == ip(VIRGINIA_CLIENT)
+    only_forwarded = TrustedProxies(["127.0.0.1/32"], "forwarded")
+    assert client_address("127.0.0.1", headers, only_forwarded) == ip(TOKYO_CLIENT)
+    assert client_address("127.0.0.1", {"forwarded": f"for={TOKYO_CLIENT}"}, TRUSTED) == ip(
+        "127.0.0.1"
+    )
+    with pytest.raises(ValueError, match="forwarding header"):
+        TrustedProxies([], "x-real-ip")
 
 
 def test_garbage_hop_stops_the_walk() -> None:
