@@ -9,7 +9,7 @@ the healthy backend with the fewest requests in flight, ties broken round-robin.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .context import CONTINUE, Fallback, Outcome, RequestContext
 
@@ -22,7 +22,7 @@ class Backend:
 
     name: str
     url: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a repr may end up in a log
     in_flight: int = 0
     healthy: bool = True
     requests: int = 0

@@ -111,14 +111,16 @@ class RequestContext:
 
     method: str
     path: str
-    headers: dict[str, str]
+    # The key (in ``headers`` and ``api_key``) and the prompt stay out of the repr, which an
+    # error report or a debug log line may print.
+    headers: dict[str, str] = field(repr=False)
     """Lower-cased header names; the last value wins."""
-    body: bytes = b""
+    body: bytes = field(default=b"", repr=False)
     client: tuple[str, int] | None = None
     http_version: str = "1.1"
     received_at: float = field(default_factory=time.perf_counter)
-    api_key: str | None = None
-    request: ChatCompletionRequest | None = None
+    api_key: str | None = field(default=None, repr=False)
+    request: ChatCompletionRequest | None = field(default=None, repr=False)
     stream_requested: bool = False
     traceparent: Traceparent = field(default_factory=lambda: Traceparent.continue_from(None))
     backend: Any = None
@@ -126,7 +128,7 @@ class RequestContext:
     region: str = ""
     admitted_at: float | None = None
     routed_at: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # upstream_headers: keys
     """Room for later stages (GeoIP location, region choice, prefix hash, ...)."""
 
     def server_timing(self, **more_ms: float) -> str:

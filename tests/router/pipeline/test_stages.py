@@ -35,6 +35,18 @@ def test_authenticate() -> None:
     assert authenticate(ctx({}), []) is CONTINUE  # no keys configured: open (local use)
 
 
+def test_reprs_carry_no_key_and_no_prompt() -> None:
+    request = ctx({"authorization": "Bearer sk-two-00000000"})
+    assert authenticate(request, KEYS) is CONTINUE
+    assert parse_chat(request) is CONTINUE
+    request.backend = Backend("b", "http://127.0.0.1:1", api_key="sk-backend-0000")
+    request.extra["upstream_headers"] = {"authorization": "Bearer sk-two-00000000"}
+    text = repr(request)
+    assert "/v1/chat/completions" in text
+    for secret in ("sk-two", "sk-backend", '"hi"', "'hi'"):
+        assert secret not in text, secret
+
+
 def test_body_limit_and_parse() -> None:
     too_big = check_body_size(ctx(body=b"x" * 11), 10)
     assert isinstance(too_big, LocalReply)
