@@ -118,9 +118,6 @@ class Stream:
         self.readers = max(0, self.readers - 1)
         self.last_reader_at = now
 
-    def touch(self, now: float) -> None:
-        self.last_reader_at = now
-
     def unattended_for(self, now: float) -> float:
         """Seconds since the last reader left (0 while one is attached)."""
         return 0.0 if self.readers else max(0.0, now - self.last_reader_at)
