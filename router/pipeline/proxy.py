@@ -276,20 +276,22 @@ class Proxy:
         stream: Stream,
         response: httpx.Response,
         sent_at: float,
-        watch: asyncio.Timeout | None = None,
-        observer: Any = None,
-        appended: list[int] | None = None,
-        release: tuple[asyncio.Future[UpstreamHead], UpstreamHead] | None = None,
+        watch: asyncio.Timeout,
+        observer: Any,
+        appended: list[int],
+        release: tuple[asyncio.Future[UpstreamHead], UpstreamHead] | None,
     ) -> bool:
         """Copy upstream events into ``stream``; True if it ended with ``[DONE]``.
 
-        After a switch (``appended[0] > 0``), events before the new upstream's first content
-        (its role chunk) are dropped: the client already has the first upstream's.
+        ``watch`` (the first-token deadline) is lifted at the first content; ``appended[0]``
+        counts the events appended across upstreams. After a switch (``appended[0] > 0``),
+        events before the new upstream's first content (its role chunk) are dropped: the
+        client already has the first upstream's. ``release`` resolves the response head at
+        the first content (when a deadline holds it back until then).
         """
         decoder = SSEDecoder()
         first_content = False
-        count = appended if appended is not None else [0]
-        skip_preamble = count[0] > 0
+        skip_preamble = appended[0] > 0
         done = False
         try:
             # After [DONE], read on to the end of the body (briefly): closing an unfinished
@@ -309,8 +311,7 @@ class Proxy:
                         now = time.perf_counter()
                         if not first_content and _has_content(data):
                             first_content = True
-                            if watch is not None:
-                                watch.reschedule(None)  # the first-token deadline no longer applies
+                            watch.reschedule(None)  # the first-token deadline no longer applies
                             stream.upstream_ttft_ms = (now - sent_at) * 1000
                             self.metrics.ttft.observe(now - ctx.received_at)
                             if observer is not None:
@@ -322,7 +323,7 @@ class Proxy:
                         if skip_preamble and not first_content:
                             continue
                         stream.append(data, self.clock())
-                        count[0] += 1
+                        appended[0] += 1
         except TimeoutError:
             if not done:
                 raise
