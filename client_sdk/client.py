@@ -521,13 +521,11 @@ class ChatStream:
             raise StreamBrokenError(
                 f"stream broken and {client.max_resumes} resumes failed: {reason}"
             ) from reason
-        if self._stream_id is None and self._resumes == 1 and not stalled:
-            # Cut before any answer, the first time: most likely a kept-alive connection the
-            # server had closed (or a region that died). Retry at once on a fresh connection:
-            # a dead region then fails to connect and the request fails over to the warm
-            # standby without having waited out a backoff.
-            pass
-        else:
+        # Cut before any answer, the first time: most likely a kept-alive connection the server
+        # had closed (or a region that died). That is retried at once on a fresh connection:
+        # a dead region then fails to connect and the request fails over to the warm standby
+        # without having waited out a backoff. Everything else backs off.
+        if self._stream_id is not None or self._resumes > 1 or stalled:
             await asyncio.sleep(min(client.resume_backoff_s * 2 ** (self._resumes - 1), 2.0))
         if self._stream_id is None:
             # Never opened: nothing to resume, send the request again.
