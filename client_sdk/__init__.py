@@ -9,7 +9,7 @@ from client_sdk.budget import BudgetReport, LatencyBudget
 
 if TYPE_CHECKING:
     from client_sdk._core.stream import StreamDelta
-    from client_sdk.client import AsyncClient, Client
+    from client_sdk.client import AsyncClient
     from client_sdk.errors import (
         APIError,
         AuthenticationError,
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         StreamStalledError,
         TLSError,
     )
+    from client_sdk.sync import Client
     from client_sdk.timings import Timings
 
 __version__ = "0.1.0"
@@ -46,7 +47,7 @@ __all__ = [
 # ``client_sdk.types`` only, so the client is imported on first use, not with the package.
 _LAZY = {
     "AsyncClient": "client_sdk.client",
-    "Client": "client_sdk.client",
+    "Client": "client_sdk.sync",
     "StreamDelta": "client_sdk._core.stream",
     "Timings": "client_sdk.timings",
     **{name: "client_sdk.errors" for name in (

@@ -1,4 +1,5 @@
-"""The SDK's front door: :class:`AsyncClient` and the thin synchronous :class:`Client`.
+"""The SDK's front door: :class:`AsyncClient` (the synchronous ``Client`` is in
+:mod:`client_sdk.sync`).
 
 ``client.stream(...)`` returns a :class:`ChatStream`: an async context manager (the request is
 sent and the response accepted on entry, so HTTP errors raise there) and an async iterator of
@@ -19,12 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 
@@ -49,11 +48,10 @@ from client_sdk.transports.sse import sse_source
 from client_sdk.transports.websocket import WebSocketPool, websocket_source
 from client_sdk.types import Message, Usage
 
-__all__ = ["AsyncClient", "ChatStream", "Client", "SyncChatStream", "build_ssl_context"]
+__all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]
 
 TransportName = Literal["sse", "websocket", "longpoll"]
 HTTPVersion = Literal["1.1", "2", "3"]
-T = TypeVar("T")
 
 _EOF = object()
 _QUEUE_ITEMS = 256
@@ -534,112 +532,3 @@ class ChatStream:
         self._recorder.feed("resume", time.perf_counter())
         self._start(client._source(None, self._stream_id, self._assembler.last_seq,
                                    self._recorder, self._origin))
-
-
-class _LoopThread:
-    """A private event loop on a daemon thread, for the synchronous API."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="firstbyte-sdk",
-                                        daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
-
-
-class Client:
-    """The synchronous API: same arguments as :class:`AsyncClient`, run on a private loop."""
-
-    def __init__(
-        self, base_url: str | Sequence[str] | Mapping[str, str], api_key: str | None = None,
-        **kw: Any,
-    ) -> None:
-        self._runner = _LoopThread()
-
-        async def make() -> AsyncClient:
-            return AsyncClient(base_url, api_key, **kw)
-
-        try:
-            self._client = self._runner.run(make())
-        except BaseException:
-            self._runner.stop()
-            raise
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        try:
-            self._runner.run(self._client.aclose())
-        finally:
-            self._runner.stop()
-
-    def prewarm(self, connections: int = 1) -> None:
-        self._runner.run(self._client.prewarm(connections))
-
-    def probe_regions(self, samples: int = 3) -> dict[str, float | None]:
-        return self._runner.run(self._client.probe_regions(samples))
-
-    def stream(self, **kw: Any) -> SyncChatStream:
-        """Like :meth:`AsyncClient.stream`; use as ``with client.stream(...) as s: for d in s``."""
-        async def make() -> ChatStream:
-            return self._client.stream(**kw)
-
-        return SyncChatStream(self._runner, self._runner.run(make()))
-
-
-class SyncChatStream:
-    """A :class:`ChatStream` driven from synchronous code."""
-
-    def __init__(self, runner: _LoopThread, stream: ChatStream) -> None:
-        self._runner = runner
-        self._stream = stream
-
-    def __enter__(self) -> SyncChatStream:
-        self._runner.run(self._stream.__aenter__())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._runner.run(self._stream.aclose())
-
-    def __iter__(self) -> Iterator[StreamDelta]:
-        return self
-
-    def __next__(self) -> StreamDelta:
-        async def step() -> StreamDelta | None:
-            try:
-                return await self._stream.__anext__()
-            except StopAsyncIteration:
-                return None
-
-        delta = self._runner.run(step())
-        if delta is None:
-            raise StopIteration
-        return delta
-
-    @property
-    def timings(self) -> Timings:
-        return self._stream.timings
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._stream.usage
-
-    @property
-    def text(self) -> str:
-        return self._stream.text
-
-    @property
-    def stream_id(self) -> str | None:
-        return self._stream.stream_id

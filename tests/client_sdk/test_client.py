@@ -9,8 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from client_sdk.client import AsyncClient, Client
+from client_sdk.client import AsyncClient
 from client_sdk.errors import AuthenticationError, ConnectError, RateLimitError, TLSError
+from client_sdk.sync import Client
 from client_sdk.timings import Timings
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 from tests.client_sdk.protocol_server import RunningServer

@@ -336,7 +336,7 @@ async def test_probe_over_every_http_version_against_a_tls_router(
 
 
 def test_sync_client_probes_a_server_without_edge_status(server: Any, ca_file: str) -> None:
-    from client_sdk.client import Client
+    from client_sdk.sync import Client
     from tests.client_sdk.protocol_server import expected_text
 
     other = f"https://127.0.0.1:{server.port}/v1"
