@@ -36,6 +36,10 @@ TicketStore = dict[str, SessionTicket]
 """Session tickets per host name, shared by every H3 session of one client."""
 
 _END = object()
+MAX_UNREAD_BYTES = 16 << 20
+"""Response bytes one HTTP/3 stream may hold unread. aioquic grants the server more flow
+control credit as data arrives, not as it is read, so past this the stream is cut (reset;
+the client resumes) rather than let a server fill memory."""
 
 
 def quic_trust(
@@ -63,6 +67,8 @@ class _Stream:
         self.headers: asyncio.Future[tuple[list[tuple[bytes, bytes]], float]] = loop.create_future()
         self.data: asyncio.Queue[bytes | object | BaseException] = asyncio.Queue()
         self.ended = False
+        self.unread = 0
+        self.overflowed = False
 
 
 class _H3Protocol(QuicConnectionProtocol):
@@ -108,7 +114,13 @@ class _H3Protocol(QuicConnectionProtocol):
             stream = found
             if isinstance(h3_event, HeadersReceived) and not stream.headers.done():
                 stream.headers.set_result((list(h3_event.headers), time.perf_counter()))
-            elif isinstance(h3_event, DataReceived) and h3_event.data:
+            elif isinstance(h3_event, DataReceived) and h3_event.data and not stream.overflowed:
+                stream.unread += len(h3_event.data)
+                if stream.unread > MAX_UNREAD_BYTES:
+                    stream.overflowed = True  # ignore the rest; the request's exit resets it
+                    stream.data.put_nowait(TransportCut(
+                        f"HTTP/3 response over {MAX_UNREAD_BYTES} bytes unread"))
+                    continue
                 stream.data.put_nowait(h3_event.data)
             if getattr(h3_event, "stream_ended", False):
                 stream.ended = True
@@ -275,6 +287,7 @@ class H3Session:
             if isinstance(item, BaseException):
                 raise item
             assert isinstance(item, bytes)
+            stream.unread -= len(item)
             yield item
 
     async def prewarm(self, connections: int = 1) -> None:
