@@ -181,9 +181,9 @@ class AsyncClient:
             await self.pool.prewarm(self._target(), connections)
             return
         await self.probe_regions()
-        ranked = self.regions.ranked(time.monotonic())
-        primary = ranked[0] if ranked else self.regions.regions[0]
-        standby = ranked[1] if len(ranked) > 1 else None
+        now = time.monotonic()
+        primary = self.regions.choose(now) or self.regions.regions[0]
+        standby = self.regions.standby(now)
         self.origin = self._origin_by_name[primary.name]
         keep = {primary.name} | ({standby.name} if standby is not None else set())
         for region in self.regions.regions:
