@@ -50,7 +50,7 @@ class RouterState:
         self.metrics.add_gauge_source(
             "firstbyte_router_stream_store_bytes",
             "Bytes held in the stream store.",
-            self.store.bytes_held,
+            lambda: self.store.total_bytes,
         )
 
     @property

@@ -185,9 +185,6 @@ class StreamStore:
             return None
         return stream
 
-    def bytes_held(self) -> int:
-        return self.total_bytes
-
     def evict(self, now: float) -> list[Stream]:
         """Drop streams past their age, then the oldest (finished first) until under budget.
 
