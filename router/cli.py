@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", action="append", metavar="KEY", help="accepted API key (repeatable)"
     )
+    parser.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        help="with no --api-key, accept any request (local use only; otherwise refused)",
+    )
     parser.add_argument("--region", help="this router's region name (default 'local')")
     parser.add_argument(
         "--server",
@@ -70,11 +75,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     try:
         if args.config:
             config = load_config(args.config)
-            if listen or args.api_key or args.region:
+            if listen or args.api_key or args.region or args.allow_anonymous:
                 data = _to_builtins(config)
                 data["listen"].update(listen)
                 if args.api_key:
                     data["auth"]["api_keys"] = args.api_key
+                if args.allow_anonymous:
+                    data["auth"]["allow_anonymous"] = True
                 if args.region:
                     data["region"] = args.region
                 config = parse_config(data, f"{args.config} (with command-line flags)")
@@ -84,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         data = {
             "upstreams": [{"url": url} for url in args.upstream],
             "listen": listen,
-            "auth": {"api_keys": args.api_key or []},
+            "auth": {"api_keys": args.api_key or [], "allow_anonymous": args.allow_anonymous},
         }
         if args.region:
             data["region"] = args.region

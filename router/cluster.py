@@ -163,7 +163,8 @@ async def running_regions(
             data: dict[str, Any] = {
                 "region": spec.name,
                 "listen": {"host": "127.0.0.1", "port": port, "insecure_plain_http": True},
-                "auth": {"api_keys": list(api_keys)},
+                # A loopback test world: without keys, every request is accepted (explicitly).
+                "auth": {"api_keys": list(api_keys), "allow_anonymous": not api_keys},
                 "upstreams": [
                     {"url": s.url, "name": f"{spec.name}-{i}", **spec.upstream}
                     for i, s in enumerate(sims[spec.name])

@@ -86,9 +86,15 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """API keys accepted in ``Authorization: Bearer``. None configured: accept anything."""
+    """API keys accepted in ``Authorization: Bearer``.
+
+    A router without keys is refused unless ``allow_anonymous`` says so: an internet-facing
+    router must never accept every request by accident.
+    """
 
     api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = msgspec.field(default_factory=list)
+    allow_anonymous: bool = False
+    """With no ``api_keys``: accept any request (local use only)."""
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -144,6 +150,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
             raise ValueError("listen.http3 needs listen.server = 'hypercorn'")
+        if not self.auth.api_keys and not self.auth.allow_anonymous:
+            raise ValueError(
+                "auth.api_keys: no API key configured; give one (or --api-key), or set"
+                " auth.allow_anonymous = true (--allow-anonymous) to accept any request"
+            )
 
 
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")

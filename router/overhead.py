@@ -125,7 +125,8 @@ async def _run(requests: int, tokens: int) -> list[Run]:
             port = _free_port()
             router = await asyncio.create_subprocess_exec(
                 *(sys.executable, "-c", _CLI, "router", "--upstream", sim_url,
-                  "--port", str(port), "--insecure-plain-http", "--no-http3", "--server", server),
+                  "--port", str(port), "--insecure-plain-http", "--allow-anonymous", "--no-http3",
+                  "--server", server),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip

@@ -53,7 +53,7 @@ asyncio.run(main())
 
 _ROUTER = """
 import asyncio, sys
-from router.config import ListenConfig, RouterConfig, UpstreamConfig
+from router.config import AuthConfig, ListenConfig, RouterConfig, UpstreamConfig
 from router.regions_config import RoutingConfig
 from router.serve import loop_factory, running_router
 async def main():
@@ -65,7 +65,8 @@ async def main():
     # 100 streams must be admitted: the limit under test is latency, not backpressure
     upstream = UpstreamConfig(url=sys.argv[1], max_in_flight=1024)
     routing = RoutingConfig(backend_max_waiting=1024)
-    config = RouterConfig(upstreams=[upstream], listen=listen, routing=routing)
+    auth = AuthConfig(allow_anonymous=True)  # a local benchmark: no keys to hand out
+    config = RouterConfig(upstreams=[upstream], listen=listen, routing=routing, auth=auth)
     async with running_router(config) as ep:
         print(ep.base_url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)

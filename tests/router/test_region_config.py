@@ -17,6 +17,9 @@ region = "tokyo"
 [listen]
 insecure_plain_http = true
 
+[auth]
+api_keys = ["sk-test-key-0001"]
+
 [[upstreams]]
 url = "http://127.0.0.1:8001"
 kind = "vllm"
