@@ -150,6 +150,14 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
             raise ValueError("listen.http3 needs listen.server = 'hypercorn'")
+        if not listen.insecure_plain_http:
+            for i, peer in enumerate(self.peers):
+                if not peer.url.startswith("https://"):
+                    # A forwarded request carries the client's API key to the peer.
+                    raise ValueError(
+                        f"peers[{i}].url: must be https (forwarded requests carry clients'"
+                        " API keys); plain http only with listen.insecure_plain_http"
+                    )
         if not self.auth.api_keys and not self.auth.allow_anonymous:
             raise ValueError(
                 "auth.api_keys: no API key configured; give one (or --api-key), or set"

@@ -46,6 +46,13 @@ resume_grace_s = 10
             GOOD.replace('api_keys = ["sk-test-key-0001"]', "allow_anonymous = 1"),
             "auth.allow_anonymous: Expected `bool`",
         ),
+        (
+            GOOD.replace("insecure_plain_http = true", 'certfile = "c.pem"\nkeyfile = "k.pem"')
+            + '[routing]\npeer_key = "0123456789abcdef"\n'
+            + '[[peers]]\nname = "tokyo"\nurl = "http://10.0.0.9:8443"\n'
+            + "latitude = 35.7\nlongitude = 139.7\n",
+            "peers[0].url: must be https",
+        ),
         ("region = [", "not valid TOML"),
         ('region = "x"\n', "missing required field `upstreams`"),
     ],
