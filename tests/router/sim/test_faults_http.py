@@ -163,5 +163,5 @@ async def test_faults_at_a_rate_hit_only_some_requests() -> None:
                 outcomes.append(r.done)
             except httpx.RemoteProtocolError:
                 outcomes.append(False)
-        assert True in outcomes
-        assert False in outcomes
+        assert any(outcomes), "every request was dropped"
+        assert not all(outcomes), "no request was dropped"
