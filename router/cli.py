@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -36,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--certfile", help="TLS certificate chain (PEM)")
     parser.add_argument("--keyfile", help="TLS private key (PEM)")
     parser.add_argument(
-        "--api-key", action="append", metavar="KEY", help="accepted API key (repeatable)"
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="accepted API key (repeatable; visible to other local users in the process list:"
+        " prefer the FIRSTBYTE_API_KEYS environment variable, whitespace-separated, or the"
+        " config file)",
     )
     parser.add_argument(
         "--allow-anonymous",
@@ -72,14 +78,15 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         listen["http3"] = False
     if args.insecure_plain_http:
         listen["insecure_plain_http"] = True
+    api_keys = args.api_key or os.environ.get("FIRSTBYTE_API_KEYS", "").split()
     try:
         if args.config:
             config = load_config(args.config)
-            if listen or args.api_key or args.region or args.allow_anonymous:
+            if listen or api_keys or args.region or args.allow_anonymous:
                 data = _to_builtins(config)
                 data["listen"].update(listen)
-                if args.api_key:
-                    data["auth"]["api_keys"] = args.api_key
+                if api_keys:
+                    data["auth"]["api_keys"] = api_keys
                 if args.allow_anonymous:
                     data["auth"]["allow_anonymous"] = True
                 if args.region:
@@ -91,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         data = {
             "upstreams": [{"url": url} for url in args.upstream],
             "listen": listen,
-            "auth": {"api_keys": args.api_key or [], "allow_anonymous": args.allow_anonymous},
+            "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
         }
         if args.region:
             data["region"] = args.region

@@ -131,3 +131,22 @@ def test_a_router_without_keys_is_refused_unless_anonymous_is_asked_for() -> Non
     config = config_from_args(args)
     assert config.auth.allow_anonymous
     assert config.auth.api_keys == []
+
+
+def test_api_keys_from_the_environment() -> None:
+    """FIRSTBYTE_API_KEYS keeps keys out of the process list; --api-key still wins."""
+    import argparse
+
+    from router.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--upstream", "http://127.0.0.1:1", "--insecure-plain-http"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FIRSTBYTE_API_KEYS", "sk-env-key-0001  sk-env-key-0002\n")
+        assert config_from_args(parser.parse_args(flags)).auth.api_keys == [
+            "sk-env-key-0001",
+            "sk-env-key-0002",
+        ]
+        chosen = config_from_args(parser.parse_args([*flags, "--api-key", "sk-flag-key-01"]))
+        assert chosen.auth.api_keys == ["sk-flag-key-01"]
