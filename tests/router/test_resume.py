@@ -95,6 +95,31 @@ async def test_sse_last_event_id_resumes_exactly_once(
     assert text == expected
 
 
+async def poll_to_done(
+    client: httpx.AsyncClient, base_url: str, stream_id: str, after: int
+) -> tuple[list[int], str, bool]:
+    """Long-poll from ``after`` until ``done``: the sequences and text received, and whether a
+    batch with events came while the stream was still running. Checks each batch's ``next``."""
+    seqs: list[int] = []
+    text, running_seen = "", False
+    for _ in range(500):
+        response = await client.get(
+            f"{base_url}/v1/streams/{stream_id}/poll",
+            params={"after": after, "wait": 5},
+            headers=auth(),
+        )
+        assert response.status_code == 200
+        batch = response.json()
+        running_seen |= not batch["done"] and bool(batch["events"])
+        seqs += [e["seq"] for e in batch["events"]]
+        text += "".join(chunk_text(e["data"]) for e in batch["events"])
+        assert batch["next"] == (batch["events"][-1]["seq"] if batch["events"] else after)
+        if batch["done"]:
+            return seqs, text, running_seen
+        after = batch["next"]
+    raise AssertionError("the stream did not finish within 500 polls")
+
+
 async def test_long_poll_after_n_exactly_once(
     sim: SimServer, routed: RouterEndpoints, tls_files: dict[str, str]
 ) -> None:
@@ -106,24 +131,7 @@ async def test_long_poll_after_n_exactly_once(
         assert started.status_code == 201
         stream_id = started.json()["stream"]
         assert started.headers["x-firstbyte-stream"] == stream_id
-        after, seqs, text, polls, done = 0, [], "", 0, False
-        running_seen = False
-        while not done:
-            polls += 1
-            assert polls < 500
-            response = await client.get(
-                f"{routed.base_url}/v1/streams/{stream_id}/poll",
-                params={"after": after, "wait": 5},
-                headers=auth(),
-            )
-            assert response.status_code == 200
-            batch = response.json()
-            running_seen |= not batch["done"] and bool(batch["events"])
-            for event in batch["events"]:
-                seqs.append(event["seq"])
-                text += chunk_text(event["data"])
-            assert batch["next"] == (batch["events"][-1]["seq"] if batch["events"] else after)
-            after, done = batch["next"], batch["done"]
+        seqs, text, running_seen = await poll_to_done(client, routed.base_url, stream_id, 0)
         assert running_seen  # at least one batch came while the stream was in progress
         assert seqs == list(range(1, len(seqs) + 1))
         assert text == expected
@@ -154,22 +162,9 @@ async def test_long_poll_post_with_wait_carries_the_first_batch(
         assert first["events"], first  # answered once events existed, not after the wait
         assert not first["done"]  # a 60-token stream at ~10 ms a token is still running
         assert first["next"] == first["events"][-1]["seq"]
-        seqs = [e["seq"] for e in first["events"]]
-        text = "".join(chunk_text(e["data"]) for e in first["events"])
-        after, done, polls = first["next"], False, 0
-        while not done:
-            polls += 1
-            assert polls < 500
-            response = await client.get(
-                f"{routed.base_url}/v1/streams/{stream_id}/poll",
-                params={"after": after, "wait": 5},
-                headers=auth(),
-            )
-            assert response.status_code == 200
-            batch = response.json()
-            seqs += [e["seq"] for e in batch["events"]]
-            text += "".join(chunk_text(e["data"]) for e in batch["events"])
-            after, done = batch["next"], batch["done"]
+        rest, rest_text, _ = await poll_to_done(client, routed.base_url, stream_id, first["next"])
+        seqs = [e["seq"] for e in first["events"]] + rest
+        text = "".join(chunk_text(e["data"]) for e in first["events"]) + rest_text
         assert seqs == list(range(1, len(seqs) + 1))  # every event exactly once, in order
         assert text == expected
         # Without wait (or wait=0) the answer stays the bare id, at once.
