@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,19 +11,9 @@ import msgspec
 import pytest
 
 from benchmarks.cli import discover_scenarios
+from tests.cli import FIRSTBYTE, firstbyte
 
-MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
 SCENARIOS = sorted(discover_scenarios())
-
-
-def firstbyte(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", MAIN, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def test_the_scenarios_of_this_task_are_discovered() -> None:
@@ -69,7 +58,7 @@ class QuickRuns:
         for name in SCENARIOS:
             args = ["bench", name, "--quick", "--out", str(self.root / name), "--json"]
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-c", MAIN, *args],
+                [*FIRSTBYTE, *args],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +8,7 @@ import msgspec
 import pytest
 
 from benchmarks.compare import Status, compare, load_results, tracked_metrics
+from tests.cli import firstbyte
 
 
 def result(p99_ttft: float, p95_itl: float = 20.0, mean_ttft: float = 50.0) -> dict[str, Any]:
@@ -99,46 +99,36 @@ def write(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-# What the `firstbyte` console script runs (``-m client_sdk.cli`` would make a second CLIError).
-MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
-
-
-def firstbyte(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", MAIN, "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return firstbyte("bench", *args)
 
 
 def test_cli_compare_exit_codes(tmp_path: Path) -> None:
     base = write(tmp_path / "base.json", result(100.0))
     same = write(tmp_path / "same.json", result(105.0))
     worse = write(tmp_path / "worse.json", result(130.0))
-    ok = firstbyte("compare", str(base), str(same))
+    ok = bench("compare", str(base), str(same))
     assert ok.returncode == 0, ok.stderr
     assert "p99_ttft_ms" not in ok.stdout  # unchanged rows are only counted...
     assert "3 within the threshold not shown" in ok.stdout
-    every = firstbyte("compare", str(base), str(same), "--all")
+    every = bench("compare", str(base), str(same), "--all")
     assert "p99_ttft_ms" in every.stdout  # ...unless asked for
-    bad = firstbyte("compare", str(base), str(worse))
+    bad = bench("compare", str(base), str(worse))
     assert bad.returncode == 1
     assert "REGRESSED" in bad.stdout
     assert "+30.0%" in bad.stdout
-    relaxed = firstbyte("compare", str(base), str(worse), "--threshold", "0.5")
+    relaxed = bench("compare", str(base), str(worse), "--threshold", "0.5")
     assert relaxed.returncode == 0
 
 
 def test_cli_compare_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.json"
     garbage.write_text("not json")
-    missing = firstbyte("compare", str(tmp_path / "nope.json"), str(garbage))
+    missing = bench("compare", str(tmp_path / "nope.json"), str(garbage))
     assert missing.returncode == 2
     assert "cannot read" in missing.stderr
     assert "Traceback" not in missing.stderr
-    bad = firstbyte("compare", str(garbage), str(garbage))
+    bad = bench("compare", str(garbage), str(garbage))
     assert bad.returncode == 2
     assert "not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr

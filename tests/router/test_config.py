@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from router.config import ConfigError, load_config
+from tests.cli import firstbyte
 
 GOOD = """
 region = "eu-west-1"
@@ -76,37 +75,24 @@ def test_good_config_loads(tmp_path: Path) -> None:
     assert config.limits.upstream_keepalive_expiry_s > 5  # httpx's 5 s default is too short
 
 
-CLI = "import sys; from client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", CLI, "router", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-
-
 def test_check_config_cli(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(GOOD.replace("port = 9000", "port = -1"))
-    result = run_cli("--check-config", str(bad))
+    result = firstbyte("router", "--check-config", str(bad))
     assert result.returncode == 2
     assert f"{bad}: listen.port" in result.stderr
     assert "Traceback" not in result.stderr
     good = tmp_path / "good.toml"
     good.write_text(GOOD)
-    result = run_cli("--check-config", str(good))
+    result = firstbyte("router", "--check-config", str(good))
     assert (result.returncode, result.stdout.strip()) == (0, "OK")
 
 
 def test_cli_flag_errors_are_clear() -> None:
-    result = run_cli("--upstream", "not-a-url", "--insecure-plain-http")
+    result = firstbyte("router", "--upstream", "not-a-url", "--insecure-plain-http")
     assert result.returncode == 2
     assert "upstreams[0].url" in result.stderr
-    result = run_cli("--upstream", "http://127.0.0.1:1")
+    result = firstbyte("router", "--upstream", "http://127.0.0.1:1")
     assert result.returncode == 2
     assert "certfile" in result.stderr
     assert "Traceback" not in result.stderr
@@ -114,7 +100,7 @@ def test_cli_flag_errors_are_clear() -> None:
 
 def test_a_router_without_keys_is_refused_unless_anonymous_is_asked_for() -> None:
     # No --api-key: refused at start-up, with the way out named (never a silently open router).
-    result = run_cli("--upstream", "http://127.0.0.1:1", "--insecure-plain-http")
+    result = firstbyte("router", "--upstream", "http://127.0.0.1:1", "--insecure-plain-http")
     assert result.returncode == 2
     assert "auth.api_keys: no API key configured" in result.stderr
     assert "--allow-anonymous" in result.stderr

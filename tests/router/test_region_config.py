@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from router.config import ConfigError, load_config
+from tests.cli import firstbyte
 from tests.router.geo_fixtures import write_city_mmdb
 
 FULL = """
@@ -104,11 +103,16 @@ def test_full_example_loads(tmp_path: Path, db: str) -> None:
         (('kind = "vllm"', 'kind = "tgi"'), "upstreams[0].kind"),
         (("weight = 2", "weight = 0"), "upstreams[0].weight"),
         (('backend_policy = "prefix"', 'backend_policy = "random"'), "routing.backend_policy"),
-        (('text = "You are a support agent."', ""), "warm_prefixes[0]: give exactly one of text or file"),
+        (
+            ('text = "You are a support agent."', ""),
+            "warm_prefixes[0]: give exactly one of text or file",
+        ),
         (("interval_s = 30", "interval_s = 0"), "warmup.interval_s"),
     ],
 )
-def test_mistakes_name_the_key(tmp_path: Path, db: str, change: tuple[str, str], expected: str) -> None:
+def test_mistakes_name_the_key(
+    tmp_path: Path, db: str, change: tuple[str, str], expected: str
+) -> None:
     text = FULL.replace("DB", db)
     assert change[0] in text
     path = write(tmp_path, text.replace(change[0], change[1], 1))
@@ -119,16 +123,13 @@ def test_mistakes_name_the_key(tmp_path: Path, db: str, change: tuple[str, str],
 
 
 def test_check_config_cli_reports_region_errors(tmp_path: Path, db: str) -> None:
-    cli = "import sys; from client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
     bad = write(tmp_path, FULL.replace("DB", db).replace('name = "frankfurt"', 'name = "tokyo"'))
-    result = subprocess.run([sys.executable, "-c", cli, "router", "--check-config", str(bad)],
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = firstbyte("router", "--check-config", str(bad))
     assert result.returncode == 2
     assert "peers[0].name" in result.stderr
     assert "Traceback" not in result.stderr
     good = write(tmp_path, FULL.replace("DB", db))
-    result = subprocess.run([sys.executable, "-c", cli, "router", "--check-config", str(good)],
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = firstbyte("router", "--check-config", str(good))
     assert (result.returncode, result.stdout.strip()) == (0, "OK")
 
 

@@ -5,25 +5,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from benchmarks.wan import netns
 from benchmarks.wan.netns import python_env
 from client_sdk.cli import main
+from tests.cli import firstbyte
 
-MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
 
-
-def firstbyte(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", MAIN, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=python_env(),
-    )
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return firstbyte(*args, env=python_env())
 
 
 @pytest.mark.parametrize("action", [["precision"], ["up", "transpacific"], ["cleanup"], ["down"]])
@@ -40,7 +32,7 @@ def test_without_root_the_error_says_so(
 
 
 def test_unknown_profile_is_a_clear_error() -> None:
-    done = firstbyte("wan", "up", "no-such-profile")
+    done = run("wan", "up", "no-such-profile")
     assert done.returncode == 2
     assert "no profile 'no-such-profile'" in done.stderr
     assert "transpacific" in done.stderr
@@ -48,7 +40,7 @@ def test_unknown_profile_is_a_clear_error() -> None:
 
 
 def test_precision_rejects_bad_numbers() -> None:
-    done = firstbyte("wan", "precision", "--count", "0")
+    done = run("wan", "precision", "--count", "0")
     assert done.returncode == 2
     assert "--count" in done.stderr
     assert "Traceback" not in done.stderr
@@ -56,7 +48,7 @@ def test_precision_rejects_bad_numbers() -> None:
 
 @pytest.mark.netns
 def test_up_exec_status_down() -> None:
-    up = firstbyte("wan", "up", "transpacific")
+    up = run("wan", "up", "transpacific")
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[2]
     try:
@@ -68,20 +60,20 @@ def test_up_exec_status_down() -> None:
         # The forwarder outlives the command that started it.
         assert state.forwarder_pid is not None
         assert netns.is_alive(state.forwarder_pid, state.forwarder_start)
-        ex = firstbyte("wan", "exec", "client-beijing", "--", "ip", "-o", "-4", "addr")
+        ex = run("wan", "exec", "client-beijing", "--", "ip", "-o", "-4", "addr")
         assert ex.returncode == 0, ex.stderr
         assert "192.0.2.10/32" in ex.stdout
-        status = firstbyte("wan", "status")
+        status = run("wan", "status")
         assert run_id in status.stdout
         assert "alive" in status.stdout
         # A live `up` run is not stale.
-        assert firstbyte("wan", "cleanup").returncode == 0
+        assert run("wan", "cleanup").returncode == 0
         assert set(state.namespaces.values()) <= set(netns.list_namespaces())
-        missing = firstbyte("wan", "exec", "nobody", "--", "true")
+        missing = run("wan", "exec", "nobody", "--", "true")
         assert missing.returncode == 2
         assert "no running emulator has a host 'nobody'" in missing.stderr
     finally:
-        down = firstbyte("wan", "down", run_id)
+        down = run("wan", "down", run_id)
     assert down.returncode == 0, down.stderr
     assert f"run {run_id} down" in down.stdout
     assert not set(state.namespaces.values()) & set(netns.list_namespaces())
@@ -93,13 +85,13 @@ def test_down_needs_a_name_when_several_runs_are_up() -> None:
     ids = []
     try:
         for _ in range(2):
-            up = firstbyte("wan", "up", "transpacific")
+            up = run("wan", "up", "transpacific")
             assert up.returncode == 0, up.stderr
             ids.append(up.stdout.split()[2])
-        down = firstbyte("wan", "down")
+        down = run("wan", "down")
         assert down.returncode == 2
         assert "several runs are up" in down.stderr
         assert all(i in down.stderr for i in ids)
     finally:
         for run_id in ids:
-            assert firstbyte("wan", "down", run_id).returncode == 0
+            assert run("wan", "down", run_id).returncode == 0
