@@ -28,13 +28,12 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import msgspec
 
-from benchmarks.scenarios._parent import orphaned
+from benchmarks.scenarios._parent import exit_with_parent
 from client_sdk.client import AsyncClient, HTTPVersion, TransportName
 from client_sdk.timings import Timings
 
@@ -179,18 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one --cell")
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
-    return asyncio.run(_until_orphaned(_main(args, cells)))
-
-
-async def _until_orphaned(work: Coroutine[Any, Any, None]) -> int:
-    """Run ``work``; give up (exit code 3) if the parent goes away first."""
-    main, watchdog = asyncio.ensure_future(work), asyncio.ensure_future(orphaned())
-    await asyncio.wait([main, watchdog], return_when=asyncio.FIRST_COMPLETED)
-    watchdog.cancel()
-    if not main.done():
-        main.cancel()
-        return 3
-    main.result()
+    exit_with_parent()
+    asyncio.run(_main(args, cells))
     return 0
 
 

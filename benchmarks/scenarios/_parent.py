@@ -2,19 +2,31 @@
 
 The world starts its helpers in their own session (so a terminal's Ctrl-C reaches only the
 parent, which then tears everything down in order); the price is that a parent killed with
-SIGKILL would leave them running. :func:`orphaned` is their watchdog.
+SIGKILL would leave them running. :func:`exit_with_parent` is their watchdog.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
+import threading
+import time
 
-__all__ = ["orphaned"]
+__all__ = ["exit_with_parent"]
 
 
-async def orphaned(interval_s: float = 0.5) -> None:
-    """Return once this process's parent has gone (it is re-parented to another process)."""
+def exit_with_parent(code: int = 3, interval_s: float = 0.2) -> None:
+    """End this process with ``code`` as soon as its parent has gone (it is re-parented).
+
+    The watchdog is a daemon thread, not a task: it must work while the event loop is busy or
+    stuck (a cancellation that a library swallows, a graceful close that waits on a peer that
+    is gone too). It ends the process with :func:`os._exit`, because nobody is left to read
+    its output or to wait for a graceful shutdown; the kernel closes its sockets.
+    """
     parent = os.getppid()
-    while os.getppid() == parent:  # noqa: ASYNC110 (nothing to wait on: the kernel re-parents)
-        await asyncio.sleep(interval_s)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(code)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

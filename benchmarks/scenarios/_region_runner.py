@@ -22,7 +22,7 @@ import sys
 
 import msgspec
 
-from benchmarks.scenarios._parent import orphaned
+from benchmarks.scenarios._parent import exit_with_parent
 from router.cluster import SimHandle
 from router.config import parse_config
 from router.serve import running_router
@@ -64,13 +64,7 @@ async def serve_region(args: argparse.Namespace) -> None:
             }
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
-            signalled, parent_gone = (
-                asyncio.ensure_future(stop.wait()), asyncio.ensure_future(orphaned()))
-            await asyncio.wait([signalled, parent_gone], return_when=asyncio.FIRST_COMPLETED)
-            if parent_gone.done():
-                # Nobody is left to talk to: no graceful shutdown (it waits for connections).
-                os._exit(0)
-            parent_gone.cancel()
+            await stop.wait()
     finally:
         await sim.stop()
 
@@ -84,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keyfile", required=True)
     parser.add_argument("--profile", default="instant", help="the sim's cost profile")
     args = parser.parse_args(argv)
+    # Nobody is left to talk to once the parent is gone: no graceful shutdown (it would wait
+    # for connections), the process just ends.
+    exit_with_parent(code=0)
     asyncio.run(serve_region(args))
     return 0
 
