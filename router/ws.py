@@ -18,6 +18,7 @@ from client_sdk.types import ErrorBody, encode, error_body
 
 from .asgi import Receive, Scope, Send
 from .endpoints import new_context
+from .multiregion import BETTER_REGION_HEADER
 from .pipeline.admit import admit_chat, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
@@ -46,8 +47,15 @@ class WsResume(msgspec.Struct, tag="resume", tag_field="type"):
 _decoder = msgspec.json.Decoder(WsRequest | WsResume)
 
 
-class _Start(msgspec.Struct, tag="start", tag_field="type"):
+class _Start(msgspec.Struct, tag="start", tag_field="type", omit_defaults=True):
+    """The stream exists. On a new request, ``region`` serves it and ``better_region`` (and its
+    ``better_region_url``) are the ``x-firstbyte-better-region`` hint SSE sends as headers:
+    a WebSocket has no per-request headers, so the hint rides on the stream's first message."""
+
     stream: str
+    region: str | None = None
+    better_region: str | None = None
+    better_region_url: str | None = None
 
 
 class _Event(msgspec.Struct, tag="event", tag_field="type"):
@@ -118,6 +126,9 @@ class _Session:
             },
         )
         ctx.headers = self.ctx.headers
+        # The socket's peer: X-Forwarded-For is believed only from a trusted proxy, so without
+        # it a WebSocket request had no client location (and never a better-region hint).
+        ctx.client = self.ctx.client
         ctx.traceparent = self.ctx.traceparent
         ctx.body = bytes(message.body)
         limits = self.state.config.limits
@@ -146,7 +157,10 @@ class _Session:
         stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
         self.state.store.evict_over_budget()
         self.state.proxy.start_stream(ctx, stream)
-        await self.send(_Start(stream.id))
+        # The routing stage put the hint (if any) in the headers SSE would send.
+        hint = dict(ctx.extra.get("response_headers", ()))
+        await self.send(_Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
+                               hint.get(BETTER_REGION_HEADER + "-url")))
         self._follow(stream, 0)
 
     async def _resume(self, message: WsResume) -> None:

@@ -51,6 +51,10 @@ class _Message(msgspec.Struct):
     seq: int | None = None
     data: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    # On "start" (docs/protocol.md): what SSE's x-firstbyte-region / -better-region headers say.
+    region: str | None = None
+    better_region: str | None = None
+    better_region_url: str | None = None
 
 
 _decode = msgspec.json.Decoder(_Message).decode
@@ -207,7 +211,13 @@ async def websocket_source(
                 raise StreamBrokenError(f"invalid WebSocket message: {exc}") from None
             if msg.type == "start":
                 if recorder is not None:
-                    recorder.record.stream_id = msg.stream
+                    rec = recorder.record
+                    rec.stream_id = msg.stream
+                    if msg.region is not None:
+                        rec.region = msg.region
+                    if msg.better_region is not None:  # as note_response_headers does
+                        rec.better_region = msg.better_region
+                        rec.better_region_url = msg.better_region_url
                 yield Opened(msg.stream)
             elif msg.type == "event":
                 yield Event(msg.seq, msg.data or {})

@@ -256,13 +256,16 @@ async def geo_cluster(tmp_path: Path) -> AsyncIterator[dict[str, RegionHandle]]:
         yield regions
 
 
+@pytest.mark.parametrize("transport", ["sse", "websocket"])
 async def test_a_better_region_hint_moves_later_requests_there(
-    tls_files: tuple[str, str, str], tmp_path: Path
+    tls_files: tuple[str, str, str], tmp_path: Path, transport: str
 ) -> None:
+    # SSE carries the hint in response headers, WebSocket on the stream's "start" message.
     ca_file, cert, key = tls_files
     async with geo_cluster(tmp_path) as regions, \
             edges(regions, (cert, key), {"virginia": 0.02, "tokyo": 0.04}) as proxies, \
-            sdk(proxies, ["tokyo", "virginia", "frankfurt"], ca_file) as client:
+            sdk(proxies, ["tokyo", "virginia", "frankfurt"], ca_file,
+                transport=transport) as client:
         # The client is in Tokyo (a load balancer would add this header for it).
         client.headers["x-forwarded-for"] = TOKYO_CLIENT
         await client.prewarm()
