@@ -13,6 +13,8 @@ the second; a request that cannot start on one region (unreachable, 429, 502-504
 the next, so failing over to the standby costs a round trip, not a handshake. A started stream
 stays on its region, since only that region's router holds it. A router's
 ``x-firstbyte-better-region`` hint moves later requests to that region if it is configured.
+While the client is in use, the regions are probed again every ``reprobe_interval_s`` and the
+warm primary and standby follow the ranking (with hysteresis, :mod:`client_sdk.regions`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import ssl
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -83,6 +86,8 @@ class AsyncClient:
     heartbeats excluded. ``base_url`` may be a list of regional base URLs, or a mapping of
     region name to base URL: before the first probe (:meth:`probe_regions`, done by
     :meth:`prewarm`) they are tried in the order given; after it, fastest first.
+    ``reprobe_interval_s`` (several regions only; None: never) is how often the regions are
+    probed again while the client is in use (see :meth:`reprobe`).
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class AsyncClient:
         keepalive_interval_s: float = 15.0,
         connect_timeout_s: float = 10.0,
         poll_wait_s: float = 10.0,
+        reprobe_interval_s: float | None = 60.0,
     ) -> None:
         if transport not in ("sse", "websocket", "longpoll"):
             raise ValueError(f"transport must be sse, websocket or longpoll, not {transport!r}")
@@ -127,6 +133,12 @@ class AsyncClient:
                                                                      strict=True)}
         self._background: set[asyncio.Task[None]] = set()
         self._label_probe_at = -float("inf")
+        self._regions_lock = asyncio.Lock()
+        """Held by prewarm and re-probe: one probe-and-switch at a time."""
+        self._primary_connections = 1
+        """``prewarm(connections)``: what a new primary gets when a re-probe switches."""
+        self._busy: Counter[str] = Counter()
+        """Streams reading from each region now: a re-probe does not close their connections."""
         if http is None:
             # HTTP/2 is negotiated with TLS (ALPN); over plain http it would need prior knowledge.
             plain = not all(origin.tls for origin in self.origins)
@@ -150,6 +162,9 @@ class AsyncClient:
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
             connect_timeout_s=connect_timeout_s,
         )
+        if reprobe_interval_s is not None and len(self.origins) > 1:
+            # From the pool's keep-warm loop: only while the client is in use.
+            self.pool.every(reprobe_interval_s, self.reprobe)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -177,22 +192,58 @@ class AsyncClient:
         region and one standby connection to the second, both kept warm (so a failover costs
         no handshake); the probe's connections to any other region are closed.
         """
+        self._primary_connections = connections
         if len(self.origins) == 1:
             await self.pool.prewarm(self._target(), connections)
             return
-        await self.probe_regions()
+        async with self._regions_lock:
+            await self.probe_regions()
+            await self._settle_regions()
+
+    async def reprobe(self) -> None:
+        """Probe every region again and move the warm primary and standby if the ranking
+        changed by more than noise (:meth:`RegionSelector.proposal`).
+
+        Run every ``reprobe_interval_s`` while the client is in use. The same probe as
+        :meth:`probe_regions`: on the primary's and standby's warm connections; a region not
+        connected costs a handshake, then its connection is closed again. A region that fails
+        the probe is set aside as a failed request would set it (and so is no longer chosen
+        until its backoff ends and a probe reaches it). A new primary or standby gets its
+        warm connection before requests are sent there, so failover stays one round trip.
+        Never raises for network failures.
+        """
+        async with self._regions_lock:
+            await self.probe_regions()
+            with contextlib.suppress(FirstbyteError, OSError):
+                await self._settle_regions()
+
+    async def _settle_regions(self) -> None:
+        """Warm the proposed primary and standby, then make them the kept ones, then close
+        the connections to regions neither kept nor hinted (unless a stream is reading)."""
         now = time.monotonic()
-        primary = self.regions.choose(now) or self.regions.regions[0]
-        standby = self.regions.standby(now)
-        self.origin = self._origin_by_name[primary.name]
-        keep = {primary.name} | ({standby.name} if standby is not None else set())
-        for region in self.regions.regions:
-            if region.name not in keep or self.transport == "websocket":
-                # WebSocket requests do not use the probe's HTTP session.
-                await self.pool.release(self._origin_by_name[region.name], self._probe_http)
-        await self.pool.prewarm(self._target(self.origin), connections)
-        if standby is not None:
+        chosen = self.regions.proposal(now) or [self.regions.regions[0]]
+        primary = chosen[0]
+        try:
+            await self.pool.prewarm(self._target(self._origin_by_name[primary.name]),
+                                    self._primary_connections)
+        except (FirstbyteError, OSError):
+            if self.regions.available(primary.name, time.monotonic()):  # else: already
+                self.regions.failed(primary.name, time.monotonic())
+            raise
+        for standby in chosen[1:]:
             await self._warm_region(standby)
+        # Only now do requests go there: their connections are open.
+        self.regions.keep(chosen)
+        self.origin = self._origin_by_name[primary.name]
+        keep = {r.name for r in (*chosen, *self.regions.ranked(time.monotonic())[:1])}
+        for region in self.regions.regions:
+            origin = self._origin_by_name[region.name]
+            if region.name in keep:
+                if self.transport == "websocket":
+                    # WebSocket requests do not use the probe's HTTP session.
+                    await self.pool.release(origin, self._probe_http)
+            elif not self._busy[region.name]:
+                await self.pool.release(origin)
 
     @property
     def _probe_http(self) -> str:
@@ -331,6 +382,8 @@ class ChatStream:
         self._plan = [urls.index(u) for u in ranked] + [
             i for i, u in enumerate(urls) if u not in ranked]
         self._attempt = 0
+        self._busy_region: str | None = None
+        """The region counted in the client's ``_busy`` while a pump reads from it."""
 
     @property
     def _origin(self) -> Origin:
@@ -398,6 +451,9 @@ class ChatStream:
 
     # -- machinery ------------------------------------------------------------------------------
     def _start(self, source: Source) -> None:
+        self._unbusy()
+        self._busy_region = self._region_name
+        self._client._busy[self._busy_region] += 1
         self._queue = asyncio.Queue(_QUEUE_ITEMS)
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(source, self._queue))
 
@@ -415,7 +471,13 @@ class ChatStream:
             with contextlib.suppress(Exception):
                 await source.aclose()  # type: ignore[attr-defined]
 
+    def _unbusy(self) -> None:
+        if self._busy_region is not None:
+            self._client._busy[self._busy_region] -= 1
+            self._busy_region = None
+
     async def _stop_pump(self) -> None:
+        self._unbusy()
         task, self._pump_task = self._pump_task, None
         if task is not None and not task.done():
             task.cancel()

@@ -6,6 +6,10 @@ keep-warm task. Keep-warm exercises idle connections every ``keepalive_interval_
 and HTTP/2: ``GET /healthz``; HTTP/3: QUIC PING; WebSocket: ping frames) so that neither side's
 idle timer closes them, and stops after ``keepalive_expiry_s`` without a request, so an idle
 application does not hold connections open forever.
+
+The keep-warm loop is the pool's one scheduler: other periodic work (the client's region
+re-probe) is registered with :meth:`ConnectionPool.every` and runs from the same loop, only
+while the client is in use.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import asyncio
 import contextlib
 import ssl
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from client_sdk.resolver import Origin, Resolver
 from client_sdk.transports.base import Session
@@ -22,6 +28,14 @@ from client_sdk.transports.http import HttpxSession
 from client_sdk.transports.websocket import WebSocketPool
 
 __all__ = ["ConnectionPool"]
+
+
+@dataclass
+class _Job:
+    interval_s: float
+    run: Callable[[], Awaitable[None]]
+    due: float = 0.0
+    task: asyncio.Task[None] | None = None
 
 
 class ConnectionPool:
@@ -51,10 +65,25 @@ class ConnectionPool:
         self._websockets: dict[Origin, WebSocketPool] = {}
         self._last_used = time.monotonic()
         self._keepalive_task: asyncio.Task[None] | None = None
+        self._jobs = [_Job(keepalive_interval_s, self._ping_idle)]
+        self._start_on_use = False
 
     def touch(self) -> None:
-        """A request is being made: extend the keep-warm lifetime."""
+        """A request is being made: extend the keep-warm lifetime (and, once :meth:`every`
+        registered a job, start the loop if it is not running)."""
         self._last_used = time.monotonic()
+        if self._start_on_use:
+            self._ensure_loop()
+
+    def every(self, interval_s: float, job: Callable[[], Awaitable[None]]) -> None:
+        """Run ``job`` every ``interval_s`` from the keep-warm loop, so only while the client
+        is in use (a request or :meth:`prewarm` within ``keepalive_expiry_s``). A run that is
+        still going when the next is due makes that one skip: a job never runs twice at once.
+        Its exceptions are swallowed (a job records its own failures)."""
+        if interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self._jobs.append(_Job(interval_s, job))
+        self._start_on_use = True
 
     def session(self, origin: Origin, http: str) -> Session:
         key = (origin, http)
@@ -91,7 +120,14 @@ class ConnectionPool:
         """Open connections now and keep them (and every other open one) warm."""
         self.touch()
         await target.prewarm(connections)
+        self._ensure_loop()
+
+    def _ensure_loop(self) -> None:
         if self._keepalive_task is None or self._keepalive_task.done():
+            # Each job's first run is one interval after the loop (re)starts.
+            now = time.monotonic()
+            for job in self._jobs:
+                job.due = now + job.interval_s
             self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
 
     async def release(self, origin: Origin, http: str | None = None) -> None:
@@ -109,21 +145,39 @@ class ConnectionPool:
                 await target.aclose()
 
     async def _keepalive(self) -> None:
+        loop = asyncio.get_running_loop()
         while time.monotonic() - self._last_used < self._keepalive_expiry_s:
-            await asyncio.sleep(self._keepalive_interval_s)
-            targets: list[Session | WebSocketPool] = [*self._sessions.values(),
-                                                      *self._websockets.values()]
-            for target in targets:
-                # One failed ping must not stop keep-warm of the others.
-                with contextlib.suppress(Exception):
-                    await target.keepalive()
+            await asyncio.sleep(max(0.0, min(job.due for job in self._jobs) - time.monotonic()))
+            now = time.monotonic()
+            for job in self._jobs:
+                if job.due > now:
+                    continue
+                job.due = now + job.interval_s
+                if job.task is None or job.task.done():
+                    job.task = loop.create_task(self._run(job))
+
+    @staticmethod
+    async def _run(job: _Job) -> None:
+        with contextlib.suppress(Exception):
+            await job.run()
+
+    async def _ping_idle(self) -> None:
+        targets: list[Session | WebSocketPool] = [*self._sessions.values(),
+                                                  *self._websockets.values()]
+        for target in targets:
+            # One failed ping must not stop keep-warm of the others.
+            with contextlib.suppress(Exception):
+                await target.keepalive()
 
     async def aclose(self) -> None:
+        self._start_on_use = False
         task, self._keepalive_task = self._keepalive_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tasks = [t for t in (task, *(job.task for job in self._jobs)) if t is not None]
+        for job in self._jobs:
+            job.task = None
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         targets: list[Session | WebSocketPool] = [*self._sessions.values(),
                                                   *self._websockets.values()]
         for target in targets:

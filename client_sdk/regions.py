@@ -13,6 +13,14 @@ go comes from the configuration only, not from a response header.
 On a connect failure, 429 or 503 the region is set aside for its ``Retry-After`` (or an
 exponential backoff) and the next region is tried; when every region is set aside,
 :meth:`RegionSelector.wait_s` says how long until the first comes back.
+
+RTTs are measured again and again (the client re-probes periodically), and two regions whose
+RTTs differ by noise must not swap places at every probe: that would move the warm primary
+and standby connections back and forth. So the primary and standby are *kept*
+(:meth:`RegionSelector.keep`) and :meth:`RegionSelector.proposal` replaces a kept one only by
+a region whose RTT is lower by at least ``max(switch_margin_ms, switch_ratio x its RTT)``
+(2 ms or 10 %), or when the kept one is set aside. Kept regions rank first (after a hinted
+one); until something is kept, the ranking is by RTT alone.
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class RegionSelector:
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
         hint_ttl_s: float = 300.0,
+        switch_margin_ms: float = 2.0,
+        switch_ratio: float = 0.10,
     ) -> None:
         self._states = {r.name: _State(r) for r in regions}
         if not self._states:
@@ -91,6 +101,12 @@ class RegionSelector:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.hint_ttl_s = hint_ttl_s
+        self.switch_margin_ms = switch_margin_ms
+        self.switch_ratio = switch_ratio
+        self._kept: list[str] = []
+        """Primary and standby (names), as last given to :meth:`keep`."""
+        self.switches = 0
+        """How many times :meth:`keep` changed the primary (after the first choice)."""
 
     @property
     def regions(self) -> list[Region]:
@@ -155,18 +171,65 @@ class RegionSelector:
             self._states[region.name].hinted_until = now + self.hint_ttl_s
         return region
 
+    def keep(self, regions: Sequence[Region]) -> None:
+        """Make ``regions`` (primary, then standby) the kept ones: they rank first (after a
+        hinted region) until the next :meth:`keep`. The caller warms them before calling this
+        (see :meth:`proposal`)."""
+        names = [r.name for r in regions]
+        for name in names:
+            if name not in self._states:
+                raise KeyError(f"not a configured region: {name!r}")
+        if self._kept and names and names[0] != self._kept[0]:
+            self.switches += 1
+        self._kept = names
+
     # --- outputs
     def available(self, name: str, now: float) -> bool:
         return self._states[name].unavailable_until <= now
 
-    def ranked(self, now: float) -> list[Region]:
-        """Available regions, best first: hinted, then by RTT (unmeasured last, in order)."""
-        order = {name: i for i, name in enumerate(self._states)}
+    def beats(self, challenger: str, incumbent: str) -> bool:
+        """True when ``challenger``'s RTT is lower than ``incumbent``'s by the switch margin,
+        ``max(switch_margin_ms, switch_ratio x incumbent's RTT)``: more than noise."""
+        a, b = self._states[challenger].rtt_ms, self._states[incumbent].rtt_ms
+        if a is None:
+            return False
+        if b is None:
+            return True
+        return a < b - max(self.switch_margin_ms, self.switch_ratio * b)
 
-        def key(s: _State) -> tuple[int, float, int]:
+    def proposal(self, now: float) -> list[Region]:
+        """The primary and standby to keep next (up to two available regions), by RTT with
+        hysteresis: each kept one stays in its place unless it is set aside or the fastest
+        region not yet placed :meth:`beats` it. Pure: the caller warms connections to these,
+        then calls :meth:`keep`."""
+        order = {name: i for i, name in enumerate(self._states)}
+        candidates = sorted(
+            (s for s in self._states.values() if s.unavailable_until <= now),
+            key=lambda s: (s.rtt_ms if s.rtt_ms is not None else float("inf"),
+                           order[s.region.name]),
+        )
+        chosen: list[str] = []
+        for slot in range(2):
+            rest = [s.region.name for s in candidates if s.region.name not in chosen]
+            if not rest:
+                break
+            incumbent = self._kept[slot] if slot < len(self._kept) else None
+            if incumbent in rest and not self.beats(rest[0], incumbent):
+                chosen.append(incumbent)
+            else:
+                chosen.append(rest[0])
+        return [self._states[name].region for name in chosen]
+
+    def ranked(self, now: float) -> list[Region]:
+        """Available regions, best first: hinted, then the kept primary and standby, then by
+        RTT (unmeasured last, in the configured order)."""
+        order = {name: i for i, name in enumerate(self._states)}
+        kept = {name: i for i, name in enumerate(self._kept)}
+
+        def key(s: _State) -> tuple[int, int, float, int]:
             hinted = 0 if s.hinted_until > now else 1
             rtt = s.rtt_ms if s.rtt_ms is not None else float("inf")
-            return (hinted, rtt, order[s.region.name])
+            return (hinted, kept.get(s.region.name, len(kept)), rtt, order[s.region.name])
 
         states = [s for s in self._states.values() if s.unavailable_until <= now]
         return [s.region for s in sorted(states, key=key)]
