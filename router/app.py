@@ -29,6 +29,8 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     "/metrics": {"GET": endpoints.metrics},
     "/v1/edge/status": {"GET": endpoints.edge_status},
 }
+# Answered while the start-up warmup runs; every other request waits for it.
+_UNGATED = frozenset({"/healthz", "/metrics", "/v1/edge/status"})
 _STREAM_PATH = re.compile(r"^/v1/streams/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$")
 
 
@@ -45,6 +47,8 @@ class RouterApp:
             return
         self.state.ensure_started()
         path: str = scope["path"]
+        if path not in _UNGATED:
+            await self.state.until_warm()
         if kind == "websocket":
             if path == "/v1/ws":
                 await websocket_session(self.state, scope, receive, send)
@@ -76,9 +80,9 @@ class RouterApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                # Warming starts now and runs while the router listens; user requests wait
+                # for it (RouterState.until_warm), /healthz answers 503 "warming" meanwhile.
                 self.state.ensure_started()
-                # Serve only once the warm prefixes are in every backend's cache (bounded).
-                await self.state.routing.wait_warm()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.state.aclose()

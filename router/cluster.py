@@ -146,7 +146,8 @@ async def running_regions(
     geo_database: str | None = None,
     trusted_proxies: Sequence[str] = ("127.0.0.1/32",),
 ) -> AsyncIterator[dict[str, RegionHandle]]:
-    """Start every region's sims and router; stop them all on exit."""
+    """Start every region's sims and router, warmed (:meth:`RouterState.until_warm`); stop them
+    all on exit."""
     ports = _reserve_ports(len(specs))
     urls = {spec.name: f"http://127.0.0.1:{port}" for spec, port in zip(specs, ports, strict=True)}
     async with contextlib.AsyncExitStack() as stack:
@@ -192,6 +193,8 @@ async def running_regions(
             config = parse_config(_merge(data, spec.config), f"<region {spec.name}>")
             endpoints = await stack.enter_async_context(running_router(config))
             handles[spec.name] = RegionHandle(spec, endpoints, sims[spec.name])
+        for handle in handles.values():
+            await handle.state.until_warm()
         yield handles
 
 

@@ -95,6 +95,11 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = msgspec.field(default_factory=list)
     allow_anonymous: bool = False
     """With no ``api_keys``: accept any request (local use only)."""
+    metrics_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = msgspec.field(
+        default_factory=list
+    )
+    """Bearer keys that may read ``/metrics`` and the whole ``/v1/edge/status`` and nothing else
+    (a Prometheus scraper's token); API keys and the peer key may read them too."""
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

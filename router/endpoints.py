@@ -379,21 +379,55 @@ async def models(state: RouterState, scope: Scope, receive: Receive, send: Send)
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    ok = state.healthy
-    await send_bytes(
-        send, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n", content_type="text/plain"
-    )
+    """``GET /healthz``: 200 ``ok``; 503 ``warming`` during the start-up warmup (requests are
+    held meanwhile) or ``unhealthy`` when no backend is healthy. No key: load balancers ask."""
+    if state.warming:
+        status, text = 503, b"warming\n"
+    elif state.healthy:
+        status, text = 200, b"ok\n"
+    else:
+        status, text = 503, b"unhealthy\n"
+    await send_bytes(send, status, text, content_type="text/plain")
+
+
+def _observer(state: RouterState, ctx: RequestContext) -> Outcome:
+    """May this request see the region's load? The peer key, an API key or a metrics key
+    (anyone when the router is anonymous: no API keys and no metrics keys)."""
+    if state.routing.peer_authenticated(ctx):
+        return CONTINUE
+    return authenticate(ctx, state.observer_keys)
 
 
 async def metrics(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``GET /metrics`` (Prometheus text), for a peer key, an API key or a metrics key."""
+    outcome = _observer(state, new_context(state, scope))
+    if isinstance(outcome, LocalReply):
+        await reply(send, None, outcome)
+        return
     text = state.metrics.render() + state.routing.render_metrics()
     await send_bytes(send, 200, text.encode(), content_type="text/plain; version=0.0.4")
 
 
 async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /v1/edge/status``: this region's load and warm prefixes, for peers and dashboards
-    (:class:`router.peers.EdgeStatus`, plus ``streams``, ``warm`` and ``time``)."""
-    body = msgspec.to_builtins(state.routing.status())
+    (:class:`router.peers.EdgeStatus`, plus ``streams``, ``warm`` and ``time``).
+
+    Without a key that may see it (:func:`_observer`) only what a client needs to find its
+    regions: ``region``, ``healthy``, ``public_url``, location and ``peers``.
+    """
+    status = state.routing.status()
+    if isinstance(_observer(state, new_context(state, scope)), LocalReply):
+        public = {
+            "region": status.region,
+            "healthy": status.healthy and not state.warming,
+            "public_url": status.public_url,
+            "latitude": status.latitude,
+            "longitude": status.longitude,
+            "peers": msgspec.to_builtins(status.peers),
+        }
+        await send_bytes(send, 200, encode(public), headers=[("cache-control", "no-cache")])
+        return
+    body = msgspec.to_builtins(status)
     body["streams"] = len(state.store)
     body["warm"] = state.routing.scheduler.registry()
     body["time"] = time.time()

@@ -255,7 +255,7 @@ class RegionRouting:
             self.tracker.observe_metrics(name, metrics, self.clock())
 
     # --- the stage ---------------------------------------------------------------------
-    def _peer_authenticated(self, ctx: RequestContext) -> bool:
+    def peer_authenticated(self, ctx: RequestContext) -> bool:
         given = ctx.headers.get(PEER_KEY_HEADER)
         if not given or not self.peer_key:
             return False
@@ -319,7 +319,7 @@ class RegionRouting:
         request = ctx.request
         assert request is not None
         now = self.clock()
-        from_peer = self._peer_authenticated(ctx)
+        from_peer = self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
         location = self.locate(ctx, from_peer)
         prefix = self._prefix(request)
@@ -460,7 +460,7 @@ class RegionRouting:
 
     def _switch_target(self, ctx: RequestContext) -> str | None:
         now = self.clock()
-        forwarded = self._peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
+        forwarded = self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
         if forwarded:
             return None
         candidates = [c for c in self._peers(now).values() if c.healthy and not c.saturated]

@@ -28,6 +28,8 @@ class RouterState:
         self.clock = clock
         self.region = config.region
         self.api_keys = [key.encode() for key in config.auth.api_keys]
+        # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
+        self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
         self.metrics = Metrics()
         self.store = StreamStore(
             max_total_bytes=config.streams.max_total_bytes,
@@ -44,6 +46,7 @@ class RouterState:
         self.routing = RegionRouting(config, self.pool, self.proxy.client, clock)
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[bool] | None = None
         self.metrics.add_gauge_source(
             "firstbyte_router_streams", "Streams held in the store.", lambda: len(self.store)
         )
@@ -57,11 +60,29 @@ class RouterState:
     def healthy(self) -> bool:
         return any(b.healthy for b in self.pool.backends)
 
+    @property
+    def warming(self) -> bool:
+        """True while the start-up warmup runs (``/healthz`` says ``warming``)."""
+        return self._warming is None or not self._warming.done()
+
     def ensure_started(self) -> None:
-        """Start housekeeping in the running loop (idempotent; called on every request)."""
+        """Start housekeeping and the start-up warmup in the running loop (idempotent; called
+        at lifespan start-up and on every request)."""
         if self._maintainer is None:
             self._maintainer = asyncio.create_task(self._maintain())
             self.routing.start()
+            self._warming = asyncio.create_task(self.routing.wait_warm())
+
+    async def until_warm(self) -> None:
+        """Return once every warm prefix is on every backend, or the start-up timeout passed.
+
+        The router listens at once (so ``/healthz`` can say ``warming``) but holds user
+        requests until then: the first request already finds the shared prompts cached.
+        """
+        self.ensure_started()
+        assert self._warming is not None
+        if not self._warming.done():
+            await asyncio.shield(self._warming)
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests."""
@@ -81,6 +102,10 @@ class RouterState:
             self.tick(self.clock())
 
     async def aclose(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warming
         if self._maintainer is not None:
             self._maintainer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

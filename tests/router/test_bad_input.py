@@ -113,7 +113,7 @@ async def test_http_bad_input(routed: RouterEndpoints, client: httpx.AsyncClient
         assert response.status_code == 400, path
         assert error_of(response)["param"] in ("after", "wait")
 
-    streams_before = (await client.get(url + "/v1/edge/status")).json()["streams"]
+    streams_before = (await client.get(url + "/v1/edge/status", headers=auth())).json()["streams"]
     for wait in ("999", "soon", "-1", "nan", ""):
         response = await client.post(
             url + "/v1/streams", params={"wait": wait}, json=BODY, headers=auth()
@@ -121,7 +121,7 @@ async def test_http_bad_input(routed: RouterEndpoints, client: httpx.AsyncClient
         assert response.status_code == 400, wait
         assert error_of(response)["param"] == "wait"
     # Rejected before a stream is created or a routing slot is taken.
-    assert (await client.get(url + "/v1/edge/status")).json()["streams"] == streams_before
+    assert (await client.get(url + "/v1/edge/status", headers=auth())).json()["streams"] == streams_before
 
     assert (await client.get(url + "/v1/nothing", headers=auth())).status_code == 404
     assert (await client.get(chat, headers=auth())).status_code == 405

@@ -101,7 +101,7 @@ async def test_client_served_by_its_region_via_trusted_proxy(
         assert r.text.rstrip().endswith("data: [DONE]")
         assert r.text.count('"content"') >= 8
         # The peer served it as a forwarded request (never forwarded again).
-        metrics = (await client.get(f"{frankfurt.url}/metrics")).text
+        metrics = (await client.get(f"{frankfurt.url}/metrics", headers=AUTH)).text
         assert 'firstbyte_route_forwards_total{to="tokyo"} 2' in metrics
     # One JSON access-log line per request, without secrets or addresses.
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "firstbyte.access"]
@@ -139,7 +139,7 @@ async def test_backends_warm_before_first_request_and_after_restart(tmp_path: Pa
         for region in regions.values():
             for sim in region.sims:
                 assert await sim_prefix_queries(client, sim.url) > 0
-            status = (await client.get(f"{region.url}/v1/edge/status")).json()
+            status = (await client.get(f"{region.url}/v1/edge/status", headers=AUTH)).json()
             assert all(states == {"support": "warm"} for states in status["warm"].values())
         tokyo = regions["tokyo"]
         r = await post(client, tokyo, chat("How do I reset my router?"), xff=TOKYO_CLIENT)
@@ -159,6 +159,6 @@ async def test_backends_warm_before_first_request_and_after_restart(tmp_path: Pa
         # The fresh sim has the system prompt cached again (asked directly).
         direct = await client.post(f"{sim.url}/v1/chat/completions", json=chat("Another question"))
         assert direct.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= system_tokens - 32
-        metrics = (await client.get(f"{tokyo.url}/metrics")).text
+        metrics = (await client.get(f"{tokyo.url}/metrics", headers=AUTH)).text
         assert 'firstbyte_backend_restarts_total{backend="tokyo-0"} 1' in metrics
         assert 'firstbyte_warm_state{backend="tokyo-0",prefix="support"} 1' in metrics

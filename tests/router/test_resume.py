@@ -65,7 +65,7 @@ async def read_first_events(
 
 
 async def in_flight(client: httpx.AsyncClient, url: str) -> int:
-    status = (await client.get(url + "/v1/edge/status")).json()
+    status = (await client.get(url + "/v1/edge/status", headers=auth())).json()
     return int(status["in_flight"])
 
 
@@ -239,7 +239,7 @@ async def test_disconnect_cancels_upstream_after_grace(
             await asyncio.sleep(0.05)
         assert time.monotonic() - left_at >= grace * 0.9
         assert endpoints.app.state.cancelled_unattended == 1
-        status = (await client.get(endpoints.base_url + "/v1/edge/status")).json()
+        status = (await client.get(endpoints.base_url + "/v1/edge/status", headers=auth())).json()
         assert status["in_flight"] == 0
         # A late reader still gets what was produced, then a cancellation error and [DONE].
         late = await client.get(

@@ -100,11 +100,19 @@ async def test_non_streaming_json_and_models(
         assert models.status_code == 200
         assert models.json()["data"][0]["id"] == "sim-instant"
         assert (await client.get(sim_router.base_url + "/healthz")).text == "ok\n"
-        status = (await client.get(sim_router.base_url + "/v1/edge/status")).json()
+        status = (await client.get(sim_router.base_url + "/v1/edge/status", headers=auth())).json()
         assert status["region"] == "test-1"
         assert status["healthy"] is True
         assert status["in_flight"] == 0
-        metrics = (await client.get(sim_router.base_url + "/metrics")).text
+        # Without a key: what a client needs to find its regions, not the region's load.
+        public = (await client.get(sim_router.base_url + "/v1/edge/status")).json()
+        assert public["region"] == "test-1"
+        assert public["healthy"] is True
+        assert not {"in_flight", "backends", "streams", "warm"} & set(public)
+        bad = await client.get(sim_router.base_url + "/metrics", headers=auth("sk-wrong-key-9"))
+        assert bad.status_code == 401
+        assert (await client.get(sim_router.base_url + "/metrics")).status_code == 401
+        metrics = (await client.get(sim_router.base_url + "/metrics", headers=auth())).text
         assert 'firstbyte_router_requests_total{endpoint="chat",outcome="ok"} 1' in metrics
         assert "firstbyte_router_ttft_seconds_count" in metrics
 

@@ -8,6 +8,8 @@ import httpx
 from router.sim.server import SimServer, sim_server
 from router.upstream_metrics import BackendMetrics, parse_backend_metrics
 from router.warmup import WarmPrefix, WarmState, WarmupRunner, WarmupScheduler
+from tests.router.conftest import RouterFactory, auth
+from tests.router.upstream import running_upstream
 
 SUPPORT = WarmPrefix("support", "You are a support agent for ACME routers. " * 40, ())
 CODER = WarmPrefix("coder", "You write Python code. " * 40, ("code-model",))
@@ -164,3 +166,36 @@ async def test_startup_wait_does_not_wait_for_a_dead_backend() -> None:
             await runner.stop()
     finally:
         dead.close()
+
+
+async def test_router_listens_while_warming_and_holds_requests_until_warm(
+    start_router: RouterFactory,
+) -> None:
+    """/healthz says "warming" at once; a user request waits for the warmup to end."""
+    import asyncio
+
+    async with running_upstream() as upstream:
+        upstream.hold = asyncio.Event()  # the warmup request stays unanswered until released
+        async with start_router(
+            [upstream.url], tls=False, warm_prefixes=[{"name": "support", "text": SUPPORT.text}],
+            upstreams=[{"url": upstream.url, "models": ["test-model"]}],
+        ) as router, httpx.AsyncClient(timeout=30) as client:
+            state = router.app.state
+            health = await client.get(router.base_url + "/healthz")
+            assert (health.status_code, health.text) == (503, "warming\n")
+            body = {"model": "test-model", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hello"}]}
+            user = asyncio.ensure_future(
+                client.post(router.base_url + "/v1/chat/completions", json=body, headers=auth()))
+            await asyncio.sleep(0.5)
+            assert not user.done()
+            assert state.warming
+            # Only the warmup reached the backend: the user's request is held by the router.
+            assert "hello" not in upstream.chat_requests
+            assert len(upstream.chat_requests) == 1
+            upstream.hold.set()
+            response = await user
+            assert response.status_code == 200, response.text
+            assert upstream.chat_requests[-1] == "hello"
+            assert not state.warming
+            assert (await client.get(router.base_url + "/healthz")).text == "ok\n"

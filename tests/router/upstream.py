@@ -30,6 +30,10 @@ class Upstream:
     client_ports: set[int] = field(default_factory=set)
     """The client port of every chat request: one per TCP connection the router used."""
     url: str = ""
+    chat_requests: list[str] = field(default_factory=list)
+    """The first user message of every chat request received, in order."""
+    hold: asyncio.Event | None = None
+    """When set to an event: chat requests wait for it before answering."""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -81,6 +85,10 @@ class Upstream:
             )
             return
         request = json.loads(body)
+        users = [m.get("content") for m in request.get("messages", []) if m.get("role") == "user"]
+        self.chat_requests.append(str(users[0]) if users else "")
+        if self.hold is not None:
+            await self.hold.wait()
         n = request.get("max_tokens") or 8
         words = [f"w{i}" for i in range(n)]
         if not request.get("stream"):
