@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from benchmarks.scenarios.sim_cpu import SERVERS, TARGET_CHUNKS_PER_CPU_S
 
 
 def test_quick_mode_runs_every_server_and_reports() -> None:
-    start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.scenarios.sim_cpu", "--quick"],
         capture_output=True,
@@ -20,7 +18,6 @@ def test_quick_mode_runs_every_server_and_reports() -> None:
         timeout=60,
         check=False,
     )
-    elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["scenario"] == "sim_cpu"
@@ -41,7 +38,6 @@ def test_quick_mode_runs_every_server_and_reports() -> None:
     # The default server (uvicorn) meets the target on its own, with room to spare.
     uvicorn = next(run for run in result["runs"] if run["server"] == "uvicorn")
     assert uvicorn["chunks_per_cpu_s"] >= TARGET_CHUNKS_PER_CPU_S
-    assert elapsed < 45  # quick means quick (30 s budget, plus slack for a busy machine)
 
 
 def test_bad_server_name_is_a_usage_error() -> None:
