@@ -162,7 +162,8 @@ class AsyncClient:
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
             connect_timeout_s=connect_timeout_s,
         )
-        if reprobe_interval_s is not None and len(self.origins) > 1:
+        self._reprobing = reprobe_interval_s is not None and len(self.origins) > 1
+        if reprobe_interval_s is not None and self._reprobing:
             # From the pool's keep-warm loop: only while the client is in use.
             self.pool.every(reprobe_interval_s, self.reprobe)
 
@@ -205,8 +206,9 @@ class AsyncClient:
         changed by more than noise (:meth:`RegionSelector.proposal`).
 
         Run every ``reprobe_interval_s`` while the client is in use. The same probe as
-        :meth:`probe_regions`: on the primary's and standby's warm connections; a region not
-        connected costs a handshake, then its connection is closed again. A region that fails
+        :meth:`probe_regions`: on the primary's and standby's warm connections (with
+        WebSocket, their probe HTTP connections stay open for it); a region not connected
+        costs a handshake, then its connection is closed again. A region that fails
         the probe is set aside as a failed request would set it (and so is no longer chosen
         until its backoff ends and a probe reaches it). A new primary or standby gets its
         warm connection before requests are sent there, so failover stays one round trip.
@@ -239,8 +241,9 @@ class AsyncClient:
         for region in self.regions.regions:
             origin = self._origin_by_name[region.name]
             if region.name in keep:
-                if self.transport == "websocket":
-                    # WebSocket requests do not use the probe's HTTP session.
+                if self.transport == "websocket" and not self._reprobing:
+                    # WebSocket requests do not use the probe's HTTP session; only the
+                    # re-probe would (kept, it measures on a warm connection, not a new one).
                     await self.pool.release(origin, self._probe_http)
             elif not self._busy[region.name]:
                 await self.pool.release(origin)

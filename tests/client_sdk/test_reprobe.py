@@ -75,8 +75,14 @@ async def test_reprobe_leaves_a_slow_region_and_comes_back_after_it_recovers(
         await until(lambda: proxies["far"].open == 0)
         async with requests_meanwhile(client) as outcomes:
             # Re-probes run (RTTs keep being measured) but nothing moves: near stays best.
+            accepted = {name: proxies[name].accepted for name in ("near", "mid")}
+            far_accepted = proxies["far"].accepted
             await asyncio.sleep(4 * INTERVAL_S)
             assert client.regions.switches == 0
+            # The kept regions are probed on their warm connections; far (let go) costs a
+            # connection per probe.
+            assert {name: proxies[name].accepted for name in ("near", "mid")} == accepted
+            assert proxies["far"].accepted >= far_accepted + 2
             assert (primary(client), standby(client)) == ("near", "mid")
 
             proxies["near"].delay_s = 0.06  # near is now the farthest: ~120 ms RTT
