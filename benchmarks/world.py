@@ -11,6 +11,15 @@ the region's network namespace; the SDK runs in another process inside the clien
 (:mod:`benchmarks.scenarios._client_runner`), so every handshake crosses the emulator's delay
 line. Certificates come from a CA made for this run (trustme), so TLS is real and verified.
 
+With ``peering=Peering(locations)`` (emulated worlds only) the routers are one deployment, as in
+"Routing across regions": each knows the others as peers (a peer key made for this run, the
+run's CA trusted for peer TLS through ``upstream_ca_file``), its own location, and a GeoIP2
+City ``.mmdb`` written for this run (with ``mmdb-writer``) that maps each client host's address
+to its place; so a router can forward a request to the region nearest its client and answer
+with ``x-firstbyte-better-region``. Every router listens on :data:`PEERED_PORT` (each is alone
+in its namespace, so its URL is known before it starts) and announces itself only once it has
+fresh status from every peer. Without ``peering`` the routers know nothing of each other.
+
 Without an emulator (``emulator=None``) everything runs on 127.0.0.1: the *loopback mode*,
 which shows CPU costs only (see :data:`LOOPBACK_LIMITS`). :func:`choose_mode` decides: the
 emulator when this machine can run it, loopback otherwise, except that under ``CI=true`` a
@@ -27,11 +36,12 @@ import collections
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,14 +50,18 @@ from typing import Any
 import trustme
 
 from benchmarks.wan import Emulator, PrecisionReport, WanUnavailable
+from benchmarks.wan.geo import Place
 from benchmarks.wan.netns import check_capable, python_env
 
 __all__ = [
     "LOOPBACK_LIMITS",
+    "PEERED_PORT",
+    "Peering",
     "Region",
     "World",
     "WorldError",
     "choose_mode",
+    "write_geoip_db",
 ]
 
 LOOPBACK_LIMITS = (
@@ -57,6 +71,10 @@ LOOPBACK_LIMITS = (
     "emulator (root and /dev/net/tun)."
 )
 START_TIMEOUT_S = 60.0
+PEERED_PORT = 8443
+"""The TCP and UDP port of every router of a peered world (peers need each other's URL)."""
+PEER_KEY_ENV = "FIRSTBYTE_PEER_KEY"
+"""How the region runner gets the peer key (kept out of the process list)."""
 
 
 class WorldError(RuntimeError):
@@ -79,6 +97,39 @@ def choose_mode(force_loopback: bool = False) -> tuple[str, str | None]:
             raise WorldError(f"CI=true but the WAN emulator cannot run here: {exc}") from None
         return "loopback", str(exc)
     return "emulated", None
+
+
+@dataclass(frozen=True)
+class Peering:
+    """Peer the world's routers (see the module docstring). ``locations`` places every region
+    host (the router's own location and its peers') and every client host (the GeoIP
+    database); a client left out is unknown to GeoIP and counts as local wherever it enters."""
+
+    locations: Mapping[str, Place]
+
+
+def write_geoip_db(path: Path, places: Mapping[str, Place]) -> Path:
+    """Write a GeoIP2-City-shaped ``.mmdb`` to ``path`` mapping each IPv4 address of
+    ``places`` (one /32 each) to its city, country and coordinates; returns ``path``."""
+    # Imported here: only a peered world needs mmdb-writer (the `bench` extra has it).
+    from mmdb_writer import MmdbF64, MMDBWriter
+    from netaddr import IPSet
+
+    writer = MMDBWriter(
+        ip_version=6, ipv4_compatible=True, database_type="GeoIP2-City",
+        languages=["en"], description="firstbyte emulated world (this run only)",
+    )
+    for ip, place in places.items():
+        writer.insert_network(
+            IPSet([f"{ip}/32"]),
+            {
+                "city": {"names": {"en": place.name}},
+                "country": {"iso_code": place.country, "names": {"en": place.country}},
+                "location": {"latitude": MmdbF64(place.lat), "longitude": MmdbF64(place.lon)},
+            },
+        )
+    writer.to_db_file(str(path))
+    return path
 
 
 @dataclass(frozen=True)
@@ -144,11 +195,20 @@ class World:
         emulator: Emulator | None,
         sim_profile: str = "instant",
         log: Callable[[str], None] | None = None,
+        peering: Peering | None = None,
     ) -> None:
         self.region_hosts = list(regions)
         self.client_hosts = list(clients)
         self.emulator = emulator
         self.sim_profile = sim_profile
+        self.peering = peering
+        if peering is not None:
+            if emulator is None:
+                # On loopback every host is 127.0.0.1: GeoIP cannot tell clients apart.
+                raise WorldError("peering needs the WAN emulator (every host its own address)")
+            missing = [h for h in self.region_hosts if h not in peering.locations]
+            if missing:
+                raise WorldError(f"peering: no location for region(s) {', '.join(missing)}")
         self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.regions: dict[str, Region] = {}
         self._procs: list[_Proc] = []
@@ -186,9 +246,11 @@ class World:
         if self.emulator is not None:
             self._log(f"world: starting the WAN emulator ({len(self.emulator.hosts)} hosts)")
             await asyncio.to_thread(self.emulator.start)
-        self._log(f"world: starting {len(self.region_hosts)} region(s): router + sim each")
+        peered = self._peering_args(Path(self._tmp.name)) if self.peering else None
+        self._log(f"world: starting {len(self.region_hosts)} region(s): router + sim each"
+                  + (", peered (GeoIP, forwarding, better-region hints)" if peered else ""))
         started = await asyncio.gather(
-            *(self._start_region(host, cert, key) for host in self.region_hosts)
+            *(self._start_region(host, cert, key, peered) for host in self.region_hosts)
         )
         self.regions = {region.host: region for region in started}
 
@@ -213,12 +275,36 @@ class World:
         self.ca_file = paths["ca"]
         return paths["cert"], paths["key"]
 
-    async def _spawn(self, host: str, argv: list[str]) -> asyncio.subprocess.Process:
+    def _peering_args(self, directory: Path) -> tuple[dict[str, list[str]], str]:
+        """Per region host, the region runner's peering flags; and the run's peer key."""
+        assert self.peering is not None
+        places = self.peering.locations
+        database = write_geoip_db(
+            directory / "world-city.mmdb",
+            {self.ip(host): places[host] for host in self.client_hosts if host in places},
+        )
+        urls = {host: f"https://{self.ip(host)}:{PEERED_PORT}" for host in self.region_hosts}
+        flags: dict[str, list[str]] = {}
+        for host in self.region_hosts:
+            here = places[host]
+            argv = ["--port", str(PEERED_PORT), "--latitude", str(here.lat),
+                    "--longitude", str(here.lon), "--geoip-db", str(database),
+                    "--upstream-ca", self.ca_file]
+            for other in self.region_hosts:
+                if other != host:
+                    argv += ["--peer", other, urls[other], str(places[other].lat),
+                             str(places[other].lon)]
+            flags[host] = argv
+        return flags, secrets.token_urlsafe(24)
+
+    async def _spawn(
+        self, host: str, argv: list[str], env: Mapping[str, str] | None = None
+    ) -> asyncio.subprocess.Process:
         pipes: dict[str, Any] = {
             "stdin": subprocess.DEVNULL,
             "stdout": subprocess.PIPE,
             "stderr": subprocess.PIPE,
-            "env": python_env(),
+            "env": {**python_env(), **(env or {})},
             # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in
             # order; they end by themselves if we die (benchmarks.scenarios._parent).
             "start_new_session": True,
@@ -227,12 +313,20 @@ class World:
             return await self.emulator.spawn(host, argv, **pipes)
         return await asyncio.create_subprocess_exec(*argv, **pipes)
 
-    async def _start_region(self, host: str, cert: str, key: str) -> Region:
+    async def _start_region(
+        self, host: str, cert: str, key: str,
+        peered: tuple[dict[str, list[str]], str] | None = None,
+    ) -> Region:
         argv = [
             sys.executable, "-m", "benchmarks.scenarios._region_runner", "--host", self.ip(host),
             "--region", host, "--certfile", cert, "--keyfile", key, "--profile", self.sim_profile,
         ]
-        proc = _Proc(host, await self._spawn(host, argv))
+        env: dict[str, str] = {}
+        if peered is not None:
+            flags, peer_key = peered
+            argv += flags[host]
+            env[PEER_KEY_ENV] = peer_key
+        proc = _Proc(host, await self._spawn(host, argv, env))
         self._procs.append(proc)
         try:
             line = await asyncio.wait_for(asyncio.shield(proc.first_line), START_TIMEOUT_S)
@@ -244,7 +338,9 @@ class World:
             await proc.stop()
             tail = "\n".join(proc.tail) or line
             raise WorldError(f"region {host} failed to start:\n{tail}") from None
-        self._log(f"world: region {host} serving {info['url']} (HTTP/1.1, HTTP/2, HTTP/3)")
+        peers = info.get("peers")
+        self._log(f"world: region {host} serving {info['url']} (HTTP/1.1, HTTP/2, HTTP/3)"
+                  + (f", peers up: {', '.join(peers)}" if peers else ""))
         return Region(host, host, str(info["url"]) + "/v1", info.get("h3_port"))
 
     # -- clients --------------------------------------------------------------------------------
@@ -258,14 +354,18 @@ class World:
         max_tokens: int = 8,
         request_timeout_s: float = 20.0,
         time_limit_s: float = 300.0,
+        probe: bool = True,
     ) -> list[dict[str, Any]]:
         """Run the SDK in ``client`` against ``region`` for ``cells``; one dict per request
         (``cell``, ``rep``, and ``timings`` + ``client_cpu_ms`` or ``error``). Several regions:
-        the SDK is given all of them and chooses (a prewarmed cell probes their RTTs)."""
+        the SDK is given all of them and chooses (a prewarmed cell probes their RTTs), or,
+        with ``probe=False``, starts at the first and moves only on a better-region hint."""
         names = [region] if isinstance(region, str) else list(region)
         argv = [sys.executable, "-m", "benchmarks.scenarios._client_runner"]
         for name in names:
             argv += ["--url", self.regions[name].url]
+        if not probe:
+            argv.append("--no-probe")
         argv += [
             "--cacert", self.ca_file,
             "--repeat", str(repeat), "--max-tokens", str(max_tokens),

@@ -18,6 +18,11 @@ costs in this process (lazy imports, code paths run once) are not charged to the
 With ``--url`` given more than once the SDK gets every region (``AsyncClient([...])``) and
 chooses as it does for applications: a prewarmed (``warm``) cell probes each region's round
 trip and streams from the fastest; ``timings.region`` names the region that served.
+``--no-probe`` takes the choice away from the probe (a client entering at a region of the
+caller's choosing): a ``warm`` cell opens its connection to the first ``--url`` only, with no RTT
+probe and no periodic re-probe, so requests go to the first region until a router's
+``x-firstbyte-better-region`` hint names another of the given regions (the SDK then prefers
+and prewarms that one; ``timings.better_region`` shows the hint).
 The benchmark runs this inside an emulated client host (:mod:`benchmarks.world`).
 """
 
@@ -81,14 +86,26 @@ class _Runner:
         self.model: str = args.model
         self.max_tokens: int = args.max_tokens
         self.timeout_s: float = args.timeout
+        self.no_probe: bool = args.no_probe
 
     def client(self, cell: Cell) -> AsyncClient:
+        options: dict[str, Any] = {"reprobe_interval_s": None} if self.no_probe else {}
         return AsyncClient(
             self.url, self.api_key, transport=cell.transport, http=cell.http,
             ca_file=self.cacert, idle_timeout_s=self.timeout_s,
             connect_timeout_s=self.timeout_s, max_resumes=0, stall_retries=0,
-            poll_wait_s=min(10.0, self.timeout_s),
+            poll_wait_s=min(10.0, self.timeout_s), **options,
         )
+
+    async def prewarm(self, client: AsyncClient, cell: Cell) -> None:
+        if not self.no_probe:
+            await client.prewarm()
+            return
+        # The first region's connection only: no probe ranks the regions.
+        pool, origin = client.pool, client.origin
+        target = (pool.websockets(origin, client.headers) if cell.transport == "websocket"
+                  else pool.session(origin, cell.http))
+        await client.pool.prewarm(target, 1)
 
     async def one(self, client: AsyncClient) -> tuple[Timings, float]:
         """One streamed request on ``client``; its timings and this process's CPU time."""
@@ -113,7 +130,7 @@ class _Runner:
         async with self.client(cell) as client:
             try:
                 if cell.mode == "warm":
-                    await asyncio.wait_for(client.prewarm(), self.timeout_s)
+                    await asyncio.wait_for(self.prewarm(client, cell), self.timeout_s)
                 else:
                     # One request for the session ticket the 0-RTT requests resume with.
                     await asyncio.wait_for(self.one(client), self.timeout_s)
@@ -169,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds per request")
     parser.add_argument("--cell", action="append", default=[], metavar="T/H/M",
                         help="a cell to run (repeatable), e.g. sse/2/cold, sse/3/0rtt")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="several --url: no RTT probe; start at the first region and move "
+                             "only on a better-region hint")
     args = parser.parse_args(argv)
     try:
         cells = [parse_cell(spec) for spec in args.cell]

@@ -9,6 +9,16 @@ one JSON line on stdout::
 
 and serves until SIGTERM or SIGINT, or until its parent is gone. One process per region keeps
 the start-up of a world to one Python import per region. Used by :mod:`benchmarks.world`.
+
+Peered (one deployment of several regions, README "Routing across regions"): each
+``--peer NAME URL LAT LON`` (repeatable) is another region's router; the peer key comes from
+the environment variable ``FIRSTBYTE_PEER_KEY`` (not the command line: it would show in the
+process list); ``--latitude``/``--longitude`` place this region, ``--geoip-db`` is a GeoIP2
+City ``.mmdb`` locating clients, ``--upstream-ca`` the CA trusted for TLS to peers. With peers,
+``--port`` must be given (the peers' configuration names it) and the line is printed only once
+every peer's ``/v1/edge/status`` has arrived (at most ``--peers-timeout`` seconds, else the
+process exits with an error), with ``"peers": [names]`` added, so that the first request
+already finds its peers as candidates.
 """
 
 from __future__ import annotations
@@ -19,16 +29,54 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 
 import msgspec
 
 from benchmarks.scenarios._parent import exit_with_parent
 from router.cluster import SimHandle
 from router.config import parse_config
-from router.serve import running_router
+from router.serve import RouterEndpoints, running_router
 from router.sim.server import SimConfig
 
 __all__ = ["main", "serve_region"]
+
+PEER_KEY_ENV = "FIRSTBYTE_PEER_KEY"
+
+
+def _peering(args: argparse.Namespace) -> dict[str, Any]:
+    """The configuration sections that make this router one of a deployment (none without
+    ``--peer``)."""
+    if not args.peer:
+        return {}
+    return {
+        "geo": {
+            "latitude": args.latitude,
+            "longitude": args.longitude,
+            "public_url": f"https://{args.host}:{args.port}",
+            **({"database": args.geoip_db} if args.geoip_db else {}),
+        },
+        "routing": {"peer_key": os.environ[PEER_KEY_ENV]},
+        "peers": [
+            {"name": name, "url": url, "latitude": float(lat), "longitude": float(lon)}
+            for name, url, lat, lon in args.peer
+        ],
+        **({"upstream_ca_file": args.upstream_ca} if args.upstream_ca else {}),
+    }
+
+
+async def _wait_for_peers(endpoints: RouterEndpoints, timeout_s: float) -> list[str]:
+    """Wait until the router has fresh status from every peer; their names (TimeoutError)."""
+    state = endpoints.app.state
+    table = state.routing.peer_table
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while len(fresh := table.fresh(state.clock())) < len(table.peers):
+        if loop.time() > deadline:
+            missing = sorted(set(table.peers) - set(fresh))
+            raise TimeoutError(f"no status from peer(s) {', '.join(missing)} in {timeout_s:g} s")
+        await asyncio.sleep(0.05)
+    return sorted(fresh)
 
 
 async def serve_region(args: argparse.Namespace) -> None:
@@ -52,16 +100,19 @@ async def serve_region(args: argparse.Namespace) -> None:
                 "upstreams": [{"url": sim.url, "name": f"{args.region}-sim"}],
                 # An emulated world inside this machine's namespaces: no keys to hand out.
                 "auth": {"allow_anonymous": True},
+                **_peering(args),
             },
             f"<region {args.region}>",
         )
         async with running_router(config) as endpoints:
-            line = {
+            line: dict[str, Any] = {
                 "region": args.region,
                 "url": endpoints.base_url,
                 "h3_port": endpoints.h3_port,
                 "pid": os.getpid(),
             }
+            if args.peer:
+                line["peers"] = await _wait_for_peers(endpoints, args.peers_timeout)
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
             await stop.wait()
@@ -77,11 +128,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--certfile", required=True)
     parser.add_argument("--keyfile", required=True)
     parser.add_argument("--profile", default="instant", help="the sim's cost profile")
+    parser.add_argument("--peer", nargs=4, action="append", default=[],
+                        metavar=("NAME", "URL", "LAT", "LON"),
+                        help="another region's router (repeatable; key in $FIRSTBYTE_PEER_KEY)")
+    parser.add_argument("--latitude", type=float, help="this region's location (with peers)")
+    parser.add_argument("--longitude", type=float)
+    parser.add_argument("--geoip-db", help="a GeoIP2 City .mmdb locating clients")
+    parser.add_argument("--upstream-ca", help="CA (PEM) trusted for TLS to peers")
+    parser.add_argument("--peers-timeout", type=float, default=30.0,
+                        help="seconds to wait for every peer's status before announcing")
     args = parser.parse_args(argv)
+    if args.peer:
+        if not os.environ.get(PEER_KEY_ENV):
+            parser.error(f"--peer needs the peer key in ${PEER_KEY_ENV}")
+        if args.port == 0:
+            parser.error("--peer needs a fixed --port (the peers' configuration names it)")
+        if args.latitude is None or args.longitude is None:
+            parser.error("--peer needs --latitude and --longitude")
+        for _, _, lat, lon in args.peer:
+            try:
+                float(lat), float(lon)
+            except ValueError:
+                parser.error(f"--peer: LAT and LON must be numbers, not {lat!r} {lon!r}")
     # Nobody is left to talk to once the parent is gone: no graceful shutdown (it would wait
     # for connections), the process just ends.
     exit_with_parent(code=0)
-    asyncio.run(serve_region(args))
+    try:
+        asyncio.run(serve_region(args))
+    except TimeoutError as exc:  # peers never answered: the world reports this line
+        print(f"region {args.region}: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

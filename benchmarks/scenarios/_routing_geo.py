@@ -1,4 +1,4 @@
-"""The routing benchmark's geography experiment: nearest region vs one central region.
+"""The routing benchmark's geography experiment: nearest region, one central region, wrong door.
 
 Clients in Tokyo, London, New York, Sydney and São Paulo and three regions (us-east-1,
 eu-central-1, ap-northeast-1), each in its own network namespace behind the WAN emulator
@@ -9,16 +9,21 @@ region is a router with an ``h100-7b`` sim. Every client streams prewarmed SSE o
 - **nearest**: the SDK is given all three regions (us-east-1 listed first) and chooses as it
   does for applications: ``prewarm()`` probes each region's round trip and streams from the
   fastest (``timings.region`` says which served);
-- **central**: the SDK is given us-east-1 only.
+- **central**: the SDK is given us-east-1 only; the routers are not peered, so us-east-1
+  serves everyone;
+- **wrong door**: a second world whose routers are one deployment (peers, a peer key, each
+  router's location and a GeoIP database placing every client; :class:`benchmarks.world.Peering`).
+  The SDK is given all three regions but no probe decides (``--no-probe``): it enters through
+  us-east-1 on a warm connection. For a client nearer another region, us-east-1 forwards the
+  first request there (``x-firstbyte-region`` names the region that served) and answers with
+  ``x-firstbyte-better-region`` (+ ``-url``); the SDK prefers and prewarms that region, so the
+  following requests go there directly. Reported per client: the first request's TTFT and
+  who served it, the hint, the P50 of the following requests and who served them, and the
+  first request's extra cost over the nearest mode's P50.
 
 Compared per client and overall: TTFT P50/P99 against the 500 ms latency budget. Needs root
 and /dev/net/tun; without them the experiment is skipped and says why (under ``CI=true`` that
 is an error, as :func:`benchmarks.world.choose_mode` decides).
-
-Not measured here: a client entering at the wrong region and being forwarded or hinted
-(``x-firstbyte-better-region``). The world's routers have no peers or GeoIP database, and
-peering them over TLS would need the router's peer client to trust the run's CA (it verifies
-with certifi only); ``tests/router/test_multiregion.py`` covers forwarding on loopback.
 """
 
 
@@ -33,32 +38,40 @@ from typing import Any
 import msgspec
 
 from benchmarks.stats import percentile, summarize
-from benchmarks.wan.geo import BUILTIN, Profile, Site, profile_from_dict
-from benchmarks.world import World, choose_mode
+from benchmarks.wan import geo as wan_geo
+from benchmarks.wan.geo import BUILTIN, Place, Profile, Site, profile_from_dict
+from benchmarks.world import Peering, World, choose_mode
 from client_sdk.budget import LatencyBudget
 from client_sdk.timings import Timings
 
-__all__ = ["CENTRAL", "NOT_MEASURED", "geography", "profile"]
+__all__ = ["CENTRAL", "geography", "locations", "profile"]
 
 CENTRAL = "region-us-east"
 CELL = "sse/2/warm"
 SIM_PROFILE = "h100-7b"
 MAX_TOKENS = 8
 MODES = ("nearest", "central")
+WRONG_DOOR = "wrong-door"
 
-NOT_MEASURED = (
-    "not measured: a client entering at the wrong region being forwarded or hinted "
-    "(x-firstbyte-better-region); the emulated routers have no peers or GeoIP database "
-    "(the router's peer client verifies TLS with certifi only, not the run's CA)"
-)
+
+def _profile_data() -> dict[str, Any]:
+    data = dict(BUILTIN["world"])
+    data["client"] = [*data["client"],
+                      {"name": "client-sao-paulo", "city": "Sao Paulo", "last_mile": "fiber"}]
+    return data
 
 
 def profile() -> Profile:
     """The ``world`` profile (3 regions, 4 clients) plus a client in São Paulo."""
-    data = dict(BUILTIN["world"])
-    data["client"] = [*data["client"],
-                      {"name": "client-sao-paulo", "city": "Sao Paulo", "last_mile": "fiber"}]
-    return profile_from_dict(data, "routing-world")
+    return profile_from_dict(_profile_data(), "routing-world")
+
+
+def locations(prof: Profile) -> dict[str, Place]:
+    """Where each host of :func:`profile` is: a client at its city, a region at its AWS
+    region's location (what the peered routers and their GeoIP database are told)."""
+    cities = {c["name"]: wan_geo.cities()[c["city"].lower()] for c in _profile_data()["client"]}
+    return {s.name: cities[s.name] if s.role == "client" else wan_geo.regions()[s.aws]
+            for s in prof.sites}
 
 
 def _log(message: str) -> None:
@@ -75,33 +88,53 @@ async def geography(quick: bool, *, force_loopback: bool = False) -> dict[str, A
     sites = {s.name: s for s in prof.sites}
     clients = [s for s in prof.sites if s.role == "client"]
     regions = [s for s in prof.sites if s.role == "region"]
-    # us-east-1 first: the SDK's own probe, not the list order, has to find the nearest.
+    # us-east-1 first: the SDK's own probe, not the list order, has to find the nearest (and
+    # in the wrong-door mode, where no probe decides, us-east-1 is the door).
     ordered = sorted((r.name for r in regions), key=lambda name: name != CENTRAL)
     repeat = 8 if quick else 40
     samples: dict[tuple[str, str], list[Timings]] = {}
     errors: dict[tuple[str, str], list[str]] = {}
-    async with World(regions=[r.name for r in regions], clients=[c.name for c in clients],
-                     emulator=prof.emulator(), sim_profile=SIM_PROFILE, log=_log) as world:
+    firsts: dict[tuple[str, str], Timings] = {}
+    """Each client's first request (rep 0) per mode: the one through the wrong door."""
+
+    async def run_mode(world: World, how: str) -> None:
+        _log(f"geography: {len(clients)} clients, {how}, {repeat} prewarmed SSE/HTTP/2 "
+             "requests each")
+
+        async def one(client: Site) -> None:
+            target: str | list[str] = CENTRAL if how == "central" else ordered
+            lines = await world.run_client(client.name, target, [CELL], repeat=repeat,
+                                           max_tokens=MAX_TOKENS, time_limit_s=120.0,
+                                           probe=how != WRONG_DOOR)
+            key = (client.name, how)
+            for line in lines:
+                if "timings" in line:
+                    timings = msgspec.convert(line["timings"], Timings)
+                    samples.setdefault(key, []).append(timings)
+                    if line["rep"] == 0:
+                        firsts[key] = timings
+                else:
+                    errors.setdefault(key, []).append(f"rep {line['rep']}: {line['error']}")
+
+        # Clients at once (as the demo runs them): waiting on round trips, they share the
+        # 2 cores well; run one by one, the quick run would take 3x as long.
+        await asyncio.gather(*(one(client) for client in clients))
+
+    def world(peering: Peering | None) -> World:
+        return World(regions=[r.name for r in regions], clients=[c.name for c in clients],
+                     emulator=prof.emulator(), sim_profile=SIM_PROFILE, log=_log,
+                     peering=peering)
+
+    # Unpeered routers: "central" must be served by us-east-1 itself, never forwarded.
+    async with world(None) as unpeered:
         for how in MODES:
-            _log(f"geography: {len(clients)} clients, {how} region, {repeat} prewarmed "
-                 "SSE/HTTP/2 requests each")
-
-            async def one(client: Site, how: str = how) -> None:
-                target: str | list[str] = ordered if how == "nearest" else CENTRAL
-                lines = await world.run_client(client.name, target, [CELL], repeat=repeat,
-                                               max_tokens=MAX_TOKENS, time_limit_s=120.0)
-                for line in lines:
-                    key = (client.name, how)
-                    if "timings" in line:
-                        samples.setdefault(key, []).append(
-                            msgspec.convert(line["timings"], Timings))
-                    else:
-                        errors.setdefault(key, []).append(str(line["error"]))
-
-            # Clients at once (as the demo runs them): waiting on round trips, they share the
-            # 2 cores well; run one by one, the quick run would take 3x as long.
-            await asyncio.gather(*(one(client) for client in clients))
-    return _results(prof, sites, clients, regions, samples, errors, repeat)
+            await run_mode(unpeered, how)
+    # One deployment: peers, GeoIP, forwarding and better-region hints.
+    async with world(Peering(locations(prof))) as peered:
+        await run_mode(peered, WRONG_DOOR)
+    result = _results(prof, sites, clients, regions, samples, errors, repeat)
+    _wrong_door(result, prof, clients, regions, samples, errors, firsts)
+    return result
 
 
 def _ttfts(timings: Sequence[Timings]) -> list[float]:
@@ -179,5 +212,84 @@ def _results(
         "description": (
             f"{len(clients)} clients x 3 regions through the WAN emulator (AWS RTT table + "
             f"last mile); {repeat} prewarmed SSE/HTTP/2 requests of {MAX_TOKENS} tokens per "
-            f"client and mode; {SIM_PROFILE} sims"),
+            f"client and mode (nearest, central, wrong door); {SIM_PROFILE} sims"),
+    }
+
+
+def _wrong_door(
+    result: dict[str, Any], prof: Profile, clients: Sequence[Site], regions: Sequence[Site],
+    samples: dict[tuple[str, str], list[Timings]], errors: dict[tuple[str, str], list[str]],
+    firsts: dict[tuple[str, str], Timings],
+) -> None:
+    """Add the wrong-door mode to ``result``: a row per client (``wrong_door``), a run per
+    client, and summary numbers; the nearest mode's P50 is the yardstick."""
+    aws = {r.name: r.aws for r in regions}
+    nearest_p50 = {row["client"]: row["p50_ttft_ms_nearest"] for row in result["clients"]}
+    rows: list[dict[str, Any]] = []
+    after_all: list[float] = []
+    for client in clients:
+        place = client.name.removeprefix("client-")
+        key = (client.name, WRONG_DOOR)
+        nearest = min(regions, key=lambda r: prof.rtt_ms(client, r))
+        got = samples.get(key, [])
+        first = firsts.get(key)
+        after = [t for t in got if t is not first]
+        after_ttfts = _ttfts(after)
+        after_all += after_ttfts
+        served: dict[str, int] = {}
+        for t in after:
+            name = aws.get(t.region or "", t.region or "?")
+            served[name] = served.get(name, 0) + 1
+        first_ttft = first.ttft_ms if first is not None else None
+        p50_after = percentile(after_ttfts, 50) if after_ttfts else None
+        base = nearest_p50.get(place)
+        hint = first.better_region if first is not None else None
+        failed = len(errors.get(key, []))
+        upstream = first.server_timing.get("upstream-headers") if first is not None else None
+        # At most 12 columns (the report's table shows no more); the nearest region is in
+        # the clients table, and "moved" says whether the following requests went there.
+        rows.append({
+            "client": place,
+            "first_ttft_ms": round(first_ttft, 1) if first_ttft is not None else None,
+            # x-firstbyte-region of the first request: us-east-1 itself, or where it forwarded
+            "first_served_by": aws.get(first.region or "", first.region) if first else None,
+            "forwarded": first is not None and first.region != CENTRAL,
+            # us-east-1's upstream request to response head: to its sim, or across to the peer
+            # (a new connection to the peer adds its TCP and TLS round trips here)
+            "first_upstream_headers_ms": round(upstream, 1) if upstream is not None else None,
+            "hinted_to": aws.get(hint, hint) if hint else None,
+            "p50_ttft_ms_after": round(p50_after, 1) if p50_after is not None else None,
+            "served_after": ",".join(f"{k}:{v}" for k, v in sorted(served.items())),
+            "moved": bool(after) and all(t.region == nearest.name for t in after),
+            "first_extra_ms": (round(first_ttft - base, 1)
+                               if first_ttft is not None and base is not None else None),
+            "after_extra_ms": (round(p50_after - base, 1)
+                               if p50_after is not None and base is not None else None),
+            "failed": failed,
+        })
+        result["runs"].append({
+            "label": f"{place} wrong door",
+            "transport": "sse",
+            "protocol": "HTTP/2",
+            "geography": f"{place} wrong door",
+            "client": place,
+            "mode": WRONG_DOOR,
+            "served_by": served,
+            **summarize(got, duration_s=math.fsum(t.e2el_ms or 0 for t in got) / 1000,
+                        failed=failed),
+            "errors": errors.get(key, [])[:3],
+            "budget_lines_ms": {},  # phases.png: one bar per client (nearest)
+        })
+    forwarded = [r for r in rows if r["forwarded"]]
+    result["wrong_door"] = rows
+    result["summary"] |= {
+        "geo_wrong_door_failed": sum(r["failed"] for r in rows),
+        "geo_wrong_door_forwarded": len(forwarded),
+        "geo_wrong_door_hinted": sum(1 for r in rows if r["hinted_to"]),
+        "geo_wrong_door_moved_to_nearest": all(r["moved"] for r in rows),
+        "geo_p50_ttft_ms_wrong_door_after": (
+            round(percentile(after_all, 50), 1) if after_all else None),
+        "geo_wrong_door_mean_first_extra_ms_forwarded": (
+            round(math.fsum(r["first_extra_ms"] for r in forwarded) / len(forwarded), 1)
+            if forwarded and all(r["first_extra_ms"] is not None for r in forwarded) else None),
     }

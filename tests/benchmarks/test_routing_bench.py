@@ -2,7 +2,8 @@
 one run; the absolute targets, e.g. P99 within 500 ms, are the full benchmark's to report).
 
 The loopback experiments run with the geography experiment skipped (``FIRSTBYTE_LOOPBACK=1``,
-which the result must say); the geography experiment runs on its own in the netns test.
+which the result must say); the geography experiment (nearest, central, wrong door) runs on its
+own in the netns test.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def test_quick_routing_run_shows_fallback_affinity_and_warmup(monkeypatch: pytes
 
 
 @pytest.mark.netns
-async def test_quick_geography_nearest_beats_central() -> None:
+async def test_quick_geography_nearest_central_and_wrong_door() -> None:
+    """Nearest beats central; a client entering through the wrong region (peered routers,
+    no probe) is forwarded and hinted once, then served by its nearest region directly."""
     geo = await geography(quick=True)
     assert "skipped" not in geo
     s = geo["summary"]
@@ -65,5 +68,31 @@ async def test_quick_geography_nearest_beats_central() -> None:
             saved = row["p50_ttft_ms_central"] - row["p50_ttft_ms_nearest"]
             assert saved > 0.5 * (row["rtt_central_ms"] - row["rtt_nearest_ms"])
     assert rows["tokyo"]["served_by_nearest"].startswith("ap-northeast-1:")
-    assert len(geo["runs"]) == 10
+
+    # Wrong door: every client enters through us-east-1 (no probe).
+    assert s["geo_wrong_door_failed"] == 0
+    door = {row["client"]: row for row in geo["wrong_door"]}
+    assert set(door) == set(rows)
+    for place, row in door.items():
+        nearest = rows[place]["nearest_region"]
+        assert row["failed"] == 0, row
+        # After the first request every request is served by the nearest region.
+        assert row["moved"], row
+        assert row["served_after"] == f"{nearest}:{geo['repeat'] - 1}", row
+        if nearest == "us-east-1":  # the right door: served there, no hint
+            assert row["first_served_by"] == "us-east-1", row
+            assert not row["forwarded"], row
+            assert row["hinted_to"] is None, row
+        else:
+            # us-east-1 knew (GeoIP) where the client is: forwarded and hinted.
+            assert row["forwarded"], row
+            assert row["first_served_by"] == nearest, row
+            assert row["hinted_to"] == nearest, row
+            # The forwarded request crossed one more region pair than the direct ones.
+            assert row["first_ttft_ms"] > row["p50_ttft_ms_after"], row
+            assert row["p50_ttft_ms_after"] < rows[place]["p50_ttft_ms_central"], row
+    assert s["geo_wrong_door_forwarded"] == s["geo_wrong_door_hinted"] == 3
+    assert s["geo_wrong_door_moved_to_nearest"]
+
+    assert len(geo["runs"]) == 15
     assert all(run["ttfts_ms"] for run in geo["runs"])
