@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from .app import RouterApp, build_app
 from .config import RouterConfig
+from .gc_tuning import tune_for_serving
 from .quic import TicketStore, enable_session_tickets
 
 __all__ = [
@@ -145,8 +146,13 @@ async def serve(
     shutdown: Callable[[], Awaitable[Any]] | None = None,
     started: Callable[[RouterEndpoints], None] | None = None,
     app: RouterApp | None = None,
+    tune_gc: bool = True,
 ) -> None:
-    """Serve ``config`` until ``shutdown()`` returns (default: SIGINT/SIGTERM)."""
+    """Serve ``config`` until ``shutdown()`` returns (default: SIGINT/SIGTERM).
+
+    With ``tune_gc`` (the default: this is a router process) the cyclic GC is tuned for
+    latency once the listener is up (:func:`router.gc_tuning.tune_for_serving`).
+    """
     listen = config.listen
     tls = listen.certfile is not None
     want_h3 = tls and listen.http3 and listen.server == "hypercorn"
@@ -165,7 +171,9 @@ async def serve(
         tickets=tickets if want_h3 else None,
     )
     if listen.server == "uvicorn":
-        await _serve_uvicorn(config, app, tcp, shutdown, lambda: _announce(started, endpoints))
+        await _serve_uvicorn(
+            config, app, tcp, shutdown, lambda: _announce(started, endpoints, tune_gc)
+        )
         return
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.config import Sockets
@@ -179,7 +187,7 @@ async def serve(
         quic_sockets=[quic] if quic is not None else [],
     )
     loop = asyncio.get_running_loop()
-    loop.call_soon(_announce, started, endpoints)
+    loop.call_soon(_announce, started, endpoints, tune_gc)
     stop = shutdown or _signal_event().wait
     poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
     try:
@@ -221,7 +229,12 @@ async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.sock
                 poke.sendto(b"\0", address)
 
 
-def _announce(started: Callable[[RouterEndpoints], None] | None, ep: RouterEndpoints) -> None:
+def _announce(
+    started: Callable[[RouterEndpoints], None] | None, ep: RouterEndpoints, tune_gc: bool
+) -> None:
+    if tune_gc:
+        # Start-up is over (imports, app, listener): freeze it out of every later collection.
+        tune_for_serving()
     log.info("router listening on %s (HTTP/3 on UDP %s)", ep.base_url, ep.h3_port)
     if started is not None:
         started(ep)
@@ -271,11 +284,15 @@ async def _serve_uvicorn(
 
 
 @contextlib.asynccontextmanager
-async def running_router(config: RouterConfig) -> AsyncIterator[RouterEndpoints]:
+async def running_router(
+    config: RouterConfig, *, tune_gc: bool = False
+) -> AsyncIterator[RouterEndpoints]:
     """Serve ``config`` in the running loop for the duration of the block.
 
     Use ``listen.port = 0`` for an ephemeral port; the yielded endpoints carry the base URL
-    and the HTTP/3 port.
+    and the HTTP/3 port. The GC is left alone (this loop may belong to a test run or another
+    program) unless ``tune_gc``: pass it where the process is the router, as a benchmark's
+    router process is.
     """
     stop = asyncio.Event()
     ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -285,7 +302,7 @@ async def running_router(config: RouterConfig) -> AsyncIterator[RouterEndpoints]
             ready.set_result(ep)
 
     task: asyncio.Future[Any] = asyncio.create_task(
-        serve(config, shutdown=stop.wait, started=started)
+        serve(config, shutdown=stop.wait, started=started, tune_gc=tune_gc)
     )
     try:
         done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
