@@ -6,12 +6,19 @@ connections, parsing with the SDK's SSE core) runs in this one. For each concurr
 streams) the direct and the routed path are measured in alternating rounds, so both see the
 same machine. Added latency is the difference of the percentiles (router minus direct).
 Optionally (full runs) the same over TLS with HTTP/2 between the client and the router.
+
+At 100 streams the direct path is measured twice (``direct`` and ``direct-aa``, alternating
+like the rest): the A/A difference is what the machine's noise alone makes of a P99, the
+yardstick for the routers' added P99. The load generator's own cyclic GC is held off during
+each phase (collected between phases): its full collections took 30-160 ms here and landed on
+whichever target was running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import subprocess
@@ -40,6 +47,8 @@ ROUTER_SERVERS = ("hypercorn", "uvicorn")
 HTTP/2 + TLS run uses hypercorn, the only one of them with HTTP/2."""
 PROMPT = "Summarise the plot of Hamlet in one paragraph."
 SLO_TTFT_MS = 200.0
+AA_TARGET = "direct-aa"
+"""The direct path measured a second time (100 streams), as the A/A control."""
 
 _SIM = """
 import asyncio, sys
@@ -67,7 +76,7 @@ async def main():
     routing = RoutingConfig(backend_max_waiting=1024)
     auth = AuthConfig(allow_anonymous=True)  # a local benchmark: no keys to hand out
     config = RouterConfig(upstreams=[upstream], listen=listen, routing=routing, auth=auth)
-    async with running_router(config) as ep:
+    async with running_router(config, tune_gc=True) as ep:  # GC as `firstbyte router` has it
         print(ep.base_url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the loop `firstbyte router` uses
@@ -207,9 +216,28 @@ async def _phase(
             except (httpx.HTTPError, ValueError) as exc:
                 failed.append(f"{type(exc).__name__}: {exc}"[:200])
 
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return ok, failed, time.perf_counter() - started
+    with _gc_held_off():
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return ok, failed, elapsed
+
+
+@contextmanager
+def _gc_held_off() -> Iterator[None]:
+    """Collect now, then no cyclic GC in this (load generator) process until the block ends.
+
+    A phase allocates a few MB at most; a full collection in the middle of one would stall
+    every worker and be charged to the target under test.
+    """
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 async def _measure(
@@ -312,7 +340,7 @@ def run(quick: bool) -> dict[str, Any]:
     plan = [(1, 2, 5), (100, 1, 2)] if quick else [(1, 4, 15), (100, 3, 3)]
     tls_rounds = 0 if quick else 2
     targets = 1 + len(ROUTER_SERVERS)
-    total = sum(targets * rounds for _, rounds, _ in plan) + 2 * tls_rounds
+    total = sum((targets + (c > 1)) * rounds for c, rounds, _ in plan) + 2 * tls_rounds
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     with Progress(total, "router_overhead") as bar, _server(_SIM, PROFILE) as sim:
@@ -323,9 +351,11 @@ def run(quick: bool) -> dict[str, Any]:
             }
             pids = {"sim": sim.pid} | {name: child.pid for name, child in routers.items()}
             for concurrency, rounds, per_worker in plan:
+                # the A/A control only where tails are compared (1 stream has none to speak of)
+                aa = {AA_TARGET: sim.url} if concurrency > 1 else {}
                 measured = asyncio.run(
                     _measure(
-                        {"direct": sim.url} | {name: c.url for name, c in routers.items()},
+                        {"direct": sim.url} | {name: c.url for name, c in routers.items()} | aa,
                         concurrency=concurrency,
                         rounds=rounds,
                         per_worker=per_worker,
@@ -346,7 +376,8 @@ def run(quick: bool) -> dict[str, Any]:
             f"(one router process per ASGI server: {', '.join(ROUTER_SERVERS)}) on loopback, "
             "in alternating phases with the same workload; closed-loop workers (1 or 100), "
             "plain HTTP/1.1 with kept-alive connections. Summary keys: cC_ROUTER_added_* = "
-            "router percentile minus direct percentile at concurrency C."
+            "router percentile minus direct percentile at concurrency C; c100_direct_aa_added_* "
+            "= a second direct measurement minus the first (A/A: the noise floor)."
         ),
         "summary": summary,
         "runs": runs,
@@ -378,18 +409,20 @@ def _collect(
             {
                 "label": f"{name} c={concurrency}{tag}",
                 "transport": "sse",
-                "protocol": "HTTP/1.1" if name == "direct" else protocol,
+                "protocol": "HTTP/1.1" if name in ("direct", AA_TARGET) else protocol,
                 "concurrency": concurrency,
             }
             | result
         )
         if name == "direct":
             continue
-        key = f"c{concurrency}_{name.removeprefix('router/')}"
+        key = f"c{concurrency}_{name.removeprefix('router/').replace('-', '_')}"
         if protocol != "HTTP/1.1":
             key += "_h2tls"
         for metric in ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms"):
             summary[f"{key}_added_{metric}"] = result[metric] - direct[metric]
+        if name == AA_TARGET:
+            continue
         router_cpu = result["cpu_ms_per_stream"].get(name, 0.0)
         summary[f"{key}_router_cpu_ms_per_stream"] = router_cpu
         chunks = result["total_output_tokens"] / max(result["completed"], 1)
