@@ -265,7 +265,7 @@ def _wrong_door(
                                if first_ttft is not None and base is not None else None),
             "after_extra_ms": (round(p50_after - base, 1)
                                if p50_after is not None and base is not None else None),
-            "failed": failed,
+            "failed_requests": failed,  # not "failed": the report would take this for a run
         })
         result["runs"].append({
             "label": f"{place} wrong door",
@@ -283,7 +283,7 @@ def _wrong_door(
     forwarded = [r for r in rows if r["forwarded"]]
     result["wrong_door"] = rows
     result["summary"] |= {
-        "geo_wrong_door_failed": sum(r["failed"] for r in rows),
+        "geo_wrong_door_failed": sum(r["failed_requests"] for r in rows),
         "geo_wrong_door_forwarded": len(forwarded),
         "geo_wrong_door_hinted": sum(1 for r in rows if r["hinted_to"]),
         "geo_wrong_door_moved_to_nearest": all(r["moved"] for r in rows),

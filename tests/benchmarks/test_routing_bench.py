@@ -75,7 +75,7 @@ async def test_quick_geography_nearest_central_and_wrong_door() -> None:
     assert set(door) == set(rows)
     for place, row in door.items():
         nearest = rows[place]["nearest_region"]
-        assert row["failed"] == 0, row
+        assert row["failed_requests"] == 0, row
         # After the first request every request is served by the nearest region.
         assert row["moved"], row
         assert row["served_after"] == f"{nearest}:{geo['repeat'] - 1}", row
