@@ -8,11 +8,16 @@ own in the netns test.
 
 from __future__ import annotations
 
+import ipaddress
+from pathlib import Path
+
 import pytest
 
 from benchmarks.report import markdown_summary
 from benchmarks.scenarios import routing
-from benchmarks.scenarios._routing_geo import geography
+from benchmarks.scenarios._routing_geo import geography, locations, profile
+from benchmarks.world import Peering, World, WorldError, write_geoip_db
+from router.geo import GeoLocator
 
 
 def test_quick_routing_run_shows_fallback_affinity_and_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,6 +49,40 @@ def test_quick_routing_run_shows_fallback_affinity_and_warmup(monkeypatch: pytes
     assert s["geography"].startswith("SKIPPED")
     assert result["runs"] == []
     assert "geography experiment SKIPPED" in markdown_summary(result)
+
+
+def test_peered_world_geoip_database_places_each_client_in_its_city(tmp_path: Path) -> None:
+    """The .mmdb a peered world writes is read by the router's own GeoIP reader: each client
+    address at its city, any other address unknown."""
+    prof = profile()
+    places = locations(prof)
+    hosts = {h.name: h.ip for h in prof.hosts()}
+    clients = [s.name for s in prof.sites if s.role == "client"]
+    path = write_geoip_db(tmp_path / "world.mmdb", {hosts[c]: places[c] for c in clients})
+    locator = GeoLocator(str(path))
+    try:
+        tokyo = locator.locate(ipaddress.ip_address(hosts["client-tokyo"]))
+        assert tokyo is not None
+        assert (tokyo.city, tokyo.country) == ("Tokyo", "JP")
+        assert tokyo.point.lat == pytest.approx(places["client-tokyo"].lat)
+        sao_paulo = locator.locate(ipaddress.ip_address(hosts["client-sao-paulo"]))
+        assert sao_paulo is not None
+        assert sao_paulo.point.lon == pytest.approx(places["client-sao-paulo"].lon)
+        assert locator.locate(ipaddress.ip_address(hosts["region-us-east"])) is None
+    finally:
+        locator.close()
+    # Regions are placed at their AWS region (what each router and its peers are told).
+    assert places["region-ap-northeast"].name == "Tokyo"
+
+
+def test_peering_needs_the_emulator_and_every_region_placed() -> None:
+    prof = profile()
+    with pytest.raises(WorldError, match="needs the WAN emulator"):
+        World(regions=["region-us-east"], clients=["client-tokyo"], emulator=None,
+              peering=Peering(locations(prof)))
+    with pytest.raises(WorldError, match="no location for region"):
+        World(regions=["region-us-east"], clients=["client-tokyo"], emulator=prof.emulator(),
+              peering=Peering({}))
 
 
 @pytest.mark.netns
