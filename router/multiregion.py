@@ -51,7 +51,7 @@ from .peers import (
     prefix_hash,
 )
 from .pipeline.affinity import AffinityPolicy, affinity_key
-from .pipeline.backend import Backend, BackendPool
+from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
 from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
 from .prometheus import Histogram
@@ -125,7 +125,12 @@ class RegionRouting:
         pool: BackendPool,
         client: httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        peer_client: httpx.AsyncClient | None = None,
     ) -> None:
+        """``client`` scrapes and warms this region's backends; ``peer_client`` (default:
+        ``client``) polls the peers, and should be the pool forwarded requests use, whose
+        connections the polls then keep warm."""
         self.config = config
         self.region = config.region
         self.pool = pool
@@ -173,12 +178,13 @@ class RegionRouting:
             [(p.name, p.url) for p in config.peers], routing.peer_status_ttl_s
         )
         self.peer_backends = {
-            p.name: Backend(name=f"peer:{p.name}", url=p.url.rstrip("/")) for p in config.peers
+            p.name: Backend(name=f"{PEER_PREFIX}{p.name}", url=p.url.rstrip("/"))
+            for p in config.peers
         }
         self.peer_points = {p.name: _point(p.latitude, p.longitude, p.name) for p in config.peers}
         self.peer_urls = {p.name: p.public_url or p.url for p in config.peers}
         self.poller = PeerPoller(
-            self.peer_table, client, peer_key=self.peer_key,
+            self.peer_table, peer_client or client, peer_key=self.peer_key,
             interval_s=routing.peer_poll_interval_s, clock=clock, on_status=self._on_peer_status,
         )
         # Our requests in flight to each peer when its last status arrived: the status counts
@@ -509,6 +515,7 @@ class RegionRouting:
             "ts": round(time.time(), 3),
             "trace_id": ctx.traceparent.trace_id,
             "path": ctx.path,
+            "http": ctx.http_version,
             "region": obs.region if obs else self.region,
             "entry_region": self.region,
             "backend": obs.backend if obs else None,

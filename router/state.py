@@ -43,7 +43,9 @@ class RouterState:
         )
         self.proxy = Proxy(config.limits, self.metrics, clock, ca_file=config.upstream_ca_file)
         # Region choice, backend affinity, backpressure, peers and warmup (router/multiregion.py).
-        self.routing = RegionRouting(config, self.pool, self.proxy.client, clock)
+        self.routing = RegionRouting(
+            config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client
+        )
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[bool] | None = None

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 
 from .context import CONTINUE, Fallback, Outcome, RequestContext
 
-__all__ = ["Backend", "BackendPool", "choose_backend"]
+__all__ = ["PEER_PREFIX", "Backend", "BackendPool", "choose_backend"]
+
+PEER_PREFIX = "peer:"
+"""Name prefix of the :class:`Backend` that stands for a peer region's router."""
 
 
 @dataclass(eq=False)

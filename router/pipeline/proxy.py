@@ -31,7 +31,7 @@ from .. import aionet
 from ..config import LimitsConfig
 from ..metrics import Metrics
 from ..streams import Stream
-from .backend import Backend
+from .backend import PEER_PREFIX, Backend
 from .context import RequestContext
 
 __all__ = ["Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
@@ -119,14 +119,24 @@ class Proxy:
         ]
         self.client = self.stream_clients[0]
         self._shard_load = [0] * shards
+        # Peer regions' routers: HTTP/2 (negotiated by ALPN with a TLS peer), so one connection
+        # per peer carries the status polls that keep it warm and every request forwarded
+        # there at once; over HTTP/1.1 a forward during a poll or another forward opened a new
+        # TCP+TLS connection across the inter-region RTT (+2 RTT, measured in bench routing).
+        self.peer_client = self._new_client(limits, 4, verify, http2=True)
         self.producers: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def _new_client(
-        limits: LimitsConfig, max_connections: int, verify: ssl.SSLContext | bool
+        limits: LimitsConfig,
+        max_connections: int,
+        verify: ssl.SSLContext | bool,
+        *,
+        http2: bool = False,
     ) -> httpx.AsyncClient:
         client = httpx.AsyncClient(
             verify=verify,
+            http2=http2,
             limits=httpx.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_connections,
@@ -142,8 +152,13 @@ class Proxy:
             trust_env=False,
             follow_redirects=False,
         )
-        aionet.install(client)  # asyncio transports instead of anyio: less CPU per chunk
+        if not http2:  # aionet does not negotiate ALPN; HTTP/2 keeps httpx's own backend
+            aionet.install(client)  # asyncio transports instead of anyio: less CPU per chunk
         return client
+
+    def client_for(self, backend: Backend) -> httpx.AsyncClient:
+        """The pool for one-shot requests to ``backend``: a peer region's or the upstreams'."""
+        return self.peer_client if backend.name.startswith(PEER_PREFIX) else self.client
 
     def _headers(self, ctx: RequestContext, backend: Backend, accept: str) -> dict[str, str]:
         headers = {
@@ -179,12 +194,13 @@ class Proxy:
         observer: Any = ctx.extra.get("observer")
         ok = False
         load = self._shard_load
-        # A peer region's router is polled through shard 0 (``client``), which so holds the
-        # warm connection to it; on another shard a forwarded stream would first pay TCP and
-        # TLS across the inter-region RTT (measured: +2 RTT, ~300 ms us-east-1 -> Tokyo).
-        shard = 0 if backend.name.startswith("peer:") else load.index(min(load))
-        load[shard] += 1
-        client = self.stream_clients[shard]
+        shard: int | None = None
+        if backend.name.startswith(PEER_PREFIX):
+            client = self.peer_client  # the one warm HTTP/2 connection to that region
+        else:
+            shard = load.index(min(load))
+            load[shard] += 1
+            client = self.stream_clients[shard]
         try:
             appended = [0]
             while True:
@@ -271,7 +287,8 @@ class Proxy:
                     # Closing an unfinished response drops the connection: the upstream aborts.
                     await asyncio.shield(response.aclose())
             finally:
-                load[shard] -= 1
+                if shard is not None:
+                    load[shard] -= 1
 
     async def _pump(
         self,
@@ -350,7 +367,7 @@ class Proxy:
         observer: Any = ctx.extra.get("observer")
         ok = False
         try:
-            response = await self.client.request(
+            response = await self.client_for(backend).request(
                 method,
                 backend.url + path,
                 content=body,
@@ -384,7 +401,7 @@ class Proxy:
         for task in list(self.producers):
             task.cancel()
         await asyncio.gather(*self.producers, return_exceptions=True)
-        for client in self.stream_clients:
+        for client in (*self.stream_clients, self.peer_client):
             await client.aclose()
 
 
