@@ -49,6 +49,14 @@ PROMPT = "Summarise the plot of Hamlet in one paragraph."
 SLO_TTFT_MS = 200.0
 AA_TARGET = "direct-aa"
 """The direct path measured a second time (100 streams), as the A/A control."""
+FOREIGN_CPU_LIMIT = 0.15
+"""A phase during which processes other than this benchmark's (client, sim, routers) used
+more than this share of the machine's CPU time is measured again (see :data:`MAX_RERUNS`):
+on this shared machine other work took 50-80% of both CPUs for seconds at a time, which put
+0.5-1.5 s TTFTs into whichever target's phase it hit (the router's and the client's event
+loops were both late by 50-250 ms while getting 10-20% of a CPU)."""
+MAX_RERUNS = 2
+"""At most this many repeats of one phase; the last attempt is kept whatever the load."""
 
 _SIM = """
 import asyncio, sys
@@ -88,6 +96,20 @@ with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the loop `firstby
 class _Child:
     url: str
     pid: int
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all CPUs; (0, 0) where
+    ``/proc/stat`` cannot be read (then no phase is ever judged disturbed)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(values)
+    idle = values[3] + values[4]  # idle + iowait
+    return (total - idle) / tick, total / tick
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -251,6 +273,7 @@ async def _measure(
     bar: Progress,
     pids: dict[str, int],
     client_overrides: dict[str, Callable[[int], list[httpx.AsyncClient]]] | None = None,
+    max_reruns: int = MAX_RERUNS,
 ) -> dict[str, dict[str, Any]]:
     """Alternate phases over ``targets`` (name -> base URL), same workload each; summarise.
 
@@ -258,11 +281,17 @@ async def _measure(
     so its connections stay open from the warm-up through every phase.
 
     Each summary also has ``cpu_ms_per_stream``: CPU time of this process (``client``) and of
-    each process in ``pids`` during that target's phases, divided by the streams completed.
+    each process in ``pids`` during that target's phases, divided by the streams completed;
+    ``foreign_cpu_share``: the share of the machine's CPU that other processes used during
+    its kept phases (mean); ``phases_rerun``: phases discarded and measured again because
+    that share was over :data:`FOREIGN_CPU_LIMIT` (the rule is the same for every target;
+    at most ``max_reruns`` a phase).
     """
     collected: dict[str, list[Timings]] = {name: [] for name in targets}
     errors: dict[str, list[str]] = {name: [] for name in targets}
     busy = dict.fromkeys(targets, 0.0)
+    foreign: dict[str, list[float]] = {name: [] for name in targets}
+    reruns = dict.fromkeys(targets, 0)
     cpu: dict[str, dict[str, float]] = {
         name: dict.fromkeys(["client", *pids], 0.0) for name in targets
     }
@@ -277,22 +306,34 @@ async def _measure(
             )
         for r in range(rounds):
             for name, url in targets.items():
-                before = {"client": time.process_time()}
-                before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
-                ok, bad, seconds = await _phase(
-                    clients[name],
-                    url,
-                    concurrency=concurrency,
-                    per_worker=per_worker,
-                    max_tokens=max_tokens,
-                    seed=1 + r,
-                )
-                busy[name] += seconds
-                cpu[name]["client"] += time.process_time() - before["client"]
-                for role, pid in pids.items():
-                    cpu[name][role] += _cpu_seconds(pid) - before[role]
-                collected[name] += ok
-                errors[name] += bad
+                for attempt in range(max_reruns + 1):
+                    machine = _machine_cpu()
+                    before = {"client": time.process_time()}
+                    before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
+                    ok, bad, seconds = await _phase(
+                        clients[name],
+                        url,
+                        concurrency=concurrency,
+                        per_worker=per_worker,
+                        max_tokens=max_tokens,
+                        seed=1 + r,
+                    )
+                    used = {"client": time.process_time() - before["client"]}
+                    used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+                    machine_busy, machine_total = (
+                        b - a for a, b in zip(machine, _machine_cpu(), strict=True)
+                    )
+                    share = max(0.0, machine_busy - sum(used.values())) / max(machine_total, 1e-9)
+                    if share > FOREIGN_CPU_LIMIT and attempt < max_reruns:
+                        reruns[name] += 1  # someone else's work ran here: measure it again
+                        continue
+                    foreign[name].append(share)
+                    busy[name] += seconds
+                    for role, seconds_used in used.items():
+                        cpu[name][role] += seconds_used
+                    collected[name] += ok
+                    errors[name] += bad
+                    break
                 bar.advance()
     out: dict[str, dict[str, Any]] = {}
     for name in targets:
@@ -308,6 +349,8 @@ async def _measure(
         out[name]["cpu_ms_per_stream"] = {
             role: seconds * 1000 / streams for role, seconds in cpu[name].items()
         }
+        out[name]["foreign_cpu_share"] = sum(foreign[name]) / max(len(foreign[name]), 1)
+        out[name]["phases_rerun"] = reruns[name]
     return out
 
 
@@ -363,6 +406,8 @@ def run(quick: bool) -> dict[str, Any]:
                         make_clients=_h1_clients,
                         bar=bar,
                         pids=pids,
+                        # quick runs check that it works, often beside other scenarios: no repeats
+                        max_reruns=0 if quick else MAX_RERUNS,
                     )
                 )
                 _collect(runs, summary, measured, concurrency, "HTTP/1.1")
@@ -389,6 +434,10 @@ def run(quick: bool) -> dict[str, Any]:
             "LiteLLM publishes 2/8/13 ms P50/P95/P99 proxy overhead; the target here is "
             "<= 1 ms P50 and <= 3 ms P99 added TTFT at 100 streams",
             f"goodput SLO: TTFT <= {SLO_TTFT_MS:.0f} ms",
+            f"a phase during which other processes used more than {FOREIGN_CPU_LIMIT:.0%} of "
+            f"the machine's CPU is measured again (at most {MAX_RERUNS} times; not in --quick "
+            "runs), the same rule for every target; foreign_cpu_share and phases_rerun in each "
+            "run say how loaded the machine was",
         ],
     }
 
@@ -404,6 +453,8 @@ def _collect(
     (the direct path is always plain HTTP/1.1)."""
     direct = measured["direct"]
     tag = "" if protocol == "HTTP/1.1" else f" ({protocol} run)"
+    rerun_key = f"c{concurrency}{'' if protocol == 'HTTP/1.1' else '_h2tls'}_phases_rerun"
+    summary[rerun_key] = sum(result["phases_rerun"] for result in measured.values())
     for name, result in measured.items():
         runs.append(
             {
