@@ -106,7 +106,7 @@ class BudgetReport(msgspec.Struct, frozen=True):
         """A plain-text table: each line against its allowance, then the safety share."""
         rows: list[tuple[str, str, str, str, str]] = []
         for line in self.lines:
-            measured = "-" if line.measured_ms is None else f"{line.measured_ms:.1f}"
+            measured = "-" if line.measured_ms is None else _ms(line.measured_ms)
             used = line.used_fraction
             status = "not seen" if used is None else f"{used * 100:.0f}%"
             if line.overran:
@@ -258,6 +258,11 @@ class LatencyBudget(msgspec.Struct, frozen=True, kw_only=True):
             for line, allowance, value in zip(lines, allowances, measured, strict=True)
         ]
         return BudgetReport(total_ms=self.total_ms, safety_ms=self.safety_ms, lines=results)
+
+
+def _ms(value: float) -> str:
+    """Milliseconds for the table: one decimal, two below 0.1 ms (a render of 13 µs is not 0)."""
+    return f"{value:.2f}" if 0 < value < 0.05 else f"{value:.1f}"
 
 
 def _span(start: float | None, end: float | None) -> float | None:

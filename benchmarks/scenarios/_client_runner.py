@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from typing import Any, Literal, cast
 import msgspec
 
 from benchmarks.scenarios._parent import exit_with_parent
+from client_sdk import StreamDelta
 from client_sdk.client import AsyncClient, HTTPVersion, TransportName
 from client_sdk.timings import Timings
 
@@ -83,6 +85,7 @@ class _Runner:
         self.url: str | list[str] = urls[0] if len(urls) == 1 else urls
         self.cacert: str | None = args.cacert
         self.api_key: str | None = args.api_key
+        self.screen = os.open(os.devnull, os.O_WRONLY)  # closed with the process
         self.model: str = args.model
         self.max_tokens: int = args.max_tokens
         self.timeout_s: float = args.timeout
@@ -107,12 +110,17 @@ class _Runner:
                   else pool.session(origin, cell.http))
         await client.pool.prewarm(target, 1)
 
+    def render(self, delta: StreamDelta) -> None:
+        """Show the first token as a terminal client would: one write(2) of its text (to
+        /dev/null, so the measurement has a real render phase and no output to clutter)."""
+        os.write(self.screen, delta.text.encode())
+
     async def one(self, client: AsyncClient) -> tuple[Timings, float]:
         """One streamed request on ``client``; its timings and this process's CPU time."""
         cpu = time.process_time()
         async with client.stream(
             model=self.model, messages=_PROMPT, max_tokens=self.max_tokens,
-            on_first_token=lambda delta: None,
+            on_first_token=self.render,
         ) as stream:
             async for _ in stream:
                 pass

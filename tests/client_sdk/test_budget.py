@@ -141,6 +141,13 @@ def test_render_table_names_each_phase_and_the_safety_share() -> None:
     assert "500.0" in lines[-1]
 
 
+def test_a_render_of_microseconds_shows_as_such_not_as_zero() -> None:
+    timings = msgspec.structs.replace(warm_fast(), render_ms=150.013)
+    rows = LatencyBudget().check(timings).render().splitlines()
+    render_row = next(row for row in rows if row.startswith("render"))
+    assert render_row.split()[3] == "0.01"
+
+
 def test_report_round_trips_as_json() -> None:
     report = LatencyBudget().check(warm_fast())
     data = msgspec.json.encode(report)
