@@ -210,7 +210,8 @@ async def _first_requests(url: str, users: int, system: str) -> list[dict[str, A
     limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         # In rotation once ready, as a load balancer would put it: a router with warm
-        # prefixes answers (anything) only after warming them (its start-up, ~0.1 s here).
+        # prefixes answers /healthz 200 only after warming them (503 "warming" before; its
+        # start-up, ~0.1 s here, and requests arriving meanwhile are held until then).
         (await client.get(f"{url}/healthz")).raise_for_status()
 
         async def one(u: int) -> dict[str, Any]:
@@ -315,9 +316,9 @@ def run(quick: bool) -> dict[str, Any]:
         "by its own RTT probe at prewarm(); 'central' gives it us-east-1 only; the five "
         "clients run at once, sharing this machine's 2 CPUs",
         "warm vs cold prefix: each round starts a fresh region (fresh sims, empty caches) and "
-        "sends users once the router answers /healthz; a router with warm prefixes answers "
-        "only after warming them (~0.1 s here), so requests arriving during its start-up wait "
-        "for that instead of being served cold",
+        "sends users once the router's /healthz says ok; a router with warm prefixes says "
+        "'warming' (503) until they are warm (~0.1 s here) and holds requests arriving "
+        "meanwhile, so none is served cold",
     ]
     if "skipped" not in geo:
         notes.append(
