@@ -24,6 +24,7 @@ from .gc_tuning import tune_for_serving
 from .quic import TicketStore, enable_session_tickets
 
 __all__ = [
+    "KEEP_ALIVE_MAX_REQUESTS",
     "RouterEndpoints",
     "bind_sockets",
     "loop_factory",
@@ -33,6 +34,13 @@ __all__ = [
 ]
 
 log = logging.getLogger("firstbyte.router")
+
+KEEP_ALIVE_MAX_REQUESTS = 1_000_000
+"""Requests one client connection may carry before hypercorn closes it. hypercorn's default
+(1000) closes an HTTP/1.1 connection or sends GOAWAY on an HTTP/2 one after 1000 requests:
+an SDK multiplexing 100 streams over one prewarmed HTTP/2 connection would lose it every
+~15 s, and the requests started during the new handshake (2-3 round trips on a WAN) would
+all pay it. A million is ~4.5 hours of that load."""
 # hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
 # whatever level the application sets, so a debug run cannot leak secrets.
 for _name in ("hpack", "h2"):
@@ -125,6 +133,7 @@ def _hypercorn_config(config: RouterConfig, h3_port: int | None, tickets: Ticket
     listen = config.listen
     hc: Any = Config()
     hc.keep_alive_timeout = listen.keep_alive_timeout_s
+    hc.keep_alive_max_requests = KEEP_ALIVE_MAX_REQUESTS
     hc.errorlog = logging.getLogger("hypercorn.error")  # via logging: INFO lines stay quiet
     hc.accesslog = None  # request lines could carry stream ids: no access log by default
     hc.include_server_header = False
