@@ -5,7 +5,9 @@ process, as in production; the load generator (httpx over HTTP/1.1 on loopback, 
 connections, parsing with the SDK's SSE core) runs in this one. For each concurrency (1 and 100
 streams) the direct and the routed path are measured in alternating rounds, so both see the
 same machine. Added latency is the difference of the percentiles (router minus direct).
-Optionally (full runs) the same over TLS with HTTP/2 between the client and the router.
+Optionally (full runs) the same over TLS with HTTP/2 between the client and the router, next
+to the client straight to a sim served over TLS + HTTP/2 (``direct-h2``): that run's tail
+is mostly the HTTP/2 transport itself, which the direct-h2 row shows.
 
 At 100 streams the direct path is measured twice (``direct`` and ``direct-aa``, alternating
 like the rest): the A/A difference is what the machine's noise alone makes of a P99, the
@@ -67,6 +69,20 @@ async def main():
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 asyncio.run(main())
 """
+
+_SIM_TLS = """
+import asyncio, sys
+from router.sim.server import running_sim
+async def main():
+    tls = {"certfile": sys.argv[2], "keyfile": sys.argv[3]}  # hypercorn: HTTP/2 by ALPN
+    async with running_sim(profile=sys.argv[1], max_num_seqs=256, **tls) as url:
+        print(url, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
+DIRECT_H2_TARGET = "direct-h2"
+"""The TLS + HTTP/2 run's own baseline: the same client straight to a sim served over TLS +
+HTTP/2, so the router's share of that run's latency is told apart from the transport's."""
 
 _ROUTER = """
 import asyncio, sys
@@ -383,7 +399,7 @@ def run(quick: bool) -> dict[str, Any]:
     plan = [(1, 2, 5), (100, 1, 2)] if quick else [(1, 4, 15), (100, 3, 3)]
     tls_rounds = 0 if quick else 2
     targets = 1 + len(ROUTER_SERVERS)
-    total = sum((targets + (c > 1)) * rounds for c, rounds, _ in plan) + 2 * tls_rounds
+    total = sum((targets + (c > 1)) * rounds for c, rounds, _ in plan) + 3 * tls_rounds
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     with Progress(total, "router_overhead") as bar, _server(_SIM, PROFILE) as sim:
@@ -422,7 +438,9 @@ def run(quick: bool) -> dict[str, Any]:
             "in alternating phases with the same workload; closed-loop workers (1 or 100), "
             "plain HTTP/1.1 with kept-alive connections. Summary keys: cC_ROUTER_added_* = "
             "router percentile minus direct percentile at concurrency C; c100_direct_aa_added_* "
-            "= a second direct measurement minus the first (A/A: the noise floor)."
+            "= a second direct measurement minus the first (A/A: the noise floor); "
+            "c100_hypercorn_h2tls_added_vs_direct_h2_* = router over TLS + HTTP/2 minus the "
+            "client straight to a TLS + HTTP/2 sim."
         ),
         "summary": summary,
         "runs": runs,
@@ -472,7 +490,7 @@ def _collect(
             key += "_h2tls"
         for metric in ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms"):
             summary[f"{key}_added_{metric}"] = result[metric] - direct[metric]
-        if name == AA_TARGET:
+        if name in (AA_TARGET, DIRECT_H2_TARGET):
             continue
         router_cpu = result["cpu_ms_per_stream"].get(name, 0.0)
         summary[f"{key}_router_cpu_ms_per_stream"] = router_cpu
@@ -488,7 +506,8 @@ def _tls(
     rounds: int,
     bar: Progress,
 ) -> None:
-    """Client to router over TLS + HTTP/2 (router to sim stays plain HTTP/1.1), 100 streams."""
+    """Client to router over TLS + HTTP/2 (router to sim stays plain HTTP/1.1), 100 streams;
+    beside it the client straight to a TLS + HTTP/2 sim (:data:`DIRECT_H2_TARGET`)."""
     import trustme
 
     ca = trustme.CA()
@@ -499,19 +518,32 @@ def _tls(
         cert.private_key_and_cert_chain_pem.write_to_path(paths["cert.pem"])
         cert.private_key_pem.write_to_path(paths["key.pem"])
         tls_args = (paths["cert.pem"], paths["key.pem"])
-        with _server(_ROUTER, sim.url, "hypercorn", *tls_args) as router:
+        with (
+            _server(_ROUTER, sim.url, "hypercorn", *tls_args) as router,
+            _server(_SIM_TLS, PROFILE, *tls_args) as sim_tls,
+        ):
+            h2 = _h2_clients(paths["ca.pem"])
             measured = asyncio.run(
                 _measure(
-                    {"direct": sim.url, "router/hypercorn": router.url},
+                    {
+                        "direct": sim.url,
+                        DIRECT_H2_TARGET: sim_tls.url,
+                        "router/hypercorn": router.url,
+                    },
                     concurrency=100,
                     rounds=rounds,
                     per_worker=3,
                     max_tokens=max_tokens,
                     make_clients=_h1_clients,
-                    client_overrides={"router/hypercorn": _h2_clients(paths["ca.pem"])},
+                    client_overrides={DIRECT_H2_TARGET: h2, "router/hypercorn": h2},
                     bar=bar,
-                    pids={"sim": sim.pid, "router/hypercorn": router.pid},
+                    pids={"sim": sim.pid, "sim-tls": sim_tls.pid, "router/hypercorn": router.pid},
                 )
             )
-    # The direct path has no TLS (the sim is plain): only the routed run is the H2 one.
+    # "direct" is the plain sim (HTTP/1.1); direct-h2 and the router are the H2 ones.
     _collect(runs, summary, measured, 100, "HTTP/2+TLS")
+    routed, direct_h2 = measured["router/hypercorn"], measured[DIRECT_H2_TARGET]
+    for metric in ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms"):
+        summary[f"c100_hypercorn_h2tls_added_vs_direct_h2_{metric}"] = (
+            routed[metric] - direct_h2[metric]
+        )
