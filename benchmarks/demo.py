@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
         mode, why = choose_mode(args.loopback)
     except WorldError as exc:
         raise CLIError(f"{exc} (use --loopback to run without it)") from None
-    # SIGTERM tears down like Ctrl-C: the world's context managers run on the way out.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(_demo(args, mode, why, out))
     except WorldError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -71,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
+    # SIGTERM ends a command as Ctrl-C does, so its context managers remove what it started
+    # (a benchmark's namespaces and helper processes); servers install their own handlers.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         code: int = run(args)
     except CLIError as exc:

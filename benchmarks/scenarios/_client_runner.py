@@ -39,7 +39,7 @@ from typing import Any, Literal, cast
 
 import msgspec
 
-from benchmarks.scenarios._parent import exit_with_parent
+from benchmarks._parent import exit_with_parent
 from client_sdk import StreamDelta
 from client_sdk.client import AsyncClient, HTTPVersion, TransportName
 from client_sdk.timings import Timings

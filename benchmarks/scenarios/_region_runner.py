@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.scenarios._parent import exit_with_parent
+from benchmarks._parent import exit_with_parent
 from router.cluster import SimHandle
 from router.config import parse_config
 from router.serve import RouterEndpoints, running_router

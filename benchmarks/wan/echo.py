@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from benchmarks._parent import exit_with_parent
+
 PROBE_PRIORITY = 5  # below the forwarder's, so it is never starved by a probe
 _PING = struct.Struct("!Iq")  # sequence number, send time (ns)
 
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(PROBE_PRIORITY))
     if args.cmd == "serve":
+        exit_with_parent()  # a run killed with SIGKILL must not leave its echo servers behind
         serve(args.proto, args.bind)
         return 0
     if args.cmd == "udp-ping":

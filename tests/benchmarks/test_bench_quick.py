@@ -73,8 +73,15 @@ class QuickRuns:
         return code, stdout, stderr, self.root / name
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
+        """End the runs no test waited for (``-k``): SIGTERM first, so a scenario tears down
+        its namespaces and helpers as it does for Ctrl-C; SIGKILL only if that hangs."""
+        running = [proc for proc in self.procs.values() if proc.poll() is None]
+        for proc in running:
+            proc.terminate()
+        for proc in running:
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
 
