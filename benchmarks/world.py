@@ -306,7 +306,7 @@ class World:
             "stderr": subprocess.PIPE,
             "env": {**python_env(), **(env or {})},
             # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in
-            # order; they end by themselves if we die (benchmarks.scenarios._parent).
+            # order; they end by themselves if we die (benchmarks._parent).
             "start_new_session": True,
         }
         if self.emulator is not None:
