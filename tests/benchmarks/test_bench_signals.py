@@ -3,7 +3,6 @@ down like Ctrl-C: its namespaces and every process it started are gone."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -11,44 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.procs import alive, descendants, namespaces_of
 from tests.cli import FIRSTBYTE
-
-
-def namespaces_of(pid: int) -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.startswith(f"fb-{pid}-")]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (children, their children, ...)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents[int(entry)] = int(fields[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    left = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    left.add(pid)
-        except OSError:
-            pass
-    return left
 
 
 @pytest.mark.netns
@@ -76,6 +39,7 @@ def test_sigterm_mid_benchmark_removes_its_namespaces_and_processes(tmp_path: Pa
             proc.communicate()
     assert namespaces_of(proc.pid) == []
     deadline = time.monotonic() + 10
-    while alive(started) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert alive(started) == set(), "helper processes outlived the benchmark"
+    left = {pid for pid in started if alive(pid)}
+    assert left == set(), "helper processes outlived the benchmark"

@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from tests.benchmarks.procs import describe, namespaces_of
+
 MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
 TAG = "FIRSTBYTE_DEMO_TEST_TAG"
 
@@ -111,21 +113,6 @@ def tagged_processes(tag: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def describe(pid: int) -> str:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
-    except OSError:
-        return "(gone)"
-    return f"{state.strip()} {cmdline[:200]}"
-
-
-def namespaces_of(pid: int) -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return [line.split()[0] for line in out.stdout.splitlines()
-            if line.startswith(f"fb-{pid}-")]
 
 
 def interrupt_mid_run(

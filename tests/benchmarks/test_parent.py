@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from tests.benchmarks.procs import alive
+
 # The middle process starts the helper, prints its pid and waits forever; the helper arms the
 # watchdog and then blocks its main thread (as a stuck event loop would).
 HELPER = (
@@ -19,14 +21,6 @@ MIDDLE = (
     f"p = subprocess.Popen([sys.executable, '-c', {HELPER!r}], stdout=subprocess.PIPE, text=True); "
     "assert p.stdout.readline().strip() == 'armed'; print(p.pid, flush=True); time.sleep(600)"
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_helper_exits_when_its_parent_is_killed() -> None:
