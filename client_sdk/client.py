@@ -162,8 +162,9 @@ class AsyncClient:
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
             connect_timeout_s=connect_timeout_s,
         )
-        self._reprobing = reprobe_interval_s is not None and len(self.origins) > 1
-        if reprobe_interval_s is not None and self._reprobing:
+        self._reprobing = False
+        if reprobe_interval_s is not None and len(self.origins) > 1:
+            self._reprobing = True
             # From the pool's keep-warm loop: only while the client is in use.
             self.pool.every(reprobe_interval_s, self.reprobe)
 

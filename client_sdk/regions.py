@@ -202,12 +202,7 @@ class RegionSelector:
         hysteresis: each kept one stays in its place unless it is set aside or the fastest
         region not yet placed :meth:`beats` it. Pure: the caller warms connections to these,
         then calls :meth:`keep`."""
-        order = {name: i for i, name in enumerate(self._states)}
-        candidates = sorted(
-            (s for s in self._states.values() if s.unavailable_until <= now),
-            key=lambda s: (s.rtt_ms if s.rtt_ms is not None else float("inf"),
-                           order[s.region.name]),
-        )
+        candidates = self._by_rtt(now)
         chosen: list[str] = []
         for slot in range(2):
             rest = [s.region.name for s in candidates if s.region.name not in chosen]
@@ -223,16 +218,22 @@ class RegionSelector:
     def ranked(self, now: float) -> list[Region]:
         """Available regions, best first: hinted, then the kept primary and standby, then by
         RTT (unmeasured last, in the configured order)."""
-        order = {name: i for i, name in enumerate(self._states)}
         kept = {name: i for i, name in enumerate(self._kept)}
 
-        def key(s: _State) -> tuple[int, int, float, int]:
-            hinted = 0 if s.hinted_until > now else 1
-            rtt = s.rtt_ms if s.rtt_ms is not None else float("inf")
-            return (hinted, kept.get(s.region.name, len(kept)), rtt, order[s.region.name])
+        def key(s: _State) -> tuple[int, int]:
+            return (0 if s.hinted_until > now else 1, kept.get(s.region.name, len(kept)))
 
-        states = [s for s in self._states.values() if s.unavailable_until <= now]
-        return [s.region for s in sorted(states, key=key)]
+        # A stable sort: within the same (hinted, kept) place the RTT order stays.
+        return [s.region for s in sorted(self._by_rtt(now), key=key)]
+
+    def _by_rtt(self, now: float) -> list[_State]:
+        """Available regions by RTT; unmeasured ones last, in the configured order."""
+        order = {name: i for i, name in enumerate(self._states)}
+        return sorted(
+            (s for s in self._states.values() if s.unavailable_until <= now),
+            key=lambda s: (s.rtt_ms if s.rtt_ms is not None else float("inf"),
+                           order[s.region.name]),
+        )
 
     def choose(self, now: float) -> Region | None:
         """The region to send the next request to; ``None`` if all are set aside."""
