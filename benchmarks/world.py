@@ -109,8 +109,9 @@ class Peering:
 
 
 def write_geoip_db(path: Path, places: Mapping[str, Place]) -> Path:
-    """Write a GeoIP2-City-shaped ``.mmdb`` to ``path`` mapping each IPv4 address of
-    ``places`` (one /32 each) to its city, country and coordinates; returns ``path``."""
+    """Write a GeoIP2-City-shaped ``.mmdb`` to ``path`` mapping each IPv4 address or network
+    of ``places`` (``"192.0.2.10"``, ``"192.0.2.0/25"``) to its city, country and coordinates;
+    returns ``path``."""
     # Imported here: only a peered world needs mmdb-writer (the `bench` extra has it).
     from mmdb_writer import MmdbF64, MMDBWriter
     from netaddr import IPSet
@@ -119,9 +120,9 @@ def write_geoip_db(path: Path, places: Mapping[str, Place]) -> Path:
         ip_version=6, ipv4_compatible=True, database_type="GeoIP2-City",
         languages=["en"], description="firstbyte emulated world (this run only)",
     )
-    for ip, place in places.items():
+    for network, place in places.items():
         writer.insert_network(
-            IPSet([f"{ip}/32"]),
+            IPSet([network]),
             {
                 "city": {"names": {"en": place.name}},
                 "country": {"iso_code": place.country, "names": {"en": place.country}},

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmdb_writer import MmdbF64, MMDBWriter
-from netaddr import IPSet
+from benchmarks.wan.geo import Place
+from benchmarks.world import write_geoip_db
 
 CITIES: dict[str, tuple[str, str, str, float, float]] = {
     # network: (city, country, nearest region code, lat, lon)
@@ -27,18 +27,5 @@ UNKNOWN_CLIENT = "192.0.2.200"
 
 def write_city_mmdb(path: Path) -> Path:
     """Write the test database to ``path`` and return it."""
-    writer = MMDBWriter(
-        ip_version=6, ipv4_compatible=True, database_type="GeoIP2-City",
-        languages=["en"], description="firstbyte test cities",
-    )
-    for network, (city, country, _, lat, lon) in CITIES.items():
-        writer.insert_network(
-            IPSet([network]),
-            {
-                "city": {"names": {"en": city}},
-                "country": {"iso_code": country, "names": {"en": country}},
-                "location": {"latitude": MmdbF64(lat), "longitude": MmdbF64(lon)},
-            },
-        )
-    writer.to_db_file(str(path))
-    return path
+    return write_geoip_db(path, {network: Place(city, country, lat, lon)
+                                 for network, (city, country, _, lat, lon) in CITIES.items()})
