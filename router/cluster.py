@@ -28,7 +28,8 @@ from .serve import RouterEndpoints, running_router
 from .sim.server import SimConfig, bind_socket, build_app, serve
 from .state import RouterState
 
-__all__ = ["RegionHandle", "RegionSpec", "SimHandle", "running_regions", "wait_for_peers"]
+__all__ = ["RegionHandle", "RegionSpec", "SimHandle", "running_regions", "until_peers_fresh",
+           "wait_for_peers"]
 
 
 class SimHandle:
@@ -200,14 +201,24 @@ async def running_regions(
 
 async def wait_for_peers(regions: dict[str, RegionHandle], timeout_s: float = 10.0) -> None:
     """Wait until every router has fresh status from every peer (raises TimeoutError)."""
+    await until_peers_fresh([h.state for h in regions.values()], timeout_s)
+
+
+async def until_peers_fresh(states: Sequence[RouterState], timeout_s: float) -> None:
+    """Wait until each router in ``states`` has fresh status from every peer it is configured
+    with; TimeoutError naming the routers and peers still missing."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        if all(
-            len(h.state.routing.peer_table.fresh(h.state.clock())) == len(regions) - 1
-            for h in regions.values()
-        ):
+        missing: dict[str, list[str]] = {}
+        for state in states:
+            table = state.routing.peer_table
+            absent = sorted(set(table.peers) - set(table.fresh(state.clock())))
+            if absent:
+                missing[state.region] = absent
+        if not missing:
             return
         if loop.time() > deadline:
-            raise TimeoutError("peers did not report status in time")
+            said = "; ".join(f"{r}: {', '.join(p)}" for r, p in sorted(missing.items()))
+            raise TimeoutError(f"no status from peer(s) in {timeout_s:g} s ({said})")
         await asyncio.sleep(0.05)

@@ -34,15 +34,13 @@ from typing import Any
 import msgspec
 
 from benchmarks._parent import exit_with_parent
-from router.cluster import SimHandle
+from benchmarks.world import PEER_KEY_ENV
+from router.cluster import SimHandle, until_peers_fresh
 from router.config import parse_config
-from router.serve import RouterEndpoints, running_router
+from router.serve import running_router
 from router.sim.server import SimConfig
 
 __all__ = ["main", "serve_region"]
-
-PEER_KEY_ENV = "FIRSTBYTE_PEER_KEY"
-
 
 def _peering(args: argparse.Namespace) -> dict[str, Any]:
     """The configuration sections that make this router one of a deployment (none without
@@ -63,20 +61,6 @@ def _peering(args: argparse.Namespace) -> dict[str, Any]:
         ],
         **({"upstream_ca_file": args.upstream_ca} if args.upstream_ca else {}),
     }
-
-
-async def _wait_for_peers(endpoints: RouterEndpoints, timeout_s: float) -> list[str]:
-    """Wait until the router has fresh status from every peer; their names (TimeoutError)."""
-    state = endpoints.app.state
-    table = state.routing.peer_table
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while len(fresh := table.fresh(state.clock())) < len(table.peers):
-        if loop.time() > deadline:
-            missing = sorted(set(table.peers) - set(fresh))
-            raise TimeoutError(f"no status from peer(s) {', '.join(missing)} in {timeout_s:g} s")
-        await asyncio.sleep(0.05)
-    return sorted(fresh)
 
 
 async def serve_region(args: argparse.Namespace) -> None:
@@ -112,7 +96,8 @@ async def serve_region(args: argparse.Namespace) -> None:
                 "pid": os.getpid(),
             }
             if args.peer:
-                line["peers"] = await _wait_for_peers(endpoints, args.peers_timeout)
+                await until_peers_fresh([endpoints.app.state], args.peers_timeout)
+                line["peers"] = sorted(endpoints.app.state.routing.peer_table.peers)
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
             await stop.wait()
