@@ -64,22 +64,14 @@ _SIM = """
 import asyncio, sys
 from router.sim.server import running_sim
 async def main():
-    async with running_sim(profile=sys.argv[1], max_num_seqs=256) as url:
-        print(url, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-asyncio.run(main())
-"""
-
-_SIM_TLS = """
-import asyncio, sys
-from router.sim.server import running_sim
-async def main():
-    tls = {"certfile": sys.argv[2], "keyfile": sys.argv[3]}  # hypercorn: HTTP/2 by ALPN
+    # PROFILE [CERTFILE KEYFILE]: with a certificate, TLS (hypercorn: HTTP/2 by ALPN)
+    tls = {"certfile": sys.argv[2], "keyfile": sys.argv[3]} if len(sys.argv) > 2 else {}
     async with running_sim(profile=sys.argv[1], max_num_seqs=256, **tls) as url:
         print(url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 asyncio.run(main())
 """
+
 DIRECT_H2_TARGET = "direct-h2"
 """The TLS + HTTP/2 run's own baseline: the same client straight to a sim served over TLS +
 HTTP/2, so the router's share of that run's latency is told apart from the transport's."""
@@ -520,7 +512,7 @@ def _tls(
         tls_args = (paths["cert.pem"], paths["key.pem"])
         with (
             _server(_ROUTER, sim.url, "hypercorn", *tls_args) as router,
-            _server(_SIM_TLS, PROFILE, *tls_args) as sim_tls,
+            _server(_SIM, PROFILE, *tls_args) as sim_tls,
         ):
             h2 = _h2_clients(paths["ca.pem"])
             measured = asyncio.run(
