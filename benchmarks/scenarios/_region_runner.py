@@ -88,7 +88,8 @@ async def serve_region(args: argparse.Namespace) -> None:
             },
             f"<region {args.region}>",
         )
-        async with running_router(config) as endpoints:
+        # This process is a router (and its sim): GC tuned as `firstbyte router` has it.
+        async with running_router(config, tune_gc=True) as endpoints:
             line: dict[str, Any] = {
                 "region": args.region,
                 "url": endpoints.base_url,
