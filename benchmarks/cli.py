@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-import benchmarks.scenarios
-from benchmarks.compare import compare, load_results
-from benchmarks.report import markdown_summary, write_report
-from client_sdk.cli import CLIError
+import firstbyte.benchmarks.scenarios
+from firstbyte.benchmarks.compare import compare, load_results
+from firstbyte.benchmarks.report import markdown_summary, write_report
+from firstbyte.client_sdk.cli import CLIError
 
 __all__ = ["add_arguments", "discover_scenarios", "run", "run_scenario"]
 
@@ -31,10 +31,11 @@ _RESERVED = {"all", "compare"}
 def discover_scenarios() -> dict[str, str]:
     """Scenario name -> one-line description, for every module that defines ``run``."""
     found: dict[str, str] = {}
-    for info in sorted(pkgutil.iter_modules(benchmarks.scenarios.__path__), key=lambda i: i.name):
+    modules = pkgutil.iter_modules(firstbyte.benchmarks.scenarios.__path__)
+    for info in sorted(modules, key=lambda i: i.name):
         if info.name.startswith("_") or info.ispkg or info.name in _RESERVED:
             continue
-        path = Path(benchmarks.scenarios.__path__[0]) / f"{info.name}.py"
+        path = Path(firstbyte.benchmarks.scenarios.__path__[0]) / f"{info.name}.py"
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, ValueError):
@@ -115,7 +116,7 @@ def run_scenario(name: str, quick: bool) -> dict[str, Any]:
     if name not in scenarios:
         known = ", ".join(scenarios) or "none"
         raise CLIError(f"unknown scenario {name!r} (available: {known})")
-    module = importlib.import_module(f"benchmarks.scenarios.{name}")
+    module = importlib.import_module(f"firstbyte.benchmarks.scenarios.{name}")
     results = module.run(quick)
     if not isinstance(results, dict):
         raise CLIError(f"scenario {name!r} returned {type(results).__name__}, not a dict")

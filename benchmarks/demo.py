@@ -8,7 +8,7 @@ each client's last mile (the ``world`` geography profile). Every client streams 
 from its nearest region over SSE (HTTP/2 and HTTP/3, 0-RTT too), WebSocket and long-poll, on
 new (cold) and prewarmed connections. Then it prints the TTFT of each, the latency budget of a
 prewarmed request per client (each phase against its share of 500 ms, with the 15% safety
-share; :mod:`client_sdk.budget`) and where the report and plots are (``--out``, default
+share; :mod:`firstbyte.client_sdk.budget`) and where the report and plots are (``--out``, default
 ``./firstbyte-report``).
 
 Without root or /dev/net/tun (or with ``--loopback``) everything runs on 127.0.0.1 and the
@@ -27,13 +27,13 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.report import write_report
-from benchmarks.stats import percentile, summarize
-from benchmarks.wan.geo import Profile, load_profile
-from benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
-from client_sdk.budget import LatencyBudget
-from client_sdk.cli import CLIError
-from client_sdk.timings import Timings
+from firstbyte.benchmarks.report import write_report
+from firstbyte.benchmarks.stats import percentile, summarize
+from firstbyte.benchmarks.wan.geo import Profile, load_profile
+from firstbyte.benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
+from firstbyte.client_sdk.budget import LatencyBudget
+from firstbyte.client_sdk.cli import CLIError
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["add_arguments", "run"]
 

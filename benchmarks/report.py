@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.stats import METRIC_DEFINITIONS
+from firstbyte.benchmarks.stats import METRIC_DEFINITIONS
 
 __all__ = ["markdown_summary", "write_report"]
 

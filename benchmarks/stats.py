@@ -1,7 +1,7 @@
 """Summary statistics of a benchmark run, with ``vllm bench serve``'s result field names.
 
-:func:`summarize` turns per-request :class:`~client_sdk.timings.Timings` into one flat dict:
-``completed``, ``failed``, ``duration``, ``request_throughput``, ``output_throughput``,
+:func:`summarize` turns per-request :class:`~firstbyte.client_sdk.timings.Timings` into one flat
+dict: ``completed``, ``failed``, ``duration``, ``request_throughput``, ``output_throughput``,
 ``mean_/median_/std_/p50_/p90_/p95_/p99_`` + ``ttft_ms``, ``tpot_ms``, ``itl_ms``,
 ``e2el_ms``, the same for our network phases (``p50_first_byte_ms``, ``p99_connect_ms``, ...),
 ``goodput`` against an :class:`SLO`, the mean of each latency budget line, and the raw
@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from client_sdk.budget import LatencyBudget
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.budget import LatencyBudget
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = [
     "METRIC_DEFINITIONS",

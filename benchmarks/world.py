@@ -5,11 +5,12 @@ async with World(regions=["region-us"], clients=["client-tokyo"], emulator=wan) 
     lines = await world.run_client("client-tokyo", "region-us", ["sse/2/cold"], repeat=3)
 ```
 
-Each region is one process (:mod:`benchmarks.scenarios._region_runner`: a simulated inference
+Each region is one process (:mod:`firstbyte.benchmarks.scenarios._region_runner`: a simulated
+inference
 server and the router before it, TLS with HTTP/1.1, HTTP/2 and HTTP/3 + 0-RTT), started inside
 the region's network namespace; the SDK runs in another process inside the client's namespace
-(:mod:`benchmarks.scenarios._client_runner`), so every handshake crosses the emulator's delay
-line. Certificates come from a CA made for this run (trustme), so TLS is real and verified.
+(:mod:`firstbyte.benchmarks.scenarios._client_runner`), so every handshake crosses the emulator's
+delay line. Certificates come from a CA made for this run (trustme), so TLS is real and verified.
 
 With ``peering=Peering(locations)`` (emulated worlds only) the routers are one deployment, as in
 "Routing across regions": each knows the others as peers (a peer key made for this run, the
@@ -49,9 +50,9 @@ from typing import Any
 
 import trustme
 
-from benchmarks.wan import Emulator, PrecisionReport, WanUnavailable
-from benchmarks.wan.geo import Place
-from benchmarks.wan.netns import check_capable, python_env
+from firstbyte.benchmarks.wan import Emulator, PrecisionReport, WanUnavailable
+from firstbyte.benchmarks.wan.geo import Place
+from firstbyte.benchmarks.wan.netns import check_capable, python_env
 
 __all__ = [
     "LOOPBACK_LIMITS",
@@ -319,7 +320,8 @@ class World:
         peered: tuple[dict[str, list[str]], str] | None = None,
     ) -> Region:
         argv = [
-            sys.executable, "-m", "benchmarks.scenarios._region_runner", "--host", self.ip(host),
+            sys.executable, "-m", "firstbyte.benchmarks.scenarios._region_runner",
+            "--host", self.ip(host),
             "--region", host, "--certfile", cert, "--keyfile", key, "--profile", self.sim_profile,
         ]
         env: dict[str, str] = {}
@@ -362,7 +364,7 @@ class World:
         the SDK is given all of them and chooses (a prewarmed cell probes their RTTs), or,
         with ``probe=False``, starts at the first and moves only on a better-region hint."""
         names = [region] if isinstance(region, str) else list(region)
-        argv = [sys.executable, "-m", "benchmarks.scenarios._client_runner"]
+        argv = [sys.executable, "-m", "firstbyte.benchmarks.scenarios._client_runner"]
         for name in names:
             argv += ["--url", self.regions[name].url]
         if not probe:

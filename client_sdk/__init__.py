@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from client_sdk.budget import BudgetReport, LatencyBudget
+from firstbyte.client_sdk.budget import BudgetReport, LatencyBudget
 
 if TYPE_CHECKING:
-    from client_sdk._core.stream import StreamDelta
-    from client_sdk.client import AsyncClient
-    from client_sdk.errors import (
+    from firstbyte.client_sdk._core.stream import StreamDelta
+    from firstbyte.client_sdk.client import AsyncClient
+    from firstbyte.client_sdk.errors import (
         APIError,
         AuthenticationError,
         ConnectError,
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
         StreamStalledError,
         TLSError,
     )
-    from client_sdk.sync import Client
-    from client_sdk.timings import Timings
+    from firstbyte.client_sdk.sync import Client
+    from firstbyte.client_sdk.timings import Timings
 
 __version__ = "0.1.0"
 
@@ -46,11 +46,11 @@ __all__ = [
 # The client pulls in httpx, aioquic and websockets; the router and the sim import
 # ``client_sdk.types`` only, so the client is imported on first use, not with the package.
 _LAZY = {
-    "AsyncClient": "client_sdk.client",
-    "Client": "client_sdk.sync",
-    "StreamDelta": "client_sdk._core.stream",
-    "Timings": "client_sdk.timings",
-    **{name: "client_sdk.errors" for name in (
+    "AsyncClient": "firstbyte.client_sdk.client",
+    "Client": "firstbyte.client_sdk.sync",
+    "StreamDelta": "firstbyte.client_sdk._core.stream",
+    "Timings": "firstbyte.client_sdk.timings",
+    **{name: "firstbyte.client_sdk.errors" for name in (
         "APIError", "AuthenticationError", "ConnectError", "RateLimitError",
         "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
 }

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from client_sdk.cli import main
+from firstbyte.client_sdk.cli import main
 
 sys.exit(main())

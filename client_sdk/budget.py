@@ -5,7 +5,8 @@ End-to-end latency is a budget, not an optimisation target::
     B_total = B_prefill + B_decode + B_io + B_safety,   B_safety = 15% of B_total
 
 The conversational default (``LatencyBudget()``, 500 ms) splits into five *lines*, laid end to
-end on the request's timeline, so each is measured from one :class:`~client_sdk.timings.Timings`
+end on the request's timeline, so each is measured from one
+:class:`~firstbyte.client_sdk.timings.Timings`
 offset to the next and the lines add up to the time the user waited (``render`` may overlap the
 next tokens' arrival; counting it in full keeps the sum conservative):
 
@@ -41,7 +42,7 @@ import math
 
 import msgspec
 
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["BudgetLine", "BudgetReport", "LatencyBudget", "LineResult"]
 

@@ -16,12 +16,24 @@ from typing import Protocol
 
 # name -> (module, one-line help). Only subcommands that work are listed.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "sim": ("router.sim.cli", "run the simulated OpenAI-compatible inference server"),
-    "probe": ("client_sdk.probe", "time one streamed request phase by phase, like curl -w"),
-    "router": ("router.cli", "run the regional router (TLS, HTTP/1.1, HTTP/2, HTTP/3)"),
-    "bench": ("benchmarks.cli", "run a benchmark scenario and write its report, or compare two"),
-    "wan": ("benchmarks.wan.cli", "packet-level WAN emulator: up, down, exec, cleanup, precision"),
-    "demo": ("benchmarks.demo", "run the demo: an emulated multi-region world on this machine"),
+    "sim": ("firstbyte.router.sim.cli", "run the simulated OpenAI-compatible inference server"),
+    "probe": (
+        "firstbyte.client_sdk.probe",
+        "time one streamed request phase by phase, like curl -w",
+    ),
+    "router": ("firstbyte.router.cli", "run the regional router (TLS, HTTP/1.1, HTTP/2, HTTP/3)"),
+    "bench": (
+        "firstbyte.benchmarks.cli",
+        "run a benchmark scenario and write its report, or compare two",
+    ),
+    "wan": (
+        "firstbyte.benchmarks.wan.cli",
+        "packet-level WAN emulator: up, down, exec, cleanup, precision",
+    ),
+    "demo": (
+        "firstbyte.benchmarks.demo",
+        "run the demo: an emulated multi-region world on this machine",
+    ),
 }
 
 
@@ -86,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # As ``python -m client_sdk.cli`` this file is ``__main__``; subcommands raise the
-    # ``client_sdk.cli.CLIError`` of the imported module, so dispatch through that one.
-    from client_sdk.cli import main as _main
+    # As ``python -m firstbyte.client_sdk.cli`` this file is ``__main__``; subcommands raise the
+    # ``firstbyte.client_sdk.cli.CLIError`` of the imported module, so dispatch through that one.
+    from firstbyte.client_sdk.cli import main as _main
 
     sys.exit(_main())

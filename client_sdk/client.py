@@ -1,9 +1,10 @@
 """The SDK's front door: :class:`AsyncClient` (the synchronous ``Client`` is in
-:mod:`client_sdk.sync`).
+:mod:`firstbyte.client_sdk.sync`).
 
 ``client.stream(...)`` returns a :class:`ChatStream`: an async context manager (the request is
 sent and the response accepted on entry, so HTTP errors raise there) and an async iterator of
-:class:`~client_sdk._core.stream.StreamDelta`. Behind it, one reader task pumps the transport's
+:class:`~firstbyte.client_sdk._core.stream.StreamDelta`. Behind it, one reader task pumps the
+transport's
 items into a queue; the iterator waits on that queue with the idle watchdog, so heartbeats
 (which never become items) do not count as progress. A cut connection or a sequence gap
 resumes from the last delivered event; a stall resumes once on fresh connections, then raises.
@@ -14,7 +15,7 @@ the next, so failing over to the standby costs a round trip, not a handshake. A 
 stays on its region, since only that region's router holds it. A router's
 ``x-firstbyte-better-region`` hint moves later requests to that region if it is configured.
 While the client is in use, the regions are probed again every ``reprobe_interval_s`` and the
-warm primary and standby follow the ranking (with hysteresis, :mod:`client_sdk.regions`).
+warm primary and standby follow the ranking (with hysteresis, :mod:`firstbyte.client_sdk.regions`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import (
+from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import (
     ConnectError,
     FirstbyteError,
     RateLimitError,
@@ -40,16 +41,16 @@ from client_sdk.errors import (
     StreamBrokenError,
     StreamStalledError,
 )
-from client_sdk.pool import ConnectionPool
-from client_sdk.region_probe import probe_region
-from client_sdk.regions import Region, RegionSelector
-from client_sdk.resolver import Origin
-from client_sdk.timings import Timings
-from client_sdk.transports.base import Event, Item, Opened, Session, Source, TransportCut
-from client_sdk.transports.longpoll import longpoll_source
-from client_sdk.transports.sse import sse_source
-from client_sdk.transports.websocket import WebSocketPool, websocket_source
-from client_sdk.types import Message, Usage
+from firstbyte.client_sdk.pool import ConnectionPool
+from firstbyte.client_sdk.region_probe import probe_region
+from firstbyte.client_sdk.regions import Region, RegionSelector
+from firstbyte.client_sdk.resolver import Origin
+from firstbyte.client_sdk.timings import Timings
+from firstbyte.client_sdk.transports.base import Event, Item, Opened, Session, Source, TransportCut
+from firstbyte.client_sdk.transports.longpoll import longpoll_source
+from firstbyte.client_sdk.transports.sse import sse_source
+from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
+from firstbyte.client_sdk.types import Message, Usage
 
 __all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]
 

@@ -21,11 +21,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from client_sdk.resolver import Origin, Resolver
-from client_sdk.transports.base import Session
-from client_sdk.transports.h3 import H3Session, TicketStore
-from client_sdk.transports.http import HttpxSession
-from client_sdk.transports.websocket import WebSocketPool
+from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.transports.base import Session
+from firstbyte.client_sdk.transports.h3 import H3Session, TicketStore
+from firstbyte.client_sdk.transports.http import HttpxSession
+from firstbyte.client_sdk.transports.websocket import WebSocketPool
 
 __all__ = ["ConnectionPool"]
 

@@ -4,7 +4,7 @@ It sends one small streamed chat completion with the SDK and prints where the ti
 DNS, TCP, TLS or QUIC handshake, pool wait, request sent, first byte, first and last token,
 inter-token gaps and the router's ``Server-Timing`` split. ``--warm`` prewarms a connection
 first, so the figures are those of a kept-warm client. ``--json`` prints the
-:class:`~client_sdk.timings.Timings` record as JSON.
+:class:`~firstbyte.client_sdk.timings.Timings` record as JSON.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import Any
 
 import msgspec
 
-from client_sdk.cli import CLIError
-from client_sdk.client import AsyncClient
-from client_sdk.errors import (
+from firstbyte.client_sdk.cli import CLIError
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.errors import (
     APIError,
     AuthenticationError,
     ConnectError,
     FirstbyteError,
     TLSError,
 )
-from client_sdk.resolver import Origin
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.resolver import Origin
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["add_arguments", "format_timings", "probe", "run"]
 

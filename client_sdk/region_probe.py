@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from client_sdk.errors import APIError, FirstbyteError
-from client_sdk.regions import regions_from_status
-from client_sdk.resolver import Origin
-from client_sdk.transports.base import Session
+from firstbyte.client_sdk.errors import APIError, FirstbyteError
+from firstbyte.client_sdk.regions import regions_from_status
+from firstbyte.client_sdk.resolver import Origin
+from firstbyte.client_sdk.transports.base import Session
 
 __all__ = ["RegionProbe", "discover_regions", "probe_region"]
 
@@ -80,7 +80,7 @@ async def discover_regions(base_url: str, **client_options: Any) -> dict[str, st
     ``AsyncClient`` options (``ca_file``, ``verify``, ``http``, ...). Raises ConnectError, or
     APIError when the router answers with an error.
     """
-    from client_sdk.client import AsyncClient  # the client imports this module
+    from firstbyte.client_sdk.client import AsyncClient  # the client imports this module
 
     origin = Origin.parse(base_url)
     async with AsyncClient(base_url, **client_options) as client:

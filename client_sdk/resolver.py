@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import ConnectError
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import ConnectError
 
 __all__ = ["Origin", "Resolver"]
 

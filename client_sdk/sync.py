@@ -1,5 +1,5 @@
-"""The synchronous API: :class:`Client` runs an :class:`~client_sdk.client.AsyncClient` on a
-private event loop thread, and :class:`SyncChatStream` iterates its streams from plain code.
+"""The synchronous API: :class:`Client` runs an :class:`~firstbyte.client_sdk.client.AsyncClient`
+on a private event loop thread, and :class:`SyncChatStream` iterates its streams from plain code.
 
 Same arguments, errors and timings as the async API; each call blocks until the loop has done
 the work.
@@ -13,10 +13,10 @@ from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from client_sdk._core.stream import StreamDelta
-from client_sdk.client import AsyncClient, ChatStream
-from client_sdk.timings import Timings
-from client_sdk.types import Usage
+from firstbyte.client_sdk._core.stream import StreamDelta
+from firstbyte.client_sdk.client import AsyncClient, ChatStream
+from firstbyte.client_sdk.timings import Timings
+from firstbyte.client_sdk.types import Usage
 
 __all__ = ["Client", "SyncChatStream"]
 

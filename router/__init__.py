@@ -1,1 +1,1 @@
-"""firstbyte's regional router and the simulated inference server (``router.sim``)."""
+"""firstbyte's regional router and the simulated inference server (``firstbyte.router.sim``)."""

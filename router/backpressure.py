@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.upstream_metrics import BackendMetrics
+from firstbyte.router.upstream_metrics import BackendMetrics
 
 __all__ = ["BackendLoad", "Ewma", "LoadTracker", "SpillBudget"]
 

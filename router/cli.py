@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from client_sdk.cli import CLIError
+from firstbyte.client_sdk.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
 

@@ -91,7 +91,8 @@ class RegionSpec:
     longitude: float
     backends: int = 2
     sim: dict[str, Any] = field(default_factory=dict)
-    """:class:`router.sim.server.SimConfig` fields (``profile``, ``max_num_seqs``, ``faults``)."""
+    """:class:`firstbyte.router.sim.server.SimConfig` fields (``profile``, ``max_num_seqs``,
+    ``faults``)."""
     upstream: dict[str, Any] = field(default_factory=dict)
     """Extra fields for every upstream of this region (``max_in_flight``, ``models``)."""
     config: dict[str, Any] = field(default_factory=dict)

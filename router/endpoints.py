@@ -15,7 +15,7 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from client_sdk.types import encode
+from firstbyte.client_sdk.types import encode
 
 from .asgi import ClientGone, Receive, Scope, Send, header_dict, read_body, send_bytes, stream_body
 from .pipeline.admit import admit_chat, authenticate
@@ -202,8 +202,8 @@ async def start_detached_stream(
     """``POST /v1/streams[?wait=S]``: start a stream and answer 201.
 
     Without ``wait`` (or ``wait=0``) the answer is ``{"stream": ID}`` at once. With ``wait > 0``
-    it is the stream's first long-poll batch (:func:`router.readers.poll` after 0, the stream id
-    included), so a long-poll client's first token costs one round trip, not two.
+    it is the stream's first long-poll batch (:func:`firstbyte.router.readers.poll` after 0, the
+    stream id included), so a long-poll client's first token costs one round trip, not two.
     """
     wait = _wait_param(state, _query(scope), default=0.0)
     ctx = await _admitted(
@@ -410,7 +410,7 @@ async def metrics(state: RouterState, scope: Scope, receive: Receive, send: Send
 
 async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /v1/edge/status``: this region's load and warm prefixes, for peers and dashboards
-    (:class:`router.peers.EdgeStatus`, plus ``streams``, ``warm`` and ``time``).
+    (:class:`firstbyte.router.peers.EdgeStatus`, plus ``streams``, ``warm`` and ``time``).
 
     Without a key that may see it (:func:`_observer`) only what a client needs to find its
     regions: ``region``, ``healthy``, ``public_url``, location and ``peers``.

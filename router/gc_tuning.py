@@ -21,7 +21,8 @@ the P99.
   young collections (1-2 ms each instead of ~0.5 ms) and about a third of the GC CPU.
 
 The process-wide state makes this a choice for a process that is a router, which is what
-:func:`router.serve.serve` is (``firstbyte router``); :func:`router.serve.running_router`,
+:func:`firstbyte.router.serve.serve` is (``firstbyte router``);
+:func:`firstbyte.router.serve.running_router`,
 which serves inside someone else's program (tests, benchmarks' helpers), applies it only
 when asked.
 """

@@ -99,7 +99,7 @@ def estimate_rtt_ms(a: GeoPoint, b: GeoPoint) -> float:
 
 
 def _data_rows(name: str) -> list[list[str]]:
-    text = resources.files("router").joinpath("data", name).read_text(encoding="utf-8")
+    text = resources.files("firstbyte.router").joinpath("data", name).read_text(encoding="utf-8")
     return [row for row in csv.reader(text.splitlines(), delimiter="\t") if row]
 
 

@@ -3,15 +3,17 @@
 :class:`RegionRouting` owns the control-plane cores and connects them to the data plane:
 
 - :meth:`RegionRouting.route` is the pipeline stage between admission and the proxy. It
-  locates the client (:mod:`router.geo`), chooses the region by expected TTFT
-  (:mod:`router.pipeline.region`), and then either picks a local backend by prefix affinity
-  (:mod:`router.pipeline.affinity`), forwards/spills to a peer's router (as an upstream, with
-  the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
+  locates the client (:mod:`firstbyte.router.geo`), chooses the region by expected TTFT
+  (:mod:`firstbyte.router.pipeline.region`), and then either picks a local backend by prefix
+  affinity
+  (:mod:`firstbyte.router.pipeline.affinity`), forwards/spills to a peer's router (as an upstream,
+  with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
 - An :class:`Observation` rides along in ``ctx.extra["observer"]``: the proxy reports the
   first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
   whether to switch upstream when the first token is late (``first_token_deadline_ms``).
-- Background: :class:`~router.peers.PeerPoller` (peer status over the proxy's kept-warm pool)
-  and :class:`~router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup probes).
+- Background: :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
+  pool) and :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
+  probes).
 - :meth:`status` is ``GET /v1/edge/status``; :meth:`render_metrics` adds to ``/metrics``.
 
 Routers of one deployment share their API keys: a forwarded request carries the client's
@@ -34,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from client_sdk.types import ChatCompletionRequest, message_text
+from firstbyte.client_sdk.types import ChatCompletionRequest, message_text
 
 from .backpressure import BackendLoad, LoadTracker, SpillBudget
 from .config import RouterConfig

@@ -1,4 +1,4 @@
-"""How much the router adds, per server implementation: ``python -m router.overhead``.
+"""How much the router adds, per server implementation: ``python -m firstbyte.router.overhead``.
 
 Starts a sim (``instant`` profile, so every millisecond measured is IO and CPU, not model
 time) and, one after the other, a router on hypercorn and on uvicorn (plain HTTP/1.1, both
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from client_sdk._core.sse import SSEDecoder
+from firstbyte.client_sdk._core.sse import SSEDecoder
 
 __all__ = ["main"]
 
-_CLI = "import sys; from client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
+_CLI = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @dataclass
@@ -146,7 +146,9 @@ async def _run(requests: int, tokens: int) -> list[Run]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router.overhead", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m firstbyte.router.overhead", description=__doc__
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from router.backpressure import Ewma
+from firstbyte.router.backpressure import Ewma
 
 __all__ = [
     "FORWARDED_HEADER",

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 
-from client_sdk._core.sse import encode_comment, encode_event
+from firstbyte.client_sdk._core.sse import encode_comment, encode_event
 
 from .streams import Stream, StreamEvent
 

@@ -1,6 +1,6 @@
 """Configuration sections for routing across regions (TOML -> msgspec Structs).
 
-These Structs are sections of :class:`router.config.RouterConfig`::
+These Structs are sections of :class:`firstbyte.router.config.RouterConfig`::
 
     region = "tokyo"
 
@@ -30,7 +30,7 @@ These Structs are sections of :class:`router.config.RouterConfig`::
     interval_s = 60
 
 Every field carries its unit in its name. Cross-field rules live in :func:`check_regions`,
-which :class:`~router.config.RouterConfig` calls so that errors name the key.
+which :class:`~firstbyte.router.config.RouterConfig` calls so that errors name the key.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def check_regions(
     base_dir: Path | None = None,
 ) -> None:
     """Cross-field rules; raises ``ValueError`` whose message starts with the key."""
-    from router.geo import TrustedProxies, known_regions
+    from firstbyte.router.geo import TrustedProxies, known_regions
 
     if (geo.latitude is None) != (geo.longitude is None):
         raise ValueError("geo.latitude and geo.longitude must be given together")

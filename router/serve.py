@@ -1,7 +1,7 @@
 """Server start-up: TLS with HTTP/1.1 and HTTP/2 (ALPN) on TCP, HTTP/3 on the same UDP port.
 
 hypercorn serves all three (HTTP/3 through aioquic, with the session-ticket store from
-:mod:`router.quic` so clients can resume with 0-RTT). ``listen.server = "uvicorn"`` serves
+:mod:`firstbyte.router.quic` so clients can resume with 0-RTT). ``listen.server = "uvicorn"`` serves
 HTTP/1.1 only, with httptools (less CPU per chunk, see the README's figures).
 
 :func:`running_router` is the helper tests and benchmarks use: it binds ephemeral ports,
@@ -160,7 +160,7 @@ async def serve(
     """Serve ``config`` until ``shutdown()`` returns (default: SIGINT/SIGTERM).
 
     With ``tune_gc`` (the default: this is a router process) the cyclic GC is tuned for
-    latency once the listener is up (:func:`router.gc_tuning.tune_for_serving`).
+    latency once the listener is up (:func:`firstbyte.router.gc_tuning.tune_for_serving`).
     """
     listen = config.listen
     tls = listen.certfile is not None

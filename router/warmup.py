@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from router.upstream_metrics import BackendMetrics, parse_backend_metrics
+from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
 __all__ = [
     "WarmPrefix",

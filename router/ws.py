@@ -14,7 +14,7 @@ from typing import Annotated
 
 import msgspec
 
-from client_sdk.types import ErrorBody, encode, error_body
+from firstbyte.client_sdk.types import ErrorBody, encode, error_body
 
 from .asgi import Receive, Scope, Send
 from .endpoints import new_context

@@ -1,6 +1,7 @@
 """Run the SDK for benchmark cells and print one JSON line of :class:`Timings` per request.
 
-``python -m benchmarks.scenarios._client_runner --url URL --cacert CA --cell sse/2/cold ...``
+``python -m firstbyte.benchmarks.scenarios._client_runner --url URL --cacert CA --cell sse/2/cold
+...``
 
 A *cell* is ``TRANSPORT/HTTP/MODE``: transport ``sse``, ``websocket`` or ``longpoll``; HTTP
 ``1.1``, ``2`` or ``3``; mode
@@ -23,7 +24,7 @@ caller's choosing): a ``warm`` cell opens its connection to the first ``--url`` 
 probe and no periodic re-probe, so requests go to the first region until a router's
 ``x-firstbyte-better-region`` hint names another of the given regions (the SDK then prefers
 and prewarms that one; ``timings.better_region`` shows the hint).
-The benchmark runs this inside an emulated client host (:mod:`benchmarks.world`).
+The benchmark runs this inside an emulated client host (:mod:`firstbyte.benchmarks.world`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from typing import Any, Literal, cast
 
 import msgspec
 
-from benchmarks._parent import exit_with_parent
-from client_sdk import StreamDelta
-from client_sdk.client import AsyncClient, HTTPVersion, TransportName
-from client_sdk.timings import Timings
+from firstbyte.benchmarks._parent import exit_with_parent
+from firstbyte.client_sdk import StreamDelta
+from firstbyte.client_sdk.client import AsyncClient, HTTPVersion, TransportName
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["Cell", "main", "parse_cell"]
 
@@ -183,7 +184,7 @@ async def _main(args: argparse.Namespace, cells: list[Cell]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scenarios._client_runner")
+    parser = argparse.ArgumentParser(prog="python -m firstbyte.benchmarks.scenarios._client_runner")
     parser.add_argument("--url", required=True, action="append",
                         help="the router's base URL (repeat: several regions, the SDK chooses)")
     parser.add_argument("--cacert", default=None, help="CA certificate (PEM)")

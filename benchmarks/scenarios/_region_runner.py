@@ -1,6 +1,7 @@
 """One emulated region in one process: a simulated inference server and the router before it.
 
-``python -m benchmarks.scenarios._region_runner --host IP --region NAME --certfile C --keyfile K``
+``python -m firstbyte.benchmarks.scenarios._region_runner --host IP --region NAME --certfile C
+--keyfile K``
 starts a sim (``--profile``, on 127.0.0.1 inside the host, so only the router can reach it) and
 a router on ``IP`` (TLS with HTTP/1.1, HTTP/2 and HTTP/3 with 0-RTT on one port), then prints
 one JSON line on stdout::
@@ -8,7 +9,7 @@ one JSON line on stdout::
     {"region": "us-east-1", "url": "https://198.51.100.10:40123", "h3_port": 40123, "pid": 7}
 
 and serves until SIGTERM or SIGINT, or until its parent is gone. One process per region keeps
-the start-up of a world to one Python import per region. Used by :mod:`benchmarks.world`.
+the start-up of a world to one Python import per region. Used by :mod:`firstbyte.benchmarks.world`.
 
 Peered (one deployment of several regions, README "Routing across regions"): each
 ``--peer NAME URL LAT LON`` (repeatable) is another region's router; the peer key comes from
@@ -33,12 +34,12 @@ from typing import Any
 
 import msgspec
 
-from benchmarks._parent import exit_with_parent
-from benchmarks.world import PEER_KEY_ENV
-from router.cluster import SimHandle, until_peers_fresh
-from router.config import parse_config
-from router.serve import running_router
-from router.sim.server import SimConfig
+from firstbyte.benchmarks._parent import exit_with_parent
+from firstbyte.benchmarks.world import PEER_KEY_ENV
+from firstbyte.router.cluster import SimHandle, until_peers_fresh
+from firstbyte.router.config import parse_config
+from firstbyte.router.serve import running_router
+from firstbyte.router.sim.server import SimConfig
 
 __all__ = ["main", "serve_region"]
 
@@ -107,7 +108,7 @@ async def serve_region(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scenarios._region_runner")
+    parser = argparse.ArgumentParser(prog="python -m firstbyte.benchmarks.scenarios._region_runner")
     parser.add_argument("--host", required=True, help="address the router listens on")
     parser.add_argument("--port", type=int, default=0, help="TCP and UDP port (0: any)")
     parser.add_argument("--region", required=True, help="region name (x-firstbyte-region)")

@@ -2,9 +2,9 @@
 
 Clients in Tokyo, London, New York, Sydney and São Paulo and three regions (us-east-1,
 eu-central-1, ap-northeast-1), each in its own network namespace behind the WAN emulator
-(the ``world`` geography profile of :mod:`benchmarks.wan.geo` plus São Paulo; the shared
-:class:`benchmarks.world.World` that ``firstbyte demo`` and ``bench transports`` use). Each
-region is a router with an ``h100-7b`` sim. Every client streams prewarmed SSE over HTTP/2:
+(the ``world`` geography profile of :mod:`firstbyte.benchmarks.wan.geo` plus São Paulo; the shared
+:class:`firstbyte.benchmarks.world.World` that ``firstbyte demo`` and ``bench transports`` use).
+Each region is a router with an ``h100-7b`` sim. Every client streams prewarmed SSE over HTTP/2:
 
 - **nearest**: the SDK is given all three regions (us-east-1 listed first) and chooses as it
   does for applications: ``prewarm()`` probes each region's round trip and streams from the
@@ -12,7 +12,8 @@ region is a router with an ``h100-7b`` sim. Every client streams prewarmed SSE o
 - **central**: the SDK is given us-east-1 only; the routers are not peered, so us-east-1
   serves everyone;
 - **wrong door**: a second world whose routers are one deployment (peers, a peer key, each
-  router's location and a GeoIP database placing every client; :class:`benchmarks.world.Peering`).
+  router's location and a GeoIP database placing every client;
+  :class:`firstbyte.benchmarks.world.Peering`).
   The SDK is given all three regions but no probe decides (``--no-probe``): it enters through
   us-east-1 on a warm connection. For a client nearer another region, us-east-1 forwards the
   first request there (``x-firstbyte-region`` names the region that served) and answers with
@@ -23,7 +24,7 @@ region is a router with an ``h100-7b`` sim. Every client streams prewarmed SSE o
 
 Compared per client and overall: TTFT P50/P99 against the 500 ms latency budget. Needs root
 and /dev/net/tun; without them the experiment is skipped and says why (under ``CI=true`` that
-is an error, as :func:`benchmarks.world.choose_mode` decides).
+is an error, as :func:`firstbyte.benchmarks.world.choose_mode` decides).
 """
 
 
@@ -37,12 +38,12 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.stats import percentile, summarize
-from benchmarks.wan import geo as wan_geo
-from benchmarks.wan.geo import BUILTIN, Place, Profile, Site, profile_from_dict
-from benchmarks.world import Peering, World, choose_mode
-from client_sdk.budget import LatencyBudget
-from client_sdk.timings import Timings
+from firstbyte.benchmarks.stats import percentile, summarize
+from firstbyte.benchmarks.wan import geo as wan_geo
+from firstbyte.benchmarks.wan.geo import BUILTIN, Place, Profile, Site, profile_from_dict
+from firstbyte.benchmarks.world import Peering, World, choose_mode
+from firstbyte.client_sdk.budget import LatencyBudget
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["CENTRAL", "geography", "locations", "profile"]
 

@@ -25,8 +25,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.stats import percentile
-from client_sdk.timings import Timings
+from firstbyte.benchmarks.stats import percentile
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = [
     "PREWARMED_FACTOR",

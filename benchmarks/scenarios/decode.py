@@ -3,11 +3,11 @@
 A CPU benchmark of parsing, not networking: identical pre-recorded chat-completion SSE bytes (in
 the router's format, ``id: N`` + ``data: CHUNK``) are fed in 1 KiB pieces to
 
-- ``firstbyte core``: :class:`client_sdk._core.sse.SSEDecoder` +
-  :func:`client_sdk.types.decode_chunk`;
+- ``firstbyte core``: :class:`firstbyte.client_sdk._core.sse.SSEDecoder` +
+  :func:`firstbyte.client_sdk.types.decode_chunk`;
 - ``firstbyte assembler``: the SDK's parsing path, ``SSEDecoder`` +
-  :class:`client_sdk._core.stream.StreamAssembler` (de-duplicates by sequence number, builds
-  deltas);
+  :class:`firstbyte.client_sdk._core.stream.StreamAssembler` (de-duplicates by sequence number,
+  builds deltas);
 - ``openai Stream`` / ``openai AsyncStream``: the official ``openai`` SDK's streaming pipeline,
   a real ``client.chat.completions.create(stream=True)`` whose HTTP response body is those
   bytes from an in-memory transport (one request; its cost is negligible over the events).
@@ -33,10 +33,10 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.progress import Progress
-from client_sdk._core.sse import DONE, SSEDecoder
-from client_sdk._core.stream import StreamAssembler
-from client_sdk.types import decode_chunk
+from firstbyte.benchmarks.progress import Progress
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.client_sdk._core.stream import StreamAssembler
+from firstbyte.client_sdk.types import decode_chunk
 
 __all__ = ["make_stream", "run"]
 
@@ -179,7 +179,7 @@ def _openai_factories(pieces: list[bytes]) -> tuple[Callable[[], int], Callable[
 
 _SERVER = r"""
 import asyncio, sys
-from benchmarks.scenarios.decode import make_stream
+from firstbyte.benchmarks.scenarios.decode import make_stream
 body = make_stream(int(sys.argv[1]))
 head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
         b"content-length: %d\r\n\r\n" % len(body))
@@ -213,7 +213,7 @@ def _loopback(events: int, passes: int, bar: Progress) -> dict[str, tuple[int, f
     """
     import openai
 
-    from client_sdk.client import AsyncClient
+    from firstbyte.client_sdk.client import AsyncClient
 
     proc = subprocess.Popen(
         [sys.executable, "-c", _SERVER, str(events)],

@@ -35,11 +35,11 @@ from typing import Any
 
 import httpx
 
-from benchmarks.progress import Progress
-from benchmarks.stats import SLO, summarize
-from client_sdk._core.sse import DONE, SSEDecoder
-from client_sdk.timings import Timings
-from client_sdk.types import decode_chunk
+from firstbyte.benchmarks.progress import Progress
+from firstbyte.benchmarks.stats import SLO, summarize
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.client_sdk.timings import Timings
+from firstbyte.client_sdk.types import decode_chunk
 
 __all__ = ["run"]
 
@@ -62,7 +62,7 @@ MAX_RERUNS = 2
 
 _SIM = """
 import asyncio, sys
-from router.sim.server import running_sim
+from firstbyte.router.sim.server import running_sim
 async def main():
     # PROFILE [CERTFILE KEYFILE]: with a certificate, TLS (hypercorn: HTTP/2 by ALPN)
     tls = {"certfile": sys.argv[2], "keyfile": sys.argv[3]} if len(sys.argv) > 2 else {}
@@ -78,9 +78,9 @@ HTTP/2, so the router's share of that run's latency is told apart from the trans
 
 _ROUTER = """
 import asyncio, sys
-from router.config import AuthConfig, ListenConfig, RouterConfig, UpstreamConfig
-from router.regions_config import RoutingConfig
-from router.serve import loop_factory, running_router
+from firstbyte.router.config import AuthConfig, ListenConfig, RouterConfig, UpstreamConfig
+from firstbyte.router.regions_config import RoutingConfig
+from firstbyte.router.serve import loop_factory, running_router
 async def main():
     tls = len(sys.argv) > 3
     listen = ListenConfig(

@@ -1,6 +1,7 @@
 """Routing across regions: nearest vs central region, fallback under load, prefix placement, warmup.
 
-Four experiments. The first through the WAN emulator (:mod:`benchmarks.scenarios._routing_geo`),
+Four experiments. The first through the WAN emulator
+(:mod:`firstbyte.benchmarks.scenarios._routing_geo`),
 the others on loopback (routers and sims of the ``h100-7b`` profile, in this process):
 
 0. **Geography.** Clients in Tokyo, London, New York, Sydney and São Paulo; regions us-east-1,
@@ -40,11 +41,11 @@ from typing import Any
 
 import httpx
 
-from benchmarks.scenarios._routing_geo import geography
-from benchmarks.stats import percentile
-from benchmarks.world import LOOPBACK_LIMITS, WorldError
-from client_sdk._core.sse import DONE, SSEDecoder
-from router.cluster import RegionSpec, running_regions, wait_for_peers
+from firstbyte.benchmarks.scenarios._routing_geo import geography
+from firstbyte.benchmarks.stats import percentile
+from firstbyte.benchmarks.world import LOOPBACK_LIMITS, WorldError
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.router.cluster import RegionSpec, running_regions, wait_for_peers
 
 __all__ = ["main", "run"]
 
@@ -268,7 +269,7 @@ def run(quick: bool) -> dict[str, Any]:
     The geography experiment needs the WAN emulator; without it, it is skipped (``geography``
     says why) and the others run; under ``CI=true`` that is a :class:`CLIError` instead.
     """
-    from client_sdk.cli import CLIError
+    from firstbyte.client_sdk.cli import CLIError
 
     try:
         geo = asyncio.run(geography(quick))

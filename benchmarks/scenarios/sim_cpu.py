@@ -8,7 +8,7 @@ children) from ``/proc/PID/stat`` before and after the measured window. The ``in
 profile makes the engine free, so what is measured is the HTTP + SSE + scheduling cost per
 chunk. Load is bounded: a time budget and a request budget per server.
 
-Run: ``python -m benchmarks.scenarios.sim_cpu [--quick] [--servers uvicorn,granian]``.
+Run: ``python -m firstbyte.benchmarks.scenarios.sim_cpu [--quick] [--servers uvicorn,granian]``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _sim_process(server: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     cmd = [
-        sys.executable, "-c", "import sys; from client_sdk.cli import main; sys.exit(main())",
+        sys.executable, "-c",
+        "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())",
         "sim", "--profile", "instant",
         "--host", "127.0.0.1", "--port", str(port), "--server", server,
         "--max-num-seqs", "256", "--queue-limit", "4096",
@@ -235,7 +236,7 @@ def run(quick: bool, servers: Sequence[str] = SERVERS) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scenarios.sim_cpu")
+    parser = argparse.ArgumentParser(prog="python -m firstbyte.benchmarks.scenarios.sim_cpu")
     parser.add_argument("--quick", action="store_true", help="short run (< 30 s), as CI runs")
     parser.add_argument(
         "--servers",

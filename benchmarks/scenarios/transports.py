@@ -6,7 +6,7 @@ distances from it, each in its own network namespace behind the WAN emulator, so
 TLS and QUIC handshake pays real round trips. Certificates are made for each run (trustme).
 Per cell (transport / HTTP version / connection state) and geography it reports
 ``vllm bench serve``'s metrics and every network phase of the SDK's ``Timings``, the measured
-round trips against theory (:mod:`benchmarks.scenarios._rtt_theory`), and two targets:
+round trips against theory (:mod:`firstbyte.benchmarks.scenarios._rtt_theory`), and two targets:
 prewarmed TTFT <= 1.05 x (RTT + server TTFT), and HTTP/3 0-RTT cold TTFT <= 0.55 x cold
 HTTP/2 TTFT at ~150 ms. Without root or /dev/net/tun it runs on loopback and says what that
 cannot show; under ``CI=true`` that is an error instead.
@@ -23,13 +23,13 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.scenarios import _rtt_theory as theory
-from benchmarks.stats import percentile, summarize
-from benchmarks.wan import Emulator, Host, LinkParams
-from benchmarks.wan.delayline import NS_PER_MS
-from benchmarks.wan.geo import last_miles, region_rtt_ms
-from benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
-from client_sdk.timings import Timings
+from firstbyte.benchmarks.scenarios import _rtt_theory as theory
+from firstbyte.benchmarks.stats import percentile, summarize
+from firstbyte.benchmarks.wan import Emulator, Host, LinkParams
+from firstbyte.benchmarks.wan.delayline import NS_PER_MS
+from firstbyte.benchmarks.wan.geo import last_miles, region_rtt_ms
+from firstbyte.benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["GEOGRAPHIES", "Geography", "cells", "run", "run_transports"]
 
@@ -115,7 +115,8 @@ async def run_transports(
     quick: bool, *, force_loopback: bool = False, geographies: Sequence[str] | None = None,
     repeat: int | None = None,
 ) -> dict[str, Any]:
-    """Measure every cell in every geography; results in :mod:`benchmarks.report`'s shape."""
+    """Measure every cell in every geography; results in :mod:`firstbyte.benchmarks.report`'s
+    shape."""
     mode, why = choose_mode(force_loopback)
     if mode == "loopback":
         _log(f"transports: LOOPBACK MODE ({why}). {LOOPBACK_LIMITS}")
@@ -291,7 +292,7 @@ def _notes(mode: str, why: str | None) -> list[str]:
 
 def run(quick: bool) -> dict[str, Any]:
     """The ``firstbyte bench transports`` scenario."""
-    from client_sdk.cli import CLIError
+    from firstbyte.client_sdk.cli import CLIError
 
     try:
         return asyncio.run(run_transports(quick))

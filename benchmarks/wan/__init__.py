@@ -1,14 +1,20 @@
 """The packet-level WAN emulator: hosts in network namespaces, a userspace delay line between.
 
-See :mod:`benchmarks.wan.emulator` for the API (:class:`Emulator`, :class:`Host`),
-:mod:`benchmarks.wan.geo` for geography profiles, and README "The WAN emulator".
+See :mod:`firstbyte.benchmarks.wan.emulator` for the API (:class:`Emulator`, :class:`Host`),
+:mod:`firstbyte.benchmarks.wan.geo` for geography profiles, and README "The WAN emulator".
 """
 
 from __future__ import annotations
 
-from benchmarks.wan.delayline import LinkParams
-from benchmarks.wan.emulator import Emulator, Host, PairPrecision, PrecisionReport, RunResult
-from benchmarks.wan.netns import WanError, WanUnavailable
+from firstbyte.benchmarks.wan.delayline import LinkParams
+from firstbyte.benchmarks.wan.emulator import (
+    Emulator,
+    Host,
+    PairPrecision,
+    PrecisionReport,
+    RunResult,
+)
+from firstbyte.benchmarks.wan.netns import WanError, WanUnavailable
 
 __all__ = [
     "Emulator",

@@ -1,7 +1,7 @@
 """``firstbyte wan``: bring an emulated geography up and down, clean up, measure precision.
 
 - ``up PROFILE``: namespaces and a detached forwarder for a profile (a built-in name or a TOML
-  file, see :mod:`benchmarks.wan.geo`); prints each host's namespace and address.
+  file, see :mod:`firstbyte.benchmarks.wan.geo`); prints each host's namespace and address.
 - ``exec HOST -- CMD ...``: run a command inside a host of the running ``up`` emulator.
 - ``status``: runs recorded in ``/run/firstbyte-wan`` and whether their owner is alive.
 - ``down [RUN_ID | --all]``: tear down an ``up`` run (the only one, the one named, or all).
@@ -16,8 +16,8 @@ import json
 import os
 import sys
 
-from benchmarks.wan import geo, netns
-from client_sdk.cli import CLIError
+from firstbyte.benchmarks.wan import geo, netns
+from firstbyte.client_sdk.cli import CLIError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +159,7 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _precision(args: argparse.Namespace) -> int:
-    from benchmarks.wan.precision import MAX_MEDIAN_ERROR_MS, measure
+    from firstbyte.benchmarks.wan.precision import MAX_MEDIAN_ERROR_MS, measure
 
     if not 0 <= args.rtt <= 10_000:
         raise CLIError("--rtt must be within 0..10000 ms")

@@ -1,7 +1,7 @@
 """Echo servers and probes that measure round trips through the emulator.
 
-Run inside emulated hosts (``python -m benchmarks.wan.echo ...`` under ``ip netns exec``), so
-every measurement crosses the forwarder. Each command prints one JSON object on stdout:
+Run inside emulated hosts (``python -m firstbyte.benchmarks.wan.echo ...`` under ``ip netns
+exec``), so every measurement crosses the forwarder. Each command prints one JSON object on stdout:
 
 - ``serve --proto udp|tcp --bind IP``: prints ``{"port": N}`` (an ephemeral port), then echoes
   every datagram (UDP) or every byte of every connection (TCP) until killed.
@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from benchmarks._parent import exit_with_parent
+from firstbyte.benchmarks._parent import exit_with_parent
 
 PROBE_PRIORITY = 5  # below the forwarder's, so it is never starved by a probe
 _PING = struct.Struct("!Iq")  # sequence number, send time (ns)
@@ -125,7 +125,7 @@ def tcp_probe(to: str, port: int, count: int, timeout_s: float) -> dict[str, obj
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.echo")
+    parser = argparse.ArgumentParser(prog="python -m firstbyte.benchmarks.wan.echo")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("serve")
     p.add_argument("--proto", choices=["udp", "tcp"], required=True)

@@ -16,10 +16,11 @@ Each host is a network namespace with one address; a packet from A to B is delay
 plus optional jitter (one way, uniform in +-``jitter_ms``, never reordering), loss (``loss_pct``
 per direction, seeded) and a rate limit (``rate_mbit`` per direction of each pair; the pairs
 do not share bandwidth). ``links`` overrides single directions with full
-:class:`~benchmarks.wan.delayline.LinkParams`. A synchronous ``with Emulator(...)`` works too.
+:class:`~firstbyte.benchmarks.wan.delayline.LinkParams`. A synchronous ``with Emulator(...)`` works
+too.
 
 Processes spawned in a host are killed on exit, with everything else inside its namespace.
-Needs root and ``/dev/net/tun`` (:class:`~benchmarks.wan.netns.WanUnavailable` otherwise).
+Needs root and ``/dev/net/tun`` (:class:`~firstbyte.benchmarks.wan.netns.WanUnavailable` otherwise).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, Literal
 
-from benchmarks.stats import percentile
-from benchmarks.wan.delayline import NS_PER_MS, LinkParams
-from benchmarks.wan.netns import Network, WanError, python_env, validate_hosts
+from firstbyte.benchmarks.stats import percentile
+from firstbyte.benchmarks.wan.delayline import NS_PER_MS, LinkParams
+from firstbyte.benchmarks.wan.netns import Network, WanError, python_env, validate_hosts
 
 PARALLEL_PROBES = 4
 
@@ -293,7 +294,7 @@ class Emulator:
             argv = [
                 sys.executable,
                 "-m",
-                "benchmarks.wan.echo",
+                "firstbyte.benchmarks.wan.echo",
                 "serve",
                 "--proto",
                 proto,
@@ -324,7 +325,7 @@ class Emulator:
             args = ["udp-ping", "--interval-ms", f"{interval:g}", "--timeout", f"{give_up:g}"]
         else:
             args = ["tcp-probe"]
-        argv = [sys.executable, "-m", "benchmarks.wan.echo", *args, "--to", self.ip(dst)]
+        argv = [sys.executable, "-m", "firstbyte.benchmarks.wan.echo", *args, "--to", self.ip(dst)]
         argv += ["--port", str(port), "--count", str(count)]
         proc = subprocess.run(
             self.command(src, argv),

@@ -1,9 +1,10 @@
 """The WAN emulator's packet forwarder: one process in the root namespace holding every TUN.
 
-Started by :mod:`benchmarks.wan.netns` as ``python -m benchmarks.wan.forwarder --config FILE``.
+Started by :mod:`firstbyte.benchmarks.wan.netns` as ``python -m firstbyte.benchmarks.wan.forwarder
+--config FILE``.
 It creates one TUN device per host (IFF_TUN | IFF_NO_PI, so no offloads and whole IPv4
 packets), prints one ``ready`` JSON line on stdout, and from then on reads packets, asks the
-:class:`~benchmarks.wan.delayline.DelayLine` when each may leave, and writes it to the
+:class:`~firstbyte.benchmarks.wan.delayline.DelayLine` when each may leave, and writes it to the
 destination host's TUN at that time. The caller moves the TUN devices into their namespaces.
 
 Timing: ``epoll`` timers round to 1 ms, so the loop waits in ``select`` (microsecond timeouts,
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.wan.delayline import DelayLine, LinkParams, Verdict
+from firstbyte.benchmarks.wan.delayline import DelayLine, LinkParams, Verdict
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -243,7 +244,7 @@ class Forwarder:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wan.forwarder")
+    parser = argparse.ArgumentParser(prog="python -m firstbyte.benchmarks.wan.forwarder")
     parser.add_argument("--config", required=True, help="JSON file written by netns.py")
     parser.add_argument("--detached", action="store_true", help="ignore stdin; stop on SIGTERM")
     parser.add_argument("--no-realtime", action="store_true", help="stay SCHED_OTHER")

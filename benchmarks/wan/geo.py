@@ -38,8 +38,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from benchmarks.wan.delayline import NS_PER_MS, LinkParams
-from benchmarks.wan.emulator import Emulator, Host
+from firstbyte.benchmarks.wan.delayline import NS_PER_MS, LinkParams
+from firstbyte.benchmarks.wan.emulator import Emulator, Host
 
 DATA = Path(__file__).with_name("data")
 

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.wan.delayline import LinkParams
-from benchmarks.wan.forwarder import ForwarderConfig
+from firstbyte.benchmarks.wan.delayline import LinkParams
+from firstbyte.benchmarks.wan.forwarder import ForwarderConfig
 
 STATE_DIR = Path("/run/firstbyte-wan")
 EMULATED_PREFIXES = ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")
@@ -77,10 +77,12 @@ def validate_host(name: str, ip: str) -> None:
 
 
 def python_env() -> dict[str, str]:
-    """This environment with the directory holding ``benchmarks`` first on PYTHONPATH, so
-    helper processes import this same copy even when the package is not installed."""
+    """This environment with the directory holding the ``firstbyte`` package first on
+    PYTHONPATH, so helper processes import this same copy even when it is not installed."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    # Not resolve(): in a checkout firstbyte/benchmarks is a symlink to benchmarks/, and the
+    # directory to put on the path is the one holding firstbyte/, not the symlink's target.
+    root = str(Path(__file__).absolute().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
 
@@ -330,7 +332,7 @@ class Network:
         config_path = STATE_DIR / f"{state.run_id}.forwarder.json"
         config_path.write_text(json.dumps(config.to_json()))
         # -c rather than -m: the package __init__ already imports this module (runpy warns).
-        code = "import sys; from benchmarks.wan.forwarder import main; sys.exit(main())"
+        code = "import sys; from firstbyte.benchmarks.wan.forwarder import main; sys.exit(main())"
         argv = [sys.executable, "-c", code, "--config", str(config_path)]
         if detached:
             argv.append("--detached")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from benchmarks.wan.emulator import Emulator, Host, PrecisionReport
+from firstbyte.benchmarks.wan.emulator import Emulator, Host, PrecisionReport
 
 # The acceptance bound: median error at 150 ms RTT.
 MAX_MEDIAN_ERROR_MS = 1.0
@@ -41,7 +41,8 @@ def measure(
 
 
 def run(quick: bool) -> dict[str, Any]:
-    """Results in the shape :mod:`benchmarks.report` writes (``runs`` = one row per probe)."""
+    """Results in the shape :mod:`firstbyte.benchmarks.report` writes (``runs`` = one row per
+    probe)."""
     rtts = [150.0] if quick else [10.0, 50.0, 150.0, 300.0]
     count = 10 if quick else 100
     runs: list[dict[str, Any]] = []

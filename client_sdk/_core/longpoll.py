@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from client_sdk.errors import StreamBrokenError
+from firstbyte.client_sdk.errors import StreamBrokenError
 
 __all__ = ["PollBatch", "PollCursor", "PollEvent", "PollRequest", "decode_batch"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from client_sdk._core.sse import DONE
-from client_sdk.errors import StreamBrokenError, api_error_from_response
-from client_sdk.types import ChatCompletionChunk, ToolCallDelta, Usage
+from firstbyte.client_sdk._core.sse import DONE
+from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
+from firstbyte.client_sdk.types import ChatCompletionChunk, ToolCallDelta, Usage
 
 __all__ = ["SequenceGapError", "StreamAssembler", "StreamDelta"]
 
@@ -64,7 +64,7 @@ class StreamAssembler:
         """Take one event. Returns a delta for a chunk that carries something, else ``None``.
 
         Raises :class:`SequenceGapError` for a skipped sequence number and
-        :class:`~client_sdk.errors.APIError` for an error event.
+        :class:`~firstbyte.client_sdk.errors.APIError` for an error event.
         """
         if seq is not None:
             if seq <= self.last_seq:

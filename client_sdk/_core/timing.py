@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["PHASES", "TimingRecorder", "httpcore_event", "parse_server_timing"]
 

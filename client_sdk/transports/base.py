@@ -3,8 +3,8 @@
 A *source* is an async iterator of :class:`Opened` (once, when the server accepted the request
 and the stream id is known) followed by :class:`Event` items (the router's numbered events). It
 raises :class:`TransportCut` when the connection broke mid-stream (the client resumes), an
-:class:`~client_sdk.errors.APIError` for an error answer, and
-:class:`~client_sdk.errors.ConnectError` when the server could not be reached.
+:class:`~firstbyte.client_sdk.errors.APIError` for an error answer, and
+:class:`~firstbyte.client_sdk.errors.ConnectError` when the server could not be reached.
 
 A *session* is one origin's HTTP connections for one HTTP version (httpx for 1.1 and 2,
 aioquic for 3); SSE and long-poll run over any session.
@@ -17,8 +17,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from client_sdk._core.timing import TimingRecorder, parse_server_timing
-from client_sdk.errors import StreamBrokenError
+from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
+from firstbyte.client_sdk.errors import StreamBrokenError
 
 __all__ = ["MAX_BODY_BYTES", "Event", "HTTPResponse", "Item", "Opened", "Session", "Source",
            "TransportCut", "note_response_headers"]
@@ -58,8 +58,8 @@ class HTTPResponse:
     extra: dict[str, Any] = field(default_factory=dict)
 
     async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
-        """The whole body; :class:`~client_sdk.errors.StreamBrokenError` (not resumed) once
-        it passes ``limit`` bytes, without reading further."""
+        """The whole body; :class:`~firstbyte.client_sdk.errors.StreamBrokenError` (not resumed)
+        once it passes ``limit`` bytes, without reading further."""
         parts: list[bytes] = []
         size = 0
         async for chunk in self.chunks:

@@ -25,10 +25,10 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
 from aioquic.tls import SessionTicket
 
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import ConnectError, TLSError
-from client_sdk.resolver import Origin, Resolver
-from client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import ConnectError, TLSError
+from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
 
 __all__ = ["H3Session", "TicketStore", "quic_trust"]
 

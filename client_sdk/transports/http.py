@@ -22,10 +22,10 @@ import httpcore._async.http2
 import httpcore._backends.anyio  # noqa: F401
 import httpx
 
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import ConnectError, TLSError
-from client_sdk.resolver import Origin, Resolver
-from client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import ConnectError, TLSError
+from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
 
 __all__ = ["HttpxSession", "connect_error"]
 

@@ -7,7 +7,7 @@ bare ``{"stream": ID}`` (``wait`` unsupported or 0) still works; the first poll 
 
 For networks where a held-open response is buffered or cut by a proxy. The cursor logic
 (position, duplicates, backoff, give-up) is the sans-IO
-:class:`~client_sdk._core.longpoll.PollCursor`; this module only sends the polls it asks
+:class:`~firstbyte.client_sdk._core.longpoll.PollCursor`; this module only sends the polls it asks
 for and sleeps until it says so. A failed poll is retried from the same cursor, so nothing
 is lost or repeated.
 """
@@ -19,11 +19,11 @@ import time
 
 import msgspec
 
-from client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
-from client_sdk._core.sse import DONE
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
-from client_sdk.transports.base import Event, Opened, Session, Source, TransportCut
+from firstbyte.client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
+from firstbyte.client_sdk._core.sse import DONE
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
+from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source, TransportCut
 
 __all__ = ["longpoll_source", "start_stream"]
 

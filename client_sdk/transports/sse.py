@@ -1,16 +1,18 @@
 """SSE transport: ``POST /v1/chat/completions`` (stream) and resume by ``GET /v1/streams/{id}``.
 
-Runs over any :class:`~client_sdk.transports.base.Session` (httpx for HTTP/1.1 and 2, aioquic
-for HTTP/3); the bytes go through the shared sans-IO :class:`~client_sdk._core.sse.SSEDecoder`.
+Runs over any :class:`~firstbyte.client_sdk.transports.base.Session` (httpx for HTTP/1.1 and 2,
+aioquic
+for HTTP/3); the bytes go through the shared sans-IO
+:class:`~firstbyte.client_sdk._core.sse.SSEDecoder`.
 Heartbeat comments never become items, so the client's idle watchdog ignores them.
 """
 
 from __future__ import annotations
 
-from client_sdk._core.sse import SSEDecoder, SSEProtocolError
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import StreamBrokenError, api_error_from_response
-from client_sdk.transports.base import Event, Opened, Session, Source
+from firstbyte.client_sdk._core.sse import SSEDecoder, SSEProtocolError
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
+from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source
 
 __all__ = ["sse_source"]
 

@@ -21,17 +21,17 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.protocol import State
 
-from client_sdk._core.sse import DONE
-from client_sdk._core.timing import TimingRecorder
-from client_sdk.errors import (
+from firstbyte.client_sdk._core.sse import DONE
+from firstbyte.client_sdk._core.timing import TimingRecorder
+from firstbyte.client_sdk.errors import (
     AuthenticationError,
     ConnectError,
     StreamBrokenError,
     TLSError,
     api_error_from_response,
 )
-from client_sdk.resolver import Origin, Resolver
-from client_sdk.transports.base import Event, Opened, Source, TransportCut
+from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.transports.base import Event, Opened, Source, TransportCut
 
 __all__ = ["WebSocketPool", "websocket_source"]
 

@@ -11,7 +11,7 @@ import hmac
 import time
 from collections.abc import Sequence
 
-from client_sdk.types import RequestValidationError, decode_request
+from firstbyte.client_sdk.types import RequestValidationError, decode_request
 
 from .context import CONTINUE, Outcome, RequestContext, error_reply
 

@@ -7,7 +7,7 @@ is appended to the :class:`Stream` (re-framed with ``id: SEQ`` by whichever read
 on). So a client that disconnects does not lose the stream; the upstream request goes on
 into the store for ``resume_grace_s`` and is cancelled (closing the upstream connection,
 which a vLLM-like server treats as an abort) only if no reader comes back in that time (see
-:meth:`router.app.RouterState.maintain`).
+:meth:`firstbyte.router.app.RouterState.maintain`).
 
 Errors after the stream started become an ``{"error": {...}}`` event followed by ``[DONE]``.
 """
@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from client_sdk._core.sse import DONE, SSEDecoder, SSEProtocolError
-from client_sdk.types import encode, error_body
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder, SSEProtocolError
+from firstbyte.client_sdk.types import encode, error_body
 
 from .. import aionet
 from ..config import LimitsConfig

@@ -4,10 +4,10 @@ For each candidate region R the expected time to first token, seen from the clie
 
     rtt(client, R) + queue_wait(R) + prefill(R) [+ forward_overhead if R is not this region]
 
-- ``rtt``: from great-circle distance (:func:`router.geo.estimate_rtt_ms`). A client whose
+- ``rtt``: from great-circle distance (:func:`firstbyte.router.geo.estimate_rtt_ms`). A client whose
   address is unknown counts as being at this region; for such clients a peer's RTT is the
   measured router-to-router RTT (EWMA of status polls) when there is one.
-- ``queue_wait``: this region's own estimate (:class:`router.backpressure.LoadTracker`); a
+- ``queue_wait``: this region's own estimate (:class:`firstbyte.router.backpressure.LoadTracker`); a
   peer's is what it publishes in ``/v1/edge/status``.
 - ``prefill``: uncached prompt tokens * ``prefill_ms_per_1k_tokens``; the warm prefix the
   request starts with counts as cached in a region that publishes it as warm.
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from router.geo import GeoPoint, Location, estimate_rtt_ms
+from firstbyte.router.geo import GeoPoint, Location, estimate_rtt_ms
 
 __all__ = ["RegionCandidate", "RegionDecision", "RegionModel", "Verdict", "choose_region"]
 

@@ -3,8 +3,8 @@
 Routes: ``POST /v1/chat/completions`` (SSE when ``stream`` is true, JSON otherwise),
 ``GET /v1/models``, ``GET /health`` (and ``/healthz``), ``GET /metrics``. Every error is
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid request
-(via :func:`client_sdk.types.decode_request`), 404 unknown route, 405 wrong method, 413 body
-over the limit, 415 non-JSON content type, 503 overloaded or injected.
+(via :func:`firstbyte.client_sdk.types.decode_request`), 404 unknown route, 405 wrong method, 413
+body over the limit, 415 non-JSON content type, 503 overloaded or injected.
 
 The streaming hot path writes pre-encoded byte templates (one per request) with the token's
 JSON string spliced in, and sends every token that is ready in one ``send`` call.
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from client_sdk._core.sse import DONE, encode_event
-from client_sdk.types import (
+from firstbyte.client_sdk._core.sse import DONE, encode_event
+from firstbyte.client_sdk.types import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -36,11 +36,11 @@ from client_sdk.types import (
     encode,
     error_body,
 )
-from router.sim.driver import EngineDriver
-from router.sim.engine import Engine, Overloaded, Sequence
-from router.sim.faults import FaultPlan, RequestFaults
-from router.sim.output import plan_completion
-from router.sim.tokens import prompt_tokens
+from firstbyte.router.sim.driver import EngineDriver
+from firstbyte.router.sim.engine import Engine, Overloaded, Sequence
+from firstbyte.router.sim.faults import FaultPlan, RequestFaults
+from firstbyte.router.sim.output import plan_completion
+from firstbyte.router.sim.tokens import prompt_tokens
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DropConnection", "SimApp", "SimOptions"]
 
@@ -51,7 +51,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
-log = logging.getLogger("router.sim")
+log = logging.getLogger("firstbyte.router.sim")
 
 
 class DropConnection(Exception):

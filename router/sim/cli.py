@@ -13,10 +13,17 @@ from collections.abc import Callable
 
 import msgspec
 
-from client_sdk.cli import CLIError
-from router.sim.faults import FaultSpecError, parse_fault
-from router.sim.profiles import PROFILES
-from router.sim.server import CONFIG_ENV, SERVERS, SimConfig, bind_socket, build_app, serve
+from firstbyte.client_sdk.cli import CLIError
+from firstbyte.router.sim.faults import FaultSpecError, parse_fault
+from firstbyte.router.sim.profiles import PROFILES
+from firstbyte.router.sim.server import (
+    CONFIG_ENV,
+    SERVERS,
+    SimConfig,
+    bind_socket,
+    build_app,
+    serve,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -185,7 +192,7 @@ def _run_granian(args: argparse.Namespace, config: SimConfig) -> int:
 
         kwargs.update(ssl_cert=Path(args.certfile), ssl_key=Path(args.keyfile))
     granian_server = Granian(
-        "router.sim.server:granian_app",
+        "firstbyte.router.sim.server:granian_app",
         address=args.host,
         port=args.port,
         interface="asgi",  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from router.sim.engine import Engine, Sequence
+from firstbyte.router.sim.engine import Engine, Sequence
 
 __all__ = ["EngineDriver"]
 
@@ -43,7 +43,8 @@ class EngineDriver:
         return loop.time()
 
     def submit(self, prompt_tokens: list[int], max_output: int, finish_reason: str) -> Sequence:
-        """Queue a sequence now; raises :class:`router.sim.engine.Overloaded` when full."""
+        """Queue a sequence now; raises :class:`firstbyte.router.sim.engine.Overloaded` when
+        full."""
         self.start()
         seq = self.engine.submit(prompt_tokens, max_output, finish_reason, self.now())
         wake = self._wake

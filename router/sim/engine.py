@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from router.prometheus import Histogram, labels, render_counter, render_gauge
-from router.sim.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
-from router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
-from router.sim.profiles import Profile
+from firstbyte.router.prometheus import Histogram, labels, render_counter, render_gauge
+from firstbyte.router.sim.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+from firstbyte.router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
+from firstbyte.router.sim.profiles import Profile
 
 __all__ = ["Engine", "Overloaded", "SeqState", "Sequence"]
 

@@ -1,6 +1,6 @@
 """Starting the sim: configuration, the ASGI server under it, and an in-process helper.
 
-Three ASGI servers can run the same :class:`~router.sim.app.SimApp` (``--server``):
+Three ASGI servers can run the same :class:`~firstbyte.router.sim.app.SimApp` (``--server``):
 
 - ``uvicorn`` (httptools parser; HTTP/1.1 only, TLS optional): the default for plain HTTP, the
   fastest per streamed chunk on this machine (see ``benchmarks/scenarios/sim_cpu.py``);
@@ -30,10 +30,10 @@ from typing import Any
 
 import msgspec
 
-from router.sim.app import DEFAULT_MAX_BODY_BYTES, SimApp, SimOptions, quiet_drop_logs
-from router.sim.engine import Engine
-from router.sim.faults import FaultPlan, parse_fault
-from router.sim.profiles import get_profile
+from firstbyte.router.sim.app import DEFAULT_MAX_BODY_BYTES, SimApp, SimOptions, quiet_drop_logs
+from firstbyte.router.sim.engine import Engine
+from firstbyte.router.sim.faults import FaultPlan, parse_fault
+from firstbyte.router.sim.profiles import get_profile
 
 __all__ = [
     "SERVERS",
@@ -60,7 +60,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     """None: the profile's default."""
     queue_limit: int = 1024
     faults: list[str] = msgspec.field(default_factory=list)
-    """``--fault`` SPECs (see :mod:`router.sim.faults`)."""
+    """``--fault`` SPECs (see :mod:`firstbyte.router.sim.faults`)."""
     seed: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
@@ -80,7 +80,8 @@ def build_app(config: SimConfig) -> SimApp:
 
 
 def granian_app() -> SimApp:
-    """Factory for granian (``router.sim.server:granian_app``), configured from the env."""
+    """Factory for granian (``firstbyte.router.sim.server:granian_app``), configured from the
+    env."""
     quiet_drop_logs()
     return build_app(msgspec.json.decode(os.environ.get(CONFIG_ENV, "{}"), type=SimConfig))
 

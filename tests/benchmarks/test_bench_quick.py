@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from benchmarks.cli import discover_scenarios
+from firstbyte.benchmarks.cli import discover_scenarios
 from tests.cli import FIRSTBYTE, firstbyte
 
 SCENARIOS = sorted(discover_scenarios())

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from benchmarks.compare import Status, compare, load_results, tracked_metrics
+from firstbyte.benchmarks.compare import Status, compare, load_results, tracked_metrics
 from tests.cli import firstbyte
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.benchmarks.procs import describe, namespaces_of
 
-MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
+MAIN = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())"
 TAG = "FIRSTBYTE_DEMO_TEST_TAG"
 
 

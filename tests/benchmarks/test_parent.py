@@ -13,7 +13,7 @@ from tests.benchmarks.procs import alive
 # The middle process starts the helper, prints its pid and waits forever; the helper arms the
 # watchdog and then blocks its main thread (as a stuck event loop would).
 HELPER = (
-    "import time; from benchmarks._parent import exit_with_parent; "
+    "import time; from firstbyte.benchmarks._parent import exit_with_parent; "
     "exit_with_parent(); print('armed', flush=True); time.sleep(600)"
 )
 MIDDLE = (

@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from benchmarks.progress import Progress
-from benchmarks.report import markdown_summary, write_report
-from benchmarks.stats import METRIC_DEFINITIONS, SLO, describe, percentile, summarize
-from client_sdk.timings import Timings
+from firstbyte.benchmarks.progress import Progress
+from firstbyte.benchmarks.report import markdown_summary, write_report
+from firstbyte.benchmarks.stats import METRIC_DEFINITIONS, SLO, describe, percentile, summarize
+from firstbyte.client_sdk.timings import Timings
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import markdown_summary
-from benchmarks.scenarios import routing
-from benchmarks.scenarios._routing_geo import geography, locations, profile
-from benchmarks.world import Peering, World, WorldError, write_geoip_db
-from router.geo import GeoLocator
+from firstbyte.benchmarks.report import markdown_summary
+from firstbyte.benchmarks.scenarios import routing
+from firstbyte.benchmarks.scenarios._routing_geo import geography, locations, profile
+from firstbyte.benchmarks.world import Peering, World, WorldError, write_geoip_db
+from firstbyte.router.geo import GeoLocator
 
 
 def test_quick_routing_run_shows_fallback_affinity_and_warmup(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from benchmarks.scenarios.sim_cpu import SERVERS, TARGET_CHUNKS_PER_CPU_S
+from firstbyte.benchmarks.scenarios.sim_cpu import SERVERS, TARGET_CHUNKS_PER_CPU_S
 
 
 def test_quick_mode_runs_every_server_and_reports() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scenarios.sim_cpu", "--quick"],
+        [sys.executable, "-m", "firstbyte.benchmarks.scenarios.sim_cpu", "--quick"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -42,7 +42,7 @@ def test_quick_mode_runs_every_server_and_reports() -> None:
 
 def test_bad_server_name_is_a_usage_error() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scenarios.sim_cpu", "--servers", "apache"],
+        [sys.executable, "-m", "firstbyte.benchmarks.scenarios.sim_cpu", "--servers", "apache"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -13,14 +13,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from benchmarks import world
-from benchmarks.scenarios import _rtt_theory as theory
-from benchmarks.scenarios._client_runner import parse_cell
-from benchmarks.scenarios.transports import GEOGRAPHIES, cells
-from benchmarks.wan import WanUnavailable
-from client_sdk.timings import Timings
+from firstbyte.benchmarks import world
+from firstbyte.benchmarks.scenarios import _rtt_theory as theory
+from firstbyte.benchmarks.scenarios._client_runner import parse_cell
+from firstbyte.benchmarks.scenarios.transports import GEOGRAPHIES, cells
+from firstbyte.benchmarks.wan import WanUnavailable
+from firstbyte.client_sdk.timings import Timings
 
-MAIN = "import sys; from client_sdk.cli import main; sys.exit(main())"
+MAIN = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())"
 
 
 def firstbyte(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import trustme
 
-from router.config import parse_config
-from router.serve import running_router
-from router.sim.server import running_sim
+from firstbyte.router.config import parse_config
+from firstbyte.router.serve import running_router
+from firstbyte.router.sim.server import running_sim
 from tests.client_sdk.protocol_server import RunningServer, running_protocol_server
 
 API_KEY = "test-key"

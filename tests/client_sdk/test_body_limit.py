@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from client_sdk.errors import StreamBrokenError
-from client_sdk.resolver import Origin, Resolver
-from client_sdk.transports.base import TransportCut
-from client_sdk.transports.http import HttpxSession
+from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.transports.base import TransportCut
+from firstbyte.client_sdk.transports.http import HttpxSession
 
 CHUNK = 64 << 10
 SENT_AT_MOST = 64  # chunks: 4 MiB, far past the limit the test sets

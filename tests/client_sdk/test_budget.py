@@ -5,8 +5,8 @@ import math
 import msgspec
 import pytest
 
-from client_sdk.budget import BudgetReport, LatencyBudget
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.budget import BudgetReport, LatencyBudget
+from firstbyte.client_sdk.timings import Timings
 
 
 def warm_fast() -> Timings:

@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from client_sdk.client import AsyncClient
-from client_sdk.errors import AuthenticationError, ConnectError, RateLimitError, TLSError
-from client_sdk.sync import Client
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.errors import AuthenticationError, ConnectError, RateLimitError, TLSError
+from firstbyte.client_sdk.sync import Client
+from firstbyte.client_sdk.timings import Timings
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 from tests.client_sdk.protocol_server import RunningServer
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from client_sdk.errors import (
+from firstbyte.client_sdk.errors import (
     APIError,
     AuthenticationError,
     NotFoundError,

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from client_sdk.resolver import Origin, Resolver
-from client_sdk.transports import h3
-from client_sdk.transports.base import TransportCut
+from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.transports import h3
+from firstbyte.client_sdk.transports.base import TransportCut
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 from tests.client_sdk.test_client import MESSAGES
 

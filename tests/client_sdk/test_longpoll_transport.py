@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from client_sdk.client import AsyncClient
-from client_sdk.timings import Timings
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.timings import Timings
 from tests.client_sdk.conftest import API_KEY
 from tests.client_sdk.protocol_server import expected_text, running_protocol_server
 

@@ -14,7 +14,7 @@ from tests.client_sdk.conftest import ROUTER_KEY, Stack
 CLIENT = """
 import asyncio, logging, sys
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
-from client_sdk.client import AsyncClient
+from firstbyte.client_sdk.client import AsyncClient
 
 async def main(url, key, ca_file, http):
     async with AsyncClient(url, key, ca_file=ca_file, http=http) as client:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from client_sdk.client import AsyncClient
+from firstbyte.client_sdk.client import AsyncClient
 from tests.client_sdk.conftest import ROUTER_KEY, start_stack
 from tests.client_sdk.test_client import stream_once
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from client_sdk import client as client_module
-from client_sdk.client import AsyncClient
+from firstbyte.client_sdk import client as client_module
+from firstbyte.client_sdk.client import AsyncClient
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 from tests.client_sdk.test_client import MESSAGES, reference_text
 

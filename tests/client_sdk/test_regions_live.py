@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from client_sdk.client import AsyncClient
-from client_sdk.timings import Timings
-from router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.timings import Timings
+from firstbyte.router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
 
 MESSAGES = [{"role": "user", "content": "Tell me about latency."}]
@@ -339,7 +339,7 @@ async def test_probe_over_every_http_version_against_a_tls_router(
 
 
 def test_sync_client_probes_a_server_without_edge_status(server: Any, ca_file: str) -> None:
-    from client_sdk.sync import Client
+    from firstbyte.client_sdk.sync import Client
     from tests.client_sdk.protocol_server import expected_text
 
     other = f"https://127.0.0.1:{server.port}/v1"
@@ -354,7 +354,7 @@ def test_sync_client_probes_a_server_without_edge_status(server: Any, ca_file: s
 
 
 async def test_regions_discovered_from_one_routers_edge_status() -> None:
-    from client_sdk.region_probe import discover_regions
+    from firstbyte.client_sdk.region_probe import discover_regions
 
     specs = [RegionSpec("tokyo", 35.68, 139.69, **FAST), RegionSpec("frankfurt", 50.11, 8.68, **FAST)]
     async with running_regions(specs) as regions:
@@ -371,8 +371,8 @@ async def test_regions_discovered_from_one_routers_edge_status() -> None:
 
 
 def test_discovery_from_a_server_without_edge_status_is_an_error(server: Any, ca_file: str) -> None:
-    from client_sdk.errors import APIError
-    from client_sdk.region_probe import discover_regions
+    from firstbyte.client_sdk.errors import APIError
+    from firstbyte.client_sdk.region_probe import discover_regions
 
     with pytest.raises(APIError):
         asyncio.run(discover_regions(server.base_url, ca_file=ca_file))

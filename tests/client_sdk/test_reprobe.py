@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from client_sdk.client import AsyncClient
-from client_sdk.timings import Timings
-from router.cluster import RegionSpec, running_regions
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.timings import Timings
+from firstbyte.router.cluster import RegionSpec, running_regions
 from tests.client_sdk.test_regions_live import FAST, edges, sdk, stream_once, until
 
 INTERVAL_S = 0.3

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from client_sdk.pool import ConnectionPool
-from client_sdk.regions import Region, RegionSelector
+from firstbyte.client_sdk.pool import ConnectionPool
+from firstbyte.client_sdk.regions import Region, RegionSelector
 
 A = Region("a", "https://a.example")
 B = Region("b", "https://b.example")

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from client_sdk.client import AsyncClient
-from client_sdk.errors import StreamStalledError
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.errors import StreamStalledError
 from tests.client_sdk.conftest import ROUTER_KEY, Stack, start_stack
 from tests.client_sdk.cutproxy import TcpCutProxy, UdpCutProxy
 from tests.client_sdk.test_client import MESSAGES, reference_text, stream_once

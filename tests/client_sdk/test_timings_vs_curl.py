@@ -29,7 +29,7 @@ import statistics
 
 import pytest
 
-from client_sdk.client import AsyncClient
+from firstbyte.client_sdk.client import AsyncClient
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 
 RUNS = 7

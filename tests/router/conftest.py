@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import trustme
 
-from router.config import RouterConfig, parse_config
-from router.serve import RouterEndpoints, running_router
+from firstbyte.router.config import RouterConfig, parse_config
+from firstbyte.router.serve import RouterEndpoints, running_router
 from tests.router.upstream import Upstream, running_upstream
 
 API_KEY = "sk-test-key-0001"

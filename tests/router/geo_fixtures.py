@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.wan.geo import Place
-from benchmarks.world import write_geoip_db
+from firstbyte.benchmarks.wan.geo import Place
+from firstbyte.benchmarks.world import write_geoip_db
 
 CITIES: dict[str, tuple[str, str, str, float, float]] = {
     # network: (city, country, nearest region code, lat, lon)

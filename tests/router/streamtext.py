@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from client_sdk._core.sse import SSEDecoder
-from router.sim.server import SimServer
+from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.router.sim.server import SimServer
 
 __all__ = ["chunk_text", "sim_text", "sse_text"]
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from client_sdk.types import ChatCompletionRequest, Message
-from router.pipeline.affinity import AffinityPolicy, affinity_key, rendezvous_rank
+from firstbyte.client_sdk.types import ChatCompletionRequest, Message
+from firstbyte.router.pipeline.affinity import AffinityPolicy, affinity_key, rendezvous_rank
 
 SYSTEM = "You are a careful assistant. " * 300
 BACKENDS = ["b0", "b1", "b2", "b3"]

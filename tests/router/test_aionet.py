@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trustme
 
-from router import aionet
+from firstbyte.router import aionet
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -13,7 +13,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
-from router.serve import RouterEndpoints
+from firstbyte.router.serve import RouterEndpoints
 from tests.router.conftest import OTHER_KEY, RouterFactory, auth, client_tls
 from tests.router.upstream import Upstream
 
@@ -197,7 +197,7 @@ async def test_websocket_message_over_the_body_limit_is_refused(
 async def test_websocket_streams_per_socket_are_bounded(
     routed: RouterEndpoints, upstream: Upstream, tls_files: dict[str, str]
 ) -> None:
-    from router.ws import MAX_STREAMS_PER_SOCKET
+    from firstbyte.router.ws import MAX_STREAMS_PER_SOCKET
 
     upstream.delay_s = 0.5  # the stream outlives the test: every follower stays attached
     uri = routed.base_url.replace("https://", "wss://") + "/v1/ws"

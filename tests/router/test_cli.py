@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx
 
-from router.sim.server import sim_server
+from firstbyte.router.sim.server import sim_server
 from tests.router.conftest import API_KEY, auth, client_tls
 
-CLI = "import sys; from client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
+CLI = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, load_config
+from firstbyte.router.config import ConfigError, load_config
 from tests.cli import firstbyte
 
 GOOD = """
@@ -107,7 +107,7 @@ def test_a_router_without_keys_is_refused_unless_anonymous_is_asked_for() -> Non
     # Asked for explicitly, the same flags make a valid config (checked without starting it).
     import argparse
 
-    from router.cli import add_arguments, config_from_args
+    from firstbyte.router.cli import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -123,7 +123,7 @@ def test_api_keys_from_the_environment() -> None:
     """FIRSTBYTE_API_KEYS keeps keys out of the process list; --api-key still wins."""
     import argparse
 
-    from router.cli import add_arguments, config_from_args
+    from firstbyte.router.cli import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -10,17 +10,17 @@ import sys
 
 import pytest
 
-from router.gc_tuning import GEN0_THRESHOLD, restore, tune_for_serving
-from router.streams import DONE_DATA, StreamEvent, StreamStore
+from firstbyte.router.gc_tuning import GEN0_THRESHOLD, restore, tune_for_serving
+from firstbyte.router.streams import DONE_DATA, StreamEvent, StreamStore
 
 # Runs a sim and a router in one child process (freezing is process-wide state); streams
 # one completion through the router and prints the collector's state around it.
 _CHILD = """
 import asyncio, gc, json, sys
 import httpx
-from router.config import AuthConfig, ListenConfig, RouterConfig, UpstreamConfig
-from router.serve import running_router
-from router.sim.server import running_sim
+from firstbyte.router.config import AuthConfig, ListenConfig, RouterConfig, UpstreamConfig
+from firstbyte.router.serve import running_router
+from firstbyte.router.sim.server import running_sim
 
 async def main(tune):
     before = {"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count()}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.geo import (
+from firstbyte.router.geo import (
     FIBRE_MS_PER_KM,
     INTRA_REGION_RTT_MS,
     ROUTE_INFLATION,

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
-from router.upstream_metrics import parse_backend_metrics
+from firstbyte.router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
+from firstbyte.router.upstream_metrics import parse_backend_metrics
 from tests.router.geo_fixtures import (
     FRANKFURT_CLIENT,
     TOKYO_CLIENT,

@@ -10,7 +10,7 @@ import httpx
 import msgspec
 import uvicorn
 
-from router.peers import PEER_KEY_HEADER, EdgeStatus, PeerPoller, PeerTable, prefix_hash
+from firstbyte.router.peers import PEER_KEY_HEADER, EdgeStatus, PeerPoller, PeerTable, prefix_hash
 
 STATUS = EdgeStatus(region="tokyo", healthy=True, saturated=False, in_flight=3, capacity=8,
                     queue_wait_ms=0.0, latitude=35.68, longitude=139.69,

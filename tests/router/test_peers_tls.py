@@ -12,7 +12,7 @@ import httpcore
 import httpx
 import pytest
 
-from router.sim.server import sim_server
+from firstbyte.router.sim.server import sim_server
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
 

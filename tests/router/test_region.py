@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from router.geo import GeoPoint, Location, known_regions
-from router.pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
+from firstbyte.router.geo import GeoPoint, Location, known_regions
+from firstbyte.router.pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
 
 R = known_regions()
 TOKYO = R["ap-northeast-1"].point

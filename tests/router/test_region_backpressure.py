@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from router.backpressure import BackendLoad, Ewma, LoadTracker, SpillBudget
-from router.upstream_metrics import BackendMetrics, parse_backend_metrics
+from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker, SpillBudget
+from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, load_config
+from firstbyte.router.config import ConfigError, load_config
 from tests.cli import firstbyte
 from tests.router.geo_fixtures import write_city_mmdb
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from client_sdk._core.sse import SSEDecoder
-from router.serve import RouterEndpoints
-from router.sim.server import SimServer, sim_server
+from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.router.serve import RouterEndpoints
+from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.streamtext import chunk_text, sim_text
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.serve import KEEP_ALIVE_MAX_REQUESTS, RouterEndpoints
+from firstbyte.router.serve import KEEP_ALIVE_MAX_REQUESTS, RouterEndpoints
 from tests.router.conftest import client_tls
 
 REQUESTS = 1005  # past hypercorn's default of 1000

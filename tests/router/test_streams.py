@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.readers import follow, parse_after, poll, sse_events
-from router.streams import DONE_DATA, StreamStore, owner_of
+from firstbyte.router.readers import follow, parse_after, poll, sse_events
+from firstbyte.router.streams import DONE_DATA, StreamStore, owner_of
 
 ALICE = owner_of("sk-alice-000000")
 BOB = owner_of("sk-bob-00000000")

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from client_sdk._core.sse import SSEDecoder
-from router.serve import RouterEndpoints
-from router.sim.server import SimServer, sim_server
+from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.router.serve import RouterEndpoints
+from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import API_KEY, RouterFactory, auth, client_tls
 from tests.router.h3client import h3_request
 from tests.router.streamtext import sim_text, sse_text

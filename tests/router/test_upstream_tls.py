@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from router.sim.server import sim_server
+from firstbyte.router.sim.server import sim_server
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.streamtext import sse_text
 
@@ -45,7 +45,7 @@ async def test_upstream_behind_a_private_ca(
 def test_missing_ca_file_is_a_config_error(tmp_path: object) -> None:
     import pytest
 
-    from router.config import ConfigError, load_config
+    from firstbyte.router.config import ConfigError, load_config
 
     path = tmp_path / "router.toml"  # type: ignore[operator]
     path.write_text(

@@ -5,9 +5,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from router.sim.server import SimServer, sim_server
-from router.upstream_metrics import BackendMetrics, parse_backend_metrics
-from router.warmup import WarmPrefix, WarmState, WarmupRunner, WarmupScheduler
+from firstbyte.router.sim.server import SimServer, sim_server
+from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
+from firstbyte.router.warmup import WarmPrefix, WarmState, WarmupRunner, WarmupScheduler
 from tests.router.conftest import RouterFactory, auth
 from tests.router.upstream import running_upstream
 

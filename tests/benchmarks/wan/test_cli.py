@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from benchmarks.wan import netns
-from benchmarks.wan.netns import python_env
-from client_sdk.cli import main
+from firstbyte.benchmarks.wan import netns
+from firstbyte.benchmarks.wan.netns import python_env
+from firstbyte.client_sdk.cli import main
 from tests.cli import firstbyte
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.wan import Emulator, Host, LinkParams, PairPrecision, PrecisionReport
-from benchmarks.wan.delayline import NS_PER_MS
-from benchmarks.wan.forwarder import ForwarderConfig
+from firstbyte.benchmarks.wan import Emulator, Host, LinkParams, PairPrecision, PrecisionReport
+from firstbyte.benchmarks.wan.delayline import NS_PER_MS
+from firstbyte.benchmarks.wan.forwarder import ForwarderConfig
 
 A, B, C = Host("a", "192.0.2.1"), Host("b", "198.51.100.1"), Host("c", "203.0.113.1")
 

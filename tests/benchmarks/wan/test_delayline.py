@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.wan.delayline import NS_PER_MS, DelayLine, LinkParams, Verdict
+from firstbyte.benchmarks.wan.delayline import NS_PER_MS, DelayLine, LinkParams, Verdict
 
 MS = NS_PER_MS
 

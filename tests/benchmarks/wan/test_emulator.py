@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stats import percentile
-from benchmarks.wan import Emulator, Host, PrecisionReport, netns
-from benchmarks.wan.netns import python_env
+from firstbyte.benchmarks.stats import percentile
+from firstbyte.benchmarks.wan import Emulator, Host, PrecisionReport, netns
+from firstbyte.benchmarks.wan.netns import python_env
 
 pytestmark = pytest.mark.netns
 
@@ -179,7 +179,7 @@ def test_teardown_removes_everything_and_is_idempotent() -> None:
 
 CRASHING_OWNER = """
 import os, sys, time
-from benchmarks.wan import Emulator, Host
+from firstbyte.benchmarks.wan import Emulator, Host
 wan = Emulator([Host("x", "192.0.2.40"), Host("y", "198.51.100.40")], {("x", "y"): 10.0}).start()
 sleeper = wan.popen("y", ["sleep", "300"])
 state = wan.network.state
@@ -354,7 +354,7 @@ def test_jitter_spreads_round_trips_within_its_bound() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "benchmarks.wan.echo",
+                    "firstbyte.benchmarks.wan.echo",
                     "udp-ping",
                     "--to",
                     "192.0.2.81",
@@ -376,7 +376,7 @@ def test_jitter_spreads_round_trips_within_its_bound() -> None:
 
 
 def test_geography_profile_runs_with_its_configured_rtts() -> None:
-    from benchmarks.wan import geo
+    from firstbyte.benchmarks.wan import geo
 
     profile = geo.load_profile("transpacific")
     with profile.emulator() as wan:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.wan import geo
-from benchmarks.wan.delayline import NS_PER_MS
+from firstbyte.benchmarks.wan import geo
+from firstbyte.benchmarks.wan.delayline import NS_PER_MS
 
 
 def test_shipped_table_is_complete_and_read_both_ways() -> None:

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
-from client_sdk.errors import StreamBrokenError
+from firstbyte.client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
+from firstbyte.client_sdk.errors import StreamBrokenError
 
 
 def batch(seqs: list[int], *, done: bool = False, nxt: int | None = None) -> PollBatch:

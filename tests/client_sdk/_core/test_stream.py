@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client_sdk._core.stream import SequenceGapError, StreamAssembler
-from client_sdk.errors import APIError, StreamBrokenError
+from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler
+from firstbyte.client_sdk.errors import APIError, StreamBrokenError
 
 
 def chunk(content: str | None = None, *, finish: str | None = None, tool: bool = False,

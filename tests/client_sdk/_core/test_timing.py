@@ -3,8 +3,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from client_sdk._core.timing import TimingRecorder, httpcore_event, parse_server_timing
-from client_sdk.timings import Timings
+from firstbyte.client_sdk._core.timing import TimingRecorder, httpcore_event, parse_server_timing
+from firstbyte.client_sdk.timings import Timings
 
 
 def feed_all(rec: TimingRecorder, events: list[tuple[str, float]]) -> Timings:

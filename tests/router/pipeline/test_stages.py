@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import json
 
-from router.pipeline.admit import admit_chat, authenticate, check_body_size, parse_chat
-from router.pipeline.backend import Backend, BackendPool, choose_backend
-from router.pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext, Traceparent
+from firstbyte.router.pipeline.admit import admit_chat, authenticate, check_body_size, parse_chat
+from firstbyte.router.pipeline.backend import Backend, BackendPool, choose_backend
+from firstbyte.router.pipeline.context import (
+    CONTINUE,
+    Fallback,
+    LocalReply,
+    RequestContext,
+    Traceparent,
+)
 
 KEYS = [b"sk-one-00000000", b"sk-two-00000000"]
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from client_sdk._core.sse import DONE, SSEDecoder
-from client_sdk.types import ChatCompletionChunk, decode_chunk
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.client_sdk.types import ChatCompletionChunk, decode_chunk
 
 
 @dataclass

@@ -11,8 +11,8 @@ import random
 
 import httpx
 
-from router.sim.server import sim_server
-from router.sim.tokens import tokenize
+from firstbyte.router.sim.server import sim_server
+from firstbyte.router.sim.tokens import tokenize
 from tests.router.sim.helpers import chat_body, metric, stream_chat
 
 

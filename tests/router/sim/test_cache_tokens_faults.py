@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client_sdk.types import Message, decode_request
-from router.sim.faults import FaultKind, FaultPlan, FaultSpecError, parse_fault
-from router.sim.output import DEFAULT_MAX_TOKENS, plan_completion
-from router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
-from router.sim.tokens import IM_START, prompt_tokens, tokenize
+from firstbyte.client_sdk.types import Message, decode_request
+from firstbyte.router.sim.faults import FaultKind, FaultPlan, FaultSpecError, parse_fault
+from firstbyte.router.sim.output import DEFAULT_MAX_TOKENS, plan_completion
+from firstbyte.router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
+from firstbyte.router.sim.tokens import IM_START, prompt_tokens, tokenize
 
 # -- tokens ------------------------------------------------------------------------------------
 

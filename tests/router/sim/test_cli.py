@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from client_sdk._core.sse import DONE
+from firstbyte.client_sdk._core.sse import DONE
 
-# Not ``-m client_sdk.cli``: that imports the module twice (as __main__ and by name), and
+# Not ``-m firstbyte.client_sdk.cli``: that imports the module twice (as __main__ and by name), and
 # the subcommand's CLIError would then not be the one main() catches.
-SIM = [sys.executable, "-c", "import sys; from client_sdk.cli import main; sys.exit(main())", "sim"]
+SIM = [sys.executable, "-c", "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())", "sim"]
 
 
 @pytest.fixture

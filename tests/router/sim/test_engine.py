@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.sim.engine import Engine, Overloaded, SeqState
-from router.sim.profiles import PROFILES, Profile, get_profile
+from firstbyte.router.sim.engine import Engine, Overloaded, SeqState
+from firstbyte.router.sim.profiles import PROFILES, Profile, get_profile
 
 # A profile with round numbers: prefill 1 ms per uncached token, decode 10 ms + 1 ms per seq.
 ROUND = Profile(

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from client_sdk._core.sse import DONE, SSEDecoder, SSEEvent
-from router.sim.server import running_sim
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder, SSEEvent
+from firstbyte.router.sim.server import running_sim
 from tests.router.sim.helpers import chat_body, stream_chat
 
 

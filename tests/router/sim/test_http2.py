@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from client_sdk._core.sse import DONE, SSEDecoder
-from router.sim.server import running_sim
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.router.sim.server import running_sim
 from tests.router.conftest import client_tls
 from tests.router.sim.helpers import chat_body
 

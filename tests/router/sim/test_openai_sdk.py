@@ -9,9 +9,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from client_sdk._core.sse import DONE, SSEDecoder
-from client_sdk.types import decode_chunk
-from router.sim.server import running_sim
+from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.client_sdk.types import decode_chunk
+from firstbyte.router.sim.server import running_sim
 
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are a terse assistant. " * 40},

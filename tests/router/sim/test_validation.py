@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.sim.server import running_sim
+from firstbyte.router.sim.server import running_sim
 from tests.router.sim.helpers import chat_body, stream_chat
 
 GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

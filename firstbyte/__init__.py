@@ -1,0 +1,1 @@
+"""firstbyte: take the network out of an LLM application's latency budget."""
