@@ -12,28 +12,5 @@ This package imports only the standard library at import time; each server is im
 it is first used.
 """
 
-from .servers import (
-    IN_PROCESS_SERVERS,
-    KEEP_ALIVE_MAX_REQUESTS,
-    Listeners,
-    ServerOptions,
-    bind,
-    loop_factory,
-    run_granian,
-    running,
-    serve,
-    signal_event,
-)
-
-__all__ = [
-    "IN_PROCESS_SERVERS",
-    "KEEP_ALIVE_MAX_REQUESTS",
-    "Listeners",
-    "ServerOptions",
-    "bind",
-    "loop_factory",
-    "run_granian",
-    "running",
-    "serve",
-    "signal_event",
-]
+from .servers import *  # noqa: F403 (the package's API is the servers module's)
+from .servers import __all__ as __all__
