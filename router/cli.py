@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from .serve import RouterEndpoints, loop_factory, serve
+    from .hosting import loop_factory
+    from .serve import RouterEndpoints, serve
 
     def started(ep: RouterEndpoints) -> None:
         h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""

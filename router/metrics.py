@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from .prometheus import Histogram, labels, render_counter, render_gauge
+from .hosting.prometheus import Histogram, labels, render_counter, render_gauge
 
 __all__ = ["SUM_SPEC", "TTFT_BUCKETS_S", "Metrics"]
 

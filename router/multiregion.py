@@ -41,6 +41,7 @@ from firstbyte.client_sdk.types import ChatCompletionRequest, message_text
 from .backpressure import BackendLoad, LoadTracker, SpillBudget
 from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
+from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
 from .peers import (
     FORWARDED_HEADER,
@@ -56,7 +57,6 @@ from .pipeline.affinity import AffinityPolicy, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
 from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
-from .prometheus import Histogram
 from .regions_config import warm_prefix_text
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .hosting.prometheus import family, labels, render_counter, render_gauge
 from .metrics import SUM_SPEC
-from .prometheus import family, labels, render_counter, render_gauge
 
 if TYPE_CHECKING:
     from .multiregion import RegionRouting

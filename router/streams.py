@@ -53,7 +53,7 @@ class StreamEvent(msgspec.Struct, frozen=True, gc=False):
     """One stored event. Not tracked by the cyclic GC (``gc=False``: an int and bytes can
     form no cycle): the store keeps up to ``max_total_bytes`` of them, ~10^6 at the default,
     and a full collection walking them all stalled the router's event loop for tens of ms
-    (see :mod:`firstbyte.router.gc_tuning`). Creating one is also ~5x cheaper than a frozen
+    (see :mod:`firstbyte.router.hosting.gc_tuning`). Creating one is also ~5x cheaper than a frozen
     dataclass."""
 
     seq: int

@@ -35,8 +35,8 @@ from typing import Any
 import msgspec
 
 from firstbyte.benchmarks._parent import exit_with_parent
+from firstbyte.benchmarks.cluster import SimHandle, until_peers_fresh
 from firstbyte.benchmarks.world import PEER_KEY_ENV
-from firstbyte.router.cluster import SimHandle, until_peers_fresh
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
 from firstbyte.router.sim.server import SimConfig

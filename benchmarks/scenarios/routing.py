@@ -41,11 +41,11 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_peers
 from firstbyte.benchmarks.scenarios._routing_geo import geography
 from firstbyte.benchmarks.stats import percentile
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, WorldError
 from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
-from firstbyte.router.cluster import RegionSpec, running_regions, wait_for_peers
 
 __all__ = ["main", "run"]
 

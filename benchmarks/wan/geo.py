@@ -1,8 +1,9 @@
 """Geography profiles: which hosts exist and the round trips between them, from real data.
 
-The data ships in ``benchmarks/wan/data/`` (sources in ``data/SOURCES.md``): AWS inter-region
-RTTs (cloudping.co), region locations, access-network ("last-mile") profiles, and a few city
-coordinates. A profile names
+The data are AWS inter-region RTTs (cloudping.co) and region locations, the router's own tables
+(``router/data/``, read through :mod:`firstbyte.router.geo`), plus access-network
+("last-mile") profiles and a few city coordinates in ``benchmarks/wan/data/`` (sources of all
+four in ``data/SOURCES.md``). A profile names
 
 - clients: placed at the AWS region nearest their city (great-circle distance), with a
   last-mile profile (``fiber``, ``wifi``, ``4g``, ...);
@@ -40,6 +41,7 @@ from typing import Any
 
 from firstbyte.benchmarks.wan.delayline import NS_PER_MS, LinkParams
 from firstbyte.benchmarks.wan.emulator import Emulator, Host
+from firstbyte.router.geo import known_regions, measured_rtt_table
 
 DATA = Path(__file__).with_name("data")
 
@@ -71,8 +73,8 @@ def _rows(name: str) -> list[dict[str, str]]:
 def regions() -> dict[str, Place]:
     """AWS region code -> its location."""
     return {
-        r["code"]: Place(r["city"], r["country"], float(r["lat"]), float(r["lon"]))
-        for r in _rows("regions.tsv")
+        code: Place(r.city, r.country, r.point.lat, r.point.lon)
+        for code, r in known_regions().items()
     }
 
 
@@ -103,12 +105,10 @@ def last_miles() -> dict[str, LastMile]:
 @cache
 def rtt_table() -> dict[str, dict[str, float]]:
     """``table[a][b]``: measured RTT in ms from region ``a`` to region ``b``."""
-    with (DATA / "aws_rtt_ms.tsv").open(encoding="utf-8", newline="") as f:
-        rows = list(csv.reader(f, delimiter="\t"))
-    columns = rows[0][1:]
-    return {
-        row[0]: {c: float(v) for c, v in zip(columns, row[1:], strict=True)} for row in rows[1:]
-    }
+    table: dict[str, dict[str, float]] = {}
+    for (a, b), rtt in measured_rtt_table().items():
+        table.setdefault(a, {})[b] = rtt
+    return table
 
 
 def region_rtt_ms(a: str, b: str) -> float:

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import ssl
 import sys
-from collections.abc import Callable
 
 import msgspec
 
 from firstbyte.client_sdk.cli import CLIError
+from firstbyte.router import hosting
 from firstbyte.router.sim.faults import FaultSpecError, parse_fault
 from firstbyte.router.sim.profiles import PROFILES
 from firstbyte.router.sim.server import (
     CONFIG_ENV,
     SERVERS,
     SimConfig,
-    bind_socket,
     build_app,
-    serve,
+    options,
+    running_app,
 )
 
 __all__ = ["add_arguments", "run"]
@@ -139,72 +137,39 @@ def run(args: argparse.Namespace) -> int:
     if server == "granian":
         return _run_granian(args, config)
     try:
-        sock = bind_socket(args.host, args.port)
+        listeners = hosting.bind(args.host, args.port)
     except OSError as exc:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    port = sock.getsockname()[1]
-    scheme = "https" if args.certfile else "http"
-    host = f"[{args.host}]" if ":" in args.host else args.host
-
-    def started() -> None:
-        print(
-            f"firstbyte sim: serving {scheme}://{host}:{port} "
-            f"(profile {config.profile}, server {server}, pid {os.getpid()})",
-            flush=True,
-        )
+    url = listeners.url(tls=bool(args.certfile))
 
     async def main() -> None:
-        shutdown = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, shutdown.set)
+        stop = hosting.signal_event()
         app = build_app(config)
-        await serve(
-            app,
-            sock,
-            server=server,
-            certfile=args.certfile,
-            keyfile=args.keyfile,
-            shutdown=shutdown,
-            started=started,
-        )
+        async with running_app(app, listeners, options(server, args.certfile, args.keyfile)):
+            print(
+                f"firstbyte sim: serving {url} "
+                f"(profile {config.profile}, server {server}, pid {os.getpid()})",
+                flush=True,
+            )
+            await stop.wait()
 
-    with contextlib.closing(sock), asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=hosting.loop_factory()) as runner:
         runner.run(main())
     return 0
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def _run_granian(args: argparse.Namespace, config: SimConfig) -> int:
-    from granian import Granian
-
     os.environ[CONFIG_ENV] = msgspec.json.encode(config).decode()
-    kwargs: dict[str, object] = {}
-    if args.certfile:
-        from pathlib import Path
-
-        kwargs.update(ssl_cert=Path(args.certfile), ssl_key=Path(args.keyfile))
-    granian_server = Granian(
-        "firstbyte.router.sim.server:granian_app",
-        address=args.host,
-        port=args.port,
-        interface="asgi",  # type: ignore[arg-type]
-        factory=True,
-        workers=1,
-        log_enabled=False,
-        **kwargs,  # type: ignore[arg-type]
-    )
     print(
         f"firstbyte sim: serving on {args.host}:{args.port} (profile {config.profile}, "
         f"server granian, pid {os.getpid()})",
         flush=True,
     )
-    granian_server.serve()
+    hosting.run_granian(
+        "firstbyte.router.sim.server:granian_app",
+        args.host,
+        args.port,
+        certfile=args.certfile,
+        keyfile=args.keyfile,
+    )
     return 0

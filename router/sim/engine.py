@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from firstbyte.router.prometheus import Histogram, labels, render_counter, render_gauge
+from firstbyte.router.hosting.prometheus import Histogram, labels, render_counter, render_gauge
 from firstbyte.router.sim.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from firstbyte.router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
 from firstbyte.router.sim.profiles import Profile

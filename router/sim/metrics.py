@@ -9,7 +9,7 @@ vLLM (v1 engine) exports, among others: gauges ``vllm:num_requests_running``,
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` (older releases:
 ``vllm:time_per_output_token_seconds``, also exported) and ``vllm:e2e_request_latency_seconds``.
 Every sample carries the ``model_name`` label, as in vLLM. The text is rendered by
-:mod:`firstbyte.router.prometheus`; this module holds vLLM's bucket boundaries.
+:mod:`firstbyte.router.hosting.prometheus`; this module holds vLLM's bucket boundaries.
 """
 
 from __future__ import annotations

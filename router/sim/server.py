@@ -1,4 +1,4 @@
-"""Starting the sim: configuration, the ASGI server under it, and an in-process helper.
+"""Starting the sim: its configuration and app, handed to :mod:`firstbyte.router.hosting`.
 
 Three ASGI servers can run the same :class:`~firstbyte.router.sim.app.SimApp` (``--server``):
 
@@ -20,16 +20,16 @@ and use :func:`sim_server` when they also want the engine (metrics, cache state)
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from firstbyte.router import hosting
+from firstbyte.router.hosting import Listeners, ServerOptions
 from firstbyte.router.sim.app import DEFAULT_MAX_BODY_BYTES, SimApp, SimOptions, quiet_drop_logs
 from firstbyte.router.sim.engine import Engine
 from firstbyte.router.sim.faults import FaultPlan, parse_fault
@@ -41,12 +41,14 @@ __all__ = [
     "SimServer",
     "build_app",
     "granian_app",
+    "options",
+    "running_app",
     "running_sim",
-    "serve",
     "sim_server",
 ]
 
 SERVERS = ("uvicorn", "hypercorn", "granian")
+"""``--server`` choices: hosting's in-process servers, and granian in its own process."""
 CONFIG_ENV = "FIRSTBYTE_SIM_CONFIG"
 
 
@@ -86,152 +88,34 @@ def granian_app() -> SimApp:
     return build_app(msgspec.json.decode(os.environ.get(CONFIG_ENV, "{}"), type=SimConfig))
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0: an ephemeral port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto
-    # says TCP, and without it Nagle + delayed ACK hold small SSE writes back for ~40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
+def options(
+    server: str, certfile: str | None = None, keyfile: str | None = None
+) -> ServerOptions:
+    """How ``server`` (``uvicorn`` or ``hypercorn``) runs a sim: no lifespan (the engine's
+    driver is started around it), no WebSockets, short drain; the GC is left alone."""
+    return ServerOptions(
+        server=server,
+        certfile=certfile,
+        keyfile=keyfile,
+        keep_alive_timeout_s=30.0,
+        graceful_timeout_s=1.0,
+        lifespan=False,
+    )
 
 
-async def serve(
-    app: SimApp,
-    sock: socket.socket,
-    *,
-    server: str = "uvicorn",
-    certfile: str | None = None,
-    keyfile: str | None = None,
-    shutdown: asyncio.Event,
-    started: Callable[[], None] | None = None,
-) -> None:
-    """Serve ``app`` on ``sock`` in this event loop until ``shutdown`` is set."""
+@contextlib.asynccontextmanager
+async def running_app(
+    app: SimApp, listeners: Listeners, options: ServerOptions
+) -> AsyncIterator[None]:
+    """Serve ``app`` in the running loop for the duration of the block (its engine's driver
+    with it)."""
     quiet_drop_logs()
     app.driver.start()
     try:
-        if server == "uvicorn":
-            await _serve_uvicorn(app, sock, certfile, keyfile, shutdown, started)
-        elif server == "hypercorn":
-            await _serve_hypercorn(app, sock, certfile, keyfile, shutdown, started)
-        else:
-            raise ValueError(f"server {server!r} cannot run in-process; use uvicorn or hypercorn")
+        async with hosting.running(app, listeners, options):
+            yield
     finally:
         await app.driver.stop()
-
-
-async def _serve_uvicorn(
-    app: SimApp,
-    sock: socket.socket,
-    certfile: str | None,
-    keyfile: str | None,
-    shutdown: asyncio.Event,
-    started: Callable[[], None] | None,
-) -> None:
-    import uvicorn
-
-    config = uvicorn.Config(
-        app,
-        http="httptools",
-        lifespan="off",
-        log_level="warning",
-        access_log=False,
-        ssl_certfile=certfile,
-        ssl_keyfile=keyfile,
-        timeout_graceful_shutdown=1,
-        timeout_keep_alive=30,
-    )
-    userver = uvicorn.Server(config)
-    # Signals belong to whoever owns the loop (the CLI, or pytest), not to the server.
-    userver.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    task = asyncio.ensure_future(userver.serve(sockets=[sock]))
-    try:
-        while not userver.started:
-            if task.done():
-                task.result()
-                return
-            await asyncio.sleep(0.005)
-        if started is not None:
-            started()
-        await asyncio.wait(
-            [task, asyncio.ensure_future(shutdown.wait())], return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        userver.should_exit = True
-        if not task.done():
-            try:
-                await asyncio.wait_for(task, 5)
-            except TimeoutError:
-                userver.force_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def _serve_hypercorn(
-    app: SimApp,
-    sock: socket.socket,
-    certfile: str | None,
-    keyfile: str | None,
-    shutdown: asyncio.Event,
-    started: Callable[[], None] | None,
-) -> None:
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
-
-    _reset_unfinished_h2_streams()
-    config = Config()
-    # hypercorn takes ownership of (and closes) the descriptor it is given: give it a copy.
-    config.bind = [f"fd://{os.dup(sock.fileno())}"]
-    config.accesslog = None
-    config.errorlog = "-"
-    config.loglevel = "WARNING"
-    config.graceful_timeout = 1.0
-    config.keep_alive_timeout = 30.0
-    if certfile is not None:
-        config.certfile = certfile
-        config.keyfile = keyfile
-    if started is not None:
-        asyncio.get_running_loop().call_soon(started)
-    app_any: Any = app
-    await hypercorn_serve(app_any, config, shutdown_trigger=shutdown.wait, mode="asgi")
-
-
-def _reset_unfinished_h2_streams() -> None:
-    """Make hypercorn reset an HTTP/2 stream whose app failed mid-response.
-
-    hypercorn (0.17, 0.18) forgets such a stream without sending END_STREAM or RST_STREAM, so
-    the peer waits on it forever; over HTTP/1.1 it closes the connection, as it should. The
-    ``drop`` fault relies on that abrupt end, so on HTTP/2 the stream is reset
-    (INTERNAL_ERROR, RFC 9113 section 5.4.2) and the connection's other streams go on.
-    """
-    from hypercorn.protocol.h2 import H2Protocol
-
-    if getattr(H2Protocol, "_firstbyte_resets", False):
-        return
-    import h2.errors
-    import h2.exceptions
-
-    original = H2Protocol._close_stream
-
-    async def _close_stream(self: Any, stream_id: int) -> None:
-        buffer = self.stream_buffers.get(stream_id)
-        if buffer is not None and not buffer.complete and stream_id in self.streams:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
-                await self._flush()
-            await buffer.close()
-            # Let the send loop visit the stream once more; it then drops its buffer.
-            with contextlib.suppress(Exception):
-                self.priority.unblock(stream_id)
-            await self.has_data.set()
-        await original(self, stream_id)
-
-    H2Protocol._close_stream = _close_stream  # type: ignore[method-assign]
-    H2Protocol._firstbyte_resets = True  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)
@@ -255,52 +139,23 @@ async def sim_server(
     server: str | None = None,
     certfile: str | None = None,
     keyfile: str | None = None,
-    **options: Any,
+    **config: Any,
 ) -> AsyncIterator[SimServer]:
     """Start a real sim on ``host``:ephemeral port in the running loop; stop it on exit.
 
-    ``options`` are :class:`SimConfig` fields (``max_num_seqs``, ``prefix_cache_blocks``,
+    ``config`` holds :class:`SimConfig` fields (``max_num_seqs``, ``prefix_cache_blocks``,
     ``queue_limit``, ``faults``, ``seed``, ``max_body_bytes``). With ``certfile`` the server
     is hypercorn (HTTP/2 via ALPN) unless ``server`` says otherwise, and the URL is https.
     """
-    config = SimConfig(profile=profile, **options)
-    app = build_app(config)
+    app = build_app(SimConfig(profile=profile, **config))
     chosen = server or ("hypercorn" if certfile else "uvicorn")
-    sock = bind_socket(host, 0)
-    port = sock.getsockname()[1]
-    shutdown = asyncio.Event()
-    ready = asyncio.Event()
-    task = asyncio.ensure_future(
-        serve(
-            app,
-            sock,
-            server=chosen,
-            certfile=certfile,
-            keyfile=keyfile,
-            shutdown=shutdown,
-            started=ready.set,
-        )
-    )
-    try:
-        waiter = asyncio.ensure_future(ready.wait())
-        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            waiter.cancel()
-            task.result()
-            raise RuntimeError("the sim server stopped during start-up")
-        scheme = "https" if certfile else "http"
-        name = f"[{host}]" if ":" in host else host
-        yield SimServer(url=f"{scheme}://{name}:{port}", app=app, port=port)
-    finally:
-        shutdown.set()
-        try:
-            await asyncio.wait_for(task, 10)
-        finally:
-            sock.close()
+    listeners = hosting.bind(host, 0)
+    async with running_app(app, listeners, options(chosen, certfile, keyfile)):
+        yield SimServer(url=listeners.url(tls=certfile is not None), app=app, port=listeners.port)
 
 
 @contextlib.asynccontextmanager
-async def running_sim(profile: str = "instant", **options: Any) -> AsyncIterator[str]:
+async def running_sim(profile: str = "instant", **config: Any) -> AsyncIterator[str]:
     """Start a real sim in the running loop and yield its base URL (see :func:`sim_server`)."""
-    async with sim_server(profile, **options) as sim:
+    async with sim_server(profile, **config) as sim:
         yield sim.url

@@ -3,8 +3,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_peers
 from firstbyte.client_sdk.regions import Region, RegionSelector, regions_from_status
-from firstbyte.router.cluster import RegionSpec, running_regions, wait_for_peers
 
 TOKYO = Region("tokyo", "https://tokyo.example")
 FRA = Region("frankfurt", "https://fra.example")

@@ -1,6 +1,6 @@
 """The SDK across real regions: RTT probe, warm standby failover, better-region hints.
 
-Every region is a real router (``router.cluster``: routers peered with each other, simulated
+Every region is a real router (``benchmarks.cluster``: routers peered with each other, simulated
 backends) behind an :class:`EdgeProxy`: a TLS-terminating TCP proxy, as a region's load
 balancer would be, which can add a delay each way (a farther region) and can be killed (a
 region that goes away). The SDK talks real TLS (a ``trustme`` CA) to the proxies.
@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from firstbyte.benchmarks.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.timings import Timings
-from firstbyte.router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
 
 MESSAGES = [{"role": "user", "content": "Tell me about latency."}]

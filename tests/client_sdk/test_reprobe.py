@@ -1,7 +1,7 @@
 """The SDK's periodic re-probe across real regions: it leaves a region that got slow and comes
 back when it recovers, moving its warm primary and standby, without a failed or cold request.
 
-Three real routers (``router.cluster.running_regions``) behind the TLS edge proxies of
+Three real routers (``benchmarks.cluster.running_regions``) behind the TLS edge proxies of
 ``test_regions_live`` (a per-direction delay that can be changed while running), re-probed
 every 0.3 s while requests keep running.
 """
@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from firstbyte.benchmarks.cluster import RegionSpec, running_regions
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.timings import Timings
-from firstbyte.router.cluster import RegionSpec, running_regions
 from tests.client_sdk.test_regions_live import FAST, edges, sdk, stream_once, until
 
 INTERVAL_S = 0.3

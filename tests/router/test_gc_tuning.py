@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from firstbyte.router.gc_tuning import GEN0_THRESHOLD, restore, tune_for_serving
+from firstbyte.router.hosting.gc_tuning import GEN0_THRESHOLD, restore, tune_for_serving
 from firstbyte.router.streams import DONE_DATA, StreamEvent, StreamStore
 
 # Runs a sim and a router in one child process (freezing is process-wide state); streams

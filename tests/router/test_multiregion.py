@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from firstbyte.router.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
+from firstbyte.benchmarks.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from firstbyte.router.upstream_metrics import parse_backend_metrics
 from tests.router.geo_fixtures import (
     FRANKFURT_CLIENT,

@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_peers
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.errors import RateLimitError
-from firstbyte.router.cluster import RegionSpec, running_regions, wait_for_peers
 
 SYSTEM = "You are a meticulous assistant for a travel company; answer briefly and kindly. " * 100
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from firstbyte.router.prometheus import Histogram, labels, render_counter, render_gauge
+from firstbyte.router.hosting.prometheus import Histogram, labels, render_counter, render_gauge
 
 
 def test_labels_escape_backslash_quote_and_newline() -> None:

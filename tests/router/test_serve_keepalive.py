@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from firstbyte.router.serve import KEEP_ALIVE_MAX_REQUESTS, RouterEndpoints
+from firstbyte.router.hosting import KEEP_ALIVE_MAX_REQUESTS
+from firstbyte.router.serve import RouterEndpoints
 from tests.router.conftest import client_tls
 
 REQUESTS = 1005  # past hypercorn's default of 1000

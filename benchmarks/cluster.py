@@ -23,10 +23,12 @@ from typing import Any
 
 import msgspec
 
-from .config import parse_config
-from .serve import RouterEndpoints, running_router
-from .sim.server import SimConfig, bind_socket, build_app, serve
-from .state import RouterState
+from firstbyte.router import hosting
+from firstbyte.router.config import parse_config
+from firstbyte.router.serve import RouterEndpoints, running_router
+from firstbyte.router.sim.app import SimApp
+from firstbyte.router.sim.server import SimConfig, build_app, options, running_app
+from firstbyte.router.state import RouterState
 
 __all__ = ["RegionHandle", "RegionSpec", "SimHandle", "running_regions", "until_peers_fresh",
            "wait_for_peers"]
@@ -39,43 +41,26 @@ class SimHandle:
         self.config = config
         self.host = host
         self.port = 0
-        self.app: Any = None
-        self._task: asyncio.Future[None] | None = None
-        self._shutdown: asyncio.Event | None = None
-        self._sock: socket.socket | None = None
+        self.app: SimApp | None = None
+        self._running: contextlib.AsyncExitStack | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        self.app = build_app(self.config)
-        self._sock = bind_socket(self.host, self.port)
-        self.port = self._sock.getsockname()[1]
-        self._shutdown = asyncio.Event()
-        ready = asyncio.Event()
-        self._task = asyncio.ensure_future(
-            serve(self.app, self._sock, shutdown=self._shutdown, started=ready.set)
-        )
-        waiter = asyncio.ensure_future(ready.wait())
-        await asyncio.wait([self._task, waiter], return_when=asyncio.FIRST_COMPLETED)
-        if self._task.done():
-            waiter.cancel()
-            self._task.result()
-            raise RuntimeError("the sim stopped during start-up")
+        app = build_app(self.config)
+        listeners = hosting.bind(self.host, self.port)
+        self.port = listeners.port
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(running_app(app, listeners, options("uvicorn")))
+            self._running = stack.pop_all()
+        self.app = app
 
     async def stop(self) -> None:
-        if self._shutdown is not None and self._task is not None:
-            self._shutdown.set()
-            try:
-                await asyncio.wait_for(self._task, 10)
-            except TimeoutError:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
-        if self._sock is not None:
-            self._sock.close()
-        self._task = self._shutdown = self._sock = None
+        if self._running is not None:
+            running, self._running = self._running, None
+            await running.aclose()
 
     async def restart(self, down_s: float = 0.0) -> None:
         """Stop, stay down ``down_s`` seconds, start a fresh sim (empty cache) on the same port."""

@@ -20,11 +20,10 @@ the P99.
   default the young generation was collected every ~40 ms. At 5 000 there are ~7x fewer
   young collections (1-2 ms each instead of ~0.5 ms) and about a third of the GC CPU.
 
-The process-wide state makes this a choice for a process that is a router, which is what
-:func:`firstbyte.router.serve.serve` is (``firstbyte router``);
-:func:`firstbyte.router.serve.running_router`,
-which serves inside someone else's program (tests, benchmarks' helpers), applies it only
-when asked.
+The process-wide state makes this a choice for a process that is a server: hosting applies it
+when ``ServerOptions.tune_gc`` says so, which :func:`firstbyte.router.serve.serve` does
+(``firstbyte router``) and :func:`firstbyte.router.serve.running_router`, which serves inside
+someone else's program (tests, benchmarks' helpers), does only when asked.
 """
 
 from __future__ import annotations

@@ -1,0 +1,16 @@
+"""Hosting: everything a firstbyte server process needs besides its app, shared by the router
+(:mod:`firstbyte.router.serve`) and the simulated inference server
+(:mod:`firstbyte.router.sim.server`), which imports nothing else of the router.
+
+- :mod:`.servers`: bind sockets, run an ASGI app under hypercorn (HTTP/1.1, HTTP/2, HTTP/3),
+  uvicorn or granian, with TLS, signal handling and drain; :func:`running` for tests;
+- :mod:`.quic`: the QUIC session-ticket store that gives hypercorn's HTTP/3 0-RTT;
+- :mod:`.gc_tuning`: the cyclic-GC settings of a serving process;
+- :mod:`.prometheus`: the text format both servers' ``/metrics`` speak.
+
+This package imports only the standard library at import time; each server is imported when
+it is first used.
+"""
+
+from .servers import *  # noqa: F403 (the package's API is the servers module's)
+from .servers import __all__ as __all__

@@ -1,0 +1,464 @@
+"""Bind sockets and run an ASGI app under hypercorn, uvicorn or granian: the one place where
+firstbyte's servers (the router and the sim) meet the network.
+
+- :func:`bind` opens the listening TCP socket and, for HTTP/3, a UDP socket on the same port.
+- :func:`serve` runs an app on them in the running event loop until a shutdown trigger
+  returns (default: SIGINT or SIGTERM), then drains within ``graceful_timeout_s``.
+  hypercorn serves HTTP/1.1 and HTTP/2 (ALPN over TLS, h2c prior knowledge without) and,
+  with a UDP socket, HTTP/3 with a session-ticket store so clients can resume with 0-RTT
+  (:mod:`firstbyte.router.hosting.quic`); uvicorn serves HTTP/1.1 with httptools, the least
+  CPU per streamed chunk on this machine.
+- :func:`running` is :func:`serve` for the duration of an ``async with`` block: tests and
+  benchmarks start a real server inside their own event loop with it.
+- :func:`run_granian` runs an app factory under granian (Rust HTTP stack), which only runs as
+  its own process and imports the app by name.
+
+What is served (the app, its config and lifespan) is the caller's: :mod:`firstbyte.router.serve`
+for the router, :mod:`firstbyte.router.sim.server` for the sim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from .gc_tuning import tune_for_serving
+
+if TYPE_CHECKING:
+    from .quic import TicketStore
+
+__all__ = [
+    "IN_PROCESS_SERVERS",
+    "KEEP_ALIVE_MAX_REQUESTS",
+    "Listeners",
+    "ServerOptions",
+    "bind",
+    "loop_factory",
+    "run_granian",
+    "running",
+    "serve",
+    "signal_event",
+]
+
+IN_PROCESS_SERVERS = ("hypercorn", "uvicorn")
+"""The servers :func:`serve` runs in this event loop (granian needs its own process)."""
+
+KEEP_ALIVE_MAX_REQUESTS = 1_000_000
+"""Requests one client connection may carry before hypercorn closes it. hypercorn's default
+(1000) closes an HTTP/1.1 connection or sends GOAWAY on an HTTP/2 one after 1000 requests:
+an SDK multiplexing 100 streams over one prewarmed HTTP/2 connection would lose it every
+~15 s, and the requests started during the new handshake (2-3 round trips on a WAN) would
+all pay it. A million is ~4.5 hours of that load."""
+
+# hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
+# whatever level the application sets, so a debug run cannot leak secrets.
+for _name in ("hpack", "h2"):
+    logging.getLogger(_name).setLevel(logging.INFO)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """How one server runs an app (everything but the app and the sockets)."""
+
+    server: str = "hypercorn"
+    """One of :data:`IN_PROCESS_SERVERS`."""
+    certfile: str | None = None
+    """TLS certificate chain (PEM); with ``keyfile``, the TCP listener speaks TLS."""
+    keyfile: str | None = None
+    keep_alive_timeout_s: float = 30.0
+    graceful_timeout_s: float = 5.0
+    """How long a shutdown waits for in-flight requests before closing them."""
+    lifespan: bool = True
+    """Send the ASGI lifespan events (uvicorn; hypercorn always sends them)."""
+    ws_max_message_bytes: int | None = None
+    """Largest WebSocket message accepted (larger: close 1009); None: the app takes no
+    WebSockets (uvicorn loads no WebSocket protocol)."""
+    tune_gc: bool = False
+    """Tune the cyclic GC for latency once listening
+    (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
+    a process that is this server."""
+
+    @property
+    def tls(self) -> bool:
+        return self.certfile is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Listeners:
+    """Bound listening sockets: TCP, and UDP on the same port number for HTTP/3 (or None)."""
+
+    host: str
+    """The address asked for (as given: a name, IPv4 or IPv6 address)."""
+    tcp: socket.socket
+    quic: socket.socket | None = None
+
+    @property
+    def port(self) -> int:
+        port: int = self.tcp.getsockname()[1]
+        return port
+
+    @property
+    def h3_port(self) -> int | None:
+        return None if self.quic is None else int(self.quic.getsockname()[1])
+
+    def url(self, *, tls: bool) -> str:
+        """``https://HOST:PORT`` (``http://`` without TLS), the IPv6 host in brackets."""
+        name = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if tls else 'http'}://{name}:{self.port}"
+
+    def close(self) -> None:
+        self.tcp.close()
+        if self.quic is not None:
+            self.quic.close()
+
+
+def bind(host: str, port: int, *, udp: bool = False) -> Listeners:
+    """A listening TCP socket and (if ``udp``) a UDP socket on the same port number.
+
+    With ``port`` 0 the kernel picks the TCP port; the UDP bind on that number is retried
+    with a fresh port if it happens to be taken. ``OSError`` if the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    last_error: OSError | None = None
+    for _ in range(20):
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # proto says TCP, and without it Nagle + delayed ACK hold small SSE writes back ~40 ms.
+        tcp = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited when accepted
+            tcp.bind((host, port))
+            tcp.listen(1024)
+            tcp.setblocking(False)
+        except OSError:
+            tcp.close()
+            raise
+        if not udp:
+            return Listeners(host, tcp)
+        quic = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            quic.bind((host, tcp.getsockname()[1]))
+            quic.setblocking(False)
+            return Listeners(host, tcp, quic)
+        except OSError as exc:
+            quic.close()
+            tcp.close()
+            last_error = exc
+            if port != 0:
+                raise
+    assert last_error is not None
+    raise last_error
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a server process runs on: uvloop when installed (it comes with the
+    ``router`` extra through ``uvicorn[standard]``), else asyncio's default (``None``).
+
+    uvloop's C loop cuts the router's CPU per relayed chunk by roughly a tenth (measured
+    with ``firstbyte bench router_overhead``); every stream costs a loop turn per chunk.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return new_loop
+
+
+def signal_event() -> asyncio.Event:
+    """An event set on SIGINT or SIGTERM (handlers on the running loop)."""
+    import signal
+
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def serve(
+    app: Any,
+    listeners: Listeners,
+    options: ServerOptions,
+    *,
+    shutdown: Callable[[], Awaitable[Any]] | None = None,
+    started: Callable[[], None] | None = None,
+    tickets: TicketStore | None = None,
+) -> None:
+    """Serve the ASGI ``app`` on ``listeners`` until ``shutdown()`` returns (default: SIGINT or
+    SIGTERM), then drain and return; the sockets are closed when it returns.
+
+    ``started`` is called once the server accepts connections. A UDP socket in ``listeners``
+    serves HTTP/3 (hypercorn with TLS only), advertised by ``Alt-Svc``; ``tickets`` is the
+    store of its QUIC session tickets (default: a new one).
+    """
+    stop = shutdown or signal_event().wait
+
+    def on_started() -> None:
+        if options.tune_gc:
+            # Start-up is over (imports, app, listener): freeze it out of every later collection.
+            tune_for_serving()
+        if started is not None:
+            started()
+
+    try:
+        if options.server == "uvicorn":
+            if listeners.quic is not None:
+                raise ValueError("HTTP/3 needs the hypercorn server")
+            await _serve_uvicorn(app, listeners.tcp, options, stop, on_started)
+        elif options.server == "hypercorn":
+            await _serve_hypercorn(app, listeners, options, stop, on_started, tickets)
+        else:
+            raise ValueError(
+                f"server {options.server!r} cannot run in-process; use hypercorn or uvicorn"
+            )
+    finally:
+        listeners.close()
+
+
+@contextlib.asynccontextmanager
+async def running(
+    app: Any,
+    listeners: Listeners,
+    options: ServerOptions,
+    *,
+    tickets: TicketStore | None = None,
+) -> AsyncIterator[None]:
+    """:func:`serve` in the running loop for the duration of the block: entered once the
+    server accepts connections (its start-up error raised if it failed), drained on exit."""
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(
+        serve(app, listeners, options, shutdown=stop.wait, started=ready.set, tickets=tickets)
+    )
+    waiter = asyncio.ensure_future(ready.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # start-up failed: raise its error
+            raise RuntimeError("the server stopped before it started")
+        yield
+    finally:
+        waiter.cancel()
+        stop.set()
+        try:
+            await asyncio.wait_for(task, options.graceful_timeout_s + 5)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        listeners.close()
+
+
+async def _serve_uvicorn(
+    app: Any,
+    tcp: socket.socket,
+    options: ServerOptions,
+    stop: Callable[[], Awaitable[Any]],
+    on_started: Callable[[], None],
+) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none" if options.ws_max_message_bytes is None else "websockets-sansio",
+        ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
+        lifespan="on" if options.lifespan else "off",
+        loop="none",
+        access_log=False,  # request lines could carry stream ids: no access log
+        log_level="warning",
+        ssl_certfile=options.certfile,
+        ssl_keyfile=options.keyfile,
+        timeout_keep_alive=int(options.keep_alive_timeout_s),
+        timeout_graceful_shutdown=max(1, round(options.graceful_timeout_s)),
+    )
+    server = uvicorn.Server(config)
+    # Signals belong to whoever owns the loop (serve's shutdown trigger), not to uvicorn.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    task = asyncio.ensure_future(server.serve(sockets=[tcp]))
+    try:
+        # uvicorn exposes start-up only as a flag, no event to wait on.
+        while not server.started:
+            if task.done():
+                task.result()
+                return
+            await asyncio.sleep(0.005)
+        on_started()
+        stopping = asyncio.ensure_future(stop())
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+    finally:
+        server.should_exit = True
+        if not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), options.graceful_timeout_s + 5)
+            except TimeoutError:
+                server.force_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _serve_hypercorn(
+    app: Any,
+    listeners: Listeners,
+    options: ServerOptions,
+    stop: Callable[[], Awaitable[Any]],
+    on_started: Callable[[], None],
+    tickets: TicketStore | None,
+) -> None:
+    from hypercorn.asyncio.run import worker_serve
+    from hypercorn.config import Config, Sockets
+    from hypercorn.utils import wrap_app
+
+    _reset_unfinished_h2_streams()
+    _close_quic_transports()
+    config: Any = Config()
+    config.keep_alive_timeout = options.keep_alive_timeout_s
+    config.keep_alive_max_requests = KEEP_ALIVE_MAX_REQUESTS
+    config.errorlog = logging.getLogger("hypercorn.error")  # via logging: INFO lines stay quiet
+    config.accesslog = None  # request lines could carry stream ids: no access log
+    config.include_server_header = False
+    config.graceful_timeout = options.graceful_timeout_s
+    config.alpn_protocols = ["h2", "http/1.1"]
+    if options.ws_max_message_bytes is not None:
+        config.websocket_max_message_size = options.ws_max_message_bytes
+    if options.tls:
+        config.certfile = options.certfile
+        config.keyfile = options.keyfile
+    quic = listeners.quic
+    if quic is not None:
+        if not options.tls:
+            raise ValueError("HTTP/3 needs TLS (certfile and keyfile)")
+        from .quic import TicketStore, enable_session_tickets
+
+        enable_session_tickets()
+        config.firstbyte_ticket_store = tickets if tickets is not None else TicketStore()
+        config.alt_svc_headers = [f'h3=":{listeners.h3_port}"; ma=86400']
+    sockets = Sockets(
+        secure_sockets=[listeners.tcp] if options.tls else [],
+        insecure_sockets=[] if options.tls else [listeners.tcp],
+        quic_sockets=[quic] if quic is not None else [],
+    )
+    # The sockets are bound and listening already: connections made from here on are served.
+    asyncio.get_running_loop().call_soon(on_started)
+    poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
+    try:
+        await worker_serve(
+            wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets, shutdown_trigger=stop
+        )
+    finally:
+        if poker is not None:
+            poker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poker
+
+
+async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.socket) -> None:
+    """After shutdown begins, poke the QUIC socket until the server has stopped.
+
+    hypercorn's UDP loop re-checks "terminated and idle" only when a datagram arrives, so
+    without traffic its shutdown waits the whole graceful timeout. A 1-byte datagram is
+    dropped by the QUIC header parser and lets the loop notice.
+    """
+    await stop()
+    address = quic.getsockname()[:2]
+    with socket.socket(quic.family, socket.SOCK_DGRAM) as poke:
+        while True:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(OSError):
+                poke.sendto(b"\0", address)
+
+
+def _reset_unfinished_h2_streams() -> None:
+    """Make hypercorn reset an HTTP/2 stream whose app failed mid-response.
+
+    hypercorn (0.17, 0.18) forgets such a stream without sending END_STREAM or RST_STREAM, so
+    the peer waits on it forever; over HTTP/1.1 it closes the connection, as it should. The
+    sim's ``drop`` fault relies on that abrupt end, so on HTTP/2 the stream is reset
+    (INTERNAL_ERROR, RFC 9113 section 5.4.2) and the connection's other streams go on.
+    """
+    from hypercorn.protocol.h2 import H2Protocol
+
+    if getattr(H2Protocol, "_firstbyte_resets", False):
+        return
+    import h2.errors
+    import h2.exceptions
+
+    original = H2Protocol._close_stream
+
+    async def _close_stream(self: Any, stream_id: int) -> None:
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is not None and not buffer.complete and stream_id in self.streams:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                await self._flush()
+            await buffer.close()
+            # Let the send loop visit the stream once more; it then drops its buffer.
+            with contextlib.suppress(Exception):
+                self.priority.unblock(stream_id)
+            await self.has_data.set()
+        await original(self, stream_id)
+
+    H2Protocol._close_stream = _close_stream  # type: ignore[method-assign]
+    H2Protocol._firstbyte_resets = True  # type: ignore[attr-defined]
+
+
+def _close_quic_transports() -> None:
+    """Make hypercorn close its QUIC listener's datagram transport when the server stops.
+
+    hypercorn (0.17, 0.18) leaves it registered with the event loop after shutdown, so closing
+    the UDP socket afterwards (as :func:`serve` does with every socket it was given) would
+    leave a transport on a closed descriptor, and the next socket to get that number fails.
+    """
+    from hypercorn.asyncio import run
+
+    hypercorn_run: Any = run
+    if getattr(hypercorn_run, "_firstbyte_closes_udp", False):
+        return
+
+    class ClosingUDPServer(hypercorn_run.UDPServer):  # type: ignore[misc]
+        async def run(self) -> None:
+            try:
+                await super().run()
+            finally:
+                if self.transport is not None:
+                    self.transport.close()
+
+    hypercorn_run.UDPServer = ClosingUDPServer
+    hypercorn_run._firstbyte_closes_udp = True
+
+
+def run_granian(
+    factory: str,
+    host: str,
+    port: int,
+    *,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> None:
+    """Serve the app that ``factory`` (``"module:function"``, called with no arguments in the
+    server's own process) returns, under granian, until SIGINT or SIGTERM."""
+    from pathlib import Path
+
+    from granian import Granian
+
+    kwargs: dict[str, object] = {}
+    if certfile is not None and keyfile is not None:
+        kwargs.update(ssl_cert=Path(certfile), ssl_key=Path(keyfile))
+    server = Granian(
+        factory,
+        address=host,
+        port=port,
+        interface="asgi",  # type: ignore[arg-type]
+        factory=True,
+        workers=1,
+        log_enabled=False,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    server.serve()
