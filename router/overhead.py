@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.protocol.sse import SSEDecoder
 
 __all__ = ["main"]
 

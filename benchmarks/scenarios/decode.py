@@ -3,8 +3,8 @@
 A CPU benchmark of parsing, not networking: identical pre-recorded chat-completion SSE bytes (in
 the router's format, ``id: N`` + ``data: CHUNK``) are fed in 1 KiB pieces to
 
-- ``firstbyte core``: :class:`firstbyte.client_sdk._core.sse.SSEDecoder` +
-  :func:`firstbyte.client_sdk.types.decode_chunk`;
+- ``firstbyte core``: :class:`firstbyte.protocol.sse.SSEDecoder` +
+  :func:`firstbyte.protocol.openai.decode_chunk`;
 - ``firstbyte assembler``: the SDK's parsing path, ``SSEDecoder`` +
   :class:`firstbyte.client_sdk._core.stream.StreamAssembler` (de-duplicates by sequence number,
   builds deltas);
@@ -34,9 +34,9 @@ from typing import Any
 import msgspec
 
 from firstbyte.benchmarks.progress import Progress
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
 from firstbyte.client_sdk._core.stream import StreamAssembler
-from firstbyte.client_sdk.types import decode_chunk
+from firstbyte.protocol.openai import decode_chunk
+from firstbyte.protocol.sse import DONE, SSEDecoder
 
 __all__ = ["make_stream", "run"]
 

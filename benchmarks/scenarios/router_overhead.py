@@ -37,9 +37,9 @@ import httpx
 
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.stats import SLO, summarize
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
 from firstbyte.client_sdk.timings import Timings
-from firstbyte.client_sdk.types import decode_chunk
+from firstbyte.protocol.openai import decode_chunk
+from firstbyte.protocol.sse import DONE, SSEDecoder
 
 __all__ = ["run"]
 

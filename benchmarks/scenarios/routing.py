@@ -44,7 +44,7 @@ import httpx
 from firstbyte.benchmarks.scenarios._routing_geo import geography
 from firstbyte.benchmarks.stats import percentile
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, WorldError
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.protocol.sse import DONE, SSEDecoder
 from firstbyte.router.cluster import RegionSpec, running_regions, wait_for_peers
 
 __all__ = ["main", "run"]
