@@ -43,8 +43,8 @@ __all__ = [
     "__version__",
 ]
 
-# The client pulls in httpx, aioquic and websockets; the router and the sim import
-# ``client_sdk.types`` only, so the client is imported on first use, not with the package.
+# The client pulls in httpx, aioquic and websockets, so it is imported on first use, not with
+# the package (``firstbyte.protocol`` holds the wire types the router shares).
 _LAZY = {
     "AsyncClient": "firstbyte.client_sdk.client",
     "Client": "firstbyte.client_sdk.sync",

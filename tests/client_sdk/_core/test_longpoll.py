@@ -81,7 +81,7 @@ def test_foreign_or_skipping_batches_are_errors() -> None:
 def test_decode_batch() -> None:
     raw = b'{"stream":"S","events":[{"seq":1,"data":{"a":1}}],"done":false,"next":1}'
     got = decode_batch(raw)
-    assert got.stream == "S" and got.done is False and got.next == 1
+    assert (got.stream, got.done, got.next) == ("S", False, 1)
     assert [(e.seq, bytes(e.data)) for e in got.events] == [(1, b'{"a":1}')]
     with pytest.raises(StreamBrokenError, match="invalid long-poll answer"):
         decode_batch(b'{"stream":"S"}')
