@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from firstbyte.protocol import paths
 from firstbyte.protocol.sse import SSEDecoder
 
 __all__ = ["main"]
@@ -85,7 +86,7 @@ async def _measure(label: str, base: str, requests: int, tokens: int, pid: int |
             decoder = SSEDecoder()
             start = time.perf_counter()
             first: float | None = None
-            async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+            async with client.stream("POST", base + paths.CHAT_COMPLETIONS, json=body) as r:
                 async for piece in r.aiter_raw():
                     for event in decoder.receive_data(piece):
                         chunks += 1
@@ -119,7 +120,7 @@ async def _run(requests: int, tokens: int) -> list[Run]:
     runs: list[Run] = []
     try:
         sim_url = f"http://127.0.0.1:{sim_port}"
-        await _wait_healthy(sim_url + "/v1/models", sim)
+        await _wait_healthy(sim_url + paths.MODELS, sim)
         runs.append(await _measure("direct to sim", sim_url, requests, tokens, None))
         for server in ("hypercorn", "uvicorn"):
             port = _free_port()
@@ -132,7 +133,7 @@ async def _run(requests: int, tokens: int) -> list[Run]:
             )  # fmt: skip
             try:
                 url = f"http://127.0.0.1:{port}"
-                await _wait_healthy(url + "/healthz", router)
+                await _wait_healthy(url + paths.HEALTHZ, router)
                 runs.append(
                     await _measure(f"router on {server}", url, requests, tokens, router.pid)
                 )

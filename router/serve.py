@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from firstbyte.protocol import paths
+
 from .app import RouterApp, build_app
 from .config import RouterConfig
 from .gc_tuning import tune_for_serving
@@ -62,7 +64,7 @@ class RouterEndpoints:
 
     @property
     def openai_base_url(self) -> str:
-        return self.base_url + "/v1"
+        return self.base_url + paths.API_BASE
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

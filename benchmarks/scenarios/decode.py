@@ -35,6 +35,7 @@ import msgspec
 
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.client_sdk._core.stream import StreamAssembler
+from firstbyte.protocol import paths
 from firstbyte.protocol.openai import decode_chunk
 from firstbyte.protocol.sse import DONE, SSEDecoder
 
@@ -227,7 +228,7 @@ def _loopback(events: int, passes: int, bar: Progress) -> dict[str, tuple[int, f
         url = proc.stdout.readline().strip()
         if not url.startswith("http://"):
             raise RuntimeError("the loopback SSE server did not start")
-        base = url + "/v1"
+        base = url + paths.API_BASE
         messages: Any = [{"role": "user", "content": "hi"}]
 
         async def go() -> dict[str, tuple[int, float, float]]:

@@ -38,6 +38,7 @@ import httpx
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.stats import SLO, summarize
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.protocol import paths
 from firstbyte.protocol.openai import decode_chunk
 from firstbyte.protocol.sse import DONE, SSEDecoder
 
@@ -183,7 +184,7 @@ async def _one(client: httpx.AsyncClient, url: str, max_tokens: int, seed: int) 
             marks[name] = (now() - start) * 1000
 
     async with client.stream(
-        "POST", url + "/v1/chat/completions", json=body, extensions={"trace": trace}
+        "POST", url + paths.CHAT_COMPLETIONS, json=body, extensions={"trace": trace}
     ) as response:
         if "connection.connect_tcp.complete" in marks:
             timings.warm = False

@@ -44,6 +44,8 @@ import httpx
 from firstbyte.benchmarks.scenarios._routing_geo import geography
 from firstbyte.benchmarks.stats import percentile
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, WorldError
+from firstbyte.protocol import paths
+from firstbyte.protocol.headers import REGION_HEADER
 from firstbyte.protocol.sse import DONE, SSEDecoder
 from firstbyte.router.cluster import RegionSpec, running_regions, wait_for_peers
 
@@ -66,8 +68,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> 
     ttft: float | None = None
     usage: dict[str, Any] = {}
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            region = r.headers.get("x-firstbyte-region", "")
+        async with client.stream("POST", url + paths.CHAT_COMPLETIONS, json=body) as r:
+            region = r.headers.get(REGION_HEADER, "")
             if r.status_code != 200:
                 await r.aread()
                 return {"ok": False, "status": r.status_code, "region": region}
