@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from firstbyte.client_sdk.budget import BudgetReport, LatencyBudget
+from firstbyte.protocol.openai import Message, Usage  # the chat types the client API takes/gives
 
 if TYPE_CHECKING:
     from firstbyte.client_sdk._core.stream import StreamDelta
@@ -33,6 +34,7 @@ __all__ = [
     "Client",
     "ConnectError",
     "LatencyBudget",
+    "Message",
     "RateLimitError",
     "ServiceUnavailableError",
     "StreamBrokenError",
@@ -40,6 +42,7 @@ __all__ = [
     "StreamStalledError",
     "TLSError",
     "Timings",
+    "Usage",
     "__version__",
 ]
 
