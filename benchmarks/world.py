@@ -53,6 +53,7 @@ import trustme
 from firstbyte.benchmarks.wan import Emulator, PrecisionReport, WanUnavailable
 from firstbyte.benchmarks.wan.geo import Place
 from firstbyte.benchmarks.wan.netns import check_capable, python_env
+from firstbyte.protocol import paths
 
 __all__ = [
     "LOOPBACK_LIMITS",
@@ -344,7 +345,7 @@ class World:
         peers = info.get("peers")
         self._log(f"world: region {host} serving {info['url']} (HTTP/1.1, HTTP/2, HTTP/3)"
                   + (f", peers up: {', '.join(peers)}" if peers else ""))
-        return Region(host, host, str(info["url"]) + "/v1", info.get("h3_port"))
+        return Region(host, host, str(info["url"]) + paths.API_BASE, info.get("h3_port"))
 
     # -- clients --------------------------------------------------------------------------------
     async def run_client(

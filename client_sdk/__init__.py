@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from firstbyte.client_sdk.budget import BudgetReport, LatencyBudget
+from firstbyte.protocol.openai import Message, Usage  # the chat types the client API takes/gives
 
 if TYPE_CHECKING:
     from firstbyte.client_sdk._core.stream import StreamDelta
@@ -33,6 +34,7 @@ __all__ = [
     "Client",
     "ConnectError",
     "LatencyBudget",
+    "Message",
     "RateLimitError",
     "ServiceUnavailableError",
     "StreamBrokenError",
@@ -40,11 +42,12 @@ __all__ = [
     "StreamStalledError",
     "TLSError",
     "Timings",
+    "Usage",
     "__version__",
 ]
 
-# The client pulls in httpx, aioquic and websockets; the router and the sim import
-# ``client_sdk.types`` only, so the client is imported on first use, not with the package.
+# The client pulls in httpx, aioquic and websockets, so it is imported on first use, not with
+# the package (``firstbyte.protocol`` holds the wire types the router shares).
 _LAZY = {
     "AsyncClient": "firstbyte.client_sdk.client",
     "Client": "firstbyte.client_sdk.sync",

@@ -50,7 +50,7 @@ from firstbyte.client_sdk.transports.base import Event, Item, Opened, Session, S
 from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
-from firstbyte.client_sdk.types import Message, Usage
+from firstbyte.protocol.openai import Message, Usage
 
 __all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]
 

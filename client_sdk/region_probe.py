@@ -21,11 +21,12 @@ from firstbyte.client_sdk.errors import APIError, FirstbyteError
 from firstbyte.client_sdk.regions import regions_from_status
 from firstbyte.client_sdk.resolver import Origin
 from firstbyte.client_sdk.transports.base import Session
+from firstbyte.protocol import paths
+from firstbyte.protocol.edge import PublicEdgeStatus
 
 __all__ = ["RegionProbe", "discover_regions", "probe_region"]
 
-_STATUS_PATH = "/v1/edge/status"
-_HEALTH_PATH = "/healthz"
+_status = msgspec.json.Decoder(PublicEdgeStatus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,22 +47,20 @@ async def probe_region(session: Session, samples: int = 3) -> RegionProbe:
         raise ValueError("samples must be at least 1")
     label: str | None = None
     try:
-        async with session.request("GET", _STATUS_PATH, headers={}, body=None,
+        async with session.request("GET", paths.EDGE_STATUS, headers={}, body=None,
                                    recorder=None) as response:
             body = await response.read()
         if response.status == 200:
             # Any server may sit at a configured URL; only a well-formed status names a region.
             try:
-                status = msgspec.json.decode(body)
-            except msgspec.DecodeError:
-                status = None
-            if isinstance(status, dict) and isinstance(status.get("region"), str):
-                label = status["region"]
+                label = _status.decode(body).region
+            except msgspec.DecodeError:  # ValidationError included
+                label = None
         best = float("inf")
         healthy = True
         for _ in range(samples):
             start = time.perf_counter()
-            async with session.request("GET", _HEALTH_PATH, headers={}, body=None,
+            async with session.request("GET", paths.HEALTHZ, headers={}, body=None,
                                        recorder=None) as response:
                 await response.read()
             best = min(best, (time.perf_counter() - start) * 1000.0)
@@ -86,20 +85,18 @@ async def discover_regions(base_url: str, **client_options: Any) -> dict[str, st
     async with AsyncClient(base_url, **client_options) as client:
         session = client.pool.session(origin, client.http if client.transport != "websocket"
                                       else "1.1")
-        async with session.request("GET", _STATUS_PATH, headers={}, body=None,
+        async with session.request("GET", paths.EDGE_STATUS, headers={}, body=None,
                                    recorder=None) as response:
             body = await response.read()
     if response.status != 200:
-        raise APIError(f"{_STATUS_PATH} answered {response.status}", status=response.status)
+        raise APIError(f"{paths.EDGE_STATUS} answered {response.status}", status=response.status)
     try:
-        status = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise APIError(f"{_STATUS_PATH} is not JSON: {exc}", status=response.status) from exc
-    if not isinstance(status, dict):
-        raise APIError(f"{_STATUS_PATH} is not a JSON object", status=response.status)
+        status = _status.decode(body)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise APIError(f"{paths.EDGE_STATUS} is not an edge status document: {exc}",
+                       status=response.status) from exc
     # This router at the URL the caller gave (known to work from here), then its peers.
-    own = status.get("region")
-    out: dict[str, str] = {str(own) if own else base_url: base_url}
+    out: dict[str, str] = {status.region or base_url: base_url}
     for region in regions_from_status(status, base_url):
         url = region.url
         if region.name not in out:

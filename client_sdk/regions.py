@@ -25,10 +25,11 @@ one); until something is kept, the ranking is by RTT alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
+
+from firstbyte.protocol.edge import PublicEdgeStatus
 
 __all__ = ["Region", "RegionSelector", "regions_from_status", "same_origin"]
 
@@ -40,16 +41,15 @@ class Region:
     """Base URL of the region's router (what ``AsyncClient(base_url=...)`` takes)."""
 
 
-def regions_from_status(status: Mapping[str, Any], url: str | None = None) -> list[Region]:
+def regions_from_status(status: PublicEdgeStatus, url: str | None = None) -> list[Region]:
     """The regions a router's ``/v1/edge/status`` document names (itself first)."""
     out: list[Region] = []
-    own = status.get("public_url") or url
-    if status.get("region") and own:
-        out.append(Region(str(status["region"]), str(own)))
-    for peer in status.get("peers") or ():
-        name, peer_url = peer.get("name"), peer.get("url")
-        if name and peer_url and all(r.name != name for r in out):
-            out.append(Region(str(name), str(peer_url)))
+    own = status.public_url or url
+    if status.region and own:
+        out.append(Region(status.region, own))
+    for peer in status.peers:
+        if peer.name and peer.url and all(r.name != peer.name for r in out):
+            out.append(Region(peer.name, peer.url))
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from firstbyte.client_sdk._core.stream import StreamDelta
 from firstbyte.client_sdk.client import AsyncClient, ChatStream
 from firstbyte.client_sdk.timings import Timings
-from firstbyte.client_sdk.types import Usage
+from firstbyte.protocol.openai import Usage
 
 __all__ = ["Client", "SyncChatStream"]
 

@@ -11,6 +11,8 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
+from firstbyte.protocol import paths
+
 from . import endpoints
 from .asgi import Receive, Scope, Send
 from .config import RouterConfig
@@ -22,16 +24,19 @@ __all__ = ["RouterApp", "build_app"]
 Handler = Callable[[RouterState, Scope, Receive, Send], Awaitable[None]]
 
 _ROUTES: dict[str, dict[str, Handler]] = {
-    "/v1/chat/completions": {"POST": endpoints.chat_completions},
-    "/v1/streams": {"POST": endpoints.start_detached_stream},
-    "/v1/models": {"GET": endpoints.models},
-    "/healthz": {"GET": endpoints.healthz},
-    "/metrics": {"GET": endpoints.metrics},
-    "/v1/edge/status": {"GET": endpoints.edge_status},
+    paths.CHAT_COMPLETIONS: {"POST": endpoints.chat_completions},
+    paths.STREAMS: {"POST": endpoints.start_detached_stream},
+    paths.MODELS: {"GET": endpoints.models},
+    paths.HEALTHZ: {"GET": endpoints.healthz},
+    paths.METRICS: {"GET": endpoints.metrics},
+    paths.EDGE_STATUS: {"GET": endpoints.edge_status},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
-_UNGATED = frozenset({"/healthz", "/metrics", "/v1/edge/status"})
-_STREAM_PATH = re.compile(r"^/v1/streams/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$")
+_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
+# paths.stream(ID) and paths.stream_poll(ID)
+_STREAM_PATH = re.compile(
+    "^" + re.escape(paths.STREAMS) + r"/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$"
+)
 
 
 class RouterApp:
@@ -50,7 +55,7 @@ class RouterApp:
         if path not in _UNGATED:
             await self.state.until_warm()
         if kind == "websocket":
-            if path == "/v1/ws":
+            if path == paths.WEBSOCKET:
                 await websocket_session(self.state, scope, receive, send)
             else:
                 await send({"type": "websocket.close", "code": 1008, "reason": "no such path"})

@@ -15,7 +15,11 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from firstbyte.client_sdk.types import encode
+from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
+from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
+from firstbyte.protocol.openai import encode
+from firstbyte.protocol.poll import StreamStarted
 
 from .asgi import ClientGone, Receive, Scope, Send, header_dict, read_body, send_bytes, stream_body
 from .pipeline.admit import admit_chat, authenticate
@@ -69,7 +73,7 @@ def new_context(state: RouterState, scope: Scope) -> RequestContext:
 
 def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
     return [
-        ("x-firstbyte-region", ctx.region),
+        (REGION_HEADER, ctx.region),
         ("traceparent", ctx.traceparent.header()),
         *ctx.extra.get("response_headers", ()),  # e.g. x-firstbyte-better-region
     ]
@@ -85,7 +89,7 @@ def _fallback_reply(outcome: Fallback) -> LocalReply:
         503,
         f"Cannot serve this request here: {outcome.reason}.",
         "server_error",
-        code="unavailable",
+        code=error_codes.UNAVAILABLE,
         headers=(("retry-after", "1"),),
         outcome="unavailable",
     )
@@ -146,7 +150,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
     if ctx is None:
         return
     if not ctx.stream_requested:
-        answer = await state.proxy.forward(ctx, "POST", "/v1/chat/completions", ctx.body)
+        answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
         state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
@@ -171,7 +175,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         stream.detach(state.clock())
     headers = [
         *_common_headers(ctx),
-        ("x-firstbyte-stream", stream.id),
+        (STREAM_HEADER, stream.id),
         ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
     ]
     if head.status != 200:
@@ -223,16 +227,16 @@ async def start_detached_stream(
     if wait == 0:
         headers = [
             *_common_headers(ctx),
-            ("x-firstbyte-stream", stream.id),
+            (STREAM_HEADER, stream.id),
             ("server-timing", ctx.server_timing()),
         ]
-        await send_bytes(send, 201, encode({"stream": stream.id}), headers=headers)
+        await send_bytes(send, 201, encode(StreamStarted(stream.id)), headers=headers)
         return
     batch = await poll(stream, 0, wait, clock=state.clock)
     timing = {} if stream.upstream_ttft_ms is None else {"upstream_ttft": stream.upstream_ttft_ms}
     headers = [
         *_common_headers(ctx),
-        ("x-firstbyte-stream", stream.id),
+        (STREAM_HEADER, stream.id),
         ("server-timing", ctx.server_timing(**timing)),
         ("cache-control", "no-cache"),
     ]
@@ -246,7 +250,11 @@ def _lookup(state: RouterState, ctx: RequestContext, stream_id: str) -> Stream |
     stream = state.store.get(stream_id, owner_of(ctx.api_key))
     if stream is None:
         return error_reply(
-            404, "No such stream.", code="stream_not_found", param="stream", outcome="not_found"
+            404,
+            "No such stream.",
+            code=error_codes.STREAM_NOT_FOUND,
+            param="stream",
+            outcome="not_found",
         )
     return stream
 
@@ -269,7 +277,7 @@ def _wait_param(state: RouterState, query: dict[str, str], *, default: float) ->
             400,
             f"wait must be a number of seconds from 0 to {max_wait:g}.",
             param="wait",
-            code="invalid_wait",
+            code=error_codes.INVALID_WAIT,
         )
     return wait_s
 
@@ -300,7 +308,10 @@ async def _open_stream(
     after = parse_after(raw_after)
     if after is None:
         invalid = error_reply(
-            400, f"{name} must be a non-negative integer.", param="after", code="invalid_after"
+            400,
+            f"{name} must be a non-negative integer.",
+            param="after",
+            code=error_codes.INVALID_AFTER,
         )
         await _finish(state, send, ctx, invalid, endpoint)
         return None
@@ -320,7 +331,7 @@ async def read_stream(
     headers = [
         *SSE_HEADERS,
         *_common_headers(ctx),
-        ("x-firstbyte-stream", found.id),
+        (STREAM_HEADER, found.id),
         ("server-timing", ctx.server_timing(**timing)),
     ]
     await stream_body(
@@ -354,7 +365,7 @@ async def poll_stream(
         msgspec.json.encode(batch),
         headers=[
             *_common_headers(ctx),
-            ("x-firstbyte-stream", found.id),
+            (STREAM_HEADER, found.id),
             ("cache-control", "no-cache"),
         ],
     )
@@ -367,7 +378,7 @@ async def models(state: RouterState, scope: Scope, receive: Receive, send: Send)
         return
     if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "models"):
         return
-    answer = await state.proxy.forward(ctx, "GET", "/v1/models")
+    answer = await state.proxy.forward(ctx, "GET", paths.MODELS)
     state.metrics.count("models", "ok" if answer.status == 200 else f"upstream_{answer.status}")
     await send_bytes(
         send,
@@ -410,28 +421,30 @@ async def metrics(state: RouterState, scope: Scope, receive: Receive, send: Send
 
 async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /v1/edge/status``: this region's load and warm prefixes, for peers and dashboards
-    (:class:`firstbyte.router.peers.EdgeStatus`, plus ``streams``, ``warm`` and ``time``).
+    (:class:`~firstbyte.protocol.edge.EdgeStatusReport`).
 
     Without a key that may see it (:func:`_observer`) only what a client needs to find its
-    regions: ``region``, ``healthy``, ``public_url``, location and ``peers``.
+    regions (:class:`~firstbyte.protocol.edge.PublicEdgeStatus`).
     """
     status = state.routing.status()
+    document: PublicEdgeStatus | EdgeStatusReport
     if isinstance(_observer(state, new_context(state, scope)), LocalReply):
-        public = {
-            "region": status.region,
-            "healthy": status.healthy and not state.warming,
-            "public_url": status.public_url,
-            "latitude": status.latitude,
-            "longitude": status.longitude,
-            "peers": msgspec.to_builtins(status.peers),
-        }
-        await send_bytes(send, 200, encode(public), headers=[("cache-control", "no-cache")])
-        return
-    body = msgspec.to_builtins(status)
-    body["streams"] = len(state.store)
-    body["warm"] = state.routing.scheduler.registry()
-    body["time"] = time.time()
-    await send_bytes(send, 200, encode(body), headers=[("cache-control", "no-cache")])
+        document = PublicEdgeStatus(
+            region=status.region,
+            healthy=status.healthy and not state.warming,
+            public_url=status.public_url,
+            latitude=status.latitude,
+            longitude=status.longitude,
+            peers=status.peers,
+        )
+    else:
+        document = EdgeStatusReport(
+            **msgspec.structs.asdict(status),
+            streams=len(state.store),
+            warm=state.routing.scheduler.registry(),
+            time=time.time(),
+        )
+    await send_bytes(send, 200, encode(document), headers=[("cache-control", "no-cache")])
 
 
 async def not_found(scope: Scope, send: Send, allowed: str | None = None) -> None:
@@ -440,5 +453,7 @@ async def not_found(scope: Scope, send: Send, allowed: str | None = None) -> Non
             405, f"Method not allowed; use {allowed}.", headers=(("allow", allowed),)
         )
     else:
-        outcome = error_reply(404, f"No route for {scope.get('path', '')}.", code="not_found")
+        outcome = error_reply(
+            404, f"No route for {scope.get('path', '')}.", code=error_codes.NOT_FOUND
+        )
     await reply(send, None, outcome)

@@ -36,23 +36,22 @@ from typing import Any
 
 import httpx
 
-from firstbyte.client_sdk.types import ChatCompletionRequest, message_text
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.edge import BackendStatus, EdgeStatus, PeerLink, prefix_hash
+from firstbyte.protocol.headers import (
+    BETTER_REGION_HEADER,
+    BETTER_REGION_URL_HEADER,
+    FORWARDED_HEADER,
+    PEER_KEY_HEADER,
+)
+from firstbyte.protocol.openai import ChatCompletionRequest, message_text
 
 from .backpressure import BackendLoad, LoadTracker, SpillBudget
 from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
-from .peers import (
-    FORWARDED_HEADER,
-    PEER_KEY_HEADER,
-    BackendStatus,
-    EdgeStatus,
-    PeerLink,
-    PeerPoller,
-    PeerTable,
-    prefix_hash,
-)
+from .peers import PeerPoller, PeerTable
 from .pipeline.affinity import AffinityPolicy, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
@@ -61,9 +60,8 @@ from .regions_config import warm_prefix_text
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
 
-__all__ = ["BETTER_REGION_HEADER", "Observation", "RegionRouting"]
+__all__ = ["Observation", "RegionRouting"]
 
-BETTER_REGION_HEADER = "x-firstbyte-better-region"
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
 
@@ -348,7 +346,7 @@ class RegionRouting:
             headers.append((BETTER_REGION_HEADER, decision.better_region))
             url = self.peer_urls.get(decision.better_region)
             if url:
-                headers.append((BETTER_REGION_HEADER + "-url", url))
+                headers.append((BETTER_REGION_URL_HEADER, url))
         ctx.extra["response_headers"] = headers
         if decision.verdict is Verdict.LOCAL:
             chosen = self._local_backend(request, now)
@@ -447,7 +445,7 @@ class RegionRouting:
             f"Region {self.region} is at capacity and no other region can take this request;"
             f" retry after {retry} s.",
             "rate_limit_error",
-            code="region_saturated",
+            code=error_codes.REGION_SATURATED,
             headers=(("retry-after", str(retry)),),
             outcome="rejected",
         )

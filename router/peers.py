@@ -1,9 +1,10 @@
 """The other regions' state: the ``/v1/edge/status`` document, a table with staleness, a poller.
 
-Every router publishes :class:`EdgeStatus` at ``GET /v1/edge/status``; each router polls its
-peers' status over one kept-warm HTTP connection per peer (the same connection forwarded
-requests use, so it never goes cold) and keeps the latest in a :class:`PeerTable`. State older
-than ``ttl_s`` counts as unknown: the peer is then no candidate for forwarding or spilling.
+Every router publishes :class:`~firstbyte.protocol.edge.EdgeStatus` at ``GET /v1/edge/status``;
+each router polls its peers' status over one kept-warm HTTP connection per peer (the same
+connection forwarded requests use, so it never goes cold) and keeps the latest in a
+:class:`PeerTable`. State older than ``ttl_s`` counts as unknown: the peer is then no
+candidate for forwarding or spilling.
 The poll's round-trip time feeds an EWMA, the measured router-to-router RTT.
 
 Router-to-router requests carry ``x-firstbyte-peer-key``; a forwarded request also carries
@@ -20,68 +21,12 @@ from dataclasses import dataclass
 
 import msgspec
 
+from firstbyte.protocol import paths
+from firstbyte.protocol.edge import EdgeStatus
+from firstbyte.protocol.headers import PEER_KEY_HEADER
 from firstbyte.router.backpressure import Ewma
 
-__all__ = [
-    "FORWARDED_HEADER",
-    "PEER_KEY_HEADER",
-    "BackendStatus",
-    "EdgeStatus",
-    "PeerLink",
-    "PeerPoller",
-    "PeerState",
-    "PeerTable",
-    "prefix_hash",
-]
-
-PEER_KEY_HEADER = "x-firstbyte-peer-key"
-FORWARDED_HEADER = "x-firstbyte-forwarded"
-
-
-def prefix_hash(text: str) -> str:
-    """The published identity of a warm prefix (its text is not published)."""
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-class BackendStatus(msgspec.Struct, kw_only=True):
-    name: str
-    healthy: bool
-    in_flight: int
-    load: int
-    max_in_flight: int
-    saturated: bool
-    ttft_ms: float | None = None
-    warm_prefixes: list[str] = msgspec.field(default_factory=list)
-    """Names of the prefixes this backend holds warm."""
-
-
-class PeerLink(msgspec.Struct, kw_only=True):
-    """A peer region as clients may reach it (for the SDK's region list)."""
-
-    name: str
-    url: str
-    up: bool
-
-
-class EdgeStatus(msgspec.Struct, kw_only=True):
-    """``GET /v1/edge/status``: what a peer needs to decide whether to send us a request."""
-
-    region: str
-    healthy: bool
-    saturated: bool
-    in_flight: int
-    capacity: int
-    queue_wait_ms: float
-    latitude: float | None = None
-    longitude: float | None = None
-    public_url: str | None = None
-    ttft_ms: float | None = None
-    warm_prefixes: list[str] = msgspec.field(default_factory=list)
-    """Hashes (:func:`prefix_hash`) of the prefixes warm on at least one backend."""
-    backends: list[BackendStatus] = msgspec.field(default_factory=list)
-    peers: list[PeerLink] = msgspec.field(default_factory=list)
+__all__ = ["PeerPoller", "PeerState", "PeerTable"]
 
 
 @dataclass
@@ -166,7 +111,7 @@ class PeerPoller:
         start = self.clock()
         try:
             response = await client.get(
-                self.table.peers[name].url.rstrip("/") + "/v1/edge/status",
+                self.table.peers[name].url.rstrip("/") + paths.EDGE_STATUS,
                 headers=headers,
                 timeout=self.interval_s * 2 + 1,
             )

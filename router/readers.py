@@ -13,25 +13,12 @@ from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 
-from firstbyte.client_sdk._core.sse import encode_comment, encode_event
+from firstbyte.protocol.poll import PollBatch, PollEvent
+from firstbyte.protocol.sse import encode_comment, encode_event
 
 from .streams import Stream, StreamEvent
 
-__all__ = ["PollBatch", "PollEvent", "follow", "parse_after", "poll", "sse_events"]
-
-
-class PollEvent(msgspec.Struct):
-    seq: int
-    data: msgspec.Raw
-
-
-class PollBatch(msgspec.Struct):
-    """The long-poll answer (see docs/protocol.md)."""
-
-    stream: str
-    events: list[PollEvent]
-    done: bool
-    next: int
+__all__ = ["follow", "parse_after", "poll", "sse_events"]
 
 
 def parse_after(value: str | None) -> int | None:

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from firstbyte.protocol import paths
+
 from .app import RouterApp, build_app
 from .config import RouterConfig
 from .hosting import Listeners, ServerOptions, bind, running
@@ -42,7 +44,7 @@ class RouterEndpoints:
 
     @property
     def openai_base_url(self) -> str:
-        return self.base_url + "/v1"
+        return self.base_url + paths.API_BASE
 
 
 def ws_max_message_bytes(config: RouterConfig) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from firstbyte.client_sdk._core.sse import DONE
+from firstbyte.protocol.sse import DONE
 
 __all__ = ["DONE_DATA", "Stream", "StreamEvent", "StreamStore", "new_stream_id", "owner_of"]
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from firstbyte.protocol import paths
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
 __all__ = [
@@ -302,7 +303,7 @@ class WarmupRunner:
         assert isinstance(client, httpx.AsyncClient)
         base = self.urls[name].rstrip("/")
         try:
-            response = await client.get(base + "/metrics", timeout=self.poll_interval_s * 2 + 1)
+            response = await client.get(base + paths.METRICS, timeout=self.poll_interval_s * 2 + 1)
         except httpx.TimeoutException:
             return  # slow, not down: a busy server answers late; keep what we knew
         except httpx.HTTPError:
@@ -328,7 +329,7 @@ class WarmupRunner:
         assert isinstance(self.client, httpx.AsyncClient)
         try:
             listed = await self.client.get(
-                base + "/v1/models", headers=self.headers.get(name, {}), timeout=5.0
+                base + paths.MODELS, headers=self.headers.get(name, {}), timeout=5.0
             )
             ids = [m["id"] for m in listed.json().get("data", []) if "id" in m]
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
@@ -345,7 +346,7 @@ class WarmupRunner:
         headers = self.headers.get(task.backend, {})
         try:
             response = await client.post(
-                self.urls[task.backend].rstrip("/") + "/v1/chat/completions",
+                self.urls[task.backend].rstrip("/") + paths.CHAT_COMPLETIONS,
                 json=probe_body(prefix, task.model), headers=headers, timeout=60.0,
             )
             response.raise_for_status()

@@ -1,6 +1,6 @@
 """WebSocket ``/v1/ws``: start streams and resume them over one socket (docs/protocol.md).
 
-The message protocol is decoded with msgspec tagged unions; a malformed message gets an
+The messages are :mod:`firstbyte.protocol.ws`'s tagged unions; a malformed message gets an
 ``error`` message and the socket closes with 1007, an unknown or foreign stream with 1008.
 Each stream on the socket is followed by its own task; sends are serialised by a lock so
 messages never interleave.
@@ -10,15 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Annotated
 
 import msgspec
 
-from firstbyte.client_sdk.types import ErrorBody, encode, error_body
+from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol.headers import BETTER_REGION_HEADER, BETTER_REGION_URL_HEADER, REGION_HEADER
+from firstbyte.protocol.openai import ErrorBody, encode, error_body
+from firstbyte.protocol.ws import (
+    CLOSE_INVALID_PAYLOAD,
+    CLOSE_POLICY,
+    Done,
+    Error,
+    Event,
+    Request,
+    Resume,
+    ServerMessage,
+    Start,
+    decode_client_message,
+)
+from firstbyte.protocol.ws import encode as encode_message
 
 from .asgi import Receive, Scope, Send
 from .endpoints import new_context
-from .multiregion import BETTER_REGION_HEADER
 from .pipeline.admit import admit_chat, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
@@ -28,50 +41,9 @@ from .streams import Stream, owner_of
 
 __all__ = ["websocket_session"]
 
-CLOSE_INVALID_PAYLOAD = 1007
-CLOSE_POLICY = 1008
 MAX_STREAMS_PER_SOCKET = 64
 """Streams followed at once on one socket; one more is refused (error, close 1008), so a
 client cannot make the router hold a task per message it sends."""
-
-
-class WsRequest(msgspec.Struct, tag="request", tag_field="type"):
-    body: msgspec.Raw
-
-
-class WsResume(msgspec.Struct, tag="resume", tag_field="type"):
-    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    after: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-_decoder = msgspec.json.Decoder(WsRequest | WsResume)
-
-
-class _Start(msgspec.Struct, tag="start", tag_field="type", omit_defaults=True):
-    """The stream exists. On a new request, ``region`` serves it and ``better_region`` (and its
-    ``better_region_url``) are the ``x-firstbyte-better-region`` hint SSE sends as headers:
-    a WebSocket has no per-request headers, so the hint rides on the stream's first message."""
-
-    stream: str
-    region: str | None = None
-    better_region: str | None = None
-    better_region_url: str | None = None
-
-
-class _Event(msgspec.Struct, tag="event", tag_field="type"):
-    stream: str
-    seq: int
-    data: msgspec.Raw
-
-
-class _Done(msgspec.Struct, tag="done", tag_field="type"):
-    stream: str
-    seq: int
-
-
-class _Error(msgspec.Struct, tag="error", tag_field="type"):
-    stream: str | None
-    error: msgspec.Raw
 
 
 class _Close(Exception):
@@ -80,11 +52,11 @@ class _Close(Exception):
         self.reason = reason
 
 
-def _error(stream: str | None, body: ErrorBody | bytes) -> _Error:
+def _error(stream: str | None, body: ErrorBody | bytes) -> Error:
     raw = body if isinstance(body, bytes) else encode(body)
     # The message carries the inner error object, as in ``{"error": {...}}`` bodies.
     inner = msgspec.json.decode(raw).get("error", {})
-    return _Error(stream, msgspec.Raw(encode(inner)))
+    return Error(stream, msgspec.Raw(encode(inner)))
 
 
 class _Session:
@@ -95,31 +67,31 @@ class _Session:
         self._lock = asyncio.Lock()
         self.followers: set[asyncio.Task[None]] = set()
 
-    async def send(self, message: msgspec.Struct) -> None:
+    async def send(self, message: ServerMessage) -> None:
         async with self._lock:
-            await self._send({"type": "websocket.send", "text": encode(message).decode()})
+            await self._send({"type": "websocket.send", "text": encode_message(message).decode()})
 
     async def handle(self, text: str | bytes) -> None:
         try:
-            message = _decoder.decode(text)
+            message = decode_client_message(text)
         except msgspec.DecodeError as exc:
             reason = f"malformed message: {exc}"[:120]
-            await self.send(_error(None, error_body(reason, code="invalid_message")))
+            await self.send(_error(None, error_body(reason, code=error_codes.INVALID_MESSAGE)))
             raise _Close(CLOSE_INVALID_PAYLOAD, reason) from None
         if len(self.followers) >= MAX_STREAMS_PER_SOCKET:
             reason = f"more than {MAX_STREAMS_PER_SOCKET} streams at once on one socket"
-            await self.send(_error(None, error_body(reason, code="too_many_streams")))
+            await self.send(_error(None, error_body(reason, code=error_codes.TOO_MANY_STREAMS)))
             raise _Close(CLOSE_POLICY, reason)
-        if isinstance(message, WsRequest):
+        if isinstance(message, Request):
             await self._request(message)
         else:
             await self._resume(message)
 
-    async def _request(self, message: WsRequest) -> None:
+    async def _request(self, message: Request) -> None:
         ctx = new_context(
             self.state,
             {
-                "path": "/v1/ws",
+                "path": paths.WEBSOCKET,
                 "method": "POST",
                 "headers": [],
                 "http_version": self.ctx.http_version,
@@ -150,7 +122,11 @@ class _Session:
             await self.send(
                 _error(
                     None,
-                    error_body(f"Cannot serve here: {reason}.", "server_error", code="unavailable"),
+                    error_body(
+                        f"Cannot serve here: {reason}.",
+                        "server_error",
+                        code=error_codes.UNAVAILABLE,
+                    ),
                 )
             )
             return
@@ -159,21 +135,23 @@ class _Session:
         self.state.proxy.start_stream(ctx, stream)
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.extra.get("response_headers", ()))
-        await self.send(_Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
-                               hint.get(BETTER_REGION_HEADER + "-url")))
+        await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
+                              hint.get(BETTER_REGION_URL_HEADER)))
         self._follow(stream, 0)
 
-    async def _resume(self, message: WsResume) -> None:
+    async def _resume(self, message: Resume) -> None:
         stream = self.state.store.get(message.stream, owner_of(self.ctx.api_key))
         if stream is None:
             await self.send(
                 _error(
                     message.stream,
-                    error_body("No such stream.", code="stream_not_found", param="stream"),
+                    error_body(
+                        "No such stream.", code=error_codes.STREAM_NOT_FOUND, param="stream"
+                    ),
                 )
             )
             raise _Close(CLOSE_POLICY, "unknown stream")
-        await self.send(_Start(stream.id))
+        await self.send(Start(stream.id))
         self._follow(stream, message.after)
 
     def _follow(self, stream: Stream, after: int) -> None:
@@ -193,9 +171,9 @@ class _Session:
             async for batch in batches:
                 for event in batch:
                     if event.is_done:
-                        await self.send(_Done(stream.id, event.seq))
+                        await self.send(Done(stream.id, event.seq))
                         return
-                    await self.send(_Event(stream.id, event.seq, msgspec.Raw(event.data)))
+                    await self.send(Event(stream.id, event.seq, msgspec.Raw(event.data)))
         finally:
             await batches.aclose()
 
@@ -235,7 +213,7 @@ async def websocket_session(state: RouterState, scope: Scope, receive: Receive, 
         {
             "type": "websocket.accept",
             "headers": [
-                (b"x-firstbyte-region", state.region.encode()),
+                (REGION_HEADER.encode(), state.region.encode()),
             ],
         }
     )

@@ -3,8 +3,8 @@
 A CPU benchmark of parsing, not networking: identical pre-recorded chat-completion SSE bytes (in
 the router's format, ``id: N`` + ``data: CHUNK``) are fed in 1 KiB pieces to
 
-- ``firstbyte core``: :class:`firstbyte.client_sdk._core.sse.SSEDecoder` +
-  :func:`firstbyte.client_sdk.types.decode_chunk`;
+- ``firstbyte core``: :class:`firstbyte.protocol.sse.SSEDecoder` +
+  :func:`firstbyte.protocol.openai.decode_chunk`;
 - ``firstbyte assembler``: the SDK's parsing path, ``SSEDecoder`` +
   :class:`firstbyte.client_sdk._core.stream.StreamAssembler` (de-duplicates by sequence number,
   builds deltas);
@@ -34,9 +34,10 @@ from typing import Any
 import msgspec
 
 from firstbyte.benchmarks.progress import Progress
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
 from firstbyte.client_sdk._core.stream import StreamAssembler
-from firstbyte.client_sdk.types import decode_chunk
+from firstbyte.protocol import paths
+from firstbyte.protocol.openai import decode_chunk
+from firstbyte.protocol.sse import DONE, SSEDecoder
 
 __all__ = ["make_stream", "run"]
 
@@ -227,7 +228,7 @@ def _loopback(events: int, passes: int, bar: Progress) -> dict[str, tuple[int, f
         url = proc.stdout.readline().strip()
         if not url.startswith("http://"):
             raise RuntimeError("the loopback SSE server did not start")
-        base = url + "/v1"
+        base = url + paths.API_BASE
         messages: Any = [{"role": "user", "content": "hi"}]
 
         async def go() -> dict[str, tuple[int, float, float]]:

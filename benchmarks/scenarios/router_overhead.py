@@ -37,9 +37,10 @@ import httpx
 
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.stats import SLO, summarize
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
 from firstbyte.client_sdk.timings import Timings
-from firstbyte.client_sdk.types import decode_chunk
+from firstbyte.protocol import paths
+from firstbyte.protocol.openai import decode_chunk
+from firstbyte.protocol.sse import DONE, SSEDecoder
 
 __all__ = ["run"]
 
@@ -187,7 +188,7 @@ async def _one(client: httpx.AsyncClient, url: str, max_tokens: int, seed: int) 
             marks[name] = (now() - start) * 1000
 
     async with client.stream(
-        "POST", url + "/v1/chat/completions", json=body, extensions={"trace": trace}
+        "POST", url + paths.CHAT_COMPLETIONS, json=body, extensions={"trace": trace}
     ) as response:
         if "connection.connect_tcp.complete" in marks:
             timings.warm = False

@@ -45,7 +45,9 @@ from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_p
 from firstbyte.benchmarks.scenarios._routing_geo import geography
 from firstbyte.benchmarks.stats import percentile
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, WorldError
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.protocol import paths
+from firstbyte.protocol.headers import REGION_HEADER
+from firstbyte.protocol.sse import DONE, SSEDecoder
 
 __all__ = ["main", "run"]
 
@@ -66,8 +68,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> 
     ttft: float | None = None
     usage: dict[str, Any] = {}
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            region = r.headers.get("x-firstbyte-region", "")
+        async with client.stream("POST", url + paths.CHAT_COMPLETIONS, json=body) as r:
+            region = r.headers.get(REGION_HEADER, "")
             if r.status_code != 200:
                 await r.aread()
                 return {"ok": False, "status": r.status_code, "region": region}

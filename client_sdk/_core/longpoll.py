@@ -10,28 +10,14 @@ count; a successful poll resets the count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
 from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.protocol import paths
+from firstbyte.protocol.poll import PollBatch, PollEvent
 
-__all__ = ["PollBatch", "PollCursor", "PollEvent", "PollRequest", "decode_batch"]
-
-
-class PollEvent(msgspec.Struct):
-    seq: int
-    data: dict[str, Any]
-
-
-class PollBatch(msgspec.Struct):
-    """A ``GET /v1/streams/{id}/poll`` or ``POST /v1/streams?wait=S`` answer (docs/protocol.md)."""
-
-    stream: str
-    events: list[PollEvent]
-    done: bool
-    next: int
-
+__all__ = ["PollCursor", "PollRequest", "decode_batch"]
 
 _batch = msgspec.json.Decoder(PollBatch)
 
@@ -84,7 +70,7 @@ class PollCursor:
     @property
     def path(self) -> str:
         """The poll path relative to the API base (``https://host/v1`` + this)."""
-        return f"/streams/{self.stream_id}/poll"
+        return paths.at_base(paths.stream_poll(self.stream_id), "")
 
     def next_poll(self, now: float) -> PollRequest | None:
         """The poll to send next, or ``None`` once the stream is done."""

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from firstbyte.client_sdk._core.sse import DONE
 from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
-from firstbyte.client_sdk.types import ChatCompletionChunk, ToolCallDelta, Usage
+from firstbyte.protocol.openai import ChatCompletionChunk, ToolCallDelta, Usage
+from firstbyte.protocol.sse import DONE
 
 __all__ = ["SequenceGapError", "StreamAssembler", "StreamDelta"]
 

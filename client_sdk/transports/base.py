@@ -19,6 +19,12 @@ from typing import Any, Protocol
 
 from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
 from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.protocol.headers import (
+    BETTER_REGION_HEADER,
+    BETTER_REGION_URL_HEADER,
+    REGION_HEADER,
+    STREAM_HEADER,
+)
 
 __all__ = ["MAX_BODY_BYTES", "Event", "HTTPResponse", "Item", "Opened", "Session", "Source",
            "TransportCut", "note_response_headers"]
@@ -112,14 +118,14 @@ def note_response_headers(recorder: TimingRecorder | None, response: HTTPRespons
         return
     rec = recorder.record
     rec.http_version = response.http_version
-    region = response.headers.get("x-firstbyte-region")
+    region = response.headers.get(REGION_HEADER)
     if region is not None:
         rec.region = region
-    better = response.headers.get("x-firstbyte-better-region")
+    better = response.headers.get(BETTER_REGION_HEADER)
     if better is not None:
         rec.better_region = better
-        rec.better_region_url = response.headers.get("x-firstbyte-better-region-url")
-    sid = response.headers.get("x-firstbyte-stream")
+        rec.better_region_url = response.headers.get(BETTER_REGION_URL_HEADER)
+    sid = response.headers.get(STREAM_HEADER)
     if sid is not None:
         rec.stream_id = sid
     timing = response.headers.get("server-timing")

@@ -26,6 +26,7 @@ from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.protocol import paths
 
 __all__ = ["HttpxSession", "connect_error"]
 
@@ -140,7 +141,7 @@ class HttpxSession:
 
     async def _ping(self) -> None:
         try:
-            async with self.request("GET", "/healthz", headers={}, body=None,
+            async with self.request("GET", paths.HEALTHZ, headers={}, body=None,
                                     recorder=None) as response:
                 await response.read()
         except TransportCut:

@@ -19,25 +19,17 @@ import time
 
 import msgspec
 
-from firstbyte.client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
-from firstbyte.client_sdk._core.sse import DONE
+from firstbyte.client_sdk._core.longpoll import PollCursor, decode_batch
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
 from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source, TransportCut
+from firstbyte.protocol import paths
+from firstbyte.protocol.poll import PollBatch, StreamStarted
+from firstbyte.protocol.sse import DONE
 
 __all__ = ["longpoll_source", "start_stream"]
 
-
-class _Created(msgspec.Struct):
-    """``POST /v1/streams`` answer: the stream id, plus its first batch when ``wait`` > 0."""
-
-    stream: str
-    events: list[PollEvent] | None = None
-    done: bool = False
-    next: int = 0
-
-
-_created = msgspec.json.Decoder(_Created)
+_started = msgspec.json.Decoder(StreamStarted)
 
 
 async def start_stream(
@@ -49,7 +41,7 @@ async def start_stream(
     ``None``: the first poll fetches it)."""
     query = f"?wait={wait_s:g}" if wait_s > 0 else ""
     async with session.request(
-        "POST", f"{prefix}/streams{query}",
+        "POST", paths.at_base(paths.STREAMS, prefix) + query,
         headers={**headers, "content-type": "application/json"}, body=body, recorder=recorder,
     ) as response:
         raw = await response.read()
@@ -57,12 +49,10 @@ async def start_stream(
             raise api_error_from_response(response.status, raw,
                                           retry_after=response.headers.get("retry-after"))
     try:
-        created = _created.decode(raw)
+        started = _started.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise StreamBrokenError(f"invalid POST /v1/streams answer: {exc}") from None
-    if created.events is None:
-        return created.stream, None
-    return created.stream, PollBatch(created.stream, created.events, created.done, created.next)
+    return started.stream, started.batch()
 
 
 async def longpoll_source(
@@ -93,7 +83,7 @@ async def longpoll_source(
     cursor = PollCursor(stream_id, after=after, wait_s=wait_s, max_failures=max_failures)
     if first is not None:
         for event in cursor.receive_batch(first, time.monotonic()):
-            yield Event(event.seq, event.data)
+            yield Event(event.seq, bytes(event.data))
     while (poll := cursor.next_poll(time.monotonic())) is not None:
         delay = poll.not_before - time.monotonic()
         if delay > 0:
@@ -114,5 +104,5 @@ async def longpoll_source(
         if status != 200:
             raise api_error_from_response(status, raw, retry_after=retry_after)
         for event in cursor.receive_batch(decode_batch(raw), time.monotonic()):
-            yield Event(event.seq, event.data)
+            yield Event(event.seq, bytes(event.data))
     yield Event(None, DONE)

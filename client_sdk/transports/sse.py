@@ -1,18 +1,19 @@
 """SSE transport: ``POST /v1/chat/completions`` (stream) and resume by ``GET /v1/streams/{id}``.
 
 Runs over any :class:`~firstbyte.client_sdk.transports.base.Session` (httpx for HTTP/1.1 and 2,
-aioquic
-for HTTP/3); the bytes go through the shared sans-IO
-:class:`~firstbyte.client_sdk._core.sse.SSEDecoder`.
+aioquic for HTTP/3); the bytes go through the protocol's sans-IO
+:class:`~firstbyte.protocol.sse.SSEDecoder`.
 Heartbeat comments never become items, so the client's idle watchdog ignores them.
 """
 
 from __future__ import annotations
 
-from firstbyte.client_sdk._core.sse import SSEDecoder, SSEProtocolError
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
 from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source
+from firstbyte.protocol import paths
+from firstbyte.protocol.headers import STREAM_HEADER
+from firstbyte.protocol.sse import SSEDecoder, SSEProtocolError
 
 __all__ = ["sse_source"]
 
@@ -29,11 +30,11 @@ async def sse_source(
 ) -> Source:
     """Start a stream (``stream_id`` None, ``body`` the request) or resume one after ``after``."""
     if stream_id is None:
-        method, path = "POST", f"{prefix}/chat/completions"
+        method, path = "POST", paths.at_base(paths.CHAT_COMPLETIONS, prefix)
         req_headers = {**headers, "content-type": "application/json",
                        "accept": "text/event-stream"}
     else:
-        method, path = "GET", f"{prefix}/streams/{stream_id}"
+        method, path = "GET", paths.at_base(paths.stream(stream_id), prefix)
         req_headers = {**headers, "accept": "text/event-stream", "last-event-id": str(after)}
         body = None
     async with session.request(method, path, headers=req_headers, body=body,
@@ -44,7 +45,7 @@ async def sse_source(
         ctype = response.headers.get("content-type", "")
         if not ctype.startswith("text/event-stream"):
             raise StreamBrokenError(f"expected an event stream, got content-type {ctype!r}")
-        yield Opened(response.headers.get("x-firstbyte-stream") or stream_id)
+        yield Opened(response.headers.get(STREAM_HEADER) or stream_id)
         decoder = SSEDecoder()
         async for chunk in response.chunks:
             try:

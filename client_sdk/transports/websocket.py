@@ -21,7 +21,6 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.protocol import State
 
-from firstbyte.client_sdk._core.sse import DONE
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import (
     AuthenticationError,
@@ -32,6 +31,9 @@ from firstbyte.client_sdk.errors import (
 )
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import Event, Opened, Source, TransportCut
+from firstbyte.protocol import paths
+from firstbyte.protocol import ws as messages
+from firstbyte.protocol.sse import DONE
 
 __all__ = ["WebSocketPool", "websocket_source"]
 
@@ -43,21 +45,6 @@ class _TimedConnection(ClientConnection):
         # For a TLS transport asyncio calls this once the handshake has completed.
         self.made_at = time.perf_counter()
         super().connection_made(transport)
-
-
-class _Message(msgspec.Struct):
-    type: str
-    stream: str | None = None
-    seq: int | None = None
-    data: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    # On "start" (docs/protocol.md): what SSE's x-firstbyte-region / -better-region headers say.
-    region: str | None = None
-    better_region: str | None = None
-    better_region_url: str | None = None
-
-
-_decode = msgspec.json.Decoder(_Message).decode
 
 
 class WebSocketPool:
@@ -86,7 +73,8 @@ class WebSocketPool:
     @property
     def url(self) -> str:
         scheme = "wss" if self.origin.tls else "ws"
-        return f"{scheme}://{self.origin.host_header}{self.origin.prefix}/ws"
+        path = paths.at_base(paths.WEBSOCKET, self.origin.prefix)
+        return f"{scheme}://{self.origin.host_header}{path}"
 
     async def _connect(self, recorder: TimingRecorder | None) -> ClientConnection:
         origin = self.origin
@@ -190,13 +178,14 @@ async def websocket_source(
     ws = await pool.acquire(recorder)
     clean = False
     try:
+        message: messages.ClientMessage
         if stream_id is None:
             if body is None:
                 raise ValueError("a new WebSocket stream needs a request body")
-            message = b'{"type":"request","body":' + body + b"}"
+            message = messages.Request(msgspec.Raw(body))
         else:
-            message = msgspec.json.encode({"type": "resume", "stream": stream_id, "after": after})
-        await ws.send(message.decode())
+            message = messages.Resume(stream_id, after)
+        await ws.send(messages.encode(message).decode())
         if recorder is not None:
             recorder.feed("request_sent", time.perf_counter())
             recorder.record.http_version = "HTTP/1.1"
@@ -206,10 +195,10 @@ async def websocket_source(
                 recorder.feed("first_byte", time.perf_counter())
             first = False
             try:
-                msg = _decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                msg = messages.decode_server_message(raw)
+            except msgspec.DecodeError as exc:
                 raise StreamBrokenError(f"invalid WebSocket message: {exc}") from None
-            if msg.type == "start":
+            if isinstance(msg, messages.Start):
                 if recorder is not None:
                     rec = recorder.record
                     rec.stream_id = msg.stream
@@ -219,20 +208,20 @@ async def websocket_source(
                         rec.better_region = msg.better_region
                         rec.better_region_url = msg.better_region_url
                 yield Opened(msg.stream)
-            elif msg.type == "event":
-                yield Event(msg.seq, msg.data or {})
-            elif msg.type == "done":
+            elif isinstance(msg, messages.Event):
+                yield Event(msg.seq, bytes(msg.data))
+            elif isinstance(msg, messages.Done):
                 clean = True
                 yield Event(msg.seq, DONE)
                 return
-            elif msg.type == "error":
-                raise api_error_from_response(None, {"error": msg.error or {}})
+            elif isinstance(msg, messages.Error):
+                raise api_error_from_response(None, {"error": msgspec.json.decode(msg.error)})
         raise TransportCut("WebSocket closed before the stream ended")
     except ConnectionClosed as exc:
         rcvd = exc.rcvd
-        if rcvd is not None and rcvd.code == 1008:
+        if rcvd is not None and rcvd.code == messages.CLOSE_POLICY:
             raise AuthenticationError(rcvd.reason or "WebSocket closed by policy (1008)") from None
-        if rcvd is not None and rcvd.code == 1007:
+        if rcvd is not None and rcvd.code == messages.CLOSE_INVALID_PAYLOAD:
             raise StreamBrokenError(f"router rejected the message: {rcvd.reason}") from None
         raise TransportCut(f"WebSocket connection lost: {exc}") from exc
     finally:

@@ -11,7 +11,8 @@ import hmac
 import time
 from collections.abc import Sequence
 
-from firstbyte.client_sdk.types import RequestValidationError, decode_request
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.openai import RequestValidationError, decode_request
 
 from .context import CONTINUE, Outcome, RequestContext, error_reply
 
@@ -39,7 +40,7 @@ def authenticate(ctx: RequestContext, api_keys: Sequence[bytes]) -> Outcome:
             401,
             "Missing API key: send 'Authorization: Bearer KEY'.",
             "authentication_error",
-            code="missing_api_key",
+            code=error_codes.MISSING_API_KEY,
             outcome="unauthorized",
         )
     candidate = token.encode()
@@ -52,7 +53,7 @@ def authenticate(ctx: RequestContext, api_keys: Sequence[bytes]) -> Outcome:
             401,
             "Incorrect API key.",
             "authentication_error",
-            code="invalid_api_key",
+            code=error_codes.INVALID_API_KEY,
             outcome="unauthorized",
         )
     ctx.api_key = token
@@ -65,7 +66,7 @@ def check_body_size(ctx: RequestContext, max_body_bytes: int) -> Outcome:
         return error_reply(
             413,
             f"Request body larger than {max_body_bytes} bytes.",
-            code="request_too_large",
+            code=error_codes.REQUEST_TOO_LARGE,
         )
     return CONTINUE
 
@@ -75,7 +76,7 @@ def parse_chat(ctx: RequestContext, *, force_stream: bool = False) -> Outcome:
     try:
         request = decode_request(ctx.body)
     except RequestValidationError as exc:
-        return error_reply(400, exc.message, param=exc.param, code="invalid_request")
+        return error_reply(400, exc.message, param=exc.param, code=error_codes.INVALID_REQUEST)
     ctx.request = request
     ctx.stream_requested = request.stream or force_stream
     return CONTINUE

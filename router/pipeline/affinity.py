@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from firstbyte.client_sdk.types import ChatCompletionRequest, message_text
+from firstbyte.protocol.openai import ChatCompletionRequest, message_text
 
 __all__ = ["AffinityPolicy", "BackendChoice", "affinity_key", "rendezvous_rank"]
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from firstbyte.client_sdk.types import ChatCompletionRequest, encode, error_body
+from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
 
 __all__ = [
     "CONTINUE",

@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 import msgspec
 
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder, SSEProtocolError
-from firstbyte.client_sdk.types import encode, error_body
+from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol.openai import encode, error_body
+from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
 
 from .. import aionet
 from ..config import LimitsConfig
@@ -206,7 +207,7 @@ class Proxy:
             while True:
                 request = client.build_request(
                     "POST",
-                    backend.url + "/v1/chat/completions",
+                    backend.url + paths.CHAT_COMPLETIONS,
                     content=_stream_body(ctx),
                     headers=self._headers(ctx, backend, "text/event-stream"),
                 )
@@ -262,7 +263,7 @@ class Proxy:
                     sent_at = time.perf_counter()
         except asyncio.CancelledError:
             stream.append(
-                error_event("The upstream request was cancelled.", code="cancelled"),
+                error_event("The upstream request was cancelled.", code=error_codes.CANCELLED),
                 self.clock(),
             )
             self.metrics.count("chat", "cancelled")
@@ -272,7 +273,7 @@ class Proxy:
             message = f"Upstream failed: {type(exc).__name__}."
             if not head.done():
                 head.set_result(UpstreamHead(502, encode(error_body(message, "server_error"))))
-            stream.append(error_event(message, code="upstream_error"), self.clock())
+            stream.append(error_event(message, code=error_codes.UPSTREAM_ERROR), self.clock())
             self.metrics.count("chat", "upstream_error")
         finally:
             if not head.done():
@@ -350,7 +351,9 @@ class Proxy:
         if done:
             return True
         stream.append(
-            error_event("The upstream closed the stream before [DONE].", code="upstream_eof"),
+            error_event(
+                "The upstream closed the stream before [DONE].", code=error_codes.UPSTREAM_EOF
+            ),
             self.clock(),
         )
         self.metrics.count("chat", "upstream_eof")
@@ -386,7 +389,7 @@ class Proxy:
             message = f"Upstream failed: {type(exc).__name__}."
             return UpstreamReply(
                 502,
-                encode(error_body(message, "server_error", code="upstream_error")),
+                encode(error_body(message, "server_error", code=error_codes.UPSTREAM_ERROR)),
                 "application/json",
                 (time.perf_counter() - sent_at) * 1000,
             )

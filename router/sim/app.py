@@ -3,7 +3,7 @@
 Routes: ``POST /v1/chat/completions`` (SSE when ``stream`` is true, JSON otherwise),
 ``GET /v1/models``, ``GET /health`` (and ``/healthz``), ``GET /metrics``. Every error is
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid request
-(via :func:`firstbyte.client_sdk.types.decode_request`), 404 unknown route, 405 wrong method, 413
+(via :func:`firstbyte.protocol.openai.decode_request`), 404 unknown route, 405 wrong method, 413
 body over the limit, 415 non-JSON content type, 503 overloaded or injected.
 
 The streaming hot path writes pre-encoded byte templates (one per request) with the token's
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from firstbyte.client_sdk._core.sse import DONE, encode_event
-from firstbyte.client_sdk.types import (
+from firstbyte.protocol import paths
+from firstbyte.protocol.openai import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -36,6 +36,7 @@ from firstbyte.client_sdk.types import (
     encode,
     error_body,
 )
+from firstbyte.protocol.sse import DONE, encode_event
 from firstbyte.router.sim.driver import EngineDriver
 from firstbyte.router.sim.engine import Engine, Overloaded, Sequence
 from firstbyte.router.sim.faults import FaultPlan, RequestFaults
@@ -109,17 +110,17 @@ class SimApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if path == "/v1/chat/completions":
+        if path == paths.CHAT_COMPLETIONS:
             if method != "POST":
                 await _error(send, 405, f"Method {method} not allowed on {path}.")
                 return
             await self._chat(scope, receive, send)
-        elif path in ("/health", "/healthz", "/v1/models", "/metrics"):
+        elif path in ("/health", paths.HEALTHZ, paths.MODELS, paths.METRICS):
             if method not in ("GET", "HEAD"):
                 await _error(send, 405, f"Method {method} not allowed on {path}.")
-            elif path == "/v1/models":
+            elif path == paths.MODELS:
                 await _respond(send, 200, self._models_body)
-            elif path == "/metrics":
+            elif path == paths.METRICS:
                 body = self.engine.render_metrics().encode()
                 await _respond(send, 200, body, _TEXT_HEADERS)
             else:

@@ -14,7 +14,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from firstbyte.client_sdk.types import ChatCompletionRequest, encode
+from firstbyte.protocol.openai import ChatCompletionRequest, encode
 
 __all__ = ["DEFAULT_MAX_TOKENS", "VOCABULARY", "Completion", "plan_completion"]
 

@@ -20,7 +20,7 @@ import re
 import zlib
 from collections.abc import Iterable
 
-from firstbyte.client_sdk.types import Message, message_text
+from firstbyte.protocol.openai import Message, message_text
 
 __all__ = ["IM_END", "IM_START", "TOKEN_PATTERN", "prompt_tokens", "tokenize"]
 

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import httpx
+import msgspec
 import pytest
 
 from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_peers
 from firstbyte.client_sdk.regions import Region, RegionSelector, regions_from_status
+from firstbyte.protocol.edge import PublicEdgeStatus
 
 TOKYO = Region("tokyo", "https://tokyo.example")
 FRA = Region("frankfurt", "https://fra.example")
@@ -97,7 +99,8 @@ async def test_regions_from_a_routers_edge_status() -> None:
     async with running_regions(specs) as regions:
         await wait_for_peers(regions)
         async with httpx.AsyncClient() as client:
-            status = (await client.get(f"{regions['tokyo'].url}/v1/edge/status")).json()
-    got = regions_from_status(status)
+            body = (await client.get(f"{regions['tokyo'].url}/v1/edge/status")).content
+    got = regions_from_status(msgspec.json.decode(body, type=PublicEdgeStatus))
     assert got == [Region("tokyo", regions["tokyo"].url), Region("frankfurt", regions["frankfurt"].url)]
+    status = msgspec.json.decode(body)
     assert status["peers"] == [{"name": "frankfurt", "url": regions["frankfurt"].url, "up": True}]

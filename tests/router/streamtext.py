@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.sim.server import SimServer
 
 __all__ = ["chunk_text", "sim_text", "sse_text"]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from firstbyte.client_sdk.types import ChatCompletionRequest, Message
+from firstbyte.protocol.openai import ChatCompletionRequest, Message
 from firstbyte.router.pipeline.affinity import AffinityPolicy, affinity_key, rendezvous_rank
 
 SYSTEM = "You are a careful assistant. " * 300

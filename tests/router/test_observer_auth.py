@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from firstbyte.router.peers import PEER_KEY_HEADER
+from firstbyte.protocol.headers import PEER_KEY_HEADER
 from tests.router.conftest import RouterFactory, auth
 from tests.router.upstream import Upstream
 

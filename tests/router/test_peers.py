@@ -10,7 +10,9 @@ import httpx
 import msgspec
 import uvicorn
 
-from firstbyte.router.peers import PEER_KEY_HEADER, EdgeStatus, PeerPoller, PeerTable, prefix_hash
+from firstbyte.protocol.edge import EdgeStatus, prefix_hash
+from firstbyte.protocol.headers import PEER_KEY_HEADER
+from firstbyte.router.peers import PeerPoller, PeerTable
 
 STATUS = EdgeStatus(region="tokyo", healthy=True, saturated=False, in_flight=3, capacity=8,
                     queue_wait_ms=0.0, latitude=35.68, longitude=139.69,

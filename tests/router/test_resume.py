@@ -15,7 +15,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import RouterFactory, auth, client_tls

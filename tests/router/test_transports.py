@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from firstbyte.client_sdk._core.sse import SSEDecoder
+from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import API_KEY, RouterFactory, auth, client_tls

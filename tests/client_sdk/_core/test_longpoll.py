@@ -1,15 +1,17 @@
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from firstbyte.client_sdk._core.longpoll import PollBatch, PollCursor, PollEvent, decode_batch
+from firstbyte.client_sdk._core.longpoll import PollCursor, decode_batch
 from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.protocol.poll import PollBatch, PollEvent
 
 
 def batch(seqs: list[int], *, done: bool = False, nxt: int | None = None) -> PollBatch:
-    events = [PollEvent(seq=s, data={"n": s}) for s in seqs]
+    events = [PollEvent(seq=s, data=msgspec.Raw(b'{"n":%d}' % s)) for s in seqs]
     return PollBatch(stream="S", events=events, done=done,
                      next=nxt if nxt is not None else (seqs[-1] if seqs else 0))
 
@@ -78,7 +80,9 @@ def test_foreign_or_skipping_batches_are_errors() -> None:
 
 def test_decode_batch() -> None:
     raw = b'{"stream":"S","events":[{"seq":1,"data":{"a":1}}],"done":false,"next":1}'
-    assert decode_batch(raw) == PollBatch("S", [PollEvent(1, {"a": 1})], False, 1)
+    got = decode_batch(raw)
+    assert (got.stream, got.done, got.next) == ("S", False, 1)
+    assert [(e.seq, bytes(e.data)) for e in got.events] == [(1, b'{"a":1}')]
     with pytest.raises(StreamBrokenError, match="invalid long-poll answer"):
         decode_batch(b'{"stream":"S"}')
 

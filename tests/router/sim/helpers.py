@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
-from firstbyte.client_sdk.types import ChatCompletionChunk, decode_chunk
+from firstbyte.protocol.openai import ChatCompletionChunk, decode_chunk
+from firstbyte.protocol.sse import DONE, SSEDecoder
 
 
 @dataclass

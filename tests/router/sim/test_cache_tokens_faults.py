@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from firstbyte.client_sdk.types import Message, decode_request
+from firstbyte.protocol.openai import Message, decode_request
 from firstbyte.router.sim.faults import FaultKind, FaultPlan, FaultSpecError, parse_fault
 from firstbyte.router.sim.output import DEFAULT_MAX_TOKENS, plan_completion
 from firstbyte.router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes

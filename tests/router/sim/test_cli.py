@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from firstbyte.client_sdk._core.sse import DONE
+from firstbyte.protocol.sse import DONE
 
 # Not ``-m firstbyte.client_sdk.cli``: that imports the module twice (as __main__ and by name), and
 # the subcommand's CLIError would then not be the one main() catches.

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder, SSEEvent
+from firstbyte.protocol.sse import DONE, SSEDecoder, SSEEvent
 from firstbyte.router.sim.server import running_sim
 from tests.router.sim.helpers import chat_body, stream_chat
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
+from firstbyte.protocol.sse import DONE, SSEDecoder
 from firstbyte.router.sim.server import running_sim
 from tests.router.conftest import client_tls
 from tests.router.sim.helpers import chat_body

@@ -9,8 +9,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from firstbyte.client_sdk._core.sse import DONE, SSEDecoder
-from firstbyte.client_sdk.types import decode_chunk
+from firstbyte.protocol.openai import decode_chunk
+from firstbyte.protocol.sse import DONE, SSEDecoder
 from firstbyte.router.sim.server import running_sim
 
 MESSAGES: list[ChatCompletionMessageParam] = [

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from firstbyte.client_sdk._core.sse import (
+from firstbyte.protocol.sse import (
     SSEDecoder,
     SSEEvent,
     SSEProtocolError,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from firstbyte.client_sdk.types import (
+from firstbyte.protocol.openai import (
     ChatCompletionChunk,
     RequestValidationError,
     decode_chunk,

@@ -1,6 +1,6 @@
 """OpenAI-compatible wire types for chat completions, as msgspec Structs.
 
-These are the contract between the SDK, the router and the simulated inference server.
+The contract between the SDK, the router and the simulated inference server.
 Decoding tolerates unknown fields wherever OpenAI does (every object here), and rejects
 invalid values with a :class:`RequestValidationError` that names the offending field,
 so a server can answer 400 with OpenAI's error body.

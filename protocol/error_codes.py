@@ -1,0 +1,51 @@
+"""The ``code`` values of firstbyte's own errors (``{"error": {..., "code": CODE}}``).
+
+Errors passed through from an upstream keep the upstream's code; these are the ones the router
+itself answers with. A client may act on them (``region_saturated`` -> try another region).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CANCELLED",
+    "INVALID_AFTER",
+    "INVALID_API_KEY",
+    "INVALID_MESSAGE",
+    "INVALID_REQUEST",
+    "INVALID_WAIT",
+    "MISSING_API_KEY",
+    "NOT_FOUND",
+    "REGION_SATURATED",
+    "REQUEST_TOO_LARGE",
+    "SERVICE_UNAVAILABLE",
+    "STREAM_NOT_FOUND",
+    "TOO_MANY_STREAMS",
+    "UNAVAILABLE",
+    "UNSUPPORTED_MEDIA_TYPE",
+    "UPSTREAM_EOF",
+    "UPSTREAM_ERROR",
+]
+
+MISSING_API_KEY = "missing_api_key"
+INVALID_API_KEY = "invalid_api_key"
+INVALID_REQUEST = "invalid_request"
+REQUEST_TOO_LARGE = "request_too_large"
+UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+NOT_FOUND = "not_found"
+STREAM_NOT_FOUND = "stream_not_found"
+"""Unknown stream id, or one created with another API key (the two are not told apart)."""
+INVALID_AFTER = "invalid_after"
+INVALID_WAIT = "invalid_wait"
+REGION_SATURATED = "region_saturated"
+"""429: every backend of the region is saturated; ``Retry-After`` says when to retry."""
+UNAVAILABLE = "unavailable"
+SERVICE_UNAVAILABLE = "service_unavailable"
+UPSTREAM_ERROR = "upstream_error"
+UPSTREAM_EOF = "upstream_eof"
+"""The upstream closed the stream without ``[DONE]``."""
+CANCELLED = "cancelled"
+"""No reader came back within the resume grace period; the upstream request was cancelled."""
+INVALID_MESSAGE = "invalid_message"
+"""WebSocket: a message that is not JSON or has an unknown ``type``."""
+TOO_MANY_STREAMS = "too_many_streams"
+"""WebSocket: one stream more than a socket may follow at once."""

@@ -1,0 +1,66 @@
+"""The router's URL paths (docs/protocol.md).
+
+The constants are the paths the router serves. A client whose base URL carries another API
+base path than ``/v1`` (a proxy mounting the router at ``/api/v1``) puts them under its own
+with :func:`at_base`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "API_BASE",
+    "CHAT_COMPLETIONS",
+    "EDGE_STATUS",
+    "HEALTHZ",
+    "METRICS",
+    "MODELS",
+    "STREAMS",
+    "WEBSOCKET",
+    "at_base",
+    "stream",
+    "stream_poll",
+]
+
+API_BASE = "/v1"
+"""The OpenAI-style API base: a client's base URL ends with it (``https://host/v1``)."""
+
+CHAT_COMPLETIONS = "/v1/chat/completions"
+"""``POST``: a chat completion, streamed as SSE when ``"stream": true``."""
+
+MODELS = "/v1/models"
+"""``GET``: the models the upstreams serve."""
+
+STREAMS = "/v1/streams"
+"""``POST ?wait=S``: start a stream for long-poll (answers its id and first batch)."""
+
+WEBSOCKET = "/v1/ws"
+"""WebSocket: start and resume streams over one socket (:mod:`firstbyte.protocol.ws`)."""
+
+EDGE_STATUS = "/v1/edge/status"
+"""``GET``: the region's status document (:mod:`firstbyte.protocol.edge`)."""
+
+HEALTHZ = "/healthz"
+"""``GET``, no key: ``ok``, or 503 ``warming`` / ``unhealthy``. At the server root."""
+
+METRICS = "/metrics"
+"""``GET``: Prometheus text. At the server root."""
+
+
+def stream(stream_id: str) -> str:
+    """``GET``: read (or resume, with ``Last-Event-ID``) a stream as SSE."""
+    return f"{STREAMS}/{stream_id}"
+
+
+def stream_poll(stream_id: str) -> str:
+    """``GET ?after=N&wait=S``: the stream's next long-poll batch."""
+    return f"{STREAMS}/{stream_id}/poll"
+
+
+def at_base(path: str, base: str) -> str:
+    """``path`` (one under :data:`API_BASE`) with ``base`` in place of ``/v1``.
+
+    ``at_base(CHAT_COMPLETIONS, "/api/v1") == "/api/v1/chat/completions"``.
+    """
+    if not path.startswith(API_BASE + "/"):
+        raise ValueError(f"{path!r} is not under {API_BASE}")
+    return base + path[len(API_BASE) :]
