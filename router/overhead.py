@@ -26,7 +26,7 @@ from firstbyte.client_sdk._core.sse import SSEDecoder
 
 __all__ = ["main"]
 
-_CLI = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
+_CLI = "import sys; from firstbyte.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @dataclass

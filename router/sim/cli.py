@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from firstbyte.client_sdk.cli import CLIError
+from firstbyte.cli import CLIError
 from firstbyte.router.sim.faults import FaultSpecError, parse_fault
 from firstbyte.router.sim.profiles import PROFILES
 from firstbyte.router.sim.server import (
