@@ -107,41 +107,36 @@ def test_the_scan_sees_the_code() -> None:
     assert not any(p.startswith("firstbyte/router/") for p in scanned)
 
 
-@pytest.mark.parametrize(
-    "planted",
-    [
-        "import router\n",
-        "import client_sdk.types as t\n",
-        "from benchmarks.wan import Emulator\n",
-        "ARGV = ['python', '-m', 'client_sdk', 'probe']\n",
-        "ARGV = ['python', '-m', 'benchmarks.scenarios.sim_cpu']\n",
-        "CODE = 'import sys; from router.cli import main; sys.exit(main())'\n",
-        "CODE = '''\nimport asyncio\nfrom client_sdk import AsyncClient\n'''\n",
-        "TARGET = 'router.sim.server:granian_app'\n",
-        "import importlib\nimportlib.import_module('router.cli')\n",
-    ],
-)
-def test_a_bare_name_is_caught(tmp_path: Path, planted: str) -> None:
-    path = tmp_path / "planted.py"
-    path.write_text(planted)
-    assert bare_name_uses(path) != []
+PLANTED = [
+    "import router\n",
+    "import client_sdk.types as t\n",
+    "from benchmarks.wan import Emulator\n",
+    "ARGV = ['python', '-m', 'client_sdk', 'probe']\n",
+    "ARGV = ['python', '-m', 'benchmarks.scenarios.sim_cpu']\n",
+    "CODE = 'import sys; from router.cli import main; sys.exit(main())'\n",
+    "CODE = '''\nimport asyncio\nfrom client_sdk import AsyncClient\n'''\n",
+    "TARGET = 'router.sim.server:granian_app'\n",
+    "import importlib\nimportlib.import_module('router.cli')\n",
+]
+FINE = [
+    "from firstbyte.router.cli import main\n",
+    "ARGV = ['python', '-m', 'firstbyte.benchmarks.scenarios.sim_cpu']\n",
+    "TARGET = 'firstbyte.router.sim.server:granian_app'\n",
+    "CONFIG = 'router.toml'\n",
+    "ARGV = ['firstbyte', 'router', '--config', 'router.toml']\n",
+    '"""The router and the sim import ``client_sdk.types`` only."""\n',
+]
 
 
 @pytest.mark.parametrize(
-    "fine",
-    [
-        "from firstbyte.router.cli import main\n",
-        "ARGV = ['python', '-m', 'firstbyte.benchmarks.scenarios.sim_cpu']\n",
-        "TARGET = 'firstbyte.router.sim.server:granian_app'\n",
-        "CONFIG = 'router.toml'\n",
-        "ARGV = ['firstbyte', 'router', '--config', 'router.toml']\n",
-        '"""The router and the sim import ``client_sdk.types`` only."""\n',
-    ],
+    ("source", "caught"), [*((s, True) for s in PLANTED), *((s, False) for s in FINE)]
 )
-def test_the_new_names_and_prose_pass(tmp_path: Path, fine: str) -> None:
-    path = tmp_path / "fine.py"
-    path.write_text(fine)
-    assert bare_name_uses(path) == []
+def test_the_scan_tells_bare_names_from_new_names_and_prose(
+    tmp_path: Path, source: str, caught: bool
+) -> None:
+    path = tmp_path / "example.py"
+    path.write_text(source)
+    assert bool(bare_name_uses(path)) is caught
 
 
 def test_nothing_uses_the_bare_names() -> None:
