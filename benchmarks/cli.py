@@ -21,7 +21,7 @@ import msgspec
 import firstbyte.benchmarks.scenarios
 from firstbyte.benchmarks.compare import compare, load_results
 from firstbyte.benchmarks.report import markdown_summary, write_report
-from firstbyte.client_sdk.cli import CLIError
+from firstbyte.cli import CLIError
 
 __all__ = ["add_arguments", "discover_scenarios", "run", "run_scenario"]
 

@@ -31,8 +31,8 @@ from firstbyte.benchmarks.report import write_report
 from firstbyte.benchmarks.stats import percentile, summarize
 from firstbyte.benchmarks.wan.geo import Profile, load_profile
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
+from firstbyte.cli import CLIError
 from firstbyte.client_sdk.budget import LatencyBudget
-from firstbyte.client_sdk.cli import CLIError
 from firstbyte.client_sdk.timings import Timings
 
 __all__ = ["add_arguments", "run"]

@@ -9,6 +9,7 @@ from firstbyte.client_sdk.budget import BudgetReport, LatencyBudget
 from firstbyte.protocol.openai import Message, Usage  # the chat types the client API takes/gives
 
 if TYPE_CHECKING:
+    from firstbyte import __version__
     from firstbyte.client_sdk._core.stream import StreamDelta
     from firstbyte.client_sdk.client import AsyncClient
     from firstbyte.client_sdk.errors import (
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     )
     from firstbyte.client_sdk.sync import Client
     from firstbyte.client_sdk.timings import Timings
-
-__version__ = "0.1.0"
 
 __all__ = [
     "APIError",
@@ -53,6 +52,7 @@ _LAZY = {
     "Client": "firstbyte.client_sdk.sync",
     "StreamDelta": "firstbyte.client_sdk._core.stream",
     "Timings": "firstbyte.client_sdk.timings",
+    "__version__": "firstbyte",
     **{name: "firstbyte.client_sdk.errors" for name in (
         "APIError", "AuthenticationError", "ConnectError", "RateLimitError",
         "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
@@ -62,7 +62,7 @@ _LAZY = {
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'client_sdk' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(module), name)

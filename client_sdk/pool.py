@@ -20,12 +20,15 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import Session
-from firstbyte.client_sdk.transports.h3 import H3Session, TicketStore
 from firstbyte.client_sdk.transports.http import HttpxSession
 from firstbyte.client_sdk.transports.websocket import WebSocketPool
+
+if TYPE_CHECKING:
+    from firstbyte.client_sdk.transports.h3 import TicketStore
 
 __all__ = ["ConnectionPool"]
 
@@ -90,6 +93,10 @@ class ConnectionPool:
         session = self._sessions.get(key)
         if session is None:
             if http == "3":
+                # aioquic (and the cryptography it pulls in) loads on the first HTTP/3 session,
+                # so HTTP/1.1 and HTTP/2 users never pay its import time.
+                from firstbyte.client_sdk.transports.h3 import H3Session
+
                 session = H3Session(
                     origin, self.resolver, self.tickets, verify=self._verify,
                     ca_file=self._ca_file, idle_timeout_s=self._keepalive_expiry_s,

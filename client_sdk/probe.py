@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from firstbyte.client_sdk.cli import CLIError
+from firstbyte.cli import CLIError
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.errors import (
     APIError,

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from firstbyte.client_sdk.cli import CLIError
+from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
 

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-# What the console script runs; ``python -m client_sdk`` goes through the same ``main``.
-FIRSTBYTE = [sys.executable, "-m", "client_sdk"]
+# What the console script runs: ``python -m firstbyte`` goes through the same ``main``.
+FIRSTBYTE = [sys.executable, "-m", "firstbyte"]
 
 
 def firstbyte(

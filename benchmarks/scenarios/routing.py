@@ -271,7 +271,7 @@ def run(quick: bool) -> dict[str, Any]:
     The geography experiment needs the WAN emulator; without it, it is skipped (``geography``
     says why) and the others run; under ``CI=true`` that is a :class:`CLIError` instead.
     """
-    from firstbyte.client_sdk.cli import CLIError
+    from firstbyte.cli import CLIError
 
     try:
         geo = asyncio.run(geography(quick))

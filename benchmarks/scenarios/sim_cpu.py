@@ -72,7 +72,7 @@ def _free_port() -> int:
 def _sim_process(server: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     cmd = [
         sys.executable, "-c",
-        "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())",
+        "import sys; from firstbyte.cli import main; sys.exit(main())",
         "sim", "--profile", "instant",
         "--host", "127.0.0.1", "--port", str(port), "--server", server,
         "--max-num-seqs", "256", "--queue-limit", "4096",

@@ -292,7 +292,7 @@ def _notes(mode: str, why: str | None) -> list[str]:
 
 def run(quick: bool) -> dict[str, Any]:
     """The ``firstbyte bench transports`` scenario."""
-    from firstbyte.client_sdk.cli import CLIError
+    from firstbyte.cli import CLIError
 
     try:
         return asyncio.run(run_transports(quick))

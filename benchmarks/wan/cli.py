@@ -17,7 +17,7 @@ import os
 import sys
 
 from firstbyte.benchmarks.wan import geo, netns
-from firstbyte.client_sdk.cli import CLIError
+from firstbyte.cli import CLIError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import sys
 
 import msgspec
 
-from firstbyte.client_sdk.cli import CLIError
+from firstbyte.cli import CLIError
 from firstbyte.router import hosting
 from firstbyte.router.sim.faults import FaultSpecError, parse_fault
 from firstbyte.router.sim.profiles import PROFILES

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,8 +16,8 @@ import msgspec
 import pytest
 
 from tests.benchmarks.procs import describe, namespaces_of
+from tests.cli import FIRSTBYTE
 
-MAIN = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())"
 TAG = "FIRSTBYTE_DEMO_TEST_TAG"
 
 
@@ -28,7 +27,7 @@ def demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def run_demo(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], int]:
     """Run the demo to completion; its result and its pid (which names its namespaces)."""
-    argv = [sys.executable, "-c", MAIN, "demo", *args]
+    argv = [*FIRSTBYTE, "demo", *args]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -121,7 +120,7 @@ def interrupt_mid_run(
     """Start the demo, send ``sig`` once it streams, wait for it; (pid, exit code, stderr)."""
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, "demo", "--out", str(tmp_path / "r"), *args],
+        [*FIRSTBYTE, "demo", "--out", str(tmp_path / "r"), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,12 @@ from firstbyte.benchmarks.scenarios._client_runner import parse_cell
 from firstbyte.benchmarks.scenarios.transports import GEOGRAPHIES, cells
 from firstbyte.benchmarks.wan import WanUnavailable
 from firstbyte.client_sdk.timings import Timings
-
-MAIN = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())"
+from tests.cli import FIRSTBYTE
 
 
 def firstbyte(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", MAIN, *args],
+        [*FIRSTBYTE, *args],
         capture_output=True,
         text=True,
         timeout=timeout,

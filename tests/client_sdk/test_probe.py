@@ -19,7 +19,7 @@ async def probe(*args: str, api_key: str | None = ROUTER_KEY) -> tuple[int, str,
     if api_key is not None:
         env["FIRSTBYTE_API_KEY"] = api_key
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "firstbyte.client_sdk.cli", "probe", *args, env=env,
+        sys.executable, "-m", "firstbyte", "probe", *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -89,7 +89,7 @@ async def test_probe_errors_are_clear_and_without_traceback(stack: Stack) -> Non
 
 async def test_probe_help_lists_the_options() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "firstbyte.client_sdk.cli", "probe", "--help",
+        sys.executable, "-m", "firstbyte", "probe", "--help",
         stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     for option in ("--transport", "--http", "--warm", "--json", "--api-key", "--model",

@@ -6,15 +6,13 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 from pathlib import Path
 
 import httpx
 
 from firstbyte.router.sim.server import sim_server
+from tests.cli import FIRSTBYTE
 from tests.router.conftest import API_KEY, auth, client_tls
-
-CLI = "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def free_port() -> int:
@@ -35,7 +33,7 @@ async def test_router_process_from_config_file(tmp_path: Path, tls_files: dict[s
             f'[auth]\napi_keys = ["{API_KEY}"]\n'
         )
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CLI, "router", "--config", str(config),
+            *FIRSTBYTE, "router", "--config", str(config),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         try:

@@ -10,7 +10,7 @@ import pytest
 
 from firstbyte.benchmarks.wan import netns
 from firstbyte.benchmarks.wan.netns import python_env
-from firstbyte.client_sdk.cli import main
+from firstbyte.cli import main
 from tests.cli import firstbyte
 
 

@@ -6,7 +6,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -14,10 +13,9 @@ import httpx
 import pytest
 
 from firstbyte.protocol.sse import DONE
+from tests.cli import FIRSTBYTE
 
-# Not ``-m firstbyte.client_sdk.cli``: that imports the module twice (as __main__ and by name), and
-# the subcommand's CLIError would then not be the one main() catches.
-SIM = [sys.executable, "-c", "import sys; from firstbyte.client_sdk.cli import main; sys.exit(main())", "sim"]
+SIM = [*FIRSTBYTE, "sim"]
 
 
 @pytest.fixture
