@@ -75,7 +75,7 @@ def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
     return [
         (REGION_HEADER, ctx.region),
         ("traceparent", ctx.traceparent.header()),
-        *ctx.extra.get("response_headers", ()),  # e.g. x-firstbyte-better-region
+        *ctx.response_headers,  # e.g. x-firstbyte-better-region
     ]
 
 

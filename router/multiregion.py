@@ -8,7 +8,7 @@
   affinity
   (:mod:`firstbyte.router.pipeline.affinity`), forwards/spills to a peer's router (as an upstream,
   with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
-- An :class:`Observation` rides along in ``ctx.extra["observer"]``: the proxy reports the
+- An :class:`Observation` rides along in ``ctx.observer``: the proxy reports the
   first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
   whether to switch upstream when the first token is late (``first_token_deadline_ms``).
 - Background: :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
@@ -339,15 +339,15 @@ class RegionRouting:
             # This request counts as active: it is one, wherever it goes.
             spill_slot=self.spill.spilling < self.spill.limit(self.active() + 1),
         )
-        ctx.extra["location"] = location
-        ctx.extra["region_decision"] = decision
+        ctx.location = location
+        ctx.region_decision = decision
         headers: list[tuple[str, str]] = []
         if decision.better_region is not None:
             headers.append((BETTER_REGION_HEADER, decision.better_region))
             url = self.peer_urls.get(decision.better_region)
             if url:
                 headers.append((BETTER_REGION_URL_HEADER, url))
-        ctx.extra["response_headers"] = headers
+        ctx.response_headers = headers
         if decision.verdict is Verdict.LOCAL:
             chosen = self._local_backend(request, now)
             if chosen is None:  # raced to saturation since the region check
@@ -401,7 +401,7 @@ class RegionRouting:
         ctx.backend = self.backends[name]
         ctx.region = self.region
         self.tracker.started(name)
-        ctx.extra["observer"] = Observation(
+        ctx.observer = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
         )
@@ -422,13 +422,13 @@ class RegionRouting:
         address = client_address(ctx.client[0] if ctx.client else None, ctx.headers, self.trusted)
         if address is not None:
             headers["x-forwarded-for"] = str(address)
-        ctx.extra["upstream_headers"] = headers
-        observer = ctx.extra.get("observer")
+        ctx.upstream_headers = headers
+        observer = ctx.observer
         if isinstance(observer, Observation):
             observer.region, observer.backend, observer.local = peer, backend.name, False
             observer.spill = observer.spill or spill
         else:
-            ctx.extra["observer"] = Observation(
+            ctx.observer = Observation(
                 self, peer, backend.name, False, spill, time.perf_counter(), location
             )
 
@@ -472,7 +472,7 @@ class RegionRouting:
         candidates = [c for c in self._peers(now).values() if c.healthy and not c.saturated]
         if not candidates or self.spill.spilling >= self.spill.limit(self.active()):
             return None
-        location = ctx.extra.get("location")
+        location = ctx.location
         point = location.point if isinstance(location, Location) else None
         here = self._here(now)
         return min(
@@ -510,7 +510,7 @@ class RegionRouting:
     ) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        location = ctx.extra.get("location")
+        location = ctx.location
         record: dict[str, Any] = {
             "ts": round(time.time(), 3),
             "trace_id": ctx.traceparent.trace_id,

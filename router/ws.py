@@ -134,7 +134,7 @@ class _Session:
         self.state.store.evict_over_budget()
         self.state.proxy.start_stream(ctx, stream)
         # The routing stage put the hint (if any) in the headers SSE would send.
-        hint = dict(ctx.extra.get("response_headers", ()))
+        hint = dict(ctx.response_headers)
         await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
                               hint.get(BETTER_REGION_URL_HEADER)))
         self._follow(stream, 0)

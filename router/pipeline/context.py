@@ -13,15 +13,21 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
+
+if TYPE_CHECKING:
+    from ..geo import Location
+    from .backend import Backend
+    from .region import RegionDecision
 
 __all__ = [
     "CONTINUE",
     "Continue",
     "Fallback",
     "LocalReply",
+    "Observer",
     "Outcome",
     "RequestContext",
     "Traceparent",
@@ -101,6 +107,20 @@ class Traceparent:
         return f"00-{self.trace_id}-{self.parent_id}-{self.flags}"
 
 
+class Observer(Protocol):
+    """Per-request hooks the proxy calls while it streams (the multi-region stage's
+    ``Observation``): the first token, each later batch of chunks, the first-token deadline
+    and its switch, the end."""
+
+    first_token_deadline_s: float | None
+
+    def first_token(self, ctx: RequestContext, ttft_ms: float) -> None: ...
+    def chunk(self, ctx: RequestContext, now: float) -> None: ...
+    def can_switch(self, ctx: RequestContext) -> bool: ...
+    def switch(self, ctx: RequestContext) -> Backend: ...
+    def finished(self, ctx: RequestContext, ok: bool) -> None: ...
+
+
 @dataclass(eq=False)
 class RequestContext:
     """What the pipeline knows about one request; stages fill it in, in order.
@@ -128,8 +148,16 @@ class RequestContext:
     region: str = ""
     admitted_at: float | None = None
     routed_at: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # upstream_headers: keys
-    """Room for later stages (GeoIP location, region choice, prefix hash, ...)."""
+    # What the routing stages found, for the proxy and the response (typed, not a dict).
+    location: Location | None = field(default=None, repr=False)
+    """Where the client is (GeoIP), when known."""
+    region_decision: RegionDecision | None = field(default=None, repr=False)
+    observer: Observer | None = field(default=None, repr=False)
+    """The routing stage's hooks for this request (first token, deadline switch, end)."""
+    upstream_headers: dict[str, str] = field(default_factory=dict, repr=False)
+    """Extra headers for the upstream request (to a peer region: its key, ours forwarded)."""
+    response_headers: list[tuple[str, str]] = field(default_factory=list, repr=False)
+    """Extra headers for the client's response (e.g. ``x-firstbyte-better-region``)."""
 
     def server_timing(self, **more_ms: float) -> str:
         """``Server-Timing`` for what is known now: queue, route, then ``more_ms`` entries."""

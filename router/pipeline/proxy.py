@@ -1,12 +1,16 @@
 """The proxy stage: the one stage that does IO. Sends the request to the chosen upstream
-through a pooled keep-alive ``httpx.AsyncClient`` and, for streams, feeds the stream store.
+and, for streams, feeds the stream store.
 
-A streamed completion is produced by a task of its own, not by the client's connection:
-the upstream's SSE is decoded with the SDK's :class:`SSEDecoder`, and each event's payload
-is appended to the :class:`Stream` (re-framed with ``id: SEQ`` by whichever reader sends it
-on). So a client that disconnects does not lose the stream; the upstream request goes on
-into the store for ``resume_grace_s`` and is cancelled (closing the upstream connection,
-which a vLLM-like server treats as an abort) only if no reader comes back in that time (see
+A streamed completion is produced by a task of its own, not by the client's connection. The
+upstream's answer goes through the sans-IO relay core (:mod:`.relay`), whose actions this
+module carries out: append the events to the :class:`Stream` (re-framed with ``id: SEQ`` by
+whichever reader sends them on), release the client's response head, switch backend at the
+first-token deadline, finish. Local upstreams are spoken to over the router's own HTTP/1.1
+pool (:mod:`firstbyte.router.upstream_h1`: the relay core runs in the socket's data callback,
+no task per chunk); peer regions over httpx's HTTP/2 client. A client that disconnects does
+not lose the stream; the upstream request goes on into the store for ``resume_grace_s`` and
+is cancelled (closing the upstream connection, which a vLLM-like server treats as an abort)
+only if no reader comes back in that time (see
 :meth:`firstbyte.router.app.RouterState.maintain`).
 
 Errors after the stream started become an ``{"error": {...}}`` event followed by ``[DONE]``.
@@ -19,34 +23,35 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+import certifi
 import httpx
 import msgspec
 
 from firstbyte.protocol import error_codes, paths
 from firstbyte.protocol.openai import encode, error_body
-from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
 
 from .. import aionet
 from ..config import LimitsConfig
 from ..metrics import Metrics
 from ..streams import Stream
+from ..upstream_h1 import H1Connection, H1Pool, Origin, encode_request
 from .backend import PEER_PREFIX, Backend
-from .context import RequestContext
+from .context import Observer, RequestContext
+from .relay import (
+    Action,
+    Append,
+    Finish,
+    FirstToken,
+    Relay,
+    ReleaseHead,
+    SwitchBackend,
+    error_event,
+)
 
 __all__ = ["Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
 
 _MAX_ERROR_BODY_BYTES = 64 << 10
-
-
-def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
-    """An in-stream error payload (OpenAI's error body)."""
-    return encode(error_body(message, type, code=code))
-
-
-_POOL_SHARDS = 4
-"""Upstream connection pools the streams are spread over (see :class:`Proxy`)."""
 
 _DRAIN_AFTER_DONE_S = 1.0
 """How long to read on after ``[DONE]`` for the body's end before dropping the connection."""
@@ -72,23 +77,8 @@ class UpstreamReply:
     elapsed_ms: float
 
 
-def _has_content(data: bytes) -> bool:
-    """Does this chunk carry output (text, a tool call, a refusal)? Cheap pre-check first."""
-    if b'"delta"' not in data:
-        return False
-    try:
-        chunk: Any = msgspec.json.decode(data)
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls") or delta.get("refusal"):
-                return True
-    except (msgspec.DecodeError, AttributeError, TypeError):
-        return False
-    return False
-
-
 class Proxy:
-    """Upstream IO for one router: a shared connection pool and the stream producers."""
+    """Upstream IO for one router: the connection pools and the stream producers."""
 
     def __init__(
         self,
@@ -99,39 +89,38 @@ class Proxy:
         ca_file: str | None = None,
     ) -> None:
         self.limits = limits
-        # One TLS context for every pool: built once, it also shares TLS session state.
-        verify: ssl.SSLContext | bool = (
-            ssl.create_default_context(cafile=ca_file) if ca_file is not None else True
-        )
+        # TLS contexts built once (they also share TLS session state): the public bundle
+        # (certifi, as httpx's default) unless ``ca_file``. The streams' pool has its own, as
+        # it offers only HTTP/1.1 by ALPN; httpx sets ALPN on the context it is given.
+        cafile = ca_file if ca_file is not None else certifi.where()
+        tls = ssl.create_default_context(cafile=cafile)
+        h1_tls = ssl.create_default_context(cafile=cafile)
+        h1_tls.set_alpn_protocols(["http/1.1"])
         self.metrics = metrics
         self.clock = clock
-        total = limits.upstream_max_connections
-        shards = max(1, min(_POOL_SHARDS, total))
-        # httpcore's pool scans every connection it holds on each request start and end (in
-        # Python, with a poll() per idle one), which at 100 streams cost ~9% of the router's
-        # CPU; streams spread over a few smaller pools scan a few times less. The shards split
-        # ``upstream_max_connections`` exactly, and a stream takes the least loaded one, so
-        # the total limit behaves as before (sequential streams all reuse shard 0's
-        # connection). Shard 0 is ``client``: the non-streamed requests and the routing
-        # stages' probes use it.
-        self.stream_clients = [
-            self._new_client(limits, total // shards + (1 if i < total % shards else 0), verify)
-            for i in range(shards)
-        ]
-        self.client = self.stream_clients[0]
-        self._shard_load = [0] * shards
+        # Streams to local upstreams: the router's own HTTP/1.1 pool (see upstream_h1).
+        self.streams_pool = H1Pool(
+            max_connections=limits.upstream_max_connections,
+            keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
+            connect_timeout_s=limits.upstream_connect_timeout_s,
+            read_timeout_s=limits.upstream_read_timeout_s,
+            ssl_context=h1_tls,
+        )
+        # Non-streamed requests and the routing stages' probes.
+        self.client = self._new_client(limits, limits.upstream_max_connections, tls)
         # Peer regions' routers: HTTP/2 (negotiated by ALPN with a TLS peer), so one connection
         # per peer carries the status polls that keep it warm and every request forwarded
         # there at once; over HTTP/1.1 a forward during a poll or another forward opened a new
         # TCP+TLS connection across the inter-region RTT (+2 RTT, measured in bench routing).
-        self.peer_client = self._new_client(limits, 4, verify, http2=True)
+        self.peer_client = self._new_client(limits, 4, tls, http2=True)
         self.producers: set[asyncio.Task[None]] = set()
+        self._origins: dict[str, Origin] = {}
 
     @staticmethod
     def _new_client(
         limits: LimitsConfig,
         max_connections: int,
-        verify: ssl.SSLContext | bool,
+        verify: ssl.SSLContext,
         *,
         http2: bool = False,
     ) -> httpx.AsyncClient:
@@ -170,194 +159,24 @@ class Proxy:
         if backend.api_key:
             headers["authorization"] = f"Bearer {backend.api_key}"
         # Set by the multi-region stage when the "backend" is a peer region's router.
-        headers.update(ctx.extra.get("upstream_headers", {}))
+        headers.update(ctx.upstream_headers)
         return headers
 
     def start_stream(self, ctx: RequestContext, stream: Stream) -> asyncio.Future[UpstreamHead]:
         """Start producing ``stream`` from the upstream; the future resolves with its head."""
         head: asyncio.Future[UpstreamHead] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._produce(ctx, stream, head))
+        producer = _Producer(self, ctx, stream, head)
+        task = asyncio.create_task(producer.run())
         self.producers.add(task)
         task.add_done_callback(self.producers.discard)
         stream.cancel_producer = task.cancel
         return head
 
-    async def _produce(
-        self, ctx: RequestContext, stream: Stream, head: asyncio.Future[UpstreamHead]
-    ) -> None:
-        backend: Backend = ctx.backend
-        backend.in_flight += 1
-        backend.requests += 1
-        self.metrics.in_flight += 1
-        sent_at = time.perf_counter()
-        response: httpx.Response | None = None
-        # The multi-region stage's per-request hooks (router.multiregion.Observation).
-        observer: Any = ctx.extra.get("observer")
-        ok = False
-        load = self._shard_load
-        shard: int | None = None
-        if backend.name.startswith(PEER_PREFIX):
-            client = self.peer_client  # the one warm HTTP/2 connection to that region
-        else:
-            shard = load.index(min(load))
-            load[shard] += 1
-            client = self.stream_clients[shard]
-        try:
-            appended = [0]
-            while True:
-                request = client.build_request(
-                    "POST",
-                    backend.url + paths.CHAT_COMPLETIONS,
-                    content=_stream_body(ctx),
-                    headers=self._headers(ctx, backend, "text/event-stream"),
-                )
-                try:
-                    async with asyncio.timeout(None) as watch:
-                        timer = _arm_deadline(observer, ctx, watch)
-                        try:
-                            response = await client.send(request, stream=True)
-                            elapsed_ms = (time.perf_counter() - sent_at) * 1000
-                            if response.status_code != 200:
-                                body = await _read_bounded(response)
-                                if not head.done():
-                                    head.set_result(
-                                        UpstreamHead(response.status_code, body, elapsed_ms)
-                                    )
-                                backend.failures += 1
-                                stream.append(
-                                    _as_error_event(response.status_code, body), self.clock()
-                                )
-                                self.metrics.count("chat", f"upstream_{response.status_code}")
-                                return
-                            ready = UpstreamHead(200, b"", elapsed_ms)
-                            if timer is None and not head.done():
-                                head.set_result(ready)
-                            # With a first-token deadline the client's response head waits for
-                            # the first token, so a switch also changes x-firstbyte-region.
-                            ok = await self._pump(
-                                ctx,
-                                stream,
-                                response,
-                                sent_at,
-                                watch,
-                                observer,
-                                appended,
-                                None if head.done() else (head, ready),
-                            )
-                            if not head.done():
-                                head.set_result(ready)
-                        finally:
-                            if timer is not None:
-                                timer.cancel()
-                    break
-                except TimeoutError:
-                    # No first token by the deadline and the stage found somewhere better:
-                    # nothing was sent to the client yet, so switch without a trace.
-                    if response is not None:
-                        await asyncio.shield(response.aclose())
-                        response = None
-                    backend.in_flight -= 1
-                    backend = observer.switch(ctx)
-                    backend.in_flight += 1
-                    backend.requests += 1
-                    sent_at = time.perf_counter()
-        except asyncio.CancelledError:
-            stream.append(
-                error_event("The upstream request was cancelled.", code=error_codes.CANCELLED),
-                self.clock(),
-            )
-            self.metrics.count("chat", "cancelled")
-            raise
-        except (httpx.HTTPError, SSEProtocolError, OSError) as exc:
-            backend.failures += 1
-            message = f"Upstream failed: {type(exc).__name__}."
-            if not head.done():
-                head.set_result(UpstreamHead(502, encode(error_body(message, "server_error"))))
-            stream.append(error_event(message, code=error_codes.UPSTREAM_ERROR), self.clock())
-            self.metrics.count("chat", "upstream_error")
-        finally:
-            if not head.done():
-                head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
-            stream.finish(self.clock())
-            backend.in_flight -= 1
-            self.metrics.in_flight -= 1
-            if observer is not None:
-                observer.finished(ctx, ok)
-            try:
-                if response is not None:
-                    # Closing an unfinished response drops the connection: the upstream aborts.
-                    await asyncio.shield(response.aclose())
-            finally:
-                if shard is not None:
-                    load[shard] -= 1
-
-    async def _pump(
-        self,
-        ctx: RequestContext,
-        stream: Stream,
-        response: httpx.Response,
-        sent_at: float,
-        watch: asyncio.Timeout,
-        observer: Any,
-        appended: list[int],
-        release: tuple[asyncio.Future[UpstreamHead], UpstreamHead] | None,
-    ) -> bool:
-        """Copy upstream events into ``stream``; True if it ended with ``[DONE]``.
-
-        ``watch`` (the first-token deadline) is lifted at the first content; ``appended[0]``
-        counts the events appended across upstreams. After a switch (``appended[0] > 0``),
-        events before the new upstream's first content (its role chunk) are dropped: the
-        client already has the first upstream's. ``release`` resolves the response head at
-        the first content (when a deadline holds it back until then).
-        """
-        decoder = SSEDecoder()
-        first_content = False
-        skip_preamble = appended[0] > 0
-        done = False
-        try:
-            # After [DONE], read on to the end of the body (briefly): closing an unfinished
-            # response drops the kept-alive connection, and every stream would pay a new one.
-            async with asyncio.timeout(None) as tail:
-                async for raw in response.aiter_raw():
-                    if done:
-                        continue
-                    for event in decoder.receive_data(raw):
-                        if event.data == DONE:
-                            done = True
-                            self.metrics.count("chat", "ok")
-                            loop_time = asyncio.get_running_loop().time()
-                            tail.reschedule(loop_time + _DRAIN_AFTER_DONE_S)
-                            break
-                        data = event.data.encode()
-                        now = time.perf_counter()
-                        if not first_content and _has_content(data):
-                            first_content = True
-                            watch.reschedule(None)  # the first-token deadline no longer applies
-                            stream.upstream_ttft_ms = (now - sent_at) * 1000
-                            self.metrics.ttft.observe(now - ctx.received_at)
-                            if observer is not None:
-                                observer.first_token(ctx, (now - ctx.received_at) * 1000)
-                            if release is not None and not release[0].done():
-                                release[0].set_result(release[1])
-                        elif observer is not None and first_content:
-                            observer.chunk(ctx, now)
-                        if skip_preamble and not first_content:
-                            continue
-                        stream.append(data, self.clock())
-                        appended[0] += 1
-        except TimeoutError:
-            if not done:
-                raise
-        if done:
-            return True
-        stream.append(
-            error_event(
-                "The upstream closed the stream before [DONE].", code=error_codes.UPSTREAM_EOF
-            ),
-            self.clock(),
-        )
-        self.metrics.count("chat", "upstream_eof")
-        return False
+    def origin(self, backend: Backend) -> Origin:
+        origin = self._origins.get(backend.url)
+        if origin is None:
+            origin = self._origins[backend.url] = Origin.parse(backend.url)
+        return origin
 
     async def forward(
         self, ctx: RequestContext, method: str, path: str, body: bytes | None = None
@@ -367,7 +186,7 @@ class Proxy:
         backend.in_flight += 1
         self.metrics.in_flight += 1
         sent_at = time.perf_counter()
-        observer: Any = ctx.extra.get("observer")
+        observer = ctx.observer
         ok = False
         try:
             response = await self.client_for(backend).request(
@@ -404,28 +223,9 @@ class Proxy:
         for task in list(self.producers):
             task.cancel()
         await asyncio.gather(*self.producers, return_exceptions=True)
-        for client in (*self.stream_clients, self.peer_client):
+        for client in (self.client, self.peer_client):
             await client.aclose()
-
-
-def _arm_deadline(
-    observer: Any, ctx: RequestContext, watch: asyncio.Timeout
-) -> asyncio.TimerHandle | None:
-    """At the observer's first-token deadline, expire ``watch`` if it can switch upstreams.
-
-    Asking first (instead of a plain timeout) means a request with nowhere better to go
-    keeps waiting on its upstream rather than being cut off.
-    """
-    deadline_s = getattr(observer, "first_token_deadline_s", None)
-    if deadline_s is None:
-        return None
-    loop = asyncio.get_running_loop()
-
-    def check() -> None:
-        if watch.when() is None and observer.can_switch(ctx):
-            watch.reschedule(loop.time())
-
-    return loop.call_later(max(0.0, deadline_s - (time.perf_counter() - ctx.received_at)), check)
+        await self.streams_pool.aclose()
 
 
 def _stream_body(ctx: RequestContext) -> bytes:
@@ -438,23 +238,218 @@ def _stream_body(ctx: RequestContext) -> bytes:
     return encode(data)
 
 
-async def _read_bounded(response: httpx.Response) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_raw():
-        parts.append(chunk)
-        size += len(chunk)
-        if size > _MAX_ERROR_BODY_BYTES:
-            break
-    return b"".join(parts)[:_MAX_ERROR_BODY_BYTES]
+class _Producer:
+    """The asyncio shell around one stream's :class:`Relay`: it moves bytes from the upstream
+    into the relay (as the :class:`~firstbyte.router.upstream_h1.ResponseSink` of the
+    connection, or from httpx's body iterator), carries out the relay's actions and arms
+    the one first-token timer."""
 
+    def __init__(
+        self, proxy: Proxy, ctx: RequestContext, stream: Stream, head: asyncio.Future[UpstreamHead]
+    ) -> None:
+        self.proxy = proxy
+        self.ctx = ctx
+        self.stream = stream
+        self.head = head
+        self.observer: Observer | None = ctx.observer
+        self.backend: Backend = ctx.backend
+        deadline = None if self.observer is None else self.observer.first_token_deadline_s
+        self.relay = Relay(hold_head=deadline is not None)
+        self.loop = asyncio.get_running_loop()
+        self.outcome: asyncio.Future[str] = self.loop.create_future()
+        self.ok = False
+        self._refused: list[bytes] | None = None
+        self._refused_status = 0
+        self._timer: asyncio.TimerHandle | None = None
 
-def _as_error_event(status: int, body: bytes) -> bytes:
-    """An upstream error reply as an in-stream error event (its body if it is OpenAI's)."""
-    try:
-        data: Any = msgspec.json.decode(body)
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            return encode({"error": data["error"]})
-    except msgspec.DecodeError:
-        pass
-    return error_event(f"Upstream answered {status}.", code=f"upstream_{status}")
+    async def run(self) -> None:
+        proxy, ctx, stream = self.proxy, self.ctx, self.stream
+        metrics = proxy.metrics
+        self.backend.in_flight += 1
+        self.backend.requests += 1
+        metrics.in_flight += 1
+        try:
+            while True:
+                self.outcome = self.loop.create_future()
+                self._refused = None
+                self._arm_deadline()
+                self.relay.start(time.perf_counter())
+                if self.backend.name.startswith(PEER_PREFIX):
+                    result = await self._via_httpx(proxy.peer_client)
+                else:
+                    result = await self._via_h1()
+                if result != "switch":
+                    break
+                # No first token by the deadline and the stage found somewhere better:
+                # nothing was sent to the client yet, so switch without a trace.
+                assert self.observer is not None
+                self.backend.in_flight -= 1
+                self.backend = self.observer.switch(ctx)
+                self.backend.in_flight += 1
+                self.backend.requests += 1
+        except asyncio.CancelledError:
+            stream.append(
+                error_event("The upstream request was cancelled.", code=error_codes.CANCELLED),
+                proxy.clock(),
+            )
+            metrics.count("chat", "cancelled")
+            raise
+        finally:
+            self._cancel_deadline()
+            if not self.head.done():
+                self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
+            stream.finish(proxy.clock())
+            self.backend.in_flight -= 1
+            metrics.in_flight -= 1
+            if self.observer is not None:
+                self.observer.finished(ctx, self.ok)
+
+    def _request(self) -> tuple[bytes, dict[str, str]]:
+        body = _stream_body(self.ctx)
+        return body, self.proxy._headers(self.ctx, self.backend, "text/event-stream")
+
+    async def _via_h1(self) -> str:
+        """One attempt over the router's HTTP/1.1 pool; the relay runs in its callbacks."""
+        pool = self.proxy.streams_pool
+        origin = self.proxy.origin(self.backend)
+        conn: H1Connection | None = None
+        try:
+            body, headers = self._request()
+            conn = await pool.acquire(origin)
+            conn.send(encode_request("POST", origin, paths.CHAT_COMPLETIONS, headers, body), self)
+            result = await self.outcome
+            if result == "finished" and self.relay.done and self._refused is None:
+                # After [DONE], read on to the end of the body (briefly): dropping an
+                # unfinished response drops the kept-alive connection, and every stream
+                # would pay a new one.
+                await conn.wait_end(_DRAIN_AFTER_DONE_S)
+            else:
+                conn.abort()  # an unfinished response: the upstream sees the request aborted
+            pool.release(conn)
+            conn = None
+            return result
+        except (httpx.HTTPError, OSError) as exc:
+            self.on_error(exc)
+            return "finished"
+        finally:
+            if conn is not None:
+                conn.abort()
+
+    async def _via_httpx(self, client: httpx.AsyncClient) -> str:
+        """One attempt over an httpx client (peer regions: HTTP/2)."""
+        body, headers = self._request()
+        request = client.build_request(
+            "POST", self.backend.url + paths.CHAT_COMPLETIONS, content=body, headers=headers
+        )
+
+        async def exchange() -> None:
+            try:
+                response = await client.send(request, stream=True)
+                try:
+                    self.on_head(response.status_code)
+                    async for raw in response.aiter_raw():
+                        self.on_body(raw)
+                        if self.outcome.done():
+                            return
+                    self.on_end()
+                finally:
+                    await asyncio.shield(response.aclose())
+            except (httpx.HTTPError, OSError) as exc:
+                self.on_error(exc)
+
+        task = asyncio.ensure_future(exchange())
+        try:
+            return await self.outcome
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    # -- ResponseSink: the upstream's answer, as it arrives
+    def on_head(self, status: int) -> None:
+        if status == 200:
+            self._apply(self.relay.receive_head(200, time.perf_counter()))
+        else:
+            self._refused, self._refused_status = [], status
+
+    def on_body(self, data: bytes) -> None:
+        refused = self._refused
+        if refused is None:
+            self._apply(self.relay.receive_data(data, time.perf_counter()))
+            return
+        refused.append(data)
+        if sum(map(len, refused)) > _MAX_ERROR_BODY_BYTES:
+            self.on_end()
+
+    def on_end(self) -> None:
+        now = time.perf_counter()
+        if self._refused is not None:
+            body = b"".join(self._refused)[:_MAX_ERROR_BODY_BYTES]
+            self._apply(self.relay.receive_head(self._refused_status, now, body))
+        else:
+            self._apply(self.relay.receive_end(now))
+
+    def on_error(self, exc: Exception) -> None:
+        self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
+
+    # -- the relay's actions
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if type(action) is Append:
+                stream, now = self.stream, self.proxy.clock()
+                for payload in action.payloads:
+                    stream.append(payload, now)
+                if self.observer is not None and self.relay.first_content:
+                    self.observer.chunk(self.ctx, time.perf_counter())
+            elif type(action) is FirstToken:
+                self._first_token(action)
+            elif type(action) is ReleaseHead:
+                if not self.head.done():
+                    self.head.set_result(
+                        UpstreamHead(action.status, action.body, action.elapsed_ms)
+                    )
+            elif type(action) is Finish:
+                self._finish(action)
+
+    def _first_token(self, action: FirstToken) -> None:
+        self._cancel_deadline()  # the first-token deadline no longer applies
+        now = time.perf_counter()
+        self.stream.upstream_ttft_ms = action.upstream_ttft_ms
+        self.proxy.metrics.ttft.observe(now - self.ctx.received_at)
+        if self.observer is not None:
+            self.observer.first_token(self.ctx, (now - self.ctx.received_at) * 1000)
+
+    def _finish(self, action: Finish) -> None:
+        if action.error is not None:
+            self.stream.append(action.error, self.proxy.clock())
+        if action.outcome not in ("ok", "upstream_eof"):
+            self.backend.failures += 1
+        self.ok = action.ok
+        self.proxy.metrics.count("chat", action.outcome)
+        if not self.outcome.done():
+            self.outcome.set_result("finished")
+
+    # -- the one timer: the first-token deadline
+    def _arm_deadline(self) -> None:
+        """At the observer's first-token deadline, switch if the stage can place the request
+        elsewhere. Asking first (instead of a plain timeout) means a request with nowhere
+        better to go keeps waiting on its upstream rather than being cut off."""
+        self._cancel_deadline()
+        deadline_s = None if self.observer is None else self.observer.first_token_deadline_s
+        if deadline_s is None:
+            return
+        elapsed_s = time.perf_counter() - self.ctx.received_at
+        self._timer = self.loop.call_later(max(0.0, deadline_s - elapsed_s), self._deadline)
+
+    def _deadline(self) -> None:
+        self._timer = None
+        actions = self.relay.deadline_fired(time.perf_counter())
+        if any(type(a) is SwitchBackend for a in actions) and not self.outcome.done():
+            assert self.observer is not None
+            if self.observer.can_switch(self.ctx):
+                self.outcome.set_result("switch")
+
+    def _cancel_deadline(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

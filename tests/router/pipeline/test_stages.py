@@ -46,7 +46,7 @@ def test_reprs_carry_no_key_and_no_prompt() -> None:
     assert authenticate(request, KEYS) is CONTINUE
     assert parse_chat(request) is CONTINUE
     request.backend = Backend("b", "http://127.0.0.1:1", api_key="sk-backend-0000")
-    request.extra["upstream_headers"] = {"authorization": "Bearer sk-two-00000000"}
+    request.upstream_headers = {"authorization": "Bearer sk-two-00000000"}
     text = repr(request)
     assert "/v1/chat/completions" in text
     for secret in ("sk-two", "sk-backend", '"hi"', "'hi'"):

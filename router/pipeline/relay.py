@@ -1,0 +1,298 @@
+"""The relay's sans-IO core: one streamed upstream answer in, decisions for the store out.
+
+Like aioquic's ``QuicConnection`` it never touches a socket or a clock. Its inputs are the
+upstream's response head (:meth:`Relay.receive_head`), body bytes with their arrival time
+(:meth:`Relay.receive_data`), the first-token deadline firing (:meth:`Relay.deadline_fired`),
+the body's end (:meth:`Relay.receive_end`) and a transport failure (:meth:`Relay.fail`); each
+returns the actions the IO shell (:mod:`firstbyte.router.pipeline.proxy`) carries out:
+:class:`Append` events to the stream, :class:`ReleaseHead` (the client's response head may go
+out), :class:`FirstToken`, :class:`SwitchBackend` and :class:`Finish`.
+
+The events appended are the upstream's ``data`` payloads as bytes, sliced out of the body
+without decoding them: readers frame each one with its ``id:`` for SSE, or pass it on as raw
+JSON for long-poll and WebSocket. Framing follows the WHATWG event-stream rules: the common
+case (``data: ...`` lines ended by ``\\n\\n``, what vLLM, SGLang and the sim send) is cut
+with one ``bytes.find`` per event; an upstream that uses ``\\r`` line ends, a BOM, comments
+or several fields in one event is handed to the full :class:`~firstbyte.protocol.sse.SSEDecoder`
+from that byte on. Only chunks before the first content are JSON-decoded (to find it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.openai import encode, error_body
+from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
+
+__all__ = [
+    "Action",
+    "Append",
+    "EventFramer",
+    "Finish",
+    "FirstToken",
+    "Relay",
+    "ReleaseHead",
+    "SwitchBackend",
+    "error_event",
+    "has_content",
+]
+
+DONE_BYTES = DONE.encode()
+_BOM = b"\xef\xbb\xbf"
+MAX_EVENT_BYTES = 4 << 20
+"""An upstream event (or a run of bytes without an event end) larger than this fails the
+stream instead of growing the buffer without bound."""
+
+
+def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """An in-stream error payload (OpenAI's error body)."""
+    return encode(error_body(message, type, code=code))
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Append these event payloads to the stream, in order."""
+
+    payloads: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseHead:
+    """The client's response head may go out: ``status`` (200, or the upstream's refusal
+    with its ``body``), ``elapsed_ms`` from the upstream request to its response head."""
+
+    status: int
+    body: bytes
+    elapsed_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The first content chunk arrived ``upstream_ttft_ms`` after the upstream request."""
+
+    upstream_ttft_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchBackend:
+    """The first-token deadline passed without content: this upstream may be given up."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The stream is over: ``ok`` if it ended with ``[DONE]``; else ``error`` is the error
+    event to append first. ``outcome`` is the requests metric's label."""
+
+    ok: bool
+    outcome: str
+    error: bytes | None = None
+
+
+Action = Append | ReleaseHead | FirstToken | SwitchBackend | Finish
+
+
+def has_content(data: bytes) -> bool:
+    """Does this chunk carry output (text, a tool call, a refusal)? Cheap pre-check first."""
+    if b'"delta"' not in data:
+        return False
+    try:
+        chunk: Any = msgspec.json.decode(data)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls") or delta.get("refusal"):
+                return True
+    except (msgspec.DecodeError, AttributeError, TypeError):
+        return False
+    return False
+
+
+def _as_error_event(status: int, body: bytes) -> bytes:
+    """An upstream error reply as an in-stream error event (its body if it is OpenAI's)."""
+    try:
+        data: Any = msgspec.json.decode(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return encode({"error": data["error"]})
+    except msgspec.DecodeError:
+        pass
+    return error_event(f"Upstream answered {status}.", code=f"upstream_{status}")
+
+
+class EventFramer:
+    """Event-stream bytes in, each event's ``data`` (as bytes) out; any split of the input
+    gives the same payloads as :class:`~firstbyte.protocol.sse.SSEDecoder` (encoded)."""
+
+    def __init__(self, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._max = max_event_bytes
+        self._buffer = b""
+        self._decoder: SSEDecoder | None = None
+        self._started = False
+
+    def receive_data(self, data: bytes) -> list[bytes]:
+        """Feed bytes; return the payloads of the events they complete, in order."""
+        if self._decoder is not None:
+            return [e.data.encode() for e in self._decoder.receive_data(data)]
+        buffer = self._buffer + data if self._buffer else data
+        if not self._started:
+            if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
+                self._buffer = buffer
+                return []
+            self._started = True
+            if buffer.startswith(_BOM):
+                buffer = buffer[len(_BOM) :]
+        if b"\r" in data:
+            return self._fall_back(buffer)
+        payloads: list[bytes] = []
+        start = 0
+        while True:
+            end = buffer.find(b"\n\n", start)
+            if end < 0:
+                break
+            block = buffer[start:end]
+            if block[:6] == b"data: " and b"\n" not in block:
+                payloads.append(block[6:])
+            elif block:
+                # Another shape of event (fields, comments, several data lines): the full
+                # decoder from this event on; it sees exactly the bytes not yet consumed.
+                return payloads + self._fall_back(buffer[start:])
+            start = end + 2
+        self._buffer = buffer[start:]
+        if len(self._buffer) > self._max:
+            raise SSEProtocolError(f"event larger than {self._max} bytes")
+        return payloads
+
+    def _fall_back(self, rest: bytes) -> list[bytes]:
+        self._buffer = b""
+        self._decoder = SSEDecoder(max_event_bytes=self._max, max_line_bytes=self._max)
+        # A blank line first: it dispatches nothing (no event is pending at an event
+        # boundary) and takes the decoder past its stream start, where it would strip a BOM.
+        self._decoder.receive_data(b"\n")
+        return [e.data.encode() for e in self._decoder.receive_data(rest)]
+
+
+class Relay:
+    """One streamed request's upstream answer(s), sans IO: see the module docstring.
+
+    ``hold_head``: the client's response head waits for the first content (a first-token
+    deadline may still move the request elsewhere, and the head names the region). After a
+    switch (:meth:`start` again), the new upstream's events before its first content (its
+    role chunk) are dropped when some were appended already: the client has the first's.
+    """
+
+    def __init__(self, *, hold_head: bool = False) -> None:
+        self.hold_head = hold_head
+        self.appended = 0
+        self.first_content = False
+        self.done = False
+        self.head_released = False
+        self._framer = EventFramer()
+        self._sent_at = 0.0
+        self._status = 0
+        self._head_ms = 0.0
+        self._skip_preamble = False
+
+    def start(self, now: float) -> None:
+        """A request to a (new) upstream was sent at ``now``."""
+        self._framer = EventFramer()
+        self._sent_at = now
+        self._status = 0
+        self._skip_preamble = self.appended > 0
+
+    def receive_head(self, status: int, now: float, body: bytes = b"") -> list[Action]:
+        """The upstream's response head; for a status other than 200, with its (bounded) body,
+        which ends the stream."""
+        self._status = status
+        self._head_ms = (now - self._sent_at) * 1000
+        if status != 200:
+            return self._finish(
+                Finish(False, f"upstream_{status}", _as_error_event(status, body)),
+                ReleaseHead(status, body, self._head_ms),
+            )
+        if self.hold_head:
+            return []
+        return [self._release()]
+
+    def receive_data(self, data: bytes, now: float) -> list[Action]:
+        """Body bytes that arrived at ``now``."""
+        if self.done:
+            return []
+        try:
+            payloads = self._framer.receive_data(data)
+        except SSEProtocolError as exc:
+            return self.fail(type(exc).__name__, now)
+        if not payloads:
+            return []
+        actions: list[Action] = []
+        if not self.first_content or self._skip_preamble or DONE_BYTES in payloads:
+            payloads = self._scan(payloads, now, actions)
+        if payloads:
+            self.appended += len(payloads)
+            actions.insert(0, Append(payloads))
+        return actions
+
+    def _scan(self, payloads: list[bytes], now: float, actions: list[Action]) -> list[bytes]:
+        """The slow path: find the first content and ``[DONE]``; returns what to append."""
+        kept: list[bytes] = []
+        for payload in payloads:
+            if payload == DONE_BYTES:
+                actions.extend(self._finish(Finish(True, "ok")))
+                break
+            if not self.first_content and has_content(payload):
+                self.first_content = True
+                self._skip_preamble = False
+                actions.append(FirstToken((now - self._sent_at) * 1000))
+                if not self.head_released:
+                    actions.append(self._release())
+            if self._skip_preamble:
+                continue
+            kept.append(payload)
+        return kept
+
+    def deadline_fired(self, now: float) -> list[Action]:
+        """The first-token deadline passed: switch if no content came yet."""
+        if self.first_content or self.done:
+            return []
+        return [SwitchBackend()]
+
+    def receive_end(self, now: float) -> list[Action]:
+        """The upstream's body ended (cleanly or not) before or after ``[DONE]``."""
+        if self.done:
+            return []
+        return self._finish(
+            Finish(
+                False,
+                "upstream_eof",
+                error_event(
+                    "The upstream closed the stream before [DONE].", code=error_codes.UPSTREAM_EOF
+                ),
+            )
+        )
+
+    def fail(self, reason: str, now: float) -> list[Action]:
+        """The upstream request failed (``reason``: the error's name, e.g. ``ReadTimeout``)."""
+        if self.done:
+            return []
+        message = f"Upstream failed: {reason}."
+        release = None
+        if not self.head_released:
+            release = ReleaseHead(502, encode(error_body(message, "server_error")), 0.0)
+        return self._finish(
+            Finish(False, "upstream_error", error_event(message, code=error_codes.UPSTREAM_ERROR)),
+            release,
+        )
+
+    def _release(self, head: ReleaseHead | None = None) -> ReleaseHead:
+        self.head_released = True
+        return head or ReleaseHead(200, b"", self._head_ms)
+
+    def _finish(self, finish: Finish, head: ReleaseHead | None = None) -> list[Action]:
+        self.done = True
+        actions: list[Action] = []
+        if not self.head_released:
+            # A 200 head that waited for content the stream never had goes out now.
+            actions.append(self._release(head))
+        actions.append(finish)
+        return actions

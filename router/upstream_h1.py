@@ -1,0 +1,352 @@
+"""HTTP/1.1 to the upstreams for streamed requests: a keep-alive pool of asyncio protocols.
+
+Each received piece of a response goes from the socket (``data_received``) through
+httptools' C parser (chunked decoding included) to a :class:`ResponseSink` in the same call:
+no task wakes up per chunk and no Python-level HTTP parsing runs. It replaces httpx for the
+router's streams because httpcore's pool scanned every connection it held on each request
+start and end (a Python list comprehension over ``is_idle()``): with 500 streams that was
+~40% of the router's CPU (py-spy), and the cost grew with load, which is what made the router
+fall behind for good under sustained load (``firstbyte bench router_overhead``).
+
+The pool hands out idle connections last-in first-out per origin (the warmest), drops a
+connection that has been idle for ``keepalive_expiry_s`` when it reaches it (O(1): idle
+lists are in release order), and holds at most ``max_connections`` open at once; a request
+that finds them all busy waits for one (bounded by the connect timeout).
+
+Errors are httpx's exception classes (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
+``ReadTimeout``, ``RemoteProtocolError``, ``PoolTimeout``), so messages and handling match the
+httpx paths the router keeps for non-streamed requests and for peers (HTTP/2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import httptools
+import httpx
+
+__all__ = ["H1Connection", "H1Pool", "Origin", "ResponseSink", "encode_request"]
+
+
+class ResponseSink(Protocol):
+    """Where one response goes, called from the connection's protocol callbacks."""
+
+    def on_head(self, status: int) -> None: ...
+    def on_body(self, data: bytes) -> None: ...
+    def on_end(self) -> None: ...
+    def on_error(self, exc: Exception) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Scheme, host and port of an upstream base URL, plus the path prefix it carries."""
+
+    scheme: str
+    host: str
+    port: int
+    base_path: str = ""
+
+    @classmethod
+    def parse(cls, url: str) -> Origin:
+        parsed = httpx.URL(url)
+        scheme = parsed.scheme
+        port = parsed.port or (443 if scheme == "https" else 80)
+        return cls(scheme, parsed.host, port, parsed.path.rstrip("/"))
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+def encode_request(
+    method: str, origin: Origin, path: str, headers: dict[str, str], body: bytes
+) -> bytes:
+    """An HTTP/1.1 request with ``content-length``; a header with CR or LF is refused."""
+    lines = [f"{method} {origin.base_path}{path} HTTP/1.1", f"host: {origin.host_header}"]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise httpx.LocalProtocolError(f"invalid header {name!r}")
+        lines.append(f"{name}: {value}")
+    lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class H1Connection(asyncio.Protocol):
+    """One kept-alive connection; one response at a time goes to its sink."""
+
+    def __init__(self, pool: H1Pool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._sink: ResponseSink | None = None
+        self._parser: httptools.HttpResponseParser | None = None
+        self._complete = True
+        self._keep_alive = False
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._ended: asyncio.Future[None] | None = None
+        self._framed_by_close = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._parser is None:
+            self.abort()  # bytes nobody asked for: the connection cannot be trusted again
+            return
+        self._last_read = self.pool.loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        if not self._complete:
+            if self._framed_by_close and exc is None:
+                self.on_message_complete()  # a body without length or chunks ends at the close
+            else:
+                self._fail(httpx.ReadError(str(exc) if exc else "connection closed"))
+        self._resolve_ended()
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed_by_close = False
+
+    def on_headers_complete(self) -> None:
+        if self._parser is None or self._sink is None:
+            return  # a second response in the same read, after the first one's end
+        self._keep_alive = self._parser.should_keep_alive()
+        status = self._parser.get_status_code()
+        self._framed_by_close &= status not in (204, 304) and status >= 200
+        self._sink.on_head(status)
+
+    def on_body(self, body: bytes) -> None:
+        if self._sink is not None:
+            self._sink.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._parser = None
+        self._cancel_timer()
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.on_end()
+        self._resolve_ended()
+
+    # -- the shell's side
+    def send(self, request: bytes, sink: ResponseSink) -> None:
+        """Write ``request``; its response goes to ``sink``."""
+        assert self.transport is not None
+        assert self._complete
+        self._sink = sink
+        self._parser = httptools.HttpResponseParser(self)
+        self._complete = False
+        self._keep_alive = False
+        self._framed_by_close = True  # until a content-length or transfer-encoding says not
+        self._ended = None
+        self._last_read = self.pool.loop.time()
+        self._arm_timer(self.pool.read_timeout_s)
+        self.transport.write(request)
+
+    @property
+    def reusable(self) -> bool:
+        """The last response ended cleanly and the upstream keeps the connection open."""
+        return self._complete and self._keep_alive and not self.closed
+
+    async def wait_end(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the response's end; True if it ended cleanly."""
+        if not self._complete and not self.closed:
+            if self._ended is None:
+                self._ended = self.pool.loop.create_future()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(self._ended)
+            except TimeoutError:
+                return False
+        return self.reusable
+
+    def detach(self) -> None:
+        """The shell is done with the response: no more callbacks to its sink."""
+        self._sink = None
+
+    def abort(self) -> None:
+        """Drop the connection now (the upstream sees the request aborted)."""
+        self._sink = None
+        self._cancel_timer()
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+        self.closed = True
+        self.pool._forget(self)
+
+    # -- internals
+    def _fail(self, exc: Exception) -> None:
+        sink, self._sink = self._sink, None
+        self._complete = True
+        self._keep_alive = False
+        self._cancel_timer()
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+        self.closed = True
+        if sink is not None:
+            sink.on_error(exc)
+
+    def _resolve_ended(self) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    def _arm_timer(self, delay_s: float) -> None:
+        self._timer = self.pool.loop.call_later(delay_s, self._check_read_timeout)
+
+    def _check_read_timeout(self) -> None:
+        # One timer per response, re-armed for the rest of the window when it fires, rather
+        # than rescheduled on every read: reads are per chunk, timeouts are rare.
+        self._timer = None
+        if self._complete or self.closed:
+            return
+        silent_s = self.pool.loop.time() - self._last_read
+        if silent_s >= self.pool.read_timeout_s:
+            self._fail(httpx.ReadTimeout("no data from the upstream within the read timeout"))
+        else:
+            self._arm_timer(self.pool.read_timeout_s - silent_s)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class H1Pool:
+    """Kept-alive HTTP/1.1 connections to the upstreams (see the module docstring)."""
+
+    loop: asyncio.AbstractEventLoop
+    """The serving loop, taken by the first :meth:`acquire` (the pool may be built before)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        keepalive_expiry_s: float,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.max_connections = max_connections
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._ssl = ssl_context
+        self._idle: dict[Origin, collections.deque[H1Connection]] = {}
+        self._open: set[H1Connection] = set()
+        self._connecting = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def __repr__(self) -> str:
+        idle = sum(len(q) for q in self._idle.values())
+        return f"<H1Pool [Connections: {len(self._open) - idle} active, {idle} idle]>"
+
+    async def acquire(self, origin: Origin) -> H1Connection:
+        """A connection to ``origin``: the most recently used idle one, else a new one."""
+        self.loop = asyncio.get_running_loop()
+        connecting = False
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                while True:
+                    conn = self._take_idle(origin)
+                    if conn is not None:
+                        return conn
+                    if len(self._open) + self._connecting < self.max_connections:
+                        connecting = True
+                        return await self._connect(origin)
+                    if not self._close_oldest_idle():
+                        waiter = self.loop.create_future()
+                        self._waiters.append(waiter)
+                        await waiter
+        except TimeoutError:
+            if connecting:
+                message = f"connecting to {origin.host_header} timed out"
+                raise httpx.ConnectTimeout(message) from None
+            raise httpx.PoolTimeout("no upstream connection free in time") from None
+
+    def release(self, conn: H1Connection) -> None:
+        """Give ``conn`` back after a response: kept if reusable, else closed."""
+        conn.detach()
+        if not conn.reusable:
+            conn.abort()
+            return
+        conn.idle_since = self.loop.time()
+        idle = self._idle.setdefault(conn.origin, collections.deque())
+        idle.append(conn)
+        expiry = self.keepalive_expiry_s
+        while idle and (idle[0].closed or conn.idle_since - idle[0].idle_since > expiry):
+            idle.popleft().abort()
+        self._wake_one()
+
+    async def aclose(self) -> None:
+        for conn in list(self._open):
+            conn.abort()
+        self._idle.clear()
+
+    def _take_idle(self, origin: Origin) -> H1Connection | None:
+        idle = self._idle.get(origin)
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since <= self.keepalive_expiry_s:
+                return conn
+            conn.abort()
+        return None
+
+    def _close_oldest_idle(self) -> bool:
+        oldest: collections.deque[H1Connection] | None = None
+        for idle in self._idle.values():
+            if idle and (oldest is None or idle[0].idle_since < oldest[0].idle_since):
+                oldest = idle
+        if oldest is None:
+            return False
+        oldest.popleft().abort()
+        return True
+
+    async def _connect(self, origin: Origin) -> H1Connection:
+        self._connecting += 1
+        tls = origin.scheme == "https"
+        try:
+            _, conn = await self.loop.create_connection(
+                lambda: H1Connection(self, origin),
+                origin.host,
+                origin.port,
+                ssl=(self._ssl or ssl.create_default_context()) if tls else None,
+                server_hostname=origin.host if tls else None,
+            )
+        except OSError as exc:  # ssl.SSLError included
+            raise httpx.ConnectError(str(exc)) from exc
+        finally:
+            self._connecting -= 1
+        self._open.add(conn)
+        return conn
+
+    def _forget(self, conn: H1Connection) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
