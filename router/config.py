@@ -66,6 +66,10 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server: Annotated[str, msgspec.Meta(pattern=r"^(hypercorn|uvicorn)$")] = "hypercorn"
     """``hypercorn`` (H1.1, H2, H3) or ``uvicorn`` (HTTP/1.1 only, httptools; plain or TLS)."""
     keep_alive_timeout_s: PositiveSeconds = 75.0
+    backlog: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 4096  # hosting.DEFAULT_BACKLOG
+    """The TCP accept queue (``listen()`` backlog; the kernel caps it at
+    ``net.core.somaxconn``). hypercorn's own default, 100, overflowed with 500 clients
+    connecting at once (each dropped SYN costs the client 1 s)."""
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

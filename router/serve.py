@@ -68,6 +68,7 @@ def _options(config: RouterConfig, tune_gc: bool) -> ServerOptions:
         lifespan=True,  # the app starts its background tasks (peers, warmup, metrics) there
         ws_max_message_bytes=ws_max_message_bytes(config),
         tune_gc=tune_gc,
+        backlog=listen.backlog,
     )
 
 
@@ -75,7 +76,7 @@ def _bind(config: RouterConfig, app: RouterApp | None) -> tuple[Listeners, Route
     listen = config.listen
     tls = listen.certfile is not None
     want_h3 = tls and listen.http3 and listen.server == "hypercorn"
-    listeners = bind(listen.host, listen.port, udp=want_h3)
+    listeners = bind(listen.host, listen.port, udp=want_h3, backlog=listen.backlog)
     try:
         endpoints = RouterEndpoints(
             base_url=listeners.url(tls=tls),

@@ -86,6 +86,10 @@ class H1Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.reused = False
+        """Handed out from the idle list (the upstream may have closed it meanwhile)."""
+        self.answered = False
+        """A byte of the current response arrived."""
         self._sink: ResponseSink | None = None
         self._parser: httptools.HttpResponseParser | None = None
         self._complete = True
@@ -94,6 +98,7 @@ class H1Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._ended: asyncio.Future[None] | None = None
         self._framed_by_close = False
+        self._has_length = False
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -104,6 +109,7 @@ class H1Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection cannot be trusted again
             return
         self._last_read = self.pool.loop.time()
+        self.answered = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -125,14 +131,14 @@ class H1Connection(asyncio.Protocol):
     # -- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() in (b"content-length", b"transfer-encoding"):
-            self._framed_by_close = False
+            self._has_length = True
 
     def on_headers_complete(self) -> None:
         if self._parser is None or self._sink is None:
             return  # a second response in the same read, after the first one's end
         self._keep_alive = self._parser.should_keep_alive()
         status = self._parser.get_status_code()
-        self._framed_by_close &= status not in (204, 304) and status >= 200
+        self._framed_by_close = not self._has_length and status not in (204, 304)
         self._sink.on_head(status)
 
     def on_body(self, body: bytes) -> None:
@@ -157,11 +163,20 @@ class H1Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._complete = False
         self._keep_alive = False
-        self._framed_by_close = True  # until a content-length or transfer-encoding says not
+        self._framed_by_close = False  # known at the head's end
+        self._has_length = False
+        self.answered = False
         self._ended = None
         self._last_read = self.pool.loop.time()
         self._arm_timer(self.pool.read_timeout_s)
         self.transport.write(request)
+
+    @property
+    def stale(self) -> bool:
+        """A kept-alive connection that failed before any byte of its response: the
+        upstream closed it while idle (keep-alive race), so it never saw the request and
+        sending it again on another connection is safe."""
+        return self.reused and not self.answered
 
     @property
     def reusable(self) -> bool:
@@ -307,6 +322,7 @@ class H1Pool:
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since <= self.keepalive_expiry_s:
+                conn.reused = True
                 return conn
             conn.abort()
         return None

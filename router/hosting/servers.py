@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .quic import TicketStore
 
 __all__ = [
+    "DEFAULT_BACKLOG",
     "IN_PROCESS_SERVERS",
     "KEEP_ALIVE_MAX_REQUESTS",
     "Listeners",
@@ -47,6 +48,13 @@ __all__ = [
 
 IN_PROCESS_SERVERS = ("hypercorn", "uvicorn")
 """The servers :func:`serve` runs in this event loop (granian needs its own process)."""
+
+DEFAULT_BACKLOG = 4096
+"""Connections the kernel queues before the server accepts them (``listen()``), capped by
+``net.core.somaxconn``. hypercorn's default is 100 and asyncio re-``listen()``s a socket it is
+given with the server's value: 500 clients connecting at once overflowed it here (kernel
+``ListenOverflows``; each dropped SYN is retried after 1 s, then 3 s). nginx and uvicorn
+ask for more (uvicorn 2048); this is Linux's default ``somaxconn``."""
 
 KEEP_ALIVE_MAX_REQUESTS = 1_000_000
 """Requests one client connection may carry before hypercorn closes it. hypercorn's default
@@ -78,6 +86,8 @@ class ServerOptions:
     ws_max_message_bytes: int | None = None
     """Largest WebSocket message accepted (larger: close 1009); None: the app takes no
     WebSockets (uvicorn loads no WebSocket protocol)."""
+    backlog: int = DEFAULT_BACKLOG
+    """The listening socket's accept queue (:data:`DEFAULT_BACKLOG`)."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -117,7 +127,7 @@ class Listeners:
             self.quic.close()
 
 
-def bind(host: str, port: int, *, udp: bool = False) -> Listeners:
+def bind(host: str, port: int, *, udp: bool = False, backlog: int = DEFAULT_BACKLOG) -> Listeners:
     """A listening TCP socket and (if ``udp``) a UDP socket on the same port number.
 
     With ``port`` 0 the kernel picks the TCP port; the UDP bind on that number is retried
@@ -133,7 +143,7 @@ def bind(host: str, port: int, *, udp: bool = False) -> Listeners:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited when accepted
             tcp.bind((host, port))
-            tcp.listen(1024)
+            tcp.listen(backlog)
             tcp.setblocking(False)
         except OSError:
             tcp.close()
@@ -277,6 +287,7 @@ async def _serve_uvicorn(
         ssl_keyfile=options.keyfile,
         timeout_keep_alive=int(options.keep_alive_timeout_s),
         timeout_graceful_shutdown=max(1, round(options.graceful_timeout_s)),
+        backlog=options.backlog,
     )
     server = uvicorn.Server(config)
     # Signals belong to whoever owns the loop (serve's shutdown trigger), not to uvicorn.
@@ -325,6 +336,7 @@ async def _serve_hypercorn(
     config.accesslog = None  # request lines could carry stream ids: no access log
     config.include_server_header = False
     config.graceful_timeout = options.graceful_timeout_s
+    config.backlog = options.backlog  # its default (100) overflowed with 500 clients
     config.alpn_protocols = ["h2", "http/1.1"]
     if options.ws_max_message_bytes is not None:
         config.websocket_max_message_size = options.ws_max_message_bytes

@@ -56,6 +56,9 @@ _MAX_ERROR_BODY_BYTES = 64 << 10
 _DRAIN_AFTER_DONE_S = 1.0
 """How long to read on after ``[DONE]`` for the body's end before dropping the connection."""
 
+_STALE_RETRIES = 2
+"""Times a request goes again after its kept-alive connection turned out to be closed."""
+
 
 @dataclass(frozen=True, slots=True)
 class UpstreamHead:
@@ -261,6 +264,7 @@ class _Producer:
         self._refused: list[bytes] | None = None
         self._refused_status = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._conn: H1Connection | None = None
 
     async def run(self) -> None:
         proxy, ctx, stream = self.proxy, self.ctx, self.stream
@@ -309,31 +313,41 @@ class _Producer:
         return body, self.proxy._headers(self.ctx, self.backend, "text/event-stream")
 
     async def _via_h1(self) -> str:
-        """One attempt over the router's HTTP/1.1 pool; the relay runs in its callbacks."""
+        """One attempt over the router's HTTP/1.1 pool; the relay runs in its callbacks.
+
+        A kept-alive connection the upstream closed while it was idle fails before any byte
+        of the answer: the request goes again on another one (at most
+        :data:`_STALE_RETRIES` times), as a browser would; the upstream never saw it.
+        """
         pool = self.proxy.streams_pool
         origin = self.proxy.origin(self.backend)
-        conn: H1Connection | None = None
-        try:
-            body, headers = self._request()
-            conn = await pool.acquire(origin)
-            conn.send(encode_request("POST", origin, paths.CHAT_COMPLETIONS, headers, body), self)
-            result = await self.outcome
-            if result == "finished" and self.relay.done and self._refused is None:
-                # After [DONE], read on to the end of the body (briefly): dropping an
-                # unfinished response drops the kept-alive connection, and every stream
-                # would pay a new one.
-                await conn.wait_end(_DRAIN_AFTER_DONE_S)
-            else:
-                conn.abort()  # an unfinished response: the upstream sees the request aborted
-            pool.release(conn)
-            conn = None
-            return result
-        except (httpx.HTTPError, OSError) as exc:
-            self.on_error(exc)
-            return "finished"
-        finally:
-            if conn is not None:
-                conn.abort()
+        body, headers = self._request()
+        request = encode_request("POST", origin, paths.CHAT_COMPLETIONS, headers, body)
+        result = "retry"
+        for _ in range(_STALE_RETRIES + 1):
+            try:
+                self._conn = conn = await pool.acquire(origin)
+            except (httpx.HTTPError, OSError) as exc:
+                self.on_error(exc)
+                return "finished"
+            try:
+                conn.send(request, self)
+                result = await self.outcome
+                if result == "finished" and self.relay.done and self._refused is None:
+                    # After [DONE], read on to the end of the body (briefly): dropping an
+                    # unfinished response drops the kept-alive connection, and every stream
+                    # would pay a new one.
+                    await conn.wait_end(_DRAIN_AFTER_DONE_S)
+            finally:
+                self._conn = None
+                if not conn.reusable:
+                    conn.abort()  # unfinished: the upstream sees the request aborted
+                pool.release(conn)
+            if result != "retry":
+                return result
+            self.outcome = self.loop.create_future()
+        self._apply(self.relay.fail("ReadError", time.perf_counter()))  # stale every time
+        return "finished"
 
     async def _via_httpx(self, client: httpx.AsyncClient) -> str:
         """One attempt over an httpx client (peer regions: HTTP/2)."""
@@ -390,6 +404,10 @@ class _Producer:
             self._apply(self.relay.receive_end(now))
 
     def on_error(self, exc: Exception) -> None:
+        conn = self._conn
+        if conn is not None and conn.stale and not self.outcome.done():
+            self.outcome.set_result("retry")
+            return
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 
     # -- the relay's actions

@@ -1,0 +1,179 @@
+"""The relay core, sans IO: bytes and times in, actions out (no sockets, no clock)."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
+
+from firstbyte.protocol.sse import SSEDecoder
+from firstbyte.router.pipeline.relay import (
+    Action,
+    Append,
+    EventFramer,
+    Finish,
+    FirstToken,
+    Relay,
+    ReleaseHead,
+    SwitchBackend,
+)
+
+
+def chunk(content: str | None = None, role: str | None = None) -> bytes:
+    delta: dict[str, str] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return msgspec.json.encode(
+        {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+    )
+
+
+ROLE = chunk(role="assistant", content="")
+HELLO = chunk("Hello")
+WORLD = chunk(" world")
+BODY = b"".join(b"data: " + p + b"\n\n" for p in (ROLE, HELLO, WORLD, b"[DONE]"))
+
+
+def appended(actions: list[Action]) -> list[bytes]:
+    return [p for a in actions if isinstance(a, Append) for p in a.payloads]
+
+
+def feed(relay: Relay, pieces: list[bytes], t0: float = 10.0) -> list[Action]:
+    actions: list[Action] = []
+    for i, piece in enumerate(pieces):
+        actions += relay.receive_data(piece, t0 + i * 0.01)
+    return actions
+
+
+def test_events_pass_through_byte_exact_with_done_and_first_token() -> None:
+    relay = Relay()
+    relay.start(10.0)
+    head = relay.receive_head(200, 10.002)
+    assert head == [ReleaseHead(200, b"", head[0].elapsed_ms)]
+    assert abs(head[0].elapsed_ms - 2.0) < 1e-6
+    actions = relay.receive_data(BODY, 10.05)
+    assert appended(actions) == [ROLE, HELLO, WORLD]
+    assert FirstToken(actions[1].upstream_ttft_ms) in actions  # type: ignore[union-attr]
+    first = next(a for a in actions if isinstance(a, FirstToken))
+    assert abs(first.upstream_ttft_ms - 50.0) < 1e-6
+    assert actions[-1] == Finish(True, "ok")
+    assert relay.receive_end(10.06) == []  # the body's end after [DONE]: nothing more
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(BODY)), max_size=12))
+def test_every_split_gives_the_same_actions(cuts: list[int]) -> None:
+    bounds = sorted({0, len(BODY), *cuts})
+    pieces = [BODY[a:b] for a, b in itertools.pairwise(bounds)]
+    relay = Relay()
+    relay.start(0.0)
+    relay.receive_head(200, 0.0)
+    actions = feed(relay, pieces)
+    assert appended(actions) == [ROLE, HELLO, WORLD]
+    assert sum(isinstance(a, FirstToken) for a in actions) == 1
+    assert [a for a in actions if isinstance(a, Finish)] == [Finish(True, "ok")]
+
+
+SSE_BYTES = st.lists(
+    st.sampled_from(
+        [
+            b'data: {"a": 1}\n\n',
+            b"data: x\n",
+            b"data:y\n\n",
+            b": ping\n\n",
+            b"id: 7\n",
+            b"event: e\n",
+            b"retry: 5\n",
+            b"\n",
+            b"\r\n",
+            b"\r",
+            b"data: \xc3\xa9t\xc3\xa9\r\n\r\n",
+            b"\xef\xbb\xbf",
+            b"data: [DONE]\n\n",
+            b"data: \n\n",
+        ]
+    ),
+    max_size=12,
+).map(b"".join)
+
+
+@given(SSE_BYTES, st.lists(st.integers(min_value=0, max_value=400), max_size=8))
+def test_framer_matches_the_full_decoder_for_any_stream_and_split(
+    data: bytes, cuts: list[int]
+) -> None:
+    expected = [e.data.encode() for e in SSEDecoder().receive_data(data)]
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    framer = EventFramer()
+    got: list[bytes] = []
+    for a, b in itertools.pairwise(bounds):
+        got += framer.receive_data(data[a:b])
+    assert got == expected
+
+
+def test_head_waits_for_the_first_token_under_a_deadline() -> None:
+    relay = Relay(hold_head=True)
+    relay.start(1.0)
+    assert relay.receive_head(200, 1.01) == []
+    actions = relay.receive_data(b"data: " + ROLE + b"\n\n", 1.02)
+    assert actions == [Append([ROLE])]
+    actions = relay.receive_data(b"data: " + HELLO + b"\n\n", 1.5)
+    assert ReleaseHead(200, b"", actions[-1].elapsed_ms) == actions[-1]  # type: ignore[union-attr]
+
+
+def test_deadline_switches_only_before_content_and_drops_the_second_preamble() -> None:
+    relay = Relay(hold_head=True)
+    relay.start(0.0)
+    relay.receive_head(200, 0.01)
+    relay.receive_data(b"data: " + ROLE + b"\n\n", 0.02)
+    assert relay.deadline_fired(0.5) == [SwitchBackend()]
+    relay.start(0.5)  # the next upstream: its role chunk is dropped, the client has one
+    relay.receive_head(200, 0.51)
+    actions = relay.receive_data(b"data: " + ROLE + b"\n\ndata: " + HELLO + b"\n\n", 0.6)
+    assert appended(actions) == [HELLO]
+    assert relay.deadline_fired(0.7) == []
+
+
+def test_refusal_is_the_head_and_an_error_event() -> None:
+    relay = Relay(hold_head=True)
+    relay.start(0.0)
+    body = b'{"error": {"message": "busy", "type": "server_error"}}'
+    actions = relay.receive_head(503, 0.004, body)
+    assert actions[0] == ReleaseHead(503, body, actions[0].elapsed_ms)  # type: ignore[union-attr]
+    finish = actions[1]
+    assert isinstance(finish, Finish)
+    assert finish.outcome == "upstream_503"
+    assert msgspec.json.decode(finish.error or b"") == {
+        "error": {"message": "busy", "type": "server_error"}
+    }
+
+
+def test_early_end_and_failure_are_error_events() -> None:
+    relay = Relay()
+    relay.start(0.0)
+    relay.receive_head(200, 0.0)
+    relay.receive_data(b"data: " + HELLO + b"\n\ndata: " + WORLD[:5], 0.1)
+    (finish,) = relay.receive_end(0.2)
+    assert isinstance(finish, Finish)
+    assert finish.outcome == "upstream_eof"
+    assert b"before [DONE]" in (finish.error or b"")
+
+    failing = Relay()
+    failing.start(0.0)
+    actions = failing.fail("ConnectError", 0.1)
+    assert isinstance(actions[0], ReleaseHead)
+    assert actions[0].status == 502
+    assert isinstance(actions[1], Finish)
+    assert b"ConnectError" in (actions[1].error or b"")
+    assert failing.receive_data(b"data: x\n\n", 0.2) == []
+
+
+def test_an_event_without_end_past_the_limit_fails_the_stream() -> None:
+    relay = Relay()
+    relay._framer = EventFramer(max_event_bytes=100)
+    relay.receive_head(200, 0.0)
+    actions = relay.receive_data(b"data: " + b"x" * 200, 0.1)
+    assert isinstance(actions[-1], Finish)
+    assert actions[-1].outcome == "upstream_error"

@@ -1,0 +1,155 @@
+"""The router's HTTP/1.1 upstream pool against raw servers on loopback, and through the router:
+chunked bodies, keep-alive reuse, and a kept-alive connection the upstream closed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from firstbyte.router.upstream_h1 import H1Pool, Origin, encode_request
+
+from .conftest import RouterFactory, auth
+from .upstream import chunk, sse
+
+pytestmark = pytest.mark.asyncio
+
+MODELS = json.dumps({"object": "list", "data": [{"id": "test-model", "object": "model"}]}).encode()
+SSE_BODY = sse(chunk(content="hi")) + b"data: [DONE]\n\n"
+
+
+def chunked_reply(body: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n0\r\n\r\n"
+    )
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    return head + await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def raw_server(close_after: int | None = None) -> AsyncIterator[tuple[str, list[int]]]:
+    """Answer each request with an SSE body; with ``close_after``, a connection that has
+    answered that many requests closes on the next one without answering (the keep-alive
+    race: the server gave up on the idle connection as the request arrived)."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        answered = 0
+        try:
+            while True:
+                request = await read_request(reader)
+                if not request.startswith(b"POST /v1/chat/completions "):
+                    # /metrics, /v1/models (the router's probes): an empty but healthy answer
+                    body = MODELS if request.startswith(b"GET /v1/models ") else b""
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+                    writer.write(body)
+                    continue
+                if close_after is not None and answered >= close_after:
+                    writer.transport.abort()
+                    return
+                writer.write(chunked_reply(SSE_BODY))
+                await writer.drain()
+                answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", connections
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+        self.error: Exception | None = None
+        self.done = asyncio.get_running_loop().create_future()
+
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        self.body += data
+
+    def on_end(self) -> None:
+        self.done.set_result(None)
+
+    def on_error(self, exc: Exception) -> None:
+        self.error = exc
+        self.done.set_result(None)
+
+
+def pool() -> H1Pool:
+    return H1Pool(max_connections=4, keepalive_expiry_s=60, connect_timeout_s=2, read_timeout_s=5)
+
+
+async def test_chunked_bodies_arrive_whole_and_the_connection_is_reused() -> None:
+    async with raw_server() as (url, connections):
+        upstreams = pool()
+        origin = Origin.parse(url)
+        for _ in range(3):
+            conn = await upstreams.acquire(origin)
+            sink = Collect()
+            conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
+            await asyncio.wait_for(sink.done, 5)
+            assert (sink.status, sink.body, sink.error) == (200, SSE_BODY, None)
+            upstreams.release(conn)
+        assert len(connections) == 1
+        assert "1 idle" in repr(upstreams)
+        await upstreams.aclose()
+
+
+async def test_a_header_with_a_line_break_is_refused() -> None:
+    with pytest.raises(httpx.LocalProtocolError):
+        encode_request("POST", Origin.parse("http://x"), "/", {"a": "b\r\nevil: 1"}, b"")
+
+
+async def test_router_sends_again_when_the_kept_alive_connection_was_closed(
+    start_router: RouterFactory,
+) -> None:
+    async with (
+        raw_server(close_after=1) as (url, connections),
+        start_router([url], tls=False) as router,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        for _ in range(3):
+            response = await client.post(
+                router.base_url + "/v1/chat/completions",
+                headers=auth(),
+                json={
+                    "model": "test-model",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            )
+            assert response.status_code == 200
+            assert '"hi"' in response.text
+            assert "error" not in response.text
+            assert response.text.endswith("data: [DONE]\n\n")
+    # each request after the first found its kept-alive connection closed and took a new one
+    assert len(connections) >= 3
