@@ -1,19 +1,25 @@
 """Router added latency: TTFT and ITL direct to the sim against through the router, same run.
 
-The sim (``h100-7b`` profile: ~10 ms per decode step) and the router each run in their own
+The sim (``h100-7b`` profile: ~10 ms per decode step, ``max_num_seqs`` above the highest level
+so the sim batches every stream and never queues) and the router each run in their own
 process, as in production; the load generator (httpx over HTTP/1.1 on loopback, kept-alive
-connections, parsing with the SDK's SSE core) runs in this one. For each concurrency (1 and 100
-streams) the direct and the routed path are measured in alternating rounds, so both see the
-same machine. Added latency is the difference of the percentiles (router minus direct).
-Optionally (full runs) the same over TLS with HTTP/2 between the client and the router, next
-to the client straight to a sim served over TLS + HTTP/2 (``direct-h2``): that run's tail
-is mostly the HTTP/2 transport itself, which the direct-h2 row shows.
+connections, parsing with the SDK's SSE core) runs in this one. For each level (1, 100 and 500
+concurrent streams) the targets are measured in alternating phases, so all see the same
+machine: ``direct`` (the sim), ``nginx`` (``proxy_buffering off``, 2 workers, kept-alive
+upstream connections) when it is installed, and the router under each of its HTTP/1.1 servers.
+Added latency is the difference of the percentiles (target minus direct). Optionally (full
+runs) the same over TLS with HTTP/2 between the client and the router, next to the client
+straight to a sim served over TLS + HTTP/2 (``direct-h2``): that run's tail is mostly the
+HTTP/2 transport itself, which the direct-h2 row shows.
 
-At 100 streams the direct path is measured twice (``direct`` and ``direct-aa``, alternating
-like the rest): the A/A difference is what the machine's noise alone makes of a P99, the
-yardstick for the routers' added P99. The load generator's own cyclic GC is held off during
-each phase (collected between phases): its full collections took 30-160 ms here and landed on
-whichever target was running.
+From 100 streams up the direct path is measured twice (``direct`` and ``direct-aa``,
+alternating like the rest): the A/A difference is what the machine's noise alone makes of a
+P99, the yardstick for the proxies' added P99. Then each target takes several phases at the
+highest level back to back (``sustained``): a proxy that falls behind under sustained load
+shows it there as growing TTFT, CPU per chunk or errors from one phase to the next. Every
+phase says what limited it (:func:`_limited_by`). The load generator's own cyclic GC is held
+off during each phase (collected between phases): its full collections took 30-160 ms here
+and landed on whichever target was running.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import contextlib
 import gc
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +56,15 @@ PROFILE = "h100-7b"
 ROUTER_SERVERS = ("hypercorn", "uvicorn")
 """The router's ASGI servers measured side by side over HTTP/1.1 (``listen.server``); the
 HTTP/2 + TLS run uses hypercorn, the only one of them with HTTP/2."""
+NGINX_TARGET = "nginx"
+NGINX_MISSING = (
+    "nginx is not installed: no reference proxy in this run (apt-get install nginx-light)"
+)
+IDLE_S = 900.0
+"""Keep-alive timeout of every server in the run (sim, routers, nginx): a target's client
+connections sit idle while the other targets take their phases, longer than the servers'
+defaults (30 s, 75 s), and a connection closed by the server as the next request arrives is
+an error of the benchmark, not of the target."""
 PROMPT = "Summarise the plot of Hamlet in one paragraph."
 SLO_TTFT_MS = 200.0
 ADDED_METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "p50_e2el_ms")
@@ -68,9 +85,12 @@ _SIM = """
 import asyncio, sys
 from firstbyte.router.sim.server import running_sim
 async def main():
-    # PROFILE [CERTFILE KEYFILE]: with a certificate, TLS (hypercorn: HTTP/2 by ALPN)
-    tls = {"certfile": sys.argv[2], "keyfile": sys.argv[3]} if len(sys.argv) > 2 else {}
-    async with running_sim(profile=sys.argv[1], max_num_seqs=256, **tls) as url:
+    # PROFILE MAX_NUM_SEQS IDLE_S [CERTFILE KEYFILE]: with a certificate, TLS (hypercorn: H2)
+    tls = {"certfile": sys.argv[4], "keyfile": sys.argv[5]} if len(sys.argv) > 4 else {}
+    async with running_sim(
+        profile=sys.argv[1], max_num_seqs=int(sys.argv[2]), keep_alive_timeout_s=float(sys.argv[3]),
+        **tls,
+    ) as url:
         print(url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 asyncio.run(main())
@@ -87,10 +107,12 @@ from firstbyte.router.regions_config import RoutingConfig
 from firstbyte.router.hosting import loop_factory
 from firstbyte.router.serve import running_router
 async def main():
-    tls = len(sys.argv) > 3
+    # SIM_URL SERVER IDLE_S [CERTFILE KEYFILE]
+    tls = len(sys.argv) > 4
     listen = ListenConfig(
         port=0, http3=False, insecure_plain_http=not tls, server=sys.argv[2],
-        certfile=sys.argv[3] if tls else None, keyfile=sys.argv[4] if tls else None,
+        certfile=sys.argv[4] if tls else None, keyfile=sys.argv[5] if tls else None,
+        keep_alive_timeout_s=float(sys.argv[3]),
     )
     # 100 streams must be admitted: the limit under test is latency, not backpressure
     upstream = UpstreamConfig(url=sys.argv[1], max_in_flight=1024)
@@ -126,12 +148,18 @@ def _machine_cpu() -> tuple[float, float]:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux ``/proc``); 0 where it cannot be read."""
+    """User + system CPU time of a process and its live child processes (nginx's workers),
+    from Linux ``/proc``; 0 where it cannot be read."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return own + sum(_cpu_seconds(int(child)) for child in children)
 
 
 @contextmanager
@@ -295,6 +323,8 @@ async def _measure(
 
     Each summary also has ``cpu_ms_per_stream``: CPU time of this process (``client``) and of
     each process in ``pids`` during that target's phases, divided by the streams completed;
+    ``cores_used``: the same CPU time over the phases' wall time (1.0 = one whole core);
+    ``machine_busy_share``: the busiest phase's share of all CPUs in use (anyone's);
     ``foreign_cpu_share``: the share of the machine's CPU that other processes used during
     its kept phases (mean); ``phases_rerun``: phases discarded and measured again because
     that share was over :data:`FOREIGN_CPU_LIMIT` (the rule is the same for every target;
@@ -304,6 +334,7 @@ async def _measure(
     errors: dict[str, list[str]] = {name: [] for name in targets}
     busy = dict.fromkeys(targets, 0.0)
     foreign: dict[str, list[float]] = {name: [] for name in targets}
+    machine_share: dict[str, list[float]] = {name: [] for name in targets}
     reruns = dict.fromkeys(targets, 0)
     cpu: dict[str, dict[str, float]] = {
         name: dict.fromkeys(["client", *pids], 0.0) for name in targets
@@ -341,6 +372,7 @@ async def _measure(
                         reruns[name] += 1  # someone else's work ran here: measure it again
                         continue
                     foreign[name].append(share)
+                    machine_share[name].append(machine_busy / max(machine_total, 1e-9))
                     busy[name] += seconds
                     for role, seconds_used in used.items():
                         cpu[name][role] += seconds_used
@@ -363,6 +395,10 @@ async def _measure(
             role: seconds * 1000 / streams for role, seconds in cpu[name].items()
         }
         out[name]["foreign_cpu_share"] = sum(foreign[name]) / max(len(foreign[name]), 1)
+        out[name]["machine_busy_share"] = max(machine_share[name], default=0.0)
+        out[name]["cores_used"] = {
+            role: seconds / max(busy[name], 1e-9) for role, seconds in cpu[name].items()
+        }
         out[name]["phases_rerun"] = reruns[name]
     return out
 
@@ -389,72 +425,326 @@ def _h2_clients(ca_pem: str) -> Callable[[int], list[httpx.AsyncClient]]:
     return make
 
 
+LEVELS = ((1, 4, 5), (100, 2, 2), (500, 1, 2))
+"""(concurrency, alternating rounds, streams per worker per round) of a full run."""
+QUICK_LEVELS = ((1, 1, 3), (100, 1, 1))
+SUSTAINED = (500, 5, 2)
+"""(concurrency, back-to-back phases, streams per worker per phase) of a full run."""
+QUICK_SUSTAINED = (100, 2, 1)
+SATURATED = 0.9
+"""A process using this share of a core (or the machine this share of all its CPUs) limits
+the figure: a Python process (load generator, sim, router) runs on one core at a time."""
+
+
 def run(quick: bool) -> dict[str, Any]:
-    """Direct vs routed streams at 1 and 100 concurrent streams; added TTFT and ITL."""
+    """Direct vs nginx vs the router at 1, 100 and 500 streams, interleaved; then each target
+    under sustained load; added TTFT and ITL, CPU per chunk, errors, what limited each."""
     max_tokens = 16 if quick else 64
-    # (concurrency, alternating rounds, streams per worker per round)
-    plan = [(1, 2, 5), (100, 1, 2)] if quick else [(1, 4, 15), (100, 3, 3)]
+    levels = QUICK_LEVELS if quick else LEVELS
+    sustained = QUICK_SUSTAINED if quick else SUSTAINED
     tls_rounds = 0 if quick else 2
-    targets = 1 + len(ROUTER_SERVERS)
-    total = sum((targets + (c > 1)) * rounds for c, rounds, _ in plan) + 3 * tls_rounds
+    top = max(c for c, _, _ in levels)
+    nginx = _nginx_binary()
+    proxies = ([NGINX_TARGET] if nginx else []) + [f"router/{name}" for name in ROUTER_SERVERS]
+    targets = 1 + len(proxies)
+    total = sum((targets + (c > 1)) * rounds for c, rounds, _ in levels)
+    total += targets * sustained[1] + 3 * tls_rounds
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
-    with Progress(total, "router_overhead") as bar, _server(_SIM, PROFILE) as sim:
-        with contextlib.ExitStack() as stack:
-            routers = {
-                f"router/{name}": stack.enter_context(_server(_ROUTER, sim.url, name))
-                for name in ROUTER_SERVERS
-            }
-            pids = {"sim": sim.pid} | {name: child.pid for name, child in routers.items()}
-            for concurrency, rounds, per_worker in plan:
-                # the A/A control only where tails are compared (1 stream has none to speak of)
-                aa = {AA_TARGET: sim.url} if concurrency > 1 else {}
-                measured = asyncio.run(
-                    _measure(
-                        {"direct": sim.url} | {name: c.url for name, c in routers.items()} | aa,
-                        concurrency=concurrency,
-                        rounds=rounds,
-                        per_worker=per_worker,
-                        max_tokens=max_tokens,
-                        make_clients=_h1_clients,
-                        bar=bar,
-                        pids=pids,
-                        # quick runs check that it works, often beside other scenarios: no repeats
-                        max_reruns=0 if quick else MAX_RERUNS,
-                    )
+    overhead: list[dict[str, Any]] = []
+    phases: list[dict[str, Any]] = []
+    notes: list[str] = [] if nginx else [NGINX_MISSING]
+    # Room for every stream of the highest level plus the A/A target's: the sim never queues.
+    seqs = str(2 * max(top, sustained[0]))
+    idle = str(IDLE_S)
+    with (
+        Progress(total, "router_overhead") as bar,
+        _server(_SIM, PROFILE, seqs, idle) as sim,
+        contextlib.ExitStack() as stack,
+    ):
+        children = {
+            f"router/{name}": stack.enter_context(_server(_ROUTER, sim.url, name, idle))
+            for name in ROUTER_SERVERS
+        }
+        if nginx:
+            children = {NGINX_TARGET: stack.enter_context(_nginx(nginx, sim.url))} | children
+        urls = {"direct": sim.url} | {name: child.url for name, child in children.items()}
+        pids = {"sim": sim.pid} | {name: child.pid for name, child in children.items()}
+        for concurrency, rounds, per_worker in levels:
+            # the A/A control only where tails are compared (1 stream has none to speak of)
+            aa = {AA_TARGET: sim.url} if concurrency > 1 else {}
+            measured = asyncio.run(
+                _measure(
+                    urls | aa,
+                    concurrency=concurrency,
+                    rounds=rounds,
+                    per_worker=per_worker,
+                    max_tokens=max_tokens,
+                    make_clients=_h1_clients,
+                    bar=bar,
+                    pids=pids,
+                    # quick runs check that it works, often beside other scenarios: no repeats
+                    max_reruns=0 if quick else MAX_RERUNS,
                 )
-                _collect(runs, summary, measured, concurrency, "HTTP/1.1")
+            )
+            _collect(runs, summary, measured, concurrency, "HTTP/1.1")
+            overhead += _overhead_rows(measured, concurrency)
+        phases = _sustained(urls, pids, sustained, max_tokens, bar)
+        _summarise_sustained(summary, phases)
         if tls_rounds:
             _tls(runs, summary, sim, max_tokens, tls_rounds, bar)
+    levels_text = ", ".join(str(c) for c, _, _ in levels)
     return {
         "scenario": "router_overhead",
         "description": (
             f"Streams of {max_tokens // 2}-{max_tokens * 3 // 2} tokens from the sim "
-            f"({PROFILE} profile, ~10 ms a token, own process), direct and through the router "
-            f"(one router process per ASGI server: {', '.join(ROUTER_SERVERS)}) on loopback, "
-            "in alternating phases with the same workload; closed-loop workers (1 or 100), "
-            "plain HTTP/1.1 with kept-alive connections. Summary keys: cC_ROUTER_added_* = "
-            "router percentile minus direct percentile at concurrency C; c100_direct_aa_added_* "
-            "= a second direct measurement minus the first (A/A: the noise floor); "
+            f"({PROFILE} profile, ~10 ms a token, own process, max_num_seqs {seqs}), direct, "
+            f"through nginx (proxy_buffering off, 2 workers) when installed and through the "
+            f"router (one process per ASGI server: {', '.join(ROUTER_SERVERS)}) on loopback, in "
+            f"alternating phases with the same workload; closed-loop workers ({levels_text}), "
+            "plain HTTP/1.1 with kept-alive connections; then each target alone for "
+            f"{sustained[1]} back-to-back phases at {sustained[0]} streams (sustained). "
+            "Summary keys: cC_TARGET_added_* = target percentile minus direct percentile at "
+            "concurrency C; cC_direct_aa_added_* = a second direct measurement minus the first "
+            "(A/A: the noise floor); cC_TARGET_cpu_us_per_chunk = the target's CPU time (all its "
+            "processes) per relayed chunk; sustained_TARGET_* = over the sustained phases; "
             "c100_hypercorn_h2tls_added_vs_direct_h2_* = router over TLS + HTTP/2 minus the "
             "client straight to a TLS + HTTP/2 sim."
         ),
         "summary": summary,
+        "overhead": overhead,
+        "sustained": phases,
         "runs": runs,
         "notes": [
-            "client, routers and sim share this machine's 2 CPUs (and other work on it): at "
-            "100 streams the added latency includes the router's CPU competing with the sim "
-            "and the client; router_cpu_us_per_chunk is the router's own cost",
+            *notes,
+            "client, proxies and sim share this machine's 2 CPUs (and other work on it): the "
+            "added latency at 100 and 500 streams includes each proxy's CPU competing with the "
+            "sim and the client; limited_by in each row names what ran out (a process at "
+            f">= {SATURATED:.0%} of a core, or the machine at >= {SATURATED:.0%} of its CPUs)",
             "CPU times come from /proc at 100 Hz: per-stream figures are +-10 ms / streams",
-            "LiteLLM publishes 2/8/13 ms P50/P95/P99 proxy overhead; the target here is "
-            "<= 1 ms P50 and <= 3 ms P99 added TTFT at 100 streams",
+            "targets: added TTFT P50 within 1 ms of nginx's and P99 within 5 ms of nginx's at "
+            "100 and 500 streams; zero errors in every phase",
             f"goodput SLO: TTFT <= {SLO_TTFT_MS:.0f} ms",
             f"a phase during which other processes used more than {FOREIGN_CPU_LIMIT:.0%} of "
             f"the machine's CPU is measured again (at most {MAX_RERUNS} times; not in --quick "
-            "runs), the same rule for every target; foreign_cpu_share and phases_rerun in each "
-            "run say how loaded the machine was",
+            "runs, not in the sustained phases), the same rule for every target; "
+            "foreign_cpu_share and phases_rerun in each run say how loaded the machine was",
         ],
     }
+
+
+def _limited_by(cores: dict[str, float], machine: float, target: str) -> str:
+    """What limited a figure: the machine's CPUs, or one process at a core's worth."""
+    mine = sorted(cores.items(), key=lambda item: -item[1])
+    shares = ", ".join(f"{role} {share:.2f}" for role, share in mine if share >= 0.05)
+    if machine >= SATURATED:
+        return f"CPU: machine {machine:.0%} busy (cores: {shares})"
+    for role, label in (("client", "the load generator"), ("sim", "the sim"), (target, target)):
+        if cores.get(role, 0.0) >= SATURATED:
+            return f"{label}: one core (cores: {shares})"
+    return f"none saturated: the sim's decode steps (cores: {shares})"
+
+
+def _overhead_rows(measured: dict[str, dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+    """One row per target at one level: added TTFT, CPU per chunk, errors, the limit."""
+    direct = measured["direct"]
+    rows = []
+    for name, result in measured.items():
+        chunks = max(result["total_output_tokens"], 1)
+        streams = max(result["completed"], 1)
+        cpu_ms = result["cpu_ms_per_stream"].get(name, 0.0) * streams
+        rows.append(
+            {
+                "label": name,
+                "streams": concurrency,
+                "added_ttft_p50_ms": result["p50_ttft_ms"] - direct["p50_ttft_ms"],
+                "added_ttft_p99_ms": result["p99_ttft_ms"] - direct["p99_ttft_ms"],
+                "ttft_p50_ms": result["p50_ttft_ms"],
+                "cpu_us_per_chunk": cpu_ms * 1000 / chunks
+                if name in result["cores_used"]
+                else None,
+                "errors": result["failed"],
+                "limited_by": _limited_by(result["cores_used"], result["machine_busy_share"], name),
+            }
+        )
+    return rows
+
+
+def _sustained(
+    urls: dict[str, str],
+    pids: dict[str, int],
+    plan: tuple[int, int, int],
+    max_tokens: int,
+    bar: Progress,
+) -> list[dict[str, Any]]:
+    """Each target alone for ``phases`` back-to-back phases of ``concurrency`` streams; one
+    row per phase (TTFT, errors, CPU per chunk, what limited it)."""
+    concurrency, phases, per_worker = plan
+    rows: list[dict[str, Any]] = []
+    for name, url in urls.items():
+        measured = asyncio.run(
+            _measure_phases(name, url, pids, concurrency, phases, per_worker, max_tokens, bar)
+        )
+        rows += measured
+    direct = {row["phase"]: row for row in rows if row["label"] == "direct"}
+    for row in rows:
+        same = direct.get(row["phase"])
+        if same is not None:
+            row["added_ttft_p50_ms"] = row["ttft_p50_ms"] - same["ttft_p50_ms"]
+            row["added_ttft_p99_ms"] = row["ttft_p99_ms"] - same["ttft_p99_ms"]
+    return rows
+
+
+async def _measure_phases(
+    name: str,
+    url: str,
+    pids: dict[str, int],
+    concurrency: int,
+    phases: int,
+    per_worker: int,
+    max_tokens: int,
+    bar: Progress,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    clients = _h1_clients(concurrency)
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(client)
+        await _phase(clients, url, concurrency=concurrency, per_worker=1, max_tokens=4, seed=0)
+        for index in range(phases):
+            machine = _machine_cpu()
+            before = {"client": time.process_time()}
+            before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
+            ok, bad, seconds = await _phase(
+                clients,
+                url,
+                concurrency=concurrency,
+                per_worker=per_worker,
+                max_tokens=max_tokens,
+                seed=100 + index,
+            )
+            used = {"client": time.process_time() - before["client"]}
+            used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+            busy, total = (b - a for a, b in zip(machine, _machine_cpu(), strict=True))
+            cores = {role: cpu / max(seconds, 1e-9) for role, cpu in used.items()}
+            result = summarize(
+                ok, duration_s=seconds, failed=len(bad), slo=SLO(ttft_ms=SLO_TTFT_MS)
+            )
+            chunks = max(result["total_output_tokens"], 1)
+            rows.append(
+                {
+                    "label": name,
+                    "phase": index + 1,
+                    "streams": concurrency,
+                    "ttft_p50_ms": result["p50_ttft_ms"],
+                    "ttft_p99_ms": result["p99_ttft_ms"],
+                    "cpu_us_per_chunk": used[name] * 1e6 / chunks if name in used else None,
+                    "errors": len(bad),
+                    "limited_by": _limited_by(cores, busy / max(total, 1e-9), name),
+                    "error_reasons": sorted(set(bad))[:3],
+                }
+            )
+            bar.advance()
+    return rows
+
+
+def _summarise_sustained(summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    for name in dict.fromkeys(row["label"] for row in rows):
+        mine = [row for row in rows if row["label"] == name]
+        key = f"sustained_{name.removeprefix('router/')}"
+        summary[f"{key}_errors"] = sum(row["errors"] for row in mine)
+        summary[f"{key}_worst_ttft_p50_ms"] = max(row["ttft_p50_ms"] for row in mine)
+        cpu = [row["cpu_us_per_chunk"] for row in mine if row["cpu_us_per_chunk"] is not None]
+        if cpu:
+            summary[f"{key}_max_cpu_us_per_chunk"] = max(cpu)
+
+
+def _nginx_binary() -> str | None:
+    """The nginx executable, or None (the run then has no reference proxy and says so)."""
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+_NGINX_CONF = """
+daemon off;
+worker_processes 2;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+{user}
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    upstream sim {{
+        server {upstream};
+        keepalive 1024;
+        keepalive_timeout {idle}s;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        keepalive_timeout {idle}s;
+        keepalive_requests 1000000;
+        location / {{
+            proxy_pass http://sim;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+"""
+
+
+@contextmanager
+def _nginx(binary: str, upstream_url: str) -> Iterator[_Child]:
+    """nginx as a streaming reverse proxy to ``upstream_url`` (the reference proxy hop)."""
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()  # nginx binds it next (a race with another program, unlikely here)
+        conf = Path(tmp, "nginx.conf")
+        conf.write_text(
+            _NGINX_CONF.format(
+                tmp=tmp,
+                port=port,
+                idle=int(IDLE_S),
+                upstream=upstream_url.removeprefix("http://"),
+                user="user root;" if os.geteuid() == 0 else "",
+            )
+        )
+        log = Path(tmp, "error.log")
+        proc = subprocess.Popen(
+            [binary, "-p", tmp, "-c", str(conf), "-e", str(log)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        text = log.read_text() if log.exists() else ""
+                        raise RuntimeError(f"nginx did not start: {text[-2000:]}") from None
+                    time.sleep(0.05)
+            yield _Child(f"http://127.0.0.1:{port}", proc.pid)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _collect(
@@ -489,10 +779,10 @@ def _collect(
             summary[f"{key}_added_{metric}"] = result[metric] - direct[metric]
         if name in (AA_TARGET, DIRECT_H2_TARGET):
             continue
-        router_cpu = result["cpu_ms_per_stream"].get(name, 0.0)
-        summary[f"{key}_router_cpu_ms_per_stream"] = router_cpu
+        proxy_cpu = result["cpu_ms_per_stream"].get(name, 0.0)
+        summary[f"{key}_cpu_ms_per_stream"] = proxy_cpu
         chunks = result["total_output_tokens"] / max(result["completed"], 1)
-        summary[f"{key}_router_cpu_us_per_chunk"] = router_cpu * 1000 / max(chunks, 1)
+        summary[f"{key}_cpu_us_per_chunk"] = proxy_cpu * 1000 / max(chunks, 1)
 
 
 def _tls(
@@ -515,9 +805,10 @@ def _tls(
         cert.private_key_and_cert_chain_pem.write_to_path(paths["cert.pem"])
         cert.private_key_pem.write_to_path(paths["key.pem"])
         tls_args = (paths["cert.pem"], paths["key.pem"])
+        idle = str(IDLE_S)
         with (
-            _server(_ROUTER, sim.url, "hypercorn", *tls_args) as router,
-            _server(_SIM, PROFILE, *tls_args) as sim_tls,
+            _server(_ROUTER, sim.url, "hypercorn", idle, *tls_args) as router,
+            _server(_SIM, PROFILE, "256", idle, *tls_args) as sim_tls,
         ):
             h2 = _h2_clients(paths["ca.pem"])
             measured = asyncio.run(

@@ -89,7 +89,11 @@ def granian_app() -> SimApp:
 
 
 def options(
-    server: str, certfile: str | None = None, keyfile: str | None = None
+    server: str,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    *,
+    keep_alive_timeout_s: float = 30.0,
 ) -> ServerOptions:
     """How ``server`` (``uvicorn`` or ``hypercorn``) runs a sim: no lifespan (the engine's
     driver is started around it), no WebSockets, short drain; the GC is left alone."""
@@ -97,7 +101,7 @@ def options(
         server=server,
         certfile=certfile,
         keyfile=keyfile,
-        keep_alive_timeout_s=30.0,
+        keep_alive_timeout_s=keep_alive_timeout_s,
         graceful_timeout_s=1.0,
         lifespan=False,
     )
@@ -139,9 +143,13 @@ async def sim_server(
     server: str | None = None,
     certfile: str | None = None,
     keyfile: str | None = None,
+    keep_alive_timeout_s: float = 30.0,
     **config: Any,
 ) -> AsyncIterator[SimServer]:
     """Start a real sim on ``host``:ephemeral port in the running loop; stop it on exit.
+
+    ``keep_alive_timeout_s``: how long an idle client connection stays open (a benchmark
+    whose connections wait out other targets' phases sets it past their length).
 
     ``config`` holds :class:`SimConfig` fields (``max_num_seqs``, ``prefix_cache_blocks``,
     ``queue_limit``, ``faults``, ``seed``, ``max_body_bytes``). With ``certfile`` the server
@@ -150,7 +158,8 @@ async def sim_server(
     app = build_app(SimConfig(profile=profile, **config))
     chosen = server or ("hypercorn" if certfile else "uvicorn")
     listeners = hosting.bind(host, 0)
-    async with running_app(app, listeners, options(chosen, certfile, keyfile)):
+    serving = options(chosen, certfile, keyfile, keep_alive_timeout_s=keep_alive_timeout_s)
+    async with running_app(app, listeners, serving):
         yield SimServer(url=listeners.url(tls=certfile is not None), app=app, port=listeners.port)
 
 
