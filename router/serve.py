@@ -24,7 +24,18 @@ from .hosting import Listeners, ServerOptions, bind, running
 from .hosting import serve as host
 from .hosting.quic import TicketStore
 
-__all__ = ["RouterEndpoints", "running_router", "serve", "ws_max_message_bytes"]
+__all__ = [
+    "CONFIG_ENV",
+    "RouterEndpoints",
+    "granian_app",
+    "running_router",
+    "serve",
+    "ws_max_message_bytes",
+]
+
+CONFIG_ENV = "FIRSTBYTE_ROUTER_CONFIG"
+"""The router's config as JSON, for :func:`granian_app` (granian imports the app by name in
+its own worker process)."""
 
 log = logging.getLogger("firstbyte.router")
 
@@ -142,3 +153,21 @@ async def running_router(
     async with running(endpoints.app, listeners, options, tickets=endpoints.tickets):
         _announce(endpoints)
         yield endpoints
+
+
+def granian_app() -> RouterApp:
+    """Factory for granian (``firstbyte.router.serve:granian_app``): the router for the config
+    in the ``FIRSTBYTE_ROUTER_CONFIG`` environment variable (JSON), with the GC tuned as
+    ``firstbyte router`` has it. granian serves HTTP/1.1 and HTTP/2; HTTP/3 stays hypercorn's.
+    """
+    import os
+
+    import msgspec
+
+    from .config import parse_config
+    from .hosting.gc_tuning import tune_for_serving
+
+    config = parse_config(msgspec.json.decode(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
+    app = build_app(config)
+    tune_for_serving()
+    return app

@@ -53,9 +53,10 @@ from firstbyte.protocol.sse import DONE, SSEDecoder
 __all__ = ["run"]
 
 PROFILE = "h100-7b"
-ROUTER_SERVERS = ("hypercorn", "uvicorn")
-"""The router's ASGI servers measured side by side over HTTP/1.1 (``listen.server``); the
-HTTP/2 + TLS run uses hypercorn, the only one of them with HTTP/2."""
+ROUTER_SERVERS = ("hypercorn", "uvicorn", "granian")
+"""The router's ASGI servers measured side by side over HTTP/1.1 (``listen.server``, and
+granian through :func:`firstbyte.router.serve.granian_app` in its own process); the HTTP/2 +
+TLS run uses hypercorn."""
 NGINX_TARGET = "nginx"
 NGINX_MISSING = (
     "nginx is not installed: no reference proxy in this run (apt-get install nginx-light)"
@@ -124,6 +125,39 @@ async def main():
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the loop `firstbyte router` uses
     runner.run(main())
+"""
+
+
+_ROUTER_GRANIAN = """
+import os, signal, socket, sys, threading, time
+import msgspec
+from firstbyte.router.hosting import run_granian
+from firstbyte.router.serve import CONFIG_ENV
+# SIM_URL IDLE_S [CERTFILE KEYFILE]: the same router as _ROUTER, served by granian in its own
+# worker process (HTTP/1.1; with a certificate, TLS with HTTP/2 by ALPN)
+tls = sys.argv[3:5] if len(sys.argv) > 4 else None
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+os.environ[CONFIG_ENV] = msgspec.json.encode({
+    "upstreams": [{"url": sys.argv[1], "max_in_flight": 1024}],
+    "listen": {"port": port, "http3": False, "insecure_plain_http": tls is None},
+    "routing": {"backend_max_waiting": 1024},
+    "auth": {"allow_anonymous": True},
+}).decode()
+def announce():
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    print(f"{'https' if tls else 'http'}://127.0.0.1:{port}", flush=True)
+    sys.stdin.read()  # the benchmark closes stdin: stop
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=announce, daemon=True).start()
+certs = {"certfile": tls[0], "keyfile": tls[1]} if tls else {}
+run_granian("firstbyte.router.serve:granian_app", "127.0.0.1", port, **certs)
 """
 
 
@@ -286,6 +320,25 @@ async def _phase(
     return ok, failed, elapsed
 
 
+async def _metered_phase(
+    clients: list[httpx.AsyncClient],
+    url: str,
+    pids: dict[str, int],
+    **phase: int,
+) -> tuple[list[Timings], list[str], float, dict[str, float], float, float]:
+    """:func:`_phase` with the CPU it cost: the timings, failures and wall time, then the CPU
+    seconds of this process (``client``) and of each process in ``pids``, and the machine's
+    busy and total CPU seconds over the phase."""
+    machine = _machine_cpu()
+    before = {"client": time.process_time()}
+    before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
+    ok, bad, seconds = await _phase(clients, url, **phase)
+    used = {"client": time.process_time() - before["client"]}
+    used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+    busy, total = (b - a for a, b in zip(machine, _machine_cpu(), strict=True))
+    return ok, bad, seconds, used, busy, total
+
+
 @contextmanager
 def _gc_held_off() -> Iterator[None]:
     """Collect now, then no cyclic GC in this (load generator) process until the block ends.
@@ -351,21 +404,14 @@ async def _measure(
         for r in range(rounds):
             for name, url in targets.items():
                 for attempt in range(max_reruns + 1):
-                    machine = _machine_cpu()
-                    before = {"client": time.process_time()}
-                    before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
-                    ok, bad, seconds = await _phase(
+                    ok, bad, seconds, used, machine_busy, machine_total = await _metered_phase(
                         clients[name],
                         url,
+                        pids,
                         concurrency=concurrency,
                         per_worker=per_worker,
                         max_tokens=max_tokens,
                         seed=1 + r,
-                    )
-                    used = {"client": time.process_time() - before["client"]}
-                    used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
-                    machine_busy, machine_total = (
-                        b - a for a, b in zip(machine, _machine_cpu(), strict=True)
                     )
                     share = max(0.0, machine_busy - sum(used.values())) / max(machine_total, 1e-9)
                     if share > FOREIGN_CPU_LIMIT and attempt < max_reruns:
@@ -448,7 +494,7 @@ def run(quick: bool) -> dict[str, Any]:
     proxies = ([NGINX_TARGET] if nginx else []) + [f"router/{name}" for name in ROUTER_SERVERS]
     targets = 1 + len(proxies)
     total = sum((targets + (c > 1)) * rounds for c, rounds, _ in levels)
-    total += targets * sustained[1] + 3 * tls_rounds
+    total += targets * sustained[1] + 4 * tls_rounds
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     overhead: list[dict[str, Any]] = []
@@ -463,7 +509,11 @@ def run(quick: bool) -> dict[str, Any]:
         contextlib.ExitStack() as stack,
     ):
         children = {
-            f"router/{name}": stack.enter_context(_server(_ROUTER, sim.url, name, idle))
+            f"router/{name}": stack.enter_context(
+                _server(_ROUTER_GRANIAN, sim.url, idle)
+                if name == "granian"
+                else _server(_ROUTER, sim.url, name, idle)
+            )
             for name in ROUTER_SERVERS
         }
         if nginx:
@@ -612,20 +662,15 @@ async def _measure_phases(
             await stack.enter_async_context(client)
         await _phase(clients, url, concurrency=concurrency, per_worker=1, max_tokens=4, seed=0)
         for index in range(phases):
-            machine = _machine_cpu()
-            before = {"client": time.process_time()}
-            before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
-            ok, bad, seconds = await _phase(
+            ok, bad, seconds, used, busy, total = await _metered_phase(
                 clients,
                 url,
+                pids,
                 concurrency=concurrency,
                 per_worker=per_worker,
                 max_tokens=max_tokens,
                 seed=100 + index,
             )
-            used = {"client": time.process_time() - before["client"]}
-            used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
-            busy, total = (b - a for a, b in zip(machine, _machine_cpu(), strict=True))
             cores = {role: cpu / max(seconds, 1e-9) for role, cpu in used.items()}
             result = summarize(
                 ok, duration_s=seconds, failed=len(bad), slo=SLO(ttft_ms=SLO_TTFT_MS)
@@ -808,30 +853,32 @@ def _tls(
         idle = str(IDLE_S)
         with (
             _server(_ROUTER, sim.url, "hypercorn", idle, *tls_args) as router,
+            _server(_ROUTER_GRANIAN, sim.url, idle, *tls_args) as granian,
             _server(_SIM, PROFILE, "256", idle, *tls_args) as sim_tls,
         ):
             h2 = _h2_clients(paths["ca.pem"])
+            routers = {"router/hypercorn": router, "router/granian": granian}
             measured = asyncio.run(
                 _measure(
-                    {
-                        "direct": sim.url,
-                        DIRECT_H2_TARGET: sim_tls.url,
-                        "router/hypercorn": router.url,
-                    },
+                    {"direct": sim.url, DIRECT_H2_TARGET: sim_tls.url}
+                    | {name: child.url for name, child in routers.items()},
                     concurrency=100,
                     rounds=rounds,
                     per_worker=3,
                     max_tokens=max_tokens,
                     make_clients=_h1_clients,
-                    client_overrides={DIRECT_H2_TARGET: h2, "router/hypercorn": h2},
+                    client_overrides=dict.fromkeys([DIRECT_H2_TARGET, *routers], h2),
                     bar=bar,
-                    pids={"sim": sim.pid, "sim-tls": sim_tls.pid, "router/hypercorn": router.pid},
+                    pids={"sim": sim.pid, "sim-tls": sim_tls.pid}
+                    | {name: child.pid for name, child in routers.items()},
                 )
             )
     # "direct" is the plain sim (HTTP/1.1); direct-h2 and the router are the H2 ones.
     _collect(runs, summary, measured, 100, "HTTP/2+TLS")
-    routed, direct_h2 = measured["router/hypercorn"], measured[DIRECT_H2_TARGET]
-    for metric in ADDED_METRICS:
-        summary[f"c100_hypercorn_h2tls_added_vs_direct_h2_{metric}"] = (
-            routed[metric] - direct_h2[metric]
-        )
+    direct_h2 = measured[DIRECT_H2_TARGET]
+    for name in ("hypercorn", "granian"):
+        routed = measured[f"router/{name}"]
+        for metric in ADDED_METRICS:
+            summary[f"c100_{name}_h2tls_added_vs_direct_h2_{metric}"] = (
+                routed[metric] - direct_h2[metric]
+            )

@@ -453,6 +453,7 @@ def run_granian(
     *,
     certfile: str | None = None,
     keyfile: str | None = None,
+    backlog: int = DEFAULT_BACKLOG,
 ) -> None:
     """Serve the app that ``factory`` (``"module:function"``, called with no arguments in the
     server's own process) returns, under granian, until SIGINT or SIGTERM."""
@@ -470,6 +471,7 @@ def run_granian(
         interface="asgi",  # type: ignore[arg-type]
         factory=True,
         workers=1,
+        backlog=backlog,
         log_enabled=False,
         **kwargs,  # type: ignore[arg-type]
     )

@@ -43,6 +43,7 @@ __all__ = [
 
 DONE_BYTES = DONE.encode()
 _BOM = b"\xef\xbb\xbf"
+"""A byte-order mark, which the event-stream format allows (and skips) at the very start."""
 MAX_EVENT_BYTES = 4 << 20
 """An upstream event (or a run of bytes without an event end) larger than this fails the
 stream instead of growing the buffer without bound."""
@@ -137,12 +138,9 @@ class EventFramer:
             return [e.data.encode() for e in self._decoder.receive_data(data)]
         buffer = self._buffer + data if self._buffer else data
         if not self._started:
-            if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
-                self._buffer = buffer
-                return []
             self._started = True
-            if buffer.startswith(_BOM):
-                buffer = buffer[len(_BOM) :]
+            if buffer[:1] == _BOM[:1]:  # a BOM, maybe: the full decoder knows what to skip
+                return self._fall_back(buffer, at_start=True)
         if b"\r" in data:
             return self._fall_back(buffer)
         payloads: list[bytes] = []
@@ -164,12 +162,13 @@ class EventFramer:
             raise SSEProtocolError(f"event larger than {self._max} bytes")
         return payloads
 
-    def _fall_back(self, rest: bytes) -> list[bytes]:
+    def _fall_back(self, rest: bytes, *, at_start: bool = False) -> list[bytes]:
         self._buffer = b""
         self._decoder = SSEDecoder(max_event_bytes=self._max, max_line_bytes=self._max)
-        # A blank line first: it dispatches nothing (no event is pending at an event
-        # boundary) and takes the decoder past its stream start, where it would strip a BOM.
-        self._decoder.receive_data(b"\n")
+        if not at_start:
+            # A blank line first: it dispatches nothing (no event is pending at an event
+            # boundary) and takes the decoder past its stream start, where it strips a BOM.
+            self._decoder.receive_data(b"\n")
         return [e.data.encode() for e in self._decoder.receive_data(rest)]
 
 
