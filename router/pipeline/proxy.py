@@ -340,9 +340,7 @@ class _Producer:
                     await conn.wait_end(_DRAIN_AFTER_DONE_S)
             finally:
                 self._conn = None
-                if not conn.reusable:
-                    conn.abort()  # unfinished: the upstream sees the request aborted
-                pool.release(conn)
+                pool.release(conn)  # an unfinished one is dropped: the upstream sees an abort
             if result != "retry":
                 return result
             self.outcome = self.loop.create_future()
@@ -405,7 +403,8 @@ class _Producer:
 
     def on_error(self, exc: Exception) -> None:
         conn = self._conn
-        if conn is not None and conn.stale and not self.outcome.done():
+        closed = isinstance(exc, httpx.ReadError)  # not a timeout: that one is the upstream's
+        if closed and conn is not None and conn.stale and not self.outcome.done():
             self.outcome.set_result("retry")
             return
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,8 +88,26 @@ class QuickRuns:
                 proc.communicate()
 
 
+def nginx_installed() -> bool:
+    return shutil.which("nginx") is not None or os.access("/usr/sbin/nginx", os.X_OK)
+
+
+def ensure_nginx() -> None:
+    """router_overhead's reference proxy: install ``nginx-light`` where apt can (CI runs as
+    root on Debian/Ubuntu); elsewhere the scenario runs without it and says so."""
+    if nginx_installed() or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return
+    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx-light"]
+    for command in (install, ["apt-get", "update", "-q"], install):
+        done = subprocess.run(command, env=env, capture_output=True, timeout=600, check=False)
+        if command is install and done.returncode == 0:
+            return
+
+
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
+    ensure_nginx()
     runs = QuickRuns(tmp_path_factory.mktemp("bench"))
     try:
         runs.start()
@@ -134,8 +154,20 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
     results = msgspec.json.decode(stdout)
     labels = {run["label"] for run in results["runs"]}
     assert {"direct c=1", "router/hypercorn c=1", "direct c=100", "direct-aa c=100"} <= labels
+    assert {"router/uvicorn c=100", "router/granian c=100"} <= labels
+    if nginx_installed():
+        assert "nginx c=100" in labels
+    else:
+        assert any("nginx is not installed" in note for note in results["notes"])
+        assert os.environ.get("CI") != "true" or shutil.which("apt-get") is None
     for run in results["runs"]:
         assert run["failed"] == 0, run["errors"]
+    # every target's back-to-back phases: none failed, each says what limited it
+    phases = results["sustained"]
+    assert {row["label"] for row in phases} >= {"direct", "router/hypercorn", "router/granian"}
+    for row in phases:
+        assert row["errors"] == 0, row["error_reasons"]
+        assert row["limited_by"]
         assert run["completed"] > 0
     # The quick runs share the CPUs with every other scenario: check the figure is reported,
     # not its value (speed is judged by the full benchmark, side by side in one run).
