@@ -18,6 +18,7 @@ __all__ = [
     "REGION_SATURATED",
     "REQUEST_TOO_LARGE",
     "SERVICE_UNAVAILABLE",
+    "STREAM_LOST",
     "STREAM_NOT_FOUND",
     "TOO_MANY_STREAMS",
     "UNAVAILABLE",
@@ -34,6 +35,10 @@ UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 NOT_FOUND = "not_found"
 STREAM_NOT_FOUND = "stream_not_found"
 """Unknown stream id, or one created with another API key (the two are not told apart)."""
+STREAM_LOST = "stream_lost"
+"""In-stream: the router process producing the stream stopped (killed, crashed) before
+``[DONE]``; a reader on another process of the region learns it within a few seconds (its
+lease lapsed). The events before the error are all the stream will have."""
 INVALID_AFTER = "invalid_after"
 INVALID_WAIT = "invalid_wait"
 REGION_SATURATED = "region_saturated"

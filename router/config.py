@@ -31,6 +31,7 @@ __all__ = [
     "LimitsConfig",
     "ListenConfig",
     "RouterConfig",
+    "StateConfig",
     "StreamsConfig",
     "UpstreamConfig",
     "load_config",
@@ -66,6 +67,9 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server: Annotated[str, msgspec.Meta(pattern=r"^(hypercorn|uvicorn)$")] = "hypercorn"
     """``hypercorn`` (H1.1, H2, H3) or ``uvicorn`` (HTTP/1.1 only, httptools; plain or TLS)."""
     keep_alive_timeout_s: PositiveSeconds = 75.0
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    """Router processes on this host sharing the port (``SO_REUSEPORT`` on TCP and UDP); more
+    than one needs ``state.redis_url`` so that they share streams, tickets and limits."""
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -124,6 +128,28 @@ class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_poll_wait_s: PositiveSeconds = 30.0
 
 
+RedisUrl = Annotated[str, msgspec.Meta(pattern=r"^(redis|rediss|unix)://\S+$")]
+
+
+class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the region's shared state lives (docs/router.md, "Many processes").
+
+    Without ``redis_url`` one process keeps its streams, QUIC tickets, affinity and limits in
+    memory (the default). With it, every router process of the region (``listen.workers`` on
+    one host, or several hosts behind a load balancer) shares them through Redis or Valkey.
+    """
+
+    redis_url: RedisUrl | None = None
+    """``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path``."""
+    key_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "firstbyte:"
+    """Prefix of every key the router writes (several regions may share one server)."""
+    lease_s: Annotated[float, msgspec.Meta(ge=0.5, le=60)] = 3.0
+    """A process renews its lease this often x3; readers elsewhere declare its unfinished
+    streams lost (a ``stream_lost`` error event) once the lease has lapsed."""
+    max_events_per_stream: Annotated[int, msgspec.Meta(ge=16)] = 100_000
+    """Redis keeps about this many events per stream (``XADD MAXLEN ~``)."""
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region: Name = "local"
     upstreams: Annotated[list[UpstreamConfig], msgspec.Meta(min_length=1)]
@@ -131,6 +157,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
     # Routing across regions (router/regions_config.py).
     geo: GeoConfig = msgspec.field(default_factory=GeoConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
@@ -163,6 +190,13 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                         f"peers[{i}].url: must be https (forwarded requests carry clients'"
                         " API keys); plain http only with listen.insecure_plain_http"
                     )
+        if listen.workers > 1 and self.state.redis_url is None:
+            # N processes with N private stores: a resume, a 0-RTT ticket or a per-key limit
+            # would work or not depending on which process the kernel picked.
+            raise ValueError(
+                f"listen.workers = {listen.workers} needs state.redis_url: processes share"
+                " streams, QUIC tickets and limits only through Redis (or set listen.workers = 1)"
+            )
         if not self.auth.api_keys and not self.auth.allow_anonymous:
             raise ValueError(
                 "auth.api_keys: no API key configured; give one (or --api-key), or set"

@@ -33,9 +33,9 @@ from .pipeline.context import (
     Traceparent,
     error_reply,
 )
-from .readers import parse_after, poll, sse_events
+from .readers import ReadableStream, parse_after, poll, sse_events
 from .state import RouterState
-from .streams import Stream, owner_of
+from .streams import owner_of
 
 __all__ = [
     "chat_completions",
@@ -165,12 +165,13 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             ],
         )
         return
-    stream = state.store.create(owner_of(ctx.api_key), state.clock())
+    stream = state.new_stream(owner_of(ctx.api_key))
     state.store.evict_over_budget()
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
         head = await state.proxy.start_stream(ctx, stream)
+        await state.announced(stream)  # written by now, in the same round trip as others
     finally:
         stream.detach(state.clock())
     headers = [
@@ -221,9 +222,10 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = state.store.create(owner_of(ctx.api_key), state.clock())
+    stream = state.new_stream(owner_of(ctx.api_key))
     state.store.evict_over_budget()
     state.proxy.start_stream(ctx, stream)
+    await state.announced(stream)
     if wait == 0:
         headers = [
             *_common_headers(ctx),
@@ -243,11 +245,13 @@ async def start_detached_stream(
     await send_bytes(send, 201, msgspec.json.encode(batch), headers=headers)
 
 
-def _lookup(state: RouterState, ctx: RequestContext, stream_id: str) -> Stream | LocalReply:
+async def _lookup(
+    state: RouterState, ctx: RequestContext, stream_id: str
+) -> ReadableStream | LocalReply:
     outcome = authenticate(ctx, state.api_keys)
     if isinstance(outcome, LocalReply):
         return outcome
-    stream = state.store.get(stream_id, owner_of(ctx.api_key))
+    stream = await state.find_stream(stream_id, owner_of(ctx.api_key))
     if stream is None:
         return error_reply(
             404,
@@ -290,12 +294,12 @@ async def _open_stream(
     endpoint: str,
     *,
     last_event_id: bool,
-) -> tuple[RequestContext, Stream, int, dict[str, str]] | None:
+) -> tuple[RequestContext, ReadableStream, int, dict[str, str]] | None:
     """Authenticate, find the caller's stream and parse the ``after`` cursor (the
     ``Last-Event-ID`` header first when ``last_event_id``); returns (context, stream, after,
     query), or None once a 401/404/400 reply is sent."""
     ctx = new_context(state, scope)
-    found = _lookup(state, ctx, stream_id)
+    found = await _lookup(state, ctx, stream_id)
     if isinstance(found, LocalReply):
         await _finish(state, send, ctx, found, endpoint)
         return None

@@ -22,9 +22,9 @@ from .app import RouterApp, build_app
 from .config import RouterConfig
 from .hosting import Listeners, ServerOptions, bind, running
 from .hosting import serve as host
-from .hosting.quic import TicketStore
+from .hosting.quic import SessionTicketStore, TicketStore
 
-__all__ = ["RouterEndpoints", "running_router", "serve", "ws_max_message_bytes"]
+__all__ = ["RouterEndpoints", "running_router", "serve", "ticket_store", "ws_max_message_bytes"]
 
 log = logging.getLogger("firstbyte.router")
 
@@ -40,7 +40,7 @@ class RouterEndpoints:
     h3_port: int | None
     """The UDP port serving HTTP/3 (same number as ``port``), or None."""
     app: RouterApp
-    tickets: TicketStore | None = None
+    tickets: SessionTicketStore | None = None
 
     @property
     def openai_base_url(self) -> str:
@@ -71,11 +71,24 @@ def _options(config: RouterConfig, tune_gc: bool) -> ServerOptions:
     )
 
 
-def _bind(config: RouterConfig, app: RouterApp | None) -> tuple[Listeners, RouterEndpoints]:
+def ticket_store(config: RouterConfig) -> SessionTicketStore:
+    """Where HTTP/3 session tickets live: this process's memory, or (``state.redis_url``)
+    Redis, so that a ticket issued by one process is accepted, once, by any of them."""
+    if config.state.redis_url is None:
+        return TicketStore()
+    from .shared.keys import Keys
+    from .shared.tickets import RedisTicketStore
+
+    return RedisTicketStore(config.state.redis_url, Keys(config.state.key_prefix))
+
+
+def _bind(
+    config: RouterConfig, app: RouterApp | None, reuse_port: bool = False
+) -> tuple[Listeners, RouterEndpoints]:
     listen = config.listen
     tls = listen.certfile is not None
     want_h3 = tls and listen.http3 and listen.server == "hypercorn"
-    listeners = bind(listen.host, listen.port, udp=want_h3)
+    listeners = bind(listen.host, listen.port, udp=want_h3, reuse_port=reuse_port)
     try:
         endpoints = RouterEndpoints(
             base_url=listeners.url(tls=tls),
@@ -83,7 +96,7 @@ def _bind(config: RouterConfig, app: RouterApp | None) -> tuple[Listeners, Route
             port=listeners.port,
             h3_port=listeners.h3_port,
             app=app or build_app(config),
-            tickets=TicketStore() if want_h3 else None,
+            tickets=ticket_store(config) if want_h3 else None,
         )
     except BaseException:
         listeners.close()
@@ -102,13 +115,16 @@ async def serve(
     started: Callable[[RouterEndpoints], None] | None = None,
     app: RouterApp | None = None,
     tune_gc: bool = True,
+    reuse_port: bool = False,
 ) -> None:
     """Serve ``config`` until ``shutdown()`` returns (default: SIGINT/SIGTERM).
 
     With ``tune_gc`` (the default: this is a router process) the cyclic GC is tuned for
     latency once the listener is up (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`).
+    With ``reuse_port`` the sockets share their port with the other workers
+    (:mod:`firstbyte.router.workers`).
     """
-    listeners, endpoints = _bind(config, app)
+    listeners, endpoints = _bind(config, app, reuse_port)
 
     def on_started() -> None:
         _announce(endpoints)

@@ -1,14 +1,20 @@
-"""Everything one router process holds: config, stream store, backends, proxy, metrics.
+"""Everything one router process holds: config, stream store, backends, proxy, metrics,
+and (with ``state.redis_url``) its link to the state the region's processes share.
 
 :meth:`RouterState.tick` is the periodic housekeeping, with the clock passed in: evict
 streams over the store's age and byte bounds, and cancel upstream requests nobody has read
-for ``resume_grace_s`` (a client that disconnected and did not resume).
+for ``resume_grace_s`` (a client that disconnected and did not resume; with shared state, a
+reader on another process counts as a reader).
+
+Streams are created with :meth:`RouterState.new_stream` and found with
+:meth:`RouterState.find_stream`: in this process's store first, then (shared state) in Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -17,9 +23,13 @@ from .metrics import Metrics
 from .multiregion import RegionRouting
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.proxy import Proxy
-from .streams import StreamStore
+from .readers import ReadableStream
+from .shared import SharedState, connect
+from .streams import Stream, StreamStore
 
 __all__ = ["RouterState"]
+
+log = logging.getLogger("firstbyte.router")
 
 
 class RouterState:
@@ -46,6 +56,9 @@ class RouterState:
         self.routing = RegionRouting(
             config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client
         )
+        self.shared: SharedState | None = connect(config)
+        """The region's shared state (Redis), or None: everything in this process's memory."""
+        self._sharing: asyncio.Task[None] | None = None
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[bool] | None = None
@@ -71,6 +84,8 @@ class RouterState:
         """Start housekeeping and the start-up warmup in the running loop (idempotent; called
         at lifespan start-up and on every request)."""
         if self._maintainer is None:
+            if self.shared is not None:
+                self._sharing = asyncio.create_task(self.shared.start())
             self._maintainer = asyncio.create_task(self._maintain())
             self.routing.start()
             self._warming = asyncio.create_task(self.routing.wait_warm())
@@ -82,9 +97,31 @@ class RouterState:
         requests until then: the first request already finds the shared prompts cached.
         """
         self.ensure_started()
+        if self._sharing is not None and not self._sharing.done():
+            await asyncio.shield(self._sharing)  # the lease covers every stream we create
         assert self._warming is not None
         if not self._warming.done():
             await asyncio.shield(self._warming)
+
+    def new_stream(self, owner: bytes) -> Stream:
+        """A new stream of ``owner`` in this process's store, shared when the state is."""
+        stream = self.store.create(owner, self.clock())
+        if self.shared is not None:
+            self.shared.streams.publish(stream)
+        return stream
+
+    async def announced(self, stream: Stream) -> None:
+        """Return once other processes can find ``stream``: await before its id goes out."""
+        if self.shared is not None:
+            await self.shared.streams.announced(stream)
+
+    async def find_stream(self, stream_id: str, owner: bytes) -> ReadableStream | None:
+        """``owner``'s stream: from this process's store, else from the shared state; None
+        for an unknown id or another owner's stream alike."""
+        stream = self.store.get(stream_id, owner)
+        if stream is not None or self.shared is None:
+            return stream
+        return await self.shared.streams.lookup(stream_id, owner)
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests."""
@@ -99,8 +136,16 @@ class RouterState:
     async def _maintain(self) -> None:
         # Check often enough that the grace period is honoured within ~25%.
         interval = min(1.0, max(0.05, self.config.streams.resume_grace_s / 4))
+        grace = self.config.streams.resume_grace_s
         while True:
             await asyncio.sleep(interval)
+            if self.shared is not None:
+                try:
+                    await self.shared.streams.keep_attended(
+                        self.store.running(), self.clock(), grace
+                    )
+                except Exception as exc:  # Redis away: only local readers count this turn
+                    log.warning("cannot check for readers elsewhere: %s", exc)
             self.tick(self.clock())
 
     async def aclose(self) -> None:
@@ -114,4 +159,10 @@ class RouterState:
                 await self._maintainer
             self._maintainer = None
         await self.routing.aclose()
-        await self.proxy.aclose()
+        await self.proxy.aclose()  # producers append their last events (to Redis too) ...
+        if self._sharing is not None:
+            self._sharing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sharing
+        if self.shared is not None:
+            await self.shared.aclose()  # ... which are flushed before the lease is released

@@ -81,6 +81,9 @@ class Stream:
     upstream_ttft_ms: float | None = None
     """Upstream request sent to its first content chunk, once known."""
     cancel_producer: Callable[[], object] | None = None
+    mirror: Callable[[Stream, StreamEvent], object] | None = field(default=None, repr=False)
+    """Called with every appended event when the stream is shared with other processes
+    (:mod:`firstbyte.router.shared.streams` writes it to Redis)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
@@ -106,6 +109,8 @@ class Stream:
             self._store.total_bytes += size
         if event.is_done:
             self.finished_at = now
+        if self.mirror is not None:
+            self.mirror(self, event)
         self._wake()
         return event
 
@@ -130,8 +135,9 @@ class Stream:
         return 0.0 if self.readers else max(0.0, now - self.last_reader_at)
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool:
-        """Wait until an event after ``seq`` exists (or the stream is evicted); False on timeout."""
-        if len(self.events) > seq or self.evicted:
+        """Wait until an event after ``seq`` exists (or the stream is evicted); False on timeout
+        (at once when ``timeout_s`` is 0)."""
+        if len(self.events) > seq or self.evicted or timeout_s == 0:
             return len(self.events) > seq
         # A bare future and a timer handle, not ``wait_for(event.wait())``: that made a task
         # per call, and every live reader calls this once per relayed chunk.

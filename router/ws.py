@@ -35,9 +35,9 @@ from .endpoints import new_context
 from .pipeline.admit import admit_chat, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
-from .readers import follow
+from .readers import ReadableStream, follow
 from .state import RouterState
-from .streams import Stream, owner_of
+from .streams import owner_of
 
 __all__ = ["websocket_session"]
 
@@ -130,9 +130,10 @@ class _Session:
                 )
             )
             return
-        stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
+        stream = self.state.new_stream(owner_of(ctx.api_key))
         self.state.store.evict_over_budget()
         self.state.proxy.start_stream(ctx, stream)
+        await self.state.announced(stream)
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.extra.get("response_headers", ()))
         await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
@@ -140,7 +141,7 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
-        stream = self.state.store.get(message.stream, owner_of(self.ctx.api_key))
+        stream = await self.state.find_stream(message.stream, owner_of(self.ctx.api_key))
         if stream is None:
             await self.send(
                 _error(
@@ -154,12 +155,12 @@ class _Session:
         await self.send(Start(stream.id))
         self._follow(stream, message.after)
 
-    def _follow(self, stream: Stream, after: int) -> None:
+    def _follow(self, stream: ReadableStream, after: int) -> None:
         task = asyncio.create_task(self._pump(stream, after))
         self.followers.add(task)
         task.add_done_callback(self.followers.discard)
 
-    async def _pump(self, stream: Stream, after: int) -> None:
+    async def _pump(self, stream: ReadableStream, after: int) -> None:
         self.state.metrics.count("ws", "stream")
         batches = follow(
             stream,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 from .gc_tuning import tune_for_serving
 
 if TYPE_CHECKING:
-    from .quic import TicketStore
+    from .quic import SessionTicketStore
 
 __all__ = [
     "IN_PROCESS_SERVERS",
@@ -117,11 +117,18 @@ class Listeners:
             self.quic.close()
 
 
-def bind(host: str, port: int, *, udp: bool = False) -> Listeners:
+def bind(host: str, port: int, *, udp: bool = False, reuse_port: bool = False) -> Listeners:
     """A listening TCP socket and (if ``udp``) a UDP socket on the same port number.
 
     With ``port`` 0 the kernel picks the TCP port; the UDP bind on that number is retried
     with a fresh port if it happens to be taken. ``OSError`` if the address cannot be bound.
+
+    With ``reuse_port`` both sockets set ``SO_REUSEPORT``: several processes bind the same
+    port and the kernel spreads connections over them by a hash of the 4-tuple. For UDP that
+    hash keeps every datagram of one QUIC connection on one process as long as the client's
+    address and port stay the same (a client that migrates, e.g. Wi-Fi to cellular, lands on
+    another process, which does not know the connection: the client reconnects, with 0-RTT
+    when tickets are shared).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     last_error: OSError | None = None
@@ -131,6 +138,8 @@ def bind(host: str, port: int, *, udp: bool = False) -> Listeners:
         tcp = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited when accepted
             tcp.bind((host, port))
             tcp.listen(1024)
@@ -142,6 +151,8 @@ def bind(host: str, port: int, *, udp: bool = False) -> Listeners:
             return Listeners(host, tcp)
         quic = socket.socket(family, socket.SOCK_DGRAM)
         try:
+            if reuse_port:
+                quic.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             quic.bind((host, tcp.getsockname()[1]))
             quic.setblocking(False)
             return Listeners(host, tcp, quic)
@@ -188,7 +199,7 @@ async def serve(
     *,
     shutdown: Callable[[], Awaitable[Any]] | None = None,
     started: Callable[[], None] | None = None,
-    tickets: TicketStore | None = None,
+    tickets: SessionTicketStore | None = None,
 ) -> None:
     """Serve the ASGI ``app`` on ``listeners`` until ``shutdown()`` returns (default: SIGINT or
     SIGTERM), then drain and return; the sockets are closed when it returns.
@@ -227,7 +238,7 @@ async def running(
     listeners: Listeners,
     options: ServerOptions,
     *,
-    tickets: TicketStore | None = None,
+    tickets: SessionTicketStore | None = None,
 ) -> AsyncIterator[None]:
     """:func:`serve` in the running loop for the duration of the block: entered once the
     server accepts connections (its start-up error raised if it failed), drained on exit."""
@@ -310,7 +321,7 @@ async def _serve_hypercorn(
     options: ServerOptions,
     stop: Callable[[], Awaitable[Any]],
     on_started: Callable[[], None],
-    tickets: TicketStore | None,
+    tickets: SessionTicketStore | None,
 ) -> None:
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.config import Config, Sockets
