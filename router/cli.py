@@ -3,6 +3,7 @@
 firstbyte router --config router.toml
 firstbyte router --upstream http://127.0.0.1:8001 --port 8443 --certfile C --keyfile K
 firstbyte router --check-config router.toml
+firstbyte router --config router.toml --workers 4 --redis-url redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-http3", action="store_true", help="do not serve HTTP/3")
     parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="router processes sharing the port (SO_REUSEPORT, HTTP/3 included); more than 1"
+        " needs --redis-url or state.redis_url (default: listen.workers, else 1)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="share streams, QUIC tickets and limits with the region's other router processes"
+        " through Redis or Valkey (redis://HOST:PORT/DB; state.redis_url in --config)",
+    )
+    parser.add_argument(
         "--insecure-plain-http",
         action="store_true",
         help="serve plain HTTP without TLS (local use only)",
@@ -70,7 +84,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.config and args.upstream:
         raise CLIError("give either --config FILE or --upstream URL, not both")
     listen: dict[str, Any] = {}
-    for flag in ("host", "port", "certfile", "keyfile", "server"):
+    for flag in ("host", "port", "certfile", "keyfile", "server", "workers"):
         value = getattr(args, flag)
         if value is not None:
             listen[flag] = value
@@ -82,9 +96,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     try:
         if args.config:
             config = load_config(args.config)
-            if listen or api_keys or args.region or args.allow_anonymous:
+            if listen or api_keys or args.region or args.allow_anonymous or args.redis_url:
                 data = _to_builtins(config)
                 data["listen"].update(listen)
+                if args.redis_url:
+                    data["state"]["redis_url"] = args.redis_url
                 if api_keys:
                     data["auth"]["api_keys"] = api_keys
                 if args.allow_anonymous:
@@ -100,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             "listen": listen,
             "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
         }
+        if args.redis_url:
+            data["state"] = {"redis_url": args.redis_url}
         if args.region:
             data["region"] = args.region
         return parse_config(data, "command line")
@@ -145,16 +163,27 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if config.listen.workers > 1:
+        from .workers import run_workers
+
+        return run_workers(config, _serve_worker)
+    return _serve_worker(config, None)
+
+
+def _serve_worker(config: RouterConfig, index: int | None) -> int:
+    """Serve ``config`` in this process: the only one, or worker ``index`` of several."""
     from .hosting import loop_factory
     from .serve import RouterEndpoints, serve
 
+    label = "" if index is None else f" worker {index + 1}/{config.listen.workers}"
+
     def started(ep: RouterEndpoints) -> None:
         h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""
-        print(f"firstbyte router ({config.region}) on {ep.base_url}{h3}", file=sys.stderr)
+        print(f"firstbyte router ({config.region}){label} on {ep.base_url}{h3}", file=sys.stderr)
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config, started=started))
+            runner.run(serve(config, started=started, reuse_port=index is not None))
     except OSError as exc:
         raise CLIError(
             f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"

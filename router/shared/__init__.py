@@ -21,6 +21,7 @@ client:
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,7 +45,7 @@ class SharedState:
     redis: Redis
     keys: Keys
     process: str
-    """This process's random id: the owner recorded with its streams, the name of its lease."""
+    """This process's id (``PID-RANDOM``): recorded with its streams, the name of its lease."""
     lease: Lease
     streams: SharedStreams
 
@@ -81,7 +82,7 @@ def connect(config: RouterConfig) -> SharedState | None:
 
     redis = Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
     keys = Keys(config.state.key_prefix)
-    process = secrets.token_hex(8)
+    process = f"{os.getpid()}-{secrets.token_hex(6)}"  # the pid helps an operator (and a test)
     lease = Lease(redis, keys, process, config.state.lease_s)
     streams = SharedStreams(
         redis,

@@ -41,7 +41,7 @@ class _StoredTicket(msgspec.Struct, array_like=True):
     not_valid_after: float
     not_valid_before: float
     resumption_secret: bytes
-    server_name: str
+    server_name: str | None  # None in the tickets a server issues
     ticket: bytes
     max_early_data_size: int | None
     other_extensions: list[tuple[int, bytes]]
@@ -65,14 +65,14 @@ def encode_ticket(ticket: SessionTicket) -> bytes:
 
 def decode_ticket(data: bytes) -> SessionTicket:
     stored = msgspec.msgpack.decode(data, type=_StoredTicket)
-    utc = datetime.timezone.utc
+    utc = datetime.UTC
     return SessionTicket(
         age_add=stored.age_add,
         cipher_suite=CipherSuite(stored.cipher_suite),
         not_valid_after=datetime.datetime.fromtimestamp(stored.not_valid_after, utc),
         not_valid_before=datetime.datetime.fromtimestamp(stored.not_valid_before, utc),
         resumption_secret=stored.resumption_secret,
-        server_name=stored.server_name,
+        server_name=stored.server_name,  # type: ignore[arg-type]
         ticket=stored.ticket,
         max_early_data_size=stored.max_early_data_size,
         other_extensions=list(stored.other_extensions),
@@ -118,7 +118,8 @@ class RedisTicketStore:
             return None
         try:
             ticket = decode_ticket(data)
-        except (msgspec.DecodeError, ValueError):
+        except (msgspec.DecodeError, ValueError) as exc:
+            self._failed("decode", exc)
             return None
         self.resumed += 1
         return ticket
