@@ -49,4 +49,4 @@ def comparison_pair() -> tuple[dict[str, Any], dict[str, Any]]:
     return base, new
 
 
-__all__ = ["comparison_pair", "compare", "demo_like", "overhead_like"]
+__all__ = ["compare", "comparison_pair", "demo_like", "overhead_like"]

@@ -14,6 +14,7 @@ from firstbyte.benchmarks.report import markdown_summary, write_report
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS, SLO, describe, percentile, summarize
 from firstbyte.client_sdk.timings import Timings
 
+
 def make_timings(rtt_ms: float, n: int, seed: int = 0) -> list[Timings]:
     rnd = random.Random(seed)
     out = []

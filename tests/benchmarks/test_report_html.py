@@ -9,7 +9,7 @@ import re
 from firstbyte.benchmarks import svg
 from firstbyte.benchmarks.report_html import render_all, render_comparison, render_report
 from firstbyte.benchmarks.report_views import MAX_LINES, headline
-from tests.benchmarks.reports_data import comparison_pair, compare, demo_like, overhead_like
+from tests.benchmarks.reports_data import compare, comparison_pair, demo_like, overhead_like
 
 
 def test_the_answer_comes_first_in_words() -> None:
