@@ -26,7 +26,6 @@ draws depend on what the runs carry: ``cell`` per client, ``ttfts_ms``, ``budget
 from __future__ import annotations
 
 import datetime as dt
-import math
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -36,7 +35,9 @@ from typing import Any
 import msgspec
 
 from firstbyte.benchmarks.conditions import run_conditions
+from firstbyte.benchmarks.report_html import fmt as _fmt
 from firstbyte.benchmarks.report_html import render_all, render_report
+from firstbyte.benchmarks.report_html import run_name as _run_name
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS
 
 __all__ = ["markdown_summary", "write_combined_report", "write_json", "write_report"]
@@ -56,7 +57,7 @@ _RUN_COLUMNS: dict[str, str] = {
     "request_throughput": "req/s",
     "goodput_fraction": "goodput",
 }
-_LABEL_KEYS = ("label", "transport", "protocol", "geography")
+_LABEL_KEYS = ("label", "transport", "protocol", "geography")  # named by run_name
 _META_KEYS = {"scenario", "description", "quick", "date", "host", "metric_definitions", "notes"}
 
 
@@ -160,11 +161,6 @@ def _runs(results: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [run for run in runs if isinstance(run, Mapping)]
 
 
-def _run_name(run: Mapping[str, Any]) -> str:
-    parts = [str(run[key]) for key in _LABEL_KEYS if run.get(key)]
-    if not parts:  # no label: the row's first text field names it (e.g. "server")
-        parts = [next((v for v in run.values() if isinstance(v, str)), "run")]
-    return " ".join(dict.fromkeys(parts))
 
 
 def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -187,13 +183,3 @@ def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return rows
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, float):
-        return str(value)
-    if math.isnan(value):
-        return "-"
-    if value != 0 and abs(value) < 10:
-        return f"{value:.3g}" if abs(value) < 0.01 else f"{value:.2f}"
-    return f"{value:,.1f}"

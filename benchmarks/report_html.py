@@ -29,7 +29,7 @@ from firstbyte.benchmarks.report_views import (
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS
 from firstbyte.client_sdk.budget import PHASE_MEANING, BudgetReport, LatencyBudget, LineResult
 
-__all__ = ["render_all", "render_comparison", "render_report"]
+__all__ = ["fmt", "render_all", "render_comparison", "render_report", "run_name"]
 
 CSS = """
 :root { color-scheme: light; }
@@ -86,7 +86,8 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
+    """A number for a table: 2 decimals below 10, one above, thousands separated."""
     if value is None:
         return "-"
     if isinstance(value, bool) or not isinstance(value, float):
@@ -228,7 +229,8 @@ _LABEL_KEYS = ("label", "transport", "protocol", "geography")
 _TAIL_COLUMNS = {"p95_ttft_ms", "p99_ttft_ms", "p99_itl_ms"}
 
 
-def _run_name(run: Mapping[str, Any]) -> str:
+def run_name(run: Mapping[str, Any]) -> str:
+    """A run's row name: its label, transport, protocol and geography, without repeats."""
     parts = [str(run[key]) for key in _LABEL_KEYS if run.get(key)]
     if not parts:
         parts = [next((str(v) for v in run.values() if isinstance(v, str)), "run")]
@@ -247,7 +249,7 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
         names = {k: k for k in columns}
     body = []
     for r in rows:
-        cells = [f'<td class="text">{_e(_run_name(r))}</td>']
+        cells = [f'<td class="text">{_e(run_name(r))}</td>']
         for k in columns:
             few = "completed" in r and int(r.get("completed") or 0) < MIN_TAIL_SAMPLES
             if k in _TAIL_COLUMNS and few:
@@ -255,7 +257,7 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
                              "n&lt;20</td>")
             else:
                 text = ' class="text"' if isinstance(r.get(k), str) else ""
-                cells.append(f"<td{text}>{_e(_fmt(r.get(k)))}</td>")
+                cells.append(f"<td{text}>{_e(fmt(r.get(k)))}</td>")
         body.append(cells)
     ms = any(k.endswith("_ms") for k in columns)
     header = ["run", *(_e(names[k]) + (" ms" if k.endswith("_ms") and ms and names is _RUN_COLUMNS
@@ -275,7 +277,7 @@ def _tables(results: Mapping[str, Any]) -> str:
                    if k not in _META_KEYS and isinstance(v, int | float | str | bool)}
     if summary:
         parts.append("<h3>Headline numbers</h3>" + _table(
-            ["result", "value"], [[str(k), _fmt(v)] for k, v in summary.items()]))
+            ["result", "value"], [[str(k), fmt(v)] for k, v in summary.items()]))
     runs = runs_of(results)
     if runs:
         note = tail_note(runs)
@@ -431,7 +433,7 @@ def render_comparison(comparison: Comparison, baseline: str, new: str) -> str:
         body, classes = [], []
         for r in selected:
             floor = _noise_floor(r, comparison)
-            body.append([r.metric, _fmt(r.baseline), _fmt(r.new),
+            body.append([r.metric, fmt(r.baseline), fmt(r.new),
                          "-" if r.change is None else f"{r.change * 100:+.1f}%",
                          "-" if floor is None else f"{floor:.2f}", r.status.value])
             classes.append("regressed" if r.status is Status.REGRESSED else
