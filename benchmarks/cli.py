@@ -20,12 +20,14 @@ import msgspec
 
 import firstbyte.benchmarks.scenarios
 from firstbyte.benchmarks.compare import compare, load_results
-from firstbyte.benchmarks.report import markdown_summary, write_report
+from firstbyte.benchmarks.conditions import CpuWatch, run_conditions
+from firstbyte.benchmarks.report import markdown_summary, write_combined_report, write_report
+from firstbyte.benchmarks.report_html import render_comparison
 from firstbyte.cli import CLIError
 
 __all__ = ["add_arguments", "discover_scenarios", "run", "run_scenario"]
 
-_RESERVED = {"all", "compare"}
+_RESERVED = {"all", "compare", "screenshot"}
 
 
 def discover_scenarios() -> dict[str, str]:
@@ -58,7 +60,7 @@ def _add_output_options(parser: argparse.ArgumentParser, default_out: str) -> No
         "--out",
         metavar="DIR",
         default=default_out,
-        help=f"where to write results.json, summary.md and plots (default: {default_out})",
+        help=f"where to write results.json, summary.md and report.html (default: {default_out})",
     )
     parser.add_argument(
         "--json",
@@ -74,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         f"scenarios:\n{listing}\n"
         "  all                every scenario above, one combined results.json\n\n"
-        "compare:\n  firstbyte bench compare BASELINE.json NEW.json [--threshold 0.10]"
+        "compare:\n  firstbyte bench compare BASELINE.json NEW.json [--threshold 0.10]\n\n"
+        "screenshot:\n  firstbyte bench screenshot REPORT.html OUT.png [--width 1000]"
     )
     sub = parser.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
     for name, doc in scenarios.items():
@@ -103,25 +106,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--all", action="store_true", help="list every tracked metric, not only the changed ones"
     )
     cmp.add_argument(
+        "--out",
+        metavar="DIR",
+        default="bench-results/compare",
+        help="where to write report.html (default: bench-results/compare)",
+    )
+    cmp.add_argument(
         "--min-delta-ms",
         type=float,
         default=0.0,
         help="also require an absolute increase above this many ms (noise floor; default 0)",
     )
+    _add_screenshot(sub)
+
+
+def _add_screenshot(sub: Any) -> None:
+    shot = sub.add_parser(
+        "screenshot",
+        help="render a report.html in headless Chromium and save a PNG of the whole page",
+        description=(
+            "Open REPORT.html in headless Chromium (the system's chromium, Debian package "
+            "'chromium'), fail on console errors or failed loads, and save a full-page PNG."
+        ),
+    )
+    shot.add_argument("report", metavar="REPORT.html")
+    shot.add_argument("png", metavar="OUT.png")
+    shot.add_argument("--width", type=int, default=1000,
+                      help="viewport width in CSS pixels (default 1000; 400 for a phone)")
 
 
 def run_scenario(name: str, quick: bool) -> dict[str, Any]:
-    """Import and run one scenario; its results carry ``scenario`` and ``quick``."""
+    """Import and run one scenario; its results carry ``scenario``, ``quick`` and the run's
+    ``conditions`` (with the share of CPU other processes used meanwhile)."""
     scenarios = discover_scenarios()
     if name not in scenarios:
         known = ", ".join(scenarios) or "none"
         raise CLIError(f"unknown scenario {name!r} (available: {known})")
     module = importlib.import_module(f"firstbyte.benchmarks.scenarios.{name}")
+    cpu = CpuWatch()
     results = module.run(quick)
     if not isinstance(results, dict):
         raise CLIError(f"scenario {name!r} returned {type(results).__name__}, not a dict")
     results.setdefault("scenario", name)
     results["quick"] = quick
+    results["conditions"] = run_conditions(cpu)
     return dict(results)
 
 
@@ -141,19 +169,43 @@ def _run_compare(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     print(result.render(all_rows=args.all))
+    out = _out_dir(args.out)
+    page = out / "report.html"
+    page.write_text(render_comparison(result, args.baseline, args.new), encoding="utf-8")
+    print(f"bench: wrote {page}", file=sys.stderr)
     return 0 if result.ok else 1
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.scenario == "compare":
-        return _run_compare(args)
-    out = Path(args.out)
+def _out_dir(path: str) -> Path:
+    out = Path(path)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} exists and is not a directory")
     try:  # now, not after a run of minutes
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+    return out
+
+
+def _run_screenshot(args: argparse.Namespace) -> int:
+    from firstbyte.benchmarks.browser import BrowserError, screenshot
+
+    if not 200 <= args.width <= 4000:
+        raise CLIError("--width must be within 200..4000")
+    try:
+        page = screenshot(Path(args.report), Path(args.png), width=args.width)
+    except BrowserError as exc:
+        raise CLIError(str(exc)) from None
+    print(f"bench: wrote {args.png} ({page.width}x{page.height} CSS px)", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.scenario == "compare":
+        return _run_compare(args)
+    if args.scenario == "screenshot":
+        return _run_screenshot(args)
+    out = _out_dir(args.out)
     if args.scenario == "all":
         combined: dict[str, Any] = {"scenario": "all", "quick": args.quick, "scenarios": {}}
         for name in discover_scenarios():
@@ -161,16 +213,14 @@ def run(args: argparse.Namespace) -> int:
             written = write_report(run_scenario(name, args.quick), out / name)
             # The written file has the metric definitions, date and host added.
             combined["scenarios"][name] = msgspec.json.decode(written["json"].read_bytes())
-        paths = {"json": out / "results.json"}
-        paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        paths["json"].write_bytes(msgspec.json.format(msgspec.json.encode(combined)) + b"\n")
+        paths = write_combined_report(combined, out)
         if args.json:
             sys.stdout.write(paths["json"].read_text())
         else:
             for name, results in combined["scenarios"].items():
-                print(markdown_summary(results, images={}))
-                print(f"(full report: {out / name})\n")
-        print(f"bench: wrote {paths['json']}", file=sys.stderr)
+                print(markdown_summary(results))
+                print(f"(full report: {out / name / 'report.html'})\n")
+        print(f"bench: wrote {paths['json']}, {paths['html']}", file=sys.stderr)
         return 0
     results = run_scenario(args.scenario, args.quick)
     written = write_report(results, out)

@@ -111,8 +111,10 @@ def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> 
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"# Benchmark: {scenario}")
     assert "| result | value |" in summary or "| run |" in summary
-    for png in out.glob("*.png"):
-        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "This was a quick run (--quick)" in page
+    assert written["conditions"]["command"].startswith(f"firstbyte bench {scenario}")
 
 
 def test_decode_compares_both_pipelines_on_the_same_events(quick_runs: QuickRuns) -> None:

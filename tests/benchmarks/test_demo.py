@@ -43,15 +43,19 @@ def check_output(done: subprocess.CompletedProcess[str], out: Path) -> dict[str,
     # the latency budget table: each phase against the 500 ms budget, and the safety share
     for phase in ("network", "first_byte", "first_token", "next_tokens", "render"):
         assert f"\n  {phase} " in done.stdout
-    assert "safety (15%)" in done.stdout
+    assert "\n  safety " in done.stdout
+    assert "P95-P99 tail reserve" in done.stdout
     assert "500.0" in done.stdout
     assert "Latency budget: 500 ms end to end, 75 ms (15%)" in done.stdout
-    assert f"report: {out / 'summary.md'}" in done.stdout
+    assert f"report: {out / 'report.html'}" in done.stdout
     results: dict[str, Any] = msgspec.json.decode((out / "results.json").read_bytes())
     assert results["scenario"] == "demo"
     assert (out / "summary.md").read_text().startswith("# Benchmark: demo")
-    for name in ("ttft_cdf.png", "phases.png"):
-        assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    page = (out / "report.html").read_text()
+    for figure in ("ttft-dots", "ttft-cdf", "budget"):
+        assert f'data-figure="{figure}"' in page
+    assert "This was a quick run (--quick)" in page
+    assert results["conditions"]["command"].startswith("firstbyte demo")
     runs = results["runs"]
     assert {run["transport"] for run in runs} == {"sse", "websocket", "longpoll"}
     assert {run["cell"].split("/")[2] for run in runs} == {"cold", "warm", "0rtt"}
