@@ -13,7 +13,9 @@ if TYPE_CHECKING:
     from firstbyte.client_sdk.errors import (
         APIError,
         AuthenticationError,
+        ConfigurationError,
         ConnectError,
+        FirstbyteError,
         RateLimitError,
         ServiceUnavailableError,
         StreamBrokenError,
@@ -31,7 +33,9 @@ __all__ = [
     "AuthenticationError",
     "BudgetReport",
     "Client",
+    "ConfigurationError",
     "ConnectError",
+    "FirstbyteError",
     "LatencyBudget",
     "RateLimitError",
     "ServiceUnavailableError",
@@ -51,7 +55,8 @@ _LAZY = {
     "StreamDelta": "firstbyte.client_sdk._core.stream",
     "Timings": "firstbyte.client_sdk.timings",
     **{name: "firstbyte.client_sdk.errors" for name in (
-        "APIError", "AuthenticationError", "ConnectError", "RateLimitError",
+        "APIError", "AuthenticationError", "ConfigurationError", "ConnectError",
+        "FirstbyteError", "RateLimitError",
         "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
 }
 

@@ -26,6 +26,7 @@ from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
 
 __all__ = ["HttpxSession", "connect_error"]
 
@@ -117,6 +118,9 @@ class HttpxSession:
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise connect_error(exc, self.origin) from exc
         except httpx.TransportError as exc:
+            mistake = await plaintext_to_tls_port(self.origin, url.host, self._limits[2])
+            if mistake is not None:
+                raise mistake from None
             raise TransportCut(f"connection lost before the response: {exc!r}") from exc
         try:
             result = HTTPResponse(

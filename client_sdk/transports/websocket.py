@@ -32,6 +32,7 @@ from firstbyte.client_sdk.errors import (
 )
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import Event, Opened, Source, TransportCut
+from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
 
 __all__ = ["WebSocketPool", "websocket_source"]
 
@@ -127,6 +128,9 @@ class WebSocketPool:
             raise TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {exc}") from exc
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             sock.close()
+            mistake = await plaintext_to_tls_port(origin, address, self._connect_timeout_s)
+            if mistake is not None:
+                raise mistake from None
             raise ConnectError(f"WebSocket connect to {self.url} failed: {exc!r}") from exc
         t3 = time.perf_counter()
         assert isinstance(ws, _TimedConnection)
