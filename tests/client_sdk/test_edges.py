@@ -3,7 +3,10 @@ that names it (docs/sdk-errors.md lists them; ``test_error_table`` checks that l
 
 from __future__ import annotations
 
+import socket
 import ssl
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -83,3 +86,77 @@ async def test_plain_http_to_a_tls_port_says_to_use_https(
 def test_a_bad_base_url_names_the_option() -> None:
     with pytest.raises(ConfigurationError, match=r"^base_url: must be http\(s\)://"):
         AsyncClient("localhost:8080")
+
+
+def _udp_port(*, keep: bool) -> tuple[int, socket.socket | None]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if keep:
+        return port, sock  # bound, never read: datagrams vanish, nothing answers
+    sock.close()  # nothing bound: the kernel answers ICMP port unreachable
+    return port, None
+
+
+async def test_h3_to_a_port_nothing_listens_on_fails_at_once() -> None:
+    port, _ = _udp_port(keep=False)
+    start = time.perf_counter()
+    async with AsyncClient(f"https://localhost:{port}/v1", http="3",
+                           connect_timeout_s=10) as client:
+        with pytest.raises(ConnectError) as info:
+            await first_text(client)
+    elapsed = time.perf_counter() - start
+    assert str(info.value) == (f"cannot connect to localhost:{port}: nothing listens on UDP port"
+                               f" {port} (ICMP port unreachable)")
+    assert elapsed < 5, elapsed  # did not wait out the 10 s connect timeout
+
+
+async def test_h3_to_a_silent_port_gives_up_after_the_connect_timeout() -> None:
+    port, sock = _udp_port(keep=True)
+    assert sock is not None
+    with sock:
+        start = time.perf_counter()
+        async with AsyncClient(f"https://localhost:{port}/v1", http="3",
+                               connect_timeout_s=0.5) as client:
+            with pytest.raises(ConnectError, match=r"QUIC handshake with .* timed out after 0.5 s"):
+                await first_text(client)
+        elapsed = time.perf_counter() - start
+    assert 0.5 <= elapsed < 2 * 0.5 + 0.5, elapsed  # the timeout, not the timeout and a wait
+
+
+_QUIET_CLIENT = """
+import asyncio, gc, socket, sys
+from firstbyte.client_sdk.client import AsyncClient
+
+async def attempt(url, **kw):
+    async with AsyncClient(url, "test-key", http="3", **kw) as client:
+        try:
+            async with client.stream(model="m", messages=[{"role": "user", "content": "x"}]):
+                pass
+        except Exception as exc:
+            print(type(exc).__name__)
+
+async def main(port):
+    await attempt(f"https://localhost:{port}/v1", connect_timeout_s=5)  # CA not trusted
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    await attempt(f"https://localhost:{silent.getsockname()[1]}/v1", connect_timeout_s=0.3)
+    port = silent.getsockname()[1]
+    silent.close()
+    await attempt(f"https://localhost:{port}/v1")
+    gc.collect()
+    await asyncio.sleep(0.3)
+    gc.collect()
+
+asyncio.run(main(int(sys.argv[1])))
+gc.collect()
+"""
+
+
+def test_h3_failures_print_nothing(server: RunningServer) -> None:
+    # A plain process, as an application is: no logging configured (pytest's own log capture
+    # would hide aioquic's and asyncio's last-resort printing).
+    done = subprocess.run([sys.executable, "-c", _QUIET_CLIENT, str(server.port)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.split() == ["TLSError", "ConnectError", "ConnectError"], done.stderr
+    assert done.stderr == ""
