@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -45,6 +46,8 @@ from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
 from firstbyte.client_sdk.regions import Region, RegionSelector
 from firstbyte.client_sdk.resolver import Origin
+from firstbyte.client_sdk.tickets import TicketStore
+from firstbyte.client_sdk.tickets import ticket_store as ticket_store_for
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.client_sdk.transports.base import Event, Item, Opened, Session, Source, TransportCut
 from firstbyte.client_sdk.transports.longpoll import longpoll_source
@@ -79,6 +82,9 @@ class AsyncClient:
     probed again while the client is in use (see :meth:`reprobe`). ``verify`` is True, False,
     a CA bundle path (as in httpx) or an ``ssl.SSLContext``; ``ca_file`` is a CA bundle path. A
     file that is missing or holds no certificate raises ``ConfigurationError`` here.
+    ``ticket_store`` keeps HTTP/3 session tickets for 0-RTT: None (in memory, lost at exit), a
+    file path (0-RTT across restarts; read the replay caveat in :mod:`.tickets`) or a
+    :class:`~firstbyte.client_sdk.tickets.TicketStore` of the application's own.
     """
 
     def __init__(
@@ -99,8 +105,10 @@ class AsyncClient:
         connect_timeout_s: float = 10.0,
         poll_wait_s: float = 10.0,
         reprobe_interval_s: float | None = 60.0,
+        ticket_store: TicketStore | str | os.PathLike[str] | None = None,
     ) -> None:
         checked, ca_file = check_trust(verify, ca_file)
+        tickets = ticket_store_for(ticket_store)
         if transport not in ("sse", "websocket", "longpoll"):
             raise ConfigurationError(
                 "transport", f"must be sse, websocket or longpoll, not {transport!r}")
@@ -153,7 +161,7 @@ class AsyncClient:
         self.pool = ConnectionPool(
             build_ssl_context(checked, ca_file), verify=checked, ca_file=ca_file,
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
-            connect_timeout_s=connect_timeout_s,
+            connect_timeout_s=connect_timeout_s, tickets=tickets,
         )
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import ssl
 import time
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
@@ -30,17 +32,15 @@ from aioquic.quic.events import (
     QuicEvent,
     StreamReset,
 )
-from aioquic.tls import SessionTicket
+from aioquic.tls import CipherSuite, SessionTicket
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
 
-__all__ = ["H3Session", "TicketStore", "quic_trust"]
-
-TicketStore = dict[str, SessionTicket]
-"""Session tickets per host name, shared by every H3 session of one client."""
+__all__ = ["H3Session", "decode_ticket", "encode_ticket", "quic_trust"]
 
 _END = object()
 # aioquic logs a failed handshake as a WARNING on its "quic" logger; with no handler configured
@@ -52,6 +52,40 @@ MAX_UNREAD_BYTES = 16 << 20
 """Response bytes one HTTP/3 stream may hold unread. aioquic grants the server more flow
 control credit as data arrives, not as it is read, so past this the stream is cut (reset;
 the client resumes) rather than let a server fill memory."""
+
+
+class _Ticket(msgspec.Struct, array_like=True):
+    """aioquic's :class:`SessionTicket`, field for field, as bytes a :class:`TicketStore`
+    keeps (msgpack: no code runs when a stored ticket is read back, unlike pickle)."""
+
+    age_add: int
+    cipher_suite: int
+    not_valid_after: datetime.datetime
+    not_valid_before: datetime.datetime
+    resumption_secret: bytes
+    server_name: str
+    ticket: bytes
+    max_early_data_size: int | None
+    other_extensions: list[tuple[int, bytes]]
+
+
+def encode_ticket(ticket: SessionTicket) -> bytes:
+    return msgspec.msgpack.encode(_Ticket(
+        ticket.age_add, int(ticket.cipher_suite), ticket.not_valid_after,
+        ticket.not_valid_before, ticket.resumption_secret, ticket.server_name, ticket.ticket,
+        ticket.max_early_data_size, list(ticket.other_extensions)))
+
+
+def decode_ticket(data: bytes) -> SessionTicket | None:
+    """The ticket, or None for bytes that are not one (a store may hold anything)."""
+    try:
+        t = msgspec.msgpack.decode(data, type=_Ticket)
+        suite = CipherSuite(t.cipher_suite)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+    return SessionTicket(t.age_add, suite, t.not_valid_after, t.not_valid_before,
+                         t.resumption_secret, t.server_name, t.ticket, t.max_early_data_size,
+                         list(t.other_extensions))
 
 
 def quic_trust(
@@ -218,11 +252,17 @@ class H3Session:
             idle_timeout=self._idle_timeout_s,
         )
         quic_trust(config, self._verify, self._ca_file)
-        config.session_ticket = self._tickets.get(self.origin.host)
+        stored = self._tickets.take(self._server)
+        config.session_ticket = None if stored is None else decode_ticket(stored)
         return config
 
+    @property
+    def _server(self) -> str:
+        return f"{self.origin.host}:{self.origin.port}"
+
     def _store_ticket(self, ticket: SessionTicket) -> None:
-        self._tickets[self.origin.host] = ticket
+        self._tickets.put(self._server, encode_ticket(ticket),
+                          ticket.not_valid_after.timestamp())
 
     async def _connection(self, recorder: TimingRecorder | None) -> tuple[_H3Protocol, bool]:
         """The open connection, or a new one; the flag is True when early data may be sent."""
