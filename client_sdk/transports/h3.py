@@ -357,10 +357,15 @@ class H3Session:
                 proto.h3.send_data(stream_id, body, end_stream=True)
             proto.transmit()
             if recorder is not None:
-                recorder.feed("request_sent", time.perf_counter())
+                sent = time.perf_counter()
                 if early:
-                    # The handshake completes while the request is in flight (0-RTT).
-                    await self._await_handshake(proto, recorder)
+                    # 0-RTT: the request left with the first flight and the handshake completes
+                    # while it is in flight. Only what came before the send is a connection
+                    # phase, so the phases never overlap (Timings.zero_rtt says which it was).
+                    recorder.feed("quic_handshake.complete", sent)
+                recorder.feed("request_sent", sent)
+                if early:
+                    await self._await_handshake(proto, None)
                     hs = proto.handshake
                     recorder.record.zero_rtt = bool(hs is not None and hs.early_data_accepted)
             raw_headers, at = await stream.headers
