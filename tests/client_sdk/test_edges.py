@@ -160,3 +160,28 @@ def test_h3_failures_print_nothing(server: RunningServer) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.stdout.split() == ["TLSError", "ConnectError", "ConnectError"], done.stderr
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize(("transport", "http"), [("websocket", "1.1"), ("sse", "1.1")])
+async def test_prewarm_while_a_stream_runs_opens_no_second_connection(
+    server: RunningServer, ca_file: str, transport: str, http: str
+) -> None:
+    # What a periodic re-probe does to the primary: it used to count idle connections only,
+    # so a stream in flight at that moment cost a new handshake (a flaky re-probe test).
+    def opened() -> int:
+        if transport == "websocket":
+            return server.app.requests.count(("WS", "/v1/ws"))
+        session = client.pool.session(client.origin, "1.1")
+        return len(session._client._transport._pool.connections)  # type: ignore[attr-defined]
+
+    async with AsyncClient(server.base_url, "test-key", transport=transport, http=http,  # type: ignore[arg-type]
+                           ca_file=ca_file) as client:
+        await client.prewarm()
+        assert opened() == 1
+        async with client.stream(model="m", messages=MESSAGES, max_tokens=9) as stream:
+            async for _ in stream:
+                await client.prewarm()  # the only connection is busy with this stream
+                assert opened() == 1
+        assert stream.text == expected_text(9)
+        assert await first_text(client) == expected_text(3)
+        assert opened() == 1
