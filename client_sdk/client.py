@@ -466,7 +466,10 @@ class ChatStream:
     async def _pump(source: Source, queue: asyncio.Queue[Item | object | BaseException]) -> None:
         try:
             async for item in source:
-                await queue.put(item)  # a full queue stops reading: the server is slowed down
+                if queue.full():  # stops reading: the server is slowed down
+                    await queue.put(item)
+                else:
+                    queue.put_nowait(item)  # no coroutine per event in the common case
             await queue.put(_EOF)
         except asyncio.CancelledError:
             raise
