@@ -32,8 +32,8 @@ class Origin:
     def parse(cls, url: str) -> Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigurationError("base_url",
-                                     f"must be http(s)://host[:port][/path], not {url!r}")
+            raise ConfigurationError(
+                "base_url", f"must be a base URL http(s)://host[:port][/path], not {url!r}")
         port = parts.port or (443 if parts.scheme == "https" else 80)
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 

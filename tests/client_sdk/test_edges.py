@@ -84,7 +84,7 @@ async def test_plain_http_to_a_tls_port_says_to_use_https(
 
 
 def test_a_bad_base_url_names_the_option() -> None:
-    with pytest.raises(ConfigurationError, match=r"^base_url: must be http\(s\)://"):
+    with pytest.raises(ConfigurationError, match=r"^base_url: must be a base URL http\(s\)://"):
         AsyncClient("localhost:8080")
 
 
