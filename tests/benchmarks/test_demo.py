@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -118,6 +119,15 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, whatever the test run inherited.
+
+    A shell starts background jobs (``nohup pytest ... &``) with SIGINT ignored, and an ignored
+    signal stays ignored across exec: the demo would never see the Ctrl-C this test sends.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_mid_run(
     tmp_path: Path, *args: str, sig: signal.Signals = signal.SIGINT
 ) -> tuple[int, int, str]:
@@ -129,6 +139,7 @@ def interrupt_mid_run(
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, TAG: tag},
+        preexec_fn=default_sigint,
     )
     assert proc.stderr is not None
     lines = []
@@ -155,6 +166,18 @@ def interrupt_mid_run(
     left = {pid: describe(pid) for pid in tagged_processes(tag)}
     assert left == {}, "processes left behind"
     return proc.pid, code, "".join(lines)
+
+
+def test_the_demo_gets_ctrl_c_even_when_the_test_run_ignores_it() -> None:
+    # As under `nohup pytest &`: this process ignores SIGINT, and the child would inherit that.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"],
+            capture_output=True, text=True, check=True, preexec_fn=default_sigint)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "default_int_handler" in child.stdout  # Python's own: Ctrl-C raises KeyboardInterrupt
 
 
 def test_ctrl_c_on_loopback_leaves_nothing_behind(tmp_path: Path) -> None:
