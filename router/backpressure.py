@@ -1,4 +1,4 @@
-"""Per-backend load, region saturation, spill budget and ``Retry-After`` (sans-IO).
+"""Per-backend load, capacity, region saturation, spill budget and ``Retry-After`` (sans-IO).
 
 Load of a backend = the router's own count of requests in flight to it (exact and instant)
 plus, if its metrics are fresh, the traffic they show beyond ours: reported ``running +
@@ -6,10 +6,17 @@ waiting`` (vLLM metric names) minus our in-flight count *when they were scraped*
 up to one interval old; comparing it with our count of that moment (not of now) keeps a stale
 scrape from making a backend look busier, or idler, than it is.
 
-A backend is *saturated* when its load reaches ``max_in_flight`` or it reports more than
-``max_waiting`` waiting requests; the region is saturated when every healthy backend is.
-The expected queue wait of a new request is ``excess / max_in_flight * service time``, with
-the service time an EWMA of observed request durations; the drain estimate behind
+Capacity is learned from what the backend reports, with ``max_in_flight`` as a cap: a backend
+that reports waiting requests in two scrapes in a row has a real queue (a request waits for
+one scheduler step, ~10-50 ms, before it runs, so one scrape seeing a few waiting means
+nothing), and then the number it runs is what it can run (``max_num_seqs``, or fewer when
+its KV cache is the limit): its *slots*. A later scrape showing more running raises them.
+Its limit is ``min(max_in_flight, slots + max_waiting)``; until a queue was seen, the cap
+alone. A backend is *saturated* when unhealthy or when its load reaches its limit; the region
+is saturated when every healthy backend is.
+
+The expected queue wait of a new request is ``excess / limit * service time``, with the
+service time an EWMA of observed request durations; the drain estimate behind
 ``Retry-After`` is the same wait for the least-loaded backend (integer seconds, at least 1).
 
 The spill budget follows Envoy's retry budget: spills in progress may not exceed
@@ -55,6 +62,21 @@ class BackendLoad:
     ttft_ms: Ewma = field(default_factory=Ewma)
     service_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1000.0))
     requests: int = 0
+    slots: int | None = None
+    """Requests it runs at once, learned from its metrics (None until it showed a queue)."""
+    queued_scrapes: int = 0
+    """Consecutive scrapes that reported waiting requests (2 or more: a real queue)."""
+
+    @property
+    def limit(self) -> int:
+        """Load at which it is saturated: learned slots plus the allowed queue, capped."""
+        if self.slots is None:
+            return self.max_in_flight
+        return max(1, min(self.max_in_flight, self.slots + self.max_waiting))
+
+    @property
+    def queued(self) -> bool:
+        return self.queued_scrapes >= 2
 
 
 class LoadTracker:
@@ -85,6 +107,15 @@ class LoadTracker:
     def observe_metrics(self, name: str, metrics: BackendMetrics, now: float) -> None:
         b = self.backends[name]
         b.metrics, b.metrics_at, b.in_flight_at_metrics = metrics, now, b.in_flight
+        running = int(metrics.running or 0)
+        if metrics.waiting:
+            b.queued_scrapes += 1
+            if b.queued:  # a queue that outlived a scheduler step: it runs all it can
+                b.slots = running
+        else:
+            b.queued_scrapes = 0
+            if b.slots is not None and running > b.slots:
+                b.slots = running  # it ran more than we thought it could: it has room
 
     def set_health(self, name: str, healthy: bool) -> None:
         self.backends[name].healthy = healthy
@@ -108,9 +139,9 @@ class LoadTracker:
         if not b.healthy:
             return True
         m = self._fresh(b, now)
-        if m is not None and m.waiting is not None and m.waiting > b.max_waiting:
-            return True
-        return self.load(name, now) >= b.max_in_flight
+        if m is not None and b.queued and (m.waiting or 0) > b.max_waiting:
+            return True  # its queue is longer than allowed, whatever it runs
+        return self.load(name, now) >= b.limit
 
     def available(self, now: float) -> list[str]:
         """Healthy, unsaturated backends, in configuration order."""
@@ -129,14 +160,14 @@ class LoadTracker:
 
     def _wait_ms(self, name: str, now: float) -> float:
         b = self.backends[name]
-        excess = self.load(name, now) + 1 - b.max_in_flight
+        excess = self.load(name, now) + 1 - b.limit
         m = self._fresh(b, now)
-        if m is not None and m.waiting:
+        if m is not None and m.waiting and b.queued:
             excess = max(excess, int(m.waiting) + 1 - b.max_waiting)
         if excess <= 0:
             return 0.0
         service = b.service_ms.value or 1000.0
-        return excess / b.max_in_flight * service
+        return excess / b.limit * service
 
     def retry_after_s(self, now: float) -> int:
         """``Retry-After`` for a rejected request: the drain estimate, whole seconds, >= 1."""
@@ -149,7 +180,7 @@ class LoadTracker:
         return sum(b.in_flight for b in self.backends.values())
 
     def capacity(self) -> int:
-        return sum(b.max_in_flight for b in self.backends.values() if b.healthy)
+        return sum(b.limit for b in self.backends.values() if b.healthy)
 
     def ttft_ms(self) -> float | None:
         values = [b.ttft_ms.value for b in self.backends.values() if b.ttft_ms.value is not None]

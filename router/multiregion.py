@@ -539,7 +539,7 @@ class RegionRouting:
         backends = [
             BackendStatus(
                 name=name, healthy=b.healthy, in_flight=b.in_flight,
-                load=self.tracker.load(name, now), max_in_flight=b.max_in_flight,
+                load=self.tracker.load(name, now), max_in_flight=b.limit,
                 saturated=self.tracker.saturated(name, now), ttft_ms=b.ttft_ms.value,
                 warm_prefixes=self.scheduler.warm(name),
             )
