@@ -6,14 +6,16 @@ waiting`` (vLLM metric names) minus our in-flight count *when they were scraped*
 up to one interval old; comparing it with our count of that moment (not of now) keeps a stale
 scrape from making a backend look busier, or idler, than it is.
 
-Capacity is learned from what the backend reports, with ``max_in_flight`` as a cap: a backend
-that reports waiting requests in two scrapes in a row has a real queue (a request waits for
-one scheduler step, ~10-50 ms, before it runs, so one scrape seeing a few waiting means
-nothing), and then the number it runs is what it can run (``max_num_seqs``, or fewer when
-its KV cache is the limit): its *slots*. A later scrape showing more running raises them.
-Its limit is ``min(max_in_flight, slots + max_waiting)``; until a queue was seen, the cap
-alone. A backend is *saturated* when unhealthy or when its load reaches its limit; the region
-is saturated when every healthy backend is.
+Capacity is learned from what the backend reports, with ``max_in_flight`` as a cap. Every
+new request waits for the next scheduler step (~10-100 ms) before it runs, so a scrape sees
+requests waiting even on a backend with free slots: about what arrived during one step. The
+tracker subtracts the requests it sent in the last ``RECENT_S`` before the scrape; what is
+left beyond ``max_waiting``, in two scrapes in a row, is a real queue, and then the number
+the backend runs is what it can run (``max_num_seqs``, or fewer when its KV cache is the
+limit): its *slots*. A later scrape showing more running raises them. Its limit is
+``min(max_in_flight, slots + max_waiting)``; until a queue was seen, the cap alone. A backend
+is *saturated* when unhealthy, when its real queue is longer than ``max_waiting``, or when its
+load reaches its limit; the region is saturated when every healthy backend is.
 
 The expected queue wait of a new request is ``excess / limit * service time``, with the
 service time an EWMA of observed request durations; the drain estimate behind
@@ -26,12 +28,17 @@ The spill budget follows Envoy's retry budget: spills in progress may not exceed
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from firstbyte.router.upstream_metrics import BackendMetrics
 
-__all__ = ["BackendLoad", "Ewma", "LoadTracker", "SpillBudget"]
+__all__ = ["RECENT_S", "BackendLoad", "Ewma", "LoadTracker", "SpillBudget"]
+
+RECENT_S = 0.25
+"""Requests sent this recently may still be waiting for their first scheduler step (a step
+with a long prefill takes ~100 ms); they are not a queue."""
 
 
 class Ewma:
@@ -65,7 +72,11 @@ class BackendLoad:
     slots: int | None = None
     """Requests it runs at once, learned from its metrics (None until it showed a queue)."""
     queued_scrapes: int = 0
-    """Consecutive scrapes that reported waiting requests (2 or more: a real queue)."""
+    """Consecutive scrapes that showed a real queue (2 or more: it is real)."""
+    queue: int = 0
+    """Waiting requests at the last scrape beyond those we had just sent."""
+    recent_starts: deque[float] = field(default_factory=deque)
+    """When our requests to it started, for the last ``RECENT_S``."""
 
     @property
     def limit(self) -> int:
@@ -90,10 +101,13 @@ class LoadTracker:
         return self.backends[name]
 
     # --- inputs
-    def started(self, name: str) -> None:
+    def started(self, name: str, now: float | None = None) -> None:
         b = self.backends[name]
         b.in_flight += 1
         b.requests += 1
+        if now is not None:
+            b.recent_starts.append(now)
+            _forget_before(b.recent_starts, now - RECENT_S)
 
     def finished(self, name: str, duration_ms: float | None = None) -> None:
         b = self.backends[name]
@@ -108,7 +122,9 @@ class LoadTracker:
         b = self.backends[name]
         b.metrics, b.metrics_at, b.in_flight_at_metrics = metrics, now, b.in_flight
         running = int(metrics.running or 0)
-        if metrics.waiting:
+        _forget_before(b.recent_starts, now - RECENT_S)
+        b.queue = max(0, int(metrics.waiting or 0) - len(b.recent_starts))
+        if b.queue > b.max_waiting:
             b.queued_scrapes += 1
             if b.queued:  # a queue that outlived a scheduler step: it runs all it can
                 b.slots = running
@@ -138,8 +154,7 @@ class LoadTracker:
         b = self.backends[name]
         if not b.healthy:
             return True
-        m = self._fresh(b, now)
-        if m is not None and b.queued and (m.waiting or 0) > b.max_waiting:
+        if self._fresh(b, now) is not None and b.queued and b.queue > b.max_waiting:
             return True  # its queue is longer than allowed, whatever it runs
         return self.load(name, now) >= b.limit
 
@@ -161,9 +176,8 @@ class LoadTracker:
     def _wait_ms(self, name: str, now: float) -> float:
         b = self.backends[name]
         excess = self.load(name, now) + 1 - b.limit
-        m = self._fresh(b, now)
-        if m is not None and m.waiting and b.queued:
-            excess = max(excess, int(m.waiting) + 1 - b.max_waiting)
+        if self._fresh(b, now) is not None and b.queued:
+            excess = max(excess, b.queue + 1 - b.max_waiting)
         if excess <= 0:
             return 0.0
         service = b.service_ms.value or 1000.0
@@ -185,6 +199,11 @@ class LoadTracker:
     def ttft_ms(self) -> float | None:
         values = [b.ttft_ms.value for b in self.backends.values() if b.ttft_ms.value is not None]
         return min(values) if values else None
+
+
+def _forget_before(times: deque[float], cutoff: float) -> None:
+    while times and times[0] < cutoff:
+        times.popleft()
 
 
 class SpillBudget:

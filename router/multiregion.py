@@ -402,7 +402,7 @@ class RegionRouting:
     ) -> Outcome:
         ctx.backend = self.backends[name]
         ctx.region = self.region
-        self.tracker.started(name)
+        self.tracker.started(name, now)
         ctx.extra["observer"] = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,

@@ -78,6 +78,25 @@ def test_capacity_is_learned_from_a_queue_that_outlives_a_scrape() -> None:
     assert capped["c"].limit == 64
 
 
+def test_requests_we_just_sent_waiting_for_a_step_are_not_a_queue() -> None:
+    # 100 streams at once, 256 slots: every scrape finds the requests that arrived during
+    # the current step waiting for the next one. They are ours and brand new: no queue.
+    t = LoadTracker([BackendLoad("b0", max_in_flight=1024, max_waiting=4)])
+    for second in range(5):
+        now = float(second)
+        for i in range(40):
+            t.started("b0", now - 0.1 + i * 0.0025)
+        t.observe_metrics("b0", BackendMetrics(running=100, waiting=40), now=now)
+        assert t["b0"].queue == 0
+        assert not t.saturated("b0", now)
+    assert t["b0"].slots is None
+    # The same waiting count with nothing sent lately is a queue (after two scrapes).
+    t.observe_metrics("b0", BackendMetrics(running=100, waiting=40), now=10.0)
+    t.observe_metrics("b0", BackendMetrics(running=100, waiting=40), now=11.0)
+    assert t["b0"].slots == 100
+    assert t.saturated("b0", 11.0)
+
+
 def test_a_backend_whose_cache_runs_out_is_saturated_at_what_it_runs() -> None:
     # KV cache full at 90 sequences (below max_num_seqs): vLLM queues the rest.
     t = LoadTracker([BackendLoad("b0", max_in_flight=1024, max_waiting=4)])
