@@ -315,7 +315,10 @@ class StreamStore:
             self._finished[stream.id] = stream
             usage.live -= 1
             usage.finished[stream.id] = stream
-        self._check_share(stream.owner, usage)
+            self._check_share(stream.owner, usage)
+        elif self._shares and usage.finished and usage.bytes > self.max_owner_bytes:
+            # Growing can only put an owner over its share (the per-token path: no pop).
+            self._over_share[stream.owner] = None
 
     def _check_share(self, owner: bytes, usage: _Owner) -> None:
         if self._shares and usage.bytes > self.max_owner_bytes and usage.finished:
