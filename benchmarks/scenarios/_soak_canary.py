@@ -14,6 +14,7 @@ import time
 
 import msgspec
 
+from firstbyte.benchmarks._parent import exit_with_parent
 from firstbyte.benchmarks.scenarios._soak_good import open_kind, request_body, run_request
 from firstbyte.benchmarks.scenarios._soak_integrity import Ledger
 
@@ -47,6 +48,7 @@ async def _run(base_url: str, key: str, ca_file: str, seconds: float) -> None:
 
 def main(argv: list[str]) -> int:
     base_url, key, ca_file, seconds = argv
+    exit_with_parent()
     asyncio.run(_run(base_url, key, ca_file, float(seconds)))
     return 0
 

@@ -50,6 +50,13 @@ class Attempt:
     upstream_fault: bool = False
     ttft_ms: float | None = None
     stream_id: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def receive(self, text: str | None) -> None:
+        """Add a delta's text; the first non-empty one sets the time to first token."""
+        if text and self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.started) * 1000
+        self.text += text or ""
 
 
 @dataclass(slots=True)
@@ -110,16 +117,13 @@ class SDKKind:
 
     async def attempt(self, body: dict[str, Any]) -> Attempt:
         got = Attempt()
-        started = time.perf_counter()
         options = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens")}
         try:
             async with self.client.stream(model=body["model"], messages=body["messages"],
                                           max_tokens=body["max_tokens"], **options) as stream:
                 got.stream_id = stream.stream_id
                 async for delta in stream:
-                    if delta.text and got.ttft_ms is None:
-                        got.ttft_ms = (time.perf_counter() - started) * 1000
-                    got.text += delta.text
+                    got.receive(delta.text)
                 got.finished = True
         except (sdk_errors.FirstbyteError, OSError, ValueError) as exc:
             got.error, got.upstream_fault = _classify_sdk(exc)
@@ -137,15 +141,12 @@ class OpenAIKind:
         import openai
 
         got = Attempt()
-        started = time.perf_counter()
         try:
             stream = await self.client.chat.completions.create(stream=True, **body)
             async with stream:
                 async for chunk in stream:
                     for choice in chunk.choices:
-                        if choice.delta.content and got.ttft_ms is None:
-                            got.ttft_ms = (time.perf_counter() - started) * 1000
-                        got.text += choice.delta.content or ""
+                        got.receive(choice.delta.content)
             got.finished = True
         except (openai.OpenAIError, json.JSONDecodeError, httpx2.HTTPError, OSError) as exc:
             got.error, got.upstream_fault = _classify_openai(exc)

@@ -4,6 +4,8 @@ its own process on 127.0.0.1, and a sampler of their memory and open files.
 A sim can be killed (SIGKILL: no goodbye to the router's connections) and started again on the
 same port, which is how a crashed inference server looks to the router. Every child's output
 goes to a log file in the run's directory: the router's log is read at the end for tracebacks.
+Children end with the soak, even when it is killed outright
+(:func:`firstbyte.benchmarks._parent.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ import httpx
 __all__ = ["Child", "MemorySampler", "Sim", "free_port", "router_log_findings", "start_router",
            "toml"]
 
-FIRSTBYTE = (sys.executable, "-m", "firstbyte")
+FIRSTBYTE = (
+    sys.executable,
+    "-c",
+    # the `firstbyte` command, with a watchdog: it ends when the soak is killed outright
+    "import sys; from firstbyte.benchmarks._parent import exit_with_parent; exit_with_parent();"
+    " from firstbyte.cli import main; sys.exit(main(sys.argv[1:]))",
+)
 _SIM_URL = re.compile(rb"serving (http://\S+)")
 
 

@@ -215,11 +215,11 @@ async def _soak(tmp: Path, duration: float, *, scale: int, quick: bool) -> dict[
                     *(_phase(phase, target, started, duration, hostile) for phase in PHASES),
                     *(_kill_at(world.sims[0], started + f * duration) for f in kills),
                 )
+                await asyncio.to_thread(canary.proc.wait, 60)
             finally:
                 ticking.cancel()
-        await asyncio.to_thread(canary.proc.wait, 60)
-        canary.stop()
-        sampling.cancel()
+                sampling.cancel()
+                canary.stop()
         elapsed = time.monotonic() - started
         findings = router_log_findings(tmp / "router.log")
     return _results(
