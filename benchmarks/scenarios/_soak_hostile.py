@@ -239,6 +239,8 @@ async def _reset_burst(target: Target, streams: int, burst: int) -> Counter[str]
         return Counter({f"connect failed: {type(exc).__name__}": 1})
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
+    # A window the router cannot exhaust: what it sends on reset streams is its business.
+    conn.increment_flow_control_window(2**31 - 1 - 65_535)
     headers = [(":method", "POST"), (":scheme", "https"), (":authority", target.host),
                (":path", _CHAT), ("authorization", f"Bearer {target.key}"),
                ("content-type", "application/json")]

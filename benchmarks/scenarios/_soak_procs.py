@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -186,11 +187,12 @@ def router_log_findings(log: Path, limit: int = 8) -> dict[str, Any]:
     finals = [line for i, line in enumerate(lines)
               if i > 0 and lines[i - 1].startswith("  ") and re.match(r"^\w[\w.]*(Error|Exception)",
                                                                      line)]
+    distinct = Counter(finals) + Counter(line.split(" ", 2)[-1] for line in errors)
     return {
         "tracebacks": text.count("Traceback (most recent call last)"),
         "error_lines": len(errors),
         "warning_lines": sum(1 for line in lines if " WARNING " in line),
-        "examples": sorted(set(finals + errors))[:limit],
+        "examples": [f"{n}x {line[:300]}" for line, n in distinct.most_common(limit)],
     }
 
 
