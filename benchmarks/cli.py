@@ -4,6 +4,11 @@ Scenarios are discovered, not registered: every module in ``benchmarks/scenarios
 defines ``run(quick: bool) -> dict`` is one, named after its module, and its docstring's first
 line is its help. Discovery reads the sources without importing them, so ``--help`` works even
 when one scenario's optional dependency is missing.
+
+A scenario with options of its own also defines ``add_arguments(parser)`` (imported only then);
+its options reach ``run`` as keyword arguments. A scenario whose results carry a non-empty
+``failed_checks`` list failed: the report is written, each check is printed, and the exit code
+is 1 (as CI needs to catch it).
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ _RESERVED = {"all", "compare", "screenshot"}
 
 def discover_scenarios() -> dict[str, str]:
     """Scenario name -> one-line description, for every module that defines ``run``."""
-    found: dict[str, str] = {}
+    return {name: doc for name, (doc, _) in _scan_scenarios().items()}
+
+
+def _scan_scenarios() -> dict[str, tuple[str, bool]]:
+    """Scenario name -> (description, whether it defines ``add_arguments``)."""
+    found: dict[str, tuple[str, bool]] = {}
     modules = pkgutil.iter_modules(firstbyte.benchmarks.scenarios.__path__)
     for info in sorted(modules, key=lambda i: i.name):
         if info.name.startswith("_") or info.ispkg or info.name in _RESERVED:
@@ -42,13 +52,18 @@ def discover_scenarios() -> dict[str, str]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, ValueError):
             continue
-        if not any(
-            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "run"
+        functions = {
+            node.name
             for node in tree.body
-        ):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        if "run" not in functions:
             continue
         doc = (ast.get_docstring(tree) or "").strip().splitlines()
-        found[info.name] = doc[0].rstrip(".") if doc else "(no description)"
+        found[info.name] = (
+            doc[0].rstrip(".") if doc else "(no description)",
+            "add_arguments" in functions,
+        )
     return found
 
 
@@ -70,7 +85,8 @@ def _add_output_options(parser: argparse.ArgumentParser, default_out: str) -> No
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    scenarios = discover_scenarios()
+    scanned = _scan_scenarios()
+    scenarios = {name: doc for name, (doc, _) in scanned.items()}
     listing = "\n".join(f"  {name:<18} {doc}" for name, doc in scenarios.items()) or "  (none yet)"
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
@@ -81,9 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sub = parser.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
     for name, doc in scenarios.items():
-        _add_output_options(
-            sub.add_parser(name, help=doc, description=doc + "."), f"bench-results/{name}"
-        )
+        scenario = sub.add_parser(name, help=doc, description=doc + ".")
+        _add_output_options(scenario, f"bench-results/{name}")
+        if scanned[name][1]:
+            _add_scenario_options(scenario, name)
     every = sub.add_parser("all", help="run every scenario", description="Run every scenario.")
     _add_output_options(every, "bench-results/all")
     cmp = sub.add_parser(
@@ -135,7 +152,22 @@ def _add_screenshot(sub: Any) -> None:
                       help="viewport width in CSS pixels (default 1000; 400 for a phone)")
 
 
-def run_scenario(name: str, quick: bool) -> dict[str, Any]:
+def _add_scenario_options(parser: argparse.ArgumentParser, name: str) -> None:
+    """The scenario's own options; their names are remembered so only they reach its ``run``."""
+    before = {action.dest for action in parser._actions}
+    module = importlib.import_module(f"firstbyte.benchmarks.scenarios.{name}")
+    module.add_arguments(parser)
+    added = [action.dest for action in parser._actions if action.dest not in before]
+    parser.set_defaults(scenario_options=added)
+
+
+def failed_checks(results: dict[str, Any]) -> list[str]:
+    """The checks a scenario's run failed (its ``failed_checks``), empty when it passed."""
+    checks = results.get("failed_checks")
+    return [str(check) for check in checks] if isinstance(checks, list) else []
+
+
+def run_scenario(name: str, quick: bool, **options: Any) -> dict[str, Any]:
     """Import and run one scenario; its results carry ``scenario``, ``quick`` and the run's
     ``conditions`` (with the share of CPU other processes used meanwhile)."""
     scenarios = discover_scenarios()
@@ -144,7 +176,7 @@ def run_scenario(name: str, quick: bool) -> dict[str, Any]:
         raise CLIError(f"unknown scenario {name!r} (available: {known})")
     module = importlib.import_module(f"firstbyte.benchmarks.scenarios.{name}")
     cpu = CpuWatch()
-    results = module.run(quick)
+    results = module.run(quick, **options)
     if not isinstance(results, dict):
         raise CLIError(f"scenario {name!r} returned {type(results).__name__}, not a dict")
     results.setdefault("scenario", name)
@@ -206,11 +238,14 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario == "screenshot":
         return _run_screenshot(args)
     out = _out_dir(args.out)
+    failed: list[str] = []
     if args.scenario == "all":
         combined: dict[str, Any] = {"scenario": "all", "quick": args.quick, "scenarios": {}}
         for name in discover_scenarios():
             print(f"bench: running {name}", file=sys.stderr)
-            written = write_report(run_scenario(name, args.quick), out / name)
+            results = run_scenario(name, args.quick)
+            failed += [f"{name}: {check}" for check in failed_checks(results)]
+            written = write_report(results, out / name)
             # The written file has the metric definitions, date and host added.
             combined["scenarios"][name] = msgspec.json.decode(written["json"].read_bytes())
         paths = write_combined_report(combined, out)
@@ -221,12 +256,20 @@ def run(args: argparse.Namespace) -> int:
                 print(markdown_summary(results))
                 print(f"(full report: {out / name / 'report.html'})\n")
         print(f"bench: wrote {paths['json']}, {paths['html']}", file=sys.stderr)
-        return 0
-    results = run_scenario(args.scenario, args.quick)
+        return _verdict(failed)
+    options = {dest: getattr(args, dest) for dest in getattr(args, "scenario_options", [])}
+    results = run_scenario(args.scenario, args.quick, **options)
     written = write_report(results, out)
     if args.json:
         sys.stdout.write(written["json"].read_text())
     else:
         sys.stdout.write(written["markdown"].read_text())
     print("bench: wrote " + ", ".join(str(p) for p in written.values()), file=sys.stderr)
-    return 0
+    return _verdict(failed_checks(results))
+
+
+def _verdict(failed: list[str]) -> int:
+    """Exit code 1 and one line per failed check, 0 when none failed."""
+    for check in failed:
+        print(f"bench: check failed: {check}", file=sys.stderr)
+    return 1 if failed else 0

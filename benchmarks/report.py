@@ -134,6 +134,9 @@ def markdown_summary(results: Mapping[str, Any], *, html: str | None = None) -> 
         lines += ["| result | value |", "|---|---:|"]
         lines += [f"| {key} | {_fmt(value)} |" for key, value in summary.items()]
         lines.append("")
+    failed = results.get("failed_checks")
+    if isinstance(failed, Sequence) and not isinstance(failed, str) and failed:
+        lines += ["**Failed checks:**", ""] + [f"- {check}" for check in failed] + [""]
     runs = _runs(results)
     if runs:
         lines += [*_runs_table(runs), ""]
