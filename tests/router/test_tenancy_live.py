@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from firstbyte.client_sdk.cli import CLIError
 
+from firstbyte.cli import CLIError
 from firstbyte.router.cli import add_arguments, config_from_args
 from firstbyte.router.serve import running_router
 from firstbyte.router.sim.server import sim_server
