@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from firstbyte.client_sdk.errors import (
         APIError,
         AuthenticationError,
+        ConfigurationError,
         ConnectError,
+        FirstbyteError,
         RateLimitError,
         ServiceUnavailableError,
         StreamBrokenError,
@@ -31,7 +33,9 @@ __all__ = [
     "AuthenticationError",
     "BudgetReport",
     "Client",
+    "ConfigurationError",
     "ConnectError",
+    "FirstbyteError",
     "LatencyBudget",
     "Message",
     "RateLimitError",
@@ -54,7 +58,8 @@ _LAZY = {
     "Timings": "firstbyte.client_sdk.timings",
     "__version__": "firstbyte",
     **{name: "firstbyte.client_sdk.errors" for name in (
-        "APIError", "AuthenticationError", "ConnectError", "RateLimitError",
+        "APIError", "AuthenticationError", "ConfigurationError", "ConnectError",
+        "FirstbyteError", "RateLimitError",
         "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
 }
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -34,6 +34,7 @@ import msgspec
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import (
+    ConfigurationError,
     ConnectError,
     FirstbyteError,
     RateLimitError,
@@ -45,14 +46,17 @@ from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
 from firstbyte.client_sdk.regions import Region, RegionSelector
 from firstbyte.client_sdk.resolver import Origin
+from firstbyte.client_sdk.tickets import TicketStore
+from firstbyte.client_sdk.tickets import ticket_store as ticket_store_for
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.client_sdk.transports.base import Event, Item, Opened, Session, Source, TransportCut
 from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
+from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
 from firstbyte.protocol.openai import Message, Usage
 
-__all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]
+__all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]  # the last from .trust
 
 TransportName = Literal["sse", "websocket", "longpoll"]
 HTTPVersion = Literal["1.1", "2", "3"]
@@ -65,19 +69,6 @@ _LABEL_PROBE_S = 60.0
 """At most one probe per minute to learn router names for a better-region hint."""
 
 
-def build_ssl_context(
-    verify: bool | ssl.SSLContext = True, ca_file: str | None = None
-) -> ssl.SSLContext:
-    """The one SSLContext a client uses for every TCP connection (verification on by default)."""
-    if isinstance(verify, ssl.SSLContext):
-        return verify
-    context = ssl.create_default_context(cafile=ca_file)
-    if not verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
 class AsyncClient:
     """Streams chat completions over a prewarmed connection (see the README's SDK section).
 
@@ -88,7 +79,12 @@ class AsyncClient:
     region name to base URL: before the first probe (:meth:`probe_regions`, done by
     :meth:`prewarm`) they are tried in the order given; after it, fastest first.
     ``reprobe_interval_s`` (several regions only; None: never) is how often the regions are
-    probed again while the client is in use (see :meth:`reprobe`).
+    probed again while the client is in use (see :meth:`reprobe`). ``verify`` is True, False,
+    a CA bundle path (as in httpx) or an ``ssl.SSLContext``; ``ca_file`` is a CA bundle path. A
+    file that is missing or holds no certificate raises ``ConfigurationError`` here.
+    ``ticket_store`` keeps HTTP/3 session tickets for 0-RTT: None (in memory, lost at exit), a
+    file path (0-RTT across restarts; read the replay caveat in :mod:`.tickets`) or a
+    :class:`~firstbyte.client_sdk.tickets.TicketStore` of the application's own.
     """
 
     def __init__(
@@ -98,7 +94,7 @@ class AsyncClient:
         *,
         transport: TransportName = "sse",
         http: HTTPVersion | None = None,
-        verify: bool | ssl.SSLContext = True,
+        verify: Verify = True,
         ca_file: str | None = None,
         idle_timeout_s: float = 30.0,
         max_resumes: int = 5,
@@ -109,9 +105,13 @@ class AsyncClient:
         connect_timeout_s: float = 10.0,
         poll_wait_s: float = 10.0,
         reprobe_interval_s: float | None = 60.0,
+        ticket_store: TicketStore | str | os.PathLike[str] | None = None,
     ) -> None:
+        checked, ca_file = check_trust(verify, ca_file)
+        tickets = ticket_store_for(ticket_store)
         if transport not in ("sse", "websocket", "longpoll"):
-            raise ValueError(f"transport must be sse, websocket or longpoll, not {transport!r}")
+            raise ConfigurationError(
+                "transport", f"must be sse, websocket or longpoll, not {transport!r}")
         if isinstance(base_url, str):
             named = {base_url: base_url}
         elif isinstance(base_url, Mapping):
@@ -119,10 +119,10 @@ class AsyncClient:
         else:
             named = {url: url for url in base_url}
         if not named:
-            raise ValueError("base_url: give at least one URL")
+            raise ConfigurationError("base_url", "give at least one URL")
         urls = list(named.values())
         if len(set(urls)) != len(urls):
-            raise ValueError("base_url: the same URL is given for two regions")
+            raise ConfigurationError("base_url", "the same URL is given for two regions")
         self.origins = [Origin.parse(url) for url in urls]
         self.origin = self.origins[0]
         """The preferred region; :meth:`prewarm` warms it."""
@@ -145,11 +145,11 @@ class AsyncClient:
             plain = not all(origin.tls for origin in self.origins)
             http = "1.1" if transport == "websocket" or plain else "2"
         if http not in ("1.1", "2", "3"):
-            raise ValueError(f"http must be '1.1', '2' or '3', not {http!r}")
+            raise ConfigurationError("http", f"must be '1.1', '2' or '3', not {http!r}")
         if transport == "websocket" and http != "1.1":
-            raise ValueError("WebSocket runs over HTTP/1.1; use http='1.1'")
+            raise ConfigurationError("http", "WebSocket runs over HTTP/1.1; use http='1.1'")
         if http == "3" and not all(origin.tls for origin in self.origins):
-            raise ValueError("HTTP/3 needs an https:// base URL")
+            raise ConfigurationError("http", "HTTP/3 needs an https:// base URL")
         self.transport: TransportName = transport
         self.http: HTTPVersion = http
         self.idle_timeout_s = idle_timeout_s
@@ -159,9 +159,9 @@ class AsyncClient:
         self.poll_wait_s = poll_wait_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.pool = ConnectionPool(
-            build_ssl_context(verify, ca_file), verify=verify, ca_file=ca_file,
+            build_ssl_context(checked, ca_file), verify=checked, ca_file=ca_file,
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
-            connect_timeout_s=connect_timeout_s,
+            connect_timeout_s=connect_timeout_s, tickets=tickets,
         )
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:
@@ -466,7 +466,10 @@ class ChatStream:
     async def _pump(source: Source, queue: asyncio.Queue[Item | object | BaseException]) -> None:
         try:
             async for item in source:
-                await queue.put(item)  # a full queue stops reading: the server is slowed down
+                if queue.full():  # stops reading: the server is slowed down
+                    await queue.put(item)
+                else:
+                    queue.put_nowait(item)  # no coroutine per event in the common case
             await queue.put(_EOF)
         except asyncio.CancelledError:
             raise

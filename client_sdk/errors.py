@@ -3,7 +3,9 @@
 Every error the SDK raises derives from :class:`FirstbyteError`. HTTP error answers become
 :class:`APIError` (or a subclass chosen by status) carrying OpenAI's error body fields;
 network failures become :class:`ConnectError` (could not reach the server) or
-:class:`StreamBrokenError` (the stream was cut and could not be resumed).
+:class:`StreamBrokenError` (the stream was cut and could not be resumed); a client built with
+an option it cannot use raises :class:`ConfigurationError` at construction. docs/sdk-errors.md
+lists every situation with its exception and message.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ __all__ = [
     "APIError",
     "AuthenticationError",
     "BadRequestError",
+    "ConfigurationError",
     "ConnectError",
     "FirstbyteError",
     "NotFoundError",
@@ -30,6 +33,17 @@ __all__ = [
 
 class FirstbyteError(Exception):
     """Base class of every exception raised by the SDK."""
+
+
+class ConfigurationError(FirstbyteError, ValueError):
+    """A client option cannot be used as given (e.g. ``ca_file`` names no certificate file).
+
+    ``option`` is the argument's name; raised when the client is built, before any network use.
+    """
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
 
 
 class ConnectError(FirstbyteError):

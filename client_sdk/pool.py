@@ -20,15 +20,12 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.tickets import MemoryTicketStore, TicketStore
 from firstbyte.client_sdk.transports.base import Session
 from firstbyte.client_sdk.transports.http import HttpxSession
 from firstbyte.client_sdk.transports.websocket import WebSocketPool
-
-if TYPE_CHECKING:
-    from firstbyte.client_sdk.transports.h3 import TicketStore
 
 __all__ = ["ConnectionPool"]
 
@@ -54,10 +51,12 @@ class ConnectionPool:
         keepalive_interval_s: float = 15.0,
         connect_timeout_s: float = 10.0,
         max_connections: int = 16,
+        tickets: TicketStore | None = None,
     ) -> None:
         self.ssl_context = ssl_context
         self.resolver = Resolver()
-        self.tickets: TicketStore = {}
+        self.tickets: TicketStore = MemoryTicketStore() if tickets is None else tickets
+        """QUIC session tickets, shared by every HTTP/3 session (:mod:`.tickets`)."""
         self._verify = verify
         self._ca_file = ca_file
         self._keepalive_expiry_s = keepalive_expiry_s

@@ -13,6 +13,9 @@ __all__ = [
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
     "INVALID_WAIT",
+    "KEY_CONCURRENCY_EXCEEDED",
+    "KEY_RATE_LIMITED",
+    "KEY_STORE_FULL",
     "MISSING_API_KEY",
     "NOT_FOUND",
     "REGION_SATURATED",
@@ -20,6 +23,7 @@ __all__ = [
     "SERVICE_UNAVAILABLE",
     "STREAM_LOST",
     "STREAM_NOT_FOUND",
+    "STREAM_STORE_FULL",
     "TOO_MANY_STREAMS",
     "UNAVAILABLE",
     "UNSUPPORTED_MEDIA_TYPE",
@@ -43,6 +47,14 @@ INVALID_AFTER = "invalid_after"
 INVALID_WAIT = "invalid_wait"
 REGION_SATURATED = "region_saturated"
 """429: every backend of the region is saturated; ``Retry-After`` says when to retry."""
+KEY_CONCURRENCY_EXCEEDED = "key_concurrency_exceeded"
+"""429: this API key has its limit of completions in flight; the others are unaffected."""
+KEY_RATE_LIMITED = "key_rate_limited"
+"""429: this API key's token bucket is empty; ``Retry-After`` is the wait for the next token."""
+KEY_STORE_FULL = "key_store_full"
+"""429: this API key's live streams fill its share of the stream store."""
+STREAM_STORE_FULL = "stream_store_full"
+"""429: live streams fill the whole stream store (none is ever evicted to make room)."""
 UNAVAILABLE = "unavailable"
 SERVICE_UNAVAILABLE = "service_unavailable"
 UPSTREAM_ERROR = "upstream_error"

@@ -2,6 +2,7 @@
 
 firstbyte router --config router.toml
 firstbyte router --upstream http://127.0.0.1:8001 --port 8443 --certfile C --keyfile K
+firstbyte router --upstream URL ... --max-streams-per-key 32 --rate-per-key 10 --max-in-flight 256
 firstbyte router --check-config router.toml
 firstbyte router --config router.toml --workers 4 --redis-url redis://127.0.0.1:6379/0
 """
@@ -19,7 +20,7 @@ from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
 
-__all__ = ["add_arguments", "config_from_args", "run"]
+__all__ = ["LIMIT_FLAGS", "add_arguments", "config_from_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +77,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve plain HTTP without TLS (local use only)",
     )
+    limits = parser.add_argument_group(
+        "limits", "the common limits (each overrides its config key; docs/limits.md has them all)"
+    )
+    for flag, (key, kind, help_text) in LIMIT_FLAGS.items():
+        limits.add_argument(flag, type=kind, metavar="N", help=f"{help_text} ({key})")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--max-streams-per-key": (
+        "limits.max_streams_per_key", int, "completions in flight per API key; default 128"
+    ),
+    "--rate-per-key": (
+        "limits.requests_per_s_per_key",
+        float,
+        "requests a second per API key (token bucket); default 0: no rate limit",
+    ),
+    "--burst-per-key": (
+        "limits.request_burst_per_key", int, "requests an API key may send at once; default 100"
+    ),
+    "--store-bytes-per-key": (
+        "limits.max_store_bytes_per_key",
+        int,
+        "an API key's share of the stream store, bytes; default a quarter of the store",
+    ),
+    "--max-in-flight": (
+        "routing.backend_max_in_flight",
+        int,
+        "cap on requests in flight per backend (its reported capacity rules below it);"
+        " default 1024",
+    ),
+}
+"""The limit flags: flag -> (config key, value type, help)."""
+
+
+def _limit_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The limit flags given, as config sections: ``{"limits": {"max_streams_per_key": 8}}``."""
+    sections: dict[str, dict[str, Any]] = {}
+    for flag, (key, _, _) in LIMIT_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            section, _, field = key.partition(".")
+            sections.setdefault(section, {})[field] = value
+    return sections
+
+
+def _name_the_flag(message: str, args: argparse.Namespace) -> str:
+    """``command line: limits.max_streams_per_key: ...`` -> ``--max-streams-per-key: ...``
+    when that key came from a flag the user typed."""
+    given = _limit_overrides(args)
+    for flag, (key, _, _) in LIMIT_FLAGS.items():
+        section, _, field = key.partition(".")
+        marker = f": {key}: "
+        if field in given.get(section, {}) and marker in message:
+            return f"{flag}: {message.split(marker, 1)[1]}"
+    return message
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -93,12 +149,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.insecure_plain_http:
         listen["insecure_plain_http"] = True
     api_keys = args.api_key or os.environ.get("FIRSTBYTE_API_KEYS", "").split()
+    limits = _limit_overrides(args)
     try:
         if args.config:
             config = load_config(args.config)
-            if listen or api_keys or args.region or args.allow_anonymous or args.redis_url:
+            if (
+                listen or api_keys or args.region or args.allow_anonymous or limits
+                or args.redis_url
+            ):
                 data = _to_builtins(config)
                 data["listen"].update(listen)
+                for section, values in limits.items():
+                    data[section].update(values)
                 if args.redis_url:
                     data["state"]["redis_url"] = args.redis_url
                 if api_keys:
@@ -115,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             "upstreams": [{"url": url} for url in args.upstream],
             "listen": listen,
             "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
+            **limits,
         }
         if args.redis_url:
             data["state"] = {"redis_url": args.redis_url}
@@ -122,7 +185,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             data["region"] = args.region
         return parse_config(data, "command line")
     except ConfigError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(_name_the_flag(str(exc), args)) from None
 
 
 def _check_tls_files(config: RouterConfig) -> None:

@@ -107,6 +107,9 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What one request, one key and one upstream may use (``docs/limits.md`` lists each
+    limit, its default, what it protects and what the client sees)."""
+
     max_body_bytes: PositiveBytes = 1 << 20
     upstream_connect_timeout_s: PositiveSeconds = 5.0
     upstream_read_timeout_s: PositiveSeconds = 300.0
@@ -116,6 +119,19 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     upstream_max_connections: PositiveBytes = 512
     heartbeat_interval_s: PositiveSeconds = 15.0
     """An SSE reader idle this long gets a ``: ping`` comment."""
+    # Per API key (router/tenancy.py): one key may not take what the others need. The rate
+    # and concurrency limits apply when auth.api_keys are configured.
+    max_streams_per_key: Annotated[int, msgspec.Meta(ge=1)] = 128
+    """Completions in flight (streamed or not) per key; beyond: 429 key_concurrency_exceeded."""
+    requests_per_s_per_key: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Sustained request rate per key (a token bucket); 0: no rate limit. Beyond: 429
+    key_rate_limited with Retry-After = seconds until the next token."""
+    request_burst_per_key: Annotated[int, msgspec.Meta(ge=1)] = 100
+    """Requests a key may send at once before its rate applies (the bucket's size)."""
+    max_store_bytes_per_key: PositiveBytes | None = None
+    """A key's share of the stream store (default: a quarter of streams.max_total_bytes). A
+    key over it loses its own finished streams first; when its live streams fill it, its new
+    streams get 429 key_store_full."""
 
 
 class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -166,6 +182,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     upstream_ca_file: str | None = None
     """PEM CA bundle trusted for TLS to upstreams and peers (default: the public bundle)."""
+
+    def store_bytes_per_key(self) -> int:
+        """The per-key share of the stream store in effect (its default: a quarter)."""
+        share = self.limits.max_store_bytes_per_key
+        return self.streams.max_total_bytes // 4 if share is None else share
 
     def __post_init__(self) -> None:
         if self.upstream_ca_file is not None and not Path(self.upstream_ca_file).is_file():

@@ -1,6 +1,7 @@
 """HTTP endpoints: each runs the pipeline stages for its request and answers.
 
-The streamed completion path: admit -> choose backend -> create a stream in the store ->
+The streamed completion path: admit -> the key's limits (:mod:`firstbyte.router.tenancy`)
+-> choose backend -> create a stream in the store ->
 start the upstream producer -> wait for the upstream's response head -> answer 200 and
 follow the stream as SSE. ``Server-Timing`` at header time carries ``queue``, ``route`` and
 ``upstream-headers`` (upstream request to its response head); ``upstream-ttft`` is not known
@@ -36,6 +37,7 @@ from .pipeline.context import (
 from .readers import ReadableStream, parse_after, poll, sse_events
 from .state import RouterState
 from .streams import owner_of
+from .tenancy import limit_key
 
 __all__ = [
     "chat_completions",
@@ -103,7 +105,7 @@ async def _finish(
         return False
     local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
     assert isinstance(local, LocalReply)
-    state.metrics.count(endpoint, local.outcome)
+    state.metrics.count_reply(endpoint, local)
     await reply(send, ctx, local)
     return True
 
@@ -117,10 +119,11 @@ async def _admitted(
     force_stream: bool,
     invalid: LocalReply | None = None,
 ) -> RequestContext | None:
-    """Read the body, admit and route; None if a reply was already sent.
+    """Read the body, admit, apply the key's limits and route; None if a reply was sent.
 
     ``invalid`` (a bad query parameter found by the caller) is answered after admission and
-    before routing, so a rejected request never holds a routing slot."""
+    before the key's limits and routing, so a rejected request spends no token and never
+    holds a routing slot."""
     ctx = new_context(state, scope)
     limit = state.config.limits.max_body_bytes
     declared = ctx.headers.get("content-length", "")
@@ -137,6 +140,9 @@ async def _admitted(
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
         return None
+    limited = limit_key(ctx, state.limiter, state.store, state.clock())
+    if await _finish(state, send, ctx, limited, "chat"):
+        return None
     if await _finish(state, send, ctx, state.routing.route(ctx), "chat"):
         return None
     if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "chat"):
@@ -150,7 +156,9 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
     if ctx is None:
         return
     if not ctx.stream_requested:
-        answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+        # Counted against the key's concurrency like a stream (streams count in the store).
+        with state.limiter.holding(owner_of(ctx.api_key)):
+            answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
         state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
@@ -165,8 +173,8 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             ],
         )
         return
+    # limit_key made room in the store (nothing awaited since): no eviction here.
     stream = state.new_stream(owner_of(ctx.api_key))
-    state.store.evict_over_budget()
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -223,7 +231,6 @@ async def start_detached_stream(
         return
     assert isinstance(wait, float)
     stream = state.new_stream(owner_of(ctx.api_key))
-    state.store.evict_over_budget()
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:

@@ -400,7 +400,7 @@ class RegionRouting:
     ) -> Outcome:
         ctx.backend = self.backends[name]
         ctx.region = self.region
-        self.tracker.started(name)
+        self.tracker.started(name, now)
         ctx.extra["observer"] = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
@@ -537,7 +537,7 @@ class RegionRouting:
         backends = [
             BackendStatus(
                 name=name, healthy=b.healthy, in_flight=b.in_flight,
-                load=self.tracker.load(name, now), max_in_flight=b.max_in_flight,
+                load=self.tracker.load(name, now), max_in_flight=b.limit,
                 saturated=self.tracker.saturated(name, now), ttft_ms=b.ttft_ms.value,
                 warm_prefixes=self.scheduler.warm(name),
             )

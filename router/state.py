@@ -1,5 +1,5 @@
-"""Everything one router process holds: config, stream store, backends, proxy, metrics,
-and (with ``state.redis_url``) its link to the state the region's processes share.
+"""Everything one router process holds: config, stream store, per-key limits, backends,
+proxy, metrics, and (with ``state.redis_url``) its link to the state the region's processes share.
 
 :meth:`RouterState.tick` is the periodic housekeeping, with the clock passed in: evict
 streams over the store's age and byte bounds, and cancel upstream requests nobody has read
@@ -26,6 +26,7 @@ from .pipeline.proxy import Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
 from .streams import Stream, StreamStore
+from .tenancy import KeyLimiter
 
 __all__ = ["RouterState"]
 
@@ -44,6 +45,14 @@ class RouterState:
         self.store = StreamStore(
             max_total_bytes=config.streams.max_total_bytes,
             max_age_s=config.streams.max_age_s,
+            max_owner_bytes=config.store_bytes_per_key(),
+        )
+        limits = config.limits
+        self.limiter = KeyLimiter(
+            max_streams=limits.max_streams_per_key,
+            rate_per_s=limits.requests_per_s_per_key,
+            burst=limits.request_burst_per_key,
+            enabled=bool(self.api_keys),  # anonymous: every caller is one "key"
         )
         self.pool = BackendPool(
             [
@@ -69,6 +78,12 @@ class RouterState:
             "firstbyte_router_stream_store_bytes",
             "Bytes held in the stream store.",
             lambda: self.store.total_bytes,
+        )
+        self.metrics.add_counter_source(
+            "firstbyte_router_stream_evictions_total",
+            "Streams evicted from the store, by reason (age, key_share, bytes).",
+            "reason",
+            lambda: self.store.evicted_by,
         )
 
     @property
@@ -124,8 +139,10 @@ class RouterState:
         return await self.shared.streams.lookup(stream_id, owner)
 
     def tick(self, now: float) -> None:
-        """Evict what the store's bounds say must go; cancel unattended upstream requests."""
+        """Evict what the store's bounds say must go; cancel unattended upstream requests;
+        forget the rate buckets of idle keys."""
         self.store.evict(now)
+        self.limiter.forget_idle(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:

@@ -38,6 +38,7 @@ from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .readers import ReadableStream, follow
 from .state import RouterState
 from .streams import owner_of
+from .tenancy import limit_key
 
 __all__ = ["websocket_session"]
 
@@ -109,9 +110,11 @@ class _Session:
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body))
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
-        outcome = self.state.routing.route(ctx)
+        outcome = limit_key(ctx, self.state.limiter, self.state.store, self.state.clock())
+        if outcome is CONTINUE:
+            outcome = self.state.routing.route(ctx)
         if isinstance(outcome, LocalReply):
-            self.state.metrics.count("ws", outcome.outcome)
+            self.state.metrics.count_reply("ws", outcome)
             await self.send(_error(None, outcome.body))
             return
         if outcome is CONTINUE:
@@ -131,7 +134,6 @@ class _Session:
             )
             return
         stream = self.state.new_stream(owner_of(ctx.api_key))
-        self.state.store.evict_over_budget()
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         # The routing stage put the hint (if any) in the headers SSE would send.

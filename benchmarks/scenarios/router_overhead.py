@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.stats import SLO, summarize
 from firstbyte.client_sdk.timings import Timings
@@ -109,20 +110,6 @@ with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the loop `firstby
 class _Child:
     url: str
     pid: int
-
-
-def _machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, all CPUs; (0, 0) where
-    ``/proc/stat`` cannot be read (then no phase is ever judged disturbed)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            values = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    total = sum(values)
-    idle = values[3] + values[4]  # idle + iowait
-    return (total - idle) / tick, total / tick
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -320,7 +307,7 @@ async def _measure(
         for r in range(rounds):
             for name, url in targets.items():
                 for attempt in range(max_reruns + 1):
-                    machine = _machine_cpu()
+                    machine = machine_cpu()
                     before = {"client": time.process_time()}
                     before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
                     ok, bad, seconds = await _phase(
@@ -334,7 +321,7 @@ async def _measure(
                     used = {"client": time.process_time() - before["client"]}
                     used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
                     machine_busy, machine_total = (
-                        b - a for a, b in zip(machine, _machine_cpu(), strict=True)
+                        b - a for a, b in zip(machine, machine_cpu(), strict=True)
                     )
                     share = max(0.0, machine_busy - sum(used.values())) / max(machine_total, 1e-9)
                     if share > FOREIGN_CPU_LIMIT and attempt < max_reruns:

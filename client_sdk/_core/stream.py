@@ -48,6 +48,7 @@ class SequenceGapError(StreamBrokenError):
 
 
 _chunk = msgspec.json.Decoder(ChatCompletionChunk)
+_DONE_BYTES = DONE.encode()
 
 
 class StreamAssembler:
@@ -75,23 +76,16 @@ class StreamAssembler:
         if self.done:
             return None
         if isinstance(payload, (str, bytes)):
-            text = payload.decode() if isinstance(payload, bytes) else payload
-            if text.strip() == DONE:
+            if payload == DONE or payload.strip() in (DONE, _DONE_BYTES):
                 self.done = True
                 return None
             try:
-                obj: Any = msgspec.json.decode(text)
-            except msgspec.DecodeError as exc:
-                raise StreamBrokenError(f"undecodable stream event: {exc}") from None
+                # The common case in one step: the event is a chunk (no dict in between).
+                chunk = _chunk.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                chunk = self._not_a_chunk(payload)
         else:
-            obj = payload
-        if isinstance(obj, dict) and "error" in obj:
-            self.done = True
-            raise api_error_from_response(None, obj)
-        try:
-            chunk = msgspec.convert(obj, ChatCompletionChunk)
-        except msgspec.ValidationError as exc:
-            raise StreamBrokenError(f"invalid chunk in stream: {exc}") from None
+            chunk = self._not_a_chunk(payload)
         self.chunk_id = chunk.id
         self.model = chunk.model
         if chunk.usage is not None:
@@ -110,6 +104,23 @@ class StreamAssembler:
         if not out.is_content and out.finish_reason is None and out.role is None:
             return None
         return out
+
+    def _not_a_chunk(self, payload: str | bytes | dict[str, Any]) -> ChatCompletionChunk:
+        """An error event raises its APIError; anything else that is not a chunk breaks."""
+        if isinstance(payload, (str, bytes)):
+            try:
+                obj: Any = msgspec.json.decode(payload)
+            except msgspec.DecodeError as exc:
+                raise StreamBrokenError(f"undecodable stream event: {exc}") from None
+        else:
+            obj = payload
+        if isinstance(obj, dict) and "error" in obj:
+            self.done = True
+            raise api_error_from_response(None, obj)
+        try:
+            return msgspec.convert(obj, ChatCompletionChunk)
+        except msgspec.ValidationError as exc:
+            raise StreamBrokenError(f"invalid chunk in stream: {exc}") from None
 
     def mark_done(self) -> None:
         """The transport saw the end of the stream by other means (WS ``done``, poll ``done``)."""

@@ -46,6 +46,8 @@ class LocalReply:
     headers: tuple[tuple[str, str], ...] = ()
     outcome: str = "rejected"
     """The ``outcome`` label in the requests metric."""
+    code: str = ""
+    """The error code in the body (the ``reason`` of a counted rejection)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ def error_reply(
 ) -> LocalReply:
     """A :class:`LocalReply` carrying OpenAI's error body."""
     body = encode(error_body(message, type, param=param, code=code))
-    return LocalReply(status, body, headers, outcome)
+    return LocalReply(status, body, headers, outcome, code or "")
 
 
 @dataclass(frozen=True, slots=True)

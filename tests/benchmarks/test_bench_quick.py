@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from firstbyte.benchmarks.cli import discover_scenarios
-from tests.cli import FIRSTBYTE, firstbyte
+from tests.benchmarks.conftest import QuickRuns
+from tests.cli import firstbyte
 
 SCENARIOS = sorted(discover_scenarios())
 
@@ -45,57 +44,6 @@ def test_bad_out_dir_is_a_clear_error_before_running(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr
 
 
-class QuickRuns:
-    """Every scenario's ``--quick --json`` run, started together so the file stays short
-    (these check that each scenario runs and writes valid output, not its numbers)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-        self.done: dict[str, tuple[int, str, str]] = {}
-
-    def start(self) -> None:
-        for name in SCENARIOS:
-            args = ["bench", name, "--quick", "--out", str(self.root / name), "--json"]
-            self.procs[name] = subprocess.Popen(
-                [*FIRSTBYTE, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-
-    def result(self, name: str) -> tuple[int, str, str, Path]:
-        if name not in self.done:
-            proc = self.procs[name]
-            stdout, stderr = proc.communicate(timeout=150)
-            self.done[name] = (proc.returncode, stdout, stderr)
-        code, stdout, stderr = self.done[name]
-        return code, stdout, stderr, self.root / name
-
-    def stop(self) -> None:
-        """End the runs no test waited for (``-k``): SIGTERM first, so a scenario tears down
-        its namespaces and helpers as it does for Ctrl-C; SIGKILL only if that hangs."""
-        running = [proc for proc in self.procs.values() if proc.poll() is None]
-        for proc in running:
-            proc.terminate()
-        for proc in running:
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-
-
-@pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
-    runs = QuickRuns(tmp_path_factory.mktemp("bench"))
-    try:
-        runs.start()
-        yield runs
-    finally:
-        runs.stop()
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> None:
     code, stdout, stderr, out = quick_runs.result(scenario)
@@ -111,8 +59,10 @@ def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> 
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"# Benchmark: {scenario}")
     assert "| result | value |" in summary or "| run |" in summary
-    for png in out.glob("*.png"):
-        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "This was a quick run (--quick)" in page
+    assert written["conditions"]["command"].startswith(f"firstbyte bench {scenario}")
 
 
 def test_decode_compares_both_pipelines_on_the_same_events(quick_runs: QuickRuns) -> None:
