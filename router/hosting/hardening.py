@@ -113,6 +113,14 @@ def _guard_connections(run: Any) -> None:
             finally:
                 counter.close(client)
 
+        async def _read_data(self) -> None:
+            await super()._read_data()
+            # The client has gone, but hypercorn's keep-alive timer is still in the
+            # connection's task group, which keeps the socket (and its descriptor) until the
+            # timer fires: a client that connects and closes at once held a descriptor for
+            # the whole keep-alive timeout. Stop it, so the connection closes now.
+            await self.idle_task.stop()
+
     run.TCPServer = GuardedTCPServer
 
 
