@@ -19,6 +19,11 @@ def _head(*lines: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
+def _keyed_post(*lines: str) -> bytes:
+    """The head of a completion request with the API key, plus ``lines``."""
+    return _head(f"POST {CHAT} HTTP/1.1", "host: x", f"authorization: Bearer {API_KEY}", *lines)
+
+
 async def test_slowloris_head_is_cut_at_the_header_timeout(
     start_router_process: RouterStarter,
 ) -> None:
@@ -66,15 +71,7 @@ async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: Router
     async with start_router_process(limits={"client_body_timeout_s": 1.5}) as router:
         async with canary_running(router):
             reader, writer = await open_tls(router)
-            writer.write(
-                _head(
-                    f"POST {CHAT} HTTP/1.1",
-                    "host: x",
-                    f"authorization: Bearer {API_KEY}",
-                    "content-length: 100",
-                )
-                + b'{"model":'
-            )
+            writer.write(_keyed_post("content-length: 100") + b'{"model":')
             started = time.monotonic()
             answer = await read_until_closed(reader, 20)
             held_s = time.monotonic() - started
@@ -106,13 +103,7 @@ async def test_content_length_with_transfer_encoding_is_refused_and_closed(
         async with canary_running(router):
             reader, writer = await open_tls(router)
             writer.write(
-                _head(
-                    f"POST {CHAT} HTTP/1.1",
-                    "host: x",
-                    f"authorization: Bearer {API_KEY}",
-                    f"content-length: {5 + len(smuggled)}",
-                    "transfer-encoding: chunked",
-                )
+                _keyed_post(f"content-length: {5 + len(smuggled)}", "transfer-encoding: chunked")
                 + b"0\r\n\r\n"
                 + smuggled
             )
