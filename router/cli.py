@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import sys
+import re
 from typing import Any
 
 from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
+from .config_check import check_files
+from .observability.logs import LEVELS
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -62,18 +63,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve plain HTTP without TLS (local use only)",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="info (the default): the start-up line, one access line per request and upstream"
+        " or peer state changes; debug adds the HTTP libraries' own lines",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="json (the default): one JSON object per line on stdout; text: for a terminal",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="the same as --log-level debug"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The config from ``--config`` (flags override its listen settings) or from flags alone."""
+    """The config from ``--config`` (flags override its settings) or from flags alone, with
+    its files checked (:func:`~firstbyte.router.config_check.check_files`).
+
+    An error about a value the user gave as a flag names the flag (``--port: ...``), not the
+    config key it became; with no config file every key that has a flag is named as one.
+    """
     if args.config and args.upstream:
         raise CLIError("give either --config FILE or --upstream URL, not both")
     listen: dict[str, Any] = {}
     for flag in ("host", "port", "certfile", "keyfile", "server"):
         value = getattr(args, flag)
         if value is not None:
-            listen[flag] = value
+            # A path typed on the command line is relative to the working directory.
+            listen[flag] = os.path.abspath(value) if flag.endswith("file") else value
     if args.no_http3:
         listen["http3"] = False
     if args.insecure_plain_http:
@@ -81,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     api_keys = args.api_key or os.environ.get("FIRSTBYTE_API_KEYS", "").split()
     try:
         if args.config:
+            source = args.config
             config = load_config(args.config)
             if listen or api_keys or args.region or args.allow_anonymous:
                 data = _to_builtins(config)
@@ -91,37 +113,64 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                     data["auth"]["allow_anonymous"] = True
                 if args.region:
                     data["region"] = args.region
-                config = parse_config(data, f"{args.config} (with command-line flags)")
-            return config
-        if not args.upstream:
-            raise CLIError("give --config FILE or at least one --upstream URL")
-        data = {
-            "upstreams": [{"url": url} for url in args.upstream],
-            "listen": listen,
-            "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
-        }
-        if args.region:
-            data["region"] = args.region
-        return parse_config(data, "command line")
+                source = f"{args.config} (with command-line flags)"
+                config = parse_config(data, source)
+        else:
+            if not args.upstream:
+                raise CLIError("give --config FILE or at least one --upstream URL")
+            data = {
+                "upstreams": [{"url": url} for url in args.upstream],
+                "listen": listen,
+                "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
+            }
+            if args.region:
+                data["region"] = args.region
+            source = "command line"
+            config = parse_config(data, source)
+        check_files(config, source)
+        return config
     except ConfigError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(name_flags(str(exc), args)) from None
 
 
-def _check_tls_files(config: RouterConfig) -> None:
-    """Load the certificate once up front, so a bad path is one clear line, not a traceback."""
-    listen = config.listen
-    if listen.certfile is None or listen.keyfile is None:
-        return
-    import ssl
+# (args attribute, text in a config error, what the user typed instead); longer texts first,
+# so "set KEY = true" is rewritten whole before KEY alone.
+_FLAG_TEXTS = (
+    ("insecure_plain_http", "set listen.insecure_plain_http = true", "give --insecure-plain-http"),
+    ("insecure_plain_http", "listen.insecure_plain_http", "--insecure-plain-http"),
+    ("allow_anonymous", "set auth.allow_anonymous = true", "give --allow-anonymous"),
+    ("allow_anonymous", "auth.allow_anonymous", "--allow-anonymous"),
+    ("server", "listen.server = 'hypercorn'", "--server hypercorn"),
+    ("server", "listen.server", "--server"),
+    ("no_http3", "listen.http3", "HTTP/3 (on unless --no-http3)"),
+    ("host", "listen.host", "--host"),
+    ("port", "listen.port", "--port"),
+    ("certfile", "listen.certfile", "--certfile"),
+    ("keyfile", "listen.keyfile", "--keyfile"),
+    ("api_key", "auth.api_keys", "--api-key"),
+    ("region", "region:", "--region:"),
+)
 
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            listen.certfile, listen.keyfile
-        )
-    except (OSError, ssl.SSLError) as exc:
-        raise CLIError(
-            f"cannot load listen.certfile/keyfile ({listen.certfile}, {listen.keyfile}): {exc}"
-        ) from None
+
+def name_flags(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the config keys the user set by flag written as those flags.
+
+    Without ``--config`` every key that has a flag is written as its flag (there is no file
+    the user could look for it in); with ``--config`` only the keys a flag overrode. Keys
+    from ``FIRSTBYTE_API_KEYS`` are named as that variable.
+    """
+    everything = not args.config
+    env_keys = not args.api_key and bool(os.environ.get("FIRSTBYTE_API_KEYS"))
+    for attr, text, flag in _FLAG_TEXTS:
+        if attr == "api_key" and env_keys:
+            flag = "FIRSTBYTE_API_KEYS"
+        elif not (everything or getattr(args, attr)):
+            continue
+        pattern = r"(?<![\w.\[])" + re.escape(text) + r"(?:\[\d+\])?(?![\w])"
+        message = re.sub(pattern, flag, message)
+    for i, url in enumerate(args.upstream or ()):
+        message = message.replace(f"upstreams[{i}].url", f"--upstream {url}")
+    return message
 
 
 def _to_builtins(config: RouterConfig) -> dict[str, Any]:
@@ -134,27 +183,22 @@ def _to_builtins(config: RouterConfig) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.check_config:
         try:
-            load_config(args.check_config)
+            check_files(load_config(args.check_config), args.check_config)
         except ConfigError as exc:
             raise CLIError(str(exc)) from None
         print("OK")
         return 0
     config = config_from_args(args)
-    _check_tls_files(config)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    from .hosting import loop_factory
-    from .serve import RouterEndpoints, serve
+    from .observability.logs import configure
 
-    def started(ep: RouterEndpoints) -> None:
-        h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""
-        print(f"firstbyte router ({config.region}) on {ep.base_url}{h3}", file=sys.stderr)
+    # Logs (the start-up line included) go to stdout; errors before this point to stderr.
+    configure("debug" if args.verbose else args.log_level or "info", args.log_format)
+    from .hosting import loop_factory
+    from .serve import serve
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config, started=started))
+            runner.run(serve(config))
     except OSError as exc:
         raise CLIError(
             f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"

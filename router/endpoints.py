@@ -22,6 +22,7 @@ from firstbyte.protocol.openai import encode
 from firstbyte.protocol.poll import StreamStarted
 
 from .asgi import ClientGone, Receive, Scope, Send, header_dict, read_body, send_bytes, stream_body
+from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_chat, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import (
@@ -60,7 +61,7 @@ SSE_HEADERS = (
 def new_context(state: RouterState, scope: Scope) -> RequestContext:
     headers = header_dict(scope)
     client = scope.get("client")
-    return RequestContext(
+    ctx = RequestContext(
         method=scope.get("method", "GET"),
         path=scope["path"],
         headers=headers,
@@ -69,6 +70,8 @@ def new_context(state: RouterState, scope: Scope) -> RequestContext:
         traceparent=Traceparent.continue_from(headers.get("traceparent")),
         region=state.region,
     )
+    scope[CONTEXT_KEY] = ctx  # for the access log, written when the request is over
+    return ctx
 
 
 def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
@@ -104,6 +107,7 @@ async def _finish(
     local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
     assert isinstance(local, LocalReply)
     state.metrics.count(endpoint, local.outcome)
+    ctx.outcome = local.outcome
     await reply(send, ctx, local)
     return True
 
@@ -151,7 +155,9 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         return
     if not ctx.stream_requested:
         answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
-        state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
+        ctx.outcome = "ok" if answer.status == 200 else f"upstream_{answer.status}"
+        ctx.usage = reply_usage(answer.body)
+        state.metrics.count("chat", ctx.outcome)
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
             send,
@@ -165,7 +171,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             ],
         )
         return
-    stream = state.store.create(owner_of(ctx.api_key), state.clock())
+    stream = ctx.stream = state.store.create(owner_of(ctx.api_key), state.clock())
     state.store.evict_over_budget()
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
@@ -221,7 +227,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = state.store.create(owner_of(ctx.api_key), state.clock())
+    stream = ctx.stream = state.store.create(owner_of(ctx.api_key), state.clock())
     state.store.evict_over_budget()
     state.proxy.start_stream(ctx, stream)
     if wait == 0:
@@ -299,6 +305,7 @@ async def _open_stream(
     if isinstance(found, LocalReply):
         await _finish(state, send, ctx, found, endpoint)
         return None
+    ctx.stream = found
     query = _query(scope)
     raw_after = query.get("after")
     name = "after"

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from .config import RouterConfig
 from .metrics import Metrics
 from .multiregion import RegionRouting
+from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.proxy import Proxy
 from .streams import StreamStore
@@ -46,6 +47,13 @@ class RouterState:
         self.routing = RegionRouting(
             config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client
         )
+        spans: SpanSink | None = None
+        if config.telemetry.otlp_endpoint is not None:
+            from .observability.traces import OtlpTraces
+
+            spans = OtlpTraces(config.telemetry, config.region)
+        self.requests = RequestLog(config.region, spans)
+        """Access log lines and traces, written as requests end."""
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[bool] | None = None
@@ -115,3 +123,4 @@ class RouterState:
             self._maintainer = None
         await self.routing.aclose()
         await self.proxy.aclose()
+        await self.requests.aclose()

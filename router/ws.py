@@ -130,9 +130,10 @@ class _Session:
                 )
             )
             return
-        stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
+        stream = ctx.stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
         self.state.store.evict_over_budget()
         self.state.proxy.start_stream(ctx, stream)
+        self.state.requests.stream_started(ctx)
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.extra.get("response_headers", ()))
         await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
