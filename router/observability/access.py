@@ -146,6 +146,14 @@ class AccessRecord:
     sampled: bool
     key_id: str | None
     region: str
+    """The region that served (a peer's, when forwarded or spilled)."""
+    entry_region: str
+    """This router's region."""
+    spill: bool
+    route_reason: str
+    """Why the request left its first choice (``first_token_deadline``...), or empty."""
+    client_city: str | None
+    client_country: str | None
     backend: str | None
     backend_url: str | None
     transport: str
@@ -186,6 +194,7 @@ class AccessRecord:
             "trace_id": self.trace_id,
             "key_id": self.key_id,
             "region": self.region,
+            "entry_region": self.entry_region,
             "backend": self.backend,
             "transport": self.transport,
             "http_version": self.http_version,
@@ -199,7 +208,12 @@ class AccessRecord:
             "outcome": self.outcome,
             "model": self.model,
             "stream": self.stream,
+            "client_city": self.client_city,
+            "client_country": self.client_country,
         }
+        if self.spill or self.route_reason:
+            out["spill"] = self.spill
+            out["route_reason"] = self.route_reason
         if self.client_gone:
             out["client_gone"] = True
         return out
@@ -368,6 +382,9 @@ class RequestLog:
         backend_url = getattr(ctx.backend, "url", None) if ctx is not None else None
         request = ctx.request if ctx is not None else None
         trace = ctx.traceparent if ctx is not None else None
+        # The multi-region stage's records (router.multiregion.Observation, geo.Location).
+        observer = ctx.extra.get("observer") if ctx is not None else None
+        location = ctx.extra.get("location") if ctx is not None else None
         return AccessRecord(
             request_id=trace.parent_id if trace is not None else "",
             trace_id=trace.trace_id if trace is not None else "",
@@ -375,6 +392,11 @@ class RequestLog:
             sampled=trace.sampled if trace is not None else False,
             key_id=key_id(ctx.api_key) if ctx is not None else None,
             region=ctx.region if ctx is not None and ctx.region else self.region,
+            entry_region=self.region,
+            spill=bool(getattr(observer, "spill", False)),
+            route_reason=str(getattr(observer, "reason", "") or ""),
+            client_city=getattr(location, "city", None),
+            client_country=getattr(location, "country", None),
             backend=backend,
             backend_url=backend_url,
             transport=_transport(exchange.path, ctx, websocket),
