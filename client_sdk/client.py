@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import ssl
 import time
 from collections import Counter
@@ -66,16 +67,32 @@ _LABEL_PROBE_S = 60.0
 
 
 def build_ssl_context(
-    verify: bool | ssl.SSLContext = True, ca_file: str | None = None
+    verify: bool | ssl.SSLContext = True,
+    ca_file: str | None = None,
+    keylog_file: str | None = None,
 ) -> ssl.SSLContext:
-    """The one SSLContext a client uses for every TCP connection (verification on by default)."""
+    """The one SSLContext a client uses for every TCP connection (verification on by default).
+
+    With ``keylog_file`` the TLS secrets are appended there in the NSS key log format
+    (Wireshark's ``tls.keylog_file``), also on a context the caller passed in.
+    """
     if isinstance(verify, ssl.SSLContext):
-        return verify
-    context = ssl.create_default_context(cafile=ca_file)
-    if not verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+        context = verify
+    else:
+        context = ssl.create_default_context(cafile=ca_file)
+        if not verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    if keylog_file:
+        context.keylog_filename = keylog_file
     return context
+
+
+def keylog_path(keylog_file: str | None) -> str | None:
+    """The key log file to write: ``keylog_file``, else ``$SSLKEYLOGFILE`` (``""``: none)."""
+    if keylog_file is None:
+        keylog_file = os.environ.get("SSLKEYLOGFILE")
+    return keylog_file or None
 
 
 class AsyncClient:
@@ -89,6 +106,9 @@ class AsyncClient:
     :meth:`prewarm`) they are tried in the order given; after it, fastest first.
     ``reprobe_interval_s`` (several regions only; None: never) is how often the regions are
     probed again while the client is in use (see :meth:`reprobe`).
+    ``keylog_file`` (default ``$SSLKEYLOGFILE``; ``""``: none) is where the TLS secrets of
+    every connection, TCP and QUIC alike, are appended for Wireshark/tshark to decrypt a
+    capture (``tls.keylog_file``); it holds session keys, so keep it private.
     """
 
     def __init__(
@@ -109,6 +129,7 @@ class AsyncClient:
         connect_timeout_s: float = 10.0,
         poll_wait_s: float = 10.0,
         reprobe_interval_s: float | None = 60.0,
+        keylog_file: str | None = None,
     ) -> None:
         if transport not in ("sse", "websocket", "longpoll"):
             raise ValueError(f"transport must be sse, websocket or longpoll, not {transport!r}")
@@ -158,10 +179,11 @@ class AsyncClient:
         self.resume_backoff_s = resume_backoff_s
         self.poll_wait_s = poll_wait_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        keylog = keylog_path(keylog_file)
         self.pool = ConnectionPool(
-            build_ssl_context(verify, ca_file), verify=verify, ca_file=ca_file,
+            build_ssl_context(verify, ca_file, keylog), verify=verify, ca_file=ca_file,
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
-            connect_timeout_s=connect_timeout_s,
+            connect_timeout_s=connect_timeout_s, keylog_file=keylog,
         )
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:
