@@ -69,6 +69,13 @@ _LABEL_PROBE_S = 60.0
 """At most one probe per minute to learn router names for a better-region hint."""
 
 
+def keylog_path(keylog_file: str | None) -> str | None:
+    """The key log file to write: ``keylog_file``, else ``$SSLKEYLOGFILE`` (``""``: none)."""
+    if keylog_file is None:
+        keylog_file = os.environ.get("SSLKEYLOGFILE")
+    return keylog_file or None
+
+
 class AsyncClient:
     """Streams chat completions over a prewarmed connection (see the README's SDK section).
 
@@ -85,6 +92,9 @@ class AsyncClient:
     ``ticket_store`` keeps HTTP/3 session tickets for 0-RTT: None (in memory, lost at exit), a
     file path (0-RTT across restarts; read the replay caveat in :mod:`.tickets`) or a
     :class:`~firstbyte.client_sdk.tickets.TicketStore` of the application's own.
+    ``keylog_file`` (default ``$SSLKEYLOGFILE``; ``""``: none) is where the TLS secrets of
+    every connection, TCP and QUIC alike, are appended for Wireshark/tshark to decrypt a
+    capture (``tls.keylog_file``); it holds session keys, so keep it private.
     """
 
     def __init__(
@@ -106,6 +116,7 @@ class AsyncClient:
         poll_wait_s: float = 10.0,
         reprobe_interval_s: float | None = 60.0,
         ticket_store: TicketStore | str | os.PathLike[str] | None = None,
+        keylog_file: str | None = None,
     ) -> None:
         checked, ca_file = check_trust(verify, ca_file)
         tickets = ticket_store_for(ticket_store)
@@ -158,10 +169,11 @@ class AsyncClient:
         self.resume_backoff_s = resume_backoff_s
         self.poll_wait_s = poll_wait_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        keylog = keylog_path(keylog_file)
         self.pool = ConnectionPool(
-            build_ssl_context(checked, ca_file), verify=checked, ca_file=ca_file,
+            build_ssl_context(checked, ca_file, keylog), verify=checked, ca_file=ca_file,
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
-            connect_timeout_s=connect_timeout_s, tickets=tickets,
+            connect_timeout_s=connect_timeout_s, tickets=tickets, keylog_file=keylog,
         )
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:

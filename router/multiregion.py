@@ -25,14 +25,11 @@ believed).
 from __future__ import annotations
 
 import hmac
-import json
-import logging
 import math
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
@@ -65,7 +62,6 @@ __all__ = ["Observation", "RegionRouting"]
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
 
-access_log = logging.getLogger("firstbyte.access")
 
 
 def _point(lat: float | None, lon: float | None, name: str) -> GeoPoint | None:
@@ -439,7 +435,6 @@ class RegionRouting:
     def _reject(self, ctx: RequestContext, now: float) -> Outcome:
         retry = self.tracker.retry_after_s(now)
         self.outcomes[(self.region, "", "rejected")] += 1
-        self._log(ctx, None, "rejected")
         return error_reply(
             429,
             f"Region {self.region} is at capacity and no other region can take this request;"
@@ -502,33 +497,6 @@ class RegionRouting:
             self.spill.release()
         outcome = "ok" if ok else "error"
         self.outcomes[(obs.region, obs.backend, outcome)] += 1
-        self._log(ctx, obs, outcome, duration_ms)
-
-    def _log(
-        self, ctx: RequestContext, obs: Observation | None, outcome: str,
-        duration_ms: float | None = None,
-    ) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        location = ctx.extra.get("location")
-        record: dict[str, Any] = {
-            "ts": round(time.time(), 3),
-            "trace_id": ctx.traceparent.trace_id,
-            "path": ctx.path,
-            "http": ctx.http_version,
-            "region": obs.region if obs else self.region,
-            "entry_region": self.region,
-            "backend": obs.backend if obs else None,
-            "outcome": outcome,
-            "spill": obs.spill if obs else False,
-            "reason": obs.reason if obs else "",
-            "model": ctx.request.model if ctx.request else None,
-            "ttft_ms": round(obs.ttft_ms, 2) if obs and obs.ttft_ms is not None else None,
-            "duration_ms": round(duration_ms, 2) if duration_ms is not None else None,
-            "client_city": location.city if isinstance(location, Location) else None,
-            "client_country": location.country if isinstance(location, Location) else None,
-        }  # never the API key, the peer key, the client's address or the prompt
-        access_log.info(json.dumps(record, separators=(",", ":")))
 
     # --- status and metrics ------------------------------------------------------------
     def status(self) -> EdgeStatus:

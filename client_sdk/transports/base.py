@@ -12,6 +12,8 @@ aioquic for 3); SSE and long-poll run over any session.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -62,6 +64,22 @@ class HTTPResponse:
     http_version: str
     chunks: AsyncIterator[bytes]
     extra: dict[str, Any] = field(default_factory=dict)
+
+    async def finish(self, budget_s: float = 0.1, max_bytes: int = 64 << 10) -> None:
+        """Read what is left of the body (the stream's end has been seen), within
+        ``budget_s`` and ``max_bytes``: a connection whose response was read to its end goes
+        back to the pool, one closed before its last bytes (HTTP/1.1's final chunk, HTTP/2's
+        END_STREAM) pays a new handshake on the next request. Failing only costs the reuse."""
+
+        async def rest() -> None:
+            left = max_bytes
+            async for chunk in self.chunks:
+                left -= len(chunk)
+                if left < 0:
+                    return
+
+        with contextlib.suppress(TimeoutError, TransportCut, OSError):
+            await asyncio.wait_for(rest(), budget_s)
 
     async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
         """The whole body; :class:`~firstbyte.client_sdk.errors.StreamBrokenError` (not resumed)

@@ -17,7 +17,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TextIO, cast
 
 import msgspec
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -217,6 +217,21 @@ class _H3Protocol(QuicConnectionProtocol):
                 stream.data.put_nowait(_END)
 
 
+class _KeyLog:
+    """aioquic's ``secrets_log_file``: each line appended to ``path`` as it comes (a few per
+    handshake), so no file stays open and a long-lived client never holds a stale handle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, text: str) -> int:
+        with open(self.path, "a", encoding="ascii") as file:
+            return file.write(text)
+
+    def flush(self) -> None:
+        pass
+
+
 class H3Session:
     """Requests to one origin over HTTP/3, on one kept-warm QUIC connection."""
 
@@ -232,6 +247,7 @@ class H3Session:
         ca_file: str | None = None,
         idle_timeout_s: float = 120.0,
         connect_timeout_s: float = 10.0,
+        keylog_file: str | None = None,
     ) -> None:
         if not origin.tls:
             raise ValueError("HTTP/3 needs an https:// base URL")
@@ -242,6 +258,7 @@ class H3Session:
         self._ca_file = ca_file
         self._idle_timeout_s = idle_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._keylog = _KeyLog(keylog_file) if keylog_file else None
         self._proto: _H3Protocol | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self._lock = asyncio.Lock()
@@ -254,6 +271,7 @@ class H3Session:
         quic_trust(config, self._verify, self._ca_file)
         stored = self._tickets.take(self._server)
         config.session_ticket = None if stored is None else decode_ticket(stored)
+        config.secrets_log_file = cast(TextIO, self._keylog)
         return config
 
     @property

@@ -13,7 +13,7 @@ from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_respon
 from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source
 from firstbyte.protocol import paths
 from firstbyte.protocol.headers import STREAM_HEADER
-from firstbyte.protocol.sse import SSEDecoder, SSEProtocolError
+from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
 
 __all__ = ["sse_source"]
 
@@ -54,4 +54,8 @@ async def sse_source(
                 raise StreamBrokenError(str(exc)) from None
             for event in events:
                 seq = int(event.id) if event.id is not None and event.id.isdigit() else None
+                if event.data == DONE:
+                    # The consumer stops at [DONE]: read the body's end first, so the
+                    # connection is pooled rather than closed under the next request.
+                    await response.finish()
                 yield Event(seq, event.data)

@@ -205,6 +205,7 @@ class Proxy:
         try:
             appended = [0]
             while True:
+                ctx.upstream_sent_at = sent_at
                 request = client.build_request(
                     "POST",
                     backend.url + paths.CHAT_COMPLETIONS,
@@ -334,6 +335,7 @@ class Proxy:
                             first_content = True
                             watch.reschedule(None)  # the first-token deadline no longer applies
                             stream.upstream_ttft_ms = (now - sent_at) * 1000
+                            ctx.first_token_at = now
                             self.metrics.ttft.observe(now - ctx.received_at)
                             if observer is not None:
                                 observer.first_token(ctx, (now - ctx.received_at) * 1000)
@@ -369,6 +371,7 @@ class Proxy:
         sent_at = time.perf_counter()
         observer: Any = ctx.extra.get("observer")
         ok = False
+        ctx.upstream_sent_at = sent_at
         try:
             response = await self.client_for(backend).request(
                 method,
