@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 
 from firstbyte.protocol.poll import PollBatch, PollEvent
-from firstbyte.protocol.sse import encode_comment, encode_event
+from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
 from .streams import Stream, StreamEvent
 
@@ -73,14 +73,14 @@ async def sse_events(
     heartbeat_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for every event after ``after`` (``id: SEQ`` framing), ``: ping`` when idle."""
+    """SSE bytes for every event after ``after`` (``id: SEQ`` framing), :data:`HEARTBEAT` when idle."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
     try:
         async for batch in events:
             if batch:
                 yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
             else:
-                yield encode_comment("ping")
+                yield HEARTBEAT
     finally:
         await events.aclose()
 
