@@ -73,7 +73,8 @@ async def sse_events(
     heartbeat_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for every event after ``after`` (``id: SEQ`` framing), :data:`HEARTBEAT` when idle."""
+    """SSE bytes for every event after ``after`` (``id: SEQ`` framing); :data:`HEARTBEAT`
+    (no event for any SSE client) when idle."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
     try:
         async for batch in events:

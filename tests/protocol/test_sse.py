@@ -101,5 +101,5 @@ def test_heartbeat_is_no_event_for_any_decoder() -> None:
 
 def test_comment_is_one_line() -> None:
     assert encode_comment("ping") == b": ping\n"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="one line"):
         encode_comment("two\nlines")
