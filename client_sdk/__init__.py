@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         RateLimitError,
         ServiceUnavailableError,
         StreamBrokenError,
+        StreamLostError,
         StreamStalledError,
         TLSError,
     )
@@ -38,6 +39,7 @@ __all__ = [
     "ServiceUnavailableError",
     "StreamBrokenError",
     "StreamDelta",
+    "StreamLostError",
     "StreamStalledError",
     "TLSError",
     "Timings",
@@ -55,7 +57,8 @@ _LAZY = {
     "__version__": "firstbyte",
     **{name: "firstbyte.client_sdk.errors" for name in (
         "APIError", "AuthenticationError", "ConnectError", "RateLimitError",
-        "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
+        "ServiceUnavailableError", "StreamBrokenError", "StreamLostError", "StreamStalledError",
+        "TLSError")},
 }
 
 
