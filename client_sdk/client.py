@@ -34,12 +34,14 @@ import msgspec
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import (
+    APIError,
     ConfigurationError,
     ConnectError,
     FirstbyteError,
     RateLimitError,
     ServiceUnavailableError,
     StreamBrokenError,
+    StreamLostError,
     StreamStalledError,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
@@ -54,6 +56,7 @@ from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
 from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import Message, Usage
 
 __all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]  # the last from .trust
@@ -547,6 +550,20 @@ class ChatStream:
                 await self._recover(item)
                 return None
             self._finished = True
+            if (
+                self._stream_id is not None
+                and isinstance(item, APIError)
+                and item.code == error_codes.STREAM_NOT_FOUND
+            ):
+                # A resume found no such stream (on every transport: a 404 or a WebSocket
+                # error carry the same code): the router restarted or dropped it.
+                raise StreamLostError(
+                    f"stream {self._stream_id} is lost (the router no longer has it) after"
+                    f" event {self._assembler.last_seq}; resumed {self._resumes} times",
+                    stream_id=self._stream_id,
+                    last_seq=self._assembler.last_seq,
+                    delivered_text=self.text,
+                ) from item
             raise item
         if isinstance(item, Opened):
             if not self._opened:

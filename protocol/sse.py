@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DONE", "SSEDecoder", "SSEEvent", "SSEProtocolError", "encode_comment", "encode_event"]
+__all__ = [
+    "DONE",
+    "HEARTBEAT",
+    "SSEDecoder",
+    "SSEEvent",
+    "SSEProtocolError",
+    "encode_comment",
+    "encode_event",
+]
 
 DONE = "[DONE]"
 """The payload OpenAI sends as the last event of a chat completion stream."""
@@ -139,5 +147,20 @@ def encode_event(
 
 
 def encode_comment(text: str = "") -> bytes:
-    """A comment line: the heartbeat that keeps proxies from closing an idle stream."""
-    return b": " + text.encode() + b"\n\n"
+    """One comment line, which every conforming decoder ignores.
+
+    It is deliberately *not* followed by a blank line: a blank line dispatches an event, and
+    decoders differ on what an event with no data is. The WHATWG rules drop it, but the
+    official ``openai`` SDK's decoder (and others built the same way) dispatches an empty
+    event once the stream has set an ``id`` and then fails to parse it as JSON. A lone
+    comment line just joins the lines of the next real event, which stays well-formed.
+    """
+    if "\n" in text or "\r" in text:
+        raise ValueError("an SSE comment is one line: no CR or LF in its text")
+    return b": " + text.encode() + b"\n"
+
+
+HEARTBEAT = encode_comment("ping")
+"""What a server sends on an idle event stream (``: ping`` and one LF, see
+:func:`encode_comment`): bytes that keep proxies and idle timers from closing the connection
+and that no SSE client turns into an event."""

@@ -405,7 +405,7 @@ class RequestLog:
             region=ctx.region if ctx is not None and ctx.region else self.region,
             entry_region=self.region,
             spill=bool(getattr(observer, "spill", False)),
-            route_reason=str(getattr(observer, "reason", "") or ""),
+            route_reason=str(getattr(observer, "reason", "") or (ctx.route_reason if ctx else "")),
             client_city=getattr(location, "city", None),
             client_country=getattr(location, "country", None),
             backend=backend,

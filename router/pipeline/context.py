@@ -152,6 +152,8 @@ class RequestContext:
     first_token_at: float | None = None
     """When the first content chunk arrived from upstream."""
     outcome: str = ""
+    route_reason: str = ""
+    """Why routing answered 429 itself (a key of ``multiregion.REJECTION_REASONS``)."""
     """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
     stream: ReadableStream | None = field(default=None, repr=False)
     """The stream this request started (a :class:`~firstbyte.router.streams.Stream` of this

@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from firstbyte.protocol.sse import (
+    HEARTBEAT,
     SSEDecoder,
     SSEEvent,
     SSEProtocolError,
@@ -85,3 +86,20 @@ def test_id_with_nul_is_ignored_and_last_event_id_persists() -> None:
     events = decoder.receive_data(b"id: 8\x00\ndata: b\n\n")
     assert events == [SSEEvent(data="b", id="7")]
     assert decoder.last_event_id == "7"
+
+
+def test_heartbeat_is_no_event_for_any_decoder() -> None:
+    """The heartbeat between two ``id:``-carrying events is no event: for the WHATWG decoder
+    here and for the official openai SDK's, which dispatches a blank line after an ``id``."""
+    from openai._streaming import SSEDecoder as OpenAIDecoder
+
+    wire = encode_event('{"a":1}', id=1) + HEARTBEAT * 3 + encode_event("[DONE]", id=2)
+    assert decode_pieces([wire]) == [SSEEvent('{"a":1}', id="1"), SSEEvent("[DONE]", id="2")]
+    theirs = list(OpenAIDecoder().iter_bytes(iter([wire[i : i + 3] for i in range(0, len(wire), 3)])))
+    assert [(e.data, e.id) for e in theirs] == [('{"a":1}', "1"), ("[DONE]", "2")]
+
+
+def test_comment_is_one_line() -> None:
+    assert encode_comment("ping") == b": ping\n"
+    with pytest.raises(ValueError, match="one line"):
+        encode_comment("two\nlines")
