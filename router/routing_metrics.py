@@ -8,9 +8,9 @@ backend: ``ok``/``error``; ``rejected`` for 429s), ``route_forwards_total{to}``,
 ``route_rejections_total{reason}`` (429s by reason), ``route_ttft_seconds{region}`` and
 ``route_itl_seconds`` (histograms), ``backend_in_flight``/``backend_load``/``backend_queue``/
 ``backend_limit``/``backend_saturated``/``backend_healthy``/``backend_cache_hit_ratio``
-``{backend}``, ``warm_state{backend,prefix}`` (1 warm, 0 not), ``warmups_total``/``warm_evictions_total``
-``{backend,prefix}``, ``backend_restarts_total{backend}``, ``peer_up{peer}``,
-``peer_rtt_ms{peer}``.
+``{backend}``, ``warm_state{backend,prefix}`` (1 warm, 0 not),
+``warmups_total``/``warm_evictions_total`` ``{backend,prefix}``,
+``backend_restarts_total{backend}``, ``peer_up{peer}``, ``peer_rtt_ms{peer}``.
 """
 
 from __future__ import annotations
