@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import trustme
 
 from tests.deploy.containerfile import ROOT, Instruction, Stage, read_stages
 from tests.router.h3client import h3_request
+from tests.router.test_cli import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -183,14 +183,6 @@ def test_the_environment_holds_the_router_extra_only(image: Image) -> None:
     assert found == ["hypercorn", "uvicorn", "granian", "geoip2", "uvloop", "aioquic"]
 
 
-def _free_port() -> int:
-    with socket.socket() as tcp, socket.socket(type=socket.SOCK_DGRAM) as udp:
-        tcp.bind(("127.0.0.1", 0))
-        port: int = tcp.getsockname()[1]
-        udp.bind(("127.0.0.1", port))  # the router needs the UDP port too
-        return port
-
-
 @pytest.fixture
 def sim(image: Image) -> Iterator[str]:
     """``firstbyte sim`` from the image's environment: the region's upstream."""
@@ -232,7 +224,7 @@ def mounted(image: Image, sim: str) -> Mounted:
     peers = re.findall(r'^url = "(https://[^"]+)"', text, re.MULTILINE)
     assert upstreams
     assert len(peers) == 2, peers
-    closed = f"https://127.0.0.1:{_free_port()}"
+    closed = f"https://127.0.0.1:{free_port()}"
     for url in upstreams:
         text = text.replace(f'"{url}"', f'"{sim}"')
     for url in peers:
@@ -253,7 +245,7 @@ def test_the_entry_point_checks_the_config(image: Image, mounted: Mounted) -> No
 
 
 async def test_the_entry_point_serves_the_shipped_config(image: Image, mounted: Mounted) -> None:
-    port = _free_port()
+    port = free_port()
     healthz = f"https://127.0.0.1:{port}/healthz"
     # `docker run IMAGE --host 127.0.0.1 --port N`: arguments after the image are appended.
     proc = await asyncio.create_subprocess_exec(
