@@ -40,6 +40,9 @@ from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
 
+TICKET_WAIT_S = 0.25
+"""How long closing a session waits for a session ticket the server has not sent yet."""
+
 __all__ = ["H3Session", "decode_ticket", "encode_ticket", "quic_trust"]
 
 _END = object()
@@ -260,6 +263,8 @@ class H3Session:
         self._connect_timeout_s = connect_timeout_s
         self._keylog = _KeyLog(keylog_file) if keylog_file else None
         self._proto: _H3Protocol | None = None
+        self._ticket_came = asyncio.Event()
+        """Set when the current connection's server sent a session ticket."""
         self._transport: asyncio.DatagramTransport | None = None
         self._lock = asyncio.Lock()
 
@@ -281,6 +286,7 @@ class H3Session:
     def _store_ticket(self, ticket: SessionTicket) -> None:
         self._tickets.put(self._server, encode_ticket(ticket),
                           ticket.not_valid_after.timestamp())
+        self._ticket_came.set()
 
     async def _connection(self, recorder: TimingRecorder | None) -> tuple[_H3Protocol, bool]:
         """The open connection, or a new one; the flag is True when early data may be sent."""
@@ -305,6 +311,7 @@ class H3Session:
         started = time.perf_counter()
         if recorder is not None:
             recorder.feed("quic_handshake.started", started)
+        self._ticket_came = asyncio.Event()
         quic = QuicConnection(configuration=config, session_ticket_handler=self._store_ticket)
         transport, proto = await loop.create_datagram_endpoint(
             lambda: _H3Protocol(quic), remote_addr=(address, self.origin.port))
@@ -433,4 +440,12 @@ class H3Session:
             await self._drop()
 
     async def aclose(self) -> None:
+        proto = self._proto
+        if proto is not None and proto.heard and proto.handshake_waiter.done():
+            # A process that makes one request and exits (a CLI, a serverless function) closes
+            # right after its response; the server's ticket for the next 0-RTT start follows
+            # the handshake and may still be in flight. A used ticket is refused (single use),
+            # so without the new one the next process pays a full handshake.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ticket_came.wait(), TICKET_WAIT_S)
         await self.reset()
