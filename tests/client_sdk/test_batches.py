@@ -41,8 +41,6 @@ class GapServer:
 
     def __init__(self) -> None:
         self.resumed_after: list[int] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
@@ -62,20 +60,13 @@ class GapServer:
             await writer.drain()
         writer.close()
 
-    async def __aenter__(self) -> GapServer:
-        self._server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
 
 async def test_a_gap_inside_a_batch_resumes_after_the_last_event_delivered() -> None:
-    async with GapServer() as server, AsyncClient(
-        f"http://127.0.0.1:{server.port}/v1", "key", http="1.1", resume_backoff_s=0.0,
+    server = GapServer()
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    async with listener, AsyncClient(
+        f"http://127.0.0.1:{port}/v1", "key", http="1.1", resume_backoff_s=0.0,
     ) as client, client.stream(model="m", messages=[]) as stream:
         deltas = [delta async for delta in stream]
     assert server.resumed_after == [4]
