@@ -1,7 +1,9 @@
 """What every transport hands the client: a source of stream items, and the HTTP session shape.
 
 A *source* is an async iterator of :class:`Opened` (once, when the server accepted the request
-and the stream id is known) followed by :class:`Event` items (the router's numbered events). It
+and the stream id is known) followed by the router's numbered events: each an :class:`Event`, or
+a :data:`Batch` of them (events that arrived together, e.g. in one network read: one queue item
+for the lot is what lets the client keep up with hundreds of thousands of events a second). It
 raises :class:`TransportCut` when the connection broke mid-stream (the client resumes), an
 :class:`~firstbyte.client_sdk.errors.APIError` for an error answer, and
 :class:`~firstbyte.client_sdk.errors.ConnectError` when the server could not be reached.
@@ -19,6 +21,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
 from firstbyte.client_sdk.errors import StreamBrokenError
 from firstbyte.protocol.headers import (
@@ -28,8 +32,8 @@ from firstbyte.protocol.headers import (
     STREAM_HEADER,
 )
 
-__all__ = ["MAX_BODY_BYTES", "Event", "HTTPResponse", "Item", "Opened", "Session", "Source",
-           "TransportCut", "note_response_headers"]
+__all__ = ["MAX_BODY_BYTES", "Batch", "Event", "HTTPResponse", "Item", "Opened", "Session",
+           "Source", "TransportCut", "note_response_headers"]
 
 MAX_BODY_BYTES = 64 << 20
 """The most :meth:`HTTPResponse.read` holds: a long-poll batch of a long completion fits,
@@ -45,13 +49,18 @@ class Opened:
     stream_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(msgspec.Struct, frozen=True, gc=False):
+    """One stream event: its sequence number (None if the server does not number events) and
+    payload (a chunk's JSON, an error's JSON or ``[DONE]``). A Struct: one is built per event."""
+
     seq: int | None
     payload: str | bytes | dict[str, Any]
 
 
-Item = Opened | Event
+Batch = list[Event]
+"""Events in order, never empty; the source does not touch the list once it has yielded it."""
+
+Item = Opened | Event | Batch
 Source = AsyncIterator[Item]
 
 
