@@ -129,7 +129,9 @@ export class Client {
    * token's text there itself. Either way `timings.render_ms` is the next animation frame.
    */
   stream(request, { onFirstToken = null, into = null } = {}) {
-    return new ChatStream(this, { ...request, stream: true }, { onFirstToken, into });
+    // As the Python SDK: usage in the last chunk, so the token count is known.
+    const body = { stream_options: { include_usage: true }, ...request, stream: true };
+    return new ChatStream(this, body, { onFirstToken, into });
   }
 }
 
@@ -180,7 +182,7 @@ export class ChatStream {
     } finally {
       this.channel?.close();
       this.finished = true;
-      this.recorder.finish();
+      await this.recorder.finish();
     }
   }
 

@@ -104,14 +104,16 @@ export class TimingRecorder {
     this.longTasks = null;
     if (typeof PerformanceObserver !== "undefined" &&
         PerformanceObserver.supportedEntryTypes?.includes("longtask")) {
-      this.longTasks = new PerformanceObserver((list) => {
-        for (const task of list.getEntries()) {
-          if (task.startTime + task.duration < this.start) continue;
-          this.record.long_tasks += 1;
-          this.record.long_task_ms += task.duration;
-        }
-      });
+      this.longTasks = new PerformanceObserver((list) => this.#count(list.getEntries()));
       this.longTasks.observe({ type: "longtask" });
+    }
+  }
+
+  #count(tasks) {
+    for (const task of tasks) {
+      if (task.startTime + task.duration < this.start) continue;
+      this.record.long_tasks += 1;
+      this.record.long_task_ms += task.duration;
     }
   }
 
@@ -172,11 +174,15 @@ export class TimingRecorder {
     this.record.resumes += 1;
   }
 
-  /** Fill the phases from Resource Timing and stop observing; the finished record. */
-  finish() {
-    this.longTasks?.disconnect();
+  /** Fill the phases from Resource Timing and stop observing; the finished record. The
+   * entry of a streamed response appears only once its body has ended: wait a little. */
+  async finish() {
+    if (this.longTasks) {
+      this.#count(this.longTasks.takeRecords()); // queued, not yet delivered
+      this.longTasks.disconnect();
+    }
     const rec = this.record;
-    if (this.firstUrl !== null) {
+    for (let tries = 0; this.firstUrl !== null && tries < 20; tries++) {
       const entry = performance.getEntriesByName(this.firstUrl, "resource")
         .find((e) => e.startTime >= this.start - 1);
       if (entry) {
@@ -184,7 +190,9 @@ export class TimingRecorder {
         for (const [key, value] of Object.entries(phasesOf(entry, this.start))) {
           if (value !== "" && value !== null) rec[key] = value;
         }
+        break;
       }
+      await new Promise((resolve) => setTimeout(resolve, 10));
     }
     rec.navigation = navigationPhases();
     return rec;

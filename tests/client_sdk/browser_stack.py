@@ -10,6 +10,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 
 from firstbyte.benchmarks.browser import Page, open_page
 from firstbyte.router.config import parse_config
+from firstbyte.router.edge_client import client_files
 from firstbyte.router.serve import running_router
 from firstbyte.router.sim.server import running_sim
 from tests.client_sdk.test_client import MESSAGES
@@ -49,13 +51,15 @@ class World:
     sim_url: str
     page_port: int
     cert_pem: bytes | None = None
+    """The router's (and, with TLS, the page server's) certificate."""
 
     @property
     def page_origin(self) -> str:
-        return f"http://127.0.0.1:{self.page_port}"
+        scheme = "https" if self.cert_pem is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.page_port}"
 
-    def page_url(self, origin: str | None = None) -> str:
-        return f"{origin or self.page_origin}/?modules={self.router_url}"
+    def page_url(self, origin: str | None = None, modules: str | None = None) -> str:
+        return f"{origin or self.page_origin}/?modules={modules or self.router_url}"
 
     async def reference_text(self, max_tokens: int, seed: int = 11) -> str:
         """What the sim answers to this request, asked directly and without streaming."""
@@ -76,11 +80,16 @@ class World:
 
 
 async def _serve_page(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The page at ``/``; the client's modules too (as the router has them), for a page that
+    must not have touched the router before its first stream."""
     with contextlib.suppress(Exception):
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html; charset=utf-8\r\n"
-                     b"content-length: " + str(len(PAGE)).encode() +
-                     b"\r\nconnection: close\r\n\r\n" + PAGE)
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.split(b" ", 2)[1].decode()
+        body, ctype = PAGE, b"text/html; charset=utf-8"
+        if path.startswith("/v1/edge/client/"):
+            body, ctype = client_files()[path.rsplit("/", 1)[1]].body, b"text/javascript"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
+                     + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
         await writer.drain()
     writer.close()
 
@@ -88,19 +97,24 @@ async def _serve_page(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 @contextlib.asynccontextmanager
 async def world(tls: trustme.CA | None = None, tls_dir: str = "", **sections: Any
                 ) -> AsyncIterator[World]:
-    """The sim, the router (CORS for the page's origin) and the page server, running."""
-    page_server = await asyncio.start_server(_serve_page, "127.0.0.1", 0)
-    page_port = page_server.sockets[0].getsockname()[1]
+    """The sim, the router (CORS for the page's origin) and the page server, running; with
+    ``tls`` both serve HTTPS with one certificate of that CA."""
     listen: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
     cert_pem = None
+    page_tls = None
     if tls is not None:
         cert = tls.issue_cert("127.0.0.1", "localhost")
         cert_pem = cert.cert_chain_pems[0].bytes()
         cert.private_key_and_cert_chain_pem.write_to_path(f"{tls_dir}/cert.pem")
         cert.private_key_pem.write_to_path(f"{tls_dir}/key.pem")
         listen.update(certfile=f"{tls_dir}/cert.pem", keyfile=f"{tls_dir}/key.pem", http3=False)
+        page_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        page_tls.load_cert_chain(f"{tls_dir}/cert.pem", f"{tls_dir}/key.pem")
     else:
         listen["insecure_plain_http"] = True
+    page_server = await asyncio.start_server(_serve_page, "127.0.0.1", 0, ssl=page_tls)
+    page_port = page_server.sockets[0].getsockname()[1]
+    scheme = "http" if tls is None else "https"
     try:
         async with running_sim("instant", seed=7) as sim_url:
             data: dict[str, Any] = {
@@ -108,7 +122,7 @@ async def world(tls: trustme.CA | None = None, tls_dir: str = "", **sections: An
                 "upstreams": [{"url": sim_url}],
                 "listen": listen,
                 "auth": {"api_keys": [KEY, OTHER_KEY], "token_secret": SECRET},
-                "cors": {"allow_origins": [f"http://127.0.0.1:{page_port}"]},
+                "cors": {"allow_origins": [f"{scheme}://127.0.0.1:{page_port}"]},
             }
             for name, values in sections.items():
                 data.setdefault(name, {}).update(values)
@@ -130,9 +144,10 @@ def spki_flag(w: World) -> str:
 
 
 @contextlib.asynccontextmanager
-async def browser_on(w: World, origin: str | None = None,
-                     flags: tuple[str, ...] = ()) -> AsyncIterator[Page]:
-    async with open_page(w.page_url(origin), flags=flags) as page:
+async def browser_on(w: World, origin: str | None = None, flags: tuple[str, ...] = (),
+                     modules: str | None = None) -> AsyncIterator[Page]:
+    """Chromium on the test page; the client's modules from the router (or ``modules``)."""
+    async with open_page(w.page_url(origin, modules), flags=flags) as page:
         assert await page.evaluate(READY) is True, page.problems()
         yield page
 
