@@ -112,7 +112,9 @@ def _chromium(extra_flags: tuple[str, ...] = ()) -> Iterator[str]:
     binary = chromium_path()
     if binary is None:
         raise BrowserError("chromium not found (Debian: apt-get install chromium)")
-    with tempfile.TemporaryDirectory(prefix="firstbyte-chromium-") as profile:
+    # Chromium's helper processes may still write to the profile as the main one exits.
+    with tempfile.TemporaryDirectory(prefix="firstbyte-chromium-",
+                                     ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [binary, *FLAGS, *extra_flags, f"--user-data-dir={profile}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -170,11 +172,11 @@ async def _load(
     return result
 
 
-async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: bool) -> None:
-    url, width = result.url, result.width
+async def _navigate(b: _Session, url: str, width: int) -> str:
+    """Open a tab of ``width`` CSS pixels, load ``url`` in it; its DevTools session id."""
     target = await b.send("Target.createTarget", url="about:blank")
     attached = await b.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
-    s = attached["sessionId"]
+    s: str = attached["sessionId"]
     for domain in ("Page", "Runtime", "Log", "Network"):
         await b.send(f"{domain}.enable", s)
     await b.send("Emulation.setDeviceMetricsOverride", s, width=width, height=900,
@@ -185,6 +187,12 @@ async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: b
         await asyncio.wait_for(b.loaded.wait(), LOAD_TIMEOUT_S)
     except TimeoutError:
         raise BrowserError(f"{url}: did not finish loading in {LOAD_TIMEOUT_S:g} s") from None
+    return s
+
+
+async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: bool) -> None:
+    url, width = result.url, result.width
+    s = await _navigate(b, url, width)
     if evaluate is not None:
         answer = await b.send("Runtime.evaluate", s, expression=evaluate,
                               returnByValue=True)
@@ -243,19 +251,7 @@ async def open_page(url: str, *, flags: tuple[str, ...] = ()) -> AsyncIterator[P
         async with connect(devtools, max_size=None) as ws:
             b = _Session(ws)
             try:
-                target = await b.send("Target.createTarget", url="about:blank")
-                attached = await b.send("Target.attachToTarget", targetId=target["targetId"],
-                                        flatten=True)
-                s = attached["sessionId"]
-                for domain in ("Page", "Runtime", "Log", "Network"):
-                    await b.send(f"{domain}.enable", s)
-                b.loaded.clear()
-                await b.send("Page.navigate", s, url=url)
-                try:
-                    await asyncio.wait_for(b.loaded.wait(), LOAD_TIMEOUT_S)
-                except TimeoutError:
-                    raise BrowserError(f"{url}: did not finish loading") from None
-                yield Page(url, b, s)
+                yield Page(url, b, await _navigate(b, url, 1000))
             finally:
                 await b.close()
         await asyncio.to_thread(stack.close)

@@ -101,6 +101,7 @@ export class TimingRecorder {
     this.record = newTimings(transport);
     this.lastToken = null;
     this.firstUrl = null;
+    this.paint = null;
     this.longTasks = null;
     if (typeof PerformanceObserver !== "undefined" &&
         PerformanceObserver.supportedEntryTypes?.includes("longtask")) {
@@ -160,7 +161,7 @@ export class TimingRecorder {
   /** The first token's text is in the DOM now: its paint is the next animation frame. */
   awaitPaint() {
     const inserted = performance.now();
-    return new Promise((resolve) => {
+    this.paint = new Promise((resolve) => {
       requestAnimationFrame((frame) => {
         if (this.record.render_ms === null) {
           this.record.render_ms = this.offset(Math.max(frame, inserted));
@@ -168,6 +169,7 @@ export class TimingRecorder {
         resolve();
       });
     });
+    return this.paint;
   }
 
   resume() {
@@ -177,6 +179,10 @@ export class TimingRecorder {
   /** Fill the phases from Resource Timing and stop observing; the finished record. The
    * entry of a streamed response appears only once its body has ended: wait a little. */
   async finish() {
+    // A hidden page paints nothing (no animation frames): render_ms then stays null.
+    await Promise.race([this.paint, new Promise((resolve) => setTimeout(resolve, 1000))]);
+    // A long task is reported once it has ended: let the current task end first.
+    await new Promise((resolve) => setTimeout(resolve, 0));
     if (this.longTasks) {
       this.#count(this.longTasks.takeRecords()); // queued, not yet delivered
       this.longTasks.disconnect();

@@ -25,7 +25,7 @@ from firstbyte.router.config import parse_config
 from firstbyte.router.edge_client import client_files
 from firstbyte.router.serve import running_router
 from firstbyte.router.sim.server import running_sim
-from tests.client_sdk.test_client import MESSAGES
+from tests.client_sdk.test_client import MESSAGES, reference_text
 
 KEY = "sk-browser-test-0001"
 OTHER_KEY = "sk-browser-test-0002"
@@ -63,12 +63,7 @@ class World:
 
     async def reference_text(self, max_tokens: int, seed: int = 11) -> str:
         """What the sim answers to this request, asked directly and without streaming."""
-        async with httpx.AsyncClient() as http:
-            response = await http.post(f"{self.sim_url}/v1/chat/completions", json={
-                "model": "sim-instant", "messages": MESSAGES, "max_tokens": max_tokens,
-                "seed": seed})
-        content: str = response.json()["choices"][0]["message"]["content"]
-        return content
+        return await reference_text(self, max_tokens, seed)  # type: ignore[arg-type]
 
     async def mint(self, key: str = KEY, **body: Any) -> str:
         async with httpx.AsyncClient(verify=False) as http:
