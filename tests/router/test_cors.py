@@ -118,3 +118,19 @@ async def test_the_client_files_are_served_without_a_key(
     assert missing.status_code == 404
     assert escape.status_code == 404
     assert post.status_code in (404, 405)
+
+
+@pytest.mark.parametrize(("section", "values", "message"), [
+    ("cors", {"allow_origins": ["*"]}, "cors.allow_origins[0]"),
+    ("cors", {"allow_origins": ["https://app.example/"]}, "cors.allow_origins[0]"),
+    ("auth", {"token_secret": "short"}, "auth.token_secret"),
+    ("auth", {"client_token_max_ttl_s": 0}, "auth.client_token_max_ttl_s"),
+])
+def test_bad_browser_config_is_refused_naming_the_key(
+    section: str, values: dict[str, object], message: str
+) -> None:
+    from firstbyte.router.config import ConfigError
+    from tests.router.conftest import router_config
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        router_config(["http://127.0.0.1:1"], None, **{section: values})
