@@ -8,8 +8,12 @@ each client's last mile (the ``world`` geography profile). Every client streams 
 from its nearest region over SSE (HTTP/2 and HTTP/3, 0-RTT too), WebSocket and long-poll, on
 new (cold) and prewarmed connections. Then it prints the TTFT of each, the latency budget of a
 prewarmed request per client (each phase against its share of 500 ms, with the 15% safety
-share; :mod:`firstbyte.client_sdk.budget`) and where the report and plots are (``--out``, default
-``./firstbyte-report``).
+share; :mod:`firstbyte.client_sdk.budget`) and where the report is (``--out``, default
+``./firstbyte-report``: ``report.html``, one self-contained page with the answer, figures,
+tables and the run's conditions, beside ``summary.md`` and ``results.json``).
+
+The default run takes :data:`REPEAT` requests per client and cell, enough for a P95 to mean
+something (about a minute and a half here); ``--quick`` takes one and its report says so.
 
 Without root or /dev/net/tun (or with ``--loopback``) everything runs on 127.0.0.1 and the
 demo says so, and what that cannot show. Progress goes to stderr; Ctrl-C or an error tears
@@ -27,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from firstbyte.benchmarks.conditions import CpuWatch, run_conditions
 from firstbyte.benchmarks.report import write_report
 from firstbyte.benchmarks.stats import percentile, summarize
 from firstbyte.benchmarks.wan.geo import Profile, load_profile
@@ -50,24 +55,31 @@ QUICK_CLIENTS = ("client-tokyo", "client-london")
 SIM_PROFILE = "h100-7b"
 MAX_TOKENS = 8
 PROTOCOL = {"1.1": "HTTP/1.1", "2": "HTTP/2", "3": "HTTP/3"}
+REPEAT = 20
+"""Requests per client and cell by default: the report shows a P95 from 20 samples on."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Bring up an emulated world on this machine (three regions, clients on four "
         "continents, through the WAN emulator), stream completions through every transport "
-        "cold and warm, print the latency budget, and write a report with plots. Needs root "
+        "cold and warm, print the latency budget, and write report.html (the answer, figures, "
+        "tables, run conditions; opens offline). Needs root "
         "and /dev/net/tun for the emulator; without them it runs on loopback and says what "
         "that cannot show."
     )
     parser.add_argument("--out", metavar="DIR", default="firstbyte-report",
-                        help="where to write the report and plots (default: ./firstbyte-report)")
+                        help="where to write report.html, summary.md and results.json "
+                             "(default: ./firstbyte-report)")
     parser.add_argument("--quick", action="store_true",
-                        help="two clients, one request per cell (a few seconds; for CI)")
+                        help="two clients, one request per cell (a few seconds; for CI; "
+                             "medians only)")
     parser.add_argument("--loopback", action="store_true",
                         help="run on 127.0.0.1 without the emulator (no distances: CPU only)")
     parser.add_argument("--repeat", type=int, default=None, metavar="N",
-                        help="requests per transport and state (default 3, --quick 1)")
+                        help=f"requests per transport and state (default {REPEAT}, --quick 1)")
+    parser.add_argument("--screenshot", metavar="PNG", default=None,
+                        help="also save a full-page PNG of report.html (headless Chromium)")
 
 
 def _log(message: str) -> None:
@@ -100,12 +112,25 @@ def run(args: argparse.Namespace) -> int:
     except WorldError as exc:
         raise CLIError(f"{exc} (use --loopback to run without it)") from None
     try:
-        return asyncio.run(_demo(args, mode, why, out))
+        code = asyncio.run(_demo(args, mode, why, out))
+        if args.screenshot:
+            _screenshot(out / "report.html", Path(args.screenshot))
+        return code
     except WorldError as exc:
         raise CLIError(str(exc)) from None
     except KeyboardInterrupt:
         _log("interrupted; every process and namespace of the demo has been removed")
         return 130
+
+
+def _screenshot(report: Path, png: Path) -> None:
+    from firstbyte.benchmarks.browser import BrowserError, screenshot
+
+    try:
+        screenshot(report, png)
+    except BrowserError as exc:
+        raise CLIError(f"--screenshot: {exc}") from None
+    print(f"screenshot: {png}")
 
 
 async def _demo(args: argparse.Namespace, mode: str, why: str | None, out: Path) -> int:
@@ -114,7 +139,8 @@ async def _demo(args: argparse.Namespace, mode: str, why: str | None, out: Path)
     clients = list(QUICK_CLIENTS) if args.quick else list(nearest)
     # Every region runs, also in --quick: the world is three regions, whoever talks to them.
     regions = [s.name for s in profile.sites if s.role == "region"]
-    repeat = args.repeat or (1 if args.quick else 3)
+    repeat = args.repeat or (1 if args.quick else REPEAT)
+    cpu = CpuWatch()
     emulator = None
     if mode == "emulated":
         emulator = profile.emulator()
@@ -145,6 +171,8 @@ async def _demo(args: argparse.Namespace, mode: str, why: str | None, out: Path)
             _log("measuring the emulator's precision (configured vs measured RTT)")
         precision = await world.precision([(c, nearest[c][0]) for c in clients], count=5)
     results = _results(mode, why, profile, clients, nearest, rtts, samples, errors, repeat)
+    results["quick"] = bool(args.quick)
+    results["conditions"] = run_conditions(cpu)
     if precision is not None:
         results["emulator_precision"] = precision.to_dict()["pairs"]
         results["summary"]["emulator_max_abs_error_ms"] = round(precision.max_abs_error_ms, 3)
@@ -153,9 +181,9 @@ async def _demo(args: argparse.Namespace, mode: str, why: str | None, out: Path)
         print(f"\nemulator precision: every measured RTT within {precision.max_abs_error_ms:.2f} ms"
               " of the configured one (median of 5 UDP and 5 TCP probes per client)")
     written = write_report(results, out)
-    print(f"\nreport: {written['markdown']}  (also {written['json'].name}, "
-          + ", ".join(p.name for k, p in written.items() if p.suffix == ".png")
-          + f" in {out})")
+    print(f"\nreport: {written['html']}  (also {written['markdown'].name} and "
+          f"{written['json'].name} in {out})")
+
     failed = sum(len(v) for v in errors.values())
     if failed:
         print(f"{failed} request(s) failed; see {written['json']}", file=sys.stderr)
@@ -252,7 +280,7 @@ def _results(
                     for c in clients)
         + f"; {repeat} request(s) of {MAX_TOKENS} tokens per transport and state."
     )
-    notes = ["phases.png: one bar per client and state (SSE over HTTP/2 cold and warm, SSE over "
+    notes = ["Budget bars: one per client and state (SSE over HTTP/2 cold and warm, SSE over "
              "HTTP/3 for 0-RTT) against the 500 ms budget and its 15% safety share.",
              "RTTs: AWS inter-region table (cloudping.co) plus each client's last mile, with "
              "the last mile's loss and bandwidth (see benchmarks/wan/data/SOURCES.md)."]

@@ -1,4 +1,5 @@
-"""Benchmark reports: one JSON file, a Markdown summary and PNG plots, for any scenario.
+"""Benchmark reports: one JSON file, a Markdown summary and one self-contained HTML page
+(``report.html``: the answer in words, figures, tables, run conditions), for any scenario.
 
 A scenario's ``run(quick) -> dict`` returns results shaped like this (every key optional
 except ``scenario``)::
@@ -15,16 +16,16 @@ except ``scenario``)::
       "notes": ["anything a reader must know to trust the numbers"],
     }
 
-:func:`write_report` adds the metric definitions, the date and the host, and writes
-``results.json``, ``summary.md``, ``ttft_cdf.png`` (when runs carry ``ttfts_ms``) and
-``phases.png`` (when runs carry ``budget_lines_ms``; one stacked bar per geography, or per
-run label without one, against the latency budget with its safety share).
+:func:`write_report` adds the metric definitions, the date, the host and the run's
+conditions (:mod:`firstbyte.benchmarks.conditions`), and writes ``results.json``,
+``summary.md`` and ``report.html`` (:mod:`firstbyte.benchmarks.report_html`; the figures it
+draws depend on what the runs carry: ``cell`` per client, ``ttfts_ms``, ``budget_lines_ms``,
+``concurrency``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import math
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -33,9 +34,13 @@ from typing import Any
 
 import msgspec
 
+from firstbyte.benchmarks.conditions import run_conditions
+from firstbyte.benchmarks.report_html import fmt as _fmt
+from firstbyte.benchmarks.report_html import render_all, render_report
+from firstbyte.benchmarks.report_html import run_name as _run_name
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS
 
-__all__ = ["markdown_summary", "write_report"]
+__all__ = ["markdown_summary", "write_combined_report", "write_json", "write_report"]
 
 # Columns of the runs table: result key -> header. Only columns some run has are shown.
 _RUN_COLUMNS: dict[str, str] = {
@@ -52,16 +57,23 @@ _RUN_COLUMNS: dict[str, str] = {
     "request_throughput": "req/s",
     "goodput_fraction": "goodput",
 }
-_LABEL_KEYS = ("label", "transport", "protocol", "geography")
+_LABEL_KEYS = ("label", "transport", "protocol", "geography")  # named by run_name
 _META_KEYS = {"scenario", "description", "quick", "date", "host", "metric_definitions", "notes"}
-_PHASE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+
+
+def write_json(data: Mapping[str, Any], path: Path) -> Path:
+    """Indented JSON; NaN and infinities become ``null`` so any JSON reader accepts the file."""
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2) + b"\n")
+    return path
 
 
 def write_report(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write the report files into ``out_dir`` (created if needed); return name -> path.
+    """Write ``results.json``, ``summary.md`` and ``report.html`` into ``out_dir`` (created if
+    needed); return name -> path (``json``, ``markdown``, ``html``).
 
-    The JSON is the results plus ``metric_definitions``, ``date`` and ``host``; NaN and
-    infinities become ``null`` so any JSON reader accepts the file.
+    The JSON is the results plus ``metric_definitions``, ``date``, ``host`` and ``conditions``
+    (unless the results carry their own, measured over the run: see
+    :class:`~firstbyte.benchmarks.conditions.CpuWatch`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,23 +87,32 @@ def write_report(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
             "cpus": os.cpu_count(),
         },
     )
+    full.setdefault("conditions", run_conditions())
     full["metric_definitions"] = dict(METRIC_DEFINITIONS)
-    paths: dict[str, Path] = {}
-    paths["json"] = out / "results.json"
-    paths["json"].write_bytes(msgspec.json.format(msgspec.json.encode(full), indent=2) + b"\n")
-    runs = _runs(full)
-    if any(run.get("ttfts_ms") for run in runs):
-        paths["ttft_cdf"] = _plot_ttft_cdf(runs, out / "ttft_cdf.png")
-    if any(run.get("budget_lines_ms") for run in runs):
-        paths["phases"] = _plot_phases(runs, out / "phases.png")
+    paths = {"json": write_json(full, out / "results.json")}
+    # What the page shows is what the JSON says (NaN already turned into null).
+    decoded = msgspec.json.decode(paths["json"].read_bytes())
+    paths["html"] = out / "report.html"
+    paths["html"].write_text(render_report(decoded), encoding="utf-8")
     paths["markdown"] = out / "summary.md"
-    images = {k: p.name for k, p in paths.items() if p.suffix == ".png"}
-    paths["markdown"].write_text(markdown_summary(full, images=images))
+    paths["markdown"].write_text(markdown_summary(full, html="report.html"))
     return paths
 
 
-def markdown_summary(results: Mapping[str, Any], *, images: Mapping[str, str] | None = None) -> str:
-    """The report as Markdown: headline numbers, a runs table, notes and metric definitions."""
+def write_combined_report(combined: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
+    """``bench all``: the combined ``results.json`` and one ``report.html`` with a section
+    per scenario."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": write_json(combined, out_dir / "results.json")}
+    paths["html"] = out_dir / "report.html"
+    paths["html"].write_text(render_all(msgspec.json.decode(paths["json"].read_bytes())),
+                             encoding="utf-8")
+    return paths
+
+
+def markdown_summary(results: Mapping[str, Any], *, html: str | None = None) -> str:
+    """The report as Markdown: headline numbers, a runs table, notes and metric definitions;
+    ``html`` names the page with the figures."""
     lines = [f"# Benchmark: {results.get('scenario', 'unnamed')}", ""]
     if results.get("description"):
         lines += [str(results["description"]), ""]
@@ -113,6 +134,9 @@ def markdown_summary(results: Mapping[str, Any], *, images: Mapping[str, str] | 
         lines += ["| result | value |", "|---|---:|"]
         lines += [f"| {key} | {_fmt(value)} |" for key, value in summary.items()]
         lines.append("")
+    failed = results.get("failed_checks")
+    if isinstance(failed, Sequence) and not isinstance(failed, str) and failed:
+        lines += ["**Failed checks:**", ""] + [f"- {check}" for check in failed] + [""]
     runs = _runs(results)
     if runs:
         lines += [*_runs_table(runs), ""]
@@ -122,8 +146,8 @@ def markdown_summary(results: Mapping[str, Any], *, images: Mapping[str, str] | 
         rows = [row for row in value if isinstance(row, Mapping)]
         if rows:
             lines += [f"{key}:", "", *_runs_table(rows), ""]
-    for name, file in (images or {}).items():
-        lines += [f"![{name}]({file})", ""]
+    if html:
+        lines += [f"Figures, tables and run conditions: [{html}]({html})", ""]
     notes = results.get("notes")
     if isinstance(notes, Sequence) and not isinstance(notes, str) and notes:
         lines += ["Notes:", ""] + [f"- {note}" for note in notes] + [""]
@@ -140,11 +164,6 @@ def _runs(results: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [run for run in runs if isinstance(run, Mapping)]
 
 
-def _run_name(run: Mapping[str, Any]) -> str:
-    parts = [str(run[key]) for key in _LABEL_KEYS if run.get(key)]
-    if not parts:  # no label: the row's first text field names it (e.g. "server")
-        parts = [next((v for v in run.values() if isinstance(v, str)), "run")]
-    return " ".join(dict.fromkeys(parts))
 
 
 def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -167,98 +186,3 @@ def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return rows
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, float):
-        return str(value)
-    if math.isnan(value):
-        return "-"
-    if value != 0 and abs(value) < 10:
-        return f"{value:.3g}" if abs(value) < 0.01 else f"{value:.2f}"
-    return f"{value:,.1f}"
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _plot_ttft_cdf(runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """One empirical CDF of TTFT per run (labelled by transport and protocol)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    try:
-        for run in runs:
-            values = sorted(v for v in run.get("ttfts_ms") or [] if v is not None)
-            if not values:
-                continue
-            fractions = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, fractions, where="post", label=_run_name(run))
-        ax.set_xlabel("TTFT (ms): request start to first content chunk")
-        ax.set_ylabel("fraction of requests")
-        ax.set_ylim(0, 1.01)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small", loc="lower right")
-        ax.set_title("TTFT CDF per transport and protocol")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
-    return path
-
-
-def _plot_phases(runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Stacked mean budget lines per geography (or run), with the budget and its safety share."""
-    plt = _pyplot()
-    bars: dict[str, Mapping[str, float]] = {}
-    total_ms, safety_ms = 500.0, 75.0
-    for run in runs:
-        lines = run.get("budget_lines_ms")
-        if not isinstance(lines, Mapping) or not lines:
-            continue
-        name = str(run.get("geography") or _run_name(run))
-        bars.setdefault(name, lines)
-        total_ms = float(run.get("budget_total_ms") or total_ms)
-        safety_ms = float(run.get("budget_safety_ms") or safety_ms)
-    phase_names = list(dict.fromkeys(name for lines in bars.values() for name in lines))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(bars) + 3), 5))
-    try:
-        xs = list(range(len(bars)))
-        bottoms = [0.0] * len(bars)
-        for i, phase in enumerate(phase_names):
-            heights = [float(lines.get(phase, 0.0)) for lines in bars.values()]
-            ax.bar(
-                xs,
-                heights,
-                bottom=bottoms,
-                label=phase,
-                color=_PHASE_COLOURS[i % len(_PHASE_COLOURS)],
-                zorder=2,
-            )
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-        ax.axhspan(
-            total_ms - safety_ms,
-            total_ms,
-            color="#cccccc",
-            alpha=0.6,
-            zorder=1,
-            label=f"safety share ({safety_ms:.0f} ms)",
-        )
-        ax.axhline(
-            total_ms, color="#c00000", linewidth=1.5, zorder=3, label=f"budget {total_ms:.0f} ms"
-        )
-        ax.set_xticks(xs, list(bars), rotation=20, ha="right")
-        ax.set_ylabel("mean ms per phase")
-        ax.set_ylim(0, max([total_ms * 1.1, *(b * 1.05 for b in bottoms)]))
-        ax.set_title("Where the latency budget goes")
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
-    return path

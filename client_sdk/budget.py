@@ -44,7 +44,16 @@ import msgspec
 
 from firstbyte.client_sdk.timings import Timings
 
-__all__ = ["BudgetLine", "BudgetReport", "LatencyBudget", "LineResult"]
+__all__ = ["PHASE_MEANING", "BudgetLine", "BudgetReport", "LatencyBudget", "LineResult"]
+
+PHASE_MEANING: dict[str, str] = {
+    "network": "connect + send",
+    "first_byte": "round trip to first byte",
+    "first_token": "prefill + first token",
+    "next_tokens": "next tokens (decode)",
+    "render": "hand to app + draw",
+}
+"""What each budget line is, in a few words (tables and plots name phases by this)."""
 
 
 class BudgetLine(msgspec.Struct, frozen=True):
@@ -103,16 +112,50 @@ class BudgetReport(msgspec.Struct, frozen=True):
         """True when the measured lines fit in B_total, counting the safety share."""
         return self.measured_ms <= self.total_ms
 
+    def explain(self) -> str:
+        """In words: which phases overran and whether the request still fits the budget
+        (and what absorbed the overrun: the other phases' spare time or the safety share)."""
+        over = [line for line in self.lines if line.overran]
+        total = f"{self.total_ms:.0f} ms"
+        if not over:
+            if self.within_budget:
+                return f"Every phase within its allowance; {self.measured_ms:.1f} ms of {total}."
+            return f"Over budget: {self.measured_ms:.1f} ms of {total}."
+        what = "; ".join(
+            f"{PHASE_MEANING.get(line.name, line.name)} ({line.name}) took "
+            f"{line.measured_ms or 0.0:.1f} ms, {(line.used_fraction or 0.0) * 100:.0f}% of its "
+            f"{line.allowance_ms:.0f} ms allowance"
+            for line in over
+        )
+        if not self.within_budget:
+            return f"{what}; the request took {self.measured_ms:.1f} ms, over the {total} budget."
+        if self.safety_used_ms <= 0:
+            return (
+                f"{what}, but the request as a whole fits the {total} budget "
+                f"({self.measured_ms:.1f} ms): the other phases finished under their "
+                "allowances by more than that, so the safety share was not touched."
+            )
+        return (
+            f"{what}, but the request as a whole fits the {total} budget "
+            f"({self.measured_ms:.1f} ms): the other phases' spare time covered part of it and "
+            f"the safety share the remaining {self.safety_used_ms:.1f} ms "
+            f"({self.safety_used_ms / self.safety_ms * 100:.0f}% of it)."
+        )
+
     def render(self) -> str:
-        """A plain-text table: each line against its allowance, then the safety share."""
-        rows: list[tuple[str, str, str, str, str]] = []
+        """A plain-text table: each line (what it is, its share of the budget) against its
+        allowance, then the safety share and the total; then :meth:`explain` when a line
+        overran."""
+        rows: list[tuple[str, ...]] = []
         for line in self.lines:
             measured = "-" if line.measured_ms is None else _ms(line.measured_ms)
             used = line.used_fraction
             status = "not seen" if used is None else f"{used * 100:.0f}%"
             if line.overran:
                 status += "  OVER"
-            rows.append((line.name, line.category, f"{line.allowance_ms:.1f}", measured, status))
+            rows.append((line.name, PHASE_MEANING.get(line.name, line.category),
+                         f"{line.allowance_ms:.1f}", _share(line.allowance_ms, self.total_ms),
+                         measured, status))
         safety_status = (
             f"{self.safety_used_ms / self.safety_ms * 100:.0f}% used"
             if (self.safety_ms > 0)
@@ -120,26 +163,30 @@ class BudgetReport(msgspec.Struct, frozen=True):
         )
         rows.append(
             (
-                "safety (15%)",
                 "safety",
+                "P95-P99 tail reserve",
                 f"{self.safety_ms:.1f}",
+                _share(self.safety_ms, self.total_ms),
                 f"{self.safety_used_ms:.1f}",
                 safety_status,
             )
         )
         verdict = "within budget" if self.within_budget else "OVER BUDGET"
-        rows.append(("total", "", f"{self.total_ms:.1f}", f"{self.measured_ms:.1f}", verdict))
-        header = ("phase", "budget", "allowance ms", "measured ms", "used")
+        rows.append(("total", "", f"{self.total_ms:.1f}", "100%", f"{self.measured_ms:.1f}",
+                     verdict))
+        header = ("phase", "what it is", "allowance ms", "share", "measured ms", "used")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
         def fmt(row: tuple[str, ...]) -> str:
             cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
-            cells += [row[i].rjust(widths[i]) for i in (2, 3)]
-            cells.append(row[4])
+            cells += [row[i].rjust(widths[i]) for i in (2, 3, 4)]
+            cells.append(row[5])
             return "  ".join(cells).rstrip()
 
         rule = "  ".join("-" * w for w in widths)
         body = [fmt(header), rule, *(fmt(r) for r in rows[:-1]), rule, fmt(rows[-1])]
+        if self.overruns:
+            body.append(self.explain())
         return "\n".join(body)
 
 
@@ -264,6 +311,10 @@ class LatencyBudget(msgspec.Struct, frozen=True, kw_only=True):
 def _ms(value: float) -> str:
     """Milliseconds for the table: one decimal, two below 0.1 ms (a render of 13 µs is not 0)."""
     return f"{value:.2f}" if 0 < value < 0.05 else f"{value:.1f}"
+
+
+def _share(part: float, total: float) -> str:
+    return f"{part / total * 100:.0f}%" if total > 0 else "-"
 
 
 def _span(start: float | None, end: float | None) -> float | None:

@@ -3,7 +3,9 @@
 Every error the SDK raises derives from :class:`FirstbyteError`. HTTP error answers become
 :class:`APIError` (or a subclass chosen by status) carrying OpenAI's error body fields;
 network failures become :class:`ConnectError` (could not reach the server) or
-:class:`StreamBrokenError` (the stream was cut and could not be resumed).
+:class:`StreamBrokenError` (the stream was cut and could not be resumed); a client built with
+an option it cannot use raises :class:`ConfigurationError` at construction. docs/sdk-errors.md
+lists every situation with its exception and message.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ __all__ = [
     "APIError",
     "AuthenticationError",
     "BadRequestError",
+    "ConfigurationError",
     "ConnectError",
     "FirstbyteError",
     "NotFoundError",
     "RateLimitError",
     "ServiceUnavailableError",
     "StreamBrokenError",
+    "StreamLostError",
     "StreamStalledError",
     "TLSError",
     "api_error_from_response",
@@ -30,6 +34,17 @@ __all__ = [
 
 class FirstbyteError(Exception):
     """Base class of every exception raised by the SDK."""
+
+
+class ConfigurationError(FirstbyteError, ValueError):
+    """A client option cannot be used as given (e.g. ``ca_file`` names no certificate file).
+
+    ``option`` is the argument's name; raised when the client is built, before any network use.
+    """
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
 
 
 class ConnectError(FirstbyteError):
@@ -42,6 +57,24 @@ class TLSError(ConnectError):
 
 class StreamBrokenError(FirstbyteError):
     """The stream was cut and every resume attempt failed."""
+
+
+class StreamLostError(StreamBrokenError):
+    """The router no longer has the stream (it restarted, or the stream was evicted): what
+    was delivered is all this stream will ever give.
+
+    Raised on every transport when a resume is answered ``stream_not_found``.
+    ``delivered_text`` is the text the iterator handed out, ``last_seq`` the last event
+    delivered, ``stream_id`` the lost stream; send a new request to go on.
+    """
+
+    def __init__(
+        self, message: str, *, stream_id: str, last_seq: int, delivered_text: str
+    ) -> None:
+        super().__init__(message)
+        self.stream_id = stream_id
+        self.last_seq = last_seq
+        self.delivered_text = delivered_text
 
 
 class StreamStalledError(StreamBrokenError):

@@ -20,15 +20,12 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.tickets import MemoryTicketStore, TicketStore
 from firstbyte.client_sdk.transports.base import Session
 from firstbyte.client_sdk.transports.http import HttpxSession
 from firstbyte.client_sdk.transports.websocket import WebSocketPool
-
-if TYPE_CHECKING:
-    from firstbyte.client_sdk.transports.h3 import TicketStore
 
 __all__ = ["ConnectionPool"]
 
@@ -54,10 +51,15 @@ class ConnectionPool:
         keepalive_interval_s: float = 15.0,
         connect_timeout_s: float = 10.0,
         max_connections: int = 16,
+        tickets: TicketStore | None = None,
+        keylog_file: str | None = None,
     ) -> None:
         self.ssl_context = ssl_context
+        self._keylog_file = keylog_file
+        """Where QUIC connections append their TLS secrets (the ``ssl_context`` has its own)."""
         self.resolver = Resolver()
-        self.tickets: TicketStore = {}
+        self.tickets: TicketStore = MemoryTicketStore() if tickets is None else tickets
+        """QUIC session tickets, shared by every HTTP/3 session (:mod:`.tickets`)."""
         self._verify = verify
         self._ca_file = ca_file
         self._keepalive_expiry_s = keepalive_expiry_s
@@ -100,7 +102,7 @@ class ConnectionPool:
                 session = H3Session(
                     origin, self.resolver, self.tickets, verify=self._verify,
                     ca_file=self._ca_file, idle_timeout_s=self._keepalive_expiry_s,
-                    connect_timeout_s=self._connect_timeout_s,
+                    connect_timeout_s=self._connect_timeout_s, keylog_file=self._keylog_file,
                 )
             else:
                 session = HttpxSession(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
-from firstbyte.client_sdk.errors import ConnectError
+from firstbyte.client_sdk.errors import ConfigurationError, ConnectError
 
 __all__ = ["Origin", "Resolver"]
 
@@ -32,7 +32,8 @@ class Origin:
     def parse(cls, url: str) -> Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"base URL must be http(s)://host[:port][/path], not {url!r}")
+            raise ConfigurationError(
+                "base_url", f"must be a base URL http(s)://host[:port][/path], not {url!r}")
         port = parts.port or (443 if parts.scheme == "https" else 80)
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 

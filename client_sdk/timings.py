@@ -10,6 +10,13 @@ Two kinds of fields:
   connection has no connect or handshake phase);
 - *offsets* from the request start (``request_sent_ms``, ``first_byte_ms``, ``first_token_ms``,
   ``last_token_ms``, ``render_ms``).
+
+The connection phases are serial and never overlap: DNS, then TCP and TLS (or QUIC), then the
+pool wait, then the request is sent, so ``connect_ms + pool_wait_ms <= request_sent_ms``.
+With HTTP/3 0-RTT the request leaves in the first flight, before the handshake has completed;
+``quic_handshake_ms`` then covers only the time until the request was sent (building the
+connection and its first flight), ``zero_rtt`` is True, and the rest of the handshake runs
+concurrently with the request's round trip, inside ``first_byte_ms``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ class Timings(msgspec.Struct, kw_only=True):
     warm: bool = False
     """True when the request reused an open connection (no connect or handshake phase)."""
     zero_rtt: bool = False
-    """True when an HTTP/3 connection sent the request as 0-RTT early data."""
+    """True when a new HTTP/3 connection sent the request as 0-RTT early data and the server
+    accepted it; ``quic_handshake_ms`` then stops when the request was sent (module docstring)."""
     region: str | None = None
     """The region that served (``x-firstbyte-region``)."""
     better_region: str | None = None
@@ -78,6 +86,7 @@ class Timings(msgspec.Struct, kw_only=True):
 
     @property
     def connect_ms(self) -> float:
-        """Time spent opening a connection: DNS + TCP + TLS, or DNS + QUIC (0 when warm)."""
+        """Time spent opening a connection before the request went out: DNS + TCP + TLS, or
+        DNS + QUIC (0 when warm). Never more than ``request_sent_ms``, 0-RTT included."""
         phases = (self.dns_ms, self.tcp_connect_ms, self.tls_handshake_ms, self.quic_handshake_ms)
         return sum(p for p in phases if p is not None)

@@ -7,18 +7,28 @@ itself answers with. A client may act on them (``region_saturated`` -> try anoth
 from __future__ import annotations
 
 __all__ = [
+    "API_KEY_REQUIRED",
     "CANCELLED",
+    "CLIENT_TOKEN_EXPIRED",
     "INVALID_AFTER",
     "INVALID_API_KEY",
+    "INVALID_CLIENT_TOKEN",
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
     "INVALID_WAIT",
+    "KEY_CONCURRENCY_EXCEEDED",
+    "KEY_RATE_LIMITED",
+    "KEY_STORE_FULL",
     "MISSING_API_KEY",
     "NOT_FOUND",
+    "OVERLOADED",
     "REGION_SATURATED",
+    "REQUEST_TIMEOUT",
     "REQUEST_TOO_LARGE",
     "SERVICE_UNAVAILABLE",
+    "STREAM_LOST",
     "STREAM_NOT_FOUND",
+    "STREAM_STORE_FULL",
     "TOO_MANY_STREAMS",
     "UNAVAILABLE",
     "UNSUPPORTED_MEDIA_TYPE",
@@ -28,16 +38,39 @@ __all__ = [
 
 MISSING_API_KEY = "missing_api_key"
 INVALID_API_KEY = "invalid_api_key"
+INVALID_CLIENT_TOKEN = "invalid_client_token"
+"""401: a client token that is malformed, not signed by this router, or bound to another
+``Origin``."""
+CLIENT_TOKEN_EXPIRED = "client_token_expired"
+"""401: a client token past its ``expires_at``; the application's backend mints a new one."""
+API_KEY_REQUIRED = "api_key_required"
+"""403: a client token where only an API key may act (minting tokens)."""
 INVALID_REQUEST = "invalid_request"
 REQUEST_TOO_LARGE = "request_too_large"
+REQUEST_TIMEOUT = "request_timeout"
+"""408: the request body stalled past the router's ``client_body_timeout_s``."""
+OVERLOADED = "overloaded"
+"""503: the router is short of memory or file descriptors and refuses new work for now."""
 UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 NOT_FOUND = "not_found"
 STREAM_NOT_FOUND = "stream_not_found"
 """Unknown stream id, or one created with another API key (the two are not told apart)."""
+STREAM_LOST = "stream_lost"
+"""In-stream: the router process producing the stream stopped (killed, crashed) before
+``[DONE]``; a reader on another process of the region learns it within a few seconds (its
+lease lapsed). The events before the error are all the stream will have."""
 INVALID_AFTER = "invalid_after"
 INVALID_WAIT = "invalid_wait"
 REGION_SATURATED = "region_saturated"
 """429: every backend of the region is saturated; ``Retry-After`` says when to retry."""
+KEY_CONCURRENCY_EXCEEDED = "key_concurrency_exceeded"
+"""429: this API key has its limit of completions in flight; the others are unaffected."""
+KEY_RATE_LIMITED = "key_rate_limited"
+"""429: this API key's token bucket is empty; ``Retry-After`` is the wait for the next token."""
+KEY_STORE_FULL = "key_store_full"
+"""429: this API key's live streams fill its share of the stream store."""
+STREAM_STORE_FULL = "stream_store_full"
+"""429: live streams fill the whole stream store (none is ever evicted to make room)."""
 UNAVAILABLE = "unavailable"
 SERVICE_UNAVAILABLE = "service_unavailable"
 UPSTREAM_ERROR = "upstream_error"

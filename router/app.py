@@ -7,19 +7,26 @@ with the first request or at startup; shutdown cancels producers and closes the 
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
 
-from firstbyte.protocol import paths
+from firstbyte.protocol import error_codes, paths
 
 from . import endpoints
-from .asgi import Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send, header_dict, send_bytes
 from .config import RouterConfig
+from .cors import Preflight
+from .edge_client import serve_client_file
+from .overload import MemoryGuard
+from .pipeline.context import error_reply
 from .state import RouterState
 from .ws import websocket_session
 
 __all__ = ["RouterApp", "build_app"]
+
+log = logging.getLogger("firstbyte.router")
 
 Handler = Callable[[RouterState, Scope, Receive, Send], Awaitable[None]]
 
@@ -30,9 +37,12 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.HEALTHZ: {"GET": endpoints.healthz},
     paths.METRICS: {"GET": endpoints.metrics},
     paths.EDGE_STATUS: {"GET": endpoints.edge_status},
+    paths.EDGE_TOKENS: {"POST": endpoints.mint_token},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
-_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
+_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS})
+# paths.edge_client(NAME)
+_CLIENT_FILE = re.compile("^" + re.escape(paths.EDGE_CLIENT) + r"/(?P<name>[a-z0-9_-]{1,40}\.js)$")
 # paths.stream(ID) and paths.stream_poll(ID)
 _STREAM_PATH = re.compile(
     "^" + re.escape(paths.STREAMS) + r"/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$"
@@ -44,14 +54,36 @@ class RouterApp:
 
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.state = RouterState(config, clock)
+        self.memory = MemoryGuard(config.limits.max_rss_bytes, clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
             await self._lifespan(receive, send)
             return
+        if (kind == "websocket" or scope["method"] == "POST") and await self._shed(kind, send):
+            return
         self.state.ensure_started()
+        if kind == "http":
+            await self.state.requests.serve(scope, receive, send, self._route)
+        else:
+            await self._route(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
         path: str = scope["path"]
+        if kind == "http":
+            cors = self.state.cors.decide(scope["method"], path, header_dict(scope))
+            if isinstance(cors, Preflight):
+                await send_bytes(send, cors.status, b"", content_type="text/plain",
+                                 headers=cors.headers)
+                return
+            if cors is not None:
+                send = _adding_headers(send, cors.headers)
+            client_file = _CLIENT_FILE.match(path)
+            if client_file is not None and scope["method"] == "GET":
+                await serve_client_file(scope, receive, send, client_file.group("name"))
+                return
         if path not in _UNGATED:
             await self.state.until_warm()
         if kind == "websocket":
@@ -81,6 +113,33 @@ class RouterApp:
             return
         await endpoints.not_found(scope, send)
 
+    async def _shed(self, kind: str, send: Send) -> bool:
+        """Refuse new work (a POST, a WebSocket) while memory is short; True if refused.
+        Streams in flight and their readers (GETs) go on."""
+        was = self.memory.shedding
+        reason = self.memory.refusal()
+        if self.memory.shedding != was:
+            if reason is not None:
+                log.warning("shedding new work: %s", reason)
+            else:
+                log.warning("memory back under limits.max_rss_bytes: new work accepted")
+        if reason is None:
+            return False
+        self.state.metrics.count("shed", "memory")
+        if kind == "websocket":
+            await send({"type": "websocket.close", "code": 1013, "reason": "overloaded"})
+            return True
+        refusal = error_reply(
+            503,
+            "The router is short of memory; retry, or use another region.",
+            "server_error",
+            code=error_codes.OVERLOADED,
+            headers=(("retry-after", "1"),),
+            outcome="overloaded",
+        )
+        await endpoints.reply(send, None, refusal)
+        return True
+
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
@@ -93,6 +152,18 @@ class RouterApp:
                 await self.state.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _adding_headers(send: Send, headers: tuple[tuple[str, str], ...]) -> Send:
+    """``send`` with ``headers`` added to the response start."""
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
+        await send(message)
+
+    return wrapped
 
 
 def build_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> RouterApp:

@@ -1,4 +1,4 @@
-"""Per-backend load, region saturation, spill budget and ``Retry-After`` (sans-IO).
+"""Per-backend load, capacity, region saturation and ``Retry-After`` (sans-IO).
 
 Load of a backend = the router's own count of requests in flight to it (exact and instant)
 plus, if its metrics are fresh, the traffic they show beyond ours: reported ``running +
@@ -6,25 +6,38 @@ waiting`` (vLLM metric names) minus our in-flight count *when they were scraped*
 up to one interval old; comparing it with our count of that moment (not of now) keeps a stale
 scrape from making a backend look busier, or idler, than it is.
 
-A backend is *saturated* when its load reaches ``max_in_flight`` or it reports more than
-``max_waiting`` waiting requests; the region is saturated when every healthy backend is.
-The expected queue wait of a new request is ``excess / max_in_flight * service time``, with
-the service time an EWMA of observed request durations; the drain estimate behind
+Capacity is learned from what the backend reports, with ``max_in_flight`` as a cap. Every
+new request waits for the next scheduler step (~10-100 ms) before it runs, so a scrape sees
+requests waiting even on a backend with free slots: about what arrived during one step. The
+tracker subtracts the requests it sent in the last ``RECENT_S`` before the scrape; what is
+left beyond ``max_waiting``, in two scrapes in a row, is a real queue, and then the number
+the backend runs is what it can run (``max_num_seqs``, or fewer when its KV cache is the
+limit): its *slots*. A later scrape showing more running raises them. Its limit is
+``min(max_in_flight, slots + max_waiting)``; until a queue was seen, the cap alone. A backend
+is *saturated* when unhealthy, when its real queue is longer than ``max_waiting``, or when its
+load reaches its limit; the region is saturated when every healthy backend is.
+
+The expected queue wait of a new request is ``excess / limit * service time``, with the
+service time an EWMA of observed request durations; the drain estimate behind
 ``Retry-After`` is the same wait for the least-loaded backend (integer seconds, at least 1).
 
-The spill budget follows Envoy's retry budget: spills in progress may not exceed
-``max(min_concurrency, ratio * active requests)``.
+The spill budget is :mod:`firstbyte.router.spill`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from firstbyte.router.upstream_metrics import BackendMetrics
 
-__all__ = ["BackendLoad", "Ewma", "LoadTracker", "SpillBudget"]
+__all__ = ["RECENT_S", "BackendLoad", "Ewma", "LoadTracker"]
+
+RECENT_S = 0.25
+"""Requests sent this recently may still be waiting for their first scheduler step (a step
+with a long prefill takes ~100 ms); they are not a queue."""
 
 
 class Ewma:
@@ -55,6 +68,25 @@ class BackendLoad:
     ttft_ms: Ewma = field(default_factory=Ewma)
     service_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1000.0))
     requests: int = 0
+    slots: int | None = None
+    """Requests it runs at once, learned from its metrics (None until it showed a queue)."""
+    queued_scrapes: int = 0
+    """Consecutive scrapes that showed a real queue (2 or more: it is real)."""
+    queue: int = 0
+    """Waiting requests at the last scrape beyond those we had just sent."""
+    recent_starts: deque[float] = field(default_factory=deque)
+    """When our requests to it started, for the last ``RECENT_S``."""
+
+    @property
+    def limit(self) -> int:
+        """Load at which it is saturated: learned slots plus the allowed queue, capped."""
+        if self.slots is None:
+            return self.max_in_flight
+        return max(1, min(self.max_in_flight, self.slots + self.max_waiting))
+
+    @property
+    def queued(self) -> bool:
+        return self.queued_scrapes >= 2
 
 
 class LoadTracker:
@@ -68,10 +100,13 @@ class LoadTracker:
         return self.backends[name]
 
     # --- inputs
-    def started(self, name: str) -> None:
+    def started(self, name: str, now: float | None = None) -> None:
         b = self.backends[name]
         b.in_flight += 1
         b.requests += 1
+        if now is not None:
+            b.recent_starts.append(now)
+            _forget_before(b.recent_starts, now - RECENT_S)
 
     def finished(self, name: str, duration_ms: float | None = None) -> None:
         b = self.backends[name]
@@ -85,6 +120,17 @@ class LoadTracker:
     def observe_metrics(self, name: str, metrics: BackendMetrics, now: float) -> None:
         b = self.backends[name]
         b.metrics, b.metrics_at, b.in_flight_at_metrics = metrics, now, b.in_flight
+        running = int(metrics.running or 0)
+        _forget_before(b.recent_starts, now - RECENT_S)
+        b.queue = max(0, int(metrics.waiting or 0) - len(b.recent_starts))
+        if b.queue > b.max_waiting:
+            b.queued_scrapes += 1
+            if b.queued:  # a queue that outlived a scheduler step: it runs all it can
+                b.slots = running
+        else:
+            b.queued_scrapes = 0
+            if b.slots is not None and running > b.slots:
+                b.slots = running  # it ran more than we thought it could: it has room
 
     def set_health(self, name: str, healthy: bool) -> None:
         self.backends[name].healthy = healthy
@@ -107,10 +153,9 @@ class LoadTracker:
         b = self.backends[name]
         if not b.healthy:
             return True
-        m = self._fresh(b, now)
-        if m is not None and m.waiting is not None and m.waiting > b.max_waiting:
-            return True
-        return self.load(name, now) >= b.max_in_flight
+        if self._fresh(b, now) is not None and b.queued and b.queue > b.max_waiting:
+            return True  # its queue is longer than allowed, whatever it runs
+        return self.load(name, now) >= b.limit
 
     def available(self, now: float) -> list[str]:
         """Healthy, unsaturated backends, in configuration order."""
@@ -129,14 +174,13 @@ class LoadTracker:
 
     def _wait_ms(self, name: str, now: float) -> float:
         b = self.backends[name]
-        excess = self.load(name, now) + 1 - b.max_in_flight
-        m = self._fresh(b, now)
-        if m is not None and m.waiting:
-            excess = max(excess, int(m.waiting) + 1 - b.max_waiting)
+        excess = self.load(name, now) + 1 - b.limit
+        if self._fresh(b, now) is not None and b.queued:
+            excess = max(excess, b.queue + 1 - b.max_waiting)
         if excess <= 0:
             return 0.0
         service = b.service_ms.value or 1000.0
-        return excess / b.max_in_flight * service
+        return excess / b.limit * service
 
     def retry_after_s(self, now: float) -> int:
         """``Retry-After`` for a rejected request: the drain estimate, whole seconds, >= 1."""
@@ -149,34 +193,13 @@ class LoadTracker:
         return sum(b.in_flight for b in self.backends.values())
 
     def capacity(self) -> int:
-        return sum(b.max_in_flight for b in self.backends.values() if b.healthy)
+        return sum(b.limit for b in self.backends.values() if b.healthy)
 
     def ttft_ms(self) -> float | None:
         values = [b.ttft_ms.value for b in self.backends.values() if b.ttft_ms.value is not None]
         return min(values) if values else None
 
 
-class SpillBudget:
-    """How many requests may be spilling to peers at once (Envoy retry-budget semantics)."""
-
-    def __init__(self, ratio: float = 0.2, min_concurrency: int = 3) -> None:
-        self.ratio = ratio
-        self.min_concurrency = min_concurrency
-        self.spilling = 0
-        self.spilled_total = 0
-        self.refused_total = 0
-
-    def limit(self, active: int) -> int:
-        return max(self.min_concurrency, math.floor(self.ratio * active))
-
-    def try_acquire(self, active: int) -> bool:
-        """Take one spill slot if the budget allows; ``active`` counts every request in flight."""
-        if self.spilling >= self.limit(active):
-            self.refused_total += 1
-            return False
-        self.spilling += 1
-        self.spilled_total += 1
-        return True
-
-    def release(self) -> None:
-        self.spilling = max(0, self.spilling - 1)
+def _forget_before(times: deque[float], cutoff: float) -> None:
+    while times and times[0] < cutoff:
+        times.popleft()

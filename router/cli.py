@@ -2,23 +2,26 @@
 
 firstbyte router --config router.toml
 firstbyte router --upstream http://127.0.0.1:8001 --port 8443 --certfile C --keyfile K
+firstbyte router --upstream URL ... --max-streams-per-key 32 --rate-per-key 10 --max-in-flight 256
 firstbyte router --check-config router.toml
+firstbyte router --config router.toml --workers 4 --redis-url redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import sys
+import re
 from typing import Any
 
 from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
+from .config_check import check_files
+from .observability.logs import LEVELS
 
-__all__ = ["add_arguments", "config_from_args", "run"]
+__all__ = ["LIMIT_FLAGS", "add_arguments", "config_from_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,70 +61,197 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-http3", action="store_true", help="do not serve HTTP/3")
     parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="router processes sharing the port (SO_REUSEPORT, HTTP/3 included); more than 1"
+        " needs --redis-url or state.redis_url (default: listen.workers, else 1)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="share streams, QUIC tickets and limits with the region's other router processes"
+        " through Redis or Valkey (redis://HOST:PORT/DB; state.redis_url in --config)",
+    )
+    parser.add_argument(
         "--insecure-plain-http",
         action="store_true",
         help="serve plain HTTP without TLS (local use only)",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    limits = parser.add_argument_group(
+        "limits", "the common limits (each overrides its config key; docs/limits.md has them all)"
+    )
+    for flag, (key, kind, help_text) in LIMIT_FLAGS.items():
+        limits.add_argument(flag, type=kind, metavar="N", help=f"{help_text} ({key})")
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="info (the default): the start-up line, one access line per request and upstream"
+        " or peer state changes; debug adds the HTTP libraries' own lines",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="json (the default): one JSON object per line on stdout; text: for a terminal",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="the same as --log-level debug"
+    )
+
+
+LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--max-streams-per-key": (
+        "limits.max_streams_per_key", int, "completions in flight per API key; default 128"
+    ),
+    "--rate-per-key": (
+        "limits.requests_per_s_per_key",
+        float,
+        "requests a second per API key (token bucket); default 0: no rate limit",
+    ),
+    "--burst-per-key": (
+        "limits.request_burst_per_key", int, "requests an API key may send at once; default 100"
+    ),
+    "--store-bytes-per-key": (
+        "limits.max_store_bytes_per_key",
+        int,
+        "an API key's share of the stream store, bytes; default a quarter of the store",
+    ),
+    "--max-in-flight": (
+        "routing.backend_max_in_flight",
+        int,
+        "cap on requests in flight per backend (its reported capacity rules below it);"
+        " default 1024",
+    ),
+}
+"""The limit flags: flag -> (config key, value type, help)."""
+
+
+def _limit_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The limit flags given, as config sections: ``{"limits": {"max_streams_per_key": 8}}``."""
+    sections: dict[str, dict[str, Any]] = {}
+    for flag, (key, _, _) in LIMIT_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            section, _, field = key.partition(".")
+            sections.setdefault(section, {})[field] = value
+    return sections
+
+
+def _name_the_flag(message: str, args: argparse.Namespace) -> str:
+    """``command line: limits.max_streams_per_key: ...`` -> ``--max-streams-per-key: ...``
+    when that key came from a flag the user typed."""
+    given = _limit_overrides(args)
+    for flag, (key, _, _) in LIMIT_FLAGS.items():
+        section, _, field = key.partition(".")
+        marker = f": {key}: "
+        if field in given.get(section, {}) and marker in message:
+            return f"{flag}: {message.split(marker, 1)[1]}"
+    return message
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The config from ``--config`` (flags override its listen settings) or from flags alone."""
+    """The config from ``--config`` (flags override its settings) or from flags alone, with
+    its files checked (:func:`~firstbyte.router.config_check.check_files`).
+
+    An error about a value the user gave as a flag names the flag (``--port: ...``), not the
+    config key it became; with no config file every key that has a flag is named as one.
+    """
     if args.config and args.upstream:
         raise CLIError("give either --config FILE or --upstream URL, not both")
     listen: dict[str, Any] = {}
-    for flag in ("host", "port", "certfile", "keyfile", "server"):
+    for flag in ("host", "port", "certfile", "keyfile", "server", "workers"):
         value = getattr(args, flag)
         if value is not None:
-            listen[flag] = value
+            # A path typed on the command line is relative to the working directory.
+            listen[flag] = os.path.abspath(value) if flag.endswith("file") else value
     if args.no_http3:
         listen["http3"] = False
     if args.insecure_plain_http:
         listen["insecure_plain_http"] = True
     api_keys = args.api_key or os.environ.get("FIRSTBYTE_API_KEYS", "").split()
+    limits = _limit_overrides(args)
     try:
         if args.config:
+            source = args.config
             config = load_config(args.config)
-            if listen or api_keys or args.region or args.allow_anonymous:
+            if (
+                listen or api_keys or args.region or args.allow_anonymous or limits
+                or args.redis_url
+            ):
                 data = _to_builtins(config)
                 data["listen"].update(listen)
+                for section, values in limits.items():
+                    data[section].update(values)
+                if args.redis_url:
+                    data["state"]["redis_url"] = args.redis_url
                 if api_keys:
                     data["auth"]["api_keys"] = api_keys
                 if args.allow_anonymous:
                     data["auth"]["allow_anonymous"] = True
                 if args.region:
                     data["region"] = args.region
-                config = parse_config(data, f"{args.config} (with command-line flags)")
-            return config
-        if not args.upstream:
-            raise CLIError("give --config FILE or at least one --upstream URL")
-        data = {
-            "upstreams": [{"url": url} for url in args.upstream],
-            "listen": listen,
-            "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
-        }
-        if args.region:
-            data["region"] = args.region
-        return parse_config(data, "command line")
+                source = f"{args.config} (with command-line flags)"
+                config = parse_config(data, source)
+        else:
+            if not args.upstream:
+                raise CLIError("give --config FILE or at least one --upstream URL")
+            data = {
+                "upstreams": [{"url": url} for url in args.upstream],
+                "listen": listen,
+                "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
+                **limits,
+            }
+            if args.redis_url:
+                data["state"] = {"redis_url": args.redis_url}
+            if args.region:
+                data["region"] = args.region
+            source = "command line"
+            config = parse_config(data, source)
+        check_files(config, source)
+        return config
     except ConfigError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(name_flags(_name_the_flag(str(exc), args), args)) from None
 
 
-def _check_tls_files(config: RouterConfig) -> None:
-    """Load the certificate once up front, so a bad path is one clear line, not a traceback."""
-    listen = config.listen
-    if listen.certfile is None or listen.keyfile is None:
-        return
-    import ssl
+# (args attribute, text in a config error, what the user typed instead); longer texts first,
+# so "set KEY = true" is rewritten whole before KEY alone.
+_FLAG_TEXTS = (
+    ("insecure_plain_http", "set listen.insecure_plain_http = true", "give --insecure-plain-http"),
+    ("insecure_plain_http", "listen.insecure_plain_http", "--insecure-plain-http"),
+    ("allow_anonymous", "set auth.allow_anonymous = true", "give --allow-anonymous"),
+    ("allow_anonymous", "auth.allow_anonymous", "--allow-anonymous"),
+    ("server", "listen.server = 'hypercorn'", "--server hypercorn"),
+    ("server", "listen.server", "--server"),
+    ("no_http3", "listen.http3", "HTTP/3 (on unless --no-http3)"),
+    ("host", "listen.host", "--host"),
+    ("port", "listen.port", "--port"),
+    ("certfile", "listen.certfile", "--certfile"),
+    ("keyfile", "listen.keyfile", "--keyfile"),
+    ("api_key", "auth.api_keys", "--api-key"),
+    ("region", "region:", "--region:"),
+)
 
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            listen.certfile, listen.keyfile
-        )
-    except (OSError, ssl.SSLError) as exc:
-        raise CLIError(
-            f"cannot load listen.certfile/keyfile ({listen.certfile}, {listen.keyfile}): {exc}"
-        ) from None
+
+def name_flags(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the config keys the user set by flag written as those flags.
+
+    Without ``--config`` every key that has a flag is written as its flag (there is no file
+    the user could look for it in); with ``--config`` only the keys a flag overrode. Keys
+    from ``FIRSTBYTE_API_KEYS`` are named as that variable.
+    """
+    everything = not args.config
+    env_keys = not args.api_key and bool(os.environ.get("FIRSTBYTE_API_KEYS"))
+    for attr, text, flag in _FLAG_TEXTS:
+        if attr == "api_key" and env_keys:
+            flag = "FIRSTBYTE_API_KEYS"
+        elif not (everything or getattr(args, attr)):
+            continue
+        pattern = r"(?<![\w.\[])" + re.escape(text) + r"(?:\[\d+\])?(?![\w])"
+        message = re.sub(pattern, flag, message)
+    for i, url in enumerate(args.upstream or ()):
+        message = message.replace(f"upstreams[{i}].url", f"--upstream {url}")
+    return message
 
 
 def _to_builtins(config: RouterConfig) -> dict[str, Any]:
@@ -134,27 +264,31 @@ def _to_builtins(config: RouterConfig) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.check_config:
         try:
-            load_config(args.check_config)
+            check_files(load_config(args.check_config), args.check_config)
         except ConfigError as exc:
             raise CLIError(str(exc)) from None
         print("OK")
         return 0
     config = config_from_args(args)
-    _check_tls_files(config)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    from .hosting import loop_factory
-    from .serve import RouterEndpoints, serve
+    from .observability.logs import configure
 
-    def started(ep: RouterEndpoints) -> None:
-        h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""
-        print(f"firstbyte router ({config.region}) on {ep.base_url}{h3}", file=sys.stderr)
+    # Logs (the start-up line included) go to stdout; errors before this point to stderr.
+    configure("debug" if args.verbose else args.log_level or "info", args.log_format)
+    if config.listen.workers > 1:
+        from .workers import run_workers
+
+        return run_workers(config, _serve_worker)
+    return _serve_worker(config, None)
+
+
+def _serve_worker(config: RouterConfig, index: int | None) -> int:
+    """Serve ``config`` in this process: the only one, or worker ``index`` of several."""
+    from .hosting import loop_factory
+    from .serve import serve
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config, started=started))
+            runner.run(serve(config, reuse_port=index is not None))
     except OSError as exc:
         raise CLIError(
             f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"

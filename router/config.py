@@ -4,6 +4,9 @@ Every field carries its unit in its name (``idle_timeout_s``, ``max_body_bytes``
 rejects unknown keys and bad values with a :class:`ConfigError` whose message names the file
 and the key, e.g. ``router.toml: listen.port: Expected `int` >= 0, got -1``.
 
+A relative file path in a config file (every key in :data:`PATH_KEYS`) is relative to the
+directory of that file, not to the working directory: :func:`load_config` makes it absolute.
+
 Upstreams come only from here, never from a request.
 """
 
@@ -26,21 +29,28 @@ from .regions_config import (
 )
 
 __all__ = [
+    "PATH_KEYS",
     "AuthConfig",
     "ConfigError",
+    "CorsConfig",
     "LimitsConfig",
     "ListenConfig",
     "RouterConfig",
+    "StateConfig",
     "StreamsConfig",
+    "TelemetryConfig",
     "UpstreamConfig",
     "load_config",
     "parse_config",
+    "resolve_paths",
 ]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 NonNegSeconds = Annotated[float, msgspec.Meta(ge=0)]
 PositiveBytes = Annotated[int, msgspec.Meta(ge=1)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 HttpUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+(/\S*)?$")]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
@@ -70,6 +80,9 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The TCP accept queue (``listen()`` backlog; the kernel caps it at
     ``net.core.somaxconn``). hypercorn's own default, 100, overflowed with 500 clients
     connecting at once (each dropped SYN costs the client 1 s)."""
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    """Router processes on this host sharing the port (``SO_REUSEPORT`` on TCP and UDP); more
+    than one needs ``state.redis_url`` so that they share streams, tickets and limits."""
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -104,9 +117,35 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
     """Bearer keys that may read ``/metrics`` and the whole ``/v1/edge/status`` and nothing else
     (a Prometheus scraper's token); API keys and the peer key may read them too."""
+    token_secret: Annotated[str, msgspec.Meta(min_length=32)] | None = None
+    """Signs client tokens (``POST /v1/edge/tokens``, docs/browser.md). Every process and host
+    that must accept a token needs the same secret; unset, each process draws its own at start
+    and accepts only the tokens it minted."""
+    client_token_max_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 900.0
+    """The longest lifetime a client token may ask for (a longer ``ttl_s`` is cut to it)."""
+    client_token_default_ttl_s: PositiveSeconds = 300.0
+    """A client token's lifetime when the request names none."""
+
+
+Origin = Annotated[str, msgspec.Meta(pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?$")]
+
+
+class CorsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which web pages may call the router from a browser (docs/browser.md, "CORS").
+
+    Origins match exactly (``https://app.example``, port included when not the default); no
+    wildcard: a browser sends client tokens, and an open list would let any page spend them.
+    """
+
+    allow_origins: list[Origin] = msgspec.field(default_factory=list)
+    max_age_s: Annotated[int, msgspec.Meta(ge=0, le=86400)] = 600
+    """How long a browser may cache a preflight answer."""
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What one request, one key and one upstream may use (``docs/limits.md`` lists each
+    limit, its default, what it protects and what the client sees)."""
+
     max_body_bytes: PositiveBytes = 1 << 20
     upstream_connect_timeout_s: PositiveSeconds = 5.0
     upstream_read_timeout_s: PositiveSeconds = 300.0
@@ -116,6 +155,39 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     upstream_max_connections: PositiveBytes = 512
     heartbeat_interval_s: PositiveSeconds = 15.0
     """An SSE reader idle this long gets a ``: ping`` comment."""
+    # Per API key (router/tenancy.py): one key may not take what the others need. The rate
+    # and concurrency limits apply when auth.api_keys are configured.
+    max_streams_per_key: Annotated[int, msgspec.Meta(ge=1)] = 128
+    """Completions in flight (streamed or not) per key; beyond: 429 key_concurrency_exceeded."""
+    requests_per_s_per_key: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Sustained request rate per key (a token bucket); 0: no rate limit. Beyond: 429
+    key_rate_limited with Retry-After = seconds until the next token."""
+    request_burst_per_key: Annotated[int, msgspec.Meta(ge=1)] = 100
+    """Requests a key may send at once before its rate applies (the bucket's size)."""
+    max_store_bytes_per_key: PositiveBytes | None = None
+    """A key's share of the stream store (default: a quarter of streams.max_total_bytes). A
+    key over it loses its own finished streams first; when its live streams fill it, its new
+    streams get 429 key_store_full."""
+    # What one client connection may hold (docs/router.md, "Limits"); defaults like nginx's.
+    client_header_timeout_s: PositiveSeconds = 60.0
+    """From a request's first byte to its complete head (HTTP/1.1; TLS handshakes too):
+    longer, 408 and the connection closes (a slowloris)."""
+    client_body_timeout_s: PositiveSeconds = 60.0
+    """Longest wait for the next piece of a request body: longer, 408 and close."""
+    websocket_idle_timeout_s: PositiveSeconds = 300.0
+    """A WebSocket with no client message and no stream followed for this long is closed
+    (1001)."""
+    max_connections_per_client: PositiveInt = 256
+    """Open connections from one client address; one more is refused at once (hypercorn)."""
+    reserved_fds: NonNegInt = 64
+    """File descriptors kept free for streams in flight and upstream connections: when a new
+    client connection would leave fewer, it is refused at once (hypercorn)."""
+    max_rss_bytes: PositiveBytes | None = None
+    """Resident memory above which new work is refused with 503 while streams in flight go
+    on (None: no bound; set it below the container's memory limit)."""
+    h2_max_early_resets: PositiveInt = 100
+    """HTTP/2: a connection whose client reset this many streams before their response was
+    done, more than half of all it opened, gets GOAWAY (the 2023 rapid-reset attack)."""
 
 
 class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -128,6 +200,42 @@ class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_poll_wait_s: PositiveSeconds = 30.0
 
 
+RedisUrl = Annotated[str, msgspec.Meta(pattern=r"^(redis|rediss|unix)://\S+$")]
+
+
+class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the region's shared state lives (docs/router.md, "Many processes").
+
+    Without ``redis_url`` one process keeps its streams, QUIC tickets, affinity and limits in
+    memory (the default). With it, every router process of the region (``listen.workers`` on
+    one host, or several hosts behind a load balancer) shares them through Redis or Valkey.
+    """
+
+    redis_url: RedisUrl | None = None
+    """``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path``."""
+    key_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "firstbyte:"
+    """Prefix of every key the router writes (several regions may share one server)."""
+    lease_s: Annotated[float, msgspec.Meta(ge=0.5, le=60)] = 3.0
+    """A process renews its lease this often x3; readers elsewhere declare its unfinished
+    streams lost (a ``stream_lost`` error event) once the lease has lapsed."""
+    max_events_per_stream: Annotated[int, msgspec.Meta(ge=16)] = 100_000
+    """Redis keeps about this many events per stream (``XADD MAXLEN ~``)."""
+
+
+class TelemetryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Traces exported over OTLP/HTTP (protobuf), one trace per request; needs the ``otel``
+    extra. Without ``otlp_endpoint`` nothing is exported and OpenTelemetry is never imported."""
+
+    otlp_endpoint: HttpUrl | None = None
+    """The collector's OTLP/HTTP traces URL, e.g. ``http://127.0.0.1:4318/v1/traces`` (a URL
+    without a path gets ``/v1/traces``)."""
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    """Sent with every export (e.g. a collector's ``authorization``)."""
+    service_name: Name = "firstbyte-router"
+    export_interval_s: PositiveSeconds = 1.0
+    """Finished spans are sent in a batch at least this often."""
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region: Name = "local"
     upstreams: Annotated[list[UpstreamConfig], msgspec.Meta(min_length=1)]
@@ -135,14 +243,22 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
+    cors: CorsConfig = msgspec.field(default_factory=CorsConfig)
     # Routing across regions (router/regions_config.py).
     geo: GeoConfig = msgspec.field(default_factory=GeoConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     peers: list[PeerConfig] = msgspec.field(default_factory=list)
     warm_prefixes: list[WarmPrefixConfig] = msgspec.field(default_factory=list)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     upstream_ca_file: str | None = None
     """PEM CA bundle trusted for TLS to upstreams and peers (default: the public bundle)."""
+
+    def store_bytes_per_key(self) -> int:
+        """The per-key share of the stream store in effect (its default: a quarter)."""
+        share = self.limits.max_store_bytes_per_key
+        return self.streams.max_total_bytes // 4 if share is None else share
 
     def __post_init__(self) -> None:
         if self.upstream_ca_file is not None and not Path(self.upstream_ca_file).is_file():
@@ -167,10 +283,17 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                         f"peers[{i}].url: must be https (forwarded requests carry clients'"
                         " API keys); plain http only with listen.insecure_plain_http"
                     )
+        if listen.workers > 1 and self.state.redis_url is None:
+            # N processes with N private stores: a resume, a 0-RTT ticket or a per-key limit
+            # would work or not depending on which process the kernel picked.
+            raise ValueError(
+                f"listen.workers = {listen.workers} needs state.redis_url: processes share"
+                " streams, QUIC tickets and limits only through Redis (or set listen.workers = 1)"
+            )
         if not self.auth.api_keys and not self.auth.allow_anonymous:
             raise ValueError(
-                "auth.api_keys: no API key configured; give one (or --api-key), or set"
-                " auth.allow_anonymous = true (--allow-anonymous) to accept any request"
+                "auth.api_keys: no API key configured; give one, or set"
+                " auth.allow_anonymous = true to accept any request"
             )
 
 
@@ -199,8 +322,39 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> RouterConfig
         raise ConfigError(f"{source}: {_describe(exc)}") from None
 
 
+PATH_KEYS = (
+    "listen.certfile",
+    "listen.keyfile",
+    "upstream_ca_file",
+    "geo.database",
+    "warm_prefixes[].file",
+)
+"""Every config key holding a file path (``[]``: each entry of that list)."""
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> None:
+    """Make every relative path of :data:`PATH_KEYS` in ``data`` (a decoded TOML document)
+    absolute against ``base_dir``, in place; values of the wrong type are left for validation."""
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        if not section:
+            tables = [data]
+        elif section.endswith("[]"):
+            items = data.get(section[:-2])
+            tables = [t for t in items if isinstance(t, dict)] if isinstance(items, list) else []
+        else:
+            table = data.get(section)
+            tables = [table] if isinstance(table, dict) else []
+        for table in tables:
+            value = table.get(name)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                table[name] = str(base_dir / value)
+
+
 def load_config(path: str | Path) -> RouterConfig:
-    """Read and validate a TOML file; every failure is a :class:`ConfigError` naming it."""
+    """Read and validate a TOML file; every failure is a :class:`ConfigError` naming it.
+
+    Relative file paths in it are resolved against the file's own directory."""
     source = str(path)
     try:
         text = Path(path).read_bytes()
@@ -210,4 +364,5 @@ def load_config(path: str | Path) -> RouterConfig:
         data = tomllib.loads(text.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    resolve_paths(data, Path(path).absolute().parent)
     return parse_config(data, source)

@@ -1,6 +1,7 @@
 """HTTP endpoints: each runs the pipeline stages for its request and answers.
 
-The streamed completion path: admit -> choose backend -> create a stream in the store ->
+The streamed completion path: admit -> the key's limits (:mod:`firstbyte.router.tenancy`)
+-> choose backend -> create a stream in the store ->
 start the upstream producer -> wait for the upstream's response head -> answer 200 and
 follow the stream as SSE. ``Server-Timing`` at header time carries ``queue``, ``route`` and
 ``upstream-headers`` (upstream request to its response head); ``upstream-ttft`` is not known
@@ -10,6 +11,7 @@ yet when a live stream's headers go out, so it appears on non-streamed replies a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from urllib.parse import parse_qs
 
@@ -20,9 +22,23 @@ from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
 from firstbyte.protocol.openai import encode
 from firstbyte.protocol.poll import StreamStarted
+from firstbyte.protocol.tokens import QUERY_PARAM, TokenRequest
 
-from .asgi import ClientGone, Receive, Scope, Send, header_dict, read_body, send_bytes, stream_body
-from .pipeline.admit import admit_chat, authenticate
+from .asgi import (
+    BodyTimeout,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header_dict,
+    read_body,
+    send_bytes,
+    stream_body,
+    unless_gone,
+)
+from .config import Origin
+from .observability.access import CONTEXT_KEY, reply_usage
+from .pipeline.admit import admit_body, adopt_token, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import (
     CONTINUE,
@@ -33,15 +49,16 @@ from .pipeline.context import (
     Traceparent,
     error_reply,
 )
-from .readers import parse_after, poll, sse_events
+from .readers import ReadableStream, parse_after, poll, sse_events
 from .state import RouterState
-from .streams import Stream, owner_of
+from .tenancy import limit_key
 
 __all__ = [
     "chat_completions",
     "edge_status",
     "healthz",
     "metrics",
+    "mint_token",
     "models",
     "new_context",
     "not_found",
@@ -60,7 +77,7 @@ SSE_HEADERS = (
 def new_context(state: RouterState, scope: Scope) -> RequestContext:
     headers = header_dict(scope)
     client = scope.get("client")
-    return RequestContext(
+    ctx = RequestContext(
         method=scope.get("method", "GET"),
         path=scope["path"],
         headers=headers,
@@ -69,6 +86,8 @@ def new_context(state: RouterState, scope: Scope) -> RequestContext:
         traceparent=Traceparent.continue_from(headers.get("traceparent")),
         region=state.region,
     )
+    scope[CONTEXT_KEY] = ctx  # for the access log, written when the request is over
+    return ctx
 
 
 def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
@@ -103,7 +122,8 @@ async def _finish(
         return False
     local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
     assert isinstance(local, LocalReply)
-    state.metrics.count(endpoint, local.outcome)
+    state.metrics.count_reply(endpoint, local)
+    ctx.outcome = local.outcome
     await reply(send, ctx, local)
     return True
 
@@ -117,25 +137,44 @@ async def _admitted(
     force_stream: bool,
     invalid: LocalReply | None = None,
 ) -> RequestContext | None:
-    """Read the body, admit and route; None if a reply was already sent.
+    """Read the body, admit, apply the key's limits and route; None if a reply was sent.
 
     ``invalid`` (a bad query parameter found by the caller) is answered after admission and
-    before routing, so a rejected request never holds a routing slot."""
+    before the key's limits and routing, so a rejected request spends no token and never
+    holds a routing slot."""
     ctx = new_context(state, scope)
-    limit = state.config.limits.max_body_bytes
+    # The key is checked on the head, before any body is read: a client without one cannot
+    # make the router wait for a body, or read and drain one.
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "chat"):
+        return None
+    limits = state.config.limits
+    limit = limits.max_body_bytes
     declared = ctx.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > 64 * max(limit, 1 << 20):
         ctx.body = b"\0" * (limit + 1)  # far too big even to drain: 413 without reading
     else:
         try:
-            ctx.body = await read_body(receive, limit)
+            ctx.body = await read_body(receive, limit, timeout_s=limits.client_body_timeout_s)
         except ClientGone:
             return None
+        except BodyTimeout:
+            state.metrics.count("chat", "body_timeout")
+            timeout = error_reply(
+                408,
+                f"The request body stalled for over {limits.client_body_timeout_s:g} s.",
+                code=error_codes.REQUEST_TIMEOUT,
+                outcome="body_timeout",
+            )
+            await reply(send, ctx, timeout)
+            return None
     if await _finish(
-        state, send, ctx, admit_chat(ctx, state.api_keys, limit, force_stream=force_stream), "chat"
+        state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), "chat"
     ):
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
+        return None
+    limited = limit_key(ctx, state.limiter, state.store, state.clock())
+    if await _finish(state, send, ctx, limited, "chat"):
         return None
     if await _finish(state, send, ctx, state.routing.route(ctx), "chat"):
         return None
@@ -150,8 +189,20 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
     if ctx is None:
         return
     if not ctx.stream_requested:
-        answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
-        state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
+        # Counted against the key's concurrency like a stream (streams count in the store).
+        with state.limiter.holding(ctx.owner):
+            forward = asyncio.ensure_future(
+                state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+            )
+            if not await unless_gone(receive, forward):
+                forward.cancel()  # nobody will read the answer: stop the upstream's work
+                state.metrics.count("chat", "client_gone")
+                ctx.outcome = "client_gone"
+                return
+            answer = forward.result()
+        ctx.outcome = "ok" if answer.status == 200 else f"upstream_{answer.status}"
+        ctx.usage = reply_usage(answer.body)
+        state.metrics.count("chat", ctx.outcome)
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
             send,
@@ -165,12 +216,21 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             ],
         )
         return
-    stream = state.store.create(owner_of(ctx.api_key), state.clock())
-    state.store.evict_over_budget()
+    # limit_key made room in the store (nothing awaited since): no eviction here.
+    stream = ctx.stream = state.new_stream(ctx.owner)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
-        head = await state.proxy.start_stream(ctx, stream)
+        started = state.proxy.start_stream(ctx, stream)
+        if not await unless_gone(receive, started):
+            # Gone before the response head, so before learning the stream id: nobody can
+            # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
+            if stream.cancel_producer is not None:
+                stream.cancel_producer()
+            state.metrics.count("chat", "client_gone")
+            return
+        head = started.result()
+        await state.announced(stream)  # written by now, in the same round trip as others
     finally:
         stream.detach(state.clock())
     headers = [
@@ -221,9 +281,9 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = state.store.create(owner_of(ctx.api_key), state.clock())
-    state.store.evict_over_budget()
+    stream = ctx.stream = state.new_stream(ctx.owner)
     state.proxy.start_stream(ctx, stream)
+    await state.announced(stream)
     if wait == 0:
         headers = [
             *_common_headers(ctx),
@@ -243,11 +303,13 @@ async def start_detached_stream(
     await send_bytes(send, 201, msgspec.json.encode(batch), headers=headers)
 
 
-def _lookup(state: RouterState, ctx: RequestContext, stream_id: str) -> Stream | LocalReply:
-    outcome = authenticate(ctx, state.api_keys)
+async def _lookup(
+    state: RouterState, ctx: RequestContext, stream_id: str
+) -> ReadableStream | LocalReply:
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         return outcome
-    stream = state.store.get(stream_id, owner_of(ctx.api_key))
+    stream = await state.find_stream(stream_id, ctx.owner)
     if stream is None:
         return error_reply(
             404,
@@ -290,16 +352,19 @@ async def _open_stream(
     endpoint: str,
     *,
     last_event_id: bool,
-) -> tuple[RequestContext, Stream, int, dict[str, str]] | None:
+) -> tuple[RequestContext, ReadableStream, int, dict[str, str]] | None:
     """Authenticate, find the caller's stream and parse the ``after`` cursor (the
     ``Last-Event-ID`` header first when ``last_event_id``); returns (context, stream, after,
     query), or None once a 401/404/400 reply is sent."""
     ctx = new_context(state, scope)
-    found = _lookup(state, ctx, stream_id)
+    query = _query(scope)
+    if last_event_id:
+        adopt_token(ctx, query.get(QUERY_PARAM))  # EventSource cannot send Authorization
+    found = await _lookup(state, ctx, stream_id)
     if isinstance(found, LocalReply):
         await _finish(state, send, ctx, found, endpoint)
         return None
-    query = _query(scope)
+    ctx.stream = found
     raw_after = query.get("after")
     name = "after"
     if last_event_id:
@@ -374,7 +439,7 @@ async def poll_stream(
 async def models(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /v1/models``: the chosen upstream's list."""
     ctx = new_context(state, scope)
-    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys), "models"):
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "models"):
         return
     if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "models"):
         return
@@ -387,6 +452,49 @@ async def models(state: RouterState, scope: Scope, receive: Receive, send: Send)
         content_type=answer.content_type,
         headers=_common_headers(ctx),
     )
+
+
+_token_request = msgspec.json.Decoder(TokenRequest)
+_origin = msgspec.json.Decoder(Origin)
+
+
+def _parse_token_request(body: bytes) -> TokenRequest | LocalReply:
+    try:
+        request = _token_request.decode(body) if body.strip() else TokenRequest()
+        if request.origin is not None:
+            _origin.decode(msgspec.json.encode(request.origin))
+    except msgspec.DecodeError as exc:
+        return error_reply(400, f"Invalid token request: {exc}", code=error_codes.INVALID_REQUEST)
+    return request
+
+
+async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/edge/tokens``: a client token for the calling API key (never for a token)."""
+    ctx = new_context(state, scope)
+    try:
+        body = await read_body(receive, 4096)
+    except ClientGone:
+        return
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
+    if outcome is CONTINUE and ctx.by_client_token:
+        outcome = error_reply(
+            403,
+            "A client token cannot mint tokens; the application's backend mints them with"
+            " its API key.",
+            "permission_error",
+            code=error_codes.API_KEY_REQUIRED,
+            outcome="forbidden",
+        )
+    if await _finish(state, send, ctx, outcome, "tokens"):
+        return
+    request = _parse_token_request(body)
+    if isinstance(request, LocalReply):
+        await _finish(state, send, ctx, request, "tokens")
+        return
+    grant = state.tokens.mint(ctx.owner, time.time(), request.ttl_s, request.origin)
+    state.metrics.count("tokens", "ok")
+    await send_bytes(send, 200, encode(grant),
+                     headers=[*_common_headers(ctx), ("cache-control", "no-store")])
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:

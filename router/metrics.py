@@ -7,9 +7,10 @@ multi-region stages add their own families with :meth:`Metrics.add_gauge_source`
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .hosting.prometheus import Histogram, labels, render_counter, render_gauge
+from .pipeline.context import LocalReply
 
 __all__ = ["SUM_SPEC", "TTFT_BUCKETS_S", "Metrics"]
 
@@ -19,16 +20,31 @@ SUM_SPEC = ".6f"
 
 
 class Metrics:
-    """Requests by endpoint and outcome, in-flight streams, time to first token."""
+    """Requests by endpoint and outcome, requests the router refused by reason, in-flight
+    streams, time to first token."""
 
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str]] = Counter()
+        self.rejected: Counter[str] = Counter()
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
+        self._counters: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
 
     def count(self, endpoint: str, outcome: str) -> None:
         self.requests[(endpoint, outcome)] += 1
+
+    def count_reply(self, endpoint: str, reply: LocalReply) -> None:
+        """Count a local answer; a 429 also counts as a rejection under its error code."""
+        self.requests[(endpoint, reply.outcome)] += 1
+        if reply.status == 429:
+            self.rejected[reply.code or "rejected"] += 1
+
+    def add_counter_source(
+        self, name: str, help_text: str, label: str, read: Callable[[], Mapping[str, int]]
+    ) -> None:
+        """Expose ``read()`` (label value -> count) as a counter family at scrape time."""
+        self._counters.append((name, help_text, label, read))
 
     def add_gauge_source(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """Expose ``read()`` as a gauge called ``name`` at scrape time."""
@@ -43,6 +59,11 @@ class Metrics:
             *render_counter(
                 "firstbyte_router_requests_total", "Requests by endpoint and outcome.", requests
             ),
+            *render_counter(
+                "firstbyte_router_rejected_total",
+                "Requests the router refused with 429, by reason (the error code).",
+                [(labels(reason=reason), n) for reason, n in sorted(self.rejected.items())],
+            ),
             *render_gauge(
                 "firstbyte_router_in_flight", "Upstream requests in flight.", [("", self.in_flight)]
             ),
@@ -54,4 +75,7 @@ class Metrics:
         ]
         for name, help_text, read in self._gauges:
             lines += render_gauge(name, help_text, [("", read())])
+        for name, help_text, label, counts in self._counters:
+            samples = [(labels(**{label: k}), n) for k, n in sorted(counts().items())]
+            lines += render_counter(name, help_text, samples)
         return "\n".join(lines) + "\n"

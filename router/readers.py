@@ -10,15 +10,42 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Callable
+from typing import Protocol
 
 import msgspec
 
 from firstbyte.protocol.poll import PollBatch, PollEvent
-from firstbyte.protocol.sse import encode_comment, encode_event
+from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
-from .streams import Stream, StreamEvent
+from .streams import StreamEvent
 
-__all__ = ["follow", "parse_after", "poll", "sse_events"]
+__all__ = ["ReadableStream", "follow", "parse_after", "poll", "sse_events"]
+
+
+class ReadableStream(Protocol):
+    """What a reader needs of a stream: a :class:`~firstbyte.router.streams.Stream` in this
+    process's store, or a :class:`~firstbyte.router.shared.streams.RemoteStream` produced by
+    another process of the region and read through Redis."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def evicted(self) -> bool: ...
+
+    @property
+    def upstream_ttft_ms(self) -> float | None: ...
+
+    def after(self, seq: int) -> list[StreamEvent]: ...
+
+    async def wait(self, seq: int, timeout_s: float | None) -> bool: ...
+
+    def attach(self, now: float) -> None: ...
+
+    def detach(self, now: float) -> None: ...
 
 
 def parse_after(value: str | None) -> int | None:
@@ -35,7 +62,7 @@ def parse_after(value: str | None) -> int | None:
 
 
 async def follow(
-    stream: Stream,
+    stream: ReadableStream,
     after: int,
     *,
     idle_s: float,
@@ -67,26 +94,27 @@ async def follow(
 
 
 async def sse_events(
-    stream: Stream,
+    stream: ReadableStream,
     after: int,
     *,
     heartbeat_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for every event after ``after`` (``id: SEQ`` framing), ``: ping`` when idle."""
+    """SSE bytes for every event after ``after`` (``id: SEQ`` framing); :data:`HEARTBEAT`
+    (no event for any SSE client) when idle."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
     try:
         async for batch in events:
             if batch:
                 yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
             else:
-                yield encode_comment("ping")
+                yield HEARTBEAT
     finally:
         await events.aclose()
 
 
 async def poll(
-    stream: Stream,
+    stream: ReadableStream,
     after: int,
     wait_s: float,
     *,
@@ -95,8 +123,8 @@ async def poll(
     """The events after ``after``, waiting up to ``wait_s`` for at least one."""
     stream.attach(clock())
     try:
-        if not stream.after(after) and not stream.done and wait_s > 0:
-            await stream.wait(after, wait_s)
+        if not stream.after(after) and not stream.done:
+            await stream.wait(after, wait_s)  # with wait_s 0 a remote stream still catches up
         pending = stream.after(after)
         done = stream.done  # read together with ``pending``: nothing can come in between
     finally:

@@ -118,11 +118,15 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peer_status_ttl_s: PositiveSeconds = 5.0
     """Peer state older than this counts as unknown (not a candidate)."""
     backend_metrics_interval_s: PositiveSeconds = 1.0
-    backend_max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 64
-    """Default per-backend limit when an upstream sets none."""
+    backend_max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    """Default cap on requests in flight per backend when an upstream sets none. A cap, not
+    the trigger: a backend that reports metrics is saturated by what it reports (its learned
+    capacity, :mod:`firstbyte.router.backpressure`); one that does not (``kind = "openai"``)
+    is saturated only at this cap."""
     backend_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 4
-    """A backend reporting more waiting requests than this is saturated (a few are normal:
-    vLLM counts a request as waiting until the next scheduler step picks it up)."""
+    """Queue allowed on a backend beyond its learned capacity: a backend whose waiting queue
+    outlives a scrape interval and is longer than this is saturated (a few waiting for one
+    scheduler step are normal and ignored)."""
     max_queue_wait_ms: NonNegMs = 0.0
     """A saturated region that cannot spill still queues a request on its least-loaded
     backend if the expected wait is at most this; beyond it: 429. 0: never queue."""

@@ -20,16 +20,18 @@ from firstbyte.protocol import paths
 
 from .app import RouterApp, build_app
 from .config import RouterConfig
-from .hosting import Listeners, ServerOptions, bind, running
+from .hosting import ClientLimits, Listeners, ServerOptions, bind, running
 from .hosting import serve as host
-from .hosting.quic import TicketStore
+from .hosting.quic import SessionTicketStore, TicketStore
 
 __all__ = [
     "CONFIG_ENV",
     "RouterEndpoints",
+    "client_limits",
     "granian_app",
     "running_router",
     "serve",
+    "ticket_store",
     "ws_max_message_bytes",
 ]
 
@@ -51,7 +53,7 @@ class RouterEndpoints:
     h3_port: int | None
     """The UDP port serving HTTP/3 (same number as ``port``), or None."""
     app: RouterApp
-    tickets: TicketStore | None = None
+    tickets: SessionTicketStore | None = None
 
     @property
     def openai_base_url(self) -> str:
@@ -78,16 +80,43 @@ def _options(config: RouterConfig, tune_gc: bool) -> ServerOptions:
         graceful_timeout_s=5.0,
         lifespan=True,  # the app starts its background tasks (peers, warmup, metrics) there
         ws_max_message_bytes=ws_max_message_bytes(config),
+        limits=client_limits(config),
         tune_gc=tune_gc,
         backlog=listen.backlog,
     )
 
 
-def _bind(config: RouterConfig, app: RouterApp | None) -> tuple[Listeners, RouterEndpoints]:
+def ticket_store(config: RouterConfig) -> SessionTicketStore:
+    """Where HTTP/3 session tickets live: this process's memory, or (``state.redis_url``)
+    Redis, so that a ticket issued by one process is accepted, once, by any of them."""
+    if config.state.redis_url is None:
+        return TicketStore()
+    from .shared.keys import Keys
+    from .shared.tickets import RedisTicketStore
+
+    return RedisTicketStore(config.state.redis_url, Keys(config.state.key_prefix))
+
+
+def client_limits(config: RouterConfig) -> ClientLimits:
+    """The connection-level part of ``[limits]``, which the hosting layer enforces."""
+    limits = config.limits
+    return ClientLimits(
+        header_timeout_s=limits.client_header_timeout_s,
+        max_connections_per_client=limits.max_connections_per_client,
+        reserved_fds=limits.reserved_fds,
+        h2_max_early_resets=limits.h2_max_early_resets,
+    )
+
+
+def _bind(
+    config: RouterConfig, app: RouterApp | None, reuse_port: bool = False
+) -> tuple[Listeners, RouterEndpoints]:
     listen = config.listen
     tls = listen.certfile is not None
     want_h3 = tls and listen.http3 and listen.server == "hypercorn"
-    listeners = bind(listen.host, listen.port, udp=want_h3, backlog=listen.backlog)
+    listeners = bind(
+        listen.host, listen.port, udp=want_h3, reuse_port=reuse_port, backlog=listen.backlog
+    )
     try:
         endpoints = RouterEndpoints(
             base_url=listeners.url(tls=tls),
@@ -95,7 +124,7 @@ def _bind(config: RouterConfig, app: RouterApp | None) -> tuple[Listeners, Route
             port=listeners.port,
             h3_port=listeners.h3_port,
             app=app or build_app(config),
-            tickets=TicketStore() if want_h3 else None,
+            tickets=ticket_store(config) if want_h3 else None,
         )
     except BaseException:
         listeners.close()
@@ -103,8 +132,31 @@ def _bind(config: RouterConfig, app: RouterApp | None) -> tuple[Listeners, Route
     return listeners, endpoints
 
 
-def _announce(endpoints: RouterEndpoints) -> None:
-    log.info("router listening on %s (HTTP/3 on UDP %s)", endpoints.base_url, endpoints.h3_port)
+def describe(config: RouterConfig, endpoints: RouterEndpoints) -> str:
+    """What is served where, e.g. ``https://127.0.0.1:8443 (HTTP/1.1, HTTP/2) and HTTP/3 on
+    UDP 8443`` or ``http://127.0.0.1:8080 (HTTP/1.1, h2c; plain HTTP, no TLS)``."""
+    listen = config.listen
+    tls = listen.certfile is not None
+    versions = ["HTTP/1.1"]
+    if listen.server == "hypercorn":
+        versions.append("HTTP/2" if tls else "h2c")
+    text = f"{endpoints.base_url} ({', '.join(versions)}{'' if tls else '; plain HTTP, no TLS'})"
+    if endpoints.h3_port is not None:
+        text += f" and HTTP/3 on UDP {endpoints.h3_port}"
+    return text
+
+
+def _announce(config: RouterConfig, endpoints: RouterEndpoints) -> None:
+    upstreams = len(config.upstreams)
+    traces = config.telemetry.otlp_endpoint
+    log.info(
+        "firstbyte router (%s) serving %s; %d upstream%s%s",
+        config.region,
+        describe(config, endpoints),
+        upstreams,
+        "" if upstreams == 1 else "s",
+        f"; traces to {traces}" if traces else "",
+    )
 
 
 async def serve(
@@ -114,16 +166,19 @@ async def serve(
     started: Callable[[RouterEndpoints], None] | None = None,
     app: RouterApp | None = None,
     tune_gc: bool = True,
+    reuse_port: bool = False,
 ) -> None:
     """Serve ``config`` until ``shutdown()`` returns (default: SIGINT/SIGTERM).
 
     With ``tune_gc`` (the default: this is a router process) the cyclic GC is tuned for
     latency once the listener is up (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`).
+    With ``reuse_port`` the sockets share their port with the other workers
+    (:mod:`firstbyte.router.workers`).
     """
-    listeners, endpoints = _bind(config, app)
+    listeners, endpoints = _bind(config, app, reuse_port)
 
     def on_started() -> None:
-        _announce(endpoints)
+        _announce(config, endpoints)
         if started is not None:
             started(endpoints)
 
@@ -151,7 +206,7 @@ async def running_router(
     listeners, endpoints = _bind(config, None)
     options = _options(config, tune_gc)
     async with running(endpoints.app, listeners, options, tickets=endpoints.tickets):
-        _announce(endpoints)
+        _announce(config, endpoints)
         yield endpoints
 
 

@@ -1,25 +1,40 @@
-"""Everything one router process holds: config, stream store, backends, proxy, metrics.
+"""Everything one router process holds: config, stream store, per-key limits, backends,
+proxy, metrics, and (with ``state.redis_url``) its link to the state the region's processes share.
 
 :meth:`RouterState.tick` is the periodic housekeeping, with the clock passed in: evict
 streams over the store's age and byte bounds, and cancel upstream requests nobody has read
-for ``resume_grace_s`` (a client that disconnected and did not resume).
+for ``resume_grace_s`` (a client that disconnected and did not resume; with shared state, a
+reader on another process counts as a reader).
+
+Streams are created with :meth:`RouterState.new_stream` and found with
+:meth:`RouterState.find_stream`: in this process's store first, then (shared state) in Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import secrets
 import time
 from collections.abc import Callable
 
+from .client_tokens import TokenSigner
 from .config import RouterConfig
+from .cors import CorsPolicy
 from .metrics import Metrics
 from .multiregion import RegionRouting
+from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.proxy import Proxy
-from .streams import StreamStore
+from .readers import ReadableStream
+from .shared import SharedState, connect
+from .streams import Stream, StreamStore
+from .tenancy import KeyLimiter
 
 __all__ = ["RouterState"]
+
+log = logging.getLogger("firstbyte.router")
 
 
 class RouterState:
@@ -31,9 +46,23 @@ class RouterState:
         # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
         self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
         self.metrics = Metrics()
+        self.tokens = TokenSigner(
+            _token_secret(config),
+            max_ttl_s=config.auth.client_token_max_ttl_s,
+            default_ttl_s=config.auth.client_token_default_ttl_s,
+        )
+        self.cors = CorsPolicy(config.cors)
         self.store = StreamStore(
             max_total_bytes=config.streams.max_total_bytes,
             max_age_s=config.streams.max_age_s,
+            max_owner_bytes=config.store_bytes_per_key(),
+        )
+        limits = config.limits
+        self.limiter = KeyLimiter(
+            max_streams=limits.max_streams_per_key,
+            rate_per_s=limits.requests_per_s_per_key,
+            burst=limits.request_burst_per_key,
+            enabled=bool(self.api_keys),  # anonymous: every caller is one "key"
         )
         self.pool = BackendPool(
             [
@@ -46,6 +75,16 @@ class RouterState:
         self.routing = RegionRouting(
             config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client
         )
+        self.shared: SharedState | None = connect(config)
+        """The region's shared state (Redis), or None: everything in this process's memory."""
+        self._sharing: asyncio.Task[None] | None = None
+        spans: SpanSink | None = None
+        if config.telemetry.otlp_endpoint is not None:
+            from .observability.traces import OtlpTraces
+
+            spans = OtlpTraces(config.telemetry, config.region)
+        self.requests = RequestLog(config.region, spans)
+        """Access log lines and traces, written as requests end."""
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[bool] | None = None
@@ -56,6 +95,12 @@ class RouterState:
             "firstbyte_router_stream_store_bytes",
             "Bytes held in the stream store.",
             lambda: self.store.total_bytes,
+        )
+        self.metrics.add_counter_source(
+            "firstbyte_router_stream_evictions_total",
+            "Streams evicted from the store, by reason (age, key_share, bytes).",
+            "reason",
+            lambda: self.store.evicted_by,
         )
 
     @property
@@ -71,6 +116,8 @@ class RouterState:
         """Start housekeeping and the start-up warmup in the running loop (idempotent; called
         at lifespan start-up and on every request)."""
         if self._maintainer is None:
+            if self.shared is not None:
+                self._sharing = asyncio.create_task(self.shared.start())
             self._maintainer = asyncio.create_task(self._maintain())
             self.routing.start()
             self._warming = asyncio.create_task(self.routing.wait_warm())
@@ -82,13 +129,37 @@ class RouterState:
         requests until then: the first request already finds the shared prompts cached.
         """
         self.ensure_started()
+        if self._sharing is not None and not self._sharing.done():
+            await asyncio.shield(self._sharing)  # the lease covers every stream we create
         assert self._warming is not None
         if not self._warming.done():
             await asyncio.shield(self._warming)
 
+    def new_stream(self, owner: bytes) -> Stream:
+        """A new stream of ``owner`` in this process's store, shared when the state is."""
+        stream = self.store.create(owner, self.clock())
+        if self.shared is not None:
+            self.shared.streams.publish(stream)
+        return stream
+
+    async def announced(self, stream: Stream) -> None:
+        """Return once other processes can find ``stream``: await before its id goes out."""
+        if self.shared is not None:
+            await self.shared.streams.announced(stream)
+
+    async def find_stream(self, stream_id: str, owner: bytes) -> ReadableStream | None:
+        """``owner``'s stream: from this process's store, else from the shared state; None
+        for an unknown id or another owner's stream alike."""
+        stream = self.store.get(stream_id, owner)
+        if stream is not None or self.shared is None:
+            return stream
+        return await self.shared.streams.lookup(stream_id, owner)
+
     def tick(self, now: float) -> None:
-        """Evict what the store's bounds say must go; cancel unattended upstream requests."""
+        """Evict what the store's bounds say must go; cancel unattended upstream requests;
+        forget the rate buckets of idle keys."""
         self.store.evict(now)
+        self.limiter.forget_idle(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:
@@ -99,8 +170,16 @@ class RouterState:
     async def _maintain(self) -> None:
         # Check often enough that the grace period is honoured within ~25%.
         interval = min(1.0, max(0.05, self.config.streams.resume_grace_s / 4))
+        grace = self.config.streams.resume_grace_s
         while True:
             await asyncio.sleep(interval)
+            if self.shared is not None:
+                try:
+                    await self.shared.streams.keep_attended(
+                        self.store.running(), self.clock(), grace
+                    )
+                except Exception as exc:  # Redis away: only local readers count this turn
+                    log.warning("cannot check for readers elsewhere: %s", exc)
             self.tick(self.clock())
 
     async def aclose(self) -> None:
@@ -114,4 +193,20 @@ class RouterState:
                 await self._maintainer
             self._maintainer = None
         await self.routing.aclose()
-        await self.proxy.aclose()
+        await self.proxy.aclose()  # producers append their last events (to Redis too) ...
+        if self._sharing is not None:
+            self._sharing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sharing
+        if self.shared is not None:
+            await self.shared.aclose()  # ... which are flushed before the lease is released
+        await self.requests.aclose()
+
+
+def _token_secret(config: RouterConfig) -> bytes:
+    if config.auth.token_secret is not None:
+        return config.auth.token_secret.encode()
+    if config.cors.allow_origins:
+        log.info("auth.token_secret is not set: client tokens minted here are valid on this"
+                 " process only (set it for several processes or hosts)")
+    return secrets.token_bytes(32)

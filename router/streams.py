@@ -5,12 +5,16 @@ its last event is ``[DONE]``. Any number of readers can read it from any sequenc
 over any transport, while the producer (the upstream request) is still appending: a reader
 that reconnects with its last seen sequence gets every later event exactly once.
 
-The store is bounded by total bytes and by age. Eviction (``StreamStore.evict(now)``) drops
-streams older than ``max_age_s``, then, while over ``max_total_bytes``, finished streams
-oldest first and only then unfinished ones. Evicting an unfinished stream cancels its
-producer through its ``cancel_producer`` hook. The clock is passed in (``now``), so eviction is
-tested without sleeping; the only IO-ish part is :meth:`Stream.wait`, an asyncio wait for
-new events.
+The store is bounded by age, by total bytes and by bytes per owner (one API key's share).
+Eviction drops streams older than ``max_age_s``; then finished streams of an owner over its
+share (its own, before anyone else's); then, while over ``max_total_bytes``, finished streams
+oldest first. The byte bounds never evict a live (unfinished) stream: when live streams fill
+an owner's share or the whole store, :meth:`StreamStore.make_room` refuses the *new* stream
+instead (:class:`StoreFull`), and the router answers 429. Evicting an unfinished stream (by
+age) cancels its producer through its ``cancel_producer`` hook. Every index is kept in order
+as streams are created and finish, so an eviction costs O(1), whatever the number of streams.
+The clock is passed in (``now``), so eviction is tested without sleeping; the only IO-ish part
+is :meth:`Stream.wait`, an asyncio wait for new events.
 
 Stream ids are 128 random bits (``secrets``), URL-safe base64 without padding. A stream is
 bound to its owner (a digest of the API key); :meth:`StreamStore.get` returns ``None`` for a
@@ -25,14 +29,25 @@ import contextlib
 import hashlib
 import hmac
 import secrets
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgspec
 
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.sse import DONE
 
-__all__ = ["DONE_DATA", "Stream", "StreamEvent", "StreamStore", "new_stream_id", "owner_of"]
+__all__ = [
+    "DONE_DATA",
+    "StoreFull",
+    "Stream",
+    "StreamEvent",
+    "StreamStore",
+    "new_stream_id",
+    "owner_of",
+]
 
 DONE_DATA = DONE.encode()
 _EVENT_OVERHEAD_BYTES = 64
@@ -81,6 +96,9 @@ class Stream:
     upstream_ttft_ms: float | None = None
     """Upstream request sent to its first content chunk, once known."""
     cancel_producer: Callable[[], object] | None = None
+    mirror: Callable[[Stream, StreamEvent], object] | None = field(default=None, repr=False)
+    """Called with every appended event when the stream is shared with other processes
+    (:mod:`firstbyte.router.shared.streams` writes it to Redis)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
@@ -102,10 +120,12 @@ class Stream:
         self.events.append(event)
         size = len(data) + _EVENT_OVERHEAD_BYTES
         self.size_bytes += size
-        if self._store is not None:
-            self._store.total_bytes += size
         if event.is_done:
             self.finished_at = now
+        if self._store is not None:
+            self._store._grew(self, size)
+        if self.mirror is not None:
+            self.mirror(self, event)
         self._wake()
         return event
 
@@ -130,8 +150,9 @@ class Stream:
         return 0.0 if self.readers else max(0.0, now - self.last_reader_at)
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool:
-        """Wait until an event after ``seq`` exists (or the stream is evicted); False on timeout."""
-        if len(self.events) > seq or self.evicted:
+        """Wait until an event after ``seq`` exists (or the stream is evicted); False on timeout
+        (at once when ``timeout_s`` is 0)."""
+        if len(self.events) > seq or self.evicted or timeout_s == 0:
             return len(self.events) > seq
         # A bare future and a timer handle, not ``wait_for(event.wait())``: that made a task
         # per call, and every live reader calls this once per relayed chunk.
@@ -162,27 +183,97 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class StreamStore:
-    """All streams of one router process, bounded by bytes and age."""
+@dataclass(eq=False)
+class _Owner:
+    """One owner's share of the store: bytes held, live streams, finished streams in the
+    order they finished (the order its own streams are evicted in)."""
 
-    def __init__(self, *, max_total_bytes: int, max_age_s: float) -> None:
+    bytes: int = 0
+    live: int = 0
+    finished: OrderedDict[str, Stream] = field(default_factory=OrderedDict)
+
+
+class StoreFull(Enum):
+    """Why the store refused a new stream (the error code the client gets)."""
+
+    KEY = error_codes.KEY_STORE_FULL
+    """The owner's own live streams fill its share."""
+    STORE = error_codes.STREAM_STORE_FULL
+    """Live streams fill the whole store."""
+
+
+class StreamStore:
+    """All streams of one router process, bounded by bytes (overall and per owner) and age.
+
+    Every stream sits in ordered indexes (creation order; finish order, overall and per owner),
+    so finding the next one to evict is O(1) and dropping it is O(1): no index is ever sorted.
+    """
+
+    def __init__(
+        self, *, max_total_bytes: int, max_age_s: float, max_owner_bytes: int | None = None
+    ) -> None:
         self.max_total_bytes = max_total_bytes
         self.max_age_s = max_age_s
-        self._streams: dict[str, Stream] = {}
+        self.max_owner_bytes = (
+            max_total_bytes if max_owner_bytes is None else min(max_owner_bytes, max_total_bytes)
+        )
+        # A share as large as the store is no share: the store's own bound applies.
+        self._shares = self.max_owner_bytes < max_total_bytes
+        self._streams: OrderedDict[str, Stream] = OrderedDict()  # creation order
+        self._live: dict[str, Stream] = {}
+        self._finished: OrderedDict[str, Stream] = OrderedDict()  # finish order
+        self._owners: dict[bytes, _Owner] = {}
+        self._over_share: dict[bytes, None] = {}
+        """Owners over their share that have a finished stream to give up (an ordered set)."""
         self.total_bytes = 0
         self.evictions = 0
+        self.evicted_by: Counter[str] = Counter()
+        """Evictions by reason: ``age``, ``key_share`` (an owner over its share), ``bytes``."""
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def running(self) -> list[Stream]:
-        """Streams whose producer has not finished."""
-        return [s for s in self._streams.values() if not s.done]
+        """Streams whose producer has not finished (O(running), not O(stored))."""
+        return list(self._live.values())
+
+    def live_streams(self, owner: bytes) -> int:
+        """How many of ``owner``'s streams are still being produced."""
+        usage = self._owners.get(owner)
+        return 0 if usage is None else usage.live
+
+    def owner_bytes(self, owner: bytes) -> int:
+        usage = self._owners.get(owner)
+        return 0 if usage is None else usage.bytes
+
+    def make_room(self, owner: bytes, now: float) -> StoreFull | None:
+        """Make room for a new stream of ``owner``, or say why there is none.
+
+        Evicts what is past its age, then ``owner``'s own finished streams while it is at its
+        share, then (the store being full) finished streams of owners over their share, then
+        the oldest finished streams of anyone. A live stream is never evicted for room: when
+        live streams fill the owner's share or the store, the answer is a refusal.
+        """
+        self._evict_aged(now)
+        usage = self._owners.get(owner)
+        if usage is not None and self._shares:
+            while usage.bytes >= self.max_owner_bytes and usage.finished:
+                self._drop(next(iter(usage.finished.values())), "key_share")
+            if usage.bytes >= self.max_owner_bytes:
+                return StoreFull.KEY
+        self._evict_over_budget(strict=False)
+        return StoreFull.STORE if self.total_bytes >= self.max_total_bytes else None
 
     def create(self, owner: bytes, now: float) -> Stream:
+        """A new, empty stream of ``owner`` (call :meth:`make_room` first to respect bounds)."""
         stream = Stream(id=new_stream_id(), owner=owner, created_at=now, last_reader_at=now)
         stream._store = self
         self._streams[stream.id] = stream
+        self._live[stream.id] = stream
+        usage = self._owners.get(owner)
+        if usage is None:
+            usage = self._owners[owner] = _Owner()
+        usage.live += 1
         return stream
 
     def get(self, stream_id: str, owner: bytes) -> Stream | None:
@@ -193,37 +284,74 @@ class StreamStore:
         return stream
 
     def evict(self, now: float) -> list[Stream]:
-        """Drop streams past their age, then the oldest (finished first) until under budget.
+        """Drop streams past their age (live ones too: ``max_age_s`` bounds a stream's life),
+        then finished streams of owners over their share, then the oldest finished streams
+        while over ``max_total_bytes``. The router calls this from its housekeeping tick."""
+        return self._evict_aged(now) + self._evict_over_budget(strict=True)
 
-        The router calls this from its housekeeping tick (at least once a second) and
-        :meth:`evict_over_budget` whenever it creates a stream.
-        """
+    def _evict_aged(self, now: float) -> list[Stream]:
         evicted: list[Stream] = []
-        for stream in list(self._streams.values()):
-            if now - stream.created_at > self.max_age_s:
-                evicted.append(self._drop(stream))
-        return evicted + self.evict_over_budget()
-
-    def evict_over_budget(self) -> list[Stream]:
-        """While over ``max_total_bytes``: drop finished streams, then running ones, oldest
-        first. O(1) when under budget."""
-        evicted: list[Stream] = []
-        if self.total_bytes > self.max_total_bytes:
-            # Finished streams go before running ones; oldest first within each group.
-            order = sorted(
-                self._streams.values(), key=lambda s: (not s.done, s.finished_at or s.created_at)
-            )
-            for stream in order:
-                if self.total_bytes <= self.max_total_bytes:
-                    break
-                evicted.append(self._drop(stream))
+        while self._streams:
+            oldest = next(iter(self._streams.values()))
+            if now - oldest.created_at <= self.max_age_s:
+                break
+            evicted.append(self._drop(oldest, "age"))
         return evicted
 
-    def _drop(self, stream: Stream) -> Stream:
+    def _evict_over_budget(self, *, strict: bool) -> list[Stream]:
+        """Finished streams of owners over their share, then (while the store is over budget,
+        or at it unless ``strict``) the oldest finished ones. Each drop is O(1)."""
+        evicted: list[Stream] = []
+        while self._over_share:
+            usage = self._owners[next(iter(self._over_share))]
+            evicted.append(self._drop(next(iter(usage.finished.values())), "key_share"))
+        limit = self.max_total_bytes
+        while self._finished and (
+            self.total_bytes > limit or (not strict and self.total_bytes >= limit)
+        ):
+            evicted.append(self._drop(next(iter(self._finished.values())), "bytes"))
+        return evicted
+
+    # --- bookkeeping, called by Stream ---------------------------------------------------
+    def _grew(self, stream: Stream, size: int) -> None:
+        self.total_bytes += size
+        usage = self._owners[stream.owner]
+        usage.bytes += size
+        if stream.done:  # the [DONE] event
+            del self._live[stream.id]
+            self._finished[stream.id] = stream
+            usage.live -= 1
+            usage.finished[stream.id] = stream
+            self._check_share(stream.owner, usage)
+        elif self._shares and usage.finished and usage.bytes > self.max_owner_bytes:
+            # Growing can only put an owner over its share (the per-token path: no pop).
+            self._over_share[stream.owner] = None
+
+    def _check_share(self, owner: bytes, usage: _Owner) -> None:
+        if self._shares and usage.bytes > self.max_owner_bytes and usage.finished:
+            self._over_share[owner] = None
+        else:
+            self._over_share.pop(owner, None)
+
+    def _drop(self, stream: Stream, reason: str) -> Stream:
         del self._streams[stream.id]
+        usage = self._owners[stream.owner]
+        usage.bytes -= stream.size_bytes
         self.total_bytes -= stream.size_bytes
+        if stream.done:
+            del self._finished[stream.id]
+            del usage.finished[stream.id]
+        else:
+            del self._live[stream.id]
+            usage.live -= 1
+        if usage.bytes == 0 and usage.live == 0:
+            del self._owners[stream.owner]
+            self._over_share.pop(stream.owner, None)
+        else:
+            self._check_share(stream.owner, usage)
         stream._store = None
         self.evictions += 1
+        self.evicted_by[reason] += 1
         stream.evicted = True
         stream._wake()
         if not stream.done and stream.cancel_producer is not None:

@@ -19,6 +19,8 @@ from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.ws import (
     CLOSE_INVALID_PAYLOAD,
     CLOSE_POLICY,
+    SUBPROTOCOL,
+    TOKEN_SUBPROTOCOL_PREFIX,
     Done,
     Error,
     Event,
@@ -30,16 +32,19 @@ from firstbyte.protocol.ws import (
 )
 from firstbyte.protocol.ws import encode as encode_message
 
-from .asgi import Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send
 from .endpoints import new_context
-from .pipeline.admit import admit_chat, authenticate
+from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
-from .readers import follow
+from .readers import ReadableStream, follow
 from .state import RouterState
-from .streams import Stream, owner_of
+from .tenancy import limit_key
 
 __all__ = ["websocket_session"]
+
+CLOSE_GOING_AWAY = 1001
+"""Close code for a socket closed for being idle (RFC 6455 section 7.4.1)."""
 
 MAX_STREAMS_PER_SOCKET = 64
 """Streams followed at once on one socket; one more is refused (error, close 1008), so a
@@ -66,6 +71,8 @@ class _Session:
         self._send = send
         self._lock = asyncio.Lock()
         self.followers: set[asyncio.Task[None]] = set()
+        self.last_active = state.clock()
+        """When the client last sent a message or the last followed stream ended."""
 
     async def send(self, message: ServerMessage) -> None:
         async with self._lock:
@@ -104,14 +111,17 @@ class _Session:
         ctx.traceparent = self.ctx.traceparent
         ctx.body = bytes(message.body)
         limits = self.state.config.limits
-        outcome = admit_chat(ctx, self.state.api_keys, limits.max_body_bytes, force_stream=True)
+        outcome = admit_chat(ctx, self.state.api_keys, limits.max_body_bytes, force_stream=True,
+                             tokens=self.state.tokens)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body))
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
-        outcome = self.state.routing.route(ctx)
+        outcome = limit_key(ctx, self.state.limiter, self.state.store, self.state.clock())
+        if outcome is CONTINUE:
+            outcome = self.state.routing.route(ctx)
         if isinstance(outcome, LocalReply):
-            self.state.metrics.count("ws", outcome.outcome)
+            self.state.metrics.count_reply("ws", outcome)
             await self.send(_error(None, outcome.body))
             return
         if outcome is CONTINUE:
@@ -130,9 +140,10 @@ class _Session:
                 )
             )
             return
-        stream = self.state.store.create(owner_of(ctx.api_key), self.state.clock())
-        self.state.store.evict_over_budget()
+        stream = ctx.stream = self.state.new_stream(ctx.owner)
         self.state.proxy.start_stream(ctx, stream)
+        await self.state.announced(stream)
+        self.state.requests.stream_started(ctx)
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.response_headers)
         await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),
@@ -140,7 +151,7 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
-        stream = self.state.store.get(message.stream, owner_of(self.ctx.api_key))
+        stream = await self.state.find_stream(message.stream, self.ctx.owner)
         if stream is None:
             await self.send(
                 _error(
@@ -154,12 +165,16 @@ class _Session:
         await self.send(Start(stream.id))
         self._follow(stream, message.after)
 
-    def _follow(self, stream: Stream, after: int) -> None:
+    def _follow(self, stream: ReadableStream, after: int) -> None:
         task = asyncio.create_task(self._pump(stream, after))
         self.followers.add(task)
-        task.add_done_callback(self.followers.discard)
+        task.add_done_callback(self._followed)
 
-    async def _pump(self, stream: Stream, after: int) -> None:
+    def _followed(self, task: asyncio.Task[None]) -> None:
+        self.followers.discard(task)
+        self.last_active = self.state.clock()
+
+    async def _pump(self, stream: ReadableStream, after: int) -> None:
         self.state.metrics.count("ws", "stream")
         batches = follow(
             stream,
@@ -198,35 +213,63 @@ async def _refuse(scope: Scope, send: Send, refusal: LocalReply) -> None:
         await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
 
 
+async def _next_message(session: _Session, receive: Receive, idle_s: float) -> Message | None:
+    """The client's next message; None once the socket has been idle for ``idle_s``: no
+    message from the client and no stream followed for it."""
+    clock = session.state.clock
+    while True:
+        try:
+            message: Message = await asyncio.wait_for(receive(), idle_s)
+        except TimeoutError:
+            if session.followers:
+                continue  # streams are flowing to the client: not idle
+            quiet_s = clock() - session.last_active
+            if quiet_s >= idle_s:
+                return None
+            continue
+        session.last_active = clock()
+        return message
+
+
 async def websocket_session(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """Serve one WebSocket connection until either side closes it."""
     message = await receive()
     if message["type"] != "websocket.connect":
         return
     ctx = new_context(state, scope)
-    outcome = authenticate(ctx, state.api_keys)
+    offered: list[str] = list(scope.get("subprotocols") or ())
+    for protocol in offered:
+        if protocol.startswith(TOKEN_SUBPROTOCOL_PREFIX):
+            # A browser's WebSocket cannot send Authorization: its token rides as a
+            # subprotocol (out of the URL, so out of access logs), never selected.
+            adopt_token(ctx, protocol[len(TOKEN_SUBPROTOCOL_PREFIX) :])
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         state.metrics.count("ws", outcome.outcome)
         await _refuse(scope, send, outcome)
         return
-    await send(
-        {
-            "type": "websocket.accept",
-            "headers": [
-                (REGION_HEADER.encode(), state.region.encode()),
-            ],
-        }
-    )
+    accept: dict[str, object] = {
+        "type": "websocket.accept",
+        "headers": [(REGION_HEADER.encode(), state.region.encode())],
+    }
+    if SUBPROTOCOL in offered:
+        accept["subprotocol"] = SUBPROTOCOL
+    await send(accept)
     session = _Session(state, ctx, send)
+    idle_s = state.config.limits.websocket_idle_timeout_s
     try:
         while True:
-            message = await receive()
-            if message["type"] == "websocket.disconnect":
+            incoming = await _next_message(session, receive, idle_s)
+            if incoming is None:
+                await session.aclose()
+                await send({"type": "websocket.close", "code": CLOSE_GOING_AWAY, "reason": "idle"})
                 return
-            if message["type"] != "websocket.receive":
+            if incoming["type"] == "websocket.disconnect":
+                return
+            if incoming["type"] != "websocket.receive":
                 continue
-            text = message.get("text")
-            data = text if text is not None else message.get("bytes") or b""
+            text = incoming.get("text")
+            data = text if text is not None else incoming.get("bytes") or b""
             await session.handle(data)
     except _Close as close:
         await session.aclose()

@@ -22,8 +22,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "firstbyte", "client_sdk", "router", "benchmarks")
-"""What the wheel is built from. Copied first: building in the checkout would leave build/
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "firstbyte",
+    *sorted(link.name for link in (ROOT / "firstbyte").iterdir() if link.is_symlink()),
+)
+"""What the wheel is built from: the package folder and every part its symlinks reach. Copied first: building in the checkout would leave build/
 behind, and setuptools would put a stale build/'s deleted modules into later wheels."""
 
 
@@ -79,6 +84,7 @@ def test_the_wheel_holds_one_top_level_name(install: Install) -> None:
     assert top == {"firstbyte", f"firstbyte-{version}.dist-info"}
     assert "firstbyte/client_sdk/client.py" in names
     assert "firstbyte/router/sim/server.py" in names
+    assert "firstbyte/client_sdk/browser/firstbyte.js" in names  # the router serves it
     assert "firstbyte = firstbyte.cli:main" in entry_points.decode()
 
 

@@ -188,7 +188,7 @@ def _results(
                 "errors": errors.get((client.name, how), [])[:3],
             }
             if how == "central":
-                run["budget_lines_ms"] = {}  # phases.png: one bar per client (nearest)
+                run["budget_lines_ms"] = {}  # budget bars: one per client (nearest)
             runs.append(run)
         row["chose_nearest"] = all(
             t.region == nearest.name for t in samples.get((client.name, "nearest"), []))
@@ -279,7 +279,7 @@ def _wrong_door(
             **summarize(got, duration_s=math.fsum(t.e2el_ms or 0 for t in got) / 1000,
                         failed=failed),
             "errors": errors.get(key, [])[:3],
-            "budget_lines_ms": {},  # phases.png: one bar per client (nearest)
+            "budget_lines_ms": {},  # budget bars: one per client (nearest)
         })
     forwarded = [r for r in rows if r["forwarded"]]
     result["wrong_door"] = rows

@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.stats import SLO, summarize
 from firstbyte.client_sdk.timings import Timings
@@ -165,20 +166,6 @@ run_granian("firstbyte.router.serve:granian_app", "127.0.0.1", port, **certs)
 class _Child:
     url: str
     pid: int
-
-
-def _machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, all CPUs; (0, 0) where
-    ``/proc/stat`` cannot be read (then no phase is ever judged disturbed)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            values = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    total = sum(values)
-    idle = values[3] + values[4]  # idle + iowait
-    return (total - idle) / tick, total / tick
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -329,13 +316,13 @@ async def _metered_phase(
     """:func:`_phase` with the CPU it cost: the timings, failures and wall time, then the CPU
     seconds of this process (``client``) and of each process in ``pids``, and the machine's
     busy and total CPU seconds over the phase."""
-    machine = _machine_cpu()
+    machine = machine_cpu()
     before = {"client": time.process_time()}
     before |= {role: _cpu_seconds(pid) for role, pid in pids.items()}
     ok, bad, seconds = await _phase(clients, url, **phase)
     used = {"client": time.process_time() - before["client"]}
     used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
-    busy, total = (b - a for a, b in zip(machine, _machine_cpu(), strict=True))
+    busy, total = (b - a for a, b in zip(machine, machine_cpu(), strict=True))
     return ok, bad, seconds, used, busy, total
 
 

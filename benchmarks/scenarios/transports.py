@@ -278,8 +278,8 @@ def _notes(mode: str, why: str | None) -> list[str]:
         "reported apart from round trips); first_byte_rtts_raw subtracts only Server-Timing.",
         "Round trips are checked (within 10%) on long loss-free paths; on short paths the local "
         "CPU cost is as large as a round trip, and loss adds retransmissions.",
-        "phases.png: one bar per geography and connection state: SSE over HTTP/2 for cold and "
-        "warm, SSE over HTTP/3 for 0-RTT. ttft_cdf.png: every cell at ~150 ms (transpacific).",
+        "Budget bars: one per geography and connection state: SSE over HTTP/2 for cold and "
+        "warm, SSE over HTTP/3 for 0-RTT. TTFT CDFs: every cell at ~150 ms (transpacific).",
         "server TTFT for the prewarmed target: Server-Timing total (queue, route, upstream) "
         "when the transport has response headers, else the cell's TTFT at 0 ms RTT. Long-poll "
         "needs 1 round trip too (its POST waits for the first batch); at short RTTs the local "

@@ -11,35 +11,84 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import logging
 import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TextIO, cast
 
+import msgspec
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
-from aioquic.tls import SessionTicket
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    PingAcknowledged,
+    QuicEvent,
+    StreamReset,
+)
+from aioquic.tls import CipherSuite, SessionTicket
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
 
-__all__ = ["H3Session", "TicketStore", "quic_trust"]
+TICKET_WAIT_S = 0.25
+"""How long closing a session waits for a session ticket the server has not sent yet."""
 
-TicketStore = dict[str, SessionTicket]
-"""Session tickets per host name, shared by every H3 session of one client."""
+__all__ = ["H3Session", "decode_ticket", "encode_ticket", "quic_trust"]
 
 _END = object()
+# aioquic logs a failed handshake as a WARNING on its "quic" logger; with no handler configured
+# Python's last-resort handler would print it to stderr. A library must not print: the error
+# reaches the application as TLSError / ConnectError, and an application that configures
+# logging still sees aioquic's records (they propagate to its handlers).
+logging.getLogger("quic").addHandler(logging.NullHandler())
 MAX_UNREAD_BYTES = 16 << 20
 """Response bytes one HTTP/3 stream may hold unread. aioquic grants the server more flow
 control credit as data arrives, not as it is read, so past this the stream is cut (reset;
 the client resumes) rather than let a server fill memory."""
+
+
+class _Ticket(msgspec.Struct, array_like=True):
+    """aioquic's :class:`SessionTicket`, field for field, as bytes a :class:`TicketStore`
+    keeps (msgpack: no code runs when a stored ticket is read back, unlike pickle)."""
+
+    age_add: int
+    cipher_suite: int
+    not_valid_after: datetime.datetime
+    not_valid_before: datetime.datetime
+    resumption_secret: bytes
+    server_name: str
+    ticket: bytes
+    max_early_data_size: int | None
+    other_extensions: list[tuple[int, bytes]]
+
+
+def encode_ticket(ticket: SessionTicket) -> bytes:
+    return msgspec.msgpack.encode(_Ticket(
+        ticket.age_add, int(ticket.cipher_suite), ticket.not_valid_after,
+        ticket.not_valid_before, ticket.resumption_secret, ticket.server_name, ticket.ticket,
+        ticket.max_early_data_size, list(ticket.other_extensions)))
+
+
+def decode_ticket(data: bytes) -> SessionTicket | None:
+    """The ticket, or None for bytes that are not one (a store may hold anything)."""
+    try:
+        t = msgspec.msgpack.decode(data, type=_Ticket)
+        suite = CipherSuite(t.cipher_suite)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+    return SessionTicket(t.age_add, suite, t.not_valid_after, t.not_valid_before,
+                         t.resumption_secret, t.server_name, t.ticket, t.max_early_data_size,
+                         list(t.other_extensions))
 
 
 def quic_trust(
@@ -62,6 +111,11 @@ def quic_trust(
             config.load_verify_locations(cadata=pem.encode())
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.headers: asyncio.Future[tuple[list[tuple[bytes, bytes]], float]] = loop.create_future()
@@ -80,18 +134,55 @@ class _H3Protocol(QuicConnectionProtocol):
         self.handshake_at: float | None = None
         self.terminated: ConnectionTerminated | None = None
         self.handshake_waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Its outcome is read by whoever waits; after a timeout nobody does, and asyncio would
+        # print "Future exception was never retrieved" when the connection is then closed.
+        self.handshake_waiter.add_done_callback(_retrieve)
+        self.heard = False
+        """True once any datagram came from the server."""
+        self._pings: dict[int, asyncio.Future[None]] = {}
 
     @property
     def usable(self) -> bool:
         return self.terminated is None
+
+    def send_ping(self) -> asyncio.Future[None]:
+        """A QUIC PING: the future is done when it is acknowledged, failed when the connection
+        ends. (aioquic's ``ping()`` leaves a waiter whose failure asyncio prints once the
+        caller stopped waiting; this one's outcome is always retrieved.)"""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(_retrieve)
+        self._pings[id(waiter)] = waiter
+        self._quic.send_ping(id(waiter))
+        self.transmit()
+        return waiter
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.heard = True
+        super().datagram_received(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP port unreachable: nothing listens on that UDP port, the QUIC analogue of a TCP
+        # reset. Believed only before the server has said anything (RFC 9000 lets endpoints
+        # ignore ICMP, which is easy to spoof); later ones are left to QUIC's own timers.
+        refused = isinstance(exc, ConnectionRefusedError) and not self.heard
+        if refused and not self.handshake_waiter.done():
+            self.handshake_waiter.set_exception(exc)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self.handshake, self.handshake_at = event, time.perf_counter()
             if not self.handshake_waiter.done():
                 self.handshake_waiter.set_result(None)
+        elif isinstance(event, PingAcknowledged):
+            ping = self._pings.pop(event.uid, None)
+            if ping is not None and not ping.done():
+                ping.set_result(None)
         elif isinstance(event, ConnectionTerminated):
             self.terminated = event
+            pings, self._pings = self._pings, {}
+            for ping in pings.values():
+                if not ping.done():
+                    ping.set_exception(ConnectionError(event.reason_phrase))
             if not self.handshake_waiter.done():
                 self.handshake_waiter.set_exception(ConnectionError(event.reason_phrase))
             cut = TransportCut(f"QUIC connection closed: {event.reason_phrase or event.error_code}")
@@ -129,6 +220,21 @@ class _H3Protocol(QuicConnectionProtocol):
                 stream.data.put_nowait(_END)
 
 
+class _KeyLog:
+    """aioquic's ``secrets_log_file``: each line appended to ``path`` as it comes (a few per
+    handshake), so no file stays open and a long-lived client never holds a stale handle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, text: str) -> int:
+        with open(self.path, "a", encoding="ascii") as file:
+            return file.write(text)
+
+    def flush(self) -> None:
+        pass
+
+
 class H3Session:
     """Requests to one origin over HTTP/3, on one kept-warm QUIC connection."""
 
@@ -144,6 +250,7 @@ class H3Session:
         ca_file: str | None = None,
         idle_timeout_s: float = 120.0,
         connect_timeout_s: float = 10.0,
+        keylog_file: str | None = None,
     ) -> None:
         if not origin.tls:
             raise ValueError("HTTP/3 needs an https:// base URL")
@@ -154,7 +261,10 @@ class H3Session:
         self._ca_file = ca_file
         self._idle_timeout_s = idle_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._keylog = _KeyLog(keylog_file) if keylog_file else None
         self._proto: _H3Protocol | None = None
+        self._ticket_came = asyncio.Event()
+        """Set when the current connection's server sent a session ticket."""
         self._transport: asyncio.DatagramTransport | None = None
         self._lock = asyncio.Lock()
 
@@ -164,11 +274,19 @@ class H3Session:
             idle_timeout=self._idle_timeout_s,
         )
         quic_trust(config, self._verify, self._ca_file)
-        config.session_ticket = self._tickets.get(self.origin.host)
+        stored = self._tickets.take(self._server)
+        config.session_ticket = None if stored is None else decode_ticket(stored)
+        config.secrets_log_file = cast(TextIO, self._keylog)
         return config
 
+    @property
+    def _server(self) -> str:
+        return f"{self.origin.host}:{self.origin.port}"
+
     def _store_ticket(self, ticket: SessionTicket) -> None:
-        self._tickets[self.origin.host] = ticket
+        self._tickets.put(self._server, encode_ticket(ticket),
+                          ticket.not_valid_after.timestamp())
+        self._ticket_came.set()
 
     async def _connection(self, recorder: TimingRecorder | None) -> tuple[_H3Protocol, bool]:
         """The open connection, or a new one; the flag is True when early data may be sent."""
@@ -193,6 +311,7 @@ class H3Session:
         started = time.perf_counter()
         if recorder is not None:
             recorder.feed("quic_handshake.started", started)
+        self._ticket_came = asyncio.Event()
         quic = QuicConnection(configuration=config, session_ticket_handler=self._store_ticket)
         transport, proto = await loop.create_datagram_endpoint(
             lambda: _H3Protocol(quic), remote_addr=(address, self.origin.port))
@@ -212,6 +331,11 @@ class H3Session:
                 f"QUIC handshake with {self.origin.host}:{self.origin.port} timed out after "
                 f"{self._connect_timeout_s:g} s (is HTTP/3 served on UDP port {self.origin.port}?)"
             ) from None
+        except ConnectionRefusedError:
+            await self._drop()
+            raise ConnectError(
+                f"cannot connect to {self.origin.host}:{self.origin.port}: nothing listens on"
+                f" UDP port {self.origin.port} (ICMP port unreachable)") from None
         except ConnectionError as exc:
             await self._drop()
             reason = str(exc)
@@ -226,8 +350,9 @@ class H3Session:
         self._proto, self._transport = None, None
         if proto is not None:
             proto.close()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proto.wait_closed(), 0.5)
+            if proto.heard:  # else there is no peer to say goodbye to
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proto.wait_closed(), 0.5)
         if transport is not None:
             transport.close()
 
@@ -257,10 +382,15 @@ class H3Session:
                 proto.h3.send_data(stream_id, body, end_stream=True)
             proto.transmit()
             if recorder is not None:
-                recorder.feed("request_sent", time.perf_counter())
+                sent = time.perf_counter()
                 if early:
-                    # The handshake completes while the request is in flight (0-RTT).
-                    await self._await_handshake(proto, recorder)
+                    # 0-RTT: the request left with the first flight and the handshake completes
+                    # while it is in flight. Only what came before the send is a connection
+                    # phase, so the phases never overlap (Timings.zero_rtt says which it was).
+                    recorder.feed("quic_handshake.complete", sent)
+                recorder.feed("request_sent", sent)
+                if early:
+                    await self._await_handshake(proto, None)
                     hs = proto.handshake
                     recorder.record.zero_rtt = bool(hs is not None and hs.early_data_accepted)
             raw_headers, at = await stream.headers
@@ -298,7 +428,7 @@ class H3Session:
         if proto is None or not proto.usable:
             return
         try:
-            await asyncio.wait_for(proto.ping(), self._connect_timeout_s)
+            await asyncio.wait_for(asyncio.shield(proto.send_ping()), self._connect_timeout_s)
         except (TimeoutError, ConnectionError):
             async with self._lock:
                 if self._proto is proto:
@@ -310,4 +440,12 @@ class H3Session:
             await self._drop()
 
     async def aclose(self) -> None:
+        proto = self._proto
+        if proto is not None and proto.heard and proto.handshake_waiter.done():
+            # A process that makes one request and exits (a CLI, a serverless function) closes
+            # right after its response; the server's ticket for the next 0-RTT start follows
+            # the handshake and may still be in flight. A used ticket is refused (single use),
+            # so without the new one the next process pays a full handshake.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ticket_came.wait(), TICKET_WAIT_S)
         await self.reset()

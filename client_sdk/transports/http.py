@@ -26,6 +26,7 @@ from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
 from firstbyte.protocol import paths
 
 __all__ = ["HttpxSession", "connect_error"]
@@ -118,6 +119,9 @@ class HttpxSession:
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise connect_error(exc, self.origin) from exc
         except httpx.TransportError as exc:
+            mistake = await plaintext_to_tls_port(self.origin, url.host, self._limits[2])
+            if mistake is not None:
+                raise mistake from None
             raise TransportCut(f"connection lost before the response: {exc!r}") from exc
         try:
             result = HTTPResponse(
@@ -150,8 +154,17 @@ class HttpxSession:
     async def prewarm(self, connections: int = 1) -> None:
         # HTTP/2 multiplexes: one connection carries every request. HTTP/1.1 needs one
         # connection per concurrent request, opened by concurrent cheap requests.
-        n = 1 if self.http_version == "HTTP/2" else max(connections, 1)
-        await asyncio.gather(*(self._ping() for _ in range(n)))
+        # Connections carrying a response now count as open: a re-probe while a stream runs
+        # must not open a second connection for the same need.
+        if self.http_version == "HTTP/2":
+            await self._ping()
+            return
+        pool = self._client._transport._pool  # type: ignore[attr-defined]
+        alive = [c for c in pool.connections if not c.is_closed()]
+        missing = max(connections, 1) - len(alive)
+        if missing > 0:  # the idle ones take a ping each, so the rest open new connections
+            idle = sum(1 for c in alive if c.is_idle())
+            await asyncio.gather(*(self._ping() for _ in range(idle + missing)))
 
     async def keepalive(self) -> None:
         """``GET /healthz`` on each idle connection (HTTP/1.1 and HTTP/2 alike).

@@ -31,6 +31,7 @@ from firstbyte.client_sdk.errors import (
 )
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import Event, Opened, Source, TransportCut
+from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
 from firstbyte.protocol import paths
 from firstbyte.protocol import ws as messages
 from firstbyte.protocol.sse import DONE
@@ -69,6 +70,8 @@ class WebSocketPool:
         self._ping_interval_s = ping_interval_s
         self._connect_timeout_s = connect_timeout_s
         self._idle: list[ClientConnection] = []
+        self._busy: set[ClientConnection] = set()
+        """Sockets carrying a stream now: open connections that :meth:`prewarm` counts."""
 
     @property
     def url(self) -> str:
@@ -115,6 +118,9 @@ class WebSocketPool:
             raise TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {exc}") from exc
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             sock.close()
+            mistake = await plaintext_to_tls_port(origin, address, self._connect_timeout_s)
+            if mistake is not None:
+                raise mistake from None
             raise ConnectError(f"WebSocket connect to {self.url} failed: {exc!r}") from exc
         t3 = time.perf_counter()
         assert isinstance(ws, _TimedConnection)
@@ -127,22 +133,34 @@ class WebSocketPool:
         return ws
 
     async def acquire(self, recorder: TimingRecorder | None) -> ClientConnection:
-        """An idle open connection (warm), else a new one (cold, timed into ``recorder``)."""
+        """An idle open connection (warm), else a new one (cold, timed into ``recorder``);
+        give it back with :meth:`release` (or :meth:`forget` once closed)."""
         while self._idle:
             ws = self._idle.pop()
             if ws.state is State.OPEN:
                 if recorder is not None:
                     recorder.feed("pool_wait.started", time.perf_counter())
                     recorder.feed("pool_wait.complete", time.perf_counter())
+                self._busy.add(ws)
                 return ws
-        return await self._connect(recorder)
+        ws = await self._connect(recorder)
+        self._busy.add(ws)
+        return ws
 
     def release(self, ws: ClientConnection) -> None:
+        self._busy.discard(ws)
         if ws.state is State.OPEN:
             self._idle.append(ws)
 
+    def forget(self, ws: ClientConnection) -> None:
+        """``ws`` is being closed: no longer the pool's."""
+        self._busy.discard(ws)
+
     async def prewarm(self, connections: int = 1) -> None:
-        missing = max(connections, 1) - sum(1 for ws in self._idle if ws.state is State.OPEN)
+        """Open sockets until ``connections`` are open, counting those carrying a stream now
+        (a re-probe while a stream runs must not open a second socket for the same need)."""
+        opened_now = sum(1 for ws in (*self._idle, *self._busy) if ws.state is State.OPEN)
+        missing = max(connections, 1) - opened_now
         if missing > 0:
             opened = await asyncio.gather(*(self._connect(None) for _ in range(missing)))
             self._idle.extend(opened)
@@ -228,5 +246,6 @@ async def websocket_source(
         if clean:
             pool.release(ws)
         else:
+            pool.forget(ws)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ws.close(), 1.0)

@@ -17,16 +17,26 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
-__all__ = ["TicketStore", "enable_session_tickets"]
+__all__ = ["SessionTicketStore", "TicketStore", "enable_session_tickets"]
+
+
+class SessionTicketStore(Protocol):
+    """What the QUIC listener needs of a ticket store. aioquic calls both from inside the TLS
+    handshake, synchronously: ``add`` when it issues a ticket, ``pop`` when a client presents
+    one (a ticket found is removed: single use, the anti-replay guard of 0-RTT)."""
+
+    def add(self, ticket: SessionTicket) -> None: ...
+
+    def pop(self, label: bytes) -> SessionTicket | None: ...
 
 
 class TicketStore:
-    """Session tickets issued by this server, by ticket id; bounded, oldest dropped first.
+    """Session tickets issued by this process, by ticket id; bounded, oldest dropped first.
 
     ``pop`` removes a ticket on use, so each ticket admits one 0-RTT attempt (anti-replay
     within this process).
@@ -77,7 +87,7 @@ def enable_session_tickets() -> None:
             self.quic_config.firstbyte_ticket_store = store
 
     def connection_factory(*, configuration: Any, **kwargs: Any) -> QuicConnection:
-        store: TicketStore | None = getattr(configuration, "firstbyte_ticket_store", None)
+        store: SessionTicketStore | None = getattr(configuration, "firstbyte_ticket_store", None)
         if store is not None:
             kwargs.setdefault("session_ticket_fetcher", store.pop)
             kwargs.setdefault("session_ticket_handler", store.add)

@@ -24,18 +24,20 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from .gc_tuning import tune_for_serving
+from .limits import ClientLimits
 
 if TYPE_CHECKING:
-    from .quic import TicketStore
+    from .quic import SessionTicketStore
 
 __all__ = [
     "DEFAULT_BACKLOG",
     "IN_PROCESS_SERVERS",
     "KEEP_ALIVE_MAX_REQUESTS",
+    "ClientLimits",
     "Listeners",
     "ServerOptions",
     "bind",
@@ -63,6 +65,8 @@ an SDK multiplexing 100 streams over one prewarmed HTTP/2 connection would lose 
 ~15 s, and the requests started during the new handshake (2-3 round trips on a WAN) would
 all pay it. A million is ~4.5 hours of that load."""
 
+log = logging.getLogger("firstbyte.hosting")
+
 # hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
 # whatever level the application sets, so a debug run cannot leak secrets.
 for _name in ("hpack", "h2"):
@@ -88,6 +92,9 @@ class ServerOptions:
     WebSockets (uvicorn loads no WebSocket protocol)."""
     backlog: int = DEFAULT_BACKLOG
     """The listening socket's accept queue (:data:`DEFAULT_BACKLOG`)."""
+    limits: ClientLimits = field(default_factory=ClientLimits)
+    """What client connections may hold (:mod:`firstbyte.router.hosting.limits`); hypercorn
+    enforces all of it (:mod:`firstbyte.router.hosting.hardening`), uvicorn none."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -127,11 +134,25 @@ class Listeners:
             self.quic.close()
 
 
-def bind(host: str, port: int, *, udp: bool = False, backlog: int = DEFAULT_BACKLOG) -> Listeners:
+def bind(
+    host: str,
+    port: int,
+    *,
+    udp: bool = False,
+    reuse_port: bool = False,
+    backlog: int = DEFAULT_BACKLOG,
+) -> Listeners:
     """A listening TCP socket and (if ``udp``) a UDP socket on the same port number.
 
     With ``port`` 0 the kernel picks the TCP port; the UDP bind on that number is retried
     with a fresh port if it happens to be taken. ``OSError`` if the address cannot be bound.
+
+    With ``reuse_port`` both sockets set ``SO_REUSEPORT``: several processes bind the same
+    port and the kernel spreads connections over them by a hash of the 4-tuple. For UDP that
+    hash keeps every datagram of one QUIC connection on one process as long as the client's
+    address and port stay the same (a client that migrates, e.g. Wi-Fi to cellular, lands on
+    another process, which does not know the connection: the client reconnects, with 0-RTT
+    when tickets are shared).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     last_error: OSError | None = None
@@ -141,6 +162,8 @@ def bind(host: str, port: int, *, udp: bool = False, backlog: int = DEFAULT_BACK
         tcp = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited when accepted
             tcp.bind((host, port))
             tcp.listen(backlog)
@@ -152,6 +175,8 @@ def bind(host: str, port: int, *, udp: bool = False, backlog: int = DEFAULT_BACK
             return Listeners(host, tcp)
         quic = socket.socket(family, socket.SOCK_DGRAM)
         try:
+            if reuse_port:
+                quic.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             quic.bind((host, tcp.getsockname()[1]))
             quic.setblocking(False)
             return Listeners(host, tcp, quic)
@@ -198,7 +223,7 @@ async def serve(
     *,
     shutdown: Callable[[], Awaitable[Any]] | None = None,
     started: Callable[[], None] | None = None,
-    tickets: TicketStore | None = None,
+    tickets: SessionTicketStore | None = None,
 ) -> None:
     """Serve the ASGI ``app`` on ``listeners`` until ``shutdown()`` returns (default: SIGINT or
     SIGTERM), then drain and return; the sockets are closed when it returns.
@@ -237,7 +262,7 @@ async def running(
     listeners: Listeners,
     options: ServerOptions,
     *,
-    tickets: TicketStore | None = None,
+    tickets: SessionTicketStore | None = None,
 ) -> AsyncIterator[None]:
     """:func:`serve` in the running loop for the duration of the block: entered once the
     server accepts connections (its start-up error raised if it failed), drained on exit."""
@@ -274,6 +299,11 @@ async def _serve_uvicorn(
 ) -> None:
     import uvicorn
 
+    if options.limits != ClientLimits():
+        log.warning(
+            "uvicorn enforces none of the connection limits (header timeout, connections per"
+            " client, descriptor reserve): use hypercorn, or a proxy in front that has them"
+        )
     config = uvicorn.Config(
         app,
         http="httptools",
@@ -321,22 +351,31 @@ async def _serve_hypercorn(
     options: ServerOptions,
     stop: Callable[[], Awaitable[Any]],
     on_started: Callable[[], None],
-    tickets: TicketStore | None,
+    tickets: SessionTicketStore | None,
 ) -> None:
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.config import Config, Sockets
     from hypercorn.utils import wrap_app
 
+    from .hardening import harden_hypercorn
+    from .limits import ConnectionCounter
+
     _reset_unfinished_h2_streams()
     _close_quic_transports()
+    harden_hypercorn()
     config: Any = Config()
+    config.firstbyte_limits = options.limits
+    config.firstbyte_connections = ConnectionCounter(options.limits, _descriptor_limit())
+    # hypercorn listens again with its own backlog (default 100) on the socket it is given.
+    config.backlog = options.backlog
+    # A TLS handshake is part of the head a client must send in time.
+    config.ssl_handshake_timeout = options.limits.header_timeout_s
     config.keep_alive_timeout = options.keep_alive_timeout_s
     config.keep_alive_max_requests = KEEP_ALIVE_MAX_REQUESTS
     config.errorlog = logging.getLogger("hypercorn.error")  # via logging: INFO lines stay quiet
     config.accesslog = None  # request lines could carry stream ids: no access log
     config.include_server_header = False
     config.graceful_timeout = options.graceful_timeout_s
-    config.backlog = options.backlog  # its default (100) overflowed with 500 clients
     config.alpn_protocols = ["h2", "http/1.1"]
     if options.ws_max_message_bytes is not None:
         config.websocket_max_message_size = options.ws_max_message_bytes
@@ -385,6 +424,13 @@ async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.sock
             await asyncio.sleep(0.05)
             with contextlib.suppress(OSError):
                 poke.sendto(b"\0", address)
+
+
+def _descriptor_limit() -> int:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _reset_unfinished_h2_streams() -> None:

@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
 
+from ..streams import owner_of
+
 if TYPE_CHECKING:
     from ..geo import Location
+    from ..observability.access import Usage
+    from ..readers import ReadableStream
     from .backend import Backend
     from .region import RegionDecision
 
@@ -52,6 +56,8 @@ class LocalReply:
     headers: tuple[tuple[str, str], ...] = ()
     outcome: str = "rejected"
     """The ``outcome`` label in the requests metric."""
+    code: str = ""
+    """The error code in the body (the ``reason`` of a counted rejection)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +82,10 @@ def error_reply(
 ) -> LocalReply:
     """A :class:`LocalReply` carrying OpenAI's error body."""
     body = encode(error_body(message, type, param=param, code=code))
-    return LocalReply(status, body, headers, outcome)
+    return LocalReply(status, body, headers, outcome, code or "")
+
+
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +95,8 @@ class Traceparent:
     trace_id: str
     parent_id: str
     flags: str = "01"
+    caller_id: str | None = None
+    """The caller's span id from its ``traceparent`` (the parent of the router's span)."""
 
     @classmethod
     def continue_from(cls, header: str | None) -> Traceparent:
@@ -97,14 +108,22 @@ class Traceparent:
                 and parts[0] == "00"
                 and len(parts[1]) == 32
                 and len(parts[3]) == 2
-                and all(c in "0123456789abcdef" for c in parts[1] + parts[3])
+                and all(c in _HEX for c in parts[1] + parts[3])
                 and parts[1] != "0" * 32
             ):
-                return cls(parts[1], secrets.token_hex(8), parts[3])
+                span = parts[2]
+                valid = len(span) == 16 and span != "0" * 16 and all(c in _HEX for c in span)
+                caller = span if valid else None
+                return cls(parts[1], secrets.token_hex(8), parts[3], caller)
         return cls(secrets.token_hex(16), secrets.token_hex(8))
 
     def header(self) -> str:
         return f"00-{self.trace_id}-{self.parent_id}-{self.flags}"
+
+    @property
+    def sampled(self) -> bool:
+        """The caller's sampling decision (W3C ``sampled`` flag); a new trace is sampled."""
+        return bool(int(self.flags, 16) & 1)
 
 
 class Observer(Protocol):
@@ -116,7 +135,7 @@ class Observer(Protocol):
 
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None: ...
     def chunk(self, ctx: RequestContext, now: float) -> None: ...
-    def can_switch(self, ctx: RequestContext) -> bool: ...
+    def claim_switch(self, ctx: RequestContext) -> bool: ...
     def switch(self, ctx: RequestContext) -> Backend: ...
     def finished(self, ctx: RequestContext, ok: bool) -> None: ...
 
@@ -140,6 +159,9 @@ class RequestContext:
     http_version: str = "1.1"
     received_at: float = field(default_factory=time.perf_counter)
     api_key: str | None = field(default=None, repr=False)
+    token_owner: bytes | None = field(default=None, repr=False)
+    """Set when a client token authenticated the request: its key's owner digest
+    (``api_key`` is then None: the router never sees the key behind a token)."""
     request: ChatCompletionRequest | None = field(default=None, repr=False)
     stream_requested: bool = False
     traceparent: Traceparent = field(default_factory=lambda: Traceparent.continue_from(None))
@@ -158,6 +180,29 @@ class RequestContext:
     """Extra headers for the upstream request (to a peer region: its key, ours forwarded)."""
     response_headers: list[tuple[str, str]] = field(default_factory=list, repr=False)
     """Extra headers for the client's response (e.g. ``x-firstbyte-better-region``)."""
+    upstream_sent_at: float | None = None
+    """When the (last) upstream request was sent; a first-token switch resets it."""
+    first_token_at: float | None = None
+    """When the first content chunk arrived from upstream."""
+    outcome: str = ""
+    route_reason: str = ""
+    """Why routing answered 429 itself (a key of ``multiregion.REJECTION_REASONS``)."""
+    """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
+    stream: ReadableStream | None = field(default=None, repr=False)
+    """The stream this request started (a :class:`~firstbyte.router.streams.Stream` of this
+    process) or reads (perhaps another process's, through Redis): for the access log."""
+    usage: Usage | None = None
+    """A non-streamed completion's usage (a stream's is read from the stream at its end)."""
+
+    @property
+    def owner(self) -> bytes:
+        """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
+        owner of its streams and the subject of the per-key limits, for a key or its token."""
+        return self.token_owner if self.token_owner is not None else owner_of(self.api_key)
+
+    @property
+    def by_client_token(self) -> bool:
+        return self.token_owner is not None
 
     def server_timing(self, **more_ms: float) -> str:
         """``Server-Timing`` for what is known now: queue, route, then ``more_ms`` entries."""

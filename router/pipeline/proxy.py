@@ -115,7 +115,12 @@ class Proxy:
         # per peer carries the status polls that keep it warm and every request forwarded
         # there at once; over HTTP/1.1 a forward during a poll or another forward opened a new
         # TCP+TLS connection across the inter-region RTT (+2 RTT, measured in bench routing).
-        self.peer_client = self._new_client(limits, 4, tls, http2=True)
+        # A plain-HTTP peer speaks HTTP/1.1, one stream per connection, so the pool must be as
+        # large as the upstreams': with 4 connections the 5th concurrent spill waited in the
+        # pool for a whole stream to end (spilled TTFT 300+ ms where the peer answers in 30).
+        self.peer_client = self._new_client(
+            limits, limits.upstream_max_connections, tls, http2=True
+        )
         self.producers: set[asyncio.Task[None]] = set()
         self._origins: dict[str, Origin] = {}
 
@@ -191,6 +196,7 @@ class Proxy:
         sent_at = time.perf_counter()
         observer = ctx.observer
         ok = False
+        ctx.upstream_sent_at = sent_at
         try:
             response = await self.client_for(backend).request(
                 method,
@@ -277,7 +283,8 @@ class _Producer:
                 self.outcome = self.loop.create_future()
                 self._refused = None
                 self._arm_deadline()
-                self.relay.start(time.perf_counter())
+                ctx.upstream_sent_at = sent_at = time.perf_counter()
+                self.relay.start(sent_at)
                 if self.backend.name.startswith(PEER_PREFIX):
                     result = await self._via_httpx(proxy.peer_client)
                 else:
@@ -432,6 +439,7 @@ class _Producer:
         self._cancel_deadline()  # the first-token deadline no longer applies
         now = time.perf_counter()
         self.stream.upstream_ttft_ms = action.upstream_ttft_ms
+        self.ctx.first_token_at = now
         self.proxy.metrics.ttft.observe(now - self.ctx.received_at)
         if self.observer is not None:
             self.observer.first_token(self.ctx, (now - self.ctx.received_at) * 1000)
@@ -448,9 +456,10 @@ class _Producer:
 
     # -- the one timer: the first-token deadline
     def _arm_deadline(self) -> None:
-        """At the observer's first-token deadline, switch if the stage can place the request
-        elsewhere. Asking first (instead of a plain timeout) means a request with nowhere
-        better to go keeps waiting on its upstream rather than being cut off."""
+        """At the observer's first-token deadline, switch if it claims a switch. Asking first
+        (instead of a plain timeout) means a request with nowhere better to go, or no spill
+        slot, keeps waiting on its upstream rather than being cut off. The claim holds the
+        spill slot, so the deadlines of a burst that fire together cannot all spill."""
         self._cancel_deadline()
         deadline_s = None if self.observer is None else self.observer.first_token_deadline_s
         if deadline_s is None:
@@ -463,7 +472,7 @@ class _Producer:
         actions = self.relay.deadline_fired(time.perf_counter())
         if any(type(a) is SwitchBackend for a in actions) and not self.outcome.done():
             assert self.observer is not None
-            if self.observer.can_switch(self.ctx):
+            if self.observer.claim_switch(self.ctx):
                 self.outcome.set_result("switch")
 
     def _cancel_deadline(self) -> None:

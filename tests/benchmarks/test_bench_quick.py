@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from firstbyte.benchmarks.cli import discover_scenarios
-from tests.cli import FIRSTBYTE, firstbyte
+from tests.benchmarks.conftest import QuickRuns, nginx_installed
+from tests.cli import firstbyte
 
 SCENARIOS = sorted(discover_scenarios())
 
@@ -47,75 +46,6 @@ def test_bad_out_dir_is_a_clear_error_before_running(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr
 
 
-class QuickRuns:
-    """Every scenario's ``--quick --json`` run, started together so the file stays short
-    (these check that each scenario runs and writes valid output, not its numbers)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-        self.done: dict[str, tuple[int, str, str]] = {}
-
-    def start(self) -> None:
-        for name in SCENARIOS:
-            args = ["bench", name, "--quick", "--out", str(self.root / name), "--json"]
-            self.procs[name] = subprocess.Popen(
-                [*FIRSTBYTE, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-
-    def result(self, name: str) -> tuple[int, str, str, Path]:
-        if name not in self.done:
-            proc = self.procs[name]
-            stdout, stderr = proc.communicate(timeout=150)
-            self.done[name] = (proc.returncode, stdout, stderr)
-        code, stdout, stderr = self.done[name]
-        return code, stdout, stderr, self.root / name
-
-    def stop(self) -> None:
-        """End the runs no test waited for (``-k``): SIGTERM first, so a scenario tears down
-        its namespaces and helpers as it does for Ctrl-C; SIGKILL only if that hangs."""
-        running = [proc for proc in self.procs.values() if proc.poll() is None]
-        for proc in running:
-            proc.terminate()
-        for proc in running:
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-
-
-def nginx_installed() -> bool:
-    return shutil.which("nginx") is not None or os.access("/usr/sbin/nginx", os.X_OK)
-
-
-def ensure_nginx() -> None:
-    """router_overhead's reference proxy: install ``nginx-light`` where apt can (CI runs as
-    root on Debian/Ubuntu); elsewhere the scenario runs without it and says so."""
-    if nginx_installed() or os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx-light"]
-    for command in (install, ["apt-get", "update", "-q"], install):
-        done = subprocess.run(command, env=env, capture_output=True, timeout=600, check=False)
-        if command is install and done.returncode == 0:
-            return
-
-
-@pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
-    ensure_nginx()
-    runs = QuickRuns(tmp_path_factory.mktemp("bench"))
-    try:
-        runs.start()
-        yield runs
-    finally:
-        runs.stop()
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> None:
     code, stdout, stderr, out = quick_runs.result(scenario)
@@ -131,8 +61,10 @@ def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> 
     summary = (out / "summary.md").read_text()
     assert summary.startswith(f"# Benchmark: {scenario}")
     assert "| result | value |" in summary or "| run |" in summary
-    for png in out.glob("*.png"):
-        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "This was a quick run (--quick)" in page
+    assert written["conditions"]["command"].startswith(f"firstbyte bench {scenario}")
 
 
 def test_decode_compares_both_pipelines_on_the_same_events(quick_runs: QuickRuns) -> None:
@@ -144,8 +76,11 @@ def test_decode_compares_both_pipelines_on_the_same_events(quick_runs: QuickRuns
     assert all(run["events_ok"] for run in results["runs"])
     summary = results["summary"]
     assert summary["target_ratio"] == 10.0
-    for key in ("core_vs_openai_ratio", "client_loopback_vs_openai_ratio"):
+    for key in ("core_vs_openai_ratio", "client_loopback_vs_openai_ratio",
+                "client_vs_core_ratio"):
         assert 0 < summary[key] < float("inf"), key
+    assert summary["client_events_per_s"] > 0
+    assert summary["client_target_events_per_s"] == 200_000
 
 
 def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:

@@ -107,17 +107,26 @@ def test_cli_compare_exit_codes(tmp_path: Path) -> None:
     base = write(tmp_path / "base.json", result(100.0))
     same = write(tmp_path / "same.json", result(105.0))
     worse = write(tmp_path / "worse.json", result(130.0))
-    ok = bench("compare", str(base), str(same))
+    out = ["--out", str(tmp_path / "cmp")]
+    ok = bench("compare", str(base), str(same), *out)
     assert ok.returncode == 0, ok.stderr
     assert "p99_ttft_ms" not in ok.stdout  # unchanged rows are only counted...
     assert "3 within the threshold not shown" in ok.stdout
-    every = bench("compare", str(base), str(same), "--all")
+    every = bench("compare", str(base), str(same), "--all", *out)
     assert "p99_ttft_ms" in every.stdout  # ...unless asked for
-    bad = bench("compare", str(base), str(worse))
+    bad = bench("compare", str(base), str(worse), *out)
     assert bad.returncode == 1
     assert "REGRESSED" in bad.stdout
     assert "+30.0%" in bad.stdout
-    relaxed = bench("compare", str(base), str(worse), "--threshold", "0.5")
+    # the same comparison as a page: what moved first, both values and the noise floor
+    page = (tmp_path / "cmp" / "report.html").read_text()
+    moved = page.index("Moved beyond the threshold")
+    within = page.index("Within the threshold")
+    regressed = page.index("router_overhead/via router c=100 sse/p99_ttft_ms")
+    assert moved < regressed < within
+    assert "<td>100.0</td><td>130.0</td><td>+30.0%</td><td>10.00</td>" in page
+    assert "2 tracked P95/P99 latencies regressed by more than 10%." in page
+    relaxed = bench("compare", str(base), str(worse), "--threshold", "0.5", *out)
     assert relaxed.returncode == 0
 
 

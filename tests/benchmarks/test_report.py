@@ -14,8 +14,6 @@ from firstbyte.benchmarks.report import markdown_summary, write_report
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS, SLO, describe, percentile, summarize
 from firstbyte.client_sdk.timings import Timings
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
 
 def make_timings(rtt_ms: float, n: int, seed: int = 0) -> list[Timings]:
     rnd = random.Random(seed)
@@ -101,33 +99,36 @@ def test_summarize_fields_and_goodput() -> None:
     }
 
 
-def test_write_report_produces_valid_json_markdown_and_png(tmp_path: Path) -> None:
+def test_write_report_produces_valid_json_markdown_and_html(tmp_path: Path) -> None:
     paths = write_report(results(), tmp_path / "out")
-    assert set(paths) == {"json", "markdown", "ttft_cdf", "phases"}
+    assert set(paths) == {"json", "markdown", "html"}
     decoded = msgspec.json.decode(paths["json"].read_bytes())
     assert decoded["scenario"] == "unit"
     assert decoded["metric_definitions"] == METRIC_DEFINITIONS
     assert decoded["runs"][0]["p99_nan_ms"] is None
     assert decoded["runs"][1]["p99_ttft_ms"] > decoded["runs"][0]["p99_ttft_ms"]
-    for key in ("ttft_cdf", "phases"):
-        data = paths[key].read_bytes()
-        assert data.startswith(PNG_MAGIC)
-        assert len(data) > 5000  # a drawn figure, not an empty canvas
+    assert decoded["conditions"]["command"]
+    page = paths["html"].read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert 'data-figure="budget"' in page  # the runs carry budget lines
     text = paths["markdown"].read_text()
     assert text.startswith("# Benchmark: unit")
     assert "| us-east-1 sse HTTP/2 |" in text
     assert "TTFT p99 ms" in text
-    assert "![ttft_cdf](ttft_cdf.png)" in text
+    assert "[report.html](report.html)" in text
     assert "request start to the first content chunk" in text
     assert "(E2EL - TTFT) / (output tokens - 1)" in text
 
 
-def test_report_without_request_runs_has_no_plots(tmp_path: Path) -> None:
+def test_report_without_request_runs_has_no_latency_plots(tmp_path: Path) -> None:
     paths = write_report(
         {"scenario": "cpu", "runs": [{"label": "a", "events_per_s": 10.0, "ok": True}]},
         tmp_path,
     )
-    assert set(paths) == {"json", "markdown"}
+    assert set(paths) == {"json", "markdown", "html"}
+    page = paths["html"].read_text()
+    assert 'data-figure="throughput"' in page
+    assert 'data-figure="ttft-cdf"' not in page
     text = paths["markdown"].read_text()
     assert "| run | events_per_s | ok |" in text
     assert "| a | 10.0 | True |" in text

@@ -180,9 +180,10 @@ def check_report(out: Path) -> dict[str, Any]:
     assert results["scenario"] == "transports"
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# Benchmark: transports")
-    for name in ("ttft_cdf.png", "phases.png"):
-        assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-        assert f"]({name})" in summary
+    assert "[report.html](report.html)" in summary
+    page = (out / "report.html").read_text()
+    for figure in ("ttft-dots", "ttft-cdf", "budget"):
+        assert f'data-figure="{figure}"' in page
     runs = results["runs"]
     assert {run["transport"] for run in runs} == {"sse", "websocket", "longpoll"}
     assert all(run["failed"] == 0 for run in runs), [r["errors"] for r in runs if r["failed"]]

@@ -47,6 +47,15 @@ async def stream_once(client: AsyncClient, max_tokens: int = 24, **kw: Any) -> t
     return "".join(parts), stream.timings, seqs
 
 
+def assert_serial_phases(timings: Timings) -> None:
+    """The connection phases end before the request is sent, which precedes the first byte."""
+    assert timings.request_sent_ms is not None
+    assert timings.first_byte_ms is not None
+    setup = timings.connect_ms + (timings.pool_wait_ms or 0.0)
+    assert setup <= timings.request_sent_ms + 0.001, timings
+    assert timings.request_sent_ms <= timings.first_byte_ms
+
+
 @pytest.mark.parametrize(("transport", "http"), COMBOS)
 async def test_every_transport_streams_the_sims_text(stack: Stack, transport: str, http: str) -> None:
     expected = await reference_text(stack, 24)
@@ -65,6 +74,7 @@ async def test_every_transport_streams_the_sims_text(stack: Stack, transport: st
     assert timings.first_token_ms is not None
     assert timings.last_token_ms is not None
     assert timings.first_byte_ms <= timings.first_token_ms <= timings.last_token_ms
+    assert_serial_phases(timings)
     if http == "3":
         assert timings.quic_handshake_ms is not None
         assert timings.tcp_connect_ms is None
@@ -179,13 +189,15 @@ async def test_abandoning_a_stream_half_way_frees_the_connection(stack: Stack) -
 async def test_h3_reconnect_resumes_the_tls_session_and_sends_0rtt(stack: Stack) -> None:
     async with AsyncClient(stack.base_url, ROUTER_KEY, http="3", ca_file=stack.ca_file) as client:
         _, first, _ = await stream_once(client, max_tokens=3)
-        assert "localhost" in client.pool.tickets  # the router issued a session ticket
+        assert f"localhost:{stack.port}" in client.pool.tickets  # type: ignore[operator]
         await client.pool.session(client.origin, "3").reset()  # connection gone, ticket kept
         _, again, _ = await stream_once(client, max_tokens=3)
     assert not first.zero_rtt
     assert first.quic_handshake_ms is not None
     assert again.quic_handshake_ms is not None  # a new connection...
     assert again.zero_rtt  # ...whose request went out as early data, accepted by the router
+    assert_serial_phases(first)
+    assert_serial_phases(again)  # the handshake's end overlaps the request: not counted
     assert again.output_chunks == 3
 
 

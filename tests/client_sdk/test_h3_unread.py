@@ -9,6 +9,7 @@ import json
 import pytest
 
 from firstbyte.client_sdk.resolver import Origin, Resolver
+from firstbyte.client_sdk.tickets import MemoryTicketStore
 from firstbyte.client_sdk.transports import h3
 from firstbyte.client_sdk.transports.base import TransportCut
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
@@ -29,7 +30,8 @@ async def request_stream(session: h3.H3Session, *, read_after_s: float) -> bytes
 
 
 async def test_unread_http3_data_is_bounded(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
-    session = h3.H3Session(Origin.parse(stack.base_url), Resolver(), {}, ca_file=stack.ca_file)
+    session = h3.H3Session(Origin.parse(stack.base_url), Resolver(), MemoryTicketStore(),
+                           ca_file=stack.ca_file)
     try:
         whole = await request_stream(session, read_after_s=0)
         assert len(whole) > 2 * LIMIT

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker, SpillBudget
+from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -42,11 +42,71 @@ def test_saturation_and_region_saturation() -> None:
         t.started("b0")
     assert t.saturated("b0", 0.0)
     assert not t.region_saturated(0.0)
-    t.observe_metrics("b1", BackendMetrics(running=1, waiting=1), now=0.0)  # waiting > 0
+    t.observe_metrics("b1", BackendMetrics(running=2, waiting=0), now=0.0)  # others' load
     assert t.saturated("b1", 0.0)
     assert t.region_saturated(0.0)
     t.set_health("b1", False)
     assert t.available(0.0) == []
+
+
+def test_capacity_is_learned_from_a_queue_that_outlives_a_scrape() -> None:
+    t = LoadTracker([BackendLoad("b0", max_in_flight=1024, max_waiting=4)])
+    # One scrape catching requests waiting for the next scheduler step: nothing learned.
+    t.observe_metrics("b0", BackendMetrics(running=40, waiting=60), now=0.0)
+    assert t["b0"].slots is None
+    assert not t.saturated("b0", 0.5)
+    assert t.queue_wait_ms(0.5) == 0.0
+    t.observe_metrics("b0", BackendMetrics(running=100, waiting=0), now=1.0)
+    assert t["b0"].limit == 1024  # a cap, not the trigger: 100 in flight is fine
+    assert not t.saturated("b0", 1.0)
+    # A queue in two scrapes in a row: it runs all it can, and that is its capacity.
+    t.observe_metrics("b0", BackendMetrics(running=256, waiting=10), now=2.0)
+    t.observe_metrics("b0", BackendMetrics(running=256, waiting=12), now=3.0)
+    assert t["b0"].slots == 256
+    assert t["b0"].limit == 256 + 4
+    assert t.saturated("b0", 3.0)  # 268 > 260 (and 12 waiting > 4 allowed)
+    assert t.capacity() == 260
+    # The queue drains; a scrape showing more running raises the capacity.
+    t.observe_metrics("b0", BackendMetrics(running=200, waiting=0), now=4.0)
+    assert not t.saturated("b0", 4.0)
+    t.observe_metrics("b0", BackendMetrics(running=300, waiting=0), now=5.0)
+    assert t["b0"].slots == 300
+    # The configured limit stays a cap over anything learned.
+    capped = LoadTracker([BackendLoad("c", max_in_flight=64, max_waiting=4)])
+    capped.observe_metrics("c", BackendMetrics(running=256, waiting=1), now=0.0)
+    capped.observe_metrics("c", BackendMetrics(running=256, waiting=1), now=1.0)
+    assert capped["c"].limit == 64
+
+
+def test_requests_we_just_sent_waiting_for_a_step_are_not_a_queue() -> None:
+    # 100 streams at once, 256 slots: every scrape finds the requests that arrived during
+    # the current step waiting for the next one. They are ours and brand new: no queue.
+    t = LoadTracker([BackendLoad("b0", max_in_flight=1024, max_waiting=4)])
+    for second in range(5):
+        now = float(second)
+        for i in range(40):
+            t.started("b0", now - 0.1 + i * 0.0025)
+        t.observe_metrics("b0", BackendMetrics(running=100, waiting=40), now=now)
+        assert t["b0"].queue == 0
+        assert not t.saturated("b0", now)
+    assert t["b0"].slots is None
+    # The same waiting count with nothing sent lately is a queue (after two scrapes).
+    t.observe_metrics("b0", BackendMetrics(running=100, waiting=40), now=10.0)
+    t.observe_metrics("b0", BackendMetrics(running=100, waiting=40), now=11.0)
+    assert t["b0"].slots == 100
+    assert t.saturated("b0", 11.0)
+
+
+def test_a_backend_whose_cache_runs_out_is_saturated_at_what_it_runs() -> None:
+    # KV cache full at 90 sequences (below max_num_seqs): vLLM queues the rest.
+    t = LoadTracker([BackendLoad("b0", max_in_flight=1024, max_waiting=4)])
+    for now in (0.0, 1.0):
+        t.observe_metrics(
+            "b0", BackendMetrics(running=90, waiting=30, cache_usage=0.99), now=now
+        )
+    assert t["b0"].limit == 94
+    assert t.saturated("b0", 1.0)
+    assert t.retry_after_s(1.0) >= 1
 
 
 def test_queue_wait_and_retry_after_from_drain_estimate() -> None:
@@ -68,12 +128,3 @@ def test_queue_wait_and_retry_after_from_drain_estimate() -> None:
     t2.set_health("b0", False)
     assert t2.retry_after_s(0.0) >= 1
 
-
-def test_spill_budget_is_twenty_percent_with_minimum() -> None:
-    b = SpillBudget(ratio=0.2, min_concurrency=3)
-    assert [b.try_acquire(active=10) for _ in range(4)] == [True, True, True, False]
-    b.release()
-    assert b.try_acquire(active=10)
-    big = SpillBudget(ratio=0.2, min_concurrency=3)
-    assert sum(big.try_acquire(active=100) for _ in range(30)) == 20
-    assert big.refused_total == 10

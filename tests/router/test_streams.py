@@ -1,12 +1,22 @@
 """The stream store, sans sockets: ids, ownership, exactly-once reads, eviction by an
-injected clock (age, bytes, finished first)."""
+injected clock (age, bytes, finished first, a key over its share first, never a live stream
+for bytes) and its cost (constant per new stream, whatever the number stored)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 from firstbyte.router.readers import follow, parse_after, poll, sse_events
-from firstbyte.router.streams import DONE_DATA, StreamStore, owner_of
+from firstbyte.router.streams import (
+    _EVENT_OVERHEAD_BYTES,
+    DONE_DATA,
+    StoreFull,
+    Stream,
+    StreamStore,
+    owner_of,
+)
 
 ALICE = owner_of("sk-alice-000000")
 BOB = owner_of("sk-bob-00000000")
@@ -59,7 +69,7 @@ def test_eviction_by_age_uses_the_injected_clock() -> None:
     assert old.evicted
 
 
-def test_eviction_by_bytes_takes_finished_streams_first_oldest_first() -> None:
+def test_eviction_by_bytes_takes_finished_streams_oldest_first_never_a_live_one() -> None:
     store = StreamStore(max_total_bytes=3000, max_age_s=1e9)
     running_old = store.create(ALICE, 0.0)
     finished_old = store.create(ALICE, 1.0)
@@ -67,16 +77,115 @@ def test_eviction_by_bytes_takes_finished_streams_first_oldest_first() -> None:
     running_new = store.create(ALICE, 3.0)
     for stream in (running_old, finished_old, finished_new, running_new):
         stream.append(b"x" * 600, 4.0)
-    finished_old.finish(5.0)
-    finished_new.finish(6.0)
+    finished_new.finish(5.0)  # finishes first, so it is the older finished stream
+    finished_old.finish(6.0)
     assert store.evict(7.0) == []  # ~4 * 660 + 2 * 70 bytes: under budget
+    assert store.running() == [running_old, running_new]
     running_new.append(b"x" * 600, 8.0)  # now over by one event
-    assert store.evict(9.0) == [finished_old]
-    running_new.append(b"x" * 1500, 10.0)
-    evicted = store.evict(11.0)
-    assert evicted == [finished_new, running_old]  # finished first, then oldest running
-    assert store.total_bytes <= store.max_total_bytes
-    assert len(store) == 1
+    assert store.evict(9.0) == [finished_new]
+    running_new.append(b"x" * 2500, 10.0)  # running_new alone is now over the budget
+    assert store.evict(11.0) == [finished_old]  # then no finished stream is left:
+    assert store.total_bytes > store.max_total_bytes  # the live ones stay, over budget
+    assert store.make_room(BOB, 12.0) is StoreFull.STORE  # and a new stream is refused
+    assert not running_old.evicted
+    assert not running_new.evicted
+    running_old.finish(13.0)
+    assert store.make_room(BOB, 14.0) is StoreFull.STORE  # running_new alone fills it
+    running_new.finish(15.0)
+    assert store.make_room(BOB, 16.0) is None  # finished streams made room
+    assert store.evicted_by == {"bytes": 4}
+    assert len(store) == 0
+
+
+def test_a_key_over_its_share_loses_its_own_streams_first() -> None:
+    store = StreamStore(max_total_bytes=10_000, max_age_s=1e9, max_owner_bytes=4_000)
+    bob = store.create(BOB, 0.0)
+    bob.append(b"b" * 900, 0.0)
+    bob.finish(0.5)  # Bob's finished stream is the oldest in the store
+    alice: list[Stream] = []
+    for i in range(6):
+        assert store.make_room(ALICE, float(i + 1)) is None
+        stream = store.create(ALICE, float(i + 1))
+        stream.append(b"a" * 900, float(i + 1))
+        stream.finish(float(i + 1))
+        alice.append(stream)
+    # Alice's 6 * ~1 KB went over her 4 KB share: her oldest finished went, not Bob's (at
+    # each new stream of hers, and at the housekeeping tick).
+    store.evict(7.0)
+    assert store.owner_bytes(ALICE) <= 4_000
+    assert [s.evicted for s in alice] == [True, True, True, False, False, False]
+    assert store.get(bob.id, BOB) is bob
+    # Live streams filling her share: her next stream is refused, nobody else's is touched.
+    live = [store.create(ALICE, 10.0) for _ in range(5)]
+    for stream in live:
+        stream.append(b"a" * 900, 10.0)
+    assert store.make_room(ALICE, 11.0) is StoreFull.KEY
+    assert all(s.evicted for s in alice)  # her finished ones went first
+    assert not any(s.evicted for s in live)
+    assert store.make_room(BOB, 11.0) is None  # Bob still has room
+    assert store.get(bob.id, BOB) is bob
+    assert store.evicted_by == {"key_share": 6}
+    assert store.live_streams(ALICE) == 5
+    assert store.live_streams(BOB) == 0
+
+
+def test_a_live_stream_survives_another_key_filling_the_store() -> None:
+    store = StreamStore(max_total_bytes=20_000, max_age_s=1e9, max_owner_bytes=20_000)
+    bob = store.create(BOB, 0.0)
+    bob.append(b"b" * 100, 0.0)
+    refused = 0
+    for i in range(100):  # Alice fills the store with detached streams and big events
+        bob.append(b"b" * 100, float(i))  # Bob's stream goes on meanwhile
+        if store.make_room(ALICE, float(i)) is not None:
+            refused += 1
+            continue
+        stream = store.create(ALICE, float(i))
+        stream.append(b"a" * 2_000, float(i))
+    assert refused > 0
+    assert not bob.evicted
+    assert store.get(bob.id, BOB) is bob
+    assert bob.last_seq == 101
+
+
+def _full_store(n: int) -> StreamStore:
+    """A store at its byte bound with ``n`` finished streams of ~200 bytes."""
+    size = 200 + _EVENT_OVERHEAD_BYTES * 2 + len(DONE_DATA)
+    store = StreamStore(max_total_bytes=n * size, max_age_s=1e9)
+    for i in range(n):
+        stream = store.create(ALICE, float(i))
+        stream.append(b"x" * 200, float(i))
+        stream.finish(float(i))
+    assert store.total_bytes == store.max_total_bytes
+    assert len(store) == n
+    return store
+
+
+def _seconds_per_new_stream(store: StreamStore, streams: int, t0: float) -> float:
+    """Time to make room for, create and finish one stream in a full store (best of 3)."""
+    best = math.inf
+    for round_ in range(3):
+        start = time.perf_counter()
+        for i in range(streams):
+            now = t0 + round_ * streams + i
+            assert store.make_room(BOB, now) is None
+            stream = store.create(BOB, now)
+            stream.append(b"x" * 200, now)
+            stream.finish(now)
+        best = min(best, (time.perf_counter() - start) / streams)
+    return best
+
+
+def test_a_new_stream_in_a_full_store_costs_the_same_at_1k_and_50k_streams() -> None:
+    small, large = _full_store(1_000), _full_store(50_000)
+    before = large.evictions
+    per_small = _seconds_per_new_stream(small, 500, 1e6)
+    per_large = _seconds_per_new_stream(large, 500, 1e6)
+    # Each new stream evicts exactly one (the oldest finished): the work is one drop.
+    assert large.evictions - before == 3 * 500
+    assert len(large) == 50_000
+    # Same run, same code: 50x the streams may not cost 50x per stream (sorting every
+    # stream on every create did: ~60x here). 4x leaves room for cache effects and noise.
+    assert per_large < 4 * per_small, (per_small, per_large)
 
 
 async def test_follow_delivers_every_event_once_while_in_progress() -> None:
@@ -110,7 +219,7 @@ async def test_sse_reframes_with_ids_and_pings_when_idle() -> None:
     out.append(await reader.__anext__())  # idle: a ping comment
     stream.finish(0.0)
     out.extend([piece async for piece in reader])
-    assert out == [b'id: 1\ndata: {"a":1}\n\n', b": ping\n\n", b"id: 2\ndata: [DONE]\n\n"]
+    assert out == [b'id: 1\ndata: {"a":1}\n\n', b": ping\n", b"id: 2\ndata: [DONE]\n\n"]
 
 
 async def test_poll_batches_and_done() -> None:

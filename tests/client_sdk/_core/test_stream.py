@@ -79,6 +79,14 @@ def test_error_event_raises_typed_error() -> None:
     assert info.value.code == "upstream_error"
 
 
+def test_error_event_as_sse_text_raises_typed_error() -> None:
+    # SSE hands the assembler text: the fast typed decode must not swallow an error event.
+    with pytest.raises(APIError, match="upstream died"):
+        StreamAssembler().receive(1, '{"error": {"message": "upstream died"}}')
+    with pytest.raises(StreamBrokenError, match="invalid chunk"):
+        StreamAssembler().receive(1, '{"id": "x"}')
+
+
 def test_unnumbered_events_pass_through_and_garbage_is_an_error() -> None:
     asm = StreamAssembler()
     d = asm.receive(None, chunk("x"))

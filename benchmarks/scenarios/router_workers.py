@@ -1,0 +1,396 @@
+"""Router scaling over processes: --workers 1 vs 2 with Redis, thousands of streams.
+
+Every target runs in its own processes: the sim (``h100-7b``, ``--max-num-seqs`` high enough
+that batching, not a cap, sets its pace), a real ``valkey-server``/``redis-server`` (no
+persistence), and ``firstbyte router`` (uvicorn, plain HTTP/1.1) with ``--workers 1`` or
+``--workers 2`` and ``--redis-url``, plus ``--workers 1`` without Redis (the in-memory default)
+to price Redis per chunk. The load generator (this process, uvloop, a minimal HTTP/1.1 client:
+one connection per stream, so SO_REUSEPORT spreads them) ramps N streams over ``ramp_s`` and
+holds them (each ``max_tokens`` long enough to outlast the ramp).
+
+Per target and level: TTFT P50/P99 (request sent to the first content chunk), errors, the
+peak number of live streams, chunks relayed; the router's CPU per chunk (its processes'
+utime+stime over the phase / chunks), Redis's CPU per chunk, and RSS of router and Redis per
+1,000 live streams (sampled at the peak). Added latency is router minus direct at the same
+level. A level is "held" when every stream finished without error and added TTFT P99 <= 20 ms;
+the scaling figure is the largest level held with 2 workers over the largest held with 1,
+and, apples to apples, chunks per router-CPU-second with 2 workers over 1.
+
+On a 2-core machine the sim, Redis, the load generator and the router share the two cores:
+each figure names what limited it (the direct path shows the sim's and load generator's own
+share). Levels: 1,000 and 2,000 streams (``--quick``: 100 and 200).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from firstbyte.benchmarks.redis_server import running_redis
+
+__all__ = ["run"]
+
+ADDED_P99_LIMIT_MS = 20.0
+PROMPT = b"Summarise the plot of Hamlet in one paragraph."
+_TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+@dataclass
+class _Proc:
+    process: subprocess.Popen[bytes]
+
+    def pids(self) -> list[int]:
+        """The process and its workers (the supervisor forks them)."""
+        return [self.process.pid, *_children(self.process.pid)]
+
+    def cpu_s(self) -> float:
+        return sum(_cpu_s(p) for p in self.pids())
+
+    def rss(self) -> int:
+        return sum(_rss_bytes(p) for p in self.pids())
+
+
+@contextlib.contextmanager
+def _spawn(args: list[str], ready: str, count: int = 1, log: Path | None = None) -> Iterator[_Proc]:
+    """Start ``python -m firstbyte ARGS`` and wait for ``count`` stderr lines with ``ready``."""
+    with tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False) as handle:
+        path = Path(handle.name) if log is None else log
+    process = subprocess.Popen(
+        [sys.executable, "-m", "firstbyte", *args],
+        stdout=path.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while path.read_text(errors="replace").count(ready) < count:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"firstbyte {args[0]} did not start: {path.read_text()[-600:]}")
+            time.sleep(0.05)
+        yield _Proc(process)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 15)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+        path.unlink(missing_ok=True)
+
+
+@dataclass
+class _Load:
+    ttft_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+    chunks: int = 0
+    live: int = 0
+    peak_live: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+
+async def _stream(port: int, body: bytes, load: _Load) -> None:
+    """One streamed completion over a new HTTP/1.1 connection, read to ``[DONE]``."""
+    started = time.perf_counter()
+    writer = None
+    first = False
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        load.live += 1
+        load.peak_live = max(load.peak_live, load.live)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.split(b"\r\n", 1)[0].decode(errors="replace"))
+        tail = b""
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                raise RuntimeError("closed before [DONE]")
+            window = tail + data
+            if not first and b'"content":"' in window and b'"content":""' not in window:
+                first = True
+                load.ttft_ms.append((time.perf_counter() - started) * 1000)
+            load.chunks += data.count(b"\ndata: ") + data.startswith(b"data: ")
+            if b"[DONE]" in window:
+                return
+            if b'"error"' in data:
+                raise RuntimeError("error event")
+            tail = data[-16:]
+    except Exception as exc:
+        load.errors += 1
+        kind = type(exc).__name__ + ": " + str(exc)[:60]
+        load.error_kinds[kind] = load.error_kinds.get(kind, 0) + 1
+    finally:
+        if writer is not None:
+            load.live -= 1
+            writer.close()
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _redis_info(url: str, section: str) -> dict[str, Any]:
+    import redis
+
+    info: dict[str, Any] = redis.Redis.from_url(url).info(section)
+    return info
+
+
+def _measure(
+    port: int, n: int, ramp_s: float, max_tokens: int, router: _Proc | None,
+    redis_pid: int | None, redis_url: str | None,
+) -> dict[str, Any]:
+    router_cpu0 = router.cpu_s() if router else 0.0
+    redis_cpu0 = _cpu_s(redis_pid) if redis_pid else 0.0
+    peak: dict[str, int] = {"router_rss": 0, "redis_rss": 0, "live": 0}
+
+    async def sample(load: _Load) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if load.live >= peak["live"]:
+                peak["live"] = load.live
+                peak["router_rss"] = router.rss() if router else 0
+                peak["redis_rss"] = _rss_bytes(redis_pid) if redis_pid else 0
+
+    async def main() -> _Load:
+        load = _Load()
+        sampler = asyncio.ensure_future(sample(load))
+        try:
+            real = await _phase_into(port, n, ramp_s, max_tokens, load)
+        finally:
+            sampler.cancel()
+        return real
+
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        started = time.monotonic()
+        load = runner.run(main())
+        wall_s = time.monotonic() - started
+    router_cpu = (router.cpu_s() - router_cpu0) if router else 0.0
+    redis_cpu = (_cpu_s(redis_pid) - redis_cpu0) if redis_pid else 0.0
+    chunks = max(load.chunks, 1)
+    live_k = max(peak["live"], 1) / 1000
+    return {
+        "streams": n,
+        "errors": load.errors,
+        "error_kinds": load.error_kinds,
+        "peak_live": load.peak_live,
+        "chunks": load.chunks,
+        "wall_s": round(wall_s, 2),
+        "p50_ttft_ms": _pct(load.ttft_ms, 0.5),
+        "p99_ttft_ms": _pct(load.ttft_ms, 0.99),
+        "mean_ttft_ms": statistics.fmean(load.ttft_ms) if load.ttft_ms else None,
+        "router_cpu_us_per_chunk": round(router_cpu / chunks * 1e6, 1) if router else None,
+        "router_chunks_per_cpu_s": round(load.chunks / router_cpu) if router_cpu else None,
+        "redis_cpu_us_per_chunk": round(redis_cpu / chunks * 1e6, 1) if redis_pid else None,
+        "router_rss_mb_per_1000_live": round(peak["router_rss"] / live_k / 2**20, 1)
+        if router else None,
+        "redis_rss_mb_per_1000_live": round(peak["redis_rss"] / live_k / 2**20, 1)
+        if redis_pid else None,
+        "redis_used_memory_mb": round(_redis_info(redis_url, "memory")["used_memory"] / 2**20, 1)
+        if redis_url else None,
+    }
+
+
+async def _phase_into(port: int, n: int, ramp_s: float, max_tokens: int, load: _Load) -> _Load:
+    tasks = []
+    for i in range(n):
+        body = (
+            b'{"model":"sim-llama-7b","stream":true,"max_tokens":%d,"seed":%d,'
+            b'"messages":[{"role":"user","content":"%s %d"}]}' % (max_tokens, i, PROMPT, i)
+        )
+        tasks.append(asyncio.ensure_future(_stream(port, body, load)))
+        await asyncio.sleep(ramp_s / n)
+    await asyncio.gather(*tasks)
+    return load
+
+
+def _router_config(path: Path, sim_url: str, port: int, workers: int, redis_url: str | None,
+                   n_max: int) -> Path:
+    state = f'[state]\nredis_url = "{redis_url}"\n' if redis_url else ""
+    path.write_text(
+        f"""
+[[upstreams]]
+url = "{sim_url}"
+[listen]
+host = "127.0.0.1"
+port = {port}
+insecure_plain_http = true
+server = "uvicorn"
+workers = {workers}
+[auth]
+allow_anonymous = true
+[limits]
+upstream_max_connections = {n_max + 64}
+[routing]
+backend_max_in_flight = {n_max + 64}
+{state}"""
+    )
+    return path
+
+
+def run(quick: bool) -> dict[str, Any]:
+    levels = (100, 200) if quick else (1000, 2000)
+    max_tokens = 100 if quick else 300
+    ramp_s = 1.0 if quick else 2.0
+    n_max = max(levels)
+    results: dict[str, Any] = {
+        "levels": list(levels),
+        "max_tokens": max_tokens,
+        "ramp_s": ramp_s,
+        "cpus": os.cpu_count(),
+        "targets": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="firstbyte-workers-") as tmp, running_redis() as rs:
+        sim_port = _free_port()
+        sim_args = ["sim", "--port", str(sim_port), "--max-num-seqs", str(n_max + 64),
+                    "--queue-limit", str(4 * n_max), "--server", "uvicorn"]
+        with _spawn(sim_args, "127.0.0.1") as _sim:
+            sim_url = f"http://127.0.0.1:{sim_port}"
+            targets: list[tuple[str, int, str | None]] = [
+                ("direct", 0, None),
+                ("router-1-memory", 1, None),
+                ("router-1-redis", 1, rs.url),
+                ("router-2-redis", 2, rs.url),
+            ]
+            for name, workers, redis_url in targets:
+                rows = results["targets"].setdefault(name, {})
+                if workers == 0:
+                    for n in levels:
+                        rows[str(n)] = _measure(sim_port, n, ramp_s, max_tokens, None, None, None)
+                        print(f"{name} {n}: {rows[str(n)]}", file=sys.stderr, flush=True)
+                    continue
+                port = _free_port()
+                config = _router_config(Path(tmp) / f"{name}.toml", sim_url, port, workers,
+                                        redis_url, n_max)
+                with _spawn(["router", "--config", str(config)], " serving http://", workers) as rp:
+                    for n in levels:
+                        rows[str(n)] = _measure(port, n, ramp_s, max_tokens, rp,
+                                                rs.pid if redis_url else None, redis_url)
+                        print(f"{name} {n}: {rows[str(n)]}", file=sys.stderr, flush=True)
+    _summarise(results)
+    return results
+
+
+def _summarise(results: dict[str, Any]) -> None:
+    targets = results["targets"]
+    direct = targets["direct"]
+    held: dict[str, int] = {}
+    for name, rows in targets.items():
+        if name == "direct":
+            continue
+        for level, row in rows.items():
+            base = direct[level]
+            added = None
+            if row["p99_ttft_ms"] is not None and base["p99_ttft_ms"] is not None:
+                added = row["p99_ttft_ms"] - base["p99_ttft_ms"]
+                row["added_p50_ttft_ms"] = row["p50_ttft_ms"] - base["p50_ttft_ms"]
+            row["added_p99_ttft_ms"] = added
+            ok = row["errors"] == 0 and added is not None and added <= ADDED_P99_LIMIT_MS
+            row["held"] = ok
+            if ok:
+                held[name] = max(held.get(name, 0), int(level))
+    results["held_streams"] = held
+    one, two = held.get("router-1-redis", 0), held.get("router-2-redis", 0)
+    results["scaling_held"] = round(two / one, 2) if one else None
+    top = str(max(results["levels"]))
+    eff1 = targets["router-1-redis"][top]["router_chunks_per_cpu_s"]
+    eff2 = targets["router-2-redis"][top]["router_chunks_per_cpu_s"]
+    results["redis_cost_us_per_chunk"] = {
+        level: (
+            None
+            if targets["router-1-redis"][level]["router_cpu_us_per_chunk"] is None
+            else round(
+                targets["router-1-redis"][level]["router_cpu_us_per_chunk"]
+                - targets["router-1-memory"][level]["router_cpu_us_per_chunk"],
+                1,
+            )
+        )
+        for level in targets["router-1-memory"]
+    }
+    results["chunks_per_router_cpu_s"] = {"1": eff1, "2": eff2}
+    results["summary_md"] = _markdown(results)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "| target | streams | errors | peak live | TTFT P50 / P99 ms | added P50 / P99 ms |"
+        " router CPU µs/chunk | Redis CPU µs/chunk | RSS MB/1k live (router, Redis) | held |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, rows in results["targets"].items():
+        for level, r in rows.items():
+            lines.append(
+                f"| {name} | {level} | {r['errors']} | {r['peak_live']} |"
+                f" {_fmt(r['p50_ttft_ms'])} / {_fmt(r['p99_ttft_ms'])} |"
+                f" {_fmt(r.get('added_p50_ttft_ms'))} / {_fmt(r.get('added_p99_ttft_ms'))} |"
+                f" {_fmt(r['router_cpu_us_per_chunk'])} | {_fmt(r['redis_cpu_us_per_chunk'])} |"
+                f" {_fmt(r['router_rss_mb_per_1000_live'])},"
+                f" {_fmt(r['redis_rss_mb_per_1000_live'])}"
+                f" | {r.get('held', '-')} |"
+            )
+    lines.append("")
+    lines.append(
+        f"Held (0 errors, added TTFT P99 <= {ADDED_P99_LIMIT_MS:g} ms): {results['held_streams']};"
+        f" scaling (2 workers / 1, held streams): {results['scaling_held']};"
+        f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
+        f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
+    )
+    return "\n".join(lines)

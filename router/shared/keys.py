@@ -1,0 +1,35 @@
+"""The name of every Redis key the router writes, in one place (all under one prefix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Keys"]
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under ``prefix`` (``state.key_prefix``, e.g. ``firstbyte:``)."""
+
+    prefix: str
+
+    def events(self, stream_id: str) -> str:
+        """The Redis Stream of a stream's events (entry id ``SEQ-0``, field ``d``)."""
+        return f"{self.prefix}s:{stream_id}"
+
+    def meta(self, stream_id: str) -> str:
+        """A hash: ``owner`` (the API key's digest), ``proc`` (the producing process),
+        ``ttft`` (upstream time to first token, ms, once known)."""
+        return f"{self.prefix}m:{stream_id}"
+
+    def reader(self, stream_id: str) -> str:
+        """Present while a process other than the producer has a reader on the stream."""
+        return f"{self.prefix}r:{stream_id}"
+
+    def lease(self, process: str) -> str:
+        """A process's lease: present while it runs (``SET PX``, renewed)."""
+        return f"{self.prefix}p:{process}"
+
+    def ticket(self, label: bytes) -> str:
+        """One QUIC session ticket, by its label (taken once with ``GETDEL``)."""
+        return f"{self.prefix}t:{label.hex()}"

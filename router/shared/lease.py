@@ -1,0 +1,68 @@
+"""A process's lease: one Redis key that exists while the process runs.
+
+The process sets ``{prefix}p:{process}`` with a time to live of ``lease_s`` and renews it
+every ``lease_s / 3``. Its streams record the process id; a reader elsewhere that finds a
+stream unfinished and the lease gone knows the producer died (killed, crashed, its host lost)
+and ends the stream with a ``stream_lost`` error event instead of waiting forever. One key
+per process, not per stream: 2,000 live streams cost one ``SET`` a second, not 2,000.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from .keys import Keys
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+__all__ = ["Lease"]
+
+log = logging.getLogger("firstbyte.router.shared")
+
+
+class Lease:
+    """Take, renew and release this process's lease (see the module docstring)."""
+
+    def __init__(self, redis: Redis, keys: Keys, process: str, lease_s: float) -> None:
+        self._redis = redis
+        self.key = keys.lease(process)
+        self.lease_s = lease_s
+        self._task: asyncio.Task[None] | None = None
+        self.renew_failures = 0
+
+    @property
+    def check_interval_s(self) -> float:
+        """How often readers look at a producer's lease (and the producer renews its own)."""
+        return self.lease_s / 3
+
+    async def start(self) -> None:
+        """Take the lease now (so streams created at once are covered), then keep renewing."""
+        await self._renew()
+        if self._task is None:
+            self._task = asyncio.create_task(self._keep())
+
+    async def _renew(self) -> None:
+        await self._redis.set(self.key, b"1", px=int(self.lease_s * 1000))
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            try:
+                await self._renew()
+            except Exception as exc:  # Redis away: keep trying; readers may call us lost
+                self.renew_failures += 1
+                log.warning("cannot renew the process lease: %s", exc)
+
+    async def aclose(self) -> None:
+        """Stop renewing and delete the key (a clean exit ends no one's stream as lost:
+        its producers have finished or appended their own error by then)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._redis.delete(self.key)

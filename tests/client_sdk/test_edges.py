@@ -1,0 +1,187 @@
+"""The SDK at its edges: each mistake a new user makes gets its own typed error and a message
+that names it (docs/sdk-errors.md lists them; ``test_error_table`` checks that list)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.errors import ConfigurationError, ConnectError
+from tests.client_sdk.protocol_server import RunningServer, expected_text
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def first_text(client: AsyncClient, **kw: Any) -> str:
+    async with client.stream(model="m", messages=MESSAGES, max_tokens=3, **kw) as stream:
+        return "".join([delta.text async for delta in stream])
+
+
+@pytest.mark.parametrize("option", ["ca_file", "verify"])
+def test_a_missing_ca_file_is_a_configuration_error_naming_the_option_and_file(
+    tmp_path: Path, option: str
+) -> None:
+    missing = str(tmp_path / "nope.pem")
+    with pytest.raises(ConfigurationError) as info:
+        AsyncClient("https://localhost:1/v1", **{option: missing})
+    assert str(info.value) == f"{option}: {missing}: no such file"
+    assert info.value.option == option
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_ca_file_that_holds_no_certificate_is_a_configuration_error(tmp_path: Path) -> None:
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(ConfigurationError, match=r"^ca_file: .*notes\.txt: no PEM certificate"):
+        AsyncClient("https://localhost:1/v1", ca_file=str(junk))
+    with pytest.raises(ConfigurationError, match="is a directory"):
+        AsyncClient("https://localhost:1/v1", ca_file=str(tmp_path))
+
+
+@pytest.mark.parametrize("http", ["2", "3"])
+async def test_verify_given_a_ca_path_trusts_that_ca(server: RunningServer, ca_file: str,
+                                                     http: str) -> None:
+    # What httpx and requests users type; it used to be truthy, so the system CAs were used.
+    async with AsyncClient(server.base_url, "test-key", verify=ca_file, http=http) as client:  # type: ignore[arg-type]
+        assert await first_text(client) == expected_text(3)
+    async with AsyncClient(server.base_url, "test-key", verify=Path(ca_file)) as client:
+        assert await first_text(client) == expected_text(3)
+
+
+def test_verify_of_another_type_is_refused(ca_file: str) -> None:
+    with pytest.raises(TypeError, match="verify must be True, False, a CA file path or an "
+                                        r"ssl.SSLContext, not int"):
+        AsyncClient("https://localhost:1/v1", verify=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="name two CA files"):
+        AsyncClient("https://localhost:1/v1", verify=ca_file, ca_file=ca_file + ".other")
+    context = ssl.create_default_context(cafile=ca_file)
+    assert AsyncClient("https://localhost:1/v1", verify=context).pool.ssl_context is context
+
+
+@pytest.mark.parametrize(("transport", "http"), [("sse", "1.1"), ("longpoll", "1.1"),
+                                                 ("websocket", "1.1")])
+async def test_plain_http_to_a_tls_port_says_to_use_https(
+    server: RunningServer, transport: str, http: str
+) -> None:
+    url = server.base_url.replace("https://", "http://")
+    start = time.perf_counter()
+    async with AsyncClient(url, "test-key", transport=transport, http=http) as client:  # type: ignore[arg-type]
+        with pytest.raises(ConnectError) as info:
+            await first_text(client)
+    assert str(info.value) == (f"localhost:{server.port} speaks TLS: use https:// instead of"
+                               " http:// in the base URL")
+    assert client.pool.ssl_context is not None
+    assert not server.app.requests  # the plaintext request never reached the application
+    print(f"{transport}: refused in {time.perf_counter() - start:.3f} s")
+
+
+def test_a_bad_base_url_names_the_option() -> None:
+    with pytest.raises(ConfigurationError, match=r"^base_url: must be a base URL http\(s\)://"):
+        AsyncClient("localhost:8080")
+
+
+def _udp_port(*, keep: bool) -> tuple[int, socket.socket | None]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if keep:
+        return port, sock  # bound, never read: datagrams vanish, nothing answers
+    sock.close()  # nothing bound: the kernel answers ICMP port unreachable
+    return port, None
+
+
+async def test_h3_to_a_port_nothing_listens_on_fails_at_once() -> None:
+    port, _ = _udp_port(keep=False)
+    start = time.perf_counter()
+    async with AsyncClient(f"https://localhost:{port}/v1", http="3",
+                           connect_timeout_s=10) as client:
+        with pytest.raises(ConnectError) as info:
+            await first_text(client)
+    elapsed = time.perf_counter() - start
+    assert str(info.value) == (f"cannot connect to localhost:{port}: nothing listens on UDP port"
+                               f" {port} (ICMP port unreachable)")
+    assert elapsed < 5, elapsed  # did not wait out the 10 s connect timeout
+
+
+async def test_h3_to_a_silent_port_gives_up_after_the_connect_timeout() -> None:
+    port, sock = _udp_port(keep=True)
+    assert sock is not None
+    with sock:
+        start = time.perf_counter()
+        async with AsyncClient(f"https://localhost:{port}/v1", http="3",
+                               connect_timeout_s=0.5) as client:
+            with pytest.raises(ConnectError, match=r"QUIC handshake with .* timed out after 0.5 s"):
+                await first_text(client)
+        elapsed = time.perf_counter() - start
+    assert 0.5 <= elapsed < 2 * 0.5 + 0.5, elapsed  # the timeout, not the timeout and a wait
+
+
+_QUIET_CLIENT = """
+import asyncio, gc, socket, sys
+from firstbyte.client_sdk.client import AsyncClient
+
+async def attempt(url, **kw):
+    async with AsyncClient(url, "test-key", http="3", **kw) as client:
+        try:
+            async with client.stream(model="m", messages=[{"role": "user", "content": "x"}]):
+                pass
+        except Exception as exc:
+            print(type(exc).__name__)
+
+async def main(port):
+    await attempt(f"https://localhost:{port}/v1", connect_timeout_s=5)  # CA not trusted
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    await attempt(f"https://localhost:{silent.getsockname()[1]}/v1", connect_timeout_s=0.3)
+    port = silent.getsockname()[1]
+    silent.close()
+    await attempt(f"https://localhost:{port}/v1")
+    gc.collect()
+    await asyncio.sleep(0.3)
+    gc.collect()
+
+asyncio.run(main(int(sys.argv[1])))
+gc.collect()
+"""
+
+
+def test_h3_failures_print_nothing(server: RunningServer) -> None:
+    # A plain process, as an application is: no logging configured (pytest's own log capture
+    # would hide aioquic's and asyncio's last-resort printing).
+    done = subprocess.run([sys.executable, "-c", _QUIET_CLIENT, str(server.port)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.split() == ["TLSError", "ConnectError", "ConnectError"], done.stderr
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize(("transport", "http"), [("websocket", "1.1"), ("sse", "1.1")])
+async def test_prewarm_while_a_stream_runs_opens_no_second_connection(
+    server: RunningServer, ca_file: str, transport: str, http: str
+) -> None:
+    # What a periodic re-probe does to the primary: it used to count idle connections only,
+    # so a stream in flight at that moment cost a new handshake (a flaky re-probe test).
+    def opened() -> int:
+        if transport == "websocket":
+            return server.app.requests.count(("WS", "/v1/ws"))
+        session = client.pool.session(client.origin, "1.1")
+        return len(session._client._transport._pool.connections)  # type: ignore[attr-defined]
+
+    async with AsyncClient(server.base_url, "test-key", transport=transport, http=http,  # type: ignore[arg-type]
+                           ca_file=ca_file) as client:
+        await client.prewarm()
+        assert opened() == 1
+        async with client.stream(model="m", messages=MESSAGES, max_tokens=9) as stream:
+            async for _ in stream:
+                await client.prewarm()  # the only connection is busy with this stream
+                assert opened() == 1
+        assert stream.text == expected_text(9)
+        assert await first_text(client) == expected_text(3)
+        assert opened() == 1

@@ -1,0 +1,116 @@
+"""Per-key limits, sans sockets and with an injected clock: the token bucket, the concurrency
+limit, the store's share, and the stage's 429s (code, ``Retry-After``, OpenAI's body)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from firstbyte.router.pipeline.context import CONTINUE, LocalReply, RequestContext
+from firstbyte.router.streams import StreamStore, owner_of
+from firstbyte.router.tenancy import KeyLimiter, TokenBucket, limit_key
+
+KEY_A = "sk-tenant-a-0001"
+KEY_B = "sk-tenant-b-0002"
+
+
+def test_token_bucket_allows_the_burst_then_the_rate() -> None:
+    bucket = TokenBucket(rate_per_s=2.0, burst=3, now=100.0)
+    assert [bucket.take(100.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take(100.0) == pytest.approx(0.5)  # empty: a token in 1/rate seconds
+    assert bucket.take(100.25) == pytest.approx(0.25)  # half a token refilled meanwhile
+    assert bucket.take(100.5) == 0.0
+    assert bucket.take(100.5) == pytest.approx(0.5)
+    # An idle key refills to the burst, never beyond.
+    assert [bucket.take(1000.0) for _ in range(4)] == [0.0, 0.0, 0.0, pytest.approx(0.5)]
+
+
+def test_token_bucket_survives_a_clock_that_does_not_move_forward() -> None:
+    bucket = TokenBucket(rate_per_s=1.0, burst=1, now=10.0)
+    assert bucket.take(10.0) == 0.0
+    assert bucket.take(9.0) == pytest.approx(1.0)  # no refill from going backwards
+
+
+def _ctx(key: str, *, stream: bool = True) -> RequestContext:
+    ctx = RequestContext("POST", "/v1/chat/completions", {})
+    ctx.api_key = key
+    ctx.stream_requested = stream
+    return ctx
+
+
+def _refusal(outcome: object) -> tuple[int, str, str]:
+    assert isinstance(outcome, LocalReply)
+    headers = dict(outcome.headers)
+    error = json.loads(outcome.body)["error"]
+    assert error["type"] == "rate_limit_error"
+    assert outcome.code == error["code"]
+    return outcome.status, error["code"], headers["retry-after"]
+
+
+def test_rate_limit_is_per_key_with_retry_after_until_the_next_token() -> None:
+    limiter = KeyLimiter(max_streams=100, rate_per_s=0.5, burst=2)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    assert limit_key(_ctx(KEY_A), limiter, store, 0.0) is CONTINUE
+    assert limit_key(_ctx(KEY_A), limiter, store, 0.0) is CONTINUE
+    assert _refusal(limit_key(_ctx(KEY_A), limiter, store, 0.0)) == (429, "key_rate_limited", "2")
+    assert _refusal(limit_key(_ctx(KEY_A), limiter, store, 1.5)) == (429, "key_rate_limited", "1")
+    assert limit_key(_ctx(KEY_B), limiter, store, 0.0) is CONTINUE  # B has its own bucket
+    assert limit_key(_ctx(KEY_A), limiter, store, 2.0) is CONTINUE
+    limiter.forget_idle(3.0)
+    assert list(limiter._buckets) == [owner_of(KEY_A)]  # B's is full again (at 2.0), A's not
+    limiter.forget_idle(10.0)
+    assert limiter._buckets == {}  # full buckets hold nothing worth keeping
+
+
+def test_concurrency_counts_live_streams_and_unstreamed_requests_per_key() -> None:
+    limiter = KeyLimiter(max_streams=3, rate_per_s=0.0, burst=1)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    a = owner_of(KEY_A)
+    streams = []
+    for _ in range(2):
+        assert limit_key(_ctx(KEY_A), limiter, store, 0.0) is CONTINUE
+        streams.append(store.create(a, 0.0))
+    with limiter.holding(a):  # a non-streamed completion in flight
+        refused = limit_key(_ctx(KEY_A, stream=False), limiter, store, 0.0)
+        assert _refusal(refused) == (429, "key_concurrency_exceeded", "1")
+        assert limit_key(_ctx(KEY_B), limiter, store, 0.0) is CONTINUE  # B is not affected
+    assert limit_key(_ctx(KEY_A), limiter, store, 0.0) is CONTINUE
+    streams.append(store.create(a, 0.0))
+    assert isinstance(limit_key(_ctx(KEY_A), limiter, store, 0.0), LocalReply)
+    streams[0].finish(1.0)  # a stream ends: a slot is free again
+    assert limit_key(_ctx(KEY_A), limiter, store, 1.0) is CONTINUE
+
+
+def test_a_key_whose_live_streams_fill_its_share_gets_key_store_full() -> None:
+    limiter = KeyLimiter(max_streams=100, rate_per_s=0.0, burst=1)
+    store = StreamStore(max_total_bytes=10_000, max_age_s=60, max_owner_bytes=2_000)
+    live = store.create(owner_of(KEY_A), 0.0)
+    live.append(b"x" * 2_000, 0.0)
+    assert _refusal(limit_key(_ctx(KEY_A), limiter, store, 0.0)) == (429, "key_store_full", "1")
+    # A non-streamed request needs no room in the store; another key has its own share.
+    assert limit_key(_ctx(KEY_A, stream=False), limiter, store, 0.0) is CONTINUE
+    assert limit_key(_ctx(KEY_B), limiter, store, 0.0) is CONTINUE
+    assert not live.evicted
+
+
+def test_a_refused_request_spends_no_token() -> None:
+    limiter = KeyLimiter(max_streams=1, rate_per_s=1.0, burst=1)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    store.create(owner_of(KEY_A), 0.0)  # at its concurrency limit
+    for _ in range(5):
+        assert _refusal(limit_key(_ctx(KEY_A), limiter, store, 0.0))[1] == (
+            "key_concurrency_exceeded"
+        )
+    store.running()[0].finish(0.0)
+    assert limit_key(_ctx(KEY_A), limiter, store, 0.0) is CONTINUE  # its one token was kept
+
+
+def test_an_anonymous_router_has_no_per_key_limits() -> None:
+    limiter = KeyLimiter(max_streams=1, rate_per_s=1.0, burst=1, enabled=False)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    for _ in range(5):
+        ctx = _ctx("")
+        ctx.api_key = None
+        assert limit_key(ctx, limiter, store, 0.0) is CONTINUE
+        store.create(owner_of(None), 0.0)
