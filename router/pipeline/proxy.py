@@ -384,14 +384,20 @@ class _Producer:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    # -- ResponseSink: the upstream's answer, as it arrives
+    # -- ResponseSink: the upstream's answer, as it arrives. Once the attempt's outcome is
+    # decided (finished, switch, retry) nothing more of this upstream reaches the stream: a
+    # token arriving in the loop turn between a claimed switch and the switch is dropped.
     def on_head(self, status: int) -> None:
+        if self.outcome.done():
+            return
         if status == 200:
             self._apply(self.relay.receive_head(200, time.perf_counter()))
         else:
             self._refused, self._refused_status = [], status
 
     def on_body(self, data: bytes) -> None:
+        if self.outcome.done():
+            return
         refused = self._refused
         if refused is None:
             self._apply(self.relay.receive_data(data, time.perf_counter()))
@@ -401,6 +407,8 @@ class _Producer:
             self.on_end()
 
     def on_end(self) -> None:
+        if self.outcome.done():
+            return
         now = time.perf_counter()
         if self._refused is not None:
             body = b"".join(self._refused)[:_MAX_ERROR_BODY_BYTES]
@@ -409,9 +417,11 @@ class _Producer:
             self._apply(self.relay.receive_end(now))
 
     def on_error(self, exc: Exception) -> None:
+        if self.outcome.done():
+            return
         conn = self._conn
         closed = isinstance(exc, httpx.ReadError)  # not a timeout: that one is the upstream's
-        if closed and conn is not None and conn.stale and not self.outcome.done():
+        if closed and conn is not None and conn.stale:
             self.outcome.set_result("retry")
             return
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
