@@ -142,7 +142,8 @@ with socket.socket() as probe:
     port = probe.getsockname()[1]
 os.environ[CONFIG_ENV] = msgspec.json.encode({
     "upstreams": [{"url": sys.argv[1], "max_in_flight": 1024}],
-    "listen": {"port": port, "http3": False, "insecure_plain_http": tls is None},
+    "listen": {"port": port, "http3": False, "insecure_plain_http": tls is None}
+    | ({"certfile": tls[0], "keyfile": tls[1]} if tls else {}),
     "routing": {"backend_max_waiting": 1024},
     "auth": {"allow_anonymous": True},
 }).decode()
