@@ -104,7 +104,9 @@ HTTP/2, so the router's share of that run's latency is told apart from the trans
 
 _ROUTER = """
 import asyncio, sys
-from firstbyte.router.config import AuthConfig, ListenConfig, RouterConfig, UpstreamConfig
+from firstbyte.router.config import (
+    AuthConfig, LimitsConfig, ListenConfig, RouterConfig, UpstreamConfig,
+)
 from firstbyte.router.regions_config import RoutingConfig
 from firstbyte.router.hosting import loop_factory
 from firstbyte.router.serve import running_router
@@ -120,7 +122,11 @@ async def main():
     upstream = UpstreamConfig(url=sys.argv[1], max_in_flight=1024)
     routing = RoutingConfig(backend_max_waiting=1024)
     auth = AuthConfig(allow_anonymous=True)  # a local benchmark: no keys to hand out
-    config = RouterConfig(upstreams=[upstream], listen=listen, routing=routing, auth=auth)
+    # every client of the load generator comes from 127.0.0.1: no per-address connection cap
+    limits = LimitsConfig(max_connections_per_client=65536)
+    config = RouterConfig(
+        upstreams=[upstream], listen=listen, routing=routing, auth=auth, limits=limits
+    )
     async with running_router(config, tune_gc=True) as ep:  # GC as `firstbyte router` has it
         print(ep.base_url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -146,6 +152,7 @@ os.environ[CONFIG_ENV] = msgspec.json.encode({
     | ({"certfile": tls[0], "keyfile": tls[1]} if tls else {}),
     "routing": {"backend_max_waiting": 1024},
     "auth": {"allow_anonymous": True},
+    "limits": {"max_connections_per_client": 65536},
 }).decode()
 def announce():
     while True:
