@@ -34,10 +34,10 @@ from .pipeline.context import (
     Traceparent,
     error_reply,
 )
+from .placement import place, release_key_slot
 from .readers import ReadableStream, parse_after, poll, sse_events
 from .state import RouterState
 from .streams import owner_of
-from .tenancy import limit_key
 
 __all__ = [
     "chat_completions",
@@ -140,12 +140,7 @@ async def _admitted(
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
         return None
-    limited = limit_key(ctx, state.limiter, state.store, state.clock())
-    if await _finish(state, send, ctx, limited, "chat"):
-        return None
-    if await _finish(state, send, ctx, state.routing.route(ctx), "chat"):
-        return None
-    if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "chat"):
+    if await _finish(state, send, ctx, await place(state, ctx), "chat"):
         return None
     return ctx
 
@@ -157,8 +152,11 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         return
     if not ctx.stream_requested:
         # Counted against the key's concurrency like a stream (streams count in the store).
-        with state.limiter.holding(owner_of(ctx.api_key)):
-            answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+        try:
+            with state.limiter.holding(owner_of(ctx.api_key)):
+                answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+        finally:
+            release_key_slot(ctx)
         state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
@@ -173,8 +171,8 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             ],
         )
         return
-    # limit_key made room in the store (nothing awaited since): no eviction here.
-    stream = state.new_stream(owner_of(ctx.api_key))
+    # place() made room in the store (nothing awaited since): no eviction here.
+    stream = state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -230,7 +228,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = state.new_stream(owner_of(ctx.api_key))
+    stream = state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:

@@ -52,7 +52,7 @@ from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address,
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
 from .peers import PeerPoller, PeerTable
-from .pipeline.affinity import AffinityPolicy, affinity_key
+from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
 from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
@@ -87,6 +87,9 @@ class Observation:
     started: float
     location: Location | None
     first_token_deadline_s: float | None = None
+    choice: str = ""
+    """Why this backend (``affinity``, ``new-key``, ``balance``, ..., ``queued``); empty for
+    a peer."""
     ttft_ms: float | None = None
     last_chunk: float | None = None
     switched: bool = False
@@ -225,6 +228,9 @@ class RegionRouting:
         """Backend choices by reason (affinity, new-key, balance, round-robin, least-loaded)."""
         self.ttft: dict[str, Histogram] = {}
         self.itl = Histogram(ITL_BUCKETS_S)
+        self.released: Callable[[str], object] | None = None
+        """Called with a local backend's name when a request on it ends or moves away (the
+        shared state gives back its slot there)."""
         self._started = False
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -351,7 +357,7 @@ class RegionRouting:
         if decision.verdict is Verdict.LOCAL:
             chosen = self._local_backend(request, now)
             if chosen is None:  # raced to saturation since the region check
-                return self._reject(ctx, now)
+                return self.reject(ctx, now)
             return self._serve_local(ctx, chosen, location, now)
         if decision.verdict is Verdict.REJECT:
             if not self.tracker.healthy() and not self.peer_table.peers:
@@ -359,10 +365,10 @@ class RegionRouting:
             queued = self._queue_locally(request, now)
             if queued is not None:
                 return self._serve_local(ctx, queued, location, now)
-            return self._reject(ctx, now)
+            return self.reject(ctx, now)
         spill = decision.verdict is Verdict.SPILL
         if spill and not self.spill.try_acquire(self.active() + 1):
-            return self._reject(ctx, now)
+            return self.reject(ctx, now)
         if spill:
             self.spills[(decision.region, "saturated")] += 1
         else:
@@ -370,10 +376,15 @@ class RegionRouting:
         self._to_peer(ctx, decision.region, location, spill)
         return CONTINUE
 
-    def _local_backend(self, request: ChatCompletionRequest, now: float) -> str | None:
+    def affinity_key(self, request: ChatCompletionRequest) -> str:
+        """The key that decides ``request``'s backend (:func:`affinity_key`)."""
+        texts = [p.text for p in self.prefixes]
+        return affinity_key(request, texts, self.config.routing.affinity_chars)
+
+    def _local_backend(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
         return self._choose(request, self.tracker.available(now), now, None)
 
-    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> str | None:
+    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
         """A backend to queue on when the expected wait is within ``max_queue_wait_ms``."""
         healthy = self.tracker.healthy()
         limit = self.config.routing.max_queue_wait_ms
@@ -383,29 +394,45 @@ class RegionRouting:
 
     def _choose(
         self, request: ChatCompletionRequest, candidates: list[str], now: float, reason: str | None
-    ) -> str | None:
+    ) -> BackendChoice | None:
         """The affinity policy's pick among ``candidates``, counted in ``choices`` under
         ``reason`` (the policy's own reason when None); None if it picks nothing."""
         loads = {n: self.tracker.load(n, now) for n in candidates}
-        texts = [p.text for p in self.prefixes]
-        key = affinity_key(request, texts, self.config.routing.affinity_chars)
-        choice = self.policy.choose(key, candidates, loads, now)
+        choice = self.policy.choose(self.affinity_key(request), candidates, loads, now)
         if choice is None:
             return None
-        self.choices[reason or choice.reason] += 1
-        return choice.backend
+        if reason is not None:
+            choice = BackendChoice(choice.backend, reason)
+        self.choices[choice.reason] += 1
+        return choice
 
     def _serve_local(
-        self, ctx: RequestContext, name: str, location: Location | None, now: float
+        self, ctx: RequestContext, choice: BackendChoice, location: Location | None, now: float
     ) -> Outcome:
+        name = choice.backend
         ctx.backend = self.backends[name]
         ctx.region = self.region
         self.tracker.started(name, now)
         ctx.extra["observer"] = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
+            choice=choice.reason,
         )
         return CONTINUE
+
+    def unroute(self, ctx: RequestContext) -> Observation | None:
+        """Undo :meth:`route` for a request that will not go (its backend turned out full
+        region-wide): its record, without counting an outcome; returns that record."""
+        observer = ctx.extra.pop("observer", None)
+        if not isinstance(observer, Observation):
+            return None
+        observer.done = True
+        if observer.local:
+            self.tracker.unstarted(observer.backend)
+        elif observer.spill:
+            self.spill.release()
+        ctx.backend = None
+        return observer
 
     def _to_peer(
         self, ctx: RequestContext, peer: str, location: Location | None, spill: bool
@@ -436,7 +463,8 @@ class RegionRouting:
         """``Retry-After`` for a 429 from here (also put on a peer's 429 passed through)."""
         return self.tracker.retry_after_s(self.clock())
 
-    def _reject(self, ctx: RequestContext, now: float) -> Outcome:
+    def reject(self, ctx: RequestContext, now: float) -> Outcome:
+        """The 429 ``region_saturated`` for a request nothing here or elsewhere can take."""
         retry = self.tracker.retry_after_s(now)
         self.outcomes[(self.region, "", "rejected")] += 1
         self._log(ctx, None, "rejected")
@@ -485,6 +513,8 @@ class RegionRouting:
         target = self._switch_target(ctx)
         assert target is not None  # can_switch said yes a moment ago, in the same loop turn
         self.tracker.finished(obs.backend)
+        if self.released is not None:
+            self.released(obs.backend)
         self.spill.try_acquire(self.active())
         self.spills[(target, "first_token_deadline")] += 1
         obs.switched = True
@@ -498,6 +528,8 @@ class RegionRouting:
         duration_ms = (time.perf_counter() - obs.started) * 1000
         if obs.local:
             self.tracker.finished(obs.backend, duration_ms)
+            if self.released is not None:
+                self.released(obs.backend)
         if obs.spill:
             self.spill.release()
         outcome = "ok" if ok else "error"

@@ -67,6 +67,8 @@ class RouterState:
         )
         self.shared: SharedState | None = connect(config)
         """The region's shared state (Redis), or None: everything in this process's memory."""
+        if self.shared is not None:
+            self.routing.released = self.shared.admission.release_backend
         self._sharing: asyncio.Task[None] | None = None
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
@@ -118,9 +120,11 @@ class RouterState:
         if not self._warming.done():
             await asyncio.shield(self._warming)
 
-    def new_stream(self, owner: bytes) -> Stream:
-        """A new stream of ``owner`` in this process's store, shared when the state is."""
+    def new_stream(self, owner: bytes, on_finish: Callable[[], object] | None = None) -> Stream:
+        """A new stream of ``owner`` in this process's store, shared when the state is;
+        ``on_finish`` runs when it ends (e.g. :attr:`RequestContext.release_key_slot`)."""
         stream = self.store.create(owner, self.clock())
+        stream.on_finish = on_finish
         if self.shared is not None:
             self.shared.streams.publish(stream)
         return stream
@@ -161,9 +165,19 @@ class RouterState:
                     await self.shared.streams.keep_attended(
                         self.store.running(), self.clock(), grace
                     )
+                    await self._load_elsewhere(self.shared)
                 except Exception as exc:  # Redis away: only local readers count this turn
-                    log.warning("cannot check for readers elsewhere: %s", exc)
+                    log.warning("cannot check for readers or load elsewhere: %s", exc)
             self.tick(self.clock())
+
+    async def _load_elsewhere(self, shared: SharedState) -> None:
+        """Learn what the region's other processes have in flight on each backend (a claim
+        refreshes one backend's figure; this refreshes all, for routing between claims)."""
+        tracker = self.routing.tracker
+        names = list(tracker.backends)
+        for name, others in zip(names, await shared.admission.backends_elsewhere(names),
+                                strict=True):
+            tracker.observe_elsewhere(name, others)
 
     async def aclose(self) -> None:
         if self._warming is not None:

@@ -99,6 +99,8 @@ class Stream:
     mirror: Callable[[Stream, StreamEvent], object] | None = field(default=None, repr=False)
     """Called with every appended event when the stream is shared with other processes
     (:mod:`firstbyte.router.shared.streams` writes it to Redis)."""
+    on_finish: Callable[[], object] | None = field(default=None, repr=False)
+    """Called once when ``[DONE]`` is appended (the shared state gives back the key's slot)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
@@ -122,6 +124,9 @@ class Stream:
         self.size_bytes += size
         if event.is_done:
             self.finished_at = now
+            if self.on_finish is not None:
+                on_finish, self.on_finish = self.on_finish, None
+                on_finish()
         if self._store is not None:
             self._store._grew(self, size)
         if self.mirror is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,9 @@ class RequestContext:
     region: str = ""
     admitted_at: float | None = None
     routed_at: float | None = None
+    release_key_slot: Callable[[], object] | None = field(default=None, repr=False)
+    """Gives back the slot the request holds of its API key's limit region-wide (shared
+    state; :mod:`firstbyte.router.placement`): when the stream finishes, or the reply is out."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # upstream_headers: keys
     """Room for later stages (GeoIP location, region choice, prefix hash, ...)."""
 
