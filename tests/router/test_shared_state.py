@@ -71,13 +71,16 @@ def _free_port() -> int:
 
 
 def _config(tmp: Path, name: str, upstream: str, tls: dict[str, str], redis_url: str,
-            port: int, workers: int = 1) -> Path:
+            port: int, workers: int = 1, *, upstreams: str | None = None,
+            key_prefix: str = "firstbyte:", extra: str = "") -> Path:
+    """A router's TOML: one upstream (or the ``[[upstreams]]`` tables in ``upstreams``), its
+    state under ``key_prefix`` in Redis, and ``extra`` sections at the end."""
     path = tmp / f"{name}.toml"
+    tables = upstreams if upstreams is not None else f'[[upstreams]]\nurl = "{upstream}"'
     path.write_text(
         f"""
 region = "shared-1"
-[[upstreams]]
-url = "{upstream}"
+{tables}
 [listen]
 host = "127.0.0.1"
 port = {port}
@@ -91,7 +94,8 @@ resume_grace_s = 10.0
 [state]
 redis_url = "{redis_url}"
 lease_s = {LEASE_S}
-"""
+key_prefix = "{key_prefix}"
+{extra}"""
     )
     return path
 
