@@ -18,7 +18,9 @@ __all__ = [
     "KEY_STORE_FULL",
     "MISSING_API_KEY",
     "NOT_FOUND",
+    "OVERLOADED",
     "REGION_SATURATED",
+    "REQUEST_TIMEOUT",
     "REQUEST_TOO_LARGE",
     "SERVICE_UNAVAILABLE",
     "STREAM_LOST",
@@ -35,6 +37,10 @@ MISSING_API_KEY = "missing_api_key"
 INVALID_API_KEY = "invalid_api_key"
 INVALID_REQUEST = "invalid_request"
 REQUEST_TOO_LARGE = "request_too_large"
+REQUEST_TIMEOUT = "request_timeout"
+"""408: the request body stalled past the router's ``client_body_timeout_s``."""
+OVERLOADED = "overloaded"
+"""503: the router is short of memory or file descriptors and refuses new work for now."""
 UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 NOT_FOUND = "not_found"
 STREAM_NOT_FOUND = "stream_not_found"

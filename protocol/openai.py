@@ -268,6 +268,9 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
         raise RequestValidationError(message, param) from None
     except msgspec.DecodeError as exc:
         raise RequestValidationError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # Arrays or objects nested deeper than the decoder's recursion bound (~1000 levels).
+        raise RequestValidationError("The request body is nested too deeply.") from None
 
 
 def decode_chunk(data: bytes | str) -> ChatCompletionChunk:

@@ -105,8 +105,12 @@ def encode(message: ClientMessage | ServerMessage) -> bytes:
 
 def decode_client_message(data: str | bytes) -> ClientMessage:
     """Decode a client message; raises :class:`msgspec.DecodeError` (or its subclass
-    :class:`msgspec.ValidationError`) for anything else, including an unknown ``type``."""
-    return _client.decode(data)
+    :class:`msgspec.ValidationError`) for anything else, including an unknown ``type``, and
+    JSON nested deeper than the decoder's recursion bound."""
+    try:
+        return _client.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested too deeply") from None
 
 
 def decode_server_message(data: str | bytes) -> ServerMessage | None:

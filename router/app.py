@@ -7,19 +7,24 @@ with the first request or at startup; shutdown cancels producers and closes the 
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
 
-from firstbyte.protocol import paths
+from firstbyte.protocol import error_codes, paths
 
 from . import endpoints
 from .asgi import Receive, Scope, Send
 from .config import RouterConfig
+from .overload import MemoryGuard
+from .pipeline.context import error_reply
 from .state import RouterState
 from .ws import websocket_session
 
 __all__ = ["RouterApp", "build_app"]
+
+log = logging.getLogger("firstbyte.router")
 
 Handler = Callable[[RouterState, Scope, Receive, Send], Awaitable[None]]
 
@@ -44,11 +49,14 @@ class RouterApp:
 
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.state = RouterState(config, clock)
+        self.memory = MemoryGuard(config.limits.max_rss_bytes, clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
             await self._lifespan(receive, send)
+            return
+        if (kind == "websocket" or scope["method"] == "POST") and await self._shed(kind, send):
             return
         self.state.ensure_started()
         path: str = scope["path"]
@@ -80,6 +88,33 @@ class RouterApp:
                 await endpoints.read_stream(self.state, scope, receive, send, match.group("id"))
             return
         await endpoints.not_found(scope, send)
+
+    async def _shed(self, kind: str, send: Send) -> bool:
+        """Refuse new work (a POST, a WebSocket) while memory is short; True if refused.
+        Streams in flight and their readers (GETs) go on."""
+        was = self.memory.shedding
+        reason = self.memory.refusal()
+        if self.memory.shedding != was:
+            if reason is not None:
+                log.warning("shedding new work: %s", reason)
+            else:
+                log.warning("memory back under limits.max_rss_bytes: new work accepted")
+        if reason is None:
+            return False
+        self.state.metrics.count("shed", "memory")
+        if kind == "websocket":
+            await send({"type": "websocket.close", "code": 1013, "reason": "overloaded"})
+            return True
+        refusal = error_reply(
+            503,
+            "The router is short of memory; retry, or use another region.",
+            "server_error",
+            code=error_codes.OVERLOADED,
+            headers=(("retry-after", "1"),),
+            outcome="overloaded",
+        )
+        await endpoints.reply(send, None, refusal)
+        return True
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -7,11 +7,15 @@ the router's logic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 __all__ = [
     "ASGIApp",
+    "BodyTimeout",
+    "ClientGone",
+    "Message",
     "Receive",
     "Scope",
     "Send",
@@ -19,6 +23,7 @@ __all__ = [
     "read_body",
     "send_bytes",
     "stream_body",
+    "unless_gone",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -39,14 +44,30 @@ class ClientGone(Exception):
     """The client disconnected while the request body was being read."""
 
 
-async def read_body(receive: Receive, limit: int, *, drain_bytes: int = 64 << 20) -> bytes:
+class BodyTimeout(Exception):
+    """The next part of the request body did not come within the body timeout."""
+
+
+async def read_body(
+    receive: Receive,
+    limit: int,
+    *,
+    timeout_s: float | None = None,
+    drain_bytes: int = 64 << 20,
+) -> bytes:
     """Read the request body; past ``limit`` bytes, keep only ``limit + 1`` (so the caller
     answers 413) but go on reading and discarding up to ``drain_bytes``: a client still
-    sending (an HTTP/2 stream, say) then receives the 413 instead of a write error."""
+    sending (an HTTP/2 stream, say) then receives the 413 instead of a write error.
+
+    :class:`BodyTimeout` if a wait for the next part lasts over ``timeout_s`` (nginx's
+    ``client_body_timeout``: between two reads, not for the whole body)."""
     parts: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), timeout_s)
+        except TimeoutError:
+            raise BodyTimeout from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk: bytes = message.get("body", b"")
@@ -56,6 +77,25 @@ async def read_body(receive: Receive, limit: int, *, drain_bytes: int = 64 << 20
             size += len(chunk)
         if not message.get("more_body", False) or size > drain_bytes:
             return b"".join(parts)[: limit + 1]
+
+
+async def unless_gone(receive: Receive, work: asyncio.Future[Any]) -> bool:
+    """Wait for ``work`` while listening for the client's disconnect; True if ``work``
+    finished first, False if the client went away first (``work`` is left running: the
+    caller decides whether to cancel it). Only for a request whose body was read."""
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not listener.done():
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+    return work.done()
 
 
 def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:

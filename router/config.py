@@ -42,6 +42,8 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 NonNegSeconds = Annotated[float, msgspec.Meta(ge=0)]
 PositiveBytes = Annotated[int, msgspec.Meta(ge=1)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 HttpUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+(/\S*)?$")]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
@@ -132,6 +134,26 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A key's share of the stream store (default: a quarter of streams.max_total_bytes). A
     key over it loses its own finished streams first; when its live streams fill it, its new
     streams get 429 key_store_full."""
+    # What one client connection may hold (docs/router.md, "Limits"); defaults like nginx's.
+    client_header_timeout_s: PositiveSeconds = 60.0
+    """From a request's first byte to its complete head (HTTP/1.1; TLS handshakes too):
+    longer, 408 and the connection closes (a slowloris)."""
+    client_body_timeout_s: PositiveSeconds = 60.0
+    """Longest wait for the next piece of a request body: longer, 408 and close."""
+    websocket_idle_timeout_s: PositiveSeconds = 300.0
+    """A WebSocket with no client message and no stream followed for this long is closed
+    (1001)."""
+    max_connections_per_client: PositiveInt = 256
+    """Open connections from one client address; one more is refused at once (hypercorn)."""
+    reserved_fds: NonNegInt = 64
+    """File descriptors kept free for streams in flight and upstream connections: when a new
+    client connection would leave fewer, it is refused at once (hypercorn)."""
+    max_rss_bytes: PositiveBytes | None = None
+    """Resident memory above which new work is refused with 503 while streams in flight go
+    on (None: no bound; set it below the container's memory limit)."""
+    h2_max_early_resets: PositiveInt = 100
+    """HTTP/2: a connection whose client reset this many streams before their response was
+    done, more than half of all it opened, gets GOAWAY (the 2023 rapid-reset attack)."""
 
 
 class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -11,6 +11,7 @@ yet when a live stream's headers go out, so it appears on non-streamed replies a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from urllib.parse import parse_qs
 
@@ -22,8 +23,19 @@ from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
 from firstbyte.protocol.openai import encode
 from firstbyte.protocol.poll import StreamStarted
 
-from .asgi import ClientGone, Receive, Scope, Send, header_dict, read_body, send_bytes, stream_body
-from .pipeline.admit import admit_chat, authenticate
+from .asgi import (
+    BodyTimeout,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header_dict,
+    read_body,
+    send_bytes,
+    stream_body,
+    unless_gone,
+)
+from .pipeline.admit import admit_body, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import (
     CONTINUE,
@@ -125,17 +137,32 @@ async def _admitted(
     before the key's limits and routing, so a rejected request spends no token and never
     holds a routing slot."""
     ctx = new_context(state, scope)
-    limit = state.config.limits.max_body_bytes
+    # The key is checked on the head, before any body is read: a client without one cannot
+    # make the router wait for a body, or read and drain one.
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys), "chat"):
+        return None
+    limits = state.config.limits
+    limit = limits.max_body_bytes
     declared = ctx.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > 64 * max(limit, 1 << 20):
         ctx.body = b"\0" * (limit + 1)  # far too big even to drain: 413 without reading
     else:
         try:
-            ctx.body = await read_body(receive, limit)
+            ctx.body = await read_body(receive, limit, timeout_s=limits.client_body_timeout_s)
         except ClientGone:
             return None
+        except BodyTimeout:
+            state.metrics.count("chat", "body_timeout")
+            timeout = error_reply(
+                408,
+                f"The request body stalled for over {limits.client_body_timeout_s:g} s.",
+                code=error_codes.REQUEST_TIMEOUT,
+                outcome="body_timeout",
+            )
+            await reply(send, ctx, timeout)
+            return None
     if await _finish(
-        state, send, ctx, admit_chat(ctx, state.api_keys, limit, force_stream=force_stream), "chat"
+        state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), "chat"
     ):
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
@@ -154,7 +181,14 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         # Counted against the key's concurrency like a stream (streams count in the store).
         try:
             with state.limiter.holding(owner_of(ctx.api_key)):
-                answer = await state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+                forward = asyncio.ensure_future(
+                    state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+                )
+                if not await unless_gone(receive, forward):
+                    forward.cancel()  # nobody will read the answer: stop the upstream's work
+                    state.metrics.count("chat", "client_gone")
+                    return
+                answer = forward.result()
         finally:
             release_key_slot(ctx)
         state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
@@ -176,8 +210,16 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
-        head = await state.proxy.start_stream(ctx, stream)
-        await state.announced(stream)  # written by now, in the same round trip as others
+        started = state.proxy.start_stream(ctx, stream)
+        if not await unless_gone(receive, started):
+            # Gone before the response head, so before learning the stream id: nobody can
+            # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
+            if stream.cancel_producer is not None:
+                stream.cancel_producer()
+            state.metrics.count("chat", "client_gone")
+            return
+        head = started.result()
+        await state.announced(stream)  # written by now: it went out while upstream answered
     finally:
         stream.detach(state.clock())
     headers = [

@@ -20,11 +20,18 @@ from firstbyte.protocol import paths
 
 from .app import RouterApp, build_app
 from .config import RouterConfig
-from .hosting import Listeners, ServerOptions, bind, running
+from .hosting import ClientLimits, Listeners, ServerOptions, bind, running
 from .hosting import serve as host
 from .hosting.quic import SessionTicketStore, TicketStore
 
-__all__ = ["RouterEndpoints", "running_router", "serve", "ticket_store", "ws_max_message_bytes"]
+__all__ = [
+    "RouterEndpoints",
+    "client_limits",
+    "running_router",
+    "serve",
+    "ticket_store",
+    "ws_max_message_bytes",
+]
 
 log = logging.getLogger("firstbyte.router")
 
@@ -67,6 +74,7 @@ def _options(config: RouterConfig, tune_gc: bool) -> ServerOptions:
         graceful_timeout_s=5.0,
         lifespan=True,  # the app starts its background tasks (peers, warmup, metrics) there
         ws_max_message_bytes=ws_max_message_bytes(config),
+        limits=client_limits(config),
         tune_gc=tune_gc,
     )
 
@@ -80,6 +88,17 @@ def ticket_store(config: RouterConfig) -> SessionTicketStore:
     from .shared.tickets import RedisTicketStore
 
     return RedisTicketStore(config.state.redis_url, Keys(config.state.key_prefix))
+
+
+def client_limits(config: RouterConfig) -> ClientLimits:
+    """The connection-level part of ``[limits]``, which the hosting layer enforces."""
+    limits = config.limits
+    return ClientLimits(
+        header_timeout_s=limits.client_header_timeout_s,
+        max_connections_per_client=limits.max_connections_per_client,
+        reserved_fds=limits.reserved_fds,
+        h2_max_early_resets=limits.h2_max_early_resets,
+    )
 
 
 def _bind(

@@ -30,7 +30,7 @@ from firstbyte.protocol.ws import (
 )
 from firstbyte.protocol.ws import encode as encode_message
 
-from .asgi import Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send
 from .endpoints import new_context
 from .pipeline.admit import admit_chat, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
@@ -40,6 +40,9 @@ from .state import RouterState
 from .streams import owner_of
 
 __all__ = ["websocket_session"]
+
+CLOSE_GOING_AWAY = 1001
+"""Close code for a socket closed for being idle (RFC 6455 section 7.4.1)."""
 
 MAX_STREAMS_PER_SOCKET = 64
 """Streams followed at once on one socket; one more is refused (error, close 1008), so a
@@ -66,6 +69,8 @@ class _Session:
         self._send = send
         self._lock = asyncio.Lock()
         self.followers: set[asyncio.Task[None]] = set()
+        self.last_active = state.clock()
+        """When the client last sent a message or the last followed stream ended."""
 
     async def send(self, message: ServerMessage) -> None:
         async with self._lock:
@@ -155,7 +160,11 @@ class _Session:
     def _follow(self, stream: ReadableStream, after: int) -> None:
         task = asyncio.create_task(self._pump(stream, after))
         self.followers.add(task)
-        task.add_done_callback(self.followers.discard)
+        task.add_done_callback(self._followed)
+
+    def _followed(self, task: asyncio.Task[None]) -> None:
+        self.followers.discard(task)
+        self.last_active = self.state.clock()
 
     async def _pump(self, stream: ReadableStream, after: int) -> None:
         self.state.metrics.count("ws", "stream")
@@ -196,6 +205,24 @@ async def _refuse(scope: Scope, send: Send, refusal: LocalReply) -> None:
         await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
 
 
+async def _next_message(session: _Session, receive: Receive, idle_s: float) -> Message | None:
+    """The client's next message; None once the socket has been idle for ``idle_s``: no
+    message from the client and no stream followed for it."""
+    clock = session.state.clock
+    while True:
+        try:
+            message: Message = await asyncio.wait_for(receive(), idle_s)
+        except TimeoutError:
+            if session.followers:
+                continue  # streams are flowing to the client: not idle
+            quiet_s = clock() - session.last_active
+            if quiet_s >= idle_s:
+                return None
+            continue
+        session.last_active = clock()
+        return message
+
+
 async def websocket_session(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """Serve one WebSocket connection until either side closes it."""
     message = await receive()
@@ -216,15 +243,20 @@ async def websocket_session(state: RouterState, scope: Scope, receive: Receive, 
         }
     )
     session = _Session(state, ctx, send)
+    idle_s = state.config.limits.websocket_idle_timeout_s
     try:
         while True:
-            message = await receive()
-            if message["type"] == "websocket.disconnect":
+            incoming = await _next_message(session, receive, idle_s)
+            if incoming is None:
+                await session.aclose()
+                await send({"type": "websocket.close", "code": CLOSE_GOING_AWAY, "reason": "idle"})
                 return
-            if message["type"] != "websocket.receive":
+            if incoming["type"] == "websocket.disconnect":
+                return
+            if incoming["type"] != "websocket.receive":
                 continue
-            text = message.get("text")
-            data = text if text is not None else message.get("bytes") or b""
+            text = incoming.get("text")
+            data = text if text is not None else incoming.get("bytes") or b""
             await session.handle(data)
     except _Close as close:
         await session.aclose()

@@ -24,10 +24,11 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from .gc_tuning import tune_for_serving
+from .limits import ClientLimits
 
 if TYPE_CHECKING:
     from .quic import SessionTicketStore
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IN_PROCESS_SERVERS",
     "KEEP_ALIVE_MAX_REQUESTS",
+    "ClientLimits",
     "Listeners",
     "ServerOptions",
     "bind",
@@ -54,6 +56,11 @@ KEEP_ALIVE_MAX_REQUESTS = 1_000_000
 an SDK multiplexing 100 streams over one prewarmed HTTP/2 connection would lose it every
 ~15 s, and the requests started during the new handshake (2-3 round trips on a WAN) would
 all pay it. A million is ~4.5 hours of that load."""
+
+log = logging.getLogger("firstbyte.hosting")
+
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues before the server accepts them."""
 
 # hpack and h2 log decoded header values (the API key among them) at DEBUG: keep them above it
 # whatever level the application sets, so a debug run cannot leak secrets.
@@ -78,6 +85,9 @@ class ServerOptions:
     ws_max_message_bytes: int | None = None
     """Largest WebSocket message accepted (larger: close 1009); None: the app takes no
     WebSockets (uvicorn loads no WebSocket protocol)."""
+    limits: ClientLimits = field(default_factory=ClientLimits)
+    """What client connections may hold (:mod:`firstbyte.router.hosting.limits`); hypercorn
+    enforces all of it (:mod:`firstbyte.router.hosting.hardening`), uvicorn none."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -142,7 +152,7 @@ def bind(host: str, port: int, *, udp: bool = False, reuse_port: bool = False) -
                 tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited when accepted
             tcp.bind((host, port))
-            tcp.listen(1024)
+            tcp.listen(LISTEN_BACKLOG)
             tcp.setblocking(False)
         except OSError:
             tcp.close()
@@ -275,6 +285,11 @@ async def _serve_uvicorn(
 ) -> None:
     import uvicorn
 
+    if options.limits != ClientLimits():
+        log.warning(
+            "uvicorn enforces none of the connection limits (header timeout, connections per"
+            " client, descriptor reserve): use hypercorn, or a proxy in front that has them"
+        )
     config = uvicorn.Config(
         app,
         http="httptools",
@@ -327,9 +342,19 @@ async def _serve_hypercorn(
     from hypercorn.config import Config, Sockets
     from hypercorn.utils import wrap_app
 
+    from .hardening import harden_hypercorn
+    from .limits import ConnectionCounter
+
     _reset_unfinished_h2_streams()
     _close_quic_transports()
+    harden_hypercorn()
     config: Any = Config()
+    config.firstbyte_limits = options.limits
+    config.firstbyte_connections = ConnectionCounter(options.limits, _descriptor_limit())
+    # hypercorn listens again with its own backlog (default 100) on the socket it is given.
+    config.backlog = LISTEN_BACKLOG
+    # A TLS handshake is part of the head a client must send in time.
+    config.ssl_handshake_timeout = options.limits.header_timeout_s
     config.keep_alive_timeout = options.keep_alive_timeout_s
     config.keep_alive_max_requests = KEEP_ALIVE_MAX_REQUESTS
     config.errorlog = logging.getLogger("hypercorn.error")  # via logging: INFO lines stay quiet
@@ -384,6 +409,13 @@ async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.sock
             await asyncio.sleep(0.05)
             with contextlib.suppress(OSError):
                 poke.sendto(b"\0", address)
+
+
+def _descriptor_limit() -> int:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _reset_unfinished_h2_streams() -> None:

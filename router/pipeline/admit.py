@@ -16,7 +16,7 @@ from firstbyte.protocol.openai import RequestValidationError, decode_request
 
 from .context import CONTINUE, Outcome, RequestContext, error_reply
 
-__all__ = ["admit_chat", "authenticate", "check_body_size", "parse_chat"]
+__all__ = ["admit_body", "admit_chat", "authenticate", "check_body_size", "parse_chat"]
 
 
 def _bearer(headers: dict[str, str]) -> str | None:
@@ -82,6 +82,16 @@ def parse_chat(ctx: RequestContext, *, force_stream: bool = False) -> Outcome:
     return CONTINUE
 
 
+def admit_body(ctx: RequestContext, max_body_bytes: int, *, force_stream: bool = False) -> Outcome:
+    """Run the body limit and parsing on an authenticated request; stamp ``ctx.admitted_at``."""
+    outcome = check_body_size(ctx, max_body_bytes)
+    if outcome is CONTINUE:
+        outcome = parse_chat(ctx, force_stream=force_stream)
+    if outcome is CONTINUE:
+        ctx.admitted_at = time.perf_counter()
+    return outcome
+
+
 def admit_chat(
     ctx: RequestContext,
     api_keys: Sequence[bytes],
@@ -89,14 +99,8 @@ def admit_chat(
     *,
     force_stream: bool = False,
 ) -> Outcome:
-    """Run authentication, the body limit and parsing; stamp ``ctx.admitted_at``."""
-    for outcome in (
-        authenticate(ctx, api_keys),
-        check_body_size(ctx, max_body_bytes),
-    ):
-        if outcome is not CONTINUE:
-            return outcome
-    outcome = parse_chat(ctx, force_stream=force_stream)
-    if outcome is CONTINUE:
-        ctx.admitted_at = time.perf_counter()
-    return outcome
+    """Run authentication, then :func:`admit_body`."""
+    outcome = authenticate(ctx, api_keys)
+    if outcome is not CONTINUE:
+        return outcome
+    return admit_body(ctx, max_body_bytes, force_stream=force_stream)

@@ -1,0 +1,358 @@
+"""Defences hypercorn (0.17, 0.18) lacks, added as small patches on its protocol classes.
+
+Each patch wraps one hypercorn method and says why; :func:`harden_hypercorn` applies them
+all once per process, and they act only on a server whose hypercorn ``Config`` carries
+``firstbyte_limits`` (:class:`~firstbyte.router.hosting.limits.ClientLimits`), which
+:func:`firstbyte.router.hosting.servers.serve` sets.
+
+- connections: per-client-address cap and descriptor reserve, checked when a connection
+  starts; a refused one gets a 503 (HTTP/1.1) or GOAWAY (HTTP/2) and is closed at once;
+- HTTP/1.1: a request head must be complete within ``header_timeout_s`` of its first byte
+  (slowloris), and a request with both ``Content-Length`` and ``Transfer-Encoding`` is
+  answered 400 and its connection closed (RFC 9112 section 6.1: request smuggling);
+- HTTP/2: DATA for a stream already answered is acknowledged and the stream reset
+  (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
+  (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
+  disconnect and cancel their work;
+- WebSocket: a message over ``websocket_max_message_size`` is refused at its frame header
+  (:mod:`.ws_frames`), and permessage-deflate is not offered (a compressed frame's header
+  does not bound what it inflates to).
+
+Every refusal is one log line (``firstbyte.hosting``), throttled per reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
+from .ws_frames import FrameSizeGuard
+
+__all__ = ["harden_hypercorn"]
+
+log = logging.getLogger("firstbyte.hosting")
+
+_throttle = Throttle(10.0)
+
+_LINGER_S = 1.0
+"""After refusing a WebSocket message, what the client still sends is read and dropped this
+long before the connection closes: closing with unread input makes the kernel send a reset,
+which can destroy the 1009 close frame before the client reads it."""
+
+_BUSY_BODY = (
+    b'{"error":{"message":"Too many connections; retry later.",'
+    b'"type":"server_error","param":null,"code":"overloaded"}}'
+)
+_BUSY_H1 = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+    % (len(_BUSY_BODY), _BUSY_BODY)
+)
+_TIMEOUT_H1 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def _limits(config: Any) -> ClientLimits | None:
+    limits: ClientLimits | None = getattr(config, "firstbyte_limits", None)
+    return limits
+
+
+def _report(level: int, reason: str, client: object, detail: str = "") -> None:
+    """Log one line for ``reason`` unless one was logged in the last 10 s."""
+    held = _throttle.allow(reason, time.monotonic())
+    if held is None:
+        return
+    more = f" ({held} more since the last report)" if held else ""
+    log.log(level, "%s from %s%s%s", reason, client, f": {detail}" if detail else "", more)
+
+
+def harden_hypercorn() -> None:
+    """Apply the patches (idempotent)."""
+    from hypercorn.asyncio import run
+
+    if getattr(run, "_firstbyte_hardened", False):
+        return
+    _guard_connections(run)
+    _time_request_heads()
+    _reject_ambiguous_framing()
+    _close_finished_h2_streams()
+    _guard_websocket_frames()
+    run._firstbyte_hardened = True  # type: ignore[attr-defined]
+
+
+def _guard_connections(run: Any) -> None:
+    """Count connections per client address and keep descriptors in reserve.
+
+    hypercorn accepts every connection until ``accept()`` fails with EMFILE; asyncio then
+    stops accepting for a second at a time and every new client hangs in the backlog, the
+    ones that held the descriptors included or not. Refusing at ``limit - reserved_fds``
+    answers new clients at once and leaves room for streams in flight to reach upstreams.
+    """
+
+    class GuardedTCPServer(run.TCPServer):  # type: ignore[misc]
+        async def run(self) -> None:
+            limits = _limits(self.config)
+            counter: ConnectionCounter | None = getattr(self.config, "firstbyte_connections", None)
+            if limits is None or counter is None:
+                await super().run()
+                return
+            peer = self.writer.get_extra_info("peername")
+            client = str(peer[0]) if peer else "?"
+            sock = self.writer.get_extra_info("socket")
+            refusal = counter.open(client, sock.fileno() if sock is not None else 0)
+            if refusal is not None:
+                _report(logging.WARNING, "connection refused", client, refusal)
+                await _refuse_connection(self.writer)
+                return
+            try:
+                await super().run()
+            finally:
+                counter.close(client)
+
+        async def _read_data(self) -> None:
+            await super()._read_data()
+            # The client has gone, but hypercorn's keep-alive timer is still in the
+            # connection's task group, which keeps the socket (and its descriptor) until the
+            # timer fires: a client that connects and closes at once held a descriptor for
+            # the whole keep-alive timeout. Stop it, so the connection closes now.
+            await self.idle_task.stop()
+
+    run.TCPServer = GuardedTCPServer
+
+
+async def _refuse_connection(writer: asyncio.StreamWriter) -> None:
+    """Answer 503 (or, on a connection that chose HTTP/2 by ALPN, GOAWAY) and close."""
+    ssl_object = writer.get_extra_info("ssl_object")
+    if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
+        import h2.config
+        import h2.connection
+        import h2.errors
+
+        h2_connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        h2_connection.initiate_connection()
+        h2_connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        data = h2_connection.data_to_send()
+    else:
+        data = _BUSY_H1
+    with contextlib.suppress(Exception):
+        writer.write(data)
+        await asyncio.wait_for(writer.drain(), 1.0)
+    writer.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+
+def _time_request_heads() -> None:
+    """Close an HTTP/1.1 connection whose request head is not complete in time.
+
+    hypercorn's only clock on a connection is its keep-alive timer, running from the end of
+    one request to the head of the next; a client that sends a byte of head now and then
+    (slowloris) holds the connection that long whatever the head's pace. nginx's
+    ``client_header_timeout`` counts from the head's first byte: so does this.
+    """
+    import h11
+    from hypercorn.events import Closed, RawData
+    from hypercorn.protocol.h11 import H11Protocol
+
+    handle = H11Protocol.handle
+    create_stream = H11Protocol._create_stream
+
+    async def timed_handle(self: Any, event: Any) -> None:
+        limits = _limits(self.config)
+        if limits is not None:
+            timer: asyncio.TimerHandle | None = getattr(self, "_firstbyte_head_timer", None)
+            if (
+                isinstance(event, RawData)
+                and event.data
+                and self.stream is None
+                and timer is None
+                and isinstance(self.connection, h11.Connection)  # not a WebSocket's
+            ):
+                self._firstbyte_head_timer = asyncio.get_running_loop().call_later(
+                    limits.header_timeout_s, _head_expired, self
+                )
+            elif isinstance(event, Closed) and timer is not None:
+                timer.cancel()
+        await handle(self, event)
+
+    async def stop_timer(self: Any, request: Any) -> None:
+        _stop_head_timer(self)
+        await create_stream(self, request)
+
+    def _head_expired(self: Any) -> None:
+        async def close() -> None:
+            _report(logging.INFO, "request head timed out", self.client)
+            await self.send(RawData(data=_TIMEOUT_H1))
+            await self.send(Closed())
+
+        self._firstbyte_closing = asyncio.ensure_future(close())
+
+    H11Protocol.handle = timed_handle  # type: ignore[method-assign]
+    H11Protocol._create_stream = stop_timer  # type: ignore[method-assign]
+
+
+def _stop_head_timer(protocol: Any) -> None:
+    timer: asyncio.TimerHandle | None = getattr(protocol, "_firstbyte_head_timer", None)
+    if timer is not None:
+        timer.cancel()
+        protocol._firstbyte_head_timer = None
+
+
+def _reject_ambiguous_framing() -> None:
+    """400 and close for a request with both ``Content-Length`` and ``Transfer-Encoding``.
+
+    h11 frames such a body by ``Transfer-Encoding`` and keeps the connection, so the bytes a
+    front proxy counted by ``Content-Length`` as this body become a second request here
+    (request smuggling). RFC 9112 section 6.1: reject, or close after responding.
+    """
+    from hypercorn.events import Closed
+    from hypercorn.protocol.h11 import H11Protocol
+
+    create_stream = H11Protocol._create_stream
+
+    async def checked(self: Any, request: Any) -> None:
+        if _limits(self.config) is not None:
+            names = {name.lower() for name, _ in request.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                _stop_head_timer(self)
+                _report(logging.INFO, "request with Content-Length and Transfer-Encoding",
+                        self.client)
+                await self._send_error_response(400)
+                await self.send(Closed())
+                return
+        await create_stream(self, request)
+
+    H11Protocol._create_stream = checked  # type: ignore[method-assign]
+
+
+def _close_finished_h2_streams() -> None:
+    """Handle DATA for answered streams, and rapid-reset floods, on HTTP/2.
+
+    hypercorn forgets a stream once its app has answered; DATA the client still sends for it
+    (a POST answered 401, 404 or 413 before its body was read) raised ``KeyError`` and took
+    the connection down with a traceback. Such DATA is now acknowledged (flow control) and
+    the stream reset with NO_ERROR, which RFC 9113 section 8.1 provides for exactly this.
+
+    A client that opens streams and resets them before their response (HEADERS, RST_STREAM,
+    again, fifty thousand times in three seconds) makes the server start a request's work per
+    stream for free. Each connection counts streams reset before their response was done;
+    past ``h2_max_early_resets`` (and more than half of all streams) it gets GOAWAY
+    ENHANCE_YOUR_CALM and is closed, as nginx, Envoy and h2o did in October 2023.
+    """
+    import h2.errors
+    import h2.events
+    import h2.exceptions
+    from hypercorn.events import Closed
+    from hypercorn.protocol.h2 import H2Protocol
+
+    handle_events = H2Protocol._handle_events
+
+    async def guarded(self: Any, events: list[Any]) -> None:
+        limits = _limits(self.config)
+        if limits is None:
+            await handle_events(self, events)
+            return
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                with contextlib.suppress(h2.exceptions.ProtocolError):
+                    self.connection.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                    self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+                await self._flush()
+                continue
+            if limits.h2_max_early_resets is not None and await _count_resets(self, event, limits):
+                return
+            await handle_events(self, [event])
+
+    async def _count_resets(self: Any, event: Any, limits: ClientLimits) -> bool:
+        """True if ``event`` made this connection a flood (then it is closed)."""
+        assert limits.h2_max_early_resets is not None
+        flood: ResetFlood | None = getattr(self, "_firstbyte_reset_flood", None)
+        if flood is None:
+            flood = self._firstbyte_reset_flood = ResetFlood(limits.h2_max_early_resets)
+        if isinstance(event, h2.events.RequestReceived):
+            flood.stream_opened()
+        elif (
+            isinstance(event, h2.events.StreamReset)
+            and event.stream_id in self.streams
+            and flood.stream_reset_early()
+        ):
+            _report(
+                logging.WARNING,
+                "HTTP/2 rapid reset: GOAWAY",
+                self.client,
+                f"{flood.early_resets} of {flood.opened} streams reset before their"
+                " response (limits.h2_max_early_resets)",
+            )
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.connection.close_connection(
+                    error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+                )
+                await self._flush()
+            await self.send(Closed())
+            return True
+        return False
+
+    H2Protocol._handle_events = guarded  # type: ignore[method-assign]
+
+
+def _guard_websocket_frames() -> None:
+    """Refuse an oversized WebSocket message at its frame header (:mod:`.ws_frames`)."""
+    from hypercorn.protocol.events import Body, Data, Request, StreamClosed
+    from hypercorn.protocol.ws_stream import WSStream
+    from wsproto.events import CloseConnection
+    from wsproto.frame_protocol import CloseReason
+
+    handle = WSStream.handle
+
+    async def guarded(self: Any, event: Any) -> None:
+        if _limits(self.config) is None:
+            await handle(self, event)
+            return
+        if isinstance(event, Request):
+            # Offer no permessage-deflate: a small compressed frame can inflate to gigabytes.
+            headers = [(n, v) for n, v in event.headers if n.lower() != b"sec-websocket-extensions"]
+            event = dataclasses.replace(event, headers=headers)
+        elif (
+            isinstance(event, (Body, Data))
+            and not self.closed
+            and getattr(self, "handshake", None) is not None
+            and self.handshake.accepted
+        ):
+            guard: FrameSizeGuard | None = getattr(self, "_firstbyte_frames", None)
+            if guard is None:
+                guard = self._firstbyte_frames = FrameSizeGuard(
+                    self.config.websocket_max_message_size
+                )
+            if not guard.feed(event.data):
+                await _refuse_message(self, guard)
+                return
+        await handle(self, event)
+
+    async def _refuse_message(self: Any, guard: FrameSizeGuard) -> None:
+        _report(
+            logging.INFO,
+            "WebSocket message too big: close 1009",
+            self.client,
+            f"a frame of {guard.declared_bytes} bytes, limit {guard.max_message_bytes}",
+        )
+        await self._send_wsproto_event(
+            CloseConnection(code=CloseReason.MESSAGE_TOO_BIG, reason="message too big")
+        )
+        # From here the stream ignores input (the bytes are read and dropped) and the app.
+        self.closed = True
+        if self.app_put is not None:
+            await self.app_put({"type": "websocket.disconnect", "code": 1009})
+
+        async def linger_then_close() -> None:
+            await asyncio.sleep(_LINGER_S)
+            await self.send(StreamClosed(stream_id=self.stream_id))
+
+        self.task_group.spawn(linger_then_close)
+
+    WSStream.handle = guarded  # type: ignore[method-assign]

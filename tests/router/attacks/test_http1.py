@@ -1,0 +1,186 @@
+"""HTTP/1.1 over TLS, from raw sockets: what a client can hold and how it is let go."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from tests.router.conftest import API_KEY, auth
+
+from .conftest import RouterStarter, canary_running, open_tls, read_until_closed
+
+CHAT = "/v1/chat/completions"
+
+
+def _head(*lines: str) -> bytes:
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _keyed_post(*lines: str) -> bytes:
+    """The head of a completion request with the API key, plus ``lines``."""
+    return _head(f"POST {CHAT} HTTP/1.1", "host: x", f"authorization: Bearer {API_KEY}", *lines)
+
+
+async def test_slowloris_head_is_cut_at_the_header_timeout(
+    start_router_process: RouterStarter,
+) -> None:
+    """Heads trickling in a byte a second are answered 408 and closed at
+    ``client_header_timeout_s``, long before the keep-alive timeout (75 s)."""
+    async with start_router_process(limits={"client_header_timeout_s": 2.0}) as router:
+        async with canary_running(router):
+            connections = [await open_tls(router) for _ in range(20)]
+            started = time.monotonic()
+
+            async def trickle(writer: asyncio.StreamWriter) -> None:
+                writer.write(f"POST {CHAT} HTTP/1.1\r\nhost: x\r\n".encode())
+                for _ in range(60):
+                    await asyncio.sleep(0.5)
+                    writer.write(b"x")
+
+            tricklers = [asyncio.create_task(trickle(w)) for _, w in connections]
+            answers = await asyncio.gather(*(read_until_closed(r, 20) for r, _ in connections))
+            held_s = time.monotonic() - started
+            for task in tricklers:
+                task.cancel()
+            await asyncio.gather(*tricklers, return_exceptions=True)
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:2]
+        assert 2.0 <= held_s < 20
+    router.assert_clean_log()
+
+
+async def test_held_body_without_key_is_refused_at_the_head(
+    start_router_process: RouterStarter,
+) -> None:
+    """``Content-Length: 100``, no body, no key: 401 at once (the body timeout is 60 s, so
+    an answer before it proves no body was waited for) and the connection closes."""
+    async with start_router_process() as router:
+        async with canary_running(router):
+            connections = [await open_tls(router) for _ in range(50)]
+            for _, writer in connections:
+                writer.write(_head(f"POST {CHAT} HTTP/1.1", "host: x", "content-length: 100"))
+            answers = await asyncio.gather(*(read_until_closed(r, 20) for r, _ in connections))
+        assert all(a.startswith(b"HTTP/1.1 401") for a in answers), answers[:2]
+        assert all(b"missing_api_key" in a for a in answers)
+    router.assert_clean_log()
+
+
+async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: RouterStarter) -> None:
+    async with start_router_process(limits={"client_body_timeout_s": 1.5}) as router:
+        async with canary_running(router):
+            reader, writer = await open_tls(router)
+            writer.write(_keyed_post("content-length: 100") + b'{"model":')
+            started = time.monotonic()
+            answer = await read_until_closed(reader, 20)
+            held_s = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"request_timeout" in answer
+        assert 1.5 <= held_s < 20
+    router.assert_clean_log()
+
+
+async def test_idle_keep_alive_connection_is_closed(start_router_process: RouterStarter) -> None:
+    async with start_router_process(listen={"keep_alive_timeout_s": 1.5}) as router:
+        async with canary_running(router):
+            reader, writer = await open_tls(router)
+            writer.write(_head("GET /healthz HTTP/1.1", "host: x"))
+            started = time.monotonic()
+            answer = await read_until_closed(reader, 20)
+            held_s = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert 1.5 <= held_s < 20
+    router.assert_clean_log()
+
+
+async def test_content_length_with_transfer_encoding_is_refused_and_closed(
+    start_router_process: RouterStarter,
+) -> None:
+    """RFC 9112 section 6.1: the bytes after the chunked body must not run as a request."""
+    smuggled = _head("GET /v1/models HTTP/1.1", "host: x", f"authorization: Bearer {API_KEY}")
+    async with start_router_process() as router:
+        async with canary_running(router):
+            reader, writer = await open_tls(router)
+            writer.write(
+                _keyed_post(f"content-length: {5 + len(smuggled)}", "transfer-encoding: chunked")
+                + b"0\r\n\r\n"
+                + smuggled
+            )
+            answer = await read_until_closed(reader, 20)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        assert answer.count(b"HTTP/1.1 ") == 1, answer
+    router.assert_clean_log()
+
+
+async def test_json_nested_5000_deep_is_400(start_router_process: RouterStarter) -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    body = b'{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"a":%s}]}' % deep
+    async with start_router_process() as router:
+        async with canary_running(router), httpx.AsyncClient(verify=router.client_tls()) as client:
+            response = await client.post(router.base_url + CHAT, content=body, headers=auth())
+        assert response.status_code == 400, response.text
+        assert "nested too deeply" in response.json()["error"]["message"]
+    router.assert_clean_log()
+
+
+async def test_connections_per_client_address_are_capped(
+    start_router_process: RouterStarter,
+) -> None:
+    """The cap's worth of held connections from 127.0.0.1, then one more: 503 at once,
+    while the canary (127.0.0.2) streams on."""
+    cap = 30
+    async with start_router_process(limits={"max_connections_per_client": cap}) as router:
+        async with canary_running(router):
+            held = [await open_tls(router) for _ in range(cap)]
+            # The TLS handshake finishes before the server counts the connection.
+            for reader, writer in held:
+                writer.write(_head("GET /healthz HTTP/1.1", "host: x"))
+                got = await reader.read(4096)
+                assert got.startswith(b"HTTP/1.1 200"), got
+            reader, writer = await open_tls(router)
+            answer = await read_until_closed(reader, 10)
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "overloaded"
+            for _, w in held:
+                w.close()
+        # Once they are gone, the address may connect again.
+        await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(verify=router.client_tls()) as client:
+            assert (await client.get(router.base_url + "/healthz")).status_code == 200
+    assert "limits.max_connections_per_client" in router.log()
+    router.assert_clean_log()
+
+
+async def test_descriptors_short_new_connections_refused_streams_go_on(
+    start_router_process: RouterStarter,
+) -> None:
+    """With 256 descriptors and 64 in reserve, an attacker holding connections gets the
+    rest refused at once with 503 (logged), and the canary's stream keeps flowing."""
+    async with start_router_process(
+        nofile=256, limits={"reserved_fds": 64, "max_connections_per_client": 1000}
+    ) as router, canary_running(router):
+        held = []
+        refused = 0
+        for _ in range(260):
+            try:
+                reader, writer = await open_tls(router)
+            except OSError:
+                break  # this test process's own limit
+            writer.write(_head("GET /healthz HTTP/1.1", "host: x"))
+            try:
+                first = await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                first = b"HTTP/1.1 503 (the reset overtook it)"
+            if first.startswith(b"HTTP/1.1 503"):
+                refused += 1
+                writer.close()
+            else:
+                assert first.startswith(b"HTTP/1.1 200"), first
+                held.append(writer)
+        assert refused > 0
+        assert 256 - 64 - len(held) < 64  # held up to the reserve, not beyond
+        for writer in held:
+            writer.close()
+    assert "file descriptors short" in router.log()
+    router.assert_clean_log()

@@ -1,0 +1,110 @@
+"""The sans-IO cores of the connection limits: frame-size guard, connection counter,
+rapid-reset detector, log throttle and memory guard."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from firstbyte.router.hosting.limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
+from firstbyte.router.hosting.ws_frames import FrameSizeGuard
+from firstbyte.router.overload import MemoryGuard
+
+
+def frame(length: int, *, opcode: int = 0x2, fin: bool = True, payload: bool = True) -> bytes:
+    if length < 126:
+        size = bytes([0x80 | length])
+    elif length < 1 << 16:
+        size = bytes([0x80 | 126]) + struct.pack("!H", length)
+    else:
+        size = bytes([0x80 | 127]) + struct.pack("!Q", length)
+    head = bytes([(0x80 if fin else 0) | opcode]) + size + os.urandom(4)
+    return head + (b"\0" * length if payload else b"")
+
+
+def feed_split(guard: FrameSizeGuard, data: bytes, cuts: list[int]) -> bool:
+    ok = True
+    start = 0
+    for cut in [*sorted({c % (len(data) + 1) for c in cuts}), len(data)]:
+        ok = guard.feed(data[start:cut]) and ok
+        start = cut
+    return ok
+
+
+@given(st.lists(st.integers(0, 300), max_size=8), st.lists(st.integers(0, 10_000), max_size=20))
+def test_frames_within_the_limit_pass_whatever_the_split(lengths: list[int], cuts: list[int]) -> None:
+    data = b"".join(frame(n) for n in lengths) + frame(0, opcode=0x9)  # and a ping
+    assert feed_split(FrameSizeGuard(300), data, cuts)
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=20))
+def test_oversized_frame_refused_at_its_header(cuts: list[int]) -> None:
+    guard = FrameSizeGuard(1 << 20)
+    data = frame(10) + frame(128 << 20, payload=False)  # only the header is ever sent
+    assert not feed_split(guard, data, cuts)
+    assert guard.declared_bytes == 128 << 20
+    assert not guard.feed(b"more")  # refused for good
+
+
+def test_message_made_of_fragments_counts_them_all() -> None:
+    guard = FrameSizeGuard(100)
+    assert guard.feed(frame(60, fin=False))
+    assert guard.feed(frame(0, opcode=0x9))  # a control frame between fragments
+    assert not guard.feed(frame(60, opcode=0x0))
+    again = FrameSizeGuard(100)
+    assert again.feed(frame(60) + frame(60))  # two messages of 60 each are fine
+
+
+def test_connection_counter_caps_per_address_and_keeps_descriptors() -> None:
+    counter = ConnectionCounter(ClientLimits(max_connections_per_client=2, reserved_fds=10), 100)
+    assert counter.open("a", 5) is None
+    assert counter.open("a", 6) is None
+    refusal = counter.open("a", 7)
+    assert refusal is not None
+    assert "max_connections_per_client" in refusal
+    assert counter.open("b", 8) is None
+    refusal = counter.open("c", 90)
+    assert refusal is not None
+    assert "file descriptors short" in refusal
+    counter.close("a")
+    assert counter.open("a", 7) is None
+    assert counter.count("a") == 2
+
+
+def test_reset_flood_needs_both_count_and_share() -> None:
+    flood = ResetFlood(10)
+    for _ in range(100):
+        flood.stream_opened()
+    assert not any(flood.stream_reset_early() for _ in range(40))  # 40 of 100: a canceller
+    rapid = ResetFlood(10)
+    results = []
+    for _ in range(10):
+        rapid.stream_opened()
+        results.append(rapid.stream_reset_early())
+    assert results == [False] * 9 + [True]
+
+
+def test_throttle_reports_what_it_held_back() -> None:
+    throttle = Throttle(10.0)
+    assert throttle.allow("x", 0.0) == 0
+    assert throttle.allow("x", 1.0) is None
+    assert throttle.allow("x", 2.0) is None
+    assert throttle.allow("y", 2.0) == 0
+    assert throttle.allow("x", 10.5) == 2
+
+
+def test_memory_guard_reads_at_most_once_per_interval() -> None:
+    now = [0.0]
+    readings = iter([100, 300, 100])
+    guard = MemoryGuard(200, lambda: now[0], read_rss=lambda: next(readings), interval_s=1.0)
+    assert guard.refusal() is None
+    now[0] = 0.5
+    assert guard.refusal() is None  # not read again yet
+    now[0] = 1.0
+    assert guard.refusal() is not None
+    now[0] = 2.0
+    assert guard.refusal() is None
+    assert MemoryGuard(None, lambda: 0.0).refusal() is None
