@@ -6,17 +6,18 @@ In memory (the default) they are plain synchronous stages, in this order:
 and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`.
 
 With shared state (``state.redis_url``) the counts are region-wide, in Redis
-(:mod:`firstbyte.router.shared.admission`), and the stage awaits two round trips: the first
-claims a slot of the API key (its concurrency and rate, over every process) and finds where
-the prompt's affinity key went, which routing then follows; routing decides as in memory
-with the other processes' load on each backend added; the second claims a slot of the chosen
-backend, refused when the processes together hold its limit, in which case routing runs
-again knowing that load (at most once per backend), and so a region of processes never puts
-more than a backend's ``max_in_flight`` on it. Room in this process's stream store is made
-last, so no await separates it from the stream's creation (a refusal there has spent a rate
-token, unlike in memory). Whatever was claimed for a request refused on the way is given
-back before the refusal goes out; the key's slot of an admitted request is given back by
-``RequestContext.release_key_slot``.
+(:mod:`firstbyte.router.shared.admission`). Routing decides first, as in memory, with the other
+processes' load on each backend added; then one round trip checks and claims, atomically, a
+slot of the API key (concurrency and rate, over every process), the prompt's affinity and a
+slot of the chosen backend. When the prompt's affinity key lives on another backend, or the
+chosen backend is full region-wide, routing runs again knowing it (at most a few times), so
+the same prompt goes to the same backend whichever process answers, and a region of processes
+never puts more than a backend's ``max_in_flight`` on it. Room in this process's stream store
+is made last, so no await separates it from the stream's creation (a refusal there has spent a
+rate token, unlike in memory); a request refused by routing is refused before its key's limits
+are looked at (in memory, after). Whatever was claimed for a request refused on the way is
+given back before the refusal goes out; the key's slot of an admitted request is given back
+by ``RequestContext.release_key_slot``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from .multiregion import Observation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
+from .shared.admission import Affinity, Verdict
 from .streams import owner_of
 from .tenancy import limit_key, refusal, store_refusal
 
@@ -64,53 +66,59 @@ async def _place_shared(
     limiter, routing = state.limiter, state.routing
     owner = owner_of(ctx.api_key)
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
-    claim = await admission.admit_key(
-        owner, key, max_in_flight=limiter.max_streams if limiter.enabled else None,
-        rate_per_s=limiter.rate_per_s, burst=limiter.burst,
-    )
-    if claim.refused == "rate":
-        return refusal(limiter.rate_limited(claim.value))
-    if claim.refused == "slots":
-        over = limiter.over_concurrency(int(claim.value))
-        assert over is not None  # the script counted at least max_streams
-        return refusal(over)
-    if claim.backend is not None and key is not None:
-        routing.policy.learn(key, claim.backend, state.clock())
-    outcome = await _route(state, admission, ctx, key)
-    if outcome is CONTINUE and ctx.stream_requested:
-        refused = store_refusal(state.store, owner, state.clock())
-        if refused is not None:
-            observer = routing.unroute(ctx)
-            if observer is not None and observer.local:
-                admission.release_backend(observer.backend)
-            outcome = refusal(refused)
-    if limiter.enabled:
-        if outcome is not CONTINUE:
-            admission.release_key(owner)
-        else:
-            ctx.release_key_slot = lambda: admission.release_key(owner)
-    return outcome
-
-
-async def _route(
-    state: RouterState, admission: SharedAdmission, ctx: RequestContext, key: str | None
-) -> Outcome:
-    """Route, then claim the chosen backend's slot region-wide; route around a full one."""
-    routing = state.routing
-    for _ in range(len(routing.tracker.backends) + 1):
+    learned: str | None = None
+    for _ in range(len(routing.tracker.backends) + 2):
         outcome = routing.route(ctx)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
+        if outcome is not CONTINUE:
+            return outcome
         observer = ctx.extra.get("observer")
-        if outcome is not CONTINUE or not isinstance(observer, Observation) or not observer.local:
-            return outcome  # refused, or a peer region's router (it counts its own backends)
-        name = observer.backend
-        limit = None if observer.choice == "queued" else routing.tracker[name].limit
-        claimed, elsewhere = await admission.claim_backend(name, limit)
-        routing.tracker.observe_elsewhere(name, elsewhere)
-        if claimed:
-            if key is not None and observer.choice in _STICKY:
-                admission.remember_affinity(key, name, new=observer.choice == "new-key")
-            return CONTINUE
+        local = isinstance(observer, Observation) and observer.local
+        backend = observer.backend if local and isinstance(observer, Observation) else None
+        choice = observer.choice if isinstance(observer, Observation) else ""
+        affinity = Affinity.NONE
+        if backend is not None and choice in _STICKY:
+            affinity = Affinity.OVERWRITE if learned not in (None, backend) else Affinity.FOLLOW
+        answer = await admission.admit(
+            owner, key_limit=limiter.max_streams if limiter.enabled else None,
+            rate_per_s=limiter.rate_per_s, burst=limiter.burst, backend=backend,
+            backend_limit=None if choice == "queued" or backend is None
+            else routing.tracker[backend].limit,
+            affinity_key=key, affinity=affinity,
+        )
+        verdict = answer.verdict
+        if backend is not None and verdict in (Verdict.ADMITTED, Verdict.BACKEND_FULL):
+            routing.tracker.observe_elsewhere(backend, int(answer.value))
+        if verdict is Verdict.ADMITTED:
+            return _admitted(state, admission, ctx, owner, backend)
         routing.unroute(ctx)
+        if verdict is Verdict.KEY_RATE:
+            return refusal(limiter.rate_limited(float(answer.value)))
+        if verdict is Verdict.KEY_BUSY:
+            over = limiter.over_concurrency(int(answer.value))
+            assert over is not None  # the script counted at least max_streams
+            return refusal(over)
+        if verdict is Verdict.AFFINITY_ELSEWHERE and key is not None:
+            learned = str(answer.value)
+            routing.policy.learn(key, learned, state.clock())
     return routing.reject(ctx, state.clock())
+
+
+def _admitted(
+    state: RouterState, admission: SharedAdmission, ctx: RequestContext, owner: bytes,
+    backend: str | None,
+) -> Outcome:
+    """Make room in the store for a stream; give back what was claimed if there is none."""
+    keyed = state.limiter.enabled
+    refused = store_refusal(state.store, owner, state.clock()) if ctx.stream_requested else None
+    if refused is None:
+        if keyed:
+            ctx.release_key_slot = lambda: admission.release_key(owner)
+        return CONTINUE
+    state.routing.unroute(ctx)
+    if backend is not None:
+        admission.release_backend(backend)
+    if keyed:
+        admission.release_key(owner)
+    return refusal(refused)

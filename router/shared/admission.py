@@ -11,17 +11,20 @@ lapses (``lease_s``), without anyone having to clean up after it. Releases are
 fire-and-forget ``HINCRBY -1`` (a field at zero is deleted); every hash expires
 ``streams.max_age_s`` after its last claim, the longest a claimed request can live.
 
-- Key slots: ``{prefix}c:{owner}`` and the token bucket ``{prefix}q:{owner}`` (``tokens``, ``at``
-  on Redis's own clock, so every process refills one bucket alike); one script checks the
-  concurrency, takes a token and claims the slot, one round trip per request, pipelined with
-  the affinity lookup.
+One script, one round trip per request, checks and claims everything at once (after the
+process routed the request with what it knows): the key's concurrency, the prompt's affinity,
+the backend's slots, then the key's rate; all pass, or nothing is claimed and the answer says
+which failed (:class:`Verdict`):
+
+- Key slots: ``{prefix}c:{owner}``, and the token bucket ``{prefix}q:{owner}`` (``tokens``,
+  ``at`` on Redis's own clock, so every process refills one bucket alike).
 - Affinity: ``{prefix}a:{digest}`` holds the backend of an affinity key for
-  ``routing.affinity_ttl_s``, refreshed on every use; a new key is written only if absent
-  (``SET NX``), so two processes that place the same new key at once agree from the next
-  request on. The bounded-load count of keys per backend stays per process.
-- Backend slots: ``{prefix}l:{backend}``; the claim is refused when the processes together hold
-  the backend's limit, and returns what the *other* processes hold, which this process adds to
-  its own count when it routes (refreshed every housekeeping tick as well).
+  ``routing.affinity_ttl_s``, refreshed on every use. A process whose choice differs from the
+  stored one learns it and routes again, so the same prompt goes to the same backend whichever
+  process answers (the bounded-load count of keys per backend stays per process).
+- Backend slots: ``{prefix}l:{backend}``; full when the processes together hold the backend's
+  limit; the answer carries what the *other* processes hold, which this process adds to its
+  own count when it routes (refreshed every housekeeping tick as well).
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any
-
-from redis.exceptions import NoScriptError
 
 from .background import Background
 from .keys import Keys
@@ -39,7 +41,7 @@ from .keys import Keys
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["KeyClaim", "SharedAdmission"]
+__all__ = ["Admission", "Affinity", "SharedAdmission", "Verdict"]
 
 # live(hash, me, lease prefix): in flight over the processes whose lease exists (me always),
 # and mine; the fields of processes whose lease lapsed are deleted on the way.
@@ -62,13 +64,34 @@ local function live(hash, me, lease_prefix)
 end
 """
 
-# KEYS: slots, bucket. ARGV: process, lease prefix, max in flight, rate/s, burst, expiry ms.
-# Returns {0, in flight now} (claimed), {1, in flight} (at the limit) or {2, ms to a token}.
-_ADMIT_KEY = _LIVE + """
-local total = live(KEYS[1], ARGV[1], ARGV[2])
-if total >= tonumber(ARGV[3]) then return {1, total} end
+# KEYS: the key's slots, its bucket, the affinity key, the backend's slots.
+# ARGV: 1 process, 2 lease prefix, 3 key's max in flight (-1: no key limits), 4 rate/s,
+# 5 burst, 6 expiry ms, 7 backend ('': a peer region, nothing to claim), 8 backend limit (-1:
+# none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms.
+# Checks everything first, then claims both slots and takes the token; returns {0, in flight
+# on the backend elsewhere} (admitted), {1, key's in flight} (key at its limit), {2, ms to a
+# token}, {3, stored backend} (the affinity key lives elsewhere) or {4, in flight elsewhere}
+# (backend full region-wide).
+_ADMIT = _LIVE + """
+local keyed = tonumber(ARGV[3]) >= 0
+if keyed then
+  local total = live(KEYS[1], ARGV[1], ARGV[2])
+  if total >= tonumber(ARGV[3]) then return {1, total} end
+end
+local backend, mode = ARGV[7], ARGV[9]
+if mode == '1' then
+  local stored = redis.call('GET', KEYS[3])
+  if stored and stored ~= backend then return {3, stored} end
+end
+local others = 0
+if backend ~= '' then
+  local total, mine = live(KEYS[4], ARGV[1], ARGV[2])
+  others = total - mine
+  local limit = tonumber(ARGV[8])
+  if limit >= 0 and total >= limit then return {4, others} end
+end
 local rate = tonumber(ARGV[4])
-if rate > 0 then
+if keyed and rate > 0 then
   local burst = tonumber(ARGV[5])
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -80,20 +103,16 @@ if rate > 0 then
   redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - 1), 'at', tostring(now))
   redis.call('PEXPIRE', KEYS[2], math.ceil(burst / rate * 1000) + 1000)
 end
-redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
-return {0, total + 1}
-"""
-
-# KEYS: a backend's slots. ARGV: process, lease prefix, limit (-1: none), expiry ms.
-# Returns {1 claimed | 0 at the limit, in flight on the other processes}.
-_CLAIM = _LIVE + """
-local total, mine = live(KEYS[1], ARGV[1], ARGV[2])
-local limit = tonumber(ARGV[3])
-if limit >= 0 and total >= limit then return {0, total - mine} end
-redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {1, total - mine}
+if keyed then
+  redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[1], ARGV[6])
+end
+if backend ~= '' then
+  redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[4], ARGV[6])
+end
+if mode ~= '0' then redis.call('SET', KEYS[3], backend, 'PX', ARGV[10]) end
+return {0, others}
 """
 
 # KEYS: slots hashes. ARGV: process, lease prefix. In flight on the other processes, per key.
@@ -112,15 +131,40 @@ if redis.call('HINCRBY', KEYS[1], ARGV[1], -1) <= 0 then redis.call('HDEL', KEYS
 """
 
 
-@dataclass(frozen=True, slots=True)
-class KeyClaim:
-    """The answer to a key's admission: ``refused`` is ``None`` (a slot claimed), ``"slots"``
-    (``value`` = its completions in flight) or ``"rate"`` (``value`` = seconds to a token);
-    ``backend`` is where its affinity key went before, if anywhere."""
+class Verdict(IntEnum):
+    """The admission script's answer (see :meth:`SharedAdmission.admit`)."""
 
-    refused: str | None
-    value: float
-    backend: str | None
+    ADMITTED = 0
+    KEY_BUSY = 1
+    """The key has its ``max_in_flight`` completions in flight, region-wide."""
+    KEY_RATE = 2
+    """The key's bucket is empty."""
+    AFFINITY_ELSEWHERE = 3
+    """The prompt's affinity key went to another backend: route again, following it."""
+    BACKEND_FULL = 4
+    """The region's processes hold the backend's limit: route again, knowing it."""
+
+
+class Affinity(IntEnum):
+    """What the admission does with the prompt's affinity key."""
+
+    NONE = 0
+    """Nothing (a balance or queue choice, a peer region)."""
+    FOLLOW = 1
+    """Refuse (:attr:`Verdict.AFFINITY_ELSEWHERE`) if it is stored for another backend; else
+    store (or refresh) it for this one."""
+    OVERWRITE = 2
+    """Store it for this backend (its stored backend cannot take the request here)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The verdict and its value: ADMITTED and BACKEND_FULL: in flight on the backend on the
+    other processes; KEY_BUSY: the key's in flight; KEY_RATE: seconds to a token;
+    AFFINITY_ELSEWHERE: the stored backend."""
+
+    verdict: Verdict
+    value: float | str
 
 
 def affinity_digest(key: str) -> str:
@@ -140,72 +184,61 @@ class SharedAdmission:
         self._lease_prefix = keys.lease("")
         self._expiry_ms = int(expiry_s * 1000)
         self._affinity_ms = max(1, int(affinity_ttl_s * 1000))
-        self._admit_key = redis.register_script(_ADMIT_KEY)
-        self._claim = redis.register_script(_CLAIM)
+        self._admit_sha = hashlib.sha1(_ADMIT.encode()).hexdigest()
         self._others = redis.register_script(_OTHERS)
         self._release = redis.register_script(_RELEASE)
         self.background = Background()
 
     async def start(self) -> None:
         """Load the admission script (the others load themselves when first used)."""
-        await self._redis.script_load(_ADMIT_KEY)
+        await self._redis.script_load(_ADMIT)
 
-    async def admit_key(
+    async def admit(
         self,
         owner: bytes,
-        affinity_key: str | None,
         *,
-        max_in_flight: int | None,
+        key_limit: int | None,
         rate_per_s: float,
         burst: int,
-    ) -> KeyClaim:
-        """Claim a slot of ``owner`` (``max_in_flight`` None: no concurrency or rate limit, no
-        slot) and look up where ``affinity_key`` went, in one round trip."""
+        backend: str | None,
+        backend_limit: int | None,
+        affinity_key: str | None,
+        affinity: Affinity,
+    ) -> Admission:
+        """One round trip: check ``owner``'s concurrency (``key_limit`` None: no per-key
+        limits), the affinity of ``affinity_key``, ``backend``'s slots (None: a peer region,
+        nothing to claim; ``backend_limit`` None: no limit, a request queued on purpose) and
+        the key's rate, in that order; if all pass, claim a slot of each and take a token."""
+        digest = affinity_digest(affinity_key or "")
+        args = (
+            4, self.keys.key_slots(owner), self.keys.key_bucket(owner),
+            self.keys.affinity(digest), self.keys.backend_load(backend or ""),
+            self.process, self._lease_prefix, -1 if key_limit is None else key_limit,
+            rate_per_s, burst, self._expiry_ms, backend or "",
+            -1 if backend_limit is None else backend_limit,
+            int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
+        )
         try:
-            replies = await self._admit_pipeline(owner, affinity_key, max_in_flight, rate_per_s,
-                                                 burst)
-        except NoScriptError:  # Redis restarted (or SCRIPT FLUSH): load it again, once
-            self._admit_key.sha = await self._redis.script_load(_ADMIT_KEY)
-            replies = await self._admit_pipeline(owner, affinity_key, max_in_flight, rate_per_s,
-                                                 burst)
-        backend = replies.pop() if affinity_key is not None else None
-        if max_in_flight is None:
-            return KeyClaim(None, 0, _text(backend))
-        code, value = replies[0]
-        refused = {0: None, 1: "slots", 2: "rate"}[int(code)]
-        return KeyClaim(refused, value / 1000 if refused == "rate" else value, _text(backend))
+            reply: Any = await self._redis.evalsha(self._admit_sha, *args)
+        except Exception as exc:
+            # redis-py is imported lazily: placement imports this module, with or without it.
+            from redis.exceptions import NoScriptError
 
-    async def _admit_pipeline(
-        self, owner: bytes, affinity_key: str | None, max_in_flight: int | None,
-        rate_per_s: float, burst: int,
-    ) -> list[Any]:
-        # EVALSHA in a plain pipeline: redis-py's Script in a pipeline asks SCRIPT EXISTS
-        # first, a second round trip on every request.
-        async with self._redis.pipeline(transaction=False) as pipe:
-            if max_in_flight is not None:
-                pipe.evalsha(
-                    self._admit_key.sha, 2, self.keys.key_slots(owner), self.keys.key_bucket(owner),
-                    self.process, self._lease_prefix, max_in_flight, rate_per_s, burst,
-                    self._expiry_ms,
-                )
-            if affinity_key is not None:
-                pipe.get(self.keys.affinity(affinity_digest(affinity_key)))
-            replies: list[Any] = await pipe.execute()
-        return replies
+            if not isinstance(exc, NoScriptError):
+                raise
+            await self._redis.script_load(_ADMIT)  # Redis restarted (or SCRIPT FLUSH): once
+            reply = await self._redis.evalsha(self._admit_sha, *args)
+        verdict = Verdict(int(reply[0]))
+        value = reply[1]
+        if verdict is Verdict.AFFINITY_ELSEWHERE:
+            return Admission(verdict, value.decode())
+        if verdict is Verdict.KEY_RATE:
+            return Admission(verdict, int(value) / 1000)
+        return Admission(verdict, int(value))
 
     def release_key(self, owner: bytes) -> None:
         """Give back a slot of ``owner`` claimed by :meth:`admit_key`."""
         self._spawn_release(self.keys.key_slots(owner))
-
-    async def claim_backend(self, backend: str, limit: int | None) -> tuple[bool, int]:
-        """Claim a slot of ``backend`` unless the processes together hold ``limit`` (None: no
-        limit, e.g. a request queued on purpose); returns (claimed, in flight elsewhere)."""
-        claimed, others = await self._claim(
-            keys=[self.keys.backend_load(backend)],
-            args=[self.process, self._lease_prefix, -1 if limit is None else limit,
-                  self._expiry_ms],
-        )
-        return bool(claimed), int(others)
 
     def release_backend(self, backend: str) -> None:
         """Give back a slot of ``backend`` claimed by :meth:`claim_backend`."""
@@ -221,12 +254,6 @@ class SharedAdmission:
         )
         return [int(n) for n in others]
 
-    def remember_affinity(self, affinity_key: str, backend: str, *, new: bool) -> None:
-        """``affinity_key`` goes to ``backend`` for the next ``affinity_ttl_s``; a ``new`` key
-        only if no process placed it meanwhile."""
-        key = self.keys.affinity(affinity_digest(affinity_key))
-        self.background.spawn(self._redis.set(key, backend, px=self._affinity_ms, nx=new))
-
     def _spawn_release(self, key: str) -> None:
         self.background.spawn(self._release(keys=[key], args=[self.process]))
 
@@ -236,5 +263,3 @@ class SharedAdmission:
         await self.background.aclose()
 
 
-def _text(value: bytes | None) -> str | None:
-    return None if value is None else value.decode()
