@@ -198,6 +198,13 @@ def _summary_headline(scenario: Any, summary: Mapping[str, Any]) -> list[str]:
         met = "met" if ratio >= target else "NOT met"
         out.append(f"firstbyte's SSE decoder delivered {ratio:.1f}x as many chunks per second "
                    f"as the openai SDK's Stream (target {target:g}x: {met}).")
+    client = summary.get("client_events_per_s")
+    if isinstance(client, int | float) and scenario == "decode":
+        goal = summary.get("client_target_events_per_s", 200_000)
+        met = "met" if client >= goal else "NOT met"
+        out.append(f"The whole client (AsyncClient.stream() over loopback) delivered "
+                   f"{client:,.0f} events/s, {summary.get('client_vs_core_ratio', 0):.2f}x the "
+                   f"core parser's rate in the same run (target {goal:,}: {met}).")
     best = summary.get("best chunks per CPU-second")
     if isinstance(best, int | float):
         met = "met" if summary.get("meets target") else "NOT met"

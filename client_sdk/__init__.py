@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         RateLimitError,
         ServiceUnavailableError,
         StreamBrokenError,
+        StreamLostError,
         StreamStalledError,
         TLSError,
     )
@@ -42,6 +43,7 @@ __all__ = [
     "ServiceUnavailableError",
     "StreamBrokenError",
     "StreamDelta",
+    "StreamLostError",
     "StreamStalledError",
     "TLSError",
     "Timings",
@@ -59,8 +61,8 @@ _LAZY = {
     "__version__": "firstbyte",
     **{name: "firstbyte.client_sdk.errors" for name in (
         "APIError", "AuthenticationError", "ConfigurationError", "ConnectError",
-        "FirstbyteError", "RateLimitError",
-        "ServiceUnavailableError", "StreamBrokenError", "StreamStalledError", "TLSError")},
+        "FirstbyteError", "RateLimitError", "ServiceUnavailableError", "StreamBrokenError",
+        "StreamLostError", "StreamStalledError", "TLSError")},
 }
 
 

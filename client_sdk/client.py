@@ -4,10 +4,12 @@
 ``client.stream(...)`` returns a :class:`ChatStream`: an async context manager (the request is
 sent and the response accepted on entry, so HTTP errors raise there) and an async iterator of
 :class:`~firstbyte.client_sdk._core.stream.StreamDelta`. Behind it, one reader task pumps the
-transport's
-items into a queue; the iterator waits on that queue with the idle watchdog, so heartbeats
-(which never become items) do not count as progress. A cut connection or a sequence gap
-resumes from the last delivered event; a stall resumes once on fresh connections, then raises.
+transport's items (a batch of events per network read) into a queue bounded in events; the
+iterator hands out a batch's events one at a time and waits on the queue, with the idle
+watchdog, only when the batch is used up, so heartbeats (which never become events) do not
+count as progress. A cut connection or a sequence gap resumes from the last delivered event
+(the rest of its batch is dropped: the resume sends it again); a stall resumes once on fresh
+connections, then raises.
 With several base URLs (one per region), :meth:`AsyncClient.prewarm` probes each region's
 RTT on a warm connection, sends requests to the fastest and keeps a warm standby connection to
 the second; a request that cannot start on one region (unreachable, 429, 502-504) is sent to
@@ -34,12 +36,14 @@ import msgspec
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import (
+    APIError,
     ConfigurationError,
     ConnectError,
     FirstbyteError,
     RateLimitError,
     ServiceUnavailableError,
     StreamBrokenError,
+    StreamLostError,
     StreamStalledError,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
@@ -49,11 +53,20 @@ from firstbyte.client_sdk.resolver import Origin
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.tickets import ticket_store as ticket_store_for
 from firstbyte.client_sdk.timings import Timings
-from firstbyte.client_sdk.transports.base import Event, Item, Opened, Session, Source, TransportCut
+from firstbyte.client_sdk.transports.base import (
+    Batch,
+    Event,
+    Item,
+    Opened,
+    Session,
+    Source,
+    TransportCut,
+)
 from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
 from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import Message, Usage
 
 __all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]  # the last from .trust
@@ -63,10 +76,17 @@ HTTPVersion = Literal["1.1", "2", "3"]
 
 _EOF = object()
 _QUEUE_ITEMS = 256
-"""Items read ahead of a slow consumer; beyond this the transport stops reading (bounded
-memory whatever the server sends)."""
+"""Events read ahead of a slow consumer; beyond this the transport stops reading (bounded
+memory whatever the server sends: this many events plus one network read's)."""
 _LABEL_PROBE_S = 60.0
 """At most one probe per minute to learn router names for a better-region hint."""
+
+
+def keylog_path(keylog_file: str | None) -> str | None:
+    """The key log file to write: ``keylog_file``, else ``$SSLKEYLOGFILE`` (``""``: none)."""
+    if keylog_file is None:
+        keylog_file = os.environ.get("SSLKEYLOGFILE")
+    return keylog_file or None
 
 
 class AsyncClient:
@@ -85,6 +105,9 @@ class AsyncClient:
     ``ticket_store`` keeps HTTP/3 session tickets for 0-RTT: None (in memory, lost at exit), a
     file path (0-RTT across restarts; read the replay caveat in :mod:`.tickets`) or a
     :class:`~firstbyte.client_sdk.tickets.TicketStore` of the application's own.
+    ``keylog_file`` (default ``$SSLKEYLOGFILE``; ``""``: none) is where the TLS secrets of
+    every connection, TCP and QUIC alike, are appended for Wireshark/tshark to decrypt a
+    capture (``tls.keylog_file``); it holds session keys, so keep it private.
     """
 
     def __init__(
@@ -106,6 +129,7 @@ class AsyncClient:
         poll_wait_s: float = 10.0,
         reprobe_interval_s: float | None = 60.0,
         ticket_store: TicketStore | str | os.PathLike[str] | None = None,
+        keylog_file: str | None = None,
     ) -> None:
         checked, ca_file = check_trust(verify, ca_file)
         tickets = ticket_store_for(ticket_store)
@@ -158,10 +182,11 @@ class AsyncClient:
         self.resume_backoff_s = resume_backoff_s
         self.poll_wait_s = poll_wait_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        keylog = keylog_path(keylog_file)
         self.pool = ConnectionPool(
-            build_ssl_context(checked, ca_file), verify=checked, ca_file=ca_file,
+            build_ssl_context(checked, ca_file, keylog), verify=checked, ca_file=ca_file,
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
-            connect_timeout_s=connect_timeout_s, tickets=tickets,
+            connect_timeout_s=connect_timeout_s, tickets=tickets, keylog_file=keylog,
         )
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:
@@ -358,6 +383,31 @@ class AsyncClient:
                           after=after, recorder=recorder)
 
 
+class _ReadAhead(asyncio.Queue[Item | object | BaseException]):
+    """The reader task's queue, bounded in events: a batch takes one place per event.
+
+    ``put`` waits while ``maxsize`` events are queued, then takes a whole batch, so the queue
+    holds at most ``maxsize - 1`` events plus one batch.
+    """
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self._events = 0
+
+    def _put(self, item: Item | object | BaseException) -> None:
+        self._events += len(item) if type(item) is list else 1
+        super()._put(item)
+
+    def _get(self) -> Item | object | BaseException:
+        item = super()._get()
+        self._events -= len(item) if type(item) is list else 1
+        return item
+
+    def qsize(self) -> int:
+        """Events queued (a batch counts its events; any other item counts one)."""
+        return self._events
+
+
 class ChatStream:
     """One streamed completion: iterate for deltas; ``timings``, ``usage``, ``text`` after."""
 
@@ -372,14 +422,16 @@ class ChatStream:
         self._on_first_token = on_first_token
         self._recorder = TimingRecorder(time.perf_counter(), transport=client.transport)
         self._assembler = StreamAssembler()
-        self._queue: asyncio.Queue[Item | object | BaseException] = asyncio.Queue(_QUEUE_ITEMS)
+        self._queue = _ReadAhead(_QUEUE_ITEMS)
+        self._batch: Batch = []
+        """The events of the last item taken from the queue; ``_at`` is the next one's index."""
+        self._at = 0
         self._pump_task: asyncio.Task[None] | None = None
         self._stream_id: str | None = None
         self._opened = False
         self._finished = False
         self._resumes = 0
         self._stalls = 0
-        self._pending: list[StreamDelta] = []
         self._parts: list[str] = []
         # Regions to try, best first; set-aside ones last (better a retry than no answer).
         ranked = [r.url for r in client.regions.ranked(time.monotonic())]
@@ -420,10 +472,9 @@ class ChatStream:
     async def __aenter__(self) -> ChatStream:
         self._start(self._client._source(self._body, None, 0, self._recorder, self._origin))
         try:
-            while not self._opened and not self._finished:
-                delta = await self._step()
-                if delta is not None:
-                    self._pending.append(delta)
+            # Sources yield Opened before any event; events before it would wait in _batch.
+            while not self._opened and not self._finished and self._at >= len(self._batch):
+                await self._step()
         except BaseException:
             await self.aclose()
             raise
@@ -441,12 +492,23 @@ class ChatStream:
     async def __anext__(self) -> StreamDelta:
         if self._pump_task is None:
             raise RuntimeError("use 'async with client.stream(...) as stream' before iterating")
-        if self._pending:
-            return self._pending.pop(0)
+        assembler = self._assembler
         while not self._finished:
-            delta = await self._step()
+            try:
+                delta = self._take()
+            except SequenceGapError as exc:
+                await self._recover(exc)  # drops the rest of the batch: the resume replays it
+                continue
+            except FirstbyteError:
+                self._finished = True
+                raise
+            if assembler.done:
+                self._finished = True
+                await self._stop_pump()
             if delta is not None:
-                return delta
+                return self._deliver(delta)
+            if not self._finished:
+                await self._step()  # the batch is used up: wait for the next item
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
@@ -459,17 +521,17 @@ class ChatStream:
         self._unbusy()
         self._busy_region = self._region_name
         self._client._busy[self._busy_region] += 1
-        self._queue = asyncio.Queue(_QUEUE_ITEMS)
+        self._queue = _ReadAhead(_QUEUE_ITEMS)
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(source, self._queue))
 
     @staticmethod
-    async def _pump(source: Source, queue: asyncio.Queue[Item | object | BaseException]) -> None:
+    async def _pump(source: Source, queue: _ReadAhead) -> None:
         try:
             async for item in source:
                 if queue.full():  # stops reading: the server is slowed down
                     await queue.put(item)
                 else:
-                    queue.put_nowait(item)  # no coroutine per event in the common case
+                    queue.put_nowait(item)  # no coroutine per batch in the common case
             await queue.put(_EOF)
         except asyncio.CancelledError:
             raise
@@ -485,7 +547,10 @@ class ChatStream:
             self._busy_region = None
 
     async def _stop_pump(self) -> None:
+        """Stop the reader task; the events it read and the iterator has not taken are dropped
+        (a resume asks for everything after the last event taken, so it sends them again)."""
         self._unbusy()
+        self._batch, self._at = [], 0
         task, self._pump_task = self._pump_task, None
         if task is not None and not task.done():
             task.cancel()
@@ -493,8 +558,36 @@ class ChatStream:
                 await task
         self._pump_task = task  # keep "started" for __anext__'s check
 
-    async def _step(self) -> StreamDelta | None:
-        """Take one item; returns a delta for the user, or None. Sets ``_finished`` at the end."""
+    def _take(self) -> StreamDelta | None:
+        """The next delta from the current batch, or None once the batch is used up or the
+        stream is done (``_assembler.done``). Raises what the assembler raises."""
+        batch, i = self._batch, self._at
+        receive = self._assembler.receive
+        while i < len(batch):
+            event = batch[i]
+            i += 1
+            self._at = i  # before receive: an event that raises is not taken twice
+            delta = receive(event.seq, event.payload)
+            if delta is not None or self._assembler.done:
+                return delta
+        return None
+
+    def _deliver(self, delta: StreamDelta) -> StreamDelta:
+        """Record the delta's timing (one clock read per content chunk: TTFT and ITL are
+        defined per content chunk) and its text, then hand it over."""
+        if delta.text or delta.tool_calls:  # StreamDelta.is_content, without the call
+            recorder, callback = self._recorder, self._on_first_token
+            first = callback is not None and recorder.record.first_token_ms is None
+            recorder.feed("token", time.perf_counter())
+            if first and callback is not None:
+                callback(delta)
+                recorder.feed("render", time.perf_counter())
+        self._parts.append(delta.text)
+        return delta
+
+    async def _step(self) -> None:
+        """Take one queue item: a batch (becomes ``_batch``), the response opening, the end or
+        an error (resumes, fails over or raises). Sets ``_finished`` at the end."""
         try:
             # Most items are already queued: take them without arming a watchdog timer each.
             item = self._queue.get_nowait()
@@ -503,14 +596,20 @@ class ChatStream:
                 item = await asyncio.wait_for(self._queue.get(), self._client.idle_timeout_s)
             except TimeoutError:
                 await self._recover(None, stalled=True)
-                return None
+                return
+        if type(item) is list:
+            self._batch, self._at = item, 0
+            return
+        if isinstance(item, Event):
+            self._batch, self._at = [item], 0
+            return
         if item is _EOF:
             if self._assembler.done:
                 self._finished = True
                 await self._stop_pump()
-                return None
+                return
             await self._recover(TransportCut("stream ended before its last event"))
-            return None
+            return
         if isinstance(item, BaseException):
             if self._stream_id is None and isinstance(
                 item, ConnectError | RateLimitError | ServiceUnavailableError
@@ -528,44 +627,35 @@ class ChatStream:
                 self._attempt += 1
                 self._start(self._client._source(self._body, None, 0, self._recorder,
                                                  self._origin))
-                return None
+                return
             if isinstance(item, TransportCut | SequenceGapError) or (
                 isinstance(item, ConnectError) and self._stream_id is not None
             ):
                 await self._recover(item)
-                return None
+                return
             self._finished = True
+            if (
+                self._stream_id is not None
+                and isinstance(item, APIError)
+                and item.code == error_codes.STREAM_NOT_FOUND
+            ):
+                # A resume found no such stream (on every transport: a 404 or a WebSocket
+                # error carry the same code): the router restarted or dropped it.
+                raise StreamLostError(
+                    f"stream {self._stream_id} is lost (the router no longer has it) after"
+                    f" event {self._assembler.last_seq}; resumed {self._resumes} times",
+                    stream_id=self._stream_id,
+                    last_seq=self._assembler.last_seq,
+                    delivered_text=self.text,
+                ) from item
             raise item
-        if isinstance(item, Opened):
-            if not self._opened:
-                self._client.regions.succeeded(self._region_name)
-                self._client._note_hint(self._recorder.record)
-            self._opened = True
-            if item.stream_id is not None:
-                self._stream_id = item.stream_id
-            return None
-        assert isinstance(item, Event)
-        try:
-            delta = self._assembler.receive(item.seq, item.payload)
-        except SequenceGapError as exc:
-            await self._recover(exc)
-            return None
-        except FirstbyteError:
-            self._finished = True
-            raise
-        if self._assembler.done:
-            self._finished = True
-            await self._stop_pump()
-        if delta is None:
-            return None
-        if delta.is_content:
-            first = self._recorder.record.first_token_ms is None
-            self._recorder.feed("token", time.perf_counter())
-            if first and self._on_first_token is not None:
-                self._on_first_token(delta)
-                self._recorder.feed("render", time.perf_counter())
-        self._parts.append(delta.text)
-        return delta
+        assert isinstance(item, Opened)
+        if not self._opened:
+            self._client.regions.succeeded(self._region_name)
+            self._client._note_hint(self._recorder.record)
+        self._opened = True
+        if item.stream_id is not None:
+            self._stream_id = item.stream_id
 
     async def _recover(self, reason: BaseException | None, *, stalled: bool = False) -> None:
         """Resume after a cut or a stall, or raise when out of attempts."""

@@ -25,6 +25,7 @@ __all__ = [
     "RateLimitError",
     "ServiceUnavailableError",
     "StreamBrokenError",
+    "StreamLostError",
     "StreamStalledError",
     "TLSError",
     "api_error_from_response",
@@ -56,6 +57,24 @@ class TLSError(ConnectError):
 
 class StreamBrokenError(FirstbyteError):
     """The stream was cut and every resume attempt failed."""
+
+
+class StreamLostError(StreamBrokenError):
+    """The router no longer has the stream (it restarted, or the stream was evicted): what
+    was delivered is all this stream will ever give.
+
+    Raised on every transport when a resume is answered ``stream_not_found``.
+    ``delivered_text`` is the text the iterator handed out, ``last_seq`` the last event
+    delivered, ``stream_id`` the lost stream; send a new request to go on.
+    """
+
+    def __init__(
+        self, message: str, *, stream_id: str, last_seq: int, delivered_text: str
+    ) -> None:
+        super().__init__(message)
+        self.stream_id = stream_id
+        self.last_seq = last_seq
+        self.delivered_text = delivered_text
 
 
 class StreamStalledError(StreamBrokenError):

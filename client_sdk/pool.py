@@ -52,8 +52,11 @@ class ConnectionPool:
         connect_timeout_s: float = 10.0,
         max_connections: int = 16,
         tickets: TicketStore | None = None,
+        keylog_file: str | None = None,
     ) -> None:
         self.ssl_context = ssl_context
+        self._keylog_file = keylog_file
+        """Where QUIC connections append their TLS secrets (the ``ssl_context`` has its own)."""
         self.resolver = Resolver()
         self.tickets: TicketStore = MemoryTicketStore() if tickets is None else tickets
         """QUIC session tickets, shared by every HTTP/3 session (:mod:`.tickets`)."""
@@ -99,7 +102,7 @@ class ConnectionPool:
                 session = H3Session(
                     origin, self.resolver, self.tickets, verify=self._verify,
                     ca_file=self._ca_file, idle_timeout_s=self._keepalive_expiry_s,
-                    connect_timeout_s=self._connect_timeout_s,
+                    connect_timeout_s=self._connect_timeout_s, keylog_file=self._keylog_file,
                 )
             else:
                 session = HttpxSession(

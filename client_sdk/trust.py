@@ -61,13 +61,22 @@ def check_trust(
     return verify, None if path is None else str(path)
 
 
-def build_ssl_context(verify: Verify = True, ca_file: str | None = None) -> ssl.SSLContext:
-    """The one SSLContext a client uses for every TCP connection (verification on by default)."""
+def build_ssl_context(
+    verify: Verify = True, ca_file: str | None = None, keylog_file: str | None = None
+) -> ssl.SSLContext:
+    """The one SSLContext a client uses for every TCP connection (verification on by default).
+
+    With ``keylog_file`` the TLS secrets are appended there in the NSS key log format
+    (Wireshark's ``tls.keylog_file``), also on a context the caller passed in.
+    """
     checked, path = check_trust(verify, ca_file)
     if isinstance(checked, ssl.SSLContext):
-        return checked
-    context = ssl.create_default_context(cafile=path)
-    if not checked:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+        context = checked
+    else:
+        context = ssl.create_default_context(cafile=path)
+        if not checked:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    if keylog_file:
+        context.keylog_filename = keylog_file
     return context

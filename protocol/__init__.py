@@ -34,10 +34,19 @@ from .openai import (
     error_body,
 )
 from .poll import PollBatch, PollEvent, StreamStarted
-from .sse import DONE, SSEDecoder, SSEEvent, SSEProtocolError, encode_comment, encode_event
+from .sse import (
+    DONE,
+    HEARTBEAT,
+    SSEDecoder,
+    SSEEvent,
+    SSEProtocolError,
+    encode_comment,
+    encode_event,
+)
 
 __all__ = [
     "DONE",
+    "HEARTBEAT",
     "BackendStatus",
     "ChatCompletion",
     "ChatCompletionChunk",

@@ -59,6 +59,13 @@ class RouterApp:
         if (kind == "websocket" or scope["method"] == "POST") and await self._shed(kind, send):
             return
         self.state.ensure_started()
+        if kind == "http":
+            await self.state.requests.serve(scope, receive, send, self._route)
+        else:
+            await self._route(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
         path: str = scope["path"]
         if path not in _UNGATED:
             await self.state.until_warm()

@@ -1,4 +1,4 @@
-"""Per-backend load, capacity, region saturation, spill budget and ``Retry-After`` (sans-IO).
+"""Per-backend load, capacity, region saturation and ``Retry-After`` (sans-IO).
 
 Load of a backend = the router's own count of requests in flight to it (exact and instant),
 plus what the region's other router processes have in flight to it (``elsewhere``: with shared
@@ -23,8 +23,7 @@ The expected queue wait of a new request is ``excess / limit * service time``, w
 service time an EWMA of observed request durations; the drain estimate behind
 ``Retry-After`` is the same wait for the least-loaded backend (integer seconds, at least 1).
 
-The spill budget follows Envoy's retry budget: spills in progress may not exceed
-``max(min_concurrency, ratio * active requests)``.
+The spill budget is :mod:`firstbyte.router.spill`.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 
 from firstbyte.router.upstream_metrics import BackendMetrics
 
-__all__ = ["RECENT_S", "BackendLoad", "Ewma", "LoadTracker", "SpillBudget"]
+__all__ = ["RECENT_S", "BackendLoad", "Ewma", "LoadTracker"]
 
 RECENT_S = 0.25
 """Requests sent this recently may still be waiting for their first scheduler step (a step
@@ -223,29 +222,3 @@ class LoadTracker:
 def _forget_before(times: deque[float], cutoff: float) -> None:
     while times and times[0] < cutoff:
         times.popleft()
-
-
-class SpillBudget:
-    """How many requests may be spilling to peers at once (Envoy retry-budget semantics)."""
-
-    def __init__(self, ratio: float = 0.2, min_concurrency: int = 3) -> None:
-        self.ratio = ratio
-        self.min_concurrency = min_concurrency
-        self.spilling = 0
-        self.spilled_total = 0
-        self.refused_total = 0
-
-    def limit(self, active: int) -> int:
-        return max(self.min_concurrency, math.floor(self.ratio * active))
-
-    def try_acquire(self, active: int) -> bool:
-        """Take one spill slot if the budget allows; ``active`` counts every request in flight."""
-        if self.spilling >= self.limit(active):
-            self.refused_total += 1
-            return False
-        self.spilling += 1
-        self.spilled_total += 1
-        return True
-
-    def release(self) -> None:
-        self.spilling = max(0, self.spilling - 1)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import sys
+import re
 from typing import Any
 
 from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
+from .config_check import check_files
+from .observability.logs import LEVELS
 
 __all__ = ["LIMIT_FLAGS", "add_arguments", "config_from_args", "run"]
 
@@ -82,7 +83,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for flag, (key, kind, help_text) in LIMIT_FLAGS.items():
         limits.add_argument(flag, type=kind, metavar="N", help=f"{help_text} ({key})")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="info (the default): the start-up line, one access line per request and upstream"
+        " or peer state changes; debug adds the HTTP libraries' own lines",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="json (the default): one JSON object per line on stdout; text: for a terminal",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="the same as --log-level debug"
+    )
 
 
 LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -136,14 +151,20 @@ def _name_the_flag(message: str, args: argparse.Namespace) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The config from ``--config`` (flags override its listen settings) or from flags alone."""
+    """The config from ``--config`` (flags override its settings) or from flags alone, with
+    its files checked (:func:`~firstbyte.router.config_check.check_files`).
+
+    An error about a value the user gave as a flag names the flag (``--port: ...``), not the
+    config key it became; with no config file every key that has a flag is named as one.
+    """
     if args.config and args.upstream:
         raise CLIError("give either --config FILE or --upstream URL, not both")
     listen: dict[str, Any] = {}
     for flag in ("host", "port", "certfile", "keyfile", "server", "workers"):
         value = getattr(args, flag)
         if value is not None:
-            listen[flag] = value
+            # A path typed on the command line is relative to the working directory.
+            listen[flag] = os.path.abspath(value) if flag.endswith("file") else value
     if args.no_http3:
         listen["http3"] = False
     if args.insecure_plain_http:
@@ -152,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     limits = _limit_overrides(args)
     try:
         if args.config:
+            source = args.config
             config = load_config(args.config)
             if (
                 listen or api_keys or args.region or args.allow_anonymous or limits
@@ -169,40 +191,67 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                     data["auth"]["allow_anonymous"] = True
                 if args.region:
                     data["region"] = args.region
-                config = parse_config(data, f"{args.config} (with command-line flags)")
-            return config
-        if not args.upstream:
-            raise CLIError("give --config FILE or at least one --upstream URL")
-        data = {
-            "upstreams": [{"url": url} for url in args.upstream],
-            "listen": listen,
-            "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
-            **limits,
-        }
-        if args.redis_url:
-            data["state"] = {"redis_url": args.redis_url}
-        if args.region:
-            data["region"] = args.region
-        return parse_config(data, "command line")
+                source = f"{args.config} (with command-line flags)"
+                config = parse_config(data, source)
+        else:
+            if not args.upstream:
+                raise CLIError("give --config FILE or at least one --upstream URL")
+            data = {
+                "upstreams": [{"url": url} for url in args.upstream],
+                "listen": listen,
+                "auth": {"api_keys": api_keys, "allow_anonymous": args.allow_anonymous},
+                **limits,
+            }
+            if args.redis_url:
+                data["state"] = {"redis_url": args.redis_url}
+            if args.region:
+                data["region"] = args.region
+            source = "command line"
+            config = parse_config(data, source)
+        check_files(config, source)
+        return config
     except ConfigError as exc:
-        raise CLIError(_name_the_flag(str(exc), args)) from None
+        raise CLIError(name_flags(_name_the_flag(str(exc), args), args)) from None
 
 
-def _check_tls_files(config: RouterConfig) -> None:
-    """Load the certificate once up front, so a bad path is one clear line, not a traceback."""
-    listen = config.listen
-    if listen.certfile is None or listen.keyfile is None:
-        return
-    import ssl
+# (args attribute, text in a config error, what the user typed instead); longer texts first,
+# so "set KEY = true" is rewritten whole before KEY alone.
+_FLAG_TEXTS = (
+    ("insecure_plain_http", "set listen.insecure_plain_http = true", "give --insecure-plain-http"),
+    ("insecure_plain_http", "listen.insecure_plain_http", "--insecure-plain-http"),
+    ("allow_anonymous", "set auth.allow_anonymous = true", "give --allow-anonymous"),
+    ("allow_anonymous", "auth.allow_anonymous", "--allow-anonymous"),
+    ("server", "listen.server = 'hypercorn'", "--server hypercorn"),
+    ("server", "listen.server", "--server"),
+    ("no_http3", "listen.http3", "HTTP/3 (on unless --no-http3)"),
+    ("host", "listen.host", "--host"),
+    ("port", "listen.port", "--port"),
+    ("certfile", "listen.certfile", "--certfile"),
+    ("keyfile", "listen.keyfile", "--keyfile"),
+    ("api_key", "auth.api_keys", "--api-key"),
+    ("region", "region:", "--region:"),
+)
 
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            listen.certfile, listen.keyfile
-        )
-    except (OSError, ssl.SSLError) as exc:
-        raise CLIError(
-            f"cannot load listen.certfile/keyfile ({listen.certfile}, {listen.keyfile}): {exc}"
-        ) from None
+
+def name_flags(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the config keys the user set by flag written as those flags.
+
+    Without ``--config`` every key that has a flag is written as its flag (there is no file
+    the user could look for it in); with ``--config`` only the keys a flag overrode. Keys
+    from ``FIRSTBYTE_API_KEYS`` are named as that variable.
+    """
+    everything = not args.config
+    env_keys = not args.api_key and bool(os.environ.get("FIRSTBYTE_API_KEYS"))
+    for attr, text, flag in _FLAG_TEXTS:
+        if attr == "api_key" and env_keys:
+            flag = "FIRSTBYTE_API_KEYS"
+        elif not (everything or getattr(args, attr)):
+            continue
+        pattern = r"(?<![\w.\[])" + re.escape(text) + r"(?:\[\d+\])?(?![\w])"
+        message = re.sub(pattern, flag, message)
+    for i, url in enumerate(args.upstream or ()):
+        message = message.replace(f"upstreams[{i}].url", f"--upstream {url}")
+    return message
 
 
 def _to_builtins(config: RouterConfig) -> dict[str, Any]:
@@ -215,17 +264,16 @@ def _to_builtins(config: RouterConfig) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.check_config:
         try:
-            load_config(args.check_config)
+            check_files(load_config(args.check_config), args.check_config)
         except ConfigError as exc:
             raise CLIError(str(exc)) from None
         print("OK")
         return 0
     config = config_from_args(args)
-    _check_tls_files(config)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from .observability.logs import configure
+
+    # Logs (the start-up line included) go to stdout; errors before this point to stderr.
+    configure("debug" if args.verbose else args.log_level or "info", args.log_format)
     if config.listen.workers > 1:
         from .workers import run_workers
 
@@ -236,17 +284,11 @@ def run(args: argparse.Namespace) -> int:
 def _serve_worker(config: RouterConfig, index: int | None) -> int:
     """Serve ``config`` in this process: the only one, or worker ``index`` of several."""
     from .hosting import loop_factory
-    from .serve import RouterEndpoints, serve
-
-    label = "" if index is None else f" worker {index + 1}/{config.listen.workers}"
-
-    def started(ep: RouterEndpoints) -> None:
-        h3 = f", HTTP/3 on UDP {ep.h3_port}" if ep.h3_port else ""
-        print(f"firstbyte router ({config.region}){label} on {ep.base_url}{h3}", file=sys.stderr)
+    from .serve import serve
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config, started=started, reuse_port=index is not None))
+            runner.run(serve(config, reuse_port=index is not None))
     except OSError as exc:
         raise CLIError(
             f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"

@@ -4,6 +4,9 @@ Every field carries its unit in its name (``idle_timeout_s``, ``max_body_bytes``
 rejects unknown keys and bad values with a :class:`ConfigError` whose message names the file
 and the key, e.g. ``router.toml: listen.port: Expected `int` >= 0, got -1``.
 
+A relative file path in a config file (every key in :data:`PATH_KEYS`) is relative to the
+directory of that file, not to the working directory: :func:`load_config` makes it absolute.
+
 Upstreams come only from here, never from a request.
 """
 
@@ -26,6 +29,7 @@ from .regions_config import (
 )
 
 __all__ = [
+    "PATH_KEYS",
     "AuthConfig",
     "ConfigError",
     "LimitsConfig",
@@ -33,9 +37,11 @@ __all__ = [
     "RouterConfig",
     "StateConfig",
     "StreamsConfig",
+    "TelemetryConfig",
     "UpstreamConfig",
     "load_config",
     "parse_config",
+    "resolve_paths",
 ]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -188,6 +194,20 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Redis keeps about this many events per stream (``XADD MAXLEN ~``)."""
 
 
+class TelemetryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Traces exported over OTLP/HTTP (protobuf), one trace per request; needs the ``otel``
+    extra. Without ``otlp_endpoint`` nothing is exported and OpenTelemetry is never imported."""
+
+    otlp_endpoint: HttpUrl | None = None
+    """The collector's OTLP/HTTP traces URL, e.g. ``http://127.0.0.1:4318/v1/traces`` (a URL
+    without a path gets ``/v1/traces``)."""
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    """Sent with every export (e.g. a collector's ``authorization``)."""
+    service_name: Name = "firstbyte-router"
+    export_interval_s: PositiveSeconds = 1.0
+    """Finished spans are sent in a batch at least this often."""
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region: Name = "local"
     upstreams: Annotated[list[UpstreamConfig], msgspec.Meta(min_length=1)]
@@ -202,6 +222,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peers: list[PeerConfig] = msgspec.field(default_factory=list)
     warm_prefixes: list[WarmPrefixConfig] = msgspec.field(default_factory=list)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     upstream_ca_file: str | None = None
     """PEM CA bundle trusted for TLS to upstreams and peers (default: the public bundle)."""
 
@@ -242,8 +263,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if not self.auth.api_keys and not self.auth.allow_anonymous:
             raise ValueError(
-                "auth.api_keys: no API key configured; give one (or --api-key), or set"
-                " auth.allow_anonymous = true (--allow-anonymous) to accept any request"
+                "auth.api_keys: no API key configured; give one, or set"
+                " auth.allow_anonymous = true to accept any request"
             )
 
 
@@ -272,8 +293,39 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> RouterConfig
         raise ConfigError(f"{source}: {_describe(exc)}") from None
 
 
+PATH_KEYS = (
+    "listen.certfile",
+    "listen.keyfile",
+    "upstream_ca_file",
+    "geo.database",
+    "warm_prefixes[].file",
+)
+"""Every config key holding a file path (``[]``: each entry of that list)."""
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> None:
+    """Make every relative path of :data:`PATH_KEYS` in ``data`` (a decoded TOML document)
+    absolute against ``base_dir``, in place; values of the wrong type are left for validation."""
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        if not section:
+            tables = [data]
+        elif section.endswith("[]"):
+            items = data.get(section[:-2])
+            tables = [t for t in items if isinstance(t, dict)] if isinstance(items, list) else []
+        else:
+            table = data.get(section)
+            tables = [table] if isinstance(table, dict) else []
+        for table in tables:
+            value = table.get(name)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                table[name] = str(base_dir / value)
+
+
 def load_config(path: str | Path) -> RouterConfig:
-    """Read and validate a TOML file; every failure is a :class:`ConfigError` naming it."""
+    """Read and validate a TOML file; every failure is a :class:`ConfigError` naming it.
+
+    Relative file paths in it are resolved against the file's own directory."""
     source = str(path)
     try:
         text = Path(path).read_bytes()
@@ -283,4 +335,5 @@ def load_config(path: str | Path) -> RouterConfig:
         data = tomllib.loads(text.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    resolve_paths(data, Path(path).absolute().parent)
     return parse_config(data, source)

@@ -35,6 +35,7 @@ from .asgi import (
     stream_body,
     unless_gone,
 )
+from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_body, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import (
@@ -74,7 +75,7 @@ SSE_HEADERS = (
 def new_context(state: RouterState, scope: Scope) -> RequestContext:
     headers = header_dict(scope)
     client = scope.get("client")
-    return RequestContext(
+    ctx = RequestContext(
         method=scope.get("method", "GET"),
         path=scope["path"],
         headers=headers,
@@ -83,6 +84,8 @@ def new_context(state: RouterState, scope: Scope) -> RequestContext:
         traceparent=Traceparent.continue_from(headers.get("traceparent")),
         region=state.region,
     )
+    scope[CONTEXT_KEY] = ctx  # for the access log, written when the request is over
+    return ctx
 
 
 def _common_headers(ctx: RequestContext) -> list[tuple[str, str]]:
@@ -118,6 +121,7 @@ async def _finish(
     local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
     assert isinstance(local, LocalReply)
     state.metrics.count_reply(endpoint, local)
+    ctx.outcome = local.outcome
     await reply(send, ctx, local)
     return True
 
@@ -187,11 +191,14 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
                 if not await unless_gone(receive, forward):
                     forward.cancel()  # nobody will read the answer: stop the upstream's work
                     state.metrics.count("chat", "client_gone")
+                    ctx.outcome = "client_gone"
                     return
                 answer = forward.result()
         finally:
             release_key_slot(ctx)
-        state.metrics.count("chat", "ok" if answer.status == 200 else f"upstream_{answer.status}")
+        ctx.outcome = "ok" if answer.status == 200 else f"upstream_{answer.status}"
+        ctx.usage = reply_usage(answer.body)
+        state.metrics.count("chat", ctx.outcome)
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
             send,
@@ -206,7 +213,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         )
         return
     # place() made room in the store (nothing awaited since): no eviction here.
-    stream = state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
+    stream = ctx.stream = state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -270,7 +277,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
+    stream = ctx.stream = state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:
@@ -350,6 +357,7 @@ async def _open_stream(
     if isinstance(found, LocalReply):
         await _finish(state, send, ctx, found, endpoint)
         return None
+    ctx.stream = found
     query = _query(scope)
     raw_after = query.get("after")
     name = "after"

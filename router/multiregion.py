@@ -11,6 +11,11 @@
 - An :class:`Observation` rides along in ``ctx.extra["observer"]``: the proxy reports the
   first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
   whether to switch upstream when the first token is late (``first_token_deadline_ms``).
+- Both ways of spilling (a saturated region at admission, a late first token) hold a slot of
+  one :class:`~firstbyte.router.spill.SpillBudget` from the decision to the request's end; a
+  refused slot means no spill. Requests count as active, and against a peer's capacity, from
+  the moment they are routed (not when the proxy's task gets to run), so a burst routed in one
+  loop turn sees its own earlier members.
 - Background: :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
   pool) and :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
   probes).
@@ -25,14 +30,11 @@ believed).
 from __future__ import annotations
 
 import hmac
-import json
-import logging
 import math
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
@@ -46,7 +48,7 @@ from firstbyte.protocol.headers import (
 )
 from firstbyte.protocol.openai import ChatCompletionRequest, message_text
 
-from .backpressure import BackendLoad, LoadTracker, SpillBudget
+from .backpressure import BackendLoad, LoadTracker
 from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
 from .hosting.prometheus import Histogram
@@ -57,15 +59,24 @@ from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
 from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
 from .regions_config import warm_prefix_text
+from .spill import SpillBudget, SpillSlot
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
 
-__all__ = ["Observation", "RegionRouting"]
+__all__ = ["REJECTION_REASONS", "Observation", "RegionRouting"]
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
 
-access_log = logging.getLogger("firstbyte.access")
+
+REJECTION_REASONS = {
+    "no_peer_with_room": "no other region can take this request",
+    "spill_budget": "its budget of requests spilled to other regions is used up",
+    "saturated_forwarded": "this request was already forwarded by another region",
+    "no_local_backend": "no backend of it can take this request",
+}
+"""Why a request was answered 429 here (the access log's ``reason``), and the sentence the
+client reads after "Region R is at capacity and"."""
 
 
 def _point(lat: float | None, lon: float | None, name: str) -> GeoPoint | None:
@@ -95,6 +106,10 @@ class Observation:
     switched: bool = False
     done: bool = False
     reason: str = ""
+    slot: SpillSlot | None = None
+    """The spill slot this request holds while it is served by a peer as a spill."""
+    claim: tuple[str, SpillSlot] | None = None
+    """A first-token-deadline switch decided (target peer, slot taken) but not yet made."""
     extra_headers: dict[str, str] = field(default_factory=dict)
 
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
@@ -107,10 +122,18 @@ class Observation:
             self.routing.itl.observe(now - self.last_chunk)
         self.last_chunk = now
 
-    def can_switch(self, ctx: RequestContext) -> bool:
-        return self.ttft_ms is None and not self.done and self.routing.can_switch(self, ctx)
+    def claim_switch(self, ctx: RequestContext) -> bool:
+        """At the first-token deadline: take a spill slot and a target for :meth:`switch`.
+
+        True means the caller must switch (or the slot goes back at the first token or the
+        end); False means stay on this upstream.
+        """
+        if self.ttft_ms is not None or self.done or self.claim is not None:
+            return False
+        return self.routing.claim_switch(self, ctx)
 
     def switch(self, ctx: RequestContext) -> Backend:
+        """Move to the peer claimed by :meth:`claim_switch`; the new upstream to send to."""
         return self.routing.switch(self, ctx)
 
     def finished(self, ctx: RequestContext, ok: bool) -> None:
@@ -173,6 +196,8 @@ class RegionRouting:
             ttl_s=routing.affinity_ttl_s,
         )
         self.spill = SpillBudget(routing.spill_budget_ratio, routing.spill_min_concurrency)
+        self.rejections: Counter[str] = Counter()
+        """429s answered here, by reason (see :meth:`_reject`)."""
         self.deadline_s = (
             routing.first_token_deadline_ms / 1000.0 if routing.first_token_deadline_ms else None
         )
@@ -190,8 +215,11 @@ class RegionRouting:
             self.peer_table, peer_client or client, peer_key=self.peer_key,
             interval_s=routing.peer_poll_interval_s, clock=clock, on_status=self._on_peer_status,
         )
-        # Our requests in flight to each peer when its last status arrived: the status counts
-        # those; requests sent since are added on top (the status is up to one poll old).
+        # Requests routed to each peer and not finished, counted when routed: the proxy's own
+        # count starts only when its task runs, after every other request of a burst routed.
+        self.peer_routed = dict.fromkeys(self.peer_backends, 0)
+        # ``peer_routed`` when the peer's last status arrived: the status counts those;
+        # requests routed since are added on top (the status is up to one poll old).
         self._sent_baseline = dict.fromkeys(self.peer_backends, 0)
         # Warm prefixes.
         self.prefixes = [
@@ -257,7 +285,7 @@ class RegionRouting:
             self.locator.close()
 
     def _on_peer_status(self, name: str) -> None:
-        self._sent_baseline[name] = self.peer_backends[name].in_flight
+        self._sent_baseline[name] = self.peer_routed[name]
 
     def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> None:
         healthy = metrics is not None
@@ -313,7 +341,7 @@ class RegionRouting:
             if point is None and status.latitude is not None and status.longitude is not None:
                 point = GeoPoint(status.latitude, status.longitude)
             # The status counted our requests of that moment; adjust by ours since (+ or -).
-            ours = self.peer_backends[name].in_flight - self._sent_baseline[name]
+            ours = self.peer_routed[name] - self._sent_baseline[name]
             load = status.in_flight + ours
             saturated = load >= status.capacity if ours else status.saturated
             out[name] = RegionCandidate(
@@ -324,7 +352,8 @@ class RegionRouting:
         return out
 
     def active(self) -> int:
-        return self.tracker.in_flight() + sum(b.in_flight for b in self.peer_backends.values())
+        """Requests routed from here and not finished: to local backends and to peers."""
+        return self.tracker.in_flight() + sum(self.peer_routed.values())
 
     def route(self, ctx: RequestContext) -> Outcome:
         """Choose the region and backend for an admitted chat request (sets ``ctx.backend``)."""
@@ -342,8 +371,6 @@ class RegionRouting:
             prefix=self.prefix_hashes[prefix.name] if prefix else None,
             prefix_tokens=int(len(prefix.text) / CHARS_PER_TOKEN) if prefix else 0,
             forwarded=forwarded,
-            # This request counts as active: it is one, wherever it goes.
-            spill_slot=self.spill.spilling < self.spill.limit(self.active() + 1),
         )
         ctx.extra["location"] = location
         ctx.extra["region_decision"] = decision
@@ -357,24 +384,37 @@ class RegionRouting:
         if decision.verdict is Verdict.LOCAL:
             chosen = self._local_backend(request, now)
             if chosen is None:  # raced to saturation since the region check
-                return self.reject(ctx, now)
+                return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now)
         if decision.verdict is Verdict.REJECT:
             if not self.tracker.healthy() and not self.peer_table.peers:
                 return Fallback("no healthy upstream in this region")
-            queued = self._queue_locally(request, now)
-            if queued is not None:
-                return self._serve_local(ctx, queued, location, now)
-            return self.reject(ctx, now)
-        spill = decision.verdict is Verdict.SPILL
-        if spill and not self.spill.try_acquire(self.active() + 1):
-            return self.reject(ctx, now)
-        if spill:
+            reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
+            return self._queue_or_reject(ctx, request, location, now, reason)
+        slot: SpillSlot | None = None
+        if decision.verdict is Verdict.SPILL:
+            # This request counts as active: it is one, wherever it goes.
+            slot = self.spill.acquire(self.active() + 1, "saturated")
+            if slot is None:
+                return self._queue_or_reject(ctx, request, location, now, "spill_budget")
             self.spills[(decision.region, "saturated")] += 1
         else:
             self.forwards[decision.region] += 1
-        self._to_peer(ctx, decision.region, location, spill)
+        self._to_peer(ctx, decision.region, location, slot)
         return CONTINUE
+
+    def _queue_or_reject(
+        self,
+        ctx: RequestContext,
+        request: ChatCompletionRequest,
+        location: Location | None,
+        now: float,
+        reason: str,
+    ) -> Outcome:
+        queued = self._queue_locally(request, now)
+        if queued is not None:
+            return self._serve_local(ctx, queued, location, now)
+        return self.reject(ctx, now, reason)
 
     def affinity_key(self, request: ChatCompletionRequest) -> str:
         """The key that decides ``request``'s backend (:func:`affinity_key`)."""
@@ -429,15 +469,19 @@ class RegionRouting:
         observer.done = True
         if observer.local:
             self.tracker.unstarted(observer.backend)
-        elif observer.spill:
-            self.spill.release()
+        else:
+            self.peer_routed[observer.region] -= 1
+            if observer.slot is not None:
+                self.spill.release(observer.slot)
         ctx.backend = None
         return observer
 
     def _to_peer(
-        self, ctx: RequestContext, peer: str, location: Location | None, spill: bool
+        self, ctx: RequestContext, peer: str, location: Location | None, slot: SpillSlot | None
     ) -> None:
+        """Send the request to ``peer`` (a spill when it holds ``slot``)."""
         backend = self.peer_backends[peer]
+        self.peer_routed[peer] += 1
         ctx.backend = backend
         ctx.region = peer
         headers = {FORWARDED_HEADER: self.region}
@@ -453,24 +497,28 @@ class RegionRouting:
         observer = ctx.extra.get("observer")
         if isinstance(observer, Observation):
             observer.region, observer.backend, observer.local = peer, backend.name, False
-            observer.spill = observer.spill or spill
+            observer.spill = observer.spill or slot is not None
+            observer.slot = slot
         else:
             ctx.extra["observer"] = Observation(
-                self, peer, backend.name, False, spill, time.perf_counter(), location
+                self, peer, backend.name, False, slot is not None, time.perf_counter(), location,
+                slot=slot,
             )
 
     def retry_after_s(self) -> int:
         """``Retry-After`` for a 429 from here (also put on a peer's 429 passed through)."""
         return self.tracker.retry_after_s(self.clock())
 
-    def reject(self, ctx: RequestContext, now: float) -> Outcome:
-        """The 429 ``region_saturated`` for a request nothing here or elsewhere can take."""
+    def reject(self, ctx: RequestContext, now: float, reason: str) -> Outcome:
+        """429 with ``Retry-After``; ``reason`` (a key of :data:`REJECTION_REASONS`) goes to the
+        access log and the ``route_rejections_total`` metric, its sentence to the client."""
         retry = self.tracker.retry_after_s(now)
         self.outcomes[(self.region, "", "rejected")] += 1
-        self._log(ctx, None, "rejected")
+        self.rejections[reason] += 1
+        ctx.route_reason = reason  # for the access log
         return error_reply(
             429,
-            f"Region {self.region} is at capacity and no other region can take this request;"
+            f"Region {self.region} is at capacity and {REJECTION_REASONS[reason]};"
             f" retry after {retry} s.",
             "rate_limit_error",
             code=error_codes.REGION_SATURATED,
@@ -480,6 +528,9 @@ class RegionRouting:
 
     # --- observer callbacks ------------------------------------------------------------
     def first_token(self, obs: Observation, ttft_ms: float) -> None:
+        if obs.claim is not None:  # the token beat the switch it had claimed: no switch
+            self.spill.release(obs.claim[1])
+            obs.claim = None
         if obs.local:
             self.tracker.observe_ttft(obs.backend, ttft_ms)
         hist = self.ttft.get(obs.region)
@@ -487,10 +538,19 @@ class RegionRouting:
             hist = self.ttft[obs.region] = Histogram(TTFT_BUCKETS_S)
         hist.observe(ttft_ms / 1000.0)
 
-    def can_switch(self, obs: Observation, ctx: RequestContext) -> bool:
+    def claim_switch(self, obs: Observation, ctx: RequestContext) -> bool:
+        """A late first token: claim a peer and a spill slot for :meth:`switch`, or refuse."""
         if obs.switched or not obs.local:
             return False
-        return self._switch_target(ctx) is not None
+        target = self._switch_target(ctx)
+        if target is None:
+            return False
+        # ``active`` already counts this request (it is in flight locally).
+        slot = self.spill.acquire(self.active(), "first_token_deadline")
+        if slot is None:
+            return False
+        obs.claim = (target, slot)
+        return True
 
     def _switch_target(self, ctx: RequestContext) -> str | None:
         now = self.clock()
@@ -498,7 +558,7 @@ class RegionRouting:
         if forwarded:
             return None
         candidates = [c for c in self._peers(now).values() if c.healthy and not c.saturated]
-        if not candidates or self.spill.spilling >= self.spill.limit(self.active()):
+        if not candidates:
             return None
         location = ctx.extra.get("location")
         point = location.point if isinstance(location, Location) else None
@@ -509,17 +569,17 @@ class RegionRouting:
         ).name
 
     def switch(self, obs: Observation, ctx: RequestContext) -> Backend:
-        """The first token is late: move the request to the best peer (a spill)."""
-        target = self._switch_target(ctx)
-        assert target is not None  # can_switch said yes a moment ago, in the same loop turn
+        """The first token is late: move the request to the peer it claimed (a spill)."""
+        assert obs.claim is not None, "switch() without a successful claim_switch()"
+        target, slot = obs.claim
+        obs.claim = None
         self.tracker.finished(obs.backend)
         if self.released is not None:
             self.released(obs.backend)
-        self.spill.try_acquire(self.active())
         self.spills[(target, "first_token_deadline")] += 1
         obs.switched = True
         obs.first_token_deadline_s = None
-        self._to_peer(ctx, target, obs.location, spill=True)
+        self._to_peer(ctx, target, obs.location, slot)
         obs.reason = "first_token_deadline"
         backend: Backend = ctx.backend
         return backend
@@ -530,37 +590,13 @@ class RegionRouting:
             self.tracker.finished(obs.backend, duration_ms)
             if self.released is not None:
                 self.released(obs.backend)
-        if obs.spill:
-            self.spill.release()
+        else:
+            self.peer_routed[obs.region] -= 1
+        for slot in (obs.slot, obs.claim[1] if obs.claim else None):
+            if slot is not None:
+                self.spill.release(slot)
         outcome = "ok" if ok else "error"
         self.outcomes[(obs.region, obs.backend, outcome)] += 1
-        self._log(ctx, obs, outcome, duration_ms)
-
-    def _log(
-        self, ctx: RequestContext, obs: Observation | None, outcome: str,
-        duration_ms: float | None = None,
-    ) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        location = ctx.extra.get("location")
-        record: dict[str, Any] = {
-            "ts": round(time.time(), 3),
-            "trace_id": ctx.traceparent.trace_id,
-            "path": ctx.path,
-            "http": ctx.http_version,
-            "region": obs.region if obs else self.region,
-            "entry_region": self.region,
-            "backend": obs.backend if obs else None,
-            "outcome": outcome,
-            "spill": obs.spill if obs else False,
-            "reason": obs.reason if obs else "",
-            "model": ctx.request.model if ctx.request else None,
-            "ttft_ms": round(obs.ttft_ms, 2) if obs and obs.ttft_ms is not None else None,
-            "duration_ms": round(duration_ms, 2) if duration_ms is not None else None,
-            "client_city": location.city if isinstance(location, Location) else None,
-            "client_country": location.country if isinstance(location, Location) else None,
-        }  # never the API key, the peer key, the client's address or the prompt
-        access_log.info(json.dumps(record, separators=(",", ":")))
 
     # --- status and metrics ------------------------------------------------------------
     def status(self) -> EdgeStatus:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from firstbyte.protocol import paths
 from firstbyte.protocol.edge import EdgeStatus
 from firstbyte.protocol.headers import PEER_KEY_HEADER
 from firstbyte.router.backpressure import Ewma
+from firstbyte.router.observability.logs import StateChanges, describe_error
 
 __all__ = ["PeerPoller", "PeerState", "PeerTable"]
 
@@ -101,6 +103,8 @@ class PeerPoller:
         self.clock = clock
         self._tasks: list[asyncio.Task[None]] = []
         self._decoder = msgspec.json.Decoder(EdgeStatus)
+        self.changes = StateChanges(logging.getLogger("firstbyte.router"), "peer")
+        """A warning when a peer becomes unreachable, a line when it is back (once each)."""
 
     async def poll_once(self, name: str) -> None:
         import httpx
@@ -117,11 +121,14 @@ class PeerPoller:
             )
             response.raise_for_status()
             status = self._decoder.decode(response.content)
-        except (httpx.HTTPError, msgspec.DecodeError):
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
             self.table.failed(name, self.clock())
+            if self.table.peers[name].status is None:  # unknown now (see PeerTable.failed)
+                self.changes.down(name, describe_error(exc), url=self.table.peers[name].url)
             return
         now = self.clock()
         self.table.observe(name, status, now, (now - start) * 1000.0)
+        self.changes.up(name, url=self.table.peers[name].url)
         if self.on_status is not None:
             self.on_status(name)
 

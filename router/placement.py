@@ -102,7 +102,7 @@ async def _place_shared(
         if verdict is Verdict.AFFINITY_ELSEWHERE and key is not None:
             learned = str(answer.value)
             routing.policy.learn(key, learned, state.clock())
-    return routing.reject(ctx, state.clock())
+    return routing.reject(ctx, state.clock(), "no_local_backend")
 
 
 def _admitted(

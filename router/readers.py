@@ -15,7 +15,7 @@ from typing import Protocol
 import msgspec
 
 from firstbyte.protocol.poll import PollBatch, PollEvent
-from firstbyte.protocol.sse import encode_comment, encode_event
+from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
 from .streams import StreamEvent
 
@@ -100,14 +100,15 @@ async def sse_events(
     heartbeat_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for every event after ``after`` (``id: SEQ`` framing), ``: ping`` when idle."""
+    """SSE bytes for every event after ``after`` (``id: SEQ`` framing); :data:`HEARTBEAT`
+    (no event for any SSE client) when idle."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
     try:
         async for batch in events:
             if batch:
                 yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
             else:
-                yield encode_comment("ping")
+                yield HEARTBEAT
     finally:
         await events.aclose()
 

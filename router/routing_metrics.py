@@ -4,12 +4,13 @@ Families (all prefixed ``firstbyte_``):
 ``route_requests_total{region,backend,outcome}`` (finished requests by serving region and
 backend: ``ok``/``error``; ``rejected`` for 429s), ``route_forwards_total{to}``,
 ``route_spills_total{to,reason}`` (``saturated`` | ``first_token_deadline``),
-``route_spill_in_progress``, ``route_ttft_seconds{region}`` and ``route_itl_seconds``
-(histograms), ``backend_in_flight``/``backend_load``/``backend_queue``/``backend_limit``/
-``backend_saturated``/``backend_healthy``/``backend_cache_hit_ratio`` ``{backend}``,
-``warm_state{backend,prefix}`` (1 warm, 0 not), ``warmups_total``/``warm_evictions_total``
-``{backend,prefix}``, ``backend_restarts_total{backend}``, ``peer_up{peer}``,
-``peer_rtt_ms{peer}``.
+``route_spill_in_progress``, ``route_spill_refused_total{reason}`` (the spill budget said no),
+``route_rejections_total{reason}`` (429s by reason), ``route_ttft_seconds{region}`` and
+``route_itl_seconds`` (histograms), ``backend_in_flight``/``backend_load``/``backend_queue``/
+``backend_limit``/``backend_saturated``/``backend_healthy``/``backend_cache_hit_ratio``
+``{backend}``, ``warm_state{backend,prefix}`` (1 warm, 0 not),
+``warmups_total``/``warm_evictions_total`` ``{backend,prefix}``,
+``backend_restarts_total{backend}``, ``peer_up{peer}``, ``peer_rtt_ms{peer}``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def render(r: RegionRouting) -> str:
             "firstbyte_route_spill_in_progress",
             "Spilled requests in progress (bounded by the spill budget).",
             [("", r.spill.spilling)],
+        ),
+        *render_counter(
+            "firstbyte_route_spill_refused_total",
+            "Spills refused because the spill budget was used up (the request stayed here).",
+            [(labels(reason=reason), n) for reason, n in sorted(r.spill.refused.items())],
+        ),
+        *render_counter(
+            "firstbyte_route_rejections_total",
+            "Requests answered 429 here, by reason.",
+            [(labels(reason=reason), n) for reason, n in sorted(r.rejections.items())],
         ),
         *family(
             "firstbyte_route_ttft_seconds",

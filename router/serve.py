@@ -123,8 +123,31 @@ def _bind(
     return listeners, endpoints
 
 
-def _announce(endpoints: RouterEndpoints) -> None:
-    log.info("router listening on %s (HTTP/3 on UDP %s)", endpoints.base_url, endpoints.h3_port)
+def describe(config: RouterConfig, endpoints: RouterEndpoints) -> str:
+    """What is served where, e.g. ``https://127.0.0.1:8443 (HTTP/1.1, HTTP/2) and HTTP/3 on
+    UDP 8443`` or ``http://127.0.0.1:8080 (HTTP/1.1, h2c; plain HTTP, no TLS)``."""
+    listen = config.listen
+    tls = listen.certfile is not None
+    versions = ["HTTP/1.1"]
+    if listen.server == "hypercorn":
+        versions.append("HTTP/2" if tls else "h2c")
+    text = f"{endpoints.base_url} ({', '.join(versions)}{'' if tls else '; plain HTTP, no TLS'})"
+    if endpoints.h3_port is not None:
+        text += f" and HTTP/3 on UDP {endpoints.h3_port}"
+    return text
+
+
+def _announce(config: RouterConfig, endpoints: RouterEndpoints) -> None:
+    upstreams = len(config.upstreams)
+    traces = config.telemetry.otlp_endpoint
+    log.info(
+        "firstbyte router (%s) serving %s; %d upstream%s%s",
+        config.region,
+        describe(config, endpoints),
+        upstreams,
+        "" if upstreams == 1 else "s",
+        f"; traces to {traces}" if traces else "",
+    )
 
 
 async def serve(
@@ -146,7 +169,7 @@ async def serve(
     listeners, endpoints = _bind(config, app, reuse_port)
 
     def on_started() -> None:
-        _announce(endpoints)
+        _announce(config, endpoints)
         if started is not None:
             started(endpoints)
 
@@ -174,5 +197,5 @@ async def running_router(
     listeners, endpoints = _bind(config, None)
     options = _options(config, tune_gc)
     async with running(endpoints.app, listeners, options, tickets=endpoints.tickets):
-        _announce(endpoints)
+        _announce(config, endpoints)
         yield endpoints

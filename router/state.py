@@ -21,6 +21,7 @@ from collections.abc import Callable
 from .config import RouterConfig
 from .metrics import Metrics
 from .multiregion import RegionRouting
+from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.proxy import Proxy
 from .readers import ReadableStream
@@ -70,6 +71,13 @@ class RouterState:
         if self.shared is not None:
             self.routing.released = self.shared.admission.release_backend
         self._sharing: asyncio.Task[None] | None = None
+        spans: SpanSink | None = None
+        if config.telemetry.otlp_endpoint is not None:
+            from .observability.traces import OtlpTraces
+
+            spans = OtlpTraces(config.telemetry, config.region)
+        self.requests = RequestLog(config.region, spans)
+        """Access log lines and traces, written as requests end."""
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[bool] | None = None
@@ -197,3 +205,4 @@ class RouterState:
                 await self._sharing
         if self.shared is not None:
             await self.shared.aclose()  # ... which are flushed before the lease is released
+        await self.requests.aclose()

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 from firstbyte.protocol import paths
+from firstbyte.router.observability.logs import StateChanges, describe_error
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
 __all__ = [
@@ -295,6 +297,8 @@ class WarmupRunner:
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self.changes = StateChanges(logging.getLogger("firstbyte.router"), "upstream")
+        """A warning when a backend stops answering, a line when it is back (once each)."""
 
     async def scrape(self, name: str) -> None:
         import httpx
@@ -306,13 +310,15 @@ class WarmupRunner:
             response = await client.get(base + paths.METRICS, timeout=self.poll_interval_s * 2 + 1)
         except httpx.TimeoutException:
             return  # slow, not down: a busy server answers late; keep what we knew
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
             # Unreachable (refused, reset, timed out): down, and probably restarting.
+            self.changes.down(name, describe_error(exc), url=base)
             self.scheduler.health(name, False)
             if self.on_metrics is not None:
                 self.on_metrics(name, None)
             return
         # Any HTTP answer means the server is up; without metrics there is just less to know.
+        self.changes.up(name, url=base)
         metrics = parse_backend_metrics(response.text) if response.status_code == 200 else (
             BackendMetrics()
         )

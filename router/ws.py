@@ -133,9 +133,10 @@ class _Session:
                 )
             )
             return
-        stream = self.state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
+        stream = ctx.stream = self.state.new_stream(owner_of(ctx.api_key), ctx.release_key_slot)
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
+        self.state.requests.stream_started(ctx)
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.extra.get("response_headers", ()))
         await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),

@@ -97,6 +97,16 @@ class TimingRecorder:
     def feed(self, event: str, now: float) -> None:
         """Record one event that happened at ``now`` (seconds on the recorder's clock)."""
         rec = self._record
+        if event == "token":  # first: it comes once per content chunk, the rest once a request
+            offset = (now - self._start) * 1000.0
+            if rec.first_token_ms is None:
+                rec.first_token_ms = offset
+            elif self._last_token is not None:
+                rec.inter_token_ms.append((now - self._last_token) * 1000.0)
+            self._last_token = now
+            rec.last_token_ms = offset
+            rec.output_chunks += 1
+            return
         phase, _, edge = event.partition(".")
         if edge:
             if phase not in PHASES:
@@ -118,14 +128,6 @@ class TimingRecorder:
         elif event == "first_byte":
             if rec.first_byte_ms is None:
                 rec.first_byte_ms = self._offset(now)
-        elif event == "token":
-            if rec.first_token_ms is None:
-                rec.first_token_ms = self._offset(now)
-            elif self._last_token is not None:
-                rec.inter_token_ms.append((now - self._last_token) * 1000.0)
-            self._last_token = now
-            rec.last_token_ms = self._offset(now)
-            rec.output_chunks += 1
         elif event == "render":
             if rec.render_ms is None:
                 rec.render_ms = self._offset(now)

@@ -1,7 +1,9 @@
 """What every transport hands the client: a source of stream items, and the HTTP session shape.
 
 A *source* is an async iterator of :class:`Opened` (once, when the server accepted the request
-and the stream id is known) followed by :class:`Event` items (the router's numbered events). It
+and the stream id is known) followed by the router's numbered events: each an :class:`Event`, or
+a :data:`Batch` of them (events that arrived together, e.g. in one network read: one queue item
+for the lot is what lets the client keep up with hundreds of thousands of events a second). It
 raises :class:`TransportCut` when the connection broke mid-stream (the client resumes), an
 :class:`~firstbyte.client_sdk.errors.APIError` for an error answer, and
 :class:`~firstbyte.client_sdk.errors.ConnectError` when the server could not be reached.
@@ -12,10 +14,14 @@ aioquic for 3); SSE and long-poll run over any session.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
 from firstbyte.client_sdk.errors import StreamBrokenError
@@ -26,8 +32,8 @@ from firstbyte.protocol.headers import (
     STREAM_HEADER,
 )
 
-__all__ = ["MAX_BODY_BYTES", "Event", "HTTPResponse", "Item", "Opened", "Session", "Source",
-           "TransportCut", "note_response_headers"]
+__all__ = ["MAX_BODY_BYTES", "Batch", "Event", "HTTPResponse", "Item", "Opened", "Session",
+           "Source", "TransportCut", "note_response_headers"]
 
 MAX_BODY_BYTES = 64 << 20
 """The most :meth:`HTTPResponse.read` holds: a long-poll batch of a long completion fits,
@@ -43,13 +49,18 @@ class Opened:
     stream_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(msgspec.Struct, frozen=True, gc=False):
+    """One stream event: its sequence number (None if the server does not number events) and
+    payload (a chunk's JSON, an error's JSON or ``[DONE]``). A Struct: one is built per event."""
+
     seq: int | None
     payload: str | bytes | dict[str, Any]
 
 
-Item = Opened | Event
+Batch = list[Event]
+"""Events in order, never empty; the source does not touch the list once it has yielded it."""
+
+Item = Opened | Event | Batch
 Source = AsyncIterator[Item]
 
 
@@ -62,6 +73,22 @@ class HTTPResponse:
     http_version: str
     chunks: AsyncIterator[bytes]
     extra: dict[str, Any] = field(default_factory=dict)
+
+    async def finish(self, budget_s: float = 0.1, max_bytes: int = 64 << 10) -> None:
+        """Read what is left of the body (the stream's end has been seen), within
+        ``budget_s`` and ``max_bytes``: a connection whose response was read to its end goes
+        back to the pool, one closed before its last bytes (HTTP/1.1's final chunk, HTTP/2's
+        END_STREAM) pays a new handshake on the next request. Failing only costs the reuse."""
+
+        async def rest() -> None:
+            left = max_bytes
+            async for chunk in self.chunks:
+                left -= len(chunk)
+                if left < 0:
+                    return
+
+        with contextlib.suppress(TimeoutError, TransportCut, OSError):
+            await asyncio.wait_for(rest(), budget_s)
 
     async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
         """The whole body; :class:`~firstbyte.client_sdk.errors.StreamBrokenError` (not resumed)

@@ -17,7 +17,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TextIO, cast
 
 import msgspec
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -39,6 +39,9 @@ from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+
+TICKET_WAIT_S = 0.25
+"""How long closing a session waits for a session ticket the server has not sent yet."""
 
 __all__ = ["H3Session", "decode_ticket", "encode_ticket", "quic_trust"]
 
@@ -217,6 +220,21 @@ class _H3Protocol(QuicConnectionProtocol):
                 stream.data.put_nowait(_END)
 
 
+class _KeyLog:
+    """aioquic's ``secrets_log_file``: each line appended to ``path`` as it comes (a few per
+    handshake), so no file stays open and a long-lived client never holds a stale handle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, text: str) -> int:
+        with open(self.path, "a", encoding="ascii") as file:
+            return file.write(text)
+
+    def flush(self) -> None:
+        pass
+
+
 class H3Session:
     """Requests to one origin over HTTP/3, on one kept-warm QUIC connection."""
 
@@ -232,6 +250,7 @@ class H3Session:
         ca_file: str | None = None,
         idle_timeout_s: float = 120.0,
         connect_timeout_s: float = 10.0,
+        keylog_file: str | None = None,
     ) -> None:
         if not origin.tls:
             raise ValueError("HTTP/3 needs an https:// base URL")
@@ -242,7 +261,10 @@ class H3Session:
         self._ca_file = ca_file
         self._idle_timeout_s = idle_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._keylog = _KeyLog(keylog_file) if keylog_file else None
         self._proto: _H3Protocol | None = None
+        self._ticket_came = asyncio.Event()
+        """Set when the current connection's server sent a session ticket."""
         self._transport: asyncio.DatagramTransport | None = None
         self._lock = asyncio.Lock()
 
@@ -254,6 +276,7 @@ class H3Session:
         quic_trust(config, self._verify, self._ca_file)
         stored = self._tickets.take(self._server)
         config.session_ticket = None if stored is None else decode_ticket(stored)
+        config.secrets_log_file = cast(TextIO, self._keylog)
         return config
 
     @property
@@ -263,6 +286,7 @@ class H3Session:
     def _store_ticket(self, ticket: SessionTicket) -> None:
         self._tickets.put(self._server, encode_ticket(ticket),
                           ticket.not_valid_after.timestamp())
+        self._ticket_came.set()
 
     async def _connection(self, recorder: TimingRecorder | None) -> tuple[_H3Protocol, bool]:
         """The open connection, or a new one; the flag is True when early data may be sent."""
@@ -287,6 +311,7 @@ class H3Session:
         started = time.perf_counter()
         if recorder is not None:
             recorder.feed("quic_handshake.started", started)
+        self._ticket_came = asyncio.Event()
         quic = QuicConnection(configuration=config, session_ticket_handler=self._store_ticket)
         transport, proto = await loop.create_datagram_endpoint(
             lambda: _H3Protocol(quic), remote_addr=(address, self.origin.port))
@@ -415,4 +440,12 @@ class H3Session:
             await self._drop()
 
     async def aclose(self) -> None:
+        proto = self._proto
+        if proto is not None and proto.heard and proto.handshake_waiter.done():
+            # A process that makes one request and exits (a CLI, a serverless function) closes
+            # right after its response; the server's ticket for the next 0-RTT start follows
+            # the handshake and may still be in flight. A used ticket is refused (single use),
+            # so without the new one the next process pays a full handshake.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ticket_came.wait(), TICKET_WAIT_S)
         await self.reset()

@@ -81,9 +81,8 @@ async def longpoll_source(
         recorder.record.stream_id = stream_id
     yield Opened(stream_id)
     cursor = PollCursor(stream_id, after=after, wait_s=wait_s, max_failures=max_failures)
-    if first is not None:
-        for event in cursor.receive_batch(first, time.monotonic()):
-            yield Event(event.seq, bytes(event.data))
+    if first is not None and (events := cursor.receive_batch(first, time.monotonic())):
+        yield [Event(event.seq, bytes(event.data)) for event in events]
     while (poll := cursor.next_poll(time.monotonic())) is not None:
         delay = poll.not_before - time.monotonic()
         if delay > 0:
@@ -103,6 +102,6 @@ async def longpoll_source(
             continue
         if status != 200:
             raise api_error_from_response(status, raw, retry_after=retry_after)
-        for event in cursor.receive_batch(decode_batch(raw), time.monotonic()):
-            yield Event(event.seq, bytes(event.data))
+        if events := cursor.receive_batch(decode_batch(raw), time.monotonic()):
+            yield [Event(event.seq, bytes(event.data)) for event in events]  # one queue item
     yield Event(None, DONE)

@@ -3,7 +3,9 @@
 Runs over any :class:`~firstbyte.client_sdk.transports.base.Session` (httpx for HTTP/1.1 and 2,
 aioquic for HTTP/3); the bytes go through the protocol's sans-IO
 :class:`~firstbyte.protocol.sse.SSEDecoder`.
-Heartbeat comments never become items, so the client's idle watchdog ignores them.
+Each network read's events go to the client as one :data:`~.base.Batch`; heartbeat comments
+never become events and a read of heartbeats alone yields nothing, so the client's idle
+watchdog ignores them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_respon
 from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source
 from firstbyte.protocol import paths
 from firstbyte.protocol.headers import STREAM_HEADER
-from firstbyte.protocol.sse import SSEDecoder, SSEProtocolError
+from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
 
 __all__ = ["sse_source"]
 
@@ -52,6 +54,15 @@ async def sse_source(
                 events = decoder.receive_data(chunk)
             except SSEProtocolError as exc:
                 raise StreamBrokenError(str(exc)) from None
-            for event in events:
-                seq = int(event.id) if event.id is not None and event.id.isdigit() else None
-                yield Event(seq, event.data)
+            if events:
+                if events[-1].data == DONE:
+                    # The consumer stops at [DONE]: read the body's end first, so the
+                    # connection is pooled rather than closed under the next request.
+                    await response.finish()
+                yield [Event(_seq(e.id), e.data) for e in events]
+
+
+def _seq(event_id: str | None) -> int | None:
+    """The router's sequence number from an event's ``id`` (None: not a plain number)."""
+    return int(event_id) if event_id is not None and event_id.isascii() and event_id.isdigit() \
+        else None

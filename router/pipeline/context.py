@@ -14,9 +14,13 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
+
+if TYPE_CHECKING:
+    from ..observability.access import Usage
+    from ..readers import ReadableStream
 
 __all__ = [
     "CONTINUE",
@@ -76,6 +80,9 @@ def error_reply(
     return LocalReply(status, body, headers, outcome, code or "")
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 @dataclass(frozen=True, slots=True)
 class Traceparent:
     """A W3C ``traceparent``: the request's trace id and the router's own span id."""
@@ -83,6 +90,8 @@ class Traceparent:
     trace_id: str
     parent_id: str
     flags: str = "01"
+    caller_id: str | None = None
+    """The caller's span id from its ``traceparent`` (the parent of the router's span)."""
 
     @classmethod
     def continue_from(cls, header: str | None) -> Traceparent:
@@ -94,14 +103,22 @@ class Traceparent:
                 and parts[0] == "00"
                 and len(parts[1]) == 32
                 and len(parts[3]) == 2
-                and all(c in "0123456789abcdef" for c in parts[1] + parts[3])
+                and all(c in _HEX for c in parts[1] + parts[3])
                 and parts[1] != "0" * 32
             ):
-                return cls(parts[1], secrets.token_hex(8), parts[3])
+                span = parts[2]
+                valid = len(span) == 16 and span != "0" * 16 and all(c in _HEX for c in span)
+                caller = span if valid else None
+                return cls(parts[1], secrets.token_hex(8), parts[3], caller)
         return cls(secrets.token_hex(16), secrets.token_hex(8))
 
     def header(self) -> str:
         return f"00-{self.trace_id}-{self.parent_id}-{self.flags}"
+
+    @property
+    def sampled(self) -> bool:
+        """The caller's sampling decision (W3C ``sampled`` flag); a new trace is sampled."""
+        return bool(int(self.flags, 16) & 1)
 
 
 @dataclass(eq=False)
@@ -134,6 +151,19 @@ class RequestContext:
     release_key_slot: Callable[[], object] | None = field(default=None, repr=False)
     """Gives back the slot the request holds of its API key's limit region-wide (shared
     state; :mod:`firstbyte.router.placement`): when the stream finishes, or the reply is out."""
+    upstream_sent_at: float | None = None
+    """When the (last) upstream request was sent; a first-token switch resets it."""
+    first_token_at: float | None = None
+    """When the first content chunk arrived from upstream."""
+    outcome: str = ""
+    route_reason: str = ""
+    """Why routing answered 429 itself (a key of ``multiregion.REJECTION_REASONS``)."""
+    """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
+    stream: ReadableStream | None = field(default=None, repr=False)
+    """The stream this request started (a :class:`~firstbyte.router.streams.Stream` of this
+    process) or reads (perhaps another process's, through Redis): for the access log."""
+    usage: Usage | None = None
+    """A non-streamed completion's usage (a stream's is read from the stream at its end)."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # upstream_headers: keys
     """Room for later stages (GeoIP location, region choice, prefix hash, ...)."""
 

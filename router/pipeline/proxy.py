@@ -124,7 +124,12 @@ class Proxy:
         # per peer carries the status polls that keep it warm and every request forwarded
         # there at once; over HTTP/1.1 a forward during a poll or another forward opened a new
         # TCP+TLS connection across the inter-region RTT (+2 RTT, measured in bench routing).
-        self.peer_client = self._new_client(limits, 4, verify, http2=True)
+        # A plain-HTTP peer speaks HTTP/1.1, one stream per connection, so the pool must be as
+        # large as the upstreams': with 4 connections the 5th concurrent spill waited in the
+        # pool for a whole stream to end (spilled TTFT 300+ ms where the peer answers in 30).
+        self.peer_client = self._new_client(
+            limits, limits.upstream_max_connections, verify, http2=True
+        )
         self.producers: set[asyncio.Task[None]] = set()
 
     @staticmethod
@@ -205,6 +210,7 @@ class Proxy:
         try:
             appended = [0]
             while True:
+                ctx.upstream_sent_at = sent_at
                 request = client.build_request(
                     "POST",
                     backend.url + paths.CHAT_COMPLETIONS,
@@ -334,6 +340,7 @@ class Proxy:
                             first_content = True
                             watch.reschedule(None)  # the first-token deadline no longer applies
                             stream.upstream_ttft_ms = (now - sent_at) * 1000
+                            ctx.first_token_at = now
                             self.metrics.ttft.observe(now - ctx.received_at)
                             if observer is not None:
                                 observer.first_token(ctx, (now - ctx.received_at) * 1000)
@@ -369,6 +376,7 @@ class Proxy:
         sent_at = time.perf_counter()
         observer: Any = ctx.extra.get("observer")
         ok = False
+        ctx.upstream_sent_at = sent_at
         try:
             response = await self.client_for(backend).request(
                 method,
@@ -411,10 +419,11 @@ class Proxy:
 def _arm_deadline(
     observer: Any, ctx: RequestContext, watch: asyncio.Timeout
 ) -> asyncio.TimerHandle | None:
-    """At the observer's first-token deadline, expire ``watch`` if it can switch upstreams.
+    """At the observer's first-token deadline, expire ``watch`` if it claims a switch.
 
-    Asking first (instead of a plain timeout) means a request with nowhere better to go
-    keeps waiting on its upstream rather than being cut off.
+    Asking first (instead of a plain timeout) means a request with nowhere better to go, or
+    no spill slot, keeps waiting on its upstream rather than being cut off. The claim holds
+    the spill slot, so the deadlines of a burst that fire together cannot all spill.
     """
     deadline_s = getattr(observer, "first_token_deadline_s", None)
     if deadline_s is None:
@@ -422,7 +431,7 @@ def _arm_deadline(
     loop = asyncio.get_running_loop()
 
     def check() -> None:
-        if watch.when() is None and observer.can_switch(ctx):
+        if watch.when() is None and observer.claim_switch(ctx):
             watch.reschedule(loop.time())
 
     return loop.call_later(max(0.0, deadline_s - (time.perf_counter() - ctx.received_at)), check)

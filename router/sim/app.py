@@ -223,18 +223,26 @@ class SimApp:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         limit = seq.max_output
         stop_at = limit
-        if faults.stall_after is not None:
+        pause_at: int | None = None  # a stall with an end: send on after it
+        if faults.stall_after is not None and faults.stall_s is not None:
+            pause_at = faults.stall_after
+        elif faults.stall_after is not None:
             stop_at = min(stop_at, faults.stall_after)
         if faults.drop_after is not None:
             stop_at = min(stop_at, faults.drop_after)
         sent = 0
         wait = self.driver.wait
         while sent < stop_at:
+            if pause_at is not None and sent >= pause_at:
+                pause_at = None
+                await asyncio.wait({disconnected}, timeout=faults.stall_s)
+                if disconnected.done():
+                    return
             if seq.generated <= sent:
                 await wait(seq, sent)
                 if disconnected.done() or seq.generated <= sent:
                     return
-            upto = min(seq.generated, stop_at)
+            upto = min(seq.generated, stop_at if pause_at is None else min(stop_at, pause_at))
             parts = []
             if sent == 0:
                 parts.append(head + b'{"role":"assistant","content":""' + tail)
@@ -268,10 +276,13 @@ class SimApp:
         faults: RequestFaults,
         disconnected: asyncio.Future[None],
     ) -> None:
+        stall_for_good = faults.stall_after if faults.stall_s is None else None
         fault_at = min(
-            (n for n in (faults.stall_after, faults.drop_after) if n is not None),
+            (n for n in (stall_for_good, faults.drop_after) if n is not None),
             default=None,
         )
+        if faults.stall_s is not None and faults.stall_after is not None:
+            await asyncio.wait({disconnected}, timeout=faults.stall_s)  # the answer comes late
         target = seq.max_output if fault_at is None else min(fault_at, seq.max_output)
         while seq.generated < target:
             await self.driver.wait(seq, seq.generated)

@@ -27,7 +27,9 @@ __all__ = ["add_arguments", "run"]
 
 _FAULT_HELP = """\
 inject a fault (repeatable). SPEC := KIND[:NAME=VALUE,...]:
-  stall:after=N[,rate=R]  stop sending after N tokens, keep the connection open;
+  stall:after=N[,ms=M][,rate=R]
+                          stop sending after N tokens, keep the connection open
+                          (for M ms, then send on; without ms until the client leaves);
   drop:after=N[,rate=R]   close the connection abruptly after N tokens;
   delay:ms=M[,rate=R]     wait M ms before the first byte;
   error503:rate=R         answer 503 to a fraction R of requests.

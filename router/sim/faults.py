@@ -6,7 +6,9 @@ Grammar (``--fault`` may be given several times; every fault applies independent
     PARAM  := NAME "=" VALUE
     KIND   := "stall" | "drop" | "delay" | "error503"
 
-    stall:after=N[,rate=R]    after N content tokens, stop sending but keep the connection open
+    stall:after=N[,ms=M][,rate=R]
+                              after N content tokens, stop sending but keep the connection open;
+                              with ``ms``, send on after M milliseconds (a tool call's gap)
     drop:after=N[,rate=R]     after N content tokens, close the connection abruptly (no [DONE])
     delay:ms=M[,rate=R]       wait M milliseconds before sending the response's first byte
     error503:rate=R           answer 503 with an OpenAI error body, for a fraction R of requests
@@ -36,7 +38,7 @@ class FaultKind(Enum):
 
 _PARAMS: dict[FaultKind, tuple[set[str], set[str]]] = {
     # kind: (required params, optional params)
-    FaultKind.STALL: ({"after"}, {"rate"}),
+    FaultKind.STALL: ({"after"}, {"ms", "rate"}),
     FaultKind.DROP: ({"after"}, {"rate"}),
     FaultKind.DELAY: ({"ms"}, {"rate"}),
     FaultKind.ERROR503: ({"rate"}, set()),
@@ -53,8 +55,9 @@ class Fault:
     rate: float = 1.0
     after: int = 0
     """``stall``/``drop``: content tokens sent before the fault."""
-    ms: float = 0.0
-    """``delay``: milliseconds before the first byte."""
+    ms: float | None = None
+    """``delay``: milliseconds before the first byte; ``stall``: how long it lasts (None: for
+    good)."""
 
 
 def parse_fault(spec: str) -> Fault:
@@ -85,8 +88,8 @@ def parse_fault(spec: str) -> Fault:
     after = _number(values.get("after", "0"), "after", spec)
     if after < 0 or after != int(after):
         raise FaultSpecError(f"after must be a non-negative integer in {spec!r}")
-    ms = _number(values.get("ms", "0"), "ms", spec)
-    if ms < 0:
+    ms = _number(values["ms"], "ms", spec) if "ms" in values else None
+    if ms is not None and ms < 0:
         raise FaultSpecError(f"ms must be >= 0 in {spec!r}")
     return Fault(kind=kind, rate=rate, after=int(after), ms=ms)
 
@@ -108,6 +111,8 @@ class RequestFaults:
     error503: bool = False
     delay_s: float = 0.0
     stall_after: int | None = None
+    stall_s: float | None = None
+    """How long the stall lasts; None: until the client leaves."""
     drop_after: int | None = None
 
     @property
@@ -140,6 +145,7 @@ class FaultPlan:
         error503 = False
         delay_s = 0.0
         stall: int | None = None
+        stall_s: float | None = None
         drop: int | None = None
         for k, fault in enumerate(self.faults):
             if fault.rate < 1.0 and random.Random(f"{self.seed}/{k}/{n}").random() >= fault.rate:
@@ -147,9 +153,13 @@ class FaultPlan:
             if fault.kind is FaultKind.ERROR503:
                 error503 = True
             elif fault.kind is FaultKind.DELAY:
-                delay_s += fault.ms / 1000.0
+                delay_s += (fault.ms or 0.0) / 1000.0
             elif fault.kind is FaultKind.STALL:
-                stall = fault.after if stall is None else min(stall, fault.after)
+                if stall is None or fault.after < stall:  # the earliest stall is the one seen
+                    stall = fault.after
+                    stall_s = None if fault.ms is None else fault.ms / 1000.0
             else:
                 drop = fault.after if drop is None else min(drop, fault.after)
-        return RequestFaults(error503=error503, delay_s=delay_s, stall_after=stall, drop_after=drop)
+        return RequestFaults(
+            error503=error503, delay_s=delay_s, stall_after=stall, stall_s=stall_s, drop_after=drop
+        )

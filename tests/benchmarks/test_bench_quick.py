@@ -74,8 +74,11 @@ def test_decode_compares_both_pipelines_on_the_same_events(quick_runs: QuickRuns
     assert all(run["events_ok"] for run in results["runs"])
     summary = results["summary"]
     assert summary["target_ratio"] == 10.0
-    for key in ("core_vs_openai_ratio", "client_loopback_vs_openai_ratio"):
+    for key in ("core_vs_openai_ratio", "client_loopback_vs_openai_ratio",
+                "client_vs_core_ratio"):
         assert 0 < summary[key] < float("inf"), key
+    assert summary["client_events_per_s"] > 0
+    assert summary["client_target_events_per_s"] == 200_000
 
 
 def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:

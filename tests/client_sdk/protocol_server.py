@@ -28,6 +28,8 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from firstbyte.protocol.sse import HEARTBEAT
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -216,7 +218,7 @@ class ProtocolApp:
         seq = after
         while True:
             if not await self._wait_events(stream, seq, self.heartbeat):
-                await send({"type": "http.response.body", "body": b": ping\n\n",
+                await send({"type": "http.response.body", "body": HEARTBEAT,
                             "more_body": True})
                 continue
             batch = stream.events[seq:]

@@ -89,12 +89,17 @@ def test_check_config_cli(tmp_path: Path) -> None:
 
 
 def test_cli_flag_errors_are_clear() -> None:
+    """Errors about values typed as flags name the flags, not the config keys they become."""
     result = firstbyte("router", "--upstream", "not-a-url", "--insecure-plain-http")
     assert result.returncode == 2
-    assert "upstreams[0].url" in result.stderr
+    assert "command line: --upstream not-a-url: Expected `str` matching" in result.stderr
     result = firstbyte("router", "--upstream", "http://127.0.0.1:1")
     assert result.returncode == 2
-    assert "certfile" in result.stderr
+    assert (
+        "--certfile/--keyfile are required (or give --insecure-plain-http for local use)"
+        in result.stderr
+    )
+    assert "listen." not in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -102,8 +107,9 @@ def test_a_router_without_keys_is_refused_unless_anonymous_is_asked_for() -> Non
     # No --api-key: refused at start-up, with the way out named (never a silently open router).
     result = firstbyte("router", "--upstream", "http://127.0.0.1:1", "--insecure-plain-http")
     assert result.returncode == 2
-    assert "auth.api_keys: no API key configured" in result.stderr
-    assert "--allow-anonymous" in result.stderr
+    assert (
+        "--api-key: no API key configured; give one, or give --allow-anonymous" in result.stderr
+    )
     # Asked for explicitly, the same flags make a valid config (checked without starting it).
     import argparse
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker, SpillBudget
+from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -128,12 +128,3 @@ def test_queue_wait_and_retry_after_from_drain_estimate() -> None:
     t2.set_health("b0", False)
     assert t2.retry_after_s(0.0) >= 1
 
-
-def test_spill_budget_is_twenty_percent_with_minimum() -> None:
-    b = SpillBudget(ratio=0.2, min_concurrency=3)
-    assert [b.try_acquire(active=10) for _ in range(4)] == [True, True, True, False]
-    b.release()
-    assert b.try_acquire(active=10)
-    big = SpillBudget(ratio=0.2, min_concurrency=3)
-    assert sum(big.try_acquire(active=100) for _ in range(30)) == 20
-    assert big.refused_total == 10

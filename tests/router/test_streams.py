@@ -219,7 +219,7 @@ async def test_sse_reframes_with_ids_and_pings_when_idle() -> None:
     out.append(await reader.__anext__())  # idle: a ping comment
     stream.finish(0.0)
     out.extend([piece async for piece in reader])
-    assert out == [b'id: 1\ndata: {"a":1}\n\n', b": ping\n\n", b"id: 2\ndata: [DONE]\n\n"]
+    assert out == [b'id: 1\ndata: {"a":1}\n\n', b": ping\n", b"id: 2\ndata: [DONE]\n\n"]
 
 
 async def test_poll_batches_and_done() -> None:

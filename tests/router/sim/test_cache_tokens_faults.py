@@ -135,6 +135,9 @@ def test_length_and_stop() -> None:
 
 def test_parse_every_fault_kind() -> None:
     assert parse_fault("stall:after=3").after == 3
+    assert parse_fault("stall:after=3").ms is None  # for good
+    timed = FaultPlan([parse_fault("stall:after=9,ms=50"), parse_fault("stall:after=2,ms=1500")])
+    assert (lambda f: (f.stall_after, f.stall_s))(timed.next_request()) == (2, 1.5)
     drop = parse_fault(" drop:after=0,rate=0.5 ")
     assert (drop.kind, drop.after, drop.rate) == (FaultKind.DROP, 0, 0.5)
     assert parse_fault("delay:ms=250").ms == 250

@@ -76,6 +76,35 @@ async def test_stall_keeps_the_connection_open_and_silent() -> None:
         await still_serving(c, url)
 
 
+async def test_timed_stall_sends_on_after_the_gap() -> None:
+    """``stall:after=N,ms=M``: N tokens, M ms of silence, then the rest and ``[DONE]``."""
+    async with running_sim("instant", faults=["stall:after=2,ms=600"]) as url, \
+            httpx.AsyncClient() as c:
+        gaps: list[float] = []
+        decoder = SSEDecoder()
+        contents = 0
+        done = False
+        last = time.perf_counter()
+        body = chat_body("pause me", max_tokens=6)
+        async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            async for piece in response.aiter_raw():
+                for event in decoder.receive_data(piece):
+                    done = done or event.data == DONE
+                    if '"content":"' in event.data and '"role"' not in event.data:
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last = now
+                        contents += 1
+        assert (contents, done) == (6, True)
+        # The silence falls after the 2nd token (timers may fire a clock tick early).
+        assert gaps[2] >= 0.55, gaps
+        assert max(gaps[1:]) == gaps[2], gaps
+        reply = await c.post(
+            f"{url}/v1/chat/completions", json={**chat_body("x", max_tokens=4), "stream": False}
+        )
+        assert reply.status_code == 200
+
+
 async def test_drop_closes_the_connection_mid_stream() -> None:
     async with running_sim("instant", faults=["drop:after=2"]) as url, httpx.AsyncClient() as c:
         body = chat_body("drop me", max_tokens=20)

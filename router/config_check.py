@@ -1,0 +1,135 @@
+"""The checks a config needs beyond its schema: the files it names are there and usable.
+
+:func:`check_files` opens every file the router will open at start-up, the way the router
+opens it: the certificate and key are loaded as one pair (so a missing file, a swapped pair
+or a key of another certificate fails here, naming both keys), the CA bundle is loaded, the
+GeoIP database is opened, the warm-prefix files are read, and the ``otel`` extra must be
+installed when traces are to be exported. ``firstbyte router --check-config`` and the
+router's start-up both run it, so a config that passes the check starts.
+"""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+from .config import ConfigError, RouterConfig
+
+__all__ = ["check_files"]
+
+
+def check_files(config: RouterConfig, source: str = "<config>") -> None:
+    """Raise :class:`ConfigError` (``SOURCE: KEY: reason``) for the first unusable file."""
+    for check in (_tls_pair, _ca_bundle, _geo_database, _warm_prefix_files, _otel_extra):
+        reason = check(config)
+        if reason is not None:
+            raise ConfigError(f"{source}: {reason}")
+
+
+def _missing(key: str, path: str) -> str | None:
+    if not Path(path).is_file():
+        return f"{key}: no such file: {path}"
+    return None
+
+
+def _tls_pair(config: RouterConfig) -> str | None:
+    listen = config.listen
+    if listen.certfile is None or listen.keyfile is None:
+        return None  # the schema already said whether they are required
+    for key, path in (("listen.certfile", listen.certfile), ("listen.keyfile", listen.keyfile)):
+        missing = _missing(key, path)
+        if missing is not None:
+            return missing
+    cert_text = _read_text(listen.certfile)
+    key_text = _read_text(listen.keyfile)
+    if "CERTIFICATE-----" not in cert_text:
+        swapped = " (swapped with listen.keyfile?)" if "CERTIFICATE-----" in key_text else ""
+        return f"listen.certfile: no PEM certificate in {listen.certfile}{swapped}"
+    if "PRIVATE KEY-----" not in key_text:
+        swapped = " (swapped with listen.certfile?)" if "CERTIFICATE-----" in key_text else ""
+        return f"listen.keyfile: no PEM private key in {listen.keyfile}{swapped}"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # password: an encrypted key fails here instead of prompting on the terminal.
+        context.load_cert_chain(listen.certfile, listen.keyfile, password=_no_password)
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
+            reason = "the private key does not belong to the certificate"
+        else:
+            reason = f"cannot load them ({exc.reason or exc})"
+        return (
+            f"listen.certfile, listen.keyfile: {reason}"
+            f" ({listen.certfile}, {listen.keyfile})"
+        )
+    except (OSError, TypeError) as exc:
+        return f"listen.certfile, listen.keyfile: cannot load them ({exc})"
+    return None
+
+
+def _no_password() -> bytes:
+    raise TypeError("the private key is encrypted; give an unencrypted key")
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return ""
+
+
+def _ca_bundle(config: RouterConfig) -> str | None:
+    path = config.upstream_ca_file
+    if path is None:
+        return None
+    missing = _missing("upstream_ca_file", path)
+    if missing is not None:
+        return missing
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        return f"upstream_ca_file: not a PEM CA bundle: {path} ({exc.reason or exc})"
+    return None
+
+
+def _geo_database(config: RouterConfig) -> str | None:
+    path = config.geo.database
+    if path is None:
+        return None
+    missing = _missing("geo.database", path)
+    if missing is not None:
+        return missing
+    try:
+        from .geo import GeoLocator
+
+        GeoLocator(path).close()
+    except ImportError:
+        return "geo.database: needs the router extra (pip install 'firstbyte[router]')"
+    except (OSError, ValueError, RuntimeError) as exc:  # maxminddb's InvalidDatabaseError
+        return f"geo.database: not a MaxMind DB file: {path} ({exc})"
+    return None
+
+
+def _warm_prefix_files(config: RouterConfig) -> str | None:
+    for i, prefix in enumerate(config.warm_prefixes):
+        if prefix.file is None:
+            continue
+        key = f"warm_prefixes[{i}].file"
+        missing = _missing(key, prefix.file)
+        if missing is not None:
+            return missing
+        try:
+            Path(prefix.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"{key}: cannot read {prefix.file} as UTF-8 text ({exc})"
+    return None
+
+
+def _otel_extra(config: RouterConfig) -> str | None:
+    if config.telemetry.otlp_endpoint is None:
+        return None
+    from .observability.traces import otel_missing
+
+    missing = otel_missing()
+    if missing is not None:
+        return f"telemetry.otlp_endpoint: {missing}"
+    return None

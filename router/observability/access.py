@@ -1,0 +1,439 @@
+"""One access record per request, built in one place when the request is over.
+
+A request is over when its response has been sent and, if it started a stream, when that
+stream has finished (``[DONE]`` is in the store: the upstream completed, failed or was
+cancelled). So a client that disconnects from an SSE stream, or a long-poll client whose
+``POST /v1/streams`` was answered at once, still gets a line with the stream's tokens and
+outcome. :class:`RequestLog` builds the :class:`AccessRecord` from the request context and
+the stream, writes the line on the ``firstbyte.access`` logger (``info``; ``debug`` for the
+operational paths a load balancer, Prometheus or the peers ask every second) and hands the
+record to the trace exporter when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from firstbyte.protocol import paths
+
+from ..asgi import Message, Receive, Scope, Send
+from .logs import key_id
+
+if TYPE_CHECKING:
+    from ..pipeline.context import RequestContext
+    from ..readers import ReadableStream
+    from ..streams import Stream
+
+__all__ = [
+    "CONTEXT_KEY",
+    "AccessRecord",
+    "RequestLog",
+    "SpanSink",
+    "Usage",
+    "reply_usage",
+    "stream_usage",
+]
+
+log = logging.getLogger("firstbyte.access")
+
+CONTEXT_KEY = "firstbyte.context"
+"""The ASGI scope key under which the endpoints leave the request's context."""
+
+_OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
+_STARTS_STREAM = frozenset({paths.CHAT_COMPLETIONS, paths.STREAMS})
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Chunk(msgspec.Struct):
+    model: str | None = None
+    usage: _Usage | None = None
+
+
+class _Error(msgspec.Struct):
+    code: str | None = None
+
+
+class _ErrorEvent(msgspec.Struct):
+    error: _Error | None = None
+
+
+_chunk = msgspec.json.Decoder(_Chunk)
+_error = msgspec.json.Decoder(_ErrorEvent)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a completion cost and who produced it, as far as the upstream said."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    response_model: str | None = None
+    outcome: str = "ok"
+    """``ok``, or the code of the stream's error event (``upstream_error``, ``cancelled``...)."""
+
+
+def _decode_chunk(data: bytes) -> _Chunk | None:
+    try:
+        return _chunk.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def stream_usage(events: Iterable[bytes]) -> Usage:
+    """The usage of a stream from its event payloads (``[DONE]`` included or not).
+
+    Tokens come from the upstream's usage chunk when it sent one (``stream_options``
+    ``include_usage``); otherwise the output is counted as content chunks, which is one
+    token per chunk for vLLM-like servers (fewer chunks than tokens with speculative
+    decoding). Cost: a byte search per event, a JSON decode of two.
+    """
+    payloads = [data for data in events if data != b"[DONE]"]
+    first = _decode_chunk(payloads[0]) if payloads else None
+    usage: _Usage | None = None
+    for data in reversed(payloads[-3:]):  # the usage chunk is last (or just before an error)
+        if b'"usage":{' in data:
+            decoded = _decode_chunk(data)
+            usage = decoded.usage if decoded is not None else None
+            break
+    outcome = "ok"
+    if payloads and payloads[-1].startswith(b'{"error"'):
+        try:
+            error = _error.decode(payloads[-1]).error
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            error = None
+        outcome = (error.code if error is not None else None) or "error"
+    if usage is not None and usage.completion_tokens is not None:
+        output = usage.completion_tokens
+    else:
+        output = sum(
+            1 for data in payloads if b'"content":"' in data and b'"content":""' not in data
+        )
+    return Usage(
+        input_tokens=usage.prompt_tokens if usage is not None else None,
+        output_tokens=output,
+        response_model=first.model if first is not None else None,
+        outcome=outcome,
+    )
+
+
+def reply_usage(body: bytes) -> Usage:
+    """The usage of a non-streamed completion from its JSON body (empty if there is none)."""
+    decoded = _decode_chunk(body) if body.startswith(b"{") else None
+    if decoded is None:
+        return Usage()
+    usage = decoded.usage or _Usage()
+    return Usage(usage.prompt_tokens, usage.completion_tokens, decoded.model)
+
+
+@dataclass(frozen=True, slots=True)
+class AccessRecord:
+    """Everything logged (and traced) about one request. Times are ``perf_counter`` seconds."""
+
+    request_id: str
+    """The router's span id for the request (the one in the ``traceparent`` it sent on)."""
+    trace_id: str
+    caller_span_id: str | None
+    sampled: bool
+    key_id: str | None
+    region: str
+    """The region that served (a peer's, when forwarded or spilled)."""
+    entry_region: str
+    """This router's region."""
+    spill: bool
+    route_reason: str
+    """Why the request left its first choice (``first_token_deadline``...), or empty."""
+    client_city: str | None
+    client_country: str | None
+    backend: str | None
+    backend_url: str | None
+    transport: str
+    http_version: str
+    method: str
+    path: str
+    status: int | None
+    outcome: str
+    stream: str | None
+    model: str | None
+    max_tokens: int | None
+    usage: Usage
+    client_gone: bool
+    server_address: str | None
+    started_at: float
+    admitted_at: float | None
+    routed_at: float | None
+    upstream_sent_at: float | None
+    first_token_at: float | None
+    ended_at: float
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Request received to first content chunk from upstream."""
+        if self.first_token_at is None:
+            return None
+        return (self.first_token_at - self.started_at) * 1000
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.ended_at - self.started_at) * 1000
+
+    def fields(self) -> dict[str, Any]:
+        """The access line's fields (no key, no prompt; ``key_id`` is a digest)."""
+        ttft = self.ttft_ms
+        out: dict[str, Any] = {
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "key_id": self.key_id,
+            "region": self.region,
+            "entry_region": self.entry_region,
+            "backend": self.backend,
+            "transport": self.transport,
+            "http_version": self.http_version,
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "ttft_ms": None if ttft is None else round(ttft, 2),
+            "duration_ms": round(self.duration_ms, 2),
+            "input_tokens": self.usage.input_tokens,
+            "output_tokens": self.usage.output_tokens,
+            "outcome": self.outcome,
+            "model": self.model,
+            "stream": self.stream,
+            "client_city": self.client_city,
+            "client_country": self.client_country,
+        }
+        if self.spill or self.route_reason:
+            out["spill"] = self.spill
+            out["route_reason"] = self.route_reason
+        if self.client_gone:
+            out["client_gone"] = True
+        return out
+
+
+class SpanSink(Protocol):
+    """Where finished requests go as traces (:class:`.traces.OtlpTraces`)."""
+
+    def export(self, record: AccessRecord) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class _Exchange:
+    """What the ASGI layer saw of one HTTP request."""
+
+    method: str
+    path: str
+    http_version: str
+    started_at: float
+    status: int | None = None
+    complete: bool = False
+
+
+def _transport(path: str, ctx: RequestContext | None, websocket: bool) -> str:
+    if websocket:
+        return "websocket"
+    if path == paths.CHAT_COMPLETIONS:
+        return "sse" if ctx is not None and ctx.stream_requested else "json"
+    if path == paths.STREAMS or path.endswith("/poll"):
+        return "longpoll"
+    if path.startswith(paths.STREAMS + "/"):
+        return "sse"
+    return "http"
+
+
+def _produced(ctx: RequestContext | None, exchange: _Exchange, websocket: bool) -> Stream | None:
+    """The stream this request started in this process (its tokens are this request's), or
+    None: a request that read a stream, or started none."""
+    from ..streams import Stream
+
+    stream = ctx.stream if ctx is not None else None
+    if isinstance(stream, Stream) and (websocket or exchange.path in _STARTS_STREAM):
+        return stream
+    return None
+
+
+def _path_template(path: str, stream: ReadableStream | None) -> str:
+    """The path with a stream id replaced by ``{id}`` (the id is logged as ``stream``)."""
+    if stream is not None and path.startswith(paths.STREAMS + "/"):
+        return path.replace(stream.id, "{id}", 1)
+    return path
+
+
+def _host(url: str | None) -> str | None:
+    if not url:
+        return None
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0] or None
+
+
+class RequestLog:
+    """Writes each request's access line (and trace) once the request is over."""
+
+    def __init__(
+        self,
+        region: str,
+        spans: SpanSink | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.region = region
+        self.spans = spans
+        self.clock = clock
+        self._waiting: set[asyncio.Task[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        """Is anything listening (the access logger at ``debug``/``info``, or traces)?"""
+        return self.spans is not None or log.isEnabledFor(logging.INFO)
+
+    async def serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        handler: Callable[[Scope, Receive, Send], Awaitable[None]],
+    ) -> None:
+        """Run ``handler`` for one HTTP request and record it when it is over."""
+        if not self.enabled:
+            await handler(scope, receive, send)
+            return
+        exchange = _Exchange(
+            scope.get("method", "GET"),
+            scope.get("path", ""),
+            scope.get("http_version", "1.1"),
+            self.clock(),
+        )
+
+        async def watched(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                exchange.status = message["status"]
+            elif kind == "http.response.body" and not message.get("more_body", False):
+                exchange.complete = True
+            await send(message)
+
+        try:
+            await handler(scope, receive, watched)
+        finally:
+            ctx: RequestContext | None = scope.get(CONTEXT_KEY)
+            self._finish(exchange, ctx, websocket=False)
+
+    def stream_started(self, ctx: RequestContext) -> None:
+        """A WebSocket ``request`` message started ``ctx.stream``: record it when it ends."""
+        if not self.enabled:
+            return
+        exchange = _Exchange("WS", paths.WEBSOCKET, ctx.http_version, ctx.received_at, None, True)
+        self._finish(exchange, ctx, websocket=True)
+
+    def _finish(self, exchange: _Exchange, ctx: RequestContext | None, *, websocket: bool) -> None:
+        stream = _produced(ctx, exchange, websocket)
+        if stream is None or stream.done or stream.evicted:
+            self._write(exchange, ctx, websocket, self.clock())
+            return
+        task = asyncio.ensure_future(self._after(stream, exchange, ctx, websocket))
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+
+    async def _after(
+        self, stream: Stream, exchange: _Exchange, ctx: RequestContext | None, websocket: bool
+    ) -> None:
+        try:
+            while not stream.done and not stream.evicted:
+                await stream.wait(stream.last_seq, None)
+        finally:  # at shutdown: the line as it stands
+            self._write(exchange, ctx, websocket, self.clock())
+
+    def _write(
+        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float
+    ) -> None:
+        record = self.record(exchange, ctx, websocket, ended_at)
+        level = logging.DEBUG if exchange.path in _OPERATIONAL else logging.INFO
+        if log.isEnabledFor(level):
+            log.log(
+                level,
+                "%s %s %s",
+                record.method,
+                record.path,
+                record.status,
+                extra={"fields": record.fields()},
+            )
+        if self.spans is not None and ctx is not None and record.sampled:
+            self.spans.export(record)
+
+    def record(
+        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float
+    ) -> AccessRecord:
+        """The access record of a finished request (``ctx`` None: no pipeline ran)."""
+        stream = _produced(ctx, exchange, websocket)
+        touched = ctx.stream if ctx is not None else None  # started or read
+        status = exchange.status
+        if stream is not None:
+            usage = stream_usage(event.data for event in stream.events)
+            if stream.evicted and not stream.done:
+                usage = Usage(usage.input_tokens, usage.output_tokens, usage.response_model,
+                              "evicted")
+        elif ctx is not None and ctx.usage is not None:
+            usage = ctx.usage
+        else:
+            usage = Usage(outcome="")
+        outcome = (ctx.outcome if ctx is not None else "") or usage.outcome
+        if not outcome:
+            outcome = "ok" if status is not None and status < 400 else "error"
+        backend = getattr(ctx.backend, "name", None) if ctx is not None else None
+        backend_url = getattr(ctx.backend, "url", None) if ctx is not None else None
+        request = ctx.request if ctx is not None else None
+        trace = ctx.traceparent if ctx is not None else None
+        # The multi-region stage's records (router.multiregion.Observation, geo.Location).
+        observer = ctx.extra.get("observer") if ctx is not None else None
+        location = ctx.extra.get("location") if ctx is not None else None
+        return AccessRecord(
+            request_id=trace.parent_id if trace is not None else "",
+            trace_id=trace.trace_id if trace is not None else "",
+            caller_span_id=trace.caller_id if trace is not None else None,
+            sampled=trace.sampled if trace is not None else False,
+            key_id=key_id(ctx.api_key) if ctx is not None else None,
+            region=ctx.region if ctx is not None and ctx.region else self.region,
+            entry_region=self.region,
+            spill=bool(getattr(observer, "spill", False)),
+            route_reason=str(getattr(observer, "reason", "") or (ctx.route_reason if ctx else "")),
+            client_city=getattr(location, "city", None),
+            client_country=getattr(location, "country", None),
+            backend=backend,
+            backend_url=backend_url,
+            transport=_transport(exchange.path, ctx, websocket),
+            http_version=exchange.http_version,
+            method=exchange.method,
+            path=_path_template(exchange.path, touched),
+            status=status,
+            outcome=outcome,
+            stream=touched.id if touched is not None else None,
+            model=request.model if request is not None else None,
+            max_tokens=request.output_limit if request is not None else None,
+            usage=usage,
+            client_gone=not exchange.complete,
+            server_address=ctx.headers.get("host") if ctx is not None else None,
+            started_at=min(exchange.started_at, ctx.received_at) if ctx else exchange.started_at,
+            admitted_at=ctx.admitted_at if ctx is not None else None,
+            routed_at=ctx.routed_at if ctx is not None else None,
+            upstream_sent_at=ctx.upstream_sent_at if ctx is not None else None,
+            first_token_at=ctx.first_token_at if ctx is not None else None,
+            ended_at=ended_at,
+        )
+
+    async def aclose(self) -> None:
+        """Write what is still waiting for its stream (as it stands), then close the traces."""
+        for task in list(self._waiting):
+            task.cancel()
+        await asyncio.gather(*self._waiting, return_exceptions=True)
+        if self.spans is not None:
+            await self.spans.aclose()

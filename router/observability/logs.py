@@ -1,0 +1,175 @@
+"""The router's logs: one JSON (or text) line per record on stdout, libraries kept quiet.
+
+:func:`configure` installs the one handler. At ``info`` (the default) a router prints its
+start-up line, one access line per request (:mod:`.access`) and a line per upstream or peer
+state change (:class:`StateChanges`); the HTTP libraries under it (httpx, httpcore, h2,
+hpack, hypercorn, uvicorn, aioquic) speak only at ``warning`` and above unless the level is
+``debug``.
+
+A JSON line is an object with ``time`` (UTC, ISO 8601, milliseconds), ``level``, ``logger``,
+``msg`` and, for access lines, the fields of the record passed as ``extra={"fields": {...}}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Literal, TextIO
+
+__all__ = [
+    "LEVELS",
+    "JsonFormatter",
+    "LogFormat",
+    "StateChanges",
+    "TextFormatter",
+    "configure",
+    "key_id",
+]
+
+LogFormat = Literal["json", "text"]
+LEVELS = ("debug", "info", "warning", "error")
+
+QUIET_LIBRARIES = (
+    "httpx",  # one line per request: the backend scrapes and peer polls alone are several/s
+    "httpcore",
+    "h2",
+    "hpack",
+    "hypercorn",
+    "uvicorn",
+    "quic",  # aioquic's connection logger
+    "aioquic",
+    "asyncio",
+)
+"""Loggers held at ``warning`` unless the level is ``debug``."""
+
+_FIELDS = "fields"
+"""The ``extra`` key carrying a record's structured fields."""
+
+
+def key_id(api_key: str | None) -> str | None:
+    """A short, stable digest naming an API key in logs and traces; never the key itself.
+
+    12 hex digits of a domain-separated SHA-256: enough to tell a deployment's keys apart
+    and to grep for one (``firstbyte``-side only; the key cannot be recovered from it).
+    """
+    if not api_key:
+        return None
+    return hashlib.sha256(b"firstbyte-key-id\0" + api_key.encode()).hexdigest()[:12]
+
+
+def _fields(record: logging.LogRecord) -> Mapping[str, Any]:
+    fields = getattr(record, _FIELDS, None)
+    return fields if isinstance(fields, Mapping) else {}
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{seconds}.{int(record.msecs):03d}Z"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (``time``, ``level``, ``logger``, ``msg``, then the fields)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": _timestamp(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for name, value in _fields(record).items():
+            line.setdefault(name, value)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, separators=(",", ":"), default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER: MSG key=value ...`` for a terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        pairs = " ".join(f"{k}={v}" for k, v in _fields(record).items() if v is not None)
+        if pairs:
+            text += " " + pairs
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def configure(
+    level: str = "info", fmt: LogFormat = "json", stream: TextIO | None = None
+) -> logging.Handler:
+    """Send every log record to ``stream`` (default stdout) at ``level``, one line each.
+
+    Replaces the root logger's handlers (this is a router process's logging) and holds the
+    libraries in :data:`QUIET_LIBRARIES` at ``warning`` unless ``level`` is ``debug``.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, not {level!r}")
+    handler = logging.StreamHandler(stream or sys.stdout)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    library_level = logging.DEBUG if level == "debug" else logging.WARNING
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(library_level)
+    return handler
+
+
+class StateChanges:
+    """Logs each thing's up/down state once per change, not once per observation.
+
+    Everything starts up. The first ``down`` after an ``up`` is a warning naming the reason;
+    the first ``up`` after a ``down`` is an info line; repeats say nothing.
+    """
+
+    def __init__(self, log: logging.Logger, kind: str) -> None:
+        self.log = log
+        self.kind = kind
+        """What the things are (``upstream``, ``peer``), the first word of each line."""
+        self.down_since: dict[str, str] = {}
+        """Things now down, with the reason given when they went down."""
+
+    def down(self, name: str, reason: str, *, url: str = "") -> bool:
+        """``name`` is down; True (and a warning) if that is a change."""
+        if name in self.down_since:
+            return False
+        self.down_since[name] = reason
+        where = f" ({url})" if url else ""
+        self.log.warning(
+            "%s %s%s is down: %s",
+            self.kind,
+            name,
+            where,
+            reason,
+            extra={_FIELDS: {"event": f"{self.kind}_down", self.kind: name, "reason": reason}},
+        )
+        return True
+
+    def up(self, name: str, *, url: str = "") -> bool:
+        """``name`` answers; True (and an info line) if it was down."""
+        if self.down_since.pop(name, None) is None:
+            return False
+        where = f" ({url})" if url else ""
+        self.log.info(
+            "%s %s%s is up again",
+            self.kind,
+            name,
+            where,
+            extra={_FIELDS: {"event": f"{self.kind}_up", self.kind: name}},
+        )
+        return True
+
+
+def describe_error(exc: BaseException) -> str:
+    """``ConnectError: [Errno 111] Connection refused`` (the type alone if no message)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,137 @@
+"""``--check-config`` opens every file the router will open: the certificate and key as a
+pair, the CA bundle, the GeoIP database; relative paths are relative to the config file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trustme
+
+from firstbyte.router.config import load_config
+from tests.cli import firstbyte
+
+BASE = """
+[auth]
+api_keys = ["sk-test-key-0001"]
+[[upstreams]]
+url = "http://127.0.0.1:8001"
+"""
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    """``cert.pem``/``key.pem`` (a pair), ``other-key.pem`` (another certificate's key) and
+    ``ca.pem``, in ``tmp_path/conf``."""
+    ca = trustme.CA()
+    directory = tmp_path / "conf"
+    directory.mkdir()
+    cert = ca.issue_cert("127.0.0.1")
+    other = ca.issue_cert("127.0.0.1")
+    (directory / "cert.pem").write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(directory / "key.pem"))
+    other.private_key_pem.write_to_path(str(directory / "other-key.pem"))
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    return directory
+
+
+def check(config: Path, cwd: Path) -> tuple[int, str]:
+    """``firstbyte router --check-config CONFIG`` run from ``cwd``: exit code and output."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = firstbyte("router", "--check-config", str(config))
+    finally:
+        os.chdir(here)
+    assert "Traceback" not in result.stderr
+    return result.returncode, (result.stdout + result.stderr).strip()
+
+
+def write(directory: Path, listen: str, extra: str = "") -> Path:
+    path = directory / "router.toml"
+    path.write_text(extra + BASE + "[listen]\n" + listen)
+    return path
+
+
+def test_relative_paths_are_relative_to_the_config_file(certs: Path, tmp_path: Path) -> None:
+    config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n', 'upstream_ca_file = "ca.pem"\n')
+    # Run from elsewhere: the working directory does not matter.
+    assert check(config, tmp_path) == (0, "OK")
+    loaded = load_config(config)
+    assert loaded.listen.certfile == str(certs / "cert.pem")
+    assert loaded.upstream_ca_file == str(certs / "ca.pem")
+
+
+@pytest.mark.parametrize(
+    ("listen", "extra", "expected"),
+    [
+        (
+            'certfile = "missing.pem"\nkeyfile = "key.pem"\n',
+            "",
+            "listen.certfile: no such file: {dir}/missing.pem",
+        ),
+        (
+            'certfile = "cert.pem"\nkeyfile = "missing.pem"\n',
+            "",
+            "listen.keyfile: no such file: {dir}/missing.pem",
+        ),
+        (
+            'certfile = "key.pem"\nkeyfile = "cert.pem"\n',
+            "",
+            "listen.certfile: no PEM certificate in {dir}/key.pem (swapped with listen.keyfile?)",
+        ),
+        (
+            'certfile = "cert.pem"\nkeyfile = "other-key.pem"\n',
+            "",
+            "listen.certfile, listen.keyfile: the private key does not belong to the certificate",
+        ),
+        (
+            'certfile = "cert.pem"\nkeyfile = "key.pem"\n',
+            'upstream_ca_file = "key.pem"\n',
+            "upstream_ca_file: not a PEM CA bundle: {dir}/key.pem",
+        ),
+        (
+            'certfile = "cert.pem"\nkeyfile = "key.pem"\n',
+            '[geo]\ndatabase = "ca.pem"\n',
+            "geo.database: not a MaxMind DB file: {dir}/ca.pem",
+        ),
+        (
+            'certfile = "cert.pem"\nkeyfile = "key.pem"\n',
+            '[geo]\ndatabase = "GeoLite2-City.mmdb"\n',
+            "geo.database: no such file: {dir}/GeoLite2-City.mmdb",
+        ),
+    ],
+)
+def test_check_config_names_the_key_of_a_bad_file(
+    certs: Path, tmp_path: Path, listen: str, extra: str, expected: str
+) -> None:
+    config = write(certs, listen, extra)
+    code, output = check(config, tmp_path)
+    assert code == 2
+    assert output.startswith("firstbyte router: error: ")
+    assert f"{config}: {expected.format(dir=certs)}" in output
+
+
+def test_flags_are_named_as_flags(certs: Path) -> None:
+    """A bad value typed as a flag is reported as that flag, with or without --config."""
+    flags = ["--upstream", "http://127.0.0.1:1", "--api-key", "sk-test-key-0001"]
+    result = firstbyte(
+        "router", *flags, "--certfile", str(certs / "cert.pem"),
+        "--keyfile", str(certs / "other-key.pem"),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--certfile, --keyfile: the private key does not belong to the certificate" in (
+        result.stderr
+    )
+    result = firstbyte("router", *flags, "--insecure-plain-http", "--port", "70000")
+    assert "command line: --port: Expected `int` <= 65535" in result.stderr
+    # With --config: the overriding flag is named; a key from the file stays a key.
+    config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n')
+    result = firstbyte("router", "--config", str(config), "--port", "70000")
+    assert f"{config} (with command-line flags): --port: Expected `int` <= 65535" in (
+        result.stderr
+    )
+    result = firstbyte("router", "--config", str(config), "--keyfile", str(certs / "cert.pem"))
+    assert "--keyfile: no PEM private key in" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,239 @@
+"""The router's logs as an operator sees them: JSON lines on stdout, one access line per
+request, upstream state changes once each, no library chatter, a start-up line that says
+what is served where."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from firstbyte.router.observability.access import stream_usage
+from firstbyte.router.observability.logs import JsonFormatter, StateChanges, key_id
+from firstbyte.router.sim.server import sim_server
+from tests.cli import FIRSTBYTE
+from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth, client_tls
+from tests.router.test_cli import free_port
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER = "00f067aa0ba902b7"
+
+
+def _closed_port() -> int:
+    """A TCP port nothing listens on (yet)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Lines:
+    """Reads a process's stdout as JSON lines in the background."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.raw: list[bytes] = []
+        self.lines: list[dict[str, Any]] = []
+        self._changed = asyncio.Event()
+        self._task = asyncio.ensure_future(self._read(stream))
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            self.raw.append(raw)
+            self.lines.append(json.loads(raw))  # every line is JSON, or the test fails here
+            self._changed.set()
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 20):
+        async with asyncio.timeout(timeout_s):
+            while True:
+                found = [line for line in self.lines if predicate(line)]
+                if found:
+                    return found[0]
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def finish(self) -> None:
+        await asyncio.wait_for(self._task, 20)
+
+
+async def test_router_process_logs_json_lines_on_stdout(
+    tmp_path: Path, tls_files: dict[str, str]
+) -> None:
+    async with sim_server("instant") as sim:
+        port, dead_port = free_port(), _closed_port()
+        config = tmp_path / "router.toml"
+        config.write_text(
+            f'region = "logs-1"\n'
+            f'[[upstreams]]\nurl = "{sim.url}"\nname = "sim"\n'
+            f'[[upstreams]]\nurl = "http://127.0.0.1:{dead_port}"\nname = "late"\n'
+            f'[listen]\nport = {port}\ncertfile = "{tls_files["certfile"]}"\n'
+            f'keyfile = "{tls_files["keyfile"]}"\n'
+            f'[auth]\napi_keys = ["{API_KEY}"]\n'
+        )
+        process = await asyncio.create_subprocess_exec(
+            *FIRSTBYTE, "router", "--config", str(config),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdout is not None
+        lines = Lines(process.stdout)
+        late: asyncio.subprocess.Process | None = None
+        try:
+            started = await lines.wait_for(lambda line: "serving" in line["msg"])
+            down = await lines.wait_for(lambda line: line["level"] == "warning")
+            base = f"https://127.0.0.1:{port}"
+            body = {"model": "m", "messages": [{"role": "user", "content": "log me"}],
+                    "max_tokens": 5}  # fmt: skip
+            async with httpx.AsyncClient(verify=client_tls(tls_files), http2=True) as client:
+                streamed = await client.post(
+                    base + "/v1/chat/completions",
+                    json={**body, "stream": True},
+                    headers={**auth(), "traceparent": f"00-{TRACE_ID}-{CALLER}-01"},
+                )
+                assert streamed.status_code == 200
+                whole = await client.post(base + "/v1/chat/completions", json=body, headers=auth())
+                assert whole.status_code == 200
+                refused = await client.post(
+                    base + "/v1/chat/completions", json=body, headers=auth(OTHER_KEY)
+                )
+                assert refused.status_code == 401
+            # The dead upstream comes up: one line saying so.
+            late = await asyncio.create_subprocess_exec(
+                *FIRSTBYTE, "sim", "--port", str(dead_port), "--profile", "instant",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            up = await lines.wait_for(lambda line: "up again" in line["msg"])
+            await asyncio.sleep(2.5)  # more scrapes of both upstreams: no more lines
+        finally:
+            if late is not None:
+                late.send_signal(signal.SIGTERM)
+                await late.wait()
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 20)
+            await lines.finish()
+            assert process.stderr is not None
+            stderr = await process.stderr.read()
+    assert process.returncode == 0
+    assert b"Traceback" not in stderr
+    output = b"".join(lines.raw) + stderr
+    assert API_KEY.encode() not in output
+    assert OTHER_KEY.encode() not in output
+
+    assert started["msg"] == (
+        f"firstbyte router (logs-1) serving https://127.0.0.1:{port} (HTTP/1.1, HTTP/2)"
+        f" and HTTP/3 on UDP {port}; 2 upstreams"
+    )
+    assert down["msg"].startswith(f"upstream late (http://127.0.0.1:{dead_port}) is down: Connect")
+    assert down["event"] == "upstream_down"
+    assert up["msg"] == f"upstream late (http://127.0.0.1:{dead_port}) is up again"
+    changes = [line for line in lines.lines if line.get("event", "").startswith("upstream_")]
+    assert changes == [down, up]  # once per change, though scraped every second
+    # No library chatter at the default level (the scrapes alone would be 2 lines/s).
+    assert {line["logger"] for line in lines.lines} == {"firstbyte.router", "firstbyte.access"}
+
+    access = [line for line in lines.lines if line["logger"] == "firstbyte.access"]
+    assert [(a["transport"], a["status"], a["outcome"]) for a in access] == [
+        ("sse", 200, "ok"),
+        ("json", 200, "ok"),
+        ("json", 401, "unauthorized"),
+    ]
+    sse, json_reply, rejected = access
+    assert sse["http_version"] == "2"
+    assert sse["trace_id"] == TRACE_ID
+    assert streamed.headers["traceparent"] == f"00-{TRACE_ID}-{sse['request_id']}-01"
+    assert sse["key_id"] == key_id(API_KEY)
+    assert len(sse["key_id"]) == 12
+    assert (sse["region"], sse["backend"], sse["model"]) == ("logs-1", "sim", "m")
+    assert sse["stream"] == streamed.headers["x-firstbyte-stream"]
+    assert sse["output_tokens"] == 5
+    assert 0 < sse["ttft_ms"] <= sse["duration_ms"]
+    assert json_reply["output_tokens"] == whole.json()["usage"]["completion_tokens"]
+    assert json_reply["input_tokens"] == whole.json()["usage"]["prompt_tokens"]
+    assert json_reply["ttft_ms"] is None
+    assert rejected["key_id"] is None
+    assert rejected["backend"] is None
+
+
+async def test_a_detached_stream_is_logged_when_it_ends(
+    start_router: RouterFactory, tls_files: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``POST /v1/streams`` answers at once; its line waits for the stream's end, so it has
+    the tokens and the outcome (and the key id, never the key)."""
+    caplog.set_level(logging.INFO, logger="firstbyte.access")
+    async with sim_server("instant") as sim, start_router([sim.url]) as router:
+        async with httpx.AsyncClient(verify=client_tls(tls_files)) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 7}
+            started = await client.post(router.base_url + "/v1/streams", json=body, headers=auth())
+            assert started.status_code == 201
+            stream_id = started.json()["stream"]
+            read = await client.get(router.base_url + f"/v1/streams/{stream_id}", headers=auth())
+            assert read.text.endswith("data: [DONE]\n\n")
+        for _ in range(100):
+            if len(caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.02)
+    fields = [record.fields for record in caplog.records]  # type: ignore[attr-defined]
+    by_path = {f["path"]: f for f in fields}
+    detached = by_path["/v1/streams"]
+    assert (detached["status"], detached["transport"], detached["outcome"]) == (
+        201, "longpoll", "ok"
+    )
+    assert detached["output_tokens"] == 7
+    assert detached["ttft_ms"] > 0
+    reader = by_path["/v1/streams/{id}"]  # the id is logged as a field, not in the path
+    assert reader["stream"] == stream_id == detached["stream"]
+    assert reader["transport"] == "sse"
+    assert reader["key_id"] == key_id(API_KEY)
+    assert API_KEY not in caplog.text
+
+
+def test_state_changes_are_logged_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    changes = StateChanges(logging.getLogger("firstbyte.test"), "peer")
+    with caplog.at_level(logging.INFO, logger="firstbyte.test"):
+        assert not changes.up("tokyo")  # up from the start: nothing to say
+        assert changes.down("tokyo", "ConnectError: refused")
+        assert not changes.down("tokyo", "ConnectError: refused")
+        assert changes.up("tokyo")
+        assert not changes.up("tokyo")
+    assert [r.getMessage() for r in caplog.records] == [
+        "peer tokyo is down: ConnectError: refused",
+        "peer tokyo is up again",
+    ]
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+
+
+def test_json_lines_carry_the_fields() -> None:
+    record = logging.LogRecord("firstbyte.access", logging.INFO, __file__, 1, "POST %s", ("/x",),
+                               None)  # fmt: skip
+    record.fields = {"status": 200, "msg": "not overwritten"}
+    line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "POST /x"
+    assert line["status"] == 200
+    assert line["level"] == "info"
+    assert line["time"].endswith("Z")
+
+
+def _chunk(content: str | None = None, **more: Any) -> bytes:
+    delta = {} if content is None else {"content": content}
+    return json.dumps(
+        {"model": "served-m", "choices": [{"index": 0, "delta": delta}], **more},
+        separators=(",", ":"),
+    ).encode()
+
+
+def test_stream_usage_prefers_the_upstreams_usage_chunk() -> None:
+    events = [_chunk(""), _chunk("a"), _chunk("b"), _chunk("c"), b"[DONE]"]
+    assert stream_usage(events).output_tokens == 3  # counted: no usage chunk
+    assert stream_usage(events).response_model == "served-m"
+    usage = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+    with_usage = [*events[:-1], _chunk(usage=usage), b"[DONE]"]
+    counted = stream_usage(with_usage)
+    assert (counted.input_tokens, counted.output_tokens, counted.outcome) == (11, 4, "ok")
+    failed = [_chunk("a"), b'{"error":{"message":"x","code":"upstream_eof"}}', b"[DONE]"]
+    assert stream_usage(failed).outcome == "upstream_eof"
