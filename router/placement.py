@@ -28,7 +28,6 @@ from .multiregion import Observation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
 from .shared.admission import Affinity, Verdict
-from .streams import owner_of
 from .tenancy import limit_key, refusal, store_refusal
 
 if TYPE_CHECKING:
@@ -64,7 +63,7 @@ async def _place_shared(
     state: RouterState, admission: SharedAdmission, ctx: RequestContext
 ) -> Outcome:
     limiter, routing = state.limiter, state.routing
-    owner = owner_of(ctx.api_key)
+    owner = ctx.owner
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
     learned: str | None = None
     for _ in range(len(routing.tracker.backends) + 2):
