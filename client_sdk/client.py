@@ -501,8 +501,16 @@ class ChatStream:
             except SequenceGapError as exc:
                 await self._recover(exc)  # drops the rest of the batch: the resume replays it
                 continue
-            except FirstbyteError:
+            except FirstbyteError as exc:
                 self._finished = True
+                if isinstance(exc, APIError) and exc.code == error_codes.STREAM_LOST:
+                    # The router process producing the stream died mid-stream; a router with
+                    # shared state ends the stream for its readers elsewhere with this event.
+                    raise self._lost(
+                        f"stream {self._stream_id} is lost (its router process stopped"
+                        f" mid-stream) after event {assembler.last_seq}; resumed"
+                        f" {self._policy.resumes} times"
+                    ) from exc
                 raise
             if assembler.done:
                 self._finished = True
@@ -643,12 +651,9 @@ class ChatStream:
             ):
                 # A resume found no such stream (on every transport: a 404 or a WebSocket
                 # error carry the same code): the router restarted or dropped it.
-                raise StreamLostError(
+                raise self._lost(
                     f"stream {self._stream_id} is lost (the router no longer has it) after"
-                    f" event {self._assembler.last_seq}; resumed {self._policy.resumes} times",
-                    stream_id=self._stream_id,
-                    last_seq=self._assembler.last_seq,
-                    delivered_text=self.text,
+                    f" event {self._assembler.last_seq}; resumed {self._policy.resumes} times"
                 ) from item
             raise item
         assert isinstance(item, Opened)
@@ -658,6 +663,15 @@ class ChatStream:
         self._opened = True
         if item.stream_id is not None:
             self._stream_id = item.stream_id
+
+    def _lost(self, message: str) -> StreamLostError:
+        """The error for this stream, lost for good, with what was delivered."""
+        return StreamLostError(
+            message,
+            stream_id=self._stream_id or "",
+            last_seq=self._assembler.last_seq,
+            delivered_text=self.text,
+        )
 
     async def _recover(self, reason: BaseException | None, *, stalled: bool = False) -> None:
         """Resume after a cut or a stall, or raise when out of attempts (:class:`ResumePolicy`)."""

@@ -29,7 +29,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.client_sdk import AsyncClient
-from firstbyte.client_sdk.errors import APIError
+from firstbyte.client_sdk.errors import APIError, StreamLostError
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.sim.server import SimServer, sim_server
@@ -325,7 +325,7 @@ async def _wait_for_pid_of(redis_url: str, stream_id: str) -> int:
     return int(meta.split(b"-")[0])
 
 
-async def test_workers_share_one_port_and_sdk_raises_stream_lost_with_delivered_text(
+async def test_workers_share_one_port_and_sdk_raises_stream_lost_error_with_delivered_text(
     sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
 ) -> None:
     port = _free_port()
@@ -362,9 +362,14 @@ async def test_workers_share_one_port_and_sdk_raises_stream_lost_with_delivered_
                         owner = await _wait_for_pid_of(redis_server.url, s.stream_id or "")
                         os.kill(owner, signal.SIGKILL)
 
-        with pytest.raises(APIError) as raised:
+        with pytest.raises(StreamLostError) as raised:
             await read_and_kill_the_producer()
-        assert raised.value.code == error_codes.STREAM_LOST
-        assert len(delivered) >= 10  # what came before the loss was delivered, then the error
+        lost = raised.value
+        assert lost.delivered_text == "".join(delivered)  # what came before the loss
+        assert len(delivered) >= 10
+        assert lost.stream_id
+        assert lost.last_seq >= 10
+        assert isinstance(lost.__cause__, APIError)
+        assert lost.__cause__.code == error_codes.STREAM_LOST  # the router's error event
     finally:
         _stop(router)
