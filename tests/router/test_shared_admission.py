@@ -29,16 +29,7 @@ from firstbyte.router.pipeline.affinity import affinity_key, rendezvous_rank
 from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import OTHER_KEY, auth, client_tls
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
-from tests.router.test_shared_state import (
-    BODY,
-    LEASE_S,
-    RouterProcess,
-    _config,
-    _free_port,
-    _start,
-    _stop,
-    _until_listening,
-)
+from tests.router.test_shared_state import BODY, LEASE_S, RouterProcess, running_pair
 
 pytestmark = pytest.mark.slow
 
@@ -46,26 +37,13 @@ LONG = {**BODY, "max_tokens": 3000}
 """~30 s at the sim's ~10 ms per token: still running when the test is over."""
 
 
-@contextlib.asynccontextmanager
-async def _routers(
+def _routers(
     tmp: Path, tls: dict[str, str], redis_url: str, upstream: str, *, extra: str = "",
     upstreams: str | None = None,
-) -> AsyncIterator[tuple[RouterProcess, RouterProcess]]:
-    """Two router processes (A, B) on two ports sharing one Redis under a fresh key prefix."""
-    prefix = f"t{secrets.token_hex(4)}:"
-    routers = []
-    try:
-        for name in ("a", "b"):
-            port = _free_port()
-            config = _config(tmp, name, upstream, tls, redis_url, port, upstreams=upstreams,
-                             key_prefix=prefix, extra=extra)
-            routers.append(_start(config, port, tmp, name))
-        for router in routers:
-            await _until_listening(router)
-        yield routers[0], routers[1]
-    finally:
-        for router in routers:
-            _stop(router)
+) -> contextlib.AbstractAsyncContextManager[tuple[RouterProcess, RouterProcess]]:
+    """Two router processes (A, B) sharing one Redis under a fresh key prefix."""
+    return running_pair(tmp, tls, redis_url, upstream, key_prefix=f"t{secrets.token_hex(4)}:",
+                        extra=extra, upstreams=upstreams)
 
 
 @pytest.fixture
@@ -80,6 +58,19 @@ async def client(tls_files: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
+@pytest.fixture
+async def three_held(
+    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str],  # noqa: F811
+    tmp_path: Path, client: httpx.AsyncClient,
+) -> AsyncIterator[tuple[RouterProcess, RouterProcess]]:
+    """A and B with ``max_streams_per_key = 3``, the key's 3 streams held: 2 on A, 1 on B."""
+    extra = "[limits]\nmax_streams_per_key = 3\n"
+    async with _routers(tmp_path, tls_files, redis_server.url, sim.url, extra=extra) as (a, b):
+        for router in (a, a, b):
+            assert (await _hold(client, router)).status_code == 201
+        yield a, b
+
+
 async def _hold(client: httpx.AsyncClient, router: RouterProcess, key: str | None = None
                 ) -> httpx.Response:
     """Start a long stream on ``router`` (``POST /v1/streams``: it runs without a reader)."""
@@ -92,38 +83,30 @@ def _refused(response: httpx.Response, code: str) -> bool:
 
 
 async def test_key_concurrency_limit_counts_every_process(
-    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str],  # noqa: F811
-    tmp_path: Path, client: httpx.AsyncClient,
+    three_held: tuple[RouterProcess, RouterProcess], client: httpx.AsyncClient,
 ) -> None:
-    extra = "[limits]\nmax_streams_per_key = 3\n"
-    async with _routers(tmp_path, tls_files, redis_server.url, sim.url, extra=extra) as (a, b):
-        for router in (a, a, b):  # 3 streams of one key, spread over both processes
-            assert (await _hold(client, router)).status_code == 201
-        for router in (a, b):  # the 4th is refused on either
-            refused = await _hold(client, router)
-            assert _refused(refused, error_codes.KEY_CONCURRENCY_EXCEEDED), refused.text
-            assert refused.headers["retry-after"] == "1"
-        assert (await _hold(client, b, OTHER_KEY)).status_code == 201  # other keys go on
+    a, b = three_held  # 3 streams of one key, spread over both processes
+    for router in (a, b):  # the 4th is refused on either
+        refused = await _hold(client, router)
+        assert _refused(refused, error_codes.KEY_CONCURRENCY_EXCEEDED), refused.text
+        assert refused.headers["retry-after"] == "1"
+    assert (await _hold(client, b, OTHER_KEY)).status_code == 201  # other keys go on
 
 
 async def test_slots_of_a_killed_process_come_back_within_its_lease(
-    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str],  # noqa: F811
-    tmp_path: Path, client: httpx.AsyncClient,
+    three_held: tuple[RouterProcess, RouterProcess], client: httpx.AsyncClient,
 ) -> None:
-    extra = "[limits]\nmax_streams_per_key = 3\n"
-    async with _routers(tmp_path, tls_files, redis_server.url, sim.url, extra=extra) as (a, b):
-        for router in (a, a, b):
-            assert (await _hold(client, router)).status_code == 201
-        assert _refused(await _hold(client, b), error_codes.KEY_CONCURRENCY_EXCEEDED)
-        os.killpg(a.process.pid, signal.SIGKILL)  # dies holding 2 of the key's 3 slots
-        killed_at = time.monotonic()
-        while (answer := await _hold(client, b)).status_code != 201:
-            assert _refused(answer, error_codes.KEY_CONCURRENCY_EXCEEDED), answer.text
-            assert time.monotonic() - killed_at < LEASE_S + 2, "slots not released"
-            await asyncio.sleep(0.05)
-        assert time.monotonic() - killed_at > LEASE_S / 2  # the lease, not something sooner
-        assert (await _hold(client, b)).status_code == 201  # both of A's slots came back
-        assert _refused(await _hold(client, b), error_codes.KEY_CONCURRENCY_EXCEEDED)
+    a, b = three_held
+    assert _refused(await _hold(client, b), error_codes.KEY_CONCURRENCY_EXCEEDED)
+    os.killpg(a.process.pid, signal.SIGKILL)  # dies holding 2 of the key's 3 slots
+    killed_at = time.monotonic()
+    while (answer := await _hold(client, b)).status_code != 201:
+        assert _refused(answer, error_codes.KEY_CONCURRENCY_EXCEEDED), answer.text
+        assert time.monotonic() - killed_at < LEASE_S + 2, "slots not released"
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - killed_at > LEASE_S / 2  # the lease, not something sooner
+    assert (await _hold(client, b)).status_code == 201  # both of A's slots came back
+    assert _refused(await _hold(client, b), error_codes.KEY_CONCURRENCY_EXCEEDED)
 
 
 def _key_of(content: str) -> str:

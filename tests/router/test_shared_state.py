@@ -133,23 +133,35 @@ async def sim() -> AsyncIterator[SimServer]:
         yield server
 
 
-@pytest.fixture
-async def pair(
-    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+@contextlib.asynccontextmanager
+async def running_pair(
+    tmp: Path, tls: dict[str, str], redis_url: str, upstream: str, *, key_prefix: str,
+    extra: str = "", upstreams: str | None = None,
 ) -> AsyncIterator[tuple[RouterProcess, RouterProcess]]:
-    """Two router processes (A, B) on two ports, sharing one Redis."""
+    """Two router processes (A, B) on two ports sharing one Redis (see :func:`_config`)."""
     routers = []
-    for name in ("a", "b"):
-        port = _free_port()
-        config = _config(tmp_path, name, sim.url, tls_files, redis_server.url, port)
-        routers.append(_start(config, port, tmp_path, name))
     try:
+        for name in ("a", "b"):
+            port = _free_port()
+            config = _config(tmp, name, upstream, tls, redis_url, port, upstreams=upstreams,
+                             key_prefix=key_prefix, extra=extra)
+            routers.append(_start(config, port, tmp, name))
         for router in routers:
             await _until_listening(router)
         yield routers[0], routers[1]
     finally:
         for router in routers:
             _stop(router)
+
+
+@pytest.fixture
+async def pair(
+    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+) -> AsyncIterator[tuple[RouterProcess, RouterProcess]]:
+    """Two router processes (A, B) on two ports, sharing one Redis."""
+    async with running_pair(tmp_path, tls_files, redis_server.url, sim.url,
+                            key_prefix="firstbyte:") as routers:
+        yield routers
 
 
 @pytest.fixture
