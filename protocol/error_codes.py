@@ -12,6 +12,7 @@ __all__ = [
     "INVALID_API_KEY",
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
+    "INVALID_TIMINGS",
     "INVALID_WAIT",
     "KEY_CONCURRENCY_EXCEEDED",
     "KEY_RATE_LIMITED",
@@ -36,6 +37,9 @@ __all__ = [
 MISSING_API_KEY = "missing_api_key"
 INVALID_API_KEY = "invalid_api_key"
 INVALID_REQUEST = "invalid_request"
+INVALID_TIMINGS = "invalid_timings"
+"""400: a timings report that is not one, holds too many records, or holds a record no real
+client could have felt (:func:`firstbyte.protocol.timings.implausible`, an unknown region)."""
 REQUEST_TOO_LARGE = "request_too_large"
 REQUEST_TIMEOUT = "request_timeout"
 """408: the request body stalled past the router's ``client_body_timeout_s``."""

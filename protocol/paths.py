@@ -11,6 +11,7 @@ __all__ = [
     "API_BASE",
     "CHAT_COMPLETIONS",
     "EDGE_STATUS",
+    "EDGE_TIMINGS",
     "HEALTHZ",
     "METRICS",
     "MODELS",
@@ -38,6 +39,10 @@ WEBSOCKET = "/v1/ws"
 
 EDGE_STATUS = "/v1/edge/status"
 """``GET``: the region's status document (:mod:`firstbyte.protocol.edge`)."""
+
+EDGE_TIMINGS = "/v1/edge/timings"
+"""``POST``: a client's report of what its finished streams cost it
+(:mod:`firstbyte.protocol.timings`); 202 ``{"accepted": N}``."""
 
 HEALTHZ = "/healthz"
 """``GET``, no key: ``ok``, or 503 ``warming`` / ``unhealthy``. At the server root."""

@@ -35,6 +35,7 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.HEALTHZ: {"GET": endpoints.healthz},
     paths.METRICS: {"GET": endpoints.metrics},
     paths.EDGE_STATUS: {"GET": endpoints.edge_status},
+    paths.EDGE_TIMINGS: {"POST": endpoints.edge_timings},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
 _UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
