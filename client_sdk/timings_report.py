@@ -43,26 +43,10 @@ def timings_record(timings: Timings) -> TimingsRecord | None:
     refuse as implausible (:func:`~firstbyte.protocol.timings.implausible`)."""
     if timings.first_token_ms is None or not timings.region:
         return None
-    record = TimingsRecord(
-        transport=timings.transport,
-        http_version=timings.http_version,
-        region=timings.region,
-        warm=timings.warm,
-        zero_rtt=timings.zero_rtt,
-        stream_id=timings.stream_id,
-        dns_ms=timings.dns_ms,
-        tcp_connect_ms=timings.tcp_connect_ms,
-        tls_handshake_ms=timings.tls_handshake_ms,
-        quic_handshake_ms=timings.quic_handshake_ms,
-        ws_upgrade_ms=timings.ws_upgrade_ms,
-        pool_wait_ms=timings.pool_wait_ms,
-        request_sent_ms=timings.request_sent_ms,
-        first_byte_ms=timings.first_byte_ms,
-        first_token_ms=timings.first_token_ms,
-        last_token_ms=timings.last_token_ms,
-        render_ms=timings.render_ms,
-        resumes=timings.resumes,
-    )
+    # Field by field from the wire type: what it does not name (text, inter-token gaps,
+    # wall-clock time, Server-Timing) cannot go out.
+    record = TimingsRecord(**{name: getattr(timings, name)
+                              for name in TimingsRecord.__struct_fields__})
     return None if implausible(record) is not None else record
 
 

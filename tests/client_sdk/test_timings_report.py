@@ -27,6 +27,7 @@ from firstbyte.router.config import parse_config
 from firstbyte.router.serve import RouterEndpoints, running_router
 from firstbyte.router.sim.server import running_sim
 from tests.client_sdk.conftest import ROUTER_KEY
+from tests.client_sdk.cutproxy import TcpCutProxy
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
 from tests.router.test_client_timings import metric
 
@@ -34,58 +35,16 @@ PROMPT = "Tell me about the quokka of Rottnest Island"
 TTFT = "firstbyte_client_ttft_seconds"
 
 
-class RecordingRelay:
-    """A TCP relay on loopback that keeps every byte the client sent to the server."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self.upstream_bytes = bytearray()
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def __aenter__(self) -> RecordingRelay:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        pumps = [asyncio.ensure_future(self._pump(reader, up_writer, record=True)),
-                 asyncio.ensure_future(self._pump(up_reader, writer, record=False))]
-        self._tasks.update(pumps)
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for task in pumps:
-            task.cancel()
-            self._tasks.discard(task)
-        writer.transport.abort()
-        up_writer.transport.abort()
-
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *,
-                    record: bool) -> None:
-        while data := await src.read(65536):
-            if record:
-                self.upstream_bytes += data
-            dst.write(data)
-            await dst.drain()
-
-    def request_bodies(self, path: str) -> list[bytes]:
-        """The bodies of every HTTP/1.1 ``POST path`` the client sent."""
-        data = bytes(self.upstream_bytes)
-        bodies = []
-        for match in re.finditer(rb"POST " + re.escape(path.encode()) + rb" HTTP/1.1\r\n", data):
-            head_end = data.index(b"\r\n\r\n", match.end()) + 4
-            head = data[match.end():head_end].decode("latin-1").lower()
-            length = int(re.search(r"content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
-            bodies.append(data[head_end:head_end + length])
-        return bodies
+def request_bodies(sent: bytes, path: str) -> list[bytes]:
+    """The bodies of every HTTP/1.1 ``POST path`` in the bytes a client ``sent``."""
+    bodies = []
+    for match in re.finditer(rb"POST " + re.escape(path.encode()) + rb" HTTP/1.1\r\n", sent):
+        head_end = sent.index(b"\r\n\r\n", match.end()) + 4
+        head = sent[match.end():head_end].decode("latin-1").lower()
+        length = re.search(r"content-length: *(\d+)", head)
+        assert length is not None
+        bodies.append(sent[head_end:head_end + int(length.group(1))])
+    return bodies
 
 
 @contextlib.asynccontextmanager
@@ -129,7 +88,8 @@ async def stream_text(client: AsyncClient, prompt: str = PROMPT) -> tuple[str, s
 async def test_the_router_receives_timings_and_never_the_prompt_or_output(
     tmp_path: Path
 ) -> None:
-    async with geo_stack(tmp_path, None) as router, RecordingRelay(router.port) as relay:
+    async with geo_stack(tmp_path, None) as router, \
+            TcpCutProxy(router.port, cut_after=1 << 62, cuts=0, record=True) as relay:
         client = AsyncClient(f"http://127.0.0.1:{relay.port}/v1", ROUTER_KEY,
                              report_timings=True, keepalive_interval_s=300.0)
         client.headers["x-forwarded-for"] = TOKYO_CLIENT  # as a load balancer would say
@@ -140,7 +100,7 @@ async def test_the_router_receives_timings_and_never_the_prompt_or_output(
         await client.aclose()  # flushes
         assert (timings_seen.sent_reports, timings_seen.failed_reports) == (1, 0)
 
-        bodies = relay.request_bodies(paths.EDGE_TIMINGS)
+        bodies = request_bodies(bytes(relay.upstream_bytes), paths.EDGE_TIMINGS)
         assert len(bodies) == 1
         report = msgspec.json.decode(bodies[0], type=TimingsReport)
         assert len(report.records) == 3
