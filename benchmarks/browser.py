@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 from websockets.asyncio.client import ClientConnection, connect
 
-__all__ = ["BrowserError", "PageLoad", "chromium_path", "load", "screenshot"]
+__all__ = ["BrowserError", "Page", "PageLoad", "chromium_path", "load", "open_page",
+           "screenshot"]
 
 FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -106,14 +107,16 @@ class _Session:
 
 
 @contextlib.contextmanager
-def _chromium() -> Iterator[str]:
+def _chromium(extra_flags: tuple[str, ...] = ()) -> Iterator[str]:
     """Start Chromium with a fresh profile; yield its browser DevTools WebSocket URL."""
     binary = chromium_path()
     if binary is None:
         raise BrowserError("chromium not found (Debian: apt-get install chromium)")
-    with tempfile.TemporaryDirectory(prefix="firstbyte-chromium-") as profile:
+    # Chromium's helper processes may still write to the profile as the main one exits.
+    with tempfile.TemporaryDirectory(prefix="firstbyte-chromium-",
+                                     ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
-            [binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            [binary, *FLAGS, *extra_flags, f"--user-data-dir={profile}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             port_file = Path(profile) / "DevToolsActivePort"
@@ -169,11 +172,11 @@ async def _load(
     return result
 
 
-async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: bool) -> None:
-    url, width = result.url, result.width
+async def _navigate(b: _Session, url: str, width: int) -> str:
+    """Open a tab of ``width`` CSS pixels, load ``url`` in it; its DevTools session id."""
     target = await b.send("Target.createTarget", url="about:blank")
     attached = await b.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
-    s = attached["sessionId"]
+    s: str = attached["sessionId"]
     for domain in ("Page", "Runtime", "Log", "Network"):
         await b.send(f"{domain}.enable", s)
     await b.send("Emulation.setDeviceMetricsOverride", s, width=width, height=900,
@@ -184,6 +187,12 @@ async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: b
         await asyncio.wait_for(b.loaded.wait(), LOAD_TIMEOUT_S)
     except TimeoutError:
         raise BrowserError(f"{url}: did not finish loading in {LOAD_TIMEOUT_S:g} s") from None
+    return s
+
+
+async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: bool) -> None:
+    url, width = result.url, result.width
+    s = await _navigate(b, url, width)
     if evaluate is not None:
         answer = await b.send("Runtime.evaluate", s, expression=evaluate,
                               returnByValue=True)
@@ -203,6 +212,49 @@ async def _drive(b: _Session, result: PageLoad, evaluate: str | None, capture: b
     result.requests = [p.get("request", {}).get("url", "") for m, p in b.events
                        if m == "Network.requestWillBeSent"]
     result.errors += _problems(b.events, url)
+
+
+@dataclass
+class Page:
+    """One open page of a running Chromium: evaluate scripts in it (promises awaited)."""
+
+    url: str
+    _session: _Session
+    _id: str
+
+    async def evaluate(self, expression: str, timeout_s: float = LOAD_TIMEOUT_S) -> Any:
+        """The JSON value of ``expression`` (a promise is awaited); :class:`BrowserError` with
+        the page's exception text if it throws."""
+        answer = await self._session.send(
+            "Runtime.evaluate", self._id, expression=expression, returnByValue=True,
+            awaitPromise=True, timeout=timeout_s * 1000)
+        if "exceptionDetails" in answer:
+            details = answer["exceptionDetails"]
+            text = details.get("exception", {}).get("description") or details.get("text")
+            raise BrowserError(f"evaluate: {text}")
+        return answer.get("result", {}).get("value")
+
+    def problems(self) -> list[str]:
+        """Console errors, exceptions and failed loads so far (as :class:`PageLoad` ``errors``,
+        requests to other origins allowed)."""
+        return [p for p in _problems(self._session.events, self.url)
+                if not p.startswith("request beyond")]
+
+
+@contextlib.asynccontextmanager
+async def open_page(url: str, *, flags: tuple[str, ...] = ()) -> AsyncIterator[Page]:
+    """Load ``url`` (any scheme) in a fresh headless Chromium started with extra ``flags``;
+    the page stays open for scripts until the block ends. Usable inside a running event loop
+    that also serves the page."""
+    with contextlib.ExitStack() as stack:
+        devtools = await asyncio.to_thread(stack.enter_context, _chromium(flags))
+        async with connect(devtools, max_size=None) as ws:
+            b = _Session(ws)
+            try:
+                yield Page(url, b, await _navigate(b, url, 1000))
+            finally:
+                await b.close()
+        await asyncio.to_thread(stack.close)
 
 
 def load(path: Path, *, width: int = 1000, evaluate: str | None = None,

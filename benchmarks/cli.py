@@ -181,7 +181,8 @@ def run_scenario(name: str, quick: bool, **options: Any) -> dict[str, Any]:
         raise CLIError(f"scenario {name!r} returned {type(results).__name__}, not a dict")
     results.setdefault("scenario", name)
     results["quick"] = quick
-    results["conditions"] = run_conditions(cpu)
+    # The scenario's own conditions (what it ran) and the run's (machine, commit, foreign CPU).
+    results["conditions"] = {**results.get("conditions", {}), **run_conditions(cpu)}
     return dict(results)
 
 

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from firstbyte import __version__
     from firstbyte.client_sdk._core.stream import StreamDelta
     from firstbyte.client_sdk.client import AsyncClient
+    from firstbyte.client_sdk.client_tokens import (
+        ClientToken,
+        amint_client_token,
+        mint_client_token,
+    )
     from firstbyte.client_sdk.errors import (
         APIError,
         AuthenticationError,
@@ -34,6 +39,7 @@ __all__ = [
     "AuthenticationError",
     "BudgetReport",
     "Client",
+    "ClientToken",
     "ConfigurationError",
     "ConnectError",
     "FirstbyteError",
@@ -49,6 +55,8 @@ __all__ = [
     "Timings",
     "Usage",
     "__version__",
+    "amint_client_token",
+    "mint_client_token",
 ]
 
 # The client pulls in httpx, aioquic and websockets, so it is imported on first use, not with
@@ -56,6 +64,9 @@ __all__ = [
 _LAZY = {
     "AsyncClient": "firstbyte.client_sdk.client",
     "Client": "firstbyte.client_sdk.sync",
+    "ClientToken": "firstbyte.client_sdk.client_tokens",
+    "amint_client_token": "firstbyte.client_sdk.client_tokens",
+    "mint_client_token": "firstbyte.client_sdk.client_tokens",
     "StreamDelta": "firstbyte.client_sdk._core.stream",
     "Timings": "firstbyte.client_sdk.timings",
     "__version__": "firstbyte",

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from firstbyte.client_sdk._core.resume import ResumePolicy
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import (
@@ -44,7 +45,6 @@ from firstbyte.client_sdk.errors import (
     ServiceUnavailableError,
     StreamBrokenError,
     StreamLostError,
-    StreamStalledError,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
@@ -456,8 +456,10 @@ class ChatStream:
         self._stream_id: str | None = None
         self._opened = False
         self._finished = False
-        self._resumes = 0
-        self._stalls = 0
+        self._policy = ResumePolicy(max_resumes=client.max_resumes,
+                                    backoff_s=client.resume_backoff_s,
+                                    stall_retries=client.stall_retries,
+                                    idle_timeout_s=client.idle_timeout_s)
         self._parts: list[str] = []
         # Regions to try, best first; set-aside ones last (better a retry than no answer).
         ranked = [r.url for r in client.regions.ranked(time.monotonic())]
@@ -677,7 +679,7 @@ class ChatStream:
                 # error carry the same code): the router restarted or dropped it.
                 raise StreamLostError(
                     f"stream {self._stream_id} is lost (the router no longer has it) after"
-                    f" event {self._assembler.last_seq}; resumed {self._resumes} times",
+                    f" event {self._assembler.last_seq}; resumed {self._policy.resumes} times",
                     stream_id=self._stream_id,
                     last_seq=self._assembler.last_seq,
                     delivered_text=self.text,
@@ -692,34 +694,22 @@ class ChatStream:
             self._stream_id = item.stream_id
 
     async def _recover(self, reason: BaseException | None, *, stalled: bool = False) -> None:
-        """Resume after a cut or a stall, or raise when out of attempts."""
+        """Resume after a cut or a stall, or raise when out of attempts (:class:`ResumePolicy`)."""
         client = self._client
         await self._stop_pump()
+        try:
+            step = self._policy.broken(reason, opened=self._stream_id is not None,
+                                       stalled=stalled, last_seq=self._assembler.last_seq)
+        except StreamBrokenError as exc:
+            self._finished = True
+            raise exc from reason
         if stalled:
-            self._stalls += 1
-            if self._stalls > client.stall_retries:
-                self._finished = True
-                raise StreamStalledError(
-                    f"no event for {client.idle_timeout_s:g} s (heartbeats do not count)"
-                    f" after event {self._assembler.last_seq}; resumed {self._resumes} times",
-                    idle_s=client.idle_timeout_s,
-                )
             # A stalled connection may be dead without knowing it: reconnect from scratch.
             with contextlib.suppress(Exception):
                 await client._target(self._origin).reset()
-        self._resumes += 1
-        if self._resumes > client.max_resumes:
-            self._finished = True
-            raise StreamBrokenError(
-                f"stream broken and {client.max_resumes} resumes failed: {reason}"
-            ) from reason
-        # Cut before any answer, the first time: most likely a kept-alive connection the server
-        # had closed (or a region that died). That is retried at once on a fresh connection:
-        # a dead region then fails to connect and the request fails over to the warm standby
-        # without having waited out a backoff. Everything else backs off.
-        if self._stream_id is not None or self._resumes > 1 or stalled:
-            await asyncio.sleep(min(client.resume_backoff_s * 2 ** (self._resumes - 1), 2.0))
-        if self._stream_id is None:
+        if step.delay_s:
+            await asyncio.sleep(step.delay_s)
+        if step.resend:
             # Never opened: nothing to resume, send the request again.
             self._start(client._source(self._body, None, 0, self._recorder, self._origin))
             return

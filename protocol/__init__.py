@@ -10,6 +10,7 @@ in prose; these modules are its source:
 - :mod:`~firstbyte.protocol.ws`: the WebSocket ``/v1/ws`` messages and close codes.
 - :mod:`~firstbyte.protocol.edge`: the ``/v1/edge/status`` documents.
 - :mod:`~firstbyte.protocol.timings`: the ``/v1/edge/timings`` report (client-felt latency).
+- :mod:`~firstbyte.protocol.tokens`: the browser's client tokens (``/v1/edge/tokens``).
 - :mod:`~firstbyte.protocol.headers`, :mod:`~firstbyte.protocol.paths`,
   :mod:`~firstbyte.protocol.error_codes`: header names, URL paths, the router's error codes.
 
@@ -18,7 +19,7 @@ A change to the wire format is an edit here plus its test in ``tests/protocol``.
 
 from __future__ import annotations
 
-from . import edge, error_codes, headers, openai, paths, poll, sse, timings, ws
+from . import edge, error_codes, headers, openai, paths, poll, sse, timings, tokens, ws
 from .edge import BackendStatus, EdgeStatus, EdgeStatusReport, PeerLink, PublicEdgeStatus
 from .openai import (
     ChatCompletion,
@@ -81,5 +82,6 @@ __all__ = [
     "poll",
     "sse",
     "timings",
+    "tokens",
     "ws",
 ]

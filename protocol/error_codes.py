@@ -7,9 +7,12 @@ itself answers with. A client may act on them (``region_saturated`` -> try anoth
 from __future__ import annotations
 
 __all__ = [
+    "API_KEY_REQUIRED",
     "CANCELLED",
+    "CLIENT_TOKEN_EXPIRED",
     "INVALID_AFTER",
     "INVALID_API_KEY",
+    "INVALID_CLIENT_TOKEN",
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
     "INVALID_TIMINGS",
@@ -36,6 +39,13 @@ __all__ = [
 
 MISSING_API_KEY = "missing_api_key"
 INVALID_API_KEY = "invalid_api_key"
+INVALID_CLIENT_TOKEN = "invalid_client_token"
+"""401: a client token that is malformed, not signed by this router, or bound to another
+``Origin``."""
+CLIENT_TOKEN_EXPIRED = "client_token_expired"
+"""401: a client token past its ``expires_at``; the application's backend mints a new one."""
+API_KEY_REQUIRED = "api_key_required"
+"""403: a client token where only an API key may act (minting tokens)."""
 INVALID_REQUEST = "invalid_request"
 INVALID_TIMINGS = "invalid_timings"
 """400: a timings report that is not one, holds too many records, or holds a record no real

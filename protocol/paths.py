@@ -10,14 +10,17 @@ from __future__ import annotations
 __all__ = [
     "API_BASE",
     "CHAT_COMPLETIONS",
+    "EDGE_CLIENT",
     "EDGE_STATUS",
     "EDGE_TIMINGS",
+    "EDGE_TOKENS",
     "HEALTHZ",
     "METRICS",
     "MODELS",
     "STREAMS",
     "WEBSOCKET",
     "at_base",
+    "edge_client",
     "stream",
     "stream_poll",
 ]
@@ -43,6 +46,12 @@ EDGE_STATUS = "/v1/edge/status"
 EDGE_TIMINGS = "/v1/edge/timings"
 """``POST``: a client's report of what its finished streams cost it
 (:mod:`firstbyte.protocol.timings`); 202 ``{"accepted": N}``."""
+EDGE_TOKENS = "/v1/edge/tokens"
+"""``POST`` with an API key (from the application's backend, never a browser): a short-lived
+client token for a browser (:mod:`firstbyte.protocol.tokens`)."""
+
+EDGE_CLIENT = "/v1/edge/client"
+"""``GET {EDGE_CLIENT}/NAME.js``, no key: the browser client's JavaScript modules."""
 
 HEALTHZ = "/healthz"
 """``GET``, no key: ``ok``, or 503 ``warming`` / ``unhealthy``. At the server root."""
@@ -59,6 +68,11 @@ def stream(stream_id: str) -> str:
 def stream_poll(stream_id: str) -> str:
     """``GET ?after=N&wait=S``: the stream's next long-poll batch."""
     return f"{STREAMS}/{stream_id}/poll"
+
+
+def edge_client(name: str) -> str:
+    """``GET``: one module of the browser client (``firstbyte.js``, ``sse.js``, ...)."""
+    return f"{EDGE_CLIENT}/{name}"
 
 
 def at_base(path: str, base: str) -> str:

@@ -16,6 +16,8 @@ import msgspec
 __all__ = [
     "CLOSE_INVALID_PAYLOAD",
     "CLOSE_POLICY",
+    "SUBPROTOCOL",
+    "TOKEN_SUBPROTOCOL_PREFIX",
     "ClientMessage",
     "Done",
     "Error",
@@ -33,6 +35,12 @@ CLOSE_INVALID_PAYLOAD = 1007
 """Close code: a message that is not JSON, has an unknown type or an invalid request body."""
 CLOSE_POLICY = 1008
 """Close code: authentication, an unknown or foreign stream (not told apart), too many streams."""
+
+SUBPROTOCOL = "firstbyte.v1"
+"""The subprotocol the router selects when a client offers it (a browser passing its client
+token as a subprotocol must offer this one too: the handshake must select one it offered)."""
+TOKEN_SUBPROTOCOL_PREFIX = "firstbyte.token."
+"""A client token offered as subprotocol ``firstbyte.token.TOKEN`` (never selected)."""
 
 
 class Request(msgspec.Struct, tag="request", tag_field="type"):

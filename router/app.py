@@ -15,8 +15,10 @@ from collections.abc import Awaitable, Callable
 from firstbyte.protocol import error_codes, paths
 
 from . import endpoints
-from .asgi import Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send, header_dict, send_bytes
 from .config import RouterConfig
+from .cors import Preflight
+from .edge_client import serve_client_file
 from .overload import MemoryGuard
 from .pipeline.context import error_reply
 from .state import RouterState
@@ -36,9 +38,12 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.METRICS: {"GET": endpoints.metrics},
     paths.EDGE_STATUS: {"GET": endpoints.edge_status},
     paths.EDGE_TIMINGS: {"POST": endpoints.edge_timings},
+    paths.EDGE_TOKENS: {"POST": endpoints.mint_token},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
-_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
+_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS})
+# paths.edge_client(NAME)
+_CLIENT_FILE = re.compile("^" + re.escape(paths.EDGE_CLIENT) + r"/(?P<name>[a-z0-9_-]{1,40}\.js)$")
 # paths.stream(ID) and paths.stream_poll(ID)
 _STREAM_PATH = re.compile(
     "^" + re.escape(paths.STREAMS) + r"/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$"
@@ -68,6 +73,18 @@ class RouterApp:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         path: str = scope["path"]
+        if kind == "http":
+            cors = self.state.cors.decide(scope["method"], path, header_dict(scope))
+            if isinstance(cors, Preflight):
+                await send_bytes(send, cors.status, b"", content_type="text/plain",
+                                 headers=cors.headers)
+                return
+            if cors is not None:
+                send = _adding_headers(send, cors.headers)
+            client_file = _CLIENT_FILE.match(path)
+            if client_file is not None and scope["method"] == "GET":
+                await serve_client_file(scope, receive, send, client_file.group("name"))
+                return
         if path not in _UNGATED:
             await self.state.until_warm()
         if kind == "websocket":
@@ -136,6 +153,18 @@ class RouterApp:
                 await self.state.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _adding_headers(send: Send, headers: tuple[tuple[str, str], ...]) -> Send:
+    """``send`` with ``headers`` added to the response start."""
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
+        await send(message)
+
+    return wrapped
 
 
 def build_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> RouterApp:

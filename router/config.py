@@ -33,6 +33,7 @@ __all__ = [
     "AuthConfig",
     "ClientTimingsConfig",
     "ConfigError",
+    "CorsConfig",
     "LimitsConfig",
     "ListenConfig",
     "RouterConfig",
@@ -113,6 +114,29 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
     """Bearer keys that may read ``/metrics`` and the whole ``/v1/edge/status`` and nothing else
     (a Prometheus scraper's token); API keys and the peer key may read them too."""
+    token_secret: Annotated[str, msgspec.Meta(min_length=32)] | None = None
+    """Signs client tokens (``POST /v1/edge/tokens``, docs/browser.md). Every process and host
+    that must accept a token needs the same secret; unset, each process draws its own at start
+    and accepts only the tokens it minted."""
+    client_token_max_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 900.0
+    """The longest lifetime a client token may ask for (a longer ``ttl_s`` is cut to it)."""
+    client_token_default_ttl_s: PositiveSeconds = 300.0
+    """A client token's lifetime when the request names none."""
+
+
+Origin = Annotated[str, msgspec.Meta(pattern=r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?$")]
+
+
+class CorsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which web pages may call the router from a browser (docs/browser.md, "CORS").
+
+    Origins match exactly (``https://app.example``, port included when not the default); no
+    wildcard: a browser sends client tokens, and an open list would let any page spend them.
+    """
+
+    allow_origins: list[Origin] = msgspec.field(default_factory=list)
+    max_age_s: Annotated[int, msgspec.Meta(ge=0, le=86400)] = 600
+    """How long a browser may cache a preflight answer."""
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -237,6 +261,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     streams: StreamsConfig = msgspec.field(default_factory=StreamsConfig)
     state: StateConfig = msgspec.field(default_factory=StateConfig)
+    cors: CorsConfig = msgspec.field(default_factory=CorsConfig)
     # Routing across regions (router/regions_config.py).
     geo: GeoConfig = msgspec.field(default_factory=GeoConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)

@@ -23,6 +23,7 @@ from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
 from firstbyte.protocol.openai import encode
 from firstbyte.protocol.poll import StreamStarted
 from firstbyte.protocol.timings import decode_report
+from firstbyte.protocol.tokens import QUERY_PARAM, TokenRequest
 
 from .asgi import (
     BodyTimeout,
@@ -36,8 +37,9 @@ from .asgi import (
     stream_body,
     unless_gone,
 )
+from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
-from .pipeline.admit import admit_body, authenticate
+from .pipeline.admit import admit_body, adopt_token, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import (
     CONTINUE,
@@ -50,7 +52,6 @@ from .pipeline.context import (
 )
 from .readers import ReadableStream, parse_after, poll, sse_events
 from .state import RouterState
-from .streams import owner_of
 from .tenancy import limit_key, refusal
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "edge_timings",
     "healthz",
     "metrics",
+    "mint_token",
     "models",
     "new_context",
     "not_found",
@@ -145,7 +147,7 @@ async def _admitted(
     ctx = new_context(state, scope)
     # The key is checked on the head, before any body is read: a client without one cannot
     # make the router wait for a body, or read and drain one.
-    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys), "chat"):
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "chat"):
         return None
     limit = state.config.limits.max_body_bytes
     body = await _read_body(state, receive, send, ctx, limit, "chat")
@@ -201,7 +203,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         return
     if not ctx.stream_requested:
         # Counted against the key's concurrency like a stream (streams count in the store).
-        with state.limiter.holding(owner_of(ctx.api_key)):
+        with state.limiter.holding(ctx.owner):
             forward = asyncio.ensure_future(
                 state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
             )
@@ -228,7 +230,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         )
         return
     # limit_key made room in the store (nothing awaited since): no eviction here.
-    stream = ctx.stream = state.new_stream(owner_of(ctx.api_key))
+    stream = ctx.stream = state.new_stream(ctx.owner)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -292,7 +294,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = ctx.stream = state.new_stream(owner_of(ctx.api_key))
+    stream = ctx.stream = state.new_stream(ctx.owner)
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:
@@ -317,10 +319,10 @@ async def start_detached_stream(
 async def _lookup(
     state: RouterState, ctx: RequestContext, stream_id: str
 ) -> ReadableStream | LocalReply:
-    outcome = authenticate(ctx, state.api_keys)
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         return outcome
-    stream = await state.find_stream(stream_id, owner_of(ctx.api_key))
+    stream = await state.find_stream(stream_id, ctx.owner)
     if stream is None:
         return error_reply(
             404,
@@ -368,12 +370,14 @@ async def _open_stream(
     ``Last-Event-ID`` header first when ``last_event_id``); returns (context, stream, after,
     query), or None once a 401/404/400 reply is sent."""
     ctx = new_context(state, scope)
+    query = _query(scope)
+    if last_event_id:
+        adopt_token(ctx, query.get(QUERY_PARAM))  # EventSource cannot send Authorization
     found = await _lookup(state, ctx, stream_id)
     if isinstance(found, LocalReply):
         await _finish(state, send, ctx, found, endpoint)
         return None
     ctx.stream = found
-    query = _query(scope)
     raw_after = query.get("after")
     name = "after"
     if last_event_id:
@@ -448,7 +452,7 @@ async def poll_stream(
 async def models(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /v1/models``: the chosen upstream's list."""
     ctx = new_context(state, scope)
-    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys), "models"):
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "models"):
         return
     if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "models"):
         return
@@ -461,6 +465,49 @@ async def models(state: RouterState, scope: Scope, receive: Receive, send: Send)
         content_type=answer.content_type,
         headers=_common_headers(ctx),
     )
+
+
+_token_request = msgspec.json.Decoder(TokenRequest)
+_origin = msgspec.json.Decoder(Origin)
+
+
+def _parse_token_request(body: bytes) -> TokenRequest | LocalReply:
+    try:
+        request = _token_request.decode(body) if body.strip() else TokenRequest()
+        if request.origin is not None:
+            _origin.decode(msgspec.json.encode(request.origin))
+    except msgspec.DecodeError as exc:
+        return error_reply(400, f"Invalid token request: {exc}", code=error_codes.INVALID_REQUEST)
+    return request
+
+
+async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/edge/tokens``: a client token for the calling API key (never for a token)."""
+    ctx = new_context(state, scope)
+    try:
+        body = await read_body(receive, 4096)
+    except ClientGone:
+        return
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
+    if outcome is CONTINUE and ctx.by_client_token:
+        outcome = error_reply(
+            403,
+            "A client token cannot mint tokens; the application's backend mints them with"
+            " its API key.",
+            "permission_error",
+            code=error_codes.API_KEY_REQUIRED,
+            outcome="forbidden",
+        )
+    if await _finish(state, send, ctx, outcome, "tokens"):
+        return
+    request = _parse_token_request(body)
+    if isinstance(request, LocalReply):
+        await _finish(state, send, ctx, request, "tokens")
+        return
+    grant = state.tokens.mint(ctx.owner, time.time(), request.ttl_s, request.origin)
+    state.metrics.count("tokens", "ok")
+    await send_bytes(send, 200, encode(grant),
+                     headers=[*_common_headers(ctx), ("cache-control", "no-store")])
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
@@ -533,9 +580,11 @@ async def edge_timings(state: RouterState, scope: Scope, receive: Receive, send:
         latency.reject("disabled")
         await not_found(scope, send)
         return
-    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys), "timings"):
+    # An API key or a client token (a browser's): a record joins the streams of its key.
+    authenticated = authenticate(ctx, state.api_keys, state.tokens)
+    if await _finish(state, send, ctx, authenticated, "timings"):
         return
-    owner = owner_of(ctx.api_key)
+    owner = ctx.owner
     limited = state.report_limiter.take(owner, state.clock())
     if limited is not None:
         latency.reject("rate_limited")

@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
 from .client_timings import ClientLatency
+from .client_tokens import TokenSigner
 from .config import RouterConfig
+from .cors import CorsPolicy
 from .metrics import Metrics
 from .multiregion import RegionRouting
 from .observability.access import RequestLog, SpanSink
@@ -44,6 +47,12 @@ class RouterState:
         # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
         self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
         self.metrics = Metrics()
+        self.tokens = TokenSigner(
+            _token_secret(config),
+            max_ttl_s=config.auth.client_token_max_ttl_s,
+            default_ttl_s=config.auth.client_token_default_ttl_s,
+        )
+        self.cors = CorsPolicy(config.cors)
         self.store = StreamStore(
             max_total_bytes=config.streams.max_total_bytes,
             max_age_s=config.streams.max_age_s,
@@ -209,3 +218,12 @@ class RouterState:
         if self.shared is not None:
             await self.shared.aclose()  # ... which are flushed before the lease is released
         await self.requests.aclose()
+
+
+def _token_secret(config: RouterConfig) -> bytes:
+    if config.auth.token_secret is not None:
+        return config.auth.token_secret.encode()
+    if config.cors.allow_origins:
+        log.info("auth.token_secret is not set: client tokens minted here are valid on this"
+                 " process only (set it for several processes or hosts)")
+    return secrets.token_bytes(32)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from firstbyte.protocol import error_codes
 
 from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext, error_reply
-from .streams import StoreFull, StreamStore, owner_of
+from .streams import StoreFull, StreamStore
 
 __all__ = ["KeyLimiter", "TokenBucket", "limit_key", "refusal"]
 
@@ -160,7 +160,7 @@ def limit_key(ctx: RequestContext, limiter: KeyLimiter, store: StreamStore, now:
 
     The rate is checked last so that a request refused for another reason spends no token.
     """
-    owner = owner_of(ctx.api_key)
+    owner = ctx.owner
     in_flight = store.live_streams(owner) + limiter.unstreamed(owner)
     refused = limiter.over_concurrency(in_flight)
     if refused is None and ctx.stream_requested:

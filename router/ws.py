@@ -19,6 +19,8 @@ from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.ws import (
     CLOSE_INVALID_PAYLOAD,
     CLOSE_POLICY,
+    SUBPROTOCOL,
+    TOKEN_SUBPROTOCOL_PREFIX,
     Done,
     Error,
     Event,
@@ -32,12 +34,11 @@ from firstbyte.protocol.ws import encode as encode_message
 
 from .asgi import Message, Receive, Scope, Send
 from .endpoints import new_context
-from .pipeline.admit import admit_chat, authenticate
+from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .readers import ReadableStream, follow
 from .state import RouterState
-from .streams import owner_of
 from .tenancy import limit_key
 
 __all__ = ["websocket_session"]
@@ -110,7 +111,8 @@ class _Session:
         ctx.traceparent = self.ctx.traceparent
         ctx.body = bytes(message.body)
         limits = self.state.config.limits
-        outcome = admit_chat(ctx, self.state.api_keys, limits.max_body_bytes, force_stream=True)
+        outcome = admit_chat(ctx, self.state.api_keys, limits.max_body_bytes, force_stream=True,
+                             tokens=self.state.tokens)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body))
@@ -138,7 +140,7 @@ class _Session:
                 )
             )
             return
-        stream = ctx.stream = self.state.new_stream(owner_of(ctx.api_key))
+        stream = ctx.stream = self.state.new_stream(ctx.owner)
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         self.state.requests.stream_started(ctx)
@@ -149,7 +151,7 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
-        stream = await self.state.find_stream(message.stream, owner_of(self.ctx.api_key))
+        stream = await self.state.find_stream(message.stream, self.ctx.owner)
         if stream is None:
             await self.send(
                 _error(
@@ -235,19 +237,24 @@ async def websocket_session(state: RouterState, scope: Scope, receive: Receive, 
     if message["type"] != "websocket.connect":
         return
     ctx = new_context(state, scope)
-    outcome = authenticate(ctx, state.api_keys)
+    offered: list[str] = list(scope.get("subprotocols") or ())
+    for protocol in offered:
+        if protocol.startswith(TOKEN_SUBPROTOCOL_PREFIX):
+            # A browser's WebSocket cannot send Authorization: its token rides as a
+            # subprotocol (out of the URL, so out of access logs), never selected.
+            adopt_token(ctx, protocol[len(TOKEN_SUBPROTOCOL_PREFIX) :])
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         state.metrics.count("ws", outcome.outcome)
         await _refuse(scope, send, outcome)
         return
-    await send(
-        {
-            "type": "websocket.accept",
-            "headers": [
-                (REGION_HEADER.encode(), state.region.encode()),
-            ],
-        }
-    )
+    accept: dict[str, object] = {
+        "type": "websocket.accept",
+        "headers": [(REGION_HEADER.encode(), state.region.encode())],
+    }
+    if SUBPROTOCOL in offered:
+        accept["subprotocol"] = SUBPROTOCOL
+    await send(accept)
     session = _Session(state, ctx, send)
     idle_s = state.config.limits.websocket_idle_timeout_s
     try:

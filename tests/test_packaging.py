@@ -84,6 +84,7 @@ def test_the_wheel_holds_one_top_level_name(install: Install) -> None:
     assert top == {"firstbyte", f"firstbyte-{version}.dist-info"}
     assert "firstbyte/client_sdk/client.py" in names
     assert "firstbyte/router/sim/server.py" in names
+    assert "firstbyte/client_sdk/browser/firstbyte.js" in names  # the router serves it
     assert "firstbyte = firstbyte.cli:main" in entry_points.decode()
 
 

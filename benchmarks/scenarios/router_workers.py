@@ -316,7 +316,7 @@ def run(quick: bool) -> dict[str, Any]:
                 port = _free_port()
                 config = _router_config(Path(tmp) / f"{name}.toml", sim_url, port, workers,
                                         redis_url, n_max)
-                with _spawn(["router", "--config", str(config)], " on http://", workers) as rp:
+                with _spawn(["router", "--config", str(config)], " serving http://", workers) as rp:
                     for n in levels:
                         rows[str(n)] = _measure(port, n, ramp_s, max_tokens, rp,
                                                 rs.pid if redis_url else None, redis_url)

@@ -14,9 +14,17 @@ from collections.abc import Sequence
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import RequestValidationError, decode_request
 
+from ..client_tokens import TokenRefusal, TokenSigner, is_client_token
 from .context import CONTINUE, Outcome, RequestContext, error_reply
 
-__all__ = ["admit_body", "admit_chat", "authenticate", "check_body_size", "parse_chat"]
+__all__ = [
+    "admit_body",
+    "admit_chat",
+    "adopt_token",
+    "authenticate",
+    "check_body_size",
+    "parse_chat",
+]
 
 
 def _bearer(headers: dict[str, str]) -> str | None:
@@ -29,9 +37,33 @@ def _bearer(headers: dict[str, str]) -> str | None:
     return token.strip()
 
 
-def authenticate(ctx: RequestContext, api_keys: Sequence[bytes]) -> Outcome:
-    """Accept a request whose bearer token is one of ``api_keys`` (any request if none)."""
+def adopt_token(ctx: RequestContext, credential: str | None) -> None:
+    """Take a client token that came outside ``Authorization`` (an ``EventSource`` query
+    parameter, a WebSocket subprotocol) as if it were the bearer token. Only something shaped
+    like a client token is taken: an API key never travels in a URL or a subprotocol."""
+    if credential and is_client_token(credential) and "authorization" not in ctx.headers:
+        ctx.headers["authorization"] = f"Bearer {credential}"
+
+
+def _by_token(ctx: RequestContext, token: str, tokens: TokenSigner) -> Outcome:
+    claims = tokens.verify(token, time.time(), ctx.headers.get("origin"))
+    if isinstance(claims, TokenRefusal):
+        return error_reply(
+            401, claims.message, "authentication_error", code=claims.code, outcome="unauthorized"
+        )
+    ctx.api_key = None
+    ctx.token_owner = claims.owner
+    return CONTINUE
+
+
+def authenticate(
+    ctx: RequestContext, api_keys: Sequence[bytes], tokens: TokenSigner | None = None
+) -> Outcome:
+    """Accept a request whose bearer token is one of ``api_keys`` (any request if none) or,
+    when ``tokens`` is given, a valid client token (it acts as its key's owner)."""
     token = _bearer(ctx.headers)
+    if tokens is not None and token is not None and is_client_token(token):
+        return _by_token(ctx, token, tokens)
     if not api_keys:
         ctx.api_key = token
         return CONTINUE
@@ -98,9 +130,10 @@ def admit_chat(
     max_body_bytes: int,
     *,
     force_stream: bool = False,
+    tokens: TokenSigner | None = None,
 ) -> Outcome:
     """Run authentication, then :func:`admit_body`."""
-    outcome = authenticate(ctx, api_keys)
+    outcome = authenticate(ctx, api_keys, tokens)
     if outcome is not CONTINUE:
         return outcome
     return admit_body(ctx, max_body_bytes, force_stream=force_stream)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
 
+from ..streams import owner_of
+
 if TYPE_CHECKING:
     from ..observability.access import Usage
     from ..readers import ReadableStream
@@ -139,6 +141,9 @@ class RequestContext:
     http_version: str = "1.1"
     received_at: float = field(default_factory=time.perf_counter)
     api_key: str | None = field(default=None, repr=False)
+    token_owner: bytes | None = field(default=None, repr=False)
+    """Set when a client token authenticated the request: its key's owner digest
+    (``api_key`` is then None: the router never sees the key behind a token)."""
     request: ChatCompletionRequest | None = field(default=None, repr=False)
     stream_requested: bool = False
     traceparent: Traceparent = field(default_factory=lambda: Traceparent.continue_from(None))
@@ -162,6 +167,16 @@ class RequestContext:
     """A non-streamed completion's usage (a stream's is read from the stream at its end)."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # upstream_headers: keys
     """Room for later stages (GeoIP location, region choice, prefix hash, ...)."""
+
+    @property
+    def owner(self) -> bytes:
+        """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
+        owner of its streams and the subject of the per-key limits, for a key or its token."""
+        return self.token_owner if self.token_owner is not None else owner_of(self.api_key)
+
+    @property
+    def by_client_token(self) -> bool:
+        return self.token_owner is not None
 
     def server_timing(self, **more_ms: float) -> str:
         """``Server-Timing`` for what is known now: queue, route, then ``more_ms`` entries."""

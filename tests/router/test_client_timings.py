@@ -270,3 +270,23 @@ async def test_disabled_answers_404(
         text = await scrape(http, router)
         assert metric(text, f"{TTFT}_count") == 0
         assert metric(text, REJECTED, reason="disabled") == 1
+
+
+async def test_a_browsers_client_token_reports_and_joins_its_keys_streams(
+    geo_router: RouterEndpoints, http: httpx.AsyncClient, upstream: Upstream
+) -> None:
+    upstream.delay_s = 0.02
+    body = {"model": "test-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.stream("POST", geo_router.openai_base_url + "/chat/completions", json=body,
+                           headers=auth()) as response:
+        stream_id = response.headers["x-firstbyte-stream"]
+        await response.aread()
+    minted = await http.post(geo_router.base_url + paths.EDGE_TOKENS, json={}, headers=auth())
+    assert minted.status_code == 200, minted.text
+    token = minted.json()["token"]
+    answer = await post(http, geo_router, [record(stream_id=stream_id, first_token_ms=5_000.0,
+                                                  last_token_ms=5_001.0, render_ms=None)],
+                        key=token)
+    assert answer.status_code == 202, answer.text
+    text = await scrape(http, geo_router)
+    assert metric(text, "firstbyte_client_timings_records_total", join="joined") == 1

@@ -100,8 +100,8 @@ def _start(config: Path, port: int, tmp: Path, name: str, workers: int = 1) -> R
     log = tmp / f"{name}.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "firstbyte", "router", "--config", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
         start_new_session=True,
     )
@@ -110,7 +110,7 @@ def _start(config: Path, port: int, tmp: Path, name: str, workers: int = 1) -> R
 
 async def _until_listening(router: RouterProcess, workers: int = 1) -> None:
     deadline = time.monotonic() + 30
-    while router.log.read_text().count(" on https://") < workers:
+    while router.log.read_text().count(" serving https://") < workers:
         assert router.process.poll() is None, router.log.read_text()
         assert time.monotonic() < deadline, router.log.read_text()
         await asyncio.sleep(0.05)

@@ -127,5 +127,5 @@ async def test_idle_websocket_is_closed(start_router_process: RouterStarter) -> 
                 held_s = time.monotonic() - started
         assert closed.value.rcvd is not None
         assert closed.value.rcvd.code == 1001
-        assert 1.5 <= held_s < 20
+        assert 1.5 - 0.05 <= held_s < 20  # the loop's timer may fire a few ms early
     router.assert_clean_log()

@@ -1,0 +1,418 @@
+// firstbyte's browser client: stream a chat completion from a firstbyte router over
+// fetch-streamed SSE, EventSource, WebSocket or long-poll; resume a broken stream exactly
+// as the Python SDK does; record the same Timings plus paint time and long tasks.
+//
+//   import { Client } from "https://router.example/v1/edge/client/firstbyte.js";
+//   const client = new Client({ baseUrl: "https://router.example/v1", token, transport: "websocket" });
+//   const stream = client.stream({ model, messages }, { into: document.querySelector("#answer") });
+//   for await (const delta of stream) { /* into: already appended */ }
+//   console.log(stream.timings);   // JSON: the Python SDK's Timings fields + render_ms, long_tasks
+//
+// `token` is a client token minted by the application's backend (POST /v1/edge/tokens with
+// its API key; docs/browser.md): a browser never holds an API key. EventSource and WebSocket
+// cannot send headers; the token then travels as ?token= (EventSource) or a subprotocol.
+
+import { HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
+import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
+import {
+  APIError, PollCursor, ResumePolicy, SequenceGapError, StreamAssembler, StreamBrokenError,
+} from "./stream.js";
+import { TimingRecorder } from "./timings.js";
+
+export {
+  APIError, FirstbyteError, StreamBrokenError, StreamStalledError, SequenceGapError,
+} from "./stream.js";
+
+export const TRANSPORTS = Object.freeze(["sse-fetch", "eventsource", "websocket", "longpoll"]);
+
+/** The connection broke after the request was sent; the stream may be resumable. */
+export class TransportCut extends StreamBrokenError {}
+class Stalled extends StreamBrokenError {}
+
+const END = Symbol("end");
+
+/** A push queue between a transport's callbacks and the stream's loop. */
+class Channel {
+  constructor() {
+    this.items = [];
+    this.waiter = null;
+    this.closed = false;
+    this.abort = new AbortController();
+    this.onClose = [];
+    this.ended = new Promise((resolve) => { this.settle = resolve; });
+  }
+  push(item) {
+    if (this.closed) return;
+    if (this.waiter) {
+      const { resolve } = this.waiter;
+      this.waiter = null;
+      resolve(item);
+    } else this.items.push(item);
+  }
+  fail(error) {
+    if (this.closed) return;
+    if (this.waiter) {
+      const { reject } = this.waiter;
+      this.waiter = null;
+      reject(error);
+    } else this.items.push({ error });
+    this.closed = true;
+    this.settle();
+  }
+  end() {
+    this.push(END);
+    this.settle();
+  }
+  /** The next item, or throws the transport's error; rejects with Stalled after idleMs. */
+  next(idleMs) {
+    if (this.items.length) {
+      const item = this.items.shift();
+      return item?.error ? Promise.reject(item.error) : Promise.resolve(item);
+    }
+    if (this.closed) return Promise.reject(new TransportCut("transport closed"));
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.waiter = null;
+        reject(new Stalled("stalled"));
+      }, idleMs);
+      this.waiter = {
+        resolve: (v) => { clearTimeout(timer); resolve(v); },
+        reject: (e) => { clearTimeout(timer); reject(e); },
+      };
+    });
+  }
+  close() {
+    this.closed = true;
+    this.abort.abort();
+    for (const fn of this.onClose) fn();
+  }
+}
+
+async function errorFrom(response) {
+  let error = null;
+  try {
+    error = (await response.json()).error;
+  } catch { /* not JSON */ }
+  return new APIError(response.status, error);
+}
+
+function asCut(err) {
+  if (err instanceof StreamBrokenError || err instanceof APIError) return err;
+  return new TransportCut(err?.message || String(err));
+}
+
+export class Client {
+  constructor({ baseUrl, token, transport = "sse-fetch", idleTimeoutS = 30, maxResumes = 5,
+                resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10 }) {
+    if (!TRANSPORTS.includes(transport)) {
+      throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
+    }
+    this.baseUrl = baseUrl.replace(/\/+$/, "");
+    this.apiBase = new URL(this.baseUrl).pathname; // "/v1", or a proxy's own base
+    this.token = token;
+    this.transport = transport;
+    this.idleTimeoutS = idleTimeoutS;
+    this.maxResumes = maxResumes;
+    this.resumeBackoffS = resumeBackoffS;
+    this.stallRetries = stallRetries;
+    this.pollWaitS = pollWaitS;
+  }
+
+  /** ``PATHS.X`` under this client's base URL. */
+  url(path) {
+    return new URL(this.baseUrl).origin + this.apiBase + path.slice(PATHS.API_BASE.length);
+  }
+
+  /**
+   * Stream one chat completion. `onFirstToken(delta)` runs when the first token arrives and
+   * should put its text in the DOM; or give `into` (an Element) and the client appends every
+   * token's text there itself. Either way `timings.render_ms` is the next animation frame.
+   */
+  stream(request, { onFirstToken = null, into = null } = {}) {
+    // As the Python SDK: usage in the last chunk, so the token count is known.
+    const body = { stream_options: { include_usage: true }, ...request, stream: true };
+    return new ChatStream(this, body, { onFirstToken, into });
+  }
+}
+
+export class ChatStream {
+  constructor(client, body, { onFirstToken, into }) {
+    this.client = client;
+    this.body = JSON.stringify(body);
+    this.onFirstToken = onFirstToken;
+    this.into = into;
+    this.recorder = new TimingRecorder(client.transport);
+    this.assembler = new StreamAssembler();
+    this.policy = new ResumePolicy({
+      maxResumes: client.maxResumes, backoffS: client.resumeBackoffS,
+      stallRetries: client.stallRetries, idleTimeoutS: client.idleTimeoutS,
+    });
+    this.streamId = null;
+    this.parts = [];
+    this.finished = false;
+    this.channel = null;
+  }
+
+  get timings() {
+    return this.recorder.record;
+  }
+  get text() {
+    return this.parts.join("");
+  }
+  get usage() {
+    return this.assembler.usage;
+  }
+
+  /** Read the whole stream; resolves to the text. */
+  async collect() {
+    for await (const _ of this); // eslint-disable-line no-unused-vars
+    return this.text;
+  }
+
+  async *[Symbol.asyncIterator]() {
+    this.channel = this.#open(null, 0);
+    try {
+      while (!this.finished) {
+        const delta = await this.#step();
+        if (delta) yield delta;
+      }
+      // Let the response end on its own (it does right after [DONE]): an aborted body may
+      // leave no Resource Timing entry behind.
+      await Promise.race([this.channel.ended, new Promise((r) => setTimeout(r, 1000))]);
+    } finally {
+      this.channel?.close();
+      this.finished = true;
+      await this.recorder.finish();
+    }
+  }
+
+  async #step() {
+    let item;
+    try {
+      item = await this.channel.next(this.client.idleTimeoutS * 1000);
+      if (item === END) {
+        if (this.assembler.done) {
+          this.finished = true;
+          return null;
+        }
+        throw new TransportCut("stream ended before its last event");
+      }
+      if (item.opened !== undefined) {
+        if (item.opened) this.streamId = item.opened;
+        return null;
+      }
+      const delta = this.assembler.receive(item.seq, item.payload);
+      if (this.assembler.done) this.finished = true;
+      if (!delta) return null;
+      if (delta.isContent) {
+        const first = this.recorder.record.first_token_ms === null;
+        this.recorder.token();
+        if (this.into) this.into.append(document.createTextNode(delta.text));
+        if (first) {
+          if (this.onFirstToken) this.onFirstToken(delta);
+          this.recorder.awaitPaint(); // not awaited: later tokens keep their arrival times
+        }
+      }
+      this.parts.push(delta.text);
+      return delta;
+    } catch (err) {
+      if (!(err instanceof TransportCut || err instanceof SequenceGapError ||
+            err instanceof Stalled)) {
+        this.finished = true;
+        throw err;
+      }
+      await this.#recover(err);
+      return null;
+    }
+  }
+
+  async #recover(reason) {
+    this.channel.close();
+    let step;
+    try {
+      step = this.policy.broken(reason.message, {
+        opened: this.streamId !== null, stalled: reason instanceof Stalled,
+        lastSeq: this.assembler.lastSeq,
+      });
+    } catch (err) {
+      this.finished = true;
+      throw err;
+    }
+    if (step.delayS) await new Promise((r) => setTimeout(r, step.delayS * 1000));
+    if (!step.resend) this.recorder.resume();
+    this.channel = this.#open(step.resend ? null : this.streamId, this.assembler.lastSeq);
+  }
+
+  #open(streamId, after) {
+    const channel = new Channel();
+    const run = {
+      "sse-fetch": sseFetch, eventsource: eventSource, websocket: webSocket, longpoll: longPoll,
+    }[this.client.transport];
+    run(this, channel, streamId, after).catch((err) => channel.fail(asCut(err)));
+    return channel;
+  }
+
+  // -- helpers the transports share --------------------------------------------------------
+  headers(extra = {}) {
+    return { authorization: `Bearer ${this.client.token}`, ...extra };
+  }
+
+  async fetch(url, init, channel) {
+    this.recorder.noteRequest(url);
+    const response = await fetch(url, { ...init, signal: channel.abort.signal, cache: "no-store" });
+    this.recorder.requestSent();
+    this.recorder.noteResponse(response.headers);
+    if (!response.ok) throw await errorFrom(response);
+    return response;
+  }
+
+  /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others). */
+  start(url, channel) {
+    return this.fetch(url, {
+      method: "POST", body: this.body,
+      headers: this.headers({ "content-type": "application/json" }),
+    }, channel);
+  }
+}
+
+// -- transports: each pushes {opened: id} once, then {seq, payload} items, then END -----------
+
+async function sseFetch(stream, channel, streamId, after) {
+  const client = stream.client;
+  const response = streamId === null
+    ? await stream.start(client.url(PATHS.CHAT_COMPLETIONS), channel)
+    : await stream.fetch(client.url(`${PATHS.STREAMS}/${streamId}`), {
+      headers: stream.headers({ "last-event-id": String(after), accept: "text/event-stream" }),
+    }, channel);
+  const ctype = response.headers.get("content-type") || "";
+  if (!ctype.startsWith("text/event-stream")) {
+    throw new StreamBrokenError(`expected an event stream, got content-type ${ctype}`);
+  }
+  channel.push({ opened: response.headers.get(HEADERS.STREAM) || streamId });
+  const decoder = new SSEDecoder();
+  const reader = response.body.getReader();
+  channel.onClose.push(() => reader.cancel().catch(() => {}));
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    let events;
+    try {
+      events = decoder.receive(value);
+    } catch (err) {
+      if (err instanceof SSEProtocolError) throw new StreamBrokenError(err.message);
+      throw err;
+    }
+    for (const e of events) channel.push({ seq: seqOf(e.id), payload: e.data });
+  }
+  channel.end();
+}
+
+async function eventSource(stream, channel, streamId, after) {
+  const client = stream.client;
+  if (streamId === null) {
+    const started = await (await stream.start(client.url(PATHS.STREAMS), channel)).json();
+    streamId = started.stream;
+  }
+  channel.push({ opened: streamId });
+  const url = new URL(client.url(`${PATHS.STREAMS}/${streamId}`));
+  url.searchParams.set(TOKENS.QUERY_PARAM, client.token);
+  url.searchParams.set("after", String(after));
+  const source = new EventSource(url);
+  channel.onClose.push(() => source.close());
+  let opened = false;
+  source.onopen = () => { opened = true; };
+  source.onmessage = (e) => channel.push({ seq: seqOf(e.lastEventId), payload: e.data });
+  source.onerror = () => {
+    source.close(); // resume is ours (bounded, with backoff), not EventSource's own retry
+    if (opened) {
+      channel.fail(new TransportCut("EventSource connection lost"));
+      return;
+    }
+    // Refused before opening: EventSource hides the status; ask for it with a poll.
+    explain(stream, streamId, after).then((err) => channel.fail(err));
+  };
+}
+
+async function explain(stream, streamId, after) {
+  try {
+    const url = `${stream.client.url(`${PATHS.STREAMS}/${streamId}/poll`)}?after=${after}&wait=0`;
+    const response = await fetch(url, { headers: stream.headers(), cache: "no-store" });
+    if (!response.ok) return await errorFrom(response);
+  } catch { /* unreachable: a cut */ }
+  return new TransportCut("EventSource could not connect");
+}
+
+async function webSocket(stream, channel, streamId, after) {
+  const client = stream.client;
+  const url = new URL(client.url(PATHS.WEBSOCKET));
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  const socket = new WebSocket(url, [WS.SUBPROTOCOL, WS.TOKEN_SUBPROTOCOL_PREFIX + client.token]);
+  channel.onClose.push(() => socket.close());
+  let done = false;
+  socket.onopen = () => {
+    stream.recorder.requestSent();
+    socket.send(streamId === null
+      ? `{"type":"${WS.REQUEST}","body":${stream.body}}`
+      : JSON.stringify({ type: WS.RESUME, stream: streamId, after }));
+  };
+  socket.onmessage = (e) => {
+    stream.recorder.noteResponse(null);
+    const message = JSON.parse(e.data);
+    if (message.type === WS.START) {
+      if (message.region) stream.recorder.record.region = message.region;
+      stream.recorder.record.stream_id = message.stream;
+      channel.push({ opened: message.stream });
+    } else if (message.type === WS.EVENT) {
+      channel.push({ seq: message.seq, payload: message.data });
+    } else if (message.type === WS.DONE) {
+      done = true;
+      channel.push({ seq: message.seq, payload: "[DONE]" });
+      channel.end();
+    } else if (message.type === WS.ERROR) {
+      done = true;
+      channel.fail(new APIError(null, message.error));
+    } // a newer router's message type: skipped
+  };
+  socket.onclose = (e) => {
+    if (!done) channel.fail(new TransportCut(`WebSocket closed (${e.code})`));
+  };
+}
+
+async function longPoll(stream, channel, streamId, after) {
+  const client = stream.client;
+  let batch;
+  if (streamId === null) {
+    const url = `${client.url(PATHS.STREAMS)}?wait=${client.pollWaitS}`;
+    batch = await (await stream.start(url, channel)).json();
+    streamId = batch.stream;
+  }
+  channel.push({ opened: streamId });
+  const cursor = new PollCursor(streamId, { after, waitS: client.pollWaitS });
+  const pollUrl = client.url(`${PATHS.STREAMS}/${streamId}/poll`);
+  for (;;) {
+    if (batch) {
+      for (const e of cursor.receiveBatch(batch, performance.now() / 1000)) {
+        channel.push({ seq: e.seq, payload: e.data });
+      }
+      if (cursor.done) {
+        channel.push({ seq: null, payload: "[DONE]" });
+        channel.end();
+        return;
+      }
+    }
+    batch = null;
+    const next = cursor.nextPoll(performance.now() / 1000);
+    const wait = next.notBefore - performance.now() / 1000;
+    if (wait > 0) await new Promise((r) => setTimeout(r, wait * 1000));
+    if (channel.closed) return;
+    try {
+      const response = await fetch(`${pollUrl}?after=${next.after}&wait=${next.waitS}`,
+        { headers: stream.headers(), signal: channel.abort.signal, cache: "no-store" });
+      if (!response.ok) throw await errorFrom(response);
+      batch = await response.json();
+    } catch (err) {
+      if (err instanceof APIError || channel.closed) throw err;
+      cursor.receiveFailure(performance.now() / 1000, err.message); // throws when out of tries
+    }
+  }
+}

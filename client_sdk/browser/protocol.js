@@ -1,0 +1,76 @@
+// Generated from firstbyte.protocol by `python -m firstbyte.client_sdk.browser_protocol --write`.
+// Do not edit: change protocol/ and regenerate (tests/client_sdk/test_browser_protocol.py checks).
+
+export const PATHS = Object.freeze({
+  "API_BASE": "/v1",
+  "CHAT_COMPLETIONS": "/v1/chat/completions",
+  "EDGE_CLIENT": "/v1/edge/client",
+  "EDGE_STATUS": "/v1/edge/status",
+  "EDGE_TOKENS": "/v1/edge/tokens",
+  "HEALTHZ": "/healthz",
+  "METRICS": "/metrics",
+  "MODELS": "/v1/models",
+  "STREAMS": "/v1/streams",
+  "WEBSOCKET": "/v1/ws"
+});
+
+export const HEADERS = Object.freeze({
+  "BETTER_REGION": "x-firstbyte-better-region",
+  "BETTER_REGION_URL": "x-firstbyte-better-region-url",
+  "FORWARDED": "x-firstbyte-forwarded",
+  "PEER_KEY": "x-firstbyte-peer-key",
+  "REGION": "x-firstbyte-region",
+  "STREAM": "x-firstbyte-stream"
+});
+
+export const ERROR_CODES = Object.freeze({
+  "API_KEY_REQUIRED": "api_key_required",
+  "CANCELLED": "cancelled",
+  "CLIENT_TOKEN_EXPIRED": "client_token_expired",
+  "INVALID_AFTER": "invalid_after",
+  "INVALID_API_KEY": "invalid_api_key",
+  "INVALID_CLIENT_TOKEN": "invalid_client_token",
+  "INVALID_MESSAGE": "invalid_message",
+  "INVALID_REQUEST": "invalid_request",
+  "INVALID_WAIT": "invalid_wait",
+  "KEY_CONCURRENCY_EXCEEDED": "key_concurrency_exceeded",
+  "KEY_RATE_LIMITED": "key_rate_limited",
+  "KEY_STORE_FULL": "key_store_full",
+  "MISSING_API_KEY": "missing_api_key",
+  "NOT_FOUND": "not_found",
+  "OVERLOADED": "overloaded",
+  "REGION_SATURATED": "region_saturated",
+  "REQUEST_TIMEOUT": "request_timeout",
+  "REQUEST_TOO_LARGE": "request_too_large",
+  "SERVICE_UNAVAILABLE": "service_unavailable",
+  "STREAM_LOST": "stream_lost",
+  "STREAM_NOT_FOUND": "stream_not_found",
+  "STREAM_STORE_FULL": "stream_store_full",
+  "TOO_MANY_STREAMS": "too_many_streams",
+  "UNAVAILABLE": "unavailable",
+  "UNSUPPORTED_MEDIA_TYPE": "unsupported_media_type",
+  "UPSTREAM_EOF": "upstream_eof",
+  "UPSTREAM_ERROR": "upstream_error"
+});
+
+export const WS = Object.freeze({
+  "REQUEST": "request",
+  "RESUME": "resume",
+  "START": "start",
+  "EVENT": "event",
+  "DONE": "done",
+  "ERROR": "error",
+  "SUBPROTOCOL": "firstbyte.v1",
+  "TOKEN_SUBPROTOCOL_PREFIX": "firstbyte.token.",
+  "CLOSE_INVALID_PAYLOAD": 1007,
+  "CLOSE_POLICY": 1008
+});
+
+export const SSE = Object.freeze({
+  "DONE": "[DONE]"
+});
+
+export const TOKENS = Object.freeze({
+  "TOKEN_PREFIX": "fbt1.",
+  "QUERY_PARAM": "token"
+});

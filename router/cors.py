@@ -1,0 +1,104 @@
+"""CORS for the browser client: which page origins may call the router, and what they may read.
+
+:meth:`CorsPolicy.decide` is pure: a request's method, path and headers in, what to do out
+(answer a preflight, add headers to the response, or nothing). Listed origins (exact matches
+from ``cors.allow_origins``) get ``Access-Control-Allow-Origin`` with their own origin, the
+firstbyte response headers exposed and ``Timing-Allow-Origin`` (so the page's Resource Timing
+shows DNS, connect, TLS and first byte, not zeros). An unlisted origin gets no CORS header at
+all, so the browser withholds the answer from the page; the router logs it once per origin.
+The browser client's own files are public code: any origin may load them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from firstbyte.protocol import paths
+from firstbyte.protocol.headers import (
+    BETTER_REGION_HEADER,
+    BETTER_REGION_URL_HEADER,
+    REGION_HEADER,
+    STREAM_HEADER,
+)
+
+from .config import CorsConfig
+
+__all__ = ["CorsPolicy", "Preflight", "ResponseHeaders"]
+
+log = logging.getLogger("firstbyte.router.cors")
+
+ALLOW_METHODS = "GET, POST, OPTIONS"
+ALLOW_HEADERS = "authorization, content-type, last-event-id, traceparent"
+EXPOSE_HEADERS = ", ".join((
+    STREAM_HEADER, REGION_HEADER, BETTER_REGION_HEADER, BETTER_REGION_URL_HEADER,
+    "server-timing", "retry-after", "traceparent",
+))
+_MAX_LOGGED_ORIGINS = 1000
+Headers = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    """Answer the ``OPTIONS`` preflight now with this status and these headers."""
+
+    status: int
+    headers: Headers
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHeaders:
+    """Let the request through; add these headers to its response."""
+
+    headers: Headers
+
+
+class CorsPolicy:
+    def __init__(self, config: CorsConfig) -> None:
+        self.allowed = frozenset(config.allow_origins)
+        self.max_age_s = config.max_age_s
+        self._logged: set[str] = set()
+
+    def decide(
+        self, method: str, path: str, headers: dict[str, str]
+    ) -> Preflight | ResponseHeaders | None:
+        """What CORS asks of this request (``headers`` lower-cased, as :func:`header_dict`)."""
+        origin = headers.get("origin")
+        if path.startswith(paths.EDGE_CLIENT + "/"):
+            return ResponseHeaders((("access-control-allow-origin", "*"),
+                                    ("timing-allow-origin", "*")))
+        if origin is None:
+            return None  # not a cross-origin browser request
+        preflight = method == "OPTIONS" and "access-control-request-method" in headers
+        if origin in self.allowed:
+            if preflight:
+                return Preflight(204, (
+                    ("access-control-allow-origin", origin),
+                    ("access-control-allow-methods", ALLOW_METHODS),
+                    ("access-control-allow-headers", ALLOW_HEADERS),
+                    ("access-control-max-age", str(self.max_age_s)),
+                    ("vary", "Origin"),
+                ))
+            return ResponseHeaders((
+                ("access-control-allow-origin", origin),
+                ("access-control-expose-headers", EXPOSE_HEADERS),
+                ("timing-allow-origin", origin),
+                ("vary", "Origin"),
+            ))
+        if _same_origin(origin, headers):
+            return None  # a page the router serves itself: the browser needs no CORS
+        self._note_refused(origin)
+        return Preflight(403, (("vary", "Origin"),)) if preflight else None
+
+    def _note_refused(self, origin: str) -> None:
+        if origin in self._logged or len(self._logged) >= _MAX_LOGGED_ORIGINS:
+            return
+        self._logged.add(origin)
+        log.warning("CORS: origin %r is not in cors.allow_origins; answered without CORS"
+                    " headers (the browser withholds the response)", origin[:200])
+
+
+def _same_origin(origin: str, headers: dict[str, str]) -> bool:
+    host = headers.get("host") or headers.get(":authority")
+    return host is not None and urlsplit(origin).netloc == host

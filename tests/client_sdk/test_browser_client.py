@@ -1,0 +1,204 @@
+"""The browser client in headless Chromium against the real router and sim.
+
+The page is served from its own loopback origin (listed in the router's ``[cors]``), imports
+the client's modules from the router, and streams with a client token minted by "the
+application's backend" (the test). Each transport must put the sim's text in the DOM exactly;
+a proxy that cuts the connection mid-stream (the Python SDK's own cut proxy and cases) must
+cost a resume and lose and repeat nothing; the Timings record has the Python SDK's fields in
+their physical order; CORS and tokens refuse what they must, seen from the page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trustme
+
+from firstbyte.client_sdk.timings import Timings
+from tests.benchmarks.test_report_browser import chromium  # noqa: F401 (the fixture)
+from tests.client_sdk.browser_stack import OTHER_KEY, browser_on, spki_flag, stream_script, world
+from tests.client_sdk.cutproxy import TcpCutProxy
+from tests.client_sdk.test_resume import CUT_AFTER, TOKENS
+
+pytestmark = pytest.mark.usefixtures("chromium")
+
+TRANSPORTS = ["sse-fetch", "eventsource", "websocket", "longpoll"]
+# Chromium's WebSocket negotiates permessage-deflate: the 200-token stream is ~5 KB on the wire
+# instead of ~40 KB, so its cut comes earlier to fall inside the stream as well.
+CUTS = {"websocket": 2000}
+
+
+def assert_ordered(t: dict[str, Any]) -> None:
+    """The offsets in the order physics allows: sent, first byte, first token, painted."""
+    assert t["request_sent_ms"] is not None
+    assert 0 <= t["request_sent_ms"] <= t["first_byte_ms"] <= t["first_token_ms"], t
+    assert t["first_token_ms"] <= t["render_ms"], t
+    assert t["first_token_ms"] <= t["last_token_ms"], t
+    assert len(t["inter_token_ms"]) == t["output_chunks"] - 1
+
+
+async def test_every_transport_streams_the_sims_text_exactly() -> None:
+    async with world() as w:
+        expected = await w.reference_text(40)
+        token = await w.mint()
+        async with browser_on(w) as page:
+            for transport in TRANSPORTS:
+                got = await page.evaluate(stream_script(f"{w.router_url}/v1", token, transport,
+                                                        40))
+                assert "error" not in got, (transport, got)
+                assert got["text"] == expected, transport
+                assert got["dom"] == expected, transport  # every token painted once
+                assert got["seqs"] == list(range(1, len(got["seqs"]) + 1)), transport
+                t = got["timings"]
+                assert t["transport"] == transport
+                assert t["output_chunks"] == got["usage"]["completion_tokens"]
+                assert t["region"] == "browser-test"
+                assert t["stream_id"]
+                assert t["resumes"] == 0
+                assert_ordered(t)
+            assert page.problems() == []
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_cut_mid_stream_loses_and_repeats_nothing(transport: str) -> None:
+    async with world() as w:
+        expected = await w.reference_text(TOKENS)
+        token = await w.mint()
+        cut_after = CUTS.get(transport, CUT_AFTER)
+        async with TcpCutProxy(w.router_port, cut_after=cut_after) as proxy, \
+                browser_on(w) as page:
+            # The modules came from the router itself; the stream goes through the proxy.
+            got = await page.evaluate(stream_script(
+                f"http://127.0.0.1:{proxy.port}/v1", token, transport, TOKENS))
+    assert "error" not in got, got
+    assert proxy.cuts_done == 1
+    assert proxy.connections >= 2  # the cut connection and the one the resume opened
+    assert got["text"] == expected
+    assert got["dom"] == expected
+    assert got["seqs"] == list(range(got["seqs"][0], got["seqs"][0] + len(got["seqs"])))
+    assert got["timings"]["output_chunks"] > 60  # the cut fell inside the stream
+    if transport != "longpoll":
+        # Long-poll retries a failed poll from its cursor, as the Python SDK does.
+        assert got["timings"]["resumes"] >= 1
+
+
+async def test_timings_have_the_python_fields_paint_and_long_tasks() -> None:
+    async with world() as w:
+        token = await w.mint()
+        async with browser_on(w) as page:
+            # The page is busy 120 ms right after the first token: one long task, and the
+            # first token's frame cannot be painted before that work is done.
+            got = await page.evaluate(stream_script(f"{w.router_url}/v1", token, "sse-fetch",
+                                                    30, busy_ms=120))
+    t = got["timings"]
+    assert set(msgspec.structs.asdict(Timings())) <= set(t)  # every Python field, same name
+    decoded = msgspec.convert(t, Timings)  # and the same types: POSTable as a Timings
+    assert decoded.output_chunks == t["output_chunks"]
+    assert_ordered(t)
+    assert t["render_ms"] >= t["first_token_ms"] + 120
+    assert t["long_tasks"] >= 1
+    assert t["long_task_ms"] >= 120
+    assert t["http_version"] == "HTTP/1.1"
+    assert t["resource_timing"] == "full"  # Timing-Allow-Origin reached the page
+    assert t["warm"] == (t["tcp_connect_ms"] is None)
+    assert t["server_timing"]["queue"] >= 0  # Server-Timing exposed to the page
+    assert t["navigation"]["http_version"] == "HTTP/1.1"
+
+
+async def test_over_tls_phases_come_from_resource_timing(tmp_path: Path) -> None:
+    """The page and the router over HTTPS (one trustme certificate, trusted by its key). The
+    client's modules come from the page's server, which closes every connection: each module
+    load is a fresh TLS connection whose DNS, TCP and TLS phases Resource Timing shows, in
+    order. The stream itself is HTTP/2 with full Resource Timing, and warm: the CORS preflight
+    opened its connection (docs/browser.md, "What is measured")."""
+    ca = trustme.CA()
+    async with world(ca, str(tmp_path)) as w:
+        token = await w.mint()
+        async with browser_on(w, flags=(spki_flag(w),), modules=w.page_origin) as page:
+            got = await page.evaluate(stream_script(f"{w.router_url}/v1", token, "sse-fetch",
+                                                    20))
+            module = await page.evaluate(f"""(async () => {{
+              const timings = await import("{w.page_origin}/v1/edge/client/timings.js");
+              const [entry] = performance.getEntriesByName(
+                "{w.page_origin}/v1/edge/client/stream.js");
+              return timings.phasesOf(entry, entry.startTime); }})()""")
+    assert "error" not in got, got
+    t = got["timings"]
+    assert t["http_version"] == "HTTP/2", json.dumps(t)
+    assert t["resource_timing"] == "full"
+    assert t["warm"]
+    assert t["tcp_connect_ms"] is None
+    assert_ordered(t)
+    assert module["http_version"] == "HTTP/1.1"  # the test's page server
+    assert not module["warm"]
+    assert module["tls_handshake_ms"] > 0
+    assert module["tcp_connect_ms"] >= 0
+    setup = module["dns_ms"] + module["tcp_connect_ms"] + module["tls_handshake_ms"]
+    assert setup <= module["request_sent_ms"] + 0.5  # the phases come before the request
+    assert module["request_sent_ms"] <= module["first_byte_ms"]
+
+
+FETCH_FROM_PAGE = """(async (url, init) => {
+  try {
+    const r = await fetch(url, init);
+    return {status: r.status, stream: r.headers.get("x-firstbyte-stream"),
+            body: await r.text()};
+  } catch (err) { return {blocked: err.name}; }
+})"""
+
+
+async def test_an_unlisted_origin_is_blocked_by_the_browser(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with world() as w:
+        token = await w.mint()
+        init = {"method": "POST", "headers": {"authorization": f"Bearer {token}",
+                                              "content-type": "application/json"},
+                "body": json.dumps({"model": "sim-instant", "max_tokens": 3, "stream": True,
+                                    "messages": [{"role": "user", "content": "hi"}]})}
+        url = f"{w.router_url}/v1/chat/completions"
+        listed_page = browser_on(w)
+        async with listed_page as page:
+            listed = await page.evaluate(f"{FETCH_FROM_PAGE}({json.dumps(url)}, "
+                                         f"{json.dumps(init)})")
+        # Same page, same router, but served as http://localhost:PORT: not in allow_origins.
+        async with browser_on(w, origin=f"http://localhost:{w.page_port}") as page:
+            unlisted = await page.evaluate(f"{FETCH_FROM_PAGE}({json.dumps(url)}, "
+                                           f"{json.dumps(init)})")
+    assert listed["status"] == 200
+    assert listed["stream"]  # x-firstbyte-stream is exposed to the page
+    assert "[DONE]" in listed["body"]
+    assert unlisted == {"blocked": "TypeError"}
+    assert any("localhost" in r.getMessage() and "cors.allow_origins" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_tokens_refused_in_the_page() -> None:
+    async with world(auth={"client_token_max_ttl_s": 30.0}) as w:
+        expired = await w.mint(ttl_s=1)
+        await asyncio.sleep(1.1)
+        other = await w.mint(OTHER_KEY)
+        base = f"{w.router_url}/v1"
+        async with browser_on(w) as page:
+            gone = await page.evaluate(stream_script(base, expired, "sse-fetch", 5))
+            ws_gone = await page.evaluate(stream_script(base, expired, "eventsource", 5))
+            # A fresh token of the other key cannot resume this key's stream.
+            fresh = await w.mint()
+            started = await page.evaluate(f"""(async () => {{
+              const r = await fetch("{base}/streams", {{method: "POST",
+                headers: {{authorization: "Bearer {fresh}", "content-type": "application/json"}},
+                body: JSON.stringify({{model: "sim-instant", max_tokens: 3,
+                                       messages: [{{role: "user", "content": "hi"}}]}})}});
+              return (await r.json()).stream; }})()""")
+            foreign = await page.evaluate(FETCH_FROM_PAGE + f"""("{base}/streams/{started}",
+              {{headers: {{authorization: "Bearer {other}"}}}})""")
+    assert gone["error"] == "APIError"
+    assert (gone["status"], gone["code"]) == (401, "client_token_expired")
+    assert ws_gone["error"] == "APIError"
+    assert ws_gone["status"] == 401
+    assert foreign["status"] == 404
+    assert json.loads(foreign["body"])["error"]["code"] == "stream_not_found"
