@@ -15,6 +15,7 @@ __all__ = [
     "INVALID_CLIENT_TOKEN",
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
+    "INVALID_TIMINGS",
     "INVALID_WAIT",
     "KEY_CONCURRENCY_EXCEEDED",
     "KEY_RATE_LIMITED",
@@ -46,6 +47,9 @@ CLIENT_TOKEN_EXPIRED = "client_token_expired"
 API_KEY_REQUIRED = "api_key_required"
 """403: a client token where only an API key may act (minting tokens)."""
 INVALID_REQUEST = "invalid_request"
+INVALID_TIMINGS = "invalid_timings"
+"""400: a timings report that is not one, holds too many records, or holds a record no real
+client could have felt (:func:`firstbyte.protocol.timings.implausible`, an unknown region)."""
 REQUEST_TOO_LARGE = "request_too_large"
 REQUEST_TIMEOUT = "request_timeout"
 """408: the request body stalled past the router's ``client_body_timeout_s``."""

@@ -37,6 +37,7 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.HEALTHZ: {"GET": endpoints.healthz},
     paths.METRICS: {"GET": endpoints.metrics},
     paths.EDGE_STATUS: {"GET": endpoints.edge_status},
+    paths.EDGE_TIMINGS: {"POST": endpoints.edge_timings},
     paths.EDGE_TOKENS: {"POST": endpoints.mint_token},
 }
 # Answered while the start-up warmup runs; every other request waits for it.

@@ -2,9 +2,9 @@
 proxy, metrics, and (with ``state.redis_url``) its link to the state the region's processes share.
 
 :meth:`RouterState.tick` is the periodic housekeeping, with the clock passed in: evict
-streams over the store's age and byte bounds, and cancel upstream requests nobody has read
-for ``resume_grace_s`` (a client that disconnected and did not resume; with shared state, a
-reader on another process counts as a reader).
+streams over the store's age and byte bounds, forget the rate buckets of idle keys, and
+cancel upstream requests nobody has read for ``resume_grace_s`` (a client that disconnected
+and did not resume; with shared state, a reader on another process counts as a reader).
 
 Streams are created with :meth:`RouterState.new_stream` and found with
 :meth:`RouterState.find_stream`: in this process's store first, then (shared state) in Redis.
@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
 from .config import RouterConfig
 from .cors import CorsPolicy
@@ -64,6 +65,21 @@ class RouterState:
             burst=limits.request_burst_per_key,
             enabled=bool(self.api_keys),  # anonymous: every caller is one "key"
         )
+        reports = config.client_timings
+        self.report_limiter = KeyLimiter(
+            max_streams=1,  # unused: reports hold nothing in flight
+            rate_per_s=reports.reports_per_s_per_key,
+            burst=reports.report_burst_per_key,
+            enabled=bool(self.api_keys),
+        )
+        """Per-key rate of client timing reports (``[client_timings]``)."""
+        self.client_latency = ClientLatency(
+            [config.region, *(peer.name for peer in config.peers)],
+            max_countries=reports.max_countries,
+            max_records=reports.max_records_per_report,
+        )
+        """Client-felt TTFT and network time from ``POST /v1/edge/timings``."""
+        self.metrics.add_section(self.client_latency.render)
         self.pool = BackendPool(
             [
                 Backend(name=u.name or f"upstream{i}", url=u.url.rstrip("/"), api_key=u.api_key)
@@ -160,6 +176,7 @@ class RouterState:
         forget the rate buckets of idle keys."""
         self.store.evict(now)
         self.limiter.forget_idle(now)
+        self.report_limiter.forget_idle(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:
