@@ -4,7 +4,8 @@ Every test runs real ``firstbyte router`` processes (TLS, on loopback) and a rea
 ``valkey-server``: two routers on two ports sharing one Redis stand for two processes behind a
 load balancer (the store cannot tell the difference, and the test chooses which process
 answers); one test runs ``--workers 2`` on one port to show SO_REUSEPORT really serves from two
-processes; one kills the process producing a stream mid-stream.
+processes; one kills the process producing a stream mid-stream; two drain a process (SIGTERM)
+and read its streams from the other.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ port = {port}
 certfile = "{tls['certfile']}"
 keyfile = "{tls['keyfile']}"
 workers = {workers}
+drain_timeout_s = 5.0
 [auth]
 api_keys = ["{API_KEY}", "{OTHER_KEY}"]
 [streams]
@@ -100,8 +102,8 @@ def _start(config: Path, port: int, tmp: Path, name: str, workers: int = 1) -> R
     log = tmp / f"{name}.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "firstbyte", "router", "--config", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
+        stdout=log.open("wb"),  # the log lines
+        stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
         start_new_session=True,
     )
@@ -110,7 +112,7 @@ def _start(config: Path, port: int, tmp: Path, name: str, workers: int = 1) -> R
 
 async def _until_listening(router: RouterProcess, workers: int = 1) -> None:
     deadline = time.monotonic() + 30
-    while router.log.read_text().count(" on https://") < workers:
+    while router.log.read_text().count(" serving https://") < workers:
         assert router.process.poll() is None, router.log.read_text()
         assert time.monotonic() < deadline, router.log.read_text()
         await asyncio.sleep(0.05)
@@ -362,5 +364,38 @@ async def test_workers_share_one_port_and_sdk_raises_stream_lost_with_delivered_
             await read_and_kill_the_producer()
         assert raised.value.code == error_codes.STREAM_LOST
         assert len(delivered) >= 10  # what came before the loss was delivered, then the error
+    finally:
+        _stop(router)
+
+
+async def test_drained_process_streams_stay_readable_from_another(
+    pair: tuple[RouterProcess, RouterProcess], client: httpx.AsyncClient
+) -> None:
+    a, b = pair
+    finishing = {**BODY, "max_tokens": 150}  # ~1.5 s: finishes within the drain (5 s)
+    stream_id, first = await _start_sse(client, a.url, 3, finishing)
+    a.process.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(a.process.wait, 30) == 0
+    whole = await _read_sse(client, b.url, stream_id, after=0)
+    assert whole[:3] == first
+    assert whole[-1][1] == "[DONE]"
+    assert "error" not in whole[-2][1]
+    assert [seq for seq, _ in whole] == list(range(1, len(whole) + 1))
+
+
+async def test_workers_drain_on_sigterm_and_the_supervisor_exits_0(
+    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+    client: httpx.AsyncClient,
+) -> None:
+    port = _free_port()
+    config = _config(tmp_path, "w", sim.url, tls_files, redis_server.url, port, workers=2)
+    router = _start(config, port, tmp_path, "w")
+    try:
+        await _until_listening(router, workers=2)
+        url = f"https://127.0.0.1:{port}"
+        await _start_sse(client, url, 3, {**BODY, "max_tokens": 100})  # in flight at SIGTERM
+        router.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(router.process.wait, 30) == 0
+        assert router.log.read_text().count("draining: no new work") == 2
     finally:
         _stop(router)

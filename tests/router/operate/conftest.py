@@ -74,9 +74,11 @@ async def read_h2_stream(stream: H2Stream, until: bytes | None = None,
                     conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                     if sid == stream.stream_id:
                         stream.body += event.data
-                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                    if sid == stream.stream_id:
-                        stream.ended = True
+                elif (
+                    isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset))
+                    and sid == stream.stream_id
+                ):
+                    stream.ended = True
             await stream.client.flush()
     return stream
 

@@ -56,7 +56,8 @@ async def test_sigterm_refuses_new_work_sends_goaway_and_finishes_the_stream(
         assert stream.goaway is not None, "no GOAWAY on the HTTP/2 connection"
         assert (stream.goaway.error_code, stream.goaway.last_stream_id) == (0, stream.stream_id)
         assert await _exit_code(router, 15) == 0
-    assert upstream.completed >= 1 and upstream.cancelled == 0
+    assert upstream.completed >= 1
+    assert upstream.cancelled == 0
     assert "draining" in router.log()
     router.assert_clean_log()
 
@@ -72,7 +73,8 @@ async def test_past_the_drain_timeout_the_stream_ends_with_a_draining_error(
         await read_h2_stream(stream, timeout_s=15)
         text, errors, _ = content_of(stream.body)
         assert [e["code"] for e in errors] == [error_codes.DRAINING]
-        assert text.startswith(_words(3)) and len(text) < len(_words(2000))
+        assert text.startswith(_words(3))
+        assert len(text) < len(_words(2000))
         assert await _exit_code(router, 15) == 0
     router.assert_clean_log()
 
