@@ -15,7 +15,7 @@ from tests.router.attacks.conftest import RouterStarter, chat_body
 from tests.router.conftest import API_KEY, auth
 from tests.router.upstream import Upstream
 
-from .conftest import content_of, open_h2_stream, read_h2_stream, wait_for_goaway
+from .conftest import H2Session, content_of
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,9 @@ async def test_sigterm_refuses_new_work_sends_goaway_and_finishes_the_stream(
     upstream.delay_s = 0.02
     tokens = 100  # ~2 s of stream
     async with start_router_process(listen={"drain_timeout_s": 20.0}) as router:
-        stream = await open_h2_stream(router, chat_body(tokens), API_KEY)
-        await read_h2_stream(stream, until=b"w3")
+        session = await H2Session.open(router)
+        stream = await session.request(chat_body(tokens), API_KEY)
+        await session.read(lambda: b"w3" in stream.body)
         router.proc.send_signal(signal.SIGTERM)
         async with httpx.AsyncClient(verify=router.client_tls()) as fresh:
             health = await fresh.get(router.base_url + "/healthz")
@@ -48,13 +49,13 @@ async def test_sigterm_refuses_new_work_sends_goaway_and_finishes_the_stream(
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == error_codes.DRAINING
         assert int(refused.headers["retry-after"]) >= 1
-        await read_h2_stream(stream)
+        await session.read(lambda: stream.ended)
         text, errors, done = content_of(stream.body)
         assert (stream.status, errors, done) == (200, [], True)
         assert text == _words(tokens)
-        await wait_for_goaway(stream)
-        assert stream.goaway is not None, "no GOAWAY on the HTTP/2 connection"
-        assert (stream.goaway.error_code, stream.goaway.last_stream_id) == (0, stream.stream_id)
+        await session.read(lambda: session.goaway is not None, timeout_s=10)
+        assert session.goaway is not None, "no GOAWAY on the HTTP/2 connection"
+        assert (session.goaway.error_code, session.goaway.last_stream_id) == (0, stream.stream_id)
         assert await _exit_code(router, 15) == 0
     assert upstream.completed >= 1
     assert upstream.cancelled == 0
@@ -67,10 +68,11 @@ async def test_past_the_drain_timeout_the_stream_ends_with_a_draining_error(
 ) -> None:
     upstream.delay_s = 0.05
     async with start_router_process(listen={"drain_timeout_s": 1.0}) as router:
-        stream = await open_h2_stream(router, chat_body(2000), API_KEY)  # ~100 s
-        await read_h2_stream(stream, until=b"w2")
+        session = await H2Session.open(router)
+        stream = await session.request(chat_body(2000), API_KEY)  # ~100 s
+        await session.read(lambda: b"w2" in stream.body)
         router.proc.send_signal(signal.SIGTERM)
-        await read_h2_stream(stream, timeout_s=15)
+        await session.read(lambda: stream.ended, timeout_s=15)
         text, errors, _ = content_of(stream.body)
         assert [e["code"] for e in errors] == [error_codes.DRAINING]
         assert text.startswith(_words(3))
