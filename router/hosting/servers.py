@@ -222,7 +222,7 @@ async def serve(
     filled with the open HTTP/2 and HTTP/3 connections, for a GOAWAY before ``shutdown()``
     returns (:mod:`firstbyte.router.hosting.goaway`).
     """
-    stop = shutdown or signal_event().wait
+    stop = _once(shutdown or signal_event().wait)
 
     def on_started() -> None:
         if options.tune_gc:
@@ -280,6 +280,20 @@ async def running(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         listeners.close()
+
+
+def _once(trigger: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[None]]:
+    """``trigger`` run once however many wait on it (the server and the QUIC waker do; a
+    router's trigger is its drain, which must not run twice)."""
+    task: asyncio.Future[Any] | None = None
+
+    async def wait() -> None:
+        nonlocal task
+        if task is None:
+            task = asyncio.ensure_future(trigger())
+        await asyncio.shield(task)
+
+    return wait
 
 
 async def _serve_uvicorn(
