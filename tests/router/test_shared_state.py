@@ -323,49 +323,58 @@ async def _wait_for_pid_of(redis_url: str, stream_id: str) -> int:
     return int(meta.split(b"-")[0])
 
 
-async def test_workers_share_one_port_and_sdk_raises_stream_lost_with_delivered_text(
+@pytest.fixture
+async def workers(
     sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
-) -> None:
+) -> AsyncIterator[RouterProcess]:
+    """``firstbyte router --workers 2`` (a supervisor and two workers) on one port."""
     port = _free_port()
     config = _config(tmp_path, "w", sim.url, tls_files, redis_server.url, port, workers=2)
     router = _start(config, port, tmp_path, "w")
     try:
         await _until_listening(router, workers=2)
-        url = f"https://127.0.0.1:{port}"
-        # Two worker processes serve the port: streams from several connections are produced
-        # by two different pids (the kernel hashes each connection's 4-tuple).
-        pids = set()
-        for _ in range(40):
-            async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
-                started = await fresh.post(url + "/v1/streams", json={**BODY, "max_tokens": 2},
-                                           headers=auth())
-            pids.add(await _wait_for_pid_of(redis_server.url, started.json()["stream"]))
-            if len(pids) == 2:
-                break
-        assert len(pids) == 2
-        assert router.process.pid not in pids  # the supervisor serves nothing itself
-
-        delivered: list[str] = []
-
-        async def read_and_kill_the_producer() -> None:
-            async with AsyncClient(base_url=url + "/v1", api_key=API_KEY, transport="sse",
-                                   http="1.1", ca_file=tls_files["cafile"], max_resumes=20,
-                                   resume_backoff_s=0.2) as sdk, sdk.stream(
-                model="sim-llama-7b", max_tokens=3000,
-                messages=[{"role": "user", "content": "Lose me."}],
-            ) as s:
-                async for delta in s:
-                    delivered.append(delta.text or "")
-                    if len(delivered) == 10:  # kill the worker producing this stream
-                        owner = await _wait_for_pid_of(redis_server.url, s.stream_id or "")
-                        os.kill(owner, signal.SIGKILL)
-
-        with pytest.raises(APIError) as raised:
-            await read_and_kill_the_producer()
-        assert raised.value.code == error_codes.STREAM_LOST
-        assert len(delivered) >= 10  # what came before the loss was delivered, then the error
+        yield router
     finally:
         _stop(router)
+
+
+async def test_workers_share_one_port_and_sdk_raises_stream_lost_with_delivered_text(
+    workers: RouterProcess, redis_server: RedisServer, tls_files: dict[str, str]  # noqa: F811
+) -> None:
+    router = workers
+    url = router.url
+    # Two worker processes serve the port: streams from several connections are produced
+    # by two different pids (the kernel hashes each connection's 4-tuple).
+    pids = set()
+    for _ in range(40):
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
+            started = await fresh.post(url + "/v1/streams", json={**BODY, "max_tokens": 2},
+                                       headers=auth())
+        pids.add(await _wait_for_pid_of(redis_server.url, started.json()["stream"]))
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2
+    assert router.process.pid not in pids  # the supervisor serves nothing itself
+
+    delivered: list[str] = []
+
+    async def read_and_kill_the_producer() -> None:
+        async with AsyncClient(base_url=url + "/v1", api_key=API_KEY, transport="sse",
+                               http="1.1", ca_file=tls_files["cafile"], max_resumes=20,
+                               resume_backoff_s=0.2) as sdk, sdk.stream(
+            model="sim-llama-7b", max_tokens=3000,
+            messages=[{"role": "user", "content": "Lose me."}],
+        ) as s:
+            async for delta in s:
+                delivered.append(delta.text or "")
+                if len(delivered) == 10:  # kill the worker producing this stream
+                    owner = await _wait_for_pid_of(redis_server.url, s.stream_id or "")
+                    os.kill(owner, signal.SIGKILL)
+
+    with pytest.raises(APIError) as raised:
+        await read_and_kill_the_producer()
+    assert raised.value.code == error_codes.STREAM_LOST
+    assert len(delivered) >= 10  # what came before the loss was delivered, then the error
 
 
 async def test_drained_process_streams_stay_readable_from_another(
@@ -384,18 +393,9 @@ async def test_drained_process_streams_stay_readable_from_another(
 
 
 async def test_workers_drain_on_sigterm_and_the_supervisor_exits_0(
-    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
-    client: httpx.AsyncClient,
+    workers: RouterProcess, client: httpx.AsyncClient
 ) -> None:
-    port = _free_port()
-    config = _config(tmp_path, "w", sim.url, tls_files, redis_server.url, port, workers=2)
-    router = _start(config, port, tmp_path, "w")
-    try:
-        await _until_listening(router, workers=2)
-        url = f"https://127.0.0.1:{port}"
-        await _start_sse(client, url, 3, {**BODY, "max_tokens": 100})  # in flight at SIGTERM
-        router.process.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(router.process.wait, 30) == 0
-        assert router.log.read_text().count("draining: no new work") == 2
-    finally:
-        _stop(router)
+    await _start_sse(client, workers.url, 3, {**BODY, "max_tokens": 100})  # in flight at SIGTERM
+    workers.process.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(workers.process.wait, 30) == 0
+    assert workers.log.read_text().count("draining: no new work") == 2

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.router.attacks.conftest import RouterStarter, chat_body
+from tests.router.attacks.conftest import RouterStarter, chat_body, router_sections
 from tests.router.conftest import API_KEY
 from tests.router.upstream import Upstream, running_upstream
 
@@ -34,21 +34,8 @@ def _rewrite(
     router: RouterProcess, tls_files: dict[str, str], upstreams: list[str], **sections: Any
 ) -> None:
     """Write the router's config file again: the harness's settings, ``sections`` over them."""
-    config: dict[str, Any] = {
-        "listen": {
-            "host": "127.0.0.1",
-            "port": router.port,
-            "certfile": tls_files["certfile"],
-            "keyfile": tls_files["keyfile"],
-            "http3": False,
-        },
-        "auth": {"api_keys": [API_KEY]},
-        "streams": {"resume_grace_s": 1.0},
-    }
-    for name, values in sections.items():
-        config.setdefault(name, {}).update(values)
     path = _config_path(router)
-    write_config(path, config, upstreams[0])
+    write_config(path, router_sections(router.port, tls_files, **sections), upstreams[0])
     with path.open("a") as extra:
         for url in upstreams[1:]:
             extra.write(f'\n[[upstreams]]\nurl = "{url}"\n')
