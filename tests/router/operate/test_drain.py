@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 
 import httpx
@@ -13,11 +14,14 @@ import pytest
 from firstbyte.protocol import error_codes
 from tests.router.attacks.conftest import RouterStarter, chat_body
 from tests.router.conftest import API_KEY, auth
+from tests.router.h3client import H3Response, h3_request
 from tests.router.upstream import Upstream
 
 from .conftest import H2Session, content_of
 
 pytestmark = pytest.mark.slow
+
+H3_GRACEFUL_LAST_STREAM = (1 << 62) - 4
 
 
 def _words(n: int) -> str:
@@ -61,6 +65,32 @@ async def test_sigterm_refuses_new_work_sends_goaway_and_finishes_the_stream(
     assert upstream.cancelled == 0
     assert "draining" in router.log()
     router.assert_clean_log()
+
+
+async def test_http3_gets_goaway_at_once_and_its_stream_finishes(
+    start_router_process: RouterStarter, upstream: Upstream, tls_files: dict[str, str]
+) -> None:
+    upstream.delay_s = 0.02
+    tokens = 100
+    async with start_router_process(listen={"http3": True}) as router:
+        signalled = False
+
+        def drain_after_a_few_tokens(response: H3Response) -> None:
+            nonlocal signalled
+            if not signalled and b"w3" in response.body:
+                signalled = True
+                router.proc.send_signal(signal.SIGTERM)
+
+        response = await h3_request(
+            router.port, "POST", "/v1/chat/completions", cafile=tls_files["cafile"],
+            headers={**auth(), "content-type": "application/json"},
+            body=json.dumps(chat_body(tokens)).encode(), on_data=drain_after_a_few_tokens,
+        )  # fmt: skip
+        assert signalled
+        text, errors, done = content_of(response.body)
+        assert (response.status, errors, done, text) == (200, [], True, _words(tokens))
+        assert response.goaway_id() == H3_GRACEFUL_LAST_STREAM
+        assert await _exit_code(router, 15) == 0
 
 
 async def test_past_the_drain_timeout_the_stream_ends_with_a_draining_error(
