@@ -399,3 +399,23 @@ async def test_workers_drain_on_sigterm_and_the_supervisor_exits_0(
     workers.process.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(workers.process.wait, 30) == 0
     assert workers.log.read_text().count("draining: no new work") == 2
+
+
+async def test_sighup_to_the_supervisor_reloads_every_worker(
+    workers: RouterProcess, tls_files: dict[str, str], tmp_path: Path
+) -> None:
+    config = tmp_path / "w.toml"
+    added = "sk-added-to-every-worker"
+    config.write_text(config.read_text().replace(f'"{OTHER_KEY}"]', f'"{OTHER_KEY}", "{added}"]'))
+    workers.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while workers.log.read_text().count("config reloaded: auth.api_keys changed") < 2:
+        assert time.monotonic() < deadline, workers.log.read_text()[-3000:]
+        await asyncio.sleep(0.05)
+    for _ in range(8):  # new connections: the kernel spreads them over both workers
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
+            answer = await fresh.post(workers.url + "/v1/chat/completions",
+                                      json={**BODY, "stream": False, "max_tokens": 2},
+                                      headers=auth(added))
+        assert answer.status_code == 200, answer.text
+    assert workers.process.poll() is None
