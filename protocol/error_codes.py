@@ -10,6 +10,7 @@ __all__ = [
     "API_KEY_REQUIRED",
     "CANCELLED",
     "CLIENT_TOKEN_EXPIRED",
+    "DRAINING",
     "INVALID_AFTER",
     "INVALID_API_KEY",
     "INVALID_CLIENT_TOKEN",
@@ -82,6 +83,11 @@ UPSTREAM_EOF = "upstream_eof"
 """The upstream closed the stream without ``[DONE]``."""
 CANCELLED = "cancelled"
 """No reader came back within the resume grace period; the upstream request was cancelled."""
+DRAINING = "draining"
+"""503 (and ``/healthz``): this router process is shutting down and takes no new work; send
+the request again (another router of the region takes it). In-stream: the process stopped
+after ``listen.drain_timeout_s`` with the stream unfinished; the events before the error are
+all the stream will have, so the request must be sent again to get the rest."""
 INVALID_MESSAGE = "invalid_message"
 """WebSocket: a message that is not JSON or has an unknown ``type``."""
 TOO_MANY_STREAMS = "too_many_streams"

@@ -80,6 +80,18 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     """Router processes on this host sharing the port (``SO_REUSEPORT`` on TCP and UDP); more
     than one needs ``state.redis_url`` so that they share streams, tickets and limits."""
+    drain_timeout_s: PositiveSeconds = 30.0
+    """On SIGTERM, how long streams in flight may run to their end (``docs/router.md``,
+    "Drain"); then they end with a ``draining`` error event and the process exits 0. Keep it
+    below the supervisor's stop timeout (systemd ``TimeoutStopSec``, Kubernetes
+    ``terminationGracePeriodSeconds`` minus the preStop sleep)."""
+    drain_grace_s: NonNegSeconds = 0.0
+    """On SIGTERM, keep listening (answering 503 ``draining``) at least this long even when
+    nothing is in flight: for a load balancer that learns of the drain only from its health
+    checks. 0 (the default) suits Kubernetes, whose preStop sleep does that wait."""
+    pid_file: str | None = None
+    """Written with the router's pid at start (the supervisor's, with workers) and removed at
+    exit; ``firstbyte router reload --config FILE`` signals the pid it names."""
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -343,6 +355,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> RouterConfig
 PATH_KEYS = (
     "listen.certfile",
     "listen.keyfile",
+    "listen.pid_file",
     "upstream_ca_file",
     "geo.database",
     "warm_prefixes[].file",

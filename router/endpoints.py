@@ -511,9 +511,12 @@ async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: S
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /healthz``: 200 ``ok``; 503 ``warming`` during the start-up warmup (requests are
-    held meanwhile) or ``unhealthy`` when no backend is healthy. No key: load balancers ask."""
-    if state.warming:
+    """``GET /healthz``: 200 ``ok``; 503 ``draining`` from SIGTERM on, ``warming`` during the
+    start-up warmup (requests are held meanwhile) or ``unhealthy`` when no backend is healthy.
+    No key: load balancers ask."""
+    if state.draining:
+        status, text = 503, error_codes.DRAINING.encode() + b"\n"
+    elif state.warming:
         status, text = 503, b"warming\n"
     elif state.healthy:
         status, text = 200, b"ok\n"

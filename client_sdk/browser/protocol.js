@@ -28,6 +28,7 @@ export const ERROR_CODES = Object.freeze({
   "API_KEY_REQUIRED": "api_key_required",
   "CANCELLED": "cancelled",
   "CLIENT_TOKEN_EXPIRED": "client_token_expired",
+  "DRAINING": "draining",
   "INVALID_AFTER": "invalid_after",
   "INVALID_API_KEY": "invalid_api_key",
   "INVALID_CLIENT_TOKEN": "invalid_client_token",
