@@ -56,14 +56,21 @@ from .metrics import TTFT_BUCKETS_S
 from .peers import PeerPoller, PeerTable
 from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
-from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
+from .pipeline.context import (
+    CONTINUE,
+    Fallback,
+    LocalReply,
+    Outcome,
+    RequestContext,
+    error_reply,
+)
 from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
 from .regions_config import warm_prefix_text
 from .spill import SpillBudget, SpillSlot
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
 
-__all__ = ["REJECTION_REASONS", "Observation", "RegionRouting"]
+__all__ = ["REJECTION_REASONS", "Observation", "RegionRouting", "draining_reply"]
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
@@ -77,6 +84,19 @@ REJECTION_REASONS = {
 }
 """Why a request was answered 429 here (the access log's ``reason``), and the sentence the
 client reads after "Region R is at capacity and"."""
+
+
+def draining_reply() -> LocalReply:
+    """503 ``draining`` with ``Retry-After``: this process takes no new work (SIGTERM)."""
+    return error_reply(
+        503,
+        "This router is shutting down; send the request again (another router of the region"
+        " takes it).",
+        "server_error",
+        code=error_codes.DRAINING,
+        headers=(("retry-after", "1"),),
+        outcome="draining",
+    )
 
 
 def _point(lat: float | None, lon: float | None, name: str) -> GeoPoint | None:
@@ -260,6 +280,27 @@ class RegionRouting:
         """Called with a local backend's name when a request on it ends or moves away (the
         shared state gives back its slot there)."""
         self._started = False
+        self.draining = False
+        """This process is shutting down: it counts as unhealthy for routing (a request goes
+        to a peer with room, or gets 503 ``draining``) and in its edge status."""
+
+    def adopt(self, previous: RegionRouting) -> None:
+        """Carry over what ``previous`` (the routing before a reload) learned and still counts:
+        the load record of every backend that stays (requests in flight on it finish on the
+        previous routing's record, which this one now shares), the status and RTT of every
+        peer that stays at the same URL, and the draining flag."""
+        for name, load in self.tracker.backends.items():
+            old = previous.tracker.backends.get(name)
+            if old is not None and self.backends[name] is previous.backends.get(name):
+                old.max_in_flight, old.max_waiting, old.weight = (
+                    load.max_in_flight, load.max_waiting, load.weight
+                )
+                self.tracker.backends[name] = old
+        for name, peer in self.peer_table.peers.items():
+            was = previous.peer_table.peers.get(name)
+            if was is not None and was.url == peer.url:
+                self.peer_table.peers[name] = was
+        self.draining = previous.draining
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -329,7 +370,7 @@ class RegionRouting:
             for name in self.scheduler.warm(backend)
         }
         return RegionCandidate(
-            self.region, self.here_point, bool(self.tracker.healthy()),
+            self.region, self.here_point, bool(self.tracker.healthy()) and not self.draining,
             self.tracker.region_saturated(now), self.tracker.queue_wait_ms(now), frozenset(warm),
         )
 
@@ -381,6 +422,8 @@ class RegionRouting:
             if url:
                 headers.append((BETTER_REGION_URL_HEADER, url))
         ctx.extra["response_headers"] = headers
+        if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
+            return draining_reply()
         if decision.verdict is Verdict.LOCAL:
             chosen = self._local_backend(request, now)
             if chosen is None:  # raced to saturation since the region check

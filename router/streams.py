@@ -95,7 +95,8 @@ class Stream:
     """When a reader last attached, detached or polled (for the resume grace period)."""
     upstream_ttft_ms: float | None = None
     """Upstream request sent to its first content chunk, once known."""
-    cancel_producer: Callable[[], object] | None = None
+    cancel_producer: Callable[..., object] | None = None
+    """Cancels the upstream request (``task.cancel``; an optional message says why)."""
     mirror: Callable[[Stream, StreamEvent], object] | None = field(default=None, repr=False)
     """Called with every appended event when the stream is shared with other processes
     (:mod:`firstbyte.router.shared.streams` writes it to Redis)."""
@@ -219,11 +220,11 @@ class StreamStore:
     ) -> None:
         self.max_total_bytes = max_total_bytes
         self.max_age_s = max_age_s
-        self.max_owner_bytes = (
-            max_total_bytes if max_owner_bytes is None else min(max_owner_bytes, max_total_bytes)
+        self.max_owner_bytes = max_total_bytes
+        self._shares = False
+        self.set_bounds(
+            max_total_bytes=max_total_bytes, max_age_s=max_age_s, max_owner_bytes=max_owner_bytes
         )
-        # A share as large as the store is no share: the store's own bound applies.
-        self._shares = self.max_owner_bytes < max_total_bytes
         self._streams: OrderedDict[str, Stream] = OrderedDict()  # creation order
         self._live: dict[str, Stream] = {}
         self._finished: OrderedDict[str, Stream] = OrderedDict()  # finish order
@@ -234,6 +235,19 @@ class StreamStore:
         self.evictions = 0
         self.evicted_by: Counter[str] = Counter()
         """Evictions by reason: ``age``, ``key_share`` (an owner over its share), ``bytes``."""
+
+    def set_bounds(
+        self, *, max_total_bytes: int, max_age_s: float, max_owner_bytes: int | None = None
+    ) -> None:
+        """Set the store's bounds (at start, and on reload); the next :meth:`evict` applies
+        smaller ones to the streams held."""
+        self.max_total_bytes = max_total_bytes
+        self.max_age_s = max_age_s
+        self.max_owner_bytes = (
+            max_total_bytes if max_owner_bytes is None else min(max_owner_bytes, max_total_bytes)
+        )
+        # A share as large as the store is no share: the store's own bound applies.
+        self._shares = self.max_owner_bytes < max_total_bytes
 
     def __len__(self) -> int:
         return len(self._streams)

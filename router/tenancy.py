@@ -86,6 +86,10 @@ class KeyLimiter:
         self._buckets: dict[bytes, TokenBucket] = {}
         self._unstreamed: dict[bytes, int] = {}
 
+    def forget_buckets(self) -> None:
+        """Drop every key's token bucket (the rate changed on reload: new buckets, full)."""
+        self._buckets.clear()
+
     def unstreamed(self, owner: bytes) -> int:
         return self._unstreamed.get(owner, 0)
 

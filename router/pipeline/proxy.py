@@ -35,7 +35,11 @@ from ..streams import Stream
 from .backend import PEER_PREFIX, Backend
 from .context import RequestContext
 
-__all__ = ["Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
+__all__ = ["DRAIN_CANCEL", "Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
+
+DRAIN_CANCEL = "draining"
+"""The message a producer is cancelled with when the drain timed out: the stream then ends
+with a ``draining`` error event instead of ``cancelled``."""
 
 _MAX_ERROR_BODY_BYTES = 64 << 10
 
@@ -267,12 +271,10 @@ class Proxy:
                     backend.in_flight += 1
                     backend.requests += 1
                     sent_at = time.perf_counter()
-        except asyncio.CancelledError:
-            stream.append(
-                error_event("The upstream request was cancelled.", code=error_codes.CANCELLED),
-                self.clock(),
-            )
-            self.metrics.count("chat", "cancelled")
+        except asyncio.CancelledError as exc:
+            drained = exc.args == (DRAIN_CANCEL,)
+            stream.append(_DRAINED_EVENT if drained else _CANCELLED_EVENT, self.clock())
+            self.metrics.count("chat", "draining" if drained else "cancelled")
             raise
         except (httpx.HTTPError, SSEProtocolError, OSError) as exc:
             backend.failures += 1
@@ -456,6 +458,16 @@ async def _read_bounded(response: httpx.Response) -> bytes:
         if size > _MAX_ERROR_BODY_BYTES:
             break
     return b"".join(parts)[:_MAX_ERROR_BODY_BYTES]
+
+
+_CANCELLED_EVENT = error_event(
+    "The upstream request was cancelled.", code=error_codes.CANCELLED
+)
+_DRAINED_EVENT = error_event(
+    "This router shut down before the stream ended (listen.drain_timeout_s); send the request"
+    " again to get the rest (another router of the region takes it).",
+    code=error_codes.DRAINING,
+)
 
 
 def _as_error_event(status: int, body: bytes) -> bytes:
