@@ -8,6 +8,9 @@
 //   for await (const delta of stream) { /* into: already appended */ }
 //   console.log(stream.timings);   // JSON: the Python SDK's Timings fields + render_ms, long_tasks
 //
+// `reportTimings: true` sends each finished stream's Timings (phases and offsets only) to the
+// router, batched (report.js): the operator's client-perceived latency histograms.
+//
 // `token` is a client token minted by the application's backend (POST /v1/edge/tokens with
 // its API key; docs/browser.md): a browser never holds an API key. EventSource and WebSocket
 // cannot send headers; the token then travels as ?token= (EventSource) or a subprotocol.
@@ -18,6 +21,7 @@ import {
   APIError, PollCursor, ResumePolicy, SequenceGapError, StreamAssembler, StreamBrokenError,
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
+import { TimingsReporter } from "./report.js";
 
 export {
   APIError, FirstbyteError, StreamBrokenError, StreamStalledError, SequenceGapError,
@@ -103,7 +107,8 @@ function asCut(err) {
 
 export class Client {
   constructor({ baseUrl, token, transport = "sse-fetch", idleTimeoutS = 30, maxResumes = 5,
-                resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10 }) {
+                resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10,
+                reportTimings = false, reportIntervalS = 10, reportBatch = 50 }) {
     if (!TRANSPORTS.includes(transport)) {
       throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
     }
@@ -116,6 +121,15 @@ export class Client {
     this.resumeBackoffS = resumeBackoffS;
     this.stallRetries = stallRetries;
     this.pollWaitS = pollWaitS;
+    /** With `reportTimings`: finished streams' Timings go to the router (report.js). */
+    this.timingsReporter = reportTimings
+      ? new TimingsReporter(this, { intervalS: reportIntervalS, batchRecords: reportBatch })
+      : null;
+  }
+
+  /** Send the queued timings reports now (with `reportTimings`); resolves when answered. */
+  flushTimings() {
+    return this.timingsReporter ? this.timingsReporter.flush() : Promise.resolve([]);
   }
 
   /** ``PATHS.X`` under this client's base URL. */
@@ -183,6 +197,7 @@ export class ChatStream {
       this.channel?.close();
       this.finished = true;
       await this.recorder.finish();
+      this.client.timingsReporter?.note(this.recorder.record);
     }
   }
 

@@ -148,9 +148,11 @@ async def browser_on(w: World, origin: str | None = None, flags: tuple[str, ...]
 
 
 def stream_script(base_url: str, token: str, transport: str, max_tokens: int, *,
-                  busy_ms: int = 0) -> str:
-    """A script that streams one completion into #out and answers what it saw."""
-    options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10}
+                  busy_ms: int = 0, report: bool = False) -> str:
+    """A script that streams one completion into #out and answers what it saw; with
+    ``report`` the client reports its timings, sent before the script answers."""
+    options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10,
+               "reportTimings": report}
     request = {"model": "sim-instant", "messages": MESSAGES, "max_tokens": max_tokens,
                "seed": 11}
     return f"""(async () => {{
@@ -168,6 +170,9 @@ def stream_script(base_url: str, token: str, transport: str, max_tokens: int, *,
              message: err.message, timings: stream.timings }};
   }}
   await new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
+  await client.flushTimings();
+  const reporter = client.timingsReporter;
   return {{ text: stream.text, dom: out.textContent, seqs, timings: stream.timings,
-           usage: stream.usage }};
+           usage: stream.usage, reports: reporter && {{ sent: reporter.sentReports,
+           failed: reporter.failedReports }} }};
 }})()"""

@@ -15,15 +15,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import trustme
 
 from firstbyte.client_sdk.timings import Timings
 from tests.benchmarks.test_report_browser import chromium  # noqa: F401 (the fixture)
-from tests.client_sdk.browser_stack import OTHER_KEY, browser_on, spki_flag, stream_script, world
+from tests.client_sdk.browser_stack import (
+    KEY,
+    OTHER_KEY,
+    browser_on,
+    spki_flag,
+    stream_script,
+    world,
+)
 from tests.client_sdk.cutproxy import TcpCutProxy
 from tests.client_sdk.test_resume import CUT_AFTER, TOKENS
+from tests.router.test_client_timings import NETWORK, REJECTED, TTFT, metric
 
 pytestmark = pytest.mark.usefixtures("chromium")
 
@@ -141,6 +150,31 @@ async def test_over_tls_phases_come_from_resource_timing(tmp_path: Path) -> None
     setup = module["dns_ms"] + module["tcp_connect_ms"] + module["tls_handshake_ms"]
     assert setup <= module["request_sent_ms"] + 0.5  # the phases come before the request
     assert module["request_sent_ms"] <= module["first_byte_ms"]
+
+
+async def test_reported_timings_land_in_the_client_histograms() -> None:
+    """Each transport streams with ``reportTimings``; the router's /metrics counts every
+    record in the client TTFT histogram under the transport the bytes came by (EventSource
+    is ``sse``) and the HTTP version the page saw."""
+    async with world() as w:
+        token = await w.mint()
+        async with browser_on(w) as page:
+            for transport in TRANSPORTS:
+                got = await page.evaluate(stream_script(f"{w.router_url}/v1", token, transport,
+                                                        10, report=True))
+                assert "error" not in got, (transport, got)
+                assert got["reports"] == {"sent": 1, "failed": 0}, transport
+            assert page.problems() == []
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{w.router_url}/metrics",
+                                   headers={"authorization": f"Bearer {KEY}"})).text
+    count = f"{TTFT}_count"
+    assert metric(text, count, region="browser-test", transport="sse", http="1.1") == 2
+    assert metric(text, count, transport="websocket", http="1.1") == 1
+    assert metric(text, count, transport="longpoll", http="1.1") == 1
+    assert metric(text, REJECTED) == 0
+    # The router joined each record with its own stream: the network part was measured.
+    assert metric(text, f"{NETWORK}_count") == 4
 
 
 FETCH_FROM_PAGE = """(async (url, init) => {
