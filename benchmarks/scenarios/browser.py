@@ -177,7 +177,8 @@ def _side_by_side(g: Geography, cell: str,
         "rtt_ms": g.rtt_ms,
         "cell": cell,
         "sdk_cell": sdk_name,
-        "browser_http": ",".join(sorted({t.http_version or "?" for t in browser})),
+        # A WebSocket has no Resource Timing: Chromium opens it over HTTP/1.1.
+        "browser_http": ",".join(sorted({t.http_version or "HTTP/1.1 (ws)" for t in browser})),
         "browser_ttft_ms": b_ttft,
         "sdk_ttft_ms": s_ttft,
         "browser_adds_ms": (round(b_ttft - s_ttft, 1)
@@ -190,6 +191,10 @@ def _side_by_side(g: Geography, cell: str,
                                if "timings" in line]),
         "long_tasks": _median([r.get("long_tasks") for r in raw]),
         "theory_first_byte_rtts": theory.theory_first_byte(SDK_CELL[transport], http, state),
+        "browser_first_byte_rtts": None,
+        "sdk_first_byte_rtts": None,
+        "browser_ttft_rtts": None,
+        "sdk_ttft_rtts": None,
     }
     if g.client_aws is not None:
         local_b = _timings(lines.get(("local", "browser", cell), []))

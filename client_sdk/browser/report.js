@@ -113,7 +113,7 @@ export class TimingsReporter {
   async #post(records) {
     try {
       const response = await fetch(this.client.url(PATHS.EDGE_TIMINGS), {
-        method: "POST", keepalive: true, cache: "no-store",
+        method: "POST", keepalive: true,
         headers: { authorization: `Bearer ${this.client.token}`,
                    "content-type": "application/json" },
         body: JSON.stringify({ records }),

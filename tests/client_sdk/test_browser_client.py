@@ -177,6 +177,27 @@ async def test_reported_timings_land_in_the_client_histograms() -> None:
     assert metric(text, f"{NETWORK}_count") == 4
 
 
+async def test_a_page_preflights_a_stream_once_then_uses_the_cached_answer() -> None:
+    """A cross-origin stream with a bearer token needs a CORS preflight; the router's answer
+    is cacheable (Access-Control-Max-Age), so the page's next streams on the same URL go
+    without one: one round trip less on every warm request. (With ``cache: "no-store"``
+    Chromium skipped its preflight cache and preflighted every stream.)"""
+    async with world() as w:
+        token = await w.mint()
+        async with browser_on(w) as page:
+            preflights = []
+            for _ in range(3):
+                mark = len(page.events())
+                got = await page.evaluate(stream_script(f"{w.router_url}/v1", token,
+                                                        "sse-fetch", 5))
+                assert "error" not in got, got
+                preflights.append(sum(
+                    1 for method, p in page.events()[mark:]
+                    if method == "Network.requestWillBeSent"
+                    and p["request"]["method"] == "OPTIONS"))
+    assert preflights == [1, 0, 0]
+
+
 FETCH_FROM_PAGE = """(async (url, init) => {
   try {
     const r = await fetch(url, init);
