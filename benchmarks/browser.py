@@ -344,13 +344,19 @@ def stream_script(base_url: str, token: str, transport: str, request: dict[str, 
     """A script for a page that has the client as ``window.fb`` and a ``#out`` element: stream
     ``request`` into ``#out`` and answer what it saw (text, DOM text, sequence numbers,
     ``timings``, usage; or ``error``); with ``report`` the client reports its timings, sent
-    before the script answers."""
+    before the script answers. The page keeps one client per set of options, as an
+    application does: its connections (a WebSocket too) serve the page's next streams."""
     options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10,
                "reportTimings": report}
     return f"""(async () => {{
   const out = document.getElementById("out");
   out.textContent = "";
-  const client = new fb.Client({json.dumps(options)});
+  const options = {json.dumps(options)};
+  const key = JSON.stringify(options);
+  window.fbClients ??= {{}};
+  const client = window.fbClients[key] ??= new fb.Client(options);
+  const sentBefore = client.timingsReporter?.sentReports ?? 0;
+  const failedBefore = client.timingsReporter?.failedReports ?? 0;
   const busy = (ms) => {{ const end = performance.now() + ms; while (performance.now() < end); }};
   const stream = client.stream({json.dumps(request)}, {{ into: out,
     onFirstToken: () => busy({busy_ms}) }});
@@ -365,6 +371,7 @@ def stream_script(base_url: str, token: str, transport: str, request: dict[str, 
   await client.flushTimings();
   const reporter = client.timingsReporter;
   return {{ text: stream.text, dom: out.textContent, seqs, timings: stream.timings,
-           usage: stream.usage, reports: reporter && {{ sent: reporter.sentReports,
-           failed: reporter.failedReports }} }};
+           usage: stream.usage, reports: reporter && {{
+             sent: reporter.sentReports - sentBefore,
+             failed: reporter.failedReports - failedBefore }} }};
 }})()"""

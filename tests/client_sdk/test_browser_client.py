@@ -198,6 +198,23 @@ async def test_a_page_preflights_a_stream_once_then_uses_the_cached_answer() -> 
     assert preflights == [1, 0, 0]
 
 
+async def test_a_websocket_serves_the_pages_next_stream() -> None:
+    """A WebSocket stream that ended leaves its socket open: the client's next stream goes on
+    it (one socket for three streams, the later ones warm), as the Python SDK's does."""
+    async with world() as w:
+        expected = await w.reference_text(10)
+        token = await w.mint()
+        async with browser_on(w) as page:
+            got = [await page.evaluate(stream_script(f"{w.router_url}/v1", token, "websocket",
+                                                     10)) for _ in range(3)]
+            sockets = sum(1 for method, _ in page.events()
+                          if method == "Network.webSocketCreated")
+            assert page.problems() == []
+    assert [g["text"] for g in got] == [expected] * 3
+    assert [g["timings"]["warm"] for g in got] == [False, True, True]
+    assert sockets == 1
+
+
 FETCH_FROM_PAGE = """(async (url, init) => {
   try {
     const r = await fetch(url, init);
