@@ -194,6 +194,8 @@ def _side_by_side(g: Geography, cell: str,
         "paint_ms": _median([r.get("render_ms") for r in raw]),
         "browser_ttft_rtts": None,
         "sdk_ttft_rtts": None,
+        "browser_first_byte_rtts_raw": None,
+        "sdk_first_byte_rtts_raw": None,
         "long_tasks": _median([r.get("long_tasks") for r in raw]),
     }
     if g.client_aws is not None:
@@ -204,6 +206,7 @@ def _side_by_side(g: Geography, cell: str,
             trips = theory.round_trips(got, base, g.rtt_ms, theory_fb, theory_fb)
             row[f"{who}_first_byte_rtts"] = trips.get("first_byte_rtts")
             row[f"{who}_ttft_rtts"] = trips.get("ttft_rtts")
+            row[f"{who}_first_byte_rtts_raw"] = trips.get("first_byte_rtts_raw")
     return row
 
 
@@ -244,14 +247,17 @@ def _notes(mode: str, why: str | None) -> list[str]:
         "with <link rel=preconnect crossorigin> to the router and one unmeasured stream first: "
         "the connection is kept alive and the preflight answer cached (Access-Control-Max-Age).",
         "first_byte_rtts: as in bench transports, (first byte - Server-Timing - the same cell's "
-        "local cost at 0 ms) / RTT, medians; theory is the SDK's. EventSource starts its stream "
-        "with POST /v1/streams (its first byte) and reads the tokens on a second request, "
-        "GET /v1/streams/{id}: its TTFT costs one more round trip.",
+        "local cost at 0 ms) / RTT, medians; theory is the SDK's. Chromium's local cost of a "
+        "cold page varies by tens of ms on a busy machine, so with few requests the corrected "
+        "count wanders; *_rtts_raw subtracts only Server-Timing (an upper bound). "
+        "EventSource starts its stream with POST /v1/streams (its first byte) and reads the "
+        "tokens on a second request, GET /v1/streams/{id}: its TTFT costs one more round "
+        "trip.",
         "browser_adds_ms: browser TTFT - SDK TTFT (medians); paint_after_token_ms: the first "
         "animation frame after the first token is in the DOM.",
         "WebSocket has no Resource Timing (its first byte is its first message) and needs no "
-        "CORS preflight. The browser client opens one WebSocket per stream: a warm page's "
-        "WebSocket stream pays the cold handshakes again (the SDK keeps its socket open).",
+        "CORS preflight. A finished stream leaves its WebSocket open for the client's next "
+        "stream (as the SDK's): warm, one round trip.",
         "theory_first_byte_rtts is the SDK's; the browser's cold fetch-based cells add one "
         "round trip for the CORS preflight (preflights column), long-poll two requests "
         "preflighted (POST /v1/streams, then the first GET .../poll: the preflight cache is "

@@ -41,15 +41,18 @@ def test_quick_run_compares_browser_and_sdk_round_trips(quick_runs: QuickRuns) -
     assert far["sse-fetch/2/cold"]["preflights"] == 1
     assert far["sse-fetch/2/warm"]["preflights"] == 0
     assert far["websocket/1.1/cold"]["preflights"] == 0  # WebSocket has no CORS preflight
-    # Round trips to the first byte over HTTP/2: the SDK's theory, plus the preflight (10%).
-    # (Chromium's cold QUIC at 0 ms costs a varying ~100-200 ms, so the local cost subtracted
-    # for HTTP/3 is too uncertain for a check; the report shows it.)
-    for cell in ("sse-fetch/2/cold", "sse-fetch/2/warm"):
+    # Round trips to the first byte over HTTP/2: the SDK's theory plus the preflights. Raw
+    # counts (only Server-Timing subtracted) include the local cost, so they bound from above
+    # loosely; from below physics bounds them: a cold page cannot skip the preflight's trip.
+    for cell, slack in (("sse-fetch/2/cold", 1.0), ("sse-fetch/2/warm", 0.5)):
         row = far[cell]
-        extra = row["preflights"]
-        expected = row["theory_first_byte_rtts"] + extra
-        assert abs(row["browser_first_byte_rtts"] - expected) <= 0.1 * expected + 0.15, row
-        assert abs(row["sdk_first_byte_rtts"] - row["theory_first_byte_rtts"]) <= 0.15 * \
-            row["theory_first_byte_rtts"], row
+        expected = row["theory_first_byte_rtts"] + row["preflights"]
+        assert expected - 0.1 <= row["browser_first_byte_rtts_raw"] <= expected + slack, row
+        theory = row["theory_first_byte_rtts"]
+        assert theory - 0.1 <= row["sdk_first_byte_rtts_raw"] <= theory + slack, row
+    # A warm page's WebSocket stream goes on the open socket: one round trip, as the SDK's
+    # (0.5 RTT below the cold handshakes' four is far apart; the local cost is not).
+    ws = far["websocket/1.1/warm"]
+    assert ws["browser_ttft_ms"] < ws["sdk_ttft_ms"] + 0.5 * ws["rtt_ms"], ws
     assert far["sse-fetch/3/cold"]["browser_http"] == "HTTP/3"
     assert results["summary"]["chromium_http3"] == "negotiated"
