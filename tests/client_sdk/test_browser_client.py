@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import trustme
 
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.protocol.timings import implausible
 from tests.benchmarks.test_report_browser import chromium  # noqa: F401 (the fixture)
 from tests.client_sdk.browser_stack import (
     KEY,
@@ -32,6 +34,8 @@ from tests.client_sdk.browser_stack import (
 )
 from tests.client_sdk.cutproxy import TcpCutProxy
 from tests.client_sdk.test_resume import CUT_AFTER, TOKENS
+from tests.protocol.test_timings import IMPLAUSIBLE_CASES
+from tests.protocol.test_timings import record as protocol_record
 from tests.router.test_client_timings import NETWORK, REJECTED, TTFT, metric
 
 pytestmark = pytest.mark.usefixtures("chromium")
@@ -213,6 +217,30 @@ async def test_a_websocket_serves_the_pages_next_stream() -> None:
     assert [g["text"] for g in got] == [expected] * 3
     assert [g["timings"]["warm"] for g in got] == [False, True, True]
     assert sockets == 1
+
+
+async def test_the_pages_plausibility_rule_is_the_routers() -> None:
+    """report.js drops what the router would refuse, by the same rule: every case of the
+    protocol's test gives the same answer in the page (NaN and infinity have no JSON form);
+    a record keeps only the wire fields, EventSource reported as ``sse``."""
+    cases = [fields for fields, _ in IMPLAUSIBLE_CASES
+             if all(not isinstance(v, float) or math.isfinite(v) for v in fields.values())]
+    cases.append({})
+    records = [msgspec.to_builtins(protocol_record(**fields)) for fields in cases]
+    async with world() as w, browser_on(w) as page:
+        got = await page.evaluate(f"""(async () => {{
+              const report = await import("{w.router_url}/v1/edge/client/report.js");
+              const answers = {json.dumps(records)}.map((r) => report.implausible(r));
+              const mapped = report.timingsRecord({{transport: "eventsource",
+                http_version: "HTTP/2", region: "r", first_token_ms: 5, render_ms: 6,
+                dns_ms: null, inter_token_ms: [1], navigation: {{}}, long_tasks: 0}});
+              const ws = report.timingsRecord({{transport: "websocket", http_version: "",
+                region: "r", first_token_ms: 5}});
+              return {{answers, mapped, ws}}; }})()""")
+    assert got["answers"] == [implausible(protocol_record(**fields)) for fields in cases]
+    assert got["mapped"] == {"transport": "sse", "http_version": "HTTP/2", "region": "r",
+                             "first_token_ms": 5, "render_ms": 6}
+    assert got["ws"]["http_version"] == "HTTP/1.1"
 
 
 FETCH_FROM_PAGE = """(async (url, init) => {
