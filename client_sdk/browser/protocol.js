@@ -77,3 +77,38 @@ export const TOKENS = Object.freeze({
   "TOKEN_PREFIX": "fbt1.",
   "QUERY_PARAM": "token"
 });
+
+export const TIMINGS = Object.freeze({
+  "FIELDS": [
+    "transport",
+    "http_version",
+    "region",
+    "warm",
+    "zero_rtt",
+    "stream_id",
+    "dns_ms",
+    "tcp_connect_ms",
+    "tls_handshake_ms",
+    "quic_handshake_ms",
+    "ws_upgrade_ms",
+    "pool_wait_ms",
+    "request_sent_ms",
+    "first_byte_ms",
+    "first_token_ms",
+    "last_token_ms",
+    "render_ms",
+    "resumes"
+  ],
+  "TRANSPORTS": [
+    "sse",
+    "websocket",
+    "longpoll"
+  ],
+  "HTTP_VERSIONS": [
+    "HTTP/1.1",
+    "HTTP/2",
+    "HTTP/3"
+  ],
+  "MAX_MS": 600000.0,
+  "ORDER_SLACK_MS": 1.0
+});

@@ -60,7 +60,7 @@ def test_a_plausible_record() -> None:
         is None
 
 
-@pytest.mark.parametrize(("fields", "reason"), [
+IMPLAUSIBLE_CASES: list[tuple[dict[str, object], str]] = [
     ({"transport": "smoke-signals"}, "unknown_transport"),
     ({"http_version": "h2"}, "unknown_http_version"),
     ({"dns_ms": -0.1}, "out_of_range"),
@@ -73,7 +73,11 @@ def test_a_plausible_record() -> None:
     ({"first_byte_ms": 40.0}, "unordered"),
     ({"last_token_ms": 25.0}, "unordered"),
     ({"render_ms": 20.0}, "unordered"),
-])
+]
+"""Also run in the browser against report.js (tests/client_sdk/test_browser_client.py)."""
+
+
+@pytest.mark.parametrize(("fields", "reason"), IMPLAUSIBLE_CASES)
 def test_implausible_records_say_why(fields: dict[str, object], reason: str) -> None:
     assert implausible(record(**fields)) == reason
 
