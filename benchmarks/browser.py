@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import itertools
+import json
 import shutil
 import subprocess
 import tempfile
@@ -23,10 +25,23 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from websockets.asyncio.client import ClientConnection, connect
 
-__all__ = ["BrowserError", "Page", "PageLoad", "chromium_path", "load", "open_page",
-           "screenshot"]
+__all__ = [
+    "Browser",
+    "BrowserError",
+    "Page",
+    "PageLoad",
+    "chromium_path",
+    "launch",
+    "load",
+    "open_page",
+    "screenshot",
+    "spki_flag",
+    "stream_script",
+]
 
 FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -106,17 +121,30 @@ class _Session:
             await self._reader
 
 
+def spki_flag(cert_pem: bytes) -> str:
+    """Chromium's ``--ignore-certificate-errors-spki-list`` for the (first) certificate in
+    ``cert_pem``: base64(SHA-256(SPKI)), so Chromium trusts that key and nothing else (for TCP
+    TLS and QUIC alike)."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    der = cert.public_key().public_bytes(serialization.Encoding.DER,
+                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    return ("--ignore-certificate-errors-spki-list="
+            + base64.b64encode(hashlib.sha256(der).digest()).decode())
+
+
 @contextlib.contextmanager
 def _chromium(extra_flags: tuple[str, ...] = ()) -> Iterator[str]:
-    """Start Chromium with a fresh profile; yield its browser DevTools WebSocket URL."""
+    """Start Chromium with a fresh profile; yield its browser DevTools WebSocket URL. QUIC is
+    off unless ``extra_flags`` has ``--enable-quic``."""
     binary = chromium_path()
     if binary is None:
         raise BrowserError("chromium not found (Debian: apt-get install chromium)")
+    flags = [f for f in FLAGS if not (f == "--disable-quic" and "--enable-quic" in extra_flags)]
     # Chromium's helper processes may still write to the profile as the main one exits.
     with tempfile.TemporaryDirectory(prefix="firstbyte-chromium-",
                                      ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
-            [binary, *FLAGS, *extra_flags, f"--user-data-dir={profile}", "about:blank"],
+            [binary, *flags, *extra_flags, f"--user-data-dir={profile}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             port_file = Path(profile) / "DevToolsActivePort"
@@ -172,9 +200,11 @@ async def _load(
     return result
 
 
-async def _navigate(b: _Session, url: str, width: int) -> str:
-    """Open a tab of ``width`` CSS pixels, load ``url`` in it; its DevTools session id."""
-    target = await b.send("Target.createTarget", url="about:blank")
+async def _navigate(b: _Session, url: str, width: int, context: str | None = None) -> str:
+    """Open a tab of ``width`` CSS pixels (in browser context ``context``, else the default
+    one), load ``url`` in it; its DevTools session id."""
+    where = {"browserContextId": context} if context else {}
+    target = await b.send("Target.createTarget", url="about:blank", **where)
     attached = await b.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
     s: str = attached["sessionId"]
     for domain in ("Page", "Runtime", "Log", "Network"):
@@ -234,6 +264,10 @@ class Page:
             raise BrowserError(f"evaluate: {text}")
         return answer.get("result", {}).get("value")
 
+    def events(self) -> list[tuple[str, dict[str, Any]]]:
+        """The DevTools events of this browser so far (method, params), oldest first."""
+        return self._session.events
+
     def problems(self) -> list[str]:
         """Console errors, exceptions and failed loads so far (as :class:`PageLoad` ``errors``,
         requests to other origins allowed)."""
@@ -241,20 +275,45 @@ class Page:
                 if not p.startswith("request beyond")]
 
 
+@dataclass
+class Browser:
+    """A running Chromium (see :func:`launch`): pages in fresh browser contexts."""
+
+    _session: _Session
+
+    @contextlib.asynccontextmanager
+    async def isolated_page(self, url: str) -> AsyncIterator[Page]:
+        """``url`` in a new browser context: its own cache and connection pool, so the page
+        and everything it fetches start cold; the context is disposed of afterwards."""
+        b = self._session
+        context = (await b.send("Target.createBrowserContext"))["browserContextId"]
+        try:
+            yield Page(url, b, await _navigate(b, url, 1000, context))
+        finally:
+            await b.send("Target.disposeBrowserContext", browserContextId=context)
+
+
 @contextlib.asynccontextmanager
-async def open_page(url: str, *, flags: tuple[str, ...] = ()) -> AsyncIterator[Page]:
-    """Load ``url`` (any scheme) in a fresh headless Chromium started with extra ``flags``;
-    the page stays open for scripts until the block ends. Usable inside a running event loop
-    that also serves the page."""
+async def launch(flags: tuple[str, ...] = ()) -> AsyncIterator[Browser]:
+    """A fresh headless Chromium started with extra ``flags``, until the block ends."""
     with contextlib.ExitStack() as stack:
         devtools = await asyncio.to_thread(stack.enter_context, _chromium(flags))
         async with connect(devtools, max_size=None) as ws:
             b = _Session(ws)
             try:
-                yield Page(url, b, await _navigate(b, url, 1000))
+                yield Browser(b)
             finally:
                 await b.close()
         await asyncio.to_thread(stack.close)
+
+
+@contextlib.asynccontextmanager
+async def open_page(url: str, *, flags: tuple[str, ...] = ()) -> AsyncIterator[Page]:
+    """Load ``url`` (any scheme) in a fresh headless Chromium started with extra ``flags``;
+    the page stays open for scripts until the block ends. Usable inside a running event loop
+    that also serves the page."""
+    async with launch(flags) as browser:
+        yield Page(url, browser._session, await _navigate(browser._session, url, 1000))
 
 
 def load(path: Path, *, width: int = 1000, evaluate: str | None = None,
@@ -278,3 +337,41 @@ def screenshot(report: Path, png: Path, *, width: int = 1000) -> PageLoad:
     except OSError as exc:
         raise BrowserError(f"cannot write {png}: {exc.strerror or exc}") from None
     return page
+
+
+def stream_script(base_url: str, token: str, transport: str, request: dict[str, Any], *,
+                  busy_ms: int = 0, report: bool = False) -> str:
+    """A script for a page that has the client as ``window.fb`` and a ``#out`` element: stream
+    ``request`` into ``#out`` and answer what it saw (text, DOM text, sequence numbers,
+    ``timings``, usage; or ``error``); with ``report`` the client reports its timings, sent
+    before the script answers. The page keeps one client per set of options, as an
+    application does: its connections (a WebSocket too) serve the page's next streams."""
+    options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10,
+               "reportTimings": report}
+    return f"""(async () => {{
+  const out = document.getElementById("out");
+  out.textContent = "";
+  const options = {json.dumps(options)};
+  const key = JSON.stringify(options);
+  window.fbClients ??= {{}};
+  const client = window.fbClients[key] ??= new fb.Client(options);
+  const sentBefore = client.timingsReporter?.sentReports ?? 0;
+  const failedBefore = client.timingsReporter?.failedReports ?? 0;
+  const busy = (ms) => {{ const end = performance.now() + ms; while (performance.now() < end); }};
+  const stream = client.stream({json.dumps(request)}, {{ into: out,
+    onFirstToken: () => busy({busy_ms}) }});
+  const seqs = [];
+  try {{
+    for await (const delta of stream) if (delta.seq != null) seqs.push(delta.seq);
+  }} catch (err) {{
+    return {{ error: err.name, status: err.status ?? null, code: err.code ?? null,
+             message: err.message, timings: stream.timings }};
+  }}
+  await new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
+  await client.flushTimings();
+  const reporter = client.timingsReporter;
+  return {{ text: stream.text, dom: out.textContent, seqs, timings: stream.timings,
+           usage: stream.usage, reports: reporter && {{
+             sent: reporter.sentReports - sentBefore,
+             failed: reporter.failedReports - failedBefore }} }};
+}})()"""

@@ -143,6 +143,8 @@ class Region:
     host: str
     url: str
     h3_port: int | None
+    page_url: str | None = None
+    """With ``World(browser_pages=True)``: the browser benchmark's page, another origin."""
 
 
 class _Proc:
@@ -199,12 +201,14 @@ class World:
         sim_profile: str = "instant",
         log: Callable[[str], None] | None = None,
         peering: Peering | None = None,
+        browser_pages: bool = False,
     ) -> None:
         self.region_hosts = list(regions)
         self.client_hosts = list(clients)
         self.emulator = emulator
         self.sim_profile = sim_profile
         self.peering = peering
+        self.browser_pages = browser_pages
         if peering is not None:
             if emulator is None:
                 # On loopback every host is 127.0.0.1: GeoIP cannot tell clients apart.
@@ -217,6 +221,8 @@ class World:
         self._procs: list[_Proc] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.ca_file = ""
+        self.cert_file = ""
+        """The routers' certificate (PEM; every region has the same one)."""
 
     @property
     def mode(self) -> str:
@@ -276,6 +282,7 @@ class World:
         issued.private_key_and_cert_chain_pem.write_to_path(paths["cert"])
         issued.private_key_pem.write_to_path(paths["key"])
         self.ca_file = paths["ca"]
+        self.cert_file = paths["cert"]
         return paths["cert"], paths["key"]
 
     def _peering_args(self, directory: Path) -> tuple[dict[str, list[str]], str]:
@@ -326,6 +333,8 @@ class World:
             "--region", host, "--certfile", cert, "--keyfile", key, "--profile", self.sim_profile,
         ]
         env: dict[str, str] = {}
+        if self.browser_pages:
+            argv += ["--page-port", "0"]
         if peered is not None:
             flags, peer_key = peered
             argv += flags[host]
@@ -345,7 +354,8 @@ class World:
         peers = info.get("peers")
         self._log(f"world: region {host} serving {info['url']} (HTTP/1.1, HTTP/2, HTTP/3)"
                   + (f", peers up: {', '.join(peers)}" if peers else ""))
-        return Region(host, host, str(info["url"]) + paths.API_BASE, info.get("h3_port"))
+        return Region(host, host, str(info["url"]) + paths.API_BASE, info.get("h3_port"),
+                      info.get("page"))
 
     # -- clients --------------------------------------------------------------------------------
     async def run_client(
@@ -377,12 +387,21 @@ class World:
         ]
         for cell in cells:
             argv += ["--cell", cell]
-        proc = await self._spawn(client, argv)
+        return await self.run_lines(client, argv, "the SDK", time_limit_s)
+
+    async def run_lines(
+        self, host: str, argv: list[str], who: str, time_limit_s: float
+    ) -> list[dict[str, Any]]:
+        """Run ``argv`` in ``host`` (a runner printing one JSON line per request, then
+        ``{"done": true}``); its lines but the last. :class:`WorldError` naming ``who`` if it
+        fails, ends without ``done`` or outlives ``time_limit_s``."""
+        client = host
+        proc = await self._spawn(host, argv)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), time_limit_s)
         except TimeoutError:
             raise WorldError(
-                f"the SDK in {client} did not finish within {time_limit_s:g} s"
+                f"{who} in {client} did not finish within {time_limit_s:g} s"
             ) from None
         finally:
             if proc.returncode is None:
@@ -393,7 +412,7 @@ class World:
         if proc.returncode != 0 or not lines or not lines[-1].get("done"):
             tail = err.decode(errors="replace").strip().splitlines()[-10:]
             raise WorldError(
-                f"the SDK in {client} failed (exit {proc.returncode}):\n" + "\n".join(tail)
+                f"{who} in {client} failed (exit {proc.returncode}):\n" + "\n".join(tail)
             )
         return lines[:-1]
 

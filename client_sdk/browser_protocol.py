@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from firstbyte.protocol import error_codes, headers, paths, sse, tokens, ws
+from firstbyte.protocol import error_codes, headers, paths, sse, timings, tokens, ws
 
 __all__ = ["TARGET", "render"]
 
@@ -41,6 +41,10 @@ def render() -> str:
             "SUBPROTOCOL", "TOKEN_SUBPROTOCOL_PREFIX", "CLOSE_INVALID_PAYLOAD", "CLOSE_POLICY"])},
         "SSE": {"DONE": sse.DONE},
         "TOKENS": _constants(tokens, ["TOKEN_PREFIX", "QUERY_PARAM"]),
+        # What POST /v1/edge/timings accepts: the client sends these fields and nothing else.
+        "TIMINGS": {"FIELDS": list(timings.TimingsRecord.__struct_fields__),
+                    **_constants(timings, ["TRANSPORTS", "HTTP_VERSIONS", "MAX_MS",
+                                           "ORDER_SLACK_MS"])},
     }
     out = [
         "// Generated from firstbyte.protocol by `python -m firstbyte.client_sdk.browser_protocol"

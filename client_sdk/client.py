@@ -53,6 +53,7 @@ from firstbyte.client_sdk.resolver import Origin
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.tickets import ticket_store as ticket_store_for
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.client_sdk.timings_report import TimingsReporter
 from firstbyte.client_sdk.transports.base import (
     Batch,
     Event,
@@ -66,7 +67,7 @@ from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
 from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
-from firstbyte.protocol import error_codes
+from firstbyte.protocol import error_codes, paths
 from firstbyte.protocol.openai import Message, Usage
 
 __all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]  # the last from .trust
@@ -108,6 +109,10 @@ class AsyncClient:
     ``keylog_file`` (default ``$SSLKEYLOGFILE``; ``""``: none) is where the TLS secrets of
     every connection, TCP and QUIC alike, are appended for Wireshark/tshark to decrypt a
     capture (``tls.keylog_file``); it holds session keys, so keep it private.
+    ``report_timings`` (default False) sends each finished stream's ``Timings`` (phases and
+    offsets only, never text) to the router that served it, batched in the background every
+    ``report_interval_s`` (:mod:`~firstbyte.client_sdk.timings_report`); the operator then
+    sees the TTFT users felt per country next to the router's own.
     """
 
     def __init__(
@@ -130,6 +135,8 @@ class AsyncClient:
         reprobe_interval_s: float | None = 60.0,
         ticket_store: TicketStore | str | os.PathLike[str] | None = None,
         keylog_file: str | None = None,
+        report_timings: bool = False,
+        report_interval_s: float = 10.0,
     ) -> None:
         checked, ca_file = check_trust(verify, ca_file)
         tickets = ticket_store_for(ticket_store)
@@ -188,6 +195,13 @@ class AsyncClient:
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
             connect_timeout_s=connect_timeout_s, tickets=tickets, keylog_file=keylog,
         )
+        self.timings_reporter: TimingsReporter[Origin] | None = None
+        """With ``report_timings``: the queue of finished streams' timings and its sender."""
+        if report_timings:
+            if report_interval_s <= 0:
+                raise ConfigurationError("report_interval_s", "must be positive")
+            self.timings_reporter = TimingsReporter(self._post_timings,
+                                                    interval_s=report_interval_s)
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:
             self._reprobing = True
@@ -205,7 +219,19 @@ class AsyncClient:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.timings_reporter is not None:
+            await self.timings_reporter.aclose()  # on the pooled connections: before closing
         await self.pool.aclose()
+
+    async def _post_timings(self, origin: Origin, body: bytes) -> int:
+        """Send one timings report to ``origin``'s router; its HTTP status."""
+        session = self.pool.session(origin, self._probe_http)
+        headers = {**self.headers, "content-type": "application/json"}
+        path = paths.at_base(paths.EDGE_TIMINGS, origin.prefix)
+        async with session.request("POST", path, headers=headers, body=body,
+                                   recorder=None) as response:
+            await response.finish()
+        return response.status
 
     def _target(self, origin: Origin | None = None) -> Session | WebSocketPool:
         origin = origin or self.origin
@@ -443,6 +469,7 @@ class ChatStream:
         self._attempt = 0
         self._busy_region: str | None = None
         """The region counted in the client's ``_busy`` while a pump reads from it."""
+        self._reported = False
 
     @property
     def _origin(self) -> Origin:
@@ -501,8 +528,16 @@ class ChatStream:
             except SequenceGapError as exc:
                 await self._recover(exc)  # drops the rest of the batch: the resume replays it
                 continue
-            except FirstbyteError:
+            except FirstbyteError as exc:
                 self._finished = True
+                if isinstance(exc, APIError) and exc.code == error_codes.STREAM_LOST:
+                    # The router process producing the stream died mid-stream; a router with
+                    # shared state ends the stream for its readers elsewhere with this event.
+                    raise self._lost(
+                        f"stream {self._stream_id} is lost (its router process stopped"
+                        f" mid-stream) after event {assembler.last_seq}; resumed"
+                        f" {self._policy.resumes} times"
+                    ) from exc
                 raise
             if assembler.done:
                 self._finished = True
@@ -514,9 +549,16 @@ class ChatStream:
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        """Stop reading (also when the stream is abandoned half-way) and free the connection."""
+        """Stop reading (also when the stream is abandoned half-way) and free the connection.
+
+        With ``report_timings``, a stream that got its first token is queued for reporting
+        (once)."""
         self._finished = True
         await self._stop_pump()
+        reporter = self._client.timings_reporter
+        if reporter is not None and not self._reported:
+            self._reported = True
+            reporter.note(self._origin, self._recorder.timings())
 
     # -- machinery ------------------------------------------------------------------------------
     def _start(self, source: Source) -> None:
@@ -643,12 +685,9 @@ class ChatStream:
             ):
                 # A resume found no such stream (on every transport: a 404 or a WebSocket
                 # error carry the same code): the router restarted or dropped it.
-                raise StreamLostError(
+                raise self._lost(
                     f"stream {self._stream_id} is lost (the router no longer has it) after"
-                    f" event {self._assembler.last_seq}; resumed {self._policy.resumes} times",
-                    stream_id=self._stream_id,
-                    last_seq=self._assembler.last_seq,
-                    delivered_text=self.text,
+                    f" event {self._assembler.last_seq}; resumed {self._policy.resumes} times"
                 ) from item
             raise item
         assert isinstance(item, Opened)
@@ -658,6 +697,15 @@ class ChatStream:
         self._opened = True
         if item.stream_id is not None:
             self._stream_id = item.stream_id
+
+    def _lost(self, message: str) -> StreamLostError:
+        """The error for this stream, lost for good, with what was delivered."""
+        return StreamLostError(
+            message,
+            stream_id=self._stream_id or "",
+            last_seq=self._assembler.last_seq,
+            delivered_text=self.text,
+        )
 
     async def _recover(self, reason: BaseException | None, *, stalled: bool = False) -> None:
         """Resume after a cut or a stall, or raise when out of attempts (:class:`ResumePolicy`)."""

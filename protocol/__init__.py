@@ -9,6 +9,7 @@ in prose; these modules are its source:
 - :mod:`~firstbyte.protocol.poll`: long-poll batches and the ``POST /v1/streams`` answer.
 - :mod:`~firstbyte.protocol.ws`: the WebSocket ``/v1/ws`` messages and close codes.
 - :mod:`~firstbyte.protocol.edge`: the ``/v1/edge/status`` documents.
+- :mod:`~firstbyte.protocol.timings`: the ``/v1/edge/timings`` report (client-felt latency).
 - :mod:`~firstbyte.protocol.tokens`: the browser's client tokens (``/v1/edge/tokens``).
 - :mod:`~firstbyte.protocol.headers`, :mod:`~firstbyte.protocol.paths`,
   :mod:`~firstbyte.protocol.error_codes`: header names, URL paths, the router's error codes.
@@ -18,7 +19,7 @@ A change to the wire format is an edit here plus its test in ``tests/protocol``.
 
 from __future__ import annotations
 
-from . import edge, error_codes, headers, openai, paths, poll, sse, tokens, ws
+from . import edge, error_codes, headers, openai, paths, poll, sse, timings, tokens, ws
 from .edge import BackendStatus, EdgeStatus, EdgeStatusReport, PeerLink, PublicEdgeStatus
 from .openai import (
     ChatCompletion,
@@ -80,6 +81,7 @@ __all__ = [
     "paths",
     "poll",
     "sse",
+    "timings",
     "tokens",
     "ws",
 ]

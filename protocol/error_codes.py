@@ -10,11 +10,13 @@ __all__ = [
     "API_KEY_REQUIRED",
     "CANCELLED",
     "CLIENT_TOKEN_EXPIRED",
+    "DRAINING",
     "INVALID_AFTER",
     "INVALID_API_KEY",
     "INVALID_CLIENT_TOKEN",
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
+    "INVALID_TIMINGS",
     "INVALID_WAIT",
     "KEY_CONCURRENCY_EXCEEDED",
     "KEY_RATE_LIMITED",
@@ -46,6 +48,9 @@ CLIENT_TOKEN_EXPIRED = "client_token_expired"
 API_KEY_REQUIRED = "api_key_required"
 """403: a client token where only an API key may act (minting tokens)."""
 INVALID_REQUEST = "invalid_request"
+INVALID_TIMINGS = "invalid_timings"
+"""400: a timings report that is not one, holds too many records, or holds a record no real
+client could have felt (:func:`firstbyte.protocol.timings.implausible`, an unknown region)."""
 REQUEST_TOO_LARGE = "request_too_large"
 REQUEST_TIMEOUT = "request_timeout"
 """408: the request body stalled past the router's ``client_body_timeout_s``."""
@@ -78,6 +83,11 @@ UPSTREAM_EOF = "upstream_eof"
 """The upstream closed the stream without ``[DONE]``."""
 CANCELLED = "cancelled"
 """No reader came back within the resume grace period; the upstream request was cancelled."""
+DRAINING = "draining"
+"""503 (and ``/healthz``): this router process is shutting down and takes no new work; send
+the request again (another router of the region takes it). In-stream: the process stopped
+after ``listen.drain_timeout_s`` with the stream unfinished; the events before the error are
+all the stream will have, so the request must be sent again to get the rest."""
 INVALID_MESSAGE = "invalid_message"
 """WebSocket: a message that is not JSON or has an unknown ``type``."""
 TOO_MANY_STREAMS = "too_many_streams"

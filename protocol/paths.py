@@ -12,6 +12,7 @@ __all__ = [
     "CHAT_COMPLETIONS",
     "EDGE_CLIENT",
     "EDGE_STATUS",
+    "EDGE_TIMINGS",
     "EDGE_TOKENS",
     "HEALTHZ",
     "METRICS",
@@ -42,6 +43,9 @@ WEBSOCKET = "/v1/ws"
 EDGE_STATUS = "/v1/edge/status"
 """``GET``: the region's status document (:mod:`firstbyte.protocol.edge`)."""
 
+EDGE_TIMINGS = "/v1/edge/timings"
+"""``POST``: a client's report of what its finished streams cost it
+(:mod:`firstbyte.protocol.timings`); 202 ``{"accepted": N}``."""
 EDGE_TOKENS = "/v1/edge/tokens"
 """``POST`` with an API key (from the application's backend, never a browser): a short-lived
 client token for a browser (:mod:`firstbyte.protocol.tokens`)."""

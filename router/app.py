@@ -37,6 +37,7 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.HEALTHZ: {"GET": endpoints.healthz},
     paths.METRICS: {"GET": endpoints.metrics},
     paths.EDGE_STATUS: {"GET": endpoints.edge_status},
+    paths.EDGE_TIMINGS: {"POST": endpoints.edge_timings},
     paths.EDGE_TOKENS: {"POST": endpoints.mint_token},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
@@ -55,6 +56,17 @@ class RouterApp:
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.state = RouterState(config, clock)
         self.memory = MemoryGuard(config.limits.max_rss_bytes, clock)
+        self.requests_in_flight = 0
+        """HTTP requests being answered, but for the operational ones (``/healthz`` ...)."""
+
+    def in_flight(self) -> int:
+        """What a drain waits for: requests being answered and streams being produced."""
+        return self.requests_in_flight + len(self.state.store.running())
+
+    async def reconfigure(self, config: RouterConfig) -> None:
+        """Swap in a reloaded config (:mod:`firstbyte.router.reload`)."""
+        self.memory.max_rss_bytes = config.limits.max_rss_bytes
+        await self.state.reconfigure(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -65,7 +77,12 @@ class RouterApp:
             return
         self.state.ensure_started()
         if kind == "http":
-            await self.state.requests.serve(scope, receive, send, self._route)
+            counted = scope["path"] not in _UNGATED
+            self.requests_in_flight += counted
+            try:
+                await self.state.requests.serve(scope, receive, send, self._route)
+            finally:
+                self.requests_in_flight -= counted
         else:
             await self._route(scope, receive, send)
 

@@ -1,10 +1,12 @@
 """Per-backend load, capacity, region saturation and ``Retry-After`` (sans-IO).
 
-Load of a backend = the router's own count of requests in flight to it (exact and instant)
-plus, if its metrics are fresh, the traffic they show beyond ours: reported ``running +
-waiting`` (vLLM metric names) minus our in-flight count *when they were scraped*. A scrape is
-up to one interval old; comparing it with our count of that moment (not of now) keeps a stale
-scrape from making a backend look busier, or idler, than it is.
+Load of a backend = the router's own count of requests in flight to it (exact and instant),
+plus what the region's other router processes have in flight to it (``elsewhere``: with shared
+state, from Redis at the last claim or refresh; 0 with one process), plus, if its metrics are
+fresh, the traffic they show beyond ours: reported ``running + waiting`` (vLLM metric names)
+minus the routers' in-flight count *when they were scraped*. A scrape is up to one interval
+old; comparing it with our count of that moment (not of now) keeps a stale scrape from making
+a backend look busier, or idler, than it is.
 
 Capacity is learned from what the backend reports, with ``max_in_flight`` as a cap. Every
 new request waits for the next scheduler step (~10-100 ms) before it runs, so a scrape sees
@@ -61,6 +63,8 @@ class BackendLoad:
     max_waiting: int = 0
     weight: float = 1.0
     in_flight: int = 0
+    elsewhere: int = 0
+    """In flight from the region's other router processes (shared state), as last seen."""
     healthy: bool = True
     metrics: BackendMetrics | None = None
     metrics_at: float | None = None
@@ -108,6 +112,19 @@ class LoadTracker:
             b.recent_starts.append(now)
             _forget_before(b.recent_starts, now - RECENT_S)
 
+    def unstarted(self, name: str) -> None:
+        """Undo :meth:`started` for a request that did not go after all (its backend turned
+        out full region-wide)."""
+        b = self.backends[name]
+        b.in_flight = max(0, b.in_flight - 1)
+        b.requests = max(0, b.requests - 1)
+        if b.recent_starts:
+            b.recent_starts.pop()
+
+    def observe_elsewhere(self, name: str, in_flight: int) -> None:
+        """The other router processes have ``in_flight`` requests on ``name`` (shared state)."""
+        self.backends[name].elsewhere = in_flight
+
     def finished(self, name: str, duration_ms: float | None = None) -> None:
         b = self.backends[name]
         b.in_flight = max(0, b.in_flight - 1)
@@ -119,7 +136,8 @@ class LoadTracker:
 
     def observe_metrics(self, name: str, metrics: BackendMetrics, now: float) -> None:
         b = self.backends[name]
-        b.metrics, b.metrics_at, b.in_flight_at_metrics = metrics, now, b.in_flight
+        b.metrics, b.metrics_at = metrics, now
+        b.in_flight_at_metrics = b.in_flight + b.elsewhere
         running = int(metrics.running or 0)
         _forget_before(b.recent_starts, now - RECENT_S)
         b.queue = max(0, int(metrics.waiting or 0) - len(b.recent_starts))
@@ -143,11 +161,12 @@ class LoadTracker:
 
     def load(self, name: str, now: float) -> int:
         b = self.backends[name]
+        ours = b.in_flight + b.elsewhere
         m = self._fresh(b, now)
         if m is None:
-            return b.in_flight
+            return ours
         others = int((m.running or 0) + (m.waiting or 0)) - b.in_flight_at_metrics
-        return b.in_flight + max(0, others)
+        return ours + max(0, others)
 
     def saturated(self, name: str, now: float) -> bool:
         b = self.backends[name]

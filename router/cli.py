@@ -5,14 +5,21 @@ firstbyte router --upstream http://127.0.0.1:8001 --port 8443 --certfile C --key
 firstbyte router --upstream URL ... --max-streams-per-key 32 --rate-per-key 10 --max-in-flight 256
 firstbyte router --check-config router.toml
 firstbyte router --config router.toml --workers 4 --redis-url redis://127.0.0.1:6379/0
+firstbyte router reload --config router.toml     (or --pid PID, or --pid-file FILE)
+
+SIGTERM drains (docs/router.md, "Drain"); SIGHUP, or ``firstbyte router reload``, reloads the
+config in place (docs/router.md, "Reload").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
+import signal
+from pathlib import Path
 from typing import Any
 
 from firstbyte.cli import CLIError
@@ -25,6 +32,13 @@ __all__ = ["LIMIT_FLAGS", "add_arguments", "config_from_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=["reload"],
+        help="reload: make the running router (--pid, --pid-file, or listen.pid_file of"
+        " --config) read its config again; what cannot change in place is refused and logged",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
     parser.add_argument(
         "--check-config", metavar="FILE", help="validate FILE, print OK or the error, and exit"
@@ -73,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share streams, QUIC tickets and limits with the region's other router processes"
         " through Redis or Valkey (redis://HOST:PORT/DB; state.redis_url in --config)",
     )
+    parser.add_argument(
+        "--pid-file",
+        metavar="FILE",
+        help="write the router's pid to FILE while it runs (listen.pid_file); with reload:"
+        " the router to signal",
+    )
+    parser.add_argument("--pid", type=int, help="with reload: the router process to signal")
     parser.add_argument(
         "--insecure-plain-http",
         action="store_true",
@@ -160,7 +181,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.config and args.upstream:
         raise CLIError("give either --config FILE or --upstream URL, not both")
     listen: dict[str, Any] = {}
-    for flag in ("host", "port", "certfile", "keyfile", "server", "workers"):
+    for flag in ("host", "port", "certfile", "keyfile", "server", "workers", "pid_file"):
         value = getattr(args, flag)
         if value is not None:
             # A path typed on the command line is relative to the working directory.
@@ -262,6 +283,8 @@ def _to_builtins(config: RouterConfig) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "reload":
+        return _signal_reload(args)
     if args.check_config:
         try:
             check_files(load_config(args.check_config), args.check_config)
@@ -274,21 +297,83 @@ def run(args: argparse.Namespace) -> int:
 
     # Logs (the start-up line included) go to stdout; errors before this point to stderr.
     configure("debug" if args.verbose else args.log_level or "info", args.log_format)
-    if config.listen.workers > 1:
-        from .workers import run_workers
+    with _pid_file(config.listen.pid_file):
+        if config.listen.workers > 1:
+            from .workers import run_workers
 
-        return run_workers(config, _serve_worker)
-    return _serve_worker(config, None)
+            return run_workers(config, lambda c, i: _serve_worker(c, i, args))
+        return _serve_worker(config, None, args)
 
 
-def _serve_worker(config: RouterConfig, index: int | None) -> int:
+@contextlib.contextmanager
+def _pid_file(path: str | None) -> Any:
+    if path is None:
+        yield
+        return
+    try:
+        Path(path).write_text(f"{os.getpid()}\n")
+    except OSError as exc:
+        raise CLIError(f"listen.pid_file: cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if Path(path).read_text().strip() == str(os.getpid()):
+                Path(path).unlink()
+
+
+def _signal_reload(args: argparse.Namespace) -> int:
+    """``firstbyte router reload``: check the config here (when given), then SIGHUP the router."""
+    pid_file = args.pid_file
+    if args.config:
+        config = config_from_args(args)  # a broken file is reported here, not only in the log
+        pid_file = pid_file or config.listen.pid_file
+    pid = args.pid
+    if pid is None:
+        if pid_file is None:
+            raise CLIError("give --pid PID, --pid-file FILE, or --config FILE with listen.pid_file")
+        try:
+            pid = int(Path(pid_file).read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"cannot read a pid from {pid_file}: {exc}") from None
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as exc:
+        raise CLIError(f"cannot signal the router (pid {pid}): {exc.strerror or exc}") from None
+    print(f"sent SIGHUP to the router (pid {pid}); its log says whether the config was taken")
+    return 0
+
+
+def _reloaded_config(args: argparse.Namespace, running: RouterConfig) -> RouterConfig:
+    """The config read again as at start-up (file and flags), for a reload; a
+    :class:`ConfigError` if it fails the check. A file saying ``listen.port = 0`` keeps the
+    port this router took."""
+    try:
+        config = config_from_args(args)
+    except CLIError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.listen.port == 0 and running.listen.port != 0:
+        import msgspec
+
+        listen = msgspec.structs.replace(config.listen, port=running.listen.port)
+        config = msgspec.structs.replace(config, listen=listen)
+    return config
+
+
+def _serve_worker(config: RouterConfig, index: int | None, args: argparse.Namespace) -> int:
     """Serve ``config`` in this process: the only one, or worker ``index`` of several."""
     from .hosting import loop_factory
     from .serve import serve
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config, reuse_port=index is not None))
+            runner.run(
+                serve(
+                    config,
+                    reuse_port=index is not None,
+                    reload=lambda: _reloaded_config(args, config),
+                )
+            )
     except OSError as exc:
         raise CLIError(
             f"cannot listen on {config.listen.host}:{config.listen.port}: {exc}"

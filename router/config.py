@@ -31,6 +31,7 @@ from .regions_config import (
 __all__ = [
     "PATH_KEYS",
     "AuthConfig",
+    "ClientTimingsConfig",
     "ConfigError",
     "CorsConfig",
     "LimitsConfig",
@@ -83,6 +84,18 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     """Router processes on this host sharing the port (``SO_REUSEPORT`` on TCP and UDP); more
     than one needs ``state.redis_url`` so that they share streams, tickets and limits."""
+    drain_timeout_s: PositiveSeconds = 30.0
+    """On SIGTERM, how long streams in flight may run to their end (``docs/router.md``,
+    "Drain"); then they end with a ``draining`` error event and the process exits 0. Keep it
+    below the supervisor's stop timeout (systemd ``TimeoutStopSec``, Kubernetes
+    ``terminationGracePeriodSeconds`` minus the preStop sleep)."""
+    drain_grace_s: NonNegSeconds = 0.0
+    """On SIGTERM, keep listening (answering 503 ``draining``) at least this long even when
+    nothing is in flight: for a load balancer that learns of the drain only from its health
+    checks. 0 (the default) suits Kubernetes, whose preStop sleep does that wait."""
+    pid_file: str | None = None
+    """Written with the router's pid at start (the supervisor's, with workers) and removed at
+    exit; ``firstbyte router reload --config FILE`` signals the pid it names."""
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -236,6 +249,26 @@ class TelemetryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Finished spans are sent in a batch at least this often."""
 
 
+class ClientTimingsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Client-felt latency reported by opted-in clients on ``POST /v1/edge/timings``
+    (docs/router.md, "Client-perceived latency"). Accepted by default: a client sends
+    reports only when its application opted in, and a report holds timings only."""
+
+    enabled: bool = True
+    """False: the path answers 404 and the client histograms stay empty."""
+    max_countries: NonNegInt = 50
+    """Countries with their own ``country`` label; clients of later ones count as ``other``."""
+    max_records_per_report: PositiveInt = 100
+    """Records one report may hold; more: 400."""
+    max_report_bytes: PositiveBytes = 64 << 10
+    """Body size of one report; larger: 413."""
+    reports_per_s_per_key: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Sustained reports per second per API key (a token bucket); 0: no limit. Beyond: 429
+    key_rate_limited. Like the other per-key limits, only with ``auth.api_keys``."""
+    report_burst_per_key: PositiveInt = 10
+    """Reports a key may send at once before its rate applies."""
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     region: Name = "local"
     upstreams: Annotated[list[UpstreamConfig], msgspec.Meta(min_length=1)]
@@ -252,6 +285,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warm_prefixes: list[WarmPrefixConfig] = msgspec.field(default_factory=list)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    client_timings: ClientTimingsConfig = msgspec.field(default_factory=ClientTimingsConfig)
     upstream_ca_file: str | None = None
     """PEM CA bundle trusted for TLS to upstreams and peers (default: the public bundle)."""
 
@@ -325,6 +359,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> RouterConfig
 PATH_KEYS = (
     "listen.certfile",
     "listen.keyfile",
+    "listen.pid_file",
     "upstream_ca_file",
     "geo.database",
     "warm_prefixes[].file",

@@ -22,6 +22,7 @@ from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
 from firstbyte.protocol.openai import encode
 from firstbyte.protocol.poll import StreamStarted
+from firstbyte.protocol.timings import decode_report
 from firstbyte.protocol.tokens import QUERY_PARAM, TokenRequest
 
 from .asgi import (
@@ -49,13 +50,15 @@ from .pipeline.context import (
     Traceparent,
     error_reply,
 )
+from .placement import place, release_key_slot
 from .readers import ReadableStream, parse_after, poll, sse_events
 from .state import RouterState
-from .tenancy import limit_key
+from .tenancy import refusal
 
 __all__ = [
     "chat_completions",
     "edge_status",
+    "edge_timings",
     "healthz",
     "metrics",
     "mint_token",
@@ -147,40 +150,46 @@ async def _admitted(
     # make the router wait for a body, or read and drain one.
     if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "chat"):
         return None
-    limits = state.config.limits
-    limit = limits.max_body_bytes
-    declared = ctx.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > 64 * max(limit, 1 << 20):
-        ctx.body = b"\0" * (limit + 1)  # far too big even to drain: 413 without reading
-    else:
-        try:
-            ctx.body = await read_body(receive, limit, timeout_s=limits.client_body_timeout_s)
-        except ClientGone:
-            return None
-        except BodyTimeout:
-            state.metrics.count("chat", "body_timeout")
-            timeout = error_reply(
-                408,
-                f"The request body stalled for over {limits.client_body_timeout_s:g} s.",
-                code=error_codes.REQUEST_TIMEOUT,
-                outcome="body_timeout",
-            )
-            await reply(send, ctx, timeout)
-            return None
+    limit = state.config.limits.max_body_bytes
+    body = await _read_body(state, receive, send, ctx, limit, "chat")
+    if body is None:
+        return None
+    ctx.body = body
     if await _finish(
         state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), "chat"
     ):
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
         return None
-    limited = limit_key(ctx, state.limiter, state.store, state.clock())
-    if await _finish(state, send, ctx, limited, "chat"):
-        return None
-    if await _finish(state, send, ctx, state.routing.route(ctx), "chat"):
-        return None
-    if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "chat"):
+    if await _finish(state, send, ctx, await place(state, ctx), "chat"):
         return None
     return ctx
+
+
+async def _read_body(
+    state: RouterState, receive: Receive, send: Send, ctx: RequestContext, limit: int,
+    endpoint: str,
+) -> bytes | None:
+    """The request body, cut at ``limit + 1`` bytes (the caller answers 413 past ``limit``);
+    None once the client went away or a 408 for a stalled body was sent."""
+    declared = ctx.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > 64 * max(limit, 1 << 20):
+        return b"\0" * (limit + 1)  # far too big even to drain: 413 without reading
+    timeout_s = state.config.limits.client_body_timeout_s
+    try:
+        return await read_body(receive, limit, timeout_s=timeout_s)
+    except ClientGone:
+        return None
+    except BodyTimeout:
+        state.metrics.count(endpoint, "body_timeout")
+        timeout = error_reply(
+            408,
+            f"The request body stalled for over {timeout_s:g} s.",
+            code=error_codes.REQUEST_TIMEOUT,
+            outcome="body_timeout",
+        )
+        await reply(send, ctx, timeout)
+        return None
 
 
 async def chat_completions(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
@@ -190,16 +199,19 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         return
     if not ctx.stream_requested:
         # Counted against the key's concurrency like a stream (streams count in the store).
-        with state.limiter.holding(ctx.owner):
-            forward = asyncio.ensure_future(
-                state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
-            )
-            if not await unless_gone(receive, forward):
-                forward.cancel()  # nobody will read the answer: stop the upstream's work
-                state.metrics.count("chat", "client_gone")
-                ctx.outcome = "client_gone"
-                return
-            answer = forward.result()
+        try:
+            with state.limiter.holding(ctx.owner):
+                forward = asyncio.ensure_future(
+                    state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+                )
+                if not await unless_gone(receive, forward):
+                    forward.cancel()  # nobody will read the answer: stop the upstream's work
+                    state.metrics.count("chat", "client_gone")
+                    ctx.outcome = "client_gone"
+                    return
+                answer = forward.result()
+        finally:
+            release_key_slot(ctx)
         ctx.outcome = "ok" if answer.status == 200 else f"upstream_{answer.status}"
         ctx.usage = reply_usage(answer.body)
         state.metrics.count("chat", ctx.outcome)
@@ -216,8 +228,8 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             ],
         )
         return
-    # limit_key made room in the store (nothing awaited since): no eviction here.
-    stream = ctx.stream = state.new_stream(ctx.owner)
+    # place() made room in the store (nothing awaited since): no eviction here.
+    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -230,7 +242,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             state.metrics.count("chat", "client_gone")
             return
         head = started.result()
-        await state.announced(stream)  # written by now, in the same round trip as others
+        await state.announced(stream)  # written by now: it went out while upstream answered
     finally:
         stream.detach(state.clock())
     headers = [
@@ -281,7 +293,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = ctx.stream = state.new_stream(ctx.owner)
+    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot)
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:
@@ -498,9 +510,12 @@ async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: S
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /healthz``: 200 ``ok``; 503 ``warming`` during the start-up warmup (requests are
-    held meanwhile) or ``unhealthy`` when no backend is healthy. No key: load balancers ask."""
-    if state.warming:
+    """``GET /healthz``: 200 ``ok``; 503 ``draining`` from SIGTERM on, ``warming`` during the
+    start-up warmup (requests are held meanwhile) or ``unhealthy`` when no backend is healthy.
+    No key: load balancers ask."""
+    if state.draining:
+        status, text = 503, error_codes.DRAINING.encode() + b"\n"
+    elif state.warming:
         status, text = 503, b"warming\n"
     elif state.healthy:
         status, text = 200, b"ok\n"
@@ -553,6 +568,78 @@ async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: 
             time=time.time(),
         )
     await send_bytes(send, 200, encode(document), headers=[("cache-control", "no-cache")])
+
+
+async def edge_timings(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/edge/timings``: an opted-in client's report of what its finished streams
+    cost it (:mod:`firstbyte.protocol.timings`), added to the client histograms
+    (:mod:`firstbyte.router.client_timings`); 202 ``{"accepted": N}``, or an error naming
+    the reason."""
+    ctx = new_context(state, scope)
+    latency = state.client_latency
+    settings = state.config.client_timings
+    if not settings.enabled:
+        latency.reject("disabled")
+        await not_found(scope, send)
+        return
+    # An API key or a client token (a browser's): a record joins the streams of its key.
+    authenticated = authenticate(ctx, state.api_keys, state.tokens)
+    if await _finish(state, send, ctx, authenticated, "timings"):
+        return
+    owner = ctx.owner
+    limited = state.report_limiter.take(owner, state.clock())
+    if limited is not None:
+        latency.reject("rate_limited")
+        await _finish(state, send, ctx, refusal(limited), "timings")
+        return
+    limit = settings.max_report_bytes
+    body = await _read_body(state, receive, send, ctx, limit, "timings")
+    if body is None:
+        return
+    if len(body) > limit:
+        latency.reject("too_large")
+        too_large = error_reply(
+            413, f"A timings report may hold {limit} bytes.", code=error_codes.REQUEST_TOO_LARGE
+        )
+        await _finish(state, send, ctx, too_large, "timings")
+        return
+    try:
+        report = decode_report(body)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        latency.reject("malformed")
+        await _invalid_timings(state, send, ctx, f"Not a timings report: {exc}")
+        return
+    if latency.too_many(report):
+        latency.reject("too_many_records")
+        await _invalid_timings(
+            state, send, ctx, f"A report may hold {latency.max_records} records."
+        )
+        return
+    server_ttft: list[float | None] = []
+    for record in report.records:
+        found = None
+        if record.stream_id is not None:
+            found = await state.find_stream(record.stream_id, owner)
+        server_ttft.append(None if found is None else found.upstream_ttft_ms)
+    refused = latency.refusal(report, server_ttft)
+    if refused is not None:
+        reason, index = refused
+        latency.reject(reason)
+        await _invalid_timings(state, send, ctx, f"records[{index}]: {reason}.")
+        return
+    location = state.routing.locate(ctx, from_peer=False)
+    latency.observe(report, location.country if location else None, server_ttft)
+    state.metrics.count("timings", "ok")
+    ctx.outcome = "ok"
+    accepted = msgspec.json.encode({"accepted": len(report.records)})
+    await send_bytes(send, 202, accepted, headers=_common_headers(ctx))
+
+
+async def _invalid_timings(
+    state: RouterState, send: Send, ctx: RequestContext, message: str
+) -> None:
+    invalid = error_reply(400, message, param="records", code=error_codes.INVALID_TIMINGS)
+    await _finish(state, send, ctx, invalid, "timings")
 
 
 async def not_found(scope: Scope, send: Send, allowed: str | None = None) -> None:

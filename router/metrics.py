@@ -30,6 +30,7 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
         self._counters: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
+        self._sections: list[Callable[[], list[str]]] = []
 
     def count(self, endpoint: str, outcome: str) -> None:
         self.requests[(endpoint, outcome)] += 1
@@ -49,6 +50,10 @@ class Metrics:
     def add_gauge_source(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """Expose ``read()`` as a gauge called ``name`` at scrape time."""
         self._gauges.append((name, help_text, read))
+
+    def add_section(self, render: Callable[[], list[str]]) -> None:
+        """Append ``render()``'s lines (whole families) to every scrape."""
+        self._sections.append(render)
 
     def render(self) -> str:
         requests = [
@@ -78,4 +83,6 @@ class Metrics:
         for name, help_text, label, counts in self._counters:
             samples = [(labels(**{label: k}), n) for k, n in sorted(counts().items())]
             lines += render_counter(name, help_text, samples)
+        for section in self._sections:
+            lines += section()
         return "\n".join(lines) + "\n"

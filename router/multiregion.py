@@ -54,16 +54,23 @@ from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address,
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
 from .peers import PeerPoller, PeerTable
-from .pipeline.affinity import AffinityPolicy, affinity_key
+from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
-from .pipeline.context import CONTINUE, Fallback, Outcome, RequestContext, error_reply
+from .pipeline.context import (
+    CONTINUE,
+    Fallback,
+    LocalReply,
+    Outcome,
+    RequestContext,
+    error_reply,
+)
 from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
 from .regions_config import warm_prefix_text
 from .spill import SpillBudget, SpillSlot
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
 
-__all__ = ["REJECTION_REASONS", "Observation", "RegionRouting"]
+__all__ = ["REJECTION_REASONS", "Observation", "RegionRouting", "draining_reply"]
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
@@ -77,6 +84,19 @@ REJECTION_REASONS = {
 }
 """Why a request was answered 429 here (the access log's ``reason``), and the sentence the
 client reads after "Region R is at capacity and"."""
+
+
+def draining_reply() -> LocalReply:
+    """503 ``draining`` with ``Retry-After``: this process takes no new work (SIGTERM)."""
+    return error_reply(
+        503,
+        "This router is shutting down; send the request again (another router of the region"
+        " takes it).",
+        "server_error",
+        code=error_codes.DRAINING,
+        headers=(("retry-after", "1"),),
+        outcome="draining",
+    )
 
 
 def _point(lat: float | None, lon: float | None, name: str) -> GeoPoint | None:
@@ -98,6 +118,9 @@ class Observation:
     started: float
     location: Location | None
     first_token_deadline_s: float | None = None
+    choice: str = ""
+    """Why this backend (``affinity``, ``new-key``, ``balance``, ..., ``queued``); empty for
+    a peer."""
     ttft_ms: float | None = None
     last_chunk: float | None = None
     switched: bool = False
@@ -253,7 +276,31 @@ class RegionRouting:
         """Backend choices by reason (affinity, new-key, balance, round-robin, least-loaded)."""
         self.ttft: dict[str, Histogram] = {}
         self.itl = Histogram(ITL_BUCKETS_S)
+        self.released: Callable[[str], object] | None = None
+        """Called with a local backend's name when a request on it ends or moves away (the
+        shared state gives back its slot there)."""
         self._started = False
+        self.draining = False
+        """This process is shutting down: it counts as unhealthy for routing (a request goes
+        to a peer with room, or gets 503 ``draining``) and in its edge status."""
+
+    def adopt(self, previous: RegionRouting) -> None:
+        """Carry over what ``previous`` (the routing before a reload) learned and still counts:
+        the load record of every backend that stays (requests in flight on it finish on the
+        previous routing's record, which this one now shares), the status and RTT of every
+        peer that stays at the same URL, and the draining flag."""
+        for name, load in self.tracker.backends.items():
+            old = previous.tracker.backends.get(name)
+            if old is not None and self.backends[name] is previous.backends.get(name):
+                old.max_in_flight, old.max_waiting, old.weight = (
+                    load.max_in_flight, load.max_waiting, load.weight
+                )
+                self.tracker.backends[name] = old
+        for name, peer in self.peer_table.peers.items():
+            was = previous.peer_table.peers.get(name)
+            if was is not None and was.url == peer.url:
+                self.peer_table.peers[name] = was
+        self.draining = previous.draining
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -323,7 +370,7 @@ class RegionRouting:
             for name in self.scheduler.warm(backend)
         }
         return RegionCandidate(
-            self.region, self.here_point, bool(self.tracker.healthy()),
+            self.region, self.here_point, bool(self.tracker.healthy()) and not self.draining,
             self.tracker.region_saturated(now), self.tracker.queue_wait_ms(now), frozenset(warm),
         )
 
@@ -375,10 +422,12 @@ class RegionRouting:
             if url:
                 headers.append((BETTER_REGION_URL_HEADER, url))
         ctx.response_headers = headers
+        if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
+            return draining_reply()
         if decision.verdict is Verdict.LOCAL:
             chosen = self._local_backend(request, now)
             if chosen is None:  # raced to saturation since the region check
-                return self._reject(ctx, now, "no_local_backend")
+                return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now)
         if decision.verdict is Verdict.REJECT:
             if not self.tracker.healthy() and not self.peer_table.peers:
@@ -408,12 +457,17 @@ class RegionRouting:
         queued = self._queue_locally(request, now)
         if queued is not None:
             return self._serve_local(ctx, queued, location, now)
-        return self._reject(ctx, now, reason)
+        return self.reject(ctx, now, reason)
 
-    def _local_backend(self, request: ChatCompletionRequest, now: float) -> str | None:
+    def affinity_key(self, request: ChatCompletionRequest) -> str:
+        """The key that decides ``request``'s backend (:func:`affinity_key`)."""
+        texts = [p.text for p in self.prefixes]
+        return affinity_key(request, texts, self.config.routing.affinity_chars)
+
+    def _local_backend(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
         return self._choose(request, self.tracker.available(now), now, None)
 
-    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> str | None:
+    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
         """A backend to queue on when the expected wait is within ``max_queue_wait_ms``."""
         healthy = self.tracker.healthy()
         limit = self.config.routing.max_queue_wait_ms
@@ -423,29 +477,47 @@ class RegionRouting:
 
     def _choose(
         self, request: ChatCompletionRequest, candidates: list[str], now: float, reason: str | None
-    ) -> str | None:
+    ) -> BackendChoice | None:
         """The affinity policy's pick among ``candidates``, counted in ``choices`` under
         ``reason`` (the policy's own reason when None); None if it picks nothing."""
         loads = {n: self.tracker.load(n, now) for n in candidates}
-        texts = [p.text for p in self.prefixes]
-        key = affinity_key(request, texts, self.config.routing.affinity_chars)
-        choice = self.policy.choose(key, candidates, loads, now)
+        choice = self.policy.choose(self.affinity_key(request), candidates, loads, now)
         if choice is None:
             return None
-        self.choices[reason or choice.reason] += 1
-        return choice.backend
+        if reason is not None:
+            choice = BackendChoice(choice.backend, reason)
+        self.choices[choice.reason] += 1
+        return choice
 
     def _serve_local(
-        self, ctx: RequestContext, name: str, location: Location | None, now: float
+        self, ctx: RequestContext, choice: BackendChoice, location: Location | None, now: float
     ) -> Outcome:
+        name = choice.backend
         ctx.backend = self.backends[name]
         ctx.region = self.region
         self.tracker.started(name, now)
         ctx.observer = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
+            choice=choice.reason,
         )
         return CONTINUE
+
+    def unroute(self, ctx: RequestContext) -> Observation | None:
+        """Undo :meth:`route` for a request that will not go (its backend turned out full
+        region-wide): its record, without counting an outcome; returns that record."""
+        observer, ctx.observer = ctx.observer, None
+        if not isinstance(observer, Observation):
+            return None
+        observer.done = True
+        if observer.local:
+            self.tracker.unstarted(observer.backend)
+        else:
+            self.peer_routed[observer.region] -= 1
+            if observer.slot is not None:
+                self.spill.release(observer.slot)
+        ctx.backend = None
+        return observer
 
     def _to_peer(
         self, ctx: RequestContext, peer: str, location: Location | None, slot: SpillSlot | None
@@ -480,7 +552,7 @@ class RegionRouting:
         """``Retry-After`` for a 429 from here (also put on a peer's 429 passed through)."""
         return self.tracker.retry_after_s(self.clock())
 
-    def _reject(self, ctx: RequestContext, now: float, reason: str) -> Outcome:
+    def reject(self, ctx: RequestContext, now: float, reason: str) -> Outcome:
         """429 with ``Retry-After``; ``reason`` (a key of :data:`REJECTION_REASONS`) goes to the
         access log and the ``route_rejections_total`` metric, its sentence to the client."""
         retry = self.tracker.retry_after_s(now)
@@ -545,6 +617,8 @@ class RegionRouting:
         target, slot = obs.claim
         obs.claim = None
         self.tracker.finished(obs.backend)
+        if self.released is not None:
+            self.released(obs.backend)
         self.spills[(target, "first_token_deadline")] += 1
         obs.switched = True
         obs.first_token_deadline_s = None
@@ -557,6 +631,8 @@ class RegionRouting:
         duration_ms = (time.perf_counter() - obs.started) * 1000
         if obs.local:
             self.tracker.finished(obs.backend, duration_ms)
+            if self.released is not None:
+                self.released(obs.backend)
         else:
             self.peer_routed[obs.region] -= 1
         for slot in (obs.slot, obs.claim[1] if obs.claim else None):

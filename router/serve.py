@@ -10,8 +10,10 @@ serves in the running event loop and yields the URLs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +22,12 @@ from firstbyte.protocol import paths
 
 from .app import RouterApp, build_app
 from .config import RouterConfig
+from .drain import drain
 from .hosting import ClientLimits, Listeners, ServerOptions, bind, running
 from .hosting import serve as host
+from .hosting.goaway import ConnectionRegistry
 from .hosting.quic import SessionTicketStore, TicketStore
+from .reload import Reloader
 
 __all__ = [
     "CONFIG_ENV",
@@ -167,8 +172,11 @@ async def serve(
     app: RouterApp | None = None,
     tune_gc: bool = True,
     reuse_port: bool = False,
+    reload: Callable[[], RouterConfig] | None = None,
 ) -> None:
-    """Serve ``config`` until ``shutdown()`` returns (default: SIGINT/SIGTERM).
+    """Serve ``config`` until ``shutdown()`` returns; by default until SIGTERM or SIGINT,
+    then drain (:mod:`firstbyte.router.drain`). SIGHUP reloads the config from ``reload()``
+    (:mod:`firstbyte.router.reload`; without ``reload`` SIGHUP is ignored).
 
     With ``tune_gc`` (the default: this is a router process) the cyclic GC is tuned for
     latency once the listener is up (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`).
@@ -176,6 +184,8 @@ async def serve(
     (:mod:`firstbyte.router.workers`).
     """
     listeners, endpoints = _bind(config, app, reuse_port)
+    connections = ConnectionRegistry()
+    loader = Reloader(endpoints.app, reload) if reload is not None else None
 
     def on_started() -> None:
         _announce(config, endpoints)
@@ -186,10 +196,27 @@ async def serve(
         endpoints.app,
         listeners,
         _options(config, tune_gc),
-        shutdown=shutdown,
+        shutdown=shutdown or (lambda: _until_drained(endpoints.app, connections, loader)),
         started=on_started,
         tickets=endpoints.tickets,
+        connections=connections,
     )
+
+
+async def _until_drained(
+    app: RouterApp, connections: ConnectionRegistry, loader: Reloader | None
+) -> None:
+    """Reload on SIGHUP; on SIGTERM or SIGINT, drain and return."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if loader is not None:
+        loop.add_signal_handler(signal.SIGHUP, loader.signalled)
+    else:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    await stop.wait()
+    await drain(app, connections)
 
 
 @contextlib.asynccontextmanager

@@ -2,9 +2,9 @@
 proxy, metrics, and (with ``state.redis_url``) its link to the state the region's processes share.
 
 :meth:`RouterState.tick` is the periodic housekeeping, with the clock passed in: evict
-streams over the store's age and byte bounds, and cancel upstream requests nobody has read
-for ``resume_grace_s`` (a client that disconnected and did not resume; with shared state, a
-reader on another process counts as a reader).
+streams over the store's age and byte bounds, forget the rate buckets of idle keys, and
+cancel upstream requests nobody has read for ``resume_grace_s`` (a client that disconnected
+and did not resume; with shared state, a reader on another process counts as a reader).
 
 Streams are created with :meth:`RouterState.new_stream` and found with
 :meth:`RouterState.find_stream`: in this process's store first, then (shared state) in Redis.
@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
 from .config import RouterConfig
 from .cors import CorsPolicy
@@ -26,13 +27,16 @@ from .metrics import Metrics
 from .multiregion import RegionRouting
 from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
-from .pipeline.proxy import Proxy
+from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
 from .streams import Stream, StreamStore
 from .tenancy import KeyLimiter
 
 __all__ = ["RouterState"]
+
+_ROUTING_SECTIONS = ("upstreams", "peers", "warm_prefixes", "warmup", "routing", "geo")
+"""Config sections :class:`RegionRouting` is built from."""
 
 log = logging.getLogger("firstbyte.router")
 
@@ -42,9 +46,11 @@ class RouterState:
         self.config = config
         self.clock = clock
         self.region = config.region
-        self.api_keys = [key.encode() for key in config.auth.api_keys]
-        # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
-        self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
+        self.api_keys: list[bytes] = []
+        self.observer_keys: list[bytes] = []
+        self._set_keys(config)
+        self.draining = False
+        """Set by :meth:`start_draining` (SIGTERM): no new work, ``/healthz`` says so."""
         self.metrics = Metrics()
         self.tokens = TokenSigner(
             _token_secret(config),
@@ -64,12 +70,22 @@ class RouterState:
             burst=limits.request_burst_per_key,
             enabled=bool(self.api_keys),  # anonymous: every caller is one "key"
         )
-        self.pool = BackendPool(
-            [
-                Backend(name=u.name or f"upstream{i}", url=u.url.rstrip("/"), api_key=u.api_key)
-                for i, u in enumerate(config.upstreams)
-            ]
+        reports = config.client_timings
+        self.report_limiter = KeyLimiter(
+            max_streams=1,  # unused: reports hold nothing in flight
+            rate_per_s=reports.reports_per_s_per_key,
+            burst=reports.report_burst_per_key,
+            enabled=bool(self.api_keys),
         )
+        """Per-key rate of client timing reports (``[client_timings]``)."""
+        self.client_latency = ClientLatency(
+            [config.region, *(peer.name for peer in config.peers)],
+            max_countries=reports.max_countries,
+            max_records=reports.max_records_per_report,
+        )
+        """Client-felt TTFT and network time from ``POST /v1/edge/timings``."""
+        self.metrics.add_section(self.client_latency.render)
+        self.pool = BackendPool(_backends(config))
         self.proxy = Proxy(config.limits, self.metrics, clock, ca_file=config.upstream_ca_file)
         # Region choice, backend affinity, backpressure, peers and warmup (router/multiregion.py).
         self.routing = RegionRouting(
@@ -77,6 +93,8 @@ class RouterState:
         )
         self.shared: SharedState | None = connect(config)
         """The region's shared state (Redis), or None: everything in this process's memory."""
+        if self.shared is not None:
+            self.routing.released = self.shared.admission.release_backend
         self._sharing: asyncio.Task[None] | None = None
         spans: SpanSink | None = None
         if config.telemetry.otlp_endpoint is not None:
@@ -102,6 +120,69 @@ class RouterState:
             "reason",
             lambda: self.store.evicted_by,
         )
+
+    def _set_keys(self, config: RouterConfig) -> None:
+        self.api_keys = [key.encode() for key in config.auth.api_keys]
+        # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
+        self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
+
+    def start_draining(self) -> None:
+        """Take no new work from now on (SIGTERM): ``/healthz`` answers 503 ``draining``, new
+        requests go to a peer region with room or get 503, streams in flight go on."""
+        self.draining = True
+        self.routing.draining = True
+
+    def end_unfinished_streams(self) -> int:
+        """The drain timed out: end every stream still produced here with a ``draining`` error
+        event (its upstream request is cancelled); the number ended."""
+        ended = 0
+        for stream in self.store.running():
+            if stream.cancel_producer is not None:
+                stream.cancel_producer(DRAIN_CANCEL)
+                stream.cancel_producer = None
+                ended += 1
+        return ended
+
+    async def reconfigure(self, config: RouterConfig) -> None:
+        """Swap in ``config`` (checked, and differing only in what can change in place:
+        :func:`firstbyte.router.reload.needs_restart`) without dropping a stream.
+
+        Keys and limits apply to the next request. New upstreams, peers, warm prefixes or
+        routing settings give a new :class:`RegionRouting`; backends that stay (same name and
+        URL) keep their live counts and health, and requests in flight on a removed backend
+        finish there.
+        """
+        old = self.config
+        self.config = config
+        self._set_keys(config)
+        limits = config.limits
+        rate_changed = limits.requests_per_s_per_key != self.limiter.rate_per_s
+        self.limiter.max_streams = limits.max_streams_per_key
+        self.limiter.rate_per_s = limits.requests_per_s_per_key
+        self.limiter.burst = limits.request_burst_per_key
+        self.limiter.enabled = bool(self.api_keys)
+        if rate_changed:
+            self.limiter.forget_buckets()
+        self.store.set_bounds(
+            max_total_bytes=config.streams.max_total_bytes,
+            max_age_s=config.streams.max_age_s,
+            max_owner_bytes=config.store_bytes_per_key(),
+        )
+        self.proxy.limits = limits
+        if not _routing_changed(old, config):
+            self.routing.config = config
+            return
+        kept = {(b.name, b.url, b.api_key): b for b in self.pool.backends}
+        fresh = [kept.get((b.name, b.url, b.api_key), b) for b in _backends(config)]
+        pool = BackendPool(fresh)
+        routing = RegionRouting(
+            config, pool, self.proxy.client, self.clock, peer_client=self.proxy.peer_client
+        )
+        routing.adopt(self.routing)
+        previous, self.routing, self.pool = self.routing, routing, pool
+        if self._maintainer is not None:
+            routing.start()
+        await previous.aclose()
 
     @property
     def healthy(self) -> bool:
@@ -135,9 +216,11 @@ class RouterState:
         if not self._warming.done():
             await asyncio.shield(self._warming)
 
-    def new_stream(self, owner: bytes) -> Stream:
-        """A new stream of ``owner`` in this process's store, shared when the state is."""
+    def new_stream(self, owner: bytes, on_finish: Callable[[], object] | None = None) -> Stream:
+        """A new stream of ``owner`` in this process's store, shared when the state is;
+        ``on_finish`` runs when it ends (e.g. :attr:`RequestContext.release_key_slot`)."""
         stream = self.store.create(owner, self.clock())
+        stream.on_finish = on_finish
         if self.shared is not None:
             self.shared.streams.publish(stream)
         return stream
@@ -160,6 +243,7 @@ class RouterState:
         forget the rate buckets of idle keys."""
         self.store.evict(now)
         self.limiter.forget_idle(now)
+        self.report_limiter.forget_idle(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:
@@ -178,9 +262,19 @@ class RouterState:
                     await self.shared.streams.keep_attended(
                         self.store.running(), self.clock(), grace
                     )
+                    await self._load_elsewhere(self.shared)
                 except Exception as exc:  # Redis away: only local readers count this turn
-                    log.warning("cannot check for readers elsewhere: %s", exc)
+                    log.warning("cannot check for readers or load elsewhere: %s", exc)
             self.tick(self.clock())
+
+    async def _load_elsewhere(self, shared: SharedState) -> None:
+        """Learn what the region's other processes have in flight on each backend (a claim
+        refreshes one backend's figure; this refreshes all, for routing between claims)."""
+        tracker = self.routing.tracker
+        names = list(tracker.backends)
+        for name, others in zip(names, await shared.admission.backends_elsewhere(names),
+                                strict=True):
+            tracker.observe_elsewhere(name, others)
 
     async def aclose(self) -> None:
         if self._warming is not None:
@@ -210,3 +304,14 @@ def _token_secret(config: RouterConfig) -> bytes:
         log.info("auth.token_secret is not set: client tokens minted here are valid on this"
                  " process only (set it for several processes or hosts)")
     return secrets.token_bytes(32)
+
+
+def _backends(config: RouterConfig) -> list[Backend]:
+    return [
+        Backend(name=u.name or f"upstream{i}", url=u.url.rstrip("/"), api_key=u.api_key)
+        for i, u in enumerate(config.upstreams)
+    ]
+
+
+def _routing_changed(old: RouterConfig, new: RouterConfig) -> bool:
+    return any(getattr(old, name) != getattr(new, name) for name in _ROUTING_SECTIONS)

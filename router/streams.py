@@ -95,10 +95,13 @@ class Stream:
     """When a reader last attached, detached or polled (for the resume grace period)."""
     upstream_ttft_ms: float | None = None
     """Upstream request sent to its first content chunk, once known."""
-    cancel_producer: Callable[[], object] | None = None
+    cancel_producer: Callable[..., object] | None = None
+    """Cancels the upstream request (``task.cancel``; an optional message says why)."""
     mirror: Callable[[Stream, StreamEvent], object] | None = field(default=None, repr=False)
     """Called with every appended event when the stream is shared with other processes
     (:mod:`firstbyte.router.shared.streams` writes it to Redis)."""
+    on_finish: Callable[[], object] | None = field(default=None, repr=False)
+    """Called once when ``[DONE]`` is appended (the shared state gives back the key's slot)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
@@ -122,6 +125,9 @@ class Stream:
         self.size_bytes += size
         if event.is_done:
             self.finished_at = now
+            if self.on_finish is not None:
+                on_finish, self.on_finish = self.on_finish, None
+                on_finish()
         if self._store is not None:
             self._store._grew(self, size)
         if self.mirror is not None:
@@ -214,11 +220,11 @@ class StreamStore:
     ) -> None:
         self.max_total_bytes = max_total_bytes
         self.max_age_s = max_age_s
-        self.max_owner_bytes = (
-            max_total_bytes if max_owner_bytes is None else min(max_owner_bytes, max_total_bytes)
+        self.max_owner_bytes = max_total_bytes
+        self._shares = False
+        self.set_bounds(
+            max_total_bytes=max_total_bytes, max_age_s=max_age_s, max_owner_bytes=max_owner_bytes
         )
-        # A share as large as the store is no share: the store's own bound applies.
-        self._shares = self.max_owner_bytes < max_total_bytes
         self._streams: OrderedDict[str, Stream] = OrderedDict()  # creation order
         self._live: dict[str, Stream] = {}
         self._finished: OrderedDict[str, Stream] = OrderedDict()  # finish order
@@ -229,6 +235,19 @@ class StreamStore:
         self.evictions = 0
         self.evicted_by: Counter[str] = Counter()
         """Evictions by reason: ``age``, ``key_share`` (an owner over its share), ``bytes``."""
+
+    def set_bounds(
+        self, *, max_total_bytes: int, max_age_s: float, max_owner_bytes: int | None = None
+    ) -> None:
+        """Set the store's bounds (at start, and on reload); the next :meth:`evict` applies
+        smaller ones to the streams held."""
+        self.max_total_bytes = max_total_bytes
+        self.max_age_s = max_age_s
+        self.max_owner_bytes = (
+            max_total_bytes if max_owner_bytes is None else min(max_owner_bytes, max_total_bytes)
+        )
+        # A share as large as the store is no share: the store's own bound applies.
+        self._shares = self.max_owner_bytes < max_total_bytes
 
     def __len__(self) -> int:
         return len(self._streams)

@@ -31,7 +31,7 @@ from firstbyte.protocol import error_codes
 from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext, error_reply
 from .streams import StoreFull, StreamStore
 
-__all__ = ["KeyLimiter", "TokenBucket", "limit_key", "refusal"]
+__all__ = ["KeyLimiter", "Refusal", "TokenBucket", "limit_key", "refusal", "store_refusal"]
 
 
 class TokenBucket:
@@ -86,6 +86,10 @@ class KeyLimiter:
         self._buckets: dict[bytes, TokenBucket] = {}
         self._unstreamed: dict[bytes, int] = {}
 
+    def forget_buckets(self) -> None:
+        """Drop every key's token bucket (the rate changed on reload: new buckets, full)."""
+        self._buckets.clear()
+
     def unstreamed(self, owner: bytes) -> int:
         return self._unstreamed.get(owner, 0)
 
@@ -121,8 +125,10 @@ class KeyLimiter:
         if bucket is None:
             bucket = self._buckets[owner] = TokenBucket(self.rate_per_s, self.burst, now)
         wait_s = bucket.take(now)
-        if wait_s == 0.0:
-            return None
+        return None if wait_s == 0.0 else self.rate_limited(wait_s)
+
+    def rate_limited(self, wait_s: float) -> Refusal:
+        """The refusal of a key whose bucket has a token again in ``wait_s`` seconds."""
         return Refusal(
             error_codes.KEY_RATE_LIMITED,
             max(1, math.ceil(wait_s)),
@@ -164,9 +170,13 @@ def limit_key(ctx: RequestContext, limiter: KeyLimiter, store: StreamStore, now:
     in_flight = store.live_streams(owner) + limiter.unstreamed(owner)
     refused = limiter.over_concurrency(in_flight)
     if refused is None and ctx.stream_requested:
-        full = store.make_room(owner, now)
-        if full is not None:
-            refused = Refusal(full.value, 1, _STORE_MESSAGES[full])
+        refused = store_refusal(store, owner, now)
     if refused is None:
         refused = limiter.take(owner, now)
     return CONTINUE if refused is None else refusal(refused)
+
+
+def store_refusal(store: StreamStore, owner: bytes, now: float) -> Refusal | None:
+    """Make room in this process's store for a new stream of ``owner``, or say why not."""
+    full = store.make_room(owner, now)
+    return None if full is None else Refusal(full.value, 1, _STORE_MESSAGES[full])

@@ -7,10 +7,11 @@ hash of the 4-tuple, which for UDP keeps every datagram of one QUIC connection o
 (see :func:`firstbyte.router.hosting.bind`). Streams, QUIC tickets and limits are shared through
 ``state.redis_url`` (required with more than one worker, :mod:`firstbyte.router.config`).
 
-The supervisor forwards SIGTERM/SIGINT (drain and exit) and SIGHUP to every worker, and starts
-a new worker in place of one that exits while it is not stopping (crash, OOM kill), at most
-once a second per slot so a worker that cannot start does not spin. It exits when every worker
-has: 0 after a requested stop, 1 if it gave up.
+The supervisor forwards SIGTERM/SIGINT (drain and exit) and SIGHUP (reload: each worker reads
+the config file again) to every worker, and starts a new worker in place of one that exits
+while it is not stopping (crash, OOM kill), at most once a second per slot so a worker that
+cannot start does not spin. It exits when every worker has: 0 after a requested stop in which
+every worker exited 0 (drained), 1 if a worker failed its drain or the supervisor gave up.
 
 Workers are forked before any event loop or thread exists in the supervisor, so each starts
 from the parsed config alone.
@@ -52,6 +53,8 @@ class Supervisor:
     quick_deaths: dict[int, int] = field(default_factory=dict)
     stopping: bool = False
     restarts: int = 0
+    failed_stops: int = 0
+    """Workers that exited non-zero after the stop was requested."""
 
     def spawn(self, index: int) -> None:
         pid = os.fork()
@@ -60,7 +63,7 @@ class Supervisor:
             try:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
                     signal.signal(sig, signal.SIG_DFL)
-                # Nothing reloads on SIGHUP yet: a worker ignores it rather than dying of it.
+                # Until its event loop handles SIGHUP (a reload), a worker ignores it.
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 status = self.run_worker(index)
             except KeyboardInterrupt:
@@ -103,9 +106,12 @@ class Supervisor:
             except InterruptedError:  # pragma: no cover - PEP 475 retries os.wait
                 continue
             index: int | None = self.pids.pop(pid, None)
-            if index is None or self.stopping:
-                continue
             code = os.waitstatus_to_exitcode(status)
+            if index is not None and self.stopping:
+                self.failed_stops += code != 0
+                continue
+            if index is None:
+                continue
             lived_s = time.monotonic() - self.started_at.get(index, 0.0)
             self.quick_deaths[index] = self.quick_deaths.get(index, 0) + 1 if lived_s < 5 else 0
             if self.quick_deaths[index] >= _GIVE_UP_AFTER:
@@ -121,7 +127,7 @@ class Supervisor:
             if not self.stopping:
                 self.restarts += 1
                 self.spawn(index)
-        return 1 if gave_up else 0
+        return 1 if gave_up or self.failed_stops else 0
 
 
 def _reserve_port(config: RouterConfig) -> RouterConfig:

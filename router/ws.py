@@ -35,11 +35,10 @@ from firstbyte.protocol.ws import encode as encode_message
 from .asgi import Message, Receive, Scope, Send
 from .endpoints import new_context
 from .pipeline.admit import admit_chat, adopt_token, authenticate
-from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
+from .placement import place
 from .readers import ReadableStream, follow
 from .state import RouterState
-from .tenancy import limit_key
 
 __all__ = ["websocket_session"]
 
@@ -117,15 +116,11 @@ class _Session:
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body))
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
-        outcome = limit_key(ctx, self.state.limiter, self.state.store, self.state.clock())
-        if outcome is CONTINUE:
-            outcome = self.state.routing.route(ctx)
+        outcome = await place(self.state, ctx)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count_reply("ws", outcome)
             await self.send(_error(None, outcome.body))
             return
-        if outcome is CONTINUE:
-            outcome = choose_backend(ctx, self.state.pool)
         if outcome is not CONTINUE:
             reason = outcome.reason if isinstance(outcome, Fallback) else "unavailable"
             self.state.metrics.count("ws", "unavailable")
@@ -140,7 +135,7 @@ class _Session:
                 )
             )
             return
-        stream = ctx.stream = self.state.new_stream(ctx.owner)
+        stream = ctx.stream = self.state.new_stream(ctx.owner, ctx.release_key_slot)
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         self.state.requests.stream_started(ctx)

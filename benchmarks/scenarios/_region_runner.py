@@ -29,17 +29,23 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import sys
+import time
 from typing import Any
 
 import msgspec
 
 from firstbyte.benchmarks._parent import exit_with_parent
 from firstbyte.benchmarks.cluster import SimHandle, until_peers_fresh
+from firstbyte.benchmarks.scenarios._browser_page import serve_page
 from firstbyte.benchmarks.world import PEER_KEY_ENV
+from firstbyte.protocol import paths
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
 from firstbyte.router.sim.server import SimConfig
+from firstbyte.router.state import RouterState
+from firstbyte.router.streams import owner_of
 
 __all__ = ["main", "serve_region"]
 
@@ -72,7 +78,17 @@ async def serve_region(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     sim = SimHandle(msgspec.convert({"profile": args.profile}, SimConfig))
     await sim.start()
+    page: asyncio.Server | None = None
     try:
+        browser: dict[str, Any] = {}
+        if args.page_port is not None:
+            router_url: list[str] = []
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(args.certfile, args.keyfile)
+            page = await serve_page(args.host, args.page_port, tls, lambda: router_url[0],
+                                    lambda: mint_token(endpoints.app.state))
+            page_origin = f"https://{args.host}:{page.sockets[0].getsockname()[1]}"
+            browser = {"cors": {"allow_origins": [page_origin]}}
         config = parse_config(
             {
                 "region": args.region,
@@ -86,6 +102,7 @@ async def serve_region(args: argparse.Namespace) -> None:
                 # An emulated world inside this machine's namespaces: no keys to hand out.
                 "auth": {"allow_anonymous": True},
                 **_peering(args),
+                **browser,
             },
             f"<region {args.region}>",
         )
@@ -97,6 +114,9 @@ async def serve_region(args: argparse.Namespace) -> None:
                 "h3_port": endpoints.h3_port,
                 "pid": os.getpid(),
             }
+            if page is not None:
+                router_url.append(endpoints.base_url + paths.API_BASE)
+                line["page"] = page_origin + "/"
             if args.peer:
                 await until_peers_fresh([endpoints.app.state], args.peers_timeout)
                 line["peers"] = sorted(endpoints.app.state.routing.peer_table.peers)
@@ -104,7 +124,15 @@ async def serve_region(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             await stop.wait()
     finally:
+        if page is not None:
+            page.close()
         await sim.stop()
+
+
+def mint_token(state: RouterState) -> str:
+    """A client token for the page (the router is anonymous: the token's owner is nobody's
+    key), as the application's backend mints one with its key."""
+    return state.tokens.mint(owner_of(None), time.time()).token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--longitude", type=float)
     parser.add_argument("--geoip-db", help="a GeoIP2 City .mmdb locating clients")
     parser.add_argument("--upstream-ca", help="CA (PEM) trusted for TLS to peers")
+    parser.add_argument("--page-port", type=int,
+                        help="also serve the browser benchmark's page on this port (0: any), "
+                             "an origin the router's CORS allows")
     parser.add_argument("--peers-timeout", type=float, default=30.0,
                         help="seconds to wait for every peer's status before announcing")
     args = parser.parse_args(argv)

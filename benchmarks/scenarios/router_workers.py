@@ -17,8 +17,12 @@ the scaling figure is the largest level held with 2 workers over the largest hel
 and, apples to apples, chunks per router-CPU-second with 2 workers over 1.
 
 On a 2-core machine the sim, Redis, the load generator and the router share the two cores:
-each figure names what limited it (the direct path shows the sim's and load generator's own
-share). Levels: 1,000 and 2,000 streams (``--quick``: 100 and 200).
+each row names what limited it (``limit``): the first of the router (its busiest process),
+the sim, the load generator and Redis that used at least 85% of a core over the phase, else
+the machine (all of them together over 90% of its cores), else nothing (the latency is the
+router's own). The CPU share of each and the load average (1 min, at the phase's end: other
+work on a shared machine shows there) are in every row. Levels: 1,000 and 2,000 streams
+(``--quick``: 50 and 100, shorter streams: a CI check that every part runs, not a figure).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +46,8 @@ from firstbyte.benchmarks.redis_server import running_redis
 __all__ = ["run"]
 
 ADDED_P99_LIMIT_MS = 20.0
+BUSY = 0.85
+"""A process that used this share of a core over a phase was the limit."""
 PROMPT = b"Summarise the plot of Hamlet in one paragraph."
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -88,6 +95,10 @@ class _Proc:
 
     def cpu_s(self) -> float:
         return sum(_cpu_s(p) for p in self.pids())
+
+    def busiest_cpu_s(self) -> dict[int, float]:
+        """CPU seconds per process (the supervisor and each worker)."""
+        return {p: _cpu_s(p) for p in self.pids()}
 
     def rss(self) -> int:
         return sum(_rss_bytes(p) for p in self.pids())
@@ -188,11 +199,37 @@ def _redis_info(url: str, section: str) -> dict[str, Any]:
     return info
 
 
+def _self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process on the machine has used (``/proc/stat``, all CPUs)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def _limit(shares: dict[str, float], cpus: int) -> str:
+    """What limited a phase, from each part's share of one core (see the module docstring)."""
+    for part in ("router", "sim", "load generator", "redis"):
+        if shares.get(part, 0.0) >= BUSY:
+            return f"{part} CPU"
+    if shares["machine"] >= 0.9 * cpus:
+        return f"machine CPU (other work: {shares['other processes']:.1f} cores)"
+    return "-"
+
+
 def _measure(
     port: int, n: int, ramp_s: float, max_tokens: int, router: _Proc | None,
-    redis_pid: int | None, redis_url: str | None,
+    redis_pid: int | None, redis_url: str | None, sim: _Proc | None = None,
 ) -> dict[str, Any]:
     router_cpu0 = router.cpu_s() if router else 0.0
+    per_process0 = router.busiest_cpu_s() if router else {}
+    sim_cpu0 = sim.cpu_s() if sim else 0.0
+    self_cpu0 = _self_cpu_s()
+    machine0 = _machine_busy_s()
     redis_cpu0 = _cpu_s(redis_pid) if redis_pid else 0.0
     peak: dict[str, int] = {"router_rss": 0, "redis_rss": 0, "live": 0}
 
@@ -221,6 +258,21 @@ def _measure(
         wall_s = time.monotonic() - started
     router_cpu = (router.cpu_s() - router_cpu0) if router else 0.0
     redis_cpu = (_cpu_s(redis_pid) - redis_cpu0) if redis_pid else 0.0
+    busiest = max(
+        (cpu - per_process0.get(pid, 0.0) for pid, cpu in router.busiest_cpu_s().items()),
+        default=0.0,
+    ) if router else 0.0
+    shares = {
+        "router": busiest / wall_s,
+        "sim": ((sim.cpu_s() - sim_cpu0) / wall_s) if sim else 0.0,
+        "load generator": (_self_cpu_s() - self_cpu0) / wall_s,
+        "redis": redis_cpu / wall_s,
+    }
+    ours = sum(shares.values()) - shares["router"] + router_cpu / wall_s
+    shares["machine"] = (_machine_busy_s() - machine0) / wall_s
+    shares["other processes"] = max(0.0, shares["machine"] - ours)
+    if router:
+        shares["router total"] = router_cpu / wall_s
     chunks = max(load.chunks, 1)
     live_k = max(peak["live"], 1) / 1000
     return {
@@ -242,6 +294,9 @@ def _measure(
         if redis_pid else None,
         "redis_used_memory_mb": round(_redis_info(redis_url, "memory")["used_memory"] / 2**20, 1)
         if redis_url else None,
+        "cpu_share": {part: round(share, 2) for part, share in shares.items()},
+        "limit": _limit(shares, os.cpu_count() or 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -283,8 +338,8 @@ backend_max_in_flight = {n_max + 64}
 
 
 def run(quick: bool) -> dict[str, Any]:
-    levels = (100, 200) if quick else (1000, 2000)
-    max_tokens = 100 if quick else 300
+    levels = (50, 100) if quick else (1000, 2000)
+    max_tokens = 40 if quick else 300
     ramp_s = 1.0 if quick else 2.0
     n_max = max(levels)
     results: dict[str, Any] = {
@@ -292,13 +347,14 @@ def run(quick: bool) -> dict[str, Any]:
         "max_tokens": max_tokens,
         "ramp_s": ramp_s,
         "cpus": os.cpu_count(),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "targets": {},
     }
     with tempfile.TemporaryDirectory(prefix="firstbyte-workers-") as tmp, running_redis() as rs:
         sim_port = _free_port()
         sim_args = ["sim", "--port", str(sim_port), "--max-num-seqs", str(n_max + 64),
                     "--queue-limit", str(4 * n_max), "--server", "uvicorn"]
-        with _spawn(sim_args, "127.0.0.1") as _sim:
+        with _spawn(sim_args, "127.0.0.1") as sim:
             sim_url = f"http://127.0.0.1:{sim_port}"
             targets: list[tuple[str, int, str | None]] = [
                 ("direct", 0, None),
@@ -310,7 +366,8 @@ def run(quick: bool) -> dict[str, Any]:
                 rows = results["targets"].setdefault(name, {})
                 if workers == 0:
                     for n in levels:
-                        rows[str(n)] = _measure(sim_port, n, ramp_s, max_tokens, None, None, None)
+                        rows[str(n)] = _measure(sim_port, n, ramp_s, max_tokens, None, None, None,
+                                                sim)
                         print(f"{name} {n}: {rows[str(n)]}", file=sys.stderr, flush=True)
                     continue
                 port = _free_port()
@@ -319,8 +376,9 @@ def run(quick: bool) -> dict[str, Any]:
                 with _spawn(["router", "--config", str(config)], " serving http://", workers) as rp:
                     for n in levels:
                         rows[str(n)] = _measure(port, n, ramp_s, max_tokens, rp,
-                                                rs.pid if redis_url else None, redis_url)
+                                                rs.pid if redis_url else None, redis_url, sim)
                         print(f"{name} {n}: {rows[str(n)]}", file=sys.stderr, flush=True)
+    results["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     _summarise(results)
     return results
 
@@ -362,7 +420,31 @@ def _summarise(results: dict[str, Any]) -> None:
         for level in targets["router-1-memory"]
     }
     results["chunks_per_router_cpu_s"] = {"1": eff1, "2": eff2}
-    results["summary_md"] = _markdown(results)
+    results["summary"] = {
+        "streams held, 1 worker (Redis)": one or None,
+        "streams held, 2 workers (Redis)": two or None,
+        "scaling (held, 2 workers / 1)": results["scaling_held"],
+        "router chunks per CPU-second, 1 worker": eff1,
+        "router chunks per CPU-second, 2 workers": eff2,
+        f"Redis's cost to the router at {top} streams, µs/chunk":
+            results["redis_cost_us_per_chunk"].get(top),
+        "load average at the start (1 min)": results["load_avg_at_start"][0],
+        "load average at the end (1 min)": results["load_avg_at_end"][0],
+    }
+    # The report prints the description above its summary: the whole table goes there.
+    results["description"] = (
+        f"--workers 1 vs 2 with Redis, and 1 in memory, at {results['levels']} streams;"
+        f" held = 0 errors and added TTFT P99 <= {ADDED_P99_LIMIT_MS:g} ms.\n\n"
+        + _markdown(results)
+    )
+
+
+def _shares(share: dict[str, float]) -> str:
+    router = "-"
+    if "router total" in share:
+        router = f"{share['router']:.0%} / {share['router total']:.0%}"
+    return (f"{router}, {share['sim']:.0%}, {share['load generator']:.0%},"
+            f" {share['redis']:.0%}, {share['other processes']:.0%}")
 
 
 def _fmt(value: float | None) -> str:
@@ -372,8 +454,9 @@ def _fmt(value: float | None) -> str:
 def _markdown(results: dict[str, Any]) -> str:
     lines = [
         "| target | streams | errors | peak live | TTFT P50 / P99 ms | added P50 / P99 ms |"
-        " router CPU µs/chunk | Redis CPU µs/chunk | RSS MB/1k live (router, Redis) | held |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " router CPU µs/chunk | Redis CPU µs/chunk | RSS MB/1k live (router, Redis) | held |"
+        " CPU of a core: router (busiest / all), sim, load gen, Redis, others | limit | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in results["targets"].items():
         for level, r in rows.items():
@@ -384,7 +467,8 @@ def _markdown(results: dict[str, Any]) -> str:
                 f" {_fmt(r['router_cpu_us_per_chunk'])} | {_fmt(r['redis_cpu_us_per_chunk'])} |"
                 f" {_fmt(r['router_rss_mb_per_1000_live'])},"
                 f" {_fmt(r['redis_rss_mb_per_1000_live'])}"
-                f" | {r.get('held', '-')} |"
+                f" | {r.get('held', '-')} | {_shares(r['cpu_share'])} | {r['limit']} |"
+                f" {r['load_avg_1m']:.1f} |"
             )
     lines.append("")
     lines.append(
@@ -392,5 +476,7 @@ def _markdown(results: dict[str, Any]) -> str:
         f" scaling (2 workers / 1, held streams): {results['scaling_held']};"
         f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
         f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
+        f" Load average (1, 5, 15 min) at the start: {results['load_avg_at_start']}, at the end:"
+        f" {results['load_avg_at_end']} on {results['cpus']} CPUs."
     )
     return "\n".join(lines)

@@ -8,6 +8,9 @@
 //   for await (const delta of stream) { /* into: already appended */ }
 //   console.log(stream.timings);   // JSON: the Python SDK's Timings fields + render_ms, long_tasks
 //
+// `reportTimings: true` sends each finished stream's Timings (phases and offsets only) to the
+// router, batched (report.js): the operator's client-perceived latency histograms.
+//
 // `token` is a client token minted by the application's backend (POST /v1/edge/tokens with
 // its API key; docs/browser.md): a browser never holds an API key. EventSource and WebSocket
 // cannot send headers; the token then travels as ?token= (EventSource) or a subprotocol.
@@ -18,6 +21,7 @@ import {
   APIError, PollCursor, ResumePolicy, SequenceGapError, StreamAssembler, StreamBrokenError,
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
+import { TimingsReporter } from "./report.js";
 
 export {
   APIError, FirstbyteError, StreamBrokenError, StreamStalledError, SequenceGapError,
@@ -103,7 +107,8 @@ function asCut(err) {
 
 export class Client {
   constructor({ baseUrl, token, transport = "sse-fetch", idleTimeoutS = 30, maxResumes = 5,
-                resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10 }) {
+                resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10,
+                reportTimings = false, reportIntervalS = 10, reportBatch = 50 }) {
     if (!TRANSPORTS.includes(transport)) {
       throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
     }
@@ -116,6 +121,15 @@ export class Client {
     this.resumeBackoffS = resumeBackoffS;
     this.stallRetries = stallRetries;
     this.pollWaitS = pollWaitS;
+    /** With `reportTimings`: finished streams' Timings go to the router (report.js). */
+    this.timingsReporter = reportTimings
+      ? new TimingsReporter(this, { intervalS: reportIntervalS, batchRecords: reportBatch })
+      : null;
+  }
+
+  /** Send the queued timings reports now (with `reportTimings`); resolves when answered. */
+  flushTimings() {
+    return this.timingsReporter ? this.timingsReporter.flush() : Promise.resolve([]);
   }
 
   /** ``PATHS.X`` under this client's base URL. */
@@ -183,6 +197,7 @@ export class ChatStream {
       this.channel?.close();
       this.finished = true;
       await this.recorder.finish();
+      this.client.timingsReporter?.note(this.recorder.record);
     }
   }
 
@@ -259,7 +274,10 @@ export class ChatStream {
 
   async fetch(url, init, channel) {
     this.recorder.noteRequest(url);
-    const response = await fetch(url, { ...init, signal: channel.abort.signal, cache: "no-store" });
+    // No `cache: "no-store"`: Chromium then bypasses its CORS preflight cache too, and every
+    // request of a warm page paid one more round trip (measured: bench browser). The router's
+    // answers carry no validators or freshness, so no HTTP cache can answer them anyway.
+    const response = await fetch(url, { ...init, signal: channel.abort.signal });
     this.recorder.requestSent();
     this.recorder.noteResponse(response.headers);
     if (!response.ok) throw await errorFrom(response);
@@ -336,7 +354,7 @@ async function eventSource(stream, channel, streamId, after) {
 async function explain(stream, streamId, after) {
   try {
     const url = `${stream.client.url(`${PATHS.STREAMS}/${streamId}/poll`)}?after=${after}&wait=0`;
-    const response = await fetch(url, { headers: stream.headers(), cache: "no-store" });
+    const response = await fetch(url, { headers: stream.headers() });
     if (!response.ok) return await errorFrom(response);
   } catch { /* unreachable: a cut */ }
   return new TransportCut("EventSource could not connect");
@@ -344,17 +362,33 @@ async function explain(stream, streamId, after) {
 
 async function webSocket(stream, channel, streamId, after) {
   const client = stream.client;
-  const url = new URL(client.url(PATHS.WEBSOCKET));
-  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
-  const socket = new WebSocket(url, [WS.SUBPROTOCOL, WS.TOKEN_SUBPROTOCOL_PREFIX + client.token]);
-  channel.onClose.push(() => socket.close());
+  // A stream that ended with `done` leaves its socket open for the client's next stream, as
+  // the Python SDK keeps its connection: a warm page's WebSocket stream then costs one round
+  // trip instead of four (bench browser measured both).
+  let socket = client.idleSocket;
+  client.idleSocket = null;
+  const reused = socket?.readyState === WebSocket.OPEN;
+  if (!reused) {
+    socket?.close();
+    const url = new URL(client.url(PATHS.WEBSOCKET));
+    url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+    socket = new WebSocket(url, [WS.SUBPROTOCOL, WS.TOKEN_SUBPROTOCOL_PREFIX + client.token]);
+  }
   let done = false;
-  socket.onopen = () => {
+  let reusable = false;
+  channel.onClose.push(() => {
+    if (reusable && socket.readyState === WebSocket.OPEN && client.idleSocket === null) {
+      socket.onopen = socket.onmessage = socket.onclose = null;
+      client.idleSocket = socket;
+    } else socket.close();
+  });
+  const send = () => {
     stream.recorder.requestSent();
     socket.send(streamId === null
       ? `{"type":"${WS.REQUEST}","body":${stream.body}}`
       : JSON.stringify({ type: WS.RESUME, stream: streamId, after }));
   };
+  stream.recorder.record.warm = reused;
   socket.onmessage = (e) => {
     stream.recorder.noteResponse(null);
     const message = JSON.parse(e.data);
@@ -366,6 +400,7 @@ async function webSocket(stream, channel, streamId, after) {
       channel.push({ seq: message.seq, payload: message.data });
     } else if (message.type === WS.DONE) {
       done = true;
+      reusable = true;
       channel.push({ seq: message.seq, payload: "[DONE]" });
       channel.end();
     } else if (message.type === WS.ERROR) {
@@ -376,6 +411,8 @@ async function webSocket(stream, channel, streamId, after) {
   socket.onclose = (e) => {
     if (!done) channel.fail(new TransportCut(`WebSocket closed (${e.code})`));
   };
+  if (reused) send();
+  else socket.onopen = send;
 }
 
 async function longPoll(stream, channel, streamId, after) {
@@ -407,7 +444,7 @@ async function longPoll(stream, channel, streamId, after) {
     if (channel.closed) return;
     try {
       const response = await fetch(`${pollUrl}?after=${next.after}&wait=${next.waitS}`,
-        { headers: stream.headers(), signal: channel.abort.signal, cache: "no-store" });
+        { headers: stream.headers(), signal: channel.abort.signal });
       if (!response.ok) throw await errorFrom(response);
       batch = await response.json();
     } catch (err) {

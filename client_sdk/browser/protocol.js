@@ -6,6 +6,7 @@ export const PATHS = Object.freeze({
   "CHAT_COMPLETIONS": "/v1/chat/completions",
   "EDGE_CLIENT": "/v1/edge/client",
   "EDGE_STATUS": "/v1/edge/status",
+  "EDGE_TIMINGS": "/v1/edge/timings",
   "EDGE_TOKENS": "/v1/edge/tokens",
   "HEALTHZ": "/healthz",
   "METRICS": "/metrics",
@@ -27,11 +28,13 @@ export const ERROR_CODES = Object.freeze({
   "API_KEY_REQUIRED": "api_key_required",
   "CANCELLED": "cancelled",
   "CLIENT_TOKEN_EXPIRED": "client_token_expired",
+  "DRAINING": "draining",
   "INVALID_AFTER": "invalid_after",
   "INVALID_API_KEY": "invalid_api_key",
   "INVALID_CLIENT_TOKEN": "invalid_client_token",
   "INVALID_MESSAGE": "invalid_message",
   "INVALID_REQUEST": "invalid_request",
+  "INVALID_TIMINGS": "invalid_timings",
   "INVALID_WAIT": "invalid_wait",
   "KEY_CONCURRENCY_EXCEEDED": "key_concurrency_exceeded",
   "KEY_RATE_LIMITED": "key_rate_limited",
@@ -73,4 +76,39 @@ export const SSE = Object.freeze({
 export const TOKENS = Object.freeze({
   "TOKEN_PREFIX": "fbt1.",
   "QUERY_PARAM": "token"
+});
+
+export const TIMINGS = Object.freeze({
+  "FIELDS": [
+    "transport",
+    "http_version",
+    "region",
+    "warm",
+    "zero_rtt",
+    "stream_id",
+    "dns_ms",
+    "tcp_connect_ms",
+    "tls_handshake_ms",
+    "quic_handshake_ms",
+    "ws_upgrade_ms",
+    "pool_wait_ms",
+    "request_sent_ms",
+    "first_byte_ms",
+    "first_token_ms",
+    "last_token_ms",
+    "render_ms",
+    "resumes"
+  ],
+  "TRANSPORTS": [
+    "sse",
+    "websocket",
+    "longpoll"
+  ],
+  "HTTP_VERSIONS": [
+    "HTTP/1.1",
+    "HTTP/2",
+    "HTTP/3"
+  ],
+  "MAX_MS": 600000.0,
+  "ORDER_SLACK_MS": 1.0
 });

@@ -31,6 +31,7 @@ from .gc_tuning import tune_for_serving
 from .limits import ClientLimits
 
 if TYPE_CHECKING:
+    from .goaway import ConnectionRegistry
     from .quic import SessionTicketStore
 
 __all__ = [
@@ -224,15 +225,18 @@ async def serve(
     shutdown: Callable[[], Awaitable[Any]] | None = None,
     started: Callable[[], None] | None = None,
     tickets: SessionTicketStore | None = None,
+    connections: ConnectionRegistry | None = None,
 ) -> None:
     """Serve the ASGI ``app`` on ``listeners`` until ``shutdown()`` returns (default: SIGINT or
     SIGTERM), then drain and return; the sockets are closed when it returns.
 
     ``started`` is called once the server accepts connections. A UDP socket in ``listeners``
     serves HTTP/3 (hypercorn with TLS only), advertised by ``Alt-Svc``; ``tickets`` is the
-    store of its QUIC session tickets (default: a new one).
+    store of its QUIC session tickets (default: a new one). ``connections`` (hypercorn) is
+    filled with the open HTTP/2 and HTTP/3 connections, for a GOAWAY before ``shutdown()``
+    returns (:mod:`firstbyte.router.hosting.goaway`).
     """
-    stop = shutdown or signal_event().wait
+    stop = _once(shutdown or signal_event().wait)
 
     def on_started() -> None:
         if options.tune_gc:
@@ -247,7 +251,9 @@ async def serve(
                 raise ValueError("HTTP/3 needs the hypercorn server")
             await _serve_uvicorn(app, listeners.tcp, options, stop, on_started)
         elif options.server == "hypercorn":
-            await _serve_hypercorn(app, listeners, options, stop, on_started, tickets)
+            await _serve_hypercorn(
+                app, listeners, options, stop, on_started, tickets, connections
+            )
         else:
             raise ValueError(
                 f"server {options.server!r} cannot run in-process; use hypercorn or uvicorn"
@@ -288,6 +294,20 @@ async def running(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         listeners.close()
+
+
+def _once(trigger: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[None]]:
+    """``trigger`` run once however many wait on it (the server and the QUIC waker do; a
+    router's trigger is its drain, which must not run twice)."""
+    task: asyncio.Future[Any] | None = None
+
+    async def wait() -> None:
+        nonlocal task
+        if task is None:
+            task = asyncio.ensure_future(trigger())
+        await asyncio.shield(task)
+
+    return wait
 
 
 async def _serve_uvicorn(
@@ -352,6 +372,7 @@ async def _serve_hypercorn(
     stop: Callable[[], Awaitable[Any]],
     on_started: Callable[[], None],
     tickets: SessionTicketStore | None,
+    connections: ConnectionRegistry | None,
 ) -> None:
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.config import Config, Sockets
@@ -364,6 +385,11 @@ async def _serve_hypercorn(
     _close_quic_transports()
     harden_hypercorn()
     config: Any = Config()
+    if connections is not None:
+        from .goaway import track_connections
+
+        track_connections()
+        config.firstbyte_connections_registry = connections
     config.firstbyte_limits = options.limits
     config.firstbyte_connections = ConnectionCounter(options.limits, _descriptor_limit())
     # hypercorn listens again with its own backlog (default 100) on the socket it is given.

@@ -118,6 +118,12 @@ class AffinityPolicy:
         self._keys[key] = (backend, now)
         self._key_counts[backend] = self._key_counts.get(backend, 0) + 1
 
+    def learn(self, key: str, backend: str, now: float) -> None:
+        """``key`` went to ``backend`` (decided by another router process of the region)."""
+        if backend in self.weights:
+            self._expire(now)
+            self._remember(key, backend, now)
+
     def choose(
         self,
         key: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -180,6 +181,9 @@ class RequestContext:
     """Extra headers for the upstream request (to a peer region: its key, ours forwarded)."""
     response_headers: list[tuple[str, str]] = field(default_factory=list, repr=False)
     """Extra headers for the client's response (e.g. ``x-firstbyte-better-region``)."""
+    release_key_slot: Callable[[], object] | None = field(default=None, repr=False)
+    """Gives back the slot the request holds of its API key's limit region-wide (shared
+    state; :mod:`firstbyte.router.placement`): when the stream finishes, or the reply is out."""
     upstream_sent_at: float | None = None
     """When the (last) upstream request was sent; a first-token switch resets it."""
     first_token_at: float | None = None

@@ -49,7 +49,11 @@ from .relay import (
     error_event,
 )
 
-__all__ = ["Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
+__all__ = ["DRAIN_CANCEL", "Proxy", "UpstreamHead", "UpstreamReply", "error_event"]
+
+DRAIN_CANCEL = "draining"
+"""The message a producer is cancelled with when the drain timed out: the stream then ends
+with a ``draining`` error event instead of ``cancelled``."""
 
 _MAX_ERROR_BODY_BYTES = 64 << 10
 
@@ -247,6 +251,14 @@ def _stream_body(ctx: RequestContext) -> bytes:
     return encode(data)
 
 
+_CANCELLED_EVENT = error_event("The upstream request was cancelled.", code=error_codes.CANCELLED)
+_DRAINED_EVENT = error_event(
+    "This router shut down before the stream ended (listen.drain_timeout_s); send the request"
+    " again to get the rest (another router of the region takes it).",
+    code=error_codes.DRAINING,
+)
+
+
 class _Producer:
     """The asyncio shell around one stream's :class:`Relay`: it moves bytes from the upstream
     into the relay (as the :class:`~firstbyte.router.upstream_h1.ResponseSink` of the
@@ -298,12 +310,10 @@ class _Producer:
                 self.backend = self.observer.switch(ctx)
                 self.backend.in_flight += 1
                 self.backend.requests += 1
-        except asyncio.CancelledError:
-            stream.append(
-                error_event("The upstream request was cancelled.", code=error_codes.CANCELLED),
-                proxy.clock(),
-            )
-            metrics.count("chat", "cancelled")
+        except asyncio.CancelledError as exc:
+            drained = exc.args == (DRAIN_CANCEL,)
+            stream.append(_DRAINED_EVENT if drained else _CANCELLED_EVENT, proxy.clock())
+            metrics.count("chat", "draining" if drained else "cancelled")
             raise
         finally:
             self._cancel_deadline()

@@ -10,6 +10,8 @@ client:
   sequence number), readable and resumable from any process; the producing process holds a
   lease, and readers elsewhere turn a lapsed lease into a ``stream_lost`` error event;
 - :mod:`.lease`: that lease, one key per process renewed while it runs;
+- :mod:`.admission`: per-key limits, the affinity table and backend load, as counts per
+  process that lapse with its lease;
 - :mod:`.tickets`: single-use QUIC session tickets (``GETDEL``), so 0-RTT works on whichever
   process a client's next connection lands;
 - :mod:`.keys`: the names of every key, under ``state.key_prefix``.
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from ..config import RouterConfig
+    from .admission import SharedAdmission
     from .lease import Lease
     from .streams import SharedStreams
 
@@ -48,16 +51,20 @@ class SharedState:
     """This process's id (``PID-RANDOM``): recorded with its streams, the name of its lease."""
     lease: Lease
     streams: SharedStreams
+    admission: SharedAdmission
 
     async def start(self) -> None:
         """Take the lease and start the stream writer and follower (in the running loop)."""
         await self.lease.start()
+        await self.admission.start()
         self.streams.start()
 
     async def aclose(self) -> None:
         """Flush what is queued, release the lease, close the connections."""
         with contextlib.suppress(Exception):
             await self.streams.aclose()
+        with contextlib.suppress(Exception):
+            await self.admission.aclose()
         with contextlib.suppress(Exception):
             await self.lease.aclose()
         await self.redis.aclose()
@@ -77,6 +84,7 @@ def connect(config: RouterConfig) -> SharedState | None:
         raise RuntimeError(
             "state.redis_url needs redis-py: pip install 'firstbyte[redis]'"
         ) from None
+    from .admission import SharedAdmission
     from .lease import Lease
     from .streams import SharedStreams
 
@@ -93,4 +101,8 @@ def connect(config: RouterConfig) -> SharedState | None:
         max_events=config.state.max_events_per_stream,
         reader_grace_s=config.streams.resume_grace_s,
     )
-    return SharedState(redis, keys, process, lease, streams)
+    admission = SharedAdmission(
+        redis, keys, process, expiry_s=config.streams.max_age_s,
+        affinity_ttl_s=config.routing.affinity_ttl_s,
+    )
+    return SharedState(redis, keys, process, lease, streams, admission)

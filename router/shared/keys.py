@@ -30,6 +30,22 @@ class Keys:
         """A process's lease: present while it runs (``SET PX``, renewed)."""
         return f"{self.prefix}p:{process}"
 
+    def key_slots(self, owner: bytes) -> str:
+        """A hash of an API key's completions in flight: process -> count (per-key limits)."""
+        return f"{self.prefix}c:{owner.hex()}"
+
+    def key_bucket(self, owner: bytes) -> str:
+        """A hash holding an API key's rate bucket: ``tokens`` and ``at`` (ms)."""
+        return f"{self.prefix}q:{owner.hex()}"
+
+    def backend_load(self, backend: str) -> str:
+        """A hash of a backend's requests in flight: process -> count."""
+        return f"{self.prefix}l:{backend}"
+
+    def affinity(self, digest: str) -> str:
+        """The backend an affinity key goes to, by the key's digest (``SET PX``)."""
+        return f"{self.prefix}a:{digest}"
+
     def ticket(self, label: bytes) -> str:
         """One QUIC session ticket, by its label (taken once with ``GETDEL``)."""
         return f"{self.prefix}t:{label.hex()}"

@@ -4,15 +4,13 @@ file itself, shows the headline and every figure with drawn content, and fits a 
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from firstbyte.benchmarks.browser import chromium_path, load
+from firstbyte.benchmarks.browser import load
 from firstbyte.benchmarks.report import write_combined_report, write_report
+from tests.benchmarks.chromium import chromium_or_skip
 from tests.benchmarks.reports_data import demo_like, overhead_like
 from tests.cli import firstbyte
 
@@ -31,26 +29,8 @@ CHECK = """(() => {
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    """The system Chromium; installed with apt-get when missing (CI is root on a fresh
-    machine). A failed install fails the test under CI=true and skips it elsewhere."""
-    found = chromium_path()
-    if found:
-        return found
-    why = "chromium is not installed and apt-get is not available"
-    if shutil.which("apt-get") and os.geteuid() == 0:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        try:
-            for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q",
-                                                       "chromium"]):
-                subprocess.run(argv, check=True, capture_output=True, timeout=900, env=env)
-        except (subprocess.SubprocessError, OSError) as exc:
-            why = f"installing chromium failed: {exc}"
-        found = chromium_path()
-        if found:
-            return found
-    if os.environ.get("CI") == "true":
-        pytest.fail(why)
-    pytest.skip(why)
+    """The system Chromium (see :func:`install_chromium`)."""
+    return chromium_or_skip()
 
 
 def check_page(page: Path, figures: set[str], words: str, width: int = 1000) -> None:

@@ -6,10 +6,7 @@ origin, and headless Chromium on that page with the client's modules imported fr
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import json
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,9 +14,8 @@ from typing import Any
 
 import httpx
 import trustme
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
+from firstbyte.benchmarks import browser
 from firstbyte.benchmarks.browser import Page, open_page
 from firstbyte.router.config import parse_config
 from firstbyte.router.edge_client import client_files
@@ -128,14 +124,9 @@ async def world(tls: trustme.CA | None = None, tls_dir: str = "", **sections: An
 
 
 def spki_flag(w: World) -> str:
-    """Chromium's ``--ignore-certificate-errors-spki-list``: base64(SHA-256(SPKI)) of the
-    router's certificate, so Chromium trusts that key and nothing else."""
+    """Chromium's flag trusting the router's certificate (by its key, nothing else)."""
     assert w.cert_pem is not None
-    cert = x509.load_pem_x509_certificate(w.cert_pem)
-    der = cert.public_key().public_bytes(serialization.Encoding.DER,
-                                         serialization.PublicFormat.SubjectPublicKeyInfo)
-    return ("--ignore-certificate-errors-spki-list="
-            + base64.b64encode(hashlib.sha256(der).digest()).decode())
+    return browser.spki_flag(w.cert_pem)
 
 
 @contextlib.asynccontextmanager
@@ -148,26 +139,10 @@ async def browser_on(w: World, origin: str | None = None, flags: tuple[str, ...]
 
 
 def stream_script(base_url: str, token: str, transport: str, max_tokens: int, *,
-                  busy_ms: int = 0) -> str:
-    """A script that streams one completion into #out and answers what it saw."""
-    options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10}
+                  busy_ms: int = 0, report: bool = False) -> str:
+    """A script that streams one completion (the sim, seed 11) into #out and answers what it
+    saw; with ``report`` the client reports its timings, sent before the script answers."""
     request = {"model": "sim-instant", "messages": MESSAGES, "max_tokens": max_tokens,
                "seed": 11}
-    return f"""(async () => {{
-  const out = document.getElementById("out");
-  out.textContent = "";
-  const client = new fb.Client({json.dumps(options)});
-  const busy = (ms) => {{ const end = performance.now() + ms; while (performance.now() < end); }};
-  const stream = client.stream({json.dumps(request)}, {{ into: out,
-    onFirstToken: () => busy({busy_ms}) }});
-  const seqs = [];
-  try {{
-    for await (const delta of stream) if (delta.seq != null) seqs.push(delta.seq);
-  }} catch (err) {{
-    return {{ error: err.name, status: err.status ?? null, code: err.code ?? null,
-             message: err.message, timings: stream.timings }};
-  }}
-  await new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
-  return {{ text: stream.text, dom: out.textContent, seqs, timings: stream.timings,
-           usage: stream.usage }};
-}})()"""
+    return browser.stream_script(base_url, token, transport, request, busy_ms=busy_ms,
+                                 report=report)

@@ -1,4 +1,5 @@
 """Test proxies that cut a connection mid-stream, placed between the SDK and the router.
+(With ``cuts=0`` and ``record=True`` the TCP one is a relay that keeps what clients sent.)
 
 :class:`TcpCutProxy` forwards TCP and, on the first ``cuts`` connections whose downstream
 (server -> client) byte count reaches ``cut_after``, forwards exactly that many bytes and then
@@ -15,8 +16,12 @@ from typing import Any, cast
 
 
 class TcpCutProxy:
-    def __init__(self, target_port: int, *, cut_after: int, cuts: int = 1) -> None:
+    def __init__(self, target_port: int, *, cut_after: int, cuts: int = 1,
+                 record: bool = False) -> None:
         self.target_port = target_port
+        self.record = record
+        self.upstream_bytes = bytearray()
+        """With ``record``: every byte clients sent to the server, in arrival order."""
         self.cut_after = cut_after
         self.cuts_left = cuts
         self.cuts_done = 0
@@ -75,6 +80,8 @@ class TcpCutProxy:
                 other.transport.abort()
                 return
             sent += len(data)
+            if self.record and not count:
+                self.upstream_bytes += data
             dst.write(data)
             await dst.drain()
 

@@ -12,18 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import trustme
 
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.protocol.timings import implausible
 from tests.benchmarks.test_report_browser import chromium  # noqa: F401 (the fixture)
-from tests.client_sdk.browser_stack import OTHER_KEY, browser_on, spki_flag, stream_script, world
+from tests.client_sdk.browser_stack import (
+    KEY,
+    OTHER_KEY,
+    browser_on,
+    spki_flag,
+    stream_script,
+    world,
+)
 from tests.client_sdk.cutproxy import TcpCutProxy
 from tests.client_sdk.test_resume import CUT_AFTER, TOKENS
+from tests.protocol.test_timings import IMPLAUSIBLE_CASES
+from tests.protocol.test_timings import record as protocol_record
+from tests.router.test_client_timings import NETWORK, REJECTED, TTFT, metric
 
 pytestmark = pytest.mark.usefixtures("chromium")
 
@@ -141,6 +154,93 @@ async def test_over_tls_phases_come_from_resource_timing(tmp_path: Path) -> None
     setup = module["dns_ms"] + module["tcp_connect_ms"] + module["tls_handshake_ms"]
     assert setup <= module["request_sent_ms"] + 0.5  # the phases come before the request
     assert module["request_sent_ms"] <= module["first_byte_ms"]
+
+
+async def test_reported_timings_land_in_the_client_histograms() -> None:
+    """Each transport streams with ``reportTimings``; the router's /metrics counts every
+    record in the client TTFT histogram under the transport the bytes came by (EventSource
+    is ``sse``) and the HTTP version the page saw."""
+    async with world() as w:
+        token = await w.mint()
+        async with browser_on(w) as page:
+            for transport in TRANSPORTS:
+                got = await page.evaluate(stream_script(f"{w.router_url}/v1", token, transport,
+                                                        10, report=True))
+                assert "error" not in got, (transport, got)
+                assert got["reports"] == {"sent": 1, "failed": 0}, transport
+            assert page.problems() == []
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{w.router_url}/metrics",
+                                   headers={"authorization": f"Bearer {KEY}"})).text
+    count = f"{TTFT}_count"
+    assert metric(text, count, region="browser-test", transport="sse", http="1.1") == 2
+    assert metric(text, count, transport="websocket", http="1.1") == 1
+    assert metric(text, count, transport="longpoll", http="1.1") == 1
+    assert metric(text, REJECTED) == 0
+    # The router joined each record with its own stream: the network part was measured.
+    assert metric(text, f"{NETWORK}_count") == 4
+
+
+async def test_a_page_preflights_a_stream_once_then_uses_the_cached_answer() -> None:
+    """A cross-origin stream with a bearer token needs a CORS preflight; the router's answer
+    is cacheable (Access-Control-Max-Age), so the page's next streams on the same URL go
+    without one: one round trip less on every warm request. (With ``cache: "no-store"``
+    Chromium skipped its preflight cache and preflighted every stream.)"""
+    async with world() as w:
+        token = await w.mint()
+        async with browser_on(w) as page:
+            preflights = []
+            for _ in range(3):
+                mark = len(page.events())
+                got = await page.evaluate(stream_script(f"{w.router_url}/v1", token,
+                                                        "sse-fetch", 5))
+                assert "error" not in got, got
+                preflights.append(sum(
+                    1 for method, p in page.events()[mark:]
+                    if method == "Network.requestWillBeSent"
+                    and p["request"]["method"] == "OPTIONS"))
+    assert preflights == [1, 0, 0]
+
+
+async def test_a_websocket_serves_the_pages_next_stream() -> None:
+    """A WebSocket stream that ended leaves its socket open: the client's next stream goes on
+    it (one socket for three streams, the later ones warm), as the Python SDK's does."""
+    async with world() as w:
+        expected = await w.reference_text(10)
+        token = await w.mint()
+        async with browser_on(w) as page:
+            got = [await page.evaluate(stream_script(f"{w.router_url}/v1", token, "websocket",
+                                                     10)) for _ in range(3)]
+            sockets = sum(1 for method, _ in page.events()
+                          if method == "Network.webSocketCreated")
+            assert page.problems() == []
+    assert [g["text"] for g in got] == [expected] * 3
+    assert [g["timings"]["warm"] for g in got] == [False, True, True]
+    assert sockets == 1
+
+
+async def test_the_pages_plausibility_rule_is_the_routers() -> None:
+    """report.js drops what the router would refuse, by the same rule: every case of the
+    protocol's test gives the same answer in the page (NaN and infinity have no JSON form);
+    a record keeps only the wire fields, EventSource reported as ``sse``."""
+    cases = [fields for fields, _ in IMPLAUSIBLE_CASES
+             if all(not isinstance(v, float) or math.isfinite(v) for v in fields.values())]
+    cases.append({})
+    records = [msgspec.to_builtins(protocol_record(**fields)) for fields in cases]
+    async with world() as w, browser_on(w) as page:
+        got = await page.evaluate(f"""(async () => {{
+              const report = await import("{w.router_url}/v1/edge/client/report.js");
+              const answers = {json.dumps(records)}.map((r) => report.implausible(r));
+              const mapped = report.timingsRecord({{transport: "eventsource",
+                http_version: "HTTP/2", region: "r", first_token_ms: 5, render_ms: 6,
+                dns_ms: null, inter_token_ms: [1], navigation: {{}}, long_tasks: 0}});
+              const ws = report.timingsRecord({{transport: "websocket", http_version: "",
+                region: "r", first_token_ms: 5}});
+              return {{answers, mapped, ws}}; }})()""")
+    assert got["answers"] == [implausible(protocol_record(**fields)) for fields in cases]
+    assert got["mapped"] == {"transport": "sse", "http_version": "HTTP/2", "region": "r",
+                             "first_token_ms": 5, "render_ms": 6}
+    assert got["ws"]["http_version"] == "HTTP/1.1"
 
 
 FETCH_FROM_PAGE = """(async (url, init) => {

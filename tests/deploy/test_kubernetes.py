@@ -146,7 +146,7 @@ def test_memory_covers_the_stream_store() -> None:
 
 
 def test_redis_url_names_this_regions_redis_service() -> None:
-    match = re.search(r'^# redis_url = "redis://([^:/]+):(\d+)/\d+"$', ROUTER_TOML, re.MULTILINE)
+    match = re.search(r'^redis_url = "redis://([^:/]+):(\d+)/\d+"$', ROUTER_TOML, re.MULTILINE)
     assert match, "router-config.yaml: the [state] redis_url line"
     service = MANIFESTS["Service", match.group(1)]["spec"]
     assert [p["port"] for p in service["ports"]] == [int(match.group(2))]

@@ -40,9 +40,8 @@ def read_unit(path: Path) -> Unit:
 
 
 def drain_timeout_s() -> float:
-    """How long the router lets in-flight streams finish after SIGTERM: listen.drain_timeout_s
-    once the drain work lands, until then the hosting's fixed graceful timeout (5 s)."""
-    configured: float = getattr(ListenConfig(), "drain_timeout_s", 5.0)
+    """How long the router lets in-flight streams finish after SIGTERM (listen.drain_timeout_s)."""
+    configured: float = ListenConfig().drain_timeout_s
     return configured
 
 

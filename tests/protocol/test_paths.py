@@ -10,6 +10,7 @@ from firstbyte.protocol import headers, paths
 def test_paths() -> None:
     assert paths.CHAT_COMPLETIONS == "/v1/chat/completions"
     assert paths.EDGE_STATUS == "/v1/edge/status"
+    assert paths.EDGE_TIMINGS == "/v1/edge/timings"
     assert paths.stream("abc") == "/v1/streams/abc"
     assert paths.stream_poll("abc") == "/v1/streams/abc/poll"
     assert paths.WEBSOCKET == "/v1/ws"

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.buffer import Buffer
+from aioquic.h3.connection import H3_ALPN, FrameType, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import QuicEvent
+from aioquic.quic.events import QuicEvent, StreamDataReceived
 from aioquic.tls import SessionTicket
+
+_SERVER_CONTROL_STREAM = 3
+"""The server's first unidirectional stream: its control stream (RFC 9114 section 6.2.1)."""
 
 
 @dataclass
@@ -25,6 +30,20 @@ class H3Response:
     chunks: list[bytes] = field(default_factory=list)
     session_resumed: bool = False
     early_data_accepted: bool = False
+    server_control: bytes = b""
+    """What the server sent on its control stream (stream type, SETTINGS, maybe GOAWAY)."""
+
+    def goaway_id(self) -> int | None:
+        """The stream id of the server's last GOAWAY frame, or None if it sent none."""
+        buf = Buffer(data=self.server_control)
+        buf.pull_uint_var()  # the stream type (control)
+        found = None
+        while not buf.eof():
+            frame_type, length = buf.pull_uint_var(), buf.pull_uint_var()
+            payload = buf.pull_bytes(length)
+            if frame_type == FrameType.GOAWAY:
+                found = Buffer(data=payload).pull_uint_var()
+        return found
 
 
 class _Client(QuicConnectionProtocol):
@@ -33,8 +52,11 @@ class _Client(QuicConnectionProtocol):
         self.h3 = H3Connection(self._quic)
         self.response = H3Response()
         self.done = asyncio.Event()
+        self.on_data: Callable[[H3Response], None] | None = None
 
     def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, StreamDataReceived) and event.stream_id == _SERVER_CONTROL_STREAM:
+            self.response.server_control += event.data
         for h3_event in self.h3.handle_event(event):
             self._h3_event(h3_event)
 
@@ -48,6 +70,8 @@ class _Client(QuicConnectionProtocol):
         elif isinstance(event, DataReceived) and event.data:
             self.response.chunks.append(event.data)
             self.response.body += event.data
+            if self.on_data is not None:
+                self.on_data(self.response)
         if getattr(event, "stream_ended", False):
             self.done.set()
 
@@ -63,11 +87,13 @@ async def h3_request(
     ticket: SessionTicket | None = None,
     tickets: list[SessionTicket] | None = None,
     timeout_s: float = 15.0,
+    on_data: Callable[[H3Response], None] | None = None,
 ) -> H3Response:
     """Send one request over a new QUIC connection to 127.0.0.1:``port``.
 
     With ``ticket`` the connection resumes that session and sends the request as 0-RTT
-    early data; new tickets from the server are appended to ``tickets``.
+    early data; new tickets from the server are appended to ``tickets``. ``on_data`` is
+    called with the response so far whenever a piece of its body arrives.
     """
     configuration = QuicConfiguration(
         alpn_protocols=H3_ALPN, is_client=True, server_name="localhost"
@@ -85,6 +111,7 @@ async def h3_request(
         wait_connected=ticket is None,
     ) as protocol:
         client: _Client = protocol  # type: ignore[assignment]
+        client.on_data = on_data
         stream_id = client._quic.get_next_available_stream_id()
         request_headers = [
             (b":method", method.encode()),

@@ -4,7 +4,8 @@ Every test runs real ``firstbyte router`` processes (TLS, on loopback) and a rea
 ``valkey-server``: two routers on two ports sharing one Redis stand for two processes behind a
 load balancer (the store cannot tell the difference, and the test chooses which process
 answers); one test runs ``--workers 2`` on one port to show SO_REUSEPORT really serves from two
-processes; one kills the process producing a stream mid-stream.
+processes; one kills the process producing a stream mid-stream; two drain a process (SIGTERM)
+and read its streams from the other.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.client_sdk import AsyncClient
-from firstbyte.client_sdk.errors import APIError
+from firstbyte.client_sdk.errors import APIError, StreamLostError
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.sim.server import SimServer, sim_server
@@ -71,19 +72,23 @@ def _free_port() -> int:
 
 
 def _config(tmp: Path, name: str, upstream: str, tls: dict[str, str], redis_url: str,
-            port: int, workers: int = 1) -> Path:
+            port: int, workers: int = 1, *, upstreams: str | None = None,
+            key_prefix: str = "firstbyte:", extra: str = "") -> Path:
+    """A router's TOML: one upstream (or the ``[[upstreams]]`` tables in ``upstreams``), its
+    state under ``key_prefix`` in Redis, and ``extra`` sections at the end."""
     path = tmp / f"{name}.toml"
+    tables = upstreams if upstreams is not None else f'[[upstreams]]\nurl = "{upstream}"'
     path.write_text(
         f"""
 region = "shared-1"
-[[upstreams]]
-url = "{upstream}"
+{tables}
 [listen]
 host = "127.0.0.1"
 port = {port}
 certfile = "{tls['certfile']}"
 keyfile = "{tls['keyfile']}"
 workers = {workers}
+drain_timeout_s = 5.0
 [auth]
 api_keys = ["{API_KEY}", "{OTHER_KEY}"]
 [streams]
@@ -91,7 +96,8 @@ resume_grace_s = 10.0
 [state]
 redis_url = "{redis_url}"
 lease_s = {LEASE_S}
-"""
+key_prefix = "{key_prefix}"
+{extra}"""
     )
     return path
 
@@ -100,7 +106,7 @@ def _start(config: Path, port: int, tmp: Path, name: str, workers: int = 1) -> R
     log = tmp / f"{name}.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "firstbyte", "router", "--config", str(config)],
-        stdout=log.open("wb"),
+        stdout=log.open("wb"),  # the log lines
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
         start_new_session=True,
@@ -129,23 +135,35 @@ async def sim() -> AsyncIterator[SimServer]:
         yield server
 
 
-@pytest.fixture
-async def pair(
-    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+@contextlib.asynccontextmanager
+async def running_pair(
+    tmp: Path, tls: dict[str, str], redis_url: str, upstream: str, *, key_prefix: str,
+    extra: str = "", upstreams: str | None = None,
 ) -> AsyncIterator[tuple[RouterProcess, RouterProcess]]:
-    """Two router processes (A, B) on two ports, sharing one Redis."""
+    """Two router processes (A, B) on two ports sharing one Redis (see :func:`_config`)."""
     routers = []
-    for name in ("a", "b"):
-        port = _free_port()
-        config = _config(tmp_path, name, sim.url, tls_files, redis_server.url, port)
-        routers.append(_start(config, port, tmp_path, name))
     try:
+        for name in ("a", "b"):
+            port = _free_port()
+            config = _config(tmp, name, upstream, tls, redis_url, port, upstreams=upstreams,
+                             key_prefix=key_prefix, extra=extra)
+            routers.append(_start(config, port, tmp, name))
         for router in routers:
             await _until_listening(router)
         yield routers[0], routers[1]
     finally:
         for router in routers:
             _stop(router)
+
+
+@pytest.fixture
+async def pair(
+    sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+) -> AsyncIterator[tuple[RouterProcess, RouterProcess]]:
+    """Two router processes (A, B) on two ports, sharing one Redis."""
+    async with running_pair(tmp_path, tls_files, redis_server.url, sim.url,
+                            key_prefix="firstbyte:") as routers:
+        yield routers
 
 
 @pytest.fixture
@@ -321,46 +339,104 @@ async def _wait_for_pid_of(redis_url: str, stream_id: str) -> int:
     return int(meta.split(b"-")[0])
 
 
-async def test_workers_share_one_port_and_sdk_raises_stream_lost_with_delivered_text(
+@pytest.fixture
+async def workers(
     sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
-) -> None:
+) -> AsyncIterator[RouterProcess]:
+    """``firstbyte router --workers 2`` (a supervisor and two workers) on one port."""
     port = _free_port()
     config = _config(tmp_path, "w", sim.url, tls_files, redis_server.url, port, workers=2)
     router = _start(config, port, tmp_path, "w")
     try:
         await _until_listening(router, workers=2)
-        url = f"https://127.0.0.1:{port}"
-        # Two worker processes serve the port: streams from several connections are produced
-        # by two different pids (the kernel hashes each connection's 4-tuple).
-        pids = set()
-        for _ in range(40):
-            async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
-                started = await fresh.post(url + "/v1/streams", json={**BODY, "max_tokens": 2},
-                                           headers=auth())
-            pids.add(await _wait_for_pid_of(redis_server.url, started.json()["stream"]))
-            if len(pids) == 2:
-                break
-        assert len(pids) == 2
-        assert router.process.pid not in pids  # the supervisor serves nothing itself
-
-        delivered: list[str] = []
-
-        async def read_and_kill_the_producer() -> None:
-            async with AsyncClient(base_url=url + "/v1", api_key=API_KEY, transport="sse",
-                                   http="1.1", ca_file=tls_files["cafile"], max_resumes=20,
-                                   resume_backoff_s=0.2) as sdk, sdk.stream(
-                model="sim-llama-7b", max_tokens=3000,
-                messages=[{"role": "user", "content": "Lose me."}],
-            ) as s:
-                async for delta in s:
-                    delivered.append(delta.text or "")
-                    if len(delivered) == 10:  # kill the worker producing this stream
-                        owner = await _wait_for_pid_of(redis_server.url, s.stream_id or "")
-                        os.kill(owner, signal.SIGKILL)
-
-        with pytest.raises(APIError) as raised:
-            await read_and_kill_the_producer()
-        assert raised.value.code == error_codes.STREAM_LOST
-        assert len(delivered) >= 10  # what came before the loss was delivered, then the error
+        yield router
     finally:
         _stop(router)
+
+
+async def test_workers_share_one_port_and_sdk_raises_stream_lost_error_with_delivered_text(
+    workers: RouterProcess, redis_server: RedisServer, tls_files: dict[str, str]  # noqa: F811
+) -> None:
+    router = workers
+    url = router.url
+    # Two worker processes serve the port: streams from several connections are produced
+    # by two different pids (the kernel hashes each connection's 4-tuple).
+    pids = set()
+    for _ in range(40):
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
+            started = await fresh.post(url + "/v1/streams", json={**BODY, "max_tokens": 2},
+                                       headers=auth())
+        pids.add(await _wait_for_pid_of(redis_server.url, started.json()["stream"]))
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2
+    assert router.process.pid not in pids  # the supervisor serves nothing itself
+
+    delivered: list[str] = []
+
+    async def read_and_kill_the_producer() -> None:
+        async with AsyncClient(base_url=url + "/v1", api_key=API_KEY, transport="sse",
+                               http="1.1", ca_file=tls_files["cafile"], max_resumes=20,
+                               resume_backoff_s=0.2) as sdk, sdk.stream(
+            model="sim-llama-7b", max_tokens=3000,
+            messages=[{"role": "user", "content": "Lose me."}],
+        ) as s:
+            async for delta in s:
+                delivered.append(delta.text or "")
+                if len(delivered) == 10:  # kill the worker producing this stream
+                    owner = await _wait_for_pid_of(redis_server.url, s.stream_id or "")
+                    os.kill(owner, signal.SIGKILL)
+
+    with pytest.raises(StreamLostError) as raised:
+        await read_and_kill_the_producer()
+    lost = raised.value
+    assert lost.delivered_text == "".join(delivered)  # what came before the loss
+    assert len(delivered) >= 10
+    assert lost.stream_id
+    assert lost.last_seq >= 10
+    assert isinstance(lost.__cause__, APIError)
+    assert lost.__cause__.code == error_codes.STREAM_LOST  # the router's error event
+
+
+async def test_drained_process_streams_stay_readable_from_another(
+    pair: tuple[RouterProcess, RouterProcess], client: httpx.AsyncClient
+) -> None:
+    a, b = pair
+    finishing = {**BODY, "max_tokens": 150}  # ~1.5 s: finishes within the drain (5 s)
+    stream_id, first = await _start_sse(client, a.url, 3, finishing)
+    a.process.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(a.process.wait, 30) == 0
+    whole = await _read_sse(client, b.url, stream_id, after=0)
+    assert whole[:3] == first
+    assert whole[-1][1] == "[DONE]"
+    assert "error" not in whole[-2][1]
+    assert [seq for seq, _ in whole] == list(range(1, len(whole) + 1))
+
+
+async def test_workers_drain_on_sigterm_and_the_supervisor_exits_0(
+    workers: RouterProcess, client: httpx.AsyncClient
+) -> None:
+    await _start_sse(client, workers.url, 3, {**BODY, "max_tokens": 100})  # in flight at SIGTERM
+    workers.process.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(workers.process.wait, 30) == 0
+    assert workers.log.read_text().count("draining: no new work") == 2
+
+
+async def test_sighup_to_the_supervisor_reloads_every_worker(
+    workers: RouterProcess, tls_files: dict[str, str], tmp_path: Path
+) -> None:
+    config = tmp_path / "w.toml"
+    added = "sk-added-to-every-worker"
+    config.write_text(config.read_text().replace(f'"{OTHER_KEY}"]', f'"{OTHER_KEY}", "{added}"]'))
+    workers.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while workers.log.read_text().count("config reloaded: auth.api_keys changed") < 2:
+        assert time.monotonic() < deadline, workers.log.read_text()[-3000:]
+        await asyncio.sleep(0.05)
+    for _ in range(8):  # new connections: the kernel spreads them over both workers
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
+            answer = await fresh.post(workers.url + "/v1/chat/completions",
+                                      json={**BODY, "stream": False, "max_tokens": 2},
+                                      headers=auth(added))
+        assert answer.status_code == 200, answer.text
+    assert workers.process.poll() is None

@@ -113,21 +113,8 @@ def start_router_process(
         RouterProcess
     ]:
         port = free_port()
-        config: dict[str, Any] = {
-            "listen": {
-                "host": "127.0.0.1",
-                "port": port,
-                "certfile": tls_files["certfile"],
-                "keyfile": tls_files["keyfile"],
-                "http3": False,
-            },
-            "auth": {"api_keys": [API_KEY]},
-            "streams": {"resume_grace_s": 1.0},
-        }
-        for name, values in sections.items():
-            config.setdefault(name, {}).update(values)
         path = tmp_path / f"router-{port}.toml"
-        write_config(path, config, upstream.url)
+        write_config(path, router_sections(port, tls_files, **sections), upstream.url)
         log_path = tmp_path / f"router-{port}.log"
 
         proc = _spawn(path, log_path, nofile)
@@ -144,6 +131,26 @@ def start_router_process(
                 proc.wait()
 
     return start
+
+
+def router_sections(
+    port: int, tls_files: dict[str, str], **sections: dict[str, Any]
+) -> dict[str, Any]:
+    """The harness's config tables (TLS on ``port``, one API key), ``sections`` over them."""
+    config: dict[str, Any] = {
+        "listen": {
+            "host": "127.0.0.1",
+            "port": port,
+            "certfile": tls_files["certfile"],
+            "keyfile": tls_files["keyfile"],
+            "http3": False,
+        },
+        "auth": {"api_keys": [API_KEY]},
+        "streams": {"resume_grace_s": 1.0},
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    return config
 
 
 def _spawn(config: Path, log_path: Path, nofile: int | None) -> subprocess.Popen[bytes]:

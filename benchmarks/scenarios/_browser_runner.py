@@ -1,0 +1,142 @@
+"""Run the browser client in headless Chromium for benchmark cells; one JSON line per request.
+
+``python -m firstbyte.benchmarks.scenarios._browser_runner --page URL --cert PEM
+--cell sse-fetch/2/cold ...``
+
+The browser counterpart of :mod:`firstbyte.benchmarks.scenarios._client_runner`, run the same
+way inside an emulated client host (:mod:`firstbyte.benchmarks.world`), so Chromium's every
+handshake crosses the emulator. A *cell* is ``TRANSPORT/HTTP/MODE``: transport ``sse-fetch``,
+``eventsource``, ``websocket`` or ``longpoll`` (the browser client's); HTTP ``1.1``, ``2`` or
+``3`` (what the cell expects Chromium to negotiate: 3 starts a Chromium forced onto QUIC for
+the router's origin); mode
+
+- ``cold``: every request on a fresh page in a fresh browser context (own cache and
+  connection pool): the page's load, then the stream's DNS, handshakes and CORS preflight;
+- ``warm``: one page with ``<link rel="preconnect">`` to the router, one unmeasured stream
+  (its connection stays open, its preflight answer is cached), then every request on it.
+
+Each request prints ``{"cell", "rep", "timings": {...}, "preflights": n}`` (``preflights``:
+the CORS ``OPTIONS`` requests Chromium sent for it) or ``"error"``; then ``{"done": true}``.
+Chromium trusts the routers' certificate by its key (``--ignore-certificate-errors-spki-list``,
+which covers QUIC too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from firstbyte.benchmarks._parent import exit_with_parent
+from firstbyte.benchmarks.browser import Browser, BrowserError, Page, launch, spki_flag
+from firstbyte.benchmarks.browser import stream_script as script_for
+
+__all__ = ["TRANSPORTS", "main", "parse_cell"]
+
+TRANSPORTS = ("sse-fetch", "eventsource", "websocket", "longpoll")
+READY = """new Promise((resolve) => { const t = () => window.fb ? resolve(window.bench)
+  : setTimeout(t, 5); t(); })"""
+_PROMPT = [{"role": "user", "content": "Say hello in a few words."}]
+
+
+def parse_cell(spec: str) -> tuple[str, str, str]:
+    """``sse-fetch/2/cold`` -> its parts; ValueError naming what is wrong."""
+    parts = spec.split("/")
+    if len(parts) != 3 or parts[0] not in TRANSPORTS or parts[1] not in ("1.1", "2", "3") \
+            or parts[2] not in ("cold", "warm"):
+        raise ValueError(f"cell {spec!r}: expected TRANSPORT/HTTP/MODE with TRANSPORT one of "
+                         f"{', '.join(TRANSPORTS)}, HTTP 1.1, 2 or 3, MODE cold or warm")
+    return parts[0], parts[1], parts[2]
+
+
+def _emit(line: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+
+
+async def _stream(page: Page, transport: str, max_tokens: int) -> dict[str, Any]:
+    """One measured stream on ``page``: the line to print (without cell and rep)."""
+    bench = await page.evaluate(READY)
+    request = {"model": "default", "messages": _PROMPT, "max_tokens": max_tokens}
+    mark = len(page.events())
+    got = await page.evaluate(script_for(bench["router"], bench["token"], transport, request),
+                              timeout_s=60)
+    preflights = sum(1 for method, p in page.events()[mark:]
+                     if method == "Network.requestWillBeSent"
+                     and p.get("request", {}).get("method") == "OPTIONS")
+    if "error" in got:
+        return {"error": f"{got['error']}: {got.get('message')}"}
+    return {"timings": got["timings"], "preflights": preflights}
+
+
+async def _cell(browser: Browser, page_url: str, spec: str, repeat: int,
+                max_tokens: int) -> None:
+    transport, _, mode = parse_cell(spec)
+    if mode == "cold":
+        for rep in range(repeat):
+            try:
+                async with browser.isolated_page(page_url) as page:
+                    _emit({"cell": spec, "rep": rep, **await _stream(page, transport,
+                                                                     max_tokens)})
+            except BrowserError as exc:
+                _emit({"cell": spec, "rep": rep, "error": str(exc)})
+        return
+    async with browser.isolated_page(page_url + "?warm=1") as page:
+        warmup = await _stream(page, transport, max_tokens)
+        if "error" in warmup:
+            print(f"browser runner: warm-up of {spec} failed: {warmup['error']}",
+                  file=sys.stderr)
+        for rep in range(repeat):
+            _emit({"cell": spec, "rep": rep, **await _stream(page, transport, max_tokens)})
+
+
+async def run(args: argparse.Namespace, cert_pem: bytes) -> None:
+    trust = spki_flag(cert_pem)
+    cells = [parse_cell(c) for c in args.cell]
+    router = urlsplit(args.router)
+    groups = {
+        "tcp": [c for c, (_, http, _) in zip(args.cell, cells, strict=True) if http != "3"],
+        "quic": [c for c, (_, http, _) in zip(args.cell, cells, strict=True) if http == "3"],
+    }
+    for kind, specs in groups.items():
+        if not specs:
+            continue
+        flags: tuple[str, ...] = (trust,)
+        if kind == "quic":
+            flags += ("--enable-quic", f"--origin-to-force-quic-on={router.netloc}")
+        async with launch(flags) as browser:
+            for spec in specs:
+                await _cell(browser, args.page, spec, args.repeat, args.max_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m firstbyte.benchmarks.scenarios._browser_runner")
+    parser.add_argument("--page", required=True, help="the page's URL (another origin)")
+    parser.add_argument("--router", required=True, help="the router's base URL (for QUIC)")
+    parser.add_argument("--cert", required=True, help="the routers' certificate (PEM)")
+    parser.add_argument("--cell", action="append", required=True, help="TRANSPORT/HTTP/MODE")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args(argv)
+    try:
+        for cell in args.cell:
+            parse_cell(cell)
+    except ValueError as exc:
+        parser.error(str(exc))
+    exit_with_parent(code=0)
+    try:
+        asyncio.run(run(args, Path(args.cert).read_bytes()))
+    except BrowserError as exc:
+        print(f"browser runner: {exc}", file=sys.stderr, flush=True)
+        return 1
+    _emit({"done": True})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

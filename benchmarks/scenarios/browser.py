@@ -1,0 +1,278 @@
+"""Headless Chromium vs the Python SDK, same cells and geographies: TTFT, paint, round trips.
+
+The world of ``bench transports`` (:mod:`firstbyte.benchmarks.scenarios.transports`: a router
+with an ``instant`` sim in us-east-1, clients in namespaces at several distances behind the
+WAN emulator), plus a web page on its own origin beside the router (the application: it mints
+the page's client token; the router's CORS allows that origin). In each client host the browser
+client streams in headless Chromium (:mod:`._browser_runner`: each transport cold — a fresh
+browser context per request — and warm — a preconnected page with a kept-alive connection)
+and the Python SDK streams the matching cells (:mod:`._client_runner`). Per cell and
+geography it reports both side by side: TTFT, the browser's paint time, round trips to the
+first byte (measured against the SDK's theory), the CORS preflights Chromium sent, and what the
+browser adds. HTTP/3: Chromium forced onto QUIC for the router's origin
+(``--origin-to-force-quic-on``), trusting its certificate by key; the report says what Chromium
+negotiated. Without root or /dev/net/tun it runs on loopback (no round trips to see); without
+Chromium it cannot run and says how to install it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from firstbyte.benchmarks.browser import chromium_path
+from firstbyte.benchmarks.scenarios import _rtt_theory as theory
+from firstbyte.benchmarks.scenarios.transports import (
+    GEOGRAPHIES,
+    QUICK_GEOGRAPHIES,
+    REGION_HOST,
+    Geography,
+    _emulator,
+)
+from firstbyte.benchmarks.stats import percentile, summarize
+from firstbyte.benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
+from firstbyte.client_sdk.timings import Timings
+
+__all__ = ["SDK_CELL", "cells", "run", "run_browser"]
+
+MAX_TOKENS = 8
+SDK_CELL = {"sse-fetch": "sse", "eventsource": "sse", "websocket": "websocket",
+            "longpoll": "longpoll"}
+"""The Python SDK's transport for each browser transport (EventSource reads SSE)."""
+MISSING_CHROMIUM = ("browser: chromium not found: install the system package "
+                    "(Debian/Ubuntu: apt-get install chromium) and run again")
+
+
+def cells(quick: bool) -> list[str]:
+    """The browser cells: ``TRANSPORT/HTTP/MODE``; the SDK's are :func:`sdk_cell` of them."""
+    if quick:
+        return ["sse-fetch/2/cold", "sse-fetch/2/warm", "eventsource/2/cold",
+                "websocket/1.1/cold", "websocket/1.1/warm", "longpoll/2/cold",
+                "sse-fetch/3/cold"]
+    out = []
+    for transport in ("sse-fetch", "eventsource", "longpoll"):
+        out += [f"{transport}/2/cold", f"{transport}/2/warm"]
+    return [*out, "websocket/1.1/cold", "websocket/1.1/warm", "sse-fetch/3/cold",
+            "sse-fetch/3/warm"]
+
+
+def sdk_cell(cell: str) -> str:
+    transport, http, mode = cell.split("/")
+    return f"{SDK_CELL[transport]}/{http}/{mode}"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def run_browser(quick: bool, *, force_loopback: bool = False,
+                      geographies: Sequence[str] | None = None,
+                      repeat: int | None = None) -> dict[str, Any]:
+    """Measure every cell in every geography, browser and SDK; results in
+    :mod:`firstbyte.benchmarks.report`'s shape."""
+    if chromium_path() is None:
+        raise WorldError(MISSING_CHROMIUM)
+    mode, why = choose_mode(force_loopback)
+    if mode == "loopback":
+        _log(f"browser: LOOPBACK MODE ({why}). {LOOPBACK_LIMITS}")
+        geos = [Geography("loopback", "client and router on 127.0.0.1", None)]
+        emulator = None
+    else:
+        names = geographies or (QUICK_GEOGRAPHIES if quick else
+                                [n for n in GEOGRAPHIES if n != "lossy-long"])
+        geos = [GEOGRAPHIES[n] for n in names]
+        if geos[0].client_aws is not None:
+            geos.insert(0, GEOGRAPHIES["local"])  # the local cost is always measured
+        emulator = _emulator(geos)
+    repeat = repeat or (2 if quick else 5)
+    measured = cells(quick)
+    sdk_cells = list(dict.fromkeys(sdk_cell(c) for c in measured))
+    lines: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    async with World(regions=[REGION_HOST], clients=[g.host for g in geos], emulator=emulator,
+                     browser_pages=True) as world:
+        region = world.regions[REGION_HOST]
+        assert region.page_url is not None
+        for g in geos:
+            _log(f"browser: {g.name} ({g.description}, RTT {g.rtt_ms:g} ms): "
+                 f"{len(measured)} browser cells and {len(sdk_cells)} SDK cells x {repeat}")
+            argv = [sys.executable, "-m", "firstbyte.benchmarks.scenarios._browser_runner",
+                    "--page", region.page_url, "--router", region.url,
+                    "--cert", world.cert_file, "--repeat", str(repeat),
+                    "--max-tokens", str(MAX_TOKENS)]
+            for cell in measured:
+                argv += ["--cell", cell]
+            for line in await world.run_lines(g.host, argv, "Chromium", 600.0):
+                lines.setdefault((g.name, "browser", line["cell"]), []).append(line)
+            for line in await world.run_client(
+                    g.host, REGION_HOST, sdk_cells, repeat=repeat, max_tokens=MAX_TOKENS,
+                    request_timeout_s=30.0, time_limit_s=600.0):
+                lines.setdefault((g.name, "sdk", line["cell"]), []).append(line)
+    return _results(mode, why, geos, measured, lines, repeat)
+
+
+def _timings(lines: Sequence[dict[str, Any]]) -> list[Timings]:
+    return [msgspec.convert(line["timings"], Timings) for line in lines if "timings" in line]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return round(percentile(got, 50), 1) if got else None
+
+
+def _results(mode: str, why: str | None, geos: Sequence[Geography], measured: Sequence[str],
+             lines: dict[tuple[str, str, str], list[dict[str, Any]]],
+             repeat: int) -> dict[str, Any]:
+    runs: list[dict[str, Any]] = []
+    table: list[dict[str, Any]] = []
+    for g in geos:
+        for cell in measured:
+            _, http, state = cell.split("/")
+            sdk = sdk_cell(cell)
+            for client, name in (("browser", cell), ("sdk", sdk)):
+                got = lines.get((g.name, client, name), [])
+                samples = _timings(got)
+                run = {
+                    "transport": f"{client} {name.split('/')[0]}",
+                    "protocol": f"HTTP/{http}",
+                    "geography": f"{g.name} {state}",
+                    "cell": f"{client} {name}",
+                    "state": state,
+                    "place": g.name,
+                    "rtt_ms": g.rtt_ms,
+                    **summarize(samples,
+                                duration_s=math.fsum(t.e2el_ms or 0 for t in samples) / 1000,
+                                failed=sum(1 for line in got if "error" in line)),
+                    "errors": [line["error"] for line in got if "error" in line][:3],
+                }
+                runs.append(run)
+            table.append(_side_by_side(g, cell, lines))
+    return {
+        "scenario": "browser",
+        "description": _description(mode, geos, repeat),
+        "summary": _summary(mode, table),
+        "runs": runs,
+        "browser_vs_sdk": table,
+        "notes": _notes(mode, why),
+    }
+
+
+def _side_by_side(g: Geography, cell: str,
+                  lines: dict[tuple[str, str, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    """One row: the browser cell and the SDK's matching cell in one geography."""
+    transport, http, state = cell.split("/")
+    sdk_name = sdk_cell(cell)
+    browser_lines = lines.get((g.name, "browser", cell), [])
+    browser = _timings(browser_lines)
+    raw = [line["timings"] for line in browser_lines if "timings" in line]
+    sdk = _timings(lines.get((g.name, "sdk", sdk_name), []))
+    b_ttft = _median([t.first_token_ms for t in browser])
+    s_ttft = _median([t.first_token_ms for t in sdk])
+    # The Markdown summary shows a table's first 12 columns: the comparison comes first.
+    row: dict[str, Any] = {
+        "geography": g.name,
+        "rtt_ms": g.rtt_ms,
+        "cell": cell,
+        "browser_ttft_ms": b_ttft,
+        "sdk_ttft_ms": s_ttft,
+        "browser_adds_ms": (round(b_ttft - s_ttft, 1)
+                            if b_ttft is not None and s_ttft is not None else None),
+        "paint_after_token_ms": _median([r["render_ms"] - r["first_token_ms"] for r in raw
+                                         if r.get("render_ms") is not None
+                                         and r.get("first_token_ms") is not None]),
+        "preflights": _median([line.get("preflights") for line in browser_lines
+                               if "timings" in line]),
+        "theory_first_byte_rtts": theory.theory_first_byte(SDK_CELL[transport], http, state),
+        "browser_first_byte_rtts": None,
+        "sdk_first_byte_rtts": None,
+        "browser_http": ",".join(sorted({t.http_version or "HTTP/1.1 (ws)" for t in browser})),
+        "sdk_cell": sdk_name,
+        "paint_ms": _median([r.get("render_ms") for r in raw]),
+        "browser_ttft_rtts": None,
+        "sdk_ttft_rtts": None,
+        "browser_first_byte_rtts_raw": None,
+        "sdk_first_byte_rtts_raw": None,
+        "long_tasks": _median([r.get("long_tasks") for r in raw]),
+    }
+    if g.client_aws is not None:
+        local_b = _timings(lines.get(("local", "browser", cell), []))
+        local_s = _timings(lines.get(("local", "sdk", sdk_name), []))
+        theory_fb = row["theory_first_byte_rtts"]
+        for who, got, base in (("browser", browser, local_b), ("sdk", sdk, local_s)):
+            trips = theory.round_trips(got, base, g.rtt_ms, theory_fb, theory_fb)
+            row[f"{who}_first_byte_rtts"] = trips.get("first_byte_rtts")
+            row[f"{who}_ttft_rtts"] = trips.get("ttft_rtts")
+            row[f"{who}_first_byte_rtts_raw"] = trips.get("first_byte_rtts_raw")
+    return row
+
+
+def _description(mode: str, geos: Sequence[Geography], repeat: int) -> str:
+    where = ", ".join(f"{g.name} {g.rtt_ms:g} ms" for g in geos)
+    how = ("router + instant sim and the page's origin in a region namespace (us-east-1); "
+           "headless Chromium and the Python SDK in client namespaces behind the WAN emulator"
+           if mode == "emulated" else "LOOPBACK MODE: router, page, Chromium and SDK on "
+           "127.0.0.1")
+    return (f"The browser client in headless Chromium vs the Python SDK, same cells; {how}; "
+            f"geographies: {where}; {repeat} requests per cell, {MAX_TOKENS} tokens each, "
+            "TLS 1.3 with a per-run CA.")
+
+
+def _summary(mode: str, table: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"mode": mode}
+    for row in table:
+        if row["rtt_ms"] == max(r["rtt_ms"] for r in table):
+            key = f"{row['geography']} {row['cell']}"
+            out[f"browser_ttft_ms {key}"] = row["browser_ttft_ms"]
+            out[f"browser_adds_ms {key}"] = row["browser_adds_ms"]
+            if "browser_first_byte_rtts" in row:
+                out[f"first_byte_rtts browser/sdk {key}"] = (
+                    f"{row['browser_first_byte_rtts']}/{row['sdk_first_byte_rtts']}")
+    h3 = [row for row in table if row["cell"].startswith("sse-fetch/3/")]
+    out["chromium_http3"] = ("negotiated" if h3 and all(r["browser_http"] == "HTTP/3"
+                                                        for r in h3)
+                             else "not negotiated: " + ",".join(r["browser_http"] for r in h3))
+    return out
+
+
+def _notes(mode: str, why: str | None) -> list[str]:
+    notes = [
+        "cold: a fresh browser context per request (own cache and connection pool): the page "
+        "loads from its own origin (the client's modules too, so the router is untouched), then "
+        "the stream pays DNS, the TCP + TLS (or QUIC) handshake and, being cross-origin with an "
+        "Authorization header, a CORS preflight (OPTIONS) before its request. warm: one page "
+        "with <link rel=preconnect crossorigin> to the router and one unmeasured stream first: "
+        "the connection is kept alive and the preflight answer cached (Access-Control-Max-Age).",
+        "first_byte_rtts: as in bench transports, (first byte - Server-Timing - the same cell's "
+        "local cost at 0 ms) / RTT, medians; theory is the SDK's. Chromium's local cost of a "
+        "cold page varies by tens of ms on a busy machine, so with few requests the corrected "
+        "count wanders; *_rtts_raw subtracts only Server-Timing (an upper bound). "
+        "EventSource starts its stream with POST /v1/streams (its first byte) and reads the "
+        "tokens on a second request, GET /v1/streams/{id}: its TTFT costs one more round "
+        "trip.",
+        "browser_adds_ms: browser TTFT - SDK TTFT (medians); paint_after_token_ms: the first "
+        "animation frame after the first token is in the DOM.",
+        "WebSocket has no Resource Timing (its first byte is its first message) and needs no "
+        "CORS preflight. A finished stream leaves its WebSocket open for the client's next "
+        "stream (as the SDK's): warm, one round trip.",
+        "theory_first_byte_rtts is the SDK's; the browser's cold fetch-based cells add one "
+        "round trip for the CORS preflight (preflights column), long-poll two requests "
+        "preflighted (POST /v1/streams, then the first GET .../poll: the preflight cache is "
+        "per URL).",
+    ]
+    if mode == "loopback":
+        notes.insert(0, f"{LOOPBACK_LIMITS} Why loopback: {why}.")
+    return notes
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """The ``firstbyte bench browser`` scenario."""
+    from firstbyte.cli import CLIError
+
+    try:
+        return asyncio.run(run_browser(quick))
+    except WorldError as exc:
+        raise CLIError(str(exc)) from None

@@ -1,0 +1,81 @@
+"""Drain: how a router process stops (SIGTERM) without failing the requests it holds.
+
+The order follows what load balancers expect (Envoy's drain: fail the health check first,
+then tell clients, then close; Kubernetes sends SIGTERM after its preStop hook):
+
+1. at once: ``/healthz`` answers 503 ``draining``, ``/v1/edge/status`` says unhealthy (peers
+   stop forwarding here), and every new chat request, detached stream or WebSocket request goes
+   to a peer region with room, else gets 503 ``draining`` with ``Retry-After``;
+2. at once: every open HTTP/2 and HTTP/3 connection gets a graceful GOAWAY
+   (:mod:`firstbyte.router.hosting.goaway`), so clients open their next request elsewhere;
+3. the listener keeps accepting (late arrivals get the 503, not a refused connection) while
+   requests and streams in flight run to their end: at least ``listen.drain_grace_s``, at
+   most ``listen.drain_timeout_s`` (:func:`drain_finished`);
+4. then streams still produced here end with a ``draining`` error event, the server stops
+   (hypercorn's own shutdown: no new connections, a final GOAWAY) and the process exits 0.
+
+With ``state.redis_url`` every event a stream had is in Redis, so a drained process's streams
+stay readable from the region's other processes; in memory they go with the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .app import RouterApp
+    from .hosting.goaway import ConnectionRegistry
+
+__all__ = ["drain", "drain_finished"]
+
+log = logging.getLogger("firstbyte.router")
+
+POLL_S = 0.05
+
+
+def drain_finished(elapsed_s: float, in_flight: int, grace_s: float, timeout_s: float) -> bool:
+    """May the drain end, ``elapsed_s`` after it began with ``in_flight`` requests and streams
+    left? Not before ``grace_s``; as soon as nothing is in flight; at ``timeout_s`` at most."""
+    if elapsed_s >= timeout_s:
+        return True
+    return elapsed_s >= grace_s and in_flight == 0
+
+
+async def drain(
+    app: RouterApp,
+    connections: ConnectionRegistry | None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Steps 1 to 3 of the module docstring, then end the streams left (step 4's first
+    part); the caller's server stops when this returns."""
+    state = app.state
+    started = clock()
+    state.start_draining()
+    told = await connections.goaway() if connections is not None else 0
+    listen = state.config.listen
+    log.warning(
+        "draining: no new work; %d requests and streams in flight get up to %g s"
+        " (listen.drain_timeout_s); GOAWAY sent on %d HTTP/2 and HTTP/3 connections",
+        app.in_flight(), listen.drain_timeout_s, told,
+    )
+    while True:
+        listen = state.config.listen  # a reload may change the timings meanwhile
+        if drain_finished(
+            clock() - started, app.in_flight(), listen.drain_grace_s, listen.drain_timeout_s
+        ):
+            break
+        await asyncio.sleep(POLL_S)
+    ended = state.end_unfinished_streams()
+    if ended:
+        log.warning(
+            "drain timed out after %g s: %d unfinished streams end with a 'draining' error"
+            " event%s",
+            listen.drain_timeout_s, ended,
+            "" if state.shared is not None else " (in memory: they cannot be read elsewhere)",
+        )
+    else:
+        log.info("drained in %.1f s; stopping", clock() - started)

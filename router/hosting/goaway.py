@@ -1,0 +1,128 @@
+"""Telling a running hypercorn server's clients that it is going away, before it stops.
+
+hypercorn (0.17, 0.18) sends an HTTP/2 GOAWAY only once its shutdown has begun (when it no
+longer accepts connections), and never an HTTP/3 one. A draining router tells its clients
+first, while it still listens, and stops later. :class:`ConnectionRegistry` holds a server's
+open HTTP/2 and HTTP/3 connections (registered by a patch on hypercorn's protocol classes, for a
+server whose hypercorn ``Config`` carries it as ``firstbyte_connections_registry``), and
+:meth:`ConnectionRegistry.goaway` tells them:
+
+- HTTP/2: a connection with no stream open gets GOAWAY (NO_ERROR) at once; a busy one gets it
+  as soon as its last stream ends. Not the two-step GOAWAY of RFC 9113 section 6.8 (first
+  with last stream id 2^31-1 while streams run): the Python h2 library, under httpx and so
+  under firstbyte's own SDK, fails every open stream when a GOAWAY arrives before their DATA
+  (python-hyper/h2 issue 1199), so an early GOAWAY would break the streams a drain exists to
+  finish. Meanwhile a new request on a busy connection is answered by the app (503
+  ``draining``).
+- HTTP/3: every connection gets GOAWAY at once with the largest client stream id (RFC 9114
+  section 5.2: streams in flight go on, new requests go to a new connection); aioquic's
+  client ignores it without harm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any
+
+__all__ = ["ConnectionRegistry", "track_connections"]
+
+log = logging.getLogger("firstbyte.hosting")
+
+_H3_GRACEFUL_LAST_STREAM = (1 << 62) - 4
+"""The largest client-initiated bidirectional stream id a QUIC varint can carry."""
+
+
+class ConnectionRegistry:
+    """The HTTP/2 and HTTP/3 connections one server has open (weakly held)."""
+
+    def __init__(self) -> None:
+        self.h2: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.h3: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.going_away = False
+        """Set by :meth:`goaway`: every HTTP/2 connection gets GOAWAY once idle."""
+        self._told: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def goaway(self) -> int:
+        """Tell every open connection (see the module docstring); the number told now (busy
+        HTTP/2 connections are told when their last stream ends)."""
+        self.going_away = True
+        told = 0
+        for protocol in list(self.h2):
+            told += await self.h2_goaway_if_idle(protocol)
+        for protocol in list(self.h3):
+            with contextlib.suppress(Exception):  # a connection closing meanwhile
+                await _h3_goaway(protocol)
+                told += 1
+        return told
+
+    async def h2_goaway_if_idle(self, protocol: Any) -> bool:
+        """GOAWAY on ``protocol`` (an HTTP/2 connection) if no stream is open on it and it
+        was not told yet; True if sent."""
+        if protocol in self._told or any(not s.idle for s in protocol.streams.values()):
+            return False
+        self._told.add(protocol)
+        with contextlib.suppress(Exception):  # a connection closing meanwhile
+            protocol.connection.close_connection()
+            await protocol._flush()
+            return True
+        return False
+
+
+async def _h3_goaway(protocol: Any) -> None:
+    from aioquic.buffer import encode_uint_var
+    from aioquic.h3.connection import FrameType, encode_frame
+
+    h3 = protocol.connection
+    control = h3._local_control_stream_id
+    if control is None:
+        return
+    h3._quic.send_stream_data(
+        control, encode_frame(FrameType.GOAWAY, encode_uint_var(_H3_GRACEFUL_LAST_STREAM))
+    )
+    await protocol.send()
+
+
+def track_connections() -> None:
+    """Register every new HTTP/2 and HTTP/3 connection with its server's
+    :class:`ConnectionRegistry`, when its config has one (idempotent)."""
+    from hypercorn.protocol.h2 import H2Protocol
+    from hypercorn.protocol.h3 import H3Protocol
+
+    classes: tuple[tuple[Any, str], ...] = ((H2Protocol, "h2"), (H3Protocol, "h3"))
+    for cls, kind in classes:
+        if getattr(cls, "_firstbyte_tracked", False):
+            continue
+        original = cls.__init__
+
+        def tracked(self: Any, *args: Any, _init: Any = original, _kind: str = kind,
+                    **kwargs: Any) -> None:
+            _init(self, *args, **kwargs)
+            registry = getattr(self.config, "firstbyte_connections_registry", None)
+            if isinstance(registry, ConnectionRegistry):
+                getattr(registry, _kind).add(self)
+
+        cls.__init__ = tracked
+        cls._firstbyte_tracked = True
+        if kind == "h2":
+            _goaway_when_idle(cls)
+
+
+def _goaway_when_idle(h2_protocol: Any) -> None:
+    """After a stream of a draining server ends, GOAWAY on its connection if it is now idle."""
+    from hypercorn.protocol.events import StreamClosed
+
+    original = h2_protocol.stream_send
+
+    async def stream_send(self: Any, event: Any) -> None:
+        await original(self, event)
+        registry = getattr(self.config, "firstbyte_connections_registry", None)
+        if (
+            isinstance(event, StreamClosed)
+            and isinstance(registry, ConnectionRegistry)
+            and registry.going_away
+        ):
+            await registry.h2_goaway_if_idle(self)
+
+    h2_protocol.stream_send = stream_send

