@@ -258,10 +258,15 @@ def _close_finished_h2_streams() -> None:
             return
         for event in events:
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                # Give the connection's window back even once the stream is closed (h2 refuses
+                # to acknowledge data of a closed stream): the data in flight when the stream
+                # was reset would otherwise shrink the window for every later request.
+                if event.flow_controlled_length:
+                    with contextlib.suppress(h2.exceptions.ProtocolError, ValueError):
+                        self.connection.increment_flow_control_window(
+                            event.flow_controlled_length
+                        )
                 with contextlib.suppress(h2.exceptions.ProtocolError):
-                    self.connection.acknowledge_received_data(
-                        event.flow_controlled_length, event.stream_id
-                    )
                     self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
                 await self._flush()
                 continue
