@@ -6,6 +6,7 @@ checks its syntax, directives and commands; the tests below check what it promis
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -88,7 +89,10 @@ def test_the_port_443_drop_in_grants_one_capability() -> None:
 def test_systemd_analyze_verifies_the_unit(tmp_path: Path, drop_in: bool) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
-        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+        why = "systemd-analyze is not installed (Debian: apt-get install systemd)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)  # CI's machines have it: a skip there would hide the check
+        pytest.skip(why)
     # verify checks that the commands exist: point them at a stand-in for the venv's script.
     program = tmp_path / "firstbyte"
     program.write_text("#!/bin/sh\n")
