@@ -31,6 +31,7 @@ __all__ = ["KINDS", "MODEL", "Attempt", "Tally", "good_worker", "is_upstream_fau
 
 MODEL = "sim-llama-7b"
 MAX_ATTEMPTS = 4
+RETRY_BACKOFF_S = 0.5
 ATTEMPT_TIMEOUT_S = 30.0
 KINDS = ("sdk-sse-h2", "sdk-sse-h1", "sdk-ws-h1", "sdk-longpoll-h2", "openai-sse-h1",
          "openai-sse-h2")
@@ -192,7 +193,11 @@ async def run_request(client: SDKKind | OpenAIKind, key: str, body: dict[str, An
             return f"violation: {verdict.value}", attempts
         if got.error is None and verdict is Verdict.EXACT:
             return ("ok" if n == 0 else "retried_ok"), attempts
-        await asyncio.sleep(0.1 * 2**n)
+        # 0.5, 1, 2 s, as a client backs off: the tries span a killed sim's downtime
+        # (KILL_DOWN_S) and the router's next health scrape. At 0.1, 0.2, 0.4 s all four tries
+        # of a request whose prompt is placed on the killed sim could fall inside it, and the
+        # canary counted that as a request the router failed (1 CI run in 4).
+        await asyncio.sleep(RETRY_BACKOFF_S * 2**n)
     return f"failed: {attempts[-1].error}", attempts
 
 
