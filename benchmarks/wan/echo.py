@@ -11,10 +11,14 @@ exec``), so every measurement crosses the forwarder. Each command prints one JSO
   SYN to SYN-ACK = 1 RTT), sends one line and waits for its echo (``request_ms`` = 1 RTT),
   closes. Prints ``{"connect_ms": [...], "request_ms": [...]}``.
 
-Timestamps are taken with ``time.perf_counter_ns`` in one process, so no clocks are compared.
-The probes and servers run at a low SCHED_FIFO priority when allowed (below the forwarder's):
-they measure the emulator, and on a busy or virtualised machine an ordinary process can wait
-milliseconds to be scheduled after its packet arrived.
+They measure the emulator, not the machine's scheduler: on a busy or virtualised machine a
+process can wait milliseconds to run after its packet arrived. So a UDP ping's arrival time is
+the kernel's receive timestamp (``SO_TIMESTAMPNS``), not the time the probe woke up, and the echo
+server puts in its reply how long it held the datagram (its kernel receive timestamp to its
+send), which the probe subtracts, as TWAMP does. Each process compares only its own timestamps,
+so no clocks are compared. The TCP probe times ``connect()`` and ``recv()`` as a client sees
+them. The probes and servers also run at a low SCHED_FIFO priority when allowed (below the
+forwarder's).
 """
 
 from __future__ import annotations
@@ -29,21 +33,43 @@ import struct
 import sys
 import threading
 import time
+from typing import Any
 
 from firstbyte.benchmarks._parent import exit_with_parent
 
 PROBE_PRIORITY = 5  # below the forwarder's, so it is never starved by a probe
-_PING = struct.Struct("!Iq")  # sequence number, send time (ns)
+_PING = struct.Struct("!Iq")  # sequence number, send time (ns, CLOCK_REALTIME)
+_HOLD = struct.Struct("!q")  # appended by the echo server: how long it held the ping (ns)
+SO_TIMESTAMPNS = 35  # <asm-generic/socket.h>; Python's socket module does not export it
+_TIMESPEC = struct.Struct("@qq")  # struct timespec of a 64-bit Linux
+
+
+def _stamped_socket() -> socket.socket:
+    """A UDP socket whose datagrams carry the kernel's receive time (CLOCK_REALTIME)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    return sock
+
+
+def _recv_stamped(sock: socket.socket) -> tuple[bytes, Any, int]:
+    """One datagram, its sender and when the kernel received it (ns); the time of this call
+    when the kernel gave no timestamp."""
+    data, ancdata, _flags, addr = sock.recvmsg(65535, socket.CMSG_SPACE(_TIMESPEC.size))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            sec, nsec = _TIMESPEC.unpack_from(payload)
+            return data, addr, sec * 1_000_000_000 + nsec
+    return data, addr, time.time_ns()
 
 
 def serve(proto: str, bind: str) -> None:
     if proto == "udp":
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock = _stamped_socket()
         sock.bind((bind, 0))
         _announce(sock)
         while True:
-            data, addr = sock.recvfrom(65535)
-            sock.sendto(data, addr)
+            data, addr, received = _recv_stamped(sock)
+            sock.sendto(data + _HOLD.pack(time.time_ns() - received), addr)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((bind, 0))
@@ -70,7 +96,7 @@ def udp_ping(
     to: str, port: int, count: int, interval_ms: float, timeout_s: float
 ) -> dict[str, object]:
     """Paced pings; a reply later than ``timeout_s`` after the last send counts as lost."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock = _stamped_socket()
     sock.connect((to, port))
     sock.setblocking(False)
     rtts: dict[int, float] = {}
@@ -81,7 +107,7 @@ def udp_ping(
     while len(rtts) < count:
         now = time.perf_counter_ns()
         if sent < count and now >= start + sent * interval_ns:
-            sock.send(_PING.pack(sent, now))
+            sock.send(_PING.pack(sent, time.time_ns()))
             sent += 1
             if sent == count:
                 give_up = now + int(timeout_s * 1e9)
@@ -92,10 +118,10 @@ def udp_ping(
         assert next_send is not None
         ready, _, _ = select.select([sock], [], [], max(0.0, (next_send - now) / 1e9))
         if ready:
-            data = sock.recv(65535)
-            now = time.perf_counter_ns()
+            data, _, received = _recv_stamped(sock)
             seq, sent_at = _PING.unpack_from(data)
-            rtts[seq] = (now - sent_at) / 1e6
+            (held,) = _HOLD.unpack_from(data, _PING.size)
+            rtts[seq] = (received - sent_at - held) / 1e6
     sock.close()
     return {"rtt_ms": [rtts[k] for k in sorted(rtts)], "lost": count - len(rtts)}
 

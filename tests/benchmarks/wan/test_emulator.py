@@ -70,7 +70,7 @@ def test_forwarder_reports_its_lateness(report: PrecisionReport) -> None:
 
 
 def test_each_pair_has_its_own_delay(wan: Emulator) -> None:
-    near = wan.precision([(CLIENT, NEAR)], count=10)
+    near = wan.precision([(CLIENT, NEAR)], count=20)
     (pair,) = near.pairs
     assert pair.configured_rtt_ms == 20.0
     assert 0.0 <= pair.error_ms <= 1.0, near.render()
