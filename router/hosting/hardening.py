@@ -10,6 +10,8 @@ all once per process, and they act only on a server whose hypercorn ``Config`` c
 - HTTP/1.1: a request head must be complete within ``header_timeout_s`` of its first byte
   (slowloris), and a request with both ``Content-Length`` and ``Transfer-Encoding`` is
   answered 400 and its connection closed (RFC 9112 section 6.1: request smuggling);
+- a body the app answered without reading (401, 404, a 413 after 64 MiB) is read and dropped,
+  so it cannot fill the app's queue and stall the connection;
 - HTTP/2: DATA for a stream already answered is acknowledged and the stream reset
   (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
   (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
@@ -79,6 +81,7 @@ def harden_hypercorn() -> None:
     _guard_connections(run)
     _time_request_heads()
     _reject_ambiguous_framing()
+    _discard_unread_bodies()
     _close_finished_h2_streams()
     _guard_websocket_frames()
     run._firstbyte_hardened = True  # type: ignore[attr-defined]
@@ -227,6 +230,60 @@ def _reject_ambiguous_framing() -> None:
         await create_stream(self, request)
 
     H11Protocol._create_stream = checked  # type: ignore[method-assign]
+
+
+_DISCARD_LIMIT_S = 60.0
+"""The longest a discarded body is read for; it ends sooner, at the stream's close."""
+_discarding: set[asyncio.Task[None]] = set()
+
+
+def _discard_unread_bodies() -> None:
+    """Read and drop the rest of a body its app answered without reading.
+
+    hypercorn hands a request body to its app through a queue of ``max_app_queue_size`` (10)
+    messages, and the connection's reader waits while that queue is full. An app that answers
+    before the whole body was read (a 401 or 404 to a POST, a 413 after 64 MiB) leaves the
+    queue full while the client goes on sending: the reader waits for good, and so does the
+    stream's ``http.disconnect``, inside the app's last ``send``. The connection serves nothing
+    more (on HTTP/2, none of its other streams either). So when a response starts on a stream
+    whose body is not all queued (or whose queue is full), what is queued for it from then on
+    is read and dropped until its ``http.disconnect``. The router's apps read no body once
+    they have started to answer.
+    """
+    from hypercorn.protocol.events import EndBody
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    handle = HTTPStream.handle
+    app_send = HTTPStream.app_send
+
+    async def noting_the_end(self: Any, event: Any) -> None:
+        if isinstance(event, EndBody):
+            self._firstbyte_body_queued = True
+        await handle(self, event)
+
+    async def discarding(self: Any, message: Any) -> None:
+        if (
+            message is not None
+            and message["type"] == "http.response.start"
+            and _limits(self.config) is not None
+        ):
+            queue = getattr(self.app_put, "__self__", None)
+            queued = getattr(self, "_firstbyte_body_queued", False)
+            if isinstance(queue, asyncio.Queue) and (not queued or queue.full()):
+                task = asyncio.get_running_loop().create_task(_discard_until_disconnect(queue))
+                _discarding.add(task)
+                task.add_done_callback(_discarding.discard)
+        await app_send(self, message)
+
+    HTTPStream.handle = noting_the_end  # type: ignore[method-assign]
+    HTTPStream.app_send = discarding  # type: ignore[method-assign]
+
+
+async def _discard_until_disconnect(queue: asyncio.Queue[Any]) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_DISCARD_LIMIT_S):
+            while (await queue.get())["type"] != "http.disconnect":
+                pass
 
 
 def _close_finished_h2_streams() -> None:

@@ -173,14 +173,6 @@ async def test_rapid_reset_gets_goaway_and_upstream_work_is_bounded(
     router.assert_clean_log()
 
 
-_STALLS_AFTER_413 = pytest.mark.xfail(
-    strict=False,
-    reason="known bug, open: after a 413 answered to a 70 MiB HTTP/2 body, a request on the"
-    " same connection sometimes gets no answer (about 2 runs in 3 here); the 413 itself and a"
-    " clean log always hold (test_an_oversized_http2_body_is_413_without_a_traceback)",
-)
-
-
 async def test_an_oversized_http2_body_is_413_without_a_traceback(
     start_router_process: RouterStarter,
 ) -> None:
@@ -196,7 +188,7 @@ async def test_an_oversized_http2_body_is_413_without_a_traceback(
 @pytest.mark.parametrize(
     ("path", "body_bytes", "status"),
     [
-        pytest.param(CHAT, 70 << 20, 413, id="body-over-64MiB-413", marks=_STALLS_AFTER_413),
+        pytest.param(CHAT, 70 << 20, 413, id="body-over-64MiB-413"),
         pytest.param("/no/such/path", 1 << 20, 404, id="unknown-path-404"),
     ],
 )
