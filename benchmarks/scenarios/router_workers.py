@@ -6,15 +6,18 @@ persistence), and ``firstbyte router`` (uvicorn, plain HTTP/1.1) with ``--worker
 ``--workers 2`` and ``--redis-url``, plus ``--workers 1`` without Redis (the in-memory default)
 to price Redis per chunk. The load generator (this process, uvloop, a minimal HTTP/1.1 client:
 one connection per stream, so SO_REUSEPORT spreads them) ramps N streams over ``ramp_s`` and
-holds them (each ``max_tokens`` long enough to outlast the ramp).
+holds them (each ``max_tokens`` long enough to outlast the ramp). All routers run from the
+start, and each level's phases alternate over the targets (direct, the routers, then direct
+again: an A/A control of what noise and drift alone do to the figures).
 
 Per target and level: TTFT P50/P99 (request sent to the first content chunk), errors, the
 peak number of live streams, chunks relayed; the router's CPU per chunk (its processes'
 utime+stime over the phase / chunks), Redis's CPU per chunk, and RSS of router and Redis per
 1,000 live streams (sampled at the peak). Added latency is router minus direct at the same
 level. A level is "held" when every stream finished without error and added TTFT P99 <= 20 ms;
-the scaling figure is the largest level held with 2 workers over the largest held with 1,
-and, apples to apples, chunks per router-CPU-second with 2 workers over 1.
+the scaling figure is the largest level held with 2 workers over the largest held with 1
+(none when one worker holds the highest level: nothing is left for a second to show), and,
+apples to apples, chunks per router-CPU-second with 2 workers over 1.
 
 On a 2-core machine the sim, Redis, the load generator and the router share the two cores:
 each row names what limited it (``limit``): the first of the router (its busiest process),
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -159,7 +163,11 @@ async def _stream(port: int, body: bytes, load: _Load) -> None:
         load.peak_live = max(load.peak_live, load.live)
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.split(b"\r\n", 1)[0].decode(errors="replace"))
+            # the status and the error's code (the router's reason): what to look into
+            answer = await asyncio.wait_for(reader.read(4096), 5)
+            code = re.search(rb'"code":\s*"([a-z_]+)"', answer)
+            status = head.split(b"\r\n", 1)[0].decode(errors="replace")
+            raise RuntimeError(f"{status} {code.group(1).decode() if code else ''}".rstrip())
         tail = b""
         while True:
             data = await reader.read(65536)
@@ -177,7 +185,7 @@ async def _stream(port: int, body: bytes, load: _Load) -> None:
             tail = data[-16:]
     except Exception as exc:
         load.errors += 1
-        kind = type(exc).__name__ + ": " + str(exc)[:60]
+        kind = type(exc).__name__ + ": " + str(exc)[:80]
         load.error_kinds[kind] = load.error_kinds.get(kind, 0) + 1
     finally:
         if writer is not None:
@@ -315,7 +323,10 @@ async def _phase_into(port: int, n: int, ramp_s: float, max_tokens: int, load: _
 
 def _router_config(path: Path, sim_url: str, port: int, workers: int, redis_url: str | None,
                    n_max: int) -> Path:
-    state = f'[state]\nredis_url = "{redis_url}"\n' if redis_url else ""
+    # Each router its own keys: they are separate deployments sharing one Redis server.
+    state = ""
+    if redis_url:
+        state = f'[state]\nredis_url = "{redis_url}"\nkey_prefix = "{path.stem}:"\n'
     path.write_text(
         f"""
 [[upstreams]]
@@ -332,9 +343,16 @@ allow_anonymous = true
 upstream_max_connections = {n_max + 64}
 [routing]
 backend_max_in_flight = {n_max + 64}
+backend_max_waiting = {4 * n_max}
 {state}"""
     )
     return path
+
+
+AA_TARGET = "direct-aa"
+ROUTERS = (("router-1-memory", 1, False), ("router-1-redis", 1, True),
+           ("router-2-redis", 2, True))
+"""(name, workers, whether they share state through Redis) of each router under test."""
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -350,34 +368,39 @@ def run(quick: bool) -> dict[str, Any]:
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "targets": {},
     }
-    with tempfile.TemporaryDirectory(prefix="firstbyte-workers-") as tmp, running_redis() as rs:
+    with (
+        tempfile.TemporaryDirectory(prefix="firstbyte-workers-") as tmp,
+        running_redis() as rs,
+        contextlib.ExitStack() as stack,
+    ):
         sim_port = _free_port()
         sim_args = ["sim", "--port", str(sim_port), "--max-num-seqs", str(n_max + 64),
                     "--queue-limit", str(4 * n_max), "--server", "uvicorn"]
-        with _spawn(sim_args, "127.0.0.1") as sim:
-            sim_url = f"http://127.0.0.1:{sim_port}"
-            targets: list[tuple[str, int, str | None]] = [
-                ("direct", 0, None),
-                ("router-1-memory", 1, None),
-                ("router-1-redis", 1, rs.url),
-                ("router-2-redis", 2, rs.url),
-            ]
-            for name, workers, redis_url in targets:
-                rows = results["targets"].setdefault(name, {})
-                if workers == 0:
-                    for n in levels:
-                        rows[str(n)] = _measure(sim_port, n, ramp_s, max_tokens, None, None, None,
-                                                sim)
-                        print(f"{name} {n}: {rows[str(n)]}", file=sys.stderr, flush=True)
-                    continue
-                port = _free_port()
-                config = _router_config(Path(tmp) / f"{name}.toml", sim_url, port, workers,
-                                        redis_url, n_max)
-                with _spawn(["router", "--config", str(config)], " serving http://", workers) as rp:
-                    for n in levels:
-                        rows[str(n)] = _measure(port, n, ramp_s, max_tokens, rp,
-                                                rs.pid if redis_url else None, redis_url, sim)
-                        print(f"{name} {n}: {rows[str(n)]}", file=sys.stderr, flush=True)
+        sim = stack.enter_context(_spawn(sim_args, "127.0.0.1"))
+        sim_url = f"http://127.0.0.1:{sim_port}"
+        # Every router runs from the start, so each level's phases alternate over all targets
+        # (drift in the sim or the machine then lands on every target alike), and direct is
+        # measured again last (A/A: what noise and drift alone make of the figures).
+        routers: dict[str, tuple[int, _Proc, str | None]] = {}
+        for name, workers, shared in ROUTERS:
+            port = _free_port()
+            redis_url = rs.url if shared else None
+            config = _router_config(Path(tmp) / f"{name}.toml", sim_url, port, workers,
+                                    redis_url, n_max)
+            proc = stack.enter_context(
+                _spawn(["router", "--config", str(config)], " serving http://", workers)
+            )
+            routers[name] = (port, proc, redis_url)
+        for n in levels:
+            for name in ("direct", *routers, AA_TARGET):
+                if name in routers:
+                    port, proc, redis_url = routers[name]
+                    row = _measure(port, n, ramp_s, max_tokens, proc,
+                                   rs.pid if redis_url else None, redis_url, sim)
+                else:
+                    row = _measure(sim_port, n, ramp_s, max_tokens, None, None, None, sim)
+                results["targets"].setdefault(name, {})[str(n)] = row
+                print(f"{name} {n}: {row}", file=sys.stderr, flush=True)
     results["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     _summarise(results)
     return results
@@ -390,6 +413,7 @@ def _summarise(results: dict[str, Any]) -> None:
     for name, rows in targets.items():
         if name == "direct":
             continue
+        router = name != AA_TARGET
         for level, row in rows.items():
             base = direct[level]
             added = None
@@ -397,13 +421,22 @@ def _summarise(results: dict[str, Any]) -> None:
                 added = row["p99_ttft_ms"] - base["p99_ttft_ms"]
                 row["added_p50_ttft_ms"] = row["p50_ttft_ms"] - base["p50_ttft_ms"]
             row["added_p99_ttft_ms"] = added
+            if not router:
+                continue
             ok = row["errors"] == 0 and added is not None and added <= ADDED_P99_LIMIT_MS
             row["held"] = ok
             if ok:
                 held[name] = max(held.get(name, 0), int(level))
     results["held_streams"] = held
     one, two = held.get("router-1-redis", 0), held.get("router-2-redis", 0)
-    results["scaling_held"] = round(two / one, 2) if one else None
+    # One worker holding the highest level tested leaves nothing for a second to show.
+    separated = bool(one) and one < max(results["levels"])
+    results["scaling_held"] = round(two / one, 2) if separated else None
+    if one and not separated:
+        results["scaling_note"] = (
+            f"one worker held the highest level ({one} streams): these levels do not separate"
+            " 1 from 2 workers, so there is no scaling figure"
+        )
     top = str(max(results["levels"]))
     eff1 = targets["router-1-redis"][top]["router_chunks_per_cpu_s"]
     eff2 = targets["router-2-redis"][top]["router_chunks_per_cpu_s"]
@@ -473,7 +506,8 @@ def _markdown(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"Held (0 errors, added TTFT P99 <= {ADDED_P99_LIMIT_MS:g} ms): {results['held_streams']};"
-        f" scaling (2 workers / 1, held streams): {results['scaling_held']};"
+        f" scaling (2 workers / 1, held streams): {results['scaling_held']}"
+        f"{' (' + results['scaling_note'] + ')' if 'scaling_note' in results else ''};"
         f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
         f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
         f" Load average (1, 5, 15 min) at the start: {results['load_avg_at_start']}, at the end:"

@@ -27,7 +27,7 @@ def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> N
     results = json.loads((tmp_path / "results.json").read_text())
     levels = [str(n) for n in results["levels"]]
     assert set(results["targets"]) == {"direct", "router-1-memory", "router-1-redis",
-                                       "router-2-redis"}
+                                       "router-2-redis", "direct-aa"}
     for name, rows in results["targets"].items():
         assert list(rows) == levels
         for row in rows.values():
@@ -35,7 +35,10 @@ def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> N
             assert row["chunks"] > 0
             assert row["limit"]
             assert row["cpu_share"]["load generator"] > 0
-            if name != "direct":
+            if name == "direct-aa":  # the A/A control: direct again, against direct
+                assert row["added_p99_ttft_ms"] is not None
+                assert "held" not in row
+            elif name != "direct":
                 assert row["router_cpu_us_per_chunk"] > 0
                 assert row["router_rss_mb_per_1000_live"] > 0
                 assert row["held"] in (True, False)
@@ -45,6 +48,10 @@ def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> N
     # Two workers: two processes served (the busiest one did less than all of them together).
     two = results["targets"]["router-2-redis"][levels[-1]]["cpu_share"]
     assert two["router"] < two["router total"]
+    held_1 = results["held_streams"].get("router-1-redis", 0)
+    if held_1 == max(results["levels"]):  # nothing left for a second worker to show
+        assert results["scaling_held"] is None
+        assert "do not separate 1 from 2 workers" in results["scaling_note"]
     summary = (tmp_path / "summary.md").read_text()
     assert "scaling (held, 2 workers / 1)" in summary
     assert "| router-2-redis |" in summary
