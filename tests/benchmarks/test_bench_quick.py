@@ -92,6 +92,14 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
     assert {"router/uvicorn c=100", "router/granian c=100"} <= labels
     if nginx_installed():
         assert "nginx c=100" in labels
+        # the targets are relative to nginx in the same run: the differences are reported
+        summary = results["summary"]
+        for server in ("hypercorn", "uvicorn", "granian"):
+            for metric in ("p50_ttft_ms", "p99_ttft_ms"):
+                key = f"c100_{server}_vs_nginx_{metric}"
+                router = next(r for r in results["runs"] if r["label"] == f"router/{server} c=100")
+                nginx = next(r for r in results["runs"] if r["label"] == "nginx c=100")
+                assert summary[key] == router[metric] - nginx[metric], key
     else:
         assert any("nginx is not installed" in note for note in results["notes"])
         assert os.environ.get("CI") != "true" or shutil.which("apt-get") is None
