@@ -1,17 +1,20 @@
-"""Helper processes of a benchmark world end with their parent.
+"""Helper processes of a benchmark world end with their parent, and are stopped in one way.
 
 The world starts its helpers in their own session (so a terminal's Ctrl-C reaches only the
 parent, which then tears everything down in order); the price is that a parent killed with
-SIGKILL would leave them running. :func:`exit_with_parent` is their watchdog.
+SIGKILL would leave them running. :func:`exit_with_parent` is their watchdog;
+:func:`stop_process` is how a parent ends one.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
+from typing import Any
 
-__all__ = ["exit_with_parent"]
+__all__ = ["exit_with_parent", "stop_process"]
 
 
 def exit_with_parent(code: int = 3, interval_s: float = 0.2) -> None:
@@ -30,3 +33,15 @@ def exit_with_parent(code: int = 3, interval_s: float = 0.2) -> None:
         os._exit(code)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and wait ``timeout_s`` for it to finish; then SIGKILL and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -29,6 +29,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from websockets.asyncio.client import ClientConnection, connect
 
+from firstbyte.benchmarks._parent import stop_process
+
 __all__ = [
     "Browser",
     "BrowserError",
@@ -157,12 +159,7 @@ def _chromium(extra_flags: tuple[str, ...] = ()) -> Iterator[str]:
             port, path = port_file.read_text().splitlines()[:2]
             yield f"ws://127.0.0.1:{port}{path}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 def _problems(events: list[tuple[str, dict[str, Any]]], page_url: str) -> list[str]:

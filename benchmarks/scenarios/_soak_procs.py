@@ -27,6 +27,8 @@ from typing import IO, Any
 
 import httpx
 
+from firstbyte.benchmarks._parent import stop_process
+
 __all__ = ["Child", "MemorySampler", "Sim", "free_port", "router_log_findings", "start_router",
            "toml"]
 
@@ -97,13 +99,7 @@ class Child:
         self._close()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
         self._close()
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.stats import SLO, summarize
@@ -785,12 +786,7 @@ def _nginx(binary: str, upstream_url: str) -> Iterator[_Child]:
                     time.sleep(0.05)
             yield _Child(f"http://127.0.0.1:{port}", proc.pid)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout_s=15)
 
 
 def _collect(

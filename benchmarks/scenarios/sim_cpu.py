@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from firstbyte.benchmarks._parent import stop_process
+
 __all__ = ["SERVERS", "TARGET_CHUNKS_PER_CPU_S", "main", "run"]
 
 SERVERS = ("uvicorn", "hypercorn", "granian")
@@ -81,12 +83,7 @@ def _sim_process(server: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 def _request_bytes(i: int) -> bytes:
