@@ -13,7 +13,7 @@ import contextlib
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import h2.config
@@ -126,6 +126,16 @@ async def idle_connections(target: Target, until: float) -> Counter[str]:
     return await _many(40 * target.scale, lambda: _held(target, until, b"", None))
 
 
+def _rounds(until: float) -> Iterator[int]:
+    """0, 1, 2, ... while there is time before ``until``, and round 0 always: an attack that
+    starts late (its phase's window passed while a busy machine ran other work) still runs
+    once, so every attack's treatment is reported."""
+    n = 0
+    while n == 0 or time.monotonic() < until:
+        yield n
+        n += 1
+
+
 async def greedy_key(target: Target, until: float) -> Counter[str]:
     """One tenant keeps many long streams open at once on its own key."""
     found: Counter[str] = Counter()
@@ -134,8 +144,7 @@ async def greedy_key(target: Target, until: float) -> Counter[str]:
                                  limits=httpx.Limits(max_connections=4)) as client:
 
         async def loop(i: int) -> None:
-            n = 0
-            while time.monotonic() < until:
+            for n in _rounds(until):
                 try:
                     async with client.stream("POST", target.base_url + _CHAT, headers=headers,
                                              content=_chat_body(i * 100_000 + n, 128)) as reply:
@@ -145,7 +154,6 @@ async def greedy_key(target: Target, until: float) -> Counter[str]:
                             await asyncio.sleep(0.2)
                 except httpx.HTTPError as exc:
                     found[type(exc).__name__] += 1
-                n += 1
 
         await asyncio.gather(*(loop(i) for i in range(24 * target.scale)))
     return found
@@ -175,7 +183,7 @@ async def bad_requests(target: Target, until: float) -> Counter[str]:
         "no key": ({}, _chat_body(0)),
     }
     async with httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as client:
-        while time.monotonic() < until:
+        for _ in _rounds(until):
             for name, (headers, body) in probes.items():
                 try:
                     reply = await client.post(target.base_url + _CHAT, headers=headers,
@@ -224,10 +232,8 @@ async def rapid_reset(target: Target, until: float) -> Counter[str]:
     """HTTP/2 rapid reset (CVE-2023-44487): chat requests opened and cancelled at once, in
     bursts, over raw TLS with the h2 library."""
     found: Counter[str] = Counter()
-    n = 0
-    while time.monotonic() < until:
+    for n in _rounds(until):
         found.update(await _reset_burst(target, 400 * target.scale, n))
-        n += 1
     return found
 
 
@@ -283,9 +289,9 @@ async def websocket_oversized(target: Target, until: float) -> Counter[str]:
     found: Counter[str] = Counter()
     frame = "x" * ((4 << 20) * target.scale)
     url = f"wss://{target.host}:{target.port}{paths.WEBSOCKET}"
-    sent = 0
-    while time.monotonic() < until and sent < 4 * target.scale:
-        sent += 1
+    for sent in _rounds(until):
+        if sent == 4 * target.scale:
+            break
         try:
             async with connect(url, ssl=target.tls("http/1.1"), max_size=None,
                                additional_headers={"Authorization": f"Bearer {target.key}"},
