@@ -6,7 +6,9 @@ process, as in production; the load generator (httpx over HTTP/1.1 on loopback, 
 connections, parsing with the SDK's SSE core) runs in this one. For each level (1, 100 and 500
 concurrent streams) the targets are measured in alternating phases, so all see the same
 machine: ``direct`` (the sim), ``nginx`` (``proxy_buffering off``, 2 workers, kept-alive
-upstream connections) when it is installed, and the router under each of its HTTP/1.1 servers.
+upstream connections) when it is installed, ``python-pipe`` in full runs (bytes piped in Python
+on uvloop: the floor of CPU per chunk for a Python relay, see :data:`PIPE_TARGET`), and the
+router under each of its HTTP/1.1 servers.
 Added latency is the difference of the percentiles (target minus direct). Optionally (full
 runs) the same over TLS with HTTP/2 between the client and the router, next to the client
 straight to a sim served over TLS + HTTP/2 (``direct-h2``): that run's tail is mostly the
@@ -24,9 +26,11 @@ and landed on whichever target was running.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import random
 import shutil
@@ -41,12 +45,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.progress import Progress
+from firstbyte.benchmarks.scenarios import _baseline_router
 from firstbyte.benchmarks.stats import SLO, summarize
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.protocol import paths
@@ -74,6 +80,13 @@ SLO_TTFT_MS = 200.0
 ADDED_METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "p50_e2el_ms")
 """Percentiles compared, router minus direct: the first token's wait and tail, the tail of the
 gaps between tokens, and the whole stream (what the relay adds over every chunk)."""
+PIPE_TARGET = "python-pipe"
+"""A byte pipe written in Python on the router's event loop (uvloop): one upstream connection
+per client connection, bytes passed on untouched, no HTTP. Nothing relays a chunk in Python
+for less, so its CPU per chunk next to nginx's and the router's tells the interpreter's and
+the event loop's share of the router's cost from the router's own work. Full runs only."""
+BASELINE_SERVERS = ("hypercorn", "uvicorn")
+"""The servers measured at the ``--baseline`` revision too (as ``baseline-SERVER``)."""
 AA_TARGET = "direct-aa"
 """The direct path measured a second time (100 streams), as the A/A control."""
 FOREIGN_CPU_LIMIT = 0.15
@@ -133,6 +146,45 @@ async def main():
         print(ep.base_url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the loop `firstbyte router` uses
+    runner.run(main())
+"""
+
+
+_PIPE = """
+import asyncio, sys
+from firstbyte.router.hosting import loop_factory
+# UPSTREAM_HOST UPSTREAM_PORT: pipe every connection to the upstream, bytes untouched
+UPSTREAM = (sys.argv[1], int(sys.argv[2]))
+class Pipe(asyncio.Protocol):
+    def __init__(self, peer=None):
+        self.peer, self.transport, self.early = peer, None, []
+    def connection_made(self, transport):
+        self.transport = transport
+        if self.peer is None:  # a client: dial the upstream, hold its bytes until connected
+            asyncio.ensure_future(self.dial())
+    async def dial(self):
+        try:
+            _, up = await asyncio.get_running_loop().create_connection(
+                lambda: Pipe(self), *UPSTREAM)
+        except OSError:
+            self.transport.close()
+            return
+        self.peer = up
+        for data in self.early:
+            up.transport.write(data)
+    def data_received(self, data):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.write(data)
+        else:
+            self.early.append(data)
+    def connection_lost(self, exc):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+async def main():
+    server = await asyncio.get_running_loop().create_server(Pipe, "127.0.0.1", 0, backlog=4096)
+    print(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the router's loop
     runner.run(main())
 """
 
@@ -482,19 +534,37 @@ SATURATED = 0.9
 the figure: a Python process (load generator, sim, router) runs on one core at a time."""
 
 
-def run(quick: bool) -> dict[str, Any]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--baseline",
+        type=_baseline_router.revision,
+        default=None,
+        metavar="REV",
+        help="also run the router as it was at git revision REV (hypercorn and uvicorn, "
+        "as baseline-SERVER) in the same alternating phases; the summary gives today's CPU "
+        "per chunk as a ratio to it (cC_SERVER_cpu_vs_baseline). Needs firstbyte installed "
+        "from a git checkout (pip install -e .)",
+    )
+
+
+def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     """Direct vs nginx vs the router at 1, 100 and 500 streams, interleaved; then each target
-    under sustained load; added TTFT and ITL, CPU per chunk, errors, what limited each."""
+    under sustained load; added TTFT and ITL, CPU per chunk, errors, what limited each.
+    ``baseline``: a commit whose router is measured beside today's (see
+    :mod:`._baseline_router`)."""
     max_tokens = 16 if quick else 64
     levels = QUICK_LEVELS if quick else LEVELS
     sustained = QUICK_SUSTAINED if quick else SUSTAINED
     tls_rounds = 0 if quick else 2
     top = max(c for c, _, _ in levels)
     nginx = _nginx_binary()
-    proxies = ([NGINX_TARGET] if nginx else []) + [f"router/{name}" for name in ROUTER_SERVERS]
+    pipe = [] if quick else [PIPE_TARGET]
+    routers = [f"router/{name}" for name in ROUTER_SERVERS]
+    then = [f"baseline-{name}" for name in BASELINE_SERVERS] if baseline else []
+    proxies = ([NGINX_TARGET] if nginx else []) + pipe + routers + then
     targets = 1 + len(proxies)
     total = sum((targets + (c > 1)) * rounds for c, rounds, _ in levels)
-    total += targets * sustained[1] + 4 * tls_rounds
+    total += (targets - len(pipe) - len(then)) * sustained[1] + 4 * tls_rounds
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     overhead: list[dict[str, Any]] = []
@@ -516,8 +586,22 @@ def run(quick: bool) -> dict[str, Any]:
             )
             for name in ROUTER_SERVERS
         }
+        if pipe:
+            upstream = urlsplit(sim.url)
+            children = {
+                PIPE_TARGET: stack.enter_context(
+                    _server(_PIPE, upstream.hostname or "127.0.0.1", str(upstream.port))
+                )
+            } | children
         if nginx:
             children = {NGINX_TARGET: stack.enter_context(_nginx(nginx, sim.url))} | children
+        if baseline:
+            sources = str(stack.enter_context(_baseline_router.checked_out(baseline)))
+            for name in BASELINE_SERVERS:
+                config = json.dumps(_router_config(sim.url, name))
+                children[f"baseline-{name}"] = stack.enter_context(
+                    _server(_baseline_router.SNIPPET, sources, config)
+                )
         urls = {"direct": sim.url} | {name: child.url for name, child in children.items()}
         pids = {"sim": sim.pid} | {name: child.pid for name, child in children.items()}
         for concurrency, rounds, per_worker in levels:
@@ -539,18 +623,25 @@ def run(quick: bool) -> dict[str, Any]:
             )
             _collect(runs, summary, measured, concurrency, "HTTP/1.1")
             overhead += _overhead_rows(measured, concurrency)
-        phases = _sustained(urls, pids, sustained, max_tokens, bar)
+        relays = {name: url for name, url in urls.items() if name not in (*pipe, *then)}
+        phases = _sustained(relays, pids, sustained, max_tokens, bar)
         _summarise_sustained(summary, phases)
         if tls_rounds:
             _tls(runs, summary, sim, max_tokens, tls_rounds, bar)
+    conditions: dict[str, Any] = {}
+    if baseline:
+        conditions["baseline"] = _baseline_router.describe(baseline)
+        _versus_baseline(summary, [c for c, _, _ in levels])
     levels_text = ", ".join(str(c) for c, _, _ in levels)
     return {
         "scenario": "router_overhead",
         "description": (
             f"Streams of {max_tokens // 2}-{max_tokens * 3 // 2} tokens from the sim "
             f"({PROFILE} profile, ~10 ms a token, own process, max_num_seqs {seqs}), direct, "
-            f"through nginx (proxy_buffering off, 2 workers) when installed and through the "
-            f"router (one process per ASGI server: {', '.join(ROUTER_SERVERS)}) on loopback, in "
+            f"through nginx (proxy_buffering off, 2 workers) when installed, through "
+            f"{PIPE_TARGET} (full runs: bytes piped in Python on uvloop, no HTTP: the floor of "
+            f"any Python relay's CPU per chunk) and through the router (one process per ASGI "
+            f"server: {', '.join(ROUTER_SERVERS)}) on loopback, in "
             f"alternating phases with the same workload; closed-loop workers ({levels_text}), "
             "plain HTTP/1.1 with kept-alive connections; then each target alone for "
             f"{sustained[1]} back-to-back phases at {sustained[0]} streams (sustained). "
@@ -564,6 +655,7 @@ def run(quick: bool) -> dict[str, Any]:
             "client straight to a TLS + HTTP/2 sim."
         ),
         "summary": summary,
+        "conditions": conditions,
         "overhead": overhead,
         "sustained": phases,
         "runs": runs,
@@ -583,6 +675,31 @@ def run(quick: bool) -> dict[str, Any]:
             "foreign_cpu_share and phases_rerun in each run say how loaded the machine was",
         ],
     }
+
+
+def _router_config(sim_url: str, server: str) -> dict[str, Any]:
+    """What :data:`_ROUTER` configures, as data: for a ``--baseline`` revision's router."""
+    return {
+        "upstreams": [{"url": sim_url, "max_in_flight": 1024}],
+        "listen": {
+            "port": 0, "http3": False, "insecure_plain_http": True, "server": server,
+            "keep_alive_timeout_s": IDLE_S,
+        },
+        "routing": {"backend_max_waiting": 1024},
+        "auth": {"allow_anonymous": True},
+        "limits": {"max_connections_per_client": 65536},
+    }
+
+
+def _versus_baseline(summary: dict[str, Any], levels: list[int]) -> None:
+    """``cC_SERVER_cpu_vs_baseline``: today's CPU per chunk over the baseline revision's,
+    measured in the same phases."""
+    for concurrency in levels:
+        for name in BASELINE_SERVERS:
+            now = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
+            then = summary.get(f"c{concurrency}_baseline_{name}_cpu_us_per_chunk")
+            if now is not None and then:
+                summary[f"c{concurrency}_{name}_cpu_vs_baseline"] = now / then
 
 
 def _limited_by(cores: dict[str, float], machine: float, target: str) -> str:
