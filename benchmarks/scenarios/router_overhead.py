@@ -118,30 +118,13 @@ DIRECT_H2_TARGET = "direct-h2"
 HTTP/2, so the router's share of that run's latency is told apart from the transport's."""
 
 _ROUTER = """
-import asyncio, sys
-from firstbyte.router.config import (
-    AuthConfig, LimitsConfig, ListenConfig, RouterConfig, UpstreamConfig,
-)
-from firstbyte.router.regions_config import RoutingConfig
+import asyncio, json, sys
+from firstbyte.router.config import parse_config
 from firstbyte.router.hosting import loop_factory
 from firstbyte.router.serve import running_router
 async def main():
-    # SIM_URL SERVER IDLE_S [CERTFILE KEYFILE]
-    tls = len(sys.argv) > 4
-    listen = ListenConfig(
-        port=0, http3=False, insecure_plain_http=not tls, server=sys.argv[2],
-        certfile=sys.argv[4] if tls else None, keyfile=sys.argv[5] if tls else None,
-        keep_alive_timeout_s=float(sys.argv[3]),
-    )
-    # 100 streams must be admitted: the limit under test is latency, not backpressure
-    upstream = UpstreamConfig(url=sys.argv[1], max_in_flight=1024)
-    routing = RoutingConfig(backend_max_waiting=1024)
-    auth = AuthConfig(allow_anonymous=True)  # a local benchmark: no keys to hand out
-    # every client of the load generator comes from 127.0.0.1: no per-address connection cap
-    limits = LimitsConfig(max_connections_per_client=65536)
-    config = RouterConfig(
-        upstreams=[upstream], listen=listen, routing=routing, auth=auth, limits=limits
-    )
+    # CONFIG_JSON: the router's configuration (_router_config)
+    config = parse_config(json.loads(sys.argv[1]), "router_overhead")
     async with running_router(config, tune_gc=True) as ep:  # GC as `firstbyte router` has it
         print(ep.base_url, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -190,24 +173,18 @@ with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the router's loop
 
 
 _ROUTER_GRANIAN = """
-import os, signal, socket, sys, threading, time
-import msgspec
+import json, os, signal, socket, sys, threading, time
 from firstbyte.router.hosting import run_granian
 from firstbyte.router.serve import CONFIG_ENV
-# SIM_URL IDLE_S [CERTFILE KEYFILE]: the same router as _ROUTER, served by granian in its own
+# CONFIG_JSON: the same router as _ROUTER's (_router_config), served by granian in its own
 # worker process (HTTP/1.1; with a certificate, TLS with HTTP/2 by ALPN)
-tls = sys.argv[3:5] if len(sys.argv) > 4 else None
+config = json.loads(sys.argv[1])
+listen = config["listen"]
+tls = (listen["certfile"], listen["keyfile"]) if "certfile" in listen else None
 with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-os.environ[CONFIG_ENV] = msgspec.json.encode({
-    "upstreams": [{"url": sys.argv[1], "max_in_flight": 1024}],
-    "listen": {"port": port, "http3": False, "insecure_plain_http": tls is None}
-    | ({"certfile": tls[0], "keyfile": tls[1]} if tls else {}),
-    "routing": {"backend_max_waiting": 1024},
-    "auth": {"allow_anonymous": True},
-    "limits": {"max_connections_per_client": 65536},
-}).decode()
+    port = listen["port"] = probe.getsockname()[1]
+os.environ[CONFIG_ENV] = json.dumps(config)
 def announce():
     while True:
         try:
@@ -580,9 +557,9 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     ):
         children = {
             f"router/{name}": stack.enter_context(
-                _server(_ROUTER_GRANIAN, sim.url, idle)
+                _server(_ROUTER_GRANIAN, json.dumps(_router_config(sim.url)))
                 if name == "granian"
-                else _server(_ROUTER, sim.url, name, idle)
+                else _server(_ROUTER, json.dumps(_router_config(sim.url, name)))
             )
             for name in ROUTER_SERVERS
         }
@@ -677,16 +654,28 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     }
 
 
-def _router_config(sim_url: str, server: str) -> dict[str, Any]:
-    """What :data:`_ROUTER` configures, as data: for a ``--baseline`` revision's router."""
+def _router_config(
+    sim_url: str, server: str | None = None, tls: tuple[str, str] | None = None
+) -> dict[str, Any]:
+    """The configuration of every router in the run (today's under ``server``, granian's
+    without one, a ``--baseline`` revision's), as the TOML file would hold it; with ``tls``
+    (certificate file, key file) it serves TLS."""
+    listen: dict[str, Any] = {
+        "port": 0, "http3": False, "insecure_plain_http": tls is None,
+        "keep_alive_timeout_s": IDLE_S,
+    }
+    if server is not None:
+        listen["server"] = server
+    if tls is not None:
+        listen |= {"certfile": tls[0], "keyfile": tls[1]}
     return {
+        # every stream of the highest level must be admitted: the limit under test is
+        # latency, not backpressure
         "upstreams": [{"url": sim_url, "max_in_flight": 1024}],
-        "listen": {
-            "port": 0, "http3": False, "insecure_plain_http": True, "server": server,
-            "keep_alive_timeout_s": IDLE_S,
-        },
+        "listen": listen,
         "routing": {"backend_max_waiting": 1024},
-        "auth": {"allow_anonymous": True},
+        "auth": {"allow_anonymous": True},  # a local benchmark: no keys to hand out
+        # every client of the load generator comes from 127.0.0.1: no per-address cap
         "limits": {"max_connections_per_client": 65536},
     }
 
@@ -970,8 +959,8 @@ def _tls(
         tls_args = (paths["cert.pem"], paths["key.pem"])
         idle = str(IDLE_S)
         with (
-            _server(_ROUTER, sim.url, "hypercorn", idle, *tls_args) as router,
-            _server(_ROUTER_GRANIAN, sim.url, idle, *tls_args) as granian,
+            _server(_ROUTER, json.dumps(_router_config(sim.url, "hypercorn", tls_args))) as router,
+            _server(_ROUTER_GRANIAN, json.dumps(_router_config(sim.url, tls=tls_args))) as granian,
             _server(_SIM, PROFILE, "256", idle, *tls_args) as sim_tls,
         ):
             h2 = _h2_clients(paths["ca.pem"])
