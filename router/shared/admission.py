@@ -128,7 +128,6 @@ end
 return out
 """
 
-# KEYS: slots. ARGV: process.
 # KEYS: slots to give back, one per release (a key twice: two slots). ARGV: 1 process.
 _RELEASE = """
 for i = 1, #KEYS do
