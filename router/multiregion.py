@@ -10,7 +10,8 @@
   with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
 - An :class:`Observation` rides along in ``ctx.observer``: the proxy reports the
   first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
-  whether to switch upstream when the first token is late (``first_token_deadline_ms``).
+  whether to switch upstream when the first token is late (``first_token_deadline_ms``), or
+  where to go when its backend refused the connection (:meth:`RegionRouting.fail_over`).
 - Both ways of spilling (a saturated region at admission, a late first token) hold a slot of
   one :class:`~firstbyte.router.spill.SpillBudget` from the decision to the request's end; a
   refused slot means no spill. Requests count as active, and against a peer's capacity, from
@@ -33,7 +34,7 @@ import hmac
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -53,6 +54,7 @@ from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
+from .observability.logs import describe_error
 from .peers import PeerPoller, PeerTable
 from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
@@ -74,6 +76,11 @@ __all__ = ["REJECTION_REASONS", "Observation", "RegionRouting", "draining_reply"
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
+
+PASSIVE_DOWN_S = 10.0
+"""How long a backend that refused a connection stays out of rotation when it has no metrics
+scrape to say it is back (``kind = "openai"`` without ``models``), as nginx's ``fail_timeout``;
+a scraped backend is back at its first answered scrape."""
 
 
 REJECTION_REASONS = {
@@ -155,6 +162,11 @@ class Observation:
     def switch(self, ctx: RequestContext) -> Backend:
         """Move to the peer claimed by :meth:`claim_switch`; the new upstream to send to."""
         return self.routing.switch(self, ctx)
+
+    async def fail_over(self, ctx: RequestContext, exc: Exception) -> Backend | None:
+        """This request's connection to its backend failed (``exc``): the backend to send it
+        to instead, or None (see :meth:`RegionRouting.fail_over`)."""
+        return await self.routing.fail_over(self, ctx, exc)
 
     def finished(self, ctx: RequestContext, ok: bool) -> None:
         if not self.done:
@@ -279,6 +291,12 @@ class RegionRouting:
         self.released: Callable[[str], object] | None = None
         """Called with a local backend's name when a request on it ends or moves away (the
         shared state gives back its slot there)."""
+        self.claim: Callable[[str, int], Awaitable[bool]] | None = None
+        """Claims a slot of a backend (name, limit) for a request moved there, False if the
+        backend is full region-wide (the shared state; in memory the tracker's count is all)."""
+        self._down_until: dict[str, float] = {}
+        """Backends without scrapes taken out of rotation by a refused connection, until when
+        (:data:`PASSIVE_DOWN_S`)."""
         self._started = False
         self.draining = False
         """This process is shutting down: it counts as unhealthy for routing (a request goes
@@ -288,7 +306,9 @@ class RegionRouting:
         """Carry over what ``previous`` (the routing before a reload) learned and still counts:
         the load record of every backend that stays (requests in flight on it finish on the
         previous routing's record, which this one now shares), the status and RTT of every
-        peer that stays at the same URL, and the draining flag."""
+        peer that stays at the same URL, the draining flag, and the shared state's hooks
+        (:attr:`released`, :attr:`claim`)."""
+        self.released, self.claim = previous.released, previous.claim
         for name, load in self.tracker.backends.items():
             old = previous.tracker.backends.get(name)
             if old is not None and self.backends[name] is previous.backends.get(name):
@@ -401,6 +421,8 @@ class RegionRouting:
         request = ctx.request
         assert request is not None
         now = self.clock()
+        if self._down_until:
+            self._back_in_rotation(now)
         from_peer = self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
         location = self.locate(ctx, from_peer)
@@ -576,6 +598,10 @@ class RegionRouting:
             obs.claim = None
         if obs.local:
             self.tracker.observe_ttft(obs.backend, ttft_ms)
+            backend = self.backends[obs.backend]
+            if backend.healthy and obs.backend in self.runner.changes.down_since:
+                # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
+                self.runner.changes.up(obs.backend, url=backend.url)
         hist = self.ttft.get(obs.region)
         if hist is None:
             hist = self.ttft[obs.region] = Histogram(TTFT_BUCKETS_S)
@@ -626,6 +652,66 @@ class RegionRouting:
         obs.reason = "first_token_deadline"
         backend: Backend = ctx.backend
         return backend
+
+    async def fail_over(
+        self, obs: Observation, ctx: RequestContext, exc: Exception
+    ) -> Backend | None:
+        """``obs``'s local backend refused the connection or did not accept it in time, so
+        the request never reached it: take that backend out of rotation (:meth:`unreachable`)
+        and move the request to the backend the policy picks among the region's others with
+        room, holding a slot there before giving back the old one. None when no other can
+        take it (the request then fails as it would have); a peer region is not tried, as a
+        request that just found its backend gone should not also pay a forward."""
+        old = obs.backend
+        self.unreachable(old, exc)
+        request = ctx.request
+        if not obs.local or request is None:
+            return None
+        now = self.clock()
+        refused = {old}  # still in rotation if it is the region's last (see unreachable)
+        while True:
+            candidates = [n for n in self.tracker.available(now) if n not in refused]
+            choice = self._choose(request, candidates, now, "failover") if candidates else None
+            if choice is None:
+                return None
+            name = choice.backend
+            self.tracker.started(name, now)
+            if self.claim is None or await self.claim(name, self.tracker[name].limit):
+                break
+            self.tracker.unstarted(name)  # full region-wide meanwhile
+            refused.add(name)
+        self.tracker.finished(old)
+        if self.released is not None:
+            self.released(old)
+        obs.backend, obs.choice, obs.reason = name, "failover", "backend_unreachable"
+        moved = ctx.backend = self.backends[name]
+        return moved
+
+    def unreachable(self, name: str, exc: Exception) -> None:
+        """A request could not connect to local backend ``name``: out of rotation now rather
+        than at its next metrics scrape (one warning line, as a failed scrape writes), and
+        back when a scrape answers, or after :data:`PASSIVE_DOWN_S` for one without scrapes.
+        The region's last backend with no peer region to go to stays in rotation, as nginx
+        keeps a lone server: out of it, requests would be refused without being tried."""
+        backend = self.backends[name]
+        self.runner.changes.down(name, describe_error(exc), url=backend.url)
+        if not self.peer_table.peers and self.tracker.healthy() in ([], [name]):
+            return
+        backend.healthy = False
+        self.tracker.set_health(name, False)
+        if name in self.runner.urls:
+            self.scheduler.health(name, False)  # as a failed scrape: it may come back restarted
+        else:
+            self._down_until[name] = self.clock() + PASSIVE_DOWN_S
+
+    def _back_in_rotation(self, now: float) -> None:
+        """Backends without scrapes whose :data:`PASSIVE_DOWN_S` passed: tried again (a line
+        saying they are up comes with their first answered request)."""
+        for name, until in list(self._down_until.items()):
+            if now >= until:
+                del self._down_until[name]
+                self.backends[name].healthy = True
+                self.tracker.set_health(name, True)
 
     def finished(self, obs: Observation, ctx: RequestContext, ok: bool) -> None:
         duration_ms = (time.perf_counter() - obs.started) * 1000

@@ -86,7 +86,7 @@ def render(r: RegionRouting) -> str:
         "queue": "Waiting requests the backend reports.",
         "limit": "Load at which it is saturated: learned capacity + allowed queue, capped.",
         "saturated": "1 if the backend is at its limit.",
-        "healthy": "1 if the backend answered its last scrape.",
+        "healthy": "1 if in rotation: 0 after a failed scrape or a refused connection.",
         "cache_hit_ratio": "Prefix-cache hits / queries since it started.",
     }
     values: dict[str, list[tuple[str, float]]] = {name: [] for name in gauges}

@@ -95,6 +95,7 @@ class RouterState:
         """The region's shared state (Redis), or None: everything in this process's memory."""
         if self.shared is not None:
             self.routing.released = self.shared.admission.release_backend
+            self.routing.claim = self.shared.admission.claim_backend
         self._sharing: asyncio.Task[None] | None = None
         spans: SpanSink | None = None
         if config.telemetry.otlp_endpoint is not None:

@@ -130,7 +130,7 @@ class Traceparent:
 class Observer(Protocol):
     """Per-request hooks the proxy calls while it streams (the multi-region stage's
     ``Observation``): the first token, each later batch of chunks, the first-token deadline
-    and its switch, the end."""
+    and its switch, a backend that refused the connection, the end."""
 
     first_token_deadline_s: float | None
 
@@ -138,6 +138,7 @@ class Observer(Protocol):
     def chunk(self, ctx: RequestContext, now: float) -> None: ...
     def claim_switch(self, ctx: RequestContext) -> bool: ...
     def switch(self, ctx: RequestContext) -> Backend: ...
+    async def fail_over(self, ctx: RequestContext, exc: Exception) -> Backend | None: ...
     def finished(self, ctx: RequestContext, ok: bool) -> None: ...
 
 

@@ -13,6 +13,9 @@ is cancelled (closing the upstream connection, which a vLLM-like server treats a
 only if no reader comes back in that time (see
 :meth:`firstbyte.router.app.RouterState.maintain`).
 
+A local backend that refuses the connection (or does not accept it in time) never saw the
+request: the routing stage takes it out of rotation and names another backend of the region,
+and the request goes there (:meth:`~firstbyte.router.multiregion.RegionRouting.fail_over`).
 Errors after the stream started become an ``{"error": {...}}`` event followed by ``[DONE]``.
 """
 
@@ -62,6 +65,10 @@ _DRAIN_AFTER_DONE_S = 1.0
 
 _STALE_RETRIES = 2
 """Times a request goes again after its kept-alive connection turned out to be closed."""
+
+_MAX_FAILOVERS = 3
+"""Backends a request may move to after the one it was sent to refused the connection (each
+refusal takes that backend out of rotation, so this bounds only a region flapping back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +200,8 @@ class Proxy:
     async def forward(
         self, ctx: RequestContext, method: str, path: str, body: bytes | None = None
     ) -> UpstreamReply:
-        """Send one request upstream and return the whole answer (502 if it fails)."""
+        """Send one request upstream and return the whole answer (502 if it fails); a local
+        backend that refuses the connection hands the request to another, as for streams."""
         backend: Backend = ctx.backend
         backend.in_flight += 1
         self.metrics.in_flight += 1
@@ -201,13 +209,29 @@ class Proxy:
         observer = ctx.observer
         ok = False
         ctx.upstream_sent_at = sent_at
+        failovers = 0
         try:
-            response = await self.client_for(backend).request(
-                method,
-                backend.url + path,
-                content=body,
-                headers=self._headers(ctx, backend, "application/json"),
-            )
+            while True:
+                try:
+                    response = await self.client_for(backend).request(
+                        method,
+                        backend.url + path,
+                        content=body,
+                        headers=self._headers(ctx, backend, "application/json"),
+                    )
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    moved = None
+                    local = not backend.name.startswith(PEER_PREFIX)
+                    if observer is not None and local and failovers < _MAX_FAILOVERS:
+                        failovers += 1
+                        moved = await observer.fail_over(ctx, exc)
+                    if moved is None:
+                        raise
+                    backend.failures += 1
+                    backend.in_flight -= 1
+                    backend = moved
+                    backend.in_flight += 1
             content_type = response.headers.get("content-type", "application/json")
             ok = response.status_code == 200
             return UpstreamReply(
@@ -283,6 +307,8 @@ class _Producer:
         self._refused_status = 0
         self._timer: asyncio.TimerHandle | None = None
         self._conn: H1Connection | None = None
+        self._unreachable: Exception | None = None
+        """Why the last attempt could not connect (its result was ``unreachable``)."""
 
     async def run(self) -> None:
         proxy, ctx, stream = self.proxy, self.ctx, self.stream
@@ -290,6 +316,7 @@ class _Producer:
         self.backend.in_flight += 1
         self.backend.requests += 1
         metrics.in_flight += 1
+        failovers = 0
         try:
             while True:
                 self.outcome = self.loop.create_future()
@@ -301,15 +328,27 @@ class _Producer:
                     result = await self._via_httpx(proxy.peer_client)
                 else:
                     result = await self._via_h1()
-                if result != "switch":
+                if result == "switch":
+                    # No first token by the deadline and the stage found somewhere better:
+                    # nothing was sent to the client yet, so switch without a trace.
+                    assert self.observer is not None
+                    self._move_to(self.observer.switch(ctx))
+                elif result == "unreachable":
+                    # The backend refused the connection (or never accepted it): the request
+                    # goes to another of the region if one can take it, else fails here.
+                    exc = self._unreachable
+                    assert exc is not None
+                    self.backend.failures += 1
+                    moved = None
+                    if self.observer is not None and failovers < _MAX_FAILOVERS:
+                        failovers += 1
+                        moved = await self.observer.fail_over(ctx, exc)
+                    if moved is None:
+                        self.on_error(exc)
+                        break
+                    self._move_to(moved)
+                else:
                     break
-                # No first token by the deadline and the stage found somewhere better:
-                # nothing was sent to the client yet, so switch without a trace.
-                assert self.observer is not None
-                self.backend.in_flight -= 1
-                self.backend = self.observer.switch(ctx)
-                self.backend.in_flight += 1
-                self.backend.requests += 1
         except asyncio.CancelledError as exc:
             drained = exc.args == (DRAIN_CANCEL,)
             stream.append(_DRAINED_EVENT if drained else _CANCELLED_EVENT, proxy.clock())
@@ -324,6 +363,13 @@ class _Producer:
             metrics.in_flight -= 1
             if self.observer is not None:
                 self.observer.finished(ctx, self.ok)
+
+    def _move_to(self, backend: Backend) -> None:
+        """The request leaves its backend for ``backend`` (which counts it from now)."""
+        self.backend.in_flight -= 1
+        self.backend = backend
+        self.backend.in_flight += 1
+        self.backend.requests += 1
 
     def _request(self) -> tuple[bytes, dict[str, str]]:
         body = _stream_body(self.ctx)
@@ -344,6 +390,11 @@ class _Producer:
         for _ in range(_STALE_RETRIES + 1):
             try:
                 self._conn = conn = await pool.acquire(origin)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if self.outcome.done():  # a first-token switch was claimed meanwhile
+                    return self.outcome.result()
+                self._unreachable = exc  # the upstream never saw the request
+                return "unreachable"
             except (httpx.HTTPError, OSError) as exc:
                 self.on_error(exc)
                 return "finished"

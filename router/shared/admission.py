@@ -243,12 +243,22 @@ class SharedAdmission:
             return Admission(verdict, int(value) / 1000)
         return Admission(verdict, int(value))
 
+    async def claim_backend(self, backend: str, limit: int) -> bool:
+        """Claim a slot of ``backend`` alone, for a request moved there after its own
+        backend refused the connection (its key's slot and affinity stay as claimed); False
+        if the processes together hold ``limit`` on it."""
+        answer = await self.admit(
+            b"", key_limit=None, rate_per_s=0.0, burst=0, backend=backend,
+            backend_limit=limit, affinity_key=None, affinity=Affinity.NONE,
+        )
+        return answer.verdict is Verdict.ADMITTED
+
     def release_key(self, owner: bytes) -> None:
-        """Give back a slot of ``owner`` claimed by :meth:`admit_key`."""
+        """Give back a slot of ``owner`` claimed by :meth:`admit`."""
         self._spawn_release(self.keys.key_slots(owner))
 
     def release_backend(self, backend: str) -> None:
-        """Give back a slot of ``backend`` claimed by :meth:`claim_backend`."""
+        """Give back a slot of ``backend`` claimed by :meth:`admit` or :meth:`claim_backend`."""
         self._spawn_release(self.keys.backend_load(backend))
 
     async def backends_elsewhere(self, backends: Sequence[str]) -> list[int]:
