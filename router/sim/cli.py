@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 1024)",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens one scheduler step processes, as vLLM's: a burst of new requests then"
+        " waits a few steps to start (default: no budget, all start at the next step)",
+    )
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC", help=_FAULT_HELP)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for outputs and fault selection (default 0)"
@@ -95,9 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
-    for name in ("max_num_seqs", "prefix_cache_blocks", "queue_limit", "max_body_bytes"):
+    for name in (
+        "max_num_seqs", "prefix_cache_blocks", "queue_limit", "max_body_bytes",
+        "max_num_batched_tokens",
+    ):
         value = getattr(args, name)
-        minimum = 1 if name in ("max_num_seqs", "max_body_bytes") else 0
+        minimum = 0 if name in ("prefix_cache_blocks", "queue_limit") else 1
         if value is not None and value < minimum:
             raise CLIError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
     if not 0 <= args.port <= 65535:
@@ -125,6 +136,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         prefix_cache_blocks=args.prefix_cache_blocks,
         queue_limit=args.queue_limit,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         faults=list(args.fault),
         seed=args.seed,
         max_body_bytes=args.max_body_bytes,

@@ -8,7 +8,10 @@ monotonic origin) to :meth:`Engine.submit` and :meth:`Engine.advance`, and sleep
   time for that batch size plus the prefill of the sequences admitted at its start (over their
   *uncached* prompt tokens — the prefix cache is consulted on admission);
 - at each step boundary, finished sequences leave and waiting ones are admitted, first come
-  first served, up to ``max_num_seqs`` running;
+  first served, up to ``max_num_seqs`` running and, with ``max_num_batched_tokens``, as many as
+  that step's token budget holds (vLLM's): one token per running sequence plus each admitted
+  one's uncached prompt (the first of a step always starts, as vLLM would split its prefill
+  over steps), so a burst of new requests waits for a few steps while the batch grows;
 - a new request waits for the current step to end (an idle engine starts a step at once); the
   first token of a sequence comes at the end of its admission step, so its TTFT includes its
   queueing and its prefill, and every running sequence slows down while another prefills;
@@ -81,6 +84,7 @@ class Engine:
         queue_limit: int = 1024,
         prefix_cache_blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.profile = profile
         self.max_num_seqs = max_num_seqs if max_num_seqs is not None else profile.max_num_seqs
@@ -89,6 +93,10 @@ class Engine:
         if queue_limit < 0:
             raise ValueError("queue_limit must be >= 0")
         self.queue_limit = queue_limit
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        """Tokens one step may process (None: no budget, every waiting request fits)."""
         blocks = (
             prefix_cache_blocks
             if prefix_cache_blocks is not None
@@ -196,8 +204,18 @@ class Engine:
 
     def _start_step(self, at: float) -> None:
         prefill_s = 0.0
+        budget = self.max_num_batched_tokens
+        room = None if budget is None else budget - len(self.running)
+        started = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if room is not None:
+                needed = seq.prompt_len - self.cache.cached(seq.block_keys, seq.prompt_len)
+                if needed > room and started:
+                    break  # the next step's budget; the first of a step always starts
+                room -= needed
+            started += 1
+            self.waiting.popleft()
             seq.cached_tokens = self.cache.match(seq.block_keys, seq.prompt_len)
             self.cache.insert(seq.block_keys)
             prefill_s += self.profile.prefill_s(seq.prompt_len - seq.cached_tokens)

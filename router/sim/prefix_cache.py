@@ -60,17 +60,22 @@ class PrefixCache:
         least the prompt's last token is always computed, so a fully cached prompt reports
         one block fewer.
         """
+        hit = self.cached(keys, num_tokens)
+        for key in keys[: hit // self.block_size]:
+            self._blocks.move_to_end(key)
+        self.queries_tokens += num_tokens
+        self.hits_tokens += hit
+        return hit
+
+    def cached(self, keys: Sequence[bytes], num_tokens: int) -> int:
+        """What :meth:`match` would answer, without counting or refreshing anything."""
         usable = (num_tokens - 1) // self.block_size if num_tokens > 0 else 0
         hit_blocks = 0
         for key in keys[:usable]:
             if key not in self._blocks:
                 break
-            self._blocks.move_to_end(key)
             hit_blocks += 1
-        hit = hit_blocks * self.block_size
-        self.queries_tokens += num_tokens
-        self.hits_tokens += hit
-        return hit
+        return hit_blocks * self.block_size
 
     def insert(self, keys: Sequence[bytes]) -> None:
         """Record the blocks of a computed prompt as most recently used, evicting LRU blocks."""

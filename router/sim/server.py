@@ -61,6 +61,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     prefix_cache_blocks: int | None = None
     """None: the profile's default."""
     queue_limit: int = 1024
+    max_num_batched_tokens: int | None = None
+    """Tokens one scheduler step processes (vLLM's); None: no budget."""
     faults: list[str] = msgspec.field(default_factory=list)
     """``--fault`` SPECs (see :mod:`firstbyte.router.sim.faults`)."""
     seed: int = 0
@@ -75,6 +77,7 @@ def build_app(config: SimConfig) -> SimApp:
         max_num_seqs=config.max_num_seqs,
         queue_limit=config.queue_limit,
         prefix_cache_blocks=config.prefix_cache_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     plan = FaultPlan([parse_fault(spec) for spec in config.faults], seed=config.seed)
     options = SimOptions(max_body_bytes=config.max_body_bytes, seed=config.seed, faults=plan)
@@ -152,8 +155,9 @@ async def sim_server(
     whose connections wait out other targets' phases sets it past their length).
 
     ``config`` holds :class:`SimConfig` fields (``max_num_seqs``, ``prefix_cache_blocks``,
-    ``queue_limit``, ``faults``, ``seed``, ``max_body_bytes``). With ``certfile`` the server
-    is hypercorn (HTTP/2 via ALPN) unless ``server`` says otherwise, and the URL is https.
+    ``queue_limit``, ``max_num_batched_tokens``, ``faults``, ``seed``, ``max_body_bytes``).
+    With ``certfile`` the server is hypercorn (HTTP/2 via ALPN) unless ``server`` says
+    otherwise, and the URL is https.
     """
     app = build_app(SimConfig(profile=profile, **config))
     chosen = server or ("hypercorn" if certfile else "uvicorn")

@@ -106,6 +106,37 @@ def test_queue_is_fifo_and_waits_for_a_free_slot() -> None:
     assert third.ttft > first.ttft + (first.token_times[-1] - first.token_times[0])
 
 
+def test_token_budget_starts_a_burst_over_several_steps() -> None:
+    # 100 tokens a step: one per running sequence plus the prompts started. Six 40-token
+    # prompts arrive together; the first starts alone (an idle engine starts at once).
+    engine = Engine(ROUND, max_num_seqs=16, max_num_batched_tokens=100)
+    seqs = [engine.submit([200 + i] * 40, 50, "length", now=0.0) for i in range(6)]
+    assert [s.state for s in seqs].count(SeqState.RUNNING) == 1
+    engine.advance(engine.next_deadline() or 0.0)
+    # 100 - 1 running = 99 of room: two 40-token prompts, not a third.
+    assert [s.state for s in seqs].count(SeqState.RUNNING) == 3
+    engine.advance(engine.next_deadline() or 0.0)
+    assert [s.state for s in seqs].count(SeqState.RUNNING) == 5  # 97 of room: two more
+    engine.advance(engine.next_deadline() or 0.0)
+    assert len(engine.waiting) == 0
+    # A prompt over the whole budget still starts, the first of its step (vLLM would split
+    # its prefill over steps), and the one after it waits for the next step.
+    big = Engine(ROUND, max_num_batched_tokens=10)
+    busy = big.submit([300] * 8, 5, "length", now=0.0)
+    lone, after = (big.submit([301 + i] * 64, 2, "length", now=0.0) for i in range(2))
+    big.advance(big.next_deadline() or 0.0)
+    assert (busy.state, lone.state, after.state) == (
+        SeqState.RUNNING, SeqState.RUNNING, SeqState.WAITING
+    )
+    run_until_idle(big)
+    assert after.state is SeqState.FINISHED
+    # Without a budget all six start at the first step boundary.
+    free = Engine(ROUND, max_num_seqs=16)
+    rest = [free.submit([400 + i] * 40, 50, "length", now=0.0) for i in range(6)]
+    free.advance(free.next_deadline() or 0.0)
+    assert all(s.state is SeqState.RUNNING for s in rest)
+
+
 def test_overload_past_queue_limit() -> None:
     engine = Engine(ROUND, max_num_seqs=2, queue_limit=1)
     for i in range(3):
