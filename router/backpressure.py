@@ -12,10 +12,14 @@ Capacity is learned from what the backend reports, with ``max_in_flight`` as a c
 new request waits for the next scheduler step (~10-100 ms) before it runs, so a scrape sees
 requests waiting even on a backend with free slots: about what arrived during one step. The
 tracker subtracts the requests it sent in the last ``RECENT_S`` before the scrape; what is
-left beyond ``max_waiting``, in two scrapes in a row, is a real queue, and then the number
-the backend runs is what it can run (``max_num_seqs``, or fewer when its KV cache is the
-limit): its *slots*. A later scrape showing more running raises them. Its limit is
-``min(max_in_flight, slots + max_waiting)``; until a queue was seen, the cap alone. A backend
+left beyond ``max_waiting``, in two scrapes in a row, with the backend running no more at the
+second than at the first, is a real queue, and then the number the backend runs is what it can
+run (``max_num_seqs``, or fewer when its KV cache is the limit): its *slots*. A later scrape
+showing more running raises them. Its limit is ``min(max_in_flight, slots + max_waiting)``;
+until a queue was seen, the cap alone. A backend whose running count still grows is taking
+requests in: what waits there is a ramp's arrivals (vLLM starts only as many prompts a step
+as ``max_num_batched_tokens`` holds; several router processes each subtract only their own
+recent requests), not a queue. A backend
 is *saturated* when unhealthy, when its real queue is longer than ``max_waiting``, or when its
 load reaches its limit; the region is saturated when every healthy backend is.
 
@@ -76,6 +80,11 @@ class BackendLoad:
     """Requests it runs at once, learned from its metrics (None until it showed a queue)."""
     queued_scrapes: int = 0
     """Consecutive scrapes that showed a real queue (2 or more: it is real)."""
+    running: int = 0
+    """Requests it ran at the last scrape."""
+    admitting: bool = False
+    """It ran clearly more at the last scrape than at the one before: still taking requests
+    in, so what waits is a ramp's arrivals, not a queue (see :attr:`queued`)."""
     queue: int = 0
     """Waiting requests at the last scrape beyond those we had just sent."""
     recent_starts: deque[float] = field(default_factory=deque)
@@ -90,7 +99,8 @@ class BackendLoad:
 
     @property
     def queued(self) -> bool:
-        return self.queued_scrapes >= 2
+        """A queue in two scrapes in a row, and the backend no longer runs more: full."""
+        return self.queued_scrapes >= 2 and not self.admitting
 
 
 class LoadTracker:
@@ -139,6 +149,9 @@ class LoadTracker:
         b.metrics, b.metrics_at = metrics, now
         b.in_flight_at_metrics = b.in_flight + b.elsewhere
         running = int(metrics.running or 0)
+        # "Clearly": a full backend's count moves by a few as sequences end and others start.
+        b.admitting = running > b.running + max(2, b.running // 20)
+        b.running = running
         _forget_before(b.recent_starts, now - RECENT_S)
         b.queue = max(0, int(metrics.waiting or 0) - len(b.recent_starts))
         if b.queue > b.max_waiting:

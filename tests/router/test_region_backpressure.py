@@ -128,3 +128,21 @@ def test_queue_wait_and_retry_after_from_drain_estimate() -> None:
     t2.set_health("b0", False)
     assert t2.retry_after_s(0.0) >= 1
 
+
+
+def test_a_ramp_is_not_a_queue_while_the_backend_runs_more() -> None:
+    # 1,000 new streams a second from two router processes: each scrape finds the other
+    # process's recent requests waiting (only its own are subtracted), but the backend runs
+    # more at every scrape. That is admission lag, not a full backend.
+    t = LoadTracker([BackendLoad("b0", max_in_flight=4096, max_waiting=4)])
+    for second, running in enumerate((300, 800, 1300, 1800)):
+        t.observe_metrics("b0", BackendMetrics(running=running, waiting=120), now=float(second))
+        assert not t.saturated("b0", float(second))
+        assert t["b0"].slots is None
+    # At capacity the count stops growing (a few up or down as sequences end and start):
+    # the queue that stays is real, and what it runs is what it can.
+    t.observe_metrics("b0", BackendMetrics(running=2048, waiting=300), now=4.0)
+    assert not t.saturated("b0", 4.0)  # grew since the last scrape
+    t.observe_metrics("b0", BackendMetrics(running=2050, waiting=420), now=5.0)
+    assert t["b0"].slots == 2050
+    assert t.saturated("b0", 5.0)
