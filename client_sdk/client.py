@@ -467,6 +467,8 @@ class ChatStream:
         self._plan = [urls.index(u) for u in ranked] + [
             i for i, u in enumerate(urls) if u not in ranked]
         self._attempt = 0
+        self._resent = False
+        """Sent again after a ``draining`` end before any text (see :meth:`_resend`)."""
         self._busy_region: str | None = None
         """The region counted in the client's ``_busy`` while a pump reads from it."""
         self._reported = False
@@ -530,6 +532,17 @@ class ChatStream:
                 continue
             except FirstbyteError as exc:
                 self._finished = True
+                if isinstance(exc, APIError) and exc.code == error_codes.DRAINING:
+                    if self._recorder.record.first_token_ms is None and not self._resent:
+                        await self._resend()
+                        assembler = self._assembler
+                        continue
+                    # Its router shut down mid-stream: nothing more comes on this stream.
+                    raise self._lost(
+                        f"stream {self._stream_id} is lost (its router shut down before the"
+                        f" end) after event {assembler.last_seq}; send a new request for the"
+                        " rest"
+                    ) from exc
                 if isinstance(exc, APIError) and exc.code == error_codes.STREAM_LOST:
                     # The router process producing the stream died mid-stream; a router with
                     # shared state ends the stream for its readers elsewhere with this event.
@@ -697,6 +710,18 @@ class ChatStream:
         self._opened = True
         if item.stream_id is not None:
             self._stream_id = item.stream_id
+
+    async def _resend(self) -> None:
+        """The stream's router shut down (``draining``) before any content was delivered: send
+        the request again, once, as a new stream (the region's other routers, or the next
+        region, take it; the wasted attempt stays in the timings)."""
+        await self._stop_pump()
+        self._resent = True
+        self._finished = False
+        self._assembler = StreamAssembler()
+        self._stream_id = None
+        self._batch, self._at = [], 0
+        self._start(self._client._source(self._body, None, 0, self._recorder, self._origin))
 
     def _lost(self, message: str) -> StreamLostError:
         """The error for this stream, lost for good, with what was delivered."""

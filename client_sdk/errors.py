@@ -63,9 +63,11 @@ class StreamLostError(StreamBrokenError):
     """The router no longer has the stream (it restarted, or the stream was evicted): what
     was delivered is all this stream will ever give.
 
-    Raised on every transport when a resume is answered ``stream_not_found``, and when the
+    Raised on every transport when a resume is answered ``stream_not_found``, when the
     stream ends with a ``stream_lost`` error event (the router process producing it died
-    mid-stream; routers sharing state through Redis tell its readers so within seconds).
+    mid-stream; routers sharing state through Redis tell its readers so within seconds), and
+    when it ends with a ``draining`` error event after some content (its router shut down;
+    before any content the request is sent again instead).
     ``delivered_text`` is the text the iterator handed out, ``last_seq`` the last event
     delivered, ``stream_id`` the lost stream; send a new request to go on.
     """

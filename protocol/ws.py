@@ -85,10 +85,14 @@ class Done(msgspec.Struct, tag="done", tag_field="type"):
 
 class Error(msgspec.Struct, tag="error", tag_field="type"):
     """Router: an error, ``error`` the inner OpenAI error object (``{"message", "type", ...}``);
-    ``stream`` is null when the error belongs to no stream (e.g. a malformed message)."""
+    ``stream`` is null when the error belongs to no stream (e.g. a malformed message).
+    ``status`` is the HTTP status the same answer has over SSE (``429`` region saturated,
+    ``503`` draining, ``404`` no such stream, ...), so a client handles both alike; absent from
+    an older router."""
 
     stream: str | None = None
     error: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+    status: int | None = None
 
 
 ClientMessage = Request | Resume

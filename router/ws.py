@@ -56,11 +56,12 @@ class _Close(Exception):
         self.reason = reason
 
 
-def _error(stream: str | None, body: ErrorBody | bytes) -> Error:
+def _error(stream: str | None, body: ErrorBody | bytes, status: int) -> Error:
+    """The ``error`` message for an answer that is ``status`` with ``body`` over HTTP."""
     raw = body if isinstance(body, bytes) else encode(body)
     # The message carries the inner error object, as in ``{"error": {...}}`` bodies.
     inner = msgspec.json.decode(raw).get("error", {})
-    return Error(stream, msgspec.Raw(encode(inner)))
+    return Error(stream, msgspec.Raw(encode(inner)), status)
 
 
 class _Session:
@@ -82,11 +83,15 @@ class _Session:
             message = decode_client_message(text)
         except msgspec.DecodeError as exc:
             reason = f"malformed message: {exc}"[:120]
-            await self.send(_error(None, error_body(reason, code=error_codes.INVALID_MESSAGE)))
+            await self.send(
+                _error(None, error_body(reason, code=error_codes.INVALID_MESSAGE), 400)
+            )
             raise _Close(CLOSE_INVALID_PAYLOAD, reason) from None
         if len(self.followers) >= MAX_STREAMS_PER_SOCKET:
             reason = f"more than {MAX_STREAMS_PER_SOCKET} streams at once on one socket"
-            await self.send(_error(None, error_body(reason, code=error_codes.TOO_MANY_STREAMS)))
+            await self.send(
+                _error(None, error_body(reason, code=error_codes.TOO_MANY_STREAMS), 429)
+            )
             raise _Close(CLOSE_POLICY, reason)
         if isinstance(message, Request):
             await self._request(message)
@@ -114,12 +119,12 @@ class _Session:
                              tokens=self.state.tokens)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
-            await self.send(_error(None, outcome.body))
+            await self.send(_error(None, outcome.body, outcome.status))
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
         outcome = await place(self.state, ctx)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count_reply("ws", outcome)
-            await self.send(_error(None, outcome.body))
+            await self.send(_error(None, outcome.body, outcome.status))
             return
         if outcome is not CONTINUE:
             reason = outcome.reason if isinstance(outcome, Fallback) else "unavailable"
@@ -132,6 +137,7 @@ class _Session:
                         "server_error",
                         code=error_codes.UNAVAILABLE,
                     ),
+                    503,
                 )
             )
             return
@@ -154,6 +160,7 @@ class _Session:
                     error_body(
                         "No such stream.", code=error_codes.STREAM_NOT_FOUND, param="stream"
                     ),
+                    404,
                 )
             )
             raise _Close(CLOSE_POLICY, "unknown stream")

@@ -233,7 +233,11 @@ async def websocket_source(
                 yield Event(msg.seq, DONE)
                 return
             elif isinstance(msg, messages.Error):
-                raise api_error_from_response(None, {"error": msgspec.json.decode(msg.error)})
+                # With its HTTP status (a newer router's): a 429 or 503 before the stream
+                # started sends the request to the next region, as over SSE.
+                raise api_error_from_response(
+                    msg.status, {"error": msgspec.json.decode(msg.error)}
+                )
         raise TransportCut("WebSocket closed before the stream ended")
     except ConnectionClosed as exc:
         rcvd = exc.rcvd

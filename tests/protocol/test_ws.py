@@ -26,9 +26,13 @@ def test_server_messages_bytes() -> None:
     )
     assert ws.encode(ws.Done("S", 4)) == b'{"type":"done","stream":"S","seq":4}'
     error = b'{"message":"m","type":"t","param":null,"code":"c"}'
-    assert ws.encode(ws.Error(None, msgspec.Raw(error))) == (
-        b'{"type":"error","stream":null,"error":' + error + b"}"
+    assert ws.encode(ws.Error(None, msgspec.Raw(error), 503)) == (
+        b'{"type":"error","stream":null,"error":' + error + b',"status":503}'
     )
+    # An older router's error has no status: still a valid message, without one.
+    older = ws.decode_server_message(b'{"type":"error","stream":null,"error":' + error + b"}")
+    assert isinstance(older, ws.Error)
+    assert older.status is None
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,106 @@
+"""A router that shuts down (SIGTERM's drain) before a stream ends: the stream ends with a
+``draining`` error event. Before any content the SDK sends the request again (the next router
+takes it) and the caller sees only the full answer; after some content it raises
+:class:`StreamLostError` with what was delivered, as for a router that died."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from firstbyte.client_sdk.client import AsyncClient
+from firstbyte.client_sdk.errors import StreamLostError
+from firstbyte.router.config import parse_config
+from firstbyte.router.drain import drain
+from firstbyte.router.serve import RouterEndpoints, running_router
+from firstbyte.router.sim.server import running_sim
+from tests.client_sdk.conftest import ROUTER_KEY
+from tests.client_sdk.test_client import MESSAGES
+
+TRANSPORTS = [("sse", "1.1"), ("sse", "2"), ("websocket", "1.1"), ("longpoll", "1.1")]
+
+
+@contextlib.asynccontextmanager
+async def _region(
+    tls_files: tuple[str, str, str], name: str, faults: list[str]
+) -> AsyncIterator[RouterEndpoints]:
+    """A sim and a router in front of it that drains within 0.3 s."""
+    _, cert_file, key_file = tls_files
+    async with running_sim("instant", faults=faults, seed=7) as sim_url:
+        config = parse_config({
+            "region": name,
+            "upstreams": [{"url": sim_url}],
+            "listen": {"host": "127.0.0.1", "port": 0, "certfile": cert_file,
+                       "keyfile": key_file, "drain_timeout_s": 0.3},
+            "auth": {"api_keys": [ROUTER_KEY]},
+            "limits": {"heartbeat_interval_s": 0.2},
+        }, "<sdk-test>")  # fmt: skip
+        async with running_router(config) as endpoints:
+            yield endpoints
+
+
+def _url(router: RouterEndpoints) -> str:
+    return f"https://localhost:{router.port}/v1"
+
+
+@pytest.mark.parametrize(("transport", "http"), TRANSPORTS)
+async def test_draining_before_content_sends_the_request_again(
+    tls_files: tuple[str, str, str], transport: str, http: str
+) -> None:
+    ca_file = tls_files[0]
+    async with (
+        _region(tls_files, "first", ["stall:after=0"]) as first,  # never a token
+        _region(tls_files, "second", []) as second,
+        AsyncClient(
+            {"first": _url(first), "second": _url(second)}, ROUTER_KEY,
+            transport=transport, http=http, ca_file=ca_file,  # type: ignore[arg-type]
+        ) as client,
+    ):
+        async with client.stream(model="sim-instant", messages=MESSAGES, max_tokens=12) as stream:
+            first_id = stream.stream_id
+            draining = asyncio.ensure_future(drain(first.app, None))
+            text = "".join([delta.text async for delta in stream])
+        await draining
+        assert len(text.split()) == 12
+        assert stream.text == text
+        assert stream.stream_id != first_id  # a new stream, on the second region's router
+        assert stream.timings.region == "second"
+        assert stream.timings.first_token_ms is not None
+        assert stream.timings.first_token_ms >= 300  # the wasted attempt is in the timings
+
+
+@pytest.mark.parametrize(("transport", "http"), TRANSPORTS)
+async def test_draining_after_content_raises_stream_lost_with_the_text(
+    tls_files: tuple[str, str, str], transport: str, http: str
+) -> None:
+    ca_file = tls_files[0]
+    async with (
+        _region(tls_files, "only", ["stall:after=3"]) as only,
+        AsyncClient(
+            _url(only), ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
+            ca_file=ca_file,
+        ) as client,
+    ):
+        received = ""
+        drained: list[asyncio.Future[None]] = []
+
+        async def read() -> None:
+            nonlocal received
+            async with client.stream(
+                model="sim-instant", messages=MESSAGES, max_tokens=12
+            ) as stream:
+                async for delta in stream:
+                    received += delta.text
+                    if len(received.split()) == 3 and not drained:
+                        drained.append(asyncio.ensure_future(drain(only.app, None)))
+
+        with pytest.raises(StreamLostError) as lost:
+            await read()
+        await drained[0]
+    assert lost.value.delivered_text == received
+    assert len(received.split()) == 3
+    assert lost.value.stream_id
+    assert "its router shut down before the end" in str(lost.value)
