@@ -104,6 +104,8 @@ class Stream:
     """Called once when ``[DONE]`` is appended (the shared state gives back the key's slot)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    """The loop its readers wait in (the serving loop), known at the first wait."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     """One future per reader blocked in :meth:`wait`, all resolved by the next change."""
 
@@ -161,8 +163,11 @@ class Stream:
         if len(self.events) > seq or self.evicted or timeout_s == 0:
             return len(self.events) > seq
         # A bare future and a timer handle, not ``wait_for(event.wait())``: that made a task
-        # per call, and every live reader calls this once per relayed chunk.
-        loop = asyncio.get_running_loop()
+        # per call, and every live reader calls this once per relayed chunk. The loop is
+        # looked up once per stream: on Python 3.11 each lookup is a getpid() system call.
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
