@@ -662,11 +662,11 @@ class RegionRouting:
         room, holding a slot there before giving back the old one. None when no other can
         take it (the request then fails as it would have); a peer region is not tried, as a
         request that just found its backend gone should not also pay a forward."""
-        old = obs.backend
-        self.unreachable(old, exc)
         request = ctx.request
         if not obs.local or request is None:
             return None
+        old = obs.backend
+        self.unreachable(old, exc)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
         while True:

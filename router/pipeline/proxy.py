@@ -338,14 +338,14 @@ class _Producer:
                     # goes to another of the region if one can take it, else fails here.
                     exc = self._unreachable
                     assert exc is not None
-                    self.backend.failures += 1
                     moved = None
                     if self.observer is not None and failovers < _MAX_FAILOVERS:
                         failovers += 1
                         moved = await self.observer.fail_over(ctx, exc)
                     if moved is None:
-                        self.on_error(exc)
+                        self.on_error(exc)  # counts the failure, as any upstream error
                         break
+                    self.backend.failures += 1
                     self._move_to(moved)
                 else:
                     break
