@@ -378,12 +378,14 @@ async def _serve_hypercorn(
     from hypercorn.config import Config, Sockets
     from hypercorn.utils import wrap_app
 
+    from .h1_body import frame_h1_bodies_directly
     from .hardening import harden_hypercorn
     from .limits import ConnectionCounter
 
     _reset_unfinished_h2_streams()
     _close_quic_transports()
     harden_hypercorn()
+    frame_h1_bodies_directly()  # after: body chunks then skip the hardening's wrapper too
     config: Any = Config()
     if connections is not None:
         from .goaway import track_connections
