@@ -468,7 +468,7 @@ class ChatStream:
             i for i, u in enumerate(urls) if u not in ranked]
         self._attempt = 0
         self._resent = False
-        """Sent again after a ``draining`` end before any text (see :meth:`_resend`)."""
+        """Sent again after a ``draining`` end before any content (see :meth:`_resend`)."""
         self._busy_region: str | None = None
         """The region counted in the client's ``_busy`` while a pump reads from it."""
         self._reported = False
