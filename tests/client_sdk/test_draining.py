@@ -46,18 +46,24 @@ def _url(router: RouterEndpoints) -> str:
     return f"https://localhost:{router.port}/v1"
 
 
+def _client(
+    base_url: str | dict[str, str], tls_files: tuple[str, str, str], transport: str, http: str
+) -> AsyncClient:
+    return AsyncClient(
+        base_url, ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
+        ca_file=tls_files[0],
+    )
+
+
 @pytest.mark.parametrize(("transport", "http"), TRANSPORTS)
 async def test_draining_before_content_sends_the_request_again(
     tls_files: tuple[str, str, str], transport: str, http: str
 ) -> None:
-    ca_file = tls_files[0]
     async with (
         _region(tls_files, "first", ["stall:after=0"]) as first,  # never a token
         _region(tls_files, "second", []) as second,
-        AsyncClient(
-            {"first": _url(first), "second": _url(second)}, ROUTER_KEY,
-            transport=transport, http=http, ca_file=ca_file,  # type: ignore[arg-type]
-        ) as client,
+        _client({"first": _url(first), "second": _url(second)}, tls_files, transport, http)
+        as client,
     ):
         async with client.stream(model="sim-instant", messages=MESSAGES, max_tokens=12) as stream:
             first_id = stream.stream_id
@@ -76,13 +82,9 @@ async def test_draining_before_content_sends_the_request_again(
 async def test_draining_after_content_raises_stream_lost_with_the_text(
     tls_files: tuple[str, str, str], transport: str, http: str
 ) -> None:
-    ca_file = tls_files[0]
     async with (
         _region(tls_files, "only", ["stall:after=3"]) as only,
-        AsyncClient(
-            _url(only), ROUTER_KEY, transport=transport, http=http,  # type: ignore[arg-type]
-            ca_file=ca_file,
-        ) as client,
+        _client(_url(only), tls_files, transport, http) as client,
     ):
         received = ""
         drained: list[asyncio.Future[None]] = []
