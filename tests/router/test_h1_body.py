@@ -80,3 +80,36 @@ async def test_streamed_chunks_are_h11_bytes_without_h11(h11_events: Counter[str
         head, _, body = sized.partition(b"\r\n\r\n")
         assert body == b"".join(CHUNKS)
         assert h11_events["Data"] == 2  # Content-Length framing stays h11's
+
+
+async def test_a_client_that_does_not_read_holds_the_app_back() -> None:
+    """The direct path keeps hypercorn's flow control: while the client reads nothing, the
+    app's sends wait once the socket and the transport are full, instead of the transport
+    buffering the whole body; every byte still arrives, in order."""
+    chunk, count = b"y" * 65_536, 1_000  # 64 MiB: far more than loopback's socket buffers
+    sent = 0
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal sent
+        if scope["type"] == "lifespan":
+            await _app(scope, receive, send)
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(count):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent += 1
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    listeners = hosting.bind("127.0.0.1", 0)
+    async with hosting.running(app, listeners, ServerOptions(server="hypercorn")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", listeners.port, limit=1 << 20)
+        writer.write(b"GET / HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+        await asyncio.sleep(1.0)  # the client reads nothing for a second
+        held_at = sent
+        raw = await asyncio.wait_for(reader.read(-1), 60)
+        writer.close()
+    assert held_at < count // 3, f"{held_at} of {count} chunks sent to a client reading nothing"
+    body = raw.partition(b"\r\n\r\n")[2]
+    frame = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    assert body == frame * count + b"0\r\n\r\n"

@@ -222,6 +222,34 @@ async def test_sse_reframes_with_ids_and_pings_when_idle() -> None:
     assert out == [b'id: 1\ndata: {"a":1}\n\n', b": ping\n", b"id: 2\ndata: [DONE]\n\n"]
 
 
+async def test_waits_time_out_each_at_their_own_deadline() -> None:
+    """Waits of different timeouts on one stream each end at their own deadline (not before,
+    not at another's), and a cancelled one leaves nothing behind."""
+    loop = asyncio.get_running_loop()
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    ended: dict[str, float] = {}
+
+    async def waiting(name: str, timeout_s: float | None) -> bool:
+        got = await stream.wait(0, timeout_s)
+        ended[name] = loop.time()
+        return got
+
+    start = loop.time()
+    long, short = (asyncio.create_task(waiting(n, t)) for n, t in (("long", 0.4), ("short", 0.1)))
+    forever = asyncio.create_task(waiting("forever", None))
+    assert await short is False
+    assert not long.done()
+    assert await long is False
+    assert 0.1 <= ended["short"] - start < 0.3
+    assert 0.4 <= ended["long"] - start < 0.6
+    assert not forever.done()
+
+    forever.cancel()
+    await asyncio.gather(forever, return_exceptions=True)
+    assert stream._waiters == []
+
+
 async def test_poll_batches_and_done() -> None:
     store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
     stream = store.create(ALICE, 0.0)
