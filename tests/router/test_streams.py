@@ -241,8 +241,9 @@ async def test_waits_time_out_each_at_their_own_deadline() -> None:
     assert await short is False
     assert not long.done()
     assert await long is False
-    assert 0.1 <= ended["short"] - start < 0.3
-    assert 0.4 <= ended["long"] - start < 0.6
+    # Never before its deadline (the upper side is the machine's load, not the code's).
+    assert ended["short"] - start >= 0.1
+    assert ended["long"] - start >= 0.4
     assert not forever.done()
 
     forever.cancel()
