@@ -35,7 +35,7 @@ from typing import Any
 from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
 from .ws_frames import FrameSizeGuard
 
-__all__ = ["harden_hypercorn"]
+__all__ = ["BUSY_H1", "TIMEOUT_H1", "harden_hypercorn", "report"]
 
 log = logging.getLogger("firstbyte.hosting")
 
@@ -50,12 +50,12 @@ _BUSY_BODY = (
     b'{"error":{"message":"Too many connections; retry later.",'
     b'"type":"server_error","param":null,"code":"overloaded"}}'
 )
-_BUSY_H1 = (
+BUSY_H1 = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
     % (len(_BUSY_BODY), _BUSY_BODY)
 )
-_TIMEOUT_H1 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+TIMEOUT_H1 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 def _limits(config: Any) -> ClientLimits | None:
@@ -63,8 +63,9 @@ def _limits(config: Any) -> ClientLimits | None:
     return limits
 
 
-def _report(level: int, reason: str, client: object, detail: str = "") -> None:
-    """Log one line for ``reason`` unless one was logged in the last 10 s."""
+def report(level: int, reason: str, client: object, detail: str = "") -> None:
+    """Log one line for ``reason`` unless one was logged in the last 10 s (uvicorn's guards,
+    :mod:`.uvicorn_limits`, report through it too)."""
     held = _throttle.allow(reason, time.monotonic())
     if held is None:
         return
@@ -108,7 +109,7 @@ def _guard_connections(run: Any) -> None:
             sock = self.writer.get_extra_info("socket")
             refusal = counter.open(client, sock.fileno() if sock is not None else 0)
             if refusal is not None:
-                _report(logging.WARNING, "connection refused", client, refusal)
+                report(logging.WARNING, "connection refused", client, refusal)
                 await _refuse_connection(self.writer)
                 return
             try:
@@ -140,7 +141,7 @@ async def _refuse_connection(writer: asyncio.StreamWriter) -> None:
         h2_connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         data = h2_connection.data_to_send()
     else:
-        data = _BUSY_H1
+        data = BUSY_H1
     with contextlib.suppress(Exception):
         writer.write(data)
         await asyncio.wait_for(writer.drain(), 1.0)
@@ -188,8 +189,8 @@ def _time_request_heads() -> None:
 
     def _head_expired(self: Any) -> None:
         async def close() -> None:
-            _report(logging.INFO, "request head timed out", self.client)
-            await self.send(RawData(data=_TIMEOUT_H1))
+            report(logging.INFO, "request head timed out", self.client)
+            await self.send(RawData(data=TIMEOUT_H1))
             await self.send(Closed())
 
         self._firstbyte_closing = asyncio.ensure_future(close())
@@ -222,7 +223,7 @@ def _reject_ambiguous_framing() -> None:
             names = {name.lower() for name, _ in request.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 _stop_head_timer(self)
-                _report(logging.INFO, "request with Content-Length and Transfer-Encoding",
+                report(logging.INFO, "request with Content-Length and Transfer-Encoding",
                         self.client)
                 await self._send_error_response(400)
                 await self.send(Closed())
@@ -344,7 +345,7 @@ def _close_finished_h2_streams() -> None:
             and event.stream_id in self.streams
             and flood.stream_reset_early()
         ):
-            _report(
+            report(
                 logging.WARNING,
                 "HTTP/2 rapid reset: GOAWAY",
                 self.client,
@@ -397,7 +398,7 @@ def _guard_websocket_frames() -> None:
         await handle(self, event)
 
     async def _refuse_message(self: Any, guard: FrameSizeGuard) -> None:
-        _report(
+        report(
             logging.INFO,
             "WebSocket message too big: close 1009",
             self.client,

@@ -319,23 +319,27 @@ async def _serve_uvicorn(
 ) -> None:
     import uvicorn
 
-    if options.limits != ClientLimits():
-        log.warning(
-            "uvicorn enforces none of the connection limits (header timeout, connections per"
-            " client, descriptor reserve): use hypercorn, or a proxy in front that has them"
-        )
+    from .limits import ConnectionCounter
+    from .uvicorn_limits import guarded_protocol
+
     config = uvicorn.Config(
         app,
-        http="httptools",
+        # hypercorn's connection limits (header timeout, connections per client, descriptor
+        # reserve), on uvicorn's httptools protocol
+        http=guarded_protocol(
+            options.limits, ConnectionCounter(options.limits, _descriptor_limit())
+        ),
         ws="none" if options.ws_max_message_bytes is None else "websockets-sansio",
         ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
+        ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard
         lifespan="on" if options.lifespan else "off",
         loop="none",
         access_log=False,  # request lines could carry stream ids: no access log
         log_level="warning",
         ssl_certfile=options.certfile,
         ssl_keyfile=options.keyfile,
-        timeout_keep_alive=int(options.keep_alive_timeout_s),
+        # a float, as hypercorn takes it (uvicorn's annotation says int; its timer takes any)
+        timeout_keep_alive=options.keep_alive_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=max(1, round(options.graceful_timeout_s)),
         backlog=options.backlog,
     )

@@ -103,10 +103,17 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 @pytest.fixture
+def router_server() -> str:
+    """The router's ``listen.server``; a module parametrizes it to run on each server."""
+    return "hypercorn"
+
+
+@pytest.fixture
 def start_router_process(
-    tls_files: dict[str, str], tmp_path: Path, upstream: Upstream
+    tls_files: dict[str, str], tmp_path: Path, upstream: Upstream, router_server: str
 ) -> RouterStarter:
-    """``async with start_router_process(limits={...}, nofile=N) as router: ...``"""
+    """``async with start_router_process(limits={...}, nofile=N) as router: ...`` on
+    ``router_server``."""
 
     @contextlib.asynccontextmanager
     async def start(nofile: int | None = None, **sections: dict[str, Any]) -> AsyncIterator[
@@ -114,6 +121,7 @@ def start_router_process(
     ]:
         port = free_port()
         path = tmp_path / f"router-{port}.toml"
+        sections["listen"] = {"server": router_server} | sections.get("listen", {})
         write_config(path, router_sections(port, tls_files, **sections), upstream.url)
         log_path = tmp_path / f"router-{port}.log"
 

@@ -1,4 +1,6 @@
-"""HTTP/1.1 over TLS, from raw sockets: what a client can hold and how it is let go."""
+"""HTTP/1.1 over TLS, from raw sockets: what a client can hold and how it is let go, on each
+server that can serve it (hypercorn, patched by ``router.hosting.hardening``; uvicorn, by
+``router.hosting.uvicorn_limits``)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,15 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.router.conftest import API_KEY, auth
 
 from .conftest import RouterStarter, canary_running, open_tls, read_until_closed
 
 CHAT = "/v1/chat/completions"
+
+pytestmark = pytest.mark.parametrize("router_server", ["hypercorn", "uvicorn"])
 
 
 def _head(*lines: str) -> bytes:

@@ -1,0 +1,99 @@
+"""The connection limits for uvicorn's HTTP/1.1 (httptools) protocol, as hypercorn has them.
+
+uvicorn (0.3x) bounds a request's head size and closes idle keep-alive connections, and has
+a global connection cap, but no per-client one, no clock on a request head, and no
+descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the same rules
+:mod:`.hardening` gives hypercorn, from the same :class:`~.limits.ClientLimits`:
+
+- connections: per-client-address cap and descriptor reserve, checked when a connection
+  starts; a refused one gets a 503 and is closed at once;
+- a request head must be complete within ``header_timeout_s`` of its first byte (slowloris),
+  else 408 and close;
+- a response sent before its request's body was all received (a 401 at the head, a 408
+  when the body is too slow) closes the connection after it: the rest of that body must not
+  be read as the next request, and a client holding it back must not hold the connection.
+
+A request with both ``Content-Length`` and ``Transfer-Encoding`` needs nothing here:
+httptools (llhttp) refuses it as invalid, and uvicorn answers 400 and closes. Every refusal
+is one throttled log line, as hypercorn's are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .hardening import BUSY_H1, TIMEOUT_H1, report
+from .limits import ClientLimits, ConnectionCounter
+
+__all__ = ["guarded_protocol"]
+
+
+def guarded_protocol(limits: ClientLimits, counter: ConnectionCounter) -> type[Any]:
+    """uvicorn's ``HttpToolsProtocol`` enforcing ``limits`` (``http=`` of its ``Config``);
+    ``counter`` counts this server's connections."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        _counted: str | None = None
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            client = str(self.client[0]) if self.client else "?"
+            sock = transport.get_extra_info("socket")
+            refusal = counter.open(client, sock.fileno() if sock is not None else 0)
+            if refusal is not None:
+                report(logging.WARNING, "connection refused", client, refusal)
+                transport.write(BUSY_H1)
+                transport.close()
+                return
+            self._counted = client
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_head_timer()
+            if self._counted is not None:
+                counter.close(self._counted)
+                self._counted = None
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if (
+                self._head_timer is None
+                and data
+                and (self.cycle is None or self.cycle.response_complete)
+                and not self.transport.is_closing()
+            ):
+                # The first bytes of a head: its clock starts (nginx's client_header_timeout).
+                self._head_timer = self.loop.call_later(
+                    limits.header_timeout_s, self._head_expired
+                )
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._stop_head_timer()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            if self.cycle is not None and self.cycle.more_body:
+                # Answered before its body was all here: what is left of the body must not
+                # be parsed as the next request, nor hold the connection. The response is
+                # written; close after it.
+                self.transport.close()
+            super().on_response_complete()
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            report(logging.INFO, "request head timed out", self.client[0] if self.client else "?")
+            self.transport.write(TIMEOUT_H1)
+            self.transport.close()
+
+        def _stop_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+    return GuardedHttpToolsProtocol
