@@ -320,16 +320,17 @@ async def _serve_uvicorn(
     import uvicorn
 
     from .limits import ConnectionCounter
-    from .uvicorn_limits import guarded_protocol
+    from .uvicorn_limits import guarded_protocols
 
+    # hypercorn's connection limits (header timeout, connections per client, descriptor
+    # reserve), on uvicorn's httptools and WebSocket protocols
+    http, ws = guarded_protocols(
+        options.limits, ConnectionCounter(options.limits, _descriptor_limit())
+    )
     config = uvicorn.Config(
         app,
-        # hypercorn's connection limits (header timeout, connections per client, descriptor
-        # reserve), on uvicorn's httptools protocol
-        http=guarded_protocol(
-            options.limits, ConnectionCounter(options.limits, _descriptor_limit())
-        ),
-        ws="none" if options.ws_max_message_bytes is None else "websockets-sansio",
+        http=http,
+        ws="none" if options.ws_max_message_bytes is None else ws,
         ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
         ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard
         lifespan="on" if options.lifespan else "off",

@@ -11,7 +11,11 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
   else 408 and close;
 - a response sent before its request's body was all received (a 401 at the head, a 408
   when the body is too slow) closes the connection after it: the rest of that body must not
-  be read as the next request, and a client holding it back must not hold the connection.
+  be read as the next request, and a client holding it back must not hold the connection;
+- a connection upgraded to a WebSocket stays counted for its client until it closes (uvicorn
+  hands the socket to another protocol object, whose end the count follows), and a message
+  over the bound, which the websockets library refuses at its frame header (close 1009), is
+  one log line, as under hypercorn.
 
 A request with both ``Content-Length`` and ``Transfer-Encoding`` needs nothing here:
 httptools (llhttp) refuses it as invalid, and uvicorn answers 400 and closes. Every refusal
@@ -27,13 +31,35 @@ from typing import Any
 from .hardening import BUSY_H1, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 
-__all__ = ["guarded_protocol"]
+__all__ = ["guarded_protocols"]
 
 
-def guarded_protocol(limits: ClientLimits, counter: ConnectionCounter) -> type[Any]:
-    """uvicorn's ``HttpToolsProtocol`` enforcing ``limits`` (``http=`` of its ``Config``);
-    ``counter`` counts this server's connections."""
+def guarded_protocols(
+    limits: ClientLimits, counter: ConnectionCounter
+) -> tuple[type[Any], type[Any]]:
+    """uvicorn's ``HttpToolsProtocol`` enforcing ``limits`` and its sans-IO WebSocket
+    protocol (``http=`` and ``ws=`` of its ``Config``); ``counter`` counts this server's
+    connections."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+    from websockets.exceptions import PayloadTooBig
+
+    class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
+        counted: str | None = None
+        """The client whose count this connection holds, handed over at the upgrade."""
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.counted is not None:
+                counter.close(self.counted)
+                self.counted = None
+            super().connection_lost(exc)
+
+        def handle_parser_exception(self) -> None:
+            exc = self.conn.parser_exc
+            if isinstance(exc, PayloadTooBig):
+                client = self.client[0] if self.client else "?"
+                report(logging.INFO, "WebSocket message too big: close 1009", client, str(exc))
+            super().handle_parser_exception()
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _counted: str | None = None
@@ -75,6 +101,16 @@ def guarded_protocol(limits: ClientLimits, counter: ConnectionCounter) -> type[A
             self._stop_head_timer()
             super().on_headers_complete()
 
+        def handle_websocket_upgrade(self) -> None:
+            self._stop_head_timer()
+            counted, self._counted = self._counted, None
+            super().handle_websocket_upgrade()
+            upgraded = self.transport.get_protocol()
+            if isinstance(upgraded, GuardedWebSocketProtocol):
+                upgraded.counted = counted
+            elif counted is not None:
+                counter.close(counted)  # not ours to follow: stop counting rather than leak
+
         def on_response_complete(self) -> None:
             if self.cycle is not None and self.cycle.more_body:
                 # Answered before its body was all here: what is left of the body must not
@@ -96,4 +132,4 @@ def guarded_protocol(limits: ClientLimits, counter: ConnectionCounter) -> type[A
                 self._head_timer.cancel()
                 self._head_timer = None
 
-    return GuardedHttpToolsProtocol
+    return GuardedHttpToolsProtocol, GuardedWebSocketProtocol

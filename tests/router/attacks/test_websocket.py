@@ -1,4 +1,5 @@
-"""WebSocket over TLS: oversized frames from a raw socket (memory measured), idle sockets."""
+"""WebSocket over TLS: oversized frames from a raw socket (memory measured), idle sockets,
+WebSockets in the per-client connection count; on hypercorn and on uvicorn."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from .conftest import RouterProcess, RouterStarter, canary_running, open_tls
 
 MiB = 1 << 20
 CLOSE_1009 = struct.pack("!H", 1009)
+
+pytestmark = pytest.mark.parametrize("router_server", ["hypercorn", "uvicorn"])
 
 
 async def _upgraded(router: RouterProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -128,4 +131,29 @@ async def test_idle_websocket_is_closed(start_router_process: RouterStarter) -> 
         assert closed.value.rcvd is not None
         assert closed.value.rcvd.code == 1001
         assert 1.5 - 0.05 <= held_s < 20  # the loop's timer may fire a few ms early
+    router.assert_clean_log()
+
+
+async def test_websockets_count_for_their_client_until_they_close(
+    start_router_process: RouterStarter,
+) -> None:
+    """With a cap of 3: three open WebSockets leave no room for a fourth connection (503);
+    once they close, the client connects again, however many WebSockets came and went (a
+    server that forgot an upgraded connection's count would refuse it for good)."""
+    async with start_router_process(limits={"max_connections_per_client": 3}) as router:
+        held = [await _upgraded(router) for _ in range(3)]
+        reader, writer = await open_tls(router)
+        refused = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        assert refused.startswith(b"HTTP/1.1 503"), refused
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.5)
+        for _ in range(6):
+            reader, writer = await _upgraded(router)
+            writer.close()
+            await asyncio.sleep(0.2)  # the server sees the close before the next connects
+        url = f"wss://127.0.0.1:{router.port}/v1/ws"
+        async with connect(url, ssl=router.client_tls(), additional_headers=auth()):
+            pass
     router.assert_clean_log()
