@@ -9,9 +9,11 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
   starts; a refused one gets a 503 and is closed at once;
 - a request head must be complete within ``header_timeout_s`` of its first byte (slowloris),
   else 408 and close;
-- a response sent before its request's body was all received (a 401 at the head, a 408
-  when the body is too slow) closes the connection after it: the rest of that body must not
-  be read as the next request, and a client holding it back must not hold the connection;
+- after a response sent before its request's body was all received (a 401 at the head, a
+  413, a 408 when the body is too slow), uvicorn reads the rest and drops it; the connection
+  closes if the client pauses for 2 s before the body's end, or at the latest after 30 s, so
+  a client holding the body back does not hold the connection, while one still sending it
+  reads the answer and keeps its connection;
 - a connection upgraded to a WebSocket stays counted for its client until it closes (uvicorn
   hands the socket to another protocol object, whose end the count follows), and a message
   over the bound, which the websockets library refuses at its frame header (close 1009), is
@@ -32,6 +34,12 @@ from .hardening import BUSY_H1, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 
 __all__ = ["guarded_protocols"]
+
+_LINGER_IDLE_S = 2.0
+"""After a response sent before its request's body was all here, the connection closes once
+the client has sent nothing for this long (nginx's ``lingering_timeout`` is 5 s)..."""
+_LINGER_MAX_S = 30.0
+"""... and at the latest this long after the response (nginx's ``lingering_time``)."""
 
 
 def guarded_protocols(
@@ -64,6 +72,9 @@ def guarded_protocols(
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _counted: str | None = None
         _head_timer: asyncio.TimerHandle | None = None
+        _linger_timer: asyncio.TimerHandle | None = None
+        _linger_ends = 0.0
+        _last_data = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -79,23 +90,32 @@ def guarded_protocols(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_head_timer()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             if self._counted is not None:
                 counter.close(self._counted)
                 self._counted = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if (
+            if self._linger_timer is not None:
+                self._last_data = self.loop.time()  # the rest of a body answered already
+            elif (
                 self._head_timer is None
                 and data
                 and (self.cycle is None or self.cycle.response_complete)
                 and not self.transport.is_closing()
             ):
-                # The first bytes of a head: its clock starts (nginx's client_header_timeout).
-                self._head_timer = self.loop.call_later(
-                    limits.header_timeout_s, self._head_expired
-                )
+                # The first bytes of a head (or of blank lines before one): its clock starts
+                # (nginx's client_header_timeout).
+                self._start_head_timer()
             super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            if self._head_timer is None:  # a head that began where a dropped body ended
+                self._start_head_timer()
+            super().on_message_begin()
 
         def on_headers_complete(self) -> None:
             self._stop_head_timer()
@@ -112,12 +132,35 @@ def guarded_protocols(
                 counter.close(counted)  # not ours to follow: stop counting rather than leak
 
         def on_response_complete(self) -> None:
-            if self.cycle is not None and self.cycle.more_body:
-                # Answered before its body was all here: what is left of the body must not
-                # be parsed as the next request, nor hold the connection. The response is
-                # written; close after it.
-                self.transport.close()
+            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+                # Answered before its body was all here. uvicorn reads the rest and drops it,
+                # then serves the next request; closing at once instead would make the kernel
+                # reset a connection with a body still arriving, and the client would lose
+                # the answer. But a client holding the body back would hold the connection,
+                # so the rest must keep coming: a pause of 2 s, or 30 s in all, closes it
+                # (nginx's lingering close).
+                now = self.loop.time()
+                self._last_data, self._linger_ends = now, now + _LINGER_MAX_S
+                self._linger_timer = self.loop.call_later(_LINGER_IDLE_S, self._linger)
             super().on_response_complete()
+
+        def on_message_complete(self) -> None:
+            if self._linger_timer is not None:  # the rest of the body came: serve on
+                self._linger_timer.cancel()
+                self._linger_timer = None
+                if self.timeout_keep_alive_task is None and not self.pipeline:
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self.timeout_keep_alive_handler
+                    )
+            super().on_message_complete()
+
+        def _linger(self) -> None:
+            until = min(self._last_data + _LINGER_IDLE_S, self._linger_ends)
+            if self.loop.time() < until and not self.transport.is_closing():
+                self._linger_timer = self.loop.call_at(until, self._linger)
+                return
+            self._linger_timer = None
+            self.transport.close()
 
         def _head_expired(self) -> None:
             self._head_timer = None
@@ -126,6 +169,9 @@ def guarded_protocols(
             report(logging.INFO, "request head timed out", self.client[0] if self.client else "?")
             self.transport.write(TIMEOUT_H1)
             self.transport.close()
+
+        def _start_head_timer(self) -> None:
+            self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_expired)
 
         def _stop_head_timer(self) -> None:
             if self._head_timer is not None:

@@ -72,6 +72,35 @@ async def test_held_body_without_key_is_refused_at_the_head(
     router.assert_clean_log()
 
 
+async def test_a_body_sent_after_its_answer_is_dropped_not_run(
+    start_router_process: RouterStarter, router_server: str
+) -> None:
+    """No key, a 4 MiB body sent whole anyway: the 401 reaches the client (no reset for the
+    unread body) and the body is never read as a request. hypercorn then closes the
+    connection; uvicorn, like nginx, serves the next request on it."""
+    body = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n" * (4 << 20 >> 5)
+    async with start_router_process() as router:
+        reader, writer = await open_tls(router)
+        writer.write(
+            _head(f"POST {CHAT} HTTP/1.1", "host: x", f"content-length: {len(body)}") + body
+        )
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        assert first.startswith(b"HTTP/1.1 401"), first
+        length = int(first.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(_head("GET /healthz HTTP/1.1", "host: x"))
+        rest = await read_until_closed(reader, 20) if router_server == "hypercorn" else (
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        )
+        writer.close()
+    # Not one of the keyless requests the body is made of got an answer.
+    assert b"HTTP/1.1 401" not in rest, rest[:200]
+    if router_server == "uvicorn":
+        assert rest.startswith(b"HTTP/1.1 200"), rest
+    router.assert_clean_log()
+
+
 async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: RouterStarter) -> None:
     async with start_router_process(limits={"client_body_timeout_s": 1.5}) as router:
         async with canary_running(router):

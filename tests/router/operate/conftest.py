@@ -13,6 +13,7 @@ import h2.events
 
 from tests.router.attacks.conftest import (  # noqa: F401 (fixtures)
     RouterProcess,
+    router_server,
     start_router_process,
     upstream,
     write_config,
