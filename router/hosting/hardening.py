@@ -35,13 +35,13 @@ from typing import Any
 from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
 from .ws_frames import FrameSizeGuard
 
-__all__ = ["BUSY_H1", "TIMEOUT_H1", "harden_hypercorn", "report"]
+__all__ = ["BUSY_H1", "LINGER_S", "TIMEOUT_H1", "harden_hypercorn", "report"]
 
 log = logging.getLogger("firstbyte.hosting")
 
 _throttle = Throttle(10.0)
 
-_LINGER_S = 1.0
+LINGER_S = 1.0
 """After refusing a WebSocket message, what the client still sends is read and dropped this
 long before the connection closes: closing with unread input makes the kernel send a reset,
 which can destroy the 1009 close frame before the client reads it."""
@@ -413,7 +413,7 @@ def _guard_websocket_frames() -> None:
             await self.app_put({"type": "websocket.disconnect", "code": 1009})
 
         async def linger_then_close() -> None:
-            await asyncio.sleep(_LINGER_S)
+            await asyncio.sleep(LINGER_S)
             await self.send(StreamClosed(stream_id=self.stream_id))
 
         self.task_group.spawn(linger_then_close)

@@ -30,7 +30,7 @@ import asyncio
 import logging
 from typing import Any
 
-from .hardening import BUSY_H1, TIMEOUT_H1, report
+from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 
 __all__ = ["guarded_protocols"]
@@ -62,12 +62,31 @@ def guarded_protocols(
                 self.counted = None
             super().connection_lost(exc)
 
+        _lingering = False
+
+        def data_received(self, data: bytes) -> None:
+            if not self._lingering:  # after a refusal, what the client still sends is dropped
+                super().data_received(data)
+
         def handle_parser_exception(self) -> None:
+            """uvicorn's (the app told, the close frame sent), but the socket closes after
+            :data:`LINGER_S`, not at once: closed with a frame's payload still arriving, the
+            kernel would reset it and the client could lose the close frame (1009)."""
+            if self._lingering:  # uvicorn may call this again for the same error
+                return
             exc = self.conn.parser_exc
             if isinstance(exc, PayloadTooBig):
                 client = self.client[0] if self.client else "?"
                 report(logging.INFO, "WebSocket message too big: close 1009", client, str(exc))
-            super().handle_parser_exception()
+            close = self.conn.close_sent
+            assert close is not None  # the parser's error closed the connection
+            self.queue.put_nowait(
+                {"type": "websocket.disconnect", "code": close.code, "reason": close.reason}
+            )
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.close_sent = True
+            self._lingering = True
+            self.loop.call_later(LINGER_S, self.transport.close)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _counted: str | None = None

@@ -124,7 +124,7 @@ async def test_idle_keep_alive_connection_is_closed(start_router_process: Router
             answer = await read_until_closed(reader, 20)
             held_s = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 200")
-        assert 1.5 <= held_s < 20
+        assert 1.5 - 0.05 <= held_s < 20  # the loop's timer may fire a few ms early
     router.assert_clean_log()
 
 
