@@ -17,7 +17,8 @@ from .conftest import RouterStarter, canary_running, open_tls, read_until_closed
 
 CHAT = "/v1/chat/completions"
 
-pytestmark = pytest.mark.parametrize("router_server", ["hypercorn", "uvicorn"])
+ON_BOTH_SERVERS = pytest.mark.parametrize("router_server", ["hypercorn", "uvicorn"])
+"""Every test that exercises the servers' own code (not the app's, which both run alike)."""
 
 
 def _head(*lines: str) -> bytes:
@@ -29,6 +30,7 @@ def _keyed_post(*lines: str) -> bytes:
     return _head(f"POST {CHAT} HTTP/1.1", "host: x", f"authorization: Bearer {API_KEY}", *lines)
 
 
+@ON_BOTH_SERVERS
 async def test_slowloris_head_is_cut_at_the_header_timeout(
     start_router_process: RouterStarter,
 ) -> None:
@@ -56,6 +58,7 @@ async def test_slowloris_head_is_cut_at_the_header_timeout(
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_held_body_without_key_is_refused_at_the_head(
     start_router_process: RouterStarter,
 ) -> None:
@@ -72,6 +75,7 @@ async def test_held_body_without_key_is_refused_at_the_head(
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_a_body_sent_after_its_answer_is_dropped_not_run(
     start_router_process: RouterStarter, router_server: str
 ) -> None:
@@ -101,6 +105,7 @@ async def test_a_body_sent_after_its_answer_is_dropped_not_run(
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: RouterStarter) -> None:
     async with start_router_process(limits={"client_body_timeout_s": 1.5}) as router:
         async with canary_running(router):
@@ -115,6 +120,7 @@ async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: Router
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_idle_keep_alive_connection_is_closed(start_router_process: RouterStarter) -> None:
     async with start_router_process(listen={"keep_alive_timeout_s": 1.5}) as router:
         async with canary_running(router):
@@ -128,6 +134,7 @@ async def test_idle_keep_alive_connection_is_closed(start_router_process: Router
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_content_length_with_transfer_encoding_is_refused_and_closed(
     start_router_process: RouterStarter,
 ) -> None:
@@ -158,6 +165,7 @@ async def test_json_nested_5000_deep_is_400(start_router_process: RouterStarter)
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_connections_per_client_address_are_capped(
     start_router_process: RouterStarter,
 ) -> None:
@@ -186,6 +194,7 @@ async def test_connections_per_client_address_are_capped(
     router.assert_clean_log()
 
 
+@ON_BOTH_SERVERS
 async def test_descriptors_short_new_connections_refused_streams_go_on(
     start_router_process: RouterStarter,
 ) -> None:
