@@ -55,14 +55,14 @@ def guarded_protocols(
     class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         counted: str | None = None
         """The client whose count this connection holds, handed over at the upgrade."""
+        _lingering = False
+        """Set once a message was refused: the socket closes a moment later."""
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.counted is not None:
                 counter.close(self.counted)
                 self.counted = None
             super().connection_lost(exc)
-
-        _lingering = False
 
         def data_received(self, data: bytes) -> None:
             if not self._lingering:  # after a refusal, what the client still sends is dropped
