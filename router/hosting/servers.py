@@ -336,6 +336,10 @@ async def _serve_uvicorn(
         lifespan="on" if options.lifespan else "off",
         loop="none",
         access_log=False,  # request lines could carry stream ids: no access log
+        # uvicorn would rewrite the client's address from X-Forwarded-For sent from 127.0.0.1;
+        # which forwarding header to believe, and from whom, is the router's (geo config).
+        proxy_headers=False,
+        server_header=False,  # as under hypercorn: no server name and version for probes
         log_level="warning",
         ssl_certfile=options.certfile,
         ssl_keyfile=options.keyfile,

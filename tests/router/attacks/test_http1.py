@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.router.conftest import API_KEY, auth
+from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
 
-from .conftest import RouterStarter, canary_running, open_tls, read_until_closed
+from .conftest import RouterStarter, canary_running, chat_body, open_tls, read_until_closed
 
 CHAT = "/v1/chat/completions"
 
@@ -226,4 +228,32 @@ async def test_descriptors_short_new_connections_refused_streams_go_on(
         for writer in held:
             writer.close()
     assert "file descriptors short" in router.log()
+    router.assert_clean_log()
+
+
+@ON_BOTH_SERVERS
+async def test_forwarding_headers_from_an_untrusted_peer_are_ignored(
+    start_router_process: RouterStarter, tmp_path: Path
+) -> None:
+    """A client on loopback, which ``geo.trusted_proxies`` does not list, cannot place itself
+    in Tokyo with ``X-Forwarded-For`` (uvicorn, left to itself, believes the header from
+    127.0.0.1 and rewrites the client's address before the router sees it)."""
+    mmdb = write_city_mmdb(tmp_path / "cities.mmdb")
+    geo = {"database": str(mmdb), "latitude": 50.11, "longitude": 8.68}
+    async with start_router_process(geo=geo) as router:
+        async with httpx.AsyncClient(verify=router.client_tls(), timeout=30) as client:
+            for header in ("x-forwarded-for", "forwarded"):
+                value = TOKYO_CLIENT if header == "x-forwarded-for" else f"for={TOKYO_CLIENT}"
+                response = await client.post(
+                    router.base_url + CHAT,
+                    json={**chat_body(2, stream=False)},
+                    headers={**auth(), header: value, "x-forwarded-proto": "http"},
+                )
+                assert response.status_code == 200, response.text
+        # Every access line: the client is where its connection comes from (unknown), not Tokyo.
+        await asyncio.sleep(0.2)
+        lines = [line for line in router.log().splitlines() if '"client_country"' in line]
+        assert len(lines) >= 2, router.log()[-2000:]
+        placed = [line for line in lines if '"JP"' in line or "Tokyo" in line]
+        assert placed == [], placed
     router.assert_clean_log()
