@@ -7,6 +7,8 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
 
 - connections: per-client-address cap and descriptor reserve, checked when a connection
   starts; a refused one gets a 503 and is closed at once;
+- a connection that sends nothing is closed at the keep-alive timeout, as an idle one
+  between requests is (uvicorn's clock starts only after a first response);
 - a request head must be complete within ``header_timeout_s`` of its first byte (slowloris),
   else 408 and close;
 - after a response sent before its request's body was all received (a 401 at the head, a
@@ -106,6 +108,12 @@ def guarded_protocols(
                 transport.close()
                 return
             self._counted = client
+            # uvicorn starts its keep-alive clock only after a response: a connection that
+            # never sends a byte would stay open for good. hypercorn's idle timer runs from
+            # the start; so does this one (the first byte stops it, as between requests).
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_head_timer()

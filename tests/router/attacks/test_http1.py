@@ -137,6 +137,25 @@ async def test_idle_keep_alive_connection_is_closed(start_router_process: Router
 
 
 @ON_BOTH_SERVERS
+async def test_silent_connections_are_closed_at_the_keep_alive_timeout(
+    start_router_process: RouterStarter,
+) -> None:
+    """Connections that finish the TLS handshake and send nothing are closed once the
+    keep-alive timeout passes, as idle ones between requests are."""
+    async with start_router_process(listen={"keep_alive_timeout_s": 1.5}) as router:
+        async with canary_running(router):
+            connections = [await open_tls(router) for _ in range(10)]
+            started = time.monotonic()
+            answers = await asyncio.gather(*(read_until_closed(r, 20) for r, _ in connections))
+            held_s = time.monotonic() - started
+            for _, writer in connections:
+                writer.close()
+        assert answers == [b""] * 10
+        assert 1.5 - 0.05 <= held_s < 20
+    router.assert_clean_log()
+
+
+@ON_BOTH_SERVERS
 async def test_content_length_with_transfer_encoding_is_refused_and_closed(
     start_router_process: RouterStarter,
 ) -> None:
