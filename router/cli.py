@@ -69,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", help="this router's region name (default 'local')")
     parser.add_argument(
         "--server",
-        choices=["hypercorn", "uvicorn"],
-        help="hypercorn: HTTP/1.1, HTTP/2, HTTP/3; uvicorn: HTTP/1.1 only, less CPU"
-        " (default: listen.server from --config, else hypercorn)",
+        choices=["auto", "hypercorn", "uvicorn"],
+        help="auto: HTTP/2 and HTTP/3 on hypercorn, HTTP/1.1 on uvicorn's protocol;"
+        " hypercorn: all on hypercorn; uvicorn: HTTP/1.1 only"
+        " (default: listen.server from --config, else auto)",
     )
     parser.add_argument("--no-http3", action="store_true", help="do not serve HTTP/3")
     parser.add_argument(
@@ -242,7 +243,7 @@ _FLAG_TEXTS = (
     ("insecure_plain_http", "listen.insecure_plain_http", "--insecure-plain-http"),
     ("allow_anonymous", "set auth.allow_anonymous = true", "give --allow-anonymous"),
     ("allow_anonymous", "auth.allow_anonymous", "--allow-anonymous"),
-    ("server", "listen.server = 'hypercorn'", "--server hypercorn"),
+    ("server", "listen.server = 'auto' or 'hypercorn'", "--server auto or hypercorn"),
     ("server", "listen.server", "--server"),
     ("no_http3", "listen.http3", "HTTP/3 (on unless --no-http3)"),
     ("host", "listen.host", "--host"),

@@ -74,8 +74,10 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keyfile: str | None = None
     http3: bool = True
     insecure_plain_http: bool = False
-    server: Annotated[str, msgspec.Meta(pattern=r"^(hypercorn|uvicorn)$")] = "hypercorn"
-    """``hypercorn`` (H1.1, H2, H3) or ``uvicorn`` (HTTP/1.1 only, httptools; plain or TLS)."""
+    server: Annotated[str, msgspec.Meta(pattern=r"^(auto|hypercorn|uvicorn)$")] = "auto"
+    """``auto``: HTTP/2 and HTTP/3 on hypercorn, HTTP/1.1 on uvicorn's httptools protocol, one
+    port (``router/hosting/http1_split.py``); ``hypercorn``: all three on hypercorn;
+    ``uvicorn``: HTTP/1.1 only (plain or TLS)."""
     keep_alive_timeout_s: PositiveSeconds = 75.0
     backlog: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 4096  # hosting.DEFAULT_BACKLOG
     """The TCP accept queue (``listen()`` backlog; the kernel caps it at
@@ -308,7 +310,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
-            raise ValueError("listen.http3 needs listen.server = 'hypercorn'")
+            raise ValueError("listen.http3 needs listen.server = 'auto' or 'hypercorn'")
         if not listen.insecure_plain_http:
             for i, peer in enumerate(self.peers):
                 if not peer.url.startswith("https://"):

@@ -1,8 +1,10 @@
 """Running the router: its app and config handed to :mod:`firstbyte.router.hosting`.
 
-With TLS, hypercorn (the default ``listen.server``) serves HTTP/1.1 and HTTP/2 by ALPN on TCP
-and HTTP/3 on the same UDP port (0-RTT through the hosting's session-ticket store);
-``listen.server = "uvicorn"`` serves HTTP/1.1 only, with httptools (less CPU per chunk).
+With TLS, the router serves HTTP/1.1 and HTTP/2 by ALPN on TCP and HTTP/3 on the same UDP
+port (0-RTT through the hosting's session-ticket store). ``listen.server = "auto"`` (the
+default) serves HTTP/2 and HTTP/3 with hypercorn and HTTP/1.1 with uvicorn's httptools
+protocol (less CPU per request and chunk); ``"hypercorn"`` serves all three with hypercorn;
+``"uvicorn"`` serves HTTP/1.1 only.
 
 :func:`running_router` is the helper tests and benchmarks use: it binds ephemeral ports,
 serves in the running event loop and yields the URLs.
@@ -118,7 +120,7 @@ def _bind(
 ) -> tuple[Listeners, RouterEndpoints]:
     listen = config.listen
     tls = listen.certfile is not None
-    want_h3 = tls and listen.http3 and listen.server == "hypercorn"
+    want_h3 = tls and listen.http3 and listen.server != "uvicorn"
     listeners = bind(
         listen.host, listen.port, udp=want_h3, reuse_port=reuse_port, backlog=listen.backlog
     )
@@ -143,7 +145,7 @@ def describe(config: RouterConfig, endpoints: RouterEndpoints) -> str:
     listen = config.listen
     tls = listen.certfile is not None
     versions = ["HTTP/1.1"]
-    if listen.server == "hypercorn":
+    if listen.server != "uvicorn":
         versions.append("HTTP/2" if tls else "h2c")
     text = f"{endpoints.base_url} ({', '.join(versions)}{'' if tls else '; plain HTTP, no TLS'})"
     if endpoints.h3_port is not None:

@@ -62,10 +62,11 @@ from firstbyte.protocol.sse import DONE, SSEDecoder
 __all__ = ["run"]
 
 PROFILE = "h100-7b"
-ROUTER_SERVERS = ("hypercorn", "uvicorn", "granian")
-"""The router's ASGI servers measured side by side over HTTP/1.1 (``listen.server``, and
-granian through :func:`firstbyte.router.serve.granian_app` in its own process); the HTTP/2 +
-TLS run uses hypercorn."""
+ROUTER_SERVERS = ("auto", "hypercorn", "uvicorn", "granian")
+"""The router's ASGI servers measured side by side over HTTP/1.1 (``listen.server``: ``auto``,
+the default, serves HTTP/1.1 with uvicorn's protocol behind hypercorn's listener; granian
+through :func:`firstbyte.router.serve.granian_app` in its own process); the HTTP/2 + TLS run
+uses hypercorn, which ``auto`` serves HTTP/2 with."""
 NGINX_TARGET = "nginx"
 NGINX_MISSING = (
     "nginx is not installed: no reference proxy in this run (apt-get install nginx-light)"
@@ -87,6 +88,9 @@ for less, so its CPU per chunk next to nginx's and the router's tells the interp
 the event loop's share of the router's cost from the router's own work. Full runs only."""
 BASELINE_SERVERS = ("hypercorn", "uvicorn")
 """The servers measured at the ``--baseline`` revision too (as ``baseline-SERVER``)."""
+BASELINE_OF = {"auto": "hypercorn", "hypercorn": "hypercorn", "uvicorn": "uvicorn"}
+"""Which baseline server each of today's is compared with: ``auto``, today's default, with
+hypercorn, the default before it (and the server that served HTTP/1.1 under it)."""
 AA_TARGET = "direct-aa"
 """The direct path measured a second time (100 streams), as the A/A control."""
 FOREIGN_CPU_LIMIT = 0.15
@@ -519,7 +523,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="REV",
         help="also run the router as it was at git revision REV (hypercorn and uvicorn, "
         "as baseline-SERVER) in the same alternating phases; the summary gives today's CPU "
-        "per chunk as a ratio to it (cC_SERVER_cpu_vs_baseline). Needs firstbyte installed "
+        "per chunk as a ratio to it (cC_SERVER_cpu_vs_baseline; auto's against baseline "
+        "hypercorn, the default then). Needs firstbyte installed "
         "from a git checkout (pip install -e .)",
     )
 
@@ -681,12 +686,12 @@ def _router_config(
 
 
 def _versus_baseline(summary: dict[str, Any], levels: list[int]) -> None:
-    """``cC_SERVER_cpu_vs_baseline``: today's CPU per chunk over the baseline revision's,
-    measured in the same phases."""
+    """``cC_SERVER_cpu_vs_baseline``: today's CPU per chunk over the baseline revision's
+    (the server :data:`BASELINE_OF` names), measured in the same phases."""
     for concurrency in levels:
-        for name in BASELINE_SERVERS:
+        for name, old in BASELINE_OF.items():
             now = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
-            then = summary.get(f"c{concurrency}_baseline_{name}_cpu_us_per_chunk")
+            then = summary.get(f"c{concurrency}_baseline_{old}_cpu_us_per_chunk")
             if now is not None and then:
                 summary[f"c{concurrency}_{name}_cpu_vs_baseline"] = now / then
 

@@ -7,7 +7,8 @@ firstbyte's servers (the router and the sim) meet the network.
   hypercorn serves HTTP/1.1 and HTTP/2 (ALPN over TLS, h2c prior knowledge without) and,
   with a UDP socket, HTTP/3 with a session-ticket store so clients can resume with 0-RTT
   (:mod:`firstbyte.router.hosting.quic`); uvicorn serves HTTP/1.1 with httptools, the least
-  CPU per streamed chunk on this machine.
+  CPU per streamed chunk on this machine; ``auto`` is hypercorn handing every HTTP/1.1
+  connection to uvicorn's protocol (:mod:`firstbyte.router.hosting.http1_split`).
 - :func:`running` is :func:`serve` for the duration of an ``async with`` block: tests and
   benchmarks start a real server inside their own event loop with it.
 - :func:`run_granian` runs an app factory under granian (Rust HTTP stack), which only runs as
@@ -47,10 +48,12 @@ __all__ = [
     "running",
     "serve",
     "signal_event",
+    "uvicorn_config",
 ]
 
-IN_PROCESS_SERVERS = ("hypercorn", "uvicorn")
-"""The servers :func:`serve` runs in this event loop (granian needs its own process)."""
+IN_PROCESS_SERVERS = ("auto", "hypercorn", "uvicorn")
+"""The servers :func:`serve` runs in this event loop (granian needs its own process);
+``auto`` is hypercorn with HTTP/1.1 handed to uvicorn's protocol (:mod:`.http1_split`)."""
 
 DEFAULT_BACKLOG = 4096
 """Connections the kernel queues before the server accepts them (``listen()``), capped by
@@ -79,7 +82,7 @@ class ServerOptions:
     """How one server runs an app (everything but the app and the sockets)."""
 
     server: str = "hypercorn"
-    """One of :data:`IN_PROCESS_SERVERS`."""
+    """One of :data:`IN_PROCESS_SERVERS` (the router's config defaults to ``auto``)."""
     certfile: str | None = None
     """TLS certificate chain (PEM); with ``keyfile``, the TCP listener speaks TLS."""
     keyfile: str | None = None
@@ -94,8 +97,8 @@ class ServerOptions:
     backlog: int = DEFAULT_BACKLOG
     """The listening socket's accept queue (:data:`DEFAULT_BACKLOG`)."""
     limits: ClientLimits = field(default_factory=ClientLimits)
-    """What client connections may hold (:mod:`firstbyte.router.hosting.limits`); hypercorn
-    enforces all of it (:mod:`firstbyte.router.hosting.hardening`), uvicorn none."""
+    """What client connections may hold (:mod:`firstbyte.router.hosting.limits`), enforced
+    under every server (:mod:`.hardening` for hypercorn, :mod:`.uvicorn_limits` for uvicorn)."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -250,13 +253,13 @@ async def serve(
             if listeners.quic is not None:
                 raise ValueError("HTTP/3 needs the hypercorn server")
             await _serve_uvicorn(app, listeners.tcp, options, stop, on_started)
-        elif options.server == "hypercorn":
+        elif options.server in ("hypercorn", "auto"):
             await _serve_hypercorn(
                 app, listeners, options, stop, on_started, tickets, connections
             )
         else:
             raise ValueError(
-                f"server {options.server!r} cannot run in-process; use hypercorn or uvicorn"
+                f"server {options.server!r} cannot run in-process; use auto, hypercorn or uvicorn"
             )
     finally:
         listeners.close()
@@ -320,34 +323,9 @@ async def _serve_uvicorn(
     import uvicorn
 
     from .limits import ConnectionCounter
-    from .uvicorn_limits import guarded_protocols
 
-    # hypercorn's connection limits (header timeout, connections per client, descriptor
-    # reserve), on uvicorn's httptools and WebSocket protocols
-    http, ws = guarded_protocols(
-        options.limits, ConnectionCounter(options.limits, _descriptor_limit())
-    )
-    config = uvicorn.Config(
-        app,
-        http=http,
-        ws="none" if options.ws_max_message_bytes is None else ws,
-        ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
-        ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard
-        lifespan="on" if options.lifespan else "off",
-        loop="none",
-        access_log=False,  # request lines could carry stream ids: no access log
-        # uvicorn would rewrite the client's address from X-Forwarded-For sent from 127.0.0.1;
-        # which forwarding header to believe, and from whom, is the router's (geo config).
-        proxy_headers=False,
-        server_header=False,  # as under hypercorn: no server name and version for probes
-        log_level="warning",
-        ssl_certfile=options.certfile,
-        ssl_keyfile=options.keyfile,
-        # a float, as hypercorn takes it (uvicorn's annotation says int; its timer takes any)
-        timeout_keep_alive=options.keep_alive_timeout_s,  # type: ignore[arg-type]
-        timeout_graceful_shutdown=max(1, round(options.graceful_timeout_s)),
-        backlog=options.backlog,
-    )
+    counter = ConnectionCounter(options.limits, _descriptor_limit())
+    config = uvicorn_config(app, options, counter, tls=options.tls)
     server = uvicorn.Server(config)
     # Signals belong to whoever owns the loop (serve's shutdown trigger), not to uvicorn.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
@@ -374,6 +352,38 @@ async def _serve_uvicorn(
             await task
 
 
+def uvicorn_config(app: Any, options: ServerOptions, counter: Any, *, tls: bool) -> Any:
+    """A ``uvicorn.Config`` serving ``app`` with hypercorn's connection limits on uvicorn's
+    httptools and WebSocket protocols (:mod:`.uvicorn_limits`), ``counter`` counting its
+    connections; with ``tls``, uvicorn does the TLS handshake itself."""
+    import uvicorn
+
+    from .uvicorn_limits import guarded_protocols
+
+    http, ws = guarded_protocols(options.limits, counter)
+    return uvicorn.Config(
+        app,
+        http=http,
+        ws="none" if options.ws_max_message_bytes is None else ws,
+        ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
+        ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard
+        lifespan="on" if options.lifespan else "off",
+        loop="none",
+        access_log=False,  # request lines could carry stream ids: no access log
+        # uvicorn would rewrite the client's address from X-Forwarded-For sent from 127.0.0.1;
+        # which forwarding header to believe, and from whom, is the router's (geo config).
+        proxy_headers=False,
+        server_header=False,  # as under hypercorn: no server name and version for probes
+        log_level="warning",
+        ssl_certfile=options.certfile if tls else None,
+        ssl_keyfile=options.keyfile if tls else None,
+        # a float, as hypercorn takes it (uvicorn's annotation says int; its timer takes any)
+        timeout_keep_alive=options.keep_alive_timeout_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=max(1, round(options.graceful_timeout_s)),
+        backlog=options.backlog,
+    )
+
+
 async def _serve_hypercorn(
     app: Any,
     listeners: Listeners,
@@ -389,12 +399,14 @@ async def _serve_hypercorn(
 
     from .h1_body import frame_h1_bodies_directly
     from .hardening import harden_hypercorn
+    from .http1_split import Http1Handoff, split_http1
     from .limits import ConnectionCounter
 
     _reset_unfinished_h2_streams()
     _close_quic_transports()
     harden_hypercorn()
     frame_h1_bodies_directly()  # after: body chunks then skip the hardening's wrapper too
+    split_http1()  # after the hardening: its connection guard then serves HTTP/2 only
     config: Any = Config()
     if connections is not None:
         from .goaway import track_connections
@@ -402,7 +414,8 @@ async def _serve_hypercorn(
         track_connections()
         config.firstbyte_connections_registry = connections
     config.firstbyte_limits = options.limits
-    config.firstbyte_connections = ConnectionCounter(options.limits, _descriptor_limit())
+    counter = ConnectionCounter(options.limits, _descriptor_limit())
+    config.firstbyte_connections = counter
     # hypercorn listens again with its own backlog (default 100) on the socket it is given.
     config.backlog = options.backlog
     # A TLS handshake is part of the head a client must send in time.
@@ -428,6 +441,14 @@ async def _serve_hypercorn(
         enable_session_tickets()
         config.firstbyte_ticket_store = tickets if tickets is not None else TicketStore()
         config.alt_svc_headers = [f'h3=":{listeners.h3_port}"; ma=86400']
+    handoff = None
+    if options.server == "auto":
+        # HTTP/1.1 on uvicorn's protocol; the TLS handshake stays hypercorn's (ALPN decides).
+        h1_config = uvicorn_config(app, options, counter, tls=False)
+        h1_config.headers = [("alt-svc", value) for value in config.alt_svc_headers]
+        h1_config.load()
+        handoff = Http1Handoff(h1_config, counter, options.keep_alive_timeout_s)
+        config.firstbyte_http1 = handoff
     sockets = Sockets(
         secure_sockets=[listeners.tcp] if options.tls else [],
         insecure_sockets=[] if options.tls else [listeners.tcp],
@@ -435,12 +456,16 @@ async def _serve_hypercorn(
     )
     # The sockets are bound and listening already: connections made from here on are served.
     asyncio.get_running_loop().call_soon(on_started)
+    if handoff is not None:
+        handoff.start()
     poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
     try:
         await worker_serve(
             wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets, shutdown_trigger=stop
         )
     finally:
+        if handoff is not None:
+            handoff.stop()
         if poker is not None:
             poker.cancel()
             with contextlib.suppress(asyncio.CancelledError):

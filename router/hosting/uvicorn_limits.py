@@ -59,11 +59,14 @@ def guarded_protocols(
         """The client whose count this connection holds, handed over at the upgrade."""
         _lingering = False
         """Set once a message was refused: the socket closes a moment later."""
+        ended: asyncio.Future[None] | None = None
+        """Set when the connection closes (handed over at the upgrade, see below)."""
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.counted is not None:
                 counter.close(self.counted)
                 self.counted = None
+            _set(self.ended)
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -91,6 +94,9 @@ def guarded_protocols(
             self.loop.call_later(LINGER_S, self.transport.close)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        ended: asyncio.Future[None] | None = None
+        """Set when the connection closes, for whoever serves it outside a uvicorn server
+        (:mod:`.http1_split`); an upgraded connection's is set when its WebSocket closes."""
         _counted: str | None = None
         _head_timer: asyncio.TimerHandle | None = None
         _linger_timer: asyncio.TimerHandle | None = None
@@ -123,6 +129,7 @@ def guarded_protocols(
             if self._counted is not None:
                 counter.close(self._counted)
                 self._counted = None
+            _set(self.ended)
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -151,12 +158,16 @@ def guarded_protocols(
         def handle_websocket_upgrade(self) -> None:
             self._stop_head_timer()
             counted, self._counted = self._counted, None
+            ended, self.ended = self.ended, None
             super().handle_websocket_upgrade()
             upgraded = self.transport.get_protocol()
             if isinstance(upgraded, GuardedWebSocketProtocol):
                 upgraded.counted = counted
-            elif counted is not None:
-                counter.close(counted)  # not ours to follow: stop counting rather than leak
+                upgraded.ended = ended
+            else:  # not ours to follow: stop counting rather than leak
+                if counted is not None:
+                    counter.close(counted)
+                _set(ended)
 
         def on_response_complete(self) -> None:
             if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
@@ -206,3 +217,8 @@ def guarded_protocols(
                 self._head_timer = None
 
     return GuardedHttpToolsProtocol, GuardedWebSocketProtocol
+
+
+def _set(ended: asyncio.Future[None] | None) -> None:
+    if ended is not None and not ended.done():
+        ended.set_result(None)

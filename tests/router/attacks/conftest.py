@@ -104,8 +104,9 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 @pytest.fixture
 def router_server() -> str:
-    """The router's ``listen.server``; a module parametrizes it to run on each server."""
-    return "hypercorn"
+    """The router's ``listen.server`` (its default); a module parametrizes it to run on each
+    server."""
+    return "auto"
 
 
 @pytest.fixture

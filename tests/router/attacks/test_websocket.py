@@ -1,5 +1,6 @@
 """WebSocket over TLS: oversized frames from a raw socket (memory measured), idle sockets,
-WebSockets in the per-client connection count; on hypercorn and on uvicorn."""
+WebSockets in the per-client connection count; on each server (``auto``: uvicorn's protocol
+behind hypercorn's TLS)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from .conftest import RouterProcess, RouterStarter, canary_running, open_tls
 MiB = 1 << 20
 CLOSE_1009 = struct.pack("!H", 1009)
 
-ON_BOTH_SERVERS = pytest.mark.parametrize("router_server", ["hypercorn", "uvicorn"])
-"""Every test that exercises the servers' own code (not the app's, which both run alike)."""
+ON_EACH_SERVER = pytest.mark.parametrize("router_server", ["auto", "hypercorn", "uvicorn"])
+"""Every test that exercises the servers' own code (not the app's, which all run alike)."""
 
 
 async def _upgraded(router: RouterProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -89,7 +90,7 @@ async def _peak_rss(router: RouterProcess) -> AsyncIterator[list[int]]:
         await task
 
 
-@ON_BOTH_SERVERS
+@ON_EACH_SERVER
 async def test_oversized_frame_closed_at_its_header(start_router_process: RouterStarter) -> None:
     """One frame announcing 128 MB: 1009 after the first bytes of payload, and the router's
     memory does not follow (it took 320 MB before)."""
@@ -107,7 +108,7 @@ async def test_oversized_frame_closed_at_its_header(start_router_process: Router
     router.assert_clean_log()
 
 
-@ON_BOTH_SERVERS
+@ON_EACH_SERVER
 async def test_forty_16mb_frames_do_not_take_memory(start_router_process: RouterStarter) -> None:
     async with start_router_process() as router, canary_running(router):
         sockets = [await _upgraded(router) for _ in range(40)]
@@ -137,7 +138,7 @@ async def test_idle_websocket_is_closed(start_router_process: RouterStarter) -> 
     router.assert_clean_log()
 
 
-@ON_BOTH_SERVERS
+@ON_EACH_SERVER
 async def test_websockets_count_for_their_client_until_they_close(
     start_router_process: RouterStarter,
 ) -> None:
