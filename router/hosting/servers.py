@@ -374,6 +374,7 @@ def uvicorn_config(app: Any, options: ServerOptions, counter: Any, *, tls: bool)
         # which forwarding header to believe, and from whom, is the router's (geo config).
         proxy_headers=False,
         server_header=False,  # as under hypercorn: no server name and version for probes
+        log_config=None,  # uvicorn's lines go through the process's logging, as hypercorn's do
         log_level="warning",
         ssl_certfile=options.certfile if tls else None,
         ssl_keyfile=options.keyfile if tls else None,
