@@ -30,6 +30,14 @@ from tests.router.conftest import API_KEY, auth
 from tests.router.upstream import Upstream, running_upstream
 
 CANARY_ADDRESS = "127.0.0.2"
+
+ON_EACH_SERVER = pytest.mark.parametrize("router_server", ["auto", "hypercorn", "uvicorn"])
+"""For attacks on how connections are accepted and counted, which each ``listen.server`` does
+its own way (``auto``: hypercorn accepts, then hands HTTP/1.1 to uvicorn's protocol)."""
+ON_EACH_PROTOCOL = pytest.mark.parametrize("router_server", ["auto", "hypercorn"])
+"""For attacks on HTTP/1.1 and WebSocket protocol code: hypercorn's, or uvicorn's guarded
+protocol, which ``auto`` and ``uvicorn`` run alike (the same classes and config). The app's
+own checks run once, on the default."""
 CANARY_TOKENS = 20
 
 

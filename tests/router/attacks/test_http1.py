@@ -10,18 +10,22 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.router.conftest import API_KEY, auth
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
 
-from .conftest import RouterStarter, canary_running, chat_body, open_tls, read_until_closed
+from .conftest import (
+    ON_EACH_PROTOCOL,
+    ON_EACH_SERVER,
+    RouterStarter,
+    canary_running,
+    chat_body,
+    open_tls,
+    read_until_closed,
+)
 
 CHAT = "/v1/chat/completions"
 
-ON_EACH_SERVER = pytest.mark.parametrize("router_server", ["auto", "hypercorn", "uvicorn"])
-"""Every test that exercises the servers' own code (not the app's, which all run alike);
-``auto`` is hypercorn's TLS handshake with uvicorn's protocol behind it."""
 
 
 def _head(*lines: str) -> bytes:
@@ -33,7 +37,7 @@ def _keyed_post(*lines: str) -> bytes:
     return _head(f"POST {CHAT} HTTP/1.1", "host: x", f"authorization: Bearer {API_KEY}", *lines)
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_slowloris_head_is_cut_at_the_header_timeout(
     start_router_process: RouterStarter,
 ) -> None:
@@ -61,7 +65,7 @@ async def test_slowloris_head_is_cut_at_the_header_timeout(
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_held_body_without_key_is_refused_at_the_head(
     start_router_process: RouterStarter,
 ) -> None:
@@ -78,7 +82,7 @@ async def test_held_body_without_key_is_refused_at_the_head(
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_a_body_sent_after_its_answer_is_dropped_not_run(
     start_router_process: RouterStarter, router_server: str
 ) -> None:
@@ -109,7 +113,7 @@ async def test_a_body_sent_after_its_answer_is_dropped_not_run(
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: RouterStarter) -> None:
     async with start_router_process(limits={"client_body_timeout_s": 1.5}) as router:
         async with canary_running(router):
@@ -124,7 +128,7 @@ async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: Router
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_idle_keep_alive_connection_is_closed(start_router_process: RouterStarter) -> None:
     async with start_router_process(listen={"keep_alive_timeout_s": 1.5}) as router:
         async with canary_running(router):
@@ -157,7 +161,7 @@ async def test_silent_connections_are_closed_at_the_keep_alive_timeout(
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_content_length_with_transfer_encoding_is_refused_and_closed(
     start_router_process: RouterStarter,
 ) -> None:
@@ -252,7 +256,7 @@ async def test_descriptors_short_new_connections_refused_streams_go_on(
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_forwarding_headers_from_an_untrusted_peer_are_ignored(
     start_router_process: RouterStarter, tmp_path: Path
 ) -> None:

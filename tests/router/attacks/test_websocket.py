@@ -18,13 +18,18 @@ from websockets.asyncio.client import connect
 
 from tests.router.conftest import API_KEY, auth
 
-from .conftest import RouterProcess, RouterStarter, canary_running, open_tls
+from .conftest import (
+    ON_EACH_PROTOCOL,
+    ON_EACH_SERVER,
+    RouterProcess,
+    RouterStarter,
+    canary_running,
+    open_tls,
+)
 
 MiB = 1 << 20
 CLOSE_1009 = struct.pack("!H", 1009)
 
-ON_EACH_SERVER = pytest.mark.parametrize("router_server", ["auto", "hypercorn", "uvicorn"])
-"""Every test that exercises the servers' own code (not the app's, which all run alike)."""
 
 
 async def _upgraded(router: RouterProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -90,7 +95,7 @@ async def _peak_rss(router: RouterProcess) -> AsyncIterator[list[int]]:
         await task
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_oversized_frame_closed_at_its_header(start_router_process: RouterStarter) -> None:
     """One frame announcing 128 MB: 1009 after the first bytes of payload, and the router's
     memory does not follow (it took 320 MB before)."""
@@ -108,7 +113,7 @@ async def test_oversized_frame_closed_at_its_header(start_router_process: Router
     router.assert_clean_log()
 
 
-@ON_EACH_SERVER
+@ON_EACH_PROTOCOL
 async def test_forty_16mb_frames_do_not_take_memory(start_router_process: RouterStarter) -> None:
     async with start_router_process() as router, canary_running(router):
         sockets = [await _upgraded(router) for _ in range(40)]
