@@ -184,7 +184,7 @@ async def test_bytes_buffered_before_the_hand_over_come_first() -> None:
 
 
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
-async def test_drain_lets_an_http1_stream_finish_and_closes_idle_ones(
+async def test_drain_lets_an_http1_stream_finish(
     start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str], tls: bool
 ) -> None:
     """At shutdown an HTTP/1.1 stream in flight on uvicorn's protocol runs to its end, next to
