@@ -116,16 +116,17 @@ async def test_silent_plain_connection_counts_and_is_closed(
         [upstream.url], tls=False,
         listen={"keep_alive_timeout_s": 1.0}, limits={"max_connections_per_client": 2},
     ) as router:
+        started = time.monotonic()
         held = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(2)]
         await asyncio.sleep(0.2)
         reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
         refused = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         assert refused.startswith(b"HTTP/1.1 503"), refused
-        started = time.monotonic()
-        closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 10) for r, _ in held))
+        # Closed (a hang fails the wait), and not before the keep-alive timeout.
+        closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 20) for r, _ in held))
         assert closed == [b"", b""]
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started >= 1.0 - 0.05  # the loop's timer may fire early
         for _, w in held:
             w.close()
         # Their count was given back: the address connects and is served again.
