@@ -35,7 +35,15 @@ from typing import Any
 from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
 from .ws_frames import FrameSizeGuard
 
-__all__ = ["BUSY_H1", "LINGER_S", "TIMEOUT_H1", "harden_hypercorn", "report"]
+__all__ = [
+    "BUSY_H1",
+    "LINGER_S",
+    "TIMEOUT_H1",
+    "count_connection",
+    "harden_hypercorn",
+    "refuse_connection",
+    "report",
+]
 
 log = logging.getLogger("firstbyte.hosting")
 
@@ -104,13 +112,9 @@ def _guard_connections(run: Any) -> None:
             if limits is None or counter is None:
                 await super().run()
                 return
-            peer = self.writer.get_extra_info("peername")
-            client = str(peer[0]) if peer else "?"
-            sock = self.writer.get_extra_info("socket")
-            refusal = counter.open(client, sock.fileno() if sock is not None else 0)
-            if refusal is not None:
-                report(logging.WARNING, "connection refused", client, refusal)
-                await _refuse_connection(self.writer)
+            client = count_connection(counter, self.writer.get_extra_info)
+            if client is None:
+                await refuse_connection(self.writer)
                 return
             try:
                 await super().run()
@@ -128,7 +132,22 @@ def _guard_connections(run: Any) -> None:
     run.TCPServer = GuardedTCPServer
 
 
-async def _refuse_connection(writer: asyncio.StreamWriter) -> None:
+def count_connection(counter: ConnectionCounter, get_extra_info: Any) -> str | None:
+    """Count a new connection for its client's address (``get_extra_info`` is its transport's
+    or stream writer's): the address, or None if the per-client cap or the descriptor reserve
+    refuses it (one throttled log line). The caller answers a refused connection 503 and
+    closes it; an admitted one ends with ``counter.close(address)``."""
+    peer = get_extra_info("peername")
+    client = str(peer[0]) if peer else "?"
+    sock = get_extra_info("socket")
+    refusal = counter.open(client, sock.fileno() if sock is not None else 0)
+    if refusal is not None:
+        report(logging.WARNING, "connection refused", client, refusal)
+        return None
+    return client
+
+
+async def refuse_connection(writer: asyncio.StreamWriter) -> None:
     """Answer 503 (or, on a connection that chose HTTP/2 by ALPN, GOAWAY) and close."""
     ssl_object = writer.get_extra_info("ssl_object")
     if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":

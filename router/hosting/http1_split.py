@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any
 
-from .hardening import BUSY_H1, report
+from .hardening import count_connection, refuse_connection
 from .limits import ConnectionCounter
 
 __all__ = ["H2_PREFACE", "Http1Handoff", "split_http1"]
@@ -53,7 +52,6 @@ class Http1Handoff:
     config: Any
     """``uvicorn.Config``, loaded, without TLS (hypercorn did the handshake)."""
     counter: ConnectionCounter
-    keep_alive_timeout_s: float
     state: Any = field(init=False)
     """uvicorn's ``ServerState``: its connections (for ``shutdown()``), tasks and the
     ``Date`` header every response carries."""
@@ -122,17 +120,13 @@ class Http1Handoff:
         """The first bytes of a plain connection, enough to tell the HTTP/2 preface from an
         HTTP/1.1 request; None if the client sends nothing within the keep-alive timeout,
         closes first, or is over its connection limits (then answered 503)."""
-        peer = writer.get_extra_info("peername")
-        client = str(peer[0]) if peer else "?"
-        sock = writer.get_extra_info("socket")
-        refusal = self.counter.open(client, sock.fileno() if sock is not None else 0)
-        if refusal is not None:
-            report(logging.WARNING, "connection refused", client, refusal)
-            writer.write(BUSY_H1)
+        client = count_connection(self.counter, writer.get_extra_info)
+        if client is None:
+            await refuse_connection(writer)
             return None
         try:
             data = b""
-            async with asyncio.timeout(self.keep_alive_timeout_s):
+            async with asyncio.timeout(self.config.timeout_keep_alive):
                 while len(data) < len(H2_PREFACE) and H2_PREFACE.startswith(data):
                     chunk = await reader.read(65536)
                     if not chunk:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from .gc_tuning import tune_for_serving
-from .limits import ClientLimits
+from .limits import ClientLimits, ConnectionCounter
 
 if TYPE_CHECKING:
     from .goaway import ConnectionRegistry
@@ -322,8 +322,6 @@ async def _serve_uvicorn(
 ) -> None:
     import uvicorn
 
-    from .limits import ConnectionCounter
-
     counter = ConnectionCounter(options.limits, _descriptor_limit())
     config = uvicorn_config(app, options, counter, tls=options.tls)
     server = uvicorn.Server(config)
@@ -352,7 +350,9 @@ async def _serve_uvicorn(
             await task
 
 
-def uvicorn_config(app: Any, options: ServerOptions, counter: Any, *, tls: bool) -> Any:
+def uvicorn_config(
+    app: Any, options: ServerOptions, counter: ConnectionCounter, *, tls: bool
+) -> Any:
     """A ``uvicorn.Config`` serving ``app`` with hypercorn's connection limits on uvicorn's
     httptools and WebSocket protocols (:mod:`.uvicorn_limits`), ``counter`` counting its
     connections; with ``tls``, uvicorn does the TLS handshake itself."""
@@ -401,7 +401,6 @@ async def _serve_hypercorn(
     from .h1_body import frame_h1_bodies_directly
     from .hardening import harden_hypercorn
     from .http1_split import Http1Handoff, split_http1
-    from .limits import ConnectionCounter
 
     _reset_unfinished_h2_streams()
     _close_quic_transports()
@@ -448,7 +447,7 @@ async def _serve_hypercorn(
         h1_config = uvicorn_config(app, options, counter, tls=False)
         h1_config.headers = [("alt-svc", value) for value in config.alt_svc_headers]
         h1_config.load()
-        handoff = Http1Handoff(h1_config, counter, options.keep_alive_timeout_s)
+        handoff = Http1Handoff(h1_config, counter)
         config.firstbyte_http1 = handoff
     sockets = Sockets(
         secure_sockets=[listeners.tcp] if options.tls else [],

@@ -32,7 +32,7 @@ import asyncio
 import logging
 from typing import Any
 
-from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
+from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, count_connection, report
 from .limits import ClientLimits, ConnectionCounter
 
 __all__ = ["guarded_protocols"]
@@ -63,10 +63,8 @@ def guarded_protocols(
         """Set when the connection closes (handed over at the upgrade, see below)."""
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self.counted is not None:
-                counter.close(self.counted)
-                self.counted = None
-            _set(self.ended)
+            _release(counter, self.counted, self.ended)
+            self.counted = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -105,11 +103,8 @@ def guarded_protocols(
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            client = str(self.client[0]) if self.client else "?"
-            sock = transport.get_extra_info("socket")
-            refusal = counter.open(client, sock.fileno() if sock is not None else 0)
-            if refusal is not None:
-                report(logging.WARNING, "connection refused", client, refusal)
+            client = count_connection(counter, transport.get_extra_info)
+            if client is None:
                 transport.write(BUSY_H1)
                 transport.close()
                 return
@@ -126,10 +121,8 @@ def guarded_protocols(
             if self._linger_timer is not None:
                 self._linger_timer.cancel()
                 self._linger_timer = None
-            if self._counted is not None:
-                counter.close(self._counted)
-                self._counted = None
-            _set(self.ended)
+            _release(counter, self._counted, self.ended)
+            self._counted = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -165,9 +158,7 @@ def guarded_protocols(
                 upgraded.counted = counted
                 upgraded.ended = ended
             else:  # not ours to follow: stop counting rather than leak
-                if counted is not None:
-                    counter.close(counted)
-                _set(ended)
+                _release(counter, counted, ended)
 
         def on_response_complete(self) -> None:
             if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
@@ -219,6 +210,11 @@ def guarded_protocols(
     return GuardedHttpToolsProtocol, GuardedWebSocketProtocol
 
 
-def _set(ended: asyncio.Future[None] | None) -> None:
+def _release(
+    counter: ConnectionCounter, counted: str | None, ended: asyncio.Future[None] | None
+) -> None:
+    """A connection's end: its client's count given back, whoever waits on ``ended`` told."""
+    if counted is not None:
+        counter.close(counted)
     if ended is not None and not ended.done():
         ended.set_result(None)

@@ -149,7 +149,7 @@ async def test_bytes_buffered_before_the_hand_over_come_first() -> None:
     counter = ConnectionCounter(options.limits, 1024)
     config = uvicorn_config(app, options, counter, tls=False)
     config.load()
-    handoff = Http1Handoff(config, counter, keep_alive_timeout_s=5.0)
+    handoff = Http1Handoff(config, counter)
     handoff.start()
     terminated = asyncio.Event()
     served: list[asyncio.Task[None]] = []
