@@ -143,8 +143,11 @@ class FairShare(Generic[K]):
         Over its share it is still admitted while the budget is not ``contended`` and no
         other flow is starved (refused recently and below its share): the slot is free and
         nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
-        shares = self.shares(budget, now, weight_of, flow)
         mine = self.in_flight(flow)
+        demands = self.demands(now, flow)
+        if sum(demands.values()) <= budget + _EPSILON:  # room for every demand: no sharing
+            return Decision(True, mine, demands[flow], len(demands))
+        shares = water_fill(budget, demands, {k: weight_of(k) for k in demands})
         share = shares[flow]
         within = mine + 1 <= share + _EPSILON
         admit = within

@@ -48,6 +48,8 @@ async def place(state: RouterState, ctx: RequestContext) -> Outcome:
     if state.shared is None:
         outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
         if outcome is CONTINUE:
+            outcome = state.fair_gate(ctx)
+        if outcome is CONTINUE:
             outcome = state.routing.route(ctx, state.fair_check)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
@@ -90,6 +92,9 @@ async def _place_shared(
     refused = subject_refusal(ctx, limiter, state.tenants, 0, state.clock())
     if refused is not None:  # its own cap (the key's is counted region-wide, below)
         return refusal(refused)
+    gate = state.fair_gate(ctx)  # this process's flows (docs/limits.md, "Shared state")
+    if gate is not CONTINUE:
+        return gate
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
     learned: str | None = None
     for _ in range(len(routing.tracker.backends) + 2):

@@ -27,7 +27,7 @@ from .metrics import Metrics
 from .multiregion import RegionRouting
 from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
-from .pipeline.context import LocalReply, RequestContext
+from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
@@ -252,6 +252,19 @@ class RouterState:
         if refused is None:
             return True
         return False if refused is ALONE else refusal(refused)
+
+    def fair_gate(self, ctx: RequestContext) -> Outcome:
+        """Before routing, with room in the region: refuse a key (or subject) above its fair
+        share while flows below theirs are asking for the room there is (a full region is
+        :meth:`fair_check`'s, at the point routing would refuse)."""
+        now = self.clock()
+        tracker = self.routing.tracker
+        if tracker.region_saturated(now) or not tracker.healthy():
+            return CONTINUE
+        refused = self.tenants.fair_refusal(
+            ctx, tracker.capacity(), now, tracker.retry_after_s(now), full=False
+        )
+        return CONTINUE if refused is None else refusal(refused)
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests;

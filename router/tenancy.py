@@ -261,36 +261,46 @@ class Tenants:
         return release
 
     def fair_refusal(
-        self, ctx: RequestContext, capacity: float, now: float, retry_after_s: int
+        self, ctx: RequestContext, capacity: float, now: float, retry_after_s: int,
+        *, full: bool = True,
     ) -> Refusal | None:
-        """The region is full: None if ``ctx``'s key is below its weighted fair share of it
-        and its subject below its share of the key's (admit it: it waits on a backend while
-        the flows above their share are held), else why not.
+        """None if ``ctx``'s key stays within its weighted fair share of the region's
+        ``capacity`` and its subject within its share of the key's (admit it), else why not.
 
-        The budget shared is what this process has in flight, at most the region's
-        ``capacity`` (the backends' limits: their other traffic is not ours to share). With
-        one key and one subject asking there is nothing to share: the answer is
-        :data:`ALONE` (the caller refuses it as a full region)."""
+        ``full``: every backend is at its limit. Then the budget shared is what this process
+        has in flight, at most ``capacity`` (the backends' other traffic is not ours to
+        share); a request admitted here waits on a backend while the flows above their share
+        are held, and one key's one subject asking alone gets :data:`ALONE` (the caller
+        refuses it as a full region). Not full, the budget is ``capacity`` and the answer
+        is None unless the demands of the flows asking (in flight, refused a moment ago,
+        this request) exceed it: then a free slot goes to a flow below its share, not to
+        one above it that happened to ask first."""
         owner, subject = ctx.owner, ctx.subject or ""
-        budget = min(capacity, float(self.keys.total()))
+        budget = min(capacity, float(self.keys.total())) if full else capacity
         key = self.keys.decide(owner, budget, now, weight_of=self.limiter.weight,
                                contended=True)
         subjects = self.subjects_of(owner)
         if not key.admit:
-            self.keys.asked(owner, now)
             if key.flows > 1:
+                self.keys.asked(owner, now)
                 subjects.asked(subject, now)
                 return Refusal(
                     error_codes.KEY_OVER_FAIR_SHARE, retry_after_s,
                     f"The region is full and this API key holds {key.in_flight} requests,"
                     f" its fair share is {key.share:.1f}; retry after {retry_after_s} s.",
                 )
+            if not full:
+                return None  # alone, with room: nothing to share
+            self.keys.asked(owner, now)
         mine = subjects.decide(subject, key.share, now, weight_of=_one, contended=True)
         if mine.admit:
             return None
-        subjects.asked(subject, now)
         if mine.flows <= 1:
+            if not full:
+                return None
+            subjects.asked(subject, now)
             return ALONE
+        subjects.asked(subject, now)
         return _subject_over_share(mine.in_flight, mine.share, retry_after_s)
 
     def forget_asks(self, now: float) -> None:

@@ -77,8 +77,10 @@ def test_finished_flows_are_forgotten() -> None:
     flows.started("a")
     flows.started("a")
     flows.finished("a")
-    assert flows.in_flight("a") == 1 and flows.total() == 1
+    assert flows.in_flight("a") == 1
+    assert flows.total() == 1
     flows.finished("a")
-    assert len(flows) == 0 and not flows.active()
+    assert len(flows) == 0
+    assert not flows.active()
     flows.finished("a")  # a second end of the same flow changes nothing
     assert flows.total() == 0

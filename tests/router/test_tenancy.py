@@ -212,11 +212,15 @@ def test_a_full_region_is_shared_between_keys_then_between_subjects() -> None:
     assert tenants.fair_refusal(_subject_ctx(KEY_B, None), 8, 0.0, 3) is None
     tenants.hold(b, None)
     refused = tenants.fair_refusal(_subject_ctx(KEY_A, "polite"), 8, 0.0, 3)
-    assert refused is not None and refused.code == "key_over_fair_share"
+    assert refused is not None
+    assert refused.code == "key_over_fair_share"
 
 
 def test_subject_of_bounds_its_size() -> None:
-    assert subject_of("") is None and subject_of(None) is None
+    assert subject_of("") is None
+    assert subject_of(None) is None
     assert subject_of("user-1") == "user-1"
     long = subject_of("x" * 1000)
-    assert long is not None and long.startswith("sha256:") and len(long) <= 128
+    assert long is not None
+    assert long.startswith("sha256:")
+    assert len(long) <= 128
