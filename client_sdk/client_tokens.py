@@ -51,9 +51,9 @@ def mint_client_token(base_url: str, api_key: str, *, ttl_s: float | None = None
     ``ttl_s`` is capped by the router (``auth.client_token_max_ttl_s``); ``origin`` binds the
     token to one page origin; ``subject`` names the end user it is for (up to 128 characters:
     its requests share the key fairly with the other subjects', and it reads only its own
-    streams) and ``max_streams`` caps that user's completions in flight. Raises the SDK's :class:`~firstbyte.client_sdk.errors.APIError`
-    family for a refusal and :class:`~firstbyte.client_sdk.errors.ConnectError` when the
-    router cannot be reached."""
+    streams) and ``max_streams`` caps that user's completions in flight. Raises the SDK's
+    :class:`~firstbyte.client_sdk.errors.APIError` family for a refusal and
+    :class:`~firstbyte.client_sdk.errors.ConnectError` when the router cannot be reached."""
     url, headers, body = _request(base_url, api_key, ttl_s, origin, subject, max_streams)
     context = build_ssl_context(verify, ca_file)
     try:
