@@ -79,6 +79,7 @@ class FairShare(Generic[K]):
     def __init__(self, ask_window_s: float = ASK_WINDOW_S) -> None:
         self.ask_window_s = ask_window_s
         self._in_flight: dict[K, int] = {}
+        self._total = 0
         self._asked_at: dict[K, float] = {}
 
     def __len__(self) -> int:
@@ -92,16 +93,20 @@ class FairShare(Generic[K]):
         return self._in_flight.get(flow, 0)
 
     def total(self) -> int:
-        return sum(self._in_flight.values())
+        return self._total
 
     def started(self, flow: K) -> None:
         """A request of ``flow`` was admitted (its demand is met: it asks no longer)."""
         self._in_flight[flow] = self._in_flight.get(flow, 0) + 1
+        self._total += 1
         self._asked_at.pop(flow, None)
 
     def finished(self, flow: K) -> None:
         """A request of ``flow`` ended (an idle flow is forgotten)."""
-        left = self._in_flight.get(flow, 0) - 1
+        held = self._in_flight.get(flow, 0)
+        if held:
+            self._total -= 1
+        left = held - 1
         if left > 0:
             self._in_flight[flow] = left
         else:
@@ -144,9 +149,15 @@ class FairShare(Generic[K]):
         other flow is starved (refused recently and below its share): the slot is free and
         nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
         mine = self.in_flight(flow)
+        if not self._asked_at and self._total + 1 <= budget + _EPSILON:
+            # Nobody refused lately and room for this one (the common case: O(1), no
+            # sharing); the flow may take all that the others do not hold.
+            flows = len(self._in_flight) + (flow not in self._in_flight)
+            return Decision(True, mine, budget - (self._total - mine), flows)
         demands = self.demands(now, flow)
-        if sum(demands.values()) <= budget + _EPSILON:  # room for every demand: no sharing
-            return Decision(True, mine, demands[flow], len(demands))
+        total = sum(demands.values())
+        if total <= budget + _EPSILON:  # expired asks left: still room for every demand
+            return Decision(True, mine, budget - (total - demands[flow]), len(demands))
         shares = water_fill(budget, demands, {k: weight_of(k) for k in demands})
         share = shares[flow]
         within = mine + 1 <= share + _EPSILON

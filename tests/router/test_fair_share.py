@@ -84,3 +84,15 @@ def test_finished_flows_are_forgotten() -> None:
     assert not flows.active()
     flows.finished("a")  # a second end of the same flow changes nothing
     assert flows.total() == 0
+
+
+def test_with_room_for_every_demand_a_flow_may_take_what_the_others_do_not_ask() -> None:
+    flows: FairShare[str] = FairShare()
+    for _ in range(3):
+        flows.started("a")
+    decision = flows.decide("b", 10, 0.0, weight_of=_one, contended=True)
+    assert (decision.admit, decision.share, decision.flows) == (True, 7.0, 2)
+    flows.asked("c", 0.0)  # c asks for one more: one less left for b
+    assert flows.decide("b", 10, 0.0, weight_of=_one, contended=True).share == 6.0
+    # An expired ask no longer counts, even before housekeeping drops it.
+    assert flows.decide("b", 5, ASK_WINDOW_S, weight_of=_one, contended=True).share == 2.0
