@@ -247,7 +247,7 @@ class RouterState:
         own 429 (above it), or refuse it as a full region (False: it alone asks)."""
         tracker = self.routing.tracker
         refused = self.tenants.fair_refusal(
-            ctx, tracker.capacity(), now, tracker.retry_after_s(now)
+            ctx, self._fair_capacity(), now, tracker.retry_after_s(now)
         )
         if refused is None:
             return True
@@ -262,9 +262,15 @@ class RouterState:
         if tracker.region_saturated(now) or not tracker.healthy():
             return CONTINUE
         refused = self.tenants.fair_refusal(
-            ctx, tracker.capacity(), now, tracker.retry_after_s(now), full=False
+            ctx, self._fair_capacity(), now, tracker.retry_after_s(now), full=False
         )
         return CONTINUE if refused is None else refusal(refused)
+
+    def _fair_capacity(self) -> float:
+        """What the keys share: the region's backends' limits, plus the requests routed to
+        peer regions (they hold no slot here, but count in each key's in-flight)."""
+        routing = self.routing
+        return float(routing.tracker.capacity() + routing.active() - routing.tracker.in_flight())
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests;
