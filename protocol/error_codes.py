@@ -19,6 +19,7 @@ __all__ = [
     "INVALID_TIMINGS",
     "INVALID_WAIT",
     "KEY_CONCURRENCY_EXCEEDED",
+    "KEY_OVER_FAIR_SHARE",
     "KEY_RATE_LIMITED",
     "KEY_STORE_FULL",
     "MISSING_API_KEY",
@@ -31,6 +32,8 @@ __all__ = [
     "STREAM_LOST",
     "STREAM_NOT_FOUND",
     "STREAM_STORE_FULL",
+    "SUBJECT_CONCURRENCY_EXCEEDED",
+    "SUBJECT_OVER_FAIR_SHARE",
     "TOO_MANY_STREAMS",
     "UNAVAILABLE",
     "UNSUPPORTED_MEDIA_TYPE",
@@ -70,6 +73,14 @@ REGION_SATURATED = "region_saturated"
 """429: every backend of the region is saturated; ``Retry-After`` says when to retry."""
 KEY_CONCURRENCY_EXCEEDED = "key_concurrency_exceeded"
 """429: this API key has its limit of completions in flight; the others are unaffected."""
+KEY_OVER_FAIR_SHARE = "key_over_fair_share"
+"""429: the region is full and this API key holds at least its fair share of it (weighted
+max-min over the keys asking); keys below their share are still served. ``Retry-After``."""
+SUBJECT_OVER_FAIR_SHARE = "subject_over_fair_share"
+"""429: the region (or the key's cap) is full and this subject (an app's end user) holds at
+least its fair share of its key's share; the key's other subjects are still served."""
+SUBJECT_CONCURRENCY_EXCEEDED = "subject_concurrency_exceeded"
+"""429: this subject has its limit of completions in flight (the key's table or its token)."""
 KEY_RATE_LIMITED = "key_rate_limited"
 """429: this API key's token bucket is empty; ``Retry-After`` is the wait for the next token."""
 KEY_STORE_FULL = "key_store_full"

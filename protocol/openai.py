@@ -99,6 +99,7 @@ class ChatCompletionRequest(msgspec.Struct, omit_defaults=True):
     stop: str | list[str] | None = None
     n: Literal[1] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None

@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 LIMIT_FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-streams-per-key": (
-        "limits.max_streams_per_key", int, "completions in flight per API key; default 128"
+        "limits.max_streams_per_key", int, "cap on completions in flight per API key; default none"
     ),
     "--rate-per-key": (
         "limits.requests_per_s_per_key",

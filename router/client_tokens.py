@@ -38,15 +38,21 @@ class _Payload(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     e: int  # expiry, whole seconds since the epoch
     n: str  # nonce: two tokens minted in the same second differ
     g: str | None = None  # the Origin it is bound to
+    s: str | None = None  # the subject (the app's end user)
+    m: int | None = None  # the subject's cap on completions in flight
 
 
 @dataclass(frozen=True, slots=True)
 class TokenClaims:
-    """What a valid token says: whose it is, until when, for which page origin."""
+    """What a valid token says: whose it is, until when, for which page origin, for which
+    subject (the app's end user; None: the key as a whole) with which cap on its
+    completions in flight."""
 
     owner: bytes
     expires_at: float
     origin: str | None = None
+    subject: str | None = None
+    max_streams: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +92,17 @@ class TokenSigner:
         return hmac.new(self._key, signed, hashlib.sha256).digest()[:_SIGNATURE_BYTES]
 
     def mint(
-        self, owner: bytes, now: float, ttl_s: float | None = None, origin: str | None = None
+        self, owner: bytes, now: float, ttl_s: float | None = None, origin: str | None = None,
+        *, subject: str | None = None, max_streams: int | None = None,
     ) -> ClientToken:
         """A token for ``owner`` valid from ``now`` (epoch seconds) for ``ttl_s``, capped.
 
         The expiry is rounded down to a whole second, so a token never outlives its cap."""
         ttl = min(self.default_ttl_s if ttl_s is None else ttl_s, self.max_ttl_s)
         expires = int(now + ttl)
-        payload = _Payload(_b64(owner), expires, _b64(secrets.token_bytes(6)), origin)
+        payload = _Payload(
+            _b64(owner), expires, _b64(secrets.token_bytes(6)), origin, subject, max_streams
+        )
         body = TOKEN_PREFIX + _b64(msgspec.json.encode(payload))
         token = f"{body}.{_b64(self._sign(body.encode()))}"
         return ClientToken(token, float(expires))
@@ -123,4 +132,4 @@ class TokenSigner:
             return TokenRefusal(
                 error_codes.INVALID_CLIENT_TOKEN, "Client token not valid for this origin."
             )
-        return TokenClaims(owner, float(payload.e), payload.g)
+        return TokenClaims(owner, float(payload.e), payload.g, payload.s, payload.m)

@@ -34,6 +34,7 @@ __all__ = [
     "ClientTimingsConfig",
     "ConfigError",
     "CorsConfig",
+    "KeyConfig",
     "LimitsConfig",
     "ListenConfig",
     "RouterConfig",
@@ -117,6 +118,25 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Models it serves (for warmup); empty: asked from its ``/v1/models``."""
 
 
+class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One API key of the per-key table (``[[auth.keys]]``): its weight in the fair share of
+    a contended region and its own hard caps (unset: the ``[limits]`` per-key value, itself
+    unset by default: no cap). ``docs/limits.md``, "Per API key"."""
+
+    key: Annotated[str, msgspec.Meta(min_length=8)]
+    weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
+    """Its share of a full region relative to the other keys asking (1:1:2 gets 25/25/50%)."""
+    max_streams: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Completions in flight; beyond: 429 key_concurrency_exceeded."""
+    requests_per_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """Sustained request rate (0: none); beyond: 429 key_rate_limited."""
+    request_burst: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Requests at once before the rate applies."""
+    max_streams_per_subject: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Completions in flight per subject (end user) of this key; beyond: 429
+    subject_concurrency_exceeded."""
+
+
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """API keys accepted in ``Authorization: Bearer``.
 
@@ -125,8 +145,15 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = msgspec.field(default_factory=list)
+    keys: list[KeyConfig] = msgspec.field(default_factory=list)
+    """The per-key table: keys with a weight and caps of their own, accepted like
+    ``api_keys`` (a key there has weight 1 and the ``[limits]`` caps)."""
     allow_anonymous: bool = False
     """With no ``api_keys``: accept any request (local use only)."""
+
+    def all_keys(self) -> list[str]:
+        """Every accepted API key: ``api_keys``, then the table's."""
+        return [*self.api_keys, *(k.key for k in self.keys)]
     metrics_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = msgspec.field(
         default_factory=list
     )
@@ -170,10 +197,16 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     upstream_max_connections: PositiveBytes = 512
     heartbeat_interval_s: PositiveSeconds = 15.0
     """An SSE reader idle this long gets a ``: ping`` comment."""
-    # Per API key (router/tenancy.py): one key may not take what the others need. The rate
-    # and concurrency limits apply when auth.api_keys are configured.
-    max_streams_per_key: Annotated[int, msgspec.Meta(ge=1)] = 128
-    """Completions in flight (streamed or not) per key; beyond: 429 key_concurrency_exceeded."""
+    # Per API key (router/tenancy.py): hard caps, opt-in for every key ([[auth.keys]] sets
+    # them per key). Unset, a key takes what the region has room for, and a full region is
+    # shared max-min fairly by weight (router/fair_share.py). They apply with API keys only.
+    max_streams_per_key: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Completions in flight (streamed or not) per key; None: no cap. Beyond: 429
+    key_concurrency_exceeded."""
+    max_streams_per_subject: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Completions in flight per subject (an app's end user) of a key; None: no cap (a full
+    region or key still shares fairly between subjects). Beyond: 429
+    subject_concurrency_exceeded."""
     requests_per_s_per_key: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Sustained request rate per key (a token bucket); 0: no rate limit. Beyond: 429
     key_rate_limited with Retry-After = seconds until the next token."""
@@ -326,7 +359,14 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"listen.workers = {listen.workers} needs state.redis_url: processes share"
                 " streams, QUIC tickets and limits only through Redis (or set listen.workers = 1)"
             )
-        if not self.auth.api_keys and not self.auth.allow_anonymous:
+        seen: set[str] = set()
+        for i, key in enumerate(self.auth.all_keys()):
+            if key in seen:
+                where = f"auth.keys[{i - len(self.auth.api_keys)}]" if i >= len(
+                    self.auth.api_keys) else f"auth.api_keys[{i}]"
+                raise ValueError(f"{where}: this key is listed twice")
+            seen.add(key)
+        if not self.auth.all_keys() and not self.auth.allow_anonymous:
             raise ValueError(
                 "auth.api_keys: no API key configured; give one, or set"
                 " auth.allow_anonymous = true to accept any request"

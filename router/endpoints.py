@@ -229,7 +229,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         )
         return
     # place() made room in the store (nothing awaited since): no eviction here.
-    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot)
+    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -293,7 +293,7 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot)
+    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:
@@ -321,7 +321,7 @@ async def _lookup(
     outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         return outcome
-    stream = await state.find_stream(stream_id, ctx.owner)
+    stream = await state.find_stream(stream_id, ctx.owner, ctx.reader_subject)
     if stream is None:
         return error_reply(
             404,
@@ -503,7 +503,10 @@ async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: S
     if isinstance(request, LocalReply):
         await _finish(state, send, ctx, request, "tokens")
         return
-    grant = state.tokens.mint(ctx.owner, time.time(), request.ttl_s, request.origin)
+    grant = state.tokens.mint(
+        ctx.owner, time.time(), request.ttl_s, request.origin,
+        subject=request.subject, max_streams=request.max_streams,
+    )
     state.metrics.count("tokens", "ok")
     await send_bytes(send, 200, encode(grant),
                      headers=[*_common_headers(ctx), ("cache-control", "no-store")])
@@ -619,7 +622,7 @@ async def edge_timings(state: RouterState, scope: Scope, receive: Receive, send:
     for record in report.records:
         found = None
         if record.stream_id is not None:
-            found = await state.find_stream(record.stream_id, owner)
+            found = await state.find_stream(record.stream_id, owner, ctx.reader_subject)
         server_ttft.append(None if found is None else found.upstream_ttft_ms)
     refused = latency.refusal(report, server_ttft)
     if refused is not None:

@@ -72,7 +72,10 @@ from .spill import SpillBudget, SpillSlot
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
 
-__all__ = ["REJECTION_REASONS", "Observation", "RegionRouting", "draining_reply"]
+__all__ = ["REJECTION_REASONS", "FairCheck", "Observation", "RegionRouting", "draining_reply"]
+
+FairCheck = Callable[[RequestContext, float], "LocalReply | bool"]
+"""``(ctx, now)`` -> queue it (True), refuse it as before (False) or this refusal."""
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
@@ -416,8 +419,13 @@ class RegionRouting:
         """Requests routed from here and not finished: to local backends and to peers."""
         return self.tracker.in_flight() + sum(self.peer_routed.values())
 
-    def route(self, ctx: RequestContext) -> Outcome:
-        """Choose the region and backend for an admitted chat request (sets ``ctx.backend``)."""
+    def route(self, ctx: RequestContext, share: FairCheck | None = None) -> Outcome:
+        """Choose the region and backend for an admitted chat request (sets ``ctx.backend``).
+
+        Where the region is full and the request would be refused, ``share`` (the fair
+        share of the keys asking, :meth:`firstbyte.router.tenancy.Tenants.fair_refusal`) says
+        whether it is queued on a backend anyway (below its share), refused with its own
+        answer (above it), or refused as before (``False``: it alone fills the region)."""
         request = ctx.request
         assert request is not None
         now = self.clock()
@@ -455,13 +463,15 @@ class RegionRouting:
             if not self.tracker.healthy() and not self.peer_table.peers:
                 return Fallback("no healthy upstream in this region")
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
-            return self._queue_or_reject(ctx, request, location, now, reason)
+            return self._queue_or_reject(ctx, request, location, now, reason, share)
         slot: SpillSlot | None = None
         if decision.verdict is Verdict.SPILL:
             # This request counts as active: it is one, wherever it goes.
             slot = self.spill.acquire(self.active() + 1, "saturated")
             if slot is None:
-                return self._queue_or_reject(ctx, request, location, now, "spill_budget")
+                return self._queue_or_reject(
+                    ctx, request, location, now, "spill_budget", share
+                )
             self.spills[(decision.region, "saturated")] += 1
         else:
             self.forwards[decision.region] += 1
@@ -475,8 +485,16 @@ class RegionRouting:
         location: Location | None,
         now: float,
         reason: str,
+        share: FairCheck | None = None,
     ) -> Outcome:
         queued = self._queue_locally(request, now)
+        if queued is None and share is not None and self.tracker.healthy():
+            verdict = share(ctx, now)
+            if isinstance(verdict, LocalReply):
+                self.outcomes[(self.region, "", "rejected")] += 1
+                return verdict
+            if verdict:  # below its fair share: it waits on a backend, others are held
+                queued = self._choose(request, self.tracker.healthy(), now, "fair_share")
         if queued is not None:
             return self._serve_local(ctx, queued, location, now)
         return self.reject(ctx, now, reason)

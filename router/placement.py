@@ -28,13 +28,16 @@ from .multiregion import Observation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
 from .shared.admission import Affinity, Verdict
-from .tenancy import limit_key, refusal, store_refusal
+from .tenancy import limit_key, refusal, store_refusal, subject_refusal
 
 if TYPE_CHECKING:
     from .shared.admission import SharedAdmission
     from .state import RouterState
 
 __all__ = ["place", "release_key_slot"]
+
+_QUEUED = ("queued", "fair_share")
+"""Choices that wait on a backend on purpose (over its limit): no backend limit to claim."""
 
 _STICKY = ("affinity", "new-key")
 """Choices that follow (or start) a prompt's affinity; balance and queue choices do not."""
@@ -43,13 +46,34 @@ _STICKY = ("affinity", "new-key")
 async def place(state: RouterState, ctx: RequestContext) -> Outcome:
     """Apply the key's limits and choose the region and backend (see the module docstring)."""
     if state.shared is None:
-        outcome = limit_key(ctx, state.limiter, state.store, state.clock())
+        outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
         if outcome is CONTINUE:
-            outcome = state.routing.route(ctx)
+            outcome = state.fair_gate(ctx)
+        if outcome is CONTINUE:
+            outcome = state.routing.route(ctx, state.fair_check)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
+        if outcome is CONTINUE:
+            _hold(state, ctx)
         return outcome
-    return await _place_shared(state, state.shared.admission, ctx)
+    outcome = await _place_shared(state, state.shared.admission, ctx)
+    if outcome is CONTINUE:
+        _hold(state, ctx)
+    return outcome
+
+
+def _hold(state: RouterState, ctx: RequestContext) -> None:
+    """Count the admitted request for its key and subject until it ends (with the region-wide
+    key slot, if any: both go back through ``ctx.release_key_slot``)."""
+    release_share = state.tenants.hold(ctx.owner, ctx.subject)
+    release_slot = ctx.release_key_slot
+
+    def release() -> None:
+        release_share()
+        if release_slot is not None:
+            release_slot()
+
+    ctx.release_key_slot = release
 
 
 def release_key_slot(ctx: RequestContext) -> None:
@@ -64,10 +88,17 @@ async def _place_shared(
 ) -> Outcome:
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
+    policy = limiter.policy(owner)
+    refused = subject_refusal(ctx, limiter, state.tenants, 0, state.clock())
+    if refused is not None:  # its own cap (the key's is counted region-wide, below)
+        return refusal(refused)
+    gate = state.fair_gate(ctx)  # this process's flows (docs/limits.md, "Shared state")
+    if gate is not CONTINUE:
+        return gate
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
     learned: str | None = None
     for _ in range(len(routing.tracker.backends) + 2):
-        outcome = routing.route(ctx)
+        outcome = routing.route(ctx, state.fair_check)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is not CONTINUE:
@@ -80,9 +111,9 @@ async def _place_shared(
         if backend is not None and choice in _STICKY:
             affinity = Affinity.OVERWRITE if learned not in (None, backend) else Affinity.FOLLOW
         answer = await admission.admit(
-            owner, key_limit=limiter.max_streams if limiter.enabled else None,
-            rate_per_s=limiter.rate_per_s, burst=limiter.burst, backend=backend,
-            backend_limit=None if choice == "queued" or backend is None
+            owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
+            rate_per_s=policy.rate_per_s, burst=policy.burst, backend=backend,
+            backend_limit=None if choice in _QUEUED or backend is None
             else routing.tracker[backend].limit,
             affinity_key=key, affinity=affinity,
         )
@@ -93,9 +124,9 @@ async def _place_shared(
             return _admitted(state, admission, ctx, owner, backend)
         routing.unroute(ctx)
         if verdict is Verdict.KEY_RATE:
-            return refusal(limiter.rate_limited(float(answer.value)))
+            return refusal(limiter.rate_limited(owner, float(answer.value)))
         if verdict is Verdict.KEY_BUSY:
-            over = limiter.over_concurrency(int(answer.value))
+            over = limiter.over_concurrency(owner, int(answer.value))
             assert over is not None  # the script counted at least max_streams
             return refusal(over)
         if verdict is Verdict.AFFINITY_ELSEWHERE and key is not None:

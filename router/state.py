@@ -27,11 +27,12 @@ from .metrics import Metrics
 from .multiregion import RegionRouting
 from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
+from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
-from .streams import Stream, StreamStore
-from .tenancy import KeyLimiter
+from .streams import Stream, StreamStore, owner_of
+from .tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants, refusal
 
 __all__ = ["RouterState"]
 
@@ -63,13 +64,10 @@ class RouterState:
             max_age_s=config.streams.max_age_s,
             max_owner_bytes=config.store_bytes_per_key(),
         )
-        limits = config.limits
-        self.limiter = KeyLimiter(
-            max_streams=limits.max_streams_per_key,
-            rate_per_s=limits.requests_per_s_per_key,
-            burst=limits.request_burst_per_key,
-            enabled=bool(self.api_keys),  # anonymous: every caller is one "key"
-        )
+        self.limiter = KeyLimiter(enabled=bool(self.api_keys))  # anonymous: all one "key"
+        self.limiter.configure(*key_policies(config))
+        self.tenants = Tenants(self.limiter)
+        """Requests in flight per key and subject: the fair shares of a full region."""
         reports = config.client_timings
         self.report_limiter = KeyLimiter(
             max_streams=1,  # unused: reports hold nothing in flight
@@ -123,7 +121,7 @@ class RouterState:
         )
 
     def _set_keys(self, config: RouterConfig) -> None:
-        self.api_keys = [key.encode() for key in config.auth.api_keys]
+        self.api_keys = [key.encode() for key in config.auth.all_keys()]
         # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
         self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
 
@@ -157,13 +155,8 @@ class RouterState:
         self.config = config
         self._set_keys(config)
         limits = config.limits
-        rate_changed = limits.requests_per_s_per_key != self.limiter.rate_per_s
-        self.limiter.max_streams = limits.max_streams_per_key
-        self.limiter.rate_per_s = limits.requests_per_s_per_key
-        self.limiter.burst = limits.request_burst_per_key
+        self.limiter.configure(*key_policies(config))
         self.limiter.enabled = bool(self.api_keys)
-        if rate_changed:
-            self.limiter.forget_buckets()
         self.store.set_bounds(
             max_total_bytes=config.streams.max_total_bytes,
             max_age_s=config.streams.max_age_s,
@@ -217,10 +210,15 @@ class RouterState:
         if not self._warming.done():
             await asyncio.shield(self._warming)
 
-    def new_stream(self, owner: bytes, on_finish: Callable[[], object] | None = None) -> Stream:
-        """A new stream of ``owner`` in this process's store, shared when the state is;
-        ``on_finish`` runs when it ends (e.g. :attr:`RequestContext.release_key_slot`)."""
+    def new_stream(
+        self, owner: bytes, on_finish: Callable[[], object] | None = None,
+        subject: str | None = None,
+    ) -> Stream:
+        """A new stream of ``owner`` (for ``subject``) in this process's store, shared when
+        the state is; ``on_finish`` runs when it ends (e.g.
+        :attr:`RequestContext.release_key_slot`)."""
         stream = self.store.create(owner, self.clock())
+        stream.subject = subject
         stream.on_finish = on_finish
         if self.shared is not None:
             self.shared.streams.publish(stream)
@@ -231,13 +229,48 @@ class RouterState:
         if self.shared is not None:
             await self.shared.streams.announced(stream)
 
-    async def find_stream(self, stream_id: str, owner: bytes) -> ReadableStream | None:
-        """``owner``'s stream: from this process's store, else from the shared state; None
-        for an unknown id or another owner's stream alike."""
-        stream = self.store.get(stream_id, owner)
-        if stream is not None or self.shared is None:
-            return stream
-        return await self.shared.streams.lookup(stream_id, owner)
+    async def find_stream(
+        self, stream_id: str, owner: bytes, subject: str | None = None
+    ) -> ReadableStream | None:
+        """``owner``'s stream (made for ``subject``, when one is given: a client token's
+        subject reads only its own): from this process's store, else from the shared state;
+        None for an unknown id, another owner's or another subject's stream alike."""
+        stream: ReadableStream | None = self.store.get(stream_id, owner)
+        if stream is None and self.shared is not None:
+            stream = await self.shared.streams.lookup(stream_id, owner)
+        if stream is not None and subject is not None and stream.subject != subject:
+            return None
+        return stream
+
+    def fair_check(self, ctx: RequestContext, now: float) -> LocalReply | bool:
+        """The region is full: queue ``ctx`` (True: below its fair share), refuse it with its
+        own 429 (above it), or refuse it as a full region (False: it alone asks)."""
+        tracker = self.routing.tracker
+        refused = self.tenants.fair_refusal(
+            ctx, self._fair_capacity(), now, tracker.retry_after_s(now)
+        )
+        if refused is None:
+            return True
+        return False if refused is ALONE else refusal(refused)
+
+    def fair_gate(self, ctx: RequestContext) -> Outcome:
+        """Before routing, with room in the region: refuse a key (or subject) above its fair
+        share while flows below theirs are asking for the room there is (a full region is
+        :meth:`fair_check`'s, at the point routing would refuse)."""
+        now = self.clock()
+        tracker = self.routing.tracker
+        if tracker.region_saturated(now) or not tracker.healthy():
+            return CONTINUE
+        refused = self.tenants.fair_refusal(
+            ctx, self._fair_capacity(), now, tracker.retry_after_s(now), full=False
+        )
+        return CONTINUE if refused is None else refusal(refused)
+
+    def _fair_capacity(self) -> float:
+        """What the keys share: the region's backends' limits, plus the requests routed to
+        peer regions (they hold no slot here, but count in each key's in-flight)."""
+        routing = self.routing
+        return float(routing.tracker.capacity() + routing.active() - routing.tracker.in_flight())
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests;
@@ -245,6 +278,7 @@ class RouterState:
         self.store.evict(now)
         self.limiter.forget_idle(now)
         self.report_limiter.forget_idle(now)
+        self.tenants.forget_asks(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:
@@ -305,6 +339,28 @@ def _token_secret(config: RouterConfig) -> bytes:
         log.info("auth.token_secret is not set: client tokens minted here are valid on this"
                  " process only (set it for several processes or hosts)")
     return secrets.token_bytes(32)
+
+
+def key_policies(config: RouterConfig) -> tuple[KeyPolicy, dict[bytes, KeyPolicy]]:
+    """The default key policy (``[limits]``) and each ``[[auth.keys]]`` key's, by owner
+    digest; a table entry's unset cap is the default's."""
+    limits = config.limits
+    default = KeyPolicy(
+        1.0, limits.max_streams_per_key, limits.requests_per_s_per_key,
+        limits.request_burst_per_key, limits.max_streams_per_subject,
+    )
+    table = {
+        owner_of(k.key): KeyPolicy(
+            k.weight,
+            default.max_streams if k.max_streams is None else k.max_streams,
+            default.rate_per_s if k.requests_per_s is None else k.requests_per_s,
+            default.burst if k.request_burst is None else k.request_burst,
+            default.max_streams_per_subject if k.max_streams_per_subject is None
+            else k.max_streams_per_subject,
+        )
+        for k in config.auth.keys
+    }
+    return default, table
 
 
 def _backends(config: RouterConfig) -> list[Backend]:

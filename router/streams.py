@@ -87,6 +87,9 @@ class Stream:
     id: str
     owner: bytes
     created_at: float
+    subject: str | None = None
+    """The subject (an app's end user) it was made for: a client token of another subject
+    of the same key cannot read it (:meth:`RouterState.find_stream`)."""
     events: list[StreamEvent] = field(default_factory=list)
     finished_at: float | None = None
     size_bytes: int = 0

@@ -1,37 +1,79 @@
-"""Per-key limits: one API key may not take what the others need (sans-IO, clock passed in).
+"""Per-key limits and fair sharing: one API key (or one of its end users) may not take what
+the others need, and nothing is refused that the region has room for (sans-IO, clock passed in).
 
-Three limits, each a ``[limits]`` key, each answered with its own 429 code and ``Retry-After``:
+By default a key has no hard cap: it takes what the region has room for. When the region is
+full (every backend at its limit: the point where routing would queue or answer
+``region_saturated``), the region's capacity is shared by weighted max-min fairness over the
+keys asking (:mod:`firstbyte.router.fair_share`, weights from ``[[auth.keys]]``): a key below
+its share is still admitted (queued on a backend), a key at or above it gets
+``key_over_fair_share``. Inside a key the same applies between its *subjects* (its end users:
+a client token's subject, or the ``x-firstbyte-subject`` header, ``safety_identifier`` or
+``user`` of a server-side request): each gets a fair share of its key's share, so one abusive
+user does not starve the others (``subject_over_fair_share``).
 
-- ``max_streams_per_key``: completions in flight (streamed or not) per key. A key at its limit
-  gets ``key_concurrency_exceeded``; the others keep their share of the backends.
-- ``requests_per_s_per_key`` / ``request_burst_per_key``: a token bucket per key (nginx's
-  ``limit_req`` with ``burst``): ``burst`` requests at once, then ``rate`` a second; beyond it
-  ``key_rate_limited`` with ``Retry-After`` = the seconds until the next token.
+Hard caps are opt-in, for every key in ``[limits]`` or per key in ``[[auth.keys]]``, each
+answered with its own 429 code and ``Retry-After``:
+
+- ``max_streams``: completions in flight (streamed or not) per key (``key_concurrency_exceeded``).
+  At the cap, the key's subjects share it fairly: a subject at its share of the cap is refused
+  (``subject_over_fair_share``) while another subject is still asking.
+- ``max_streams_per_subject`` (or a token's own ``max_streams``): per subject
+  (``subject_concurrency_exceeded``).
+- ``requests_per_s`` / ``request_burst``: a token bucket per key (nginx's ``limit_req`` with
+  ``burst``): ``burst`` requests at once, then ``rate`` a second; beyond it ``key_rate_limited``
+  with ``Retry-After`` = the seconds until the next token.
 - ``max_store_bytes_per_key``: the key's share of the stream store, enforced by the store
   itself (:meth:`firstbyte.router.streams.StreamStore.make_room`): its own finished streams go
   first, and when its *live* streams fill the share a new stream is refused (``key_store_full``);
   when live streams fill the whole store, ``stream_store_full``.
 
-:func:`limit_key` is the pipeline stage (after admission, before routing, so a refused request
-never holds a routing slot). Keys are identified by their digest
+:func:`limit_key` is the pipeline stage for the caps (after admission, before routing, so a
+refused request never holds a routing slot); :meth:`Tenants.fair_refusal` is asked by routing
+at the point where the region is full. Keys are identified by their digest
 (:func:`firstbyte.router.streams.owner_of`), never the key itself. A router without API keys
-(``allow_anonymous``) has no per-key rate or concurrency limit: every caller is the same
-"key" there, and the store's bounds still hold.
+(``allow_anonymous``) has no per-key cap or rate: every caller is the same "key" there, and the
+store's bounds and the fairness between subjects still hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from firstbyte.protocol import error_codes
+from firstbyte.protocol.tokens import MAX_SUBJECT_CHARS
 
+from .fair_share import FairShare
 from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext, error_reply
 from .streams import StoreFull, StreamStore
 
-__all__ = ["KeyLimiter", "Refusal", "TokenBucket", "limit_key", "refusal", "store_refusal"]
+__all__ = [
+    "MAX_SUBJECT_CHARS",
+    "KeyLimiter",
+    "KeyPolicy",
+    "Refusal",
+    "Tenants",
+    "TokenBucket",
+    "limit_key",
+    "refusal",
+    "store_refusal",
+    "subject_of",
+]
+
+
+
+def subject_of(name: str | None) -> str | None:
+    """The subject kept for ``name``: itself, a digest when longer than
+    :data:`~firstbyte.protocol.tokens.MAX_SUBJECT_CHARS` (every subject the router keeps a
+    count for is bounded in size), None when empty."""
+    if not name:
+        return None
+    if len(name) <= MAX_SUBJECT_CHARS:
+        return name
+    return "sha256:" + hashlib.sha256(name.encode()).hexdigest()
 
 
 class TokenBucket:
@@ -67,24 +109,54 @@ class Refusal:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class KeyPolicy:
+    """One key's weight and hard caps (None: no cap; a rate of 0: no rate limit)."""
+
+    weight: float = 1.0
+    max_streams: int | None = None
+    rate_per_s: float = 0.0
+    burst: int = 100
+    max_streams_per_subject: int | None = None
+
+
 class KeyLimiter:
-    """The rate buckets and non-streamed in-flight counts of every key (streams in flight are
-    counted by the store: :meth:`StreamStore.live_streams`)."""
+    """Every key's policy, rate buckets and non-streamed in-flight counts (streams in flight
+    are counted by the store: :meth:`StreamStore.live_streams`).
+
+    ``max_streams``, ``rate_per_s``, ``burst`` and ``max_streams_per_subject`` are the default
+    policy (``[limits]``); ``table`` maps owner digests to their own (``[[auth.keys]]``)."""
 
     def __init__(
         self,
         *,
-        max_streams: int,
-        rate_per_s: float,
-        burst: int,
+        max_streams: int | None = None,
+        rate_per_s: float = 0.0,
+        burst: int = 100,
+        max_streams_per_subject: int | None = None,
         enabled: bool = True,
+        table: Mapping[bytes, KeyPolicy] | None = None,
     ) -> None:
-        self.max_streams = max_streams
-        self.rate_per_s = rate_per_s
-        self.burst = burst
+        self.default = KeyPolicy(1.0, max_streams, rate_per_s, burst, max_streams_per_subject)
+        self.table: dict[bytes, KeyPolicy] = dict(table or {})
         self.enabled = enabled
         self._buckets: dict[bytes, TokenBucket] = {}
         self._unstreamed: dict[bytes, int] = {}
+
+    def configure(self, default: KeyPolicy, table: Mapping[bytes, KeyPolicy]) -> None:
+        """New policies (a reload); buckets whose rate or size changed start again, full."""
+        old = {owner: self.policy(owner) for owner in self._buckets}
+        self.default, self.table = default, dict(table)
+        for owner, before in old.items():
+            after = self.policy(owner)
+            if (after.rate_per_s, after.burst) != (before.rate_per_s, before.burst):
+                del self._buckets[owner]
+
+    def policy(self, owner: bytes) -> KeyPolicy:
+        return self.table.get(owner, self.default)
+
+    def weight(self, owner: bytes) -> float:
+        return self.policy(owner).weight
 
     def forget_buckets(self) -> None:
         """Drop every key's token bucket (the rate changed on reload: new buckets, full)."""
@@ -106,40 +178,149 @@ class KeyLimiter:
             else:
                 del self._unstreamed[owner]
 
-    def over_concurrency(self, in_flight: int) -> Refusal | None:
-        """Refuse when the key already has ``max_streams`` completions in flight."""
-        if not self.enabled or in_flight < self.max_streams:
+    def max_streams(self, owner: bytes) -> int | None:
+        """``owner``'s hard cap on completions in flight (None: none, or no API keys)."""
+        return self.policy(owner).max_streams if self.enabled else None
+
+    def over_concurrency(self, owner: bytes, in_flight: int) -> Refusal | None:
+        """Refuse when the key already has its ``max_streams`` completions in flight."""
+        cap = self.max_streams(owner)
+        if cap is None or in_flight < cap:
             return None
         return Refusal(
             error_codes.KEY_CONCURRENCY_EXCEEDED,
             1,  # a slot frees as soon as one of the key's own streams ends
             f"This API key has {in_flight} completions in flight, its limit is"
-            f" {self.max_streams}; retry when one has finished.",
+            f" {cap}; retry when one has finished.",
         )
 
     def take(self, owner: bytes, now: float) -> Refusal | None:
         """Take a token from the key's bucket; a refusal if it is empty (no rate: never)."""
-        if not self.enabled or self.rate_per_s <= 0:
+        policy = self.policy(owner)
+        if not self.enabled or policy.rate_per_s <= 0:
             return None
         bucket = self._buckets.get(owner)
         if bucket is None:
-            bucket = self._buckets[owner] = TokenBucket(self.rate_per_s, self.burst, now)
+            bucket = self._buckets[owner] = TokenBucket(policy.rate_per_s, policy.burst, now)
         wait_s = bucket.take(now)
-        return None if wait_s == 0.0 else self.rate_limited(wait_s)
+        return None if wait_s == 0.0 else self.rate_limited(owner, wait_s)
 
-    def rate_limited(self, wait_s: float) -> Refusal:
+    def rate_limited(self, owner: bytes, wait_s: float) -> Refusal:
         """The refusal of a key whose bucket has a token again in ``wait_s`` seconds."""
+        policy = self.policy(owner)
         return Refusal(
             error_codes.KEY_RATE_LIMITED,
             max(1, math.ceil(wait_s)),
-            f"This API key sent more than {self.burst} requests at once or more than"
-            f" {self.rate_per_s:g} a second.",
+            f"This API key sent more than {policy.burst} requests at once or more than"
+            f" {policy.rate_per_s:g} a second.",
         )
 
     def forget_idle(self, now: float) -> None:
         """Drop buckets that are full again: a key idle that long costs no memory."""
         for owner in [o for o, b in self._buckets.items() if b.full_at() <= now]:
             del self._buckets[owner]
+
+
+def _one(_: str) -> float:
+    return 1.0  # subjects of a key share it equally
+
+
+@dataclass(eq=False)
+class Tenants:
+    """The requests in flight of every key and of every subject of a key, and the fair
+    shares of a full region (between keys) and of a key's share or cap (between its
+    subjects) that they give (:class:`~firstbyte.router.fair_share.FairShare`)."""
+
+    limiter: KeyLimiter
+    keys: FairShare[bytes] = field(default_factory=FairShare)
+    subjects: dict[bytes, FairShare[str]] = field(default_factory=dict)
+
+    def subjects_of(self, owner: bytes) -> FairShare[str]:
+        found = self.subjects.get(owner)
+        if found is None:
+            found = self.subjects[owner] = FairShare()
+        return found
+
+    def hold(self, owner: bytes, subject: str | None) -> Callable[[], None]:
+        """Count a request of ``owner``/``subject`` in flight; the call that ends it (once)."""
+        name = subject or ""
+        self.keys.started(owner)
+        self.subjects_of(owner).started(name)
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.keys.finished(owner)
+                subjects = self.subjects_of(owner)
+                subjects.finished(name)
+                if not subjects.active():
+                    del self.subjects[owner]
+
+        return release
+
+    def fair_refusal(
+        self, ctx: RequestContext, capacity: float, now: float, retry_after_s: int,
+        *, full: bool = True,
+    ) -> Refusal | None:
+        """None if ``ctx``'s key stays within its weighted fair share of the region's
+        ``capacity`` and its subject within its share of the key's (admit it), else why not.
+
+        ``full``: every backend is at its limit. Then the budget shared is what this process
+        has in flight, at most ``capacity`` (the backends' other traffic is not ours to
+        share); a request admitted here waits on a backend while the flows above their share
+        are held, and one key's one subject asking alone gets :data:`ALONE` (the caller
+        refuses it as a full region). Not full, the budget is ``capacity`` and the answer
+        is None unless the demands of the flows asking (in flight, refused a moment ago,
+        this request) exceed it: then a free slot goes to a flow below its share, not to
+        one above it that happened to ask first."""
+        owner, subject = ctx.owner, ctx.subject or ""
+        budget = min(capacity, float(self.keys.total())) if full else capacity
+        key = self.keys.decide(owner, budget, now, weight_of=self.limiter.weight,
+                               contended=True)
+        subjects = self.subjects_of(owner)
+        if not key.admit:
+            if key.flows > 1:
+                self.keys.asked(owner, now)
+                subjects.asked(subject, now)
+                return Refusal(
+                    error_codes.KEY_OVER_FAIR_SHARE, retry_after_s,
+                    f"The region is full and this API key holds {key.in_flight} requests,"
+                    f" its fair share is {key.share:.1f}; retry after {retry_after_s} s.",
+                )
+            if not full:
+                return None  # alone, with room: nothing to share
+            self.keys.asked(owner, now)
+        mine = subjects.decide(subject, key.share, now, weight_of=_one, contended=True)
+        if mine.admit:
+            return None
+        if mine.flows <= 1:
+            if not full:
+                return None
+            subjects.asked(subject, now)
+            return ALONE
+        subjects.asked(subject, now)
+        return _subject_over_share(mine.in_flight, mine.share, retry_after_s)
+
+    def forget_asks(self, now: float) -> None:
+        self.keys.forget_asks(now)
+        for owner, subjects in list(self.subjects.items()):
+            subjects.forget_asks(now)
+            if not subjects.active():
+                del self.subjects[owner]
+
+
+ALONE = Refusal(error_codes.REGION_SATURATED, 1, "")
+"""One key's one subject alone fills the region: the caller refuses it as a full region."""
+
+
+def _subject_over_share(in_flight: int, share: float, retry_after_s: int) -> Refusal:
+    return Refusal(
+        error_codes.SUBJECT_OVER_FAIR_SHARE, retry_after_s,
+        f"This user of the application holds {in_flight} requests, its fair share of the"
+        f" application's is {share:.1f}; retry after {retry_after_s} s.",
+    )
 
 
 def refusal(reason: Refusal) -> LocalReply:
@@ -161,14 +342,49 @@ _STORE_MESSAGES = {
 }
 
 
-def limit_key(ctx: RequestContext, limiter: KeyLimiter, store: StreamStore, now: float) -> Outcome:
-    """The per-key stage: concurrency, then room in the store (streams only), then the rate.
+def subject_refusal(
+    ctx: RequestContext, limiter: KeyLimiter, tenants: Tenants, key_in_flight: int, now: float
+) -> Refusal | None:
+    """The subject's caps: its own (the token's ``max_streams``, else the key's
+    ``max_streams_per_subject``), then, at the key's cap, its fair share of that cap."""
+    owner, subject = ctx.owner, ctx.subject or ""
+    subjects = tenants.subjects.get(owner)
+    mine = subjects.in_flight(subject) if subjects is not None else 0
+    policy = limiter.policy(owner)
+    cap = ctx.subject_max_streams or (policy.max_streams_per_subject if ctx.subject else None)
+    if cap is not None and mine >= cap:
+        return Refusal(
+            error_codes.SUBJECT_CONCURRENCY_EXCEEDED, 1,
+            f"This user of the application has {mine} completions in flight, its limit is"
+            f" {cap}; retry when one has finished.",
+        )
+    key_cap = limiter.max_streams(owner)
+    if key_cap is None or subjects is None:
+        return None
+    decision = subjects.decide(subject, key_cap, now, weight_of=_one,
+                               contended=key_in_flight >= key_cap)
+    if decision.admit:
+        return None
+    subjects.asked(subject, now)
+    return _subject_over_share(decision.in_flight, decision.share, 1)
+
+
+def limit_key(
+    ctx: RequestContext, limiter: KeyLimiter, store: StreamStore, now: float,
+    tenants: Tenants | None = None,
+) -> Outcome:
+    """The per-key stage: the key's cap, its subject's caps, room in the store (streams
+    only), then the rate.
 
     The rate is checked last so that a request refused for another reason spends no token.
     """
     owner = ctx.owner
     in_flight = store.live_streams(owner) + limiter.unstreamed(owner)
-    refused = limiter.over_concurrency(in_flight)
+    refused = limiter.over_concurrency(owner, in_flight)
+    if refused is not None and tenants is not None:
+        tenants.subjects_of(owner).asked(ctx.subject or "", now)  # a slot that frees is its
+    if refused is None and tenants is not None:
+        refused = subject_refusal(ctx, limiter, tenants, in_flight, now)
     if refused is None and ctx.stream_requested:
         refused = store_refusal(store, owner, now)
     if refused is None:

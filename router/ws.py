@@ -141,7 +141,7 @@ class _Session:
                 )
             )
             return
-        stream = ctx.stream = self.state.new_stream(ctx.owner, ctx.release_key_slot)
+        stream = ctx.stream = self.state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         self.state.requests.stream_started(ctx)
@@ -152,7 +152,9 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
-        stream = await self.state.find_stream(message.stream, self.ctx.owner)
+        stream = await self.state.find_stream(
+            message.stream, self.ctx.owner, self.ctx.reader_subject
+        )
         if stream is None:
             await self.send(
                 _error(

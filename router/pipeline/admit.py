@@ -15,6 +15,7 @@ from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import RequestValidationError, decode_request
 
 from ..client_tokens import TokenRefusal, TokenSigner, is_client_token
+from ..tenancy import subject_of
 from .context import CONTINUE, Outcome, RequestContext, error_reply
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "adopt_token",
     "authenticate",
     "check_body_size",
+    "name_subject",
     "parse_chat",
 ]
 
@@ -53,6 +55,8 @@ def _by_token(ctx: RequestContext, token: str, tokens: TokenSigner) -> Outcome:
         )
     ctx.api_key = None
     ctx.token_owner = claims.owner
+    ctx.subject = claims.subject
+    ctx.subject_max_streams = claims.max_streams
     return CONTINUE
 
 
@@ -114,12 +118,30 @@ def parse_chat(ctx: RequestContext, *, force_stream: bool = False) -> Outcome:
     return CONTINUE
 
 
+SUBJECT_HEADER = "x-firstbyte-subject"
+"""A server-side request names the end user it is for (as the body's ``user`` does)."""
+
+
+def name_subject(ctx: RequestContext) -> None:
+    """Set ``ctx.subject`` for a request by API key: the ``x-firstbyte-subject`` header, else
+    the body's ``safety_identifier``, else its ``user`` (OpenAI's end-user fields). A client
+    token's subject is the one its app minted it for and nothing in the request changes it."""
+    if ctx.by_client_token:
+        return
+    name = ctx.headers.get(SUBJECT_HEADER)
+    request = ctx.request
+    if not name and request is not None:
+        name = request.safety_identifier or request.user
+    ctx.subject = subject_of(name)
+
+
 def admit_body(ctx: RequestContext, max_body_bytes: int, *, force_stream: bool = False) -> Outcome:
     """Run the body limit and parsing on an authenticated request; stamp ``ctx.admitted_at``."""
     outcome = check_body_size(ctx, max_body_bytes)
     if outcome is CONTINUE:
         outcome = parse_chat(ctx, force_stream=force_stream)
     if outcome is CONTINUE:
+        name_subject(ctx)
         ctx.admitted_at = time.perf_counter()
     return outcome
 

@@ -164,6 +164,13 @@ class RequestContext:
     token_owner: bytes | None = field(default=None, repr=False)
     """Set when a client token authenticated the request: its key's owner digest
     (``api_key`` is then None: the router never sees the key behind a token)."""
+    subject: str | None = field(default=None, repr=False)
+    """Who the key's request is for (an app's end user, bounded in size): a client token's
+    subject, else the ``x-firstbyte-subject`` header, ``safety_identifier`` or ``user`` of the
+    body (:func:`firstbyte.router.pipeline.admit.name_subject`); None: the key itself.
+    Subjects of a key share its fair share; a token's subject reads only its own streams."""
+    subject_max_streams: int | None = field(default=None, repr=False)
+    """The subject's own cap on completions in flight, from its client token."""
     request: ChatCompletionRequest | None = field(default=None, repr=False)
     stream_requested: bool = False
     traceparent: Traceparent = field(default_factory=lambda: Traceparent.continue_from(None))
@@ -204,6 +211,12 @@ class RequestContext:
         """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
         owner of its streams and the subject of the per-key limits, for a key or its token."""
         return self.token_owner if self.token_owner is not None else owner_of(self.api_key)
+
+    @property
+    def reader_subject(self) -> str | None:
+        """The one subject whose streams this request may read: a client token's (None: an
+        API key, or a token minted without a subject, reads every stream of its key)."""
+        return self.subject if self.by_client_token else None
 
     @property
     def by_client_token(self) -> bool:

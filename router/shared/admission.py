@@ -68,7 +68,8 @@ end
 """
 
 # KEYS: the key's slots, its bucket, the affinity key, the backend's slots.
-# ARGV: 1 process, 2 lease prefix, 3 key's max in flight (-1: no key limits), 4 rate/s,
+# ARGV: 1 process, 2 lease prefix, 3 key's max in flight (-1: no key limits at all, 0: the
+# key's slots are counted but not capped), 4 rate/s,
 # 5 burst, 6 expiry ms, 7 backend ('': a peer region, nothing to claim), 8 backend limit (-1:
 # none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms.
 # Checks everything first, then claims both slots and takes the token; returns {0, in flight
@@ -79,7 +80,8 @@ _ADMIT = _LIVE + """
 local keyed = tonumber(ARGV[3]) >= 0
 if keyed then
   local total = live(KEYS[1], ARGV[1], ARGV[2])
-  if total >= tonumber(ARGV[3]) then return {1, total} end
+  local cap = tonumber(ARGV[3])
+  if cap > 0 and total >= cap then return {1, total} end
 end
 local backend, mode = ARGV[7], ARGV[9]
 if mode == '1' then
@@ -204,6 +206,7 @@ class SharedAdmission:
         self,
         owner: bytes,
         *,
+        keyed: bool = True,
         key_limit: int | None,
         rate_per_s: float,
         burst: int,
@@ -212,15 +215,16 @@ class SharedAdmission:
         affinity_key: str | None,
         affinity: Affinity,
     ) -> Admission:
-        """One round trip: check ``owner``'s concurrency (``key_limit`` None: no per-key
-        limits), the affinity of ``affinity_key``, ``backend``'s slots (None: a peer region,
-        nothing to claim; ``backend_limit`` None: no limit, a request queued on purpose) and
-        the key's rate, in that order; if all pass, claim a slot of each and take a token."""
+        """One round trip: check ``owner``'s concurrency (``keyed`` False: no per-key limits
+        nor counts; ``key_limit`` None: counted, no cap), the affinity of ``affinity_key``,
+        ``backend``'s slots (None: a peer region, nothing to claim; ``backend_limit`` None: no
+        limit, a request queued on purpose) and the key's rate, in that order; if all pass,
+        claim a slot of each and take a token."""
         digest = affinity_digest(affinity_key or "")
         args = (
             4, self.keys.key_slots(owner), self.keys.key_bucket(owner),
             self.keys.affinity(digest), self.keys.backend_load(backend or ""),
-            self.process, self._lease_prefix, -1 if key_limit is None else key_limit,
+            self.process, self._lease_prefix, -1 if not keyed else (key_limit or 0),
             rate_per_s, burst, self._expiry_ms, backend or "",
             -1 if backend_limit is None else backend_limit,
             int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
@@ -248,7 +252,7 @@ class SharedAdmission:
         backend refused the connection (its key's slot and affinity stay as claimed); False
         if the processes together hold ``limit`` on it."""
         answer = await self.admit(
-            b"", key_limit=None, rate_per_s=0.0, burst=0, backend=backend,
+            b"", keyed=False, key_limit=None, rate_per_s=0.0, burst=0, backend=backend,
             backend_limit=limit, affinity_key=None, affinity=Affinity.NONE,
         )
         return answer.verdict is Verdict.ADMITTED

@@ -117,6 +117,8 @@ class RemoteStream:
         self.process = process
         """The producing process (whose lease says whether it still runs)."""
         self.upstream_ttft_ms = ttft_ms
+        self.subject: str | None = None
+        """The subject it was made for (``subj`` in its metadata)."""
         self.events: list[StreamEvent] = []
         self.cursor = 0
         """The last sequence number read from Redis."""
@@ -272,7 +274,9 @@ class SharedStreams:
             return None
         ttft = meta.get(b"ttft")
         process = meta.get(b"proc", b"").decode()
-        return RemoteStream(self, stream_id, process, None if ttft is None else float(ttft))
+        remote = RemoteStream(self, stream_id, process, None if ttft is None else float(ttft))
+        remote.subject = meta.get(b"subj", b"").decode() or None
+        return remote
 
     async def read_now(self, remote: RemoteStream) -> list[Any]:
         """The stored entries after ``remote.cursor`` (no waiting)."""
@@ -399,8 +403,10 @@ class _Writer:
         for stream, event in batch:
             if event is None:
                 meta = _bulk(keys.meta(stream.id).encode())
-                parts += (b"*6\r\n$4\r\nHSET\r\n", meta, b"$5\r\nowner\r\n", _bulk(stream.owner),
+                subject = b"" if stream.subject is None else stream.subject.encode()
+                parts += (b"*8\r\n$4\r\nHSET\r\n", meta, b"$5\r\nowner\r\n", _bulk(stream.owner),
                           b"$4\r\nproc\r\n", _bulk(self._process),
+                          b"$4\r\nsubj\r\n", _bulk(subject),
                           b"*3\r\n$7\r\nPEXPIRE\r\n", meta, max_age)
                 producers += (None, None)
                 continue

@@ -28,6 +28,38 @@ def signer(secret: bytes = b"k" * 32, max_ttl_s: float = 900) -> TokenSigner:
     return TokenSigner(secret, max_ttl_s=max_ttl_s, default_ttl_s=300)
 
 
+def test_a_token_carries_its_subject_and_the_subjects_cap() -> None:
+    s = signer()
+    grant = s.mint(OWNER, now=1000.0, ttl_s=60, subject="user-42", max_streams=3)
+    assert s.verify(grant.token, 1001.0, None) == TokenClaims(OWNER, 1060.0, None, "user-42", 3)
+    # The subject is signed: a payload edited to another subject is refused.
+    body, _, signature = grant.token.rpartition(".")
+    forged = s.mint(OWNER, now=1000.0, ttl_s=60, subject="user-43").token.rpartition(".")[0]
+    assert isinstance(s.verify(f"{forged}.{signature}", 1001.0, None), TokenRefusal)
+    assert body != forged
+
+
+async def test_sdk_minted_subject_tokens_read_only_their_own_subjects_streams(
+    start_router: RouterFactory, upstream: Upstream
+) -> None:
+    async with start_router([upstream.url], tls=False) as r:
+        base = f"{r.base_url}/v1"
+        alice = await amint_client_token(base, API_KEY, subject="alice")
+        bob = await asyncio.to_thread(mint_client_token, base, API_KEY, subject="bob")
+        async with AsyncClient(base, alice.token, http="1.1") as client:
+            async with client.stream(model="m", messages=CHAT["messages"]) as stream:
+                assert "".join([d.text async for d in stream])
+            stream_id = stream.stream_id
+        async with httpx.AsyncClient(base_url=r.base_url) as http:
+            mine = await http.get(f"/v1/streams/{stream_id}", params={"token": alice.token})
+            theirs = await http.get(f"/v1/streams/{stream_id}", params={"token": bob.token})
+            polled = await http.get(f"/v1/streams/{stream_id}/poll", headers=auth(bob.token),
+                                    params={"wait": "0"})
+    assert mine.status_code == 200
+    assert (theirs.status_code, polled.status_code) == (404, 404)
+    assert theirs.json()["error"]["code"] == error_codes.STREAM_NOT_FOUND
+
+
 def test_a_token_verifies_until_it_expires() -> None:
     s = signer()
     grant = s.mint(OWNER, now=1000.0, ttl_s=60)

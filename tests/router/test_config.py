@@ -52,6 +52,18 @@ resume_grace_s = 10
             + "latitude = 35.7\nlongitude = 139.7\n",
             "peers[0].url: must be https",
         ),
+        (
+            GOOD + '[[auth.keys]]\nkey = "sk-test-key-0002"\nweight = 0\n',
+            "auth.keys[0].weight: Expected `float` > 0.0",
+        ),
+        (
+            GOOD + '[[auth.keys]]\nkey = "sk-test-key-0002"\nmax_stream = 5\n',
+            "auth.keys[0].max_stream: unknown key",
+        ),
+        (
+            GOOD + '[[auth.keys]]\nkey = "sk-test-key-0001"\n',
+            "auth.keys[0]: this key is listed twice",
+        ),
         ("region = [", "not valid TOML"),
         ('region = "x"\n', "missing required field `upstreams`"),
     ],
@@ -73,6 +85,24 @@ def test_good_config_loads(tmp_path: Path) -> None:
     assert config.listen.port == 9000
     assert config.streams.resume_grace_s == 10
     assert config.limits.upstream_keepalive_expiry_s > 5  # httpx's 5 s default is too short
+
+
+def test_the_per_key_table_loads_beside_api_keys(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(
+        GOOD.replace("[auth]\n", "[auth]\n")
+        + '[[auth.keys]]\nkey = "sk-table-key-1"\nweight = 2.0\nmax_streams = 500\n'
+        + "max_streams_per_subject = 20\n"
+        + '[[auth.keys]]\nkey = "sk-table-key-2"\n'
+    )
+    config = load_config(path)
+    assert config.auth.all_keys() == ["sk-test-key-0001", "sk-table-key-1", "sk-table-key-2"]
+    first, second = config.auth.keys
+    assert (first.weight, first.max_streams, first.max_streams_per_subject) == (2.0, 500, 20)
+    assert (second.weight, second.max_streams, second.requests_per_s) == (1.0, None, None)
+    # No default caps a key: the [limits] per-key caps are opt-in.
+    assert config.limits.max_streams_per_key is None
+    assert config.limits.max_streams_per_subject is None
 
 
 def test_check_config_cli(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.drain import drain_finished
 from firstbyte.router.reload import changed_keys, needs_restart
 from firstbyte.router.state import RouterState
+from firstbyte.router.streams import owner_of
 
 BASE: dict[str, Any] = {
     "region": "eu-west-1",
@@ -104,6 +105,7 @@ async def test_reconfigured_state_keeps_what_stays_and_swaps_the_rest() -> None:
                 peers=[peer, {"name": "ap-south-1", "url": "http://127.0.0.1:13"}],
                 warm_prefixes=[{"name": "sys", "text": "You are terse."}],
                 auth__api_keys=["sk-first-key", "sk-second-key"],
+                auth__keys=[{"key": "sk-table-key-1", "weight": 2.0, "max_streams": 5}],
                 limits__requests_per_s_per_key=2.0,
                 streams__max_total_bytes=1 << 20,
             )
@@ -114,8 +116,10 @@ async def test_reconfigured_state_keeps_what_stays_and_swaps_the_rest() -> None:
         assert set(state.routing.peer_table.peers) == {"us-east-1", "ap-south-1"}
         assert state.routing.peer_table.peers["us-east-1"] is old_peer
         assert [p.name for p in state.routing.prefixes] == ["sys"]
-        assert state.api_keys == [b"sk-first-key", b"sk-second-key"]
-        assert state.limiter.rate_per_s == 2.0
+        assert state.api_keys == [b"sk-first-key", b"sk-second-key", b"sk-table-key-1"]
+        assert state.limiter.default.rate_per_s == 2.0
+        table_key = state.limiter.policy(owner_of("sk-table-key-1"))  # the table, reloaded
+        assert (table_key.weight, table_key.max_streams, table_key.rate_per_s) == (2.0, 5, 2.0)
         assert state.store.max_total_bytes == 1 << 20
         assert state.routing.draining  # a reload during a drain does not end it
     finally:

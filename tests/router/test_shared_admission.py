@@ -168,3 +168,23 @@ async def test_two_processes_together_respect_a_backends_max_in_flight(
             assert _refused(refused, error_codes.REGION_SATURATED), refused.text
             assert int(refused.headers["retry-after"]) >= 1
         assert len(sim.engine.running) + len(sim.engine.waiting) == 2  # and only two went
+
+
+async def test_no_default_caps_a_key_across_processes(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+) -> None:
+    # The old default capped a key at 128 completions in flight region-wide. Each stream
+    # here sends a token, then holds 10 s: 140 of one key, over both processes, at once.
+    async with sim_server("h100-7b", faults=["stall:after=1,ms=10000"]) as held_sim, _routers(
+        tmp_path, tls_files, redis_server.url, held_sim.url
+    ) as (a, b):
+        limits = httpx.Limits(max_connections=140, max_keepalive_connections=140)
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=30,
+                                     limits=limits) as http:
+            body = {**BODY, "max_tokens": 4}
+            started = await asyncio.gather(*(
+                http.post(router.url + "/v1/streams", json=body, headers=auth())
+                for router in [a, b] * 70
+            ))
+    statuses = [r.status_code for r in started]
+    assert statuses.count(201) == 140, {s: statuses.count(s) for s in set(statuses)}

@@ -292,6 +292,42 @@ async def test_websocket_resume_on_another_process(
     assert seqs == list(range(1, len(seqs) + 1))
 
 
+async def test_a_tokens_subject_reads_only_its_own_streams_on_every_process(
+    pair: tuple[RouterProcess, RouterProcess], client: httpx.AsyncClient,
+    tls_files: dict[str, str],
+) -> None:
+    a, b = pair
+
+    async def mint(router: RouterProcess, subject: str) -> str:
+        # No shared token_secret here: a token is valid on the process that minted it.
+        answer = await client.post(router.url + "/v1/edge/tokens", headers=auth(),
+                                   json={"subject": subject})
+        assert answer.status_code == 200, answer.text
+        token: str = answer.json()["token"]
+        return token
+
+    started = await client.post(a.url + "/v1/streams", json=BODY,
+                                headers=auth(await mint(a, "alice")))
+    assert started.status_code == 201
+    stream_id = started.json()["stream"]
+    alice_b, bob_b = await mint(b, "alice"), await mint(b, "bob")
+    # On B the stream is one of A's, found through Redis with its subject.
+    mine = await client.get(f"{b.url}/v1/streams/{stream_id}/poll?wait=0",
+                            headers=auth(alice_b))
+    theirs = await client.get(f"{b.url}/v1/streams/{stream_id}/poll?wait=0",
+                              headers=auth(bob_b))
+    assert mine.status_code == 200
+    assert theirs.status_code == 404
+    assert theirs.json()["error"]["code"] == error_codes.STREAM_NOT_FOUND
+    wss = b.url.replace("https://", "wss://") + "/v1/ws"
+    protocols = ["firstbyte.v1", f"firstbyte.token.{bob_b}"]
+    async with ws_connect(wss, ssl=client_tls(tls_files), subprotocols=protocols) as ws:  # type: ignore[arg-type]
+        await ws.send(json.dumps({"type": "resume", "stream": stream_id, "after": 0}))
+        refused = json.loads(await ws.recv())
+    assert (refused["type"], refused["status"]) == ("error", 404)
+    assert refused["error"]["code"] == error_codes.STREAM_NOT_FOUND
+
+
 async def test_zero_rtt_ticket_from_one_process_accepted_once_by_another(
     pair: tuple[RouterProcess, RouterProcess], tls_files: dict[str, str]
 ) -> None:

@@ -9,7 +9,15 @@ import pytest
 
 from firstbyte.router.pipeline.context import CONTINUE, LocalReply, RequestContext
 from firstbyte.router.streams import StreamStore, owner_of
-from firstbyte.router.tenancy import KeyLimiter, TokenBucket, limit_key
+from firstbyte.router.tenancy import (
+    ALONE,
+    KeyLimiter,
+    KeyPolicy,
+    Tenants,
+    TokenBucket,
+    limit_key,
+    subject_of,
+)
 
 KEY_A = "sk-tenant-a-0001"
 KEY_B = "sk-tenant-b-0002"
@@ -114,3 +122,105 @@ def test_an_anonymous_router_has_no_per_key_limits() -> None:
         ctx.api_key = None
         assert limit_key(ctx, limiter, store, 0.0) is CONTINUE
         store.create(owner_of(None), 0.0)
+
+
+def _subject_ctx(key: str, subject: str | None) -> RequestContext:
+    ctx = _ctx(key)
+    ctx.subject = subject
+    return ctx
+
+
+def test_no_default_caps_a_key() -> None:
+    limiter = KeyLimiter()  # the [limits] defaults: no cap, no rate
+    store = StreamStore(max_total_bytes=1 << 30, max_age_s=60)
+    tenants = Tenants(limiter)
+    for _ in range(1000):
+        assert limit_key(_ctx(KEY_A), limiter, store, 0.0, tenants) is CONTINUE
+        store.create(owner_of(KEY_A), 0.0)
+        tenants.hold(owner_of(KEY_A), None)
+
+
+def test_the_key_table_gives_a_key_its_own_weight_and_caps() -> None:
+    a, b = owner_of(KEY_A), owner_of(KEY_B)
+    limiter = KeyLimiter(max_streams=None, rate_per_s=0.0, burst=1)
+    limiter.configure(KeyPolicy(), {b: KeyPolicy(weight=2.0, max_streams=1, rate_per_s=1.0,
+                                                 burst=1)})
+    assert (limiter.weight(a), limiter.weight(b)) == (1.0, 2.0)
+    assert (limiter.max_streams(a), limiter.max_streams(b)) == (None, 1)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    assert limit_key(_ctx(KEY_B), limiter, store, 0.0) is CONTINUE
+    assert _refusal(limit_key(_ctx(KEY_B), limiter, store, 0.0)) == (429, "key_rate_limited", "1")
+    store.create(b, 0.0)
+    assert _refusal(limit_key(_ctx(KEY_B), limiter, store, 5.0))[1] == "key_concurrency_exceeded"
+    assert limit_key(_ctx(KEY_A), limiter, store, 0.0) is CONTINUE  # A: no cap, no rate
+    # A reload that changes B's rate starts B's bucket again; A's policy is the default's.
+    limiter.configure(KeyPolicy(), {b: KeyPolicy(weight=2.0, rate_per_s=5.0, burst=3)})
+    assert limiter._buckets == {}
+
+
+def test_a_subject_cap_and_a_fair_share_of_the_keys_cap() -> None:
+    a = owner_of(KEY_A)
+    limiter = KeyLimiter(max_streams=4, max_streams_per_subject=3)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    tenants = Tenants(limiter)
+
+    def admit(subject: str, now: float) -> object:
+        outcome = limit_key(_subject_ctx(KEY_A, subject), limiter, store, now, tenants)
+        if outcome is CONTINUE:
+            store.create(a, now)
+            tenants.hold(a, subject)
+        return outcome
+
+    assert [admit("greedy", 0.0) for _ in range(3)] == [CONTINUE] * 3
+    assert _refusal(admit("greedy", 0.0))[1] == "subject_concurrency_exceeded"
+    assert admit("polite", 0.0) is CONTINUE  # the key's 4th slot
+    assert _refusal(admit("third", 0.0))[1] == "key_concurrency_exceeded"  # at the cap
+    # One of greedy's streams ends: the slot goes to "third", who asked, not back to greedy.
+    store.running()[0].finish(0.1)
+    tenants.subjects[a].finished("greedy")
+    assert _refusal(admit("greedy", 0.2))[1] == "subject_over_fair_share"
+    assert admit("third", 0.3) is CONTINUE
+
+
+def test_a_token_subject_cap_wins_over_the_keys() -> None:
+    limiter = KeyLimiter(max_streams_per_subject=10)
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    tenants = Tenants(limiter)
+    ctx = _subject_ctx(KEY_A, "user-1")
+    ctx.subject_max_streams = 1
+    assert limit_key(ctx, limiter, store, 0.0, tenants) is CONTINUE
+    tenants.hold(owner_of(KEY_A), "user-1")
+    assert _refusal(limit_key(ctx, limiter, store, 0.0, tenants))[1] == (
+        "subject_concurrency_exceeded"
+    )
+
+
+def test_a_full_region_is_shared_between_keys_then_between_subjects() -> None:
+    a, b = owner_of(KEY_A), owner_of(KEY_B)
+    tenants = Tenants(KeyLimiter())
+    for _ in range(8):
+        tenants.hold(a, "abuser")
+    # Key A alone, one subject: nothing to share, the caller's own "region full".
+    assert tenants.fair_refusal(_subject_ctx(KEY_A, "abuser"), 8, 0.0, 3) is ALONE
+    # Another subject of A is below its share of A's: admitted (queued).
+    assert tenants.fair_refusal(_subject_ctx(KEY_A, "polite"), 8, 0.0, 3) is None
+    tenants.hold(a, "polite")
+    refused = tenants.fair_refusal(_subject_ctx(KEY_A, "abuser"), 8, 0.0, 3)
+    assert refused is not None
+    assert (refused.code, refused.retry_after_s) == ("subject_over_fair_share", 3)
+    # Key B asks: below its share of the region; A is above its own.
+    assert tenants.fair_refusal(_subject_ctx(KEY_B, None), 8, 0.0, 3) is None
+    tenants.hold(b, None)
+    refused = tenants.fair_refusal(_subject_ctx(KEY_A, "polite"), 8, 0.0, 3)
+    assert refused is not None
+    assert refused.code == "key_over_fair_share"
+
+
+def test_subject_of_bounds_its_size() -> None:
+    assert subject_of("") is None
+    assert subject_of(None) is None
+    assert subject_of("user-1") == "user-1"
+    long = subject_of("x" * 1000)
+    assert long is not None
+    assert long.startswith("sha256:")
+    assert len(long) <= 128

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 
+from firstbyte.router.client_tokens import TokenSigner
 from firstbyte.router.pipeline.admit import admit_chat, authenticate, check_body_size, parse_chat
 from firstbyte.router.pipeline.backend import Backend, BackendPool, choose_backend
 from firstbyte.router.pipeline.context import (
@@ -111,3 +114,28 @@ def test_server_timing_names_what_is_known() -> None:
     request.routed_at = request.admitted_at + 0.001
     timing = request.server_timing(upstream_ttft=12.5)
     assert timing == "queue;dur=2.00, route;dur=1.00, upstream-ttft;dur=12.50"
+
+
+def _body(**more: str) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **more}
+                      ).encode()
+
+
+def test_a_request_by_key_names_its_subject_a_token_keeps_its_own() -> None:
+    def subject(headers: dict[str, str], body: bytes) -> str | None:
+        request = ctx({"authorization": "Bearer sk-one-00000000", **headers}, body)
+        assert admit_chat(request, KEYS, 1 << 20) is CONTINUE
+        return request.subject
+
+    assert subject({}, BODY) is None
+    assert subject({}, _body(user="u-1")) == "u-1"
+    assert subject({}, _body(user="u-1", safety_identifier="s-1")) == "s-1"
+    assert subject({"x-firstbyte-subject": "h-1"}, _body(user="u-1")) == "h-1"
+    assert subject({}, _body(user="x" * 500)) == "sha256:" + hashlib.sha256(
+        b"x" * 500).hexdigest()
+    signer = TokenSigner(b"k" * 32, max_ttl_s=60, default_ttl_s=60)
+    token = signer.mint(b"owner", time.time(), subject="alice").token
+    by_token = ctx({"authorization": f"Bearer {token}", "x-firstbyte-subject": "mallory"},
+                   _body(user="mallory"))
+    assert admit_chat(by_token, KEYS, 1 << 20, tokens=signer) is CONTINUE
+    assert (by_token.subject, by_token.reader_subject) == ("alice", "alice")

@@ -1,0 +1,176 @@
+"""Weighted max-min fair shares of a budget among the flows asking for it (sans-IO, clock
+passed in).
+
+A *flow* is whoever competes for a budget: an API key for the region's capacity, a subject
+(an app's end user) for its key's share. Each flow has requests in flight and, for a short
+while after it was refused (:data:`ASK_WINDOW_S`), one more it is still asking for. Its
+*share* is the weighted max-min fair allocation of the budget (:func:`water_fill`): no flow
+gets more than it asks for, and what one flow does not need is split among the others by
+weight. The decision (:meth:`FairShare.decide`) admits a request when the flow stays within its
+share, or when nothing is contended (work-conserving: a request the budget has room for is
+never refused for fairness); it never refuses a flow below its share.
+
+This is the core the admission stages (:mod:`firstbyte.router.tenancy`) and ``bench tenancy``
+build on; it holds counts only and never touches a socket or a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["ASK_WINDOW_S", "Decision", "FairShare", "water_fill"]
+
+K = TypeVar("K", bound=Hashable)
+
+ASK_WINDOW_S = 2.0
+"""A flow refused this recently still asks for one more request: its demand counts it, so a
+slot that frees goes to it rather than to a flow already at its share (a client retries
+within ``Retry-After``, 1 s, so two seconds cover one retry)."""
+
+_EPSILON = 1e-9
+
+
+def water_fill(
+    budget: float, demands: Mapping[K, float], weights: Mapping[K, float] | None = None
+) -> dict[K, float]:
+    """The weighted max-min fair allocation of ``budget`` over ``demands``.
+
+    Every flow gets ``min(demand, level * weight)`` for the one ``level`` at which the
+    allocations add up to ``budget`` (or every demand is met, when the budget is larger).
+    A missing weight is 1; weights must be positive. Exact up to float rounding."""
+    weight = {k: (1.0 if weights is None else weights.get(k, 1.0)) for k in demands}
+    alloc = {k: 0.0 for k in demands}
+    left = max(0.0, budget)
+    # Raise the water level flow by flow, in the order their demands are met.
+    pending = sorted(
+        (k for k, d in demands.items() if d > 0), key=lambda k: demands[k] / weight[k]
+    )
+    total_weight = sum(weight[k] for k in pending)
+    for i, k in enumerate(pending):
+        level = left / total_weight
+        if demands[k] / weight[k] > level:  # no one left is met at this level: split it all
+            for rest in pending[i:]:
+                alloc[rest] = level * weight[rest]
+            return alloc
+        alloc[k] = float(demands[k])
+        left -= demands[k]
+        total_weight -= weight[k]
+    return alloc
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Whether a flow's new request is admitted, with what it was judged on."""
+
+    admit: bool
+    in_flight: int
+    """The flow's requests in flight before this one."""
+    share: float
+    """The flow's fair share of the budget, this request counted in its demand."""
+    flows: int
+    """Flows asking (in flight or refused recently), this one included."""
+
+
+class FairShare(Generic[K]):
+    """In-flight counts and recent refusals of flows; fair decisions over them."""
+
+    def __init__(self, ask_window_s: float = ASK_WINDOW_S) -> None:
+        self.ask_window_s = ask_window_s
+        self._in_flight: dict[K, int] = {}
+        self._total = 0
+        self._asked_at: dict[K, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._in_flight)
+
+    def active(self) -> bool:
+        """Whether any flow has a request in flight or was refused within the window."""
+        return bool(self._in_flight or self._asked_at)
+
+    def in_flight(self, flow: K) -> int:
+        return self._in_flight.get(flow, 0)
+
+    def total(self) -> int:
+        return self._total
+
+    def started(self, flow: K) -> None:
+        """A request of ``flow`` was admitted (its demand is met: it asks no longer)."""
+        self._in_flight[flow] = self._in_flight.get(flow, 0) + 1
+        self._total += 1
+        self._asked_at.pop(flow, None)
+
+    def finished(self, flow: K) -> None:
+        """A request of ``flow`` ended (an idle flow is forgotten)."""
+        held = self._in_flight.get(flow, 0)
+        if held:
+            self._total -= 1
+        left = held - 1
+        if left > 0:
+            self._in_flight[flow] = left
+        else:
+            self._in_flight.pop(flow, None)
+
+    def asked(self, flow: K, now: float) -> None:
+        """A request of ``flow`` was refused at ``now``: it asks for one more for a while."""
+        self._asked_at[flow] = now
+
+    def demands(self, now: float, asking: K | None = None) -> dict[K, float]:
+        """What each flow asks for: its requests in flight, one more if refused recently
+        (``asking``: the flow deciding now, one more in any case)."""
+        out: dict[K, float] = {k: float(n) for k, n in self._in_flight.items()}
+        for flow, at in self._asked_at.items():
+            if now - at < self.ask_window_s:
+                out[flow] = out.get(flow, 0.0) + 1.0
+        if asking is not None:
+            out[asking] = float(self.in_flight(asking) + 1)
+        return out
+
+    def shares(
+        self, budget: float, now: float, weight_of: Callable[[K], float], asking: K | None = None
+    ) -> dict[K, float]:
+        """Every asking flow's fair share of ``budget`` (see :func:`water_fill`)."""
+        demands = self.demands(now, asking)
+        return water_fill(budget, demands, {k: weight_of(k) for k in demands})
+
+    def decide(
+        self,
+        flow: K,
+        budget: float,
+        now: float,
+        *,
+        weight_of: Callable[[K], float],
+        contended: bool,
+    ) -> Decision:
+        """Admit ``flow``'s new request if it stays within its share of ``budget``.
+
+        Over its share it is still admitted while the budget is not ``contended`` and no
+        other flow is starved (refused recently and below its share): the slot is free and
+        nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
+        mine = self.in_flight(flow)
+        if not self._asked_at and self._total + 1 <= budget + _EPSILON:
+            # Nobody refused lately and room for this one (the common case: O(1), no
+            # sharing); the flow may take all that the others do not hold.
+            flows = len(self._in_flight) + (flow not in self._in_flight)
+            return Decision(True, mine, budget - (self._total - mine), flows)
+        demands = self.demands(now, flow)
+        total = sum(demands.values())
+        if total <= budget + _EPSILON:  # expired asks left: still room for every demand
+            return Decision(True, mine, budget - (total - demands[flow]), len(demands))
+        shares = water_fill(budget, demands, {k: weight_of(k) for k in demands})
+        share = shares[flow]
+        within = mine + 1 <= share + _EPSILON
+        admit = within
+        if not within and not contended:
+            admit = not any(
+                k != flow and now - at < self.ask_window_s
+                and self.in_flight(k) + 1 <= shares.get(k, 0.0) + _EPSILON
+                for k, at in self._asked_at.items()
+            )
+        return Decision(admit, mine, share, len(shares))
+
+    def forget_asks(self, now: float) -> None:
+        """Drop refusals older than the ask window (housekeeping)."""
+        for flow in [k for k, at in self._asked_at.items() if now - at >= self.ask_window_s]:
+            del self._asked_at[flow]
