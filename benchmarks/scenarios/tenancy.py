@@ -9,9 +9,10 @@ and drives them from this process with a minimal HTTP/1.1 client, one connection
   on a region with room for 4,096. Target: 0 refusals, 0 errors.
 - ``fair_share``: the region at 2x its capacity (40 slots), three keys asking 8 : 8 : 64
   concurrent streams, equal weights; each key's served concurrency against its max-min fair
-  share (8 : 8 : 24). ``weighted``: three keys asking 30 each with weights 1 : 1 : 2 (at
-  8 : 8 : 64 the weighted and the equal shares coincide, so the weights are shown where they
-  decide), against 10 : 10 : 20. Target: within 10% of the fair share.
+  share (users of the light keys think 0.3 s between answers, the heavy key is a batch job).
+  ``weighted``: three batch keys asking 30 each with weights 1 : 1 : 2 (at 8 : 8 : 64 the
+  weighted and the equal shares coincide, so the weights are shown where they decide),
+  against 10 : 10 : 20. Target: within 10% of the fair share.
 - ``subjects``: one key; 20 end users (``user`` in the request body) stream one after another
   on a region of 100 slots, alone and then beside one end user of the same key holding 500
   streams open. Target: the 20 see 0 refusals and their TTFT P99 within 10% of the run alone.
@@ -231,17 +232,19 @@ async def _one_app(tmp: Path, quick: bool) -> dict[str, Any]:
 
 async def _shares(tmp: Path, quick: bool, clients: Mapping[str, int],
                   weights: Mapping[str, float] | None) -> dict[str, Any]:
-    """The region (40 slots) asked for about twice what it has: the light keys' users think
-    ``THINK_S`` between answers, the heavy key's clients ask again at once and retry a refusal
-    after ``HEAVY_RETRY_S`` (a batch job). Each key's served concurrency is set against its
-    weighted max-min fair share of what the region served, a key's demand being what it would
-    hold if never refused (clients x stream time / (stream time + think time))."""
+    """The region (40 slots) asked for more than it has: the light keys' users think
+    ``THINK_S`` between answers, the clients of the key asking most (every key, when they ask
+    alike) ask again at once and retry a refusal after ``HEAVY_RETRY_S`` (a batch job).
+    Each key's served concurrency is set against its weighted max-min fair share of what the
+    region served, a key's demand being what it would hold if never refused (clients x
+    stream time / (stream time + think time))."""
     capacity = 40
     duration, warmup = (8.0, 2.0) if quick else (30.0, 5.0)
     port = free_port()
     sim_args = ["--max-num-seqs", str(capacity), "--queue-limit", "4096"]
-    think = {key: (0.0 if count == max(clients.values()) and len(set(clients.values())) > 1
-                   else THINK_S) for key, count in clients.items()}
+    # The key asking most is a batch job (no think time); with equal asks, all are.
+    think = {key: (0.0 if count == max(clients.values()) else THINK_S)
+             for key, count in clients.items()}
     async with _sims(tmp, 1, sim_args) as sims:
         config = _router_config(tmp, port, [{"url": sims[0].url, "max_in_flight": capacity}],
                                 _keys_table(weights), routing={"backend_max_waiting": 0})
