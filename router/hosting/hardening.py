@@ -16,6 +16,9 @@ all once per process, and they act only on a server whose hypercorn ``Config`` c
   (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
   (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
   disconnect and cancel their work;
+- HTTP/3: DATA (or trailers) for a stream already answered is dropped and the client asked
+  to stop sending it (STOP_SENDING, H3_NO_ERROR) instead of raising ``KeyError``, which
+  ended hypercorn's UDP server task and with it HTTP/3 for the life of the process;
 - WebSocket: a message over ``websocket_max_message_size`` is refused at its frame header
   (:mod:`.ws_frames`), and permessage-deflate is not offered (a compressed frame's header
   does not bound what it inflates to).
@@ -92,6 +95,7 @@ def harden_hypercorn() -> None:
     _reject_ambiguous_framing()
     _discard_unread_bodies()
     _close_finished_h2_streams()
+    _drop_late_h3_data()
     _guard_websocket_frames()
     run._firstbyte_hardened = True  # type: ignore[attr-defined]
 
@@ -381,6 +385,63 @@ def _close_finished_h2_streams() -> None:
         return False
 
     H2Protocol._handle_events = guarded  # type: ignore[method-assign]
+
+
+def _drop_late_h3_data() -> None:
+    """Drop HTTP/3 DATA for a stream hypercorn has already forgotten.
+
+    hypercorn's ``H3Protocol.handle`` looks every DATA frame's stream up with
+    ``self.streams[stream_id]``, and forgets a stream once its app has answered. A POST
+    answered before its body was read (401 to a long prompt without a key, 404 to a keyed
+    POST to an unknown path) gets the rest of its body afterwards: ``KeyError``, raised into
+    the UDP server's loop, which ended it: every later QUIC handshake timed out, for the life
+    of the process. Such frames are now dropped, and the client is asked to stop sending the
+    body (STOP_SENDING with H3_NO_ERROR, as RFC 9114 section 4.1 provides for a response
+    sent before the request was complete).
+    """
+    from aioquic.h3.connection import ErrorCode
+    from aioquic.h3.events import DataReceived, HeadersReceived
+    from hypercorn.protocol.events import Body, EndBody
+    from hypercorn.protocol.h3 import H3Protocol
+
+    if not all(hasattr(H3Protocol, name) for name in ("handle", "_create_stream")):
+        raise RuntimeError("hypercorn's H3Protocol has changed shape: review _drop_late_h3_data")
+    handle = H3Protocol.handle
+
+    async def tolerant(self: Any, quic_event: Any) -> None:
+        if _limits(self.config) is None:
+            await handle(self, quic_event)
+            return
+        for event in self.connection.handle_event(quic_event):
+            if isinstance(event, HeadersReceived):
+                if self.context.terminated.is_set():
+                    continue
+                await self._create_stream(event)
+                if event.stream_ended:
+                    await _to_stream(self, event.stream_id, EndBody(stream_id=event.stream_id))
+            elif isinstance(event, DataReceived):
+                body = Body(stream_id=event.stream_id, data=event.data)
+                if await _to_stream(self, event.stream_id, body) and event.stream_ended:
+                    await _to_stream(self, event.stream_id, EndBody(stream_id=event.stream_id))
+
+    async def _to_stream(self: Any, stream_id: int, event: Any) -> bool:
+        """Hand ``event`` to its stream; False (and the rest of the body refused) if the
+        stream is gone."""
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            await stream.handle(event)
+            return True
+        # Once per stream: aioquic remembers the STOP_SENDING it was asked for. None: aioquic
+        # has forgotten the stream too (its whole body was received), nothing left to stop.
+        quic = self.connection._quic
+        quic_stream = quic._streams.get(stream_id)
+        if quic_stream is not None and getattr(quic_stream.receiver, "_stop_error_code", 0) is None:
+            with contextlib.suppress(ValueError):
+                quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)
+                await self.send()
+        return False
+
+    H3Protocol.handle = tolerant  # type: ignore[method-assign]
 
 
 def _guard_websocket_frames() -> None:
