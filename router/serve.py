@@ -114,6 +114,7 @@ def client_limits(config: RouterConfig) -> ClientLimits:
         max_connections_per_client=limits.max_connections_per_client,
         reserved_fds=limits.reserved_fds,
         h2_max_early_resets=limits.h2_max_early_resets,
+        quic_retry_above_handshakes_per_s=limits.quic_retry_above_handshakes_per_s,
     )
 
 

@@ -26,7 +26,13 @@ from typing import Any, Protocol
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
-__all__ = ["Http3Status", "SessionTicketStore", "TicketStore", "enable_session_tickets"]
+__all__ = [
+    "Http3Status",
+    "SessionTicketStore",
+    "TicketStore",
+    "enable_session_tickets",
+    "encode_initial_close",
+]
 
 
 class Http3Status:
@@ -133,3 +139,39 @@ def enable_session_tickets() -> None:
     hypercorn_quic.QuicProtocol = TicketingQuicProtocol
     hypercorn_quic.QuicConnection = connection_factory
     setattr(hypercorn_quic, _PATCHED_ATTR, True)
+
+
+def encode_initial_close(
+    *, version: int, source_cid: bytes, destination_cid: bytes, error_code: int
+) -> bytes:
+    """A server Initial packet closing a connection before any state exists for it
+    (CONNECTION_CLOSE with ``error_code``, e.g. CONNECTION_REFUSED or INVALID_TOKEN), so the
+    client learns at once instead of waiting out its handshake timeout.
+
+    ``source_cid`` is the Destination Connection ID the client chose (the Initial keys derive
+    from it), ``destination_cid`` the client's Source Connection ID; aioquic's server builds
+    its INVALID_TOKEN close the same way (RFC 9000 sections 8.1.3 and 10.2.3).
+    """
+    from aioquic.quic.connection import TRANSPORT_CLOSE_FRAME_CAPACITY
+    from aioquic.quic.crypto import CryptoPair
+    from aioquic.quic.packet import QuicFrameType, QuicPacketType
+    from aioquic.quic.packet_builder import QuicPacketBuilder
+
+    crypto = CryptoPair()
+    crypto.setup_initial(cid=source_cid, is_client=False, version=version)
+    builder = QuicPacketBuilder(
+        host_cid=source_cid,
+        is_client=False,
+        max_datagram_size=1200,
+        peer_cid=destination_cid,
+        version=version,
+    )
+    builder.start_packet(QuicPacketType.INITIAL, crypto)
+    buf = builder.start_frame(
+        QuicFrameType.TRANSPORT_CLOSE, capacity=TRANSPORT_CLOSE_FRAME_CAPACITY
+    )
+    buf.push_uint_var(error_code)
+    buf.push_uint_var(QuicFrameType.PADDING)  # the frame that caused it: none in particular
+    buf.push_uint_var(0)  # no reason phrase
+    datagrams, _ = builder.flush()
+    return datagrams[0]

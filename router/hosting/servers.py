@@ -583,6 +583,7 @@ def _supervise_quic_servers() -> None:
 
     from hypercorn.asyncio import run
 
+    from .hardening import release_quic_connections
     from .quic import Http3Status
 
     hypercorn_run: Any = run
@@ -603,6 +604,8 @@ def _supervise_quic_servers() -> None:
                         await super().run()
                         return  # shut down, and idle
                     except Exception as exc:  # logged, then restarted
+                        # Its connections are gone: what they counted per address too.
+                        release_quic_connections(getattr(self, "protocol", None))
                         if self.context.terminated.is_set():
                             return
                         status.set(False)

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+
+from aioquic.asyncio.client import connect
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
 from tests.router.conftest import API_KEY
 from tests.router.h3client import h3_request
 
@@ -31,4 +42,129 @@ async def test_early_answer_leaves_http3_serving(start_router_process: RouterSta
                 router.port, "GET", "/healthz", cafile=router.cafile, timeout_s=10
             )
             assert health.status == 200
+        router.assert_clean_log()
+
+
+def _client_configuration() -> QuicConfiguration:
+    configuration = QuicConfiguration(
+        alpn_protocols=H3_ALPN, is_client=True, server_name="localhost"
+    )
+    configuration.verify_mode = ssl.CERT_NONE  # the handshake is the point, not the peer
+    return configuration
+
+
+async def test_connection_that_only_pings_is_closed(start_router_process: RouterStarter) -> None:
+    """A QUIC connection that never sends a request is closed after the header timeout,
+    though its PINGs keep it alive for aioquic."""
+    timeout_s = 2.0
+    limits = {"limits": {"client_header_timeout_s": timeout_s}}
+    async with start_router_process(**H3, **limits) as router, canary_running(router):
+        async with connect(
+            "127.0.0.1", router.port, configuration=_client_configuration()
+        ) as client:
+            opened = time.monotonic()
+            closed = asyncio.ensure_future(client.wait_closed())
+            async with asyncio.timeout(30):
+                while not closed.done():
+                    with contextlib.suppress(ConnectionError, TimeoutError):
+                        await asyncio.wait_for(client.ping(), 0.5)
+                    await asyncio.wait([closed], timeout=0.3)
+            held_s = time.monotonic() - opened
+        assert held_s >= timeout_s - 0.1  # never before the timeout
+        assert "QUIC connection without a request: closed" in router.log()
+        router.assert_clean_log()
+
+
+async def test_connections_from_one_address_are_capped(
+    start_router_process: RouterStarter,
+) -> None:
+    """QUIC connections count against ``max_connections_per_client``: past it a handshake
+    is refused at once (CONNECTION_REFUSED), and a closed connection frees its place."""
+    cap = 6
+    async with start_router_process(
+        **H3, limits={"max_connections_per_client": cap}
+    ) as router, canary_running(router):
+        async with contextlib.AsyncExitStack() as held:
+            admitted = refused = 0
+            for _ in range(cap + 4):
+                started = time.monotonic()
+                try:
+                    await held.enter_async_context(
+                        connect("127.0.0.1", router.port, configuration=_client_configuration())
+                    )
+                    admitted += 1
+                except ConnectionError:
+                    refused += 1
+                    assert time.monotonic() - started < 10  # at once, not a handshake timeout
+            assert (admitted, refused) == (cap, 4)
+        # The held connections closed (CONNECTION_CLOSE sent on exit): room again.
+        await asyncio.sleep(0.5)
+        health = await h3_request(router.port, "GET", "/healthz", cafile=router.cafile)
+        assert health.status == 200
+        assert "connection refused from 127.0.0.1: QUIC:" in router.log()
+        router.assert_clean_log()
+
+
+def _initial(port: int) -> bytes:
+    """The first datagram of a new client connection: an Initial padded to 1,200 bytes."""
+    connection = QuicConnection(configuration=_client_configuration())
+    connection.connect(("127.0.0.1", port), now=time.monotonic())
+    datagram, _ = connection.datagrams_to_send(now=time.monotonic())[0]
+    return datagram
+
+
+def _is_retry(datagram: bytes) -> bool:
+    """A QUIC v1 long-header packet of type Retry (RFC 9000 section 17.2.5)."""
+    return bool(datagram) and datagram[0] & 0x80 != 0 and (datagram[0] & 0x30) >> 4 == 3
+
+
+async def _answers(sock: socket.socket, seconds: float) -> list[bytes]:
+    loop = asyncio.get_running_loop()
+    got: list[bytes] = []
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            while True:
+                got.append(await loop.sock_recv(sock, 65536))
+    return got
+
+
+async def test_handshake_flood_gets_retry(start_router_process: RouterStarter) -> None:
+    """Above ``quic_retry_above_handshakes_per_s`` new handshakes get a Retry (no connection
+    state until the client proves its address); a real client still connects; once the
+    flood is over a new handshake is answered directly again (1-RTT)."""
+    threshold = 10
+    flood = 60
+    async with start_router_process(
+        **H3, limits={"quic_retry_above_handshakes_per_s": threshold}
+    ) as router, canary_running(router):
+        initials = [_initial(router.port) for _ in range(flood)]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.setblocking(False)
+            sock.bind(("127.0.0.1", 0))
+            started = time.monotonic()
+            received = asyncio.ensure_future(_answers(sock, 5.0))
+            for datagram in initials:
+                # Paced: hypercorn queues 10 datagrams and drops the rest of a burst.
+                sock.sendto(datagram, ("127.0.0.1", router.port))
+                await asyncio.sleep(0.01)
+            sent_s = time.monotonic() - started
+            answers = await received
+        retries = sum(_is_retry(a) for a in answers)
+        assert sent_s < flood / (2 * threshold)  # at least twice the threshold's rate
+        # Retry for all but the handshakes the threshold lets through while the rate climbs
+        # (each second's window lets ``threshold`` through at most, two windows overlap).
+        assert retries >= flood - threshold * (sent_s + 2), (retries, len(answers), sent_s)
+        # A real client follows the Retry and is served.
+        health = await h3_request(router.port, "GET", "/healthz", cafile=router.cafile)
+        assert health.status == 200
+
+        await asyncio.sleep(2.5)  # the rate decays to nothing in two seconds
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.setblocking(False)
+            sock.bind(("127.0.0.1", 0))
+            sock.sendto(_initial(router.port), ("127.0.0.1", router.port))
+            answers = await _answers(sock, 2.0)
+        assert answers
+        assert not any(_is_retry(a) for a in answers)
+        assert "QUIC handshakes above limits.quic_retry_above_handshakes_per_s" in router.log()
         router.assert_clean_log()
