@@ -583,8 +583,8 @@ def _supervise_quic_servers() -> None:
 
     from hypercorn.asyncio import run
 
-    from .hardening import release_quic_connections
     from .quic import Http3Status
+    from .quic_hardening import release_quic_connections
 
     hypercorn_run: Any = run
     if getattr(hypercorn_run, "_firstbyte_supervises_udp", False):
