@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -124,8 +125,6 @@ def release_quic_connections(protocol: Any) -> None:
 
 def _lowest_free_fd() -> int:
     """The descriptor the next socket would get (Linux hands out the lowest free one)."""
-    import os
-
     try:
         fd = os.open(os.devnull, os.O_RDONLY)
     except OSError:
@@ -235,8 +234,6 @@ def guard_quic_connections() -> None:
                 event.address[0],
                 f"{guard.rate.rate(now):.0f}/s" if guard.rate is not None else "",
             )
-            import os
-
             source_cid = os.urandom(8)
             token = guard.tokens.create_token(
                 address=event.address,

@@ -617,7 +617,11 @@ def _supervise_quic_servers() -> None:
                             "HTTP/3 server stopped on %s; not advertised, restarting in %.0f s",
                             _where(exc), delay,
                         )
-                    await asyncio.sleep(delay)
+                    # A shutdown meanwhile ends the wait (and the server) at once.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.context.terminated.wait(), delay)
+                    if self.context.terminated.is_set():
+                        return
             finally:
                 status.set(False)
                 if self.transport is not None:
