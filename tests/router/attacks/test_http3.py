@@ -168,3 +168,36 @@ async def test_handshake_flood_gets_retry(start_router_process: RouterStarter) -
         assert not any(_is_retry(a) for a in answers)
         assert "QUIC handshakes above limits.quic_retry_above_handshakes_per_s" in router.log()
         router.assert_clean_log()
+
+
+async def _connects(port: int) -> bool:
+    try:
+        async with connect("127.0.0.1", port, configuration=_client_configuration()):
+            return True
+    except ConnectionError:
+        return False
+
+
+async def test_half_open_handshakes_hold_their_places_only_for_the_timeout(
+    start_router_process: RouterStarter,
+) -> None:
+    """Initials whose handshakes are never finished fill the address's places; they are
+    closed after ``client_header_timeout_s`` and their places given back."""
+    cap, timeout_s = 5, 2.0
+    limits = {"max_connections_per_client": cap, "client_header_timeout_s": timeout_s}
+    async with start_router_process(**H3, limits=limits) as router, canary_running(router):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            for _ in range(cap):
+                sock.sendto(_initial(router.port), ("127.0.0.1", router.port))
+                await asyncio.sleep(0.02)
+            filled = time.monotonic()
+            assert not await _connects(router.port)  # the places are taken
+            admitted = False
+            async with asyncio.timeout(20):  # aioquic alone would hold them 60 s
+                while not admitted:
+                    await asyncio.sleep(0.5)
+                    admitted = await _connects(router.port)
+            assert time.monotonic() - filled >= timeout_s - 0.1
+        assert "QUIC connection without a request: closed" in router.log()
+        router.assert_clean_log()
