@@ -253,7 +253,7 @@ def guard_quic_connections() -> None:
         if guard.counter is not None:
             refusal = admit_quic(guard.counter, client, _lowest_free_fd())
             if refusal is not None:
-                report(logging.WARNING, "connection refused", client, f"QUIC: {refusal}")
+                report(logging.WARNING, "QUIC connection refused", client, refusal)
                 await self.send(RawData(data=encode_initial_close(
                     version=header.version,
                     source_cid=header.destination_cid,

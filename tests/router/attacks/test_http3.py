@@ -16,7 +16,7 @@ from aioquic.quic.connection import QuicConnection
 from tests.router.conftest import API_KEY
 from tests.router.h3client import h3_request
 
-from .conftest import RouterStarter, canary_running
+from .conftest import RouterStarter, canary_running, open_tls
 
 CHAT = "/v1/chat/completions"
 H3 = {"listen": {"http3": True}}
@@ -101,7 +101,7 @@ async def test_connections_from_one_address_are_capped(
         await asyncio.sleep(0.5)
         health = await h3_request(router.port, "GET", "/healthz", cafile=router.cafile)
         assert health.status == 200
-        assert "connection refused from 127.0.0.1: QUIC:" in router.log()
+        assert "QUIC connection refused from 127.0.0.1: 6 connections open" in router.log()
         router.assert_clean_log()
 
 
@@ -200,4 +200,42 @@ async def test_half_open_handshakes_hold_their_places_only_for_the_timeout(
                     admitted = await _connects(router.port)
             assert time.monotonic() - filled >= timeout_s - 0.1
         assert "QUIC connection without a request: closed" in router.log()
+        router.assert_clean_log()
+
+
+async def test_descriptor_reserve_refuses_quic_connections_too(
+    start_router_process: RouterStarter,
+) -> None:
+    """With TCP connections holding descriptors up to the reserve, a QUIC handshake is refused
+    as a TCP connection is (its requests would need upstream sockets); once they close, it is
+    admitted."""
+    limits = {"reserved_fds": 64, "max_connections_per_client": 1000}
+    async with start_router_process(
+        **H3, nofile=256, limits=limits
+    ) as router, canary_running(router):
+        held = []
+        try:
+            for _ in range(260):
+                reader, writer = await open_tls(router, local="127.0.0.3")
+                writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+                try:
+                    first = await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    first = b"HTTP/1.1 503 (the reset overtook it)"
+                if first.startswith(b"HTTP/1.1 503"):
+                    writer.close()
+                    break  # the reserve is reached
+                held.append(writer)
+            else:
+                raise AssertionError("no TCP connection was refused")
+            assert not await _connects(router.port)
+        finally:
+            for writer in held:
+                writer.close()
+        admitted = False
+        async with asyncio.timeout(20):
+            while not admitted:
+                await asyncio.sleep(0.2)
+                admitted = await _connects(router.port)
+        assert "QUIC connection refused from 127.0.0.1: file descriptors short" in router.log()
         router.assert_clean_log()
