@@ -118,6 +118,15 @@ def _is_retry(datagram: bytes) -> bool:
     return bool(datagram) and datagram[0] & 0x80 != 0 and (datagram[0] & 0x30) >> 4 == 3
 
 
+def _client_cid(datagram: bytes) -> bytes:
+    """The Destination Connection ID of a server's long-header packet: the Source Connection
+    ID its client chose, one per client connection (empty for a short header)."""
+    if not datagram or not datagram[0] & 0x80:
+        return b""
+    length = datagram[5]
+    return datagram[6 : 6 + length]
+
+
 async def _answers(sock: socket.socket, seconds: float) -> list[bytes]:
     loop = asyncio.get_running_loop()
     got: list[bytes] = []
@@ -149,11 +158,14 @@ async def test_handshake_flood_gets_retry(start_router_process: RouterStarter) -
                 await asyncio.sleep(0.01)
             sent_s = time.monotonic() - started
             answers = await received
-        retries = sum(_is_retry(a) for a in answers)
+        retried = {_client_cid(a) for a in answers if _is_retry(a)}
+        direct = {_client_cid(a) for a in answers if not _is_retry(a)} - {b""}
         assert sent_s < flood / (2 * threshold)  # at least twice the threshold's rate
-        # Retry for all but the handshakes the threshold lets through while the rate climbs
-        # (each second's window lets ``threshold`` through at most, two windows overlap).
-        assert retries >= flood - threshold * (sent_s + 2), (retries, len(answers), sent_s)
+        # Handshakes past the threshold got a Retry and no connection state; those answered
+        # directly are bounded by the rate (``threshold`` a second; two windows overlap).
+        # (hypercorn drops datagrams past its queue of 10 when busy: not all are answered.)
+        assert retried, (len(direct), len(answers), sent_s)
+        assert len(direct) <= threshold * (sent_s + 2), (len(direct), len(retried), sent_s)
         # A real client follows the Retry and is served.
         health = await h3_request(router.port, "GET", "/healthz", cafile=router.cafile)
         assert health.status == 200
