@@ -558,10 +558,14 @@ def _advertise_while_up(http3: Http3Status, config: Any, handoff: Any) -> None:
             handoff.config.encoded_headers = (
                 h1_headers if up else [(n, v) for n, v in h1_headers if n != b"alt-svc"]
             )
-            handoff.stop()
-            handoff.start()  # uvicorn's default headers again, now
+            # Now, not at the handoff's next Date tick: its default headers are the Date
+            # and the config's headers.
+            state = handoff.state
+            date = [(n, v) for n, v in state.default_headers if n == b"date"]
+            state.default_headers = [*date, *handoff.config.encoded_headers]
 
-    follow(http3.up)
+    if not http3.up:
+        follow(False)
     http3.watch(follow)
 
 
