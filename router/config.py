@@ -236,6 +236,11 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     h2_max_early_resets: PositiveInt = 100
     """HTTP/2: a connection whose client reset this many streams before their response was
     done, more than half of all it opened, gets GOAWAY (the 2023 rapid-reset attack)."""
+    quic_retry_above_handshakes_per_s: Annotated[float, msgspec.Meta(ge=0)] = 200.0
+    """HTTP/3: while new QUIC handshakes arrive faster than this, each must first prove its
+    address with a Retry (RFC 9000 section 8.1, one more round trip), so a flood from spoofed
+    addresses costs no connection state; below it clients keep their 1-RTT handshake.
+    0: always Retry."""
 
 
 class StreamsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

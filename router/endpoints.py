@@ -514,14 +514,18 @@ async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: S
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /healthz``: 200 ``ok``; 503 ``draining`` from SIGTERM on, ``warming`` during the
-    start-up warmup (requests are held meanwhile) or ``unhealthy`` when no backend is healthy.
-    No key: load balancers ask."""
+    start-up warmup (requests are held meanwhile) or ``unhealthy`` when no backend is healthy;
+    200 ``ok; HTTP/3 down`` while the HTTP/3 server is being restarted. No key: load
+    balancers ask."""
     if state.draining:
         status, text = 503, error_codes.DRAINING.encode() + b"\n"
     elif state.warming:
         status, text = 503, b"warming\n"
     elif state.healthy:
-        status, text = 200, b"ok\n"
+        # TCP serves: a load balancer keeps the process. A QUIC server being restarted is
+        # said, not hidden (Alt-Svc is withheld meanwhile).
+        down = state.http3 is not None and not state.http3.up
+        status, text = 200, b"ok; HTTP/3 down\n" if down else b"ok\n"
     else:
         status, text = 503, b"unhealthy\n"
     await send_bytes(send, status, text, content_type="text/plain")

@@ -28,7 +28,7 @@ from .drain import drain
 from .hosting import ClientLimits, Listeners, ServerOptions, bind, running
 from .hosting import serve as host
 from .hosting.goaway import ConnectionRegistry
-from .hosting.quic import SessionTicketStore, TicketStore
+from .hosting.quic import Http3Status, SessionTicketStore, TicketStore
 from .reload import Reloader
 
 __all__ = [
@@ -61,6 +61,8 @@ class RouterEndpoints:
     """The UDP port serving HTTP/3 (same number as ``port``), or None."""
     app: RouterApp
     tickets: SessionTicketStore | None = None
+    http3: Http3Status | None = None
+    """Whether HTTP/3 is being served now (None: not configured); ``/healthz`` reads it."""
 
     @property
     def openai_base_url(self) -> str:
@@ -112,6 +114,7 @@ def client_limits(config: RouterConfig) -> ClientLimits:
         max_connections_per_client=limits.max_connections_per_client,
         reserved_fds=limits.reserved_fds,
         h2_max_early_resets=limits.h2_max_early_resets,
+        quic_retry_above_handshakes_per_s=limits.quic_retry_above_handshakes_per_s,
     )
 
 
@@ -132,7 +135,9 @@ def _bind(
             h3_port=listeners.h3_port,
             app=app or build_app(config),
             tickets=ticket_store(config) if want_h3 else None,
+            http3=Http3Status() if want_h3 else None,
         )
+        endpoints.app.state.http3 = endpoints.http3
     except BaseException:
         listeners.close()
         raise
@@ -202,6 +207,7 @@ async def serve(
         started=on_started,
         tickets=endpoints.tickets,
         connections=connections,
+        http3=endpoints.http3,
     )
 
 
@@ -234,7 +240,9 @@ async def running_router(
     """
     listeners, endpoints = _bind(config, None)
     options = _options(config, tune_gc)
-    async with running(endpoints.app, listeners, options, tickets=endpoints.tickets):
+    async with running(
+        endpoints.app, listeners, options, tickets=endpoints.tickets, http3=endpoints.http3
+    ):
         _announce(config, endpoints)
         yield endpoints
 

@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
@@ -33,6 +34,9 @@ from .readers import ReadableStream
 from .shared import SharedState, connect
 from .streams import Stream, StreamStore, owner_of
 from .tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants, refusal
+
+if TYPE_CHECKING:
+    from .hosting.quic import Http3Status
 
 __all__ = ["RouterState"]
 
@@ -52,6 +56,9 @@ class RouterState:
         self._set_keys(config)
         self.draining = False
         """Set by :meth:`start_draining` (SIGTERM): no new work, ``/healthz`` says so."""
+        self.http3: Http3Status | None = None
+        """The HTTP/3 server's status when this process serves HTTP/3 (set by
+        :mod:`firstbyte.router.serve`); ``/healthz`` says when it is down."""
         self.metrics = Metrics()
         self.tokens = TokenSigner(
             _token_secret(config),

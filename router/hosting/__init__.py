@@ -5,7 +5,9 @@
 - :mod:`.servers`: bind sockets, run an ASGI app under hypercorn (HTTP/1.1, HTTP/2, HTTP/3),
   uvicorn or granian, with TLS, signal handling and drain; :func:`running` for tests;
 - :mod:`.http1_split`: ``auto``, hypercorn handing HTTP/1.1 connections to uvicorn's protocol;
-- :mod:`.quic`: the QUIC session-ticket store that gives hypercorn's HTTP/3 0-RTT;
+- :mod:`.quic`: the QUIC session-ticket store that gives hypercorn's HTTP/3 0-RTT, and
+  :class:`~.quic.Http3Status`, whether HTTP/3 is up (``Alt-Svc`` follows it);
+- :mod:`.hardening`, :mod:`.quic_hardening`: the defences hypercorn lacks, as patches;
 - :mod:`.gc_tuning`: the cyclic-GC settings of a serving process;
 - :mod:`.prometheus`: the text format both servers' ``/metrics`` speak.
 

@@ -16,6 +16,9 @@ all once per process, and they act only on a server whose hypercorn ``Config`` c
   (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
   (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
   disconnect and cancel their work;
+- HTTP/3 and QUIC (:mod:`.quic_hardening`): late DATA for an answered stream is dropped; a
+  new connection is counted per address, closed when it has had no request for
+  ``header_timeout_s``, and (under a handshake flood) asked to prove its address (Retry);
 - WebSocket: a message over ``websocket_max_message_size`` is refused at its frame header
   (:mod:`.ws_frames`), and permessage-deflate is not offered (a compressed frame's header
   does not bound what it inflates to).
@@ -93,6 +96,10 @@ def harden_hypercorn() -> None:
     _discard_unread_bodies()
     _close_finished_h2_streams()
     _guard_websocket_frames()
+    from .quic_hardening import drop_late_h3_data, guard_quic_connections  # it imports this
+
+    drop_late_h3_data()
+    guard_quic_connections()
     run._firstbyte_hardened = True  # type: ignore[attr-defined]
 
 

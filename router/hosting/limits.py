@@ -4,6 +4,8 @@
   reserve, HTTP/2 early resets), as :class:`~firstbyte.router.hosting.ServerOptions` carries them.
 - :class:`ConnectionCounter`: admits or refuses a new connection by its client address and
   the descriptor its socket got.
+- :func:`admit_quic`: the same for a QUIC connection, which has no descriptor of its own.
+- :class:`HandshakeRate`: new QUIC handshakes per second, and when to ask for Retry.
 - :class:`ResetFlood`: tells an HTTP/2 rapid-reset flood from a client that cancels now and then.
 - :class:`Throttle`: at most one log line per reason per interval, so an attack cannot flood
   the log with the lines that report it.
@@ -15,7 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClientLimits", "ConnectionCounter", "ResetFlood", "Throttle"]
+__all__ = [
+    "ClientLimits",
+    "ConnectionCounter",
+    "HandshakeRate",
+    "ResetFlood",
+    "Throttle",
+    "admit_quic",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,9 @@ class ClientLimits:
     h2_max_early_resets: int | None = None
     """HTTP/2 streams a client may reset before their response is done (more than half of
     all it opened) before the connection gets GOAWAY; None: no bound."""
+    quic_retry_above_handshakes_per_s: float | None = None
+    """New QUIC handshakes per second above which each must first prove its address with a
+    Retry (:class:`HandshakeRate`); None: never."""
 
 
 class ConnectionCounter:
@@ -71,6 +83,52 @@ class ConnectionCounter:
 
     def count(self, client: str) -> int:
         return self._open.get(client, 0)
+
+
+def admit_quic(counter: ConnectionCounter, client: str, lowest_free_fd: int) -> str | None:
+    """Count a new QUIC connection from ``client`` as a TCP one is counted (same cap, same
+    counter, so TCP and QUIC together are bounded per address); the reason to refuse it, or
+    None (then ``counter.close(client)`` must follow when it ends).
+
+    A QUIC connection has no descriptor of its own (all share the UDP socket), but its
+    requests need upstream sockets, so the descriptor reserve applies to it as to a TCP
+    connection whose socket would be ``lowest_free_fd``, the one the next socket gets.
+    """
+    return counter.open(client, lowest_free_fd)
+
+
+class HandshakeRate:
+    """New QUIC handshakes per second, and whether the next one must prove its address.
+
+    The rate is a sliding estimate over two one-second windows (the last one's count, weighted
+    by how much of it the sliding second still covers, plus this one's), so it needs two
+    numbers, not a timestamp per handshake, however hard it is flooded.
+    """
+
+    def __init__(self, retry_above_per_s: float) -> None:
+        self.retry_above_per_s = retry_above_per_s
+        self._window = 0
+        self._count = 0
+        self._previous = 0
+
+    def observe(self, now: float) -> bool:
+        """Count one new handshake at ``now`` (seconds); True if it must be answered with a
+        Retry (the rate, this one included, is above the threshold)."""
+        window = int(now)
+        if window != self._window:
+            self._previous = self._count if window == self._window + 1 else 0
+            self._window, self._count = window, 0
+        self._count += 1
+        return self.rate(now) > self.retry_above_per_s
+
+    def rate(self, now: float) -> float:
+        """Handshakes in the second before ``now`` (estimated)."""
+        window = int(now)
+        if window == self._window:
+            return self._previous * (1.0 - (now - window)) + self._count
+        if window == self._window + 1:
+            return self._count * (1.0 - (now - window))
+        return 0.0
 
 
 class ResetFlood:

@@ -33,7 +33,7 @@ from .limits import ClientLimits, ConnectionCounter
 
 if TYPE_CHECKING:
     from .goaway import ConnectionRegistry
-    from .quic import SessionTicketStore
+    from .quic import Http3Status, SessionTicketStore
 
 __all__ = [
     "DEFAULT_BACKLOG",
@@ -229,6 +229,7 @@ async def serve(
     started: Callable[[], None] | None = None,
     tickets: SessionTicketStore | None = None,
     connections: ConnectionRegistry | None = None,
+    http3: Http3Status | None = None,
 ) -> None:
     """Serve the ASGI ``app`` on ``listeners`` until ``shutdown()`` returns (default: SIGINT or
     SIGTERM), then drain and return; the sockets are closed when it returns.
@@ -237,7 +238,9 @@ async def serve(
     serves HTTP/3 (hypercorn with TLS only), advertised by ``Alt-Svc``; ``tickets`` is the
     store of its QUIC session tickets (default: a new one). ``connections`` (hypercorn) is
     filled with the open HTTP/2 and HTTP/3 connections, for a GOAWAY before ``shutdown()``
-    returns (:mod:`firstbyte.router.hosting.goaway`).
+    returns (:mod:`firstbyte.router.hosting.goaway`). ``http3`` follows the HTTP/3 server:
+    if its task ends on an error it is logged at once (ERROR), restarted after a delay, and
+    ``Alt-Svc`` is not sent while it is down.
     """
     stop = _once(shutdown or signal_event().wait)
 
@@ -255,7 +258,7 @@ async def serve(
             await _serve_uvicorn(app, listeners.tcp, options, stop, on_started)
         elif options.server in ("hypercorn", "auto"):
             await _serve_hypercorn(
-                app, listeners, options, stop, on_started, tickets, connections
+                app, listeners, options, stop, on_started, tickets, connections, http3
             )
         else:
             raise ValueError(
@@ -272,13 +275,17 @@ async def running(
     options: ServerOptions,
     *,
     tickets: SessionTicketStore | None = None,
+    http3: Http3Status | None = None,
 ) -> AsyncIterator[None]:
     """:func:`serve` in the running loop for the duration of the block: entered once the
     server accepts connections (its start-up error raised if it failed), drained on exit."""
     stop = asyncio.Event()
     ready = asyncio.Event()
     task = asyncio.ensure_future(
-        serve(app, listeners, options, shutdown=stop.wait, started=ready.set, tickets=tickets)
+        serve(
+            app, listeners, options, shutdown=stop.wait, started=ready.set, tickets=tickets,
+            http3=http3,
+        )
     )
     waiter = asyncio.ensure_future(ready.wait())
     try:
@@ -393,6 +400,7 @@ async def _serve_hypercorn(
     on_started: Callable[[], None],
     tickets: SessionTicketStore | None,
     connections: ConnectionRegistry | None,
+    http3: Http3Status | None,
 ) -> None:
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.config import Config, Sockets
@@ -403,7 +411,7 @@ async def _serve_hypercorn(
     from .http1_split import Http1Handoff, split_http1
 
     _reset_unfinished_h2_streams()
-    _close_quic_transports()
+    _supervise_quic_servers()
     harden_hypercorn()
     frame_h1_bodies_directly()  # after: body chunks then skip the hardening's wrapper too
     split_http1()  # after the hardening: its connection guard then serves HTTP/2 only
@@ -436,11 +444,13 @@ async def _serve_hypercorn(
     if quic is not None:
         if not options.tls:
             raise ValueError("HTTP/3 needs TLS (certfile and keyfile)")
-        from .quic import TicketStore, enable_session_tickets
+        from .quic import Http3Status, TicketStore, enable_session_tickets
 
         enable_session_tickets()
         config.firstbyte_ticket_store = tickets if tickets is not None else TicketStore()
         config.alt_svc_headers = [f'h3=":{listeners.h3_port}"; ma=86400']
+        http3 = http3 if http3 is not None else Http3Status()
+        config.firstbyte_http3 = http3
     handoff = None
     if options.server == "auto":
         # HTTP/1.1 on uvicorn's protocol; the TLS handshake stays hypercorn's (ALPN decides).
@@ -449,6 +459,11 @@ async def _serve_hypercorn(
         h1_config.load()
         handoff = Http1Handoff(h1_config, counter)
         config.firstbyte_http1 = handoff
+    if http3 is not None and quic is not None:
+        # Up from here: the socket is bound, and what arrives before hypercorn's UDP task
+        # runs waits in the socket's buffer.
+        http3.set(True)
+        _advertise_while_up(http3, config, handoff)
     sockets = Sockets(
         secure_sockets=[listeners.tcp] if options.tls else [],
         insecure_sockets=[] if options.tls else [listeners.tcp],
@@ -529,29 +544,107 @@ def _reset_unfinished_h2_streams() -> None:
     H2Protocol._firstbyte_resets = True  # type: ignore[attr-defined]
 
 
-def _close_quic_transports() -> None:
-    """Make hypercorn close its QUIC listener's datagram transport when the server stops.
+def _advertise_while_up(http3: Http3Status, config: Any, handoff: Any) -> None:
+    """Send ``Alt-Svc`` (hypercorn's responses, and uvicorn's under ``auto``) only while the
+    HTTP/3 server is up: a client told of a UDP port nobody answers waits a handshake
+    timeout there before it falls back."""
+    advertised = list(config.alt_svc_headers)
+    h1_headers = list(handoff.config.encoded_headers) if handoff is not None else []
 
-    hypercorn (0.17, 0.18) leaves it registered with the event loop after shutdown, so closing
-    the UDP socket afterwards (as :func:`serve` does with every socket it was given) would
-    leave a transport on a closed descriptor, and the next socket to get that number fails.
+    def follow(up: bool) -> None:
+        # In place: hypercorn reads the list on every response.
+        config.alt_svc_headers[:] = advertised if up else []
+        if handoff is not None:
+            handoff.config.encoded_headers = (
+                h1_headers if up else [(n, v) for n, v in h1_headers if n != b"alt-svc"]
+            )
+            # Now, not at the handoff's next Date tick: its default headers are the Date
+            # and the config's headers.
+            state = handoff.state
+            date = [(n, v) for n, v in state.default_headers if n == b"date"]
+            state.default_headers = [*date, *handoff.config.encoded_headers]
+
+    if not http3.up:
+        follow(False)
+    http3.watch(follow)
+
+
+def _supervise_quic_servers() -> None:
+    """Keep hypercorn's QUIC server running, and close its datagram transport when it stops.
+
+    hypercorn (0.17, 0.18) runs HTTP/3 as one task per UDP socket; an exception anywhere in
+    it (one connection's bad event) ended that task, silently until shutdown, and HTTP/3 with
+    it for the life of the process while TCP went on. Now the end is logged at once (one
+    ERROR line), the listener's :class:`~.quic.Http3Status` goes down (so ``Alt-Svc`` and
+    ``/healthz`` stop promising HTTP/3) and the server is restarted on the same socket after
+    :meth:`~.quic.Http3Status.restart_delay_s`; the connections it had are lost (their clients
+    reconnect). hypercorn also left the transport registered with the event loop after
+    shutdown, so closing the UDP socket afterwards (as :func:`serve` does with every socket
+    it was given) would leave a transport on a closed descriptor, and the next socket to get
+    that number fails.
     """
+    import time
+
     from hypercorn.asyncio import run
 
-    hypercorn_run: Any = run
-    if getattr(hypercorn_run, "_firstbyte_closes_udp", False):
-        return
+    from .quic import Http3Status
+    from .quic_hardening import release_quic_connections
 
-    class ClosingUDPServer(hypercorn_run.UDPServer):  # type: ignore[misc]
+    hypercorn_run: Any = run
+    if getattr(hypercorn_run, "_firstbyte_supervises_udp", False):
+        return
+    if not hasattr(hypercorn_run.UDPServer, "run"):
+        raise RuntimeError("hypercorn's UDPServer has changed shape: review servers.py")
+
+    class SupervisedUDPServer(hypercorn_run.UDPServer):  # type: ignore[misc]
         async def run(self) -> None:
+            status = getattr(self.config, "firstbyte_http3", None) or Http3Status()
+            in_a_row = 0
             try:
-                await super().run()
+                while True:
+                    started = time.monotonic()
+                    status.set(True)
+                    try:
+                        await super().run()
+                        return  # shut down, and idle
+                    except Exception as exc:  # logged, then restarted
+                        # Its connections are gone: what they counted per address too.
+                        release_quic_connections(getattr(self, "protocol", None))
+                        if self.context.terminated.is_set():
+                            return
+                        status.set(False)
+                        status.failures += 1
+                        # A server that served a while failed afresh: start the backoff over.
+                        in_a_row = 1 if time.monotonic() - started > 60 else in_a_row + 1
+                        delay = status.restart_delay_s(in_a_row)
+                        log.error(
+                            "HTTP/3 server stopped on %s; not advertised, restarting in %.0f s",
+                            _where(exc), delay,
+                        )
+                    # A shutdown meanwhile ends the wait (and the server) at once.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.context.terminated.wait(), delay)
+                    if self.context.terminated.is_set():
+                        return
             finally:
+                status.set(False)
                 if self.transport is not None:
                     self.transport.close()
 
-    hypercorn_run.UDPServer = ClosingUDPServer
-    hypercorn_run._firstbyte_closes_udp = True
+    hypercorn_run.UDPServer = SupervisedUDPServer
+    hypercorn_run._firstbyte_supervises_udp = True
+
+
+def _where(exc: BaseException) -> str:
+    """``KeyError: 5 at h3.py:69``: an exception and the line that raised it, in one line
+    (the innermost of an exception group's first)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" at {tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def run_granian(
