@@ -309,7 +309,7 @@ def _token_secret(config: RouterConfig) -> bytes:
 
 def _backends(config: RouterConfig) -> list[Backend]:
     return [
-        Backend(name=u.name or f"upstream{i}", url=u.url.rstrip("/"), api_key=u.api_key)
+        Backend(name=u.name or f"upstream{i}", url=u.base_url, api_key=u.api_key)
         for i, u in enumerate(config.upstreams)
     ]
 
