@@ -60,7 +60,6 @@ from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import (
     CONTINUE,
-    Fallback,
     LocalReply,
     Outcome,
     RequestContext,
@@ -84,6 +83,7 @@ a scraped backend is back at its first answered scrape."""
 
 
 REJECTION_REASONS = {
+    "no_healthy_backend": "none of its backends is answering",
     "no_peer_with_room": "no other region can take this request",
     "spill_budget": "its budget of requests spilled to other regions is used up",
     "saturated_forwarded": "this request was already forwarded by another region",
@@ -452,8 +452,6 @@ class RegionRouting:
                 return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now)
         if decision.verdict is Verdict.REJECT:
-            if not self.tracker.healthy() and not self.peer_table.peers:
-                return Fallback("no healthy upstream in this region")
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
             return self._queue_or_reject(ctx, request, location, now, reason)
         slot: SpillSlot | None = None
@@ -570,15 +568,38 @@ class RegionRouting:
                 slot=slot,
             )
 
+    def down_retry_after_s(self, now: float) -> int:
+        """``Retry-After`` when no backend is healthy: until the first ejected one is tried
+        again, else (down by its scrapes) the scrape interval; whole seconds, 1 to 10."""
+        until = [t for t in self._down_until.values() if t > now]
+        wait = min(until) - now if until else self.config.routing.backend_metrics_interval_s
+        return max(1, min(10, math.ceil(wait)))
+
     def retry_after_s(self) -> int:
         """``Retry-After`` for a 429 from here (also put on a peer's 429 passed through)."""
         return self.tracker.retry_after_s(self.clock())
 
     def reject(self, ctx: RequestContext, now: float, reason: str) -> Outcome:
         """429 with ``Retry-After``; ``reason`` (a key of :data:`REJECTION_REASONS`) goes to the
-        access log and the ``route_rejections_total`` metric, its sentence to the client."""
-        retry = self.tracker.retry_after_s(now)
+        access log and the ``route_rejections_total`` metric, its sentence to the client.
+        With no healthy backend here the cause is not load: 503 ``no_healthy_backend``
+        (reason ``no_healthy_backend``), so clients and operators do not read it as one."""
         self.outcomes[(self.region, "", "rejected")] += 1
+        if not self.tracker.healthy():
+            reason = "no_healthy_backend"
+            self.rejections[reason] += 1
+            ctx.route_reason = reason
+            retry = self.down_retry_after_s(now)
+            return error_reply(
+                503,
+                f"No backend of region {self.region} is answering and no other region can"
+                f" take this request; retry after {retry} s.",
+                "server_error",
+                code=error_codes.NO_HEALTHY_BACKEND,
+                headers=(("retry-after", str(retry)),),
+                outcome="rejected",
+            )
+        retry = self.tracker.retry_after_s(now)
         self.rejections[reason] += 1
         ctx.route_reason = reason  # for the access log
         return error_reply(
