@@ -60,6 +60,7 @@ from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import (
     CONTINUE,
+    FailCause,
     LocalReply,
     Outcome,
     RequestContext,
@@ -129,6 +130,8 @@ class Observation:
     """Why this backend (``affinity``, ``new-key``, ``balance``, ..., ``queued``); empty for
     a peer."""
     ttft_ms: float | None = None
+    upstream_ttft_ms: float | None = None
+    """From sending the request to its backend (the attempt that served) to its first token."""
     last_chunk: float | None = None
     switched: bool = False
     done: bool = False
@@ -142,6 +145,8 @@ class Observation:
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
         self.ttft_ms = ttft_ms
         self.last_chunk = time.perf_counter()
+        if ctx.upstream_sent_at is not None:
+            self.upstream_ttft_ms = (self.last_chunk - ctx.upstream_sent_at) * 1000
         self.routing.first_token(self, ttft_ms)
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
@@ -163,10 +168,18 @@ class Observation:
         """Move to the peer claimed by :meth:`claim_switch`; the new upstream to send to."""
         return self.routing.switch(self, ctx)
 
-    async def fail_over(self, ctx: RequestContext, exc: Exception) -> Backend | None:
-        """This request's connection to its backend failed (``exc``): the backend to send it
-        to instead, or None (see :meth:`RegionRouting.fail_over`)."""
-        return await self.routing.fail_over(self, ctx, exc)
+    def first_byte_timeout_s(self) -> float | None:
+        """How long the current attempt may wait for its backend's first byte (a local
+        backend's, from its observed TTFT); None for a peer region."""
+        return self.routing.first_byte_timeout_s(self.backend) if self.local else None
+
+    async def fail_over(
+        self, ctx: RequestContext, exc: Exception, cause: FailCause = "refused"
+    ) -> Backend | None:
+        """This request's backend failed it (``exc``, ``cause``) before anything reached its
+        client: the backend to send it to instead, or None (see
+        :meth:`RegionRouting.fail_over`)."""
+        return await self.routing.fail_over(self, ctx, exc, cause)
 
     def finished(self, ctx: RequestContext, ok: bool) -> None:
         if not self.done:
@@ -297,6 +310,11 @@ class RegionRouting:
         self._down_until: dict[str, float] = {}
         """Backends without scrapes taken out of rotation by a refused connection, until when
         (:data:`PASSIVE_DOWN_S`)."""
+        self._ejected_until: dict[str, float] = {}
+        """Backends ejected by passive health (first-byte timeout, 5xx), until when no scrape
+        may re-admit them (``routing.backend_eject_s``)."""
+        self.ejections: Counter[tuple[str, str]] = Counter()
+        """Passive-health ejections by (backend, cause)."""
         self._started = False
         self.draining = False
         """This process is shutting down: it counts as unhealthy for routing (a request goes
@@ -348,12 +366,21 @@ class RegionRouting:
     def _on_peer_status(self, name: str) -> None:
         self._sent_baseline[name] = self.peer_routed[name]
 
-    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> None:
+    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> bool:
+        """A scrape's result (None: unreachable); False if ``name`` answered but stays out
+        of rotation: ejected for failing requests, a scrape proves the server listens, not
+        that it serves, so only one after ``backend_eject_s`` re-admits it."""
         healthy = metrics is not None
+        until = self._ejected_until.get(name)
+        if until is not None and healthy:
+            if self.clock() < until:
+                return False
+            del self._ejected_until[name]
         self.tracker.set_health(name, healthy)
         self.backends[name].healthy = healthy
         if metrics is not None:
             self.tracker.observe_metrics(name, metrics, self.clock())
+        return healthy
 
     # --- the stage ---------------------------------------------------------------------
     def peer_authenticated(self, ctx: RequestContext) -> bool:
@@ -618,7 +645,7 @@ class RegionRouting:
             self.spill.release(obs.claim[1])
             obs.claim = None
         if obs.local:
-            self.tracker.observe_ttft(obs.backend, ttft_ms)
+            self.tracker.observe_ttft(obs.backend, ttft_ms, obs.upstream_ttft_ms)
             backend = self.backends[obs.backend]
             if backend.healthy and obs.backend in self.runner.changes.down_since:
                 # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
@@ -675,19 +702,27 @@ class RegionRouting:
         return backend
 
     async def fail_over(
-        self, obs: Observation, ctx: RequestContext, exc: Exception
+        self, obs: Observation, ctx: RequestContext, exc: Exception,
+        cause: FailCause = "refused",
     ) -> Backend | None:
-        """``obs``'s local backend refused the connection or did not accept it in time, so
-        the request never reached it: take that backend out of rotation (:meth:`unreachable`)
-        and move the request to the backend the policy picks among the region's others with
-        room, holding a slot there before giving back the old one. None when no other can
-        take it (the request then fails as it would have); a peer region is not tried, as a
+        """``obs``'s local backend failed the request before anything reached its client:
+        it refused the connection or did not accept it in time (``refused``: the request
+        never reached it), sent no byte by the first-byte deadline, or answered 5xx. Take
+        that backend out of rotation (:meth:`unreachable`, :meth:`eject`) and move the
+        request to the backend the policy picks among the region's others with room,
+        holding a slot there before giving back the old one. None when no other can take
+        it (the request then fails as it would have); a peer region is not tried, as a
         request that just found its backend gone should not also pay a forward."""
         request = ctx.request
         if not obs.local or request is None:
             return None
         old = obs.backend
-        self.unreachable(old, exc)
+        if cause == "refused":
+            self.unreachable(old, exc)
+        elif cause == "first_byte_timeout" or (
+            self.tracker.observe_5xx(old) >= self.config.routing.backend_eject_consecutive_5xx
+        ):
+            self.eject(old, exc, cause)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
         while True:
@@ -704,7 +739,8 @@ class RegionRouting:
         self.tracker.finished(old)
         if self.released is not None:
             self.released(old)
-        obs.backend, obs.choice, obs.reason = name, "failover", "backend_unreachable"
+        obs.backend, obs.choice = name, "failover"
+        obs.reason = "backend_unreachable" if cause == "refused" else f"backend_{cause}"
         moved = ctx.backend = self.backends[name]
         return moved
 
@@ -724,6 +760,36 @@ class RegionRouting:
             self.scheduler.health(name, False)  # as a failed scrape: it may come back restarted
         else:
             self._down_until[name] = self.clock() + PASSIVE_DOWN_S
+
+    def eject(self, name: str, exc: Exception, cause: FailCause) -> None:
+        """Passive health: local backend ``name`` failed a request it had accepted (no first
+        byte by the deadline, or its run of 5xx reached ``backend_eject_consecutive_5xx``).
+        Out of rotation now, for ``backend_eject_s`` at least (one warning line), then back
+        when a scrape answers (without scrapes: tried again). The region's last healthy
+        backend is never ejected: such failures may be load, and without it every request
+        would be refused untried."""
+        backend = self.backends[name]
+        if not backend.healthy or self.tracker.healthy() in ([], [name]):
+            return
+        self.ejections[(name, cause)] += 1
+        self.runner.changes.down(name, f"ejected ({cause}): {describe_error(exc)}", url=backend.url)
+        backend.healthy = False
+        self.tracker.set_health(name, False)
+        until = self.clock() + self.config.routing.backend_eject_s
+        if name in self.runner.urls:
+            self._ejected_until[name] = until
+            self.scheduler.health(name, False)  # warm it again when it is back
+        else:
+            self._down_until[name] = until
+
+    def first_byte_timeout_s(self, name: str) -> float:
+        """The first-byte deadline of local backend ``name`` (see
+        :meth:`LoadTracker.first_byte_timeout_s` and the ``routing.first_byte_*`` keys)."""
+        routing = self.config.routing
+        return self.tracker.first_byte_timeout_s(
+            name, multiple=routing.first_byte_timeout_ttft_multiple,
+            min_s=routing.first_byte_timeout_min_s, max_s=routing.first_byte_timeout_max_s,
+        )
 
     def _back_in_rotation(self, now: float) -> None:
         """Backends without scrapes whose :data:`PASSIVE_DOWN_S` passed: tried again (a line

@@ -282,7 +282,7 @@ class WarmupRunner:
         *,
         poll_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
-        on_metrics: Callable[[str, BackendMetrics | None], None] | None = None,
+        on_metrics: Callable[[str, BackendMetrics | None], bool | None] | None = None,
         headers: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.scheduler = scheduler
@@ -318,13 +318,13 @@ class WarmupRunner:
                 self.on_metrics(name, None)
             return
         # Any HTTP answer means the server is up; without metrics there is just less to know.
-        self.changes.up(name, url=base)
         metrics = parse_backend_metrics(response.text) if response.status_code == 200 else (
             BackendMetrics()
         )
+        if self.on_metrics is not None and self.on_metrics(name, metrics) is False:
+            return  # it answers, but is held out of rotation (ejected by passive health)
+        self.changes.up(name, url=base)
         self.scheduler.metrics(name, metrics)
-        if self.on_metrics is not None:
-            self.on_metrics(name, metrics)
         if not self.scheduler.backends[name].models:
             await self._discover_models(name, base)
 

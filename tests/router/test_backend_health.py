@@ -5,13 +5,19 @@ ejected at once and re-admitted when it heals (passive health, as Envoy's outlie
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
 
-from firstbyte.router.sim.server import running_sim
+from firstbyte.router import hosting
+from firstbyte.router.serve import RouterEndpoints
+from firstbyte.router.sim.server import SimConfig, build_app, options, running_app, running_sim
 from tests.router.conftest import RouterFactory, auth
 
 pytestmark = pytest.mark.asyncio
@@ -84,3 +90,178 @@ async def test_every_backend_down_is_503_no_healthy_backend_not_429(
             assert 1 <= int(refused.headers["retry-after"]) <= 10
         metrics = await client.get(router.base_url + "/metrics", headers=auth())
         assert 'reason="no_healthy_backend"} 2' in metrics.text
+
+
+@contextlib.asynccontextmanager
+async def _sim_on(port: int) -> AsyncIterator[None]:
+    """A sim on a given loopback port (the backend healed, where it was)."""
+    listeners = hosting.bind("127.0.0.1", port)
+    async with running_app(build_app(SimConfig(profile="instant")), listeners, options("uvicorn")):
+        yield
+
+
+_500 = b'{"error": {"message": "engine died", "type": "server_error", "param": null, "code": null}}'
+
+
+@contextlib.asynccontextmanager
+async def _broken_on(port: int, mode: str) -> AsyncIterator[None]:
+    """A server on ``port`` that accepts every connection and then never answers
+    (``blackhole``), or answers every request ``500`` (``500``): a hung or broken engine
+    behind a live socket. Its connections are closed when the block ends."""
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.add(writer)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if mode == "blackhole":
+                    await reader.read()  # never answers; returns when the peer leaves
+                    return
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                writer.write(
+                    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(_500), _500)
+                )
+                await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()
+
+
+def _access(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [
+        r.fields  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name == "firstbyte.access" and r.fields.get("path") == "/v1/chat/completions"  # type: ignore[attr-defined]
+    ]
+
+
+def _state_lines(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "firstbyte.router" and r.getMessage().startswith(f"upstream {name} ")
+    ]
+
+
+async def _stream(client: httpx.AsyncClient, router: RouterEndpoints) -> float:
+    """One streamed completion, whole and without an error event; its duration (s)."""
+    started = time.monotonic()
+    response = await client.post(
+        router.base_url + "/v1/chat/completions", json={**BODY, "stream": True}, headers=auth()
+    )
+    assert response.status_code == 200, response.text
+    assert response.text.endswith("data: [DONE]\n\n")
+    assert '"error"' not in response.text
+    return time.monotonic() - started
+
+
+def _upstreams(flaky_port: int, live_url: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "flaky", "url": f"http://127.0.0.1:{flaky_port}"},
+        {"name": "live", "url": live_url},
+    ]
+
+
+@pytest.mark.parametrize("mode", ["blackhole", "500"])
+async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_healed(
+    start_router: RouterFactory, caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="firstbyte")
+    port = _closed_port()
+    # The first-byte deadline is 4x the backends' observed TTFT (an instant sim: ms), at
+    # least 0.3 s; 30 s (its ceiling) only before any TTFT is known. The client gives up
+    # after 20 s: without passive health a blackholed stream waits the read timeout (300 s).
+    routing = {
+        "backend_policy": "round_robin", "backend_metrics_interval_s": 0.2,
+        "first_byte_timeout_min_s": 0.3, "first_byte_timeout_max_s": 30.0,
+        "backend_eject_consecutive_5xx": 2,
+        "backend_eject_s": 1.0 if mode == "blackhole" else 3.0,
+    }
+    async with (
+        running_sim("instant") as live_url,
+        start_router([], tls=False, upstreams=_upstreams(port, live_url), routing=routing)
+        as router,
+        httpx.AsyncClient(timeout=20) as client,
+    ):
+        state = router.app.state.routing
+        async with _sim_on(port):  # both serve: the region learns their TTFT
+            for _ in range(4):
+                await _stream(client, router)
+        assert {line["backend"] for line in _access(caplog)} == {"flaky", "live"}
+        assert state.first_byte_timeout_s("flaky") == pytest.approx(0.3)
+
+        async with _broken_on(port, mode):
+            durations = [await _stream(client, router) for _ in range(6)]
+            whole = await client.post(
+                router.base_url + "/v1/chat/completions", json=BODY, headers=auth()
+            )
+            assert whole.status_code == 200, whole.text
+            # Every request was served by the live backend, none waited past the deadline
+            # much (a generous bound: a loaded machine; the read timeout is 300 s).
+            lines = _access(caplog)[-7:]
+            assert {line["backend"] for line in lines} == {"live"}
+            assert [line["outcome"] for line in lines] == ["ok"] * 7
+            assert max(durations) < 10.0
+            moved = [line["route_reason"] for line in lines if line.get("route_reason")]
+            cause = "first_byte_timeout" if mode == "blackhole" else "5xx"
+            assert moved[-1] == f"backend_{cause}"
+            assert not state.backends["flaky"].healthy
+            assert state.backends["flaky"].in_flight == state.tracker["flaky"].in_flight == 0
+            metrics = await client.get(router.base_url + "/metrics", headers=auth())
+            assert 'firstbyte_backend_healthy{backend="flaky"} 0' in metrics.text
+            assert (
+                f'firstbyte_backend_ejections_total{{backend="flaky",cause="{cause}"}}'
+                in metrics.text
+            )
+            down = _state_lines(caplog, "flaky")
+            assert len(down) == 1  # one line, however many requests found it broken
+            assert f"is down: ejected ({cause})" in down[0]
+
+        async with _sim_on(port):  # healed: a scrape after backend_eject_s re-admits it
+            async def readmitted() -> bool:
+                return bool(state.backends["flaky"].healthy)
+
+            await _until(readmitted)
+            for _ in range(4):
+                await _stream(client, router)
+            assert {line["backend"] for line in _access(caplog)[-4:]} == {"flaky", "live"}
+            assert _state_lines(caplog, "flaky")[1:] == [
+                f"upstream flaky (http://127.0.0.1:{port}) is up again"
+            ]
+
+
+async def test_the_last_healthy_backend_is_not_ejected(
+    start_router: RouterFactory,
+) -> None:
+    port = _closed_port()
+    routing = {"first_byte_timeout_min_s": 0.3, "first_byte_timeout_max_s": 0.5}
+    upstreams = [{"name": "only", "url": f"http://127.0.0.1:{port}", "kind": "openai"}]
+    async with (
+        _broken_on(port, "blackhole"),
+        start_router([], tls=False, upstreams=upstreams, routing=routing) as router,
+        httpx.AsyncClient(timeout=20) as client,
+    ):
+        started = time.monotonic()
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", json={**BODY, "stream": True},
+            headers=auth(),
+        )
+        # Nowhere else to go: the request fails at the deadline (not the read timeout), as
+        # an upstream error, and the backend stays in rotation (the next request tries it).
+        assert response.status_code == 502, response.text
+        assert response.json()["error"]["message"] == "Upstream failed: ReadTimeout."
+        assert time.monotonic() - started < 10.0
+        assert router.app.state.routing.backends["only"].healthy
