@@ -291,7 +291,7 @@ class RegionRouting:
         self.runner = WarmupRunner(
             self.scheduler, client, scraped,
             poll_interval_s=routing.backend_metrics_interval_s, clock=clock,
-            on_metrics=self._on_metrics, headers=probe_headers,
+            on_metrics=self._on_metrics, headers=probe_headers, on_probe=self._on_probe,
         )
         # Metrics.
         self.outcomes: Counter[tuple[str, str, str]] = Counter()
@@ -365,6 +365,18 @@ class RegionRouting:
 
     def _on_peer_status(self, name: str) -> None:
         self._sent_baseline[name] = self.peer_routed[name]
+
+    def _on_probe(self, name: str, started: bool) -> None:
+        """A warmup probe is load on ``name`` as our requests are: a scrape that shows it
+        running must not count it as someone else's once it ended (the start-up warmup's
+        last scrape saw its probes, and the first request after it was refused as if the
+        backend were full)."""
+        if name not in self.tracker.backends:
+            return
+        if started:
+            self.tracker.started(name, self.clock())
+        else:
+            self.tracker.finished(name)
 
     def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> bool:
         """A scrape's result (None: unreachable); False if ``name`` answered but stays out

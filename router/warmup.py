@@ -284,6 +284,7 @@ class WarmupRunner:
         clock: Callable[[], float] = time.monotonic,
         on_metrics: Callable[[str, BackendMetrics | None], bool | None] | None = None,
         headers: Mapping[str, Mapping[str, str]] | None = None,
+        on_probe: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.client = client
@@ -294,6 +295,9 @@ class WarmupRunner:
         self.on_metrics = on_metrics
         self.headers = {k: dict(v) for k, v in (headers or {}).items()}
         """Per-backend extra headers for probes (e.g. the upstream's API key)."""
+        self.on_probe = on_probe
+        """Called with (backend, True) as a probe is sent and (backend, False) when it ends:
+        a probe is load the backend reports in its metrics, and must be counted as ours."""
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -350,6 +354,8 @@ class WarmupRunner:
         assert isinstance(client, httpx.AsyncClient)
         prefix = self.scheduler.prefixes[task.prefix]
         headers = self.headers.get(task.backend, {})
+        if self.on_probe is not None:
+            self.on_probe(task.backend, True)
         try:
             response = await client.post(
                 self.urls[task.backend].rstrip("/") + paths.CHAT_COMPLETIONS,
@@ -360,6 +366,9 @@ class WarmupRunner:
         except (httpx.HTTPError, ValueError):
             self.scheduler.finished(task, self.clock(), ok=False)
             return
+        finally:
+            if self.on_probe is not None:
+                self.on_probe(task.backend, False)
         details = usage.get("prompt_tokens_details") or {}
         self.scheduler.finished(
             task, self.clock(), ok=True,

@@ -265,3 +265,41 @@ async def test_the_last_healthy_backend_is_not_ejected(
         assert response.json()["error"]["message"] == "Upstream failed: ReadTimeout."
         assert time.monotonic() - started < 10.0
         assert router.app.state.routing.backends["only"].healthy
+
+
+PREFIX = "You are the support assistant of an online shop. Answer briefly. " * 20
+
+
+@pytest.mark.parametrize("run", range(2))
+async def test_the_first_request_after_healthz_200_is_served(
+    start_router: RouterFactory, run: int
+) -> None:
+    # The start-up warmup's last metrics scrape saw its own probes running and waiting on the
+    # backend; counted as someone else's load after they ended, they filled a backend of
+    # max_in_flight = 2, and the first request after /healthz turned 200 was refused (429).
+    async with (
+        running_sim("h100-7b") as sim_url,
+        httpx.AsyncClient(timeout=20) as client,
+        start_router(
+            [], tls=False, upstreams=[{"url": sim_url, "max_in_flight": 2}],
+            warm_prefixes=[{"name": "support", "text": PREFIX}],
+        ) as router,
+    ):
+        async def ready() -> bool:
+            return (await client.get(router.base_url + "/healthz")).status_code == 200
+
+        await _until(ready)
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", headers=auth(),
+            json={
+                "model": "m", "max_tokens": 3, "stream": True,
+                "messages": [
+                    {"role": "system", "content": PREFIX}, {"role": "user", "content": "hi"}
+                ],
+            },
+        )
+        assert response.status_code == 200, response.text
+        assert response.text.endswith("data: [DONE]\n\n")
+        routing = router.app.state.routing
+        assert routing.tracker.in_flight() == 0  # the probes' counts were given back
+        assert routing.scheduler.all_warm()
