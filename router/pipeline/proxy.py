@@ -344,7 +344,6 @@ class _Producer:
                 self.outcome = self.loop.create_future()
                 self._refused = None
                 self._arm_deadline()
-                self._arm_first_byte()
                 ctx.upstream_sent_at = sent_at = time.perf_counter()
                 self.relay.start(sent_at)
                 if self.backend.name.startswith(PEER_PREFIX):
@@ -451,6 +450,8 @@ class _Producer:
                 return "finished"
             try:
                 conn.send(request, self)
+                # From here, not from the pool's wait: a full pool is not the backend's fault.
+                self._arm_first_byte()
                 result = await self.outcome
                 if result == "finished" and self.relay.done and self._refused is None:
                     # After [DONE], read on to the end of the body (briefly): dropping an
