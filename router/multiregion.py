@@ -719,7 +719,8 @@ class RegionRouting:
     ) -> Backend | None:
         """``obs``'s local backend failed the request before anything reached its client:
         it refused the connection or did not accept it in time (``refused``: the request
-        never reached it), sent no byte by the first-byte deadline, or answered 5xx. Take
+        never reached it), closed or reset it before any byte of its answer, sent no byte
+        by the first-byte deadline, or answered 5xx. Take
         that backend out of rotation (:meth:`unreachable`, :meth:`eject`) and move the
         request to the backend the policy picks among the region's others with room,
         holding a slot there before giving back the old one. None when no other can take
@@ -731,7 +732,7 @@ class RegionRouting:
         old = obs.backend
         if cause == "refused":
             self.unreachable(old, exc)
-        elif cause == "first_byte_timeout" or (
+        elif cause != "5xx" or (
             self.tracker.observe_5xx(old) >= self.config.routing.backend_eject_consecutive_5xx
         ):
             self.eject(old, exc, cause)
@@ -774,8 +775,9 @@ class RegionRouting:
             self._down_until[name] = self.clock() + PASSIVE_DOWN_S
 
     def eject(self, name: str, exc: Exception, cause: FailCause) -> None:
-        """Passive health: local backend ``name`` failed a request it had accepted (no first
-        byte by the deadline, or its run of 5xx reached ``backend_eject_consecutive_5xx``).
+        """Passive health: local backend ``name`` failed a request it had accepted (reset it
+        or sent no byte by the first-byte deadline, or its run of 5xx reached
+        ``backend_eject_consecutive_5xx``).
         Out of rotation now, for ``backend_eject_s`` at least (one warning line), then back
         when a scrape answers (without scrapes: tried again). The region's last healthy
         backend is never ejected: such failures may be load, and without it every request

@@ -125,7 +125,7 @@ def render(r: RegionRouting) -> str:
     )
     lines += render_counter(
         "firstbyte_backend_ejections_total",
-        "Backends ejected by passive health, by cause (first_byte_timeout, 5xx).",
+        "Backends ejected by passive health, by cause (first_byte_timeout, reset, 5xx).",
         [(labels(backend=b, cause=c), n) for (b, c), n in sorted(r.ejections.items())],
     )
     lines += render_counter(

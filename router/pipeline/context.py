@@ -128,10 +128,10 @@ class Traceparent:
         return bool(int(self.flags, 16) & 1)
 
 
-FailCause = Literal["refused", "first_byte_timeout", "5xx"]
+FailCause = Literal["refused", "reset", "first_byte_timeout", "5xx"]
 """Why a request leaves its backend before anything reached its client: the connection was
-refused (or not accepted in time), no byte of the answer came by the first-byte deadline, or
-the backend answered 5xx."""
+refused (or not accepted in time), closed or reset before any byte of the answer, no byte of
+the answer came by the first-byte deadline, or the backend answered 5xx."""
 
 
 class Observer(Protocol):

@@ -16,9 +16,10 @@ only if no reader comes back in that time (see
 A local backend that refuses the connection (or does not accept it in time) never saw the
 request: the routing stage takes it out of rotation and names another backend of the region,
 and the request goes there (:meth:`~firstbyte.router.multiregion.RegionRouting.fail_over`).
-So does a request whose local backend sent no byte of its answer by the first-byte deadline
-(from the backend's observed TTFT; the backend is ejected) or answered 5xx (its run of 5xx
-ejects it): nothing had reached the client yet (passive health, as Envoy's outlier detection).
+So does a request whose local backend closed or reset the connection before any byte of its
+answer, or sent none by the first-byte deadline (from the backend's observed TTFT; either way
+the backend is ejected), or answered 5xx (its run of 5xx ejects it): nothing had reached the
+client yet (passive health, as Envoy's outlier detection).
 Errors after the stream started become an ``{"error": {...}}`` event followed by ``[DONE]``.
 """
 
@@ -541,6 +542,11 @@ class _Producer:
         closed = isinstance(exc, httpx.ReadError)  # not a timeout: that one is the upstream's
         if closed and conn is not None and conn.stale:
             self.outcome.set_result("retry")
+            return
+        if closed and conn is not None and not conn.answered and self.observer is not None:
+            # A fresh connection closed or reset before any byte of the answer: the backend
+            # is failing (passive health); nothing reached the client, so it goes elsewhere.
+            self._fail(exc, "reset")
             return
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 

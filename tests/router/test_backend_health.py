@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -106,7 +107,8 @@ _500 = b'{"error": {"message": "engine died", "type": "server_error", "param": n
 @contextlib.asynccontextmanager
 async def _broken_on(port: int, mode: str) -> AsyncIterator[None]:
     """A server on ``port`` that accepts every connection and then never answers
-    (``blackhole``), or answers every request ``500`` (``500``): a hung or broken engine
+    (``blackhole``), answers every request ``500`` (``500``), or resets the connection on
+    every ``POST`` while its ``GET /metrics`` answers (``reset``): a hung or broken engine
     behind a live socket. Its connections are closed when the block ends."""
     writers: set[asyncio.StreamWriter] = set()
 
@@ -124,6 +126,15 @@ async def _broken_on(port: int, mode: str) -> AsyncIterator[None]:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 await reader.readexactly(length)
+                if mode == "reset" and head.startswith(b"POST"):
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()  # RST, before any byte of an answer
+                    return
+                if mode == "reset":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
                 writer.write(
                     b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
                     b"content-length: %d\r\n\r\n%s" % (len(_500), _500)
@@ -175,7 +186,7 @@ def _upstreams(flaky_port: int, live_url: str) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["blackhole", "500"])
+@pytest.mark.parametrize("mode", ["blackhole", "500", "reset"])
 async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_healed(
     start_router: RouterFactory, caplog: pytest.LogCaptureFixture, mode: str
 ) -> None:
@@ -216,7 +227,7 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
             assert [line["outcome"] for line in lines] == ["ok"] * 7
             assert max(durations) < 10.0
             moved = [line["route_reason"] for line in lines if line.get("route_reason")]
-            cause = "first_byte_timeout" if mode == "blackhole" else "5xx"
+            cause = {"blackhole": "first_byte_timeout", "500": "5xx", "reset": "reset"}[mode]
             assert moved[-1] == f"backend_{cause}"
             assert not state.backends["flaky"].healthy
             assert state.backends["flaky"].in_flight == state.tracker["flaky"].in_flight == 0
