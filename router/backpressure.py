@@ -124,10 +124,12 @@ class LoadTracker:
         return self.backends[name]
 
     # --- inputs
-    def started(self, name: str, now: float | None = None) -> None:
+    def started(self, name: str, now: float | None = None, *, probe: bool = False) -> None:
+        """A request to ``name`` starts (a warmup ``probe`` is load, not a request served)."""
         b = self.backends[name]
         b.in_flight += 1
-        b.requests += 1
+        if not probe:
+            b.requests += 1
         if now is not None:
             b.recent_starts.append(now)
             _forget_before(b.recent_starts, now - RECENT_S)

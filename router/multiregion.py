@@ -374,7 +374,7 @@ class RegionRouting:
         if name not in self.tracker.backends:
             return
         if started:
-            self.tracker.started(name, self.clock())
+            self.tracker.started(name, self.clock(), probe=True)
         else:
             self.tracker.finished(name)
 
