@@ -162,6 +162,11 @@ class LoadTracker:
         b.ttft_recent.append(ttft_ms if upstream_ms is None else upstream_ms)
         b.consecutive_5xx = 0
 
+    def observe_probe(self, name: str, ttft_ms: float) -> None:
+        """A warmup probe (one token) answered in ``ttft_ms``: a TTFT sample for the
+        first-byte deadline only (it says nothing of what users wait)."""
+        self.backends[name].ttft_recent.append(ttft_ms)
+
     def observe_5xx(self, name: str) -> int:
         """A 5xx answer from ``name``; returns how many in a row it has given."""
         b = self.backends[name]

@@ -366,17 +366,20 @@ class RegionRouting:
     def _on_peer_status(self, name: str) -> None:
         self._sent_baseline[name] = self.peer_routed[name]
 
-    def _on_probe(self, name: str, started: bool) -> None:
+    def _on_probe(self, name: str, started: bool, answered_ms: float | None) -> None:
         """A warmup probe is load on ``name`` as our requests are: a scrape that shows it
         running must not count it as someone else's once it ended (the start-up warmup's
         last scrape saw its probes, and the first request after it was refused as if the
-        backend were full)."""
+        backend were full). An answered probe (one token) is a TTFT sample for the
+        first-byte deadline, known before any user request."""
         if name not in self.tracker.backends:
             return
         if started:
             self.tracker.started(name, self.clock(), probe=True)
-        else:
-            self.tracker.finished(name)
+            return
+        self.tracker.finished(name)
+        if answered_ms is not None:
+            self.tracker.observe_probe(name, answered_ms)
 
     def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> bool:
         """A scrape's result (None: unreachable); False if ``name`` answered but stays out

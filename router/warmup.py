@@ -284,7 +284,7 @@ class WarmupRunner:
         clock: Callable[[], float] = time.monotonic,
         on_metrics: Callable[[str, BackendMetrics | None], bool | None] | None = None,
         headers: Mapping[str, Mapping[str, str]] | None = None,
-        on_probe: Callable[[str, bool], None] | None = None,
+        on_probe: Callable[[str, bool, float | None], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.client = client
@@ -296,8 +296,10 @@ class WarmupRunner:
         self.headers = {k: dict(v) for k, v in (headers or {}).items()}
         """Per-backend extra headers for probes (e.g. the upstream's API key)."""
         self.on_probe = on_probe
-        """Called with (backend, True) as a probe is sent and (backend, False) when it ends:
-        a probe is load the backend reports in its metrics, and must be counted as ours."""
+        """Called with (backend, True, None) as a probe is sent and (backend, False, ms) when
+        it ends, ``ms`` the time to its answer (None if it failed): a probe is load the
+        backend reports in its metrics, and must be counted as ours; its time is a TTFT
+        (one token) known before any user request."""
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -355,20 +357,23 @@ class WarmupRunner:
         prefix = self.scheduler.prefixes[task.prefix]
         headers = self.headers.get(task.backend, {})
         if self.on_probe is not None:
-            self.on_probe(task.backend, True)
+            self.on_probe(task.backend, True, None)
+        sent = time.perf_counter()
+        answered_ms: float | None = None
         try:
             response = await client.post(
                 self.urls[task.backend].rstrip("/") + paths.CHAT_COMPLETIONS,
                 json=probe_body(prefix, task.model), headers=headers, timeout=60.0,
             )
             response.raise_for_status()
+            answered_ms = (time.perf_counter() - sent) * 1000
             usage = response.json().get("usage") or {}
         except (httpx.HTTPError, ValueError):
             self.scheduler.finished(task, self.clock(), ok=False)
             return
         finally:
             if self.on_probe is not None:
-                self.on_probe(task.backend, False)
+                self.on_probe(task.backend, False, answered_ms)
         details = usage.get("prompt_tokens_details") or {}
         self.scheduler.finished(
             task, self.clock(), ok=True,

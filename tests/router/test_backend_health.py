@@ -95,8 +95,10 @@ async def test_every_backend_down_is_503_no_healthy_backend_not_429(
 
 @contextlib.asynccontextmanager
 async def _sim_on(port: int) -> AsyncIterator[None]:
-    """A sim on a given loopback port (the backend healed, where it was)."""
-    listeners = hosting.bind("127.0.0.1", port)
+    """A sim on a given loopback port (the backend healed, where it was). With
+    ``SO_REUSEPORT``, as :func:`_broken_on`: the one starts before the other stops, so the
+    router's scrapes never find the port closed (that alone takes a backend down)."""
+    listeners = hosting.bind("127.0.0.1", port, reuse_port=True)
     async with running_app(build_app(SimConfig(profile="instant")), listeners, options("uvicorn")):
         yield
 
@@ -141,7 +143,7 @@ async def _broken_on(port: int, mode: str) -> AsyncIterator[None]:
                 )
                 await writer.drain()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    server = await asyncio.start_server(serve, "127.0.0.1", port, reuse_port=True)
     try:
         yield
     finally:
@@ -202,56 +204,71 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
         "backend_eject_s": 1.0 if mode == "blackhole" else 3.0,
     }
     async with (
+        contextlib.AsyncExitStack() as stacks,
         running_sim("instant") as live_url,
         start_router([], tls=False, upstreams=_upstreams(port, live_url), routing=routing)
         as router,
         httpx.AsyncClient(timeout=20) as client,
     ):
+        async def serving(
+            server: contextlib.AbstractAsyncContextManager[None],
+        ) -> contextlib.AsyncExitStack:
+            """``server`` runs until the returned stack is closed (or the test ends)."""
+            stack = contextlib.AsyncExitStack()
+            stacks.push_async_callback(stack.aclose)
+            await stack.enter_async_context(server)
+            return stack
+
         state = router.app.state.routing
-        async with _sim_on(port):  # both serve: the region learns their TTFT
-            for _ in range(4):
-                await _stream(client, router)
+        healthy = await serving(_sim_on(port))  # both serve: the region learns their TTFT
+        for _ in range(4):
+            await _stream(client, router)
         assert {line["backend"] for line in _access(caplog)} == {"flaky", "live"}
         assert state.first_byte_timeout_s("flaky") == pytest.approx(0.3)
 
-        async with _broken_on(port, mode):
-            durations = [await _stream(client, router) for _ in range(6)]
-            whole = await client.post(
-                router.base_url + "/v1/chat/completions", json=BODY, headers=auth()
-            )
-            assert whole.status_code == 200, whole.text
-            # Every request was served by the live backend, none waited past the deadline
-            # much (a generous bound: a loaded machine; the read timeout is 300 s).
-            lines = _access(caplog)[-7:]
-            assert {line["backend"] for line in lines} == {"live"}
-            assert [line["outcome"] for line in lines] == ["ok"] * 7
-            assert max(durations) < 10.0
-            moved = [line["route_reason"] for line in lines if line.get("route_reason")]
-            cause = {"blackhole": "first_byte_timeout", "500": "5xx", "reset": "reset"}[mode]
-            assert moved[-1] == f"backend_{cause}"
-            assert not state.backends["flaky"].healthy
-            assert state.backends["flaky"].in_flight == state.tracker["flaky"].in_flight == 0
-            metrics = await client.get(router.base_url + "/metrics", headers=auth())
-            assert 'firstbyte_backend_healthy{backend="flaky"} 0' in metrics.text
-            assert (
-                f'firstbyte_backend_ejections_total{{backend="flaky",cause="{cause}"}}'
-                in metrics.text
-            )
-            down = _state_lines(caplog, "flaky")
-            assert len(down) == 1  # one line, however many requests found it broken
-            assert f"is down: ejected ({cause})" in down[0]
+        # The engine breaks behind a live socket (the broken server takes the port over).
+        broken = await serving(_broken_on(port, mode))
+        await healthy.aclose()
+        durations = [await _stream(client, router) for _ in range(6)]
+        whole = await client.post(
+            router.base_url + "/v1/chat/completions", json=BODY, headers=auth()
+        )
+        assert whole.status_code == 200, whole.text
+        # Every request was served by the live backend, none waited past the deadline much
+        # (a generous bound: a loaded machine; the read timeout is 300 s).
+        lines = _access(caplog)[-7:]
+        assert {line["backend"] for line in lines} == {"live"}
+        assert [line["outcome"] for line in lines] == ["ok"] * 7
+        assert max(durations) < 10.0
+        moved = [line["route_reason"] for line in lines if line.get("route_reason")]
+        cause = {"blackhole": "first_byte_timeout", "500": "5xx", "reset": "reset"}[mode]
+        assert moved[-1] == f"backend_{cause}"
+        assert not state.backends["flaky"].healthy
+        assert state.backends["flaky"].in_flight == state.tracker["flaky"].in_flight == 0
+        metrics = await client.get(router.base_url + "/metrics", headers=auth())
+        assert 'firstbyte_backend_healthy{backend="flaky"} 0' in metrics.text
+        assert (
+            f'firstbyte_backend_ejections_total{{backend="flaky",cause="{cause}"}}'
+            in metrics.text
+        )
+        down = _state_lines(caplog, "flaky")
+        assert len(down) == 1  # one line, however many requests found it broken
+        assert f"is down: ejected ({cause})" in down[0]
 
-        async with _sim_on(port):  # healed: a scrape after backend_eject_s re-admits it
-            async def readmitted() -> bool:
-                return bool(state.backends["flaky"].healthy)
+        # Healed: a scrape after backend_eject_s re-admits it.
+        await serving(_sim_on(port))
+        await broken.aclose()
 
-            await _until(readmitted)
-            for _ in range(4):
-                await _stream(client, router)
-            assert {line["backend"] for line in _access(caplog)[-4:]} == {"flaky", "live"}
-            assert _state_lines(caplog, "flaky")[1:] == [
-                f"upstream flaky (http://127.0.0.1:{port}) is up again"
-            ]
+        async def readmitted() -> bool:
+            return bool(state.backends["flaky"].healthy)
+
+        await _until(readmitted)
+        for _ in range(4):
+            await _stream(client, router)
+        assert {line["backend"] for line in _access(caplog)[-4:]} == {"flaky", "live"}
+        assert _state_lines(caplog, "flaky")[1:] == [
+            f"upstream flaky (http://127.0.0.1:{port}) is up again"
+        ]
 
 
 async def test_the_last_healthy_backend_is_not_ejected(
@@ -314,3 +331,37 @@ async def test_the_first_request_after_healthz_200_is_served(
         routing = router.app.state.routing
         assert routing.tracker.in_flight() == 0  # the probes' counts were given back
         assert routing.scheduler.all_warm()
+
+
+async def test_a_backend_blackholed_from_the_start_costs_a_deadline_from_warmup_probes(
+    start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before any user request the region knows its TTFT from the warmup probes (one token
+    # each), so a backend that never answered is cut off at the floor, not the ceiling.
+    caplog.set_level(logging.INFO, logger="firstbyte")
+    port = _closed_port()
+    routing = {
+        "backend_policy": "round_robin", "backend_metrics_interval_s": 0.2,
+        "first_byte_timeout_min_s": 0.3, "first_byte_timeout_max_s": 30.0,
+    }
+    async with (
+        _broken_on(port, "blackhole"),
+        running_sim("instant") as live_url,
+        start_router(
+            [], tls=False, upstreams=_upstreams(port, live_url), routing=routing,
+            warm_prefixes=[{"name": "support", "text": PREFIX}],
+            warmup={"startup_timeout_s": 2.0},
+        ) as router,
+        httpx.AsyncClient(timeout=20) as client,
+    ):
+        async def ready() -> bool:
+            return (await client.get(router.base_url + "/healthz")).status_code == 200
+
+        await _until(ready)
+        state = router.app.state.routing
+        assert state.scheduler.warm("live") == ["support"]
+        assert state.first_byte_timeout_s("flaky") == pytest.approx(0.3)
+        durations = [await _stream(client, router) for _ in range(3)]
+        assert max(durations) < 10.0
+        assert {line["backend"] for line in _access(caplog)} == {"live"}
+        assert not state.backends["flaky"].healthy
