@@ -323,7 +323,8 @@ class RegionRouting:
     def adopt(self, previous: RegionRouting) -> None:
         """Carry over what ``previous`` (the routing before a reload) learned and still counts:
         the load record of every backend that stays (requests in flight on it finish on the
-        previous routing's record, which this one now shares), the status and RTT of every
+        previous routing's record, which this one now shares; out of rotation until when it
+        was), the status and RTT of every
         peer that stays at the same URL, the draining flag, and the shared state's hooks
         (:attr:`released`, :attr:`claim`)."""
         self.released, self.claim = previous.released, previous.claim
@@ -334,6 +335,13 @@ class RegionRouting:
                     load.max_in_flight, load.max_waiting, load.weight
                 )
                 self.tracker.backends[name] = old
+                # Out of rotation it stays, until when it was to be tried again.
+                for mine, theirs in (
+                    (self._down_until, previous._down_until),
+                    (self._ejected_until, previous._ejected_until),
+                ):
+                    if name in theirs:
+                        mine[name] = theirs[name]
         for name, peer in self.peer_table.peers.items():
             was = previous.peer_table.peers.get(name)
             if was is not None and was.url == peer.url:

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from firstbyte.router import hosting
+from firstbyte.router import hosting, multiregion
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimConfig, build_app, options, running_app, running_sim
-from tests.router.conftest import RouterFactory, auth
+from tests.router.conftest import RouterFactory, auth, router_config
 
 pytestmark = pytest.mark.asyncio
 
@@ -365,3 +365,45 @@ async def test_a_backend_blackholed_from_the_start_costs_a_deadline_from_warmup_
         assert max(durations) < 10.0
         assert {line["backend"] for line in _access(caplog)} == {"live"}
         assert not state.backends["flaky"].healthy
+
+
+async def test_a_reload_keeps_a_backend_out_of_rotation_until_it_is_due_back(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(multiregion, "PASSIVE_DOWN_S", 0.5)
+    port = _closed_port()
+
+    def upstreams(live_url: str) -> list[dict[str, Any]]:
+        # No scrapes for "gone": only time brings it back into rotation.
+        return [
+            {"name": "gone", "url": f"http://127.0.0.1:{port}", "kind": "openai"},
+            {"name": "live", "url": live_url},
+        ]
+
+    async with (
+        running_sim("instant") as live_url,
+        start_router(
+            [], tls=False, upstreams=upstreams(live_url),
+            routing={"backend_policy": "round_robin"},
+        ) as router,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        for _ in range(2):
+            await _stream(client, router)  # one of them finds "gone" refusing
+        state = router.app.state
+        assert not state.routing.backends["gone"].healthy
+        # A reload that changes routing builds a new routing stage; before, it forgot when
+        # "gone" was due back, and "gone" stayed out of rotation until the process ended.
+        reloaded = router_config(
+            [], None, upstreams=upstreams(live_url),
+            routing={"backend_policy": "round_robin", "balance_abs_threshold": 9},
+        )
+        previous = state.routing
+        await router.app.reconfigure(reloaded)
+        assert state.routing is not previous
+        assert not state.routing.backends["gone"].healthy
+        async with _sim_on(port):
+            await asyncio.sleep(0.6)
+            for _ in range(4):
+                await _stream(client, router)
+            assert state.routing.backends["gone"].healthy
