@@ -621,7 +621,9 @@ class RegionRouting:
     def down_retry_after_s(self, now: float) -> int:
         """``Retry-After`` when no backend is healthy: until the first ejected one is tried
         again, else (down by its scrapes) the scrape interval; whole seconds, 1 to 10."""
-        until = [t for t in self._down_until.values() if t > now]
+        until = [
+            t for t in (*self._down_until.values(), *self._ejected_until.values()) if t > now
+        ]
         wait = min(until) - now if until else self.config.routing.backend_metrics_interval_s
         return max(1, min(10, math.ceil(wait)))
 

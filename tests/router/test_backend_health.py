@@ -1,6 +1,7 @@
 """Backend health as a client sees it: an upstream URL written with ``/v1`` works, the status
-says why a request was refused, and a backend that stops answering (or answers 5xx) is
-ejected at once and re-admitted when it heals (passive health, as Envoy's outlier detection)."""
+says why a request was refused, a backend that stops answering (resets, answers 5xx) is
+ejected at once and re-admitted when it heals (passive health, as Envoy's outlier detection),
+and the first request after ``/healthz`` turns 200 is served."""
 
 from __future__ import annotations
 
