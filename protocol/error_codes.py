@@ -24,6 +24,7 @@ __all__ = [
     "KEY_STORE_FULL",
     "MISSING_API_KEY",
     "NOT_FOUND",
+    "NO_HEALTHY_BACKEND",
     "OVERLOADED",
     "REGION_SATURATED",
     "REQUEST_TIMEOUT",
@@ -71,6 +72,10 @@ INVALID_AFTER = "invalid_after"
 INVALID_WAIT = "invalid_wait"
 REGION_SATURATED = "region_saturated"
 """429: every backend of the region is saturated; ``Retry-After`` says when to retry."""
+NO_HEALTHY_BACKEND = "no_healthy_backend"
+"""503: no backend of the region answers (down, or ejected by passive health) and no other
+region can take the request; ``Retry-After`` says when one may be back. Not load: another
+region, or the same one a little later, may serve it."""
 KEY_CONCURRENCY_EXCEEDED = "key_concurrency_exceeded"
 """429: this API key has its limit of completions in flight; the others are unaffected."""
 KEY_OVER_FAIR_SHARE = "key_over_fair_share"

@@ -39,11 +39,17 @@ from dataclasses import dataclass, field
 
 from firstbyte.router.upstream_metrics import BackendMetrics
 
-__all__ = ["RECENT_S", "BackendLoad", "Ewma", "LoadTracker"]
+__all__ = ["RECENT_S", "TTFT_SAMPLES", "BackendLoad", "Ewma", "LoadTracker"]
 
 RECENT_S = 0.25
 """Requests sent this recently may still be waiting for their first scheduler step (a step
 with a long prefill takes ~100 ms); they are not a queue."""
+
+
+TTFT_SAMPLES = 64
+"""TTFTs kept per backend for its first-byte deadline (:meth:`LoadTracker.first_byte_timeout_s`)."""
+
+TTFT_PERCENTILE = 0.95
 
 
 class Ewma:
@@ -89,6 +95,10 @@ class BackendLoad:
     """Waiting requests at the last scrape beyond those we had just sent."""
     recent_starts: deque[float] = field(default_factory=deque)
     """When our requests to it started, for the last ``RECENT_S``."""
+    ttft_recent: deque[float] = field(default_factory=lambda: deque(maxlen=TTFT_SAMPLES))
+    """The last TTFTs (ms) of requests it served, for its first-byte deadline."""
+    consecutive_5xx: int = 0
+    """5xx answers since its last first token (passive health)."""
 
     @property
     def limit(self) -> int:
@@ -114,10 +124,12 @@ class LoadTracker:
         return self.backends[name]
 
     # --- inputs
-    def started(self, name: str, now: float | None = None) -> None:
+    def started(self, name: str, now: float | None = None, *, probe: bool = False) -> None:
+        """A request to ``name`` starts (a warmup ``probe`` is load, not a request served)."""
         b = self.backends[name]
         b.in_flight += 1
-        b.requests += 1
+        if not probe:
+            b.requests += 1
         if now is not None:
             b.recent_starts.append(now)
             _forget_before(b.recent_starts, now - RECENT_S)
@@ -141,8 +153,42 @@ class LoadTracker:
         if duration_ms is not None:
             b.service_ms.add(duration_ms)
 
-    def observe_ttft(self, name: str, ttft_ms: float) -> None:
-        self.backends[name].ttft_ms.add(ttft_ms)
+    def observe_ttft(self, name: str, ttft_ms: float, upstream_ms: float | None = None) -> None:
+        """A first token from ``name``, ``ttft_ms`` after the request arrived and
+        ``upstream_ms`` after it was sent there (this attempt): it serves, its run of 5xx
+        ends."""
+        b = self.backends[name]
+        b.ttft_ms.add(ttft_ms)
+        b.ttft_recent.append(ttft_ms if upstream_ms is None else upstream_ms)
+        b.consecutive_5xx = 0
+
+    def observe_probe(self, name: str, ttft_ms: float) -> None:
+        """A warmup probe (one token) answered in ``ttft_ms``: a TTFT sample for the
+        first-byte deadline only (it says nothing of what users wait)."""
+        self.backends[name].ttft_recent.append(ttft_ms)
+
+    def observe_5xx(self, name: str) -> int:
+        """A 5xx answer from ``name``; returns how many in a row it has given."""
+        b = self.backends[name]
+        b.consecutive_5xx += 1
+        return b.consecutive_5xx
+
+    def first_byte_timeout_s(
+        self, name: str, *, multiple: float, min_s: float, max_s: float
+    ) -> float:
+        """How long a request may wait for the first byte of ``name``'s answer: ``multiple``
+        times its recent high TTFT (the region's when it has served nothing yet), within
+        ``[min_s, max_s]``; ``max_s`` when no TTFT was seen at all. A TTFT bounds the first
+        byte from above (the head comes before the first token), so a backend past it is not
+        merely slow."""
+        samples = self.backends[name].ttft_recent or [
+            t for b in self.backends.values() for t in b.ttft_recent
+        ]
+        if not samples:
+            return max_s
+        ordered = sorted(samples)
+        high_ms = ordered[int(TTFT_PERCENTILE * (len(ordered) - 1))]
+        return min(max_s, max(min_s, multiple * high_ms / 1000.0))
 
     def observe_metrics(self, name: str, metrics: BackendMetrics, now: float) -> None:
         b = self.backends[name]

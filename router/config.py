@@ -117,6 +117,14 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[str] = msgspec.field(default_factory=list)
     """Models it serves (for warmup); empty: asked from its ``/v1/models``."""
 
+    @property
+    def base_url(self) -> str:
+        """The URL the router appends ``/v1/...`` and ``/metrics`` to: ``url`` without a
+        trailing ``/`` or ``/v1`` (vLLM and OpenAI document their URLs with ``/v1``; kept, it
+        made every request ``/v1/v1/chat/completions``)."""
+        url = self.url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
 
 class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One API key of the per-key table (``[[auth.keys]]``): its weight in the fair share of

@@ -60,7 +60,7 @@ from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import (
     CONTINUE,
-    Fallback,
+    FailCause,
     LocalReply,
     Outcome,
     RequestContext,
@@ -87,6 +87,7 @@ a scraped backend is back at its first answered scrape."""
 
 
 REJECTION_REASONS = {
+    "no_healthy_backend": "none of its backends is answering",
     "no_peer_with_room": "no other region can take this request",
     "spill_budget": "its budget of requests spilled to other regions is used up",
     "saturated_forwarded": "this request was already forwarded by another region",
@@ -132,6 +133,8 @@ class Observation:
     """Why this backend (``affinity``, ``new-key``, ``balance``, ..., ``queued``); empty for
     a peer."""
     ttft_ms: float | None = None
+    upstream_ttft_ms: float | None = None
+    """From sending the request to its backend (the attempt that served) to its first token."""
     last_chunk: float | None = None
     switched: bool = False
     done: bool = False
@@ -145,6 +148,8 @@ class Observation:
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
         self.ttft_ms = ttft_ms
         self.last_chunk = time.perf_counter()
+        if ctx.upstream_sent_at is not None:
+            self.upstream_ttft_ms = (self.last_chunk - ctx.upstream_sent_at) * 1000
         self.routing.first_token(self, ttft_ms)
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
@@ -166,10 +171,18 @@ class Observation:
         """Move to the peer claimed by :meth:`claim_switch`; the new upstream to send to."""
         return self.routing.switch(self, ctx)
 
-    async def fail_over(self, ctx: RequestContext, exc: Exception) -> Backend | None:
-        """This request's connection to its backend failed (``exc``): the backend to send it
-        to instead, or None (see :meth:`RegionRouting.fail_over`)."""
-        return await self.routing.fail_over(self, ctx, exc)
+    def first_byte_timeout_s(self) -> float | None:
+        """How long the current attempt may wait for its backend's first byte (a local
+        backend's, from its observed TTFT); None for a peer region."""
+        return self.routing.first_byte_timeout_s(self.backend) if self.local else None
+
+    async def fail_over(
+        self, ctx: RequestContext, exc: Exception, cause: FailCause = "refused"
+    ) -> Backend | None:
+        """This request's backend failed it (``exc``, ``cause``) before anything reached its
+        client: the backend to send it to instead, or None (see
+        :meth:`RegionRouting.fail_over`)."""
+        return await self.routing.fail_over(self, ctx, exc, cause)
 
     def finished(self, ctx: RequestContext, ok: bool) -> None:
         if not self.done:
@@ -281,7 +294,7 @@ class RegionRouting:
         self.runner = WarmupRunner(
             self.scheduler, client, scraped,
             poll_interval_s=routing.backend_metrics_interval_s, clock=clock,
-            on_metrics=self._on_metrics, headers=probe_headers,
+            on_metrics=self._on_metrics, headers=probe_headers, on_probe=self._on_probe,
         )
         # Metrics.
         self.outcomes: Counter[tuple[str, str, str]] = Counter()
@@ -300,6 +313,11 @@ class RegionRouting:
         self._down_until: dict[str, float] = {}
         """Backends without scrapes taken out of rotation by a refused connection, until when
         (:data:`PASSIVE_DOWN_S`)."""
+        self._ejected_until: dict[str, float] = {}
+        """Backends ejected by passive health (first-byte timeout, 5xx), until when no scrape
+        may re-admit them (``routing.backend_eject_s``)."""
+        self.ejections: Counter[tuple[str, str]] = Counter()
+        """Passive-health ejections by (backend, cause)."""
         self._started = False
         self.draining = False
         """This process is shutting down: it counts as unhealthy for routing (a request goes
@@ -308,7 +326,8 @@ class RegionRouting:
     def adopt(self, previous: RegionRouting) -> None:
         """Carry over what ``previous`` (the routing before a reload) learned and still counts:
         the load record of every backend that stays (requests in flight on it finish on the
-        previous routing's record, which this one now shares), the status and RTT of every
+        previous routing's record, which this one now shares; out of rotation until when it
+        was), the status and RTT of every
         peer that stays at the same URL, the draining flag, and the shared state's hooks
         (:attr:`released`, :attr:`claim`)."""
         self.released, self.claim = previous.released, previous.claim
@@ -319,6 +338,13 @@ class RegionRouting:
                     load.max_in_flight, load.max_waiting, load.weight
                 )
                 self.tracker.backends[name] = old
+                # Out of rotation it stays, until when it was to be tried again.
+                for mine, theirs in (
+                    (self._down_until, previous._down_until),
+                    (self._ejected_until, previous._ejected_until),
+                ):
+                    if name in theirs:
+                        mine[name] = theirs[name]
         for name, peer in self.peer_table.peers.items():
             was = previous.peer_table.peers.get(name)
             if was is not None and was.url == peer.url:
@@ -351,12 +377,36 @@ class RegionRouting:
     def _on_peer_status(self, name: str) -> None:
         self._sent_baseline[name] = self.peer_routed[name]
 
-    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> None:
+    def _on_probe(self, name: str, started: bool, answered_ms: float | None) -> None:
+        """A warmup probe is load on ``name`` as our requests are: a scrape that shows it
+        running must not count it as someone else's once it ended (the start-up warmup's
+        last scrape saw its probes, and the first request after it was refused as if the
+        backend were full). An answered probe (one token) is a TTFT sample for the
+        first-byte deadline, known before any user request."""
+        if name not in self.tracker.backends:
+            return
+        if started:
+            self.tracker.started(name, self.clock(), probe=True)
+            return
+        self.tracker.finished(name)
+        if answered_ms is not None:
+            self.tracker.observe_probe(name, answered_ms)
+
+    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> bool:
+        """A scrape's result (None: unreachable); False if ``name`` answered but stays out
+        of rotation: ejected for failing requests, a scrape proves the server listens, not
+        that it serves, so only one after ``backend_eject_s`` re-admits it."""
         healthy = metrics is not None
+        until = self._ejected_until.get(name)
+        if until is not None and healthy:
+            if self.clock() < until:
+                return False
+            del self._ejected_until[name]
         self.tracker.set_health(name, healthy)
         self.backends[name].healthy = healthy
         if metrics is not None:
             self.tracker.observe_metrics(name, metrics, self.clock())
+        return healthy
 
     # --- the stage ---------------------------------------------------------------------
     def peer_authenticated(self, ctx: RequestContext) -> bool:
@@ -460,8 +510,6 @@ class RegionRouting:
                 return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now)
         if decision.verdict is Verdict.REJECT:
-            if not self.tracker.healthy() and not self.peer_table.peers:
-                return Fallback("no healthy upstream in this region")
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
             return self._queue_or_reject(ctx, request, location, now, reason, share)
         slot: SpillSlot | None = None
@@ -588,15 +636,40 @@ class RegionRouting:
                 slot=slot,
             )
 
+    def down_retry_after_s(self, now: float) -> int:
+        """``Retry-After`` when no backend is healthy: until the first ejected one is tried
+        again, else (down by its scrapes) the scrape interval; whole seconds, 1 to 10."""
+        until = [
+            t for t in (*self._down_until.values(), *self._ejected_until.values()) if t > now
+        ]
+        wait = min(until) - now if until else self.config.routing.backend_metrics_interval_s
+        return max(1, min(10, math.ceil(wait)))
+
     def retry_after_s(self) -> int:
         """``Retry-After`` for a 429 from here (also put on a peer's 429 passed through)."""
         return self.tracker.retry_after_s(self.clock())
 
     def reject(self, ctx: RequestContext, now: float, reason: str) -> Outcome:
         """429 with ``Retry-After``; ``reason`` (a key of :data:`REJECTION_REASONS`) goes to the
-        access log and the ``route_rejections_total`` metric, its sentence to the client."""
-        retry = self.tracker.retry_after_s(now)
+        access log and the ``route_rejections_total`` metric, its sentence to the client.
+        With no healthy backend here the cause is not load: 503 ``no_healthy_backend``
+        (reason ``no_healthy_backend``), so clients and operators do not read it as one."""
         self.outcomes[(self.region, "", "rejected")] += 1
+        if not self.tracker.healthy():
+            reason = "no_healthy_backend"
+            self.rejections[reason] += 1
+            ctx.route_reason = reason
+            retry = self.down_retry_after_s(now)
+            return error_reply(
+                503,
+                f"No backend of region {self.region} is answering and no other region can"
+                f" take this request; retry after {retry} s.",
+                "server_error",
+                code=error_codes.NO_HEALTHY_BACKEND,
+                headers=(("retry-after", str(retry)),),
+                outcome="rejected",
+            )
+        retry = self.tracker.retry_after_s(now)
         self.rejections[reason] += 1
         ctx.route_reason = reason  # for the access log
         return error_reply(
@@ -615,7 +688,7 @@ class RegionRouting:
             self.spill.release(obs.claim[1])
             obs.claim = None
         if obs.local:
-            self.tracker.observe_ttft(obs.backend, ttft_ms)
+            self.tracker.observe_ttft(obs.backend, ttft_ms, obs.upstream_ttft_ms)
             backend = self.backends[obs.backend]
             if backend.healthy and obs.backend in self.runner.changes.down_since:
                 # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
@@ -672,19 +745,28 @@ class RegionRouting:
         return backend
 
     async def fail_over(
-        self, obs: Observation, ctx: RequestContext, exc: Exception
+        self, obs: Observation, ctx: RequestContext, exc: Exception,
+        cause: FailCause = "refused",
     ) -> Backend | None:
-        """``obs``'s local backend refused the connection or did not accept it in time, so
-        the request never reached it: take that backend out of rotation (:meth:`unreachable`)
-        and move the request to the backend the policy picks among the region's others with
-        room, holding a slot there before giving back the old one. None when no other can
-        take it (the request then fails as it would have); a peer region is not tried, as a
+        """``obs``'s local backend failed the request before anything reached its client:
+        it refused the connection or did not accept it in time (``refused``: the request
+        never reached it), closed or reset it before any byte of its answer, sent no byte
+        by the first-byte deadline, or answered 5xx. Take
+        that backend out of rotation (:meth:`unreachable`, :meth:`eject`) and move the
+        request to the backend the policy picks among the region's others with room,
+        holding a slot there before giving back the old one. None when no other can take
+        it (the request then fails as it would have); a peer region is not tried, as a
         request that just found its backend gone should not also pay a forward."""
         request = ctx.request
         if not obs.local or request is None:
             return None
         old = obs.backend
-        self.unreachable(old, exc)
+        if cause == "refused":
+            self.unreachable(old, exc)
+        elif cause != "5xx" or (
+            self.tracker.observe_5xx(old) >= self.config.routing.backend_eject_consecutive_5xx
+        ):
+            self.eject(old, exc, cause)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
         while True:
@@ -701,7 +783,8 @@ class RegionRouting:
         self.tracker.finished(old)
         if self.released is not None:
             self.released(old)
-        obs.backend, obs.choice, obs.reason = name, "failover", "backend_unreachable"
+        obs.backend, obs.choice = name, "failover"
+        obs.reason = "backend_unreachable" if cause == "refused" else f"backend_{cause}"
         moved = ctx.backend = self.backends[name]
         return moved
 
@@ -721,6 +804,37 @@ class RegionRouting:
             self.scheduler.health(name, False)  # as a failed scrape: it may come back restarted
         else:
             self._down_until[name] = self.clock() + PASSIVE_DOWN_S
+
+    def eject(self, name: str, exc: Exception, cause: FailCause) -> None:
+        """Passive health: local backend ``name`` failed a request it had accepted (reset it
+        or sent no byte by the first-byte deadline, or its run of 5xx reached
+        ``backend_eject_consecutive_5xx``).
+        Out of rotation now, for ``backend_eject_s`` at least (one warning line), then back
+        when a scrape answers (without scrapes: tried again). The region's last healthy
+        backend is never ejected: such failures may be load, and without it every request
+        would be refused untried."""
+        backend = self.backends[name]
+        if not backend.healthy or self.tracker.healthy() in ([], [name]):
+            return
+        self.ejections[(name, cause)] += 1
+        self.runner.changes.down(name, f"ejected ({cause}): {describe_error(exc)}", url=backend.url)
+        backend.healthy = False
+        self.tracker.set_health(name, False)
+        until = self.clock() + self.config.routing.backend_eject_s
+        if name in self.runner.urls:
+            self._ejected_until[name] = until
+            self.scheduler.health(name, False)  # warm it again when it is back
+        else:
+            self._down_until[name] = until
+
+    def first_byte_timeout_s(self, name: str) -> float:
+        """The first-byte deadline of local backend ``name`` (see
+        :meth:`LoadTracker.first_byte_timeout_s` and the ``routing.first_byte_*`` keys)."""
+        routing = self.config.routing
+        return self.tracker.first_byte_timeout_s(
+            name, multiple=routing.first_byte_timeout_ttft_multiple,
+            min_s=routing.first_byte_timeout_min_s, max_s=routing.first_byte_timeout_max_s,
+        )
 
     def _back_in_rotation(self, now: float) -> None:
         """Backends without scrapes whose :data:`PASSIVE_DOWN_S` passed: tried again (a line

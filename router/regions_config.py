@@ -130,6 +130,19 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue_wait_ms: NonNegMs = 0.0
     """A saturated region that cannot spill still queues a request on its least-loaded
     backend if the expected wait is at most this; beyond it: 429. 0: never queue."""
+    first_byte_timeout_ttft_multiple: Annotated[float, msgspec.Meta(ge=1.0)] = 4.0
+    """A streamed request whose local backend sent no byte of its answer within this many
+    times the backend's recent high TTFT (95th percentile of its last 64) is taken away
+    from it and the backend ejected (passive health), within the two bounds below."""
+    first_byte_timeout_min_s: PositiveSeconds = 5.0
+    """The first-byte deadline is never shorter than this (a fast backend's jitter)."""
+    first_byte_timeout_max_s: PositiveSeconds = 60.0
+    """Nor longer than this; also the deadline before any TTFT was observed in the region."""
+    backend_eject_consecutive_5xx: Annotated[int, msgspec.Meta(ge=1)] = 5
+    """This many 5xx answers in a row from a local backend (none served between) eject it."""
+    backend_eject_s: PositiveSeconds = 10.0
+    """An ejected backend (first-byte timeout, 5xx) stays out of rotation at least this long;
+    then a metrics scrape that answers re-admits it (without scrapes: it is tried again)."""
 
 
 class WarmPrefixConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -64,7 +64,7 @@ def render(r: RegionRouting) -> str:
         ),
         *render_counter(
             "firstbyte_route_rejections_total",
-            "Requests answered 429 here, by reason.",
+            "Requests refused by routing here (429; 503 no_healthy_backend), by reason.",
             [(labels(reason=reason), n) for reason, n in sorted(r.rejections.items())],
         ),
         *family(
@@ -86,7 +86,7 @@ def render(r: RegionRouting) -> str:
         "queue": "Waiting requests the backend reports.",
         "limit": "Load at which it is saturated: learned capacity + allowed queue, capped.",
         "saturated": "1 if the backend is at its limit.",
-        "healthy": "1 if in rotation: 0 after a failed scrape or a refused connection.",
+        "healthy": "1 if in rotation: 0 after a failed scrape, a refused connect, an ejection.",
         "cache_hit_ratio": "Prefix-cache hits / queries since it started.",
     }
     values: dict[str, list[tuple[str, float]]] = {name: [] for name in gauges}
@@ -122,6 +122,11 @@ def render(r: RegionRouting) -> str:
         "firstbyte_warm_evictions_total",
         "Re-probes that found a warmed prefix evicted.",
         [(labels(backend=b, prefix=p), n) for (b, p), n in sorted(s.evictions_total.items())],
+    )
+    lines += render_counter(
+        "firstbyte_backend_ejections_total",
+        "Backends ejected by passive health, by cause (first_byte_timeout, reset, 5xx).",
+        [(labels(backend=b, cause=c), n) for (b, c), n in sorted(r.ejections.items())],
     )
     lines += render_counter(
         "firstbyte_backend_restarts_total",

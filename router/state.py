@@ -372,7 +372,7 @@ def key_policies(config: RouterConfig) -> tuple[KeyPolicy, dict[bytes, KeyPolicy
 
 def _backends(config: RouterConfig) -> list[Backend]:
     return [
-        Backend(name=u.name or f"upstream{i}", url=u.url.rstrip("/"), api_key=u.api_key)
+        Backend(name=u.name or f"upstream{i}", url=u.base_url, api_key=u.api_key)
         for i, u in enumerate(config.upstreams)
     ]
 

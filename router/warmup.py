@@ -282,8 +282,9 @@ class WarmupRunner:
         *,
         poll_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
-        on_metrics: Callable[[str, BackendMetrics | None], None] | None = None,
+        on_metrics: Callable[[str, BackendMetrics | None], bool | None] | None = None,
         headers: Mapping[str, Mapping[str, str]] | None = None,
+        on_probe: Callable[[str, bool, float | None], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.client = client
@@ -294,6 +295,11 @@ class WarmupRunner:
         self.on_metrics = on_metrics
         self.headers = {k: dict(v) for k, v in (headers or {}).items()}
         """Per-backend extra headers for probes (e.g. the upstream's API key)."""
+        self.on_probe = on_probe
+        """Called with (backend, True, None) as a probe is sent and (backend, False, ms) when
+        it ends, ``ms`` the time to its answer (None if it failed): a probe is load the
+        backend reports in its metrics, and must be counted as ours; its time is a TTFT
+        (one token) known before any user request."""
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -318,13 +324,13 @@ class WarmupRunner:
                 self.on_metrics(name, None)
             return
         # Any HTTP answer means the server is up; without metrics there is just less to know.
-        self.changes.up(name, url=base)
         metrics = parse_backend_metrics(response.text) if response.status_code == 200 else (
             BackendMetrics()
         )
+        if self.on_metrics is not None and self.on_metrics(name, metrics) is False:
+            return  # it answers, but is held out of rotation (ejected by passive health)
+        self.changes.up(name, url=base)
         self.scheduler.metrics(name, metrics)
-        if self.on_metrics is not None:
-            self.on_metrics(name, metrics)
         if not self.scheduler.backends[name].models:
             await self._discover_models(name, base)
 
@@ -350,16 +356,24 @@ class WarmupRunner:
         assert isinstance(client, httpx.AsyncClient)
         prefix = self.scheduler.prefixes[task.prefix]
         headers = self.headers.get(task.backend, {})
+        if self.on_probe is not None:
+            self.on_probe(task.backend, True, None)
+        sent = time.perf_counter()
+        answered_ms: float | None = None
         try:
             response = await client.post(
                 self.urls[task.backend].rstrip("/") + paths.CHAT_COMPLETIONS,
                 json=probe_body(prefix, task.model), headers=headers, timeout=60.0,
             )
             response.raise_for_status()
+            answered_ms = (time.perf_counter() - sent) * 1000
             usage = response.json().get("usage") or {}
         except (httpx.HTTPError, ValueError):
             self.scheduler.finished(task, self.clock(), ok=False)
             return
+        finally:
+            if self.on_probe is not None:
+                self.on_probe(task.backend, False, answered_ms)
         details = usage.get("prompt_tokens_details") or {}
         self.scheduler.finished(
             task, self.clock(), ok=True,

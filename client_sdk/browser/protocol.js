@@ -42,6 +42,7 @@ export const ERROR_CODES = Object.freeze({
   "KEY_STORE_FULL": "key_store_full",
   "MISSING_API_KEY": "missing_api_key",
   "NOT_FOUND": "not_found",
+  "NO_HEALTHY_BACKEND": "no_healthy_backend",
   "OVERLOADED": "overloaded",
   "REGION_SATURATED": "region_saturated",
   "REQUEST_TIMEOUT": "request_timeout",

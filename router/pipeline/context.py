@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONTINUE",
     "Continue",
+    "FailCause",
     "Fallback",
     "LocalReply",
     "Observer",
@@ -127,10 +128,17 @@ class Traceparent:
         return bool(int(self.flags, 16) & 1)
 
 
+FailCause = Literal["refused", "reset", "first_byte_timeout", "5xx"]
+"""Why a request leaves its backend before anything reached its client: the connection was
+refused (or not accepted in time), closed or reset before any byte of the answer, no byte of
+the answer came by the first-byte deadline, or the backend answered 5xx."""
+
+
 class Observer(Protocol):
     """Per-request hooks the proxy calls while it streams (the multi-region stage's
     ``Observation``): the first token, each later batch of chunks, the first-token deadline
-    and its switch, a backend that refused the connection, the end."""
+    and its switch, the first-byte deadline, a backend that failed the request before
+    anything reached the client (:data:`FailCause`), the end."""
 
     first_token_deadline_s: float | None
 
@@ -138,7 +146,10 @@ class Observer(Protocol):
     def chunk(self, ctx: RequestContext, now: float) -> None: ...
     def claim_switch(self, ctx: RequestContext) -> bool: ...
     def switch(self, ctx: RequestContext) -> Backend: ...
-    async def fail_over(self, ctx: RequestContext, exc: Exception) -> Backend | None: ...
+    def first_byte_timeout_s(self) -> float | None: ...
+    async def fail_over(
+        self, ctx: RequestContext, exc: Exception, cause: FailCause = "refused"
+    ) -> Backend | None: ...
     def finished(self, ctx: RequestContext, ok: bool) -> None: ...
 
 

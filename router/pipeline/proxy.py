@@ -16,6 +16,10 @@ only if no reader comes back in that time (see
 A local backend that refuses the connection (or does not accept it in time) never saw the
 request: the routing stage takes it out of rotation and names another backend of the region,
 and the request goes there (:meth:`~firstbyte.router.multiregion.RegionRouting.fail_over`).
+So does a request whose local backend closed or reset the connection before any byte of its
+answer, or sent none by the first-byte deadline (from the backend's observed TTFT; either way
+the backend is ejected), or answered 5xx (its run of 5xx ejects it): nothing had reached the
+client yet (passive health, as Envoy's outlier detection).
 Errors after the stream started become an ``{"error": {...}}`` event followed by ``[DONE]``.
 """
 
@@ -40,7 +44,7 @@ from ..metrics import Metrics
 from ..streams import Stream
 from ..upstream_h1 import H1Connection, H1Pool, Origin, encode_request
 from .backend import PEER_PREFIX, Backend
-from .context import Observer, RequestContext
+from .context import FailCause, Observer, RequestContext
 from .relay import (
     Action,
     Append,
@@ -69,6 +73,15 @@ _STALE_RETRIES = 2
 _MAX_FAILOVERS = 3
 """Backends a request may move to after the one it was sent to refused the connection (each
 refusal takes that backend out of rotation, so this bounds only a region flapping back)."""
+
+
+class UpstreamStatusError(Exception):
+    """A local backend answered a 5xx status (passive health counts it, and the request is
+    placed again when nothing reached its client yet)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +225,8 @@ class Proxy:
         failovers = 0
         try:
             while True:
+                local = not backend.name.startswith(PEER_PREFIX)
+                cause: FailCause = "refused"
                 try:
                     response = await self.client_for(backend).request(
                         method,
@@ -219,19 +234,24 @@ class Proxy:
                         content=body,
                         headers=self._headers(ctx, backend, "application/json"),
                     )
-                    break
+                    if response.status_code < 500 or not local:
+                        break
+                    failed: Exception = UpstreamStatusError(response.status_code)
+                    cause = "5xx"
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    moved = None
-                    local = not backend.name.startswith(PEER_PREFIX)
-                    if observer is not None and local and failovers < _MAX_FAILOVERS:
-                        failovers += 1
-                        moved = await observer.fail_over(ctx, exc)
-                    if moved is None:
-                        raise
-                    backend.failures += 1
-                    backend.in_flight -= 1
-                    backend = moved
-                    backend.in_flight += 1
+                    failed = exc
+                moved = None
+                if observer is not None and local and failovers < _MAX_FAILOVERS:
+                    failovers += 1
+                    moved = await observer.fail_over(ctx, failed, cause)
+                if moved is None:
+                    if cause == "5xx":
+                        break  # the backend's own answer goes to the client
+                    raise failed
+                backend.failures += 1
+                backend.in_flight -= 1
+                backend = moved
+                backend.in_flight += 1
             content_type = response.headers.get("content-type", "application/json")
             ok = response.status_code == 200
             return UpstreamReply(
@@ -287,7 +307,7 @@ class _Producer:
     """The asyncio shell around one stream's :class:`Relay`: it moves bytes from the upstream
     into the relay (as the :class:`~firstbyte.router.upstream_h1.ResponseSink` of the
     connection, or from httpx's body iterator), carries out the relay's actions and arms
-    the one first-token timer."""
+    the first-token timer and, for a local backend, the first-byte timer (passive health)."""
 
     def __init__(
         self, proxy: Proxy, ctx: RequestContext, stream: Stream, head: asyncio.Future[UpstreamHead]
@@ -308,7 +328,10 @@ class _Producer:
         self._timer: asyncio.TimerHandle | None = None
         self._conn: H1Connection | None = None
         self._unreachable: Exception | None = None
-        """Why the last attempt could not connect (its result was ``unreachable``)."""
+        """Why the last attempt could not connect (its result was ``unreachable``), or why
+        its backend failed it (``failed``, :attr:`_cause`)."""
+        self._cause: FailCause = "refused"
+        self._first_byte_timer: asyncio.TimerHandle | None = None
 
     async def run(self) -> None:
         proxy, ctx, stream = self.proxy, self.ctx, self.stream
@@ -328,7 +351,24 @@ class _Producer:
                     result = await self._via_httpx(proxy.peer_client)
                 else:
                     result = await self._via_h1()
-                if result == "switch":
+                self._cancel_first_byte()
+                if result == "failed":
+                    # The backend accepted the request and failed it before anything reached
+                    # the client (no first byte by the deadline, or a 5xx): placed again on
+                    # another backend of the region, else it fails as the backend failed it.
+                    exc = self._unreachable
+                    assert exc is not None
+                    assert self.observer is not None
+                    moved = None
+                    if failovers < _MAX_FAILOVERS:
+                        failovers += 1
+                        moved = await self.observer.fail_over(ctx, exc, self._cause)
+                    if moved is None:
+                        self._fail_here(exc)
+                        break
+                    self.backend.failures += 1
+                    self._move_to(moved)
+                elif result == "switch":
                     # No first token by the deadline and the stage found somewhere better:
                     # nothing was sent to the client yet, so switch without a trace.
                     assert self.observer is not None
@@ -356,6 +396,7 @@ class _Producer:
             raise
         finally:
             self._cancel_deadline()
+            self._cancel_first_byte()
             if not self.head.done():
                 self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
             stream.finish(proxy.clock())
@@ -363,6 +404,16 @@ class _Producer:
             metrics.in_flight -= 1
             if self.observer is not None:
                 self.observer.finished(ctx, self.ok)
+
+    def _fail_here(self, exc: Exception) -> None:
+        """No other backend takes the request: it ends as its backend failed it (the 5xx
+        answer passed on, or the first-byte timeout as an upstream error)."""
+        self.outcome = self.loop.create_future()
+        if isinstance(exc, UpstreamStatusError):
+            body = b"".join(self._refused or [])[:_MAX_ERROR_BODY_BYTES]
+            self._apply(self.relay.receive_head(exc.status, time.perf_counter(), body))
+        else:
+            self.on_error(exc)
 
     def _move_to(self, backend: Backend) -> None:
         """The request leaves its backend for ``backend`` (which counts it from now)."""
@@ -400,6 +451,8 @@ class _Producer:
                 return "finished"
             try:
                 conn.send(request, self)
+                # From here, not from the pool's wait: a full pool is not the backend's fault.
+                self._arm_first_byte()
                 result = await self.outcome
                 if result == "finished" and self.relay.done and self._refused is None:
                     # After [DONE], read on to the end of the body (briefly): dropping an
@@ -451,6 +504,7 @@ class _Producer:
     def on_head(self, status: int) -> None:
         if self.outcome.done():
             return
+        self._cancel_first_byte()
         if status == 200:
             self._apply(self.relay.receive_head(200, time.perf_counter()))
         else:
@@ -472,8 +526,12 @@ class _Producer:
             return
         now = time.perf_counter()
         if self._refused is not None:
+            status = self._refused_status
+            if status >= 500 and self.observer is not None and self._local:
+                self._fail(UpstreamStatusError(status), "5xx")
+                return
             body = b"".join(self._refused)[:_MAX_ERROR_BODY_BYTES]
-            self._apply(self.relay.receive_head(self._refused_status, now, body))
+            self._apply(self.relay.receive_head(status, now, body))
         else:
             self._apply(self.relay.receive_end(now))
 
@@ -484,6 +542,11 @@ class _Producer:
         closed = isinstance(exc, httpx.ReadError)  # not a timeout: that one is the upstream's
         if closed and conn is not None and conn.stale:
             self.outcome.set_result("retry")
+            return
+        if closed and conn is not None and not conn.answered and self.observer is not None:
+            # A fresh connection closed or reset before any byte of the answer: the backend
+            # is failing (passive health); nothing reached the client, so it goes elsewhere.
+            self._fail(exc, "reset")
             return
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 
@@ -524,6 +587,37 @@ class _Producer:
         self.proxy.metrics.count("chat", action.outcome)
         if not self.outcome.done():
             self.outcome.set_result("finished")
+
+    # -- passive health: the first-byte deadline and 5xx
+    @property
+    def _local(self) -> bool:
+        return not self.backend.name.startswith(PEER_PREFIX)
+
+    def _fail(self, exc: Exception, cause: FailCause) -> None:
+        """The backend failed this attempt before anything reached the client."""
+        if not self.outcome.done():
+            self._unreachable, self._cause = exc, cause
+            self.outcome.set_result("failed")
+
+    def _arm_first_byte(self) -> None:
+        """A local backend that sends no byte of its answer by its first-byte deadline
+        (from its observed TTFT) is failing, not slow: the attempt ends there."""
+        self._cancel_first_byte()
+        timeout_s = None if self.observer is None else self.observer.first_byte_timeout_s()
+        if timeout_s is not None:
+            self._first_byte_timer = self.loop.call_later(
+                timeout_s, self._first_byte_late, timeout_s
+            )
+
+    def _first_byte_late(self, timeout_s: float) -> None:
+        self._first_byte_timer = None
+        late = httpx.ReadTimeout(f"no response within {timeout_s:.1f} s (first-byte deadline)")
+        self._fail(late, "first_byte_timeout")
+
+    def _cancel_first_byte(self) -> None:
+        if self._first_byte_timer is not None:
+            self._first_byte_timer.cancel()
+            self._first_byte_timer = None
 
     # -- the one timer: the first-token deadline
     def _arm_deadline(self) -> None:

@@ -146,3 +146,28 @@ def test_a_ramp_is_not_a_queue_while_the_backend_runs_more() -> None:
     t.observe_metrics("b0", BackendMetrics(running=2050, waiting=420), now=5.0)
     assert t["b0"].slots == 2050
     assert t.saturated("b0", 5.0)
+
+
+def test_first_byte_timeout_follows_the_backends_high_ttft_within_bounds() -> None:
+    t = tracker()
+    bounds = {"multiple": 4.0, "min_s": 0.5, "max_s": 30.0}
+    assert t.first_byte_timeout_s("b0", **bounds) == 30.0  # nothing seen yet: the ceiling
+    for _ in range(19):
+        t.observe_ttft("b0", 5000.0, upstream_ms=200.0)  # the upstream's own TTFT counts
+    t.observe_ttft("b0", 5000.0, upstream_ms=2000.0)  # one outlier of 20: above the p95
+    assert t.first_byte_timeout_s("b0", **bounds) == 4 * 0.2
+    # b1 has served nothing: the region's TTFTs stand in for its own.
+    assert t.first_byte_timeout_s("b1", **bounds) == 4 * 0.2
+    t.observe_ttft("b1", 10.0)
+    assert t.first_byte_timeout_s("b1", **bounds) == 0.5  # the floor
+    for _ in range(64):
+        t.observe_ttft("b0", 20_000.0)  # only the last 64 count
+    assert t.first_byte_timeout_s("b0", **bounds) == 30.0  # the ceiling
+
+
+def test_consecutive_5xx_count_until_a_first_token() -> None:
+    t = tracker()
+    assert [t.observe_5xx("b0") for _ in range(3)] == [1, 2, 3]
+    t.observe_ttft("b0", 50.0)
+    assert t.observe_5xx("b0") == 1
+    assert t.observe_5xx("b1") == 1

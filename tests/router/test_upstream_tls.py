@@ -38,8 +38,8 @@ async def test_upstream_behind_a_private_ca(
             # The public bundle does not know the test CA: the router's health probe fails
             # the handshake, so the only upstream is unhealthy and the answer is 503.
             assert refused.status_code == 503
-            assert refused.json()["error"]["code"] == "unavailable"
-            assert "no healthy upstream" in refused.json()["error"]["message"]
+            assert refused.json()["error"]["code"] == "no_healthy_backend"
+            assert "is answering" in refused.json()["error"]["message"]
 
 
 def test_missing_ca_file_is_a_config_error(tmp_path: object) -> None:
