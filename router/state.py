@@ -52,8 +52,9 @@ class RouterState:
         self.draining = False
         """Set by :meth:`start_draining` (SIGTERM): no new work, ``/healthz`` says so."""
         self.metrics = Metrics()
+        self._token_secret = _token_secret(config)
         self.tokens = TokenSigner(
-            _token_secret(config),
+            self._token_secret,
             max_ttl_s=config.auth.client_token_max_ttl_s,
             default_ttl_s=config.auth.client_token_default_ttl_s,
         )
@@ -156,6 +157,19 @@ class RouterState:
         old = self.config
         self.config = config
         self._set_keys(config)
+        if old.auth.token_secret != config.auth.token_secret or (
+            old.auth.client_token_max_ttl_s,
+            old.auth.client_token_default_ttl_s,
+        ) != (config.auth.client_token_max_ttl_s, config.auth.client_token_default_ttl_s):
+            # A rotated secret revokes every token the old one signed, from now on. An unset
+            # secret (drawn at start) is kept: a reload that does not touch it revokes nothing.
+            if config.auth.token_secret is not None or old.auth.token_secret is not None:
+                self._token_secret = _token_secret(config)
+            self.tokens = TokenSigner(
+                self._token_secret,
+                max_ttl_s=config.auth.client_token_max_ttl_s,
+                default_ttl_s=config.auth.client_token_default_ttl_s,
+            )
         limits = config.limits
         rate_changed = limits.requests_per_s_per_key != self.limiter.rate_per_s
         self.limiter.max_streams = limits.max_streams_per_key

@@ -120,6 +120,8 @@ class _Session:
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body, outcome.status))
+            if outcome.status == 401:  # a token revoked (or expired) since the socket opened
+                raise _Close(CLOSE_POLICY, "unauthorized")
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
         outcome = await place(self.state, ctx)
         if isinstance(outcome, LocalReply):
@@ -152,6 +154,13 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
+        # The socket's credential is checked again: a token revoked by a reload since the
+        # socket opened reads nothing more (as a new request on the socket would be refused).
+        outcome = authenticate(self.ctx, self.state.api_keys, self.state.tokens)
+        if isinstance(outcome, LocalReply):
+            self.state.metrics.count("ws", outcome.outcome)
+            await self.send(_error(message.stream, outcome.body, outcome.status))
+            raise _Close(CLOSE_POLICY, "unauthorized")
         stream = await self.state.find_stream(message.stream, self.ctx.owner)
         if stream is None:
             await self.send(
