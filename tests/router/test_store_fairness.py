@@ -1,0 +1,183 @@
+"""Store fairness over real sockets: key A's long outputs go far past its share of the stream
+store while key B's finished streams stay resumable whole and B's new streams are admitted;
+A pays with its own oldest history, and a resume of that history gets a clear
+``stream_history_trimmed`` on every reading path, which the SDK raises as
+:class:`StreamHistoryTrimmedError` with what it had delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import connect as ws_connect
+
+from firstbyte.client_sdk import AsyncClient
+from firstbyte.client_sdk.errors import StreamHistoryTrimmedError
+from firstbyte.protocol import error_codes
+from firstbyte.router.streams import Stream, owner_of
+from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth
+from tests.router.upstream import running_upstream
+
+STORE_BYTES = 256 << 10  # A's share: the default quarter, 64 KiB
+A_TOKENS = 1_500  # ~200 bytes a chunk: ~300 KB a stream, more than the whole store
+MESSAGES = [{"role": "user", "content": "a long story"}]
+
+
+def chat(max_tokens: int) -> dict[str, Any]:
+    return {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}
+
+
+class CuttingProxy:
+    """A TCP forwarder on loopback whose connections can be cut and new ones held."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.open = asyncio.Event()
+        self.open.set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            self.open.set()
+            self.cut()
+            self._server.close()
+            await self._server.wait_closed()
+
+    def cut(self) -> None:
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            await self.open.wait()
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+            self._writers.add(up_writer)
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        except OSError:
+            pass
+        finally:
+            writer.transport.abort()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.transport.abort()
+
+
+async def _finished_stream(http: httpx.AsyncClient, key: str) -> tuple[str, str]:
+    """A short completion of ``key``, read to its end: (stream id, its SSE text)."""
+    answer = await http.post("/v1/chat/completions", headers=auth(key), json=chat(30))
+    assert answer.status_code == 200
+    assert "data: [DONE]" in answer.text
+    return answer.headers["x-firstbyte-stream"], answer.text
+
+
+async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams(
+    start_router: RouterFactory,
+) -> None:
+    owner_a = owner_of(API_KEY)
+    async with running_upstream(delay_s=0.002) as upstream, start_router(
+        [upstream.url], tls=False, streams={"max_total_bytes": STORE_BYTES},
+        limits={"heartbeat_interval_s": 0.5},
+    ) as r, httpx.AsyncClient(base_url=r.base_url, timeout=60) as http:
+        store = r.app.state.store
+        b_streams = [await _finished_stream(http, OTHER_KEY) for _ in range(3)]
+
+        # A's first stream, read by the SDK through a proxy that will cut it and hold its
+        # resume while A's other streams trim this one's history past where it was.
+        proxy = CuttingProxy(r.port)
+        async with proxy.running() as proxy_url, AsyncClient(
+            f"{proxy_url}/v1", API_KEY, http="1.1", transport="sse", idle_timeout_s=60,
+            max_resumes=3,
+        ) as client:
+            delivered = ""
+            async with client.stream(model="m", messages=MESSAGES, max_tokens=A_TOKENS) as sdk:
+                async for delta in sdk:
+                    delivered += delta.text
+                    if delta.text.strip() == "w4":
+                        break
+                proxy.open.clear()
+                proxy.cut()
+                sdk_stream = store.get(sdk.stream_id or "", owner_a)
+                assert isinstance(sdk_stream, Stream)
+                detached = [await http.post("/v1/streams", headers=auth(), json=chat(A_TOKENS))
+                            for _ in range(4)]
+                assert [d.status_code for d in detached] == [201] * 4
+                a_streams = [sdk_stream] + [
+                    store.get(d.json()["stream"], owner_a) for d in detached]
+                # Until A has produced twice the whole store (bounded in count and time).
+                for _ in range(1_200):
+                    produced = sum(s.last_seq for s in a_streams if s is not None) * 200
+                    if produced >= 2 * STORE_BYTES:
+                        break
+                    await asyncio.sleep(0.05)
+                assert produced >= 2 * STORE_BYTES
+                assert store.live_streams(owner_a) >= 2  # A's streams still run
+
+                # B, meanwhile: its finished streams resume whole, its new stream is admitted.
+                resumed = [await http.get(f"/v1/streams/{sid}", headers=auth(OTHER_KEY))
+                           for sid, _ in b_streams]
+                fresh = await http.post("/v1/chat/completions", headers=auth(OTHER_KEY),
+                                        json=chat(30))
+                resumed += [await http.get(f"/v1/streams/{sid}", headers=auth(OTHER_KEY))
+                            for sid, _ in b_streams]  # B's new stream took none of them
+                a_bytes = store.owner_bytes(owner_a)
+
+                # A's own history is what went: a resume from its start is 410 on every path.
+                sid = sdk_stream.id
+                sse = await http.get(f"/v1/streams/{sid}", headers=auth())
+                polled = await http.get(f"/v1/streams/{sid}/poll", headers=auth(),
+                                        params={"after": "0", "wait": "0"})
+                ws_url = r.base_url.replace("http://", "ws://") + "/v1/ws"
+                async with ws_connect(ws_url, additional_headers=auth(), proxy=None) as ws:
+                    await ws.send(json.dumps({"type": "resume", "stream": sid, "after": 0}))
+                    async with asyncio.timeout(10):
+                        ws_error = json.loads(await ws.recv())
+                # The SDK's own resume, let through now, surfaces the same clear error.
+                proxy.open.set()
+                try:
+                    async with asyncio.timeout(30):
+                        async for delta in sdk:
+                            delivered += delta.text
+                except StreamHistoryTrimmedError as exc:
+                    trimmed_error: StreamHistoryTrimmedError | None = exc
+                else:
+                    trimmed_error = None
+
+    assert fresh.status_code == 200, fresh.text
+    assert "data: [DONE]" in fresh.text
+    assert [a.status_code for a in resumed] == [200] * 6
+    for answer, (_, original) in zip(resumed, b_streams * 2, strict=True):
+        assert answer.text.startswith("id: 1\n")
+        assert answer.text.count("\nid: ") + 1 == original.count("data: ")  # every event
+        assert answer.text.endswith("data: [DONE]\n\n")
+    assert a_bytes <= STORE_BYTES // 4  # A holds no more than its share, live streams and all
+
+    for answer in (sse, polled):
+        assert answer.status_code == 410, answer.text
+        assert answer.json()["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
+    assert (ws_error["type"], ws_error["status"]) == ("error", 410)
+    assert ws_error["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
+
+    assert trimmed_error is not None
+    assert trimmed_error.stream_id == sid
+    assert trimmed_error.delivered_text == delivered
+    assert trimmed_error.last_seq >= 5
+    assert "stream store" in str(trimmed_error)
