@@ -122,6 +122,13 @@ class RouterState:
             "reason",
             lambda: self.store.evicted_by,
         )
+        self.metrics.add_counter_source(
+            "firstbyte_router_stream_trimmed_events_total",
+            "Events trimmed from the front of streams, by reason (key_share: a key over its"
+            " share of the store).",
+            "reason",
+            lambda: {"key_share": self.store.trimmed_events},
+        )
 
     def _set_keys(self, config: RouterConfig) -> None:
         self.api_keys = [key.encode() for key in config.auth.api_keys]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,6 +140,7 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
                 resumed += [await http.get(f"/v1/streams/{sid}", headers=auth(OTHER_KEY))
                             for sid, _ in b_streams]  # B's new stream took none of them
                 a_bytes = store.owner_bytes(owner_a)
+                metrics = (await http.get("/metrics", headers=auth())).text
 
                 # A's own history is what went: a resume from its start is 410 on every path.
                 sid = sdk_stream.id
@@ -169,6 +171,11 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
         assert answer.text.count("\nid: ") + 1 == original.count("data: ")  # every event
         assert answer.text.endswith("data: [DONE]\n\n")
     assert a_bytes <= STORE_BYTES // 4  # A holds no more than its share, live streams and all
+    trimmed = re.search(
+        r'^firstbyte_router_stream_trimmed_events_total\{reason="key_share"\} (\d+)', metrics,
+        re.MULTILINE)
+    assert trimmed is not None
+    assert int(trimmed.group(1)) > 100
 
     for answer in (sse, polled):
         assert answer.status_code == 410, answer.text
