@@ -10,17 +10,21 @@ import asyncio
 import contextlib
 import json
 import re
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from redis.asyncio import Redis
 from websockets.asyncio.client import connect as ws_connect
 
+from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.client_sdk import AsyncClient
 from firstbyte.client_sdk.errors import StreamHistoryTrimmedError
 from firstbyte.protocol import error_codes
 from firstbyte.router.streams import Stream, owner_of
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import running_upstream
 
 STORE_BYTES = 256 << 10  # A's share: the default quarter, 64 KiB
@@ -82,9 +86,9 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.transport.abort()
 
 
-async def _finished_stream(http: httpx.AsyncClient, key: str) -> tuple[str, str]:
+async def _finished_stream(http: httpx.AsyncClient, key: str, base: str = "") -> tuple[str, str]:
     """A short completion of ``key``, read to its end: (stream id, its SSE text)."""
-    answer = await http.post("/v1/chat/completions", headers=auth(key), json=chat(30))
+    answer = await http.post(f"{base}/v1/chat/completions", headers=auth(key), json=chat(30))
     assert answer.status_code == 200
     assert "data: [DONE]" in answer.text
     return answer.headers["x-firstbyte-stream"], answer.text
@@ -188,3 +192,58 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
     assert trimmed_error.delivered_text == delivered
     assert trimmed_error.last_seq >= 5
     assert "stream store" in str(trimmed_error)
+
+
+async def test_with_redis_a_trim_is_mirrored_and_a_reader_elsewhere_gets_the_error(
+    start_router: RouterFactory,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Two router processes' worth (two routers in this process) sharing one Redis: A's
+    streams on X go past its share there; X trims the same events from Redis, B's finished
+    stream reads whole on Y, and a resume of A's trimmed history on Y gets
+    ``stream_history_trimmed`` (an error event over SSE, 410 over long-poll), not a gap."""
+    prefix = f"st{secrets.token_hex(4)}:"
+    shared = {"state": {"redis_url": redis_server.url, "key_prefix": prefix}}
+    owner_a = owner_of(API_KEY)
+    redis = Redis.from_url(redis_server.url)
+    try:
+        async with running_upstream(delay_s=0.002) as upstream, start_router(
+            [upstream.url], tls=False, streams={"max_total_bytes": STORE_BYTES}, **shared,
+        ) as x, start_router([upstream.url], tls=False, **shared) as y, httpx.AsyncClient(
+            timeout=60,
+        ) as http:
+            b_id, b_text = await _finished_stream(http, OTHER_KEY, x.base_url)
+            first = await http.post(f"{x.base_url}/v1/streams", headers=auth(),
+                                    json=chat(A_TOKENS))
+            rest = [await http.post(f"{x.base_url}/v1/streams", headers=auth(),
+                                    json=chat(A_TOKENS)) for _ in range(3)]
+            assert [r.status_code for r in [first, *rest]] == [201] * 4
+            sid = first.json()["stream"]
+            local = x.app.state.store.get(sid, owner_a)
+            assert isinstance(local, Stream)
+            oldest_in_redis = 1
+            for _ in range(1_200):  # until the trim reached Redis (bounded in count and time)
+                if local.trimmed > 10:
+                    head = await redis.xrange(f"{prefix}s:{sid}", count=1)
+                    oldest_in_redis = int(head[0][0].split(b"-")[0]) if head else 1
+                    if oldest_in_redis > 10:
+                        break
+                await asyncio.sleep(0.05)
+            from_b = await http.get(f"{y.base_url}/v1/streams/{b_id}", headers=auth(OTHER_KEY))
+            sse = await http.get(f"{y.base_url}/v1/streams/{sid}", headers=auth(),
+                                 params={"after": "0"})
+            polled = await http.get(f"{y.base_url}/v1/streams/{sid}/poll", headers=auth(),
+                                    params={"after": "0", "wait": "0"})
+    finally:
+        await redis.aclose()
+    assert oldest_in_redis > 10
+    assert oldest_in_redis <= local.trimmed + 1  # Redis holds no more than X does
+    assert from_b.status_code == 200
+    assert from_b.text.startswith("id: 1\n")
+    assert from_b.text.count("data: ") == b_text.count("data: ")
+    assert sse.status_code == 200  # Y learns of the trim from its first read of Redis
+    assert "id: " not in sse.text  # no event of the stream (and so no gap)
+    error = json.loads(sse.text.split("data: ", 1)[1].split("\n", 1)[0])["error"]
+    assert error["code"] == error_codes.STREAM_HISTORY_TRIMMED
+    assert polled.status_code == 410, polled.text
+    assert polled.json()["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
