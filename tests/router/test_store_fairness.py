@@ -7,11 +7,9 @@ A pays with its own oldest history, and a resume of that history gets a clear
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -23,6 +21,7 @@ from firstbyte.client_sdk import AsyncClient
 from firstbyte.client_sdk.errors import StreamHistoryTrimmedError
 from firstbyte.protocol import error_codes
 from firstbyte.router.streams import Stream, owner_of
+from tests.client_sdk.cutproxy import TcpCutProxy
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import running_upstream
@@ -36,54 +35,19 @@ def chat(max_tokens: int) -> dict[str, Any]:
     return {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}
 
 
-class CuttingProxy:
-    """A TCP forwarder on loopback whose connections can be cut and new ones held."""
+class HeldCutProxy(TcpCutProxy):
+    """:class:`TcpCutProxy` (cuts the first connection after ``cut_after`` bytes) whose new
+    connections wait while ``open`` is clear: the SDK's resume is held until A's other
+    streams have trimmed this one's history past where the SDK was."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, target_port: int, *, cut_after: int) -> None:
+        super().__init__(target_port, cut_after=cut_after)
         self.open = asyncio.Event()
         self.open.set()
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.Server | None = None
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[str]:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            self.open.set()
-            self.cut()
-            self._server.close()
-            await self._server.wait_closed()
-
-    def cut(self) -> None:
-        for writer in list(self._writers):
-            writer.transport.abort()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            await self.open.wait()
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-            self._writers.add(up_writer)
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        except OSError:
-            pass
-        finally:
-            writer.transport.abort()
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except OSError:
-        pass
-    finally:
-        writer.transport.abort()
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.open.wait()
+        await super()._handle(reader, writer)
 
 
 async def _finished_stream(http: httpx.AsyncClient, key: str, base: str = "") -> tuple[str, str]:
@@ -105,21 +69,29 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
         store = r.app.state.store
         b_streams = [await _finished_stream(http, OTHER_KEY) for _ in range(3)]
 
-        # A's first stream, read by the SDK through a proxy that will cut it and hold its
-        # resume while A's other streams trim this one's history past where it was.
-        proxy = CuttingProxy(r.port)
-        async with proxy.running() as proxy_url, AsyncClient(
-            f"{proxy_url}/v1", API_KEY, http="1.1", transport="sse", idle_timeout_s=60,
-            max_resumes=3,
+        # A's first stream, read by the SDK through a proxy that cuts it after a few events
+        # and holds its resume while A's other streams trim this one's history past there.
+        async with HeldCutProxy(r.port, cut_after=3_000) as proxy, AsyncClient(
+            f"http://127.0.0.1:{proxy.port}/v1", API_KEY, http="1.1", transport="sse",
+            idle_timeout_s=60, max_resumes=3,
         ) as client:
-            delivered = ""
+            delivered: list[str] = []
+
+            async def read_sdk() -> BaseException | None:
+                try:
+                    async for delta in sdk:
+                        delivered.append(delta.text)
+                except StreamHistoryTrimmedError as exc:
+                    return exc
+                return None
+
             async with client.stream(model="m", messages=MESSAGES, max_tokens=A_TOKENS) as sdk:
-                async for delta in sdk:
-                    delivered += delta.text
-                    if delta.text.strip() == "w4":
+                reading = asyncio.create_task(read_sdk())
+                for _ in range(600):  # until its stream is open (bounded in count and time)
+                    if sdk.stream_id is not None:
                         break
-                proxy.open.clear()
-                proxy.cut()
+                    await asyncio.sleep(0.05)
+                proxy.open.clear()  # the connection open goes on; a new one (the resume) waits
                 sdk_stream = store.get(sdk.stream_id or "", owner_a)
                 assert isinstance(sdk_stream, Stream)
                 detached = [await http.post("/v1/streams", headers=auth(), json=chat(A_TOKENS))
@@ -135,6 +107,7 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
                     await asyncio.sleep(0.05)
                 assert produced >= 2 * STORE_BYTES
                 assert store.live_streams(owner_a) >= 2  # A's streams still run
+                assert proxy.cuts_done == 1
 
                 # B, meanwhile: its finished streams resume whole, its new stream is admitted.
                 resumed = [await http.get(f"/v1/streams/{sid}", headers=auth(OTHER_KEY))
@@ -158,14 +131,7 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
                         ws_error = json.loads(await ws.recv())
                 # The SDK's own resume, let through now, surfaces the same clear error.
                 proxy.open.set()
-                try:
-                    async with asyncio.timeout(30):
-                        async for delta in sdk:
-                            delivered += delta.text
-                except StreamHistoryTrimmedError as exc:
-                    trimmed_error: StreamHistoryTrimmedError | None = exc
-                else:
-                    trimmed_error = None
+                trimmed_error = await asyncio.wait_for(reading, 30)
 
     assert fresh.status_code == 200, fresh.text
     assert "data: [DONE]" in fresh.text
@@ -187,9 +153,9 @@ async def test_a_keys_long_outputs_trim_its_own_history_not_another_keys_streams
     assert (ws_error["type"], ws_error["status"]) == ("error", 410)
     assert ws_error["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
 
-    assert trimmed_error is not None
+    assert isinstance(trimmed_error, StreamHistoryTrimmedError), repr(trimmed_error)
     assert trimmed_error.stream_id == sid
-    assert trimmed_error.delivered_text == delivered
+    assert trimmed_error.delivered_text == "".join(delivered)
     assert trimmed_error.last_seq >= 5
     assert "stream store" in str(trimmed_error)
 
