@@ -6,15 +6,18 @@ over any transport, while the producer (the upstream request) is still appending
 that reconnects with its last seen sequence gets every later event exactly once.
 
 The store is bounded by age, by total bytes and by bytes per owner (one API key's share).
-A stream's bytes are charged to its owner as they are appended. An owner over its share loses
-its *own* oldest history at once, as its streams grow: the oldest events of its oldest streams
-are trimmed (live streams included, never a live stream's newest event, so a reader keeping up
-loses nothing), down to 7/8 of the share so that trims come in batches; a finished stream
-trimmed to nothing is dropped. A reader asking for events from before a stream's trim point
-(:attr:`Stream.trimmed`) gets ``stream_history_trimmed``. So one owner's growth never evicts
-another owner's streams nor fills the store for them. Then, while the store is over
-``max_total_bytes``, finished streams go oldest first, and when live streams fill the whole
-store :meth:`StreamStore.make_room` refuses the *new* stream (:class:`StoreFull`: 429).
+A stream's bytes are charged to its owner as they are appended. The share is what an owner
+keeps when the store is full, not a cap while it has room (the store is work-conserving): as
+soon as an append or a new stream finds the store full, owners over their share lose their
+*own* oldest history first, the first to go over first: the oldest events of their oldest
+streams are trimmed (live streams included, never a live stream's newest event, so a reader
+keeping up loses nothing), down to 7/8 of the share so that trims come in batches; a finished
+stream with nothing but ``[DONE]`` left is dropped. A reader asking for events from before a
+stream's trim point (:attr:`Stream.trimmed`) gets ``stream_history_trimmed``. So one owner's
+growth never evicts another owner's streams nor fills the store for them. Only then, while the
+store is still over ``max_total_bytes``, finished streams go oldest first, and when live
+streams fill the whole store :meth:`StreamStore.make_room` refuses the *new* stream
+(:class:`StoreFull`: 429).
 Streams older than ``max_age_s`` are dropped; evicting an unfinished one cancels its producer
 through its ``cancel_producer`` hook. Every index is kept in order as streams are created,
 trimmed and finish, so an eviction or a trim costs O(1) per event or stream dropped, whatever
@@ -262,6 +265,9 @@ class StreamStore:
         self._live: dict[str, Stream] = {}
         self._finished: OrderedDict[str, Stream] = OrderedDict()  # finish order
         self._owners: dict[bytes, _Owner] = {}
+        self._over_share: dict[bytes, _Owner] = {}
+        """Owners over their share, in the order they went over (an ordered set): trimmed in
+        that order when the store is full."""
         self.total_bytes = 0
         self.evictions = 0
         self.evicted_by: Counter[str] = Counter()
@@ -306,15 +312,13 @@ class StreamStore:
     def make_room(self, owner: bytes, now: float) -> StoreFull | None:
         """Make room for a new stream of ``owner``, or say why there is none.
 
-        Evicts what is past its age, then trims ``owner``'s own history while it is at its
-        share, then (the store being full) the oldest finished streams of anyone. An owner at
-        its share is never refused (its own history makes room); when live streams of owners
+        Evicts what is past its age; then, the store being full, trims the history of owners
+        over their share (``owner``'s too, if it is one), then evicts the oldest finished
+        streams of anyone. No owner is refused for its share; when live streams of owners
         within their shares fill the whole store, the answer is a refusal.
         """
         self._evict_aged(now)
-        usage = self._owners.get(owner)
-        if usage is not None and self._shares and usage.bytes >= self.max_owner_bytes:
-            self._trim(usage, self._owner_low_bytes)
+        self._reclaim(strict=False)
         self._evict_over_budget(strict=False)
         return StoreFull.STORE if self.total_bytes >= self.max_total_bytes else None
 
@@ -340,16 +344,17 @@ class StreamStore:
 
     def evict(self, now: float) -> list[Stream]:
         """Drop streams past their age (live ones too: ``max_age_s`` bounds a stream's life),
-        then (after a reload made shares smaller) trim owners over their share, then the
-        oldest finished streams while over ``max_total_bytes``. The router calls this from its
-        housekeeping tick."""
+        then, while over ``max_total_bytes``, trim owners over their share, then drop the
+        oldest finished streams. The router calls this from its housekeeping tick."""
         evicted = self._evict_aged(now)
-        if self._retrim:
+        if self._retrim:  # new bounds (a reload): who is over its share now, once
             self._retrim = False
-            for usage in list(self._owners.values()):  # once per reload, not per tick
-                if usage.bytes > self.max_owner_bytes:
-                    evicted += self._trim(usage, self._owner_low_bytes)
-        return evicted + self._evict_over_budget(strict=True)
+            self._over_share = {
+                owner: usage
+                for owner, usage in self._owners.items()
+                if self._shares and usage.bytes > self.max_owner_bytes
+            }
+        return evicted + self._reclaim(strict=True) + self._evict_over_budget(strict=True)
 
     def _evict_aged(self, now: float) -> list[Stream]:
         evicted: list[Stream] = []
@@ -370,6 +375,22 @@ class StreamStore:
         ):
             evicted.append(self._drop(next(iter(self._finished.values())), "bytes"))
         return evicted
+
+    def _reclaim(self, *, strict: bool) -> list[Stream]:
+        """While the store is over its bound (or at it unless ``strict``), trim the owners over
+        their share, the first to go over first, each to 7/8 of its share. Returns the
+        streams dropped."""
+        dropped: list[Stream] = []
+        limit = self.max_total_bytes
+        while self._over_share and (
+            self.total_bytes > limit or (not strict and self.total_bytes >= limit)
+        ):
+            owner, usage = next(iter(self._over_share.items()))
+            # Out of the set even if still over (the newest events of its live streams are
+            # all it holds): it comes back at its next append, and this loop ends.
+            del self._over_share[owner]
+            dropped += self._trim(usage, self._owner_low_bytes)
+        return dropped
 
     def _trim(self, usage: _Owner, target: int) -> list[Stream]:
         """Trim the owner's oldest history until it holds ``target`` bytes or less: events from
@@ -417,9 +438,11 @@ class StreamStore:
             self._finished[stream.id] = stream
             usage.live -= 1
         if self._shares and usage.bytes > self.max_owner_bytes:
-            # Charged as it grows: the owner pays with its own history, at once, so that its
-            # growth never takes another owner's streams or room.
-            self._trim(usage, self._owner_low_bytes)
+            self._over_share.setdefault(stream.owner, usage)
+        if self._over_share and self.total_bytes > self.max_total_bytes:
+            # Charged as it grows: the store full, owners over their share pay with their own
+            # history at once, so one owner's growth never takes another's streams or room.
+            self._reclaim(strict=True)
 
     def _drop(self, stream: Stream, reason: str) -> Stream:
         del self._streams[stream.id]
@@ -434,6 +457,7 @@ class StreamStore:
             usage.live -= 1
         if not usage.streams:
             del self._owners[stream.owner]
+            self._over_share.pop(stream.owner, None)
         stream._store = None
         self.evictions += 1
         self.evicted_by[reason] += 1

@@ -8,11 +8,11 @@ Three limits, each a ``[limits]`` key, each answered with its own 429 code and `
   ``limit_req`` with ``burst``): ``burst`` requests at once, then ``rate`` a second; beyond it
   ``key_rate_limited`` with ``Retry-After`` = the seconds until the next token.
 - ``max_store_bytes_per_key``: the key's share of the stream store, enforced by the store
-  itself as the key's streams grow (:class:`firstbyte.router.streams.StreamStore`): over it, the
-  key's own oldest history is trimmed (a resume from before the trim point gets
-  ``stream_history_trimmed``), never another key's streams, so a key is not refused for its
-  share; when live streams of keys within their shares fill the whole store,
-  ``stream_store_full``.
+  itself as the key's streams grow (:class:`firstbyte.router.streams.StreamStore`): when the
+  store is full, a key over its share has its own oldest history trimmed (a resume from
+  before the trim point gets ``stream_history_trimmed``), never another key's streams, so a
+  key is not refused for its share; when live streams of keys within their shares fill the
+  whole store, ``stream_store_full``.
 
 :func:`limit_key` is the pipeline stage (after admission, before routing, so a refused request
 never holds a routing slot). Keys are identified by their digest
