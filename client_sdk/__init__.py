@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         RateLimitError,
         ServiceUnavailableError,
         StreamBrokenError,
+        StreamHistoryTrimmedError,
         StreamLostError,
         StreamStalledError,
         TLSError,
@@ -49,6 +50,7 @@ __all__ = [
     "ServiceUnavailableError",
     "StreamBrokenError",
     "StreamDelta",
+    "StreamHistoryTrimmedError",
     "StreamLostError",
     "StreamStalledError",
     "TLSError",
@@ -73,7 +75,7 @@ _LAZY = {
     **{name: "firstbyte.client_sdk.errors" for name in (
         "APIError", "AuthenticationError", "ConfigurationError", "ConnectError",
         "FirstbyteError", "RateLimitError", "ServiceUnavailableError", "StreamBrokenError",
-        "StreamLostError", "StreamStalledError", "TLSError")},
+        "StreamHistoryTrimmedError", "StreamLostError", "StreamStalledError", "TLSError")},
 }
 
 

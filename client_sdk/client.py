@@ -44,6 +44,7 @@ from firstbyte.client_sdk.errors import (
     RateLimitError,
     ServiceUnavailableError,
     StreamBrokenError,
+    StreamHistoryTrimmedError,
     StreamLostError,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
@@ -543,6 +544,8 @@ class ChatStream:
                         f" end) after event {assembler.last_seq}; send a new request for the"
                         " rest"
                     ) from exc
+                if isinstance(exc, APIError) and exc.code == error_codes.STREAM_HISTORY_TRIMMED:
+                    raise self._trimmed(exc) from exc  # fell behind a trim while following
                 if isinstance(exc, APIError) and exc.code == error_codes.STREAM_LOST:
                     # The router process producing the stream died mid-stream; a router with
                     # shared state ends the stream for its readers elsewhere with this event.
@@ -694,6 +697,12 @@ class ChatStream:
             if (
                 self._stream_id is not None
                 and isinstance(item, APIError)
+                and item.code == error_codes.STREAM_HISTORY_TRIMMED
+            ):
+                raise self._trimmed(item) from item
+            if (
+                self._stream_id is not None
+                and isinstance(item, APIError)
                 and item.code == error_codes.STREAM_NOT_FOUND
             ):
                 # A resume found no such stream (on every transport: a 404 or a WebSocket
@@ -722,6 +731,18 @@ class ChatStream:
         self._stream_id = None
         self._batch, self._at = [], 0
         self._start(self._client._source(self._body, None, 0, self._recorder, self._origin))
+
+    def _trimmed(self, error: APIError) -> StreamHistoryTrimmedError:
+        """The error for a resume from before the stream's trim point (on any transport)."""
+        return StreamHistoryTrimmedError(
+            f"stream {self._stream_id} cannot be resumed after event"
+            f" {self._assembler.last_seq}: the router dropped the events after it (its API key's"
+            f" streams went over the key's share of the stream store); send a new request for"
+            f" the rest ({error.message})",
+            stream_id=self._stream_id or "",
+            last_seq=self._assembler.last_seq,
+            delivered_text=self.text,
+        )
 
     def _lost(self, message: str) -> StreamLostError:
         """The error for this stream, lost for good, with what was delivered."""

@@ -25,6 +25,7 @@ __all__ = [
     "RateLimitError",
     "ServiceUnavailableError",
     "StreamBrokenError",
+    "StreamHistoryTrimmedError",
     "StreamLostError",
     "StreamStalledError",
     "TLSError",
@@ -79,6 +80,14 @@ class StreamLostError(StreamBrokenError):
         self.stream_id = stream_id
         self.last_seq = last_seq
         self.delivered_text = delivered_text
+
+
+class StreamHistoryTrimmedError(StreamLostError):
+    """A resume asked for events the router has dropped: the stream's API key went over its
+    share of the router's stream store, so the oldest events of the key's streams were trimmed
+    (code ``stream_history_trimmed``: a 410 on resume, or an error event or WebSocket error
+    for a reader that fell behind). The events after ``last_seq`` that this client missed are
+    gone for good; send a new request for the rest."""
 
 
 class StreamStalledError(StreamBrokenError):

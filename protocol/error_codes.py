@@ -10,6 +10,7 @@ __all__ = [
     "API_KEY_REQUIRED",
     "CANCELLED",
     "CLIENT_TOKEN_EXPIRED",
+    "CLIENT_TOKEN_REVOKED",
     "DRAINING",
     "INVALID_AFTER",
     "INVALID_API_KEY",
@@ -30,6 +31,7 @@ __all__ = [
     "REQUEST_TIMEOUT",
     "REQUEST_TOO_LARGE",
     "SERVICE_UNAVAILABLE",
+    "STREAM_HISTORY_TRIMMED",
     "STREAM_LOST",
     "STREAM_NOT_FOUND",
     "STREAM_STORE_FULL",
@@ -49,6 +51,9 @@ INVALID_CLIENT_TOKEN = "invalid_client_token"
 ``Origin``."""
 CLIENT_TOKEN_EXPIRED = "client_token_expired"
 """401: a client token past its ``expires_at``; the application's backend mints a new one."""
+CLIENT_TOKEN_REVOKED = "client_token_revoked"
+"""401: a client token minted for an API key the router no longer accepts (the key was removed
+from the config); a new token needs a key that is configured."""
 API_KEY_REQUIRED = "api_key_required"
 """403: a client token where only an API key may act (minting tokens)."""
 INVALID_REQUEST = "invalid_request"
@@ -64,6 +69,10 @@ UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 NOT_FOUND = "not_found"
 STREAM_NOT_FOUND = "stream_not_found"
 """Unknown stream id, or one created with another API key (the two are not told apart)."""
+STREAM_HISTORY_TRIMMED = "stream_history_trimmed"
+"""410 (or an in-stream / WebSocket error): a resume from before the stream's oldest kept
+event. Its key's streams filled the key's share of the store, so their oldest events were
+dropped; the stream's later events are still there, the ones asked for are gone for good."""
 STREAM_LOST = "stream_lost"
 """In-stream: the router process producing the stream stopped (killed, crashed) before
 ``[DONE]``; a reader on another process of the region learns it within a few seconds (its
@@ -89,7 +98,8 @@ SUBJECT_CONCURRENCY_EXCEEDED = "subject_concurrency_exceeded"
 KEY_RATE_LIMITED = "key_rate_limited"
 """429: this API key's token bucket is empty; ``Retry-After`` is the wait for the next token."""
 KEY_STORE_FULL = "key_store_full"
-"""429: this API key's live streams fill its share of the stream store."""
+"""429 from older routers: this API key's live streams fill its share of the stream store. A
+router now trims the key's own history instead (``stream_history_trimmed``) and admits it."""
 STREAM_STORE_FULL = "stream_store_full"
 """429: live streams fill the whole stream store (none is ever evicted to make room)."""
 UNAVAILABLE = "unavailable"

@@ -221,9 +221,11 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_burst_per_key: Annotated[int, msgspec.Meta(ge=1)] = 100
     """Requests a key may send at once before its rate applies (the bucket's size)."""
     max_store_bytes_per_key: PositiveBytes | None = None
-    """A key's share of the stream store (default: a quarter of streams.max_total_bytes). A
-    key over it loses its own finished streams first; when its live streams fill it, its new
-    streams get 429 key_store_full."""
+    """A key's share of the stream store (default: a quarter of streams.max_total_bytes),
+    charged as its streams grow: what it keeps when the store is full, not a cap while there
+    is room. The store full, keys over their share lose their own oldest history first (events
+    trimmed from the front of their oldest streams, live ones included; a resume from before
+    the trim point gets 410 stream_history_trimmed), never another key's streams."""
     # What one client connection may hold (docs/router.md, "Limits"); defaults like nginx's.
     client_header_timeout_s: PositiveSeconds = 60.0
     """From a request's first byte to its complete head (HTTP/1.1; TLS handshakes too):

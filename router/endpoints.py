@@ -51,7 +51,14 @@ from .pipeline.context import (
     error_reply,
 )
 from .placement import place, release_key_slot
-from .readers import ReadableStream, parse_after, poll, sse_events
+from .readers import (
+    HistoryTrimmed,
+    ReadableStream,
+    parse_after,
+    poll,
+    sse_events,
+    trimmed_reply,
+)
 from .state import RouterState
 from .tenancy import refusal
 
@@ -392,6 +399,10 @@ async def _open_stream(
         )
         await _finish(state, send, ctx, invalid, endpoint)
         return None
+    if after < found.trimmed:
+        await _finish(state, send, ctx, trimmed_reply(HistoryTrimmed(after, found.trimmed)),
+                      endpoint)
+        return None
     return ctx, found, after, query
 
 
@@ -434,7 +445,11 @@ async def poll_stream(
     if isinstance(wait_s, LocalReply):
         await _finish(state, send, ctx, wait_s, "poll")
         return
-    batch = await poll(found, after, wait_s, clock=state.clock)
+    try:
+        batch = await poll(found, after, wait_s, clock=state.clock)
+    except HistoryTrimmed as trimmed:  # trimmed while the poll waited
+        await _finish(state, send, ctx, trimmed_reply(trimmed), "poll")
+        return
     state.metrics.count("poll", "ok")
     await send_bytes(
         send,

@@ -3,7 +3,9 @@
 Both start after a sequence number the reader already has and deliver every later event
 exactly once, whether the stream is finished or still being produced. A reader is
 "attached" to the stream while it reads, which keeps the upstream request alive (see the
-resume grace period in ``router.pipeline.proxy``).
+resume grace period in ``router.pipeline.proxy``). A reader from before a stream's trim point
+(its key went over its share of the store) gets ``stream_history_trimmed``: a 410 when it asks
+(:func:`trimmed_reply`), an error event without an ``id`` when it falls behind mid-follow.
 """
 
 from __future__ import annotations
@@ -14,12 +16,53 @@ from typing import Protocol
 
 import msgspec
 
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.poll import PollBatch, PollEvent
 from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
-from .streams import StreamEvent
+from .pipeline.context import LocalReply, error_reply
+from .streams import HistoryTrimmed, StreamEvent
 
-__all__ = ["ReadableStream", "follow", "parse_after", "poll", "sse_events"]
+__all__ = [
+    "HistoryTrimmed",
+    "ReadableStream",
+    "follow",
+    "parse_after",
+    "poll",
+    "sse_events",
+    "trimmed_body",
+    "trimmed_reply",
+]
+
+TRIMMED_STATUS = 410
+"""Gone: the events asked for existed and were dropped for good."""
+
+
+def _trimmed_message(trimmed: HistoryTrimmed) -> str:
+    return (
+        f"Events {trimmed.after + 1} to {trimmed.trimmed} of this stream were dropped: its API"
+        " key's streams went over the key's share of the stream store. Read on from"
+        f" after={trimmed.trimmed}, or send the request again."
+    )
+
+
+def trimmed_body(trimmed: HistoryTrimmed) -> ErrorBody:
+    """The error body of a read from before the trim point (SSE event, WebSocket error)."""
+    return error_body(
+        _trimmed_message(trimmed), param="after", code=error_codes.STREAM_HISTORY_TRIMMED
+    )
+
+
+def trimmed_reply(trimmed: HistoryTrimmed) -> LocalReply:
+    """``410 stream_history_trimmed`` for a resume or a poll from before the trim point."""
+    return error_reply(
+        TRIMMED_STATUS,
+        _trimmed_message(trimmed),
+        param="after",
+        code=error_codes.STREAM_HISTORY_TRIMMED,
+        outcome="trimmed",
+    )
 
 
 class ReadableStream(Protocol):
@@ -42,7 +85,14 @@ class ReadableStream(Protocol):
     @property
     def subject(self) -> str | None: ...
 
-    def after(self, seq: int) -> list[StreamEvent]: ...
+    @property
+    def trimmed(self) -> int:
+        """Events dropped from the front: a reader from before this one cannot be served."""
+        ...
+
+    def after(self, seq: int) -> list[StreamEvent]:
+        """The events after ``seq``; raises :class:`HistoryTrimmed` if some were dropped."""
+        ...
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool: ...
 
@@ -75,7 +125,8 @@ async def follow(
 
     Events already in the store come as one batch (a resuming reader catches up at once);
     live events come as they arrive. An empty batch means ``idle_s`` passed with nothing new
-    (time for a heartbeat). Ends after ``[DONE]``, or if the stream is evicted.
+    (time for a heartbeat). Ends after ``[DONE]``, or if the stream is evicted; raises
+    :class:`HistoryTrimmed` if the events after the reader's position were trimmed.
     """
     stream.attach(clock())
     try:
@@ -104,7 +155,9 @@ async def sse_events(
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[bytes, None]:
     """SSE bytes for every event after ``after`` (``id: SEQ`` framing); :data:`HEARTBEAT`
-    (no event for any SSE client) when idle."""
+    (no event for any SSE client) when idle. A reader overtaken by a trim gets a
+    ``stream_history_trimmed`` error event (no ``id``: it is not one of the stream's) and the
+    response ends."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
     try:
         async for batch in events:
@@ -112,6 +165,8 @@ async def sse_events(
                 yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
             else:
                 yield HEARTBEAT
+    except HistoryTrimmed as trimmed:
+        yield encode_event(encode(trimmed_body(trimmed)))
     finally:
         await events.aclose()
 
@@ -123,7 +178,8 @@ async def poll(
     *,
     clock: Callable[[], float] = time.monotonic,
 ) -> PollBatch:
-    """The events after ``after``, waiting up to ``wait_s`` for at least one."""
+    """The events after ``after``, waiting up to ``wait_s`` for at least one; raises
+    :class:`HistoryTrimmed` if some of them were trimmed (before or during the wait)."""
     stream.attach(clock())
     try:
         if not stream.after(after) and not stream.done:

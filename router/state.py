@@ -60,8 +60,9 @@ class RouterState:
         """The HTTP/3 server's status when this process serves HTTP/3 (set by
         :mod:`firstbyte.router.serve`); ``/healthz`` says when it is down."""
         self.metrics = Metrics()
+        self._token_secret = _token_secret(config)
         self.tokens = TokenSigner(
-            _token_secret(config),
+            self._token_secret,
             max_ttl_s=config.auth.client_token_max_ttl_s,
             default_ttl_s=config.auth.client_token_default_ttl_s,
         )
@@ -126,6 +127,13 @@ class RouterState:
             "reason",
             lambda: self.store.evicted_by,
         )
+        self.metrics.add_counter_source(
+            "firstbyte_router_stream_trimmed_events_total",
+            "Events trimmed from the front of streams, by reason (key_share: a key over its"
+            " share of the store).",
+            "reason",
+            lambda: {"key_share": self.store.trimmed_events},
+        )
 
     def _set_keys(self, config: RouterConfig) -> None:
         self.api_keys = [key.encode() for key in config.auth.all_keys()]
@@ -161,6 +169,19 @@ class RouterState:
         old = self.config
         self.config = config
         self._set_keys(config)
+        if old.auth.token_secret != config.auth.token_secret or (
+            old.auth.client_token_max_ttl_s,
+            old.auth.client_token_default_ttl_s,
+        ) != (config.auth.client_token_max_ttl_s, config.auth.client_token_default_ttl_s):
+            # A rotated secret revokes every token the old one signed, from now on. An unset
+            # secret (drawn at start) is kept: a reload that does not touch it revokes nothing.
+            if config.auth.token_secret is not None or old.auth.token_secret is not None:
+                self._token_secret = _token_secret(config)
+            self.tokens = TokenSigner(
+                self._token_secret,
+                max_ttl_s=config.auth.client_token_max_ttl_s,
+                default_ttl_s=config.auth.client_token_default_ttl_s,
+            )
         limits = config.limits
         self.limiter.configure(*key_policies(config))
         self.limiter.enabled = bool(self.api_keys)

@@ -6,15 +6,23 @@ over any transport, while the producer (the upstream request) is still appending
 that reconnects with its last seen sequence gets every later event exactly once.
 
 The store is bounded by age, by total bytes and by bytes per owner (one API key's share).
-Eviction drops streams older than ``max_age_s``; then finished streams of an owner over its
-share (its own, before anyone else's); then, while over ``max_total_bytes``, finished streams
-oldest first. The byte bounds never evict a live (unfinished) stream: when live streams fill
-an owner's share or the whole store, :meth:`StreamStore.make_room` refuses the *new* stream
-instead (:class:`StoreFull`), and the router answers 429. Evicting an unfinished stream (by
-age) cancels its producer through its ``cancel_producer`` hook. Every index is kept in order
-as streams are created and finish, so an eviction costs O(1), whatever the number of streams.
-The clock is passed in (``now``), so eviction is tested without sleeping; the only IO-ish part
-is :meth:`Stream.wait`, an asyncio wait for new events.
+A stream's bytes are charged to its owner as they are appended. The share is what an owner
+keeps when the store is full, not a cap while it has room (the store is work-conserving): as
+soon as an append or a new stream finds the store full, owners over their share lose their
+*own* oldest history first, the first to go over first: the oldest events of their oldest
+streams are trimmed (live streams included, never a live stream's newest event, so a reader
+keeping up loses nothing), down to 7/8 of the share so that trims come in batches; a finished
+stream with nothing but ``[DONE]`` left is dropped. A reader asking for events from before a
+stream's trim point (:attr:`Stream.trimmed`) gets ``stream_history_trimmed``. So one owner's
+growth never evicts another owner's streams nor fills the store for them. Only then, while the
+store is still over ``max_total_bytes``, finished streams go oldest first, and when live
+streams fill the whole store :meth:`StreamStore.make_room` refuses the *new* stream
+(:class:`StoreFull`: 429).
+Streams older than ``max_age_s`` are dropped; evicting an unfinished one cancels its producer
+through its ``cancel_producer`` hook. Every index is kept in order as streams are created,
+trimmed and finish, so an eviction or a trim costs O(1) per event or stream dropped, whatever
+the number of streams. The clock is passed in (``now``), so eviction is tested without
+sleeping; the only IO-ish part is :meth:`Stream.wait`, an asyncio wait for new events.
 
 Stream ids are 128 random bits (``secrets``), URL-safe base64 without padding. A stream is
 bound to its owner (a digest of the API key); :meth:`StreamStore.get` returns ``None`` for a
@@ -41,6 +49,7 @@ from firstbyte.protocol.sse import DONE
 
 __all__ = [
     "DONE_DATA",
+    "HistoryTrimmed",
     "StoreFull",
     "Stream",
     "StreamEvent",
@@ -52,6 +61,17 @@ __all__ = [
 DONE_DATA = DONE.encode()
 _EVENT_OVERHEAD_BYTES = 64
 """Per-event bookkeeping counted against the byte budget, so tiny events are not free."""
+
+
+class HistoryTrimmed(Exception):
+    """A reader asked for events from before a stream's trim point: they are gone for good
+    (its key went over its share of the store). ``after`` is where the reader was, ``trimmed``
+    the last event dropped."""
+
+    def __init__(self, after: int, trimmed: int) -> None:
+        super().__init__(f"events {after + 1} to {trimmed} were trimmed")
+        self.after = after
+        self.trimmed = trimmed
 
 
 def new_stream_id() -> str:
@@ -93,6 +113,10 @@ class Stream:
     events: list[StreamEvent] = field(default_factory=list)
     finished_at: float | None = None
     size_bytes: int = 0
+    """Bytes of the events kept (with their bookkeeping), charged to the owner."""
+    trimmed: int = 0
+    """Events dropped from the front (its owner went over its share): ``events[0]`` is event
+    ``trimmed + 1``; a reader from before ``trimmed`` cannot be served."""
     readers: int = 0
     last_reader_at: float = 0.0
     """When a reader last attached, detached or polled (for the resume grace period)."""
@@ -105,6 +129,8 @@ class Stream:
     (:mod:`firstbyte.router.shared.streams` writes it to Redis)."""
     on_finish: Callable[[], object] | None = field(default=None, repr=False)
     """Called once when ``[DONE]`` is appended (the shared state gives back the key's slot)."""
+    on_trim: Callable[[Stream], object] | None = field(default=None, repr=False)
+    """Called after events were trimmed from the front (the shared state trims Redis too)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
@@ -118,13 +144,13 @@ class Stream:
 
     @property
     def last_seq(self) -> int:
-        return len(self.events)
+        return self.trimmed + len(self.events)
 
     def append(self, data: bytes, now: float) -> StreamEvent | None:
         """Add one event; returns it, or ``None`` if the stream is already finished."""
         if self.finished_at is not None:
             return None
-        event = StreamEvent(len(self.events) + 1, data)
+        event = StreamEvent(self.last_seq + 1, data)
         self.events.append(event)
         size = len(data) + _EVENT_OVERHEAD_BYTES
         self.size_bytes += size
@@ -145,8 +171,11 @@ class Stream:
         self.append(DONE_DATA, now)
 
     def after(self, seq: int) -> list[StreamEvent]:
-        """Every event with sequence number greater than ``seq``, in order."""
-        return self.events[max(seq, 0) :]
+        """Every event with sequence number greater than ``seq``, in order; raises
+        :class:`HistoryTrimmed` if some of them were trimmed."""
+        if seq < self.trimmed:
+            raise HistoryTrimmed(seq, self.trimmed)
+        return self.events[seq - self.trimmed :]
 
     def attach(self, now: float) -> None:
         self.readers += 1
@@ -163,8 +192,8 @@ class Stream:
     async def wait(self, seq: int, timeout_s: float | None) -> bool:
         """Wait until an event after ``seq`` exists (or the stream is evicted); False on timeout
         (at once when ``timeout_s`` is 0)."""
-        if len(self.events) > seq or self.evicted or timeout_s == 0:
-            return len(self.events) > seq
+        if self.last_seq > seq or self.evicted or timeout_s == 0:
+            return self.last_seq > seq
         # A bare future and a timer handle, not ``wait_for(event.wait())``: that made a task
         # per call, and every live reader calls this once per relayed chunk. The loop is
         # looked up once per stream: on Python 3.11 each lookup is a getpid() system call.
@@ -182,7 +211,7 @@ class Stream:
             if self._waiters:  # still listed after a timeout or a cancel, not after a wake
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
-        return len(self.events) > seq
+        return self.last_seq > seq
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -199,28 +228,28 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 @dataclass(eq=False)
 class _Owner:
-    """One owner's share of the store: bytes held, live streams, finished streams in the
-    order they finished (the order its own streams are evicted in)."""
+    """One owner's share of the store: bytes held, live streams, and its streams in the order
+    its history is trimmed in (creation order; a live stream trimmed bare goes to the back)."""
 
     bytes: int = 0
     live: int = 0
-    finished: OrderedDict[str, Stream] = field(default_factory=OrderedDict)
+    streams: OrderedDict[str, Stream] = field(default_factory=OrderedDict)
 
 
 class StoreFull(Enum):
     """Why the store refused a new stream (the error code the client gets)."""
 
-    KEY = error_codes.KEY_STORE_FULL
-    """The owner's own live streams fill its share."""
     STORE = error_codes.STREAM_STORE_FULL
-    """Live streams fill the whole store."""
+    """Live streams fill the whole store (every owner within its share, so none can be
+    trimmed for another; finished streams are all gone)."""
 
 
 class StreamStore:
     """All streams of one router process, bounded by bytes (overall and per owner) and age.
 
-    Every stream sits in ordered indexes (creation order; finish order, overall and per owner),
-    so finding the next one to evict is O(1) and dropping it is O(1): no index is ever sorted.
+    Every stream sits in ordered indexes (creation order; finish order; per owner, trim
+    order), so finding the next one to evict or trim is O(1) and dropping it is O(1): no index
+    is ever sorted.
     """
 
     def __init__(
@@ -229,7 +258,9 @@ class StreamStore:
         self.max_total_bytes = max_total_bytes
         self.max_age_s = max_age_s
         self.max_owner_bytes = max_total_bytes
+        self._owner_low_bytes = max_total_bytes
         self._shares = False
+        self._retrim = False
         self.set_bounds(
             max_total_bytes=max_total_bytes, max_age_s=max_age_s, max_owner_bytes=max_owner_bytes
         )
@@ -237,12 +268,15 @@ class StreamStore:
         self._live: dict[str, Stream] = {}
         self._finished: OrderedDict[str, Stream] = OrderedDict()  # finish order
         self._owners: dict[bytes, _Owner] = {}
-        self._over_share: dict[bytes, None] = {}
-        """Owners over their share that have a finished stream to give up (an ordered set)."""
+        self._over_share: dict[bytes, _Owner] = {}
+        """Owners over their share, in the order they went over (an ordered set): trimmed in
+        that order when the store is full."""
         self.total_bytes = 0
         self.evictions = 0
         self.evicted_by: Counter[str] = Counter()
         """Evictions by reason: ``age``, ``key_share`` (an owner over its share), ``bytes``."""
+        self.trimmed_events = 0
+        """Events trimmed from the front of streams whose owner went over its share."""
 
     def set_bounds(
         self, *, max_total_bytes: int, max_age_s: float, max_owner_bytes: int | None = None
@@ -254,8 +288,13 @@ class StreamStore:
         self.max_owner_bytes = (
             max_total_bytes if max_owner_bytes is None else min(max_owner_bytes, max_total_bytes)
         )
-        # A share as large as the store is no share: the store's own bound applies.
+        # Trimmed to 7/8 of the share, not to the share: the next trim waits for 1/8 of it to
+        # grow again, so trims (and list shifts) come in batches, amortised O(1) per event.
+        self._owner_low_bytes = self.max_owner_bytes - self.max_owner_bytes // 8
+        # A share as large as the store is no share: the store's own bound applies (finished
+        # streams oldest first, then refusals), nobody's history is trimmed.
         self._shares = self.max_owner_bytes < max_total_bytes
+        self._retrim = self._shares
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -276,18 +315,13 @@ class StreamStore:
     def make_room(self, owner: bytes, now: float) -> StoreFull | None:
         """Make room for a new stream of ``owner``, or say why there is none.
 
-        Evicts what is past its age, then ``owner``'s own finished streams while it is at its
-        share, then (the store being full) finished streams of owners over their share, then
-        the oldest finished streams of anyone. A live stream is never evicted for room: when
-        live streams fill the owner's share or the store, the answer is a refusal.
+        Evicts what is past its age; then, the store being full, trims the history of owners
+        over their share (``owner``'s too, if it is one), then evicts the oldest finished
+        streams of anyone. No owner is refused for its share; when live streams of owners
+        within their shares fill the whole store, the answer is a refusal.
         """
         self._evict_aged(now)
-        usage = self._owners.get(owner)
-        if usage is not None and self._shares:
-            while usage.bytes >= self.max_owner_bytes and usage.finished:
-                self._drop(next(iter(usage.finished.values())), "key_share")
-            if usage.bytes >= self.max_owner_bytes:
-                return StoreFull.KEY
+        self._reclaim(strict=False)
         self._evict_over_budget(strict=False)
         return StoreFull.STORE if self.total_bytes >= self.max_total_bytes else None
 
@@ -301,6 +335,7 @@ class StreamStore:
         if usage is None:
             usage = self._owners[owner] = _Owner()
         usage.live += 1
+        usage.streams[stream.id] = stream
         return stream
 
     def get(self, stream_id: str, owner: bytes) -> Stream | None:
@@ -312,9 +347,17 @@ class StreamStore:
 
     def evict(self, now: float) -> list[Stream]:
         """Drop streams past their age (live ones too: ``max_age_s`` bounds a stream's life),
-        then finished streams of owners over their share, then the oldest finished streams
-        while over ``max_total_bytes``. The router calls this from its housekeeping tick."""
-        return self._evict_aged(now) + self._evict_over_budget(strict=True)
+        then, while over ``max_total_bytes``, trim owners over their share, then drop the
+        oldest finished streams. The router calls this from its housekeeping tick."""
+        evicted = self._evict_aged(now)
+        if self._retrim:  # new bounds (a reload): who is over its share now, once
+            self._retrim = False
+            self._over_share = {
+                owner: usage
+                for owner, usage in self._owners.items()
+                if self._shares and usage.bytes > self.max_owner_bytes
+            }
+        return evicted + self._reclaim(strict=True) + self._evict_over_budget(strict=True)
 
     def _evict_aged(self, now: float) -> list[Stream]:
         evicted: list[Stream] = []
@@ -326,18 +369,67 @@ class StreamStore:
         return evicted
 
     def _evict_over_budget(self, *, strict: bool) -> list[Stream]:
-        """Finished streams of owners over their share, then (while the store is over budget,
-        or at it unless ``strict``) the oldest finished ones. Each drop is O(1)."""
+        """The oldest finished streams while the store is over budget (or at it unless
+        ``strict``). Each drop is O(1)."""
         evicted: list[Stream] = []
-        while self._over_share:
-            usage = self._owners[next(iter(self._over_share))]
-            evicted.append(self._drop(next(iter(usage.finished.values())), "key_share"))
         limit = self.max_total_bytes
         while self._finished and (
             self.total_bytes > limit or (not strict and self.total_bytes >= limit)
         ):
             evicted.append(self._drop(next(iter(self._finished.values())), "bytes"))
         return evicted
+
+    def _reclaim(self, *, strict: bool) -> list[Stream]:
+        """While the store is over its bound (or at it unless ``strict``), trim the owners over
+        their share, the first to go over first, each to 7/8 of its share. Returns the
+        streams dropped."""
+        dropped: list[Stream] = []
+        limit = self.max_total_bytes
+        while self._over_share and (
+            self.total_bytes > limit or (not strict and self.total_bytes >= limit)
+        ):
+            owner, usage = next(iter(self._over_share.items()))
+            # Out of the set even if still over (the newest events of its live streams are
+            # all it holds): it comes back at its next append, and this loop ends.
+            del self._over_share[owner]
+            dropped += self._trim(usage, self._owner_low_bytes)
+        return dropped
+
+    def _trim(self, usage: _Owner, target: int) -> list[Stream]:
+        """Trim the owner's oldest history until it holds ``target`` bytes or less: events from
+        the front of its oldest stream first; a finished stream with nothing left worth
+        keeping is dropped, a live one keeps its newest event (and goes to the back). Returns
+        the streams dropped. O(1) per event trimmed, plus one list shift per stream touched."""
+        dropped: list[Stream] = []
+        idle = 0  # streams visited in a row with nothing to trim (bounds the loop)
+        while usage.bytes > target and usage.streams and idle <= len(usage.streams):
+            stream = next(iter(usage.streams.values()))
+            excess = usage.bytes - target
+            keep = 1  # a live stream's newest event: a reader keeping up is never cut off
+            events = stream.events
+            count = freed = 0
+            while count < len(events) - keep and freed < excess:
+                freed += len(events[count].data) + _EVENT_OVERHEAD_BYTES
+                count += 1
+            if stream.done and count == len(events) - keep:  # only its [DONE] would be left
+                dropped.append(self._drop(stream, "key_share"))
+                idle = 0
+                continue
+            if count:
+                del events[:count]
+                stream.trimmed += count
+                stream.size_bytes -= freed
+                usage.bytes -= freed
+                self.total_bytes -= freed
+                self.trimmed_events += count
+                idle = 0
+                if stream.on_trim is not None:
+                    stream.on_trim(stream)
+            else:
+                idle += 1
+            if usage.bytes > target:  # this one has nothing more to give: the next one
+                usage.streams.move_to_end(stream.id)
+        return dropped
 
     # --- bookkeeping, called by Stream ---------------------------------------------------
     def _grew(self, stream: Stream, size: int) -> None:
@@ -348,34 +440,27 @@ class StreamStore:
             del self._live[stream.id]
             self._finished[stream.id] = stream
             usage.live -= 1
-            usage.finished[stream.id] = stream
-            self._check_share(stream.owner, usage)
-        elif self._shares and usage.finished and usage.bytes > self.max_owner_bytes:
-            # Growing can only put an owner over its share (the per-token path: no pop).
-            self._over_share[stream.owner] = None
-
-    def _check_share(self, owner: bytes, usage: _Owner) -> None:
-        if self._shares and usage.bytes > self.max_owner_bytes and usage.finished:
-            self._over_share[owner] = None
-        else:
-            self._over_share.pop(owner, None)
+        if self._shares and usage.bytes > self.max_owner_bytes:
+            self._over_share.setdefault(stream.owner, usage)
+        if self._over_share and self.total_bytes > self.max_total_bytes:
+            # Charged as it grows: the store full, owners over their share pay with their own
+            # history at once, so one owner's growth never takes another's streams or room.
+            self._reclaim(strict=True)
 
     def _drop(self, stream: Stream, reason: str) -> Stream:
         del self._streams[stream.id]
         usage = self._owners[stream.owner]
         usage.bytes -= stream.size_bytes
         self.total_bytes -= stream.size_bytes
+        del usage.streams[stream.id]
         if stream.done:
             del self._finished[stream.id]
-            del usage.finished[stream.id]
         else:
             del self._live[stream.id]
             usage.live -= 1
-        if usage.bytes == 0 and usage.live == 0:
+        if not usage.streams:
             del self._owners[stream.owner]
             self._over_share.pop(stream.owner, None)
-        else:
-            self._check_share(stream.owner, usage)
         stream._store = None
         self.evictions += 1
         self.evicted_by[reason] += 1

@@ -23,9 +23,11 @@ answered with its own 429 code and ``Retry-After``:
   ``burst``): ``burst`` requests at once, then ``rate`` a second; beyond it ``key_rate_limited``
   with ``Retry-After`` = the seconds until the next token.
 - ``max_store_bytes_per_key``: the key's share of the stream store, enforced by the store
-  itself (:meth:`firstbyte.router.streams.StreamStore.make_room`): its own finished streams go
-  first, and when its *live* streams fill the share a new stream is refused (``key_store_full``);
-  when live streams fill the whole store, ``stream_store_full``.
+  itself as the key's streams grow (:class:`firstbyte.router.streams.StreamStore`): when the
+  store is full, a key over its share has its own oldest history trimmed (a resume from
+  before the trim point gets ``stream_history_trimmed``), never another key's streams, so a
+  key is not refused for its share; when live streams of keys within their shares fill the
+  whole store, ``stream_store_full``.
 
 :func:`limit_key` is the pipeline stage for the caps (after admission, before routing, so a
 refused request never holds a routing slot); :meth:`Tenants.fair_refusal` is asked by routing
@@ -336,8 +338,6 @@ def refusal(reason: Refusal) -> LocalReply:
 
 
 _STORE_MESSAGES = {
-    StoreFull.KEY: "This API key's live streams fill its share of the stream store; retry when"
-    " one has finished.",
     StoreFull.STORE: "Live streams fill this router's stream store; retry shortly.",
 }
 

@@ -37,7 +37,7 @@ from .endpoints import new_context
 from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .placement import place
-from .readers import ReadableStream, follow
+from .readers import TRIMMED_STATUS, HistoryTrimmed, ReadableStream, follow, trimmed_body
 from .state import RouterState
 
 __all__ = ["websocket_session"]
@@ -62,6 +62,10 @@ def _error(stream: str | None, body: ErrorBody | bytes, status: int) -> Error:
     # The message carries the inner error object, as in ``{"error": {...}}`` bodies.
     inner = msgspec.json.decode(raw).get("error", {})
     return Error(stream, msgspec.Raw(encode(inner)), status)
+
+
+def _trimmed(stream_id: str, trimmed: HistoryTrimmed) -> Error:
+    return _error(stream_id, trimmed_body(trimmed), TRIMMED_STATUS)
 
 
 class _Session:
@@ -120,6 +124,8 @@ class _Session:
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(None, outcome.body, outcome.status))
+            if outcome.status == 401:  # a token revoked (or expired) since the socket opened
+                raise _Close(CLOSE_POLICY, "unauthorized")
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
         outcome = await place(self.state, ctx)
         if isinstance(outcome, LocalReply):
@@ -152,6 +158,13 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
+        # The socket's credential is checked again: a token revoked by a reload since the
+        # socket opened reads nothing more (as a new request on the socket would be refused).
+        outcome = authenticate(self.ctx, self.state.api_keys, self.state.tokens)
+        if isinstance(outcome, LocalReply):
+            self.state.metrics.count("ws", outcome.outcome)
+            await self.send(_error(message.stream, outcome.body, outcome.status))
+            raise _Close(CLOSE_POLICY, "unauthorized")
         stream = await self.state.find_stream(
             message.stream, self.ctx.owner, self.ctx.reader_subject
         )
@@ -166,6 +179,10 @@ class _Session:
                 )
             )
             raise _Close(CLOSE_POLICY, "unknown stream")
+        if message.after < stream.trimmed:
+            # The stream exists but not from there: its error, and the socket stays open.
+            await self.send(_trimmed(stream.id, HistoryTrimmed(message.after, stream.trimmed)))
+            return
         await self.send(Start(stream.id))
         self._follow(stream, message.after)
 
@@ -193,6 +210,8 @@ class _Session:
                         await self.send(Done(stream.id, event.seq))
                         return
                     await self.send(Event(stream.id, event.seq, msgspec.Raw(event.data)))
+        except HistoryTrimmed as trimmed:  # this reader fell behind a trim of the stream
+            await self.send(_trimmed(stream.id, trimmed))
         finally:
             await batches.aclose()
 

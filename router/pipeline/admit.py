@@ -7,6 +7,7 @@ exit), and never appear in a reply or a log line.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import time
 from collections.abc import Sequence
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import RequestValidationError, decode_request
 
-from ..client_tokens import TokenRefusal, TokenSigner, is_client_token
+from ..client_tokens import TokenClaims, TokenRefusal, TokenSigner, is_client_token
+from ..streams import owner_of
 from ..tenancy import subject_of
 from .context import CONTINUE, Outcome, RequestContext, error_reply
 
@@ -47,8 +49,32 @@ def adopt_token(ctx: RequestContext, credential: str | None) -> None:
         ctx.headers["authorization"] = f"Bearer {credential}"
 
 
-def _by_token(ctx: RequestContext, token: str, tokens: TokenSigner) -> Outcome:
+@functools.lru_cache(maxsize=4)
+def _key_owners(api_keys: tuple[bytes, ...]) -> frozenset[bytes]:
+    """The owner digests of the configured keys (computed once per key set: a reload makes
+    a new one)."""
+    return frozenset(owner_of(key.decode()) for key in api_keys)
+
+
+_REVOKED = TokenRefusal(
+    error_codes.CLIENT_TOKEN_REVOKED,
+    "Client token revoked: the API key it was minted for is no longer accepted.",
+)
+
+
+def _by_token(
+    ctx: RequestContext, token: str, tokens: TokenSigner, api_keys: Sequence[bytes]
+) -> Outcome:
     claims = tokens.verify(token, time.time(), ctx.headers.get("origin"))
+    # A token stands for its key only while the key is configured: checked against the
+    # running config's keys, so removing a key (a reload) revokes its tokens at once, not at
+    # their expiry. An anonymous router has no keys to check against.
+    if (
+        isinstance(claims, TokenClaims)
+        and api_keys
+        and claims.owner not in _key_owners(tuple(api_keys))
+    ):
+        claims = _REVOKED
     if isinstance(claims, TokenRefusal):
         return error_reply(
             401, claims.message, "authentication_error", code=claims.code, outcome="unauthorized"
@@ -67,7 +93,7 @@ def authenticate(
     when ``tokens`` is given, a valid client token (it acts as its key's owner)."""
     token = _bearer(ctx.headers)
     if tokens is not None and token is not None and is_client_token(token):
-        return _by_token(ctx, token, tokens)
+        return _by_token(ctx, token, tokens, api_keys)
     if not api_keys:
         ctx.api_key = token
         return CONTINUE

@@ -5,7 +5,10 @@ The producing process keeps its streams in its own :class:`~firstbyte.router.str
 
 - a stream is the Redis Stream ``{prefix}s:{id}``; event ``SEQ`` is the entry ``SEQ-0`` with the
   payload in field ``d`` (so ``Last-Event-ID: N`` is ``XREAD ... N-0``), ``XADD MAXLEN ~``
-  bounds its length and an expiry of ``streams.max_age_s`` its age;
+  bounds its length and an expiry of ``streams.max_age_s`` its age; when the producing
+  process trims a stream's history (its key went over its share of that process's store) the
+  same events go from Redis (``XTRIM MINID``), and a reader elsewhere from before the trim
+  point (or from before what ``MAXLEN`` dropped) gets ``stream_history_trimmed``;
 - the hash ``{prefix}m:{id}`` holds its owner (the API key's digest: a stream is readable only
   with the key that created it, here as in memory) and the producing process's id;
 - events are written by one :class:`_Writer` per process that pipelines everything queued
@@ -43,7 +46,7 @@ from redis.exceptions import ResponseError
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
-from ..streams import Stream, StreamEvent
+from ..streams import HistoryTrimmed, Stream, StreamEvent
 from .background import Background
 from .keys import Keys
 from .lease import Lease
@@ -124,6 +127,8 @@ class RemoteStream:
         """The last sequence number read from Redis."""
         self.evicted = False
         """The stream is gone from Redis (expired): no more events will come."""
+        self.trimmed = 0
+        """Events found missing before the first one read (trimmed from Redis)."""
         self._shared = shared
         self._waiters: list[asyncio.Future[None]] = []
         self._following = False
@@ -134,6 +139,8 @@ class RemoteStream:
         return bool(self.events) and self.events[-1].is_done
 
     def after(self, seq: int) -> list[StreamEvent]:
+        if seq < self.trimmed:
+            raise HistoryTrimmed(seq, self.trimmed)
         events = self.events
         if not events or events[-1].seq <= seq:
             return []
@@ -150,6 +157,8 @@ class RemoteStream:
         new = _events(entries, self.cursor)
         if not new:
             return
+        if new[0].seq > self.cursor + 1:  # XREAD skips what is gone: the history was trimmed
+            self.trimmed = max(self.trimmed, new[0].seq - 1)
         self.events.extend(new)
         self.cursor = new[-1].seq
         if new[-1].is_done:
@@ -257,6 +266,7 @@ class SharedStreams:
         """Mirror ``stream`` (new, empty) into Redis from now on."""
         self.announcer.announce(stream)
         stream.mirror = self.writer.push
+        stream.on_trim = self.writer.trim
 
     async def announced(self, stream: Stream) -> None:
         """Return once ``stream`` can be found by other processes (its metadata is written):
@@ -331,6 +341,10 @@ class SharedStreams:
         await self.background.aclose()
 
 
+_TRIM = StreamEvent(0, b"")
+"""Queued in place of an event: trim the stream's Redis history to its trim point."""
+
+
 def _bulk(value: bytes) -> bytes:
     """One RESP bulk string."""
     return b"$%d\r\n%s\r\n" % (len(value), value)
@@ -381,6 +395,10 @@ class _Writer:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    def trim(self, stream: Stream) -> None:
+        """Queue the trim of ``stream``'s events up to ``stream.trimmed`` (after its XADDs)."""
+        self.push(stream, _TRIM)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -411,6 +429,11 @@ class _Writer:
                 producers += (None, None)
                 continue
             key = _bulk(keys.events(stream.id).encode())
+            if event is _TRIM:
+                parts += (b"*4\r\n$5\r\nXTRIM\r\n", key, b"$5\r\nMINID\r\n",
+                          _bulk(b"%d-0" % (stream.trimmed + 1)))
+                producers.append(None)
+                continue
             parts += (b"*8\r\n$4\r\nXADD\r\n", key, self._maxlen, _bulk(b"%d-0" % event.seq),
                       b"$1\r\nd\r\n", _bulk(event.data))
             producers.append(stream)

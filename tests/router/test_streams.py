@@ -1,17 +1,21 @@
 """The stream store, sans sockets: ids, ownership, exactly-once reads, eviction by an
-injected clock (age, bytes, finished first, a key over its share first, never a live stream
-for bytes) and its cost (constant per new stream, whatever the number stored)."""
+injected clock (age, bytes, finished first, a key over its share trimmed first, never a live
+stream evicted for bytes) and its cost (constant per new stream, whatever the number stored)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
+
+import pytest
 
 from firstbyte.router.readers import follow, parse_after, poll, sse_events
 from firstbyte.router.streams import (
     _EVENT_OVERHEAD_BYTES,
     DONE_DATA,
+    HistoryTrimmed,
     StoreFull,
     Stream,
     StreamStore,
@@ -97,36 +101,141 @@ def test_eviction_by_bytes_takes_finished_streams_oldest_first_never_a_live_one(
     assert len(store) == 0
 
 
-def test_a_key_over_its_share_loses_its_own_streams_first() -> None:
-    store = StreamStore(max_total_bytes=10_000, max_age_s=1e9, max_owner_bytes=4_000)
+def test_a_key_over_its_share_loses_its_own_oldest_history_first() -> None:
+    store = StreamStore(max_total_bytes=10_000, max_age_s=1e9, max_owner_bytes=2_500)
     bob = store.create(BOB, 0.0)
     bob.append(b"b" * 900, 0.0)
     bob.finish(0.5)  # Bob's finished stream is the oldest in the store
     alice: list[Stream] = []
-    for i in range(6):
+    for i in range(8):  # ~1 KB each: Alice at 8 KB is over her share, the store still has room
         assert store.make_room(ALICE, float(i + 1)) is None
         stream = store.create(ALICE, float(i + 1))
         stream.append(b"a" * 900, float(i + 1))
         stream.finish(float(i + 1))
         alice.append(stream)
-    # Alice's 6 * ~1 KB went over her 4 KB share: her oldest finished went, not Bob's (at
-    # each new stream of hers, and at the housekeeping tick).
-    store.evict(7.0)
-    assert store.owner_bytes(ALICE) <= 4_000
-    assert [s.evicted for s in alice] == [True, True, True, False, False, False]
+    assert store.evictions == 0  # work-conserving: nothing goes while there is room
+    assert store.owner_bytes(ALICE) > 2_500
+    # Her next stream fills the store: her own oldest finished streams go, whole (only their
+    # [DONE] would be left), not Bob's, and at that append, not at a housekeeping tick.
+    assert store.make_room(ALICE, 9.0) is None
+    stream = store.create(ALICE, 9.0)
+    stream.append(b"a" * 900, 9.0)
+    alice.append(stream)
+    assert store.total_bytes <= 10_000
+    assert store.owner_bytes(ALICE) <= 2_500 * 7 // 8 + 1_000
+    evicted = [s.evicted for s in alice]
+    assert evicted == sorted(evicted, reverse=True)  # the oldest first
+    assert evicted[:6] == [True] * 6
     assert store.get(bob.id, BOB) is bob
-    # Live streams filling her share: her next stream is refused, nobody else's is touched.
+    # Live streams growing past the store: her own history is trimmed, oldest first, and
+    # her next stream is admitted; nobody else's is touched.
     live = [store.create(ALICE, 10.0) for _ in range(5)]
-    for stream in live:
-        stream.append(b"a" * 900, 10.0)
-    assert store.make_room(ALICE, 11.0) is StoreFull.KEY
-    assert all(s.evicted for s in alice)  # her finished ones went first
-    assert not any(s.evicted for s in live)
+    for _ in range(30):
+        for stream in live:
+            stream.append(b"a" * 300, 10.0)
+            assert store.total_bytes <= 10_000
+    assert store.make_room(ALICE, 11.0) is None
+    assert all(s.evicted for s in alice[:8])  # her finished ones went first
+    assert not any(s.evicted for s in live)  # live streams are trimmed, never evicted
+    assert live[0].trimmed > 0
+    assert all(s.last_seq == 30 for s in live)
+    assert all(len(s.events) >= 1 for s in live)  # each keeps at least its newest event
+    with pytest.raises(HistoryTrimmed) as gone:
+        live[0].after(0)
+    assert (gone.value.after, gone.value.trimmed) == (0, live[0].trimmed)
+    assert [e.seq for e in live[0].after(live[0].trimmed)] == list(
+        range(live[0].trimmed + 1, 31))
     assert store.make_room(BOB, 11.0) is None  # Bob still has room
     assert store.get(bob.id, BOB) is bob
-    assert store.evicted_by == {"key_share": 6}
-    assert store.live_streams(ALICE) == 5
-    assert store.live_streams(BOB) == 0
+    assert bob.trimmed == 0
+    assert store.evicted_by == {"key_share": 8}  # her 8 finished streams, whole
+    assert store.live_streams(ALICE) == 6
+    assert store.total_bytes == store.owner_bytes(ALICE) + store.owner_bytes(BOB)
+
+
+def test_one_keys_growth_never_refuses_or_evicts_another_keys_streams() -> None:
+    """The issue's case with an injected clock: key A's long live outputs go far past its
+    quarter of the store; key B's finished streams stay whole and its new streams are
+    admitted, at every step."""
+    store = StreamStore(max_total_bytes=40_000, max_age_s=1e9, max_owner_bytes=10_000)
+    finished_b = []
+    for i in range(4):
+        stream = store.create(BOB, float(i))
+        stream.append(b"b" * 2_000, float(i))
+        stream.finish(float(i))
+        finished_b.append(stream)
+    running_a = [store.create(ALICE, 10.0) for _ in range(8)]
+    now = 10.0
+    for _ in range(50):  # 8 streams x 50 events x ~1 KB: 10x the store, 40x A's share
+        now += 1.0
+        for stream in running_a:
+            stream.append(b"a" * 1_000, now)
+            assert store.total_bytes <= 40_000
+        assert store.make_room(BOB, now) is None
+        store.evict(now)
+    assert not any(s.evicted for s in finished_b)
+    assert all(s.trimmed == 0 and s.after(0)[-1].is_done for s in finished_b)
+    assert store.evictions == 0
+    assert store.trimmed_events > 300
+
+
+def test_trims_come_in_batches() -> None:
+    """A key over its share in a full store is trimmed to 7/8 of its share, so the trims
+    (each a list shift of the stream trimmed) are at most one per eighth of the share
+    appended, not one per event."""
+    trims: list[int] = []
+    store = StreamStore(max_total_bytes=160_000, max_age_s=1e9, max_owner_bytes=80_000)
+    stream = store.create(ALICE, 0.0)
+    stream.on_trim = lambda s: trims.append(s.trimmed)
+    event = b"a" * (1_000 - _EVENT_OVERHEAD_BYTES)
+    for _ in range(8_000):  # 8 MB through a 160 KB store
+        stream.append(event, 1.0)
+        assert store.total_bytes <= 160_000
+    assert stream.trimmed == trims[-1] >= 8_000 - 160
+    assert len(trims) <= 8_000 * 1_000 // (80_000 // 8)  # <= 800 trims for 8,000 events
+    assert trims == sorted(trims)
+
+
+async def test_a_reader_keeping_up_is_never_cut_and_one_left_behind_gets_an_error() -> None:
+    store = StreamStore(max_total_bytes=8_000, max_age_s=1e9, max_owner_bytes=4_000)
+    stream = store.create(ALICE, 0.0)
+    stream.append(b"x" * 500, 0.0)
+    behind = sse_events(stream, 0, heartbeat_s=5)
+    assert (await behind.__anext__()).startswith(b"id: 1\n")  # then this reader stalls
+    seen: list[int] = []
+
+    async def keeping_up() -> None:
+        async for batch in follow(stream, 0, idle_s=5):
+            seen.extend(e.seq for e in batch)
+
+    reader = asyncio.create_task(keeping_up())
+    for _ in range(40):  # 40 x ~0.5 KB through an 8 KB store, one event at a time
+        await asyncio.sleep(0)
+        stream.append(b"x" * 500, 1.0)
+    stream.finish(2.0)
+    await asyncio.wait_for(reader, 5)
+    assert stream.trimmed > 0
+    assert seen == list(range(1, 43))  # every event, once, though most are trimmed now
+    rest = [piece async for piece in behind]  # the stalled reader resumes: too late
+    assert len(rest) == 1
+    assert b"id:" not in rest[0]
+    assert json.loads(rest[0].removeprefix(b"data: "))["error"]["code"] == (
+        "stream_history_trimmed")
+    with pytest.raises(HistoryTrimmed):
+        await poll(stream, 3, 0)
+
+
+def test_smaller_bounds_on_reload_are_applied_at_the_next_tick() -> None:
+    store = StreamStore(max_total_bytes=10_000, max_age_s=1e9, max_owner_bytes=5_000)
+    stream = store.create(ALICE, 0.0)
+    for _ in range(4):
+        stream.append(b"a" * 1_000, 0.0)
+    assert store.trimmed_events == 0
+    store.set_bounds(max_total_bytes=3_000, max_age_s=1e9, max_owner_bytes=1_000)
+    store.evict(1.0)
+    assert store.total_bytes <= 3_000
+    assert store.owner_bytes(ALICE) <= 1_064  # 7/8 of her share, or her newest event
+    assert stream.trimmed == 3
 
 
 def test_a_live_stream_survives_another_key_filling_the_store() -> None:
