@@ -25,6 +25,7 @@ from .conftest import (
     RouterStarter,
     canary_running,
     open_tls,
+    read_until_closed,
 )
 
 MiB = 1 << 20
@@ -167,3 +168,36 @@ async def test_websockets_count_for_their_client_until_they_close(
         async with connect(url, ssl=router.client_tls(), additional_headers=auth()):
             pass
     router.assert_clean_log()
+
+
+def _text_frame(payload: bytes) -> bytes:
+    """A masked, final text frame carrying ``payload`` (under 126 bytes)."""
+    mask = os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([0x81, 0x80 | len(payload)]) + mask + masked
+
+
+@ON_EACH_PROTOCOL
+async def test_invalid_utf8_is_one_line_not_a_traceback_per_socket(
+    start_router_process: RouterStarter, router_server: str
+) -> None:
+    """Twenty sockets each send a text frame that is not UTF-8: each is closed, and the log
+    holds no traceback and at most a line per 10 s for them, where uvicorn's protocol logged
+    an ERROR with a traceback per socket. uvicorn's protocol closes with 1007 (RFC 6455
+    section 8.1); hypercorn's wsproto closes the connection without a close frame."""
+    sockets = 20
+    async with start_router_process() as router, canary_running(router):
+        started = time.monotonic()
+        answers = []
+        for _ in range(sockets):
+            reader, writer = await _upgraded(router)
+            writer.write(_text_frame(b'{"type":"\xff\xfe"}'))
+            await writer.drain()
+            answers.append(await read_until_closed(reader, 10))  # closed, not held
+            writer.close()
+        took_s = time.monotonic() - started
+    if router_server == "auto":
+        assert all(struct.pack("!H", 1007) in answer for answer in answers), answers[:2]
+    router.assert_clean_log()
+    lines = [line for line in router.log().splitlines() if "UTF-8" in line]
+    assert len(lines) <= 1 + int(took_s // 10), lines
