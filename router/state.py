@@ -81,6 +81,7 @@ class RouterState:
         self.client_latency = ClientLatency(
             [config.region, *(peer.name for peer in config.peers)],
             max_countries=reports.max_countries,
+            max_countries_per_key=reports.max_countries_per_key,
             max_records=reports.max_records_per_report,
         )
         """Client-felt TTFT and network time from ``POST /v1/edge/timings``."""
@@ -245,6 +246,7 @@ class RouterState:
         self.store.evict(now)
         self.limiter.forget_idle(now)
         self.report_limiter.forget_idle(now)
+        self.client_latency.served.forget_old(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:

@@ -142,6 +142,9 @@ class _Session:
             )
             return
         stream = ctx.stream = self.state.new_stream(ctx.owner, ctx.release_key_slot)
+        self.state.client_latency.stream_started(
+            ctx.owner, ctx.region or self.state.region, self.state.clock()
+        )
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         self.state.requests.stream_started(ctx)
