@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import struct
 import time
@@ -24,6 +25,7 @@ from .conftest import (
     RouterProcess,
     RouterStarter,
     canary_running,
+    chat_body,
     open_tls,
     read_until_closed,
 )
@@ -171,10 +173,12 @@ async def test_websockets_count_for_their_client_until_they_close(
 
 
 def _text_frame(payload: bytes) -> bytes:
-    """A masked, final text frame carrying ``payload`` (under 126 bytes)."""
+    """A masked, final text frame carrying ``payload`` (under 64 KiB)."""
     mask = os.urandom(4)
     masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-    return bytes([0x81, 0x80 | len(payload)]) + mask + masked
+    if len(payload) < 126:
+        return bytes([0x81, 0x80 | len(payload)]) + mask + masked
+    return bytes([0x81, 0x80 | 126]) + struct.pack("!H", len(payload)) + mask + masked
 
 
 @ON_EACH_PROTOCOL
@@ -201,3 +205,48 @@ async def test_invalid_utf8_is_one_line_not_a_traceback_per_socket(
     router.assert_clean_log()
     lines = [line for line in router.log().splitlines() if "UTF-8" in line]
     assert len(lines) <= 1 + int(took_s // 10), lines
+
+
+async def _until_two_connect(router: RouterProcess, timeout_s: float) -> float:
+    """Seconds until two WebSockets at once are let in (with a cap of two per address)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        held = []
+        try:
+            for _ in range(2):
+                held.append(await _upgraded(router))
+            return time.monotonic() - started
+        except (AssertionError, ConnectionError, asyncio.IncompleteReadError):
+            await asyncio.sleep(0.25)
+        finally:
+            for _, writer in held:
+                writer.close()
+    return timeout_s
+
+
+@ON_EACH_PROTOCOL
+async def test_client_leaving_with_65_streams_is_let_go(
+    start_router_process: RouterStarter,
+) -> None:
+    """A client sends 65 stream requests on one WebSocket (one over the 64 a socket may
+    follow) and resets the connection: its connection is let go (with a cap of 2 per
+    address, two more connect), and the log holds no traceback and no "Task exception was
+    never retrieved". Under hypercorn the socket's disconnect waited behind the full app
+    queue while the app waited on it: the connection was held until shutdown, then logged
+    a traceback."""
+    async with (
+        start_router_process(limits={"max_connections_per_client": 2}) as router,
+        canary_running(router),
+    ):
+        request = json.dumps({"type": "request", "body": chat_body(200)}).encode()
+        _, writer = await _upgraded(router)
+        writer.write(b"".join(_text_frame(request) for _ in range(65)))
+        await writer.drain()
+        writer.transport.abort()  # leave without a close frame, reading nothing
+        took_s = await _until_two_connect(router, 10)
+        print(f"the reset connection let go after {took_s:.2f} s")
+        assert took_s < 10  # before: held until shutdown
+        await asyncio.sleep(0.5)
+    text = router.log()
+    assert "never retrieved" not in text, text[-3000:]
+    router.assert_clean_log()
