@@ -16,8 +16,10 @@ __all__ = ["FIRST_BACKOFF_S", "RETRY_STATUSES", "RetryBudget"]
 RETRY_STATUSES = frozenset({429, 503})
 """The answers a request is sent again for: saturated, or draining / unavailable for now."""
 
-FIRST_BACKOFF_S = 0.25
-"""The wait before the first retry when the server gave no ``Retry-After``; doubled each time."""
+FIRST_BACKOFF_S = 1.0
+"""The wait before the first retry when the answer has no ``Retry-After`` (a WebSocket
+``error`` message has none); doubled each time. The router's shortest ``Retry-After`` is 1 s
+(whole seconds), so a shorter wait would only spend a retry on a refusal."""
 
 
 class RetryBudget:

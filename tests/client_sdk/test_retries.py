@@ -99,8 +99,8 @@ def test_bad_retry_options_are_refused_at_construction() -> None:
 
 def test_the_budget_honours_retry_after_backs_off_and_stops() -> None:
     budget = RetryBudget(retries=3, budget_s=5.0)
-    assert budget.delay(None) == 0.25  # no Retry-After: a doubling backoff
-    assert budget.delay(None) == 0.5
-    assert budget.delay(4.3) is None  # 5.05 s of waiting is past the budget: not spent
-    assert budget.delay(2.0) == 2.0
+    assert budget.delay(None) == 1.0  # no Retry-After: a doubling backoff
+    assert budget.delay(None) == 2.0
+    assert budget.delay(2.5) is None  # 5.5 s of waiting is past the budget: not spent
+    assert budget.delay(1.5) == 1.5
     assert budget.delay(0.0) is None  # three retries used
