@@ -262,8 +262,8 @@ class ClientTimingsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     """Countries with their own ``country`` label; clients of later ones count as ``other``."""
     max_countries_per_key: NonNegInt = 10
     """Of those, how many one API key may bring in (its clients' later new countries count
-    as ``other``), so one tenant cannot fill the table; 0: no bound per key. A deployment
-    with one key may raise it to ``max_countries``."""
+    as ``other``), so one tenant cannot fill the table; 0: no bound per key. Only with
+    ``auth.api_keys``; a deployment with one key may raise it to ``max_countries``."""
     max_records_per_report: PositiveInt = 100
     """Records one report may hold; more: 400."""
     max_report_bytes: PositiveBytes = 64 << 10

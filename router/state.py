@@ -81,7 +81,8 @@ class RouterState:
         self.client_latency = ClientLatency(
             [config.region, *(peer.name for peer in config.peers)],
             max_countries=reports.max_countries,
-            max_countries_per_key=reports.max_countries_per_key,
+            # Like the other per-key limits, only with keys: anonymous, every caller is one.
+            max_countries_per_key=reports.max_countries_per_key if self.api_keys else 0,
             max_records=reports.max_records_per_report,
         )
         """Client-felt TTFT and network time from ``POST /v1/edge/timings``."""
