@@ -9,6 +9,7 @@ import base64
 import contextlib
 import json
 import os
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -247,6 +248,43 @@ async def test_client_leaving_with_65_streams_is_let_go(
         print(f"the reset connection let go after {took_s:.2f} s")
         assert took_s < 10  # before: held until shutdown
         await asyncio.sleep(0.5)
+    text = router.log()
+    assert "never retrieved" not in text, text[-3000:]
+    router.assert_clean_log()
+
+
+@ON_EACH_PROTOCOL
+async def test_a_backed_up_websocket_that_leaves_logs_no_task_exception(
+    start_router_process: RouterStarter,
+) -> None:
+    """64 streams on one WebSocket to a client that reads nothing (a 4 KiB receive buffer)
+    until the router's writes back up, then resets: the stream followers that fail on the
+    gone socket are not logged as "Task exception was never retrieved" with a traceback (one
+    per run before, under uvicorn's protocol)."""
+    async with start_router_process() as router, canary_running(router):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
+        reader, writer = await asyncio.open_connection(
+            sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
+        )
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            (
+                "GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                f"connection: Upgrade\r\nsec-websocket-key: {key}\r\n"
+                f"sec-websocket-version: 13\r\nauthorization: Bearer {API_KEY}\r\n\r\n"
+            ).encode()
+        )
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        request = json.dumps({"type": "request", "body": chat_body(5000)}).encode()
+        writer.write(b"".join(_text_frame(request) for _ in range(64)))
+        await writer.drain()
+        writer.transport.pause_reading()
+        await asyncio.sleep(4)  # the router's writes back up
+        writer.transport.abort()
+        await asyncio.sleep(2)
     text = router.log()
     assert "never retrieved" not in text, text[-3000:]
     router.assert_clean_log()
