@@ -34,6 +34,7 @@ from typing import Any, Literal
 import msgspec
 
 from firstbyte.client_sdk._core.resume import ResumePolicy
+from firstbyte.client_sdk._core.retry import RETRY_STATUSES, RetryBudget
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import (
@@ -114,6 +115,11 @@ class AsyncClient:
     offsets only, never text) to the router that served it, batched in the background every
     ``report_interval_s`` (:mod:`~firstbyte.client_sdk.timings_report`); the operator then
     sees the TTFT users felt per country next to the router's own.
+    ``retries`` and ``retry_budget_s`` (default 2 and 5 s; 0 retries: off) bound how a request
+    refused before its stream started (``429``, ``503``) is sent again after the server's
+    ``Retry-After``, and a stream that ended with ``draining`` before any token is sent
+    again (:mod:`~firstbyte.client_sdk._core.retry`); with several regions the others are
+    tried first, at once.
     """
 
     def __init__(
@@ -138,8 +144,14 @@ class AsyncClient:
         keylog_file: str | None = None,
         report_timings: bool = False,
         report_interval_s: float = 10.0,
+        retries: int = 2,
+        retry_budget_s: float = 5.0,
     ) -> None:
         checked, ca_file = check_trust(verify, ca_file)
+        if retries < 0:
+            raise ConfigurationError("retries", f"must be 0 or more, not {retries!r}")
+        if retry_budget_s < 0:
+            raise ConfigurationError("retry_budget_s", f"must be 0 or more, not {retry_budget_s!r}")
         tickets = ticket_store_for(ticket_store)
         if transport not in ("sse", "websocket", "longpoll"):
             raise ConfigurationError(
@@ -189,6 +201,8 @@ class AsyncClient:
         self.stall_retries = stall_retries
         self.resume_backoff_s = resume_backoff_s
         self.poll_wait_s = poll_wait_s
+        self.retries = retries
+        self.retry_budget_s = retry_budget_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         keylog = keylog_path(keylog_file)
         self.pool = ConnectionPool(
@@ -468,8 +482,8 @@ class ChatStream:
         self._plan = [urls.index(u) for u in ranked] + [
             i for i, u in enumerate(urls) if u not in ranked]
         self._attempt = 0
-        self._resent = False
-        """Sent again after a ``draining`` end before any content (see :meth:`_resend`)."""
+        self._retry = RetryBudget(client.retries, client.retry_budget_s)
+        """Sends again after a refusal or a ``draining`` end before any token."""
         self._busy_region: str | None = None
         """The region counted in the client's ``_busy`` while a pump reads from it."""
         self._reported = False
@@ -534,7 +548,10 @@ class ChatStream:
             except FirstbyteError as exc:
                 self._finished = True
                 if isinstance(exc, APIError) and exc.code == error_codes.DRAINING:
-                    if self._recorder.record.first_token_ms is None and not self._resent:
+                    if (
+                        self._recorder.record.first_token_ms is None
+                        and self._retry.delay(0.0) is not None
+                    ):
                         await self._resend()
                         assembler = self._assembler
                         continue
@@ -688,6 +705,19 @@ class ChatStream:
                 self._start(self._client._source(self._body, None, 0, self._recorder,
                                                  self._origin))
                 return
+            if self._stream_id is None and isinstance(item, APIError) and (
+                item.status in RETRY_STATUSES
+            ):
+                wait = self._retry.delay(getattr(item, "retry_after", None))
+                if wait is not None:
+                    # Refused before the stream started (no token to repeat): once the
+                    # server's Retry-After has passed, the preferred region again.
+                    await self._stop_pump()
+                    await asyncio.sleep(wait)
+                    self._attempt = 0
+                    self._start(self._client._source(self._body, None, 0, self._recorder,
+                                                     self._origin))
+                    return
             if isinstance(item, TransportCut | SequenceGapError) or (
                 isinstance(item, ConnectError) and self._stream_id is not None
             ):
@@ -722,10 +752,9 @@ class ChatStream:
 
     async def _resend(self) -> None:
         """The stream's router shut down (``draining``) before any content was delivered: send
-        the request again, once, as a new stream (the region's other routers, or the next
-        region, take it; the wasted attempt stays in the timings)."""
+        the request again as a new stream, within the retry budget (the region's other
+        routers, or the next region, take it; the wasted attempt stays in the timings)."""
         await self._stop_pump()
-        self._resent = True
         self._finished = False
         self._assembler = StreamAssembler()
         self._stream_id = None

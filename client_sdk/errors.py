@@ -142,7 +142,12 @@ class RateLimitError(APIError):
 
 
 class ServiceUnavailableError(APIError):
-    """503 (or 502/504): no backend could serve the request right now."""
+    """503 (or 502/504): no backend could serve the request right now; ``retry_after``
+    seconds from its ``Retry-After`` header (a draining router sends one)."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.retry_after = retry_after
 
 
 class _ErrorDetail(msgspec.Struct):
@@ -207,5 +212,5 @@ def api_error_from_response(
     if status == 429:
         return RateLimitError(message, retry_after=_retry_after(retry_after), **kw)
     if status in (502, 503, 504):
-        return ServiceUnavailableError(message, **kw)
+        return ServiceUnavailableError(message, retry_after=_retry_after(retry_after), **kw)
     return APIError(message, **kw)

@@ -13,9 +13,16 @@ plausible, and renders two histogram families next to the router's server-side
   queueing and routing. A record whose stream is not found is counted as ``unjoined`` and
   adds to the TTFT histogram only: one definition per histogram, never an estimate.
 
+A key's records are accepted only for streams this router started for it (:class:`Served`):
+each stream started for a key, by the region that served it, lets the key report one record
+naming that region within ``SERVED_WINDOW_S``; a record with no such stream left is refused
+(``not_served``). So a key cannot post more records than it had streams, nor name a region
+that never served it.
+
 Both are labelled ``region`` (this router's region or a configured peer: the region that
 served), ``country`` (GeoIP of the reporting client's address: at most ``max_countries``
-distinct values, then ``other``; ``unknown`` when the database does not know it),
+distinct values, each key bringing in at most ``max_countries_per_key`` of them, then
+``other``; ``unknown`` when the database does not know it),
 ``transport``, ``http`` (``1.1``, ``2``, ``3``) and ``conn`` (``cold``, ``warm``, ``0rtt``).
 Every label takes a value from a fixed or bounded set, so the number of series is bounded
 whatever clients send. Refused reports are counted by reason.
@@ -23,7 +30,7 @@ whatever clients send. Refused reports are counted by reason.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from firstbyte.protocol.timings import (
@@ -40,8 +47,10 @@ from .metrics import SUM_SPEC, TTFT_BUCKETS_S
 __all__ = [
     "NETWORK_BUCKETS_S",
     "REJECTION_REASONS",
+    "SERVED_WINDOW_S",
     "ClientLatency",
     "CountryLabels",
+    "Served",
 ]
 
 NETWORK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -49,7 +58,7 @@ NETWORK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 REJECTION_REASONS = (
     "disabled", "rate_limited", "too_large", "malformed", "too_many_records",
     "unknown_transport", "unknown_http_version", "out_of_range", "unordered",
-    "unknown_region", "faster_than_server",
+    "unknown_region", "faster_than_server", "not_served",
 )
 """Every ``reason`` label of ``firstbyte_client_timings_rejected_total``."""
 
@@ -57,33 +66,106 @@ Series = tuple[str, str, str, str, str]
 """(region, country, transport, http, conn)."""
 
 
+SERVED_WINDOW_S = 600.0
+"""How long a served stream lets its key report it: the longest plausible record (ten
+minutes, :data:`~firstbyte.protocol.timings.MAX_MS`); the SDK reports within seconds."""
+
+_SLOT_S = 60.0
+"""Served streams are counted per minute: a key costs at most ten counters per region."""
+
+
+class Served:
+    """Streams started per key and serving region, each good for one reported record.
+
+    Sans-IO (``now`` passed in). Per (owner, region): a queue of ``[minute, count]`` over the
+    last :data:`SERVED_WINDOW_S`, so memory is bounded by keys x regions, not by streams.
+    """
+
+    def __init__(self, window_s: float = SERVED_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._slots: dict[tuple[bytes, str], deque[list[float]]] = {}
+
+    def started(self, owner: bytes, region: str, now: float) -> None:
+        """``owner`` had a stream served by ``region``."""
+        slots = self._slots.setdefault((owner, region), deque())
+        minute = now - now % _SLOT_S
+        if slots and slots[-1][0] == minute:
+            slots[-1][1] += 1
+        else:
+            slots.append([minute, 1])
+
+    def available(self, owner: bytes, region: str, now: float) -> int:
+        """Records ``owner`` may still report for ``region``."""
+        slots = self._expire(owner, region, now)
+        return int(sum(count for _, count in slots)) if slots else 0
+
+    def take(self, owner: bytes, region: str, count: int, now: float) -> None:
+        """Spend ``count`` records (no more than :meth:`available`), oldest streams first."""
+        slots = self._expire(owner, region, now)
+        while count and slots:
+            used = min(count, int(slots[0][1]))
+            slots[0][1] -= used
+            count -= used
+            if not slots[0][1]:
+                slots.popleft()
+
+    def forget_old(self, now: float) -> None:
+        """Drop keys whose streams are all past the window."""
+        for key in list(self._slots):
+            if not self._expire(*key, now):
+                del self._slots[key]
+
+    def _expire(self, owner: bytes, region: str, now: float) -> deque[list[float]] | None:
+        slots = self._slots.get((owner, region))
+        while slots and slots[0][0] + _SLOT_S <= now - self.window_s:
+            slots.popleft()
+        return slots
+
+
 class CountryLabels:
     """The ``country`` label of a client: its ISO code for the first ``max_countries`` codes
-    seen, ``other`` for later ones, ``unknown`` when there is no code."""
+    seen, ``other`` for later ones, ``unknown`` when there is no code. One key brings in at
+    most ``max_per_key`` codes (0: no bound per key), so one tenant reporting from many
+    countries cannot push the others' into ``other``."""
 
-    def __init__(self, max_countries: int) -> None:
+    def __init__(self, max_countries: int, max_per_key: int = 0) -> None:
         self.max_countries = max_countries
+        self.max_per_key = max_per_key
         self.known: set[str] = set()
+        self.brought: Counter[bytes] = Counter()
+        """How many of :attr:`known` each key brought in."""
 
-    def label(self, country: str | None) -> str:
+    def label(self, country: str | None, owner: bytes = b"") -> str:
         if not country:
             return "unknown"
         if country in self.known:
             return country
-        if len(self.known) < self.max_countries:
-            self.known.add(country)
-            return country
-        return "other"
+        if len(self.known) >= self.max_countries:
+            return "other"
+        if self.max_per_key and self.brought[owner] >= self.max_per_key:
+            return "other"
+        self.known.add(country)
+        self.brought[owner] += 1
+        return country
 
 
 class ClientLatency:
     """The client timing histograms of one router process (see the module docstring)."""
 
-    def __init__(self, regions: Iterable[str], *, max_countries: int, max_records: int) -> None:
+    def __init__(
+        self,
+        regions: Iterable[str],
+        *,
+        max_countries: int,
+        max_records: int,
+        max_countries_per_key: int = 0,
+    ) -> None:
         self.regions = frozenset(regions)
         """Accepted ``region`` values: this router's region and its peers."""
         self.max_records = max_records
-        self.countries = CountryLabels(max_countries)
+        self.countries = CountryLabels(max_countries, max_countries_per_key)
+        self.served = Served()
+        """The streams each key may still report (:meth:`stream_started`)."""
         self.ttft: dict[Series, Histogram] = {}
         self.network: dict[Series, Histogram] = {}
         self.records: Counter[str] = Counter()
@@ -94,12 +176,21 @@ class ClientLatency:
         """More records than a report may hold (checked before any record is looked at)."""
         return len(report.records) > self.max_records
 
+    def stream_started(self, owner: bytes, region: str, now: float) -> None:
+        """A stream of ``owner`` served by ``region`` started here: one record it may report."""
+        self.served.started(owner, region, now)
+
     def refusal(
-        self, report: TimingsReport, server_ttft_ms: list[float | None]
+        self,
+        report: TimingsReport,
+        server_ttft_ms: list[float | None],
+        owner: bytes,
+        now: float,
     ) -> tuple[str, int] | None:
-        """Why ``report`` is refused and the index of the first record at fault, or None to
-        accept it. ``server_ttft_ms`` is the router's upstream TTFT of each record's stream
-        (None when it is not known here)."""
+        """Why ``owner``'s ``report`` is refused and the index of the first record at fault,
+        or None to accept it. ``server_ttft_ms`` is the router's upstream TTFT of each
+        record's stream (None when it is not known here)."""
+        wanted: Counter[str] = Counter()
         for i, (record, server) in enumerate(zip(report.records, server_ttft_ms, strict=True)):
             reason = implausible(record)
             if reason is None and record.region not in self.regions:
@@ -108,6 +199,10 @@ class ClientLatency:
                 record.first_token_ms < server - ORDER_SLACK_MS
             ):
                 reason = "faster_than_server"  # the client's TTFT contains the upstream's
+            if reason is None:
+                wanted[record.region] += 1
+                if wanted[record.region] > self.served.available(owner, record.region, now):
+                    reason = "not_served"  # more records than streams this key had there
             if reason is not None:
                 return reason, i
         return None
@@ -116,10 +211,18 @@ class ClientLatency:
         self.rejected[reason] += 1
 
     def observe(
-        self, report: TimingsReport, country: str | None, server_ttft_ms: list[float | None]
+        self,
+        report: TimingsReport,
+        country: str | None,
+        server_ttft_ms: list[float | None],
+        owner: bytes,
+        now: float,
     ) -> None:
-        """Add an accepted report's records (``country``: the reporting client's)."""
-        label = self.countries.label(country)
+        """Add ``owner``'s accepted report's records (``country``: the reporting client's),
+        spending the streams they report."""
+        label = self.countries.label(country, owner)
+        for region, count in Counter(record.region for record in report.records).items():
+            self.served.take(owner, region, count, now)
         for record, server in zip(report.records, server_ttft_ms, strict=True):
             series = _series(record, label)
             ttft_s = record.first_token_ms / 1000

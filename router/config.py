@@ -308,6 +308,10 @@ class ClientTimingsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     """False: the path answers 404 and the client histograms stay empty."""
     max_countries: NonNegInt = 50
     """Countries with their own ``country`` label; clients of later ones count as ``other``."""
+    max_countries_per_key: NonNegInt = 10
+    """Of those, how many one API key may bring in (its clients' later new countries count
+    as ``other``), so one tenant cannot fill the table; 0: no bound per key. Only with
+    ``auth.api_keys``; a deployment with one key may raise it to ``max_countries``."""
     max_records_per_report: PositiveInt = 100
     """Records one report may hold; more: 400."""
     max_report_bytes: PositiveBytes = 64 << 10

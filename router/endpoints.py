@@ -237,6 +237,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         return
     # place() made room in the store (nothing awaited since): no eviction here.
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
     try:
@@ -301,6 +302,7 @@ async def start_detached_stream(
         return
     assert isinstance(wait, float)
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:
@@ -643,14 +645,15 @@ async def edge_timings(state: RouterState, scope: Scope, receive: Receive, send:
         if record.stream_id is not None:
             found = await state.find_stream(record.stream_id, owner, ctx.reader_subject)
         server_ttft.append(None if found is None else found.upstream_ttft_ms)
-    refused = latency.refusal(report, server_ttft)
+    now = state.clock()
+    refused = latency.refusal(report, server_ttft, owner, now)
     if refused is not None:
         reason, index = refused
         latency.reject(reason)
         await _invalid_timings(state, send, ctx, f"records[{index}]: {reason}.")
         return
     location = state.routing.locate(ctx, from_peer=False)
-    latency.observe(report, location.country if location else None, server_ttft)
+    latency.observe(report, location.country if location else None, server_ttft, owner, now)
     state.metrics.count("timings", "ok")
     ctx.outcome = "ok"
     accepted = msgspec.json.encode({"accepted": len(report.records)})

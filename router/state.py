@@ -87,6 +87,8 @@ class RouterState:
         self.client_latency = ClientLatency(
             [config.region, *(peer.name for peer in config.peers)],
             max_countries=reports.max_countries,
+            # Like the other per-key limits, only with keys: anonymous, every caller is one.
+            max_countries_per_key=reports.max_countries_per_key if self.api_keys else 0,
             max_records=reports.max_records_per_report,
         )
         """Client-felt TTFT and network time from ``POST /v1/edge/timings``."""
@@ -307,6 +309,7 @@ class RouterState:
         self.limiter.forget_idle(now)
         self.report_limiter.forget_idle(now)
         self.tenants.forget_asks(now)
+        self.client_latency.served.forget_old(now)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:

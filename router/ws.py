@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import msgspec
 
@@ -41,6 +42,8 @@ from .readers import TRIMMED_STATUS, HistoryTrimmed, ReadableStream, follow, tri
 from .state import RouterState
 
 __all__ = ["websocket_session"]
+
+log = logging.getLogger("firstbyte.router")
 
 CLOSE_GOING_AWAY = 1001
 """Close code for a socket closed for being idle (RFC 6455 section 7.4.1)."""
@@ -147,7 +150,12 @@ class _Session:
                 )
             )
             return
-        stream = ctx.stream = self.state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+        stream = ctx.stream = self.state.new_stream(
+            ctx.owner, ctx.release_key_slot, ctx.subject
+        )
+        self.state.client_latency.stream_started(
+            ctx.owner, ctx.region or self.state.region, self.state.clock()
+        )
         self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         self.state.requests.stream_started(ctx)
@@ -194,6 +202,14 @@ class _Session:
     def _followed(self, task: asyncio.Task[None]) -> None:
         self.followers.discard(task)
         self.last_active = self.state.clock()
+        if task.cancelled():
+            return
+        # Retrieved here, or asyncio logs "Task exception was never retrieved" with a
+        # traceback when the task is collected: a follower whose send found the client gone
+        # (uvicorn's ClientDisconnected, an OSError) is no news; anything else is a bug.
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, OSError):
+            log.error("following a stream on a WebSocket failed", exc_info=exc)
 
     async def _pump(self, stream: ReadableStream, after: int) -> None:
         self.state.metrics.count("ws", "stream")

@@ -18,7 +18,8 @@
 import { HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
 import {
-  APIError, PollCursor, ResumePolicy, SequenceGapError, StreamAssembler, StreamBrokenError,
+  APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, SequenceGapError,
+  StreamAssembler, StreamBrokenError,
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
 import { TimingsReporter } from "./report.js";
@@ -97,7 +98,10 @@ async function errorFrom(response) {
   try {
     error = (await response.json()).error;
   } catch { /* not JSON */ }
-  return new APIError(response.status, error);
+  const err = new APIError(response.status, error);
+  const retryAfter = Number.parseFloat(response.headers.get("retry-after") ?? "");
+  err.retryAfter = Number.isFinite(retryAfter) ? retryAfter : null;
+  return err;
 }
 
 function asCut(err) {
@@ -108,7 +112,8 @@ function asCut(err) {
 export class Client {
   constructor({ baseUrl, token, transport = "sse-fetch", idleTimeoutS = 30, maxResumes = 5,
                 resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10,
-                reportTimings = false, reportIntervalS = 10, reportBatch = 50 }) {
+                reportTimings = false, reportIntervalS = 10, reportBatch = 50,
+                retries = 2, retryBudgetS = 5 }) {
     if (!TRANSPORTS.includes(transport)) {
       throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
     }
@@ -121,6 +126,10 @@ export class Client {
     this.resumeBackoffS = resumeBackoffS;
     this.stallRetries = stallRetries;
     this.pollWaitS = pollWaitS;
+    /** A refusal before the stream started (429, 503), or a `draining` end before any token,
+     * is sent again within this budget per stream (stream.js RetryBudget; 0 retries: off). */
+    this.retries = retries;
+    this.retryBudgetS = retryBudgetS;
     /** With `reportTimings`: finished streams' Timings go to the router (report.js). */
     this.timingsReporter = reportTimings
       ? new TimingsReporter(this, { intervalS: reportIntervalS, batchRecords: reportBatch })
@@ -161,6 +170,7 @@ export class ChatStream {
       maxResumes: client.maxResumes, backoffS: client.resumeBackoffS,
       stallRetries: client.stallRetries, idleTimeoutS: client.idleTimeoutS,
     });
+    this.retry = new RetryBudget({ retries: client.retries, budgetS: client.retryBudgetS });
     this.streamId = null;
     this.parts = [];
     this.finished = false;
@@ -231,6 +241,7 @@ export class ChatStream {
       this.parts.push(delta.text);
       return delta;
     } catch (err) {
+      if (err instanceof APIError && await this.#retried(err)) return null;
       if (!(err instanceof TransportCut || err instanceof SequenceGapError ||
             err instanceof Stalled)) {
         this.finished = true;
@@ -256,6 +267,23 @@ export class ChatStream {
     if (step.delayS) await new Promise((r) => setTimeout(r, step.delayS * 1000));
     if (!step.resend) this.recorder.resume();
     this.channel = this.#open(step.resend ? null : this.streamId, this.assembler.lastSeq);
+  }
+
+  /** Send the request again if `err` allows it (never after a token: it would repeat). */
+  async #retried(err) {
+    const refused = this.streamId === null && RETRY_STATUSES.includes(err.status);
+    const drained = err.code === "draining" && err.status === null &&
+      this.recorder.record.first_token_ms === null;
+    if (!refused && !drained) return false;
+    const wait = this.retry.delay(drained ? 0 : err.retryAfter ?? null);
+    if (wait === null) return false;
+    this.channel.close();
+    if (wait) await new Promise((r) => setTimeout(r, wait * 1000));
+    this.assembler = new StreamAssembler();
+    this.streamId = null;
+    this.finished = false;
+    this.channel = this.#open(null, 0);
+    return true;
   }
 
   #open(streamId, after) {
@@ -405,7 +433,8 @@ async function webSocket(stream, channel, streamId, after) {
       channel.end();
     } else if (message.type === WS.ERROR) {
       done = true;
-      channel.fail(new APIError(null, message.error));
+      // A refusal carries the status SSE would have (429, 503...); an error event, none.
+      channel.fail(new APIError(message.stream ? null : message.status ?? null, message.error));
     } // a newer router's message type: skipped
   };
   socket.onclose = (e) => {

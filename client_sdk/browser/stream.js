@@ -99,6 +99,31 @@ function isChunk(c) {
     Number.isInteger(c.created) && typeof c.model === "string" && Array.isArray(c.choices);
 }
 
+/**
+ * The retry budget (client_sdk/_core/retry.py): a request refused before its stream started
+ * (429, 503) is sent again after the server's Retry-After (a doubling backoff from 1 s
+ * without one: a WebSocket refusal has none), a stream that ended with `draining` before any token at once; at most
+ * `retries` times and `budgetS` of waiting in all. `delay` is null when out of budget.
+ */
+export const RETRY_STATUSES = Object.freeze([429, 503]);
+export class RetryBudget {
+  constructor({ retries = 2, budgetS = 5 } = {}) {
+    this.retries = retries;
+    this.budgetS = budgetS;
+    this.used = 0;
+    this.waitedS = 0;
+  }
+
+  delay(retryAfterS) {
+    if (this.used >= this.retries) return null;
+    const wait = Math.max(retryAfterS ?? 2 ** this.used, 0);
+    if (this.waitedS + wait > this.budgetS) return null;
+    this.used += 1;
+    this.waitedS += wait;
+    return wait;
+  }
+}
+
 /** The long-poll cursor: which poll next, what a batch means, when to back off. */
 export class PollCursor {
   constructor(streamId, { after = 0, waitS = 10, maxFailures = 5, backoffS = 0.05,

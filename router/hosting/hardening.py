@@ -21,7 +21,8 @@ all once per process, and they act only on a server whose hypercorn ``Config`` c
   ``header_timeout_s``, and (under a handshake flood) asked to prove its address (Retry);
 - WebSocket: a message over ``websocket_max_message_size`` is refused at its frame header
   (:mod:`.ws_frames`), and permessage-deflate is not offered (a compressed frame's header
-  does not bound what it inflates to).
+  does not bound what it inflates to); a closing socket's unread messages are dropped, so
+  its disconnect never waits behind them (that deadlock held the connection until shutdown).
 
 Every refusal is one log line (``firstbyte.hosting``), throttled per reason.
 """
@@ -390,6 +391,30 @@ def _close_finished_h2_streams() -> None:
     H2Protocol._handle_events = guarded  # type: ignore[method-assign]
 
 
+def _drop_unread_messages(stream: Any) -> None:
+    """Empty a closing WebSocket's app queue (hypercorn's, ``max_app_queue_size`` = 10), so
+    the disconnect fits at once and is the app's next message: a gone client's unread
+    requests are void. With the queue full, the connection's reader waited on the app while
+    the app, done, waited on nothing: the connection was held until shutdown (12 messages
+    sent at once, then a reset), and logged a traceback then."""
+    queue = getattr(stream.app_put, "__self__", None)
+    if isinstance(queue, asyncio.Queue):
+        while not queue.empty():
+            queue.get_nowait()
+
+
+async def _discard(message: Any) -> None:
+    """An app queue's ``put`` for a socket whose app was told it closed."""
+
+
+def _ignore_later_messages(stream: Any) -> None:
+    """After the disconnect, what is still parsed from the socket's last bytes is dropped:
+    hypercorn goes on putting the messages of one read into the app queue, and once the app
+    has returned nobody takes them (a full queue held the connection for good)."""
+    if stream.app_put is not None:
+        stream.app_put = _discard
+
+
 def _guard_websocket_frames() -> None:
     """Refuse an oversized WebSocket message at its frame header (:mod:`.ws_frames`)."""
     from hypercorn.protocol.events import Body, Data, Request, StreamClosed
@@ -421,6 +446,11 @@ def _guard_websocket_frames() -> None:
             if not guard.feed(event.data):
                 await _refuse_message(self, guard)
                 return
+        elif isinstance(event, StreamClosed):
+            _drop_unread_messages(self)
+            await handle(self, event)
+            _ignore_later_messages(self)
+            return
         await handle(self, event)
 
     async def _refuse_message(self: Any, guard: FrameSizeGuard) -> None:
@@ -436,7 +466,9 @@ def _guard_websocket_frames() -> None:
         # From here the stream ignores input (the bytes are read and dropped) and the app.
         self.closed = True
         if self.app_put is not None:
+            _drop_unread_messages(self)
             await self.app_put({"type": "websocket.disconnect", "code": 1009})
+            _ignore_later_messages(self)
 
         async def linger_then_close() -> None:
             await asyncio.sleep(LINGER_S)

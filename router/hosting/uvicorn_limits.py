@@ -19,7 +19,8 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
 - a connection upgraded to a WebSocket stays counted for its client until it closes (uvicorn
   hands the socket to another protocol object, whose end the count follows), and a message
   over the bound, which the websockets library refuses at its frame header (close 1009), is
-  one log line, as under hypercorn.
+  one log line, as under hypercorn; so is a text message that is not UTF-8 (close 1007),
+  which uvicorn logs as an ERROR with a traceback.
 
 A request with both ``Content-Length`` and ``Transfer-Encoding`` needs nothing here:
 httptools (llhttp) refuses it as invalid, and uvicorn answers 400 and closes. Every refusal
@@ -70,6 +71,22 @@ def guarded_protocols(
         def data_received(self, data: bytes) -> None:
             if not self._lingering:  # after a refusal, what the client still sends is dropped
                 super().data_received(data)
+
+        def send_receive_event_to_app(self) -> None:
+            """uvicorn's, but a text message that is not UTF-8 is one throttled line and a
+            close 1007 (RFC 6455 section 8.1): uvicorn logs an ERROR with a traceback for it,
+            one per socket, for what is a client's mistake."""
+            if self.curr_msg_data_type == "text" and not self.close_sent:
+                try:
+                    b"".join(self.frames).decode()
+                except UnicodeDecodeError as exc:
+                    self.frames = []
+                    client = self.client[0] if self.client else "?"
+                    report(logging.INFO, "WebSocket text not UTF-8: close 1007", client, str(exc))
+                    self.conn.send_close(1007, "invalid UTF-8")
+                    self.handle_parser_exception()
+                    return
+            super().send_receive_event_to_app()
 
         def handle_parser_exception(self) -> None:
             """uvicorn's (the app told, the close frame sent), but the socket closes after

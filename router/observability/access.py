@@ -33,10 +33,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONTEXT_KEY",
+    "MAX_FIELD_CHARS",
     "AccessRecord",
     "RequestLog",
     "SpanSink",
     "Usage",
+    "bounded",
     "reply_usage",
     "stream_usage",
 ]
@@ -45,6 +47,11 @@ log = logging.getLogger("firstbyte.access")
 
 CONTEXT_KEY = "firstbyte.context"
 """The ASGI scope key under which the endpoints leave the request's context."""
+
+MAX_FIELD_CHARS = 256
+"""The most characters of a client-supplied string (model, path, method, ``Host``) an access
+record keeps: a 900 KB model name made a 900 KB access line (and span) per request. A longer
+value keeps its first characters and ends with :func:`bounded`'s marker."""
 
 _OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
 _STARTS_STREAM = frozenset({paths.CHAT_COMPLETIONS, paths.STREAMS})
@@ -81,6 +88,14 @@ class Usage:
     response_model: str | None = None
     outcome: str = "ok"
     """``ok``, or the code of the stream's error event (``upstream_error``, ``cancelled``...)."""
+
+
+def bounded(value: str | None, limit: int = MAX_FIELD_CHARS) -> str | None:
+    """``value``, or its first ``limit`` characters and ``...[+N]`` saying how many more
+    there were (so a truncated field is never mistaken for the client's own value)."""
+    if value is None or len(value) <= limit:
+        return value
+    return f"{value[:limit]}...[+{len(value) - limit}]"
 
 
 def _decode_chunk(data: bytes) -> _Chunk | None:
@@ -122,7 +137,7 @@ def stream_usage(events: Iterable[bytes]) -> Usage:
     return Usage(
         input_tokens=usage.prompt_tokens if usage is not None else None,
         output_tokens=output,
-        response_model=first.model if first is not None else None,
+        response_model=bounded(first.model) if first is not None else None,
         outcome=outcome,
     )
 
@@ -133,7 +148,7 @@ def reply_usage(body: bytes) -> Usage:
     if decoded is None:
         return Usage()
     usage = decoded.usage or _Usage()
-    return Usage(usage.prompt_tokens, usage.completion_tokens, decoded.model)
+    return Usage(usage.prompt_tokens, usage.completion_tokens, bounded(decoded.model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,17 +426,17 @@ class RequestLog:
             backend=backend,
             backend_url=backend_url,
             transport=_transport(exchange.path, ctx, websocket),
-            http_version=exchange.http_version,
-            method=exchange.method,
-            path=_path_template(exchange.path, touched),
+            http_version=bounded(exchange.http_version) or "",
+            method=bounded(exchange.method) or "",
+            path=bounded(_path_template(exchange.path, touched)) or "",
             status=status,
             outcome=outcome,
             stream=touched.id if touched is not None else None,
-            model=request.model if request is not None else None,
+            model=bounded(request.model) if request is not None else None,
             max_tokens=request.output_limit if request is not None else None,
             usage=usage,
             client_gone=not exchange.complete,
-            server_address=ctx.headers.get("host") if ctx is not None else None,
+            server_address=bounded(ctx.headers.get("host")) if ctx is not None else None,
             started_at=min(exchange.started_at, ctx.received_at) if ctx else exchange.started_at,
             admitted_at=ctx.admitted_at if ctx is not None else None,
             routed_at=ctx.routed_at if ctx is not None else None,

@@ -7,7 +7,9 @@ hypercorn on its own thread and event loop with real TLS (h1, h2 and h3 on QUIC)
 
 Behaviour is chosen per request through the model name: ``stall-K`` stops producing after K
 tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first token,
-``tools`` streams one tool call (``get_weather``) in fragments, ``busy`` answers 429.
+``tools`` streams one tool call (``get_weather``) in fragments, ``busy`` answers 429;
+``busy-N`` (429) and ``draining-N`` (503, code ``draining``) refuse the first N requests of
+that model name with ``Retry-After: 1``, then serve.
 ``POST /v1/streams?wait=S`` answers with the first poll batch, unless ``post_batch`` is False
 (then it answers the bare ``{"stream": ID}``, as a router from before ``wait`` did).
 """
@@ -83,6 +85,8 @@ class ProtocolApp:
         self.heartbeat = heartbeat
         self.streams: dict[str, _Stream] = {}
         self.requests: list[tuple[str, str]] = []
+        self.refused: dict[str, int] = {}
+        """Requests refused so far per ``busy-N`` / ``draining-N`` model name."""
         self.batches: list[tuple[str, list[int]]] = []
         """Long-poll answers in order: (method, the seqs of the events they carried)."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -180,6 +184,8 @@ class ProtocolApp:
                 await _json(send, 429, {"error": {"message": "saturated", "type": "rate_limit",
                                                   "param": None, "code": None}},
                             extra=[(b"retry-after", b"2")])
+                return
+            if await self._refused(send, str(body.get("model", ""))):
                 return
             sid = self._start(body, key)
             await self._sse(send, sid, 0)
@@ -291,6 +297,20 @@ class ProtocolApp:
                     return
                 await send({"type": "websocket.send", "text": json.dumps(
                     {"type": "event", "stream": sid, "seq": seq, "data": json.loads(payload)})})
+
+    async def _refused(self, send: Send, model: str) -> bool:
+        """Answer a ``busy-N`` / ``draining-N`` request 429 / 503 if it is one of the first N."""
+        kind, _, count = model.partition("-")
+        if kind not in ("busy", "draining") or not count.isdigit():
+            return False
+        if self.refused.get(model, 0) >= int(count):
+            return False
+        self.refused[model] = self.refused.get(model, 0) + 1
+        status, code = (429, "region_saturated") if kind == "busy" else (503, "draining")
+        await _json(send, status, {"error": {"message": kind, "type": "server_error",
+                                             "param": None, "code": code}},
+                    extra=[(b"retry-after", b"1")])
+        return True
 
 
 async def _body(receive: Receive) -> bytes:

@@ -33,6 +33,7 @@ from tests.client_sdk.browser_stack import (
     world,
 )
 from tests.client_sdk.cutproxy import TcpCutProxy
+from tests.client_sdk.test_client import MESSAGES
 from tests.client_sdk.test_resume import CUT_AFTER, TOKENS
 from tests.protocol.test_timings import IMPLAUSIBLE_CASES
 from tests.protocol.test_timings import record as protocol_record
@@ -302,3 +303,58 @@ async def test_tokens_refused_in_the_page() -> None:
     assert ws_gone["status"] == 401
     assert foreign["status"] == 404
     assert json.loads(foreign["body"])["error"]["code"] == "stream_not_found"
+
+
+def _retry_script(base_url: str, token: str, transport: str, max_tokens: int,
+                  retries: int) -> str:
+    """Stream once with a new client of ``retries``; the text, or the error seen."""
+    options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10,
+               "retries": retries}
+    request = {"model": "sim-instant", "messages": MESSAGES, "max_tokens": max_tokens,
+               "seed": 11}
+    return f"""(async () => {{
+  const stream = new fb.Client({json.dumps(options)}).stream({json.dumps(request)});
+  try {{
+    for await (const _ of stream);
+  }} catch (err) {{
+    return {{ error: err.name, status: err.status ?? null, code: err.code ?? null }};
+  }}
+  return {{ text: stream.text, timings: stream.timings }};
+}})()"""
+
+
+async def test_a_rate_limited_stream_is_sent_again_after_retry_after() -> None:
+    """The key's rate (1/s, burst 1) is spent just before the page's stream: the router
+    answers 429 with ``Retry-After: 1``; the page waits that long and streams, on every
+    transport (a WebSocket refusal carries its status). With ``retries: 0`` the page sees
+    the 429."""
+    async with world(limits={"requests_per_s_per_key": 1, "request_burst_per_key": 1}) as w:
+        expected = await w.reference_text(8)
+        token = await w.mint()
+        body = {"model": "sim-instant", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 1}
+        async with httpx.AsyncClient(verify=False) as http, browser_on(w) as page:
+
+            async def spend_the_rate() -> None:
+                answer = await http.post(f"{w.router_url}/v1/chat/completions", json=body,
+                                         headers={"authorization": f"Bearer {KEY}"})
+                assert answer.status_code in (200, 429)
+                if answer.status_code == 429:  # the token was already spent
+                    await asyncio.sleep(float(answer.headers["retry-after"]))
+                    await spend_the_rate()
+
+            for transport in TRANSPORTS:
+                await spend_the_rate()
+                started = asyncio.get_running_loop().time()
+                got = await page.evaluate(_retry_script(f"{w.router_url}/v1", token, transport,
+                                                        8, 2))
+                took_s = asyncio.get_running_loop().time() - started
+                assert "error" not in got, (transport, got)
+                assert got["text"] == expected, transport
+                assert took_s >= 0.9, transport  # waited for Retry-After (1 s, whole seconds)
+            await spend_the_rate()
+            refused = await page.evaluate(_retry_script(f"{w.router_url}/v1", token,
+                                                        "sse-fetch", 8, 0))
+            # The browser logs each refused fetch; nothing else went wrong on the page.
+            assert [p for p in page.problems() if "status of 429" not in p] == []
+    assert (refused["status"], refused["code"]) == (429, "key_rate_limited")

@@ -145,7 +145,7 @@ async def test_unreachable_server_is_a_connect_error() -> None:
 
 async def test_saturation_is_a_rate_limit_error_with_retry_after(server: RunningServer,
                                                                   ca_file: str) -> None:
-    async with AsyncClient(server.base_url, "test-key", ca_file=ca_file) as client:
+    async with AsyncClient(server.base_url, "test-key", ca_file=ca_file, retries=0) as client:
         with pytest.raises(RateLimitError) as info:
             async with client.stream(model="busy", messages=MESSAGES):
                 pass

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from firstbyte.protocol import paths
+from firstbyte.router.client_timings import Served
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.streams import owner_of
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth, client_tls
@@ -97,9 +98,34 @@ def code(response: httpx.Response) -> str:
     return str(json.loads(response.content)["error"]["code"])
 
 
+async def serve(
+    http: httpx.AsyncClient, router: RouterEndpoints, n: int = 1, *, key: str = API_KEY
+) -> list[str]:
+    """Stream ``n`` short completions for ``key``: each lets the key report one record."""
+    body = {"model": "test-model", "stream": True, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    ids = []
+    for _ in range(n):
+        async with http.stream("POST", router.openai_base_url + "/chat/completions", json=body,
+                               headers=auth(key)) as response:
+            assert response.status_code == 200
+            ids.append(response.headers["x-firstbyte-stream"])
+            await response.aread()
+    return ids
+
+
+def served_by_peer(router: RouterEndpoints, region: str, *, key: str = API_KEY) -> None:
+    """A stream of ``key`` forwarded to the peer ``region`` (the test's peer is not running:
+    recorded as the forwarding path records it)."""
+    state = router.app.state
+    state.client_latency.stream_started(owner_of(key), region, state.clock())
+
+
 async def test_reports_fill_the_client_histograms_by_region_country_transport_and_conn(
     geo_router: RouterEndpoints, http: httpx.AsyncClient
 ) -> None:
+    await serve(http, geo_router, 4)
+    served_by_peer(geo_router, "eu-central-1")
     answer = await post(http, geo_router, [
         record(),
         record(transport="websocket", http_version="HTTP/1.1", warm=True, dns_ms=None,
@@ -167,6 +193,7 @@ async def test_a_record_joins_the_routers_own_stream_for_network_time(
     assert code(fast) == "invalid_timings"
     assert "records[0]: faster_than_server" in fast.json()["error"]["message"]
     # Another key's stream is not joined (stream ids are bound to their key).
+    await serve(http, geo_router, key=OTHER_KEY)
     other = await post(http, geo_router, [quick], key=OTHER_KEY)
     assert other.status_code == 202, other.text
     text = await scrape(http, geo_router)
@@ -189,6 +216,7 @@ async def test_a_record_joins_the_routers_own_stream_for_network_time(
 async def test_implausible_reports_are_refused_with_400_and_counted(
     geo_router: RouterEndpoints, http: httpx.AsyncClient, fields: dict[str, Any], reason: str
 ) -> None:
+    await serve(http, geo_router, 2)
     answer = await post(http, geo_router, [record(), record(**fields)])
     assert answer.status_code == 400, answer.text
     assert code(answer) == "invalid_timings"
@@ -216,6 +244,7 @@ async def test_countries_past_max_countries_count_as_other(
     geo_router: RouterEndpoints, http: httpx.AsyncClient
 ) -> None:
     # max_countries = 2: the first two countries seen keep their label.
+    await serve(http, geo_router, 6)
     for client in (TOKYO_CLIENT, FRANKFURT_CLIENT, VIRGINIA_CLIENT, UNKNOWN_CLIENT,
                    "127.0.0.1", TOKYO_CLIENT):
         assert (await post(http, geo_router, [record()], client=client)).status_code == 202
@@ -251,6 +280,8 @@ async def test_reports_are_rate_limited_per_key(
     async with start_router([upstream.url], client_timings={
             "reports_per_s_per_key": 0.001, "report_burst_per_key": 2}) as router, \
             httpx.AsyncClient(verify=client_tls(tls_files)) as http:
+        await serve(http, router, 3)
+        await serve(http, router, key=OTHER_KEY)
         statuses = [(await post(http, router, [record()])).status_code for _ in range(3)]
         assert statuses == [202, 202, 429]
         # Another key has its own bucket.
@@ -290,3 +321,75 @@ async def test_a_browsers_client_token_reports_and_joins_its_keys_streams(
     assert answer.status_code == 202, answer.text
     text = await scrape(http, geo_router)
     assert metric(text, "firstbyte_client_timings_records_total", join="joined") == 1
+
+
+async def test_records_only_for_streams_and_regions_the_key_was_served(
+    geo_router: RouterEndpoints, http: httpx.AsyncClient
+) -> None:
+    """A key posts at most one record per stream it had, for the region that served it: a
+    key that never streamed, a region that never served it and records beyond its streams
+    are refused (``not_served``); before, a key could post any number of 599 s records for
+    any configured region."""
+    fabricated = record(first_token_ms=599_000.0, last_token_ms=599_001.0, render_ms=None)
+    never = await post(http, geo_router, [fabricated])
+    assert never.status_code == 400
+    assert "records[0]: not_served" in never.json()["error"]["message"]
+    await serve(http, geo_router, 3)
+    peer = await post(http, geo_router, [record(region="eu-central-1")])
+    assert peer.status_code == 400  # the peer never served this key
+    assert "records[0]: not_served" in peer.json()["error"]["message"]
+    # Two streams' worth, then one more than is left: the whole report is refused.
+    assert (await post(http, geo_router, [record()] * 2)).status_code == 202
+    over = await post(http, geo_router, [record()] * 2)
+    assert over.status_code == 400
+    assert "records[1]: not_served" in over.json()["error"]["message"]
+    # Flooding with full reports gets exactly one more record in, however many are sent.
+    statuses = [(await post(http, geo_router, [fabricated] * 5)).status_code for _ in range(20)]
+    assert statuses == [400] * 20
+    assert (await post(http, geo_router, [record()])).status_code == 202
+    assert (await post(http, geo_router, [record()])).status_code == 400
+    # Another key's streams are its own.
+    assert (await post(http, geo_router, [record()], key=OTHER_KEY)).status_code == 400
+    text = await scrape(http, geo_router)
+    assert metric(text, f"{TTFT}_count") == 3
+    assert metric(text, REJECTED, reason="not_served") == 25
+
+
+async def test_one_key_brings_in_at_most_its_share_of_countries(
+    start_router: RouterFactory, upstream: Upstream, tmp_path: Path, tls_files: dict[str, str]
+) -> None:
+    """``max_countries_per_key = 1`` of 3: key A reporting from Japan, Germany and the US
+    gives Japan a label and counts the others as ``other``; key B's Germany still gets its
+    own. Before, the first key's countries took every label."""
+    mmdb = write_city_mmdb(tmp_path / "cities.mmdb")
+    async with start_router(
+        [upstream.url],
+        geo={"database": str(mmdb), "trusted_proxies": ["127.0.0.1/32"]},
+        client_timings={"max_countries": 3, "max_countries_per_key": 1,
+                        "reports_per_s_per_key": 100, "report_burst_per_key": 100},
+    ) as router, httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as http:
+        await serve(http, router, 3)
+        await serve(http, router, 1, key=OTHER_KEY)
+        for client in (TOKYO_CLIENT, FRANKFURT_CLIENT, VIRGINIA_CLIENT):
+            assert (await post(http, router, [record()], client=client)).status_code == 202
+        other = await post(http, router, [record()], client=FRANKFURT_CLIENT, key=OTHER_KEY)
+        assert other.status_code == 202
+        text = await scrape(http, router)
+    counts = {country: metric(text, f"{TTFT}_count", country=country)
+              for country in ("JP", "DE", "US", "other")}
+    assert counts == {"JP": 1, "DE": 1, "US": 0, "other": 2}
+
+
+def test_served_streams_are_good_for_one_record_each_within_the_window() -> None:
+    served = Served(window_s=600.0)
+    for now in (0.0, 30.0, 90.0):
+        served.started(b"a", "r", now)
+    assert served.available(b"a", "r", 100.0) == 3
+    assert served.available(b"a", "other-region", 100.0) == 0
+    assert served.available(b"b", "r", 100.0) == 0
+    served.take(b"a", "r", 1, 100.0)  # the oldest first
+    assert served.available(b"a", "r", 100.0) == 2
+    assert served.available(b"a", "r", 659.0) == 2  # both minutes within the window
+    assert served.available(b"a", "r", 661.0) == 1  # the first minute's has aged out
+    served.forget_old(800.0)
+    assert served.available(b"a", "r", 800.0) == 0

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from firstbyte.router.observability.access import stream_usage
+from firstbyte.router.observability.access import MAX_FIELD_CHARS, bounded, stream_usage
 from firstbyte.router.observability.logs import JsonFormatter, StateChanges, key_id
 from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
@@ -191,6 +191,44 @@ async def test_a_detached_stream_is_logged_when_it_ends(
     assert reader["transport"] == "sse"
     assert reader["key_id"] == key_id(API_KEY)
     assert API_KEY not in caplog.text
+
+
+async def test_client_supplied_fields_are_bounded_in_access_lines(
+    start_router: RouterFactory, tls_files: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 900 KB model name and an 8 KB path are logged as their first 256 characters and a
+    marker: an access line stays a few KB, where it was as long as what the client sent."""
+    caplog.set_level(logging.INFO, logger="firstbyte.access")
+    model = "m" * 900_000
+    async with sim_server("instant") as sim, start_router([sim.url]) as router:
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+            body = {"model": model, "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 3, "stream": True}  # fmt: skip
+            chat = await client.post(
+                router.base_url + "/v1/chat/completions", json=body, headers=auth()
+            )
+            lost = await client.get(router.base_url + "/v1/" + "p" * 8000, headers=auth())
+        for _ in range(100):
+            if len(caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.02)
+    assert chat.status_code < 500
+    assert lost.status_code == 404
+    fields = [record.fields for record in caplog.records]  # type: ignore[attr-defined]
+    assert len(fields) == 2
+    by_path = {f["path"]: f for f in fields}
+    logged = by_path["/v1/chat/completions"]
+    assert logged["model"] == "m" * MAX_FIELD_CHARS + f"...[+{900_000 - MAX_FIELD_CHARS}]"
+    long_path = "/v1/" + "p" * 8000
+    assert bounded(long_path) in by_path
+    lines = [JsonFormatter().format(record) for record in caplog.records]
+    assert max(len(line) for line in lines) < 4 * MAX_FIELD_CHARS + 2000
+
+
+def test_bounded_keeps_short_values_and_marks_long_ones() -> None:
+    assert bounded(None) is None
+    assert bounded("x" * MAX_FIELD_CHARS) == "x" * MAX_FIELD_CHARS
+    assert bounded("abcdef", 4) == "abcd...[+2]"
 
 
 def test_state_changes_are_logged_once_per_change(caplog: pytest.LogCaptureFixture) -> None:

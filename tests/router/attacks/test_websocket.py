@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +26,9 @@ from .conftest import (
     RouterProcess,
     RouterStarter,
     canary_running,
+    chat_body,
     open_tls,
+    read_until_closed,
 )
 
 MiB = 1 << 20
@@ -166,4 +170,121 @@ async def test_websockets_count_for_their_client_until_they_close(
         url = f"wss://127.0.0.1:{router.port}/v1/ws"
         async with connect(url, ssl=router.client_tls(), additional_headers=auth()):
             pass
+    router.assert_clean_log()
+
+
+def _text_frame(payload: bytes) -> bytes:
+    """A masked, final text frame carrying ``payload`` (under 64 KiB)."""
+    mask = os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    if len(payload) < 126:
+        return bytes([0x81, 0x80 | len(payload)]) + mask + masked
+    return bytes([0x81, 0x80 | 126]) + struct.pack("!H", len(payload)) + mask + masked
+
+
+@ON_EACH_PROTOCOL
+async def test_invalid_utf8_is_one_line_not_a_traceback_per_socket(
+    start_router_process: RouterStarter, router_server: str
+) -> None:
+    """Twenty sockets each send a text frame that is not UTF-8: each is closed, and the log
+    holds no traceback and at most a line per 10 s for them, where uvicorn's protocol logged
+    an ERROR with a traceback per socket. uvicorn's protocol closes with 1007 (RFC 6455
+    section 8.1); hypercorn's wsproto closes the connection without a close frame."""
+    sockets = 20
+    async with start_router_process() as router, canary_running(router):
+        started = time.monotonic()
+        answers = []
+        for _ in range(sockets):
+            reader, writer = await _upgraded(router)
+            writer.write(_text_frame(b'{"type":"\xff\xfe"}'))
+            await writer.drain()
+            answers.append(await read_until_closed(reader, 10))  # closed, not held
+            writer.close()
+        took_s = time.monotonic() - started
+    if router_server == "auto":
+        assert all(struct.pack("!H", 1007) in answer for answer in answers), answers[:2]
+    router.assert_clean_log()
+    lines = [line for line in router.log().splitlines() if "UTF-8" in line]
+    assert len(lines) <= 1 + int(took_s // 10), lines
+
+
+async def _until_two_connect(router: RouterProcess, timeout_s: float) -> float:
+    """Seconds until two WebSockets at once are let in (with a cap of two per address)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        held = []
+        try:
+            for _ in range(2):
+                held.append(await _upgraded(router))
+            return time.monotonic() - started
+        except (AssertionError, ConnectionError, asyncio.IncompleteReadError):
+            await asyncio.sleep(0.25)
+        finally:
+            for _, writer in held:
+                writer.close()
+    return timeout_s
+
+
+@ON_EACH_PROTOCOL
+async def test_client_leaving_with_65_streams_is_let_go(
+    start_router_process: RouterStarter,
+) -> None:
+    """A client sends 65 stream requests on one WebSocket (one over the 64 a socket may
+    follow) and resets the connection: its connection is let go (with a cap of 2 per
+    address, two more connect), and the log holds no traceback and no "Task exception was
+    never retrieved". Under hypercorn the socket's disconnect waited behind the full app
+    queue while the app waited on it: the connection was held until shutdown, then logged
+    a traceback."""
+    async with (
+        start_router_process(limits={"max_connections_per_client": 2}) as router,
+        canary_running(router),
+    ):
+        request = json.dumps({"type": "request", "body": chat_body(200)}).encode()
+        _, writer = await _upgraded(router)
+        writer.write(b"".join(_text_frame(request) for _ in range(65)))
+        await writer.drain()
+        writer.transport.abort()  # leave without a close frame, reading nothing
+        took_s = await _until_two_connect(router, 10)
+        print(f"the reset connection let go after {took_s:.2f} s")
+        assert took_s < 10  # before: held until shutdown
+        await asyncio.sleep(0.5)
+    text = router.log()
+    assert "never retrieved" not in text, text[-3000:]
+    router.assert_clean_log()
+
+
+@ON_EACH_PROTOCOL
+async def test_a_backed_up_websocket_that_leaves_logs_no_task_exception(
+    start_router_process: RouterStarter,
+) -> None:
+    """64 streams on one WebSocket to a client that reads nothing (a 4 KiB receive buffer)
+    until the router's writes back up, then resets: the stream followers that fail on the
+    gone socket are not logged as "Task exception was never retrieved" with a traceback (one
+    per run before, under uvicorn's protocol)."""
+    async with start_router_process() as router, canary_running(router):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
+        reader, writer = await asyncio.open_connection(
+            sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
+        )
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            (
+                "GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                f"connection: Upgrade\r\nsec-websocket-key: {key}\r\n"
+                f"sec-websocket-version: 13\r\nauthorization: Bearer {API_KEY}\r\n\r\n"
+            ).encode()
+        )
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        request = json.dumps({"type": "request", "body": chat_body(5000)}).encode()
+        writer.write(b"".join(_text_frame(request) for _ in range(64)))
+        await writer.drain()
+        writer.transport.pause_reading()
+        await asyncio.sleep(4)  # the router's writes back up
+        writer.transport.abort()
+        await asyncio.sleep(2)
+    text = router.log()
+    assert "never retrieved" not in text, text[-3000:]
     router.assert_clean_log()
