@@ -52,6 +52,7 @@ PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 NonNegSeconds = Annotated[float, msgspec.Meta(ge=0)]
 PositiveBytes = Annotated[int, msgspec.Meta(ge=1)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+_MIN_UPSTREAM_CONNECTIONS = 512
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 HttpUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+(/\S*)?$")]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
@@ -202,7 +203,10 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Longest silence between two upstream chunks before the stream fails."""
     upstream_keepalive_expiry_s: PositiveSeconds = 120.0
     """Idle upstream connections stay open this long (httpx's default of 5 s is too short)."""
-    upstream_max_connections: PositiveBytes = 512
+    upstream_max_connections: PositiveInt | None = None
+    """Connections the router holds to upstreams and peers at once (each pool). Default: the
+    slots the region's backends offer (``max_in_flight`` summed over ``upstreams``, at least
+    512), read at start, so a region with room never makes a stream wait for a socket."""
     heartbeat_interval_s: PositiveSeconds = 15.0
     """An SSE reader idle this long gets a ``: ping`` comment."""
     # Per API key (router/tenancy.py): hard caps, opt-in for every key ([[auth.keys]] sets
@@ -342,6 +346,13 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     client_timings: ClientTimingsConfig = msgspec.field(default_factory=ClientTimingsConfig)
     upstream_ca_file: str | None = None
     """PEM CA bundle trusted for TLS to upstreams and peers (default: the public bundle)."""
+
+    def upstream_connections(self) -> int:
+        """The upstream pools' size in effect (``limits.upstream_max_connections``)."""
+        if self.limits.upstream_max_connections is not None:
+            return self.limits.upstream_max_connections
+        slots = sum(u.max_in_flight or self.routing.backend_max_in_flight for u in self.upstreams)
+        return max(_MIN_UPSTREAM_CONNECTIONS, slots)
 
     def store_bytes_per_key(self) -> int:
         """The per-key share of the stream store in effect (its default: a quarter)."""

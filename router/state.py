@@ -94,7 +94,9 @@ class RouterState:
         """Client-felt TTFT and network time from ``POST /v1/edge/timings``."""
         self.metrics.add_section(self.client_latency.render)
         self.pool = BackendPool(_backends(config))
-        self.proxy = Proxy(config.limits, self.metrics, clock, ca_file=config.upstream_ca_file)
+        self.proxy = Proxy(config.limits, self.metrics, clock,
+                           max_connections=config.upstream_connections(),
+                           ca_file=config.upstream_ca_file)
         # Region choice, backend affinity, backpressure, peers and warmup (router/multiregion.py).
         self.routing = RegionRouting(
             config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client

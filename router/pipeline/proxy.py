@@ -113,6 +113,7 @@ class Proxy:
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         *,
+        max_connections: int,
         ca_file: str | None = None,
     ) -> None:
         self.limits = limits
@@ -127,14 +128,14 @@ class Proxy:
         self.clock = clock
         # Streams to local upstreams: the router's own HTTP/1.1 pool (see upstream_h1).
         self.streams_pool = H1Pool(
-            max_connections=limits.upstream_max_connections,
+            max_connections=max_connections,
             keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
             connect_timeout_s=limits.upstream_connect_timeout_s,
             read_timeout_s=limits.upstream_read_timeout_s,
             ssl_context=h1_tls,
         )
         # Non-streamed requests and the routing stages' probes.
-        self.client = self._new_client(limits, limits.upstream_max_connections, tls)
+        self.client = self._new_client(limits, max_connections, tls)
         # Peer regions' routers: HTTP/2 (negotiated by ALPN with a TLS peer), so one connection
         # per peer carries the status polls that keep it warm and every request forwarded
         # there at once; over HTTP/1.1 a forward during a poll or another forward opened a new
@@ -142,9 +143,7 @@ class Proxy:
         # A plain-HTTP peer speaks HTTP/1.1, one stream per connection, so the pool must be as
         # large as the upstreams': with 4 connections the 5th concurrent spill waited in the
         # pool for a whole stream to end (spilled TTFT 300+ ms where the peer answers in 30).
-        self.peer_client = self._new_client(
-            limits, limits.upstream_max_connections, tls, http2=True
-        )
+        self.peer_client = self._new_client(limits, max_connections, tls, http2=True)
         self.producers: set[asyncio.Task[None]] = set()
         self._origins: dict[str, Origin] = {}
 

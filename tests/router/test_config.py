@@ -87,6 +87,20 @@ def test_good_config_loads(tmp_path: Path) -> None:
     assert config.limits.upstream_keepalive_expiry_s > 5  # httpx's 5 s default is too short
 
 
+def test_upstream_pools_default_to_the_backends_slots(tmp_path: Path) -> None:
+    """A region with room never makes a stream wait for an upstream socket: the pools are as
+    large as what the backends may be sent, unless the operator says otherwise."""
+    path = tmp_path / "router.toml"
+    many = "".join(
+        f'[[upstreams]]\nurl = "http://127.0.0.1:{9100 + i}"\nmax_in_flight = 1500\n'
+        for i in range(2)
+    )
+    path.write_text(GOOD + many)
+    assert load_config(path).upstream_connections() == 1500 * 2 + 1024
+    path.write_text(GOOD + "[limits]\nupstream_max_connections = 64\n")
+    assert load_config(path).upstream_connections() == 64
+
+
 def test_the_per_key_table_loads_beside_api_keys(tmp_path: Path) -> None:
     path = tmp_path / "router.toml"
     path.write_text(
