@@ -1,0 +1,150 @@
+"""Connections count from their accept, and a refused one is answered after its request's head,
+on every server: real routers on loopback, real TLS, httpx and raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.router.conftest import RouterFactory, auth, client_tls
+from tests.router.upstream import Upstream
+
+CHAT = "/v1/chat/completions"
+STREAM = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 5,
+    "stream": True,
+}
+EACH_SERVER = pytest.mark.parametrize("server", ["auto", "hypercorn", "uvicorn"])
+
+
+def _listen(server: str) -> dict[str, object]:
+    return {"server": server, "http3": server != "uvicorn"}
+
+
+async def _silent(port: int) -> socket.socket:
+    """A TCP connection that never sends a byte (not even a TLS ClientHello)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return sock
+
+
+async def _closed_by_server(sock: socket.socket, timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                if not await loop.sock_recv(sock, 4096):
+                    return
+            except ConnectionError:
+                return
+
+
+@EACH_SERVER
+async def test_silent_tcp_sockets_count_from_accept_and_close_at_the_header_timeout(
+    start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str], server: str
+) -> None:
+    """Sockets that never start their TLS handshake hold their client's count (so the
+    address's next connection is over the hard cap: 503), and are closed at
+    ``client_header_timeout_s``; then the address is served again."""
+    async with start_router(
+        [upstream.url],
+        listen=_listen(server),
+        limits={"client_header_timeout_s": 1.0, "hard_max_connections_per_client": 5},
+    ) as router:
+        started = time.monotonic()
+        silent = [await _silent(router.port) for _ in range(5)]
+        try:
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as client:
+                refused = await client.get(router.base_url + "/healthz")
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "overloaded"
+            await asyncio.gather(*(_closed_by_server(s, 20) for s in silent))
+            assert time.monotonic() - started >= 1.0 - 0.05  # the loop's timer may fire early
+        finally:
+            for sock in silent:
+                sock.close()
+        await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as client:
+            assert (await client.get(router.base_url + "/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("server", "http2"),
+    [("auto", False), ("auto", True), ("hypercorn", False), ("hypercorn", True),
+     ("uvicorn", False)],
+    ids=["auto-h1", "auto-h2", "hypercorn-h1", "hypercorn-h2", "uvicorn-h1"],
+)
+async def test_refused_connection_reads_a_503_answer_to_its_request(
+    start_router: RouterFactory,
+    upstream: Upstream,
+    tls_files: dict[str, str],
+    server: str,
+    http2: bool,
+) -> None:
+    """A connection over the cap gets, as the answer to its request, ``503 overloaded`` with
+    ``Retry-After``: httpx reads a response (not a ``ReadError``), on HTTP/1.1 and HTTP/2."""
+    verify = client_tls(tls_files)
+    versions = {"http1": not http2, "http2": http2}
+    async with start_router(
+        [upstream.url], listen=_listen(server),
+        limits={"hard_max_connections_per_client": 1},
+    ) as router, httpx.AsyncClient(verify=verify, timeout=20, **versions) as holder:
+        held = await holder.get(router.base_url + "/healthz")  # kept alive: the one allowed
+        assert held.status_code == 200
+        assert held.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+        async with httpx.AsyncClient(verify=verify, timeout=20, **versions) as client:
+            refused = await client.post(router.base_url + CHAT, json=STREAM, headers=auth())
+        assert refused.status_code == 503, refused.text
+        assert refused.http_version == held.http_version
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert upstream.started == 0
+        # The connection that was let in is still served.
+        assert (await holder.get(router.base_url + "/healthz")).status_code == 200
+
+
+@pytest.mark.slow
+async def test_a_thousand_connections_from_one_address_are_served_with_default_limits(
+    start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str]
+) -> None:
+    """One address (an app backend, a carrier's NAT) opens 1,000 connections, each with a
+    streamed completion, all open at once: every one is served under the default limits
+    (the per-address cap applies only when descriptors or memory run short). The key's
+    own concurrency limit is another question; the router here has no keys."""
+    count = 1000
+    verify = client_tls(tls_files)
+    clients = [httpx.AsyncClient(verify=verify, timeout=60) for _ in range(count)]
+    upstream.delay_s = 0.01
+
+    async def one(client: httpx.AsyncClient) -> str:
+        async with client.stream("POST", router.base_url + CHAT, json=STREAM) as response:
+            if response.status_code != 200:
+                return f"{response.status_code} {(await response.aread())[:200]!r}"
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        return "ok" if lines and lines[-1] == "data: [DONE]" else f"cut: {lines[-2:]}"
+
+    try:
+        async with start_router([upstream.url], auth={"api_keys": []}) as router:
+            started = time.monotonic()
+            async with asyncio.timeout(90):
+                results = await asyncio.gather(*(one(c) for c in clients))
+            elapsed = time.monotonic() - started
+            # Every client's connection is still open (kept alive): 1,000 at once.
+            async with asyncio.timeout(60):
+                again = await asyncio.gather(
+                    *(c.get(router.base_url + "/healthz") for c in clients[-10:])
+                )
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+    failed = [r for r in results if r != "ok"]
+    assert failed == [], (len(failed), failed[:3])
+    assert [r.status_code for r in again] == [200] * 10
+    print(f"{count} connections from one address, each a stream: {elapsed:.1f} s")
