@@ -4,8 +4,10 @@ on every server: real routers on loopback, real TLS, httpx and raw sockets."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -76,6 +78,12 @@ async def test_silent_tcp_sockets_count_from_accept_and_close_at_the_header_time
             assert (await client.get(router.base_url + "/healthz")).status_code == 200
 
 
+async def _later() -> AsyncIterator[bytes]:
+    """A request body that comes a moment after the head (a client still building it)."""
+    await asyncio.sleep(0.3)
+    yield json.dumps(STREAM).encode()
+
+
 @pytest.mark.parametrize(
     ("server", "http2"),
     [("auto", False), ("auto", True), ("hypercorn", False), ("hypercorn", True),
@@ -101,7 +109,7 @@ async def test_refused_connection_reads_a_503_answer_to_its_request(
         assert held.status_code == 200
         assert held.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
         async with httpx.AsyncClient(verify=verify, timeout=20, **versions) as client:
-            refused = await client.post(router.base_url + CHAT, json=STREAM, headers=auth())
+            refused = await client.post(router.base_url + CHAT, content=_later(), headers=auth())
         assert refused.status_code == 503, refused.text
         assert refused.http_version == held.http_version
         assert refused.headers["retry-after"] == "1"
