@@ -26,7 +26,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .hardening import BUSY_BODY, BUSY_H1, report
 from .limits import ConnectionCounter
@@ -36,6 +36,7 @@ __all__ = [
     "REFUSED_DEADLINE_S",
     "Admission",
     "CountedReader",
+    "TlsStart",
     "accepting",
     "admit",
     "answer_refused",
@@ -98,6 +99,70 @@ class CountedReader(asyncio.StreamReader):
     admission: Admission | None = None
 
 
+class TlsStart:
+    """The server side of a TLS handshake on a just-accepted connection (``loop.start_tls``).
+
+    Whatever the protocol asks in ``connection_made``, uvloop starts reading right after it,
+    so the first bytes of the ClientHello can reach the protocol before the TLS layer takes
+    the transport over: the protocol hands them to :meth:`early` while :attr:`pending`, and
+    they are passed on to the TLS layer, in order, before anything read after them.
+    """
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        protocol: asyncio.BaseProtocol,
+        context: ssl.SSLContext,
+        timeout_s: float,
+    ) -> None:
+        self.transport = transport
+        self.protocol = protocol
+        self.context = context
+        self.timeout_s = timeout_s
+        self.pending = True
+        self._early = bytearray()
+
+    def early(self, data: bytes) -> None:
+        self._early += data
+
+    async def run(self) -> asyncio.Transport | None:
+        """The TLS transport once the handshake is done; None if it failed, timed out or the
+        client went away (the connection is then closed)."""
+        loop = asyncio.get_running_loop()
+        starting = loop.create_task(
+            loop.start_tls(
+                self.transport, self.protocol, self.context, server_side=True,
+                ssl_handshake_timeout=self.timeout_s,
+            )
+        )
+        # One turn: start_tls has paused reading and installed its protocol, and has
+        # scheduled the resumption after this task's next step.
+        await asyncio.sleep(0)
+        self.pending = False
+        tls_protocol = self.transport.get_protocol()
+        if self._early and tls_protocol is not self.protocol:
+            _feed(tls_protocol, bytes(self._early))
+        self._early.clear()
+        try:
+            return await starting
+        except (OSError, ssl.SSLError, TimeoutError):  # a timeout is ConnectionAbortedError
+            self.transport.abort()
+            return None
+
+
+def _feed(protocol: Any, data: bytes) -> None:
+    if not hasattr(protocol, "get_buffer"):
+        protocol.data_received(data)
+        return
+    view = memoryview(data)
+    while view:
+        buffer = protocol.get_buffer(len(view))
+        size = min(len(buffer), len(view))
+        buffer[:size] = view[:size]
+        protocol.buffer_updated(size)
+        view = view[size:]
+
+
 @dataclass(frozen=True)
 class _Gate:
     counter: ConnectionCounter
@@ -136,6 +201,7 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
         self._gate = gate
         self._tls = tls
         self._admission: Admission | None = None
+        self._tls_start: TlsStart | None = None
         self._handshake: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -144,29 +210,27 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
         if self._tls is None:
             super().connection_made(transport)
             return
-        assert isinstance(transport, asyncio.Transport)
-        # Nothing may be read before the TLS layer is in place: the ClientHello is its.
-        transport.pause_reading()
-        self._handshake = asyncio.get_running_loop().create_task(self._start_tls(transport))
-
-    async def _start_tls(self, transport: asyncio.Transport) -> None:
-        assert self._tls is not None
-        assert self._admission is not None
         timeout = self._gate.handshake_timeout_s
-        if self._admission.refusal is not None:
+        if admission.refusal is not None:
             timeout = min(timeout, REFUSED_DEADLINE_S)
-        try:
-            tls = await asyncio.get_running_loop().start_tls(
-                transport, self, self._tls, server_side=True, ssl_handshake_timeout=timeout
-            )
-        except (OSError, ssl.SSLError, TimeoutError):  # a timeout is ConnectionAbortedError
-            self._admission.release()
-            transport.abort()
-            return
-        if tls is None:  # the transport closed under the handshake
-            self._admission.release()
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
+        self._tls_start = TlsStart(transport, self, self._tls, timeout)
+        self._handshake = asyncio.get_running_loop().create_task(self._start_tls())
+
+    async def _start_tls(self) -> None:
+        assert self._tls_start is not None
+        tls = await self._tls_start.run()
+        if tls is None:
+            if self._admission is not None:
+                self._admission.release()
             return
         super().connection_made(tls)
+
+    def data_received(self, data: bytes) -> None:
+        if self._tls_start is not None and self._tls_start.pending:
+            self._tls_start.early(data)
+            return
+        super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._admission is not None:

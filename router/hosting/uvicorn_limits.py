@@ -36,7 +36,7 @@ import logging
 import ssl
 from typing import Any
 
-from .accept import MAX_REFUSED_HEAD_BYTES, REFUSED_DEADLINE_S, Admission, admit
+from .accept import MAX_REFUSED_HEAD_BYTES, REFUSED_DEADLINE_S, Admission, TlsStart, admit
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 
@@ -111,6 +111,9 @@ def guarded_protocols(
         _refused_head = b""
         _refused_answered = False
         _handshake: asyncio.Task[None] | None = None
+        _tls_start: TlsStart | None = None
+        _made = False
+        _plain_early = b""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if self.admission is not None:  # counted at its accept, handshake done
@@ -120,30 +123,26 @@ def guarded_protocols(
             if tls is None:
                 self._connected(transport)
                 return
-            # Nothing may be read before the TLS layer is in place: the ClientHello is its.
-            transport.pause_reading()
-            self._handshake = self.loop.create_task(self._start_tls(transport))
-
-        async def _start_tls(self, transport: asyncio.Transport) -> None:
-            assert tls is not None
-            assert self.admission is not None
             timeout = limits.header_timeout_s
             if self.admission.refusal is not None:
                 timeout = min(timeout, REFUSED_DEADLINE_S)
-            try:
-                wrapped = await self.loop.start_tls(
-                    transport, self, tls, server_side=True, ssl_handshake_timeout=timeout
-                )
-            except (OSError, ssl.SSLError, TimeoutError):  # a timeout: ConnectionAbortedError
-                self.admission.release()
-                transport.abort()
-                return
-            if wrapped is None:  # the transport closed under the handshake
-                self.admission.release()
+            self._tls_start = TlsStart(transport, self, tls, timeout)
+            self._handshake = self.loop.create_task(self._start_tls())
+
+        async def _start_tls(self) -> None:
+            assert self._tls_start is not None
+            wrapped = await self._tls_start.run()
+            if wrapped is None:
+                if self.admission is not None:
+                    self.admission.release()
                 return
             self._connected(wrapped)
+            if self._plain_early:
+                data, self._plain_early = self._plain_early, b""
+                self.data_received(data)
 
         def _connected(self, transport: asyncio.Transport) -> None:
+            self._made = True
             super().connection_made(transport)
             if self.admission is not None and self.admission.refusal is not None:
                 # Answered after its head (in data_received), or closed at this deadline.
@@ -159,6 +158,10 @@ def guarded_protocols(
             )
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if not self._made:  # lost before its TLS handshake began: nothing of uvicorn's
+                _release(self.admission, self.ended)
+                self.admission = None
+                return
             self._stop_head_timer()
             if self._linger_timer is not None:
                 self._linger_timer.cancel()
@@ -182,6 +185,12 @@ def guarded_protocols(
             self.loop.call_later(LINGER_S, self.transport.close)
 
         def data_received(self, data: bytes) -> None:
+            if self._tls_start is not None and not self._made:
+                if self._tls_start.pending:
+                    self._tls_start.early(data)  # the TLS layer's, not yet in place
+                else:  # decrypted, before the handshake's end reached this protocol
+                    self._plain_early += data
+                return
             if self.admission is not None and self.admission.refusal is not None:
                 self._refused_data(data)
                 return

@@ -156,3 +156,41 @@ async def test_a_thousand_connections_from_one_address_are_served_with_default_l
     assert failed == [], (len(failed), failed[:3])
     assert [r.status_code for r in again] == [200] * 10
     print(f"{count} connections from one address, each a stream: {elapsed:.1f} s")
+
+
+def _eager_client(port: int, cafile: str) -> bytes:
+    """A blocking TLS client whose ClientHello leaves with its connection, before the server
+    has accepted it: the bytes are waiting when the server's protocol gets the socket."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=cafile)
+    context.set_alpn_protocols(["http/1.1"])
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+    return data
+
+
+@EACH_SERVER
+async def test_a_client_hello_sent_with_the_connection_reaches_the_handshake(
+    start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str], server: str
+) -> None:
+    """uvloop reads a new connection as soon as its protocol is told of it, before the TLS
+    layer is in place: those first bytes must still reach the handshake (else it waits for
+    a ClientHello that came already, until the header timeout)."""
+    async with start_router(
+        [upstream.url], listen=_listen(server), limits={"client_header_timeout_s": 5.0}
+    ) as router:
+        # The server's loop is held while the clients connect and send: it finds every
+        # connection with its ClientHello already waiting.
+        loop = asyncio.get_running_loop()
+        clients = [
+            loop.run_in_executor(None, _eager_client, router.port, tls_files["cafile"])
+            for _ in range(3)
+        ]
+        time.sleep(0.3)  # noqa: ASYNC251 (blocks the router's loop, on purpose)
+        answers = await asyncio.wait_for(asyncio.gather(*clients), 20)
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
