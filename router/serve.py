@@ -89,7 +89,7 @@ def _options(config: RouterConfig, tune_gc: bool, app: RouterApp) -> ServerOptio
         ws_max_message_bytes=ws_max_message_bytes(config),
         limits=client_limits(config),
         # Memory near limits.max_rss_bytes puts the per-address cap in force.
-        memory_pressed=lambda: app.memory.refusal() is not None,
+        memory_pressed=lambda: app.memory_refusal() is not None,
         tune_gc=tune_gc,
         backlog=listen.backlog,
     )

@@ -194,3 +194,27 @@ async def test_a_client_hello_sent_with_the_connection_reaches_the_handshake(
         time.sleep(0.3)  # noqa: ASYNC251 (blocks the router's loop, on purpose)
         answers = await asyncio.wait_for(asyncio.gather(*clients), 20)
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
+
+
+async def test_memory_over_its_budget_puts_the_per_address_cap_in_force(
+    start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str]
+) -> None:
+    """With resident memory over ``max_rss_bytes`` (1 MiB: always, here), an address holding
+    ``max_connections_per_client`` connections gets 503 on its next one; without the
+    memory bound the same address opens as many as it likes."""
+    verify = client_tls(tls_files)
+    for max_rss, expected in ((None, 200), (1 << 20, 503)):
+        limits: dict[str, object] = {"max_connections_per_client": 2}
+        if max_rss is not None:
+            limits["max_rss_bytes"] = max_rss
+        async with start_router([upstream.url], limits=limits) as router:
+            held = [httpx.AsyncClient(verify=verify, timeout=20) for _ in range(2)]
+            try:
+                for client in held:
+                    assert (await client.get(router.base_url + "/healthz")).status_code == 200
+                async with httpx.AsyncClient(verify=verify, timeout=20) as client:
+                    third = await client.get(router.base_url + "/healthz")
+            finally:
+                for client in held:
+                    await client.aclose()
+        assert third.status_code == expected, (max_rss, third.text)
