@@ -14,7 +14,8 @@ sockets that never send a byte (each up to the handshake timeout) outside every 
   served just enough to answer its first request, after that request's head:
   :func:`answer_refused` writes HTTP/1.1 ``503`` ``overloaded`` with ``Retry-After``, or on
   HTTP/2 a 503 for the first stream and GOAWAY, then closes. A refused connection has
-  :data:`REFUSED_DEADLINE_S` in all for its handshake and that head.
+  :data:`REFUSED_DEADLINE_S` in all for its handshake and that head
+  (:data:`RESERVE_REFUSED_DEADLINE_S` past the descriptor reserve).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .limits import ConnectionCounter
 __all__ = [
     "H2_PREFACE",
     "REFUSED_DEADLINE_S",
+    "RESERVE_REFUSED_DEADLINE_S",
     "Admission",
     "CountedReader",
     "TlsStart",
@@ -51,6 +53,12 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 REFUSED_DEADLINE_S = 10.0
 """The longest a refused connection is held for its TLS handshake and its first request's
 head (a client that means to ask sends them within a few round trips); then it is closed."""
+
+RESERVE_REFUSED_DEADLINE_S = 2.0
+"""The same for a connection refused because descriptors reached ``reserved_fds``: each one
+held spends a descriptor the reserve keeps for streams in flight, so a flood of them may
+hold at most its rate times this; a client 150 ms away still sends its handshake and its
+request's head well within it."""
 
 MAX_REFUSED_HEAD_BYTES = 64 * 1024
 """What is read of a refused connection's request head at most before answering anyway."""
@@ -71,6 +79,8 @@ class Admission:
     counter: ConnectionCounter
     client: str
     refusal: str | None
+    deadline_s: float = REFUSED_DEADLINE_S
+    """A refused connection's time for its handshake and its request's head."""
     _counted: bool = field(default=False, repr=False)
 
     def release(self) -> None:
@@ -87,10 +97,14 @@ def admit(counter: ConnectionCounter, get_extra_info: Callable[[str], Any]) -> A
     peer = get_extra_info("peername")
     client = str(peer[0]) if peer else "?"
     sock = get_extra_info("socket")
-    refusal = counter.open(client, sock.fileno() if sock is not None else None)
+    fd = sock.fileno() if sock is not None else None
+    refusal = counter.open(client, fd)
     if refusal is not None:
         report(logging.WARNING, "connection refused", client, refusal)
-    return Admission(counter, client, refusal, _counted=refusal is None)
+    deadline_s = REFUSED_DEADLINE_S
+    if fd is not None and fd >= counter.fd_limit - counter.limits.reserved_fds:
+        deadline_s = RESERVE_REFUSED_DEADLINE_S
+    return Admission(counter, client, refusal, deadline_s, _counted=refusal is None)
 
 
 class CountedReader(asyncio.StreamReader):
@@ -212,7 +226,7 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
             return
         timeout = self._gate.handshake_timeout_s
         if admission.refusal is not None:
-            timeout = min(timeout, REFUSED_DEADLINE_S)
+            timeout = min(timeout, admission.deadline_s)
         transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
         self._tls_start = TlsStart(transport, self, self._tls, timeout)
         self._handshake = asyncio.get_running_loop().create_task(self._start_tls())
@@ -282,17 +296,20 @@ def count_at_accept() -> None:
 
 
 async def answer_refused(
-    reader: Any, writer: asyncio.StreamWriter, first: bytes = b""
+    reader: Any,
+    writer: asyncio.StreamWriter,
+    first: bytes = b"",
+    deadline_s: float = REFUSED_DEADLINE_S,
 ) -> None:
     """Answer a refused connection's first request after its head, then close it: HTTP/1.1
     ``503`` (``overloaded``, ``Retry-After: 1``), or on HTTP/2 (by ALPN, or the preface on
     a plain connection) a 503 for its first stream and GOAWAY. ``first``: bytes already
-    read from ``reader``. Within :data:`REFUSED_DEADLINE_S`; a client that sends nothing
-    is closed then."""
+    read from ``reader``. Within ``deadline_s`` (the admission's, from its accept); a client
+    that sends nothing is closed then."""
     ssl_object = writer.get_extra_info("ssl_object")
     data = first
     with contextlib.suppress(TimeoutError, ConnectionError, OSError, ssl.SSLError):
-        async with asyncio.timeout(REFUSED_DEADLINE_S):
+        async with asyncio.timeout(deadline_s):
             if ssl_object is not None:
                 h2 = ssl_object.selected_alpn_protocol() == "h2"
             else:

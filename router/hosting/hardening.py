@@ -111,7 +111,7 @@ def _guard_connections(run: Any) -> None:
 
             admission = getattr(self.reader, "admission", None)
             if admission is not None and admission.refusal is not None:
-                await answer_refused(self.reader, self.writer)
+                await answer_refused(self.reader, self.writer, deadline_s=admission.deadline_s)
                 return
             await super().run()
 

@@ -36,7 +36,7 @@ import logging
 import ssl
 from typing import Any
 
-from .accept import MAX_REFUSED_HEAD_BYTES, REFUSED_DEADLINE_S, Admission, TlsStart, admit
+from .accept import MAX_REFUSED_HEAD_BYTES, Admission, TlsStart, admit
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 
@@ -125,7 +125,7 @@ def guarded_protocols(
                 return
             timeout = limits.header_timeout_s
             if self.admission.refusal is not None:
-                timeout = min(timeout, REFUSED_DEADLINE_S)
+                timeout = min(timeout, self.admission.deadline_s)
             self._tls_start = TlsStart(transport, self, tls, timeout)
             self._handshake = self.loop.create_task(self._start_tls())
 
@@ -147,7 +147,7 @@ def guarded_protocols(
             if self.admission is not None and self.admission.refusal is not None:
                 # Answered after its head (in data_received), or closed at this deadline.
                 self.timeout_keep_alive_task = self.loop.call_later(
-                    REFUSED_DEADLINE_S, self.transport.close
+                    self.admission.deadline_s, self.transport.close
                 )
                 return
             # uvicorn starts its keep-alive clock only after a response: a connection that
