@@ -58,7 +58,8 @@ RESERVE_REFUSED_DEADLINE_S = 2.0
 """The same for a connection refused because descriptors reached ``reserved_fds``: each one
 held spends a descriptor the reserve keeps for streams in flight, so a flood of them may
 hold at most its rate times this; a client 150 ms away still sends its handshake and its
-request's head well within it."""
+request's head well within it. In the last half of the reserve a refused connection is
+closed at once, unanswered: that half stays for streams in flight whatever the flood."""
 
 MAX_REFUSED_HEAD_BYTES = 64 * 1024
 """What is read of a refused connection's request head at most before answering anyway."""
@@ -80,7 +81,8 @@ class Admission:
     client: str
     refusal: str | None
     deadline_s: float = REFUSED_DEADLINE_S
-    """A refused connection's time for its handshake and its request's head."""
+    """A refused connection's time for its handshake and its request's head; 0: closed at
+    once, unanswered (its descriptor is in the last half of the reserve)."""
     _counted: bool = field(default=False, repr=False)
 
     def release(self) -> None:
@@ -102,8 +104,11 @@ def admit(counter: ConnectionCounter, get_extra_info: Callable[[str], Any]) -> A
     if refusal is not None:
         report(logging.WARNING, "connection refused", client, refusal)
     deadline_s = REFUSED_DEADLINE_S
-    if fd is not None and fd >= counter.fd_limit - counter.limits.reserved_fds:
-        deadline_s = RESERVE_REFUSED_DEADLINE_S
+    reserve = counter.limits.reserved_fds
+    if fd is not None and fd >= counter.fd_limit - reserve:
+        # The second half of the reserve is never spent on answering a refusal.
+        at_once = fd >= counter.fd_limit - reserve // 2
+        deadline_s = 0.0 if at_once else RESERVE_REFUSED_DEADLINE_S
     return Admission(counter, client, refusal, deadline_s, _counted=refusal is None)
 
 
@@ -221,6 +226,9 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         admission = self._admission = admit(self._gate.counter, transport.get_extra_info)
         self._counted_reader.admission = admission
+        if admission.refusal is not None and not admission.deadline_s:
+            transport.close()
+            return
         if self._tls is None:
             super().connection_made(transport)
             return

@@ -120,6 +120,9 @@ def guarded_protocols(
                 self._connected(transport)
                 return
             self.admission = admit(counter, transport.get_extra_info)
+            if self.admission.refusal is not None and not self.admission.deadline_s:
+                transport.close()  # the last half of the descriptor reserve: unanswered
+                return
             if tls is None:
                 self._connected(transport)
                 return
