@@ -5,7 +5,10 @@ server that can serve it (hypercorn, patched by ``router.hosting.hardening``; uv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -291,6 +294,37 @@ async def test_sockets_silent_before_tls_count_and_put_their_address_under_the_c
         async with httpx.AsyncClient(verify=router.client_tls(), timeout=20) as client:
             assert (await client.get(router.base_url + "/healthz")).status_code == 200
     assert "limits.max_connections_per_client" in router.log()
+    router.assert_clean_log()
+
+
+@ON_EACH_SERVER
+async def test_a_flood_of_silent_sockets_leaves_half_the_descriptor_reserve(
+    start_router_process: RouterStarter,
+) -> None:
+    """400 TCP sockets that never send a byte, at a router with 256 descriptors and 64 in
+    reserve: refusals are answered only in the first half of the reserve, so the router
+    never holds more than 256 - 32 descriptors and the canary (127.0.0.2) streams on."""
+    async with start_router_process(
+        nofile=256, limits={"reserved_fds": 64, "client_header_timeout_s": 3.0}
+    ) as router, canary_running(router):
+        loop = asyncio.get_running_loop()
+        socks = []
+        peak = 0
+        try:
+            for _ in range(400):
+                sock = socket.socket()
+                sock.setblocking(False)
+                socks.append(sock)
+                with contextlib.suppress(OSError):
+                    await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", router.port)), 5)
+            for _ in range(20):
+                peak = max(peak, len(os.listdir(f"/proc/{router.proc.pid}/fd")))
+                await asyncio.sleep(0.1)
+        finally:
+            for sock in socks:
+                sock.close()
+    assert peak <= 256 - 32, peak
+    assert "file descriptors short" in router.log()
     router.assert_clean_log()
 
 
