@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Any
 
-from .limits import ClientLimits, ResetFlood, Throttle
+from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
 from .ws_frames import FrameSizeGuard
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "BUSY_H1",
     "LINGER_S",
     "TIMEOUT_H1",
+    "count_connection",
     "harden_hypercorn",
     "report",
 ]
@@ -124,6 +125,17 @@ def _guard_connections(run: Any) -> None:
             await self.idle_task.stop()
 
     run.TCPServer = GuardedTCPServer
+
+
+def count_connection(counter: ConnectionCounter, get_extra_info: Any) -> str | None:
+    """The former one-call count: the client's address if the connection is admitted (then
+    ``counter.close(address)`` must follow), None if refused (logged). New code takes an
+    :class:`.accept.Admission` with :func:`.accept.admit`, and answers a refusal after the
+    request's head (:func:`.accept.answer_refused`)."""
+    from .accept import admit
+
+    admission = admit(counter, get_extra_info)
+    return admission.client if admission.refusal is None else None
 
 
 def _time_request_heads() -> None:
