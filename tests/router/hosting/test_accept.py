@@ -4,10 +4,13 @@ on every server: real routers on loopback, real TLS, httpx and raw sockets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -218,3 +221,48 @@ async def test_memory_over_its_budget_puts_the_per_address_cap_in_force(
                 for client in held:
                     await client.aclose()
         assert third.status_code == expected, (max_rss, third.text)
+
+
+async def test_a_router_process_raises_its_open_file_limit_to_the_hard_limit(
+    tls_files: dict[str, str], upstream: Upstream, tmp_path: Path
+) -> None:
+    """Started with a soft limit of 256 descriptors under a hard limit of 2,048 (systemd's
+    1,024 / 524,288 in small), the router serves with 2,048."""
+    import resource
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'region = "t"\n[[upstreams]]\nurl = "{upstream.url}"\n'
+        f'[listen]\nhost = "127.0.0.1"\nport = {port}\nhttp3 = false\n'
+        f'certfile = "{tls_files["certfile"]}"\nkeyfile = "{tls_files["keyfile"]}"\n'
+        '[auth]\napi_keys = ["sk-test-key-0001"]\n'
+    )
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))
+
+    root = Path(__file__).parents[3]
+    proc = subprocess.Popen(  # noqa: ASYNC220 (starts at once; the test waits for it below)
+        [sys.executable, "-m", "firstbyte", "router", "--config", str(config)],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=limit_files,
+    )
+    try:
+        async with asyncio.timeout(30), httpx.AsyncClient(verify=client_tls(tls_files)) as c:
+            while True:  # served: the process is past its start-up
+                with contextlib.suppress(httpx.HTTPError):
+                    await c.get(f"https://127.0.0.1:{port}/healthz")
+                    break
+                assert proc.poll() is None, "the router exited"
+                await asyncio.sleep(0.1)
+        limits = await asyncio.to_thread(Path(f"/proc/{proc.pid}/limits").read_text)
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 10)
+    line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
+    assert line.split()[3:5] == ["2048", "2048"], line
