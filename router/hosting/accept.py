@@ -164,7 +164,8 @@ class TlsStart:
         self._early.clear()
         try:
             return await starting
-        except (OSError, ssl.SSLError, TimeoutError):  # a timeout is ConnectionAbortedError
+        except (OSError, RuntimeError, TimeoutError):  # SSLError is an OSError; a timeout:
+            # ConnectionAbortedError; RuntimeError: the transport closed under start_tls
             self.transport.abort()
             return None
 
