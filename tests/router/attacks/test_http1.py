@@ -229,7 +229,8 @@ async def test_descriptors_short_new_connections_refused_streams_go_on(
     start_router_process: RouterStarter,
 ) -> None:
     """With 256 descriptors and 64 in reserve, an attacker holding connections gets the
-    rest refused at once with 503 (logged), and the canary's stream keeps flowing."""
+    rest refused with 503 after each request's head (logged), and the canary's stream
+    keeps flowing."""
     async with start_router_process(
         nofile=256, limits={"reserved_fds": 64, "max_connections_per_client": 1000}
     ) as router, canary_running(router):
