@@ -122,6 +122,26 @@ async def test_refused_connection_reads_a_503_answer_to_its_request(
         assert (await holder.get(router.base_url + "/healthz")).status_code == 200
 
 
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2c"])
+async def test_refused_plain_connection_reads_a_503_answer_to_its_request(
+    start_router: RouterFactory, upstream: Upstream, http2: bool
+) -> None:
+    """Without TLS the first bytes tell HTTP/1.1 from the HTTP/2 preface (h2c prior
+    knowledge); a refused connection's answer follows its request either way."""
+    versions = {"http1": not http2, "http2": http2}
+    async with start_router(
+        [upstream.url], tls=False, limits={"hard_max_connections_per_client": 1},
+    ) as router, httpx.AsyncClient(timeout=20, **versions) as holder:
+        held = await holder.get(router.base_url + "/healthz")
+        assert held.status_code == 200
+        async with httpx.AsyncClient(timeout=20, **versions) as client:
+            refused = await client.post(router.base_url + CHAT, content=_later(), headers=auth())
+        assert refused.status_code == 503, refused.text
+        assert refused.http_version == held.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+
+
 @pytest.mark.slow
 async def test_a_thousand_connections_from_one_address_are_served_with_default_limits(
     start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str]
