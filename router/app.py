@@ -130,9 +130,9 @@ class RouterApp:
             return
         await endpoints.not_found(scope, send)
 
-    async def _shed(self, kind: str, send: Send) -> bool:
-        """Refuse new work (a POST, a WebSocket) while memory is short; True if refused.
-        Streams in flight and their readers (GETs) go on."""
+    def memory_refusal(self) -> str | None:
+        """Why new work is refused for memory now, or None; logs when shedding starts and
+        stops (the hosting layer asks too, for its per-address connection cap)."""
         was = self.memory.shedding
         reason = self.memory.refusal()
         if self.memory.shedding != was:
@@ -140,6 +140,12 @@ class RouterApp:
                 log.warning("shedding new work: %s", reason)
             else:
                 log.warning("memory back under limits.max_rss_bytes: new work accepted")
+        return reason
+
+    async def _shed(self, kind: str, send: Send) -> bool:
+        """Refuse new work (a POST, a WebSocket) while memory is short; True if refused.
+        Streams in flight and their readers (GETs) go on."""
+        reason = self.memory_refusal()
         if reason is None:
             return False
         self.state.metrics.count("shed", "memory")

@@ -240,10 +240,14 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A WebSocket with no client message and no stream followed for this long is closed
     (1001)."""
     max_connections_per_client: PositiveInt = 256
-    """Open connections from one client address; one more is refused at once (hypercorn)."""
+    """Under pressure only (descriptors or memory near their budget), a client address
+    holding this many connections gets no more (503 overloaded after its request's head):
+    the heaviest addresses first. With room, one address may open any number."""
+    hard_max_connections_per_client: PositiveInt | None = None
+    """Opt-in: open connections from one client address, pressure or not (None: no cap)."""
     reserved_fds: NonNegInt = 64
     """File descriptors kept free for streams in flight and upstream connections: when a new
-    client connection would leave fewer, it is refused at once (hypercorn)."""
+    client connection would leave fewer, it is refused (503 after its request's head)."""
     max_rss_bytes: PositiveBytes | None = None
     """Resident memory above which new work is refused with 503 while streams in flight go
     on (None: no bound; set it below the container's memory limit)."""

@@ -39,6 +39,7 @@ RESTART_KEYS = (
     "limits.upstream_max_connections",
     "limits.client_header_timeout_s",
     "limits.max_connections_per_client",
+    "limits.hard_max_connections_per_client",
     "limits.reserved_fds",
     "limits.h2_max_early_resets",
 )

@@ -79,7 +79,7 @@ def ws_max_message_bytes(config: RouterConfig) -> int:
     return config.limits.max_body_bytes + 4096
 
 
-def _options(config: RouterConfig, tune_gc: bool) -> ServerOptions:
+def _options(config: RouterConfig, tune_gc: bool, app: RouterApp) -> ServerOptions:
     listen = config.listen
     return ServerOptions(
         server=listen.server,
@@ -90,6 +90,8 @@ def _options(config: RouterConfig, tune_gc: bool) -> ServerOptions:
         lifespan=True,  # the app starts its background tasks (peers, warmup, metrics) there
         ws_max_message_bytes=ws_max_message_bytes(config),
         limits=client_limits(config),
+        # Memory near limits.max_rss_bytes puts the per-address cap in force.
+        memory_pressed=lambda: app.memory_refusal() is not None,
         tune_gc=tune_gc,
         backlog=listen.backlog,
     )
@@ -112,6 +114,7 @@ def client_limits(config: RouterConfig) -> ClientLimits:
     return ClientLimits(
         header_timeout_s=limits.client_header_timeout_s,
         max_connections_per_client=limits.max_connections_per_client,
+        hard_max_connections_per_client=limits.hard_max_connections_per_client,
         reserved_fds=limits.reserved_fds,
         h2_max_early_resets=limits.h2_max_early_resets,
         quic_retry_above_handshakes_per_s=limits.quic_retry_above_handshakes_per_s,
@@ -202,7 +205,7 @@ async def serve(
     await host(
         endpoints.app,
         listeners,
-        _options(config, tune_gc),
+        _options(config, tune_gc, endpoints.app),
         shutdown=shutdown or (lambda: _until_drained(endpoints.app, connections, loader)),
         started=on_started,
         tickets=endpoints.tickets,
@@ -239,7 +242,7 @@ async def running_router(
     router process is.
     """
     listeners, endpoints = _bind(config, None)
-    options = _options(config, tune_gc)
+    options = _options(config, tune_gc, endpoints.app)
     async with running(
         endpoints.app, listeners, options, tickets=endpoints.tickets, http3=endpoints.http3
     ):

@@ -5,6 +5,8 @@
 - :mod:`.servers`: bind sockets, run an ASGI app under hypercorn (HTTP/1.1, HTTP/2, HTTP/3),
   uvicorn or granian, with TLS, signal handling and drain; :func:`running` for tests;
 - :mod:`.http1_split`: ``auto``, hypercorn handing HTTP/1.1 connections to uvicorn's protocol;
+- :mod:`.accept`: connections counted per client address from their accept, before TLS,
+  and a refused one answered 503 after its request's head (:mod:`.limits` decides);
 - :mod:`.quic`: the QUIC session-ticket store that gives hypercorn's HTTP/3 0-RTT, and
   :class:`~.quic.Http3Status`, whether HTTP/3 is up (``Alt-Svc`` follows it);
 - :mod:`.hardening`, :mod:`.quic_hardening`: the defences hypercorn lacks, as patches;

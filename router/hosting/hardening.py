@@ -5,8 +5,8 @@ all once per process, and they act only on a server whose hypercorn ``Config`` c
 ``firstbyte_limits`` (:class:`~firstbyte.router.hosting.limits.ClientLimits`), which
 :func:`firstbyte.router.hosting.servers.serve` sets.
 
-- connections: per-client-address cap and descriptor reserve, checked when a connection
-  starts; a refused one gets a 503 (HTTP/1.1) or GOAWAY (HTTP/2) and is closed at once;
+- connections: counted at their accept (:mod:`.accept`); a refused one gets a 503 after its
+  first request's head (HTTP/2: a 503 for its first stream, then GOAWAY) and is closed;
 - HTTP/1.1: a request head must be complete within ``header_timeout_s`` of its first byte
   (slowloris), and a request with both ``Content-Length`` and ``Transfer-Encoding`` is
   answered 400 and its connection closed (RFC 9112 section 6.1: request smuggling);
@@ -40,12 +40,12 @@ from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
 from .ws_frames import FrameSizeGuard
 
 __all__ = [
+    "BUSY_BODY",
     "BUSY_H1",
     "LINGER_S",
     "TIMEOUT_H1",
     "count_connection",
     "harden_hypercorn",
-    "refuse_connection",
     "report",
 ]
 
@@ -58,14 +58,14 @@ LINGER_S = 1.0
 long before the connection closes: closing with unread input makes the kernel send a reset,
 which can destroy the 1009 close frame before the client reads it."""
 
-_BUSY_BODY = (
+BUSY_BODY = (
     b'{"error":{"message":"Too many connections; retry later.",'
     b'"type":"server_error","param":null,"code":"overloaded"}}'
 )
 BUSY_H1 = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-    % (len(_BUSY_BODY), _BUSY_BODY)
+    % (len(BUSY_BODY), BUSY_BODY)
 )
 TIMEOUT_H1 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -105,29 +105,24 @@ def harden_hypercorn() -> None:
 
 
 def _guard_connections(run: Any) -> None:
-    """Count connections per client address and keep descriptors in reserve.
+    """Answer connections refused at their accept (:mod:`.accept` counts them there, per
+    client address, and keeps descriptors in reserve).
 
     hypercorn accepts every connection until ``accept()`` fails with EMFILE; asyncio then
     stops accepting for a second at a time and every new client hangs in the backlog, the
-    ones that held the descriptors included or not. Refusing at ``limit - reserved_fds``
+    ones that held the descriptors included or not. Refusing before ``limit - reserved_fds``
     answers new clients at once and leaves room for streams in flight to reach upstreams.
     """
 
     class GuardedTCPServer(run.TCPServer):  # type: ignore[misc]
         async def run(self) -> None:
-            limits = _limits(self.config)
-            counter: ConnectionCounter | None = getattr(self.config, "firstbyte_connections", None)
-            if limits is None or counter is None:
-                await super().run()
+            from .accept import answer_refused
+
+            admission = getattr(self.reader, "admission", None)
+            if admission is not None and admission.refusal is not None:
+                await answer_refused(self.reader, self.writer, deadline_s=admission.deadline_s)
                 return
-            client = count_connection(counter, self.writer.get_extra_info)
-            if client is None:
-                await refuse_connection(self.writer)
-                return
-            try:
-                await super().run()
-            finally:
-                counter.close(client)
+            await super().run()
 
         async def _read_data(self) -> None:
             await super()._read_data()
@@ -141,40 +136,14 @@ def _guard_connections(run: Any) -> None:
 
 
 def count_connection(counter: ConnectionCounter, get_extra_info: Any) -> str | None:
-    """Count a new connection for its client's address (``get_extra_info`` is its transport's
-    or stream writer's): the address, or None if the per-client cap or the descriptor reserve
-    refuses it (one throttled log line). The caller answers a refused connection 503 and
-    closes it; an admitted one ends with ``counter.close(address)``."""
-    peer = get_extra_info("peername")
-    client = str(peer[0]) if peer else "?"
-    sock = get_extra_info("socket")
-    refusal = counter.open(client, sock.fileno() if sock is not None else 0)
-    if refusal is not None:
-        report(logging.WARNING, "connection refused", client, refusal)
-        return None
-    return client
+    """The former one-call count: the client's address if the connection is admitted (then
+    ``counter.close(address)`` must follow), None if refused (logged). New code takes an
+    :class:`.accept.Admission` with :func:`.accept.admit`, and answers a refusal after the
+    request's head (:func:`.accept.answer_refused`)."""
+    from .accept import admit
 
-
-async def refuse_connection(writer: asyncio.StreamWriter) -> None:
-    """Answer 503 (or, on a connection that chose HTTP/2 by ALPN, GOAWAY) and close."""
-    ssl_object = writer.get_extra_info("ssl_object")
-    if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
-        import h2.config
-        import h2.connection
-        import h2.errors
-
-        h2_connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
-        h2_connection.initiate_connection()
-        h2_connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-        data = h2_connection.data_to_send()
-    else:
-        data = BUSY_H1
-    with contextlib.suppress(Exception):
-        writer.write(data)
-        await asyncio.wait_for(writer.drain(), 1.0)
-    writer.close()
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(writer.wait_closed(), 1.0)
+    admission = admit(counter, get_extra_info)
+    return admission.client if admission.refusal is None else None
 
 
 def _time_request_heads() -> None:

@@ -10,9 +10,12 @@ and the ALPN choice. :func:`split_http1` makes its per-connection server look at
   at once: the socket's protocol is swapped, and whatever hypercorn's stream reader had
   already buffered is passed on first, so no byte is lost or reordered;
 - without TLS, the first bytes decide: the HTTP/2 connection preface (h2c prior knowledge)
-  stays with hypercorn, any other request goes to uvicorn with those bytes. While waiting for
-  them the connection counts for its client (cap and descriptor reserve, as everywhere) and
-  is closed after the keep-alive timeout if it sends nothing.
+  stays with hypercorn, any other request goes to uvicorn with those bytes. A connection
+  that sends nothing is closed after the keep-alive timeout.
+
+Every connection counts for its client from its accept (:mod:`.accept`), before the TLS
+handshake; one refused there is answered (503 after its request's head) by
+:func:`.accept.answer_refused` and never reaches either server.
 
 A handed-over connection stays a task of hypercorn's server, so a drain waits for it: when
 hypercorn stops accepting, uvicorn's own ``shutdown()`` closes it if idle, or after the
@@ -34,14 +37,10 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any
 
-from .hardening import count_connection, refuse_connection
+from .accept import H2_PREFACE, Admission, answer_refused
 from .limits import ConnectionCounter
 
 __all__ = ["H2_PREFACE", "Http1Handoff", "split_http1"]
-
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-"""What an HTTP/2 client sends first on a plain connection (RFC 9113 section 3.4)."""
-
 
 @dataclass
 class Http1Handoff:
@@ -81,10 +80,13 @@ class Http1Handoff:
         terminated: Any,
         app_state: dict[str, Any],
         first: bytes = b"",
+        admission: Admission | None = None,
     ) -> None:
         """Serve the connection behind ``reader``/``writer`` with uvicorn until it closes:
         ``first`` (bytes already read from it) and what ``reader`` holds are its first
-        input. ``terminated`` is hypercorn's drain event: uvicorn's ``shutdown()`` then."""
+        input. ``terminated`` is hypercorn's drain event: uvicorn's ``shutdown()`` then.
+        ``admission``: the connection's count, taken at its accept, which uvicorn's protocol
+        then holds (without one, the protocol counts the connection itself)."""
         transport: Any = writer.transport
         if transport.is_closing():  # lost before the hand-over: hypercorn's reader saw it
             return
@@ -94,6 +96,7 @@ class Http1Handoff:
             config=self.config, server_state=self.state, app_state=app_state, _loop=loop
         )
         protocol.ended = ended
+        protocol.admission = admission
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         # From here the socket feeds uvicorn. What hypercorn's reader already held comes
@@ -118,12 +121,8 @@ class Http1Handoff:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bytes | None:
         """The first bytes of a plain connection, enough to tell the HTTP/2 preface from an
-        HTTP/1.1 request; None if the client sends nothing within the keep-alive timeout,
-        closes first, or is over its connection limits (then answered 503)."""
-        client = count_connection(self.counter, writer.get_extra_info)
-        if client is None:
-            await refuse_connection(writer)
-            return None
+        HTTP/1.1 request; None if the client sends nothing within the keep-alive timeout, or
+        closes first."""
         try:
             data = b""
             async with asyncio.timeout(self.config.timeout_keep_alive):
@@ -135,8 +134,6 @@ class Http1Handoff:
             return data
         except (TimeoutError, ConnectionError, OSError):
             return None
-        finally:
-            self.counter.close(client)
 
 
 def split_http1() -> None:
@@ -155,8 +152,12 @@ def split_http1() -> None:
 
         async def run(self) -> None:
             handoff: Http1Handoff | None = getattr(self.config, "firstbyte_http1", None)
+            admission: Admission | None = getattr(self.reader, "admission", None)
             if handoff is None:
                 await super().run()
+                return
+            if admission is not None and admission.refusal is not None:
+                await answer_refused(self.reader, self.writer, deadline_s=admission.deadline_s)
                 return
             ssl_object = self.writer.get_extra_info("ssl_object")
             if ssl_object is not None:
@@ -164,7 +165,8 @@ def split_http1() -> None:
                     await super().run()
                 else:
                     await handoff.serve(
-                        self.reader, self.writer, self.context.terminated, self.state
+                        self.reader, self.writer, self.context.terminated, self.state,
+                        admission=admission,
                     )
                 return
             first = await handoff.first_bytes(self.reader, self.writer)
@@ -176,7 +178,8 @@ def split_http1() -> None:
                 await super().run()
             else:
                 await handoff.serve(
-                    self.reader, self.writer, self.context.terminated, self.state, first
+                    self.reader, self.writer, self.context.terminated, self.state, first,
+                    admission,
                 )
 
     hypercorn_run.TCPServer = SplittingTCPServer

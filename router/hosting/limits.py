@@ -2,8 +2,9 @@
 
 - :class:`ClientLimits`: the knobs (header timeout, connections per address, descriptor
   reserve, HTTP/2 early resets), as :class:`~firstbyte.router.hosting.ServerOptions` carries them.
-- :class:`ConnectionCounter`: admits or refuses a new connection by its client address and
-  the descriptor its socket got.
+- :class:`ConnectionCounter`: admits or refuses a new connection, counted from its accept, by
+  its client address and the descriptor its socket got; the per-address cap applies only
+  under pressure, to the heaviest addresses.
 - :func:`admit_quic`: the same for a QUIC connection, which has no descriptor of its own.
 - :class:`HandshakeRate`: new QUIC handshakes per second, and when to ask for Retry.
 - :class:`ResetFlood`: tells an HTTP/2 rapid-reset flood from a client that cancels now and then.
@@ -15,6 +16,7 @@ Nothing here touches a socket or a clock; :mod:`firstbyte.router.hosting.hardeni
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -33,9 +35,14 @@ class ClientLimits:
     the defaults only time out, so a server without a config, the sim, caps nothing)."""
 
     header_timeout_s: float = 60.0
-    """From a request's first byte to its complete head (HTTP/1.1), and the TLS handshake."""
+    """From a request's first byte to its complete head (HTTP/1.1), and the TLS handshake
+    from the connection's accept."""
     max_connections_per_client: int | None = None
-    """Open connections from one client address; None: no cap."""
+    """Under pressure (:meth:`ConnectionCounter.under_pressure`), a client address holding
+    this many connections gets no more; None: no cap. Without pressure an address may hold
+    any number (one app backend, or a carrier's NAT, is thousands of users)."""
+    hard_max_connections_per_client: int | None = None
+    """Opt-in: open connections from one client address, pressure or not; None: no cap."""
     reserved_fds: int = 0
     """Descriptors kept free: a connection whose socket would leave fewer is refused."""
     h2_max_early_resets: int | None = None
@@ -49,30 +56,77 @@ class ClientLimits:
 class ConnectionCounter:
     """Open connections per client address, and the descriptor reserve.
 
+    The counting API, the same for every server and protocol (TCP at its accept, QUIC at
+    its first Initial): :meth:`open` a connection for its address (it says whether to refuse
+    it), :meth:`close` it when it ends; :meth:`refusal` asks without counting.
+
     The descriptor test needs no scan of ``/proc``: Linux hands a new socket the lowest free
     descriptor number, so a socket numbered ``n`` proves descriptors ``0..n`` are all in use.
+    Descriptors are under pressure from ``fd_limit - reserved_fds - margin`` on, the margin
+    an eighth of what is left above the reserve (at least ``reserved_fds``); memory is under
+    pressure while ``memory_pressed()`` says so (the router's ``limits.max_rss_bytes``).
     """
 
-    def __init__(self, limits: ClientLimits, fd_limit: int) -> None:
+    def __init__(
+        self,
+        limits: ClientLimits,
+        fd_limit: int,
+        memory_pressed: Callable[[], bool] | None = None,
+    ) -> None:
         self.limits = limits
         self.fd_limit = fd_limit
+        self.memory_pressed = memory_pressed
         self._open: dict[str, int] = {}
 
-    def open(self, client: str, fd: int) -> str | None:
-        """Count a new connection from ``client`` whose socket is descriptor ``fd``; returns
-        the reason to refuse it, or None (then :meth:`close` must follow when it ends)."""
+    @property
+    def pressure_fd(self) -> int:
+        """The lowest descriptor number at which descriptors count as near their budget."""
         reserve = self.limits.reserved_fds
-        if reserve and fd >= self.fd_limit - reserve:
+        budget = self.fd_limit - reserve
+        return budget - max(reserve, budget // 8)
+
+    def under_pressure(self, fd: int | None) -> bool:
+        """Whether descriptors (the new socket's number ``fd``) or memory are near their
+        budget: then the per-address cap applies."""
+        if fd is not None and fd >= self.pressure_fd:
+            return True
+        return self.memory_pressed is not None and self.memory_pressed()
+
+    def refusal(self, client: str, fd: int | None = None) -> str | None:
+        """The reason to refuse a new connection from ``client`` (socket descriptor ``fd``;
+        None for one that has none of its own, a QUIC connection), or None to admit it."""
+        reserve = self.limits.reserved_fds
+        if reserve and fd is not None and fd >= self.fd_limit - reserve:
             return (
                 f"file descriptors short: descriptor {fd} of {self.fd_limit},"
                 f" {reserve} kept free for streams in flight (limits.reserved_fds)"
             )
-        cap = self.limits.max_connections_per_client
         count = self._open.get(client, 0)
-        if cap is not None and count >= cap:
-            return f"{count} connections open from this address (limits.max_connections_per_client)"
-        self._open[client] = count + 1
+        hard = self.limits.hard_max_connections_per_client
+        if hard is not None and count >= hard:
+            return (
+                f"{count} connections open from this address"
+                " (limits.hard_max_connections_per_client)"
+            )
+        cap = self.limits.max_connections_per_client
+        if cap is not None and count >= cap and self.under_pressure(fd):
+            # The heaviest addresses first: only those over the cap are refused, so lighter
+            # clients keep connecting while the pressure lasts.
+            why = "descriptors" if fd is not None and fd >= self.pressure_fd else "memory"
+            return (
+                f"{count} connections open from this address with {why} near their budget"
+                " (limits.max_connections_per_client)"
+            )
         return None
+
+    def open(self, client: str, fd: int | None = None) -> str | None:
+        """Count a new connection from ``client`` whose socket is descriptor ``fd``; returns
+        the reason to refuse it (then it is not counted), or None (then :meth:`close` must
+        follow when it ends)."""
+        refusal = self.refusal(client, fd)
+        if refusal is None:
+            self._open[client] = self._open.get(client, 0) + 1
+        return refusal
 
     def close(self, client: str) -> None:
         count = self._open.get(client, 0) - 1

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -44,6 +45,7 @@ __all__ = [
     "ServerOptions",
     "bind",
     "loop_factory",
+    "raise_descriptor_limit",
     "run_granian",
     "running",
     "serve",
@@ -99,6 +101,9 @@ class ServerOptions:
     limits: ClientLimits = field(default_factory=ClientLimits)
     """What client connections may hold (:mod:`firstbyte.router.hosting.limits`), enforced
     under every server (:mod:`.hardening` for hypercorn, :mod:`.uvicorn_limits` for uvicorn)."""
+    memory_pressed: Callable[[], bool] | None = None
+    """Whether memory is near its budget now (the router's ``limits.max_rss_bytes``): the
+    per-address connection cap then applies (:class:`.limits.ConnectionCounter`)."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -243,6 +248,7 @@ async def serve(
     ``Alt-Svc`` is not sent while it is down.
     """
     stop = _once(shutdown or signal_event().wait)
+    raise_descriptor_limit()
 
     def on_started() -> None:
         if options.tune_gc:
@@ -329,7 +335,7 @@ async def _serve_uvicorn(
 ) -> None:
     import uvicorn
 
-    counter = ConnectionCounter(options.limits, _descriptor_limit())
+    counter = ConnectionCounter(options.limits, _descriptor_limit(), options.memory_pressed)
     config = uvicorn_config(app, options, counter, tls=options.tls)
     server = uvicorn.Server(config)
     # Signals belong to whoever owns the loop (serve's shutdown trigger), not to uvicorn.
@@ -362,12 +368,14 @@ def uvicorn_config(
 ) -> Any:
     """A ``uvicorn.Config`` serving ``app`` with hypercorn's connection limits on uvicorn's
     httptools and WebSocket protocols (:mod:`.uvicorn_limits`), ``counter`` counting its
-    connections; with ``tls``, uvicorn does the TLS handshake itself."""
+    connections from their accept; with ``tls``, the protocol runs the TLS handshake itself
+    (uvicorn's own would run before the connection is counted)."""
     import uvicorn
 
     from .uvicorn_limits import guarded_protocols
 
-    http, ws = guarded_protocols(options.limits, counter)
+    # The TLS handshake is the protocol's (after the connection is counted), not uvicorn's.
+    http, ws = guarded_protocols(options.limits, counter, _tls_context(options) if tls else None)
     return uvicorn.Config(
         app,
         http=http,
@@ -383,8 +391,6 @@ def uvicorn_config(
         server_header=False,  # as under hypercorn: no server name and version for probes
         log_config=None,  # uvicorn's lines go through the process's logging, as hypercorn's do
         log_level="warning",
-        ssl_certfile=options.certfile if tls else None,
-        ssl_keyfile=options.keyfile if tls else None,
         # a float, as hypercorn takes it (uvicorn's annotation says int; its timer takes any)
         timeout_keep_alive=options.keep_alive_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=max(1, round(options.graceful_timeout_s)),
@@ -406,6 +412,7 @@ async def _serve_hypercorn(
     from hypercorn.config import Config, Sockets
     from hypercorn.utils import wrap_app
 
+    from .accept import accepting, count_at_accept
     from .h1_body import frame_h1_bodies_directly
     from .hardening import harden_hypercorn
     from .http1_split import Http1Handoff, split_http1
@@ -413,6 +420,7 @@ async def _serve_hypercorn(
     _reset_unfinished_h2_streams()
     _supervise_quic_servers()
     harden_hypercorn()
+    count_at_accept()
     frame_h1_bodies_directly()  # after: body chunks then skip the hardening's wrapper too
     split_http1()  # after the hardening: its connection guard then serves HTTP/2 only
     config: Any = Config()
@@ -422,11 +430,12 @@ async def _serve_hypercorn(
         track_connections()
         config.firstbyte_connections_registry = connections
     config.firstbyte_limits = options.limits
-    counter = ConnectionCounter(options.limits, _descriptor_limit())
+    counter = ConnectionCounter(options.limits, _descriptor_limit(), options.memory_pressed)
     config.firstbyte_connections = counter
     # hypercorn listens again with its own backlog (default 100) on the socket it is given.
     config.backlog = options.backlog
-    # A TLS handshake is part of the head a client must send in time.
+    # A TLS handshake is part of the head a client must send in time (from the accept:
+    # .accept runs it, and counts the connection first).
     config.ssl_handshake_timeout = options.limits.header_timeout_s
     config.keep_alive_timeout = options.keep_alive_timeout_s
     config.keep_alive_max_requests = KEEP_ALIVE_MAX_REQUESTS
@@ -475,9 +484,11 @@ async def _serve_hypercorn(
         handoff.start()
     poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
     try:
-        await worker_serve(
-            wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets, shutdown_trigger=stop
-        )
+        with accepting(counter, options.limits.header_timeout_s):
+            await worker_serve(
+                wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets,
+                shutdown_trigger=stop,
+            )
     finally:
         if handoff is not None:
             handoff.stop()
@@ -501,6 +512,31 @@ async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.sock
             await asyncio.sleep(0.05)
             with contextlib.suppress(OSError):
                 poke.sendto(b"\0", address)
+
+
+def _tls_context(options: ServerOptions) -> ssl.SSLContext:
+    """The server side of TLS for uvicorn's protocol: HTTP/1.1 by ALPN."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    assert options.certfile is not None
+    context.load_cert_chain(options.certfile, options.keyfile)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit (as nginx's
+    ``worker_rlimit_nofile``, systemd's default of 1,024 soft is far below what one busy
+    address opens) and return the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # e.g. a hard limit the kernel caps lower
+            log.warning("open-file limit stays %d: raising it to %d failed: %s", soft, hard, exc)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _descriptor_limit() -> int:

@@ -5,8 +5,11 @@ a global connection cap, but no per-client one, no clock on a request head, and 
 descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the same rules
 :mod:`.hardening` gives hypercorn, from the same :class:`~.limits.ClientLimits`:
 
-- connections: per-client-address cap and descriptor reserve, checked when a connection
-  starts; a refused one gets a 503 and is closed at once;
+- connections: counted for their client address at their accept, before the TLS handshake,
+  which this protocol runs itself (``loop.start_tls``, bounded by ``header_timeout_s``) so
+  that it can: uvicorn's server would hand it a connection only once its handshake is done.
+  A refused one (:class:`~.limits.ConnectionCounter`) gets a 503 after its request's head
+  and is closed (:mod:`.accept`);
 - a connection that sends nothing is closed at the keep-alive timeout, as an idle one
   between requests is (uvicorn's clock starts only after a first response);
 - a request head must be complete within ``header_timeout_s`` of its first byte (slowloris),
@@ -31,9 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any
 
-from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, count_connection, report
+from .accept import MAX_REFUSED_HEAD_BYTES, Admission, TlsStart, admit
+from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 
 __all__ = ["guarded_protocols"]
@@ -46,17 +51,18 @@ _LINGER_MAX_S = 30.0
 
 
 def guarded_protocols(
-    limits: ClientLimits, counter: ConnectionCounter
+    limits: ClientLimits, counter: ConnectionCounter, tls: ssl.SSLContext | None = None
 ) -> tuple[type[Any], type[Any]]:
     """uvicorn's ``HttpToolsProtocol`` enforcing ``limits`` and its sans-IO WebSocket
     protocol (``http=`` and ``ws=`` of its ``Config``); ``counter`` counts this server's
-    connections."""
+    connections; with ``tls`` the protocol runs the TLS handshake of the connections it
+    accepts (uvicorn's own ``ssl`` must then be off)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
 
     class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
-        counted: str | None = None
+        counted: Admission | None = None
         """The client whose count this connection holds, handed over at the upgrade."""
         _lingering = False
         """Set once a message was refused: the socket closes a moment later."""
@@ -64,7 +70,7 @@ def guarded_protocols(
         """Set when the connection closes (handed over at the upgrade, see below)."""
 
         def connection_lost(self, exc: Exception | None) -> None:
-            _release(counter, self.counted, self.ended)
+            _release(self.counted, self.ended)
             self.counted = None
             super().connection_lost(exc)
 
@@ -112,20 +118,58 @@ def guarded_protocols(
         ended: asyncio.Future[None] | None = None
         """Set when the connection closes, for whoever serves it outside a uvicorn server
         (:mod:`.http1_split`); an upgraded connection's is set when its WebSocket closes."""
-        _counted: str | None = None
+        admission: Admission | None = None
+        """The connection's count; set before ``connection_made`` by whoever counted it at
+        its accept (:mod:`.http1_split`), else taken there."""
         _head_timer: asyncio.TimerHandle | None = None
         _linger_timer: asyncio.TimerHandle | None = None
         _linger_ends = 0.0
         _last_data = 0.0
+        _refused_head = b""
+        _refused_answered = False
+        _handshake: asyncio.Task[None] | None = None
+        _tls_start: TlsStart | None = None
+        _made = False
+        _plain_early = b""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            client = count_connection(counter, transport.get_extra_info)
-            if client is None:
-                transport.write(BUSY_H1)
-                transport.close()
+            if self.admission is not None:  # counted at its accept, handshake done
+                self._connected(transport)
                 return
-            self._counted = client
+            self.admission = admit(counter, transport.get_extra_info)
+            if self.admission.refusal is not None and not self.admission.deadline_s:
+                transport.close()  # the last half of the descriptor reserve: unanswered
+                return
+            if tls is None:
+                self._connected(transport)
+                return
+            timeout = limits.header_timeout_s
+            if self.admission.refusal is not None:
+                timeout = min(timeout, self.admission.deadline_s)
+            self._tls_start = TlsStart(transport, self, tls, timeout)
+            self._handshake = self.loop.create_task(self._start_tls())
+
+        async def _start_tls(self) -> None:
+            assert self._tls_start is not None
+            wrapped = await self._tls_start.run()
+            if wrapped is None:
+                if self.admission is not None:
+                    self.admission.release()
+                return
+            self._connected(wrapped)
+            if self._plain_early:
+                data, self._plain_early = self._plain_early, b""
+                self.data_received(data)
+
+        def _connected(self, transport: asyncio.Transport) -> None:
+            self._made = True
+            super().connection_made(transport)
+            if self.admission is not None and self.admission.refusal is not None:
+                # Answered after its head (in data_received), or closed at this deadline.
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.admission.deadline_s, self.transport.close
+                )
+                return
             # uvicorn starts its keep-alive clock only after a response: a connection that
             # never sends a byte would stay open for good. hypercorn's idle timer runs from
             # the start; so does this one (the first byte stops it, as between requests).
@@ -134,15 +178,42 @@ def guarded_protocols(
             )
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if not self._made:  # lost before its TLS handshake began: nothing of uvicorn's
+                _release(self.admission, self.ended)
+                self.admission = None
+                return
             self._stop_head_timer()
             if self._linger_timer is not None:
                 self._linger_timer.cancel()
                 self._linger_timer = None
-            _release(counter, self._counted, self.ended)
-            self._counted = None
+            _release(self.admission, self.ended)
+            self.admission = None
             super().connection_lost(exc)
 
+        def _refused_data(self, data: bytes) -> None:
+            """A refused connection: its request's head read, then 503 and close."""
+            if self._refused_answered:
+                return  # read and dropped until the close
+            self._refused_head += data
+            if (
+                b"\r\n\r\n" not in self._refused_head
+                and len(self._refused_head) < MAX_REFUSED_HEAD_BYTES
+            ):
+                return
+            self._refused_answered = True
+            self.transport.write(BUSY_H1)
+            self.loop.call_later(LINGER_S, self.transport.close)
+
         def data_received(self, data: bytes) -> None:
+            if self._tls_start is not None and not self._made:
+                if self._tls_start.pending:
+                    self._tls_start.early(data)  # the TLS layer's, not yet in place
+                else:  # decrypted, before the handshake's end reached this protocol
+                    self._plain_early += data
+                return
+            if self.admission is not None and self.admission.refusal is not None:
+                self._refused_data(data)
+                return
             if self._linger_timer is not None:
                 self._last_data = self.loop.time()  # the rest of a body answered already
             elif (
@@ -167,7 +238,7 @@ def guarded_protocols(
 
         def handle_websocket_upgrade(self) -> None:
             self._stop_head_timer()
-            counted, self._counted = self._counted, None
+            counted, self.admission = self.admission, None
             ended, self.ended = self.ended, None
             super().handle_websocket_upgrade()
             upgraded = self.transport.get_protocol()
@@ -175,7 +246,7 @@ def guarded_protocols(
                 upgraded.counted = counted
                 upgraded.ended = ended
             else:  # not ours to follow: stop counting rather than leak
-                _release(counter, counted, ended)
+                _release(counted, ended)
 
         def on_response_complete(self) -> None:
             if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
@@ -227,11 +298,9 @@ def guarded_protocols(
     return GuardedHttpToolsProtocol, GuardedWebSocketProtocol
 
 
-def _release(
-    counter: ConnectionCounter, counted: str | None, ended: asyncio.Future[None] | None
-) -> None:
+def _release(admission: Admission | None, ended: asyncio.Future[None] | None) -> None:
     """A connection's end: its client's count given back, whoever waits on ``ended`` told."""
-    if counted is not None:
-        counter.close(counted)
+    if admission is not None:
+        admission.release()
     if ended is not None and not ended.done():
         ended.set_result(None)

@@ -58,20 +58,49 @@ def test_message_made_of_fragments_counts_them_all() -> None:
     assert again.feed(frame(60) + frame(60))  # two messages of 60 each are fine
 
 
-def test_connection_counter_caps_per_address_and_keeps_descriptors() -> None:
+def test_connection_counter_caps_per_address_only_under_pressure() -> None:
+    """With room, one address opens any number of connections; with descriptors near their
+    budget, an address over the cap gets no more while a lighter one still connects; the
+    reserve refuses everyone."""
     counter = ConnectionCounter(ClientLimits(max_connections_per_client=2, reserved_fds=10), 100)
-    assert counter.open("a", 5) is None
-    assert counter.open("a", 6) is None
-    refusal = counter.open("a", 7)
+    # Budget 90, margin max(10, 90 // 8) = 11: pressure from descriptor 79 on.
+    assert counter.pressure_fd == 79
+    for fd in range(5, 50):
+        assert counter.open("a", fd) is None
+    assert counter.count("a") == 45
+    refusal = counter.open("a", 80)
     assert refusal is not None
     assert "max_connections_per_client" in refusal
-    assert counter.open("b", 8) is None
+    assert "descriptors near their budget" in refusal
+    assert counter.open("b", 80) is None
+    assert counter.open("b", 81) is None
+    assert counter.open("b", 82) is not None  # b is now at the cap too
     refusal = counter.open("c", 90)
     assert refusal is not None
     assert "file descriptors short" in refusal
     counter.close("a")
-    assert counter.open("a", 7) is None
-    assert counter.count("a") == 2
+    assert counter.count("a") == 44
+    assert counter.count("c") == 0  # a refused connection is not counted
+
+
+def test_connection_counter_memory_pressure_and_hard_cap() -> None:
+    pressed = False
+    counter = ConnectionCounter(
+        ClientLimits(max_connections_per_client=2, hard_max_connections_per_client=4),
+        1000,
+        memory_pressed=lambda: pressed,
+    )
+    assert [counter.open("a") for _ in range(3)] == [None, None, None]
+    pressed = True
+    refusal = counter.refusal("a")
+    assert refusal is not None
+    assert "memory" in refusal
+    assert counter.refusal("b") is None
+    pressed = False
+    assert counter.open("a") is None
+    refusal = counter.open("a")
+    assert refusal is not None
+    assert "hard_max_connections_per_client" in refusal
 
 
 def test_reset_flood_needs_both_count_and_share() -> None:

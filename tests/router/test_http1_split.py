@@ -110,16 +110,17 @@ async def test_silent_plain_connection_counts_and_is_closed(
     start_router: RouterFactory, upstream: Upstream
 ) -> None:
     """Without TLS the first bytes decide the server; while they are awaited, the connection
-    counts for its client (over the cap: 503 at once) and is closed at the keep-alive
-    timeout if nothing comes."""
+    counts for its client (over the hard cap: 503 after the request's head) and is closed at
+    the keep-alive timeout if nothing comes."""
     async with start_router(
         [upstream.url], tls=False,
-        listen={"keep_alive_timeout_s": 1.0}, limits={"max_connections_per_client": 2},
+        listen={"keep_alive_timeout_s": 1.0}, limits={"hard_max_connections_per_client": 2},
     ) as router:
         started = time.monotonic()
         held = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(2)]
         await asyncio.sleep(0.2)
         reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
         refused = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         assert refused.startswith(b"HTTP/1.1 503"), refused

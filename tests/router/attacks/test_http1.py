@@ -5,7 +5,10 @@ server that can serve it (hypercorn, patched by ``router.hosting.hardening``; uv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -196,19 +199,19 @@ async def test_json_nested_5000_deep_is_400(start_router_process: RouterStarter)
 async def test_connections_per_client_address_are_capped(
     start_router_process: RouterStarter,
 ) -> None:
-    """The cap's worth of held connections from 127.0.0.1, then one more: 503 at once,
-    while the canary (127.0.0.2) streams on."""
+    """The hard cap's worth of held connections from 127.0.0.1, then one more: 503 as the
+    answer to its request, while the canary (127.0.0.2) streams on."""
     cap = 30
-    async with start_router_process(limits={"max_connections_per_client": cap}) as router:
+    async with start_router_process(limits={"hard_max_connections_per_client": cap}) as router:
         async with canary_running(router):
             held = [await open_tls(router) for _ in range(cap)]
-            # The TLS handshake finishes before the server counts the connection.
             for reader, writer in held:
                 writer.write(_head("GET /healthz HTTP/1.1", "host: x"))
                 got = await reader.read(4096)
                 assert got.startswith(b"HTTP/1.1 200"), got
             reader, writer = await open_tls(router)
-            answer = await read_until_closed(reader, 10)
+            writer.write(_head("GET /healthz HTTP/1.1", "host: x"))
+            answer = await read_until_closed(reader, 15)
             assert answer.startswith(b"HTTP/1.1 503"), answer
             assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "overloaded"
             for _, w in held:
@@ -217,7 +220,7 @@ async def test_connections_per_client_address_are_capped(
         await asyncio.sleep(0.5)
         async with httpx.AsyncClient(verify=router.client_tls()) as client:
             assert (await client.get(router.base_url + "/healthz")).status_code == 200
-    assert "limits.max_connections_per_client" in router.log()
+    assert "limits.hard_max_connections_per_client" in router.log()
     router.assert_clean_log()
 
 
@@ -226,7 +229,8 @@ async def test_descriptors_short_new_connections_refused_streams_go_on(
     start_router_process: RouterStarter,
 ) -> None:
     """With 256 descriptors and 64 in reserve, an attacker holding connections gets the
-    rest refused at once with 503 (logged), and the canary's stream keeps flowing."""
+    rest refused with 503 after each request's head (logged), and the canary's stream
+    keeps flowing."""
     async with start_router_process(
         nofile=256, limits={"reserved_fds": 64, "max_connections_per_client": 1000}
     ) as router, canary_running(router):
@@ -252,6 +256,75 @@ async def test_descriptors_short_new_connections_refused_streams_go_on(
         assert 256 - 64 - len(held) < 64  # held up to the reserve, not beyond
         for writer in held:
             writer.close()
+    assert "file descriptors short" in router.log()
+    router.assert_clean_log()
+
+
+@ON_EACH_SERVER
+async def test_sockets_silent_before_tls_count_and_put_their_address_under_the_cap(
+    start_router_process: RouterStarter,
+) -> None:
+    """With 256 descriptors, 64 in reserve (pressure from descriptor 128 on) and a cap of 20:
+    150 TCP sockets from 127.0.0.1 that never start TLS count for it, so once descriptors
+    are near their budget its next request is answered 503 while 127.0.0.3, a light
+    address, is served and the canary (127.0.0.2) streams on; the silent sockets are closed
+    at the header timeout (3 s), and 127.0.0.1 is served again."""
+    async with start_router_process(
+        nofile=256,
+        limits={"reserved_fds": 64, "max_connections_per_client": 20,
+                "client_header_timeout_s": 3.0},
+    ) as router, canary_running(router):
+        started = time.monotonic()
+        silent = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(150)]
+        try:
+            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient(verify=router.client_tls(), timeout=20) as client:
+                heavy = await client.get(router.base_url + "/healthz")
+            assert heavy.status_code == 503, heavy.text
+            assert heavy.headers["retry-after"] == "1"
+            light = httpx.AsyncHTTPTransport(verify=router.client_tls(), local_address="127.0.0.3")
+            async with httpx.AsyncClient(transport=light, timeout=20) as client:
+                assert (await client.get(router.base_url + "/healthz")).status_code == 200
+            closed = await asyncio.gather(*(read_until_closed(r, 30) for r, _ in silent))
+            assert closed == [b""] * len(silent)
+            assert time.monotonic() - started >= 3.0 - 0.05  # the loop's timer may fire early
+        finally:
+            for _, writer in silent:
+                writer.close()
+        await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(verify=router.client_tls(), timeout=20) as client:
+            assert (await client.get(router.base_url + "/healthz")).status_code == 200
+    assert "limits.max_connections_per_client" in router.log()
+    router.assert_clean_log()
+
+
+@ON_EACH_SERVER
+async def test_a_flood_of_silent_sockets_leaves_half_the_descriptor_reserve(
+    start_router_process: RouterStarter,
+) -> None:
+    """400 TCP sockets that never send a byte, at a router with 256 descriptors and 64 in
+    reserve: refusals are answered only in the first half of the reserve, so the router
+    never holds more than 256 - 32 descriptors and the canary (127.0.0.2) streams on."""
+    async with start_router_process(
+        nofile=256, limits={"reserved_fds": 64, "client_header_timeout_s": 3.0}
+    ) as router, canary_running(router):
+        loop = asyncio.get_running_loop()
+        socks = []
+        peak = 0
+        try:
+            for _ in range(400):
+                sock = socket.socket()
+                sock.setblocking(False)
+                socks.append(sock)
+                with contextlib.suppress(OSError):
+                    await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", router.port)), 5)
+            for _ in range(20):
+                peak = max(peak, len(os.listdir(f"/proc/{router.proc.pid}/fd")))
+                await asyncio.sleep(0.1)
+        finally:
+            for sock in socks:
+                sock.close()
+    assert peak <= 256 - 32, peak
     assert "file descriptors short" in router.log()
     router.assert_clean_log()
 

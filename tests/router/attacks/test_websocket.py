@@ -151,13 +151,14 @@ async def test_idle_websocket_is_closed(start_router_process: RouterStarter) -> 
 async def test_websockets_count_for_their_client_until_they_close(
     start_router_process: RouterStarter,
 ) -> None:
-    """With a cap of 3: three open WebSockets leave no room for a fourth connection (503);
-    once they close, the client connects again, however many WebSockets came and went (a
-    server that forgot an upgraded connection's count would refuse it for good)."""
-    async with start_router_process(limits={"max_connections_per_client": 3}) as router:
+    """With a hard cap of 3: three open WebSockets leave no room for a fourth connection
+    (503); once they close, the client connects again, however many WebSockets came and went
+    (a server that forgot an upgraded connection's count would refuse it for good)."""
+    async with start_router_process(limits={"hard_max_connections_per_client": 3}) as router:
         held = [await _upgraded(router) for _ in range(3)]
         reader, writer = await open_tls(router)
-        refused = await asyncio.wait_for(reader.read(4096), 10)
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        refused = await asyncio.wait_for(reader.read(4096), 15)
         writer.close()
         assert refused.startswith(b"HTTP/1.1 503"), refused
         for _, w in held:
