@@ -41,15 +41,28 @@ def test_a_steady_rate_below_the_threshold_never_asks(offsets: list[float]) -> N
 
 
 def test_quic_and_tcp_connections_share_the_per_address_cap() -> None:
-    counter = ConnectionCounter(ClientLimits(max_connections_per_client=2), fd_limit=1024)
+    counter = ConnectionCounter(ClientLimits(hard_max_connections_per_client=2), fd_limit=1024)
     assert counter.open("10.0.0.1", 10) is None  # a TCP connection
     assert admit_quic(counter, "10.0.0.1", 11) is None
     refusal = admit_quic(counter, "10.0.0.1", 11)
     assert refusal is not None
-    assert "max_connections_per_client" in refusal
+    assert "hard_max_connections_per_client" in refusal
     assert admit_quic(counter, "10.0.0.2", 11) is None  # another address
     counter.close("10.0.0.1")
     assert admit_quic(counter, "10.0.0.1", 11) is None
+
+
+def test_the_default_cap_bites_quic_only_under_pressure() -> None:
+    """Like a TCP connection's: many QUIC connections from one address (a NAT) are admitted
+    while descriptors are plentiful, and refused once the next socket would be near the
+    budget."""
+    counter = ConnectionCounter(ClientLimits(max_connections_per_client=2, reserved_fds=64),
+                                fd_limit=1024)
+    assert [admit_quic(counter, "10.0.0.1", 20) for _ in range(5)] == [None] * 5
+    refusal = admit_quic(counter, "10.0.0.1", counter.pressure_fd)
+    assert refusal is not None
+    assert "max_connections_per_client" in refusal
+    assert admit_quic(counter, "10.0.0.2", counter.pressure_fd) is None  # a light address
 
 
 def test_quic_connection_refused_when_descriptors_run_short() -> None:

@@ -78,11 +78,12 @@ async def test_connection_that_only_pings_is_closed(start_router_process: Router
 async def test_connections_from_one_address_are_capped(
     start_router_process: RouterStarter,
 ) -> None:
-    """QUIC connections count against ``max_connections_per_client``: past it a handshake
+    """QUIC connections count against the per-address cap (here the opt-in hard one, which
+    bites without pressure; the default cap bites under pressure, as for TCP): past it a handshake
     is refused at once (CONNECTION_REFUSED), and a closed connection frees its place."""
     cap = 6
     async with start_router_process(
-        **H3, limits={"max_connections_per_client": cap}
+        **H3, limits={"hard_max_connections_per_client": cap}
     ) as router, canary_running(router):
         async with contextlib.AsyncExitStack() as held:
             admitted = refused = 0
@@ -196,7 +197,7 @@ async def test_half_open_handshakes_hold_their_places_only_for_the_timeout(
     """Initials whose handshakes are never finished fill the address's places; they are
     closed after ``client_header_timeout_s`` and their places given back."""
     cap, timeout_s = 5, 2.0
-    limits = {"max_connections_per_client": cap, "client_header_timeout_s": timeout_s}
+    limits = {"hard_max_connections_per_client": cap, "client_header_timeout_s": timeout_s}
     async with start_router_process(**H3, limits=limits) as router, canary_running(router):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind(("127.0.0.1", 0))
