@@ -2,8 +2,9 @@
 passed in).
 
 A *flow* is whoever competes for a budget: an API key for the region's capacity, a subject
-(an app's end user) for its key's share. Each flow has requests in flight and, for a short
-while after it was refused (:data:`ASK_WINDOW_S`), one more it is still asking for. Its
+(an app's end user) for its key's share. Each flow has requests in flight, requests waiting
+for a slot (:mod:`firstbyte.router.fair_queue`) and, for a short while after it was refused
+(:data:`ASK_WINDOW_S`), one more it is still asking for. Its
 *share* is the weighted max-min fair allocation of the budget (:func:`water_fill`): no flow
 gets more than it asks for, and what one flow does not need is split among the others by
 weight. The decision (:meth:`FairShare.decide`) admits a request when the flow stays within its
@@ -66,7 +67,7 @@ class Decision:
 
     admit: bool
     in_flight: int
-    """The flow's requests in flight before this one."""
+    """The flow's requests in flight and waiting, before this one."""
     share: float
     """The flow's fair share of the budget, this request counted in its demand."""
     flows: int
@@ -81,19 +82,35 @@ class FairShare(Generic[K]):
         self._in_flight: dict[K, int] = {}
         self._total = 0
         self._asked_at: dict[K, float] = {}
+        self._waiting: dict[K, int] = {}
 
     def __len__(self) -> int:
         return len(self._in_flight)
 
     def active(self) -> bool:
-        """Whether any flow has a request in flight or was refused within the window."""
-        return bool(self._in_flight or self._asked_at)
+        """Whether any flow has a request in flight or waiting, or was refused lately."""
+        return bool(self._in_flight or self._asked_at or self._waiting)
 
     def in_flight(self, flow: K) -> int:
         return self._in_flight.get(flow, 0)
 
     def total(self) -> int:
         return self._total
+
+    def waiting(self, flow: K) -> int:
+        return self._waiting.get(flow, 0)
+
+    def wait(self, flow: K) -> None:
+        """A request of ``flow`` waits for a slot: it counts in the flow's demand at once."""
+        self._waiting[flow] = self._waiting.get(flow, 0) + 1
+
+    def unwait(self, flow: K) -> None:
+        """A request of ``flow`` stopped waiting (it got its slot, or gave up)."""
+        left = self._waiting.get(flow, 0) - 1
+        if left > 0:
+            self._waiting[flow] = left
+        else:
+            self._waiting.pop(flow, None)
 
     def started(self, flow: K) -> None:
         """A request of ``flow`` was admitted (its demand is met: it asks no longer)."""
@@ -117,14 +134,16 @@ class FairShare(Generic[K]):
         self._asked_at[flow] = now
 
     def demands(self, now: float, asking: K | None = None) -> dict[K, float]:
-        """What each flow asks for: its requests in flight, one more if refused recently
-        (``asking``: the flow deciding now, one more in any case)."""
+        """What each flow asks for: its requests in flight and waiting, one more if refused
+        recently (``asking``: the flow deciding now, one more in any case)."""
         out: dict[K, float] = {k: float(n) for k, n in self._in_flight.items()}
+        for flow, n in self._waiting.items():
+            out[flow] = out.get(flow, 0.0) + n
         for flow, at in self._asked_at.items():
             if now - at < self.ask_window_s:
                 out[flow] = out.get(flow, 0.0) + 1.0
         if asking is not None:
-            out[asking] = float(self.in_flight(asking) + 1)
+            out[asking] = float(self.in_flight(asking) + self.waiting(asking) + 1)
         return out
 
     def shares(
@@ -143,13 +162,14 @@ class FairShare(Generic[K]):
         weight_of: Callable[[K], float],
         contended: bool,
     ) -> Decision:
-        """Admit ``flow``'s new request if it stays within its share of ``budget``.
+        """Admit ``flow``'s new request if it stays within its share of ``budget``, counting
+        the flow's waiting requests ahead of it.
 
         Over its share it is still admitted while the budget is not ``contended`` and no
         other flow is starved (refused recently and below its share): the slot is free and
         nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
-        mine = self.in_flight(flow)
-        if not self._asked_at and self._total + 1 <= budget + _EPSILON:
+        mine = self.in_flight(flow) + self.waiting(flow)
+        if not self._asked_at and not self._waiting and self._total + 1 <= budget + _EPSILON:
             # Nobody refused lately and room for this one (the common case: O(1), no
             # sharing); the flow may take all that the others do not hold.
             flows = len(self._in_flight) + (flow not in self._in_flight)
@@ -163,10 +183,10 @@ class FairShare(Generic[K]):
         within = mine + 1 <= share + _EPSILON
         admit = within
         if not within and not contended:
+            asking = [k for k, at in self._asked_at.items() if now - at < self.ask_window_s]
             admit = not any(
-                k != flow and now - at < self.ask_window_s
-                and self.in_flight(k) + 1 <= shares.get(k, 0.0) + _EPSILON
-                for k, at in self._asked_at.items()
+                k != flow and self.in_flight(k) + 1 <= shares.get(k, 0.0) + _EPSILON
+                for k in (*asking, *self._waiting)
             )
         return Decision(admit, mine, share, len(shares))
 

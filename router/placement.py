@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .multiregion import Observation
+from .multiregion import WAIT_FOR_SLOT, Observation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
 from .shared.admission import Affinity, Verdict
@@ -50,7 +50,7 @@ async def place(state: RouterState, ctx: RequestContext) -> Outcome:
         if outcome is CONTINUE:
             outcome = state.fair_gate(ctx)
         if outcome is CONTINUE:
-            outcome = state.routing.route(ctx, state.fair_check)
+            outcome = await _route(state, ctx)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is CONTINUE:
@@ -59,6 +59,24 @@ async def place(state: RouterState, ctx: RequestContext) -> Outcome:
     outcome = await _place_shared(state, state.shared.admission, ctx)
     if outcome is CONTINUE:
         _hold(state, ctx)
+    return outcome
+
+
+async def _route(state: RouterState, ctx: RequestContext, first: bool = True) -> Outcome:
+    """Route ``ctx`` (:meth:`~firstbyte.router.multiregion.RegionRouting.route`). Below its
+    fair share in a full region it waits for a slot (``routing.max_fair_wait_ms`` in all),
+    and is routed again the moment one is handed to it; a ``first`` try does not overtake
+    requests already waiting (:meth:`~firstbyte.router.state.RouterState.fair_turn`)."""
+    outcome = state.fair_turn(ctx) if first else CONTINUE
+    if outcome is CONTINUE:
+        outcome = state.routing.route(ctx, state.fair_check)
+    until: float | None = None
+    while outcome is WAIT_FOR_SLOT:
+        if until is None:
+            until = state.clock() + state.config.routing.max_fair_wait_ms / 1000.0
+        outcome = await state.wait_for_slot(ctx, until)
+        if outcome is CONTINUE:
+            outcome = state.routing.route(ctx, state.fair_check)
     return outcome
 
 
@@ -97,8 +115,8 @@ async def _place_shared(
         return gate
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
     learned: str | None = None
-    for _ in range(len(routing.tracker.backends) + 2):
-        outcome = routing.route(ctx, state.fair_check)
+    for attempt in range(len(routing.tracker.backends) + 2):
+        outcome = await _route(state, ctx, first=attempt == 0)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is not CONTINUE:

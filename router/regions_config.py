@@ -130,6 +130,12 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue_wait_ms: NonNegMs = 0.0
     """A saturated region that cannot spill still queues a request on its least-loaded
     backend if the expected wait is at most this; beyond it: 429. 0: never queue."""
+    max_fair_wait_ms: NonNegMs = 5000.0
+    """A saturated region that cannot spill holds a request below its fair share (of its key,
+    then of its subject) in this process for a free slot, at most this long, instead of
+    sending it past a backend's limit; past it: 429 ``region_saturated``. A slot that frees
+    goes to the waiter of the flow furthest below its share before any new arrival. 0: no
+    waiting (such a request is queued on a backend, past its limit)."""
 
 
 class WarmPrefixConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.tokens import MAX_SUBJECT_CHARS
 
+from .fair_queue import FairQueue, Waiter
 from .fair_share import FairShare
 from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext, error_reply
 from .streams import StoreFull, StreamStore
@@ -234,6 +235,9 @@ class Tenants:
     limiter: KeyLimiter
     keys: FairShare[bytes] = field(default_factory=FairShare)
     subjects: dict[bytes, FairShare[str]] = field(default_factory=dict)
+    queue: FairQueue[Callable[[], object]] = field(default_factory=FairQueue)
+    """Requests below their share waiting for a slot of the full region; an item wakes its
+    request (:meth:`wait`, :meth:`hand_slots`)."""
 
     def subjects_of(self, owner: bytes) -> FairShare[str]:
         found = self.subjects.get(owner)
@@ -259,6 +263,48 @@ class Tenants:
                     del self.subjects[owner]
 
         return release
+
+    def wait(
+        self, owner: bytes, subject: str | None, wake: Callable[[], object]
+    ) -> Waiter[Callable[[], object]]:
+        """Queue a request of ``owner``/``subject`` for a slot; it counts in both flows'
+        demand at once (a light user's first request is never refused for fairness).
+        ``wake`` is called when a slot is handed to it; :meth:`stop_waiting` ends it."""
+        name = subject or ""
+        self.keys.wait(owner)
+        self.subjects_of(owner).wait(name)
+        return self.queue.push(owner, name, wake)
+
+    def stop_waiting(self, waiter: Waiter[Callable[[], object]]) -> bool:
+        """The request of ``waiter`` waits no more (call once); True if it had been handed a
+        slot (it takes it now: :attr:`FairQueue.handed` goes down), False if it gave up."""
+        handed = not self.queue.remove(waiter)
+        if handed:
+            self.queue.taken()
+        self.keys.unwait(waiter.key)
+        subjects = self.subjects_of(waiter.key)
+        subjects.unwait(waiter.subject)
+        if not subjects.active():
+            del self.subjects[waiter.key]
+        return handed
+
+    def hand_slots(self, free: int) -> int:
+        """Wake waiters, the flow furthest below its share first (:meth:`FairQueue.pop`),
+        while the region's ``free`` slots exceed those already handed; how many woke."""
+        woken = 0
+        while free > self.queue.handed:
+            waiter = self.queue.pop(self._key_usage, self._subject_usage)
+            if waiter is None:
+                break
+            waiter.item()
+            woken += 1
+        return woken
+
+    def _key_usage(self, owner: bytes) -> float:
+        return self.keys.in_flight(owner) / self.limiter.weight(owner)
+
+    def _subject_usage(self, owner: bytes, subject: str) -> float:
+        return float(self.subjects_of(owner).in_flight(subject))
 
     def fair_refusal(
         self, ctx: RequestContext, capacity: float, now: float, retry_after_s: int,

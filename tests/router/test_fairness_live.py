@@ -249,3 +249,48 @@ async def test_token_subjects_share_the_key_and_read_only_their_own_streams(
     assert second.status_code == 429
     assert _code(second) == "subject_concurrency_exceeded"
     assert int(second.headers["retry-after"]) >= 1
+
+
+async def test_a_user_beside_an_abuser_on_a_full_region_waits_its_turn_within_the_limit(
+    start_router: RouterFactory,
+) -> None:
+    # One key, room for 4 (the sim runs 4 at once and queues the rest): one end user holds
+    # 12 closed-loop streams and fills the region; then two light users stream one request
+    # after another. A light user's request is below its share: it waits in the router for
+    # the next slot that frees (before the abuser's next request), never refused and never
+    # sent past the backend's limit to wait in the sim's queue behind the abuser's.
+    capacity = 4
+    async with sim_server("h100-7b", max_num_seqs=capacity) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "max_in_flight": capacity}],
+        routing={"backend_max_waiting": 0},
+    ) as router:
+        tracker = router.app.state.routing.tracker
+        url = router.base_url + "/v1/chat/completions"
+        peak = 0
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, tracker.in_flight())
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.create_task(sample())
+        abuse = asyncio.create_task(_closed_loops(url, 5.0, {(API_KEY, "abuser"): 12}))
+        for _ in range(200):  # the abuser fills the region first (bounded: 2 s)
+            if tracker.in_flight() >= capacity:
+                break
+            await asyncio.sleep(0.01)
+        assert tracker.in_flight() >= capacity
+        users, _ = await _closed_loops(url, 3.0, {(API_KEY, "u1"): 1, (API_KEY, "u2"): 1})
+        abuser, _ = await abuse
+        stop.set()
+        await sampler
+    light = users[(API_KEY, "u1")] + users[(API_KEY, "u2")]
+    assert Counter(a.status_code for a in light) == {200: len(light)}
+    assert all(_served(users[(API_KEY, s)]) >= 3 for s in ("u1", "u2"))
+    assert all(a.content.endswith(b"data: [DONE]\n\n") for a in light)
+    # Nothing went past the backend's limit (the old path queued the users' requests there).
+    assert peak <= capacity, peak
+    refused = Counter(_code(a) for a in abuser[(API_KEY, "abuser")] if a.status_code == 429)
+    assert refused["subject_over_fair_share"] > 0, refused
