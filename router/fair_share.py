@@ -4,7 +4,10 @@ passed in).
 A *flow* is whoever competes for a budget: an API key for the region's capacity, a subject
 (an app's end user) for its key's share. Each flow has requests in flight, requests waiting
 for a slot (:mod:`firstbyte.router.fair_queue`) and, for a short while after it was refused
-(:data:`ASK_WINDOW_S`), one more it is still asking for. Its
+(:data:`ASK_WINDOW_S`), one more it is still asking for; a flow that had to wait for a slot
+asks, for as long as it keeps starting requests within that window, for at least what it
+held and waited for then (its clients come back: the slots it frees in a lull are kept for it,
+not taken by a flow above its share). Its
 *share* is the weighted max-min fair allocation of the budget (:func:`water_fill`): no flow
 gets more than it asks for, and what one flow does not need is split among the others by
 weight. The decision (:meth:`FairShare.decide`) admits a request when the flow stays within its
@@ -83,13 +86,17 @@ class FairShare(Generic[K]):
         self._total = 0
         self._asked_at: dict[K, float] = {}
         self._waiting: dict[K, int] = {}
+        self._peak: dict[K, tuple[float, float]] = {}
+        """The most requests a flow held and waited for at once when one of them had to wait,
+        and when it last waited or started one: its demand is at least that until it is
+        quiet for the ask window."""
 
     def __len__(self) -> int:
         return len(self._in_flight)
 
     def active(self) -> bool:
         """Whether any flow has a request in flight or waiting, or was refused lately."""
-        return bool(self._in_flight or self._asked_at or self._waiting)
+        return bool(self._in_flight or self._asked_at or self._waiting or self._peak)
 
     def in_flight(self, flow: K) -> int:
         return self._in_flight.get(flow, 0)
@@ -100,9 +107,17 @@ class FairShare(Generic[K]):
     def waiting(self, flow: K) -> int:
         return self._waiting.get(flow, 0)
 
-    def wait(self, flow: K) -> None:
-        """A request of ``flow`` waits for a slot: it counts in the flow's demand at once."""
+    def wait(self, flow: K, now: float | None = None) -> None:
+        """A request of ``flow`` waits for a slot from ``now``: it counts in the flow's demand
+        at once, and the flow's demand stays at least what it asks now (in flight and
+        waiting) while it keeps coming back: slots freed in its lulls are kept for it."""
         self._waiting[flow] = self._waiting.get(flow, 0) + 1
+        if now is not None:
+            asks = float(self.in_flight(flow) + self._waiting[flow])
+            held = self._peak.get(flow)
+            if held is not None and now - held[1] < self.ask_window_s:
+                asks = max(asks, held[0])
+            self._peak[flow] = (asks, now)
 
     def unwait(self, flow: K) -> None:
         """A request of ``flow`` stopped waiting (it got its slot, or gave up)."""
@@ -112,11 +127,15 @@ class FairShare(Generic[K]):
         else:
             self._waiting.pop(flow, None)
 
-    def started(self, flow: K) -> None:
-        """A request of ``flow`` was admitted (its demand is met: it asks no longer)."""
+    def started(self, flow: K, now: float | None = None) -> None:
+        """A request of ``flow`` was admitted at ``now`` (its demand is met: it asks no
+        longer; a flow that waited keeps the demand it waited with, :meth:`wait`)."""
         self._in_flight[flow] = self._in_flight.get(flow, 0) + 1
         self._total += 1
         self._asked_at.pop(flow, None)
+        peak = self._peak.get(flow)
+        if now is not None and peak is not None and now - peak[1] < self.ask_window_s:
+            self._peak[flow] = (peak[0], now)
 
     def finished(self, flow: K) -> None:
         """A request of ``flow`` ended (an idle flow is forgotten)."""
@@ -135,7 +154,8 @@ class FairShare(Generic[K]):
 
     def demands(self, now: float, asking: K | None = None) -> dict[K, float]:
         """What each flow asks for: its requests in flight and waiting, one more if refused
-        recently (``asking``: the flow deciding now, one more in any case)."""
+        recently, at least what it asked when it last had to wait while it keeps coming back
+        (``asking``: the flow deciding now, one more in any case)."""
         out: dict[K, float] = {k: float(n) for k, n in self._in_flight.items()}
         for flow, n in self._waiting.items():
             out[flow] = out.get(flow, 0.0) + n
@@ -144,6 +164,9 @@ class FairShare(Generic[K]):
                 out[flow] = out.get(flow, 0.0) + 1.0
         if asking is not None:
             out[asking] = float(self.in_flight(asking) + self.waiting(asking) + 1)
+        for flow, (peak, at) in self._peak.items():
+            if now - at < self.ask_window_s and peak > out.get(flow, 0.0):
+                out[flow] = peak
         return out
 
     def shares(
@@ -169,7 +192,8 @@ class FairShare(Generic[K]):
         other flow is starved (refused recently and below its share): the slot is free and
         nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
         mine = self.in_flight(flow) + self.waiting(flow)
-        if not self._asked_at and not self._waiting and self._total + 1 <= budget + _EPSILON:
+        quiet = not (self._asked_at or self._waiting or self._peak)
+        if quiet and self._total + 1 <= budget + _EPSILON:
             # Nobody refused lately and room for this one (the common case: O(1), no
             # sharing); the flow may take all that the others do not hold.
             flows = len(self._in_flight) + (flow not in self._in_flight)
@@ -183,10 +207,9 @@ class FairShare(Generic[K]):
         within = mine + 1 <= share + _EPSILON
         admit = within
         if not within and not contended:
-            asking = [k for k, at in self._asked_at.items() if now - at < self.ask_window_s]
             admit = not any(
                 k != flow and self.in_flight(k) + 1 <= shares.get(k, 0.0) + _EPSILON
-                for k in (*asking, *self._waiting)
+                for k in (*self._asking(now), *self._waiting)
             )
         return Decision(admit, mine, share, len(shares))
 
@@ -194,3 +217,11 @@ class FairShare(Generic[K]):
         """Drop refusals older than the ask window (housekeeping)."""
         for flow in [k for k, at in self._asked_at.items() if now - at >= self.ask_window_s]:
             del self._asked_at[flow]
+        for flow in [k for k, (_, at) in self._peak.items() if now - at >= self.ask_window_s]:
+            del self._peak[flow]
+
+    def _asking(self, now: float) -> list[K]:
+        """Flows refused within the ask window, or keeping the demand they waited with."""
+        window = self.ask_window_s
+        return [*(k for k, at in self._asked_at.items() if now - at < window),
+                *(k for k, (_, at) in self._peak.items() if now - at < window)]

@@ -3,7 +3,9 @@
 In memory (the default) they are plain synchronous stages, in this order:
 :func:`~firstbyte.router.tenancy.limit_key` (concurrency, room in the store, rate),
 :meth:`~firstbyte.router.multiregion.RegionRouting.route` (region, then backend by affinity
-and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`.
+and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`. A request below its
+fair share in a full region waits for a slot between routing and its retry (``_route``,
+``routing.max_fair_wait_ms``; with shared state, for the slots this process sees free).
 
 With shared state (``state.redis_url``) the counts are region-wide, in Redis
 (:mod:`firstbyte.router.shared.admission`). Routing decides first, as in memory, with the other
@@ -83,7 +85,7 @@ async def _route(state: RouterState, ctx: RequestContext, first: bool = True) ->
 def _hold(state: RouterState, ctx: RequestContext) -> None:
     """Count the admitted request for its key and subject until it ends (with the region-wide
     key slot, if any: both go back through ``ctx.release_key_slot``)."""
-    release_share = state.tenants.hold(ctx.owner, ctx.subject)
+    release_share = state.tenants.hold(ctx.owner, ctx.subject, state.clock())
     release_slot = ctx.release_key_slot
 
     def release() -> None:

@@ -310,7 +310,7 @@ class RouterState:
             if not woken.done():
                 woken.set_result(None)
 
-        waiter = self.tenants.wait(ctx.owner, ctx.subject, wake)
+        waiter = self.tenants.wait(ctx.owner, ctx.subject, wake, self.clock())
         try:
             self.hand_slots()  # a slot may have freed without a request ending (metrics)
             with contextlib.suppress(TimeoutError):

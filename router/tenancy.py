@@ -5,7 +5,8 @@ By default a key has no hard cap: it takes what the region has room for. When th
 full (every backend at its limit: the point where routing would queue or answer
 ``region_saturated``), the region's capacity is shared by weighted max-min fairness over the
 keys asking (:mod:`firstbyte.router.fair_share`, weights from ``[[auth.keys]]``): a key below
-its share is still admitted (queued on a backend), a key at or above it gets
+its share is still admitted (it waits for the next slot that frees, :attr:`Tenants.queue`; with
+``routing.max_fair_wait_ms = 0``, queued on a backend), a key at or above it gets
 ``key_over_fair_share``. Inside a key the same applies between its *subjects* (its end users:
 a client token's subject, or the ``x-firstbyte-subject`` header, ``safety_identifier`` or
 ``user`` of a server-side request): each gets a fair share of its key's share, so one abusive
@@ -245,11 +246,14 @@ class Tenants:
             found = self.subjects[owner] = FairShare()
         return found
 
-    def hold(self, owner: bytes, subject: str | None) -> Callable[[], None]:
-        """Count a request of ``owner``/``subject`` in flight; the call that ends it (once)."""
+    def hold(
+        self, owner: bytes, subject: str | None, now: float | None = None
+    ) -> Callable[[], None]:
+        """Count a request of ``owner``/``subject`` in flight from ``now``; the call that
+        ends it (once)."""
         name = subject or ""
-        self.keys.started(owner)
-        self.subjects_of(owner).started(name)
+        self.keys.started(owner, now)
+        self.subjects_of(owner).started(name, now)
         held = True
 
         def release() -> None:
@@ -265,14 +269,15 @@ class Tenants:
         return release
 
     def wait(
-        self, owner: bytes, subject: str | None, wake: Callable[[], object]
+        self, owner: bytes, subject: str | None, wake: Callable[[], object],
+        now: float | None = None,
     ) -> Waiter[Callable[[], object]]:
         """Queue a request of ``owner``/``subject`` for a slot; it counts in both flows'
         demand at once (a light user's first request is never refused for fairness).
         ``wake`` is called when a slot is handed to it; :meth:`stop_waiting` ends it."""
         name = subject or ""
-        self.keys.wait(owner)
-        self.subjects_of(owner).wait(name)
+        self.keys.wait(owner, now)
+        self.subjects_of(owner).wait(name, now)
         return self.queue.push(owner, name, wake)
 
     def stop_waiting(self, waiter: Waiter[Callable[[], object]]) -> bool:
@@ -315,9 +320,9 @@ class Tenants:
 
         ``full``: every backend is at its limit. Then the budget shared is what this process
         has in flight, at most ``capacity`` (the backends' other traffic is not ours to
-        share); a request admitted here waits on a backend while the flows above their share
-        are held, and one key's one subject asking alone gets :data:`ALONE` (the caller
-        refuses it as a full region). Not full, the budget is ``capacity`` and the answer
+        share); a request admitted here waits for a slot (:meth:`wait`) while the flows above
+        their share are held, and one key's one subject asking alone gets :data:`ALONE` (the
+        caller refuses it as a full region). Not full, the budget is ``capacity`` and the answer
         is None unless the demands of the flows asking (in flight, refused a moment ago,
         this request) exceed it: then a free slot goes to a flow below its share, not to
         one above it that happened to ask first."""

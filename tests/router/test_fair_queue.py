@@ -5,7 +5,7 @@ subjects inside the key), before any new arrival (clock passed in, no sockets)."
 from __future__ import annotations
 
 from firstbyte.router.fair_queue import FairQueue
-from firstbyte.router.fair_share import FairShare
+from firstbyte.router.fair_share import ASK_WINDOW_S, FairShare
 from firstbyte.router.tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants
 
 A, B = b"key-a", b"key-b"
@@ -135,3 +135,46 @@ def test_a_waiting_subject_alone_in_a_full_region_is_a_full_region() -> None:
 
     refused = tenants.fair_refusal(Ctx(), 4.0, 0.0, 1)  # type: ignore[arg-type]
     assert refused is ALONE
+
+
+def test_a_flow_that_waited_keeps_asking_while_it_comes_back() -> None:
+    flows: FairShare[str] = FairShare()
+    flows.wait("light", 10.0)  # alone: it held 0 and waited for 1
+    flows.unwait("light")
+    flows.started("light", 10.0)
+    # While in flight its demand is its one request, not one more (one client) ...
+    assert flows.demands(10.5) == {"light": 1.0}
+    flows.finished("light")
+    # ... and between its requests it still asks for it (its client is coming back) ...
+    assert flows.demands(11.0) == {"light": 1.0}
+    # ... renewed each time it starts one, forgotten once it is quiet for the window.
+    flows.started("light", 11.5)
+    flows.finished("light")
+    assert flows.demands(11.5 + ASK_WINDOW_S - 0.01) == {"light": 1.0}
+    assert flows.demands(11.5 + ASK_WINDOW_S) == {}
+    flows.forget_asks(11.5 + ASK_WINDOW_S)
+    assert not flows.active()
+
+
+def test_a_flow_that_waited_keeps_its_peak_demand_for_the_window() -> None:
+    # A key of 8 clients held 5 when its 6th request had to wait: for the ask window its
+    # demand is at least 6, so an over-share key is not given the slots its lulls free.
+    flows: FairShare[str] = FairShare()
+    for _ in range(5):
+        flows.started("light")
+    for _ in range(34):
+        flows.started("heavy")
+    flows.wait("light", 0.0)
+    flows.unwait("light")
+    flows.started("light", 0.1)
+    for _ in range(3):
+        flows.finished("light")  # a lull: it holds 3
+    assert flows.demands(1.0) == {"light": 6.0, "heavy": 34.0}
+    assert flows.demands(1.0, "light") == {"light": 6.0, "heavy": 34.0}
+    # 37 of 40 held, 3 free: the heavy key is at its share (34 = 40 - 6), refused even so.
+    heavy = flows.decide("heavy", 40, 1.0, weight_of=_one, contended=False)
+    assert (heavy.admit, heavy.share) == (False, 34.0)
+    assert flows.decide("light", 40, 1.0, weight_of=_one, contended=False).admit
+    # Past the window (and no wait since), the lull's slots are anyone's.
+    assert flows.demands(0.1 + ASK_WINDOW_S) == {"light": 3.0, "heavy": 34.0}
+    assert flows.decide("heavy", 40, 0.1 + ASK_WINDOW_S, weight_of=_one, contended=False).admit
