@@ -294,3 +294,40 @@ async def test_a_user_beside_an_abuser_on_a_full_region_waits_its_turn_within_th
     assert peak <= capacity, peak
     refused = Counter(_code(a) for a in abuser[(API_KEY, "abuser")] if a.status_code == 429)
     assert refused["subject_over_fair_share"] > 0, refused
+
+
+async def test_a_wait_for_a_slot_is_bounded_by_max_fair_wait_ms(
+    start_router: RouterFactory,
+) -> None:
+    # Room for 2, both held by one end user's streams that stall 3 s after their first
+    # tokens: another user's request (below its share) waits for a slot, and when none frees
+    # within routing.max_fair_wait_ms (0.4 s) it gets the full region's 429, not a hang.
+    async with sim_server("h100-7b", faults=["stall:after=2,ms=3000"]) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "max_in_flight": 2}],
+        routing={"backend_max_waiting": 0, "max_fair_wait_ms": 400},
+    ) as router:
+        tracker = router.app.state.routing.tracker
+        url = router.base_url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as client:
+            heads = asyncio.Queue[int]()
+
+            async def hold(i: int) -> None:
+                async with client.stream("POST", url, json=chat(f"hold {i}", 6),
+                                         headers=_subject_header(API_KEY, "abuser")) as answer:
+                    await heads.put(answer.status_code)
+                    await answer.aread()
+
+            holders = [asyncio.create_task(hold(i)) for i in range(2)]
+            assert [await asyncio.wait_for(heads.get(), 10) for _ in range(2)] == [200, 200]
+            assert tracker.in_flight() == 2
+            started = time.monotonic()
+            answer = await client.post(url, json=chat("light", 6),
+                                       headers=_subject_header(API_KEY, "light"))
+            waited = time.monotonic() - started
+            assert tracker.in_flight() <= 2
+            await asyncio.gather(*holders)
+    assert answer.status_code == 429, answer.text
+    assert _code(answer) == "region_saturated"
+    assert int(answer.headers["retry-after"]) >= 1
+    assert "max_fair_wait_ms" in json.loads(answer.content)["error"]["message"]
+    assert 0.4 <= waited < 2.5, waited  # it waited its bound, not for the stall (3 s)
