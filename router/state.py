@@ -109,6 +109,11 @@ class RouterState:
             "firstbyte_router_streams", "Streams held in the store.", lambda: len(self.store)
         )
         self.metrics.add_gauge_source(
+            "firstbyte_router_requests_waiting_for_slot",
+            "Requests below their fair share waiting for a slot of the full region.",
+            lambda: len(self.tenants.queue),
+        )
+        self.metrics.add_gauge_source(
             "firstbyte_router_stream_store_bytes",
             "Bytes held in the stream store.",
             lambda: self.store.total_bytes,

@@ -321,11 +321,23 @@ async def test_a_wait_for_a_slot_is_bounded_by_max_fair_wait_ms(
             assert [await asyncio.wait_for(heads.get(), 10) for _ in range(2)] == [200, 200]
             assert tracker.in_flight() == 2
             started = time.monotonic()
-            answer = await client.post(url, json=chat("light", 6),
-                                       headers=_subject_header(API_KEY, "light"))
+            light = asyncio.create_task(client.post(url, json=chat("light", 6),
+                                                    headers=_subject_header(API_KEY, "light")))
+            gauge = "firstbyte_router_requests_waiting_for_slot"
+            seen = ""
+            for _ in range(30):  # it waits: the gauge says so (bounded: 0.3 s)
+                seen = (await client.get(router.base_url + "/metrics", headers=auth())).text
+                if f"\n{gauge} 1" in seen:
+                    break
+                await asyncio.sleep(0.01)
+            answer = await light
             waited = time.monotonic() - started
             assert tracker.in_flight() <= 2
+            after = (await client.get(router.base_url + "/metrics", headers=auth())).text
             await asyncio.gather(*holders)
+    assert f"\n{gauge} 1" in seen
+    assert f"\n{gauge} 0" in after
+    assert 'firstbyte_route_rejections_total{reason="fair_wait"} 1' in after
     assert answer.status_code == 429, answer.text
     assert _code(answer) == "region_saturated"
     assert int(answer.headers["retry-after"]) >= 1
