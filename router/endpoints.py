@@ -36,6 +36,7 @@ from .asgi import (
     send_bytes,
     stream_body,
     unless_gone,
+    until_disconnect,
 )
 from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
@@ -52,7 +53,7 @@ from .pipeline.context import (
 )
 from .placement import place, release_key_slot
 from .readers import ReadableStream, parse_after, poll, sse_events
-from .state import RouterState
+from .state import CLIENT_GONE, RouterState
 from .tenancy import refusal
 
 __all__ = [
@@ -161,7 +162,12 @@ async def _admitted(
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
         return None
-    if await _finish(state, send, ctx, await place(state, ctx), "chat"):
+    placed = await place(state, ctx, lambda: until_disconnect(receive))
+    if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer
+        state.metrics.count("chat", "client_gone")
+        ctx.outcome = "client_gone"
+        return None
+    if await _finish(state, send, ctx, placed, "chat"):
         return None
     return ctx
 

@@ -24,6 +24,7 @@ by ``RequestContext.release_key_slot``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .multiregion import WAIT_FOR_SLOT, Observation
@@ -45,26 +46,34 @@ _STICKY = ("affinity", "new-key")
 """Choices that follow (or start) a prompt's affinity; balance and queue choices do not."""
 
 
-async def place(state: RouterState, ctx: RequestContext) -> Outcome:
-    """Apply the key's limits and choose the region and backend (see the module docstring)."""
+async def place(
+    state: RouterState, ctx: RequestContext, gone: Callable[[], Awaitable[object]] | None = None
+) -> Outcome:
+    """Apply the key's limits and choose the region and backend (see the module docstring).
+
+    ``gone()`` ends when the client disconnects: a request waiting for a slot then gives up
+    its place (:data:`~firstbyte.router.state.CLIENT_GONE`)."""
     if state.shared is None:
         outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
         if outcome is CONTINUE:
             outcome = state.fair_gate(ctx)
         if outcome is CONTINUE:
-            outcome = await _route(state, ctx)
+            outcome = await _route(state, ctx, gone=gone)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is CONTINUE:
             _hold(state, ctx)
         return outcome
-    outcome = await _place_shared(state, state.shared.admission, ctx)
+    outcome = await _place_shared(state, state.shared.admission, ctx, gone)
     if outcome is CONTINUE:
         _hold(state, ctx)
     return outcome
 
 
-async def _route(state: RouterState, ctx: RequestContext, first: bool = True) -> Outcome:
+async def _route(
+    state: RouterState, ctx: RequestContext, first: bool = True,
+    gone: Callable[[], Awaitable[object]] | None = None,
+) -> Outcome:
     """Route ``ctx`` (:meth:`~firstbyte.router.multiregion.RegionRouting.route`). Below its
     fair share in a full region it waits for a slot (``routing.max_fair_wait_ms`` in all),
     and is routed again the moment one is handed to it; a ``first`` try does not overtake
@@ -76,7 +85,7 @@ async def _route(state: RouterState, ctx: RequestContext, first: bool = True) ->
     while outcome is WAIT_FOR_SLOT:
         if until is None:
             until = state.clock() + state.config.routing.max_fair_wait_ms / 1000.0
-        outcome = await state.wait_for_slot(ctx, until)
+        outcome = await state.wait_for_slot(ctx, until, gone)
         if outcome is CONTINUE:
             outcome = state.routing.route(ctx, state.fair_check)
     return outcome
@@ -104,7 +113,8 @@ def release_key_slot(ctx: RequestContext) -> None:
 
 
 async def _place_shared(
-    state: RouterState, admission: SharedAdmission, ctx: RequestContext
+    state: RouterState, admission: SharedAdmission, ctx: RequestContext,
+    gone: Callable[[], Awaitable[object]] | None = None,
 ) -> Outcome:
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
@@ -118,7 +128,7 @@ async def _place_shared(
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
     learned: str | None = None
     for attempt in range(len(routing.tracker.backends) + 2):
-        outcome = await _route(state, ctx, first=attempt == 0)
+        outcome = await _route(state, ctx, first=attempt == 0, gone=gone)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is not CONTINUE:

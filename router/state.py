@@ -17,7 +17,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
@@ -27,14 +28,18 @@ from .metrics import Metrics
 from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
-from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext
+from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
 from .streams import Stream, StreamStore, owner_of
 from .tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants, refusal
 
-__all__ = ["RouterState"]
+__all__ = ["CLIENT_GONE", "RouterState"]
+
+CLIENT_GONE = Fallback("the client went away while its request waited for a slot")
+"""What :meth:`RouterState.wait_for_slot` answers when the client left first: nothing is
+sent (the caller counts it as ``client_gone``)."""
 
 _ROUTING_SECTIONS = ("upstreams", "peers", "warm_prefixes", "warmup", "routing", "geo")
 """Config sections :class:`RegionRouting` is built from."""
@@ -304,11 +309,15 @@ class RouterState:
             return verdict
         return WAIT_FOR_SLOT if verdict else self.routing.reject(ctx, now, "no_local_backend")
 
-    async def wait_for_slot(self, ctx: RequestContext, until: float) -> Outcome:
+    async def wait_for_slot(
+        self, ctx: RequestContext, until: float,
+        gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> Outcome:
         """Hold ``ctx`` (below its fair share in a full region: :data:`WAIT_FOR_SLOT`) until a
         slot is handed to it: CONTINUE (route it again now, before anything else runs), or a
-        429 ``region_saturated`` at ``until`` (the clock's time). Its wait counts in its
-        flows' demand from the start."""
+        429 ``region_saturated`` at ``until`` (the clock's time), or :data:`CLIENT_GONE` when
+        ``gone()`` (the client's disconnect) ends first. Its wait counts in its flows'
+        demand from the start."""
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def wake() -> None:
@@ -316,15 +325,26 @@ class RouterState:
                 woken.set_result(None)
 
         waiter = self.tenants.wait(ctx.owner, ctx.subject, wake, self.clock())
+        listener = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             self.hand_slots()  # a slot may have freed without a request ending (metrics)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken, max(0.0, until - self.clock()))
-        except BaseException:  # cancelled (client gone): a slot handed to it goes on
+            waits: set[asyncio.Future[Any]] = {woken} if listener is None else {woken, listener}
+            await asyncio.wait(waits, timeout=max(0.0, until - self.clock()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: a slot handed to it goes on
             self.tenants.stop_waiting(waiter)
             self.hand_slots()
             raise
-        if self.tenants.stop_waiting(waiter):
+        finally:
+            if listener is not None and not listener.done():
+                listener.cancel()
+        handed = self.tenants.stop_waiting(waiter)
+        if listener is not None and listener.done() and not listener.cancelled():
+            listener.exception()  # a receive that failed: gone as well
+            if handed:
+                self.hand_slots()  # its slot goes to the next one
+            return CLIENT_GONE
+        if handed:
             return CONTINUE
         return self.routing.reject(ctx, self.clock(), "fair_wait")
 

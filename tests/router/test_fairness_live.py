@@ -343,3 +343,50 @@ async def test_a_wait_for_a_slot_is_bounded_by_max_fair_wait_ms(
     assert int(answer.headers["retry-after"]) >= 1
     assert "max_fair_wait_ms" in json.loads(answer.content)["error"]["message"]
     assert 0.4 <= waited < 2.5, waited  # it waited its bound, not for the stall (3 s)
+
+
+async def test_a_client_that_leaves_while_waiting_gives_up_its_place(
+    start_router: RouterFactory,
+) -> None:
+    # Room for 2, held by one end user's stalled streams; another user's request waits for
+    # a slot, then its client goes away: its place and its demand go at once (not when a slot
+    # frees or the bound passes), and no upstream request is made for it.
+    async with sim_server("h100-7b", faults=["stall:after=2,ms=3000"]) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "max_in_flight": 2}],
+        routing={"backend_max_waiting": 0, "max_fair_wait_ms": 10000},
+    ) as router:
+        state = router.app.state
+        tracker = state.routing.tracker
+        url = router.base_url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as client:
+            heads = asyncio.Queue[int]()
+
+            async def hold(i: int) -> None:
+                async with client.stream("POST", url, json=chat(f"hold {i}", 6),
+                                         headers=_subject_header(API_KEY, "abuser")) as answer:
+                    await heads.put(answer.status_code)
+                    await answer.aread()
+
+            holders = [asyncio.create_task(hold(i)) for i in range(2)]
+            assert [await asyncio.wait_for(heads.get(), 10) for _ in range(2)] == [200, 200]
+            async with httpx.AsyncClient(timeout=30) as leaving:
+                light = asyncio.create_task(leaving.post(
+                    url, json=chat("light", 6), headers=_subject_header(API_KEY, "light")))
+                for _ in range(100):  # bounded: 1 s
+                    if len(state.tenants.queue):
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(state.tenants.queue) == 1
+                light.cancel()
+            left = time.monotonic()
+            for _ in range(150):  # bounded: 1.5 s, well before the stall (3 s) ends
+                if not len(state.tenants.queue):
+                    break
+                await asyncio.sleep(0.01)
+            gone_after = time.monotonic() - left
+            light_demand = state.tenants.keys.waiting(owner_of(API_KEY))
+            requests = sum(b.requests for b in tracker.backends.values())
+            await asyncio.gather(*holders)
+    assert gone_after < 1.5, gone_after
+    assert light_demand == 0
+    assert requests == 2  # the two held streams only
