@@ -337,7 +337,9 @@ class RouterState:
             raise
         finally:
             if listener is not None and not listener.done():
-                listener.cancel()
+                listener.cancel()  # settled before the next receive (the stream's own)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
         handed = self.tenants.stop_waiting(waiter)
         if listener is not None and listener.done() and not listener.cancelled():
             listener.exception()  # a receive that failed: gone as well
