@@ -192,12 +192,14 @@ class FairShare(Generic[K]):
         other flow is starved (refused recently and below its share): the slot is free and
         nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
         mine = self.in_flight(flow) + self.waiting(flow)
-        quiet = not (self._asked_at or self._waiting or self._peak)
-        if quiet and self._total + 1 <= budget + _EPSILON:
-            # Nobody refused lately and room for this one (the common case: O(1), no
-            # sharing); the flow may take all that the others do not hold.
-            flows = len(self._in_flight) + (flow not in self._in_flight)
-            return Decision(True, mine, budget - (self._total - mine), flows)
+        if not (self._asked_at or self._waiting):
+            # Nobody refused lately or waiting, and room for this one besides what the flows
+            # that waited keep (the common case: no sharing, O(flows that waited)); the flow
+            # may take all that the others do not hold or keep.
+            kept = self._kept(now)
+            if self._total + 1 + kept <= budget + _EPSILON:
+                flows = len(self._in_flight) + (flow not in self._in_flight)
+                return Decision(True, mine, budget - (self._total - mine) - kept, flows)
         demands = self.demands(now, flow)
         total = sum(demands.values())
         if total <= budget + _EPSILON:  # expired asks left: still room for every demand
@@ -219,6 +221,12 @@ class FairShare(Generic[K]):
             del self._asked_at[flow]
         for flow in [k for k, (_, at) in self._peak.items() if now - at >= self.ask_window_s]:
             del self._peak[flow]
+
+    def _kept(self, now: float) -> float:
+        """What the flows that waited keep beyond what they hold (:meth:`wait`)."""
+        window = self.ask_window_s
+        return sum(max(0.0, peak - self.in_flight(k) - self.waiting(k))
+                   for k, (peak, at) in self._peak.items() if now - at < window)
 
     def _asking(self, now: float) -> list[K]:
         """Flows refused within the ask window, or keeping the demand they waited with."""

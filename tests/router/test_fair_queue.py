@@ -178,3 +178,22 @@ def test_a_flow_that_waited_keeps_its_peak_demand_for_the_window() -> None:
     # Past the window (and no wait since), the lull's slots are anyone's.
     assert flows.demands(0.1 + ASK_WINDOW_S) == {"light": 3.0, "heavy": 34.0}
     assert flows.decide("heavy", 40, 0.1 + ASK_WINDOW_S, weight_of=_one, contended=False).admit
+
+
+def test_what_a_flow_that_waited_keeps_still_leaves_room_for_others_at_once() -> None:
+    flows: FairShare[str] = FairShare()
+    for _ in range(2):
+        flows.started("light")
+    flows.wait("light", 0.0)  # it held 2 and waited for a 3rd: it keeps 3
+    flows.unwait("light")
+    flows.finished("light")
+    flows.finished("light")  # a lull: it holds 0, keeps 3
+    for _ in range(6):
+        flows.started("heavy")
+    # 10 slots: 6 held, 3 kept, 1 free: the heavy flow takes it (room for every demand) ...
+    took = flows.decide("heavy", 10, 1.0, weight_of=_one, contended=True)
+    assert (took.admit, took.share) == (True, 7.0)
+    flows.started("heavy")
+    # ... but not the kept ones: 7 held and 3 kept fill the 10.
+    kept = flows.decide("heavy", 10, 1.0, weight_of=_one, contended=True)
+    assert (kept.admit, kept.share) == (False, 7.0)
