@@ -24,6 +24,7 @@ __all__ = [
     "send_bytes",
     "stream_body",
     "unless_gone",
+    "until_disconnect",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -79,15 +80,18 @@ async def read_body(
             return b"".join(parts)[: limit + 1]
 
 
+async def until_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (every other message is dropped). Only for a
+    request whose body was read."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def unless_gone(receive: Receive, work: asyncio.Future[Any]) -> bool:
     """Wait for ``work`` while listening for the client's disconnect; True if ``work``
     finished first, False if the client went away first (``work`` is left running: the
     caller decides whether to cancel it). Only for a request whose body was read."""
-    async def gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.ensure_future(gone())
+    listener = asyncio.ensure_future(until_disconnect(receive))
     try:
         await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:

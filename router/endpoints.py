@@ -36,6 +36,7 @@ from .asgi import (
     send_bytes,
     stream_body,
     unless_gone,
+    until_disconnect,
 )
 from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
@@ -59,7 +60,7 @@ from .readers import (
     sse_events,
     trimmed_reply,
 )
-from .state import RouterState
+from .state import CLIENT_GONE, RouterState
 from .tenancy import refusal
 
 __all__ = [
@@ -168,7 +169,12 @@ async def _admitted(
         return None
     if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
         return None
-    if await _finish(state, send, ctx, await place(state, ctx), "chat"):
+    placed = await place(state, ctx, lambda: until_disconnect(receive))
+    if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer
+        state.metrics.count("chat", "client_gone")
+        ctx.outcome = "client_gone"
+        return None
+    if await _finish(state, send, ctx, placed, "chat"):
         return None
     return ctx
 

@@ -2,8 +2,12 @@
 passed in).
 
 A *flow* is whoever competes for a budget: an API key for the region's capacity, a subject
-(an app's end user) for its key's share. Each flow has requests in flight and, for a short
-while after it was refused (:data:`ASK_WINDOW_S`), one more it is still asking for. Its
+(an app's end user) for its key's share. Each flow has requests in flight, requests waiting
+for a slot (:mod:`firstbyte.router.fair_queue`) and, for a short while after it was refused
+(:data:`ASK_WINDOW_S`), one more it is still asking for; a flow that had to wait for a slot
+asks, for as long as it keeps starting requests within that window, for at least what it
+held and waited for then (its clients come back: the slots it frees in a lull are kept for it,
+not taken by a flow above its share). Its
 *share* is the weighted max-min fair allocation of the budget (:func:`water_fill`): no flow
 gets more than it asks for, and what one flow does not need is split among the others by
 weight. The decision (:meth:`FairShare.decide`) admits a request when the flow stays within its
@@ -66,7 +70,7 @@ class Decision:
 
     admit: bool
     in_flight: int
-    """The flow's requests in flight before this one."""
+    """The flow's requests in flight and waiting, before this one."""
     share: float
     """The flow's fair share of the budget, this request counted in its demand."""
     flows: int
@@ -81,13 +85,18 @@ class FairShare(Generic[K]):
         self._in_flight: dict[K, int] = {}
         self._total = 0
         self._asked_at: dict[K, float] = {}
+        self._waiting: dict[K, int] = {}
+        self._peak: dict[K, tuple[float, float]] = {}
+        """The most requests a flow held and waited for at once when one of them had to wait,
+        and when it last waited or started one: its demand is at least that until it is
+        quiet for the ask window."""
 
     def __len__(self) -> int:
         return len(self._in_flight)
 
     def active(self) -> bool:
-        """Whether any flow has a request in flight or was refused within the window."""
-        return bool(self._in_flight or self._asked_at)
+        """Whether any flow has a request in flight or waiting, or was refused lately."""
+        return bool(self._in_flight or self._asked_at or self._waiting or self._peak)
 
     def in_flight(self, flow: K) -> int:
         return self._in_flight.get(flow, 0)
@@ -95,11 +104,38 @@ class FairShare(Generic[K]):
     def total(self) -> int:
         return self._total
 
-    def started(self, flow: K) -> None:
-        """A request of ``flow`` was admitted (its demand is met: it asks no longer)."""
+    def waiting(self, flow: K) -> int:
+        return self._waiting.get(flow, 0)
+
+    def wait(self, flow: K, now: float | None = None) -> None:
+        """A request of ``flow`` waits for a slot from ``now``: it counts in the flow's demand
+        at once, and the flow's demand stays at least what it asks now (in flight and
+        waiting) while it keeps coming back: slots freed in its lulls are kept for it."""
+        self._waiting[flow] = self._waiting.get(flow, 0) + 1
+        if now is not None:
+            asks = float(self.in_flight(flow) + self._waiting[flow])
+            held = self._peak.get(flow)
+            if held is not None and now - held[1] < self.ask_window_s:
+                asks = max(asks, held[0])
+            self._peak[flow] = (asks, now)
+
+    def unwait(self, flow: K) -> None:
+        """A request of ``flow`` stopped waiting (it got its slot, or gave up)."""
+        left = self._waiting.get(flow, 0) - 1
+        if left > 0:
+            self._waiting[flow] = left
+        else:
+            self._waiting.pop(flow, None)
+
+    def started(self, flow: K, now: float | None = None) -> None:
+        """A request of ``flow`` was admitted at ``now`` (its demand is met: it asks no
+        longer; a flow that waited keeps the demand it waited with, :meth:`wait`)."""
         self._in_flight[flow] = self._in_flight.get(flow, 0) + 1
         self._total += 1
         self._asked_at.pop(flow, None)
+        peak = self._peak.get(flow)
+        if now is not None and peak is not None and now - peak[1] < self.ask_window_s:
+            self._peak[flow] = (peak[0], now)
 
     def finished(self, flow: K) -> None:
         """A request of ``flow`` ended (an idle flow is forgotten)."""
@@ -117,14 +153,20 @@ class FairShare(Generic[K]):
         self._asked_at[flow] = now
 
     def demands(self, now: float, asking: K | None = None) -> dict[K, float]:
-        """What each flow asks for: its requests in flight, one more if refused recently
+        """What each flow asks for: its requests in flight and waiting, one more if refused
+        recently, at least what it asked when it last had to wait while it keeps coming back
         (``asking``: the flow deciding now, one more in any case)."""
         out: dict[K, float] = {k: float(n) for k, n in self._in_flight.items()}
+        for flow, n in self._waiting.items():
+            out[flow] = out.get(flow, 0.0) + n
         for flow, at in self._asked_at.items():
             if now - at < self.ask_window_s:
                 out[flow] = out.get(flow, 0.0) + 1.0
         if asking is not None:
-            out[asking] = float(self.in_flight(asking) + 1)
+            out[asking] = float(self.in_flight(asking) + self.waiting(asking) + 1)
+        for flow, (peak, at) in self._peak.items():
+            if now - at < self.ask_window_s and peak > out.get(flow, 0.0):
+                out[flow] = peak
         return out
 
     def shares(
@@ -143,17 +185,21 @@ class FairShare(Generic[K]):
         weight_of: Callable[[K], float],
         contended: bool,
     ) -> Decision:
-        """Admit ``flow``'s new request if it stays within its share of ``budget``.
+        """Admit ``flow``'s new request if it stays within its share of ``budget``, counting
+        the flow's waiting requests ahead of it.
 
         Over its share it is still admitted while the budget is not ``contended`` and no
         other flow is starved (refused recently and below its share): the slot is free and
         nobody else wants it. A refusal is not recorded here (call :meth:`asked`)."""
-        mine = self.in_flight(flow)
-        if not self._asked_at and self._total + 1 <= budget + _EPSILON:
-            # Nobody refused lately and room for this one (the common case: O(1), no
-            # sharing); the flow may take all that the others do not hold.
-            flows = len(self._in_flight) + (flow not in self._in_flight)
-            return Decision(True, mine, budget - (self._total - mine), flows)
+        mine = self.in_flight(flow) + self.waiting(flow)
+        if not (self._asked_at or self._waiting):
+            # Nobody refused lately or waiting, and room for this one besides what the flows
+            # that waited keep (the common case: no sharing, O(flows that waited)); the flow
+            # may take all that the others do not hold or keep.
+            kept = self._kept(now)
+            if self._total + 1 + kept <= budget + _EPSILON:
+                flows = len(self._in_flight) + (flow not in self._in_flight)
+                return Decision(True, mine, budget - (self._total - mine) - kept, flows)
         demands = self.demands(now, flow)
         total = sum(demands.values())
         if total <= budget + _EPSILON:  # expired asks left: still room for every demand
@@ -164,9 +210,8 @@ class FairShare(Generic[K]):
         admit = within
         if not within and not contended:
             admit = not any(
-                k != flow and now - at < self.ask_window_s
-                and self.in_flight(k) + 1 <= shares.get(k, 0.0) + _EPSILON
-                for k, at in self._asked_at.items()
+                k != flow and self.in_flight(k) + 1 <= shares.get(k, 0.0) + _EPSILON
+                for k in (*self._asking(now), *self._waiting)
             )
         return Decision(admit, mine, share, len(shares))
 
@@ -174,3 +219,17 @@ class FairShare(Generic[K]):
         """Drop refusals older than the ask window (housekeeping)."""
         for flow in [k for k, at in self._asked_at.items() if now - at >= self.ask_window_s]:
             del self._asked_at[flow]
+        for flow in [k for k, (_, at) in self._peak.items() if now - at >= self.ask_window_s]:
+            del self._peak[flow]
+
+    def _kept(self, now: float) -> float:
+        """What the flows that waited keep beyond what they hold (:meth:`wait`)."""
+        window = self.ask_window_s
+        return sum(max(0.0, peak - self.in_flight(k) - self.waiting(k))
+                   for k, (peak, at) in self._peak.items() if now - at < window)
+
+    def _asking(self, now: float) -> list[K]:
+        """Flows refused within the ask window, or keeping the demand they waited with."""
+        window = self.ask_window_s
+        return [*(k for k, at in self._asked_at.items() if now - at < window),
+                *(k for k, (_, at) in self._peak.items() if now - at < window)]

@@ -61,6 +61,7 @@ from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.context import (
     CONTINUE,
     FailCause,
+    Fallback,
     LocalReply,
     Outcome,
     RequestContext,
@@ -72,10 +73,18 @@ from .spill import SpillBudget, SpillSlot
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
 
-__all__ = ["REJECTION_REASONS", "FairCheck", "Observation", "RegionRouting", "draining_reply"]
+__all__ = [
+    "REJECTION_REASONS", "WAIT_FOR_SLOT", "FairCheck", "Observation", "RegionRouting",
+    "draining_reply",
+]
 
 FairCheck = Callable[[RequestContext, float], "LocalReply | bool"]
 """``(ctx, now)`` -> queue it (True), refuse it as before (False) or this refusal."""
+
+WAIT_FOR_SLOT = Fallback("below its fair share in a full region: wait for a slot")
+"""What :meth:`RegionRouting.route` answers for a request that waits for a slot of the full
+region (``routing.max_fair_wait_ms``): the caller waits (:meth:`firstbyte.router.state.
+RouterState.wait_for_slot`) and routes it again; it never reaches a client."""
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CHARS_PER_TOKEN = 4.0
@@ -92,6 +101,7 @@ REJECTION_REASONS = {
     "spill_budget": "its budget of requests spilled to other regions is used up",
     "saturated_forwarded": "this request was already forwarded by another region",
     "no_local_backend": "no backend of it can take this request",
+    "fair_wait": "no slot freed for this request within routing.max_fair_wait_ms",
 }
 """Why a request was answered 429 here (the access log's ``reason``), and the sentence the
 client reads after "Region R is at capacity and"."""
@@ -474,7 +484,8 @@ class RegionRouting:
 
         Where the region is full and the request would be refused, ``share`` (the fair
         share of the keys asking, :meth:`firstbyte.router.tenancy.Tenants.fair_refusal`) says
-        whether it is queued on a backend anyway (below its share), refused with its own
+        whether it waits for a slot (below its share: :data:`WAIT_FOR_SLOT`; queued on a
+        backend past its limit when ``routing.max_fair_wait_ms`` is 0), is refused with its own
         answer (above it), or refused as before (``False``: it alone fills the region)."""
         request = ctx.request
         assert request is not None
@@ -541,6 +552,8 @@ class RegionRouting:
             if isinstance(verdict, LocalReply):
                 self.outcomes[(self.region, "", "rejected")] += 1
                 return verdict
+            if verdict and self.config.routing.max_fair_wait_ms > 0:
+                return WAIT_FOR_SLOT  # below its fair share: it waits here for a slot
             if verdict:  # below its fair share: it waits on a backend, others are held
                 queued = self._choose(request, self.tracker.healthy(), now, "fair_share")
         if queued is not None:

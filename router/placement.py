@@ -3,7 +3,9 @@
 In memory (the default) they are plain synchronous stages, in this order:
 :func:`~firstbyte.router.tenancy.limit_key` (concurrency, room in the store, rate),
 :meth:`~firstbyte.router.multiregion.RegionRouting.route` (region, then backend by affinity
-and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`.
+and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`. A request below its
+fair share in a full region waits for a slot between routing and its retry (``_route``,
+``routing.max_fair_wait_ms``; with shared state, for the slots this process sees free).
 
 With shared state (``state.redis_url``) the counts are region-wide, in Redis
 (:mod:`firstbyte.router.shared.admission`). Routing decides first, as in memory, with the other
@@ -22,9 +24,10 @@ by ``RequestContext.release_key_slot``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from .multiregion import Observation
+from .multiregion import WAIT_FOR_SLOT, Observation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
 from .shared.admission import Affinity, Verdict
@@ -43,29 +46,55 @@ _STICKY = ("affinity", "new-key")
 """Choices that follow (or start) a prompt's affinity; balance and queue choices do not."""
 
 
-async def place(state: RouterState, ctx: RequestContext) -> Outcome:
-    """Apply the key's limits and choose the region and backend (see the module docstring)."""
+async def place(
+    state: RouterState, ctx: RequestContext, gone: Callable[[], Awaitable[object]] | None = None
+) -> Outcome:
+    """Apply the key's limits and choose the region and backend (see the module docstring).
+
+    ``gone()`` ends when the client disconnects: a request waiting for a slot then gives up
+    its place (:data:`~firstbyte.router.state.CLIENT_GONE`)."""
     if state.shared is None:
         outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
         if outcome is CONTINUE:
             outcome = state.fair_gate(ctx)
         if outcome is CONTINUE:
-            outcome = state.routing.route(ctx, state.fair_check)
+            outcome = await _route(state, ctx, gone=gone)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is CONTINUE:
             _hold(state, ctx)
         return outcome
-    outcome = await _place_shared(state, state.shared.admission, ctx)
+    outcome = await _place_shared(state, state.shared.admission, ctx, gone)
     if outcome is CONTINUE:
         _hold(state, ctx)
+    return outcome
+
+
+async def _route(
+    state: RouterState, ctx: RequestContext, first: bool = True,
+    gone: Callable[[], Awaitable[object]] | None = None,
+) -> Outcome:
+    """Route ``ctx`` (:meth:`~firstbyte.router.multiregion.RegionRouting.route`). Below its
+    fair share in a full region it waits for a slot (``routing.max_fair_wait_ms`` in all),
+    and is routed again the moment one is handed to it; a ``first`` try does not overtake
+    requests already waiting (:meth:`~firstbyte.router.state.RouterState.fair_turn`)."""
+    outcome = state.fair_turn(ctx) if first else CONTINUE
+    if outcome is CONTINUE:
+        outcome = state.routing.route(ctx, state.fair_check)
+    until: float | None = None
+    while outcome is WAIT_FOR_SLOT:
+        if until is None:
+            until = state.clock() + state.config.routing.max_fair_wait_ms / 1000.0
+        outcome = await state.wait_for_slot(ctx, until, gone)
+        if outcome is CONTINUE:
+            outcome = state.routing.route(ctx, state.fair_check)
     return outcome
 
 
 def _hold(state: RouterState, ctx: RequestContext) -> None:
     """Count the admitted request for its key and subject until it ends (with the region-wide
     key slot, if any: both go back through ``ctx.release_key_slot``)."""
-    release_share = state.tenants.hold(ctx.owner, ctx.subject)
+    release_share = state.tenants.hold(ctx.owner, ctx.subject, state.clock())
     release_slot = ctx.release_key_slot
 
     def release() -> None:
@@ -84,7 +113,8 @@ def release_key_slot(ctx: RequestContext) -> None:
 
 
 async def _place_shared(
-    state: RouterState, admission: SharedAdmission, ctx: RequestContext
+    state: RouterState, admission: SharedAdmission, ctx: RequestContext,
+    gone: Callable[[], Awaitable[object]] | None = None,
 ) -> Outcome:
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
@@ -97,8 +127,8 @@ async def _place_shared(
         return gate
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
     learned: str | None = None
-    for _ in range(len(routing.tracker.backends) + 2):
-        outcome = routing.route(ctx, state.fair_check)
+    for attempt in range(len(routing.tracker.backends) + 2):
+        outcome = await _route(state, ctx, first=attempt == 0, gone=gone)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is not CONTINUE:

@@ -143,6 +143,12 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend_eject_s: PositiveSeconds = 10.0
     """An ejected backend (first-byte timeout, 5xx) stays out of rotation at least this long;
     then a metrics scrape that answers re-admits it (without scrapes: it is tried again)."""
+    max_fair_wait_ms: NonNegMs = 5000.0
+    """A saturated region that cannot spill holds a request below its fair share (of its key,
+    then of its subject) in this process for a free slot, at most this long, instead of
+    sending it past a backend's limit; past it: 429 ``region_saturated``. A slot that frees
+    goes to the waiter of the flow furthest below its share before any new arrival. 0: no
+    waiting (such a request is queued on a backend, past its limit)."""
 
 
 class WarmPrefixConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -17,18 +17,18 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
 from .config import RouterConfig
 from .cors import CorsPolicy
 from .metrics import Metrics
-from .multiregion import RegionRouting
+from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
 from .pipeline.backend import Backend, BackendPool
-from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext
+from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
@@ -38,7 +38,11 @@ from .tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants, refusal
 if TYPE_CHECKING:
     from .hosting.quic import Http3Status
 
-__all__ = ["RouterState"]
+__all__ = ["CLIENT_GONE", "RouterState"]
+
+CLIENT_GONE = Fallback("the client went away while its request waited for a slot")
+"""What :meth:`RouterState.wait_for_slot` answers when the client left first: nothing is
+sent (the caller counts it as ``client_gone``)."""
 
 _ROUTING_SECTIONS = ("upstreams", "peers", "warm_prefixes", "warmup", "routing", "geo")
 """Config sections :class:`RegionRouting` is built from."""
@@ -104,8 +108,8 @@ class RouterState:
         self.shared: SharedState | None = connect(config)
         """The region's shared state (Redis), or None: everything in this process's memory."""
         if self.shared is not None:
-            self.routing.released = self.shared.admission.release_backend
             self.routing.claim = self.shared.admission.claim_backend
+        self.routing.released = self._released
         self._sharing: asyncio.Task[None] | None = None
         spans: SpanSink | None = None
         if config.telemetry.otlp_endpoint is not None:
@@ -119,6 +123,11 @@ class RouterState:
         self._warming: asyncio.Task[bool] | None = None
         self.metrics.add_gauge_source(
             "firstbyte_router_streams", "Streams held in the store.", lambda: len(self.store)
+        )
+        self.metrics.add_gauge_source(
+            "firstbyte_router_requests_waiting_for_slot",
+            "Requests below their fair share waiting for a slot of the full region.",
+            lambda: len(self.tenants.queue),
         )
         self.metrics.add_gauge_source(
             "firstbyte_router_stream_store_bytes",
@@ -298,6 +307,80 @@ class RouterState:
         )
         return CONTINUE if refused is None else refusal(refused)
 
+    def _released(self, backend: str) -> None:
+        """A request on ``backend`` ended or moved away: give back its region-wide slot
+        (shared state), then hand the slot to whoever waits for one."""
+        if self.shared is not None:
+            self.shared.admission.release_backend(backend)
+        self.hand_slots()
+
+    def hand_slots(self) -> int:
+        """Wake as many waiting requests as the region has free slots not yet handed
+        (:meth:`Tenants.hand_slots`); how many woke."""
+        if not len(self.tenants.queue):
+            return 0
+        return self.tenants.hand_slots(self.free_slots(self.clock()))
+
+    def free_slots(self, now: float) -> int:
+        """Slots free on this region's backends (below their limits), by the tracker."""
+        tracker = self.routing.tracker
+        return sum(max(0, tracker[n].limit - tracker.load(n, now)) for n in tracker.available(now))
+
+    def fair_turn(self, ctx: RequestContext) -> Outcome:
+        """A new request while others wait for a slot (or hold one handed to them): it does
+        not take a slot before them. CONTINUE when a free slot is left over; else below its
+        fair share it waits too (:data:`WAIT_FOR_SLOT`), above it it is refused with its own
+        429, and a flow asking alone is refused as a full region."""
+        queue = self.tenants.queue
+        now = self.clock()
+        if not queue.busy() or (not len(queue) and self.free_slots(now) > queue.handed):
+            return CONTINUE
+        verdict = self.fair_check(ctx, now)
+        if isinstance(verdict, LocalReply):
+            return verdict
+        return WAIT_FOR_SLOT if verdict else self.routing.reject(ctx, now, "no_local_backend")
+
+    async def wait_for_slot(
+        self, ctx: RequestContext, until: float,
+        gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> Outcome:
+        """Hold ``ctx`` (below its fair share in a full region: :data:`WAIT_FOR_SLOT`) until a
+        slot is handed to it: CONTINUE (route it again now, before anything else runs), or a
+        429 ``region_saturated`` at ``until`` (the clock's time), or :data:`CLIENT_GONE` when
+        ``gone()`` (the client's disconnect) ends first. Its wait counts in its flows'
+        demand from the start."""
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        waiter = self.tenants.wait(ctx.owner, ctx.subject, wake, self.clock())
+        listener = asyncio.ensure_future(gone()) if gone is not None else None
+        try:
+            self.hand_slots()  # a slot may have freed without a request ending (metrics)
+            waits: set[asyncio.Future[Any]] = {woken} if listener is None else {woken, listener}
+            await asyncio.wait(waits, timeout=max(0.0, until - self.clock()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: a slot handed to it goes on
+            self.tenants.stop_waiting(waiter)
+            self.hand_slots()
+            raise
+        finally:
+            if listener is not None and not listener.done():
+                listener.cancel()  # settled before the next receive (the stream's own)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
+        handed = self.tenants.stop_waiting(waiter)
+        if listener is not None and listener.done() and not listener.cancelled():
+            listener.exception()  # a receive that failed: gone as well
+            if handed:
+                self.hand_slots()  # its slot goes to the next one
+            return CLIENT_GONE
+        if handed:
+            return CONTINUE
+        return self.routing.reject(ctx, self.clock(), "fair_wait")
+
     def _fair_capacity(self) -> float:
         """What the keys share: the region's backends' limits, plus the requests routed to
         peer regions (they hold no slot here, but count in each key's in-flight)."""
@@ -312,6 +395,7 @@ class RouterState:
         self.report_limiter.forget_idle(now)
         self.tenants.forget_asks(now)
         self.client_latency.served.forget_old(now)
+        self.hand_slots()  # slots freed by others' traffic going (backend metrics)
         grace = self.config.streams.resume_grace_s
         for stream in self.store.running():
             if stream.unattended_for(now) >= grace and stream.cancel_producer is not None:

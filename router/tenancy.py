@@ -5,7 +5,8 @@ By default a key has no hard cap: it takes what the region has room for. When th
 full (every backend at its limit: the point where routing would queue or answer
 ``region_saturated``), the region's capacity is shared by weighted max-min fairness over the
 keys asking (:mod:`firstbyte.router.fair_share`, weights from ``[[auth.keys]]``): a key below
-its share is still admitted (queued on a backend), a key at or above it gets
+its share is still admitted (it waits for the next slot that frees, :attr:`Tenants.queue`; with
+``routing.max_fair_wait_ms = 0``, queued on a backend), a key at or above it gets
 ``key_over_fair_share``. Inside a key the same applies between its *subjects* (its end users:
 a client token's subject, or the ``x-firstbyte-subject`` header, ``safety_identifier`` or
 ``user`` of a server-side request): each gets a fair share of its key's share, so one abusive
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.tokens import MAX_SUBJECT_CHARS
 
+from .fair_queue import FairQueue, Waiter
 from .fair_share import FairShare
 from .pipeline.context import CONTINUE, LocalReply, Outcome, RequestContext, error_reply
 from .streams import StoreFull, StreamStore
@@ -236,6 +238,9 @@ class Tenants:
     limiter: KeyLimiter
     keys: FairShare[bytes] = field(default_factory=FairShare)
     subjects: dict[bytes, FairShare[str]] = field(default_factory=dict)
+    queue: FairQueue[Callable[[], object]] = field(default_factory=FairQueue)
+    """Requests below their share waiting for a slot of the full region; an item wakes its
+    request (:meth:`wait`, :meth:`hand_slots`)."""
 
     def subjects_of(self, owner: bytes) -> FairShare[str]:
         found = self.subjects.get(owner)
@@ -243,11 +248,14 @@ class Tenants:
             found = self.subjects[owner] = FairShare()
         return found
 
-    def hold(self, owner: bytes, subject: str | None) -> Callable[[], None]:
-        """Count a request of ``owner``/``subject`` in flight; the call that ends it (once)."""
+    def hold(
+        self, owner: bytes, subject: str | None, now: float | None = None
+    ) -> Callable[[], None]:
+        """Count a request of ``owner``/``subject`` in flight from ``now``; the call that
+        ends it (once)."""
         name = subject or ""
-        self.keys.started(owner)
-        self.subjects_of(owner).started(name)
+        self.keys.started(owner, now)
+        self.subjects_of(owner).started(name, now)
         held = True
 
         def release() -> None:
@@ -262,6 +270,49 @@ class Tenants:
 
         return release
 
+    def wait(
+        self, owner: bytes, subject: str | None, wake: Callable[[], object],
+        now: float | None = None,
+    ) -> Waiter[Callable[[], object]]:
+        """Queue a request of ``owner``/``subject`` for a slot; it counts in both flows'
+        demand at once (a light user's first request is never refused for fairness).
+        ``wake`` is called when a slot is handed to it; :meth:`stop_waiting` ends it."""
+        name = subject or ""
+        self.keys.wait(owner, now)
+        self.subjects_of(owner).wait(name, now)
+        return self.queue.push(owner, name, wake)
+
+    def stop_waiting(self, waiter: Waiter[Callable[[], object]]) -> bool:
+        """The request of ``waiter`` waits no more (call once); True if it had been handed a
+        slot (it takes it now: :attr:`FairQueue.handed` goes down), False if it gave up."""
+        handed = not self.queue.remove(waiter)
+        if handed:
+            self.queue.taken()
+        self.keys.unwait(waiter.key)
+        subjects = self.subjects_of(waiter.key)
+        subjects.unwait(waiter.subject)
+        if not subjects.active():
+            del self.subjects[waiter.key]
+        return handed
+
+    def hand_slots(self, free: int) -> int:
+        """Wake waiters, the flow furthest below its share first (:meth:`FairQueue.pop`),
+        while the region's ``free`` slots exceed those already handed; how many woke."""
+        woken = 0
+        while free > self.queue.handed:
+            waiter = self.queue.pop(self._key_usage, self._subject_usage)
+            if waiter is None:
+                break
+            waiter.item()
+            woken += 1
+        return woken
+
+    def _key_usage(self, owner: bytes) -> float:
+        return self.keys.in_flight(owner) / self.limiter.weight(owner)
+
+    def _subject_usage(self, owner: bytes, subject: str) -> float:
+        return float(self.subjects_of(owner).in_flight(subject))
+
     def fair_refusal(
         self, ctx: RequestContext, capacity: float, now: float, retry_after_s: int,
         *, full: bool = True,
@@ -271,9 +322,9 @@ class Tenants:
 
         ``full``: every backend is at its limit. Then the budget shared is what this process
         has in flight, at most ``capacity`` (the backends' other traffic is not ours to
-        share); a request admitted here waits on a backend while the flows above their share
-        are held, and one key's one subject asking alone gets :data:`ALONE` (the caller
-        refuses it as a full region). Not full, the budget is ``capacity`` and the answer
+        share); a request admitted here waits for a slot (:meth:`wait`) while the flows above
+        their share are held, and one key's one subject asking alone gets :data:`ALONE` (the
+        caller refuses it as a full region). Not full, the budget is ``capacity`` and the answer
         is None unless the demands of the flows asking (in flight, refused a moment ago,
         this request) exceed it: then a free slot goes to a flow below its share, not to
         one above it that happened to ask first."""

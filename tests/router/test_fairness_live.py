@@ -249,3 +249,144 @@ async def test_token_subjects_share_the_key_and_read_only_their_own_streams(
     assert second.status_code == 429
     assert _code(second) == "subject_concurrency_exceeded"
     assert int(second.headers["retry-after"]) >= 1
+
+
+async def test_a_user_beside_an_abuser_on_a_full_region_waits_its_turn_within_the_limit(
+    start_router: RouterFactory,
+) -> None:
+    # One key, room for 4 (the sim runs 4 at once and queues the rest): one end user holds
+    # 12 closed-loop streams and fills the region; then two light users stream one request
+    # after another. A light user's request is below its share: it waits in the router for
+    # the next slot that frees (before the abuser's next request), never refused and never
+    # sent past the backend's limit to wait in the sim's queue behind the abuser's.
+    capacity = 4
+    async with sim_server("h100-7b", max_num_seqs=capacity) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "max_in_flight": capacity}],
+        routing={"backend_max_waiting": 0},
+    ) as router:
+        tracker = router.app.state.routing.tracker
+        url = router.base_url + "/v1/chat/completions"
+        peak = 0
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, tracker.in_flight())
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.create_task(sample())
+        abuse = asyncio.create_task(_closed_loops(url, 5.0, {(API_KEY, "abuser"): 12}))
+        for _ in range(200):  # the abuser fills the region first (bounded: 2 s)
+            if tracker.in_flight() >= capacity:
+                break
+            await asyncio.sleep(0.01)
+        assert tracker.in_flight() >= capacity
+        users, _ = await _closed_loops(url, 3.0, {(API_KEY, "u1"): 1, (API_KEY, "u2"): 1})
+        abuser, _ = await abuse
+        stop.set()
+        await sampler
+    light = users[(API_KEY, "u1")] + users[(API_KEY, "u2")]
+    assert Counter(a.status_code for a in light) == {200: len(light)}
+    assert all(_served(users[(API_KEY, s)]) >= 3 for s in ("u1", "u2"))
+    assert all(a.content.endswith(b"data: [DONE]\n\n") for a in light)
+    # Nothing went past the backend's limit (the old path queued the users' requests there).
+    assert peak <= capacity, peak
+    refused = Counter(_code(a) for a in abuser[(API_KEY, "abuser")] if a.status_code == 429)
+    assert refused["subject_over_fair_share"] > 0, refused
+
+
+async def test_a_wait_for_a_slot_is_bounded_by_max_fair_wait_ms(
+    start_router: RouterFactory,
+) -> None:
+    # Room for 2, both held by one end user's streams that stall 3 s after their first
+    # tokens: another user's request (below its share) waits for a slot, and when none frees
+    # within routing.max_fair_wait_ms (0.4 s) it gets the full region's 429, not a hang.
+    async with sim_server("h100-7b", faults=["stall:after=2,ms=3000"]) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "max_in_flight": 2}],
+        routing={"backend_max_waiting": 0, "max_fair_wait_ms": 400},
+    ) as router:
+        tracker = router.app.state.routing.tracker
+        url = router.base_url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as client:
+            heads = asyncio.Queue[int]()
+
+            async def hold(i: int) -> None:
+                async with client.stream("POST", url, json=chat(f"hold {i}", 6),
+                                         headers=_subject_header(API_KEY, "abuser")) as answer:
+                    await heads.put(answer.status_code)
+                    await answer.aread()
+
+            holders = [asyncio.create_task(hold(i)) for i in range(2)]
+            assert [await asyncio.wait_for(heads.get(), 10) for _ in range(2)] == [200, 200]
+            assert tracker.in_flight() == 2
+            started = time.monotonic()
+            light = asyncio.create_task(client.post(url, json=chat("light", 6),
+                                                    headers=_subject_header(API_KEY, "light")))
+            gauge = "firstbyte_router_requests_waiting_for_slot"
+            seen = ""
+            for _ in range(30):  # it waits: the gauge says so (bounded: 0.3 s)
+                seen = (await client.get(router.base_url + "/metrics", headers=auth())).text
+                if f"\n{gauge} 1" in seen:
+                    break
+                await asyncio.sleep(0.01)
+            answer = await light
+            waited = time.monotonic() - started
+            assert tracker.in_flight() <= 2
+            after = (await client.get(router.base_url + "/metrics", headers=auth())).text
+            await asyncio.gather(*holders)
+    assert f"\n{gauge} 1" in seen
+    assert f"\n{gauge} 0" in after
+    assert 'firstbyte_route_rejections_total{reason="fair_wait"} 1' in after
+    assert answer.status_code == 429, answer.text
+    assert _code(answer) == "region_saturated"
+    assert int(answer.headers["retry-after"]) >= 1
+    assert "max_fair_wait_ms" in json.loads(answer.content)["error"]["message"]
+    assert 0.4 <= waited < 2.5, waited  # it waited its bound, not for the stall (3 s)
+
+
+async def test_a_client_that_leaves_while_waiting_gives_up_its_place(
+    start_router: RouterFactory,
+) -> None:
+    # Room for 2, held by one end user's stalled streams; another user's request waits for
+    # a slot, then its client goes away: its place and its demand go at once (not when a slot
+    # frees or the bound passes), and no upstream request is made for it.
+    async with sim_server("h100-7b", faults=["stall:after=2,ms=3000"]) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "max_in_flight": 2}],
+        routing={"backend_max_waiting": 0, "max_fair_wait_ms": 10000},
+    ) as router:
+        state = router.app.state
+        tracker = state.routing.tracker
+        url = router.base_url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as client:
+            heads = asyncio.Queue[int]()
+
+            async def hold(i: int) -> None:
+                async with client.stream("POST", url, json=chat(f"hold {i}", 6),
+                                         headers=_subject_header(API_KEY, "abuser")) as answer:
+                    await heads.put(answer.status_code)
+                    await answer.aread()
+
+            holders = [asyncio.create_task(hold(i)) for i in range(2)]
+            assert [await asyncio.wait_for(heads.get(), 10) for _ in range(2)] == [200, 200]
+            async with httpx.AsyncClient(timeout=30) as leaving:
+                light = asyncio.create_task(leaving.post(
+                    url, json=chat("light", 6), headers=_subject_header(API_KEY, "light")))
+                for _ in range(100):  # bounded: 1 s
+                    if len(state.tenants.queue):
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(state.tenants.queue) == 1
+                light.cancel()
+            left = time.monotonic()
+            for _ in range(150):  # bounded: 1.5 s, well before the stall (3 s) ends
+                if not len(state.tenants.queue):
+                    break
+                await asyncio.sleep(0.01)
+            gone_after = time.monotonic() - left
+            light_demand = state.tenants.keys.waiting(owner_of(API_KEY))
+            requests = sum(b.requests for b in tracker.backends.values())
+            await asyncio.gather(*holders)
+    assert gone_after < 1.5, gone_after
+    assert light_demand == 0
+    assert requests == 2  # the two held streams only
