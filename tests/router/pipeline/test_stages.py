@@ -16,6 +16,7 @@ from firstbyte.router.pipeline.context import (
     RequestContext,
     Traceparent,
 )
+from firstbyte.router.streams import owner_of
 
 KEYS = [b"sk-one-00000000", b"sk-two-00000000"]
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -134,7 +135,8 @@ def test_a_request_by_key_names_its_subject_a_token_keeps_its_own() -> None:
     assert subject({}, _body(user="x" * 500)) == "sha256:" + hashlib.sha256(
         b"x" * 500).hexdigest()
     signer = TokenSigner(b"k" * 32, max_ttl_s=60, default_ttl_s=60)
-    token = signer.mint(b"owner", time.time(), subject="alice").token
+    # A token of a configured key (one of a removed key's is refused as revoked).
+    token = signer.mint(owner_of(KEYS[0].decode()), time.time(), subject="alice").token
     by_token = ctx({"authorization": f"Bearer {token}", "x-firstbyte-subject": "mallory"},
                    _body(user="mallory"))
     assert admit_chat(by_token, KEYS, 1 << 20, tokens=signer) is CONTINUE
