@@ -12,6 +12,7 @@ yet when a live stream's headers go out, so it appears on non-streamed replies a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from urllib.parse import parse_qs
 
@@ -52,6 +53,7 @@ from .pipeline.context import (
 )
 from .placement import place, release_key_slot
 from .readers import ReadableStream, parse_after, poll, sse_events
+from .shared.errors import StateUnavailable, unavailable_reply
 from .state import RouterState
 from .tenancy import refusal
 
@@ -321,7 +323,10 @@ async def _lookup(
     outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         return outcome
-    stream = await state.find_stream(stream_id, ctx.owner)
+    try:
+        stream = await state.find_stream(stream_id, ctx.owner)
+    except StateUnavailable as exc:
+        return unavailable_reply(exc)
     if stream is None:
         return error_reply(
             404,
@@ -619,7 +624,8 @@ async def edge_timings(state: RouterState, scope: Scope, receive: Receive, send:
     for record in report.records:
         found = None
         if record.stream_id is not None:
-            found = await state.find_stream(record.stream_id, owner)
+            with contextlib.suppress(StateUnavailable):  # judged without the server's TTFT
+                found = await state.find_stream(record.stream_id, owner)
         server_ttft.append(None if found is None else found.upstream_ttft_ms)
     refused = latency.refusal(report, server_ttft)
     if refused is not None:

@@ -38,6 +38,7 @@ from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .placement import place
 from .readers import ReadableStream, follow
+from .shared.errors import StateUnavailable, unavailable_reply
 from .state import RouterState
 
 __all__ = ["websocket_session"]
@@ -152,7 +153,13 @@ class _Session:
         self._follow(stream, 0)
 
     async def _resume(self, message: Resume) -> None:
-        stream = await self.state.find_stream(message.stream, self.ctx.owner)
+        try:
+            stream = await self.state.find_stream(message.stream, self.ctx.owner)
+        except StateUnavailable as exc:  # the socket stays: the client may resume again
+            refused = unavailable_reply(exc)
+            self.state.metrics.count_reply("ws", refused)
+            await self.send(_error(message.stream, refused.body, refused.status))
+            return
         if stream is None:
             await self.send(
                 _error(
