@@ -29,6 +29,8 @@ from firstbyte.protocol import error_codes
 from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.shared import connect
 from firstbyte.router.shared.admission import Affinity, Verdict
+from firstbyte.router.shared.keys import Keys
+from firstbyte.router.shared.tickets import PAUSE_S, RedisTicketStore
 from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import auth, client_tls
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
@@ -325,3 +327,34 @@ def test_right_password_passes_check_config(
                    _free_port())
     done = _run_cli("--check-config", str(path))
     assert (done.returncode, done.stdout.strip()) == (0, "OK"), done.stderr
+
+
+def test_ticket_store_stops_asking_a_frozen_redis_for_a_moment() -> None:
+    """aioquic calls the ticket store synchronously in every handshake: with Redis frozen
+    each call stalled the whole event loop for the timeout."""
+    with _own_redis() as server:
+        store = RedisTicketStore(server.url, Keys("tickets:"), timeout_s=2.0)
+        try:
+            assert store.pop(b"nothing") is None  # connected, answered
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                assert store.pop(b"label") is None
+                assert time.monotonic() - started >= 1.9  # waited out the timeout, once
+                started = time.monotonic()
+                assert store.pop(b"label") is None
+                assert store.pop(b"label") is None
+                assert time.monotonic() - started < 1.0  # not twice more
+                assert (store.failures, store.skipped) == (1, 2)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            time.sleep(PAUSE_S)
+            redis.Redis(host=server.host, port=server.port).set(
+                Keys("tickets:").ticket(b"label"), b"not a ticket"
+            )
+            assert store.pop(b"label") is None  # asked again: found, failed to decode
+            assert store.failures == 2
+            assert store.pop(b"label") is None  # taken once (GETDEL): no pause after decode
+            assert store.skipped == 2
+        finally:
+            store.close()
