@@ -36,6 +36,7 @@ import hmac
 import inspect
 import logging
 import math
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from redis.exceptions import ResponseError
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
+from ..hosting.limits import Throttle
 from ..streams import Stream, StreamEvent
 from .background import Background
 from .errors import StateUnavailable, describe
@@ -59,6 +61,8 @@ __all__ = ["RemoteStream", "SharedStreams", "lost_event"]
 log = logging.getLogger("firstbyte.router.shared")
 
 _FIELD = b"d"
+_throttle = Throttle(10.0)
+"""Redis away: one warning per 10 s per kind (writes, follows), not one per attempt."""
 _FOLLOW_BLOCK_MS = 250
 """Longest ``XREAD BLOCK`` of the follower: a stream that joins while a read is being sent
 (so ``CLIENT UNBLOCK`` found nothing to unblock) waits at most this for its live events."""
@@ -481,7 +485,11 @@ class _Writer:
 
     def _failed(self, commands: int, exc: Exception) -> None:
         self.failures += 1
-        log.warning("cannot write %d stream commands to Redis: %s", commands, exc)
+        held = _throttle.allow("write", time.monotonic())
+        if held is not None:
+            more = f" ({held} more failed batches since the last report)" if held else ""
+            log.warning("cannot write %d stream commands to Redis: %s%s", commands,
+                        describe(exc), more)
 
     def _fence(self, stream: Stream, error: Exception) -> None:
         """An ``XADD`` refused: another process declared this stream lost (its entry ids
@@ -570,7 +578,10 @@ class _Follower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("following remote streams failed: %s", exc)
+                held = _throttle.allow("follow", time.monotonic())
+                if held is not None:
+                    more = f" ({held} more since the last report)" if held else ""
+                    log.warning("following remote streams failed: %s%s", describe(exc), more)
                 await self._reset()
                 await asyncio.sleep(0.2)
                 continue

@@ -271,6 +271,8 @@ async def test_redis_outage_mid_load_then_served_again_with_nothing_held(
         log = router.log.read_text()
         assert "Traceback" not in log
         assert log.count("shared state unavailable") <= 3  # one line per 10 s
+        warnings = [line for line in log.splitlines() if '"level":"warning"' in line]
+        assert len(warnings) <= 16, "\n".join(warnings)  # a few kinds, each once per 10 s
     finally:
         _stop(router)
         stack.close()
