@@ -42,6 +42,7 @@ from tests.router.test_shared_state import (
     _stop,
     _until_listening,
 )
+from tests.router.upstream import Upstream
 
 pytestmark = pytest.mark.slow
 
@@ -360,3 +361,42 @@ def test_ticket_store_stops_asking_a_frozen_redis_for_a_moment() -> None:
             assert store.skipped == 2
         finally:
             store.close()
+
+
+async def test_a_restarted_redis_learns_the_slots_requests_in_flight_hold(
+    upstream: Upstream, tls_files: dict[str, str], tmp_path: Path
+) -> None:
+    """Redis restarted empty while requests are in flight: the process finds its lease gone
+    at the next renewal and writes what it holds again, so the key's and backend's counts
+    (every process's limits) include those requests instead of starting from 0."""
+    prefix = "restart:"
+    port, redis_port = _free_port(), _free_port()
+    stack = contextlib.ExitStack()
+    server = stack.enter_context(_own_redis(redis_port))
+    path = _config(tmp_path, "restart", upstream.url, tls_files, server.url, port,
+                   key_prefix=prefix, extra="timeout_s = 0.5\n")
+    router = _start(path, port, tmp_path, "restart")
+    upstream.hold = asyncio.Event()  # the requests wait upstream, their slots claimed
+    try:
+        await _until_listening(router)
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=60) as client:
+            held = [asyncio.create_task(_stream(client, router.url)) for _ in range(3)]
+            try:
+                deadline = time.monotonic() + 20
+                while sorted((await _claimed(server.url, prefix)).values()) != [3, 3]:
+                    assert time.monotonic() < deadline, await _claimed(server.url, prefix)
+                    await asyncio.sleep(0.1)
+                stack.close()  # killed: every key gone
+                server = stack.enter_context(_own_redis(redis_port))
+                deadline = time.monotonic() + 10
+                while sorted((await _claimed(server.url, prefix)).values()) != [3, 3]:
+                    assert time.monotonic() < deadline, await _claimed(server.url, prefix)
+                    await asyncio.sleep(0.1)
+            finally:
+                upstream.hold.set()
+            assert [await task for task in held] == [(200, "[DONE]", "")] * 3
+            await _settled(client, router, server.url, prefix)
+        assert "Traceback" not in router.log.read_text()
+    finally:
+        _stop(router)
+        stack.close()
