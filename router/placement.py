@@ -94,6 +94,9 @@ async def _place_shared(
         except StateUnavailable as exc:
             routing.unroute(ctx)  # this process's count too: the request will not go
             return unavailable_reply(exc)
+        except BaseException:  # cancelled: the client left while its claim was in flight
+            routing.unroute(ctx)
+            raise
         verdict = answer.verdict
         if backend is not None and verdict in (Verdict.ADMITTED, Verdict.BACKEND_FULL):
             routing.tracker.observe_elsewhere(backend, int(answer.value))

@@ -289,6 +289,9 @@ class SharedAdmission:
         except Exception as exc:
             self._uncertain(claims)
             raise StateUnavailable(f"admission: {describe(exc)}") from exc
+        except BaseException:  # cancelled (the client left): the script may have run all the same
+            self._uncertain(claims)
+            raise
         finally:
             self._end()
         verdict = Verdict(int(reply[0]))

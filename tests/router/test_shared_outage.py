@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -27,11 +28,15 @@ import redis
 from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.protocol import error_codes
 from firstbyte.router.config import RouterConfig, parse_config
+from firstbyte.router.pipeline.admit import admit_body
+from firstbyte.router.pipeline.context import CONTINUE, RequestContext
+from firstbyte.router.placement import place
 from firstbyte.router.shared import connect
 from firstbyte.router.shared.admission import Affinity, Verdict
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.tickets import PAUSE_S, RedisTicketStore
 from firstbyte.router.sim.server import SimServer, sim_server
+from firstbyte.router.state import RouterState
 from tests.router.conftest import auth, client_tls
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.test_shared_state import (
@@ -400,3 +405,58 @@ async def test_a_restarted_redis_learns_the_slots_requests_in_flight_hold(
     finally:
         _stop(router)
         stack.close()
+
+
+async def test_a_claim_cancelled_in_flight_is_undone_when_redis_answers() -> None:
+    """A request whose client leaves while its admission waits on a frozen Redis: the script
+    runs when Redis wakes (the command was sent), so the slot it claimed is given back by the
+    reconciliation, not left to the hash's expiry."""
+    with _own_redis() as server:
+        shared = connect(_shared_config(server.url, "cancel:"))
+        assert shared is not None
+        load = shared.keys.backend_load("b0")
+        try:
+            await shared.start()
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                claim = asyncio.create_task(shared.admission.admit(
+                    b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                    backend_limit=None, affinity_key=None, affinity=Affinity.NONE,
+                ))
+                await asyncio.sleep(0.3)
+                claim.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await claim
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert shared.admission.held[load] == 0
+            deadline = time.monotonic() + 5
+            while await shared.redis.hget(load, shared.process) != b"1":  # it ran on waking
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            while not await shared.admission.reconcile(1.0):  # the housekeeping tick's call
+                assert time.monotonic() < deadline
+            assert await shared.redis.hgetall(load) == {}
+        finally:
+            await shared.aclose()
+
+
+async def test_a_request_cancelled_during_admission_leaves_no_routing_record() -> None:
+    """The placement stage cancelled while its claim waits on a frozen Redis (the task of a
+    request whose client left): this process's count of requests on the backend goes back."""
+    with _own_redis() as server:
+        state = RouterState(_shared_config(server.url, "placed:"))
+        ctx = RequestContext("POST", "/v1/chat/completions", {}, body=json.dumps(BODY).encode())
+        assert admit_body(ctx, 1 << 20, force_stream=False) is CONTINUE
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            placing = asyncio.create_task(place(state, ctx))
+            await asyncio.sleep(0.3)
+            assert sum(b.in_flight for b in state.routing.tracker.backends.values()) == 1
+            placing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await placing
+            assert sum(b.in_flight for b in state.routing.tracker.backends.values()) == 0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            await state.aclose()
