@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.protocol import error_codes
@@ -203,6 +204,20 @@ class _Load:
         await asyncio.gather(*self._tasks)
 
 
+async def _websocket_refusals(router: RouterProcess, tls_files: dict[str, str]) -> None:
+    """Redis away: a WebSocket's request and its resume each get an error message (status
+    503, ``state_unavailable``), and the socket stays open for the next try."""
+    url = router.url.replace("https://", "wss://") + "/v1/ws"
+    async with ws_connect(url, ssl=client_tls(tls_files), additional_headers=auth()) as ws:
+        for message in ({"type": "request", "body": BODY},
+                        {"type": "resume", "stream": "AAAAAAAAAAAAAAAAAAAAAA", "after": 0},
+                        {"type": "request", "body": BODY}):
+            await ws.send(json.dumps(message))
+            answer = json.loads(await ws.recv())
+            assert (answer["type"], answer["status"], answer["error"]["code"]) == (
+                "error", 503, error_codes.STATE_UNAVAILABLE)
+
+
 def _check_answers(results: list[tuple[float, int, str, str]]) -> None:
     """Every answer is a finished stream or a 503 state_unavailable with Retry-After."""
     for _, status, what, retry in results:
@@ -254,6 +269,7 @@ async def test_redis_outage_mid_load_then_served_again_with_nothing_held(
                                           headers=auth())
                 assert lookup.status_code == 503
                 assert lookup.json()["error"]["code"] == error_codes.STATE_UNAVAILABLE
+                await _websocket_refusals(router, tls_files)
                 server = stack.enter_context(_own_redis(redis_port))
             else:
                 os.kill(server.pid, signal.SIGSTOP)
