@@ -238,10 +238,11 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_connections: Annotated[int, msgspec.Meta(ge=4, le=10_000)] = 64
     """Redis connections per process, in a blocking pool: a burst past it waits for a free
     connection (up to ``timeout_s``) instead of failing."""
-    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
+    timeout_s: Annotated[float, msgspec.Meta(ge=0.5, le=60)] = 2.0
     """Longest wait for a Redis connect, a free pooled connection or a reply; past it the
     request gets ``503 state_unavailable`` (nothing stays claimed for it). Also the start-up
-    check's bound (connect, AUTH, PING)."""
+    check's bound (connect, AUTH, PING). At least 0.5: the stream follower's ``XREAD BLOCK``
+    waits 250 ms for its reply."""
 
 
 class TelemetryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
