@@ -477,3 +477,81 @@ async def test_a_request_cancelled_during_admission_leaves_no_routing_record() -
         finally:
             os.kill(server.pid, signal.SIGCONT)
             await state.aclose()
+
+
+async def test_a_stream_read_on_another_process_goes_on_through_a_redis_freeze(
+    upstream: Upstream, tls_files: dict[str, str], tmp_path: Path
+) -> None:
+    """Process B follows a stream process A produces, through Redis; Redis freezes for 3.5 s
+    (past ``state.timeout_s`` and B's check of A's lease every 2 s, within the 6 s lease):
+    B's reader waits instead of failing, and gets every event, in order, to ``[DONE]``, once
+    Redis wakes."""
+    upstream.delay_s = 0.06  # 100 tokens: ~6 s, the freeze falls inside the stream
+    body = {**BODY, "max_tokens": 100}
+    with _own_redis() as server:
+        routers: list[RouterProcess] = []
+        try:
+            for name in ("a", "b"):
+                port = _free_port()
+                path = _config(tmp_path, name, upstream.url, tls_files, server.url, port,
+                               key_prefix="follow:", extra="timeout_s = 0.5\n")
+                # A lease longer than the freeze: the producer is not declared lost.
+                path.write_text(path.read_text().replace("lease_s = 1.0", "lease_s = 6.0"))
+                routers.append(_start(path, port, tmp_path, name))
+            for router in routers:
+                await _until_listening(router)
+            a, b = routers
+            async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=60) as client:
+                stream_id, first = await _first_events(client, a.url, body, 3)
+                reader = asyncio.create_task(_follow(client, b.url, stream_id, after=3))
+                await asyncio.sleep(0.5)
+                os.kill(server.pid, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(3.5)
+                finally:
+                    os.kill(server.pid, signal.SIGCONT)
+                rest = await asyncio.wait_for(reader, 30)
+            seqs = first + [seq for seq, _ in rest]
+            assert seqs == list(range(1, len(seqs) + 1))
+            assert rest[-1][1] == "[DONE]"
+            assert len(seqs) > 100  # every token (a few events besides)
+            for router in routers:
+                assert "Traceback" not in router.log.read_text()
+        finally:
+            for router in routers:
+                _stop(router)
+
+
+async def _first_events(
+    client: httpx.AsyncClient, url: str, body: dict[str, object], n: int
+) -> tuple[str, list[int]]:
+    """Start a stream on ``url``, read the sequence numbers of its first ``n`` events, leave."""
+    seqs: list[int] = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                             headers=auth()) as response:
+        assert response.status_code == 200
+        stream_id = response.headers["x-firstbyte-stream"]
+        async for line in response.aiter_lines():
+            if line.startswith("id: "):
+                seqs.append(int(line[4:]))
+                if len(seqs) == n:
+                    break
+    return stream_id, seqs
+
+
+async def _follow(
+    client: httpx.AsyncClient, url: str, stream_id: str, after: int
+) -> list[tuple[int, str]]:
+    """``(seq, data)`` of every event of the stream after ``after``, read over SSE."""
+    events: list[tuple[int, str]] = []
+    seq = 0
+    headers = {**auth(), "last-event-id": str(after)}
+    async with client.stream("GET", f"{url}/v1/streams/{stream_id}",
+                             headers=headers) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("id: "):
+                seq = int(line[4:])
+            elif line.startswith("data: "):
+                events.append((seq, line[6:]))
+    return events
