@@ -18,7 +18,7 @@ from firstbyte.protocol import error_codes
 from ..hosting.limits import Throttle
 from ..pipeline.context import LocalReply, error_reply
 
-__all__ = ["RETRY_AFTER_S", "StateUnavailable", "unavailable_reply"]
+__all__ = ["RETRY_AFTER_S", "StateUnavailable", "describe", "unavailable_reply"]
 
 log = logging.getLogger("firstbyte.router.shared")
 
