@@ -14,7 +14,11 @@ client:
   process that lapse with its lease;
 - :mod:`.tickets`: single-use QUIC session tickets (``GETDEL``), so 0-RTT works on whichever
   process a client's next connection lands;
-- :mod:`.keys`: the names of every key, under ``state.key_prefix``.
+- :mod:`.keys`: the names of every key, under ``state.key_prefix``;
+- :mod:`.errors`: what a request gets when Redis does not answer (``503 state_unavailable``).
+
+The client is built for bursts and outages (:func:`pool_for`): a blocking pool of
+``state.max_connections``, every wait bounded by ``state.timeout_s``.
 
 ``redis`` (redis-py) is imported only here, so a router without ``redis_url`` runs without it
 (the ``redis`` extra).
