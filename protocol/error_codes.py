@@ -31,6 +31,7 @@ __all__ = [
     "REQUEST_TIMEOUT",
     "REQUEST_TOO_LARGE",
     "SERVICE_UNAVAILABLE",
+    "STATE_UNAVAILABLE",
     "STREAM_HISTORY_TRIMMED",
     "STREAM_LOST",
     "STREAM_NOT_FOUND",
@@ -104,6 +105,9 @@ STREAM_STORE_FULL = "stream_store_full"
 """429: live streams fill the whole stream store (none is ever evicted to make room)."""
 UNAVAILABLE = "unavailable"
 SERVICE_UNAVAILABLE = "service_unavailable"
+STATE_UNAVAILABLE = "state_unavailable"
+"""503: the region's shared state (``state.redis_url``) did not answer in time or refused the
+command; nothing was claimed for the request. ``Retry-After`` says when to retry."""
 UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_EOF = "upstream_eof"
 """The upstream closed the stream without ``[DONE]``."""

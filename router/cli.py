@@ -25,7 +25,7 @@ from typing import Any
 from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
-from .config_check import check_files
+from .config_check import check_files, check_state
 from .observability.logs import LEVELS
 
 __all__ = ["LIMIT_FLAGS", "add_arguments", "config_from_args", "run"]
@@ -288,12 +288,18 @@ def run(args: argparse.Namespace) -> int:
         return _signal_reload(args)
     if args.check_config:
         try:
-            check_files(load_config(args.check_config), args.check_config)
+            checked = load_config(args.check_config)
+            check_files(checked, args.check_config)
+            check_state(checked, args.check_config)
         except ConfigError as exc:
             raise CLIError(str(exc)) from None
         print("OK")
         return 0
     config = config_from_args(args)
+    try:
+        check_state(config, args.config or "command line")
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
     from .observability.logs import configure
 
     # Logs (the start-up line included) go to stdout; errors before this point to stderr.

@@ -291,6 +291,14 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     streams lost (a ``stream_lost`` error event) once the lease has lapsed."""
     max_events_per_stream: Annotated[int, msgspec.Meta(ge=16)] = 100_000
     """Redis keeps about this many events per stream (``XADD MAXLEN ~``)."""
+    max_connections: Annotated[int, msgspec.Meta(ge=4, le=10_000)] = 64
+    """Redis connections per process, in a blocking pool: a burst past it waits for a free
+    connection (up to ``timeout_s``) instead of failing."""
+    timeout_s: Annotated[float, msgspec.Meta(ge=0.5, le=60)] = 2.0
+    """Longest wait for a Redis connect, a free pooled connection or a reply; past it the
+    request gets ``503 state_unavailable`` (nothing stays claimed for it). Also the start-up
+    check's bound (connect, AUTH, PING). At least 0.5: the stream follower's ``XREAD BLOCK``
+    waits 250 ms for its reply."""
 
 
 class TelemetryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

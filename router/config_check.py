@@ -6,16 +6,22 @@ or a key of another certificate fails here, naming both keys), the CA bundle is 
 GeoIP database is opened, the warm-prefix files are read, and the ``otel`` extra must be
 installed when traces are to be exported. ``firstbyte router --check-config`` and the
 router's start-up both run it, so a config that passes the check starts.
+
+:func:`check_state` connects to ``state.redis_url`` (connect, AUTH, PING, bounded by
+``state.timeout_s``): ``--check-config`` and the start-up run it too, so a wrong URL or
+password fails there in one line instead of every request failing later. A reload does not
+(the shared state cannot change in place, and Redis away must not stop a reload of keys).
 """
 
 from __future__ import annotations
 
 import ssl
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from .config import ConfigError, RouterConfig
 
-__all__ = ["check_files"]
+__all__ = ["check_files", "check_state"]
 
 
 def check_files(config: RouterConfig, source: str = "<config>") -> None:
@@ -133,3 +139,50 @@ def _otel_extra(config: RouterConfig) -> str | None:
     if missing is not None:
         return f"telemetry.otlp_endpoint: {missing}"
     return None
+
+
+def check_state(config: RouterConfig, source: str = "<config>") -> None:
+    """Raise :class:`ConfigError` naming ``state.redis_url`` if the shared state does not
+    answer ``PING`` (after AUTH, when the URL carries a password) within ``state.timeout_s``."""
+    url = config.state.redis_url
+    if url is None:
+        return
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError(
+            f"{source}: state.redis_url: needs redis-py (pip install 'firstbyte[redis]')"
+        ) from None
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    timeout_s = config.state.timeout_s
+    client = redis.Redis.from_url(  # one try: the bound is timeout_s, not a multiple of it
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        fix = ("check the password in the URL" if urlsplit(url).password is not None
+               else "Redis wants a password: redis://:PASSWORD@HOST:PORT/DB")
+        reason = f"authentication failed ({exc}): {fix}"
+    except redis.ResponseError as exc:  # NOAUTH: a password is needed and none was given
+        reason = f"refused PING ({exc})"
+    except (redis.RedisError, OSError) as exc:
+        reason = f"no answer within {timeout_s:g} s ({type(exc).__name__}: {exc})"
+    else:
+        return
+    finally:
+        client.close()
+    raise ConfigError(f"{source}: state.redis_url: cannot use {_redacted(url)}: {reason}")
+
+
+def _redacted(url: str) -> str:
+    """``url`` with its password replaced (it goes to logs and terminals)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))

@@ -12,6 +12,7 @@ yet when a live stream's headers go out, so it appears on non-streamed replies a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from urllib.parse import parse_qs
 
@@ -60,6 +61,7 @@ from .readers import (
     sse_events,
     trimmed_reply,
 )
+from .shared.errors import StateUnavailable, unavailable_reply
 from .state import CLIENT_GONE, RouterState
 from .tenancy import refusal
 
@@ -336,7 +338,10 @@ async def _lookup(
     outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         return outcome
-    stream = await state.find_stream(stream_id, ctx.owner, ctx.reader_subject)
+    try:
+        stream = await state.find_stream(stream_id, ctx.owner, ctx.reader_subject)
+    except StateUnavailable as exc:
+        return unavailable_reply(exc)
     if stream is None:
         return error_reply(
             404,
@@ -649,7 +654,8 @@ async def edge_timings(state: RouterState, scope: Scope, receive: Receive, send:
     for record in report.records:
         found = None
         if record.stream_id is not None:
-            found = await state.find_stream(record.stream_id, owner, ctx.reader_subject)
+            with contextlib.suppress(StateUnavailable):  # judged without the server's TTFT
+                found = await state.find_stream(record.stream_id, owner, ctx.reader_subject)
         server_ttft.append(None if found is None else found.upstream_ttft_ms)
     now = state.clock()
     refused = latency.refusal(report, server_ttft, owner, now)

@@ -19,7 +19,10 @@ is made last, so no await separates it from the stream's creation (a refusal the
 rate token, unlike in memory); a request refused by routing is refused before its key's limits
 are looked at (in memory, after). Whatever was claimed for a request refused on the way is
 given back before the refusal goes out; the key's slot of an admitted request is given back
-by ``RequestContext.release_key_slot``.
+by ``RequestContext.release_key_slot``. When Redis does not answer, the request gets ``503
+state_unavailable`` with nothing held for it: its routing record is undone here, and what
+the script may have claimed before the answer was lost is undone by
+:meth:`~firstbyte.router.shared.admission.SharedAdmission.reconcile`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .multiregion import WAIT_FOR_SLOT, Observation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
 from .shared.admission import Affinity, Verdict
+from .shared.errors import StateUnavailable, unavailable_reply
 from .tenancy import limit_key, refusal, store_refusal, subject_refusal
 
 if TYPE_CHECKING:
@@ -140,13 +144,20 @@ async def _place_shared(
         affinity = Affinity.NONE
         if backend is not None and choice in _STICKY:
             affinity = Affinity.OVERWRITE if learned not in (None, backend) else Affinity.FOLLOW
-        answer = await admission.admit(
-            owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
-            rate_per_s=policy.rate_per_s, burst=policy.burst, backend=backend,
-            backend_limit=None if choice in _QUEUED or backend is None
-            else routing.tracker[backend].limit,
-            affinity_key=key, affinity=affinity,
-        )
+        try:
+            answer = await admission.admit(
+                owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
+                rate_per_s=policy.rate_per_s, burst=policy.burst, backend=backend,
+                backend_limit=None if choice in _QUEUED or backend is None
+                else routing.tracker[backend].limit,
+                affinity_key=key, affinity=affinity,
+            )
+        except StateUnavailable as exc:
+            routing.unroute(ctx)  # this process's count too: the request will not go
+            return unavailable_reply(exc)
+        except BaseException:  # cancelled: the client left while its claim was in flight
+            routing.unroute(ctx)
+            raise
         verdict = answer.verdict
         if backend is not None and verdict in (Verdict.ADMITTED, Verdict.BACKEND_FULL):
             routing.tracker.observe_elsewhere(backend, int(answer.value))

@@ -24,6 +24,7 @@ from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
 from .config import RouterConfig
 from .cors import CorsPolicy
+from .hosting.limits import Throttle
 from .metrics import Metrics
 from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
@@ -32,6 +33,7 @@ from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestCo
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
 from .shared import SharedState, connect
+from .shared.errors import describe
 from .streams import Stream, StreamStore, owner_of
 from .tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants, refusal
 
@@ -111,6 +113,7 @@ class RouterState:
             self.routing.claim = self.shared.admission.claim_backend
         self.routing.released = self._released
         self._sharing: asyncio.Task[None] | None = None
+        self._state_throttle = Throttle(10.0)
         spans: SpanSink | None = None
         if config.telemetry.otlp_endpoint is not None:
             from .observability.traces import OtlpTraces
@@ -411,12 +414,18 @@ class RouterState:
             await asyncio.sleep(interval)
             if self.shared is not None:
                 try:
+                    # Slots a failed claim or release may have left: rewritten first.
+                    await self.shared.admission.reconcile(self.config.state.timeout_s)
                     await self.shared.streams.keep_attended(
                         self.store.running(), self.clock(), grace
                     )
                     await self._load_elsewhere(self.shared)
                 except Exception as exc:  # Redis away: only local readers count this turn
-                    log.warning("cannot check for readers or load elsewhere: %s", exc)
+                    held = self._state_throttle.allow("maintain", time.monotonic())
+                    if held is not None:
+                        more = f" ({held} more since the last report)" if held else ""
+                        log.warning("cannot check for readers or load elsewhere: %s%s",
+                                    describe(exc), more)
             self.tick(self.clock())
 
     async def _load_elsewhere(self, shared: SharedState) -> None:

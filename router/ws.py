@@ -39,6 +39,7 @@ from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .placement import place
 from .readers import TRIMMED_STATUS, HistoryTrimmed, ReadableStream, follow, trimmed_body
+from .shared.errors import StateUnavailable, unavailable_reply
 from .state import RouterState
 
 __all__ = ["websocket_session"]
@@ -173,9 +174,15 @@ class _Session:
             self.state.metrics.count("ws", outcome.outcome)
             await self.send(_error(message.stream, outcome.body, outcome.status))
             raise _Close(CLOSE_POLICY, "unauthorized")
-        stream = await self.state.find_stream(
-            message.stream, self.ctx.owner, self.ctx.reader_subject
-        )
+        try:
+            stream = await self.state.find_stream(
+                message.stream, self.ctx.owner, self.ctx.reader_subject
+            )
+        except StateUnavailable as exc:  # the socket stays: the client may resume again
+            refused = unavailable_reply(exc)
+            self.state.metrics.count_reply("ws", refused)
+            await self.send(_error(message.stream, refused.body, refused.status))
+            return
         if stream is None:
             await self.send(
                 _error(

@@ -49,6 +49,7 @@ export const ERROR_CODES = Object.freeze({
   "REQUEST_TIMEOUT": "request_timeout",
   "REQUEST_TOO_LARGE": "request_too_large",
   "SERVICE_UNAVAILABLE": "service_unavailable",
+  "STATE_UNAVAILABLE": "state_unavailable",
   "STREAM_HISTORY_TRIMMED": "stream_history_trimmed",
   "STREAM_LOST": "stream_lost",
   "STREAM_NOT_FOUND": "stream_not_found",

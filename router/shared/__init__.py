@@ -14,7 +14,11 @@ client:
   process that lapse with its lease;
 - :mod:`.tickets`: single-use QUIC session tickets (``GETDEL``), so 0-RTT works on whichever
   process a client's next connection lands;
-- :mod:`.keys`: the names of every key, under ``state.key_prefix``.
+- :mod:`.keys`: the names of every key, under ``state.key_prefix``;
+- :mod:`.errors`: what a request gets when Redis does not answer (``503 state_unavailable``).
+
+The client is built for bursts and outages (:func:`pool_for`): a blocking pool of
+``state.max_connections``, every wait bounded by ``state.timeout_s``.
 
 ``redis`` (redis-py) is imported only here, so a router without ``redis_url`` runs without it
 (the ``redis`` extra).
@@ -31,14 +35,14 @@ from typing import TYPE_CHECKING
 from .keys import Keys
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
+    from redis.asyncio import BlockingConnectionPool, Redis
 
     from ..config import RouterConfig
     from .admission import SharedAdmission
     from .lease import Lease
     from .streams import SharedStreams
 
-__all__ = ["SharedState", "connect"]
+__all__ = ["SharedState", "connect", "pool_for"]
 
 
 @dataclass
@@ -54,7 +58,9 @@ class SharedState:
     admission: SharedAdmission
 
     async def start(self) -> None:
-        """Take the lease and start the stream writer and follower (in the running loop)."""
+        """Take the lease and start the stream writer and follower (in the running loop).
+        Never raises: a Redis away now is retried by the lease's renewals, and requests get
+        ``503 state_unavailable`` meanwhile."""
         await self.lease.start()
         await self.admission.start()
         self.streams.start()
@@ -68,6 +74,7 @@ class SharedState:
         with contextlib.suppress(Exception):
             await self.lease.aclose()
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()  # passed in: aclose leaves it open
 
 
 def connect(config: RouterConfig) -> SharedState | None:
@@ -88,7 +95,7 @@ def connect(config: RouterConfig) -> SharedState | None:
     from .lease import Lease
     from .streams import SharedStreams
 
-    redis = Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+    redis = Redis(connection_pool=pool_for(config))
     keys = Keys(config.state.key_prefix)
     process = f"{os.getpid()}-{secrets.token_hex(6)}"  # the pid helps an operator (and a test)
     lease = Lease(redis, keys, process, config.state.lease_s)
@@ -105,4 +112,36 @@ def connect(config: RouterConfig) -> SharedState | None:
         redis, keys, process, expiry_s=config.streams.max_age_s,
         affinity_ttl_s=config.routing.affinity_ttl_s,
     )
+    lease.on_lapse = admission.lapsed
     return SharedState(redis, keys, process, lease, streams, admission)
+
+
+def pool_for(config: RouterConfig) -> BlockingConnectionPool:
+    """The connection pool of one process, sized and bounded for bursts.
+
+    redis-py's default asyncio pool raises ``MaxConnectionsError`` the moment a burst needs
+    more connections than its cap (100 in redis-py 8: 300 streams started at once got 500s);
+    a blocking pool makes the burst wait its turn for one of ``state.max_connections``
+    (each admission holds one for a ~0.1 ms round trip). Every wait is bounded by
+    ``state.timeout_s``: connect, a free connection, a reply. The stream follower's
+    ``XREAD BLOCK`` (250 ms) and the writer's batches (their own deadline) stay under it.
+    """
+    from redis.asyncio import BlockingConnectionPool
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError
+
+    state = config.state
+    assert state.redis_url is not None
+    return BlockingConnectionPool.from_url(
+        state.redis_url,
+        max_connections=state.max_connections,
+        timeout=state.timeout_s,
+        socket_timeout=state.timeout_s,
+        socket_connect_timeout=state.timeout_s,
+        socket_keepalive=True,
+        health_check_interval=30,
+        # Once, at once, on a broken connection (a pooled one left from before a Redis
+        # restart); never on a timeout, which would double the wait past state.timeout_s.
+        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
+    )

@@ -32,19 +32,25 @@ which failed (:class:`Verdict`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from .background import Background
+from .errors import StateUnavailable, describe
 from .keys import Keys
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 __all__ = ["Admission", "Affinity", "SharedAdmission", "Verdict"]
+
+log = logging.getLogger("firstbyte.router.shared")
 
 # live(hash, me, lease prefix): in flight over the processes whose lease exists (me always),
 # and mine; the fields of processes whose lease lapsed are deleted on the way.
@@ -137,6 +143,24 @@ for i = 1, #KEYS do
 end
 """
 
+# KEYS: slots hashes. ARGV: 1 process, 2 expiry ms, then what this process holds in each.
+# Writes this process's true contribution to each hash (deletes it at 0).
+_RECONCILE = """
+for i = 1, #KEYS do
+  local n = tonumber(ARGV[i + 2])
+  if n > 0 then
+    redis.call('HSET', KEYS[i], ARGV[1], n)
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  else
+    redis.call('HDEL', KEYS[i], ARGV[1])
+  end
+end
+"""
+
+_RECONCILE_ROUNDS = 2
+"""Successful reconciliations after the last failed command: a command that timed out on a
+frozen Redis may still run when it wakes, after the first one."""
+
 
 class Verdict(IntEnum):
     """The admission script's answer (see :meth:`SharedAdmission.admit`)."""
@@ -180,7 +204,16 @@ def affinity_digest(key: str) -> str:
 
 
 class SharedAdmission:
-    """Claims and releases of key slots, backend slots and affinity (see the module docstring)."""
+    """Claims and releases of key slots, backend slots and affinity (see the module docstring).
+
+    This process keeps its own ledger of what it holds in each slots hash (:attr:`held`): a
+    claim is counted when the script's answer says so, a release when it is asked for. A
+    command whose outcome is unknown (a timeout, a connection lost mid-call, a release that
+    failed) marks its hashes unsure, and :meth:`reconcile` (the housekeeping tick) writes the
+    ledger's figures over this process's fields once Redis answers, with no other claim or
+    release in flight meanwhile. So a request that failed never leaves a slot claimed, and
+    a process whose lease lapsed (Redis restarted: the others dropped its fields) counts again.
+    """
 
     def __init__(
         self, redis: Redis, keys: Keys, process: str, *, expiry_s: float, affinity_ttl_s: float
@@ -194,13 +227,29 @@ class SharedAdmission:
         self._admit_sha = hashlib.sha1(_ADMIT.encode()).hexdigest()
         self._others = redis.register_script(_OTHERS)
         self._release = redis.register_script(_RELEASE)
+        self._reconcile = redis.register_script(_RECONCILE)
         self._releasing: list[str] = []
         """Slots given back this loop turn, not sent yet."""
         self.background = Background()
+        self.held: Counter[str] = Counter()
+        """Slots this process holds, by hash: what its field in each should say."""
+        self._unsure: set[str] = set()
+        """Hashes a failed claim or release may or may not have changed."""
+        self._rounds_due = 0
+        self._calls = 0
+        """Claims and releases sent and not answered yet."""
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._gate: asyncio.Future[None] | None = None
+        """Set while :meth:`reconcile` runs: claims and releases wait for it."""
+        self.failures = 0
+        self.reconciled = 0
 
     async def start(self) -> None:
-        """Load the admission script (the others load themselves when first used)."""
-        await self._redis.script_load(_ADMIT)
+        """Load the admission script (the others load themselves when first used); a Redis
+        away at start loads it with the first admission instead."""
+        with contextlib.suppress(Exception):
+            await self._redis.script_load(_ADMIT)
 
     async def admit(
         self,
@@ -219,18 +268,49 @@ class SharedAdmission:
         nor counts; ``key_limit`` None: counted, no cap), the affinity of ``affinity_key``,
         ``backend``'s slots (None: a peer region, nothing to claim; ``backend_limit`` None: no
         limit, a request queued on purpose) and the key's rate, in that order; if all pass,
-        claim a slot of each and take a token."""
+        claim a slot of each and take a token.
+
+        :class:`StateUnavailable` if Redis does not answer: nothing is counted as held, and
+        whatever the script may have claimed is undone by :meth:`reconcile`."""
         digest = affinity_digest(affinity_key or "")
+        key_slots = self.keys.key_slots(owner)
+        backend_load = self.keys.backend_load(backend or "")
         args = (
-            4, self.keys.key_slots(owner), self.keys.key_bucket(owner),
-            self.keys.affinity(digest), self.keys.backend_load(backend or ""),
+            4, key_slots, self.keys.key_bucket(owner),
+            self.keys.affinity(digest), backend_load,
             self.process, self._lease_prefix, -1 if not keyed else (key_limit or 0),
             rate_per_s, burst, self._expiry_ms, backend or "",
             -1 if backend_limit is None else backend_limit,
             int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
         )
+        claims = ([key_slots] if keyed else []) + (
+            [backend_load] if backend is not None else []
+        )
+        await self._wait_gate()
+        self._begin()
         try:
-            reply: Any = await self._redis.evalsha(self._admit_sha, *args)
+            reply = await self._evalsha_admit(args)
+        except Exception as exc:
+            self._uncertain(claims)
+            raise StateUnavailable(f"admission: {describe(exc)}") from exc
+        except BaseException:  # cancelled (the client left): the script may have run all the same
+            self._uncertain(claims)
+            raise
+        finally:
+            self._end()
+        verdict = Verdict(int(reply[0]))
+        value = reply[1]
+        if verdict is Verdict.ADMITTED:
+            self.held.update(claims)
+        if verdict is Verdict.AFFINITY_ELSEWHERE:
+            return Admission(verdict, value.decode())
+        if verdict is Verdict.KEY_RATE:
+            return Admission(verdict, int(value) / 1000)
+        return Admission(verdict, int(value))
+
+    async def _evalsha_admit(self, args: tuple[Any, ...]) -> Any:
+        try:
+            return await self._redis.evalsha(self._admit_sha, *args)
         except Exception as exc:
             # redis-py is imported lazily: placement imports this module, with or without it.
             from redis.exceptions import NoScriptError
@@ -238,23 +318,20 @@ class SharedAdmission:
             if not isinstance(exc, NoScriptError):
                 raise
             await self._redis.script_load(_ADMIT)  # Redis restarted (or SCRIPT FLUSH): once
-            reply = await self._redis.evalsha(self._admit_sha, *args)
-        verdict = Verdict(int(reply[0]))
-        value = reply[1]
-        if verdict is Verdict.AFFINITY_ELSEWHERE:
-            return Admission(verdict, value.decode())
-        if verdict is Verdict.KEY_RATE:
-            return Admission(verdict, int(value) / 1000)
-        return Admission(verdict, int(value))
+            return await self._redis.evalsha(self._admit_sha, *args)
 
     async def claim_backend(self, backend: str, limit: int) -> bool:
         """Claim a slot of ``backend`` alone, for a request moved there after its own
         backend refused the connection (its key's slot and affinity stay as claimed); False
-        if the processes together hold ``limit`` on it."""
-        answer = await self.admit(
-            b"", keyed=False, key_limit=None, rate_per_s=0.0, burst=0, backend=backend,
-            backend_limit=limit, affinity_key=None, affinity=Affinity.NONE,
-        )
+        if the processes together hold ``limit`` on it, or Redis does not answer."""
+        try:
+            answer = await self.admit(
+                b"", keyed=False, key_limit=None, rate_per_s=0.0, burst=0, backend=backend,
+                backend_limit=limit, affinity_key=None, affinity=Affinity.NONE,
+            )
+        except StateUnavailable as exc:
+            log.debug("cannot claim a slot of %s for a failover: %s", backend, exc)
+            return False
         return answer.verdict is Verdict.ADMITTED
 
     def release_key(self, owner: bytes) -> None:
@@ -276,18 +353,93 @@ class SharedAdmission:
         return [int(n) for n in others]
 
     def _spawn_release(self, key: str) -> None:
+        held = self.held[key] - 1
+        if held > 0:
+            self.held[key] = held
+        else:
+            del self.held[key]
         self._releasing.append(key)
         if len(self._releasing) == 1:  # the first of this turn: send them all after it
             self.background.spawn(self._send_releases())
 
     async def _send_releases(self) -> None:
         await asyncio.sleep(0)  # the rest of this loop turn's releases join this call
+        await self._wait_gate()
         keys, self._releasing = self._releasing, []
-        await self._release(keys=keys, args=[self.process])
+        if not keys:  # a reconciliation wrote them meanwhile
+            return
+        self._begin()
+        try:
+            await self._release(keys=keys, args=[self.process])
+        except Exception:
+            self._uncertain(keys)
+            raise  # logged at debug level by Background; reconcile repairs it
+        finally:
+            self._end()
+
+    # --- reconciliation -----------------------------------------------------------------
+    @property
+    def unsure(self) -> bool:
+        """Some hash may not say what this process holds: :meth:`reconcile` is due."""
+        return self._rounds_due > 0
+
+    def lapsed(self) -> None:
+        """The lease had lapsed: the other processes may have dropped every field of ours."""
+        self._uncertain(list(self.held))
+
+    def _uncertain(self, keys: Sequence[str]) -> None:
+        self.failures += 1
+        self._unsure.update(keys)
+        self._rounds_due = _RECONCILE_ROUNDS
+
+    def _begin(self) -> None:
+        self._calls += 1
+        self._quiet.clear()
+
+    def _end(self) -> None:
+        self._calls -= 1
+        if self._calls == 0:
+            self._quiet.set()
+
+    async def _wait_gate(self) -> None:
+        while self._gate is not None:
+            await asyncio.shield(self._gate)
+
+    async def reconcile(self, timeout_s: float) -> bool:
+        """If a claim or release failed (or the lease lapsed), write what this process holds
+        over its fields of the hashes concerned: claims and releases wait meanwhile, and it
+        waits (up to ``timeout_s``) for those in flight. True once nothing is unsure."""
+        if self._rounds_due == 0:
+            return True
+        if self._gate is not None:
+            return False
+        gate = self._gate = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._quiet.wait()
+            self._releasing.clear()  # already subtracted from the ledger written now
+            keys = sorted(self._unsure | set(self.held))
+            counts = [self.held.get(key, 0) for key in keys]
+            if keys:
+                async with asyncio.timeout(timeout_s):
+                    await self._reconcile(
+                        keys=keys, args=[self.process, self._expiry_ms, *counts]
+                    )
+        except Exception as exc:
+            log.debug("cannot reconcile the slots held here yet: %s", describe(exc))
+            return False
+        finally:
+            self._gate = None
+            gate.set_result(None)
+        self._unsure.difference_update(keys)
+        self._rounds_due -= 1
+        self.reconciled += 1
+        if self._rounds_due == 0:
+            log.info("shared state reachable again: the slots held here (%d hashes) rewritten",
+                     len(keys))
+        return self._rounds_due == 0
 
     async def aclose(self) -> None:
         """Let the releases in flight finish (a clean exit gives its slots back at once)."""
         await self.background.drain()
         await self.background.aclose()
-
-

@@ -12,8 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..hosting.limits import Throttle
+from .errors import describe
 from .keys import Keys
 
 if TYPE_CHECKING:
@@ -32,7 +36,15 @@ class Lease:
         self.key = keys.lease(process)
         self.lease_s = lease_s
         self._task: asyncio.Task[None] | None = None
+        self._taken = False
         self.renew_failures = 0
+        self.lapses = 0
+        """Renewals that found the lease gone (Redis restarted or was away past ``lease_s``)."""
+        self.on_lapse: Callable[[], object] | None = None
+        """Called when a renewal finds the lease gone: meanwhile the other processes dropped
+        this process's counts as a dead process's (:meth:`SharedAdmission.reconcile` writes
+        them again)."""
+        self._throttle = Throttle(10.0)
 
     @property
     def check_interval_s(self) -> float:
@@ -40,22 +52,35 @@ class Lease:
         return self.lease_s / 3
 
     async def start(self) -> None:
-        """Take the lease now (so streams created at once are covered), then keep renewing."""
-        await self._renew()
+        """Take the lease now (so streams created at once are covered), then keep renewing;
+        a Redis away at start is retried by the renewals (the CLI checked it was there)."""
+        await self._renew_or_log()
         if self._task is None:
             self._task = asyncio.create_task(self._keep())
 
     async def _renew(self) -> None:
-        await self._redis.set(self.key, b"1", px=int(self.lease_s * 1000))
+        was = await self._redis.set(self.key, b"1", px=int(self.lease_s * 1000), get=True)
+        if was is None and self._taken:
+            self.lapses += 1
+            log.warning("the process lease had lapsed (Redis restarted or away); taken again")
+            if self.on_lapse is not None:
+                self.on_lapse()
+        self._taken = True
+
+    async def _renew_or_log(self) -> None:
+        try:
+            await self._renew()
+        except Exception as exc:  # Redis away: keep trying; readers may call us lost
+            self.renew_failures += 1
+            held = self._throttle.allow("renew", time.monotonic())
+            if held is not None:
+                more = f" ({held} more failures since the last report)" if held else ""
+                log.warning("cannot renew the process lease: %s%s", describe(exc), more)
 
     async def _keep(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval_s)
-            try:
-                await self._renew()
-            except Exception as exc:  # Redis away: keep trying; readers may call us lost
-                self.renew_failures += 1
-                log.warning("cannot renew the process lease: %s", exc)
+            await self._renew_or_log()
 
     async def aclose(self) -> None:
         """Stop renewing and delete the key (a clean exit ends no one's stream as lost:

@@ -36,18 +36,23 @@ import asyncio
 import bisect
 import contextlib
 import hmac
+import inspect
 import logging
 import math
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from redis.asyncio import ConnectionPool
 from redis.exceptions import ResponseError
 
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
+from ..hosting.limits import Throttle
 from ..streams import HistoryTrimmed, Stream, StreamEvent
 from .background import Background
+from .errors import StateUnavailable, describe
 from .keys import Keys
 from .lease import Lease
 
@@ -59,6 +64,8 @@ __all__ = ["RemoteStream", "SharedStreams", "lost_event"]
 log = logging.getLogger("firstbyte.router.shared")
 
 _FIELD = b"d"
+_throttle = Throttle(10.0)
+"""Redis away: one warning per 10 s per kind (writes, follows), not one per attempt."""
 _FOLLOW_BLOCK_MS = 250
 """Longest ``XREAD BLOCK`` of the follower: a stream that joins while a read is being sent
 (so ``CLIENT UNBLOCK`` found nothing to unblock) waits at most this for its live events."""
@@ -180,8 +187,10 @@ class RemoteStream:
         deadline = None if timeout_s is None else loop.time() + timeout_s
         self.cursor = max(self.cursor, seq)
         if not self._following:
-            # Catch up at once (a resuming reader gets what is stored in one read), then follow.
-            self.receive(await self._shared.read_now(self))
+            # Catch up at once (a resuming reader gets what is stored in one read), then follow
+            # (Redis away: the follower catches up from the cursor once it answers again).
+            with contextlib.suppress(StateUnavailable):
+                self.receive(await self._shared.read_now(self))
             if self.after(seq) or self.done or timeout_s == 0:
                 return bool(self.after(seq))
             self._following = True
@@ -205,7 +214,8 @@ class RemoteStream:
             if self.after(seq):
                 return True
             if step >= step_s:  # a whole check interval without an event: is the producer alive?
-                await self._shared.check_producer(self)
+                with contextlib.suppress(StateUnavailable):  # Redis away: ask again next time
+                    await self._shared.check_producer(self)
                 if self.after(seq):
                     return True
                 if self.evicted:
@@ -275,10 +285,13 @@ class SharedStreams:
 
     async def lookup(self, stream_id: str, owner: bytes) -> RemoteStream | None:
         """The stream if Redis has it and ``owner`` created it; ``None`` otherwise (the same
-        answer for both, as in memory)."""
-        meta: dict[bytes, bytes] = await self._redis.hgetall(  # type: ignore[assignment]
-            self.keys.meta(stream_id)
-        )
+        answer for both, as in memory); :class:`StateUnavailable` if Redis does not answer."""
+        try:
+            meta: dict[bytes, bytes] = await self._redis.hgetall(  # type: ignore[assignment]
+                self.keys.meta(stream_id)
+            )
+        except Exception as exc:
+            raise StateUnavailable(f"stream lookup: {describe(exc)}") from exc
         stored = meta.get(b"owner")
         if stored is None or not hmac.compare_digest(stored, owner):
             return None
@@ -291,7 +304,10 @@ class SharedStreams:
     async def read_now(self, remote: RemoteStream) -> list[Any]:
         """The stored entries after ``remote.cursor`` (no waiting)."""
         key = self.keys.events(remote.id)
-        reply: Any = await self._redis.xread({key: f"{remote.cursor}-0"}, count=_READ_COUNT)
+        try:
+            reply: Any = await self._redis.xread({key: f"{remote.cursor}-0"}, count=_READ_COUNT)
+        except Exception as exc:
+            raise StateUnavailable(f"stream read: {describe(exc)}") from exc
         return list(reply[0][1]) if reply else []
 
     def touch_reader(self, stream_id: str) -> None:
@@ -302,19 +318,22 @@ class SharedStreams:
     async def check_producer(self, remote: RemoteStream) -> None:
         """If the stream's producer lost its lease, end the stream as lost; mark it evicted
         if it expired. Called by a reader after a check interval without events."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.exists(self.keys.lease(remote.process))
-            pipe.exists(self.keys.meta(remote.id))
-            alive, present = await pipe.execute()
-        if not present:
-            remote.evicted = True
-            return
-        if alive:
-            return
-        declared = await self._declare_lost(
-            keys=[self.keys.events(remote.id), self.keys.lease(remote.process)],
-            args=[lost_event(), self.max_age_ms],
-        )
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.exists(self.keys.lease(remote.process))
+                pipe.exists(self.keys.meta(remote.id))
+                alive, present = await pipe.execute()
+            if not present:
+                remote.evicted = True
+                return
+            if alive:
+                return
+            declared = await self._declare_lost(
+                keys=[self.keys.events(remote.id), self.keys.lease(remote.process)],
+                args=[lost_event(), self.max_age_ms],
+            )
+        except Exception as exc:
+            raise StateUnavailable(f"producer check: {describe(exc)}") from exc
         if declared > 0:
             self.lost_declared += 1
             log.warning("stream %s lost: its process %s stopped", remote.id, remote.process)
@@ -348,6 +367,20 @@ _TRIM = StreamEvent(0, b"")
 def _bulk(value: bytes) -> bytes:
     """One RESP bulk string."""
     return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+_NAMED_GET = "command_name" in inspect.signature(ConnectionPool.get_connection).parameters and (
+    inspect.signature(ConnectionPool.get_connection).parameters["command_name"].default
+    is inspect.Parameter.empty
+)
+"""redis-py 5.0-5.2 require a command name to hand out a connection; later ones warn if given."""
+
+
+async def _pooled(pool: ConnectionPool) -> Any:
+    """A connection from ``pool`` (on every redis-py the pyproject range allows)."""
+    if _NAMED_GET:
+        return await pool.get_connection("XADD")  # type: ignore[no-untyped-call]
+    return await pool.get_connection()  # type: ignore[no-untyped-call,unused-ignore]
 
 
 class _Writer:
@@ -449,7 +482,7 @@ class _Writer:
         results: list[Any] = [None] * len(producers)
         pool = self._redis.connection_pool
         try:
-            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+            connection = await _pooled(pool)
         except Exception as exc:
             self._failed(len(producers), exc)
         else:
@@ -481,7 +514,11 @@ class _Writer:
 
     def _failed(self, commands: int, exc: Exception) -> None:
         self.failures += 1
-        log.warning("cannot write %d stream commands to Redis: %s", commands, exc)
+        held = _throttle.allow("write", time.monotonic())
+        if held is not None:
+            more = f" ({held} more failed batches since the last report)" if held else ""
+            log.warning("cannot write %d stream commands to Redis: %s%s", commands,
+                        describe(exc), more)
 
     def _fence(self, stream: Stream, error: Exception) -> None:
         """An ``XADD`` refused: another process declared this stream lost (its entry ids
@@ -570,7 +607,10 @@ class _Follower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("following remote streams failed: %s", exc)
+                held = _throttle.allow("follow", time.monotonic())
+                if held is not None:
+                    more = f" ({held} more since the last report)" if held else ""
+                    log.warning("following remote streams failed: %s%s", describe(exc), more)
                 await self._reset()
                 await asyncio.sleep(0.2)
                 continue

@@ -10,7 +10,9 @@ processes, not just within one).
 aioquic calls the store synchronously inside the TLS handshake, so this store uses redis-py's
 blocking client with a short timeout: one loopback round trip (~0.1 ms) per handshake, next to
 ~30 ms of handshake CPU. If Redis does not answer, the handshake goes on without resumption (a
-full handshake, no 0-RTT) rather than failing.
+full handshake, no 0-RTT) rather than failing, and the store is not asked again for
+:data:`PAUSE_S`: a frozen Redis would otherwise stall the event loop (every stream of the
+process) for the timeout on every handshake.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aioquic.tls import CipherSuite, SessionTicket
 
+from ..hosting.limits import Throttle
 from .keys import Keys
 
 if TYPE_CHECKING:
     import redis
 
-__all__ = ["RedisTicketStore", "decode_ticket", "encode_ticket"]
+__all__ = ["PAUSE_S", "RedisTicketStore", "decode_ticket", "encode_ticket"]
 
 log = logging.getLogger("firstbyte.router.shared")
+
+PAUSE_S = 1.0
+"""After a failed command the store answers "no ticket" without asking Redis for this long."""
 
 
 class _StoredTicket(msgspec.Struct, array_like=True):
@@ -96,11 +102,21 @@ class RedisTicketStore:
         self.issued = 0
         self.resumed = 0
         self.failures = 0
+        self.skipped = 0
+        """Commands not sent because Redis failed within the last :data:`PAUSE_S`."""
+        self._paused_until = 0.0
+        self._throttle = Throttle(10.0)
+
+    def _paused(self) -> bool:
+        if time.monotonic() < self._paused_until:
+            self.skipped += 1
+            return True
+        return False
 
     def add(self, ticket: SessionTicket) -> None:
         remaining_s = ticket.not_valid_after.timestamp() - time.time()
         ttl_ms = int(min(self.lifetime_s, remaining_s) * 1000)
-        if ttl_ms <= 0:
+        if ttl_ms <= 0 or self._paused():
             return
         try:
             self._redis.set(self._keys.ticket(ticket.ticket), encode_ticket(ticket), px=ttl_ms)
@@ -109,6 +125,8 @@ class RedisTicketStore:
             self._failed("store", exc)
 
     def pop(self, label: bytes) -> SessionTicket | None:
+        if self._paused():
+            return None
         try:
             data: Any = self._redis.getdel(self._keys.ticket(label))
         except Exception as exc:
@@ -126,7 +144,12 @@ class RedisTicketStore:
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.failures += 1
-        log.warning("cannot %s a QUIC session ticket in Redis: %s", what, exc)
+        if what != "decode":
+            self._paused_until = time.monotonic() + PAUSE_S
+        held = self._throttle.allow(what, time.monotonic())
+        if held is not None:
+            more = f" ({held} more since the last report)" if held else ""
+            log.warning("cannot %s a QUIC session ticket in Redis: %s%s", what, exc, more)
 
     def close(self) -> None:
         self._redis.close()

@@ -22,10 +22,12 @@ import pytest
 import trustme
 import yaml
 
+from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.serve import running_router
 from tests.deploy.containerfile import ROOT, read_stages
 from tests.deploy.test_systemd import drain_timeout_s
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import running_upstream
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -174,9 +176,16 @@ def _with_test_certificate(certificate: dict[str, str]) -> str:
     return text
 
 
-def test_the_config_passes_the_routers_check(tmp_path: Path, certificate: dict[str, str]) -> None:
+def test_the_config_passes_the_routers_check(
+    tmp_path: Path, certificate: dict[str, str], redis_server: RedisServer  # noqa: F811
+) -> None:
+    """``--check-config`` also connects to ``state.redis_url``: the Service's name is moved
+    to a real server on loopback, as the pod would reach it."""
     config = tmp_path / "router.toml"
-    config.write_text(_with_test_certificate(certificate))
+    text, moved = re.subn(r'^redis_url = "redis://[^"]+"$', f'redis_url = "{redis_server.url}"',
+                          _with_test_certificate(certificate), flags=re.MULTILINE)
+    assert moved == 1
+    config.write_text(text)
     result = subprocess.run(
         [sys.executable, "-m", "firstbyte", "router", "--check-config", str(config)],
         capture_output=True, text=True, timeout=60, check=False,

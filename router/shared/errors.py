@@ -1,0 +1,55 @@
+"""What a request gets when the shared state does not answer: ``503 state_unavailable``.
+
+Every per-request call into Redis (admission, a stream looked up or read elsewhere, a backend
+claimed for a failover) turns a failure of its own (refused connection, timeout after
+``state.timeout_s``, no pooled connection free in time, an error reply) into
+:class:`StateUnavailable`; the request's stage answers it with :func:`unavailable_reply`
+(``Retry-After``, OpenAI's error body) and one log line per ten seconds, never a 500 or a
+traceback. Nothing here imports redis-py: placement imports it with or without the extra.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from firstbyte.protocol import error_codes
+
+from ..hosting.limits import Throttle
+from ..pipeline.context import LocalReply, error_reply
+
+__all__ = ["RETRY_AFTER_S", "StateUnavailable", "describe", "unavailable_reply"]
+
+log = logging.getLogger("firstbyte.router.shared")
+
+RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a ``state_unavailable`` answer: a restarted Redis is back in about
+this long, and the SDK's retry budget covers a few of them."""
+
+_throttle = Throttle(10.0)
+
+
+class StateUnavailable(Exception):
+    """A command to the shared state failed or timed out (the message says which and why)."""
+
+
+def unavailable_reply(exc: StateUnavailable) -> LocalReply:
+    """The 503 for a request the shared state could not answer, logged (throttled)."""
+    held = _throttle.allow("state_unavailable", time.monotonic())
+    if held is not None:
+        more = f" ({held} more since the last report)" if held else ""
+        log.warning("shared state unavailable, answering 503 state_unavailable: %s%s", exc, more)
+    return error_reply(
+        503,
+        "The region's shared state (Redis) is not answering; retry shortly.",
+        "server_error",
+        code=error_codes.STATE_UNAVAILABLE,
+        headers=(("retry-after", str(RETRY_AFTER_S)),),
+        outcome="state_unavailable",
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` in one line: its type and text (a timeout's text is often empty)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
