@@ -28,6 +28,7 @@ from .drain import drain
 from .hosting import ClientLimits, Listeners, ServerOptions, bind, running
 from .hosting import serve as host
 from .hosting.goaway import ConnectionRegistry
+from .hosting.heads import HeadLimits
 from .hosting.quic import SessionTicketStore, TicketStore
 from .reload import Reloader
 
@@ -112,6 +113,12 @@ def client_limits(config: RouterConfig) -> ClientLimits:
         max_connections_per_client=limits.max_connections_per_client,
         reserved_fds=limits.reserved_fds,
         h2_max_early_resets=limits.h2_max_early_resets,
+        heads=HeadLimits(
+            max_request_line_bytes=limits.max_request_line_bytes,
+            max_header_line_bytes=limits.max_header_line_bytes,
+            max_header_bytes=limits.max_header_bytes,
+            max_headers=limits.max_headers,
+        ),
     )
 
 

@@ -361,6 +361,10 @@ def uvicorn_config(
     from .uvicorn_limits import guarded_protocols
 
     http, ws = guarded_protocols(options.limits, counter)
+    if options.limits.heads is not None:
+        from .head_guards import bounded_heads
+
+        http = bounded_heads(http, options.limits.heads)
     return uvicorn.Config(
         app,
         http=http,
@@ -427,6 +431,12 @@ async def _serve_hypercorn(
     config.include_server_header = False
     config.graceful_timeout = options.graceful_timeout_s
     config.alpn_protocols = ["h2", "http/1.1"]
+    if options.limits.heads is not None:
+        from .head_guards import h2_header_list_size, h11_incomplete_size
+
+        # Room for any head the bounds let through: the guards, not the parsers, refuse.
+        config.h11_max_incomplete_size = h11_incomplete_size(options.limits.heads)
+        config.h2_max_header_list_size = h2_header_list_size(options.limits.heads)
     if options.ws_max_message_bytes is not None:
         config.websocket_max_message_size = options.ws_max_message_bytes
     if options.tls:
