@@ -69,7 +69,7 @@ def bounded_heads(protocol: type[Any], limits: HeadLimits) -> type[Any]:
 
     A head starts with the connection and after each request's end. Bytes of a pipelined
     head that came in the same read as the end of the request before it are not counted:
-    the bound holds within one read (64 KiB at most)."""
+    the bound holds within one read (256 KiB at most under uvloop)."""
 
     class HeadBoundedProtocol(protocol):  # type: ignore[misc]
         _head_scan: HeadScanner | None = None
