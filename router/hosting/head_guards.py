@@ -28,7 +28,16 @@ import logging
 from typing import Any
 
 from .hardening import LINGER_S, report
-from .heads import HeadLimits, HeadRefusal, HeadScanner, check_fields, refusal_body, refusal_h1
+from .heads import (
+    HeadLimits,
+    HeadRefusal,
+    HeadScanner,
+    UnalignedHead,
+    check_fields,
+    max_head_bytes,
+    refusal_body,
+    refusal_h1,
+)
 
 __all__ = [
     "bound_decoded_heads",
@@ -55,8 +64,8 @@ def h2_header_list_size(limits: HeadLimits) -> int:
 
 def h11_incomplete_size(limits: HeadLimits) -> int:
     """h11's ``max_incomplete_event_size`` for ``limits``: above any head the scanner lets
-    through (line ends and blank lines included), so the scanner answers first."""
-    return limits.max_request_line_bytes + limits.max_header_bytes + 2 * limits.max_headers + 4096
+    through, so the scanner answers first."""
+    return max_head_bytes(limits) + 4096
 
 
 def _log(refusal: HeadRefusal, client: object) -> None:
@@ -67,13 +76,20 @@ def bounded_heads(protocol: type[Any], limits: HeadLimits) -> type[Any]:
     """uvicorn's ``HttpToolsProtocol`` (or a subclass: :mod:`.uvicorn_limits`'s) with every
     request head bounded by ``limits`` before httptools buffers it.
 
-    A head starts with the connection and after each request's end. Bytes of a pipelined
-    head that came in the same read as the end of the request before it are not counted:
-    the bound holds within one read (256 KiB at most under uvloop)."""
+    A head starts with the connection and after each request's end. A pipelined head that
+    began in the read that ended the request before it went past the scanner in part, and
+    httptools keeps no bytes one could rescan: it is bounded by its size alone
+    (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB
+    at most under uvloop)."""
 
     class HeadBoundedProtocol(protocol):  # type: ignore[misc]
         _head_scan: HeadScanner | None = None
+        _unaligned: UnalignedHead | None = None
         _head_refused = False
+        _feeding = False
+        """In httptools' ``feed_data``: callbacks then come from the read being parsed."""
+        _scan_began_in_read = False
+        """The scanner was made (at a request's end) inside the read being parsed."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -88,15 +104,32 @@ def bounded_heads(protocol: type[Any], limits: HeadLimits) -> type[Any]:
                 if refusal is not None:
                     self._refuse_head(refusal)
                     return
-            super().data_received(data)
+            self._feeding, self._scan_began_in_read = True, False
+            try:
+                super().data_received(data)
+            finally:
+                self._feeding = False
+            unaligned = self._unaligned
+            if unaligned is not None and not self._head_refused:
+                refusal = unaligned.add(len(data))
+                if refusal is not None:
+                    self._refuse_head(refusal)
+
+        def on_message_begin(self) -> None:
+            if self._feeding and self._scan_began_in_read:
+                # This head began in the read that ended the last request, after the point
+                # the scanner had seen: its lines cannot be followed; bound its size.
+                self._head_scan, self._unaligned = None, UnalignedHead(limits)
+            super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            self._head_scan = None
+            self._head_scan = self._unaligned = None
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._head_scan = HeadScanner(limits)
+            self._scan_began_in_read = self._feeding
 
         def _refuse_head(self, refusal: HeadRefusal) -> None:
             self._head_refused = True
@@ -142,9 +175,13 @@ def bound_h11_heads() -> None:
                 return  # answered: dropped until the connection closes
             if self.stream is None:
                 scan: HeadScanner | None = getattr(self, "_firstbyte_head_scan", None)
+                refusal = None
                 if scan is None:
                     scan = self._firstbyte_head_scan = HeadScanner(heads)
-                refusal = scan.feed(event.data)
+                    # What h11 holds past the last request is the start of this head: a
+                    # pipelined one that came in the read that ended the request before.
+                    refusal = scan.feed(self.connection.trailing_data[0])
+                refusal = refusal or scan.feed(event.data)
                 if refusal is not None:
                     await _refuse(self, refusal)
                     return

@@ -21,7 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadLimits", "HeadRefusal", "HeadScanner", "check_fields", "refusal_body", "refusal_h1"]
+__all__ = [
+    "HeadLimits",
+    "HeadRefusal",
+    "HeadScanner",
+    "UnalignedHead",
+    "check_fields",
+    "max_head_bytes",
+    "refusal_body",
+    "refusal_h1",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +189,29 @@ class HeadScanner:
         if self._headers > limits.max_headers:
             return _too_many(limits)
         return None
+
+
+def max_head_bytes(limits: HeadLimits) -> int:
+    """The largest HTTP/1.1 head :class:`HeadScanner` lets through: the request line, every
+    header, and their line ends (CRLF each, and the blank line)."""
+    return limits.max_request_line_bytes + limits.max_header_bytes + 2 * (limits.max_headers + 2)
+
+
+class UnalignedHead:
+    """A head whose first bytes went past unseen (a pipelined head that began in the read
+    that ended the request before it), so its lines cannot be told apart: only its size is
+    bounded, by :func:`max_head_bytes`. The caller adds the size of each later read that did
+    not complete the head."""
+
+    __slots__ = ("limits", "size")
+
+    def __init__(self, limits: HeadLimits) -> None:
+        self.limits = limits
+        self.size = 0
+
+    def add(self, size: int) -> HeadRefusal | None:
+        self.size += size
+        return _too_many_bytes(self.limits) if self.size > max_head_bytes(self.limits) else None
 
 
 def check_fields(

@@ -13,7 +13,9 @@ from firstbyte.router.hosting.head_guards import h2_header_list_size, h11_incomp
 from firstbyte.router.hosting.heads import (
     HeadLimits,
     HeadScanner,
+    UnalignedHead,
     check_fields,
+    max_head_bytes,
     refusal_body,
     refusal_h1,
 )
@@ -139,3 +141,13 @@ def test_the_parsers_own_bounds_leave_room_for_any_head_within_ours() -> None:
     )
     assert h2_header_list_size(defaults) >= hpack
     assert h2_header_list_size(defaults) < 2**16  # below hypercorn's default
+
+
+def test_a_head_seen_from_its_middle_is_bounded_by_its_size() -> None:
+    bound = max_head_bytes(LIMITS)
+    assert bound == 100 + 200 + 2 * 7
+    head = UnalignedHead(LIMITS)
+    assert head.add(bound) is None
+    refusal = head.add(1)
+    assert refusal is not None
+    assert refusal.status == 431

@@ -6,6 +6,7 @@ limit is crossed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -98,6 +99,58 @@ async def test_http1_head_within_the_bounds_is_served(start_router_process: Rout
         answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         writer.close()
     assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+
+
+@ON_EACH_SERVER
+async def test_a_pipelined_head_split_across_reads_is_bounded_not_misread(
+    start_router_process: RouterStarter,
+) -> None:
+    """A second request whose head began in the read that carried the first: its end and
+    its 20 KiB body (one line) in a later read are not taken for an over-long request line
+    (the scanner did not see where the head began), and a never-ending header line in the
+    same place is still cut (431) long before its end."""
+    first = "GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * 20_000}]})
+    async with start_router_process() as router:
+        reader, writer = await open_tls(router)
+        writer.write(
+            (first + f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n")
+            .encode()
+        )
+        healthz = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.sleep(0.2)
+        writer.write(b"\r\n" + body.encode())
+        second = b""
+        with contextlib.suppress(TimeoutError):  # uvicorn keeps the connection after a 401
+            async with asyncio.timeout(10):
+                while b" 401 " not in second and b" 414 " not in second:
+                    chunk = await reader.read(65536)
+                    if not chunk:
+                        break
+                    second += chunk
+        writer.close()
+
+        reader, writer = await open_tls(router)
+        writer.write((first + "GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: ").encode())
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        with contextlib.suppress(TimeoutError):  # the rest of healthz's answer
+            await asyncio.wait_for(reader.read(65536), 0.5)
+        answer = asyncio.ensure_future(reader.read(65536))  # the refusal's first bytes
+        sent = 0
+        while sent < 16 << 20 and not answer.done():
+            writer.write(b"v" * 65536)
+            sent += 65536
+            try:
+                await asyncio.wait_for(writer.drain(), 5)
+            except (ConnectionError, TimeoutError):
+                break
+        cut = await asyncio.wait_for(answer, 10) + await read_until_closed(reader, 10)
+        writer.close()
+    assert healthz.startswith(b"HTTP/1.1 200 "), healthz
+    assert b"HTTP/1.1 401 " in second, second[:400]  # no key: not a 414
+    assert b"HTTP/1.1 431 " in cut, cut[:400]
+    assert sent < 16 << 20
+    router.assert_clean_log()
 
 
 async def _send_huge_head(router: RouterProcess, line_bytes: int) -> tuple[bytes, int]:
