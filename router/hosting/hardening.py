@@ -405,6 +405,10 @@ def _reset_h2_streams_answered_early() -> None:
     from h2.stream import StreamState
     from hypercorn.protocol.h2 import H2Protocol
 
+    from .head_guards import expect_shape
+
+    expect_shape(H2Protocol, "_close_stream", "_flush")
+    expect_shape(StreamState, "HALF_CLOSED_LOCAL")
     close_stream = H2Protocol._close_stream
 
     async def closing(self: Any, stream_id: int) -> None:

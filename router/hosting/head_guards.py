@@ -43,6 +43,7 @@ __all__ = [
     "bound_decoded_heads",
     "bound_h11_heads",
     "bounded_heads",
+    "expect_shape",
     "h2_header_list_size",
     "h11_incomplete_size",
 ]
@@ -51,6 +52,20 @@ _HPACK_FIELD_OVERHEAD = 32
 """What HPACK (and QPACK) add to each field's name and value when sizing a header list."""
 _PSEUDO_HEADERS = 5
 """``:method``, ``:scheme``, ``:authority``, ``:path``, ``:protocol``."""
+
+
+def expect_shape(owner: Any, *names: str) -> None:
+    """Raise ``RuntimeError`` unless ``owner`` (a library's class or module) has every one
+    of ``names``: a patch of a library's internals checks them before it applies, so a
+    version that moved them fails at start, naming what moved, instead of leaving a bound
+    silently unenforced."""
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        where = getattr(owner, "__module__", "?") + "." + getattr(owner, "__qualname__", "?")
+        raise RuntimeError(
+            f"{where} has no {', '.join(missing)}: this library version is not one the"
+            " router's patches were tested with (router/hosting/head_guards.py)"
+        )
 
 
 def h2_header_list_size(limits: HeadLimits) -> int:
@@ -81,6 +96,11 @@ def bounded_heads(protocol: type[Any], limits: HeadLimits) -> type[Any]:
     httptools keeps no bytes one could rescan: it is bounded by its size alone
     (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB
     at most under uvloop)."""
+
+    expect_shape(
+        protocol, "connection_made", "data_received", "on_message_begin",
+        "on_headers_complete", "on_message_complete",
+    )
 
     class HeadBoundedProtocol(protocol):  # type: ignore[misc]
         _head_scan: HeadScanner | None = None
@@ -161,6 +181,8 @@ def bound_h11_heads() -> None:
     from hypercorn.events import Closed, RawData
     from hypercorn.protocol.h11 import H11Protocol
 
+    expect_shape(H11Protocol, "handle", "_create_stream")
+    expect_shape(h11.Connection, "trailing_data")
     handle = H11Protocol.handle
     create_stream = H11Protocol._create_stream
 
@@ -215,6 +237,8 @@ def bound_decoded_heads() -> None:
     from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
     from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
+    expect_shape(HTTPStream, "handle")
+    expect_shape(ASGIHTTPState, "CLOSED")
     handle = HTTPStream.handle
 
     async def bounded(self: Any, event: Any) -> None:
