@@ -250,6 +250,35 @@ async def test_http2_head_over_a_bound_is_refused_on_its_stream(
     router.assert_clean_log()
 
 
+async def test_http2_refused_head_with_a_body_coming_is_reset_after_its_431(
+    start_router_process: RouterStarter,
+) -> None:
+    """A POST with 101 headers whose body is still coming: 431, then RST_STREAM NO_ERROR so
+    the client stops sending; the DATA already on its way is dropped without an error, and
+    the connection serves on."""
+    async with start_router_process() as router:
+        client = await H2Client.open(router)
+        stream_id = client.conn.get_next_available_stream_id()
+        headers = [*client.headers(CHAT), *((f"x-{i}", "v") for i in range(101))]
+        client.conn.send_headers(stream_id, headers)
+        client.conn.send_data(stream_id, b"x" * 16384)
+        await client.flush()
+        status, reset = 0, None
+        async with asyncio.timeout(10):
+            while reset is None and not client.closed:
+                for event in await client.events(1):
+                    if getattr(event, "stream_id", None) != stream_id:
+                        continue
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = int(dict(event.headers)[":status"])
+                    elif isinstance(event, h2.events.StreamReset):
+                        reset = h2.errors.ErrorCodes(event.error_code)
+        assert await client.get("/healthz") == 200
+        client.writer.close()
+    assert (status, reset) == (431, h2.errors.ErrorCodes.NO_ERROR)
+    router.assert_clean_log()
+
+
 async def test_http3_head_over_a_bound_is_refused(
     start_router_process: RouterStarter,
 ) -> None:
