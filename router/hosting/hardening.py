@@ -12,16 +12,13 @@ all once per process, and they act only on a server whose hypercorn ``Config`` c
   answered 400 and its connection closed (RFC 9112 section 6.1: request smuggling);
 - a body the app answered without reading (401, 404, a 413 after 64 MiB) is read and dropped,
   so it cannot fill the app's queue and stall the connection;
-- HTTP/2: a stream answered while its client still sends the body is reset (NO_ERROR);
-  DATA for a stream already answered is acknowledged and the stream reset
+- HTTP/2: DATA for a stream already answered is acknowledged and the stream reset
   (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
   (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
   disconnect and cancel their work;
 - WebSocket: a message over ``websocket_max_message_size`` is refused at its frame header
   (:mod:`.ws_frames`), and permessage-deflate is not offered (a compressed frame's header
   does not bound what it inflates to).
-
-- request heads: bounded before any parser buffers them (:mod:`.head_guards`).
 
 Every refusal is one log line (``firstbyte.hosting``), throttled per reason.
 """
@@ -90,17 +87,20 @@ def harden_hypercorn() -> None:
 
     if getattr(run, "_firstbyte_hardened", False):
         return
+    # Their own modules' patches: request heads bounded before a parser buffers them, and
+    # an HTTP/2 stream answered before its body's end reset (applied first: innermost).
+    from .early_answers import reset_h2_streams_answered_early
+    from .head_guards import bound_decoded_heads, bound_h11_heads
+
+    bound_h11_heads()
+    bound_decoded_heads()
+    reset_h2_streams_answered_early()
     _guard_connections(run)
     _time_request_heads()
     _reject_ambiguous_framing()
     _discard_unread_bodies()
     _close_finished_h2_streams()
-    _reset_h2_streams_answered_early()
     _guard_websocket_frames()
-    from .head_guards import bound_decoded_heads, bound_h11_heads
-
-    bound_h11_heads()
-    bound_decoded_heads()
     run._firstbyte_hardened = True  # type: ignore[attr-defined]
 
 
@@ -389,39 +389,6 @@ def _close_finished_h2_streams() -> None:
         return False
 
     H2Protocol._handle_events = guarded  # type: ignore[method-assign]
-
-
-def _reset_h2_streams_answered_early() -> None:
-    """Reset an HTTP/2 stream (NO_ERROR) once its response is complete while its client is
-    still sending the request body (a 413 once the body crossed the limit, a 401 at the head).
-
-    hypercorn ends such a stream on its side only; the client goes on sending a body no one
-    will read, and until the next DATA frame arrives for the forgotten stream (which the
-    patch above resets) it does not learn it may stop. RFC 9113 section 8.1 provides this
-    reset for a complete response sent before the request's end.
-    """
-    import h2.errors
-    import h2.exceptions
-    from h2.stream import StreamState
-    from hypercorn.protocol.h2 import H2Protocol
-
-    from .head_guards import expect_shape
-
-    expect_shape(H2Protocol, "_close_stream", "_flush")
-    expect_shape(StreamState, "HALF_CLOSED_LOCAL")
-    close_stream = H2Protocol._close_stream
-
-    async def closing(self: Any, stream_id: int) -> None:
-        await close_stream(self, stream_id)
-        if _limits(self.config) is None:
-            return
-        stream = self.connection.streams.get(stream_id)
-        if stream is not None and stream.state_machine.state is StreamState.HALF_CLOSED_LOCAL:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
-                await self._flush()
-
-    H2Protocol._close_stream = closing  # type: ignore[method-assign]
 
 
 def _guard_websocket_frames() -> None:

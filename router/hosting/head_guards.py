@@ -87,9 +87,10 @@ def _log(refusal: HeadRefusal, client: object) -> None:
     report(logging.INFO, f"request head refused: {refusal.status}", client, refusal.reason)
 
 
-def bounded_heads(protocol: type[Any], limits: HeadLimits) -> type[Any]:
+def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
     """uvicorn's ``HttpToolsProtocol`` (or a subclass: :mod:`.uvicorn_limits`'s) with every
-    request head bounded by ``limits`` before httptools buffers it.
+    request head bounded by ``bounds`` before httptools buffers it (None: ``protocol`` as it
+    is).
 
     A head starts with the connection and after each request's end. A pipelined head that
     began in the read that ended the request before it went past the scanner in part, and
@@ -97,6 +98,9 @@ def bounded_heads(protocol: type[Any], limits: HeadLimits) -> type[Any]:
     (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB
     at most under uvloop)."""
 
+    if bounds is None:
+        return protocol
+    limits = bounds
     expect_shape(
         protocol, "connection_made", "data_received", "on_message_begin",
         "on_headers_complete", "on_message_complete",

@@ -1,8 +1,7 @@
 """What one client may hold of a server, as sans-IO accounting the hosting layer feeds.
 
 - :class:`ClientLimits`: the knobs (header timeout, connections per address, descriptor
-  reserve, HTTP/2 early resets, request heads), as
-  :class:`~firstbyte.router.hosting.ServerOptions` carries them.
+  reserve, HTTP/2 early resets), as :class:`~firstbyte.router.hosting.ServerOptions` carries them.
 - :class:`ConnectionCounter`: admits or refuses a new connection by its client address and
   the descriptor its socket got.
 - :class:`ResetFlood`: tells an HTTP/2 rapid-reset flood from a client that cancels now and then.
@@ -32,11 +31,11 @@ class ClientLimits:
     """Open connections from one client address; None: no cap."""
     reserved_fds: int = 0
     """Descriptors kept free: a connection whose socket would leave fewer is refused."""
+    heads: HeadLimits | None = None
+    """Bounds on a request head (:mod:`.heads`), on every protocol; None: the servers' own."""
     h2_max_early_resets: int | None = None
     """HTTP/2 streams a client may reset before their response is done (more than half of
     all it opened) before the connection gets GOAWAY; None: no bound."""
-    heads: HeadLimits | None = None
-    """Bounds on a request head (:mod:`.heads`), on every protocol; None: the servers' own."""
 
 
 class ConnectionCounter:

@@ -358,16 +358,13 @@ def uvicorn_config(
     connections; with ``tls``, uvicorn does the TLS handshake itself."""
     import uvicorn
 
+    from .head_guards import bounded_heads
     from .uvicorn_limits import guarded_protocols
 
     http, ws = guarded_protocols(options.limits, counter)
-    if options.limits.heads is not None:
-        from .head_guards import bounded_heads
-
-        http = bounded_heads(http, options.limits.heads)
     return uvicorn.Config(
         app,
-        http=http,
+        http=bounded_heads(http, options.limits.heads),
         ws="none" if options.ws_max_message_bytes is None else ws,
         ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
         ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard
