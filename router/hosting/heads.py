@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .limits import HeadLimits
+
 __all__ = [
     "HeadLimits",
     "HeadRefusal",
@@ -31,21 +33,6 @@ __all__ = [
     "refusal_body",
     "refusal_h1",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class HeadLimits:
-    """The bounds (the router sets them from ``[limits]``; see ``docs/limits.md``)."""
-
-    max_request_line_bytes: int = 8192
-    """The request line (method, target, version; without its line end); HTTP/2 and HTTP/3:
-    the ``:path``."""
-    max_header_line_bytes: int = 8192
-    """One header field: its line without the line end, or name + ``": "`` + value."""
-    max_header_bytes: int = 32768
-    """All header fields together, counted as lines (without the request line)."""
-    max_headers: int = 100
-    """Header fields in one head."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .heads import HeadLimits
-
 __all__ = ["ClientLimits", "ConnectionCounter", "ResetFlood", "Throttle"]
 
 
@@ -116,3 +114,19 @@ class Throttle:
             return None
         self._last[key] = now
         return self._held.pop(key, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLimits:
+    """Bounds on a request head (:mod:`.heads` enforces them; the router sets them from
+    ``[limits]``, see ``docs/limits.md``)."""
+
+    max_request_line_bytes: int = 8192
+    """The request line (method, target, version; without its line end); HTTP/2 and HTTP/3:
+    the ``:path``."""
+    max_header_line_bytes: int = 8192
+    """One header field: its line without the line end, or name + ``": "`` + value."""
+    max_header_bytes: int = 32768
+    """All header fields together, counted as lines (without the request line)."""
+    max_headers: int = 100
+    """Header fields in one head."""
