@@ -102,8 +102,8 @@ def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
         return protocol
     limits = bounds
     expect_shape(
-        protocol, "connection_made", "data_received", "on_message_begin",
-        "on_headers_complete", "on_message_complete",
+        protocol, "data_received", "on_message_begin", "on_headers_complete",
+        "on_message_complete",
     )
 
     class HeadBoundedProtocol(protocol):  # type: ignore[misc]
@@ -115,13 +115,20 @@ def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
         _scan_began_in_read = False
         """The scanner was made (at a request's end) inside the read being parsed."""
 
-        def connection_made(self, transport: asyncio.Transport) -> None:
-            super().connection_made(transport)
-            self._head_scan = HeadScanner(limits)
+        _started = False
+        """The first head's scanner is made (at the first bytes uvicorn's side reads)."""
 
         def data_received(self, data: bytes) -> None:
             if self._head_refused:
                 return  # answered: dropped until the connection closes
+            if self.flow is None:
+                # uvicorn's connection_made has not run: bytes of a TLS handshake that a
+                # protocol subclass runs itself (:mod:`.uvicorn_limits`), not of a head.
+                super().data_received(data)
+                return
+            if not self._started:
+                self._started = True
+                self._head_scan = HeadScanner(limits)
             scan = self._head_scan
             if scan is not None and not scan.complete:
                 refusal = scan.feed(data)
