@@ -13,7 +13,8 @@
   advertised and enforced by the HPACK decoder; a client that ignores it gets GOAWAY
   ``ENHANCE_YOUR_CALM``) and h2's own limit of 64 CONTINUATION frames; HTTP/3 only by QUIC's
   flow control on the request stream (aioquic buffers a HEADERS frame whole, and pylsqpack
-  has no header-list bound): at most the stream's window, 1 MiB.
+  has no header-list bound): at most aioquic's windows, 1 MiB a stream and 1 MiB a
+  connection.
 
 A refused head gets 414 or 431 with an OpenAI-style error body and ``connection: close``;
 on HTTP/1.1 what the client still sends is read and dropped for :data:`.hardening.LINGER_S`
