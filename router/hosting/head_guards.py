@@ -171,6 +171,13 @@ def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
             _log(refusal, self.client[0] if self.client else "?")
             if self.transport.is_closing():
                 return
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # A pipelined head, refused while the request before it is being answered:
+                # that answer goes out whole, then the connection closes (a 431 written now
+                # would land inside it).
+                cycle.keep_alive = False
+                return
             self.transport.write(refusal_h1(refusal))
             self.loop.call_later(LINGER_S, self.transport.close)
 

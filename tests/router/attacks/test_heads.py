@@ -15,6 +15,7 @@ import h2.events
 import h2.settings
 import pytest
 
+from tests.router.conftest import API_KEY
 from tests.router.h3client import h3_request
 
 from .conftest import (
@@ -22,6 +23,7 @@ from .conftest import (
     RouterProcess,
     RouterStarter,
     canary_running,
+    chat_body,
     open_tls,
     read_until_closed,
 )
@@ -150,6 +152,35 @@ async def test_a_pipelined_head_split_across_reads_is_bounded_not_misread(
     assert b"HTTP/1.1 401 " in second, second[:400]  # no key: not a 414
     assert b"HTTP/1.1 431 " in cut, cut[:400]
     assert sent < 16 << 20
+    router.assert_clean_log()
+
+
+@ON_EACH_SERVER
+async def test_a_pipelined_huge_head_does_not_cut_into_the_answer_before_it(
+    start_router_process: RouterStarter,
+) -> None:
+    """A stream in flight, and behind it on the same connection a head that never ends: the
+    stream's answer arrives whole, and only after it a 431 (or the close), never inside."""
+    body = json.dumps(chat_body(50)).encode()
+    first = (
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {API_KEY}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    async with start_router_process() as router:
+        reader, writer = await open_tls(router)
+        writer.write(first + f"POST {CHAT} HTTP/1.1\r\nhost: x\r\nx-big: ".encode())
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # the stream has begun
+        for _ in range(16):  # 1 MiB of header line while the stream goes on
+            writer.write(b"v" * 65536)
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await asyncio.wait_for(writer.drain(), 5)
+        rest = await read_until_closed(reader, 20)
+        writer.close()
+    end = rest.index(b"data: [DONE]")
+    last_chunk = rest.index(b"\r\n0\r\n\r\n", end) + len(b"\r\n0\r\n\r\n")
+    assert b"HTTP/1.1" not in rest[:last_chunk], rest[:last_chunk][-400:]
+    after = rest[last_chunk:]
+    assert after == b"" or after.startswith(b"HTTP/1.1 431 "), after[:200]
     router.assert_clean_log()
 
 
