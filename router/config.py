@@ -234,6 +234,16 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     client_header_timeout_s: PositiveSeconds = 60.0
     """From a request's first byte to its complete head (HTTP/1.1; TLS handshakes too):
     longer, 408 and the connection closes (a slowloris)."""
+    # A request head, bounded before authentication (router/hosting/heads.py); nginx's
+    # large_client_header_buffers 4 8k: a line fits one 8 KiB buffer, the head four.
+    max_request_line_bytes: PositiveBytes = 8192
+    """The request line (HTTP/2, HTTP/3: the ``:path``); longer: 414 and close."""
+    max_header_line_bytes: PositiveBytes = 8192
+    """One header field (name, ``": "``, value); longer: 431 and close."""
+    max_header_bytes: PositiveBytes = 32768
+    """All header fields of a request together; more: 431 and close."""
+    max_headers: PositiveInt = 100
+    """Header fields in one request; more: 431 and close."""
     client_body_timeout_s: PositiveSeconds = 60.0
     """Longest wait for the next piece of a request body: longer, 408 and close."""
     websocket_idle_timeout_s: PositiveSeconds = 300.0

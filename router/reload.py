@@ -42,6 +42,10 @@ RESTART_KEYS = (
     "limits.hard_max_connections_per_client",
     "limits.reserved_fds",
     "limits.h2_max_early_resets",
+    "limits.max_request_line_bytes",
+    "limits.max_header_line_bytes",
+    "limits.max_header_bytes",
+    "limits.max_headers",
 )
 """Keys (or whole sections) a reload cannot change: the process must restart."""
 

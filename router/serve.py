@@ -25,7 +25,7 @@ from firstbyte.protocol import paths
 from .app import RouterApp, build_app
 from .config import RouterConfig
 from .drain import drain
-from .hosting import ClientLimits, Listeners, ServerOptions, bind, running
+from .hosting import ClientLimits, Listeners, ServerOptions, bind, heads, running
 from .hosting import serve as host
 from .hosting.goaway import ConnectionRegistry
 from .hosting.quic import Http3Status, SessionTicketStore, TicketStore
@@ -112,12 +112,24 @@ def client_limits(config: RouterConfig) -> ClientLimits:
     """The connection-level part of ``[limits]``, which the hosting layer enforces."""
     limits = config.limits
     return ClientLimits(
+        heads=head_limits(config),
         header_timeout_s=limits.client_header_timeout_s,
         max_connections_per_client=limits.max_connections_per_client,
         hard_max_connections_per_client=limits.hard_max_connections_per_client,
         reserved_fds=limits.reserved_fds,
         h2_max_early_resets=limits.h2_max_early_resets,
         quic_retry_above_handshakes_per_s=limits.quic_retry_above_handshakes_per_s,
+    )
+
+
+def head_limits(config: RouterConfig) -> heads.HeadLimits:
+    """The request-head part of ``[limits]`` (:mod:`.hosting.heads`)."""
+    limits = config.limits
+    return heads.HeadLimits(
+        max_request_line_bytes=limits.max_request_line_bytes,
+        max_header_line_bytes=limits.max_header_line_bytes,
+        max_header_bytes=limits.max_header_bytes,
+        max_headers=limits.max_headers,
     )
 
 

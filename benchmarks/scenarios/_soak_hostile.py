@@ -126,6 +126,51 @@ async def idle_connections(target: Target, until: float) -> Counter[str]:
     return await _many(40 * target.scale, lambda: _held(target, until, b"", None))
 
 
+async def huge_heads(target: Target, until: float) -> Counter[str]:
+    """Request heads without a key whose one header line never ends, sent as fast as the
+    router reads them (16 MiB lines once took its memory from 62 to 790 MB): answered at the
+    bound (``431``), or read on and on."""
+    found: Counter[str] = Counter()
+    for _ in _rounds(until):
+        found.update(await _many(10 * target.scale, lambda: _huge_head(target)))
+        await asyncio.sleep(0.5)
+    return found
+
+
+async def _huge_head(target: Target, line_bytes: int = 16 << 20) -> str:
+    try:
+        reader, writer = await target.connect()
+    except (OSError, TimeoutError) as exc:
+        return f"connect failed: {type(exc).__name__}"
+    answer = asyncio.ensure_future(reader.read(1024))
+    sent = 0
+    try:
+        writer.write(f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\nX-Big: ".encode())
+        chunk = b"v" * 65536
+        while sent < line_bytes and not answer.done():
+            writer.write(chunk)
+            sent += len(chunk)
+            await asyncio.wait_for(writer.drain(), 5)
+        data = await asyncio.wait_for(answer, 10)
+    except (OSError, TimeoutError):
+        return f"closed by router after {_size(sent)} sent"
+    finally:
+        answer.cancel()
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+    if data.startswith(b"HTTP/1.1 "):
+        return f"answered {data[9:12].decode()} after {_size(sent)} sent"
+    return f"closed by router after {_size(sent)} sent"
+
+
+def _size(sent: int) -> str:
+    for limit in (1 << 20, 4 << 20, 16 << 20):
+        if sent < limit:
+            return f"<{limit >> 20} MiB"
+    return "all 16 MiB"
+
+
 def _rounds(until: float) -> Iterator[int]:
     """0, 1, 2, ... while there is time before ``until``, and round 0 always: an attack that
     starts late (its phase's window passed while a busy machine ran other work) still runs
@@ -182,11 +227,18 @@ async def bad_requests(target: Target, until: float) -> Counter[str]:
         "bad key": ({"Authorization": "Bearer sk-not-a-key-at-all"}, _chat_body(0)),
         "no key": ({}, _chat_body(0)),
     }
-    async with httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as client:
+    async with (
+        httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as client,
+        httpx.AsyncClient(verify=target.ca_file, timeout=30) as http1,
+    ):
         for _ in _rounds(until):
             for name, (headers, body) in probes.items():
+                # Over HTTP/2 the router answers 413 and resets the stream as the body crosses
+                # the limit; httpx, still sending, cannot read that answer (docs/limits.md):
+                # the oversized body goes over HTTP/1.1.
+                sender = http1 if name == "oversized body" else client
                 try:
-                    reply = await client.post(target.base_url + _CHAT, headers=headers,
+                    reply = await sender.post(target.base_url + _CHAT, headers=headers,
                                               content=body)
                     found[f"{name}: {_status_class(reply.status_code, reply.content)}"] += 1
                 except httpx.HTTPError as exc:
@@ -315,6 +367,7 @@ ATTACKS: dict[str, Callable[[Target, float], Awaitable[Counter[str]]]] = {
     "idle_connections": idle_connections,
     "greedy_key": greedy_key,
     "bad_requests": bad_requests,
+    "huge_heads": huge_heads,
     "rapid_reset": rapid_reset,
     "websocket_oversized": websocket_oversized,
 }

@@ -7,8 +7,8 @@ the official openai SDK; a canary on its own key streams one request after anoth
 process. Faults hit the upstreams: one sim is killed (SIGKILL) and restarted, the others stall,
 drop connections mid-stream and answer 503 for a share of requests. Hostile clients come in
 timed phases (slowloris heads, held bodies without a key, idle connections, a greedy key,
-careless requests, HTTP/2 rapid reset, oversized WebSocket frames). The router's and sims' RSS
-and open files are sampled every 0.5 s.
+careless requests and huge request heads, HTTP/2 rapid reset, oversized WebSocket frames).
+The router's and sims' RSS and open files are sampled every 0.5 s.
 
 The run fails (exit 1, after writing the report) when any key's tokens were lost, repeated or
 seen by another key, when another key's stream could be read, or when the canary saw an error
@@ -79,7 +79,7 @@ class Phase:
 PHASES = (
     Phase("connection holders", 0.15, 0.45, ("slowloris", "held_bodies", "idle_connections")),
     Phase("greedy key", 0.30, 0.55, ("greedy_key",)),
-    Phase("careless requests", 0.45, 0.70, ("bad_requests",)),
+    Phase("careless requests", 0.45, 0.70, ("bad_requests", "huge_heads")),
     Phase("rapid reset", 0.60, 0.75, ("rapid_reset",)),
     Phase("oversized websocket frames", 0.70, 0.85, ("websocket_oversized",)),
 )

@@ -91,6 +91,14 @@ def harden_hypercorn() -> None:
 
     if getattr(run, "_firstbyte_hardened", False):
         return
+    # Their own modules' patches: request heads bounded before a parser buffers them, and
+    # an HTTP/2 stream answered before its body's end reset (applied first: innermost).
+    from .early_answers import reset_h2_streams_answered_early
+    from .head_guards import bound_decoded_heads, bound_h11_heads
+
+    bound_h11_heads()
+    bound_decoded_heads()
+    reset_h2_streams_answered_early()
     _guard_connections(run)
     _time_request_heads()
     _reject_ambiguous_framing()

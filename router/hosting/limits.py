@@ -45,6 +45,8 @@ class ClientLimits:
     """Opt-in: open connections from one client address, pressure or not; None: no cap."""
     reserved_fds: int = 0
     """Descriptors kept free: a connection whose socket would leave fewer is refused."""
+    heads: HeadLimits | None = None
+    """Bounds on a request head (:mod:`.heads`), on every protocol; None: the servers' own."""
     h2_max_early_resets: int | None = None
     """HTTP/2 streams a client may reset before their response is done (more than half of
     all it opened) before the connection gets GOAWAY; None: no bound."""
@@ -224,3 +226,19 @@ class Throttle:
             return None
         self._last[key] = now
         return self._held.pop(key, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLimits:
+    """Bounds on a request head (:mod:`.heads` enforces them; the router sets them from
+    ``[limits]``, see ``docs/limits.md``)."""
+
+    max_request_line_bytes: int = 8192
+    """The request line (method, target, version; without its line end); HTTP/2 and HTTP/3:
+    the ``:path``."""
+    max_header_line_bytes: int = 8192
+    """One header field: its line without the line end, or name + ``": "`` + value."""
+    max_header_bytes: int = 32768
+    """All header fields together, counted as lines (without the request line)."""
+    max_headers: int = 100
+    """Header fields in one head."""

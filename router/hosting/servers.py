@@ -372,13 +372,14 @@ def uvicorn_config(
     (uvicorn's own would run before the connection is counted)."""
     import uvicorn
 
+    from .head_guards import bounded_heads
     from .uvicorn_limits import guarded_protocols
 
     # The TLS handshake is the protocol's (after the connection is counted), not uvicorn's.
     http, ws = guarded_protocols(options.limits, counter, _tls_context(options) if tls else None)
     return uvicorn.Config(
         app,
-        http=http,
+        http=bounded_heads(http, options.limits.heads),
         ws="none" if options.ws_max_message_bytes is None else ws,
         ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
         ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard
@@ -444,6 +445,12 @@ async def _serve_hypercorn(
     config.include_server_header = False
     config.graceful_timeout = options.graceful_timeout_s
     config.alpn_protocols = ["h2", "http/1.1"]
+    if options.limits.heads is not None:
+        from .head_guards import h2_header_list_size, h11_incomplete_size
+
+        # Room for any head the bounds let through: the guards, not the parsers, refuse.
+        config.h11_max_incomplete_size = h11_incomplete_size(options.limits.heads)
+        config.h2_max_header_list_size = h2_header_list_size(options.limits.heads)
     if options.ws_max_message_bytes is not None:
         config.websocket_max_message_size = options.ws_max_message_bytes
     if options.tls:

@@ -1,0 +1,291 @@
+"""The request-head bounds of :mod:`.heads`, enforced by each server before it buffers a head.
+
+- uvicorn's httptools protocol (``auto`` and ``uvicorn``, HTTP/1.1): :func:`bounded_heads`
+  subclasses it so every piece of a head passes a :class:`~.heads.HeadScanner` before the
+  parser sees it. httptools keeps a header line it has not seen the end of, appending each
+  new piece (quadratic in the line's length), and has no bound: a 64 MiB line was 64 MiB of
+  memory and seconds of CPU.
+- hypercorn's h11 (``hypercorn``, HTTP/1.1): the same scanner in front of h11, whose own
+  bound (``h11_max_incomplete_size``) answers a plain 400 for any kind of excess.
+- HTTP/2 and HTTP/3 (hypercorn): the decoded head is checked before the stream's app starts
+  (:func:`~.heads.check_fields`). What a decoder may hold is bounded before that by the
+  protocol: HTTP/2 by ``SETTINGS_MAX_HEADER_LIST_SIZE`` (:func:`h2_header_list_size`,
+  advertised and enforced by the HPACK decoder; a client that ignores it gets GOAWAY
+  ``ENHANCE_YOUR_CALM``) and h2's own limit of 64 CONTINUATION frames; HTTP/3 only by QUIC's
+  flow control on the request stream (aioquic buffers a HEADERS frame whole, and pylsqpack
+  has no header-list bound): at most aioquic's windows, 1 MiB a stream and 1 MiB a
+  connection.
+
+A refused head gets 414 or 431 with an OpenAI-style error body and ``connection: close``;
+on HTTP/1.1 what the client still sends is read and dropped for :data:`.hardening.LINGER_S`
+(so the kernel does not reset the connection under the answer), then the connection closes;
+on HTTP/2 and HTTP/3 only the stream ends. Each refusal is one throttled log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .hardening import LINGER_S, report
+from .heads import (
+    HeadLimits,
+    HeadRefusal,
+    HeadScanner,
+    UnalignedHead,
+    check_fields,
+    max_head_bytes,
+    refusal_body,
+    refusal_h1,
+)
+
+__all__ = [
+    "bound_decoded_heads",
+    "bound_h11_heads",
+    "bounded_heads",
+    "expect_shape",
+    "h2_header_list_size",
+    "h11_incomplete_size",
+]
+
+_HPACK_FIELD_OVERHEAD = 32
+"""What HPACK (and QPACK) add to each field's name and value when sizing a header list."""
+_PSEUDO_HEADERS = 5
+"""``:method``, ``:scheme``, ``:authority``, ``:path``, ``:protocol``."""
+
+
+def expect_shape(owner: Any, *names: str) -> None:
+    """Raise ``RuntimeError`` unless ``owner`` (a library's class or module) has every one
+    of ``names``: a patch of a library's internals checks them before it applies, so a
+    version that moved them fails at start, naming what moved, instead of leaving a bound
+    silently unenforced."""
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        where = getattr(owner, "__module__", "?") + "." + getattr(owner, "__qualname__", "?")
+        raise RuntimeError(
+            f"{where} has no {', '.join(missing)}: this library version is not one the"
+            " router's patches were tested with (router/hosting/head_guards.py)"
+        )
+
+
+def h2_header_list_size(limits: HeadLimits) -> int:
+    """``SETTINGS_MAX_HEADER_LIST_SIZE`` for ``limits``: a head within them fits, with room
+    for the pseudo-headers; a bigger one is still decoded (up to this) and answered 431."""
+    fields = limits.max_headers + _PSEUDO_HEADERS
+    return limits.max_header_bytes + limits.max_request_line_bytes + 256 + (
+        _HPACK_FIELD_OVERHEAD * fields
+    )
+
+
+def h11_incomplete_size(limits: HeadLimits) -> int:
+    """h11's ``max_incomplete_event_size`` for ``limits``: above any head the scanner lets
+    through, so the scanner answers first."""
+    return max_head_bytes(limits) + 4096
+
+
+def _log(refusal: HeadRefusal, client: object) -> None:
+    report(logging.INFO, f"request head refused: {refusal.status}", client, refusal.reason)
+
+
+def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
+    """uvicorn's ``HttpToolsProtocol`` (or a subclass: :mod:`.uvicorn_limits`'s) with every
+    request head bounded by ``bounds`` before httptools buffers it (None: ``protocol`` as it
+    is).
+
+    A head starts with the connection and after each request's end. A pipelined head that
+    began in the read that ended the request before it went past the scanner in part, and
+    httptools keeps no bytes one could rescan: it is bounded by its size alone
+    (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB
+    at most under uvloop)."""
+
+    if bounds is None:
+        return protocol
+    limits = bounds
+    expect_shape(
+        protocol, "data_received", "on_message_begin", "on_headers_complete",
+        "on_message_complete",
+    )
+
+    class HeadBoundedProtocol(protocol):  # type: ignore[misc]
+        _head_scan: HeadScanner | None = None
+        _unaligned: UnalignedHead | None = None
+        _head_refused = False
+        _feeding = False
+        """In httptools' ``feed_data``: callbacks then come from the read being parsed."""
+        _scan_began_in_read = False
+        """The scanner was made (at a request's end) inside the read being parsed."""
+
+        _started = False
+        """The first head's scanner is made (at the first bytes uvicorn's side reads)."""
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_refused:
+                return  # answered: dropped until the connection closes
+            if self.flow is None:
+                # uvicorn's connection_made has not run: bytes of a TLS handshake that a
+                # protocol subclass runs itself (:mod:`.uvicorn_limits`), not of a head.
+                super().data_received(data)
+                return
+            if not self._started:
+                self._started = True
+                self._head_scan = HeadScanner(limits)
+            scan = self._head_scan
+            if scan is not None and not scan.complete:
+                refusal = scan.feed(data)
+                if refusal is not None:
+                    self._refuse_head(refusal)
+                    return
+            self._feeding, self._scan_began_in_read = True, False
+            try:
+                super().data_received(data)
+            finally:
+                self._feeding = False
+            unaligned = self._unaligned
+            if unaligned is not None and not self._head_refused:
+                refusal = unaligned.add(len(data))
+                if refusal is not None:
+                    self._refuse_head(refusal)
+
+        def on_message_begin(self) -> None:
+            if self._feeding and self._scan_began_in_read:
+                # This head began in the read that ended the last request, after the point
+                # the scanner had seen: its lines cannot be followed; bound its size.
+                self._head_scan, self._unaligned = None, UnalignedHead(limits)
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._head_scan = self._unaligned = None
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._head_scan = HeadScanner(limits)
+            self._scan_began_in_read = self._feeding
+
+        def _refuse_head(self, refusal: HeadRefusal) -> None:
+            self._head_refused = True
+            stop_timer = getattr(self, "_stop_head_timer", None)  # the head is answered
+            if stop_timer is not None:
+                stop_timer()
+            _log(refusal, self.client[0] if self.client else "?")
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # A pipelined head, refused while the request before it is being answered:
+                # that answer goes out whole, then the connection closes (a 431 written now
+                # would land inside it).
+                cycle.keep_alive = False
+                return
+            self.transport.write(refusal_h1(refusal))
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+    HeadBoundedProtocol.__name__ = HeadBoundedProtocol.__qualname__ = (
+        f"HeadBounded{protocol.__name__}"
+    )
+    return HeadBoundedProtocol
+
+
+def _heads(config: Any) -> HeadLimits | None:
+    limits = getattr(config, "firstbyte_limits", None)
+    heads: HeadLimits | None = getattr(limits, "heads", None)
+    return heads
+
+
+def bound_h11_heads() -> None:
+    """Scan each HTTP/1.1 head in front of hypercorn's h11 (a patch of ``H11Protocol``'s
+    ``handle`` and ``_create_stream``, applied by :func:`.hardening.harden_hypercorn`)."""
+    import h11
+    from hypercorn.events import Closed, RawData
+    from hypercorn.protocol.h11 import H11Protocol
+
+    expect_shape(H11Protocol, "handle", "_create_stream")
+    expect_shape(h11.Connection, "trailing_data")
+    handle = H11Protocol.handle
+    create_stream = H11Protocol._create_stream
+
+    async def bounded(self: Any, event: Any) -> None:
+        heads = _heads(self.config)
+        if (
+            heads is not None
+            and isinstance(event, RawData)
+            and isinstance(self.connection, h11.Connection)  # not a WebSocket's
+        ):
+            if getattr(self, "_firstbyte_head_refused", False):
+                return  # answered: dropped until the connection closes
+            if self.stream is None:
+                scan: HeadScanner | None = getattr(self, "_firstbyte_head_scan", None)
+                refusal = None
+                if scan is None:
+                    scan = self._firstbyte_head_scan = HeadScanner(heads)
+                    # What h11 holds past the last request is the start of this head: a
+                    # pipelined one that came in the read that ended the request before.
+                    refusal = scan.feed(self.connection.trailing_data[0])
+                refusal = refusal or scan.feed(event.data)
+                if refusal is not None:
+                    await _refuse(self, refusal)
+                    return
+        await handle(self, event)
+
+    async def scanned(self: Any, request: Any) -> None:
+        self._firstbyte_head_scan = None  # the next head gets a new scanner
+        await create_stream(self, request)
+
+    async def _refuse(self: Any, refusal: HeadRefusal) -> None:
+        from .hardening import _stop_head_timer
+
+        self._firstbyte_head_refused = True
+        _stop_head_timer(self)
+        _log(refusal, self.client[0] if self.client else "?")
+        await self.send(RawData(data=refusal_h1(refusal)))
+
+        async def close_later() -> None:
+            await asyncio.sleep(LINGER_S)
+            await self.send(Closed())
+
+        self.task_group.spawn(close_later)
+
+    H11Protocol.handle = bounded  # type: ignore[method-assign]
+    H11Protocol._create_stream = scanned  # type: ignore[method-assign]
+
+
+def bound_decoded_heads() -> None:
+    """Answer an HTTP/2 or HTTP/3 request whose decoded head is over the bounds 414 or 431
+    before its app starts (a patch of hypercorn's ``HTTPStream.handle``)."""
+    from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
+    from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+
+    expect_shape(HTTPStream, "handle")
+    expect_shape(ASGIHTTPState, "CLOSED")
+    handle = HTTPStream.handle
+
+    async def bounded(self: Any, event: Any) -> None:
+        if getattr(self, "_firstbyte_head_refused", False):
+            if isinstance(event, StreamClosed):
+                await handle(self, event)
+            return  # a body sent after the refusal: dropped (the stream has no app)
+        heads = _heads(self.config)
+        if heads is not None and isinstance(event, Request) and event.http_version in ("2", "3"):
+            refusal = check_fields(event.raw_path, event.headers, heads)
+            if refusal is not None:
+                self._firstbyte_head_refused = True
+                self.state = ASGIHTTPState.CLOSED
+                self.app_put = None  # no app: set only once one starts
+                _log(refusal, self.client[0] if self.client else "?")
+                # Answered from a task, as an app would: sending waits for the client's flow
+                # control window, and the connection's reader must not wait with it.
+                self.task_group.spawn(_answer, self, refusal)
+                return
+        await handle(self, event)
+
+    async def _answer(self: Any, refusal: HeadRefusal) -> None:
+        body = refusal_body(refusal)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await self.send(Response(stream_id=self.stream_id, status_code=refusal.status,
+                                 headers=headers))
+        await self.send(Body(stream_id=self.stream_id, data=body))
+        await self.send(EndBody(stream_id=self.stream_id))
+        await self.send(StreamClosed(stream_id=self.stream_id))
+
+    HTTPStream.handle = bounded  # type: ignore[method-assign]
