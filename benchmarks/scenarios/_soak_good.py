@@ -66,10 +66,18 @@ class Tally:
 
     outcomes: dict[str, Counter[str]] = field(default_factory=dict)
     attempt_errors: dict[str, Counter[str]] = field(default_factory=dict)
+    failed_at: list[float] = field(default_factory=list)
+    """Monotonic time of every failed try (when its request ended), for the phase table."""
+    gave_up_at: list[float] = field(default_factory=list)
+    """Monotonic time of every request given up."""
 
     def add(self, kind: str, outcome: str, errors: list[str]) -> None:
         self.outcomes.setdefault(kind, Counter())[outcome] += 1
         self.attempt_errors.setdefault(kind, Counter()).update(errors)
+        now = time.monotonic()
+        self.failed_at += [now] * len(errors)
+        if outcome.startswith("failed"):
+            self.gave_up_at.append(now)
 
 
 def is_upstream_fault(status: int | None, code: str | None, message: str) -> bool:

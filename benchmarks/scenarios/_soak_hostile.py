@@ -13,8 +13,7 @@ import contextlib
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 
 import h2.config
 import h2.connection
@@ -23,40 +22,21 @@ import h2.exceptions
 import httpx
 import msgspec
 
+from firstbyte.benchmarks.scenarios._soak_faults import blackholed_backend, revoked_tokens
 from firstbyte.benchmarks.scenarios._soak_good import MODEL
+from firstbyte.benchmarks.scenarios._soak_quic import h3_early_answer, quic_flood, quic_idle
+from firstbyte.benchmarks.scenarios._soak_target import (
+    Target,
+    bucket,
+    many,
+    rounds,
+    status_class,
+)
 from firstbyte.protocol import paths
 
-__all__ = ["ATTACKS", "Target"]
+__all__ = ["ATTACKS", "HUGE_HEADS", "Target"]
 
 _CHAT = paths.CHAT_COMPLETIONS
-
-
-@dataclass(slots=True)
-class Target:
-    host: str
-    port: int
-    ca_file: str
-    key: str
-    """The hostile tenant's own (valid) API key."""
-    scale: int
-    """1 for ``--quick``; larger runs hold more connections and send more."""
-    stream_ids: list[tuple[str, str]] = field(default_factory=list)
-    """(key, stream id) of the good clients' streams, for cross-key read attempts."""
-
-    @property
-    def base_url(self) -> str:
-        return f"https://{self.host}:{self.port}"
-
-    def tls(self, alpn: str) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self.ca_file)
-        context.set_alpn_protocols([alpn])
-        return context
-
-    async def connect(self, alpn: str = "http/1.1") -> tuple[asyncio.StreamReader,
-                                                             asyncio.StreamWriter]:
-        return await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port, ssl=self.tls(alpn),
-                                    server_hostname="127.0.0.1"), 10)
 
 
 def _chat_body(n: int, max_tokens: int = 16) -> bytes:
@@ -86,54 +66,107 @@ async def _held(target: Target, until: float, head: bytes, drip: bytes | None) -
                 continue
             after = time.monotonic() - started
             if data.startswith(b"HTTP/1.1 "):
-                return f"answered {data[9:12].decode()} after {_bucket(after)}"
-            return f"closed by router after {_bucket(after)}"
+                return f"answered {data[9:12].decode()} after {bucket(after)}"
+            return f"closed by router after {bucket(after)}"
         return "held until the end"
     except OSError:
-        return f"closed by router after {_bucket(time.monotonic() - started)}"
+        return f"closed by router after {bucket(time.monotonic() - started)}"
     finally:
         writer.close()
         with contextlib.suppress(OSError, ssl.SSLError):
             await writer.wait_closed()
 
 
-def _bucket(seconds: float) -> str:
-    for limit in (1, 5, 15, 30, 60):
-        if seconds < limit:
-            return f"<{limit} s"
-    return ">=60 s"
-
-
-async def _many(n: int, one: Callable[[], Awaitable[str]]) -> Counter[str]:
-    return Counter(await asyncio.gather(*(one() for _ in range(n))))
-
-
 async def slowloris(target: Target, until: float) -> Counter[str]:
     """Request heads that never end: a header line a second."""
     head = f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\n".encode()
-    return await _many(40 * target.scale, lambda: _held(target, until, head, b"X-Wait: 1\r\n"))
+    return await many(40 * target.scale, lambda: _held(target, until, head, b"X-Wait: 1\r\n"))
 
 
 async def held_bodies(target: Target, until: float) -> Counter[str]:
     """A complete head announcing a body, no API key, and no body ever."""
     head = (f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\nContent-Type: application/json\r\n"
             "Content-Length: 100\r\n\r\n").encode()
-    return await _many(40 * target.scale, lambda: _held(target, until, head, None))
+    return await many(40 * target.scale, lambda: _held(target, until, head, None))
 
 
 async def idle_connections(target: Target, until: float) -> Counter[str]:
     """TLS handshakes, then silence."""
-    return await _many(40 * target.scale, lambda: _held(target, until, b"", None))
+    return await many(40 * target.scale, lambda: _held(target, until, b"", None))
 
 
-def _rounds(until: float) -> Iterator[int]:
-    """0, 1, 2, ... while there is time before ``until``, and round 0 always: an attack that
-    starts late (its phase's window passed while a busy machine ran other work) still runs
-    once, so every attack's treatment is reported."""
-    n = 0
-    while n == 0 or time.monotonic() < until:
-        yield n
-        n += 1
+async def pre_tls_holders(target: Target, until: float) -> Counter[str]:
+    """Raw TCP connections from one address that never send a byte (not even a TLS hello)."""
+
+    async def one() -> str:
+        started = time.monotonic()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(target.host, target.port), 10)
+        except (OSError, TimeoutError) as exc:
+            return f"connect failed: {type(exc).__name__}"
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, until - time.monotonic())):
+                    await reader.read(1)
+                    return f"closed by router after {bucket(time.monotonic() - started)}"
+            return "held until the end"
+        except OSError:
+            return f"reset by router after {bucket(time.monotonic() - started)}"
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    return await many(50 * target.scale, one)
+
+
+HUGE_HEADS: dict[str, bytes] = {
+    "header line of 2 MiB": (f"POST {_CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ".encode()
+                             + b"x" * (2 << 20) + b"\r\nContent-Length: 0\r\n\r\n"),
+    "4,000 header lines": (f"POST {_CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+                           + b"".join(b"X-H-%d: v\r\n" % i for i in range(4000))
+                           + b"Content-Length: 0\r\n\r\n"),
+    "URL of 1 MiB": (b"GET /v1/models?pad=" + b"x" * (1 << 20)
+                     + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
+}
+"""Request heads far over any sane bound, without a key: each must be refused by its size."""
+
+
+async def huge_heads(target: Target, until: float) -> Counter[str]:
+    """Each of :data:`HUGE_HEADS` on a new HTTP/1.1 connection, a few rounds."""
+    found: Counter[str] = Counter()
+    for n in rounds(until):
+        if n == 2 * target.scale:
+            break
+        for name, head in HUGE_HEADS.items():
+            found[f"{name}: {await _huge_head(target, head)}"] += 1
+    return found
+
+
+async def _huge_head(target: Target, head: bytes) -> str:
+    """Send ``head`` whole (the router may stop reading it), then what came back in 5 s."""
+    try:
+        reader, writer = await target.connect()
+    except (OSError, TimeoutError) as exc:
+        return f"connect failed: {type(exc).__name__}"
+    try:
+        writer.write(head)
+        with contextlib.suppress(OSError, TimeoutError):
+            await asyncio.wait_for(writer.drain(), 5)
+        async with asyncio.timeout(5):
+            data = await reader.read(1024)
+        if data.startswith(b"HTTP/1.1 "):
+            return f"answered {data[9:12].decode(errors='replace')}"
+        return "closed without an answer"
+    except TimeoutError:
+        return "no answer in 5 s"
+    except OSError as exc:
+        return f"connection reset: {type(exc).__name__}"
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
 
 
 async def greedy_key(target: Target, until: float) -> Counter[str]:
@@ -144,12 +177,12 @@ async def greedy_key(target: Target, until: float) -> Counter[str]:
                                  limits=httpx.Limits(max_connections=4)) as client:
 
         async def loop(i: int) -> None:
-            for n in _rounds(until):
+            for n in rounds(until):
                 try:
                     async with client.stream("POST", target.base_url + _CHAT, headers=headers,
                                              content=_chat_body(i * 100_000 + n, 128)) as reply:
                         await reply.aread()
-                        found[_status_class(reply.status_code, reply.content)] += 1
+                        found[status_class(reply.status_code, reply.content)] += 1
                         if reply.status_code == 429:
                             await asyncio.sleep(0.2)
                 except httpx.HTTPError as exc:
@@ -157,16 +190,6 @@ async def greedy_key(target: Target, until: float) -> Counter[str]:
 
         await asyncio.gather(*(loop(i) for i in range(24 * target.scale)))
     return found
-
-
-def _status_class(status: int, body: bytes) -> str:
-    if status == 200:
-        return "200"
-    try:
-        code = msgspec.json.decode(body).get("error", {}).get("code")
-    except (msgspec.DecodeError, AttributeError):
-        code = None
-    return f"{status} {code}" if code else str(status)
 
 
 async def bad_requests(target: Target, until: float) -> Counter[str]:
@@ -183,12 +206,12 @@ async def bad_requests(target: Target, until: float) -> Counter[str]:
         "no key": ({}, _chat_body(0)),
     }
     async with httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as client:
-        for _ in _rounds(until):
+        for _ in rounds(until):
             for name, (headers, body) in probes.items():
                 try:
                     reply = await client.post(target.base_url + _CHAT, headers=headers,
                                               content=body)
-                    found[f"{name}: {_status_class(reply.status_code, reply.content)}"] += 1
+                    found[f"{name}: {status_class(reply.status_code, reply.content)}"] += 1
                 except httpx.HTTPError as exc:
                     found[f"{name}: {type(exc).__name__}"] += 1
             for _key, stream_id in target.stream_ids[-3:]:
@@ -232,7 +255,7 @@ async def rapid_reset(target: Target, until: float) -> Counter[str]:
     """HTTP/2 rapid reset (CVE-2023-44487): chat requests opened and cancelled at once, in
     bursts, over raw TLS with the h2 library."""
     found: Counter[str] = Counter()
-    for n in _rounds(until):
+    for n in rounds(until):
         found.update(await _reset_burst(target, 400 * target.scale, n))
     return found
 
@@ -289,7 +312,7 @@ async def websocket_oversized(target: Target, until: float) -> Counter[str]:
     found: Counter[str] = Counter()
     frame = "x" * ((4 << 20) * target.scale)
     url = f"wss://{target.host}:{target.port}{paths.WEBSOCKET}"
-    for sent in _rounds(until):
+    for sent in rounds(until):
         if sent == 4 * target.scale:
             break
         try:
@@ -313,6 +336,13 @@ ATTACKS: dict[str, Callable[[Target, float], Awaitable[Counter[str]]]] = {
     "slowloris": slowloris,
     "held_bodies": held_bodies,
     "idle_connections": idle_connections,
+    "pre_tls_holders": pre_tls_holders,
+    "huge_heads": huge_heads,
+    "h3_early_answer": h3_early_answer,
+    "quic_idle": quic_idle,
+    "quic_flood": quic_flood,
+    "blackholed_backend": blackholed_backend,
+    "revoked_tokens": revoked_tokens,
     "greedy_key": greedy_key,
     "bad_requests": bad_requests,
     "rapid_reset": rapid_reset,
