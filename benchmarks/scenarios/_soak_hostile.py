@@ -3,7 +3,9 @@
 Each attack returns a :class:`collections.Counter` of what the router did to it (the class
 names say it: ``401``, ``413``, ``closed by router``, ``held until the end``, ``GOAWAY``, ...).
 Raw sockets (and the h2 library over a raw TLS socket) are used where a client library would
-refuse to misbehave. Nothing here judges the answers: the report shows them.
+refuse to misbehave. Nothing here judges the answers: the report shows them. The HTTP/3 and
+QUIC clients are in :mod:`._soak_quic`, the phases that change the world (a blackholed sim, a
+removed key) in :mod:`._soak_faults`; :data:`ATTACKS` lists them all.
 """
 
 from __future__ import annotations
