@@ -21,14 +21,18 @@ from firstbyte.protocol import paths
 
 __all__ = ["blackholed_backend", "revoked_tokens"]
 
+SETTLE_S = 3.0
+"""After SIGCONT, how long requests that were waiting on the stopped sim still count as its
+(the soak's ``upstream_read_timeout_s``: by then each has ended or moved on)."""
 RELOAD_WAIT_S = 10.0
 """How long the revoked key may still be accepted after SIGHUP (the reload is asynchronous)."""
 
 
 async def blackholed_backend(target: Target, until: float) -> Counter[str]:
     """One sim stopped (SIGSTOP: its sockets stay open, nothing answers) until ``until``, then
-    continued; what the good clients lost meanwhile (their slowest first token while it lasts
-    is the canary's, in the phase table)."""
+    continued; what the good clients lost meanwhile and in the :data:`SETTLE_S` after: failed
+    tries, requests given up, and their slowest first token, retries included (the canary's
+    is in the phase table)."""
     tries, gave_up = target.hooks.good_failures()
     started = time.monotonic()
     name = target.hooks.stop_upstream()
@@ -36,11 +40,16 @@ async def blackholed_backend(target: Target, until: float) -> Counter[str]:
         await asyncio.sleep(max(0.0, until - time.monotonic()))
     finally:
         target.hooks.continue_upstream()
+    stopped_s = time.monotonic() - started
+    await asyncio.sleep(SETTLE_S)
     after_tries, after_gave_up = target.hooks.good_failures()
+    slowest = target.hooks.good_slowest_first_token_ms(started)
     return Counter({
-        f"{name} stopped for {time.monotonic() - started:.1f} s": 1,
-        "good clients' failed tries meanwhile": after_tries - tries,
-        "good requests given up meanwhile": after_gave_up - gave_up,
+        f"{name} stopped for {stopped_s:.1f} s": 1,
+        f"good clients' failed tries (stopped + {SETTLE_S:g} s)": after_tries - tries,
+        f"good requests given up (stopped + {SETTLE_S:g} s)": after_gave_up - gave_up,
+        # a number, not a count: the hostile table has one number column
+        f"good clients' slowest first token, ms (stopped + {SETTLE_S:g} s)": round(slowest or 0),
     })
 
 

@@ -35,6 +35,10 @@ class WorldHooks(Protocol):
     def good_failures(self) -> tuple[int, int]:
         """(failed tries, requests given up) of the good clients so far."""
 
+    def good_slowest_first_token_ms(self, since: float) -> float | None:
+        """The good clients' slowest first token (retries included) among the requests that
+        ended after the monotonic time ``since``; None if none did."""
+
     async def remove_key(self) -> None:
         """Rewrite the router's config without :attr:`revoked_key` and SIGHUP the router."""
 

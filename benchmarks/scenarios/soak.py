@@ -187,6 +187,9 @@ class _World:
     def good_failures(self) -> tuple[int, int]:
         return len(self.tally.failed_at), len(self.tally.gave_up_at)
 
+    def good_slowest_first_token_ms(self, since: float) -> float | None:
+        return max((ms for t, ms in self.tally.first_tokens if t > since), default=None)
+
     async def remove_key(self) -> None:
         keys = [k for k in self.config["auth"]["api_keys"] if k != self.revoked_key]
         self.config["auth"] = self.config["auth"] | {"api_keys": keys}

@@ -81,7 +81,9 @@ def _check_phases(results: dict[str, Any]) -> None:
     assert hostile["quic_flood"]["real client after the flood: 200"] == 1
     assert sum(hostile["quic_flood"].values()) > 1  # Initials were sent and counted
     # one sim was stopped for the blackhole phase (and continued: the run ended cleanly)
-    assert any(cls.startswith("sim-2 stopped for") for cls in hostile["blackholed_backend"])
+    blackholed = hostile["blackholed_backend"]
+    assert any(cls.startswith("sim-2 stopped for") for cls in blackholed), blackholed
+    assert any(cls.startswith("good clients' slowest first token") for cls in blackholed)
 
 
 def test_soak_duration_must_be_positive() -> None:
