@@ -19,9 +19,12 @@ from collections.abc import Awaitable, Callable
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
+import hpack
 import httpx
+import hyperframe.frame
 import msgspec
 
 from firstbyte.benchmarks.scenarios._soak_faults import blackholed_backend, revoked_tokens
@@ -133,6 +136,11 @@ HUGE_HEADS: dict[str, bytes] = {
                      + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
 }
 """Request heads far over any sane bound, without a key: each must be refused by its size."""
+HUGE_H2_HEADS: dict[str, list[tuple[str, str]]] = {
+    "HTTP/2 header of 2 MiB": [("x-pad", "x" * (2 << 20))],
+    "HTTP/2 4,000 headers": [(f"x-h-{i}", "v") for i in range(4000)],
+}
+"""The same over HTTP/2 (HPACK, CONTINUATION frames), one request a connection."""
 
 
 async def huge_heads(target: Target, until: float) -> Counter[str]:
@@ -143,6 +151,8 @@ async def huge_heads(target: Target, until: float) -> Counter[str]:
             break
         for name, head in HUGE_HEADS.items():
             found[f"{name}: {await _huge_head(target, head)}"] += 1
+        for name, extra in HUGE_H2_HEADS.items():
+            found[f"{name}: {await _huge_head_h2(target, extra)}"] += 1
     return found
 
 
@@ -169,6 +179,75 @@ async def _huge_head(target: Target, head: bytes) -> str:
         writer.close()
         with contextlib.suppress(OSError, ssl.SSLError):
             await writer.wait_closed()
+
+
+async def _huge_head_h2(target: Target, extra: list[tuple[str, str]]) -> str:
+    """One HTTP/2 POST whose head carries ``extra``; the status, reset or GOAWAY in 5 s.
+
+    The frames are built here, the header block without Huffman coding: the h2 library
+    Huffman-codes every value in pure Python, a minute of CPU for 2 MiB (this event loop
+    runs the good clients too)."""
+    try:
+        reader, writer = await target.connect("h2")
+    except (OSError, TimeoutError) as exc:
+        return f"connect failed: {type(exc).__name__}"
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "https"),
+                                    (":authority", target.host), (":path", _CHAT), *extra],
+                                   huffman=False)
+    pieces = [block[i:i + _H2_FRAME] for i in range(0, len(block), _H2_FRAME)]
+    frames: list[hyperframe.frame.Frame] = [hyperframe.frame.SettingsFrame(0)]
+    for i, piece in enumerate(pieces):
+        frame = (hyperframe.frame.HeadersFrame(1, data=piece, flags=["END_STREAM"]) if i == 0
+                 else hyperframe.frame.ContinuationFrame(1, data=piece))
+        if i == len(pieces) - 1:
+            frame.flags.add("END_HEADERS")
+        frames.append(frame)
+    try:
+        writer.write(_H2_PREFACE)
+        writer.write(b"".join(frame.serialize() for frame in frames))
+        async with asyncio.timeout(5):
+            return await _h2_answer(reader, writer)
+    except TimeoutError:
+        return "no answer in 5 s"
+    except (OSError, ssl.SSLError, asyncio.IncompleteReadError) as exc:
+        return f"connection dropped: {type(exc).__name__}"
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_FRAME = 16_384
+"""SETTINGS_MAX_FRAME_SIZE's initial value: every peer accepts frames this large."""
+
+
+async def _h2_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+    """Read frames until stream 1's status, its RST_STREAM or a GOAWAY."""
+    block = b""
+    while True:
+        frame, length = hyperframe.frame.Frame.parse_frame_header(
+            memoryview(await reader.readexactly(9)))
+        frame.parse_body(memoryview(await reader.readexactly(length)))
+        if isinstance(frame, hyperframe.frame.SettingsFrame) and "ACK" not in frame.flags:
+            writer.write(hyperframe.frame.SettingsFrame(0, flags=["ACK"]).serialize())
+        elif isinstance(frame, hyperframe.frame.GoAwayFrame):
+            return f"GOAWAY {_h2_error(frame.error_code)}"
+        elif frame.stream_id == 1 and isinstance(frame, hyperframe.frame.RstStreamFrame):
+            return f"stream reset {_h2_error(frame.error_code)}"
+        elif frame.stream_id == 1 and isinstance(frame, (hyperframe.frame.HeadersFrame,
+                                                        hyperframe.frame.ContinuationFrame)):
+            block += frame.data
+            if "END_HEADERS" in frame.flags:
+                status = dict(hpack.Decoder().decode(block, raw=True)).get(b":status", b"?")
+                return f"answered {status.decode(errors='replace')}"
+
+
+def _h2_error(code: int) -> str:
+    try:
+        return h2.errors.ErrorCodes(code).name
+    except ValueError:
+        return str(code)
 
 
 async def greedy_key(target: Target, until: float) -> Counter[str]:
