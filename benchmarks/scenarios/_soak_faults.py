@@ -72,7 +72,7 @@ async def revoked_tokens(target: Target, until: float) -> Counter[str]:
         found[f"stream started before: {status_class(started.status_code, b'')}"] += 1
         stream_id = msgspec.json.decode(started.content).get("stream", "none") if (
             started.status_code == 201) else "none"
-        await target.hooks.remove_key()
+        target.hooks.remove_key()
         found[f"key refused after the reload: {await _until_refused(client, base, key)}"] += 1
         async with httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as h2:
             for name, reply in await _paths(h2, base, token, stream_id, body):

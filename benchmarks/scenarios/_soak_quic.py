@@ -95,8 +95,8 @@ async def _h3_status(target: Target, method: str, path: str, headers: dict[str, 
 
 
 async def h3_early_answer(target: Target, until: float) -> Counter[str]:
-    """A no-key POST with an 8 KiB body (answered 401 before its body is read), then a normal
-    request on a new connection: HTTP/3 must still serve."""
+    """A no-key POST with an :data:`EARLY_BODY_BYTES` body (answered 401 before its body is
+    read), then a normal request on a new connection: HTTP/3 must still serve."""
     found: Counter[str] = Counter()
     body = b"x" * EARLY_BODY_BYTES
     for n in rounds(until):
@@ -104,7 +104,7 @@ async def h3_early_answer(target: Target, until: float) -> Counter[str]:
             break
         status = await _h3_status(target, "POST", paths.CHAT_COMPLETIONS,
                                   {"content-type": "application/json"}, body)
-        found[f"no-key POST with 8 KiB: {status}"] += 1
+        found[f"no-key POST with {EARLY_BODY_BYTES // 1024} KiB: {status}"] += 1
         found[f"/healthz after it: {await _h3_status(target, 'GET', '/healthz', {})}"] += 1
     return found
 

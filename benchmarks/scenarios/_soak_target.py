@@ -39,7 +39,7 @@ class WorldHooks(Protocol):
         """The good clients' slowest first token (retries included) among the requests that
         ended after the monotonic time ``since``; None if none did."""
 
-    async def remove_key(self) -> None:
+    def remove_key(self) -> None:
         """Rewrite the router's config without :attr:`revoked_key` and SIGHUP the router."""
 
 

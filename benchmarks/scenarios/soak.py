@@ -192,7 +192,7 @@ class _World:
     def good_slowest_first_token_ms(self, since: float) -> float | None:
         return max((ms for t, ms in self.tally.first_tokens if t > since), default=None)
 
-    async def remove_key(self) -> None:
+    def remove_key(self) -> None:
         keys = [k for k in self.config["auth"]["api_keys"] if k != self.revoked_key]
         self.config["auth"] = self.config["auth"] | {"api_keys": keys}
         (self.tmp / "router.toml").write_text(toml(self.config))
@@ -337,7 +337,10 @@ def _phase_rows(lines: Sequence[dict[str, Any]], samples: Sequence[tuple[float, 
     """Per phase (and the quiet baseline and recovery): the router's RSS and open descriptors
     at its start, peak and end, the canary's TTFT and errors, and the good clients' failed
     tries, over the phase's planned window. ``samples`` are the router's ``(t, MB, fds)``;
-    ``failed_at`` are seconds since the start."""
+    ``failed_at`` are seconds since the start.
+
+    Start is the last sample at or before the window opens, end the first at or after it
+    closes (the sampler shares a busy event loop: a window of a second may hold none)."""
     first, last = min(p.start for p in PHASES), max(p.end for p in PHASES)
     windows = [("baseline (no hostile phase)", 0.0, first),
                *((p.name, p.start, p.end) for p in PHASES),
@@ -345,7 +348,7 @@ def _phase_rows(lines: Sequence[dict[str, Any]], samples: Sequence[tuple[float, 
     rows = []
     for name, start, end in windows:
         lo, hi = start * duration, end * duration
-        inside = [s for s in samples if lo <= s[0] <= hi]
+        inside = _spanning(samples, lo, hi)
         canary = [line for line in lines if lo <= line["t"] < hi]
         ttfts = [line["ttft_ms"] for line in canary if line["ttft_ms"] is not None]
         rows.append({
@@ -364,6 +367,16 @@ def _phase_rows(lines: Sequence[dict[str, Any]], samples: Sequence[tuple[float, 
             "good_failed_tries": sum(1 for t in failed_at if lo <= t < hi),
         })
     return rows
+
+
+def _spanning(samples: Sequence[tuple[float, float, int]], lo: float,
+              hi: float) -> Sequence[tuple[float, float, int]]:
+    """The samples from the last at or before ``lo`` to the first at or after ``hi``."""
+    if not samples:
+        return []
+    first = max((i for i, s in enumerate(samples) if s[0] <= lo), default=0)
+    last = min((i for i, s in enumerate(samples) if s[0] >= hi), default=len(samples) - 1)
+    return samples[first:last + 1]
 
 
 def _router_errors(line: dict[str, Any]) -> int:
@@ -483,9 +496,9 @@ def _results(*, duration: float, elapsed: float, quick: bool, scale: int, ledger
             "closed the connection, or held it until the phase ended)",
             "RSS and open files sampled from /proc every 0.5 s; growth = final - first sample",
             "phases: each phase's planned window (phases overlap; a row counts everything in "
-            "its window): the router's RSS and open descriptors at the window's first sample, "
-            "its peak and its last sample; the canary's TTFT P50 and max; the good clients' "
-            "failed tries that ended in it",
+            "its window): the router's RSS and open descriptors at the last sample before the "
+            "window, the peak and the first sample after it; the canary's TTFT P50 and max; "
+            "the good clients' failed tries that ended in it",
             "Redis outages (stop, kill, freeze during a ramp) are bench tenancy's redis phase; "
             "the soak's router keeps its state in memory",
             "all processes share this machine's CPUs: canary TTFT includes that contention",

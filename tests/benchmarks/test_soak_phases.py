@@ -41,3 +41,13 @@ def test_a_window_without_samples_is_empty_not_an_error() -> None:
     rows = _phase_rows([], [], [], 100.0)
     assert all(row["rss_peak_mb"] is None and row["canary_n"] == 0 for row in rows)
     assert all(row["canary_p50_ms"] is None for row in rows)
+
+
+def test_a_window_between_samples_takes_its_neighbours() -> None:
+    """A phase shorter than the sampler's gap (a busy event loop) still has a start, peak and
+    end: the samples just before and just after it."""
+    samples = [(0.0, 60.0, 20), (70.0, 90.0, 40), (90.0, 70.0, 30)]
+    rows = {row["label"]: row for row in _phase_rows([], samples, [], 100.0)}
+    flood = rows["QUIC Initial flood"]  # 80-85 s: no sample inside
+    assert (flood["rss_start_mb"], flood["rss_peak_mb"], flood["rss_end_mb"]) == (90.0, 90.0, 70.0)
+    assert (flood["fds_start"], flood["fds_peak"], flood["fds_end"]) == (40, 40, 30)
