@@ -339,8 +339,9 @@ def _phase_rows(lines: Sequence[dict[str, Any]], samples: Sequence[tuple[float, 
     tries, over the phase's planned window. ``samples`` are the router's ``(t, MB, fds)``;
     ``failed_at`` are seconds since the start.
 
-    Start is the last sample at or before the window opens, end the first at or after it
-    closes (the sampler shares a busy event loop: a window of a second may hold none)."""
+    Start and end are the last samples at or before the window opens and closes (the state
+    then, before a later phase adds to it); the sampler shares a busy event loop, so a window
+    of a second may hold no sample of its own and show its start's."""
     first, last = min(p.start for p in PHASES), max(p.end for p in PHASES)
     windows = [("baseline (no hostile phase)", 0.0, first),
                *((p.name, p.start, p.end) for p in PHASES),
@@ -371,12 +372,10 @@ def _phase_rows(lines: Sequence[dict[str, Any]], samples: Sequence[tuple[float, 
 
 def _spanning(samples: Sequence[tuple[float, float, int]], lo: float,
               hi: float) -> Sequence[tuple[float, float, int]]:
-    """The samples from the last at or before ``lo`` to the first at or after ``hi``."""
-    if not samples:
-        return []
+    """The samples from the last at or before ``lo`` to the last at or before ``hi``."""
     first = max((i for i, s in enumerate(samples) if s[0] <= lo), default=0)
-    last = min((i for i, s in enumerate(samples) if s[0] >= hi), default=len(samples) - 1)
-    return samples[first:last + 1]
+    last = max((i for i, s in enumerate(samples) if s[0] <= hi), default=0)
+    return samples[first:max(first, last) + 1]
 
 
 def _router_errors(line: dict[str, Any]) -> int:
@@ -497,8 +496,8 @@ def _results(*, duration: float, elapsed: float, quick: bool, scale: int, ledger
             "RSS and open files sampled from /proc every 0.5 s; growth = final - first sample",
             "phases: each phase's planned window (phases overlap; a row counts everything in "
             "its window): the router's RSS and open descriptors at the last sample before the "
-            "window, the peak and the first sample after it; the canary's TTFT P50 and max; "
-            "the good clients' failed tries that ended in it",
+            "window opens, the peak, and the last sample before it closes; the canary's TTFT "
+            "P50 and max; the good clients' failed tries that ended in it",
             "Redis outages (stop, kill, freeze during a ramp) are bench tenancy's redis phase; "
             "the soak's router keeps its state in memory",
             "all processes share this machine's CPUs: canary TTFT includes that contention",

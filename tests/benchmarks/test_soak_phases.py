@@ -43,11 +43,16 @@ def test_a_window_without_samples_is_empty_not_an_error() -> None:
     assert all(row["canary_p50_ms"] is None for row in rows)
 
 
-def test_a_window_between_samples_takes_its_neighbours() -> None:
-    """A phase shorter than the sampler's gap (a busy event loop) still has a start, peak and
-    end: the samples just before and just after it."""
-    samples = [(0.0, 60.0, 20), (70.0, 90.0, 40), (90.0, 70.0, 30)]
+def test_start_and_end_are_the_state_when_the_window_opens_and_closes() -> None:
+    """Start and end are the last samples at or before the window's edges: a sample after it
+    (a later phase's load) is not its end, and a phase shorter than the sampler's gap (a busy
+    event loop) still has a start, peak and end: its start's."""
+    samples = [(0.0, 60.0, 20), (14.0, 61.0, 21), (16.0, 95.0, 160), (70.0, 90.0, 40),
+               (90.0, 70.0, 30)]
     rows = {row["label"]: row for row in _phase_rows([], samples, [], 100.0)}
+    base = rows["baseline (no hostile phase)"]  # 0-15 s; at 16 s the holders' load shows
+    assert (base["rss_start_mb"], base["rss_peak_mb"], base["rss_end_mb"]) == (60.0, 61.0, 61.0)
+    assert (base["fds_start"], base["fds_peak"], base["fds_end"]) == (20, 21, 21)
     flood = rows["QUIC Initial flood"]  # 80-85 s: no sample inside
-    assert (flood["rss_start_mb"], flood["rss_peak_mb"], flood["rss_end_mb"]) == (90.0, 90.0, 70.0)
-    assert (flood["fds_start"], flood["fds_peak"], flood["fds_end"]) == (40, 40, 30)
+    assert (flood["rss_start_mb"], flood["rss_peak_mb"], flood["rss_end_mb"]) == (90.0, 90.0, 90.0)
+    assert (flood["fds_start"], flood["fds_peak"], flood["fds_end"]) == (40, 40, 40)
