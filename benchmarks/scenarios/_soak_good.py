@@ -66,10 +66,33 @@ class Tally:
 
     outcomes: dict[str, Counter[str]] = field(default_factory=dict)
     attempt_errors: dict[str, Counter[str]] = field(default_factory=dict)
+    failed_at: list[float] = field(default_factory=list)
+    """Monotonic time of every failed try (when its request ended), for the phase table."""
+    gave_up_at: list[float] = field(default_factory=list)
+    """Monotonic time of every request given up."""
+    first_tokens: list[tuple[float, float]] = field(default_factory=list)
+    """(monotonic time the request ended, ms from its first try's start to its first token)
+    of every request that got a token, retries included."""
 
-    def add(self, kind: str, outcome: str, errors: list[str]) -> None:
+    def add(self, kind: str, outcome: str, errors: list[str],
+            first_token_ms: float | None = None) -> None:
         self.outcomes.setdefault(kind, Counter())[outcome] += 1
         self.attempt_errors.setdefault(kind, Counter()).update(errors)
+        now = time.monotonic()
+        self.failed_at += [now] * len(errors)
+        if outcome.startswith("failed"):
+            self.gave_up_at.append(now)
+        if first_token_ms is not None:
+            self.first_tokens.append((now, first_token_ms))
+
+
+def first_token_ms(attempts: list[Attempt]) -> float | None:
+    """From the first try's start to the last try's first token: what the user waited for a
+    token, retries included (None when the last try got none)."""
+    last = attempts[-1] if attempts else None
+    if last is None or last.ttft_ms is None:
+        return None
+    return (last.started - attempts[0].started) * 1000 + last.ttft_ms
 
 
 def is_upstream_fault(status: int | None, code: str | None, message: str) -> bool:
@@ -210,6 +233,7 @@ async def good_worker(kind: str, key: str, key_label: str, base_url: str, ca_fil
         while time.monotonic() < until:
             body = request_body(f"{key_label}/{kind}", n, max_tokens(n))
             outcome, attempts = await run_request(client, key, body, ledger, f"{key_label} {kind}")
-            tally.add(kind, outcome, [a.error for a in attempts if a.error])
+            tally.add(kind, outcome, [a.error for a in attempts if a.error],
+                      first_token_ms(attempts))
             stream_ids += [(key, a.stream_id) for a in attempts if a.stream_id]
             n += 1

@@ -3,7 +3,9 @@
 Each attack returns a :class:`collections.Counter` of what the router did to it (the class
 names say it: ``401``, ``413``, ``closed by router``, ``held until the end``, ``GOAWAY``, ...).
 Raw sockets (and the h2 library over a raw TLS socket) are used where a client library would
-refuse to misbehave. Nothing here judges the answers: the report shows them.
+refuse to misbehave. Nothing here judges the answers: the report shows them. The HTTP/3 and
+QUIC clients are in :mod:`._soak_quic`, the phases that change the world (a blackholed sim, a
+removed key) in :mod:`._soak_faults`; :data:`ATTACKS` lists them all.
 """
 
 from __future__ import annotations
@@ -13,50 +15,33 @@ import contextlib
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
+import hpack
 import httpx
+import hyperframe.frame
 import msgspec
 
+from firstbyte.benchmarks.scenarios._soak_faults import blackholed_backend, revoked_tokens
 from firstbyte.benchmarks.scenarios._soak_good import MODEL
+from firstbyte.benchmarks.scenarios._soak_quic import h3_early_answer, quic_flood, quic_idle
+from firstbyte.benchmarks.scenarios._soak_target import (
+    Target,
+    bucket,
+    many,
+    rounds,
+    status_class,
+)
 from firstbyte.protocol import paths
 
-__all__ = ["ATTACKS", "Target"]
+__all__ = ["ATTACKS", "HUGE_HEADS", "Target"]
 
 _CHAT = paths.CHAT_COMPLETIONS
-
-
-@dataclass(slots=True)
-class Target:
-    host: str
-    port: int
-    ca_file: str
-    key: str
-    """The hostile tenant's own (valid) API key."""
-    scale: int
-    """1 for ``--quick``; larger runs hold more connections and send more."""
-    stream_ids: list[tuple[str, str]] = field(default_factory=list)
-    """(key, stream id) of the good clients' streams, for cross-key read attempts."""
-
-    @property
-    def base_url(self) -> str:
-        return f"https://{self.host}:{self.port}"
-
-    def tls(self, alpn: str) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self.ca_file)
-        context.set_alpn_protocols([alpn])
-        return context
-
-    async def connect(self, alpn: str = "http/1.1") -> tuple[asyncio.StreamReader,
-                                                             asyncio.StreamWriter]:
-        return await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port, ssl=self.tls(alpn),
-                                    server_hostname="127.0.0.1"), 10)
 
 
 def _chat_body(n: int, max_tokens: int = 16) -> bytes:
@@ -86,99 +71,183 @@ async def _held(target: Target, until: float, head: bytes, drip: bytes | None) -
                 continue
             after = time.monotonic() - started
             if data.startswith(b"HTTP/1.1 "):
-                return f"answered {data[9:12].decode()} after {_bucket(after)}"
-            return f"closed by router after {_bucket(after)}"
+                return f"answered {data[9:12].decode()} after {bucket(after)}"
+            return f"closed by router after {bucket(after)}"
         return "held until the end"
     except OSError:
-        return f"closed by router after {_bucket(time.monotonic() - started)}"
+        return f"closed by router after {bucket(time.monotonic() - started)}"
     finally:
         writer.close()
         with contextlib.suppress(OSError, ssl.SSLError):
             await writer.wait_closed()
 
 
-def _bucket(seconds: float) -> str:
-    for limit in (1, 5, 15, 30, 60):
-        if seconds < limit:
-            return f"<{limit} s"
-    return ">=60 s"
-
-
-async def _many(n: int, one: Callable[[], Awaitable[str]]) -> Counter[str]:
-    return Counter(await asyncio.gather(*(one() for _ in range(n))))
-
-
 async def slowloris(target: Target, until: float) -> Counter[str]:
     """Request heads that never end: a header line a second."""
     head = f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\n".encode()
-    return await _many(40 * target.scale, lambda: _held(target, until, head, b"X-Wait: 1\r\n"))
+    return await many(40 * target.scale, lambda: _held(target, until, head, b"X-Wait: 1\r\n"))
 
 
 async def held_bodies(target: Target, until: float) -> Counter[str]:
     """A complete head announcing a body, no API key, and no body ever."""
     head = (f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\nContent-Type: application/json\r\n"
             "Content-Length: 100\r\n\r\n").encode()
-    return await _many(40 * target.scale, lambda: _held(target, until, head, None))
+    return await many(40 * target.scale, lambda: _held(target, until, head, None))
 
 
 async def idle_connections(target: Target, until: float) -> Counter[str]:
     """TLS handshakes, then silence."""
-    return await _many(40 * target.scale, lambda: _held(target, until, b"", None))
+    return await many(40 * target.scale, lambda: _held(target, until, b"", None))
+
+
+async def pre_tls_holders(target: Target, until: float) -> Counter[str]:
+    """Raw TCP connections from one address that never send a byte (not even a TLS hello)."""
+
+    async def one() -> str:
+        started = time.monotonic()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(target.host, target.port), 10)
+        except (OSError, TimeoutError) as exc:
+            return f"connect failed: {type(exc).__name__}"
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, until - time.monotonic())):
+                    await reader.read(1)
+                    return f"closed by router after {bucket(time.monotonic() - started)}"
+            return "held until the end"
+        except OSError:
+            return f"reset by router after {bucket(time.monotonic() - started)}"
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    return await many(50 * target.scale, one)
+
+
+HUGE_HEADS: dict[str, bytes] = {
+    "header line of 2 MiB": (f"POST {_CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ".encode()
+                             + b"x" * (2 << 20) + b"\r\nContent-Length: 0\r\n\r\n"),
+    "4,000 header lines": (f"POST {_CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+                           + b"".join(b"X-H-%d: v\r\n" % i for i in range(4000))
+                           + b"Content-Length: 0\r\n\r\n"),
+    "URL of 1 MiB": (b"GET /v1/models?pad=" + b"x" * (1 << 20)
+                     + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
+}
+"""Request heads far over any sane bound, without a key: each must be refused by its size."""
+HUGE_H2_HEADS: dict[str, list[tuple[str, str]]] = {
+    "HTTP/2 header of 2 MiB": [("x-pad", "x" * (2 << 20))],
+    "HTTP/2 4,000 headers": [(f"x-h-{i}", "v") for i in range(4000)],
+}
+"""The same over HTTP/2 (HPACK, CONTINUATION frames), one request a connection."""
 
 
 async def huge_heads(target: Target, until: float) -> Counter[str]:
-    """Request heads without a key whose one header line never ends, sent as fast as the
-    router reads them (16 MiB lines once took its memory from 62 to 790 MB): answered at the
-    bound (``431``), or read on and on."""
+    """Each of :data:`HUGE_HEADS` on a new HTTP/1.1 connection, a few rounds."""
     found: Counter[str] = Counter()
-    for _ in _rounds(until):
-        found.update(await _many(10 * target.scale, lambda: _huge_head(target)))
-        await asyncio.sleep(0.5)
+    for n in rounds(until):
+        if n == 2 * target.scale:
+            break
+        for name, head in HUGE_HEADS.items():
+            found[f"{name}: {await _huge_head(target, head)}"] += 1
+        for name, extra in HUGE_H2_HEADS.items():
+            found[f"{name}: {await _huge_head_h2(target, extra)}"] += 1
     return found
 
 
-async def _huge_head(target: Target, line_bytes: int = 16 << 20) -> str:
+async def _huge_head(target: Target, head: bytes) -> str:
+    """Send ``head`` whole (the router may stop reading it), then what came back in 5 s."""
     try:
         reader, writer = await target.connect()
     except (OSError, TimeoutError) as exc:
         return f"connect failed: {type(exc).__name__}"
-    answer = asyncio.ensure_future(reader.read(1024))
-    sent = 0
     try:
-        writer.write(f"POST {_CHAT} HTTP/1.1\r\nHost: {target.host}\r\nX-Big: ".encode())
-        chunk = b"v" * 65536
-        while sent < line_bytes and not answer.done():
-            writer.write(chunk)
-            sent += len(chunk)
+        writer.write(head)
+        with contextlib.suppress(OSError, TimeoutError):
             await asyncio.wait_for(writer.drain(), 5)
-        data = await asyncio.wait_for(answer, 10)
-    except (OSError, TimeoutError):
-        return f"closed by router after {_size(sent)} sent"
+        async with asyncio.timeout(5):
+            data = await reader.read(1024)
+        if data.startswith(b"HTTP/1.1 "):
+            return f"answered {data[9:12].decode(errors='replace')}"
+        return "closed without an answer"
+    except TimeoutError:
+        return "no answer in 5 s"
+    except OSError as exc:
+        return f"connection reset: {type(exc).__name__}"
     finally:
-        answer.cancel()
         writer.close()
         with contextlib.suppress(OSError, ssl.SSLError):
             await writer.wait_closed()
-    if data.startswith(b"HTTP/1.1 "):
-        return f"answered {data[9:12].decode()} after {_size(sent)} sent"
-    return f"closed by router after {_size(sent)} sent"
 
 
-def _size(sent: int) -> str:
-    for limit in (1 << 20, 4 << 20, 16 << 20):
-        if sent < limit:
-            return f"<{limit >> 20} MiB"
-    return "all 16 MiB"
+async def _huge_head_h2(target: Target, extra: list[tuple[str, str]]) -> str:
+    """One HTTP/2 POST whose head carries ``extra``; the status, reset or GOAWAY in 5 s.
+
+    The frames are built here, the header block without Huffman coding: the h2 library
+    Huffman-codes every value in pure Python, a minute of CPU for 2 MiB (this event loop
+    runs the good clients too)."""
+    try:
+        reader, writer = await target.connect("h2")
+    except (OSError, TimeoutError) as exc:
+        return f"connect failed: {type(exc).__name__}"
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "https"),
+                                    (":authority", target.host), (":path", _CHAT), *extra],
+                                   huffman=False)
+    pieces = [block[i:i + _H2_FRAME] for i in range(0, len(block), _H2_FRAME)]
+    frames: list[hyperframe.frame.Frame] = [hyperframe.frame.SettingsFrame(0)]
+    for i, piece in enumerate(pieces):
+        frame = (hyperframe.frame.HeadersFrame(1, data=piece, flags=["END_STREAM"]) if i == 0
+                 else hyperframe.frame.ContinuationFrame(1, data=piece))
+        if i == len(pieces) - 1:
+            frame.flags.add("END_HEADERS")
+        frames.append(frame)
+    try:
+        writer.write(_H2_PREFACE)
+        writer.write(b"".join(frame.serialize() for frame in frames))
+        async with asyncio.timeout(5):
+            return await _h2_answer(reader, writer)
+    except TimeoutError:
+        return "no answer in 5 s"
+    except (OSError, ssl.SSLError, asyncio.IncompleteReadError) as exc:
+        return f"connection dropped: {type(exc).__name__}"
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
 
 
-def _rounds(until: float) -> Iterator[int]:
-    """0, 1, 2, ... while there is time before ``until``, and round 0 always: an attack that
-    starts late (its phase's window passed while a busy machine ran other work) still runs
-    once, so every attack's treatment is reported."""
-    n = 0
-    while n == 0 or time.monotonic() < until:
-        yield n
-        n += 1
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_FRAME = 16_384
+"""SETTINGS_MAX_FRAME_SIZE's initial value: every peer accepts frames this large."""
+
+
+async def _h2_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+    """Read frames until stream 1's status, its RST_STREAM or a GOAWAY."""
+    block = b""
+    while True:
+        frame, length = hyperframe.frame.Frame.parse_frame_header(
+            memoryview(await reader.readexactly(9)))
+        frame.parse_body(memoryview(await reader.readexactly(length)))
+        if isinstance(frame, hyperframe.frame.SettingsFrame) and "ACK" not in frame.flags:
+            writer.write(hyperframe.frame.SettingsFrame(0, flags=["ACK"]).serialize())
+        elif isinstance(frame, hyperframe.frame.GoAwayFrame):
+            return f"GOAWAY {_h2_error(frame.error_code)}"
+        elif frame.stream_id == 1 and isinstance(frame, hyperframe.frame.RstStreamFrame):
+            return f"stream reset {_h2_error(frame.error_code)}"
+        elif frame.stream_id == 1 and isinstance(frame, (hyperframe.frame.HeadersFrame,
+                                                        hyperframe.frame.ContinuationFrame)):
+            block += frame.data
+            if "END_HEADERS" in frame.flags:
+                status = dict(hpack.Decoder().decode(block, raw=True)).get(b":status", b"?")
+                return f"answered {status.decode(errors='replace')}"
+
+
+def _h2_error(code: int) -> str:
+    try:
+        return h2.errors.ErrorCodes(code).name
+    except ValueError:
+        return str(code)
 
 
 async def greedy_key(target: Target, until: float) -> Counter[str]:
@@ -189,12 +258,12 @@ async def greedy_key(target: Target, until: float) -> Counter[str]:
                                  limits=httpx.Limits(max_connections=4)) as client:
 
         async def loop(i: int) -> None:
-            for n in _rounds(until):
+            for n in rounds(until):
                 try:
                     async with client.stream("POST", target.base_url + _CHAT, headers=headers,
                                              content=_chat_body(i * 100_000 + n, 128)) as reply:
                         await reply.aread()
-                        found[_status_class(reply.status_code, reply.content)] += 1
+                        found[status_class(reply.status_code, reply.content)] += 1
                         if reply.status_code == 429:
                             await asyncio.sleep(0.2)
                 except httpx.HTTPError as exc:
@@ -202,16 +271,6 @@ async def greedy_key(target: Target, until: float) -> Counter[str]:
 
         await asyncio.gather(*(loop(i) for i in range(24 * target.scale)))
     return found
-
-
-def _status_class(status: int, body: bytes) -> str:
-    if status == 200:
-        return "200"
-    try:
-        code = msgspec.json.decode(body).get("error", {}).get("code")
-    except (msgspec.DecodeError, AttributeError):
-        code = None
-    return f"{status} {code}" if code else str(status)
 
 
 async def bad_requests(target: Target, until: float) -> Counter[str]:
@@ -231,7 +290,7 @@ async def bad_requests(target: Target, until: float) -> Counter[str]:
         httpx.AsyncClient(verify=target.ca_file, http2=True, timeout=30) as client,
         httpx.AsyncClient(verify=target.ca_file, timeout=30) as http1,
     ):
-        for _ in _rounds(until):
+        for _ in rounds(until):
             for name, (headers, body) in probes.items():
                 # Over HTTP/2 the router answers 413 and resets the stream as the body crosses
                 # the limit; httpx, still sending, cannot read that answer (docs/limits.md):
@@ -240,7 +299,7 @@ async def bad_requests(target: Target, until: float) -> Counter[str]:
                 try:
                     reply = await sender.post(target.base_url + _CHAT, headers=headers,
                                               content=body)
-                    found[f"{name}: {_status_class(reply.status_code, reply.content)}"] += 1
+                    found[f"{name}: {status_class(reply.status_code, reply.content)}"] += 1
                 except httpx.HTTPError as exc:
                     found[f"{name}: {type(exc).__name__}"] += 1
             for _key, stream_id in target.stream_ids[-3:]:
@@ -284,7 +343,7 @@ async def rapid_reset(target: Target, until: float) -> Counter[str]:
     """HTTP/2 rapid reset (CVE-2023-44487): chat requests opened and cancelled at once, in
     bursts, over raw TLS with the h2 library."""
     found: Counter[str] = Counter()
-    for n in _rounds(until):
+    for n in rounds(until):
         found.update(await _reset_burst(target, 400 * target.scale, n))
     return found
 
@@ -341,7 +400,7 @@ async def websocket_oversized(target: Target, until: float) -> Counter[str]:
     found: Counter[str] = Counter()
     frame = "x" * ((4 << 20) * target.scale)
     url = f"wss://{target.host}:{target.port}{paths.WEBSOCKET}"
-    for sent in _rounds(until):
+    for sent in rounds(until):
         if sent == 4 * target.scale:
             break
         try:
@@ -365,9 +424,15 @@ ATTACKS: dict[str, Callable[[Target, float], Awaitable[Counter[str]]]] = {
     "slowloris": slowloris,
     "held_bodies": held_bodies,
     "idle_connections": idle_connections,
+    "pre_tls_holders": pre_tls_holders,
+    "huge_heads": huge_heads,
+    "h3_early_answer": h3_early_answer,
+    "quic_idle": quic_idle,
+    "quic_flood": quic_flood,
+    "blackholed_backend": blackholed_backend,
+    "revoked_tokens": revoked_tokens,
     "greedy_key": greedy_key,
     "bad_requests": bad_requests,
-    "huge_heads": huge_heads,
     "rapid_reset": rapid_reset,
     "websocket_oversized": websocket_oversized,
 }

@@ -6,9 +6,14 @@ run, good clients on eight keys stream through every transport of the firstbyte 
 the official openai SDK; a canary on its own key streams one request after another in its own
 process. Faults hit the upstreams: one sim is killed (SIGKILL) and restarted, the others stall,
 drop connections mid-stream and answer 503 for a share of requests. Hostile clients come in
-timed phases (slowloris heads, held bodies without a key, idle connections, a greedy key,
-careless requests and huge request heads, HTTP/2 rapid reset, oversized WebSocket frames).
-The router's and sims' RSS and open files are sampled every 0.5 s.
+timed phases (slowloris heads, held bodies without a key, idle connections, raw TCP connections
+that never start TLS, huge request heads, a greedy key, careless requests, HTTP/2 rapid reset,
+oversized WebSocket frames, HTTP/3 early answers, idle QUIC connections, a QUIC Initial flood,
+a removed key's client tokens), and one more upstream fault has a phase: a sim stopped with
+SIGSTOP (a blackholed backend). The router's and sims' RSS and open files are sampled every
+0.5 s; the report gives the router's RSS and descriptors and the canary's TTFT per phase.
+Redis outages are ``bench tenancy``'s (its redis phase), not the soak's: the soak's router keeps
+its state in memory.
 
 The run fails (exit 1, after writing the report) when any key's tokens were lost, repeated or
 seen by another key, when another key's stream could be read, or when the canary saw an error
@@ -21,12 +26,13 @@ import argparse
 import asyncio
 import contextlib
 import secrets
+import signal
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +70,8 @@ ROUTER_LIMITS = {"upstream_read_timeout_s": 3.0, "heartbeat_interval_s": 1.0}
 3 s instead of 300, and idle SSE streams get a heartbeat every second (so the clients meet
 heartbeats during every stall)."""
 KILL_DOWN_S = 1.0
+BLACKHOLED_SIM = 2
+"""The sim stopped with SIGSTOP in the "blackholed backend" phase (sim-0 is the one killed)."""
 CANARY_MODULE = "firstbyte.benchmarks.scenarios._soak_canary"
 
 
@@ -78,12 +86,23 @@ class Phase:
 
 PHASES = (
     Phase("connection holders", 0.15, 0.45, ("slowloris", "held_bodies", "idle_connections")),
+    Phase("huge heads", 0.15, 0.25, ("huge_heads",)),
+    Phase("HTTP/3 early answer", 0.20, 0.30, ("h3_early_answer",)),
     Phase("greedy key", 0.30, 0.55, ("greedy_key",)),
-    Phase("careless requests", 0.45, 0.70, ("bad_requests", "huge_heads")),
+    Phase("blackholed backend", 0.35, 0.45, ("blackholed_backend",)),
+    Phase("careless requests", 0.45, 0.70, ("bad_requests",)),
+    Phase("pre-TLS holders", 0.50, 0.60, ("pre_tls_holders",)),
     Phase("rapid reset", 0.60, 0.75, ("rapid_reset",)),
+    Phase("QUIC idle", 0.62, 0.72, ("quic_idle",)),
     Phase("oversized websocket frames", 0.70, 0.85, ("websocket_oversized",)),
+    Phase("revoked tokens", 0.74, 0.80, ("revoked_tokens",)),
+    Phase("QUIC Initial flood", 0.80, 0.85, ("quic_flood",)),
 )
-"""Hostile phases; the first 15 % and the last 15 % of the run have none (baseline, recovery)."""
+"""Hostile phases; the first 15 % and the last 15 % of the run have none (baseline, recovery).
+The phases that hold connections from 127.0.0.1 (connection holders, pre-TLS holders, QUIC
+idle) do not overlap, so that together they stay under ``max_connections_per_client``; the
+QUIC flood comes last, as its half-open handshakes hold places of 127.0.0.1 until
+``client_header_timeout_s`` (the recovery shows what that costs the good clients)."""
 KILLS = (0.25, 0.50, 0.80)
 """When sim-0 is killed (fractions of the run); quick runs kill it once, at half time."""
 
@@ -132,17 +151,52 @@ def _certificates(tmp: Path) -> tuple[str, str, str]:
 
 @dataclass(slots=True)
 class _World:
+    """The router, the sims and the router's config; the fault phases' hooks
+    (:class:`~firstbyte.benchmarks.scenarios._soak_target.WorldHooks`)."""
+
     tmp: Path
     ca_file: str
     port: int
     sims: list[Sim]
     router: Child
     keys: dict[str, str]
-    """role (good-00.., canary, hostile) -> API key"""
+    """role (good-00.., canary, hostile, revoked) -> API key"""
+    config: dict[str, Any]
+    tally: Tally = field(default_factory=Tally)
 
     @property
     def base_url(self) -> str:
         return f"https://127.0.0.1:{self.port}"
+
+    @property
+    def revoked_key(self) -> str:
+        return self.keys["revoked"]
+
+    def _blackholed(self) -> Child | None:
+        return self.sims[BLACKHOLED_SIM].child
+
+    def stop_upstream(self) -> str:
+        child = self._blackholed()
+        if child is not None:
+            child.proc.send_signal(signal.SIGSTOP)
+        return self.sims[BLACKHOLED_SIM].name
+
+    def continue_upstream(self) -> None:
+        child = self._blackholed()
+        if child is not None and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGCONT)
+
+    def good_failures(self) -> tuple[int, int]:
+        return len(self.tally.failed_at), len(self.tally.gave_up_at)
+
+    def good_slowest_first_token_ms(self, since: float) -> float | None:
+        return max((ms for t, ms in self.tally.first_tokens if t > since), default=None)
+
+    def remove_key(self) -> None:
+        keys = [k for k in self.config["auth"]["api_keys"] if k != self.revoked_key]
+        self.config["auth"] = self.config["auth"] | {"api_keys": keys}
+        (self.tmp / "router.toml").write_text(toml(self.config))
+        self.router.proc.send_signal(signal.SIGHUP)
 
     def pids(self) -> dict[str, int]:
         found = {"router": self.router.pid}
@@ -155,7 +209,8 @@ async def _world(tmp: Path) -> Any:
     ca_file, certfile, keyfile = _certificates(tmp)
     keys = {f"good-{i:02d}": f"sk-soak-good-{i:02d}-{secrets.token_hex(8)}"
             for i in range(GOOD_KEYS)}
-    keys |= {role: f"sk-soak-{role}-{secrets.token_hex(8)}" for role in ("canary", "hostile")}
+    keys |= {role: f"sk-soak-{role}-{secrets.token_hex(8)}"
+             for role in ("canary", "hostile", "revoked")}
     sims = [Sim(f"sim-{i}", ["--profile", SIM_PROFILE, "--seed", str(SIM_SEED),
                              *(f"--fault={spec}" for spec in faults)], tmp)
             for i, faults in enumerate(SIM_FAULTS)]
@@ -166,8 +221,8 @@ async def _world(tmp: Path) -> Any:
         config = {
             "region": "soak",
             "listen": {"host": "127.0.0.1", "port": port, "certfile": certfile,
-                       "keyfile": keyfile, "http3": False},
-            "auth": {"api_keys": list(keys.values())},
+                       "keyfile": keyfile, "http3": True},
+            "auth": {"api_keys": list(keys.values()), "token_secret": secrets.token_hex(32)},
             "limits": ROUTER_LIMITS,
             "upstreams": [{"url": sim.url, "name": sim.name} for sim in sims],
         }
@@ -175,7 +230,7 @@ async def _world(tmp: Path) -> Any:
         router = await start_router(tmp / "router.toml", f"https://127.0.0.1:{port}", ca_file,
                                     tmp / "router.log")
         try:
-            yield _World(tmp, ca_file, port, sims, router, keys)
+            yield _World(tmp, ca_file, port, sims, router, keys, config)
         finally:
             router.stop()
     finally:
@@ -185,7 +240,7 @@ async def _world(tmp: Path) -> Any:
 
 async def _soak(tmp: Path, duration: float, *, scale: int, quick: bool) -> dict[str, Any]:
     async with _world(tmp) as world:
-        ledger, tally = Ledger(), Tally()
+        ledger, tally = Ledger(), world.tally
         stream_ids: list[tuple[str, str]] = []
         sampler = MemorySampler(world.pids)
         started = time.monotonic()
@@ -195,7 +250,7 @@ async def _soak(tmp: Path, duration: float, *, scale: int, quick: bool) -> dict[
                                   world.keys["canary"], world.ca_file, str(duration)],
                        tmp / "canary.jsonl", stderr=tmp / "canary.log")
         target = Target("127.0.0.1", world.port, world.ca_file, world.keys["hostile"], scale,
-                        stream_ids)
+                        world, stream_ids)
         hostile: dict[str, Counter[str]] = {}
         kills = KILLS if not quick else (0.5,)
         workers_per_key = 1 if quick else 2
@@ -217,6 +272,7 @@ async def _soak(tmp: Path, duration: float, *, scale: int, quick: bool) -> dict[
                 )
                 await asyncio.to_thread(canary.proc.wait, 60)
             finally:
+                world.continue_upstream()
                 ticking.cancel()
                 sampling.cancel()
                 canary.stop()
@@ -226,7 +282,7 @@ async def _soak(tmp: Path, duration: float, *, scale: int, quick: bool) -> dict[
         duration=duration, elapsed=elapsed, quick=quick, scale=scale, ledger=ledger,
         tally=tally, hostile=hostile, sampler=sampler,
         canary=_read_lines(tmp / "canary.jsonl"), findings=findings, kills=len(kills),
-        workers=len(good))
+        workers=len(good), started=started)
 
 
 async def _tick(bar: Progress, duration: float) -> None:
@@ -276,6 +332,52 @@ def _canary_windows(lines: Sequence[dict[str, Any]], duration: float,
     return rows
 
 
+def _phase_rows(lines: Sequence[dict[str, Any]], samples: Sequence[tuple[float, float, int]],
+                failed_at: Sequence[float], duration: float) -> list[dict[str, Any]]:
+    """Per phase (and the quiet baseline and recovery): the router's RSS and open descriptors
+    at its start, peak and end, the canary's TTFT and errors, and the good clients' failed
+    tries, over the phase's planned window. ``samples`` are the router's ``(t, MB, fds)``;
+    ``failed_at`` are seconds since the start.
+
+    Start and end are the last samples at or before the window opens and closes (the state
+    then, before a later phase adds to it); the sampler shares a busy event loop, so a window
+    of a second may hold no sample of its own and show its start's."""
+    first, last = min(p.start for p in PHASES), max(p.end for p in PHASES)
+    windows = [("baseline (no hostile phase)", 0.0, first),
+               *((p.name, p.start, p.end) for p in PHASES),
+               ("recovery (no hostile phase)", last, 1.0)]
+    rows = []
+    for name, start, end in windows:
+        lo, hi = start * duration, end * duration
+        inside = _spanning(samples, lo, hi)
+        canary = [line for line in lines if lo <= line["t"] < hi]
+        ttfts = [line["ttft_ms"] for line in canary if line["ttft_ms"] is not None]
+        rows.append({
+            "label": name,
+            "window": f"{lo:.0f}-{hi:.0f} s",
+            "rss_start_mb": round(inside[0][1], 1) if inside else None,
+            "rss_peak_mb": round(max(s[1] for s in inside), 1) if inside else None,
+            "rss_end_mb": round(inside[-1][1], 1) if inside else None,
+            "fds_start": inside[0][2] if inside else None,
+            "fds_peak": max(s[2] for s in inside) if inside else None,
+            "fds_end": inside[-1][2] if inside else None,
+            "canary_n": len(canary),
+            "canary_p50_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
+            "canary_max_ms": round(max(ttfts), 1) if ttfts else None,
+            "canary_router_errors": sum(_router_errors(line) for line in canary),
+            "good_failed_tries": sum(1 for t in failed_at if lo <= t < hi),
+        })
+    return rows
+
+
+def _spanning(samples: Sequence[tuple[float, float, int]], lo: float,
+              hi: float) -> Sequence[tuple[float, float, int]]:
+    """The samples from the last at or before ``lo`` to the last at or before ``hi``."""
+    first = max((i for i, s in enumerate(samples) if s[0] <= lo), default=0)
+    last = max((i for i, s in enumerate(samples) if s[0] <= hi), default=0)
+    return samples[first:max(first, last) + 1]
+
+
 def _router_errors(line: dict[str, Any]) -> int:
     """Errors of one canary request that the router made (not relayed upstream faults); a
     request that never succeeded counts even if every try was an upstream fault."""
@@ -286,7 +388,7 @@ def _router_errors(line: dict[str, Any]) -> int:
 def _results(*, duration: float, elapsed: float, quick: bool, scale: int, ledger: Ledger,
              tally: Tally, hostile: dict[str, Counter[str]], sampler: MemorySampler,
              canary: list[dict[str, Any]], findings: dict[str, Any], kills: int,
-             workers: int) -> dict[str, Any]:
+             workers: int, started: float) -> dict[str, Any]:
     good_rows: list[dict[str, Any]] = []
     for kind in sorted(tally.outcomes):
         outcomes = tally.outcomes[kind]
@@ -357,11 +459,14 @@ def _results(*, duration: float, elapsed: float, quick: bool, scale: int, ledger
             f"processes); {workers} good clients on {GOOD_KEYS} keys ({', '.join(KINDS)}), a "
             f"canary ({CANARY_KIND}, own key, own process), hostile phases "
             f"({'; '.join(p.name for p in PHASES)}) and upstream faults (sim-0 killed "
-            f"{kills}x; {'; '.join(' '.join(f) for f in SIM_FAULTS if f)})."
+            f"{kills}x; sim-{BLACKHOLED_SIM} stopped (SIGSTOP) in its phase; "
+            f"{'; '.join(' '.join(f) for f in SIM_FAULTS if f)})."
         ),
         "summary": summary,
         "failed_checks": checks,
         "runs": good_rows,
+        "phases": _phase_rows(canary, sampler.samples.get("router", []),
+                              [t - started for t in tally.failed_at], duration),
         "canary": _canary_windows(canary, duration, 8 if quick else 15),
         "memory": memory,
         "errors": error_rows,
@@ -375,6 +480,7 @@ def _results(*, duration: float, elapsed: float, quick: bool, scale: int, ledger
             "good_workers": workers, "client_kinds": list(KINDS), "sim_profile": SIM_PROFILE,
             "sim_faults": [list(f) for f in SIM_FAULTS], "kills": kills,
             "kill_down_s": KILL_DOWN_S, "router_limits": ROUTER_LIMITS,
+            "blackholed_sim": f"sim-{BLACKHOLED_SIM}",
             "phases": [{"name": p.name, "start": p.start, "end": p.end,
                         "attacks": list(p.attacks)} for p in PHASES],
         },
@@ -388,6 +494,12 @@ def _results(*, duration: float, elapsed: float, quick: bool, scale: int, ledger
             "hostile counts are what the router did to each hostile client (answered status, "
             "closed the connection, or held it until the phase ended)",
             "RSS and open files sampled from /proc every 0.5 s; growth = final - first sample",
+            "phases: each phase's planned window (phases overlap; a row counts everything in "
+            "its window): the router's RSS and open descriptors at the last sample before the "
+            "window opens, the peak, and the last sample before it closes; the canary's TTFT "
+            "P50 and max; the good clients' failed tries that ended in it",
+            "Redis outages (stop, kill, freeze during a ramp) are bench tenancy's redis phase; "
+            "the soak's router keeps its state in memory",
             "all processes share this machine's CPUs: canary TTFT includes that contention",
         ],
     }
