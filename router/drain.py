@@ -75,7 +75,8 @@ async def drain(
             "drain timed out after %g s: %d unfinished streams end with a 'draining' error"
             " event%s",
             listen.drain_timeout_s, ended,
-            "" if state.shared is not None else " (in memory: they cannot be read elsewhere)",
+            "" if state.region_state.readable_elsewhere
+            else " (in memory: they cannot be read elsewhere)",
         )
     else:
         log.info("drained in %.1f s; stopping", clock() - started)

@@ -23,6 +23,10 @@ by ``RequestContext.release_key_slot``. When Redis does not answer, the request 
 state_unavailable`` with nothing held for it: its routing record is undone here, and what
 the script may have claimed before the answer was lost is undone by
 :meth:`~firstbyte.router.shared.admission.SharedAdmission.reconcile`.
+
+Which of the two runs is chosen once, at start: :func:`place` asks the process's
+:class:`~firstbyte.router.regionstate.RegionState`, which calls :func:`place_in_memory` or
+:func:`place_shared`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
     from .shared.admission import SharedAdmission
     from .state import RouterState
 
-__all__ = ["place", "release_key_slot"]
+__all__ = ["place", "place_in_memory", "place_shared", "release_key_slot"]
 
 _QUEUED = ("queued", "fair_share")
 """Choices that wait on a backend on purpose (over its limit): no backend limit to claim."""
@@ -57,20 +61,24 @@ async def place(
 
     ``gone()`` ends when the client disconnects: a request waiting for a slot then gives up
     its place (:data:`~firstbyte.router.state.CLIENT_GONE`)."""
-    if state.shared is None:
-        outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
-        if outcome is CONTINUE:
-            outcome = state.fair_gate(ctx)
-        if outcome is CONTINUE:
-            outcome = await _route(state, ctx, gone=gone)
-        if outcome is CONTINUE:
-            outcome = choose_backend(ctx, state.pool)
-        if outcome is CONTINUE:
-            _hold(state, ctx)
-        return outcome
-    outcome = await _place_shared(state, state.shared.admission, ctx, gone)
+    outcome = await state.region_state.place(state, ctx, gone)
     if outcome is CONTINUE:
         _hold(state, ctx)
+    return outcome
+
+
+async def place_in_memory(
+    state: RouterState, ctx: RequestContext, gone: Callable[[], Awaitable[object]] | None
+) -> Outcome:
+    """:func:`place` in memory (:class:`~firstbyte.router.regionstate.InMemory`), before
+    the request is held for its key."""
+    outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
+    if outcome is CONTINUE:
+        outcome = state.fair_gate(ctx)
+    if outcome is CONTINUE:
+        outcome = await _route(state, ctx, gone=gone)
+    if outcome is CONTINUE:
+        outcome = choose_backend(ctx, state.pool)
     return outcome
 
 
@@ -116,10 +124,12 @@ def release_key_slot(ctx: RequestContext) -> None:
         release()
 
 
-async def _place_shared(
+async def place_shared(
     state: RouterState, admission: SharedAdmission, ctx: RequestContext,
-    gone: Callable[[], Awaitable[object]] | None = None,
+    gone: Callable[[], Awaitable[object]] | None,
 ) -> Outcome:
+    """:func:`place` with shared state (:class:`~firstbyte.router.regionstate.InRedis`),
+    before the request is held for its key."""
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
     policy = limiter.policy(owner)

@@ -24,7 +24,6 @@ from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
 from .config import RouterConfig
 from .cors import CorsPolicy
-from .hosting.limits import Throttle
 from .metrics import Metrics
 from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
@@ -32,8 +31,8 @@ from .pipeline.backend import Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
+from .regionstate import RegionState, region_state_for
 from .shared import SharedState, connect
-from .shared.errors import describe
 from .streams import Stream, StreamStore, owner_of
 from .tenancy import ALONE, KeyLimiter, KeyPolicy, Tenants, refusal
 
@@ -108,12 +107,12 @@ class RouterState:
             config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client
         )
         self.shared: SharedState | None = connect(config)
-        """The region's shared state (Redis), or None: everything in this process's memory."""
-        if self.shared is not None:
-            self.routing.claim = self.shared.admission.claim_backend
+        """The region's shared state (Redis), or None: everything in this process's memory.
+        For tests and inspection: the router goes through :attr:`region_state`."""
+        self.region_state: RegionState = region_state_for(self.shared)
+        """Placement, stream lookup and slots, in memory or in Redis (chosen once, here)."""
+        self.routing.claim = self.region_state.claim_backend
         self.routing.released = self._released
-        self._sharing: asyncio.Task[None] | None = None
-        self._state_throttle = Throttle(10.0)
         spans: SpanSink | None = None
         if config.telemetry.otlp_endpoint is not None:
             from .observability.traces import OtlpTraces
@@ -235,8 +234,7 @@ class RouterState:
         """Start housekeeping and the start-up warmup in the running loop (idempotent; called
         at lifespan start-up and on every request)."""
         if self._maintainer is None:
-            if self.shared is not None:
-                self._sharing = asyncio.create_task(self.shared.start())
+            self.region_state.start()
             self._maintainer = asyncio.create_task(self._maintain())
             self.routing.start()
             self._warming = asyncio.create_task(self.routing.wait_warm())
@@ -248,8 +246,7 @@ class RouterState:
         requests until then: the first request already finds the shared prompts cached.
         """
         self.ensure_started()
-        if self._sharing is not None and not self._sharing.done():
-            await asyncio.shield(self._sharing)  # the lease covers every stream we create
+        await self.region_state.started()  # the lease covers every stream we create
         assert self._warming is not None
         if not self._warming.done():
             await asyncio.shield(self._warming)
@@ -264,14 +261,12 @@ class RouterState:
         stream = self.store.create(owner, self.clock())
         stream.subject = subject
         stream.on_finish = on_finish
-        if self.shared is not None:
-            self.shared.streams.publish(stream)
+        self.region_state.publish(stream)
         return stream
 
     async def announced(self, stream: Stream) -> None:
         """Return once other processes can find ``stream``: await before its id goes out."""
-        if self.shared is not None:
-            await self.shared.streams.announced(stream)
+        await self.region_state.announced(stream)
 
     async def find_stream(
         self, stream_id: str, owner: bytes, subject: str | None = None
@@ -280,8 +275,8 @@ class RouterState:
         subject reads only its own): from this process's store, else from the shared state;
         None for an unknown id, another owner's or another subject's stream alike."""
         stream: ReadableStream | None = self.store.get(stream_id, owner)
-        if stream is None and self.shared is not None:
-            stream = await self.shared.streams.lookup(stream_id, owner)
+        if stream is None:
+            stream = await self.region_state.lookup(stream_id, owner)
         if stream is not None and subject is not None and stream.subject != subject:
             return None
         return stream
@@ -313,8 +308,7 @@ class RouterState:
     def _released(self, backend: str) -> None:
         """A request on ``backend`` ended or moved away: give back its region-wide slot
         (shared state), then hand the slot to whoever waits for one."""
-        if self.shared is not None:
-            self.shared.admission.release_backend(backend)
+        self.region_state.release_backend(backend)
         self.hand_slots()
 
     def hand_slots(self) -> int:
@@ -412,30 +406,8 @@ class RouterState:
         grace = self.config.streams.resume_grace_s
         while True:
             await asyncio.sleep(interval)
-            if self.shared is not None:
-                try:
-                    # Slots a failed claim or release may have left: rewritten first.
-                    await self.shared.admission.reconcile(self.config.state.timeout_s)
-                    await self.shared.streams.keep_attended(
-                        self.store.running(), self.clock(), grace
-                    )
-                    await self._load_elsewhere(self.shared)
-                except Exception as exc:  # Redis away: only local readers count this turn
-                    held = self._state_throttle.allow("maintain", time.monotonic())
-                    if held is not None:
-                        more = f" ({held} more since the last report)" if held else ""
-                        log.warning("cannot check for readers or load elsewhere: %s%s",
-                                    describe(exc), more)
+            await self.region_state.housekeep(self, grace)
             self.tick(self.clock())
-
-    async def _load_elsewhere(self, shared: SharedState) -> None:
-        """Learn what the region's other processes have in flight on each backend (a claim
-        refreshes one backend's figure; this refreshes all, for routing between claims)."""
-        tracker = self.routing.tracker
-        names = list(tracker.backends)
-        for name, others in zip(names, await shared.admission.backends_elsewhere(names),
-                                strict=True):
-            tracker.observe_elsewhere(name, others)
 
     async def aclose(self) -> None:
         if self._warming is not None:
@@ -449,12 +421,7 @@ class RouterState:
             self._maintainer = None
         await self.routing.aclose()
         await self.proxy.aclose()  # producers append their last events (to Redis too) ...
-        if self._sharing is not None:
-            self._sharing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._sharing
-        if self.shared is not None:
-            await self.shared.aclose()  # ... which are flushed before the lease is released
+        await self.region_state.aclose()  # ... which are flushed before the lease is released
         await self.requests.aclose()
 
 

@@ -1,0 +1,211 @@
+"""What a router process shares with its region's other processes, behind one interface.
+
+:class:`RegionState` is every place where one process's state meets the region's: placing a
+request (the key's limits, its region and backend, and the slots they take), giving a backend's
+slot back, making a new stream findable, finding a stream another process produces, and the
+housekeeping that keeps the region's counts true. :class:`RouterState` picks an implementation
+once, at start (:func:`region_state_for`), and calls it without asking which it is:
+
+- :class:`InMemory` (no ``state.redis_url``, the default): this process is the region; counts
+  live in its own tracker and limiter, so giving back, publishing, finding elsewhere and
+  housekeeping are no-ops;
+- :class:`InRedis`: today's :class:`~firstbyte.router.shared.SharedState`, its admission
+  counted region-wide (:mod:`firstbyte.router.shared.admission`) and its streams mirrored into
+  Redis (:mod:`firstbyte.router.shared.streams`).
+
+The two placements themselves are :func:`~firstbyte.router.placement.place_in_memory` and
+:func:`~firstbyte.router.placement.place_shared` (their differences are in that module's
+docstring). ``redis`` is not imported here: :class:`InRedis` is only built around a
+:class:`~firstbyte.router.shared.SharedState` that :func:`~firstbyte.router.shared.connect`
+made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
+
+from .hosting.limits import Throttle
+from .placement import place_in_memory, place_shared
+from .shared.errors import describe
+
+if TYPE_CHECKING:
+    from .pipeline.context import Outcome, RequestContext
+    from .readers import ReadableStream
+    from .shared import SharedState
+    from .state import RouterState
+    from .streams import Stream
+
+__all__ = ["InMemory", "InRedis", "RegionState", "region_state_for"]
+
+log = logging.getLogger("firstbyte.router")
+
+Gone = Callable[[], Awaitable[object]] | None
+"""A coroutine function that returns when the client disconnects (or None)."""
+
+
+class RegionState(Protocol):
+    """One process's view of the state its region's processes share (module docstring)."""
+
+    @property
+    def readable_elsewhere(self) -> bool:
+        """Whether this process's streams stay readable from the region's other processes
+        once it exits (the drain's log line says so)."""
+        ...
+
+    @property
+    def claim_backend(self) -> Callable[[str, int], Awaitable[bool]] | None:
+        """Claims a slot of a backend (name, limit) for a request moved there, False if it is
+        full region-wide; None when this process's tracker counts everything
+        (:attr:`~firstbyte.router.multiregion.RegionRouting.claim`)."""
+        ...
+
+    def start(self) -> None:
+        """Start what runs in the background (in the running loop; once)."""
+        ...
+
+    async def started(self) -> None:
+        """Return once streams created from now on are covered (the lease is taken, or
+        tried); never raises."""
+        ...
+
+    async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
+        """Apply the key's limits and choose the region and backend, claiming what the choice
+        takes; CONTINUE, or a refusal with nothing left claimed."""
+        ...
+
+    def release_backend(self, backend: str) -> None:
+        """Give back the slot a request ending on (or moved away from) ``backend`` held."""
+        ...
+
+    def publish(self, stream: Stream) -> None:
+        """``stream`` (new, empty) is to be findable from the region's other processes."""
+        ...
+
+    async def announced(self, stream: Stream) -> None:
+        """Return once other processes can find ``stream``: await before its id goes out."""
+        ...
+
+    async def lookup(self, stream_id: str, owner: bytes) -> ReadableStream | None:
+        """``owner``'s stream produced by another process, or None (an unknown id and another
+        owner's alike); :class:`~firstbyte.router.shared.errors.StateUnavailable` when the
+        state does not answer."""
+        ...
+
+    async def housekeep(self, state: RouterState, grace_s: float) -> None:
+        """One housekeeping turn before :meth:`RouterState.tick`: make the region's counts and
+        readers true again. Never raises."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop the background work and give back what this process holds."""
+        ...
+
+
+def region_state_for(shared: SharedState | None) -> RegionState:
+    """The implementation for this process: in Redis when ``shared`` is given, else in
+    memory."""
+    return InMemory() if shared is None else InRedis(shared)
+
+
+class InMemory:
+    """The region is this process: its tracker and limiter count everything."""
+
+    readable_elsewhere = False
+    claim_backend = None
+
+    def start(self) -> None:
+        pass
+
+    async def started(self) -> None:
+        pass
+
+    async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
+        return await place_in_memory(state, ctx, gone)
+
+    def release_backend(self, backend: str) -> None:
+        pass
+
+    def publish(self, stream: Stream) -> None:
+        pass
+
+    async def announced(self, stream: Stream) -> None:
+        pass
+
+    async def lookup(self, stream_id: str, owner: bytes) -> ReadableStream | None:
+        return None
+
+    async def housekeep(self, state: RouterState, grace_s: float) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+class InRedis:
+    """The region's processes share their counts and streams through Redis."""
+
+    readable_elsewhere = True
+
+    def __init__(self, shared: SharedState) -> None:
+        self.shared = shared
+        self.claim_backend: Callable[[str, int], Awaitable[bool]] | None = (
+            shared.admission.claim_backend
+        )
+        self._starting: asyncio.Task[None] | None = None
+        self._throttle = Throttle(10.0)
+
+    def start(self) -> None:
+        self._starting = asyncio.create_task(self.shared.start())
+
+    async def started(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            await asyncio.shield(self._starting)  # the lease covers every stream we create
+
+    async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
+        return await place_shared(state, self.shared.admission, ctx, gone)
+
+    def release_backend(self, backend: str) -> None:
+        self.shared.admission.release_backend(backend)
+
+    def publish(self, stream: Stream) -> None:
+        self.shared.streams.publish(stream)
+
+    async def announced(self, stream: Stream) -> None:
+        await self.shared.streams.announced(stream)
+
+    async def lookup(self, stream_id: str, owner: bytes) -> ReadableStream | None:
+        return await self.shared.streams.lookup(stream_id, owner)
+
+    async def housekeep(self, state: RouterState, grace_s: float) -> None:
+        try:
+            # Slots a failed claim or release may have left: rewritten first.
+            await self.shared.admission.reconcile(state.config.state.timeout_s)
+            await self.shared.streams.keep_attended(state.store.running(), state.clock(), grace_s)
+            await self._load_elsewhere(state)
+        except Exception as exc:  # Redis away: only local readers count this turn
+            held = self._throttle.allow("maintain", time.monotonic())
+            if held is not None:
+                more = f" ({held} more since the last report)" if held else ""
+                log.warning("cannot check for readers or load elsewhere: %s%s",
+                            describe(exc), more)
+
+    async def _load_elsewhere(self, state: RouterState) -> None:
+        """Learn what the region's other processes have in flight on each backend (a claim
+        refreshes one backend's figure; this refreshes all, for routing between claims)."""
+        tracker = state.routing.tracker
+        names = list(tracker.backends)
+        elsewhere = await self.shared.admission.backends_elsewhere(names)
+        for name, others in zip(names, elsewhere, strict=True):
+            tracker.observe_elsewhere(name, others)
+
+    async def aclose(self) -> None:
+        if self._starting is not None:
+            self._starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._starting
+        await self.shared.aclose()  # flushes what producers appended before the lease goes
