@@ -124,7 +124,8 @@ async def test_all_regions_saturated_answer_429_with_retry_after() -> None:
             busy = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=slow_body(i, 100)))
                     for i in range(3)]
             await asyncio.sleep(0.2)
-            async with AsyncClient(f"{url}/v1", http="1.1") as sdk:
+            # retries=0: the SDK retries a 429 by itself; here it must surface it.
+            async with AsyncClient(f"{url}/v1", http="1.1", retries=0) as sdk:
                 try:
                     async with sdk.stream(model="sim-model", messages=[{"role": "user", "content": "hi"}]) as s:
                         async for _ in s:

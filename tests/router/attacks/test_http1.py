@@ -324,7 +324,10 @@ async def test_a_flood_of_silent_sockets_leaves_half_the_descriptor_reserve(
         finally:
             for sock in socks:
                 sock.close()
-    assert peak <= 256 - 32, peak
+    # The client sockets stop at 256 - 32; what the reserve is for may add a few: the canary's
+    # upstream connection, the router's metrics scrapes, and a refused socket in the instant
+    # between its accept and its close. Without the fix the router reached all 256.
+    assert peak <= 256 - 32 + 4, peak
     assert "file descriptors short" in router.log()
     router.assert_clean_log()
 
