@@ -118,3 +118,25 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
         added = results["summary"][key]
         assert isinstance(added, float), key
         assert math.isfinite(added), key
+
+
+def test_tenancy_serves_one_app_and_keeps_every_phase(quick_runs: QuickRuns) -> None:
+    """``bench tenancy --quick`` exits 0 only when its checks pass (one key from one address
+    refused nothing on a region with room; key B's streams survived key A filling the store; no
+    500 and no stream lost to a Redis restart); every phase reports, with its shares."""
+    code, stdout, stderr, _ = quick_runs.result("tenancy")
+    assert code == 0, stderr[-3000:]
+    results = msgspec.json.decode(stdout)
+    assert list(results["phases"]) == ["one_app", "fair_share", "weighted", "subjects", "store",
+                                       "redis", "backend_faults"]
+    one = results["phases"]["one_app"]
+    assert one["served"] == one["streams"] == 200
+    for name in ("fair_share", "weighted"):
+        keys = results["phases"][name]["keys"]
+        assert set(keys) == {"a", "b", "c"}
+        assert all(k["served_concurrency"] > 0 for k in keys.values())
+    # The batch key is the one held back, not the light keys' users.
+    light = results["phases"]["fair_share"]["keys"]
+    assert light["c"]["refused"] > light["a"]["refused"] + light["b"]["refused"]
+    assert results["phases"]["store"]["b_resumed"] == {"done": 8}
+    assert results["phases"]["redis"]["steady with a Redis restart"]["500s"] == 0
