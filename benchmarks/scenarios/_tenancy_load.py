@@ -41,6 +41,7 @@ class Outcome:
     to its end, on the loop's monotonic clock)."""
 
     flow: str
+    started_at: float = 0.0
     status: int | None = None
     code: str | None = None
     error: str | None = None
@@ -112,7 +113,7 @@ def _request(path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
 async def stream_once(port: int, flow: str, body: Mapping[str, object],
                       headers: Mapping[str, str], tally: Tally) -> Outcome:
     """One streamed chat completion over a new connection, read to ``[DONE]``."""
-    outcome = Outcome(flow)
+    outcome = Outcome(flow, time.monotonic())
     tally.outcomes.append(outcome)
     try:
         await asyncio.wait_for(
