@@ -204,6 +204,15 @@ def guard_quic_connections() -> None:
             return
         await _new_connection(self, event, header, guard_of(self, limits))
 
+    async def _close_initial(self: Any, header: Any, address: Any, code: Any) -> None:
+        """Answer an Initial with CONNECTION_CLOSE(``code``), keeping no state for it."""
+        await self.send(RawData(data=encode_initial_close(
+            version=header.version,
+            source_cid=header.destination_cid,
+            destination_cid=header.source_cid,
+            error_code=code,
+        ), address=address))
+
     async def _new_connection(self: Any, event: Any, header: Any, guard: _QuicGuard) -> None:
         now = self.context.time()
         retry = guard.rate is not None and guard.rate.observe(now)
@@ -219,12 +228,7 @@ def guard_quic_connections() -> None:
                 retry_cid = header.destination_cid
             except ValueError:
                 if retry:  # a token of ours expired or forged: RFC 9000 section 8.1.3
-                    await self.send(RawData(data=encode_initial_close(
-                        version=header.version,
-                        source_cid=header.destination_cid,
-                        destination_cid=header.source_cid,
-                        error_code=QuicErrorCode.INVALID_TOKEN,
-                    ), address=event.address))
+                    await _close_initial(self, header, event.address, QuicErrorCode.INVALID_TOKEN)
                     return
                 # else: not one of ours (say, another server's NEW_TOKEN): as if none.
         elif retry:
@@ -254,12 +258,9 @@ def guard_quic_connections() -> None:
             refusal = admit_quic(guard.counter, client, _lowest_free_fd())
             if refusal is not None:
                 report(logging.WARNING, "QUIC connection refused", client, refusal)
-                await self.send(RawData(data=encode_initial_close(
-                    version=header.version,
-                    source_cid=header.destination_cid,
-                    destination_cid=header.source_cid,
-                    error_code=QuicErrorCode.CONNECTION_REFUSED,
-                ), address=event.address))
+                await _close_initial(
+                    self, header, event.address, QuicErrorCode.CONNECTION_REFUSED
+                )
                 return
         quic_connection = hypercorn_quic.QuicConnection(
             configuration=self.quic_config,
