@@ -105,8 +105,22 @@ async def h3_early_answer(target: Target, until: float) -> Counter[str]:
         status = await _h3_status(target, "POST", paths.CHAT_COMPLETIONS,
                                   {"content-type": "application/json"}, body)
         found[f"no-key POST with {EARLY_BODY_BYTES // 1024} KiB: {status}"] += 1
-        found[f"/healthz after it: {await _h3_status(target, 'GET', '/healthz', {})}"] += 1
+        found[f"/healthz after it: {await _served_after(target)}"] += 1
     return found
+
+
+async def _served_after(target: Target, attempts: int = 3) -> str:
+    """``/healthz``'s status over a new QUIC connection, a new connection tried up to
+    ``attempts`` times: on two shared cores a handshake's datagrams can be lost while the
+    router's loop is busy with the other phases (seen once in CI: no answer in 10 s). A
+    server task that an early answer ended would log an ERROR (the run's router-log check
+    fails on it) and would not answer any of the attempts within their 30 s."""
+    status = ""
+    for attempt in range(attempts):
+        status = await _h3_status(target, "GET", "/healthz", {})
+        if status == "200":
+            return status if attempt == 0 else f"200 (attempt {attempt + 1})"
+    return status
 
 
 async def quic_idle(target: Target, until: float) -> Counter[str]:
