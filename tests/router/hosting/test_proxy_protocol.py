@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from firstbyte.router.config import ConfigError, load_config
 from firstbyte.router.hosting.proxy_protocol import (
     NEED_MORE,
     V1_MAX_BYTES,
@@ -22,6 +25,7 @@ from firstbyte.router.hosting.proxy_protocol import (
     starts_like_header,
     with_client,
 )
+from firstbyte.router.serve import _options
 
 REQUEST = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
 
@@ -245,3 +249,48 @@ def test_the_servers_see_the_headers_client_and_the_rest_unchanged() -> None:
     assert (sock.fileno(), sock.family) == (7, 2)
     assert client.get_extra_info("sslcontext", "none") == "none"
     assert client.is_closing() is False
+
+
+# --- the config that turns it on (listen.proxy_protocol, listen.proxy_protocol_from) ---------
+
+_CONFIG = """
+[auth]
+api_keys = ["sk-test-key-0001"]
+[[upstreams]]
+url = "http://127.0.0.1:8001"
+[listen]
+insecure_plain_http = true
+"""
+
+
+@pytest.mark.parametrize(
+    ("listen", "expected"),
+    [
+        ("proxy_protocol = true\n", "listen.proxy_protocol needs listen.proxy_protocol_from"),
+        (
+            'proxy_protocol = true\nproxy_protocol_from = ["10.0.0.0/8", "10.0.0.300"]\n',
+            "listen.proxy_protocol_from[1]: not an address or CIDR: '10.0.0.300'",
+        ),
+        ("proxy_protocol_from = \"10.0.0.0/8\"\n", "listen.proxy_protocol_from: Expected `array`"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path: Path, listen: str, expected: str) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(_CONFIG + listen)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {expected}")
+
+
+def test_config_turns_it_on_for_the_listed_balancers(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(_CONFIG)
+    assert load_config(path).listen.proxy_protocol is False  # off by default
+    path.write_text(_CONFIG + 'proxy_protocol = true\nproxy_protocol_from = ["10.0.0.0/8", "::1"]\n')
+    config = load_config(path)
+    assert config.listen.proxy_protocol_from == ["10.0.0.0/8", "::1"]
+    policy = _options(config, False, cast(Any, None)).proxy_protocol
+    assert policy is not None
+    assert policy.trusts("10.2.3.4")
+    assert policy.trusts("::1")
+    assert not policy.trusts("127.0.0.1")
