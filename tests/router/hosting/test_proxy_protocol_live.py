@@ -178,6 +178,42 @@ async def test_clients_behind_haproxy_are_counted_by_their_own_address(
     assert all(f"from {CLIENT}:" in line for line in refusals), refusals
 
 
+@pytest.mark.parametrize("server", ["auto", "hypercorn"])
+async def test_a_websocket_behind_haproxy_counts_for_its_client_until_it_closes(
+    start_router: RouterFactory,
+    upstream: Upstream,
+    tls_files: dict[str, str],
+    tmp_path: Path,
+    server: str,
+) -> None:
+    """A WebSocket through HAProxy (uvicorn's protocol after the upgrade under ``auto``,
+    hypercorn's otherwise) holds its client's one allowed connection, not HAProxy's, and
+    gives it back when it closes."""
+    from websockets.asyncio.client import connect
+
+    async with start_router(
+        [upstream.url], listen=_listen(server, [f"{BALANCER}/32"]),
+        limits={"hard_max_connections_per_client": 1},
+    ) as router, haproxy_in_front(router.port, "send-proxy-v2", tmp_path) as port:
+        url = f"https://127.0.0.1:{port}/healthz"
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.bind((CLIENT, 0))
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        async with connect(
+            f"wss://127.0.0.1:{port}/v1/ws", sock=sock, ssl=client_tls(tls_files),
+            server_hostname="127.0.0.1", additional_headers=auth(),
+        ):
+            async with _client(tls_files, CLIENT, False) as second:
+                refused = await second.get(url)
+            assert refused.status_code == 503, refused.text
+            async with _client(tls_files, OTHER_CLIENT, False) as other:
+                assert (await other.get(url)).status_code == 200
+        await asyncio.sleep(0.3)  # the router sees the close
+        async with _client(tls_files, CLIENT, False) as again:
+            assert (await again.get(url)).status_code == 200
+
+
 async def _open(
     port: int, tls_files: dict[str, str] | None, header: bytes, local: str = "127.0.0.1"
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
