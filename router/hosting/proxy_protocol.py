@@ -256,6 +256,9 @@ class _ClientTransport:
     def __init__(self, transport: Any, peer: tuple[str, int]) -> None:
         self._transport = transport
         self._peer = peer
+        # Called per streamed chunk: bound here, not looked up through __getattr__ each time.
+        self.write = transport.write
+        self.is_closing = transport.is_closing
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "peername":

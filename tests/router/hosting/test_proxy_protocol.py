@@ -238,6 +238,12 @@ class _Transport:
     def is_closing(self) -> bool:
         return False
 
+    def write(self, data: bytes) -> None:
+        self.written = data
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
 
 def test_the_servers_see_the_headers_client_and_the_rest_unchanged() -> None:
     transport = _Transport()
@@ -249,6 +255,9 @@ def test_the_servers_see_the_headers_client_and_the_rest_unchanged() -> None:
     assert (sock.fileno(), sock.family) == (7, 2)
     assert client.get_extra_info("sslcontext", "none") == "none"
     assert client.is_closing() is False
+    client.write(b"x")
+    client.pause_reading()
+    assert (transport.written, transport.paused) == (b"x", True)
 
 
 # --- the config that turns it on (listen.proxy_protocol, listen.proxy_protocol_from) ---------
