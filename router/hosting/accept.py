@@ -228,7 +228,10 @@ class ProxyRead:
             return
         self.stop()
         if isinstance(outcome, ProxyError):
-            report(logging.WARNING, "PROXY protocol error", self.peer, outcome.reason)
+            if self.peer != "?":
+                report(logging.WARNING, "PROXY protocol error", self.peer, outcome.reason)
+            # else the socket was gone before its address could be read (a balancer's health
+            # check that sends its header and closes at once): nothing to say, or trust.
             self.transport.close()
             return
         assert isinstance(outcome, Proxied)
