@@ -377,3 +377,54 @@ async def _closed_unanswered(port: int, data: bytes, local: str) -> bytes:
                 if not chunk:
                     return received
                 received += chunk
+
+
+def _v2_tcp6(source: str, sport: int) -> bytes:
+    block = (
+        socket.inet_pton(socket.AF_INET6, source) + socket.inet_pton(socket.AF_INET6, "::1")
+        + struct.pack("!HH", sport, 1)
+    )
+    return V2_SIGNATURE + bytes([0x21, 0x21]) + struct.pack("!H", len(block)) + block
+
+
+@pytest.mark.parametrize("server", ["auto", "uvicorn"])
+async def test_ipv6_balancer_and_clients(
+    start_router: RouterFactory,
+    upstream: Upstream,
+    caplog: pytest.LogCaptureFixture,
+    server: str,
+) -> None:
+    """A router on ``::1`` behind a balancer on ``::1``: an IPv6 client (v2 ``TCP6``) holding
+    its one allowed connection is refused a second, and an IPv4 client (v1 ``TCP4``) through
+    the same balancer is served: each counted for its own address."""
+    listen = {**_listen(server, ["::1/128"]), "host": "::1"}
+    request = b"GET /healthz HTTP/1.1\r\nhost: r\r\n\r\n"
+    loop = asyncio.get_running_loop()
+    async with start_router(
+        [upstream.url], tls=False, listen=listen, limits={"hard_max_connections_per_client": 1}
+    ) as router:
+
+        async def connection(header: bytes) -> socket.socket:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("::1", router.port))
+            await loop.sock_sendall(sock, header + request)
+            return sock
+
+        async def status(sock: socket.socket) -> bytes:
+            async with asyncio.timeout(20):
+                return (await loop.sock_recv(sock, 65536))[:12]
+
+        held = await connection(_v2_tcp6("2001:db8::7", 40000))
+        try:
+            assert await status(held) == b"HTTP/1.1 200"
+            with await connection(_v2_tcp6("2001:db8::7", 40001)) as second:
+                assert await status(second) == b"HTTP/1.1 503"
+            v4 = f"PROXY TCP4 {TOKYO_CLIENT} 127.0.0.1 40002 1\r\n".encode()
+            with await connection(v4) as other:
+                assert await status(other) == b"HTTP/1.1 200"
+        finally:
+            held.close()
+    refusals = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
+    assert refusals
+    assert all(line.startswith("connection refused from 2001:db8::7:") for line in refusals)
