@@ -16,6 +16,10 @@ sockets that never send a byte (each up to the handshake timeout) outside every 
   HTTP/2 a 503 for the first stream and GOAWAY, then closes. A refused connection has
   :data:`REFUSED_DEADLINE_S` in all for its handshake and that head
   (:data:`RESERVE_REFUSED_DEADLINE_S` past the descriptor reserve).
+- Behind an L4 balancer (``ServerOptions.proxy_protocol``), :class:`ProxyRead` first reads
+  the PROXY header of a balancer's connection (within ``header_timeout_s``), and the
+  connection is counted, and served, as the client's it names; anyone else's connection
+  that starts with such a header is closed.
 """
 
 from __future__ import annotations
