@@ -100,6 +100,16 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pid_file: str | None = None
     """Written with the router's pid at start (the supervisor's, with workers) and removed at
     exit; ``firstbyte router reload --config FILE`` signals the pid it names."""
+    proxy_protocol: bool = False
+    """Behind an L4 balancer (HAProxy ``send-proxy``/``send-proxy-v2``, AWS NLB, ...): read a
+    PROXY protocol header (v1 or v2) at the start of each TCP connection from
+    ``proxy_protocol_from``, before TLS, and take the client's address from it for GeoIP,
+    per-address limits and forwarding-header trust (``router/hosting/proxy_protocol.py``).
+    A header from any other address closes the connection (never trusted)."""
+    proxy_protocol_from: list[str] = msgspec.field(default_factory=list)
+    """The balancers' addresses or CIDRs (``["10.0.0.0/8"]``); required with
+    ``proxy_protocol``. A connection from one of them must start with a header (else it is
+    closed); one from anywhere else is served as without ``proxy_protocol``."""
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -393,6 +403,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "listen.certfile/listen.keyfile are required"
                 " (or set listen.insecure_plain_http = true for local use)"
             )
+        _check_proxy_protocol(listen)
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
             raise ValueError("listen.http3 needs listen.server = 'auto' or 'hypercorn'")
@@ -423,6 +434,24 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "auth.api_keys: no API key configured; give one, or set"
                 " auth.allow_anonymous = true to accept any request"
             )
+
+
+def _check_proxy_protocol(listen: ListenConfig) -> None:
+    import ipaddress
+
+    for i, cidr in enumerate(listen.proxy_protocol_from):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ValueError(
+                f"listen.proxy_protocol_from[{i}]: not an address or CIDR: {cidr!r}"
+            ) from None
+    if listen.proxy_protocol and not listen.proxy_protocol_from:
+        # Trusting a header from anyone would let every client name its own address.
+        raise ValueError(
+            "listen.proxy_protocol needs listen.proxy_protocol_from: the balancers' addresses"
+            " (a header from any other address is never trusted)"
+        )
 
 
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")

@@ -25,7 +25,15 @@ from firstbyte.protocol import paths
 from .app import RouterApp, build_app
 from .config import RouterConfig
 from .drain import drain
-from .hosting import ClientLimits, Listeners, ServerOptions, bind, heads, running
+from .hosting import (
+    ClientLimits,
+    Listeners,
+    ProxyProtocol,
+    ServerOptions,
+    bind,
+    heads,
+    running,
+)
 from .hosting import serve as host
 from .hosting.goaway import ConnectionRegistry
 from .hosting.quic import Http3Status, SessionTicketStore, TicketStore
@@ -94,6 +102,9 @@ def _options(config: RouterConfig, tune_gc: bool, app: RouterApp) -> ServerOptio
         memory_pressed=lambda: app.memory_refusal() is not None,
         tune_gc=tune_gc,
         backlog=listen.backlog,
+        proxy_protocol=(
+            ProxyProtocol(listen.proxy_protocol_from) if listen.proxy_protocol else None
+        ),
     )
 
 

@@ -7,6 +7,8 @@
 - :mod:`.http1_split`: ``auto``, hypercorn handing HTTP/1.1 connections to uvicorn's protocol;
 - :mod:`.accept`: connections counted per client address from their accept, before TLS,
   and a refused one answered 503 after its request's head (:mod:`.limits` decides);
+- :mod:`.proxy_protocol`: the PROXY protocol header (v1, v2) an L4 balancer sends before
+  TLS, parsed sans-IO; the accept layer reads it and serves the connection as its client's;
 - :mod:`.quic`: the QUIC session-ticket store that gives hypercorn's HTTP/3 0-RTT, and
   :class:`~.quic.Http3Status`, whether HTTP/3 is up (``Alt-Svc`` follows it);
 - :mod:`.hardening`, :mod:`.quic_hardening`: the defences hypercorn lacks, as patches;

@@ -16,6 +16,10 @@ sockets that never send a byte (each up to the handshake timeout) outside every 
   HTTP/2 a 503 for the first stream and GOAWAY, then closes. A refused connection has
   :data:`REFUSED_DEADLINE_S` in all for its handshake and that head
   (:data:`RESERVE_REFUSED_DEADLINE_S` past the descriptor reserve).
+- Behind an L4 balancer (``ServerOptions.proxy_protocol``), :class:`ProxyRead` first reads
+  the PROXY header of a balancer's connection (within ``header_timeout_s``), and the
+  connection is counted, and served, as the client's it names; anyone else's connection
+  that starts with such a header is closed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any, cast
 
 from .hardening import BUSY_BODY, BUSY_H1, report
 from .limits import ConnectionCounter
+from .proxy_protocol import NEED_MORE, HeaderWait, Proxied, ProxyError, ProxyProtocol, with_client
 
 __all__ = [
     "H2_PREFACE",
@@ -38,6 +43,7 @@ __all__ = [
     "RESERVE_REFUSED_DEADLINE_S",
     "Admission",
     "CountedReader",
+    "ProxyRead",
     "TlsStart",
     "accepting",
     "admit",
@@ -183,10 +189,74 @@ def _feed(protocol: Any, data: bytes) -> None:
         view = view[size:]
 
 
+class ProxyRead:
+    """A just-accepted connection's wait for its PROXY header (from a balancer of ``policy``)
+    or for first bytes that show none (from anyone else), within ``timeout_s`` of its accept.
+
+    The protocol hands it what it reads (:meth:`feed`) while :attr:`waiting`; at the end
+    ``done`` gets the :class:`~.proxy_protocol.Proxied` outcome (the client's address, the
+    bytes after the header). A header from an address not listed, a malformed or oversized
+    one, or a balancer silent past the timeout: one throttled log line, and the connection
+    is closed unanswered (no HTTP byte can be trusted to follow)."""
+
+    def __init__(
+        self,
+        policy: ProxyProtocol,
+        transport: asyncio.BaseTransport,
+        timeout_s: float,
+        done: Callable[[Proxied], None],
+    ) -> None:
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if peer else "?"
+        self.wait = HeaderWait(policy.trusts(self.peer))
+        self.transport = transport
+        self.waiting = True
+        self._done = done
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.time() + timeout_s
+        self._timer = loop.call_at(self.deadline, self._expired)
+
+    @property
+    def trusted(self) -> bool:
+        """From a listed balancer: the connection is counted once its header names the client."""
+        return self.wait.trusted
+
+    def remaining_s(self) -> float:
+        """What is left of the timeout (for the TLS handshake that follows)."""
+        # Never 0: the loop refuses a handshake timeout of 0 (it is over at once anyway).
+        return max(0.01, self.deadline - asyncio.get_running_loop().time())
+
+    def feed(self, data: bytes) -> None:
+        outcome = self.wait.feed(data)
+        if outcome is NEED_MORE:
+            return
+        self.stop()
+        if isinstance(outcome, ProxyError):
+            if self.peer != "?":
+                report(logging.WARNING, "PROXY protocol error", self.peer, outcome.reason)
+            # else the socket was gone before its address could be read (a balancer's health
+            # check that sends its header and closes at once): nothing to say, or trust.
+            self.transport.close()
+            return
+        assert isinstance(outcome, Proxied)
+        self._done(outcome)
+
+    def stop(self) -> None:
+        self.waiting = False
+        self._timer.cancel()
+
+    def _expired(self) -> None:
+        self.waiting = False
+        if self.wait.trusted:  # a client that says nothing is closed quietly, as before
+            report(logging.WARNING, "PROXY header timed out", self.peer)
+        self.transport.close()
+
+
 @dataclass(frozen=True)
 class _Gate:
     counter: ConnectionCounter
     handshake_timeout_s: float
+    proxy: ProxyProtocol | None = None
 
 
 _gate: contextvars.ContextVar[_Gate | None] = contextvars.ContextVar(
@@ -195,10 +265,13 @@ _gate: contextvars.ContextVar[_Gate | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def accepting(counter: ConnectionCounter, handshake_timeout_s: float) -> Iterator[None]:
+def accepting(
+    counter: ConnectionCounter, handshake_timeout_s: float, proxy: ProxyProtocol | None = None
+) -> Iterator[None]:
     """Within the block, hypercorn servers started (by this task) count their connections at
-    accept in ``counter`` and bound TLS handshakes by ``handshake_timeout_s``."""
-    token = _gate.set(_Gate(counter, handshake_timeout_s))
+    accept in ``counter`` and bound TLS handshakes by ``handshake_timeout_s``; with ``proxy``,
+    they read the PROXY header of their balancers' connections first (:class:`ProxyRead`)."""
+    token = _gate.set(_Gate(counter, handshake_timeout_s, proxy))
     try:
         yield
     finally:
@@ -207,7 +280,8 @@ def accepting(counter: ConnectionCounter, handshake_timeout_s: float) -> Iterato
 
 class _AcceptProtocol(asyncio.StreamReaderProtocol):
     """A stream protocol that counts its connection at accept, then (with ``tls``) runs the
-    handshake before the stream's callback sees the connection."""
+    handshake before the stream's callback sees the connection. With PROXY protocol on, a
+    balancer's connection is counted for the client its header names, once it is read."""
 
     def __init__(
         self,
@@ -223,21 +297,53 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
         self._admission: Admission | None = None
         self._tls_start: TlsStart | None = None
         self._handshake: asyncio.Task[None] | None = None
+        self._proxy: ProxyRead | None = None
+        self._client: tuple[str, int] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
+        if self._gate.proxy is not None:
+            timeout = self._gate.handshake_timeout_s
+            self._proxy = ProxyRead(self._gate.proxy, transport, timeout, self._proxied)
+            if self._proxy.trusted:
+                return  # counted once its header names the client
+        if self._count(transport) and self._proxy is None:
+            self._serve(transport)
+
+    def _count(self, transport: asyncio.Transport) -> bool:
+        """Count the connection; False if it was closed at once (refused in the reserve)."""
         admission = self._admission = admit(self._gate.counter, transport.get_extra_info)
         self._counted_reader.admission = admission
         if admission.refusal is not None and not admission.deadline_s:
             transport.close()
+            return False
+        return True
+
+    def _proxied(self, proxied: Proxied) -> None:
+        assert self._proxy is not None
+        transport = cast(asyncio.Transport, self._proxy.transport)
+        self._client = proxied.source
+        if self._admission is None and not self._count(with_client(transport, self._client)):
             return
+        self._serve(transport, proxied.rest)
+
+    def _serve(self, transport: asyncio.Transport, early: bytes = b"") -> None:
+        """Hand the connection to the stream, after its TLS handshake with ``tls``; ``early``:
+        its bytes already read (after a PROXY header)."""
         if self._tls is None:
-            super().connection_made(transport)
+            super().connection_made(with_client(transport, self._client))
+            if early:
+                super().data_received(early)
             return
         timeout = self._gate.handshake_timeout_s
-        if admission.refusal is not None:
-            timeout = min(timeout, admission.deadline_s)
-        transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
+        if self._proxy is not None:  # the header's wait and the handshake share the timeout
+            timeout = self._proxy.remaining_s()
+        assert self._admission is not None
+        if self._admission.refusal is not None:
+            timeout = min(timeout, self._admission.deadline_s)
         self._tls_start = TlsStart(transport, self, self._tls, timeout)
+        if early:
+            self._tls_start.early(early)
         self._handshake = asyncio.get_running_loop().create_task(self._start_tls())
 
     async def _start_tls(self) -> None:
@@ -247,15 +353,20 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
             if self._admission is not None:
                 self._admission.release()
             return
-        super().connection_made(tls)
+        super().connection_made(with_client(tls, self._client))
 
     def data_received(self, data: bytes) -> None:
+        if self._proxy is not None and self._proxy.waiting:
+            self._proxy.feed(data)
+            return
         if self._tls_start is not None and self._tls_start.pending:
             self._tls_start.early(data)
             return
         super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._proxy is not None:
+            self._proxy.stop()
         if self._admission is not None:
             self._admission.release()
         super().connection_lost(exc)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .gc_tuning import tune_for_serving
 from .limits import ClientLimits, ConnectionCounter
+from .proxy_protocol import ProxyProtocol
 
 if TYPE_CHECKING:
     from .goaway import ConnectionRegistry
@@ -42,6 +43,7 @@ __all__ = [
     "KEEP_ALIVE_MAX_REQUESTS",
     "ClientLimits",
     "Listeners",
+    "ProxyProtocol",
     "ServerOptions",
     "bind",
     "loop_factory",
@@ -104,6 +106,11 @@ class ServerOptions:
     memory_pressed: Callable[[], bool] | None = None
     """Whether memory is near its budget now (the router's ``limits.max_rss_bytes``): the
     per-address connection cap then applies (:class:`.limits.ConnectionCounter`)."""
+    proxy_protocol: ProxyProtocol | None = None
+    """Read a PROXY protocol header (v1 or v2) at the start of every TCP connection from
+    the balancers it lists, and serve the connection as the client's it names
+    (:mod:`.proxy_protocol`); None: no connection may send one (today's behaviour, but a
+    header is served as the bytes it is)."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -336,7 +343,7 @@ async def _serve_uvicorn(
     import uvicorn
 
     counter = ConnectionCounter(options.limits, _descriptor_limit(), options.memory_pressed)
-    config = uvicorn_config(app, options, counter, tls=options.tls)
+    config = uvicorn_config(app, options, counter, tls=options.tls, proxy=options.proxy_protocol)
     server = uvicorn.Server(config)
     # Signals belong to whoever owns the loop (serve's shutdown trigger), not to uvicorn.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
@@ -364,19 +371,27 @@ async def _serve_uvicorn(
 
 
 def uvicorn_config(
-    app: Any, options: ServerOptions, counter: ConnectionCounter, *, tls: bool
+    app: Any,
+    options: ServerOptions,
+    counter: ConnectionCounter,
+    *,
+    tls: bool,
+    proxy: ProxyProtocol | None = None,
 ) -> Any:
     """A ``uvicorn.Config`` serving ``app`` with hypercorn's connection limits on uvicorn's
     httptools and WebSocket protocols (:mod:`.uvicorn_limits`), ``counter`` counting its
     connections from their accept; with ``tls``, the protocol runs the TLS handshake itself
-    (uvicorn's own would run before the connection is counted)."""
+    (uvicorn's own would run before the connection is counted); with ``proxy``, it reads
+    the PROXY header of its balancers' connections (when it accepts them itself)."""
     import uvicorn
 
     from .head_guards import bounded_heads
     from .uvicorn_limits import guarded_protocols
 
     # The TLS handshake is the protocol's (after the connection is counted), not uvicorn's.
-    http, ws = guarded_protocols(options.limits, counter, _tls_context(options) if tls else None)
+    http, ws = guarded_protocols(
+        options.limits, counter, _tls_context(options) if tls else None, proxy
+    )
     return uvicorn.Config(
         app,
         http=bounded_heads(http, options.limits.heads),
@@ -491,7 +506,7 @@ async def _serve_hypercorn(
         handoff.start()
     poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
     try:
-        with accepting(counter, options.limits.header_timeout_s):
+        with accepting(counter, options.limits.header_timeout_s, options.proxy_protocol):
             await worker_serve(
                 wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets,
                 shutdown_trigger=stop,

@@ -37,9 +37,10 @@ import logging
 import ssl
 from typing import Any
 
-from .accept import MAX_REFUSED_HEAD_BYTES, Admission, TlsStart, admit
+from .accept import MAX_REFUSED_HEAD_BYTES, Admission, ProxyRead, TlsStart, admit
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
+from .proxy_protocol import Proxied, ProxyProtocol, with_client
 
 __all__ = ["guarded_protocols"]
 
@@ -51,12 +52,16 @@ _LINGER_MAX_S = 30.0
 
 
 def guarded_protocols(
-    limits: ClientLimits, counter: ConnectionCounter, tls: ssl.SSLContext | None = None
+    limits: ClientLimits,
+    counter: ConnectionCounter,
+    tls: ssl.SSLContext | None = None,
+    proxy: ProxyProtocol | None = None,
 ) -> tuple[type[Any], type[Any]]:
     """uvicorn's ``HttpToolsProtocol`` enforcing ``limits`` and its sans-IO WebSocket
     protocol (``http=`` and ``ws=`` of its ``Config``); ``counter`` counts this server's
     connections; with ``tls`` the protocol runs the TLS handshake of the connections it
-    accepts (uvicorn's own ``ssl`` must then be off)."""
+    accepts (uvicorn's own ``ssl`` must then be off); with ``proxy`` it reads the PROXY
+    header of its balancers' connections first (:class:`.accept.ProxyRead`)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
@@ -131,22 +136,54 @@ def guarded_protocols(
         _tls_start: TlsStart | None = None
         _made = False
         _plain_early = b""
+        _proxy: ProxyRead | None = None
+        _proxy_client: tuple[str, int] | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if self.admission is not None:  # counted at its accept, handshake done
                 self._connected(transport)
                 return
+            if proxy is not None:
+                self._proxy = ProxyRead(proxy, transport, limits.header_timeout_s, self._proxied)
+                if self._proxy.trusted:
+                    return  # counted once its header names the client
+            if self._count(transport) and self._proxy is None:
+                self._serve(transport)
+
+        def _count(self, transport: asyncio.Transport) -> bool:
+            """Count the connection; False if closed at once (refused in the reserve)."""
             self.admission = admit(counter, transport.get_extra_info)
             if self.admission.refusal is not None and not self.admission.deadline_s:
                 transport.close()  # the last half of the descriptor reserve: unanswered
+                return False
+            return True
+
+        def _proxied(self, proxied: Proxied) -> None:
+            assert self._proxy is not None
+            transport: Any = self._proxy.transport
+            self._proxy_client = proxied.source
+            client = with_client(transport, proxied.source)
+            if self.admission is None and not self._count(client):
                 return
+            self._serve(transport, proxied.rest)
+
+        def _serve(self, transport: asyncio.Transport, early: bytes = b"") -> None:
+            """Serve the connection (after its TLS handshake with ``tls``); ``early``: its
+            bytes already read (after a PROXY header)."""
             if tls is None:
-                self._connected(transport)
+                self._connected(with_client(transport, self._proxy_client))
+                if early:
+                    self.data_received(early)
                 return
             timeout = limits.header_timeout_s
+            if self._proxy is not None:  # the header's wait and the handshake share it
+                timeout = self._proxy.remaining_s()
+            assert self.admission is not None
             if self.admission.refusal is not None:
                 timeout = min(timeout, self.admission.deadline_s)
             self._tls_start = TlsStart(transport, self, tls, timeout)
+            if early:
+                self._tls_start.early(early)
             self._handshake = self.loop.create_task(self._start_tls())
 
         async def _start_tls(self) -> None:
@@ -156,7 +193,7 @@ def guarded_protocols(
                 if self.admission is not None:
                     self.admission.release()
                 return
-            self._connected(wrapped)
+            self._connected(with_client(wrapped, self._proxy_client))
             if self._plain_early:
                 data, self._plain_early = self._plain_early, b""
                 self.data_received(data)
@@ -178,6 +215,8 @@ def guarded_protocols(
             )
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._proxy is not None:
+                self._proxy.stop()
             if not self._made:  # lost before its TLS handshake began: nothing of uvicorn's
                 _release(self.admission, self.ended)
                 self.admission = None
@@ -205,6 +244,9 @@ def guarded_protocols(
             self.loop.call_later(LINGER_S, self.transport.close)
 
         def data_received(self, data: bytes) -> None:
+            if self._proxy is not None and self._proxy.waiting:
+                self._proxy.feed(data)
+                return
             if self._tls_start is not None and not self._made:
                 if self._tls_start.pending:
                     self._tls_start.early(data)  # the TLS layer's, not yet in place
