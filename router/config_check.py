@@ -5,8 +5,11 @@ opens it: the certificate and key are loaded as one pair (so a missing file, a s
 or a key of another certificate fails here, naming both keys), the CA bundle is loaded, the
 GeoIP database is opened, the warm-prefix files are read, and the ``otel`` extra must be
 installed when traces are to be exported, the Redis password file (or variable) is read and
-the Redis CA bundle loaded. ``firstbyte router --check-config`` and the
-router's start-up both run it, so a config that passes the check starts.
+the Redis CA bundle loaded. ``firstbyte router --check-config`` and the router's start-up both
+run it, so a config that passes the check starts.
+
+:func:`key_warnings` names the keys still holding a shipped placeholder or too short to resist
+guessing; ``--check-config`` prints one line per key, and still passes.
 
 :func:`check_state` connects to ``state.redis_url`` (connect, AUTH, PING, bounded by
 ``state.timeout_s``): ``--check-config`` and the start-up run it too, so a wrong URL or
@@ -21,7 +24,18 @@ from pathlib import Path
 
 from .config import ConfigError, RouterConfig
 
-__all__ = ["check_files", "check_state"]
+__all__ = ["MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "key_warnings"]
+
+MIN_KEY_CHARS = 16
+"""Keys shorter than this get a warning from ``--check-config``: a generated key is 40 or more
+(``"sk-" + secrets.token_urlsafe(32)``); under 16 characters a key was typed, not drawn."""
+
+PLACEHOLDER_MARK = "replace-with"
+"""What the shipped configs' placeholder secrets hold (``sk-replace-with-a-generated-key-0001``
+in deploy/router.toml and the Kubernetes Secret): a router started with one accepts a key
+that anyone who read the repository knows."""
+
+_GENERATE = """python -c 'import secrets; print("sk-" + secrets.token_urlsafe(32))'"""
 
 
 def check_files(config: RouterConfig, source: str = "<config>") -> None:
@@ -162,6 +176,31 @@ def _redis_credentials(config: RouterConfig) -> str | None:
     except ConfigError as exc:
         return str(exc)
     return None
+
+
+def key_warnings(config: RouterConfig) -> list[str]:
+    """One line per secret of ``[auth]`` and ``routing.peer_key`` that is a shipped
+    placeholder or shorter than :data:`MIN_KEY_CHARS`, naming its key, never its value.
+    Warnings, not errors: a test deployment may want them."""
+    auth = config.auth
+    named: list[tuple[str, str | None]] = [
+        *((f"auth.api_keys[{i}]", key) for i, key in enumerate(auth.api_keys)),
+        *((f"auth.keys[{i}].key", entry.key) for i, entry in enumerate(auth.keys)),
+        *((f"auth.metrics_keys[{i}]", key) for i, key in enumerate(auth.metrics_keys)),
+        ("auth.token_secret", auth.token_secret),
+        ("routing.peer_key", config.routing.peer_key),
+    ]
+    lines = []
+    for name, value in named:
+        if value is None:
+            continue
+        if PLACEHOLDER_MARK in value:
+            lines.append(f"{name}: the placeholder of the shipped config: anyone who read it"
+                         f" knows this key; generate one: {_GENERATE}")
+        elif len(value) < MIN_KEY_CHARS:
+            lines.append(f"{name}: {len(value)} characters, under {MIN_KEY_CHARS}: easy to"
+                         f" guess; generate one: {_GENERATE}")
+    return lines
 
 
 def check_state(config: RouterConfig, source: str = "<config>") -> None:

@@ -241,7 +241,12 @@ def test_the_entry_point_checks_the_config(image: Image, mounted: Mounted) -> No
         capture_output=True, text=True, env=image.env(), cwd=image.workdir, timeout=60,
         check=False,
     )  # fmt: skip
-    assert (result.returncode, result.stdout, result.stderr) == (0, "OK\n", "")
+    assert (result.returncode, result.stdout) == (0, "OK\n"), result.stderr
+    # The shipped placeholders, one warning each, until the operator replaces them.
+    prefix = f"firstbyte router: warning: {mounted.config}: "
+    assert [line.removeprefix(prefix).split(": ")[0] for line in result.stderr.splitlines()] == [
+        "auth.api_keys[0]", "auth.metrics_keys[0]", "routing.peer_key"]
+    assert "placeholder" in result.stderr
 
 
 async def test_the_entry_point_serves_the_shipped_config(image: Image, mounted: Mounted) -> None:

@@ -301,7 +301,12 @@ def test_the_config_passes_the_routers_check(
         [sys.executable, "-m", "firstbyte", "router", "--check-config", str(config)],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert (result.returncode, result.stdout, result.stderr) == (0, "OK\n", "")
+    assert (result.returncode, result.stdout) == (0, "OK\n"), result.stderr
+    # The shipped placeholders, one warning each, until the operator replaces them.
+    prefix = f"firstbyte router: warning: {config}: "
+    assert [line.removeprefix(prefix).split(": ")[0] for line in result.stderr.splitlines()] == [
+        "auth.api_keys[0]", "auth.metrics_keys[0]", "routing.peer_key"]
+    assert "placeholder" in result.stderr
 
 
 async def test_the_probes_answer_on_the_router_this_config_runs(
