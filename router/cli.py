@@ -19,13 +19,14 @@ import contextlib
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from firstbyte.cli import CLIError
 
 from .config import ConfigError, RouterConfig, load_config, parse_config
-from .config_check import check_files, check_state
+from .config_check import check_files, check_state, key_warnings
 from .observability.logs import LEVELS
 
 __all__ = ["LIMIT_FLAGS", "add_arguments", "config_from_args", "run"]
@@ -293,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
             check_state(checked, args.check_config)
         except ConfigError as exc:
             raise CLIError(str(exc)) from None
+        for warning in key_warnings(checked):
+            print(f"firstbyte router: warning: {args.check_config}: {warning}", file=sys.stderr)
         print("OK")
         return 0
     config = config_from_args(args)

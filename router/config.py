@@ -303,7 +303,19 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     redis_url: RedisUrl | None = None
-    """``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path``."""
+    """``redis://[user[:password]@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path``.
+    Never printed with its password (``router/shared/target.py``)."""
+    redis_password_file: str | None = None
+    """A file holding the password (AUTH, for the URL's user if it names one), read at
+    start: a mounted Secret instead of a password in the config. One trailing newline is
+    dropped. Not together with a password in ``redis_url`` or ``redis_password_env``."""
+    redis_password_env: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | (
+        None
+    ) = None
+    """The name of an environment variable holding the password, read at start (instead
+    of ``redis_password_file``)."""
+    redis_ca_file: str | None = None
+    """PEM CA bundle that verifies a ``rediss://`` server (default: the system's bundle)."""
     key_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "firstbyte:"
     """Prefix of every key the router writes (several regions may share one server)."""
     lease_s: Annotated[float, msgspec.Meta(ge=0.5, le=60)] = 3.0
@@ -319,6 +331,32 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request gets ``503 state_unavailable`` (nothing stays claimed for it). Also the start-up
     check's bound (connect, AUTH, PING). At least 0.5: the stream follower's ``XREAD BLOCK``
     waits 250 ms for its reply."""
+
+    def __post_init__(self) -> None:
+        passwords = [key for key, given in (
+            ("a password in redis_url", _url_has_password(self.redis_url)),
+            ("redis_password_file", self.redis_password_file is not None),
+            ("redis_password_env", self.redis_password_env is not None),
+        ) if given]  # fmt: skip
+        if len(passwords) > 1:
+            raise ValueError(f"give the Redis password once, not {' and '.join(passwords)}")
+        if passwords and self.redis_url is None:
+            raise ValueError(f"{passwords[0]} needs redis_url")
+        if self.redis_ca_file is not None and not (self.redis_url or "").startswith("rediss://"):
+            raise ValueError("redis_ca_file needs a rediss:// (TLS) redis_url")
+
+
+def _url_has_password(url: str | None) -> bool:
+    if url is None:
+        return False
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        return parts.password is not None or any(
+            key in ("password", "ssl_password") for key, _ in parse_qsl(parts.query))
+    except ValueError:
+        return False
 
 
 class TelemetryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -486,6 +524,8 @@ PATH_KEYS = (
     "upstream_ca_file",
     "geo.database",
     "warm_prefixes[].file",
+    "state.redis_password_file",
+    "state.redis_ca_file",
 )
 """Every config key holding a file path (``[]``: each entry of that list)."""
 

@@ -4,8 +4,12 @@
 opens it: the certificate and key are loaded as one pair (so a missing file, a swapped pair
 or a key of another certificate fails here, naming both keys), the CA bundle is loaded, the
 GeoIP database is opened, the warm-prefix files are read, and the ``otel`` extra must be
-installed when traces are to be exported. ``firstbyte router --check-config`` and the
-router's start-up both run it, so a config that passes the check starts.
+installed when traces are to be exported, the Redis password file (or variable) is read and
+the Redis CA bundle loaded. ``firstbyte router --check-config`` and the router's start-up both
+run it, so a config that passes the check starts.
+
+:func:`key_warnings` names the keys still holding a shipped placeholder or too short to resist
+guessing; ``--check-config`` prints one line per key, and still passes.
 
 :func:`check_state` connects to ``state.redis_url`` (connect, AUTH, PING, bounded by
 ``state.timeout_s``): ``--check-config`` and the start-up run it too, so a wrong URL or
@@ -17,16 +21,27 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from .config import ConfigError, RouterConfig
 
-__all__ = ["check_files", "check_state"]
+__all__ = ["MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "key_warnings"]
+
+MIN_KEY_CHARS = 16
+"""Keys shorter than this get a warning from ``--check-config``: a generated key is 40 or more
+(``"sk-" + secrets.token_urlsafe(32)``); under 16 characters a key was typed, not drawn."""
+
+PLACEHOLDER_MARK = "replace-with"
+"""What the shipped configs' placeholder secrets hold (``sk-replace-with-a-generated-key-0001``
+in deploy/router.toml and the Kubernetes Secret): a router started with one accepts a key
+that anyone who read the repository knows."""
+
+_GENERATE = """python -c 'import secrets; print("sk-" + secrets.token_urlsafe(32))'"""
 
 
 def check_files(config: RouterConfig, source: str = "<config>") -> None:
     """Raise :class:`ConfigError` (``SOURCE: KEY: reason``) for the first unusable file."""
-    for check in (_tls_pair, _ca_bundle, _geo_database, _warm_prefix_files, _otel_extra):
+    for check in (_tls_pair, _ca_bundle, _geo_database, _warm_prefix_files, _otel_extra,
+                  _redis_credentials):
         reason = check(config)
         if reason is not None:
             raise ConfigError(f"{source}: {reason}")
@@ -141,12 +156,66 @@ def _otel_extra(config: RouterConfig) -> str | None:
     return None
 
 
+def _redis_credentials(config: RouterConfig) -> str | None:
+    state = config.state
+    if state.redis_url is None:
+        return None
+    if state.redis_ca_file is not None:
+        missing = _missing("state.redis_ca_file", state.redis_ca_file)
+        if missing is not None:
+            return missing
+        try:
+            ssl.create_default_context(cafile=state.redis_ca_file)
+        except ssl.SSLError as exc:
+            return (f"state.redis_ca_file: not a PEM CA bundle: {state.redis_ca_file}"
+                    f" ({exc.reason or exc})")
+    from .shared.target import redis_target
+
+    try:
+        redis_target(state)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def key_warnings(config: RouterConfig) -> list[str]:
+    """One line per secret of ``[auth]`` and ``routing.peer_key`` that is a shipped
+    placeholder or shorter than :data:`MIN_KEY_CHARS`, naming its key, never its value.
+    Warnings, not errors: a test deployment may want them."""
+    auth = config.auth
+    named: list[tuple[str, str | None]] = [
+        *((f"auth.api_keys[{i}]", key) for i, key in enumerate(auth.api_keys)),
+        *((f"auth.keys[{i}].key", entry.key) for i, entry in enumerate(auth.keys)),
+        *((f"auth.metrics_keys[{i}]", key) for i, key in enumerate(auth.metrics_keys)),
+        ("auth.token_secret", auth.token_secret),
+        ("routing.peer_key", config.routing.peer_key),
+    ]
+    lines = []
+    for name, value in named:
+        if value is None:
+            continue
+        if PLACEHOLDER_MARK in value:
+            lines.append(f"{name}: the placeholder of the shipped config: anyone who read it"
+                         f" knows this key; generate one: {_GENERATE}")
+        elif len(value) < MIN_KEY_CHARS:
+            lines.append(f"{name}: {len(value)} characters, under {MIN_KEY_CHARS}: easy to"
+                         f" guess; generate one: {_GENERATE}")
+    return lines
+
+
 def check_state(config: RouterConfig, source: str = "<config>") -> None:
     """Raise :class:`ConfigError` naming ``state.redis_url`` if the shared state does not
-    answer ``PING`` (after AUTH, when the URL carries a password) within ``state.timeout_s``."""
-    url = config.state.redis_url
-    if url is None:
+    answer ``PING`` (after AUTH, when a password is given) within ``state.timeout_s``. The
+    message never holds the password."""
+    if config.state.redis_url is None:
         return
+    from .shared.target import redacted, redis_target
+
+    try:
+        target = redis_target(config.state)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    url = target.url
     try:
         import redis
     except ImportError:
@@ -158,13 +227,19 @@ def check_state(config: RouterConfig, source: str = "<config>") -> None:
 
     timeout_s = config.state.timeout_s
     client = redis.Redis.from_url(  # one try: the bound is timeout_s, not a multiple of it
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-    )
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0), **target.options(),
+    )  # fmt: skip
     try:
         client.ping()
     except redis.AuthenticationError as exc:
-        fix = ("check the password in the URL" if urlsplit(url).password is not None
-               else "Redis wants a password: redis://:PASSWORD@HOST:PORT/DB")
+        if target.password_source is not None:
+            fix = f"check the password in {target.password_source}"
+        elif target.has_password():
+            fix = "check the password in the URL"
+        else:
+            fix = ("Redis wants a password: state.redis_password_file, or"
+                   " redis://:PASSWORD@HOST:PORT/DB")
         reason = f"authentication failed ({exc}): {fix}"
     except redis.ResponseError as exc:  # NOAUTH: a password is needed and none was given
         reason = f"refused PING ({exc})"
@@ -174,15 +249,4 @@ def check_state(config: RouterConfig, source: str = "<config>") -> None:
         return
     finally:
         client.close()
-    raise ConfigError(f"{source}: state.redis_url: cannot use {_redacted(url)}: {reason}")
-
-
-def _redacted(url: str) -> str:
-    """``url`` with its password replaced (it goes to logs and terminals)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port is not None else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    raise ConfigError(f"{source}: state.redis_url: cannot use {redacted(url)}: {reason}")

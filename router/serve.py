@@ -114,9 +114,10 @@ def ticket_store(config: RouterConfig) -> SessionTicketStore:
     if config.state.redis_url is None:
         return TicketStore()
     from .shared.keys import Keys
+    from .shared.target import redis_target
     from .shared.tickets import RedisTicketStore
 
-    return RedisTicketStore(config.state.redis_url, Keys(config.state.key_prefix))
+    return RedisTicketStore(redis_target(config.state), Keys(config.state.key_prefix))
 
 
 def client_limits(config: RouterConfig) -> ClientLimits:

@@ -2,7 +2,10 @@
 
 One import name (``firstbyte``), the SDK importable without the router's or the benchmarks'
 dependencies and without loading them, and every command that needs an extra saying which.
-Needs PyPI (or pip's cache) for the base dependencies.
+The wheel and the sdist are built in a checkout where ``firstbyte demo`` has run and
+benchmarks have left their outputs, as the README's first command leaves it: they hold
+``firstbyte/`` and nothing else of it. Needs PyPI (or pip's cache) for the base dependencies
+and the build backend.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
 from dataclasses import dataclass
@@ -25,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = (
     "pyproject.toml",
     "README.md",
+    "LICENSE",
+    "MANIFEST.in",
     "firstbyte",
     *sorted(link.name for link in (ROOT / "firstbyte").iterdir() if link.is_symlink()),
 )
@@ -47,10 +53,19 @@ class Install:
         )  # fmt: skip
 
 
+JUNK = ("bench-results/run.json", "reports/index.html", "notes.py", "scratch/__init__.py")
+"""What else lies in a working checkout besides the demo's firstbyte-report/: benchmark
+outputs and a stray module and package of the operator's own."""
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
 @pytest.fixture(scope="module")
-def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
-    tmp = tmp_path_factory.mktemp("packaging")
-    src = tmp / "src"
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout after ``firstbyte demo --quick --loopback`` ran in it."""
+    src = tmp_path_factory.mktemp("checkout") / "src"
     src.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
@@ -59,13 +74,33 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
                             ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(ROOT / name, src / name)
+    # cwd=src: `python -m firstbyte` runs the copy, and the report lands in src/ as it would.
+    demo = subprocess.run(
+        [sys.executable, "-m", "firstbyte", "demo", "--quick", "--loopback"],
+        cwd=src, env=_env(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    assert (src / "firstbyte-report" / "results.json").is_file()
+    for junk in JUNK:
+        (src / junk).parent.mkdir(parents=True, exist_ok=True)
+        (src / junk).write_text("{}\n" if junk.endswith(".json") else "\n")
+    return src
+
+
+@pytest.fixture(scope="module")
+def install(checkout: Path, tmp_path_factory: pytest.TempPathFactory) -> Install:
+    tmp = tmp_path_factory.mktemp("packaging")
+    # Built from a copy of the checkout: building in it would leave build/ behind, and the
+    # sdist test builds from the same checkout.
+    src = tmp / "src"
+    shutil.copytree(checkout, src, symlinks=True)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "-w", str(tmp / "dist"), str(src)],
                    check=True, timeout=180)  # fmt: skip
     (wheel,) = (tmp / "dist").glob("firstbyte-*.whl")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = _env()
     subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q",
          "install", str(wheel)],
@@ -75,17 +110,68 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
     return Install(wheel, venv / "bin", tmp / "app")
 
 
+def _modules() -> set[str]:
+    """Every module of the package as it lies in the checkout (through the symlinks)."""
+    found = set()
+    # os.walk, not Path.rglob: rglob does not follow the symlinks (3.11).
+    for directory, subdirs, files in os.walk(ROOT / "firstbyte", followlinks=True):
+        subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+        relative = Path(directory).relative_to(ROOT).as_posix()
+        found.update(f"{relative}/{name}" for name in files if name.endswith(".py"))
+    assert len(found) > 100, found  # the parts behind the symlinks, not only firstbyte/*.py
+    return found
+
+
 def test_the_wheel_holds_one_top_level_name(install: Install) -> None:
     with zipfile.ZipFile(install.wheel) as wheel:
         names = wheel.namelist()
         top = {name.split("/")[0] for name in names}
         entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt")))
+        metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
     version = install.wheel.name.split("-")[1]
-    assert top == {"firstbyte", f"firstbyte-{version}.dist-info"}
+    dist_info = f"firstbyte-{version}.dist-info"
+    assert top == {"firstbyte", dist_info}  # not firstbyte-report/ nor any of JUNK
     assert "firstbyte/client_sdk/client.py" in names
     assert "firstbyte/router/sim/server.py" in names
     assert "firstbyte/client_sdk/browser/firstbyte.js" in names  # the router serves it
+    assert _modules() <= set(names)  # every part the symlinks reach
+    assert {"firstbyte/py.typed", f"{dist_info}/licenses/LICENSE"} <= set(names)
     assert "firstbyte = firstbyte.cli:main" in entry_points.decode()
+    assert "License-Expression: Apache-2.0" in metadata.decode().splitlines()
+
+
+def test_the_sdist_holds_the_package_and_what_builds_it(
+    checkout: Path, tmp_path: Path
+) -> None:
+    """``python -m build``: the sdist, then a wheel built from that sdist, whose files are
+    then the same as the checkout's (nothing the sdist forgot)."""
+    src = tmp_path / "src"
+    shutil.copytree(checkout, src, symlinks=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "build", "-o", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=400, check=False, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    # setuptools says "warning"/"Warning" for what it will stop accepting (a license table,
+    # a data folder outside `packages`); byte-compiling is off in an isolated build.
+    warnings = [line for line in (result.stdout + result.stderr).splitlines()
+                if "warn" in line.lower() and "byte-compiling is disabled" not in line]
+    assert warnings == []
+    (sdist,) = (tmp_path / "dist").glob("firstbyte-*.tar.gz")
+    (wheel,) = (tmp_path / "dist").glob("firstbyte-*.whl")
+    root = sdist.name.removesuffix(".tar.gz")
+    with tarfile.open(sdist) as tar:
+        members = {m.name.removeprefix(f"{root}/") for m in tar.getmembers() if m.isfile()}
+        assert not [m.name for m in tar.getmembers() if m.issym() or m.islnk()]
+    top = {name.split("/")[0] for name in members}
+    assert top == {"firstbyte", "firstbyte.egg-info", "PKG-INFO", "pyproject.toml",
+                   "README.md", "LICENSE", "MANIFEST.in", "setup.cfg"}  # fmt: skip
+    assert _modules() | {"firstbyte/py.typed"} <= members
+    with zipfile.ZipFile(wheel) as built:
+        names = set(built.namelist())
+    assert {n for n in names if n.startswith("firstbyte/")} == {
+        n for n in members if n.startswith("firstbyte/")
+    }
 
 
 def test_the_sdk_imports_alone(install: Install) -> None:

@@ -15,6 +15,8 @@ client:
 - :mod:`.tickets`: single-use QUIC session tickets (``GETDEL``), so 0-RTT works on whichever
   process a client's next connection lands;
 - :mod:`.keys`: the names of every key, under ``state.key_prefix``;
+- :mod:`.target`: the URL and the password (from a file or the environment), redacted in
+  every message;
 - :mod:`.errors`: what a request gets when Redis does not answer (``503 state_unavailable``).
 
 The client is built for bursts and outages (:func:`pool_for`): a blocking pool of
@@ -131,10 +133,12 @@ def pool_for(config: RouterConfig) -> BlockingConnectionPool:
     from redis.backoff import NoBackoff
     from redis.exceptions import ConnectionError
 
+    from .target import redis_target
+
     state = config.state
-    assert state.redis_url is not None
+    target = redis_target(state)  # the password from its file or variable, if not in the URL
     return BlockingConnectionPool.from_url(
-        state.redis_url,
+        target.url,
         max_connections=state.max_connections,
         timeout=state.timeout_s,
         socket_timeout=state.timeout_s,
@@ -144,4 +148,5 @@ def pool_for(config: RouterConfig) -> BlockingConnectionPool:
         # Once, at once, on a broken connection (a pooled one left from before a Redis
         # restart); never on a timeout, which would double the wait past state.timeout_s.
         retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
+        **target.options(),
     )

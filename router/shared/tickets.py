@@ -27,6 +27,7 @@ from aioquic.tls import CipherSuite, SessionTicket
 
 from ..hosting.limits import Throttle
 from .keys import Keys
+from .target import RedisTarget
 
 if TYPE_CHECKING:
     import redis
@@ -90,12 +91,16 @@ class RedisTicketStore:
     (see the module docstring)."""
 
     def __init__(
-        self, url: str, keys: Keys, *, lifetime_s: float = 86_400.0, timeout_s: float = 0.25
+        self, target: RedisTarget | str, keys: Keys, *, lifetime_s: float = 86_400.0,
+        timeout_s: float = 0.25,
     ) -> None:
         import redis
 
+        if isinstance(target, str):
+            target = RedisTarget(target)
         self._redis: redis.Redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            target.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            **target.options(),
         )
         self._keys = keys
         self.lifetime_s = lifetime_s

