@@ -27,6 +27,7 @@ from .cors import CorsPolicy
 from .metrics import Metrics
 from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
+from .observability.process import render as process_metrics
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
@@ -136,6 +137,25 @@ class RouterState:
             "Bytes held in the stream store.",
             lambda: self.store.total_bytes,
         )
+        self.metrics.add_gauge_source(
+            "firstbyte_router_stream_store_limit_bytes",
+            "The stream store's bound (streams.max_total_bytes): evictions start there.",
+            lambda: self.store.max_total_bytes,
+        )
+        self.metrics.add_gauge_source(
+            "firstbyte_router_draining",
+            "1 from SIGTERM on: no new work, streams in flight finish.",
+            lambda: int(self.draining),
+        )
+        if self.shared is not None:
+            lease = self.shared.lease
+            self.metrics.add_gauge_source(
+                "firstbyte_router_redis_up",
+                "1 if this process's last round trip to the shared state (its lease renewal,"
+                " every lease_s / 3) succeeded.",
+                lambda: int(lease.reachable),
+            )
+        self.metrics.add_section(process_metrics)
         self.metrics.add_counter_source(
             "firstbyte_router_stream_evictions_total",
             "Streams evicted from the store, by reason (age, key_share, bytes).",
