@@ -59,13 +59,13 @@ class RouterState:
         self.region = config.region
         self.api_keys: list[bytes] = []
         self.observer_keys: list[bytes] = []
+        self.metrics = Metrics()
         self._set_keys(config)
         self.draining = False
         """Set by :meth:`start_draining` (SIGTERM): no new work, ``/healthz`` says so."""
         self.http3: Http3Status | None = None
         """The HTTP/3 server's status when this process serves HTTP/3 (set by
         :mod:`firstbyte.router.serve`); ``/healthz`` says when it is down."""
-        self.metrics = Metrics()
         self._token_secret = _token_secret(config)
         self.tokens = TokenSigner(
             self._token_secret,
@@ -172,6 +172,9 @@ class RouterState:
 
     def _set_keys(self, config: RouterConfig) -> None:
         self.api_keys = [key.encode() for key in config.auth.all_keys()]
+        self.metrics.usage.configure(
+            {owner_of(k.key): k.usage_label for k in config.auth.keys if k.usage_label}
+        )
         # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
         self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
 

@@ -394,6 +394,9 @@ class RequestLog:
         status = exchange.status
         if stream is not None:
             usage = stream_usage(event.data for event in stream.events)
+            if stream.usage is not None:  # the relay's (its usage chunk may be dropped)
+                usage = Usage(stream.usage.input_tokens, stream.usage.output_tokens,
+                              usage.response_model, usage.outcome)
             if stream.evicted and not stream.done:
                 usage = Usage(usage.input_tokens, usage.output_tokens, usage.response_model,
                               "evicted")
