@@ -197,8 +197,10 @@ async def live_router(upstream_url: str, redis_url: str) -> AsyncIterator[Router
         "upstreams": [{"url": upstream_url}],
         "listen": {"port": 0, "host": "127.0.0.1", "insecure_plain_http": True},
         "auth": {
-            "api_keys": [KEY],
-            "keys": [{"key": LIMITED, "requests_per_s": 0.001, "request_burst": 1}],
+            "keys": [
+                {"key": KEY, "usage_label": "team-a"},
+                {"key": LIMITED, "requests_per_s": 0.001, "request_burst": 1},
+            ],
             "metrics_keys": [SCRAPER],
         },
         "state": {"redis_url": redis_url, "key_prefix": f"prom{os.getpid()}:"},
