@@ -119,7 +119,7 @@ class RouterState:
             from .observability.traces import OtlpTraces
 
             spans = OtlpTraces(config.telemetry, config.region)
-        self.requests = RequestLog(config.region, spans)
+        self.requests = RequestLog(config.region, spans, usage_key=self.metrics.usage.label)
         """Access log lines and traces, written as requests end."""
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None

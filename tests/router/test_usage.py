@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from firstbyte.router.observability.logs import key_id, subject_id
 from firstbyte.router.observability.usage import UsageMeter, with_usage_option
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimServer, sim_server
@@ -87,8 +88,10 @@ async def test_streamed_usage_is_counted_per_key_and_dropped_unless_asked(
 ) -> None:
     caplog.set_level(logging.INFO, logger="firstbyte.access")
     async with httpx.AsyncClient(base_url=router.base_url, timeout=20) as client:
-        plain = await client.post("/v1/chat/completions", headers=auth(TEAM_KEY),
-                                  json={**BODY, "stream": True})
+        plain = await client.post(
+            "/v1/chat/completions", headers={**auth(TEAM_KEY), "x-firstbyte-subject": "user-7"},
+            json={**BODY, "stream": True},
+        )
         asked = await client.post(
             "/v1/chat/completions", headers=auth(),
             json={**BODY, "stream": True, "stream_options": {"include_usage": True}},
@@ -112,6 +115,10 @@ async def test_streamed_usage_is_counted_per_key_and_dropped_unless_asked(
     for fields in streamed:  # input tokens known whether the client asked or not
         assert fields["input_tokens"] == prompt
         assert fields["output_tokens"] == 4
+    by_key = {f["usage_key"]: f for f in streamed}
+    assert by_key["team-a"]["subject_id"] == subject_id("user-7")
+    assert by_key["team-a"]["key_id"] == key_id(TEAM_KEY)
+    assert "subject_id" not in by_key["other"]
     assert metrics['firstbyte_key_requests_total{key="team-a"}'] == 1
     assert metrics['firstbyte_key_tokens_total{key="team-a",direction="input"}'] == prompt
     assert metrics['firstbyte_key_tokens_total{key="team-a",direction="output"}'] == 4
