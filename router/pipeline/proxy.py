@@ -414,6 +414,7 @@ class _Producer:
             self._cancel_first_byte()
             if not self.head.done():
                 self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
+            self._count_usage()  # before the stream ends: its access line reads the usage
             stream.finish(proxy.clock())
             self.backend.in_flight -= 1
             metrics.in_flight -= 1
@@ -600,6 +601,12 @@ class _Producer:
             self.backend.failures += 1
         self.ok = action.ok
         self.proxy.metrics.count("chat", action.outcome)
+        if not self.outcome.done():
+            self.outcome.set_result("finished")
+
+    def _count_usage(self) -> None:
+        """The completion's tokens, for the stream (its access line) and the key's usage
+        metrics; once, however the stream ended (finished, failed, cancelled, drained)."""
         usage = self.relay.usage
         if usage is None:  # a usage chunk in another member order, or none: the content
             counted = stream_usage(event.data for event in self.stream.events)
@@ -609,8 +616,6 @@ class _Producer:
             self.proxy.metrics.usage.record(
                 self.ctx.owner, usage.input_tokens, usage.output_tokens
             )
-        if not self.outcome.done():
-            self.outcome.set_result("finished")
 
     # -- passive health: the first-byte deadline and 5xx
     @property

@@ -141,3 +141,30 @@ async def test_long_poll_streams_get_no_usage_chunk_they_did_not_ask_for(
         assert all(p["choices"] for p in _payloads(read.text))
         metrics = await _metrics(client)
     assert metrics['firstbyte_key_tokens_total{key="team-a",direction="input"}'] > 0
+
+
+async def test_a_stream_cancelled_when_its_reader_left_is_counted_with_its_output(
+    start_router: RouterFactory,
+) -> None:
+    """A reader that leaves after a few chunks and no resume within the grace: the upstream
+    request is cancelled before its usage chunk, and the completion still counts, with the
+    content chunks that came before the cancel as output tokens and no input tokens."""
+    async with sim_server("h100-7b") as sim, start_router(
+        [sim.url], tls=False, streams={"resume_grace_s": 0.2}
+    ) as router, httpx.AsyncClient(base_url=router.base_url, timeout=20) as client:
+        async with client.stream("POST", "/v1/chat/completions", headers=auth(),
+                                 json={**BODY, "stream": True, "max_tokens": 400}) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 4:
+                    break
+        for _ in range(100):  # the grace, then the cancel
+            metrics = await _metrics(client)
+            if metrics.get('firstbyte_key_requests_total{key="other"}'):
+                break
+            await asyncio.sleep(0.05)
+    assert metrics['firstbyte_key_requests_total{key="other"}'] == 1
+    output = metrics['firstbyte_key_tokens_total{key="other",direction="output"}']
+    assert 3 <= output < 400
+    assert 'firstbyte_key_tokens_total{key="other",direction="input"}' not in metrics
