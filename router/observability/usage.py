@@ -16,14 +16,21 @@ A request forwarded to a peer region is counted there, where its backend served 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 
 from ..hosting.prometheus import labels, render_counter
 
-__all__ = ["OTHER", "TokenUsage", "UsageMeter", "chat_chunk_usage", "with_usage_option"]
+__all__ = [
+    "OTHER",
+    "TokenUsage",
+    "UsageMeter",
+    "UsageReader",
+    "chat_chunk_usage",
+    "with_usage_option",
+]
 
 OTHER = "other"
 """The label of every key without a ``usage_label`` of its own."""
@@ -35,6 +42,11 @@ class TokenUsage:
 
     input_tokens: int | None = None
     output_tokens: int | None = None
+
+
+UsageReader = Callable[[bytes], tuple[TokenUsage, bool] | None]
+"""A wire format's reader of the usage its final event reports: an event's payload -> (the
+usage, whether the event carries nothing else, so it may be dropped), or None."""
 
 
 class _Usage(msgspec.Struct):

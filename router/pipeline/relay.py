@@ -32,7 +32,7 @@ from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
 
-from ..observability.usage import TokenUsage, chat_chunk_usage
+from ..observability.usage import TokenUsage, UsageReader, chat_chunk_usage
 
 __all__ = [
     "Action",
@@ -187,9 +187,18 @@ class Relay:
     role chunk) are dropped when some were appended already: the client has the first's.
     """
 
-    def __init__(self, *, hold_head: bool = False, strip_usage: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        hold_head: bool = False,
+        strip_usage: bool = False,
+        read_usage: UsageReader = chat_chunk_usage,
+    ) -> None:
         self.hold_head = hold_head
         self.strip_usage = strip_usage
+        self.read_usage = read_usage
+        """The format's usage reader: a candidate event (its JSON ends with ``}}``) ->
+        (usage, whether the event is nothing but usage), or None."""
         self.usage: TokenUsage | None = None
         """The tokens the upstream reported (its usage chunk), once it did."""
         self.appended = 0
@@ -266,7 +275,7 @@ class Relay:
     def _usage(self, payload: bytes) -> bool:
         """Note the usage ``payload`` reports; True if it is to be dropped (a usage-only
         chunk the client did not ask for)."""
-        found = chat_chunk_usage(payload)
+        found = self.read_usage(payload)
         if found is None:
             return False
         self.usage, usage_only = found
