@@ -209,6 +209,7 @@ async def live_router(upstream_url: str, redis_url: str) -> AsyncIterator[Router
         yield endpoints
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_panels_and_rules_against_prometheus_scraping_a_router(
     prometheus: tuple[str, str], tmp_path: Path, redis_server: RedisServer  # noqa: F811
