@@ -154,6 +154,9 @@ class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_streams_per_subject: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Completions in flight per subject (end user) of this key; beyond: 429
     subject_concurrency_exceeded."""
+    usage_label: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    """This key's own ``key`` label on the usage metrics (``firstbyte_key_*_total``); unset:
+    it is counted with every other such key under ``other``."""
 
 
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -42,7 +42,7 @@ from .asgi import (
 from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_body, adopt_token, authenticate
-from .pipeline.backend import choose_backend
+from .pipeline.backend import PEER_PREFIX, choose_backend
 from .pipeline.context import (
     CONTINUE,
     Fallback,
@@ -236,6 +236,12 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             release_key_slot(ctx)
         ctx.outcome = "ok" if answer.status == 200 else f"upstream_{answer.status}"
         ctx.usage = reply_usage(answer.body)
+        if answer.status == 200 and not str(getattr(ctx.backend, "name", "")).startswith(
+            PEER_PREFIX
+        ):  # a peer region's router counts what its backends serve
+            state.metrics.usage.record(
+                ctx.owner, ctx.usage.input_tokens, ctx.usage.output_tokens
+            )
         state.metrics.count("chat", ctx.outcome)
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(

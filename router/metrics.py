@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from .hosting.prometheus import Histogram, labels, render_counter, render_gauge
+from .observability.usage import UsageMeter
 from .pipeline.context import LocalReply
 
 __all__ = ["SUM_SPEC", "TTFT_BUCKETS_S", "Metrics"]
@@ -28,6 +29,8 @@ class Metrics:
         self.rejected: Counter[str] = Counter()
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.usage = UsageMeter()
+        """Completions and tokens per key label (:mod:`.observability.usage`)."""
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
         self._counters: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
         self._sections: list[Callable[[], list[str]]] = []
@@ -83,6 +86,7 @@ class Metrics:
         for name, help_text, label, counts in self._counters:
             samples = [(labels(**{label: k}), n) for k, n in sorted(counts().items())]
             lines += render_counter(name, help_text, samples)
+        lines += self.usage.render()
         for section in self._sections:
             lines += section()
         return "\n".join(lines) + "\n"

@@ -160,7 +160,7 @@ class Observation:
         self.last_chunk = time.perf_counter()
         if ctx.upstream_sent_at is not None:
             self.upstream_ttft_ms = (self.last_chunk - ctx.upstream_sent_at) * 1000
-        self.routing.first_token(self, ttft_ms)
+        self.routing.first_token(self, ttft_ms, ctx.transport)
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
         if self.last_chunk is not None:
@@ -312,7 +312,8 @@ class RegionRouting:
         self.forwards: Counter[str] = Counter()
         self.choices: Counter[str] = Counter()
         """Backend choices by reason (affinity, new-key, balance, round-robin, least-loaded)."""
-        self.ttft: dict[str, Histogram] = {}
+        self.ttft: dict[tuple[str, str], Histogram] = {}
+        """TTFT by (serving region, transport): four transports, so bounded by the regions."""
         self.itl = Histogram(ITL_BUCKETS_S)
         self.released: Callable[[str], object] | None = None
         """Called with a local backend's name when a request on it ends or moves away (the
@@ -696,7 +697,7 @@ class RegionRouting:
         )
 
     # --- observer callbacks ------------------------------------------------------------
-    def first_token(self, obs: Observation, ttft_ms: float) -> None:
+    def first_token(self, obs: Observation, ttft_ms: float, transport: str = "sse") -> None:
         if obs.claim is not None:  # the token beat the switch it had claimed: no switch
             self.spill.release(obs.claim[1])
             obs.claim = None
@@ -706,9 +707,10 @@ class RegionRouting:
             if backend.healthy and obs.backend in self.runner.changes.down_since:
                 # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
                 self.runner.changes.up(obs.backend, url=backend.url)
-        hist = self.ttft.get(obs.region)
+        series = (obs.region, transport)
+        hist = self.ttft.get(series)
         if hist is None:
-            hist = self.ttft[obs.region] = Histogram(TTFT_BUCKETS_S)
+            hist = self.ttft[series] = Histogram(TTFT_BUCKETS_S)
         hist.observe(ttft_ms / 1000.0)
 
     def claim_switch(self, obs: Observation, ctx: RequestContext) -> bool:

@@ -5,12 +5,12 @@ Families (all prefixed ``firstbyte_``):
 backend: ``ok``/``error``; ``rejected`` for 429s), ``route_forwards_total{to}``,
 ``route_spills_total{to,reason}`` (``saturated`` | ``first_token_deadline``),
 ``route_spill_in_progress``, ``route_spill_refused_total{reason}`` (the spill budget said no),
-``route_rejections_total{reason}`` (429s by reason), ``route_ttft_seconds{region}`` and
+``route_rejections_total{reason}`` (429s by reason), ``route_ttft_seconds{region,transport}`` and
 ``route_itl_seconds`` (histograms), ``backend_in_flight``/``backend_load``/``backend_queue``/
 ``backend_limit``/``backend_saturated``/``backend_healthy``/``backend_cache_hit_ratio``
 ``{backend}``, ``warm_state{backend,prefix}`` (1 warm, 0 not),
 ``warmups_total``/``warm_evictions_total`` ``{backend,prefix}``,
-``backend_restarts_total{backend}``, ``peer_up{peer}``, ``peer_rtt_ms{peer}``.
+``backend_restarts_total{backend}``, ``peer_up{peer}``, ``peer_rtt_seconds{peer}``.
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ def render(r: RegionRouting) -> str:
         *family(
             "firstbyte_route_ttft_seconds",
             "histogram",
-            "Request arrival to first content chunk, by serving region.",
+            "Request arrival to first content chunk, by serving region and transport.",
         ),
     ]
-    for region, hist in sorted(r.ttft.items()):
-        lines += hist.samples("firstbyte_route_ttft_seconds", labels(region=region), SUM_SPEC)
+    for (region, transport), hist in sorted(r.ttft.items()):
+        lab = labels(region=region, transport=transport)
+        lines += hist.samples("firstbyte_route_ttft_seconds", lab, SUM_SPEC)
     lines += r.itl.render(
         "firstbyte_route_itl_seconds",
         "Gap between successive streamed chunks after the first.",
@@ -140,13 +141,13 @@ def render(r: RegionRouting) -> str:
         [(labels(peer=name), int(name in fresh)) for name in sorted(r.peer_table.peers)],
     )
     lines += render_gauge(
-        "firstbyte_peer_rtt_ms",
+        "firstbyte_peer_rtt_seconds",
         "Router-to-router RTT (EWMA of status polls).",
         [
-            (labels(peer=name), peer.rtt_ms.value)
+            (labels(peer=name), peer.rtt_ms.value / 1000)
             for name, peer in sorted(r.peer_table.peers.items())
             if peer.rtt_ms is not None and peer.rtt_ms.value is not None
         ],
-        ".3f",
+        ".6f",
     )
     return "\n".join(lines) + "\n"

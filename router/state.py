@@ -27,6 +27,7 @@ from .cors import CorsPolicy
 from .metrics import Metrics
 from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
+from .observability.process import render as process_metrics
 from .pipeline.backend import Backend, BackendPool
 from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
@@ -58,13 +59,13 @@ class RouterState:
         self.region = config.region
         self.api_keys: list[bytes] = []
         self.observer_keys: list[bytes] = []
+        self.metrics = Metrics()
         self._set_keys(config)
         self.draining = False
         """Set by :meth:`start_draining` (SIGTERM): no new work, ``/healthz`` says so."""
         self.http3: Http3Status | None = None
         """The HTTP/3 server's status when this process serves HTTP/3 (set by
         :mod:`firstbyte.router.serve`); ``/healthz`` says when it is down."""
-        self.metrics = Metrics()
         self._token_secret = _token_secret(config)
         self.tokens = TokenSigner(
             self._token_secret,
@@ -118,7 +119,7 @@ class RouterState:
             from .observability.traces import OtlpTraces
 
             spans = OtlpTraces(config.telemetry, config.region)
-        self.requests = RequestLog(config.region, spans)
+        self.requests = RequestLog(config.region, spans, usage_key=self.metrics.usage.label)
         """Access log lines and traces, written as requests end."""
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
@@ -136,6 +137,25 @@ class RouterState:
             "Bytes held in the stream store.",
             lambda: self.store.total_bytes,
         )
+        self.metrics.add_gauge_source(
+            "firstbyte_router_stream_store_limit_bytes",
+            "The stream store's bound (streams.max_total_bytes): evictions start there.",
+            lambda: self.store.max_total_bytes,
+        )
+        self.metrics.add_gauge_source(
+            "firstbyte_router_draining",
+            "1 from SIGTERM on: no new work, streams in flight finish.",
+            lambda: int(self.draining),
+        )
+        if self.shared is not None:
+            lease = self.shared.lease
+            self.metrics.add_gauge_source(
+                "firstbyte_router_redis_up",
+                "1 if this process's last round trip to the shared state (its lease renewal,"
+                " every lease_s / 3) succeeded.",
+                lambda: int(lease.reachable),
+            )
+        self.metrics.add_section(process_metrics)
         self.metrics.add_counter_source(
             "firstbyte_router_stream_evictions_total",
             "Streams evicted from the store, by reason (age, key_share, bytes).",
@@ -152,6 +172,9 @@ class RouterState:
 
     def _set_keys(self, config: RouterConfig) -> None:
         self.api_keys = [key.encode() for key in config.auth.all_keys()]
+        self.metrics.usage.configure(
+            {owner_of(k.key): k.usage_label for k in config.auth.keys if k.usage_label}
+        )
         # Who may read /metrics and the load part of /v1/edge/status (the peer key may too).
         self.observer_keys = self.api_keys + [key.encode() for key in config.auth.metrics_keys]
 

@@ -47,6 +47,8 @@ import msgspec
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.sse import DONE
 
+from .observability.usage import TokenUsage
+
 __all__ = [
     "DONE_DATA",
     "HistoryTrimmed",
@@ -122,6 +124,9 @@ class Stream:
     """When a reader last attached, detached or polled (for the resume grace period)."""
     upstream_ttft_ms: float | None = None
     """Upstream request sent to its first content chunk, once known."""
+    usage: TokenUsage | None = None
+    """What the upstream said the completion cost, once it ended (its usage chunk may have
+    been dropped from the events: the router asked for it, not the client)."""
     cancel_producer: Callable[..., object] | None = None
     """Cancels the upstream request (``task.cancel``; an optional message says why)."""
     mirror: Callable[[Stream, StreamEvent], object] | None = field(default=None, repr=False)

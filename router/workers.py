@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import RouterConfig
+from .observability.process import set_worker_slot
 
 __all__ = ["Supervisor", "run_workers"]
 
@@ -53,6 +54,8 @@ class Supervisor:
     quick_deaths: dict[int, int] = field(default_factory=dict)
     stopping: bool = False
     restarts: int = 0
+    slot_restarts: dict[int, int] = field(default_factory=dict)
+    """Slot index -> new processes started in it (``firstbyte_router_worker_restarts_total``)."""
     failed_stops: int = 0
     """Workers that exited non-zero after the stop was requested."""
 
@@ -65,6 +68,7 @@ class Supervisor:
                     signal.signal(sig, signal.SIG_DFL)
                 # Until its event loop handles SIGHUP (a reload), a worker ignores it.
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                set_worker_slot(index, self.slot_restarts.get(index, 0))
                 status = self.run_worker(index)
             except KeyboardInterrupt:
                 status = 0
@@ -126,6 +130,7 @@ class Supervisor:
             time.sleep(max(0.0, _RESTART_MIN_INTERVAL_S - lived_s))
             if not self.stopping:
                 self.restarts += 1
+                self.slot_restarts[index] = self.slot_restarts.get(index, 0) + 1
                 self.spawn(index)
         return 1 if gave_up or self.failed_stops else 0
 

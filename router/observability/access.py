@@ -24,7 +24,7 @@ import msgspec
 from firstbyte.protocol import paths
 
 from ..asgi import Message, Receive, Scope, Send
-from .logs import key_id
+from .logs import key_id, subject_id
 
 if TYPE_CHECKING:
     from ..pipeline.context import RequestContext
@@ -161,6 +161,10 @@ class AccessRecord:
     caller_span_id: str | None
     sampled: bool
     key_id: str | None
+    usage_key: str | None
+    """The key's label on the usage metrics (``[[auth.keys]] usage_label``, or ``other``)."""
+    subject_id: str | None
+    """A digest of the request's subject (its end user), when it named one."""
     region: str
     """The region that served (a peer's, when forwarded or spilled)."""
     entry_region: str
@@ -209,6 +213,7 @@ class AccessRecord:
             "request_id": self.request_id,
             "trace_id": self.trace_id,
             "key_id": self.key_id,
+            "usage_key": self.usage_key,
             "region": self.region,
             "entry_region": self.entry_region,
             "backend": self.backend,
@@ -227,6 +232,8 @@ class AccessRecord:
             "client_city": self.client_city,
             "client_country": self.client_country,
         }
+        if self.subject_id is not None:
+            out["subject_id"] = self.subject_id
         if self.spill or self.route_reason:
             out["spill"] = self.spill
             out["route_reason"] = self.route_reason
@@ -300,10 +307,13 @@ class RequestLog:
         region: str,
         spans: SpanSink | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        usage_key: Callable[[bytes], str] | None = None,
     ) -> None:
         self.region = region
         self.spans = spans
         self.clock = clock
+        self.usage_key = usage_key
+        """Owner digest -> usage label (:meth:`.usage.UsageMeter.label`)."""
         self._waiting: set[asyncio.Task[None]] = set()
 
     @property
@@ -394,6 +404,9 @@ class RequestLog:
         status = exchange.status
         if stream is not None:
             usage = stream_usage(event.data for event in stream.events)
+            if stream.usage is not None:  # the relay's (its usage chunk may be dropped)
+                usage = Usage(stream.usage.input_tokens, stream.usage.output_tokens,
+                              usage.response_model, usage.outcome)
             if stream.evicted and not stream.done:
                 usage = Usage(usage.input_tokens, usage.output_tokens, usage.response_model,
                               "evicted")
@@ -417,6 +430,12 @@ class RequestLog:
             caller_span_id=trace.caller_id if trace is not None else None,
             sampled=trace.sampled if trace is not None else False,
             key_id=key_id(ctx.api_key) if ctx is not None else None,
+            usage_key=(
+                self.usage_key(ctx.owner)
+                if ctx is not None and self.usage_key is not None and ctx.request is not None
+                else None
+            ),
+            subject_id=subject_id(ctx.subject) if ctx is not None else None,
             region=ctx.region if ctx is not None and ctx.region else self.region,
             entry_region=self.region,
             spill=bool(getattr(observer, "spill", False)),

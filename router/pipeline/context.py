@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from firstbyte.protocol import paths
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
 
 from ..streams import owner_of
@@ -222,6 +223,16 @@ class RequestContext:
         """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
         owner of its streams and the subject of the per-key limits, for a key or its token."""
         return self.token_owner if self.token_owner is not None else owner_of(self.api_key)
+
+    @property
+    def transport(self) -> str:
+        """How the client reads the answer, as metrics label it: ``websocket``, ``longpoll``
+        (``POST /v1/streams``), ``sse`` (a streamed chat completion) or ``json``."""
+        if self.path == paths.WEBSOCKET:
+            return "websocket"
+        if self.path == paths.STREAMS:
+            return "longpoll"
+        return "sse" if self.stream_requested else "json"
 
     @property
     def reader_subject(self) -> str | None:

@@ -41,6 +41,8 @@ from firstbyte.protocol.openai import encode, error_body
 from .. import aionet
 from ..config import LimitsConfig
 from ..metrics import Metrics
+from ..observability.access import stream_usage
+from ..observability.usage import TokenUsage, with_usage_option
 from ..streams import Stream
 from ..upstream_h1 import H1Connection, H1Pool, Origin, encode_request
 from .backend import PEER_PREFIX, Backend
@@ -285,13 +287,27 @@ class Proxy:
 
 
 def _stream_body(ctx: RequestContext) -> bytes:
-    """The body to send upstream: the client's bytes untouched, with ``stream`` forced on
-    when the client did not ask for it (``POST /v1/streams``, WebSocket)."""
-    if ctx.request is not None and ctx.request.stream:
-        return ctx.body
+    """The body to send upstream: the client's bytes, with ``stream`` forced on when the
+    client did not ask for it (``POST /v1/streams``, WebSocket), and the final usage chunk
+    asked for (``stream_options.include_usage``) when the client did not: the key's usage
+    is counted from it (:mod:`firstbyte.router.observability.usage`), and the relay drops it
+    from what this client reads (:func:`_client_asked_usage`)."""
+    request = ctx.request
+    if request is not None and request.stream:
+        if request.wants_usage_chunk:
+            return ctx.body
+        if request.stream_options is None:  # the usual case: one member put in, no re-encode
+            return with_usage_option(ctx.body)
     data = msgspec.json.decode(ctx.body)
     data["stream"] = True
+    options = data.get("stream_options")
+    data["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                              "include_usage": True}
     return encode(data)
+
+
+def _client_asked_usage(ctx: RequestContext) -> bool:
+    return ctx.request is not None and ctx.request.wants_usage_chunk
 
 
 _CANCELLED_EVENT = error_event("The upstream request was cancelled.", code=error_codes.CANCELLED)
@@ -318,7 +334,7 @@ class _Producer:
         self.observer: Observer | None = ctx.observer
         self.backend: Backend = ctx.backend
         deadline = None if self.observer is None else self.observer.first_token_deadline_s
-        self.relay = Relay(hold_head=deadline is not None)
+        self.relay = Relay(hold_head=deadline is not None, strip_usage=not _client_asked_usage(ctx))
         self.loop = asyncio.get_running_loop()
         self.outcome: asyncio.Future[str] = self.loop.create_future()
         self.ok = False
@@ -398,6 +414,7 @@ class _Producer:
             self._cancel_first_byte()
             if not self.head.done():
                 self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
+            self._count_usage()  # before the stream ends: its access line reads the usage
             stream.finish(proxy.clock())
             self.backend.in_flight -= 1
             metrics.in_flight -= 1
@@ -586,6 +603,19 @@ class _Producer:
         self.proxy.metrics.count("chat", action.outcome)
         if not self.outcome.done():
             self.outcome.set_result("finished")
+
+    def _count_usage(self) -> None:
+        """The completion's tokens, for the stream (its access line) and the key's usage
+        metrics; once, however the stream ended (finished, failed, cancelled, drained)."""
+        usage = self.relay.usage
+        if usage is None:  # a usage chunk in another member order, or none: the content
+            counted = stream_usage(event.data for event in self.stream.events)
+            usage = TokenUsage(counted.input_tokens, counted.output_tokens)
+        self.stream.usage = usage
+        if self._local:  # a peer region's router counts what its backends serve
+            self.proxy.metrics.usage.record(
+                self.ctx.owner, usage.input_tokens, usage.output_tokens
+            )
 
     # -- passive health: the first-byte deadline and 5xx
     @property

@@ -14,7 +14,11 @@ JSON for long-poll and WebSocket. Framing follows the WHATWG event-stream rules:
 case (``data: ...`` lines ended by ``\\n\\n``, what vLLM, SGLang and the sim send) is cut
 with one ``bytes.find`` per event; an upstream that uses ``\\r`` line ends, a BOM, comments
 or several fields in one event is handed to the full :class:`~firstbyte.protocol.sse.SSEDecoder`
-from that byte on. Only chunks before the first content are JSON-decoded (to find it).
+from that byte on. Only chunks before the first content are JSON-decoded (to find it), and
+an event whose JSON ends with ``}}`` (the usage chunk; an error event) when it closes a read:
+a two-byte comparison per read, so the usage is known without decoding the chunks in between.
+The usage chunk is dropped when the client did not ask for it (``strip_usage``: the router
+asked instead).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import msgspec
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
+
+from ..observability.usage import TokenUsage, UsageReader, chat_chunk_usage
 
 __all__ = [
     "Action",
@@ -181,8 +187,20 @@ class Relay:
     role chunk) are dropped when some were appended already: the client has the first's.
     """
 
-    def __init__(self, *, hold_head: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        hold_head: bool = False,
+        strip_usage: bool = False,
+        read_usage: UsageReader = chat_chunk_usage,
+    ) -> None:
         self.hold_head = hold_head
+        self.strip_usage = strip_usage
+        self.read_usage = read_usage
+        """The format's usage reader: a candidate event (its JSON ends with ``}}``) ->
+        (usage, whether the event is nothing but usage), or None."""
+        self.usage: TokenUsage | None = None
+        """The tokens the upstream reported (its usage chunk), once it did."""
         self.appended = 0
         self.first_content = False
         self.done = False
@@ -227,6 +245,8 @@ class Relay:
         actions: list[Action] = []
         if not self.first_content or self._skip_preamble or DONE_BYTES in payloads:
             payloads = self._scan(payloads, now, actions)
+        elif payloads[-1][-2:] == b"}}" and self._usage(payloads[-1]):
+            payloads = payloads[:-1]
         if payloads:
             self.appended += len(payloads)
             actions.insert(0, Append(payloads))
@@ -247,8 +267,19 @@ class Relay:
                     actions.append(self._release())
             if self._skip_preamble:
                 continue
+            if payload[-2:] == b"}}" and self._usage(payload):
+                continue
             kept.append(payload)
         return kept
+
+    def _usage(self, payload: bytes) -> bool:
+        """Note the usage ``payload`` reports; True if it is to be dropped (a usage-only
+        chunk the client did not ask for)."""
+        found = self.read_usage(payload)
+        if found is None:
+            return False
+        self.usage, usage_only = found
+        return usage_only and self.strip_usage
 
     def deadline_fired(self, now: float) -> list[Action]:
         """The first-token deadline passed: switch if no content came yet."""

@@ -38,6 +38,8 @@ class Lease:
         self._task: asyncio.Task[None] | None = None
         self._taken = False
         self.renew_failures = 0
+        self.reachable = False
+        """Did the last renewal reach Redis (``firstbyte_router_redis_up``)?"""
         self.lapses = 0
         """Renewals that found the lease gone (Redis restarted or was away past ``lease_s``)."""
         self.on_lapse: Callable[[], object] | None = None
@@ -70,7 +72,9 @@ class Lease:
     async def _renew_or_log(self) -> None:
         try:
             await self._renew()
+            self.reachable = True
         except Exception as exc:  # Redis away: keep trying; readers may call us lost
+            self.reachable = False
             self.renew_failures += 1
             held = self._throttle.allow("renew", time.monotonic())
             if held is not None:

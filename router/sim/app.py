@@ -23,7 +23,6 @@ from typing import Any
 from firstbyte.protocol import paths
 from firstbyte.protocol.openai import (
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
     Model,
@@ -260,9 +259,11 @@ class SimApp:
             head + b'{},"logprobs":null,"finish_reason":"' + reason + b'"}]' + usage_null + b"}\n\n"
         ]
         if request.wants_usage_chunk:
-            usage_chunk = ChatCompletionChunk(
-                id=chunk_id, created=created, model=request.model, choices=[], usage=_usage(seq)
-            )
+            # vLLM's member order (pydantic's, unset members left out): usage comes last.
+            usage_chunk = {
+                "id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                "model": request.model, "choices": [], "usage": _usage(seq),
+            }
             final.append(encode_event(encode(usage_chunk)))
         final.append(_DONE_EVENT)
         await send({"type": "http.response.body", "body": b"".join(final), "more_body": False})

@@ -555,3 +555,33 @@ async def _follow(
             elif line.startswith("data: "):
                 events.append((seq, line[6:]))
     return events
+
+
+async def test_redis_up_on_metrics_follows_a_frozen_redis(upstream: Upstream) -> None:
+    """``firstbyte_router_redis_up`` is 1 while lease renewals reach Redis, 0 while it is
+    frozen past ``state.timeout_s``, and 1 again once it answers."""
+    from firstbyte.router.serve import running_router
+    from tests.router.conftest import router_config
+
+    async def redis_up(client: httpx.AsyncClient, base: str) -> str:
+        text = (await client.get(base + "/metrics", headers=auth())).text
+        return next(line.split()[1] for line in text.splitlines()
+                    if line.startswith("firstbyte_router_redis_up "))
+
+    async def until(client: httpx.AsyncClient, base: str, value: str) -> None:
+        deadline = time.monotonic() + 15
+        while (seen := await redis_up(client, base)) != value:
+            assert time.monotonic() < deadline, f"redis_up stayed {seen}, not {value}"
+            await asyncio.sleep(0.2)
+
+    with _own_redis() as server:
+        config = router_config([upstream.url], None, state={
+            "redis_url": server.url, "lease_s": 1.5, "timeout_s": 0.5, "key_prefix": "up:"})
+        async with running_router(config) as router, httpx.AsyncClient(timeout=10) as client:
+            await until(client, router.base_url, "1")
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                await until(client, router.base_url, "0")
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            await until(client, router.base_url, "1")

@@ -476,3 +476,27 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(
                                       headers=auth(added))
         assert answer.status_code == 200, answer.text
     assert workers.process.poll() is None
+
+
+async def test_a_killed_worker_counts_as_a_restart_of_its_slot_on_metrics(
+    workers: RouterProcess, tls_files: dict[str, str]
+) -> None:
+    """``firstbyte_router_worker_restarts_total{worker}``: the new process in a killed
+    worker's slot says 1, the other slot still 0, whichever worker a scrape reaches."""
+    supervisor = workers.process.pid
+    children_file = Path(f"/proc/{supervisor}/task/{supervisor}/children")
+    children = (await asyncio.to_thread(children_file.read_text)).split()
+    assert len(children) == 2
+    os.kill(int(children[0]), signal.SIGKILL)
+    await _until_listening(workers, workers=3)  # the supervisor started another
+    seen: dict[str, str] = {}
+    for _ in range(60):  # fresh connections: the kernel spreads them over both workers
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as fresh:
+            text = (await fresh.get(workers.url + "/metrics", headers=auth())).text
+        for line in text.splitlines():
+            if line.startswith("firstbyte_router_worker_restarts_total{"):
+                label, value = line.split()
+                seen[label] = value
+        if len(seen) == 2:
+            break
+    assert sorted(seen.values()) == ["0", "1"], seen

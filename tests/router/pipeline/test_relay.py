@@ -177,3 +177,52 @@ def test_an_event_without_end_past_the_limit_fails_the_stream() -> None:
     actions = relay.receive_data(b"data: " + b"x" * 200, 0.1)
     assert isinstance(actions[-1], Finish)
     assert actions[-1].outcome == "upstream_error"
+
+
+USAGE = msgspec.json.encode({
+    "id": "c1", "object": "chat.completion.chunk", "choices": [],
+    "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13},
+})
+USAGE_BODY = b"".join(b"data: " + p + b"\n\n" for p in (ROLE, HELLO, WORLD, USAGE, b"[DONE]"))
+
+
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(USAGE_BODY) - 1), max_size=6))
+def test_the_usage_chunk_is_read_and_dropped_when_the_client_did_not_ask(
+    cuts: list[int],
+) -> None:
+    """However the body is split, the usage is known at the end; the usage-only chunk is
+    dropped with ``strip_usage`` and passed on without it."""
+    bounds = [0, *sorted(set(cuts)), len(USAGE_BODY)]
+    pieces = [USAGE_BODY[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    for strip in (True, False):
+        relay = Relay(strip_usage=strip)
+        relay.start(10.0)
+        relay.receive_head(200, 10.001)
+        actions = feed(relay, pieces)
+        expected = [ROLE, HELLO, WORLD] if strip else [ROLE, HELLO, WORLD, USAGE]
+        assert appended(actions) == expected
+        assert relay.usage is not None
+        assert (relay.usage.input_tokens, relay.usage.output_tokens) == (11, 2)
+        assert Finish(True, "ok") in actions
+
+
+def test_usage_on_a_chunk_with_choices_is_read_and_the_chunk_kept() -> None:
+    last = msgspec.json.encode({"choices": [{"index": 0, "delta": {"content": "!"}}],
+                                "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    relay = Relay(strip_usage=True)
+    relay.start(10.0)
+    relay.receive_head(200, 10.001)
+    actions = feed(relay, [b"data: " + HELLO + b"\n\n", b"data: " + last + b"\n\n"])
+    assert appended(actions) == [HELLO, last]
+    assert relay.usage is not None
+    assert relay.usage.input_tokens == 5
+
+
+def test_an_error_event_is_not_taken_for_usage() -> None:
+    error = b'{"error":{"message":"boom","code":"x"}}'
+    relay = Relay(strip_usage=True)
+    relay.start(10.0)
+    relay.receive_head(200, 10.001)
+    actions = feed(relay, [b"data: " + HELLO + b"\n\n", b"data: " + error + b"\n\n"])
+    assert appended(actions) == [HELLO, error]
+    assert relay.usage is None
