@@ -26,6 +26,7 @@ __all__ = [
     "MISSING_API_KEY",
     "NOT_FOUND",
     "NO_HEALTHY_BACKEND",
+    "ORIGIN_NOT_ALLOWED",
     "OVERLOADED",
     "REGION_SATURATED",
     "REQUEST_TIMEOUT",
@@ -57,6 +58,10 @@ CLIENT_TOKEN_REVOKED = "client_token_revoked"
 from the config); a new token needs a key that is configured."""
 API_KEY_REQUIRED = "api_key_required"
 """403: a client token where only an API key may act (minting tokens)."""
+ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+"""403: a preflight-free start (the client token in ``?token=``) from a page whose ``Origin``
+is not in ``cors.allow_origins``: refused as its preflight would have been, before anything is
+spent."""
 INVALID_REQUEST = "invalid_request"
 INVALID_TIMINGS = "invalid_timings"
 """400: a timings report that is not one, holds too many records, or holds a record no real

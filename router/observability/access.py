@@ -53,7 +53,8 @@ MAX_FIELD_CHARS = 256
 record keeps: a 900 KB model name made a 900 KB access line (and span) per request. A longer
 value keeps its first characters and ends with :func:`bounded`'s marker."""
 
-_OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
+# A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too.
+_OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_WARM})
 _STARTS_STREAM = frozenset({paths.CHAT_COMPLETIONS, paths.STREAMS})
 
 
