@@ -37,6 +37,7 @@ __all__ = [
     "Page",
     "PageLoad",
     "chromium_path",
+    "intent_script",
     "launch",
     "load",
     "open_page",
@@ -399,3 +400,32 @@ def prewarm_script(base_url: str, token: str, transport: str, *, report: bool = 
   {_page_client(base_url, token, transport, report, options)}
   return await client.prewarm();
 }})()"""
+
+
+def intent_script(base_url: str, token: str, transport: str, *, report: bool = False,
+                  options: dict[str, Any] | None = None) -> str:
+    """A script that adds a prompt box (``#prompt``) to the page, has the client
+    :func:`stream_script` with the same arguments uses warm on intent in it
+    (``window.warmer``), and focuses it: the user starts to type."""
+    return f"""(() => {{
+  {_page_client(base_url, token, transport, report, options)}
+  let prompt = document.getElementById("prompt");
+  if (!prompt) {{
+    prompt = document.createElement("textarea");
+    prompt.id = "prompt";
+    document.body.append(prompt);
+  }}
+  window.warmer ??= client.warmOnIntent(prompt);
+  prompt.focus();
+  return true;
+}})()"""
+
+
+TYPE_KEY = """(() => {
+  const prompt = document.getElementById("prompt");
+  prompt.value += "h";
+  prompt.dispatchEvent(new KeyboardEvent("keydown", {key: "h"}));
+  prompt.dispatchEvent(new Event("input"));
+  return true;
+})()"""
+"""One keystroke in the prompt box of :func:`intent_script`."""
