@@ -53,8 +53,7 @@ MAX_FIELD_CHARS = 256
 record keeps: a 900 KB model name made a 900 KB access line (and span) per request. A longer
 value keeps its first characters and ends with :func:`bounded`'s marker."""
 
-# A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too.
-_OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_WARM})
+_OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
 _STARTS_STREAM = frozenset({paths.CHAT_COMPLETIONS, paths.STREAMS})
 
 
@@ -373,7 +372,11 @@ class RequestLog:
         self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float
     ) -> None:
         record = self.record(exchange, ctx, websocket, ended_at)
-        level = logging.DEBUG if exchange.path in _OPERATIONAL else logging.INFO
+        # A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too (a
+        # prompt warm-up, its POST, spends tokens and is logged as any request).
+        operational = exchange.path in _OPERATIONAL or (
+            exchange.path == paths.EDGE_WARM and exchange.method == "GET")
+        level = logging.DEBUG if operational else logging.INFO
         if log.isEnabledFor(level):
             log.log(
                 level,
