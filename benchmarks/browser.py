@@ -393,12 +393,14 @@ def _page_client(base_url: str, token: str, transport: str, report: bool,
 
 
 def prewarm_script(base_url: str, token: str, transport: str, *, report: bool = False,
-                   options: dict[str, Any] | None = None) -> str:
-    """A script that runs ``client.prewarm()`` on the client :func:`stream_script` with the
-    same arguments uses, and answers the milliseconds it took."""
+                   options: dict[str, Any] | None = None,
+                   prompt: dict[str, Any] | None = None) -> str:
+    """A script that runs ``client.prewarm(prompt)`` (``prompt``: ``model`` and ``messages``
+    to warm the prompt too) on the client :func:`stream_script` with the same arguments uses,
+    and answers ``{ms, prompt}``."""
     return f"""(async () => {{
   {_page_client(base_url, token, transport, report, options)}
-  return await client.prewarm();
+  return await client.prewarm({json.dumps(prompt or {})});
 }})()"""
 
 

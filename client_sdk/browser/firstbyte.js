@@ -21,7 +21,7 @@
 // opens the connection before the user sends; `client.warmOnIntent(promptBox)` does it on
 // focus or a keystroke and keeps it warm while the page is visible (warm.js).
 
-import { HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
+import { ERROR_CODES, HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
 import {
   APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, SequenceGapError,
@@ -175,9 +175,14 @@ export class Client {
    * starts are preflighted (`simpleStart: false`, or `preflight: true`), a plain OPTIONS to
    * the start URL so that its preflight answer is cached. A WebSocket client opens its socket
    * and keeps it for the next stream. `intent`: the user is about to send (the next stream's
-   * Timings say `prewarmed`). Resolves to the milliseconds it took.
+   * Timings say `prewarmed`). With `model` and `messages` (the conversation so far) it then
+   * warms the prompt too: POST /v1/edge/warm has the router compute the prefix on the backend
+   * the next message will be routed to (best effort: a busy region or a spent budget answers
+   * null). Resolves to `{ ms, prompt }`: the milliseconds it took and the router's
+   * `{warmed, prompt_tokens, cached_tokens}` (or null).
    */
-  async prewarm({ preflight = !this.simpleStart, intent = true } = {}) {
+  async prewarm({ preflight = !this.simpleStart, intent = true, model = null,
+                  messages = null } = {}) {
     const started = performance.now();
     this.lastUseS = started / 1000;
     if (this.transport === "websocket") {
@@ -195,7 +200,28 @@ export class Client {
       }
     }
     if (intent) this.intentWarm = true;
-    return performance.now() - started;
+    const prompt = messages ? await this.#warmPrompt(model, messages) : null;
+    return { ms: performance.now() - started, prompt };
+  }
+
+  async #warmPrompt(model, messages) {
+    const body = JSON.stringify({ model, messages });
+    const url = new URL(this.url(PATHS.EDGE_WARM));
+    let init;
+    if (this.simpleStart) {
+      url.searchParams.set(TOKENS.QUERY_PARAM, this.token);
+      init = { method: "POST", body, headers: { "content-type": "text/plain" } };
+    } else {
+      init = { method: "POST", body, headers: {
+        authorization: `Bearer ${this.token}`, "content-type": "application/json" } };
+    }
+    const response = await fetch(url.href, init);
+    if (response.ok) return await response.json();
+    const err = await errorFrom(response);
+    if (err.code === ERROR_CODES.PROMPT_WARM_BUSY || err.code === ERROR_CODES.PROMPT_WARM_LIMITED) {
+      return null; // the region is busy or the user's warm-ups are spent: send as usual
+    }
+    throw err;
   }
 
   /** Prewarm on the user's intent in `element` (focus, a keystroke) and keep the connection

@@ -1,10 +1,15 @@
 // Warm the connection on the user's intent, and keep it warm while the page is visible.
 //
-//   const warmer = client.warmOnIntent(document.querySelector("#prompt"));
+//   const warmer = client.warmOnIntent(document.querySelector("#prompt"),
+//     { conversation: () => ({ model, messages: history }) });   // optional: warm the prompt
 //   // focus or a keystroke in #prompt: client.prewarm() (TCP + TLS or QUIC, and the CORS
 //   // preflight cache when the client's starts are preflighted); then every keepWarmS while the
 //   // page is visible and the user was active within idleS; nothing while it is hidden.
 //   warmer.stop();
+//
+// With `conversation`, each warm on intent (not the keep-warm ones) also sends the conversation
+// so far (POST /v1/edge/warm): the router computes its prefix on the backend the next message
+// goes to, at most limits.prompt_warms_per_min_per_subject times a minute per user.
 //
 // The cost, per page that showed intent and stays visible: one GET /v1/edge/warm every
 // keepWarmS (default 20 s: 3 requests a minute, ~150 bytes each way on an open HTTP/2 or
@@ -66,8 +71,10 @@ const INTENT_EVENTS = ["focus", "keydown", "input", "pointerdown"];
 
 /** The IO shell of a WarmSchedule for one client and one prompt element (or none). */
 export class IntentWarmer {
-  constructor(client, element, { keepWarmS = 20, idleS = 600, doc = globalThis.document } = {}) {
+  constructor(client, element, { keepWarmS = 20, idleS = 600, doc = globalThis.document,
+                                  conversation = null } = {}) {
     this.client = client;
+    this.conversation = conversation;
     this.element = element;
     this.doc = doc;
     this.schedule = new WarmSchedule({
@@ -118,7 +125,8 @@ export class IntentWarmer {
   #warm(now, intent) {
     this.schedule.warmed(now);
     this.warms += 1;
-    this.client.prewarm({ intent }).catch(() => { this.failures += 1; });
+    const prompt = intent && this.conversation ? this.conversation() : null;
+    this.client.prewarm({ intent, ...(prompt ?? {}) }).catch(() => { this.failures += 1; });
     this.#arm(now);
   }
 
