@@ -109,6 +109,18 @@ INTENT_PAGE = """(() => {
 })()"""
 
 
+async def _until_visibility(page: Page, state: str) -> str:
+    """Wait (up to 5 s) until the page's ``document.visibilityState`` is ``state``; then a
+    moment more, so a warm sent just before the change is counted before, not after."""
+    for _ in range(50):
+        got: str = await page.evaluate("document.visibilityState")
+        if got == state:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.2)
+    return got
+
+
 async def _warms_during(page: Page, seconds: float) -> int:
     mark = len(page.events())
     await asyncio.sleep(seconds)
@@ -132,9 +144,8 @@ async def test_intent_warms_keeps_warm_while_visible_and_stops_while_hidden() ->
             on_intent = len(sent(page, mark, path="/edge/warm"))
             kept = await _warms_during(page, 4 * KEEP_WARM_S)
             await page.set_visible(False)
-            await asyncio.sleep(0.1)
+            state_hidden = await _until_visibility(page, "hidden")
             hidden = await _warms_during(page, 4 * KEEP_WARM_S)
-            state_hidden = await page.evaluate("document.visibilityState")
             mark = len(page.events())
             await page.set_visible(True)
             await asyncio.sleep(0.3)
