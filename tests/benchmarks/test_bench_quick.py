@@ -160,3 +160,14 @@ def test_browser_answers_the_first_message_first(quick_runs: QuickRuns) -> None:
     assert "Prewarm on intent saves" in summary[2]
     assert list(results["summary"])[:2] == ["first message: cold / intent / warm ttft_ms",
                                             "first message: cold / intent / warm first_byte_rtts"]
+
+
+def test_prompt_warm_skips_the_histories_prefill(quick_runs: QuickRuns) -> None:
+    """An 8K-token history costs the h100-7b sim ~160 ms of prefill (it sleeps it): cold, the
+    next message pays it; warmed, the backend it is routed to has the whole history cached."""
+    code, stdout, stderr, _ = quick_runs.result("prompt_warm")
+    assert code == 0, stderr[-3000:]
+    summary = msgspec.json.decode(stdout)["summary"]
+    assert summary["warm_ups_refused"] == 0
+    assert summary["warmed_cached_tokens_min"] >= 8000
+    assert summary["warm_up_saves_ms"] >= 100, summary

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 
+from firstbyte.benchmarks.scenarios.prompt_warm import MODEL, NEXT, SHORT, history
 from firstbyte.client_sdk import AsyncClient
 from firstbyte.client_sdk.client_tokens import amint_client_token
 from firstbyte.protocol import error_codes
@@ -15,19 +16,6 @@ from firstbyte.router.prewarm import WarmBudget
 from firstbyte.router.sim.server import running_sim
 from tests.router.conftest import API_KEY, RouterFactory, auth
 from tests.router.upstream import Upstream
-
-MODEL = "sim-llama-7b"
-NEXT = {"role": "user", "content": "And what about the next step?"}
-SHORT = [{"role": "user", "content": "Say hi."}]
-
-
-def history(topic: str, tokens: int = 8000) -> list[dict[str, str]]:
-    """A conversation of about ``tokens`` tokens for the sim's tokenizer (" abcd": one
-    token), its first message (and so its affinity key) unique to ``topic``."""
-    half = tokens // 2
-    user = topic + "".join(f" u{i % 997:03d}" for i in range(half))
-    assistant = "".join(f" a{i % 991:03d}" for i in range(half))
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
 
 
 async def _ttft(client: AsyncClient, messages: list[dict[str, str]]) -> tuple[float, int]:
