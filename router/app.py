@@ -43,8 +43,7 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.EDGE_WARM: {"GET": edge_warm, "POST": warm_prompt},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
-_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS,
-                      paths.EDGE_WARM})
+_UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS})
 # paths.edge_client(NAME)
 _CLIENT_FILE = re.compile("^" + re.escape(paths.EDGE_CLIENT) + r"/(?P<name>[a-z0-9_-]{1,40}\.js)$")
 # paths.stream(ID) and paths.stream_poll(ID)

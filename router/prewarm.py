@@ -152,7 +152,6 @@ async def warm_prompt(state: RouterState, scope: Scope, receive: Receive, send: 
     if state.config.limits.prompt_warms_per_min_per_subject == 0:
         await not_found(scope, send)
         return
-    await state.until_warm()  # the path answers GET during the start-up warmup; not this
     ctx = new_context(state, scope)
     if await _finish(state, send, ctx, adopt_query_token(ctx, _query(scope), state.cors),
                      "warm"):
