@@ -184,6 +184,9 @@ class AsyncClient:
         """Held by prewarm and re-probe: one probe-and-switch at a time."""
         self._primary_connections = 1
         """``prewarm(connections)``: what a new primary gets when a re-probe switches."""
+        self._prewarmed_next = False
+        """A prewarm ran and no stream has started since: the next one's Timings may say
+        ``prewarmed``."""
         self._busy: Counter[str] = Counter()
         """Streams reading from each region now: a re-probe does not close their connections."""
         if http is None:
@@ -276,6 +279,7 @@ class AsyncClient:
             async with self._regions_lock:
                 await self.probe_regions()
                 await self._settle_regions()
+        self._prewarmed_next = True
         if messages is None:
             return None
         if model is None:
@@ -498,6 +502,8 @@ class ChatStream:
         self._body = body
         self._on_first_token = on_first_token
         self._recorder = TimingRecorder(time.perf_counter(), transport=client.transport)
+        self._prewarmed = client._prewarmed_next  # the first stream after a prewarm
+        client._prewarmed_next = False
         self._assembler = StreamAssembler()
         self._queue = _ReadAhead(_QUEUE_ITEMS)
         self._batch: Batch = []
@@ -535,7 +541,9 @@ class ChatStream:
     # -- public ---------------------------------------------------------------------------------
     @property
     def timings(self) -> Timings:
-        return self._recorder.timings()
+        timings = self._recorder.timings()
+        timings.prewarmed = self._prewarmed and timings.warm
+        return timings
 
     @property
     def usage(self) -> Usage | None:
@@ -627,7 +635,7 @@ class ChatStream:
         reporter = self._client.timings_reporter
         if reporter is not None and not self._reported:
             self._reported = True
-            reporter.note(self._origin, self._recorder.timings())
+            reporter.note(self._origin, self.timings)
 
     # -- machinery ------------------------------------------------------------------------------
     def _start(self, source: Source) -> None:

@@ -37,6 +37,15 @@ async def test_a_warmed_8k_conversation_skips_its_prefill(start_router: RouterFa
             start_router([sim_a, sim_b], tls=False) as r, \
             AsyncClient(f"{r.base_url}/v1", API_KEY, http="1.1") as client:
         assert await client.prewarm() is None  # the connection only
+        async with client.stream(model=MODEL, messages=SHORT, max_tokens=1) as first:
+            async for _ in first:
+                pass
+        assert first.timings.prewarmed  # the first stream after prewarm(), and warm
+        async with client.stream(model=MODEL, messages=SHORT, max_tokens=1) as second:
+            async for _ in second:
+                pass
+        assert second.timings.warm
+        assert not second.timings.prewarmed
         short, _ = await _ttft(client, SHORT)
         cold, cold_cached = await _ttft(client, [*history("alpha"), NEXT])
         warmed_answer = await client.prewarm(model=MODEL, messages=history("beta"))
