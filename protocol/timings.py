@@ -63,7 +63,8 @@ class TimingsRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     """A new HTTP/3 connection sent the request as 0-RTT early data."""
     prewarmed: bool = False
     """The connection was opened ahead of the request by a prewarm on the user's intent
-    (the browser client's ``warmOnIntent``: focus of the prompt box, a keystroke)."""
+    (the browser client's ``warmOnIntent``: focus of the prompt box, a keystroke; either
+    SDK's ``prewarm()``), and this is the first stream after it."""
     stream_id: str | None = None
     """The ``x-firstbyte-stream`` id: the router joins the record with its own timings."""
     dns_ms: float | None = None
