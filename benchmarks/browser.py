@@ -37,9 +37,11 @@ __all__ = [
     "Page",
     "PageLoad",
     "chromium_path",
+    "intent_script",
     "launch",
     "load",
     "open_page",
+    "prewarm_script",
     "screenshot",
     "spki_flag",
     "stream_script",
@@ -261,6 +263,14 @@ class Page:
             raise BrowserError(f"evaluate: {text}")
         return answer.get("result", {}).get("value")
 
+    async def set_visible(self, visible: bool) -> None:
+        """Minimize (or restore) the page's window: the page becomes ``hidden`` (or
+        ``visible``) for the Page Visibility API, with its ``visibilitychange`` event."""
+        window = await self._session.send("Browser.getWindowForTarget", self._id)
+        state = "normal" if visible else "minimized"
+        await self._session.send("Browser.setWindowBounds", windowId=window["windowId"],
+                                 bounds={"windowState": state})
+
     def events(self) -> list[tuple[str, dict[str, Any]]]:
         """The DevTools events of this browser so far (method, params), oldest first."""
         return self._session.events
@@ -337,21 +347,18 @@ def screenshot(report: Path, png: Path, *, width: int = 1000) -> PageLoad:
 
 
 def stream_script(base_url: str, token: str, transport: str, request: dict[str, Any], *,
-                  busy_ms: int = 0, report: bool = False) -> str:
+                  busy_ms: int = 0, report: bool = False,
+                  options: dict[str, Any] | None = None) -> str:
     """A script for a page that has the client as ``window.fb`` and a ``#out`` element: stream
     ``request`` into ``#out`` and answer what it saw (text, DOM text, sequence numbers,
     ``timings``, usage; or ``error``); with ``report`` the client reports its timings, sent
     before the script answers. The page keeps one client per set of options, as an
-    application does: its connections (a WebSocket too) serve the page's next streams."""
-    options = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10,
-               "reportTimings": report}
+    application does: its connections (a WebSocket too) serve the page's next streams.
+    ``options``: more of the client's options (``simpleStart``...)."""
     return f"""(async () => {{
   const out = document.getElementById("out");
   out.textContent = "";
-  const options = {json.dumps(options)};
-  const key = JSON.stringify(options);
-  window.fbClients ??= {{}};
-  const client = window.fbClients[key] ??= new fb.Client(options);
+  {_page_client(base_url, token, transport, report, options)}
   const sentBefore = client.timingsReporter?.sentReports ?? 0;
   const failedBefore = client.timingsReporter?.failedReports ?? 0;
   const busy = (ms) => {{ const end = performance.now() + ms; while (performance.now() < end); }};
@@ -372,3 +379,55 @@ def stream_script(base_url: str, token: str, transport: str, request: dict[str, 
              sent: reporter.sentReports - sentBefore,
              failed: reporter.failedReports - failedBefore }} }};
 }})()"""
+
+
+def _page_client(base_url: str, token: str, transport: str, report: bool,
+                 options: dict[str, Any] | None) -> str:
+    """Script lines binding ``client``: the page's one client for these options."""
+    merged = {"baseUrl": base_url, "token": token, "transport": transport, "idleTimeoutS": 10,
+              "reportTimings": report, **(options or {})}
+    return f"""const options = {json.dumps(merged)};
+  const key = JSON.stringify(options);
+  window.fbClients ??= {{}};
+  const client = window.fbClients[key] ??= new fb.Client(options);"""
+
+
+def prewarm_script(base_url: str, token: str, transport: str, *, report: bool = False,
+                   options: dict[str, Any] | None = None,
+                   prompt: dict[str, Any] | None = None) -> str:
+    """A script that runs ``client.prewarm(prompt)`` (``prompt``: ``model`` and ``messages``
+    to warm the prompt too) on the client :func:`stream_script` with the same arguments uses,
+    and answers ``{ms, prompt}``."""
+    return f"""(async () => {{
+  {_page_client(base_url, token, transport, report, options)}
+  return await client.prewarm({json.dumps(prompt or {})});
+}})()"""
+
+
+def intent_script(base_url: str, token: str, transport: str, *, report: bool = False,
+                  options: dict[str, Any] | None = None) -> str:
+    """A script that adds a prompt box (``#prompt``) to the page, has the client
+    :func:`stream_script` with the same arguments uses warm on intent in it
+    (``window.warmer``), and focuses it: the user starts to type."""
+    return f"""(() => {{
+  {_page_client(base_url, token, transport, report, options)}
+  let prompt = document.getElementById("prompt");
+  if (!prompt) {{
+    prompt = document.createElement("textarea");
+    prompt.id = "prompt";
+    document.body.append(prompt);
+  }}
+  window.warmer ??= client.warmOnIntent(prompt);
+  prompt.focus();
+  return true;
+}})()"""
+
+
+TYPE_KEY = """(() => {
+  const prompt = document.getElementById("prompt");
+  prompt.value += "h";
+  prompt.dispatchEvent(new KeyboardEvent("keydown", {key: "h"}));
+  prompt.dispatchEvent(new Event("input"));
+  return true;
+})()"""
+"""One keystroke in the prompt box of :func:`intent_script`."""

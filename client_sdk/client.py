@@ -47,6 +47,7 @@ from firstbyte.client_sdk.errors import (
     StreamBrokenError,
     StreamHistoryTrimmedError,
     StreamLostError,
+    api_error_from_response,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
@@ -71,6 +72,7 @@ from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_s
 from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
 from firstbyte.protocol import error_codes, paths
 from firstbyte.protocol.openai import Message, Usage
+from firstbyte.protocol.prewarm import PromptWarmed
 
 __all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]  # the last from .trust
 
@@ -182,6 +184,9 @@ class AsyncClient:
         """Held by prewarm and re-probe: one probe-and-switch at a time."""
         self._primary_connections = 1
         """``prewarm(connections)``: what a new primary gets when a re-probe switches."""
+        self._prewarmed_next = False
+        """A prewarm ran and no stream has started since: the next one's Timings may say
+        ``prewarmed``."""
         self._busy: Counter[str] = Counter()
         """Streams reading from each region now: a re-probe does not close their connections."""
         if http is None:
@@ -254,20 +259,55 @@ class AsyncClient:
             return self.pool.websockets(origin, self.headers)
         return self.pool.session(origin, self.http)
 
-    async def prewarm(self, connections: int = 1) -> None:
+    async def prewarm(
+        self, connections: int = 1, *, model: str | None = None,
+        messages: Sequence[Message | dict[str, Any]] | None = None,
+    ) -> PromptWarmed | None:
         """Open connections for the configured transport and HTTP version and keep them warm.
 
         With several regions: :meth:`probe_regions` first, then ``connections`` to the fastest
         region and one standby connection to the second, both kept warm (so a failover costs
         no handshake); the probe's connections to any other region are closed.
+
+        With ``model`` and ``messages`` (the conversation so far), then :meth:`warm_prompt`:
+        the prefix is computed ahead on the backend the next message will go to.
         """
         self._primary_connections = connections
         if len(self.origins) == 1:
             await self.pool.prewarm(self._target(), connections)
-            return
-        async with self._regions_lock:
-            await self.probe_regions()
-            await self._settle_regions()
+        else:
+            async with self._regions_lock:
+                await self.probe_regions()
+                await self._settle_regions()
+        self._prewarmed_next = True
+        if messages is None:
+            return None
+        if model is None:
+            raise ValueError("prewarm(messages=...) needs the model the messages are for")
+        return await self.warm_prompt(model=model, messages=messages)
+
+    async def warm_prompt(
+        self, *, model: str, messages: Sequence[Message | dict[str, Any]]
+    ) -> PromptWarmed | None:
+        """Ask the router to place this conversation's prefix on the backend its next message
+        will be routed to (``POST /v1/edge/warm``: one request of one token there, counted in
+        the key's usage). Best effort: None when the router declines (the region busy, the
+        user's warm-ups per minute spent); other refusals raise as a request's would."""
+        origin = self.origin
+        session = self.pool.session(origin, self.http)
+        headers = {**self.headers, "content-type": "application/json"}
+        body = msgspec.json.encode({"model": model, "messages": list(messages)})
+        path = paths.at_base(paths.EDGE_WARM, origin.prefix)
+        async with session.request("POST", path, headers=headers, body=body,
+                                   recorder=None) as response:
+            answer = await response.read()
+        if response.status == 200:
+            return msgspec.json.decode(answer, type=PromptWarmed)
+        error = api_error_from_response(response.status, answer,
+                                        retry_after=response.headers.get("retry-after"))
+        if error.code in (error_codes.PROMPT_WARM_BUSY, error_codes.PROMPT_WARM_LIMITED):
+            return None
+        raise error
 
     async def reprobe(self) -> None:
         """Probe every region again and move the warm primary and standby if the ranking
@@ -462,6 +502,8 @@ class ChatStream:
         self._body = body
         self._on_first_token = on_first_token
         self._recorder = TimingRecorder(time.perf_counter(), transport=client.transport)
+        self._prewarmed = client._prewarmed_next  # the first stream after a prewarm
+        client._prewarmed_next = False
         self._assembler = StreamAssembler()
         self._queue = _ReadAhead(_QUEUE_ITEMS)
         self._batch: Batch = []
@@ -499,7 +541,9 @@ class ChatStream:
     # -- public ---------------------------------------------------------------------------------
     @property
     def timings(self) -> Timings:
-        return self._recorder.timings()
+        timings = self._recorder.timings()
+        timings.prewarmed = self._prewarmed and timings.warm
+        return timings
 
     @property
     def usage(self) -> Usage | None:
@@ -591,7 +635,7 @@ class ChatStream:
         reporter = self._client.timings_reporter
         if reporter is not None and not self._reported:
             self._reported = True
-            reporter.note(self._origin, self._recorder.timings())
+            reporter.note(self._origin, self.timings)
 
     # -- machinery ------------------------------------------------------------------------------
     def _start(self, source: Source) -> None:

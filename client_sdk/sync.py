@@ -17,6 +17,7 @@ from firstbyte.client_sdk._core.stream import StreamDelta
 from firstbyte.client_sdk.client import AsyncClient, ChatStream
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.protocol.openai import Usage
+from firstbyte.protocol.prewarm import PromptWarmed
 
 __all__ = ["Client", "SyncChatStream"]
 
@@ -72,8 +73,9 @@ class Client:
         finally:
             self._runner.stop()
 
-    def prewarm(self, connections: int = 1) -> None:
-        self._runner.run(self._client.prewarm(connections))
+    def prewarm(self, connections: int = 1, **prompt: Any) -> PromptWarmed | None:
+        """Like :meth:`AsyncClient.prewarm` (``model=``, ``messages=`` warm the prompt too)."""
+        return self._runner.run(self._client.prewarm(connections, **prompt))
 
     def probe_regions(self, samples: int = 3) -> dict[str, float | None]:
         return self._runner.run(self._client.probe_regions(samples))

@@ -38,6 +38,9 @@ class Timings(msgspec.Struct, kw_only=True):
     zero_rtt: bool = False
     """True when a new HTTP/3 connection sent the request as 0-RTT early data and the server
     accepted it; ``quic_handshake_ms`` then stops when the request was sent (module docstring)."""
+    prewarmed: bool = False
+    """True for the first stream after a ``prewarm()`` (the app's call, on the user's intent),
+    on a connection it did not open itself (the browser client's ``warmOnIntent`` too)."""
     region: str | None = None
     """The region that served (``x-firstbyte-region``)."""
     better_region: str | None = None

@@ -26,7 +26,10 @@ __all__ = [
     "MISSING_API_KEY",
     "NOT_FOUND",
     "NO_HEALTHY_BACKEND",
+    "ORIGIN_NOT_ALLOWED",
     "OVERLOADED",
+    "PROMPT_WARM_BUSY",
+    "PROMPT_WARM_LIMITED",
     "REGION_SATURATED",
     "REQUEST_TIMEOUT",
     "REQUEST_TOO_LARGE",
@@ -57,6 +60,17 @@ CLIENT_TOKEN_REVOKED = "client_token_revoked"
 from the config); a new token needs a key that is configured."""
 API_KEY_REQUIRED = "api_key_required"
 """403: a client token where only an API key may act (minting tokens)."""
+PROMPT_WARM_LIMITED = "prompt_warm_limited"
+"""429: more prompt warm-ups (``POST /v1/edge/warm``) for this key and subject than
+``limits.prompt_warms_per_min_per_subject`` allows; ``Retry-After`` says when the next may go."""
+PROMPT_WARM_BUSY = "prompt_warm_busy"
+"""503: the region is too busy for a prompt warm-up (its backends past
+``limits.prompt_warm_max_load``): a warm-up never takes a slot a real request needs. The
+message itself is served as usual; ``Retry-After`` says when a warm-up may go again."""
+ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+"""403: a preflight-free start (the client token in ``?token=``) from a page whose ``Origin``
+is not in ``cors.allow_origins``: refused as its preflight would have been, before anything is
+spent."""
 INVALID_REQUEST = "invalid_request"
 INVALID_TIMINGS = "invalid_timings"
 """400: a timings report that is not one, holds too many records, or holds a record no real

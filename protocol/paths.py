@@ -14,6 +14,7 @@ __all__ = [
     "EDGE_STATUS",
     "EDGE_TIMINGS",
     "EDGE_TOKENS",
+    "EDGE_WARM",
     "HEALTHZ",
     "METRICS",
     "MODELS",
@@ -49,6 +50,10 @@ EDGE_TIMINGS = "/v1/edge/timings"
 EDGE_TOKENS = "/v1/edge/tokens"
 """``POST`` with an API key (from the application's backend, never a browser): a short-lived
 client token for a browser (:mod:`firstbyte.protocol.tokens`)."""
+
+EDGE_WARM = "/v1/edge/warm"
+"""``GET``, no key: 204 and nothing else. What a browser's prewarm fetches to open its
+connection (and learn ``Alt-Svc``) before the user sends; cheap enough to repeat."""
 
 EDGE_CLIENT = "/v1/edge/client"
 """``GET {EDGE_CLIENT}/NAME.js``, no key: the browser client's JavaScript modules."""

@@ -61,6 +61,10 @@ class TimingsRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     """The request reused an open connection (no connect or handshake phase)."""
     zero_rtt: bool = False
     """A new HTTP/3 connection sent the request as 0-RTT early data."""
+    prewarmed: bool = False
+    """The connection was opened ahead of the request by a prewarm on the user's intent
+    (the browser client's ``warmOnIntent``: focus of the prompt box, a keystroke; either
+    SDK's ``prewarm()``), and this is the first stream after it."""
     stream_id: str | None = None
     """The ``x-firstbyte-stream`` id: the router joins the record with its own timings."""
     dns_ms: float | None = None
@@ -133,7 +137,10 @@ def implausible(record: TimingsRecord) -> str | None:
 
 
 def connection_kind(record: TimingsRecord) -> str:
-    """``0rtt``, ``warm`` or ``cold``: how the request's connection was had."""
+    """``0rtt``, ``prewarmed``, ``warm`` or ``cold``: how the request's connection was had
+    (``prewarmed``: warm because a prewarm on intent opened it, not an earlier request)."""
     if record.zero_rtt:
         return "0rtt"
+    if record.prewarmed and record.warm:
+        return "prewarmed"
     return "warm" if record.warm else "cold"

@@ -21,6 +21,7 @@ from .cors import Preflight
 from .edge_client import serve_client_file
 from .overload import MemoryGuard
 from .pipeline.context import error_reply
+from .prewarm import edge_warm, warm_prompt
 from .state import RouterState
 from .ws import websocket_session
 
@@ -39,6 +40,7 @@ _ROUTES: dict[str, dict[str, Handler]] = {
     paths.EDGE_STATUS: {"GET": endpoints.edge_status},
     paths.EDGE_TIMINGS: {"POST": endpoints.edge_timings},
     paths.EDGE_TOKENS: {"POST": endpoints.mint_token},
+    paths.EDGE_WARM: {"GET": edge_warm, "POST": warm_prompt},
 }
 # Answered while the start-up warmup runs; every other request waits for it.
 _UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS})

@@ -23,7 +23,8 @@ Both are labelled ``region`` (this router's region or a configured peer: the reg
 served), ``country`` (GeoIP of the reporting client's address: at most ``max_countries``
 distinct values, each key bringing in at most ``max_countries_per_key`` of them, then
 ``other``; ``unknown`` when the database does not know it),
-``transport``, ``http`` (``1.1``, ``2``, ``3``) and ``conn`` (``cold``, ``warm``, ``0rtt``).
+``transport``, ``http`` (``1.1``, ``2``, ``3``) and ``conn`` (``cold``, ``warm``, ``prewarmed``,
+``0rtt``).
 Every label takes a value from a fixed or bounded set, so the number of series is bounded
 whatever clients send. Refused reports are counted by reason.
 """
@@ -240,7 +241,7 @@ class ClientLatency:
             "firstbyte_client_ttft_seconds",
             "Time to first token as opted-in clients felt it (request start to first content"
             " chunk), by serving region, client country, transport, HTTP version and"
-            " connection (cold, warm, 0rtt).",
+            " connection (cold, warm, prewarmed, 0rtt).",
             self.ttft,
         )
         lines += _render_family(

@@ -237,6 +237,15 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     key_rate_limited with Retry-After = seconds until the next token."""
     request_burst_per_key: Annotated[int, msgspec.Meta(ge=1)] = 100
     """Requests a key may send at once before its rate applies (the bucket's size)."""
+    # Prompt warm-ups (POST /v1/edge/warm, router/prewarm.py): a short request placing a
+    # conversation's prefix on the backend its next message will be routed to.
+    prompt_warms_per_min_per_subject: NonNegInt = 6
+    """Prompt warm-ups per minute per key and subject (each router process); 0: the
+    endpoint is off (404). Beyond: 429 prompt_warm_limited with Retry-After."""
+    prompt_warm_max_load: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    """A warm-up goes only while the region's backends hold at most this fraction of their
+    slots (and none is saturated): beyond, 503 prompt_warm_busy with Retry-After, so a
+    warm-up never takes a slot a real request needs."""
     max_store_bytes_per_key: PositiveBytes | None = None
     """A key's share of the stream store (default: a quarter of streams.max_total_bytes),
     charged as its streams grow: what it keeps when the store is full, not a cap while there

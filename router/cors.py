@@ -72,7 +72,9 @@ class CorsPolicy:
             return None  # not a cross-origin browser request
         preflight = method == "OPTIONS" and "access-control-request-method" in headers
         if origin in self.allowed:
-            if preflight:
+            # A plain OPTIONS too: a browser's prewarm sends one to have its preflight cached
+            # (the cache is per URL) and its answer must not cost an endpoint or a 405.
+            if method == "OPTIONS":
                 return Preflight(204, (
                     ("access-control-allow-origin", origin),
                     ("access-control-allow-methods", ALLOW_METHODS),
@@ -90,6 +92,10 @@ class CorsPolicy:
             return None  # a page the router serves itself: the browser needs no CORS
         self._note_refused(origin)
         return Preflight(403, (("vary", "Origin"),)) if preflight else None
+
+    def allows(self, origin: str, headers: dict[str, str]) -> bool:
+        """May a page of ``origin`` call the router: listed, or the router's own origin."""
+        return origin in self.allowed or _same_origin(origin, headers)
 
     def _note_refused(self, origin: str) -> None:
         if origin in self._logged or len(self._logged) >= _MAX_LOGGED_ORIGINS:

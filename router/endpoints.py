@@ -52,6 +52,7 @@ from .pipeline.context import (
     Traceparent,
     error_reply,
 )
+from .pipeline.simple_start import adopt_query_token
 from .placement import place, release_key_slot
 from .readers import (
     HistoryTrimmed,
@@ -156,6 +157,9 @@ async def _admitted(
     before the key's limits and routing, so a rejected request spends no token and never
     holds a routing slot."""
     ctx = new_context(state, scope)
+    # A browser's preflight-free start carries its client token in the URL.
+    if await _finish(state, send, ctx, adopt_query_token(ctx, _query(scope), state.cors), "chat"):
+        return None
     # The key is checked on the head, before any body is read: a client without one cannot
     # make the router wait for a body, or read and drain one.
     if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "chat"):

@@ -12,6 +12,9 @@ the router's origin); mode
 
 - ``cold``: every request on a fresh page in a fresh browser context (own cache and
   connection pool): the page's load, then the stream's DNS, handshakes and CORS preflight;
+- ``intent``: as ``cold``, but the page warms on intent (``client.warmOnIntent``): the user
+  focuses the prompt box and types for ``INTENT_S`` (a keystroke every 0.2 s) before the
+  measured request is sent, so its connection was opened ahead of it;
 - ``warm``: one page with ``<link rel="preconnect">`` to the router, one unmeasured stream
   (its connection stays open, its preflight answer is cached), then every request on it.
 
@@ -32,7 +35,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from firstbyte.benchmarks._parent import exit_with_parent
-from firstbyte.benchmarks.browser import Browser, BrowserError, Page, launch, spki_flag
+from firstbyte.benchmarks.browser import (
+    TYPE_KEY,
+    Browser,
+    BrowserError,
+    Page,
+    intent_script,
+    launch,
+    spki_flag,
+)
 from firstbyte.benchmarks.browser import stream_script as script_for
 
 __all__ = ["TRANSPORTS", "main", "parse_cell"]
@@ -41,15 +52,20 @@ TRANSPORTS = ("sse-fetch", "eventsource", "websocket", "longpoll")
 READY = """new Promise((resolve) => { const t = () => window.fb ? resolve(window.bench)
   : setTimeout(t, 5); t(); })"""
 _PROMPT = [{"role": "user", "content": "Say hello in a few words."}]
+MODES = ("cold", "intent", "warm")
+INTENT_S = 2.0
+"""How long the user types in an ``intent`` cell before sending."""
+KEYSTROKE_S = 0.2
 
 
 def parse_cell(spec: str) -> tuple[str, str, str]:
     """``sse-fetch/2/cold`` -> its parts; ValueError naming what is wrong."""
     parts = spec.split("/")
     if len(parts) != 3 or parts[0] not in TRANSPORTS or parts[1] not in ("1.1", "2", "3") \
-            or parts[2] not in ("cold", "warm"):
+            or parts[2] not in MODES:
         raise ValueError(f"cell {spec!r}: expected TRANSPORT/HTTP/MODE with TRANSPORT one of "
-                         f"{', '.join(TRANSPORTS)}, HTTP 1.1, 2 or 3, MODE cold or warm")
+                         f"{', '.join(TRANSPORTS)}, HTTP 1.1, 2 or 3, MODE "
+                         f"{', '.join(MODES)}")
     return parts[0], parts[1], parts[2]
 
 
@@ -73,13 +89,24 @@ async def _stream(page: Page, transport: str, max_tokens: int) -> dict[str, Any]
     return {"timings": got["timings"], "preflights": preflights}
 
 
+async def _typing(page: Page, transport: str) -> None:
+    """The user focuses the prompt box (intent: the page warms) and types for INTENT_S."""
+    bench = await page.evaluate(READY)
+    await page.evaluate(intent_script(bench["router"], bench["token"], transport))
+    for _ in range(round(INTENT_S / KEYSTROKE_S)):
+        await asyncio.sleep(KEYSTROKE_S)
+        await page.evaluate(TYPE_KEY)
+
+
 async def _cell(browser: Browser, page_url: str, spec: str, repeat: int,
                 max_tokens: int) -> None:
     transport, _, mode = parse_cell(spec)
-    if mode == "cold":
+    if mode in ("cold", "intent"):
         for rep in range(repeat):
             try:
                 async with browser.isolated_page(page_url) as page:
+                    if mode == "intent":
+                        await _typing(page, transport)
                     _emit({"cell": spec, "rep": rep, **await _stream(page, transport,
                                                                      max_tokens)})
             except BrowserError as exc:

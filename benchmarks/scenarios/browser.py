@@ -5,7 +5,9 @@ with an ``instant`` sim in us-east-1, clients in namespaces at several distances
 WAN emulator), plus a web page on its own origin beside the router (the application: it mints
 the page's client token; the router's CORS allows that origin). In each client host the browser
 client streams in headless Chromium (:mod:`._browser_runner`: each transport cold — a fresh
-browser context per request — and warm — a preconnected page with a kept-alive connection)
+browser context per request —, cold with intent prewarm — the same, but the page warms on
+the user's focus of the prompt box, who types for 2 s before sending — and warm — a
+preconnected page with a kept-alive connection)
 and the Python SDK streams the matching cells (:mod:`._client_runner`). Per cell and
 geography it reports both side by side: TTFT, the browser's paint time, round trips to the
 first byte (measured against the SDK's theory), the CORS preflights Chromium sent, and what the
@@ -51,19 +53,21 @@ MISSING_CHROMIUM = ("browser: chromium not found: install the system package "
 def cells(quick: bool) -> list[str]:
     """The browser cells: ``TRANSPORT/HTTP/MODE``; the SDK's are :func:`sdk_cell` of them."""
     if quick:
-        return ["sse-fetch/2/cold", "sse-fetch/2/warm", "eventsource/2/cold",
-                "websocket/1.1/cold", "websocket/1.1/warm", "longpoll/2/cold",
-                "sse-fetch/3/cold"]
+        return ["sse-fetch/2/cold", "sse-fetch/2/intent", "sse-fetch/2/warm",
+                "eventsource/2/cold", "websocket/1.1/cold", "websocket/1.1/warm",
+                "longpoll/2/cold", "sse-fetch/3/cold"]
     out = []
     for transport in ("sse-fetch", "eventsource", "longpoll"):
-        out += [f"{transport}/2/cold", f"{transport}/2/warm"]
-    return [*out, "websocket/1.1/cold", "websocket/1.1/warm", "sse-fetch/3/cold",
-            "sse-fetch/3/warm"]
+        out += [f"{transport}/2/cold", f"{transport}/2/intent", f"{transport}/2/warm"]
+    return [*out, "websocket/1.1/cold", "websocket/1.1/intent", "websocket/1.1/warm",
+            "sse-fetch/3/cold", "sse-fetch/3/intent", "sse-fetch/3/warm"]
 
 
 def sdk_cell(cell: str) -> str:
+    """The Python SDK's matching cell: an intent-prewarmed page is compared with the SDK's
+    warm connection (its ``prewarm``), the rest mode for mode."""
     transport, http, mode = cell.split("/")
-    return f"{SDK_CELL[transport]}/{http}/{mode}"
+    return f"{SDK_CELL[transport]}/{http}/{'warm' if mode == 'intent' else mode}"
 
 
 def _log(message: str) -> None:
@@ -153,7 +157,7 @@ def _results(mode: str, why: str | None, geos: Sequence[Geography], measured: Se
             table.append(_side_by_side(g, cell, lines))
     return {
         "scenario": "browser",
-        "description": _description(mode, geos, repeat),
+        "description": first_message(table)["answer"] + " " + _description(mode, geos, repeat),
         "summary": _summary(mode, table),
         "runs": runs,
         "browser_vs_sdk": table,
@@ -164,7 +168,7 @@ def _results(mode: str, why: str | None, geos: Sequence[Geography], measured: Se
 def _side_by_side(g: Geography, cell: str,
                   lines: dict[tuple[str, str, str], list[dict[str, Any]]]) -> dict[str, Any]:
     """One row: the browser cell and the SDK's matching cell in one geography."""
-    transport, http, state = cell.split("/")
+    transport, http, _ = cell.split("/")
     sdk_name = sdk_cell(cell)
     browser_lines = lines.get((g.name, "browser", cell), [])
     browser = _timings(browser_lines)
@@ -186,7 +190,8 @@ def _side_by_side(g: Geography, cell: str,
                                          and r.get("first_token_ms") is not None]),
         "preflights": _median([line.get("preflights") for line in browser_lines
                                if "timings" in line]),
-        "theory_first_byte_rtts": theory.theory_first_byte(SDK_CELL[transport], http, state),
+        "theory_first_byte_rtts": theory.theory_first_byte(SDK_CELL[transport], http,
+                                                           sdk_name.split("/")[2]),
         "browser_first_byte_rtts": None,
         "sdk_first_byte_rtts": None,
         "browser_http": ",".join(sorted({t.http_version or "HTTP/1.1 (ws)" for t in browser})),
@@ -221,8 +226,65 @@ def _description(mode: str, geos: Sequence[Geography], repeat: int) -> str:
             "TLS 1.3 with a per-run CA.")
 
 
+def _trips(row: dict[str, Any] | None) -> float | None:
+    """A row's browser round trips to the first byte (corrected, else raw), or None."""
+    if row is None:
+        return None
+    got = row.get("browser_first_byte_rtts")
+    return got if got is not None else row.get("browser_first_byte_rtts_raw")
+
+
+def first_message(table: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the first message costs and what prewarm saves: fetch-SSE over HTTP/2 in the
+    farthest geography, cold page, cold page with intent prewarm and warm page (TTFT medians
+    in ms, round trips to the first byte); ``answer`` says it in one sentence."""
+    if not table:
+        return {"answer": "First message: nothing measured."}
+    far = max(r["rtt_ms"] for r in table)
+    rows = {r["cell"].split("/")[2]: r for r in table
+            if r["rtt_ms"] == far and r["cell"].startswith("sse-fetch/2/")}
+    geo = next(iter(rows.values()))["geography"] if rows else table[0]["geography"]
+    ttft = {mode: rows[mode]["browser_ttft_ms"] if mode in rows else None
+            for mode in ("cold", "intent", "warm")}
+    trips = {mode: _trips(rows.get(mode)) for mode in ("cold", "intent", "warm")}
+    out: dict[str, Any] = {"geography": geo, "rtt_ms": far}
+    for mode in ("cold", "intent", "warm"):
+        out[f"{mode}_ttft_ms"] = ttft[mode]
+        out[f"{mode}_first_byte_rtts"] = trips[mode]
+    saved = (round(ttft["cold"] - ttft["intent"], 1)
+             if ttft["cold"] is not None and ttft["intent"] is not None else None)
+    saved_trips = (round(trips["cold"] - trips["intent"], 1)
+                   if trips["cold"] is not None and trips["intent"] is not None else None)
+    out["prewarm_saves_ms"] = saved
+    out["prewarm_saves_rtts"] = saved_trips
+
+    def said(mode: str) -> str:
+        rt = "" if trips[mode] is None else f", {trips[mode]:g} round trips to the first byte"
+        return "not measured" if ttft[mode] is None else f"{ttft[mode]:g} ms{rt}"
+
+    answer = (f"First message, fetch-SSE over HTTP/2 at {geo} ({far:g} ms RTT), TTFT median: "
+              f"cold page {said('cold')}; cold page with intent prewarm (2 s of typing) "
+              f"{said('intent')}; warm page {said('warm')}.")
+    if saved is not None:
+        answer += f" Prewarm on intent saves {saved:g} ms"
+        answer += "." if saved_trips is None else f" ({saved_trips:g} round trips)."
+    out["answer"] = answer
+    return out
+
+
 def _summary(mode: str, table: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"mode": mode}
+    headline = first_message(table)
+    out: dict[str, Any] = {
+        "first message: cold / intent / warm ttft_ms": (
+            f"{headline['cold_ttft_ms']} / {headline['intent_ttft_ms']} / "
+            f"{headline['warm_ttft_ms']}"),
+        "first message: cold / intent / warm first_byte_rtts": (
+            f"{headline['cold_first_byte_rtts']} / {headline['intent_first_byte_rtts']} / "
+            f"{headline['warm_first_byte_rtts']}"),
+        "prewarm saves ms": headline["prewarm_saves_ms"],
+        "prewarm saves rtts": headline["prewarm_saves_rtts"],
+        "mode": mode,
+    }
     for row in table:
         if row["rtt_ms"] == max(r["rtt_ms"] for r in table):
             key = f"{row['geography']} {row['cell']}"
@@ -242,10 +304,13 @@ def _notes(mode: str, why: str | None) -> list[str]:
     notes = [
         "cold: a fresh browser context per request (own cache and connection pool): the page "
         "loads from its own origin (the client's modules too, so the router is untouched), then "
-        "the stream pays DNS, the TCP + TLS (or QUIC) handshake and, being cross-origin with an "
-        "Authorization header, a CORS preflight (OPTIONS) before its request. warm: one page "
+        "the stream pays DNS and the TCP + TLS (or QUIC) handshake; its start is a CORS simple "
+        "request (text/plain body, client token in ?token=), so no preflight. intent: the same "
+        "cold page, but the client warms on intent (warmOnIntent on the prompt box): the user "
+        "focuses it and types for 2 s, the page's GET /v1/edge/warm opens the connection, then "
+        "the measured stream reuses it. warm: one page "
         "with <link rel=preconnect crossorigin> to the router and one unmeasured stream first: "
-        "the connection is kept alive and the preflight answer cached (Access-Control-Max-Age).",
+        "the connection is kept alive. The SDK's cell for intent is its warm one (prewarm).",
         "first_byte_rtts: as in bench transports, (first byte - Server-Timing - the same cell's "
         "local cost at 0 ms) / RTT, medians; theory is the SDK's. Chromium's local cost of a "
         "cold page varies by tens of ms on a busy machine, so with few requests the corrected "
@@ -258,10 +323,9 @@ def _notes(mode: str, why: str | None) -> list[str]:
         "WebSocket has no Resource Timing (its first byte is its first message) and needs no "
         "CORS preflight. A finished stream leaves its WebSocket open for the client's next "
         "stream (as the SDK's): warm, one round trip.",
-        "theory_first_byte_rtts is the SDK's; the browser's cold fetch-based cells add one "
-        "round trip for the CORS preflight (preflights column), long-poll two requests "
-        "preflighted (POST /v1/streams, then the first GET .../poll: the preflight cache is "
-        "per URL).",
+        "theory_first_byte_rtts is the SDK's; a browser start is a simple request (no "
+        "preflight), but long-poll's polls send Authorization and are preflighted (the "
+        "preflight cache is per URL): the preflights column counts what Chromium sent.",
     ]
     if mode == "loopback":
         notes.insert(0, f"{LOOPBACK_LIMITS} Why loopback: {why}.")

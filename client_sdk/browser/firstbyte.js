@@ -14,8 +14,14 @@
 // `token` is a client token minted by the application's backend (POST /v1/edge/tokens with
 // its API key; docs/browser.md): a browser never holds an API key. EventSource and WebSocket
 // cannot send headers; the token then travels as ?token= (EventSource) or a subprotocol.
+//
+// No preflight on the critical path: with `simpleStart` (the default) a stream starts and
+// resumes with CORS simple requests (a text/plain body, the token as ?token=, no custom
+// header), so a cold page's first message costs no OPTIONS round trip. `client.prewarm()`
+// opens the connection before the user sends; `client.warmOnIntent(promptBox)` does it on
+// focus or a keystroke and keeps it warm while the page is visible (warm.js).
 
-import { HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
+import { ERROR_CODES, HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
 import {
   APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, SequenceGapError,
@@ -23,10 +29,12 @@ import {
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
 import { TimingsReporter } from "./report.js";
+import { IntentWarmer } from "./warm.js";
 
 export {
   APIError, FirstbyteError, StreamBrokenError, StreamStalledError, SequenceGapError,
 } from "./stream.js";
+export { IntentWarmer, WarmSchedule } from "./warm.js";
 
 export const TRANSPORTS = Object.freeze(["sse-fetch", "eventsource", "websocket", "longpoll"]);
 
@@ -113,7 +121,7 @@ export class Client {
   constructor({ baseUrl, token, transport = "sse-fetch", idleTimeoutS = 30, maxResumes = 5,
                 resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10,
                 reportTimings = false, reportIntervalS = 10, reportBatch = 50,
-                retries = 2, retryBudgetS = 5 }) {
+                retries = 2, retryBudgetS = 5, simpleStart = true }) {
     if (!TRANSPORTS.includes(transport)) {
       throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
     }
@@ -130,6 +138,12 @@ export class Client {
      * is sent again within this budget per stream (stream.js RetryBudget; 0 retries: off). */
     this.retries = retries;
     this.retryBudgetS = retryBudgetS;
+    /** Starts (and SSE resumes) as CORS simple requests: no preflight (docs/browser.md). */
+    this.simpleStart = simpleStart;
+    /** When this client last sent a request to the router (seconds, performance.now()). */
+    this.lastUseS = null;
+    /** A prewarm on intent opened the connection and no stream has used it yet. */
+    this.intentWarm = false;
     /** With `reportTimings`: finished streams' Timings go to the router (report.js). */
     this.timingsReporter = reportTimings
       ? new TimingsReporter(this, { intervalS: reportIntervalS, batchRecords: reportBatch })
@@ -144,6 +158,91 @@ export class Client {
   /** ``PATHS.X`` under this client's base URL. */
   url(path) {
     return new URL(this.baseUrl).origin + this.apiBase + path.slice(PATHS.API_BASE.length);
+  }
+
+  /** The URL a stream of this client's transport starts at (the preflight cache is per URL). */
+  startUrl() {
+    const url = new URL(this.url(this.transport === "sse-fetch"
+      ? PATHS.CHAT_COMPLETIONS : PATHS.STREAMS));
+    if (this.transport === "longpoll") url.searchParams.set("wait", String(this.pollWaitS));
+    if (this.simpleStart) url.searchParams.set(TOKENS.QUERY_PARAM, this.token);
+    return url.href;
+  }
+
+  /**
+   * Open the connection to the router without starting a stream: GET /v1/edge/warm (TCP +
+   * TLS, or QUIC once the page has learnt Alt-Svc; no key, 204) and, when this client's
+   * starts are preflighted (`simpleStart: false`, or `preflight: true`), a plain OPTIONS to
+   * the start URL so that its preflight answer is cached. A WebSocket client opens its socket
+   * and keeps it for the next stream. `intent`: the user is about to send (the next stream's
+   * Timings say `prewarmed`). With `model` and `messages` (the conversation so far) it then
+   * warms the prompt too: POST /v1/edge/warm has the router compute the prefix on the backend
+   * the next message will be routed to (best effort: a busy region or a spent budget answers
+   * null). Resolves to `{ ms, prompt }`: the milliseconds it took and the router's
+   * `{warmed, prompt_tokens, cached_tokens}` (or null).
+   */
+  async prewarm({ preflight = !this.simpleStart, intent = true, model = null,
+                  messages = null } = {}) {
+    const started = performance.now();
+    this.lastUseS = started / 1000;
+    if (this.transport === "websocket") {
+      await this.#openIdleSocket();
+    } else {
+      // Each answer is read to its end: a response left unread is cancelled (a failed load
+      // in the page's console), and may hold the connection's stream open.
+      await (await fetch(this.url(PATHS.EDGE_WARM))).arrayBuffer();
+      if (preflight) {
+        // The preflight asks for these header names; the values never reach an endpoint.
+        await (await fetch(this.startUrl(), {
+          method: "OPTIONS",
+          headers: { authorization: "Bearer prewarm", "content-type": "application/json" },
+        })).arrayBuffer();
+      }
+    }
+    if (intent) this.intentWarm = true;
+    const prompt = messages ? await this.#warmPrompt(model, messages) : null;
+    return { ms: performance.now() - started, prompt };
+  }
+
+  async #warmPrompt(model, messages) {
+    const body = JSON.stringify({ model, messages });
+    const url = new URL(this.url(PATHS.EDGE_WARM));
+    let init;
+    if (this.simpleStart) {
+      url.searchParams.set(TOKENS.QUERY_PARAM, this.token);
+      init = { method: "POST", body, headers: { "content-type": "text/plain" } };
+    } else {
+      init = { method: "POST", body, headers: {
+        authorization: `Bearer ${this.token}`, "content-type": "application/json" } };
+    }
+    const response = await fetch(url.href, init);
+    if (response.ok) return await response.json();
+    const err = await errorFrom(response);
+    if (err.code === ERROR_CODES.PROMPT_WARM_BUSY || err.code === ERROR_CODES.PROMPT_WARM_LIMITED) {
+      return null; // the region is busy or the user's warm-ups are spent: send as usual
+    }
+    throw err;
+  }
+
+  /** Prewarm on the user's intent in `element` (focus, a keystroke) and keep the connection
+   * warm while the page is visible; warm.js states the cost. `.stop()` ends it. */
+  warmOnIntent(element, options = {}) {
+    return new IntentWarmer(this, element, options);
+  }
+
+  async #openIdleSocket() {
+    if (this.idleSocket?.readyState === WebSocket.OPEN) return;
+    const socket = openSocket(this);
+    await new Promise((resolve, reject) => {
+      socket.onopen = resolve;
+      socket.onerror = () => reject(new TransportCut("WebSocket prewarm failed"));
+    });
+    socket.onopen = socket.onerror = null;
+    if (this.idleSocket?.readyState === WebSocket.OPEN) socket.close();
+    else {
+      this.idleSocket?.close();
+      this.idleSocket = socket;
+    }
   }
 
   /**
@@ -175,6 +274,9 @@ export class ChatStream {
     this.parts = [];
     this.finished = false;
     this.channel = null;
+    /** A prewarm on intent opened the connection this stream is the first to use. */
+    this.prewarmed = client.intentWarm;
+    client.intentWarm = false;
   }
 
   get timings() {
@@ -207,7 +309,9 @@ export class ChatStream {
       this.channel?.close();
       this.finished = true;
       await this.recorder.finish();
-      this.client.timingsReporter?.note(this.recorder.record);
+      const record = this.recorder.record;
+      record.prewarmed = this.prewarmed && record.warm;
+      this.client.timingsReporter?.note(record);
     }
   }
 
@@ -301,6 +405,7 @@ export class ChatStream {
   }
 
   async fetch(url, init, channel) {
+    this.client.lastUseS = performance.now() / 1000;
     this.recorder.noteRequest(url);
     // No `cache: "no-store"`: Chromium then bypasses its CORS preflight cache too, and every
     // request of a warm page paid one more round trip (measured: bench browser). The router's
@@ -312,11 +417,30 @@ export class ChatStream {
     return response;
   }
 
-  /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others). */
-  start(url, channel) {
-    return this.fetch(url, {
+  /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others).
+   * With `simpleStart` a CORS simple request: the token in the URL, the JSON as text/plain. */
+  start(channel) {
+    if (this.client.simpleStart) {
+      return this.fetch(this.client.startUrl(), {
+        method: "POST", body: this.body, headers: { "content-type": "text/plain" },
+      }, channel);
+    }
+    return this.fetch(this.client.startUrl(), {
       method: "POST", body: this.body,
       headers: this.headers({ "content-type": "application/json" }),
+    }, channel);
+  }
+
+  /** GET /v1/streams/{id} from `after` as SSE (a simple request with `simpleStart`). */
+  resume(streamId, after, channel) {
+    const url = new URL(this.client.url(`${PATHS.STREAMS}/${streamId}`));
+    if (this.client.simpleStart) {
+      url.searchParams.set(TOKENS.QUERY_PARAM, this.client.token);
+      url.searchParams.set("after", String(after));
+      return this.fetch(url.href, { headers: { accept: "text/event-stream" } }, channel);
+    }
+    return this.fetch(url.href, {
+      headers: this.headers({ "last-event-id": String(after), accept: "text/event-stream" }),
     }, channel);
   }
 }
@@ -326,10 +450,8 @@ export class ChatStream {
 async function sseFetch(stream, channel, streamId, after) {
   const client = stream.client;
   const response = streamId === null
-    ? await stream.start(client.url(PATHS.CHAT_COMPLETIONS), channel)
-    : await stream.fetch(client.url(`${PATHS.STREAMS}/${streamId}`), {
-      headers: stream.headers({ "last-event-id": String(after), accept: "text/event-stream" }),
-    }, channel);
+    ? await stream.start(channel)
+    : await stream.resume(streamId, after, channel);
   const ctype = response.headers.get("content-type") || "";
   if (!ctype.startsWith("text/event-stream")) {
     throw new StreamBrokenError(`expected an event stream, got content-type ${ctype}`);
@@ -356,7 +478,7 @@ async function sseFetch(stream, channel, streamId, after) {
 async function eventSource(stream, channel, streamId, after) {
   const client = stream.client;
   if (streamId === null) {
-    const started = await (await stream.start(client.url(PATHS.STREAMS), channel)).json();
+    const started = await (await stream.start(channel)).json();
     streamId = started.stream;
   }
   channel.push({ opened: streamId });
@@ -398,9 +520,7 @@ async function webSocket(stream, channel, streamId, after) {
   const reused = socket?.readyState === WebSocket.OPEN;
   if (!reused) {
     socket?.close();
-    const url = new URL(client.url(PATHS.WEBSOCKET));
-    url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
-    socket = new WebSocket(url, [WS.SUBPROTOCOL, WS.TOKEN_SUBPROTOCOL_PREFIX + client.token]);
+    socket = openSocket(client);
   }
   let done = false;
   let reusable = false;
@@ -411,6 +531,7 @@ async function webSocket(stream, channel, streamId, after) {
     } else socket.close();
   });
   const send = () => {
+    client.lastUseS = performance.now() / 1000;
     stream.recorder.requestSent();
     socket.send(streamId === null
       ? `{"type":"${WS.REQUEST}","body":${stream.body}}`
@@ -444,12 +565,17 @@ async function webSocket(stream, channel, streamId, after) {
   else socket.onopen = send;
 }
 
+function openSocket(client) {
+  const url = new URL(client.url(PATHS.WEBSOCKET));
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  return new WebSocket(url, [WS.SUBPROTOCOL, WS.TOKEN_SUBPROTOCOL_PREFIX + client.token]);
+}
+
 async function longPoll(stream, channel, streamId, after) {
   const client = stream.client;
   let batch;
   if (streamId === null) {
-    const url = `${client.url(PATHS.STREAMS)}?wait=${client.pollWaitS}`;
-    batch = await (await stream.start(url, channel)).json();
+    batch = await (await stream.start(channel)).json();
     streamId = batch.stream;
   }
   channel.push({ opened: streamId });

@@ -18,6 +18,7 @@ export function newTimings(transport) {
     http_version: "",
     warm: false,
     zero_rtt: false,
+    prewarmed: false, // a prewarm on intent opened the connection (Client.prewarm, warm.js)
     region: null,
     better_region: null,
     better_region_url: null,

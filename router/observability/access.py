@@ -382,7 +382,11 @@ class RequestLog:
         self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float
     ) -> None:
         record = self.record(exchange, ctx, websocket, ended_at)
-        level = logging.DEBUG if exchange.path in _OPERATIONAL else logging.INFO
+        # A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too (a
+        # prompt warm-up, its POST, spends tokens and is logged as any request).
+        operational = exchange.path in _OPERATIONAL or (
+            exchange.path == paths.EDGE_WARM and exchange.method == "GET")
+        level = logging.DEBUG if operational else logging.INFO
         if log.isEnabledFor(level):
             log.log(
                 level,

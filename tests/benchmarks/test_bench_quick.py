@@ -140,3 +140,34 @@ def test_tenancy_serves_one_app_and_keeps_every_phase(quick_runs: QuickRuns) -> 
     assert light["c"]["refused"] > light["a"]["refused"] + light["b"]["refused"]
     assert results["phases"]["store"]["b_resumed"] == {"done": 8}
     assert results["phases"]["redis"]["steady with a Redis restart"]["500s"] == 0
+
+
+def test_browser_answers_the_first_message_first(quick_runs: QuickRuns) -> None:
+    """The quick run measures the cold page, the cold page with intent prewarm and the warm
+    page (fetch-SSE, HTTP/2) in every geography, and its report begins with what the first
+    message costs and what prewarm saves."""
+    code, stdout, stderr, out = quick_runs.result("browser")
+    assert code == 0, stderr[-3000:]
+    results = msgspec.json.decode(stdout)
+    rows = {(r["geography"], r["cell"]): r for r in results["browser_vs_sdk"]}
+    for place in {place for place, _ in rows}:
+        for mode in ("cold", "intent", "warm"):
+            row = rows[(place, f"sse-fetch/2/{mode}")]
+            assert row["browser_ttft_ms"] is not None, row
+    summary = (out / "summary.md").read_text().splitlines()
+    assert summary[2].startswith("First message, fetch-SSE over HTTP/2 at "), summary[:3]
+    assert "cold page with intent prewarm (2 s of typing)" in summary[2]
+    assert "Prewarm on intent saves" in summary[2]
+    assert list(results["summary"])[:2] == ["first message: cold / intent / warm ttft_ms",
+                                            "first message: cold / intent / warm first_byte_rtts"]
+
+
+def test_prompt_warm_skips_the_histories_prefill(quick_runs: QuickRuns) -> None:
+    """An 8K-token history costs the h100-7b sim ~160 ms of prefill (it sleeps it): cold, the
+    next message pays it; warmed, the backend it is routed to has the whole history cached."""
+    code, stdout, stderr, _ = quick_runs.result("prompt_warm")
+    assert code == 0, stderr[-3000:]
+    summary = msgspec.json.decode(stdout)["summary"]
+    assert summary["warm_ups_refused"] == 0
+    assert summary["warmed_cached_tokens_min"] >= 8000
+    assert summary["warm_up_saves_ms"] >= 100, summary

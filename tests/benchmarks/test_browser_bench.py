@@ -1,7 +1,7 @@
 """``firstbyte bench browser``: the cell syntax, and (netns) the CI-quick run through the WAN
 emulator: Chromium in a client namespace against the router, the same cells as the Python
-SDK, with the round trips the report explains (the SDK's theory, plus one CORS preflight on a
-cold page, none on a warm one)."""
+SDK, with the round trips the report explains (the SDK's theory: a browser's start is a CORS
+simple request, so a cold page pays no preflight), and what prewarm on intent saves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from firstbyte.benchmarks.scenarios._browser_runner import parse_cell
-from firstbyte.benchmarks.scenarios.browser import cells, sdk_cell
+from firstbyte.benchmarks.scenarios.browser import cells, first_message, sdk_cell
 from tests.benchmarks.conftest import QuickRuns
 
 
@@ -17,8 +17,11 @@ def test_every_browser_cell_has_an_sdk_cell() -> None:
     for quick in (True, False):
         for cell in cells(quick):
             parse_cell(cell)
-            assert sdk_cell(cell).split("/")[1:] == cell.split("/")[1:]
+            mode = cell.split("/")[2]
+            assert sdk_cell(cell).split("/")[1:] == [cell.split("/")[1],
+                                                     "warm" if mode == "intent" else mode]
     assert sdk_cell("eventsource/2/cold") == "sse/2/cold"
+    assert sdk_cell("sse-fetch/2/intent") == "sse/2/warm"  # the SDK's prewarm
     for bad in ("sse/2/cold", "websocket/1.1/0rtt", "longpoll/4/cold", "sse-fetch/2"):
         with pytest.raises(ValueError, match="expected TRANSPORT/HTTP/MODE"):
             parse_cell(bad)
@@ -37,14 +40,15 @@ def test_quick_run_compares_browser_and_sdk_round_trips(quick_runs: QuickRuns) -
         assert row["sdk_ttft_ms"] is not None, row
         assert row["paint_after_token_ms"] >= 0, row  # painted after the token arrived
     far = {cell: r for (place, cell), r in rows.items() if place == "transpacific"}
-    # A cold page preflights its first fetch; a warm page's cached answer saves that trip.
-    assert far["sse-fetch/2/cold"]["preflights"] == 1
-    assert far["sse-fetch/2/warm"]["preflights"] == 0
+    # A browser's start is a CORS simple request: no preflight, cold, prewarmed or warm.
+    for cell in ("sse-fetch/2/cold", "sse-fetch/2/intent", "sse-fetch/2/warm"):
+        assert far[cell]["preflights"] == 0, far[cell]
     assert far["websocket/1.1/cold"]["preflights"] == 0  # WebSocket has no CORS preflight
     # Round trips to the first byte over HTTP/2: the SDK's theory plus the preflights. Raw
     # counts (only Server-Timing subtracted) include the local cost, so they bound from above
     # loosely; from below physics bounds them: a cold page cannot skip the preflight's trip.
-    for cell, slack in (("sse-fetch/2/cold", 1.0), ("sse-fetch/2/warm", 0.5)):
+    for cell, slack in (("sse-fetch/2/cold", 1.0), ("sse-fetch/2/intent", 0.5),
+                        ("sse-fetch/2/warm", 0.5)):
         row = far[cell]
         expected = row["theory_first_byte_rtts"] + row["preflights"]
         assert expected - 0.1 <= row["browser_first_byte_rtts_raw"] <= expected + slack, row
@@ -56,3 +60,14 @@ def test_quick_run_compares_browser_and_sdk_round_trips(quick_runs: QuickRuns) -
     assert ws["browser_ttft_ms"] < ws["sdk_ttft_ms"] + 0.5 * ws["rtt_ms"], ws
     assert far["sse-fetch/3/cold"]["browser_http"] == "HTTP/3"
     assert results["summary"]["chromium_http3"] == "negotiated"
+
+    # The report's first line answers what the first message costs and what prewarm saves.
+    headline = first_message(results["browser_vs_sdk"])
+    assert results["description"].startswith(headline["answer"])
+    assert headline["geography"] == "transpacific"
+    # An intent-prewarmed page's first message goes on the open connection: at least a
+    # round trip (the handshakes' two, physically) faster than the cold page's, and its
+    # round trips to the first byte are a warm request's one.
+    assert headline["prewarm_saves_ms"] >= far["sse-fetch/2/cold"]["rtt_ms"], headline
+    intent = far["sse-fetch/2/intent"]
+    assert intent["theory_first_byte_rtts"] == 1

@@ -139,10 +139,11 @@ async def browser_on(w: World, origin: str | None = None, flags: tuple[str, ...]
 
 
 def stream_script(base_url: str, token: str, transport: str, max_tokens: int, *,
-                  busy_ms: int = 0, report: bool = False) -> str:
+                  busy_ms: int = 0, report: bool = False,
+                  options: dict[str, Any] | None = None) -> str:
     """A script that streams one completion (the sim, seed 11) into #out and answers what it
     saw; with ``report`` the client reports its timings, sent before the script answers."""
     request = {"model": "sim-instant", "messages": MESSAGES, "max_tokens": max_tokens,
                "seed": 11}
     return browser.stream_script(base_url, token, transport, request, busy_ms=busy_ms,
-                                 report=report)
+                                 report=report, options=options)

@@ -128,8 +128,9 @@ async def test_over_tls_phases_come_from_resource_timing(tmp_path: Path) -> None
     """The page and the router over HTTPS (one trustme certificate, trusted by its key). The
     client's modules come from the page's server, which closes every connection: each module
     load is a fresh TLS connection whose DNS, TCP and TLS phases Resource Timing shows, in
-    order. The stream itself is HTTP/2 with full Resource Timing, and warm: the CORS preflight
-    opened its connection (docs/browser.md, "What is measured")."""
+    order. The stream itself is HTTP/2 with full Resource Timing, and cold: its start is a
+    CORS simple request, so no preflight opened its connection before it (docs/browser.md,
+    "What is measured")."""
     ca = trustme.CA()
     async with world(ca, str(tmp_path)) as w:
         token = await w.mint()
@@ -145,8 +146,10 @@ async def test_over_tls_phases_come_from_resource_timing(tmp_path: Path) -> None
     t = got["timings"]
     assert t["http_version"] == "HTTP/2", json.dumps(t)
     assert t["resource_timing"] == "full"
-    assert t["warm"]
-    assert t["tcp_connect_ms"] is None
+    assert not t["warm"]
+    assert not t["prewarmed"]
+    assert t["tls_handshake_ms"] > 0
+    assert t["dns_ms"] + t["tcp_connect_ms"] + t["tls_handshake_ms"] <= t["request_sent_ms"] + 0.5
     assert_ordered(t)
     assert module["http_version"] == "HTTP/1.1"  # the test's page server
     assert not module["warm"]
@@ -182,11 +185,14 @@ async def test_reported_timings_land_in_the_client_histograms() -> None:
     assert metric(text, f"{NETWORK}_count") == 4
 
 
-async def test_a_page_preflights_a_stream_once_then_uses_the_cached_answer() -> None:
+@pytest.mark.parametrize(("simple", "expected"), [(False, [1, 0, 0]), (True, [0, 0, 0])])
+async def test_a_page_preflights_a_stream_once_then_uses_the_cached_answer(
+        simple: bool, expected: list[int]) -> None:
     """A cross-origin stream with a bearer token needs a CORS preflight; the router's answer
     is cacheable (Access-Control-Max-Age), so the page's next streams on the same URL go
     without one: one round trip less on every warm request. (With ``cache: "no-store"``
-    Chromium skipped its preflight cache and preflighted every stream.)"""
+    Chromium skipped its preflight cache and preflighted every stream.) With ``simpleStart``
+    (the default) not even the first stream is preflighted."""
     async with world() as w:
         token = await w.mint()
         async with browser_on(w) as page:
@@ -194,13 +200,14 @@ async def test_a_page_preflights_a_stream_once_then_uses_the_cached_answer() -> 
             for _ in range(3):
                 mark = len(page.events())
                 got = await page.evaluate(stream_script(f"{w.router_url}/v1", token,
-                                                        "sse-fetch", 5))
+                                                        "sse-fetch", 5,
+                                                        options={"simpleStart": simple}))
                 assert "error" not in got, got
                 preflights.append(sum(
                     1 for method, p in page.events()[mark:]
                     if method == "Network.requestWillBeSent"
                     and p["request"]["method"] == "OPTIONS"))
-    assert preflights == [1, 0, 0]
+    assert preflights == expected
 
 
 async def test_a_websocket_serves_the_pages_next_stream() -> None:

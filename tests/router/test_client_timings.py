@@ -393,3 +393,19 @@ def test_served_streams_are_good_for_one_record_each_within_the_window() -> None
     assert served.available(b"a", "r", 661.0) == 1  # the first minute's has aged out
     served.forget_old(800.0)
     assert served.available(b"a", "r", 800.0) == 0
+
+
+async def test_prewarmed_streams_have_their_own_conn_label(
+    geo_router: RouterEndpoints, http: httpx.AsyncClient
+) -> None:
+    await serve(http, geo_router, 3)
+    reused = {"warm": True, "dns_ms": None, "tcp_connect_ms": None, "tls_handshake_ms": None,
+              "request_sent_ms": 0.5}
+    answer = await post(http, geo_router, [
+        record(**reused, prewarmed=True), record(**reused, prewarmed=True),
+        record(**reused),
+    ])
+    assert answer.status_code == 202, answer.text
+    text = await scrape(http, geo_router)
+    assert metric(text, f"{TTFT}_count", transport="sse", conn="prewarmed") == 2
+    assert metric(text, f"{TTFT}_count", transport="sse", conn="warm") == 1

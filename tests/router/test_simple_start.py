@@ -1,0 +1,88 @@
+"""The preflight-free start and the prewarm's requests, over real sockets: a stream started
+by a CORS simple request (``text/plain`` body, the client token in ``?token=``) gets every
+check a normal start gets; an API key or an unlisted origin is refused before the upstream
+is asked; ``GET /v1/edge/warm`` and a plain ``OPTIONS`` cost no endpoint."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from firstbyte.client_sdk.client_tokens import amint_client_token
+from firstbyte.protocol import error_codes
+from tests.router.conftest import API_KEY, RouterFactory
+from tests.router.upstream import Upstream
+
+APP = "https://app.example"
+OTHER_APP = "https://other.example"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "stream": True}
+SIMPLE = {"content-type": "text/plain;charset=UTF-8", "origin": APP}
+CORS = {"allow_origins": [APP, OTHER_APP]}
+
+
+async def test_a_simple_request_starts_a_stream_with_a_client_token(
+    start_router: RouterFactory, upstream: Upstream
+) -> None:
+    async with start_router([upstream.url], tls=False, cors=CORS) as r, \
+            httpx.AsyncClient(base_url=r.base_url) as http:
+        token = (await amint_client_token(f"{r.base_url}/v1", API_KEY)).token
+        sse = await http.post("/v1/chat/completions", params={"token": token},
+                              content=json.dumps(CHAT), headers=SIMPLE)
+        polled = await http.post("/v1/streams", params={"token": token, "wait": "5"},
+                                 content=json.dumps(CHAT), headers=SIMPLE)
+    assert sse.status_code == 200, sse.text
+    assert sse.headers["content-type"].startswith("text/event-stream")
+    assert sse.headers["access-control-allow-origin"] == APP  # readable by the page
+    assert "[DONE]" in sse.text
+    assert polled.status_code == 201, polled.text
+    assert polled.json()["stream"]
+    assert len(upstream.chat_requests) == 2
+
+
+async def test_the_url_takes_no_api_key_and_no_unlisted_origin(
+    start_router: RouterFactory, upstream: Upstream
+) -> None:
+    async with start_router([upstream.url], tls=False, cors=CORS,
+                            limits={"max_body_bytes": 4096}) as r, \
+            httpx.AsyncClient(base_url=r.base_url) as http:
+        token = (await amint_client_token(f"{r.base_url}/v1", API_KEY)).token
+        bound = (await amint_client_token(f"{r.base_url}/v1", API_KEY, origin=APP)).token
+        key = await http.post("/v1/chat/completions", params={"token": API_KEY},
+                              content=json.dumps(CHAT), headers=SIMPLE)
+        evil = await http.post("/v1/chat/completions", params={"token": token},
+                               content=json.dumps(CHAT),
+                               headers={**SIMPLE, "origin": "https://evil.example"})
+        elsewhere = await http.post("/v1/chat/completions", params={"token": bound},
+                                    content=json.dumps(CHAT),
+                                    headers={**SIMPLE, "origin": OTHER_APP})
+        big = await http.post("/v1/chat/completions", params={"token": token},
+                              content=json.dumps({**CHAT, "pad": "x" * 5000}), headers=SIMPLE)
+    assert key.status_code == 401
+    assert key.json()["error"]["code"] == error_codes.INVALID_CLIENT_TOKEN
+    assert API_KEY not in key.text
+    assert evil.status_code == 403
+    assert evil.json()["error"]["code"] == error_codes.ORIGIN_NOT_ALLOWED
+    assert elsewhere.status_code == 401  # the token's origin binding holds
+    assert big.status_code == 413  # the body limit of every start
+    assert upstream.chat_requests == []  # nothing refused reached the backend
+
+
+async def test_prewarm_requests_answer_without_an_endpoint(
+    start_router: RouterFactory, upstream: Upstream
+) -> None:
+    async with start_router([upstream.url], tls=False, cors=CORS) as r, \
+            httpx.AsyncClient(base_url=r.base_url) as http:
+        warm = await http.get("/v1/edge/warm", headers={"origin": APP})
+        anonymous = await http.get("/v1/edge/warm")
+        plain_options = await http.options("/v1/chat/completions", headers={"origin": APP})
+    assert warm.status_code == 204
+    assert warm.content == b""
+    assert warm.headers["cache-control"] == "no-store"
+    assert warm.headers["access-control-allow-origin"] == APP
+    assert anonymous.status_code == 204
+    assert plain_options.status_code == 204
+    assert plain_options.headers["access-control-allow-origin"] == APP
+    assert plain_options.headers["access-control-max-age"] == "600"
+    assert upstream.chat_requests == []
