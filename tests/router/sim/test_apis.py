@@ -356,3 +356,21 @@ async def test_a_drop_fault_cuts_every_stream_mid_way(path: str) -> None:
         "/v1/messages": "content_block_delta",
     }
     assert sum(e.event == token_events[path] for e in events) == 2
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+async def test_an_injected_503_says_retry_after_in_each_apis_envelope(path: str) -> None:
+    async with (
+        sim_server("instant", served_model_names=[MODEL], faults=["error503:rate=1"]) as sim,
+        httpx.AsyncClient() as c,
+    ):
+        r = await c.post(sim.url + path, json={"model": MODEL, **BODIES[path]})
+        models = await c.get(f"{sim.url}/v1/models")
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "overloaded_error"
+    else:
+        assert r.json()["error"]["code"] == "service_unavailable"
+    assert models.status_code == 200  # other routes keep being served
