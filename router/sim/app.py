@@ -235,6 +235,9 @@ class SimApp:
         disconnected: asyncio.Future[None],
     ) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        preamble = fmt.preamble()
+        if preamble:
+            await send({"type": "http.response.body", "body": preamble, "more_body": True})
         limit = seq.max_output
         stop_at = limit
         pause_at: int | None = None  # a stall with an end: send on after it

@@ -1,22 +1,23 @@
 """What the sim sends, per endpoint, as bytes: sans-IO encoders of each wire format.
 
 A :class:`StreamFormat` is made per request once the engine has the sequence; the streaming
-loop in :mod:`firstbyte.router.sim.app` asks it for the bytes before the first token
-(:meth:`~StreamFormat.opening`), for each token (:meth:`~StreamFormat.token`) and after the
-last (:meth:`~StreamFormat.closing`), or for the whole non-streamed body
-(:meth:`~StreamFormat.whole`). Each follows its API's reference and vLLM's implementation:
+loop in :mod:`firstbyte.router.sim.app` asks it for the bytes sent at once
+(:meth:`~StreamFormat.preamble`), before the first token (:meth:`~StreamFormat.opening`), for
+each token (:meth:`~StreamFormat.token`) and after the last (:meth:`~StreamFormat.closing`),
+or for the whole non-streamed body (:meth:`~StreamFormat.whole`). Each follows its API's
+reference and vLLM's implementation:
 
 - chat: OpenAI's ``chat.completion.chunk`` SSE, a role chunk, one chunk per token, a
   ``finish_reason`` chunk, the usage chunk when asked, ``data: [DONE]``;
 - completions: ``text_completion`` chunks with ``choices[0].text``, ``finish_reason`` on the
   last token's chunk (as vLLM), the usage chunk when asked, ``data: [DONE]``;
 - responses: typed events, each an SSE event with an ``event:`` line and a ``sequence_number``
-  counted from 0: ``response.created``, ``response.in_progress``,
-  ``response.output_item.added``, ``response.content_part.added``, one
-  ``response.output_text.delta`` per token, ``response.output_text.done``,
-  ``response.content_part.done``, ``response.output_item.done``, ``response.completed`` (the
-  response with its usage; ``status: "incomplete"`` when cut at ``max_output_tokens``); no
-  ``[DONE]``;
+  counted from 0: ``response.created`` and ``response.in_progress`` at once (before the first
+  token, as vLLM sends them), then with the first token ``response.output_item.added`` and
+  ``response.content_part.added``, one ``response.output_text.delta`` per token,
+  ``response.output_text.done``, ``response.content_part.done``,
+  ``response.output_item.done``, ``response.completed`` (the response with its usage;
+  ``status: "incomplete"`` when cut at ``max_output_tokens``); no ``[DONE]``;
 - messages (Anthropic): ``message_start``, ``content_block_start``, ``ping``, one
   ``content_block_delta`` (``text_delta``) per token, ``content_block_stop``,
   ``message_delta`` (``stop_reason``, usage), ``message_stop``, each with an ``event:`` line.
@@ -64,6 +65,9 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
 class StreamFormat(Protocol):
+    def preamble(self) -> bytes:
+        """What goes out with the response head, before any token is ready."""
+
     def opening(self) -> bytes:
         """What goes before the first token (sent with it)."""
 
@@ -119,6 +123,9 @@ class ChatFormat:
         self._tail = b'},"logprobs":null,"finish_reason":null}]' + self._usage_null + b"}\n\n"
         self._content_head = self._head + b'{"content":'
         self._token_text: Callable[[int], str] = completion.token_text
+
+    def preamble(self) -> bytes:
+        return b""
 
     def opening(self) -> bytes:
         return self._head + b'{"role":"assistant","content":""' + self._tail
@@ -195,6 +202,9 @@ class CompletionsFormat:
             + b"}\n\n"
         )
         self._last = seq.max_output - 1
+
+    def preamble(self) -> bytes:
+        return b""
 
     def opening(self) -> bytes:
         return b""
@@ -320,12 +330,15 @@ class ResponsesFormat:
             "total_tokens": seq.prompt_len + seq.generated,
         }
 
-    def opening(self) -> bytes:
+    def preamble(self) -> bytes:
         snapshot = self._response("in_progress", None)
+        return self._event({"type": "response.created", "response": snapshot}) + self._event(
+            {"type": "response.in_progress", "response": snapshot}
+        )
+
+    def opening(self) -> bytes:
         return b"".join(
             [
-                self._event({"type": "response.created", "response": snapshot}),
-                self._event({"type": "response.in_progress", "response": snapshot}),
                 self._event(
                     {
                         "type": "response.output_item.added",
@@ -419,6 +432,9 @@ class MessagesFormat:
             "stop_sequence": None,
             "usage": self._usage(self.seq.generated if stop_reason else 0),
         }
+
+    def preamble(self) -> bytes:
+        return b""
 
     def opening(self) -> bytes:
         start = {"type": "message_start", "message": self._message([], None)}

@@ -171,6 +171,27 @@ async def test_responses_sse_has_event_lines_naming_each_type(sim: SimServer) ->
         assert json.loads(data)["type"] == name
 
 
+async def test_responses_created_and_in_progress_come_before_any_token() -> None:
+    """As vLLM: the two events go out with the head; a stall before the first token leaves
+    them, and only them, on the wire."""
+    body = {"model": MODEL, "input": "hi", "stream": True}
+    async with (
+        sim_server("instant", served_model_names=[MODEL], faults=["stall:after=0"]) as sim,
+        httpx.AsyncClient(timeout=10) as c,
+        c.stream("POST", f"{sim.url}/v1/responses", json=body) as r,
+    ):
+        decoder, events = SSEDecoder(), []
+        async for piece in r.aiter_raw():
+            events += decoder.receive_data(piece)
+            if len(events) >= 2:
+                break
+    assert [e.event for e in events] == ["response.created", "response.in_progress"]
+    created = json.loads(events[0].data)
+    assert created["sequence_number"] == 0
+    assert created["response"]["status"] == "in_progress"
+    assert created["response"]["output"] == []
+
+
 # -- /v1/embeddings -------------------------------------------------------------------------
 
 
