@@ -16,6 +16,7 @@ import pytest
 
 from firstbyte.protocol.sse import DONE, SSEDecoder
 from firstbyte.router.sim.server import SimServer, sim_server
+from tests.router.conftest import client_tls
 
 MODEL = "m"
 SYSTEM = "You answer in one short sentence. " * 40
@@ -395,3 +396,38 @@ async def test_an_injected_503_says_retry_after_in_each_apis_envelope(path: str)
     else:
         assert r.json()["error"]["code"] == "service_unavailable"
     assert models.status_code == 200  # other routes keep being served
+
+
+async def test_the_sdks_stream_every_format_over_http2(tls_files: dict[str, str]) -> None:
+    """Over TLS the sim is hypercorn: HTTP/2 by ALPN for both SDKs' streams."""
+    context = client_tls(tls_files)
+    async with (
+        sim_server(
+            "instant", served_model_names=[MODEL], certfile=tls_files["certfile"],
+            keyfile=tls_files["keyfile"],
+        ) as sim,
+        httpx.AsyncClient(http2=True, verify=context) as http,
+    ):  # fmt: skip
+        versions: list[str] = []
+
+        async def seen(response: httpx.Response) -> None:
+            versions.append(response.http_version)
+
+        http.event_hooks["response"] = [seen]
+        oai = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="k", http_client=http)
+        events = [e async for e in await oai.responses.create(
+            model=MODEL, input="hi", max_output_tokens=5, stream=True)]  # fmt: skip
+        assert [e.type for e in events] == RESPONSE_EVENTS
+        chunks = [c async for c in await oai.completions.create(
+            model=MODEL, prompt="hi", max_tokens=3, stream=True)]  # fmt: skip
+        assert len(chunks) == 3
+        # anthropic's SDK runs on its own fork of httpx (httpx2), with the same options.
+        async with anthropic.DefaultAsyncHttpxClient(
+            http2=True, verify=context, event_hooks={"response": [seen]}
+        ) as http_a:
+            claude = anthropic.AsyncAnthropic(base_url=sim.url, api_key="k", http_client=http_a)
+            async with claude.messages.stream(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            ) as stream:
+                assert len([t async for t in stream.text_stream]) == 4
+    assert versions == ["HTTP/2"] * 3
