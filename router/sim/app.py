@@ -378,7 +378,8 @@ class _Errors:
         code: str | None = None,
     ) -> None:
         if self.anthropic:
-            body = anthropic_error(message, "invalid_request_error")
+            kind = "request_too_large" if status == 413 else "invalid_request_error"
+            body = anthropic_error(message, kind)
         else:
             body = encode(error_body(message, "invalid_request_error", param=param, code=code))
         await _respond(send, status, body)
