@@ -55,7 +55,7 @@ def test_meter_labels_only_the_configured_keys() -> None:
 
 @pytest.fixture
 async def sim() -> AsyncIterator[SimServer]:
-    async with sim_server() as server:
+    async with sim_server(served_model_names=["sim-llama-7b"]) as server:
         yield server
 
 

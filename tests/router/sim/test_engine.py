@@ -224,3 +224,28 @@ def test_invalid_settings() -> None:
         Engine(ROUND, queue_limit=-1)
     with pytest.raises(KeyError, match="h100-7b"):
         get_profile("nope")
+
+
+def test_a_pooling_request_costs_its_prefill_and_leaves_the_decode_batch_alone() -> None:
+    engine = Engine(ROUND)
+    embed = engine.submit(list(range(100, 150)), 0, "stop", now=0.0)
+    # Alone: its step is its prefill (50 tokens, 50 ms) and no decode.
+    assert engine.next_deadline() == pytest.approx(0.050)
+    assert engine.advance(0.050) == [embed]
+    assert embed.state is SeqState.FINISHED
+    assert (embed.generated, embed.token_times) == (0, [])
+    assert engine.next_deadline() is None
+    # Beside a decoding sequence: the step is that sequence's decode (batch of 1) plus the
+    # embedding's prefill; the embedding does not count in the batch.
+    chat = engine.submit(list(range(300, 310)), 2, "length", now=1.0)  # starts a step at once
+    other = engine.submit(list(range(400, 420)), 0, "stop", now=1.0)  # waits for the next
+    assert engine.next_deadline() == pytest.approx(1.0 + 0.010 + 0.011)
+    assert engine.advance(1.021) == [chat]
+    assert engine.next_deadline() == pytest.approx(1.021 + 0.011 + 0.020)
+    assert set(engine.advance(1.052)) == {chat, other}
+    assert other.state is SeqState.FINISHED
+    assert (chat.state, chat.generated) == (SeqState.FINISHED, 2)
+    assert engine.next_deadline() is None
+    text = engine.render_metrics()
+    assert 'vllm:generation_tokens_total{model_name="m"} 2.0' in text
+    assert 'vllm:request_success_total{model_name="m",finished_reason="stop"} 2.0' in text
