@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from firstbyte.protocol import error_codes
-from firstbyte.protocol.edge import BackendStatus, EdgeStatus, PeerLink, prefix_hash
+from firstbyte.protocol.edge import BackendStatus, EdgeStatus, ModelStatus, PeerLink, prefix_hash
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
     BETTER_REGION_URL_HEADER,
@@ -54,6 +54,7 @@ from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
+from .models import ModelLister, ModelMap
 from .observability.logs import describe_error
 from .peers import PeerPoller, PeerTable
 from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
@@ -102,6 +103,7 @@ REJECTION_REASONS = {
     "saturated_forwarded": "this request was already forwarded by another region",
     "no_local_backend": "no backend of it can take this request",
     "fair_wait": "no slot freed for this request within routing.max_fair_wait_ms",
+    "model_elsewhere_full": "the regions serving this request's model have no room",
 }
 """Why a request was answered 429 here (the access log's ``reason``), and the sentence the
 client reads after "Region R is at capacity and"."""
@@ -301,6 +303,18 @@ class RegionRouting:
             scraped[b.name] = b.url
             if b.api_key:
                 probe_headers[b.name] = {"authorization": f"Bearer {b.api_key}"}
+        # Models: configured, or listed by each backend (refreshed in the background).
+        self.models = ModelMap(
+            {b.name: u.models for b, u in zip(pool.backends, upstreams, strict=True)}
+        )
+        self.lister = ModelLister(
+            self.models, client, {b.name: b.url for b in pool.backends},
+            interval_s=routing.models_refresh_s, clock=clock, on_change=self._on_models,
+            headers={
+                b.name: {"authorization": f"Bearer {b.api_key}"}
+                for b in pool.backends if b.api_key
+            },
+        )
         self.runner = WarmupRunner(
             self.scheduler, client, scraped,
             poll_interval_s=routing.backend_metrics_interval_s, clock=clock,
@@ -360,6 +374,9 @@ class RegionRouting:
             if was is not None and was.url == peer.url:
                 self.peer_table.peers[name] = was
         self.draining = previous.draining
+        for name in self.models.to_learn():  # a list learned stays until asked again
+            if self.backends[name] is previous.backends.get(name):
+                self.models.lists[name] = previous.models.lists.get(name)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -371,18 +388,27 @@ class RegionRouting:
             self.poller.start()
         if self.runner.urls:
             self.runner.start()
+        self.lister.start()
 
     async def wait_warm(self) -> bool:
-        """Before serving: warm every prefix on every backend (bounded by the start-up timeout)."""
+        """Before serving: ask the backends for their models, then warm every prefix on every
+        backend (bounded by the start-up timeout)."""
+        await self.lister.wait_ready(self.lister.timeout_s + 1.0)
         if not self.prefixes or not self.runner.urls:
             return True
         return await self.runner.wait_all_warm(self.config.warmup.startup_timeout_s)
 
     async def aclose(self) -> None:
+        await self.lister.stop()
         await self.poller.stop()
         await self.runner.stop()
         if self.locator is not None:
             self.locator.close()
+
+    def _on_models(self, name: str, models: frozenset[str]) -> None:
+        """``name`` lists new models: warm them there too (a prefix applies per model)."""
+        if name in self.scheduler.backends and models:
+            self.scheduler.set_models(name, sorted(models))
 
     def _on_peer_status(self, name: str) -> None:
         self._sent_baseline[name] = self.peer_routed[name]
@@ -446,34 +472,105 @@ class RegionRouting:
                 return p
         return None
 
-    def _here(self, now: float) -> RegionCandidate:
+    def serving(self, ctx: RequestContext) -> frozenset[str] | None:
+        """The local backends serving ``ctx``'s model (None: no request, every backend)."""
+        return self.models.serving(ctx.request.model) if ctx.request is not None else None
+
+    def _here(self, now: float, among: frozenset[str] | None = None) -> RegionCandidate:
+        """This region as a candidate: over ``among`` (the backends serving the request's
+        model; None: all of them)."""
+        healthy = self.tracker.healthy(among)
         warm = {
             self.prefix_hashes[name]
-            for backend in self.tracker.healthy()
+            for backend in healthy
             for name in self.scheduler.warm(backend)
         }
         return RegionCandidate(
-            self.region, self.here_point, bool(self.tracker.healthy()) and not self.draining,
-            self.tracker.region_saturated(now), self.tracker.queue_wait_ms(now), frozenset(warm),
+            self.region, self.here_point, bool(healthy) and not self.draining,
+            self.tracker.region_saturated(now, among), self.tracker.queue_wait_ms(now, among),
+            frozenset(warm), serves=among is None or bool(among),
         )
 
-    def _peers(self, now: float) -> dict[str, RegionCandidate]:
+    def _peers(self, now: float, model: str | None = None) -> dict[str, RegionCandidate]:
+        """Peers with fresh status, as candidates; given ``model``, only those serving it,
+        with their figures for it (a peer that does not say which models it serves, an older
+        router, counts as serving every model with its region's figures)."""
         out: dict[str, RegionCandidate] = {}
         for name, status in self.peer_table.fresh(now).items():
+            healthy, saturated, in_flight, capacity, wait = (
+                status.healthy, status.saturated, status.in_flight, status.capacity,
+                status.queue_wait_ms,
+            )
+            if model is not None and status.models is not None:
+                room = next((m for m in status.models if m.name == model), None)
+                if room is None:
+                    continue
+                healthy, saturated, in_flight, capacity, wait = (
+                    room.healthy, room.saturated, room.in_flight, room.capacity,
+                    room.queue_wait_ms,
+                )
             rtt = self.peer_table.peers[name].rtt_ms
             point = self.peer_points.get(name)
             if point is None and status.latitude is not None and status.longitude is not None:
                 point = GeoPoint(status.latitude, status.longitude)
             # The status counted our requests of that moment; adjust by ours since (+ or -).
+            # Ours to every model count against each: a peer looks no emptier than it is.
             ours = self.peer_routed[name] - self._sent_baseline[name]
-            load = status.in_flight + ours
-            saturated = load >= status.capacity if ours else status.saturated
+            load = in_flight + ours
+            saturated = load >= capacity if ours else saturated
             out[name] = RegionCandidate(
-                name, point, status.healthy, saturated, status.queue_wait_ms,
+                name, point, healthy, saturated, wait,
                 frozenset(status.warm_prefixes), rtt.value if rtt is not None else None,
                 status.public_url or self.peer_urls.get(name),
             )
         return out
+
+    def _known_elsewhere(self, model: str) -> bool:
+        """A peer whose last status (however old) serves ``model``, or does not say."""
+        for peer in self.peer_table.peers.values():
+            status = peer.status
+            if status is not None and (
+                status.models is None or any(m.name == model for m in status.models)
+            ):
+                return True
+        return False
+
+    def model_missing(self, ctx: RequestContext, model: str, now: float) -> LocalReply:
+        """No backend here and no peer with fresh status serves ``model``: 404
+        ``model_not_found``, nothing sent upstream; but 503 ``no_healthy_backend`` with
+        ``Retry-After`` while it may yet be served (a backend's list is unknown, or a peer
+        that served it has gone quiet)."""
+        self.outcomes[(self.region, "", "rejected")] += 1
+        unknown = self.models.unknown()
+        if unknown or (
+            not (self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers)
+            and self._known_elsewhere(model)
+        ):
+            reason = "model_unknown_yet"
+            self.rejections[reason] += 1
+            ctx.route_reason = reason
+            retry = self.down_retry_after_s(now)
+            return error_reply(
+                503,
+                f"No backend of region {self.region} known to serve model {model!r} is"
+                f" answering (the model lists of {len(unknown)} backends are not known yet,"
+                f" or the regions serving it are not answering); retry after {retry} s.",
+                "server_error",
+                code=error_codes.NO_HEALTHY_BACKEND,
+                headers=(("retry-after", str(retry)),),
+                outcome="rejected",
+            )
+        ctx.route_reason = "model_not_found"
+        self.rejections["model_not_found"] += 1
+        return error_reply(
+            404,
+            f"The model {model!r} does not exist in region {self.region} or its peers;"
+            " GET /v1/models lists the models served.",
+            "invalid_request_error",
+            param="model",
+            code=error_codes.MODEL_NOT_FOUND,
+            outcome="model_not_found",
+        )
 
     def active(self) -> int:
         """Requests routed from here and not finished: to local backends and to peers."""
@@ -494,11 +591,16 @@ class RegionRouting:
             self._back_in_rotation(now)
         from_peer = self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
+        # Only the backends and regions serving the request's model are candidates.
+        serving = self.models.serving(request.model)
+        peers = {} if forwarded else self._peers(now, request.model)
+        if not serving and not peers:
+            return self.model_missing(ctx, request.model, now)
         location = self.locate(ctx, from_peer)
         prefix = self._prefix(request)
         chars = sum(len(message_text(m)) for m in request.messages)
         decision = choose_region(
-            self.model, self._here(now), self._peers(now), client=location,
+            self.model, self._here(now, serving), peers, client=location,
             prompt_tokens=int(chars / CHARS_PER_TOKEN),
             prefix=self.prefix_hashes[prefix.name] if prefix else None,
             prefix_tokens=int(len(prefix.text) / CHARS_PER_TOKEN) if prefix else 0,
@@ -516,12 +618,14 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self._local_backend(request, now)
+            chosen = self._local_backend(request, now, serving)
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now)
         if decision.verdict is Verdict.REJECT:
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
+            if not serving:
+                return self.reject(ctx, now, "model_elsewhere_full")
             return self._queue_or_reject(ctx, request, location, now, reason, share)
         slot: SpillSlot | None = None
         if decision.verdict is Verdict.SPILL:
@@ -534,6 +638,8 @@ class RegionRouting:
             self.spills[(decision.region, "saturated")] += 1
         else:
             self.forwards[decision.region] += 1
+            if not serving:
+                ctx.route_reason = "model_elsewhere"  # for the access log
         self._to_peer(ctx, decision.region, location, slot)
         return CONTINUE
 
@@ -546,8 +652,9 @@ class RegionRouting:
         reason: str,
         share: FairCheck | None = None,
     ) -> Outcome:
-        queued = self._queue_locally(request, now)
-        if queued is None and share is not None and self.tracker.healthy():
+        serving = self.models.serving(request.model)
+        queued = self._queue_locally(request, now, serving)
+        if queued is None and share is not None and self.tracker.healthy(serving):
             verdict = share(ctx, now)
             if isinstance(verdict, LocalReply):
                 self.outcomes[(self.region, "", "rejected")] += 1
@@ -555,7 +662,7 @@ class RegionRouting:
             if verdict and self.config.routing.max_fair_wait_ms > 0:
                 return WAIT_FOR_SLOT  # below its fair share: it waits here for a slot
             if verdict:  # below its fair share: it waits on a backend, others are held
-                queued = self._choose(request, self.tracker.healthy(), now, "fair_share")
+                queued = self._choose(request, self.tracker.healthy(serving), now, "fair_share")
         if queued is not None:
             return self._serve_local(ctx, queued, location, now)
         return self.reject(ctx, now, reason)
@@ -565,14 +672,19 @@ class RegionRouting:
         texts = [p.text for p in self.prefixes]
         return affinity_key(request, texts, self.config.routing.affinity_chars)
 
-    def _local_backend(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
-        return self._choose(request, self.tracker.available(now), now, None)
+    def _local_backend(
+        self, request: ChatCompletionRequest, now: float, serving: frozenset[str]
+    ) -> BackendChoice | None:
+        return self._choose(request, self.tracker.available(now, serving), now, None)
 
-    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
-        """A backend to queue on when the expected wait is within ``max_queue_wait_ms``."""
-        healthy = self.tracker.healthy()
+    def _queue_locally(
+        self, request: ChatCompletionRequest, now: float, serving: frozenset[str]
+    ) -> BackendChoice | None:
+        """A backend (of ``serving``) to queue on when the expected wait is within
+        ``max_queue_wait_ms``."""
+        healthy = self.tracker.healthy(serving)
         limit = self.config.routing.max_queue_wait_ms
-        if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now) > limit:
+        if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now, serving) > limit:
             return None
         return self._choose(request, healthy, now, "queued")
 
@@ -668,7 +780,8 @@ class RegionRouting:
         With no healthy backend here the cause is not load: 503 ``no_healthy_backend``
         (reason ``no_healthy_backend``), so clients and operators do not read it as one."""
         self.outcomes[(self.region, "", "rejected")] += 1
-        if not self.tracker.healthy():
+        serving = self.serving(ctx)
+        if serving != frozenset() and not self.tracker.healthy(serving):
             reason = "no_healthy_backend"
             self.rejections[reason] += 1
             ctx.route_reason = reason
@@ -682,7 +795,7 @@ class RegionRouting:
                 headers=(("retry-after", str(retry)),),
                 outcome="rejected",
             )
-        retry = self.tracker.retry_after_s(now)
+        retry = self.tracker.retry_after_s(now, serving or None)
         self.rejections[reason] += 1
         ctx.route_reason = reason  # for the access log
         return error_reply(
@@ -730,7 +843,9 @@ class RegionRouting:
         forwarded = self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
         if forwarded:
             return None
-        candidates = [c for c in self._peers(now).values() if c.healthy and not c.saturated]
+        model = ctx.request.model if ctx.request is not None else None
+        peers = self._peers(now, model)
+        candidates = [c for c in peers.values() if c.healthy and not c.saturated]
         if not candidates:
             return None
         location = ctx.location
@@ -782,8 +897,9 @@ class RegionRouting:
             self.eject(old, exc, cause)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
+        serving = self.models.serving(request.model)
         while True:
-            candidates = [n for n in self.tracker.available(now) if n not in refused]
+            candidates = [n for n in self.tracker.available(now, serving) if n not in refused]
             choice = self._choose(request, candidates, now, "failover") if candidates else None
             if choice is None:
                 return None
@@ -895,6 +1011,7 @@ class RegionRouting:
             longitude=self.here_point.lon if self.here_point else None,
             public_url=self.config.geo.public_url, ttft_ms=self.tracker.ttft_ms(),
             warm_prefixes=sorted(here.warm_prefixes), backends=backends,
+            models=self.model_status(now),
             peers=[
                 PeerLink(
                     name=name,
@@ -904,6 +1021,29 @@ class RegionRouting:
                 for name, url in self.peer_urls.items()
             ],
         )
+
+    def model_status(self, now: float) -> list[ModelStatus]:
+        """Each model served here, with its room (over the backends serving it)."""
+        out = []
+        for model in self.models.models():
+            among = self.models.serving(model)
+            wait = self.tracker.queue_wait_ms(now, among)
+            out.append(ModelStatus(
+                name=model, healthy=bool(self.tracker.healthy(among)) and not self.draining,
+                saturated=self.tracker.region_saturated(now, among),
+                in_flight=self.tracker.in_flight(among), capacity=self.tracker.capacity(among),
+                queue_wait_ms=wait if math.isfinite(wait) else 1e9,
+            ))
+        return out
+
+    def model_names(self, *, peers: bool = False) -> list[str]:
+        """The models this region serves (``GET /v1/models``); with ``peers``, also those
+        its peers with fresh status serve."""
+        names = set(self.models.models())
+        if peers:
+            for status in self.peer_table.fresh(self.clock()).values():
+                names.update(m.name for m in status.models or ())
+        return sorted(names)
 
     def render_metrics(self) -> str:
         from .routing_metrics import render
