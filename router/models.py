@@ -111,6 +111,7 @@ class ModelLister:
         self._failed: set[str] = set()
         self.ready = asyncio.Event()
         """Set once every list was asked for once (answered or not)."""
+        self._wake = asyncio.Event()
 
     async def list_once(self, name: str) -> None:
         """Ask ``name`` once; a failure keeps what was known (one log line per failure run)."""
@@ -157,7 +158,13 @@ class ModelLister:
             wait = self.interval_s
             if self.models.unknown():
                 wait = min(wait, UNKNOWN_RETRY_S)
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """Ask now (a backend whose list is unknown just answered its metrics scrape)."""
+        self._wake.set()
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Return once every list was asked for once (:meth:`start` first), or after

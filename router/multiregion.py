@@ -1,13 +1,19 @@
 """Routing across regions, wired into the router: the routing stage and its background tasks.
 
-:class:`RegionRouting` owns the control-plane cores and connects them to the data plane:
+:class:`RegionRouting` owns the control-plane cores and connects them to the data plane. The
+decisions are the pure chooser's (:class:`~firstbyte.router.pipeline.chooser.RouteChooser`:
+region, backend and model from the request, the known load and ``now``); this class applies
+them (counters, spill slots, the request's context), runs the services that feed the chooser
+(below) and answers for the region (:mod:`firstbyte.router.routing_status`,
+:mod:`firstbyte.router.routing_metrics`):
 
 - :meth:`RegionRouting.route` is the pipeline stage between admission and the proxy. It
   locates the client (:mod:`firstbyte.router.geo`), chooses the region by expected TTFT
-  (:mod:`firstbyte.router.pipeline.region`), and then either picks a local backend by prefix
-  affinity
+  among the regions serving the request's model (:mod:`firstbyte.router.pipeline.region`),
+  and then either picks a local backend serving it by prefix affinity
   (:mod:`firstbyte.router.pipeline.affinity`), forwards/spills to a peer's router (as an upstream,
-  with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
+  with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``
+  (404 ``model_not_found`` for a model served nowhere).
 - An :class:`Observation` rides along in ``ctx.observer``: the proxy reports the
   first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
   whether to switch upstream when the first token is late (``first_token_deadline_ms``), or
@@ -18,8 +24,8 @@
   the moment they are routed (not when the proxy's task gets to run), so a burst routed in one
   loop turn sees its own earlier members.
 - Background: :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
-  pool) and :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
-  probes).
+  pool), :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
+  probes) and :class:`~firstbyte.router.models.ModelLister` (each backend's ``/v1/models``).
 - :meth:`status` is ``GET /v1/edge/status``; :meth:`render_metrics` adds to ``/metrics``.
 
 Routers of one deployment share their API keys: a forwarded request carries the client's
@@ -40,14 +46,14 @@ from dataclasses import dataclass, field
 import httpx
 
 from firstbyte.protocol import error_codes
-from firstbyte.protocol.edge import BackendStatus, EdgeStatus, ModelStatus, PeerLink, prefix_hash
+from firstbyte.protocol.edge import EdgeStatus
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
     BETTER_REGION_URL_HEADER,
     FORWARDED_HEADER,
     PEER_KEY_HEADER,
 )
-from firstbyte.protocol.openai import ChatCompletionRequest, message_text
+from firstbyte.protocol.openai import ChatCompletionRequest
 
 from .backpressure import BackendLoad, LoadTracker
 from .config import RouterConfig
@@ -57,8 +63,9 @@ from .metrics import TTFT_BUCKETS_S
 from .models import ModelLister, ModelMap
 from .observability.logs import describe_error
 from .peers import PeerPoller, PeerTable
-from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
+from .pipeline.affinity import AffinityPolicy, BackendChoice
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
+from .pipeline.chooser import ModelMissing, RouteChooser, RouteInput
 from .pipeline.context import (
     CONTINUE,
     FailCause,
@@ -68,7 +75,7 @@ from .pipeline.context import (
     RequestContext,
     error_reply,
 )
-from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
+from .pipeline.region import RegionCandidate, RegionModel, Verdict
 from .regions_config import warm_prefix_text
 from .spill import SpillBudget, SpillSlot
 from .upstream_metrics import BackendMetrics
@@ -88,7 +95,6 @@ region (``routing.max_fair_wait_ms``): the caller waits (:meth:`firstbyte.router
 RouterState.wait_for_slot`) and routes it again; it never reaches a client."""
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-CHARS_PER_TOKEN = 4.0
 
 PASSIVE_DOWN_S = 10.0
 """How long a backend that refused a connection stays out of rotation when it has no metrics
@@ -285,7 +291,6 @@ class RegionRouting:
         self.prefixes = [
             WarmPrefix(p.name, warm_prefix_text(p), tuple(p.models)) for p in config.warm_prefixes
         ]
-        self.prefix_hashes = {p.name: prefix_hash(p.text) for p in self.prefixes}
         self.scheduler = WarmupScheduler(
             self.prefixes if config.warmup.enabled else [],
             interval_s=config.warmup.interval_s,
@@ -314,6 +319,13 @@ class RegionRouting:
                 b.name: {"authorization": f"Bearer {b.api_key}"}
                 for b in pool.backends if b.api_key
             },
+        )
+        # The pure chooser over the sans-IO state above; this class applies its decisions.
+        self.chooser = RouteChooser(
+            self.region, self.here_point, self.model, self.tracker, self.models,
+            self.scheduler, self.prefixes, self.peer_table, self.peer_points, self.peer_urls,
+            self.policy, affinity_chars=routing.affinity_chars,
+            max_queue_wait_ms=routing.max_queue_wait_ms,
         )
         self.runner = WarmupRunner(
             self.scheduler, client, scraped,
@@ -440,6 +452,8 @@ class RegionRouting:
             del self._ejected_until[name]
         self.tracker.set_health(name, healthy)
         self.backends[name].healthy = healthy
+        if healthy and self.models.lists.get(name, ()) is None:
+            self.lister.wake()  # up, and its models still unknown: ask now
         if metrics is not None:
             self.tracker.observe_metrics(name, metrics, self.clock())
         return healthy
@@ -462,106 +476,42 @@ class RegionRouting:
             return None
         return self.locator.locate(address)
 
-    def _prefix(self, request: ChatCompletionRequest) -> WarmPrefix | None:
-        first = request.messages[0]
-        if first.role not in ("system", "developer"):
-            return None
-        text = message_text(first)
-        for p in self.prefixes:
-            if (not p.models or request.model in p.models) and text.startswith(p.text):
-                return p
-        return None
-
     def serving(self, ctx: RequestContext) -> frozenset[str] | None:
         """The local backends serving ``ctx``'s model (None: no request, every backend)."""
         return self.models.serving(ctx.request.model) if ctx.request is not None else None
 
-    def _here(self, now: float, among: frozenset[str] | None = None) -> RegionCandidate:
-        """This region as a candidate: over ``among`` (the backends serving the request's
-        model; None: all of them)."""
-        healthy = self.tracker.healthy(among)
-        warm = {
-            self.prefix_hashes[name]
-            for backend in healthy
-            for name in self.scheduler.warm(backend)
-        }
-        return RegionCandidate(
-            self.region, self.here_point, bool(healthy) and not self.draining,
-            self.tracker.region_saturated(now, among), self.tracker.queue_wait_ms(now, among),
-            frozenset(warm), serves=among is None or bool(among),
-        )
+    def sent_since(self) -> dict[str, int]:
+        """Requests routed to each peer since its last status (which counted those before)."""
+        return {n: self.peer_routed[n] - self._sent_baseline[n] for n in self.peer_routed}
 
-    def _peers(self, now: float, model: str | None = None) -> dict[str, RegionCandidate]:
-        """Peers with fresh status, as candidates; given ``model``, only those serving it,
-        with their figures for it (a peer that does not say which models it serves, an older
-        router, counts as serving every model with its region's figures)."""
-        out: dict[str, RegionCandidate] = {}
-        for name, status in self.peer_table.fresh(now).items():
-            healthy, saturated, in_flight, capacity, wait = (
-                status.healthy, status.saturated, status.in_flight, status.capacity,
-                status.queue_wait_ms,
-            )
-            if model is not None and status.models is not None:
-                room = next((m for m in status.models if m.name == model), None)
-                if room is None:
-                    continue
-                healthy, saturated, in_flight, capacity, wait = (
-                    room.healthy, room.saturated, room.in_flight, room.capacity,
-                    room.queue_wait_ms,
-                )
-            rtt = self.peer_table.peers[name].rtt_ms
-            point = self.peer_points.get(name)
-            if point is None and status.latitude is not None and status.longitude is not None:
-                point = GeoPoint(status.latitude, status.longitude)
-            # The status counted our requests of that moment; adjust by ours since (+ or -).
-            # Ours to every model count against each: a peer looks no emptier than it is.
-            ours = self.peer_routed[name] - self._sent_baseline[name]
-            load = in_flight + ours
-            saturated = load >= capacity if ours else saturated
-            out[name] = RegionCandidate(
-                name, point, healthy, saturated, wait,
-                frozenset(status.warm_prefixes), rtt.value if rtt is not None else None,
-                status.public_url or self.peer_urls.get(name),
-            )
-        return out
+    def _here(self, now: float) -> RegionCandidate:
+        return self.chooser.here(now, draining=self.draining)
 
-    def _known_elsewhere(self, model: str) -> bool:
-        """A peer whose last status (however old) serves ``model``, or does not say."""
-        for peer in self.peer_table.peers.values():
-            status = peer.status
-            if status is not None and (
-                status.models is None or any(m.name == model for m in status.models)
-            ):
-                return True
-        return False
+    def _peers(self, now: float) -> dict[str, RegionCandidate]:
+        return self.chooser.peers(now, None, self.sent_since())
 
-    def model_missing(self, ctx: RequestContext, model: str, now: float) -> LocalReply:
-        """No backend here and no peer with fresh status serves ``model``: 404
-        ``model_not_found``, nothing sent upstream; but 503 ``no_healthy_backend`` with
-        ``Retry-After`` while it may yet be served (a backend's list is unknown, or a peer
-        that served it has gone quiet)."""
+    def model_missing(
+        self, ctx: RequestContext, model: str, why: ModelMissing, now: float
+    ) -> LocalReply:
+        """Nobody here or among the peers serves ``model``: 404 ``model_not_found``, nothing
+        sent upstream; or 503 ``no_healthy_backend`` with ``Retry-After`` while it may yet be
+        served (:attr:`ModelMissing.UNKNOWN_YET`)."""
         self.outcomes[(self.region, "", "rejected")] += 1
-        unknown = self.models.unknown()
-        if unknown or (
-            not (self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers)
-            and self._known_elsewhere(model)
-        ):
-            reason = "model_unknown_yet"
-            self.rejections[reason] += 1
-            ctx.route_reason = reason
+        self.rejections[why.value] += 1
+        ctx.route_reason = why.value  # for the access log
+        if why is ModelMissing.UNKNOWN_YET:
             retry = self.down_retry_after_s(now)
             return error_reply(
                 503,
                 f"No backend of region {self.region} known to serve model {model!r} is"
-                f" answering (the model lists of {len(unknown)} backends are not known yet,"
-                f" or the regions serving it are not answering); retry after {retry} s.",
+                f" answering (the model lists of {len(self.models.unknown())} backends are not"
+                f" known yet, or the regions serving it are not answering); retry after"
+                f" {retry} s.",
                 "server_error",
                 code=error_codes.NO_HEALTHY_BACKEND,
                 headers=(("retry-after", str(retry)),),
                 outcome="rejected",
             )
-        ctx.route_reason = "model_not_found"
-        self.rejections["model_not_found"] += 1
         return error_reply(
             404,
             f"The model {model!r} does not exist in region {self.region} or its peers;"
@@ -591,21 +541,15 @@ class RegionRouting:
             self._back_in_rotation(now)
         from_peer = self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
-        # Only the backends and regions serving the request's model are candidates.
-        serving = self.models.serving(request.model)
-        peers = {} if forwarded else self._peers(now, request.model)
-        if not serving and not peers:
-            return self.model_missing(ctx, request.model, now)
         location = self.locate(ctx, from_peer)
-        prefix = self._prefix(request)
-        chars = sum(len(message_text(m)) for m in request.messages)
-        decision = choose_region(
-            self.model, self._here(now, serving), peers, client=location,
-            prompt_tokens=int(chars / CHARS_PER_TOKEN),
-            prefix=self.prefix_hashes[prefix.name] if prefix else None,
-            prefix_tokens=int(len(prefix.text) / CHARS_PER_TOKEN) if prefix else 0,
-            forwarded=forwarded,
+        route = self.chooser.route_input(request)
+        chosen_region = self.chooser.region_for(
+            route, location, now, forwarded=forwarded, draining=self.draining,
+            sent_since=self.sent_since(),
         )
+        if isinstance(chosen_region, ModelMissing):
+            return self.model_missing(ctx, route.model, chosen_region, now)
+        decision, serving = chosen_region.region, chosen_region.serving
         ctx.location = location
         ctx.region_decision = decision
         headers: list[tuple[str, str]] = []
@@ -618,7 +562,7 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self._local_backend(request, now, serving)
+            chosen = self._counted(self.chooser.local_backend(route, now))
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now)
@@ -626,15 +570,13 @@ class RegionRouting:
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
             if not serving:
                 return self.reject(ctx, now, "model_elsewhere_full")
-            return self._queue_or_reject(ctx, request, location, now, reason, share)
+            return self._queue_or_reject(ctx, route, location, now, reason, share)
         slot: SpillSlot | None = None
         if decision.verdict is Verdict.SPILL:
             # This request counts as active: it is one, wherever it goes.
             slot = self.spill.acquire(self.active() + 1, "saturated")
             if slot is None:
-                return self._queue_or_reject(
-                    ctx, request, location, now, "spill_budget", share
-                )
+                return self._queue_or_reject(ctx, route, location, now, "spill_budget", share)
             self.spills[(decision.region, "saturated")] += 1
         else:
             self.forwards[decision.region] += 1
@@ -646,14 +588,14 @@ class RegionRouting:
     def _queue_or_reject(
         self,
         ctx: RequestContext,
-        request: ChatCompletionRequest,
+        route: RouteInput,
         location: Location | None,
         now: float,
         reason: str,
         share: FairCheck | None = None,
     ) -> Outcome:
-        serving = self.models.serving(request.model)
-        queued = self._queue_locally(request, now, serving)
+        serving = self.models.serving(route.model)
+        queued = self._counted(self.chooser.queue_backend(route, now))
         if queued is None and share is not None and self.tracker.healthy(serving):
             verdict = share(ctx, now)
             if isinstance(verdict, LocalReply):
@@ -662,44 +604,21 @@ class RegionRouting:
             if verdict and self.config.routing.max_fair_wait_ms > 0:
                 return WAIT_FOR_SLOT  # below its fair share: it waits here for a slot
             if verdict:  # below its fair share: it waits on a backend, others are held
-                queued = self._choose(request, self.tracker.healthy(serving), now, "fair_share")
+                queued = self._counted(self.chooser.backend(
+                    route, self.tracker.healthy(serving), now, "fair_share"
+                ))
         if queued is not None:
             return self._serve_local(ctx, queued, location, now)
         return self.reject(ctx, now, reason)
 
     def affinity_key(self, request: ChatCompletionRequest) -> str:
         """The key that decides ``request``'s backend (:func:`affinity_key`)."""
-        texts = [p.text for p in self.prefixes]
-        return affinity_key(request, texts, self.config.routing.affinity_chars)
+        return self.chooser.route_input(request).affinity_key
 
-    def _local_backend(
-        self, request: ChatCompletionRequest, now: float, serving: frozenset[str]
-    ) -> BackendChoice | None:
-        return self._choose(request, self.tracker.available(now, serving), now, None)
-
-    def _queue_locally(
-        self, request: ChatCompletionRequest, now: float, serving: frozenset[str]
-    ) -> BackendChoice | None:
-        """A backend (of ``serving``) to queue on when the expected wait is within
-        ``max_queue_wait_ms``."""
-        healthy = self.tracker.healthy(serving)
-        limit = self.config.routing.max_queue_wait_ms
-        if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now, serving) > limit:
-            return None
-        return self._choose(request, healthy, now, "queued")
-
-    def _choose(
-        self, request: ChatCompletionRequest, candidates: list[str], now: float, reason: str | None
-    ) -> BackendChoice | None:
-        """The affinity policy's pick among ``candidates``, counted in ``choices`` under
-        ``reason`` (the policy's own reason when None); None if it picks nothing."""
-        loads = {n: self.tracker.load(n, now) for n in candidates}
-        choice = self.policy.choose(self.affinity_key(request), candidates, loads, now)
-        if choice is None:
-            return None
-        if reason is not None:
-            choice = BackendChoice(choice.backend, reason)
-        self.choices[choice.reason] += 1
+    def _counted(self, choice: BackendChoice | None) -> BackendChoice | None:
+        """``choice``, counted in :attr:`choices` by its reason."""
+        if choice is not None:
+            self.choices[choice.reason] += 1
         return choice
 
     def _serve_local(
@@ -839,22 +758,13 @@ class RegionRouting:
         return True
 
     def _switch_target(self, ctx: RequestContext) -> str | None:
-        now = self.clock()
         forwarded = self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
-        if forwarded:
+        if forwarded or ctx.request is None:
             return None
-        model = ctx.request.model if ctx.request is not None else None
-        peers = self._peers(now, model)
-        candidates = [c for c in peers.values() if c.healthy and not c.saturated]
-        if not candidates:
-            return None
-        location = ctx.location
-        point = location.point if isinstance(location, Location) else None
-        here = self._here(now)
-        return min(
-            candidates,
-            key=lambda c: self.model.expected_ms(point, here, c, 0, None, 0),
-        ).name
+        location = ctx.location if isinstance(ctx.location, Location) else None
+        return self.chooser.switch_target(
+            ctx.request.model, location, self.clock(), self.sent_since()
+        )
 
     def switch(self, obs: Observation, ctx: RequestContext) -> Backend:
         """The first token is late: move the request to the peer it claimed (a spill)."""
@@ -897,10 +807,13 @@ class RegionRouting:
             self.eject(old, exc, cause)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
-        serving = self.models.serving(request.model)
+        route = self.chooser.route_input(request)
+        serving = self.models.serving(route.model)
         while True:
             candidates = [n for n in self.tracker.available(now, serving) if n not in refused]
-            choice = self._choose(request, candidates, now, "failover") if candidates else None
+            choice = self._counted(
+                self.chooser.backend(route, candidates, now, "failover") if candidates else None
+            )
             if choice is None:
                 return None
             name = choice.backend
@@ -990,60 +903,15 @@ class RegionRouting:
 
     # --- status and metrics ------------------------------------------------------------
     def status(self) -> EdgeStatus:
-        now = self.clock()
-        here = self._here(now)
-        backends = [
-            BackendStatus(
-                name=name, healthy=b.healthy, in_flight=b.in_flight,
-                load=self.tracker.load(name, now), max_in_flight=b.limit,
-                saturated=self.tracker.saturated(name, now), ttft_ms=b.ttft_ms.value,
-                warm_prefixes=self.scheduler.warm(name),
-            )
-            for name, b in self.tracker.backends.items()
-        ]
-        wait = here.queue_wait_ms
-        fresh = self._peers(now)
-        return EdgeStatus(
-            region=self.region, healthy=here.healthy, saturated=here.saturated,
-            in_flight=self.tracker.in_flight(), capacity=self.tracker.capacity(),
-            queue_wait_ms=wait if math.isfinite(wait) else 1e9,
-            latitude=self.here_point.lat if self.here_point else None,
-            longitude=self.here_point.lon if self.here_point else None,
-            public_url=self.config.geo.public_url, ttft_ms=self.tracker.ttft_ms(),
-            warm_prefixes=sorted(here.warm_prefixes), backends=backends,
-            models=self.model_status(now),
-            peers=[
-                PeerLink(
-                    name=name,
-                    url=url,
-                    up=name in fresh and fresh[name].healthy and not fresh[name].saturated,
-                )
-                for name, url in self.peer_urls.items()
-            ],
-        )
+        """``GET /v1/edge/status`` (:func:`firstbyte.router.routing_status.edge_status`)."""
+        from .routing_status import edge_status
 
-    def model_status(self, now: float) -> list[ModelStatus]:
-        """Each model served here, with its room (over the backends serving it)."""
-        out = []
-        for model in self.models.models():
-            among = self.models.serving(model)
-            wait = self.tracker.queue_wait_ms(now, among)
-            out.append(ModelStatus(
-                name=model, healthy=bool(self.tracker.healthy(among)) and not self.draining,
-                saturated=self.tracker.region_saturated(now, among),
-                in_flight=self.tracker.in_flight(among), capacity=self.tracker.capacity(among),
-                queue_wait_ms=wait if math.isfinite(wait) else 1e9,
-            ))
-        return out
+        return edge_status(self)
 
     def model_names(self, *, peers: bool = False) -> list[str]:
         """The models this region serves (``GET /v1/models``); with ``peers``, also those
         its peers with fresh status serve."""
-        names = set(self.models.models())
-        if peers:
-            for status in self.peer_table.fresh(self.clock()).values():
-                names.update(m.name for m in status.models or ())
-        return sorted(names)
+        return self.chooser.model_names(self.clock(), peers=peers)
 
     def render_metrics(self) -> str:
         from .routing_metrics import render
