@@ -6,10 +6,11 @@ it), asked before the router serves and again every ``routing.models_refresh_s``
 could not be read keeps the last one read (a backend that is down is out of rotation by its
 health, not by its list).
 
-A backend whose list is not known yet (its first ask failed or has not answered) serves no
-model: a request is never sent to a backend that may not serve its model. While some list is
-unknown, a model found nowhere is not called unknown (``404 model_not_found``); the client is
-asked to come back (``503 no_healthy_backend`` with ``Retry-After``), as the backend may serve it.
+A backend whose list is not known yet (its first ask failed or has not answered) never takes a
+model another backend here lists, nor one a peer region lists: only a model nobody is known to
+serve, which it may serve (without it, such a request would be refused untried; with it, the
+backend's own answer, vLLM's 404 if it does not, reaches the client). See
+:meth:`firstbyte.router.pipeline.chooser.RouteChooser.serving`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MAX_LIST_BYTES = 1 << 20
 
 UNKNOWN_RETRY_S = 2.0
 """While some backend's list is unknown, it is asked again this often (not every
-``routing.models_refresh_s``): it serves nothing until it answers."""
+``routing.models_refresh_s``)."""
 
 log = logging.getLogger("firstbyte.router")
 _model_list = msgspec.json.Decoder(ModelList)
@@ -72,7 +73,7 @@ class ModelMap:
         return frozenset(n for n, models in self.lists.items() if models and model in models)
 
     def unknown(self) -> list[str]:
-        """Backends whose list is not known yet (they serve nothing meanwhile)."""
+        """Backends whose list is not known yet."""
         return [n for n, models in self.lists.items() if models is None]
 
     def models(self) -> list[str]:
@@ -137,8 +138,8 @@ class ModelLister:
                 log.warning(
                     "upstream %s: its model list (%s) could not be read: %s; %s", name, url,
                     describe_error(exc) if isinstance(exc, httpx.HTTPError) else exc,
-                    "it serves no model until it is" if self.models.lists.get(name) is None
-                    else "its last list stays",
+                    "it takes only models no other backend lists until it is"
+                    if self.models.lists.get(name) is None else "its last list stays",
                 )
             return
         self._failed.discard(name)

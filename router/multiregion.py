@@ -478,7 +478,7 @@ class RegionRouting:
 
     def serving(self, ctx: RequestContext) -> frozenset[str] | None:
         """The local backends serving ``ctx``'s model (None: no request, every backend)."""
-        return self.models.serving(ctx.request.model) if ctx.request is not None else None
+        return self.chooser.serving(ctx.request.model) if ctx.request is not None else None
 
     def sent_since(self) -> dict[str, int]:
         """Requests routed to each peer since its last status (which counted those before)."""
@@ -494,8 +494,8 @@ class RegionRouting:
         self, ctx: RequestContext, model: str, why: ModelMissing, now: float
     ) -> LocalReply:
         """Nobody here or among the peers serves ``model``: 404 ``model_not_found``, nothing
-        sent upstream; or 503 ``no_healthy_backend`` with ``Retry-After`` while it may yet be
-        served (:attr:`ModelMissing.UNKNOWN_YET`)."""
+        sent upstream; or 503 ``no_healthy_backend`` with ``Retry-After`` when a peer that
+        served it is not answering (:attr:`ModelMissing.UNKNOWN_YET`)."""
         self.outcomes[(self.region, "", "rejected")] += 1
         self.rejections[why.value] += 1
         ctx.route_reason = why.value  # for the access log
@@ -503,10 +503,8 @@ class RegionRouting:
             retry = self.down_retry_after_s(now)
             return error_reply(
                 503,
-                f"No backend of region {self.region} known to serve model {model!r} is"
-                f" answering (the model lists of {len(self.models.unknown())} backends are not"
-                f" known yet, or the regions serving it are not answering); retry after"
-                f" {retry} s.",
+                f"No region serving model {model!r} is answering (region {self.region} does"
+                f" not serve it); retry after {retry} s.",
                 "server_error",
                 code=error_codes.NO_HEALTHY_BACKEND,
                 headers=(("retry-after", str(retry)),),
@@ -594,7 +592,7 @@ class RegionRouting:
         reason: str,
         share: FairCheck | None = None,
     ) -> Outcome:
-        serving = self.models.serving(route.model)
+        serving = self.chooser.serving(route.model)
         queued = self._counted(self.chooser.queue_backend(route, now))
         if queued is None and share is not None and self.tracker.healthy(serving):
             verdict = share(ctx, now)
@@ -808,7 +806,7 @@ class RegionRouting:
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
         route = self.chooser.route_input(request)
-        serving = self.models.serving(route.model)
+        serving = self.chooser.serving(route.model)
         while True:
             candidates = [n for n in self.tracker.available(now, serving) if n not in refused]
             choice = self._counted(

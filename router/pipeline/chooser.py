@@ -48,12 +48,12 @@ class RouteInput:
 
 
 class ModelMissing(Enum):
-    """No backend here and no peer with fresh status serves the model."""
+    """No backend here and no peer with fresh status serves (or may serve) the model."""
 
     NOT_FOUND = "model_not_found"
     """Nobody serves it: 404."""
     UNKNOWN_YET = "model_unknown_yet"
-    """Someone may: a backend's list is unknown, or a peer that served it went quiet: 503."""
+    """A peer that served it went quiet (its status is older than its TTL): 503."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +174,13 @@ class RouteChooser:
         return out
 
     # --- decisions
+    def serving(self, model: str) -> frozenset[str]:
+        """The local backends a request for ``model`` may go to: those listing it; when none
+        does, those whose list is not known yet (they may serve it: the only ones here that
+        may). A backend whose list is unknown never takes a model another backend lists."""
+        known = self.models.serving(model)
+        return known or frozenset(self.models.unknown())
+
     def region_for(
         self,
         route: RouteInput,
@@ -187,8 +194,10 @@ class RouteChooser:
         """Where ``route`` is served (:func:`choose_region` over the region and the peers
         serving its model), or why nobody can serve its model. A request a peer forwarded
         is never forwarded again."""
-        serving = self.models.serving(route.model)
+        serving = self.serving(route.model)
         peers = {} if forwarded else self.peers(now, route.model, sent_since)
+        if peers and not self.models.serving(route.model):
+            serving = frozenset()  # a peer that lists it, before backends that may not serve it
         if not serving and not peers:
             return self.missing(route.model, forwarded=forwarded)
         prefix = route.prefix
@@ -203,7 +212,7 @@ class RouteChooser:
 
     def missing(self, model: str, *, forwarded: bool = False) -> ModelMissing:
         """Why ``model`` has no candidate (see :class:`ModelMissing`)."""
-        if self.models.unknown() or (not forwarded and self._known_elsewhere(model)):
+        if not forwarded and self._known_elsewhere(model):
             return ModelMissing.UNKNOWN_YET
         return ModelMissing.NOT_FOUND
 
@@ -230,13 +239,13 @@ class RouteChooser:
 
     def local_backend(self, route: RouteInput, now: float) -> BackendChoice | None:
         """A backend with room serving ``route``'s model."""
-        serving = self.models.serving(route.model)
+        serving = self.serving(route.model)
         return self.backend(route, self.tracker.available(now, serving), now)
 
     def queue_backend(self, route: RouteInput, now: float) -> BackendChoice | None:
         """A backend serving ``route``'s model to queue on, when the expected wait there is
         within ``routing.max_queue_wait_ms``."""
-        serving = self.models.serving(route.model)
+        serving = self.serving(route.model)
         healthy = self.tracker.healthy(serving)
         limit = self.max_queue_wait_ms
         if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now, serving) > limit:

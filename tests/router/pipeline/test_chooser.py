@@ -78,13 +78,14 @@ def test_a_model_served_nowhere_is_not_found_unless_it_may_yet_be() -> None:
     assert c.region_for(RouteInput("C", "k"), None, now=1.0, forwarded=True) is (
         ModelMissing.NOT_FOUND
     )
-    # A backend whose list is unknown serves nothing, and may serve Z.
-    c = chooser({"a0": ["A"], "new": []}, {})
+    # A backend whose list is unknown takes no model another backend (or a peer) lists;
+    # one nobody lists, it may serve.
+    c = chooser({"a0": ["A"], "new": []}, {"tokyo": [room("C")]})
     assert c.models.unknown() == ["new"]
-    assert c.region_for(RouteInput("Z", "k"), None, now=1.0) is ModelMissing.UNKNOWN_YET
-    decision = c.region_for(RouteInput("A", "k"), None, now=1.0)
-    assert isinstance(decision, RouteDecision)
-    assert decision.serving == {"a0"}
+    for model, serving in (("A", {"a0"}), ("C", set()), ("Z", {"new"})):
+        decision = c.region_for(RouteInput(model, "k"), None, now=1.0)
+        assert isinstance(decision, RouteDecision)
+        assert decision.serving == serving, model
 
 
 def test_a_peer_that_does_not_list_models_counts_as_serving_every_model() -> None:
