@@ -26,8 +26,6 @@ from firstbyte.protocol.openai import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
-    Model,
-    ModelList,
     PromptTokensDetails,
     RequestValidationError,
     ResponseMessage,
@@ -40,6 +38,7 @@ from firstbyte.protocol.sse import DONE, encode_event
 from firstbyte.router.sim.driver import EngineDriver
 from firstbyte.router.sim.engine import Engine, Overloaded, Sequence
 from firstbyte.router.sim.faults import FaultPlan, RequestFaults
+from firstbyte.router.sim.models import ServedModels
 from firstbyte.router.sim.output import plan_completion
 from firstbyte.router.sim.tokens import prompt_tokens
 
@@ -79,6 +78,10 @@ class SimOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     seed: int = 0
     faults: FaultPlan = field(default_factory=lambda: FaultPlan(()))
+    served_model_names: tuple[str, ...] = ()
+    """vLLM's ``--served-model-name``; empty: the profile's model alone."""
+    max_model_len: int | None = None
+    """The context length ``/v1/models`` reports; None: the profile's."""
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -98,8 +101,13 @@ class SimApp:
         self.engine = engine
         self.options = options or SimOptions()
         self.driver = EngineDriver(engine)
-        self.models = ModelList(data=[Model(id=engine.profile.model, created=int(time.time()))])
-        self._models_body = encode(self.models)
+        profile = engine.profile
+        self.models = ServedModels(
+            self.options.served_model_names or (profile.model,),
+            root=profile.model,
+            max_model_len=self.options.max_model_len or profile.max_model_len,
+        )
+        self._models_body = self.models.list_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -165,6 +173,10 @@ class SimApp:
         except RequestValidationError as exc:
             await _respond(send, 400, encode(exc.body()))
             return
+        if not self.models.serves(request.model):
+            await _respond(send, 404, self.models.not_found_body(request.model))
+            return
+        request.model = self.models.name  # vLLM answers with its first served name
         faults = self.options.faults.next_request()
         if faults.error503:
             await _overloaded(send, "Injected fault: the server is temporarily unavailable.")

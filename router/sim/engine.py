@@ -85,8 +85,11 @@ class Engine:
         prefix_cache_blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
         max_num_batched_tokens: int | None = None,
+        model_name: str | None = None,
     ) -> None:
         self.profile = profile
+        self.model_name = model_name or profile.model
+        """The ``model_name`` label of the metrics (vLLM's first served name)."""
         self.max_num_seqs = max_num_seqs if max_num_seqs is not None else profile.max_num_seqs
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
@@ -243,7 +246,7 @@ class Engine:
 
     def render_metrics(self) -> str:
         """All metrics in the Prometheus text exposition format (version 0.0.4)."""
-        model = labels(model_name=self.profile.model)
+        model = labels(model_name=self.model_name)
         usage = self.kv_cache_usage
         # prometheus_client prints counter values as floats.
         lines = [
