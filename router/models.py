@@ -136,7 +136,7 @@ class ModelLister:
             if name not in self._failed:
                 self._failed.add(name)
                 log.warning(
-                    "upstream %s: its model list (%s) could not be read: %s; %s", name, url,
+                    "model list of upstream %s (%s) could not be read: %s; %s", name, url,
                     describe_error(exc) if isinstance(exc, httpx.HTTPError) else exc,
                     "it takes only models no other backend lists until it is"
                     if self.models.lists.get(name) is None else "its last list stays",
@@ -144,7 +144,7 @@ class ModelLister:
             return
         self._failed.discard(name)
         if self.models.learned(name, ids, self.clock()):
-            log.info("upstream %s serves %s", name, ", ".join(sorted(self.models.of(name))))
+            log.info("model list of upstream %s: %s", name, ", ".join(sorted(self.models.of(name))))
             if self.on_change is not None:
                 self.on_change(name, self.models.of(name))
 

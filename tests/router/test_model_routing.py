@@ -109,11 +109,15 @@ async def test_a_backend_whose_list_is_unknown_takes_only_models_nobody_lists(
 
 
 async def test_a_region_without_the_model_forwards_to_the_region_that_has_it() -> None:
+    # Each sim serves only its names (another gets vLLM's 404: a misroute is an error); the
+    # routers learn them from the sims' /v1/models.
     specs = [
         RegionSpec("tokyo", 35.68, 139.69, backends=1,
-                   upstream={"models": ["model-a", "model-b"]}),
-        RegionSpec("frankfurt", 50.11, 8.68, backends=1, upstream={"models": ["model-a"]}),
-        RegionSpec("virginia", 39.04, -77.49, backends=1, upstream={"models": ["model-a"]}),
+                   sim={"served_model_names": ["model-a", "model-b"]}),
+        RegionSpec("frankfurt", 50.11, 8.68, backends=1,
+                   sim={"served_model_names": ["model-a"]}),
+        RegionSpec("virginia", 39.04, -77.49, backends=1,
+                   sim={"served_model_names": ["model-a"]}),
     ]
     async with running_regions(specs) as regions, httpx.AsyncClient(timeout=30) as client:
         await wait_for_peers(regions)
