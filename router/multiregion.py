@@ -389,6 +389,8 @@ class RegionRouting:
         for name in self.models.to_learn():  # a list learned stays until asked again
             if self.backends[name] is previous.backends.get(name):
                 self.models.lists[name] = previous.models.lists.get(name)
+        if previous.lister.ready.is_set():
+            self.lister.ready.set()  # requests need not wait for this routing's first asks
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -403,12 +405,18 @@ class RegionRouting:
         self.lister.start()
 
     async def wait_warm(self) -> bool:
-        """Before serving: ask the backends for their models, then warm every prefix on every
-        backend (bounded by the start-up timeout)."""
-        await self.lister.wait_ready(self.lister.timeout_s + 1.0)
+        """Before serving: warm every prefix on every backend (bounded by the start-up
+        timeout), once the backends' model lists were asked for (a prefix is warmed per
+        model)."""
         if not self.prefixes or not self.runner.urls:
             return True
+        await self.wait_models()
         return await self.runner.wait_all_warm(self.config.warmup.startup_timeout_s)
+
+    async def wait_models(self) -> None:
+        """Return once every backend without configured models was asked for its list (or
+        after the ask's timeout): user requests wait for it, ``/healthz`` does not."""
+        await self.lister.wait_ready(self.lister.timeout_s + 1.0)
 
     async def aclose(self) -> None:
         await self.lister.stop()
