@@ -162,6 +162,9 @@ class Observation:
     claim: tuple[str, SpillSlot] | None = None
     """A first-token-deadline switch decided (target peer, slot taken) but not yet made."""
     extra_headers: dict[str, str] = field(default_factory=dict)
+    route: RouteInput | None = None
+    """What of the request decided where it went (its model, affinity key, ...): a failover
+    or a late first token's switch decides by it again."""
 
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
         self.ttft_ms = ttft_ms
@@ -532,23 +535,29 @@ class RegionRouting:
         """Requests routed from here and not finished: to local backends and to peers."""
         return self.tracker.in_flight() + sum(self.peer_routed.values())
 
-    def route(self, ctx: RequestContext, share: FairCheck | None = None) -> Outcome:
-        """Choose the region and backend for an admitted chat request (sets ``ctx.backend``).
+    def route(
+        self, ctx: RequestContext, share: FairCheck | None = None, *,
+        route_input: RouteInput | None = None,
+    ) -> Outcome:
+        """Choose the region and backend for an admitted request (sets ``ctx.backend``), by
+        ``route_input`` (its model, affinity key, warm prefix, size; default: those of the
+        chat request ``ctx.request``, :meth:`RouteChooser.route_input`).
 
         Where the region is full and the request would be refused, ``share`` (the fair
         share of the keys asking, :meth:`firstbyte.router.tenancy.Tenants.fair_refusal`) says
         whether it waits for a slot (below its share: :data:`WAIT_FOR_SLOT`; queued on a
         backend past its limit when ``routing.max_fair_wait_ms`` is 0), is refused with its own
         answer (above it), or refused as before (``False``: it alone fills the region)."""
-        request = ctx.request
-        assert request is not None
+        if route_input is None:
+            assert ctx.request is not None
+            route_input = self.chooser.route_input(ctx.request)
+        route = route_input
         now = self.clock()
         if self._down_until:
             self._back_in_rotation(now)
         from_peer = self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
         location = self.locate(ctx, from_peer)
-        route = self.chooser.route_input(request)
         chosen_region = self.chooser.region_for(
             route, location, now, forwarded=forwarded, draining=self.draining,
             sent_since=self.sent_since(),
@@ -571,7 +580,7 @@ class RegionRouting:
             chosen = self._counted(self.chooser.local_backend(route, now))
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
-            return self._serve_local(ctx, chosen, location, now)
+            return self._serve_local(ctx, chosen, location, now, route)
         if decision.verdict is Verdict.REJECT:
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
             if not serving:
@@ -588,7 +597,7 @@ class RegionRouting:
             self.forwards[decision.region] += 1
             if not serving:
                 ctx.route_reason = "model_elsewhere"  # for the access log
-        self._to_peer(ctx, decision.region, location, slot)
+        self._to_peer(ctx, decision.region, location, slot, route)
         return CONTINUE
 
     def _queue_or_reject(
@@ -614,7 +623,7 @@ class RegionRouting:
                     route, self.tracker.healthy(serving), now, "fair_share"
                 ))
         if queued is not None:
-            return self._serve_local(ctx, queued, location, now)
+            return self._serve_local(ctx, queued, location, now, route)
         return self.reject(ctx, now, reason)
 
     def affinity_key(self, request: ChatCompletionRequest) -> str:
@@ -628,7 +637,8 @@ class RegionRouting:
         return choice
 
     def _serve_local(
-        self, ctx: RequestContext, choice: BackendChoice, location: Location | None, now: float
+        self, ctx: RequestContext, choice: BackendChoice, location: Location | None, now: float,
+        route: RouteInput,
     ) -> Outcome:
         name = choice.backend
         ctx.backend = self.backends[name]
@@ -637,7 +647,7 @@ class RegionRouting:
         ctx.observer = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
-            choice=choice.reason,
+            choice=choice.reason, route=route,
         )
         return CONTINUE
 
@@ -658,7 +668,8 @@ class RegionRouting:
         return observer
 
     def _to_peer(
-        self, ctx: RequestContext, peer: str, location: Location | None, slot: SpillSlot | None
+        self, ctx: RequestContext, peer: str, location: Location | None, slot: SpillSlot | None,
+        route: RouteInput | None = None,
     ) -> None:
         """Send the request to ``peer`` (a spill when it holds ``slot``)."""
         backend = self.peer_backends[peer]
@@ -683,7 +694,7 @@ class RegionRouting:
         else:
             ctx.observer = Observation(
                 self, peer, backend.name, False, slot is not None, time.perf_counter(), location,
-                slot=slot,
+                slot=slot, route=route,
             )
 
     def down_retry_after_s(self, now: float) -> int:
@@ -753,7 +764,7 @@ class RegionRouting:
         """A late first token: claim a peer and a spill slot for :meth:`switch`, or refuse."""
         if obs.switched or not obs.local:
             return False
-        target = self._switch_target(ctx)
+        target = self._switch_target(ctx, obs.route)
         if target is None:
             return False
         # ``active`` already counts this request (it is in flight locally).
@@ -763,14 +774,14 @@ class RegionRouting:
         obs.claim = (target, slot)
         return True
 
-    def _switch_target(self, ctx: RequestContext) -> str | None:
+    def _switch_target(self, ctx: RequestContext, route: RouteInput | None) -> str | None:
         forwarded = self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
-        if forwarded or ctx.request is None:
+        if route is None and ctx.request is not None:
+            route = self.chooser.route_input(ctx.request)
+        if forwarded or route is None:
             return None
         location = ctx.location if isinstance(ctx.location, Location) else None
-        return self.chooser.switch_target(
-            ctx.request.model, location, self.clock(), self.sent_since()
-        )
+        return self.chooser.switch_target(route.model, location, self.clock(), self.sent_since())
 
     def switch(self, obs: Observation, ctx: RequestContext) -> Backend:
         """The first token is late: move the request to the peer it claimed (a spill)."""
@@ -801,8 +812,10 @@ class RegionRouting:
         holding a slot there before giving back the old one. None when no other can take
         it (the request then fails as it would have); a peer region is not tried, as a
         request that just found its backend gone should not also pay a forward."""
-        request = ctx.request
-        if not obs.local or request is None:
+        route = obs.route
+        if route is None and ctx.request is not None:
+            route = self.chooser.route_input(ctx.request)
+        if not obs.local or route is None:
             return None
         old = obs.backend
         if cause == "refused":
@@ -813,7 +826,6 @@ class RegionRouting:
             self.eject(old, exc, cause)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
-        route = self.chooser.route_input(request)
         serving = self.chooser.serving(route.model)
         while True:
             candidates = [n for n in self.tracker.available(now, serving) if n not in refused]
