@@ -734,10 +734,13 @@ class RegionRouting:
         retry = self.tracker.retry_after_s(now, serving or None)
         self.rejections[reason] += 1
         ctx.route_reason = reason  # for the access log
+        said = (
+            f"Region {self.region} does not serve this request's model and"
+            if reason == "model_elsewhere_full" else f"Region {self.region} is at capacity and"
+        )
         return error_reply(
             429,
-            f"Region {self.region} is at capacity and {REJECTION_REASONS[reason]};"
-            f" retry after {retry} s.",
+            f"{said} {REJECTION_REASONS[reason]}; retry after {retry} s.",
             "rate_limit_error",
             code=error_codes.REGION_SATURATED,
             headers=(("retry-after", str(retry)),),
