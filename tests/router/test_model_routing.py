@@ -6,6 +6,8 @@ region that has it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_peers
@@ -147,3 +149,46 @@ async def test_a_region_without_the_model_forwards_to_the_region_that_has_it() -
         metrics = (await client.get(frankfurt + "/metrics")).text
         assert 'firstbyte_route_forwards_total{to="tokyo"} 5' in metrics
         assert "firstbyte_route_spills_total" not in metrics or 'reason="saturated"} ' not in metrics
+
+
+async def test_a_model_whose_regions_are_full_is_429_from_a_region_without_it() -> None:
+    """Tokyo's one backend serving model-b is busy (1 slot, a slow first token): frankfurt,
+    which does not serve model-b, answers 429 region_saturated with Retry-After, saying why,
+    and sends nothing anywhere; model-a is still served at frankfurt."""
+    specs = [
+        RegionSpec("tokyo", 35.68, 139.69, backends=1, upstream={"max_in_flight": 1},
+                   sim={"served_model_names": ["model-b"], "faults": ["delay:ms=3000"]}),
+        RegionSpec("frankfurt", 50.11, 8.68, backends=1,
+                   sim={"served_model_names": ["model-a"]}),
+    ]
+    async with running_regions(specs) as regions, httpx.AsyncClient(timeout=30) as client:
+        await wait_for_peers(regions)
+        tokyo, frankfurt = regions["tokyo"], regions["frankfurt"]
+        busy = asyncio.ensure_future(
+            client.post(tokyo.url + "/v1/chat/completions", json=chat("model-b", "slow"))
+        )
+        routing = frankfurt.state.routing
+
+        def b_full_at_tokyo() -> bool:
+            status = routing.peer_table.fresh(routing.clock()).get("tokyo")
+            return status is not None and any(
+                m.name == "model-b" and m.saturated for m in status.models or ()
+            )
+
+        async with asyncio.timeout(10):
+            while not b_full_at_tokyo():  # noqa: ASYNC110 - the peer poller fills the table
+                await asyncio.sleep(0.05)
+        before = tokyo.state.routing.tracker.in_flight()
+        r = await client.post(frankfurt.url + "/v1/chat/completions", json=chat("model-b"))
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "region_saturated"
+        assert error["message"].startswith(
+            "Region frankfurt does not serve this request's model and the regions serving"
+        )
+        assert int(r.headers["retry-after"]) >= 1
+        assert tokyo.state.routing.tracker.in_flight() == before  # nothing forwarded
+        r = await client.post(frankfurt.url + "/v1/chat/completions", json=chat("model-a"))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-firstbyte-region"] == "frankfurt"
+        assert (await busy).status_code == 200
