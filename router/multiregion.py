@@ -23,7 +23,8 @@ them (counters, spill slots, the request's context), runs the services that feed
   refused slot means no spill. Requests count as active, and against a peer's capacity, from
   the moment they are routed (not when the proxy's task gets to run), so a burst routed in one
   loop turn sees its own earlier members.
-- Background: :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
+- Background (:class:`~firstbyte.router.routing_services.RoutingServices`):
+  :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
   pool), :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
   probes) and :class:`~firstbyte.router.models.ModelLister` (each backend's ``/v1/models``).
 - :meth:`status` is ``GET /v1/edge/status``; :meth:`render_metrics` adds to ``/metrics``.
@@ -60,9 +61,9 @@ from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
-from .models import ModelLister, ModelMap
+from .models import ModelMap
 from .observability.logs import describe_error
-from .peers import PeerPoller, PeerTable
+from .peers import PeerTable
 from .pipeline.affinity import AffinityPolicy, BackendChoice
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
 from .pipeline.chooser import ModelMissing, RouteChooser, RouteInput
@@ -77,9 +78,9 @@ from .pipeline.context import (
 )
 from .pipeline.region import RegionCandidate, RegionModel, Verdict
 from .regions_config import warm_prefix_text
+from .routing_services import RoutingServices
 from .spill import SpillBudget, SpillSlot
-from .upstream_metrics import BackendMetrics
-from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
+from .warmup import WarmPrefix, WarmupScheduler
 
 __all__ = [
     "REJECTION_REASONS", "WAIT_FOR_SLOT", "FairCheck", "Observation", "RegionRouting",
@@ -280,10 +281,6 @@ class RegionRouting:
         }
         self.peer_points = {p.name: _point(p.latitude, p.longitude, p.name) for p in config.peers}
         self.peer_urls = {p.name: p.public_url or p.url for p in config.peers}
-        self.poller = PeerPoller(
-            self.peer_table, peer_client or client, peer_key=self.peer_key,
-            interval_s=routing.peer_poll_interval_s, clock=clock, on_status=self._on_peer_status,
-        )
         # Requests routed to each peer and not finished, counted when routed: the proxy's own
         # count starts only when its task runs, after every other request of a burst routed.
         self.peer_routed = dict.fromkeys(self.peer_backends, 0)
@@ -302,26 +299,9 @@ class RegionRouting:
             busy_running_threshold=config.warmup.busy_running_threshold,
             retry_s=config.warmup.retry_s,
         )
-        scraped: dict[str, str] = {}
-        probe_headers: dict[str, dict[str, str]] = {}
-        for b, u in zip(pool.backends, upstreams, strict=True):
-            if u.kind == "openai" and not u.models:
-                continue  # no /metrics and no model list to warm with
-            self.scheduler.add_backend(b.name, u.models)
-            scraped[b.name] = b.url
-            if b.api_key:
-                probe_headers[b.name] = {"authorization": f"Bearer {b.api_key}"}
         # Models: configured, or listed by each backend (refreshed in the background).
         self.models = ModelMap(
             {b.name: u.models for b, u in zip(pool.backends, upstreams, strict=True)}
-        )
-        self.lister = ModelLister(
-            self.models, client, {b.name: b.url for b in pool.backends},
-            interval_s=routing.models_refresh_s, clock=clock, on_change=self._on_models,
-            headers={
-                b.name: {"authorization": f"Bearer {b.api_key}"}
-                for b in pool.backends if b.api_key
-            },
         )
         # The pure chooser over the sans-IO state above; this class applies its decisions.
         self.chooser = RouteChooser(
@@ -329,11 +309,6 @@ class RegionRouting:
             self.scheduler, self.prefixes, self.peer_table, self.peer_points, self.peer_urls,
             self.policy, affinity_chars=routing.affinity_chars,
             max_queue_wait_ms=routing.max_queue_wait_ms,
-        )
-        self.runner = WarmupRunner(
-            self.scheduler, client, scraped,
-            poll_interval_s=routing.backend_metrics_interval_s, clock=clock,
-            on_metrics=self._on_metrics, headers=probe_headers, on_probe=self._on_probe,
         )
         # Metrics.
         self.outcomes: Counter[tuple[str, str, str]] = Counter()
@@ -357,10 +332,14 @@ class RegionRouting:
         may re-admit them (``routing.backend_eject_s``)."""
         self.ejections: Counter[tuple[str, str]] = Counter()
         """Passive-health ejections by (backend, cause)."""
-        self._started = False
         self.draining = False
         """This process is shutting down: it counts as unhealthy for routing (a request goes
         to a peer with room, or gets 503 ``draining``) and in its edge status."""
+        # The background services feeding the state above.
+        self.services = RoutingServices(self, client, peer_client or client, clock)
+        self.poller, self.runner, self.lister = (
+            self.services.poller, self.services.runner, self.services.lister
+        )
 
     def adopt(self, previous: RegionRouting) -> None:
         """Carry over what ``previous`` (the routing before a reload) learned and still counts:
@@ -397,77 +376,38 @@ class RegionRouting:
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start peer polls and backend scrapes/warmup in the running loop (idempotent)."""
-        if self._started:
-            return
-        self._started = True
-        if self.peer_table.peers:
-            self.poller.start()
-        if self.runner.urls:
-            self.runner.start()
-        self.lister.start()
+        """Start peer polls, backend scrapes/warmup and model lists in the running loop
+        (idempotent)."""
+        self.services.start()
 
     async def wait_warm(self) -> bool:
         """Before serving: warm every prefix on every backend (bounded by the start-up
-        timeout), once the backends' model lists were asked for (a prefix is warmed per
-        model)."""
-        if not self.prefixes or not self.runner.urls:
-            return True
-        await self.wait_models()
-        return await self.runner.wait_all_warm(self.config.warmup.startup_timeout_s)
+        timeout; :meth:`RoutingServices.wait_warm`)."""
+        return await self.services.wait_warm()
 
     async def wait_models(self) -> None:
         """Return once every backend without configured models was asked for its list (or
         after the ask's timeout): user requests wait for it, ``/healthz`` does not."""
-        await self.lister.wait_ready(self.lister.timeout_s + 1.0)
+        await self.services.wait_models()
 
     async def aclose(self) -> None:
-        await self.lister.stop()
-        await self.poller.stop()
-        await self.runner.stop()
+        await self.services.aclose()
         if self.locator is not None:
             self.locator.close()
 
-    def _on_models(self, name: str, models: frozenset[str]) -> None:
-        """``name`` lists new models: warm them there too (a prefix applies per model)."""
-        if name in self.scheduler.backends and models:
-            self.scheduler.set_models(name, sorted(models))
-
-    def _on_peer_status(self, name: str) -> None:
+    def peer_status_arrived(self, name: str) -> None:
+        """A status of peer ``name`` arrived: it counts the requests routed there so far."""
         self._sent_baseline[name] = self.peer_routed[name]
 
-    def _on_probe(self, name: str, started: bool, answered_ms: float | None) -> None:
-        """A warmup probe is load on ``name`` as our requests are: a scrape that shows it
-        running must not count it as someone else's once it ended (the start-up warmup's
-        last scrape saw its probes, and the first request after it was refused as if the
-        backend were full). An answered probe (one token) is a TTFT sample for the
-        first-byte deadline, known before any user request."""
-        if name not in self.tracker.backends:
-            return
-        if started:
-            self.tracker.started(name, self.clock(), probe=True)
-            return
-        self.tracker.finished(name)
-        if answered_ms is not None:
-            self.tracker.observe_probe(name, answered_ms)
-
-    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> bool:
-        """A scrape's result (None: unreachable); False if ``name`` answered but stays out
-        of rotation: ejected for failing requests, a scrape proves the server listens, not
-        that it serves, so only one after ``backend_eject_s`` re-admits it."""
-        healthy = metrics is not None
+    def readmit(self, name: str, now: float) -> bool:
+        """A scrape of ``name`` answered: False while it is ejected for failing requests (a
+        scrape proves the server listens, not that it serves; ``backend_eject_s``)."""
         until = self._ejected_until.get(name)
-        if until is not None and healthy:
-            if self.clock() < until:
+        if until is not None:
+            if now < until:
                 return False
             del self._ejected_until[name]
-        self.tracker.set_health(name, healthy)
-        self.backends[name].healthy = healthy
-        if healthy and self.models.lists.get(name, ()) is None:
-            self.lister.wake()  # up, and its models still unknown: ask now
-        if metrics is not None:
-            self.tracker.observe_metrics(name, metrics, self.clock())
-        return healthy
+        return True
 
     # --- the stage ---------------------------------------------------------------------
     def peer_authenticated(self, ctx: RequestContext) -> bool:
