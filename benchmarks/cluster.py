@@ -196,15 +196,21 @@ async def wait_for_peers(regions: dict[str, RegionHandle], timeout_s: float = 10
 
 
 async def until_peers_fresh(states: Sequence[RouterState], timeout_s: float) -> None:
-    """Wait until each router in ``states`` has fresh status from every peer it is configured
-    with; TimeoutError naming the routers and peers still missing."""
+    """Wait until each router in ``states`` has status from every peer it is configured with,
+    received after this call (so it says what the peer serves once started: its models);
+    TimeoutError naming the routers and peers still missing."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    since = {id(state): state.clock() for state in states}
     while True:
         missing: dict[str, list[str]] = {}
         for state in states:
             table = state.routing.peer_table
-            absent = sorted(set(table.peers) - set(table.fresh(state.clock())))
+            fresh = table.fresh(state.clock())
+            absent = sorted(
+                name for name, peer in table.peers.items()
+                if name not in fresh or (peer.received_at or 0.0) < since[id(state)]
+            )
             if absent:
                 missing[state.region] = absent
         if not missing:

@@ -17,6 +17,7 @@ __all__ = [
     "BackendStatus",
     "EdgeStatus",
     "EdgeStatusReport",
+    "ModelStatus",
     "PeerLink",
     "PublicEdgeStatus",
     "prefix_hash",
@@ -38,6 +39,19 @@ class BackendStatus(msgspec.Struct, kw_only=True):
     ttft_ms: float | None = None
     warm_prefixes: list[str] = msgspec.field(default_factory=list)
     """Names of the prefixes this backend holds warm."""
+
+
+class ModelStatus(msgspec.Struct, kw_only=True):
+    """One model a region serves, and its room: the region's figures over the backends that
+    serve it (a peer routes a request for ``name`` by these, not by the region's)."""
+
+    name: str
+    healthy: bool
+    """At least one backend serving it answers."""
+    saturated: bool
+    in_flight: int
+    capacity: int
+    queue_wait_ms: float
 
 
 class PeerLink(msgspec.Struct, kw_only=True):
@@ -65,6 +79,9 @@ class EdgeStatus(msgspec.Struct, kw_only=True):
     """Hashes (:func:`prefix_hash`) of the prefixes warm on at least one backend."""
     backends: list[BackendStatus] = msgspec.field(default_factory=list)
     peers: list[PeerLink] = msgspec.field(default_factory=list)
+    models: list[ModelStatus] | None = None
+    """The models the region's backends serve (configured or listed by them), each with its
+    room; None from a router older than per-model routing (taken to serve any model)."""
 
 
 class EdgeStatusReport(EdgeStatus, kw_only=True):

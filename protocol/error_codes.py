@@ -24,6 +24,7 @@ __all__ = [
     "KEY_RATE_LIMITED",
     "KEY_STORE_FULL",
     "MISSING_API_KEY",
+    "MODEL_NOT_FOUND",
     "NOT_FOUND",
     "NO_HEALTHY_BACKEND",
     "ORIGIN_NOT_ALLOWED",
@@ -96,6 +97,10 @@ INVALID_AFTER = "invalid_after"
 INVALID_WAIT = "invalid_wait"
 REGION_SATURATED = "region_saturated"
 """429: every backend of the region is saturated; ``Retry-After`` says when to retry."""
+MODEL_NOT_FOUND = "model_not_found"
+"""404: no backend of this region and no peer region serves the requested ``model`` (as
+OpenAI answers an unknown model); nothing was sent upstream. ``GET /v1/models`` lists what
+the region serves."""
 NO_HEALTHY_BACKEND = "no_healthy_backend"
 """503: no backend of the region answers (down, or ejected by passive health) and no other
 region can take the request; ``Retry-After`` says when one may be back. Not load: another

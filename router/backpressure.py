@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from firstbyte.router.upstream_metrics import BackendMetrics
@@ -235,19 +235,24 @@ class LoadTracker:
             return True  # its queue is longer than allowed, whatever it runs
         return self.load(name, now) >= b.limit
 
-    def available(self, now: float) -> list[str]:
-        """Healthy, unsaturated backends, in configuration order."""
-        return [n for n in self.backends if not self.saturated(n, now)]
+    def _names(self, among: Collection[str] | None) -> list[str]:
+        return list(self.backends) if among is None else [n for n in self.backends if n in among]
 
-    def healthy(self) -> list[str]:
-        return [n for n, b in self.backends.items() if b.healthy]
+    def available(self, now: float, among: Collection[str] | None = None) -> list[str]:
+        """Healthy, unsaturated backends (of ``among``: those serving a request's model), in
+        configuration order."""
+        return [n for n in self._names(among) if not self.saturated(n, now)]
 
-    def region_saturated(self, now: float) -> bool:
-        return not self.available(now)
+    def healthy(self, among: Collection[str] | None = None) -> list[str]:
+        return [n for n in self._names(among) if self.backends[n].healthy]
 
-    def queue_wait_ms(self, now: float) -> float:
-        """Expected wait before a new request starts on the best backend of this region."""
-        waits = [self._wait_ms(n, now) for n in self.healthy()]
+    def region_saturated(self, now: float, among: Collection[str] | None = None) -> bool:
+        return not self.available(now, among)
+
+    def queue_wait_ms(self, now: float, among: Collection[str] | None = None) -> float:
+        """Expected wait before a new request starts on the best backend of this region (of
+        ``among``)."""
+        waits = [self._wait_ms(n, now) for n in self.healthy(among)]
         return min(waits) if waits else math.inf
 
     def _wait_ms(self, name: str, now: float) -> float:
@@ -260,18 +265,19 @@ class LoadTracker:
         service = b.service_ms.value or 1000.0
         return excess / b.limit * service
 
-    def retry_after_s(self, now: float) -> int:
-        """``Retry-After`` for a rejected request: the drain estimate, whole seconds, >= 1."""
-        wait = self.queue_wait_ms(now)
+    def retry_after_s(self, now: float, among: Collection[str] | None = None) -> int:
+        """``Retry-After`` for a rejected request: the drain estimate (of ``among``), whole
+        seconds, >= 1."""
+        wait = self.queue_wait_ms(now, among)
         if math.isinf(wait):
             return 5
         return max(1, math.ceil(wait / 1000.0))
 
-    def in_flight(self) -> int:
-        return sum(b.in_flight for b in self.backends.values())
+    def in_flight(self, among: Collection[str] | None = None) -> int:
+        return sum(self.backends[n].in_flight for n in self._names(among))
 
-    def capacity(self) -> int:
-        return sum(b.limit for b in self.backends.values() if b.healthy)
+    def capacity(self, among: Collection[str] | None = None) -> int:
+        return sum(self.backends[n].limit for n in self.healthy(among))
 
     def ttft_ms(self) -> float | None:
         values = [b.ttft_ms.value for b in self.backends.values() if b.ttft_ms.value is not None]

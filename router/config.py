@@ -126,7 +126,8 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Requests in flight (or queued upstream) before it counts as saturated; default
     ``routing.backend_max_in_flight``."""
     models: list[str] = msgspec.field(default_factory=list)
-    """Models it serves (for warmup); empty: asked from its ``/v1/models``."""
+    """Models it serves: a request for another model never goes to it; empty: the ones its
+    ``/v1/models`` lists (asked before serving and every ``routing.models_refresh_s``)."""
 
     @property
     def base_url(self) -> str:

@@ -21,7 +21,7 @@ import msgspec
 from firstbyte.protocol import error_codes, paths
 from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
-from firstbyte.protocol.openai import encode
+from firstbyte.protocol.openai import Model, ModelList, encode
 from firstbyte.protocol.poll import StreamStarted
 from firstbyte.protocol.timings import decode_report
 from firstbyte.protocol.tokens import QUERY_PARAM, TokenRequest
@@ -42,7 +42,7 @@ from .asgi import (
 from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_body, adopt_token, authenticate
-from .pipeline.backend import PEER_PREFIX, choose_backend
+from .pipeline.backend import PEER_PREFIX
 from .pipeline.context import (
     CONTINUE,
     Fallback,
@@ -494,21 +494,17 @@ async def poll_stream(
 
 
 async def models(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /v1/models``: the chosen upstream's list."""
+    """``GET /v1/models``: the models this region's backends serve (configured, or listed by
+    them); with ``?peers=true`` also those of its peers with fresh status. No upstream is
+    asked: the list is what routing goes by."""
     ctx = new_context(state, scope)
     if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "models"):
         return
-    if await _finish(state, send, ctx, choose_backend(ctx, state.pool), "models"):
-        return
-    answer = await state.proxy.forward(ctx, "GET", paths.MODELS)
-    state.metrics.count("models", "ok" if answer.status == 200 else f"upstream_{answer.status}")
-    await send_bytes(
-        send,
-        answer.status,
-        answer.body,
-        content_type=answer.content_type,
-        headers=_common_headers(ctx),
-    )
+    peers = _query(scope).get("peers", "").lower() in ("1", "true", "yes")
+    names = state.routing.model_names(peers=peers)
+    listing = ModelList(data=[Model(id=name, owned_by=state.config.region) for name in names])
+    state.metrics.count("models", "ok")
+    await send_bytes(send, 200, encode(listing), headers=_common_headers(ctx))
 
 
 _token_request = msgspec.json.Decoder(TokenRequest)

@@ -1,13 +1,19 @@
 """Routing across regions, wired into the router: the routing stage and its background tasks.
 
-:class:`RegionRouting` owns the control-plane cores and connects them to the data plane:
+:class:`RegionRouting` owns the control-plane cores and connects them to the data plane. The
+decisions are the pure chooser's (:class:`~firstbyte.router.pipeline.chooser.RouteChooser`:
+region, backend and model from the request, the known load and ``now``); this class applies
+them (counters, spill slots, the request's context), runs the services that feed the chooser
+(below) and answers for the region (:mod:`firstbyte.router.routing_status`,
+:mod:`firstbyte.router.routing_metrics`):
 
 - :meth:`RegionRouting.route` is the pipeline stage between admission and the proxy. It
   locates the client (:mod:`firstbyte.router.geo`), chooses the region by expected TTFT
-  (:mod:`firstbyte.router.pipeline.region`), and then either picks a local backend by prefix
-  affinity
+  among the regions serving the request's model (:mod:`firstbyte.router.pipeline.region`),
+  and then either picks a local backend serving it by prefix affinity
   (:mod:`firstbyte.router.pipeline.affinity`), forwards/spills to a peer's router (as an upstream,
-  with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``.
+  with the peer key and the loop-prevention header), or answers 429 with ``Retry-After``
+  (404 ``model_not_found`` for a model served nowhere).
 - An :class:`Observation` rides along in ``ctx.observer``: the proxy reports the
   first token, every later chunk and the end to it (load, TTFT/ITL, spill budget), and asks it
   whether to switch upstream when the first token is late (``first_token_deadline_ms``), or
@@ -17,9 +23,10 @@
   refused slot means no spill. Requests count as active, and against a peer's capacity, from
   the moment they are routed (not when the proxy's task gets to run), so a burst routed in one
   loop turn sees its own earlier members.
-- Background: :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
-  pool) and :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
-  probes).
+- Background (:class:`~firstbyte.router.routing_services.RoutingServices`):
+  :class:`~firstbyte.router.peers.PeerPoller` (peer status over the proxy's kept-warm
+  pool), :class:`~firstbyte.router.warmup.WarmupRunner` (backend metrics scrapes, health, warmup
+  probes) and :class:`~firstbyte.router.models.ModelLister` (each backend's ``/v1/models``).
 - :meth:`status` is ``GET /v1/edge/status``; :meth:`render_metrics` adds to ``/metrics``.
 
 Routers of one deployment share their API keys: a forwarded request carries the client's
@@ -40,24 +47,26 @@ from dataclasses import dataclass, field
 import httpx
 
 from firstbyte.protocol import error_codes
-from firstbyte.protocol.edge import BackendStatus, EdgeStatus, PeerLink, prefix_hash
+from firstbyte.protocol.edge import EdgeStatus
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
     BETTER_REGION_URL_HEADER,
     FORWARDED_HEADER,
     PEER_KEY_HEADER,
 )
-from firstbyte.protocol.openai import ChatCompletionRequest, message_text
+from firstbyte.protocol.openai import ChatCompletionRequest
 
 from .backpressure import BackendLoad, LoadTracker
 from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
 from .hosting.prometheus import Histogram
 from .metrics import TTFT_BUCKETS_S
+from .models import ModelMap
 from .observability.logs import describe_error
-from .peers import PeerPoller, PeerTable
-from .pipeline.affinity import AffinityPolicy, BackendChoice, affinity_key
+from .peers import PeerTable
+from .pipeline.affinity import AffinityPolicy, BackendChoice
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
+from .pipeline.chooser import ModelMissing, RouteChooser, RouteInput
 from .pipeline.context import (
     CONTINUE,
     FailCause,
@@ -67,11 +76,11 @@ from .pipeline.context import (
     RequestContext,
     error_reply,
 )
-from .pipeline.region import RegionCandidate, RegionModel, Verdict, choose_region
+from .pipeline.region import RegionCandidate, RegionModel, Verdict
 from .regions_config import warm_prefix_text
+from .routing_services import RoutingServices
 from .spill import SpillBudget, SpillSlot
-from .upstream_metrics import BackendMetrics
-from .warmup import WarmPrefix, WarmupRunner, WarmupScheduler
+from .warmup import WarmPrefix, WarmupScheduler
 
 __all__ = [
     "REJECTION_REASONS", "WAIT_FOR_SLOT", "FairCheck", "Observation", "RegionRouting",
@@ -87,7 +96,6 @@ region (``routing.max_fair_wait_ms``): the caller waits (:meth:`firstbyte.router
 RouterState.wait_for_slot`) and routes it again; it never reaches a client."""
 
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-CHARS_PER_TOKEN = 4.0
 
 PASSIVE_DOWN_S = 10.0
 """How long a backend that refused a connection stays out of rotation when it has no metrics
@@ -102,6 +110,7 @@ REJECTION_REASONS = {
     "saturated_forwarded": "this request was already forwarded by another region",
     "no_local_backend": "no backend of it can take this request",
     "fair_wait": "no slot freed for this request within routing.max_fair_wait_ms",
+    "model_elsewhere_full": "the regions serving this request's model have no room",
 }
 """Why a request was answered 429 here (the access log's ``reason``), and the sentence the
 client reads after "Region R is at capacity and"."""
@@ -154,6 +163,9 @@ class Observation:
     claim: tuple[str, SpillSlot] | None = None
     """A first-token-deadline switch decided (target peer, slot taken) but not yet made."""
     extra_headers: dict[str, str] = field(default_factory=dict)
+    route: RouteInput | None = None
+    """What of the request decided where it went (its model, affinity key, ...): a failover
+    or a late first token's switch decides by it again."""
 
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
         self.ttft_ms = ttft_ms
@@ -269,10 +281,6 @@ class RegionRouting:
         }
         self.peer_points = {p.name: _point(p.latitude, p.longitude, p.name) for p in config.peers}
         self.peer_urls = {p.name: p.public_url or p.url for p in config.peers}
-        self.poller = PeerPoller(
-            self.peer_table, peer_client or client, peer_key=self.peer_key,
-            interval_s=routing.peer_poll_interval_s, clock=clock, on_status=self._on_peer_status,
-        )
         # Requests routed to each peer and not finished, counted when routed: the proxy's own
         # count starts only when its task runs, after every other request of a burst routed.
         self.peer_routed = dict.fromkeys(self.peer_backends, 0)
@@ -283,7 +291,6 @@ class RegionRouting:
         self.prefixes = [
             WarmPrefix(p.name, warm_prefix_text(p), tuple(p.models)) for p in config.warm_prefixes
         ]
-        self.prefix_hashes = {p.name: prefix_hash(p.text) for p in self.prefixes}
         self.scheduler = WarmupScheduler(
             self.prefixes if config.warmup.enabled else [],
             interval_s=config.warmup.interval_s,
@@ -292,19 +299,16 @@ class RegionRouting:
             busy_running_threshold=config.warmup.busy_running_threshold,
             retry_s=config.warmup.retry_s,
         )
-        scraped: dict[str, str] = {}
-        probe_headers: dict[str, dict[str, str]] = {}
-        for b, u in zip(pool.backends, upstreams, strict=True):
-            if u.kind == "openai" and not u.models:
-                continue  # no /metrics and no model list to warm with
-            self.scheduler.add_backend(b.name, u.models)
-            scraped[b.name] = b.url
-            if b.api_key:
-                probe_headers[b.name] = {"authorization": f"Bearer {b.api_key}"}
-        self.runner = WarmupRunner(
-            self.scheduler, client, scraped,
-            poll_interval_s=routing.backend_metrics_interval_s, clock=clock,
-            on_metrics=self._on_metrics, headers=probe_headers, on_probe=self._on_probe,
+        # Models: configured, or listed by each backend (refreshed in the background).
+        self.models = ModelMap(
+            {b.name: u.models for b, u in zip(pool.backends, upstreams, strict=True)}
+        )
+        # The pure chooser over the sans-IO state above; this class applies its decisions.
+        self.chooser = RouteChooser(
+            self.region, self.here_point, self.model, self.tracker, self.models,
+            self.scheduler, self.prefixes, self.peer_table, self.peer_points, self.peer_urls,
+            self.policy, affinity_chars=routing.affinity_chars,
+            max_queue_wait_ms=routing.max_queue_wait_ms,
         )
         # Metrics.
         self.outcomes: Counter[tuple[str, str, str]] = Counter()
@@ -329,10 +333,14 @@ class RegionRouting:
         may re-admit them (``routing.backend_eject_s``)."""
         self.ejections: Counter[tuple[str, str]] = Counter()
         """Passive-health ejections by (backend, cause)."""
-        self._started = False
         self.draining = False
         """This process is shutting down: it counts as unhealthy for routing (a request goes
         to a peer with room, or gets 503 ``draining``) and in its edge status."""
+        # The background services feeding the state above.
+        self.services = RoutingServices(self, client, peer_client or client, clock)
+        self.poller, self.runner, self.lister = (
+            self.services.poller, self.services.runner, self.services.lister
+        )
 
     def adopt(self, previous: RegionRouting) -> None:
         """Carry over what ``previous`` (the routing before a reload) learned and still counts:
@@ -361,63 +369,46 @@ class RegionRouting:
             if was is not None and was.url == peer.url:
                 self.peer_table.peers[name] = was
         self.draining = previous.draining
+        for name in self.models.to_learn():  # a list learned stays until asked again
+            if self.backends[name] is previous.backends.get(name):
+                self.models.lists[name] = previous.models.lists.get(name)
+        if previous.lister.ready.is_set():
+            self.lister.ready.set()  # requests need not wait for this routing's first asks
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start peer polls and backend scrapes/warmup in the running loop (idempotent)."""
-        if self._started:
-            return
-        self._started = True
-        if self.peer_table.peers:
-            self.poller.start()
-        if self.runner.urls:
-            self.runner.start()
+        """Start peer polls, backend scrapes/warmup and model lists in the running loop
+        (idempotent)."""
+        self.services.start()
 
     async def wait_warm(self) -> bool:
-        """Before serving: warm every prefix on every backend (bounded by the start-up timeout)."""
-        if not self.prefixes or not self.runner.urls:
-            return True
-        return await self.runner.wait_all_warm(self.config.warmup.startup_timeout_s)
+        """Before serving: warm every prefix on every backend (bounded by the start-up
+        timeout; :meth:`RoutingServices.wait_warm`)."""
+        return await self.services.wait_warm()
+
+    async def wait_models(self) -> None:
+        """Return once every backend without configured models was asked for its list (or
+        after the ask's timeout): user requests wait for it, ``/healthz`` does not."""
+        await self.services.wait_models()
 
     async def aclose(self) -> None:
-        await self.poller.stop()
-        await self.runner.stop()
+        await self.services.aclose()
         if self.locator is not None:
             self.locator.close()
 
-    def _on_peer_status(self, name: str) -> None:
+    def peer_status_arrived(self, name: str) -> None:
+        """A status of peer ``name`` arrived: it counts the requests routed there so far."""
         self._sent_baseline[name] = self.peer_routed[name]
 
-    def _on_probe(self, name: str, started: bool, answered_ms: float | None) -> None:
-        """A warmup probe is load on ``name`` as our requests are: a scrape that shows it
-        running must not count it as someone else's once it ended (the start-up warmup's
-        last scrape saw its probes, and the first request after it was refused as if the
-        backend were full). An answered probe (one token) is a TTFT sample for the
-        first-byte deadline, known before any user request."""
-        if name not in self.tracker.backends:
-            return
-        if started:
-            self.tracker.started(name, self.clock(), probe=True)
-            return
-        self.tracker.finished(name)
-        if answered_ms is not None:
-            self.tracker.observe_probe(name, answered_ms)
-
-    def _on_metrics(self, name: str, metrics: BackendMetrics | None) -> bool:
-        """A scrape's result (None: unreachable); False if ``name`` answered but stays out
-        of rotation: ejected for failing requests, a scrape proves the server listens, not
-        that it serves, so only one after ``backend_eject_s`` re-admits it."""
-        healthy = metrics is not None
+    def readmit(self, name: str, now: float) -> bool:
+        """A scrape of ``name`` answered: False while it is ejected for failing requests (a
+        scrape proves the server listens, not that it serves; ``backend_eject_s``)."""
         until = self._ejected_until.get(name)
-        if until is not None and healthy:
-            if self.clock() < until:
+        if until is not None:
+            if now < until:
                 return False
             del self._ejected_until[name]
-        self.tracker.set_health(name, healthy)
-        self.backends[name].healthy = healthy
-        if metrics is not None:
-            self.tracker.observe_metrics(name, metrics, self.clock())
-        return healthy
+        return True
 
     # --- the stage ---------------------------------------------------------------------
     def peer_authenticated(self, ctx: RequestContext) -> bool:
@@ -437,74 +428,84 @@ class RegionRouting:
             return None
         return self.locator.locate(address)
 
-    def _prefix(self, request: ChatCompletionRequest) -> WarmPrefix | None:
-        first = request.messages[0]
-        if first.role not in ("system", "developer"):
-            return None
-        text = message_text(first)
-        for p in self.prefixes:
-            if (not p.models or request.model in p.models) and text.startswith(p.text):
-                return p
-        return None
+    def serving(self, ctx: RequestContext) -> frozenset[str] | None:
+        """The local backends serving ``ctx``'s model (None: no request, every backend)."""
+        return self.chooser.serving(ctx.request.model) if ctx.request is not None else None
+
+    def sent_since(self) -> dict[str, int]:
+        """Requests routed to each peer since its last status (which counted those before)."""
+        return {n: self.peer_routed[n] - self._sent_baseline[n] for n in self.peer_routed}
 
     def _here(self, now: float) -> RegionCandidate:
-        warm = {
-            self.prefix_hashes[name]
-            for backend in self.tracker.healthy()
-            for name in self.scheduler.warm(backend)
-        }
-        return RegionCandidate(
-            self.region, self.here_point, bool(self.tracker.healthy()) and not self.draining,
-            self.tracker.region_saturated(now), self.tracker.queue_wait_ms(now), frozenset(warm),
-        )
+        return self.chooser.here(now, draining=self.draining)
 
     def _peers(self, now: float) -> dict[str, RegionCandidate]:
-        out: dict[str, RegionCandidate] = {}
-        for name, status in self.peer_table.fresh(now).items():
-            rtt = self.peer_table.peers[name].rtt_ms
-            point = self.peer_points.get(name)
-            if point is None and status.latitude is not None and status.longitude is not None:
-                point = GeoPoint(status.latitude, status.longitude)
-            # The status counted our requests of that moment; adjust by ours since (+ or -).
-            ours = self.peer_routed[name] - self._sent_baseline[name]
-            load = status.in_flight + ours
-            saturated = load >= status.capacity if ours else status.saturated
-            out[name] = RegionCandidate(
-                name, point, status.healthy, saturated, status.queue_wait_ms,
-                frozenset(status.warm_prefixes), rtt.value if rtt is not None else None,
-                status.public_url or self.peer_urls.get(name),
+        return self.chooser.peers(now, None, self.sent_since())
+
+    def model_missing(
+        self, ctx: RequestContext, model: str, why: ModelMissing, now: float
+    ) -> LocalReply:
+        """Nobody here or among the peers serves ``model``: 404 ``model_not_found``, nothing
+        sent upstream; or 503 ``no_healthy_backend`` with ``Retry-After`` when a peer that
+        served it is not answering (:attr:`ModelMissing.UNKNOWN_YET`)."""
+        self.outcomes[(self.region, "", "rejected")] += 1
+        self.rejections[why.value] += 1
+        ctx.route_reason = why.value  # for the access log
+        if why is ModelMissing.UNKNOWN_YET:
+            retry = self.down_retry_after_s(now)
+            return error_reply(
+                503,
+                f"No region serving model {model!r} is answering (region {self.region} does"
+                f" not serve it); retry after {retry} s.",
+                "server_error",
+                code=error_codes.NO_HEALTHY_BACKEND,
+                headers=(("retry-after", str(retry)),),
+                outcome="rejected",
             )
-        return out
+        return error_reply(
+            404,
+            f"The model {model!r} does not exist in region {self.region} or its peers;"
+            " GET /v1/models lists the models served.",
+            "invalid_request_error",
+            param="model",
+            code=error_codes.MODEL_NOT_FOUND,
+            outcome="model_not_found",
+        )
 
     def active(self) -> int:
         """Requests routed from here and not finished: to local backends and to peers."""
         return self.tracker.in_flight() + sum(self.peer_routed.values())
 
-    def route(self, ctx: RequestContext, share: FairCheck | None = None) -> Outcome:
-        """Choose the region and backend for an admitted chat request (sets ``ctx.backend``).
+    def route(
+        self, ctx: RequestContext, share: FairCheck | None = None, *,
+        route_input: RouteInput | None = None,
+    ) -> Outcome:
+        """Choose the region and backend for an admitted request (sets ``ctx.backend``), by
+        ``route_input`` (its model, affinity key, warm prefix, size; default: those of the
+        chat request ``ctx.request``, :meth:`RouteChooser.route_input`).
 
         Where the region is full and the request would be refused, ``share`` (the fair
         share of the keys asking, :meth:`firstbyte.router.tenancy.Tenants.fair_refusal`) says
         whether it waits for a slot (below its share: :data:`WAIT_FOR_SLOT`; queued on a
         backend past its limit when ``routing.max_fair_wait_ms`` is 0), is refused with its own
         answer (above it), or refused as before (``False``: it alone fills the region)."""
-        request = ctx.request
-        assert request is not None
+        if route_input is None:
+            assert ctx.request is not None
+            route_input = self.chooser.route_input(ctx.request)
+        route = route_input
         now = self.clock()
         if self._down_until:
             self._back_in_rotation(now)
         from_peer = self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
         location = self.locate(ctx, from_peer)
-        prefix = self._prefix(request)
-        chars = sum(len(message_text(m)) for m in request.messages)
-        decision = choose_region(
-            self.model, self._here(now), self._peers(now), client=location,
-            prompt_tokens=int(chars / CHARS_PER_TOKEN),
-            prefix=self.prefix_hashes[prefix.name] if prefix else None,
-            prefix_tokens=int(len(prefix.text) / CHARS_PER_TOKEN) if prefix else 0,
-            forwarded=forwarded,
+        chosen_region = self.chooser.region_for(
+            route, location, now, forwarded=forwarded, draining=self.draining,
+            sent_since=self.sent_since(),
         )
+        if isinstance(chosen_region, ModelMissing):
+            return self.model_missing(ctx, route.model, chosen_region, now)
+        decision, serving = chosen_region.region, chosen_region.serving
         ctx.location = location
         ctx.region_decision = decision
         headers: list[tuple[str, str]] = []
@@ -517,38 +518,41 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self._local_backend(request, now)
+            chosen = self._counted(self.chooser.local_backend(route, now))
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
-            return self._serve_local(ctx, chosen, location, now)
+            return self._serve_local(ctx, chosen, location, now, route)
         if decision.verdict is Verdict.REJECT:
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"
-            return self._queue_or_reject(ctx, request, location, now, reason, share)
+            if not serving:
+                return self.reject(ctx, now, "model_elsewhere_full")
+            return self._queue_or_reject(ctx, route, location, now, reason, share)
         slot: SpillSlot | None = None
         if decision.verdict is Verdict.SPILL:
             # This request counts as active: it is one, wherever it goes.
             slot = self.spill.acquire(self.active() + 1, "saturated")
             if slot is None:
-                return self._queue_or_reject(
-                    ctx, request, location, now, "spill_budget", share
-                )
+                return self._queue_or_reject(ctx, route, location, now, "spill_budget", share)
             self.spills[(decision.region, "saturated")] += 1
         else:
             self.forwards[decision.region] += 1
-        self._to_peer(ctx, decision.region, location, slot)
+            if not serving:
+                ctx.route_reason = "model_elsewhere"  # for the access log
+        self._to_peer(ctx, decision.region, location, slot, route)
         return CONTINUE
 
     def _queue_or_reject(
         self,
         ctx: RequestContext,
-        request: ChatCompletionRequest,
+        route: RouteInput,
         location: Location | None,
         now: float,
         reason: str,
         share: FairCheck | None = None,
     ) -> Outcome:
-        queued = self._queue_locally(request, now)
-        if queued is None and share is not None and self.tracker.healthy():
+        serving = self.chooser.serving(route.model)
+        queued = self._counted(self.chooser.queue_backend(route, now))
+        if queued is None and share is not None and self.tracker.healthy(serving):
             verdict = share(ctx, now)
             if isinstance(verdict, LocalReply):
                 self.outcomes[(self.region, "", "rejected")] += 1
@@ -556,43 +560,26 @@ class RegionRouting:
             if verdict and self.config.routing.max_fair_wait_ms > 0:
                 return WAIT_FOR_SLOT  # below its fair share: it waits here for a slot
             if verdict:  # below its fair share: it waits on a backend, others are held
-                queued = self._choose(request, self.tracker.healthy(), now, "fair_share")
+                queued = self._counted(self.chooser.backend(
+                    route, self.tracker.healthy(serving), now, "fair_share"
+                ))
         if queued is not None:
-            return self._serve_local(ctx, queued, location, now)
+            return self._serve_local(ctx, queued, location, now, route)
         return self.reject(ctx, now, reason)
 
     def affinity_key(self, request: ChatCompletionRequest) -> str:
         """The key that decides ``request``'s backend (:func:`affinity_key`)."""
-        texts = [p.text for p in self.prefixes]
-        return affinity_key(request, texts, self.config.routing.affinity_chars)
+        return self.chooser.route_input(request).affinity_key
 
-    def _local_backend(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
-        return self._choose(request, self.tracker.available(now), now, None)
-
-    def _queue_locally(self, request: ChatCompletionRequest, now: float) -> BackendChoice | None:
-        """A backend to queue on when the expected wait is within ``max_queue_wait_ms``."""
-        healthy = self.tracker.healthy()
-        limit = self.config.routing.max_queue_wait_ms
-        if not healthy or limit <= 0 or self.tracker.queue_wait_ms(now) > limit:
-            return None
-        return self._choose(request, healthy, now, "queued")
-
-    def _choose(
-        self, request: ChatCompletionRequest, candidates: list[str], now: float, reason: str | None
-    ) -> BackendChoice | None:
-        """The affinity policy's pick among ``candidates``, counted in ``choices`` under
-        ``reason`` (the policy's own reason when None); None if it picks nothing."""
-        loads = {n: self.tracker.load(n, now) for n in candidates}
-        choice = self.policy.choose(self.affinity_key(request), candidates, loads, now)
-        if choice is None:
-            return None
-        if reason is not None:
-            choice = BackendChoice(choice.backend, reason)
-        self.choices[choice.reason] += 1
+    def _counted(self, choice: BackendChoice | None) -> BackendChoice | None:
+        """``choice``, counted in :attr:`choices` by its reason."""
+        if choice is not None:
+            self.choices[choice.reason] += 1
         return choice
 
     def _serve_local(
-        self, ctx: RequestContext, choice: BackendChoice, location: Location | None, now: float
+        self, ctx: RequestContext, choice: BackendChoice, location: Location | None, now: float,
+        route: RouteInput,
     ) -> Outcome:
         name = choice.backend
         ctx.backend = self.backends[name]
@@ -601,7 +588,7 @@ class RegionRouting:
         ctx.observer = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
-            choice=choice.reason,
+            choice=choice.reason, route=route,
         )
         return CONTINUE
 
@@ -622,7 +609,8 @@ class RegionRouting:
         return observer
 
     def _to_peer(
-        self, ctx: RequestContext, peer: str, location: Location | None, slot: SpillSlot | None
+        self, ctx: RequestContext, peer: str, location: Location | None, slot: SpillSlot | None,
+        route: RouteInput | None = None,
     ) -> None:
         """Send the request to ``peer`` (a spill when it holds ``slot``)."""
         backend = self.peer_backends[peer]
@@ -647,7 +635,7 @@ class RegionRouting:
         else:
             ctx.observer = Observation(
                 self, peer, backend.name, False, slot is not None, time.perf_counter(), location,
-                slot=slot,
+                slot=slot, route=route,
             )
 
     def down_retry_after_s(self, now: float) -> int:
@@ -669,7 +657,8 @@ class RegionRouting:
         With no healthy backend here the cause is not load: 503 ``no_healthy_backend``
         (reason ``no_healthy_backend``), so clients and operators do not read it as one."""
         self.outcomes[(self.region, "", "rejected")] += 1
-        if not self.tracker.healthy():
+        serving = self.serving(ctx)
+        if serving != frozenset() and not self.tracker.healthy(serving):
             reason = "no_healthy_backend"
             self.rejections[reason] += 1
             ctx.route_reason = reason
@@ -683,13 +672,16 @@ class RegionRouting:
                 headers=(("retry-after", str(retry)),),
                 outcome="rejected",
             )
-        retry = self.tracker.retry_after_s(now)
+        retry = self.tracker.retry_after_s(now, serving or None)
         self.rejections[reason] += 1
         ctx.route_reason = reason  # for the access log
+        said = (
+            f"Region {self.region} does not serve this request's model and"
+            if reason == "model_elsewhere_full" else f"Region {self.region} is at capacity and"
+        )
         return error_reply(
             429,
-            f"Region {self.region} is at capacity and {REJECTION_REASONS[reason]};"
-            f" retry after {retry} s.",
+            f"{said} {REJECTION_REASONS[reason]}; retry after {retry} s.",
             "rate_limit_error",
             code=error_codes.REGION_SATURATED,
             headers=(("retry-after", str(retry)),),
@@ -717,7 +709,7 @@ class RegionRouting:
         """A late first token: claim a peer and a spill slot for :meth:`switch`, or refuse."""
         if obs.switched or not obs.local:
             return False
-        target = self._switch_target(ctx)
+        target = self._switch_target(ctx, obs.route)
         if target is None:
             return False
         # ``active`` already counts this request (it is in flight locally).
@@ -727,21 +719,14 @@ class RegionRouting:
         obs.claim = (target, slot)
         return True
 
-    def _switch_target(self, ctx: RequestContext) -> str | None:
-        now = self.clock()
+    def _switch_target(self, ctx: RequestContext, route: RouteInput | None) -> str | None:
         forwarded = self.peer_authenticated(ctx) and FORWARDED_HEADER in ctx.headers
-        if forwarded:
+        if route is None and ctx.request is not None:
+            route = self.chooser.route_input(ctx.request)
+        if forwarded or route is None:
             return None
-        candidates = [c for c in self._peers(now).values() if c.healthy and not c.saturated]
-        if not candidates:
-            return None
-        location = ctx.location
-        point = location.point if isinstance(location, Location) else None
-        here = self._here(now)
-        return min(
-            candidates,
-            key=lambda c: self.model.expected_ms(point, here, c, 0, None, 0),
-        ).name
+        location = ctx.location if isinstance(ctx.location, Location) else None
+        return self.chooser.switch_target(route.model, location, self.clock(), self.sent_since())
 
     def switch(self, obs: Observation, ctx: RequestContext) -> Backend:
         """The first token is late: move the request to the peer it claimed (a spill)."""
@@ -772,8 +757,10 @@ class RegionRouting:
         holding a slot there before giving back the old one. None when no other can take
         it (the request then fails as it would have); a peer region is not tried, as a
         request that just found its backend gone should not also pay a forward."""
-        request = ctx.request
-        if not obs.local or request is None:
+        route = obs.route
+        if route is None and ctx.request is not None:
+            route = self.chooser.route_input(ctx.request)
+        if not obs.local or route is None:
             return None
         old = obs.backend
         if cause == "refused":
@@ -784,9 +771,12 @@ class RegionRouting:
             self.eject(old, exc, cause)
         now = self.clock()
         refused = {old}  # still in rotation if it is the region's last (see unreachable)
+        serving = self.chooser.serving(route.model)
         while True:
-            candidates = [n for n in self.tracker.available(now) if n not in refused]
-            choice = self._choose(request, candidates, now, "failover") if candidates else None
+            candidates = [n for n in self.tracker.available(now, serving) if n not in refused]
+            choice = self._counted(
+                self.chooser.backend(route, candidates, now, "failover") if candidates else None
+            )
             if choice is None:
                 return None
             name = choice.backend
@@ -876,36 +866,15 @@ class RegionRouting:
 
     # --- status and metrics ------------------------------------------------------------
     def status(self) -> EdgeStatus:
-        now = self.clock()
-        here = self._here(now)
-        backends = [
-            BackendStatus(
-                name=name, healthy=b.healthy, in_flight=b.in_flight,
-                load=self.tracker.load(name, now), max_in_flight=b.limit,
-                saturated=self.tracker.saturated(name, now), ttft_ms=b.ttft_ms.value,
-                warm_prefixes=self.scheduler.warm(name),
-            )
-            for name, b in self.tracker.backends.items()
-        ]
-        wait = here.queue_wait_ms
-        fresh = self._peers(now)
-        return EdgeStatus(
-            region=self.region, healthy=here.healthy, saturated=here.saturated,
-            in_flight=self.tracker.in_flight(), capacity=self.tracker.capacity(),
-            queue_wait_ms=wait if math.isfinite(wait) else 1e9,
-            latitude=self.here_point.lat if self.here_point else None,
-            longitude=self.here_point.lon if self.here_point else None,
-            public_url=self.config.geo.public_url, ttft_ms=self.tracker.ttft_ms(),
-            warm_prefixes=sorted(here.warm_prefixes), backends=backends,
-            peers=[
-                PeerLink(
-                    name=name,
-                    url=url,
-                    up=name in fresh and fresh[name].healthy and not fresh[name].saturated,
-                )
-                for name, url in self.peer_urls.items()
-            ],
-        )
+        """``GET /v1/edge/status`` (:func:`firstbyte.router.routing_status.edge_status`)."""
+        from .routing_status import edge_status
+
+        return edge_status(self)
+
+    def model_names(self, *, peers: bool = False) -> list[str]:
+        """The models this region serves (``GET /v1/models``); with ``peers``, also those
+        its peers with fresh status serve."""
+        return self.chooser.model_names(self.clock(), peers=peers)
 
     def render_metrics(self) -> str:
         from .routing_metrics import render

@@ -117,6 +117,9 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peer_poll_interval_s: PositiveSeconds = 1.0
     peer_status_ttl_s: PositiveSeconds = 5.0
     """Peer state older than this counts as unknown (not a candidate)."""
+    models_refresh_s: PositiveSeconds = 30.0
+    """How often each upstream without configured ``models`` is asked for its ``/v1/models``
+    (also once before serving); a request goes only to a backend listing its model."""
     backend_metrics_interval_s: PositiveSeconds = 1.0
     backend_max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 1024
     """Default cap on requests in flight per backend when an upstream sets none. A cap, not

@@ -10,7 +10,8 @@ backend: ``ok``/``error``; ``rejected`` for 429s), ``route_forwards_total{to}``,
 ``backend_limit``/``backend_saturated``/``backend_healthy``/``backend_cache_hit_ratio``
 ``{backend}``, ``warm_state{backend,prefix}`` (1 warm, 0 not),
 ``warmups_total``/``warm_evictions_total`` ``{backend,prefix}``,
-``backend_restarts_total{backend}``, ``peer_up{peer}``, ``peer_rtt_seconds{peer}``.
+``backend_restarts_total{backend}``, ``backend_serves{backend,model}`` (1 per model served),
+``peer_up{peer}``, ``peer_rtt_seconds{peer}``.
 """
 
 from __future__ import annotations
@@ -133,6 +134,15 @@ def render(r: RegionRouting) -> str:
         "firstbyte_backend_restarts_total",
         "Backend restarts detected (health flap or counters going backwards).",
         [(labels(backend=b), n) for b, n in sorted(s.restarts_total.items())],
+    )
+    lines += render_gauge(
+        "firstbyte_backend_serves",
+        "1 for each model the backend serves (configured, or listed by its /v1/models).",
+        [
+            (labels(backend=name, model=model), 1)
+            for name, models in sorted(r.models.lists.items())
+            for model in sorted(models or ())
+        ],
     )
     fresh = r.peer_table.fresh(now)
     lines += render_gauge(

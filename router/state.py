@@ -273,6 +273,7 @@ class RouterState:
         assert self._warming is not None
         if not self._warming.done():
             await asyncio.shield(self._warming)
+        await self.routing.wait_models()  # which backend serves which model
 
     def new_stream(
         self, owner: bytes, on_finish: Callable[[], object] | None = None,

@@ -331,23 +331,8 @@ class WarmupRunner:
             return  # it answers, but is held out of rotation (ejected by passive health)
         self.changes.up(name, url=base)
         self.scheduler.metrics(name, metrics)
-        if not self.scheduler.backends[name].models:
-            await self._discover_models(name, base)
-
-    async def _discover_models(self, name: str, base: str) -> None:
-        """No models configured: ask the server which it serves (vLLM rejects others)."""
-        import httpx
-
-        assert isinstance(self.client, httpx.AsyncClient)
-        try:
-            listed = await self.client.get(
-                base + paths.MODELS, headers=self.headers.get(name, {}), timeout=5.0
-            )
-            ids = [m["id"] for m in listed.json().get("data", []) if "id" in m]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-            return
-        if ids:
-            self.scheduler.set_models(name, ids)
+        # A backend's models, when not configured, come from its /v1/models through
+        # firstbyte.router.models.ModelLister (scheduler.set_models).
 
     async def probe(self, task: WarmTask) -> None:
         import httpx

@@ -1,6 +1,6 @@
 """Routing across regions: nearest vs central region, fallback under load, prefix placement, warmup.
 
-Four experiments. The first through the WAN emulator
+Five experiments. The first through the WAN emulator
 (:mod:`firstbyte.benchmarks.scenarios._routing_geo`),
 the others on loopback (routers and sims of the ``h100-7b`` profile, in this process):
 
@@ -27,6 +27,12 @@ the others on loopback (routers and sims of the ``h100-7b`` profile, in this pro
    with the shared ~3,700-token support prompt as a ``warm_prefixes`` entry (the router
    warms it before serving) and without; users arrive every 20 ms and each sends its first
    request. Compared: TTFT P50/P99, cached tokens, requests that missed the prefix.
+4. **Two models.** ``model-a`` in every region (tokyo, frankfurt, virginia), ``model-b`` only in
+   tokyo; each sim serves only its names (another is vLLM's 404, so a misrouted request is
+   an error) and the routers learn them from the sims' ``/v1/models``. Clients entering
+   through frankfurt get ``model-b`` from tokyo. Compared: B's TTFT through frankfurt vs
+   directly from tokyo (the same path minus the forward), A's TTFT through frankfurt alone vs
+   with B's traffic beside it, and misrouted requests (target: 0).
 
 On loopback the hop to a peer costs ~1 ms; across real regions it costs their RTT (e.g.
 Tokyo-Frankfurt ~223 ms), which a spilled request adds to its TTFT.
@@ -265,6 +271,80 @@ async def _warm_vs_cold(quick: bool) -> dict[str, Any]:
     return out
 
 
+MODEL_A, MODEL_B = "model-a", "model-b"
+
+
+async def _model_phase(
+    url: str, model: str, total: int, workers: int, tag: str
+) -> list[dict[str, Any]]:
+    """``total`` streamed requests for ``model`` at ``url``, ``workers`` at a time."""
+    results: list[dict[str, Any]] = []
+    counter = iter(range(total))
+    limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+        async def worker() -> None:
+            for i in counter:
+                body = {"model": model, "stream": True, "max_tokens": 8,
+                        "messages": [{"role": "user", "content": f"{tag} {i}: plan my day"}]}
+                results.append(await _stream(client, url, body))
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+    return results
+
+
+async def _two_models(quick: bool) -> dict[str, Any]:
+    """Model A everywhere, model B in tokyo only (see the module docstring, experiment 4)."""
+    total, workers = (24, 4) if quick else (200, 4)
+    only_a = {"profile": PROFILE, "served_model_names": [MODEL_A]}
+    both = {"profile": PROFILE, "served_model_names": [MODEL_A, MODEL_B]}
+    specs = [
+        RegionSpec("tokyo", 35.68, 139.69, sim=both),
+        RegionSpec("frankfurt", 50.11, 8.68, sim=only_a),
+        RegionSpec("virginia", 39.04, -77.49, sim=only_a),
+    ]
+    async with running_regions(specs) as regions:
+        await wait_for_peers(regions)
+        tokyo, frankfurt = regions["tokyo"].url, regions["frankfurt"].url
+        await _model_phase(frankfurt, MODEL_B, workers, workers, "warm-up")  # unmeasured
+        phases = {
+            "b_direct_tokyo": await _model_phase(tokyo, MODEL_B, total, workers, "b-direct"),
+            "b_via_frankfurt": await _model_phase(frankfurt, MODEL_B, total, workers, "b-fwd"),
+            "a_frankfurt_alone": await _model_phase(frankfurt, MODEL_A, total, workers, "a"),
+        }
+        mixed = await asyncio.gather(
+            _model_phase(frankfurt, MODEL_A, total, workers // 2, "a-mixed"),
+            _model_phase(frankfurt, MODEL_B, total, workers // 2, "b-mixed"),
+        )
+        phases["a_frankfurt_with_b"], phases["b_via_frankfurt_with_a"] = mixed
+    expected = {"b_direct_tokyo": "tokyo", "b_via_frankfurt": "tokyo",
+                "a_frankfurt_alone": "frankfurt", "a_frankfurt_with_b": "frankfurt",
+                "b_via_frankfurt_with_a": "tokyo"}
+    rows = []
+    for name, results in phases.items():
+        summary = _summary(results)
+        # A misroute is a request served by a region (or backend) without its model: the
+        # sims refuse it (404), or it was served by another region than the one that has it.
+        misrouted = summary["failed"] + sum(
+            r["ok"] and r["region"] != expected[name] for r in results)
+        # Names outside the report's request columns, so its table shows every one of them.
+        rows.append({
+            "label": name, "requests": len(results), "errors": summary["failed"],
+            "misrouted": misrouted, "ttft_ms_p50": summary["p50_ttft_ms"],
+            "ttft_ms_p99": summary["p99_ttft_ms"],
+            "served_by": " ".join(f"{k}:{v}" for k, v in sorted(summary["served_by"].items())),
+        })
+    by = {row["label"]: row for row in rows}
+    return {
+        "requests_per_phase": total, "workers": workers, "rows": rows,
+        "misrouted": sum(row["misrouted"] for row in rows),
+        "p50_ttft_ms_b_via_frankfurt": by["b_via_frankfurt"]["ttft_ms_p50"],
+        "p50_ttft_ms_b_direct_tokyo": by["b_direct_tokyo"]["ttft_ms_p50"],
+        "p50_ttft_ms_a_alone": by["a_frankfurt_alone"]["ttft_ms_p50"],
+        "p50_ttft_ms_a_with_b": by["a_frankfurt_with_b"]["ttft_ms_p50"],
+    }
+
+
 def run(quick: bool) -> dict[str, Any]:
     """Every experiment; ``summary`` holds the compared numbers and whether targets are met.
 
@@ -280,6 +360,7 @@ def run(quick: bool) -> dict[str, Any]:
     fallback = asyncio.run(_fallback(quick))
     placement = asyncio.run(_placement(quick))
     prefix_warmup = asyncio.run(_warm_vs_cold(quick))
+    two_models = asyncio.run(_two_models(quick))
     fb, nofb = fallback["with_fallback"], fallback["without_fallback"]
     prefix, rr = placement["prefix"], placement["round_robin"]
     summary = {
@@ -306,6 +387,15 @@ def run(quick: bool) -> dict[str, Any]:
         "mean_cached_tokens_cold_prefix": cold["mean_cached_tokens"],
         "prefix_misses_warm": warm["prefix_misses"],
         "prefix_misses_cold": cold["prefix_misses"],
+        "misrouted_two_models": two_models["misrouted"],
+        "p50_ttft_ms_model_b_via_frankfurt": two_models["p50_ttft_ms_b_via_frankfurt"],
+        "p50_ttft_ms_model_b_direct_tokyo": two_models["p50_ttft_ms_b_direct_tokyo"],
+        "p50_ttft_ms_model_a_alone": two_models["p50_ttft_ms_a_alone"],
+        "p50_ttft_ms_model_a_with_b": two_models["p50_ttft_ms_a_with_b"],
+        "model_b_forward_added_p50_ms": round(
+            two_models["p50_ttft_ms_b_via_frankfurt"] - two_models["p50_ttft_ms_b_direct_tokyo"], 1
+        ),
+        "two_models_target_met": two_models["misrouted"] == 0,
     }
     if "skipped" in geo:
         summary["geography"] = "SKIPPED: " + geo["skipped"]
@@ -342,6 +432,8 @@ def run(quick: bool) -> dict[str, Any]:
         "fallback": fallback,
         "placement": placement,
         "prefix_warmup": prefix_warmup,
+        "two_models": {k: v for k, v in two_models.items() if k != "rows"},
+        "two_models_rows": two_models["rows"],
         # Names outside the report's request columns, so its table shows every one of them.
         "prefix_warmup_rows": [
             {"condition": c, "ttft_ms_p50": prefix_warmup[c]["p50_ttft_ms"],
@@ -362,6 +454,12 @@ def run(quick: bool) -> dict[str, Any]:
             "max_queue_wait_ms 300: when neither region has a free slot for a moment, a "
             "request queues locally if the expected wait is under 300 ms instead of a 429",
             "TTFT: request start to the first content chunk (as vllm bench serve)",
+            "two models: tokyo's sims serve model-a and model-b, the others model-a only "
+            "(each sim 404s any other name, as vLLM); the routers are given no model lists "
+            "and learn them from /v1/models; 'b_via_frankfurt' pays the frankfurt->tokyo hop "
+            "over 'b_direct_tokyo': a second router on the same CPUs here (the difference is "
+            "model_b_forward_added_p50_ms), plus the inter-region RTT in a deployment; the "
+            "mixed phases run A and B at once through frankfurt, half the workers each",
         ],
     }
 

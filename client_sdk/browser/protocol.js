@@ -43,6 +43,7 @@ export const ERROR_CODES = Object.freeze({
   "KEY_RATE_LIMITED": "key_rate_limited",
   "KEY_STORE_FULL": "key_store_full",
   "MISSING_API_KEY": "missing_api_key",
+  "MODEL_NOT_FOUND": "model_not_found",
   "NOT_FOUND": "not_found",
   "NO_HEALTHY_BACKEND": "no_healthy_backend",
   "ORIGIN_NOT_ALLOWED": "origin_not_allowed",

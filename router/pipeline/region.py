@@ -17,8 +17,12 @@ R costs about rtt(client, R) (true when the entry router is near the client: Geo
 anycast). When another region wins by more than ``forward_margin_ms`` the request is forwarded
 there; the response then says ``x-firstbyte-better-region`` so the SDK can go directly.
 
-Only healthy, unsaturated regions with fresh state are candidates. A request that was already
-forwarded by a peer is never forwarded again. Leaving a *saturated* region is a spill and
+Only healthy, unsaturated regions with fresh state that serve the request's model are
+candidates (the caller passes those, with their figures for that model). A region that does not
+serve the model (``here.serves`` false) forwards the request to the candidate expected to answer
+first: not a spill (this region is not full), and no ``better_region`` hint, which would move
+the client's other models too. A request that was already forwarded by a peer is never
+forwarded again. Leaving a *saturated* region is a spill and
 needs a slot of the spill budget; with no candidate or no slot the answer is a rejection
 (429 with ``Retry-After``).
 """
@@ -57,6 +61,9 @@ class RegionCandidate:
     measured_rtt_ms: float | None = None
     """Router-to-router RTT measured by status polls (peers only)."""
     public_url: str | None = None
+    serves: bool = True
+    """Some backend of the region serves the request's model (always true of a peer passed
+    to :func:`choose_region`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +138,14 @@ def choose_region(
         verdict = Verdict.LOCAL if local_ok else Verdict.REJECT
         return RegionDecision(verdict, here.name)
     expected: dict[str, float] = {}
-    for r in (here, *peers.values()):
+    for r in (here, *peers.values()) if here.serves else peers.values():
         expected[r.name] = model.expected_ms(point, here, r, prompt_tokens, prefix, prefix_tokens)
     candidates = [p for p in peers.values() if p.healthy and not p.saturated]
     best_peer = min(candidates, key=lambda p: expected[p.name], default=None)
+    if not here.serves:
+        if best_peer is None:
+            return RegionDecision(Verdict.REJECT, here.name, expected, None)
+        return RegionDecision(Verdict.FORWARD, best_peer.name, expected, None)
     better = _better_direct(model, point, here, candidates, expected, local_ok)
     if local_ok:
         if best_peer is not None and (

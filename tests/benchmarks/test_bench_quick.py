@@ -171,3 +171,27 @@ def test_prompt_warm_skips_the_histories_prefill(quick_runs: QuickRuns) -> None:
     assert summary["warm_ups_refused"] == 0
     assert summary["warmed_cached_tokens_min"] >= 8000
     assert summary["warm_up_saves_ms"] >= 100, summary
+
+
+def test_routing_two_models_serves_b_from_the_region_that_has_it(quick_runs: QuickRuns) -> None:
+    """``bench routing --quick``'s two-model world: model B (tokyo only) asked of frankfurt is
+    served by tokyo, model A by frankfurt, and no request reached a sim without its model
+    (the sims 404 any other name, so a misroute is an error)."""
+    code, stdout, stderr, _ = quick_runs.result("routing")
+    assert code == 0, stderr[-3000:]
+    results = msgspec.json.decode(stdout)
+    assert results["summary"]["misrouted_two_models"] == 0
+    assert results["summary"]["two_models_target_met"] is True
+    n = results["two_models"]["requests_per_phase"]
+    rows = {row["label"]: row for row in results["two_models_rows"]}
+    assert rows["b_direct_tokyo"]["served_by"] == f"tokyo:{n}"
+    assert rows["b_via_frankfurt"]["served_by"] == f"tokyo:{n}"
+    assert rows["b_via_frankfurt_with_a"]["served_by"] == f"tokyo:{n}"
+    assert rows["a_frankfurt_alone"]["served_by"] == f"frankfurt:{n}"
+    assert rows["a_frankfurt_with_b"]["served_by"] == f"frankfurt:{n}"
+    assert all(row["errors"] == 0 for row in rows.values())
+    # The forward's cost is the benchmark's number; a quick run shares the CPUs with every
+    # other scenario, so only that each path reported a TTFT is checked here.
+    for key in ("p50_ttft_ms_model_b_via_frankfurt", "p50_ttft_ms_model_b_direct_tokyo",
+                "p50_ttft_ms_model_a_alone", "p50_ttft_ms_model_a_with_b"):
+        assert results["summary"][key] > 0, key

@@ -49,6 +49,12 @@ def test_quick_routing_run_shows_fallback_affinity_and_warmup(monkeypatch: pytes
     assert s["prefix_misses_warm"] == 0
     assert s["mean_cached_tokens_warm_prefix"] > 0
 
+    # Two models: B (tokyo only) asked of frankfurt is served by tokyo, nothing misrouted.
+    assert s["misrouted_two_models"] == 0
+    rows = {row["label"]: row for row in result["two_models_rows"]}
+    assert rows["b_via_frankfurt"]["served_by"] == f"tokyo:{rows['b_via_frankfurt']['requests']}"
+    assert rows["a_frankfurt_alone"]["errors"] == 0
+
     # The skipped experiment says so, in the summary and in the report.
     assert s["geography"].startswith("SKIPPED")
     assert result["runs"] == []

@@ -182,9 +182,29 @@ async def _stream(client: httpx.AsyncClient, router: RouterEndpoints) -> float:
     return time.monotonic() - started
 
 
+@contextlib.asynccontextmanager
+async def _router_that_listed(
+    start_router: RouterFactory, port: int, **overrides: Any
+) -> AsyncIterator[RouterEndpoints]:
+    """A router whose backend on ``port`` answered until the router had read its model list,
+    and refuses connections from then on: the router knows it serves the model, so requests
+    still go to it (one whose list is unknown takes no model another backend lists)."""
+    gone = contextlib.AsyncExitStack()
+    await gone.enter_async_context(_sim_on(port))
+    try:
+        async with start_router([], tls=False, **overrides) as router:
+            await router.app.state.until_warm()
+            await gone.aclose()
+            yield router
+    finally:
+        await gone.aclose()
+
+
 def _upstreams(flaky_port: int, live_url: str) -> list[dict[str, Any]]:
     return [
-        {"name": "flaky", "url": f"http://127.0.0.1:{flaky_port}"},
+        # Configured: known to serve "m" even while it does not answer (a backend whose list
+        # is unknown takes no model another backend lists).
+        {"name": "flaky", "url": f"http://127.0.0.1:{flaky_port}", "models": ["m"]},
         {"name": "live", "url": live_url},
     ]
 
@@ -383,8 +403,8 @@ async def test_a_reload_keeps_a_backend_out_of_rotation_until_it_is_due_back(
 
     async with (
         running_sim("instant", served_model_names=["m"]) as live_url,
-        start_router(
-            [], tls=False, upstreams=upstreams(live_url),
+        _router_that_listed(
+            start_router, port, upstreams=upstreams(live_url),
             routing={"backend_policy": "round_robin"},
         ) as router,
         httpx.AsyncClient(timeout=10) as client,

@@ -42,6 +42,25 @@ async def _sim_on(port: int) -> AsyncIterator[None]:
         yield
 
 
+@contextlib.asynccontextmanager
+async def _router_that_listed(
+    start_router: RouterFactory, dead_port: int, **overrides: Any
+) -> AsyncIterator[RouterEndpoints]:
+    """A router whose "gone" backend (on ``dead_port``) answered until the router had read its
+    model list, and refuses connections from then on: the router knows "gone" serves the
+    model, so requests still go to it (one whose list is unknown takes no model another
+    backend lists)."""
+    gone = contextlib.AsyncExitStack()
+    await gone.enter_async_context(_sim_on(dead_port))
+    try:
+        async with start_router([], tls=False, **overrides) as router:
+            await router.app.state.until_warm()
+            await gone.aclose()
+            yield router
+    finally:
+        await gone.aclose()
+
+
 def _upstreams(dead_port: int, live_url: str) -> list[dict[str, Any]]:
     # "gone" has no metrics scrape (kind openai, no models), so only a request can find it
     # down; round-robin routing sends it every other request while it is in rotation.
@@ -87,8 +106,8 @@ async def test_refused_backend_fails_over_and_comes_back(
     dead_port = _closed_port()
     async with (
         running_sim("instant", served_model_names=["m"]) as live_url,
-        start_router(
-            [], tls=False, upstreams=_upstreams(dead_port, live_url),
+        _router_that_listed(
+            start_router, dead_port, upstreams=_upstreams(dead_port, live_url),
             routing={"backend_policy": "round_robin"},
         ) as router,
         httpx.AsyncClient(timeout=10) as client,
@@ -174,8 +193,8 @@ async def test_failover_with_shared_state_moves_the_backend_slot(
     try:
         async with (
             running_sim("instant", served_model_names=["m"]) as live_url,
-            start_router(
-                [], tls=False, upstreams=_upstreams(dead_port, live_url),
+            _router_that_listed(
+                start_router, dead_port, upstreams=_upstreams(dead_port, live_url),
                 routing={"backend_policy": "round_robin"},
                 state={"redis_url": redis_server.url, "key_prefix": prefix},
             ) as router,

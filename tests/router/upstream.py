@@ -17,6 +17,12 @@ from typing import Any
 
 import uvicorn
 
+MODELS = (
+    "test-model", "m", "x", "sim", "sim-model", "sim-instant", "sim-llama-7b", "chat-model",
+    "served-m", "gpt-4o-mini",
+)
+"""The model names the router's tests send to this upstream."""
+
 
 @dataclass
 class Upstream:
@@ -34,6 +40,9 @@ class Upstream:
     """The first user message of every chat request received, in order."""
     hold: asyncio.Event | None = None
     """When set to an event: chat requests wait for it before answering."""
+    models: tuple[str, ...] | None = MODELS
+    """What its ``/v1/models`` lists, so the router routes these names to it (it answers any);
+    None: ``/v1/models`` answers 404 (a server without it)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -48,6 +57,9 @@ class Upstream:
         if scope.get("client") and path == "/v1/chat/completions":
             self.client_ports.add(scope["client"][1])
         self.last_headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if path == "/v1/models" and self.models is None:
+            await _json(send, 404, {"detail": "Not Found"})
+            return
         if path == "/v1/models":
             await _json(
                 send,
@@ -55,7 +67,8 @@ class Upstream:
                 {
                     "object": "list",
                     "data": [
-                        {"id": "test-model", "object": "model", "created": 0, "owned_by": "t"}
+                        {"id": m, "object": "model", "created": 0, "owned_by": "t"}
+                        for m in self.models or ()
                     ],
                 },
             )
