@@ -6,6 +6,11 @@ exactly once, whether the stream is finished or still being produced. A reader i
 resume grace period in ``router.pipeline.proxy``). A reader from before a stream's trim point
 (its key went over its share of the store) gets ``stream_history_trimmed``: a 410 when it asks
 (:func:`trimmed_reply`), an error event without an ``id`` when it falls behind mid-follow.
+
+A named event (Responses, Anthropic Messages: stored as ``event: NAME\\ndata: ...``, see
+:mod:`firstbyte.protocol.codec`) goes out over SSE as the upstream sent it with our ``id:``
+line first; such a stream ended with its own terminal event, so the store's ``[DONE]`` is
+not sent after it. Long-poll and WebSocket carry the event's JSON (its ``type`` names it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Protocol
 import msgspec
 
 from firstbyte.protocol import error_codes
+from firstbyte.protocol.codec import NAMED_PREFIX, event_data
 from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.poll import PollBatch, PollEvent
 from firstbyte.protocol.sse import HEARTBEAT, encode_event
@@ -159,12 +165,22 @@ async def sse_events(
     ``stream_history_trimmed`` error event (no ``id``: it is not one of the stream's) and the
     response ends."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
+    named = False  # the stream's events carry names: it ends with its own, not [DONE]
     try:
         async for batch in events:
-            if batch:
-                yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
-            else:
+            if not batch:
                 yield HEARTBEAT
+                continue
+            frames: list[bytes] = []
+            for e in batch:
+                data = e.data
+                if data[:7] == NAMED_PREFIX:
+                    named = True
+                    frames.append(b"id: %d\n%b\n\n" % (e.seq, data))
+                elif not (named and e.is_done):
+                    frames.append(encode_event(data, id=e.seq))
+            if frames:
+                yield b"".join(frames)
     except HistoryTrimmed as trimmed:
         yield encode_event(encode(trimmed_body(trimmed)))
     finally:
@@ -188,6 +204,6 @@ async def poll(
         done = stream.done  # read together with ``pending``: nothing can come in between
     finally:
         stream.detach(clock())
-    events = [PollEvent(e.seq, msgspec.Raw(e.data)) for e in pending if not e.is_done]
+    events = [PollEvent(e.seq, msgspec.Raw(event_data(e.data))) for e in pending if not e.is_done]
     next_seq = events[-1].seq if events else after
     return PollBatch(stream=stream.id, events=events, done=done, next=next_seq)

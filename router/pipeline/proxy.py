@@ -35,7 +35,7 @@ import certifi
 import httpx
 import msgspec
 
-from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
 from .. import aionet
@@ -318,7 +318,7 @@ class _Producer:
         self.observer: Observer | None = ctx.observer
         self.backend: Backend = ctx.backend
         deadline = None if self.observer is None else self.observer.first_token_deadline_s
-        self.relay = Relay(hold_head=deadline is not None)
+        self.relay = Relay(hold_head=deadline is not None, codec=ctx.codec)
         self.loop = asyncio.get_running_loop()
         self.outcome: asyncio.Future[str] = self.loop.create_future()
         self.ok = False
@@ -390,8 +390,8 @@ class _Producer:
                     break
         except asyncio.CancelledError as exc:
             drained = exc.args == (DRAIN_CANCEL,)
-            stream.append(_DRAINED_EVENT if drained else _CANCELLED_EVENT, proxy.clock())
-            metrics.count("chat", "draining" if drained else "cancelled")
+            stream.append(self._cancelled_event(drained), proxy.clock())
+            metrics.count(ctx.codec.name, "draining" if drained else "cancelled")
             raise
         finally:
             self._cancel_deadline()
@@ -403,6 +403,14 @@ class _Producer:
             metrics.in_flight -= 1
             if self.observer is not None:
                 self.observer.finished(ctx, self.ok)
+
+    def _cancelled_event(self, drained: bool) -> bytes:
+        """The error event a cancelled or drained stream ends with, in its own format."""
+        codec = self.ctx.codec
+        if not codec.named_events:
+            return _DRAINED_EVENT if drained else _CANCELLED_EVENT
+        detail = msgspec.json.decode(_DRAINED_EVENT if drained else _CANCELLED_EVENT)["error"]
+        return codec.error_event(detail["message"], detail["type"], detail["code"])
 
     def _fail_here(self, exc: Exception) -> None:
         """No other backend takes the request: it ends as its backend failed it (the 5xx
@@ -435,7 +443,7 @@ class _Producer:
         pool = self.proxy.streams_pool
         origin = self.proxy.origin(self.backend)
         body, headers = self._request()
-        request = encode_request("POST", origin, paths.CHAT_COMPLETIONS, headers, body)
+        request = encode_request("POST", origin, self.ctx.codec.path, headers, body)
         result = "retry"
         for _ in range(_STALE_RETRIES + 1):
             try:
@@ -471,7 +479,7 @@ class _Producer:
         """One attempt over an httpx client (peer regions: HTTP/2)."""
         body, headers = self._request()
         request = client.build_request(
-            "POST", self.backend.url + paths.CHAT_COMPLETIONS, content=body, headers=headers
+            "POST", self.backend.url + self.ctx.codec.path, content=body, headers=headers
         )
 
         async def exchange() -> None:
@@ -583,7 +591,7 @@ class _Producer:
         if action.outcome not in ("ok", "upstream_eof"):
             self.backend.failures += 1
         self.ok = action.ok
-        self.proxy.metrics.count("chat", action.outcome)
+        self.proxy.metrics.count(self.ctx.codec.name, action.outcome)
         if not self.outcome.done():
             self.outcome.set_result("finished")
 
