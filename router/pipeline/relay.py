@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from firstbyte.protocol import error_codes
-from firstbyte.protocol.codec import CHAT, Codec, named_event
+from firstbyte.protocol.codec import CHAT, NAMED_PREFIX, Codec, named_event
 from firstbyte.protocol.openai import encode, error_body
 from firstbyte.protocol.sse import DONE, SSEDecoder, SSEEvent, SSEProtocolError
 
@@ -259,12 +259,19 @@ class Relay:
     def _scan(self, payloads: list[bytes], now: float, actions: list[Action]) -> list[bytes]:
         """The slow path: find the first content and ``[DONE]``; returns what to append."""
         kept: list[bytes] = []
-        codec = self.codec
+        codec, every = self.codec, self._every
         for payload in payloads:
             if payload == DONE_BYTES:
                 actions.extend(self._finish(Finish(True, "ok")))
                 break
-            end = codec.end_of(payload) if self._every else None
+            end = None
+            if every:
+                if payload[:7] != NAMED_PREFIX:
+                    # A bare event in a named format is named as the event-stream format
+                    # names it (``message``): every stored event of such a stream is named,
+                    # which lets readers look at one event per batch to know the framing.
+                    payload = named_event(b"message", payload)
+                end = codec.end_of(payload)
             if end is not None:  # the format's terminal event: stored, and the stream ends
                 kept.append(payload)
                 actions.extend(self._finish(Finish(end == "ok", end)))
