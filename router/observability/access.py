@@ -239,6 +239,9 @@ class AccessRecord:
     upstream_sent_at: float | None
     first_token_at: float | None
     ended_at: float
+    endpoint: str | None = None
+    """The API the request called, as its codec names it (``chat``, ``completions``,
+    ``responses``, ``messages``, ``embeddings``); None for the others (reads, status)."""
 
     @property
     def ttft_ms(self) -> float | None:
@@ -265,6 +268,7 @@ class AccessRecord:
             "http_version": self.http_version,
             "method": self.method,
             "path": self.path,
+            "endpoint": self.endpoint,
             "status": self.status,
             "ttft_ms": None if ttft is None else round(ttft, 2),
             "duration_ms": round(self.duration_ms, 2),
@@ -493,6 +497,7 @@ class RequestLog:
             upstream_sent_at=ctx.upstream_sent_at if ctx is not None else None,
             first_token_at=ctx.first_token_at if ctx is not None else None,
             ended_at=ended_at,
+            endpoint=ctx.codec.name if ctx is not None and ctx.request is not None else None,
         )
 
     async def aclose(self) -> None:

@@ -10,7 +10,9 @@ cut by its client resumes from ``Last-Event-ID`` with no event lost or repeated.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -271,3 +273,37 @@ async def test_messages_takes_x_api_key_and_refuses_on_the_head(
             assert bad.status_code == 400
             assert bad.json()["error"]["code"] == "invalid_request"
         assert [path for path, _, _ in up.received] == ["/v1/messages"]
+
+
+async def test_access_lines_name_the_endpoint_and_its_usage(
+    start_router: RouterFactory, tls_files: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each format's tokens come from its own events (Responses' ``response.completed``,
+    Messages' ``message_start`` and ``message_delta``) or its JSON reply."""
+    caplog.set_level(logging.INFO, logger="firstbyte.access")
+    calls = [
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 5, "stream": True}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                          "stream": True}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+        ("/v1/embeddings", {"input": "hi"}),
+    ]
+    async with running_formats_upstream() as up, start_router([up.url]) as router:
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+            for path, body in calls:
+                answer = await client.post(router.base_url + path, headers=auth(),
+                                           json={"model": "test-model", **body})
+                assert answer.status_code == 200
+        for _ in range(100):  # a stream's line is written when its stream ends
+            if len(caplog.records) >= len(calls):
+                break
+            await asyncio.sleep(0.05)
+    fields = [record.fields for record in caplog.records]  # type: ignore[attr-defined]
+    got = sorted(
+        (f["endpoint"], f["input_tokens"], f["output_tokens"], f["outcome"]) for f in fields
+    )
+    assert got == sorted([
+        ("responses", 3, 5, "ok"), ("messages", 3, 4, "ok"), ("messages", 3, 2, "ok"),
+        ("completions", 3, 3, "ok"), ("embeddings", 2, None, "ok"),
+    ])
