@@ -1,4 +1,4 @@
-"""A Messages stream started on one router process and resumed on another, through Redis.
+"""Responses and Messages streams started on one router process, resumed on another via Redis.
 
 Two router processes share a real valkey-server (:mod:`tests.router.redis_fixture`); the
 client cuts its connection to A mid-stream and reads the rest from B with ``Last-Event-ID``:
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.protocol.headers import STREAM_HEADER
@@ -70,3 +71,41 @@ async def test_messages_stream_resumes_on_another_process(
     batch = polled.json()
     assert batch["done"] is True
     assert [e["data"] for e in batch["events"]] == [data for _, data in expected]
+
+
+async def test_responses_stream_resumes_over_websocket_on_another_process(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+) -> None:
+    """A Responses stream cut on A is read on over B's WebSocket: each event's JSON once, in
+    order, ``sequence_number`` contiguous from 0."""
+    body = {"model": "test-model", "stream": True, "max_output_tokens": WORDS, "input": "hi"}
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-endpoints-ws:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        first = b""
+        async with client.stream("POST", a.url + "/v1/responses", json=body,
+                                 headers=auth()) as response:
+            assert response.status_code == 200
+            stream_id = response.headers[STREAM_HEADER]
+            async for piece in response.aiter_raw():
+                first += piece
+                if first.count(b"event: response.output_text.delta") >= 3:
+                    break
+        before = _events(first[: first.rindex(b"\n\n") + 2])
+        rest: list[tuple[int, dict[str, Any]]] = []
+        wss = b.url.replace("https://", "wss://") + "/v1/ws"
+        async with ws_connect(wss, ssl=client_tls(tls_files), additional_headers=auth()) as ws:
+            await ws.send(json.dumps({"type": "resume", "stream": stream_id,
+                                      "after": before[-1][0]}))
+            assert json.loads(await ws.recv()) == {"type": "start", "stream": stream_id}
+            while (message := json.loads(await ws.recv()))["type"] == "event":
+                rest.append((message["seq"], message["data"]))
+            assert message["type"] == "done"
+    seqs = [seq for seq, _, _ in before] + [seq for seq, _ in rest]
+    assert seqs == list(range(1, len(seqs) + 1))
+    data = [d for _, _, d in before] + [d for _, d in rest]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert data[-1]["type"] == "response.completed"
+    assert "".join(d.get("delta", "") for d in data if d["type"].endswith("text.delta")) == (
+        " ".join(f"w{i}" for i in range(WORDS))
+    )
