@@ -307,3 +307,36 @@ async def test_access_lines_name_the_endpoint_and_its_usage(
         ("responses", 3, 5, "ok"), ("messages", 3, 4, "ok"), ("messages", 3, 2, "ok"),
         ("completions", 3, 3, "ok"), ("embeddings", 2, None, "ok"),
     ])
+
+
+@pytest.mark.parametrize(
+    ("path", "error"),
+    [
+        ("/v1/responses", {"type": "error", "code": "upstream_eof"}),
+        ("/v1/messages", {"type": "error", "error": {"type": "api_error", "code": "upstream_eof"}}),
+        ("/v1/completions", {"error": {"type": "server_error", "code": "upstream_eof"}}),
+    ],
+)
+async def test_an_upstream_gone_mid_stream_ends_it_with_the_formats_error_event(
+    start_router: RouterFactory, tls_files: dict[str, str], path: str, error: dict[str, Any]
+) -> None:
+    body = {"model": "test-model", "stream": True, "max_tokens": 6, "prompt": "x",
+            "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    async with running_formats_upstream(cut_after=2) as up, start_router(
+        [up.url]
+    ) as router, httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+        answer = await client.post(router.base_url + path, json=body, headers=auth())
+    assert answer.status_code == 200
+    events = SSEDecoder().receive_data(answer.content)
+    if path == "/v1/completions":  # OpenAI's error chunk, then [DONE]
+        assert events[-1].data == "[DONE]"
+        events = events[:-1]
+    else:
+        assert b"[DONE]" not in answer.content
+    name, data = events[-1].event, json.loads(events[-1].data)
+    assert name == ("message" if path == "/v1/completions" else "error")
+    for key, value in error.items():
+        if isinstance(value, dict):
+            assert {k: data[key][k] for k in value} == value
+        else:
+            assert data[key] == value
