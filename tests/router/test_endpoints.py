@@ -1,7 +1,7 @@
 """Every endpoint through the real router with the official SDKs, only ``base_url`` changed.
 
 The ``openai`` SDK (chat completions, completions, Responses, embeddings) and the
-``anthropic`` SDK (``messages.stream``, ``messages.create``, its key as ``x-api-key``), streamed
+``anthropic`` SDK (``messages.stream``, ``messages.create``; ``x-api-key`` also works), streamed
 and not, over HTTP/1.1 and HTTP/2 with TLS, across upstream silences long enough for several
 router heartbeats. A streamed answer is the upstream's bytes, event for event (``event:``
 lines included), plus our ``id:`` lines and heartbeat comments; a Responses or Messages stream
@@ -247,8 +247,8 @@ async def test_cut_mid_stream_then_resume_loses_and_repeats_nothing(
 async def test_messages_takes_x_api_key_and_refuses_on_the_head(
     start_router: RouterFactory, tls_files: dict[str, str]
 ) -> None:
-    """The key as ``x-api-key`` works on ``/v1/messages``; without a key the answer is
-    401 before any body is read (the client never sends it here)."""
+    """The key as ``x-api-key`` (Anthropic's header, which anthropic SDKs before 2.x send)
+    works on ``/v1/messages`` and only there; a wrong one is 401, a bad body 400."""
     async with running_formats_upstream() as up, start_router([up.url]) as router:
         async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
             body = {"model": "test-model", "max_tokens": 2,
