@@ -234,6 +234,10 @@ async def test_cut_mid_stream_then_resume_loses_and_repeats_nothing(
         )
         assert resumed.status_code == 200
         after = _events(resumed.content)
+        past_the_end = await client.get(
+            router.base_url + f"/v1/streams/{stream_id}",
+            headers={**auth(), "last-event-id": after[-1][0]},
+        )
     events = before + after
     assert [int(i) for i, _, _ in events] == list(range(1, len(events) + 1))
     expected = _events(_upstream_bytes(path, words))
@@ -242,6 +246,9 @@ async def test_cut_mid_stream_then_resume_loses_and_repeats_nothing(
     ]
     if path == "/v1/responses":
         assert [d["sequence_number"] for _, _, d in events] == list(range(len(events)))
+    # Resumed after its terminal event, a named stream has nothing more (no [DONE]).
+    assert past_the_end.status_code == 200
+    assert past_the_end.content == b""
 
 
 async def test_messages_takes_x_api_key_and_refuses_on_the_head(
