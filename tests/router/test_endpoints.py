@@ -347,3 +347,36 @@ async def test_an_upstream_gone_mid_stream_ends_it_with_the_formats_error_event(
             assert {k: data[key][k] for k in value} == value
         else:
             assert data[key] == value
+
+
+async def test_every_endpoint_is_held_to_the_keys_limits(
+    start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    """The key's request rate, its streams in flight and the body limit apply to every API,
+    each refusal OpenAI's error body with its own code (and ``Retry-After`` on a 429)."""
+    calls = [
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    ]
+    limits = {"requests_per_s_per_key": 0.01, "request_burst_per_key": 1,
+              "max_body_bytes": 4096}
+    async with running_formats_upstream() as up, start_router(
+        [up.url], limits=limits
+    ) as router, httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+        for path, body in calls:
+            too_big = await client.post(router.base_url + path, headers=auth(), json={
+                "model": "test-model", **body, "pad": "x" * 5000})
+            assert too_big.status_code == 413, path
+            assert too_big.json()["error"]["code"] == "request_too_large"
+        first = await client.post(router.base_url + calls[0][0], headers=auth(),
+                                  json={"model": "test-model", **calls[0][1]})
+        assert first.status_code == 200
+        for path, body in calls:  # the bucket of one request is spent: every API is refused
+            refused = await client.post(router.base_url + path, headers=auth(),
+                                        json={"model": "test-model", **body})
+            assert refused.status_code == 429, path
+            assert refused.json()["error"]["code"] == "key_rate_limited"
+            assert int(refused.headers["retry-after"]) >= 1
+    assert [path for path, _, _ in up.received] == ["/v1/embeddings"]
