@@ -12,7 +12,7 @@ from .completions import COMPLETIONS
 from .openai import ChatCompletionRequest, Message, decode_with
 from .responses import RESPONSES
 
-__all__ = ["BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES"]
+__all__ = ["BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES"]
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -51,3 +51,5 @@ EMBEDDINGS = EmbeddingsCodec()
 BY_PATH: dict[str, Codec] = {
     codec.path: codec for codec in (CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS)
 }
+BY_NAME: dict[str, Codec] = {codec.name: codec for codec in BY_PATH.values()}
+"""The codecs by name (``chat``, ``completions``, ``responses``, ``messages``, ...)."""
