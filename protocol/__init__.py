@@ -6,6 +6,10 @@ in prose; these modules are its source:
 - :mod:`~firstbyte.protocol.openai`: the OpenAI chat completion types (request, response,
   chunk, models, error body) with their encoder and validating decoders.
 - :mod:`~firstbyte.protocol.sse`: the sans-IO server-sent events codec and ``[DONE]``.
+- :mod:`~firstbyte.protocol.codec` and one module per API format
+  (:mod:`~firstbyte.protocol.completions`, :mod:`~firstbyte.protocol.responses`,
+  :mod:`~firstbyte.protocol.anthropic`; all by path in :mod:`~firstbyte.protocol.formats`):
+  what a router reads of each format's requests and streamed events (docs/endpoints.md).
 - :mod:`~firstbyte.protocol.poll`: long-poll batches and the ``POST /v1/streams`` answer.
 - :mod:`~firstbyte.protocol.ws`: the WebSocket ``/v1/ws`` messages and close codes.
 - :mod:`~firstbyte.protocol.edge`: the ``/v1/edge/status`` documents.

@@ -9,7 +9,7 @@ so a server can answer 400 with OpenAI's error body.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -37,10 +37,13 @@ __all__ = [
     "Usage",
     "decode_chunk",
     "decode_request",
+    "decode_with",
     "encode",
     "error_body",
     "message_text",
 ]
+
+_T = TypeVar("_T")
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -255,8 +258,14 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
     Raises :class:`RequestValidationError` naming the field for any invalid value, and for
     bodies that are not JSON objects at all.
     """
+    return decode_with(_request_decoder, body)
+
+
+def decode_with(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+    """Decode a request body with ``decoder``, any failure as a
+    :class:`RequestValidationError` naming the field (OpenAI's 400)."""
     try:
-        return _request_decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH.search(text)

@@ -32,7 +32,7 @@ log = logging.getLogger("firstbyte.router")
 Handler = Callable[[RouterState, Scope, Receive, Send], Awaitable[None]]
 
 _ROUTES: dict[str, dict[str, Handler]] = {
-    paths.CHAT_COMPLETIONS: {"POST": endpoints.chat_completions},
+    **{path: {"POST": post} for path, post in endpoints.FORMAT_ROUTES.items()},
     paths.STREAMS: {"POST": endpoints.start_detached_stream},
     paths.MODELS: {"GET": endpoints.models},
     paths.HEALTHZ: {"GET": endpoints.healthz},

@@ -7,19 +7,27 @@ follow the stream as SSE. ``Server-Timing`` at header time carries ``queue``, ``
 ``upstream-headers`` (upstream request to its response head); ``upstream-ttft`` is not known
 yet when a live stream's headers go out, so it appears on non-streamed replies and on
 ``GET /v1/streams/{id}`` once the first token has been produced.
+
+Every format goes through that one path (:func:`completion`): chat completions, completions,
+Responses and Anthropic Messages, each read by its codec
+(:data:`firstbyte.protocol.formats.BY_PATH`), which the route chooses; embeddings are
+never streamed and take the non-streamed branch of the same path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from urllib.parse import parse_qs
 
 import msgspec
 
-from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.codec import CHAT, Codec
 from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
+from firstbyte.protocol.formats import BY_PATH, MESSAGES
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
 from firstbyte.protocol.openai import Model, ModelList, encode
 from firstbyte.protocol.poll import StreamStarted
@@ -41,7 +49,7 @@ from .asgi import (
 )
 from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
-from .pipeline.admit import admit_body, adopt_token, authenticate
+from .pipeline.admit import admit_body, adopt_api_key_header, adopt_token, authenticate
 from .pipeline.backend import PEER_PREFIX
 from .pipeline.context import (
     CONTINUE,
@@ -67,7 +75,9 @@ from .state import CLIENT_GONE, RouterState
 from .tenancy import refusal
 
 __all__ = [
+    "FORMAT_ROUTES",
     "chat_completions",
+    "completion",
     "edge_status",
     "edge_timings",
     "healthz",
@@ -150,37 +160,46 @@ async def _admitted(
     *,
     force_stream: bool,
     invalid: LocalReply | None = None,
+    codec: Codec = CHAT,
 ) -> RequestContext | None:
     """Read the body, admit, apply the key's limits and route; None if a reply was sent.
 
     ``invalid`` (a bad query parameter found by the caller) is answered after admission and
     before the key's limits and routing, so a rejected request spends no token and never
-    holds a routing slot."""
+    holds a routing slot. ``codec`` reads the body (the endpoint's wire format)."""
     ctx = new_context(state, scope)
+    ctx.codec = codec
+    endpoint = codec.name
+    if codec is MESSAGES:
+        adopt_api_key_header(ctx)  # Anthropic's header for the key
     # A browser's preflight-free start carries its client token in the URL.
-    if await _finish(state, send, ctx, adopt_query_token(ctx, _query(scope), state.cors), "chat"):
+    if await _finish(
+        state, send, ctx, adopt_query_token(ctx, _query(scope), state.cors), endpoint
+    ):
         return None
     # The key is checked on the head, before any body is read: a client without one cannot
     # make the router wait for a body, or read and drain one.
-    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "chat"):
+    if await _finish(
+        state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), endpoint
+    ):
         return None
     limit = state.config.limits.max_body_bytes
-    body = await _read_body(state, receive, send, ctx, limit, "chat")
+    body = await _read_body(state, receive, send, ctx, limit, endpoint)
     if body is None:
         return None
     ctx.body = body
     if await _finish(
-        state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), "chat"
+        state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), endpoint
     ):
         return None
-    if invalid is not None and await _finish(state, send, ctx, invalid, "chat"):
+    if invalid is not None and await _finish(state, send, ctx, invalid, endpoint):
         return None
     placed = await place(state, ctx, lambda: until_disconnect(receive))
     if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer
-        state.metrics.count("chat", "client_gone")
+        state.metrics.count(endpoint, "client_gone")
         ctx.outcome = "client_gone"
         return None
-    if await _finish(state, send, ctx, placed, "chat"):
+    if await _finish(state, send, ctx, placed, endpoint):
         return None
     return ctx
 
@@ -218,35 +237,39 @@ async def _read_body(
         return None
 
 
-async def chat_completions(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``POST /v1/chat/completions``: SSE through the store when streamed, else JSON."""
-    ctx = await _admitted(state, scope, receive, send, force_stream=False)
+async def completion(
+    state: RouterState, scope: Scope, receive: Receive, send: Send, codec: Codec = CHAT
+) -> None:
+    """``POST`` a completion in ``codec``'s format: SSE through the store when streamed (the
+    upstream's events, with our ``id:`` lines and heartbeats), else its JSON."""
+    ctx = await _admitted(state, scope, receive, send, force_stream=False, codec=codec)
     if ctx is None:
         return
+    endpoint = codec.name
     if not ctx.stream_requested:
         # Counted against the key's concurrency like a stream (streams count in the store).
         try:
             with state.limiter.holding(ctx.owner):
                 forward = asyncio.ensure_future(
-                    state.proxy.forward(ctx, "POST", paths.CHAT_COMPLETIONS, ctx.body)
+                    state.proxy.forward(ctx, "POST", codec.path, ctx.body)
                 )
                 if not await unless_gone(receive, forward):
                     forward.cancel()  # nobody will read the answer: stop the upstream's work
-                    state.metrics.count("chat", "client_gone")
+                    state.metrics.count(endpoint, "client_gone")
                     ctx.outcome = "client_gone"
                     return
                 answer = forward.result()
         finally:
             release_key_slot(ctx)
         ctx.outcome = "ok" if answer.status == 200 else f"upstream_{answer.status}"
-        ctx.usage = reply_usage(answer.body)
+        ctx.usage = reply_usage(answer.body, codec)
         if answer.status == 200 and not str(getattr(ctx.backend, "name", "")).startswith(
             PEER_PREFIX
         ):  # a peer region's router counts what its backends serve
             state.metrics.usage.record(
                 ctx.owner, ctx.usage.input_tokens, ctx.usage.output_tokens
             )
-        state.metrics.count("chat", ctx.outcome)
+        state.metrics.count(endpoint, ctx.outcome)
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
             send,
@@ -262,6 +285,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
         return
     # place() made room in the store (nothing awaited since): no eviction here.
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    stream.format = codec.name  # before its metadata is written (queued, not yet sent)
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
@@ -272,7 +296,7 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
             if stream.cancel_producer is not None:
                 stream.cancel_producer()
-            state.metrics.count("chat", "client_gone")
+            state.metrics.count(endpoint, "client_gone")
             return
         head = started.result()
         await state.announced(stream)  # written by now: it went out while upstream answered
@@ -296,6 +320,16 @@ async def chat_completions(state: RouterState, scope: Scope, receive: Receive, s
             stream, 0, heartbeat_s=state.config.limits.heartbeat_interval_s, clock=state.clock
         ),
     )
+
+
+chat_completions = functools.partial(completion, codec=CHAT)
+"""``POST /v1/chat/completions``."""
+
+FORMAT_ROUTES = {
+    path: functools.partial(completion, codec=codec) for path, codec in BY_PATH.items()
+}
+"""``POST`` of every format (:data:`~firstbyte.protocol.formats.BY_PATH`): chat completions,
+completions, Responses, Anthropic Messages, embeddings."""
 
 
 def _retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:

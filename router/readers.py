@@ -6,6 +6,11 @@ exactly once, whether the stream is finished or still being produced. A reader i
 resume grace period in ``router.pipeline.proxy``). A reader from before a stream's trim point
 (its key went over its share of the store) gets ``stream_history_trimmed``: a 410 when it asks
 (:func:`trimmed_reply`), an error event without an ``id`` when it falls behind mid-follow.
+
+A named event (Responses, Anthropic Messages: stored as ``event: NAME\\ndata: ...``, see
+:mod:`firstbyte.protocol.codec`) goes out over SSE as the upstream sent it with our ``id:``
+line first; such a stream ended with its own terminal event, so the store's ``[DONE]`` is
+not sent after it. Long-poll and WebSocket carry the event's JSON (its ``type`` names it).
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from typing import Protocol
 import msgspec
 
 from firstbyte.protocol import error_codes
+from firstbyte.protocol.codec import NAMED_PREFIX, event_data
 from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.poll import PollBatch, PollEvent
 from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
 from .pipeline.context import LocalReply, error_reply
-from .streams import HistoryTrimmed, StreamEvent
+from .streams import DONE_DATA, HistoryTrimmed, StreamEvent
 
 __all__ = [
     "HistoryTrimmed",
@@ -147,6 +153,17 @@ async def follow(
         stream.detach(clock())
 
 
+def _named_before(stream: ReadableStream, seq: int) -> bool:
+    """Is the event before ``seq`` a named one (a resume right after a named stream's
+    terminal event, with only the store's ``[DONE]`` left)? False when it is not at hand (a
+    stream of another process is read from the resume point on)."""
+    try:
+        previous = stream.after(seq - 2)[:1] if seq >= 2 else []
+    except HistoryTrimmed:
+        return False
+    return bool(previous) and previous[0].seq == seq - 1 and previous[0].data[:7] == NAMED_PREFIX
+
+
 async def sse_events(
     stream: ReadableStream,
     after: int,
@@ -159,12 +176,33 @@ async def sse_events(
     ``stream_history_trimmed`` error event (no ``id``: it is not one of the stream's) and the
     response ends."""
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
+    named = False  # the stream's events carry names: it ends with its own, not [DONE]
     try:
         async for batch in events:
-            if batch:
-                yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
-            else:
+            if not batch:
                 yield HEARTBEAT
+                continue
+            first = batch[0]
+            if (
+                not named
+                and first.data[:7] != NAMED_PREFIX
+                and not (first.data == DONE_DATA and _named_before(stream, first.seq))
+            ):
+                # Chat's path, as cheap as before. One look per batch is enough: a stream of
+                # a named format holds named events only (the relay names a bare one
+                # ``message``), but for the error and [DONE] that end an abandoned one.
+                yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
+                continue
+            named = True
+            frames = [
+                b"id: %d\n%b\n\n" % (e.seq, e.data)
+                if e.data[:7] == NAMED_PREFIX
+                else encode_event(e.data, id=e.seq)
+                for e in batch
+                if e.data != DONE_DATA
+            ]
+            if frames:
+                yield b"".join(frames)
     except HistoryTrimmed as trimmed:
         yield encode_event(encode(trimmed_body(trimmed)))
     finally:
@@ -188,6 +226,6 @@ async def poll(
         done = stream.done  # read together with ``pending``: nothing can come in between
     finally:
         stream.detach(clock())
-    events = [PollEvent(e.seq, msgspec.Raw(e.data)) for e in pending if not e.is_done]
+    events = [PollEvent(e.seq, msgspec.Raw(event_data(e.data))) for e in pending if not e.is_done]
     next_seq = events[-1].seq if events else after
     return PollBatch(stream=stream.id, events=events, done=done, next=next_seq)

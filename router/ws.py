@@ -15,6 +15,7 @@ import logging
 import msgspec
 
 from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol.codec import event_data
 from firstbyte.protocol.headers import BETTER_REGION_HEADER, BETTER_REGION_URL_HEADER, REGION_HEADER
 from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.ws import (
@@ -232,7 +233,8 @@ class _Session:
                     if event.is_done:
                         await self.send(Done(stream.id, event.seq))
                         return
-                    await self.send(Event(stream.id, event.seq, msgspec.Raw(event.data)))
+                    data = event_data(event.data)  # a named event's JSON names it (type)
+                    await self.send(Event(stream.id, event.seq, msgspec.Raw(data)))
         except HistoryTrimmed as trimmed:  # this reader fell behind a trim of the stream
             await self.send(_trimmed(stream.id, trimmed))
         finally:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from firstbyte.protocol import paths
+from firstbyte.protocol.codec import CHAT, Codec, event_data
+from firstbyte.protocol.formats import BY_PATH
 
 from ..asgi import Message, Receive, Scope, Send
 from .logs import key_id, subject_id
@@ -54,7 +56,7 @@ record keeps: a 900 KB model name made a 900 KB access line (and span) per reque
 value keeps its first characters and ends with :func:`bounded`'s marker."""
 
 _OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
-_STARTS_STREAM = frozenset({paths.CHAT_COMPLETIONS, paths.STREAMS})
+_STARTS_STREAM = frozenset({*BY_PATH, paths.STREAMS})
 
 
 class _Usage(msgspec.Struct):
@@ -105,8 +107,37 @@ def _decode_chunk(data: bytes) -> _Chunk | None:
         return None
 
 
-def stream_usage(events: Iterable[bytes]) -> Usage:
-    """The usage of a stream from its event payloads (``[DONE]`` included or not).
+def _model_and_error(first: bytes, last: bytes) -> tuple[str | None, str]:
+    """A stream's model (from its first event, at its top or in its ``response`` or
+    ``message``) and outcome (``ok``, or the code of its last event's error, in OpenAI's,
+    Responses' or Anthropic's shape)."""
+    model = None
+    try:
+        data: Any = msgspec.json.decode(event_data(first))
+        inner = data.get("response") or data.get("message") or data
+        model = inner.get("model") if isinstance(inner, dict) else None
+    except (msgspec.DecodeError, AttributeError):
+        pass
+    outcome = "ok"
+    if b'"error"' in last or b"response.failed" in last:
+        try:
+            data = msgspec.json.decode(event_data(last))
+            error = data.get("error")
+            if data.get("type") == "response.failed":
+                error = (data.get("response") or {}).get("error") or {}
+                outcome = str(error.get("code") or "upstream_error")
+            elif isinstance(error, dict):
+                outcome = str(error.get("code") or error.get("type") or "error")
+            elif data.get("type") == "error":
+                outcome = str(data.get("code") or "error")
+        except (msgspec.DecodeError, AttributeError):
+            outcome = "error"
+    return (model if isinstance(model, str) else None), outcome
+
+
+def stream_usage(events: Iterable[bytes], codec: Codec = CHAT) -> Usage:
+    """The usage of a stream from its event payloads (``[DONE]`` included or not), in
+    ``codec``'s format.
 
     Tokens come from the upstream's usage chunk when it sent one (``stream_options``
     ``include_usage``); otherwise the output is counted as content chunks, which is one
@@ -114,6 +145,18 @@ def stream_usage(events: Iterable[bytes]) -> Usage:
     decoding). Cost: a byte search per event, a JSON decode of two.
     """
     payloads = [data for data in events if data != b"[DONE]"]
+    if codec is not CHAT:
+        tokens = codec.stream_usage(payloads)
+        model, outcome = _model_and_error(payloads[0], payloads[-1]) if payloads else (None, "ok")
+        output = tokens.output_tokens if tokens is not None else None
+        if output is None:
+            output = sum(1 for data in payloads if codec.is_content(data))
+        return Usage(
+            input_tokens=tokens.input_tokens if tokens is not None else None,
+            output_tokens=output,
+            response_model=bounded(model),
+            outcome=outcome,
+        )
     first = _decode_chunk(payloads[0]) if payloads else None
     usage: _Usage | None = None
     for data in reversed(payloads[-3:]):  # the usage chunk is last (or just before an error)
@@ -142,8 +185,14 @@ def stream_usage(events: Iterable[bytes]) -> Usage:
     )
 
 
-def reply_usage(body: bytes) -> Usage:
+def reply_usage(body: bytes, codec: Codec = CHAT) -> Usage:
     """The usage of a non-streamed completion from its JSON body (empty if there is none)."""
+    if codec is not CHAT:
+        tokens = codec.usage(body) if body.startswith(b"{") else None
+        model, _ = _model_and_error(body, b"")
+        if tokens is None:
+            return Usage(response_model=bounded(model))
+        return Usage(tokens.input_tokens, tokens.output_tokens, bounded(model))
     decoded = _decode_chunk(body) if body.startswith(b"{") else None
     if decoded is None:
         return Usage()
@@ -194,6 +243,9 @@ class AccessRecord:
     upstream_sent_at: float | None
     first_token_at: float | None
     ended_at: float
+    endpoint: str | None = None
+    """The API the request called, as its codec names it (``chat``, ``completions``,
+    ``responses``, ``messages``, ``embeddings``); None for the others (reads, status)."""
 
     @property
     def ttft_ms(self) -> float | None:
@@ -221,6 +273,7 @@ class AccessRecord:
             "http_version": self.http_version,
             "method": self.method,
             "path": self.path,
+            "endpoint": self.endpoint,
             "status": self.status,
             "ttft_ms": None if ttft is None else round(ttft, 2),
             "duration_ms": round(self.duration_ms, 2),
@@ -265,7 +318,7 @@ class _Exchange:
 def _transport(path: str, ctx: RequestContext | None, websocket: bool) -> str:
     if websocket:
         return "websocket"
-    if path == paths.CHAT_COMPLETIONS:
+    if path in BY_PATH:
         return "sse" if ctx is not None and ctx.stream_requested else "json"
     if path == paths.STREAMS or path.endswith("/poll"):
         return "longpoll"
@@ -407,7 +460,8 @@ class RequestLog:
         touched = ctx.stream if ctx is not None else None  # started or read
         status = exchange.status
         if stream is not None:
-            usage = stream_usage(event.data for event in stream.events)
+            codec = ctx.codec if ctx is not None else CHAT
+            usage = stream_usage((event.data for event in stream.events), codec)
             if stream.usage is not None:  # the relay's (its usage chunk may be dropped)
                 usage = Usage(stream.usage.input_tokens, stream.usage.output_tokens,
                               usage.response_model, usage.outcome)
@@ -466,6 +520,7 @@ class RequestLog:
             upstream_sent_at=ctx.upstream_sent_at if ctx is not None else None,
             first_token_at=ctx.first_token_at if ctx is not None else None,
             ended_at=ended_at,
+            endpoint=ctx.codec.name if ctx is not None and ctx.request is not None else None,
         )
 
     async def aclose(self) -> None:

@@ -58,6 +58,16 @@ def traces_url(endpoint: str) -> str:
     return endpoint
 
 
+
+_OPERATIONS = {"completions": "text_completion", "embeddings": "embeddings"}
+"""GenAI ``gen_ai.operation.name`` by endpoint; chat, Responses and Messages are ``chat``."""
+
+
+def _operation(record: AccessRecord) -> str | None:
+    if record.model is None:
+        return None
+    return _OPERATIONS.get(record.endpoint or "chat", "chat")
+
 class OtlpTraces:
     """Turns access records into spans and exports them in batches from a worker thread."""
 
@@ -128,8 +138,8 @@ class OtlpTraces:
                 instrumentation_scope=self._scope,
             )  # fmt: skip
 
-        operation = "chat" if record.model is not None else None
-        name = f"chat {record.model}" if record.model else f"{record.method} {record.path}"
+        operation = _operation(record)
+        name = f"{operation} {record.model}" if record.model else f"{record.method} {record.path}"
         ttft = record.ttft_ms
         out = [
             span(
@@ -195,7 +205,7 @@ class OtlpTraces:
         address = (record.backend_url or "").split("://", 1)[-1].split("/", 1)[0]
         host, _, port = address.rpartition(":") if address.count(":") == 1 else (address, "", "")
         attributes = {
-            "gen_ai.operation.name": "chat" if record.model is not None else None,
+            "gen_ai.operation.name": _operation(record),
             "gen_ai.request.model": record.model,
             "server.address": host or None,
             "server.port": int(port) if port.isdigit() else None,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from firstbyte.protocol.codec import Codec
+
 from ..hosting.prometheus import labels, render_counter
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "UsageMeter",
     "UsageReader",
     "chat_chunk_usage",
+    "usage_reader",
     "with_usage_option",
 ]
 
@@ -74,6 +77,22 @@ def chat_chunk_usage(payload: bytes) -> tuple[TokenUsage, bool] | None:
         return None
     usage = TokenUsage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
     return usage, not chunk.choices
+
+
+def usage_reader(codec: Codec) -> UsageReader:
+    """The usage reader of ``codec``'s wire format: chat's and completions' usage chunk
+    (dropped when the router asked for it), or the usage a named format's events report
+    (never dropped: those events say more than usage)."""
+    if not codec.named_events:
+        return chat_chunk_usage  # completions' usage chunk has chat's shape
+
+    def read(payload: bytes) -> tuple[TokenUsage, bool] | None:
+        found = codec.usage(payload)
+        if found is None:
+            return None
+        return TokenUsage(found.input_tokens, found.output_tokens), False
+
+    return read
 
 
 _OPTION = b'"stream_options":{"include_usage":true},'

@@ -13,7 +13,8 @@ import time
 from collections.abc import Sequence
 
 from firstbyte.protocol import error_codes
-from firstbyte.protocol.openai import RequestValidationError, decode_request
+from firstbyte.protocol.anthropic import API_KEY_HEADER
+from firstbyte.protocol.openai import RequestValidationError
 
 from ..client_tokens import TokenClaims, TokenRefusal, TokenSigner, is_client_token
 from ..streams import owner_of
@@ -23,6 +24,7 @@ from .context import CONTINUE, Outcome, RequestContext, error_reply
 __all__ = [
     "admit_body",
     "admit_chat",
+    "adopt_api_key_header",
     "adopt_token",
     "authenticate",
     "check_body_size",
@@ -134,14 +136,23 @@ def check_body_size(ctx: RequestContext, max_body_bytes: int) -> Outcome:
 
 
 def parse_chat(ctx: RequestContext, *, force_stream: bool = False) -> Outcome:
-    """Decode the chat completion body (400 naming the field if invalid)."""
+    """Decode the body with the request's codec (400 naming the field if invalid)."""
     try:
-        request = decode_request(ctx.body)
+        request = ctx.codec.decode_request(ctx.body)
     except RequestValidationError as exc:
         return error_reply(400, exc.message, param=exc.param, code=error_codes.INVALID_REQUEST)
     ctx.request = request
-    ctx.stream_requested = request.stream or force_stream
+    ctx.stream_requested = (request.stream or force_stream) and ctx.codec.streams
     return CONTINUE
+
+
+def adopt_api_key_header(ctx: RequestContext) -> None:
+    """Take the key of a request that sends it as ``x-api-key`` (Anthropic's header)
+    as if it came as ``Authorization: Bearer``; a request sending both is judged by the
+    bearer one."""
+    key = ctx.headers.get(API_KEY_HEADER)
+    if key and "authorization" not in ctx.headers:
+        ctx.headers["authorization"] = f"Bearer {key.strip()}"
 
 
 SUBJECT_HEADER = "x-firstbyte-subject"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from firstbyte.protocol import paths
+from firstbyte.protocol.codec import CHAT, Codec
 from firstbyte.protocol.openai import ChatCompletionRequest, encode, error_body
 
 from ..streams import owner_of
@@ -183,7 +184,11 @@ class RequestContext:
     Subjects of a key share its fair share; a token's subject reads only its own streams."""
     subject_max_streams: int | None = field(default=None, repr=False)
     """The subject's own cap on completions in flight, from its client token."""
+    codec: Codec = CHAT
+    """The request's wire format (its endpoint): how its body and events are read."""
     request: ChatCompletionRequest | None = field(default=None, repr=False)
+    """What routing reads of the body (for a format other than chat, its view as a chat
+    request: :meth:`~firstbyte.protocol.codec.Codec.decode_request`)."""
     stream_requested: bool = False
     traceparent: Traceparent = field(default_factory=lambda: Traceparent.continue_from(None))
     backend: Any = None

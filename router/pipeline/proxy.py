@@ -35,7 +35,7 @@ import certifi
 import httpx
 import msgspec
 
-from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
 from .. import aionet
@@ -291,8 +291,15 @@ def _stream_body(ctx: RequestContext) -> bytes:
     client did not ask for it (``POST /v1/streams``, WebSocket), and the final usage chunk
     asked for (``stream_options.include_usage``) when the client did not: the key's usage
     is counted from it (:mod:`firstbyte.router.observability.usage`), and the relay drops it
-    from what this client reads (:func:`_client_asked_usage`)."""
+    from what this client reads (:func:`_client_asked_usage`). Formats of named events
+    (Responses, Messages) report usage in their own events and are sent as they came."""
     request = ctx.request
+    if ctx.codec.named_events:
+        if request is not None and request.stream:
+            return ctx.body
+        data = msgspec.json.decode(ctx.body)
+        data["stream"] = True
+        return encode(data)
     if request is not None and request.stream:
         if request.wants_usage_chunk:
             return ctx.body
@@ -307,7 +314,9 @@ def _stream_body(ctx: RequestContext) -> bytes:
 
 
 def _client_asked_usage(ctx: RequestContext) -> bool:
-    return ctx.request is not None and ctx.request.wants_usage_chunk
+    return ctx.codec.named_events or (
+        ctx.request is not None and ctx.request.wants_usage_chunk
+    )
 
 
 _CANCELLED_EVENT = error_event("The upstream request was cancelled.", code=error_codes.CANCELLED)
@@ -334,7 +343,11 @@ class _Producer:
         self.observer: Observer | None = ctx.observer
         self.backend: Backend = ctx.backend
         deadline = None if self.observer is None else self.observer.first_token_deadline_s
-        self.relay = Relay(hold_head=deadline is not None, strip_usage=not _client_asked_usage(ctx))
+        self.relay = Relay(
+            hold_head=deadline is not None,
+            codec=ctx.codec,
+            strip_usage=not _client_asked_usage(ctx),
+        )
         self.loop = asyncio.get_running_loop()
         self.outcome: asyncio.Future[str] = self.loop.create_future()
         self.ok = False
@@ -406,8 +419,8 @@ class _Producer:
                     break
         except asyncio.CancelledError as exc:
             drained = exc.args == (DRAIN_CANCEL,)
-            stream.append(_DRAINED_EVENT if drained else _CANCELLED_EVENT, proxy.clock())
-            metrics.count("chat", "draining" if drained else "cancelled")
+            stream.append(self._cancelled_event(drained), proxy.clock())
+            metrics.count(ctx.codec.name, "draining" if drained else "cancelled")
             raise
         finally:
             self._cancel_deadline()
@@ -420,6 +433,14 @@ class _Producer:
             metrics.in_flight -= 1
             if self.observer is not None:
                 self.observer.finished(ctx, self.ok)
+
+    def _cancelled_event(self, drained: bool) -> bytes:
+        """The error event a cancelled or drained stream ends with, in its own format."""
+        codec = self.ctx.codec
+        if not codec.named_events:
+            return _DRAINED_EVENT if drained else _CANCELLED_EVENT
+        detail = msgspec.json.decode(_DRAINED_EVENT if drained else _CANCELLED_EVENT)["error"]
+        return codec.error_event(detail["message"], detail["type"], detail["code"])
 
     def _fail_here(self, exc: Exception) -> None:
         """No other backend takes the request: it ends as its backend failed it (the 5xx
@@ -452,7 +473,7 @@ class _Producer:
         pool = self.proxy.streams_pool
         origin = self.proxy.origin(self.backend)
         body, headers = self._request()
-        request = encode_request("POST", origin, paths.CHAT_COMPLETIONS, headers, body)
+        request = encode_request("POST", origin, self.ctx.codec.path, headers, body)
         result = "retry"
         for _ in range(_STALE_RETRIES + 1):
             try:
@@ -488,7 +509,7 @@ class _Producer:
         """One attempt over an httpx client (peer regions: HTTP/2)."""
         body, headers = self._request()
         request = client.build_request(
-            "POST", self.backend.url + paths.CHAT_COMPLETIONS, content=body, headers=headers
+            "POST", self.backend.url + self.ctx.codec.path, content=body, headers=headers
         )
 
         async def exchange() -> None:
@@ -600,7 +621,7 @@ class _Producer:
         if action.outcome not in ("ok", "upstream_eof"):
             self.backend.failures += 1
         self.ok = action.ok
-        self.proxy.metrics.count("chat", action.outcome)
+        self.proxy.metrics.count(self.ctx.codec.name, action.outcome)
         if not self.outcome.done():
             self.outcome.set_result("finished")
 

@@ -19,6 +19,13 @@ an event whose JSON ends with ``}}`` (the usage chunk; an error event) when it c
 a two-byte comparison per read, so the usage is known without decoding the chunks in between.
 The usage chunk is dropped when the client did not ask for it (``strip_usage``: the router
 asked instead).
+
+The wire format is the request's :class:`~firstbyte.protocol.codec.Codec`: chat and
+completions end with ``[DONE]`` (not stored as an event: the store's own ``[DONE]`` follows);
+a format of named events (Responses, Anthropic Messages) keeps each event's ``event:`` line
+with its data (``event: NAME\\ndata: ...``, sliced out as sent) and ends at its terminal event,
+which is stored. Only the named formats look at every event for its end; chat's hot path is
+as before.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from typing import Any
 import msgspec
 
 from firstbyte.protocol import error_codes
+from firstbyte.protocol.codec import CHAT, NAMED_PREFIX, Codec, named_event
 from firstbyte.protocol.openai import encode, error_body
-from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
+from firstbyte.protocol.sse import DONE, SSEDecoder, SSEEvent, SSEProtocolError
 
-from ..observability.usage import TokenUsage, UsageReader, chat_chunk_usage
+from ..observability.usage import TokenUsage, UsageReader, usage_reader
 
 __all__ = [
     "Action",
@@ -103,22 +111,15 @@ Action = Append | ReleaseHead | FirstToken | SwitchBackend | Finish
 
 
 def has_content(data: bytes) -> bool:
-    """Does this chunk carry output (text, a tool call, a refusal)? Cheap pre-check first."""
-    if b'"delta"' not in data:
-        return False
-    try:
-        chunk: Any = msgspec.json.decode(data)
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls") or delta.get("refusal"):
-                return True
-    except (msgspec.DecodeError, AttributeError, TypeError):
-        return False
-    return False
+    """Does this chat chunk carry output (text, a tool call, a refusal)?"""
+    return CHAT.is_content(data)
 
 
-def _as_error_event(status: int, body: bytes) -> bytes:
-    """An upstream error reply as an in-stream error event (its body if it is OpenAI's)."""
+def _as_error_event(status: int, body: bytes, codec: Codec = CHAT) -> bytes:
+    """An upstream error reply as an in-stream error event (its body if it is OpenAI's and
+    the format is OpenAI's chat or completions)."""
+    if codec.named_events:
+        return codec.error_event(f"Upstream answered {status}.", code=f"upstream_{status}")
     try:
         data: Any = msgspec.json.decode(body)
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
@@ -130,10 +131,15 @@ def _as_error_event(status: int, body: bytes) -> bytes:
 
 class EventFramer:
     """Event-stream bytes in, each event's ``data`` (as bytes) out; any split of the input
-    gives the same payloads as :class:`~firstbyte.protocol.sse.SSEDecoder` (encoded)."""
+    gives the same payloads as :class:`~firstbyte.protocol.sse.SSEDecoder` (encoded).
 
-    def __init__(self, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    ``named``: an event with an ``event:`` name comes out as ``event: NAME\\ndata: DATA``
+    (:func:`~firstbyte.protocol.codec.named_event`; the upstream's own bytes when it sent
+    exactly that shape)."""
+
+    def __init__(self, *, max_event_bytes: int = MAX_EVENT_BYTES, named: bool = False) -> None:
         self._max = max_event_bytes
+        self._named = named
         self._buffer = b""
         self._decoder: SSEDecoder | None = None
         self._started = False
@@ -141,7 +147,7 @@ class EventFramer:
     def receive_data(self, data: bytes) -> list[bytes]:
         """Feed bytes; return the payloads of the events they complete, in order."""
         if self._decoder is not None:
-            return [e.data.encode() for e in self._decoder.receive_data(data)]
+            return self._payloads(self._decoder.receive_data(data))
         buffer = self._buffer + data if self._buffer else data
         if not self._started:
             self._started = True
@@ -158,6 +164,13 @@ class EventFramer:
             block = buffer[start:end]
             if block[:6] == b"data: " and b"\n" not in block:
                 payloads.append(block[6:])
+            elif (
+                self._named
+                and block[:7] == b"event: "
+                and block.count(b"\n") == 1
+                and b"\ndata: " in block
+            ):
+                payloads.append(block)  # ``event: NAME`` and one ``data:`` line, as sent
             elif block:
                 # Another shape of event (fields, comments, several data lines): the full
                 # decoder from this event on; it sees exactly the bytes not yet consumed.
@@ -175,7 +188,15 @@ class EventFramer:
             # A blank line first: it dispatches nothing (no event is pending at an event
             # boundary) and takes the decoder past its stream start, where it strips a BOM.
             self._decoder.receive_data(b"\n")
-        return [e.data.encode() for e in self._decoder.receive_data(rest)]
+        return self._payloads(self._decoder.receive_data(rest))
+
+    def _payloads(self, events: list[SSEEvent]) -> list[bytes]:
+        if not self._named:
+            return [e.data.encode() for e in events]
+        return [
+            e.data.encode() if e.event == "message" else named_event(e.event, e.data.encode())
+            for e in events
+        ]
 
 
 class Relay:
@@ -191,21 +212,25 @@ class Relay:
         self,
         *,
         hold_head: bool = False,
+        codec: Codec = CHAT,
         strip_usage: bool = False,
-        read_usage: UsageReader = chat_chunk_usage,
+        read_usage: UsageReader | None = None,
     ) -> None:
         self.hold_head = hold_head
+        self.codec = codec
+        self._every = codec.named_events
+        """Look at every event (for its terminal event), not only until the first content."""
         self.strip_usage = strip_usage
-        self.read_usage = read_usage
+        self.read_usage = read_usage or usage_reader(codec)
         """The format's usage reader: a candidate event (its JSON ends with ``}}``) ->
         (usage, whether the event is nothing but usage), or None."""
         self.usage: TokenUsage | None = None
-        """The tokens the upstream reported (its usage chunk), once it did."""
+        """The tokens the upstream reported (its usage chunk or events), once it did."""
         self.appended = 0
         self.first_content = False
         self.done = False
         self.head_released = False
-        self._framer = EventFramer()
+        self._framer = EventFramer(named=codec.named_events)
         self._sent_at = 0.0
         self._status = 0
         self._head_ms = 0.0
@@ -213,7 +238,7 @@ class Relay:
 
     def start(self, now: float) -> None:
         """A request to a (new) upstream was sent at ``now``."""
-        self._framer = EventFramer()
+        self._framer = EventFramer(named=self.codec.named_events)
         self._sent_at = now
         self._status = 0
         self._skip_preamble = self.appended > 0
@@ -225,7 +250,7 @@ class Relay:
         self._head_ms = (now - self._sent_at) * 1000
         if status != 200:
             return self._finish(
-                Finish(False, f"upstream_{status}", _as_error_event(status, body)),
+                Finish(False, f"upstream_{status}", _as_error_event(status, body, self.codec)),
                 ReleaseHead(status, body, self._head_ms),
             )
         if self.hold_head:
@@ -243,7 +268,7 @@ class Relay:
         if not payloads:
             return []
         actions: list[Action] = []
-        if not self.first_content or self._skip_preamble or DONE_BYTES in payloads:
+        if not self.first_content or self._skip_preamble or self._every or DONE_BYTES in payloads:
             payloads = self._scan(payloads, now, actions)
         elif payloads[-1][-2:] == b"}}" and self._usage(payloads[-1]):
             payloads = payloads[:-1]
@@ -255,11 +280,26 @@ class Relay:
     def _scan(self, payloads: list[bytes], now: float, actions: list[Action]) -> list[bytes]:
         """The slow path: find the first content and ``[DONE]``; returns what to append."""
         kept: list[bytes] = []
+        codec, every = self.codec, self._every
         for payload in payloads:
             if payload == DONE_BYTES:
                 actions.extend(self._finish(Finish(True, "ok")))
                 break
-            if not self.first_content and has_content(payload):
+            end = None
+            if every:
+                if payload[:7] != NAMED_PREFIX:
+                    # A bare event in a named format is named as the event-stream format
+                    # names it (``message``): every stored event of such a stream is named,
+                    # which lets readers look at one event per batch to know the framing.
+                    payload = named_event(b"message", payload)
+                end = codec.end_of(payload)
+            if end is not None:  # the format's terminal event: stored, and the stream ends
+                if payload[-2:] == b"}}":
+                    self._usage(payload)  # Responses: the usage is in response.completed
+                kept.append(payload)
+                actions.extend(self._finish(Finish(end == "ok", end)))
+                break
+            if not self.first_content and codec.is_content(payload):
                 self.first_content = True
                 self._skip_preamble = False
                 actions.append(FirstToken((now - self._sent_at) * 1000))
@@ -278,7 +318,15 @@ class Relay:
         found = self.read_usage(payload)
         if found is None:
             return False
-        self.usage, usage_only = found
+        usage, usage_only = found
+        if self.usage is not None:  # Anthropic: input in message_start, output later
+            usage = TokenUsage(
+                usage.input_tokens if usage.input_tokens is not None else self.usage.input_tokens,
+                usage.output_tokens
+                if usage.output_tokens is not None
+                else self.usage.output_tokens,
+            )
+        self.usage = usage
         return usage_only and self.strip_usage
 
     def deadline_fired(self, now: float) -> list[Action]:
@@ -295,7 +343,12 @@ class Relay:
             Finish(
                 False,
                 "upstream_eof",
-                error_event(
+                self.codec.error_event(
+                    "The upstream closed the stream before its end.",
+                    code=error_codes.UPSTREAM_EOF,
+                )
+                if self._every
+                else error_event(
                     "The upstream closed the stream before [DONE].", code=error_codes.UPSTREAM_EOF
                 ),
             )
@@ -310,7 +363,11 @@ class Relay:
         if not self.head_released:
             release = ReleaseHead(502, encode(error_body(message, "server_error")), 0.0)
         return self._finish(
-            Finish(False, "upstream_error", error_event(message, code=error_codes.UPSTREAM_ERROR)),
+            Finish(
+                False,
+                "upstream_error",
+                self.codec.error_event(message, code=error_codes.UPSTREAM_ERROR),
+            ),
             release,
         )
 

@@ -1,0 +1,55 @@
+"""Every format the router serves, by path: the codecs of :mod:`.codec`'s shape."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .anthropic import MESSAGES
+from .codec import CHAT, Codec
+from .completions import COMPLETIONS
+from .openai import ChatCompletionRequest, Message, decode_with
+from .responses import RESPONSES
+
+__all__ = ["BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES"]
+
+
+class EmbeddingRequest(msgspec.Struct):
+    """What the router reads of an embeddings body; the rest passes through untouched."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    input: str | list[Any]
+    user: str | None = None
+
+
+_embedding = msgspec.json.Decoder(EmbeddingRequest)
+
+
+class EmbeddingsCodec(Codec):
+    """``POST /v1/embeddings``: never streamed; read for its model, input and user."""
+
+    name = "embeddings"
+    path = "/v1/embeddings"
+    streams = False
+
+    def decode_request(self, body: bytes) -> ChatCompletionRequest:
+        request = decode_with(_embedding, body)
+        text = request.input if isinstance(request.input, str) else "".join(
+            item for item in request.input if isinstance(item, str)
+        )
+        return ChatCompletionRequest(
+            model=request.model, messages=[Message(role="user", content=text)], user=request.user
+        )
+
+    def is_content(self, payload: bytes) -> bool:
+        return False
+
+
+EMBEDDINGS = EmbeddingsCodec()
+
+BY_PATH: dict[str, Codec] = {
+    codec.path: codec for codec in (CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS)
+}
+BY_NAME: dict[str, Codec] = {codec.name: codec for codec in BY_PATH.values()}
+"""The codecs by name (``chat``, ``completions``, ``responses``, ``messages``, ...)."""

@@ -1,0 +1,138 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as the router reads it.
+
+Streamed as named events (``event: response.output_text.delta`` and its JSON, whose ``type``
+repeats the name and whose ``sequence_number`` counts from 0). Output is in the ``*.delta``
+events of text, refusals and function-call arguments; the stream ends with
+``response.completed`` (usage inside its ``response``), ``response.incomplete``,
+``response.failed`` or ``error``, never ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .codec import Codec, Usage, _Tokens, event_data, event_name, named_event
+from .openai import ChatCompletionRequest, Message, Role, decode_with, encode
+
+__all__ = ["RESPONSES", "ResponsesCodec", "ResponsesRequest", "input_messages"]
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+CONTENT_EVENTS = frozenset(
+    {
+        b"response.output_text.delta",
+        b"response.refusal.delta",
+        b"response.function_call_arguments.delta",
+    }
+)
+ENDS = {
+    b"response.completed": "ok",
+    b"response.incomplete": "ok",
+    b"response.failed": "upstream_error",
+    b"error": "upstream_error",
+}
+"""The terminal events, and how the stream ended with each."""
+
+
+class ResponsesRequest(msgspec.Struct):
+    """What the router reads of a Responses body; the rest passes through untouched."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    input: str | list[Any] = ""
+    instructions: str | None = None
+    stream: bool = False
+    max_output_tokens: PosInt | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+
+
+_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant"})
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def input_messages(request: ResponsesRequest) -> list[Message]:
+    """The instructions and input as chat messages (what routing reads: roles and text)."""
+    messages: list[Message] = []
+    if request.instructions:
+        messages.append(Message(role="system", content=request.instructions))
+    if isinstance(request.input, str):
+        messages.append(Message(role="user", content=request.input))
+        return messages
+    for item in request.input:
+        if isinstance(item, dict) and "content" in item:
+            role: Role = item.get("role") if item.get("role") in _ROLES else "user"  # type: ignore[assignment]
+            messages.append(Message(role=role, content=_text(item["content"])))
+    return messages or [Message(role="user", content="")]
+
+
+class _Response(msgspec.Struct):
+    usage: _Tokens | None = None
+
+
+class _Completed(msgspec.Struct):
+    response: _Response | None = None
+
+
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+_completed = msgspec.json.Decoder(_Completed)
+
+
+class ResponsesCodec(Codec):
+    name = "responses"
+    path = "/v1/responses"
+    named_events = True
+
+    def decode_request(self, body: bytes) -> ChatCompletionRequest:
+        request = decode_with(_decoder, body)
+        return ChatCompletionRequest(
+            model=request.model,
+            messages=input_messages(request),
+            stream=request.stream,
+            max_tokens=request.max_output_tokens,
+            user=request.user,
+            safety_identifier=request.safety_identifier,
+        )
+
+    def is_content(self, payload: bytes) -> bool:
+        return event_name(payload) in CONTENT_EVENTS and b'"delta":""' not in payload
+
+    def end_of(self, payload: bytes) -> str | None:
+        name = event_name(payload)
+        return None if name is None else ENDS.get(name)
+
+    def usage(self, payload: bytes) -> Usage | None:
+        name = event_name(payload)
+        if name is None:  # a whole (non-streamed) response: usage at its top
+            return super().usage(payload)
+        if name not in ENDS or b'"usage"' not in payload:
+            return None
+        try:
+            response = _completed.decode(event_data(payload)).response
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if response is None or response.usage is None:
+            return None
+        return response.usage.usage()
+
+    def error_event(
+        self, message: str, type: str = "server_error", code: str | None = None
+    ) -> bytes:
+        """Responses' ``error`` event (``code``, ``message``, ``param``)."""
+        data = {"type": "error", "code": code or type, "message": message, "param": None}
+        return named_event(b"error", encode(data))
+
+
+RESPONSES = ResponsesCodec()

@@ -1,0 +1,123 @@
+"""The codecs of every format, sans IO: what the router reads of requests and events."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from firstbyte.protocol.codec import CHAT, Usage, event_data, event_name, named_event
+from firstbyte.protocol.formats import BY_PATH, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
+from firstbyte.protocol.openai import RequestValidationError
+
+
+def _named(name: str, **data: object) -> bytes:
+    return named_event(name, json.dumps({"type": name, **data}).encode())
+
+
+def test_every_endpoint_has_its_codec() -> None:
+    assert set(BY_PATH) == {
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+        "/v1/embeddings",
+    }
+    assert all(codec.path == path for path, codec in BY_PATH.items())
+
+
+def test_completions_request_view() -> None:
+    view = COMPLETIONS.decode_request(
+        b'{"model": "m", "prompt": ["a", "b", 3], "stream": true, "max_tokens": 7,'
+        b' "user": "u", "echo": true}'
+    )
+    assert (view.model, view.stream, view.max_tokens, view.user) == ("m", True, 7, "u")
+    assert view.messages[0].content == "ab"
+    with pytest.raises(RequestValidationError) as err:
+        COMPLETIONS.decode_request(b'{"model": "m", "prompt": "x", "max_tokens": 0}')
+    assert err.value.param == "max_tokens"
+
+
+def test_responses_request_view() -> None:
+    body = {
+        "model": "m", "instructions": "be brief", "stream": True, "max_output_tokens": 9,
+        "safety_identifier": "s", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "x"},
+            {"role": "assistant", "content": "earlier"},
+        ],
+    }
+    view = RESPONSES.decode_request(json.dumps(body).encode())
+    assert [(m.role, m.content) for m in view.messages] == [
+        ("system", "be brief"), ("user", "hello"), ("assistant", "earlier"),
+    ]
+    assert (view.max_tokens, view.safety_identifier, view.stream) == (9, "s", True)
+    assert RESPONSES.decode_request(b'{"model": "m", "input": "hi"}').messages[0].content == "hi"
+
+
+def test_messages_request_view() -> None:
+    body = {
+        "model": "m", "max_tokens": 5, "stream": True, "metadata": {"user_id": "u1"},
+        "system": [{"type": "text", "text": "sys"}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}],
+    }
+    view = MESSAGES.decode_request(json.dumps(body).encode())
+    assert [(m.role, m.content) for m in view.messages] == [("system", "sys"), ("user", "q")]
+    assert (view.user, view.max_tokens, view.stream) == ("u1", 5, True)
+    with pytest.raises(RequestValidationError) as err:  # max_tokens is required there
+        MESSAGES.decode_request(b'{"model": "m", "messages": [{"role": "user", "content": "q"}]}')
+    assert err.value.param is None or "max_tokens" in err.value.message
+
+
+def test_embeddings_never_stream() -> None:
+    assert not EMBEDDINGS.streams
+    view = EMBEDDINGS.decode_request(b'{"model": "m", "input": ["a", "b"], "user": "u"}')
+    assert (view.model, view.messages[0].content, view.user) == ("m", "ab", "u")
+
+
+def test_content_end_and_usage_of_each_format() -> None:
+    delta = _named("response.output_text.delta", delta="w", sequence_number=4)
+    completed = _named(
+        "response.completed", sequence_number=9,
+        response={"usage": {"input_tokens": 3, "output_tokens": 5}},
+    )
+    assert RESPONSES.is_content(delta)
+    assert not RESPONSES.is_content(_named("response.created", sequence_number=0))
+    assert RESPONSES.end_of(delta) is None
+    assert RESPONSES.end_of(completed) == "ok"
+    assert RESPONSES.end_of(_named("response.failed")) == "upstream_error"
+    assert RESPONSES.usage(completed) == Usage(3, 5)
+
+    start = _named("message_start", message={"usage": {"input_tokens": 11, "output_tokens": 1}})
+    text = _named("content_block_delta", index=0, delta={"type": "text_delta", "text": "w"})
+    thinking = _named("content_block_delta", index=0, delta={"type": "thinking_delta"})
+    end = _named("message_delta", delta={}, usage={"output_tokens": 6})
+    stop = _named("message_stop")
+    assert MESSAGES.is_content(text)
+    assert not MESSAGES.is_content(thinking)
+    assert MESSAGES.end_of(stop) == "ok"
+    assert MESSAGES.end_of(_named("error", error={"type": "overloaded_error"})) is not None
+    assert MESSAGES.stream_usage([start, text, end, stop]) == Usage(11, 6)
+
+    chunk = b'{"choices":[{"index":0,"text":"w"}]}'
+    assert COMPLETIONS.is_content(chunk)
+    assert not COMPLETIONS.is_content(b'{"choices":[{"index":0,"text":""}]}')
+    usage = b'{"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":4}}'
+    assert COMPLETIONS.stream_usage([chunk, usage]) == Usage(2, 4)
+    assert CHAT.stream_usage([usage]) == Usage(2, 4)
+
+
+def test_error_events_are_in_the_formats_own_shape() -> None:
+    responses = RESPONSES.error_event("gone", code="upstream_eof")
+    assert event_name(responses) == b"error"
+    assert json.loads(event_data(responses)) == {
+        "type": "error", "code": "upstream_eof", "message": "gone", "param": None,
+    }
+    messages = json.loads(event_data(MESSAGES.error_event("gone", code="upstream_eof")))
+    assert messages["type"] == "error"
+    assert messages["error"]["message"] == "gone"
+    assert json.loads(CHAT.error_event("gone", code="x"))["error"]["code"] == "x"
+
+
+def test_event_data_of_several_data_lines() -> None:
+    payload = named_event("e", b'{"a":\n1}')
+    assert payload == b'event: e\ndata: {"a":\ndata: 1}'
+    assert json.loads(event_data(payload)) == {"a": 1}
+    assert event_data(b'{"plain":1}') == b'{"plain":1}'

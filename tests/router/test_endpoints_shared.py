@@ -1,0 +1,152 @@
+"""Responses and Messages streams started on one router process, resumed on another via Redis.
+
+Two router processes share a real valkey-server (:mod:`tests.router.redis_fixture`); the
+client cuts its connection to A mid-stream and reads the rest from B with ``Last-Event-ID``:
+every event once, in order, with its ``event:`` line; B's long-poll gives the same events'
+JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+
+from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.headers import STREAM_HEADER
+from firstbyte.protocol.sse import SSEDecoder
+from tests.router.conftest import auth, client_tls
+from tests.router.formats_upstream import CONTENT, _messages, running_formats_upstream
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
+from tests.router.test_shared_state import running_pair
+
+WORDS = 30
+
+
+def _events(raw: bytes) -> list[tuple[int, str, dict[str, Any]]]:
+    return [
+        (int(e.id or 0), e.event, json.loads(e.data)) for e in SSEDecoder().receive_data(raw)
+    ]
+
+
+async def test_messages_stream_resumes_on_another_process(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+) -> None:
+    body = {"model": "test-model", "stream": True, "max_tokens": WORDS,
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-endpoints:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        first = b""
+        async with client.stream("POST", a.url + "/v1/messages", json=body,
+                                 headers=auth()) as response:
+            assert response.status_code == 200
+            stream_id = response.headers[STREAM_HEADER]
+            async for piece in response.aiter_raw():
+                first += piece
+                if first.count(b"text_delta") >= 3:
+                    break  # cut: the client leaves A mid-stream
+        before = _events(first[: first.rindex(b"\n\n") + 2])
+        resumed = await client.get(
+            f"{b.url}/v1/streams/{stream_id}",
+            headers={**auth(), "last-event-id": str(before[-1][0])},
+        )
+        assert resumed.status_code == 200
+        after = _events(resumed.content)
+        polled = await client.get(
+            f"{b.url}/v1/streams/{stream_id}/poll", params={"after": 0, "wait": 0},
+            headers=auth(),
+        )
+        assert polled.status_code == 200
+    events = before + after
+    assert [seq for seq, _, _ in events] == list(range(1, len(events) + 1))
+    upstream = b"".join(
+        e.removeprefix(CONTENT) for e in _messages([f"w{i}" for i in range(WORDS)], body)
+    )
+    expected = [(name, data) for _, name, data in _events(upstream)]
+    assert [(name, data) for _, name, data in events] == expected
+    batch = polled.json()
+    assert batch["done"] is True
+    assert [e["data"] for e in batch["events"]] == [data for _, data in expected]
+
+
+async def test_responses_stream_resumes_over_websocket_on_another_process(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
+) -> None:
+    """A Responses stream cut on A is read on over B's WebSocket: each event's JSON once, in
+    order, ``sequence_number`` contiguous from 0."""
+    body = {"model": "test-model", "stream": True, "max_output_tokens": WORDS, "input": "hi"}
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-endpoints-ws:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        first = b""
+        async with client.stream("POST", a.url + "/v1/responses", json=body,
+                                 headers=auth()) as response:
+            assert response.status_code == 200
+            stream_id = response.headers[STREAM_HEADER]
+            async for piece in response.aiter_raw():
+                first += piece
+                if first.count(b"event: response.output_text.delta") >= 3:
+                    break
+        before = _events(first[: first.rindex(b"\n\n") + 2])
+        rest: list[tuple[int, dict[str, Any]]] = []
+        wss = b.url.replace("https://", "wss://") + "/v1/ws"
+        async with ws_connect(wss, ssl=client_tls(tls_files), additional_headers=auth()) as ws:
+            await ws.send(json.dumps({"type": "resume", "stream": stream_id,
+                                      "after": before[-1][0]}))
+            assert json.loads(await ws.recv()) == {"type": "start", "stream": stream_id}
+            while (message := json.loads(await ws.recv()))["type"] == "event":
+                rest.append((message["seq"], message["data"]))
+            assert message["type"] == "done"
+    seqs = [seq for seq, _, _ in before] + [seq for seq, _ in rest]
+    assert seqs == list(range(1, len(seqs) + 1))
+    data = [d for _, _, d in before] + [d for _, d in rest]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert data[-1]["type"] == "response.completed"
+    assert "".join(d.get("delta", "") for d in data if d["type"].endswith("text.delta")) == (
+        " ".join(f"w{i}" for i in range(WORDS))
+    )
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+async def test_a_killed_producer_ends_a_named_stream_with_its_own_error_event(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+    path: str,
+) -> None:
+    """Router A dies mid-stream (SIGKILL); a reader on B gets what A produced, then the
+    format's own ``event: error`` with ``stream_lost`` (which the anthropic SDK raises), and
+    no ``[DONE]``."""
+    body = {"model": "test-model", "stream": True, "max_tokens": 400, "max_output_tokens": 400,
+            "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix=f"fb-lost{path[4:]}:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        first = b""
+        async with client.stream("POST", a.url + path, json=body, headers=auth()) as response:
+            stream_id = response.headers[STREAM_HEADER]
+            async for piece in response.aiter_raw():
+                first += piece
+                if first.count(b"delta") >= 6:
+                    break
+        before = _events(first[: first.rindex(b"\n\n") + 2])
+        os.killpg(a.process.pid, signal.SIGKILL)
+        resumed = await client.get(
+            f"{b.url}/v1/streams/{stream_id}",
+            headers={**auth(), "last-event-id": str(before[-1][0])},
+        )
+    assert resumed.status_code == 200
+    assert b"[DONE]" not in resumed.content
+    after = _events(resumed.content)
+    _, name, data = after[-1]
+    assert name == "error"
+    code = data["error"]["code"] if path == "/v1/messages" else data["code"]
+    assert code == error_codes.STREAM_LOST
+    seqs = [s for s, _, _ in before + after]
+    assert seqs == list(range(1, len(seqs) + 1))
