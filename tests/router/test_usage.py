@@ -168,3 +168,38 @@ async def test_a_stream_cancelled_when_its_reader_left_is_counted_with_its_outpu
     output = metrics['firstbyte_key_tokens_total{key="other",direction="output"}']
     assert 3 <= output < 400
     assert 'firstbyte_key_tokens_total{key="other",direction="input"}' not in metrics
+
+
+FORMATS: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"model": "sim-llama-7b", "prompt": "Count me in.", "max_tokens": 4},
+    "/v1/responses": {"model": "sim-llama-7b", "input": "Count me in.", "max_output_tokens": 4},
+    "/v1/messages": {"model": "sim-llama-7b", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "Count me in."}]},
+}
+
+
+@pytest.mark.parametrize("path", sorted(FORMATS))
+async def test_every_streamed_format_counts_its_usage_for_the_key(
+    router: RouterEndpoints, path: str
+) -> None:
+    """Completions (its usage chunk, asked for by the router and dropped), Responses (usage in
+    ``response.completed``) and Messages (input in ``message_start``, output in
+    ``message_delta``): each stream's tokens reach the key's counters, and nothing the router
+    put in reaches the client."""
+    async with httpx.AsyncClient(base_url=router.base_url, timeout=20) as client:
+        answer = await client.post(path, headers=auth(TEAM_KEY),
+                                   json={**FORMATS[path], "stream": True})
+        assert answer.status_code == 200, answer.text
+        if path == "/v1/completions":  # the usage chunk the router asked for is not read
+            assert all(p["choices"] for p in _payloads(answer.text))
+        else:
+            assert "stream_options" not in answer.text
+        metrics: dict[str, float] = {}
+        for _ in range(100):  # counted when the stream ends
+            metrics = await _metrics(client)
+            if metrics.get('firstbyte_key_requests_total{key="team-a"}'):
+                break
+            await asyncio.sleep(0.05)
+    assert metrics['firstbyte_key_requests_total{key="team-a"}'] == 1
+    assert metrics['firstbyte_key_tokens_total{key="team-a",direction="input"}'] > 0
+    assert metrics['firstbyte_key_tokens_total{key="team-a",direction="output"}'] == 4
