@@ -12,7 +12,7 @@ from .completions import COMPLETIONS
 from .openai import ChatCompletionRequest, Message, decode_with
 from .responses import RESPONSES
 
-__all__ = ["BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES"]
+__all__ = ["BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES", "STREAMED"]
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -51,3 +51,7 @@ EMBEDDINGS = EmbeddingsCodec()
 BY_PATH: dict[str, Codec] = {
     codec.path: codec for codec in (CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS)
 }
+
+STREAMED: dict[str, Codec] = {codec.name: codec for codec in BY_PATH.values() if codec.streams}
+"""The formats a stream can be started in by name (``POST /v1/streams?endpoint=NAME``, a
+WebSocket ``request``'s ``endpoint``): ``chat``, ``completions``, ``responses``, ``messages``."""
