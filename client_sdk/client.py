@@ -1,5 +1,7 @@
 """The SDK's front door: :class:`AsyncClient` (the synchronous ``Client`` is in
-:mod:`firstbyte.client_sdk.sync`).
+:mod:`firstbyte.client_sdk.sync`). Chat is ``client.stream(...)``; the other formats are the
+typed calls of :mod:`firstbyte.client_sdk.resources` (``client.responses.stream(...)`` ...),
+whose :class:`EventStream` runs on the same machinery as :class:`ChatStream`.
 
 ``client.stream(...)`` returns a :class:`ChatStream`: an async context manager (the request is
 sent and the response accepted on entry, so HTTP errors raise there) and an async iterator of
