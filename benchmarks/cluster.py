@@ -30,8 +30,12 @@ from firstbyte.router.sim.app import SimApp
 from firstbyte.router.sim.server import SimConfig, build_app, options, running_app
 from firstbyte.router.state import RouterState
 
-__all__ = ["RegionHandle", "RegionSpec", "SimHandle", "running_regions", "until_peers_fresh",
-           "wait_for_peers"]
+__all__ = ["MODEL", "RegionHandle", "RegionSpec", "SimHandle", "running_regions",
+           "until_peers_fresh", "wait_for_peers"]
+
+MODEL = "sim"
+"""The model every sim of the world serves unless its spec's ``served_model_names`` says
+otherwise (the sims answer 404 for any other, as vLLM does)."""
 
 
 class SimHandle:
@@ -77,7 +81,7 @@ class RegionSpec:
     backends: int = 2
     sim: dict[str, Any] = field(default_factory=dict)
     """:class:`firstbyte.router.sim.server.SimConfig` fields (``profile``, ``max_num_seqs``,
-    ``faults``)."""
+    ``faults``, ``served_model_names``: default ``[MODEL]``)."""
     upstream: dict[str, Any] = field(default_factory=dict)
     """Extra fields for every upstream of this region (``max_in_flight``, ``models``)."""
     config: dict[str, Any] = field(default_factory=dict)
@@ -142,7 +146,8 @@ async def running_regions(
         for spec in specs:
             sims[spec.name] = []
             for _ in range(spec.backends):
-                sim = SimHandle(msgspec.convert(spec.sim, SimConfig))
+                sim_config = {"served_model_names": [MODEL], **spec.sim}
+                sim = SimHandle(msgspec.convert(sim_config, SimConfig))
                 await sim.start()
                 stack.push_async_callback(sim.stop)
                 sims[spec.name].append(sim)

@@ -4,7 +4,7 @@ Streamed as named events: ``message_start`` (input tokens in ``message.usage``),
 ``content_block_start`` / ``content_block_delta`` / ``content_block_stop`` per block, ``ping``
 at any time, ``message_delta`` (the output tokens so far in ``usage``) and ``message_stop``
 last; ``error`` ends a stream that failed. Output is in ``content_block_delta`` events of
-text and tool-call JSON. The API key comes as ``x-api-key`` (the anthropic SDK's header).
+text and tool-call JSON. The API key may come as ``x-api-key`` (Anthropic's header).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ async def _admitted(
     ctx.codec = codec
     endpoint = codec.name
     if codec is MESSAGES:
-        adopt_api_key_header(ctx)  # the anthropic SDK sends its key as x-api-key
+        adopt_api_key_header(ctx)  # Anthropic's header for the key
     # The key is checked on the head, before any body is read: a client without one cannot
     # make the router wait for a body, or read and drain one.
     if await _finish(

@@ -153,6 +153,17 @@ async def follow(
         stream.detach(clock())
 
 
+def _named_before(stream: ReadableStream, seq: int) -> bool:
+    """Is the event before ``seq`` a named one (a resume right after a named stream's
+    terminal event, with only the store's ``[DONE]`` left)? False when it is not at hand (a
+    stream of another process is read from the resume point on)."""
+    try:
+        previous = stream.after(seq - 2)[:1] if seq >= 2 else []
+    except HistoryTrimmed:
+        return False
+    return bool(previous) and previous[0].seq == seq - 1 and previous[0].data[:7] == NAMED_PREFIX
+
+
 async def sse_events(
     stream: ReadableStream,
     after: int,
@@ -171,7 +182,12 @@ async def sse_events(
             if not batch:
                 yield HEARTBEAT
                 continue
-            if not named and batch[0].data[:7] != NAMED_PREFIX:
+            first = batch[0]
+            if (
+                not named
+                and first.data[:7] != NAMED_PREFIX
+                and not (first.data == DONE_DATA and _named_before(stream, first.seq))
+            ):
                 # Chat's path, as cheap as before. One look per batch is enough: a stream of
                 # a named format holds named events only (the relay names a bare one
                 # ``message``), but for the error and [DONE] that end an abandoned one.

@@ -76,7 +76,9 @@ async def serve_region(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    sim = SimHandle(msgspec.convert({"profile": args.profile}, SimConfig))
+    # "default": the model the world's clients ask for (_client_runner, _browser_runner).
+    sim_config = {"profile": args.profile, "served_model_names": ["default"]}
+    sim = SimHandle(msgspec.convert(sim_config, SimConfig))
     await sim.start()
     page: asyncio.Server | None = None
     try:

@@ -167,7 +167,7 @@ def _text(log: Path) -> str:
 
 @contextlib.asynccontextmanager
 async def _sims(tmp: Path, n: int, args: Sequence[str]) -> AsyncIterator[list[Sim]]:
-    sims = [Sim(f"sim{i}", list(args), tmp) for i in range(n)]
+    sims = [Sim(f"sim{i}", [*args, "--served-model-name", MODEL], tmp) for i in range(n)]
     try:
         for sim in sims:
             await sim.start()

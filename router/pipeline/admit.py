@@ -147,7 +147,7 @@ def parse_chat(ctx: RequestContext, *, force_stream: bool = False) -> Outcome:
 
 
 def adopt_api_key_header(ctx: RequestContext) -> None:
-    """Take the key of a request that sends it as ``x-api-key`` (the anthropic SDK's header)
+    """Take the key of a request that sends it as ``x-api-key`` (Anthropic's header)
     as if it came as ``Authorization: Bearer``; a request sending both is judged by the
     bearer one."""
     key = ctx.headers.get(API_KEY_HEADER)

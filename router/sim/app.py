@@ -1,47 +1,45 @@
-"""The sim's HTTP face: a plain ASGI app over the engine, OpenAI's API and vLLM's metrics.
+"""The sim's HTTP face: a plain ASGI app over the engine, vLLM's APIs and vLLM's metrics.
 
-Routes: ``POST /v1/chat/completions`` (SSE when ``stream`` is true, JSON otherwise),
-``GET /v1/models``, ``GET /health`` (and ``/healthz``), ``GET /metrics``. Every error is
-OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid request
-(via :func:`firstbyte.protocol.openai.decode_request`), 404 unknown route, 405 wrong method, 413
+Routes, as vLLM serves them: ``POST /v1/chat/completions``, ``/v1/completions``,
+``/v1/responses`` and ``/v1/messages`` (SSE when ``stream`` is true, JSON otherwise; each in
+its wire format, :mod:`firstbyte.router.sim.wire`), ``POST /v1/embeddings``, ``GET
+/v1/models``, ``GET /health`` (and ``/healthz``), ``GET /metrics``. Every request goes through
+the same engine (prefill and decode cost, prefix cache) and the same faults. Errors are
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages``): 400 for an invalid
+request, 404 for a model not served (vLLM's body) or an unknown route, 405 wrong method, 413
 body over the limit, 415 non-JSON content type, 503 overloaded or injected.
 
-The streaming hot path writes pre-encoded byte templates (one per request) with the token's
-JSON string spliced in, and sends every token that is ready in one ``send`` call.
+Streaming sends every token that is ready in one ``send`` call; chat's encoder splices each
+token's JSON string into a pre-encoded byte template.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from firstbyte.protocol import paths
-from firstbyte.protocol.openai import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    Model,
-    ModelList,
-    PromptTokensDetails,
-    RequestValidationError,
-    ResponseMessage,
-    Usage,
-    decode_request,
-    encode,
-    error_body,
-)
-from firstbyte.protocol.sse import DONE, encode_event
+from firstbyte.protocol.openai import RequestValidationError, decode_request, encode, error_body
+from firstbyte.router.sim.apis import Api, Job, decode_job
 from firstbyte.router.sim.driver import EngineDriver
-from firstbyte.router.sim.engine import Engine, Overloaded, Sequence
+from firstbyte.router.sim.engine import Engine, Overloaded, SeqState, Sequence
 from firstbyte.router.sim.faults import FaultPlan, RequestFaults
-from firstbyte.router.sim.output import plan_completion
+from firstbyte.router.sim.models import ServedModels
+from firstbyte.router.sim.output import Completion, plan_output
 from firstbyte.router.sim.tokens import prompt_tokens
+from firstbyte.router.sim.wire import (
+    ChatFormat,
+    CompletionsFormat,
+    MessagesFormat,
+    ResponsesFormat,
+    StreamFormat,
+    anthropic_error,
+    embeddings_body,
+)
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DropConnection", "SimApp", "SimOptions"]
 
@@ -79,6 +77,10 @@ class SimOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     seed: int = 0
     faults: FaultPlan = field(default_factory=lambda: FaultPlan(()))
+    served_model_names: tuple[str, ...] = ()
+    """vLLM's ``--served-model-name``; empty: the profile's model alone."""
+    max_model_len: int | None = None
+    """The context length ``/v1/models`` reports; None: the profile's."""
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -88,7 +90,13 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _TEXT_HEADERS = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
-_DONE_EVENT = encode_event(DONE)
+_ROUTES = {
+    paths.CHAT_COMPLETIONS: Api.CHAT,
+    "/v1/completions": Api.COMPLETIONS,
+    "/v1/responses": Api.RESPONSES,
+    "/v1/embeddings": Api.EMBEDDINGS,
+    "/v1/messages": Api.MESSAGES,
+}
 
 
 class SimApp:
@@ -98,8 +106,13 @@ class SimApp:
         self.engine = engine
         self.options = options or SimOptions()
         self.driver = EngineDriver(engine)
-        self.models = ModelList(data=[Model(id=engine.profile.model, created=int(time.time()))])
-        self._models_body = encode(self.models)
+        profile = engine.profile
+        self.models = ServedModels(
+            self.options.served_model_names or (profile.model,),
+            root=profile.model,
+            max_model_len=self.options.max_model_len or profile.max_model_len,
+        )
+        self._models_body = self.models.list_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -110,11 +123,12 @@ class SimApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if path == paths.CHAT_COMPLETIONS:
+        api = _ROUTES.get(path)
+        if api is not None:
             if method != "POST":
                 await _error(send, 405, f"Method {method} not allowed on {path}.")
                 return
-            await self._chat(scope, receive, send)
+            await self._infer(api, scope, receive, send)
         elif path in ("/health", paths.HEALTHZ, paths.MODELS, paths.METRICS):
             if method not in ("GET", "HEAD"):
                 await _error(send, 405, f"Method {method} not allowed on {path}.")
@@ -139,52 +153,66 @@ class SimApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    # -- chat completions --------------------------------------------------------------------
+    # -- the inference endpoints -----------------------------------------------------------
 
-    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _infer(self, api: Api, scope: Scope, receive: Receive, send: Send) -> None:
+        errors = _ANTHROPIC_ERRORS if api is Api.MESSAGES else _OPENAI_ERRORS
         headers = dict(scope["headers"])
         ctype = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
         if ctype != b"application/json":
-            await _error(
-                send,
-                415,
+            message = (
                 f"Unsupported content type {ctype.decode(errors='replace')!r}: "
-                "send the request as application/json.",
-                code="unsupported_media_type",
+                "send the request as application/json."
             )
+            await errors.send(send, 415, message, code="unsupported_media_type")
             return
         body = await _read_body(receive, headers, self.options.max_body_bytes)
         if body is None:
             limit = self.options.max_body_bytes
-            await _error(
-                send, 413, f"Request body larger than {limit} bytes.", code="request_too_large"
-            )
+            message = f"Request body larger than {limit} bytes."
+            await errors.send(send, 413, message, code="request_too_large")
             return
         try:
-            request = decode_request(body)
+            job = _chat_job(body) if api is Api.CHAT else decode_job(api, body)
         except RequestValidationError as exc:
-            await _respond(send, 400, encode(exc.body()))
+            await errors.send(send, 400, exc.message, param=exc.param)
+            return
+        if not self.models.serves(job.model):
+            if api is Api.MESSAGES:
+                message = f"The model `{job.model}` does not exist."
+                await _respond(send, 404, anthropic_error(message, "NotFoundError"))
+            else:
+                await _respond(send, 404, self.models.not_found_body(job.model))
             return
         faults = self.options.faults.next_request()
         if faults.error503:
-            await _overloaded(send, "Injected fault: the server is temporarily unavailable.")
+            await errors.overloaded(send, "Injected fault: the server is temporarily unavailable.")
             return
         if faults.delay_s > 0:
             await asyncio.sleep(faults.delay_s)
-        completion = plan_completion(request, self.options.seed)
-        tokens = prompt_tokens(request.messages)
+        model = self.models.name  # vLLM answers with its first served name
+        if api is Api.EMBEDDINGS:
+            completion = Completion(words=(), finish_reason="stop")
+        else:
+            completion = plan_output(
+                job.text_key, job.seed, model, job.output_limit, self.options.seed
+            )
         try:
-            seq = self.driver.submit(tokens, len(completion.words), completion.finish_reason)
+            seq = self.driver.submit(job.prompt, len(completion.words), completion.finish_reason)
         except Overloaded:
-            await _overloaded(send, "The server is overloaded, please try again later.")
+            await errors.overloaded(send, "The server is overloaded, please try again later.")
             return
         disconnected = asyncio.get_running_loop().create_future()
         listener = asyncio.ensure_future(self._listen(receive, seq, disconnected))
         try:
-            if request.stream:
-                await self._stream(send, request, completion.token_text, seq, faults, disconnected)
+            if api is Api.EMBEDDINGS:
+                await self._embed(send, job, model, seq, faults, disconnected)
+                return
+            fmt = _format(api, model, completion, seq, job)
+            if job.stream:
+                await self._stream(send, fmt, seq, faults, disconnected)
             else:
-                await self._complete(send, request, completion.words, seq, faults, disconnected)
+                await self._complete(send, fmt, seq, faults, disconnected)
         finally:
             listener.cancel()
             self.driver.cancel(seq)
@@ -201,25 +229,11 @@ class SimApp:
     async def _stream(
         self,
         send: Send,
-        request: ChatCompletionRequest,
-        token_text: Callable[[int], str],
+        fmt: StreamFormat,
         seq: Sequence,
         faults: RequestFaults,
         disconnected: asyncio.Future[None],
     ) -> None:
-        chunk_id = "chatcmpl-" + secrets.token_hex(12)
-        created = int(time.time())
-        head = (
-            b'data: {"id":"' + chunk_id.encode() + b'","object":"chat.completion.chunk",'
-            b'"created":'
-            + str(created).encode()
-            + b',"model":'
-            + encode(request.model)
-            + b',"system_fingerprint":null,"choices":[{"index":0,"delta":'
-        )
-        usage_null = b',"usage":null' if request.wants_usage_chunk else b""
-        tail = b'},"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
-        content_head = head + b'{"content":'
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         limit = seq.max_output
         stop_at = limit
@@ -232,6 +246,7 @@ class SimApp:
             stop_at = min(stop_at, faults.drop_after)
         sent = 0
         wait = self.driver.wait
+        token = fmt.token
         while sent < stop_at:
             if pause_at is not None and sent >= pause_at:
                 pause_at = None
@@ -245,9 +260,9 @@ class SimApp:
             upto = min(seq.generated, stop_at if pause_at is None else min(stop_at, pause_at))
             parts = []
             if sent == 0:
-                parts.append(head + b'{"role":"assistant","content":""' + tail)
+                parts.append(fmt.opening())
             for i in range(sent, upto):
-                parts.append(content_head + encode(token_text(i)) + tail)
+                parts.append(token(i))
             sent = upto
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         if sent < limit:
@@ -255,23 +270,12 @@ class SimApp:
                 raise DropConnection(f"injected fault: drop after {sent} tokens")
             await disconnected  # stall: keep the connection open until the client leaves
             return
-        reason = seq.finish_reason.encode()
-        final = [
-            head + b'{},"logprobs":null,"finish_reason":"' + reason + b'"}]' + usage_null + b"}\n\n"
-        ]
-        if request.wants_usage_chunk:
-            usage_chunk = ChatCompletionChunk(
-                id=chunk_id, created=created, model=request.model, choices=[], usage=_usage(seq)
-            )
-            final.append(encode_event(encode(usage_chunk)))
-        final.append(_DONE_EVENT)
-        await send({"type": "http.response.body", "body": b"".join(final), "more_body": False})
+        await send({"type": "http.response.body", "body": fmt.closing(), "more_body": False})
 
     async def _complete(
         self,
         send: Send,
-        request: ChatCompletionRequest,
-        words: tuple[str, ...],
+        fmt: StreamFormat,
         seq: Sequence,
         faults: RequestFaults,
         disconnected: asyncio.Future[None],
@@ -290,44 +294,103 @@ class SimApp:
                 return
         if fault_at is not None and fault_at < seq.max_output:
             if faults.drop_after == fault_at:
-                # Promise a body, send half of it, and close: an abrupt end mid-response.
-                body = encode(self._completion(request, words, seq))
-                headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                half = {"type": "http.response.body", "body": body[: len(body) // 2]}
-                await send({**half, "more_body": True})
-                raise DropConnection(f"injected fault: drop after {fault_at} tokens")
+                await _half_then_drop(send, fmt.whole(), f"drop after {fault_at} tokens")
             await disconnected
             return
-        await _respond(send, 200, encode(self._completion(request, words, seq)))
+        await _respond(send, 200, fmt.whole())
 
-    @staticmethod
-    def _completion(
-        request: ChatCompletionRequest, words: tuple[str, ...], seq: Sequence
-    ) -> ChatCompletion:
-        text = " ".join(words[: seq.generated])
-        return ChatCompletion(
-            id="chatcmpl-" + secrets.token_hex(12),
-            created=int(time.time()),
-            model=request.model,
-            choices=[
-                Choice(
-                    index=0,
-                    message=ResponseMessage(content=text),
-                    finish_reason=seq.finish_reason,
-                )
-            ],
-            usage=_usage(seq),
-        )
+    async def _embed(
+        self,
+        send: Send,
+        job: Job,
+        model: str,
+        seq: Sequence,
+        faults: RequestFaults,
+        disconnected: asyncio.Future[None],
+    ) -> None:
+        """An embedding: the answer once the prompt is prefilled. A stall or drop fault (at
+        any ``after``) hits it as a non-streamed answer with no tokens: none, or half a body."""
+        if faults.stall_s is not None and faults.stall_after is not None:
+            await asyncio.wait({disconnected}, timeout=faults.stall_s)  # the answer comes late
+        while not seq.finished:
+            await self.driver.wait(seq, 0)
+            if disconnected.done() or seq.state is SeqState.CANCELLED:
+                return
+        body = embeddings_body(job, model, seq)
+        if faults.drop_after is not None:
+            await _half_then_drop(send, body, "drop before the end of an embedding")
+        if faults.stall_after is not None and faults.stall_s is None:
+            await disconnected
+            return
+        await _respond(send, 200, body)
 
 
-def _usage(seq: Sequence) -> Usage:
-    return Usage(
-        prompt_tokens=seq.prompt_len,
-        completion_tokens=seq.generated,
-        total_tokens=seq.prompt_len + seq.generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=seq.cached_tokens),
+def _chat_job(body: bytes) -> Job:
+    request = decode_request(body)
+    return Job(
+        api=Api.CHAT,
+        model=request.model,
+        prompt=prompt_tokens(request.messages),
+        output_limit=request.output_limit,
+        stream=request.stream,
+        include_usage=request.wants_usage_chunk,
+        seed=request.seed,
+        text_key=encode(request.messages),
     )
+
+
+def _format(
+    api: Api, model: str, completion: Completion, seq: Sequence, job: Job
+) -> StreamFormat:
+    if api is Api.CHAT:
+        return ChatFormat(model, completion, seq, job.include_usage)
+    if api is Api.COMPLETIONS:
+        return CompletionsFormat(model, completion, seq, job)
+    if api is Api.RESPONSES:
+        return ResponsesFormat(model, completion, seq, job)
+    return MessagesFormat(model, completion, seq)
+
+
+async def _half_then_drop(send: Send, body: bytes, what: str) -> None:
+    """Promise ``body``, send half of it, and close: an abrupt end mid-response."""
+    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+    raise DropConnection(f"injected fault: {what}")
+
+
+class _Errors:
+    """How one API says no: OpenAI's envelope, or Anthropic's."""
+
+    def __init__(self, anthropic: bool) -> None:
+        self.anthropic = anthropic
+
+    async def send(
+        self,
+        send: Send,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        if self.anthropic:
+            body = anthropic_error(message, "invalid_request_error")
+        else:
+            body = encode(error_body(message, "invalid_request_error", param=param, code=code))
+        await _respond(send, status, body)
+
+    async def overloaded(self, send: Send, message: str) -> None:
+        if self.anthropic:
+            body = anthropic_error(message, "overloaded_error")
+        else:
+            body = encode(error_body(message, "server_error", code="service_unavailable"))
+        headers = [*_JSON_HEADERS, (b"retry-after", b"1")]
+        await _respond(send, 503, body, headers)
+
+
+_OPENAI_ERRORS = _Errors(anthropic=False)
+_ANTHROPIC_ERRORS = _Errors(anthropic=True)
 
 
 async def _read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes | None:
@@ -367,9 +430,3 @@ async def _error(
     code: str | None = None,
 ) -> None:
     await _respond(send, status, encode(error_body(message, type_, code=code)))
-
-
-async def _overloaded(send: Send, message: str) -> None:
-    body = encode(error_body(message, "server_error", code="service_unavailable"))
-    headers = [*_JSON_HEADERS, (b"retry-after", b"1")]
-    await _respond(send, 503, body, headers)

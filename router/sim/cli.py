@@ -81,6 +81,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens one scheduler step processes, as vLLM's: a burst of new requests then"
         " waits a few steps to start (default: no budget, all start at the next step)",
     )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model names answered, as vLLM's; the first is the one responses carry; any other"
+        " model gets vLLM's 404 (default: the profile's model)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context length /v1/models reports (default: the profile's)",
+    )
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC", help=_FAULT_HELP)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for outputs and fault selection (default 0)"
@@ -105,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> SimConfig:
     for name in (
         "max_num_seqs", "prefix_cache_blocks", "queue_limit", "max_body_bytes",
-        "max_num_batched_tokens",
+        "max_num_batched_tokens", "max_model_len",
     ):
         value = getattr(args, name)
         minimum = 0 if name in ("prefix_cache_blocks", "queue_limit") else 1
@@ -126,6 +141,9 @@ def _config(args: argparse.Namespace) -> SimConfig:
             )
         except (ssl.SSLError, OSError) as exc:
             raise CLIError(f"cannot load --certfile/--keyfile: {exc}") from None
+    names = args.served_model_name or []
+    if any(not name.strip() for name in names):
+        raise CLIError("--served-model-name: a name cannot be empty")
     for spec in args.fault:
         try:
             parse_fault(spec)
@@ -140,6 +158,8 @@ def _config(args: argparse.Namespace) -> SimConfig:
         faults=list(args.fault),
         seed=args.seed,
         max_body_bytes=args.max_body_bytes,
+        served_model_names=list(names),
+        max_model_len=args.max_model_len,
     )
 
 
@@ -162,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         async with running_app(app, listeners, options(server, args.certfile, args.keyfile)):
             print(
                 f"firstbyte sim: serving {url} "
-                f"(profile {config.profile}, server {server}, pid {os.getpid()})",
+                f"(profile {config.profile}, models {', '.join(_names(config))}, "
+                f"server {server}, pid {os.getpid()})",
                 flush=True,
             )
             await stop.wait()
@@ -170,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
     with asyncio.Runner(loop_factory=hosting.loop_factory()) as runner:
         runner.run(main())
     return 0
+
+
+def _names(config: SimConfig) -> list[str]:
+    return config.served_model_names or [PROFILES[config.profile].model]
 
 
 def _run_granian(args: argparse.Namespace, config: SimConfig) -> int:

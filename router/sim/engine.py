@@ -16,7 +16,10 @@ monotonic origin) to :meth:`Engine.submit` and :meth:`Engine.advance`, and sleep
   first token of a sequence comes at the end of its admission step, so its TTFT includes its
   queueing and its prefill, and every running sequence slows down while another prefills;
 - with more than ``max_num_seqs + queue_limit`` requests in the system, :meth:`submit` raises
-  :class:`Overloaded` (the server answers 503).
+  :class:`Overloaded` (the server answers 503);
+- a pooling request (an embedding: ``max_output`` 0) is scheduled like any other but only
+  prefilled: it finishes at the end of its admission step without a token, and does not count
+  in a step's decode batch (a step of pooling requests alone costs their prefill only).
 """
 
 from __future__ import annotations
@@ -85,8 +88,11 @@ class Engine:
         prefix_cache_blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
         max_num_batched_tokens: int | None = None,
+        model_name: str | None = None,
     ) -> None:
         self.profile = profile
+        self.model_name = model_name or profile.model
+        """The ``model_name`` label of the metrics (vLLM's first served name)."""
         self.max_num_seqs = max_num_seqs if max_num_seqs is not None else profile.max_num_seqs
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
@@ -123,9 +129,10 @@ class Engine:
     def submit(
         self, prompt_tokens: list[int], max_output: int, finish_reason: str, now: float
     ) -> Sequence:
-        """Queue a request generating ``max_output`` (>= 1) tokens; :class:`Overloaded` if full."""
-        if max_output < 1:
-            raise ValueError("max_output must be >= 1")
+        """Queue a request generating ``max_output`` tokens (0: a pooling request, prefill
+        only); :class:`Overloaded` if full."""
+        if max_output < 0:
+            raise ValueError("max_output must be >= 0")
         in_system = len(self.waiting) + len(self.running)
         if in_system >= self.max_num_seqs + self.queue_limit:
             raise Overloaded(
@@ -178,7 +185,10 @@ class Engine:
             for seq in self._step_batch:
                 if seq.state is not SeqState.RUNNING:
                     continue  # cancelled during the step
-                self._emit(seq, end)
+                if seq.max_output == 0:
+                    self._pooled(seq, end)
+                else:
+                    self._emit(seq, end)
                 touched.append(seq)
             if any(seq.state is not SeqState.RUNNING for seq in self.running):
                 self.running = [s for s in self.running if s.state is SeqState.RUNNING]
@@ -201,6 +211,11 @@ class Engine:
             seq.state = SeqState.FINISHED
             self.finished_by_reason[seq.finish_reason] += 1
             self.e2e_hist.observe(at - seq.arrival)
+
+    def _pooled(self, seq: Sequence, at: float) -> None:
+        seq.state = SeqState.FINISHED
+        self.finished_by_reason[seq.finish_reason] += 1
+        self.e2e_hist.observe(at - seq.arrival)
 
     def _start_step(self, at: float) -> None:
         prefill_s = 0.0
@@ -226,7 +241,9 @@ class Engine:
         if not self.running:
             return
         self._step_start = at
-        self._step_end = at + self.profile.decode_step_s(len(self.running)) + prefill_s
+        decoding = sum(1 for seq in self.running if seq.max_output)
+        decode_s = self.profile.decode_step_s(decoding) if decoding else 0.0
+        self._step_end = at + decode_s + prefill_s
         self._step_batch = list(self.running)
 
     # -- observation -------------------------------------------------------------------------
@@ -243,7 +260,7 @@ class Engine:
 
     def render_metrics(self) -> str:
         """All metrics in the Prometheus text exposition format (version 0.0.4)."""
-        model = labels(model_name=self.profile.model)
+        model = labels(model_name=self.model_name)
         usage = self.kv_cache_usage
         # prometheus_client prints counter values as floats.
         lines = [

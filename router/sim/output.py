@@ -11,12 +11,20 @@ completion ends there with ``finish_reason: "stop"``, otherwise it is cut at the
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode
 
-__all__ = ["DEFAULT_MAX_TOKENS", "VOCABULARY", "Completion", "plan_completion"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "VOCABULARY",
+    "Completion",
+    "embedding",
+    "plan_completion",
+    "plan_output",
+]
 
 DEFAULT_MAX_TOKENS = 64
 
@@ -53,12 +61,20 @@ class Completion:
 
 def plan_completion(request: ChatCompletionRequest, server_seed: int = 0) -> Completion:
     """The deterministic completion for ``request`` (see the module docstring)."""
+    return plan_output(
+        encode(request.messages), request.seed, request.model, request.output_limit, server_seed
+    )
+
+
+def plan_output(
+    key: bytes, seed: int | None, model: str, limit: int | None, server_seed: int = 0
+) -> Completion:
+    """The deterministic completion for a prompt whose bytes are ``key`` (any endpoint)."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{server_seed}/{request.seed}/{request.model}/".encode())
-    digest.update(encode(request.messages))
+    digest.update(f"{server_seed}/{seed}/{model}/".encode())
+    digest.update(key)
     rng = random.Random(digest.digest())
     natural = rng.randint(8, 256)
-    limit = request.output_limit
     if limit is None:
         limit = DEFAULT_MAX_TOKENS
     if natural <= limit:
@@ -68,3 +84,13 @@ def plan_completion(request: ChatCompletionRequest, server_seed: int = 0) -> Com
     vocab = VOCABULARY
     words = tuple(vocab[int(rng.random() * len(vocab))] for _ in range(count))
     return Completion(words=words, finish_reason=reason)
+
+
+def embedding(key: bytes, model: str, dimensions: int) -> list[float]:
+    """A unit-length vector drawn from ``key``: the same input always gives the same vector,
+    and different inputs nearly orthogonal ones."""
+    digest = hashlib.blake2b(model.encode() + b"/" + key, digest_size=16).digest()
+    rng = random.Random(digest)
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dimensions)]
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]

@@ -55,6 +55,8 @@ class Profile:
     prefix_cache_blocks: int
     """Default ``--prefix-cache-blocks``: KV-cache capacity in 16-token blocks."""
     description: str
+    max_model_len: int = 32768
+    """Default ``--max-model-len``: the context length ``/v1/models`` reports."""
 
     def prefill_s(self, uncached_tokens: int) -> float:
         n = uncached_tokens

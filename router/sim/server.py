@@ -12,7 +12,7 @@ Three ASGI servers can run the same :class:`~firstbyte.router.sim.app.SimApp` (`
 
 Tests and benchmarks start a real sim inside their own event loop with :func:`running_sim`::
 
-    async with running_sim(profile="h100-7b", max_num_seqs=2) as url:
+    async with running_sim(profile="h100-7b", max_num_seqs=2, served_model_names=["m"]) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
 
 and use :func:`sim_server` when they also want the engine (metrics, cache state).
@@ -67,6 +67,12 @@ class SimConfig(msgspec.Struct, kw_only=True):
     """``--fault`` SPECs (see :mod:`firstbyte.router.sim.faults`)."""
     seed: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    served_model_names: list[str] = msgspec.field(default_factory=list)
+    """vLLM's ``--served-model-name``: the model names answered (the first is the one responses
+    carry); any other gets vLLM's 404. Empty: the profile's model alone."""
+    max_model_len: int | None = None
+    """The context length ``/v1/models`` reports (vLLM's ``--max-model-len``); None: the
+    profile's."""
 
 
 def build_app(config: SimConfig) -> SimApp:
@@ -78,9 +84,16 @@ def build_app(config: SimConfig) -> SimApp:
         queue_limit=config.queue_limit,
         prefix_cache_blocks=config.prefix_cache_blocks,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        model_name=config.served_model_names[0] if config.served_model_names else None,
     )
     plan = FaultPlan([parse_fault(spec) for spec in config.faults], seed=config.seed)
-    options = SimOptions(max_body_bytes=config.max_body_bytes, seed=config.seed, faults=plan)
+    options = SimOptions(
+        max_body_bytes=config.max_body_bytes,
+        seed=config.seed,
+        faults=plan,
+        served_model_names=tuple(config.served_model_names),
+        max_model_len=config.max_model_len,
+    )
     return SimApp(engine, options)
 
 
@@ -155,7 +168,8 @@ async def sim_server(
     whose connections wait out other targets' phases sets it past their length).
 
     ``config`` holds :class:`SimConfig` fields (``max_num_seqs``, ``prefix_cache_blocks``,
-    ``queue_limit``, ``max_num_batched_tokens``, ``faults``, ``seed``, ``max_body_bytes``).
+    ``queue_limit``, ``max_num_batched_tokens``, ``faults``, ``seed``, ``max_body_bytes``,
+    ``served_model_names``, ``max_model_len``).
     With ``certfile`` the server is hypercorn (HTTP/2 via ALPN) unless ``server`` says
     otherwise, and the URL is https.
     """

@@ -12,6 +12,7 @@ import trustme
 
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
+from firstbyte.router.sim.profiles import get_profile
 from firstbyte.router.sim.server import running_sim
 from tests.client_sdk.protocol_server import RunningServer, running_protocol_server
 
@@ -78,10 +79,16 @@ async def start_stack(
     profile: str = "instant",
     heartbeat_s: float = 15.0,
     keep_alive_timeout_s: float = 75.0,
+    models: Sequence[str] = (),
 ) -> AsyncIterator[Stack]:
-    """Start ``firstbyte sim`` and the router in front of it in the running loop."""
+    """Start ``firstbyte sim`` and the router in front of it in the running loop; the sim
+    serves its profile's model, ``busy`` and ``models``."""
     ca_file, cert_file, key_file = tls_files
-    async with running_sim(profile, faults=list(faults), seed=7) as sim_url:
+    # "busy": what a client failing over from a saturated protocol server asks for.
+    served = [get_profile(profile).model, "busy", *models]
+    async with running_sim(
+        profile, faults=list(faults), seed=7, served_model_names=served
+    ) as sim_url:
         config = parse_config({
             "region": "sdk-test",
             "upstreams": [{"url": sim_url}],

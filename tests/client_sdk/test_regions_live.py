@@ -19,7 +19,13 @@ from typing import Any
 import httpx
 import pytest
 
-from firstbyte.benchmarks.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
+from firstbyte.benchmarks.cluster import (
+    MODEL,
+    RegionHandle,
+    RegionSpec,
+    running_regions,
+    wait_for_peers,
+)
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.timings import Timings
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
@@ -136,7 +142,7 @@ async def edges(
 
 
 async def stream_once(client: AsyncClient, max_tokens: int = 4) -> Timings:
-    async with client.stream(model="sim-model", messages=MESSAGES, max_tokens=max_tokens) as s:
+    async with client.stream(model="sim", messages=MESSAGES, max_tokens=max_tokens) as s:
         text = "".join([d.text async for d in s])
     assert text
     return s.timings
@@ -204,7 +210,7 @@ async def test_failover_after_a_429_goes_to_the_warm_standby_without_a_handshake
             async with httpx.AsyncClient(timeout=60) as direct:
                 hog = asyncio.create_task(direct.post(
                     f"{regions['primary'].url}/v1/chat/completions",
-                    json={"model": "sim-model", "max_tokens": 100, "messages": MESSAGES}))
+                    json={"model": "sim", "max_tokens": 100, "messages": MESSAGES}))
                 await until(lambda: regions["primary"].state.routing.active() >= 1)
                 timings = await stream_once(client)
                 # Set aside for its Retry-After (>= 1 s), so the next request skips it.
@@ -320,7 +326,7 @@ async def test_probe_over_every_http_version_against_a_tls_router(
 ) -> None:
     from tests.client_sdk.conftest import ROUTER_KEY, start_stack
 
-    async with start_stack(tls_files) as stack:
+    async with start_stack(tls_files, models=[MODEL]) as stack:
         # One router under two names (the certificate covers both): two "regions".
         other = f"https://127.0.0.1:{stack.port}/v1"
         async with AsyncClient({"a": stack.base_url, "b": other}, ROUTER_KEY,

@@ -80,7 +80,7 @@ async def scrape(router: RouterEndpoints, ca_file: str | None = None) -> str:
 
 async def stream_text(client: AsyncClient, prompt: str = PROMPT) -> tuple[str, str | None]:
     """The answer's text and its stream id."""
-    async with client.stream(model="sim-llama-7b", max_tokens=12,
+    async with client.stream(model="sim-instant", max_tokens=12,
                              messages=[{"role": "user", "content": prompt}]) as stream:
         return "".join([delta.text async for delta in stream]), stream.stream_id
 

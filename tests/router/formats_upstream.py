@@ -5,7 +5,8 @@
 ``/v1/embeddings``, streamed and not. Output is ``max_tokens`` words ``w0 w1 ...``, one
 content event per word every ``delay_s``, with ``gap_s`` of silence after ``gap_after``
 words (a stalled upstream, for the router's heartbeat). Every body received is kept, with
-its path and headers, so a test can check what went upstream.
+its path and headers, so a test can check what went upstream; ``cut_after`` ends a stream's
+body early.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ class FormatsUpstream:
     """Between content events."""
     gap_after: int | None = None
     gap_s: float = 0.0
+    cut_after: int | None = None
+    """End the body after this many words, before the stream's own end (a crashed server)."""
     url: str = ""
     received: list[tuple[str, dict[str, str], dict[str, Any]]] = field(default_factory=list)
     """(path, headers, body) of every POST, in order."""
@@ -236,6 +239,8 @@ class FormatsUpstream:
                 if event[:1] == CONTENT:
                     event = event[1:]
                     content += 1
+                    if self.cut_after is not None and content > self.cut_after:
+                        break
                     if self.delay_s:
                         await asyncio.sleep(self.delay_s)
                     if self.gap_after is not None and content == self.gap_after + 1:

@@ -29,7 +29,7 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 
 async def test_an_upstream_url_ending_in_v1_is_served(start_router: RouterFactory) -> None:
     async with (
-        running_sim("instant") as sim_url,
+        running_sim("instant", served_model_names=["m"]) as sim_url,
         start_router([sim_url + "/v1/"], tls=False) as router,
         httpx.AsyncClient(timeout=10) as client,
     ):
@@ -100,7 +100,7 @@ async def _sim_on(port: int) -> AsyncIterator[None]:
     ``SO_REUSEPORT``, as :func:`_broken_on`: the one starts before the other stops, so the
     router's scrapes never find the port closed (that alone takes a backend down)."""
     listeners = hosting.bind("127.0.0.1", port, reuse_port=True)
-    async with running_app(build_app(SimConfig(profile="instant")), listeners, options("uvicorn")):
+    async with running_app(build_app(SimConfig(profile="instant", served_model_names=["m"])), listeners, options("uvicorn")):
         yield
 
 
@@ -206,7 +206,7 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
     }
     async with (
         contextlib.AsyncExitStack() as stacks,
-        running_sim("instant") as live_url,
+        running_sim("instant", served_model_names=["m"]) as live_url,
         start_router([], tls=False, upstreams=_upstreams(port, live_url), routing=routing)
         as router,
         httpx.AsyncClient(timeout=20) as client,
@@ -307,7 +307,7 @@ async def test_the_first_request_after_healthz_200_is_served(
     # backend; counted as someone else's load after they ended, they filled a backend of
     # max_in_flight = 2, and the first request after /healthz turned 200 was refused (429).
     async with (
-        running_sim("h100-7b") as sim_url,
+        running_sim("h100-7b", served_model_names=["m"]) as sim_url,
         httpx.AsyncClient(timeout=20) as client,
         start_router(
             [], tls=False, upstreams=[{"url": sim_url, "max_in_flight": 2}],
@@ -347,7 +347,7 @@ async def test_a_backend_blackholed_from_the_start_costs_a_deadline_from_warmup_
     }
     async with (
         _broken_on(port, "blackhole"),
-        running_sim("instant") as live_url,
+        running_sim("instant", served_model_names=["m"]) as live_url,
         start_router(
             [], tls=False, upstreams=_upstreams(port, live_url), routing=routing,
             warm_prefixes=[{"name": "support", "text": PREFIX}],
@@ -382,7 +382,7 @@ async def test_a_reload_keeps_a_backend_out_of_rotation_until_it_is_due_back(
         ]
 
     async with (
-        running_sim("instant") as live_url,
+        running_sim("instant", served_model_names=["m"]) as live_url,
         start_router(
             [], tls=False, upstreams=upstreams(live_url),
             routing={"backend_policy": "round_robin"},

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 async def test_router_process_from_config_file(tmp_path: Path, tls_files: dict[str, str]) -> None:
-    async with sim_server("instant") as sim:
+    async with sim_server("instant", served_model_names=["m"]) as sim:
         port = free_port()
         config = tmp_path / "router.toml"
         config.write_text(

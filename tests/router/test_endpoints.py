@@ -1,7 +1,7 @@
 """Every endpoint through the real router with the official SDKs, only ``base_url`` changed.
 
 The ``openai`` SDK (chat completions, completions, Responses, embeddings) and the
-``anthropic`` SDK (``messages.stream``, ``messages.create``, its key as ``x-api-key``), streamed
+``anthropic`` SDK (``messages.stream``, ``messages.create``; ``x-api-key`` also works), streamed
 and not, over HTTP/1.1 and HTTP/2 with TLS, across upstream silences long enough for several
 router heartbeats. A streamed answer is the upstream's bytes, event for event (``event:``
 lines included), plus our ``id:`` lines and heartbeat comments; a Responses or Messages stream
@@ -234,6 +234,10 @@ async def test_cut_mid_stream_then_resume_loses_and_repeats_nothing(
         )
         assert resumed.status_code == 200
         after = _events(resumed.content)
+        past_the_end = await client.get(
+            router.base_url + f"/v1/streams/{stream_id}",
+            headers={**auth(), "last-event-id": after[-1][0]},
+        )
     events = before + after
     assert [int(i) for i, _, _ in events] == list(range(1, len(events) + 1))
     expected = _events(_upstream_bytes(path, words))
@@ -242,13 +246,16 @@ async def test_cut_mid_stream_then_resume_loses_and_repeats_nothing(
     ]
     if path == "/v1/responses":
         assert [d["sequence_number"] for _, _, d in events] == list(range(len(events)))
+    # Resumed after its terminal event, a named stream has nothing more (no [DONE]).
+    assert past_the_end.status_code == 200
+    assert past_the_end.content == b""
 
 
 async def test_messages_takes_x_api_key_and_refuses_on_the_head(
     start_router: RouterFactory, tls_files: dict[str, str]
 ) -> None:
-    """The key as ``x-api-key`` works on ``/v1/messages``; without a key the answer is
-    401 before any body is read (the client never sends it here)."""
+    """The key as ``x-api-key`` (Anthropic's header, which anthropic SDKs before 2.x send)
+    works on ``/v1/messages`` and only there; a wrong one is 401, a bad body 400."""
     async with running_formats_upstream() as up, start_router([up.url]) as router:
         async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
             body = {"model": "test-model", "max_tokens": 2,
@@ -307,3 +314,69 @@ async def test_access_lines_name_the_endpoint_and_its_usage(
         ("responses", 3, 5, "ok"), ("messages", 3, 4, "ok"), ("messages", 3, 2, "ok"),
         ("completions", 3, 3, "ok"), ("embeddings", 2, None, "ok"),
     ])
+
+
+@pytest.mark.parametrize(
+    ("path", "error"),
+    [
+        ("/v1/responses", {"type": "error", "code": "upstream_eof"}),
+        ("/v1/messages", {"type": "error", "error": {"type": "api_error", "code": "upstream_eof"}}),
+        ("/v1/completions", {"error": {"type": "server_error", "code": "upstream_eof"}}),
+    ],
+)
+async def test_an_upstream_gone_mid_stream_ends_it_with_the_formats_error_event(
+    start_router: RouterFactory, tls_files: dict[str, str], path: str, error: dict[str, Any]
+) -> None:
+    body = {"model": "test-model", "stream": True, "max_tokens": 6, "prompt": "x",
+            "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    async with running_formats_upstream(cut_after=2) as up, start_router(
+        [up.url]
+    ) as router, httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+        answer = await client.post(router.base_url + path, json=body, headers=auth())
+    assert answer.status_code == 200
+    events = SSEDecoder().receive_data(answer.content)
+    if path == "/v1/completions":  # OpenAI's error chunk, then [DONE]
+        assert events[-1].data == "[DONE]"
+        events = events[:-1]
+    else:
+        assert b"[DONE]" not in answer.content
+    name, data = events[-1].event, json.loads(events[-1].data)
+    assert name == ("message" if path == "/v1/completions" else "error")
+    for key, value in error.items():
+        if isinstance(value, dict):
+            assert {k: data[key][k] for k in value} == value
+        else:
+            assert data[key] == value
+
+
+async def test_every_endpoint_is_held_to_the_keys_limits(
+    start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    """The key's request rate, its streams in flight and the body limit apply to every API,
+    each refusal OpenAI's error body with its own code (and ``Retry-After`` on a 429)."""
+    calls = [
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    ]
+    limits = {"requests_per_s_per_key": 0.01, "request_burst_per_key": 1,
+              "max_body_bytes": 4096}
+    async with running_formats_upstream() as up, start_router(
+        [up.url], limits=limits
+    ) as router, httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+        for path, body in calls:
+            too_big = await client.post(router.base_url + path, headers=auth(), json={
+                "model": "test-model", **body, "pad": "x" * 5000})
+            assert too_big.status_code == 413, path
+            assert too_big.json()["error"]["code"] == "request_too_large"
+        first = await client.post(router.base_url + calls[0][0], headers=auth(),
+                                  json={"model": "test-model", **calls[0][1]})
+        assert first.status_code == 200
+        for path, body in calls:  # the bucket of one request is spent: every API is refused
+            refused = await client.post(router.base_url + path, headers=auth(),
+                                        json={"model": "test-model", **body})
+            assert refused.status_code == 429, path
+            assert refused.json()["error"]["code"] == "key_rate_limited"
+            assert int(refused.headers["retry-after"]) >= 1
+    assert [path for path, _, _ in up.received] == ["/v1/embeddings"]

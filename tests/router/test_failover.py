@@ -38,7 +38,7 @@ def _closed_port() -> int:
 async def _sim_on(port: int) -> AsyncIterator[None]:
     """A sim on a given loopback port (the backend coming back where it was)."""
     listeners = hosting.bind("127.0.0.1", port)
-    async with running_app(build_app(SimConfig(profile="instant")), listeners, options("uvicorn")):
+    async with running_app(build_app(SimConfig(profile="instant", served_model_names=["m"])), listeners, options("uvicorn")):
         yield
 
 
@@ -86,7 +86,7 @@ async def test_refused_backend_fails_over_and_comes_back(
     monkeypatch.setattr(multiregion, "PASSIVE_DOWN_S", 0.5)
     dead_port = _closed_port()
     async with (
-        running_sim("instant") as live_url,
+        running_sim("instant", served_model_names=["m"]) as live_url,
         start_router(
             [], tls=False, upstreams=_upstreams(dead_port, live_url),
             routing={"backend_policy": "round_robin"},
@@ -173,7 +173,7 @@ async def test_failover_with_shared_state_moves_the_backend_slot(
     redis = Redis.from_url(redis_server.url)
     try:
         async with (
-            running_sim("instant") as live_url,
+            running_sim("instant", served_model_names=["m"]) as live_url,
             start_router(
                 [], tls=False, upstreams=_upstreams(dead_port, live_url),
                 routing={"backend_policy": "round_robin"},

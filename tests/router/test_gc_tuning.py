@@ -24,7 +24,7 @@ from firstbyte.router.sim.server import running_sim
 
 async def main(tune):
     before = {"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count()}
-    async with running_sim(profile="instant") as sim:
+    async with running_sim(profile="instant", served_model_names=["m"]) as sim:
         config = RouterConfig(
             upstreams=[UpstreamConfig(url=sim)],
             listen=ListenConfig(port=0, http3=False, insecure_plain_http=True),

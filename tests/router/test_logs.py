@@ -66,7 +66,7 @@ class Lines:
 async def test_router_process_logs_json_lines_on_stdout(
     tmp_path: Path, tls_files: dict[str, str]
 ) -> None:
-    async with sim_server("instant") as sim:
+    async with sim_server("instant", served_model_names=["m"]) as sim:
         port, dead_port = free_port(), _closed_port()
         config = tmp_path / "router.toml"
         config.write_text(
@@ -166,7 +166,9 @@ async def test_a_detached_stream_is_logged_when_it_ends(
     """``POST /v1/streams`` answers at once; its line waits for the stream's end, so it has
     the tokens and the outcome (and the key id, never the key)."""
     caplog.set_level(logging.INFO, logger="firstbyte.access")
-    async with sim_server("instant") as sim, start_router([sim.url]) as router:
+    async with sim_server("instant", served_model_names=["m"]) as sim, start_router(
+        [sim.url]
+    ) as router:
         async with httpx.AsyncClient(verify=client_tls(tls_files)) as client:
             body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 7}
             started = await client.post(router.base_url + "/v1/streams", json=body, headers=auth())

@@ -58,7 +58,7 @@ async def cluster(
 
 def chat(user: str, *, system: str = SYSTEM, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
     return {
-        "model": "sim-model",
+        "model": "sim",
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
         "max_tokens": max_tokens,
         "stream": stream,

@@ -20,7 +20,7 @@ def history_body(user: int, turns: list[tuple[str, str]], question: str, **kw: A
     for q, a in turns:
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": question})
-    return {"model": "sim-model", "messages": messages, "max_tokens": kw.get("max_tokens", 24),
+    return {"model": "sim", "messages": messages, "max_tokens": kw.get("max_tokens", 24),
             "user": f"user-{user}"}
 
 
@@ -75,7 +75,7 @@ def three_regions(tokyo: dict[str, Any], others: dict[str, Any] | None = None) -
 
 
 def slow_body(i: int, max_tokens: int = 40, stream: bool = False) -> dict[str, Any]:
-    return {"model": "sim-model", "max_tokens": max_tokens, "stream": stream,
+    return {"model": "sim", "max_tokens": max_tokens, "stream": stream,
             "messages": [{"role": "user", "content": f"request {i}: tell me a long story"}]}
 
 
@@ -127,7 +127,7 @@ async def test_all_regions_saturated_answer_429_with_retry_after() -> None:
             # retries=0: the SDK retries a 429 by itself; here it must surface it.
             async with AsyncClient(f"{url}/v1", http="1.1", retries=0) as sdk:
                 try:
-                    async with sdk.stream(model="sim-model", messages=[{"role": "user", "content": "hi"}]) as s:
+                    async with sdk.stream(model="sim", messages=[{"role": "user", "content": "hi"}]) as s:
                         async for _ in s:
                             pass
                     raised = None
@@ -179,7 +179,7 @@ async def test_sdk_fails_over_on_429_and_sets_the_region_aside_for_retry_after()
                 client.post(f"{tokyo['tokyo'].url}/v1/chat/completions", json=slow_body(0, 100)))
             await asyncio.sleep(0.2)
             async with AsyncClient([t_url, f_url], http="1.1") as sdk:
-                async with sdk.stream(model="sim-model",
+                async with sdk.stream(model="sim",
                                       messages=[{"role": "user", "content": "hi"}]) as s:
                     text = "".join([d.text async for d in s])
                 assert text

@@ -24,7 +24,9 @@ async def test_concurrent_forwards_ride_one_http2_connection_to_the_peer(
 ) -> None:
     caplog.set_level(logging.INFO, logger="firstbyte.access")
     mmdb = write_city_mmdb(tmp_path / "cities.mmdb")
-    async with sim_server() as tokyo_sim, sim_server() as frankfurt_sim, start_router(
+    async with sim_server(served_model_names=["m"]) as tokyo_sim, sim_server(
+        served_model_names=["m"]
+    ) as frankfurt_sim, start_router(
         [tokyo_sim.url], region="tokyo", routing={"peer_key": PEER_KEY},
         geo={"latitude": 35.68, "longitude": 139.69},
     ) as tokyo, start_router(

@@ -125,7 +125,9 @@ async def test_a_prompt_goes_to_the_same_backend_whichever_process_answers(
     firsts = [c for c in (f"Conversation {i}" for i in range(200))
               if rendezvous_rank(_key_of(c), weights)[0] == "gpu-a"]
     x, y = firsts[:2]
-    async with sim_server("instant") as gpu_a, sim_server("instant") as gpu_b:
+    async with sim_server("instant", served_model_names=["sim-llama-7b"]) as gpu_a, sim_server(
+        "instant", served_model_names=["sim-llama-7b"]
+    ) as gpu_b:
         upstreams = (f'[[upstreams]]\nname = "gpu-a"\nurl = "{gpu_a.url}"\n'
                      f'[[upstreams]]\nname = "gpu-b"\nurl = "{gpu_b.url}"')
         sims = {"gpu-a": gpu_a, "gpu-b": gpu_b}

@@ -97,7 +97,7 @@ async def test_a_streamed_request_is_exported_as_a_genai_trace(
     start_router: RouterFactory, tls_files: dict[str, str]
 ) -> None:
     with receiver() as otlp:
-        async with sim_server("instant") as sim:
+        async with sim_server("instant", served_model_names=["m"]) as sim:
             telemetry = {"otlp_endpoint": otlp.url, "service_name": "router-under-test"}
             async with start_router([sim.url], telemetry=telemetry) as router:
                 body = {"model": "m", "messages": [{"role": "user", "content": "trace me"}],

@@ -116,7 +116,7 @@ async def cached_tokens_for(sim: SimServer, system: str) -> tuple[int, int]:
 
 async def test_runner_warms_real_sims_and_rewarms_after_restart() -> None:
     s = WarmupScheduler([SUPPORT], interval_s=600)
-    async with sim_server() as one, sim_server() as two:
+    async with sim_server(served_model_names=["chat-model"]) as one, sim_server(served_model_names=["chat-model"]) as two:
         s.add_backend("one", ["chat-model"])
         s.add_backend("two", ["chat-model"])
         async with clients({"one": one.url, "two": two.url}) as cs:
@@ -134,7 +134,7 @@ async def test_runner_warms_real_sims_and_rewarms_after_restart() -> None:
             await runner.step()  # the scrape sees the counters the probes and requests moved
             assert s.restarts_total["two"] == 0
             # "two" restarts: a fresh sim behind the same name has its counters back at zero.
-            async with sim_server() as two_again:
+            async with sim_server(served_model_names=["chat-model"]) as two_again:
                 runner.urls["two"] = two_again.url
                 await runner.step()
                 assert s.restarts_total["two"] == 1
@@ -153,7 +153,7 @@ async def test_startup_wait_does_not_wait_for_a_dead_backend() -> None:
     dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
     try:
         s = WarmupScheduler([SUPPORT])
-        async with sim_server() as alive, httpx.AsyncClient() as client:
+        async with sim_server(served_model_names=["chat-model"]) as alive, httpx.AsyncClient() as client:
             s.add_backend("alive", ["chat-model"])
             s.add_backend("dead", ["chat-model"])
             urls = {"alive": alive.url, "dead": f"http://127.0.0.1:{dead.getsockname()[1]}"}

@@ -23,11 +23,16 @@ class Streamed:
     body: bytes = b""
 
 
+MODEL = "sim"
+"""The model name the sims of these tests serve (``served_model_names=[MODEL]``) and the
+bodies below ask for."""
+
+
 def chat_body(content: str, *, system: str | None = None, **fields: Any) -> dict[str, Any]:
     messages = [{"role": "user", "content": content}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    return {"model": "sim", "messages": messages, "stream": True, **fields}
+    return {"model": MODEL, "messages": messages, "stream": True, **fields}
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Streamed:

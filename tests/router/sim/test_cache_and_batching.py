@@ -13,7 +13,7 @@ import httpx
 
 from firstbyte.router.sim.server import sim_server
 from firstbyte.router.sim.tokens import tokenize
-from tests.router.sim.helpers import chat_body, metric, stream_chat
+from tests.router.sim.helpers import MODEL, chat_body, metric, stream_chat
 
 
 def system_prompt(seed: int, tokens: int = 4000) -> str:
@@ -27,7 +27,7 @@ def system_prompt(seed: int, tokens: int = 4000) -> str:
 
 async def test_shared_system_prompt_is_cached_and_cuts_ttft() -> None:
     system = system_prompt(1)
-    async with sim_server("h100-7b") as sim, httpx.AsyncClient() as client:
+    async with sim_server("h100-7b", served_model_names=[MODEL]) as sim, httpx.AsyncClient() as client:
         await client.get(f"{sim.url}/health")  # connection warm before timing
         first = await stream_chat(
             client,
@@ -69,7 +69,7 @@ async def test_shared_system_prompt_is_cached_and_cuts_ttft() -> None:
 async def test_cache_smaller_than_the_working_set_evicts() -> None:
     a, b = system_prompt(1), system_prompt(2)
     # 300 blocks = 4,800 tokens: room for one 4K system prompt, not two.
-    async with sim_server("h100-7b", prefix_cache_blocks=300) as sim, httpx.AsyncClient() as c:
+    async with sim_server("h100-7b", served_model_names=[MODEL], prefix_cache_blocks=300) as sim, httpx.AsyncClient() as c:
         opts = {"max_tokens": 1, "stream_options": {"include_usage": True}}
         await stream_chat(c, sim.url, chat_body("q", system=a, **opts))
         hit = await stream_chat(c, sim.url, chat_body("q2", system=a, **opts))
@@ -88,7 +88,7 @@ async def test_cache_smaller_than_the_working_set_evicts() -> None:
 
 async def test_third_request_waits_for_a_slot_and_shows_in_metrics() -> None:
     tokens = 30  # ~30 * 10.3 ms = ~0.3 s per request
-    async with sim_server("h100-7b", max_num_seqs=2) as sim, httpx.AsyncClient() as client:
+    async with sim_server("h100-7b", served_model_names=[MODEL], max_num_seqs=2) as sim, httpx.AsyncClient() as client:
         await client.get(f"{sim.url}/health")
         tasks = [
             asyncio.ensure_future(
@@ -118,7 +118,7 @@ async def test_third_request_waits_for_a_slot_and_shows_in_metrics() -> None:
 
 async def test_past_the_queue_limit_it_answers_503() -> None:
     async with (
-        sim_server("h100-7b", max_num_seqs=2, queue_limit=1) as sim,
+        sim_server("h100-7b", served_model_names=[MODEL], max_num_seqs=2, queue_limit=1) as sim,
         httpx.AsyncClient() as client,
     ):
         tasks = [

@@ -71,7 +71,10 @@ def stream_text(url: str) -> list[str]:
 
 
 def test_serves_and_exits_cleanly_on_sigterm(sim_process: list[subprocess.Popen[str]]) -> None:
-    proc, url = start(sim_process, "--port", "0", "--profile", "instant", "--seed", "3")
+    proc, url = start(
+        sim_process, "--port", "0", "--profile", "instant", "--seed", "3",
+        "--served-model-name", "m",
+    )
     data = stream_text(url)
     assert data[-1] == DONE
     assert len(data) == 1 + 3 + 1 + 1
@@ -85,7 +88,8 @@ def test_serves_and_exits_cleanly_on_sigterm(sim_process: list[subprocess.Popen[
 def test_granian_server_option(sim_process: list[subprocess.Popen[str]]) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [*SIM, "--port", str(port), "--profile", "instant", "--server", "granian"],
+        [*SIM, "--port", str(port), "--profile", "instant", "--server", "granian",
+         "--served-model-name", "other", "m"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,6 +114,9 @@ def test_granian_server_option(sim_process: list[subprocess.Popen[str]]) -> None
         (["--queue-limit", "-1"], "--queue-limit must be >= 0"),
         (["--port", "70000"], "--port must be 0..65535"),
         (["--profile", "gpu-9000"], "invalid choice"),
+        (["--served-model-name", ""], "--served-model-name: a name cannot be empty"),
+        (["--served-model-name"], "expected at least one argument"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1"),
     ],
 )
 def test_user_errors_are_clear(args: list[str], message: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from firstbyte.protocol.sse import DONE, SSEDecoder, SSEEvent
 from firstbyte.router.sim.server import running_sim
-from tests.router.sim.helpers import chat_body, stream_chat
+from tests.router.sim.helpers import MODEL, chat_body, stream_chat
 
 
 async def still_serving(client: httpx.AsyncClient, url: str) -> None:
@@ -58,7 +58,7 @@ async def read_until_broken(
 
 
 async def test_stall_keeps_the_connection_open_and_silent() -> None:
-    async with running_sim("instant", faults=["stall:after=3"]) as url, httpx.AsyncClient() as c:
+    async with running_sim("instant", served_model_names=[MODEL], faults=["stall:after=3"]) as url, httpx.AsyncClient() as c:
         body = chat_body("stall me", max_tokens=20)
         async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -78,7 +78,7 @@ async def test_stall_keeps_the_connection_open_and_silent() -> None:
 
 async def test_timed_stall_sends_on_after_the_gap() -> None:
     """``stall:after=N,ms=M``: N tokens, M ms of silence, then the rest and ``[DONE]``."""
-    async with running_sim("instant", faults=["stall:after=2,ms=600"]) as url, \
+    async with running_sim("instant", served_model_names=[MODEL], faults=["stall:after=2,ms=600"]) as url, \
             httpx.AsyncClient() as c:
         gaps: list[float] = []
         decoder = SSEDecoder()
@@ -106,7 +106,7 @@ async def test_timed_stall_sends_on_after_the_gap() -> None:
 
 
 async def test_drop_closes_the_connection_mid_stream() -> None:
-    async with running_sim("instant", faults=["drop:after=2"]) as url, httpx.AsyncClient() as c:
+    async with running_sim("instant", served_model_names=[MODEL], faults=["drop:after=2"]) as url, httpx.AsyncClient() as c:
         body = chat_body("drop me", max_tokens=20)
         events = await read_until_broken(c, url, body)
         assert len(events) == 1 + 2  # role chunk and two tokens, then the abrupt end
@@ -120,7 +120,7 @@ async def test_drop_closes_the_connection_mid_stream() -> None:
 
 
 async def test_delay_holds_back_the_first_byte() -> None:
-    async with running_sim("instant", faults=["delay:ms=400"]) as url, httpx.AsyncClient() as c:
+    async with running_sim("instant", served_model_names=[MODEL], faults=["delay:ms=400"]) as url, httpx.AsyncClient() as c:
         start = time.perf_counter()
         health = await c.get(f"{url}/health")
         health_s = time.perf_counter() - start
@@ -146,7 +146,7 @@ async def test_delay_holds_back_the_first_byte() -> None:
 async def test_error503_rate_is_deterministic_with_the_seed() -> None:
     async def statuses(seed: int) -> list[int]:
         async with (
-            running_sim("instant", faults=["error503:rate=0.5"], seed=seed) as url,
+            running_sim("instant", served_model_names=[MODEL], faults=["error503:rate=0.5"], seed=seed) as url,
             httpx.AsyncClient() as c,
         ):
             codes = []
@@ -171,7 +171,7 @@ async def test_error503_rate_is_deterministic_with_the_seed() -> None:
 
 async def test_error503_at_rate_one_still_serves_other_routes() -> None:
     async with (
-        running_sim("instant", faults=["error503:rate=1"]) as url,
+        running_sim("instant", served_model_names=[MODEL], faults=["error503:rate=1"]) as url,
         httpx.AsyncClient() as c,
     ):
         r = await stream_chat(c, url, chat_body("x"))
@@ -182,7 +182,7 @@ async def test_error503_at_rate_one_still_serves_other_routes() -> None:
 
 async def test_faults_at_a_rate_hit_only_some_requests() -> None:
     async with (
-        running_sim("instant", faults=["drop:after=1,rate=0.5"], seed=1) as url,
+        running_sim("instant", served_model_names=[MODEL], faults=["drop:after=1,rate=0.5"], seed=1) as url,
         httpx.AsyncClient() as c,
     ):
         outcomes = []

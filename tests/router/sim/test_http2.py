@@ -8,7 +8,7 @@ import pytest
 from firstbyte.protocol.sse import DONE, SSEDecoder
 from firstbyte.router.sim.server import running_sim
 from tests.router.conftest import client_tls
-from tests.router.sim.helpers import chat_body
+from tests.router.sim.helpers import MODEL, chat_body
 
 
 async def stream_events(client: httpx.AsyncClient, url: str) -> tuple[str, list[str]]:
@@ -24,7 +24,7 @@ async def test_http2_over_tls_negotiates_and_streams(tls_files: dict[str, str]) 
     certfile, keyfile = tls_files["certfile"], tls_files["keyfile"]
     context = client_tls(tls_files)
     async with (
-        running_sim("instant", certfile=certfile, keyfile=keyfile) as url,
+        running_sim("instant", served_model_names=[MODEL], certfile=certfile, keyfile=keyfile) as url,
         httpx.AsyncClient(http2=True, verify=context) as client,
     ):
         assert url.startswith("https://")
@@ -44,7 +44,7 @@ async def test_http2_over_tls_negotiates_and_streams(tls_files: dict[str, str]) 
 
 async def test_h2c_prior_knowledge_on_hypercorn() -> None:
     async with (
-        running_sim("instant", server="hypercorn") as url,
+        running_sim("instant", served_model_names=[MODEL], server="hypercorn") as url,
         httpx.AsyncClient(http1=False, http2=True) as client,
     ):
         version, data = await stream_events(client, url)
@@ -56,7 +56,7 @@ async def test_drop_over_http2_resets_only_that_stream(tls_files: dict[str, str]
     certfile, keyfile = tls_files["certfile"], tls_files["keyfile"]
     context = client_tls(tls_files)
     async with (
-        running_sim("instant", certfile=certfile, keyfile=keyfile, faults=["drop:after=2"]) as url,
+        running_sim("instant", served_model_names=[MODEL], certfile=certfile, keyfile=keyfile, faults=["drop:after=2"]) as url,
         httpx.AsyncClient(http2=True, verify=context) as client,
     ):
         with pytest.raises(httpx.RemoteProtocolError):

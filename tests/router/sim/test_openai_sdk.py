@@ -106,7 +106,7 @@ async def test_different_seed_different_text(client: openai.AsyncOpenAI) -> None
 
 
 async def test_sse_framing_is_openai_exact(sim_url: str) -> None:
-    body = {"model": "x", "messages": MESSAGES, "stream": True, "max_tokens": 3}
+    body = {"model": "sim-instant", "messages": MESSAGES, "stream": True, "max_tokens": 3}
     async with (
         httpx.AsyncClient() as c,
         c.stream("POST", f"{sim_url}/v1/chat/completions", json=body) as r,
@@ -126,5 +126,5 @@ async def test_sse_framing_is_openai_exact(sim_url: str) -> None:
     assert len(chunks) == 1 + 3 + 1  # role, three tokens, finish
     assert chunks[-1].choices[0].finish_reason == "length"
     assert len({c.id for c in chunks}) == 1
-    assert all(c.model == "x" and c.object == "chat.completion.chunk" for c in chunks)
+    assert all(c.model == "sim-instant" and c.object == "chat.completion.chunk" for c in chunks)
     assert b'"usage"' not in raw  # only when include_usage asks for it

@@ -10,14 +10,14 @@ import httpx
 import pytest
 
 from firstbyte.router.sim.server import running_sim
-from tests.router.sim.helpers import chat_body, stream_chat
+from tests.router.sim.helpers import MODEL, chat_body, stream_chat
 
-GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+GOOD: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
 async def url() -> AsyncIterator[str]:
-    async with running_sim("instant") as base:
+    async with running_sim("instant", served_model_names=[MODEL]) as base:
         yield base
 
 
@@ -113,16 +113,20 @@ async def test_unknown_route_and_wrong_method(url: str) -> None:
 
 
 async def test_client_gone_before_the_end_frees_the_slot() -> None:
-    async with running_sim("h100-7b", max_num_seqs=1) as url, httpx.AsyncClient() as c:
+    async with (
+        running_sim("h100-7b", served_model_names=[MODEL], max_num_seqs=1) as url,
+        httpx.AsyncClient() as c,
+    ):
         body = chat_body("long", max_tokens=200)
         async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             async for _ in response.aiter_raw():
                 break  # first bytes, then hang up
-        # The sequence was aborted (not run to its end), and the slot serves the next one.
+        # The sequence was aborted (not run to its end), and the slot serves the next one; the
+        # metrics are labelled with the served name, as vLLM's.
         r = await stream_chat(c, url, chat_body("next", max_tokens=2))
         assert r.done
         metrics = (await c.get(f"{url}/metrics")).text
         assert (
-            'vllm:request_success_total{model_name="sim-llama-7b",finished_reason="abort"} 1.0'
+            'vllm:request_success_total{model_name="sim",finished_reason="abort"} 1.0'
             in metrics
         )

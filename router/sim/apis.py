@@ -1,0 +1,290 @@
+"""The request bodies of the endpoints vLLM serves besides chat, decoded into one :class:`Job`.
+
+Each endpoint's body is a msgspec Struct holding only the fields the sim reads; unknown fields
+are accepted, as vLLM and OpenAI accept them. :func:`decode_job` turns a body into what the
+engine and the output need: the prompt's token ids, the output limit, whether to stream, and
+the bytes the deterministic output is seeded from. An invalid body raises
+:class:`~firstbyte.protocol.openai.RequestValidationError` naming the field (``param``).
+
+- ``/v1/completions`` (OpenAI legacy completions): ``prompt`` is a string, a list of one
+  string, or a list of token ids; tokenized without a chat template. ``max_tokens`` defaults
+  to 16, as OpenAI's and vLLM's.
+- ``/v1/responses``: ``input`` is a string or a list of message items (``{"role", "content"}``
+  with a string or ``input_text`` / ``output_text`` parts); ``instructions`` is a leading
+  system message. Chat-templated like chat.
+- ``/v1/embeddings``: ``input`` is a string, a list of strings, or token ids (one list or a
+  list of lists); ``encoding_format`` ``float`` (default) or ``base64``; ``dimensions``.
+- ``/v1/messages`` (Anthropic): ``max_tokens`` is required; ``system`` (a string or text
+  blocks) and ``messages`` with string or text-block content, chat-templated as vLLM's
+  Anthropic endpoint does (it converts to a chat request).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from firstbyte.protocol.openai import Message, RequestValidationError, StreamOptions
+from firstbyte.router.sim.tokens import prompt_tokens, tokenize
+
+__all__ = ["EMBEDDING_DIMENSIONS", "Api", "Job", "decode_job"]
+
+EMBEDDING_DIMENSIONS = 384
+"""Length of an embedding vector unless the request asks for fewer ``dimensions``."""
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class Api(Enum):
+    """The endpoints, by the wire format they answer in."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    RESPONSES = "responses"
+    EMBEDDINGS = "embeddings"
+    MESSAGES = "messages"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request as the engine and the output see it, whatever the endpoint."""
+
+    api: Api
+    model: str
+    prompt: list[int]
+    """Token ids of the (templated) prompt: its prefill cost and prefix-cache keys."""
+    output_limit: int | None
+    """The request's output cap (None: the default); unused for embeddings."""
+    stream: bool
+    include_usage: bool
+    seed: int | None
+    text_key: bytes
+    """What the deterministic output (text or vector) is drawn from."""
+    instructions: str | None = None
+    """``/v1/responses``: echoed in the response object."""
+    encoding_format: str = "float"
+    dimensions: int = EMBEDDING_DIMENSIONS
+    input_keys: tuple[bytes, ...] = ()
+    """``/v1/embeddings``: one key per input, each vector drawn from its own."""
+
+
+class _Completions(msgspec.Struct):
+    model: NonEmptyStr
+    prompt: str | list[str | int]
+    """A string, one string in a list, or token ids (msgspec takes one array type per union:
+    the list's items are checked below)."""
+    max_tokens: PosInt | None = 16
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    n: Literal[1] | None = None
+    echo: Literal[False] | None = None
+
+
+class _TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class _InputItem(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+    type: Literal["message"] | None = None
+
+
+class _Responses(msgspec.Struct):
+    model: NonEmptyStr
+    input: str | list[_InputItem]
+    instructions: str | None = None
+    max_output_tokens: PosInt | None = None
+    stream: bool = False
+    seed: int | None = None
+
+
+class _Embeddings(msgspec.Struct):
+    model: NonEmptyStr
+    input: str | list[str | int | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=EMBEDDING_DIMENSIONS)] | None = None
+
+
+class _AnthropicMessage(msgspec.Struct):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[_TextPart]
+
+
+class _Messages(msgspec.Struct):
+    model: NonEmptyStr
+    max_tokens: PosInt
+    messages: Annotated[list[_AnthropicMessage], msgspec.Meta(min_length=1)]
+    system: str | list[_TextPart] | None = None
+    stream: bool = False
+
+
+_DECODERS: dict[Api, msgspec.json.Decoder[Any]] = {
+    Api.COMPLETIONS: msgspec.json.Decoder(_Completions),
+    Api.RESPONSES: msgspec.json.Decoder(_Responses),
+    Api.EMBEDDINGS: msgspec.json.Decoder(_Embeddings),
+    Api.MESSAGES: msgspec.json.Decoder(_Messages),
+}
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def decode_job(api: Api, body: bytes) -> Job:
+    """The job a body for ``api`` (not chat) asks for; :class:`RequestValidationError` if it
+    is invalid."""
+    request = _decode(_DECODERS[api], body)
+    if isinstance(request, _Completions):
+        return _completions(request)
+    if isinstance(request, _Responses):
+        return _responses(request)
+    if isinstance(request, _Embeddings):
+        return _embeddings(request)
+    assert isinstance(request, _Messages)
+    return _messages(request)
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        if match is None:
+            raise RequestValidationError(text) from None
+        param = match.group("path").lstrip(".") or None
+        message = text[: match.start()]
+        if param is not None:
+            message = f"Invalid value for '{param}': {message}"
+        raise RequestValidationError(message, param) from None
+    except msgspec.DecodeError as exc:
+        raise RequestValidationError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestValidationError("The request body is nested too deeply.") from None
+
+
+def _completions(request: _Completions) -> Job:
+    prompt: str | list[str | int] = request.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise RequestValidationError(
+                "The sim answers one prompt per request; send a string.", "prompt"
+            )
+        prompt = str(prompt[0])
+    if isinstance(prompt, str):
+        ids = tokenize(prompt)
+        key = prompt.encode()
+    elif all(isinstance(i, int) for i in prompt):
+        ids = [int(i) for i in prompt]
+        key = msgspec.json.encode(ids)
+    else:
+        raise RequestValidationError(
+            "Invalid value for 'prompt': a string, a list of strings or a list of token ids",
+            "prompt",
+        )
+    if not ids:
+        raise RequestValidationError("The prompt is empty.", "prompt")
+    options = request.stream_options
+    return Job(
+        api=Api.COMPLETIONS,
+        model=request.model,
+        prompt=ids,
+        output_limit=request.max_tokens,
+        stream=request.stream,
+        include_usage=request.stream and options is not None and options.include_usage,
+        seed=request.seed,
+        text_key=key,
+    )
+
+
+def _text(content: str | list[_TextPart]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content if part.type in _TEXT_TYPES)
+
+
+_TEXT_TYPES = ("text", "input_text", "output_text")
+
+
+def _responses(request: _Responses) -> Job:
+    messages: list[Message] = []
+    if request.instructions:
+        messages.append(Message(role="system", content=request.instructions))
+    if isinstance(request.input, str):
+        messages.append(Message(role="user", content=request.input))
+    else:
+        messages += [Message(role=item.role, content=_text(item.content)) for item in request.input]
+    if len(messages) == 0:
+        raise RequestValidationError("The input is empty.", "input")
+    return Job(
+        api=Api.RESPONSES,
+        model=request.model,
+        prompt=prompt_tokens(messages),
+        output_limit=request.max_output_tokens,
+        stream=request.stream,
+        include_usage=True,
+        seed=request.seed,
+        text_key=msgspec.json.encode(messages),
+        instructions=request.instructions,
+    )
+
+
+def _embeddings(request: _Embeddings) -> Job:
+    data = request.input
+    texts: list[str | list[int]]
+    if isinstance(data, str):
+        texts = [data]
+    elif all(isinstance(i, int) for i in data):
+        texts = [[int(i) for i in data]]  # type: ignore[arg-type]  # one prompt as token ids
+    elif all(isinstance(i, str) for i in data) or all(isinstance(i, list) for i in data):
+        texts = list(data)  # type: ignore[arg-type]
+    else:
+        raise RequestValidationError(
+            "Invalid value for 'input': a string, a list of strings, or token ids", "input"
+        )
+    if not texts or any(len(t) == 0 for t in texts):
+        raise RequestValidationError("The input is empty.", "input")
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenize(text) if isinstance(text, str) else text
+    return Job(
+        api=Api.EMBEDDINGS,
+        model=request.model,
+        prompt=ids,
+        output_limit=None,
+        stream=False,
+        include_usage=False,
+        seed=None,
+        text_key=msgspec.json.encode(texts),
+        encoding_format=request.encoding_format,
+        dimensions=request.dimensions or EMBEDDING_DIMENSIONS,
+        input_keys=tuple(msgspec.json.encode(t) for t in texts),
+    )
+
+
+def _messages(request: _Messages) -> Job:
+    messages: list[Message] = []
+    system = "" if request.system is None else _text(request.system)
+    system += "".join(_text(m.content) for m in request.messages if m.role == "system")
+    if system:
+        messages.append(Message(role="system", content=system))
+    messages += [
+        Message(role=m.role, content=_text(m.content))
+        for m in request.messages
+        if m.role != "system"
+    ]
+    return Job(
+        api=Api.MESSAGES,
+        model=request.model,
+        prompt=prompt_tokens(messages),
+        output_limit=request.max_tokens,
+        stream=request.stream,
+        include_usage=True,
+        seed=None,
+        text_key=msgspec.json.encode(messages),
+    )
