@@ -26,7 +26,9 @@ from .ws import Endpoint
 
 __all__ = [
     "COMPLETION_EVENTS",
+    "MESSAGE_CONTENT_DELTAS",
     "MESSAGE_EVENTS",
+    "RESPONSE_CONTENT",
     "RESPONSE_EVENTS",
     "CompletionChoice",
     "CompletionChunk",
@@ -252,7 +254,8 @@ class _Completions(EventFormat[CompletionChunk]):
         return event.usage.usage() if event.usage is not None else None
 
 
-_RESPONSE_CONTENT = frozenset(name.decode() for name in responses.CONTENT_EVENTS)
+RESPONSE_CONTENT = frozenset(name.decode() for name in responses.CONTENT_EVENTS)
+"""The Responses event types that carry output (the codec's)."""
 _RESPONSE_ENDS = frozenset(name.decode() for name in responses.ENDS)
 _TEXT_DELTA = "response.output_text.delta"
 
@@ -267,7 +270,7 @@ class _Responses(EventFormat[ResponseEvent]):
         return delta if event.type == _TEXT_DELTA and isinstance(delta, str) else ""
 
     def is_content(self, event: ResponseEvent) -> bool:
-        return event.type in _RESPONSE_CONTENT and bool(event.delta)
+        return event.type in RESPONSE_CONTENT and bool(event.delta)
 
     def ends(self, event: ResponseEvent) -> bool:
         return event.type in self.terminal
@@ -287,7 +290,8 @@ class _Responses(EventFormat[ResponseEvent]):
 
 
 _MESSAGE_ENDS = frozenset(name.decode() for name in anthropic.ENDS)
-_CONTENT_DELTAS = frozenset({"text_delta", "input_json_delta"})
+MESSAGE_CONTENT_DELTAS = frozenset({"text_delta", "input_json_delta"})
+"""The ``content_block_delta`` delta types that carry output (as the codec reads them)."""
 
 
 class _Messages(EventFormat[MessageEvent]):
@@ -306,7 +310,7 @@ class _Messages(EventFormat[MessageEvent]):
         return (
             event.type == "content_block_delta"
             and delta is not None
-            and delta.type in _CONTENT_DELTAS
+            and delta.type in MESSAGE_CONTENT_DELTAS
             and bool(delta.text or delta.partial_json)
         )
 

@@ -23,6 +23,7 @@ import {
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
 import { TimingsReporter } from "./report.js";
+import { EventAssembler, STREAMED } from "./formats.js";
 
 export {
   APIError, FirstbyteError, StreamBrokenError, StreamStalledError, SequenceGapError,
@@ -156,16 +157,37 @@ export class Client {
     const body = { stream_options: { include_usage: true }, ...request, stream: true };
     return new ChatStream(this, body, { onFirstToken, into });
   }
+
+  /**
+   * Stream a request of another format: `"completions"`, `"responses"` (OpenAI's Responses)
+   * or `"messages"` (Anthropic's), read by formats.js. Iterating yields
+   * `{event, type, text, isContent, seq}` per event the upstream sent; `text`, `usage`
+   * (`{input_tokens, output_tokens}`), `timings`, resume and retries as for chat. Over
+   * EventSource only completions (its `onmessage` never sees named events).
+   */
+  streamEvents(format, request, { onFirstToken = null, into = null } = {}) {
+    if (!(format in STREAMED)) {
+      throw new TypeError(`format must be one of ${Object.keys(STREAMED).join(", ")}`);
+    }
+    if (this.transport === "eventsource" && STREAMED[format].TERMINAL.length) {
+      throw new TypeError(`EventSource cannot read ${format} events; use sse-fetch`);
+    }
+    const usage = format === "completions" ? { stream_options: { include_usage: true } } : {};
+    const body = { ...usage, ...request, stream: true };
+    return new ChatStream(this, body, { onFirstToken, into, format });
+  }
 }
 
 export class ChatStream {
-  constructor(client, body, { onFirstToken, into }) {
+  constructor(client, body, { onFirstToken, into, format = null }) {
     this.client = client;
     this.body = JSON.stringify(body);
     this.onFirstToken = onFirstToken;
     this.into = into;
+    /** null (chat) or a formats.js format name: its path, assembler and `endpoint`. */
+    this.format = format;
     this.recorder = new TimingRecorder(client.transport);
-    this.assembler = new StreamAssembler();
+    this.assembler = this.newAssembler();
     this.policy = new ResumePolicy({
       maxResumes: client.maxResumes, backoffS: client.resumeBackoffS,
       stallRetries: client.stallRetries, idleTimeoutS: client.idleTimeoutS,
@@ -279,7 +301,7 @@ export class ChatStream {
     if (wait === null) return false;
     this.channel.close();
     if (wait) await new Promise((r) => setTimeout(r, wait * 1000));
-    this.assembler = new StreamAssembler();
+    this.assembler = this.newAssembler();
     this.streamId = null;
     this.finished = false;
     this.channel = this.#open(null, 0);
@@ -296,6 +318,20 @@ export class ChatStream {
   }
 
   // -- helpers the transports share --------------------------------------------------------
+  newAssembler() {
+    return this.format ? new EventAssembler(this.format) : new StreamAssembler();
+  }
+
+  /** The path a new stream is POSTed to over SSE. */
+  get path() {
+    return this.format ? STREAMED[this.format].PATH : PATHS.CHAT_COMPLETIONS;
+  }
+
+  /** `endpoint=NAME` for POST /v1/streams (long-poll, EventSource), "" for chat. */
+  get endpointParam() {
+    return this.format ? `endpoint=${this.format}` : "";
+  }
+
   headers(extra = {}) {
     return { authorization: `Bearer ${this.client.token}`, ...extra };
   }
@@ -326,7 +362,7 @@ export class ChatStream {
 async function sseFetch(stream, channel, streamId, after) {
   const client = stream.client;
   const response = streamId === null
-    ? await stream.start(client.url(PATHS.CHAT_COMPLETIONS), channel)
+    ? await stream.start(client.url(stream.path), channel)
     : await stream.fetch(client.url(`${PATHS.STREAMS}/${streamId}`), {
       headers: stream.headers({ "last-event-id": String(after), accept: "text/event-stream" }),
     }, channel);
@@ -356,7 +392,8 @@ async function sseFetch(stream, channel, streamId, after) {
 async function eventSource(stream, channel, streamId, after) {
   const client = stream.client;
   if (streamId === null) {
-    const started = await (await stream.start(client.url(PATHS.STREAMS), channel)).json();
+    const query = stream.endpointParam ? `?${stream.endpointParam}` : "";
+    const started = await (await stream.start(client.url(PATHS.STREAMS) + query, channel)).json();
     streamId = started.stream;
   }
   channel.push({ opened: streamId });
@@ -413,7 +450,7 @@ async function webSocket(stream, channel, streamId, after) {
   const send = () => {
     stream.recorder.requestSent();
     socket.send(streamId === null
-      ? `{"type":"${WS.REQUEST}","body":${stream.body}}`
+      ? `{"type":"${WS.REQUEST}",${stream.format ? `"endpoint":"${stream.format}",` : ""}"body":${stream.body}}`
       : JSON.stringify({ type: WS.RESUME, stream: streamId, after }));
   };
   stream.recorder.record.warm = reused;
@@ -448,7 +485,8 @@ async function longPoll(stream, channel, streamId, after) {
   const client = stream.client;
   let batch;
   if (streamId === null) {
-    const url = `${client.url(PATHS.STREAMS)}?wait=${client.pollWaitS}`;
+    const extra = stream.endpointParam ? `&${stream.endpointParam}` : "";
+    const url = `${client.url(PATHS.STREAMS)}?wait=${client.pollWaitS}${extra}`;
     batch = await (await stream.start(url, channel)).json();
     streamId = batch.stream;
   }
