@@ -450,11 +450,30 @@ class AsyncClient:
 
         Over HTTP (HTTP/1.1 with the WebSocket transport), on the pooled connections. A region
         that cannot take it (unreachable, ``429``, ``502``-``504``) is set aside and the next
-        one tried, as for a stream that has not started."""
+        one tried, as for a stream that has not started; when every region refused with
+        ``429`` or ``503``, the request is sent again after the ``Retry-After`` within
+        ``retries`` and ``retry_budget_s``, as a stream's first request is."""
         self.pool.touch()
         data = msgspec.json.encode(body)
         headers = {**self.headers, "content-type": "application/json",
                    "accept": "application/json"}
+        retry = RetryBudget(self.retries, self.retry_budget_s)
+        while True:
+            refused = await self._post_once(path, data, headers)
+            if isinstance(refused, bytes):
+                return refused
+            wait = None
+            if isinstance(refused, APIError) and refused.status in RETRY_STATUSES:
+                wait = retry.delay(getattr(refused, "retry_after", None))
+            if wait is None:
+                raise refused
+            await asyncio.sleep(wait)
+
+    async def _post_once(
+        self, path: str, data: bytes, headers: dict[str, str]
+    ) -> bytes | FirstbyteError:
+        """One pass over the regions, best first: the first answer's body, or the last
+        refusal (every region refused or was unreachable). Raises any other error."""
         refused: FirstbyteError | None = None
         for index in self._plan():
             name, origin = self.regions.regions[index].name, self.origins[index]
@@ -479,7 +498,7 @@ class AsyncClient:
             self.regions.failed(name, time.monotonic(), retry_after)
             refused = error
         assert refused is not None
-        raise refused
+        return refused
 
     def _source(
         self, body: bytes | None, stream_id: str | None, after: int, recorder: TimingRecorder,

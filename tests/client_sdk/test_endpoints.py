@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from firstbyte.client_sdk.client import AsyncClient, EventStream
-from firstbyte.client_sdk.errors import BadRequestError, NotFoundError
+from firstbyte.client_sdk.errors import BadRequestError, NotFoundError, RateLimitError
 from firstbyte.client_sdk.sync import Client
 from firstbyte.protocol.events import CompletionChunk, MessageEvent, ResponseEvent
 from tests.client_sdk.conftest import Stack
@@ -158,7 +159,7 @@ async def test_an_unreachable_region_fails_over_to_the_next(formats: Stack, fmt:
 
 
 @contextlib.asynccontextmanager
-async def saturated_region() -> AsyncIterator[tuple[str, list[bytes]]]:
+async def saturated_region(retry_after: int = 2) -> AsyncIterator[tuple[str, list[bytes]]]:
     """A plain-HTTP/1.1 server answering every request 429 with Retry-After (a region that
     cannot take it); yields its base URL and the request lines it got."""
     lines: list[bytes] = []
@@ -175,7 +176,8 @@ async def saturated_region() -> AsyncIterator[tuple[str, list[bytes]]]:
             body = (b'{"error": {"message": "saturated", "type": "rate_limit",'
                     b' "param": null, "code": "region_saturated"}}')
             writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-                         b"retry-after: 2\r\ncontent-length: " + str(len(body)).encode()
+                         b"retry-after: " + str(retry_after).encode() + b"\r\ncontent-length: "
+                         + str(len(body)).encode()
                          + b"\r\n\r\n" + body)
             await writer.drain()
         writer.close()
@@ -202,6 +204,21 @@ async def test_a_429_region_passes_the_request_to_the_next(formats: Stack, fmt: 
     assert stream.timings.region == "sdk-formats"
     assert lines == [f"POST /v1/{fmt} HTTP/1.1".encode()]
     assert again.output_text == await reference(stack, "responses", 2)
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_create_sends_a_refused_request_again_after_retry_after(retries: int) -> None:
+    async with saturated_region(retry_after=1) as (busy, lines), AsyncClient(
+        busy, ROUTER_KEY, http="1.1", retries=retries, retry_budget_s=5
+    ) as client:
+        started = time.monotonic()
+        with pytest.raises(RateLimitError) as refused:
+            await client.messages.create(**body_for("messages", 2))
+        elapsed = time.monotonic() - started
+    assert refused.value.code == "region_saturated"
+    assert lines == [b"POST /v1/messages HTTP/1.1"] * (1 + retries)
+    if retries:
+        assert elapsed >= 1.0  # not sooner than the server's Retry-After
 
 
 async def test_create_answers_each_format_typed(formats: Stack) -> None:
