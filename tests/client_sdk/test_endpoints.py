@@ -22,7 +22,7 @@ from firstbyte.client_sdk.errors import BadRequestError, NotFoundError, RateLimi
 from firstbyte.client_sdk.sync import Client
 from firstbyte.protocol.events import CompletionChunk, MessageEvent, ResponseEvent
 from tests.client_sdk.conftest import Stack
-from tests.client_sdk.cutproxy import TcpCutProxy
+from tests.client_sdk.cutproxy import TcpCutProxy, UdpCutProxy
 from tests.client_sdk.formats_stack import (
     MODEL,
     ROUTER_KEY,
@@ -141,6 +141,24 @@ async def test_a_cut_mid_stream_resumes_with_nothing_lost_or_repeated(
     if transport != "longpoll":
         # Long-poll retries a failed poll from its cursor without a stream-level resume.
         assert stream.timings.resumes >= 1
+
+
+@pytest.mark.parametrize("fmt", ["responses", "messages"])
+async def test_a_quic_path_going_silent_resumes_on_a_new_connection(
+    tls_files: tuple[str, str, str], fmt: str
+) -> None:
+    async with start_formats_stack(tls_files) as stack:
+        expected = await reference(stack, fmt, TOKENS)
+        async with UdpCutProxy(stack.port, cut_after=CUT_AFTER) as proxy, AsyncClient(
+            stack.url_via(proxy.port), ROUTER_KEY, http="3", ca_file=stack.ca_file,
+            idle_timeout_s=1.0,
+        ) as client:
+            stream = open_stream(client, fmt, TOKENS)
+            events = await read(stream)
+    assert proxy.cuts_done == 1
+    check_events(fmt, stream, events, expected)
+    assert stream.timings.resumes == 1
+    assert stream.timings.http_version == "HTTP/3"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
