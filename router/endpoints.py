@@ -273,6 +273,7 @@ async def completion(
         return
     # place() made room in the store (nothing awaited since): no eviction here.
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    stream.format = codec.name  # before its metadata is written (queued, not yet sent)
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
@@ -360,6 +361,7 @@ async def start_detached_stream(
         return
     assert isinstance(wait, float)
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    stream.format = ctx.codec.name  # a lost producer's end comes in this format
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)

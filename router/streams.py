@@ -110,6 +110,9 @@ class Stream:
     subject: str | None = None
     """The subject (an app's end user) it was made for: a client token of another subject
     of the same key cannot read it (:meth:`RouterState.find_stream`)."""
+    format: str = "chat"
+    """Its wire format (a codec's name, :data:`firstbyte.protocol.formats.BY_NAME`): the
+    shape of the error event a reader elsewhere ends it with if its producer dies."""
     events: list[StreamEvent] = field(default_factory=list)
     finished_at: float | None = None
     size_bytes: int = 0

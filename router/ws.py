@@ -157,6 +157,7 @@ class _Session:
         stream = ctx.stream = self.state.new_stream(
             ctx.owner, ctx.release_key_slot, ctx.subject
         )
+        stream.format = ctx.codec.name  # a lost producer's end comes in this format
         self.state.client_latency.stream_started(
             ctx.owner, ctx.region or self.state.region, self.state.clock()
         )

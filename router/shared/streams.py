@@ -47,7 +47,8 @@ from redis.asyncio import ConnectionPool
 from redis.exceptions import ResponseError
 
 from firstbyte.protocol import error_codes
-from firstbyte.protocol.openai import encode, error_body
+from firstbyte.protocol.codec import CHAT
+from firstbyte.protocol.formats import BY_NAME
 
 from ..hosting.limits import Throttle
 from ..streams import HistoryTrimmed, Stream, StreamEvent
@@ -91,15 +92,14 @@ return seq + 2
 """
 
 
-def lost_event() -> bytes:
-    """The error event a reader gets when its stream's producer died mid-stream."""
-    return encode(
-        error_body(
-            "The router process producing this stream stopped before it finished;"
-            " the events before this one are all there is.",
-            "server_error",
-            code=error_codes.STREAM_LOST,
-        )
+def lost_event(format: str = "chat") -> bytes:
+    """The error event a reader gets when its stream's producer died mid-stream, in the
+    stream's wire format (OpenAI's error body for chat and completions)."""
+    return BY_NAME.get(format, CHAT).error_event(
+        "The router process producing this stream stopped before it finished;"
+        " the events before this one are all there is.",
+        "server_error",
+        code=error_codes.STREAM_LOST,
     )
 
 
@@ -129,6 +129,8 @@ class RemoteStream:
         self.upstream_ttft_ms = ttft_ms
         self.subject: str | None = None
         """The subject it was made for (``subj`` in its metadata)."""
+        self.format = "chat"
+        """Its wire format (``fmt`` in its metadata, written for formats other than chat)."""
         self.events: list[StreamEvent] = []
         self.cursor = 0
         """The last sequence number read from Redis."""
@@ -299,6 +301,7 @@ class SharedStreams:
         process = meta.get(b"proc", b"").decode()
         remote = RemoteStream(self, stream_id, process, None if ttft is None else float(ttft))
         remote.subject = meta.get(b"subj", b"").decode() or None
+        remote.format = meta.get(b"fmt", b"chat").decode()
         return remote
 
     async def read_now(self, remote: RemoteStream) -> list[Any]:
@@ -330,7 +333,7 @@ class SharedStreams:
                 return
             declared = await self._declare_lost(
                 keys=[self.keys.events(remote.id), self.keys.lease(remote.process)],
-                args=[lost_event(), self.max_age_ms],
+                args=[lost_event(remote.format), self.max_age_ms],
             )
         except Exception as exc:
             raise StateUnavailable(f"producer check: {describe(exc)}") from exc
@@ -455,9 +458,12 @@ class _Writer:
             if event is None:
                 meta = _bulk(keys.meta(stream.id).encode())
                 subject = b"" if stream.subject is None else stream.subject.encode()
-                parts += (b"*8\r\n$4\r\nHSET\r\n", meta, b"$5\r\nowner\r\n", _bulk(stream.owner),
+                chat = stream.format == "chat"  # chat's metadata as before: no fmt field
+                parts += (b"*8\r\n$4\r\nHSET\r\n" if chat else b"*10\r\n$4\r\nHSET\r\n",
+                          meta, b"$5\r\nowner\r\n", _bulk(stream.owner),
                           b"$4\r\nproc\r\n", _bulk(self._process),
                           b"$4\r\nsubj\r\n", _bulk(subject),
+                          *(() if chat else (b"$3\r\nfmt\r\n", _bulk(stream.format.encode()))),
                           b"*3\r\n$7\r\nPEXPIRE\r\n", meta, max_age)
                 producers += (None, None)
                 continue

@@ -234,8 +234,18 @@ class FormatsUpstream:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         content = 0
+        gone = asyncio.Event()
+
+        async def listen() -> None:  # the router closed the connection: stop generating
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        listener = asyncio.create_task(listen())
         with contextlib.suppress(OSError):
             for event in _STREAMS[path](words, request):
+                if gone.is_set():
+                    break
                 if event[:1] == CONTENT:
                     event = event[1:]
                     content += 1
@@ -247,7 +257,8 @@ class FormatsUpstream:
                         await asyncio.sleep(self.gap_s)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self.completed += 1
+            self.completed += not gone.is_set()
+        listener.cancel()
 
 
 async def _reply(send: Any, status: int, obj: Any, raw: bytes | None = None) -> None:

@@ -9,13 +9,17 @@ JSON.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.headers import STREAM_HEADER
 from firstbyte.protocol.sse import SSEDecoder
 from tests.router.conftest import auth, client_tls
@@ -109,3 +113,40 @@ async def test_responses_stream_resumes_over_websocket_on_another_process(
     assert "".join(d.get("delta", "") for d in data if d["type"].endswith("text.delta")) == (
         " ".join(f"w{i}" for i in range(WORDS))
     )
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+async def test_a_killed_producer_ends_a_named_stream_with_its_own_error_event(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+    path: str,
+) -> None:
+    """Router A dies mid-stream (SIGKILL); a reader on B gets what A produced, then the
+    format's own ``event: error`` with ``stream_lost`` (which the anthropic SDK raises), and
+    no ``[DONE]``."""
+    body = {"model": "test-model", "stream": True, "max_tokens": 400, "max_output_tokens": 400,
+            "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix=f"fb-lost{path[4:]}:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        first = b""
+        async with client.stream("POST", a.url + path, json=body, headers=auth()) as response:
+            stream_id = response.headers[STREAM_HEADER]
+            async for piece in response.aiter_raw():
+                first += piece
+                if first.count(b"delta") >= 6:
+                    break
+        before = _events(first[: first.rindex(b"\n\n") + 2])
+        os.killpg(a.process.pid, signal.SIGKILL)
+        resumed = await client.get(
+            f"{b.url}/v1/streams/{stream_id}",
+            headers={**auth(), "last-event-id": str(before[-1][0])},
+        )
+    assert resumed.status_code == 200
+    assert b"[DONE]" not in resumed.content
+    after = _events(resumed.content)
+    _, name, data = after[-1]
+    assert name == "error"
+    code = data["error"]["code"] if path == "/v1/messages" else data["code"]
+    assert code == error_codes.STREAM_LOST
+    seqs = [s for s, _, _ in before + after]
+    assert seqs == list(range(1, len(seqs) + 1))

@@ -8,16 +8,24 @@ the body's format (default chat): the router sends it to that format's path upst
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError
 
+from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.protocol import error_codes
+from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.serve import RouterEndpoints
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.formats_upstream import FormatsUpstream, running_formats_upstream
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
+from tests.router.test_shared_state import running_pair
 
 MESSAGES_BODY = {"model": "test-model", "max_tokens": 3,
                  "messages": [{"role": "user", "content": "hi"}]}
@@ -101,3 +109,24 @@ async def test_websocket_starts_a_stream_in_the_named_format(
     assert refused["type"] == "error"
     assert closed.value.rcvd is not None
     assert closed.value.rcvd.code == 1007
+
+
+async def test_a_killed_producer_ends_a_longpoll_started_stream_in_its_format(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+) -> None:
+    """A Messages stream started with ``POST /v1/streams?endpoint=messages`` on router A,
+    A killed mid-stream: a reader on B gets Anthropic's ``event: error`` with
+    ``stream_lost``, as for a stream started on ``/v1/messages``."""
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-lost-longpoll:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        started = await client.post(a.url + "/v1/streams?endpoint=messages&wait=5",
+                                    json={**MESSAGES_BODY, "max_tokens": 400}, headers=auth())
+        assert started.status_code == 201
+        stream_id = started.json()["stream"]
+        os.killpg(a.process.pid, signal.SIGKILL)
+        resumed = await client.get(f"{b.url}/v1/streams/{stream_id}", headers=auth())
+    assert resumed.status_code == 200
+    events = SSEDecoder().receive_data(resumed.content)
+    assert events[-1].event == "error"
+    assert json.loads(events[-1].data)["error"]["code"] == error_codes.STREAM_LOST
