@@ -180,8 +180,7 @@ class _Stream(Generic[T]):
 
     async def __anext__(self) -> T:
         if self._pump_task is None:
-            raise RuntimeError("use 'async with client.stream(...) as stream' (or a typed"
-                               " call's stream) before iterating")
+            raise RuntimeError("use 'async with client.stream(...) as stream' before iterating")
         assembler = self._assembler
         while not self._finished:
             try:
@@ -292,9 +291,8 @@ class _Stream(Generic[T]):
         self._pump_task = task  # keep "started" for __anext__'s check
 
     def _take(self) -> T | None:
-        """The next item (a delta or a typed event) from the current batch, or None once the
-        batch is used up or the stream is done (``_assembler.done``). Raises what the
-        assembler raises."""
+        """The next delta from the current batch, or None once the batch is used up or the
+        stream is done (``_assembler.done``). Raises what the assembler raises."""
         batch, i = self._batch, self._at
         receive = self._assembler.receive
         while i < len(batch):
