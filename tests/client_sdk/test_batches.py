@@ -14,8 +14,7 @@ import contextlib
 import msgspec
 import pytest
 
-from firstbyte.client_sdk.client import AsyncClient
-from firstbyte.client_sdk.streams import _ReadAhead
+from firstbyte.client_sdk.client import AsyncClient, _ReadAhead
 from firstbyte.client_sdk.transports.base import Event, Opened
 
 WORDS = [f" w{i}" for i in range(1, 13)]

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from firstbyte.client_sdk import streams as streams_module
+from firstbyte.client_sdk import client as client_module
 from firstbyte.client_sdk.client import AsyncClient
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 from tests.client_sdk.test_client import MESSAGES, reference_text
@@ -19,7 +19,7 @@ TOKENS = 256  # the sim's longest natural answer; this seed's is ~110 tokens, we
 async def test_read_ahead_is_bounded_for_a_slow_consumer(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(streams_module, "_QUEUE_ITEMS", BOUND)
+    monkeypatch.setattr(client_module, "_QUEUE_ITEMS", BOUND)
     expected = await reference_text(stack, TOKENS)
     assert len(expected.split()) > 2 * BOUND
     client = AsyncClient(stack.base_url, ROUTER_KEY, ca_file=stack.ca_file)
