@@ -754,8 +754,9 @@ class _Stream(Generic[T]):
         self._pump_task = task  # keep "started" for __anext__'s check
 
     def _take(self) -> T | None:
-        """The next delta from the current batch, or None once the batch is used up or the
-        stream is done (``_assembler.done``). Raises what the assembler raises."""
+        """The next item (a delta or a typed event) from the current batch, or None once the
+        batch is used up or the stream is done (``_assembler.done``). Raises what the
+        assembler raises."""
         batch, i = self._batch, self._at
         receive = self._assembler.receive
         while i < len(batch):

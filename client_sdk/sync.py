@@ -18,6 +18,8 @@ from typing import Any, Generic, TypeVar
 from firstbyte.client_sdk._core.stream import StreamDelta
 from firstbyte.client_sdk.client import AsyncClient, ChatStream, EventStream
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.protocol import codec
+from firstbyte.protocol.openai import Usage
 
 __all__ = ["Client", "SyncChatStream", "SyncStream"]
 
@@ -146,7 +148,7 @@ class SyncStream(Generic[T]):
         return self._stream.timings
 
     @property
-    def usage(self) -> Any:
+    def usage(self) -> Usage | codec.Usage | None:
         """The stream's usage (chat: OpenAI's; other formats: input and output tokens)."""
         return self._stream.usage
 
