@@ -17,13 +17,13 @@
 
 import { HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
+import { EventAssembler, STREAMED } from "./formats.js";
 import {
   APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, SequenceGapError,
   StreamAssembler, StreamBrokenError,
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
 import { TimingsReporter } from "./report.js";
-import { EventAssembler, STREAMED } from "./formats.js";
 
 export {
   APIError, FirstbyteError, StreamBrokenError, StreamStalledError, SequenceGapError,
@@ -322,14 +322,17 @@ export class ChatStream {
     return this.format ? new EventAssembler(this.format) : new StreamAssembler();
   }
 
-  /** The path a new stream is POSTed to over SSE. */
-  get path() {
-    return this.format ? STREAMED[this.format].PATH : PATHS.CHAT_COMPLETIONS;
-  }
-
-  /** `endpoint=NAME` for POST /v1/streams (long-poll, EventSource), "" for chat. */
-  get endpointParam() {
-    return this.format ? `endpoint=${this.format}` : "";
+  /** A chat stream's start URL made this stream's format's: the format's path in place of
+   * chat completions' (SSE), or `endpoint=NAME` on `POST /v1/streams` (long-poll,
+   * EventSource). Unchanged for chat. */
+  formatUrl(href) {
+    if (!this.format) return href;
+    const url = new URL(href);
+    const chat = new URL(this.client.url(PATHS.CHAT_COMPLETIONS));
+    if (url.pathname === chat.pathname) {
+      url.pathname = new URL(this.client.url(STREAMED[this.format].PATH)).pathname;
+    } else url.searchParams.set("endpoint", this.format);
+    return url.href;
   }
 
   headers(extra = {}) {
@@ -350,7 +353,7 @@ export class ChatStream {
 
   /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others). */
   start(url, channel) {
-    return this.fetch(url, {
+    return this.fetch(this.formatUrl(url), {
       method: "POST", body: this.body,
       headers: this.headers({ "content-type": "application/json" }),
     }, channel);
@@ -362,7 +365,7 @@ export class ChatStream {
 async function sseFetch(stream, channel, streamId, after) {
   const client = stream.client;
   const response = streamId === null
-    ? await stream.start(client.url(stream.path), channel)
+    ? await stream.start(client.url(PATHS.CHAT_COMPLETIONS), channel)
     : await stream.fetch(client.url(`${PATHS.STREAMS}/${streamId}`), {
       headers: stream.headers({ "last-event-id": String(after), accept: "text/event-stream" }),
     }, channel);
@@ -392,8 +395,7 @@ async function sseFetch(stream, channel, streamId, after) {
 async function eventSource(stream, channel, streamId, after) {
   const client = stream.client;
   if (streamId === null) {
-    const query = stream.endpointParam ? `?${stream.endpointParam}` : "";
-    const started = await (await stream.start(client.url(PATHS.STREAMS) + query, channel)).json();
+    const started = await (await stream.start(client.url(PATHS.STREAMS), channel)).json();
     streamId = started.stream;
   }
   channel.push({ opened: streamId });
@@ -485,8 +487,7 @@ async function longPoll(stream, channel, streamId, after) {
   const client = stream.client;
   let batch;
   if (streamId === null) {
-    const extra = stream.endpointParam ? `&${stream.endpointParam}` : "";
-    const url = `${client.url(PATHS.STREAMS)}?wait=${client.pollWaitS}${extra}`;
+    const url = `${client.url(PATHS.STREAMS)}?wait=${client.pollWaitS}`;
     batch = await (await stream.start(url, channel)).json();
     streamId = batch.stream;
   }
