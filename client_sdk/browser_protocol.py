@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from firstbyte.protocol import error_codes, headers, paths, sse, timings, tokens, ws
+from firstbyte.protocol import error_codes, events, headers, paths, sse, timings, tokens, ws
 
 __all__ = ["TARGET", "render"]
 
@@ -29,6 +29,19 @@ def _constants(module: object, names: list[str]) -> dict[str, object]:
 def _ws_types() -> dict[str, str]:
     kinds = (ws.Request, ws.Resume, ws.Start, ws.Event, ws.Done, ws.Error)
     return {kind.__name__.upper(): str(kind.__struct_config__.tag) for kind in kinds}
+
+
+def _formats() -> dict[str, object]:
+    """The streamed formats besides chat: path, terminal event types, what marks output."""
+    kinds = (events.COMPLETION_EVENTS, events.RESPONSE_EVENTS, events.MESSAGE_EVENTS)
+    out: dict[str, object] = {
+        kind.name.upper(): {"NAME": kind.name, "PATH": kind.path,
+                            "TERMINAL": sorted(kind.terminal)}
+        for kind in kinds
+    }
+    out["RESPONSE_CONTENT"] = sorted(events.RESPONSE_CONTENT)
+    out["MESSAGE_CONTENT_DELTAS"] = sorted(events.MESSAGE_CONTENT_DELTAS)
+    return out
 
 
 def render() -> str:
@@ -45,6 +58,7 @@ def render() -> str:
         "TIMINGS": {"FIELDS": list(timings.TimingsRecord.__struct_fields__),
                     **_constants(timings, ["TRANSPORTS", "HTTP_VERSIONS", "MAX_MS",
                                            "ORDER_SLACK_MS"])},
+        "FORMATS": _formats(),
     }
     out = [
         "// Generated from firstbyte.protocol by `python -m firstbyte.client_sdk.browser_protocol"

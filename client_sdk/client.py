@@ -1,5 +1,7 @@
 """The SDK's front door: :class:`AsyncClient` (the synchronous ``Client`` is in
-:mod:`firstbyte.client_sdk.sync`).
+:mod:`firstbyte.client_sdk.sync`). Chat is ``client.stream(...)``; the other formats are the
+typed calls of :mod:`firstbyte.client_sdk.resources` (``client.responses.stream(...)`` ...),
+whose :class:`EventStream` runs on the same machinery as :class:`ChatStream`.
 
 ``client.stream(...)`` returns a :class:`ChatStream`: an async context manager (the request is
 sent and the response accepted on entry, so HTTP errors raise there) and an async iterator of
@@ -29,10 +31,11 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, Self, TypeVar
 
 import msgspec
 
+from firstbyte.client_sdk._core.events import EventAssembler
 from firstbyte.client_sdk._core.resume import ResumePolicy
 from firstbyte.client_sdk._core.retry import RETRY_STATUSES, RetryBudget
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler, StreamDelta
@@ -53,6 +56,7 @@ from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
 from firstbyte.client_sdk.regions import Region, RegionSelector
 from firstbyte.client_sdk.resolver import Origin
+from firstbyte.client_sdk.resources import Completions, Embeddings, Messages, Responses
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.tickets import ticket_store as ticket_store_for
 from firstbyte.client_sdk.timings import Timings
@@ -70,11 +74,17 @@ from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
 from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
-from firstbyte.protocol import error_codes, paths
+from firstbyte.protocol import codec, error_codes, paths
+from firstbyte.protocol.events import (
+    CompletionChunk,
+    EventFormat,
+    MessageEvent,
+    ResponseEvent,
+)
 from firstbyte.protocol.openai import Message, Usage
 from firstbyte.protocol.prewarm import PromptWarmed
 
-__all__ = ["AsyncClient", "ChatStream", "build_ssl_context"]  # the last from .trust
+__all__ = ["AsyncClient", "ChatStream", "EventStream", "build_ssl_context"]  # the last from .trust
 
 TransportName = Literal["sse", "websocket", "longpoll"]
 HTTPVersion = Literal["1.1", "2", "3"]
@@ -85,6 +95,10 @@ _QUEUE_ITEMS = 256
 memory whatever the server sends: this many events plus one network read's)."""
 _LABEL_PROBE_S = 60.0
 """At most one probe per minute to learn router names for a better-region hint."""
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+E = TypeVar("E")
 
 
 def keylog_path(keylog_file: str | None) -> str | None:
@@ -222,6 +236,14 @@ class AsyncClient:
                 raise ConfigurationError("report_interval_s", "must be positive")
             self.timings_reporter = TimingsReporter(self._post_timings,
                                                     interval_s=report_interval_s)
+        self.completions = Completions(self)
+        """``completions.stream(...)``, ``completions.create(...)``: ``POST /v1/completions``."""
+        self.responses = Responses(self)
+        """``responses.stream(...)``, ``responses.create(...)``: OpenAI's Responses API."""
+        self.messages = Messages(self)
+        """``messages.stream(...)``, ``messages.create(...)``: Anthropic's Messages API."""
+        self.embeddings = Embeddings(self)
+        """``embeddings.create(...)``: ``POST /v1/embeddings``."""
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:
             self._reprobing = True
@@ -447,21 +469,99 @@ class AsyncClient:
         body.update(options)
         return ChatStream(self, msgspec.json.encode(body), on_first_token)
 
+    def _event_stream(
+        self, events: EventFormat[E], body: dict[str, Any],
+        on_first_token: Callable[[E], object] | None,
+    ) -> EventStream[E]:
+        return EventStream(self, events, msgspec.json.encode(body), on_first_token)
+
+    def _plan(self) -> list[int]:
+        """The regions to try, by index, best first; set-aside ones last (better a retry
+        than no answer)."""
+        ranked = [r.url for r in self.regions.ranked(time.monotonic())]
+        urls = [r.url for r in self.regions.regions]
+        return [urls.index(u) for u in ranked] + [
+            i for i, u in enumerate(urls) if u not in ranked]
+
+    async def _post_json(self, path: str, body: dict[str, Any]) -> bytes:
+        """``POST`` a non-streamed request (``path`` under ``/v1``) and return the answer's
+        body; raises its :class:`~firstbyte.client_sdk.errors.APIError`.
+
+        Over HTTP (HTTP/1.1 with the WebSocket transport), on the pooled connections. A region
+        that cannot take it (unreachable, ``429``, ``502``-``504``) is set aside and the next
+        one tried, as for a stream that has not started; when every region refused with
+        ``429`` or ``503``, the request is sent again after the ``Retry-After`` within
+        ``retries`` and ``retry_budget_s``, as a stream's first request is."""
+        self.pool.touch()
+        data = msgspec.json.encode(body)
+        headers = {**self.headers, "content-type": "application/json",
+                   "accept": "application/json"}
+        retry = RetryBudget(self.retries, self.retry_budget_s)
+        while True:
+            refused = await self._post_once(path, data, headers)
+            if isinstance(refused, bytes):
+                return refused
+            wait = None
+            if isinstance(refused, APIError) and refused.status in RETRY_STATUSES:
+                wait = retry.delay(getattr(refused, "retry_after", None))
+            if wait is None:
+                raise refused
+            await asyncio.sleep(wait)
+
+    async def _post_once(
+        self, path: str, data: bytes, headers: dict[str, str]
+    ) -> bytes | FirstbyteError:
+        """One pass over the regions, best first: the first answer's body, or the last
+        refusal (every region refused or was unreachable). Raises any other error."""
+        refused: FirstbyteError | None = None
+        for index in self._plan():
+            name, origin = self.regions.regions[index].name, self.origins[index]
+            session = self.pool.session(origin, self._probe_http)
+            try:
+                async with session.request("POST", paths.at_base(path, origin.prefix),
+                                           headers=headers, body=data,
+                                           recorder=None) as response:
+                    raw = await response.read()
+            except ConnectError as exc:
+                self.regions.failed(name, time.monotonic())
+                refused = exc
+                continue
+            if response.status == 200:
+                self.regions.succeeded(name)
+                return raw
+            error = api_error_from_response(response.status, raw,
+                                            retry_after=response.headers.get("retry-after"))
+            if not isinstance(error, RateLimitError | ServiceUnavailableError):
+                raise error
+            retry_after = error.retry_after if isinstance(error, RateLimitError) else None
+            self.regions.failed(name, time.monotonic(), retry_after)
+            refused = error
+        assert refused is not None
+        return refused
+
     def _source(
         self, body: bytes | None, stream_id: str | None, after: int, recorder: TimingRecorder,
-        origin: Origin,
+        origin: Origin, events: EventFormat[Any] | None = None,
     ) -> Source:
+        """A source for one attempt: a new stream (``body`` in the format of ``events``;
+        None: chat) or a resume of ``stream_id`` after ``after``."""
         self.pool.touch()
         target = self._target(origin)
+        endpoint = None if events is None else events.name
         if isinstance(target, WebSocketPool):
             return websocket_source(target, body=body, stream_id=stream_id, after=after,
-                                    recorder=recorder)
+                                    recorder=recorder, endpoint=endpoint)
         prefix = origin.prefix
         if self.transport == "longpoll":
             return longpoll_source(target, prefix, self.headers, body=body, stream_id=stream_id,
-                                   after=after, recorder=recorder, wait_s=self.poll_wait_s)
+                                   after=after, recorder=recorder, wait_s=self.poll_wait_s,
+                                   endpoint=endpoint)
+        if events is None:
+            return sse_source(target, prefix, self.headers, body=body, stream_id=stream_id,
+                              after=after, recorder=recorder)
         return sse_source(target, prefix, self.headers, body=body, stream_id=stream_id,
-                          after=after, recorder=recorder)
+                          after=after, recorder=recorder, path=events.path,
+                          ends=events.terminal)
 
 
 class _ReadAhead(asyncio.Queue[Item | object | BaseException]):
@@ -489,14 +589,28 @@ class _ReadAhead(asyncio.Queue[Item | object | BaseException]):
         return self._events
 
 
-class ChatStream:
-    """One streamed completion: iterate for deltas; ``timings``, ``usage``, ``text`` after."""
+class _Assembler(Protocol[T_co]):
+    """What a stream reads its events with (:class:`StreamAssembler` for chat,
+    :class:`EventAssembler` for the typed formats)."""
+
+    last_seq: int
+    done: bool
+
+    def receive(self, seq: int | None, payload: str | bytes | dict[str, Any]) -> T_co | None: ...
+
+
+class _Stream(Generic[T]):
+    """One streamed request in any format: the read-ahead, resume, failover and retries.
+    Subclasses say how events are assembled and what an item hands the application."""
+
+    _events: EventFormat[Any] | None = None
+    """The format's events (None: chat)."""
 
     def __init__(
         self,
         client: AsyncClient,
         body: bytes,
-        on_first_token: Callable[[StreamDelta], object] | None,
+        on_first_token: Callable[[T], object] | None,
     ) -> None:
         self._client = client
         self._body = body
@@ -504,7 +618,7 @@ class ChatStream:
         self._recorder = TimingRecorder(time.perf_counter(), transport=client.transport)
         self._prewarmed = client._prewarmed_next  # the first stream after a prewarm
         client._prewarmed_next = False
-        self._assembler = StreamAssembler()
+        self._assembler: _Assembler[T] = self._new_assembler()
         self._queue = _ReadAhead(_QUEUE_ITEMS)
         self._batch: Batch = []
         """The events of the last item taken from the queue; ``_at`` is the next one's index."""
@@ -518,11 +632,7 @@ class ChatStream:
                                     stall_retries=client.stall_retries,
                                     idle_timeout_s=client.idle_timeout_s)
         self._parts: list[str] = []
-        # Regions to try, best first; set-aside ones last (better a retry than no answer).
-        ranked = [r.url for r in client.regions.ranked(time.monotonic())]
-        urls = [r.url for r in client.regions.regions]
-        self._plan = [urls.index(u) for u in ranked] + [
-            i for i, u in enumerate(urls) if u not in ranked]
+        self._plan = client._plan()
         self._attempt = 0
         self._retry = RetryBudget(client.retries, client.retry_budget_s)
         """Sends again after a refusal or a ``draining`` end before any token."""
@@ -546,11 +656,6 @@ class ChatStream:
         return timings
 
     @property
-    def usage(self) -> Usage | None:
-        """Token usage from the final chunk (``None`` until the stream has ended)."""
-        return self._assembler.usage
-
-    @property
     def stream_id(self) -> str | None:
         return self._stream_id
 
@@ -559,8 +664,8 @@ class ChatStream:
         """All text delivered so far."""
         return "".join(self._parts)
 
-    async def __aenter__(self) -> ChatStream:
-        self._start(self._client._source(self._body, None, 0, self._recorder, self._origin))
+    async def __aenter__(self) -> Self:
+        self._start(self._fresh_source())
         try:
             # Sources yield Opened before any event; events before it would wait in _batch.
             while not self._opened and not self._finished and self._at >= len(self._batch):
@@ -576,10 +681,10 @@ class ChatStream:
     ) -> None:
         await self.aclose()
 
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+    def __aiter__(self) -> AsyncIterator[T]:
         return self
 
-    async def __anext__(self) -> StreamDelta:
+    async def __anext__(self) -> T:
         if self._pump_task is None:
             raise RuntimeError("use 'async with client.stream(...) as stream' before iterating")
         assembler = self._assembler
@@ -638,6 +743,18 @@ class ChatStream:
             reporter.note(self._origin, self.timings)
 
     # -- machinery ------------------------------------------------------------------------------
+    def _new_assembler(self) -> _Assembler[T]:
+        raise NotImplementedError
+
+    def _deliver(self, item: T) -> T:
+        """Record the item's timing and text, then hand it over."""
+        raise NotImplementedError
+
+    def _fresh_source(self) -> Source:
+        """A source sending the request (again) to the current attempt's region."""
+        return self._client._source(self._body, None, 0, self._recorder, self._origin,
+                                    self._events)
+
     def _start(self, source: Source) -> None:
         self._unbusy()
         self._busy_region = self._region_name
@@ -679,9 +796,10 @@ class ChatStream:
                 await task
         self._pump_task = task  # keep "started" for __anext__'s check
 
-    def _take(self) -> StreamDelta | None:
-        """The next delta from the current batch, or None once the batch is used up or the
-        stream is done (``_assembler.done``). Raises what the assembler raises."""
+    def _take(self) -> T | None:
+        """The next item (a delta or a typed event) from the current batch, or None once the
+        batch is used up or the stream is done (``_assembler.done``). Raises what the
+        assembler raises."""
         batch, i = self._batch, self._at
         receive = self._assembler.receive
         while i < len(batch):
@@ -693,18 +811,6 @@ class ChatStream:
                 return delta
         return None
 
-    def _deliver(self, delta: StreamDelta) -> StreamDelta:
-        """Record the delta's timing (one clock read per content chunk: TTFT and ITL are
-        defined per content chunk) and its text, then hand it over."""
-        if delta.text or delta.tool_calls:  # StreamDelta.is_content, without the call
-            recorder, callback = self._recorder, self._on_first_token
-            first = callback is not None and recorder.record.first_token_ms is None
-            recorder.feed("token", time.perf_counter())
-            if first and callback is not None:
-                callback(delta)
-                recorder.feed("render", time.perf_counter())
-        self._parts.append(delta.text)
-        return delta
 
     async def _step(self) -> None:
         """Take one queue item: a batch (becomes ``_batch``), the response opening, the end or
@@ -746,8 +852,7 @@ class ChatStream:
                 # phases stay in the timings; it is what this request cost.
                 await self._stop_pump()
                 self._attempt += 1
-                self._start(self._client._source(self._body, None, 0, self._recorder,
-                                                 self._origin))
+                self._start(self._fresh_source())
                 return
             if self._stream_id is None and isinstance(item, APIError) and (
                 item.status in RETRY_STATUSES
@@ -759,8 +864,7 @@ class ChatStream:
                     await self._stop_pump()
                     await asyncio.sleep(wait)
                     self._attempt = 0
-                    self._start(self._client._source(self._body, None, 0, self._recorder,
-                                                     self._origin))
+                    self._start(self._fresh_source())
                     return
             if isinstance(item, TransportCut | SequenceGapError) or (
                 isinstance(item, ConnectError) and self._stream_id is not None
@@ -800,10 +904,10 @@ class ChatStream:
         routers, or the next region, take it; the wasted attempt stays in the timings)."""
         await self._stop_pump()
         self._finished = False
-        self._assembler = StreamAssembler()
+        self._assembler = self._new_assembler()
         self._stream_id = None
         self._batch, self._at = [], 0
-        self._start(self._client._source(self._body, None, 0, self._recorder, self._origin))
+        self._start(self._fresh_source())
 
     def _trimmed(self, error: APIError) -> StreamHistoryTrimmedError:
         """The error for a resume from before the stream's trim point (on any transport)."""
@@ -844,8 +948,92 @@ class ChatStream:
             await asyncio.sleep(step.delay_s)
         if step.resend:
             # Never opened: nothing to resume, send the request again.
-            self._start(client._source(self._body, None, 0, self._recorder, self._origin))
+            self._start(self._fresh_source())
             return
         self._recorder.feed("resume", time.perf_counter())
         self._start(client._source(None, self._stream_id, self._assembler.last_seq,
-                                   self._recorder, self._origin))
+                                   self._recorder, self._origin, self._events))
+
+
+class ChatStream(_Stream[StreamDelta]):
+    """One streamed chat completion: iterate for deltas; ``timings``, ``usage``, ``text`` after."""
+
+    _assembler: StreamAssembler
+
+    def _new_assembler(self) -> StreamAssembler:
+        return StreamAssembler()
+
+    @property
+    def usage(self) -> Usage | None:
+        """Token usage from the final chunk (``None`` until the stream has ended)."""
+        return self._assembler.usage
+
+    def _deliver(self, delta: StreamDelta) -> StreamDelta:
+        """Record the delta's timing (one clock read per content chunk: TTFT and ITL are
+        defined per content chunk) and its text, then hand it over."""
+        if delta.text or delta.tool_calls:  # StreamDelta.is_content, without the call
+            recorder, callback = self._recorder, self._on_first_token
+            first = callback is not None and recorder.record.first_token_ms is None
+            recorder.feed("token", time.perf_counter())
+            if first and callback is not None:
+                callback(delta)
+                recorder.feed("render", time.perf_counter())
+        self._parts.append(delta.text)
+        return delta
+
+
+class EventStream(_Stream[E]):
+    """One stream of a typed format (completions, Responses, Messages): iterate for its
+    events, typed by :mod:`firstbyte.protocol.events` (every event the upstream sent, once, in
+    order, across resumes); ``timings``, ``usage``, ``text`` after.
+
+    ``text`` is the output text so far; ``usage`` the tokens the stream reported
+    (:class:`~firstbyte.protocol.codec.Usage`, the same for every format); ``last_event`` the
+    last event (the terminal one once the stream has ended)."""
+
+    _assembler: EventAssembler[E]
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        events: EventFormat[E],
+        body: bytes,
+        on_first_token: Callable[[E], object] | None,
+    ) -> None:
+        self._events = events
+        super().__init__(client, body, on_first_token)
+
+    def _new_assembler(self) -> EventAssembler[E]:
+        assert self._events is not None
+        return EventAssembler(self._events)
+
+    @property
+    def usage(self) -> codec.Usage | None:
+        """Tokens used, as the stream said them (``None`` until it said them)."""
+        return self._assembler.usage
+
+    @property
+    def last_event(self) -> E | None:
+        return self._assembler.last
+
+    def _deliver(self, event: E) -> E:
+        events = self._assembler.events
+        if events.is_content(event):
+            recorder, callback = self._recorder, self._on_first_token
+            first = callback is not None and recorder.record.first_token_ms is None
+            recorder.feed("token", time.perf_counter())
+            if first and callback is not None:
+                callback(event)
+                recorder.feed("render", time.perf_counter())
+        text = events.text(event)
+        if text:
+            self._parts.append(text)
+        return event
+
+
+CompletionStream = EventStream[CompletionChunk]
+"""``client.completions.stream(...)``: :class:`~firstbyte.protocol.events.CompletionChunk`s."""
+ResponseStream = EventStream[ResponseEvent]
+"""``client.responses.stream(...)``: :class:`~firstbyte.protocol.events.ResponseEvent`s."""
+MessageStream = EventStream[MessageEvent]
+"""``client.messages.stream(...)``: :class:`~firstbyte.protocol.events.MessageEvent`s."""

@@ -4,7 +4,9 @@ It sends one small streamed chat completion with the SDK and prints where the ti
 DNS, TCP, TLS or QUIC handshake, pool wait, request sent, first byte, first and last token,
 inter-token gaps and the router's ``Server-Timing`` split. ``--warm`` prewarms a connection
 first, so the figures are those of a kept-warm client. ``--json`` prints the
-:class:`~firstbyte.client_sdk.timings.Timings` record as JSON.
+:class:`~firstbyte.client_sdk.timings.Timings` record as JSON. Without ``--model`` it asks
+for the first model the server lists (``GET /v1/models``, on a connection of its own, so the
+probed request still opens a cold one): a vLLM-like server refuses a name it does not serve.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from firstbyte.client_sdk.errors import (
 )
 from firstbyte.client_sdk.resolver import Origin
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.protocol import paths
+from firstbyte.protocol.openai import ModelList
 
 __all__ = ["add_arguments", "format_timings", "probe", "run"]
 
@@ -46,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the Timings record as JSON")
     parser.add_argument("--api-key", default=None,
                         help="API key (default: the FIRSTBYTE_API_KEY environment variable)")
-    parser.add_argument("--model", default="default",
-                        help="model name to request (default 'default')")
+    parser.add_argument("--model", default=None,
+                        help="model name to request (default: the first the server lists at"
+                             " /v1/models, else 'default')")
     parser.add_argument("--prompt", default="Say hello.",
                         help="the user message (default 'Say hello.')")
     parser.add_argument("--max-tokens", type=int, default=16, metavar="N",
@@ -68,7 +73,7 @@ async def probe(
     http: str | None = None,
     warm: bool = False,
     api_key: str | None = None,
-    model: str = "default",
+    model: str | None = None,
     prompt: str = "Say hello.",
     max_tokens: int = 16,
     ca_file: str | None = None,
@@ -81,6 +86,9 @@ async def probe(
         "idle_timeout_s": timeout_s, "connect_timeout_s": timeout_s, "max_resumes": 0,
         "stall_retries": 0,
     }
+    if model is None:
+        async with AsyncClient(url, api_key, **options) as lookup:
+            model = await first_model(lookup) or "default"
     async with AsyncClient(url, api_key, **options) as client:
         if warm:
             await client.prewarm()
@@ -91,6 +99,24 @@ async def probe(
             async for _ in stream:
                 pass
         return stream.timings
+
+
+async def first_model(client: AsyncClient) -> str | None:
+    """The first model ``GET /v1/models`` lists, None when the server lists none (or has no
+    such path, or answers what is not a model list)."""
+    origin = client.origin
+    session = client.pool.session(origin, "1.1" if client.transport == "websocket"
+                                  else client.http)
+    async with session.request("GET", paths.at_base(paths.MODELS, origin.prefix),
+                               headers=client.headers, body=None, recorder=None) as response:
+        raw = await response.read()
+    if response.status != 200:
+        return None
+    try:
+        models = msgspec.json.decode(raw, type=ModelList).data
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return models[0].id if models else None
 
 
 def _ms(value: float | None) -> str:

@@ -1,5 +1,7 @@
 """The synchronous API: :class:`Client` runs an :class:`~firstbyte.client_sdk.client.AsyncClient`
-on a private event loop thread, and :class:`SyncChatStream` iterates its streams from plain code.
+on a private event loop thread, and :class:`SyncStream` iterates its streams from plain code
+(``client.stream(...)`` for chat; ``client.completions``, ``client.responses``,
+``client.messages`` and ``client.embeddings`` as on the async client).
 
 Same arguments, errors and timings as the async API; each call blocks until the loop has done
 the work.
@@ -9,17 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from firstbyte.client_sdk._core.stream import StreamDelta
-from firstbyte.client_sdk.client import AsyncClient, ChatStream
+from firstbyte.client_sdk.client import AsyncClient, ChatStream, EventStream
 from firstbyte.client_sdk.timings import Timings
+from firstbyte.protocol import codec
 from firstbyte.protocol.openai import Usage
 from firstbyte.protocol.prewarm import PromptWarmed
 
-__all__ = ["Client", "SyncChatStream"]
+__all__ = ["Client", "SyncChatStream", "SyncStream"]
 
 T = TypeVar("T")
 
@@ -60,6 +63,10 @@ class Client:
         except BaseException:
             self._runner.stop()
             raise
+        self.completions = _SyncCalls(self._runner, self._client.completions)
+        self.responses = _SyncCalls(self._runner, self._client.responses)
+        self.messages = _SyncCalls(self._runner, self._client.messages)
+        self.embeddings = _SyncCalls(self._runner, self._client.embeddings)
 
     def __enter__(self) -> Client:
         return self
@@ -85,44 +92,66 @@ class Client:
         async def make() -> ChatStream:
             return self._client.stream(**kw)
 
-        return SyncChatStream(self._runner, self._runner.run(make()))
+        return SyncStream(self._runner, self._runner.run(make()))
 
 
-class SyncChatStream:
-    """A :class:`ChatStream` driven from synchronous code."""
+class _SyncCalls:
+    """One of the async client's typed namespaces (``completions``, ``responses``,
+    ``messages``, ``embeddings``), blocking: ``stream(...)`` gives a :class:`SyncStream`,
+    ``create(...)`` the answer."""
 
-    def __init__(self, runner: _LoopThread, stream: ChatStream) -> None:
+    def __init__(self, runner: _LoopThread, calls: Any) -> None:
+        self._runner = runner
+        self._calls = calls
+
+    def stream(self, **kw: Any) -> SyncStream[Any]:
+        async def make() -> EventStream[Any]:
+            stream: EventStream[Any] = self._calls.stream(**kw)
+            return stream
+
+        return SyncStream(self._runner, self._runner.run(make()))
+
+    def create(self, **kw: Any) -> Any:
+        return self._runner.run(self._calls.create(**kw))
+
+
+class SyncStream(Generic[T]):
+    """A :class:`ChatStream` or :class:`EventStream` driven from synchronous code."""
+
+    def __init__(self, runner: _LoopThread, stream: ChatStream | EventStream[Any]) -> None:
         self._runner = runner
         self._stream = stream
+        self._next: Callable[[], Awaitable[T]] = stream.__anext__  # type: ignore[assignment]
 
-    def __enter__(self) -> SyncChatStream:
+    def __enter__(self) -> SyncStream[T]:
         self._runner.run(self._stream.__aenter__())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._runner.run(self._stream.aclose())
 
-    def __iter__(self) -> Iterator[StreamDelta]:
+    def __iter__(self) -> Iterator[T]:
         return self
 
-    def __next__(self) -> StreamDelta:
-        async def step() -> StreamDelta | None:
+    def __next__(self) -> T:
+        async def step() -> T | None:
             try:
-                return await self._stream.__anext__()
+                return await self._next()
             except StopAsyncIteration:
                 return None
 
-        delta = self._runner.run(step())
-        if delta is None:
+        item = self._runner.run(step())
+        if item is None:
             raise StopIteration
-        return delta
+        return item
 
     @property
     def timings(self) -> Timings:
         return self._stream.timings
 
     @property
-    def usage(self) -> Usage | None:
+    def usage(self) -> Usage | codec.Usage | None:
+        """The stream's usage (chat: OpenAI's; other formats: input and output tokens)."""
         return self._stream.usage
 
     @property
@@ -132,3 +161,7 @@ class SyncChatStream:
     @property
     def stream_id(self) -> str | None:
         return self._stream.stream_id
+
+
+SyncChatStream = SyncStream[StreamDelta]
+"""A chat stream driven from synchronous code."""

@@ -10,6 +10,8 @@ in prose; these modules are its source:
   (:mod:`~firstbyte.protocol.completions`, :mod:`~firstbyte.protocol.responses`,
   :mod:`~firstbyte.protocol.anthropic`; all by path in :mod:`~firstbyte.protocol.formats`):
   what a router reads of each format's requests and streamed events (docs/endpoints.md).
+- :mod:`~firstbyte.protocol.events`: each streamed format's events as typed values, as a
+  client (the SDK) reads them.
 - :mod:`~firstbyte.protocol.poll`: long-poll batches and the ``POST /v1/streams`` answer.
 - :mod:`~firstbyte.protocol.ws`: the WebSocket ``/v1/ws`` messages and close codes.
 - :mod:`~firstbyte.protocol.edge`: the ``/v1/edge/status`` documents.

@@ -12,7 +12,9 @@ from .completions import COMPLETIONS
 from .openai import ChatCompletionRequest, Message, decode_with
 from .responses import RESPONSES
 
-__all__ = ["BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES"]
+__all__ = [
+    "BY_NAME", "BY_PATH", "CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES", "STREAMED",
+]
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -53,3 +55,7 @@ BY_PATH: dict[str, Codec] = {
 }
 BY_NAME: dict[str, Codec] = {codec.name: codec for codec in BY_PATH.values()}
 """The codecs by name (``chat``, ``completions``, ``responses``, ``messages``, ...)."""
+
+STREAMED: dict[str, Codec] = {name: codec for name, codec in BY_NAME.items() if codec.streams}
+"""The formats a stream can be started in by name (``POST /v1/streams?endpoint=NAME``, a
+WebSocket ``request``'s ``endpoint``): ``chat``, ``completions``, ``responses``, ``messages``."""

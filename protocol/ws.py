@@ -9,7 +9,7 @@ re-encoded. Both sides encode with :func:`encode` and decode with the decoders h
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -20,6 +20,7 @@ __all__ = [
     "TOKEN_SUBPROTOCOL_PREFIX",
     "ClientMessage",
     "Done",
+    "Endpoint",
     "Error",
     "Event",
     "Request",
@@ -43,10 +44,16 @@ TOKEN_SUBPROTOCOL_PREFIX = "firstbyte.token."
 """A client token offered as subprotocol ``firstbyte.token.TOKEN`` (never selected)."""
 
 
-class Request(msgspec.Struct, tag="request", tag_field="type"):
-    """Client: start a stream; ``body`` is a chat completion request (``stream`` is forced)."""
+Endpoint = Literal["chat", "completions", "responses", "messages"]
+"""The formats a stream can be started in (a codec's name, :mod:`firstbyte.protocol.formats`)."""
+
+
+class Request(msgspec.Struct, tag="request", tag_field="type", omit_defaults=True):
+    """Client: start a stream; ``body`` is a request in ``endpoint``'s format (default a chat
+    completion; ``stream`` is forced)."""
 
     body: msgspec.Raw
+    endpoint: Endpoint = "chat"
 
 
 class Resume(msgspec.Struct, tag="resume", tag_field="type"):

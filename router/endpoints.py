@@ -27,7 +27,7 @@ import msgspec
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import CHAT, Codec
 from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
-from firstbyte.protocol.formats import BY_PATH, MESSAGES
+from firstbyte.protocol.formats import BY_PATH, MESSAGES, STREAMED
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
 from firstbyte.protocol.openai import Model, ModelList, encode
 from firstbyte.protocol.poll import StreamStarted
@@ -342,25 +342,38 @@ def _retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:
 async def start_detached_stream(
     state: RouterState, scope: Scope, receive: Receive, send: Send
 ) -> None:
-    """``POST /v1/streams[?wait=S]``: start a stream and answer 201.
+    """``POST /v1/streams[?wait=S][&endpoint=NAME]``: start a stream and answer 201.
 
     Without ``wait`` (or ``wait=0``) the answer is ``{"stream": ID}`` at once. With ``wait > 0``
     it is the stream's first long-poll batch (:func:`firstbyte.router.readers.poll` after 0, the
     stream id included), so a long-poll client's first token costs one round trip, not two.
+    ``endpoint`` names the body's format (:data:`~firstbyte.protocol.formats.STREAMED`;
+    default ``chat``); another name is ``400 invalid_request``.
     """
-    wait = _wait_param(state, _query(scope), default=0.0)
+    query = _query(scope)
+    wait = _wait_param(state, query, default=0.0)
+    codec = STREAMED.get(query.get("endpoint", CHAT.name))
+    invalid = wait if isinstance(wait, LocalReply) else None
+    if codec is None:
+        names = ", ".join(STREAMED)
+        invalid = error_reply(
+            400, f"endpoint must be one of {names}.", param="endpoint",
+            code=error_codes.INVALID_REQUEST,
+        )
     ctx = await _admitted(
         state,
         scope,
         receive,
         send,
         force_stream=True,
-        invalid=wait if isinstance(wait, LocalReply) else None,
+        invalid=invalid,
+        codec=codec or CHAT,
     )
     if ctx is None:
         return
     assert isinstance(wait, float)
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    stream.format = ctx.codec.name  # a lost producer's end comes in this format
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     state.proxy.start_stream(ctx, stream)
     await state.announced(stream)

@@ -16,6 +16,7 @@ import msgspec
 
 from firstbyte.protocol import error_codes, paths
 from firstbyte.protocol.codec import event_data
+from firstbyte.protocol.formats import STREAMED
 from firstbyte.protocol.headers import BETTER_REGION_HEADER, BETTER_REGION_URL_HEADER, REGION_HEADER
 from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.ws import (
@@ -123,6 +124,7 @@ class _Session:
         ctx.client = self.ctx.client
         ctx.traceparent = self.ctx.traceparent
         ctx.body = bytes(message.body)
+        ctx.codec = STREAMED[message.endpoint]
         limits = self.state.config.limits
         outcome = admit_chat(ctx, self.state.api_keys, limits.max_body_bytes, force_stream=True,
                              tokens=self.state.tokens)
@@ -155,6 +157,7 @@ class _Session:
         stream = ctx.stream = self.state.new_stream(
             ctx.owner, ctx.release_key_slot, ctx.subject
         )
+        stream.format = ctx.codec.name  # a lost producer's end comes in this format
         self.state.client_latency.stream_started(
             ctx.owner, ctx.region or self.state.region, self.state.clock()
         )

@@ -23,6 +23,7 @@
 
 import { ERROR_CODES, HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
+import { EventAssembler, STREAMED } from "./formats.js";
 import {
   APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, SequenceGapError,
   StreamAssembler, StreamBrokenError,
@@ -255,16 +256,37 @@ export class Client {
     const body = { stream_options: { include_usage: true }, ...request, stream: true };
     return new ChatStream(this, body, { onFirstToken, into });
   }
+
+  /**
+   * Stream a request of another format: `"completions"`, `"responses"` (OpenAI's Responses)
+   * or `"messages"` (Anthropic's), read by formats.js. Iterating yields
+   * `{event, type, text, isContent, seq}` per event the upstream sent; `text`, `usage`
+   * (`{input_tokens, output_tokens}`), `timings`, resume and retries as for chat. Over
+   * EventSource only completions (its `onmessage` never sees named events).
+   */
+  streamEvents(format, request, { onFirstToken = null, into = null } = {}) {
+    if (!(format in STREAMED)) {
+      throw new TypeError(`format must be one of ${Object.keys(STREAMED).join(", ")}`);
+    }
+    if (this.transport === "eventsource" && STREAMED[format].TERMINAL.length) {
+      throw new TypeError(`EventSource cannot read ${format} events; use sse-fetch`);
+    }
+    const usage = format === "completions" ? { stream_options: { include_usage: true } } : {};
+    const body = { ...usage, ...request, stream: true };
+    return new ChatStream(this, body, { onFirstToken, into, format });
+  }
 }
 
 export class ChatStream {
-  constructor(client, body, { onFirstToken, into }) {
+  constructor(client, body, { onFirstToken, into, format = null }) {
     this.client = client;
     this.body = JSON.stringify(body);
     this.onFirstToken = onFirstToken;
     this.into = into;
+    /** null (chat) or a formats.js format name: its path, assembler and `endpoint`. */
+    this.format = format;
     this.recorder = new TimingRecorder(client.transport);
-    this.assembler = new StreamAssembler();
+    this.assembler = this.newAssembler();
     this.policy = new ResumePolicy({
       maxResumes: client.maxResumes, backoffS: client.resumeBackoffS,
       stallRetries: client.stallRetries, idleTimeoutS: client.idleTimeoutS,
@@ -383,7 +405,7 @@ export class ChatStream {
     if (wait === null) return false;
     this.channel.close();
     if (wait) await new Promise((r) => setTimeout(r, wait * 1000));
-    this.assembler = new StreamAssembler();
+    this.assembler = this.newAssembler();
     this.streamId = null;
     this.finished = false;
     this.channel = this.#open(null, 0);
@@ -400,6 +422,23 @@ export class ChatStream {
   }
 
   // -- helpers the transports share --------------------------------------------------------
+  newAssembler() {
+    return this.format ? new EventAssembler(this.format) : new StreamAssembler();
+  }
+
+  /** A chat stream's start URL made this stream's format's: the format's path in place of
+   * chat completions' (SSE), or `endpoint=NAME` on `POST /v1/streams` (long-poll,
+   * EventSource). Unchanged for chat. */
+  formatUrl(href) {
+    if (!this.format) return href;
+    const url = new URL(href);
+    const chat = new URL(this.client.url(PATHS.CHAT_COMPLETIONS));
+    if (url.pathname === chat.pathname) {
+      url.pathname = new URL(this.client.url(STREAMED[this.format].PATH)).pathname;
+    } else url.searchParams.set("endpoint", this.format);
+    return url.href;
+  }
+
   headers(extra = {}) {
     return { authorization: `Bearer ${this.client.token}`, ...extra };
   }
@@ -417,15 +456,17 @@ export class ChatStream {
     return response;
   }
 
-  /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others).
-   * With `simpleStart` a CORS simple request: the token in the URL, the JSON as text/plain. */
+  /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others), at
+   * this stream's format's URL. With `simpleStart` a CORS simple request: the token in the
+   * URL, the JSON as text/plain. */
   start(channel) {
+    const url = this.formatUrl(this.client.startUrl());
     if (this.client.simpleStart) {
-      return this.fetch(this.client.startUrl(), {
+      return this.fetch(url, {
         method: "POST", body: this.body, headers: { "content-type": "text/plain" },
       }, channel);
     }
-    return this.fetch(this.client.startUrl(), {
+    return this.fetch(url, {
       method: "POST", body: this.body,
       headers: this.headers({ "content-type": "application/json" }),
     }, channel);
@@ -534,7 +575,7 @@ async function webSocket(stream, channel, streamId, after) {
     client.lastUseS = performance.now() / 1000;
     stream.recorder.requestSent();
     socket.send(streamId === null
-      ? `{"type":"${WS.REQUEST}","body":${stream.body}}`
+      ? `{"type":"${WS.REQUEST}",${stream.format ? `"endpoint":"${stream.format}",` : ""}"body":${stream.body}}`
       : JSON.stringify({ type: WS.RESUME, stream: streamId, after }));
   };
   stream.recorder.record.warm = reused;

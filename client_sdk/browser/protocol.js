@@ -125,3 +125,38 @@ export const TIMINGS = Object.freeze({
   "MAX_MS": 600000.0,
   "ORDER_SLACK_MS": 1.0
 });
+
+export const FORMATS = Object.freeze({
+  "COMPLETIONS": {
+    "NAME": "completions",
+    "PATH": "/v1/completions",
+    "TERMINAL": []
+  },
+  "RESPONSES": {
+    "NAME": "responses",
+    "PATH": "/v1/responses",
+    "TERMINAL": [
+      "error",
+      "response.completed",
+      "response.failed",
+      "response.incomplete"
+    ]
+  },
+  "MESSAGES": {
+    "NAME": "messages",
+    "PATH": "/v1/messages",
+    "TERMINAL": [
+      "error",
+      "message_stop"
+    ]
+  },
+  "RESPONSE_CONTENT": [
+    "response.function_call_arguments.delta",
+    "response.output_text.delta",
+    "response.refusal.delta"
+  ],
+  "MESSAGE_CONTENT_DELTAS": [
+    "input_json_delta",
+    "text_delta"
+  ]
+});

@@ -34,12 +34,16 @@ _started = msgspec.json.Decoder(StreamStarted)
 
 async def start_stream(
     session: Session, prefix: str, headers: dict[str, str], body: bytes,
-    recorder: TimingRecorder | None, *, wait_s: float = 0.0,
+    recorder: TimingRecorder | None, *, wait_s: float = 0.0, endpoint: str | None = None,
 ) -> tuple[str, PollBatch | None]:
     """``POST /v1/streams?wait=S``: the router admits the request and answers with the stream
     id and, when ``wait_s`` > 0 and the router supports it, the stream's first batch (else
-    ``None``: the first poll fetches it)."""
-    query = f"?wait={wait_s:g}" if wait_s > 0 else ""
+    ``None``: the first poll fetches it). ``endpoint`` names the request's format
+    (``completions``, ``responses``, ``messages``; None: chat)."""
+    params = [f"wait={wait_s:g}"] if wait_s > 0 else []
+    if endpoint is not None:
+        params.append(f"endpoint={endpoint}")
+    query = "?" + "&".join(params) if params else ""
     async with session.request(
         "POST", paths.at_base(paths.STREAMS, prefix) + query,
         headers={**headers, "content-type": "application/json"}, body=body, recorder=recorder,
@@ -66,6 +70,7 @@ async def longpoll_source(
     recorder: TimingRecorder | None,
     wait_s: float = 10.0,
     max_failures: int = 5,
+    endpoint: str | None = None,
 ) -> Source:
     """Start a stream (``stream_id`` None) or continue one after ``after``, by polling.
 
@@ -76,7 +81,7 @@ async def longpoll_source(
         if body is None:
             raise ValueError("a new long-poll stream needs a request body")
         stream_id, first = await start_stream(session, prefix, headers, body, recorder,
-                                              wait_s=wait_s)
+                                              wait_s=wait_s, endpoint=endpoint)
     if recorder is not None:
         recorder.record.stream_id = stream_id
     yield Opened(stream_id)

@@ -1,4 +1,5 @@
-"""SSE transport: ``POST /v1/chat/completions`` (stream) and resume by ``GET /v1/streams/{id}``.
+"""SSE transport: ``POST /v1/chat/completions`` (stream; or another format's path) and resume
+by ``GET /v1/streams/{id}``.
 
 Runs over any :class:`~firstbyte.client_sdk.transports.base.Session` (httpx for HTTP/1.1 and 2,
 aioquic for HTTP/3); the bytes go through the protocol's sans-IO
@@ -29,10 +30,14 @@ async def sse_source(
     stream_id: str | None,
     after: int,
     recorder: TimingRecorder | None,
+    path: str = paths.CHAT_COMPLETIONS,
+    ends: frozenset[str] = frozenset(),
 ) -> Source:
-    """Start a stream (``stream_id`` None, ``body`` the request) or resume one after ``after``."""
+    """Start a stream (``stream_id`` None, ``body`` the request for ``path``) or resume one
+    after ``after``. ``ends`` names the events that end a stream of a format whose events
+    carry names (Responses, Messages: no ``[DONE]`` follows them)."""
     if stream_id is None:
-        method, path = "POST", paths.at_base(paths.CHAT_COMPLETIONS, prefix)
+        method, path = "POST", paths.at_base(path, prefix)
         req_headers = {**headers, "content-type": "application/json",
                        "accept": "text/event-stream"}
     else:
@@ -55,7 +60,7 @@ async def sse_source(
             except SSEProtocolError as exc:
                 raise StreamBrokenError(str(exc)) from None
             if events:
-                if events[-1].data == DONE:
+                if events[-1].data == DONE or (ends and events[-1].event in ends):
                     # The consumer stops at [DONE]: read the body's end first, so the
                     # connection is pooled rather than closed under the next request.
                     await response.finish()

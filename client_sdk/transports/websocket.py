@@ -191,8 +191,10 @@ async def websocket_source(
     stream_id: str | None,
     after: int,
     recorder: TimingRecorder | None,
+    endpoint: messages.Endpoint | None = None,
 ) -> Source:
-    """Start a stream (``{"type": "request"}``) or resume one (``{"type": "resume"}``)."""
+    """Start a stream (``{"type": "request"}``; ``endpoint`` names its format, None: chat) or
+    resume one (``{"type": "resume"}``)."""
     ws = await pool.acquire(recorder)
     clean = False
     try:
@@ -200,7 +202,8 @@ async def websocket_source(
         if stream_id is None:
             if body is None:
                 raise ValueError("a new WebSocket stream needs a request body")
-            message = messages.Request(msgspec.Raw(body))
+            message = (messages.Request(msgspec.Raw(body)) if endpoint is None
+                       else messages.Request(msgspec.Raw(body), endpoint))
         else:
             message = messages.Resume(stream_id, after)
         await ws.send(messages.encode(message).decode())
