@@ -499,13 +499,13 @@ def _versus(redis: dict[str, Any], memory: dict[str, Any], again: dict[str, Any]
     def diff(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
         if a[key] is None or b[key] is None:
             return None
-        return round(a[key] - b[key], 1)
+        return round(float(a[key]) - float(b[key]), 1)
 
     def ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
         key = "router_cpu_us_per_chunk"
         if not a[key] or not b[key]:
             return None
-        return round(a[key] / b[key], 3)
+        return round(float(a[key]) / float(b[key]), 3)
 
     out: dict[str, Any] = {
         "added_p50_ttft_ms": diff(redis, memory, "p50_ttft_ms"),
