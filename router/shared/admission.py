@@ -9,8 +9,10 @@ checked atomically by a Lua script that sums the processes whose lease (:mod:`.l
 exists and drops the others: a process that dies holding slots gives them back when its lease
 lapses (``lease_s``), without anyone having to clean up after it. Releases are
 fire-and-forget ``HINCRBY -1`` (a field at zero is deleted), those of one event-loop turn in
-one script call: a stream's end gives back its key's slot and its backend's together, and
-each call is a round trip the router pays ~0.1 ms of CPU for; every hash expires
+one script call: a stream's end gives back its key's slot and its backend's together. The
+admissions and releases of one event-loop turn go in one round trip, packed by hand
+(:class:`~.wire.Calls`): a round trip costs the router ~0.1 ms of CPU whatever it carries,
+and redis-py's own path as much again per command. Every hash expires
 ``streams.max_age_s`` after its last claim, the longest a claimed request can live.
 
 One script, one round trip per request, checks and claims everything at once (after the

@@ -11,8 +11,10 @@ The producing process keeps its streams in its own :class:`~firstbyte.router.str
   point (or from before what ``MAXLEN`` dropped) gets ``stream_history_trimmed``;
 - the hash ``{prefix}m:{id}`` holds its owner (the API key's digest: a stream is readable only
   with the key that created it, here as in memory) and the producing process's id;
-- events are written by one :class:`_Writer` per process that pipelines everything queued
-  since its last round trip (one round trip carries many streams' chunks under load).
+- events are written by one :class:`_Writer` per process: everything queued since its last
+  write goes in one round trip, as calls of one Lua script (one reply per 256 events, not one
+  per chunk), at most every ``state.write_interval_ms`` (a write under load carries many
+  streams' chunks).
 
 Another process finds a stream with :meth:`SharedStreams.lookup` and reads it as a
 :class:`RemoteStream`, which has the reading side of :class:`~firstbyte.router.streams.Stream`
@@ -46,7 +48,7 @@ from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
 from ..hosting.limits import Throttle
-from ..streams import HistoryTrimmed, Stream, StreamEvent
+from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
 from .background import Background
 from .errors import StateUnavailable, describe
 from .keys import Keys
@@ -444,11 +446,13 @@ class _Writer:
 
     def push(self, stream: Stream, event: StreamEvent | None) -> None:
         """Queue one event of ``stream`` (``None``: its metadata) for the next write."""
-        self._queue.append((stream, event))
-        self._idle.clear()
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        queue = self._queue
+        queue.append((stream, event))
+        if len(queue) == 1:  # called per relayed chunk: the rest is done once per write
+            self._idle.clear()
+            wake = self._wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
 
     def trim(self, stream: Stream) -> None:
         """Queue the trim of ``stream``'s events up to ``stream.trimmed`` (after its XADDs)."""
@@ -491,26 +495,32 @@ class _Writer:
             values.clear()
             ops.clear()
 
+        named: dict[str, bytes] = {}  # a stream's key, packed once per write
         for stream, event in batch:
-            if event is None:
-                subject = b"" if stream.subject is None else stream.subject.encode()
-                names.append(bulk(keys.meta(stream.id).encode()))
-                values += (b"$1\r\nm\r\n", bulk(stream.owner), bulk(subject))
-                ops.append(None)
-            elif event is _TRIM:
-                names.append(bulk(keys.events(stream.id).encode()))
-                values += (b"$1\r\nr\r\n", bulk(b"%d-0" % (stream.trimmed + 1)), b"$0\r\n\r\n")
-                ops.append(None)
-            else:
-                names.append(bulk(keys.events(stream.id).encode()))
-                values += (b"$1\r\nX\r\n" if event.seq == 1 else b"$1\r\nx\r\n",
-                           bulk(b"%d-0" % event.seq), bulk(event.data))
+            if event is not None and event is not _TRIM:  # an event: the common case, first
+                name = named.get(stream.id)
+                if name is None:
+                    name = named[stream.id] = bulk(keys.events(stream.id).encode())
+                names.append(name)
+                seq, data = event.seq, event.data
+                entry = b"%d-0" % seq
+                values.append(b"$1\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                    b"X" if seq == 1 else b"x", len(entry), entry, len(data), data))
                 ops.append(stream)
-                if event.is_done and stream.upstream_ttft_ms is not None:
+                if data == DONE_DATA and stream.upstream_ttft_ms is not None:
                     names.append(bulk(keys.meta(stream.id).encode()))
                     values += (b"$1\r\nt\r\n", bulk(b"%.3f" % stream.upstream_ttft_ms),
                                b"$0\r\n\r\n")
                     ops.append(None)
+            elif event is None:  # a new stream's metadata
+                subject = b"" if stream.subject is None else stream.subject.encode()
+                names.append(bulk(keys.meta(stream.id).encode()))
+                values += (b"$1\r\nm\r\n", bulk(stream.owner), bulk(subject))
+                ops.append(None)
+            else:  # its trim point
+                names.append(bulk(keys.events(stream.id).encode()))
+                values += (b"$1\r\nr\r\n", bulk(b"%d-0" % (stream.trimmed + 1)), b"$0\r\n\r\n")
+                ops.append(None)
             if len(ops) >= _OPS_PER_CALL:
                 close()
         if ops:

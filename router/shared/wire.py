@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import ConnectionPool
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 
 __all__ = ["Calls", "PackedScript", "bulk", "pack", "pooled", "round_trip"]
 
@@ -38,17 +38,20 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-def _encode(arg: Arg) -> bytes:
-    if isinstance(arg, bytes):
-        return arg
-    if isinstance(arg, str):
-        return arg.encode()
-    return repr(arg).encode()  # an int or a float, as redis-py writes it
-
-
 def pack(*args: Arg) -> bytes:
-    """One command in RESP (``pack("GET", key)``)."""
-    return b"*%d\r\n" % len(args) + b"".join(bulk(_encode(a)) for a in args)
+    """One command in RESP (``pack("GET", key)``); numbers as redis-py writes them."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:  # a loop, not a generator: this runs per stream start
+        if isinstance(arg, bytes):
+            value = arg
+        elif isinstance(arg, str):
+            value = arg.encode()
+        elif isinstance(arg, int):
+            value = b"%d" % arg
+        else:
+            value = repr(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(value), value))
+    return b"".join(out)
 
 
 _NAMED_GET = "command_name" in inspect.signature(ConnectionPool.get_connection).parameters and (
@@ -73,6 +76,14 @@ async def round_trip(
     connection is free (the pool's own timeout), or the connection fails or takes over
     ``timeout_s`` for the replies (then it is dropped: replies may still be on their way)."""
     connection = await pooled(pool)
+    try:
+        return await exchange(connection, packed, replies, timeout_s)
+    finally:
+        await pool.release(connection)
+
+
+async def exchange(connection: Any, packed: bytes, replies: int, timeout_s: float) -> list[Any]:
+    """:func:`round_trip` on ``connection`` (disconnected if it fails)."""
     results: list[Any] = [None] * replies
     try:
         await connection.send_packed_command(packed, check_health=False)
@@ -89,8 +100,6 @@ async def round_trip(
     except BaseException:
         await connection.disconnect()
         raise
-    finally:
-        await pool.release(connection)
     return results
 
 
@@ -123,6 +132,9 @@ class Calls:
         self._timeout_s = timeout_s
         self._queue: list[tuple[bytes, asyncio.Future[Any]]] = []
         self._sending: set[asyncio.Task[None]] = set()
+        self._spare: Any = None
+        """A connection kept from the last batch: the pool's hand-out and return (a lock,
+        its bookkeeping) cost as much CPU as the batch itself."""
         self.round_trips = 0
         """Batches sent (each one round trip)."""
         self.commands = 0
@@ -157,10 +169,14 @@ class Calls:
     async def _send(self, batch: list[tuple[bytes, asyncio.Future[Any]]]) -> None:
         self.round_trips += 1
         self.commands += len(batch)
+        packed = b"".join(packed for packed, _ in batch)
         try:
-            replies = await round_trip(
-                self._pool, b"".join(packed for packed, _ in batch), len(batch), self._timeout_s
-            )
+            try:
+                replies = await self._exchange(packed, len(batch))
+            except ConnectionError:
+                # Once, at once, on a fresh connection (a kept one from before a Redis
+                # restart), as redis-py retries its own commands; never on a timeout.
+                replies = await self._exchange(packed, len(batch))
         except BaseException as exc:  # the batch is lost: each caller decides what that means
             lost = exc if isinstance(exc, Exception) else ConnectionError("batch cancelled")
             for _, future in batch:
@@ -177,9 +193,28 @@ class Calls:
             else:
                 future.set_result(reply)
 
+    async def _exchange(self, packed: bytes, replies: int) -> list[Any]:
+        connection, self._spare = self._spare, None
+        if connection is None:
+            connection = await pooled(self._pool)
+        try:
+            results = await exchange(connection, packed, replies, self._timeout_s)
+        except BaseException:
+            await self._pool.release(connection)
+            raise
+        if self._spare is None:
+            self._spare = connection
+        else:  # another batch kept one meanwhile
+            await self._pool.release(connection)
+        return results
+
     async def aclose(self) -> None:
-        """Wait for the batches in flight (a clean exit's releases reach Redis)."""
+        """Wait for the batches in flight (a clean exit's releases reach Redis), then give
+        the kept connection back."""
         if self._queue:
             self._flush()
         if self._sending:
             await asyncio.wait(list(self._sending), timeout=self._timeout_s)
+        connection, self._spare = self._spare, None
+        if connection is not None:
+            await self._pool.release(connection)

@@ -14,6 +14,7 @@ import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -21,9 +22,12 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
 from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
+from firstbyte.router.shared import connect
 from firstbyte.router.shared.admission import _ADMIT, _RELEASE, Affinity, SharedAdmission, Verdict
 from firstbyte.router.shared.keys import Keys
+from firstbyte.router.streams import Stream
 from tests.router.conftest import auth, router_config
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import running_upstream
@@ -98,6 +102,17 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     return seen
 
 
+async def _commandstats(url: str) -> Counter[str]:
+    """Commands Redis has run so far, by name (those a script ran included)."""
+    redis = Redis.from_url(url)
+    try:
+        stats = await redis.info("commandstats")
+    finally:
+        await redis.aclose()
+    return Counter({name.removeprefix("cmdstat_"): int(value["calls"])
+                    for name, value in stats.items()})
+
+
 @pytest.fixture
 async def shared_router(redis_server: RedisServer) -> AsyncIterator[str]:  # noqa: F811
     async with running_upstream() as upstream:
@@ -122,7 +137,7 @@ async def _stream(http: httpx.AsyncClient, base: str, tokens: int) -> int:
 
 
 async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
-    shared_router: str, spy: Spy,
+    shared_router: str, spy: Spy, redis_server: RedisServer,  # noqa: F811
 ) -> None:
     """Per stream: one round trip before the upstream is asked (the admission: the key's and
     the backend's slots region-wide), one release, and its events written a batch to a
@@ -131,14 +146,19 @@ async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
         await _stream(http, shared_router, 2)  # connections made, scripts loaded
         await asyncio.sleep(0.1)
         mark = spy.mark()
+        ran = await _commandstats(redis_server.url)
         streams, events = 5, 0
         for _ in range(streams):
             events += await _stream(http, shared_router, TOKENS)
         await asyncio.sleep(0.2)  # the last release and write are sent
     commands, trips = spy.since(mark)
+    ran = await _commandstats(redis_server.url) - ran
+    del ran["info"]
+    print(f"\nRedis ran, per stream: { {k: round(v / streams, 1) for k, v in sorted(ran.items())} }")
     print(f"\nper stream of {events // streams} events: commands {dict(commands)},"
           f" round trips {dict(trips)} (over {streams} streams)")
     assert events >= streams * TOKENS
+    assert ran["xadd"] == events  # every event its own entry: resume stays exact
     assert commands["admit"] == trips["admit"] == streams  # the critical path: one round trip
     assert commands["release"] == streams
     # The events: the metadata, then a batch per write. A command per chunk was 40+.
@@ -181,3 +201,46 @@ async def test_admissions_of_one_turn_share_one_round_trip(
     finally:
         await admission.aclose()
         await redis.aclose()
+
+
+async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_declared_lost(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The writer's script does each operation whatever the others do: a stream whose entries
+    another process went past (declared lost) is refused and its upstream request cancelled,
+    the other stream of the same write is written whole."""
+    config = parse_config({
+        "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
+        "listen": {"insecure_plain_http": True},
+        "state": {"redis_url": redis_server.url, "key_prefix": f"w{secrets.token_hex(4)}:"},
+    }, "test")
+    shared = connect(config)
+    assert shared is not None
+    try:
+        await shared.start()
+        kept, lost = Stream("kept", b"owner-a", 0.0), Stream("lost", b"owner-b", 0.0)
+        cancelled: list[str] = []
+        for stream in (kept, lost):
+            shared.streams.publish(stream)
+            stream.cancel_producer = lambda s=stream: cancelled.append(s.id)
+            await shared.streams.announced(stream)
+        await shared.redis.xadd(shared.keys.events("lost"), {"d": "x"}, id="9-0")  # declared
+        kept.upstream_ttft_ms = 12.5
+        for n in range(3):
+            for stream in (kept, lost):
+                stream.append(b"data: %d" % n, 0.0)
+        kept.finish(0.0)
+        await asyncio.sleep(0.3)  # one write interval and its round trip
+        entries: Any = await shared.redis.xrange(shared.keys.events("kept"))
+        meta = await shared.redis.hgetall(shared.keys.meta("kept"))
+        assert [e[0] for e in entries] == [b"1-0", b"2-0", b"3-0", b"4-0"]
+        assert entries[-1][1] == {b"d": b"[DONE]"}
+        assert meta[b"owner"] == b"owner-a"
+        assert meta[b"proc"] == shared.process.encode()
+        assert meta[b"ttft"] == b"12.500"
+        assert await shared.redis.pttl(shared.keys.events("kept")) > 0
+        assert cancelled == ["lost"]
+        assert lost.mirror is None
+        assert shared.streams.writer.fenced == 1
+    finally:
+        await shared.aclose()
