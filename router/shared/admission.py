@@ -75,12 +75,15 @@ local function live(hash, me, lease_prefix)
 end
 """
 
-# KEYS: the key's slots, its bucket, the affinity key, the backend's slots.
+# KEYS: the key's slots, its bucket, the affinity key, the backend's slots, the metadata of
+# the stream the request will make ('' if none).
 # ARGV: 1 process, 2 lease prefix, 3 key's max in flight (-1: no key limits at all, 0: the
 # key's slots are counted but not capped), 4 rate/s,
 # 5 burst, 6 expiry ms, 7 backend ('': a peer region, nothing to claim), 8 backend limit (-1:
-# none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms.
-# Checks everything first, then claims both slots and takes the token; returns {0, in flight
+# none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms,
+# 11 the stream's owner, 12 its subject.
+# Checks everything first, then claims both slots, takes the token and writes the stream's
+# metadata (as the stream writer would: owner, process, subject); returns {0, in flight
 # on the backend elsewhere} (admitted), {1, key's in flight} (key at its limit), {2, ms to a
 # token}, {3, stored backend} (the affinity key lives elsewhere) or {4, in flight elsewhere}
 # (backend full region-wide).
@@ -125,6 +128,10 @@ if backend ~= '' then
   redis.call('PEXPIRE', KEYS[4], ARGV[6])
 end
 if mode ~= '0' then redis.call('SET', KEYS[3], backend, 'PX', ARGV[10]) end
+if KEYS[5] ~= '' then
+  redis.call('HSET', KEYS[5], 'owner', ARGV[11], 'proc', ARGV[1], 'subj', ARGV[12])
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
+end
 return {0, others}
 """
 
@@ -273,24 +280,30 @@ class SharedAdmission:
         backend_limit: int | None,
         affinity_key: str | None,
         affinity: Affinity,
+        stream_id: str | None = None,
+        subject: str | None = None,
     ) -> Admission:
         """One round trip: check ``owner``'s concurrency (``keyed`` False: no per-key limits
         nor counts; ``key_limit`` None: counted, no cap), the affinity of ``affinity_key``,
         ``backend``'s slots (None: a peer region, nothing to claim; ``backend_limit`` None: no
         limit, a request queued on purpose) and the key's rate, in that order; if all pass,
-        claim a slot of each and take a token.
+        claim a slot of each and take a token, and make ``stream_id`` (``owner``'s, for
+        ``subject``) findable by the region's processes: announced with the admission, in
+        its round trip, instead of in one of its own before the stream's id goes out.
 
         :class:`StateUnavailable` if Redis does not answer: nothing is counted as held, and
         whatever the script may have claimed is undone by :meth:`reconcile`."""
         digest = affinity_digest(affinity_key or "")
         key_slots = self.keys.key_slots(owner)
         backend_load = self.keys.backend_load(backend or "")
-        keys = (key_slots, self.keys.key_bucket(owner), self.keys.affinity(digest), backend_load)
+        keys = (key_slots, self.keys.key_bucket(owner), self.keys.affinity(digest), backend_load,
+                "" if stream_id is None else self.keys.meta(stream_id))
         args = (
             self.process, self._lease_prefix, -1 if not keyed else (key_limit or 0),
             rate_per_s, burst, self._expiry_ms, backend or "",
             -1 if backend_limit is None else backend_limit,
             int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
+            owner, subject or "",
         )
         claims = ([key_slots] if keyed else []) + (
             [backend_load] if backend is not None else []

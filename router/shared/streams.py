@@ -272,9 +272,11 @@ class SharedStreams:
         self.announcer.start()
         self.follower.start()
 
-    def publish(self, stream: Stream) -> None:
-        """Mirror ``stream`` (new, empty) into Redis from now on."""
-        self.announcer.announce(stream)
+    def publish(self, stream: Stream, announced: bool = False) -> None:
+        """Mirror ``stream`` (new, empty) into Redis from now on; its metadata too, unless
+        it is ``announced`` already (by its admission)."""
+        if not announced:
+            self.announcer.announce(stream)
         stream.mirror = self.writer.push
         stream.on_trim = self.writer.trim
 
