@@ -171,12 +171,7 @@ class Calls:
         self.commands += len(batch)
         packed = b"".join(packed for packed, _ in batch)
         try:
-            try:
-                replies = await self._exchange(packed, len(batch))
-            except ConnectionError:
-                # Once, at once, on a fresh connection (a kept one from before a Redis
-                # restart), as redis-py retries its own commands; never on a timeout.
-                replies = await self._exchange(packed, len(batch))
+            replies = await self._exchange(packed, len(batch))
         except BaseException as exc:  # the batch is lost: each caller decides what that means
             lost = exc if isinstance(exc, Exception) else ConnectionError("batch cancelled")
             for _, future in batch:
@@ -198,7 +193,12 @@ class Calls:
         if connection is None:
             connection = await pooled(self._pool)
         try:
-            results = await exchange(connection, packed, replies, self._timeout_s)
+            try:
+                results = await exchange(connection, packed, replies, self._timeout_s)
+            except ConnectionError:
+                # Once, at once, reconnected (a kept connection from before a Redis restart),
+                # as redis-py retries its own commands; never on a timeout.
+                results = await exchange(connection, packed, replies, self._timeout_s)
         except BaseException:
             await self._pool.release(connection)
             raise

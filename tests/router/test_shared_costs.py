@@ -9,8 +9,10 @@ depend on timing. Printed with ``-s``: the figures docs/router.md quotes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
+import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
-from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
 from firstbyte.router.shared import connect
@@ -250,3 +252,39 @@ async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_de
         assert shared.streams.writer.fenced == 1
     finally:
         await shared.aclose()
+
+
+async def test_the_first_admission_after_a_redis_restart_is_answered() -> None:
+    """The turn's calls keep their last connection: after Redis restarts it is dead, and the
+    next batch reconnects once, at once (as redis-py retries its own commands), instead of
+    answering ``503 state_unavailable`` for the request that found it so."""
+    port = _free_port()
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(running_redis(port=port))
+        redis = Redis.from_url(server.url)
+        keys = Keys("restart:")
+        admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
+        try:
+            await admission.start()
+
+            async def admit() -> Verdict:
+                answer = await admission.admit(
+                    b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                    backend_limit=100, affinity_key=None, affinity=Affinity.NONE)
+                return answer.verdict
+
+            assert await admit() is Verdict.ADMITTED  # the batch's connection is kept
+            stack.close()  # Redis killed, then started again, empty (its scripts too)
+            stack.enter_context(running_redis(port=port))
+            assert await admit() is Verdict.ADMITTED
+            assert admission.failures == 0
+        finally:
+            await admission.aclose()
+            await redis.aclose()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
