@@ -336,6 +336,11 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     streams lost (a ``stream_lost`` error event) once the lease has lapsed."""
     max_events_per_stream: Annotated[int, msgspec.Meta(ge=16)] = 100_000
     """Redis keeps about this many events per stream (``XADD MAXLEN ~``)."""
+    write_interval_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 10.0
+    """A process writes its streams' new events to Redis at most this often (all of them in
+    one round trip): a reader on another process sees an event up to this much later (plus
+    a round trip); readers on the producing process read it from memory at once. 0 writes
+    as soon as the previous write returns."""
     max_connections: Annotated[int, msgspec.Meta(ge=4, le=10_000)] = 64
     """Redis connections per process, in a blocking pool: a burst past it waits for a free
     connection (up to ``timeout_s``) instead of failing."""

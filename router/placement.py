@@ -126,10 +126,11 @@ def release_key_slot(ctx: RequestContext) -> None:
 
 async def place_shared(
     state: RouterState, admission: SharedAdmission, ctx: RequestContext,
-    gone: Callable[[], Awaitable[object]] | None,
+    gone: Callable[[], Awaitable[object]] | None, stream_id: str | None = None,
 ) -> Outcome:
     """:func:`place` with shared state (:class:`~firstbyte.router.regionstate.InRedis`),
-    before the request is held for its key."""
+    before the request is held for its key; an admitted request's ``stream_id`` (the id of
+    the stream it is to make) is findable region-wide as soon as it returns."""
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
     policy = limiter.policy(owner)
@@ -160,7 +161,8 @@ async def place_shared(
                 rate_per_s=policy.rate_per_s, burst=policy.burst, backend=backend,
                 backend_limit=None if choice in _QUEUED or backend is None
                 else routing.tracker[backend].limit,
-                affinity_key=key, affinity=affinity,
+                affinity_key=key, affinity=affinity, stream_id=stream_id, subject=ctx.subject,
+                stream_format=ctx.codec.name,
             )
         except StateUnavailable as exc:
             routing.unroute(ctx)  # this process's count too: the request will not go

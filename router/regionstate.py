@@ -30,8 +30,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .hosting.limits import Throttle
+from .pipeline.context import CONTINUE
 from .placement import place_in_memory, place_shared
 from .shared.errors import describe
+from .streams import new_stream_id
 
 if TYPE_CHECKING:
     from .pipeline.context import Outcome, RequestContext
@@ -82,8 +84,15 @@ class RegionState(Protocol):
         """Give back the slot a request ending on (or moved away from) ``backend`` held."""
         ...
 
-    def publish(self, stream: Stream) -> None:
-        """``stream`` (new, empty) is to be findable from the region's other processes."""
+    def announced_id(self, owner: bytes, subject: str | None) -> str | None:
+        """The id for a stream ``owner`` makes (for ``subject``) right after :meth:`place`
+        admitted it (in the same event-loop turn), already findable region-wide; None: a new
+        id, announced by :meth:`publish`."""
+        ...
+
+    def publish(self, stream: Stream, announced: bool = False) -> None:
+        """``stream`` (new, empty) is to be findable from the region's other processes
+        (``announced``: it is already, its id from :meth:`announced_id`)."""
         ...
 
     async def announced(self, stream: Stream) -> None:
@@ -130,7 +139,10 @@ class InMemory:
     def release_backend(self, backend: str) -> None:
         pass
 
-    def publish(self, stream: Stream) -> None:
+    def announced_id(self, owner: bytes, subject: str | None) -> str | None:
+        return None
+
+    def publish(self, stream: Stream, announced: bool = False) -> None:
         pass
 
     async def announced(self, stream: Stream) -> None:
@@ -158,6 +170,10 @@ class InRedis:
         )
         self._starting: asyncio.Task[None] | None = None
         self._throttle = Throttle(10.0)
+        self._announced: dict[tuple[bytes, str | None], list[str]] = {}
+        """Stream ids admitted (and announced) this loop turn, by owner and subject, for
+        :meth:`announced_id`; what a request did not take is forgotten at the turn's end
+        (its metadata expires in Redis, never found: nobody learns the id)."""
 
     def start(self) -> None:
         self._starting = asyncio.create_task(self.shared.start())
@@ -167,13 +183,26 @@ class InRedis:
             await asyncio.shield(self._starting)  # the lease covers every stream we create
 
     async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
-        return await place_shared(state, self.shared.admission, ctx, gone)
+        # A stream's metadata goes with its admission: one round trip before the first byte,
+        # not two (the second, awaited before the stream id goes out, cost a round trip's CPU
+        # per stream start in a ramp).
+        stream_id = new_stream_id() if ctx.stream_requested else None
+        outcome = await place_shared(state, self.shared.admission, ctx, gone, stream_id)
+        if outcome is CONTINUE and stream_id is not None:
+            if not self._announced:
+                asyncio.get_running_loop().call_soon(self._announced.clear)
+            self._announced.setdefault((ctx.owner, ctx.subject), []).append(stream_id)
+        return outcome
 
     def release_backend(self, backend: str) -> None:
         self.shared.admission.release_backend(backend)
 
-    def publish(self, stream: Stream) -> None:
-        self.shared.streams.publish(stream)
+    def announced_id(self, owner: bytes, subject: str | None) -> str | None:
+        ids = self._announced.get((owner, subject))
+        return ids.pop() if ids else None
+
+    def publish(self, stream: Stream, announced: bool = False) -> None:
+        self.shared.streams.publish(stream, announced)
 
     async def announced(self, stream: Stream) -> None:
         await self.shared.streams.announced(stream)

@@ -282,10 +282,11 @@ class RouterState:
         """A new stream of ``owner`` (for ``subject``) in this process's store, shared when
         the state is; ``on_finish`` runs when it ends (e.g.
         :attr:`RequestContext.release_key_slot`)."""
-        stream = self.store.create(owner, self.clock())
+        stream_id = self.region_state.announced_id(owner, subject)
+        stream = self.store.create(owner, self.clock(), stream_id)
         stream.subject = subject
         stream.on_finish = on_finish
-        self.region_state.publish(stream)
+        self.region_state.publish(stream, announced=stream_id is not None)
         return stream
 
     async def announced(self, stream: Stream) -> None:

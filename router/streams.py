@@ -333,9 +333,11 @@ class StreamStore:
         self._evict_over_budget(strict=False)
         return StoreFull.STORE if self.total_bytes >= self.max_total_bytes else None
 
-    def create(self, owner: bytes, now: float) -> Stream:
-        """A new, empty stream of ``owner`` (call :meth:`make_room` first to respect bounds)."""
-        stream = Stream(id=new_stream_id(), owner=owner, created_at=now, last_reader_at=now)
+    def create(self, owner: bytes, now: float, stream_id: str | None = None) -> Stream:
+        """A new, empty stream of ``owner`` (call :meth:`make_room` first to respect bounds),
+        with a new id unless ``stream_id`` (one from :func:`new_stream_id`) is given."""
+        stream = Stream(id=stream_id or new_stream_id(), owner=owner, created_at=now,
+                        last_reader_at=now)
         stream._store = self
         self._streams[stream.id] = stream
         self._live[stream.id] = stream

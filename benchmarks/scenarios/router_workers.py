@@ -7,8 +7,8 @@ persistence), and ``firstbyte router`` (uvicorn, plain HTTP/1.1) with ``--worker
 to price Redis per chunk. The load generator (this process, uvloop, a minimal HTTP/1.1 client:
 one connection per stream, so SO_REUSEPORT spreads them) ramps N streams over ``ramp_s`` and
 holds them (each ``max_tokens`` long enough to outlast the ramp). All routers run from the
-start, and each level's phases alternate over the targets (direct, the routers, then direct
-again: an A/A control of what noise and drift alone do to the figures).
+start, and each level's phases alternate over the targets (direct, the routers, then the
+memory router and direct again: A/A controls of what noise and drift alone do to the figures).
 
 Per target and level: TTFT P50/P99 (request sent to the first content chunk), errors, the
 peak number of live streams, chunks relayed; the router's CPU per chunk (its processes'
@@ -17,7 +17,10 @@ utime+stime over the phase / chunks), Redis's CPU per chunk, and RSS of router a
 level. A level is "held" when every stream finished without error and added TTFT P99 <= 20 ms;
 the scaling figure is the largest level held with 2 workers over the largest held with 1
 (none when one worker holds the highest level: nothing is left for a second to show), and,
-apples to apples, chunks per router-CPU-second with 2 workers over 1.
+apples to apples, chunks per router-CPU-second with 2 workers over 1. Redis against memory
+(one worker each): TTFT P50 and P99 Redis minus memory and router CPU per chunk Redis over
+memory, next to the same figures of the memory router measured a second time (its A/A
+control), and whether they are within issue 26's target (+10 ms, +30 ms, x1.15).
 
 On a 2-core machine the sim, Redis, the load generator and the router share the two cores:
 each row names what limited it (``limit``): the first of the router (its busiest process),
@@ -353,6 +356,12 @@ AA_TARGET = "direct-aa"
 ROUTERS = (("router-1-memory", 1, False), ("router-1-redis", 1, True),
            ("router-2-redis", 2, True))
 """(name, workers, whether they share state through Redis) of each router under test."""
+MEMORY, REDIS = "router-1-memory", "router-1-redis"
+MEMORY_AA = "router-1-memory-aa"
+"""The memory router measured again after the others: the A/A control of Redis vs memory."""
+REDIS_TARGET = {"added_p50_ttft_ms": 10.0, "added_p99_ttft_ms": 30.0, "cpu_ratio": 1.15}
+"""Redis at the speed of memory (issue 26): TTFT P50 and P99 within these of memory mode,
+router CPU per chunk within this ratio of it."""
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -392,9 +401,9 @@ def run(quick: bool) -> dict[str, Any]:
             )
             routers[name] = (port, proc, redis_url)
         for n in levels:
-            for name in ("direct", *routers, AA_TARGET):
-                if name in routers:
-                    port, proc, redis_url = routers[name]
+            for name in ("direct", *routers, MEMORY_AA, AA_TARGET):
+                if name in routers or name == MEMORY_AA:
+                    port, proc, redis_url = routers[MEMORY if name == MEMORY_AA else name]
                     row = _measure(port, n, ramp_s, max_tokens, proc,
                                    rs.pid if redis_url else None, redis_url, sim)
                 else:
@@ -453,6 +462,11 @@ def _summarise(results: dict[str, Any]) -> None:
         for level in targets["router-1-memory"]
     }
     results["chunks_per_router_cpu_s"] = {"1": eff1, "2": eff2}
+    results["redis_vs_memory"] = {
+        level: _versus(targets[REDIS][level], targets[MEMORY][level],
+                       targets[MEMORY_AA][level]) for level in targets[MEMORY]
+    }
+    versus = results["redis_vs_memory"][top]
     results["summary"] = {
         "streams held, 1 worker (Redis)": one or None,
         "streams held, 2 workers (Redis)": two or None,
@@ -461,6 +475,12 @@ def _summarise(results: dict[str, Any]) -> None:
         "router chunks per CPU-second, 2 workers": eff2,
         f"Redis's cost to the router at {top} streams, µs/chunk":
             results["redis_cost_us_per_chunk"].get(top),
+        f"Redis vs memory at {top} streams, TTFT P50 / P99 ms (A/A: memory vs memory)":
+            f"{_signed(versus['added_p50_ttft_ms'])} / {_signed(versus['added_p99_ttft_ms'])}"
+            f" (A/A {_signed(versus['aa_p50_ttft_ms'])} / {_signed(versus['aa_p99_ttft_ms'])})",
+        f"Redis vs memory at {top} streams, router CPU per chunk (A/A)":
+            f"{_ratio(versus['cpu_ratio'])} (A/A {_ratio(versus['aa_cpu_ratio'])})",
+        "Redis at the speed of memory (P50 +10 ms, P99 +30 ms, CPU x1.15)": versus["target"],
         "load average at the start (1 min)": results["load_avg_at_start"][0],
         "load average at the end (1 min)": results["load_avg_at_end"][0],
     }
@@ -470,6 +490,46 @@ def _summarise(results: dict[str, Any]) -> None:
         f" held = 0 errors and added TTFT P99 <= {ADDED_P99_LIMIT_MS:g} ms.\n\n"
         + _markdown(results)
     )
+
+
+def _versus(redis: dict[str, Any], memory: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
+    """Redis minus memory at one level (TTFT) and their ratio (router CPU per chunk), and the
+    same of the memory router measured twice: what noise and drift alone make of them."""
+
+    def diff(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+        if a[key] is None or b[key] is None:
+            return None
+        return round(float(a[key]) - float(b[key]), 1)
+
+    def ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+        key = "router_cpu_us_per_chunk"
+        if not a[key] or not b[key]:
+            return None
+        return round(float(a[key]) / float(b[key]), 3)
+
+    out: dict[str, Any] = {
+        "added_p50_ttft_ms": diff(redis, memory, "p50_ttft_ms"),
+        "added_p99_ttft_ms": diff(redis, memory, "p99_ttft_ms"),
+        "cpu_ratio": ratio(redis, memory),
+        "aa_p50_ttft_ms": diff(again, memory, "p50_ttft_ms"),
+        "aa_p99_ttft_ms": diff(again, memory, "p99_ttft_ms"),
+        "aa_cpu_ratio": ratio(again, memory),
+    }
+    figures = [out[key] for key in REDIS_TARGET]
+    out["target"] = (
+        "not measured" if None in figures or redis["errors"]
+        else "met" if all(out[k] <= limit for k, limit in REDIS_TARGET.items())
+        else "NOT MET"
+    )
+    return out
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"x{value:.2f}"
 
 
 def _shares(share: dict[str, float]) -> str:
@@ -510,6 +570,13 @@ def _markdown(results: dict[str, Any]) -> str:
         f"{' (' + results['scaling_note'] + ')' if 'scaling_note' in results else ''};"
         f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
         f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
+        f" Redis vs memory (1 worker; TTFT P50 / P99 ms, router CPU per chunk; A/A: the memory"
+        f" router again): " + "; ".join(
+            f"{level}: {_signed(v['added_p50_ttft_ms'])} / {_signed(v['added_p99_ttft_ms'])},"
+            f" {_ratio(v['cpu_ratio'])} (A/A {_signed(v['aa_p50_ttft_ms'])} /"
+            f" {_signed(v['aa_p99_ttft_ms'])}, {_ratio(v['aa_cpu_ratio'])}) {v['target']}"
+            for level, v in results["redis_vs_memory"].items()
+        ) + "."
         f" Load average (1, 5, 15 min) at the start: {results['load_avg_at_start']}, at the end:"
         f" {results['load_avg_at_end']} on {results['cpus']} CPUs."
     )

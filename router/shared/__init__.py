@@ -109,10 +109,11 @@ def connect(config: RouterConfig) -> SharedState | None:
         max_age_s=config.streams.max_age_s,
         max_events=config.state.max_events_per_stream,
         reader_grace_s=config.streams.resume_grace_s,
+        write_interval_s=config.state.write_interval_ms / 1000,
     )
     admission = SharedAdmission(
         redis, keys, process, expiry_s=config.streams.max_age_s,
-        affinity_ttl_s=config.routing.affinity_ttl_s,
+        affinity_ttl_s=config.routing.affinity_ttl_s, timeout_s=config.state.timeout_s,
     )
     lease.on_lapse = admission.lapsed
     return SharedState(redis, keys, process, lease, streams, admission)

@@ -9,8 +9,10 @@ checked atomically by a Lua script that sums the processes whose lease (:mod:`.l
 exists and drops the others: a process that dies holding slots gives them back when its lease
 lapses (``lease_s``), without anyone having to clean up after it. Releases are
 fire-and-forget ``HINCRBY -1`` (a field at zero is deleted), those of one event-loop turn in
-one script call: a stream's end gives back its key's slot and its backend's together, and
-each call is a round trip the router pays ~0.1 ms of CPU for; every hash expires
+one script call: a stream's end gives back its key's slot and its backend's together. The
+admissions and releases of one event-loop turn go in one round trip, packed by hand
+(:class:`~.wire.Calls`): a round trip costs the router ~0.1 ms of CPU whatever it carries,
+and redis-py's own path as much again per command. Every hash expires
 ``streams.max_age_s`` after its last claim, the longest a claimed request can live.
 
 One script, one round trip per request, checks and claims everything at once (after the
@@ -73,12 +75,15 @@ local function live(hash, me, lease_prefix)
 end
 """
 
-# KEYS: the key's slots, its bucket, the affinity key, the backend's slots.
+# KEYS: the key's slots, its bucket, the affinity key, the backend's slots, the metadata of
+# the stream the request will make ('' if none).
 # ARGV: 1 process, 2 lease prefix, 3 key's max in flight (-1: no key limits at all, 0: the
 # key's slots are counted but not capped), 4 rate/s,
 # 5 burst, 6 expiry ms, 7 backend ('': a peer region, nothing to claim), 8 backend limit (-1:
-# none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms.
-# Checks everything first, then claims both slots and takes the token; returns {0, in flight
+# none), 9 affinity mode (0 none, 1 follow what is stored, 2 overwrite it), 10 affinity ms,
+# 11 the stream's owner, 12 its subject, 13 its wire format ('': chat, no field written).
+# Checks everything first, then claims both slots, takes the token and writes the stream's
+# metadata (as the stream writer would: owner, process, subject); returns {0, in flight
 # on the backend elsewhere} (admitted), {1, key's in flight} (key at its limit), {2, ms to a
 # token}, {3, stored backend} (the affinity key lives elsewhere) or {4, in flight elsewhere}
 # (backend full region-wide).
@@ -123,6 +128,11 @@ if backend ~= '' then
   redis.call('PEXPIRE', KEYS[4], ARGV[6])
 end
 if mode ~= '0' then redis.call('SET', KEYS[3], backend, 'PX', ARGV[10]) end
+if KEYS[5] ~= '' then
+  redis.call('HSET', KEYS[5], 'owner', ARGV[11], 'proc', ARGV[1], 'subj', ARGV[12])
+  if ARGV[13] ~= '' then redis.call('HSET', KEYS[5], 'fmt', ARGV[13]) end
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
+end
 return {0, others}
 """
 
@@ -216,7 +226,8 @@ class SharedAdmission:
     """
 
     def __init__(
-        self, redis: Redis, keys: Keys, process: str, *, expiry_s: float, affinity_ttl_s: float
+        self, redis: Redis, keys: Keys, process: str, *, expiry_s: float, affinity_ttl_s: float,
+        timeout_s: float = 2.0,
     ) -> None:
         self._redis = redis
         self.keys = keys
@@ -224,9 +235,15 @@ class SharedAdmission:
         self._lease_prefix = keys.lease("")
         self._expiry_ms = int(expiry_s * 1000)
         self._affinity_ms = max(1, int(affinity_ttl_s * 1000))
-        self._admit_sha = hashlib.sha1(_ADMIT.encode()).hexdigest()
+        # redis-py is imported lazily: placement imports this module, with or without it.
+        from .wire import Calls, PackedScript
+
+        self._admit = PackedScript(_ADMIT)
+        self._release = PackedScript(_RELEASE)
+        self.batch = Calls(redis.connection_pool, timeout_s)
+        """The admissions and releases of one loop turn go in one round trip, packed here
+        (:mod:`.wire`): through redis-py each cost the router ~100 µs of CPU."""
         self._others = redis.register_script(_OTHERS)
-        self._release = redis.register_script(_RELEASE)
         self._reconcile = redis.register_script(_RECONCILE)
         self._releasing: list[str] = []
         """Slots given back this loop turn, not sent yet."""
@@ -246,10 +263,11 @@ class SharedAdmission:
         self.reconciled = 0
 
     async def start(self) -> None:
-        """Load the admission script (the others load themselves when first used); a Redis
-        away at start loads it with the first admission instead."""
+        """Load the admission and release scripts (the others load themselves when first
+        used); a Redis away at start sends them with their first call instead."""
         with contextlib.suppress(Exception):
             await self._redis.script_load(_ADMIT)
+            await self._redis.script_load(_RELEASE)
 
     async def admit(
         self,
@@ -263,25 +281,32 @@ class SharedAdmission:
         backend_limit: int | None,
         affinity_key: str | None,
         affinity: Affinity,
+        stream_id: str | None = None,
+        subject: str | None = None,
+        stream_format: str = "chat",
     ) -> Admission:
         """One round trip: check ``owner``'s concurrency (``keyed`` False: no per-key limits
         nor counts; ``key_limit`` None: counted, no cap), the affinity of ``affinity_key``,
         ``backend``'s slots (None: a peer region, nothing to claim; ``backend_limit`` None: no
         limit, a request queued on purpose) and the key's rate, in that order; if all pass,
-        claim a slot of each and take a token.
+        claim a slot of each and take a token, and make ``stream_id`` (``owner``'s, for
+        ``subject``, in ``stream_format``) findable by the region's processes: announced
+        with the admission, in its round trip, instead of in one of its own before the
+        stream's id goes out.
 
         :class:`StateUnavailable` if Redis does not answer: nothing is counted as held, and
         whatever the script may have claimed is undone by :meth:`reconcile`."""
         digest = affinity_digest(affinity_key or "")
         key_slots = self.keys.key_slots(owner)
         backend_load = self.keys.backend_load(backend or "")
+        keys = (key_slots, self.keys.key_bucket(owner), self.keys.affinity(digest), backend_load,
+                "" if stream_id is None else self.keys.meta(stream_id))
         args = (
-            4, key_slots, self.keys.key_bucket(owner),
-            self.keys.affinity(digest), backend_load,
             self.process, self._lease_prefix, -1 if not keyed else (key_limit or 0),
             rate_per_s, burst, self._expiry_ms, backend or "",
             -1 if backend_limit is None else backend_limit,
             int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
+            owner, subject or "", "" if stream_format == "chat" else stream_format,
         )
         claims = ([key_slots] if keyed else []) + (
             [backend_load] if backend is not None else []
@@ -289,7 +314,7 @@ class SharedAdmission:
         await self._wait_gate()
         self._begin()
         try:
-            reply = await self._evalsha_admit(args)
+            reply = await self.batch.script(self._admit, keys, args)
         except Exception as exc:
             self._uncertain(claims)
             raise StateUnavailable(f"admission: {describe(exc)}") from exc
@@ -307,18 +332,6 @@ class SharedAdmission:
         if verdict is Verdict.KEY_RATE:
             return Admission(verdict, int(value) / 1000)
         return Admission(verdict, int(value))
-
-    async def _evalsha_admit(self, args: tuple[Any, ...]) -> Any:
-        try:
-            return await self._redis.evalsha(self._admit_sha, *args)
-        except Exception as exc:
-            # redis-py is imported lazily: placement imports this module, with or without it.
-            from redis.exceptions import NoScriptError
-
-            if not isinstance(exc, NoScriptError):
-                raise
-            await self._redis.script_load(_ADMIT)  # Redis restarted (or SCRIPT FLUSH): once
-            return await self._redis.evalsha(self._admit_sha, *args)
 
     async def claim_backend(self, backend: str, limit: int) -> bool:
         """Claim a slot of ``backend`` alone, for a request moved there after its own
@@ -370,7 +383,7 @@ class SharedAdmission:
             return
         self._begin()
         try:
-            await self._release(keys=keys, args=[self.process])
+            await self.batch.script(self._release, keys, (self.process,))
         except Exception:
             self._uncertain(keys)
             raise  # logged at debug level by Background; reconcile repairs it
@@ -443,3 +456,4 @@ class SharedAdmission:
         """Let the releases in flight finish (a clean exit gives its slots back at once)."""
         await self.background.drain()
         await self.background.aclose()
+        await self.batch.aclose()

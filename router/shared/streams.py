@@ -11,8 +11,10 @@ The producing process keeps its streams in its own :class:`~firstbyte.router.str
   point (or from before what ``MAXLEN`` dropped) gets ``stream_history_trimmed``;
 - the hash ``{prefix}m:{id}`` holds its owner (the API key's digest: a stream is readable only
   with the key that created it, here as in memory) and the producing process's id;
-- events are written by one :class:`_Writer` per process that pipelines everything queued
-  since its last round trip (one round trip carries many streams' chunks under load).
+- events are written by one :class:`_Writer` per process: everything queued since its last
+  write goes in one round trip, as calls of one Lua script (one reply per 256 events, not one
+  per chunk), at most every ``state.write_interval_ms`` (a write under load carries many
+  streams' chunks).
 
 Another process finds a stream with :meth:`SharedStreams.lookup` and reads it as a
 :class:`RemoteStream`, which has the reading side of :class:`~firstbyte.router.streams.Stream`
@@ -36,26 +38,23 @@ import asyncio
 import bisect
 import contextlib
 import hmac
-import inspect
 import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from redis.asyncio import ConnectionPool
-from redis.exceptions import ResponseError
-
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import CHAT
 from firstbyte.protocol.formats import BY_NAME
 
 from ..hosting.limits import Throttle
-from ..streams import HistoryTrimmed, Stream, StreamEvent
+from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
 from .background import Background
 from .errors import StateUnavailable, describe
 from .keys import Keys
 from .lease import Lease
+from .wire import bulk, exchange, pooled
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -253,13 +252,14 @@ class SharedStreams:
         max_age_s: float,
         max_events: int,
         reader_grace_s: float,
+        write_interval_s: float = 0.0,
     ) -> None:
         self._redis = redis
         self.keys = keys
         self.lease = lease
         self.max_age_ms = int(max_age_s * 1000)
         self.reader_ttl_ms = int(max(reader_grace_s, 3 * lease.check_interval_s) * 1000)
-        self.writer = _Writer(redis, keys, process, self.max_age_ms, max_events)
+        self.writer = _Writer(redis, keys, process, self.max_age_ms, max_events, write_interval_s)
         # New streams' metadata goes on a writer (and connection) of its own: behind the event
         # writer's batches, a new stream's id waited for one to two of them (a batch under
         # load is thousands of XADDs), which added 80 ms to 1 s to TTFT at 100 streams.
@@ -274,9 +274,11 @@ class SharedStreams:
         self.announcer.start()
         self.follower.start()
 
-    def publish(self, stream: Stream) -> None:
-        """Mirror ``stream`` (new, empty) into Redis from now on."""
-        self.announcer.announce(stream)
+    def publish(self, stream: Stream, announced: bool = False) -> None:
+        """Mirror ``stream`` (new, empty) into Redis from now on; its metadata too, unless
+        it is ``announced`` already (by its admission)."""
+        if not announced:
+            self.announcer.announce(stream)
         stream.mirror = self.writer.push
         stream.on_trim = self.writer.trim
 
@@ -366,46 +368,76 @@ class SharedStreams:
 _TRIM = StreamEvent(0, b"")
 """Queued in place of an event: trim the stream's Redis history to its trim point."""
 
-
-def _bulk(value: bytes) -> bytes:
-    """One RESP bulk string."""
-    return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-_NAMED_GET = "command_name" in inspect.signature(ConnectionPool.get_connection).parameters and (
-    inspect.signature(ConnectionPool.get_connection).parameters["command_name"].default
-    is inspect.Parameter.empty
-)
-"""redis-py 5.0-5.2 require a command name to hand out a connection; later ones warn if given."""
-
-
-async def _pooled(pool: ConnectionPool) -> Any:
-    """A connection from ``pool`` (on every redis-py the pyproject range allows)."""
-    if _NAMED_GET:
-        return await pool.get_connection("XADD")  # type: ignore[no-untyped-call]
-    return await pool.get_connection()  # type: ignore[no-untyped-call,unused-ignore]
+# KEYS: one per operation. ARGV: 1 MAXLEN, 2 expiry ms, 3 this process, then three per
+# operation: its kind and two values. x: XADD (id, data); X: the same, then PEXPIRE (a
+# stream's first event); m: a new stream's metadata (owner, subject); t: its upstream TTFT;
+# f: its wire format (written for formats other than chat);
+# r: XTRIM MINID (the first id kept). Each runs whatever the others did (an XADD refused
+# fences its producer, not the batch); returns the operations refused, by index.
+_APPEND = """
+local maxlen, age, proc = ARGV[1], ARGV[2], ARGV[3]
+local refused = {}
+for i = 1, #KEYS do
+  local kind, a, b, key = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3], KEYS[i]
+  local ok
+  if kind == 'x' or kind == 'X' then
+    ok = redis.pcall('XADD', key, 'MAXLEN', '~', maxlen, a, 'd', b)
+    if kind == 'X' and type(ok) ~= 'table' then redis.call('PEXPIRE', key, age) end
+  elseif kind == 'm' then
+    ok = redis.pcall('HSET', key, 'owner', a, 'proc', proc, 'subj', b)
+    redis.call('PEXPIRE', key, age)
+  elseif kind == 't' then
+    ok = redis.pcall('HSET', key, 'ttft', a)
+  elseif kind == 'f' then
+    ok = redis.pcall('HSET', key, 'fmt', a)
+  else
+    ok = redis.pcall('XTRIM', key, 'MINID', a)
+  end
+  if type(ok) == 'table' and ok.err then refused[#refused + 1] = i end
+end
+return refused
+"""
+_OPS_PER_CALL = 256
+"""Operations per script call: Redis runs a script alone, so one call of a big batch would
+hold every other client (the admissions of all processes) for its whole length; 256 XADDs
+take it ~0.5 ms."""
 
 
 class _Writer:
-    """Writes this process's streams into Redis: everything queued since the last round
-    trip goes in one pipeline, in order, so a stream's events are added in sequence."""
+    """Writes this process's streams into Redis: everything queued since the last write goes
+    in one round trip, in order (a stream's events are added in sequence), as calls of one
+    script (:data:`_APPEND`), each carrying up to :data:`_OPS_PER_CALL` operations.
+
+    Writes start at most every ``interval_s``: under load a write carries tens of chunks
+    instead of a few, and its cost (a send, a reply to parse, a pooled connection) is shared
+    by all of them; an event waits at most ``interval_s`` plus a round trip before readers
+    elsewhere can see it (readers in this process read it from memory at once).
+    """
 
     def __init__(
-        self, redis: Redis, keys: Keys, process: str, max_age_ms: int, max_events: int
+        self, redis: Redis, keys: Keys, process: str, max_age_ms: int, max_events: int,
+        interval_s: float = 0.0,
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._process = process.encode()
-        self._max_age_ms = max_age_ms
-        self._maxlen = b"$6\r\nMAXLEN\r\n$1\r\n~\r\n" + _bulk(b"%d" % max_events)
+        self._head = (bulk(_APPEND.encode()), bulk(b"%d" % max_events),
+                      bulk(b"%d" % max_age_ms), bulk(self._process))
+        self._interval_s = interval_s
         self._queue: list[tuple[Stream, StreamEvent | None]] = []
         self._wake: asyncio.Future[None] | None = None
         self._idle = asyncio.Event()
         """Set while nothing is queued or being written."""
         self._announced: dict[str, asyncio.Future[None]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._connection: Any = None
+        """The writer's own connection, taken from the pool once: the pool's hand-out and
+        return were a third of a write's CPU."""
         self.round_trips = 0
+        self.calls = 0
+        """Script calls sent (replies read)."""
         self.commands = 0
+        """Operations written (an XADD, a stream's metadata, ...)."""
         self.failures = 0
         self.fenced = 0
 
@@ -424,12 +456,14 @@ class _Writer:
             await asyncio.shield(future)
 
     def push(self, stream: Stream, event: StreamEvent | None) -> None:
-        """Queue one event of ``stream`` (``None``: its metadata) for the next round trip."""
-        self._queue.append((stream, event))
-        self._idle.clear()
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        """Queue one event of ``stream`` (``None``: its metadata) for the next write."""
+        queue = self._queue
+        queue.append((stream, event))
+        if len(queue) == 1:  # called per relayed chunk: the rest is done once per write
+            self._idle.clear()
+            wake = self._wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
 
     def trim(self, stream: Stream) -> None:
         """Queue the trim of ``stream``'s events up to ``stream.trimmed`` (after its XADDs)."""
@@ -437,81 +471,103 @@ class _Writer:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        last = -math.inf
         while True:
             if not self._queue:
                 self._idle.set()
                 self._wake = loop.create_future()
                 await self._wake
                 self._wake = None
+            pause = last + self._interval_s - loop.time()
+            if pause > 0:  # the events of the rest of the interval go with these
+                await asyncio.sleep(pause)
+            last = loop.time()
             batch, self._queue = self._queue, []
             await self._write(batch)
 
-    async def _write(self, batch: list[tuple[Stream, StreamEvent | None]]) -> None:
-        # The commands are packed here and sent on one of redis-py's pooled connections: its
-        # pipeline builds each command through several layers of Python, which cost the router
-        # ~24 us per relayed chunk (bench router_workers); a prepacked XADD costs ~2.
+    def _pack(
+        self, batch: list[tuple[Stream, StreamEvent | None]]
+    ) -> tuple[bytes, list[list[Stream | None]]]:
+        """The script calls for ``batch``, and per call the stream whose XADD each operation
+        is (None for the others)."""
         keys = self._keys
-        parts: list[bytes] = []
-        producers: list[Stream | None] = []  # per command: the stream whose XADD it is
-        max_age = _bulk(b"%d" % self._max_age_ms)
+        calls: list[bytes] = []
+        producers: list[list[Stream | None]] = []
+        names: list[bytes] = []
+        values: list[bytes] = []
+        ops: list[Stream | None] = []
+
+        def close() -> None:
+            calls.append(b"*%d\r\n$4\r\nEVAL\r\n" % (6 + 4 * len(ops)) + self._head[0]
+                         + bulk(b"%d" % len(ops)) + b"".join(names) + b"".join(self._head[1:])
+                         + b"".join(values))
+            producers.append(list(ops))
+            names.clear()
+            values.clear()
+            ops.clear()
+
+        named: dict[str, bytes] = {}  # a stream's key, packed once per write
         for stream, event in batch:
-            if event is None:
-                meta = _bulk(keys.meta(stream.id).encode())
+            if event is not None and event is not _TRIM:  # an event: the common case, first
+                name = named.get(stream.id)
+                if name is None:
+                    name = named[stream.id] = bulk(keys.events(stream.id).encode())
+                names.append(name)
+                seq, data = event.seq, event.data
+                entry = b"%d-0" % seq
+                values.append(b"$1\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                    b"X" if seq == 1 else b"x", len(entry), entry, len(data), data))
+                ops.append(stream)
+                if data == DONE_DATA and stream.upstream_ttft_ms is not None:
+                    names.append(bulk(keys.meta(stream.id).encode()))
+                    values += (b"$1\r\nt\r\n", bulk(b"%.3f" % stream.upstream_ttft_ms),
+                               b"$0\r\n\r\n")
+                    ops.append(None)
+            elif event is None:  # a new stream's metadata
                 subject = b"" if stream.subject is None else stream.subject.encode()
-                chat = stream.format == "chat"  # chat's metadata as before: no fmt field
-                parts += (b"*8\r\n$4\r\nHSET\r\n" if chat else b"*10\r\n$4\r\nHSET\r\n",
-                          meta, b"$5\r\nowner\r\n", _bulk(stream.owner),
-                          b"$4\r\nproc\r\n", _bulk(self._process),
-                          b"$4\r\nsubj\r\n", _bulk(subject),
-                          *(() if chat else (b"$3\r\nfmt\r\n", _bulk(stream.format.encode()))),
-                          b"*3\r\n$7\r\nPEXPIRE\r\n", meta, max_age)
-                producers += (None, None)
-                continue
-            key = _bulk(keys.events(stream.id).encode())
-            if event is _TRIM:
-                parts += (b"*4\r\n$5\r\nXTRIM\r\n", key, b"$5\r\nMINID\r\n",
-                          _bulk(b"%d-0" % (stream.trimmed + 1)))
-                producers.append(None)
-                continue
-            parts += (b"*8\r\n$4\r\nXADD\r\n", key, self._maxlen, _bulk(b"%d-0" % event.seq),
-                      b"$1\r\nd\r\n", _bulk(event.data))
-            producers.append(stream)
-            if event.seq == 1:
-                parts += (b"*3\r\n$7\r\nPEXPIRE\r\n", key, max_age)
-                producers.append(None)
-            if event.is_done and stream.upstream_ttft_ms is not None:
-                parts += (b"*4\r\n$4\r\nHSET\r\n", _bulk(keys.meta(stream.id).encode()),
-                          b"$4\r\nttft\r\n", _bulk(b"%.3f" % stream.upstream_ttft_ms))
-                producers.append(None)
+                names.append(bulk(keys.meta(stream.id).encode()))
+                values += (b"$1\r\nm\r\n", bulk(stream.owner), bulk(subject))
+                ops.append(None)
+                if stream.format != "chat":  # set by now: the write comes a turn later
+                    # (chat's metadata as before); a reader elsewhere ends a lost
+                    # producer's stream in it.
+                    names.append(bulk(keys.meta(stream.id).encode()))
+                    values += (b"$1\r\nf\r\n", bulk(stream.format.encode()), b"$0\r\n\r\n")
+                    ops.append(None)
+            else:  # its trim point
+                names.append(bulk(keys.events(stream.id).encode()))
+                values += (b"$1\r\nr\r\n", bulk(b"%d-0" % (stream.trimmed + 1)), b"$0\r\n\r\n")
+                ops.append(None)
+            if len(ops) >= _OPS_PER_CALL:
+                close()
+        if ops:
+            close()
+        return b"".join(calls), producers
+
+    async def _write(self, batch: list[tuple[Stream, StreamEvent | None]]) -> None:
+        # Packed here and sent on one of redis-py's pooled connections (:mod:`.wire`): its
+        # pipeline cost the router ~24 us per relayed chunk (bench router_workers), a
+        # prepacked XADD ~2 plus ~4 to parse its reply; a script call per batch has one reply.
+        packed, producers = self._pack(batch)
         self.round_trips += 1
-        self.commands += len(producers)
-        results: list[Any] = [None] * len(producers)
-        pool = self._redis.connection_pool
+        self.calls += len(producers)
+        self.commands += sum(len(ops) for ops in producers)
         try:
-            connection = await _pooled(pool)
-        except Exception as exc:
-            self._failed(len(producers), exc)
+            if self._connection is None:
+                self._connection = await pooled(self._redis.connection_pool)
+            # A failed exchange drops the connection; the next write's send reconnects it.
+            replies = await exchange(self._connection, packed, len(producers), _BATCH_TIMEOUT_S)
+        except Exception as exc:  # Redis away: local readers go on, remote ones see a gap
+            self._failed(sum(len(ops) for ops in producers), exc)
         else:
-            try:
-                await connection.send_packed_command(b"".join(parts), check_health=False)
-                # One deadline for the whole batch, none per reply: redis-py arms a timeout
-                # for every reply it reads, which was a third of the writer's CPU per event.
-                async with asyncio.timeout(_BATCH_TIMEOUT_S):
-                    for i in range(len(producers)):
-                        try:
-                            results[i] = await connection.read_response(
-                                disable_decoding=True, timeout=math.inf
-                            )
-                        except ResponseError as refused:  # one command refused: read on
-                            results[i] = refused
-            except Exception as exc:  # Redis away: local readers go on, remote ones see a gap
-                await connection.disconnect()
-                self._failed(len(producers), exc)
-            finally:
-                await pool.release(connection)
-        for producer, result in zip(producers, results, strict=True):
-            if producer is not None and isinstance(result, Exception) and producer.mirror:
-                self._fence(producer, result)
+            for ops, reply in zip(producers, replies, strict=True):
+                if isinstance(reply, Exception):  # the whole call refused (not a fence)
+                    self._failed(len(ops), reply)
+                    continue
+                for index in reply:
+                    producer = ops[int(index) - 1]
+                    if producer is not None and producer.mirror:
+                        self._fence(producer, f"an XADD of {producer.id} was refused")
         for stream, event in batch:
             if event is None:
                 future = self._announced.pop(stream.id, None)
@@ -526,7 +582,7 @@ class _Writer:
             log.warning("cannot write %d stream commands to Redis: %s%s", commands,
                         describe(exc), more)
 
-    def _fence(self, stream: Stream, error: Exception) -> None:
+    def _fence(self, stream: Stream, error: str) -> None:
         """An ``XADD`` refused: another process declared this stream lost (its entry ids
         are past ours). Stop mirroring it and cancel its upstream request."""
         self.fenced += 1
@@ -545,6 +601,9 @@ class _Writer:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await self._redis.connection_pool.release(connection)
 
 
 class _Follower:

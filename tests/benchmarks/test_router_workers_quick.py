@@ -27,7 +27,7 @@ def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> N
     results = json.loads((tmp_path / "results.json").read_text())
     levels = [str(n) for n in results["levels"]]
     assert set(results["targets"]) == {"direct", "router-1-memory", "router-1-redis",
-                                       "router-2-redis", "direct-aa"}
+                                       "router-2-redis", "router-1-memory-aa", "direct-aa"}
     for name, rows in results["targets"].items():
         assert list(rows) == levels
         for row in rows.values():
@@ -52,6 +52,16 @@ def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> N
     if held_1 == max(results["levels"]):  # nothing left for a second worker to show
         assert results["scaling_held"] is None
         assert "do not separate 1 from 2 workers" in results["scaling_note"]
+    # Redis against memory, and the memory router against itself (its A/A control).
+    for level in levels:
+        versus = results["redis_vs_memory"][level]
+        for key in ("added_p50_ttft_ms", "added_p99_ttft_ms", "aa_p50_ttft_ms",
+                    "aa_p99_ttft_ms"):
+            assert isinstance(versus[key], float), (key, versus)
+        assert versus["cpu_ratio"] > 0
+        assert versus["aa_cpu_ratio"] > 0
+        assert versus["target"] in ("met", "NOT MET")
     summary = (tmp_path / "summary.md").read_text()
+    assert "Redis vs memory at" in summary
     assert "scaling (held, 2 workers / 1)" in summary
     assert "| router-2-redis |" in summary

@@ -1,0 +1,220 @@
+"""Commands packed by hand and sent many to a round trip, on redis-py's pooled connections.
+
+redis-py builds, sends and parses each command through several layers of Python: an
+``EVALSHA`` cost the router ~100 µs of CPU (its pool, its encoder, a timeout armed per reply),
+one prepacked among others in one send ~20 µs, and a reply parsed per relayed chunk ~4 µs
+(there is no hiredis here). So the commands on a stream's path are packed here
+(:func:`pack`), and each job's commands go out together:
+
+- :func:`round_trip` sends a batch on one pooled connection and reads every reply under one
+  deadline (an error reply is returned in its place, a lost connection raises);
+- :class:`Calls` gathers the calls of one event-loop turn whose replies are awaited (a
+  stream's admission) or not (its releases) into one :func:`round_trip`;
+- :class:`PackedScript` is a Lua script called by its digest, its body sent only if Redis
+  lost it (a restart, ``SCRIPT FLUSH``).
+
+Nothing here knows what the commands mean: :mod:`.admission` and :mod:`.streams` do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import ConnectionPool
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+
+__all__ = ["Calls", "PackedScript", "bulk", "pack", "pooled", "round_trip"]
+
+Arg = bytes | str | int | float
+
+
+def bulk(value: bytes) -> bytes:
+    """One RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def pack(*args: Arg) -> bytes:
+    """One command in RESP (``pack("GET", key)``); numbers as redis-py writes them."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:  # a loop, not a generator: this runs per stream start
+        if isinstance(arg, bytes):
+            value = arg
+        elif isinstance(arg, str):
+            value = arg.encode()
+        elif isinstance(arg, int):
+            value = b"%d" % arg
+        else:
+            value = repr(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(value), value))
+    return b"".join(out)
+
+
+_NAMED_GET = "command_name" in inspect.signature(ConnectionPool.get_connection).parameters and (
+    inspect.signature(ConnectionPool.get_connection).parameters["command_name"].default
+    is inspect.Parameter.empty
+)
+"""redis-py 5.0-5.2 require a command name to hand out a connection; later ones warn if given."""
+
+
+async def pooled(pool: ConnectionPool) -> Any:
+    """A connection from ``pool`` (on every redis-py the pyproject range allows)."""
+    if _NAMED_GET:
+        return await pool.get_connection("EVALSHA")  # type: ignore[no-untyped-call]
+    return await pool.get_connection()  # type: ignore[no-untyped-call,unused-ignore]
+
+
+async def round_trip(
+    pool: ConnectionPool, packed: bytes, replies: int, timeout_s: float
+) -> list[Any]:
+    """Send ``packed`` (``replies`` commands) on one pooled connection; their replies, in
+    order, an error reply as its :class:`~redis.exceptions.ResponseError`. Raises if no
+    connection is free (the pool's own timeout), or the connection fails or takes over
+    ``timeout_s`` for the replies (then it is dropped: replies may still be on their way)."""
+    connection = await pooled(pool)
+    try:
+        return await exchange(connection, packed, replies, timeout_s)
+    finally:
+        await pool.release(connection)
+
+
+async def exchange(connection: Any, packed: bytes, replies: int, timeout_s: float) -> list[Any]:
+    """:func:`round_trip` on ``connection`` (disconnected if it fails)."""
+    results: list[Any] = [None] * replies
+    try:
+        await connection.send_packed_command(packed, check_health=False)
+        # One deadline for the whole batch, none per reply: redis-py arms a timeout for
+        # every reply it reads, which was a third of the stream writer's CPU per event.
+        async with asyncio.timeout(timeout_s):
+            for i in range(replies):
+                try:
+                    results[i] = await connection.read_response(
+                        disable_decoding=True, timeout=math.inf
+                    )
+                except ResponseError as refused:  # one command refused: read on
+                    results[i] = refused
+    except BaseException:
+        await connection.disconnect()
+        raise
+    return results
+
+
+class PackedScript:
+    """A Lua script, called by its digest (:meth:`evalsha`) or with its body (:meth:`eval`)."""
+
+    def __init__(self, body: str) -> None:
+        self.body = body.encode()
+        self.sha = hashlib.sha1(self.body).hexdigest().encode()
+
+    def evalsha(self, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
+        return pack(b"EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def eval(self, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
+        """The call with the body: it runs (and is cached) whether Redis knew it or not."""
+        return pack(b"EVAL", self.body, len(keys), *keys, *args)
+
+
+class Calls:
+    """Commands sent by many callers, those of one event-loop turn in one round trip.
+
+    :meth:`call` queues one command and returns the future of its reply; the first call of a
+    turn schedules the send at the end of the turn, so a burst of stream starts (or ends)
+    shares one send, one connection and one read. Several batches may be in flight, each on
+    its own pooled connection: a batch never waits behind another's round trip.
+    """
+
+    def __init__(self, pool: ConnectionPool, timeout_s: float) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._queue: list[tuple[bytes, asyncio.Future[Any]]] = []
+        self._sending: set[asyncio.Task[None]] = set()
+        self._spare: Any = None
+        """A connection kept from the last batch: the pool's hand-out and return (a lock,
+        its bookkeeping) cost as much CPU as the batch itself."""
+        self.round_trips = 0
+        """Batches sent (each one round trip)."""
+        self.commands = 0
+
+    def call(self, packed: bytes) -> asyncio.Future[Any]:
+        """Queue ``packed``; its future holds the reply (an error reply as its exception), or
+        the exception that lost the batch."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((packed, future))
+        if len(self._queue) == 1:
+            loop.call_soon(self._flush)  # after the rest of this turn's calls
+        return future
+
+    async def script(self, script: PackedScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """Run ``script``: its reply, or the error it raised (a lost script is sent again with
+        its body, once)."""
+        try:
+            return await self.call(script.evalsha(keys, args))
+        except NoScriptError:
+            return await self.call(script.eval(keys, args))
+
+    def _flush(self) -> None:
+        batch, self._queue = self._queue, []
+        live = [(packed, future) for packed, future in batch if not future.done()]
+        if not live:  # every caller cancelled before the send: nothing to claim
+            return
+        task = asyncio.ensure_future(self._send(live))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[tuple[bytes, asyncio.Future[Any]]]) -> None:
+        self.round_trips += 1
+        self.commands += len(batch)
+        packed = b"".join(packed for packed, _ in batch)
+        try:
+            replies = await self._exchange(packed, len(batch))
+        except BaseException as exc:  # the batch is lost: each caller decides what that means
+            lost = exc if isinstance(exc, Exception) else ConnectionError("batch cancelled")
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(lost)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, future), reply in zip(batch, replies, strict=True):
+            if future.done():  # its caller was cancelled meanwhile
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    async def _exchange(self, packed: bytes, replies: int) -> list[Any]:
+        connection, self._spare = self._spare, None
+        if connection is None:
+            connection = await pooled(self._pool)
+        try:
+            try:
+                results = await exchange(connection, packed, replies, self._timeout_s)
+            except ConnectionError:
+                # Once, at once, reconnected (a kept connection from before a Redis restart),
+                # as redis-py retries its own commands; never on a timeout.
+                results = await exchange(connection, packed, replies, self._timeout_s)
+        except BaseException:
+            await self._pool.release(connection)
+            raise
+        if self._spare is None:
+            self._spare = connection
+        else:  # another batch kept one meanwhile
+            await self._pool.release(connection)
+        return results
+
+    async def aclose(self) -> None:
+        """Wait for the batches in flight (a clean exit's releases reach Redis), then give
+        the kept connection back."""
+        if self._queue:
+            self._flush()
+        if self._sending:
+            await asyncio.wait(list(self._sending), timeout=self._timeout_s)
+        connection, self._spare = self._spare, None
+        if connection is not None:
+            await self._pool.release(connection)

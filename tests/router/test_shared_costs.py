@@ -1,0 +1,290 @@
+"""What one stream costs in Redis: commands and round trips per start, per chunk, per end.
+
+The router runs in this process over real sockets on loopback, with a real ``valkey-server``;
+every command it sends is read back from the bytes it writes to its Redis connections (a spy
+on redis-py's ``send_packed_command``: one call is one round trip), so the counts do not
+depend on timing. Printed with ``-s``: the figures docs/router.md quotes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+import socket
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+
+from firstbyte.benchmarks.redis_server import RedisServer, running_redis
+from firstbyte.router.config import parse_config
+from firstbyte.router.serve import running_router
+from firstbyte.router.shared import connect
+from firstbyte.router.shared.admission import _ADMIT, _RELEASE, Affinity, SharedAdmission, Verdict
+from firstbyte.router.shared.keys import Keys
+from firstbyte.router.streams import Stream
+from tests.router.conftest import auth, router_config
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
+from tests.router.upstream import running_upstream
+
+ADMIT_SHA = hashlib.sha1(_ADMIT.encode()).hexdigest().encode()
+RELEASE_SHA = hashlib.sha1(_RELEASE.encode()).hexdigest().encode()
+TOKENS = 40
+
+
+def _commands(payload: bytes) -> Iterator[list[bytes]]:
+    """The RESP commands (arrays of bulk strings) in ``payload``."""
+    at = 0
+    while at < len(payload):
+        assert payload[at : at + 1] == b"*", payload[at : at + 20]
+        end = payload.index(b"\r\n", at)
+        count, at = int(payload[at + 1 : end]), end + 2
+        command = []
+        for _ in range(count):
+            end = payload.index(b"\r\n", at)
+            size = int(payload[at + 1 : end])
+            command.append(payload[end + 2 : end + 2 + size])
+            at = end + 2 + size + 2
+        yield command
+
+
+def _kind(command: list[bytes]) -> str:
+    """What a command is for: a stream's admission, release or events; else the process's
+    own housekeeping (lease, load elsewhere, connection set-up)."""
+    name = command[0].upper()
+    if name == b"EVALSHA" and command[1] == ADMIT_SHA:
+        return "admit"
+    if name == b"EVALSHA" and command[1] == RELEASE_SHA:
+        return "release"
+    if name == b"EVAL" and b"XADD" in command[1]:  # the writer's script: which operations?
+        count = int(command[2])
+        kinds = command[6 + count :: 3]
+        return "announce" if b"m" in kinds else "events"
+    if name == b"HSET" and b"owner" in command:  # a stream's metadata, by redis-py's writer
+        return "announce"
+    if name in (b"XADD", b"XTRIM", b"HSET", b"PEXPIRE"):
+        return "events"
+    return "housekeeping"
+
+
+@dataclass
+class Spy:
+    """Every command the process sends to Redis, with the round trip (send) it went in."""
+
+    sends: list[list[str]] = field(default_factory=list)
+
+    def mark(self) -> int:
+        return len(self.sends)
+
+    def since(self, mark: int) -> tuple[Counter[str], Counter[str]]:
+        """Commands and round trips of each kind since ``mark`` (a round trip counts for
+        every kind it carries)."""
+        commands: Counter[str] = Counter()
+        trips: Counter[str] = Counter()
+        for kinds in self.sends[mark:]:
+            commands.update(kinds)
+            trips.update(set(kinds))
+        return commands, trips
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    seen = Spy()
+    send = Connection.send_packed_command
+
+    async def counted(self: Connection, command: object, check_health: bool = True) -> None:
+        payload = command if isinstance(command, bytes) else b"".join(command)  # type: ignore[arg-type]
+        seen.sends.append([_kind(c) for c in _commands(payload)])
+        await send(self, command, check_health)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    return seen
+
+
+async def _commandstats(url: str) -> Counter[str]:
+    """Commands Redis has run so far, by name (those a script ran included)."""
+    redis = Redis.from_url(url)
+    try:
+        stats = await redis.info("commandstats")
+    finally:
+        await redis.aclose()
+    return Counter({name.removeprefix("cmdstat_"): int(value["calls"])
+                    for name, value in stats.items()})
+
+
+@pytest.fixture
+async def shared_router(redis_server: RedisServer) -> AsyncIterator[str]:  # noqa: F811
+    async with running_upstream() as upstream:
+        config = router_config(
+            [upstream.url], None,
+            state={"redis_url": redis_server.url, "key_prefix": f"c{secrets.token_hex(4)}:",
+                   "lease_s": 60.0},
+        )
+        async with running_router(config) as endpoints:
+            yield endpoints.base_url
+
+
+async def _stream(http: httpx.AsyncClient, base: str, tokens: int) -> int:
+    """One streamed completion read to its end; the number of SSE events."""
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "count"}],
+            "stream": True, "max_tokens": tokens}
+    async with http.stream("POST", base + "/v1/chat/completions", json=body,
+                           headers=auth()) as response:
+        assert response.status_code == 200
+        text = (await response.aread()).decode()
+    return text.count("\ndata: ") + text.startswith("data: ")
+
+
+async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
+    shared_router: str, spy: Spy, redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Per stream: one round trip before the first byte (the admission: the key's and the
+    backend's slots region-wide, and the stream's metadata, so its id can go out), one
+    release, and its events written a batch to a script call, not a command per chunk;
+    nothing else."""
+    async with httpx.AsyncClient(timeout=20) as http:
+        await _stream(http, shared_router, 2)  # connections made, scripts loaded
+        await asyncio.sleep(0.1)
+        mark = spy.mark()
+        ran = await _commandstats(redis_server.url)
+        streams, events = 5, 0
+        for _ in range(streams):
+            events += await _stream(http, shared_router, TOKENS)
+        await asyncio.sleep(0.2)  # the last release and write are sent
+    commands, trips = spy.since(mark)
+    ran = await _commandstats(redis_server.url) - ran
+    del ran["info"]
+    print(f"\nRedis ran, per stream: { {k: round(v / streams, 1) for k, v in sorted(ran.items())} }")
+    print(f"\nper stream of {events // streams} events: commands {dict(commands)},"
+          f" round trips {dict(trips)} (over {streams} streams)")
+    assert events >= streams * TOKENS
+    assert ran["xadd"] == events  # every event its own entry: resume stays exact
+    assert commands["admit"] == trips["admit"] == streams  # the critical path: one round trip
+    assert trips["announce"] == 0  # no second one before the stream id goes out
+    assert commands["release"] == streams
+    # The events: a batch per write. A command per chunk was 40+.
+    assert commands["events"] <= 5 * streams, commands
+    assert trips["events"] <= 5 * streams, trips
+
+
+async def test_admissions_of_one_turn_share_one_round_trip(
+    redis_server: RedisServer, spy: Spy,  # noqa: F811
+) -> None:
+    """A burst of stream starts (a ramp's) is one send and one read for all of them: each
+    admission through redis-py was a round trip of its own and ~100 µs of the router's CPU."""
+    redis = Redis.from_url(redis_server.url)
+    keys = Keys(f"t{secrets.token_hex(4)}:")
+    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
+    try:
+        await admission.start()
+        await redis.set(keys.lease("p1"), b"1")
+        mark = spy.mark()
+        answers = await asyncio.gather(*(
+            admission.admit(b"k%d" % (i % 3), key_limit=None, rate_per_s=0.0, burst=1,
+                            backend="b0", backend_limit=100, affinity_key=None,
+                            affinity=Affinity.NONE)
+            for i in range(50)
+        ))
+        assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 50
+        commands, trips = spy.since(mark)
+        assert commands["admit"] == 50
+        assert trips["admit"] == 1
+        assert await redis.hget(keys.backend_load("b0"), "p1") == b"50"
+
+        mark = spy.mark()
+        for i in range(50):  # the ends of one turn: one round trip as well
+            admission.release_key(b"k%d" % (i % 3))
+            admission.release_backend("b0")
+        await admission.background.drain()
+        commands, trips = spy.since(mark)
+        assert trips["release"] == 1
+        assert await redis.hgetall(keys.backend_load("b0")) == {}
+    finally:
+        await admission.aclose()
+        await redis.aclose()
+
+
+async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_declared_lost(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The writer's script does each operation whatever the others do: a stream whose entries
+    another process went past (declared lost) is refused and its upstream request cancelled,
+    the other stream of the same write is written whole."""
+    config = parse_config({
+        "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
+        "listen": {"insecure_plain_http": True},
+        "state": {"redis_url": redis_server.url, "key_prefix": f"w{secrets.token_hex(4)}:"},
+    }, "test")
+    shared = connect(config)
+    assert shared is not None
+    try:
+        await shared.start()
+        kept, lost = Stream("kept", b"owner-a", 0.0), Stream("lost", b"owner-b", 0.0)
+        cancelled: list[str] = []
+        for stream in (kept, lost):
+            shared.streams.publish(stream)
+            stream.cancel_producer = lambda s=stream: cancelled.append(s.id)
+            await shared.streams.announced(stream)
+        await shared.redis.xadd(shared.keys.events("lost"), {"d": "x"}, id="9-0")  # declared
+        kept.upstream_ttft_ms = 12.5
+        for n in range(3):
+            for stream in (kept, lost):
+                stream.append(b"data: %d" % n, 0.0)
+        kept.finish(0.0)
+        await asyncio.sleep(0.3)  # one write interval and its round trip
+        entries: Any = await shared.redis.xrange(shared.keys.events("kept"))
+        meta = await shared.redis.hgetall(shared.keys.meta("kept"))
+        assert [e[0] for e in entries] == [b"1-0", b"2-0", b"3-0", b"4-0"]
+        assert entries[-1][1] == {b"d": b"[DONE]"}
+        assert meta[b"owner"] == b"owner-a"
+        assert meta[b"proc"] == shared.process.encode()
+        assert meta[b"ttft"] == b"12.500"
+        assert await shared.redis.pttl(shared.keys.events("kept")) > 0
+        assert cancelled == ["lost"]
+        assert lost.mirror is None
+        assert shared.streams.writer.fenced == 1
+    finally:
+        await shared.aclose()
+
+
+async def test_the_first_admission_after_a_redis_restart_is_answered() -> None:
+    """The turn's calls keep their last connection: after Redis restarts it is dead, and the
+    next batch reconnects once, at once (as redis-py retries its own commands), instead of
+    answering ``503 state_unavailable`` for the request that found it so."""
+    port = _free_port()
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(running_redis(port=port))
+        redis = Redis.from_url(server.url)
+        keys = Keys("restart:")
+        admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
+        try:
+            await admission.start()
+
+            async def admit() -> Verdict:
+                answer = await admission.admit(
+                    b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                    backend_limit=100, affinity_key=None, affinity=Affinity.NONE)
+                return answer.verdict
+
+            assert await admit() is Verdict.ADMITTED  # the batch's connection is kept
+            stack.close()  # Redis killed, then started again, empty (its scripts too)
+            stack.enter_context(running_redis(port=port))
+            assert await admit() is Verdict.ADMITTED
+            assert admission.failures == 0
+        finally:
+            await admission.aclose()
+            await redis.aclose()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
