@@ -300,6 +300,12 @@ def run(args: argparse.Namespace) -> int:
         check_state(config, args.config or "command line")
     except ConfigError as exc:
         raise CLIError(str(exc)) from None
+    from .hosting.patches import PatchShapeError, apply_all
+
+    try:
+        apply_all()  # a library of a shape the patches were not tested on: refuse to start
+    except PatchShapeError as exc:
+        raise CLIError(str(exc)) from None
     from .observability.logs import configure
 
     # Logs (the start-up line included) go to stdout; errors before this point to stderr.
