@@ -1,0 +1,51 @@
+"""Attacks again, on a router process that runs without the library patch that defends
+against each (``router/hosting/patches.py``, ``patches.applied_except``): the attack gets
+through, which is the library's bug as docs/libraries.md reports it. The same tests with every
+patch pass in their own modules, so each of these patches is what its test measures. When a
+library fixes the bug, its case here fails: the patch can go."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.attacks import test_heads as heads
+from tests.router.attacks import test_http1 as http1
+from tests.router.attacks import test_http3 as http3
+from tests.router.attacks import test_websocket as websocket
+from tests.router.attacks.conftest import RouterStarter
+
+Attack = Callable[..., Awaitable[None]]
+
+CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
+    ("h11-ambiguous-framing", "hypercorn",
+     http1.test_content_length_with_transfer_encoding_is_refused_and_closed, {}),
+    ("h11-head-timeout", "hypercorn", http1.test_slowloris_head_is_cut_at_the_header_timeout, {}),
+    ("h11-head-bounds", "hypercorn", heads.test_http1_head_over_a_bound_is_refused_and_closed,
+     dict(zip(("head", "status", "code"), heads.HEADS[0].values, strict=True))),
+    ("h2-reset-streams-answered-early", "auto",
+     heads.test_http2_refused_head_with_a_body_coming_is_reset_after_its_431, {}),
+    ("h3-late-data", "auto", http3.test_early_answer_leaves_http3_serving, {}),
+    ("websocket-frame-bounds", "hypercorn", websocket.test_oversized_frame_closed_at_its_header,
+     {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("without_patches", "router_server", "attack", "arguments"),
+    [((name,), server, attack, arguments) for name, server, attack, arguments in CASES],
+    ids=[name for name, *_ in CASES],
+)
+async def test_without_its_patch_the_attack_gets_through(
+    start_router_process: RouterStarter,
+    without_patches: tuple[str, ...],
+    router_server: str,
+    attack: Attack,
+    arguments: dict[str, Any],
+) -> None:
+    with pytest.raises((AssertionError, TimeoutError, OSError, httpx.HTTPError)) as failed:
+        await attack(start_router_process, **arguments)
+    assert "router exited" not in str(failed.value)  # it ran, and the attack got through
