@@ -14,6 +14,7 @@ import pytest
 
 from tests.router.attacks import test_heads as heads
 from tests.router.attacks import test_http1 as http1
+from tests.router.attacks import test_http2 as http2
 from tests.router.attacks import test_http3 as http3
 from tests.router.attacks import test_websocket as websocket
 from tests.router.attacks.conftest import RouterStarter
@@ -31,6 +32,15 @@ CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
     ("h3-late-data", "auto", http3.test_early_answer_leaves_http3_serving, {}),
     ("websocket-frame-bounds", "hypercorn", websocket.test_oversized_frame_closed_at_its_header,
      {}),
+    ("h2-h3-decoded-head-bounds", "auto", heads.test_http2_head_over_a_bound_is_refused_on_its_stream,
+     {"path": "/v1/models", "extra": [(f"x-{i}", "v") for i in range(101)], "status": 431,
+      "code": "too_many_headers"}),
+    ("h2-data-after-answer-and-rapid-reset", "auto",
+     http2.test_answer_before_the_body_keeps_the_connection,
+     {"path": "/no/such/path", "body_bytes": 1 << 20, "status": 404}),
+    ("quic-connection-guard", "auto", http3.test_connection_that_only_pings_is_closed, {}),
+    ("count-at-accept", "hypercorn",
+     http1.test_sockets_silent_before_tls_count_and_put_their_address_under_the_cap, {}),
 ]
 
 
