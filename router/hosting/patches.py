@@ -374,7 +374,7 @@ PATCHES: tuple[Patch, ...] = (
                   ("connection_lost", "data_received", "send_receive_event_to_app",
                    "handle_parser_exception", "shutdown"),
                   source=(("__init__", "self.queue"), ("__init__", "self.close_sent"),
-                          ("__init__", "self.conn"),
+                          ("__init__", "self.conn"), ("__init__", "self.frames"),
                           ("send_receive_event_to_app", "self.curr_msg_data_type"))),
         ),
         (),

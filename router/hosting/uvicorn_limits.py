@@ -83,16 +83,10 @@ def guarded_protocols(
             close 1007 (RFC 6455 section 8.1): uvicorn logs an ERROR with a traceback for it,
             one per socket, for what is a client's mistake."""
             if self.curr_msg_data_type == "text" and not self.close_sent:
-                # uvicorn 0.50 keeps a message's frames in a list, earlier ones its bytes.
-                framed = hasattr(self, "frames")
-                data: bytes = b"".join(self.frames) if framed else getattr(self, "bytes", b"")
                 try:
-                    data.decode()
+                    b"".join(self.frames).decode()
                 except UnicodeDecodeError as exc:
-                    if framed:
-                        self.frames = []
-                    else:
-                        self.bytes = b""
+                    self.frames = []
                     client = self.client[0] if self.client else "?"
                     report(logging.INFO, "WebSocket text not UTF-8: close 1007", client, str(exc))
                     self.conn.send_close(1007, "invalid UTF-8")
