@@ -252,3 +252,14 @@ async def test_an_http2_stream_whose_app_fails_is_reset(
             except TimeoutError:
                 outcome = "hung"
     assert outcome == ("hung" if without else "reset")
+
+
+def test_every_patch_names_a_test_that_exists() -> None:
+    import re
+
+    for patch in PATCHES:
+        named = re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", patch.test)
+        assert named, patch.name
+        for path, function in named:
+            source = (ROOT / path).read_text()
+            assert not function or f"def {function}(" in source, (patch.name, path, function)
