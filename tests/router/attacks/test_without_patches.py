@@ -2,7 +2,10 @@
 against each (``router/hosting/patches.py``, ``patches.applied_except``): the attack gets
 through, which is the library's bug as docs/libraries.md reports it. The same tests with every
 patch pass in their own modules, so each of these patches is what its test measures. When a
-library fixes the bug, its case here fails: the patch can go."""
+library fixes the bug, its case here fails: the patch can go.
+
+Not here: patches whose attack gets through only sometimes without them (the HTTP/2 answers
+before a body's end, where another patch or the client's timing often hides the bug)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import pytest
 
 from tests.router.attacks import test_heads as heads
 from tests.router.attacks import test_http1 as http1
-from tests.router.attacks import test_http2 as http2
 from tests.router.attacks import test_http3 as http3
 from tests.router.attacks import test_websocket as websocket
 from tests.router.attacks.conftest import RouterStarter
@@ -27,17 +29,12 @@ CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
     ("h11-head-timeout", "hypercorn", http1.test_slowloris_head_is_cut_at_the_header_timeout, {}),
     ("h11-head-bounds", "hypercorn", heads.test_http1_head_over_a_bound_is_refused_and_closed,
      dict(zip(("head", "status", "code"), heads.HEADS[0].values, strict=True))),
-    ("h2-reset-streams-answered-early", "auto",
-     heads.test_http2_refused_head_with_a_body_coming_is_reset_after_its_431, {}),
     ("h3-late-data", "auto", http3.test_early_answer_leaves_http3_serving, {}),
     ("websocket-frame-bounds", "hypercorn", websocket.test_oversized_frame_closed_at_its_header,
      {}),
     ("h2-h3-decoded-head-bounds", "auto", heads.test_http2_head_over_a_bound_is_refused_on_its_stream,
      {"path": "/v1/models", "extra": [(f"x-{i}", "v") for i in range(101)], "status": 431,
       "code": "too_many_headers"}),
-    ("h2-data-after-answer-and-rapid-reset", "auto",
-     http2.test_answer_before_the_body_keeps_the_connection,
-     {"path": "/no/such/path", "body_bytes": 1 << 20, "status": 404}),
     ("quic-connection-guard", "auto", http3.test_connection_that_only_pings_is_closed, {}),
     ("count-at-accept", "hypercorn",
      http1.test_sockets_silent_before_tls_count_and_put_their_address_under_the_cap, {}),
