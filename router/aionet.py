@@ -231,9 +231,10 @@ class AsyncioBackend(AsyncNetworkBackend):
 def install(client: httpx.AsyncClient) -> bool:
     """Make ``client``'s default transport connect through :class:`AsyncioBackend`.
 
-    httpx has no public switch for httpcore's network backend, so this sets the pool's;
-    if a future httpx lays its transport out differently, it returns False and the client
-    keeps httpx's own backend (slower, same behaviour).
+    httpx has no public switch for httpcore's network backend, so this sets the pool's
+    (the router checks at start that httpx and httpcore have that layout: patch
+    ``httpcore-asyncio-backend`` of :mod:`firstbyte.router.hosting.patches`); where they do
+    not, it returns False and the client keeps httpx's own backend (slower, same behaviour).
     """
     pool = getattr(getattr(client, "_transport", None), "_pool", None)
     if not isinstance(pool, httpcore.AsyncConnectionPool) or not hasattr(pool, "_network_backend"):

@@ -307,6 +307,14 @@ def run(args: argparse.Namespace) -> int:
 
     # Logs (the start-up line included) go to stdout; errors before this point to stderr.
     configure("debug" if args.verbose else args.log_level or "info", args.log_format)
+    # After configure: importing the hosting layer holds hpack and h2 above DEBUG whatever
+    # the level (they log decoded headers, API keys among them).
+    from .hosting.patches import PatchShapeError, apply_all
+
+    try:
+        apply_all()  # a library of a shape the patches were not tested on: refuse to start
+    except PatchShapeError as exc:
+        raise CLIError(str(exc)) from None
     with _pid_file(config.listen.pid_file):
         if config.listen.workers > 1:
             from .workers import run_workers

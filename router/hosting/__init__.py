@@ -12,6 +12,8 @@
 - :mod:`.quic`: the QUIC session-ticket store that gives hypercorn's HTTP/3 0-RTT, and
   :class:`~.quic.Http3Status`, whether HTTP/3 is up (``Alt-Svc`` follows it);
 - :mod:`.hardening`, :mod:`.quic_hardening`: the defences hypercorn lacks, as patches;
+- :mod:`.patches`: every patch of a library's internals, listed, shape-checked and applied
+  in one order (a library of another shape: the server refuses to start, in one line);
 - :mod:`.gc_tuning`: the cyclic-GC settings of a serving process;
 - :mod:`.prometheus`: the text format both servers' ``/metrics`` speak.
 

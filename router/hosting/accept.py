@@ -403,15 +403,12 @@ class _HypercornAsyncio:
 
 def count_at_accept() -> None:
     """Make hypercorn's ``worker_serve`` accept TCP connections through :func:`_start_server`
-    (idempotent). hypercorn (0.17, 0.18) calls ``asyncio.start_server`` with its TLS context,
-    so the loop's handshake ran before any code of hypercorn's saw the connection."""
+    (once per process, by :mod:`.patches`). hypercorn (0.17, 0.18) calls
+    ``asyncio.start_server`` with its TLS context, so the loop's handshake ran before any code
+    of hypercorn's saw the connection."""
     from hypercorn.asyncio import run
 
     hypercorn_run: Any = run
-    if isinstance(hypercorn_run.asyncio, _HypercornAsyncio):
-        return
-    if not callable(getattr(hypercorn_run.asyncio, "start_server", None)):
-        raise RuntimeError("hypercorn.asyncio.run no longer calls asyncio.start_server")
     hypercorn_run.asyncio = _HypercornAsyncio()
 
 

@@ -4,7 +4,7 @@ Over HTTP/2 a server may answer a request before reading all of its body: a 401 
 a 413 once the body crossed ``max_body_bytes``, a 431 for a head over its bounds. The
 stream then stays open on the client's side, and a client goes on sending a body no one will
 read. :func:`reset_h2_streams_answered_early` (a patch of hypercorn's ``H2Protocol``, applied
-by :func:`.hardening.harden_hypercorn`) resets such a stream with ``NO_ERROR`` once its
+by :mod:`.patches`) resets such a stream with ``NO_ERROR`` once its
 answer is sent, as RFC 9113 section 8.1 provides (Kestrel and hyper's h2 do the same).
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from typing import Any
-
-from .head_guards import expect_shape
 
 __all__ = ["reset_h2_streams_answered_early"]
 
@@ -32,8 +30,6 @@ def reset_h2_streams_answered_early() -> None:
     from h2.stream import StreamState
     from hypercorn.protocol.h2 import H2Protocol
 
-    expect_shape(H2Protocol, "_close_stream", "_flush")
-    expect_shape(StreamState, "HALF_CLOSED_LOCAL")
     close_stream = H2Protocol._close_stream
 
     async def closing(self: Any, stream_id: int) -> None:

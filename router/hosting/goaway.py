@@ -86,14 +86,13 @@ async def _h3_goaway(protocol: Any) -> None:
 
 def track_connections() -> None:
     """Register every new HTTP/2 and HTTP/3 connection with its server's
-    :class:`ConnectionRegistry`, when its config has one (idempotent)."""
+    :class:`ConnectionRegistry`, when its config has one (once per process, by
+    :mod:`.patches`)."""
     from hypercorn.protocol.h2 import H2Protocol
     from hypercorn.protocol.h3 import H3Protocol
 
     classes: tuple[tuple[Any, str], ...] = ((H2Protocol, "h2"), (H3Protocol, "h3"))
     for cls, kind in classes:
-        if getattr(cls, "_firstbyte_tracked", False):
-            continue
         original = cls.__init__
 
         def tracked(self: Any, *args: Any, _init: Any = original, _kind: str = kind,
@@ -104,7 +103,6 @@ def track_connections() -> None:
                 getattr(registry, _kind).add(self)
 
         cls.__init__ = tracked
-        cls._firstbyte_tracked = True
         if kind == "h2":
             _goaway_when_idle(cls)
 

@@ -12,7 +12,8 @@ response h11 already frames as chunked (our state ``SEND_BODY``, its chunked wri
 written as ``SIZE\\r\\nDATA\\r\\n``, exactly h11's bytes, through the connection's own send
 (its lock, flow control and error handling stay). Everything else (the head, the last chunk,
 a response with ``Content-Length``, HTTP/2 and HTTP/3, a HEAD request) takes hypercorn's path
-unchanged; so does everything if h11 or hypercorn no longer look as expected.
+unchanged. :mod:`.patches` checks the shapes of h11 and hypercorn it relies on before
+applying it.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ __all__ = ["frame_h1_bodies_directly"]
 
 
 def frame_h1_bodies_directly() -> None:
-    """Install the patch (idempotent; a no-op if hypercorn's or h11's internals moved)."""
-    try:
-        import h11
-        from h11._writers import ChunkedWriter
-        from hypercorn.events import RawData
-        from hypercorn.protocol.h11 import H11Protocol
-        from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
-    except ImportError:
-        return
+    """Install the patch (once per process, by :mod:`.patches`)."""
+    import h11
+    from h11._writers import ChunkedWriter
+    from hypercorn.events import RawData
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+
     original = HTTPStream.app_send
-    if getattr(original, "_firstbyte_direct", False):
-        return
     send_body, response = h11.SEND_BODY, ASGIHTTPState.RESPONSE
 
     async def app_send(self: Any, message: Any) -> None:
@@ -56,5 +53,4 @@ def frame_h1_bodies_directly() -> None:
                     return
         await original(self, message)
 
-    app_send._firstbyte_direct = True  # type: ignore[attr-defined]
     HTTPStream.app_send = app_send  # type: ignore[method-assign]

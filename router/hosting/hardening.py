@@ -1,7 +1,8 @@
 """Defences hypercorn (0.17, 0.18) lacks, added as small patches on its protocol classes.
 
-Each patch wraps one hypercorn method and says why; :func:`harden_hypercorn` applies them
-all once per process, and they act only on a server whose hypercorn ``Config`` carries
+Each patch wraps one hypercorn method and says why; :mod:`.patches` lists them (with their
+expected shapes and order) and applies them once per process, and they act only on a server
+whose hypercorn ``Config`` carries
 ``firstbyte_limits`` (:class:`~firstbyte.router.hosting.limits.ClientLimits`), which
 :func:`firstbyte.router.hosting.servers.serve` sets.
 
@@ -45,7 +46,6 @@ __all__ = [
     "LINGER_S",
     "TIMEOUT_H1",
     "count_connection",
-    "harden_hypercorn",
     "report",
 ]
 
@@ -83,33 +83,6 @@ def report(level: int, reason: str, client: object, detail: str = "") -> None:
         return
     more = f" ({held} more since the last report)" if held else ""
     log.log(level, "%s from %s%s%s", reason, client, f": {detail}" if detail else "", more)
-
-
-def harden_hypercorn() -> None:
-    """Apply the patches (idempotent)."""
-    from hypercorn.asyncio import run
-
-    if getattr(run, "_firstbyte_hardened", False):
-        return
-    # Their own modules' patches: request heads bounded before a parser buffers them, and
-    # an HTTP/2 stream answered before its body's end reset (applied first: innermost).
-    from .early_answers import reset_h2_streams_answered_early
-    from .head_guards import bound_decoded_heads, bound_h11_heads
-
-    bound_h11_heads()
-    bound_decoded_heads()
-    reset_h2_streams_answered_early()
-    _guard_connections(run)
-    _time_request_heads()
-    _reject_ambiguous_framing()
-    _discard_unread_bodies()
-    _close_finished_h2_streams()
-    _guard_websocket_frames()
-    from .quic_hardening import drop_late_h3_data, guard_quic_connections  # it imports this
-
-    drop_late_h3_data()
-    guard_quic_connections()
-    run._firstbyte_hardened = True  # type: ignore[attr-defined]
 
 
 def _guard_connections(run: Any) -> None:

@@ -44,7 +44,6 @@ __all__ = [
     "bound_decoded_heads",
     "bound_h11_heads",
     "bounded_heads",
-    "expect_shape",
     "h2_header_list_size",
     "h11_incomplete_size",
 ]
@@ -53,20 +52,6 @@ _HPACK_FIELD_OVERHEAD = 32
 """What HPACK (and QPACK) add to each field's name and value when sizing a header list."""
 _PSEUDO_HEADERS = 5
 """``:method``, ``:scheme``, ``:authority``, ``:path``, ``:protocol``."""
-
-
-def expect_shape(owner: Any, *names: str) -> None:
-    """Raise ``RuntimeError`` unless ``owner`` (a library's class or module) has every one
-    of ``names``: a patch of a library's internals checks them before it applies, so a
-    version that moved them fails at start, naming what moved, instead of leaving a bound
-    silently unenforced."""
-    missing = [name for name in names if not hasattr(owner, name)]
-    if missing:
-        where = getattr(owner, "__module__", "?") + "." + getattr(owner, "__qualname__", "?")
-        raise RuntimeError(
-            f"{where} has no {', '.join(missing)}: this library version is not one the"
-            " router's patches were tested with (router/hosting/head_guards.py)"
-        )
 
 
 def h2_header_list_size(limits: HeadLimits) -> int:
@@ -101,11 +86,7 @@ def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
 
     if bounds is None:
         return protocol
-    limits = bounds
-    expect_shape(
-        protocol, "data_received", "on_message_begin", "on_headers_complete",
-        "on_message_complete",
-    )
+    limits = bounds  # uvicorn's methods overridden here: checked by .patches at start
 
     class HeadBoundedProtocol(protocol):  # type: ignore[misc]
         _head_scan: HeadScanner | None = None
@@ -195,13 +176,11 @@ def _heads(config: Any) -> HeadLimits | None:
 
 def bound_h11_heads() -> None:
     """Scan each HTTP/1.1 head in front of hypercorn's h11 (a patch of ``H11Protocol``'s
-    ``handle`` and ``_create_stream``, applied by :func:`.hardening.harden_hypercorn`)."""
+    ``handle`` and ``_create_stream``, applied by :mod:`.patches`)."""
     import h11
     from hypercorn.events import Closed, RawData
     from hypercorn.protocol.h11 import H11Protocol
 
-    expect_shape(H11Protocol, "handle", "_create_stream")
-    expect_shape(h11.Connection, "trailing_data")
     handle = H11Protocol.handle
     create_stream = H11Protocol._create_stream
 
@@ -256,8 +235,6 @@ def bound_decoded_heads() -> None:
     from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
     from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
-    expect_shape(HTTPStream, "handle")
-    expect_shape(ASGIHTTPState, "CLOSED")
     handle = HTTPStream.handle
 
     async def bounded(self: Any, event: Any) -> None:

@@ -139,13 +139,11 @@ class Http1Handoff:
 def split_http1() -> None:
     """Make hypercorn's per-connection server hand HTTP/1.1 connections to the
     :class:`Http1Handoff` its config names (``config.firstbyte_http1``); a config without one
-    is served by hypercorn alone. Idempotent; call after
-    :func:`.hardening.harden_hypercorn`, whose connection guard then serves HTTP/2."""
+    is served by hypercorn alone. Applied after the hardening's connection guard
+    (:mod:`.patches`), which then serves HTTP/2."""
     from hypercorn.asyncio import run
 
     hypercorn_run: Any = run
-    if getattr(hypercorn_run, "_firstbyte_splits_http1", False):
-        return
 
     class SplittingTCPServer(hypercorn_run.TCPServer):  # type: ignore[misc]
         reader: Any
@@ -183,7 +181,6 @@ def split_http1() -> None:
                 )
 
     hypercorn_run.TCPServer = SplittingTCPServer
-    hypercorn_run._firstbyte_splits_http1 = True
 
 
 class _Replayed:

@@ -8,8 +8,8 @@ hypercorn (0.17/0.18) builds each aioquic ``QuicConnection`` without
 and cannot send 0-RTT data. :func:`enable_session_tickets` swaps the ``QuicConnection``
 name hypercorn's QUIC protocol module uses for a factory that adds a :class:`TicketStore`
 when the hypercorn ``Config`` carries one (``config.firstbyte_ticket_store``), and passes
-everything else through unchanged. It is idempotent and affects only listeners whose config
-has a store.
+everything else through unchanged. :mod:`.patches` applies it once per process; it affects
+only listeners whose config has a store.
 
 0-RTT requests are replayable by an on-path attacker; chat completion requests are not
 idempotent in cost, so deployments that care should keep tickets short-lived
@@ -109,16 +109,12 @@ class TicketStore:
         return len(self._tickets)
 
 
-_PATCHED_ATTR = "_firstbyte_ticket_factory"
-
-
 def enable_session_tickets() -> None:
-    """Patch hypercorn's QUIC protocol module once (see the module docstring)."""
+    """Patch hypercorn's QUIC protocol module (once per process, by :mod:`.patches`; see
+    the module docstring)."""
     from hypercorn.protocol import quic
 
     hypercorn_quic: Any = quic  # patched below: hypercorn's own annotations do not apply
-    if getattr(hypercorn_quic, _PATCHED_ATTR, False):
-        return
     original_protocol = hypercorn_quic.QuicProtocol
 
     class TicketingQuicProtocol(original_protocol):  # type: ignore[misc, valid-type]
@@ -138,7 +134,6 @@ def enable_session_tickets() -> None:
 
     hypercorn_quic.QuicProtocol = TicketingQuicProtocol
     hypercorn_quic.QuicConnection = connection_factory
-    setattr(hypercorn_quic, _PATCHED_ATTR, True)
 
 
 def encode_initial_close(

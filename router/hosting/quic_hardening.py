@@ -1,5 +1,5 @@
 """Defences hypercorn's HTTP/3 server (0.17, 0.18, over aioquic) lacks, as patches on its QUIC
-and HTTP/3 protocol classes; :func:`~.hardening.harden_hypercorn` applies them with the others,
+and HTTP/3 protocol classes; :mod:`.patches` applies them with the others,
 and like them they act only on a server whose config carries ``firstbyte_limits``.
 
 - :func:`drop_late_h3_data`: DATA (or trailers) for a stream already answered is dropped and
@@ -46,8 +46,6 @@ def drop_late_h3_data() -> None:
     from hypercorn.protocol.events import Body, EndBody
     from hypercorn.protocol.h3 import H3Protocol
 
-    if not all(hasattr(H3Protocol, name) for name in ("handle", "_create_stream")):
-        raise RuntimeError("hypercorn's H3Protocol has changed shape: review drop_late_h3_data")
     handle = H3Protocol.handle
 
     async def tolerant(self: Any, quic_event: Any) -> None:
@@ -168,11 +166,6 @@ def guard_quic_connections() -> None:
 
     hypercorn_quic: Any = quic  # its QuicConnection may be .quic's ticketing factory
     protocol_class: Any = hypercorn_quic.QuicProtocol
-    needed = ("handle", "_handle_events", "send_all")
-    if not all(hasattr(protocol_class, name) for name in needed) or not hasattr(
-        hypercorn_quic, "_Connection"
-    ):
-        raise RuntimeError("hypercorn's QuicProtocol has changed shape: review quic_hardening.py")
     handle = protocol_class.handle
     handle_events = protocol_class._handle_events
     stream_send = H3Protocol.stream_send

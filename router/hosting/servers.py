@@ -254,6 +254,9 @@ async def serve(
     if its task ends on an error it is logged at once (ERROR), restarted after a delay, and
     ``Alt-Svc`` is not sent while it is down.
     """
+    from .patches import apply_all
+
+    apply_all()  # every library patch, checked first (PatchShapeError: refuse to start)
     stop = _once(shutdown or signal_event().wait)
     raise_descriptor_limit()
 
@@ -428,22 +431,11 @@ async def _serve_hypercorn(
     from hypercorn.config import Config, Sockets
     from hypercorn.utils import wrap_app
 
-    from .accept import accepting, count_at_accept
-    from .h1_body import frame_h1_bodies_directly
-    from .hardening import harden_hypercorn
-    from .http1_split import Http1Handoff, split_http1
+    from .accept import accepting
+    from .http1_split import Http1Handoff
 
-    _reset_unfinished_h2_streams()
-    _supervise_quic_servers()
-    harden_hypercorn()
-    count_at_accept()
-    frame_h1_bodies_directly()  # after: body chunks then skip the hardening's wrapper too
-    split_http1()  # after the hardening: its connection guard then serves HTTP/2 only
     config: Any = Config()
     if connections is not None:
-        from .goaway import track_connections
-
-        track_connections()
         config.firstbyte_connections_registry = connections
     config.firstbyte_limits = options.limits
     counter = ConnectionCounter(options.limits, _descriptor_limit(), options.memory_pressed)
@@ -475,9 +467,8 @@ async def _serve_hypercorn(
     if quic is not None:
         if not options.tls:
             raise ValueError("HTTP/3 needs TLS (certfile and keyfile)")
-        from .quic import Http3Status, TicketStore, enable_session_tickets
+        from .quic import Http3Status, TicketStore
 
-        enable_session_tickets()
         config.firstbyte_ticket_store = tickets if tickets is not None else TicketStore()
         config.alt_svc_headers = [f'h3=":{listeners.h3_port}"; ma=86400']
         http3 = http3 if http3 is not None else Http3Status()
@@ -576,12 +567,9 @@ def _reset_unfinished_h2_streams() -> None:
     sim's ``drop`` fault relies on that abrupt end, so on HTTP/2 the stream is reset
     (INTERNAL_ERROR, RFC 9113 section 5.4.2) and the connection's other streams go on.
     """
-    from hypercorn.protocol.h2 import H2Protocol
-
-    if getattr(H2Protocol, "_firstbyte_resets", False):
-        return
     import h2.errors
     import h2.exceptions
+    from hypercorn.protocol.h2 import H2Protocol
 
     original = H2Protocol._close_stream
 
@@ -599,7 +587,6 @@ def _reset_unfinished_h2_streams() -> None:
         await original(self, stream_id)
 
     H2Protocol._close_stream = _close_stream  # type: ignore[method-assign]
-    H2Protocol._firstbyte_resets = True  # type: ignore[attr-defined]
 
 
 def _advertise_while_up(http3: Http3Status, config: Any, handoff: Any) -> None:
@@ -649,10 +636,6 @@ def _supervise_quic_servers() -> None:
     from .quic_hardening import release_quic_connections
 
     hypercorn_run: Any = run
-    if getattr(hypercorn_run, "_firstbyte_supervises_udp", False):
-        return
-    if not hasattr(hypercorn_run.UDPServer, "run"):
-        raise RuntimeError("hypercorn's UDPServer has changed shape: review servers.py")
 
     class SupervisedUDPServer(hypercorn_run.UDPServer):  # type: ignore[misc]
         async def run(self) -> None:
@@ -690,7 +673,6 @@ def _supervise_quic_servers() -> None:
                     self.transport.close()
 
     hypercorn_run.UDPServer = SupervisedUDPServer
-    hypercorn_run._firstbyte_supervises_udp = True
 
 
 def _where(exc: BaseException) -> str:

@@ -118,8 +118,19 @@ def router_server() -> str:
 
 
 @pytest.fixture
+def without_patches() -> tuple[str, ...]:
+    """Library patches the router process runs without (``router/hosting/patches.py``);
+    ``test_without_patches.py`` parametrizes it to show what each patch defends."""
+    return ()
+
+
+@pytest.fixture
 def start_router_process(
-    tls_files: dict[str, str], tmp_path: Path, upstream: Upstream, router_server: str
+    tls_files: dict[str, str],
+    tmp_path: Path,
+    upstream: Upstream,
+    router_server: str,
+    without_patches: tuple[str, ...],
 ) -> RouterStarter:
     """``async with start_router_process(limits={...}, nofile=N) as router: ...`` on
     ``router_server``."""
@@ -134,7 +145,7 @@ def start_router_process(
         write_config(path, router_sections(port, tls_files, **sections), upstream.url)
         log_path = tmp_path / f"router-{port}.log"
 
-        proc = _spawn(path, log_path, nofile)
+        proc = _spawn(path, log_path, nofile, without_patches)
         router = RouterProcess(proc, port, log_path, tls_files["cafile"])
         try:
             await _until_healthy(router)
@@ -170,9 +181,24 @@ def router_sections(
     return config
 
 
-def _spawn(config: Path, log_path: Path, nofile: int | None) -> subprocess.Popen[bytes]:
+_WITHOUT_PATCHES = """
+import logging, os, sys
+from firstbyte.router.hosting import patches
+cut = sys.argv.index("--")
+held = patches.applied_except(*sys.argv[1:cut])  # held: for the life of the process
+held.__enter__()
+from firstbyte.cli import main
+code = main(sys.argv[cut + 1:])
+logging.shutdown()
+os._exit(code)  # not through the block's exit: it would put the patches back at shutdown
+"""
+
+
+def _spawn(
+    config: Path, log_path: Path, nofile: int | None, without: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     """``firstbyte router --config CONFIG -v``, its output in ``log_path``, with at most
-    ``nofile`` descriptors if given."""
+    ``nofile`` descriptors if given, and without the library patches ``without``."""
 
     def limit_files() -> None:
         if nofile is not None:
@@ -181,7 +207,11 @@ def _spawn(config: Path, log_path: Path, nofile: int | None) -> subprocess.Popen
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
     with open(log_path, "wb") as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "firstbyte", "router", "--config", str(config), "-v"],
+            [
+                sys.executable,
+                *(["-c", _WITHOUT_PATCHES, *without, "--"] if without else ["-m", "firstbyte"]),
+                "router", "--config", str(config), "-v",
+            ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,

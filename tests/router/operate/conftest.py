@@ -16,6 +16,7 @@ from tests.router.attacks.conftest import (  # noqa: F401 (fixtures)
     router_server,
     start_router_process,
     upstream,
+    without_patches,
     write_config,
 )
 from tests.router.attacks.test_http2 import H2Client

@@ -1,0 +1,58 @@
+"""Attacks again, on a router process that runs without the library patch that defends
+against each (``router/hosting/patches.py``, ``patches.applied_except``): the attack gets
+through, which is the library's bug as docs/libraries.md reports it. The same tests with every
+patch pass in their own modules, so each of these patches is what its test measures. When a
+library fixes the bug, its case here fails: the patch can go.
+
+Not here: patches whose attack gets through only sometimes without them (the HTTP/2 answers
+before a body's end, where another patch or the client's timing often hides the bug)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.attacks import test_heads as heads
+from tests.router.attacks import test_http1 as http1
+from tests.router.attacks import test_http3 as http3
+from tests.router.attacks import test_websocket as websocket
+from tests.router.attacks.conftest import RouterStarter
+
+Attack = Callable[..., Awaitable[None]]
+
+CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
+    ("h11-ambiguous-framing", "hypercorn",
+     http1.test_content_length_with_transfer_encoding_is_refused_and_closed, {}),
+    ("h11-head-timeout", "hypercorn", http1.test_slowloris_head_is_cut_at_the_header_timeout, {}),
+    ("h11-head-bounds", "hypercorn", heads.test_http1_head_over_a_bound_is_refused_and_closed,
+     dict(zip(("head", "status", "code"), heads.HEADS[0].values, strict=True))),
+    ("h3-late-data", "auto", http3.test_early_answer_leaves_http3_serving, {}),
+    ("websocket-frame-bounds", "hypercorn", websocket.test_oversized_frame_closed_at_its_header,
+     {}),
+    ("h2-h3-decoded-head-bounds", "auto", heads.test_http2_head_over_a_bound_is_refused_on_its_stream,
+     {"path": "/v1/models", "extra": [(f"x-{i}", "v") for i in range(101)], "status": 431,
+      "code": "too_many_headers"}),
+    ("quic-connection-guard", "auto", http3.test_connection_that_only_pings_is_closed, {}),
+    ("count-at-accept", "hypercorn",
+     http1.test_sockets_silent_before_tls_count_and_put_their_address_under_the_cap, {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("without_patches", "router_server", "attack", "arguments"),
+    [((name,), server, attack, arguments) for name, server, attack, arguments in CASES],
+    ids=[name for name, *_ in CASES],
+)
+async def test_without_its_patch_the_attack_gets_through(
+    start_router_process: RouterStarter,
+    without_patches: tuple[str, ...],
+    router_server: str,
+    attack: Attack,
+    arguments: dict[str, Any],
+) -> None:
+    with pytest.raises((AssertionError, TimeoutError, OSError, httpx.HTTPError)) as failed:
+        await attack(start_router_process, **arguments)
+    assert "router exited" not in str(failed.value)  # it ran, and the attack got through
