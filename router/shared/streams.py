@@ -40,7 +40,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import ConnectionPool
@@ -220,6 +220,13 @@ class RemoteStream:
                     return True
                 if self.evicted:
                     return False
+
+    async def relay_live(
+        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+    ) -> tuple[int, bool]:
+        """Events come in batches from Redis here, not one by one from a producer: nothing
+        is written directly; returns when an event after ``seq`` exists, or idle."""
+        return seq, not await self.wait(seq, idle_s)
 
     def _touch(self, now: float) -> None:
         """Mark this stream as read elsewhere (at most once per check interval)."""

@@ -1,0 +1,193 @@
+"""Instructions per relayed chunk, counted by callgrind: the router against the byte pipe.
+
+CPU seconds per chunk on this shared 2-core machine move by 20-40% from run to run; the
+instructions a process executes for the same work do not. This runs the router (or
+``bench router_overhead``'s Python byte pipe) under ``valgrind --tool=callgrind`` with
+instrumentation off, warms it up with a pass of streams, then counts the instructions of
+one measured pass only (``callgrind_control``) and divides by the chunks relayed. The
+upstream is a fake inference server in this process that writes one chat chunk every
+``--interval-ms`` per stream (slow enough that the instrumented target keeps up, so each
+chunk is one read and one write, as at full speed); the clients are raw sockets here too.
+
+    PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target router
+    PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target pipe
+
+Not part of ``firstbyte bench``: a tool for judging a change to the data path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from firstbyte.benchmarks.scenarios.router_overhead import _PIPE, _ROUTER, _router_config
+
+__all__ = ["main"]
+
+_CHUNK = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"sim-llama-7b","choices":[{"index":0,"delta":{"content":" word"},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
+_ROLE = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"sim-llama-7b","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
+_REQUEST_BODY = json.dumps(
+    {"model": "sim-llama-7b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+).encode()
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _upstream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, args: argparse.Namespace
+) -> None:
+    """A fake inference server: every request on the connection gets ``--chunks`` chunks."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n" + _chunked(_ROLE)
+            )
+            for _ in range(args.chunks):
+                await asyncio.sleep(args.interval_ms / 1000)
+                writer.write(_chunked(_CHUNK))
+            writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _client(port: int) -> int:
+    """One streamed request to the target; returns the response's bytes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+        % (len(_REQUEST_BODY), _REQUEST_BODY)
+    )
+    received = 0
+    tail = b""
+    try:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            received += len(data)
+            tail = (tail + data)[-64:]
+            if tail.endswith(b"0\r\n\r\n") and b"[DONE]" in tail:
+                break
+    finally:
+        writer.close()
+    return received
+
+
+async def _pass(port: int, args: argparse.Namespace) -> int:
+    sizes = await asyncio.gather(*(_client(port) for _ in range(args.streams)))
+    return sum(sizes)
+
+
+def _callgrind(pid: int, *options: str) -> None:
+    subprocess.run(["callgrind_control", *options, str(pid)], check=True, capture_output=True)
+
+
+def _totals(out: Path) -> int:
+    """The instructions (``Ir``) of the last callgrind dump in ``out``."""
+    path = sorted(out.glob("callgrind.out.*"), key=lambda p: p.stat().st_mtime)[-1]
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {path}")
+
+
+async def _measure(args: argparse.Namespace) -> dict[str, object]:
+    server = await asyncio.start_server(lambda r, w: _upstream(r, w, args), "127.0.0.1", 0)
+    upstream_port = server.sockets[0].getsockname()[1]
+    out = Path(tempfile.mkdtemp(prefix="callgrind-"))
+    if args.target == "router":
+        config = _router_config(f"http://127.0.0.1:{upstream_port}")
+        code, child_args = _ROUTER, [json.dumps(config)]
+    else:
+        code, child_args = _PIPE, ["127.0.0.1", str(upstream_port)]
+    command = [sys.executable, "-c", code, *child_args]
+    if not args.no_valgrind:
+        command = [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={out}/callgrind.out.%p", *command,
+        ]
+    proc = await asyncio.create_subprocess_exec(
+        *command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert proc.stdout is not None
+        url = (await asyncio.wait_for(proc.stdout.readline(), 300)).decode().strip()
+        port = int(url.rsplit(":", 1)[1])
+        await _pass(port, args)  # warm-up: imports, pools, caches
+        await asyncio.sleep(0.5)
+        if not args.no_valgrind:
+            await asyncio.to_thread(_callgrind, proc.pid, "-i", "on")
+            await asyncio.to_thread(_callgrind, proc.pid, "-z")
+        started = time.perf_counter()
+        received = await _pass(port, args)
+        elapsed = time.perf_counter() - started
+        instructions = 0
+        if not args.no_valgrind:
+            await asyncio.to_thread(_callgrind, proc.pid, "-d")
+            await asyncio.to_thread(_callgrind, proc.pid, "-i", "off")
+            instructions = await asyncio.to_thread(_totals, out)
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        server.close()
+    chunks = args.streams * (args.chunks + 2)  # the role chunk and [DONE] are relayed too
+    return {
+        "target": args.target,
+        "streams": args.streams,
+        "chunks": chunks,
+        "bytes_received": received,
+        "seconds": round(elapsed, 2),
+        "instructions_per_chunk": round(instructions / chunks),
+        "dump_dir": str(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=("router", "pipe"), default="router")
+    parser.add_argument("--streams", type=int, default=20)
+    parser.add_argument("--chunks", type=int, default=50, help="content chunks per stream")
+    parser.add_argument("--interval-ms", type=float, default=100.0)
+    parser.add_argument("--no-valgrind", action="store_true", help="check the harness only")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONPATH", os.getcwd())
+    with contextlib.suppress(KeyboardInterrupt):
+        print(json.dumps(asyncio.run(_measure(args))))
+
+
+if __name__ == "__main__":
+    main()
