@@ -214,7 +214,9 @@ class SSEFramer:
         if data[:7] == NAMED_PREFIX:
             self.named = True
             return b"id: %d\n%b\n\n" % (event.seq, data)
-        return encode_event(data, id=event.seq)
+        if 10 in data or 13 in data:  # several lines: encode_event splits them
+            return encode_event(data, id=event.seq)
+        return b"id: %d\ndata: %b\n\n" % (event.seq, data)
 
 
 def _live_writer(framer: SSEFramer, write: BodyWriter) -> Callable[[StreamEvent], bool]:

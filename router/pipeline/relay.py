@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 DONE_BYTES = DONE.encode()
+_CR, _LF = 13, 10
 _BOM = b"\xef\xbb\xbf"
 """A byte-order mark, which the event-stream format allows (and skips) at the very start."""
 MAX_EVENT_BYTES = 4 << 20
@@ -147,7 +148,9 @@ class EventFramer:
             self._started = True
             if buffer[:1] == _BOM[:1]:  # a BOM, maybe: the full decoder knows what to skip
                 return self._fall_back(buffer, at_start=True)
-        if b"\r" in data:
+        # Single bytes as ints: ``b"\r" in data`` first tries the bytes as an int and
+        # builds (and drops) a TypeError, ~7x the cost of the search itself, per chunk.
+        if _CR in data:
             return self._fall_back(buffer)
         payloads: list[bytes] = []
         start = 0
@@ -156,13 +159,13 @@ class EventFramer:
             if end < 0:
                 break
             block = buffer[start:end]
-            if block[:6] == b"data: " and b"\n" not in block:
+            if block[:6] == b"data: " and _LF not in block:
                 payloads.append(block[6:])
             elif (
                 self._named
                 and block[:7] == b"event: "
                 and block.count(b"\n") == 1
-                and b"\ndata: " in block
+                and block.find(b"\ndata: ") >= 0
             ):
                 payloads.append(block)  # ``event: NAME`` and one ``data:`` line, as sent
             elif block:
