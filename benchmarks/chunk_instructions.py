@@ -7,7 +7,9 @@ instrumentation off, warms it up with a pass of streams, then counts the instruc
 one measured pass only (``callgrind_control``) and divides by the chunks relayed. The
 upstream is a fake inference server in this process that writes one chat chunk every
 ``--interval-ms`` per stream (slow enough that the instrumented target keeps up, so each
-chunk is one read and one write, as at full speed); the clients are raw sockets here too.
+chunk is one read and one write, as at full speed); the clients are kept-alive raw sockets
+here too. Two runs with different ``--chunks`` split the cost per request from the cost per
+chunk.
 
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target router
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target pipe
@@ -78,32 +80,41 @@ async def _upstream(
         writer.close()
 
 
-async def _client(port: int) -> int:
-    """One streamed request to the target; returns the response's bytes."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-        % (len(_REQUEST_BODY), _REQUEST_BODY)
-    )
-    received = 0
-    tail = b""
-    try:
+class _Client:
+    """One kept-alive client connection (as ``bench router_overhead``'s httpx clients)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def request(self) -> int:
+        """One streamed request; returns the response's bytes."""
+        if self.streams is None:
+            self.streams = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = self.streams
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (len(_REQUEST_BODY), _REQUEST_BODY)
+        )
+        received = 0
+        tail = b""
         while True:
             data = await reader.read(65536)
             if not data:
-                break
+                raise ConnectionError("the target closed the connection")
             received += len(data)
             tail = (tail + data)[-64:]
             if tail.endswith(b"0\r\n\r\n") and b"[DONE]" in tail:
-                break
-    finally:
-        writer.close()
-    return received
+                return received
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
 
 
-async def _pass(port: int, args: argparse.Namespace) -> int:
-    sizes = await asyncio.gather(*(_client(port) for _ in range(args.streams)))
+async def _pass(clients: list[_Client]) -> int:
+    sizes = await asyncio.gather(*(client.request() for client in clients))
     return sum(sizes)
 
 
@@ -142,19 +153,22 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         assert proc.stdout is not None
         url = (await asyncio.wait_for(proc.stdout.readline(), 300)).decode().strip()
         port = int(url.rsplit(":", 1)[1])
-        await _pass(port, args)  # warm-up: imports, pools, caches
+        clients = [_Client(port) for _ in range(args.streams)]
+        await _pass(clients)  # warm-up: imports, pools, caches, connections
         await asyncio.sleep(0.5)
         if not args.no_valgrind:
             await asyncio.to_thread(_callgrind, proc.pid, "-i", "on")
             await asyncio.to_thread(_callgrind, proc.pid, "-z")
         started = time.perf_counter()
-        received = await _pass(port, args)
+        received = await _pass(clients)
         elapsed = time.perf_counter() - started
         instructions = 0
         if not args.no_valgrind:
             await asyncio.to_thread(_callgrind, proc.pid, "-d")
             await asyncio.to_thread(_callgrind, proc.pid, "-i", "off")
             instructions = await asyncio.to_thread(_totals, out)
+        for client in clients:
+            client.close()
     finally:
         if proc.stdin is not None:
             proc.stdin.close()

@@ -156,7 +156,7 @@ class Stream:
         self.events.append(event)
         size = len(data) + _EVENT_OVERHEAD_BYTES
         self.size_bytes += size
-        if event.is_done:
+        if data == DONE_DATA:
             self.finished_at = now
             if self.on_finish is not None:
                 on_finish, self.on_finish = self.on_finish, None
@@ -247,17 +247,18 @@ class Stream:
         return tap.seq, tap.idle
 
     def _feed_taps(self, event: StreamEvent) -> None:
-        taps = self._taps
         if event.data == DONE_DATA:
             self._release_taps()
             return
-        for tap in taps:
+        refused = False
+        for tap in self._taps:
             if tap.write(event):
                 tap.seq = event.seq
                 tap.last_at = tap.loop.time()
             else:
-                tap.released = True
-        if any(tap.released for tap in taps):
+                tap.released = refused = True
+        if refused:
+            taps = self._taps
             self._taps = [tap for tap in taps if not tap.released]
             for tap in taps:
                 if tap.released:
