@@ -218,12 +218,17 @@ class SSEFramer:
             return encode_event(data, id=event.seq)
         return b"id: %d\ndata: %b\n\n" % (event.seq, data)
 
+    def writer(self, write: BodyWriter) -> Callable[[StreamEvent], bool]:
+        """Frame one event (:meth:`frame_one`) and write it: the direct path's per event
+        work, in one call (it runs in the producer's data callback, once per chunk)."""
 
-def _live_writer(framer: SSEFramer, write: BodyWriter) -> Callable[[StreamEvent], bool]:
-    def live(event: StreamEvent) -> bool:
-        return write(framer.frame_one(event))
+        def live(event: StreamEvent) -> bool:
+            data = event.data
+            if data[:7] == NAMED_PREFIX or 10 in data or 13 in data:
+                return write(self.frame_one(event))
+            return write(b"id: %d\ndata: %b\n\n" % (event.seq, data))
 
-    return live
+        return live
 
 
 async def sse_events(
@@ -244,7 +249,7 @@ async def sse_events(
     yielded goes out after them, in order, as the writer is idle while this generator runs.
     """
     framer = SSEFramer()
-    live = None if direct is None else _live_writer(framer, direct)
+    live = None if direct is None else framer.writer(direct)
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock, live=live)
     try:
         async for batch in events:

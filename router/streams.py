@@ -152,8 +152,9 @@ class Stream:
         """Add one event; returns it, or ``None`` if the stream is already finished."""
         if self.finished_at is not None:
             return None
-        event = StreamEvent(self.last_seq + 1, data)
-        self.events.append(event)
+        events = self.events
+        event = StreamEvent(self.trimmed + len(events) + 1, data)
+        events.append(event)
         size = len(data) + _EVENT_OVERHEAD_BYTES
         self.size_bytes += size
         if data == DONE_DATA:
@@ -162,7 +163,7 @@ class Stream:
                 on_finish, self.on_finish = self.on_finish, None
                 on_finish()
         if self._store is not None:
-            self._store._grew(self, size)
+            self._store._grew(self, size, self.finished_at is not None)
         if self.mirror is not None:
             self.mirror(self, event)
         if self._taps:
@@ -536,11 +537,11 @@ class StreamStore:
         return dropped
 
     # --- bookkeeping, called by Stream ---------------------------------------------------
-    def _grew(self, stream: Stream, size: int) -> None:
+    def _grew(self, stream: Stream, size: int, done: bool) -> None:
         self.total_bytes += size
         usage = self._owners[stream.owner]
         usage.bytes += size
-        if stream.done:  # the [DONE] event
+        if done:  # the [DONE] event
             del self._live[stream.id]
             self._finished[stream.id] = stream
             usage.live -= 1
