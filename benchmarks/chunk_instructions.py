@@ -166,8 +166,19 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         clients = [_Client(port) for _ in range(args.streams)]
         await _pass(clients)  # warm-up: imports, pools, caches, connections
         await asyncio.sleep(0.5)
+        idle_per_s = 0.0
         if not args.no_valgrind:
             await asyncio.to_thread(_callgrind, proc.pid, "-i", "on")
+            if args.idle_s > 0:
+                # What the process does with no stream (housekeeping ticks, load scrapes):
+                # per second, taken off the measured pass, which lasts as long as its
+                # streams do whatever a chunk costs.
+                await asyncio.to_thread(_callgrind, proc.pid, "-z")
+                idle_started = time.perf_counter()
+                await asyncio.sleep(args.idle_s)
+                await asyncio.to_thread(_callgrind, proc.pid, "-d")
+                idle = await asyncio.to_thread(_totals, out)
+                idle_per_s = idle / (time.perf_counter() - idle_started)
             await asyncio.to_thread(_callgrind, proc.pid, "-z")
         started, cpu_before = time.perf_counter(), _cpu_s(proc.pid)
         received = 0
@@ -199,6 +210,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         "bytes_received": received,
         "seconds": round(elapsed, 2),
         "instructions_per_chunk": round(instructions / chunks),
+        "idle_instructions_per_s": round(idle_per_s),
+        "busy_instructions_per_chunk": round((instructions - idle_per_s * elapsed) / chunks),
         # With --no-valgrind: the process's CPU time (system calls included) per chunk, noisy
         # on a shared machine, in 10 ms ticks: use thousands of chunks.
         "cpu_us_per_chunk": round(cpu * 1e6 / chunks, 1),
@@ -211,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", choices=("router", "pipe"), default="router")
     parser.add_argument("--streams", type=int, default=20)
     parser.add_argument("--chunks", type=int, default=50, help="content chunks per stream")
+    parser.add_argument(
+        "--idle-s", type=float, default=10.0, help="measure the idle process this long first"
+    )
     parser.add_argument("--passes", type=int, default=1, help="measured passes")
     parser.add_argument("--interval-ms", type=float, default=100.0)
     parser.add_argument(
