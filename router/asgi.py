@@ -80,7 +80,10 @@ async def read_body(
     size = 0
     while True:
         try:
-            message = await asyncio.wait_for(receive(), timeout_s)
+            # A deadline on this task, not ``wait_for``: that wrapped each receive() in a
+            # task of its own, two or more per request.
+            async with asyncio.timeout(timeout_s):
+                message = await receive()
         except TimeoutError:
             raise BodyTimeout from None
         if message["type"] == "http.disconnect":
