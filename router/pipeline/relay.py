@@ -145,6 +145,17 @@ class EventFramer:
         """Feed bytes; return the payloads of the events they complete, in order."""
         if self._decoder is not None:
             return self._payloads(self._decoder.receive_data(data))
+        if not self._buffer and self._started:
+            # The common read: one whole ``data: ...`` event, its first line end the
+            # blank line's. A few C calls instead of the loop below (same payload).
+            end = len(data) - 2
+            if (
+                data.find(b"\n") == end
+                and data[end + 1 :] == b"\n"
+                and data[:6] == b"data: "
+                and _CR not in data
+            ):
+                return [data[6:end]]
         buffer = self._buffer + data if self._buffer else data
         if not self._started:
             self._started = True
