@@ -76,7 +76,10 @@ def uvicorn_writer(cycle: Any) -> Callable[[bytes], bool]:
             or transport.is_closing()
         ):
             return False
-        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        try:
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        except Exception:  # whatever a dying transport raises: its reader's send will say
+            return False  # this runs in the upstream's callback: its stream must go on
         return True
 
     return write

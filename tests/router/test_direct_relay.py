@@ -152,6 +152,22 @@ async def test_heartbeat_counts_from_the_last_direct_write() -> None:
     assert [piece async for piece in reader] == [b"id: 7\ndata: [DONE]\n\n"]
 
 
+async def test_an_evicted_stream_releases_its_direct_reader() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.append(CHAT[0], 0.0)
+    writer = Writer()
+    reader = asyncio.create_task(read_all(stream, 0, writer))
+    await asyncio.sleep(0.01)
+    stream.append(CHAT[1], 0.0)
+    assert stream._taps  # caught up: written directly
+    store.evict(1000.0)  # past its age
+    sent = await asyncio.wait_for(reader, 5)
+    assert stream.evicted
+    assert not stream._taps
+    assert sent == b'id: 1\ndata: {"n":0}\n\nid: 2\ndata: {"n":1}\n\n'
+
+
 # -- over sockets: HTTP/1.1 on the default server ----------------------------------------
 
 Spy = dict[str, Any]
