@@ -22,7 +22,8 @@ Streams older than ``max_age_s`` are dropped; evicting an unfinished one cancels
 through its ``cancel_producer`` hook. Every index is kept in order as streams are created,
 trimmed and finish, so an eviction or a trim costs O(1) per event or stream dropped, whatever
 the number of streams. The clock is passed in (``now``), so eviction is tested without
-sleeping; the only IO-ish part is :meth:`Stream.wait`, an asyncio wait for new events.
+sleeping; the only IO-ish parts are :meth:`Stream.wait`, an asyncio wait for new events, and
+:meth:`Stream.relay_live`, where a reader caught up is handed each new event in the append.
 
 Stream ids are 128 random bits (``secrets``), URL-safe base64 without padding. A stream is
 bound to its owner (a digest of the API key); :meth:`StreamStore.get` returns ``None`` for a
