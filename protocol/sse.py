@@ -152,7 +152,7 @@ def encode_event(
         parts.append(b"event: " + event.encode() + b"\n")
     if id is not None:
         parts.append(b"id: " + str(id).encode() + b"\n")
-    if b"\n" in payload or b"\r" in payload:
+    if 10 in payload or 13 in payload:  # LF, CR: as ints, no TypeError made per call
         lines = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
         parts.extend(b"data: " + line + b"\n" for line in lines)
     else:

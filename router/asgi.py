@@ -11,7 +11,10 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
+from .hosting.body_writer import EXTENSION as BODY_WRITER
+
 __all__ = [
+    "BODY_WRITER",
     "ASGIApp",
     "BodyTimeout",
     "ClientGone",
@@ -19,6 +22,7 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "body_writer",
     "header_dict",
     "read_body",
     "send_bytes",
@@ -34,6 +38,16 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 Headers = list[tuple[str, str]] | tuple[tuple[str, str], ...]
+
+
+def body_writer(scope: Scope) -> Callable[[bytes], bool] | None:
+    """The server's ``firstbyte.body_writer`` extension, if it offers it: write a part of a
+    streamed body from any callback (:mod:`firstbyte.router.hosting.body_writer`)."""
+    extensions = scope.get("extensions")
+    if not extensions:
+        return None
+    writer: Callable[[bytes], bool] | None = extensions.get(BODY_WRITER)
+    return writer
 
 
 def header_dict(scope: Scope) -> dict[str, str]:
@@ -66,7 +80,10 @@ async def read_body(
     size = 0
     while True:
         try:
-            message = await asyncio.wait_for(receive(), timeout_s)
+            # A deadline on this task, not ``wait_for``: that wrapped each receive() in a
+            # task of its own, two or more per request.
+            async with asyncio.timeout(timeout_s):
+                message = await receive()
         except TimeoutError:
             raise BodyTimeout from None
         if message["type"] == "http.disconnect":

@@ -40,6 +40,7 @@ from .asgi import (
     Receive,
     Scope,
     Send,
+    body_writer,
     header_dict,
     read_body,
     send_bytes,
@@ -317,7 +318,11 @@ async def completion(
         200,
         [*SSE_HEADERS, *headers],
         sse_events(
-            stream, 0, heartbeat_s=state.config.limits.heartbeat_interval_s, clock=state.clock
+            stream,
+            0,
+            heartbeat_s=state.config.limits.heartbeat_interval_s,
+            clock=state.clock,
+            direct=body_writer(scope),
         ),
     )
 
@@ -505,7 +510,11 @@ async def read_stream(
         200,
         headers,
         sse_events(
-            found, after, heartbeat_s=state.config.limits.heartbeat_interval_s, clock=state.clock
+            found,
+            after,
+            heartbeat_s=state.config.limits.heartbeat_interval_s,
+            clock=state.clock,
+            direct=body_writer(scope),
         ),
     )
 

@@ -418,14 +418,14 @@ class RegionRouting:
         return hmac.compare_digest(given.encode(), self.peer_key.encode())
 
     def locate(self, ctx: RequestContext, from_peer: bool) -> Location | None:
+        if self.locator is None:
+            return None  # no database: the client's address (parsed per request) is not needed
         peer = ctx.client[0] if ctx.client else None
         trusted = self.trusted
         if from_peer and peer is not None:
             # A peer router states the client's address in x-forwarded-for (see _to_peer).
             trusted = TrustedProxies([*self.config.geo.trusted_proxies, peer], "x-forwarded-for")
         address = client_address(peer, ctx.headers, trusted)
-        if self.locator is None:
-            return None
         return self.locator.locate(address)
 
     def serving(self, ctx: RequestContext) -> frozenset[str] | None:

@@ -31,8 +31,10 @@ from .pipeline.context import LocalReply, error_reply
 from .streams import DONE_DATA, HistoryTrimmed, StreamEvent
 
 __all__ = [
+    "BodyWriter",
     "HistoryTrimmed",
     "ReadableStream",
+    "SSEFramer",
     "follow",
     "parse_after",
     "poll",
@@ -102,6 +104,14 @@ class ReadableStream(Protocol):
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool: ...
 
+    async def relay_live(
+        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+    ) -> tuple[int, bool]:
+        """Caught up at ``seq``: events from now on to ``write`` as they come, where the
+        stream can (:meth:`~firstbyte.router.streams.Stream.relay_live`); returns the last
+        written and whether ``idle_s`` passed without an event."""
+        ...
+
     def attach(self, now: float) -> None: ...
 
     def detach(self, now: float) -> None: ...
@@ -120,12 +130,18 @@ def parse_after(value: str | None) -> int | None:
     return int(value)
 
 
+BodyWriter = Callable[[bytes], bool]
+"""Writes a part of a response body now if its connection can take it (True), else writes
+nothing (False): :func:`firstbyte.router.asgi.body_writer`."""
+
+
 async def follow(
     stream: ReadableStream,
     after: int,
     *,
     idle_s: float,
     clock: Callable[[], float] = time.monotonic,
+    live: Callable[[StreamEvent], bool] | None = None,
 ) -> AsyncGenerator[list[StreamEvent], None]:
     """Batches of the events after ``after``, following the stream up to ``[DONE]``.
 
@@ -133,6 +149,10 @@ async def follow(
     live events come as they arrive. An empty batch means ``idle_s`` passed with nothing new
     (time for a heartbeat). Ends after ``[DONE]``, or if the stream is evicted; raises
     :class:`HistoryTrimmed` if the events after the reader's position were trimmed.
+
+    With ``live``, a reader caught up is handed each new event by the producer itself
+    (:meth:`~firstbyte.router.streams.Stream.relay_live`), and only what ``live`` refused
+    (the reader fell behind), the stream's end and idle periods come as batches.
     """
     stream.attach(clock())
     try:
@@ -147,7 +167,11 @@ async def follow(
                 continue
             if stream.evicted or stream.done:
                 return
-            if not await stream.wait(seq, idle_s):
+            if live is not None:
+                seq, idle = await stream.relay_live(seq, live, idle_s)
+                if idle:
+                    yield []
+            elif not await stream.wait(seq, idle_s):
                 yield []
     finally:
         stream.detach(clock())
@@ -164,45 +188,98 @@ def _named_before(stream: ReadableStream, seq: int) -> bool:
     return bool(previous) and previous[0].seq == seq - 1 and previous[0].data[:7] == NAMED_PREFIX
 
 
-async def sse_events(
-    stream: ReadableStream,
-    after: int,
-    *,
-    heartbeat_s: float,
-    clock: Callable[[], float] = time.monotonic,
-) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for every event after ``after`` (``id: SEQ`` framing); :data:`HEARTBEAT`
-    (no event for any SSE client) when idle. A reader overtaken by a trim gets a
-    ``stream_history_trimmed`` error event (no ``id``: it is not one of the stream's) and the
-    response ends."""
-    events = follow(stream, after, idle_s=heartbeat_s, clock=clock)
-    named = False  # the stream's events carry names: it ends with its own, not [DONE]
-    try:
-        async for batch in events:
-            if not batch:
-                yield HEARTBEAT
-                continue
-            first = batch[0]
-            if (
-                not named
-                and first.data[:7] != NAMED_PREFIX
-                and not (first.data == DONE_DATA and _named_before(stream, first.seq))
-            ):
-                # Chat's path, as cheap as before. One look per batch is enough: a stream of
-                # a named format holds named events only (the relay names a bare one
-                # ``message``), but for the error and [DONE] that end an abandoned one.
-                yield b"".join(encode_event(e.data, id=e.seq) for e in batch)
-                continue
-            named = True
-            frames = [
+class SSEFramer:
+    """Stored events in, the SSE bytes a reader sends out (``id: SEQ`` framing).
+
+    A named event (``event: NAME\\ndata: ...``) goes out as stored with its ``id:`` line
+    first; a stream of named events ended with its own terminal event, so once one was seen
+    the store's ``[DONE]`` is not sent."""
+
+    __slots__ = ("named",)
+
+    def __init__(self) -> None:
+        self.named = False
+        """The stream's events carry names: it ends with its own, not ``[DONE]``."""
+
+    def frame(self, batch: list[StreamEvent], stream: ReadableStream | None = None) -> bytes:
+        """The SSE bytes of ``batch`` (possibly none); ``stream``: where it came from, to
+        tell a named stream's leftover ``[DONE]`` on a resume after its terminal event."""
+        first = batch[0]
+        if (
+            not self.named
+            and first.data[:7] != NAMED_PREFIX
+            and not (
+                first.data == DONE_DATA
+                and stream is not None
+                and _named_before(stream, first.seq)
+            )
+        ):
+            # Chat's path, as cheap as before. One look per batch is enough: a stream of
+            # a named format holds named events only (the relay names a bare one
+            # ``message``), but for the error and [DONE] that end an abandoned one.
+            return b"".join([encode_event(e.data, id=e.seq) for e in batch])
+        self.named = True
+        return b"".join(
+            [
                 b"id: %d\n%b\n\n" % (e.seq, e.data)
                 if e.data[:7] == NAMED_PREFIX
                 else encode_event(e.data, id=e.seq)
                 for e in batch
                 if e.data != DONE_DATA
             ]
+        )
+
+    def frame_one(self, event: StreamEvent) -> bytes:
+        """:meth:`frame` of one event (the direct path's, never ``[DONE]``)."""
+        data = event.data
+        if data[:7] == NAMED_PREFIX:
+            self.named = True
+            return b"id: %d\n%b\n\n" % (event.seq, data)
+        if 10 in data or 13 in data:  # several lines: encode_event splits them
+            return encode_event(data, id=event.seq)
+        return b"id: %d\ndata: %b\n\n" % (event.seq, data)
+
+    def writer(self, write: BodyWriter) -> Callable[[StreamEvent], bool]:
+        """Frame one event (:meth:`frame_one`) and write it: the direct path's per event
+        work, in one call (it runs in the producer's data callback, once per chunk)."""
+
+        def live(event: StreamEvent) -> bool:
+            data = event.data
+            if data[:7] == NAMED_PREFIX or 10 in data or 13 in data:
+                return write(self.frame_one(event))
+            return write(b"id: %d\ndata: %b\n\n" % (event.seq, data))
+
+        return live
+
+
+async def sse_events(
+    stream: ReadableStream,
+    after: int,
+    *,
+    heartbeat_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    direct: BodyWriter | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """SSE bytes for every event after ``after`` (:class:`SSEFramer`); :data:`HEARTBEAT`
+    (no event for any SSE client) when idle. A reader overtaken by a trim gets a
+    ``stream_history_trimmed`` error event (no ``id``: it is not one of the stream's) and the
+    response ends.
+
+    With ``direct`` (the connection's body writer), live events caught up with are written
+    by the producer as they are appended, not yielded (see :func:`follow`); what is
+    yielded goes out after them, in order, as the writer is idle while this generator runs.
+    """
+    framer = SSEFramer()
+    live = None if direct is None else framer.writer(direct)
+    events = follow(stream, after, idle_s=heartbeat_s, clock=clock, live=live)
+    try:
+        async for batch in events:
+            if not batch:
+                yield HEARTBEAT
+                continue
+            frames = framer.frame(batch, stream)
             if frames:
-                yield b"".join(frames)
+                yield frames
     except HistoryTrimmed as trimmed:
         yield encode_event(encode(trimmed_body(trimmed)))
     finally:

@@ -22,7 +22,8 @@ Streams older than ``max_age_s`` are dropped; evicting an unfinished one cancels
 through its ``cancel_producer`` hook. Every index is kept in order as streams are created,
 trimmed and finish, so an eviction or a trim costs O(1) per event or stream dropped, whatever
 the number of streams. The clock is passed in (``now``), so eviction is tested without
-sleeping; the only IO-ish part is :meth:`Stream.wait`, an asyncio wait for new events.
+sleeping; the only IO-ish parts are :meth:`Stream.wait`, an asyncio wait for new events, and
+:meth:`Stream.relay_live`, where a reader caught up is handed each new event in the append.
 
 Stream ids are 128 random bits (``secrets``), URL-safe base64 without padding. A stream is
 bound to its owner (a digest of the API key); :meth:`StreamStore.get` returns ``None`` for a
@@ -145,6 +146,8 @@ class Stream:
     """The loop its readers wait in (the serving loop), known at the first wait."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     """One future per reader blocked in :meth:`wait`, all resolved by the next change."""
+    _taps: list[_Tap] = field(default_factory=list, repr=False)
+    """Readers caught up and written to from :meth:`append` itself (:meth:`relay_live`)."""
 
     @property
     def done(self) -> bool:
@@ -158,20 +161,24 @@ class Stream:
         """Add one event; returns it, or ``None`` if the stream is already finished."""
         if self.finished_at is not None:
             return None
-        event = StreamEvent(self.last_seq + 1, data)
-        self.events.append(event)
+        events = self.events
+        event = StreamEvent(self.trimmed + len(events) + 1, data)
+        events.append(event)
         size = len(data) + _EVENT_OVERHEAD_BYTES
         self.size_bytes += size
-        if event.is_done:
+        if data == DONE_DATA:
             self.finished_at = now
             if self.on_finish is not None:
                 on_finish, self.on_finish = self.on_finish, None
                 on_finish()
         if self._store is not None:
-            self._store._grew(self, size)
+            self._store._grew(self, size, self.finished_at is not None)
         if self.mirror is not None:
             self.mirror(self, event)
-        self._wake()
+        if self._taps:
+            self._feed_taps(event)
+        if self._waiters:
+            self._wake()
         return event
 
     def finish(self, now: float) -> None:
@@ -221,11 +228,110 @@ class Stream:
                     self._waiters.remove(waiter)
         return self.last_seq > seq
 
+    async def relay_live(
+        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+    ) -> tuple[int, bool]:
+        """For a reader caught up at ``seq``: hand each event appended from now on to
+        ``write`` within :meth:`append` (the producer's data callback), with no wake-up of
+        the reader, until ``write`` refuses one (returns False: the reader's connection
+        cannot take it now), the stream's ``[DONE]`` (not written: the reader sends it and
+        ends), an eviction, or ``idle_s`` without an event. Returns the last sequence number
+        written and whether it returned for being idle. Anything not written is in the
+        store, after the returned number, for the reader's own path."""
+        if self.last_seq > seq or self.evicted or self.done or idle_s == 0:
+            return seq, False
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        tap = _Tap(write, seq, loop.create_future(), loop.time(), loop)
+        self._taps.append(tap)
+        if idle_s is not None:
+            tap.idle_s = idle_s
+            tap.timer = loop.call_at(tap.last_at + idle_s, tap.check_idle)
+        try:
+            await tap.waiter
+        finally:
+            tap.close()
+            if tap in self._taps:
+                self._taps.remove(tap)
+        return tap.seq, tap.idle
+
+    def _feed_taps(self, event: StreamEvent) -> None:
+        if event.data == DONE_DATA:
+            self._release_taps()
+            return
+        refused = False
+        for tap in self._taps:
+            if tap.write(event):
+                tap.seq = event.seq
+                tap.last_at = tap.loop.time()
+            else:
+                tap.released = refused = True
+        if refused:
+            taps = self._taps
+            self._taps = [tap for tap in taps if not tap.released]
+            for tap in taps:
+                if tap.released:
+                    tap.release()
+
+    def _release_taps(self) -> None:
+        taps, self._taps = self._taps, []
+        for tap in taps:
+            tap.release()
+
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        if self._taps and (self.evicted or self.done):
+            self._release_taps()
+
+
+class _Tap:
+    """One reader of :meth:`Stream.relay_live`: where its events go and how long it waits."""
+
+    __slots__ = ("idle", "idle_s", "last_at", "loop", "released", "seq", "timer", "waiter", "write")
+
+    def __init__(
+        self,
+        write: Callable[[StreamEvent], bool],
+        seq: int,
+        waiter: asyncio.Future[None],
+        now: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.write = write
+        self.seq = seq
+        self.waiter = waiter
+        self.last_at = now
+        """When it was last written to (or started): its idle clock."""
+        self.loop = loop
+        self.idle = False
+        self.idle_s = 0.0
+        self.released = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def check_idle(self) -> None:
+        # One timer per idle period, moved on when it fires after writes, rather than
+        # rescheduled per event: events are per chunk, idle periods are rare.
+        now = self.loop.time()
+        if now - self.last_at >= self.idle_s:
+            self.timer = None
+            self.idle = True
+            self.release()
+        else:
+            self.timer = self.loop.call_at(self.last_at + self.idle_s, self.check_idle)
+
+    def release(self) -> None:
+        self.released = True
+        if not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:
@@ -442,11 +548,11 @@ class StreamStore:
         return dropped
 
     # --- bookkeeping, called by Stream ---------------------------------------------------
-    def _grew(self, stream: Stream, size: int) -> None:
+    def _grew(self, stream: Stream, size: int, done: bool) -> None:
         self.total_bytes += size
         usage = self._owners[stream.owner]
         usage.bytes += size
-        if stream.done:  # the [DONE] event
+        if done:  # the [DONE] event
             del self._live[stream.id]
             self._finished[stream.id] = stream
             usage.live -= 1

@@ -33,7 +33,11 @@ __all__ = ["H1Connection", "H1Pool", "Origin", "ResponseSink", "encode_request"]
 
 
 class ResponseSink(Protocol):
-    """Where one response goes, called from the connection's protocol callbacks."""
+    """Where one response goes, called from the connection's protocol callbacks.
+
+    ``on_body`` is the parser's own callback (no call of the connection's in between): a
+    sink ignores a body that comes after its ``on_end`` or ``on_error`` (bytes of a second,
+    unasked-for response in the same read)."""
 
     def on_head(self, status: int) -> None: ...
     def on_body(self, data: bytes) -> None: ...
@@ -141,10 +145,6 @@ class H1Connection(asyncio.Protocol):
         self._framed_by_close = not self._has_length and status not in (204, 304)
         self._sink.on_head(status)
 
-    def on_body(self, body: bytes) -> None:
-        if self._sink is not None:
-            self._sink.on_body(body)
-
     def on_message_complete(self) -> None:
         self._complete = True
         self._parser = None
@@ -160,7 +160,7 @@ class H1Connection(asyncio.Protocol):
         assert self.transport is not None
         assert self._complete
         self._sink = sink
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = httptools.HttpResponseParser(_Callbacks(self, sink))
         self._complete = False
         self._keep_alive = False
         self._framed_by_close = False  # known at the head's end
@@ -243,6 +243,22 @@ class H1Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class _Callbacks:
+    """What the parser calls: the connection's callbacks, but a body goes straight to the
+    response's sink (one Python call less per relayed chunk). httptools looks the callbacks
+    up once, when the parser is made; the sink checks its own state (it ignores a body once
+    its attempt is decided), and a connection whose sink is dropped is not fed again
+    (aborted, or idle with no parser)."""
+
+    __slots__ = ("on_body", "on_header", "on_headers_complete", "on_message_complete")
+
+    def __init__(self, conn: H1Connection, sink: ResponseSink) -> None:
+        self.on_header = conn.on_header
+        self.on_headers_complete = conn.on_headers_complete
+        self.on_body = sink.on_body
+        self.on_message_complete = conn.on_message_complete
 
 
 class H1Pool:

@@ -6,7 +6,7 @@ process, as in production; the load generator (httpx over HTTP/1.1 on loopback, 
 connections, parsing with the SDK's SSE core) runs in this one. For each level (1, 100 and 500
 concurrent streams) the targets are measured in alternating phases, so all see the same
 machine: ``direct`` (the sim), ``nginx`` (``proxy_buffering off``, 2 workers, kept-alive
-upstream connections) when it is installed, ``python-pipe`` in full runs (bytes piped in Python
+upstream connections) when it is installed, ``python-pipe`` (bytes piped in Python
 on uvloop: the floor of CPU per chunk for a Python relay, see :data:`PIPE_TARGET`), and the
 router under each of its HTTP/1.1 servers.
 Added latency is the difference of the percentiles (target minus direct). Optionally (full
@@ -85,7 +85,8 @@ PIPE_TARGET = "python-pipe"
 """A byte pipe written in Python on the router's event loop (uvloop): one upstream connection
 per client connection, bytes passed on untouched, no HTTP. Nothing relays a chunk in Python
 for less, so its CPU per chunk next to nginx's and the router's tells the interpreter's and
-the event loop's share of the router's cost from the router's own work. Full runs only."""
+the event loop's share of the router's cost from the router's own work
+(``cC_TARGET_cpu_vs_pipe``)."""
 BASELINE_SERVERS = ("hypercorn", "uvicorn")
 """The servers measured at the ``--baseline`` revision too (as ``baseline-SERVER``)."""
 BASELINE_OF = {"auto": "hypercorn", "hypercorn": "hypercorn", "uvicorn": "uvicorn"}
@@ -540,7 +541,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     tls_rounds = 0 if quick else 2
     top = max(c for c, _, _ in levels)
     nginx = _nginx_binary()
-    pipe = [] if quick else [PIPE_TARGET]
+    pipe = [PIPE_TARGET]  # quick runs too: the ratio to it is the figure CPU is judged by
     routers = [f"router/{name}" for name in ROUTER_SERVERS]
     then = [f"baseline-{name}" for name in BASELINE_SERVERS] if baseline else []
     proxies = ([NGINX_TARGET] if nginx else []) + pipe + routers + then
@@ -610,6 +611,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
         _summarise_sustained(summary, phases)
         if tls_rounds:
             _tls(runs, summary, sim, max_tokens, tls_rounds, bar)
+    _versus_pipe(summary, [c for c, _, _ in levels])
     conditions: dict[str, Any] = {}
     if baseline:
         conditions["baseline"] = _baseline_router.describe(baseline)
@@ -621,7 +623,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             f"Streams of {max_tokens // 2}-{max_tokens * 3 // 2} tokens from the sim "
             f"({PROFILE} profile, ~10 ms a token, own process, max_num_seqs {seqs}), direct, "
             f"through nginx (proxy_buffering off, 2 workers) when installed, through "
-            f"{PIPE_TARGET} (full runs: bytes piped in Python on uvloop, no HTTP: the floor of "
+            f"{PIPE_TARGET} (bytes piped in Python on uvloop, no HTTP: the floor of "
             f"any Python relay's CPU per chunk) and through the router (one process per ASGI "
             f"server: {', '.join(ROUTER_SERVERS)}) on loopback, in "
             f"alternating phases with the same workload; closed-loop workers ({levels_text}), "
@@ -632,7 +634,9 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             "(A/A: the noise floor); cC_TARGET_vs_nginx_p50_ttft_ms / _p99_ttft_ms = the "
             "router's percentile minus nginx's in the same run (targets: at most 1 ms and 5 ms); "
             "cC_TARGET_cpu_us_per_chunk = the target's CPU time (all its "
-            "processes) per relayed chunk; sustained_TARGET_* = over the sustained phases; "
+            "processes) per relayed chunk; cC_TARGET_cpu_vs_pipe = that over "
+            f"{PIPE_TARGET}'s in the same phases (the router's target: at most 2); "
+            "sustained_TARGET_* = over the sustained phases; "
             "c100_hypercorn_h2tls_added_vs_direct_h2_* = router over TLS + HTTP/2 minus the "
             "client straight to a TLS + HTTP/2 sim."
         ),
@@ -696,6 +700,20 @@ def _versus_baseline(summary: dict[str, Any], levels: list[int]) -> None:
                 summary[f"c{concurrency}_{name}_cpu_vs_baseline"] = now / then
 
 
+def _versus_pipe(summary: dict[str, Any], levels: list[int]) -> None:
+    """``cC_TARGET_cpu_vs_pipe``: each target's CPU per chunk over :data:`PIPE_TARGET`'s in the
+    same phases (the target for the router is at most 2)."""
+    pipe_key = PIPE_TARGET.replace("-", "_")
+    for concurrency in levels:
+        pipe = summary.get(f"c{concurrency}_{pipe_key}_cpu_us_per_chunk")
+        if not pipe:
+            continue
+        for name in (*ROUTER_SERVERS, NGINX_TARGET):
+            mine = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
+            if mine is not None:
+                summary[f"c{concurrency}_{name}_cpu_vs_pipe"] = mine / pipe
+
+
 def _limited_by(cores: dict[str, float], machine: float, target: str) -> str:
     """What limited a figure: the machine's CPUs, or one process at a core's worth."""
     mine = sorted(cores.items(), key=lambda item: -item[1])
@@ -730,6 +748,11 @@ def _overhead_rows(measured: dict[str, dict[str, Any]], concurrency: int) -> lis
                 "limited_by": _limited_by(result["cores_used"], result["machine_busy_share"], name),
             }
         )
+    pipe = next((row["cpu_us_per_chunk"] for row in rows if row["label"] == PIPE_TARGET), None)
+    for row in rows:
+        # The target of issue 26: a router's CPU per chunk at most 2x the byte pipe's.
+        mine = row["cpu_us_per_chunk"]
+        row["cpu_vs_pipe"] = mine / pipe if mine is not None and pipe else None
     return rows
 
 

@@ -382,6 +382,24 @@ PATCHES: tuple[Patch, ...] = (
         "tests/router/attacks/ (the uvicorn and auto cases), tests/router/hosting/test_accept.py",
     ),
     Patch(
+        "uvicorn-body-writer",
+        "uvicorn",
+        "(a feature) uvicorn's ASGI send is the only way to write a body part; the"
+        " firstbyte.body_writer extension (body_writer.py) writes one from a callback",
+        (
+            Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle",
+                  source=(("__init__", "self.transport"), ("__init__", "self.flow"),
+                          ("__init__", "self.disconnected"),
+                          ("__init__", "self.chunked_encoding"),
+                          ("__init__", "self.response_complete"))),
+            Shape("uvicorn.protocols.http.flow_control:FlowControl",
+                  source=(("__init__", "self.write_paused"),)),
+        ),
+        (),
+        _nothing,
+        "tests/router/test_direct_relay.py::test_http1_stream_is_written_directly_and_whole",
+    ),
+    Patch(
         "httpcore-asyncio-backend",
         "httpx",
         "(a feature) httpx has no public switch for httpcore's network backend",

@@ -38,6 +38,8 @@ import ssl
 from typing import Any
 
 from .accept import MAX_REFUSED_HEAD_BYTES, Admission, ProxyRead, TlsStart, admit
+from .body_writer import EXTENSION as BODY_WRITER
+from .body_writer import uvicorn_shape_ok, uvicorn_writer
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
@@ -276,7 +278,13 @@ def guarded_protocols(
 
         def on_headers_complete(self) -> None:
             self._stop_head_timer()
+            before = self.cycle
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not before and cycle is not None and uvicorn_shape_ok(cycle):
+                # Its task has not run yet: the app finds the writer in its scope.
+                extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
+                extensions[BODY_WRITER] = uvicorn_writer(cycle)
 
         def handle_websocket_upgrade(self) -> None:
             self._stop_head_timer()

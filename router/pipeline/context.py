@@ -223,11 +223,19 @@ class RequestContext:
     usage: Usage | None = None
     """A non-streamed completion's usage (a stream's is read from the stream at its end)."""
 
+    _owner_of_key: tuple[str | None, bytes] | None = field(default=None, repr=False)
+    """The key's digest, kept: a streamed request asks for :attr:`owner` six times."""
+
     @property
     def owner(self) -> bytes:
         """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
         owner of its streams and the subject of the per-key limits, for a key or its token."""
-        return self.token_owner if self.token_owner is not None else owner_of(self.api_key)
+        if self.token_owner is not None:
+            return self.token_owner
+        known = self._owner_of_key
+        if known is None or known[0] != self.api_key:
+            known = self._owner_of_key = (self.api_key, owner_of(self.api_key))
+        return known[1]
 
     @property
     def transport(self) -> str:

@@ -41,7 +41,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from firstbyte.protocol import error_codes
@@ -221,6 +221,13 @@ class RemoteStream:
                     return True
                 if self.evicted:
                     return False
+
+    async def relay_live(
+        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+    ) -> tuple[int, bool]:
+        """Events come in batches from Redis here, not one by one from a producer: nothing
+        is written directly; returns when an event after ``seq`` exists, or idle."""
+        return seq, not await self.wait(seq, idle_s)
 
     def _touch(self, now: float) -> None:
         """Mark this stream as read elsewhere (at most once per check interval)."""

@@ -228,13 +228,14 @@ async def test_an_http2_stream_whose_app_fails_is_reset(
 
     from firstbyte.router.sim.server import running_sim
     from tests.router.conftest import client_tls
-    from tests.router.sim.helpers import chat_body
+    from tests.router.sim.helpers import MODEL, chat_body
 
     skip = ("h2-reset-unfinished-streams",) if without else ()
     certfile, keyfile = tls_files["certfile"], tls_files["keyfile"]
     with patches.applied_except(*skip):
         async with (
-            running_sim("instant", certfile=certfile, keyfile=keyfile, faults=["drop:after=2"])
+            running_sim("instant", certfile=certfile, keyfile=keyfile, faults=["drop:after=2"],
+                        served_model_names=[MODEL])
             as url,
             httpx.AsyncClient(http2=True, verify=client_tls(tls_files)) as client,
         ):
@@ -245,6 +246,7 @@ async def test_an_http2_stream_whose_app_fails_is_reset(
                     async with client.stream(
                         "POST", f"{url}/v1/chat/completions", json=body
                     ) as response:
+                        assert response.status_code == 200  # streamed, then dropped
                         async for _ in response.aiter_raw():
                             pass
             except httpx.RemoteProtocolError:

@@ -1,0 +1,242 @@
+"""Instructions per relayed chunk, counted by callgrind: the router against the byte pipe.
+
+CPU seconds per chunk on this shared 2-core machine move by 20-40% from run to run; the
+instructions a process executes for the same work do not. This runs the router (or
+``bench router_overhead``'s Python byte pipe) under ``valgrind --tool=callgrind`` with
+instrumentation off, warms it up with a pass of streams, then counts the instructions of
+one measured pass only (``callgrind_control``) and divides by the chunks relayed. The
+upstream is a fake inference server in this process that writes one chat chunk every
+``--interval-ms`` per stream (slow enough that the instrumented target keeps up, so each
+chunk is one read and one write, as at full speed); the clients are kept-alive raw sockets
+here too. Two runs with different ``--chunks`` split the cost per request from the cost per
+chunk.
+
+    PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target router
+    PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target pipe
+
+Not part of ``firstbyte bench``: a tool for judging a change to the data path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from firstbyte.benchmarks.scenarios.router_overhead import _PIPE, _ROUTER, _router_config
+
+__all__ = ["main"]
+
+_CHUNK = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"sim-llama-7b","choices":[{"index":0,"delta":{"content":" word"},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
+_ROLE = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"sim-llama-7b","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
+_REQUEST_BODY = json.dumps(
+    {"model": "sim-llama-7b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+).encode()
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _upstream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, args: argparse.Namespace
+) -> None:
+    """A fake inference server: every request on the connection gets ``--chunks`` chunks."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            if not head.startswith(b"POST /v1/chat/completions "):
+                # The router's load scrapes (/metrics) and probes: nothing to learn here.
+                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                continue
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n" + _chunked(_ROLE)
+            )
+            for _ in range(args.chunks):
+                await asyncio.sleep(args.interval_ms / 1000)
+                writer.write(_chunked(_CHUNK))
+            writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        writer.close()
+
+
+class _Client:
+    """One kept-alive client connection (as ``bench router_overhead``'s httpx clients)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def request(self) -> int:
+        """One streamed request; returns the response's bytes."""
+        if self.streams is None:
+            self.streams = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = self.streams
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (len(_REQUEST_BODY), _REQUEST_BODY)
+        )
+        received = 0
+        tail = b""
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("the target closed the connection")
+            received += len(data)
+            tail = (tail + data)[-64:]
+            if tail.endswith(b"0\r\n\r\n") and b"[DONE]" in tail:
+                return received
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+
+
+async def _pass(clients: list[_Client]) -> int:
+    sizes = await asyncio.gather(*(client.request() for client in clients))
+    return sum(sizes)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _callgrind(pid: int, *options: str) -> None:
+    subprocess.run(["callgrind_control", *options, str(pid)], check=True, capture_output=True)
+
+
+def _totals(out: Path) -> int:
+    """The instructions (``Ir``) of the last callgrind dump in ``out``."""
+    path = sorted(out.glob("callgrind.out.*"), key=lambda p: p.stat().st_mtime)[-1]
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {path}")
+
+
+async def _measure(args: argparse.Namespace) -> dict[str, object]:
+    server = await asyncio.start_server(lambda r, w: _upstream(r, w, args), "127.0.0.1", 0)
+    upstream_port = server.sockets[0].getsockname()[1]
+    out = Path(tempfile.mkdtemp(prefix="callgrind-"))
+    if args.target == "router":
+        config = _router_config(f"http://127.0.0.1:{upstream_port}")
+        code, child_args = _ROUTER, [json.dumps(config)]
+    else:
+        code, child_args = _PIPE, ["127.0.0.1", str(upstream_port)]
+    command = [sys.executable, "-c", code, *child_args]
+    if not args.no_valgrind:
+        command = [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={out}/callgrind.out.%p", *command,
+        ]
+    proc = await asyncio.create_subprocess_exec(
+        *command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert proc.stdout is not None
+        url = (await asyncio.wait_for(proc.stdout.readline(), 300)).decode().strip()
+        port = int(url.rsplit(":", 1)[1])
+        clients = [_Client(port) for _ in range(args.streams)]
+        await _pass(clients)  # warm-up: imports, pools, caches, connections
+        await asyncio.sleep(0.5)
+        idle_per_s = 0.0
+        if not args.no_valgrind:
+            await asyncio.to_thread(_callgrind, proc.pid, "-i", "on")
+            if args.idle_s > 0:
+                # What the process does with no stream (housekeeping ticks, load scrapes):
+                # per second, taken off the measured pass, which lasts as long as its
+                # streams do whatever a chunk costs.
+                await asyncio.to_thread(_callgrind, proc.pid, "-z")
+                idle_started = time.perf_counter()
+                await asyncio.sleep(args.idle_s)
+                await asyncio.to_thread(_callgrind, proc.pid, "-d")
+                idle = await asyncio.to_thread(_totals, out)
+                idle_per_s = idle / (time.perf_counter() - idle_started)
+            await asyncio.to_thread(_callgrind, proc.pid, "-z")
+        started, cpu_before = time.perf_counter(), _cpu_s(proc.pid)
+        received = 0
+        for _ in range(args.passes):
+            received += await _pass(clients)
+        elapsed, cpu = time.perf_counter() - started, _cpu_s(proc.pid) - cpu_before
+        instructions = 0
+        if not args.no_valgrind:
+            await asyncio.to_thread(_callgrind, proc.pid, "-d")
+            await asyncio.to_thread(_callgrind, proc.pid, "-i", "off")
+            instructions = await asyncio.to_thread(_totals, out)
+        for client in clients:
+            client.close()
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        server.close()
+    # the role chunk and [DONE] are relayed too
+    chunks = args.passes * args.streams * (args.chunks + 2)
+    return {
+        "target": args.target,
+        "streams": args.streams,
+        "chunks": chunks,
+        "bytes_received": received,
+        "seconds": round(elapsed, 2),
+        "instructions_per_chunk": round(instructions / chunks),
+        "idle_instructions_per_s": round(idle_per_s),
+        "busy_instructions_per_chunk": round((instructions - idle_per_s * elapsed) / chunks),
+        # With --no-valgrind: the process's CPU time (system calls included) per chunk, noisy
+        # on a shared machine, in 10 ms ticks: use thousands of chunks.
+        "cpu_us_per_chunk": round(cpu * 1e6 / chunks, 1),
+        "dump_dir": str(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=("router", "pipe"), default="router")
+    parser.add_argument("--streams", type=int, default=20)
+    parser.add_argument("--chunks", type=int, default=50, help="content chunks per stream")
+    parser.add_argument(
+        "--idle-s", type=float, default=10.0, help="measure the idle process this long first"
+    )
+    parser.add_argument("--passes", type=int, default=1, help="measured passes")
+    parser.add_argument("--interval-ms", type=float, default=100.0)
+    parser.add_argument(
+        "--no-valgrind", action="store_true", help="no instruction count: CPU time only"
+    )
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONPATH", os.getcwd())
+    with contextlib.suppress(KeyboardInterrupt):
+        print(json.dumps(asyncio.run(_measure(args))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""The direct write path: a caught-up SSE reader is written from the producer's append.
+
+Sans sockets: the bytes a reader sends are the same whether events went through the body
+writer or the reader's own path, for every reader of a stream, a late one, one whose writer
+refuses (behind), named events, and idle heartbeats. Over real sockets (HTTP/1.1 on the
+default server): a stream is written directly and whole, a reader that stops reading makes
+the router fall back (its transport buffer stays at the high-water mark, not the stream's
+size) and still gets every event once, and a second reader and a resumed reader each get
+every event once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from firstbyte.protocol.sse import HEARTBEAT, SSEDecoder
+from firstbyte.router.hosting import uvicorn_limits
+from firstbyte.router.readers import sse_events
+from firstbyte.router.serve import RouterEndpoints
+from firstbyte.router.streams import Stream, StreamStore, owner_of
+from tests.router.conftest import RouterFactory, auth
+from tests.router.streamtext import sse_text
+from tests.router.upstream import Upstream, running_upstream
+
+ALICE = owner_of("sk-alice-000000")
+
+
+class Writer:
+    """A body writer that keeps what it was given; refuses while ``behind``."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.behind = False
+        self.refused = 0
+
+    def __call__(self, body: bytes) -> bool:
+        if self.behind:
+            self.refused += 1
+            return False
+        self.parts.append(body)
+        return True
+
+
+async def read_all(
+    stream: Stream, after: int, writer: Writer | None, heartbeat_s: float = 30.0
+) -> bytes:
+    """What a reader sends: the directly written parts and the yielded ones, in order (the
+    writer is only called while the reader waits, so appending both to one list keeps it)."""
+    out: list[bytes] = []
+    if writer is not None:
+        writer.parts = out
+    async for piece in sse_events(stream, after, heartbeat_s=heartbeat_s, direct=writer):
+        out.append(piece)
+    return b"".join(out)
+
+
+async def produce(stream: Stream, payloads: list[bytes], gap_s: float = 0.002) -> None:
+    for payload in payloads:
+        await asyncio.sleep(gap_s)
+        stream.append(payload, 0.0)
+    stream.finish(0.0)
+
+
+CHAT = [b'{"n":%d}' % i for i in range(20)]
+
+
+async def test_direct_and_plain_readers_send_the_same_bytes() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.append(CHAT[0], 0.0)
+    direct, late = Writer(), Writer()
+    plain_reader = asyncio.create_task(read_all(stream, 0, None))
+    direct_reader = asyncio.create_task(read_all(stream, 0, direct))
+    producer = asyncio.create_task(produce(stream, CHAT[1:10]))
+    await asyncio.sleep(0.01)
+    late_reader = asyncio.create_task(read_all(stream, 0, late))  # joins mid-stream
+    await producer
+    await asyncio.wait_for(asyncio.gather(plain_reader, direct_reader, late_reader), 5)
+    plain = plain_reader.result()
+    assert plain.startswith(b'id: 1\ndata: {"n":0}\n\n')
+    assert plain.endswith(b"data: [DONE]\n\n")
+    assert direct_reader.result() == plain
+    assert late_reader.result() == plain
+    # Most of it went out through the writer: every event after the first catch-up but [DONE].
+    assert len(direct.parts) >= 2
+    assert len(late.parts) >= 1
+    assert stream.readers == 0
+    assert not stream._taps
+
+
+async def test_a_reader_behind_falls_back_to_its_own_path_and_misses_nothing() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    writer = Writer()
+    reader = asyncio.create_task(read_all(stream, 0, writer))
+    for i, payload in enumerate(CHAT):
+        await asyncio.sleep(0.002)
+        writer.behind = 5 <= i < 12  # its connection is full for a while
+        stream.append(payload, 0.0)
+    stream.finish(0.0)
+    sent = await asyncio.wait_for(reader, 5)
+    assert writer.refused >= 1
+    events = SSEDecoder().receive_data(sent)
+    assert [e.id for e in events] == [str(i) for i in range(1, 22)]
+    assert [e.data.encode() for e in events[:-1]] == CHAT
+
+
+async def test_named_events_framed_alike_on_both_paths() -> None:
+    named = [
+        b'event: response.created\ndata: {"type":"response.created"}',
+        *(b'event: response.output_text.delta\ndata: {"d":%d}' % i for i in range(5)),
+        b'event: response.completed\ndata: {"type":"response.completed"}',
+    ]
+    outs = []
+    for writer in (None, Writer()):
+        store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+        stream = store.create(ALICE, 0.0)
+        reader = asyncio.create_task(read_all(stream, 0, writer))
+        await produce(stream, named)
+        outs.append(await asyncio.wait_for(reader, 5))
+    assert outs[0] == outs[1]
+    assert b"[DONE]" not in outs[0]
+    assert outs[0].startswith(b"id: 1\nevent: response.created\n")
+
+
+async def test_heartbeat_counts_from_the_last_direct_write() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.append(CHAT[0], 0.0)
+    writer = Writer()
+    writer.parts = []
+    reader = sse_events(stream, 0, heartbeat_s=0.2, direct=writer)
+    assert (await reader.__anext__()).startswith(b"id: 1\n")
+    heartbeat = asyncio.ensure_future(reader.__anext__())
+    for payload in CHAT[1:6]:  # events every 0.1 s: no heartbeat while they come
+        await asyncio.sleep(0.1)
+        stream.append(payload, 0.0)
+    last_event_at = time.monotonic()
+    assert not heartbeat.done()
+    assert await asyncio.wait_for(heartbeat, 5) == HEARTBEAT
+    assert time.monotonic() - last_event_at >= 0.2 * 0.95  # idle a whole interval, not less
+    assert len(writer.parts) == 5
+    stream.finish(0.0)
+    assert [piece async for piece in reader] == [b"id: 7\ndata: [DONE]\n\n"]
+
+
+async def test_an_evicted_stream_releases_its_direct_reader() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.append(CHAT[0], 0.0)
+    writer = Writer()
+    reader = asyncio.create_task(read_all(stream, 0, writer))
+    await asyncio.sleep(0.01)
+    stream.append(CHAT[1], 0.0)
+    assert stream._taps  # caught up: written directly
+    store.evict(1000.0)  # past its age
+    sent = await asyncio.wait_for(reader, 5)
+    assert stream.evicted
+    assert not stream._taps
+    assert sent == b'id: 1\ndata: {"n":0}\n\nid: 2\ndata: {"n":1}\n\n'
+
+
+# -- over sockets: HTTP/1.1 on the default server ----------------------------------------
+
+Spy = dict[str, Any]
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    """Counts the body writer's writes and refusals, and the largest transport buffer a
+    direct write left behind."""
+    stats: Spy = {"written": 0, "refused": 0, "max_buffer": 0}
+    real: Callable[[Any], Callable[[bytes], bool]] = uvicorn_limits.uvicorn_writer
+
+    def spying(cycle: Any) -> Callable[[bytes], bool]:
+        write = real(cycle)
+
+        def counted(body: bytes) -> bool:
+            ok = write(body)
+            if ok:
+                stats["written"] += 1
+                size = cycle.transport.get_write_buffer_size()
+                stats["max_buffer"] = max(stats["max_buffer"], size)
+            else:
+                stats["refused"] += 1
+            return ok
+
+        return counted
+
+    monkeypatch.setattr(uvicorn_limits, "uvicorn_writer", spying)
+    return stats
+
+
+@contextlib.asynccontextmanager
+async def routed(
+    start_router: RouterFactory, **upstream_options: Any
+) -> AsyncIterator[tuple[Upstream, RouterEndpoints]]:
+    async with running_upstream(**upstream_options) as up, start_router(
+        [up.url], tls=False
+    ) as endpoints:
+        yield up, endpoints
+
+
+def body(tokens: int) -> dict[str, Any]:
+    return {"model": "test-model", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True, "max_tokens": tokens}
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{i}" for i in range(n))
+
+
+async def test_http1_stream_is_written_directly_and_whole(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    async with routed(start_router, delay_s=0.005) as (_, router), httpx.AsyncClient(
+        timeout=30
+    ) as client:
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", json=body(40), headers=auth()
+        )
+    text, ids = sse_text(response.content)
+    assert text == words(40)
+    assert ids == [str(i) for i in range(1, len(ids) + 1)]
+    assert spy["written"] >= 30  # the live chunks went out from the producer
+
+
+async def test_slow_reader_falls_back_and_the_router_buffers_only_to_its_high_water(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    tokens = 20_000  # ~3 MB of events, far past any socket and transport buffer
+    async with routed(start_router) as (up, router):
+        port = int(router.base_url.rsplit(":", 1)[1])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        payload = httpx.Request(
+            "POST", "http://x/", json=body(tokens)
+        ).content
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            f"authorization: {auth()['authorization']}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n"
+        ).encode()
+        await loop.sock_sendall(sock, head + payload)
+        # Not reading: the upstream produces the whole stream into the store meanwhile.
+        deadline = time.monotonic() + 60
+        while up.completed < 1 and time.monotonic() < deadline:  # noqa: ASYNC110 (a counter)
+            await asyncio.sleep(0.05)
+        assert up.completed == 1
+        received = bytearray()
+        try:
+            while not received.endswith(b"0\r\n\r\n") and time.monotonic() < deadline:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10)
+                if not data:
+                    break
+                received += data
+        finally:
+            sock.close()
+    assert spy["refused"] >= 1  # the reader was behind: the producer stopped writing to it
+    # One write past the mark at most (as ASGI send), not the megabytes the reader missed.
+    assert spy["max_buffer"] <= 256 << 10, spy
+    head_end = received.index(b"\r\n\r\n") + 4
+    text, ids = sse_text(_dechunk(bytes(received[head_end:])))
+    assert text == words(tokens)
+    assert ids == [str(i) for i in range(1, tokens + 4)]
+
+
+def _dechunk(data: bytes) -> bytes:
+    out, at = bytearray(), 0
+    while True:
+        line_end = data.index(b"\r\n", at)
+        size = int(data[at:line_end], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[line_end + 2 : line_end + 2 + size]
+        at = line_end + 2 + size + 2
+
+
+async def test_second_reader_and_resumed_reader_over_http1_each_get_every_event_once(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    tokens = 60
+    async with routed(start_router, delay_s=0.01) as (_, router), httpx.AsyncClient(
+        timeout=30
+    ) as client:
+        url = router.base_url
+        first: list[tuple[str | None, str]] = []
+        decoder = SSEDecoder()
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body(tokens), headers=auth()
+        ) as response:
+            stream_id = response.headers["x-firstbyte-stream"]
+            second = asyncio.ensure_future(
+                client.get(f"{url}/v1/streams/{stream_id}", headers=auth())
+            )  # joins mid-stream, from the start
+            async for piece in response.aiter_raw():
+                first.extend((e.id, e.data) for e in decoder.receive_data(piece))
+                if len(first) >= 5:
+                    break  # the first reader drops its connection
+        written = spy["written"]
+        resumed = await client.get(
+            f"{url}/v1/streams/{stream_id}", headers={**auth(), "last-event-id": "5"}
+        )
+        joined = await asyncio.wait_for(second, 30)
+    all_text, all_ids = sse_text(joined.content)
+    assert all_text == words(tokens)
+    assert all_ids == [str(i) for i in range(1, tokens + 4)]
+    rest_text, rest_ids = sse_text(resumed.content)
+    assert rest_ids == [str(i) for i in range(6, tokens + 4)]
+    head_text = sse_text(
+        b"".join(b"id: %s\ndata: %s\n\n" % (i.encode(), d.encode()) for i, d in first[:5])
+    )[0]
+    assert head_text + rest_text == words(tokens)
+    assert spy["written"] > written  # the readers after the drop were written directly too
