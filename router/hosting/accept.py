@@ -146,6 +146,13 @@ class TlsStart:
         self.timeout_s = timeout_s
         self.pending = True
         self._early = bytearray()
+        # asyncio's StreamReaderProtocol (hypercorn's) gets the handshake's failure through
+        # connection_lost into its ``_closed`` future, which nobody awaits: retrieved here,
+        # or its garbage collection logs "Future exception was never retrieved" with a
+        # traceback for every client that does not finish its handshake in time.
+        closed = getattr(protocol, "_closed", None)
+        if isinstance(closed, asyncio.Future):
+            closed.add_done_callback(_retrieve)
 
     def early(self, data: bytes) -> None:
         self._early += data
@@ -174,6 +181,11 @@ class TlsStart:
             # ConnectionAbortedError; RuntimeError: the transport closed under start_tls
             self.transport.abort()
             return None
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _feed(protocol: Any, data: bytes) -> None:
