@@ -484,6 +484,11 @@ def _mismatch(shape: Shape) -> str | None:
     """What of ``shape`` the installed library lacks, or None if it has it all."""
     try:
         owner = _resolve_library_own(shape.owner)
+    except ModuleNotFoundError:
+        # The library itself not installed is an extra missing, which the command line reports
+        # as such (firstbyte/cli.py), not a library of another shape: importing it raises so.
+        importlib.import_module(shape.library)
+        return f"{shape.owner.replace(':', '.')} does not exist"
     except (ImportError, AttributeError):
         return f"{shape.owner.replace(':', '.')} does not exist"
     where = shape.owner.replace(":", ".")
