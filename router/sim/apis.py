@@ -83,7 +83,8 @@ class _Completions(msgspec.Struct):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     n: Literal[1] | None = None
-    echo: Literal[False] | None = None
+    echo: bool | None = None
+    """Only false (checked below: msgspec before 0.19 has no ``Literal[False]``)."""
 
 
 class _TextPart(msgspec.Struct):
@@ -169,6 +170,8 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 
 def _completions(request: _Completions) -> Job:
+    if request.echo:
+        raise RequestValidationError("The sim does not echo the prompt.", "echo")
     prompt: str | list[str | int] = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
