@@ -414,7 +414,10 @@ async def test_workers_share_one_port_and_sdk_raises_stream_lost_error_with_deli
         async with AsyncClient(base_url=url + "/v1", api_key=API_KEY, transport="sse",
                                http="1.1", ca_file=tls_files["cafile"], max_resumes=20,
                                resume_backoff_s=0.2) as sdk, sdk.stream(
-            model="sim-llama-7b", max_tokens=3000,
+            # seed 1906: the sim's longest answer to this prompt (256 tokens, ~2.6 s; with no
+            # seed it is 107, which a loaded machine's client could read to the end before
+            # the kill, and no loss to raise)
+            model="sim-llama-7b", max_tokens=3000, seed=1906,
             messages=[{"role": "user", "content": "Lose me."}],
         ) as s:
             async for delta in s:
