@@ -28,7 +28,12 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from firstbyte.protocol.openai import Message, RequestValidationError, StreamOptions
+from firstbyte.protocol.openai import (
+    Message,
+    RequestValidationError,
+    StreamOptions,
+    decode_with,
+)
 from firstbyte.router.sim.tokens import prompt_tokens, tokenize
 
 __all__ = ["EMBEDDING_DIMENSIONS", "Api", "Job", "decode_job"]
@@ -139,7 +144,7 @@ _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 def decode_job(api: Api, body: bytes) -> Job:
     """The job a body for ``api`` (not chat) asks for; :class:`RequestValidationError` if it
     is invalid."""
-    request = _decode(_DECODERS[api], body)
+    request = decode_with(_DECODERS[api], body)
     if isinstance(request, _Completions):
         return _completions(request)
     if isinstance(request, _Responses):
@@ -148,25 +153,6 @@ def decode_job(api: Api, body: bytes) -> Job:
         return _embeddings(request)
     assert isinstance(request, _Messages)
     return _messages(request)
-
-
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH.search(text)
-        if match is None:
-            raise RequestValidationError(text) from None
-        param = match.group("path").lstrip(".") or None
-        message = text[: match.start()]
-        if param is not None:
-            message = f"Invalid value for '{param}': {message}"
-        raise RequestValidationError(message, param) from None
-    except msgspec.DecodeError as exc:
-        raise RequestValidationError(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise RequestValidationError("The request body is nested too deeply.") from None
 
 
 def _completions(request: _Completions) -> Job:
