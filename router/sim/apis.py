@@ -21,7 +21,6 @@ the bytes the deterministic output is seeded from. An invalid body raises
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -138,7 +137,6 @@ _DECODERS: dict[Api, msgspec.json.Decoder[Any]] = {
     Api.EMBEDDINGS: msgspec.json.Decoder(_Embeddings),
     Api.MESSAGES: msgspec.json.Decoder(_Messages),
 }
-_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
 def decode_job(api: Api, body: bytes) -> Job:
