@@ -73,9 +73,12 @@ _READ_COUNT = 1000
 _BATCH_TIMEOUT_S = 10.0
 """Longest wait for the replies to one batch of writes before the connection is dropped."""
 
-# KEYS: events, lease. ARGV: error payload, expiry ms. Appends the error and [DONE] after the
-# last entry unless the stream is finished or its producer's lease is back; returns the
-# sequence number of the [DONE] appended, 0 if finished already, -1 if the producer lives.
+# KEYS: events, lease. ARGV: error payload, expiry ms, the declaring reader's cursor. Appends
+# the error and [DONE] after the last entry unless the stream is finished or its producer's
+# lease is back; returns the sequence number of the [DONE] appended, 0 if finished already,
+# -1 if the producer lives. The error goes after the reader's cursor too: a client that read
+# from the producer itself may have seen events the producer never wrote here (writes are
+# batched), and its resume must still get the error, not a [DONE] under an id it has seen.
 _DECLARE_LOST = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -84,6 +87,7 @@ if #last > 0 then
   if last[1][2][2] == '[DONE]' then return 0 end
   seq = tonumber(string.match(last[1][1], '^(%d+)'))
 end
+seq = math.max(seq, math.min(tonumber(ARGV[3]), seq + 100000))
 redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 'd', ARGV[1])
 redis.call('XADD', KEYS[1], (seq + 2) .. '-0', 'd', '[DONE]')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -165,7 +169,10 @@ class RemoteStream:
         new = _events(entries, self.cursor)
         if not new:
             return
-        if new[0].seq > self.cursor + 1:  # XREAD skips what is gone: the history was trimmed
+        # XREAD skips what is gone: the history was trimmed. Unless the gap is before a lost
+        # stream's error (placed after another reader's cursor): what the dead producer
+        # never wrote is gone, and the error says so.
+        if new[0].seq > self.cursor + 1 and new[0].data != lost_event(self.format):
             self.trimmed = max(self.trimmed, new[0].seq - 1)
         self.events.extend(new)
         self.cursor = new[-1].seq
@@ -342,7 +349,7 @@ class SharedStreams:
                 return
             declared = await self._declare_lost(
                 keys=[self.keys.events(remote.id), self.keys.lease(remote.process)],
-                args=[lost_event(remote.format), self.max_age_ms],
+                args=[lost_event(remote.format), self.max_age_ms, remote.cursor],
             )
         except Exception as exc:
             raise StateUnavailable(f"producer check: {describe(exc)}") from exc

@@ -159,7 +159,7 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
         assert not [r for r in log if r["outcome"] == "rejected"]
         assert moved >= 30
         assert spills == {'to="frankfurt",reason="saturated"': moved}
-        assert len(spilled) == 40
+        assert len(spilled) == moved  # every spilled stream had its first token
         # The same peer, the same moment: forwarding adds a hop through a second router (on
         # the same 2 cores), not a queue: no spill waited for another stream to end first.
         assert statistics.median(spilled) <= 3 * statistics.median(direct), (spilled, direct)

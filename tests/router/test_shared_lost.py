@@ -1,0 +1,60 @@
+"""A lost stream's error reaches every reader, whatever the dead producer wrote to Redis.
+
+The producer batches its writes to Redis; a client reading from the producer itself can see
+events that never reached Redis before the process died. Its resume elsewhere must still end
+with the stream's ``stream_lost`` error, under an id it has not seen (not a bare ``[DONE]``),
+and a reader further behind gets the same error, not a "history trimmed" answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from redis.asyncio import Redis
+
+from firstbyte.benchmarks.redis_server import RedisServer
+from firstbyte.protocol import error_codes
+from firstbyte.router.shared.keys import Keys
+from firstbyte.router.shared.lease import Lease
+from firstbyte.router.shared.streams import SharedStreams, lost_event
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_a_reader_past_what_redis_holds_still_gets_the_lost_error(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    redis = Redis.from_url(redis_server.url)
+    keys = Keys("fb-lost-cursor:")
+    shared = SharedStreams(
+        redis, keys, Lease(redis, keys, "reader", 0.3), "reader",
+        max_age_s=60, max_events=1000, reader_grace_s=1,
+    )
+    try:
+        # The dead producer "dead" (no lease) wrote events 1-3 and a response format's meta;
+        # its own client had seen events up to 5.
+        for seq in (1, 2, 3):
+            await redis.xadd(keys.events("s1"), {"d": b'{"n": %d}' % seq}, id=f"{seq}-0")
+        await redis.hset(keys.meta("s1"), mapping={"owner": b"o", "proc": b"dead",
+                                                   "fmt": b"responses"})
+        ahead = await shared.lookup("s1", b"o")
+        behind = await shared.lookup("s1", b"o")
+        assert ahead is not None
+        assert behind is not None
+        assert ahead.format == "responses"
+
+        assert await ahead.wait(5, timeout_s=3)
+        events = ahead.after(5)
+        assert [e.seq for e in events] == [6, 7]
+        assert events[0].data == lost_event("responses")
+        assert json.loads(events[0].data.split(b"data: ", 1)[1])["code"] == error_codes.STREAM_LOST
+        assert events[1].is_done
+
+        # Another reader at 2 gets event 3, then the same error: no HistoryTrimmed.
+        assert await behind.wait(2, timeout_s=3)
+        assert [e.seq for e in behind.after(2)] == [3, 6, 7]
+        assert shared.lost_declared == 1
+    finally:
+        await redis.aclose()
