@@ -242,6 +242,11 @@ class Tenants:
     """Requests below their share waiting for a slot of the full region; an item wakes its
     request (:meth:`wait`, :meth:`hand_slots`)."""
 
+    def active(self) -> bool:
+        """Whether anyone holds, waits for or was refused a share here lately (or a slot
+        handed to a waiter is not taken yet): shares with nothing of this are forgotten."""
+        return self.keys.active() or bool(self.subjects) or self.queue.busy()
+
     def subjects_of(self, owner: bytes) -> FairShare[str]:
         found = self.subjects.get(owner)
         if found is None:
