@@ -71,6 +71,8 @@ async def test_a_key_flooding_one_model_does_not_lower_anothers_share_of_its_bac
         state = router.app.state
         # Shares kept per pool: one per model here, bounded by the backends' lists.
         assert set(state.pools) <= {frozenset({"upstream0"}), frozenset({"upstream1"})}
+        state.tick(state.clock() + 3.0)  # past the ask window: nothing held, nothing kept
+        assert state.pools == {}
     ys, xs = answers["y"], answers["x"]
     refused_y = Counter(_code(a) for a in ys if a.status_code != 200)
     assert refused_y == Counter(), refused_y  # no key_over_fair_share, no 429 for A
