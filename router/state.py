@@ -85,9 +85,9 @@ class RouterState:
         fair shares of a full region whose backends all serve the request's model."""
         self.pools: dict[frozenset[str], Tenants] = {}
         """The fair shares of each model pool (the backends serving a model) other than the
-        whole region: a key's requests of a model served by some backends only share those
-        backends with the other keys' requests of models they serve (:meth:`fair_pool`).
-        A pool nobody holds, waits in or was refused from lately has no entry."""
+        whole region: the requests of the models served by exactly those backends share them,
+        and nothing else counts there (:meth:`fair_pool`). A pool nobody holds, waits in or
+        was refused from lately has no entry."""
         reports = config.client_timings
         self.report_limiter = KeyLimiter(
             max_streams=1,  # unused: reports hold nothing in flight
