@@ -19,8 +19,9 @@ them (counters, spill slots, the request's context), runs the services that feed
   whether to switch upstream when the first token is late (``first_token_deadline_ms``), or
   where to go when its backend refused the connection (:meth:`RegionRouting.fail_over`).
 - Both ways of spilling (a saturated region at admission, a late first token) hold a slot of
-  one :class:`~firstbyte.router.spill.SpillBudget` from the decision to the request's end; a
-  refused slot means no spill. Requests count as active, and against a peer's capacity, from
+  the request's model's :class:`~firstbyte.router.spill.SpillBudget` (a share of that model's
+  active requests, :meth:`RegionRouting.model_active`) from the decision to the request's end;
+  a refused slot means no spill. Requests count as active, and against a peer's capacity, from
   the moment they are routed (not when the proxy's task gets to run), so a burst routed in one
   loop turn sees its own earlier members.
 - Background (:class:`~firstbyte.router.routing_services.RoutingServices`):
@@ -284,6 +285,12 @@ class RegionRouting:
         # Requests routed to each peer and not finished, counted when routed: the proxy's own
         # count starts only when its task runs, after every other request of a burst routed.
         self.peer_routed = dict.fromkeys(self.peer_backends, 0)
+        self.active_by_model: Counter[str] = Counter()
+        """Requests routed from here and not finished, by model (local and to peers); a model
+        with none has no entry, so it holds the models in flight (bounded: an unknown model
+        is refused before it is routed)."""
+        self.peer_routed_by_model: Counter[str] = Counter()
+        """Those of them routed to peers, by model."""
         # ``peer_routed`` when the peer's last status arrived: the status counts those;
         # requests routed since are added on top (the status is up to one poll old).
         self._sent_baseline = dict.fromkeys(self.peer_backends, 0)
@@ -476,6 +483,25 @@ class RegionRouting:
         """Requests routed from here and not finished: to local backends and to peers."""
         return self.tracker.in_flight() + sum(self.peer_routed.values())
 
+    def model_active(self, model: str) -> int:
+        """``model``'s requests routed from here and not finished (local and to peers): what
+        its spill budget is a share of."""
+        return self.active_by_model.get(model, 0)
+
+    def routed_to_peers(self, pool: frozenset[str]) -> int:
+        """Requests routed to peers, of the models whose local backends are ``pool``: they
+        hold no slot here but count in their keys' share of that pool."""
+        serving = self.chooser.serving
+        return sum(n for model, n in self.peer_routed_by_model.items()
+                   if serving(model) == pool)
+
+    def _uncount(self, obs: Observation) -> None:
+        """``obs``'s request no longer counts as active (it ended, or will not go)."""
+        model = _model_of(obs)
+        _decrement(self.active_by_model, model)
+        if not obs.local:
+            _decrement(self.peer_routed_by_model, model)
+
     def route(
         self, ctx: RequestContext, share: FairCheck | None = None, *,
         route_input: RouteInput | None = None,
@@ -530,7 +556,9 @@ class RegionRouting:
         slot: SpillSlot | None = None
         if decision.verdict is Verdict.SPILL:
             # This request counts as active: it is one, wherever it goes.
-            slot = self.spill.acquire(self.active() + 1, "saturated")
+            slot = self.spill.acquire(
+                self.model_active(route.model) + 1, "saturated", route.model
+            )
             if slot is None:
                 return self._queue_or_reject(ctx, route, location, now, "spill_budget", share)
             self.spills[(decision.region, "saturated")] += 1
@@ -585,6 +613,7 @@ class RegionRouting:
         ctx.backend = self.backends[name]
         ctx.region = self.region
         self.tracker.started(name, now)
+        self.active_by_model[route.model] += 1
         ctx.observer = Observation(
             self, self.region, name, True, False, time.perf_counter(), location,
             first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
@@ -599,6 +628,7 @@ class RegionRouting:
         if not isinstance(observer, Observation):
             return None
         observer.done = True
+        self._uncount(observer)
         if observer.local:
             self.tracker.unstarted(observer.backend)
         else:
@@ -629,14 +659,18 @@ class RegionRouting:
         ctx.upstream_headers = headers
         observer = ctx.observer
         if isinstance(observer, Observation):
+            self.peer_routed_by_model[_model_of(observer)] += 1  # moved: active already
             observer.region, observer.backend, observer.local = peer, backend.name, False
             observer.spill = observer.spill or slot is not None
             observer.slot = slot
         else:
-            ctx.observer = Observation(
+            ctx.observer = observer = Observation(
                 self, peer, backend.name, False, slot is not None, time.perf_counter(), location,
                 slot=slot, route=route,
             )
+            model = _model_of(observer)
+            self.active_by_model[model] += 1
+            self.peer_routed_by_model[model] += 1
 
     def down_retry_after_s(self, now: float) -> int:
         """``Retry-After`` when no backend is healthy: until the first ejected one is tried
@@ -712,8 +746,9 @@ class RegionRouting:
         target = self._switch_target(ctx, obs.route)
         if target is None:
             return False
-        # ``active`` already counts this request (it is in flight locally).
-        slot = self.spill.acquire(self.active(), "first_token_deadline")
+        # The model's active requests already count this one (it is in flight locally).
+        model = _model_of(obs)
+        slot = self.spill.acquire(self.model_active(model), "first_token_deadline", model)
         if slot is None:
             return False
         obs.claim = (target, slot)
@@ -852,6 +887,7 @@ class RegionRouting:
 
     def finished(self, obs: Observation, ctx: RequestContext, ok: bool) -> None:
         duration_ms = (time.perf_counter() - obs.started) * 1000
+        self._uncount(obs)
         if obs.local:
             self.tracker.finished(obs.backend, duration_ms)
             if self.released is not None:
@@ -880,3 +916,16 @@ class RegionRouting:
         from .routing_metrics import render
 
         return render(self)
+
+
+def _model_of(obs: Observation) -> str:
+    return obs.route.model if obs.route is not None else ""
+
+
+def _decrement(counts: Counter[str], key: str) -> None:
+    """One less of ``key``; a key at zero is dropped (the counter holds live entries only)."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -106,7 +106,7 @@ async def _route(
 def _hold(state: RouterState, ctx: RequestContext) -> None:
     """Count the admitted request for its key and subject until it ends (with the region-wide
     key slot, if any: both go back through ``ctx.release_key_slot``)."""
-    release_share = state.tenants.hold(ctx.owner, ctx.subject, state.clock())
+    release_share = state.hold(ctx)
     release_slot = ctx.release_key_slot
 
     def release() -> None:

@@ -81,7 +81,13 @@ class RouterState:
         self.limiter = KeyLimiter(enabled=bool(self.api_keys))  # anonymous: all one "key"
         self.limiter.configure(*key_policies(config))
         self.tenants = Tenants(self.limiter)
-        """Requests in flight per key and subject: the fair shares of a full region."""
+        """Requests in flight per key and subject, every model's: the subjects' caps, and the
+        fair shares of a full region whose backends all serve the request's model."""
+        self.pools: dict[frozenset[str], Tenants] = {}
+        """The fair shares of each model pool (the backends serving a model) other than the
+        whole region: the requests of the models served by exactly those backends share them,
+        and nothing else counts there (:meth:`fair_pool`). A pool nobody holds, waits in or
+        was refused from lately has no entry."""
         reports = config.client_timings
         self.report_limiter = KeyLimiter(
             max_streams=1,  # unused: reports hold nothing in flight
@@ -130,7 +136,7 @@ class RouterState:
         self.metrics.add_gauge_source(
             "firstbyte_router_requests_waiting_for_slot",
             "Requests below their fair share waiting for a slot of the full region.",
-            lambda: len(self.tenants.queue),
+            lambda: len(self.tenants.queue) + sum(len(t.queue) for t in self.pools.values()),
         )
         self.metrics.add_gauge_source(
             "firstbyte_router_stream_store_bytes",
@@ -306,28 +312,77 @@ class RouterState:
             return None
         return stream
 
+    def fair_pool(self, ctx: RequestContext) -> frozenset[str] | None:
+        """The backends whose slots ``ctx``'s key shares with the other keys: those serving
+        its model. None: every backend of the region (a region serving one model, or a
+        model every backend serves), whose shares are :attr:`tenants`'."""
+        serving = self.routing.serving(ctx)
+        if serving is None or serving.issuperset(self.routing.tracker.backends):
+            return None
+        return serving
+
+    def tenants_of(self, pool: frozenset[str] | None) -> Tenants:
+        """The fair shares of ``pool`` (:meth:`fair_pool`)."""
+        if pool is None:
+            return self.tenants
+        found = self.pools.get(pool)
+        if found is None:
+            found = self.pools[pool] = Tenants(self.limiter)
+        return found
+
+    def _forget_pool(self, pool: frozenset[str] | None) -> None:
+        """Drop ``pool``'s shares once nobody holds, waits in or was refused from it."""
+        if pool is None:
+            return
+        tenants = self.pools.get(pool)
+        if tenants is not None and not tenants.active():
+            del self.pools[pool]
+
+    def hold(self, ctx: RequestContext) -> Callable[[], None]:
+        """Count ``ctx`` in flight for its key and subject, in the region and in its model's
+        pool, from now; the call that ends it (once)."""
+        now = self.clock()
+        release_region = self.tenants.hold(ctx.owner, ctx.subject, now)
+        pool = self.fair_pool(ctx)
+        if pool is None:
+            return release_region
+        release_pool = self.tenants_of(pool).hold(ctx.owner, ctx.subject, now)
+
+        def release() -> None:
+            release_region()
+            release_pool()
+            self._forget_pool(pool)
+
+        return release
+
     def fair_check(self, ctx: RequestContext, now: float) -> LocalReply | bool:
-        """The region is full: queue ``ctx`` (True: below its fair share), refuse it with its
-        own 429 (above it), or refuse it as a full region (False: it alone asks)."""
+        """The backends serving ``ctx``'s model are full: queue ``ctx`` (True: below its
+        fair share of them), refuse it with its own 429 (above it), or refuse it as a full
+        region (False: it alone asks)."""
+        pool = self.fair_pool(ctx)
         tracker = self.routing.tracker
-        refused = self.tenants.fair_refusal(
-            ctx, self._fair_capacity(), now, tracker.retry_after_s(now)
+        refused = self.tenants_of(pool).fair_refusal(
+            ctx, self._fair_capacity(pool), now, tracker.retry_after_s(now, pool)
         )
+        self._forget_pool(pool)
         if refused is None:
             return True
         return False if refused is ALONE else refusal(refused)
 
     def fair_gate(self, ctx: RequestContext) -> Outcome:
-        """Before routing, with room in the region: refuse a key (or subject) above its fair
-        share while flows below theirs are asking for the room there is (a full region is
-        :meth:`fair_check`'s, at the point routing would refuse)."""
+        """Before routing, with room on the backends serving ``ctx``'s model: refuse a key
+        (or subject) above its fair share of them while flows below theirs are asking for
+        the room there is (full, it is :meth:`fair_check`'s, at the point routing would
+        refuse)."""
         now = self.clock()
         tracker = self.routing.tracker
-        if tracker.region_saturated(now) or not tracker.healthy():
+        pool = self.fair_pool(ctx)
+        if tracker.region_saturated(now, pool) or not tracker.healthy(pool):
             return CONTINUE
-        refused = self.tenants.fair_refusal(
-            ctx, self._fair_capacity(), now, tracker.retry_after_s(now), full=False
+        refused = self.tenants_of(pool).fair_refusal(
+            ctx, self._fair_capacity(pool), now, tracker.retry_after_s(now, pool), full=False
         )
+        self._forget_pool(pool)
         return CONTINUE if refused is None else refusal(refused)
 
     def _released(self, backend: str) -> None:
@@ -337,25 +392,32 @@ class RouterState:
         self.hand_slots()
 
     def hand_slots(self) -> int:
-        """Wake as many waiting requests as the region has free slots not yet handed
-        (:meth:`Tenants.hand_slots`); how many woke."""
-        if not len(self.tenants.queue):
-            return 0
-        return self.tenants.hand_slots(self.free_slots(self.clock()))
+        """Wake, in the region and in each model pool, as many waiting requests as its
+        backends have free slots not yet handed (:meth:`Tenants.hand_slots`); how many woke."""
+        woken = 0
+        now = self.clock()
+        for pool, tenants in ((None, self.tenants), *self.pools.items()):
+            if len(tenants.queue):
+                woken += tenants.hand_slots(self.free_slots(now, pool))
+        return woken
 
-    def free_slots(self, now: float) -> int:
-        """Slots free on this region's backends (below their limits), by the tracker."""
+    def free_slots(self, now: float, pool: frozenset[str] | None = None) -> int:
+        """Slots free on this region's backends (of ``pool``: those serving a model) below
+        their limits, by the tracker."""
         tracker = self.routing.tracker
-        return sum(max(0, tracker[n].limit - tracker.load(n, now)) for n in tracker.available(now))
+        return sum(max(0, tracker[n].limit - tracker.load(n, now))
+                   for n in tracker.available(now, pool))
 
     def fair_turn(self, ctx: RequestContext) -> Outcome:
         """A new request while others wait for a slot (or hold one handed to them): it does
         not take a slot before them. CONTINUE when a free slot is left over; else below its
         fair share it waits too (:data:`WAIT_FOR_SLOT`), above it it is refused with its own
         429, and a flow asking alone is refused as a full region."""
-        queue = self.tenants.queue
+        pool = self.fair_pool(ctx)
+        queue = self.tenants_of(pool).queue
         now = self.clock()
-        if not queue.busy() or (not len(queue) and self.free_slots(now) > queue.handed):
+        if not queue.busy() or (not len(queue) and self.free_slots(now, pool) > queue.handed):
+            self._forget_pool(pool)
             return CONTINUE
         verdict = self.fair_check(ctx, now)
         if isinstance(verdict, LocalReply):
@@ -377,7 +439,9 @@ class RouterState:
             if not woken.done():
                 woken.set_result(None)
 
-        waiter = self.tenants.wait(ctx.owner, ctx.subject, wake, self.clock())
+        pool = self.fair_pool(ctx)
+        tenants = self.tenants_of(pool)
+        waiter = tenants.wait(ctx.owner, ctx.subject, wake, self.clock())
         listener = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             self.hand_slots()  # a slot may have freed without a request ending (metrics)
@@ -385,15 +449,17 @@ class RouterState:
             await asyncio.wait(waits, timeout=max(0.0, until - self.clock()),
                                return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled: a slot handed to it goes on
-            self.tenants.stop_waiting(waiter)
+            tenants.stop_waiting(waiter)
             self.hand_slots()
+            self._forget_pool(pool)
             raise
         finally:
             if listener is not None and not listener.done():
                 listener.cancel()  # settled before the next receive (the stream's own)
                 with contextlib.suppress(asyncio.CancelledError):
                     await listener
-        handed = self.tenants.stop_waiting(waiter)
+        handed = tenants.stop_waiting(waiter)
+        self._forget_pool(pool)
         if listener is not None and listener.done() and not listener.cancelled():
             listener.exception()  # a receive that failed: gone as well
             if handed:
@@ -403,10 +469,13 @@ class RouterState:
             return CONTINUE
         return self.routing.reject(ctx, self.clock(), "fair_wait")
 
-    def _fair_capacity(self) -> float:
-        """What the keys share: the region's backends' limits, plus the requests routed to
-        peer regions (they hold no slot here, but count in each key's in-flight)."""
+    def _fair_capacity(self, pool: frozenset[str] | None = None) -> float:
+        """What the keys share: the limits of the region's backends (of ``pool``: those
+        serving a model), plus the requests (of its models) routed to peer regions: they hold
+        no slot here, but count in each key's in-flight."""
         routing = self.routing
+        if pool is not None:
+            return float(routing.tracker.capacity(pool) + routing.routed_to_peers(pool))
         return float(routing.tracker.capacity() + routing.active() - routing.tracker.in_flight())
 
     def tick(self, now: float) -> None:
@@ -416,6 +485,9 @@ class RouterState:
         self.limiter.forget_idle(now)
         self.report_limiter.forget_idle(now)
         self.tenants.forget_asks(now)
+        for pool, tenants in list(self.pools.items()):
+            tenants.forget_asks(now)
+            self._forget_pool(pool)
         self.client_latency.served.forget_old(now)
         self.hand_slots()  # slots freed by others' traffic going (backend metrics)
         grace = self.config.streams.resume_grace_s

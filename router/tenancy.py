@@ -10,7 +10,10 @@ its share is still admitted (it waits for the next slot that frees, :attr:`Tenan
 ``key_over_fair_share``. Inside a key the same applies between its *subjects* (its end users:
 a client token's subject, or the ``x-firstbyte-subject`` header, ``safety_identifier`` or
 ``user`` of a server-side request): each gets a fair share of its key's share, so one abusive
-user does not starve the others (``subject_over_fair_share``).
+user does not starve the others (``subject_over_fair_share``). "The region" is the request's
+model pool (the backends serving its model): :class:`Tenants` holds one pool's flows, and the
+router keeps one per pool (:meth:`firstbyte.router.state.RouterState.fair_pool`), so a key
+flooding one model's backends takes nothing of another model's.
 
 Hard caps are opt-in, for every key in ``[limits]`` or per key in ``[[auth.keys]]``, each
 answered with its own 429 code and ``Retry-After``:
@@ -241,6 +244,11 @@ class Tenants:
     queue: FairQueue[Callable[[], object]] = field(default_factory=FairQueue)
     """Requests below their share waiting for a slot of the full region; an item wakes its
     request (:meth:`wait`, :meth:`hand_slots`)."""
+
+    def active(self) -> bool:
+        """Whether anyone holds, waits for or was refused a share here lately (or a slot
+        handed to a waiter is not taken yet): shares with nothing of this are forgotten."""
+        return self.keys.active() or bool(self.subjects) or self.queue.busy()
 
     def subjects_of(self, owner: bytes) -> FairShare[str]:
         found = self.subjects.get(owner)

@@ -37,3 +37,20 @@ def test_a_slot_is_released_once_and_only_by_its_budget() -> None:
     b.release(two)
     assert b.spilling == 0
     assert repr(b) == "<SpillBudget [0 spilling | acquired 2, refused 1]>"
+
+
+def test_one_models_spills_do_not_use_up_anothers_budget() -> None:
+    b = SpillBudget(ratio=0.2, min_concurrency=3)
+    held = [b.acquire(5, "saturated", "model-b") for _ in range(3)]
+    assert all(s is not None for s in held)
+    assert b.acquire(5, "saturated", "model-b") is None  # B's budget is used up ...
+    a = [b.acquire(20, "saturated", "model-a") for _ in range(4)]
+    assert all(s is not None for s in a)  # ... A's is its own: 20% of A's 20 active
+    assert b.acquire(20, "saturated", "model-a") is None
+    assert b.spilling == 7
+    assert b.spilling_by_model == {"model-a": 4, "model-b": 3}
+    for slot in (*held, *a):
+        assert slot is not None
+        b.release(slot)
+    assert b.spilling == 0
+    assert not b.spilling_by_model  # no entry kept for a model spilling nothing
