@@ -28,6 +28,7 @@ from firstbyte.router.config import ConfigError, parse_config
 from firstbyte.router.config_check import check_files
 from firstbyte.router.shared.target import RedisTarget, redacted, redis_target
 from firstbyte.router.sim.server import SimServer
+from tests.router import redis_fixture
 from tests.router.conftest import client_tls
 from tests.router.redis_fixture import tls_server_binary
 from tests.router.test_shared_state import (
@@ -183,6 +184,18 @@ async def test_the_right_password_from_a_file_serves_and_is_never_logged(
     assert client.keys("creds:*")
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(host=password_redis.host, port=password_redis.port).ping()
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("true", pytest.fail.Exception),
+                                              ("", pytest.skip.Exception)])
+def test_a_missing_tls_server_fails_under_ci_and_skips_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, ci: str, outcome: type[BaseException]
+) -> None:
+    monkeypatch.setattr(redis_fixture, "DEBIAN_REDIS", "/nonexistent/redis-server")
+    monkeypatch.setattr(redis_fixture.shutil, "which", lambda *_, **__: None)  # no apt-get
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="redis-server"):
+        tls_server_binary()
 
 
 @pytest.fixture
