@@ -147,7 +147,7 @@ async def _finish(
         return False
     local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
     assert isinstance(local, LocalReply)
-    state.metrics.count_reply(endpoint, local)
+    state.metrics.count_reply(endpoint, local, ctx.model_label)
     ctx.outcome = local.outcome
     await reply(send, ctx, local)
     return True
@@ -197,7 +197,7 @@ async def _admitted(
         return None
     placed = await place(state, ctx, lambda: until_disconnect(receive))
     if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer
-        state.metrics.count(endpoint, "client_gone")
+        state.metrics.count(endpoint, "client_gone", ctx.model_label)
         ctx.outcome = "client_gone"
         return None
     if await _finish(state, send, ctx, placed, endpoint):
@@ -256,7 +256,7 @@ async def completion(
                 )
                 if not await unless_gone(receive, forward):
                     forward.cancel()  # nobody will read the answer: stop the upstream's work
-                    state.metrics.count(endpoint, "client_gone")
+                    state.metrics.count(endpoint, "client_gone", ctx.model_label)
                     ctx.outcome = "client_gone"
                     return
                 answer = forward.result()
@@ -270,7 +270,7 @@ async def completion(
             state.metrics.usage.record(
                 ctx.owner, ctx.usage.input_tokens, ctx.usage.output_tokens
             )
-        state.metrics.count(endpoint, ctx.outcome)
+        state.metrics.count(endpoint, ctx.outcome, ctx.model_label)
         timing = ctx.server_timing(upstream=answer.elapsed_ms)
         await send_bytes(
             send,
@@ -297,7 +297,7 @@ async def completion(
             # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
             if stream.cancel_producer is not None:
                 stream.cancel_producer()
-            state.metrics.count(endpoint, "client_gone")
+            state.metrics.count(endpoint, "client_gone", ctx.model_label)
             return
         head = started.result()
         await state.announced(stream)  # written by now: it went out while upstream answered

@@ -1,7 +1,11 @@
 """The router's own metrics, rendered as Prometheus text on ``GET /metrics``.
 
-Plain counters and one histogram, updated in the event loop (no locks needed). The
-multi-region stages add their own families with :meth:`Metrics.add_gauge_source`.
+Plain counters and one histogram per model, updated in the event loop (no locks needed).
+The multi-region stages add their own families with :meth:`Metrics.add_gauge_source`.
+
+The request, refusal and TTFT families carry a ``model`` label: the request's
+:attr:`~firstbyte.router.pipeline.context.RequestContext.model_label`, ``""`` for a request
+refused before routing knew its model (no key, a bad body, a model nobody lists).
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from .hosting.prometheus import Histogram, labels, render_counter, render_gauge
+from .hosting.prometheus import Histogram, family, labels, render_counter, render_gauge
 from .observability.usage import UsageMeter
 from .pipeline.context import LocalReply
 
@@ -21,28 +25,36 @@ SUM_SPEC = ".6f"
 
 
 class Metrics:
-    """Requests by endpoint and outcome, requests the router refused by reason, in-flight
-    streams, time to first token."""
+    """Requests by endpoint, outcome and model, requests the router refused by reason and
+    model, in-flight streams, time to first token by model."""
 
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, str]] = Counter()
-        self.rejected: Counter[str] = Counter()
+        self.requests: Counter[tuple[str, str, str]] = Counter()
+        self.rejected: Counter[tuple[str, str]] = Counter()
         self.in_flight = 0
-        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.ttft: dict[str, Histogram] = {}
+        """Time to first token by model label: one histogram each, made on its first use."""
         self.usage = UsageMeter()
         """Completions and tokens per key label (:mod:`.observability.usage`)."""
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
         self._counters: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
         self._sections: list[Callable[[], list[str]]] = []
 
-    def count(self, endpoint: str, outcome: str) -> None:
-        self.requests[(endpoint, outcome)] += 1
+    def count(self, endpoint: str, outcome: str, model: str = "") -> None:
+        self.requests[(endpoint, outcome, model)] += 1
 
-    def count_reply(self, endpoint: str, reply: LocalReply) -> None:
+    def count_reply(self, endpoint: str, reply: LocalReply, model: str = "") -> None:
         """Count a local answer; a 429 also counts as a rejection under its error code."""
-        self.requests[(endpoint, reply.outcome)] += 1
+        self.requests[(endpoint, reply.outcome, model)] += 1
         if reply.status == 429:
-            self.rejected[reply.code or "rejected"] += 1
+            self.rejected[(reply.code or "rejected", model)] += 1
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        """A first token ``seconds`` after its request arrived; ``model`` is its label."""
+        hist = self.ttft.get(model)
+        if hist is None:  # once a model: the label is bounded by the models listed
+            hist = self.ttft[model] = Histogram(TTFT_BUCKETS_S)
+        hist.observe(seconds)
 
     def add_counter_source(
         self, name: str, help_text: str, label: str, read: Callable[[], Mapping[str, int]]
@@ -60,27 +72,36 @@ class Metrics:
 
     def render(self) -> str:
         requests = [
-            (labels(endpoint=endpoint, outcome=outcome), value)
-            for (endpoint, outcome), value in sorted(self.requests.items())
+            (labels(endpoint=endpoint, outcome=outcome, model=model), value)
+            for (endpoint, outcome, model), value in sorted(self.requests.items())
         ]
         lines = [
             *render_counter(
-                "firstbyte_router_requests_total", "Requests by endpoint and outcome.", requests
+                "firstbyte_router_requests_total",
+                "Requests by endpoint, outcome and model.",
+                requests,
             ),
             *render_counter(
                 "firstbyte_router_rejected_total",
-                "Requests the router refused with 429, by reason (the error code).",
-                [(labels(reason=reason), n) for reason, n in sorted(self.rejected.items())],
+                "Requests the router refused with 429, by reason (the error code) and model.",
+                [
+                    (labels(reason=reason, model=model), n)
+                    for (reason, model), n in sorted(self.rejected.items())
+                ],
             ),
             *render_gauge(
                 "firstbyte_router_in_flight", "Upstream requests in flight.", [("", self.in_flight)]
             ),
-            *self.ttft.render(
+            *family(
                 "firstbyte_router_ttft_seconds",
-                "Request arrival to first content chunk.",
-                sum_spec=SUM_SPEC,
+                "histogram",
+                "Request arrival to first content chunk, by model.",
             ),
         ]
+        for model, hist in sorted(self.ttft.items()):
+            lines += hist.samples(
+                "firstbyte_router_ttft_seconds", labels(model=model), SUM_SPEC
+            )
         for name, help_text, read in self._gauges:
             lines += render_gauge(name, help_text, [("", read())])
         for name, help_text, label, counts in self._counters:

@@ -173,7 +173,7 @@ class Observation:
         self.last_chunk = time.perf_counter()
         if ctx.upstream_sent_at is not None:
             self.upstream_ttft_ms = (self.last_chunk - ctx.upstream_sent_at) * 1000
-        self.routing.first_token(self, ttft_ms, ctx.transport)
+        self.routing.first_token(self, ttft_ms, ctx.transport, ctx.model_label)
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
         if self.last_chunk is not None:
@@ -267,8 +267,8 @@ class RegionRouting:
             ttl_s=routing.affinity_ttl_s,
         )
         self.spill = SpillBudget(routing.spill_budget_ratio, routing.spill_min_concurrency)
-        self.rejections: Counter[str] = Counter()
-        """429s answered here, by reason (see :meth:`_reject`)."""
+        self.rejections: Counter[tuple[str, str]] = Counter()
+        """429s (and 404s, 503s) answered here, by (reason, model label) (see :meth:`reject`)."""
         self.deadline_s = (
             routing.first_token_deadline_ms / 1000.0 if routing.first_token_deadline_ms else None
         )
@@ -318,13 +318,15 @@ class RegionRouting:
             max_queue_wait_ms=routing.max_queue_wait_ms,
         )
         # Metrics.
-        self.outcomes: Counter[tuple[str, str, str]] = Counter()
+        self.outcomes: Counter[tuple[str, str, str, str]] = Counter()
+        """Finished or refused requests by (serving region, backend, outcome, model label)."""
         self.spills: Counter[tuple[str, str]] = Counter()
         self.forwards: Counter[str] = Counter()
         self.choices: Counter[str] = Counter()
         """Backend choices by reason (affinity, new-key, balance, round-robin, least-loaded)."""
-        self.ttft: dict[tuple[str, str], Histogram] = {}
-        """TTFT by (serving region, transport): four transports, so bounded by the regions."""
+        self.ttft: dict[tuple[str, str, str], Histogram] = {}
+        """TTFT by (serving region, transport, model label): four transports, so bounded by
+        the regions and the models they list."""
         self.itl = Histogram(ITL_BUCKETS_S)
         self.released: Callable[[str], object] | None = None
         """Called with a local backend's name when a request on it ends or moves away (the
@@ -455,8 +457,8 @@ class RegionRouting:
         """Nobody here or among the peers serves ``model``: 404 ``model_not_found``, nothing
         sent upstream; or 503 ``no_healthy_backend`` with ``Retry-After`` when a peer that
         served it is not answering (:attr:`ModelMissing.UNKNOWN_YET`)."""
-        self.outcomes[(self.region, "", "rejected")] += 1
-        self.rejections[why.value] += 1
+        self.outcomes[(self.region, "", "rejected", "")] += 1
+        self.rejections[(why.value, "")] += 1  # a model nobody lists: not a label value
         ctx.route_reason = why.value  # for the access log
         if why is ModelMissing.UNKNOWN_YET:
             retry = self.down_retry_after_s(now)
@@ -531,6 +533,7 @@ class RegionRouting:
         )
         if isinstance(chosen_region, ModelMissing):
             return self.model_missing(ctx, route.model, chosen_region, now)
+        ctx.model_label = self.chooser.model_label(route.model, now)
         decision, serving = chosen_region.region, chosen_region.serving
         ctx.location = location
         ctx.region_decision = decision
@@ -583,7 +586,7 @@ class RegionRouting:
         if queued is None and share is not None and self.tracker.healthy(serving):
             verdict = share(ctx, now)
             if isinstance(verdict, LocalReply):
-                self.outcomes[(self.region, "", "rejected")] += 1
+                self.outcomes[(self.region, "", "rejected", ctx.model_label)] += 1
                 return verdict
             if verdict and self.config.routing.max_fair_wait_ms > 0:
                 return WAIT_FOR_SLOT  # below its fair share: it waits here for a slot
@@ -690,11 +693,11 @@ class RegionRouting:
         access log and the ``route_rejections_total`` metric, its sentence to the client.
         With no healthy backend here the cause is not load: 503 ``no_healthy_backend``
         (reason ``no_healthy_backend``), so clients and operators do not read it as one."""
-        self.outcomes[(self.region, "", "rejected")] += 1
+        self.outcomes[(self.region, "", "rejected", ctx.model_label)] += 1
         serving = self.serving(ctx)
         if serving != frozenset() and not self.tracker.healthy(serving):
             reason = "no_healthy_backend"
-            self.rejections[reason] += 1
+            self.rejections[(reason, ctx.model_label)] += 1
             ctx.route_reason = reason
             retry = self.down_retry_after_s(now)
             return error_reply(
@@ -707,7 +710,7 @@ class RegionRouting:
                 outcome="rejected",
             )
         retry = self.tracker.retry_after_s(now, serving or None)
-        self.rejections[reason] += 1
+        self.rejections[(reason, ctx.model_label)] += 1
         ctx.route_reason = reason  # for the access log
         said = (
             f"Region {self.region} does not serve this request's model and"
@@ -723,7 +726,9 @@ class RegionRouting:
         )
 
     # --- observer callbacks ------------------------------------------------------------
-    def first_token(self, obs: Observation, ttft_ms: float, transport: str = "sse") -> None:
+    def first_token(
+        self, obs: Observation, ttft_ms: float, transport: str = "sse", model: str = ""
+    ) -> None:
         if obs.claim is not None:  # the token beat the switch it had claimed: no switch
             self.spill.release(obs.claim[1])
             obs.claim = None
@@ -733,7 +738,7 @@ class RegionRouting:
             if backend.healthy and obs.backend in self.runner.changes.down_since:
                 # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
                 self.runner.changes.up(obs.backend, url=backend.url)
-        series = (obs.region, transport)
+        series = (obs.region, transport, model)
         hist = self.ttft.get(series)
         if hist is None:
             hist = self.ttft[series] = Histogram(TTFT_BUCKETS_S)
@@ -898,7 +903,7 @@ class RegionRouting:
             if slot is not None:
                 self.spill.release(slot)
         outcome = "ok" if ok else "error"
-        self.outcomes[(obs.region, obs.backend, outcome)] += 1
+        self.outcomes[(obs.region, obs.backend, outcome, ctx.model_label)] += 1
 
     # --- status and metrics ------------------------------------------------------------
     def status(self) -> EdgeStatus:

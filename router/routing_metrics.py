@@ -1,17 +1,21 @@
 """Prometheus text for routing across regions (appended to the router's ``/metrics``).
 
 Families (all prefixed ``firstbyte_``):
-``route_requests_total{region,backend,outcome}`` (finished requests by serving region and
-backend: ``ok``/``error``; ``rejected`` for 429s), ``route_forwards_total{to}``,
+``route_requests_total{region,backend,outcome,model}`` (finished requests by serving region
+and backend: ``ok``/``error``; ``rejected`` for 429s), ``route_forwards_total{to}``,
 ``route_spills_total{to,reason}`` (``saturated`` | ``first_token_deadline``),
 ``route_spill_in_progress``, ``route_spill_refused_total{reason}`` (the spill budget said no),
-``route_rejections_total{reason}`` (429s by reason), ``route_ttft_seconds{region,transport}`` and
+``route_rejections_total{reason,model}`` (429s by reason),
+``route_ttft_seconds{region,transport,model}`` and
 ``route_itl_seconds`` (histograms), ``backend_in_flight``/``backend_load``/``backend_queue``/
 ``backend_limit``/``backend_saturated``/``backend_healthy``/``backend_cache_hit_ratio``
 ``{backend}``, ``warm_state{backend,prefix}`` (1 warm, 0 not),
 ``warmups_total``/``warm_evictions_total`` ``{backend,prefix}``,
 ``backend_restarts_total{backend}``, ``backend_serves{backend,model}`` (1 per model served),
 ``peer_up{peer}``, ``peer_rtt_seconds{peer}``.
+
+``model`` is the request's model where routing found it listed here or by a peer, else ``""``
+(:attr:`~firstbyte.router.pipeline.context.RequestContext.model_label`).
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ def render(r: RegionRouting) -> str:
     lines = [
         *render_counter(
             "firstbyte_route_requests_total",
-            "Routed requests by serving region, backend and outcome.",
+            "Routed requests by serving region, backend, outcome and model.",
             [
-                (labels(region=region, backend=backend, outcome=outcome), n)
-                for (region, backend, outcome), n in sorted(r.outcomes.items())
+                (labels(region=region, backend=backend, outcome=outcome, model=model), n)
+                for (region, backend, outcome, model), n in sorted(r.outcomes.items())
             ],
         ),
         *render_counter(
@@ -65,17 +69,20 @@ def render(r: RegionRouting) -> str:
         ),
         *render_counter(
             "firstbyte_route_rejections_total",
-            "Requests refused by routing here (429; 503 no_healthy_backend), by reason.",
-            [(labels(reason=reason), n) for reason, n in sorted(r.rejections.items())],
+            "Requests refused by routing here (429; 503 no_healthy_backend), by reason and model.",
+            [
+                (labels(reason=reason, model=model), n)
+                for (reason, model), n in sorted(r.rejections.items())
+            ],
         ),
         *family(
             "firstbyte_route_ttft_seconds",
             "histogram",
-            "Request arrival to first content chunk, by serving region and transport.",
+            "Request arrival to first content chunk, by serving region, transport and model.",
         ),
     ]
-    for (region, transport), hist in sorted(r.ttft.items()):
-        lab = labels(region=region, transport=transport)
+    for (region, transport, model), hist in sorted(r.ttft.items()):
+        lab = labels(region=region, transport=transport, model=model)
         lines += hist.samples("firstbyte_route_ttft_seconds", lab, SUM_SPEC)
     lines += r.itl.render(
         "firstbyte_route_itl_seconds",

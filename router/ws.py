@@ -136,12 +136,12 @@ class _Session:
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
         outcome = await place(self.state, ctx)
         if isinstance(outcome, LocalReply):
-            self.state.metrics.count_reply("ws", outcome)
+            self.state.metrics.count_reply("ws", outcome, ctx.model_label)
             await self.send(_error(None, outcome.body, outcome.status))
             return
         if outcome is not CONTINUE:
             reason = outcome.reason if isinstance(outcome, Fallback) else "unavailable"
-            self.state.metrics.count("ws", "unavailable")
+            self.state.metrics.count("ws", "unavailable", ctx.model_label)
             await self.send(
                 _error(
                     None,

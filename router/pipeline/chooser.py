@@ -181,6 +181,18 @@ class RouteChooser:
         known = self.models.serving(model)
         return known or frozenset(self.models.unknown())
 
+    def model_label(self, model: str, now: float) -> str:
+        """``model`` if a local backend or a fresh peer lists it, else ``""``: the metrics'
+        ``model`` label. Its values are bounded by those lists (``MAX_MODELS`` a backend),
+        never by what clients send: a backend whose list is unknown, or a peer that lists
+        none, may take any model, and those requests go unlabelled."""
+        if self.models.serving(model):
+            return model
+        for status in self.peer_table.fresh(now).values():
+            if status.models is not None and any(m.name == model for m in status.models):
+                return model
+        return ""
+
     def region_for(
         self,
         route: RouteInput,

@@ -214,9 +214,14 @@ class RequestContext:
     first_token_at: float | None = None
     """When the first content chunk arrived from upstream."""
     outcome: str = ""
+    """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
     route_reason: str = ""
     """Why routing answered 429 itself (a key of ``multiregion.REJECTION_REASONS``)."""
-    """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
+    model_label: str = ""
+    """The ``model`` label of this request's metrics: its model once routing found a local
+    backend or a peer listing it (:meth:`~firstbyte.router.pipeline.chooser.RouteChooser.
+    model_label`), else empty: refused before its model was known, or a model nobody lists
+    (so the label's values are bounded by the lists, whatever clients send)."""
     stream: ReadableStream | None = field(default=None, repr=False)
     """The stream this request started (a :class:`~firstbyte.router.streams.Stream` of this
     process) or reads (perhaps another process's, through Redis): for the access log."""

@@ -420,7 +420,9 @@ class _Producer:
         except asyncio.CancelledError as exc:
             drained = exc.args == (DRAIN_CANCEL,)
             stream.append(self._cancelled_event(drained), proxy.clock())
-            metrics.count(ctx.codec.name, "draining" if drained else "cancelled")
+            metrics.count(
+                ctx.codec.name, "draining" if drained else "cancelled", ctx.model_label
+            )
             raise
         finally:
             self._cancel_deadline()
@@ -611,7 +613,7 @@ class _Producer:
         now = time.perf_counter()
         self.stream.upstream_ttft_ms = action.upstream_ttft_ms
         self.ctx.first_token_at = now
-        self.proxy.metrics.ttft.observe(now - self.ctx.received_at)
+        self.proxy.metrics.observe_ttft(self.ctx.model_label, now - self.ctx.received_at)
         if self.observer is not None:
             self.observer.first_token(self.ctx, (now - self.ctx.received_at) * 1000)
 
@@ -621,7 +623,7 @@ class _Producer:
         if action.outcome not in ("ok", "upstream_eof"):
             self.backend.failures += 1
         self.ok = action.ok
-        self.proxy.metrics.count(self.ctx.codec.name, action.outcome)
+        self.proxy.metrics.count(self.ctx.codec.name, action.outcome, self.ctx.model_label)
         if not self.outcome.done():
             self.outcome.set_result("finished")
 

@@ -3,10 +3,11 @@
 Prometheus and ``promtool`` come from Debian's ``prometheus`` package (installed here when
 missing, as the tshark test does; under ``CI=true`` a failed install fails the test). The
 router runs in this process on loopback with a real Redis (so ``firstbyte_router_redis_up``
-exists), gets a little of every kind of traffic a panel charts (streamed and plain
-completions, a refused key, a rate-limited key, a client timings report), and Prometheus
-scrapes it every second. Every metric a panel or rule names must be in the router's
-``/metrics``; every panel query must return series; every rule must evaluate without error.
+exists) in front of two sims serving a model each, gets a little of every kind of traffic a
+panel charts (streamed and plain completions of both models, a refused key, a rate-limited
+key, a client timings report), and Prometheus scrapes it every second. Every metric a panel or
+rule names must be in the router's ``/metrics``; every panel query must return series, the
+per-model panels' one per model; every rule must evaluate without error.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ import yaml
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import RouterEndpoints, running_router
+from firstbyte.router.sim.server import running_sim
 from tests.deploy.containerfile import ROOT
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
-from tests.router.upstream import running_upstream
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "firstbyte-region.json"
 RULES = ROOT / "deploy" / "prometheus" / "firstbyte-rules.yml"
 KEY = "sk-prom-test-key-0001"
 LIMITED = "sk-prom-test-limited-0002"
 SCRAPER = "scrape-token-for-prometheus"
+MODELS = ("model-a", "model-b")
+"""One sim serves each (``served_model_names``): the per-model panels show one series each."""
 RATE_INTERVAL = "20s"
 """What ``$__rate_interval`` stands for here (Grafana makes it at least 4 scrape intervals)."""
 
@@ -53,6 +56,11 @@ def panel_queries() -> list[tuple[str, str]]:
     dashboard = json.loads(DASHBOARD.read_text())
     return [(panel["title"], target["expr"]) for panel in dashboard["panels"]
             for target in panel["targets"]]
+
+
+def per_model(title: str) -> bool:
+    """A per-model panel: its every query has one series per model."""
+    return "by model" in title
 
 
 def rule_queries() -> list[tuple[str, str]]:
@@ -158,26 +166,35 @@ def running_prometheus(binary: str, tmp: Path, target: str) -> Iterator[str]:
 
 async def _traffic(base: str, stop: asyncio.Event) -> None:
     """A little of everything the panels chart, every half second until ``stop``."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     key = {"authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+        rounds = 0
         while not stop.is_set():
-            streamed = await client.post("/v1/chat/completions", headers=key,
-                                         json={**body, "stream": True})
-            assert streamed.status_code == 200, streamed.text
-            stream_id = streamed.headers.get("x-firstbyte-stream")
-            plain = await client.post("/v1/chat/completions", headers=key, json=body)
-            assert plain.status_code == 200, plain.text
-            bad = await client.post("/v1/chat/completions",
-                                    headers={"authorization": "Bearer sk-not-a-key-000"}, json=body)
-            assert bad.status_code == 401
-            await client.post("/v1/chat/completions", json=body,
-                              headers={"authorization": f"Bearer {LIMITED}"})
-            record = {"transport": "sse", "http_version": "HTTP/1.1", "region": "prom-1",
-                      "stream_id": stream_id, "first_token_ms": 25.0}
-            report = await client.post("/v1/edge/timings", headers=key,
-                                       json={"records": [record]})
-            assert report.status_code < 300, report.text
+            for model in MODELS:
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 4}
+                streamed = await client.post("/v1/chat/completions", headers=key,
+                                             json={**body, "stream": True})
+                assert streamed.status_code == 200, streamed.text
+                stream_id = streamed.headers.get("x-firstbyte-stream")
+                plain = await client.post("/v1/chat/completions", headers=key, json=body)
+                assert plain.status_code == 200, plain.text
+                bad = await client.post(
+                    "/v1/chat/completions",
+                    headers={"authorization": "Bearer sk-not-a-key-000"}, json=body,
+                )
+                assert bad.status_code == 401
+                await client.post("/v1/chat/completions", json=body,
+                                  headers={"authorization": f"Bearer {LIMITED}"})
+            # Reports are limited to 1 a second a key (burst 10): one every third round (a
+            # round is over half a second) stays under it however long Prometheus takes.
+            if rounds % 3 == 0:
+                record = {"transport": "sse", "http_version": "HTTP/1.1", "region": "prom-1",
+                          "stream_id": stream_id, "first_token_ms": 25.0}
+                report = await client.post("/v1/edge/timings", headers=key,
+                                           json={"records": [record]})
+                assert report.status_code < 300, report.text
+            rounds += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
 
@@ -191,10 +208,12 @@ async def _query(client: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
 
 
 @contextlib.asynccontextmanager
-async def live_router(upstream_url: str, redis_url: str) -> AsyncIterator[RouterEndpoints]:
+async def live_router(
+    upstream_urls: list[str], redis_url: str
+) -> AsyncIterator[RouterEndpoints]:
     data = {
         "region": "prom-1",
-        "upstreams": [{"url": upstream_url}],
+        "upstreams": [{"url": url} for url in upstream_urls],
         "listen": {"port": 0, "host": "127.0.0.1", "insecure_plain_http": True},
         "auth": {
             "keys": [
@@ -214,7 +233,11 @@ async def live_router(upstream_url: str, redis_url: str) -> AsyncIterator[Router
 async def test_panels_and_rules_against_prometheus_scraping_a_router(
     prometheus: tuple[str, str], tmp_path: Path, redis_server: RedisServer  # noqa: F811
 ) -> None:
-    async with running_upstream() as upstream, live_router(upstream.url, redis_server.url) as ep:
+    async with (
+        running_sim("instant", served_model_names=[MODELS[0]]) as sim_a,
+        running_sim("instant", served_model_names=[MODELS[1]]) as sim_b,
+        live_router([sim_a, sim_b], redis_server.url) as ep,
+    ):
         stop = asyncio.Event()
         traffic = asyncio.create_task(_traffic(ep.base_url, stop))
         try:
@@ -233,16 +256,26 @@ async def test_panels_and_rules_against_prometheus_scraping_a_router(
                         expr.replace("$__rate_interval", RATE_INTERVAL): title
                         for title, expr in panel_queries()
                     }
+                    assert sum(map(per_model, queries.values())) >= 3
                     empty = dict(queries)
+                    seen: dict[str, list[dict[str, Any]]] = {}
                     deadline = time.monotonic() + 60
                     while empty and time.monotonic() < deadline:
                         await asyncio.sleep(2.0)
                         with contextlib.suppress(httpx.TransportError):  # not up yet
                             for expr in list(empty):
-                                if await _query(prom, expr):
+                                series = seen[expr] = await _query(prom, expr)
+                                models = {s["metric"].get("model") for s in series}
+                                if series and (
+                                    not per_model(queries[expr]) or models == set(MODELS)
+                                ):
                                     del empty[expr]
                     assert traffic.done() is False, traffic.exception()
                     assert empty == {}, f"panels without series after 60 s: {empty}"
+                    for expr, title in queries.items():
+                        if per_model(title):  # one series per model, and nothing else
+                            models = sorted(s["metric"]["model"] for s in seen[expr])
+                            assert models == sorted(MODELS), (title, expr, seen[expr])
                     rules = (await prom.get("/api/v1/rules")).json()["data"]["groups"]
                     evaluated = [r for g in rules for r in g["rules"]]
                     assert len(evaluated) == len(rule_queries())

