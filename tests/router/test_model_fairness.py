@@ -132,7 +132,7 @@ async def test_one_models_spills_do_not_use_up_another_models_spill_budget() -> 
             assert "spilled to other regions is used up" in body["error"]["message"]
             routing = regions["tokyo"].state.routing
             assert routing.spill.spilling_by_model == {"model-a": 1, "model-b": 1}
-            assert routing.rejections == {"spill_budget": 1}
+            assert routing.rejections == {("spill_budget", "model-b"): 1}
             for r in (b_local, b_spilled, a_local, a_spilled):
                 assert (await r.aread()).endswith(b"data: [DONE]\n\n")
         assert routing.spill.spilling == 0
