@@ -25,6 +25,7 @@ monotonic origin) to :meth:`Engine.submit` and :meth:`Engine.advance`, and sleep
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -127,10 +128,16 @@ class Engine:
     # -- input -------------------------------------------------------------------------------
 
     def submit(
-        self, prompt_tokens: list[int], max_output: int, finish_reason: str, now: float
+        self,
+        prompt_tokens: SequenceOf[int],
+        max_output: int,
+        finish_reason: str,
+        now: float,
+        block_keys: list[bytes] | None = None,
     ) -> Sequence:
         """Queue a request generating ``max_output`` tokens (0: a pooling request, prefill
-        only); :class:`Overloaded` if full."""
+        only); :class:`Overloaded` if full. ``block_keys``: the prompt's
+        :func:`~firstbyte.router.sim.prefix_cache.block_hashes` if the caller has them."""
         if max_output < 0:
             raise ValueError("max_output must be >= 0")
         in_system = len(self.waiting) + len(self.running)
@@ -143,7 +150,9 @@ class Engine:
             id=self._next_id,
             arrival=now,
             prompt_len=len(prompt_tokens),
-            block_keys=block_hashes(prompt_tokens, self.block_size),
+            block_keys=(
+                block_hashes(prompt_tokens, self.block_size) if block_keys is None else block_keys
+            ),
             max_output=max_output,
             finish_reason=finish_reason,
         )
