@@ -187,7 +187,7 @@ class SimApp:
                 await _respond(send, 404, self.models.not_found_body(job.model))
             return
         block_keys = block_hashes(job.prompt, self.engine.block_size)
-        await self._tokenizing(received, len(job.prompt))
+        late_s = await self._tokenizing(received, len(job.prompt))
         faults = self.options.faults.next_request()
         if faults.error503:
             await errors.overloaded(send, "Injected fault: the server is temporarily unavailable.")
@@ -203,7 +203,7 @@ class SimApp:
             )
         try:
             seq = self.driver.submit(
-                job.prompt, len(completion.words), completion.finish_reason, block_keys
+                job.prompt, len(completion.words), completion.finish_reason, block_keys, late_s
             )
         except Overloaded:
             await errors.overloaded(send, "The server is overloaded, please try again later.")
@@ -223,14 +223,18 @@ class SimApp:
             listener.cancel()
             self.driver.cancel(seq)
 
-    async def _tokenizing(self, received: float, prompt_tokens: int) -> None:
+    async def _tokenizing(self, received: float, prompt_tokens: int) -> float:
         """Return when the profile's frontend would have tokenized the prompt, ``received``
-        being when its body was read. What this process spent decoding, tokenizing and
-        hashing it since counts toward that time: the sim's latency is the profile's, not
-        its own Python's (only CPU beyond the profile's figure shows through)."""
-        left = received + self.engine.profile.tokenize_s(prompt_tokens) - self.driver.now()
+        being when its body was read, and how late that is (seconds). What this process
+        spent decoding, tokenizing and hashing it since counts toward that time, and the
+        engine is handed the request as of the modelled moment (late by this process's CPU
+        past the profile's figure, or a timer's overshoot): the sim's latency is the
+        profile's, not its own Python's."""
+        ready = received + self.engine.profile.tokenize_s(prompt_tokens)
+        left = ready - self.driver.now()
         if left > 0:
             await asyncio.sleep(left)
+        return max(0.0, self.driver.now() - ready)
 
     async def _listen(self, receive: Receive, seq: Sequence, done: asyncio.Future[None]) -> None:
         while True:

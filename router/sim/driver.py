@@ -49,11 +49,13 @@ class EngineDriver:
         max_output: int,
         finish_reason: str,
         block_keys: list[bytes] | None = None,
+        late_s: float = 0.0,
     ) -> Sequence:
-        """Queue a sequence now; raises :class:`firstbyte.router.sim.engine.Overloaded` when
-        full."""
+        """Queue a sequence as of ``late_s`` seconds ago (its modelled arrival at the engine);
+        raises :class:`firstbyte.router.sim.engine.Overloaded` when full."""
         self.start()
-        seq = self.engine.submit(prompt_tokens, max_output, finish_reason, self.now(), block_keys)
+        now = self.now() - late_s
+        seq = self.engine.submit(prompt_tokens, max_output, finish_reason, now, block_keys)
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)

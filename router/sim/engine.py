@@ -117,6 +117,8 @@ class Engine:
         self._step_start = 0.0
         self._step_end: float | None = None
         self._step_batch: list[Sequence] = []
+        self._free_at = float("-inf")
+        """When the last step ended: an idle engine starts no step before it."""
         self.steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -159,7 +161,9 @@ class Engine:
         self._next_id += 1
         self.waiting.append(seq)
         if self._step_end is None:
-            self._start_step(now)
+            # ``now`` may be a little in the past (the IO layer's modelled arrival), never
+            # before the step that last ran had ended.
+            self._start_step(max(now, self._free_at))
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -202,6 +206,7 @@ class Engine:
             if any(seq.state is not SeqState.RUNNING for seq in self.running):
                 self.running = [s for s in self.running if s.state is SeqState.RUNNING]
             self._step_end = None
+            self._free_at = end
             self._start_step(end)
             if zero_length:
                 break
