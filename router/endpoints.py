@@ -456,11 +456,15 @@ async def _open_stream(
 ) -> tuple[RequestContext, ReadableStream, int, dict[str, str]] | None:
     """Authenticate, find the caller's stream and parse the ``after`` cursor (the
     ``Last-Event-ID`` header first when ``last_event_id``); returns (context, stream, after,
-    query), or None once a 401/404/400 reply is sent."""
+    query), or None once a 401/403/404/400 reply is sent."""
     ctx = new_context(state, scope)
     query = _query(scope)
     if last_event_id:
         adopt_token(ctx, query.get(QUERY_PARAM))  # EventSource cannot send Authorization
+    # A browser's poll is a simple request as its start is: the client token in the URL, on
+    # the start's terms (never an API key; a listed origin), then every check of any poll.
+    elif await _finish(state, send, ctx, adopt_query_token(ctx, query, state.cors), endpoint):
+        return None
     found = await _lookup(state, ctx, stream_id)
     if isinstance(found, LocalReply):
         await _finish(state, send, ctx, found, endpoint)

@@ -13,10 +13,12 @@ request is admitted and placed as a chat completion is (the key's limits, the sa
 affinity, so the backend chosen is the one the conversation's next message will be routed
 to), then sent there with ``max_tokens`` 1 and without streaming, so the backend computes the
 prefix's KV cache and keeps it. It is bounded per key and subject
-(``limits.prompt_warms_per_min_per_subject``, :class:`WarmBudget`), its tokens are counted as
-any request's (the access log's usage), and it is refused (503 ``prompt_warm_busy``) when the
-region's backends hold more than ``limits.prompt_warm_max_load`` of their slots: a warm-up
-never takes a slot a real request needs.
+(``limits.prompt_warms_per_min_per_subject``: :class:`WarmBudget` in one process, or the
+region's with ``[state] redis_url``, :class:`~.shared.warm_budget.SharedWarmBudget`), its
+tokens are counted as any request's (the access log's usage), and it is refused (503
+``prompt_warm_busy``) when the region's backends hold more than
+``limits.prompt_warm_max_load`` of their slots: a warm-up never takes a slot a real request
+needs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import asyncio
 import math
 import weakref
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -39,9 +43,14 @@ from .pipeline.admit import admit_body, authenticate
 from .pipeline.context import LocalReply, RequestContext, error_reply
 from .pipeline.simple_start import adopt_query_token
 from .placement import place, release_key_slot
+from .shared.errors import StateUnavailable, unavailable_reply
+from .shared.warm_budget import SharedWarmBudget
 from .state import CLIENT_GONE, RouterState
 
-__all__ = ["WarmBudget", "edge_warm", "region_busy", "warm_body", "warm_prompt"]
+__all__ = [
+    "Budget", "LocalBudget", "WarmBudget", "edge_warm", "region_busy", "warm_body",
+    "warm_prompt",
+]
 
 WINDOW_S = 60.0
 _MAX_TRACKED = 100_000
@@ -77,14 +86,37 @@ class WarmBudget:
         return None
 
 
-_budgets: weakref.WeakKeyDictionary[RouterState, WarmBudget] = weakref.WeakKeyDictionary()
+class Budget(Protocol):
+    """Where warm-ups are counted: this process, or the region (chosen once per router)."""
+
+    async def take(self, owner: bytes, subject: str | None, per_min: int) -> float | None:
+        """Count one and answer None, or answer the seconds until one may go."""
+        ...
 
 
-def _budget(state: RouterState) -> WarmBudget:
+class LocalBudget:
+    """:class:`WarmBudget` on the router's clock: one process's minute."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.budget = WarmBudget(0)
+        self._clock = clock
+
+    async def take(self, owner: bytes, subject: str | None, per_min: int) -> float | None:
+        self.budget.per_min = per_min  # a reload's value
+        return self.budget.take(owner, subject, self._clock())
+
+
+_budgets: weakref.WeakKeyDictionary[RouterState, Budget] = weakref.WeakKeyDictionary()
+
+
+def _budget(state: RouterState) -> Budget:
     budget = _budgets.get(state)
     if budget is None:
-        budget = _budgets[state] = WarmBudget(state.config.limits.prompt_warms_per_min_per_subject)
-    budget.per_min = state.config.limits.prompt_warms_per_min_per_subject  # a reload's value
+        shared = state.shared
+        budget = _budgets[state] = (
+            LocalBudget(state.clock) if shared is None
+            else SharedWarmBudget(shared.redis, shared.keys, shared.process, WINDOW_S)
+        )
     return budget
 
 
@@ -127,17 +159,20 @@ def _retry_in(seconds: float) -> tuple[tuple[str, str], ...]:
     return (("retry-after", str(max(1, math.ceil(seconds)))),)
 
 
-def _checks(state: RouterState, ctx: RequestContext) -> LocalReply | None:
-    """The warm-up's own bounds, after admission and before placement: its budget, then the
-    region's load (a busy region refuses without counting against the budget)."""
+async def _checks(state: RouterState, ctx: RequestContext) -> LocalReply | None:
+    """The warm-up's own bounds, after admission and before placement: the region's load,
+    then its budget (a busy region refuses without counting against the budget)."""
     if region_busy(state):
         return error_reply(
             503, "The region is too busy to warm a prompt now; send the message itself.",
             "server_error", code=error_codes.PROMPT_WARM_BUSY,
             headers=_retry_in(state.routing.retry_after_s()), outcome="warm_busy")
-    wait = _budget(state).take(ctx.owner, ctx.subject, state.clock())
+    per_min = state.config.limits.prompt_warms_per_min_per_subject
+    try:
+        wait = await _budget(state).take(ctx.owner, ctx.subject, per_min)
+    except StateUnavailable as exc:
+        return unavailable_reply(exc)
     if wait is not None:
-        per_min = state.config.limits.prompt_warms_per_min_per_subject
         return error_reply(
             429, f"At most {per_min} prompt warm-ups a minute per user.",
             code=error_codes.PROMPT_WARM_LIMITED, headers=_retry_in(wait),
@@ -165,7 +200,7 @@ async def warm_prompt(state: RouterState, scope: Scope, receive: Receive, send: 
     ctx.body = body if len(body) > limit else warm_body(body)
     if await _finish(state, send, ctx, admit_body(ctx, limit), "warm"):
         return
-    refused = _checks(state, ctx)
+    refused = await _checks(state, ctx)
     if refused is not None:
         await _finish(state, send, ctx, refused, "warm")
         return

@@ -15,9 +15,9 @@
 // its API key; docs/browser.md): a browser never holds an API key. EventSource and WebSocket
 // cannot send headers; the token then travels as ?token= (EventSource) or a subprotocol.
 //
-// No preflight on the critical path: with `simpleStart` (the default) a stream starts and
-// resumes with CORS simple requests (a text/plain body, the token as ?token=, no custom
-// header), so a cold page's first message costs no OPTIONS round trip. `client.prewarm()`
+// No preflight on the critical path: with `simpleStart` (the default) a stream starts,
+// resumes and long-polls with CORS simple requests (a text/plain body, the token as ?token=,
+// no custom header), so a cold page's first message costs no OPTIONS round trip. `client.prewarm()`
 // opens the connection before the user sends; `client.warmOnIntent(promptBox)` does it on
 // focus or a keystroke and keeps it warm while the page is visible (warm.js).
 
@@ -472,6 +472,20 @@ export class ChatStream {
     }, channel);
   }
 
+  /** GET /v1/streams/{id}/poll from `after`, waiting up to `waitS`: the URL and the fetch
+   * options. With `simpleStart` a simple request too (the token in the URL, no header): a
+   * cold page's long-poll stream then sends no OPTIONS before any of its polls. */
+  poll(streamId, after, waitS) {
+    const url = new URL(this.client.url(`${PATHS.STREAMS}/${streamId}/poll`));
+    url.searchParams.set("after", String(after));
+    url.searchParams.set("wait", String(waitS));
+    if (this.client.simpleStart) {
+      url.searchParams.set(TOKENS.QUERY_PARAM, this.client.token);
+      return [url.href, {}];
+    }
+    return [url.href, { headers: this.headers() }];
+  }
+
   /** GET /v1/streams/{id} from `after` as SSE (a simple request with `simpleStart`). */
   resume(streamId, after, channel) {
     const url = new URL(this.client.url(`${PATHS.STREAMS}/${streamId}`));
@@ -544,8 +558,8 @@ async function eventSource(stream, channel, streamId, after) {
 
 async function explain(stream, streamId, after) {
   try {
-    const url = `${stream.client.url(`${PATHS.STREAMS}/${streamId}/poll`)}?after=${after}&wait=0`;
-    const response = await fetch(url, { headers: stream.headers() });
+    const [url, init] = stream.poll(streamId, after, 0);
+    const response = await fetch(url, init);
     if (!response.ok) return await errorFrom(response);
   } catch { /* unreachable: a cut */ }
   return new TransportCut("EventSource could not connect");
@@ -621,7 +635,6 @@ async function longPoll(stream, channel, streamId, after) {
   }
   channel.push({ opened: streamId });
   const cursor = new PollCursor(streamId, { after, waitS: client.pollWaitS });
-  const pollUrl = client.url(`${PATHS.STREAMS}/${streamId}/poll`);
   for (;;) {
     if (batch) {
       for (const e of cursor.receiveBatch(batch, performance.now() / 1000)) {
@@ -639,8 +652,8 @@ async function longPoll(stream, channel, streamId, after) {
     if (wait > 0) await new Promise((r) => setTimeout(r, wait * 1000));
     if (channel.closed) return;
     try {
-      const response = await fetch(`${pollUrl}?after=${next.after}&wait=${next.waitS}`,
-        { headers: stream.headers(), signal: channel.abort.signal });
+      const [url, init] = stream.poll(streamId, next.after, next.waitS);
+      const response = await fetch(url, { ...init, signal: channel.abort.signal });
       if (!response.ok) throw await errorFrom(response);
       batch = await response.json();
     } catch (err) {

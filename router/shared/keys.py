@@ -49,3 +49,8 @@ class Keys:
     def ticket(self, label: bytes) -> str:
         """One QUIC session ticket, by its label (taken once with ``GETDEL``)."""
         return f"{self.prefix}t:{label.hex()}"
+
+    def warm_budget(self, owner: bytes, subject: str) -> str:
+        """A sorted set of a key's and user's prompt warm-ups in the last minute (their times
+        on Redis's clock); ``subject`` as :mod:`.warm_budget` names it."""
+        return f"{self.prefix}w:{owner.hex()}:{subject}"

@@ -21,6 +21,7 @@ the bytes the deterministic output is seeded from. An invalid body raises
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -60,7 +61,7 @@ class Job:
 
     api: Api
     model: str
-    prompt: list[int]
+    prompt: Sequence[int]
     """Token ids of the (templated) prompt: its prefill cost and prefix-cache keys."""
     output_limit: int | None
     """The request's output cap (None: the default); unused for embeddings."""

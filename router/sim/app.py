@@ -30,6 +30,7 @@ from firstbyte.router.sim.engine import Engine, Overloaded, SeqState, Sequence
 from firstbyte.router.sim.faults import FaultPlan, RequestFaults
 from firstbyte.router.sim.models import ServedModels
 from firstbyte.router.sim.output import Completion, plan_output
+from firstbyte.router.sim.prefix_cache import block_hashes
 from firstbyte.router.sim.tokens import prompt_tokens
 from firstbyte.router.sim.wire import (
     ChatFormat,
@@ -172,6 +173,7 @@ class SimApp:
             message = f"Request body larger than {limit} bytes."
             await errors.send(send, 413, message, code="request_too_large")
             return
+        received = self.driver.now()
         try:
             job = _chat_job(body) if api is Api.CHAT else decode_job(api, body)
         except RequestValidationError as exc:
@@ -184,6 +186,8 @@ class SimApp:
             else:
                 await _respond(send, 404, self.models.not_found_body(job.model))
             return
+        block_keys = block_hashes(job.prompt, self.engine.block_size)
+        late_s = await self._tokenizing(received, len(job.prompt))
         faults = self.options.faults.next_request()
         if faults.error503:
             await errors.overloaded(send, "Injected fault: the server is temporarily unavailable.")
@@ -198,7 +202,9 @@ class SimApp:
                 job.text_key, job.seed, model, job.output_limit, self.options.seed
             )
         try:
-            seq = self.driver.submit(job.prompt, len(completion.words), completion.finish_reason)
+            seq = self.driver.submit(
+                job.prompt, len(completion.words), completion.finish_reason, block_keys, late_s
+            )
         except Overloaded:
             await errors.overloaded(send, "The server is overloaded, please try again later.")
             return
@@ -216,6 +222,19 @@ class SimApp:
         finally:
             listener.cancel()
             self.driver.cancel(seq)
+
+    async def _tokenizing(self, received: float, prompt_tokens: int) -> float:
+        """Return when the profile's frontend would have tokenized the prompt, ``received``
+        being when its body was read, and how late that is (seconds). What this process
+        spent decoding, tokenizing and hashing it since counts toward that time, and the
+        engine is handed the request as of the modelled moment (late by this process's CPU
+        past the profile's figure, or a timer's overshoot): the sim's latency is the
+        profile's, not its own Python's."""
+        ready = received + self.engine.profile.tokenize_s(prompt_tokens)
+        left = ready - self.driver.now()
+        if left > 0:
+            await asyncio.sleep(left)
+        return max(0.0, self.driver.now() - ready)
 
     async def _listen(self, receive: Receive, seq: Sequence, done: asyncio.Future[None]) -> None:
         while True:

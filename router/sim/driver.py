@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence as SequenceOf
 
 from firstbyte.router.sim.engine import Engine, Sequence
 
@@ -42,11 +43,19 @@ class EngineDriver:
         loop = self._loop or asyncio.get_running_loop()
         return loop.time()
 
-    def submit(self, prompt_tokens: list[int], max_output: int, finish_reason: str) -> Sequence:
-        """Queue a sequence now; raises :class:`firstbyte.router.sim.engine.Overloaded` when
-        full."""
+    def submit(
+        self,
+        prompt_tokens: SequenceOf[int],
+        max_output: int,
+        finish_reason: str,
+        block_keys: list[bytes] | None = None,
+        late_s: float = 0.0,
+    ) -> Sequence:
+        """Queue a sequence as of ``late_s`` seconds ago (its modelled arrival at the engine);
+        raises :class:`firstbyte.router.sim.engine.Overloaded` when full."""
         self.start()
-        seq = self.engine.submit(prompt_tokens, max_output, finish_reason, self.now())
+        now = self.now() - late_s
+        seq = self.engine.submit(prompt_tokens, max_output, finish_reason, now, block_keys)
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)

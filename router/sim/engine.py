@@ -25,6 +25,7 @@ monotonic origin) to :meth:`Engine.submit` and :meth:`Engine.advance`, and sleep
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -116,6 +117,8 @@ class Engine:
         self._step_start = 0.0
         self._step_end: float | None = None
         self._step_batch: list[Sequence] = []
+        self._free_at = float("-inf")
+        """When the last step ended: an idle engine starts no step before it."""
         self.steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -127,10 +130,16 @@ class Engine:
     # -- input -------------------------------------------------------------------------------
 
     def submit(
-        self, prompt_tokens: list[int], max_output: int, finish_reason: str, now: float
+        self,
+        prompt_tokens: SequenceOf[int],
+        max_output: int,
+        finish_reason: str,
+        now: float,
+        block_keys: list[bytes] | None = None,
     ) -> Sequence:
         """Queue a request generating ``max_output`` tokens (0: a pooling request, prefill
-        only); :class:`Overloaded` if full."""
+        only); :class:`Overloaded` if full. ``block_keys``: the prompt's
+        :func:`~firstbyte.router.sim.prefix_cache.block_hashes` if the caller has them."""
         if max_output < 0:
             raise ValueError("max_output must be >= 0")
         in_system = len(self.waiting) + len(self.running)
@@ -143,14 +152,18 @@ class Engine:
             id=self._next_id,
             arrival=now,
             prompt_len=len(prompt_tokens),
-            block_keys=block_hashes(prompt_tokens, self.block_size),
+            block_keys=(
+                block_hashes(prompt_tokens, self.block_size) if block_keys is None else block_keys
+            ),
             max_output=max_output,
             finish_reason=finish_reason,
         )
         self._next_id += 1
         self.waiting.append(seq)
         if self._step_end is None:
-            self._start_step(now)
+            # ``now`` may be a little in the past (the IO layer's modelled arrival), never
+            # before the step that last ran had ended.
+            self._start_step(max(now, self._free_at))
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -193,6 +206,7 @@ class Engine:
             if any(seq.state is not SeqState.RUNNING for seq in self.running):
                 self.running = [s for s in self.running if s.state is SeqState.RUNNING]
             self._step_end = None
+            self._free_at = end
             self._start_step(end)
             if zero_length:
                 break

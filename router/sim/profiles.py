@@ -19,12 +19,16 @@ figures "4K-token prefill in 50-80 ms, decode 8-15 ms per token", checked agains
     make a ~20 ms step (~3,200 tokens/s aggregate).
   - KV cache: (80 GB * 0.9 - 13.5 GB weights) / 512 KiB per token (2 * 32 layers * 4096 *
     2 bytes) = ~112K tokens = ~7,200 blocks of 16 tokens (vLLM logs this as "GPU KV cache size").
+  - tokenizing ``tokenize_per_token`` = 0.125 us/token: the server's frontend runs a Rust BPE
+    tokenizer (HF ``tokenizers``) over the templated prompt before scheduling it, ~1 ms for
+    8K tokens; charged whether or not the prefix is cached (the text is tokenized anyway).
 ``consumer-7b`` (the same model in FP16 on one RTX 4090 24 GB):
   - prefill ``a`` = 200 us/token: 14 GFLOP per token at the 4090's 165 TFLOP/s dense FP16
     (FP32 accumulate) peak and ~40 % MFU; ``b`` = 8 ns/token^2: 4K tokens in ~0.95 s.
   - decode ``decode_base`` = 22 ms: 13.5 GB of weights at 1,008 GB/s is 13.4 ms at best;
     ``decode_per_seq`` = 0.5 ms (a smaller GPU saturates sooner).
   - KV cache: (24 GB * 0.9 - 13.5 GB) / 512 KiB = ~15K tokens = 900 blocks.
+  - tokenizing: as ``h100-7b`` (the CPU's work, not the GPU's).
 ``instant``: zero cost, for fast functional tests and for measuring the sim's own CPU cost.
 """
 
@@ -57,6 +61,8 @@ class Profile:
     description: str
     max_model_len: int = 32768
     """Default ``--max-model-len``: the context length ``/v1/models`` reports."""
+    tokenize_per_token_s: float = 0.0
+    """Seconds per prompt token the frontend spends tokenizing before the engine sees it."""
 
     def prefill_s(self, uncached_tokens: int) -> float:
         n = uncached_tokens
@@ -64,6 +70,10 @@ class Profile:
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_base_s + self.decode_per_seq_s * batch
+
+    def tokenize_s(self, prompt_tokens: int) -> float:
+        """The frontend's time to tokenize a prompt (the sim charges this, not its own CPU)."""
+        return self.tokenize_per_token_s * prompt_tokens
 
 
 PROFILES: dict[str, Profile] = {
@@ -79,6 +89,7 @@ PROFILES: dict[str, Profile] = {
             max_num_seqs=256,
             prefix_cache_blocks=7200,
             description="7B FP16 on one H100 SXM: 4K-token prefill ~66 ms, decode ~10 ms/token",
+            tokenize_per_token_s=0.125e-6,
         ),
         Profile(
             name="consumer-7b",
@@ -90,6 +101,7 @@ PROFILES: dict[str, Profile] = {
             max_num_seqs=64,
             prefix_cache_blocks=900,
             description="7B FP16 on one RTX 4090: 4K-token prefill ~0.95 s, decode ~22 ms/token",
+            tokenize_per_token_s=0.125e-6,
         ),
         Profile(
             name="instant",

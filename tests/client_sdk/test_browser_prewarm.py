@@ -225,3 +225,23 @@ async def test_a_page_warms_the_prompt_without_a_preflight() -> None:
     assert len(posts) == 1
     assert preflights == []
     assert streamed["prompt_tokens_details"]["cached_tokens"] >= 592  # whole 16-token blocks
+
+
+async def test_a_cold_pages_long_poll_stream_sends_no_preflight() -> None:
+    """Long-poll from a cold page on another origin: the start and every poll are simple
+    requests (the token in the URL, no header), so the page sends no OPTIONS at all, and the
+    stream is whole."""
+    async with world() as w:
+        token = await w.mint()
+        base = f"{w.router_url}/v1"
+        expected = await w.reference_text(40)
+        async with browser_on(w) as page:
+            mark = len(page.events())
+            got = await page.evaluate(stream_script(base, token, "longpoll", 40))
+            polls = sent(page, mark, method="GET", path="/poll")
+            preflights = sent(page, mark, method="OPTIONS")
+            assert page.problems() == []
+    assert "error" not in got, got
+    assert got["text"] == expected
+    assert polls, "the stream ended in its first batch: no poll was sent to check"
+    assert preflights == []

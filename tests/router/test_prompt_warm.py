@@ -6,8 +6,11 @@ queued; the SDK's ``prewarm(messages=...)`` treats a refusal as best effort."""
 
 from __future__ import annotations
 
+import secrets
+
 import httpx
 
+from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.benchmarks.scenarios.prompt_warm import MODEL, NEXT, SHORT, history
 from firstbyte.client_sdk import AsyncClient
 from firstbyte.client_sdk.client_tokens import amint_client_token
@@ -15,6 +18,7 @@ from firstbyte.protocol import error_codes
 from firstbyte.router.prewarm import WarmBudget
 from firstbyte.router.sim.server import running_sim
 from tests.router.conftest import API_KEY, RouterFactory, auth
+from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import Upstream
 
 
@@ -128,3 +132,39 @@ async def test_warmups_off(start_router: RouterFactory, upstream: Upstream) -> N
         still = await http.get("/v1/edge/warm")
     assert off.status_code == 404
     assert still.status_code == 204
+
+
+async def test_with_shared_state_the_budget_is_the_regions(
+    start_router: RouterFactory, upstream: Upstream, redis_server: RedisServer  # noqa: F811
+) -> None:
+    """Two router processes on one real valkey: a user's warm-ups count against one minute
+    whichever process answers (in memory each would have its own); another user's do not; a
+    Redis that does not answer refuses the warm-up with 503 ``state_unavailable``."""
+    shared = {"redis_url": redis_server.url, "key_prefix": f"t{secrets.token_hex(4)}:"}
+    region = {"limits": {"prompt_warms_per_min_per_subject": 2},
+              "auth": {"token_secret": "s" * 40}}  # one region: a token works on each
+    body = {"model": "m", "messages": SHORT}
+    async with start_router([upstream.url], tls=False, state=shared, **region) as a, \
+            start_router([upstream.url], tls=False, state=shared, **region) as b, \
+            start_router([upstream.url], tls=False, **region,
+                         state={"redis_url": "redis://127.0.0.1:1", "timeout_s": 0.5}) as dead, \
+            httpx.AsyncClient() as http:
+        alice = (await amint_client_token(f"{a.base_url}/v1", API_KEY, subject="alice")).token
+        bob = (await amint_client_token(f"{a.base_url}/v1", API_KEY, subject="bob")).token
+
+        async def warm(router: str, token: str) -> httpx.Response:
+            return await http.post(f"{router}/v1/edge/warm", json=body, headers=auth(token))
+
+        on_a = [await warm(a.base_url, alice) for _ in range(2)]
+        on_b = await warm(b.base_url, alice)
+        bob_on_b = await warm(b.base_url, bob)
+        unanswered = await warm(dead.base_url, alice)
+    assert [r.status_code for r in on_a] == [200, 200], on_a[-1].text
+    assert on_b.status_code == 429, on_b.text
+    assert on_b.json()["error"]["code"] == error_codes.PROMPT_WARM_LIMITED
+    assert 1 <= int(on_b.headers["retry-after"]) <= 60
+    assert bob_on_b.status_code == 200, bob_on_b.text
+    assert unanswered.status_code == 503, unanswered.text
+    assert unanswered.json()["error"]["code"] == error_codes.STATE_UNAVAILABLE
+    assert int(unanswered.headers["retry-after"]) >= 1
+    assert len(upstream.chat_requests) == 3  # a's two and bob's: never a refused one

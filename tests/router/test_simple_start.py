@@ -86,3 +86,46 @@ async def test_prewarm_requests_answer_without_an_endpoint(
     assert plain_options.headers["access-control-allow-origin"] == APP
     assert plain_options.headers["access-control-max-age"] == "600"
     assert upstream.chat_requests == []
+
+
+async def test_a_long_poll_polls_with_the_token_in_the_url_on_the_starts_terms(
+    start_router: RouterFactory, upstream: Upstream
+) -> None:
+    """``GET /v1/streams/{id}/poll?token=``: a simple request as the start is (no header);
+    an API key in the URL, an unlisted origin, the token's origin binding and another user's
+    token are refused as a normal poll's credentials would be, and never reveal the stream."""
+    async with start_router([upstream.url], tls=False, cors=CORS) as r, \
+            httpx.AsyncClient(base_url=r.base_url) as http:
+        token = (await amint_client_token(f"{r.base_url}/v1", API_KEY, origin=APP,
+                                          subject="ann")).token
+        other = (await amint_client_token(f"{r.base_url}/v1", API_KEY, subject="bob")).token
+        started = await http.post("/v1/streams", params={"token": token, "wait": "0"},
+                                  content=json.dumps(CHAT), headers=SIMPLE)
+        assert started.status_code == 201, started.text
+        path = f"/v1/streams/{started.json()['stream']}/poll"
+        page = {"origin": APP}  # a simple GET: no content-type, no Authorization
+        polled = await http.get(path, params={"token": token, "after": "0", "wait": "5"},
+                                headers=page)
+        key = await http.get(path, params={"token": API_KEY, "after": "0", "wait": "0"},
+                             headers=page)
+        evil = await http.get(path, params={"token": token, "after": "0", "wait": "0"},
+                              headers={"origin": "https://evil.example"})
+        elsewhere = await http.get(path, params={"token": token, "after": "0", "wait": "0"},
+                                   headers={"origin": OTHER_APP})
+        not_hers = await http.get(path, params={"token": other, "after": "0", "wait": "0"},
+                                  headers=page)
+        bad_after = await http.get(path, params={"token": token, "after": "x", "wait": "0"},
+                                   headers=page)
+    assert polled.status_code == 200, polled.text
+    assert polled.headers["access-control-allow-origin"] == APP  # readable by the page
+    assert polled.json()["events"], polled.text
+    assert key.status_code == 401
+    assert key.json()["error"]["code"] == error_codes.INVALID_CLIENT_TOKEN
+    assert API_KEY not in key.text
+    assert evil.status_code == 403
+    assert evil.json()["error"]["code"] == error_codes.ORIGIN_NOT_ALLOWED
+    assert elsewhere.status_code == 401  # the token's origin binding holds
+    assert not_hers.status_code == 404
+    assert not_hers.json()["error"]["code"] == error_codes.STREAM_NOT_FOUND
+    assert bad_after.status_code == 400
+    assert len(upstream.chat_requests) == 1

@@ -6,11 +6,14 @@ Times are compared within one run with generous bounds (this machine is shared a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 
 import httpx
+import pytest
 
+from firstbyte.router.sim.profiles import PROFILES, get_profile
 from firstbyte.router.sim.server import sim_server
 from firstbyte.router.sim.tokens import tokenize
 from tests.router.sim.helpers import MODEL, chat_body, metric, stream_chat
@@ -64,6 +67,35 @@ async def test_shared_system_prompt_is_cached_and_cuts_ttft() -> None:
     assert metric(metrics, "vllm:prefix_cache_queries_total") == (
         usage1.prompt_tokens + usage2.prompt_tokens
     )
+
+
+async def test_tokenizing_is_charged_as_the_profile_says_cached_prefix_or_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A profile whose only cost is the frontend's tokenizer, slow enough to stand out of this
+    # machine's noise: 500 us/token, so a ~400-token prompt takes ~0.2 s before its first token.
+    slow = dataclasses.replace(
+        get_profile("instant"), name="test-tokenizer", tokenize_per_token_s=500e-6
+    )
+    monkeypatch.setitem(PROFILES, slow.name, slow)
+    system = system_prompt(3, tokens=400)
+    async with sim_server(slow.name, served_model_names=[MODEL]) as sim, httpx.AsyncClient() as c:
+        await c.get(f"{sim.url}/health")
+        opts = {"max_tokens": 1, "stream_options": {"include_usage": True}}
+        cold = await stream_chat(c, sim.url, chat_body("q", system=system, **opts))
+        warm = await stream_chat(c, sim.url, chat_body("q2", system=system, **opts))
+        short = await stream_chat(c, sim.url, chat_body("hi", **opts))
+    cold_usage, warm_usage = cold.chunks[-1].usage, warm.chunks[-1].usage
+    assert cold_usage is not None
+    assert warm_usage is not None
+    assert warm_usage.cached_tokens >= 384  # the prefix is cached: prefill skipped ...
+    assert cold.ttft_s is not None
+    assert warm.ttft_s is not None
+    assert short.ttft_s is not None
+    # ... but the text is tokenized anyway: both pay 500 us per prompt token (lower bounds).
+    assert cold.ttft_s >= cold_usage.prompt_tokens * 500e-6
+    assert warm.ttft_s >= warm_usage.prompt_tokens * 500e-6 >= 0.19
+    assert short.ttft_s < 0.15  # ~10 tokens: 5 ms, a generous bound
 
 
 async def test_cache_smaller_than_the_working_set_evicts() -> None:

@@ -10,7 +10,7 @@ from firstbyte.protocol.openai import Message, decode_request
 from firstbyte.router.sim.faults import FaultKind, FaultPlan, FaultSpecError, parse_fault
 from firstbyte.router.sim.output import DEFAULT_MAX_TOKENS, plan_completion
 from firstbyte.router.sim.prefix_cache import BLOCK_SIZE, PrefixCache, block_hashes
-from firstbyte.router.sim.tokens import IM_START, prompt_tokens, tokenize
+from firstbyte.router.sim.tokens import IM_START, _Memo, prompt_tokens, tokenize
 
 # -- tokens ------------------------------------------------------------------------------------
 
@@ -37,6 +37,30 @@ def test_chat_template_marks_roles_and_boundaries() -> None:
     c = prompt_tokens([Message(role="system", content="abcd")])
     assert a != b != c
     assert a.count(IM_START) == 3  # two messages + the generation prompt
+
+
+def test_a_long_message_remembered_gives_the_same_ids() -> None:
+    history = " ".join(f"w{i:04d}" for i in range(2000))  # ~4K tokens: remembered
+    messages = [Message(role="user", content=history), Message(role="user", content="next?")]
+    first = prompt_tokens(messages)
+    again = prompt_tokens(messages)
+    assert list(first) == list(again)
+    expected = [IM_START, 5, *tokenize("\n"), *tokenize(history)]
+    assert list(first[: len(expected)]) == expected
+    assert block_hashes(first) == block_hashes(list(first))  # an array hashes as a list
+
+
+def test_the_memo_is_bounded_in_tokens_least_recent_first() -> None:
+    memo = _Memo(max_tokens=40)
+    a, b, c = (" ".join(f"{w}{i}" for i in range(20)) for w in ("a", "b", "c"))  # 20 each
+    assert list(memo.ids(a)) == tokenize(a)
+    memo.ids(b)
+    memo.ids(a)  # a is now the most recent
+    assert memo.tokens == 40
+    memo.ids(c)  # 60 tokens: b, the least recent, goes
+    assert memo.tokens == 40
+    assert list(memo.ids(b)) == tokenize(b)  # split again, and a goes in turn
+    assert memo.tokens == 40
 
 
 # -- prefix cache ------------------------------------------------------------------------------

@@ -45,6 +45,23 @@ def test_single_request_timing_follows_the_cost_model() -> None:
     assert seq.ttft == pytest.approx(0.111)
 
 
+def test_a_request_dated_back_starts_then_but_never_inside_the_last_step() -> None:
+    engine = Engine(ROUND)
+    early = engine.submit([100] * 10, 1, "length", now=1.0)  # one step: 1.0 .. 1.021
+    engine.advance(2.0)
+    assert early.finished
+    # Handed over at 2.0 as of 1.5 (the frontend's modelled moment): its step starts at 1.5.
+    dated = engine.submit([200] * 10, 1, "length", now=1.5)
+    assert engine.next_deadline() == pytest.approx(1.5 + 0.021)
+    engine.advance(2.0)
+    # As of 1.51, inside the step that ran 1.5 .. 1.521: it starts when that one ended.
+    inside = engine.submit([300] * 10, 1, "length", now=1.51)
+    assert engine.next_deadline() == pytest.approx(1.521 + 0.021)
+    run_until_idle(engine, 2.0)
+    assert dated.ttft == pytest.approx(0.021)
+    assert inside.token_times[0] == pytest.approx(1.542)
+
+
 def test_advance_before_the_deadline_emits_nothing() -> None:
     engine = Engine(ROUND)
     seq = engine.submit([100] * 10, 2, "length", now=0.0)
