@@ -29,6 +29,10 @@ class Metrics:
         self.rejected: Counter[str] = Counter()
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.sse_events: Counter[str] = Counter()
+        """Events sent to SSE readers, by path: ``direct`` (written from the upstream's data
+        callback, :mod:`.hosting.body_writer`) or ``send`` (by the reader's task through ASGI
+        ``send``); added once per response (:func:`.readers.sse_events`'s ``tally``)."""
         self.usage = UsageMeter()
         """Completions and tokens per key label (:mod:`.observability.usage`)."""
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
@@ -79,6 +83,12 @@ class Metrics:
                 "firstbyte_router_ttft_seconds",
                 "Request arrival to first content chunk.",
                 sum_spec=SUM_SPEC,
+            ),
+            *render_counter(
+                "firstbyte_router_sse_events_total",
+                "Events sent to SSE readers by path: direct (from the upstream's data callback)"
+                " or send (the reader's task); counted as each response ends.",
+                [(labels(path=path), n) for path, n in sorted(self.sse_events.items())],
             ),
         ]
         for name, help_text, read in self._gauges:

@@ -37,10 +37,14 @@ class ResponseSink(Protocol):
 
     ``on_body`` is the parser's own callback (no call of the connection's in between): a
     sink ignores a body that comes after its ``on_end`` or ``on_error`` (bytes of a second,
-    unasked-for response in the same read)."""
+    unasked-for response in the same read). ``on_read_end`` follows every read that reached
+    the sink, once its ``on_body`` calls are made: a sink may hold the parts of one read and
+    pass them on together (it must pass on what it holds at ``on_end`` and ``on_error``,
+    which may come in the same read instead)."""
 
     def on_head(self, status: int) -> None: ...
     def on_body(self, data: bytes) -> None: ...
+    def on_read_end(self) -> None: ...
     def on_end(self) -> None: ...
     def on_error(self, exc: Exception) -> None: ...
 
@@ -114,10 +118,13 @@ class H1Connection(asyncio.Protocol):
             return
         self._last_read = self.pool.loop.time()
         self.answered = True
+        sink = self._sink
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
+        if sink is not None:
+            sink.on_read_end()
 
     def eof_received(self) -> bool:
         return False

@@ -175,9 +175,9 @@ Spy = dict[str, Any]
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    """Counts the body writer's writes and refusals, and the largest transport buffer a
-    direct write left behind."""
-    stats: Spy = {"written": 0, "refused": 0, "max_buffer": 0}
+    """Counts the body writer's writes (and the events in each) and refusals, and the
+    largest transport buffer a direct write left behind."""
+    stats: Spy = {"written": 0, "refused": 0, "max_buffer": 0, "events": []}
     real: Callable[[Any], Callable[[bytes], bool]] = uvicorn_limits.uvicorn_writer
 
     def spying(cycle: Any) -> Callable[[bytes], bool]:
@@ -187,6 +187,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
             ok = write(body)
             if ok:
                 stats["written"] += 1
+                stats["events"].append(body.count(b"\nid: ") + body.startswith(b"id: "))
                 size = cycle.transport.get_write_buffer_size()
                 stats["max_buffer"] = max(stats["max_buffer"], size)
             else:
@@ -227,10 +228,43 @@ async def test_http1_stream_is_written_directly_and_whole(
         response = await client.post(
             router.base_url + "/v1/chat/completions", json=body(40), headers=auth()
         )
+        metrics = (await client.get(router.base_url + "/metrics", headers=auth())).text
     text, ids = sse_text(response.content)
     assert text == words(40)
     assert ids == [str(i) for i in range(1, len(ids) + 1)]
     assert spy["written"] >= 30  # the live chunks went out from the producer
+    # The metrics page says which path the events took (each event counted once).
+    counted = {
+        path: int(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        for path in ("direct", "send")
+        if line.startswith(f'firstbyte_router_sse_events_total{{path="{path}"}}')
+    }
+    assert counted["direct"] == sum(spy["events"]) >= 30, (counted, spy)
+    assert counted["direct"] + counted["send"] == len(ids)
+
+
+async def test_chunks_of_one_upstream_read_go_out_in_one_write(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    # The upstream sends its chunks in bursts of 5 (five HTTP chunks, back to back): each
+    # burst reaches the router in one read, and goes to the reader in one write, not five.
+    tokens, burst = 40, 5
+    async with routed(start_router, delay_s=0.02, burst=burst) as (_, router), httpx.AsyncClient(
+        timeout=30
+    ) as client:
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", json=body(tokens), headers=auth()
+        )
+    text, ids = sse_text(response.content)
+    assert text == words(tokens)
+    assert ids == [str(i) for i in range(1, tokens + 4)]
+    bursts = tokens // burst
+    assert spy["written"] >= bursts - 2  # the live chunks went out from the producer
+    assert max(spy["events"]) == burst, spy  # a whole burst, five HTTP chunks, in one write
+    # A burst split over two reads (uvloop may send its first chunk ahead of the rest)
+    # costs a write more, never one per chunk.
+    assert spy["written"] <= 2 * bursts + 2, spy
 
 
 async def test_slow_reader_falls_back_and_the_router_buffers_only_to_its_high_water(
