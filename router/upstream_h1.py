@@ -300,6 +300,9 @@ class H1Pool:
     async def acquire(self, origin: Origin) -> H1Connection:
         """A connection to ``origin``: the most recently used idle one, else a new one."""
         self.loop = asyncio.get_running_loop()
+        conn = self._take_idle(origin)
+        if conn is not None:
+            return conn  # the common case: no deadline to arm and cancel
         connecting = False
         try:
             async with asyncio.timeout(self.connect_timeout_s):

@@ -566,19 +566,19 @@ class _Producer:
             self.on_end()
 
     def on_read_end(self) -> None:
-        if self._read:
-            self._relay_read()
-
-    def _relay_read(self) -> None:
-        parts, self._read = self._read, []
+        parts = self._read
+        if not parts:
+            return
+        self._read = []
         if self.outcome.done():
             return
+        now = time.perf_counter()
         data = parts[0] if len(parts) == 1 else b"".join(parts)
-        self._apply(self.relay.receive_data(data, time.perf_counter()))
+        self._apply(self.relay.receive_data(data, now), now)
 
     def on_end(self) -> None:
         if self._read:
-            self._relay_read()  # the body's last parts came in the read that ended it
+            self.on_read_end()  # the body's last parts came in the read that ended it
         if self.outcome.done():
             return
         now = time.perf_counter()
@@ -594,7 +594,7 @@ class _Producer:
 
     def on_error(self, exc: Exception) -> None:
         if self._read:
-            self._relay_read()  # what arrived before the failure, as before it
+            self.on_read_end()  # what arrived before the failure, as before it
         if self.outcome.done():
             return
         conn = self._conn
@@ -610,12 +610,17 @@ class _Producer:
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 
     # -- the relay's actions
-    def _apply(self, actions: list[Action]) -> None:
+    def _apply(self, actions: list[Action], now: float | None = None) -> None:
+        """Carry out the relay's ``actions``; ``now``: the read's ``perf_counter`` time."""
         for action in actions:
             if type(action) is Append:
-                self.stream.extend(action.payloads, self.proxy.clock())
+                payloads = action.payloads
+                if len(payloads) == 1:  # one event a read, the common case: one call less
+                    self.stream.append(payloads[0], self.proxy.clock())
+                else:
+                    self.stream.extend(payloads, self.proxy.clock())
                 if self.observer is not None and self.relay.first_content:
-                    self.observer.chunk(self.ctx, time.perf_counter())
+                    self.observer.chunk(self.ctx, time.perf_counter() if now is None else now)
             elif type(action) is FirstToken:
                 self._first_token(action)
             elif type(action) is ReleaseHead:

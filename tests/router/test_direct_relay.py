@@ -357,3 +357,37 @@ async def test_second_reader_and_resumed_reader_over_http1_each_get_every_event_
     )[0]
     assert head_text + rest_text == words(tokens)
     assert spy["written"] > written  # the readers after the drop were written directly too
+
+
+async def test_a_streamed_response_costs_three_tasks_of_the_router(
+    start_router: RouterFactory,
+) -> None:
+    # Per request, not per chunk, but a stream of 64 tokens spends about a third of its CPU
+    # there: the producer, the client's disconnect listener while the upstream answers, and
+    # the one while the body streams, no more (the body is sent from the request's own
+    # task; the model lists, once in, are not waited for through a task of wait_for).
+    made: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **options: Any) -> asyncio.Task[Any]:
+        # Made by a request's task (uvicorn's), of the router (not the test's upstream).
+        current = asyncio.current_task()
+        code = getattr(coro, "cr_code", None)
+        if (
+            current is not None
+            and current.get_coro().__qualname__ == "RequestResponseCycle.run_asgi"
+            and (code is None or "/tests/" not in code.co_filename)
+        ):
+            made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **options)
+
+    async with routed(start_router) as (_, router), httpx.AsyncClient(timeout=30) as client:
+        url = router.base_url + "/v1/chat/completions"
+        await client.post(url, json=body(3), headers=auth())  # connections and lists warm
+        loop.set_task_factory(counting)
+        try:
+            response = await client.post(url, json=body(20), headers=auth())
+        finally:
+            loop.set_task_factory(None)
+    assert sse_text(response.content)[0] == words(20)
+    assert len(made) <= 3, made
