@@ -159,36 +159,6 @@ class Stream:
 
     def append(self, data: bytes, now: float) -> StreamEvent | None:
         """Add one event; returns it, or ``None`` if the stream is already finished."""
-        event = self._add(data, now)
-        if event is None:
-            return None
-        if self._taps:
-            self._feed_taps([event])
-        if self._waiters:
-            self._wake()
-        return event
-
-    def extend(self, payloads: list[bytes], now: float) -> None:
-        """Add events in order, as :meth:`append` each, but hand them to the readers
-        together: a reader written directly (:meth:`relay_live`) gets one write for what one
-        upstream read brought, not one per event (a write is a system call and a TCP
-        segment on the reader's connection)."""
-        if len(payloads) == 1:
-            self.append(payloads[0], now)
-            return
-        added = []
-        for data in payloads:
-            event = self._add(data, now)
-            if event is None:
-                break
-            added.append(event)
-        if added and self._taps:
-            self._feed_taps(added)
-        if self._waiters:
-            self._wake()
-
-    def _add(self, data: bytes, now: float) -> StreamEvent | None:
-        """Store one event (the store's accounting, the mirror); the readers are not told."""
         if self.finished_at is not None:
             return None
         events = self.events
@@ -205,7 +175,29 @@ class Stream:
             self._store._grew(self, size, self.finished_at is not None)
         if self.mirror is not None:
             self.mirror(self, event)
+        if self._taps:
+            self._feed_taps([event])
+        if self._waiters:
+            self._wake()
         return event
+
+    def extend(self, payloads: list[bytes], now: float) -> None:
+        """Add events in order, as :meth:`append` each, but hand them to the readers
+        together: a reader written directly (:meth:`relay_live`) gets one write for what one
+        upstream read brought, not one per event (a write is a system call and a TCP
+        segment on the reader's connection)."""
+        taps, self._taps = self._taps, []  # held while appending: they get the batch
+        added = []
+        try:
+            for data in payloads:
+                event = self.append(data, now)
+                if event is None:
+                    break
+                added.append(event)
+        finally:
+            self._taps = taps
+        if added and taps:
+            self._feed_taps(added)
 
     def finish(self, now: float) -> None:
         """Append ``[DONE]`` unless already there."""

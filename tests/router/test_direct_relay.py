@@ -96,6 +96,28 @@ async def test_direct_and_plain_readers_send_the_same_bytes() -> None:
     assert not stream._taps
 
 
+async def test_events_appended_together_go_out_in_one_write_as_the_same_bytes() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.append(CHAT[0], 0.0)
+    direct = Writer()
+    plain_reader = asyncio.create_task(read_all(stream, 0, None))
+    direct_reader = asyncio.create_task(read_all(stream, 0, direct))
+    await asyncio.sleep(0.01)  # both caught up: the direct one waits in relay_live
+    before = len(direct.parts)
+    stream.extend(CHAT[1:6], 0.0)  # one upstream read's events
+    assert len(direct.parts) == before + 1  # written at once, as one part
+    stream.extend(CHAT[6:10], 0.0)
+    stream.extend([CHAT[10]], 0.0)
+    assert len(direct.parts) == before + 3
+    stream.finish(0.0)
+    await asyncio.wait_for(asyncio.gather(plain_reader, direct_reader), 5)
+    plain = plain_reader.result()
+    assert plain.count(b"\nid: ") + 1 == 12  # eleven events and [DONE], each framed
+    assert direct_reader.result() == plain
+    assert not stream._taps
+
+
 async def test_a_reader_behind_falls_back_to_its_own_path_and_misses_nothing() -> None:
     store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
     stream = store.create(ALICE, 0.0)
