@@ -186,9 +186,8 @@ async def stream_body(
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
     except asyncio.CancelledError:
-        if not gone:
-            raise  # cancelled from outside (a drain, the server): not ours to swallow
-        sender.uncancel()
+        if not gone or sender.uncancel():
+            raise  # cancelled from outside (a drain, the server) too: not ours to swallow
         return False
     except OSError:
         return False  # the client vanished mid-write
