@@ -323,6 +323,7 @@ async def completion(
             heartbeat_s=state.config.limits.heartbeat_interval_s,
             clock=state.clock,
             direct=body_writer(scope),
+            tally=state.metrics.sse_events,
         ),
     )
 
@@ -519,6 +520,7 @@ async def read_stream(
             heartbeat_s=state.config.limits.heartbeat_interval_s,
             clock=state.clock,
             direct=body_writer(scope),
+            tally=state.metrics.sse_events,
         ),
     )
 

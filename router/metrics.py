@@ -34,6 +34,10 @@ class Metrics:
         self.in_flight = 0
         self.ttft: dict[str, Histogram] = {}
         """Time to first token by model label: one histogram each, made on its first use."""
+        self.sse_events: Counter[str] = Counter()
+        """Events sent to SSE readers, by path: ``direct`` (written from the upstream's data
+        callback, :mod:`.hosting.body_writer`) or ``send`` (by the reader's task through ASGI
+        ``send``); added once per response (:func:`.readers.sse_events`'s ``tally``)."""
         self.usage = UsageMeter()
         """Completions and tokens per key label (:mod:`.observability.usage`)."""
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
@@ -102,6 +106,12 @@ class Metrics:
             lines += hist.samples(
                 "firstbyte_router_ttft_seconds", labels(model=model), SUM_SPEC
             )
+        lines += render_counter(
+            "firstbyte_router_sse_events_total",
+            "Events sent to SSE readers by path: direct (from the upstream's data callback)"
+            " or send (the reader's task); counted as each response ends.",
+            [(labels(path=path), n) for path, n in sorted(self.sse_events.items())],
+        )
         for name, help_text, read in self._gauges:
             lines += render_gauge(name, help_text, [("", read())])
         for name, help_text, label, counts in self._counters:

@@ -170,8 +170,8 @@ class ModelLister:
     async def wait_ready(self, timeout_s: float) -> None:
         """Return once every list was asked for once (:meth:`start` first), or after
         ``timeout_s``."""
-        if self._task is None:
-            return
+        if self._task is None or self.ready.is_set():
+            return  # every request asks: no task for ``wait_for`` once the lists are in
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), timeout_s)
 

@@ -16,7 +16,7 @@ not sent after it. Long-poll and WebSocket carry the event's JSON (its ``type`` 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, MutableMapping
 from typing import Protocol
 
 import msgspec
@@ -105,7 +105,7 @@ class ReadableStream(Protocol):
     async def wait(self, seq: int, timeout_s: float | None) -> bool: ...
 
     async def relay_live(
-        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+        self, seq: int, write: Callable[[list[StreamEvent]], bool], idle_s: float | None
     ) -> tuple[int, bool]:
         """Caught up at ``seq``: events from now on to ``write`` as they come, where the
         stream can (:meth:`~firstbyte.router.streams.Stream.relay_live`); returns the last
@@ -141,7 +141,7 @@ async def follow(
     *,
     idle_s: float,
     clock: Callable[[], float] = time.monotonic,
-    live: Callable[[StreamEvent], bool] | None = None,
+    live: Callable[[list[StreamEvent]], bool] | None = None,
 ) -> AsyncGenerator[list[StreamEvent], None]:
     """Batches of the events after ``after``, following the stream up to ``[DONE]``.
 
@@ -195,11 +195,13 @@ class SSEFramer:
     first; a stream of named events ended with its own terminal event, so once one was seen
     the store's ``[DONE]`` is not sent."""
 
-    __slots__ = ("named",)
+    __slots__ = ("direct", "named")
 
     def __init__(self) -> None:
         self.named = False
         """The stream's events carry names: it ends with its own, not ``[DONE]``."""
+        self.direct = 0
+        """Events written by :meth:`writer`'s function (the direct path), so far."""
 
     def frame(self, batch: list[StreamEvent], stream: ReadableStream | None = None) -> bytes:
         """The SSE bytes of ``batch`` (possibly none); ``stream``: where it came from, to
@@ -239,15 +241,24 @@ class SSEFramer:
             return encode_event(data, id=event.seq)
         return b"id: %d\ndata: %b\n\n" % (event.seq, data)
 
-    def writer(self, write: BodyWriter) -> Callable[[StreamEvent], bool]:
-        """Frame one event (:meth:`frame_one`) and write it: the direct path's per event
-        work, in one call (it runs in the producer's data callback, once per chunk)."""
+    def writer(self, write: BodyWriter) -> Callable[[list[StreamEvent]], bool]:
+        """Frame events (:meth:`frame_one`) and write them as one part of the body: the
+        direct path's work per upstream read, in one call (it runs in the producer's data
+        callback)."""
 
-        def live(event: StreamEvent) -> bool:
-            data = event.data
-            if data[:7] == NAMED_PREFIX or 10 in data or 13 in data:
-                return write(self.frame_one(event))
-            return write(b"id: %d\ndata: %b\n\n" % (event.seq, data))
+        def live(events: list[StreamEvent]) -> bool:
+            if len(events) == 1:
+                event = events[0]
+                data = event.data
+                if data[:7] == NAMED_PREFIX or 10 in data or 13 in data:
+                    written = write(self.frame_one(event))
+                else:
+                    written = write(b"id: %d\ndata: %b\n\n" % (event.seq, data))
+            else:
+                written = write(b"".join([self.frame_one(event) for event in events]))
+            if written:
+                self.direct += len(events)
+            return written
 
         return live
 
@@ -259,6 +270,7 @@ async def sse_events(
     heartbeat_s: float,
     clock: Callable[[], float] = time.monotonic,
     direct: BodyWriter | None = None,
+    tally: MutableMapping[str, int] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """SSE bytes for every event after ``after`` (:class:`SSEFramer`); :data:`HEARTBEAT`
     (no event for any SSE client) when idle. A reader overtaken by a trim gets a
@@ -268,8 +280,13 @@ async def sse_events(
     With ``direct`` (the connection's body writer), live events caught up with are written
     by the producer as they are appended, not yielded (see :func:`follow`); what is
     yielded goes out after them, in order, as the writer is idle while this generator runs.
+
+    ``tally``: when the response ends, the events it carried are added to ``tally["direct"]``
+    (written by the producer) and ``tally["send"]`` (yielded by this generator), once per
+    response: which path a deployment's streams take shows on the metrics page.
     """
     framer = SSEFramer()
+    sent = 0
     live = None if direct is None else framer.writer(direct)
     events = follow(stream, after, idle_s=heartbeat_s, clock=clock, live=live)
     try:
@@ -279,11 +296,15 @@ async def sse_events(
                 continue
             frames = framer.frame(batch, stream)
             if frames:
+                sent += len(batch)
                 yield frames
     except HistoryTrimmed as trimmed:
         yield encode_event(encode(trimmed_body(trimmed)))
     finally:
         await events.aclose()
+        if tally is not None:
+            tally["direct"] += framer.direct
+            tally["send"] += sent
 
 
 async def poll(

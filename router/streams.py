@@ -176,10 +176,28 @@ class Stream:
         if self.mirror is not None:
             self.mirror(self, event)
         if self._taps:
-            self._feed_taps(event)
+            self._feed_taps([event])
         if self._waiters:
             self._wake()
         return event
+
+    def extend(self, payloads: list[bytes], now: float) -> None:
+        """Add events in order, as :meth:`append` each, but hand them to the readers
+        together: a reader written directly (:meth:`relay_live`) gets one write for what one
+        upstream read brought, not one per event (a write is a system call and a TCP
+        segment on the reader's connection)."""
+        taps, self._taps = self._taps, []  # held while appending: they get the batch
+        added = []
+        try:
+            for data in payloads:
+                event = self.append(data, now)
+                if event is None:
+                    break
+                added.append(event)
+        finally:
+            self._taps = taps
+        if added and taps:
+            self._feed_taps(added)
 
     def finish(self, now: float) -> None:
         """Append ``[DONE]`` unless already there."""
@@ -229,15 +247,16 @@ class Stream:
         return self.last_seq > seq
 
     async def relay_live(
-        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+        self, seq: int, write: Callable[[list[StreamEvent]], bool], idle_s: float | None
     ) -> tuple[int, bool]:
-        """For a reader caught up at ``seq``: hand each event appended from now on to
-        ``write`` within :meth:`append` (the producer's data callback), with no wake-up of
-        the reader, until ``write`` refuses one (returns False: the reader's connection
-        cannot take it now), the stream's ``[DONE]`` (not written: the reader sends it and
-        ends), an eviction, or ``idle_s`` without an event. Returns the last sequence number
-        written and whether it returned for being idle. Anything not written is in the
-        store, after the returned number, for the reader's own path."""
+        """For a reader caught up at ``seq``: hand the events appended from now on to
+        ``write`` within :meth:`append` / :meth:`extend` (the producer's data callback; one
+        call per append or extend, with its events in order), with no wake-up of the reader,
+        until ``write`` refuses a batch (returns False, having written none of it: the
+        reader's connection cannot take it now), the stream's ``[DONE]`` (not written: the
+        reader sends it and ends), an eviction, or ``idle_s`` without an event. Returns the
+        last sequence number written and whether it returned for being idle. Anything not
+        written is in the store, after the returned number, for the reader's own path."""
         if self.last_seq > seq or self.evicted or self.done or idle_s == 0:
             return seq, False
         loop = self._loop
@@ -256,17 +275,24 @@ class Stream:
                 self._taps.remove(tap)
         return tap.seq, tap.idle
 
-    def _feed_taps(self, event: StreamEvent) -> None:
-        if event.data == DONE_DATA:
-            self._release_taps()
-            return
+    def _feed_taps(self, events: list[StreamEvent]) -> None:
+        done = events[-1].data == DONE_DATA  # only ever the last: nothing is added after it
+        if done:
+            events = events[:-1]
+            if not events:
+                self._release_taps()
+                return
         refused = False
+        last = events[-1].seq
         for tap in self._taps:
-            if tap.write(event):
-                tap.seq = event.seq
+            if tap.write(events):
+                tap.seq = last
                 tap.last_at = tap.loop.time()
             else:
                 tap.released = refused = True
+        if done:
+            self._release_taps()
+            return
         if refused:
             taps = self._taps
             self._taps = [tap for tap in taps if not tap.released]
@@ -295,7 +321,7 @@ class _Tap:
 
     def __init__(
         self,
-        write: Callable[[StreamEvent], bool],
+        write: Callable[[list[StreamEvent]], bool],
         seq: int,
         waiter: asyncio.Future[None],
         now: float,

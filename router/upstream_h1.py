@@ -37,10 +37,14 @@ class ResponseSink(Protocol):
 
     ``on_body`` is the parser's own callback (no call of the connection's in between): a
     sink ignores a body that comes after its ``on_end`` or ``on_error`` (bytes of a second,
-    unasked-for response in the same read)."""
+    unasked-for response in the same read). ``on_read_end`` follows every read that reached
+    the sink, once its ``on_body`` calls are made: a sink may hold the parts of one read and
+    pass them on together (it must pass on what it holds at ``on_end`` and ``on_error``,
+    which may come in the same read instead)."""
 
     def on_head(self, status: int) -> None: ...
     def on_body(self, data: bytes) -> None: ...
+    def on_read_end(self) -> None: ...
     def on_end(self) -> None: ...
     def on_error(self, exc: Exception) -> None: ...
 
@@ -114,10 +118,13 @@ class H1Connection(asyncio.Protocol):
             return
         self._last_read = self.pool.loop.time()
         self.answered = True
+        sink = self._sink
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
+        if sink is not None:
+            sink.on_read_end()
 
     def eof_received(self) -> bool:
         return False
@@ -293,6 +300,9 @@ class H1Pool:
     async def acquire(self, origin: Origin) -> H1Connection:
         """A connection to ``origin``: the most recently used idle one, else a new one."""
         self.loop = asyncio.get_running_loop()
+        conn = self._take_idle(origin)
+        if conn is not None:
+            return conn  # the common case: no deadline to arm and cancel
         connecting = False
         try:
             async with asyncio.timeout(self.connect_timeout_s):

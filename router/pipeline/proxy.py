@@ -353,6 +353,8 @@ class _Producer:
         self.ok = False
         self._refused: list[bytes] | None = None
         self._refused_status = 0
+        self._read: list[bytes] = []
+        """Body parts of the upstream read in progress (:meth:`on_read_end` relays them)."""
         self._timer: asyncio.TimerHandle | None = None
         self._conn: H1Connection | None = None
         self._unreachable: Exception | None = None
@@ -372,6 +374,7 @@ class _Producer:
             while True:
                 self.outcome = self.loop.create_future()
                 self._refused = None
+                self._read = []
                 self._arm_deadline()
                 ctx.upstream_sent_at = sent_at = time.perf_counter()
                 self.relay.start(sent_at)
@@ -521,6 +524,7 @@ class _Producer:
                     self.on_head(response.status_code)
                     async for raw in response.aiter_raw():
                         self.on_body(raw)
+                        self.on_read_end()
                         if self.outcome.done():
                             return
                     self.on_end()
@@ -554,13 +558,29 @@ class _Producer:
             return
         refused = self._refused
         if refused is None:
-            self._apply(self.relay.receive_data(data, time.perf_counter()))
+            # Held to the read's end: the HTTP chunks one upstream read brought (several,
+            # when the router is busy) go through the relay and out to a direct reader
+            # together, one write on the client's connection instead of one per chunk.
+            self._read.append(data)
             return
         refused.append(data)
         if sum(map(len, refused)) > _MAX_ERROR_BODY_BYTES:
             self.on_end()
 
+    def on_read_end(self) -> None:
+        parts = self._read
+        if not parts:
+            return
+        self._read = []
+        if self.outcome.done():
+            return
+        now = time.perf_counter()
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._apply(self.relay.receive_data(data, now), now)
+
     def on_end(self) -> None:
+        if self._read:
+            self.on_read_end()  # the body's last parts came in the read that ended it
         if self.outcome.done():
             return
         now = time.perf_counter()
@@ -575,6 +595,8 @@ class _Producer:
             self._apply(self.relay.receive_end(now))
 
     def on_error(self, exc: Exception) -> None:
+        if self._read:
+            self.on_read_end()  # what arrived before the failure, as before it
         if self.outcome.done():
             return
         conn = self._conn
@@ -590,14 +612,17 @@ class _Producer:
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 
     # -- the relay's actions
-    def _apply(self, actions: list[Action]) -> None:
+    def _apply(self, actions: list[Action], now: float | None = None) -> None:
+        """Carry out the relay's ``actions``; ``now``: the read's ``perf_counter`` time."""
         for action in actions:
             if type(action) is Append:
-                stream, now = self.stream, self.proxy.clock()
-                for payload in action.payloads:
-                    stream.append(payload, now)
+                payloads = action.payloads
+                if len(payloads) == 1:  # one event a read, the common case: one call less
+                    self.stream.append(payloads[0], self.proxy.clock())
+                else:
+                    self.stream.extend(payloads, self.proxy.clock())
                 if self.observer is not None and self.relay.first_content:
-                    self.observer.chunk(self.ctx, time.perf_counter())
+                    self.observer.chunk(self.ctx, time.perf_counter() if now is None else now)
             elif type(action) is FirstToken:
                 self._first_token(action)
             elif type(action) is ReleaseHead:

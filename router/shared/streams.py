@@ -230,7 +230,7 @@ class RemoteStream:
                     return False
 
     async def relay_live(
-        self, seq: int, write: Callable[[StreamEvent], bool], idle_s: float | None
+        self, seq: int, write: Callable[[list[StreamEvent]], bool], idle_s: float | None
     ) -> tuple[int, bool]:
         """Events come in batches from Redis here, not one by one from a producer: nothing
         is written directly; returns when an event after ``seq`` exists, or idle."""

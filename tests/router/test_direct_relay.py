@@ -96,6 +96,28 @@ async def test_direct_and_plain_readers_send_the_same_bytes() -> None:
     assert not stream._taps
 
 
+async def test_events_appended_together_go_out_in_one_write_as_the_same_bytes() -> None:
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.append(CHAT[0], 0.0)
+    direct = Writer()
+    plain_reader = asyncio.create_task(read_all(stream, 0, None))
+    direct_reader = asyncio.create_task(read_all(stream, 0, direct))
+    await asyncio.sleep(0.01)  # both caught up: the direct one waits in relay_live
+    before = len(direct.parts)
+    stream.extend(CHAT[1:6], 0.0)  # one upstream read's events
+    assert len(direct.parts) == before + 1  # written at once, as one part
+    stream.extend(CHAT[6:10], 0.0)
+    stream.extend([CHAT[10]], 0.0)
+    assert len(direct.parts) == before + 3
+    stream.finish(0.0)
+    await asyncio.wait_for(asyncio.gather(plain_reader, direct_reader), 5)
+    plain = plain_reader.result()
+    assert plain.count(b"\nid: ") + 1 == 12  # eleven events and [DONE], each framed
+    assert direct_reader.result() == plain
+    assert not stream._taps
+
+
 async def test_a_reader_behind_falls_back_to_its_own_path_and_misses_nothing() -> None:
     store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
     stream = store.create(ALICE, 0.0)
@@ -175,9 +197,9 @@ Spy = dict[str, Any]
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    """Counts the body writer's writes and refusals, and the largest transport buffer a
-    direct write left behind."""
-    stats: Spy = {"written": 0, "refused": 0, "max_buffer": 0}
+    """Counts the body writer's writes (and the events in each) and refusals, and the
+    largest transport buffer a direct write left behind."""
+    stats: Spy = {"written": 0, "refused": 0, "max_buffer": 0, "events": []}
     real: Callable[[Any], Callable[[bytes], bool]] = uvicorn_limits.uvicorn_writer
 
     def spying(cycle: Any) -> Callable[[bytes], bool]:
@@ -187,6 +209,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
             ok = write(body)
             if ok:
                 stats["written"] += 1
+                stats["events"].append(body.count(b"\nid: ") + body.startswith(b"id: "))
                 size = cycle.transport.get_write_buffer_size()
                 stats["max_buffer"] = max(stats["max_buffer"], size)
             else:
@@ -227,10 +250,43 @@ async def test_http1_stream_is_written_directly_and_whole(
         response = await client.post(
             router.base_url + "/v1/chat/completions", json=body(40), headers=auth()
         )
+        metrics = (await client.get(router.base_url + "/metrics", headers=auth())).text
     text, ids = sse_text(response.content)
     assert text == words(40)
     assert ids == [str(i) for i in range(1, len(ids) + 1)]
     assert spy["written"] >= 30  # the live chunks went out from the producer
+    # The metrics page says which path the events took (each event counted once).
+    counted = {
+        path: int(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        for path in ("direct", "send")
+        if line.startswith(f'firstbyte_router_sse_events_total{{path="{path}"}}')
+    }
+    assert counted["direct"] == sum(spy["events"]) >= 30, (counted, spy)
+    assert counted["direct"] + counted["send"] == len(ids)
+
+
+async def test_chunks_of_one_upstream_read_go_out_in_one_write(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    # The upstream sends its chunks in bursts of 5 (five HTTP chunks, back to back): each
+    # burst reaches the router in one read, and goes to the reader in one write, not five.
+    tokens, burst = 40, 5
+    async with routed(start_router, delay_s=0.02, burst=burst) as (_, router), httpx.AsyncClient(
+        timeout=30
+    ) as client:
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", json=body(tokens), headers=auth()
+        )
+    text, ids = sse_text(response.content)
+    assert text == words(tokens)
+    assert ids == [str(i) for i in range(1, tokens + 4)]
+    bursts = tokens // burst
+    assert spy["written"] >= bursts - 2  # the live chunks went out from the producer
+    assert max(spy["events"]) == burst, spy  # a whole burst, five HTTP chunks, in one write
+    # A burst split over two reads (uvloop may send its first chunk ahead of the rest)
+    # costs a write more, never one per chunk.
+    assert spy["written"] <= 2 * bursts + 2, spy
 
 
 async def test_slow_reader_falls_back_and_the_router_buffers_only_to_its_high_water(
@@ -323,3 +379,37 @@ async def test_second_reader_and_resumed_reader_over_http1_each_get_every_event_
     )[0]
     assert head_text + rest_text == words(tokens)
     assert spy["written"] > written  # the readers after the drop were written directly too
+
+
+async def test_a_streamed_response_costs_three_tasks_of_the_router(
+    start_router: RouterFactory,
+) -> None:
+    # Per request, not per chunk, but a stream of 64 tokens spends about a third of its CPU
+    # there: the producer, the client's disconnect listener while the upstream answers, and
+    # the one while the body streams, no more (the body is sent from the request's own
+    # task; the model lists, once in, are not waited for through a task of wait_for).
+    made: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **options: Any) -> asyncio.Task[Any]:
+        # Made by a request's task (uvicorn's), of the router (not the test's upstream).
+        current = asyncio.current_task()
+        code = getattr(coro, "cr_code", None)
+        if (
+            current is not None
+            and current.get_coro().__qualname__ == "RequestResponseCycle.run_asgi"
+            and (code is None or "/tests/" not in code.co_filename)
+        ):
+            made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **options)
+
+    async with routed(start_router) as (_, router), httpx.AsyncClient(timeout=30) as client:
+        url = router.base_url + "/v1/chat/completions"
+        await client.post(url, json=body(3), headers=auth())  # connections and lists warm
+        loop.set_task_factory(counting)
+        try:
+            response = await client.post(url, json=body(20), headers=auth())
+        finally:
+            loop.set_task_factory(None)
+    assert sse_text(response.content)[0] == words(20)
+    assert len(made) <= 3, made

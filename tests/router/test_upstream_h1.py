@@ -96,6 +96,9 @@ class Collect:
     def on_body(self, data: bytes) -> None:
         self.body += data
 
+    def on_read_end(self) -> None:
+        pass
+
     def on_end(self) -> None:
         self.done.set_result(None)
 

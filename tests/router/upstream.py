@@ -27,6 +27,8 @@ MODELS = (
 @dataclass
 class Upstream:
     delay_s: float = 0.0
+    burst: int = 1
+    """Chunks sent back to back (one ``send`` each, no wait between) after each delay."""
     fail_status: int | None = None
     running: int = 0
     started: int = 0
@@ -129,7 +131,7 @@ class Upstream:
                 {"type": "http.response.body", "body": sse(chunk(role=True)), "more_body": True}
             )
             for i, word in enumerate(words):
-                if self.delay_s:
+                if self.delay_s and i % self.burst == 0:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(disconnected.wait(), self.delay_s)
                 if disconnected.is_set():
