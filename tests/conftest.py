@@ -8,7 +8,18 @@ import os
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        # pytest-xdist (addopts: -n, --dist loadgroup) runs a group on one worker, in order: a
+        # file is a group, so its module fixtures start once. tests/benchmarks is one group,
+        # run as without workers: its quick runs (every scenario at once, a session fixture)
+        # start once and end before the WAN emulator's precision tests, which need the CPU
+        # that the quick runs would take (they failed beside them on three workers).
+        if item.get_closest_marker("xdist_group") is None:
+            path = item.nodeid.split("::", 1)[0]
+            group = "tests/benchmarks" if path.startswith("tests/benchmarks/") else path
+            item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("CI") == "true":
         return
     can_netns = os.geteuid() == 0 and os.path.exists("/dev/net/tun")

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from firstbyte.benchmarks.browser import chromium_path
+from tests.apt import apt_lock
 
 
 def install_chromium() -> tuple[str | None, str]:
@@ -21,9 +22,10 @@ def install_chromium() -> tuple[str | None, str]:
     if shutil.which("apt-get") and os.geteuid() == 0:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         try:
-            for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q",
-                                                       "chromium"]):
-                subprocess.run(argv, check=True, capture_output=True, timeout=900, env=env)
+            with apt_lock():
+                for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q",
+                                                           "chromium"]):
+                    subprocess.run(argv, check=True, capture_output=True, timeout=900, env=env)
         except (subprocess.SubprocessError, OSError) as exc:
             why = f"installing chromium failed: {exc}"
     return chromium_path(), why

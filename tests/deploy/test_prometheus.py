@@ -34,6 +34,7 @@ from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import RouterEndpoints, running_router
 from firstbyte.router.sim.server import running_sim
+from tests.apt import apt_lock
 from tests.deploy.containerfile import ROOT
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 
@@ -85,10 +86,13 @@ def missing_metrics(expr: str, present: set[str]) -> list[str]:
 def _install_prometheus() -> str:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-    result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:  # no package lists yet: fetch them once and try again
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+    with apt_lock():
         result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
+        if result.returncode != 0:  # no package lists yet: fetch them once and try again
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True,
+                           timeout=600)
+            result = subprocess.run(install, env=env, capture_output=True, text=True,
+                                    timeout=900)
     return (result.stdout + result.stderr)[-800:]
 
 

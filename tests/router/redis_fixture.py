@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from firstbyte.benchmarks.redis_server import RedisServer, find_server_binary, running_redis
+from tests.apt import apt_lock
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 """Where Debian's ``redis-server`` package puts its binary (built with TLS)."""
@@ -33,11 +34,14 @@ def tls_server_binary() -> str:
     if not os.path.exists(DEBIAN_REDIS) and shutil.which("apt-get") and os.geteuid() == 0:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "redis-server"]
-        for argv in (install, ["apt-get", "update", "-q"], install):
-            done = subprocess.run(argv, capture_output=True, timeout=900, env=env, check=False)
-            if argv is install and done.returncode == 0:
-                break
-            why = f"installing redis-server failed: {done.stderr.decode(errors='replace')[-500:]}"
+        with apt_lock():
+            for argv in (install, ["apt-get", "update", "-q"], install):
+                if os.path.exists(DEBIAN_REDIS):  # another worker installed it meanwhile
+                    break
+                done = subprocess.run(argv, capture_output=True, timeout=900, env=env, check=False)
+                if argv is install and done.returncode == 0:
+                    break
+                why = f"installing redis-server failed: {done.stderr.decode(errors='replace')[-500:]}"
     if os.path.exists(DEBIAN_REDIS):
         return DEBIAN_REDIS
     if os.environ.get("CI") == "true":

@@ -29,6 +29,7 @@ import pytest
 from firstbyte.router.hosting import hardening
 from firstbyte.router.hosting.limits import Throttle
 from firstbyte.router.hosting.proxy_protocol import V2_SIGNATURE
+from tests.apt import apt_lock
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.geo_fixtures import FRANKFURT_CLIENT, TOKYO_CLIENT, write_city_mmdb
 from tests.router.upstream import Upstream
@@ -46,11 +47,13 @@ def haproxy_or_skip() -> str:
     if found is None and shutil.which("apt-get") and os.geteuid() == 0:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "haproxy"]
-        for argv in (install, ["apt-get", "update", "-q"], install):
-            done = subprocess.run(argv, capture_output=True, timeout=900, env=env, check=False)
-            if argv is install and done.returncode == 0:
-                break
-            why = f"installing haproxy failed: {done.stderr.decode(errors='replace')[-500:]}"
+        with apt_lock():
+            for argv in (install, ["apt-get", "update", "-q"], install):
+                done = subprocess.run(argv, capture_output=True, timeout=900, env=env,
+                                      check=False)
+                if argv is install and done.returncode == 0:
+                    break
+                why = f"installing haproxy failed: {done.stderr.decode(errors='replace')[-500:]}"
         found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
     if found:
         return found
