@@ -44,7 +44,6 @@ from .pipeline.context import LocalReply, RequestContext, error_reply
 from .pipeline.simple_start import adopt_query_token
 from .placement import place, release_key_slot
 from .shared.errors import StateUnavailable, unavailable_reply
-from .shared.warm_budget import SharedWarmBudget
 from .state import CLIENT_GONE, RouterState
 
 __all__ = [
@@ -112,11 +111,8 @@ _budgets: weakref.WeakKeyDictionary[RouterState, Budget] = weakref.WeakKeyDictio
 def _budget(state: RouterState) -> Budget:
     budget = _budgets.get(state)
     if budget is None:
-        shared = state.shared
-        budget = _budgets[state] = (
-            LocalBudget(state.clock) if shared is None
-            else SharedWarmBudget(shared.redis, shared.keys, shared.process, WINDOW_S)
-        )
+        shared = state.region_state.shared_warm_budget(WINDOW_S)
+        budget = _budgets[state] = LocalBudget(state.clock) if shared is None else shared
     return budget
 
 

@@ -33,6 +33,7 @@ from .hosting.limits import Throttle
 from .pipeline.context import CONTINUE
 from .placement import place_in_memory, place_shared
 from .shared.errors import describe
+from .shared.warm_budget import SharedWarmBudget
 from .streams import new_stream_id
 
 if TYPE_CHECKING:
@@ -105,6 +106,11 @@ class RegionState(Protocol):
         state does not answer."""
         ...
 
+    def shared_warm_budget(self, window_s: float) -> SharedWarmBudget | None:
+        """Prompt warm-ups counted region-wide (in Redis), or None: count them in this
+        process (:mod:`firstbyte.router.prewarm`)."""
+        ...
+
     async def housekeep(self, state: RouterState, grace_s: float) -> None:
         """One housekeeping turn before :meth:`RouterState.tick`: make the region's counts and
         readers true again. Never raises."""
@@ -126,6 +132,9 @@ class InMemory:
 
     readable_elsewhere = False
     claim_backend = None
+
+    def shared_warm_budget(self, window_s: float) -> SharedWarmBudget | None:
+        return None
 
     def start(self) -> None:
         pass
@@ -174,6 +183,10 @@ class InRedis:
         """Stream ids admitted (and announced) this loop turn, by owner and subject, for
         :meth:`announced_id`; what a request did not take is forgotten at the turn's end
         (its metadata expires in Redis, never found: nobody learns the id)."""
+
+    def shared_warm_budget(self, window_s: float) -> SharedWarmBudget | None:
+        shared = self.shared
+        return SharedWarmBudget(shared.redis, shared.keys, shared.process, window_s)
 
     def start(self) -> None:
         self._starting = asyncio.create_task(self.shared.start())
