@@ -180,8 +180,12 @@ async def test_clients_behind_haproxy_are_counted_by_their_own_address(
                     assert (await direct.get(f"{router.base_url}/healthz")).status_code == 200
                 assert (await holder.get(url)).status_code == 200  # its connection kept
     refusals = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
-    assert refusals
-    assert all(f"from {CLIENT}:" in line for line in refusals), refusals
+    assert [line for line in refusals if f"from {CLIENT}:" in line], refusals
+    # Nobody else was refused. (HAProxy's v1 health checks carry its own address, so on a
+    # loaded machine two overlapping checks may be refused for BALANCER: counted as HAProxy,
+    # which is what the header says they are.)
+    others = (OTHER_CLIENT, "127.0.0.1")
+    assert not [line for line in refusals if any(f"from {a}:" in line for a in others)], refusals
     assert not [r.getMessage() for r in caplog.records if "PROXY" in r.getMessage()]
 
 
