@@ -76,6 +76,12 @@ async def _send_frame(
         except (ConnectionError, RuntimeError):
             break
         sent += len(chunk)
+    # The rest of the answer: the close frame may come in more than one read, or after a write
+    # failed (what the router sent before its close is still in the buffer).
+    with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+        async with asyncio.timeout(5.0):
+            while CLOSE_1009 not in answer and (more := await reader.read(1024)):
+                answer += more
     return answer, sent
 
 
@@ -125,7 +131,8 @@ async def test_forty_16mb_frames_do_not_take_memory(start_router_process: Router
             results = await asyncio.gather(*(_send_frame(r, w, 16 * MiB) for r, w in sockets))
         for _, writer in sockets:
             writer.close()
-    assert all(CLOSE_1009 in answer for answer, _ in results)
+    missing = [(answer[:32], sent) for answer, sent in results if CLOSE_1009 not in answer]
+    assert not missing, f"{len(missing)} of 40 without a 1009 close: {missing}"
     before, peak = rss
     print(f"forty 16 MB frames: RSS {before / MiB:.1f} -> peak {peak / MiB:.1f} MiB")
     assert peak - before < 32 * MiB  # 640 MB of frames; 790 MB of RSS before
