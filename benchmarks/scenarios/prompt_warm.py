@@ -116,6 +116,12 @@ async def _measure(repeat: int) -> dict[str, Any]:
             for rep in range(repeat):
                 got["short_back_to_back"].append((await _message(client, SHORT))[0])
                 got["cold"].append((await _message(client, [*history(f"cold{rep}"), NEXT]))[0])
+                # The floor (a short message) and the warmed message each follow the same
+                # pause, in alternating order, so that a drift of the machine's speed during
+                # the run weighs on both alike.
+                if rep % 2:
+                    await asyncio.sleep(TYPING_S)
+                    got["short"].append((await _message(client, SHORT))[0])
                 conversation = history(f"warm{rep}")
                 started = time.perf_counter()
                 answer = await client.prewarm(model=MODEL, messages=conversation)
@@ -125,8 +131,9 @@ async def _measure(repeat: int) -> dict[str, Any]:
                 timings, found = await _message(client, [*conversation, NEXT])
                 got["warmed"].append(timings)
                 cached.append(found)
-                await asyncio.sleep(TYPING_S)  # the floor: a short message after the same pause
-                got["short"].append((await _message(client, SHORT))[0])
+                if not rep % 2:
+                    await asyncio.sleep(TYPING_S)
+                    got["short"].append((await _message(client, SHORT))[0])
     ttft = {name: _median([t.first_token_ms for t in ts if t.first_token_ms is not None])
             for name, ts in got.items()}
     warmed = [*history("x"), NEXT]
@@ -152,7 +159,10 @@ def _answer(m: dict[str, Any]) -> str:
 
 def run(quick: bool) -> dict[str, Any]:
     """The ``firstbyte bench prompt_warm`` scenario."""
-    repeat = 3 if quick else 15
+    # 40: after a pause this machine's TTFT varies by ~2.5 ms (standard deviation) whatever
+    # the prompt, so a median of 15 moves by ~1 ms from run to run: the size of the gap
+    # measured. 40 halves that; a full run takes about 100 s.
+    repeat = 3 if quick else 40
     m = asyncio.run(_measure(repeat))
     t = m["ttft"]
     runs = []
