@@ -7,8 +7,10 @@ persistence), and ``firstbyte router`` (uvicorn, plain HTTP/1.1) with ``--worker
 to price Redis per chunk. The load generator (this process, uvloop, a minimal HTTP/1.1 client:
 one connection per stream, so SO_REUSEPORT spreads them) ramps N streams over ``ramp_s`` and
 holds them (each ``max_tokens`` long enough to outlast the ramp). All routers run from the
-start, and each level's phases alternate over the targets (direct, the routers, then the
-memory router and direct again: A/A controls of what noise and drift alone do to the figures).
+start, and each level's phases alternate over the targets: direct, ``rounds`` rounds of the
+memory router, the Redis router and the memory router again (every other round reversed; the
+two-worker router once, after the first), then direct again (A/A controls of what noise and
+drift alone do to the figures).
 
 Per target and level: TTFT P50/P99 (request sent to the first content chunk), errors, the
 peak number of live streams, chunks relayed; the router's CPU per chunk (its processes'
@@ -19,8 +21,11 @@ the scaling figure is the largest level held with 2 workers over the largest hel
 (none when one worker holds the highest level: nothing is left for a second to show), and,
 apples to apples, chunks per router-CPU-second with 2 workers over 1. Redis against memory
 (one worker each): TTFT P50 and P99 Redis minus memory and router CPU per chunk Redis over
-memory, next to the same figures of the memory router measured a second time (its A/A
-control), and whether they are within issue 26's target (+10 ms, +30 ms, x1.15).
+memory, as medians of the rounds' paired deltas, next to the same figures of the memory
+router measured a second time in each round (its A/A control), and whether they are within
+issue 26's target (+10 ms, +30 ms, x1.15); with the router's own time per stream (its
+``firstbyte_router_start_seconds``: arrival to the request written upstream, without the
+sim's queue), the part of TTFT Redis can cost.
 
 On a 2-core machine the sim, Redis, the load generator and the router share the two cores:
 each row names what limited it (``limit``): the first of the router (its busiest process),
@@ -291,8 +296,10 @@ def _start_figures(
 def _measure(
     port: int, n: int, ramp_s: float, max_tokens: int, router: _Proc | None,
     redis_pid: int | None, redis_url: str | None, sim: _Proc | None = None,
+    scrape: bool = False,
 ) -> dict[str, Any]:
-    start0 = _start_histogram(port) if router else None
+    # One process's /metrics: with several workers two scrapes may reach two of them.
+    start0 = _start_histogram(port) if scrape else None
     router_cpu0 = router.cpu_s() if router else 0.0
     per_process0 = router.busiest_cpu_s() if router else {}
     sim_cpu0 = sim.cpu_s() if sim else 0.0
@@ -517,7 +524,8 @@ def run(
                 if name in routers or name == MEMORY_AA:
                     port, proc, redis_url = routers[MEMORY if name == MEMORY_AA else name]
                     row = _measure(port, n, ramp_s, max_tokens, proc,
-                                   rs.pid if redis_url else None, redis_url, sim)
+                                   rs.pid if redis_url else None, redis_url, sim,
+                                   scrape=name != "router-2-redis")
                 else:
                     row = _measure(sim_port, n, ramp_s, max_tokens, None, None, None, sim)
                 per_round.setdefault(name, {}).setdefault(str(n), []).append(row)

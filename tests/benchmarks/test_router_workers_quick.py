@@ -36,8 +36,11 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
                 assert "held" not in row
             elif name != "direct":
                 assert row["router_cpu_us_per_chunk"] > 0
-                # the router's own time per stream, from its /metrics: each stream started
-                assert 0 < row["router_start_mean_ms"] < row["p99_ttft_ms"]
+                # the router's own time per stream, from its /metrics (one process's)
+                if name == "router-2-redis":
+                    assert row["router_start_mean_ms"] is None
+                else:
+                    assert 0 < row["router_start_mean_ms"] < row["mean_ttft_ms"]
                 assert row["router_rss_mb_per_1000_live"] > 0
                 assert row["held"] in (True, False)
             if name.endswith("redis"):
