@@ -17,9 +17,15 @@ from .hosting.prometheus import Histogram, family, labels, render_counter, rende
 from .observability.usage import UsageMeter
 from .pipeline.context import LocalReply
 
-__all__ = ["SUM_SPEC", "TTFT_BUCKETS_S", "Metrics"]
+__all__ = ["START_BUCKETS_S", "SUM_SPEC", "TTFT_BUCKETS_S", "Metrics"]
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+START_BUCKETS_S = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5,
+)
+"""Finer than TTFT's at the low end: the router's own time is milliseconds, and a benchmark
+compares two routers' by it (``bench router_workers``)."""
 # The router's histogram sums are printed with microsecond precision.
 SUM_SPEC = ".6f"
 
@@ -34,6 +40,8 @@ class Metrics:
         self.in_flight = 0
         self.ttft: dict[str, Histogram] = {}
         """Time to first token by model label: one histogram each, made on its first use."""
+        self.start = Histogram(START_BUCKETS_S)
+        """Request arrival to its request written to the upstream (:meth:`observe_start`)."""
         self.sse_events: Counter[str] = Counter()
         """Events sent to SSE readers, by path: ``direct`` (written from the upstream's data
         callback, :mod:`.hosting.body_writer`) or ``send`` (by the reader's task through ASGI
@@ -59,6 +67,12 @@ class Metrics:
         if hist is None:  # once a model: the label is bounded by the models listed
             hist = self.ttft[model] = Histogram(TTFT_BUCKETS_S)
         hist.observe(seconds)
+
+    def observe_start(self, seconds: float) -> None:
+        """A stream's request written to its upstream ``seconds`` after it arrived: the
+        router's own time (admission, routing, shared state, the pool) before the upstream
+        can work on it, without the upstream's queue that TTFT also holds."""
+        self.start.observe(seconds)
 
     def add_counter_source(
         self, name: str, help_text: str, label: str, read: Callable[[], Mapping[str, int]]
@@ -106,6 +120,12 @@ class Metrics:
             lines += hist.samples(
                 "firstbyte_router_ttft_seconds", labels(model=model), SUM_SPEC
             )
+        lines += self.start.render(
+            "firstbyte_router_start_seconds",
+            "Request arrival to its request written to the upstream (streams over HTTP/1.1):"
+            " the router's own time before the upstream can work on it.",
+            sum_spec=SUM_SPEC,
+        )
         lines += render_counter(
             "firstbyte_router_sse_events_total",
             "Events sent to SSE readers by path: direct (from the upstream's data callback)"

@@ -362,6 +362,7 @@ class _Producer:
         its backend failed it (``failed``, :attr:`_cause`)."""
         self._cause: FailCause = "refused"
         self._first_byte_timer: asyncio.TimerHandle | None = None
+        self._start_observed = False
 
     async def run(self) -> None:
         proxy, ctx, stream = self.proxy, self.ctx, self.stream
@@ -493,6 +494,9 @@ class _Producer:
                 return "finished"
             try:
                 conn.send(request, self)
+                if not self._start_observed:  # once a stream, not again on a retry
+                    self._start_observed = True
+                    self.proxy.metrics.observe_start(time.perf_counter() - self.ctx.received_at)
                 # From here, not from the pool's wait: a full pool is not the backend's fault.
                 self._arm_first_byte()
                 result = await self.outcome

@@ -36,6 +36,11 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
                 assert "held" not in row
             elif name != "direct":
                 assert row["router_cpu_us_per_chunk"] > 0
+                # the router's own time per stream, from its /metrics (one process's)
+                if name == "router-2-redis":
+                    assert row["router_start_mean_ms"] is None
+                else:
+                    assert 0 < row["router_start_mean_ms"] < row["mean_ttft_ms"]
                 assert row["router_rss_mb_per_1000_live"] > 0
                 assert row["held"] in (True, False)
             if name.endswith("redis"):
@@ -48,16 +53,27 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
     if held_1 == max(results["levels"]):  # nothing left for a second worker to show
         assert results["scaling_held"] is None
         assert "do not separate 1 from 2 workers" in results["scaling_note"]
-    # Redis against memory, and the memory router against itself (its A/A control).
+    # Redis against memory, and the memory router against itself (its A/A control), in
+    # alternating rounds: medians of the paired deltas, each round's P50 delta kept.
+    rounds = results["rounds"]
+    assert rounds >= 2
+    for name in ("router-1-memory", "router-1-redis", "router-1-memory-aa"):
+        for row in results["targets"][name].values():
+            assert row["rounds"] == rounds
+            assert len(row["per_round"]) == rounds
     for level in levels:
         versus = results["redis_vs_memory"][level]
+        assert versus["rounds"] == rounds
+        assert len(versus["p50_ttft_deltas_ms"]) == len(versus["aa_p50_ttft_deltas_ms"]) == rounds
         for key in ("added_p50_ttft_ms", "added_p99_ttft_ms", "aa_p50_ttft_ms",
-                    "aa_p99_ttft_ms"):
+                    "aa_p99_ttft_ms", "added_start_mean_ms", "aa_start_mean_ms",
+                    "added_start_p99_ms", "aa_start_p99_ms"):
             assert isinstance(versus[key], float), (key, versus)
         assert versus["cpu_ratio"] > 0
         assert versus["aa_cpu_ratio"] > 0
         assert versus["target"] in ("met", "NOT MET")
     summary = (out / "summary.md").read_text()
     assert "Redis vs memory at" in summary
+    assert "the router's own time per stream" in summary
     assert "scaling (held, 2 workers / 1)" in summary
     assert "| router-2-redis |" in summary

@@ -96,3 +96,36 @@ async def test_a_model_only_an_unlisted_backend_may_serve_is_not_a_label_value(
     assert 'firstbyte_router_ttft_seconds_count{model=""} 5' in text
     assert 'firstbyte_router_ttft_seconds_count{model="model-a"} 1' in text
     assert model_labels(text, "firstbyte_route") == {"", "model-a"}
+
+
+def _sample(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"{name} missing"
+    return float(match[1])
+
+
+async def test_the_router_start_time_excludes_the_upstream_own_wait(
+    start_router: RouterFactory,
+) -> None:
+    """``firstbyte_router_start_seconds``: one observation per stream, from its arrival to its
+    request written upstream, so an upstream slow to its first token is in TTFT, not in it
+    (the figure ``bench router_workers`` compares memory and Redis by)."""
+    delay_s = 0.3
+    async with (
+        running_upstream(delay_s=delay_s) as upstream,
+        start_router([upstream.url], tls=False) as router,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        url = router.base_url + "/v1/chat/completions"
+        for _ in range(3):
+            r = await client.post(url, json=chat("sim-llama-7b"), headers=auth())
+            assert r.status_code == 200, r.text
+        text = (await client.get(router.base_url + "/metrics", headers=auth())).text
+    assert "# TYPE firstbyte_router_start_seconds histogram" in text
+    assert _sample(text, "firstbyte_router_start_seconds_count") == 3
+    start_s = _sample(text, "firstbyte_router_start_seconds_sum")
+    ttft_s = sum(float(m) for m in re.findall(
+        r'^firstbyte_router_ttft_seconds_sum\{model="[^"]*"\} (\S+)$', text, re.MULTILINE))
+    assert start_s > 0
+    # Each first token waited delay_s upstream, after the request went out.
+    assert start_s <= ttft_s - 3 * delay_s
