@@ -226,3 +226,55 @@ def test_an_error_event_is_not_taken_for_usage() -> None:
     actions = feed(relay, [b"data: " + HELLO + b"\n\n", b"data: " + error + b"\n\n"])
     assert appended(actions) == [HELLO, error]
     assert relay.usage is None
+
+
+FEED_EVENTS = st.lists(
+    st.sampled_from(
+        [
+            b"data: " + HELLO + b"\n\n",
+            b"data: " + WORLD + b"\n\n",
+            b"data: " + ROLE + b"\n\n",
+            b"data: " + USAGE + b"\n\n",
+            b": ping\n\n",
+            b"data: x\r\n\r\n",
+            b"event: e\ndata: y\n\n",
+            b"data: [DONE]\n\n",
+        ]
+    ),
+    max_size=10,
+).map(lambda events: b"data: " + ROLE + b"\n\n" + b"".join(events))
+
+
+@given(FEED_EVENTS, st.lists(st.integers(min_value=0, max_value=2000), max_size=6), st.booleans())
+def test_feed_appends_and_acts_as_receive_data_for_any_stream_and_split(
+    data: bytes, cuts: list[int], strip: bool
+) -> None:
+    """The hot path (:meth:`Relay.feed`) and :meth:`Relay.receive_data` make the same
+    appends, the same other actions and the same usage, however the bytes come; one whole
+    content event a read after the first content takes the fast cut."""
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    pieces = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces += [b"data: " + HELLO + b"\n\n"] * 2  # whole events, once streaming
+    slow, fast = Relay(strip_usage=strip), Relay(strip_usage=strip)
+    expected: list[Action] = []
+    got: list[Action] = []
+    for relay in (slow, fast):
+        relay.start(10.0)
+        relay.receive_head(200, 10.001)
+    for i, piece in enumerate(pieces):
+        now = 10.01 + i * 0.01
+        expected += slow.receive_data(piece, now)
+        payloads = fast.feed(piece, now)
+        if payloads is None:
+            got += fast.take_actions()
+        elif payloads:
+            got.append(Append(payloads))
+    assert appended(got) == appended(expected)
+    assert [a for a in got if not isinstance(a, Append)] == [
+        a for a in expected if not isinstance(a, Append)
+    ]
+    assert (fast.usage, fast.done, fast.appended) == (slow.usage, slow.done, slow.appended)
+    if not slow.done and fast._framer.idle:
+        # Still streaming, on the fast framing: a whole content event a read is cut fast
+        # (the first of the two may be the first content, which takes the full path).
+        assert fast.fast_reads >= 1
