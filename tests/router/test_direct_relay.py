@@ -413,3 +413,89 @@ async def test_a_streamed_response_costs_three_tasks_of_the_router(
             loop.set_task_factory(None)
     assert sse_text(response.content)[0] == words(20)
     assert len(made) <= 3, made
+
+
+def _counter(metrics: str, name: str, path: str) -> int:
+    prefix = f'{name}{{path="{path}"}} '
+    return sum(int(line[len(prefix) :]) for line in metrics.splitlines() if line.startswith(prefix))
+
+
+async def test_fused_path_feeds_a_second_a_resumed_and_a_slow_reader_every_event_once(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    # One stream: a token every 5 ms at first (one event a read: the fused path), read by
+    # its own client, a second reader from the start and a reader resumed after event 5;
+    # then the upstream floods while the first client stops reading, so the router's writes
+    # to it are refused and it falls back to the store. Each gets every event once.
+    tokens = 20_000
+    async with routed(start_router, delay_s=0.005) as (up, router), httpx.AsyncClient(
+        timeout=60
+    ) as client:
+        url = router.base_url
+        port = int(url.rsplit(":", 1)[1])
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        received = bytearray()
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            payload = httpx.Request("POST", "http://x/", json=body(tokens)).content
+            await loop.sock_sendall(
+                sock,
+                (
+                    "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                    f"authorization: {auth()['authorization']}\r\n"
+                    "content-type: application/json\r\n"
+                    f"content-length: {len(payload)}\r\n\r\n"
+                ).encode()
+                + payload,
+            )
+            deadline = time.monotonic() + 60
+            while received.count(b"\nid: ") < 10 and time.monotonic() < deadline:
+                received += await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10)
+            lines = bytes(received[: received.index(b"\r\n\r\n")]).decode().split("\r\n")
+            stream_id = next(
+                line.split(":", 1)[1].strip()
+                for line in lines
+                if line.lower().startswith("x-firstbyte-stream:")
+            )
+            second = asyncio.ensure_future(
+                client.get(f"{url}/v1/streams/{stream_id}", headers=auth())
+            )
+            resumed = asyncio.ensure_future(
+                client.get(
+                    f"{url}/v1/streams/{stream_id}", headers={**auth(), "last-event-id": "5"}
+                )
+            )
+            await asyncio.sleep(0.3)  # all three readers on the direct path, one event a read
+            fast_before = _counter(
+                (await client.get(url + "/metrics", headers=auth())).text,
+                "firstbyte_router_relay_reads_total",
+                "fast",
+            )
+            up.delay_s = 0.0  # the rest as fast as it goes; the first client reads no more
+            while up.completed < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            assert up.completed == 1
+            while not received.endswith(b"0\r\n\r\n") and time.monotonic() < deadline:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10)
+                if not data:
+                    break
+                received += data
+        finally:
+            sock.close()
+        joined = await asyncio.wait_for(second, 60)
+        rest = await asyncio.wait_for(resumed, 60)
+        metrics = (await client.get(url + "/metrics", headers=auth())).text
+    every = [str(i) for i in range(1, tokens + 4)]
+    text, ids = sse_text(_dechunk(bytes(received[received.index(b"\r\n\r\n") + 4 :])))
+    assert (text, ids) == (words(tokens), every)
+    text, ids = sse_text(joined.content)
+    assert (text, ids) == (words(tokens), every)
+    assert sse_text(rest.content)[1] == every[5:]
+    assert spy["refused"] >= 1  # the first client was behind: it fell back to the store
+    # The per-token reads took the fused path; counted as the request ended.
+    assert fast_before == 0
+    assert _counter(metrics, "firstbyte_router_relay_reads_total", "fast") >= 20
+    assert spy["written"] >= 20
