@@ -208,14 +208,18 @@ class Stream:
             return
         events = self.events
         seq = self.trimmed + len(events)
-        size = 0
-        mirror = self.mirror
-        added = []
-        for data in payloads:
+        if len(payloads) == 1:  # one event a read, the common case: no loop
             seq += 1
-            event = StreamEvent(seq, data)
-            added.append(event)
-            size += len(data) + _EVENT_OVERHEAD_BYTES
+            data = payloads[0]
+            added = [StreamEvent(seq, data)]
+            size = len(data) + _EVENT_OVERHEAD_BYTES
+        else:
+            added = []
+            size = 0
+            for data in payloads:
+                seq += 1
+                added.append(StreamEvent(seq, data))
+                size += len(data) + _EVENT_OVERHEAD_BYTES
         events += added
         self.size_bytes += size
         store = self._store
@@ -228,6 +232,7 @@ class Stream:
                 store._over_share.setdefault(self.owner, usage)
             if store._over_share and store.total_bytes > store.max_total_bytes:
                 store._reclaim(strict=True)
+        mirror = self.mirror
         if mirror is not None:
             for event in added:
                 mirror(self, event)

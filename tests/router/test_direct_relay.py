@@ -499,3 +499,12 @@ async def test_fused_path_feeds_a_second_a_resumed_and_a_slow_reader_every_event
     assert fast_before == 0
     assert _counter(metrics, "firstbyte_router_relay_reads_total", "fast") >= 20
     assert spy["written"] >= 20
+    # The inter-token gaps of the fused path are observed: one per appended read after
+    # the first content (each read brought at least one event, reads <= events).
+    itl = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line.startswith(("firstbyte_route_itl_seconds_count", "firstbyte_route_itl_seconds_sum"))
+    }
+    assert 20 <= itl["firstbyte_route_itl_seconds_count"] <= tokens + 2, itl
+    assert itl["firstbyte_route_itl_seconds_sum"] >= 0.005 * 15  # the first tokens' gaps
