@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import hmac
 import secrets
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,10 @@ __all__ = [
 
 DONE_DATA = DONE.encode()
 _EVENT_OVERHEAD_BYTES = 64
+_idle_clock = time.perf_counter
+"""The direct readers' idle clock (:meth:`Stream.relay_live`): the clock the producer reads
+once per upstream read anyway (:meth:`Stream.add` takes its reading), so a write to a
+reader costs no clock call of its own."""
 """Per-event bookkeeping counted against the byte budget, so tiny events are not free."""
 
 
@@ -199,11 +204,13 @@ class Stream:
         if added and taps:
             self._feed_taps(added)
 
-    def add(self, payloads: list[bytes]) -> None:
+    def add(self, payloads: list[bytes], read_at: float) -> None:
         """:meth:`extend` for the producer's hot path: events that are not ``[DONE]`` (so
-        no clock: nothing finishes), appended in one call that charges the store, mirrors
-        them, hands them to the direct readers in one batch and wakes the others. The same
-        effects as :meth:`extend`, with the per-event calls of :meth:`append` inlined."""
+        no store clock: nothing finishes), appended in one call that charges the store,
+        mirrors them, hands them to the direct readers in one batch and wakes the others.
+        The same effects as :meth:`extend`, with the per-event calls of :meth:`append`
+        inlined. ``read_at``: the read's :func:`time.perf_counter` reading, the direct
+        readers' idle clock (:meth:`relay_live`)."""
         if self.finished_at is not None:
             return
         events = self.events
@@ -239,11 +246,10 @@ class Stream:
         taps = self._taps
         if taps:
             refused = False
-            now = taps[0].loop.time()
             for tap in taps:
                 if tap.write(added):
                     tap.seq = seq
-                    tap.last_at = now
+                    tap.last_at = read_at
                 else:
                     tap.released = refused = True
             if refused:
@@ -317,11 +323,11 @@ class Stream:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        tap = _Tap(write, seq, loop.create_future(), loop.time(), loop)
+        tap = _Tap(write, seq, loop.create_future(), _idle_clock(), loop)
         self._taps.append(tap)
         if idle_s is not None:
             tap.idle_s = idle_s
-            tap.timer = loop.call_at(tap.last_at + idle_s, tap.check_idle)
+            tap.timer = loop.call_later(idle_s, tap.check_idle)
         try:
             await tap.waiter
         finally:
@@ -339,10 +345,11 @@ class Stream:
                 return
         refused = False
         last = events[-1].seq
+        now = _idle_clock()
         for tap in self._taps:
             if tap.write(events):
                 tap.seq = last
-                tap.last_at = tap.loop.time()
+                tap.last_at = now
             else:
                 tap.released = refused = True
         if done:
@@ -396,13 +403,13 @@ class _Tap:
     def check_idle(self) -> None:
         # One timer per idle period, moved on when it fires after writes, rather than
         # rescheduled per event: events are per chunk, idle periods are rare.
-        now = self.loop.time()
+        now = _idle_clock()
         if now - self.last_at >= self.idle_s:
             self.timer = None
             self.idle = True
             self.release()
         else:
-            self.timer = self.loop.call_at(self.last_at + self.idle_s, self.check_idle)
+            self.timer = self.loop.call_later(self.last_at + self.idle_s - now, self.check_idle)
 
     def release(self) -> None:
         self.released = True

@@ -574,11 +574,11 @@ class _Producer:
         parts = self._read
         if not parts:
             return
-        self._read = []
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()  # the list is kept: one allocation less per read
         if self.outcome.done():
             return
         now = time.perf_counter()
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
         relay = self.relay
         payloads = relay.feed(data, now)
         if payloads is None:  # more than events to append: the relay's actions
@@ -586,7 +586,7 @@ class _Producer:
         elif payloads:
             # The fused path: the store appends, mirrors and writes to its direct readers
             # in one call; the inter-token metric from this read's one clock reading.
-            self.stream.add(payloads)
+            self.stream.add(payloads, now)
             if self.observer is not None and relay.first_content:
                 self.observer.chunk(self.ctx, now)
 

@@ -118,6 +118,38 @@ async def test_events_appended_together_go_out_in_one_write_as_the_same_bytes() 
     assert not stream._taps
 
 
+async def test_add_has_the_effects_of_extend() -> None:
+    # The fused append (Stream.add) against extend: the same bytes to a direct reader and
+    # to a plain one, the same store and owner charges, every event mirrored once.
+    runs = []
+    for fused in (False, True):
+        store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+        stream = store.create(ALICE, 0.0)
+        mirrored: list[int] = []
+        stream.mirror = lambda _stream, event, seqs=mirrored: seqs.append(event.seq)
+        stream.append(CHAT[0], 0.0)
+        direct = Writer()
+        readers = [
+            asyncio.create_task(read_all(stream, 0, None)),
+            asyncio.create_task(read_all(stream, 0, direct)),
+        ]
+        await asyncio.sleep(0.01)  # both caught up
+        for batch in (CHAT[1:2], CHAT[2:6], CHAT[6:7]):
+            if fused:
+                stream.add(batch, time.perf_counter())
+            else:
+                stream.extend(batch, 0.0)
+        stream.finish(0.0)
+        plain, written = await asyncio.wait_for(asyncio.gather(*readers), 5)
+        runs.append(
+            (plain, written, len(direct.parts), stream.size_bytes, store.total_bytes,
+             store.owner_bytes(ALICE), mirrored, stream.last_seq)
+        )
+    assert runs[0] == runs[1]
+    assert runs[1][0] == runs[1][1]
+    assert runs[1][6] == list(range(1, 9))
+
+
 async def test_a_reader_behind_falls_back_to_its_own_path_and_misses_nothing() -> None:
     store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
     stream = store.create(ALICE, 0.0)
