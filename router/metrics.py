@@ -46,6 +46,10 @@ class Metrics:
         """Events sent to SSE readers, by path: ``direct`` (written from the upstream's data
         callback, :mod:`.hosting.body_writer`) or ``send`` (by the reader's task through ASGI
         ``send``); added once per response (:func:`.readers.sse_events`'s ``tally``)."""
+        self.relay_reads: Counter[str] = Counter()
+        """Upstream reads of streamed answers, by path: ``fast`` (one whole event past the
+        first content, cut and appended without the relay's actions) or ``full``; added once
+        per request (:meth:`.pipeline.relay.Relay.feed`)."""
         self.usage = UsageMeter()
         """Completions and tokens per key label (:mod:`.observability.usage`)."""
         self._gauges: list[tuple[str, str, Callable[[], float]]] = []
@@ -131,6 +135,12 @@ class Metrics:
             "Events sent to SSE readers by path: direct (from the upstream's data callback)"
             " or send (the reader's task); counted as each response ends.",
             [(labels(path=path), n) for path, n in sorted(self.sse_events.items())],
+        )
+        lines += render_counter(
+            "firstbyte_router_relay_reads_total",
+            "Upstream reads of streamed answers by path: fast (one whole event after the first"
+            " content) or full (the relay's actions); counted as each request ends.",
+            [(labels(path=path), n) for path, n in sorted(self.relay_reads.items())],
         )
         for name, help_text, read in self._gauges:
             lines += render_gauge(name, help_text, [("", read())])

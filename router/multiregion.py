@@ -41,6 +41,7 @@ from __future__ import annotations
 import hmac
 import math
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -176,9 +177,14 @@ class Observation:
         self.routing.first_token(self, ttft_ms, ctx.transport, ctx.model_label)
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
-        if self.last_chunk is not None:
-            self.routing.itl.observe(now - self.last_chunk)
-        self.last_chunk = now
+        last, self.last_chunk = self.last_chunk, now
+        if last is not None:
+            # Histogram.observe inlined: this runs per relayed chunk, where every Python
+            # call of the path counts (docs/router.md, "What it costs").
+            itl, value = self.routing.itl, now - last
+            itl.counts[bisect_left(itl.bounds, value)] += 1
+            itl.total += value
+            itl.count += 1
 
     def claim_switch(self, ctx: RequestContext) -> bool:
         """At the first-token deadline: take a spill slot and a target for :meth:`switch`.

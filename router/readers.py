@@ -250,7 +250,9 @@ class SSEFramer:
             if len(events) == 1:
                 event = events[0]
                 data = event.data
-                if data[:7] == NAMED_PREFIX or 10 in data or 13 in data:
+                # A named event has a line end (``event: NAME\ndata: ...``): one test
+                # finds both what encode_event splits and what frame_one names.
+                if 10 in data or 13 in data:
                     written = write(self.frame_one(event))
                 else:
                     written = write(b"id: %d\ndata: %b\n\n" % (event.seq, data))

@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import hmac
 import secrets
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,10 @@ __all__ = [
 
 DONE_DATA = DONE.encode()
 _EVENT_OVERHEAD_BYTES = 64
+_idle_clock = time.perf_counter
+"""The direct readers' idle clock (:meth:`Stream.relay_live`): the clock the producer reads
+once per upstream read anyway (:meth:`Stream.add` takes its reading), so a write to a
+reader costs no clock call of its own."""
 """Per-event bookkeeping counted against the byte budget, so tiny events are not free."""
 
 
@@ -199,6 +204,62 @@ class Stream:
         if added and taps:
             self._feed_taps(added)
 
+    def add(self, payloads: list[bytes], read_at: float) -> None:
+        """:meth:`extend` for the producer's hot path: events that are not ``[DONE]`` (so
+        no store clock: nothing finishes), appended in one call that charges the store,
+        mirrors them, hands them to the direct readers in one batch and wakes the others.
+        The same effects as :meth:`extend`, with the per-event calls of :meth:`append`
+        inlined. ``read_at``: the read's :func:`time.perf_counter` reading, the direct
+        readers' idle clock (:meth:`relay_live`)."""
+        if self.finished_at is not None:
+            return
+        events = self.events
+        seq = self.trimmed + len(events)
+        if len(payloads) == 1:  # one event a read, the common case: no loop
+            seq += 1
+            data = payloads[0]
+            added = [StreamEvent(seq, data)]
+            size = len(data) + _EVENT_OVERHEAD_BYTES
+        else:
+            added = []
+            size = 0
+            for data in payloads:
+                seq += 1
+                added.append(StreamEvent(seq, data))
+                size += len(data) + _EVENT_OVERHEAD_BYTES
+        events += added
+        self.size_bytes += size
+        store = self._store
+        if store is not None:
+            # _grew, for events that cannot finish the stream.
+            store.total_bytes += size
+            usage = store._owners[self.owner]
+            usage.bytes += size
+            if store._shares and usage.bytes > store.max_owner_bytes:
+                store._over_share.setdefault(self.owner, usage)
+            if store._over_share and store.total_bytes > store.max_total_bytes:
+                store._reclaim(strict=True)
+        mirror = self.mirror
+        if mirror is not None:
+            for event in added:
+                mirror(self, event)
+        taps = self._taps
+        if taps:
+            refused = False
+            for tap in taps:
+                if tap.write(added):
+                    tap.seq = seq
+                    tap.last_at = read_at
+                else:
+                    tap.released = refused = True
+            if refused:
+                self._taps = [tap for tap in taps if not tap.released]
+                for tap in taps:
+                    if tap.released:
+                        tap.release()
+        if self._waiters:
+            self._wake()
+
     def finish(self, now: float) -> None:
         """Append ``[DONE]`` unless already there."""
         self.append(DONE_DATA, now)
@@ -262,11 +323,11 @@ class Stream:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        tap = _Tap(write, seq, loop.create_future(), loop.time(), loop)
+        tap = _Tap(write, seq, loop.create_future(), _idle_clock(), loop)
         self._taps.append(tap)
         if idle_s is not None:
             tap.idle_s = idle_s
-            tap.timer = loop.call_at(tap.last_at + idle_s, tap.check_idle)
+            tap.timer = loop.call_later(idle_s, tap.check_idle)
         try:
             await tap.waiter
         finally:
@@ -284,10 +345,11 @@ class Stream:
                 return
         refused = False
         last = events[-1].seq
+        now = _idle_clock()
         for tap in self._taps:
             if tap.write(events):
                 tap.seq = last
-                tap.last_at = tap.loop.time()
+                tap.last_at = now
             else:
                 tap.released = refused = True
         if done:
@@ -341,13 +403,13 @@ class _Tap:
     def check_idle(self) -> None:
         # One timer per idle period, moved on when it fires after writes, rather than
         # rescheduled per event: events are per chunk, idle periods are rare.
-        now = self.loop.time()
+        now = _idle_clock()
         if now - self.last_at >= self.idle_s:
             self.timer = None
             self.idle = True
             self.release()
         else:
-            self.timer = self.loop.call_at(self.last_at + self.idle_s, self.check_idle)
+            self.timer = self.loop.call_later(self.last_at + self.idle_s - now, self.check_idle)
 
     def release(self) -> None:
         self.released = True

@@ -118,6 +118,38 @@ async def test_events_appended_together_go_out_in_one_write_as_the_same_bytes() 
     assert not stream._taps
 
 
+async def test_add_has_the_effects_of_extend() -> None:
+    # The fused append (Stream.add) against extend: the same bytes to a direct reader and
+    # to a plain one, the same store and owner charges, every event mirrored once.
+    runs = []
+    for fused in (False, True):
+        store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+        stream = store.create(ALICE, 0.0)
+        mirrored: list[int] = []
+        stream.mirror = lambda _stream, event, seqs=mirrored: seqs.append(event.seq)
+        stream.append(CHAT[0], 0.0)
+        direct = Writer()
+        readers = [
+            asyncio.create_task(read_all(stream, 0, None)),
+            asyncio.create_task(read_all(stream, 0, direct)),
+        ]
+        await asyncio.sleep(0.01)  # both caught up
+        for batch in (CHAT[1:2], CHAT[2:6], CHAT[6:7]):
+            if fused:
+                stream.add(batch, time.perf_counter())
+            else:
+                stream.extend(batch, 0.0)
+        stream.finish(0.0)
+        plain, written = await asyncio.wait_for(asyncio.gather(*readers), 5)
+        runs.append(
+            (plain, written, len(direct.parts), stream.size_bytes, store.total_bytes,
+             store.owner_bytes(ALICE), mirrored, stream.last_seq)
+        )
+    assert runs[0] == runs[1]
+    assert runs[1][0] == runs[1][1]
+    assert runs[1][6] == list(range(1, 9))
+
+
 async def test_a_reader_behind_falls_back_to_its_own_path_and_misses_nothing() -> None:
     store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
     stream = store.create(ALICE, 0.0)
@@ -413,3 +445,98 @@ async def test_a_streamed_response_costs_three_tasks_of_the_router(
             loop.set_task_factory(None)
     assert sse_text(response.content)[0] == words(20)
     assert len(made) <= 3, made
+
+
+def _counter(metrics: str, name: str, path: str) -> int:
+    prefix = f'{name}{{path="{path}"}} '
+    return sum(int(line[len(prefix) :]) for line in metrics.splitlines() if line.startswith(prefix))
+
+
+async def test_fused_path_feeds_a_second_a_resumed_and_a_slow_reader_every_event_once(
+    start_router: RouterFactory, spy: Spy
+) -> None:
+    # One stream: a token every 5 ms at first (one event a read: the fused path), read by
+    # its own client, a second reader from the start and a reader resumed after event 5;
+    # then the upstream floods while the first client stops reading, so the router's writes
+    # to it are refused and it falls back to the store. Each gets every event once.
+    tokens = 20_000
+    async with routed(start_router, delay_s=0.005) as (up, router), httpx.AsyncClient(
+        timeout=60
+    ) as client:
+        url = router.base_url
+        port = int(url.rsplit(":", 1)[1])
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        received = bytearray()
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            payload = httpx.Request("POST", "http://x/", json=body(tokens)).content
+            await loop.sock_sendall(
+                sock,
+                (
+                    "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                    f"authorization: {auth()['authorization']}\r\n"
+                    "content-type: application/json\r\n"
+                    f"content-length: {len(payload)}\r\n\r\n"
+                ).encode()
+                + payload,
+            )
+            deadline = time.monotonic() + 60
+            while received.count(b"\nid: ") < 10 and time.monotonic() < deadline:
+                received += await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10)
+            lines = bytes(received[: received.index(b"\r\n\r\n")]).decode().split("\r\n")
+            stream_id = next(
+                line.split(":", 1)[1].strip()
+                for line in lines
+                if line.lower().startswith("x-firstbyte-stream:")
+            )
+            second = asyncio.ensure_future(
+                client.get(f"{url}/v1/streams/{stream_id}", headers=auth())
+            )
+            resumed = asyncio.ensure_future(
+                client.get(
+                    f"{url}/v1/streams/{stream_id}", headers={**auth(), "last-event-id": "5"}
+                )
+            )
+            await asyncio.sleep(0.3)  # all three readers on the direct path, one event a read
+            fast_before = _counter(
+                (await client.get(url + "/metrics", headers=auth())).text,
+                "firstbyte_router_relay_reads_total",
+                "fast",
+            )
+            up.delay_s = 0.0  # the rest as fast as it goes; the first client reads no more
+            while up.completed < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            assert up.completed == 1
+            while not received.endswith(b"0\r\n\r\n") and time.monotonic() < deadline:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10)
+                if not data:
+                    break
+                received += data
+        finally:
+            sock.close()
+        joined = await asyncio.wait_for(second, 60)
+        rest = await asyncio.wait_for(resumed, 60)
+        metrics = (await client.get(url + "/metrics", headers=auth())).text
+    every = [str(i) for i in range(1, tokens + 4)]
+    text, ids = sse_text(_dechunk(bytes(received[received.index(b"\r\n\r\n") + 4 :])))
+    assert (text, ids) == (words(tokens), every)
+    text, ids = sse_text(joined.content)
+    assert (text, ids) == (words(tokens), every)
+    assert sse_text(rest.content)[1] == every[5:]
+    assert spy["refused"] >= 1  # the first client was behind: it fell back to the store
+    # The per-token reads took the fused path; counted as the request ended.
+    assert fast_before == 0
+    assert _counter(metrics, "firstbyte_router_relay_reads_total", "fast") >= 20
+    assert spy["written"] >= 20
+    # The inter-token gaps of the fused path are observed: one per appended read after
+    # the first content (each read brought at least one event, reads <= events).
+    itl = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line.startswith(("firstbyte_route_itl_seconds_count", "firstbyte_route_itl_seconds_sum"))
+    }
+    assert 20 <= itl["firstbyte_route_itl_seconds_count"] <= tokens + 2, itl
+    assert itl["firstbyte_route_itl_seconds_sum"] >= 0.005 * 15  # the first tokens' gaps

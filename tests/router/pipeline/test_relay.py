@@ -226,3 +226,68 @@ def test_an_error_event_is_not_taken_for_usage() -> None:
     actions = feed(relay, [b"data: " + HELLO + b"\n\n", b"data: " + error + b"\n\n"])
     assert appended(actions) == [HELLO, error]
     assert relay.usage is None
+
+
+FEED_EVENTS = st.lists(
+    st.sampled_from(
+        [
+            b"data: " + HELLO + b"\n\n",
+            b"data: " + WORLD + b"\n\n",
+            b"data: " + ROLE + b"\n\n",
+            b"data: " + USAGE + b"\n\n",
+            b"data: {}}\n\n",
+            b"data: [1]\n\n",
+            b"data: \n\n",
+            b": ping\n\n",
+            b"data: x\r\n\r\n",
+            b"event: e\ndata: y\n\n",
+            b"data: [DONE]\n\n",
+        ]
+    ),
+    max_size=10,
+)
+
+
+@given(
+    FEED_EVENTS,
+    st.lists(st.integers(min_value=0, max_value=2000), max_size=6),
+    st.booleans(),
+    st.booleans(),
+)
+def test_feed_appends_and_acts_as_receive_data_for_any_stream_and_split(
+    events: list[bytes], cuts: list[int], whole: bool, strip: bool
+) -> None:
+    """The hot path (:meth:`Relay.feed`) and :meth:`Relay.receive_data` make the same
+    appends, the same other actions and the same usage, however the bytes come (an event a
+    read, or split anywhere); one whole content event a read after the first content takes
+    the fast cut."""
+    events = [b"data: " + ROLE + b"\n\n", b"data: " + HELLO + b"\n\n", *events]
+    if whole:
+        pieces = list(events)
+    else:
+        data = b"".join(events)
+        bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+        pieces = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces += [b"data: " + WORLD + b"\n\n"] * 2  # whole events, once streaming
+    slow, fast = Relay(strip_usage=strip), Relay(strip_usage=strip)
+    expected: list[Action] = []
+    got: list[Action] = []
+    for relay in (slow, fast):
+        relay.start(10.0)
+        relay.receive_head(200, 10.001)
+    for i, piece in enumerate(pieces):
+        now = 10.01 + i * 0.01
+        expected += slow.receive_data(piece, now)
+        payloads = fast.feed(piece, now)
+        if payloads is None:
+            got += fast.take_actions()
+        elif payloads:
+            got.append(Append(payloads))
+    assert appended(got) == appended(expected)
+    assert [a for a in got if not isinstance(a, Append)] == [
+        a for a in expected if not isinstance(a, Append)
+    ]
+    assert (fast.usage, fast.done, fast.appended) == (slow.usage, slow.done, slow.appended)
+    if not slow.done and fast._framer.idle:
+        # Still streaming, on the fast framing: the last two reads were cut fast.
+        assert fast.fast_reads >= 2
