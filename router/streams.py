@@ -253,10 +253,7 @@ class Stream:
                 else:
                     tap.released = refused = True
             if refused:
-                self._taps = [tap for tap in taps if not tap.released]
-                for tap in taps:
-                    if tap.released:
-                        tap.release()
+                self._drop_released_taps()
         if self._waiters:
             self._wake()
 
@@ -356,11 +353,15 @@ class Stream:
             self._release_taps()
             return
         if refused:
-            taps = self._taps
-            self._taps = [tap for tap in taps if not tap.released]
-            for tap in taps:
-                if tap.released:
-                    tap.release()
+            self._drop_released_taps()
+
+    def _drop_released_taps(self) -> None:
+        """Release the taps whose write was refused (their readers go on from the store)."""
+        taps = self._taps
+        self._taps = [tap for tap in taps if not tap.released]
+        for tap in taps:
+            if tap.released:
+                tap.release()
 
     def _release_taps(self) -> None:
         taps, self._taps = self._taps, []
