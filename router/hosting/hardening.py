@@ -45,6 +45,8 @@ __all__ = [
     "BUSY_H1",
     "LINGER_S",
     "TIMEOUT_H1",
+    "WS_LINGER_MAX_S",
+    "Linger",
     "count_connection",
     "report",
 ]
@@ -54,9 +56,36 @@ log = logging.getLogger("firstbyte.hosting")
 _throttle = Throttle(10.0)
 
 LINGER_S = 1.0
-"""After refusing a WebSocket message, what the client still sends is read and dropped this
-long before the connection closes: closing with unread input makes the kernel send a reset,
-which can destroy the 1009 close frame before the client reads it."""
+"""After a refusal answered before the client's input ended, what the client still sends is
+read and dropped until it has sent nothing for this long: closing with unread input makes the
+kernel send a reset, which can destroy the answer (a 1009 close frame, a 413) before the
+client reads it."""
+WS_LINGER_MAX_S = 30.0
+"""... and a WebSocket refused for a message too big closes this long after the refusal at
+the latest, whatever the client still sends (nginx's ``lingering_time``)."""
+
+
+class Linger:
+    """When a connection that refused its client's input mid-way closes: once the client has
+    sent nothing for ``quiet_s``, or ``max_s`` after the refusal at the latest (nginx's
+    ``lingering_timeout`` and ``lingering_time``). A client still sending when it was refused
+    reads the answer once it stops; one that never stops is cut at ``max_s``. Sans-IO: the
+    times are the caller's clock."""
+
+    __slots__ = ("ends", "last_input", "quiet_s")
+
+    def __init__(self, now: float, quiet_s: float = LINGER_S, max_s: float = WS_LINGER_MAX_S):
+        self.quiet_s = quiet_s
+        self.last_input = now
+        self.ends = now + max_s
+
+    def heard(self, now: float) -> None:
+        """The client sent something (read and dropped)."""
+        self.last_input = now
+
+    def wait_s(self, now: float) -> float:
+        """How long to wait before asking again; 0 when the connection is to close now."""
+        return max(0.0, min(self.last_input + self.quiet_s, self.ends) - now)
 
 BUSY_BODY = (
     b'{"error":{"message":"Too many connections; retry later.",'
@@ -378,6 +407,9 @@ def _guard_websocket_frames() -> None:
         if _limits(self.config) is None:
             await handle(self, event)
             return
+        linger: Linger | None = getattr(self, "_firstbyte_linger", None)
+        if linger is not None and isinstance(event, (Body, Data)):
+            linger.heard(asyncio.get_running_loop().time())  # a refused message's rest
         if isinstance(event, Request):
             # Offer no permessage-deflate: a small compressed frame can inflate to gigabytes.
             headers = [(n, v) for n, v in event.headers if n.lower() != b"sec-websocket-extensions"]
@@ -420,8 +452,15 @@ def _guard_websocket_frames() -> None:
             await self.app_put({"type": "websocket.disconnect", "code": 1009})
             _ignore_later_messages(self)
 
+        loop = asyncio.get_running_loop()
+        linger = self._firstbyte_linger = Linger(loop.time())
+
         async def linger_then_close() -> None:
-            await asyncio.sleep(LINGER_S)
+            while True:  # the client's input moves the deadline: ask again when it is due
+                wait_s = linger.wait_s(loop.time())
+                if wait_s <= 0:
+                    break
+                await asyncio.sleep(wait_s)
             await self.send(StreamClosed(stream_id=self.stream_id))
 
         self.task_group.spawn(linger_then_close)

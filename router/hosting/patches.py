@@ -375,6 +375,8 @@ PATCHES: tuple[Patch, ...] = (
                    "handle_parser_exception", "shutdown"),
                   source=(("__init__", "self.queue"), ("__init__", "self.close_sent"),
                           ("__init__", "self.conn"), ("__init__", "self.frames"),
+                          ("__init__", "self.close_timer"),
+                          ("run_asgi", "if self.close_timer is None"),
                           ("send_receive_event_to_app", "self.curr_msg_data_type"))),
         ),
         (),

@@ -40,7 +40,7 @@ from typing import Any
 from .accept import MAX_REFUSED_HEAD_BYTES, Admission, ProxyRead, TlsStart, admit
 from .body_writer import EXTENSION as BODY_WRITER
 from .body_writer import uvicorn_shape_ok, uvicorn_writer
-from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, report
+from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, Linger, report
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
 
@@ -71,8 +71,8 @@ def guarded_protocols(
     class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         counted: Admission | None = None
         """The client whose count this connection holds, handed over at the upgrade."""
-        _lingering = False
-        """Set once a message was refused: the socket closes a moment later."""
+        _lingering: Linger | None = None
+        """Set once a message was refused: the socket closes once the client is quiet."""
         ended: asyncio.Future[None] | None = None
         """Set when the connection closes (handed over at the upgrade, see below)."""
 
@@ -82,8 +82,10 @@ def guarded_protocols(
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if not self._lingering:  # after a refusal, what the client still sends is dropped
+            if self._lingering is None:
                 super().data_received(data)
+            else:  # after a refusal, what the client still sends is dropped
+                self._lingering.heard(self.loop.time())
 
         def send_receive_event_to_app(self) -> None:
             """uvicorn's, but a text message that is not UTF-8 is one throttled line and a
@@ -102,10 +104,11 @@ def guarded_protocols(
             super().send_receive_event_to_app()
 
         def handle_parser_exception(self) -> None:
-            """uvicorn's (the app told, the close frame sent), but the socket closes after
-            :data:`LINGER_S`, not at once: closed with a frame's payload still arriving, the
-            kernel would reset it and the client could lose the close frame (1009)."""
-            if self._lingering:  # uvicorn may call this again for the same error
+            """uvicorn's (the app told, the close frame sent), but the socket closes once
+            the client has been quiet for a moment (:class:`.hardening.Linger`), not at
+            once: closed with a frame's payload still arriving, the kernel would reset it
+            and the client could lose the close frame (1009)."""
+            if self._lingering is not None:  # uvicorn may call this again for the same error
                 return
             exc = self.conn.parser_exc
             if isinstance(exc, PayloadTooBig):
@@ -118,8 +121,19 @@ def guarded_protocols(
             )
             self.transport.write(b"".join(self.conn.data_to_send()))
             self.close_sent = True
-            self._lingering = True
-            self.loop.call_later(LINGER_S, self.transport.close)
+            self._lingering = Linger(self.loop.time())
+            # uvicorn closes the socket when the app returns (told of the disconnect above,
+            # it does at once) unless its close timer is set: the linger's timer is that.
+            self.close_timer = self.loop.call_later(self._lingering.quiet_s, self._linger)
+
+        def _linger(self) -> None:
+            assert self._lingering is not None
+            wait_s = self._lingering.wait_s(self.loop.time())
+            if wait_s > 0 and not self.transport.is_closing():
+                self.close_timer = self.loop.call_later(wait_s, self._linger)
+                return
+            self.close_timer = None
+            self.transport.close()
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         ended: asyncio.Future[None] | None = None

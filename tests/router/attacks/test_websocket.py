@@ -139,6 +139,39 @@ async def test_forty_16mb_frames_do_not_take_memory(start_router_process: Router
     router.assert_clean_log()
 
 
+@ON_EACH_PROTOCOL
+async def test_a_client_still_sending_reads_its_1009_then_the_socket_closes(
+    start_router_process: RouterStarter,
+) -> None:
+    """A client that goes on sending a refused frame's payload for 2.5 s (three times the
+    quiet interval) and reads only then still finds the 1009 close: the socket closes once
+    the client has been quiet, not at a fixed time after the refusal, when the kernel would
+    reset it with input unread and the reset would destroy the close frame. Then it closes."""
+    async with start_router_process() as router:
+        reader, writer = await _upgraded(router)
+        writer.write(_frame_header(64 * MiB))
+        chunk = b"\0" * (16 << 10)
+        loop = asyncio.get_running_loop()
+        sending_until = loop.time() + 2.5
+        while loop.time() < sending_until:  # ~1.6 MB/s, without reading
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        answer = b""
+        async with asyncio.timeout(10):
+            while CLOSE_1009 not in answer:
+                more = await reader.read(1024)
+                assert more, f"closed without a 1009 close; read {answer!r}"
+                answer += more
+        # Quiet now: the router closes the socket (a second later), the client reads its end.
+        async with asyncio.timeout(10):
+            while await reader.read(1024):
+                pass
+        writer.close()
+    assert "WebSocket message too big" in router.log()
+    router.assert_clean_log()
+
+
 async def test_idle_websocket_is_closed(start_router_process: RouterStarter) -> None:
     async with start_router_process(limits={"websocket_idle_timeout_s": 1.5}) as router:
         async with canary_running(router):
