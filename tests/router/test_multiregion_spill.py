@@ -97,7 +97,10 @@ def served_at_peer(peer: RegionHandle) -> int:
 
 async def test_first_token_deadline_spills_no_more_than_the_budget() -> None:
     """40 streams at once into a region whose first token takes 2 s, with a 1 s deadline and a
-    budget of 8: at most 8 move to the peer, the rest stay and finish; the metrics say so."""
+    budget of 8: at most 8 move to the peer, the rest stay and finish; the metrics say so.
+    The budget bounds spills at once: the streams are long (200 tokens, ~2 s at the peer) so
+    that none that moved has ended while the last deadlines fire, which on a loaded machine
+    spread over a few hundred ms (with 24 tokens a ninth moved once the first had ended)."""
     routing = {"first_token_deadline_ms": 1000, "spill_budget_ratio": 0.2,
                "spill_min_concurrency": 8}
     tokyo = {"sim": {"profile": "h100-7b", "faults": ["delay:ms=2000"]},
@@ -106,7 +109,7 @@ async def test_first_token_deadline_spills_no_more_than_the_budget() -> None:
         await wait_for_peers(regions)
         url = regions["tokyo"].url
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as c:
-            replies = await asyncio.gather(*(stream(c, url, i) for i in range(40)))
+            replies = await asyncio.gather(*(stream(c, url, i, 200) for i in range(40)))
             assert [r.status for r in replies] == [200] * 40
             assert all(r.text.rstrip().endswith("data: [DONE]") for r in replies)
             assert not any('"error"' in r.text for r in replies)

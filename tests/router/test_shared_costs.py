@@ -219,28 +219,31 @@ async def test_an_admission_is_answered_in_four_loop_turns(
     ready then (a millisecond or more each): each turn the round trip takes is that much later
     a first byte. Sent, read, parsed, resumed: four turns. It was six: a callback started the
     task that sent, and redis-py's send ran in a task of its own (``asyncio.wait_for`` on
-    Python 3.11). Each turn here sleeps 3 ms, time enough for Redis to answer on loopback;
-    the fewest over ten admissions is what the code costs, not what the machine did."""
+    Python 3.11). Each turn here begins with 3 ms of work before the loop polls its sockets,
+    as a busy router's does, so a reply sent meanwhile is seen at that poll whatever the
+    send's place in its own turn (with the work after the send instead, the count was 4 or 5
+    from run to run: whether Redis had answered by the very next poll)."""
     redis = Redis.from_url(redis_server.url)
     keys = Keys(f"t{secrets.token_hex(4)}:")
     admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
     loop = asyncio.get_running_loop()
+    selector = getattr(loop, "_selector", None)
+    assert selector is not None, "this test counts the turns of asyncio's selector loop"
+    poll = selector.select
     turns = 0
-    busy = True
 
-    def turn() -> None:  # a busy loop's turn: relaying what is ready
+    def busy_turn(timeout: float | None = None) -> Any:  # a busy loop's turn: relaying
         nonlocal turns
         turns += 1
         time.sleep(0.003)
-        if busy:
-            loop.call_soon(turn)
+        return poll(timeout)
 
     try:
         await admission.start()
         await redis.set(keys.lease("p1"), b"1")
         await admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
                               backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
-        loop.call_soon(turn)
+        selector.select = busy_turn
         taken = []
         for _ in range(10):
             await asyncio.sleep(0)
@@ -250,9 +253,9 @@ async def test_an_admission_is_answered_in_four_loop_turns(
                 backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
             assert answer.verdict is Verdict.ADMITTED
             taken.append(turns - before)
-        assert min(taken) <= 4, taken
+        assert min(taken) <= 4, taken  # the fewest: what the code costs, not the machine
     finally:
-        busy = False
+        selector.select = poll
         await admission.aclose()
         await redis.aclose()
 
