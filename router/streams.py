@@ -244,7 +244,7 @@ class Stream:
             for event in added:
                 mirror(self, event)
         taps = self._taps
-        if taps:
+        if taps:  # _feed_taps' loop, inline: one call fewer per read ([DONE] cannot be here)
             refused = False
             for tap in taps:
                 if tap.write(added):
