@@ -220,6 +220,18 @@ async def serve(
     listeners, endpoints = _bind(config, app, reuse_port)
     connections = ConnectionRegistry()
     loader = Reloader(endpoints.app, reload) if reload is not None else None
+    stop = asyncio.Event()
+    if shutdown is None:
+        # Before the listener is announced, not once it serves: a reload (SIGHUP) or a drain
+        # sent as soon as the log says "serving" must not be lost (a worker ignores SIGHUP
+        # until its loop handles it; a SIGHUP in between was, and its reload never ran).
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if loader is not None:
+            loop.add_signal_handler(signal.SIGHUP, loader.signalled)
+        else:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def on_started() -> None:
         _announce(config, endpoints)
@@ -230,7 +242,7 @@ async def serve(
         endpoints.app,
         listeners,
         _options(config, tune_gc, endpoints.app),
-        shutdown=shutdown or (lambda: _until_drained(endpoints.app, connections, loader)),
+        shutdown=shutdown or (lambda: _until_drained(endpoints.app, connections, stop)),
         started=on_started,
         tickets=endpoints.tickets,
         connections=connections,
@@ -239,17 +251,10 @@ async def serve(
 
 
 async def _until_drained(
-    app: RouterApp, connections: ConnectionRegistry, loader: Reloader | None
+    app: RouterApp, connections: ConnectionRegistry, stop: asyncio.Event
 ) -> None:
-    """Reload on SIGHUP; on SIGTERM or SIGINT, drain and return."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if loader is not None:
-        loop.add_signal_handler(signal.SIGHUP, loader.signalled)
-    else:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    """Once ``stop`` is set (SIGTERM or SIGINT, handled from before the start), drain and
+    return."""
     await stop.wait()
     await drain(app, connections)
 

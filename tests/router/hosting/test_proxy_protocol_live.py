@@ -180,10 +180,15 @@ async def test_clients_behind_haproxy_are_counted_by_their_own_address(
                     assert (await direct.get(f"{router.base_url}/healthz")).status_code == 200
                 assert (await holder.get(url)).status_code == 200  # its connection kept
     refusals = [r.getMessage() for r in caplog.records if "connection refused" in r.getMessage()]
-    assert [line for line in refusals if f"from {CLIENT}:" in line], refusals
-    # Nobody else was refused. (HAProxy's v1 health checks carry its own address, so on a
-    # loaded machine two overlapping checks may be refused for BALANCER: counted as HAProxy,
-    # which is what the header says they are.)
+    # The client's refusal is logged, unless a health check's just before took the reason's
+    # one line per 10 s (the 503 above is the client's own): HAProxy's v1 checks carry its
+    # own address and v2's none ("?"), so on a loaded machine two overlapping checks may be
+    # refused, counted as what the header says they are.
+    health_checks = (f"from {BALANCER}:", "from ?:")
+    assert [line for line in refusals if f"from {CLIENT}:" in line] or (
+        refusals and any(check in refusals[0] for check in health_checks)
+    ), refusals
+    # Nobody else was refused.
     others = (OTHER_CLIENT, "127.0.0.1")
     assert not [line for line in refusals if any(f"from {a}:" in line for a in others)], refusals
     assert not [r.getMessage() for r in caplog.records if "PROXY" in r.getMessage()]
