@@ -569,6 +569,8 @@ class AsyncClient:
         coding = None
         if body is not None and self._compresses(origin, len(body)):
             body, coding = gzip_body(body), "gzip"
+        if body is not None:
+            recorder.record.request_bytes = len(body)
         if self.transport == "longpoll":
             return longpoll_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                                    after=after, recorder=recorder, wait_s=self.poll_wait_s,

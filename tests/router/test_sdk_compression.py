@@ -19,6 +19,7 @@ HISTORY = [{"role": "user" if i % 2 == 0 else "assistant",
             "content": " ".join(f"turn {i} says word{j % 89} about the tides" for j in range(50))}
            for i in range(30)]
 """A conversation of ~40 KB of JSON: more than TCP's initial window."""
+BODY_BYTES = len(json.dumps({"model": MODEL, "messages": HISTORY}, separators=(",", ":")))
 WAN_RTT_S = 0.151
 """The round trip the coordinator measured where users are (the WAN emulator's)."""
 
@@ -29,12 +30,15 @@ def _relay(url: str) -> TcpCutProxy:
     return TcpCutProxy(port, cut_after=1 << 62, cuts=0, record=True)
 
 
-async def _prompt_tokens(client: AsyncClient) -> int:
+async def _stream_long(client: AsyncClient) -> tuple[int, int]:
+    """Stream the long history: the prompt tokens the backend counted, and the body's bytes
+    as sent (``Timings.request_bytes``)."""
     async with client.stream(model=MODEL, messages=HISTORY, max_tokens=2) as stream:
         async for _ in stream:
             pass
     assert stream.usage is not None
-    return stream.usage.prompt_tokens
+    assert stream.timings.request_bytes is not None
+    return stream.usage.prompt_tokens, stream.timings.request_bytes
 
 
 def _sent_gzip(relay: TcpCutProxy) -> int:
@@ -45,18 +49,17 @@ def _sent_gzip(relay: TcpCutProxy) -> int:
 async def test_forced_compression_sends_a_long_history_gzipped(
     start_router: RouterFactory,
 ) -> None:
-    body_bytes = len(json.dumps({"model": MODEL, "messages": HISTORY}))
-    assert body_bytes > 3 * COMPRESS_MIN_BYTES
+    assert BODY_BYTES > 3 * COMPRESS_MIN_BYTES
     async with running_sim("instant", served_model_names=[MODEL]) as sim, \
             start_router([sim], tls=False) as r:
         async with _relay(r.base_url) as plain_relay, \
                 AsyncClient(f"http://127.0.0.1:{plain_relay.port}/v1", API_KEY,
                             compress_requests=False) as plain:
-            expected = await _prompt_tokens(plain)
+            expected, plain_sent = await _stream_long(plain)
         async with _relay(r.base_url) as relay, \
                 AsyncClient(f"http://127.0.0.1:{relay.port}/v1", API_KEY,
                             compress_requests=True) as forced:
-            tokens = await _prompt_tokens(forced)
+            tokens, forced_sent = await _stream_long(forced)
             warmed = await forced.warm_prompt(model=MODEL, messages=HISTORY)
             async with forced.stream(model=MODEL, messages=HISTORY[:1], max_tokens=2) as short:
                 async for _ in short:
@@ -64,15 +67,17 @@ async def test_forced_compression_sends_a_long_history_gzipped(
         async with _relay(r.base_url) as poll_relay, \
                 AsyncClient(f"http://127.0.0.1:{poll_relay.port}/v1", API_KEY,
                             transport="longpoll", compress_requests=True) as polled:
-            poll_tokens = await _prompt_tokens(polled)
+            poll_tokens, _ = await _stream_long(polled)
     assert tokens == expected == poll_tokens
+    assert plain_sent > BODY_BYTES  # with stream options added
+    assert forced_sent < BODY_BYTES // 3
     assert expected > 5000
     assert warmed is not None
     assert warmed.prompt_tokens == expected
     assert _sent_gzip(plain_relay) == 0
-    assert len(plain_relay.upstream_bytes) > body_bytes
+    assert len(plain_relay.upstream_bytes) > BODY_BYTES
     assert _sent_gzip(relay) == 2  # the stream and the warm-up; the short prompt went as it is
-    assert len(relay.upstream_bytes) < body_bytes  # both long bodies, and the short one, in less
+    assert len(relay.upstream_bytes) < BODY_BYTES  # both long bodies, and the short one, in less
     assert _sent_gzip(poll_relay) == 1
 
 
@@ -88,11 +93,13 @@ async def test_auto_compresses_for_an_advertising_router_over_a_long_round_trip(
         assert session.rtt_s is not None
         assert session.rtt_s > 0
         session.rtt_s = 0.0005  # as loopback measures it: compressing would cost more
-        await _prompt_tokens(client)
+        _, loopback_sent = await _stream_long(client)
         assert _sent_gzip(relay) == 0
         session.rtt_s = WAN_RTT_S  # what a connection from where users are measures
-        await _prompt_tokens(client)
+        _, wan_sent = await _stream_long(client)
         assert _sent_gzip(relay) == 1
+    assert loopback_sent > BODY_BYTES
+    assert wan_sent < BODY_BYTES // 3
 
 
 async def test_auto_never_compresses_for_a_server_that_did_not_advertise() -> None:
@@ -105,6 +112,8 @@ async def test_auto_never_compresses_for_a_server_that_did_not_advertise() -> No
         session = client.pool.session(client.origin, client.http)
         assert session.accept_encoding is None
         session.rtt_s = WAN_RTT_S
-        assert await _prompt_tokens(client) > 5000
+        tokens, sent = await _stream_long(client)
+    assert tokens > 5000
+    assert sent > BODY_BYTES
     assert _sent_gzip(relay) == 0
     assert len(relay.upstream_bytes) > len(json.dumps(HISTORY))
