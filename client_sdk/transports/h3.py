@@ -361,6 +361,7 @@ class H3Session:
             raise ConnectError(f"QUIC connection to {self.origin.host} failed: {reason}") from None
         if recorder is not None and proto.handshake_at is not None:
             recorder.feed("quic_handshake.complete", proto.handshake_at)
+        self.rtt_s = _min_rtt_s(proto._quic) or self.rtt_s
 
     async def _drop(self) -> None:
         proto, transport = self._proto, self._transport

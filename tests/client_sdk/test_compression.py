@@ -1,4 +1,5 @@
-"""When the SDK gzips a request body (:func:`should_compress`), sans-IO."""
+"""When the SDK gzips a request body (:func:`should_compress`, sans-IO), and what its HTTP/3
+session measures for it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from firstbyte.client_sdk import AsyncClient
 from firstbyte.client_sdk._core.compression import AUTO_MIN_RTT_S, should_compress
 from firstbyte.client_sdk.errors import ConfigurationError
 from firstbyte.protocol.content_coding import COMPRESS_MIN_BYTES
+from tests.client_sdk.conftest import ROUTER_KEY, Stack
 
 BIG = 40_000
 ROUTER = "gzip, deflate"
@@ -38,3 +40,17 @@ def test_should_compress(
 def test_compress_requests_is_checked() -> None:
     with pytest.raises(ConfigurationError, match="compress_requests"):
         AsyncClient("http://127.0.0.1:9", compress_requests="always")  # type: ignore[arg-type]
+
+
+async def test_http3_measures_its_round_trip_and_hears_the_router(stack: Stack) -> None:
+    """Over HTTP/3 the round trip is QUIC's own estimate, known from the handshake (the
+    prewarm sends no request); the router's warm-up answer says it takes gzip."""
+    async with AsyncClient(stack.base_url, ROUTER_KEY, http="3", ca_file=stack.ca_file) as client:
+        await client.prewarm()
+        session = client.pool.session(client.origin, "3")
+        assert session.rtt_s is not None
+        assert 0 < session.rtt_s < 1
+        assert session.accept_encoding is None
+        await client.warm_prompt(model="sim-instant",
+                                 messages=[{"role": "user", "content": "hi"}])
+        assert session.accept_encoding == "gzip, deflate"
