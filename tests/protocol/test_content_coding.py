@@ -52,7 +52,7 @@ def _raw_deflate(data: bytes) -> bytes:
     (zlib.compress(BODY), Coding.DEFLATE),
     (_raw_deflate(BODY), Coding.DEFLATE),
     (BODY, Coding.IDENTITY),
-])
+], ids=["gzip", "gzip-two-members", "zlib", "raw-deflate", "identity"])  # stable across workers
 def test_inflate_gives_the_body_back(packed: bytes, coding: Coding) -> None:
     assert inflate(packed, coding, len(BODY)) == BODY
 
@@ -71,7 +71,7 @@ def test_inflate_stops_one_byte_past_the_bound() -> None:
     (BODY, Coding.GZIP),
     (b"", Coding.GZIP),
     (b"\x1f\x8b" + b"\xff" * 30, Coding.GZIP),
-])
+], ids=["truncated", "junk-member", "zlib-junk", "not-gzip", "empty", "bad-header"])
 def test_corrupt_data_is_refused(packed: bytes, coding: Coding) -> None:
     with pytest.raises(CorruptBody):
         inflate(packed, coding, 1 << 20)
