@@ -15,7 +15,17 @@ import json
 import sys
 from pathlib import Path
 
-from firstbyte.protocol import error_codes, events, headers, paths, sse, timings, tokens, ws
+from firstbyte.protocol import (
+    content_coding,
+    error_codes,
+    events,
+    headers,
+    paths,
+    sse,
+    timings,
+    tokens,
+    ws,
+)
 
 __all__ = ["TARGET", "render"]
 
@@ -59,6 +69,10 @@ def render() -> str:
                     **_constants(timings, ["TRANSPORTS", "HTTP_VERSIONS", "MAX_MS",
                                            "ORDER_SLACK_MS"])},
         "FORMATS": _formats(),
+        # Request-body compression: what a router takes, the simple start's parameter, and
+        # the size below which a client sends a body as it is.
+        "CONTENT_CODING": _constants(content_coding, [
+            "ACCEPT_ENCODING", "QUERY_PARAM", "COMPRESS_MIN_BYTES"]),
     }
     out = [
         "// Generated from firstbyte.protocol by `python -m firstbyte.client_sdk.browser_protocol"

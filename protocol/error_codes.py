@@ -15,6 +15,7 @@ __all__ = [
     "INVALID_AFTER",
     "INVALID_API_KEY",
     "INVALID_CLIENT_TOKEN",
+    "INVALID_CONTENT_ENCODING",
     "INVALID_MESSAGE",
     "INVALID_REQUEST",
     "INVALID_TIMINGS",
@@ -44,6 +45,7 @@ __all__ = [
     "SUBJECT_OVER_FAIR_SHARE",
     "TOO_MANY_STREAMS",
     "UNAVAILABLE",
+    "UNSUPPORTED_CONTENT_ENCODING",
     "UNSUPPORTED_MEDIA_TYPE",
     "UPSTREAM_EOF",
     "UPSTREAM_ERROR",
@@ -82,6 +84,12 @@ REQUEST_TIMEOUT = "request_timeout"
 OVERLOADED = "overloaded"
 """503: the router is short of memory or file descriptors and refuses new work for now."""
 UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+UNSUPPORTED_CONTENT_ENCODING = "unsupported_content_encoding"
+"""415: a request body in a coding the router does not take (``br``, ``zstd``) or in more
+than one (``gzip, gzip``); the answer's ``Accept-Encoding`` lists the ones it takes."""
+INVALID_CONTENT_ENCODING = "invalid_content_encoding"
+"""400: a request body that is not valid data of its ``Content-Encoding`` (corrupt,
+truncated, trailing bytes)."""
 NOT_FOUND = "not_found"
 STREAM_NOT_FOUND = "stream_not_found"
 """Unknown stream id, or one created with another API key (the two are not told apart)."""

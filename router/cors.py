@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from firstbyte.protocol import paths
+from firstbyte.protocol.content_coding import ACCEPT_ENCODING_HEADER
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
     BETTER_REGION_URL_HEADER,
@@ -30,10 +31,10 @@ __all__ = ["CorsPolicy", "Preflight", "ResponseHeaders"]
 log = logging.getLogger("firstbyte.router.cors")
 
 ALLOW_METHODS = "GET, POST, OPTIONS"
-ALLOW_HEADERS = "authorization, content-type, last-event-id, traceparent"
+ALLOW_HEADERS = "authorization, content-encoding, content-type, last-event-id, traceparent"
 EXPOSE_HEADERS = ", ".join((
     STREAM_HEADER, REGION_HEADER, BETTER_REGION_HEADER, BETTER_REGION_URL_HEADER,
-    "server-timing", "retry-after", "traceparent",
+    "server-timing", "retry-after", "traceparent", ACCEPT_ENCODING_HEADER,
 ))
 _MAX_LOGGED_ORIGINS = 1000
 Headers = tuple[tuple[str, str], ...]

@@ -52,6 +52,7 @@ from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_body, adopt_api_key_header, adopt_token, authenticate
 from .pipeline.backend import PEER_PREFIX
+from .pipeline.content_coding import body_coding, inflate_body
 from .pipeline.context import (
     CONTINUE,
     Fallback,
@@ -173,10 +174,9 @@ async def _admitted(
     endpoint = codec.name
     if codec is MESSAGES:
         adopt_api_key_header(ctx)  # Anthropic's header for the key
+    query = _query(scope)
     # A browser's preflight-free start carries its client token in the URL.
-    if await _finish(
-        state, send, ctx, adopt_query_token(ctx, _query(scope), state.cors), endpoint
-    ):
+    if await _finish(state, send, ctx, adopt_query_token(ctx, query, state.cors), endpoint):
         return None
     # The key is checked on the head, before any body is read: a client without one cannot
     # make the router wait for a body, or read and drain one.
@@ -185,10 +185,8 @@ async def _admitted(
     ):
         return None
     limit = state.config.limits.max_body_bytes
-    body = await _read_body(state, receive, send, ctx, limit, endpoint)
-    if body is None:
+    if not await _read_request_body(state, receive, send, ctx, query, endpoint):
         return None
-    ctx.body = body
     if await _finish(
         state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), endpoint
     ):
@@ -203,6 +201,26 @@ async def _admitted(
     if await _finish(state, send, ctx, placed, endpoint):
         return None
     return ctx
+
+
+async def _read_request_body(
+    state: RouterState, receive: Receive, send: Send, ctx: RequestContext,
+    query: dict[str, str], endpoint: str,
+) -> bool:
+    """Read an inference request's body into ``ctx.body``, inflated if its head names a
+    coding (:mod:`.pipeline.content_coding`); False once a reply was sent or the client went
+    away. Past ``max_body_bytes`` (read or inflated) the body is cut and admission answers
+    413."""
+    coding = body_coding(ctx, query)
+    if isinstance(coding, LocalReply):  # refused on the head: nothing read
+        await _finish(state, send, ctx, coding, endpoint)
+        return False
+    limit = state.config.limits.max_body_bytes
+    body = await _read_body(state, receive, send, ctx, limit, endpoint)
+    if body is None:
+        return False
+    ctx.body = body
+    return not await _finish(state, send, ctx, inflate_body(ctx, coding, limit), endpoint)
 
 
 async def _read_body(

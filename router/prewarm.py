@@ -37,9 +37,10 @@ from firstbyte.protocol.openai import Usage
 from firstbyte.protocol.prewarm import PromptWarmed
 
 from .asgi import Receive, Scope, Send, send_bytes, unless_gone, until_disconnect
-from .endpoints import _finish, _query, _read_body, new_context, not_found
+from .endpoints import _finish, _query, _read_request_body, new_context, not_found
 from .observability.access import reply_usage
 from .pipeline.admit import admit_body, authenticate
+from .pipeline.content_coding import ADVERTISED
 from .pipeline.context import LocalReply, RequestContext, error_reply
 from .pipeline.simple_start import adopt_query_token
 from .placement import place, release_key_slot
@@ -148,7 +149,7 @@ async def edge_warm(state: RouterState, scope: Scope, receive: Receive, send: Se
     router: an answer from a cache would open no connection)."""
     state.metrics.count("warm", "ok")
     await send_bytes(send, 204, b"", content_type="text/plain",
-                     headers=(("cache-control", "no-store"),))
+                     headers=(("cache-control", "no-store"), *ADVERTISED))
 
 
 def _retry_in(seconds: float) -> tuple[tuple[str, str], ...]:
@@ -184,16 +185,17 @@ async def warm_prompt(state: RouterState, scope: Scope, receive: Receive, send: 
         await not_found(scope, send)
         return
     ctx = new_context(state, scope)
-    if await _finish(state, send, ctx, adopt_query_token(ctx, _query(scope), state.cors),
-                     "warm"):
+    ctx.response_headers.extend(ADVERTISED)  # every answer says what bodies it takes
+    query = _query(scope)
+    if await _finish(state, send, ctx, adopt_query_token(ctx, query, state.cors), "warm"):
         return
     if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "warm"):
         return
-    limit = state.config.limits.max_body_bytes
-    body = await _read_body(state, receive, send, ctx, limit, "warm")
-    if body is None:
+    if not await _read_request_body(state, receive, send, ctx, query, "warm"):
         return
-    ctx.body = body if len(body) > limit else warm_body(body)
+    limit = state.config.limits.max_body_bytes
+    if len(ctx.body) <= limit:
+        ctx.body = warm_body(ctx.body)
     if await _finish(state, send, ctx, admit_body(ctx, limit), "warm"):
         return
     refused = await _checks(state, ctx)
@@ -227,7 +229,7 @@ async def warm_prompt(state: RouterState, scope: Scope, receive: Receive, send: 
     ctx.outcome = "ok"
     state.metrics.count("warm", "prompt_ok")
     await send_bytes(send, 200, msgspec.json.encode(_summary(answer.body)),
-                     headers=(("cache-control", "no-store"),))
+                     headers=(("cache-control", "no-store"), *ADVERTISED))
 
 
 class _Reply(msgspec.Struct):

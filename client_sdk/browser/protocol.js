@@ -34,6 +34,7 @@ export const ERROR_CODES = Object.freeze({
   "INVALID_AFTER": "invalid_after",
   "INVALID_API_KEY": "invalid_api_key",
   "INVALID_CLIENT_TOKEN": "invalid_client_token",
+  "INVALID_CONTENT_ENCODING": "invalid_content_encoding",
   "INVALID_MESSAGE": "invalid_message",
   "INVALID_REQUEST": "invalid_request",
   "INVALID_TIMINGS": "invalid_timings",
@@ -63,6 +64,7 @@ export const ERROR_CODES = Object.freeze({
   "SUBJECT_OVER_FAIR_SHARE": "subject_over_fair_share",
   "TOO_MANY_STREAMS": "too_many_streams",
   "UNAVAILABLE": "unavailable",
+  "UNSUPPORTED_CONTENT_ENCODING": "unsupported_content_encoding",
   "UNSUPPORTED_MEDIA_TYPE": "unsupported_media_type",
   "UPSTREAM_EOF": "upstream_eof",
   "UPSTREAM_ERROR": "upstream_error"
@@ -159,4 +161,10 @@ export const FORMATS = Object.freeze({
     "input_json_delta",
     "text_delta"
   ]
+});
+
+export const CONTENT_CODING = Object.freeze({
+  "ACCEPT_ENCODING": "gzip, deflate",
+  "QUERY_PARAM": "encoding",
+  "COMPRESS_MIN_BYTES": 10240
 });

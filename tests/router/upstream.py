@@ -40,6 +40,8 @@ class Upstream:
     url: str = ""
     chat_requests: list[str] = field(default_factory=list)
     """The first user message of every chat request received, in order."""
+    chat_headers: list[dict[str, str]] = field(default_factory=list)
+    """The headers of every chat request received, in order (``last_headers`` is any path's)."""
     hold: asyncio.Event | None = None
     """When set to an event: chat requests wait for it before answering."""
     models: tuple[str, ...] | None = MODELS
@@ -102,6 +104,7 @@ class Upstream:
         request = json.loads(body)
         users = [m.get("content") for m in request.get("messages", []) if m.get("role") == "user"]
         self.chat_requests.append(str(users[0]) if users else "")
+        self.chat_headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
         if self.hold is not None:
             await self.hold.wait()
         n = request.get("max_tokens") or 8
