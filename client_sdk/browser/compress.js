@@ -1,9 +1,9 @@
-// Request bodies, gzip-compressed when that saves round trips (docs/browser.md, "Compressed
-// requests").
+// Request bodies, gzip-compressed when that saves round trips (docs/browser.md, "A long
+// conversation: compressed requests").
 //
 // A new or idle TCP connection sends at most its initial window (10 segments, ~14.5 KB with
 // TLS and HTTP/2 framing) before the first ACK comes back; a body beyond it waits a round trip
-// per doubling. A long conversation's history (8K tokens: ~24-40 KB of JSON) then pays one
+// per doubling. A long conversation's history (8K tokens: ~26-40 KB of JSON) then pays one
 // more round trip just to upload, warm-up or not. English compresses about 3x with gzip, which
 // brings that history under the window. A body up to COMPRESS_MIN_BYTES already fits in the
 // first flight with its headers: it is sent as it is (compressing it would save nothing).
@@ -13,9 +13,12 @@
 // where the request may carry it; the query parameter `encoding=` on a CORS simple request
 // (`Content-Encoding` is not a CORS-safelisted header: it would cost a preflight).
 
-export const COMPRESS_MIN_BYTES = 10 * 1024;
+import { CONTENT_CODING } from "./protocol.js";
+
+/** Bodies up to this many bytes go as they are (10 KiB). */
+export const COMPRESS_MIN_BYTES = CONTENT_CODING.COMPRESS_MIN_BYTES;
 /** The query parameter naming a simple request's body encoding (`encoding=gzip`). */
-export const ENCODING_PARAM = "encoding";
+export const ENCODING_PARAM = CONTENT_CODING.QUERY_PARAM;
 
 /** True where this browser can gzip (CompressionStream: Chromium 80, Firefox 113, Safari
  * 16.4); elsewhere bodies go uncompressed. */

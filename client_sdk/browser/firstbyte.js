@@ -146,7 +146,7 @@ export class Client {
     this.retryBudgetS = retryBudgetS;
     /** Starts (and SSE resumes) as CORS simple requests: no preflight (docs/browser.md). */
     this.simpleStart = simpleStart;
-    /** Bodies over 10 KiB (a fetch-SSE start, a prompt warm-up) go gzip-compressed where the
+    /** Bodies over 10 KiB (a stream's start, a prompt warm-up) go gzip-compressed where the
      * browser can (compress.js): a long history then fits in the first flight. */
     this.compressRequests = compressRequests;
     /** When this client last sent a request to the router (seconds, performance.now()). */
@@ -469,12 +469,10 @@ export class ChatStream {
 
   /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others), at
    * this stream's format's URL. With `simpleStart` a CORS simple request: the token in the
-   * URL, the JSON as text/plain. A fetch-SSE start over 10 KiB goes gzip-compressed
+   * URL, the JSON as text/plain. A body over 10 KiB goes gzip-compressed
    * (`compressRequests`; the encoding as `?encoding=` on a simple request). */
   async start(channel) {
-    // The other transports start at POST /v1/streams, which takes JSON only.
-    const compress = this.client.compressRequests && this.client.transport === "sse-fetch";
-    this.encoded ??= encodeBody(this.body, { compress });
+    this.encoded ??= encodeBody(this.body, { compress: this.client.compressRequests });
     const { body, encoding } = await this.encoded;
     const simple = this.client.simpleStart;
     const [url, headers] = declareEncoding(

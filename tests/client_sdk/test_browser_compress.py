@@ -1,6 +1,7 @@
 """Compressed request bodies from headless Chromium, against the real router and sim: a long
-conversation's start and its prompt warm-up go gzip-compressed (the simple start says so with
-``?encoding=gzip``, a preflighted one with ``Content-Encoding``), the router inflates them
+conversation's start (fetch-SSE, long-poll) and its prompt warm-up go gzip-compressed (the
+simple start says so with ``?encoding=gzip``, a preflighted one with ``Content-Encoding``), the
+router inflates them
 (the sim counts every token of the history and streams the same answer as to the plain JSON),
 and short bodies, ``compressRequests: false`` and a browser without CompressionStream send
 JSON. What the router was sent is read on the wire, from a relay between Chromium and it."""
@@ -71,12 +72,17 @@ async def test_a_long_conversation_goes_gzipped_and_streams_whole() -> None:
             preflighted = await page.evaluate(stream_script(base, token,
                                                             {"simpleStart": False}))
             plain = await page.evaluate(stream_script(base, token, {"compressRequests": False}))
+            polled = await page.evaluate(browser.stream_script(base, token, "longpoll", REQUEST))
             assert page.problems() == []
     starts = posts(bytes(relay.upstream_bytes), "/v1/chat/completions")
     assert len(starts) == 3
     json_bytes = len(starts[2][2])  # compressRequests: false
     assert json_bytes > 20_000  # the history, as JSON: well over the 10 KiB threshold
-    for got in (simple, preflighted, plain):
+    # The other transports' start (POST /v1/streams) goes compressed too.
+    [(poll_target, _, poll_body)] = posts(bytes(relay.upstream_bytes), "/v1/streams")
+    assert "encoding=gzip" in poll_target.split("?")[1].split("&")
+    assert poll_body[:2] == b"\x1f\x8b"
+    for got in (simple, preflighted, plain, polled):
         assert "error" not in got, got
         assert got["text"] == plain["text"] != ""
         # The sim saw the whole history: the router forwarded the inflated body.
