@@ -223,6 +223,13 @@ def _history_row(g: Geography, cell: str, got: Sequence[dict[str, Any]]) -> dict
         "cached_tokens": _median([(u.get("prompt_tokens_details") or {}).get("cached_tokens")
                                   for u in usage]),
         "first_byte_ms": _median([line["timings"].get("first_byte_ms") for line in ok]),
+        # The router's Server-Timing: "queue" runs from the request's head to its admission,
+        # so it holds the body's upload; "upstream-headers" is the backend's part.
+        "server_timing_ms": {
+            name: _median([(line["timings"].get("server_timing") or {}).get(name)
+                           for line in ok])
+            for name in sorted({n for line in ok
+                                for n in line["timings"].get("server_timing") or {}})},
         "warm": all(line["timings"].get("warm") for line in ok) if ok else None,
         "preflights": _median([line.get("preflights") for line in ok]),
     }
