@@ -88,9 +88,11 @@ async def serve_region(args: argparse.Namespace) -> None:
     try:
         for handle in extra:
             await handle.start()
-        upstreams = [{"url": sim.url, "name": f"{args.region}-sim", "models": ["default"]}]
-        upstreams += [{"url": h.url, "name": f"{args.region}-sim-{h.config.profile}",
-                       "models": [get_profile(h.config.profile).model]} for h in extra]
+        upstreams: list[dict[str, Any]] = [{"url": sim.url, "name": f"{args.region}-sim"}]
+        if extra:  # each sim for its model only, from the first request on
+            upstreams[0]["models"] = ["default"]
+            upstreams += [{"url": h.url, "name": f"{args.region}-sim-{h.config.profile}",
+                           "models": [get_profile(h.config.profile).model]} for h in extra]
         browser: dict[str, Any] = {}
         if args.page_port is not None:
             router_url: list[str] = []
