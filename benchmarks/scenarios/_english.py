@@ -47,8 +47,8 @@ def count_tokens(messages: list[dict[str, str]]) -> int:
 
 
 def conversation(topic: str, tokens: int = 8000) -> list[dict[str, str]]:
-    """A conversation of prose that the sim counts as ``tokens`` tokens at most (and within one
-    paragraph of it): messages of about :data:`MESSAGE_TOKENS`, user and assistant in turn,
+    """A conversation of prose that the sim counts as ``tokens`` tokens at most (and within a
+    word of it): messages of about :data:`MESSAGE_TOKENS`, user and assistant in turn,
     the last the assistant's (the user's next message follows). The first message starts with
     ``topic``, so that each topic's history (its affinity key, every prefix block) is its own."""
     messages: list[dict[str, str]] = []
@@ -58,6 +58,9 @@ def conversation(topic: str, tokens: int = 8000) -> list[dict[str, str]]:
     for paragraph in itertools.cycle(paragraphs()):  # ends: every paragraph costs tokens
         cost = len(tokenize(" " + paragraph))
         if total + cost > tokens:
+            cut = _cut(paragraph, tokens - total)
+            if cut:
+                parts.append(cut)
             break
         parts.append(paragraph)
         total += cost
@@ -72,3 +75,16 @@ def conversation(topic: str, tokens: int = 8000) -> list[dict[str, str]]:
         message["role"] = ("assistant", "user")[back % 2]
     return messages
 
+
+def _cut(paragraph: str, tokens: int) -> str:
+    """The words of ``paragraph`` from its start that cost at most ``tokens`` tokens."""
+    words = paragraph.split(" ")
+    kept: list[str] = []
+    used = 0
+    for word in words:
+        cost = len(tokenize(" " + word))
+        if used + cost > tokens:
+            break
+        kept.append(word)
+        used += cost
+    return " ".join(kept)

@@ -30,14 +30,18 @@ export function canCompress() {
  * `text` (a JSON string) as the request body to send: `{ body, encoding }` with `encoding`
  * "gzip" and `body` its gzip bytes (the library's default level) when `compress` is on, the
  * browser can and the UTF-8 body is over COMPRESS_MIN_BYTES; else `encoding` null and `body`
- * the text itself.
+ * the text itself. Never rejects.
  */
 export async function encodeBody(text, { compress = true } = {}) {
   if (!compress || !canCompress()) return { body: text, encoding: null };
   const bytes = new TextEncoder().encode(text);
   if (bytes.length <= COMPRESS_MIN_BYTES) return { body: text, encoding: null };
-  const gzipped = new Blob([bytes]).stream().pipeThrough(new CompressionStream("gzip"));
-  return { body: new Uint8Array(await new Response(gzipped).arrayBuffer()), encoding: "gzip" };
+  try {
+    const gzipped = new Blob([bytes]).stream().pipeThrough(new CompressionStream("gzip"));
+    return { body: new Uint8Array(await new Response(gzipped).arrayBuffer()), encoding: "gzip" };
+  } catch {
+    return { body: text, encoding: null }; // a browser that refuses: the message still goes
+  }
 }
 
 /**

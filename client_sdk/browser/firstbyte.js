@@ -475,10 +475,10 @@ export class ChatStream {
     this.encoded ??= encodeBody(this.body, { compress: this.client.compressRequests });
     const { body, encoding } = await this.encoded;
     const simple = this.client.simpleStart;
+    const own = simple ? { "content-type": "text/plain" }
+      : this.headers({ "content-type": "application/json" });
     const [url, headers] = declareEncoding(
-      this.formatUrl(this.client.startUrl()),
-      simple ? { "content-type": "text/plain" } : this.headers({ "content-type": "application/json" }),
-      encoding, simple);
+      this.formatUrl(this.client.startUrl()), own, encoding, simple);
     return this.fetch(url, { method: "POST", body, headers }, channel);
   }
 
