@@ -35,6 +35,7 @@ from typing import Any, Generic, Literal, Protocol, Self, TypeVar
 
 import msgspec
 
+from firstbyte.client_sdk._core.compression import CompressMode, should_compress
 from firstbyte.client_sdk._core.events import EventAssembler
 from firstbyte.client_sdk._core.resume import ResumePolicy
 from firstbyte.client_sdk._core.retry import RETRY_STATUSES, RetryBudget
@@ -75,6 +76,7 @@ from firstbyte.client_sdk.transports.sse import sse_source
 from firstbyte.client_sdk.transports.websocket import WebSocketPool, websocket_source
 from firstbyte.client_sdk.trust import Verify, build_ssl_context, check_trust
 from firstbyte.protocol import codec, error_codes, paths
+from firstbyte.protocol.content_coding import CONTENT_ENCODING_HEADER, gzip_body
 from firstbyte.protocol.events import (
     CompletionChunk,
     EventFormat,
@@ -136,6 +138,11 @@ class AsyncClient:
     ``Retry-After``, and a stream that ended with ``draining`` before any token is sent
     again (:mod:`~firstbyte.client_sdk._core.retry`); with several regions the others are
     tried first, at once.
+    ``compress_requests`` (default ``"auto"``) gzips a request body over 10 KiB once the
+    server has said it takes gzip bodies (``Accept-Encoding`` on an answer: the router's to
+    :meth:`prewarm` and :meth:`warm_prompt`) and the round trip measured to it is at least
+    5 ms (:mod:`~firstbyte.client_sdk._core.compression`); True: every body over 10 KiB,
+    whatever the server said; False: never.
     """
 
     def __init__(
@@ -162,8 +169,13 @@ class AsyncClient:
         report_interval_s: float = 10.0,
         retries: int = 2,
         retry_budget_s: float = 5.0,
+        compress_requests: CompressMode = "auto",
     ) -> None:
         checked, ca_file = check_trust(verify, ca_file)
+        if compress_requests not in (True, False, "auto"):
+            raise ConfigurationError(
+                "compress_requests", f"must be 'auto', True or False, not {compress_requests!r}")
+        self.compress_requests: CompressMode = compress_requests
         if retries < 0:
             raise ConfigurationError("retries", f"must be 0 or more, not {retries!r}")
         if retry_budget_s < 0:
@@ -318,7 +330,8 @@ class AsyncClient:
         origin = self.origin
         session = self.pool.session(origin, self.http)
         headers = {**self.headers, "content-type": "application/json"}
-        body = msgspec.json.encode({"model": model, "messages": list(messages)})
+        body, headers = self._packed(origin, msgspec.json.encode(
+            {"model": model, "messages": list(messages)}), headers)
         path = paths.at_base(paths.EDGE_WARM, origin.prefix)
         async with session.request("POST", path, headers=headers, body=body,
                                    recorder=None) as response:
@@ -517,9 +530,10 @@ class AsyncClient:
         for index in self._plan():
             name, origin = self.regions.regions[index].name, self.origins[index]
             session = self.pool.session(origin, self._probe_http)
+            body, sent_headers = self._packed(origin, data, headers)
             try:
                 async with session.request("POST", paths.at_base(path, origin.prefix),
-                                           headers=headers, body=data,
+                                           headers=sent_headers, body=body,
                                            recorder=None) as response:
                     raw = await response.read()
             except ConnectError as exc:
@@ -552,16 +566,41 @@ class AsyncClient:
             return websocket_source(target, body=body, stream_id=stream_id, after=after,
                                     recorder=recorder, endpoint=endpoint)
         prefix = origin.prefix
+        coding = None
+        if body is not None and self._compresses(origin, len(body)):
+            body, coding = gzip_body(body), "gzip"
+        if body is not None:
+            recorder.record.request_bytes = len(body)
         if self.transport == "longpoll":
             return longpoll_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                                    after=after, recorder=recorder, wait_s=self.poll_wait_s,
-                                   endpoint=endpoint)
+                                   endpoint=endpoint, content_encoding=coding)
         if events is None:
             return sse_source(target, prefix, self.headers, body=body, stream_id=stream_id,
-                              after=after, recorder=recorder)
+                              after=after, recorder=recorder, content_encoding=coding)
         return sse_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                           after=after, recorder=recorder, path=events.path,
-                          ends=events.terminal)
+                          ends=events.terminal, content_encoding=coding)
+
+    def _compresses(self, origin: Origin, size: int) -> bool:
+        """Gzip a body of ``size`` bytes for ``origin`` (:func:`should_compress` over what the
+        sessions heard from it; the round trip a region probe measured if no connect was)."""
+        if self.compress_requests is False:
+            return False
+        accept_encoding, rtt_s = self.pool.heard(origin)
+        if rtt_s is None and len(self.origins) > 1:
+            probed = self.regions.rtt_ms(self.regions.regions[self.origins.index(origin)].name)
+            rtt_s = None if probed is None else probed / 1000
+        return should_compress(size, self.compress_requests, accept_encoding=accept_encoding,
+                               rtt_s=rtt_s)
+
+    def _packed(
+        self, origin: Origin, body: bytes, headers: dict[str, str]
+    ) -> tuple[bytes, dict[str, str]]:
+        """``body`` and ``headers`` as sent to ``origin``: gzipped when :meth:`_compresses`."""
+        if not self._compresses(origin, len(body)):
+            return body, headers
+        return gzip_body(body), {**headers, CONTENT_ENCODING_HEADER: "gzip"}
 
 
 class _ReadAhead(asyncio.Queue[Item | object | BaseException]):

@@ -114,6 +114,18 @@ class ConnectionPool:
             self._sessions[key] = session
         return session
 
+    def heard(self, origin: Origin) -> tuple[str | None, float | None]:
+        """What this client's sessions to ``origin`` learnt of it: the last ``Accept-Encoding``
+        one was answered with, and the smallest round trip measured (None: not yet)."""
+        accept_encoding: str | None = None
+        rtts: list[float] = []
+        for (of, _), session in self._sessions.items():
+            if of == origin:
+                accept_encoding = session.accept_encoding or accept_encoding
+                if session.rtt_s is not None:
+                    rtts.append(session.rtt_s)
+        return accept_encoding, min(rtts, default=None)
+
     def websockets(self, origin: Origin, headers: dict[str, str]) -> WebSocketPool:
         pool = self._websockets.get(origin)
         if pool is None:

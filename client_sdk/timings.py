@@ -70,6 +70,9 @@ class Timings(msgspec.Struct, kw_only=True):
     """Content chunks received (each carries one token from an OpenAI-compatible server)."""
     resumes: int = 0
     """How many times the stream was resumed after a broken connection."""
+    request_bytes: int | None = None
+    """The request body's bytes as sent (gzipped when the client compressed it:
+    ``compress_requests``); None before a body was sent."""
     server_timing: dict[str, float] = msgspec.field(default_factory=dict)
     """The router's ``Server-Timing`` split (``queue``, ``route``, ``upstream-ttft``, ...)."""
 

@@ -52,7 +52,7 @@ from .config import Origin
 from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_body, adopt_api_key_header, adopt_token, authenticate
 from .pipeline.backend import PEER_PREFIX
-from .pipeline.content_coding import body_coding, inflate_body
+from .pipeline.content_coding import ADVERTISED, body_coding, inflate_body
 from .pipeline.context import (
     CONTINUE,
     Fallback,
@@ -649,7 +649,8 @@ async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send
         status, text = 200, b"ok; HTTP/3 down\n" if down else b"ok\n"
     else:
         status, text = 503, b"unhealthy\n"
-    await send_bytes(send, status, text, content_type="text/plain")
+    # The SDKs' prewarm and keep-warm ask here: the answer says what request bodies go.
+    await send_bytes(send, status, text, content_type="text/plain", headers=ADVERTISED)
 
 
 def _observer(state: RouterState, ctx: RequestContext) -> Outcome:

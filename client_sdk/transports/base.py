@@ -25,6 +25,7 @@ import msgspec
 
 from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
 from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.protocol.content_coding import ACCEPT_ENCODING_HEADER
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
     BETTER_REGION_URL_HEADER,
@@ -33,7 +34,7 @@ from firstbyte.protocol.headers import (
 )
 
 __all__ = ["MAX_BODY_BYTES", "Batch", "Event", "HTTPResponse", "Item", "Opened", "Session",
-           "Source", "TransportCut", "note_response_headers"]
+           "Source", "TransportCut", "note_response_headers", "noted_accept_encoding"]
 
 MAX_BODY_BYTES = 64 << 20
 """The most :meth:`HTTPResponse.read` holds: a long-poll batch of a long completion fits,
@@ -107,6 +108,12 @@ class Session(Protocol):
     """HTTP requests to one origin over one HTTP version, with kept-warm connections."""
 
     http_version: str
+    accept_encoding: str | None
+    """The last ``Accept-Encoding`` an answer on this session carried: the request codings
+    the server takes (None: no answer said)."""
+    rtt_s: float | None
+    """The smallest round trip measured on this session's connections (a TCP connect; QUIC's
+    own RTT estimate), in seconds; None: none opened or measured yet."""
 
     def request(
         self,
@@ -137,6 +144,14 @@ class Session(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+def noted_accept_encoding(session: Session, response: HTTPResponse) -> None:
+    """Keep the ``Accept-Encoding`` of an answer on ``session`` (the last one wins: a server
+    that stops taking a coding says so on its next answer)."""
+    value = response.headers.get(ACCEPT_ENCODING_HEADER)
+    if value is not None:
+        session.accept_encoding = value
 
 
 def note_response_headers(recorder: TimingRecorder | None, response: HTTPResponse) -> None:

@@ -38,7 +38,12 @@ from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import TicketStore
-from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.client_sdk.transports.base import (
+    HTTPResponse,
+    TransportCut,
+    note_response_headers,
+    noted_accept_encoding,
+)
 
 TICKET_WAIT_S = 0.25
 """How long closing a session waits for a session ticket the server has not sent yet."""
@@ -70,6 +75,16 @@ class _Ticket(msgspec.Struct, array_like=True):
     ticket: bytes
     max_early_data_size: int | None
     other_extensions: list[tuple[int, bytes]]
+
+
+def _min_rtt_s(quic: QuicConnection) -> float | None:
+    """QUIC's smallest RTT sample on the connection (aioquic's loss recovery keeps it; None
+    before a sample, or if a release moved it)."""
+    loss = getattr(quic, "_loss", None)
+    if loss is None or not getattr(loss, "_rtt_initialized", False):
+        return None
+    rtt = getattr(loss, "_rtt_min", None)
+    return float(rtt) if isinstance(rtt, int | float) and 0 < rtt < float("inf") else None
 
 
 def encode_ticket(ticket: SessionTicket) -> bytes:
@@ -262,6 +277,8 @@ class H3Session:
         self._idle_timeout_s = idle_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._keylog = _KeyLog(keylog_file) if keylog_file else None
+        self.accept_encoding: str | None = None
+        self.rtt_s: float | None = None
         self._proto: _H3Protocol | None = None
         self._ticket_came = asyncio.Event()
         """Set when the current connection's server sent a session ticket."""
@@ -344,6 +361,7 @@ class H3Session:
             raise ConnectError(f"QUIC connection to {self.origin.host} failed: {reason}") from None
         if recorder is not None and proto.handshake_at is not None:
             recorder.feed("quic_handshake.complete", proto.handshake_at)
+        self.rtt_s = _min_rtt_s(proto._quic) or self.rtt_s
 
     async def _drop(self) -> None:
         proto, transport = self._proto, self._transport
@@ -400,6 +418,8 @@ class H3Session:
             status = int(hdrs.pop(":status", "0"))
             response = HTTPResponse(status, hdrs, "HTTP/3", self._chunks(stream))
             note_response_headers(recorder, response)
+            noted_accept_encoding(self, response)
+            self.rtt_s = _min_rtt_s(quic) or self.rtt_s
             yield response
         finally:
             proto.streams.pop(stream_id, None)

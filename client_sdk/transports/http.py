@@ -25,7 +25,12 @@ import httpx
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
-from firstbyte.client_sdk.transports.base import HTTPResponse, TransportCut, note_response_headers
+from firstbyte.client_sdk.transports.base import (
+    HTTPResponse,
+    TransportCut,
+    note_response_headers,
+    noted_accept_encoding,
+)
 from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
 from firstbyte.protocol import paths
 
@@ -66,6 +71,8 @@ class HttpxSession:
         self._ssl_context = ssl_context
         self._limits = (max_connections, keepalive_expiry_s, connect_timeout_s)
         self._client = self._make_client()
+        self.accept_encoding: str | None = None
+        self.rtt_s: float | None = None
 
     def _make_client(self) -> httpx.AsyncClient:
         max_connections, keepalive_expiry_s, connect_timeout_s = self._limits
@@ -101,15 +108,23 @@ class HttpxSession:
         recorder: TimingRecorder | None,
     ) -> AsyncIterator[HTTPResponse]:
         url = await self._url(path, recorder)
-        extensions: dict[str, Any] = {"sni_hostname": self.origin.host}
+        connecting = 0.0
+
+        async def trace(name: str, info: dict[str, Any]) -> None:
+            nonlocal connecting
+            now = time.perf_counter()
+            # A TCP connect is one round trip (SYN, SYN-ACK): the RTT this session measures.
+            if name == "connection.connect_tcp.started":
+                connecting = now
+            elif name == "connection.connect_tcp.complete" and connecting:
+                rtt_s = now - connecting
+                self.rtt_s = rtt_s if self.rtt_s is None else min(self.rtt_s, rtt_s)
+            if recorder is not None:
+                recorder.feed_httpcore(name, now)
+
+        extensions: dict[str, Any] = {"sni_hostname": self.origin.host, "trace": trace}
         if recorder is not None:
-            rec = recorder
-
-            async def trace(name: str, info: dict[str, Any]) -> None:
-                rec.feed_httpcore(name, time.perf_counter())
-
-            extensions["trace"] = trace
-            rec.feed("pool_wait.started", time.perf_counter())
+            recorder.feed("pool_wait.started", time.perf_counter())
         request = self._client.build_request(
             method, url, headers={"host": self.origin.host_header, **headers}, content=body,
             extensions=extensions,
@@ -131,6 +146,7 @@ class HttpxSession:
                 chunks=self._chunks(response),
             )
             note_response_headers(recorder, result)
+            noted_accept_encoding(self, result)
             yield result
         finally:
             await response.aclose()

@@ -24,6 +24,7 @@ from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
 from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source, TransportCut
 from firstbyte.protocol import paths
+from firstbyte.protocol.content_coding import CONTENT_ENCODING_HEADER
 from firstbyte.protocol.poll import PollBatch, StreamStarted
 from firstbyte.protocol.sse import DONE
 
@@ -71,16 +72,20 @@ async def longpoll_source(
     wait_s: float = 10.0,
     max_failures: int = 5,
     endpoint: str | None = None,
+    content_encoding: str | None = None,
 ) -> Source:
     """Start a stream (``stream_id`` None) or continue one after ``after``, by polling.
 
     A new stream's first batch comes in the POST's answer; polls continue from its ``next``.
+    ``content_encoding`` is the coding ``body`` is in (None: as it is).
     """
     first: PollBatch | None = None
     if stream_id is None:
         if body is None:
             raise ValueError("a new long-poll stream needs a request body")
-        stream_id, first = await start_stream(session, prefix, headers, body, recorder,
+        start_headers = headers if content_encoding is None else {
+            **headers, CONTENT_ENCODING_HEADER: content_encoding}
+        stream_id, first = await start_stream(session, prefix, start_headers, body, recorder,
                                               wait_s=wait_s, endpoint=endpoint)
     if recorder is not None:
         recorder.record.stream_id = stream_id

@@ -15,6 +15,7 @@ from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
 from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source
 from firstbyte.protocol import paths
+from firstbyte.protocol.content_coding import CONTENT_ENCODING_HEADER
 from firstbyte.protocol.headers import STREAM_HEADER
 from firstbyte.protocol.sse import DONE, SSEDecoder, SSEProtocolError
 
@@ -32,14 +33,18 @@ async def sse_source(
     recorder: TimingRecorder | None,
     path: str = paths.CHAT_COMPLETIONS,
     ends: frozenset[str] = frozenset(),
+    content_encoding: str | None = None,
 ) -> Source:
-    """Start a stream (``stream_id`` None, ``body`` the request for ``path``) or resume one
-    after ``after``. ``ends`` names the events that end a stream of a format whose events
-    carry names (Responses, Messages: no ``[DONE]`` follows them)."""
+    """Start a stream (``stream_id`` None, ``body`` the request for ``path``, in
+    ``content_encoding`` if not None) or resume one after ``after``. ``ends`` names the events
+    that end a stream of a format whose events carry names (Responses, Messages: no
+    ``[DONE]`` follows them)."""
     if stream_id is None:
         method, path = "POST", paths.at_base(path, prefix)
         req_headers = {**headers, "content-type": "application/json",
                        "accept": "text/event-stream"}
+        if content_encoding is not None:
+            req_headers[CONTENT_ENCODING_HEADER] = content_encoding
     else:
         method, path = "GET", paths.at_base(paths.stream(stream_id), prefix)
         req_headers = {**headers, "accept": "text/event-stream", "last-event-id": str(after)}

@@ -178,7 +178,7 @@ async def test_the_simple_start_says_its_coding_in_the_url(
     assert brotli.json()["error"]["param"] == "encoding"
 
 
-async def test_the_warm_up_advertises_and_takes_compressed_bodies(
+async def test_the_warm_ups_advertise_and_take_compressed_bodies(
     start_router: RouterFactory,
 ) -> None:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": HISTORY}]}
@@ -186,6 +186,7 @@ async def test_the_warm_up_advertises_and_takes_compressed_bodies(
             start_router([sim], tls=False, cors={"allow_origins": [APP]}) as r, \
             httpx.AsyncClient(base_url=r.base_url, timeout=30) as http:
         warm = await http.get("/v1/edge/warm", headers={"origin": APP})
+        health = await http.get("/healthz")  # what the SDKs' prewarm asks
         warmed = await http.post("/v1/edge/warm", content=gzip.compress(json.dumps(chat).encode()),
                                  headers={**auth(), "content-encoding": "gzip", "origin": APP})
         refused = await http.post("/v1/edge/warm", content=b"x" * 100,
@@ -193,7 +194,7 @@ async def test_the_warm_up_advertises_and_takes_compressed_bodies(
         preflight = await http.options("/v1/chat/completions", headers={
             "origin": APP, "access-control-request-method": "POST",
             "access-control-request-headers": "content-encoding"})
-    for answer in (warm, warmed, refused):
+    for answer in (warm, warmed, refused, health):
         assert answer.headers.get_list("accept-encoding") == ["gzip, deflate"], answer.headers
     assert "accept-encoding" in warm.headers["access-control-expose-headers"]
     assert warmed.status_code == 200, warmed.text
