@@ -27,20 +27,21 @@ export function canCompress() {
 }
 
 /**
- * `text` (a JSON string) as the request body to send: `{ body, encoding }` with `encoding`
+ * `text` (a JSON string) as the request body to send, `{ body, encoding, bytes }`: `encoding`
  * "gzip" and `body` its gzip bytes (the library's default level) when `compress` is on, the
  * browser can and the UTF-8 body is over COMPRESS_MIN_BYTES; else `encoding` null and `body`
- * the text itself. Never rejects.
+ * the text itself. `bytes`: the body's size as sent. Never rejects.
  */
 export async function encodeBody(text, { compress = true } = {}) {
-  if (!compress || !canCompress()) return { body: text, encoding: null };
   const bytes = new TextEncoder().encode(text);
-  if (bytes.length <= COMPRESS_MIN_BYTES) return { body: text, encoding: null };
+  const plain = { body: text, encoding: null, bytes: bytes.length };
+  if (!compress || !canCompress() || bytes.length <= COMPRESS_MIN_BYTES) return plain;
   try {
     const gzipped = new Blob([bytes]).stream().pipeThrough(new CompressionStream("gzip"));
-    return { body: new Uint8Array(await new Response(gzipped).arrayBuffer()), encoding: "gzip" };
+    const body = new Uint8Array(await new Response(gzipped).arrayBuffer());
+    return { body, encoding: "gzip", bytes: body.length };
   } catch {
-    return { body: text, encoding: null }; // a browser that refuses: the message still goes
+    return plain; // a browser that refuses: the message still goes
   }
 }
 

@@ -473,7 +473,8 @@ export class ChatStream {
    * (`compressRequests`; the encoding as `?encoding=` on a simple request). */
   async start(channel) {
     this.encoded ??= encodeBody(this.body, { compress: this.client.compressRequests });
-    const { body, encoding } = await this.encoded;
+    const { body, encoding, bytes } = await this.encoded;
+    this.recorder.record.request_bytes = bytes;
     const simple = this.client.simpleStart;
     const own = simple ? { "content-type": "text/plain" }
       : this.headers({ "content-type": "application/json" });
@@ -598,6 +599,9 @@ async function webSocket(stream, channel, streamId, after) {
   const send = () => {
     client.lastUseS = performance.now() / 1000;
     stream.recorder.requestSent();
+    if (streamId === null) {
+      stream.recorder.record.request_bytes = new TextEncoder().encode(stream.body).length;
+    }
     socket.send(streamId === null
       ? `{"type":"${WS.REQUEST}",${stream.format ? `"endpoint":"${stream.format}",` : ""}"body":${stream.body}}`
       : JSON.stringify({ type: WS.RESUME, stream: streamId, after }));

@@ -101,6 +101,10 @@ async def test_a_long_conversation_goes_gzipped_and_streams_whole() -> None:
     assert "encoding=" not in plain_target
     assert "content-encoding" not in plain_head
     assert json.loads(plain_body)["messages"] == MESSAGES
+    # Timings say what was sent (as the Python SDK's request_bytes).
+    for got, body in ((simple, simple_body), (preflighted, pre_body), (plain, plain_body),
+                      (polled, poll_body)):
+        assert got["timings"]["request_bytes"] == len(body)
 
 
 async def test_the_prompt_warm_up_goes_gzipped_and_warms_the_whole_history() -> None:
