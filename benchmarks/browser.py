@@ -405,10 +405,14 @@ def prewarm_script(base_url: str, token: str, transport: str, *, report: bool = 
 
 
 def intent_script(base_url: str, token: str, transport: str, *, report: bool = False,
-                  options: dict[str, Any] | None = None) -> str:
+                  options: dict[str, Any] | None = None,
+                  conversation: dict[str, Any] | None = None) -> str:
     """A script that adds a prompt box (``#prompt``) to the page, has the client
     :func:`stream_script` with the same arguments uses warm on intent in it
-    (``window.warmer``), and focuses it: the user starts to type."""
+    (``window.warmer``), and focuses it: the user starts to type. ``conversation``
+    (``model`` and ``messages``): the history so far, warmed with the connection."""
+    warm_options = ("" if conversation is None
+                    else f", {{ conversation: () => ({json.dumps(conversation)}) }}")
     return f"""(() => {{
   {_page_client(base_url, token, transport, report, options)}
   let prompt = document.getElementById("prompt");
@@ -417,7 +421,7 @@ def intent_script(base_url: str, token: str, transport: str, *, report: bool = F
     prompt.id = "prompt";
     document.body.append(prompt);
   }}
-  window.warmer ??= client.warmOnIntent(prompt);
+  window.warmer ??= client.warmOnIntent(prompt{warm_options});
   prompt.focus();
   return true;
 }})()"""

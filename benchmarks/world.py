@@ -202,6 +202,7 @@ class World:
         log: Callable[[str], None] | None = None,
         peering: Peering | None = None,
         browser_pages: bool = False,
+        extra_sims: Sequence[str] = (),
     ) -> None:
         self.region_hosts = list(regions)
         self.client_hosts = list(clients)
@@ -209,6 +210,9 @@ class World:
         self.sim_profile = sim_profile
         self.peering = peering
         self.browser_pages = browser_pages
+        self.extra_sims = list(extra_sims)
+        """More sims per region, by profile: each serves its profile's model (the first
+        sim serves ``default``), and the router routes each request by its model."""
         if peering is not None:
             if emulator is None:
                 # On loopback every host is 127.0.0.1: GeoIP cannot tell clients apart.
@@ -335,6 +339,8 @@ class World:
         env: dict[str, str] = {}
         if self.browser_pages:
             argv += ["--page-port", "0"]
+        for profile in self.extra_sims:
+            argv += ["--extra-sim", profile]
         if peered is not None:
             flags, peer_key = peered
             argv += flags[host]

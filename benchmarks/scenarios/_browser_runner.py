@@ -18,6 +18,19 @@ the router's origin); mode
 - ``warm``: one page with ``<link rel="preconnect">`` to the router, one unmeasured stream
   (its connection stays open, its preflight answer is cached), then every request on it.
 
+A long conversation's next message, on the region's ``h100-7b`` sim (:data:`HISTORY_MODEL`),
+fetch-SSE only (:data:`HISTORY_MODES`):
+
+- ``short-7b``: as ``warm``, a short prompt: the floor;
+- ``history-7b``: as ``intent``, but the page warms the prompt too (``warmOnIntent`` with the
+  conversation: an ~8K-token history of English prose, :mod:`._english`, its own per request),
+  and the measured message is that history and the user's next message; the client compresses
+  bodies over 10 KiB (its default);
+- ``history-7b-uncompressed``: the same with ``compressRequests: false``.
+
+Their lines add ``usage`` (the sim's prompt and cached tokens) and ``body_bytes`` (the
+measured request's body as Chromium sent it).
+
 Each request prints ``{"cell", "rep", "timings": {...}, "preflights": n}`` (``preflights``:
 the CORS ``OPTIONS`` requests Chromium sent for it) or ``"error"``; then ``{"done": true}``.
 Chromium trusts the routers' certificate by its key (``--ignore-certificate-errors-spki-list``,
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import sys
 from pathlib import Path
@@ -45,14 +59,24 @@ from firstbyte.benchmarks.browser import (
     spki_flag,
 )
 from firstbyte.benchmarks.browser import stream_script as script_for
+from firstbyte.benchmarks.scenarios._english import conversation
+from firstbyte.router.sim.profiles import get_profile
 
-__all__ = ["TRANSPORTS", "main", "parse_cell"]
+__all__ = ["HISTORY_MODEL", "HISTORY_MODES", "HISTORY_PROFILE", "TRANSPORTS", "main",
+           "parse_cell"]
 
 TRANSPORTS = ("sse-fetch", "eventsource", "websocket", "longpoll")
 READY = """new Promise((resolve) => { const t = () => window.fb ? resolve(window.bench)
   : setTimeout(t, 5); t(); })"""
 _PROMPT = [{"role": "user", "content": "Say hello in a few words."}]
-MODES = ("cold", "intent", "warm")
+HISTORY_MODES = ("short-7b", "history-7b", "history-7b-uncompressed")
+"""The long conversation's cells (fetch-SSE, on the h100-7b sim); see the module's doc."""
+MODES = ("cold", "intent", "warm", *HISTORY_MODES)
+HISTORY_PROFILE = "h100-7b"
+HISTORY_MODEL = get_profile(HISTORY_PROFILE).model
+"""The model the region's second sim serves (the router routes by model)."""
+HISTORY_TOKENS = 8000
+NEXT = {"role": "user", "content": "And what about the next step?"}
 INTENT_S = 2.0
 """How long the user types in an ``intent`` cell before sending."""
 KEYSTROKE_S = 0.2
@@ -66,6 +90,9 @@ def parse_cell(spec: str) -> tuple[str, str, str]:
         raise ValueError(f"cell {spec!r}: expected TRANSPORT/HTTP/MODE with TRANSPORT one of "
                          f"{', '.join(TRANSPORTS)}, HTTP 1.1, 2 or 3, MODE "
                          f"{', '.join(MODES)}")
+    if parts[2] in HISTORY_MODES and parts[0] != "sse-fetch":
+        raise ValueError(f"cell {spec!r}: expected TRANSPORT/HTTP/MODE with TRANSPORT "
+                         f"sse-fetch for MODE {parts[2]}")
     return parts[0], parts[1], parts[2]
 
 
@@ -74,25 +101,63 @@ def _emit(line: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def _stream(page: Page, transport: str, max_tokens: int) -> dict[str, Any]:
+class _Ask:
+    """What one cell's requests ask: the model, the messages, the conversation warmed on
+    intent (or none) and the client's options."""
+
+    def __init__(self, mode: str, rep: int, max_tokens: int) -> None:
+        self.model = "default"
+        self.messages: list[dict[str, str]] = _PROMPT
+        self.conversation: dict[str, Any] | None = None
+        self.options: dict[str, Any] = {}
+        if mode in HISTORY_MODES:
+            self.model = HISTORY_MODEL
+        if mode.startswith("history-7b"):
+            # Its own history per request: nothing of it is cached before its warm-up.
+            history = conversation(f"Conversation {rep} of {mode}.", HISTORY_TOKENS)
+            self.messages = [*history, NEXT]
+            self.conversation = {"model": self.model, "messages": history}
+        if mode == "history-7b-uncompressed":
+            self.options = {"compressRequests": False}
+        self.request = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens}
+
+
+def _body_bytes(events: list[tuple[str, dict[str, Any]]], path: str) -> int | None:
+    """The body of the last POST to ``path`` among ``events``, in bytes as sent."""
+    found = None
+    for method, p in events:
+        request = p.get("request", {})
+        if method == "Network.requestWillBeSent" and request.get("method") == "POST" \
+                and urlsplit(request.get("url", "")).path.endswith(path):
+            entries = request.get("postDataEntries") or []
+            found = sum(len(base64.b64decode(e.get("bytes", ""))) for e in entries)
+    return found
+
+
+async def _stream(page: Page, transport: str, ask: _Ask) -> dict[str, Any]:
     """One measured stream on ``page``: the line to print (without cell and rep)."""
     bench = await page.evaluate(READY)
-    request = {"model": "default", "messages": _PROMPT, "max_tokens": max_tokens}
     mark = len(page.events())
-    got = await page.evaluate(script_for(bench["router"], bench["token"], transport, request),
-                              timeout_s=60)
-    preflights = sum(1 for method, p in page.events()[mark:]
+    got = await page.evaluate(script_for(bench["router"], bench["token"], transport,
+                                         ask.request, options=ask.options), timeout_s=60)
+    events = page.events()[mark:]
+    preflights = sum(1 for method, p in events
                      if method == "Network.requestWillBeSent"
                      and p.get("request", {}).get("method") == "OPTIONS")
     if "error" in got:
         return {"error": f"{got['error']}: {got.get('message')}"}
-    return {"timings": got["timings"], "preflights": preflights}
+    line = {"timings": got["timings"], "preflights": preflights}
+    if ask.model == HISTORY_MODEL:
+        line["usage"] = got["usage"]
+        line["body_bytes"] = _body_bytes(events, "/chat/completions")
+    return line
 
 
-async def _typing(page: Page, transport: str) -> None:
+async def _typing(page: Page, transport: str, ask: _Ask) -> None:
     """The user focuses the prompt box (intent: the page warms) and types for INTENT_S."""
     bench = await page.evaluate(READY)
-    await page.evaluate(intent_script(bench["router"], bench["token"], transport))
+    await page.evaluate(intent_script(bench["router"], bench["token"], transport,
+                                      options=ask.options, conversation=ask.conversation))
     for _ in range(round(INTENT_S / KEYSTROKE_S)):
         await asyncio.sleep(KEYSTROKE_S)
         await page.evaluate(TYPE_KEY)
@@ -101,24 +166,25 @@ async def _typing(page: Page, transport: str) -> None:
 async def _cell(browser: Browser, page_url: str, spec: str, repeat: int,
                 max_tokens: int) -> None:
     transport, _, mode = parse_cell(spec)
-    if mode in ("cold", "intent"):
+    if mode in ("cold", "intent", "history-7b", "history-7b-uncompressed"):
         for rep in range(repeat):
+            ask = _Ask(mode, rep, max_tokens)
             try:
                 async with browser.isolated_page(page_url) as page:
-                    if mode == "intent":
-                        await _typing(page, transport)
-                    _emit({"cell": spec, "rep": rep, **await _stream(page, transport,
-                                                                     max_tokens)})
+                    if mode != "cold":
+                        await _typing(page, transport, ask)
+                    _emit({"cell": spec, "rep": rep, **await _stream(page, transport, ask)})
             except BrowserError as exc:
                 _emit({"cell": spec, "rep": rep, "error": str(exc)})
         return
+    ask = _Ask(mode, 0, max_tokens)
     async with browser.isolated_page(page_url + "?warm=1") as page:
-        warmup = await _stream(page, transport, max_tokens)
+        warmup = await _stream(page, transport, ask)
         if "error" in warmup:
             print(f"browser runner: warm-up of {spec} failed: {warmup['error']}",
                   file=sys.stderr)
         for rep in range(repeat):
-            _emit({"cell": spec, "rep": rep, **await _stream(page, transport, max_tokens)})
+            _emit({"cell": spec, "rep": rep, **await _stream(page, transport, ask)})
 
 
 async def run(args: argparse.Namespace, cert_pem: bytes) -> None:

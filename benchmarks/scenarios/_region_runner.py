@@ -2,7 +2,9 @@
 
 ``python -m firstbyte.benchmarks.scenarios._region_runner --host IP --region NAME --certfile C
 --keyfile K``
-starts a sim (``--profile``, on 127.0.0.1 inside the host, so only the router can reach it) and
+starts a sim (``--profile``, on 127.0.0.1 inside the host, so only the router can reach it;
+it serves the model ``default``; each ``--extra-sim PROFILE`` is one more, serving its
+profile's model, and the router routes each request to the sim of its model) and
 a router on ``IP`` (TLS with HTTP/1.1, HTTP/2 and HTTP/3 with 0-RTT on one port), then prints
 one JSON line on stdout::
 
@@ -43,6 +45,7 @@ from firstbyte.benchmarks.world import PEER_KEY_ENV
 from firstbyte.protocol import paths
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
+from firstbyte.router.sim.profiles import get_profile
 from firstbyte.router.sim.server import SimConfig
 from firstbyte.router.state import RouterState
 from firstbyte.router.streams import owner_of
@@ -80,8 +83,16 @@ async def serve_region(args: argparse.Namespace) -> None:
     sim_config = {"profile": args.profile, "served_model_names": ["default"]}
     sim = SimHandle(msgspec.convert(sim_config, SimConfig))
     await sim.start()
+    extra = [SimHandle(msgspec.convert({"profile": p}, SimConfig)) for p in args.extra_sim]
     page: asyncio.Server | None = None
     try:
+        for handle in extra:
+            await handle.start()
+        upstreams: list[dict[str, Any]] = [{"url": sim.url, "name": f"{args.region}-sim"}]
+        if extra:  # each sim for its model only, from the first request on
+            upstreams[0]["models"] = ["default"]
+            upstreams += [{"url": h.url, "name": f"{args.region}-sim-{h.config.profile}",
+                           "models": [get_profile(h.config.profile).model]} for h in extra]
         browser: dict[str, Any] = {}
         if args.page_port is not None:
             router_url: list[str] = []
@@ -90,7 +101,12 @@ async def serve_region(args: argparse.Namespace) -> None:
             page = await serve_page(args.host, args.page_port, tls, lambda: router_url[0],
                                     lambda: mint_token(endpoints.app.state))
             page_origin = f"https://{args.host}:{page.sockets[0].getsockname()[1]}"
-            browser = {"cors": {"allow_origins": [page_origin]}}
+            browser = {
+                "cors": {"allow_origins": [page_origin]},
+                # Every page of the bench is one user (the anonymous key's tokens, no
+                # subject), and an intent cell warms a prompt per request.
+                "limits": {"prompt_warms_per_min_per_subject": 10_000},
+            }
         config = parse_config(
             {
                 "region": args.region,
@@ -100,7 +116,7 @@ async def serve_region(args: argparse.Namespace) -> None:
                     "certfile": args.certfile,
                     "keyfile": args.keyfile,
                 },
-                "upstreams": [{"url": sim.url, "name": f"{args.region}-sim"}],
+                "upstreams": upstreams,
                 # An emulated world inside this machine's namespaces: no keys to hand out.
                 "auth": {"allow_anonymous": True},
                 **_peering(args),
@@ -128,6 +144,8 @@ async def serve_region(args: argparse.Namespace) -> None:
     finally:
         if page is not None:
             page.close()
+        for handle in extra:
+            await handle.stop()
         await sim.stop()
 
 
@@ -145,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--certfile", required=True)
     parser.add_argument("--keyfile", required=True)
     parser.add_argument("--profile", default="instant", help="the sim's cost profile")
+    parser.add_argument("--extra-sim", action="append", default=[], metavar="PROFILE",
+                        help="one more sim, of this profile, serving its profile's model "
+                             "(repeatable)")
     parser.add_argument("--peer", nargs=4, action="append", default=[],
                         metavar=("NAME", "URL", "LAT", "LON"),
                         help="another region's router (repeatable; key in $FIRSTBYTE_PEER_KEY)")

@@ -13,8 +13,19 @@ geography it reports both side by side: TTFT, the browser's paint time, round tr
 first byte (measured against the SDK's theory), the CORS preflights Chromium sent, and what the
 browser adds. HTTP/3: Chromium forced onto QUIC for the router's origin
 (``--origin-to-force-quic-on``), trusting its certificate by key; the report says what Chromium
-negotiated. Without root or /dev/net/tun it runs on loopback (no round trips to see); without
-Chromium it cannot run and says how to install it.
+negotiated.
+
+In the farthest geography it also measures a long conversation's next message where users
+are: the region has a second sim, ``h100-7b`` (its own model name; the router routes by
+model), and fetch-SSE over HTTP/2 streams from it (:data:`HISTORY_CELLS`, browser only): a
+short prompt on a warm page (the floor), and an ~8K-token history of English prose plus the
+next message, warmed on intent (the connection and the prompt, while the user types 2 s),
+with the client's request compression (default) and without. A history over TCP's initial
+window pays a round trip to upload; gzip brings it under. The report's second sentence says
+what that message costs over the floor.
+
+Without root or /dev/net/tun it runs on loopback (no round trips to see); without Chromium it
+cannot run and says how to install it.
 """
 
 from __future__ import annotations
@@ -29,6 +40,10 @@ import msgspec
 
 from firstbyte.benchmarks.browser import chromium_path
 from firstbyte.benchmarks.scenarios import _rtt_theory as theory
+from firstbyte.benchmarks.scenarios._browser_runner import (
+    HISTORY_PROFILE,
+    HISTORY_TOKENS,
+)
 from firstbyte.benchmarks.scenarios.transports import (
     GEOGRAPHIES,
     QUICK_GEOGRAPHIES,
@@ -40,12 +55,16 @@ from firstbyte.benchmarks.stats import percentile, summarize
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
 from firstbyte.client_sdk.timings import Timings
 
-__all__ = ["SDK_CELL", "cells", "run", "run_browser"]
+__all__ = ["HISTORY_CELLS", "SDK_CELL", "cells", "next_message", "run", "run_browser"]
 
 MAX_TOKENS = 8
 SDK_CELL = {"sse-fetch": "sse", "eventsource": "sse", "websocket": "websocket",
             "longpoll": "longpoll"}
 """The Python SDK's transport for each browser transport (EventSource reads SSE)."""
+HISTORY_CELLS = ("sse-fetch/2/short-7b", "sse-fetch/2/history-7b",
+                 "sse-fetch/2/history-7b-uncompressed")
+"""A long conversation's next message on the h100-7b sim, farthest geography, browser only
+(:mod:`._browser_runner`): the floor, warmed on intent and compressed, and uncompressed."""
 MISSING_CHROMIUM = ("browser: chromium not found: install the system package "
                     "(Debian/Ubuntu: apt-get install chromium) and run again")
 
@@ -97,8 +116,9 @@ async def run_browser(quick: bool, *, force_loopback: bool = False,
     measured = cells(quick)
     sdk_cells = list(dict.fromkeys(sdk_cell(c) for c in measured))
     lines: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    far = max(geos, key=lambda g: g.rtt_ms)
     async with World(regions=[REGION_HOST], clients=[g.host for g in geos], emulator=emulator,
-                     browser_pages=True) as world:
+                     browser_pages=True, extra_sims=[HISTORY_PROFILE]) as world:
         region = world.regions[REGION_HOST]
         assert region.page_url is not None
         for g in geos:
@@ -108,7 +128,7 @@ async def run_browser(quick: bool, *, force_loopback: bool = False,
                     "--page", region.page_url, "--router", region.url,
                     "--cert", world.cert_file, "--repeat", str(repeat),
                     "--max-tokens", str(MAX_TOKENS)]
-            for cell in measured:
+            for cell in [*measured, *(HISTORY_CELLS if g is far else ())]:
                 argv += ["--cell", cell]
             for line in await world.run_lines(g.host, argv, "Chromium", 600.0):
                 lines.setdefault((g.name, "browser", line["cell"]), []).append(line)
@@ -116,7 +136,7 @@ async def run_browser(quick: bool, *, force_loopback: bool = False,
                     g.host, REGION_HOST, sdk_cells, repeat=repeat, max_tokens=MAX_TOKENS,
                     request_timeout_s=30.0, time_limit_s=600.0):
                 lines.setdefault((g.name, "sdk", line["cell"]), []).append(line)
-    return _results(mode, why, geos, measured, lines, repeat)
+    return _results(mode, why, geos, measured, lines, repeat, far)
 
 
 def _timings(lines: Sequence[dict[str, Any]]) -> list[Timings]:
@@ -128,9 +148,14 @@ def _median(values: Sequence[float | None]) -> float | None:
     return round(percentile(got, 50), 1) if got else None
 
 
+def _median_int(values: Sequence[int | None]) -> int | None:
+    got = _median([v for v in values if v is not None])
+    return None if got is None else round(got)
+
+
 def _results(mode: str, why: str | None, geos: Sequence[Geography], measured: Sequence[str],
              lines: dict[tuple[str, str, str], list[dict[str, Any]]],
-             repeat: int) -> dict[str, Any]:
+             repeat: int, far: Geography) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     for g in geos:
@@ -155,13 +180,111 @@ def _results(mode: str, why: str | None, geos: Sequence[Geography], measured: Se
                 }
                 runs.append(run)
             table.append(_side_by_side(g, cell, lines))
+    history = [_history_row(far, cell, lines.get((far.name, "browser", cell), []))
+               for cell in HISTORY_CELLS]
+    for row, cell in zip(history, HISTORY_CELLS, strict=True):
+        got = lines.get((far.name, "browser", cell), [])
+        samples = _timings(got)
+        runs.append({
+            "transport": "browser sse-fetch", "protocol": "HTTP/2",
+            "geography": f"{far.name} {cell.split('/')[2]}", "cell": f"browser {cell}",
+            "state": cell.split("/")[2], "place": far.name, "rtt_ms": far.rtt_ms,
+            **summarize(samples,
+                        duration_s=math.fsum(t.e2el_ms or 0 for t in samples) / 1000,
+                        failed=row["failed"]),
+            "errors": [line["error"] for line in got if "error" in line][:3],
+        })
+    headline = next_message(history)
     return {
         "scenario": "browser",
-        "description": first_message(table)["answer"] + " " + _description(mode, geos, repeat),
-        "summary": _summary(mode, table),
+        "description": (first_message(table)["answer"] + " " + headline["answer"] + " "
+                        + _description(mode, geos, repeat)),
+        "summary": _summary(mode, table, _history_summary(headline)),
         "runs": runs,
         "browser_vs_sdk": table,
+        "long_history": history,
         "notes": _notes(mode, why),
+    }
+
+
+def _history_row(g: Geography, cell: str, got: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One long-conversation cell: its TTFT and what the sim and Chromium saw of it."""
+    ok = [line for line in got if "timings" in line]
+    usage = [line.get("usage") or {} for line in ok]
+    return {
+        "geography": g.name,
+        "rtt_ms": g.rtt_ms,
+        "cell": cell,
+        "browser_ttft_ms": _median([line["timings"].get("first_token_ms") for line in ok]),
+        "requests": len(ok),
+        "failed": sum(1 for line in got if "error" in line),
+        "body_bytes": _median_int([line.get("body_bytes") for line in ok]),
+        "prompt_tokens": _median([u.get("prompt_tokens") for u in usage]),
+        "cached_tokens": _median([(u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                                  for u in usage]),
+        "first_byte_ms": _median([line["timings"].get("first_byte_ms") for line in ok]),
+        # The router's Server-Timing: "queue" runs from the request's head to its admission,
+        # so it holds the body's upload; "upstream-headers" is the backend's part.
+        "server_timing_ms": {
+            name: _median([(line["timings"].get("server_timing") or {}).get(name)
+                           for line in ok])
+            for name in sorted({n for line in ok
+                                for n in line["timings"].get("server_timing") or {}})},
+        "warm": all(line["timings"].get("warm") for line in ok) if ok else None,
+        "preflights": _median([line.get("preflights") for line in ok]),
+    }
+
+
+def next_message(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What an 8K-token conversation's next message costs over a short prompt: TTFT medians
+    (ms) of the :data:`HISTORY_CELLS` rows, the ratios to the floor and ``answer``, one
+    sentence."""
+    by_mode = {row["cell"].split("/")[2]: row for row in rows}
+    ttft = {mode: by_mode[mode]["browser_ttft_ms"] if mode in by_mode else None
+            for mode in ("short-7b", "history-7b", "history-7b-uncompressed")}
+    floor = ttft["short-7b"]
+
+    def over(mode: str) -> float | None:
+        got = ttft[mode]
+        return None if got is None or not floor else round((got / floor - 1) * 100, 1)
+
+    out: dict[str, Any] = {
+        "geography": rows[0]["geography"] if rows else None,
+        "rtt_ms": rows[0]["rtt_ms"] if rows else None,
+        "short_ttft_ms": floor,
+        "history_ttft_ms": ttft["history-7b"],
+        "uncompressed_ttft_ms": ttft["history-7b-uncompressed"],
+        "history_over_short_pct": over("history-7b"),
+        "uncompressed_over_short_pct": over("history-7b-uncompressed"),
+        "history_body_bytes": by_mode.get("history-7b", {}).get("body_bytes"),
+        "uncompressed_body_bytes": by_mode.get("history-7b-uncompressed", {}).get("body_bytes"),
+    }
+
+    def said(mode: str) -> str:
+        pct = over(mode)
+        return ("not measured" if ttft[mode] is None
+                else f"{ttft[mode]:g} ms" + ("" if pct is None else f", {pct:+g}%"))
+
+    where = "" if out["rtt_ms"] is None else f" at {out['geography']} ({out['rtt_ms']:g} ms RTT)"
+    out["answer"] = (
+        f"An {HISTORY_TOKENS // 1000}K-token conversation's next message{where}, fetch-SSE "
+        f"over HTTP/2 on the {HISTORY_PROFILE} sim, warmed on intent (2 s of typing), TTFT "
+        f"median: {said('history-7b')} over a short prompt on a warm page "
+        f"({'not measured' if floor is None else f'{floor:g} ms'}); uncompressed "
+        f"{said('history-7b-uncompressed')}.")
+    return out
+
+
+def _history_summary(headline: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "next message: short / 8K history / 8K uncompressed ttft_ms": (
+            f"{headline['short_ttft_ms']} / {headline['history_ttft_ms']} / "
+            f"{headline['uncompressed_ttft_ms']}"),
+        "next message: 8K history / uncompressed over short %": (
+            f"{headline['history_over_short_pct']} / "
+            f"{headline['uncompressed_over_short_pct']}"),
+        "next message: body bytes gzip / uncompressed": (
+            f"{headline['history_body_bytes']} / {headline['uncompressed_body_bytes']}"),
     }
 
 
@@ -217,7 +340,8 @@ def _side_by_side(g: Geography, cell: str,
 
 def _description(mode: str, geos: Sequence[Geography], repeat: int) -> str:
     where = ", ".join(f"{g.name} {g.rtt_ms:g} ms" for g in geos)
-    how = ("router + instant sim and the page's origin in a region namespace (us-east-1); "
+    how = ("router + instant sim (and an h100-7b sim for the long conversation) and the page's "
+           "origin in a region namespace (us-east-1); "
            "headless Chromium and the Python SDK in client namespaces behind the WAN emulator"
            if mode == "emulated" else "LOOPBACK MODE: router, page, Chromium and SDK on "
            "127.0.0.1")
@@ -272,7 +396,8 @@ def first_message(table: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _summary(mode: str, table: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _summary(mode: str, table: Sequence[dict[str, Any]],
+             history: dict[str, Any]) -> dict[str, Any]:
     headline = first_message(table)
     out: dict[str, Any] = {
         "first message: cold / intent / warm ttft_ms": (
@@ -281,6 +406,7 @@ def _summary(mode: str, table: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "first message: cold / intent / warm first_byte_rtts": (
             f"{headline['cold_first_byte_rtts']} / {headline['intent_first_byte_rtts']} / "
             f"{headline['warm_first_byte_rtts']}"),
+        **history,
         "prewarm saves ms": headline["prewarm_saves_ms"],
         "prewarm saves rtts": headline["prewarm_saves_rtts"],
         "mode": mode,
@@ -323,6 +449,14 @@ def _notes(mode: str, why: str | None) -> list[str]:
         "WebSocket has no Resource Timing (its first byte is its first message) and needs no "
         "CORS preflight. A finished stream leaves its WebSocket open for the client's next "
         "stream (as the SDK's): warm, one round trip.",
+        f"long_history (the farthest geography, browser only, the {HISTORY_PROFILE} sim): "
+        "short-7b is a warm page's short prompt (the floor); history-7b is an intent cell whose "
+        f"page warms the connection and the prompt (warmOnIntent with a ~{HISTORY_TOKENS}-token "
+        "history of English prose from pydoc_data.topics, its own per request) while the user "
+        "types 2 s, then sends that history and the next message, gzip-compressed by the "
+        "client (its default: bodies over 10 KiB); history-7b-uncompressed the same with "
+        "compressRequests: false. body_bytes: the measured request's body as Chromium sent it; "
+        "prompt_tokens and cached_tokens: the sim's usage (the warm-up cached the history).",
         "theory_first_byte_rtts is the SDK's; a browser start is a simple request (no "
         "preflight), but long-poll's polls send Authorization and are preflighted (the "
         "preflight cache is per URL): the preflights column counts what Chromium sent.",

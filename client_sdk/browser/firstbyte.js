@@ -20,8 +20,13 @@
 // no custom header), so a cold page's first message costs no OPTIONS round trip. `client.prewarm()`
 // opens the connection before the user sends; `client.warmOnIntent(promptBox)` does it on
 // focus or a keystroke and keeps it warm while the page is visible (warm.js).
+//
+// A request body over 10 KiB (a long conversation) is sent gzip-compressed where the browser
+// has CompressionStream, so that it fits in a new connection's first flight (compress.js);
+// `compressRequests: false` sends every body as it is.
 
 import { ERROR_CODES, HEADERS, PATHS, TOKENS, WS } from "./protocol.js";
+import { declareEncoding, encodeBody } from "./compress.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
 import { EventAssembler, STREAMED } from "./formats.js";
 import {
@@ -122,7 +127,7 @@ export class Client {
   constructor({ baseUrl, token, transport = "sse-fetch", idleTimeoutS = 30, maxResumes = 5,
                 resumeBackoffS = 0.05, stallRetries = 1, pollWaitS = 10,
                 reportTimings = false, reportIntervalS = 10, reportBatch = 50,
-                retries = 2, retryBudgetS = 5, simpleStart = true }) {
+                retries = 2, retryBudgetS = 5, simpleStart = true, compressRequests = true }) {
     if (!TRANSPORTS.includes(transport)) {
       throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
     }
@@ -141,6 +146,9 @@ export class Client {
     this.retryBudgetS = retryBudgetS;
     /** Starts (and SSE resumes) as CORS simple requests: no preflight (docs/browser.md). */
     this.simpleStart = simpleStart;
+    /** Bodies over 10 KiB (a stream's start, a prompt warm-up) go gzip-compressed where the
+     * browser can (compress.js): a long history then fits in the first flight. */
+    this.compressRequests = compressRequests;
     /** When this client last sent a request to the router (seconds, performance.now()). */
     this.lastUseS = null;
     /** A prewarm on intent opened the connection and no stream has used it yet. */
@@ -206,17 +214,18 @@ export class Client {
   }
 
   async #warmPrompt(model, messages) {
-    const body = JSON.stringify({ model, messages });
+    const { body, encoding } = await encodeBody(JSON.stringify({ model, messages }),
+                                                { compress: this.compressRequests });
     const url = new URL(this.url(PATHS.EDGE_WARM));
-    let init;
+    let headers;
     if (this.simpleStart) {
       url.searchParams.set(TOKENS.QUERY_PARAM, this.token);
-      init = { method: "POST", body, headers: { "content-type": "text/plain" } };
+      headers = { "content-type": "text/plain" };
     } else {
-      init = { method: "POST", body, headers: {
-        authorization: `Bearer ${this.token}`, "content-type": "application/json" } };
+      headers = { authorization: `Bearer ${this.token}`, "content-type": "application/json" };
     }
-    const response = await fetch(url.href, init);
+    const [href, sent] = declareEncoding(url.href, headers, encoding, this.simpleStart);
+    const response = await fetch(href, { method: "POST", body, headers: sent });
     if (response.ok) return await response.json();
     const err = await errorFrom(response);
     if (err.code === ERROR_CODES.PROMPT_WARM_BUSY || err.code === ERROR_CODES.PROMPT_WARM_LIMITED) {
@@ -281,6 +290,8 @@ export class ChatStream {
   constructor(client, body, { onFirstToken, into, format = null }) {
     this.client = client;
     this.body = JSON.stringify(body);
+    /** The start's body as sent (compress.js), encoded once on the first start. */
+    this.encoded = null;
     this.onFirstToken = onFirstToken;
     this.into = into;
     /** null (chat) or a formats.js format name: its path, assembler and `endpoint`. */
@@ -458,18 +469,18 @@ export class ChatStream {
 
   /** A POST that starts a stream (chat completions SSE, or /v1/streams for the others), at
    * this stream's format's URL. With `simpleStart` a CORS simple request: the token in the
-   * URL, the JSON as text/plain. */
-  start(channel) {
-    const url = this.formatUrl(this.client.startUrl());
-    if (this.client.simpleStart) {
-      return this.fetch(url, {
-        method: "POST", body: this.body, headers: { "content-type": "text/plain" },
-      }, channel);
-    }
-    return this.fetch(url, {
-      method: "POST", body: this.body,
-      headers: this.headers({ "content-type": "application/json" }),
-    }, channel);
+   * URL, the JSON as text/plain. A body over 10 KiB goes gzip-compressed
+   * (`compressRequests`; the encoding as `?encoding=` on a simple request). */
+  async start(channel) {
+    this.encoded ??= encodeBody(this.body, { compress: this.client.compressRequests });
+    const { body, encoding, bytes } = await this.encoded;
+    this.recorder.record.request_bytes = bytes;
+    const simple = this.client.simpleStart;
+    const own = simple ? { "content-type": "text/plain" }
+      : this.headers({ "content-type": "application/json" });
+    const [url, headers] = declareEncoding(
+      this.formatUrl(this.client.startUrl()), own, encoding, simple);
+    return this.fetch(url, { method: "POST", body, headers }, channel);
   }
 
   /** GET /v1/streams/{id}/poll from `after`, waiting up to `waitS`: the URL and the fetch
@@ -588,6 +599,9 @@ async function webSocket(stream, channel, streamId, after) {
   const send = () => {
     client.lastUseS = performance.now() / 1000;
     stream.recorder.requestSent();
+    if (streamId === null) {
+      stream.recorder.record.request_bytes = new TextEncoder().encode(stream.body).length;
+    }
     socket.send(streamId === null
       ? `{"type":"${WS.REQUEST}",${stream.format ? `"endpoint":"${stream.format}",` : ""}"body":${stream.body}}`
       : JSON.stringify({ type: WS.RESUME, stream: streamId, after }));

@@ -38,6 +38,7 @@ export function newTimings(transport) {
     inter_token_ms: [],
     output_chunks: 0,
     resumes: 0,
+    request_bytes: null, // the request body as sent (gzipped when the client compressed it)
     server_timing: {},
     // The browser's own:
     resource_timing: "none", // "full" | "restricted" (no Timing-Allow-Origin) | "none"
