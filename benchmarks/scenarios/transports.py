@@ -27,6 +27,7 @@ from firstbyte.benchmarks.scenarios import _rtt_theory as theory
 from firstbyte.benchmarks.stats import percentile, summarize
 from firstbyte.benchmarks.wan import Emulator, Host, LinkParams
 from firstbyte.benchmarks.wan.delayline import NS_PER_MS
+from firstbyte.benchmarks.wan.emulator import CLIENT_CONGESTION_CONTROL
 from firstbyte.benchmarks.wan.geo import last_miles, region_rtt_ms
 from firstbyte.benchmarks.world import LOOPBACK_LIMITS, World, WorldError, choose_mode
 from firstbyte.client_sdk.timings import Timings
@@ -99,7 +100,8 @@ def cells(quick: bool) -> list[str]:
 
 def _emulator(geos: Sequence[Geography]) -> Emulator:
     hosts = [Host(REGION_HOST, "198.51.100.10")]
-    hosts += [Host(g.host, f"192.0.2.{10 + i}") for i, g in enumerate(geos)]
+    hosts += [Host(g.host, f"192.0.2.{10 + i}", CLIENT_CONGESTION_CONTROL)
+              for i, g in enumerate(geos)]
     links = {}
     for g in geos:
         params = LinkParams(delay_ns=round(g.rtt_ms * NS_PER_MS / 2), loss_pct=g.loss_pct)

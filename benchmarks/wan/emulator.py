@@ -51,6 +51,16 @@ class Host:
 
     name: str
     ip: str
+    congestion_control: str | None = None
+    """Its TCP congestion control (e.g. :data:`CLIENT_CONGESTION_CONTROL`); None: this
+    machine's default."""
+
+
+CLIENT_CONGESTION_CONTROL = "cubic"
+"""What an emulated client host runs: CUBIC is the default of Windows, macOS, iOS, Android and
+Linux, so it is what users' devices send requests with, whatever this machine's default is
+(BBR paces a request body out over tens of milliseconds where CUBIC sends its first window at
+once)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,10 @@ class Emulator:
         """Create the namespaces and start forwarding (blocking; a few tens of ms per host)."""
         if self._net is None:
             self._net = Network.start(
-                [(h.name, h.ip) for h in self.hosts], self.link_params, seed=self.seed
+                [(h.name, h.ip) for h in self.hosts], self.link_params, seed=self.seed,
+                congestion={
+                    h.name: h.congestion_control for h in self.hosts if h.congestion_control
+                },
             )
             atexit.register(self.stop)
         return self

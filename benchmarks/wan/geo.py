@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from firstbyte.benchmarks.wan.delayline import NS_PER_MS, LinkParams
-from firstbyte.benchmarks.wan.emulator import Emulator, Host
+from firstbyte.benchmarks.wan.emulator import CLIENT_CONGESTION_CONTROL, Emulator, Host
 from firstbyte.router.geo import known_regions, measured_rtt_table
 
 DATA = Path(__file__).with_name("data")
@@ -152,7 +152,10 @@ class Profile:
         counts = dict.fromkeys(prefixes, 0)
         out = []
         for site in self.sites:
-            out.append(Host(site.name, f"{prefixes[site.role]}.{10 + counts[site.role]}"))
+            out.append(Host(
+                site.name, f"{prefixes[site.role]}.{10 + counts[site.role]}",
+                CLIENT_CONGESTION_CONTROL if site.role == "client" else None,
+            ))
             counts[site.role] += 1
         return out
 

@@ -33,6 +33,9 @@ from firstbyte.benchmarks.wan.delayline import LinkParams
 from firstbyte.benchmarks.wan.forwarder import ForwarderConfig
 
 STATE_DIR = Path("/run/firstbyte-wan")
+AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+CC_IN_NAMESPACE = Path("/proc/sys/net/ipv4/tcp_congestion_control")
 EMULATED_PREFIXES = ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")
 _NETWORKS = tuple(ipaddress.ip_network(p) for p in EMULATED_PREFIXES)
 HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -169,6 +172,9 @@ class RunState:
     forwarder_start: int | None = None
     detached: bool = False
     created: float = field(default_factory=time.time)
+    allowed_cc_before: str | None = None
+    """This machine's ``tcp_allowed_congestion_control`` before the run widened it (None: the
+    run left it alone); put back at teardown."""
 
     @property
     def path(self) -> Path:
@@ -216,6 +222,9 @@ def teardown(state: RunState) -> None:
         ip_cmd(
             "-force", "-batch", "-", stdin="".join(f"netns del {ns}\n" for ns in gone), check=False
         )
+    if state.allowed_cc_before is not None:
+        with contextlib.suppress(OSError):
+            ALLOWED_CC.write_text(state.allowed_cc_before)
     with contextlib.suppress(FileNotFoundError):
         state.path.unlink()
     for suffix in ("forwarder.json", "forwarder.log"):
@@ -283,12 +292,17 @@ class Network:
         links: dict[tuple[str, str], LinkParams],
         seed: int = 0,
         detached: bool = False,
+        congestion: dict[str, str] | None = None,
     ) -> Network:
         """Create one namespace per ``(name, ip)`` host and forward between them per ``links``
-        (keyed by host names, one entry per direction). On failure everything created so far
-        is removed before the exception propagates."""
+        (keyed by host names, one entry per direction); a host named in ``congestion`` runs
+        that TCP congestion control (else this machine's default). On failure everything
+        created so far is removed before the exception propagates."""
         validate_hosts(hosts)
         names = [name for name, _ in hosts]
+        for name in congestion or {}:
+            if name not in names:
+                raise ValueError(f"congestion names {name!r}, which is not in {names}")
         for a, b in links:
             if a not in names or b not in names:
                 raise ValueError(f"link {a}->{b} names a host that is not in {names}")
@@ -312,6 +326,7 @@ class Network:
         net = cls(state, None)
         try:
             net._setup(names, links, seed, detached)
+            net._set_congestion(congestion or {})
         except BaseException:
             net.stop()
             raise
@@ -381,6 +396,33 @@ class Network:
                 ),
             ]
             ip_cmd("-n", state.namespaces[n], "-batch", "-", stdin="\n".join(script) + "\n")
+
+    def _set_congestion(self, congestion: dict[str, str]) -> None:
+        """Give each named host's namespace its TCP congestion control. A namespace may only
+        default to an algorithm this machine allows unprivileged sockets to pick
+        (``tcp_allowed_congestion_control``), so the run adds it there and teardown puts the
+        list back."""
+        if not congestion:
+            return
+        available = AVAILABLE_CC.read_text().split()
+        allowed = ALLOWED_CC.read_text().split()
+        missing = sorted(set(congestion.values()) - set(available))
+        if missing:
+            raise WanError(
+                f"TCP congestion control {', '.join(missing)} is not available on this kernel "
+                f"(available: {' '.join(available)})"
+            )
+        extra = [cc for cc in dict.fromkeys(congestion.values()) if cc not in allowed]
+        if extra:
+            self.state.allowed_cc_before = " ".join(allowed)
+            self.state.save()  # before the change, so a crash from here on puts it back
+            ALLOWED_CC.write_text(" ".join([*allowed, *extra]))
+        for host, cc in congestion.items():
+            subprocess.run(
+                [*self.exec_prefix(host), sys.executable, "-c",
+                 f"open({str(CC_IN_NAMESPACE)!r}, 'w').write({cc!r})"],
+                check=True, capture_output=True, timeout=30, env=python_env(),
+            )
 
     def exec_prefix(self, host: str) -> list[str]:
         """The argv prefix that runs a command inside ``host``'s namespace."""

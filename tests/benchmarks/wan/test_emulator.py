@@ -387,3 +387,20 @@ def test_geography_profile_runs_with_its_configured_rtts() -> None:
         assert pair.configured_rtt_ms == profile.rtt_ms(sites[pair.src], sites[pair.dst])
         assert pair.samples == 8
         assert 0.0 <= pair.error_ms <= 1.0, report.render()
+
+
+def _congestion_control(wan: Emulator, host: str) -> str:
+    argv = wan.command(host, [sys.executable, "-c", "print(open("
+                              "'/proc/sys/net/ipv4/tcp_congestion_control').read().strip())"])
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_client_host_runs_its_own_congestion_control_and_the_machine_is_put_back() -> None:
+    allowed = netns.ALLOWED_CC.read_text()
+    machine = netns.CC_IN_NAMESPACE.read_text().strip()
+    hosts = [Host("cc-client", "192.0.2.30", "cubic"), Host("cc-server", "198.51.100.30")]
+    with Emulator(hosts) as wan:
+        assert _congestion_control(wan, "cc-client") == "cubic"
+        assert _congestion_control(wan, "cc-server") == machine
+        assert "cubic" in netns.ALLOWED_CC.read_text().split()
+    assert netns.ALLOWED_CC.read_text() == allowed
