@@ -115,6 +115,15 @@ def test_quick_run_compares_browser_and_sdk_round_trips(quick_runs: QuickRuns) -
     plain = history["sse-fetch/2/history-7b-uncompressed"]["body_bytes"]
     assert plain > 20_000, plain
     assert gzipped < min(12_000, plain / 2.5), (gzipped, plain)
+    # What compression is for, in round trips (a physical bound, not a timing): the emulated
+    # client runs CUBIC and the connection idled while the user typed, so the uncompressed
+    # body's second flight waits a round trip (the router's `queue`, its head to its whole
+    # body), and the gzipped one, inside the initial window, arrives with its head.
+    rtt = history["sse-fetch/2/history-7b"]["rtt_ms"]
+    plain_queue = history["sse-fetch/2/history-7b-uncompressed"]["server_timing_ms"]["queue"]
+    gzipped_queue = history["sse-fetch/2/history-7b"]["server_timing_ms"]["queue"]
+    assert plain_queue >= 0.9 * rtt, (plain_queue, rtt)
+    assert gzipped_queue < 0.5 * rtt, (gzipped_queue, rtt)
     said = next_message(results["long_history"])
     assert said["history_ttft_ms"] is not None
     assert said["short_ttft_ms"] is not None
