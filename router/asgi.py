@@ -122,7 +122,8 @@ class Disconnect:
         (``work`` is left running: the caller decides whether to cancel it)."""
         listener = self.listener
         if not work.done() and not listener.done():
-            # asyncio.wait's bookkeeping (sets, a counter, a timeout) for two futures.
+            # asyncio.wait(FIRST_COMPLETED) for two futures, without its sets, counter and
+            # timeout handling.
             woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
             def wake(_: object) -> None:
@@ -137,10 +138,6 @@ class Disconnect:
                 work.remove_done_callback(wake)
                 listener.remove_done_callback(wake)
         return work.done()
-
-    def gone(self) -> bool:
-        """Whether the client went away (a receive that failed counts as gone)."""
-        return self.listener.done() and not self.listener.cancelled()
 
     def stop(self) -> None:
         """Stop listening (the request is over); nothing is received after."""
