@@ -18,6 +18,7 @@ __all__ = [
     "ASGIApp",
     "BodyTimeout",
     "ClientGone",
+    "Disconnect",
     "Message",
     "Receive",
     "Scope",
@@ -104,19 +105,58 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
+class Disconnect:
+    """The client's disconnect, listened for by one task for the rest of a request whose body
+    was read: through the wait for the upstream's head (:meth:`unless_gone`) and the streamed
+    body (:func:`stream_body`'s ``disconnect``). One listener where each phase had its own
+    saves a task, its cancellation and an ``asyncio.wait`` per streamed request.
+    :meth:`stop` it when the request is over."""
+
+    __slots__ = ("listener",)
+
+    def __init__(self, receive: Receive) -> None:
+        self.listener: asyncio.Future[None] = asyncio.ensure_future(until_disconnect(receive))
+
+    async def unless_gone(self, work: asyncio.Future[Any]) -> bool:
+        """Wait for ``work``; True if it finished first, False if the client went away first
+        (``work`` is left running: the caller decides whether to cancel it)."""
+        listener = self.listener
+        if not work.done() and not listener.done():
+            # asyncio.wait(FIRST_COMPLETED) for two futures, without its sets, counter and
+            # timeout handling.
+            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake(_: object) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            work.add_done_callback(wake)
+            listener.add_done_callback(wake)
+            try:
+                await woken
+            finally:
+                work.remove_done_callback(wake)
+                listener.remove_done_callback(wake)
+        return work.done()
+
+    def stop(self) -> None:
+        """Stop listening (the request is over); nothing is received after."""
+        self.listener.cancel()
+
+
 async def unless_gone(receive: Receive, work: asyncio.Future[Any]) -> bool:
     """Wait for ``work`` while listening for the client's disconnect; True if ``work``
     finished first, False if the client went away first (``work`` is left running: the
     caller decides whether to cancel it). Only for a request whose body was read."""
-    listener = asyncio.ensure_future(until_disconnect(receive))
+    disconnect = Disconnect(receive)
     try:
-        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+        return await disconnect.unless_gone(work)
     finally:
+        listener = disconnect.listener
         if not listener.done():
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await listener
-    return work.done()
+                await listener  # settled before the next receive (a stream's own)
 
 
 def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
@@ -152,6 +192,8 @@ async def stream_body(
     status: int,
     headers: Headers,
     chunks: AsyncIterator[bytes],
+    *,
+    disconnect: Disconnect | None = None,
 ) -> bool:
     """Send ``chunks`` as one streamed response, each chunk flushed as it comes.
 
@@ -161,7 +203,8 @@ async def stream_body(
 
     The stream is sent from the calling task and only the listener is a task of its own,
     which cancels the caller when the client goes: one task per response fewer, and no
-    ``asyncio.wait``/``gather`` bookkeeping, than a task for each side.
+    ``asyncio.wait``/``gather`` bookkeeping, than a task for each side. ``disconnect``: the
+    request's listener already running (the caller stops it), else one is started here.
     """
     await send(
         {"type": "http.response.start", "status": status, "headers": _encode_headers(headers)}
@@ -169,17 +212,22 @@ async def stream_body(
     sender = asyncio.current_task()
     assert sender is not None
     gone = False
+    if disconnect is None:
+        disconnect = Disconnect(receive)
+        owned = True
+    else:
+        owned = False
+    listener = disconnect.listener
+    sending = True
 
-    async def listen() -> None:
+    def on_gone(done: asyncio.Future[None]) -> None:
         nonlocal gone
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                gone = True
-                sender.cancel()
-                return
+        # Run by the loop after the listener ended: perhaps after the body was done.
+        if sending and not done.cancelled() and done.exception() is None:
+            gone = True
+            sender.cancel()
 
-    listener = asyncio.ensure_future(listen())
+    listener.add_done_callback(on_gone)
     try:
         async for chunk in chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -193,7 +241,10 @@ async def stream_body(
         return False  # the client vanished mid-write
     finally:
         # Stopped before anything is awaited here: a disconnect from now on cancels nobody.
-        listener.cancel()
+        sending = False
+        listener.remove_done_callback(on_gone)
+        if owned:
+            listener.cancel()
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
             await aclose()  # run the producer's cleanup (reader detach) now, not at GC

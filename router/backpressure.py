@@ -228,12 +228,21 @@ class LoadTracker:
         return ours + max(0, others)
 
     def saturated(self, name: str, now: float) -> bool:
-        b = self.backends[name]
+        return self._saturated(self.backends[name], now)
+
+    def _saturated(self, b: BackendLoad, now: float) -> bool:
+        # :meth:`_fresh` and :meth:`load` inlined: asked of every backend three times a
+        # request (the fair gate, the region's room, the backend's choice).
         if not b.healthy:
             return True
-        if self._fresh(b, now) is not None and b.queued and b.queue > b.max_waiting:
+        ours = b.in_flight + b.elsewhere
+        m = b.metrics
+        if m is None or b.metrics_at is None or now - b.metrics_at > self.metrics_ttl_s:
+            return ours >= b.limit
+        if b.queued and b.queue > b.max_waiting:
             return True  # its queue is longer than allowed, whatever it runs
-        return self.load(name, now) >= b.limit
+        others = int((m.running or 0) + (m.waiting or 0)) - b.in_flight_at_metrics
+        return ours + max(0, others) >= b.limit
 
     def _names(self, among: Collection[str] | None) -> list[str]:
         return list(self.backends) if among is None else [n for n in self.backends if n in among]
@@ -241,7 +250,11 @@ class LoadTracker:
     def available(self, now: float, among: Collection[str] | None = None) -> list[str]:
         """Healthy, unsaturated backends (of ``among``: those serving a request's model), in
         configuration order."""
-        return [n for n in self._names(among) if not self.saturated(n, now)]
+        saturated = self._saturated
+        return [
+            n for n, b in self.backends.items()
+            if (among is None or n in among) and not saturated(b, now)
+        ]
 
     def healthy(self, among: Collection[str] | None = None) -> list[str]:
         return [n for n in self._names(among) if self.backends[n].healthy]

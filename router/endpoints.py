@@ -37,6 +37,7 @@ from firstbyte.protocol.tokens import QUERY_PARAM, TokenRequest
 from .asgi import (
     BodyTimeout,
     ClientGone,
+    Disconnect,
     Receive,
     Scope,
     Send,
@@ -74,6 +75,7 @@ from .readers import (
 )
 from .shared.errors import StateUnavailable, unavailable_reply
 from .state import CLIENT_GONE, RouterState
+from .streams import Stream
 from .tenancy import refusal
 
 __all__ = [
@@ -308,9 +310,22 @@ async def completion(
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
+    disconnect = Disconnect(receive)  # one listener for the head's wait and the body
+    try:
+        await _stream_response(state, scope, receive, send, ctx, stream, endpoint, disconnect)
+    finally:
+        disconnect.stop()
+
+
+async def _stream_response(
+    state: RouterState, scope: Scope, receive: Receive, send: Send, ctx: RequestContext,
+    stream: Stream, endpoint: str, disconnect: Disconnect,
+) -> None:
+    """Start the upstream for the attached ``stream``, then answer with its head: the SSE
+    body, or the upstream's error."""
     try:
         started = state.proxy.start_stream(ctx, stream)
-        if not await unless_gone(receive, started):
+        if not await disconnect.unless_gone(started):
             # Gone before the response head, so before learning the stream id: nobody can
             # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
             if stream.cancel_producer is not None:
@@ -343,6 +358,7 @@ async def completion(
             direct=body_writer(scope),
             tally=state.metrics.sse_events,
         ),
+        disconnect=disconnect,
     )
 
 

@@ -41,6 +41,7 @@ UNKNOWN_RETRY_S = 2.0
 ``routing.models_refresh_s``)."""
 
 log = logging.getLogger("firstbyte.router")
+_NOBODY: frozenset[str] = frozenset()
 _model_list = msgspec.json.Decoder(ModelList)
 
 
@@ -55,6 +56,19 @@ class ModelMap:
             name: frozenset(models) if models else None for name, models in configured.items()
         }
         self.listed_at: dict[str, float] = {}
+        self._index()
+
+    def _index(self) -> None:
+        """Who serves each listed model, and whose list is unknown: asked several times a
+        request, rebuilt only when a list changes. Bounded by the lists (``MAX_MODELS`` a
+        backend), never by the model names clients send."""
+        by_model: dict[str, list[str]] = {}
+        for name, models in self.lists.items():
+            for model in models or ():
+                by_model.setdefault(model, []).append(name)
+        self._by_model = {model: frozenset(names) for model, names in by_model.items()}
+        self.unknown_set = frozenset(n for n, models in self.lists.items() if models is None)
+        """:meth:`unknown` as a set."""
 
     def to_learn(self) -> list[str]:
         """Backends whose list comes from their ``/v1/models``."""
@@ -66,11 +80,18 @@ class ModelMap:
         self.listed_at[name] = now
         changed = self.lists.get(name) != models
         self.lists[name] = models
+        if changed:
+            self._index()
         return changed
+
+    def keep(self, name: str, models: frozenset[str] | None) -> None:
+        """``name``'s list is ``models`` (one learned before a reload, kept)."""
+        self.lists[name] = models
+        self._index()
 
     def serving(self, model: str) -> frozenset[str]:
         """The backends known to serve ``model``."""
-        return frozenset(n for n, models in self.lists.items() if models and model in models)
+        return self._by_model.get(model, _NOBODY)
 
     def unknown(self) -> list[str]:
         """Backends whose list is not known yet."""

@@ -386,7 +386,7 @@ class RegionRouting:
         self.draining = previous.draining
         for name in self.models.to_learn():  # a list learned stays until asked again
             if self.backends[name] is previous.backends.get(name):
-                self.models.lists[name] = previous.models.lists.get(name)
+                self.models.keep(name, previous.models.lists.get(name))
         if previous.lister.ready.is_set():
             self.lister.ready.set()  # requests need not wait for this routing's first asks
 

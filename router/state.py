@@ -380,7 +380,8 @@ class RouterState:
         if tracker.region_saturated(now, pool) or not tracker.healthy(pool):
             return CONTINUE
         refused = self.tenants_of(pool).fair_refusal(
-            ctx, self._fair_capacity(pool), now, tracker.retry_after_s(now, pool), full=False
+            ctx, self._fair_capacity(pool), now,
+            lambda: tracker.retry_after_s(now, pool), full=False,
         )
         self._forget_pool(pool)
         return CONTINUE if refused is None else refusal(refused)

@@ -322,8 +322,8 @@ class Tenants:
         return float(self.subjects_of(owner).in_flight(subject))
 
     def fair_refusal(
-        self, ctx: RequestContext, capacity: float, now: float, retry_after_s: int,
-        *, full: bool = True,
+        self, ctx: RequestContext, capacity: float, now: float,
+        retry_after_s: int | Callable[[], int], *, full: bool = True,
     ) -> Refusal | None:
         """None if ``ctx``'s key stays within its weighted fair share of the region's
         ``capacity`` and its subject within its share of the key's (admit it), else why not.
@@ -335,7 +335,10 @@ class Tenants:
         caller refuses it as a full region). Not full, the budget is ``capacity`` and the answer
         is None unless the demands of the flows asking (in flight, refused a moment ago,
         this request) exceed it: then a free slot goes to a flow below its share, not to
-        one above it that happened to ask first."""
+        one above it that happened to ask first.
+
+        ``retry_after_s`` may be the call that computes it: only a refusal needs it, and
+        most requests are admitted."""
         owner, subject = ctx.owner, ctx.subject or ""
         budget = min(capacity, float(self.keys.total())) if full else capacity
         key = self.keys.decide(owner, budget, now, weight_of=self.limiter.weight,
@@ -345,6 +348,7 @@ class Tenants:
             if key.flows > 1:
                 self.keys.asked(owner, now)
                 subjects.asked(subject, now)
+                retry_after_s = _resolved(retry_after_s)
                 return Refusal(
                     error_codes.KEY_OVER_FAIR_SHARE, retry_after_s,
                     f"The region is full and this API key holds {key.in_flight} requests,"
@@ -362,7 +366,7 @@ class Tenants:
             subjects.asked(subject, now)
             return ALONE
         subjects.asked(subject, now)
-        return _subject_over_share(mine.in_flight, mine.share, retry_after_s)
+        return _subject_over_share(mine.in_flight, mine.share, _resolved(retry_after_s))
 
     def forget_asks(self, now: float) -> None:
         self.keys.forget_asks(now)
@@ -370,6 +374,10 @@ class Tenants:
             subjects.forget_asks(now)
             if not subjects.active():
                 del self.subjects[owner]
+
+
+def _resolved(retry_after_s: int | Callable[[], int]) -> int:
+    return retry_after_s if isinstance(retry_after_s, int) else retry_after_s()
 
 
 ALONE = Refusal(error_codes.REGION_SATURATED, 1, "")

@@ -143,6 +143,10 @@ def guarded_protocols(
         """The connection's count; set before ``connection_made`` by whoever counted it at
         its accept (:mod:`.http1_split`), else taken there."""
         _head_timer: asyncio.TimerHandle | None = None
+        _head_due = False
+        """A head began in the read being parsed: its timer is armed once the read is parsed
+        if the head did not end in it. Most heads come whole in one read: no timer for them
+        (a timer made and cancelled in the same call cost ~5k instructions a request)."""
         _linger_timer: asyncio.TimerHandle | None = None
         _linger_ends = 0.0
         _last_data = 0.0
@@ -282,15 +286,20 @@ def guarded_protocols(
             ):
                 # The first bytes of a head (or of blank lines before one): its clock starts
                 # (nginx's client_header_timeout).
-                self._start_head_timer()
+                self._head_due = True
             super().data_received(data)
+            if self._head_due:  # the head goes on in a later read: now it needs its timer
+                self._head_due = False
+                if self._head_timer is None and not self.transport.is_closing():
+                    self._start_head_timer()
 
         def on_message_begin(self) -> None:
             if self._head_timer is None:  # a head that began where a dropped body ended
-                self._start_head_timer()
+                self._head_due = True  # parsers call back from data_received only
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
+            self._head_due = False
             self._stop_head_timer()
             before = self.cycle
             super().on_headers_complete()
@@ -301,6 +310,7 @@ def guarded_protocols(
                 extensions[BODY_WRITER] = uvicorn_writer(cycle)
 
         def handle_websocket_upgrade(self) -> None:
+            self._head_due = False
             self._stop_head_timer()
             counted, self.admission = self.admission, None
             ended, self.ended = self.ended, None

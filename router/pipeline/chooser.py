@@ -28,7 +28,7 @@ from ..models import ModelMap
 from ..peers import PeerTable
 from ..warmup import WarmPrefix, WarmupScheduler
 from .affinity import AffinityPolicy, BackendChoice, affinity_key
-from .region import RegionCandidate, RegionDecision, RegionModel, choose_region
+from .region import RegionCandidate, RegionDecision, RegionModel, Verdict, choose_region
 
 __all__ = ["CHARS_PER_TOKEN", "ModelMissing", "RouteChooser", "RouteDecision", "RouteInput"]
 
@@ -179,7 +179,7 @@ class RouteChooser:
         does, those whose list is not known yet (they may serve it: the only ones here that
         may). A backend whose list is unknown never takes a model another backend lists."""
         known = self.models.serving(model)
-        return known or frozenset(self.models.unknown())
+        return known or self.models.unknown_set
 
     def model_label(self, model: str, now: float) -> str:
         """``model`` if a local backend or a fresh peer lists it, else ``""``: the metrics'
@@ -212,6 +212,16 @@ class RouteChooser:
             serving = frozenset()  # a peer that lists it, before backends that may not serve it
         if not serving and not peers:
             return self.missing(route.model, forwarded=forwarded)
+        if not peers:
+            # This region alone: choose_region's answer is LOCAL with room, else REJECT, and
+            # no wait or prefill estimate can change it (none is computed: its expected_ms
+            # is empty).
+            room = (
+                not draining and bool(self.tracker.healthy(serving))
+                and not self.tracker.region_saturated(now, serving)
+            )
+            verdict = Verdict.LOCAL if room else Verdict.REJECT
+            return RouteDecision(RegionDecision(verdict, self.region), serving)
         prefix = route.prefix
         decision = choose_region(
             self.model, self.here(now, serving, draining=draining), peers, client=location,

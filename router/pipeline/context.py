@@ -119,7 +119,8 @@ class Traceparent:
                 valid = len(span) == 16 and span != "0" * 16 and all(c in _HEX for c in span)
                 caller = span if valid else None
                 return cls(parts[1], secrets.token_hex(8), parts[3], caller)
-        return cls(secrets.token_hex(16), secrets.token_hex(8))
+        ids = secrets.token_hex(24)  # one system call for both ids
+        return cls(ids[:32], ids[32:])
 
     def header(self) -> str:
         return f"00-{self.trace_id}-{self.parent_id}-{self.flags}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -413,12 +414,12 @@ async def test_second_reader_and_resumed_reader_over_http1_each_get_every_event_
     assert spy["written"] > written  # the readers after the drop were written directly too
 
 
-async def test_a_streamed_response_costs_three_tasks_of_the_router(
+async def test_a_streamed_response_costs_two_tasks_of_the_router(
     start_router: RouterFactory,
 ) -> None:
     # Per request, not per chunk, but a stream of 64 tokens spends about a third of its CPU
-    # there: the producer, the client's disconnect listener while the upstream answers, and
-    # the one while the body streams, no more (the body is sent from the request's own
+    # there: the producer and the client's disconnect listener, one for the wait for the
+    # upstream's head and the body alike, no more (the body is sent from the request's own
     # task; the model lists, once in, are not waited for through a task of wait_for).
     made: list[str] = []
     loop = asyncio.get_running_loop()
@@ -444,7 +445,54 @@ async def test_a_streamed_response_costs_three_tasks_of_the_router(
         finally:
             loop.set_task_factory(None)
     assert sse_text(response.content)[0] == words(20)
-    assert len(made) <= 3, made
+    assert len(made) <= 2, made
+
+
+async def test_a_client_gone_before_the_head_stops_its_upstream_request(
+    start_router: RouterFactory,
+) -> None:
+    # The one disconnect listener covers the wait for the upstream's head: a client that
+    # hangs up then is counted as gone and its upstream request is dropped (the upstream,
+    # let go afterwards, finds its client gone), and the next request streams whole.
+    async with routed(start_router) as (up, router), httpx.AsyncClient(timeout=30) as client:
+        url = router.base_url + "/v1/chat/completions"
+        await client.post(url, json=body(3), headers=auth())  # connections and lists warm
+        up.hold, up.delay_s = asyncio.Event(), 0.01  # a gap between words: it sees its client
+        host, port = router.base_url.removeprefix("http://").rsplit(":", 1)
+        payload = json.dumps(body(20)).encode()
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"authorization: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s"
+            % (auth()["authorization"].encode(), len(payload), payload)
+        )
+        await writer.drain()
+        await _until(lambda: len(up.chat_requests) == 2)  # the upstream holds it: no head
+        writer.close()
+        gone = 0
+        deadline = time.monotonic() + 10
+        while not gone and time.monotonic() < deadline:
+            metrics = (await client.get(router.base_url + "/metrics", headers=auth())).text
+            gone = sum(
+                int(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("firstbyte_router_requests_total")
+                and 'outcome="client_gone"' in line
+            )
+        assert gone == 1
+        up.hold.set()
+        await _until(lambda: up.cancelled == 1)
+        assert up.completed == 1  # the warm-up's, not this one's
+        up.hold, up.delay_s = None, 0.0
+        response = await client.post(url, json=body(5), headers=auth())
+    assert sse_text(response.content)[0] == words(5)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 def _counter(metrics: str, name: str, path: str) -> int:

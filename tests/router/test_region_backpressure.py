@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 
@@ -47,6 +49,44 @@ def test_saturation_and_region_saturation() -> None:
     assert t.region_saturated(0.0)
     t.set_health("b1", False)
     assert t.available(0.0) == []
+
+
+def test_saturation_agrees_with_the_load_over_every_kind_of_state() -> None:
+    # saturated() computes the load inline (it is asked three times a request): over random
+    # counts, scrapes of every age, queues and health it says what load() and the queue say.
+    rng = random.Random(7)
+    for _ in range(2000):
+        t = tracker(n=3, limit=rng.choice([1, 4, 16]))
+        now = 0.0
+        for _ in range(rng.randint(0, 12)):
+            name = f"b{rng.randrange(3)}"
+            step = rng.random()
+            now += rng.choice([0.0, 0.5, 3.0, 6.0])
+            if step < 0.4:
+                t.started(name, now)
+            elif step < 0.55:
+                t.finished(name)
+            elif step < 0.85:
+                t.observe_metrics(name, BackendMetrics(
+                    running=rng.choice([None, 0.0, 2.0, 9.0, 30.0]),
+                    waiting=rng.choice([None, 0.0, 3.0, 20.0])), now=now)
+            elif step < 0.95:
+                t.observe_elsewhere(name, rng.randrange(5))
+            else:
+                t.set_health(name, rng.random() < 0.5)
+        at = now + rng.choice([0.0, 1.0, 5.0, 5.5, 30.0])
+        for name, b in t.backends.items():
+            fresh = b.metrics is not None and b.metrics_at is not None and (
+                at - b.metrics_at <= t.metrics_ttl_s
+            )
+            expected = (not b.healthy or (fresh and b.queued and b.queue > b.max_waiting)
+                        or t.load(name, at) >= b.limit)
+            assert t.saturated(name, at) is expected
+        assert t.available(at) == [n for n in t.backends if not t.saturated(n, at)]
+        among = frozenset(["b0", "b2"])
+        assert t.available(at, among) == [
+            n for n in ("b0", "b2") if not t.saturated(n, at)
+        ]
 
 
 def test_capacity_is_learned_from_a_queue_that_outlives_a_scrape() -> None:

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from firstbyte.router.upstream_h1 import H1Pool, Origin, encode_request
+from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin, encode_request
 
 from .conftest import RouterFactory, auth
 from .upstream import chunk, sse
@@ -156,3 +156,66 @@ async def test_router_sends_again_when_the_kept_alive_connection_was_closed(
             assert response.text.endswith("data: [DONE]\n\n")
     # each request after the first found its kept-alive connection closed and took a new one
     assert len(connections) >= 3
+
+
+async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Responses one after another on a connection take over its read timer (it stops when
+    # it finds none under way) instead of making one each; a reused connection whose upstream
+    # goes silent still fails at the read timeout, counted from its last byte.
+    armed: list[float] = []
+    arm = H1Connection._arm_timer
+
+    def counting(self: H1Connection, delay_s: float) -> None:
+        armed.append(delay_s)
+        arm(self, delay_s)
+
+    monkeypatch.setattr(H1Connection, "_arm_timer", counting)
+    silent = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(reader)
+                if silent.is_set():  # the head, then nothing
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    await reader.read()
+                    return
+                writer.write(chunked_reply(SSE_BODY))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    upstreams = H1Pool(
+        max_connections=1, keepalive_expiry_s=60, connect_timeout_s=2, read_timeout_s=2.0
+    )
+    try:
+        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        for _ in range(5):
+            conn = await upstreams.acquire(origin)
+            sink = Collect()
+            conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
+            await asyncio.wait_for(sink.done, 5)
+            assert (sink.status, sink.body, sink.error) == (200, SSE_BODY, None)
+            upstreams.release(conn)
+        assert armed == [2.0]
+        silent.set()
+        await asyncio.sleep(2.1)  # the timer runs out with no response under way: it stops
+        conn = await upstreams.acquire(origin)
+        assert conn.reused
+        sink = Collect()
+        started = asyncio.get_running_loop().time()
+        conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
+        await asyncio.wait_for(sink.done, 5)
+        assert isinstance(sink.error, httpx.ReadTimeout)
+        assert sink.status == 200
+        assert asyncio.get_running_loop().time() - started >= 2.0 - 0.05
+        assert len(armed) == 2
+        upstreams.release(conn)
+    finally:
+        await upstreams.aclose()
+        server.close()
+        await server.wait_closed()

@@ -107,3 +107,38 @@ def test_each_models_room_is_over_the_backends_serving_it() -> None:
     assert c.model_status(1.0)[0].saturated is False  # A: a0 has room
     assert c.model_names(1.0) == ["A", "B"]
     assert c.model_names(1.0, peers=True) == ["A", "B", "C"]
+
+
+def test_who_serves_a_model_follows_every_list_change() -> None:
+    # Asked several times a request, so kept; a list learned, changed or kept over a reload
+    # is seen by the next request, and a name no backend lists is kept nowhere.
+    c = chooser({"a0": ["A"], "new": []}, {})
+    assert c.serving("B") == {"new"}
+    assert c.models.learned("new", ["B"], now=1.0)
+    assert (c.serving("A"), c.serving("B"), c.models.unknown_set) == ({"a0"}, {"new"}, set())
+    assert c.models.learned("new", ["A"], now=2.0)
+    assert (c.serving("A"), c.serving("B")) == ({"a0", "new"}, frozenset())
+    c.models.keep("new", None)  # a reload keeps a list not asked yet
+    assert (c.serving("A"), c.serving("B")) == ({"a0"}, {"new"})
+    for i in range(100):
+        c.serving(f"junk-{i}")
+    assert set(c.models._by_model) == {"A"}
+
+
+def test_a_region_without_peers_serves_while_it_has_room_and_refuses_when_full() -> None:
+    c = chooser({"a0": ["A"], "b0": ["B"]}, {})
+    decision = c.region_for(RouteInput("A", "k"), None, now=1.0)
+    assert isinstance(decision, RouteDecision)
+    assert (decision.region.verdict, decision.serving) == (Verdict.LOCAL, {"a0"})
+    for _ in range(4):
+        c.tracker.started("a0", 1.0)
+    full = c.region_for(RouteInput("A", "k"), None, now=1.0)
+    assert isinstance(full, RouteDecision)
+    assert full.region.verdict is Verdict.REJECT  # full for A, though b0 has room
+    assert c.region_for(RouteInput("A", "k"), None, now=1.0, draining=True).region.verdict is (  # type: ignore[union-attr]
+        Verdict.REJECT
+    )
+    c.tracker.set_health("b0", False)
+    gone = c.region_for(RouteInput("B", "k"), None, now=1.0)
+    assert isinstance(gone, RouteDecision)
+    assert gone.region.verdict is Verdict.REJECT
