@@ -111,17 +111,23 @@ def pool() -> H1Pool:
     return H1Pool(max_connections=4, keepalive_expiry_s=60, connect_timeout_s=2, read_timeout_s=5)
 
 
+async def _stream_whole(upstreams: H1Pool, origin: Origin, *, times: int) -> None:
+    """Send ``times`` requests one after another, each on a connection from the pool, and
+    check each body arrives whole with no error before the connection goes back."""
+    for _ in range(times):
+        conn = await upstreams.acquire(origin)
+        sink = Collect()
+        conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
+        await asyncio.wait_for(sink.done, 5)
+        assert (sink.status, sink.body, sink.error) == (200, SSE_BODY, None)
+        upstreams.release(conn)
+
+
 async def test_chunked_bodies_arrive_whole_and_the_connection_is_reused() -> None:
     async with raw_server() as (url, connections):
         upstreams = pool()
         origin = Origin.parse(url)
-        for _ in range(3):
-            conn = await upstreams.acquire(origin)
-            sink = Collect()
-            conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
-            await asyncio.wait_for(sink.done, 5)
-            assert (sink.status, sink.body, sink.error) == (200, SSE_BODY, None)
-            upstreams.release(conn)
+        await _stream_whole(upstreams, origin, times=3)
         assert len(connections) == 1
         assert "1 idle" in repr(upstreams)
         await upstreams.aclose()
@@ -194,13 +200,7 @@ async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
     )
     try:
         origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        for _ in range(5):
-            conn = await upstreams.acquire(origin)
-            sink = Collect()
-            conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
-            await asyncio.wait_for(sink.done, 5)
-            assert (sink.status, sink.body, sink.error) == (200, SSE_BODY, None)
-            upstreams.release(conn)
+        await _stream_whole(upstreams, origin, times=5)
         assert armed == [2.0]
         silent.set()
         await asyncio.sleep(2.1)  # the timer runs out with no response under way: it stops
