@@ -121,7 +121,8 @@ async def test_h3_to_a_silent_port_gives_up_after_the_connect_timeout() -> None:
             with pytest.raises(ConnectError, match=r"QUIC handshake with .* timed out after 0.5 s"):
                 await first_text(client)
         elapsed = time.perf_counter() - start
-    assert 0.5 <= elapsed < 2 * 0.5 + 0.5, elapsed  # the timeout, not the timeout and a wait
+    # the timeout (less the loop's timer slack), not the timeout and a wait
+    assert 0.5 - 0.05 <= elapsed < 2 * 0.5 + 0.5, elapsed
 
 
 _QUIET_CLIENT = """

@@ -64,7 +64,7 @@ async def test_slowloris_head_is_cut_at_the_header_timeout(
                 task.cancel()
             await asyncio.gather(*tricklers, return_exceptions=True)
         assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:2]
-        assert 2.0 <= held_s < 20
+        assert 2.0 - 0.05 <= held_s < 20  # the loop's timer may fire a few ms early
     router.assert_clean_log()
 
 
@@ -127,7 +127,7 @@ async def test_slow_body_is_cut_at_the_body_timeout(start_router_process: Router
             held_s = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b"request_timeout" in answer
-        assert 1.5 <= held_s < 20
+        assert 1.5 - 0.05 <= held_s < 20  # the loop's timer may fire a few ms early
     router.assert_clean_log()
 
 
