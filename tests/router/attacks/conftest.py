@@ -220,7 +220,7 @@ def _spawn(
 
 
 async def _until_healthy(router: RouterProcess) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # a router starting on a busy 2-core machine
     async with httpx.AsyncClient(verify=router.client_tls()) as client:
         while True:
             if router.proc.poll() is not None:
