@@ -511,6 +511,12 @@ QUICK_LEVELS = ((1, 1, 3), (100, 1, 1))
 SUSTAINED = (500, 5, 2)
 """(concurrency, back-to-back phases, streams per worker per phase) of a full run."""
 QUICK_SUSTAINED = (100, 2, 1)
+SPLIT = (100, 4, 256)
+"""(concurrency, alternating rounds, max_tokens) of the longer streams the byte pipe and the
+default router take again after the levels: with the same concurrency's level, two stream
+lengths split each one's CPU into a cost per request and a cost per chunk."""
+QUICK_SPLIT = (100, 1, 48)
+SPLIT_TARGETS = (PIPE_TARGET, "router/auto")
 SATURATED = 0.9
 """A process using this share of a core (or the machine this share of all its CPUs) limits
 the figure: a Python process (load generator, sim, router) runs on one core at a time."""
@@ -538,6 +544,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     max_tokens = 16 if quick else 64
     levels = QUICK_LEVELS if quick else LEVELS
     sustained = QUICK_SUSTAINED if quick else SUSTAINED
+    split = QUICK_SPLIT if quick else SPLIT
     tls_rounds = 0 if quick else 2
     top = max(c for c, _, _ in levels)
     nginx = _nginx_binary()
@@ -548,6 +555,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     targets = 1 + len(proxies)
     total = sum((targets + (c > 1)) * rounds for c, rounds, _ in levels)
     total += (targets - len(pipe) - len(then)) * sustained[1] + 4 * tls_rounds
+    total += len(SPLIT_TARGETS) * split[1]
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     overhead: list[dict[str, Any]] = []
@@ -587,6 +595,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
                 )
         urls = {"direct": sim.url} | {name: child.url for name, child in children.items()}
         pids = {"sim": sim.pid} | {name: child.pid for name, child in children.items()}
+        shorter: dict[str, dict[str, Any]] = {}  # the level the split's longer streams extend
         for concurrency, rounds, per_worker in levels:
             # the A/A control only where tails are compared (1 stream has none to speak of)
             aa = {AA_TARGET: sim.url} if concurrency > 1 else {}
@@ -606,6 +615,22 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             )
             _collect(runs, summary, measured, concurrency, "HTTP/1.1")
             overhead += _overhead_rows(measured, concurrency)
+            if concurrency == split[0]:
+                shorter = measured
+        longer = asyncio.run(
+            _measure(
+                {name: urls[name] for name in SPLIT_TARGETS},
+                concurrency=split[0],
+                rounds=split[1],
+                per_worker=1,
+                max_tokens=split[2],
+                make_clients=_h1_clients,
+                bar=bar,
+                pids=pids,
+                max_reruns=0 if quick else MAX_RERUNS,
+            )
+        )
+        summary |= _split_costs(shorter, longer, split[0])
         relays = {name: url for name, url in urls.items() if name not in (*pipe, *then)}
         phases = _sustained(relays, pids, sustained, max_tokens, bar)
         _summarise_sustained(summary, phases)
@@ -638,7 +663,13 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             f"{PIPE_TARGET}'s in the same phases (the router's target: at most 2); "
             "sustained_TARGET_* = over the sustained phases; "
             "c100_hypercorn_h2tls_added_vs_direct_h2_* = router over TLS + HTTP/2 minus the "
-            "client straight to a TLS + HTTP/2 sim."
+            "client straight to a TLS + HTTP/2 sim; split_* = the byte pipe's and the default "
+            f"router's CPU at {split[0]} streams split into a cost per request "
+            "(split_TARGET_cpu_ms_per_request) and per chunk (split_TARGET_cpu_us_per_chunk), "
+            f"from that level's streams and {split[1]} more rounds of streams of "
+            f"{split[2] // 2}-{split[2] * 3 // 2} tokens (split_tokens_per_stream: the two "
+            "mean lengths); split_auto_chunk_cpu_vs_pipe = the router's cost per chunk over "
+            "the pipe's."
         ),
         "summary": summary,
         "conditions": conditions,
@@ -687,6 +718,41 @@ def _router_config(
         # every client of the load generator comes from 127.0.0.1: no per-address cap
         "limits": {"max_connections_per_client": 65536},
     }
+
+
+def _split_costs(
+    shorter: dict[str, dict[str, Any]], longer: dict[str, dict[str, Any]], concurrency: int
+) -> dict[str, Any]:
+    """``split_*``: each of :data:`SPLIT_TARGETS`' CPU per stream at two stream lengths (the
+    same concurrency), as a line: the slope is its cost per chunk, the intercept its cost per
+    request (for the pipe, about nothing: it has no requests, only bytes). Why a target's
+    CPU per chunk is what it is: a router's per-request work is spread over the stream's
+    chunks, so the same router costs less per chunk on longer streams."""
+    out: dict[str, Any] = {}
+    lengths: list[float] = []
+    for name in SPLIT_TARGETS:
+        points = []
+        for measured in (shorter, longer):
+            result = measured[name]
+            streams = max(result["completed"], 1)
+            points.append(
+                (result["total_output_tokens"] / streams, result["cpu_ms_per_stream"][name])
+            )
+        (tokens_1, ms_1), (tokens_2, ms_2) = points
+        lengths = [tokens_1, tokens_2]
+        if tokens_2 - tokens_1 < 1:
+            continue  # the sim gave the same lengths: nothing to split
+        per_chunk_ms = (ms_2 - ms_1) / (tokens_2 - tokens_1)
+        key = name.split("/")[-1].replace("-", "_")
+        out[f"split_{key}_cpu_us_per_chunk"] = per_chunk_ms * 1000
+        out[f"split_{key}_cpu_ms_per_request"] = ms_1 - tokens_1 * per_chunk_ms
+    out["split_concurrency"] = concurrency
+    out["split_tokens_per_stream"] = lengths
+    pipe = out.get("split_python_pipe_cpu_us_per_chunk")
+    mine = out.get("split_auto_cpu_us_per_chunk")
+    if pipe and pipe > 0 and mine is not None:
+        out["split_auto_chunk_cpu_vs_pipe"] = mine / pipe
+    return out
 
 
 def _versus_baseline(summary: dict[str, Any], levels: list[int]) -> None:

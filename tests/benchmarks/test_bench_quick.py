@@ -121,6 +121,17 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
         assert ratio == summary["c100_auto_cpu_us_per_chunk"] / summary[
             "c100_python_pipe_cpu_us_per_chunk"
         ]
+    # the pipe's and the default router's CPU split into per request and per chunk: the
+    # split's streams are the longer ones, and the line goes through the level's point
+    short, long = summary["split_tokens_per_stream"]
+    assert long > short > 0
+    for name in ("python_pipe", "auto"):
+        per_chunk = summary.get(f"split_{name}_cpu_us_per_chunk")
+        if per_chunk is None:
+            continue  # both lengths came out the same: nothing to split
+        at_level = summary[f"c100_{name}_cpu_ms_per_stream"]
+        per_request = summary[f"split_{name}_cpu_ms_per_request"]
+        assert math.isclose(per_request + short * per_chunk / 1000, at_level, abs_tol=1e-9)
     for key in ("c1_hypercorn_added_p50_ttft_ms", "c100_direct_aa_added_p99_ttft_ms"):
         added = results["summary"][key]
         assert isinstance(added, float), key
