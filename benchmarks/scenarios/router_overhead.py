@@ -666,10 +666,10 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             "client straight to a TLS + HTTP/2 sim; split_* = the byte pipe's and the default "
             f"router's CPU at {split[0]} streams split into a cost per request "
             "(split_TARGET_cpu_ms_per_request) and per chunk (split_TARGET_cpu_us_per_chunk), "
-            f"from that level's streams and {split[1]} more rounds of streams of "
+            f"from that level's streams and {split[1]} more rounds of streams asking for "
             f"{split[2] // 2}-{split[2] * 3 // 2} tokens (split_tokens_per_stream: the two "
-            "mean lengths); split_auto_chunk_cpu_vs_pipe = the router's cost per chunk over "
-            "the pipe's."
+            "mean lengths the sim gave); split_auto_chunk_cpu_vs_pipe = the router's cost per "
+            "chunk over the pipe's."
         ),
         "summary": summary,
         "conditions": conditions,
