@@ -515,7 +515,7 @@ SPLIT = (100, 4, 256)
 """(concurrency, alternating rounds, max_tokens) of the longer streams the byte pipe and the
 default router take again after the levels: with the same concurrency's level, two stream
 lengths split each one's CPU into a cost per request and a cost per chunk."""
-QUICK_SPLIT = (100, 1, 48)
+QUICK_SPLIT = (100, 1, 32)
 SPLIT_TARGETS = (PIPE_TARGET, "router/auto")
 SATURATED = 0.9
 """A process using this share of a core (or the machine this share of all its CPUs) limits
