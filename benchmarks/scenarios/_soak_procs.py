@@ -119,7 +119,9 @@ class Sim:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self, timeout_s: float = 30.0) -> None:
+    async def start(self, timeout_s: float = 60.0) -> None:
+        # 60 s, as a router's start: CI starts every quick scenario's processes at once on
+        # two cores, and a sim's imports alone took over 30 s there on a slow machine.
         log = self.logs / f"{self.name}.log"
         offset = log.stat().st_size if log.exists() else 0
         args = [*FIRSTBYTE, "sim", "--port", str(self.port), *self.args]

@@ -157,12 +157,13 @@ async def test_rapid_reset_gets_goaway_and_upstream_work_is_bounded(
                     if isinstance(event, h2.events.ConnectionTerminated):
                         goaway = event
             client.writer.close()
-            # Streams whose upstream answered before the reset was seen end once their
-            # resume grace (1 s here) passes with no reader.
-            for _ in range(200):
-                if upstream.running == 0:
-                    break
-                await asyncio.sleep(0.05)
+        # Streams whose upstream answered before the reset was seen, and the canary's last
+        # one (stopped just now), end once their resume grace (1 s here) passes with no
+        # reader.
+        for _ in range(200):
+            if upstream.running == 0:
+                break
+            await asyncio.sleep(0.05)
         started = len(upstream.chat_requests)
         print(f"rapid reset: {attempts} streams sent, {started} reached the upstream")
         assert goaway is not None
