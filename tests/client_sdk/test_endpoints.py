@@ -149,9 +149,11 @@ async def test_a_quic_path_going_silent_resumes_on_a_new_connection(
 ) -> None:
     async with start_formats_stack(tls_files) as stack:
         expected = await reference(stack, fmt, TOKENS)
+        # 2 s of silence is a dead path: the resumed stream's new QUIC connection must bring
+        # its next event within that, which took over 1 s under CI's load on a slow machine.
         async with UdpCutProxy(stack.port, cut_after=CUT_AFTER) as proxy, AsyncClient(
             stack.url_via(proxy.port), ROUTER_KEY, http="3", ca_file=stack.ca_file,
-            idle_timeout_s=1.0,
+            idle_timeout_s=2.0,
         ) as client:
             stream = open_stream(client, fmt, TOKENS)
             events = await read(stream)

@@ -337,11 +337,14 @@ def test_cold_tls13_request_costs_three_rtts(tmp_path: Path) -> None:
         assert run.returncode == 0, run.stderr
     phases = json.loads(run.stdout)
     connect, handshake, first_byte = (percentile([p[i] for p in phases], 50) for i in range(3))
-    # TCP: 1 RTT; TLS 1.3: 1 RTT (+ its crypto); request to first byte: 1 RTT.
-    assert rtt <= connect <= rtt + 5, phases
-    assert rtt <= handshake <= rtt + 15, phases
-    assert rtt <= first_byte <= rtt + 5, phases
-    assert 3 * rtt <= connect + handshake + first_byte <= 3 * rtt + 20, phases
+    # TCP: 1 RTT; TLS 1.3: 1 RTT (+ its crypto); request to first byte: 1 RTT. The slack is a
+    # quarter of an RTT a phase (the Python ends' own work, which CI's load stretched to 8 ms
+    # on a slow machine): another round trip or a delayed ACK (40 ms) still fails it.
+    slack = rtt / 4
+    assert rtt <= connect <= rtt + slack, phases
+    assert rtt <= handshake <= rtt + slack, phases
+    assert rtt <= first_byte <= rtt + slack, phases
+    assert 3 * rtt <= connect + handshake + first_byte <= 3 * rtt + 2 * slack, phases
 
 
 def test_jitter_spreads_round_trips_within_its_bound() -> None:
