@@ -2,11 +2,11 @@
 
 hypercorn, h2, h11, aioquic, uvicorn, httpx and httpcore lack defences and fixes the router
 needs (:mod:`.hardening`, :mod:`.quic_hardening`, :mod:`.head_guards`, :mod:`.early_answers`,
-:mod:`.accept`, :mod:`.http1_split`, :mod:`.h1_body`, :mod:`.goaway`, :mod:`.quic`,
-:mod:`.servers`, :mod:`.uvicorn_limits`, :mod:`firstbyte.router.aionet`), and each reaches
-into a library's private classes. :data:`PATCHES` lists them all: for each, the library, what
-it fixes, the shape of the library it expects (attributes, parameters, text of a method's
-source that shows an instance attribute it uses) and the function that applies it.
+:mod:`.accept`, :mod:`.http1_split`, :mod:`.graceful_cut`, :mod:`.h1_body`, :mod:`.goaway`,
+:mod:`.quic`, :mod:`.servers`, :mod:`.uvicorn_limits`, :mod:`firstbyte.router.aionet`), and
+each reaches into a library's private classes. :data:`PATCHES` lists them all: for each, the
+library, what it fixes, the shape of the library it expects (attributes, parameters, text of
+a method's source that shows an instance attribute it uses) and the function that applies it.
 
 :func:`apply_all` checks every shape first and then applies the patches in the list's order
 (the order matters: a later patch wraps what an earlier one installed, see each entry); a
@@ -326,6 +326,19 @@ PATCHES: tuple[Patch, ...] = (
         ((_RUN, "TCPServer"),),
         _apply("http1_split", "split_http1"),
         "tests/router/test_http1_split.py",
+    ),
+    Patch(
+        "cut-connections-at-graceful-timeout",
+        "hypercorn",
+        "a kept-alive TLS client outlives the graceful timeout by 30 s, then serve() raises"
+        " InvalidStateError (and Python 3.11.7 logs a traceback per connection)",
+        (
+            Shape(_RUN, ("TCPServer",)),
+            Shape(_TCP, ("run", "_close"), source=(("__init__", "self.writer"),)),
+        ),
+        ((_RUN, "TCPServer"),),
+        _apply("graceful_cut", "cut_at_graceful_timeout"),
+        "tests/router/hosting/test_shutdown.py",
     ),
     Patch(
         "goaway-before-shutdown",

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from firstbyte.benchmarks.cli import discover_scenarios
-from tests.benchmarks.conftest import QuickRuns, nginx_installed
+from tests.benchmarks.conftest import QUICK_WAIT_S, QuickRuns, nginx_installed
 from tests.cli import firstbyte
 
 SCENARIOS = sorted(discover_scenarios())
@@ -46,6 +46,7 @@ def test_bad_out_dir_is_a_clear_error_before_running(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr
 
 
+@pytest.mark.timeout(QUICK_WAIT_S + 30)  # the first waits for its run, queue included
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> None:
     code, stdout, stderr, out = quick_runs.result(scenario)

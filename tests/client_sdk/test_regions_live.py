@@ -29,6 +29,7 @@ from firstbyte.benchmarks.cluster import (
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.timings import Timings
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
+from tests.waits import until
 
 MESSAGES = [{"role": "user", "content": "Tell me about latency."}]
 FAST = {"backends": 1, "sim": {"profile": "instant"}}
@@ -152,13 +153,6 @@ def sdk(proxies: dict[str, EdgeProxy], names: list[str], ca_file: str, **kw: Any
     # keep-warm pings would add bytes and connections at random moments; not needed here.
     return AsyncClient({n: proxies[n].url for n in names}, ca_file=ca_file,
                        keepalive_interval_s=300.0, **kw)
-
-
-async def until(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("http", ["1.1", "2"])

@@ -8,9 +8,10 @@ from typing import Any
 
 import httpx
 
-from firstbyte.benchmarks.cluster import RegionSpec, running_regions, wait_for_peers
+from firstbyte.benchmarks.cluster import RegionHandle, RegionSpec, running_regions, wait_for_peers
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.errors import RateLimitError
+from tests.waits import until
 
 SYSTEM = "You are a meticulous assistant for a travel company; answer briefly and kindly. " * 100
 
@@ -74,6 +75,12 @@ def three_regions(tokyo: dict[str, Any], others: dict[str, Any] | None = None) -
     ]
 
 
+def in_flight(regions: dict[str, RegionHandle]) -> dict[str, int]:
+    """Requests each region's router has sent to its backends and not seen end."""
+    return {name: sum(b.in_flight for b in handle.state.routing.tracker.backends.values())
+            for name, handle in regions.items()}
+
+
 def slow_body(i: int, max_tokens: int = 40, stream: bool = False) -> dict[str, Any]:
     return {"model": "sim", "max_tokens": max_tokens, "stream": stream,
             "messages": [{"role": "user", "content": f"request {i}: tell me a long story"}]}
@@ -119,11 +126,17 @@ async def test_all_regions_saturated_answer_429_with_retry_after() -> None:
                     assert error["type"] == "rate_limit_error"
                     assert error["code"] == "region_saturated"
                     assert r.headers["x-firstbyte-region"] == "tokyo"
-            # The SDK surfaces the Retry-After it must honour.
-            await asyncio.sleep(0.6)  # peers' status polls (every 0.2 s) see them idle again
+            # The SDK surfaces the Retry-After it must honour. Wait on the routers' own counts,
+            # not a fixed time a slow machine outruns: every region idle, and Tokyo told so ...
+            await until(lambda: in_flight(regions) == {"tokyo": 0, "frankfurt": 0, "virginia": 0},
+                        10, "every region idle")
+            await wait_for_peers(regions)
             busy = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=slow_body(i, 100)))
                     for i in range(3)]
-            await asyncio.sleep(0.2)
+            # ... then every region full (one local, one spilled to each peer), and Tokyo told so.
+            await until(lambda: in_flight(regions) == {"tokyo": 1, "frankfurt": 1, "virginia": 1},
+                        10, "every region full")
+            await wait_for_peers(regions)
             # retries=0: the SDK retries a 429 by itself; here it must surface it.
             async with AsyncClient(f"{url}/v1", http="1.1", retries=0) as sdk:
                 try:
@@ -177,7 +190,7 @@ async def test_sdk_fails_over_on_429_and_sets_the_region_aside_for_retry_after()
         async with httpx.AsyncClient(timeout=60) as client:
             busy = asyncio.create_task(
                 client.post(f"{tokyo['tokyo'].url}/v1/chat/completions", json=slow_body(0, 100)))
-            await asyncio.sleep(0.2)
+            await until(lambda: in_flight(tokyo) == {"tokyo": 1}, 10, "Tokyo full")
             async with AsyncClient([t_url, f_url], http="1.1") as sdk:
                 asked_at = time.monotonic()  # Tokyo's 429 came after this
                 async with sdk.stream(model="sim",

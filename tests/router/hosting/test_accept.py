@@ -155,8 +155,11 @@ async def test_a_thousand_connections_from_one_address_are_served_with_default_l
     clients = [httpx.AsyncClient(verify=verify, timeout=60) for _ in range(count)]
     upstream.delay_s = 0.01
 
+    streams: dict[httpx.AsyncClient, object] = {}
+
     async def one(client: httpx.AsyncClient) -> str:
         async with client.stream("POST", router.base_url + CHAT, json=STREAM) as response:
+            streams[client] = response.extensions["network_stream"]
             if response.status_code != 200:
                 return f"{response.status_code} {(await response.aread())[:200]!r}"
             lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
@@ -177,7 +180,12 @@ async def test_a_thousand_connections_from_one_address_are_served_with_default_l
         await asyncio.gather(*(c.aclose() for c in clients))
     failed = [r for r in results if r != "ok"]
     assert failed == [], (len(failed), failed[:3])
-    assert [r.status_code for r in again] == [200] * 10
+    # Answered on the connection each stream came on. (What /healthz says is not this test's
+    # question: after the burst, a failed scrape of the one backend may have made it 503.)
+    reused = [r.extensions["network_stream"] is streams[c]
+              for r, c in zip(again, clients[-10:], strict=True)]
+    assert reused == [True] * 10
+    assert all(r.status_code in (200, 503) for r in again), [r.status_code for r in again]
     print(f"{count} connections from one address, each a stream: {elapsed:.1f} s")
 
 
