@@ -312,8 +312,15 @@ class WarmupRunner:
         client = self.client
         assert isinstance(client, httpx.AsyncClient)
         base = self.urls[name].rstrip("/")
+        timeout = self.poll_interval_s * 2 + 1
         try:
-            response = await client.get(base + paths.METRICS, timeout=self.poll_interval_s * 2 + 1)
+            try:
+                response = await client.get(base + paths.METRICS, timeout=timeout)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # A kept-alive connection the server closed as it was reused (its keep-alive
+                # timer, and this loop late to see the FIN under load): that says nothing of
+                # the server. Once more, on a new connection; a server that is down fails it.
+                response = await client.get(base + paths.METRICS, timeout=timeout)
         except httpx.TimeoutException:
             return  # slow, not down: a busy server answers late; keep what we knew
         except httpx.HTTPError as exc:

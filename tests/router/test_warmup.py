@@ -199,3 +199,47 @@ async def test_router_listens_while_warming_and_holds_requests_until_warm(
             assert upstream.chat_requests[-1] == "hello"
             assert not state.warming
             assert (await client.get(router.base_url + "/healthz")).text == "ok\n"
+
+
+async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again() -> None:
+    """The server closes a kept-alive connection just as the next scrape reuses it (its
+    keep-alive timer; a loaded router's loop sees the FIN late): the scrape is asked again on
+    a new connection, and the backend is not taken out of rotation for it."""
+    import asyncio
+
+    body = b"vllm:num_requests_running 0\n"
+    served: list[tuple[int, int]] = []  # (connection, request on it) answered
+    dropped: list[tuple[int, int]] = []
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connection, connections = connections, connections + 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for request in range(100):
+                await reader.readuntil(b"\r\n\r\n")
+                if (connection, request) == (0, 1):
+                    dropped.append((connection, request))
+                    break  # closed with the request unanswered
+                served.append((connection, request))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    seen: list[BackendMetrics | None] = []
+    s = WarmupScheduler([SUPPORT])
+    s.add_backend("b", ["chat-model"])
+    try:
+        async with httpx.AsyncClient() as client:
+            runner = WarmupRunner(s, client, {"b": url},
+                                  on_metrics=lambda name, m: seen.append(m) is not None)
+            for _ in range(3):
+                await runner.scrape("b")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert dropped == [(0, 1)]
+    assert served == [(0, 0), (1, 0), (1, 1)]  # asked again on a new connection, kept alive
+    assert [m is not None for m in seen] == [True, True, True]
