@@ -13,7 +13,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         # pytest-xdist (addopts: -n, --dist loadgroup) runs a group on one worker, in order: a
         # file is a group, so its module fixtures start once. tests/benchmarks is one group,
-        # run as without workers: its quick runs (every scenario at once, a session fixture)
+        # run as without workers: its quick runs (three scenarios at a time, a session fixture)
         # start once and end before the WAN emulator's precision tests, which need the CPU
         # that the quick runs would take (they failed beside them on three workers).
         if item.get_closest_marker("xdist_group") is None:
