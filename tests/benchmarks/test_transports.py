@@ -75,6 +75,20 @@ def test_round_trips_subtract_server_time_and_local_cost() -> None:
     assert row["ttft_within_10pct"] is True
 
 
+def test_an_overstated_local_cost_is_judged_by_the_band_up_to_the_raw_count() -> None:
+    # 1 RTT of 100 ms + 5 ms local; a load burst made the 0 ms samples say 18 ms of local cost:
+    # corrected 0.87 RTT, raw 1.05: theory (1) lies in the band, the cell matches
+    row = theory.round_trips([timings(105.0, 106.0)], [timings(18.0, 19.0)], 100.0, 1, 1)
+    assert row["first_byte_rtts"] == pytest.approx(0.87)
+    assert row["first_byte_rtts_raw"] == pytest.approx(1.05)
+    assert row["first_byte_within_10pct"] is True
+    assert row["ttft_within_10pct"] is True
+    # an extra round trip moves both ends past it
+    row = theory.round_trips([timings(205.0, 206.0)], [timings(18.0, 19.0)], 100.0, 1, 1)
+    assert row["first_byte_within_10pct"] is False
+    assert row["ttft_within_10pct"] is False
+
+
 def test_round_trips_outside_tolerance_are_flagged() -> None:
     # a cold HTTP/2 request that cost 4 RTT (say a lost SYN's retransmission): not theory
     row = theory.round_trips([timings(400.0, 401.0)], [], 100.0, 3, 3)
