@@ -138,8 +138,9 @@ class Metrics:
         )
         lines += render_counter(
             "firstbyte_router_relay_reads_total",
-            "Upstream reads of streamed answers by path: fast (one whole event after the first"
-            " content) or full (the relay's actions); counted as each request ends.",
+            "Upstream reads of streamed answers by path: compiled (whole chunks of whole events"
+            " after the first content, in C), fast (one whole event, in Python) or full (the"
+            " relay's actions); counted as each request ends.",
             [(labels(path=path), n) for path, n in sorted(self.relay_reads.items())],
         )
         for name, help_text, read in self._gauges:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Callable, MutableMapping
-from typing import Protocol
+from typing import Protocol, cast
 
 import msgspec
 
@@ -27,6 +27,7 @@ from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.poll import PollBatch, PollEvent
 from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
+from . import chunkpath
 from .pipeline.context import LocalReply, error_reply
 from .streams import DONE_DATA, HistoryTrimmed, StreamEvent
 
@@ -262,6 +263,12 @@ class SSEFramer:
                 self.direct += len(events)
             return written
 
+        cycle = getattr(write, "cycle", None)
+        if chunkpath.SSE_WRITER is not None and cycle is not None:
+            # uvicorn's body writer: the same frames and checks, compiled; ``live`` for an
+            # event with a line end.
+            compiled = chunkpath.SSE_WRITER(cycle, self, live)
+            return cast(Callable[[list[StreamEvent]], bool], compiled)
         return live
 
 

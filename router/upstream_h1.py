@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -30,6 +31,8 @@ import httptools
 import httpx
 
 __all__ = ["H1Connection", "H1Pool", "Origin", "ResponseSink", "encode_request"]
+
+_LF = 10
 
 
 class ResponseSink(Protocol):
@@ -107,12 +110,23 @@ class H1Connection(asyncio.Protocol):
         self._ended: asyncio.Future[None] | None = None
         self._framed_by_close = False
         self._has_length = False
+        self._fast: Callable[[bytes], bool] | None = None
+        """Takes a read whole (the sink's compiled path, :meth:`offer_fast`), at a chunk
+        boundary only."""
+        self._fast_offer: Callable[[bytes], bool] | None = None
+        self._boundary = False
+        """The parser's last callback ended a chunk of the body (see :meth:`offer_fast`)."""
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        fast = self._fast
+        if fast is not None:
+            if fast(data):
+                return
+            self._fast = None  # the parser's read: fast again at its next chunk boundary
         if self._parser is None:
             self.abort()  # bytes nobody asked for: the connection cannot be trusted again
             return
@@ -125,6 +139,10 @@ class H1Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
         if sink is not None:
             sink.on_read_end()
+        if self._fast_offer is not None and self._boundary and data[-1] == _LF:
+            # The read ended with a chunk's end (its CRLF's LF), not in the next chunk's size
+            # line: a size line whose line end came would have called on_chunk_header.
+            self._fast = self._fast_offer
 
     def eof_received(self) -> bool:
         return False
@@ -141,6 +159,12 @@ class H1Connection(asyncio.Protocol):
         self._resolve_ended()
 
     # -- httptools callbacks
+    def on_chunk_header(self) -> None:
+        self._boundary = False
+
+    def on_chunk_complete(self) -> None:
+        self._boundary = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() in (b"content-length", b"transfer-encoding"):
             self._has_length = True
@@ -156,6 +180,7 @@ class H1Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._complete = True
         self._parser = None
+        self._fast = self._fast_offer = None
         # The read timer is left to run out (it stops when it finds no response under way):
         # the connection's next response, on a kept-alive connection soon, takes it over
         # instead of cancelling one and making another (~5k instructions a request).
@@ -165,12 +190,16 @@ class H1Connection(asyncio.Protocol):
         self._resolve_ended()
 
     # -- the shell's side
-    def send(self, request: bytes, sink: ResponseSink) -> None:
-        """Write ``request``; its response goes to ``sink``."""
+    def send(self, request: bytes, sink: ResponseSink, *, chunks: bool = False) -> None:
+        """Write ``request``; its response goes to ``sink``. ``chunks``: the sink may
+        :meth:`offer_fast` (the parser then tells where its chunks end)."""
         assert self.transport is not None
         assert self._complete
         self._sink = sink
-        self._parser = httptools.HttpResponseParser(_Callbacks(self, sink))
+        self._fast = self._fast_offer = None
+        self._boundary = False
+        callbacks = (_ChunkCallbacks if chunks else _Callbacks)(self, sink)
+        self._parser = httptools.HttpResponseParser(callbacks)
         self._complete = False
         self._keep_alive = False
         self._framed_by_close = False  # known at the head's end
@@ -206,13 +235,22 @@ class H1Connection(asyncio.Protocol):
                 return False
         return self.reusable
 
+    def offer_fast(self, take: Callable[[bytes], bool]) -> None:
+        """From the next read that starts at a chunk boundary of the body, ``take(data)``
+        is asked first: True means it took the read whole (nothing goes to the parser or
+        the sink), False that the read goes the usual way. Only whole chunks may be taken:
+        the parser, not fed them, stays at the boundary where it was."""
+        self._fast_offer = take
+
     def detach(self) -> None:
         """The shell is done with the response: no more callbacks to its sink."""
         self._sink = None
+        self._fast = self._fast_offer = None
 
     def abort(self) -> None:
         """Drop the connection now (the upstream sees the request aborted)."""
         self._sink = None
+        self._fast = self._fast_offer = None
         self._cancel_timer()
         if self.transport is not None and not self.closed:
             self.transport.abort()
@@ -222,6 +260,7 @@ class H1Connection(asyncio.Protocol):
     # -- internals
     def _fail(self, exc: Exception) -> None:
         sink, self._sink = self._sink, None
+        self._fast = self._fast_offer = None
         self._complete = True
         self._keep_alive = False
         self._cancel_timer()
@@ -271,6 +310,18 @@ class _Callbacks:
         self.on_headers_complete = conn.on_headers_complete
         self.on_body = sink.on_body
         self.on_message_complete = conn.on_message_complete
+
+
+class _ChunkCallbacks(_Callbacks):
+    """:class:`_Callbacks` that also tell the connection where chunks end (two calls a
+    chunk, paid only until the sink's fast path takes the reads)."""
+
+    __slots__ = ("on_chunk_complete", "on_chunk_header")
+
+    def __init__(self, conn: H1Connection, sink: ResponseSink) -> None:
+        super().__init__(conn, sink)
+        self.on_chunk_header = conn.on_chunk_header
+        self.on_chunk_complete = conn.on_chunk_complete
 
 
 class H1Pool:

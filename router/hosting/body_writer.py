@@ -82,4 +82,7 @@ def uvicorn_writer(cycle: Any) -> Callable[[bytes], bool]:
             return False  # this runs in the upstream's callback: its stream must go on
         return True
 
+    # The compiled writer (firstbyte.router.chunkpath.SSE_WRITER) reads the same state and
+    # frames the same chunk: it finds the cycle here.
+    write.cycle = cycle  # type: ignore[attr-defined]
     return write

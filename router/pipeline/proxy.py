@@ -30,6 +30,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import certifi
 import httpx
@@ -38,7 +39,7 @@ import msgspec
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.openai import encode, error_body
 
-from .. import aionet
+from .. import aionet, chunkpath
 from ..config import LimitsConfig
 from ..metrics import Metrics
 from ..observability.access import stream_usage
@@ -363,6 +364,11 @@ class _Producer:
         self._cause: FailCause = "refused"
         self._first_byte_timer: asyncio.TimerHandle | None = None
         self._start_observed = False
+        self._compiled = chunkpath.READ_PATH is not None and not ctx.codec.named_events
+        """The compiled path (:mod:`~firstbyte.router.chunkpath`) may take this stream's
+        reads once the relay's fast path applies (it cuts ``data:`` events only)."""
+        self._compiled_paths: list[Any] = []
+        """The compiled read paths offered (one an attempt): their counts, at the end."""
 
     async def run(self) -> None:
         proxy, ctx, stream = self.proxy, self.ctx, self.stream
@@ -435,6 +441,10 @@ class _Producer:
                 self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
             self._count_usage()  # before the stream ends: its access line reads the usage
             reads = metrics.relay_reads
+            compiled = self._compiled_paths
+            if compiled:  # their events are in the relay's count, not their reads
+                reads["compiled"] += sum(path.reads for path in compiled)
+                reads["fast"] -= sum(path.events for path in compiled)
             reads["fast"] += self.relay.fast_reads
             reads["full"] += self.relay.full_reads
             stream.finish(proxy.clock())
@@ -496,7 +506,7 @@ class _Producer:
                 self.on_error(exc)
                 return "finished"
             try:
-                conn.send(request, self)
+                conn.send(request, self, chunks=self._compiled)
                 if not self._start_observed:  # once a stream, not again on a retry
                     self._start_observed = True
                     self.proxy.metrics.observe_start(time.perf_counter() - self.ctx.received_at)
@@ -593,6 +603,25 @@ class _Producer:
             self.stream.add(payloads, now)
             if self.observer is not None and relay.first_content:
                 self.observer.chunk(self.ctx, now)
+            if relay._fast and self._compiled and self._conn is not None:
+                self._take_reads(self._conn)
+
+    def _take_reads(self, conn: H1Connection) -> None:
+        """From here this attempt's common reads go the compiled way (:meth:`on_read_end`'s
+        fused path, in C): offered once an attempt, when the relay's fast path applies."""
+        if conn._fast_offer is None:
+            observer = self.observer
+            path = chunkpath.READ_PATH(
+                conn,
+                self.outcome,
+                self.relay,
+                self.stream.add,
+                None if observer is None else observer.chunk,
+                self.ctx,
+                self.loop.time,
+            )
+            self._compiled_paths.append(path)
+            conn.offer_fast(path)
 
     def on_end(self) -> None:
         if self._read:

@@ -1,0 +1,38 @@
+"""The relay's per-chunk path, compiled where it could be built (``router/_chunkpath.c``).
+
+For every token a caught-up stream relays, the compiled path does in C what the Python
+path does in ~400 bytecodes: it cuts an upstream read of whole HTTP/1.1 chunks of whole
+``data:`` events (:class:`ReadPath`, in place of httptools' parse, the producer's
+``on_body``/``on_read_end`` and :meth:`~firstbyte.router.pipeline.relay.Relay.feed`), hands
+the events to the store and the inter-token metric, and writes a direct SSE reader's frame
+on uvicorn's transport (:class:`SSEWriter`). Anything else (a partial chunk, the body's
+end, another shape of event, a reader that fell behind, a named event) goes the Python
+way, which stays the one definition of what a read means; the compiled path gives the same
+store, bytes and counters (``tests/router/test_chunkpath.py``).
+
+``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
+``READ_PATH`` and ``SSE_WRITER`` are None and the Python path runs alone, as it does with
+``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["BUILT", "READ_PATH", "SSE_WRITER"]
+
+READ_PATH: Any = None
+SSE_WRITER: Any = None
+BUILT = False
+"""The compiled module imported (whether or not the environment turned it off)."""
+
+try:
+    from . import _chunkpath  # type: ignore[attr-defined]
+except ImportError:  # not built: the Python path
+    pass
+else:
+    BUILT = True
+    if os.environ.get("FIRSTBYTE_CHUNKPATH", "") != "python":
+        READ_PATH = _chunkpath.ReadPath
+        SSE_WRITER = _chunkpath.SSEWriter

@@ -1,0 +1,362 @@
+"""The compiled per-chunk path (``router/_chunkpath.c``) against the Python path it stands in for.
+
+Sans sockets: the compiled SSE writer writes the same bytes, counts the same events and
+refuses in the same states as the Python writer over uvicorn's body writer. Over sockets: an
+upstream whose every write is scripted (whole chunks, several in one read, chunks cut in
+their size line, payload or trailing CRLF, two events in one chunk, events of other shapes,
+a usage chunk) gives a client the same bytes through the router with the compiled path as
+with the Python path alone, and the compiled path takes most reads. The module is built by
+the project's install (``pip install -e``); a missing build fails here, it is not skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from firstbyte.router import chunkpath
+from firstbyte.router.hosting.body_writer import uvicorn_writer
+from firstbyte.router.readers import SSEFramer
+from firstbyte.router.streams import StreamEvent
+from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin
+from tests.router.conftest import RouterFactory, auth
+from tests.router.streamtext import sse_text
+
+
+def test_the_compiled_path_is_built() -> None:
+    # `pip install -e .` compiles it (gcc and Python's headers are on every machine it is
+    # installed on here); the router would run, slower, without it: this says so.
+    assert chunkpath.BUILT, "firstbyte.router._chunkpath was not built by the install"
+    assert chunkpath.READ_PATH is not None
+    assert chunkpath.SSE_WRITER is not None
+
+
+# -- the SSE writer, sans sockets -------------------------------------------------------
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.closing = False
+        self.fail = False
+
+    def write(self, data: bytes) -> None:
+        if self.fail:
+            raise RuntimeError("transport gone")
+        self.parts.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class _Flow:
+    write_paused = False
+
+
+class _Cycle:
+    """The fields of uvicorn's request cycle that both writers read."""
+
+    def __init__(self) -> None:
+        self.transport = _Transport()
+        self.flow = _Flow()
+        self.disconnected = False
+        self.chunked_encoding: bool | None = True
+        self.response_complete = False
+
+
+def _writers() -> list[tuple[_Cycle, SSEFramer, Callable[[list[StreamEvent]], bool]]]:
+    """A compiled and a Python writer, each on its own cycle."""
+    out = []
+    for compiled in (True, False):
+        cycle, framer = _Cycle(), SSEFramer()
+        write = uvicorn_writer(cycle)
+        if not compiled:
+            del write.cycle  # type: ignore[attr-defined]  # what the Python path gets
+        live = framer.writer(write)
+        assert (type(live).__name__ == "SSEWriter") is compiled
+        out.append((cycle, framer, live))
+    return out
+
+
+BATCHES = [
+    [StreamEvent(1, b'{"a":1}')],
+    [StreamEvent(2, b'{"b":2}'), StreamEvent(3, b'{"c":3}'), StreamEvent(4, b"")],
+    [StreamEvent(12345678901, b"x" * 5000)],
+    [StreamEvent(5, b"two\nlines")],  # a line end: the Python framer's
+    [StreamEvent(6, b'{"d":4}'), StreamEvent(7, b"event: done\ndata: {}")],  # a named one
+    [StreamEvent(8, b"carriage\rreturn")],
+]
+
+
+def test_the_compiled_writer_writes_what_the_python_writer_writes() -> None:
+    pair = _writers()
+    results: list[list[bool]] = [[], []]
+    for batch in BATCHES:
+        for index, (_, _, live) in enumerate(pair):
+            results[index].append(live(batch))
+    (compiled, framer_c, _), (python, framer_p, _) = pair
+    assert results[0] == results[1] == [True] * len(BATCHES)
+    assert compiled.transport.parts == python.transport.parts
+    assert framer_c.direct == framer_p.direct == sum(map(len, BATCHES))
+    assert framer_c.named == framer_p.named
+
+
+@pytest.mark.parametrize(
+    "state",
+    ["paused", "disconnected", "not_chunked", "complete", "closing", "write_fails"],
+)
+def test_the_compiled_writer_refuses_when_the_python_writer_does(state: str) -> None:
+    pair = _writers()
+    for cycle, _, _ in pair:
+        if state == "paused":
+            cycle.flow.write_paused = True
+        elif state == "disconnected":
+            cycle.disconnected = True
+        elif state == "not_chunked":
+            cycle.chunked_encoding = None
+        elif state == "complete":
+            cycle.response_complete = True
+        elif state == "closing":
+            cycle.transport.closing = True
+        else:
+            cycle.transport.fail = True
+    batch = [StreamEvent(1, b'{"a":1}')]
+    assert [live(batch) for _, _, live in pair] == [False, False]
+    assert [framer.direct for _, framer, _ in pair] == [0, 0]
+    assert [cycle.transport.parts for cycle, _, _ in pair] == [[], []]
+
+
+# -- the read path, over sockets ----------------------------------------------------------
+
+
+def _event(n: int) -> bytes:
+    delta = {"content": f"w{n} "}
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0,
+             "delta": delta, "finish_reason": None}]}
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+ROLE = _event(-1).replace(b'"content":"w-1 "', b'"role":"assistant","content":""')
+USAGE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":40,"total_tokens":43}}\n\n'
+)
+
+
+def _script() -> list[bytes]:
+    """The upstream's writes, one per read where the router keeps up (5 ms apart). The
+    events of other shapes come last: the relay's framer hands the rest of a stream to the
+    full decoder after one, and the fast paths (Python's and the compiled) step aside."""
+    n = iter(range(1000))
+
+    def one() -> bytes:
+        return _chunk(_event(next(n)))
+
+    writes = [_chunk(ROLE), one(), one(), one()]
+    writes += [one() + one() + one()]  # several chunks in one read
+    cut = one()
+    writes += [cut[:20], cut[20:]]  # cut in the payload
+    cut = one()
+    end = cut.index(b"\r\n") + 2
+    writes += [cut[:end], cut[end:]]  # cut after the size line
+    cut = one()
+    writes += [cut[:-2], cut[-2:], one()]  # cut before the chunk's CRLF
+    cut = one()
+    writes += [one() + cut[:1], cut[1:], one()]  # a read ends in the next size line
+    writes += [_chunk(_event(next(n)) + _event(next(n))), one()]  # two events in one chunk
+    writes += [_chunk(b'data: {"x":{"y":1}}\n\n'), one()]  # ends with }} mid-stream
+    writes += [one() for _ in range(20)]
+    writes += [_chunk(b": a comment\n" + _event(next(n))), one()]  # another shape of event
+    writes += [_chunk(b'data: {"id":"c",\ndata: "choices":[]}\n\n'), one()]  # two lines
+    writes += [_chunk(_event(next(n)).replace(b"\n", b"\r\n")), one()]  # CRLF line ends
+    writes += [_chunk(USAGE), _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"]
+    return writes
+
+
+@contextlib.asynccontextmanager
+async def _scripted_upstream(writes: list[bytes]) -> AsyncIterator[str]:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                await reader.readexactly(length)
+                if head.startswith(b"GET /v1/models "):
+                    listing = json.dumps({"data": [{"id": "test-model"}]}).encode()
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%b" % (len(listing), listing)
+                    )
+                    continue
+                if not head.startswith(b"POST /v1/chat/completions "):
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                for data in writes:
+                    await asyncio.sleep(0.005)
+                    writer.write(data)
+                    await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def _relayed(start_router: RouterFactory, writes: list[bytes]) -> bytes:
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True}
+    async with (
+        _scripted_upstream(writes) as url,
+        start_router([url], tls=False) as router,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", json=body, headers=auth()
+        )
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+async def test_a_scripted_stream_reaches_the_client_the_same_on_both_paths(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = _script()
+    taken: list[bool] = []
+    written: list[int] = []
+    real_read, real_writer = chunkpath.READ_PATH, chunkpath.SSE_WRITER
+
+    class CountingRead:
+        def __init__(self, *args: Any) -> None:
+            self.path = real_read(*args)
+
+        def __call__(self, data: bytes) -> bool:
+            ok: bool = self.path(data)
+            taken.append(ok)
+            return ok
+
+        @property
+        def reads(self) -> int:
+            return int(self.path.reads)
+
+        @property
+        def events(self) -> int:
+            return int(self.path.events)
+
+    def counting_writer(*args: Any) -> Callable[[list[StreamEvent]], bool]:
+        write = real_writer(*args)
+
+        def live(events: list[StreamEvent]) -> bool:
+            written.append(len(events))
+            ok: bool = write(events)
+            return ok
+
+        return live
+
+    monkeypatch.setattr(chunkpath, "READ_PATH", CountingRead)
+    monkeypatch.setattr(chunkpath, "SSE_WRITER", counting_writer)
+    compiled = await _relayed(start_router, writes)
+    monkeypatch.setattr(chunkpath, "READ_PATH", None)
+    monkeypatch.setattr(chunkpath, "SSE_WRITER", None)
+    python = await _relayed(start_router, writes)
+
+    assert compiled == python
+    text, ids = sse_text(compiled)
+    assert ids == [str(i) for i in range(1, len(ids) + 1)]
+    assert text.startswith("w0 w1 w2 w3 ")
+    assert "w30 " in text
+    assert b'"usage"' not in compiled  # the client did not ask for it: dropped on both
+    # The compiled path took the plain reads and left the others to the parser; the
+    # compiled writer wrote what was taken.
+    assert sum(taken) >= 20, taken
+    assert taken.count(False) >= 5, taken
+    assert sum(written) >= sum(taken)
+
+
+# -- when a connection offers its reads: only at a chunk's end ---------------------------
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.body: list[bytes] = []
+
+    def on_head(self, status: int) -> None:
+        pass
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_read_end(self) -> None:
+        pass
+
+    def on_end(self) -> None:
+        pass
+
+    def on_error(self, exc: Exception) -> None:
+        raise AssertionError(exc)
+
+
+class _Sent:
+    def write(self, data: bytes) -> None:
+        pass
+
+
+def _connection() -> tuple[H1Connection, _Sink, list[bytes]]:
+    loop = asyncio.new_event_loop()
+    pool = H1Pool(max_connections=1, keepalive_expiry_s=5, connect_timeout_s=1, read_timeout_s=60)
+    pool.loop = loop
+    conn = H1Connection(pool, Origin("http", "127.0.0.1", 1))
+    conn.connection_made(_Sent())  # type: ignore[arg-type]
+    sink = _Sink()
+    conn.send(b"", sink, chunks=True)
+    offered: list[bytes] = []
+
+    def take(data: bytes) -> bool:
+        offered.append(data)
+        return False  # not taken: the parser reads it, as the compiled path leaves reads
+
+    conn.offer_fast(take)
+    loop.close()
+    return conn, sink, offered
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("reads", "offered_last"),
+    [
+        ([HEAD + b"3\r\nabc\r\n", b"3\r\ndef\r\n"], True),  # after a chunk's end
+        ([HEAD + b"3\r\nabc\r\n3", b"\r\ndef\r\n"], False),  # in the next size line
+        ([HEAD + b"3\r\nabc\r\n3\r\n", b"def\r\n"], False),  # after its size line
+        ([HEAD + b"3\r\nab", b"c\r\n"], False),  # in a payload
+        ([HEAD + b"3\r\nabc", b"\r\n"], False),  # before a chunk's CRLF
+        ([HEAD + b"3\r\nabc\r", b"\n", b"3\r\ndef\r\n"], True),  # the CRLF itself cut
+    ],
+)
+def test_a_read_is_offered_only_from_a_chunk_boundary(
+    reads: list[bytes], offered_last: bool
+) -> None:
+    conn, sink, offered = _connection()
+    for data in reads:
+        conn.data_received(data)
+    assert (reads[-1] in offered) is offered_last
+    assert b"".join(sink.body) in (b"abcdef", b"abc")  # the parser read every byte as sent
