@@ -136,6 +136,10 @@ def test_the_wheel_holds_one_top_level_name(install: Install) -> None:
     assert "firstbyte/client_sdk/browser/firstbyte.js" in names  # the router serves it
     assert _modules() <= set(names)  # every part the symlinks reach
     assert {"firstbyte/py.typed", f"{dist_info}/licenses/LICENSE"} <= set(names)
+    # The compiled per-chunk path was built into it (firstbyte.router.chunkpath).
+    compiled = [n for n in names if n.startswith("firstbyte/router/_chunkpath.")]
+    assert len(compiled) == 1, compiled
+    assert compiled[0].endswith(".so")
     assert "firstbyte = firstbyte.cli:main" in entry_points.decode()
     assert "License-Expression: Apache-2.0" in metadata.decode().splitlines()
 
@@ -167,10 +171,15 @@ def test_the_sdist_holds_the_package_and_what_builds_it(
     assert top == {"firstbyte", "firstbyte.egg-info", "PKG-INFO", "pyproject.toml",
                    "README.md", "LICENSE", "MANIFEST.in", "setup.cfg"}  # fmt: skip
     assert _modules() | {"firstbyte/py.typed"} <= members
+    assert "firstbyte/router/_chunkpath.c" in members  # the compiled path's source
     with zipfile.ZipFile(wheel) as built:
         names = set(built.namelist())
-    assert {n for n in names if n.startswith("firstbyte/")} == {
-        n for n in members if n.startswith("firstbyte/")
+    # The wheel holds the compiled module where the sdist holds its C source.
+    compiled = {n for n in names if n.startswith("firstbyte/router/_chunkpath.") and
+                n.endswith(".so")}  # fmt: skip
+    assert len(compiled) == 1, names
+    assert {n for n in names if n.startswith("firstbyte/")} - compiled == {
+        n for n in members if n.startswith("firstbyte/") and not n.endswith(".c")
     }
 
 

@@ -400,7 +400,8 @@ PATCHES: tuple[Patch, ...] = (
         "uvicorn-body-writer",
         "uvicorn",
         "(a feature) uvicorn's ASGI send is the only way to write a body part; the"
-        " firstbyte.body_writer extension (body_writer.py) writes one from a callback",
+        " firstbyte.body_writer extension (body_writer.py) writes one from a callback;"
+        " the compiled SSE writer (router/_chunkpath.c) reads the same fields",
         (
             Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle",
                   source=(("__init__", "self.transport"), ("__init__", "self.flow"),
