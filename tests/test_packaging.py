@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = (
     "pyproject.toml",
+    "setup.py",
     "README.md",
     "LICENSE",
     "MANIFEST.in",
@@ -169,7 +170,7 @@ def test_the_sdist_holds_the_package_and_what_builds_it(
         assert not [m.name for m in tar.getmembers() if m.issym() or m.islnk()]
     top = {name.split("/")[0] for name in members}
     assert top == {"firstbyte", "firstbyte.egg-info", "PKG-INFO", "pyproject.toml",
-                   "README.md", "LICENSE", "MANIFEST.in", "setup.cfg"}  # fmt: skip
+                   "setup.py", "README.md", "LICENSE", "MANIFEST.in", "setup.cfg"}  # fmt: skip
     assert _modules() | {"firstbyte/py.typed"} <= members
     assert "firstbyte/router/_chunkpath.c" in members  # the compiled path's source
     with zipfile.ZipFile(wheel) as built:
