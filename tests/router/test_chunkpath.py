@@ -27,6 +27,7 @@ from firstbyte.router.streams import StreamEvent
 from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin
 from tests.router.conftest import RouterFactory, auth
 from tests.router.streamtext import sse_text
+from tests.router.upstream import read_request
 
 
 def test_the_compiled_path_is_built() -> None:
@@ -188,20 +189,15 @@ async def _scripted_upstream(writes: list[bytes]) -> AsyncIterator[str]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                await reader.readexactly(length)
-                if head.startswith(b"GET /v1/models "):
+                request = await read_request(reader)
+                if request.startswith(b"GET /v1/models "):
                     listing = json.dumps({"data": [{"id": "test-model"}]}).encode()
                     writer.write(
                         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                         b"content-length: %d\r\n\r\n%b" % (len(listing), listing)
                     )
                     continue
-                if not head.startswith(b"POST /v1/chat/completions "):
+                if not request.startswith(b"POST /v1/chat/completions "):
                     writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                     continue
                 writer.write(

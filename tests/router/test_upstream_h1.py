@@ -14,7 +14,7 @@ import pytest
 from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin, encode_request
 
 from .conftest import RouterFactory, auth
-from .upstream import chunk, sse
+from .upstream import chunk, read_request, sse
 
 pytestmark = pytest.mark.asyncio
 
@@ -29,19 +29,6 @@ def chunked_reply(body: bytes) -> bytes:
         + body
         + b"\r\n0\r\n\r\n"
     )
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        (
-            int(line.split(b":", 1)[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        ),
-        0,
-    )
-    return head + await reader.readexactly(length)
 
 
 @asynccontextmanager

@@ -233,3 +233,18 @@ async def running_upstream(**options: Any) -> AsyncIterator[Upstream]:
         server.should_exit = True
         await task
         sock.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One raw HTTP/1.1 request, head and ``content-length`` body (for raw upstreams that
+    script their bytes)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    return head + await reader.readexactly(length)
