@@ -242,6 +242,11 @@ class H1Connection(asyncio.Protocol):
         the parser, not fed them, stays at the boundary where it was."""
         self._fast_offer = take
 
+    @property
+    def fast_offered(self) -> bool:
+        """A read taker was offered for the response under way (:meth:`offer_fast`)."""
+        return self._fast_offer is not None
+
     def detach(self) -> None:
         """The shell is done with the response: no more callbacks to its sink."""
         self._sink = None

@@ -603,13 +603,13 @@ class _Producer:
             self.stream.add(payloads, now)
             if self.observer is not None and relay.first_content:
                 self.observer.chunk(self.ctx, now)
-            if relay._fast and self._compiled and self._conn is not None:
+            if relay.cuts_reads and self._compiled and self._conn is not None:
                 self._take_reads(self._conn)
 
     def _take_reads(self, conn: H1Connection) -> None:
         """From here this attempt's common reads go the compiled way (:meth:`on_read_end`'s
         fused path, in C): offered once an attempt, when the relay's fast path applies."""
-        if conn._fast_offer is None:
+        if not conn.fast_offered:
             observer = self.observer
             path = chunkpath.READ_PATH(
                 conn,

@@ -334,6 +334,12 @@ class Relay:
         return None
 
     @property
+    def cuts_reads(self) -> bool:
+        """:meth:`feed` may cut a read itself now (past the first content, nothing to drop
+        or to look at in every event, not done): what the compiled path takes over."""
+        return self._fast
+
+    @property
     def fast_reads(self) -> int:
         """Reads :meth:`feed` cut itself (one event each, so: the events it appended)."""
         return self.appended - self._appended_full
