@@ -44,6 +44,11 @@ _ROLE = (
     b'"model":"sim-llama-7b","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
     b'"logprobs":null,"finish_reason":null}]}\n\n'
 )
+_USAGE = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"sim-llama-7b","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":%d,'
+    b'"total_tokens":%d}}\n\n'
+)
 _REQUEST_BODY = json.dumps(
     {"model": "sim-llama-7b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 ).encode()
@@ -56,7 +61,9 @@ def _chunked(data: bytes) -> bytes:
 async def _upstream(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, args: argparse.Namespace
 ) -> None:
-    """A fake inference server: every request on the connection gets ``--chunks`` chunks."""
+    """A fake inference server: every request on the connection gets ``--chunks`` chunks, and
+    the usage chunk when it asks for one (``include_usage``: the router always does), as the
+    sim and vLLM send it."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -64,7 +71,7 @@ async def _upstream(
             for line in head.split(b"\r\n"):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
-            await reader.readexactly(length)
+            body = await reader.readexactly(length)
             if not head.startswith(b"POST /v1/chat/completions "):
                 # The router's load scrapes (/metrics) and probes: nothing to learn here.
                 writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
@@ -76,6 +83,8 @@ async def _upstream(
             for _ in range(args.chunks):
                 await asyncio.sleep(args.interval_ms / 1000)
                 writer.write(_chunked(_CHUNK))
+            if b'"include_usage":true' in body.replace(b" ", b""):
+                writer.write(_chunked(_USAGE % (args.chunks, args.chunks + 9)))
             writer.write(_chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):

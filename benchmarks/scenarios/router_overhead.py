@@ -126,7 +126,11 @@ _ROUTER = """
 import asyncio, json, sys
 from firstbyte.router.config import parse_config
 from firstbyte.router.hosting import loop_factory
+from firstbyte.router.observability.logs import configure
 from firstbyte.router.serve import running_router
+# Logs as `firstbyte router` has them (info: an access line per request, JSON), on stderr:
+# stdout is the benchmark's pipe for the URL line.
+configure("info", "json", sys.stderr)
 async def main():
     # CONFIG_JSON: the router's configuration (_router_config)
     config = parse_config(json.loads(sys.argv[1]), "router_overhead")

@@ -16,7 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from firstbyte.router.observability.access import MAX_FIELD_CHARS, bounded, stream_usage
+from firstbyte.protocol.formats import MESSAGES
+from firstbyte.router.observability.access import (
+    MAX_FIELD_CHARS,
+    bounded,
+    stream_ending,
+    stream_usage,
+)
 from firstbyte.router.observability.logs import JsonFormatter, StateChanges, key_id
 from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
@@ -277,3 +283,35 @@ def test_stream_usage_prefers_the_upstreams_usage_chunk() -> None:
     assert (counted.input_tokens, counted.output_tokens, counted.outcome) == (11, 4, "ok")
     failed = [_chunk("a"), b'{"error":{"message":"x","code":"upstream_eof"}}', b"[DONE]"]
     assert stream_usage(failed).outcome == "upstream_eof"
+
+
+def test_stream_ending_says_what_stream_usage_says_from_two_events() -> None:
+    """The access line of a stream whose tokens the relay knew reads only its first and last
+    events: the model and outcome must be those the whole-stream reading gives."""
+    failed = [_chunk(""), _chunk("a"), b'{"error":{"message":"x","code":"upstream_eof"}}']
+    ok = [_chunk(""), _chunk("a"), _chunk("b")]
+    for events in (failed, ok, ok[:1]):
+        whole = stream_usage([*events, b"[DONE]"])
+        assert stream_ending(events[0], events[-1]) == (whole.response_model, whole.outcome)
+    assert stream_ending(failed[0], failed[-1]) == ("served-m", "upstream_eof")
+    assert stream_ending(None, None) == (None, "ok")
+    start = b'{"type":"message_start","message":{"model":"claude-x","usage":{"input_tokens":3}}}'
+    error = b'{"type":"error","error":{"type":"overloaded_error","message":"busy"}}'
+    assert stream_ending(start, error, MESSAGES) == ("claude-x", "overloaded_error")
+    assert stream_ending(None, None, MESSAGES) == (None, "ok")
+
+
+def test_json_lines_encode_any_field_and_stamp_each_line() -> None:
+    formatter = JsonFormatter()
+    lines = []
+    for created, text in ((1_700_000_000.25, "café"), (1_700_000_001.5, object())):
+        record = logging.LogRecord("firstbyte.access", logging.INFO, __file__, 1, "m", (), None)
+        record.created, record.msecs = created, (created % 1) * 1000
+        record.fields = {"text": text, "ttft_ms": 9.52}
+        lines.append(json.loads(formatter.format(record)))
+    assert [line["time"] for line in lines] == [
+        "2023-11-14T22:13:20.250Z", "2023-11-14T22:13:21.500Z"
+    ]
+    assert lines[0]["text"] == "café"
+    assert lines[1]["text"].startswith("<object object at ")
+    assert lines[0]["ttft_ms"] == 9.52
