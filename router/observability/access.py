@@ -485,8 +485,8 @@ class RequestLog:
             exchange.path == paths.EDGE_WARM and exchange.method == "GET")
         level = logging.DEBUG if operational else logging.INFO
         if log.isEnabledFor(level):
-            # Logger.log without its findCaller (a walk up the stack, ~5% of the line's cost):
-            # the record says where it comes from by its logger's name, not a source line.
+            # Logger.log without its findCaller (a walk up the stack, once a request): the
+            # record says where it comes from by its logger's name, not a source line.
             log.handle(log.makeRecord(
                 log.name, level, __file__, 0, "%s %s %s",
                 (record.method, record.path, record.status), None,

@@ -104,8 +104,9 @@ class _Timestamps:
 class JsonFormatter(logging.Formatter):
     """One JSON object per line (``time``, ``level``, ``logger``, ``msg``, then the fields).
 
-    Encoded by msgspec (a value it cannot encode is written as its ``str``): an access line
-    a request, where the standard library's encoder cost ~20 µs a line."""
+    Encoded by msgspec (a value it cannot encode is written as its ``str``): there is an
+    access line a request, and the standard library's encoder took ~15 times as long for one,
+    giving the same bytes."""
 
     def __init__(self) -> None:
         super().__init__()
