@@ -214,6 +214,8 @@ run_granian("firstbyte.router.serve:granian_app", "127.0.0.1", port, **certs)
 class _Child:
     url: str
     pid: int
+    log: Path | None = None
+    """Where its stderr goes (a server snippet's: :func:`_server`)."""
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -235,10 +237,10 @@ def _cpu_seconds(pid: int) -> float:
 def _server(code: str, *args: str) -> Iterator[_Child]:
     """Run a server snippet in a child process; yield its URL and pid; stop it on exit.
 
-    Its stderr goes to a temporary file, not a pipe: nobody reads a pipe during the run, and
-    a child that logged 64 KiB into one would block.
+    Its stderr goes to a temporary file (``log``), not a pipe: nobody reads a pipe during the
+    run, and a child that logged 64 KiB into one would block.
     """
-    with tempfile.TemporaryFile(mode="w+") as log:
+    with tempfile.NamedTemporaryFile(mode="w+", prefix="bench-server-") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", code, *args],
             stdin=subprocess.PIPE,
@@ -253,7 +255,7 @@ def _server(code: str, *args: str) -> Iterator[_Child]:
                 proc.wait(timeout=15)
                 log.seek(0)
                 raise RuntimeError(f"server did not start: {log.read()[-2000:]}")
-            yield _Child(url, proc.pid)
+            yield _Child(url, proc.pid, Path(log.name))
         finally:
             if proc.stdin is not None:
                 proc.stdin.close()  # the snippet exits when stdin closes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 
 import httpx
 
@@ -45,9 +46,37 @@ def test_a_revisions_router_serves_a_stream_from_its_own_sources() -> None:
                 module.write(f"\nopen({str(marker)!r}, 'w').close()\n")
             with ro._server(_baseline_router.SNIPPET, str(sources), json.dumps(config)) as child:
                 timings = asyncio.run(_one_stream(child.url))
+                line = _access_line(child)
             assert marker.exists()
         assert not sources.exists()  # removed on exit
     assert timings.output_chunks == 6
+    assert (line["path"], line["status"], line["output_tokens"]) == ("/v1/chat/completions", 200, 6)
+
+
+def test_todays_router_writes_its_access_lines_as_firstbyte_router_does() -> None:
+    """The CPU the run measures includes the access line a deployed router writes."""
+    with ro._server(ro._SIM, ro.PROFILE, "16", "60") as sim:
+        config = ro._router_config(sim.url, "auto")
+        with ro._server(ro._ROUTER, json.dumps(config)) as child:
+            timings = asyncio.run(_one_stream(child.url))
+            line = _access_line(child)
+    assert timings.output_chunks == 6
+    assert (line["path"], line["transport"], line["output_tokens"]) == (
+        "/v1/chat/completions", "sse", 6
+    )
+
+
+def _access_line(child: ro._Child) -> dict[str, object]:
+    """The first access line in ``child``'s log (written as its request ends)."""
+    assert child.log is not None
+    deadline = time.monotonic() + 10
+    while True:
+        for text in child.log.read_text().splitlines():
+            if text.startswith("{") and '"logger":"firstbyte.access"' in text:
+                line: dict[str, object] = json.loads(text)
+                return line
+        assert time.monotonic() < deadline, child.log.read_text()[-2000:]
+        time.sleep(0.05)
 
 
 async def _one_stream(url: str) -> ro.Timings:
