@@ -79,13 +79,9 @@ def _fields(record: logging.LogRecord) -> Mapping[str, Any]:
     return fields if isinstance(fields, Mapping) else {}
 
 
-def _timestamp(record: logging.LogRecord) -> str:
-    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-    return f"{seconds}.{int(record.msecs):03d}Z"
-
-
 class _Timestamps:
-    """:func:`_timestamp`, with the seconds' text made once a second, not once a line."""
+    """A record's time as UTC ISO 8601 with milliseconds (``...T12:00:00.250Z``); the
+    seconds' text is made once a second, not once a line."""
 
     __slots__ = ("second", "text")
 
@@ -132,8 +128,12 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """``TIME LEVEL LOGGER: MSG key=value ...`` for a terminal."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._timestamp = _Timestamps()
+
     def format(self, record: logging.LogRecord) -> str:
-        text = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        text = f"{self._timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
         pairs = " ".join(f"{k}={v}" for k, v in _fields(record).items() if v is not None)
         if pairs:
             text += " " + pairs
