@@ -23,7 +23,12 @@ from firstbyte.router.observability.access import (
     stream_ending,
     stream_usage,
 )
-from firstbyte.router.observability.logs import JsonFormatter, StateChanges, key_id
+from firstbyte.router.observability.logs import (
+    JsonFormatter,
+    StateChanges,
+    TextFormatter,
+    key_id,
+)
 from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth, client_tls
@@ -315,3 +320,13 @@ def test_json_lines_encode_any_field_and_stamp_each_line() -> None:
     assert lines[0]["text"] == "café"
     assert lines[1]["text"].startswith("<object object at ")
     assert lines[0]["ttft_ms"] == 9.52
+
+
+def test_text_lines_carry_the_same_time_and_the_fields() -> None:
+    record = logging.LogRecord("firstbyte.access", logging.INFO, __file__, 1, "POST %s", ("/x",),
+                               None)  # fmt: skip
+    record.created, record.msecs = 1_700_000_000.25, 250.0
+    record.fields = {"status": 200, "model": None}
+    assert TextFormatter().format(record) == (
+        "2023-11-14T22:13:20.250Z INFO firstbyte.access: POST /x status=200"
+    )
