@@ -4,7 +4,8 @@
  *
  *   ReadPath(data)  an upstream read of whole HTTP/1.1 chunks, each one whole `data: ...`
  *                   event, cut as the relay's fast path cuts it (Relay.feed), then handed to
- *                   the store (Stream.add) and the inter-token metric (observer.chunk). It
+ *                   the store (Stream.add, done here in C where it neither trims nor
+ *                   reclaims) and the inter-token metric (GapTimer.tick, here in C). It
  *                   replaces httptools' parse, the sink's on_body/on_read_end and Relay.feed
  *                   for that read; any other read (a partial chunk, the last chunk, an event
  *                   of another shape, a decided attempt) returns False having changed nothing,
@@ -29,9 +30,178 @@
 
 #define MAX_EVENTS 64 /* more chunks in one read than this: the Python path */
 
-static PyObject *s_fast, *s_framer, *s_idle, *s_appended, *s_last_read, *s_done, *s_seq,
-    *s_data, *s_write_paused, *s_disconnected, *s_chunked_encoding, *s_response_complete,
-    *s_is_closing, *s_write, *s_direct, *s_transport, *s_flow;
+static PyObject *s_done, *s_is_closing, *s_write, *s_transport, *s_flow, *s_add,
+    *s_drop_released_taps, *s_wake;
+
+static PyTypeObject SSEWriterType;
+static PyObject *SSEWriter_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
+
+/* ---------------------------------------------------------------- attributes
+ *
+ * The objects this reads and writes per chunk (the stream, its store, the relay, ...) keep
+ * their fields in __slots__. A Slot is one attribute read at one place here: the type it
+ * last saw and where that type keeps the attribute (a __slots__ member's offset), so a read
+ * or write is a load or a store, as the interpreter's own specialized LOAD_ATTR_SLOT does,
+ * not a PyObject_GetAttr (a type lookup, then a dict or descriptor: ~200 instructions).
+ * Any other type, or an attribute that is not a plain slot, goes through PyObject_GetAttr /
+ * PyObject_SetAttr, so the result is the same either way; only the cost differs. */
+
+typedef struct {
+    const char *text;
+    PyObject *name;     /* interned */
+    PyTypeObject *type; /* the type last seen (held: its address is not reused meanwhile) */
+    Py_ssize_t offset;  /* where `type` keeps it, or 0: not a plain slot of `type` */
+    int writable;       /* and whether it may be written there (not a frozen struct's) */
+} Slot;
+
+static void
+slot_learn(Slot *slot, PyTypeObject *type)
+{
+    Py_INCREF(type);
+    Py_XSETREF(slot->type, type);
+    slot->offset = 0;
+    slot->writable = 0;
+    if (type->tp_getattro != PyObject_GenericGetAttr)
+        return; /* the type decides what its attributes are */
+    PyObject *descr = PyObject_GetAttr((PyObject *)type, slot->name);
+    if (descr == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == T_OBJECT_EX && member->offset > 0) {
+            slot->offset = member->offset;
+            slot->writable = !(member->flags & READONLY) &&
+                             type->tp_setattro == PyObject_GenericSetAttr;
+        }
+    }
+    Py_DECREF(descr);
+}
+
+/* obj.<slot>, a new reference; NULL with an exception. */
+static inline PyObject *
+slot_get(PyObject *obj, Slot *slot)
+{
+    if (Py_TYPE(obj) != slot->type)
+        slot_learn(slot, Py_TYPE(obj));
+    if (slot->offset) {
+        PyObject *value = *(PyObject **)((char *)obj + slot->offset);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(obj, slot->name); /* or the AttributeError of an unset slot */
+}
+
+/* obj.<slot> = value; 0, or -1 with an exception. */
+static inline int
+slot_set(PyObject *obj, Slot *slot, PyObject *value)
+{
+    if (Py_TYPE(obj) != slot->type)
+        slot_learn(slot, Py_TYPE(obj));
+    if (slot->offset && slot->writable) {
+        PyObject **where = (PyObject **)((char *)obj + slot->offset);
+        PyObject *old = *where;
+        *where = Py_NewRef(value);
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(obj, slot->name, value);
+}
+
+/* bool(obj.<slot>): 1, 0, or -1 with an exception. */
+static int
+attr_true(PyObject *obj, Slot *slot)
+{
+    PyObject *value = slot_get(obj, slot);
+    if (value == NULL)
+        return -1;
+    int truth = value == Py_True ? 1 : value == Py_False || value == Py_None ? 0 : PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* obj.<slot> is None: 1, 0, or -1 with an exception. */
+static int
+attr_none(PyObject *obj, Slot *slot)
+{
+    PyObject *value = slot_get(obj, slot);
+    if (value == NULL)
+        return -1;
+    int none = value == Py_None;
+    Py_DECREF(value);
+    return none;
+}
+
+/* obj.<slot> += delta (an int attribute); 0, or -1 with an exception. */
+static int
+add_to_attr(PyObject *obj, Slot *slot, Py_ssize_t delta)
+{
+    PyObject *value = slot_get(obj, slot);
+    if (value == NULL)
+        return -1;
+    PyObject *total;
+    if (PyLong_CheckExact(value)) {
+        Py_ssize_t now = PyLong_AsSsize_t(value);
+        if (now == -1 && PyErr_Occurred()) {
+            Py_DECREF(value);
+            return -1;
+        }
+        total = PyLong_FromSsize_t(now + delta);
+    } else {
+        PyObject *more = PyLong_FromSsize_t(delta);
+        total = more == NULL ? NULL : PyNumber_Add(value, more);
+        Py_XDECREF(more);
+    }
+    Py_DECREF(value);
+    if (total == NULL)
+        return -1;
+    int set = slot_set(obj, slot, total);
+    Py_DECREF(total);
+    return set;
+}
+
+/* Every attribute read per chunk, by owner and name. */
+static Slot stream_finished_at = {"finished_at"};
+static Slot stream_store = {"_store"};
+static Slot stream_owner = {"owner"};
+static Slot stream_events = {"events"};
+static Slot stream_trimmed = {"trimmed"};
+static Slot stream_size_bytes = {"size_bytes"};
+static Slot stream_mirror = {"mirror"};
+static Slot stream_taps = {"_taps"};
+static Slot stream_waiters = {"_waiters"};
+static Slot store_over_share = {"_over_share"};
+static Slot store_owners = {"_owners"};
+static Slot store_shares = {"_shares"};
+static Slot store_max_owner_bytes = {"max_owner_bytes"};
+static Slot store_total_bytes = {"total_bytes"};
+static Slot owner_bytes = {"bytes"};
+static Slot tap_write = {"write"};
+static Slot tap_seq = {"seq"};
+static Slot tap_last_at = {"last_at"};
+static Slot tap_released = {"released"};
+static Slot relay_fast = {"_fast"};
+static Slot relay_framer = {"_framer"};
+static Slot relay_appended = {"appended"};
+static Slot framer_idle = {"idle"};
+static Slot conn_last_read = {"_last_read"};
+static Slot flow_write_paused = {"write_paused"};
+static Slot cycle_disconnected = {"disconnected"};
+static Slot cycle_chunked_encoding = {"chunked_encoding"};
+static Slot cycle_response_complete = {"response_complete"};
+static Slot event_seq = {"seq"};
+static Slot event_data = {"data"};
+static Slot framer_direct = {"direct"};
+static Slot gaps_last = {"last"};
+static Slot gaps_hist = {"hist"};
+static Slot hist_bounds = {"bounds"};
+static Slot hist_counts = {"counts"};
+static Slot hist_total = {"total"};
+static Slot hist_count = {"count"};
+static Slot *const all_slots[] = {
+    &stream_finished_at, &stream_store, &stream_owner, &stream_events, &stream_trimmed, &stream_size_bytes, &stream_mirror, &stream_taps, &stream_waiters, &store_over_share, &store_owners, &store_shares, &store_max_owner_bytes, &store_total_bytes, &owner_bytes, &tap_write, &tap_seq, &tap_last_at, &tap_released, &relay_fast, &relay_framer, &relay_appended, &framer_idle, &conn_last_read, &flow_write_paused, &cycle_disconnected, &cycle_chunked_encoding, &cycle_response_complete, &event_seq, &event_data, &framer_direct,
+    &gaps_last, &gaps_hist, &hist_bounds, &hist_counts, &hist_total, &hist_count, NULL};
 
 /* ---------------------------------------------------------------- ReadPath */
 
@@ -40,9 +210,10 @@ typedef struct {
     PyObject *conn;      /* H1Connection: _last_read */
     PyObject *outcome;   /* the attempt's future: a decided attempt takes nothing more */
     PyObject *relay;     /* Relay: _fast, _framer.idle, appended */
-    PyObject *add;       /* Stream.add, bound */
-    PyObject *chunk;     /* observer.chunk, bound, or None */
-    PyObject *ctx;       /* its RequestContext */
+    PyObject *stream;    /* Stream: add, or its fields (stream_add) */
+    PyObject *event_type; /* StreamEvent */
+    Py_ssize_t overhead; /* _EVENT_OVERHEAD_BYTES: what the store charges an event beyond its data */
+    PyObject *gaps;      /* the observer's GapTimer (its chunk's work), or None */
     PyObject *loop_time; /* loop.time, bound */
     Py_ssize_t reads;    /* reads taken */
     Py_ssize_t events;   /* events they held */
@@ -61,9 +232,9 @@ ReadPath_traverse(ReadPath *self, visitproc visit, void *arg)
     Py_VISIT(self->conn);
     Py_VISIT(self->outcome);
     Py_VISIT(self->relay);
-    Py_VISIT(self->add);
-    Py_VISIT(self->chunk);
-    Py_VISIT(self->ctx);
+    Py_VISIT(self->stream);
+    Py_VISIT(self->event_type);
+    Py_VISIT(self->gaps);
     Py_VISIT(self->loop_time);
     return 0;
 }
@@ -74,9 +245,9 @@ ReadPath_clear(ReadPath *self)
     Py_CLEAR(self->conn);
     Py_CLEAR(self->outcome);
     Py_CLEAR(self->relay);
-    Py_CLEAR(self->add);
-    Py_CLEAR(self->chunk);
-    Py_CLEAR(self->ctx);
+    Py_CLEAR(self->stream);
+    Py_CLEAR(self->event_type);
+    Py_CLEAR(self->gaps);
     Py_CLEAR(self->loop_time);
     return 0;
 }
@@ -147,16 +318,6 @@ cut_chunks(const char *buf, Py_ssize_t len, Py_ssize_t *starts, Py_ssize_t *size
     return count;
 }
 
-static int
-attr_true(PyObject *obj, PyObject *name)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    return truth;
-}
 
 static double
 perf_counter(void)
@@ -167,6 +328,257 @@ perf_counter(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+
+
+
+/* Stream.add (router/streams.py) for a read's `payloads` (`size`: what the store charges for
+ * them), with the same effects in the same order: the events stored, the stream, its owner
+ * and the store charged, the mirror called per event, the direct readers written (an
+ * SSEWriter called here, in C) and the others woken. It runs where Stream.add would neither
+ * trim nor reclaim, the case of every read of a stream within its owner's share; anywhere
+ * else (no store, a finished stream, an owner at its share, a store trimming) it returns 0
+ * having changed nothing and Stream.add runs, which stays the definition. 1 done, -1 error. */
+static int
+stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_at)
+{
+    PyObject *stream = self->stream;
+    int open = attr_none(stream, &stream_finished_at);
+    if (open <= 0)
+        return open;
+    PyObject *store = slot_get(stream, &stream_store);
+    if (store == NULL)
+        return -1;
+    int status = 0;
+    PyObject *owners = NULL, *owner = NULL, *usage = NULL, *events = NULL, *trimmed = NULL;
+    PyObject *added = NULL, *last = NULL, *mirror = NULL, *taps = NULL, *waiters = NULL;
+    if (store == Py_None)
+        goto out;
+    int trimming = attr_true(store, &store_over_share);
+    if (trimming != 0) {
+        status = trimming < 0 ? -1 : 0;
+        goto out;
+    }
+    status = -1;
+    owners = slot_get(store, &store_owners);
+    owner = slot_get(stream, &stream_owner);
+    if (owners == NULL || owner == NULL)
+        goto out;
+    if (!PyDict_CheckExact(owners)) {
+        status = 0;
+        goto out;
+    }
+    usage = PyDict_GetItemWithError(owners, owner);
+    if (usage == NULL) {
+        status = PyErr_Occurred() ? -1 : 0; /* Stream.add says what is wrong */
+        goto out;
+    }
+    Py_INCREF(usage);
+    int shares = attr_true(store, &store_shares);
+    if (shares < 0)
+        goto out;
+    if (shares) {
+        /* Over its share after these: Stream.add marks the owner for trimming. */
+        PyObject *held = slot_get(usage, &owner_bytes);
+        PyObject *limit = held == NULL ? NULL : slot_get(store, &store_max_owner_bytes);
+        long long held_n = held == NULL ? -1 : PyLong_AsLongLong(held);
+        long long limit_n = limit == NULL ? -1 : PyLong_AsLongLong(limit);
+        Py_XDECREF(held);
+        Py_XDECREF(limit);
+        if (PyErr_Occurred())
+            goto out;
+        if (held_n + (long long)size > limit_n) {
+            status = 0;
+            goto out;
+        }
+    }
+
+    /* From here the read is added. */
+    events = slot_get(stream, &stream_events);
+    trimmed = slot_get(stream, &stream_trimmed);
+    if (events == NULL || trimmed == NULL)
+        goto out;
+    if (!PyList_CheckExact(events)) {
+        PyErr_SetString(PyExc_TypeError, "Stream.events is not a list");
+        goto out;
+    }
+    long long seq = PyLong_AsLongLong(trimmed);
+    if (seq == -1 && PyErr_Occurred())
+        goto out;
+    seq += PyList_GET_SIZE(events);
+    Py_ssize_t count = PyList_GET_SIZE(payloads);
+    added = PyList_New(count);
+    if (added == NULL)
+        goto out;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *number = PyLong_FromLongLong(++seq);
+        if (number == NULL)
+            goto out;
+        PyObject *args[2] = {number, PyList_GET_ITEM(payloads, i)};
+        PyObject *event = PyObject_Vectorcall(self->event_type, args, 2, NULL);
+        Py_DECREF(number);
+        if (event == NULL)
+            goto out;
+        PyList_SET_ITEM(added, i, event);
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (PyList_Append(events, PyList_GET_ITEM(added, i)) < 0)
+            goto out;
+    if (add_to_attr(stream, &stream_size_bytes, size) < 0 || add_to_attr(store, &store_total_bytes, size) < 0 ||
+        add_to_attr(usage, &owner_bytes, size) < 0)
+        goto out;
+    mirror = slot_get(stream, &stream_mirror);
+    if (mirror == NULL)
+        goto out;
+    if (mirror != Py_None) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *args[2] = {stream, PyList_GET_ITEM(added, i)};
+            PyObject *result = PyObject_Vectorcall(mirror, args, 2, NULL);
+            if (result == NULL)
+                goto out;
+            Py_DECREF(result);
+        }
+    }
+    taps = slot_get(stream, &stream_taps);
+    if (taps == NULL)
+        goto out;
+    if (!PyList_CheckExact(taps)) {
+        PyErr_SetString(PyExc_TypeError, "Stream._taps is not a list");
+        goto out;
+    }
+    if (PyList_GET_SIZE(taps) > 0) {
+        last = PyLong_FromLongLong(seq);
+        if (last == NULL)
+            goto out;
+        int refused = 0;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(taps); i++) {
+            PyObject *tap = Py_NewRef(PyList_GET_ITEM(taps, i));
+            PyObject *write = slot_get(tap, &tap_write);
+            PyObject *written = NULL;
+            if (write != NULL) {
+                if (Py_IS_TYPE(write, &SSEWriterType))
+                    written = SSEWriter_vectorcall(write, &added, 1, NULL);
+                else
+                    written = PyObject_Vectorcall(write, &added, 1, NULL);
+                Py_DECREF(write);
+            }
+            int ok = written == NULL ? -1 : PyObject_IsTrue(written);
+            Py_XDECREF(written);
+            if (ok > 0)
+                ok = slot_set(tap, &tap_seq, last) < 0 || slot_set(tap, &tap_last_at, read_at) < 0 ? -1 : 1;
+            else if (ok == 0) {
+                refused = 1;
+                ok = slot_set(tap, &tap_released, Py_True) < 0 ? -1 : 0;
+            }
+            Py_DECREF(tap);
+            if (ok < 0)
+                goto out;
+        }
+        if (refused) {
+            PyObject *result = PyObject_CallMethodNoArgs(stream, s_drop_released_taps);
+            if (result == NULL)
+                goto out;
+            Py_DECREF(result);
+        }
+    }
+    waiters = slot_get(stream, &stream_waiters);
+    if (waiters == NULL)
+        goto out;
+    int waiting = PyObject_IsTrue(waiters);
+    if (waiting < 0)
+        goto out;
+    if (waiting) {
+        PyObject *result = PyObject_CallMethodNoArgs(stream, s_wake);
+        if (result == NULL)
+            goto out;
+        Py_DECREF(result);
+    }
+    status = 1;
+out:
+    Py_XDECREF(waiters);
+    Py_XDECREF(taps);
+    Py_XDECREF(mirror);
+    Py_XDECREF(last);
+    Py_XDECREF(added);
+    Py_XDECREF(trimmed);
+    Py_XDECREF(events);
+    Py_XDECREF(usage);
+    Py_XDECREF(owner);
+    Py_XDECREF(owners);
+    Py_DECREF(store);
+    return status;
+}
+
+/* GapTimer.tick(now) (router/hosting/prometheus.py), the same work: the gap since the last
+ * chunk into its histogram (bounds, counts, total, count). 0, or -1 with an exception. */
+static int
+gap_tick(PyObject *gaps, PyObject *read_at, double now)
+{
+    PyObject *last = slot_get(gaps, &gaps_last);
+    if (last == NULL)
+        return -1;
+    int status = -1;
+    PyObject *hist = NULL, *bounds = NULL, *counts = NULL, *total = NULL;
+    if (slot_set(gaps, &gaps_last, read_at) < 0)
+        goto out;
+    if (last == Py_None) {
+        status = 0;
+        goto out;
+    }
+    double value = now - PyFloat_AsDouble(last);
+    if (PyErr_Occurred())
+        goto out;
+    hist = slot_get(gaps, &gaps_hist);
+    if (hist == NULL)
+        goto out;
+    bounds = slot_get(hist, &hist_bounds);
+    counts = slot_get(hist, &hist_counts);
+    total = slot_get(hist, &hist_total);
+    if (bounds == NULL || counts == NULL || total == NULL)
+        goto out;
+    if (!PyTuple_CheckExact(bounds) || !PyList_CheckExact(counts) ||
+        PyList_GET_SIZE(counts) != PyTuple_GET_SIZE(bounds) + 1) {
+        PyErr_SetString(PyExc_TypeError, "GapTimer.hist is not a Histogram");
+        goto out;
+    }
+    /* bisect_left: the first bound not below the value */
+    Py_ssize_t low = 0, high = PyTuple_GET_SIZE(bounds);
+    while (low < high) {
+        Py_ssize_t mid = (low + high) / 2;
+        double bound = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, mid));
+        if (bound == -1.0 && PyErr_Occurred())
+            goto out;
+        if (bound < value)
+            low = mid + 1;
+        else
+            high = mid;
+    }
+    PyObject *bucket = PyList_GET_ITEM(counts, low);
+    Py_ssize_t seen = PyLong_AsSsize_t(bucket);
+    if (seen == -1 && PyErr_Occurred())
+        goto out;
+    PyObject *more = PyLong_FromSsize_t(seen + 1);
+    if (more == NULL)
+        goto out;
+    PyList_SetItem(counts, low, more); /* steals `more`, drops the old count */
+    double sum = PyFloat_AsDouble(total);
+    if (sum == -1.0 && PyErr_Occurred())
+        goto out;
+    PyObject *new_total = PyFloat_FromDouble(sum + value);
+    if (new_total == NULL)
+        goto out;
+    int set = slot_set(hist, &hist_total, new_total);
+    Py_DECREF(new_total);
+    if (set < 0 || add_to_attr(hist, &hist_count, 1) < 0)
+        goto out;
+    status = 0;
+out:
+    Py_XDECREF(total);
+    Py_XDECREF(counts);
+    Py_XDECREF(bounds);
+    Py_XDECREF(hist);
+    Py_DECREF(last);
+    return status;
+}
 
 /* The read's outcome: 1 taken, 0 for the Python path (nothing changed), -1 error. */
 static int
@@ -188,13 +600,13 @@ read_path(ReadPath *self, PyObject *data)
     Py_DECREF(done);
     if (decided != 0)
         return decided < 0 ? -1 : 0;
-    int fast = attr_true(self->relay, s_fast);
+    int fast = attr_true(self->relay, &relay_fast);
     if (fast <= 0)
         return fast;
-    PyObject *framer = PyObject_GetAttr(self->relay, s_framer);
+    PyObject *framer = slot_get(self->relay, &relay_framer);
     if (framer == NULL)
         return -1;
-    int idle = attr_true(framer, s_idle);
+    int idle = attr_true(framer, &framer_idle);
     Py_DECREF(framer);
     if (idle <= 0)
         return idle;
@@ -204,7 +616,9 @@ read_path(ReadPath *self, PyObject *data)
     PyObject *payloads = PyList_New(count);
     if (payloads == NULL)
         return -1;
+    Py_ssize_t size = 0; /* what the store charges for them */
     for (Py_ssize_t i = 0; i < count; i++) {
+        size += sizes[i] + self->overhead;
         PyObject *payload = PyBytes_FromStringAndSize(buf + starts[i], sizes[i]);
         if (payload == NULL) {
             Py_DECREF(payloads);
@@ -213,40 +627,32 @@ read_path(ReadPath *self, PyObject *data)
         PyList_SET_ITEM(payloads, i, payload);
     }
     int status = -1;
-    PyObject *read_at = NULL, *result = NULL, *appended = NULL, *more = NULL, *total = NULL;
+    PyObject *read_at = NULL, *result = NULL;
     PyObject *loop_now = PyObject_CallNoArgs(self->loop_time);
-    if (loop_now == NULL || PyObject_SetAttr(self->conn, s_last_read, loop_now) < 0)
+    if (loop_now == NULL || slot_set(self->conn, &conn_last_read, loop_now) < 0)
         goto out;
-    appended = PyObject_GetAttr(self->relay, s_appended);
-    more = PyLong_FromSsize_t(count);
-    if (appended == NULL || more == NULL)
-        goto out;
-    total = PyNumber_Add(appended, more);
-    if (total == NULL || PyObject_SetAttr(self->relay, s_appended, total) < 0)
+    if (add_to_attr(self->relay, &relay_appended, count) < 0)
         goto out;
     read_at = PyFloat_FromDouble(now);
     if (read_at == NULL)
         goto out;
-    PyObject *args[2] = {payloads, read_at};
-    result = PyObject_Vectorcall(self->add, args, 2, NULL);
-    if (result == NULL)
+    int added = stream_add(self, payloads, size, read_at);
+    if (added < 0)
         goto out;
-    if (self->chunk != Py_None) {
-        Py_DECREF(result);
-        PyObject *chunk_args[2] = {self->ctx, read_at};
-        result = PyObject_Vectorcall(self->chunk, chunk_args, 2, NULL);
+    if (added == 0) {
+        PyObject *args[3] = {self->stream, payloads, read_at};
+        result = PyObject_VectorcallMethod(s_add, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (result == NULL)
             goto out;
     }
+    if (self->gaps != Py_None && gap_tick(self->gaps, read_at, now) < 0)
+        goto out;
     status = 1;
     self->reads++;
     self->events += count;
 out:
     Py_XDECREF(result);
     Py_XDECREF(read_at);
-    Py_XDECREF(total);
-    Py_XDECREF(more);
-    Py_XDECREF(appended);
     Py_XDECREF(loop_now);
     Py_DECREF(payloads);
     return status;
@@ -268,10 +674,12 @@ ReadPath_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, Py
 static PyObject *
 ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"conn", "outcome", "relay", "add", "chunk", "ctx", "loop_time", NULL};
-    PyObject *conn, *outcome, *relay, *add, *chunk, *ctx, *loop_time;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO:ReadPath", kwlist, &conn, &outcome,
-                                     &relay, &add, &chunk, &ctx, &loop_time))
+    static char *kwlist[] = {"conn",           "outcome", "relay",     "stream", "event_type",
+                             "event_overhead", "gaps",    "loop_time", NULL};
+    PyObject *conn, *outcome, *relay, *stream, *event_type, *gaps, *loop_time;
+    Py_ssize_t overhead;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOnOO:ReadPath", kwlist, &conn, &outcome,
+                                     &relay, &stream, &event_type, &overhead, &gaps, &loop_time))
         return NULL;
     ReadPath *self = (ReadPath *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -279,9 +687,10 @@ ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->conn = Py_NewRef(conn);
     self->outcome = Py_NewRef(outcome);
     self->relay = Py_NewRef(relay);
-    self->add = Py_NewRef(add);
-    self->chunk = Py_NewRef(chunk);
-    self->ctx = Py_NewRef(ctx);
+    self->stream = Py_NewRef(stream);
+    self->event_type = Py_NewRef(event_type);
+    self->overhead = overhead;
+    self->gaps = Py_NewRef(gaps);
     self->loop_time = Py_NewRef(loop_time);
     self->vectorcall = ReadPath_vectorcall;
     return (PyObject *)self;
@@ -290,7 +699,8 @@ ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static PyTypeObject ReadPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "firstbyte.router._chunkpath.ReadPath",
-    .tp_doc = "ReadPath(conn, outcome, relay, add, chunk, ctx, loop_time)(data) -> bool: "
+    .tp_doc = "ReadPath(conn, outcome, relay, stream, event_type, event_overhead, gaps, "
+              "loop_time)(data) -> bool: "
               "take an upstream read of whole chunks of whole events, or leave it (False).",
     .tp_basicsize = sizeof(ReadPath),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -380,20 +790,20 @@ write_hex(char *p, size_t value)
 static int
 writable(SSEWriter *self)
 {
-    int paused = attr_true(self->flow, s_write_paused);
+    int paused = attr_true(self->flow, &flow_write_paused);
     if (paused != 0)
         return paused < 0 ? -1 : 0;
-    int gone = attr_true(self->cycle, s_disconnected);
+    int gone = attr_true(self->cycle, &cycle_disconnected);
     if (gone != 0)
         return gone < 0 ? -1 : 0;
-    PyObject *chunked = PyObject_GetAttr(self->cycle, s_chunked_encoding);
+    PyObject *chunked = slot_get(self->cycle, &cycle_chunked_encoding);
     if (chunked == NULL)
         return -1;
     int is_chunked = chunked == Py_True;
     Py_DECREF(chunked);
     if (!is_chunked)
         return 0;
-    int complete = attr_true(self->cycle, s_response_complete);
+    int complete = attr_true(self->cycle, &cycle_response_complete);
     if (complete != 0)
         return complete < 0 ? -1 : 0;
     PyObject *closing = PyObject_CallMethodNoArgs(self->transport, s_is_closing);
@@ -424,14 +834,14 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
     Py_ssize_t i;
     for (i = 0; i < count; i++) {
         PyObject *event = PyList_GET_ITEM(events, i);
-        PyObject *seq = PyObject_GetAttr(event, s_seq);
+        PyObject *seq = slot_get(event, &event_seq);
         if (seq == NULL)
             goto fail;
         seqs[i] = PyLong_AsLongLong(seq);
         Py_DECREF(seq);
         if (seqs[i] == -1 && PyErr_Occurred())
             goto fail;
-        datas[i] = PyObject_GetAttr(event, s_data);
+        datas[i] = slot_get(event, &event_data);
         if (datas[i] == NULL)
             goto fail;
         if (!PyBytes_CheckExact(datas[i])) {
@@ -495,18 +905,7 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
         Py_RETURN_FALSE;
     }
     Py_DECREF(written);
-    PyObject *direct = PyObject_GetAttr(self->framer, s_direct);
-    if (direct == NULL)
-        return NULL;
-    PyObject *more = PyLong_FromSsize_t(count);
-    PyObject *total = more == NULL ? NULL : PyNumber_Add(direct, more);
-    Py_DECREF(direct);
-    Py_XDECREF(more);
-    if (total == NULL)
-        return NULL;
-    int set = PyObject_SetAttr(self->framer, s_direct, total);
-    Py_DECREF(total);
-    if (set < 0)
+    if (add_to_attr(self->framer, &framer_direct, count) < 0)
         return NULL;
     Py_RETURN_TRUE;
 
@@ -582,23 +981,16 @@ static struct PyModuleDef chunkpath_module = {
 PyMODINIT_FUNC
 PyInit__chunkpath(void)
 {
-    INTERN(s_fast, "_fast");
-    INTERN(s_framer, "_framer");
-    INTERN(s_idle, "idle");
-    INTERN(s_appended, "appended");
-    INTERN(s_last_read, "_last_read");
     INTERN(s_done, "done");
-    INTERN(s_seq, "seq");
-    INTERN(s_data, "data");
-    INTERN(s_write_paused, "write_paused");
-    INTERN(s_disconnected, "disconnected");
-    INTERN(s_chunked_encoding, "chunked_encoding");
-    INTERN(s_response_complete, "response_complete");
     INTERN(s_is_closing, "is_closing");
     INTERN(s_write, "write");
-    INTERN(s_direct, "direct");
     INTERN(s_transport, "transport");
     INTERN(s_flow, "flow");
+    INTERN(s_add, "add");
+    INTERN(s_drop_released_taps, "_drop_released_taps");
+    INTERN(s_wake, "_wake");
+    for (Slot *const *slot = all_slots; *slot != NULL; slot++)
+        INTERN((*slot)->name, (*slot)->text);
     if (PyType_Ready(&ReadPathType) < 0 || PyType_Ready(&SSEWriterType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&chunkpath_module);

@@ -4,8 +4,14 @@ For every token a caught-up stream relays, the compiled path does in C what the 
 path does in ~400 bytecodes: it cuts an upstream read of whole HTTP/1.1 chunks of whole
 ``data:`` events (:class:`ReadPath`, in place of httptools' parse, the producer's
 ``on_body``/``on_read_end`` and :meth:`~firstbyte.router.pipeline.relay.Relay.feed`), hands
-the events to the store and the inter-token metric, and writes a direct SSE reader's frame
-on uvicorn's transport (:class:`SSEWriter`). Anything else (a partial chunk, the body's
+the events to the store (:meth:`~firstbyte.router.streams.Stream.add`'s work, in C where it
+neither trims nor reclaims) and the inter-token metric
+(:class:`~firstbyte.router.hosting.prometheus.GapTimer`), and writes a direct SSE reader's
+frame on uvicorn's transport (:class:`SSEWriter`). The objects it reads per chunk keep their
+fields in ``__slots__`` (the stream, its store and owner, the relay and its framer, the
+connection, the reader's tap and framer, the timer and histogram); the C reads and writes
+those at the slots' offsets, as CPython's specialized ``LOAD_ATTR_SLOT`` does, and anything
+else through ``getattr``. Anything else (a partial chunk, the body's
 end, another shape of event, a reader that fell behind, a named event) goes the Python
 way, which stays the one definition of what a read means; the compiled path gives the same
 store, bytes and counters (``tests/router/test_chunkpath.py``).

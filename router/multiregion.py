@@ -41,7 +41,6 @@ from __future__ import annotations
 import hmac
 import math
 import time
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from firstbyte.protocol.openai import ChatCompletionRequest
 from .backpressure import BackendLoad, LoadTracker
 from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
-from .hosting.prometheus import Histogram
+from .hosting.prometheus import GapTimer, Histogram
 from .metrics import TTFT_BUCKETS_S
 from .models import ModelMap
 from .observability.logs import describe_error
@@ -156,7 +155,9 @@ class Observation:
     ttft_ms: float | None = None
     upstream_ttft_ms: float | None = None
     """From sending the request to its backend (the attempt that served) to its first token."""
-    last_chunk: float | None = None
+    gaps: GapTimer = field(init=False, repr=False)
+    """The gaps between its chunks, into the region's inter-token histogram (ticked from
+    the first token on)."""
     switched: bool = False
     done: bool = False
     reason: str = ""
@@ -169,22 +170,18 @@ class Observation:
     """What of the request decided where it went (its model, affinity key, ...): a failover
     or a late first token's switch decides by it again."""
 
+    def __post_init__(self) -> None:
+        self.gaps = GapTimer(self.routing.itl)
+
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
         self.ttft_ms = ttft_ms
-        self.last_chunk = time.perf_counter()
+        self.gaps.last = now = time.perf_counter()
         if ctx.upstream_sent_at is not None:
-            self.upstream_ttft_ms = (self.last_chunk - ctx.upstream_sent_at) * 1000
+            self.upstream_ttft_ms = (now - ctx.upstream_sent_at) * 1000
         self.routing.first_token(self, ttft_ms, ctx.transport, ctx.model_label)
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
-        last, self.last_chunk = self.last_chunk, now
-        if last is not None:
-            # Histogram.observe inlined: this runs per relayed chunk, where every Python
-            # call of the path counts (docs/router.md, "What it costs").
-            itl, value = self.routing.itl, now - last
-            itl.counts[bisect_left(itl.bounds, value)] += 1
-            itl.total += value
-            itl.count += 1
+        self.gaps.tick(now)
 
     def claim_switch(self, ctx: RequestContext) -> bool:
         """At the first-token deadline: take a spill slot and a target for :meth:`switch`.

@@ -53,6 +53,7 @@ from .observability.usage import TokenUsage
 
 __all__ = [
     "DONE_DATA",
+    "EVENT_OVERHEAD_BYTES",
     "HistoryTrimmed",
     "StoreFull",
     "Stream",
@@ -63,7 +64,8 @@ __all__ = [
 ]
 
 DONE_DATA = DONE.encode()
-_EVENT_OVERHEAD_BYTES = 64
+EVENT_OVERHEAD_BYTES = 64
+"""What the store charges an event beyond its data (the event object, its list slot)."""
 _idle_clock = time.perf_counter
 """The direct readers' idle clock (:meth:`Stream.relay_live`): the clock the producer reads
 once per upstream read anyway (:meth:`Stream.add` takes its reading), so a write to a
@@ -108,9 +110,10 @@ class StreamEvent(msgspec.Struct, frozen=True, gc=False):
         return self.data == DONE_DATA
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Stream:
-    """One stream: its events, its owner, and who is reading it."""
+    """One stream: its events, its owner, and who is reading it. Slots: the compiled
+    per-chunk path reads and writes its fields at their offsets (:meth:`add`)."""
 
     id: str
     owner: bytes
@@ -169,7 +172,7 @@ class Stream:
         events = self.events
         event = StreamEvent(self.trimmed + len(events) + 1, data)
         events.append(event)
-        size = len(data) + _EVENT_OVERHEAD_BYTES
+        size = len(data) + EVENT_OVERHEAD_BYTES
         self.size_bytes += size
         if data == DONE_DATA:
             self.finished_at = now
@@ -210,7 +213,12 @@ class Stream:
         mirrors them, hands them to the direct readers in one batch and wakes the others.
         The same effects as :meth:`extend`, with the per-event calls of :meth:`append`
         inlined. ``read_at``: the read's :func:`time.perf_counter` reading, the direct
-        readers' idle clock (:meth:`relay_live`)."""
+        readers' idle clock (:meth:`relay_live`).
+
+        The compiled read path (``router/_chunkpath.c``, ``stream_add``) does the same in C
+        for the reads where this neither trims nor reclaims, reading this stream's and its
+        store's slots at their offsets; it calls this method for every other read, so this
+        stays the definition (``tests/router/test_chunkpath.py`` compares the two)."""
         if self.finished_at is not None:
             return
         events = self.events
@@ -219,14 +227,14 @@ class Stream:
             seq += 1
             data = payloads[0]
             added = [StreamEvent(seq, data)]
-            size = len(data) + _EVENT_OVERHEAD_BYTES
+            size = len(data) + EVENT_OVERHEAD_BYTES
         else:
             added = []
             size = 0
             for data in payloads:
                 seq += 1
                 added.append(StreamEvent(seq, data))
-                size += len(data) + _EVENT_OVERHEAD_BYTES
+                size += len(data) + EVENT_OVERHEAD_BYTES
         events += added
         self.size_bytes += size
         store = self._store
@@ -429,7 +437,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Owner:
     """One owner's share of the store: bytes held, live streams, and its streams in the order
     its history is trimmed in (creation order; a live stream trimmed bare goes to the back)."""
@@ -454,6 +462,14 @@ class StreamStore:
     order), so finding the next one to evict or trim is O(1) and dropping it is O(1): no index
     is ever sorted.
     """
+
+    # Slots: the compiled per-chunk path (router/_chunkpath.c) reads and writes the byte
+    # counts at their offsets, as it does the stream's.
+    __slots__ = (
+        "_finished", "_live", "_over_share", "_owner_low_bytes", "_owners", "_retrim",
+        "_shares", "_streams", "evicted_by", "evictions", "max_age_s", "max_owner_bytes",
+        "max_total_bytes", "total_bytes", "trimmed_events",
+    )
 
     def __init__(
         self, *, max_total_bytes: int, max_age_s: float, max_owner_bytes: int | None = None
@@ -614,7 +630,7 @@ class StreamStore:
             events = stream.events
             count = freed = 0
             while count < len(events) - keep and freed < excess:
-                freed += len(events[count].data) + _EVENT_OVERHEAD_BYTES
+                freed += len(events[count].data) + EVENT_OVERHEAD_BYTES
                 count += 1
             if stream.done and count == len(events) - keep:  # only its [DONE] would be left
                 dropped.append(self._drop(stream, "key_share"))

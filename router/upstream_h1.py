@@ -91,6 +91,13 @@ def encode_request(
 class H1Connection(asyncio.Protocol):
     """One kept-alive connection; one response at a time goes to its sink."""
 
+    # Slots: the compiled read path (router/_chunkpath.c) writes _last_read at its offset.
+    __slots__ = (
+        "_boundary", "_complete", "_ended", "_fast", "_fast_offer", "_framed_by_close",
+        "_has_length", "_keep_alive", "_last_read", "_parser", "_sink", "_timer", "answered",
+        "closed", "idle_since", "origin", "pool", "reused", "transport",
+    )
+
     def __init__(self, pool: H1Pool, origin: Origin) -> None:
         self.pool = pool
         self.origin = origin

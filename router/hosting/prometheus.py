@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Histogram", "family", "labels", "render_counter", "render_gauge", "sample"]
+__all__ = ["GapTimer", "Histogram", "family", "labels", "render_counter", "render_gauge", "sample"]
 
 
 def labels(**values: str) -> str:
@@ -54,6 +54,10 @@ def render_counter(
 class Histogram:
     """A cumulative histogram over fixed upper bounds; ``observe`` is O(log buckets)."""
 
+    # Slots: the compiled per-chunk path (router/_chunkpath.c) observes inter-token gaps at
+    # these offsets (:class:`GapTimer`).
+    __slots__ = ("bounds", "count", "counts", "total")
+
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)
         self.counts = [0] * (len(self.bounds) + 1)
@@ -84,3 +88,25 @@ class Histogram:
     ) -> list[str]:
         """The whole family: header lines, then :meth:`samples`."""
         return family(name, "histogram", help_text) + self.samples(name, label_text, sum_spec)
+
+
+class GapTimer:
+    """The gaps between one stream's successive chunks, observed into a :class:`Histogram`
+    (the inter-token latency): :meth:`tick` per chunk; ``last`` is the previous chunk's
+    :func:`time.perf_counter` reading (None before the first). The compiled per-chunk path
+    (router/_chunkpath.c) does what :meth:`tick` does, at the slots' offsets."""
+
+    __slots__ = ("hist", "last")
+
+    def __init__(self, hist: Histogram) -> None:
+        self.hist = hist
+        self.last: float | None = None
+
+    def tick(self, now: float) -> None:
+        last, self.last = self.last, now
+        if last is not None:
+            # Histogram.observe inlined: this runs per relayed chunk.
+            hist, value = self.hist, now - last
+            hist.counts[bisect_left(hist.bounds, value)] += 1
+            hist.total += value
+            hist.count += 1

@@ -24,6 +24,7 @@ from ..streams import owner_of
 
 if TYPE_CHECKING:
     from ..geo import Location
+    from ..hosting.prometheus import GapTimer
     from ..observability.access import Usage
     from ..readers import ReadableStream
     from .backend import Backend
@@ -144,6 +145,8 @@ class Observer(Protocol):
     anything reached the client (:data:`FailCause`), the end."""
 
     first_token_deadline_s: float | None
+    gaps: GapTimer
+    """What :meth:`chunk` ticks; the compiled per-chunk path ticks it in its place."""
 
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None: ...
     def chunk(self, ctx: RequestContext, now: float) -> None: ...

@@ -44,7 +44,7 @@ from ..config import LimitsConfig
 from ..metrics import Metrics
 from ..observability.access import stream_usage
 from ..observability.usage import TokenUsage, with_usage_option
-from ..streams import Stream
+from ..streams import EVENT_OVERHEAD_BYTES, Stream, StreamEvent
 from ..upstream_h1 import H1Connection, H1Pool, Origin, encode_request
 from .backend import PEER_PREFIX, Backend
 from .context import FailCause, Observer, RequestContext
@@ -615,9 +615,10 @@ class _Producer:
                 conn,
                 self.outcome,
                 self.relay,
-                self.stream.add,
-                None if observer is None else observer.chunk,
-                self.ctx,
+                self.stream,
+                StreamEvent,
+                EVENT_OVERHEAD_BYTES,
+                None if observer is None else observer.gaps,
                 self.loop.time,
             )
             self._compiled_paths.append(path)

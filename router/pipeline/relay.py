@@ -141,6 +141,9 @@ class EventFramer:
     (:func:`~firstbyte.protocol.codec.named_event`; the upstream's own bytes when it sent
     exactly that shape)."""
 
+    # Slots: the compiled read path (router/_chunkpath.c) reads ``idle`` at its offset.
+    __slots__ = ("_buffer", "_decoder", "_max", "_named", "_started", "idle")
+
     def __init__(self, *, max_event_bytes: int = MAX_EVENT_BYTES, named: bool = False) -> None:
         self._max = max_event_bytes
         self._named = named
@@ -229,6 +232,14 @@ class Relay:
     switch (:meth:`start` again), the new upstream's events before its first content (its
     role chunk) are dropped when some were appended already: the client has the first's.
     """
+
+    # Slots: the compiled read path (router/_chunkpath.c) reads and writes its fields at
+    # their offsets.
+    __slots__ = (
+        "_appended_full", "_every", "_fast", "_framer", "_head_ms", "_pending", "_sent_at",
+        "_skip_preamble", "_status", "appended", "codec", "done", "first_content",
+        "full_reads", "head_released", "hold_head", "read_usage", "strip_usage", "usage",
+    )
 
     def __init__(
         self,

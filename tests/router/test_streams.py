@@ -13,8 +13,8 @@ import pytest
 
 from firstbyte.router.readers import follow, parse_after, poll, sse_events
 from firstbyte.router.streams import (
-    _EVENT_OVERHEAD_BYTES,
     DONE_DATA,
+    EVENT_OVERHEAD_BYTES,
     HistoryTrimmed,
     StoreFull,
     Stream,
@@ -187,7 +187,7 @@ def test_trims_come_in_batches() -> None:
     store = StreamStore(max_total_bytes=160_000, max_age_s=1e9, max_owner_bytes=80_000)
     stream = store.create(ALICE, 0.0)
     stream.on_trim = lambda s: trims.append(s.trimmed)
-    event = b"a" * (1_000 - _EVENT_OVERHEAD_BYTES)
+    event = b"a" * (1_000 - EVENT_OVERHEAD_BYTES)
     for _ in range(8_000):  # 8 MB through a 160 KB store
         stream.append(event, 1.0)
         assert store.total_bytes <= 160_000
@@ -258,7 +258,7 @@ def test_a_live_stream_survives_another_key_filling_the_store() -> None:
 
 def _full_store(n: int) -> StreamStore:
     """A store at its byte bound with ``n`` finished streams of ~200 bytes."""
-    size = 200 + _EVENT_OVERHEAD_BYTES * 2 + len(DONE_DATA)
+    size = 200 + EVENT_OVERHEAD_BYTES * 2 + len(DONE_DATA)
     store = StreamStore(max_total_bytes=n * size, max_age_s=1e9)
     for i in range(n):
         stream = store.create(ALICE, float(i))
