@@ -7,9 +7,11 @@ sources (``git archive``, into a temporary directory), runs its router next to t
 same alternating phases, and reports the ratio.
 
 The revision's router is started by :data:`SNIPPET` with the old sources first on
-``sys.path``. Its configuration is the one today's benchmark gives its routers, as a dict:
-keys the old config does not know yet are dropped one by one (with a note of which), so any
-revision with ``firstbyte.router.serve.running_router`` can be measured.
+``sys.path``, its compiled per-chunk path built as ``pip install`` builds today's
+(:func:`build_compiled`). Its configuration is the one today's benchmark gives its
+routers, as a dict: keys the old config does not know yet are dropped one by one (with a
+note of which), so any revision with ``firstbyte.router.serve.running_router`` can be
+measured.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import io
 import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import firstbyte
 
-__all__ = ["SNIPPET", "checked_out", "describe", "repository", "revision"]
+__all__ = ["SNIPPET", "build_compiled", "checked_out", "describe", "repository", "revision"]
 
 SNIPPET = r"""
 import asyncio, inspect, json, re, sys
@@ -125,4 +128,36 @@ def checked_out(commit: str) -> Iterator[Path]:
                 tar.extractall(tmp, filter="tar")
             else:
                 tar.extractall(tmp)  # our own repository's archive: nothing to filter
+        build_compiled(Path(tmp))
         yield Path(tmp)
+
+
+_BUILD = """
+from setuptools import Distribution, Extension
+from setuptools.command.build_ext import build_ext
+# Not `setup.py build_ext`: that reads pyproject.toml, whose fields the machine's own
+# setuptools may be too old for (pip builds with its own, newer, in isolation).
+ext = Extension("firstbyte.router._chunkpath", sources=["firstbyte/router/_chunkpath.c"])
+command = build_ext(Distribution({"ext_modules": [ext], "script_name": "setup.py"}))
+command.inplace = True
+command.ensure_finalized()
+command.run()
+"""
+
+
+def build_compiled(sources: Path) -> None:
+    """Build the revision's compiled per-chunk path in place, as ``pip install`` builds
+    today's, when the revision has one (``router/_chunkpath.c``): without it the revision's
+    router would run its Python path alone, and the ratio would compare more than the
+    revisions. A :class:`~firstbyte.cli.CLIError` (one line) if it does not build."""
+    from firstbyte.cli import CLIError
+
+    if not (sources / "firstbyte" / "router" / "_chunkpath.c").exists():
+        return  # a revision before the compiled path
+    built = subprocess.run(
+        [sys.executable, "-c", _BUILD], cwd=sources, capture_output=True, text=True,
+        check=False,
+    )
+    if built.returncode != 0:
+        last = (built.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CLIError(f"--baseline: the revision's compiled path did not build: {last}")

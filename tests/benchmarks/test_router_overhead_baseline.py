@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import sys
 import time
 
 import httpx
@@ -51,6 +52,23 @@ def test_a_revisions_router_serves_a_stream_from_its_own_sources() -> None:
         assert not sources.exists()  # removed on exit
     assert timings.output_chunks == 6
     assert (line["path"], line["status"], line["output_tokens"]) == ("/v1/chat/completions", 200, 6)
+
+
+def test_a_revisions_router_runs_its_own_compiled_path() -> None:
+    """Built as `pip install` builds today's: a baseline without it would run its Python
+    path alone, and the ratio would compare that as well as the revisions."""
+    commit = _baseline_router.revision("HEAD")
+    with _baseline_router.checked_out(commit) as sources:
+        assert list((sources / "router").glob("_chunkpath*.so"))
+        shown = subprocess.run(
+            [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+             "from firstbyte.router import chunkpath; "
+             "print(chunkpath.BUILT, chunkpath.READ_PATH is not None, chunkpath.__file__)",
+             str(sources)],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.split()
+    assert shown[:2] == ["True", "True"]
+    assert shown[2].startswith(str(sources))
 
 
 def test_todays_router_writes_its_access_lines_as_firstbyte_router_does() -> None:
