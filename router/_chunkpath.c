@@ -109,6 +109,16 @@ slot_set(PyObject *obj, Slot *slot, PyObject *value)
     return PyObject_SetAttr(obj, slot->name, value);
 }
 
+/* A call's result dropped: 0, or -1 if the call raised. */
+static int
+discard(PyObject *result)
+{
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
 /* bool(obj.<slot>): 1, 0, or -1 with an exception. */
 static int
 attr_true(PyObject *obj, Slot *slot)
@@ -116,7 +126,9 @@ attr_true(PyObject *obj, Slot *slot)
     PyObject *value = slot_get(obj, slot);
     if (value == NULL)
         return -1;
-    int truth = value == Py_True ? 1 : value == Py_False || value == Py_None ? 0 : PyObject_IsTrue(value);
+    int truth = value == Py_True                        ? 1
+                : value == Py_False || value == Py_None ? 0
+                                                        : PyObject_IsTrue(value);
     Py_DECREF(value);
     return truth;
 }
@@ -200,7 +212,12 @@ static Slot hist_counts = {"counts"};
 static Slot hist_total = {"total"};
 static Slot hist_count = {"count"};
 static Slot *const all_slots[] = {
-    &stream_finished_at, &stream_store, &stream_owner, &stream_events, &stream_trimmed, &stream_size_bytes, &stream_mirror, &stream_taps, &stream_waiters, &store_over_share, &store_owners, &store_shares, &store_max_owner_bytes, &store_total_bytes, &owner_bytes, &tap_write, &tap_seq, &tap_last_at, &tap_released, &relay_fast, &relay_framer, &relay_appended, &framer_idle, &conn_last_read, &flow_write_paused, &cycle_disconnected, &cycle_chunked_encoding, &cycle_response_complete, &event_seq, &event_data, &framer_direct,
+    &stream_finished_at, &stream_store, &stream_owner, &stream_events, &stream_trimmed,
+    &stream_size_bytes, &stream_mirror, &stream_taps, &stream_waiters, &store_over_share,
+    &store_owners, &store_shares, &store_max_owner_bytes, &store_total_bytes, &owner_bytes,
+    &tap_write, &tap_seq, &tap_last_at, &tap_released, &relay_fast, &relay_framer,
+    &relay_appended, &framer_idle, &conn_last_read, &flow_write_paused, &cycle_disconnected,
+    &cycle_chunked_encoding, &cycle_response_complete, &event_seq, &event_data, &framer_direct,
     &gaps_last, &gaps_hist, &hist_bounds, &hist_counts, &hist_total, &hist_count, NULL};
 
 /* ---------------------------------------------------------------- ReadPath */
@@ -212,7 +229,7 @@ typedef struct {
     PyObject *relay;     /* Relay: _fast, _framer.idle, appended */
     PyObject *stream;    /* Stream: add, or its fields (stream_add) */
     PyObject *event_type; /* StreamEvent */
-    Py_ssize_t overhead; /* _EVENT_OVERHEAD_BYTES: what the store charges an event beyond its data */
+    Py_ssize_t overhead;  /* EVENT_OVERHEAD_BYTES: the store's charge an event beyond its data */
     PyObject *gaps;      /* the observer's GapTimer (its chunk's work), or None */
     PyObject *loop_time; /* loop.time, bound */
     Py_ssize_t reads;    /* reads taken */
@@ -423,7 +440,8 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     for (Py_ssize_t i = 0; i < count; i++)
         if (PyList_Append(events, PyList_GET_ITEM(added, i)) < 0)
             goto out;
-    if (add_to_attr(stream, &stream_size_bytes, size) < 0 || add_to_attr(store, &store_total_bytes, size) < 0 ||
+    if (add_to_attr(stream, &stream_size_bytes, size) < 0 ||
+        add_to_attr(store, &store_total_bytes, size) < 0 ||
         add_to_attr(usage, &owner_bytes, size) < 0)
         goto out;
     mirror = slot_get(stream, &stream_mirror);
@@ -432,10 +450,8 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     if (mirror != Py_None) {
         for (Py_ssize_t i = 0; i < count; i++) {
             PyObject *args[2] = {stream, PyList_GET_ITEM(added, i)};
-            PyObject *result = PyObject_Vectorcall(mirror, args, 2, NULL);
-            if (result == NULL)
+            if (discard(PyObject_Vectorcall(mirror, args, 2, NULL)) < 0)
                 goto out;
-            Py_DECREF(result);
         }
     }
     taps = slot_get(stream, &stream_taps);
@@ -464,7 +480,10 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
             int ok = written == NULL ? -1 : PyObject_IsTrue(written);
             Py_XDECREF(written);
             if (ok > 0)
-                ok = slot_set(tap, &tap_seq, last) < 0 || slot_set(tap, &tap_last_at, read_at) < 0 ? -1 : 1;
+                ok = slot_set(tap, &tap_seq, last) < 0 ||
+                             slot_set(tap, &tap_last_at, read_at) < 0
+                         ? -1
+                         : 1;
             else if (ok == 0) {
                 refused = 1;
                 ok = slot_set(tap, &tap_released, Py_True) < 0 ? -1 : 0;
@@ -473,12 +492,8 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
             if (ok < 0)
                 goto out;
         }
-        if (refused) {
-            PyObject *result = PyObject_CallMethodNoArgs(stream, s_drop_released_taps);
-            if (result == NULL)
-                goto out;
-            Py_DECREF(result);
-        }
+        if (refused && discard(PyObject_CallMethodNoArgs(stream, s_drop_released_taps)) < 0)
+            goto out;
     }
     waiters = slot_get(stream, &stream_waiters);
     if (waiters == NULL)
@@ -486,12 +501,8 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     int waiting = PyObject_IsTrue(waiters);
     if (waiting < 0)
         goto out;
-    if (waiting) {
-        PyObject *result = PyObject_CallMethodNoArgs(stream, s_wake);
-        if (result == NULL)
-            goto out;
-        Py_DECREF(result);
-    }
+    if (waiting && discard(PyObject_CallMethodNoArgs(stream, s_wake)) < 0)
+        goto out;
     status = 1;
 out:
     Py_XDECREF(waiters);
