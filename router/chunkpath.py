@@ -10,11 +10,11 @@ neither trims nor reclaims) and the inter-token metric
 frame on uvicorn's transport (:class:`SSEWriter`). The objects it reads per chunk keep their
 fields in ``__slots__`` (the stream, its store and owner, the relay and its framer, the
 connection, the reader's tap and framer, the timer and histogram); the C reads and writes
-those at the slots' offsets, as CPython's specialized ``LOAD_ATTR_SLOT`` does, and anything
-else through ``getattr``. Anything else (a partial chunk, the body's
-end, another shape of event, a reader that fell behind, a named event) goes the Python
-way, which stays the one definition of what a read means; the compiled path gives the same
-store, bytes and counters (``tests/router/test_chunkpath.py``).
+those at the slots' offsets, as CPython's specialized ``LOAD_ATTR_SLOT`` does, and any other
+object through ``getattr``. Any other read (a partial chunk, the body's end, another shape
+of event, a reader that fell behind, a named event) goes the Python way, which stays the
+one definition of what a read means; the compiled path gives the same store, bytes and
+counters (``tests/router/test_chunkpath.py``).
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
 ``READ_PATH`` and ``SSE_WRITER`` are None and the Python path runs alone, as it does with
