@@ -143,24 +143,28 @@ def start_router_process(
     async def start(nofile: int | None = None, **sections: dict[str, Any]) -> AsyncIterator[
         RouterProcess
     ]:
-        port = free_port()
-        path = tmp_path / f"router-{port}.toml"
         sections["listen"] = {"server": router_server} | sections.get("listen", {})
-        write_config(path, router_sections(port, tls_files, **sections), upstream.url)
-        log_path = tmp_path / f"router-{port}.log"
-
-        proc = _spawn(path, log_path, nofile, without_patches)
-        router = RouterProcess(proc, port, log_path, tls_files["cafile"])
+        for attempt in range(3):
+            # free_port() lets the port go before the router binds it: another process (an
+            # outgoing connection's ephemeral port, another test worker) may take it in
+            # between, and the router then exits saying so. A new port, not a failure.
+            port = free_port()
+            path = tmp_path / f"router-{port}.toml"
+            write_config(path, router_sections(port, tls_files, **sections), upstream.url)
+            log_path = tmp_path / f"router-{port}.log"
+            proc = _spawn(path, log_path, nofile, without_patches)
+            router = RouterProcess(proc, port, log_path, tls_files["cafile"])
+            try:
+                await _until_healthy(router)
+                break
+            except AssertionError:
+                _stop(proc)
+                if attempt == 2 or "Address already in use" not in router.log():
+                    raise
         try:
-            await _until_healthy(router)
             yield router
         finally:
-            proc.terminate()
-            try:
-                await asyncio.to_thread(proc.wait, 10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            await asyncio.to_thread(_stop, proc)
 
     return start
 
@@ -221,6 +225,15 @@ def _spawn(
             env=env,
             preexec_fn=limit_files,
         )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def _until_healthy(router: RouterProcess) -> None:
