@@ -41,6 +41,15 @@ class Reply:
     ttft_s: float | None
     e2e_s: float
     text: str
+    start: float = 0.0  # perf_counter() when the request was sent
+
+    @property
+    def first_token_at(self) -> float:
+        return self.start + (self.ttft_s if self.ttft_s is not None else self.e2e_s)
+
+    @property
+    def ended_at(self) -> float:
+        return self.start + self.e2e_s
 
 
 async def stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int = 24) -> Reply:
@@ -53,7 +62,7 @@ async def stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int = 
             if ttft is None and r.status_code == 200 and '"content":"' in text:
                 ttft = time.perf_counter() - start
     elapsed = time.perf_counter() - start
-    return Reply(r.status_code, r.headers.get("x-firstbyte-region"), ttft, elapsed, text)
+    return Reply(r.status_code, r.headers.get("x-firstbyte-region"), ttft, elapsed, text, start)
 
 
 _SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
@@ -126,8 +135,13 @@ async def test_first_token_deadline_spills_no_more_than_the_budget() -> None:
 
 async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast() -> None:
     """10 streams at once into a region of 2 slots whose peer has 64 free, five times: no 429
-    (the budget allows every spill), and a spilled stream's first token costs about what
-    the peer takes directly in the same run."""
+    (the budget allows every spill), a spilled stream's first token costs about what the
+    peer takes directly in the same run, and no spill waits for another stream to end.
+
+    That last check is by order, not by a timer: in each burst every spilled stream has its
+    first token before any spilled stream has ended. A spill queued behind a busy connection
+    starts only once one ends; a stall of the whole machine (CI runs tests side by side on 2
+    cores) delays first tokens and ends alike and keeps the order."""
     tokyo = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 2},
              "config": {"routing": {"spill_budget_ratio": 1.0}}}
     frankfurt = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 64}}
@@ -136,7 +150,7 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
         tokyo_url, peer_url = regions["tokyo"].url, regions["frankfurt"].url
         spilled: list[float] = []
         direct: list[float] = []
-        direct_e2e: list[float] = []
+        queued: list[tuple[int, float]] = []
         moved = 0
         with access_log() as log:
             async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as c:
@@ -147,7 +161,6 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
                         *(stream(c, peer_url, 100 * burst + i, 100) for i in range(8))
                     )
                     direct += [r.ttft_s for r in peer_alone if r.ttft_s is not None]
-                    direct_e2e += [r.e2e_s for r in peer_alone]
                     replies = await asyncio.gather(
                         *(stream(c, tokyo_url, 100 * burst + i, 100) for i in range(10))
                     )
@@ -157,6 +170,12 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
                     assert sum(r.region == "tokyo" for r in replies) >= 2
                     moved += sum(r.region == "frankfurt" for r in replies)
                     spilled += [r.ttft_s for r in replies if r.region == "frankfurt" and r.ttft_s]
+                    at_peer = [r for r in replies if r.region == "frankfurt"]
+                    if at_peer:
+                        last_first = max(r.first_token_at for r in at_peer)
+                        first_end = min(r.ended_at for r in at_peer)
+                        if last_first >= first_end:
+                            queued.append((burst, last_first - first_end))
                     await asyncio.sleep(0.5)  # the peer's status sees it idle again
                 spills = await samples(c, tokyo_url, "firstbyte_route_spills_total")
         assert not [r for r in log if r["outcome"] == "rejected"]
@@ -166,7 +185,7 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
         # The same peer, the same moment: forwarding adds a hop through a second router (on
         # the same 2 cores), not a queue: no spill waited for another stream to end first.
         assert statistics.median(spilled) <= 3 * statistics.median(direct), (spilled, direct)
-        assert max(spilled) < 0.5 * statistics.median(direct_e2e), (spilled, direct_e2e)
+        assert not queued, queued  # (burst, s its last first token came after the first end)
 
 
 async def test_every_429_says_why_in_the_access_log() -> None:
