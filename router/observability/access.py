@@ -26,7 +26,7 @@ from firstbyte.protocol.codec import CHAT, Codec, event_data
 from firstbyte.protocol.formats import BY_PATH
 
 from ..asgi import Message, Receive, Scope, Send
-from .logs import key_id, subject_id
+from .logs import key_id, subject_id, write_direct
 
 if TYPE_CHECKING:
     from ..pipeline.context import RequestContext
@@ -485,13 +485,16 @@ class RequestLog:
             exchange.path == paths.EDGE_WARM and exchange.method == "GET")
         level = logging.DEBUG if operational else logging.INFO
         if log.isEnabledFor(level):
-            # Logger.log without its findCaller (a walk up the stack, once a request): the
-            # record says where it comes from by its logger's name, not a source line.
-            log.handle(log.makeRecord(
-                log.name, level, __file__, 0, "%s %s %s",
-                (record.method, record.path, record.status), None,
-                extra={"fields": record.fields()},
-            ))
+            fields = record.fields()
+            if not write_direct(log, level, f"{record.method} {record.path} {record.status}",
+                                fields):
+                # Logger.log without its findCaller (a walk up the stack, once a request):
+                # the record says where it comes from by its logger's name, not a line.
+                log.handle(log.makeRecord(
+                    log.name, level, __file__, 0, "%s %s %s",
+                    (record.method, record.path, record.status), None,
+                    extra={"fields": fields},
+                ))
         if self.spans is not None and ctx is not None and record.sampled:
             self.spans.export(record)
 

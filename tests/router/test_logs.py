@@ -5,11 +5,14 @@ what is served where."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import signal
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,14 @@ from firstbyte.router.observability.access import (
     stream_usage,
 )
 from firstbyte.router.observability.logs import (
+    QUIET_LIBRARIES,
     JsonFormatter,
+    LogFormat,
     StateChanges,
     TextFormatter,
+    configure,
     key_id,
+    write_direct,
 )
 from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
@@ -330,3 +337,69 @@ def test_text_lines_carry_the_same_time_and_the_fields() -> None:
     assert TextFormatter().format(record) == (
         "2023-11-14T22:13:20.250Z INFO firstbyte.access: POST /x status=200"
     )
+
+
+@contextmanager
+def configured(fmt: LogFormat) -> Iterator[tuple[io.StringIO, logging.Handler]]:
+    """:func:`configure` as a router process has it, writing to a StringIO; the process's
+    logging (pytest's handlers, levels, flags) as it was afterwards."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, logging.logThreads, logging.logProcesses,
+             logging.logMultiprocessing,
+             {name: logging.getLogger(name).level for name in QUIET_LIBRARIES})
+    out = io.StringIO()
+    try:
+        yield out, configure("info", fmt, out)
+    finally:
+        handlers, level, threads, processes, multiprocessing, libraries = saved
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.logThreads, logging.logProcesses = threads, processes
+        logging.logMultiprocessing = multiprocessing
+        for name, library_level in libraries.items():
+            logging.getLogger(name).setLevel(library_level)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_line_written_direct_is_the_line_logging_writes(
+    fmt: LogFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The access line without a LogRecord is the same bytes as the standard path's, at the
+    same time; it is written direct only where the configured handler alone would get it."""
+    log = logging.getLogger("firstbyte.access")
+    fields = {"request_id": "r1", "status": 200, "model": "m", "ttft_ms": 9.52, "stream": None}
+    with configured(fmt) as (out, handler):
+        with monkeypatch.context() as clock:
+            clock.setattr(time, "time", lambda: 1_700_000_000.25)
+            assert write_direct(log, logging.INFO, "POST /v1/chat/completions 200", fields)
+            direct = out.getvalue()
+            out.seek(0)
+            out.truncate()
+            log.handle(log.makeRecord(
+                log.name, logging.INFO, __file__, 0, "%s %s %s",
+                ("POST", "/v1/chat/completions", 200), None, extra={"fields": fields},
+            ))
+        assert direct == out.getvalue()
+        assert direct.startswith("2023-11-14T22:13:20.250Z" if fmt == "text"
+                                 else '{"time":"2023-11-14T22:13:20.250Z"')
+        assert direct.count("\n") == 1
+        assert direct.endswith("\n")
+
+        # Anywhere else a record could go: the standard path, which gives it there too.
+        listener = logging.NullHandler()
+        for logger in (log, logging.getLogger("firstbyte"), logging.getLogger()):
+            logger.addHandler(listener)
+            assert not write_direct(log, logging.INFO, "m", fields), logger.name
+            logger.removeHandler(listener)
+        handler.addFilter(lambda record: True)
+        assert not write_direct(log, logging.INFO, "m", fields)
+        handler.filters.clear()
+        log.addFilter(lambda record: True)
+        assert not write_direct(log, logging.INFO, "m", fields)
+        log.filters.clear()
+        handler.setLevel(logging.WARNING)
+        assert not write_direct(log, logging.INFO, "m", fields)
+        handler.setLevel(logging.NOTSET)
+        assert write_direct(log, logging.INFO, "m", fields)
+    # Not configured here (pytest's handlers at the root): never direct.
+    assert not write_direct(log, logging.INFO, "m", fields)
