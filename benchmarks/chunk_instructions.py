@@ -9,10 +9,12 @@ upstream is a fake inference server in this process that writes one chat chunk e
 ``--interval-ms`` per stream (slow enough that the instrumented target keeps up, so each
 chunk is one read and one write, as at full speed); the clients are kept-alive raw sockets
 here too. Two runs with different ``--chunks`` split the cost per request from the cost per
-chunk.
+chunk; ``--redis`` keeps the router's state in a throwaway Valkey (only the router's
+instructions are counted, not the server's).
 
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target router
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target pipe
+    PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --redis
 
 Not part of ``firstbyte bench``: a tool for judging a change to the data path.
 """
@@ -30,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from firstbyte.benchmarks.redis_server import running_redis
 from firstbyte.benchmarks.scenarios.router_overhead import _PIPE, _ROUTER, _router_config
 
 __all__ = ["main"]
@@ -156,6 +159,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
     out = Path(tempfile.mkdtemp(prefix="callgrind-"))
     if args.target == "router":
         config = _router_config(f"http://127.0.0.1:{upstream_port}")
+        if args.redis_url:
+            config["state"] = {"redis_url": args.redis_url, "key_prefix": f"ci{os.getpid()}:"}
         code, child_args = _ROUTER, [json.dumps(config)]
     else:
         code, child_args = _PIPE, ["127.0.0.1", str(upstream_port)]
@@ -214,6 +219,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
     chunks = args.passes * args.streams * (args.chunks + 2)
     return {
         "target": args.target,
+        "state": "redis" if args.redis_url else "memory",
         "streams": args.streams,
         "chunks": chunks,
         "bytes_received": received,
@@ -241,10 +247,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-valgrind", action="store_true", help="no instruction count: CPU time only"
     )
+    parser.add_argument(
+        "--redis", action="store_true",
+        help="the router keeps its state in a throwaway Valkey/Redis (router only)",
+    )
     args = parser.parse_args(argv)
+    if args.redis and args.target != "router":
+        parser.error("--redis is for --target router")
     os.environ.setdefault("PYTHONPATH", os.getcwd())
-    with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(asyncio.run(_measure(args))))
+    with contextlib.ExitStack() as stack:
+        args.redis_url = stack.enter_context(running_redis()).url if args.redis else None
+        with contextlib.suppress(KeyboardInterrupt):
+            print(json.dumps(asyncio.run(_measure(args))))
 
 
 if __name__ == "__main__":
