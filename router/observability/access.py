@@ -26,12 +26,12 @@ from firstbyte.protocol.codec import CHAT, Codec, event_data
 from firstbyte.protocol.formats import BY_PATH
 
 from ..asgi import Message, Receive, Scope, Send
+from ..streams import Stream
 from .logs import key_id, subject_id, write_direct
 
 if TYPE_CHECKING:
     from ..pipeline.context import RequestContext
     from ..readers import ReadableStream
-    from ..streams import Stream
 
 __all__ = [
     "CONTEXT_KEY",
@@ -82,9 +82,12 @@ _chunk = msgspec.json.Decoder(_Chunk)
 _error = msgspec.json.Decoder(_ErrorEvent)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Usage:
-    """What a completion cost and who produced it, as far as the upstream said."""
+    """What a completion cost and who produced it, as far as the upstream said.
+
+    Not frozen, though nothing changes one (as :class:`AccessRecord`): one is built a request,
+    and a frozen dataclass sets each field through ``object.__setattr__``."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None
@@ -374,8 +377,6 @@ def _transport(path: str, ctx: RequestContext | None, websocket: bool) -> str:
 def _produced(ctx: RequestContext | None, exchange: _Exchange, websocket: bool) -> Stream | None:
     """The stream this request started in this process (its tokens are this request's), or
     None: a request that read a stream, or started none."""
-    from ..streams import Stream
-
     stream = ctx.stream if ctx is not None else None
     if isinstance(stream, Stream) and (websocket or exchange.path in _STARTS_STREAM):
         return stream
