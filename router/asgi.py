@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .hosting.body_writer import EXTENSION as BODY_WRITER
+from .hosting.disconnected import EXTENSION as DISCONNECTED
 
 __all__ = [
     "BODY_WRITER",
@@ -106,16 +107,25 @@ async def until_disconnect(receive: Receive) -> None:
 
 
 class Disconnect:
-    """The client's disconnect, listened for by one task for the rest of a request whose body
-    was read: through the wait for the upstream's head (:meth:`unless_gone`) and the streamed
-    body (:func:`stream_body`'s ``disconnect``). One listener where each phase had its own
-    saves a task, its cancellation and an ``asyncio.wait`` per streamed request.
-    :meth:`stop` it when the request is over."""
+    """The client's disconnect, listened for by one task (or, where the server offers it, the
+    ``firstbyte.disconnected`` future: :mod:`.hosting.disconnected`) for the rest of a
+    request whose body was read: through the wait for the upstream's head
+    (:meth:`unless_gone`) and the streamed body (:func:`stream_body`'s ``disconnect``). One
+    listener where each phase had its own saves a task, its cancellation and an
+    ``asyncio.wait`` per streamed request. :meth:`stop` it when the request is over."""
 
     __slots__ = ("listener",)
 
-    def __init__(self, receive: Receive) -> None:
-        self.listener: asyncio.Future[None] = asyncio.ensure_future(until_disconnect(receive))
+    def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
+        extensions = scope.get("extensions") if scope is not None else None
+        gone: asyncio.Future[None] | None = (
+            extensions.get(DISCONNECTED) if extensions else None
+        )
+        # The server's future where it offers one (uvicorn's HTTP/1.1: no task, no
+        # cancellation at the end), else a task blocked in receive().
+        self.listener: asyncio.Future[None] = (
+            gone if gone is not None else asyncio.ensure_future(until_disconnect(receive))
+        )
 
     async def unless_gone(self, work: asyncio.Future[Any]) -> bool:
         """Wait for ``work``; True if it finished first, False if the client went away first

@@ -310,7 +310,7 @@ async def completion(
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(state.clock())
-    disconnect = Disconnect(receive)  # one listener for the head's wait and the body
+    disconnect = Disconnect(receive, scope)  # one listener for the head's wait and the body
     try:
         await _stream_response(state, scope, receive, send, ctx, stream, endpoint, disconnect)
     finally:

@@ -416,6 +416,20 @@ PATCHES: tuple[Patch, ...] = (
         "tests/router/test_direct_relay.py::test_http1_stream_is_written_directly_and_whole",
     ),
     Patch(
+        "uvicorn-disconnected",
+        "uvicorn",
+        "(a feature) an ASGI app learns of a client's disconnect only from receive(), so a"
+        " task waits there for every streamed request; the firstbyte.disconnected future"
+        " (disconnected.py) is resolved from the protocol's connection_lost instead",
+        (
+            Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle",
+                  source=(("__init__", "self.response_complete"),)),
+        ),
+        (),
+        _nothing,
+        "tests/router/test_direct_relay.py::test_a_streamed_response_costs_one_task_of_the_router",
+    ),
+    Patch(
         "httpcore-asyncio-backend",
         "httpx",
         "(a feature) httpx has no public switch for httpcore's network backend",

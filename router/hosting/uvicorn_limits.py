@@ -40,6 +40,7 @@ from typing import Any
 from .accept import MAX_REFUSED_HEAD_BYTES, Admission, ProxyRead, TlsStart, admit
 from .body_writer import EXTENSION as BODY_WRITER
 from .body_writer import uvicorn_shape_ok, uvicorn_writer
+from .disconnected import EXTENSION as DISCONNECTED
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, Linger, report
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
@@ -158,6 +159,10 @@ def guarded_protocols(
         _plain_early = b""
         _proxy: ProxyRead | None = None
         _proxy_client: tuple[str, int] | None = None
+        _gone: tuple[tuple[Any, asyncio.Future[None]], ...] = ()
+        """The ``firstbyte.disconnected`` futures (:mod:`.disconnected`) of the requests whose
+        response may not be complete, with their request cycles: one, or more when requests
+        were pipelined."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if self.admission is not None:  # counted at its accept, handshake done
@@ -247,6 +252,10 @@ def guarded_protocols(
                 self._linger_timer = None
             _release(self.admission, self.ended)
             self.admission = None
+            gone, self._gone = self._gone, ()
+            for cycle, future in gone:
+                if not cycle.response_complete and not future.done():
+                    future.set_result(None)
             super().connection_lost(exc)
 
         def _refused_data(self, data: bytes) -> None:
@@ -308,6 +317,9 @@ def guarded_protocols(
                 # Its task has not run yet: the app finds the writer in its scope.
                 extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
                 extensions[BODY_WRITER] = uvicorn_writer(cycle)
+                gone = extensions[DISCONNECTED] = self.loop.create_future()
+                self._gone = (*(pair for pair in self._gone if not pair[0].response_complete),
+                              (cycle, gone))
 
         def handle_websocket_upgrade(self) -> None:
             self._head_due = False
