@@ -138,10 +138,13 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
     (the budget allows every spill), a spilled stream's first token costs about what the
     peer takes directly in the same run, and no spill waits for another stream to end.
 
-    That last check is by order, not by a timer: in each burst every spilled stream has its
-    first token before any spilled stream has ended. A spill queued behind a busy connection
-    starts only once one ends; a stall of the whole machine (CI runs tests side by side on 2
-    cores) delays first tokens and ends alike and keeps the order."""
+    That last check is by order, not by a timer: a spill queued behind a busy connection is
+    sent only once a stream ends, and its first token then takes at least what a fresh
+    request to the peer takes (the fastest first token of the burst's direct streams). So in
+    each burst no spilled stream may have its first token later than that after the first
+    spilled stream ended. A stall of the whole machine (CI runs tests side by side on 2 cores)
+    delays first tokens and ends alike and keeps the order (CI once saw a first token 15 ms
+    after a short stream's end)."""
     tokyo = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 2},
              "config": {"routing": {"spill_budget_ratio": 1.0}}}
     frankfurt = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 64}}
@@ -160,7 +163,8 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
                     peer_alone = await asyncio.gather(
                         *(stream(c, peer_url, 100 * burst + i, 100) for i in range(8))
                     )
-                    direct += [r.ttft_s for r in peer_alone if r.ttft_s is not None]
+                    fresh = [r.ttft_s for r in peer_alone if r.ttft_s is not None]
+                    direct += fresh
                     replies = await asyncio.gather(
                         *(stream(c, tokyo_url, 100 * burst + i, 100) for i in range(10))
                     )
@@ -174,7 +178,7 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
                     if at_peer:
                         last_first = max(r.first_token_at for r in at_peer)
                         first_end = min(r.ended_at for r in at_peer)
-                        if last_first >= first_end:
+                        if last_first >= first_end + min(fresh):
                             queued.append((burst, last_first - first_end))
                     await asyncio.sleep(0.5)  # the peer's status sees it idle again
                 spills = await samples(c, tokyo_url, "firstbyte_route_spills_total")
@@ -185,7 +189,7 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
         # The same peer, the same moment: forwarding adds a hop through a second router (on
         # the same 2 cores), not a queue: no spill waited for another stream to end first.
         assert statistics.median(spilled) <= 3 * statistics.median(direct), (spilled, direct)
-        assert not queued, queued  # (burst, s its last first token came after the first end)
+        assert not queued, queued  # (burst, s from the first end to the last first token)
 
 
 async def test_every_429_says_why_in_the_access_log() -> None:
