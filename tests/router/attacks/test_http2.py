@@ -138,6 +138,22 @@ async def test_rapid_reset_gets_goaway_and_upstream_work_is_bounded(
             goaway: h2.events.ConnectionTerminated | None = None
             attempts = 0
             for attempts in range(1, 5001):
+                # An attacker is bound by the connection window too. On a slow machine the
+                # client can get 64 KiB ahead of the router: wait for its WINDOW_UPDATE
+                # rather than break flow control (a router that never returns the window
+                # fails here, by the deadline).
+                async with asyncio.timeout(30):
+                    while (
+                        client.conn.outbound_flow_control_window < len(body)
+                        and goaway is None
+                        and not client.closed
+                    ):
+                        await client.flush()
+                        for event in await client.events(0.5):
+                            if isinstance(event, h2.events.ConnectionTerminated):
+                                goaway = event
+                if goaway is not None or client.closed:
+                    break
                 stream_id = client.conn.get_next_available_stream_id()
                 client.conn.send_headers(stream_id, client.headers(CHAT))
                 client.conn.send_data(stream_id, body, end_stream=True)
