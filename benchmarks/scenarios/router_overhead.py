@@ -16,7 +16,9 @@ HTTP/2 transport itself, which the direct-h2 row shows.
 
 From 100 streams up the direct path is measured twice (``direct`` and ``direct-aa``,
 alternating like the rest): the A/A difference is what the machine's noise alone makes of a
-P99, the yardstick for the proxies' added P99. Then each target takes several phases at the
+P99, the yardstick for the proxies' added P99; so is the default router (``auto`` and
+``auto-aa``, two processes of the same configuration): what noise alone makes of its CPU per
+chunk over the pipe's. Then each target takes several phases at the
 highest level back to back (``sustained``): a proxy that falls behind under sustained load
 shows it there as growing TTFT, CPU per chunk or errors from one phase to the next. Every
 phase says what limited it (:func:`_limited_by`). The load generator's own cyclic GC is held
@@ -94,6 +96,11 @@ BASELINE_OF = {"auto": "hypercorn", "hypercorn": "hypercorn", "uvicorn": "uvicor
 hypercorn, the default before it (and the server that served HTTP/1.1 under it)."""
 AA_TARGET = "direct-aa"
 """The direct path measured a second time (100 streams), as the A/A control."""
+ROUTER_AA_TARGET = "router/auto-aa"
+"""A second default router (its own process, the same configuration), measured from 100
+streams up beside the first: the A/A control of CPU per chunk. How far its ratio to the pipe
+reads from ``auto``'s in the same run is what phase-to-phase noise alone makes of the
+issue's 2x figure (``cC_auto_aa_cpu_vs_pipe`` next to ``cC_auto_cpu_vs_pipe``)."""
 FOREIGN_CPU_LIMIT = 0.15
 """A phase during which processes other than this benchmark's (client, sim, routers) used
 more than this share of the machine's CPU time is measured again (see :data:`MAX_RERUNS`):
@@ -511,7 +518,7 @@ def _h2_clients(ca_pem: str) -> Callable[[int], list[httpx.AsyncClient]]:
     return make
 
 
-LEVELS = ((1, 4, 5), (100, 2, 2), (500, 1, 2))
+LEVELS = ((1, 4, 5), (100, 2, 2), (500, 2, 2))
 """(concurrency, alternating rounds, streams per worker per round) of a full run."""
 QUICK_LEVELS = ((1, 1, 3), (100, 1, 1))
 SUSTAINED = (500, 5, 2)
@@ -559,7 +566,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     then = [f"baseline-{name}" for name in BASELINE_SERVERS] if baseline else []
     proxies = ([NGINX_TARGET] if nginx else []) + pipe + routers + then
     targets = 1 + len(proxies)
-    total = sum((targets + (c > 1)) * rounds for c, rounds, _ in levels)
+    total = sum((targets + 2 * (c > 1)) * rounds for c, rounds, _ in levels)
     total += (targets - len(pipe) - len(then)) * sustained[1] + 4 * tls_rounds
     total += len(SPLIT_TARGETS) * split[1]
     runs: list[dict[str, Any]] = []
@@ -592,6 +599,8 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             } | children
         if nginx:
             children = {NGINX_TARGET: stack.enter_context(_nginx(nginx, sim.url))} | children
+        aa_config = json.dumps(_router_config(sim.url, "auto"))
+        aa_router = stack.enter_context(_server(_ROUTER, aa_config))
         if baseline:
             sources = str(stack.enter_context(_baseline_router.checked_out(baseline)))
             for name in BASELINE_SERVERS:
@@ -601,10 +610,12 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
                 )
         urls = {"direct": sim.url} | {name: child.url for name, child in children.items()}
         pids = {"sim": sim.pid} | {name: child.pid for name, child in children.items()}
+        pids[ROUTER_AA_TARGET] = aa_router.pid
         shorter: dict[str, dict[str, Any]] = {}  # the level the split's longer streams extend
         for concurrency, rounds, per_worker in levels:
-            # the A/A control only where tails are compared (1 stream has none to speak of)
-            aa = {AA_TARGET: sim.url} if concurrency > 1 else {}
+            # the A/A controls only where tails and CPU are compared (1 stream has none to
+            # speak of, and its CPU per chunk is mostly background work)
+            aa = {AA_TARGET: sim.url, ROUTER_AA_TARGET: aa_router.url} if concurrency > 1 else {}
             measured = asyncio.run(
                 _measure(
                     urls | aa,
@@ -662,7 +673,10 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             f"{sustained[1]} back-to-back phases at {sustained[0]} streams (sustained). "
             "Summary keys: cC_TARGET_added_* = target percentile minus direct percentile at "
             "concurrency C; cC_direct_aa_added_* = a second direct measurement minus the first "
-            "(A/A: the noise floor); cC_TARGET_vs_nginx_p50_ttft_ms / _p99_ttft_ms = the "
+            "(A/A: the noise floor); cC_auto_aa_* = a second default router, same "
+            "configuration, its own process (A/A of CPU per chunk: its cpu_vs_pipe against "
+            "auto's is what noise alone moves the ratio); "
+            "cC_TARGET_vs_nginx_p50_ttft_ms / _p99_ttft_ms = the "
             "router's percentile minus nginx's in the same run (targets: at most 1 ms and 5 ms); "
             "cC_TARGET_cpu_us_per_chunk = the target's CPU time (all its "
             "processes) per relayed chunk; cC_TARGET_cpu_vs_pipe = that over "
@@ -780,7 +794,8 @@ def _versus_pipe(summary: dict[str, Any], levels: list[int]) -> None:
         pipe = summary.get(f"c{concurrency}_{pipe_key}_cpu_us_per_chunk")
         if not pipe:
             continue
-        for name in (*ROUTER_SERVERS, NGINX_TARGET):
+        aa = ROUTER_AA_TARGET.removeprefix("router/").replace("-", "_")
+        for name in (*ROUTER_SERVERS, aa, NGINX_TARGET):
             mine = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
             if mine is not None:
                 summary[f"c{concurrency}_{name}_cpu_vs_pipe"] = mine / pipe

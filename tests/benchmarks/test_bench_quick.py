@@ -90,7 +90,8 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
     results = msgspec.json.decode(stdout)
     labels = {run["label"] for run in results["runs"]}
     assert {"direct c=1", "router/hypercorn c=1", "direct c=100", "direct-aa c=100"} <= labels
-    assert {"router/uvicorn c=100", "router/granian c=100"} <= labels
+    assert {"router/uvicorn c=100", "router/granian c=100", "router/auto-aa c=100"} <= labels
+    assert "router/auto-aa c=1" not in labels  # the A/A controls from 100 streams up
     if nginx_installed():
         assert "nginx c=100" in labels
         # the targets are relative to nginx in the same run: the differences are reported
@@ -118,10 +119,11 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
     summary = results["summary"]
     if summary["c100_python_pipe_cpu_us_per_chunk"]:  # a quick phase may take < 1 CPU tick
         # the default server's CPU per chunk over the byte pipe's (issue 26's target: <= 2)
-        ratio = summary["c100_auto_cpu_vs_pipe"]
-        assert ratio == summary["c100_auto_cpu_us_per_chunk"] / summary[
-            "c100_python_pipe_cpu_us_per_chunk"
-        ]
+        for name in ("auto", "auto_aa"):  # auto_aa: the same router again, the A/A control
+            ratio = summary[f"c100_{name}_cpu_vs_pipe"]
+            assert ratio == summary[f"c100_{name}_cpu_us_per_chunk"] / summary[
+                "c100_python_pipe_cpu_us_per_chunk"
+            ]
     # the pipe's and the default router's CPU split into per request and per chunk: the
     # split's streams are the longer ones, and the line goes through the level's point
     short, long = summary["split_tokens_per_stream"]
