@@ -411,6 +411,9 @@ for i = 1, #KEYS do
 end
 return refused
 """
+_NAMES_KEPT = 1 << 14
+"""Streams whose packed event key the writer keeps (:attr:`_Writer._names`); past this many
+it forgets them all and packs each again once (a key is a function of the stream's id)."""
 _OPS_PER_CALL = 256
 """Operations per script call: Redis runs a script alone, so one call of a big batch would
 hold every other client (the admissions of all processes) for its whole length; 256 XADDs
@@ -439,6 +442,9 @@ class _Writer:
                       bulk(b"%d" % max_age_ms), bulk(self._process))
         self._interval_s = interval_s
         self._queue: list[tuple[Stream, StreamEvent | None]] = []
+        self._names: dict[str, bytes] = {}
+        """Each stream's event key as a RESP bulk string, by stream id: packed once a stream,
+        not once a write (a write carries about one event of each live stream)."""
         self._wake: asyncio.Future[None] | None = None
         self._idle = asyncio.Event()
         """Set while nothing is queued or being written."""
@@ -520,7 +526,9 @@ class _Writer:
             values.clear()
             ops.clear()
 
-        named: dict[str, bytes] = {}  # a stream's key, packed once per write
+        named = self._names
+        if len(named) > _NAMES_KEPT:
+            named.clear()
         for stream, event in batch:
             if event is not None and event is not _TRIM:  # an event: the common case, first
                 name = named.get(stream.id)

@@ -337,3 +337,61 @@ def _free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+async def test_the_writer_packs_a_stream_key_once_and_forgets_past_its_bound(
+    redis_server: RedisServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each stream's event key is packed once, not once a write (a write carries about one
+    event of each live stream), and the keys kept stay bounded: past ``_NAMES_KEPT`` the
+    writer forgets them all, and every event still lands under its own stream's key."""
+    from firstbyte.router.shared import streams as shared_streams
+
+    monkeypatch.setattr(shared_streams, "_NAMES_KEPT", 3)
+    config = parse_config({
+        "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
+        "listen": {"insecure_plain_http": True},
+        "state": {"redis_url": redis_server.url, "key_prefix": f"n{secrets.token_hex(4)}:"},
+    }, "test")
+    shared = connect(config)
+    assert shared is not None
+    packed: list[str] = []
+
+    class CountedKeys:  # the writer's keys, counting the event keys it packs
+        def __getattr__(self, name: str) -> Any:
+            return getattr(shared.keys, name)
+
+        def events(self, stream_id: str) -> str:
+            packed.append(stream_id)
+            return shared.keys.events(stream_id)
+
+    writer = shared.streams.writer
+    writer._keys = CountedKeys()  # type: ignore[assignment]
+    try:
+        await shared.start()
+        streams = [Stream(f"s{n}", b"owner", 0.0) for n in range(4)]
+        for stream in streams:
+            shared.streams.publish(stream)
+            await shared.streams.announced(stream)
+
+        async def write(*indexes: int) -> None:
+            for i in indexes:
+                streams[i].append(b"data: %d" % (len(streams[i].events) + 1), 0.0)
+            await asyncio.wait_for(writer._idle.wait(), 10)  # written
+
+        await write(0, 1, 2)  # three keys packed, three kept
+        assert sorted(packed) == ["s0", "s1", "s2"]
+        await write(0, 1)  # kept: not packed again
+        assert sorted(packed) == ["s0", "s1", "s2"]
+        await write(3)  # a fourth, kept too: over the bound from the next write
+        assert sorted(packed) == ["s0", "s1", "s2", "s3"]
+        await write(1)  # forgotten, s1's packed again and kept alone
+        assert sorted(packed) == ["s0", "s1", "s1", "s2", "s3"]
+        assert list(writer._names) == ["s1"]
+        for stream, count in zip(streams, (2, 3, 1, 1), strict=True):
+            entries: Any = await shared.redis.xrange(shared.keys.events(stream.id))
+            assert [e[1][b"d"] for e in entries] == [b"data: %d" % n for n in
+                                                     range(1, count + 1)], stream.id
+    finally:
+        await shared.aclose()
