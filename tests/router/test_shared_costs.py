@@ -27,7 +27,7 @@ from redis.asyncio.connection import Connection
 from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
-from firstbyte.router.shared import connect
+from firstbyte.router.shared import SharedState, connect
 from firstbyte.router.shared.admission import _ADMIT, _RELEASE, Affinity, SharedAdmission, Verdict
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.streams import Stream
@@ -259,6 +259,17 @@ async def test_an_admission_is_answered_in_four_loop_turns(
         await admission.aclose()
         await redis.aclose()
 
+def _shared_state(redis: RedisServer) -> SharedState:
+    """The shared state of a router on ``redis``, under a key prefix of its own (not started)."""
+    config = parse_config({
+        "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
+        "listen": {"insecure_plain_http": True},
+        "state": {"redis_url": redis.url, "key_prefix": f"w{secrets.token_hex(4)}:"},
+    }, "test")
+    shared = connect(config)
+    assert shared is not None
+    return shared
+
 
 async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_declared_lost(
     redis_server: RedisServer,  # noqa: F811
@@ -266,13 +277,7 @@ async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_de
     """The writer's script does each operation whatever the others do: a stream whose entries
     another process went past (declared lost) is refused and its upstream request cancelled,
     the other stream of the same write is written whole."""
-    config = parse_config({
-        "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
-        "listen": {"insecure_plain_http": True},
-        "state": {"redis_url": redis_server.url, "key_prefix": f"w{secrets.token_hex(4)}:"},
-    }, "test")
-    shared = connect(config)
-    assert shared is not None
+    shared = _shared_state(redis_server)
     try:
         await shared.start()
         kept, lost = Stream("kept", b"owner-a", 0.0), Stream("lost", b"owner-b", 0.0)
@@ -349,13 +354,7 @@ async def test_the_writer_packs_a_stream_key_once_and_forgets_past_its_bound(
     from firstbyte.router.shared import streams as shared_streams
 
     monkeypatch.setattr(shared_streams, "_NAMES_KEPT", 3)
-    config = parse_config({
-        "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
-        "listen": {"insecure_plain_http": True},
-        "state": {"redis_url": redis_server.url, "key_prefix": f"n{secrets.token_hex(4)}:"},
-    }, "test")
-    shared = connect(config)
-    assert shared is not None
+    shared = _shared_state(redis_server)
     packed: list[str] = []
 
     class CountedKeys:  # the writer's keys, counting the event keys it packs
