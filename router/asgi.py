@@ -20,6 +20,7 @@ __all__ = [
     "BodyTimeout",
     "ClientGone",
     "Disconnect",
+    "LastPart",
     "Message",
     "Receive",
     "Scope",
@@ -196,6 +197,14 @@ async def send_bytes(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+class LastPart(bytes):
+    """A streamed body's last part, as a body's chunks iterator marks it (an SSE stream's
+    ``[DONE]``): :func:`stream_body` sends it with the body's end (``more_body`` false),
+    one write of the connection where a part and then the end were two."""
+
+    __slots__ = ()
+
+
 async def stream_body(
     receive: Receive,
     send: Send,
@@ -205,7 +214,8 @@ async def stream_body(
     *,
     disconnect: Disconnect | None = None,
 ) -> bool:
-    """Send ``chunks`` as one streamed response, each chunk flushed as it comes.
+    """Send ``chunks`` as one streamed response, each chunk flushed as it comes; a
+    :class:`LastPart` ends it (whatever ``chunks`` would yield after it is not sent).
 
     "Send the stream" and "listen for disconnect" run side by side; whichever finishes first
     ends the other (starlette's pattern). Returns True if the body completed, False if the
@@ -240,6 +250,9 @@ async def stream_body(
     listener.add_done_callback(on_gone)
     try:
         async for chunk in chunks:
+            if type(chunk) is LastPart:
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                return True
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True

@@ -28,6 +28,7 @@ from firstbyte.protocol.poll import PollBatch, PollEvent
 from firstbyte.protocol.sse import HEARTBEAT, encode_event
 
 from . import chunkpath
+from .asgi import LastPart
 from .pipeline.context import LocalReply, error_reply
 from .streams import DONE_DATA, HistoryTrimmed, StreamEvent
 
@@ -306,7 +307,8 @@ async def sse_events(
             frames = framer.frame(batch, stream)
             if frames:
                 sent += len(batch)
-                yield frames
+                # The stream's end: the response's too, in the same write.
+                yield LastPart(frames) if batch[-1].is_done else frames
     except HistoryTrimmed as trimmed:
         yield encode_event(encode(trimmed_body(trimmed)))
     finally:

@@ -37,7 +37,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
-import secrets
+import os
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -84,9 +84,37 @@ class HistoryTrimmed(Exception):
         self.trimmed = trimmed
 
 
+class _RandomBytes:
+    """The operating system's random bytes (``os.urandom``), drawn 4 KiB at a time: one
+    ``getrandom`` system call for 256 stream ids, not one per request. A child process
+    forked with some left starts afresh, so two processes never hand out the same bytes."""
+
+    __slots__ = ("_at", "_pool")
+    _SIZE = 4096
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+
+    def take(self, n: int) -> bytes:
+        at = self._at
+        if at + n > len(self._pool):
+            self._pool, at = os.urandom(self._SIZE), 0
+        self._at = at + n
+        return self._pool[at : at + n]
+
+    def forget(self) -> None:
+        self._pool, self._at = b"", 0
+
+
+_random = _RandomBytes()
+os.register_at_fork(after_in_child=_random.forget)
+
+
 def new_stream_id() -> str:
-    """128 random bits as 22 URL-safe base64 characters."""
-    return base64.urlsafe_b64encode(secrets.token_bytes(16)).rstrip(b"=").decode()
+    """128 random bits (the operating system's, as ``secrets``') as 22 URL-safe base64
+    characters."""
+    return base64.urlsafe_b64encode(_random.take(16)).rstrip(b"=").decode()
 
 
 def owner_of(api_key: str | None) -> bytes:

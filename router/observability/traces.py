@@ -23,11 +23,11 @@ The official OpenTelemetry SDK does the batching and the OTLP/HTTP protobuf expo
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..pipeline.context import new_span_id
 from .access import AccessRecord
 
 if TYPE_CHECKING:
@@ -221,5 +221,4 @@ class OtlpTraces:
         await asyncio.to_thread(self._processor.shutdown)
 
 
-def _span_id() -> str:
-    return secrets.token_hex(8)
+_span_id = new_span_id

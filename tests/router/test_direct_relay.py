@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from firstbyte.protocol.sse import HEARTBEAT, SSEDecoder
+from firstbyte.router.asgi import stream_body
 from firstbyte.router.hosting import uvicorn_limits
 from firstbyte.router.readers import sse_events
 from firstbyte.router.serve import RouterEndpoints
@@ -95,6 +96,42 @@ async def test_direct_and_plain_readers_send_the_same_bytes() -> None:
     assert len(late.parts) >= 1
     assert stream.readers == 0
     assert not stream._taps
+
+
+async def test_the_stream_end_goes_out_with_the_body_end_in_one_send() -> None:
+    # The [DONE] event is the body's last part: it is sent with more_body false, so the
+    # server writes it and the end of the body (HTTP/1.1's last chunk) at once.
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError
+
+    for named in (False, True):
+        sent.clear()
+        stream = store.create(ALICE, 0.0)
+        payloads = [b"event: delta\ndata: {}" if named else CHAT[0]] * 3
+        producer = asyncio.create_task(produce(stream, payloads))
+        done = await asyncio.wait_for(
+            stream_body(receive, send, 200, [], sse_events(stream, 0, heartbeat_s=30)), 5
+        )
+        await producer
+        assert done
+        assert [m.get("more_body") for m in sent[1:]] == [True] * (len(sent) - 2) + [False]
+        last = sent[-1]["body"]
+        body = b"".join(m["body"] for m in sent[1:])
+        if named:  # a named stream ends with its own event: it carries the end, no [DONE]
+            assert last.endswith(b"data: {}\n\n")
+            assert b"[DONE]" not in body
+        else:
+            assert last.endswith(b"data: [DONE]\n\n")
+            assert body.count(b"[DONE]") == 1
+        assert body.count(b"id: ") == 3 + (not named)
+        assert stream.readers == 0
 
 
 async def test_events_appended_together_go_out_in_one_write_as_the_same_bytes() -> None:

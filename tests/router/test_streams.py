@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from firstbyte.router.streams import (
     StoreFull,
     Stream,
     StreamStore,
+    new_stream_id,
     owner_of,
 )
 
@@ -374,3 +376,22 @@ async def test_poll_batches_and_done() -> None:
     stream.finish(0.0)
     last = await poll(stream, 2, 10)  # finished: answers at once
     assert (last.events, last.done, last.next) == ([], True, 2)
+
+
+def test_stream_ids_are_unique_and_a_forked_child_draws_its_own() -> None:
+    # Ids come from a pool of the OS's random bytes: 1,000 of them span several draws.
+    ids = {new_stream_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 22 and "=" not in i for i in ids)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first id, then gone
+        os.write(write_end, new_stream_id().encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    child = os.read(read_end, 64).decode()
+    os.close(read_end)
+    # Without the fork hook the child hands out the parent's next id from the same pool.
+    assert len(child) == 22
+    assert child != new_stream_id()
