@@ -146,10 +146,20 @@ def _callgrind(pid: int, *options: str) -> None:
 
 def _totals(out: Path) -> int:
     """The instructions (``Ir``) of the last callgrind dump in ``out``."""
+    return _events(out)["Ir"]
+
+
+def _events(out: Path) -> dict[str, int]:
+    """Every event total of the last callgrind dump in ``out``: ``Ir``, and with
+    ``--cache-sim=yes`` the cache misses (``I1mr``, ``D1mr``, ``D1mw``, ``ILmr``, ``DLmr``,
+    ``DLmw``) and data accesses (``Dr``, ``Dw``)."""
     path = sorted(out.glob("callgrind.out.*"), key=lambda p: p.stat().st_mtime)[-1]
+    names: list[str] = []
     for line in path.read_text(errors="replace").splitlines():
-        if line.startswith(("totals:", "summary:")):
-            return int(line.split()[1])
+        if line.startswith("events:"):
+            names = line.split()[1:]
+        elif line.startswith(("totals:", "summary:")):
+            return dict(zip(names or ["Ir"], map(int, line.split()[1:]), strict=False))
     raise RuntimeError(f"no totals in {path}")
 
 
@@ -168,6 +178,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
     if not args.no_valgrind:
         command = [
             "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            *(["--cache-sim=yes"] if args.cache_sim else []),
             f"--callgrind-out-file={out}/callgrind.out.%p", *command,
         ]
     proc = await asyncio.create_subprocess_exec(
@@ -200,10 +211,12 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
             received += await _pass(clients)
         elapsed, cpu = time.perf_counter() - started, _cpu_s(proc.pid) - cpu_before
         instructions = 0
+        events: dict[str, int] = {}
         if not args.no_valgrind:
             await asyncio.to_thread(_callgrind, proc.pid, "-d")
             await asyncio.to_thread(_callgrind, proc.pid, "-i", "off")
-            instructions = await asyncio.to_thread(_totals, out)
+            events = await asyncio.to_thread(_events, out)
+            instructions = events["Ir"]
         for client in clients:
             client.close()
     finally:
@@ -217,6 +230,20 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         server.close()
     # the role chunk and [DONE] are relayed too
     chunks = args.passes * args.streams * (args.chunks + 2)
+    misses: dict[str, float] = {}
+    if args.cache_sim and events:
+        # Of the measured pass, idle work included (small: see idle_instructions_per_s).
+        # callgrind simulates a first level (I1, D1) and a last level (LL), no L2: most
+        # first-level misses are second-level hits, ~10-15 cycles each on a current core.
+        misses = {
+            "I1_misses_per_chunk": round(events.get("I1mr", 0) / chunks, 1),
+            "D1_misses_per_chunk": round(
+                (events.get("D1mr", 0) + events.get("D1mw", 0)) / chunks, 1
+            ),
+            "LL_misses_per_chunk": round(
+                (events.get("ILmr", 0) + events.get("DLmr", 0) + events.get("DLmw", 0)) / chunks, 2
+            ),
+        }
     return {
         "target": args.target,
         "state": "redis" if args.redis_url else "memory",
@@ -231,7 +258,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         # on a shared machine, in 10 ms ticks: use thousands of chunks.
         "cpu_us_per_chunk": round(cpu * 1e6 / chunks, 1),
         "dump_dir": str(out),
-    }
+    } | misses
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,6 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-ms", type=float, default=100.0)
     parser.add_argument(
         "--no-valgrind", action="store_true", help="no instruction count: CPU time only"
+    )
+    parser.add_argument(
+        "--cache-sim", action="store_true",
+        help="also simulate the caches (callgrind --cache-sim=yes, ~2x slower): first- and "
+        "last-level misses per chunk",
     )
     parser.add_argument(
         "--redis", action="store_true",
