@@ -110,6 +110,9 @@ class ChatCompletionRequest(msgspec.Struct, omit_defaults=True):
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
+    ignore_eos: bool | None = None
+    """vLLM's extra sampling parameter: generate up to the output limit, past the end the
+    model would stop at (the sim honours it too)."""
 
     @property
     def output_limit(self) -> int | None:

@@ -76,6 +76,8 @@ class Job:
     dimensions: int = EMBEDDING_DIMENSIONS
     input_keys: tuple[bytes, ...] = ()
     """``/v1/embeddings``: one key per input, each vector drawn from its own."""
+    ignore_eos: bool = False
+    """Chat's ``ignore_eos`` (vLLM's): the output runs to its limit."""
 
 
 class _Completions(msgspec.Struct):

@@ -199,7 +199,8 @@ class SimApp:
             completion = Completion(words=(), finish_reason="stop")
         else:
             completion = plan_output(
-                job.text_key, job.seed, model, job.output_limit, self.options.seed
+                job.text_key, job.seed, model, job.output_limit, self.options.seed,
+                ignore_eos=job.ignore_eos,
             )
         try:
             seq = self.driver.submit(
@@ -358,6 +359,7 @@ def _chat_job(body: bytes) -> Job:
         include_usage=request.wants_usage_chunk,
         seed=request.seed,
         text_key=encode(request.messages),
+        ignore_eos=bool(request.ignore_eos),
     )
 
 

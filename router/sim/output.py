@@ -4,8 +4,8 @@ A PRNG seeded from a hash of the request's messages, its ``seed`` and the server
 draws words from a fixed vocabulary, one word per token. It also draws the length the "model"
 would naturally stop at (8..256 tokens): when that is within the request's limit the
 completion ends there with ``finish_reason: "stop"``, otherwise it is cut at the limit with
-``"length"``. Requests without ``max_tokens`` / ``max_completion_tokens`` get
-:data:`DEFAULT_MAX_TOKENS`.
+``"length"``, as it always is with ``ignore_eos`` (vLLM's extra parameter). Requests without
+``max_tokens`` / ``max_completion_tokens`` get :data:`DEFAULT_MAX_TOKENS`.
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ class Completion:
 def plan_completion(request: ChatCompletionRequest, server_seed: int = 0) -> Completion:
     """The deterministic completion for ``request`` (see the module docstring)."""
     return plan_output(
-        encode(request.messages), request.seed, request.model, request.output_limit, server_seed
+        encode(request.messages), request.seed, request.model, request.output_limit, server_seed,
+        ignore_eos=bool(request.ignore_eos),
     )
 
 
 def plan_output(
-    key: bytes, seed: int | None, model: str, limit: int | None, server_seed: int = 0
+    key: bytes, seed: int | None, model: str, limit: int | None, server_seed: int = 0,
+    *, ignore_eos: bool = False,
 ) -> Completion:
-    """The deterministic completion for a prompt whose bytes are ``key`` (any endpoint)."""
+    """The deterministic completion for a prompt whose bytes are ``key`` (any endpoint);
+    ``ignore_eos`` (vLLM's): to the limit, whatever the natural length."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"{server_seed}/{seed}/{model}/".encode())
     digest.update(key)
@@ -77,7 +80,7 @@ def plan_output(
     natural = rng.randint(8, 256)
     if limit is None:
         limit = DEFAULT_MAX_TOKENS
-    if natural <= limit:
+    if natural <= limit and not ignore_eos:
         count, reason = natural, "stop"
     else:
         count, reason = limit, "length"

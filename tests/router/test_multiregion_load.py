@@ -82,7 +82,9 @@ def in_flight(regions: dict[str, RegionHandle]) -> dict[str, int]:
 
 
 BUSY_TOKENS = 3000
-"""A stream that keeps a slot busy for ~30 s on the h100-7b profile (10 ms a token)."""
+"""A stream that keeps a slot busy for ~30 s on the h100-7b profile (10 ms a token), sent
+with ``ignore_eos``: the sim would otherwise stop at the prompt's natural end, 8-256 tokens
+(one of these ended after ~1 s, before a slow machine's waits were over)."""
 
 
 async def cancelled(tasks: list[asyncio.Task[Any]]) -> None:
@@ -94,6 +96,7 @@ async def cancelled(tasks: list[asyncio.Task[Any]]) -> None:
 
 def slow_body(i: int, max_tokens: int = 40, stream: bool = False) -> dict[str, Any]:
     return {"model": "sim", "max_tokens": max_tokens, "stream": stream,
+            "ignore_eos": max_tokens >= BUSY_TOKENS,
             "messages": [{"role": "user", "content": f"request {i}: tell me a long story"}]}
 
 

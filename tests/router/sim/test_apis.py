@@ -73,6 +73,21 @@ async def read_until_cut(
 # -- /v1/completions ------------------------------------------------------------------------
 
 
+async def test_chat_with_ignore_eos_runs_to_max_tokens(oai: openai.AsyncOpenAI) -> None:
+    # vLLM's extra parameter, as the openai SDK sends it (extra_body).
+    messages: Any = [{"role": "user", "content": "hi"}]
+    natural = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=900)
+    forced = await oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=900, extra_body={"ignore_eos": True}
+    )
+    assert natural.choices[0].finish_reason == "stop"
+    assert natural.usage is not None
+    assert natural.usage.completion_tokens < 900
+    assert forced.choices[0].finish_reason == "length"
+    assert forced.usage is not None
+    assert forced.usage.completion_tokens == 900
+
+
 async def test_completions_streamed_and_not_with_the_openai_sdk(oai: openai.AsyncOpenAI) -> None:
     whole = await oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
     assert whole.object == "text_completion"

@@ -152,6 +152,10 @@ def test_length_and_stop() -> None:
     assert len(capped.words) == 2
     assert long.token_text(0) == long.words[0]
     assert long.token_text(1) == " " + long.words[1]
+    # vLLM's ignore_eos: past the natural end, to the limit; the same words up to that end.
+    forced = plan_completion(decode_request(_request(max_tokens=1000, ignore_eos=True)))
+    assert (len(forced.words), forced.finish_reason) == (1000, "length")
+    assert forced.words[: len(long.words)] == long.words
 
 
 # -- faults ------------------------------------------------------------------------------------
