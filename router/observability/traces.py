@@ -169,13 +169,13 @@ class OtlpTraces:
         ]
         if record.admitted_at is not None:
             out.append(
-                span("admit", context(_span_id()), request_ctx, record.started_at,
+                span("admit", context(new_span_id()), request_ctx, record.started_at,
                      record.admitted_at)
             )  # fmt: skip
         if record.admitted_at is not None and record.routed_at is not None:
             placed = {"firstbyte.backend": record.backend, "firstbyte.region": record.region}
             out.append(
-                span("route", context(_span_id()), request_ctx, record.admitted_at,
+                span("route", context(new_span_id()), request_ctx, record.admitted_at,
                      record.routed_at, attributes=placed)
             )  # fmt: skip
         if record.upstream_sent_at is not None:
@@ -212,13 +212,10 @@ class OtlpTraces:
             "firstbyte.backend": record.backend,
         }
         return span(
-            "upstream", context(_span_id()), parent, record.upstream_sent_at, record.ended_at,
+            "upstream", context(new_span_id()), parent, record.upstream_sent_at, record.ended_at,
             SpanKind.CLIENT, attributes, tuple(events), status,
         )  # fmt: skip
 
     async def aclose(self) -> None:
         """Export what is queued (bounded by the exporter's timeout) and stop the worker."""
         await asyncio.to_thread(self._processor.shutdown)
-
-
-_span_id = new_span_id
