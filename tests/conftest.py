@@ -4,8 +4,41 @@ outside CI they skip when the machine cannot run them; with ``CI=true`` they run
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
+
+from tests import machine
+
+_LOCKS_MADE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The controller (or the only process) makes the run's lock folder, before pytest-xdist
+    # starts its workers, which inherit the variable (tests/machine.py).
+    if not hasattr(config, "workerinput"):
+        os.environ[machine.LOCKS_ENV] = tempfile.mkdtemp(prefix="firstbyte-test-locks-")
+        config.stash[_LOCKS_MADE] = os.environ[machine.LOCKS_ENV]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    made = config.stash.get(_LOCKS_MADE, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(machine.LOCKS_ENV, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Every test is counted in the room for its setup, call and teardown, so that a test in
+    ``machine.alone()`` waits for it and it waits for that test (tests/machine.py)."""
+    machine.enter_test()
+    try:
+        yield
+    finally:
+        machine.leave_test()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)

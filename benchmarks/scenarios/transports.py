@@ -259,6 +259,7 @@ def _summary(
         out["target_0rtt_ratio"] = zero[0]["ratio"]
     if precision is not None:
         out["emulator_max_abs_error_ms"] = round(precision.max_abs_error_ms, 3)
+        out["emulator_max_abs_floor_error_ms"] = round(precision.max_abs_floor_error_ms, 3)
     return out
 
 

@@ -74,17 +74,19 @@ def test_forwarder_config_round_trips_through_json() -> None:
 def test_precision_report_renders_and_serialises() -> None:
     report = PrecisionReport(
         [
-            PairPrecision("a", "b", "udp", 150.0, 20, 0, 150.3, 150.5, 0.3),
-            PairPrecision("a", "b", "tcp-connect", 150.0, 20, 0, 149.2, 150.1, -0.8),
+            PairPrecision("a", "b", "udp", 150.0, 20, 0, 150.3, 150.5, 0.3, 150.1, 0.1),
+            PairPrecision("a", "b", "tcp-connect", 150.0, 20, 0, 149.2, 150.1, -0.8, 148.6, -1.4),
         ],
         {"lateness_us": {"samples": 80, "p50": 6.0, "p90": 20.0, "p99": 90.0, "max": 120.0}},
     )
     assert report.max_abs_error_ms == 0.8
     data = report.to_dict()
     assert data["max_abs_error_ms"] == 0.8
+    assert report.max_abs_floor_error_ms == data["max_abs_floor_error_ms"] == pytest.approx(1.4)
     assert data["pairs"][1]["method"] == "tcp-connect"
     text = report.render()
     assert "a -> b" in text
     assert "+0.30ms" in text
+    assert "148.60ms" in text  # the fastest round trip, beside the median
     assert "-0.80ms" in text
     assert "p99 90 us" in text
