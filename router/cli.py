@@ -315,6 +315,12 @@ def run(args: argparse.Namespace) -> int:
         apply_all()  # a library of a shape the patches were not tested on: refuse to start
     except PatchShapeError as exc:
         raise CLIError(str(exc)) from None
+    if config.state.redis_url is not None:
+        from .shared.wire import check_shape
+
+        problem = check_shape()  # the redis-py internal the admissions' replies rely on
+        if problem is not None:
+            raise CLIError(problem)
     with _pid_file(config.listen.pid_file):
         if config.listen.workers > 1:
             from .workers import run_workers

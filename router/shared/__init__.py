@@ -96,7 +96,11 @@ def connect(config: RouterConfig) -> SharedState | None:
     from .admission import SharedAdmission
     from .lease import Lease
     from .streams import SharedStreams
+    from .wire import check_shape
 
+    problem = check_shape()  # the one redis-py internal the router leans on
+    if problem is not None:
+        raise RuntimeError(problem)
     redis = Redis(connection_pool=pool_for(config))
     keys = Keys(config.state.key_prefix)
     process = f"{os.getpid()}-{secrets.token_hex(6)}"  # the pid helps an operator (and a test)

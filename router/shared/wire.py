@@ -9,7 +9,8 @@ one prepacked among others in one send ~20 µs, and a reply parsed per relayed c
 - :func:`round_trip` sends a batch on one pooled connection and reads every reply under one
   deadline (an error reply is returned in its place, a lost connection raises);
 - :class:`Calls` gathers the calls of one event-loop turn whose replies are awaited (a
-  stream's admission) or not (its releases) into one :func:`round_trip`;
+  stream's admission) or not (its releases) into one round trip, on a connection whose
+  replies it parses in the data callback (:class:`ReplyChannel`);
 - :class:`PackedScript` is a Lua script called by its digest, its body sent only if Redis
   lost it (a restart, ``SCRIPT FLUSH``).
 
@@ -19,6 +20,7 @@ Nothing here knows what the commands mean: :mod:`.admission` and :mod:`.streams`
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import inspect
 import math
@@ -26,9 +28,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import ConnectionPool
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError, InvalidResponse, NoScriptError, ResponseError
 
-__all__ = ["Calls", "PackedScript", "bulk", "pack", "pooled", "round_trip"]
+from .replies import ReplyParser
+
+__all__ = [
+    "Calls",
+    "PackedScript",
+    "ReplyChannel",
+    "bulk",
+    "check_shape",
+    "pack",
+    "pooled",
+    "round_trip",
+]
 
 Arg = bytes | str | int | float
 
@@ -134,13 +148,131 @@ class PackedScript:
         return pack(b"EVAL", self.body, len(keys), *keys, *args)
 
 
+def check_shape() -> str | None:
+    """What of redis-py :class:`ReplyChannel` needs is missing (one line), or None.
+
+    It takes a connected pooled connection's transport through the connection's private
+    ``_writer`` (an :class:`asyncio.StreamWriter`, which every redis-py from 4.2 to 8 sets in
+    ``AbstractConnection.__init__`` and ``connect``). Checked when the shared state starts:
+    a redis-py without it stops the router with this line rather than failing each admission.
+    """
+    try:
+        source = inspect.getsource(AbstractConnection.__init__)
+    except (OSError, TypeError):
+        source = ""
+    if "self._writer" not in source:
+        import redis
+
+        return (
+            f"redis {redis.__version__} is not what router/shared/wire.py expects:"
+            " redis.asyncio.connection.AbstractConnection sets no _writer"
+        )
+    return None
+
+
+class ReplyChannel(asyncio.Protocol):
+    """A connected pooled connection, its replies parsed in the transport's data callback.
+
+    While :class:`Calls` holds the connection, this protocol stands in for redis-py's on its
+    transport (``set_protocol``, asyncio's public API for it): :meth:`send` writes a batch
+    and queues its callers' futures, and :meth:`data_received` sets each one as its reply
+    arrives. A caller thus resumes the loop turn after the reply comes, not two turns later
+    through redis-py's reading task. :meth:`give_back` hands the transport back, whole.
+    """
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self._transport: asyncio.Transport = connection._writer.transport
+        self._theirs = self._transport.get_protocol()
+        self._parser = ReplyParser()
+        self._waiting: collections.deque[
+            tuple[asyncio.Future[Any], asyncio.Future[None] | None]
+        ] = collections.deque()
+        self.broken: Exception | None = None
+        """Why the connection can carry no more (then it is closed)."""
+        self.replies = 0
+        """Replies received so far."""
+        self._transport.set_protocol(self)
+
+    def send(self, packed: bytes, futures: Sequence[asyncio.Future[Any]]) -> asyncio.Future[None]:
+        """Write ``packed`` (one command per future); the returned future is done when the
+        last reply has arrived (or the connection broke)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.broken is not None:
+            done.set_exception(self.broken)
+            return done
+        last = len(futures) - 1
+        for i, future in enumerate(futures):
+            self._waiting.append((future, done if i == last else None))
+        self._transport.write(packed)
+        return done
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            replies = self._parser.feed(data)
+        except InvalidResponse as exc:
+            self.fail(exc)
+            return
+        self.replies += len(replies)
+        for reply in replies:
+            if not self._waiting:
+                self.fail(InvalidResponse("Redis sent a reply to no command"))
+                return
+            future, done = self._waiting.popleft()
+            if not future.done():  # else its caller left meanwhile
+                if isinstance(reply, ResponseError):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    def eof_received(self) -> bool:
+        self.fail(ConnectionError("Redis closed the connection"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(ConnectionError(f"connection to Redis lost: {exc}" if exc else
+                                  "connection to Redis lost"))
+        self._theirs.connection_lost(exc)  # redis-py's reader learns it too
+
+    def pause_writing(self) -> None:
+        self._theirs.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._theirs.resume_writing()
+
+    def fail(self, exc: Exception) -> None:
+        """Each batch still awaiting replies fails with ``exc`` (its sender decides what
+        its callers get: a batch sent again keeps their futures); the connection closes."""
+        if self.broken is None:
+            self.broken = exc
+        while self._waiting:
+            _, done = self._waiting.popleft()
+            if done is not None and not done.done():
+                done.set_exception(exc)
+                done.exception()  # its batch's task may be gone: no "never retrieved" log
+        if not self._transport.is_closing():
+            self._transport.close()
+
+    def give_back(self) -> bool:
+        """Hand the transport back to redis-py's protocol: True if the connection is whole
+        (no reply awaited or half read), else it stays closed."""
+        if self.broken is None and not self._waiting and not self._parser.partial:
+            self._transport.set_protocol(self._theirs)
+            return True
+        self.fail(ConnectionError("connection given back mid-reply"))
+        return False
+
+
 class Calls:
     """Commands sent by many callers, those of one event-loop turn in one round trip.
 
     :meth:`call` queues one command and returns the future of its reply; the first call of a
     turn schedules the send at the end of the turn, so a burst of stream starts (or ends)
     shares one send, one connection and one read. Several batches may be in flight, each on
-    its own pooled connection: a batch never waits behind another's round trip.
+    its own pooled connection: a batch never waits behind another's round trip. Replies are
+    parsed in the connection's data callback (:class:`ReplyChannel`).
     """
 
     def __init__(self, pool: ConnectionPool, timeout_s: float) -> None:
@@ -148,8 +280,8 @@ class Calls:
         self._timeout_s = timeout_s
         self._queue: list[tuple[bytes, asyncio.Future[Any]]] = []
         self._sending: set[asyncio.Task[None]] = set()
-        self._spare: Any = None
-        """A connection kept from the last batch: the pool's hand-out and return (a lock,
+        self._spare: ReplyChannel | None = None
+        """The channel kept from the last batch: the pool's hand-out and return (a lock,
         its bookkeeping) cost as much CPU as the batch itself."""
         self.round_trips = 0
         """Batches sent (each one round trip)."""
@@ -189,49 +321,74 @@ class Calls:
         self.round_trips += 1
         self.commands += len(batch)
         packed = b"".join(packed for packed, _ in batch)
+        futures = [future for _, future in batch]
         try:
-            replies = await self._exchange(packed, len(batch))
+            await self._exchange(packed, futures)
         except BaseException as exc:  # the batch is lost: each caller decides what that means
             lost = exc if isinstance(exc, Exception) else ConnectionError("batch cancelled")
-            for _, future in batch:
+            for future in futures:
                 if not future.done():
                     future.set_exception(lost)
             if not isinstance(exc, Exception):
                 raise
-            return
-        for (_, future), reply in zip(batch, replies, strict=True):
-            if future.done():  # its caller was cancelled meanwhile
-                continue
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
 
-    async def _exchange(self, packed: bytes, replies: int) -> list[Any]:
-        connection, self._spare = self._spare, None
-        if connection is None:
-            connection = await pooled(self._pool)
+    async def _exchange(self, packed: bytes, futures: list[asyncio.Future[Any]]) -> None:
+        """Send on the kept channel or a new one; the callers' futures are set as the
+        replies arrive, and this returns after the last (a timeout breaks the connection:
+        replies may still be on their way)."""
+        kept, self._spare = self._spare, None
+        if kept is not None:
+            if kept.broken is None:
+                before = kept.replies
+                try:
+                    await self._exchange_on(kept, packed, futures)
+                    return
+                except ConnectionError:
+                    # Once, at once, on a new connection: Redis closed the kept one (a restart)
+                    # before it answered any of these, as redis-py retries its own commands;
+                    # never on a timeout, nor once a reply came.
+                    if kept.replies != before:
+                        raise
+            else:  # Redis went away while it was kept
+                await self._drop(kept.connection)
+        await self._exchange_on(None, packed, futures)
+
+    async def _exchange_on(
+        self, channel: ReplyChannel | None, packed: bytes, futures: list[asyncio.Future[Any]]
+    ) -> None:
+        connection = channel.connection if channel is not None else await pooled(self._pool)
         try:
-            try:
-                results = await exchange(connection, packed, replies, self._timeout_s)
-            except ConnectionError:
-                # Once, at once, reconnected (a kept connection from before a Redis restart),
-                # as redis-py retries its own commands; never on a timeout.
-                results = await exchange(connection, packed, replies, self._timeout_s)
+            # One deadline for the whole batch, connecting included, none per reply.
+            async with asyncio.timeout(self._timeout_s):
+                if channel is None:
+                    await connection.connect()
+                    channel = ReplyChannel(connection)
+                await channel.send(packed, futures)
         except BaseException:
-            await self._pool.release(connection)
+            if channel is not None:
+                channel.fail(ConnectionError("batch abandoned"))
+            await self._drop(connection)
             raise
         if self._spare is None:
-            self._spare = connection
+            self._spare = channel
         else:  # another batch kept one meanwhile
-            await self._pool.release(connection)
-        return results
+            await self._give_back(channel)
+
+    async def _give_back(self, channel: ReplyChannel) -> None:
+        if channel.give_back():
+            await self._pool.release(channel.connection)
+        else:
+            await self._drop(channel.connection)
+
+    async def _drop(self, connection: Any) -> None:
+        await connection.disconnect()
+        await self._pool.release(connection)
 
     async def aclose(self) -> None:
         """Wait for the batches in flight (a clean exit's releases reach Redis), then give
         the kept connection back."""
         if self._sending:  # a queue not sent yet has its task among them
             await asyncio.wait(list(self._sending), timeout=self._timeout_s)
-        connection, self._spare = self._spare, None
-        if connection is not None:
-            await self._pool.release(connection)
+        channel, self._spare = self._spare, None
+        if channel is not None:
+            await self._give_back(channel)
