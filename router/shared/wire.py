@@ -361,7 +361,8 @@ class Calls:
             # One deadline for the whole batch, connecting included, none per reply.
             async with asyncio.timeout(self._timeout_s):
                 if channel is None:
-                    await connection.connect()
+                    if not connection.is_connected:  # the pool connects what it hands out
+                        await connection.connect()
                     channel = ReplyChannel(connection)
                 await channel.send(packed, futures)
         except BaseException:
