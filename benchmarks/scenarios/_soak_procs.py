@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -43,10 +44,34 @@ _SIM_URL = re.compile(rb"serving (http://\S+)")
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the router is told its port in its config)."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 right now (the router is told its port in its config),
+    below the kernel's ephemeral range: a port from ``bind(0)`` lies in that range, where the
+    source port of any outgoing connection may take it before the router binds it (a quick
+    tenancy run in the suite lost its router so: "Address already in use")."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no luck below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_LOWEST_PORT = 20_000
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+    return max(low, _LOWEST_PORT + 1000)
 
 
 def toml(data: Mapping[str, Any]) -> str:
