@@ -42,8 +42,8 @@ _scalars3 = (
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.integers(-(2**100), 2**100)
 )
-resp2 = st.recursive(_scalars2, lambda inner: st.lists(inner, max_size=5), max_leaves=20)
-resp3 = st.recursive(
+resp2_values = st.recursive(_scalars2, lambda inner: st.lists(inner, max_size=5), max_leaves=20)
+resp3_values = st.recursive(
     _scalars3,
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.binary(max_size=8), inner, max_size=4),
     max_leaves=20,
@@ -58,17 +58,11 @@ def _fed(wire: bytes, cuts: list[int]) -> tuple[list[Any], ReplyParser]:
     return out, parser
 
 
-@given(st.lists(resp2, min_size=1, max_size=5), st.data())
-def test_resp2_replies_come_out_whole_whatever_the_split(values: list[Any], data: st.DataObject) -> None:
-    wire = b"".join(_encode(v, resp3=False) for v in values)
-    out, parser = _fed(wire, sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6))))
-    assert out == values
-    assert not parser.partial
-
-
-@given(st.lists(resp3, min_size=1, max_size=5), st.data())
-def test_resp3_replies_come_out_whole_whatever_the_split(values: list[Any], data: st.DataObject) -> None:
-    wire = b"".join(_encode(v, resp3=True) for v in values)
+@pytest.mark.parametrize("resp3", [False, True], ids=["resp2", "resp3"])
+@given(data=st.data())
+def test_replies_come_out_whole_whatever_the_split(resp3: bool, data: st.DataObject) -> None:
+    values = data.draw(st.lists(resp3_values if resp3 else resp2_values, min_size=1, max_size=5))
+    wire = b"".join(_encode(v, resp3=resp3) for v in values)
     out, parser = _fed(wire, sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6))))
     assert out == values
     assert not parser.partial
