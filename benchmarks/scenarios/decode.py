@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.client_sdk._core.stream import StreamAssembler
 from firstbyte.protocol import paths
@@ -229,7 +230,7 @@ def _loopback(events: int, passes: int, bar: Progress) -> dict[str, tuple[int, f
         assert proc.stdout is not None
         url = proc.stdout.readline().strip()
         if not url.startswith("http://"):
-            raise RuntimeError("the loopback SSE server did not start")
+            raise PartFailed("the loopback SSE server did not start")
         base = url + paths.API_BASE
         messages: Any = [{"role": "user", "content": "hi"}]
 

@@ -53,6 +53,7 @@ import httpx
 
 from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.conditions import machine_cpu
+from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.scenarios import _baseline_router
 from firstbyte.benchmarks.stats import SLO, summarize
@@ -261,7 +262,7 @@ def _server(code: str, *args: str) -> Iterator[_Child]:
             if not url.startswith("http"):
                 proc.wait(timeout=15)
                 log.seek(0)
-                raise RuntimeError(f"server did not start: {log.read()[-2000:]}")
+                raise PartFailed("server did not start", log.read())
             yield _Child(url, proc.pid, Path(log.name))
         finally:
             if proc.stdin is not None:
@@ -1003,7 +1004,7 @@ def _nginx(binary: str, upstream_url: str) -> Iterator[_Child]:
                 except OSError:
                     if proc.poll() is not None or time.monotonic() > deadline:
                         text = log.read_text() if log.exists() else ""
-                        raise RuntimeError(f"nginx did not start: {text[-2000:]}") from None
+                        raise PartFailed("nginx did not start", text) from None
                     time.sleep(0.05)
             yield _Child(f"http://127.0.0.1:{port}", proc.pid)
         finally:

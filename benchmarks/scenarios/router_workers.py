@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.redis_server import running_redis
 
 __all__ = ["run"]
@@ -132,7 +133,7 @@ def _spawn(args: list[str], ready: str, count: int = 1, log: Path | None = None)
         deadline = time.monotonic() + 60
         while path.read_text(errors="replace").count(ready) < count:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"firstbyte {args[0]} did not start: {path.read_text()[-600:]}")
+                raise PartFailed(f"firstbyte {args[0]} did not start", path.read_text())
             time.sleep(0.05)
         yield _Proc(process)
     finally:

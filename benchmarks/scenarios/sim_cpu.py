@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from firstbyte.benchmarks._parent import stop_process
+from firstbyte.benchmarks.errors import PartFailed
 
 __all__ = ["SERVERS", "TARGET_CHUNKS_PER_CPU_S", "main", "run"]
 
@@ -146,7 +147,7 @@ async def _wait_ready(port: int, proc: subprocess.Popen[bytes], within_s: float)
     while time.monotonic() < end:
         if proc.poll() is not None:
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"sim exited with {proc.returncode}: {err[-2000:]}")
+            raise PartFailed(f"sim exited with {proc.returncode}", err)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
@@ -158,7 +159,7 @@ async def _wait_ready(port: int, proc: subprocess.Popen[bytes], within_s: float)
         if answer.startswith(b"HTTP/1.1 200"):
             return
         await asyncio.sleep(0.05)
-    raise RuntimeError("sim did not become ready")
+    raise PartFailed("sim did not become ready")
 
 
 async def _measure(server: str, seconds: float, max_requests: int) -> dict[str, Any]:

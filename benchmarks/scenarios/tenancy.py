@@ -49,6 +49,7 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.redis_server import running_redis
 from firstbyte.benchmarks.scenarios._soak_procs import (
     FIRSTBYTE,
@@ -153,8 +154,7 @@ async def _router(config: Path, port: int, log: Path, workers: int = 1) -> Async
                     if ok and serving >= workers:
                         break
                 if child.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"router did not become healthy: {_text(log)[-1500:]}")
+                    raise PartFailed("router did not become healthy", _text(log))
                 await asyncio.sleep(0.1)
         yield child
     finally:

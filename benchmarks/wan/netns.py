@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from firstbyte.benchmarks.errors import BenchError
 from firstbyte.benchmarks.wan.delayline import LinkParams
 from firstbyte.benchmarks.wan.forwarder import ForwarderConfig
 
@@ -44,11 +45,11 @@ READY_TIMEOUT_S = 10.0
 _counter = itertools.count()
 
 
-class WanUnavailable(RuntimeError):
+class WanUnavailable(BenchError):
     """This machine (or user) cannot run the emulator: it needs root and /dev/net/tun."""
 
 
-class WanError(RuntimeError):
+class WanError(BenchError):
     """Setting up the emulated network failed (the message says which step)."""
 
 
