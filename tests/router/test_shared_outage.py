@@ -117,14 +117,16 @@ async def test_2000_admissions_at_once_are_all_answered(
 
 
 async def _stream(client: httpx.AsyncClient, url: str) -> tuple[int, str, str]:
-    """One streamed completion: (status, error code or last SSE data, Retry-After)."""
+    """One streamed completion: (status, error code (its message if it has none) or last SSE
+    data, Retry-After)."""
     async with client.stream("POST", url + "/v1/chat/completions", json=BODY,
                              headers=auth()) as response:
         body = await response.aread()
     if response.status_code != 200:
         code = ""
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            code = response.json()["error"]["code"]
+            error = response.json()["error"]
+            code = error["code"] or error["message"]
         return response.status_code, code, response.headers.get("retry-after", "")
     data = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
     return 200, data[-1] if data else "", ""
@@ -135,8 +137,15 @@ async def test_300_streams_at_once_with_shared_state(
     tmp_path: Path,
 ) -> None:
     port = _free_port()
+    # The sim shares this test's event loop with the 300 clients, and the suite's other
+    # workers share the cores: on a busy host its answers to the burst's last requests have
+    # come later than the first-byte deadline's 5 s floor (a CI run: the last 56 requests
+    # of the burst ended 502 upstream_error 5.3 s after they arrived). That deadline has its
+    # own tests (test_backend_health.py); this one is about the burst's shared state, and a
+    # failure now names the upstream's error, not only its status.
+    patient = "[routing]\nfirst_byte_timeout_min_s = 30.0\n"
     path = _config(tmp_path, "burst", sim.url, tls_files, redis_server.url, port,
-                   key_prefix=f"b300{os.getpid()}:", extra=LIMITS)
+                   key_prefix=f"b300{os.getpid()}:", extra=LIMITS + patient)
     router = _start(path, port, tmp_path, "burst")
     try:
         await _until_listening(router)
