@@ -39,6 +39,7 @@ believed).
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import time
 from collections import Counter
@@ -60,6 +61,7 @@ from firstbyte.protocol.openai import ChatCompletionRequest
 from .backpressure import BackendLoad, LoadTracker
 from .config import RouterConfig
 from .geo import GeoLocator, GeoPoint, Location, TrustedProxies, client_address, known_regions
+from .hosting.limits import Throttle
 from .hosting.prometheus import GapTimer, Histogram
 from .metrics import TTFT_BUCKETS_S
 from .models import ModelMap
@@ -82,6 +84,8 @@ from .regions_config import warm_prefix_text
 from .routing_services import RoutingServices
 from .spill import SpillBudget, SpillSlot
 from .warmup import WarmPrefix, WarmupScheduler
+
+log = logging.getLogger("firstbyte.router")
 
 __all__ = [
     "REJECTION_REASONS", "WAIT_FOR_SLOT", "FairCheck", "Observation", "RegionRouting",
@@ -345,6 +349,8 @@ class RegionRouting:
         may re-admit them (``routing.backend_eject_s``)."""
         self.ejections: Counter[tuple[str, str]] = Counter()
         """Passive-health ejections by (backend, cause)."""
+        self._kept = Throttle(10.0)
+        """Failures of a region's last backend, kept in rotation: a line per 10 s each."""
         self.draining = False
         """This process is shutting down: it counts as unhealthy for routing (a request goes
         to a peer with room, or gets 503 ``draining``) and in its edge status."""
@@ -860,9 +866,20 @@ class RegionRouting:
         Out of rotation now, for ``backend_eject_s`` at least (one warning line), then back
         when a scrape answers (without scrapes: tried again). The region's last healthy
         backend is never ejected: such failures may be load, and without it every request
-        would be refused untried."""
+        would be refused untried; a warning says it failed (one per 10 s, with a count)."""
         backend = self.backends[name]
-        if not backend.healthy or self.tracker.healthy() in ([], [name]):
+        if not backend.healthy:
+            return
+        if self.tracker.healthy() in ([], [name]):
+            # Not ejected, but said: a 502 with no line would leave an operator to guess which
+            # of the upstream's deadlines or errors it was.
+            held = self._kept.allow(name, self.clock())
+            if held is not None:
+                more = f" ({held} more since the last report)" if held else ""
+                log.warning(
+                    "upstream %s (%s) failed a request (%s): %s; kept in rotation, the "
+                    "region's last%s", name, backend.url, cause, describe_error(exc), more,
+                )
             return
         self.ejections[(name, cause)] += 1
         self.runner.changes.down(name, f"ejected ({cause}): {describe_error(exc)}", url=backend.url)

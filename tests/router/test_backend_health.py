@@ -293,8 +293,9 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
 
 
 async def test_the_last_healthy_backend_is_not_ejected(
-    start_router: RouterFactory,
+    start_router: RouterFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="firstbyte")
     port = _closed_port()
     routing = {"first_byte_timeout_min_s": 0.3, "first_byte_timeout_max_s": 0.5}
     upstreams = [{"name": "only", "url": f"http://127.0.0.1:{port}", "kind": "openai"}]
@@ -314,6 +315,18 @@ async def test_the_last_healthy_backend_is_not_ejected(
         assert response.json()["error"]["message"] == "Upstream failed: ReadTimeout."
         assert time.monotonic() - started < 10.0
         assert router.app.state.routing.backends["only"].healthy
+        # Not ejected, but not silent: one warning names the backend and the deadline, and
+        # a second failure within 10 s adds no line.
+        again = await client.post(
+            router.base_url + "/v1/chat/completions", json={**BODY, "stream": True},
+            headers=auth(),
+        )
+        assert again.status_code == 502, again.text
+    assert _state_lines(caplog, "only") == [
+        f"upstream only (http://127.0.0.1:{port}) failed a request (first_byte_timeout): "
+        "ReadTimeout: no response within 0.5 s (first-byte deadline); kept in rotation, the "
+        "region's last"
+    ]
 
 
 PREFIX = "You are the support assistant of an online shop. Answer briefly. " * 20

@@ -140,7 +140,8 @@ async def test_300_streams_at_once_with_shared_state(
     # The sim shares this test's event loop with the 300 clients, and the suite's other
     # workers share the cores: on a busy host its answers to the burst's last requests have
     # come later than the first-byte deadline's 5 s floor (a CI run: the last 56 requests
-    # of the burst ended 502 upstream_error 5.3 s after they arrived). That deadline has its
+    # of the burst ended 502 upstream_error 5.3 s after they arrived, and the log had no
+    # "upstream ... is down" line, which a connect failure writes). That deadline has its
     # own tests (test_backend_health.py); this one is about the burst's shared state, and a
     # failure now names the upstream's error, not only its status.
     patient = "[routing]\nfirst_byte_timeout_min_s = 30.0\n"
