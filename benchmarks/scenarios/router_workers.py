@@ -150,6 +150,9 @@ def _spawn(args: list[str], ready: str, count: int = 1, log: Path | None = None)
 @dataclass
 class _Load:
     ttft_ms: list[float] = field(default_factory=list)
+    head_ms: list[float] = field(default_factory=list)
+    """Request start to the response's head: the part of TTFT before the router answers
+    (queued in the kernel or the router's loop, then its own time to admit and route)."""
     errors: int = 0
     chunks: int = 0
     live: int = 0
@@ -172,6 +175,7 @@ async def _stream(port: int, body: bytes, load: _Load) -> None:
         load.live += 1
         load.peak_live = max(load.peak_live, load.live)
         head = await reader.readuntil(b"\r\n\r\n")
+        load.head_ms.append((time.perf_counter() - started) * 1000)
         if not head.startswith(b"HTTP/1.1 200"):
             # the status and the error's code (the router's reason): what to look into
             answer = await asyncio.wait_for(reader.read(4096), 5)
@@ -363,6 +367,8 @@ def _measure(
         "p50_ttft_ms": _pct(load.ttft_ms, 0.5),
         "p99_ttft_ms": _pct(load.ttft_ms, 0.99),
         "mean_ttft_ms": statistics.fmean(load.ttft_ms) if load.ttft_ms else None,
+        "p50_head_ms": _pct(load.head_ms, 0.5),
+        "p99_head_ms": _pct(load.head_ms, 0.99),
         "router_cpu_us_per_chunk": round(router_cpu / chunks * 1e6, 1) if router else None,
         "router_chunks_per_cpu_s": round(load.chunks / router_cpu) if router_cpu else None,
         "redis_cpu_us_per_chunk": round(redis_cpu / chunks * 1e6, 1) if redis_pid else None,
@@ -545,8 +551,9 @@ def run(
     return results
 
 
-ROUND_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "router_cpu_us_per_chunk", "router_start_mean_ms",
-              "router_start_p50_ms", "router_start_p99_ms", "errors", "load_avg_1m")
+ROUND_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_head_ms", "router_cpu_us_per_chunk",
+              "router_start_mean_ms", "router_start_p50_ms", "router_start_p99_ms", "errors",
+              "load_avg_1m")
 """A round's figures kept in its target's row (``per_round``), in the order measured."""
 
 
@@ -646,6 +653,9 @@ def _summarise(results: dict[str, Any]) -> None:
             f" {_signed(versus['added_start_p99_ms'], 2)}"
             f" (A/A {_signed(versus['aa_start_mean_ms'], 2)} /"
             f" {_signed(versus['aa_start_p99_ms'], 2)})",
+        f"Redis vs memory at {top} streams, time to the response head P50 ms (A/A)":
+            f"{_signed(versus['added_p50_head_ms'])}"
+            f" (A/A {_signed(versus['aa_p50_head_ms'])})",
         "Redis at the speed of memory (P50 +10 ms, P99 +30 ms, CPU x1.15)": versus["target"],
         "load average at the start (1 min)": results["load_avg_at_start"][0],
         "load average at the end (1 min)": results["load_avg_at_end"][0],
@@ -684,6 +694,7 @@ def _versus(
         out[f"{prefix}_p99_ttft_ms"] = median(diffs(rows, "p99_ttft_ms"))
         out[f"{prefix}_start_mean_ms"] = median(diffs(rows, "router_start_mean_ms"), 3)
         out[f"{prefix}_start_p99_ms"] = median(diffs(rows, "router_start_p99_ms"), 3)
+        out[f"{prefix}_p50_head_ms"] = median(diffs(rows, "p50_head_ms"))
     out["cpu_ratio"] = median(ratios(redis), 3)
     out["aa_cpu_ratio"] = median(ratios(again), 3)
     out["p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(redis, "p50_ttft_ms")]
@@ -720,10 +731,10 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def _markdown(results: dict[str, Any]) -> str:
     lines = [
         "| target | streams | rounds | errors | peak live | TTFT P50 / P99 ms |"
-        " added P50 / P99 ms | router's own time per stream, mean / P99 ms |"
+        " added P50 / P99 ms | response head P50 ms | router's own time per stream, mean / P99 ms |"
         " router CPU µs/chunk | Redis CPU µs/chunk | RSS MB/1k live (router, Redis) | held |"
         " CPU of a core: router (busiest / all), sim, load gen, Redis, others | limit | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in results["targets"].items():
         for level, r in rows.items():
@@ -731,6 +742,7 @@ def _markdown(results: dict[str, Any]) -> str:
                 f"| {name} | {level} | {r.get('rounds', 1)} | {r['errors']} | {r['peak_live']} |"
                 f" {_fmt(r['p50_ttft_ms'])} / {_fmt(r['p99_ttft_ms'])} |"
                 f" {_fmt(r.get('added_p50_ttft_ms'))} / {_fmt(r.get('added_p99_ttft_ms'))} |"
+                f" {_fmt(r.get('p50_head_ms'))} |"
                 f" {_fmt(r['router_start_mean_ms'], 2)} / {_fmt(r['router_start_p99_ms'], 2)} |"
                 f" {_fmt(r['router_cpu_us_per_chunk'])} | {_fmt(r['redis_cpu_us_per_chunk'])} |"
                 f" {_fmt(r['router_rss_mb_per_1000_live'])},"
@@ -746,14 +758,17 @@ def _markdown(results: dict[str, Any]) -> str:
         f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
         f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
         f" Redis vs memory (1 worker; medians of the rounds' paired deltas: TTFT P50 / P99 ms,"
-        f" router CPU per chunk, the router's own time per stream mean / P99 ms; A/A: the"
+        f" router CPU per chunk, the router's own time per stream mean / P99 ms, time to the"
+        f" response head P50 ms; A/A: the"
         f" memory router again; each round's P50 delta in brackets): " + "; ".join(
             f"{level}: {_signed(v['added_p50_ttft_ms'])} / {_signed(v['added_p99_ttft_ms'])},"
             f" {_ratio(v['cpu_ratio'])}, {_signed(v['added_start_mean_ms'], 2)} /"
-            f" {_signed(v['added_start_p99_ms'], 2)} {v['p50_ttft_deltas_ms']}"
+            f" {_signed(v['added_start_p99_ms'], 2)}, {_signed(v.get('added_p50_head_ms'))}"
+            f" {v['p50_ttft_deltas_ms']}"
             f" (A/A {_signed(v['aa_p50_ttft_ms'])} / {_signed(v['aa_p99_ttft_ms'])},"
             f" {_ratio(v['aa_cpu_ratio'])}, {_signed(v['aa_start_mean_ms'], 2)} /"
-            f" {_signed(v['aa_start_p99_ms'], 2)} {v['aa_p50_ttft_deltas_ms']}) {v['target']}"
+            f" {_signed(v['aa_start_p99_ms'], 2)}, {_signed(v.get('aa_p50_head_ms'))}"
+            f" {v['aa_p50_ttft_deltas_ms']}) {v['target']}"
             for level, v in results["redis_vs_memory"].items()
         ) + "."
         f" Load average (1, 5, 15 min) at the start: {results['load_avg_at_start']}, at the end:"

@@ -31,6 +31,8 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
             assert row["chunks"] > 0
             assert row["limit"]
             assert row["cpu_share"]["load generator"] > 0
+            # the response head comes before the first token, and after the request starts
+            assert 0 < row["p50_head_ms"] <= row["p50_ttft_ms"]
             if name == "direct-aa":  # the A/A control: direct again, against direct
                 assert row["added_p99_ttft_ms"] is not None
                 assert "held" not in row
@@ -67,7 +69,8 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
         assert len(versus["p50_ttft_deltas_ms"]) == len(versus["aa_p50_ttft_deltas_ms"]) == rounds
         for key in ("added_p50_ttft_ms", "added_p99_ttft_ms", "aa_p50_ttft_ms",
                     "aa_p99_ttft_ms", "added_start_mean_ms", "aa_start_mean_ms",
-                    "added_start_p99_ms", "aa_start_p99_ms"):
+                    "added_start_p99_ms", "aa_start_p99_ms", "added_p50_head_ms",
+                    "aa_p50_head_ms"):
             assert isinstance(versus[key], float), (key, versus)
         assert versus["cpu_ratio"] > 0
         assert versus["aa_cpu_ratio"] > 0
@@ -75,5 +78,6 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
     summary = (out / "summary.md").read_text()
     assert "Redis vs memory at" in summary
     assert "the router's own time per stream" in summary
+    assert "time to the response head" in summary
     assert "scaling (held, 2 workers / 1)" in summary
     assert "| router-2-redis |" in summary

@@ -220,6 +220,44 @@ async def test_admissions_of_one_turn_share_one_round_trip(
         await redis.aclose()
 
 
+async def test_calls_made_while_a_batch_is_in_flight_go_in_the_next_one(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """In a ramp a batch per loop turn was one send and one read each (two system calls,
+    ~10% of a stream start's CPU) and, while others awaited their replies, a pooled
+    connection of its own to take and open: calls made during a round trip now wait for it
+    and go together in the next, on the same connection. Redis is paused meanwhile, so the
+    first batch is in flight while the other nineteen admissions are made, one per loop
+    turn, whatever the machine's speed; Redis counts the connections it accepted."""
+    redis = Redis.from_url(redis_server.url)
+    keys = Keys(f"t{secrets.token_hex(4)}:")
+    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
+
+    def admit() -> Any:
+        return admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                               backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
+
+    try:
+        await admission.start()
+        await redis.set(keys.lease("p1"), b"1")
+        await admit()  # the admissions' connection is open
+        accepted = (await redis.info("stats"))["total_connections_received"]
+        trips = admission.batch.round_trips
+        await redis.execute_command("CLIENT", "PAUSE", "300", "ALL")
+        pending = []
+        for _ in range(20):  # one admission per loop turn
+            pending.append(asyncio.ensure_future(admit()))
+            await asyncio.sleep(0.002)
+        answers = await asyncio.gather(*pending)
+        assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 20
+        assert admission.batch.round_trips - trips == 2
+        assert (await redis.info("stats"))["total_connections_received"] == accepted
+        assert await redis.hget(keys.backend_load("b0"), "p1") == b"21"
+    finally:
+        await admission.aclose()
+        await redis.aclose()
+
+
 async def test_an_admission_is_answered_in_three_loop_turns(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
