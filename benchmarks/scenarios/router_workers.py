@@ -742,7 +742,7 @@ def _markdown(results: dict[str, Any]) -> str:
                 f"| {name} | {level} | {r.get('rounds', 1)} | {r['errors']} | {r['peak_live']} |"
                 f" {_fmt(r['p50_ttft_ms'])} / {_fmt(r['p99_ttft_ms'])} |"
                 f" {_fmt(r.get('added_p50_ttft_ms'))} / {_fmt(r.get('added_p99_ttft_ms'))} |"
-                f" {_fmt(r.get('p50_head_ms'))} |"
+                f" {_fmt(r['p50_head_ms'])} |"
                 f" {_fmt(r['router_start_mean_ms'], 2)} / {_fmt(r['router_start_p99_ms'], 2)} |"
                 f" {_fmt(r['router_cpu_us_per_chunk'])} | {_fmt(r['redis_cpu_us_per_chunk'])} |"
                 f" {_fmt(r['router_rss_mb_per_1000_live'])},"
@@ -763,11 +763,11 @@ def _markdown(results: dict[str, Any]) -> str:
         f" memory router again; each round's P50 delta in brackets): " + "; ".join(
             f"{level}: {_signed(v['added_p50_ttft_ms'])} / {_signed(v['added_p99_ttft_ms'])},"
             f" {_ratio(v['cpu_ratio'])}, {_signed(v['added_start_mean_ms'], 2)} /"
-            f" {_signed(v['added_start_p99_ms'], 2)}, {_signed(v.get('added_p50_head_ms'))}"
+            f" {_signed(v['added_start_p99_ms'], 2)}, {_signed(v['added_p50_head_ms'])}"
             f" {v['p50_ttft_deltas_ms']}"
             f" (A/A {_signed(v['aa_p50_ttft_ms'])} / {_signed(v['aa_p99_ttft_ms'])},"
             f" {_ratio(v['aa_cpu_ratio'])}, {_signed(v['aa_start_mean_ms'], 2)} /"
-            f" {_signed(v['aa_start_p99_ms'], 2)}, {_signed(v.get('aa_p50_head_ms'))}"
+            f" {_signed(v['aa_start_p99_ms'], 2)}, {_signed(v['aa_p50_head_ms'])}"
             f" {v['aa_p50_ttft_deltas_ms']}) {v['target']}"
             for level, v in results["redis_vs_memory"].items()
         ) + "."

@@ -375,10 +375,7 @@ class Calls:
     ) -> None:
         # One deadline for the whole batch, none per reply; a timer, not asyncio.timeout,
         # whose set-up and tear-down per batch cost several times more CPU.
-        deadline = asyncio.get_running_loop().call_later(
-            self._timeout_s, channel.fail,
-            RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s"),
-        )
+        deadline = asyncio.get_running_loop().call_later(self._timeout_s, self._late, channel)
         try:
             await channel.send(packed, futures)
         except BaseException:
@@ -387,6 +384,9 @@ class Calls:
             raise
         finally:
             deadline.cancel()
+
+    def _late(self, channel: ReplyChannel) -> None:
+        channel.fail(RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s"))
 
     async def _open(self) -> ReplyChannel:
         connection = await pooled(self._pool)
