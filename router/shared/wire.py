@@ -287,7 +287,8 @@ class Calls:
     def __init__(self, pool: ConnectionPool, timeout_s: float) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
-        self._queue: list[tuple[bytes, asyncio.Future[Any]]] = []
+        self._queue: list[tuple[bytes, asyncio.Future[Any], float]] = []
+        """Calls not sent yet: the command, its caller's future, when it was made."""
         self._sender: asyncio.Task[None] | None = None
         """Sends the queue, batch after batch, until it is empty."""
         self._channel: ReplyChannel | None = None
@@ -301,8 +302,9 @@ class Calls:
     def call(self, packed: bytes) -> asyncio.Future[Any]:
         """Queue ``packed``; its future holds the reply (an error reply as its exception), or
         the exception that lost the batch."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((packed, future))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((packed, future, loop.time()))
         if self._sender is None:
             # A task whose first step runs after the rest of this turn's calls and sends
             # them: a callback that started the task would cost each batch one more loop
@@ -323,23 +325,26 @@ class Calls:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
-                live = [(packed, future) for packed, future in batch if not future.done()]
+                live = [call for call in batch if not call[1].done()]
                 if live:  # else every caller cancelled before the send: nothing to claim
                     await self._send(live)
         finally:
             self._sender = None
             queued, self._queue = self._queue, []
-            for _, future in queued:  # the sender was cancelled (the loop is closing)
+            for _, future, _ in queued:  # the sender was cancelled (the loop is closing)
                 if not future.done():
                     future.set_exception(ConnectionError("batch cancelled"))
 
-    async def _send(self, batch: list[tuple[bytes, asyncio.Future[Any]]]) -> None:
+    async def _send(self, batch: list[tuple[bytes, asyncio.Future[Any], float]]) -> None:
         self.round_trips += 1
         self.commands += len(batch)
-        packed = b"".join(packed for packed, _ in batch)
-        futures = [future for _, future in batch]
+        packed = b"".join(call[0] for call in batch)
+        futures = [call[1] for call in batch]
+        # Each call's replies are due ``timeout_s`` after it was made, whatever it waited
+        # for in the queue behind a batch in flight: the oldest call's deadline is the batch's.
+        deadline = batch[0][2] + self._timeout_s
         try:
-            await self._exchange(packed, futures)
+            await self._exchange(packed, futures, deadline)
         except BaseException as exc:  # the batch is lost: each caller decides what that means
             lost = exc if isinstance(exc, Exception) else ConnectionError("batch cancelled")
             for future in futures:
@@ -348,15 +353,20 @@ class Calls:
             if not isinstance(exc, Exception):
                 raise
 
-    async def _exchange(self, packed: bytes, futures: list[asyncio.Future[Any]]) -> None:
+    async def _exchange(
+        self, packed: bytes, futures: list[asyncio.Future[Any]], deadline: float
+    ) -> None:
         """Send on the kept connection (or a new one); the callers' futures are set as the
-        replies arrive, and this returns after the last, or raises if ``timeout_s`` passes
-        first (the connection is dropped then: replies may still be on their way)."""
+        replies arrive, and this returns after the last, or raises if ``deadline`` (loop
+        time) passes first (the connection is dropped then: replies may still be on their
+        way)."""
+        if asyncio.get_running_loop().time() >= deadline:  # waited its whole time in the queue
+            raise RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s")
         channel = self._channel
         if channel is not None and channel.broken is None:
             sent = channel.sent
             try:
-                await self._exchange_on(channel, packed, futures)
+                await self._exchange_on(channel, packed, futures, deadline)
                 return
             except ConnectionError:
                 # Once, at once, on a new connection: Redis closed this one (a restart)
@@ -366,16 +376,17 @@ class Calls:
                     raise
         elif channel is not None:  # it broke between batches (Redis went away)
             await self._retire(channel)
-        async with asyncio.timeout(self._timeout_s):
+        async with asyncio.timeout_at(deadline):
             channel = await self._open()
-        await self._exchange_on(channel, packed, futures)
+        await self._exchange_on(channel, packed, futures, deadline)
 
     async def _exchange_on(
-        self, channel: ReplyChannel, packed: bytes, futures: list[asyncio.Future[Any]]
+        self, channel: ReplyChannel, packed: bytes, futures: list[asyncio.Future[Any]],
+        deadline: float,
     ) -> None:
         # One deadline for the whole batch, none per reply; a timer, not asyncio.timeout,
         # whose set-up and tear-down per batch cost several times more CPU.
-        deadline = asyncio.get_running_loop().call_later(self._timeout_s, self._late, channel)
+        timer = asyncio.get_running_loop().call_at(deadline, self._late, channel)
         try:
             await channel.send(packed, futures)
         except BaseException:
@@ -383,7 +394,7 @@ class Calls:
             await self._retire(channel)
             raise
         finally:
-            deadline.cancel()
+            timer.cancel()
 
     def _late(self, channel: ReplyChannel) -> None:
         channel.fail(RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s"))

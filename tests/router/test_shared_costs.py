@@ -29,6 +29,7 @@ from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
 from firstbyte.router.shared import SharedState, connect
 from firstbyte.router.shared.admission import _ADMIT, _RELEASE, Affinity, SharedAdmission, Verdict
+from firstbyte.router.shared.errors import StateUnavailable
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.wire import ReplyChannel
 from firstbyte.router.streams import Stream
@@ -253,6 +254,43 @@ async def test_calls_made_while_a_batch_is_in_flight_go_in_the_next_one(
         assert admission.batch.round_trips - trips == 2
         assert (await redis.info("stats"))["total_connections_received"] == accepted
         assert await redis.hget(keys.backend_load("b0"), "p1") == b"21"
+    finally:
+        await admission.aclose()
+        await redis.aclose()
+
+
+async def test_a_call_queued_behind_an_unanswered_batch_fails_within_its_own_timeout(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """``state.timeout_s`` bounds each admission from the moment it is asked for, not from
+    its batch's send: one queued behind a batch Redis does not answer (paused here) gets its
+    ``503 state_unavailable`` one timeout after it came, not after the batch in front timed
+    out and its own then did too (twice the timeout, less the gap between them)."""
+    timeout_s = 1.0
+    redis = Redis.from_url(redis_server.url)
+    keys = Keys(f"t{secrets.token_hex(4)}:")
+    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60,
+                                timeout_s=timeout_s)
+
+    async def admit() -> float:
+        """Seconds until the admission failed."""
+        started = time.monotonic()
+        with pytest.raises(StateUnavailable):
+            await admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                                  backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
+        return time.monotonic() - started
+
+    try:
+        await admission.start()
+        await redis.set(keys.lease("p1"), b"1")
+        await admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                              backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
+        await redis.execute_command("CLIENT", "PAUSE", "2500", "ALL")
+        first = asyncio.ensure_future(admit())
+        await asyncio.sleep(0.1)  # its batch is in flight: this one waits behind it
+        second = asyncio.ensure_future(admit())
+        waited = await asyncio.gather(first, second)
+        assert all(timeout_s * 0.9 <= w < timeout_s * 1.45 for w in waited), waited
     finally:
         await admission.aclose()
         await redis.aclose()
