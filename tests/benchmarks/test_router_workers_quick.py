@@ -74,7 +74,9 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
             assert isinstance(versus[key], float), (key, versus)
         assert versus["cpu_ratio"] > 0
         assert versus["aa_cpu_ratio"] > 0
-        assert versus["target"] in ("met", "NOT MET")
+        assert versus["target"] in ("met", "NOT MET", "inconclusive")
+        assert set(versus["target_by_figure"]) == {
+            "added_p50_ttft_ms", "added_p99_ttft_ms", "cpu_ratio"}
     summary = (out / "summary.md").read_text()
     assert "Redis vs memory at" in summary
     assert "the router's own time per stream" in summary
