@@ -13,13 +13,18 @@ install theirs); the system service is never started, the tests run the binary t
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
+from redis.asyncio import Redis
 
 from firstbyte.benchmarks.redis_server import RedisServer, find_server_binary, running_redis
+from firstbyte.router.shared.admission import SharedAdmission
+from firstbyte.router.shared.keys import Keys
 from tests.apt import apt_lock
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
@@ -58,3 +63,39 @@ def redis_server() -> Iterator[RedisServer]:
         pytest.skip(message)
     with running_redis() as server:
         yield server
+
+
+@dataclass
+class Admitting:
+    """One process's :class:`SharedAdmission` on :func:`redis_server`, its lease held."""
+
+    redis: Redis
+    keys: Keys
+    admission: SharedAdmission
+
+
+MakeAdmission = Callable[..., Awaitable[Admitting]]
+
+
+@pytest.fixture
+async def admitting(redis_server: RedisServer) -> AsyncIterator[MakeAdmission]:
+    """``await admitting(timeout_s=...)``: a started admission of process ``p1`` under a key
+    prefix of its own; closed, with its Redis client, at the test's end."""
+    made: list[Admitting] = []
+
+    async def make(timeout_s: float = 2.0) -> Admitting:
+        redis = Redis.from_url(redis_server.url)
+        keys = Keys(f"t{secrets.token_hex(4)}:")
+        admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60,
+                                    timeout_s=timeout_s)
+        made.append(Admitting(redis, keys, admission))
+        await admission.start()
+        await redis.set(keys.lease("p1"), b"1")
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for rig in made:
+            await rig.admission.aclose()
+            await rig.redis.aclose()

@@ -34,7 +34,11 @@ from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.wire import ReplyChannel
 from firstbyte.router.streams import Stream
 from tests.router.conftest import auth, router_config
-from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
+from tests.router.redis_fixture import (  # noqa: F401 (fixtures)
+    MakeAdmission,
+    admitting,
+    redis_server,
+)
 from tests.router.upstream import running_upstream
 
 ADMIT_SHA = hashlib.sha1(_ADMIT.encode()).hexdigest().encode()
@@ -184,45 +188,41 @@ async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
     assert trips["events"] <= 5 * streams, trips
 
 
+def _admit(admission: SharedAdmission, owner: bytes = b"k",
+           backend_limit: int | None = None) -> Any:
+    """An admission of ``owner`` (no key limits) on backend ``b0``, without affinity."""
+    return admission.admit(owner, key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
+                           backend_limit=backend_limit, affinity_key=None,
+                           affinity=Affinity.NONE)
+
+
 async def test_admissions_of_one_turn_share_one_round_trip(
-    redis_server: RedisServer, spy: Spy,  # noqa: F811
+    admitting: MakeAdmission, spy: Spy,  # noqa: F811
 ) -> None:
     """A burst of stream starts (a ramp's) is one send and one read for all of them: each
     admission through redis-py was a round trip of its own and ~100 µs of the router's CPU."""
-    redis = Redis.from_url(redis_server.url)
-    keys = Keys(f"t{secrets.token_hex(4)}:")
-    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
-    try:
-        await admission.start()
-        await redis.set(keys.lease("p1"), b"1")
-        mark = spy.mark()
-        answers = await asyncio.gather(*(
-            admission.admit(b"k%d" % (i % 3), key_limit=None, rate_per_s=0.0, burst=1,
-                            backend="b0", backend_limit=100, affinity_key=None,
-                            affinity=Affinity.NONE)
-            for i in range(50)
-        ))
-        assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 50
-        commands, trips = spy.since(mark)
-        assert commands["admit"] == 50
-        assert trips["admit"] == 1
-        assert await redis.hget(keys.backend_load("b0"), "p1") == b"50"
+    rig = await admitting()
+    redis, keys, admission = rig.redis, rig.keys, rig.admission
+    mark = spy.mark()
+    answers = await asyncio.gather(*(_admit(admission, b"k%d" % (i % 3), 100) for i in range(50)))
+    assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 50
+    commands, trips = spy.since(mark)
+    assert commands["admit"] == 50
+    assert trips["admit"] == 1
+    assert await redis.hget(keys.backend_load("b0"), "p1") == b"50"
 
-        mark = spy.mark()
-        for i in range(50):  # the ends of one turn: one round trip as well
-            admission.release_key(b"k%d" % (i % 3))
-            admission.release_backend("b0")
-        await admission.background.drain()
-        commands, trips = spy.since(mark)
-        assert trips["release"] == 1
-        assert await redis.hgetall(keys.backend_load("b0")) == {}
-    finally:
-        await admission.aclose()
-        await redis.aclose()
+    mark = spy.mark()
+    for i in range(50):  # the ends of one turn: one round trip as well
+        admission.release_key(b"k%d" % (i % 3))
+        admission.release_backend("b0")
+    await admission.background.drain()
+    commands, trips = spy.since(mark)
+    assert trips["release"] == 1
+    assert await redis.hgetall(keys.backend_load("b0")) == {}
 
 
 async def test_calls_made_while_a_batch_is_in_flight_go_in_the_next_one(
-    redis_server: RedisServer,  # noqa: F811
+    admitting: MakeAdmission,  # noqa: F811
 ) -> None:
     """In a ramp a batch per loop turn was one send and one read each (two system calls,
     ~10% of a stream start's CPU) and, while others awaited their replies, a pooled
@@ -230,74 +230,52 @@ async def test_calls_made_while_a_batch_is_in_flight_go_in_the_next_one(
     and go together in the next, on the same connection. Redis is paused meanwhile, so the
     first batch is in flight while the other nineteen admissions are made, one per loop
     turn, whatever the machine's speed; Redis counts the connections it accepted."""
-    redis = Redis.from_url(redis_server.url)
-    keys = Keys(f"t{secrets.token_hex(4)}:")
-    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
-
-    def admit() -> Any:
-        return admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                               backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
-
-    try:
-        await admission.start()
-        await redis.set(keys.lease("p1"), b"1")
-        await admit()  # the admissions' connection is open
-        accepted = (await redis.info("stats"))["total_connections_received"]
-        trips = admission.batch.round_trips
-        await redis.execute_command("CLIENT", "PAUSE", "300", "ALL")
-        pending = []
-        for _ in range(20):  # one admission per loop turn
-            pending.append(asyncio.ensure_future(admit()))
-            await asyncio.sleep(0.002)
-        answers = await asyncio.gather(*pending)
-        assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 20
-        assert admission.batch.round_trips - trips == 2
-        assert (await redis.info("stats"))["total_connections_received"] == accepted
-        assert await redis.hget(keys.backend_load("b0"), "p1") == b"21"
-    finally:
-        await admission.aclose()
-        await redis.aclose()
+    rig = await admitting()
+    redis, keys, admission = rig.redis, rig.keys, rig.admission
+    await _admit(admission)  # the admissions' connection is open
+    accepted = (await redis.info("stats"))["total_connections_received"]
+    trips = admission.batch.round_trips
+    await redis.execute_command("CLIENT", "PAUSE", "300", "ALL")
+    pending = []
+    for _ in range(20):  # one admission per loop turn
+        pending.append(asyncio.ensure_future(_admit(admission)))
+        await asyncio.sleep(0.002)
+    answers = await asyncio.gather(*pending)
+    assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 20
+    assert admission.batch.round_trips - trips == 2
+    assert (await redis.info("stats"))["total_connections_received"] == accepted
+    assert await redis.hget(keys.backend_load("b0"), "p1") == b"21"
 
 
 async def test_a_call_queued_behind_an_unanswered_batch_fails_within_its_own_timeout(
-    redis_server: RedisServer,  # noqa: F811
+    admitting: MakeAdmission,  # noqa: F811
 ) -> None:
     """``state.timeout_s`` bounds each admission from the moment it is asked for, not from
     its batch's send: one queued behind a batch Redis does not answer (paused here) gets its
     ``503 state_unavailable`` one timeout after it came, not after the batch in front timed
     out and its own then did too (twice the timeout, less the gap between them)."""
     timeout_s = 1.0
-    redis = Redis.from_url(redis_server.url)
-    keys = Keys(f"t{secrets.token_hex(4)}:")
-    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60,
-                                timeout_s=timeout_s)
+    rig = await admitting(timeout_s=timeout_s)
+    admission = rig.admission
 
-    async def admit() -> float:
+    async def failed_after() -> float:
         """Seconds until the admission failed."""
         started = time.monotonic()
         with pytest.raises(StateUnavailable):
-            await admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                                  backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
+            await _admit(admission)
         return time.monotonic() - started
 
-    try:
-        await admission.start()
-        await redis.set(keys.lease("p1"), b"1")
-        await admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                              backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
-        await redis.execute_command("CLIENT", "PAUSE", "2500", "ALL")
-        first = asyncio.ensure_future(admit())
-        await asyncio.sleep(0.1)  # its batch is in flight: this one waits behind it
-        second = asyncio.ensure_future(admit())
-        waited = await asyncio.gather(first, second)
-        assert all(timeout_s * 0.9 <= w < timeout_s * 1.45 for w in waited), waited
-    finally:
-        await admission.aclose()
-        await redis.aclose()
+    await _admit(admission)
+    await rig.redis.execute_command("CLIENT", "PAUSE", "2500", "ALL")
+    first = asyncio.ensure_future(failed_after())
+    await asyncio.sleep(0.1)  # its batch is in flight: this one waits behind it
+    second = asyncio.ensure_future(failed_after())
+    waited = await asyncio.gather(first, second)
+    assert all(timeout_s * 0.9 <= w < timeout_s * 1.45 for w in waited), waited
 
 
 async def test_an_admission_is_answered_in_three_loop_turns(
-    redis_server: RedisServer,  # noqa: F811
+    admitting: MakeAdmission,  # noqa: F811
 ) -> None:
     """A stream's start awaits its admission, and in a ramp every loop turn relays the chunks
     ready then (a millisecond or more each): each turn the round trip takes is that much later
@@ -308,9 +286,7 @@ async def test_an_admission_is_answered_in_three_loop_turns(
     before the loop polls its sockets, as a busy router's does, so a reply sent meanwhile is
     seen at that poll whatever the send's place in its own turn (with the work after the send
     instead, the count varied from run to run: whether Redis had answered by the next poll)."""
-    redis = Redis.from_url(redis_server.url)
-    keys = Keys(f"t{secrets.token_hex(4)}:")
-    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
+    admission = (await admitting()).admission
     loop = asyncio.get_running_loop()
     selector = getattr(loop, "_selector", None)
     assert selector is not None, "this test counts the turns of asyncio's selector loop"
@@ -323,26 +299,19 @@ async def test_an_admission_is_answered_in_three_loop_turns(
         time.sleep(0.003)
         return poll(timeout)
 
+    await _admit(admission)
+    selector.select = busy_turn
     try:
-        await admission.start()
-        await redis.set(keys.lease("p1"), b"1")
-        await admission.admit(b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                              backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
-        selector.select = busy_turn
         taken = []
         for _ in range(10):
             await asyncio.sleep(0)
             before = turns
-            answer = await admission.admit(
-                b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                backend_limit=None, affinity_key=None, affinity=Affinity.NONE)
+            answer = await _admit(admission)
             assert answer.verdict is Verdict.ADMITTED
             taken.append(turns - before)
         assert min(taken) <= 3, taken  # the fewest: what the code costs, not the machine
     finally:
         selector.select = poll
-        await admission.aclose()
-        await redis.aclose()
 
 def _shared_state(redis: RedisServer) -> SharedState:
     """The shared state of a router on ``redis``, under a key prefix of its own (not started)."""

@@ -2,54 +2,47 @@
 
 from __future__ import annotations
 
-import secrets
-
 from redis.asyncio import Redis
 
-from firstbyte.benchmarks.redis_server import RedisServer
-from firstbyte.router.shared.admission import _RELEASE, Affinity, SharedAdmission, Verdict
-from firstbyte.router.shared.keys import Keys
-from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
+from firstbyte.router.shared.admission import _RELEASE, Affinity, Verdict
+from tests.router.redis_fixture import (  # noqa: F401 (fixtures)
+    MakeAdmission,
+    admitting,
+    redis_server,
+)
 
 OWNER = b"owner"
 
 
 async def test_releases_of_one_turn_are_one_call_and_each_gives_back_a_slot(
-    redis_server: RedisServer,  # noqa: F811
+    admitting: MakeAdmission,  # noqa: F811
 ) -> None:
-    redis = Redis.from_url(redis_server.url)
-    keys = Keys(f"t{secrets.token_hex(4)}:")
-    admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60)
-    try:
-        await admission.start()
-        await redis.set(keys.lease("p1"), b"1")
-        for _ in range(3):  # three streams of one key on one backend
-            admitted = await admission.admit(
-                OWNER, key_limit=10, rate_per_s=100.0, burst=100, backend="b0",
-                backend_limit=10, affinity_key=None, affinity=Affinity.NONE,
-            )
-            assert admitted.verdict is Verdict.ADMITTED
-        assert await redis.hget(keys.key_slots(OWNER), "p1") == b"3"
-        assert await redis.hget(keys.backend_load("b0"), "p1") == b"3"
+    rig = await admitting()
+    redis, keys, admission = rig.redis, rig.keys, rig.admission
+    for _ in range(3):  # three streams of one key on one backend
+        admitted = await admission.admit(
+            OWNER, key_limit=10, rate_per_s=100.0, burst=100, backend="b0",
+            backend_limit=10, affinity_key=None, affinity=Affinity.NONE,
+        )
+        assert admitted.verdict is Verdict.ADMITTED
+    assert await redis.hget(keys.key_slots(OWNER), "p1") == b"3"
+    assert await redis.hget(keys.backend_load("b0"), "p1") == b"3"
 
-        await redis.script_load(_RELEASE)  # loaded: no NOSCRIPT retry in the count
-        calls = await _script_calls(redis)
-        for _ in range(2):  # two of them end in the same loop turn
-            admission.release_key(OWNER)
-            admission.release_backend("b0")
-        await admission.background.drain()
-        assert await _script_calls(redis) == calls + 1
-        assert await redis.hget(keys.key_slots(OWNER), "p1") == b"1"
-        assert await redis.hget(keys.backend_load("b0"), "p1") == b"1"
-
-        admission.release_key(OWNER)  # the last: the field goes, not to 0
+    await redis.script_load(_RELEASE)  # loaded: no NOSCRIPT retry in the count
+    calls = await _script_calls(redis)
+    for _ in range(2):  # two of them end in the same loop turn
+        admission.release_key(OWNER)
         admission.release_backend("b0")
-        await admission.background.drain()
-        assert await redis.hgetall(keys.key_slots(OWNER)) == {}
-        assert await redis.hgetall(keys.backend_load("b0")) == {}
-    finally:
-        await admission.aclose()
-        await redis.aclose()
+    await admission.background.drain()
+    assert await _script_calls(redis) == calls + 1
+    assert await redis.hget(keys.key_slots(OWNER), "p1") == b"1"
+    assert await redis.hget(keys.backend_load("b0"), "p1") == b"1"
+
+    admission.release_key(OWNER)  # the last: the field goes, not to 0
+    admission.release_backend("b0")
+    await admission.background.drain()
+    assert await redis.hgetall(keys.key_slots(OWNER)) == {}
+    assert await redis.hgetall(keys.backend_load("b0")) == {}
 
 
 async def _script_calls(redis: Redis) -> int:
