@@ -873,9 +873,8 @@ class RegionRouting:
         if self.tracker.healthy() in ([], [name]):
             # Not ejected, but said: a 502 with no line would leave an operator to guess which
             # of the upstream's deadlines or errors it was.
-            held = self._kept.allow(name, self.clock())
-            if held is not None:
-                more = f" ({held} more since the last report)" if held else ""
+            more = self._kept.report(name, self.clock())
+            if more is not None:
                 log.warning(
                     "upstream %s (%s) failed a request (%s): %s; kept in rotation, the "
                     "region's last%s", name, backend.url, cause, describe_error(exc), more,

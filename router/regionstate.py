@@ -230,9 +230,8 @@ class InRedis:
             await self.shared.streams.keep_attended(state.store.running(), state.clock(), grace_s)
             await self._load_elsewhere(state)
         except Exception as exc:  # Redis away: only local readers count this turn
-            held = self._throttle.allow("maintain", time.monotonic())
-            if held is not None:
-                more = f" ({held} more since the last report)" if held else ""
+            more = self._throttle.report("maintain", time.monotonic())
+            if more is not None:
                 log.warning("cannot check for readers or load elsewhere: %s%s",
                             describe(exc), more)
 

@@ -107,10 +107,9 @@ def _limits(config: Any) -> ClientLimits | None:
 def report(level: int, reason: str, client: object, detail: str = "") -> None:
     """Log one line for ``reason`` unless one was logged in the last 10 s (uvicorn's guards,
     :mod:`.uvicorn_limits`, report through it too)."""
-    held = _throttle.allow(reason, time.monotonic())
-    if held is None:
+    more = _throttle.report(reason, time.monotonic())
+    if more is None:
         return
-    more = f" ({held} more since the last report)" if held else ""
     log.log(level, "%s from %s%s%s", reason, client, f": {detail}" if detail else "", more)
 
 

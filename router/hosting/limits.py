@@ -227,6 +227,16 @@ class Throttle:
         self._last[key] = now
         return self._held.pop(key, 0)
 
+    def report(self, key: str, now: float, held_what: str = "") -> str | None:
+        """:meth:`allow` for a log line: None to stay quiet; else what to end the line with,
+        ``" (N more [held_what ]since the last report)"``, or nothing if none was held."""
+        held = self.allow(key, now)
+        if held is None:
+            return None
+        if held == 0:
+            return ""
+        return f" ({held} more {held_what + ' ' if held_what else ''}since the last report)"
+
 
 @dataclass(frozen=True, slots=True)
 class HeadLimits:

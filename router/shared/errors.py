@@ -35,9 +35,8 @@ class StateUnavailable(Exception):
 
 def unavailable_reply(exc: StateUnavailable) -> LocalReply:
     """The 503 for a request the shared state could not answer, logged (throttled)."""
-    held = _throttle.allow("state_unavailable", time.monotonic())
-    if held is not None:
-        more = f" ({held} more since the last report)" if held else ""
+    more = _throttle.report("state_unavailable", time.monotonic())
+    if more is not None:
         log.warning("shared state unavailable, answering 503 state_unavailable: %s%s", exc, more)
     return error_reply(
         503,

@@ -76,9 +76,8 @@ class Lease:
         except Exception as exc:  # Redis away: keep trying; readers may call us lost
             self.reachable = False
             self.renew_failures += 1
-            held = self._throttle.allow("renew", time.monotonic())
-            if held is not None:
-                more = f" ({held} more failures since the last report)" if held else ""
+            more = self._throttle.report("renew", time.monotonic(), "failures")
+            if more is not None:
                 log.warning("cannot renew the process lease: %s%s", describe(exc), more)
 
     async def _keep(self) -> None:

@@ -598,9 +598,8 @@ class _Writer:
 
     def _failed(self, commands: int, exc: Exception) -> None:
         self.failures += 1
-        held = _throttle.allow("write", time.monotonic())
-        if held is not None:
-            more = f" ({held} more failed batches since the last report)" if held else ""
+        more = _throttle.report("write", time.monotonic(), "failed batches")
+        if more is not None:
             log.warning("cannot write %d stream commands to Redis: %s%s", commands,
                         describe(exc), more)
 
@@ -694,9 +693,8 @@ class _Follower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                held = _throttle.allow("follow", time.monotonic())
-                if held is not None:
-                    more = f" ({held} more since the last report)" if held else ""
+                more = _throttle.report("follow", time.monotonic())
+                if more is not None:
                     log.warning("following remote streams failed: %s%s", describe(exc), more)
                 await self._reset()
                 await asyncio.sleep(0.2)

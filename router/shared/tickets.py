@@ -151,9 +151,8 @@ class RedisTicketStore:
         self.failures += 1
         if what != "decode":
             self._paused_until = time.monotonic() + PAUSE_S
-        held = self._throttle.allow(what, time.monotonic())
-        if held is not None:
-            more = f" ({held} more since the last report)" if held else ""
+        more = self._throttle.report(what, time.monotonic())
+        if more is not None:
             log.warning("cannot %s a QUIC session ticket in Redis: %s%s", what, exc, more)
 
     def close(self) -> None:

@@ -125,6 +125,17 @@ def test_throttle_reports_what_it_held_back() -> None:
     assert throttle.allow("x", 10.5) == 2
 
 
+def test_throttle_report_is_the_end_of_the_log_line_it_allows() -> None:
+    throttle = Throttle(10.0)
+    assert throttle.report("x", 0.0) == ""  # the first: nothing held back
+    assert throttle.report("x", 1.0) is None  # quiet
+    assert throttle.report("x", 2.0, "failures") is None
+    assert throttle.report("x", 10.5, "failures") == " (2 more failures since the last report)"
+    throttle.report("y", 0.0)
+    throttle.report("y", 1.0)
+    assert throttle.report("y", 20.0) == " (1 more since the last report)"
+
+
 def test_memory_guard_reads_at_most_once_per_interval() -> None:
     now = [0.0]
     readings = iter([100, 300, 100])
