@@ -702,11 +702,11 @@ def _versus(
     out["p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(redis, "p50_ttft_ms")]
     out["aa_p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(again, "p50_ttft_ms")]
     figures = [out[key] for key in REDIS_TARGET]
-    if None in figures or None in [out[_AA[key]] for key in REDIS_TARGET] \
+    if None in figures or None in [out[_FIGURES[key][0]] for key in REDIS_TARGET] \
             or any(r["errors"] for r in redis):
         out["target"] = "not measured"
     else:
-        verdicts = {key: _verdict(out[key], out[_AA[key]], limit, key == "cpu_ratio")
+        verdicts = {key: _verdict(out[key], out[_FIGURES[key][0]], limit, key == "cpu_ratio")
                     for key, limit in REDIS_TARGET.items()}
         out["target_by_figure"] = verdicts
         out["target"] = ("NOT MET" if "NOT MET" in verdicts.values()
@@ -714,9 +714,9 @@ def _versus(
     return out
 
 
-_AA = {"added_p50_ttft_ms": "aa_p50_ttft_ms", "added_p99_ttft_ms": "aa_p99_ttft_ms",
-       "cpu_ratio": "aa_cpu_ratio"}
-"""Each target figure's A/A counterpart."""
+_FIGURES = {"added_p50_ttft_ms": ("aa_p50_ttft_ms", "P50"),
+            "added_p99_ttft_ms": ("aa_p99_ttft_ms", "P99"), "cpu_ratio": ("aa_cpu_ratio", "CPU")}
+"""Each target figure's A/A counterpart and its name in the summary."""
 
 
 def _verdict(value: float, aa: float, limit: float, ratio: bool) -> str:
@@ -739,8 +739,7 @@ def _by_figure(versus: dict[str, Any]) -> str:
     by = versus.get("target_by_figure")
     if not by:
         return ""
-    return " (" + ", ".join(f"{name} {by[key]}" for key, name in (
-        ("added_p50_ttft_ms", "P50"), ("added_p99_ttft_ms", "P99"), ("cpu_ratio", "CPU"))) + ")"
+    return " (" + ", ".join(f"{name} {by[key]}" for key, (_, name) in _FIGURES.items()) + ")"
 
 
 def _signed(value: float | None, digits: int = 1) -> str:
