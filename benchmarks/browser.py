@@ -15,7 +15,9 @@ import contextlib
 import hashlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -146,12 +148,18 @@ def _chromium(extra_flags: tuple[str, ...] = ()) -> Iterator[str]:
     flags = [f for f in FLAGS if not (f == "--disable-quic" and "--enable-quic" in extra_flags)]
     # Chromium's helper processes may still write to the profile as the main one exits.
     with tempfile.TemporaryDirectory(prefix="firstbyte-chromium-",
-                                     ignore_cleanup_errors=True) as profile:
+                                     ignore_cleanup_errors=True) as root:
+        profile = Path(root) / "profile"
+        # Chromium keeps its singleton socket in a folder of its own under TMPDIR and leaves
+        # it behind when it is stopped; pointing TMPDIR at this run's folder takes that
+        # folder away with the profile (one level only: the socket's path has to stay under
+        # the kernel's 108 bytes). Its own session lets a stop reach every helper.
         proc = subprocess.Popen(
             [binary, *flags, *extra_flags, f"--user-data-dir={profile}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "TMPDIR": root}, start_new_session=True)
         try:
-            port_file = Path(profile) / "DevToolsActivePort"
+            port_file = profile / "DevToolsActivePort"
             deadline = time.monotonic() + START_TIMEOUT_S
             while not port_file.exists() or len(port_file.read_text().splitlines()) < 2:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -162,6 +170,8 @@ def _chromium(extra_flags: tuple[str, ...] = ()) -> Iterator[str]:
             yield f"ws://127.0.0.1:{port}{path}"
         finally:
             stop_process(proc)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # helpers that outlived the browser
 
 
 def _problems(events: list[tuple[str, dict[str, Any]]], page_url: str) -> list[str]:

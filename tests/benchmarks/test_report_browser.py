@@ -4,6 +4,9 @@ file itself, shows the headline and every figure with drawn content, and fits a 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,3 +85,25 @@ def test_screenshot_command_writes_a_png(tmp_path: Path) -> None:
     assert missing.returncode == 2
     assert "no such file" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+@pytest.mark.usefixtures("chromium")
+def test_a_browser_run_leaves_no_folder_and_no_process_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chromium's singleton folder (``org.chromium.Chromium.*`` under TMPDIR) and the profile
+    go with the run, and no helper process outlives it."""
+    page = write_report(demo_like(5), tmp_path)["html"]
+    # Short, unlike tmp_path: Chromium's singleton socket lives a few folders below TMPDIR.
+    system_tmp = Path(tempfile.mkdtemp(prefix="fb-"))
+    try:
+        monkeypatch.setenv("TMPDIR", str(system_tmp))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+        got = load(page, width=400)
+        assert got.errors == []
+        assert list(system_tmp.iterdir()) == []
+        left = subprocess.run(["pgrep", "-f", f"--user-data-dir={system_tmp}"],
+                              capture_output=True, text=True)
+        assert left.stdout == ""
+    finally:
+        shutil.rmtree(system_tmp, ignore_errors=True)
