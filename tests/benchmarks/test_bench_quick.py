@@ -124,6 +124,9 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
             assert ratio == summary[f"c100_{name}_cpu_us_per_chunk"] / summary[
                 "c100_python_pipe_cpu_us_per_chunk"
             ]
+        # and the target judged from the two readings (its value is the full run's to show)
+        assert summary["c100_cpu_vs_pipe_target"] in ("met", "NOT MET", "inconclusive")
+        assert summary["cpu_vs_pipe_target"] == summary["c100_cpu_vs_pipe_target"]
     # the pipe's and the default router's CPU split into per request and per chunk: the
     # split's streams are the longer ones, and the line goes through the level's point
     short, long = summary["split_tokens_per_stream"]
