@@ -810,9 +810,10 @@ def _versus_pipe(summary: dict[str, Any], levels: list[int]) -> None:
             mine = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
             if mine is not None:
                 summary[f"c{concurrency}_{name}_cpu_vs_pipe"] = mine / pipe
-        readings = [summary.get(f"c{concurrency}_{name}_cpu_vs_pipe") for name in ("auto", aa)]
-        if None not in readings:
-            verdict = _cpu_verdict(*readings)
+        default = summary.get(f"c{concurrency}_auto_cpu_vs_pipe")
+        again = summary.get(f"c{concurrency}_{aa}_cpu_vs_pipe")
+        if default is not None and again is not None:
+            verdict = _cpu_verdict(default, again)
             summary[f"c{concurrency}_cpu_vs_pipe_target"] = verdict
             verdicts.append(verdict)
     if verdicts:
