@@ -271,12 +271,14 @@ class World:
     async def stop(self) -> None:
         """Stop every process and the emulator (idempotent; safe after a failed start)."""
         procs, self._procs = self._procs, []
-        await asyncio.gather(*(proc.stop() for proc in procs), return_exceptions=True)
-        if self.emulator is not None:
-            await asyncio.to_thread(self.emulator.stop)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        try:
+            await asyncio.gather(*(proc.stop() for proc in procs), return_exceptions=True)
+            if self.emulator is not None:
+                await asyncio.to_thread(self.emulator.stop)
+        finally:  # a failed or cancelled teardown still takes the certificates' folder
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
 
     def _make_certificates(self, directory: Path) -> tuple[str, str]:
         ca = trustme.CA(organization_name="firstbyte benchmark CA (this run only)")
