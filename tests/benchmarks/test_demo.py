@@ -131,14 +131,17 @@ def default_sigint() -> None:
 def interrupt_mid_run(
     tmp_path: Path, *args: str, sig: signal.Signals = signal.SIGINT
 ) -> tuple[int, int, str]:
-    """Start the demo, send ``sig`` once it streams, wait for it; (pid, exit code, stderr)."""
+    """Start the demo, send ``sig`` once it streams, wait for it; (pid, exit code, stderr).
+    The demo's temporary files go under ``tmp_path / "tmp"``: a demo killed with SIGKILL
+    cannot remove them, and they stay with the test's own folder, not in the system's."""
     tag = uuid.uuid4().hex
+    (tmp_path / "tmp").mkdir()
     proc = subprocess.Popen(
         [*FIRSTBYTE, "demo", "--out", str(tmp_path / "r"), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, TAG: tag},
+        env={**os.environ, TAG: tag, "TMPDIR": str(tmp_path / "tmp")},
         preexec_fn=default_sigint,
     )
     assert proc.stderr is not None
@@ -184,6 +187,7 @@ def test_ctrl_c_on_loopback_leaves_nothing_behind(tmp_path: Path) -> None:
     _, code, stderr = interrupt_mid_run(tmp_path, "--loopback", "--repeat", "20")
     assert code == 130, stderr[-3000:]
     assert "interrupted; every process and namespace of the demo has been removed" in stderr
+    assert list((tmp_path / "tmp").iterdir()) == []  # and every temporary file
 
 
 def test_sigterm_tears_down_like_ctrl_c(tmp_path: Path) -> None:
@@ -232,3 +236,4 @@ def test_ctrl_c_in_the_emulated_world_leaves_nothing_behind(tmp_path: Path) -> N
     assert code == 130, stderr[-3000:]
     assert "emulated world" in stderr
     assert namespaces_of(pid) == [], "namespaces left behind"
+    assert list((tmp_path / "tmp").iterdir()) == [], "temporary files left behind"
