@@ -103,18 +103,22 @@ class RegionHandle:
         return self.endpoints.app.state
 
 
-def _reserve_ports(n: int) -> list[int]:
-    # Bound together so they differ, released just before the routers bind them.
-    socks = []
+def _reserve_ports(n: int) -> list[socket.socket]:
+    """``n`` distinct loopback ports, each held by a bound socket until its router is about to
+    bind it (:func:`running_regions` closes each just before): released at once, a port could
+    be taken in between by a sim's listener or any process's outgoing connection (a parallel
+    test run failed with EADDRINUSE so)."""
+    socks: list[socket.socket] = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
+            s.bind(("127.0.0.1", 0))
+    except BaseException:
         for s in socks:
             s.close()
+        raise
+    return socks
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -139,9 +143,12 @@ async def running_regions(
 ) -> AsyncIterator[dict[str, RegionHandle]]:
     """Start every region's sims and router, warmed (:meth:`RouterState.until_warm`); stop them
     all on exit."""
-    ports = _reserve_ports(len(specs))
+    reserved = _reserve_ports(len(specs))
+    ports = [s.getsockname()[1] for s in reserved]
     urls = {spec.name: f"http://127.0.0.1:{port}" for spec, port in zip(specs, ports, strict=True)}
     async with contextlib.AsyncExitStack() as stack:
+        for s in reserved:
+            stack.callback(s.close)  # closing twice is harmless: on any way out
         sims: dict[str, list[SimHandle]] = {}
         for spec in specs:
             sims[spec.name] = []
@@ -152,7 +159,7 @@ async def running_regions(
                 stack.push_async_callback(sim.stop)
                 sims[spec.name].append(sim)
         handles: dict[str, RegionHandle] = {}
-        for spec, port in zip(specs, ports, strict=True):
+        for spec, port, held in zip(specs, ports, reserved, strict=True):
             data: dict[str, Any] = {
                 "region": spec.name,
                 "listen": {"host": "127.0.0.1", "port": port, "insecure_plain_http": True},
@@ -183,6 +190,7 @@ async def running_regions(
                 "warmup": {"startup_timeout_s": 20.0},
             }
             config = parse_config(_merge(data, spec.config), f"<region {spec.name}>")
+            held.close()  # its router binds the port first thing: nothing runs in between
             endpoints = await stack.enter_async_context(running_router(config))
             handles[spec.name] = RegionHandle(spec, endpoints, sims[spec.name])
         for handle in handles.values():
