@@ -46,6 +46,7 @@ _ROUTES: dict[str, dict[str, Handler]] = {
 _UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS})
 # paths.edge_client(NAME)
 _CLIENT_FILE = re.compile("^" + re.escape(paths.EDGE_CLIENT) + r"/(?P<name>[a-z0-9_-]{1,40}\.js)$")
+_CLIENT_PREFIX = paths.EDGE_CLIENT + "/"
 # paths.stream(ID) and paths.stream_poll(ID)
 _STREAM_PATH = re.compile(
     "^" + re.escape(paths.STREAMS) + r"/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$"
@@ -99,7 +100,7 @@ class RouterApp:
                 return
             if cors is not None:
                 send = _adding_headers(send, cors.headers)
-            client_file = _CLIENT_FILE.match(path)
+            client_file = _CLIENT_FILE.match(path) if path.startswith(_CLIENT_PREFIX) else None
             if client_file is not None and scope["method"] == "GET":
                 await serve_client_file(scope, receive, send, client_file.group("name"))
                 return

@@ -53,9 +53,21 @@ def body_writer(scope: Scope) -> Callable[[bytes], bool] | None:
     return writer
 
 
+_HEADER_DICT = "firstbyte.header_dict"
+"""Where :func:`header_dict` keeps what it decoded, in the request's scope."""
+
+
 def header_dict(scope: Scope) -> dict[str, str]:
-    """Request headers with lower-cased names (the last value of a repeated header wins)."""
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    """Request headers with lower-cased names (the last value of a repeated header wins).
+
+    Decoded once a request (CORS and the request's context both ask): the same dict is
+    returned each time, so it is read-only; copy it to change it."""
+    found: dict[str, str] | None = scope.get(_HEADER_DICT)
+    if found is None:
+        found = scope[_HEADER_DICT] = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+        }
+    return found
 
 
 class ClientGone(Exception):

@@ -260,7 +260,10 @@ class LoadTracker:
         return [n for n in self._names(among) if self.backends[n].healthy]
 
     def region_saturated(self, now: float, among: Collection[str] | None = None) -> bool:
-        return not self.available(now, among)
+        saturated = self._saturated
+        return all(
+            saturated(b, now) for n, b in self.backends.items() if among is None or n in among
+        )
 
     def queue_wait_ms(self, now: float, among: Collection[str] | None = None) -> float:
         """Expected wait before a new request starts on the best backend of this region (of

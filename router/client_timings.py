@@ -88,7 +88,9 @@ class Served:
 
     def started(self, owner: bytes, region: str, now: float) -> None:
         """``owner`` had a stream served by ``region``."""
-        slots = self._slots.setdefault((owner, region), deque())
+        slots = self._slots.get((owner, region))
+        if slots is None:
+            slots = self._slots[(owner, region)] = deque()
         minute = now - now % _SLOT_S
         if slots and slots[-1][0] == minute:
             slots[-1][1] += 1

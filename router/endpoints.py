@@ -103,7 +103,7 @@ SSE_HEADERS = (
 
 
 def new_context(state: RouterState, scope: Scope) -> RequestContext:
-    headers = header_dict(scope)
+    headers = dict(header_dict(scope))  # a copy: admission may add the credential it found
     client = scope.get("client")
     ctx = RequestContext(
         method=scope.get("method", "GET"),
@@ -458,8 +458,11 @@ async def _lookup(
 
 
 def _query(scope: Scope) -> dict[str, str]:
-    raw = scope.get("query_string", b"").decode("latin-1")
-    return {k: v[-1] for k, v in parse_qs(raw, keep_blank_values=True).items()}
+    raw = scope.get("query_string", b"")
+    if not raw:
+        return {}  # most requests: nothing to parse
+    parsed = parse_qs(raw.decode("latin-1"), keep_blank_values=True)
+    return {k: v[-1] for k, v in parsed.items()}
 
 
 def _wait_param(state: RouterState, query: dict[str, str], *, default: float) -> float | LocalReply:
