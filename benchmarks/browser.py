@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from websockets.asyncio.client import ClientConnection, connect
 
 from firstbyte.benchmarks._parent import stop_process
+from firstbyte.tasks import cancel_and_wait
 
 __all__ = [
     "Browser",
@@ -122,9 +123,8 @@ class _Session:
         return answer.get("result", {})
 
     async def close(self) -> None:
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._reader
+        with contextlib.suppress(Exception):
+            await cancel_and_wait(self._reader)
 
 
 def spki_flag(cert_pem: bytes) -> str:

@@ -85,6 +85,7 @@ from firstbyte.protocol.events import (
 )
 from firstbyte.protocol.openai import Message, Usage
 from firstbyte.protocol.prewarm import PromptWarmed
+from firstbyte.tasks import cancel_and_wait
 
 __all__ = ["AsyncClient", "ChatStream", "EventStream", "build_ssl_context"]  # the last from .trust
 
@@ -829,11 +830,12 @@ class _Stream(Generic[T]):
         self._unbusy()
         self._batch, self._at = [], 0
         task, self._pump_task = self._pump_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._pump_task = task  # keep "started" for __anext__'s check
+        try:
+            if task is not None and not task.done():
+                with contextlib.suppress(Exception):
+                    await cancel_and_wait(task)
+        finally:
+            self._pump_task = task  # keep "started" for __anext__'s check
 
     def _take(self) -> T | None:
         """The next item (a delta or a typed event) from the current batch, or None once the
@@ -859,7 +861,8 @@ class _Stream(Generic[T]):
             item = self._queue.get_nowait()
         except asyncio.QueueEmpty:
             try:
-                item = await asyncio.wait_for(self._queue.get(), self._client.idle_timeout_s)
+                async with asyncio.timeout(self._client.idle_timeout_s):
+                    item = await self._queue.get()
             except TimeoutError:
                 await self._recover(None, stalled=True)
                 return

@@ -29,6 +29,7 @@ import msgspec
 
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.protocol.timings import TimingsRecord, TimingsReport, implausible
+from firstbyte.tasks import cancel_and_wait
 
 __all__ = ["TimingsQueue", "TimingsReporter", "encode_report", "timings_record"]
 
@@ -162,7 +163,8 @@ class TimingsReporter(Generic[Target]):
         while len(self.queue):
             wait_s = self.queue.wait_s(time.monotonic())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._wake.wait()
             self._wake.clear()
             if self.queue.due(time.monotonic()):
                 await self.flush()
@@ -171,9 +173,9 @@ class TimingsReporter(Generic[Target]):
         """Flush within ``close_timeout_s``, then stop the background task."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            with contextlib.suppress(Exception):
+                await cancel_and_wait(task)
         if len(self.queue):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.flush(), self.close_timeout_s)
+                async with asyncio.timeout(self.close_timeout_s):
+                    await self.flush()

@@ -7,9 +7,10 @@ the router's logic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
+
+from firstbyte.tasks import cancel_and_wait
 
 from .hosting.body_writer import EXTENSION as BODY_WRITER
 from .hosting.disconnected import EXTENSION as DISCONNECTED
@@ -177,9 +178,7 @@ async def unless_gone(receive: Receive, work: asyncio.Future[Any]) -> bool:
     finally:
         listener = disconnect.listener
         if not listener.done():
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener  # settled before the next receive (a stream's own)
+            await cancel_and_wait(listener)  # settled before the next receive (a stream's own)
 
 
 def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:

@@ -25,6 +25,7 @@ import msgspec
 
 from firstbyte.protocol import paths
 from firstbyte.protocol.openai import ModelList
+from firstbyte.tasks import cancel_and_wait
 
 from .observability.logs import describe_error
 
@@ -181,7 +182,8 @@ class ModelLister:
             if self.models.unknown():
                 wait = min(wait, UNKNOWN_RETRY_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
             self._wake.clear()
 
     def wake(self) -> None:
@@ -192,9 +194,10 @@ class ModelLister:
         """Return once every list was asked for once (:meth:`start` first), or after
         ``timeout_s``."""
         if self._task is None or self.ready.is_set():
-            return  # every request asks: no task for ``wait_for`` once the lists are in
+            return  # every request asks: nothing to wait for once the lists are in
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.ready.wait()
 
     def start(self) -> None:
         if self.models.to_learn() and self._task is None:
@@ -202,7 +205,5 @@ class ModelLister:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None

@@ -14,7 +14,6 @@ Router-to-router requests carry ``x-firstbyte-peer-key``; a forwarded request al
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +26,7 @@ from firstbyte.protocol.edge import EdgeStatus
 from firstbyte.protocol.headers import PEER_KEY_HEADER
 from firstbyte.router.backpressure import Ewma
 from firstbyte.router.observability.logs import StateChanges, describe_error
+from firstbyte.tasks import cancel_and_wait
 
 __all__ = ["PeerPoller", "PeerState", "PeerTable"]
 
@@ -143,8 +143,5 @@ class PeerPoller:
 
     async def stop(self) -> None:
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._tasks.clear()

@@ -29,6 +29,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from firstbyte.tasks import cancel_and_wait
+
 from .hosting.limits import Throttle
 from .pipeline.context import CONTINUE
 from .placement import place_in_memory, place_shared
@@ -246,7 +248,6 @@ class InRedis:
 
     async def aclose(self) -> None:
         if self._starting is not None:
-            self._starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._starting
+            with contextlib.suppress(Exception):
+                await cancel_and_wait(self._starting)
         await self.shared.aclose()  # flushes what producers appended before the lease goes

@@ -13,12 +13,13 @@ Streams are created with :meth:`RouterState.new_stream` and found with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+
+from firstbyte.tasks import cancel_and_wait
 
 from .client_timings import ClientLatency
 from .client_tokens import TokenSigner
@@ -456,9 +457,8 @@ class RouterState:
             raise
         finally:
             if listener is not None and not listener.done():
-                listener.cancel()  # settled before the next receive (the stream's own)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await listener
+                # settled before the next receive (the stream's own)
+                await cancel_and_wait(listener)
         handed = tenants.stop_waiting(waiter)
         self._forget_pool(pool)
         if listener is not None and listener.done() and not listener.cancelled():
@@ -509,13 +509,9 @@ class RouterState:
 
     async def aclose(self) -> None:
         if self._warming is not None:
-            self._warming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._warming
+            await cancel_and_wait(self._warming)
         if self._maintainer is not None:
-            self._maintainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintainer
+            await cancel_and_wait(self._maintainer)
             self._maintainer = None
         await self.routing.aclose()
         await self.proxy.aclose()  # producers append their last events (to Redis too) ...

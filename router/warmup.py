@@ -34,6 +34,7 @@ from enum import Enum
 from firstbyte.protocol import paths
 from firstbyte.router.observability.logs import StateChanges, describe_error
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
+from firstbyte.tasks import cancel_and_wait
 
 __all__ = [
     "WarmPrefix",
@@ -401,7 +402,8 @@ class WarmupRunner:
         while True:
             await self.step()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                async with asyncio.timeout(self.poll_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
 
     def start(self) -> None:
@@ -410,8 +412,5 @@ class WarmupRunner:
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._probes) if t is not None]
         for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_and_wait(t)
         self._task = None

@@ -270,7 +270,8 @@ async def _next_message(session: _Session, receive: Receive, idle_s: float) -> M
     clock = session.state.clock
     while True:
         try:
-            message: Message = await asyncio.wait_for(receive(), idle_s)
+            async with asyncio.timeout(idle_s):
+                message: Message = await receive()
         except TimeoutError:
             if session.followers:
                 continue  # streams are flowing to the client: not idle

@@ -13,9 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# ``firstbyte`` itself (the version) and ``firstbyte.cli`` (the dispatcher, home of CLIError)
-# are the neutral top: every part's subcommand may use them.
-NEUTRAL = ("firstbyte", "firstbyte.cli")
+# ``firstbyte`` itself (the version), ``firstbyte.cli`` (the dispatcher, home of CLIError) and
+# ``firstbyte.tasks`` (stopping a task without swallowing a cancel) are the neutral top: every
+# part may use them.
+NEUTRAL = ("firstbyte", "firstbyte.cli", "firstbyte.tasks")
 ALLOWED: dict[str, tuple[str, ...]] = {
     "protocol": ("firstbyte.protocol",),
     "client_sdk": (*NEUTRAL, "firstbyte.protocol", "firstbyte.client_sdk"),

@@ -89,7 +89,8 @@ class HTTPResponse:
                     return
 
         with contextlib.suppress(TimeoutError, TransportCut, OSError):
-            await asyncio.wait_for(rest(), budget_s)
+            async with asyncio.timeout(budget_s):
+                await rest()
 
     async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
         """The whole body; :class:`~firstbyte.client_sdk.errors.StreamBrokenError` (not resumed)

@@ -341,7 +341,8 @@ class H3Session:
 
     async def _await_handshake(self, proto: _H3Protocol, recorder: TimingRecorder | None) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(proto.handshake_waiter), self._connect_timeout_s)
+            async with asyncio.timeout(self._connect_timeout_s):
+                await asyncio.shield(proto.handshake_waiter)
         except TimeoutError:
             await self._drop()
             raise ConnectError(
@@ -370,7 +371,8 @@ class H3Session:
             proto.close()
             if proto.heard:  # else there is no peer to say goodbye to
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(proto.wait_closed(), 0.5)
+                    async with asyncio.timeout(0.5):
+                        await proto.wait_closed()
         if transport is not None:
             transport.close()
 
@@ -448,7 +450,8 @@ class H3Session:
         if proto is None or not proto.usable:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(proto.send_ping()), self._connect_timeout_s)
+            async with asyncio.timeout(self._connect_timeout_s):
+                await asyncio.shield(proto.send_ping())
         except (TimeoutError, ConnectionError):
             async with self._lock:
                 if self._proto is proto:
@@ -467,5 +470,6 @@ class H3Session:
             # the handshake and may still be in flight. A used ticket is refused (single use),
             # so without the new one the next process pays a full handshake.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ticket_came.wait(), TICKET_WAIT_S)
+                async with asyncio.timeout(TICKET_WAIT_S):
+                    await self._ticket_came.wait()
         await self.reset()

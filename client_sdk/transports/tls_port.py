@@ -25,8 +25,8 @@ async def _speaks_tls(address: str, port: int, timeout_s: float) -> bool:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(address, port, ssl=context), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(address, port, ssl=context)
     except (OSError, TimeoutError):
         return False
     writer.close()

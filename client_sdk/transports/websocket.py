@@ -89,8 +89,8 @@ class WebSocketPool:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, (address, origin.port)),
-                                   self._connect_timeout_s)
+            async with asyncio.timeout(self._connect_timeout_s):
+                await loop.sock_connect(sock, (address, origin.port))
         except (OSError, TimeoutError) as exc:
             sock.close()
             raise ConnectError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
@@ -169,7 +169,8 @@ class WebSocketPool:
         for ws in list(self._idle):
             try:
                 pong = await ws.ping()
-                await asyncio.wait_for(pong, self._connect_timeout_s)
+                async with asyncio.timeout(self._connect_timeout_s):
+                    await pong
             except (ConnectionClosed, TimeoutError):
                 with contextlib.suppress(ValueError):
                     self._idle.remove(ws)
@@ -255,4 +256,5 @@ async def websocket_source(
         else:
             pool.forget(ws)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(ws.close(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await ws.close()

@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from firstbyte.tasks import cancel_and_wait
+
 from .gc_tuning import tune_for_serving
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import ProxyProtocol
@@ -316,9 +318,7 @@ async def running(
         try:
             await asyncio.wait_for(task, options.graceful_timeout_s + 5)
         except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         listeners.close()
 
 
@@ -506,9 +506,7 @@ async def _serve_hypercorn(
         if handoff is not None:
             handoff.stop()
         if poker is not None:
-            poker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poker
+            await cancel_and_wait(poker)
 
 
 async def _wake_quic_after(stop: Callable[[], Awaitable[Any]], quic: socket.socket) -> None:
@@ -664,7 +662,8 @@ def _supervise_quic_servers() -> None:
                         )
                     # A shutdown meanwhile ends the wait (and the server) at once.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.context.terminated.wait(), delay)
+                        async with asyncio.timeout(delay):
+                            await self.context.terminated.wait()
                     if self.context.terminated.is_set():
                         return
             finally:

@@ -10,11 +10,12 @@ per process, not per stream: 2,000 live streams cost one ``SET`` a second, not 2
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from firstbyte.tasks import cancel_and_wait
 
 from ..hosting.limits import Throttle
 from .errors import describe
@@ -89,8 +90,6 @@ class Lease:
         """Stop renewing and delete the key (a clean exit ends no one's stream as lost:
         its producers have finished or appended their own error by then)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         await self._redis.delete(self.key)

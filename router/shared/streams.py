@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import CHAT
 from firstbyte.protocol.formats import BY_NAME
+from firstbyte.tasks import cancel_and_wait
 
 from ..hosting.limits import Throttle
 from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
@@ -617,10 +618,9 @@ class _Writer:
         if self._task is None:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        await cancel_and_wait(self._task)
         self._task = None
         connection, self._connection = self._connection, None
         if connection is not None:
@@ -713,8 +713,6 @@ class _Follower:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         await self._reset()

@@ -9,10 +9,10 @@ measured by a client on loopback match the engine's within the loop's timer reso
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence as SequenceOf
 
 from firstbyte.router.sim.engine import Engine, Sequence
+from firstbyte.tasks import cancel_and_wait
 
 __all__ = ["EngineDriver"]
 
@@ -34,9 +34,7 @@ class EngineDriver:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     def now(self) -> float:

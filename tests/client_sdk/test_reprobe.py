@@ -51,8 +51,9 @@ async def requests_meanwhile(client: AsyncClient) -> AsyncIterator[list[Timings 
         yield outcomes
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # A lost cancel (test_cancel.py) would keep the loop running: fail, do not hang.
+        done, _ = await asyncio.wait([task], timeout=10.0)
+        assert done, "the request loop ran on after its cancel"
 
 
 @pytest.mark.parametrize("transport", ["sse", "websocket"])
