@@ -16,6 +16,7 @@ import asyncio
 import os
 import statistics
 import sys
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -167,6 +168,11 @@ def _normalise_url(url: str) -> str:
     return url if origin.prefix else url.rstrip("/") + "/v1"
 
 
+async def _within(timeout_s: float, work: Awaitable[Timings]) -> Timings:
+    async with asyncio.timeout(timeout_s):
+        return await work
+
+
 def run(args: argparse.Namespace) -> int:
     url = _normalise_url(args.url)
     api_key = args.api_key or os.environ.get("FIRSTBYTE_API_KEY")
@@ -177,11 +183,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
-        timings = asyncio.run(asyncio.wait_for(probe(
+        timings = asyncio.run(_within(args.timeout * 2, probe(
             url, transport=args.transport, http=args.http, warm=args.warm, api_key=api_key,
             model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
             ca_file=args.cacert, insecure=args.insecure, timeout_s=args.timeout,
-        ), args.timeout * 2))
+        )))
     except TLSError as exc:
         raise CLIError(f"{exc} (use --cacert FILE for a private CA, or --insecure)") from None
     except ConnectError as exc:

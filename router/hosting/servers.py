@@ -316,7 +316,8 @@ async def running(
         waiter.cancel()
         stop.set()
         try:
-            await asyncio.wait_for(task, options.graceful_timeout_s + 5)
+            async with asyncio.timeout(options.graceful_timeout_s + 5):
+                await asyncio.shield(task)
         except TimeoutError:
             await cancel_and_wait(task)
         listeners.close()
@@ -366,11 +367,13 @@ async def _serve_uvicorn(
         server.should_exit = True
         if not task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(task), options.graceful_timeout_s + 5)
+                async with asyncio.timeout(options.graceful_timeout_s + 5):
+                    await asyncio.shield(task)
             except TimeoutError:
                 server.force_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait([task])  # raises only a cancel of our own
+        if not task.cancelled():
+            task.result()
 
 
 def uvicorn_config(
