@@ -213,14 +213,13 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     ``router`` extra through ``uvicorn[standard]``), else asyncio's default (``None``).
 
     uvloop's C loop cuts the router's CPU per relayed chunk by roughly a tenth (measured
-    with ``firstbyte bench router_overhead``); every stream costs a loop turn per chunk.
+    with ``firstbyte bench router_overhead``); every stream costs a loop turn per chunk. Its
+    servers on the sockets :func:`bind` opens accept every waiting connection a turn, as
+    asyncio's do, not libuv's one (:mod:`.batch_accept`).
     """
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return new_loop
+    from .batch_accept import uvloop_factory
+
+    return uvloop_factory()
 
 
 def signal_event() -> asyncio.Event:
