@@ -5,8 +5,8 @@
 - :mod:`.servers`: bind sockets, run an ASGI app under hypercorn (HTTP/1.1, HTTP/2, HTTP/3),
   uvicorn or granian, with TLS, signal handling and drain; :func:`running` for tests;
 - :mod:`.http1_split`: ``auto``, hypercorn handing HTTP/1.1 connections to uvicorn's protocol;
-- :mod:`.batch_accept`: the router's loop, uvloop's with servers that accept every waiting
-  connection each turn (libuv's own accepts one a turn);
+- :mod:`.batch_accept`: the router's loop, uvloop's with servers that accept up to 64 waiting
+  connections each turn (libuv's own accepts one a turn);
 - :mod:`.accept`: connections counted per client address from their accept, before TLS,
   and a refused one answered 503 after its request's head (:mod:`.limits` decides);
 - :mod:`.proxy_protocol`: the PROXY protocol header (v1, v2) an L4 balancer sends before

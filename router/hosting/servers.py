@@ -214,8 +214,8 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
     uvloop's C loop cuts the router's CPU per relayed chunk by roughly a tenth (measured
     with ``firstbyte bench router_overhead``); every stream costs a loop turn per chunk. Its
-    servers on the sockets :func:`bind` opens accept every waiting connection a turn, as
-    asyncio's do, not libuv's one (:mod:`.batch_accept`).
+    servers on the sockets :func:`bind` opens accept up to 64 waiting connections a turn, not
+    libuv's one (:mod:`.batch_accept`).
     """
     from .batch_accept import uvloop_factory
 
