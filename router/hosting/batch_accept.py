@@ -20,23 +20,38 @@ each time it is readable; every other call is uvloop's own. Each accepted socket
 the protocol's transport through the loop's public ``connect_accepted_socket``. A
 connection's TLS is the protocol's (:mod:`.accept`, :mod:`.uvicorn_limits`), after it is
 counted, so this server never needs to run a handshake.
+
+A batch spends descriptors before any protocol has counted them: a router near its
+descriptor limit refuses each new connection in its ``connection_made`` (closing it at once
+in the last half of ``reserved_fds``), which only works if that runs before the next accept.
+So from the descriptor number :func:`one_at_a_time_from` names (the router's: where its
+reserve begins), the server accepts one connection and waits until it has reached its
+protocol before it accepts the next, as libuv's own server does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import asyncio.trsock
+import contextlib
+import contextvars
 import errno
 import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .limits import Throttle
 
-__all__ = ["ACCEPTS_PER_TURN", "ACCEPT_RETRY_S", "BatchAcceptServer", "uvloop_factory"]
+__all__ = [
+    "ACCEPTS_PER_TURN",
+    "ACCEPT_RETRY_S",
+    "BatchAcceptServer",
+    "one_at_a_time_from",
+    "uvloop_factory",
+]
 
 log = logging.getLogger("firstbyte.hosting")
 
@@ -65,10 +80,29 @@ _throttle = Throttle(10.0)
 _LOOP_TLS_ARGUMENTS = ("ssl", "ssl_handshake_timeout", "ssl_shutdown_timeout")
 
 
+_one_at_a_time_from: contextvars.ContextVar[Callable[[], int] | None] = contextvars.ContextVar(
+    "firstbyte_one_at_a_time_from", default=None
+)
+
+
+@contextlib.contextmanager
+def one_at_a_time_from(descriptor: Callable[[], int]) -> Iterator[None]:
+    """Within the block, servers made on this task's loop (and tasks it starts) accept
+    one connection at a time once a new socket's descriptor number reaches
+    ``descriptor()``: the next is accepted after the last one's ``connection_made`` ran."""
+    token = _one_at_a_time_from.set(descriptor)
+    try:
+        yield
+    finally:
+        _one_at_a_time_from.reset(token)
+
+
 class BatchAcceptServer(asyncio.AbstractServer):
     """An ``asyncio.Server`` for one listening TCP socket that accepts, each time the socket
     is readable, the connections waiting (at most :data:`ACCEPTS_PER_TURN`), and hands each
-    to a new protocol from ``protocol_factory`` as the loop's own server would."""
+    to a new protocol from ``protocol_factory`` as the loop's own server would; from
+    descriptor number ``one_at_a_time_from()`` on (default: :func:`one_at_a_time_from`'s in
+    force where the server is made), one at a time."""
 
     def __init__(
         self,
@@ -76,6 +110,7 @@ class BatchAcceptServer(asyncio.AbstractServer):
         protocol_factory: Callable[[], asyncio.BaseProtocol],
         sock: socket.socket,
         backlog: int,
+        one_at_a_time_from: Callable[[], int] | None = None,
     ) -> None:
         self._loop = loop
         self._protocol_factory = protocol_factory
@@ -88,6 +123,8 @@ class BatchAcceptServer(asyncio.AbstractServer):
         self._closed_future: asyncio.Future[None] = loop.create_future()
         self._adopting: set[asyncio.Task[None]] = set()
         self._retry: asyncio.TimerHandle | None = None
+        self._one_at_a_time_from = one_at_a_time_from or _one_at_a_time_from.get()
+        self._awaiting_adoption = False
         # asyncio re-listen()s a socket it is given with the server's backlog: so does this.
         sock.listen(self._backlog)
         sock.setblocking(False)
@@ -154,7 +191,21 @@ class BatchAcceptServer(asyncio.AbstractServer):
             conn.setblocking(False)
             task = self._loop.create_task(self._adopt(conn))
             self._adopting.add(task)
-            task.add_done_callback(self._adopting.discard)
+            task.add_done_callback(self._adopted)
+            last_batched = self._one_at_a_time_from
+            if last_batched is not None and conn.fileno() >= last_batched():
+                # Near the descriptor limit: the protocols count (and refuse) these
+                # connections before another descriptor is spent.
+                self._stop_reading()
+                self._awaiting_adoption = True
+                return
+
+    def _adopted(self, task: asyncio.Task[None]) -> None:
+        self._adopting.discard(task)
+        if self._awaiting_adoption and not self._adopting:
+            self._awaiting_adoption = False
+            if not self._closed and self._retry is None:
+                self.start()
 
     def _failed(self, exc: OSError) -> None:
         if exc.errno in _RESOURCE_ERRNOS:

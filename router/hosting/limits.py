@@ -87,6 +87,12 @@ class ConnectionCounter:
         budget = self.fd_limit - reserve
         return budget - max(reserve, budget // 8)
 
+    @property
+    def reserve_fd(self) -> int:
+        """The lowest descriptor number refused to keep the reserve free (``fd_limit`` with
+        no reserve)."""
+        return self.fd_limit - self.limits.reserved_fds
+
     def under_pressure(self, fd: int | None) -> bool:
         """Whether descriptors (the new socket's number ``fd``) or memory are near their
         budget: then the per-address cap applies."""
@@ -98,7 +104,7 @@ class ConnectionCounter:
         """The reason to refuse a new connection from ``client`` (socket descriptor ``fd``;
         None for one that has none of its own, a QUIC connection), or None to admit it."""
         reserve = self.limits.reserved_fds
-        if reserve and fd is not None and fd >= self.fd_limit - reserve:
+        if reserve and fd is not None and fd >= self.reserve_fd:
             return (
                 f"file descriptors short: descriptor {fd} of {self.fd_limit},"
                 f" {reserve} kept free for streams in flight (limits.reserved_fds)"

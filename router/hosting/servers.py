@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from firstbyte.tasks import cancel_and_wait
 
+from .batch_accept import one_at_a_time_from
 from .gc_tuning import tune_for_serving
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import ProxyProtocol
@@ -350,7 +351,8 @@ async def _serve_uvicorn(
     server = uvicorn.Server(config)
     # Signals belong to whoever owns the loop (serve's shutdown trigger), not to uvicorn.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    task = asyncio.ensure_future(server.serve(sockets=[tcp]))
+    with one_at_a_time_from(lambda: counter.reserve_fd):  # the task copies the context
+        task = asyncio.ensure_future(server.serve(sockets=[tcp]))
     try:
         # uvicorn exposes start-up only as a flag, no event to wait on.
         while not server.started:
@@ -499,7 +501,10 @@ async def _serve_hypercorn(
         handoff.start()
     poker = asyncio.create_task(_wake_quic_after(stop, quic)) if quic is not None else None
     try:
-        with accepting(counter, options.limits.header_timeout_s, options.proxy_protocol):
+        with (
+            accepting(counter, options.limits.header_timeout_s, options.proxy_protocol),
+            one_at_a_time_from(lambda: counter.reserve_fd),
+        ):
             await worker_serve(
                 wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets,
                 shutdown_trigger=stop,

@@ -181,3 +181,52 @@ async def test_a_closed_server_closes_its_socket_and_refuses_connections() -> No
     assert sock.fileno() == -1
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+class _ClosedAtOnce(asyncio.Protocol):
+    """Closes its connection in ``connection_made``, as the router's counter does with one
+    in the last half of its descriptor reserve; records the descriptor number it had."""
+
+    descriptors: list[int]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.descriptors.append(transport.get_extra_info("socket").fileno())
+        transport.close()
+
+
+def test_from_the_reserve_on_one_connection_is_accepted_at_a_time() -> None:
+    """From the descriptor :func:`batch_accept.one_at_a_time_from` names, each connection
+    reaches its protocol (which may close it) before the next is accepted: a batch would
+    spend up to ``ACCEPTS_PER_TURN`` descriptors past it before any protocol ran."""
+    new_loop = loop_factory()
+    assert new_loop is not None
+    descriptors: list[int] = []
+    protocol = type("P", (_ClosedAtOnce,), {"descriptors": descriptors})
+    waiting = 2 * ACCEPTS_PER_TURN
+    clients: list[socket.socket] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sock = _listening()
+        with socket.socket() as probe:
+            reserve_from = probe.fileno() + 8  # the lowest free descriptor, and 8 above it
+        with batch_accept.one_at_a_time_from(lambda: reserve_from):
+            server = await loop.create_server(protocol, sock=sock, backlog=1024)
+        try:
+            assert isinstance(server, BatchAcceptServer)
+            port = sock.getsockname()[1]
+            for _ in range(waiting):
+                clients.append(socket.create_connection(("127.0.0.1", port)))
+            async with asyncio.timeout(10):
+                while len(descriptors) < waiting:  # noqa: ASYNC110 (connection_made appends)
+                    await asyncio.sleep(0)
+        finally:
+            server.close()
+            await server.wait_closed()
+            for client in clients:
+                client.close()
+        # The clients' sockets took descriptors too, so the server's start above the mark.
+        assert max(descriptors) <= max(reserve_from, min(descriptors)) + 1, descriptors
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(main())
