@@ -45,6 +45,12 @@ __all__ = [
     "probe_body",
 ]
 
+_SCRAPE_ATTEMPTS = 3
+"""Tries of a scrape whose request was lost on its connection (reset, closed before the
+answer): a late loop can find several kept-alive connections closed by their server's
+keep-alive timers at once. A server that is down refuses the new connection the pool opens
+once those are gone, so it is still found down at the first scrape."""
+
 
 class WarmState(Enum):
     COLD = "cold"
@@ -315,13 +321,18 @@ class WarmupRunner:
         base = self.urls[name].rstrip("/")
         timeout = self.poll_interval_s * 2 + 1
         try:
-            try:
-                response = await client.get(base + paths.METRICS, timeout=timeout)
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                # A kept-alive connection the server closed as it was reused (its keep-alive
-                # timer, and this loop late to see the FIN under load): that says nothing of
-                # the server. Once more, on a new connection; a server that is down fails it.
-                response = await client.get(base + paths.METRICS, timeout=timeout)
+            for attempt in range(_SCRAPE_ATTEMPTS):
+                try:
+                    response = await client.get(base + paths.METRICS, timeout=timeout)
+                    break
+                except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                    # A kept-alive connection the server closed as it was reused (its
+                    # keep-alive timer, and this loop late to see the FIN under load): that
+                    # says nothing of the server. The pool drops that connection; the next
+                    # try takes another kept-alive one (a late loop sees several timers run
+                    # out at once) or a new one, which a server that is down refuses.
+                    if attempt == _SCRAPE_ATTEMPTS - 1:
+                        raise
         except httpx.TimeoutException:
             return  # slow, not down: a busy server answers late; keep what we knew
         except httpx.HTTPError as exc:

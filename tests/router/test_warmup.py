@@ -243,3 +243,48 @@ async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again()
     assert dropped == [(0, 1)]
     assert served == [(0, 0), (1, 0), (1, 1)]  # asked again on a new connection, kept alive
     assert [m is not None for m in seen] == [True, True, True]
+
+
+async def test_a_scrape_tries_past_several_kept_alive_connections_closed_at_once() -> None:
+    """Two kept-alive connections whose server closed them both (keep-alive timers that ran
+    out together while the loop was late): the scrape is lost on each, then answered on a
+    new one, and the backend stays in rotation. It was asked once more only, so the second
+    loss took the backend out of rotation (a region's only backend: every request a 503)."""
+    import asyncio
+
+    body = b"vllm:num_requests_running 0\n"
+    served: list[tuple[int, int]] = []
+    dropped: list[tuple[int, int]] = []
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connection, connections = connections, connections + 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for request in range(100):
+                await reader.readuntil(b"\r\n\r\n")
+                if connection < 2 and request == 1:
+                    dropped.append((connection, request))
+                    break  # closed with the request unanswered
+                served.append((connection, request))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    seen: list[BackendMetrics | None] = []
+    s = WarmupScheduler([SUPPORT])
+    s.add_backend("b", ["chat-model"])
+    try:
+        async with httpx.AsyncClient() as client:
+            runner = WarmupRunner(s, client, {"b": url},
+                                  on_metrics=lambda name, m: seen.append(m) is not None)
+            await asyncio.gather(runner.scrape("b"), runner.scrape("b"))  # two connections
+            await runner.scrape("b")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert sorted(dropped) == [(0, 1), (1, 1)]
+    assert sorted(served) == [(0, 0), (1, 0), (2, 0)]
+    assert [m is not None for m in seen] == [True, True, True]
