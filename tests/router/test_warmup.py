@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -201,15 +202,26 @@ async def test_router_listens_while_warming_and_holds_requests_until_warm(
             assert (await client.get(router.base_url + "/healthz")).text == "ok\n"
 
 
-async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again() -> None:
-    """The server closes a kept-alive connection just as the next scrape reuses it (its
-    keep-alive timer; a loaded router's loop sees the FIN late): the scrape is asked again on
-    a new connection, and the backend is not taken out of rotation for it."""
+@dataclass
+class _Scraped:
+    served: list[tuple[int, int]] = field(default_factory=list)
+    """(connection, request on it) answered, in the order served."""
+    dropped: list[tuple[int, int]] = field(default_factory=list)
+    """Those read and left unanswered, their connection closed."""
+    seen: list[BackendMetrics | None] = field(default_factory=list)
+    """What each scrape reported (None: the backend taken out of rotation)."""
+
+
+async def _scrape_a_server_that_drops(
+    drop: Callable[[int, int], bool], scrapes: Callable[[WarmupRunner], Awaitable[object]]
+) -> _Scraped:
+    """Run ``scrapes`` against a metrics server that closes a kept-alive connection with its
+    request unanswered where ``drop(connection, request)`` says (its keep-alive timer closed
+    it just as the scrape reused it)."""
     import asyncio
 
     body = b"vllm:num_requests_running 0\n"
-    served: list[tuple[int, int]] = []  # (connection, request on it) answered
-    dropped: list[tuple[int, int]] = []
+    out = _Scraped()
     connections = 0
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -218,31 +230,41 @@ async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again()
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             for request in range(100):
                 await reader.readuntil(b"\r\n\r\n")
-                if (connection, request) == (0, 1):
-                    dropped.append((connection, request))
+                if drop(connection, request):
+                    out.dropped.append((connection, request))
                     break  # closed with the request unanswered
-                served.append((connection, request))
+                out.served.append((connection, request))
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
                              b"content-length: %d\r\n\r\n%s" % (len(body), body))
         writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    seen: list[BackendMetrics | None] = []
     s = WarmupScheduler([SUPPORT])
     s.add_backend("b", ["chat-model"])
     try:
         async with httpx.AsyncClient() as client:
-            runner = WarmupRunner(s, client, {"b": url},
-                                  on_metrics=lambda name, m: seen.append(m) is not None)
-            for _ in range(3):
-                await runner.scrape("b")
+            await scrapes(WarmupRunner(s, client, {"b": url},
+                                       on_metrics=lambda name, m: out.seen.append(m) is not None))
     finally:
         server.close()
         await server.wait_closed()
-    assert dropped == [(0, 1)]
-    assert served == [(0, 0), (1, 0), (1, 1)]  # asked again on a new connection, kept alive
-    assert [m is not None for m in seen] == [True, True, True]
+    return out
+
+
+async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again() -> None:
+    """The server closes a kept-alive connection just as the next scrape reuses it (its
+    keep-alive timer; a loaded router's loop sees the FIN late): the scrape is asked again on
+    a new connection, and the backend is not taken out of rotation for it."""
+
+    async def three_in_a_row(runner: WarmupRunner) -> None:
+        for _ in range(3):
+            await runner.scrape("b")
+
+    out = await _scrape_a_server_that_drops(lambda c, r: (c, r) == (0, 1), three_in_a_row)
+    assert out.dropped == [(0, 1)]
+    assert out.served == [(0, 0), (1, 0), (1, 1)]  # asked again on a new connection, kept alive
+    assert [m is not None for m in out.seen] == [True, True, True]
 
 
 async def test_a_scrape_tries_past_several_kept_alive_connections_closed_at_once() -> None:
@@ -252,39 +274,11 @@ async def test_a_scrape_tries_past_several_kept_alive_connections_closed_at_once
     loss took the backend out of rotation (a region's only backend: every request a 503)."""
     import asyncio
 
-    body = b"vllm:num_requests_running 0\n"
-    served: list[tuple[int, int]] = []
-    dropped: list[tuple[int, int]] = []
-    connections = 0
+    async def two_at_once_then_one(runner: WarmupRunner) -> None:
+        await asyncio.gather(runner.scrape("b"), runner.scrape("b"))  # two connections
+        await runner.scrape("b")
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connection, connections = connections, connections + 1
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            for request in range(100):
-                await reader.readuntil(b"\r\n\r\n")
-                if connection < 2 and request == 1:
-                    dropped.append((connection, request))
-                    break  # closed with the request unanswered
-                served.append((connection, request))
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    seen: list[BackendMetrics | None] = []
-    s = WarmupScheduler([SUPPORT])
-    s.add_backend("b", ["chat-model"])
-    try:
-        async with httpx.AsyncClient() as client:
-            runner = WarmupRunner(s, client, {"b": url},
-                                  on_metrics=lambda name, m: seen.append(m) is not None)
-            await asyncio.gather(runner.scrape("b"), runner.scrape("b"))  # two connections
-            await runner.scrape("b")
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert sorted(dropped) == [(0, 1), (1, 1)]
-    assert sorted(served) == [(0, 0), (1, 0), (2, 0)]
-    assert [m is not None for m in seen] == [True, True, True]
+    out = await _scrape_a_server_that_drops(lambda c, r: c < 2 and r == 1, two_at_once_then_one)
+    assert sorted(out.dropped) == [(0, 1), (1, 1)]
+    assert sorted(out.served) == [(0, 0), (1, 0), (2, 0)]
+    assert [m is not None for m in out.seen] == [True, True, True]
