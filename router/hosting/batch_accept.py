@@ -100,9 +100,9 @@ def one_at_a_time_from(descriptor: Callable[[], int]) -> Iterator[None]:
 class BatchAcceptServer(asyncio.AbstractServer):
     """An ``asyncio.Server`` for one listening TCP socket that accepts, each time the socket
     is readable, the connections waiting (at most :data:`ACCEPTS_PER_TURN`), and hands each
-    to a new protocol from ``protocol_factory`` as the loop's own server would; from
-    descriptor number ``one_at_a_time_from()`` on (default: :func:`one_at_a_time_from`'s in
-    force where the server is made), one at a time."""
+    to a new protocol from ``protocol_factory`` as the loop's own server would; from the
+    descriptor number :func:`one_at_a_time_from` names where the server is made, one at a
+    time."""
 
     def __init__(
         self,
@@ -110,7 +110,6 @@ class BatchAcceptServer(asyncio.AbstractServer):
         protocol_factory: Callable[[], asyncio.BaseProtocol],
         sock: socket.socket,
         backlog: int,
-        one_at_a_time_from: Callable[[], int] | None = None,
     ) -> None:
         self._loop = loop
         self._protocol_factory = protocol_factory
@@ -123,7 +122,7 @@ class BatchAcceptServer(asyncio.AbstractServer):
         self._closed_future: asyncio.Future[None] = loop.create_future()
         self._adopting: set[asyncio.Task[None]] = set()
         self._retry: asyncio.TimerHandle | None = None
-        self._one_at_a_time_from = one_at_a_time_from or _one_at_a_time_from.get()
+        self._one_at_a_time_from = _one_at_a_time_from.get()
         self._awaiting_adoption = False
         # asyncio re-listen()s a socket it is given with the server's backlog: so does this.
         sock.listen(self._backlog)
