@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Callable, MutableMapping
-from typing import Protocol, cast
+from typing import Protocol
 
 import msgspec
 
@@ -268,8 +268,10 @@ class SSEFramer:
         if chunkpath.SSE_WRITER is not None and cycle is not None:
             # uvicorn's body writer: the same frames and checks, compiled; ``live`` for an
             # event with a line end.
-            compiled = chunkpath.SSE_WRITER(cycle, self, live)
-            return cast(Callable[[list[StreamEvent]], bool], compiled)
+            compiled: Callable[[list[StreamEvent]], bool] = chunkpath.SSE_WRITER(
+                cycle, self, live
+            )
+            return compiled
         return live
 
 
