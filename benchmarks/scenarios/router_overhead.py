@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -55,7 +56,7 @@ from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.progress import Progress
-from firstbyte.benchmarks.scenarios import _baseline_router
+from firstbyte.benchmarks.scenarios import _baseline_router, _mid_stream
 from firstbyte.benchmarks.stats import SLO, summarize
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.protocol import paths
@@ -528,12 +529,13 @@ QUICK_LEVELS = ((1, 1, 3), (100, 1, 1))
 SUSTAINED = (500, 5, 2)
 """(concurrency, back-to-back phases, streams per worker per phase) of a full run."""
 QUICK_SUSTAINED = (100, 2, 1)
-SPLIT = (100, 4, 256)
-"""(concurrency, alternating rounds, max_tokens) of the longer streams the byte pipe and the
-default router take again after the levels: with the same concurrency's level, two stream
-lengths split each one's CPU into a cost per request and a cost per chunk."""
-QUICK_SPLIT = (100, 1, 32)
-SPLIT_TARGETS = (PIPE_TARGET, "router/auto")
+MID_STREAM = (100, 4, 160)
+"""(concurrency, alternating rounds, max_tokens) of the streams the byte pipe and the default
+router (twice: ``auto`` and its A/A) take after the levels, all started together and run to
+their limit: CPU per chunk read mid-stream (:mod:`._mid_stream`), and what the level of the
+same concurrency costs per stream beyond it (the work per request)."""
+QUICK_MID_STREAM = (100, 1, 64)
+MID_STREAM_TARGETS = (PIPE_TARGET, "router/auto", ROUTER_AA_TARGET)
 SATURATED = 0.9
 """A process using this share of a core (or the machine this share of all its CPUs) limits
 the figure: a Python process (load generator, sim, router) runs on one core at a time."""
@@ -561,7 +563,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     max_tokens = 16 if quick else 64
     levels = QUICK_LEVELS if quick else LEVELS
     sustained = QUICK_SUSTAINED if quick else SUSTAINED
-    split = QUICK_SPLIT if quick else SPLIT
+    mid = QUICK_MID_STREAM if quick else MID_STREAM
     tls_rounds = 0 if quick else 2
     top = max(c for c, _, _ in levels)
     nginx = _nginx_binary()
@@ -572,7 +574,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     targets = 1 + len(proxies)
     total = sum((targets + 2 * (c > 1)) * rounds for c, rounds, _ in levels)
     total += (targets - len(pipe) - len(then)) * sustained[1] + 4 * tls_rounds
-    total += len(SPLIT_TARGETS) * split[1]
+    total += len(MID_STREAM_TARGETS) * mid[1]
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     overhead: list[dict[str, Any]] = []
@@ -615,7 +617,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
         urls = {"direct": sim.url} | {name: child.url for name, child in children.items()}
         pids = {"sim": sim.pid} | {name: child.pid for name, child in children.items()}
         pids[ROUTER_AA_TARGET] = aa_router.pid
-        shorter: dict[str, dict[str, Any]] = {}  # the level the split's longer streams extend
+        at_mid: dict[str, dict[str, Any]] = {}  # the level mid-stream costs are taken from
         for concurrency, rounds, per_worker in levels:
             # the A/A controls only where tails and CPU are compared (1 stream has none to
             # speak of, and its CPU per chunk is mostly background work)
@@ -636,22 +638,22 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             )
             _collect(runs, summary, measured, concurrency, "HTTP/1.1")
             overhead += _overhead_rows(measured, concurrency)
-            if concurrency == split[0]:
-                shorter = measured
-        longer = asyncio.run(
-            _measure(
-                {name: urls[name] for name in SPLIT_TARGETS},
-                concurrency=split[0],
-                rounds=split[1],
-                per_worker=1,
-                max_tokens=split[2],
+            if concurrency == mid[0]:
+                at_mid = measured
+        with_aa = urls | {ROUTER_AA_TARGET: aa_router.url}
+        steady = asyncio.run(
+            _mid_stream.measure(
+                {name: with_aa[name] for name in MID_STREAM_TARGETS},
+                {name: functools.partial(_cpu_seconds, pids[name]) for name in MID_STREAM_TARGETS},
+                concurrency=mid[0],
+                rounds=mid[1],
+                max_tokens=mid[2],
+                prompt=PROMPT,
                 make_clients=_h1_clients,
                 bar=bar,
-                pids=pids,
-                max_reruns=0 if quick else MAX_RERUNS,
             )
         )
-        summary |= _split_costs(shorter, longer, split[0])
+        summary |= _mid_stream_costs(steady, at_mid, mid[0])
         relays = {name: url for name, url in urls.items() if name not in (*pipe, *then)}
         phases = _sustained(relays, pids, sustained, max_tokens, bar)
         _summarise_sustained(summary, phases)
@@ -691,13 +693,15 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             "levels (NOT MET if any is, met if all are); "
             "sustained_TARGET_* = over the sustained phases; "
             "c100_hypercorn_h2tls_added_vs_direct_h2_* = router over TLS + HTTP/2 minus the "
-            "client straight to a TLS + HTTP/2 sim; split_* = the byte pipe's and the default "
-            f"router's CPU at {split[0]} streams split into a cost per request "
-            "(split_TARGET_cpu_ms_per_request) and per chunk (split_TARGET_cpu_us_per_chunk), "
-            f"from that level's streams and {split[1]} more rounds of streams asking for "
-            f"{split[2] // 2}-{split[2] * 3 // 2} tokens (split_tokens_per_stream: the two "
-            "mean lengths the sim gave); split_auto_chunk_cpu_vs_pipe = the router's cost per "
-            "chunk over the pipe's."
+            "client straight to a TLS + HTTP/2 sim; mid_stream_* = after the levels, "
+            f"{mid[1]} round{'s' * (mid[1] != 1)} of {mid[0]} streams of {mid[2]} tokens each, "
+            "started together, "
+            "for the byte pipe, auto and auto-aa: mid_stream_TARGET_cpu_us_per_chunk = the "
+            "target's CPU per chunk in the window where every stream is under way and none "
+            "has ended (the relay alone: no request starts or ends in it), "
+            "mid_stream_TARGET_cpu_vs_pipe = that over the pipe's, "
+            f"mid_stream_TARGET_rest_ms_per_stream = the target's CPU per stream at the "
+            f"{mid[0]}-stream level beyond that cost of its chunks (its work per request)."
         ),
         "summary": summary,
         "conditions": conditions,
@@ -748,38 +752,30 @@ def _router_config(
     }
 
 
-def _split_costs(
-    shorter: dict[str, dict[str, Any]], longer: dict[str, dict[str, Any]], concurrency: int
+def _mid_stream_costs(
+    steady: dict[str, dict[str, Any]], level: dict[str, dict[str, Any]], concurrency: int
 ) -> dict[str, Any]:
-    """``split_*``: each of :data:`SPLIT_TARGETS`' CPU per stream at two stream lengths (the
-    same concurrency), as a line: the slope is its cost per chunk, the intercept its cost per
-    request (for the pipe, about nothing: it has no requests, only bytes). Why a target's
-    CPU per chunk is what it is: a router's per-request work is spread over the stream's
-    chunks, so the same router costs less per chunk on longer streams."""
-    out: dict[str, Any] = {}
-    lengths: list[float] = []
-    for name in SPLIT_TARGETS:
-        points = []
-        for measured in (shorter, longer):
-            result = measured[name]
-            streams = max(result["completed"], 1)
-            points.append(
-                (result["total_output_tokens"] / streams, result["cpu_ms_per_stream"][name])
-            )
-        (tokens_1, ms_1), (tokens_2, ms_2) = points
-        lengths = [tokens_1, tokens_2]
-        if tokens_2 - tokens_1 < 1:
-            continue  # the sim gave the same lengths: nothing to split
-        per_chunk_ms = (ms_2 - ms_1) / (tokens_2 - tokens_1)
+    """``mid_stream_*`` (see :mod:`._mid_stream`): each target's CPU per chunk mid-stream and
+    its ratio to the pipe's, and what its CPU per stream at the level of the same
+    concurrency (``level``) comes to beyond that cost of the stream's chunks: the work it
+    does once a request, which a relay at the pipe's floor per chunk still pays."""
+    out: dict[str, Any] = {"mid_stream_concurrency": concurrency}
+    pipe = steady[PIPE_TARGET]["cpu_us_per_chunk"]
+    for name, result in steady.items():
         key = name.split("/")[-1].replace("-", "_")
-        out[f"split_{key}_cpu_us_per_chunk"] = per_chunk_ms * 1000
-        out[f"split_{key}_cpu_ms_per_request"] = ms_1 - tokens_1 * per_chunk_ms
-    out["split_concurrency"] = concurrency
-    out["split_tokens_per_stream"] = lengths
-    pipe = out.get("split_python_pipe_cpu_us_per_chunk")
-    mine = out.get("split_auto_cpu_us_per_chunk")
-    if pipe and pipe > 0 and mine is not None:
-        out["split_auto_chunk_cpu_vs_pipe"] = mine / pipe
+        per_chunk = result["cpu_us_per_chunk"]
+        out[f"mid_stream_{key}_cpu_us_per_chunk"] = per_chunk
+        out[f"mid_stream_{key}_rounds_counted"] = result["rounds_counted"]
+        out[f"mid_stream_{key}_errors"] = len(result["errors"])
+        if per_chunk is not None and pipe and name != PIPE_TARGET:
+            out[f"mid_stream_{key}_cpu_vs_pipe"] = per_chunk / pipe
+        at_level = level.get(name)
+        if per_chunk is not None and at_level is not None:
+            streams = max(at_level["completed"], 1)
+            chunks = at_level["total_output_tokens"] / streams
+            out[f"mid_stream_{key}_rest_ms_per_stream"] = (
+                at_level["cpu_ms_per_stream"][name] - chunks * per_chunk / 1000
+            )
     return out
 
 
