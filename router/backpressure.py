@@ -244,9 +244,6 @@ class LoadTracker:
         others = int((m.running or 0) + (m.waiting or 0)) - b.in_flight_at_metrics
         return ours + max(0, others) >= b.limit
 
-    def _names(self, among: Collection[str] | None) -> list[str]:
-        return list(self.backends) if among is None else [n for n in self.backends if n in among]
-
     def available(self, now: float, among: Collection[str] | None = None) -> list[str]:
         """Healthy, unsaturated backends (of ``among``: those serving a request's model), in
         configuration order."""
@@ -256,14 +253,18 @@ class LoadTracker:
             if (among is None or n in among) and not saturated(b, now)
         ]
 
+    # The aggregates below are asked several times a request (admission, the fair gate,
+    # routing): one loop each over the backends, no helper lists or generators (a Python
+    # call or generator costs ~2k instructions, more than a region's backends take to sum).
     def healthy(self, among: Collection[str] | None = None) -> list[str]:
-        return [n for n in self._names(among) if self.backends[n].healthy]
+        return [n for n, b in self.backends.items() if b.healthy and (among is None or n in among)]
 
     def region_saturated(self, now: float, among: Collection[str] | None = None) -> bool:
         saturated = self._saturated
-        return all(
-            saturated(b, now) for n, b in self.backends.items() if among is None or n in among
-        )
+        for n, b in self.backends.items():
+            if (among is None or n in among) and not saturated(b, now):
+                return False
+        return True
 
     def queue_wait_ms(self, now: float, among: Collection[str] | None = None) -> float:
         """Expected wait before a new request starts on the best backend of this region (of
@@ -290,10 +291,18 @@ class LoadTracker:
         return max(1, math.ceil(wait / 1000.0))
 
     def in_flight(self, among: Collection[str] | None = None) -> int:
-        return sum(self.backends[n].in_flight for n in self._names(among))
+        total = 0
+        for n, b in self.backends.items():
+            if among is None or n in among:
+                total += b.in_flight
+        return total
 
     def capacity(self, among: Collection[str] | None = None) -> int:
-        return sum(self.backends[n].limit for n in self.healthy(among))
+        total = 0
+        for n, b in self.backends.items():
+            if b.healthy and (among is None or n in among):
+                total += b.limit
+        return total
 
     def ttft_ms(self) -> float | None:
         values = [b.ttft_ms.value for b in self.backends.values() if b.ttft_ms.value is not None]

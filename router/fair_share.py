@@ -101,6 +101,13 @@ class FairShare(Generic[K]):
     def in_flight(self, flow: K) -> int:
         return self._in_flight.get(flow, 0)
 
+    def has_room(self, budget: float) -> bool:
+        """Nobody refused lately, waiting or keeping a demand, and ``budget`` has room for one
+        more request besides those in flight: :meth:`decide` admits any flow's, whatever its
+        weight (its first answer, without working out shares)."""
+        return (not (self._asked_at or self._waiting or self._peak)
+                and self._total + 1 <= budget + _EPSILON)
+
     def total(self) -> int:
         return self._total
 

@@ -492,7 +492,11 @@ class RegionRouting:
 
     def active(self) -> int:
         """Requests routed from here and not finished: to local backends and to peers."""
-        return self.tracker.in_flight() + sum(self.peer_routed.values())
+        return self.tracker.in_flight() + self.routed_to_any_peer()
+
+    def routed_to_any_peer(self) -> int:
+        """Requests routed from here to peer regions and not finished."""
+        return sum(self.peer_routed.values())
 
     def model_active(self, model: str) -> int:
         """``model``'s requests routed from here and not finished (local and to peers): what

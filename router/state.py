@@ -477,7 +477,8 @@ class RouterState:
         routing = self.routing
         if pool is not None:
             return float(routing.tracker.capacity(pool) + routing.routed_to_peers(pool))
-        return float(routing.tracker.capacity() + routing.active() - routing.tracker.in_flight())
+        # The region's own requests hold slots of its backends; those routed to peers do not.
+        return float(routing.tracker.capacity() + routing.routed_to_any_peer())
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests;

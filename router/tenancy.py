@@ -340,6 +340,14 @@ class Tenants:
         ``retry_after_s`` may be the call that computes it: only a refusal needs it, and
         most requests are admitted."""
         owner, subject = ctx.owner, ctx.subject or ""
+        if not full and self.keys.has_room(capacity):
+            # The common case, a region with room and nobody asking for more: the key is
+            # admitted and its share is what the other keys leave (as decide() finds); its
+            # subjects' turn is the same question within that share.
+            subjects = self.subjects.get(owner)
+            share = capacity - (self.keys.total() - self.keys.in_flight(owner))
+            if subjects is None or subjects.has_room(share):
+                return None
         budget = min(capacity, float(self.keys.total())) if full else capacity
         key = self.keys.decide(owner, budget, now, weight_of=self.limiter.weight,
                                contended=True)

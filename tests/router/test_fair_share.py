@@ -3,6 +3,8 @@ over flows in flight and flows refused recently (clock passed in)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from firstbyte.router.fair_share import ASK_WINDOW_S, FairShare, water_fill
@@ -96,3 +98,32 @@ def test_with_room_for_every_demand_a_flow_may_take_what_the_others_do_not_ask()
     assert flows.decide("b", 10, 0.0, weight_of=_one, contended=True).share == 6.0
     # An expired ask no longer counts, even before housekeeping drops it.
     assert flows.decide("b", 5, ASK_WINDOW_S, weight_of=_one, contended=True).share == 2.0
+
+
+def test_room_for_one_more_is_what_decide_admits_without_working_out_shares() -> None:
+    """``has_room``: the tenancy gate's shortcut. Wherever it says yes, ``decide`` admits
+    every flow, whatever its weight; once anyone asks, waits or keeps a demand, it says no
+    (the shares then have to be worked out)."""
+    rnd = random.Random(7)
+    for _ in range(500):
+        share: FairShare[str] = FairShare()
+        for flow in rnd.sample("abcdef", rnd.randint(0, 6)):
+            for _ in range(rnd.randint(1, 5)):
+                share.started(flow, 0.0)
+        budget = float(rnd.randint(1, 30))
+        weights = {flow: rnd.choice((0.5, 1.0, 3.0)) for flow in "abcdefg"}
+        room = share.has_room(budget)
+        assert room == (share.total() + 1 <= budget)
+        if room:
+            for flow in "abcdefg":
+                assert share.decide(flow, budget, 1.0, weight_of=weights.__getitem__,
+                                    contended=True).admit
+    quiet: FairShare[str] = FairShare()
+    quiet.started("a", 0.0)
+    assert quiet.has_room(2.0)
+    asked: FairShare[str] = FairShare()
+    asked.asked("b", 0.0)
+    waited: FairShare[str] = FairShare()
+    waited.wait("b", 0.0)
+    assert not asked.has_room(100.0)
+    assert not waited.has_room(100.0)

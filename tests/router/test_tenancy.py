@@ -219,6 +219,23 @@ def test_a_full_region_is_shared_between_keys_then_between_subjects() -> None:
     assert refused.code == "key_over_fair_share"
 
 
+def test_with_room_a_subject_asking_for_more_still_gets_its_share() -> None:
+    """A region with room admits at once while nobody asks for more; once a subject of the
+    key was refused a moment ago, the key's other subject above its share of the key's is
+    refused, room or not (the gate's shortcut must not skip the subjects' turn)."""
+    a = owner_of(KEY_A)
+    tenants = Tenants(KeyLimiter())
+    for _ in range(5):
+        tenants.hold(a, "abuser")
+    assert tenants.fair_refusal(_subject_ctx(KEY_A, "abuser"), 6, 0.0, 3, full=False) is None
+    tenants.subjects_of(a).asked("polite", 0.0)
+    refused = tenants.fair_refusal(_subject_ctx(KEY_A, "abuser"), 6, 0.0, 3, full=False)
+    assert refused is not None
+    assert refused.code == "subject_over_fair_share"
+    # and the key's subject that asked is admitted
+    assert tenants.fair_refusal(_subject_ctx(KEY_A, "polite"), 6, 0.0, 3, full=False) is None
+
+
 def test_subject_of_bounds_its_size() -> None:
     assert subject_of("") is None
     assert subject_of(None) is None
