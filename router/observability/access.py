@@ -82,12 +82,10 @@ _chunk = msgspec.json.Decoder(_Chunk)
 _error = msgspec.json.Decoder(_ErrorEvent)
 
 
-@dataclass(slots=True)
-class Usage:
+class Usage(msgspec.Struct, gc=False):
     """What a completion cost and who produced it, as far as the upstream said.
 
-    Not frozen, though nothing changes one (as :class:`AccessRecord`): one is built a request,
-    and a frozen dataclass sets each field through ``object.__setattr__``."""
+    A msgspec struct, built once a request: its ``__init__`` is C (as :class:`AccessRecord`)."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None
@@ -243,13 +241,12 @@ def reply_usage(body: bytes, codec: Codec = CHAT) -> Usage:
     return Usage(usage.prompt_tokens, usage.completion_tokens, bounded(decoded.model))
 
 
-@dataclass(slots=True)
-class AccessRecord:
+class AccessRecord(msgspec.Struct, gc=False):
     """Everything logged (and traced) about one request. Times are ``perf_counter`` seconds.
 
-    Not frozen, though nothing changes one: a frozen dataclass sets each of its 40 fields
-    through ``object.__setattr__``, and building one, once a request, cost 4x as much
-    (5.8 µs against 1.4 µs)."""
+    A msgspec struct: built once a request from 40 keyword arguments, which a dataclass's
+    ``__init__`` matches one by one in Python (~47k instructions for the record; a frozen
+    one also sets each field through ``object.__setattr__``), msgspec's in C."""
 
     request_id: str
     """The router's span id for the request (the one in the ``traceparent`` it sent on)."""
