@@ -389,7 +389,8 @@ class _Producer:
                     result = await self._via_httpx(proxy.peer_client)
                 else:
                     result = await self._via_h1()
-                self._cancel_first_byte()
+                if self._first_byte_timer is not None:
+                    self._cancel_first_byte()
                 if result == "failed":
                     # The backend accepted the request and failed it before anything reached
                     # the client (no first byte by the deadline, or a 5xx): placed again on
@@ -435,16 +436,17 @@ class _Producer:
             )
             raise
         finally:
-            self._cancel_deadline()
-            self._cancel_first_byte()
+            if self._timer is not None:
+                self._cancel_deadline()
+            if self._first_byte_timer is not None:
+                self._cancel_first_byte()
             if not self.head.done():
                 self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
             self._count_usage()  # before the stream ends: its access line reads the usage
             reads = metrics.relay_reads
-            compiled = self._compiled_paths
-            if compiled:  # their events are in the relay's count, not their reads
-                reads["compiled"] += sum(path.reads for path in compiled)
-                reads["fast"] -= sum(path.events for path in compiled)
+            for path in self._compiled_paths:  # their events are in the relay's count
+                reads["compiled"] += path.reads
+                reads["fast"] -= path.events
             reads["fast"] += self.relay.fast_reads
             reads["full"] += self.relay.full_reads
             stream.finish(proxy.clock())
@@ -564,7 +566,8 @@ class _Producer:
     def on_head(self, status: int) -> None:
         if self.outcome.done():
             return
-        self._cancel_first_byte()
+        if self._first_byte_timer is not None:
+            self._cancel_first_byte()
         if status == 200:
             self._apply(self.relay.receive_head(200, time.perf_counter()))
         else:
@@ -680,7 +683,8 @@ class _Producer:
                 self._finish(action)
 
     def _first_token(self, action: FirstToken) -> None:
-        self._cancel_deadline()  # the first-token deadline no longer applies
+        if self._timer is not None:  # the first-token deadline no longer applies
+            self._cancel_deadline()
         now = time.perf_counter()
         self.stream.upstream_ttft_ms = action.upstream_ttft_ms
         self.ctx.first_token_at = now
@@ -725,7 +729,8 @@ class _Producer:
     def _arm_first_byte(self) -> None:
         """A local backend that sends no byte of its answer by its first-byte deadline
         (from its observed TTFT) is failing, not slow: the attempt ends there."""
-        self._cancel_first_byte()
+        if self._first_byte_timer is not None:
+            self._cancel_first_byte()
         timeout_s = None if self.observer is None else self.observer.first_byte_timeout_s()
         if timeout_s is not None:
             self._first_byte_timer = self.loop.call_later(
@@ -737,6 +742,8 @@ class _Producer:
         late = httpx.ReadTimeout(f"no response within {timeout_s:.1f} s (first-byte deadline)")
         self._fail(late, "first_byte_timeout")
 
+    # The request's own path tests each timer before calling to cancel it: most are None
+    # there, and a call costs more than the test.
     def _cancel_first_byte(self) -> None:
         if self._first_byte_timer is not None:
             self._first_byte_timer.cancel()
@@ -748,7 +755,8 @@ class _Producer:
         (instead of a plain timeout) means a request with nowhere better to go, or no spill
         slot, keeps waiting on its upstream rather than being cut off. The claim holds the
         spill slot, so the deadlines of a burst that fire together cannot all spill."""
-        self._cancel_deadline()
+        if self._timer is not None:
+            self._cancel_deadline()
         deadline_s = None if self.observer is None else self.observer.first_token_deadline_s
         if deadline_s is None:
             return
