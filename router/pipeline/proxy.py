@@ -450,6 +450,9 @@ class _Producer:
             reads["fast"] += self.relay.fast_reads
             reads["full"] += self.relay.full_reads
             stream.finish(proxy.clock())
+            # Nothing left to cancel: a finished stream kept for resumes no longer holds this
+            # task (its coroutine, its context and what they refer to) until it is evicted.
+            stream.cancel_producer = None
             self.backend.in_flight -= 1
             metrics.in_flight -= 1
             if self.observer is not None:
