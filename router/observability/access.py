@@ -290,6 +290,9 @@ class AccessRecord(msgspec.Struct, gc=False):
     endpoint: str | None = None
     """The API the request called, as its codec names it (``chat``, ``completions``,
     ``responses``, ``messages``, ``embeddings``); None for the others (reads, status)."""
+    upstream_error: str | None = None
+    """The last failure of its upstream requests (:attr:`RequestContext.upstream_error`),
+    even one it failed over from; None when there was none."""
 
     @property
     def ttft_ms(self) -> float | None:
@@ -336,6 +339,8 @@ class AccessRecord(msgspec.Struct, gc=False):
             out["route_reason"] = self.route_reason
         if self.client_gone:
             out["client_gone"] = True
+        if self.upstream_error is not None:
+            out["upstream_error"] = self.upstream_error
         return out
 
 
@@ -568,6 +573,7 @@ class RequestLog:
             first_token_at=ctx.first_token_at if ctx is not None else None,
             ended_at=ended_at,
             endpoint=ctx.codec.name if ctx is not None and ctx.request is not None else None,
+            upstream_error=bounded(ctx.upstream_error) if ctx and ctx.upstream_error else None,
         )
 
     async def aclose(self) -> None:

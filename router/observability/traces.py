@@ -210,6 +210,7 @@ class OtlpTraces:
             "server.address": host or None,
             "server.port": int(port) if port.isdigit() else None,
             "firstbyte.backend": record.backend,
+            "firstbyte.upstream_error": record.upstream_error,
         }
         return span(
             "upstream", context(new_span_id()), parent, record.upstream_sent_at, record.ended_at,

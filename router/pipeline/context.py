@@ -234,6 +234,11 @@ class RequestContext:
     """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
     route_reason: str = ""
     """Why routing answered 429 itself (a key of ``multiregion.REJECTION_REASONS``)."""
+    upstream_error: str = ""
+    """The last failure of its upstream requests, for the access line only (the client gets
+    its own message): the connection's error with its text (``ReadTimeout: ...``) or the
+    failing status (``HTTP 503``), kept when the request then failed over and was served.
+    Never the upstream's own error text, which may echo the prompt."""
     model_label: str = ""
     """The ``model`` label of this request's metrics: its model once routing found a local
     backend or a peer listing it (:meth:`~firstbyte.router.pipeline.chooser.RouteChooser.

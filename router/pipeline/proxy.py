@@ -87,6 +87,16 @@ class UpstreamStatusError(Exception):
         self.status = status
 
 
+def failure_text(exc: Exception) -> str:
+    """What went wrong upstream, for the access line: ``HTTP 503`` for a failing status, else
+    the error's type and its text (``ConnectError: [Errno 111] Connection refused``), which
+    httpx and the router's own HTTP/1.1 client make (never the upstream's body)."""
+    if isinstance(exc, UpstreamStatusError):
+        return str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamHead:
     """How the upstream answered a streamed request: 200, or an error status with its body."""
@@ -242,6 +252,7 @@ class Proxy:
                     cause = "5xx"
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     failed = exc
+                ctx.upstream_error = failure_text(failed)
                 moved = None
                 if observer is not None and local and failovers < _MAX_FAILOVERS:
                     failovers += 1
@@ -264,6 +275,7 @@ class Proxy:
             )
         except httpx.HTTPError as exc:
             backend.failures += 1
+            ctx.upstream_error = failure_text(exc)
             message = f"Upstream failed: {type(exc).__name__}."
             return UpstreamReply(
                 502,
@@ -506,6 +518,7 @@ class _Producer:
                 if self.outcome.done():  # a first-token switch was claimed meanwhile
                     return self.outcome.result()
                 self._unreachable = exc  # the upstream never saw the request
+                self.ctx.upstream_error = failure_text(exc)
                 return "unreachable"
             except (httpx.HTTPError, OSError) as exc:
                 self.on_error(exc)
@@ -641,6 +654,8 @@ class _Producer:
             if status >= 500 and self.observer is not None and self._local:
                 self._fail(UpstreamStatusError(status), "5xx")
                 return
+            if status >= 500:
+                self.ctx.upstream_error = failure_text(UpstreamStatusError(status))
             body = b"".join(self._refused)[:_MAX_ERROR_BODY_BYTES]
             self._apply(self.relay.receive_head(status, now, body))
         else:
@@ -661,6 +676,7 @@ class _Producer:
             # is failing (passive health); nothing reached the client, so it goes elsewhere.
             self._fail(exc, "reset")
             return
+        self.ctx.upstream_error = failure_text(exc)
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 
     # -- the relay's actions
@@ -727,6 +743,7 @@ class _Producer:
         """The backend failed this attempt before anything reached the client."""
         if not self.outcome.done():
             self._unreachable, self._cause = exc, cause
+            self.ctx.upstream_error = failure_text(exc)
             self.outcome.set_result("failed")
 
     def _arm_first_byte(self) -> None:

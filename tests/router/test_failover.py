@@ -126,6 +126,9 @@ async def test_refused_backend_fails_over_and_comes_back(
         assert {line["backend"] for line in lines} == {"live"}
         moved = [line for line in lines if line.get("route_reason") == "backend_unreachable"]
         assert len(moved) == 1  # the first to find it gone; it was out of rotation after
+        # Its line says what the refused attempt met (the client saw none of it).
+        assert moved[0]["upstream_error"].startswith("ConnectError: "), moved[0]
+        assert [line for line in lines if "upstream_error" in line] == moved
         assert not routing.backends["gone"].healthy
         assert routing.backends["gone"].in_flight == routing.backends["live"].in_flight == 0
         assert routing.tracker["gone"].in_flight == routing.tracker["live"].in_flight == 0

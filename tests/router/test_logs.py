@@ -40,6 +40,7 @@ from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth, client_tls
 from tests.router.test_cli import free_port
+from tests.router.upstream import running_upstream
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER = "00f067aa0ba902b7"
@@ -215,6 +216,33 @@ async def test_a_detached_stream_is_logged_when_it_ends(
     assert reader["transport"] == "sse"
     assert reader["key_id"] == key_id(API_KEY)
     assert API_KEY not in caplog.text
+
+
+async def test_an_upstream_failure_is_named_in_the_access_line(
+    start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend answering 503 (nowhere else to go): the client gets the backend's answer,
+    the access line ``upstream_error: HTTP 503`` without the backend's own error text (it may
+    echo the prompt). A request that met no failure has no such field."""
+    caplog.set_level(logging.INFO, logger="firstbyte.access")
+    async with running_upstream() as up, start_router([up.url], tls=False) as router:
+        async with httpx.AsyncClient(timeout=10) as client:
+            url = router.base_url + "/v1/chat/completions"
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 3, "stream": True}
+            assert (await client.post(url, json=body, headers=auth())).status_code == 200
+            up.fail_status = 503
+            failed = await client.post(url, json=body, headers=auth())
+        for _ in range(100):
+            if len(caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.02)
+    assert failed.status_code == 503
+    served, refused = [record.fields for record in caplog.records]  # type: ignore[attr-defined]
+    assert "upstream_error" not in served
+    # The status alone: the backend's body (passed on to the client) is not in it.
+    assert (refused["status"], refused["upstream_error"]) == (503, "HTTP 503")
+    assert failed.json()["error"]["message"]
 
 
 async def test_client_supplied_fields_are_bounded_in_access_lines(
