@@ -237,7 +237,8 @@ class RequestContext:
     upstream_error: str = ""
     """The last failure of its upstream requests, for the access line only (the client gets
     its own message): the connection's error with its text (``ReadTimeout: ...``) or the
-    failing status (``HTTP 503``), kept when the request then failed over and was served.
+    failing status (``UpstreamStatusError: HTTP 503``), kept when the request then failed
+    over and was served.
     Never the upstream's own error text, which may echo the prompt."""
     model_label: str = ""
     """The ``model`` label of this request's metrics: its model once routing found a local

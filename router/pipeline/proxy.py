@@ -43,6 +43,7 @@ from .. import aionet, chunkpath
 from ..config import LimitsConfig
 from ..metrics import Metrics
 from ..observability.access import stream_usage
+from ..observability.logs import describe_error
 from ..observability.usage import TokenUsage, with_usage_option
 from ..streams import EVENT_OVERHEAD_BYTES, Stream, StreamEvent
 from ..upstream_h1 import H1Connection, H1Pool, Origin, encode_request
@@ -85,16 +86,6 @@ class UpstreamStatusError(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(f"HTTP {status}")
         self.status = status
-
-
-def failure_text(exc: Exception) -> str:
-    """What went wrong upstream, for the access line: ``HTTP 503`` for a failing status, else
-    the error's type and its text (``ConnectError: [Errno 111] Connection refused``), which
-    httpx and the router's own HTTP/1.1 client make (never the upstream's body)."""
-    if isinstance(exc, UpstreamStatusError):
-        return str(exc)
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +243,7 @@ class Proxy:
                     cause = "5xx"
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     failed = exc
-                ctx.upstream_error = failure_text(failed)
+                ctx.upstream_error = describe_error(failed)
                 moved = None
                 if observer is not None and local and failovers < _MAX_FAILOVERS:
                     failovers += 1
@@ -275,7 +266,7 @@ class Proxy:
             )
         except httpx.HTTPError as exc:
             backend.failures += 1
-            ctx.upstream_error = failure_text(exc)
+            ctx.upstream_error = describe_error(exc)
             message = f"Upstream failed: {type(exc).__name__}."
             return UpstreamReply(
                 502,
@@ -518,7 +509,7 @@ class _Producer:
                 if self.outcome.done():  # a first-token switch was claimed meanwhile
                     return self.outcome.result()
                 self._unreachable = exc  # the upstream never saw the request
-                self.ctx.upstream_error = failure_text(exc)
+                self.ctx.upstream_error = describe_error(exc)
                 return "unreachable"
             except (httpx.HTTPError, OSError) as exc:
                 self.on_error(exc)
@@ -655,7 +646,7 @@ class _Producer:
                 self._fail(UpstreamStatusError(status), "5xx")
                 return
             if status >= 500:
-                self.ctx.upstream_error = failure_text(UpstreamStatusError(status))
+                self.ctx.upstream_error = describe_error(UpstreamStatusError(status))
             body = b"".join(self._refused)[:_MAX_ERROR_BODY_BYTES]
             self._apply(self.relay.receive_head(status, now, body))
         else:
@@ -676,7 +667,7 @@ class _Producer:
             # is failing (passive health); nothing reached the client, so it goes elsewhere.
             self._fail(exc, "reset")
             return
-        self.ctx.upstream_error = failure_text(exc)
+        self.ctx.upstream_error = describe_error(exc)
         self._apply(self.relay.fail(type(exc).__name__, time.perf_counter()))
 
     # -- the relay's actions
@@ -743,7 +734,7 @@ class _Producer:
         """The backend failed this attempt before anything reached the client."""
         if not self.outcome.done():
             self._unreachable, self._cause = exc, cause
-            self.ctx.upstream_error = failure_text(exc)
+            self.ctx.upstream_error = describe_error(exc)
             self.outcome.set_result("failed")
 
     def _arm_first_byte(self) -> None:
