@@ -245,7 +245,9 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
         for _ in range(4):
             await _stream(client, router)
         assert {line["backend"] for line in _access(caplog)} == {"flaky", "live"}
-        assert state.first_byte_timeout_s("flaky") == pytest.approx(0.3)
+        # From its TTFT (the floor, on a quiet machine; a loaded one's can be slower), where a
+        # backend that had shown none would wait for the ceiling, 30 s.
+        assert 0.3 <= state.first_byte_timeout_s("flaky") < 3.0
 
         # The engine breaks behind a live socket (the broken server takes the port over).
         broken = await serving(_broken_on(port, mode))
@@ -394,7 +396,9 @@ async def test_a_backend_blackholed_from_the_start_costs_a_deadline_from_warmup_
         await _until(ready)
         state = router.app.state.routing
         assert state.scheduler.warm("live") == ["support"]
-        assert state.first_byte_timeout_s("flaky") == pytest.approx(0.3)
+        # From the probes' TTFT (the floor, on a quiet machine; a loaded one's probes can be
+        # slower), where a region that had seen no TTFT would wait for the ceiling, 30 s.
+        assert 0.3 <= state.first_byte_timeout_s("flaky") < 3.0
         durations = [await _stream(client, router) for _ in range(3)]
         assert max(durations) < 10.0
         assert {line["backend"] for line in _access(caplog)} == {"live"}
