@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Protocol
 from firstbyte.tasks import cancel_and_wait
 
 from .hosting.limits import Throttle
+from .observability.logs import describe_error
 from .pipeline.context import CONTINUE
 from .placement import place_in_memory, place_shared
-from .shared.errors import describe
 from .shared.warm_budget import SharedWarmBudget
 from .streams import new_stream_id
 
@@ -235,7 +235,7 @@ class InRedis:
             more = self._throttle.report("maintain", time.monotonic())
             if more is not None:
                 log.warning("cannot check for readers or load elsewhere: %s%s",
-                            describe(exc), more)
+                            describe_error(exc), more)
 
     async def _load_elsewhere(self, state: RouterState) -> None:
         """Learn what the region's other processes have in flight on each backend (a claim

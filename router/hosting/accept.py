@@ -110,10 +110,9 @@ def admit(counter: ConnectionCounter, get_extra_info: Callable[[str], Any]) -> A
     if refusal is not None:
         report(logging.WARNING, "connection refused", client, refusal)
     deadline_s = REFUSED_DEADLINE_S
-    reserve = counter.limits.reserved_fds
-    if fd is not None and fd >= counter.fd_limit - reserve:
+    if fd is not None and fd >= counter.reserve_fd:
         # The second half of the reserve is never spent on answering a refusal.
-        at_once = fd >= counter.fd_limit - reserve // 2
+        at_once = fd >= counter.fd_limit - counter.limits.reserved_fds // 2
         deadline_s = 0.0 if at_once else RESERVE_REFUSED_DEADLINE_S
     return Admission(counter, client, refusal, deadline_s, _counted=refusal is None)
 

@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from ..observability.logs import describe_error
 from .background import Background
-from .errors import StateUnavailable, describe
+from .errors import StateUnavailable
 from .keys import Keys
 
 if TYPE_CHECKING:
@@ -317,7 +318,7 @@ class SharedAdmission:
             reply = await self.batch.script(self._admit, keys, args)
         except Exception as exc:
             self._uncertain(claims)
-            raise StateUnavailable(f"admission: {describe(exc)}") from exc
+            raise StateUnavailable(f"admission: {describe_error(exc)}") from exc
         except BaseException:  # cancelled (the client left): the script may have run all the same
             self._uncertain(claims)
             raise
@@ -439,7 +440,7 @@ class SharedAdmission:
                         keys=keys, args=[self.process, self._expiry_ms, *counts]
                     )
         except Exception as exc:
-            log.debug("cannot reconcile the slots held here yet: %s", describe(exc))
+            log.debug("cannot reconcile the slots held here yet: %s", describe_error(exc))
             return False
         finally:
             self._gate = None

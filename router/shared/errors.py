@@ -18,7 +18,7 @@ from firstbyte.protocol import error_codes
 from ..hosting.limits import Throttle
 from ..pipeline.context import LocalReply, error_reply
 
-__all__ = ["RETRY_AFTER_S", "StateUnavailable", "describe", "unavailable_reply"]
+__all__ = ["RETRY_AFTER_S", "StateUnavailable", "unavailable_reply"]
 
 log = logging.getLogger("firstbyte.router.shared")
 
@@ -47,8 +47,3 @@ def unavailable_reply(exc: StateUnavailable) -> LocalReply:
         outcome="state_unavailable",
     )
 
-
-def describe(exc: BaseException) -> str:
-    """``exc`` in one line: its type and text (a timeout's text is often empty)."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

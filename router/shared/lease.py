@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from firstbyte.tasks import cancel_and_wait
 
 from ..hosting.limits import Throttle
-from .errors import describe
+from ..observability.logs import describe_error
 from .keys import Keys
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class Lease:
             self.renew_failures += 1
             more = self._throttle.report("renew", time.monotonic(), "failures")
             if more is not None:
-                log.warning("cannot renew the process lease: %s%s", describe(exc), more)
+                log.warning("cannot renew the process lease: %s%s", describe_error(exc), more)
 
     async def _keep(self) -> None:
         while True:

@@ -50,9 +50,10 @@ from firstbyte.protocol.formats import BY_NAME
 from firstbyte.tasks import cancel_and_wait
 
 from ..hosting.limits import Throttle
+from ..observability.logs import describe_error
 from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
 from .background import Background
-from .errors import StateUnavailable, describe
+from .errors import StateUnavailable
 from .keys import Keys
 from .lease import Lease
 from .wire import bulk, exchange, pooled
@@ -310,7 +311,7 @@ class SharedStreams:
                 self.keys.meta(stream_id)
             )
         except Exception as exc:
-            raise StateUnavailable(f"stream lookup: {describe(exc)}") from exc
+            raise StateUnavailable(f"stream lookup: {describe_error(exc)}") from exc
         stored = meta.get(b"owner")
         if stored is None or not hmac.compare_digest(stored, owner):
             return None
@@ -327,7 +328,7 @@ class SharedStreams:
         try:
             reply: Any = await self._redis.xread({key: f"{remote.cursor}-0"}, count=_READ_COUNT)
         except Exception as exc:
-            raise StateUnavailable(f"stream read: {describe(exc)}") from exc
+            raise StateUnavailable(f"stream read: {describe_error(exc)}") from exc
         return list(reply[0][1]) if reply else []
 
     def touch_reader(self, stream_id: str) -> None:
@@ -353,7 +354,7 @@ class SharedStreams:
                 args=[lost_event(remote.format), self.max_age_ms, remote.cursor],
             )
         except Exception as exc:
-            raise StateUnavailable(f"producer check: {describe(exc)}") from exc
+            raise StateUnavailable(f"producer check: {describe_error(exc)}") from exc
         if declared > 0:
             self.lost_declared += 1
             log.warning("stream %s lost: its process %s stopped", remote.id, remote.process)
@@ -602,7 +603,7 @@ class _Writer:
         more = _throttle.report("write", time.monotonic(), "failed batches")
         if more is not None:
             log.warning("cannot write %d stream commands to Redis: %s%s", commands,
-                        describe(exc), more)
+                        describe_error(exc), more)
 
     def _fence(self, stream: Stream, error: str) -> None:
         """An ``XADD`` refused: another process declared this stream lost (its entry ids
@@ -695,7 +696,7 @@ class _Follower:
             except Exception as exc:
                 more = _throttle.report("follow", time.monotonic())
                 if more is not None:
-                    log.warning("following remote streams failed: %s%s", describe(exc), more)
+                    log.warning("following remote streams failed: %s%s", describe_error(exc), more)
                 await self._reset()
                 await asyncio.sleep(0.2)
                 continue

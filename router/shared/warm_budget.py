@@ -21,7 +21,8 @@ import hashlib
 import itertools
 from typing import TYPE_CHECKING
 
-from .errors import StateUnavailable, describe
+from ..observability.logs import describe_error
+from .errors import StateUnavailable
 from .keys import Keys
 
 if TYPE_CHECKING:
@@ -71,5 +72,5 @@ class SharedWarmBudget:
             wait_ms = await self._take(
                 keys=[self.key(owner, subject)], args=[per_min, self._window_ms, member])
         except Exception as exc:
-            raise StateUnavailable(f"prompt warm-up budget: {describe(exc)}") from exc
+            raise StateUnavailable(f"prompt warm-up budget: {describe_error(exc)}") from exc
         return None if int(wait_ms) == 0 else int(wait_ms) / 1000
