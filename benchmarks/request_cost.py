@@ -32,31 +32,23 @@ from typing import Any
 
 import httpx
 
+from firstbyte.benchmarks.scenarios import _mid_stream
 from firstbyte.benchmarks.scenarios import router_overhead as bench
-from firstbyte.protocol import paths
 
 __all__ = ["main"]
 
 
 class _Count:
-    """Chunks relayed and short requests ended so far (read at each window's edges)."""
+    """Short requests ended so far and what failed (the long streams' chunks are counted in
+    a :class:`~firstbyte.benchmarks.scenarios._mid_stream` round record)."""
 
-    def __init__(self, streams: int) -> None:
-        self.chunks = 0
+    def __init__(self) -> None:
         self.requests = 0
         self.failed: list[str] = []
-        self.waiting = streams
-        """Long streams without their first chunk yet."""
-        self.under_way = asyncio.Event()
-        """Every long stream has had its first chunk (or one failed)."""
-
-    def fail(self, why: str) -> None:
-        self.failed.append(why[:200])
-        self.under_way.set()
 
 
-async def _long(client: httpx.AsyncClient, url: str, tokens: int, seed: int, count: _Count) -> None:
-    body = {
+def _long_body(tokens: int, seed: int) -> dict[str, Any]:
+    return {
         "model": "sim-llama-7b",
         "messages": [{"role": "user", "content": bench.PROMPT}],
         "stream": True,
@@ -64,19 +56,6 @@ async def _long(client: httpx.AsyncClient, url: str, tokens: int, seed: int, cou
         "ignore_eos": True,
         "seed": seed,
     }
-    try:
-        async with client.stream("POST", url + paths.CHAT_COMPLETIONS, json=body) as response:
-            response.raise_for_status()
-            first = True
-            async for piece in response.aiter_raw():
-                count.chunks += piece.count(b"data: ")
-                if first:
-                    first = False
-                    count.waiting -= 1
-                    if not count.waiting:
-                        count.under_way.set()
-    except httpx.HTTPError as exc:
-        count.fail(f"{type(exc).__name__}: {exc}")
 
 
 async def _shorts(
@@ -89,7 +68,7 @@ async def _shorts(
             await bench._one(client, url, tokens, seed * 100_000 + n)
             count.requests += 1
         except (httpx.HTTPError, ValueError) as exc:
-            count.fail(f"{type(exc).__name__}: {exc}")
+            count.failed.append(f"{type(exc).__name__}: {exc}"[:200])
             return
         n += 1
 
@@ -100,25 +79,29 @@ async def _measure(args: argparse.Namespace, url: str, pid: int) -> dict[str, An
     tokens = int((windows * args.window_s + 3.0) * 60)
     longs = bench._h1_clients(args.streams)
     shorts = bench._h1_clients(args.workers)
-    count = _Count(args.streams)
+    count = _Count()
+    record = _mid_stream._Round()
     async with contextlib.AsyncExitStack() as stack:
         for client in longs + shorts:
             await stack.enter_async_context(client)
         # Warm up: every connection opened, the router's paths taken once.
         await asyncio.gather(*(bench._one(c, url, 2, i) for i, c in enumerate(longs + shorts)))
         streams = [
-            asyncio.create_task(_long(client, url, tokens, 7_000 + i, count))
+            asyncio.create_task(
+                _mid_stream._stream(client, url, _long_body(tokens, 7_000 + i), record)
+            )
             for i, client in enumerate(longs)
         ]
-        try:
-            async with asyncio.timeout(60):
-                await count.under_way.wait()
-        except TimeoutError:
-            count.fail("the long streams did not all start within 60 s")
+        for _ in range(1200):  # up to 60 s for every long stream's first chunk
+            if len(record.firsts) == args.streams or record.failed:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            count.failed.append("the long streams did not all start within 60 s")
         await asyncio.sleep(0.5)  # past the first chunks' loop turns
         quiet: list[tuple[float, int]] = []  # (CPU s, chunks) of each window without requests
         busy: list[tuple[float, int, int]] = []  # (CPU s, chunks, requests) with them
-        for window in range(windows if not count.failed else 0):
+        for window in range(windows if not (count.failed or record.failed) else 0):
             stop = asyncio.Event()
             workers = []
             if window % 2:
@@ -126,9 +109,9 @@ async def _measure(args: argparse.Namespace, url: str, pid: int) -> dict[str, An
                     asyncio.create_task(_shorts(c, url, args.tokens, window * 100 + i, count, stop))
                     for i, c in enumerate(shorts)
                 ]
-            cpu0, chunks0, requests0 = bench._cpu_seconds(pid), count.chunks, count.requests
+            cpu0, chunks0, requests0 = bench._cpu_seconds(pid), record.chunks, count.requests
             await asyncio.sleep(args.window_s)
-            cpu1, chunks1, requests1 = bench._cpu_seconds(pid), count.chunks, count.requests
+            cpu1, chunks1, requests1 = bench._cpu_seconds(pid), record.chunks, count.requests
             stop.set()
             await asyncio.gather(*workers)
             if window % 2:
@@ -136,7 +119,7 @@ async def _measure(args: argparse.Namespace, url: str, pid: int) -> dict[str, An
             else:
                 quiet.append((cpu1 - cpu0, chunks1 - chunks0))
             if any(task.done() for task in streams):
-                count.fail("a long stream ended before the last window")
+                count.failed.append("a long stream ended before the last window")
                 break
         for task in streams:
             task.cancel()
@@ -158,7 +141,7 @@ async def _measure(args: argparse.Namespace, url: str, pid: int) -> dict[str, An
         "request_ms": round(statistics.median(per_request), 3) if per_request else None,
         "request_ms_windows": [round(ms, 3) for ms in per_request],
         "requests": sum(requests for _, _, requests in busy),
-        "errors": sorted(set(count.failed))[:5],
+        "errors": sorted(set(count.failed + record.failed))[:5],
     }
 
 
