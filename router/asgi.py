@@ -95,13 +95,7 @@ async def read_body(
     parts: list[bytes] = []
     size = 0
     while True:
-        try:
-            # A deadline on this task, not ``wait_for``: that wrapped each receive() in a
-            # task of its own, two or more per request.
-            async with asyncio.timeout(timeout_s):
-                message = await receive()
-        except TimeoutError:
-            raise BodyTimeout from None
+        message = await (receive() if timeout_s is None else _within(receive, timeout_s))
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk: bytes = message.get("body", b"")
@@ -111,6 +105,31 @@ async def read_body(
             size += len(chunk)
         if not message.get("more_body", False) or size > drain_bytes:
             return b"".join(parts)[: limit + 1]
+
+
+def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
+    expired.append(True)
+    task.cancel()
+
+
+async def _within(receive: Receive, timeout_s: float) -> Message:
+    """``receive()`` under a deadline on this task (:class:`BodyTimeout` past it), as
+    ``asyncio.timeout`` has it for one await: a timer that cancels the task, the cancel
+    taken back if it was the timer's. Not ``wait_for``, which wrapped each receive() in a
+    task of its own; and not ``asyncio.timeout``, whose context manager cost a request ~5 µs
+    (~36k instructions, ``chunk_instructions``) against ~1 µs for this timer."""
+    task = asyncio.current_task()
+    assert task is not None  # an ASGI app runs in a task
+    expired: list[bool] = []
+    timer = asyncio.get_running_loop().call_later(timeout_s, _expire, task, expired)
+    try:
+        return await receive()
+    except asyncio.CancelledError:
+        if expired and task.uncancel() == 0:
+            raise BodyTimeout from None
+        raise
+    finally:
+        timer.cancel()
 
 
 async def until_disconnect(receive: Receive) -> None:

@@ -139,7 +139,11 @@ class AffinityPolicy:
             return None
         if self.policy == "round_robin":
             return BackendChoice(available[next(self._rr) % len(available)], "round-robin")
-        rank = rendezvous_rank(key, {b: self.weights.get(b, 1.0) for b in available})
+        # One backend is its own rank: no digest to take (a region of one backend per model).
+        rank = (
+            list(available) if len(available) == 1
+            else rendezvous_rank(key, {b: self.weights.get(b, 1.0) for b in available})
+        )
         position = {b: i for i, b in enumerate(rank)}
 
         def least_loaded() -> str:
