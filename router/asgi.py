@@ -123,13 +123,16 @@ async def _within(receive: Receive, timeout_s: float) -> Message:
     expired: list[bool] = []
     timer = asyncio.get_running_loop().call_later(timeout_s, _expire, task, expired)
     try:
-        return await receive()
+        message = await receive()
     except asyncio.CancelledError:
         if expired and task.uncancel() == 0:
             raise BodyTimeout from None
         raise
     finally:
         timer.cancel()
+    if expired:  # receive() took the timer's cancel and answered anyway: take it back too
+        task.uncancel()
+    return message
 
 
 async def until_disconnect(receive: Receive) -> None:

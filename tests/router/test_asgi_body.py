@@ -4,6 +4,7 @@ from outside stays a cancel, and a part that comes in time leaves no timer behin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -61,3 +62,19 @@ async def test_a_cancel_from_outside_is_not_a_timeout() -> None:
         await reader
     assert reader.cancelled()
 
+
+
+async def test_a_part_that_outlives_the_deadline_leaves_no_cancel_behind() -> None:
+    """A receive() that takes the deadline's cancel and answers anyway (as a server may,
+    finishing what it had): the part is read, and the task is not left marked cancelling,
+    which would turn a later deadline's expiry into a plain cancel."""
+
+    async def receive() -> Message:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        return _parts(b"done")[0]
+
+    assert await read_body(receive, 100, timeout_s=0.02) == b"done"
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
