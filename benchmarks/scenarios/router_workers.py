@@ -58,6 +58,7 @@ from typing import Any
 
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.redis_server import running_redis
+from firstbyte.benchmarks.scenarios._soak_procs import free_port
 
 __all__ = ["run"]
 
@@ -67,15 +68,6 @@ BUSY = 0.85
 PROMPT = b"Summarise the plot of Hamlet in one paragraph."
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _cpu_s(pid: int) -> float:
@@ -506,7 +498,7 @@ def run(
         running_redis() as rs,
         contextlib.ExitStack() as stack,
     ):
-        sim_port = _free_port()
+        sim_port = free_port()
         sim_args = ["sim", "--port", str(sim_port), "--max-num-seqs", str(n_max + 64),
                     "--queue-limit", str(4 * n_max), "--server", "uvicorn"]
         sim = stack.enter_context(_spawn(sim_args, "127.0.0.1"))
@@ -516,7 +508,7 @@ def run(
         # measured again last (A/A: what noise and drift alone make of the figures).
         routers: dict[str, tuple[int, _Proc, str | None]] = {}
         for name, workers, shared in ROUTERS:
-            port = _free_port()
+            port = free_port()
             redis_url = rs.url if shared else None
             config = _router_config(Path(tmp) / f"{name}.toml", sim_url, port, workers,
                                     redis_url, n_max)
