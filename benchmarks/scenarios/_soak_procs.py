@@ -14,10 +14,8 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +28,7 @@ import httpx
 
 from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.errors import PartFailed
+from firstbyte.benchmarks.ports import free_port
 
 __all__ = ["Child", "MemorySampler", "Sim", "free_port", "router_log_findings", "start_router",
            "toml"]
@@ -42,37 +41,6 @@ FIRSTBYTE = (
     " from firstbyte.cli import main; sys.exit(main(sys.argv[1:]))",
 )
 _SIM_URL = re.compile(rb"serving (http://\S+)")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the router is told its port in its config),
-    below the kernel's ephemeral range: a port from ``bind(0)`` lies in that range, where the
-    source port of any outgoing connection may take it before the router binds it (a quick
-    tenancy run in the suite lost its router so: "Address already in use")."""
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(_LOWEST_PORT, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no luck below the range: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-_LOWEST_PORT = 20_000
-
-
-def _ephemeral_low() -> int:
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32_768  # Linux's default
-    return max(low, _LOWEST_PORT + 1000)
 
 
 def toml(data: Mapping[str, Any]) -> str:

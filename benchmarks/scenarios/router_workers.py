@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from firstbyte.benchmarks.errors import PartFailed
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import running_redis
-from firstbyte.benchmarks.scenarios._soak_procs import free_port
 
 __all__ = ["run"]
 

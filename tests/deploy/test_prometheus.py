@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -30,6 +29,7 @@ import msgspec
 import pytest
 import yaml
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import RouterEndpoints, running_router
@@ -133,13 +133,6 @@ def test_promtool_accepts_the_rules(prometheus: tuple[str, str]) -> None:
     assert f"SUCCESS: {len(rule_queries())} rules found" in result.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def running_prometheus(binary: str, tmp: Path, target: str) -> Iterator[str]:
     """Prometheus scraping ``target`` every second with the rules loaded; yields its URL."""
@@ -153,7 +146,7 @@ def running_prometheus(binary: str, tmp: Path, target: str) -> Iterator[str]:
         }],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = (tmp / "prometheus.log").open("wb")
     process = subprocess.Popen(
         [binary, f"--config.file={tmp / 'prometheus.yml'}",

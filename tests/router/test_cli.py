@@ -5,27 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 from pathlib import Path
 
 import httpx
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
 from tests.router.conftest import API_KEY, auth, client_tls
 
 
-def free_port() -> int:
-    with socket.socket() as tcp, socket.socket(type=socket.SOCK_DGRAM) as udp:
-        tcp.bind(("127.0.0.1", 0))
-        port: int = tcp.getsockname()[1]
-        udp.bind(("127.0.0.1", port))  # the router needs the UDP port too
-        return port
-
-
 async def test_router_process_from_config_file(tmp_path: Path, tls_files: dict[str, str]) -> None:
     async with sim_server("instant", served_model_names=["m"]) as sim:
-        port = free_port()
+        port = free_port(udp=True)  # the router needs the UDP port too
         config = tmp_path / "router.toml"
         config.write_text(
             f'region = "cli-1"\n[[upstreams]]\nurl = "{sim.url}"\n'

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import secrets
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +23,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
@@ -366,7 +366,7 @@ async def test_the_first_admission_after_a_redis_restart_is_answered() -> None:
     """The turn's calls keep their last connection: after Redis restarts it is dead, and the
     next batch reconnects once, at once (as redis-py retries its own commands), instead of
     answering ``503 state_unavailable`` for the request that found it so."""
-    port = _free_port()
+    port = free_port()
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(running_redis(port=port))
         redis = Redis.from_url(server.url)
@@ -389,13 +389,6 @@ async def test_the_first_admission_after_a_redis_restart_is_answered() -> None:
         finally:
             await admission.aclose()
             await redis.aclose()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 async def test_the_writer_packs_a_stream_key_once_and_forgets_past_its_bound(

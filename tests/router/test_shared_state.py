@@ -28,6 +28,7 @@ import pytest
 import redis
 from websockets.asyncio.client import connect as ws_connect
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.client_sdk import AsyncClient
 from firstbyte.client_sdk.errors import APIError, StreamLostError
@@ -60,15 +61,6 @@ class RouterProcess:
     @property
     def url(self) -> str:
         return f"https://127.0.0.1:{self.port}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _config(tmp: Path, name: str, upstream: str, tls: dict[str, str], redis_url: str,
@@ -144,7 +136,7 @@ async def running_pair(
     routers = []
     try:
         for name in ("a", "b"):
-            port = _free_port()
+            port = free_port()
             config = _config(tmp, name, upstream, tls, redis_url, port, upstreams=upstreams,
                              key_prefix=key_prefix, extra=extra)
             routers.append(_start(config, port, tmp, name))
@@ -380,7 +372,7 @@ async def workers(
     sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
 ) -> AsyncIterator[RouterProcess]:
     """``firstbyte router --workers 2`` (a supervisor and two workers) on one port."""
-    port = _free_port()
+    port = free_port()
     config = _config(tmp_path, "w", sim.url, tls_files, redis_server.url, port, workers=2)
     router = _start(config, port, tmp_path, "w")
     try:

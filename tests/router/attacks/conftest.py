@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import resource
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from firstbyte.benchmarks.ports import free_port
 from tests.router.conftest import API_KEY, auth
 from tests.router.upstream import Upstream, running_upstream
 
@@ -60,13 +60,6 @@ def write_config(path: Path, sections: dict[str, Any], upstream_url: str) -> Non
     for name, values in sections.items():
         lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in values.items())]
     path.write_text("\n".join(lines) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass

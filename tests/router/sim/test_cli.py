@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.protocol.sse import DONE
 from tests.cli import FIRSTBYTE
 
@@ -38,13 +39,6 @@ def start(procs: list[subprocess.Popen[str]], *args: str) -> tuple[subprocess.Po
     match = re.search(r"serving (http://\S+)", line)
     assert match, (line, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
     return proc, match.group(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_healthy(url: str, within_s: float = 15.0) -> None:
