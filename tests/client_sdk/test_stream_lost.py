@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.errors import StreamBrokenError, StreamLostError
 from firstbyte.router.sim.server import running_sim
 from tests.cli import FIRSTBYTE
 from tests.client_sdk.conftest import ROUTER_KEY
 from tests.client_sdk.test_client import MESSAGES
-from tests.router.test_cli import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ async def test_restarted_router_surfaces_stream_lost_on_every_transport(
 ) -> None:
     ca_file, cert_file, key_file = tls_files
     async with running_sim("instant", faults=[f"stall:after={BEFORE_DEATH}"], seed=7) as sim:
-        port = free_port()
+        port = free_port(udp=True)
         config = tmp_path / "router.toml"
         config.write_text(
             f'region = "lost"\n[[upstreams]]\nurl = "{sim}"\n'

@@ -29,9 +29,9 @@ import httpx
 import pytest
 import trustme
 
+from firstbyte.benchmarks.ports import free_port
 from tests.deploy.containerfile import ROOT, Instruction, Stage, read_stages
 from tests.router.h3client import h3_request
-from tests.router.test_cli import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,7 @@ def mounted(image: Image, sim: str) -> Mounted:
     peers = re.findall(r'^url = "(https://[^"]+)"', text, re.MULTILINE)
     assert upstreams
     assert len(peers) == 2, peers
-    closed = f"https://127.0.0.1:{free_port()}"
+    closed = f"https://127.0.0.1:{free_port(udp=True)}"
     for url in upstreams:
         text = text.replace(f'"{url}"', f'"{sim}"')
     for url in peers:
@@ -254,7 +254,7 @@ def test_the_entry_point_checks_the_config(image: Image, mounted: Mounted) -> No
 
 
 async def test_the_entry_point_serves_the_shipped_config(image: Image, mounted: Mounted) -> None:
-    port = free_port()
+    port = free_port(udp=True)
     healthz = f"https://127.0.0.1:{port}/healthz"
     # `docker run IMAGE --host 127.0.0.1 --port N`: arguments after the image are appended.
     proc = await asyncio.create_subprocess_exec(

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.protocol.formats import MESSAGES
 from firstbyte.router.observability.access import (
     MAX_FIELD_CHARS,
@@ -39,7 +40,6 @@ from firstbyte.router.observability.logs import (
 from firstbyte.router.sim.server import sim_server
 from tests.cli import FIRSTBYTE
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth, client_tls
-from tests.router.test_cli import free_port
 from tests.router.upstream import running_upstream
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -86,7 +86,7 @@ async def test_router_process_logs_json_lines_on_stdout(
     tmp_path: Path, tls_files: dict[str, str]
 ) -> None:
     async with sim_server("instant", served_model_names=["m"]) as sim:
-        port, dead_port = free_port(), _closed_port()
+        port, dead_port = free_port(udp=True), _closed_port()
         config = tmp_path / "router.toml"
         config.write_text(
             f'region = "logs-1"\n'

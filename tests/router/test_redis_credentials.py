@@ -23,6 +23,7 @@ import pytest
 import redis
 import trustme
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import RedisServer, RedisTls, running_redis
 from firstbyte.router.config import ConfigError, parse_config
 from firstbyte.router.config_check import check_files
@@ -33,7 +34,6 @@ from tests.router.conftest import client_tls
 from tests.router.redis_fixture import tls_server_binary
 from tests.router.test_shared_state import (
     _config,
-    _free_port,
     _read_sse,
     _start_sse,
     running_pair,
@@ -126,7 +126,7 @@ def test_a_wrong_password_file_stops_check_and_start_in_one_line(
     secret = tmp_path / "password"
     secret.write_text("not-the-password-4d1f\n")
     path = _config(tmp_path, "wrong", "http://127.0.0.1:9/v1", tls_files, password_redis.url,
-                   _free_port(), extra=f'redis_password_file = "{secret}"\n')
+                   free_port(), extra=f'redis_password_file = "{secret}"\n')
     for args in (("--check-config", str(path)), ("--config", str(path))):
         done = _run_cli(*args)
         assert done.returncode == 2, done
@@ -143,7 +143,7 @@ def test_the_right_password_from_the_environment_passes_the_check(
     password_redis: RedisServer, tls_files: dict[str, str], tmp_path: Path
 ) -> None:
     path = _config(tmp_path, "env", "http://127.0.0.1:9/v1", tls_files, password_redis.url,
-                   _free_port(), extra='redis_password_env = "FIRSTBYTE_TEST_REDIS_PW"\n')
+                   free_port(), extra='redis_password_env = "FIRSTBYTE_TEST_REDIS_PW"\n')
     done = _run_cli("--check-config", str(path), env={"FIRSTBYTE_TEST_REDIS_PW": PASSWORD})
     assert (done.returncode, done.stdout, done.stderr) == (0, "OK\n", "")
     unset = _run_cli("--check-config", str(path), env={"FIRSTBYTE_TEST_REDIS_PW": ""})
@@ -237,11 +237,11 @@ async def test_rediss_with_a_private_ca_serves(
         plain_client.ping()
     plain_client.close()
     extra = f'redis_password_file = "{secret}"\nredis_ca_file = "{ca_file}"\n'
-    path = _config(tmp_path, "tls", sim.url, tls_files, url, _free_port(), extra=extra)
+    path = _config(tmp_path, "tls", sim.url, tls_files, url, free_port(), extra=extra)
     done = await asyncio.to_thread(_run_cli, "--check-config", str(path))
     assert (done.returncode, done.stdout, done.stderr) == (0, "OK\n", "")
     # Without the private CA the server is not trusted: one line, at the check.
-    plain = _config(tmp_path, "untrusted", sim.url, tls_files, url, _free_port(),
+    plain = _config(tmp_path, "untrusted", sim.url, tls_files, url, free_port(),
                     extra=f'redis_password_file = "{secret}"\n')
     refused = await asyncio.to_thread(_run_cli, "--check-config", str(plain))
     assert refused.returncode == 2

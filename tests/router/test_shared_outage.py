@@ -26,6 +26,7 @@ import pytest
 import redis
 from websockets.asyncio.client import connect as ws_connect
 
+from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.protocol import error_codes
 from firstbyte.router.config import RouterConfig, parse_config
@@ -43,7 +44,6 @@ from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.test_shared_state import (
     RouterProcess,
     _config,
-    _free_port,
     _start,
     _stop,
     _until_listening,
@@ -136,7 +136,7 @@ async def test_300_streams_at_once_with_shared_state(
     sim: SimServer, redis_server: RedisServer, tls_files: dict[str, str],  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     # The sim shares this test's event loop with the 300 clients, and the suite's other
     # workers share the cores: on a busy host its answers to the burst's last requests have
     # come later than the first-byte deadline's 5 s floor (a CI run: the last 56 requests
@@ -260,8 +260,8 @@ async def test_redis_outage_mid_load_then_served_again_with_nothing_held(
     workers both reconcile (this process's in-flight count is read from one of them)."""
     prefix = "outage:"
     extra = "timeout_s = 0.5\n" + LIMITS
-    port = _free_port()
-    redis_port = _free_port()
+    port = free_port()
+    redis_port = free_port()
     stack = contextlib.ExitStack()
     server = stack.enter_context(_own_redis(redis_port))
     path = _config(tmp_path, outage, sim.url, tls_files, server.url, port, workers,
@@ -338,9 +338,9 @@ def test_bad_redis_url_fails_check_config_and_start_in_one_line(
     tmp_path: Path,
 ) -> None:
     redis_url = url.format(host=password_redis.host, port=password_redis.port,
-                           unused=_free_port())
+                           unused=free_port())
     path = _config(tmp_path, "bad", "http://127.0.0.1:9/v1", tls_files, redis_url,
-                   _free_port())
+                   free_port())
     for args in (("--check-config", str(path)), ("--config", str(path))):
         started = time.monotonic()
         done = _run_cli(*args)
@@ -359,7 +359,7 @@ def test_right_password_passes_check_config(
 ) -> None:
     redis_url = f"redis://:s3cret@{password_redis.host}:{password_redis.port}/0"
     path = _config(tmp_path, "good", "http://127.0.0.1:9/v1", tls_files, redis_url,
-                   _free_port())
+                   free_port())
     done = _run_cli("--check-config", str(path))
     assert (done.returncode, done.stdout.strip()) == (0, "OK"), done.stderr
 
@@ -402,7 +402,7 @@ async def test_a_restarted_redis_learns_the_slots_requests_in_flight_hold(
     at the next renewal and writes what it holds again, so the key's and backend's counts
     (every process's limits) include those requests instead of starting from 0."""
     prefix = "restart:"
-    port, redis_port = _free_port(), _free_port()
+    port, redis_port = free_port(), free_port()
     stack = contextlib.ExitStack()
     server = stack.enter_context(_own_redis(redis_port))
     path = _config(tmp_path, "restart", upstream.url, tls_files, server.url, port,
@@ -502,7 +502,7 @@ async def test_a_stream_read_on_another_process_goes_on_through_a_redis_freeze(
         routers: list[RouterProcess] = []
         try:
             for name in ("a", "b"):
-                port = _free_port()
+                port = free_port()
                 path = _config(tmp_path, name, upstream.url, tls_files, server.url, port,
                                key_prefix="follow:", extra="timeout_s = 0.5\n")
                 # A lease longer than the freeze: the producer is not declared lost.
