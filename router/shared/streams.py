@@ -49,6 +49,7 @@ from firstbyte.protocol.codec import CHAT
 from firstbyte.protocol.formats import BY_NAME
 from firstbyte.tasks import cancel_and_wait
 
+from ..chunkpath import PACK_XADDS
 from ..hosting.limits import Throttle
 from ..observability.logs import describe_error
 from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
@@ -531,11 +532,27 @@ class _Writer:
         named = self._names
         if len(named) > _NAMES_KEPT:
             named.clear()
-        for stream, event in batch:
+        xadds, name_of = PACK_XADDS, self._name_of
+        i, count = 0, len(batch)
+        while i < count:
+            if xadds is not None:  # compiled: a run of plain events at once
+                i, run_names, run_values, run_ops = xadds(
+                    batch, i, _OPS_PER_CALL - len(ops), named, name_of, _TRIM, DONE_DATA)
+                if run_ops:
+                    names.append(run_names)
+                    values.append(run_values)
+                    ops += run_ops
+                    if len(ops) >= _OPS_PER_CALL:
+                        close()
+                    continue
+                if i == count:
+                    break
+            stream, event = batch[i]  # what the compiled run stopped at, or every item
+            i += 1
             if event is not None and event is not _TRIM:  # an event: the common case, first
                 name = named.get(stream.id)
                 if name is None:
-                    name = named[stream.id] = bulk(keys.events(stream.id).encode())
+                    name = named[stream.id] = name_of(stream.id)
                 names.append(name)
                 seq, data = event.seq, event.data
                 entry = b"%d-0" % seq
@@ -567,6 +584,10 @@ class _Writer:
         if ops:
             close()
         return b"".join(calls), producers
+
+    def _name_of(self, stream_id: str) -> bytes:
+        """A stream's event key, as a RESP bulk string."""
+        return bulk(self._keys.events(stream_id).encode())
 
     async def _write(self, batch: list[tuple[Stream, StreamEvent | None]]) -> None:
         # Packed here and sent on one of redis-py's pooled connections (:mod:`.wire`): its

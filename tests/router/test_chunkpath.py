@@ -25,7 +25,7 @@ from firstbyte.router.hosting.body_writer import uvicorn_writer
 from firstbyte.router.hosting.prometheus import GapTimer, Histogram
 from firstbyte.router.pipeline.relay import EventFramer, Relay
 from firstbyte.router.readers import SSEFramer
-from firstbyte.router.streams import EVENT_OVERHEAD_BYTES, StreamEvent, StreamStore, _Tap
+from firstbyte.router.streams import EVENT_OVERHEAD_BYTES, Stream, StreamEvent, StreamStore, _Tap
 from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin
 from tests.router.conftest import RouterFactory, auth
 from tests.router.streamtext import sse_text
@@ -38,6 +38,7 @@ def test_the_compiled_path_is_built() -> None:
     assert chunkpath.BUILT, "firstbyte.router._chunkpath was not built by the install"
     assert chunkpath.READ_PATH is not None
     assert chunkpath.SSE_WRITER is not None
+    assert chunkpath.PACK_XADDS is not None
 
 
 # -- the SSE writer, sans sockets -------------------------------------------------------
@@ -280,6 +281,87 @@ def test_the_per_chunk_objects_keep_their_fields_in_slots() -> None:
         assert [type(o).__name__ for o in objects if hasattr(o, "__dict__")] == []
     finally:
         loop.close()
+
+
+# -- the Redis writer's packing, sans sockets ---------------------------------------------
+
+
+def _writer_batch() -> list[tuple[Stream, StreamEvent | None]]:
+    """A write's queue with every kind of item, more than a script call's operations."""
+    from firstbyte.router.shared.streams import _TRIM
+
+    streams = [Stream(f"id-{n}", b"owner", 0.0, subject="user-7" if n == 1 else None,
+                      format="completions" if n == 2 else "chat") for n in range(5)]
+    batch: list[tuple[Stream, StreamEvent | None]] = [(s, None) for s in streams]
+    for seq in range(1, 140):
+        for n, stream in enumerate(streams):
+            batch.append((stream, StreamEvent(seq, b'{"n":%d,"seq":%d}' % (n, seq))))
+            if seq == 70 and n == 3:
+                stream.trimmed = 12
+                batch.append((stream, _TRIM))
+    streams[0].upstream_ttft_ms = 41.25  # [DONE] with its TTFT, and without
+    batch += [(streams[0], StreamEvent(140, b"[DONE]")), (streams[4], StreamEvent(140, b"[DONE]")),
+              (streams[1], StreamEvent(2**70, b"beyond 64 bits")),  # the loop's to pack
+              (streams[2], StreamEvent(141, bytearray(b"not bytes"))),  # type: ignore[arg-type]
+              (streams[3], StreamEvent(140, b""))]
+    return batch
+
+
+def test_the_compiled_packer_packs_what_the_python_loop_packs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The script calls go to Redis as packed here: the same bytes, split into the same
+    # calls, with the same stream behind each operation (a refused XADD fences it).
+    from firstbyte.router.shared import streams as shared_streams
+    from firstbyte.router.shared.keys import Keys
+
+    assert chunkpath.PACK_XADDS is not None
+    batch = _writer_batch()
+    packed = {}
+    for path, packer in (("compiled", chunkpath.PACK_XADDS), ("python", None)):
+        monkeypatch.setattr(shared_streams, "PACK_XADDS", packer)
+        writer = shared_streams._Writer(None, Keys("fb:"), "proc-1", 60_000, 1000)  # type: ignore[arg-type]
+        packed[path] = [writer._pack(batch), writer._pack(batch)]  # keys made, then kept
+        assert sorted(writer._names) == [f"id-{n}" for n in range(5)]
+    (first, producers), again = packed["compiled"]
+    assert packed["python"] == packed["compiled"]
+    assert again == (first, producers)
+    assert len(producers) == 3
+    assert [len(ops) for ops in producers] == [256, 256, 196]
+    assert first.count(b"$4\r\nEVAL\r\n") == 3
+    assert b"$1\r\nX\r\n$3\r\n1-0\r\n" in first
+    assert b"$1\r\nt\r\n$6\r\n41.250\r\n" in first
+    assert b"$1\r\nx\r\n$24\r\n1180591620717411303424-0\r\n" in first
+
+
+def test_the_compiled_packer_stops_where_the_loop_must_pack() -> None:
+    from firstbyte.router.shared.streams import _TRIM
+
+    assert chunkpath.PACK_XADDS is not None
+    stream = Stream("s", b"owner", 0.0)
+    names: dict[str, bytes] = {}
+    made: list[str] = []
+
+    def name_of(stream_id: str) -> bytes:
+        made.append(stream_id)
+        return b"$3\r\nk:s\r\n"
+
+    plain = [(stream, StreamEvent(seq, b"d%d" % seq)) for seq in (1, 2, 3)]
+    pack = chunkpath.PACK_XADDS
+    for stop in (None, _TRIM, StreamEvent(4, b"[DONE]")):
+        end, keys, values, ops = pack([*plain, (stream, stop)], 0, 256, names, name_of,
+                                      _TRIM, b"[DONE]")
+        assert (end, keys, ops) == (3, b"$3\r\nk:s\r\n" * 3, [stream] * 3)
+        assert values == (b"$1\r\nX\r\n$3\r\n1-0\r\n$2\r\nd1\r\n"
+                          b"$1\r\nx\r\n$3\r\n2-0\r\n$2\r\nd2\r\n"
+                          b"$1\r\nx\r\n$3\r\n3-0\r\n$2\r\nd3\r\n")
+    assert made == ["s"]  # made once, then kept in `names`
+    assert pack(plain, 1, 1, names, name_of, _TRIM, b"[DONE]")[0] == 2  # at most `limit`
+    assert pack(plain, 3, 9, names, name_of, _TRIM, b"[DONE]")[1:] == (b"", b"", [])
+    with pytest.raises(TypeError, match="must return bytes"):
+        pack(plain, 0, 9, {}, lambda stream_id: "str", _TRIM, b"[DONE]")
+    with pytest.raises(ZeroDivisionError):  # name_of's own error reaches the writer
+        pack(plain, 0, 9, {}, lambda stream_id: 1 / 0, _TRIM, b"[DONE]")
 
 
 # -- the read path, over sockets ----------------------------------------------------------
