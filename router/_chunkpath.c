@@ -15,6 +15,9 @@
  *                   _Writer._pack): the XADD operations of a run of plain events, packed
  *                   as the Python loop packs them; it stops at anything else (a stream's
  *                   metadata, a trim, a [DONE]), which the Python loop packs.
+ *   Mirror(queue, first)
+ *                   a shared stream's mirror: each event queued for the Redis writer
+ *                   (_Writer.push), without a Python call per event.
  *   SSEWriter(events)
  *                   a direct reader's write (SSEFramer.writer with uvicorn's body writer):
  *                   `id: SEQ\ndata: DATA\n\n` per event, one HTTP chunk, one transport.write;
@@ -983,6 +986,100 @@ static PyTypeObject SSEWriterType = {
     .tp_call = PyVectorcall_Call,
 };
 
+/* ---------------------------------------------------------------- Mirror
+ *
+ * A shared stream's mirror (Stream.mirror, called with every event the stream gets, by
+ * stream_add above and by Stream.append): (stream, event) appended to the Redis writer's
+ * queue, and `first()` called when the queue was empty (the writer wakes), as
+ * _Writer.push does in Python, without a Python call per event. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *queue; /* list */
+    PyObject *first;
+    vectorcallfunc vectorcall;
+} Mirror;
+
+static PyObject *
+Mirror_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Mirror *self = (Mirror *)op;
+    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "Mirror takes (stream, event)");
+        return NULL;
+    }
+    PyObject *item = PyTuple_Pack(2, args[0], args[1]);
+    if (item == NULL)
+        return NULL;
+    int failed = PyList_Append(self->queue, item);
+    Py_DECREF(item);
+    if (failed)
+        return NULL;
+    if (PyList_GET_SIZE(self->queue) == 1)
+        return PyObject_CallNoArgs(self->first);
+    Py_RETURN_NONE;
+}
+
+static int
+Mirror_traverse(Mirror *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->queue);
+    Py_VISIT(self->first);
+    return 0;
+}
+
+static int
+Mirror_clear(Mirror *self)
+{
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->first);
+    return 0;
+}
+
+static void
+Mirror_dealloc(Mirror *self)
+{
+    PyObject_GC_UnTrack(self);
+    Mirror_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Mirror_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *queue, *first;
+    static char *names[] = {"queue", "first", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O:Mirror", names, &PyList_Type, &queue,
+                                     &first))
+        return NULL;
+    if (!PyCallable_Check(first)) {
+        PyErr_SetString(PyExc_TypeError, "Mirror: first must be callable");
+        return NULL;
+    }
+    Mirror *self = (Mirror *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->queue = Py_NewRef(queue);
+    self->first = Py_NewRef(first);
+    self->vectorcall = Mirror_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject MirrorType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "firstbyte.router._chunkpath.Mirror",
+    .tp_doc = "Mirror(queue, first)(stream, event): queue.append((stream, event)); first() "
+              "if the queue was empty.",
+    .tp_basicsize = sizeof(Mirror),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = Mirror_new,
+    .tp_dealloc = (destructor)Mirror_dealloc,
+    .tp_traverse = (traverseproc)Mirror_traverse,
+    .tp_clear = (inquiry)Mirror_clear,
+    .tp_vectorcall_offset = offsetof(Mirror, vectorcall),
+    .tp_call = PyVectorcall_Call,
+};
+
 /* ---------------------------------------------------------------- pack_xadds
  *
  * With shared state every relayed event is packed into the Redis writer's next script call
@@ -1015,21 +1112,6 @@ buffer_add(Buffer *buffer, const char *bytes, Py_ssize_t size)
     memcpy(buffer->bytes + buffer->size, bytes, size);
     buffer->size += size;
     return 0;
-}
-
-/* `value` in decimal at `out` (room for 20 digits); how many digits. */
-static Py_ssize_t
-put_decimal(char *out, unsigned long long value)
-{
-    char digits[20];
-    Py_ssize_t count = 0;
-    do {
-        digits[count++] = (char)('0' + value % 10);
-        value /= 10;
-    } while (value);
-    for (Py_ssize_t i = 0; i < count; i++)
-        out[i] = digits[count - 1 - i];
-    return count;
 }
 
 /* pack_xadds(batch, start, limit, names, name_of, trim, done)
@@ -1120,23 +1202,20 @@ pack_xadds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         /* "$1\r\nX\r\n$<n>\r\n<seq>-0\r\n$<size>\r\n" (snprintf was half this loop's time) */
-        char head[96], entry[32];
-        Py_ssize_t entry_size = put_decimal(entry, seq < 0 ? 0 : (unsigned long long)seq);
-        memcpy(entry + entry_size, "-0", 2);
-        entry_size += 2;
-        Py_ssize_t head_size = 0;
-        memcpy(head, seq == 1 ? "$1\r\nX\r\n$" : "$1\r\nx\r\n$", 8);
-        head_size = 8;
-        head_size += put_decimal(head + head_size, (unsigned long long)entry_size);
-        memcpy(head + head_size, "\r\n", 2);
-        head_size += 2;
-        memcpy(head + head_size, entry, entry_size);
-        head_size += entry_size;
-        memcpy(head + head_size, "\r\n$", 3);
-        head_size += 3;
-        head_size += put_decimal(head + head_size, (unsigned long long)size);
-        memcpy(head + head_size, "\r\n", 2);
-        head_size += 2;
+        char entry[32], head[96];
+        char *entry_end = write_decimal(entry, seq);
+        memcpy(entry_end, "-0", 2);
+        Py_ssize_t entry_size = entry_end + 2 - entry;
+        char *p = head;
+        memcpy(p, seq == 1 ? "$1\r\nX\r\n$" : "$1\r\nx\r\n$", 8);
+        p = write_decimal(p + 8, entry_size);
+        memcpy(p, "\r\n", 2);
+        memcpy(p + 2, entry, entry_size);
+        p += 2 + entry_size;
+        memcpy(p, "\r\n$", 3);
+        p = write_decimal(p + 3, size);
+        memcpy(p, "\r\n", 2);
+        Py_ssize_t head_size = p + 2 - head;
         int failed = buffer_add(&keys, PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name)) < 0 ||
                      buffer_add(&values, head, head_size) < 0 ||
                      buffer_add(&values, PyBytes_AS_STRING(data), size) < 0 ||
@@ -1192,13 +1271,15 @@ PyInit__chunkpath(void)
     INTERN(s_wake, "_wake");
     for (Slot *const *slot = all_slots; *slot != NULL; slot++)
         INTERN((*slot)->name, (*slot)->text);
-    if (PyType_Ready(&ReadPathType) < 0 || PyType_Ready(&SSEWriterType) < 0)
+    if (PyType_Ready(&ReadPathType) < 0 || PyType_Ready(&SSEWriterType) < 0 ||
+        PyType_Ready(&MirrorType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&chunkpath_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "ReadPath", (PyObject *)&ReadPathType) < 0 ||
-        PyModule_AddObjectRef(module, "SSEWriter", (PyObject *)&SSEWriterType) < 0) {
+        PyModule_AddObjectRef(module, "SSEWriter", (PyObject *)&SSEWriterType) < 0 ||
+        PyModule_AddObjectRef(module, "Mirror", (PyObject *)&MirrorType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

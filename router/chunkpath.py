@@ -16,12 +16,14 @@ of event, a reader that fell behind, a named event) goes the Python way, which s
 one definition of what a read means; the compiled path gives the same store, bytes and
 counters (``tests/router/test_chunkpath.py``).
 
-With shared state it also packs the Redis writer's operation for each plain event
-(:data:`PACK_XADDS`, in place of :meth:`~firstbyte.router.shared.streams._Writer._pack`'s
-loop for that event; the loop packs everything else).
+With shared state it also queues each event for the Redis writer (:data:`MIRROR`, in place
+of :meth:`~firstbyte.router.shared.streams._Writer.push`) and packs the writer's operation
+for each plain event (:data:`PACK_XADDS`, in place of
+:meth:`~firstbyte.router.shared.streams._Writer._pack`'s loop for that event; the loop packs
+everything else).
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
-``READ_PATH``, ``SSE_WRITER`` and ``PACK_XADDS`` are None and the Python path runs alone, as it does with
+``READ_PATH``, ``SSE_WRITER``, ``MIRROR`` and ``PACK_XADDS`` are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -30,11 +32,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["BUILT", "PACK_XADDS", "READ_PATH", "SSE_WRITER"]
+__all__ = ["BUILT", "MIRROR", "PACK_XADDS", "READ_PATH", "SSE_WRITER"]
 
 READ_PATH: Any = None
 SSE_WRITER: Any = None
 PACK_XADDS: Any = None
+MIRROR: Any = None
 BUILT = False
 """The compiled module imported (whether or not the environment turned it off)."""
 
@@ -48,3 +51,4 @@ else:
         READ_PATH = _chunkpath.ReadPath
         SSE_WRITER = _chunkpath.SSEWriter
         PACK_XADDS = _chunkpath.pack_xadds
+        MIRROR = _chunkpath.Mirror

@@ -49,7 +49,7 @@ from firstbyte.protocol.codec import CHAT
 from firstbyte.protocol.formats import BY_NAME
 from firstbyte.tasks import cancel_and_wait
 
-from ..chunkpath import PACK_XADDS
+from ..chunkpath import MIRROR, PACK_XADDS
 from ..hosting.limits import Throttle
 from ..observability.logs import describe_error
 from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
@@ -296,7 +296,7 @@ class SharedStreams:
         it is ``announced`` already (by its admission)."""
         if not announced:
             self.announcer.announce(stream)
-        stream.mirror = self.writer.push
+        stream.mirror = self.writer.mirror
         stream.on_trim = self.writer.trim
 
     async def announced(self, stream: Stream) -> None:
@@ -445,6 +445,7 @@ class _Writer:
                       bulk(b"%d" % max_age_ms), bulk(self._process))
         self._interval_s = interval_s
         self._queue: list[tuple[Stream, StreamEvent | None]] = []
+        """What the next write carries, in order (kept as one list: :attr:`mirror` holds it)."""
         self._names: dict[str, bytes] = {}
         """Each stream's event key as a RESP bulk string, by stream id: packed once a stream,
         not once a write (a write carries about one event of each live stream)."""
@@ -452,6 +453,10 @@ class _Writer:
         self._idle = asyncio.Event()
         """Set while nothing is queued or being written."""
         self._announced: dict[str, asyncio.Future[None]] = {}
+        self.mirror: Callable[[Stream, StreamEvent], object] = (
+            self.push if MIRROR is None else MIRROR(self._queue, self._first_queued))
+        """Each shared stream's :attr:`~firstbyte.router.streams.Stream.mirror`: :meth:`push`,
+        compiled where it was built (no Python call per relayed event)."""
         self._task: asyncio.Task[None] | None = None
         self._connection: Any = None
         """The writer's own connection, taken from the pool once: the pool's hand-out and
@@ -483,10 +488,13 @@ class _Writer:
         queue = self._queue
         queue.append((stream, event))
         if len(queue) == 1:  # called per relayed chunk: the rest is done once per write
-            self._idle.clear()
-            wake = self._wake
-            if wake is not None and not wake.done():
-                wake.set_result(None)
+            self._first_queued()
+
+    def _first_queued(self) -> None:
+        self._idle.clear()
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def trim(self, stream: Stream) -> None:
         """Queue the trim of ``stream``'s events up to ``stream.trimmed`` (after its XADDs)."""
@@ -505,7 +513,8 @@ class _Writer:
             if pause > 0:  # the events of the rest of the interval go with these
                 await asyncio.sleep(pause)
             last = loop.time()
-            batch, self._queue = self._queue, []
+            batch = self._queue.copy()
+            self._queue.clear()
             await self._write(batch)
 
     def _pack(

@@ -39,6 +39,7 @@ def test_the_compiled_path_is_built() -> None:
     assert chunkpath.READ_PATH is not None
     assert chunkpath.SSE_WRITER is not None
     assert chunkpath.PACK_XADDS is not None
+    assert chunkpath.MIRROR is not None
 
 
 # -- the SSE writer, sans sockets -------------------------------------------------------
@@ -332,6 +333,41 @@ def test_the_compiled_packer_packs_what_the_python_loop_packs(
     assert b"$1\r\nX\r\n$3\r\n1-0\r\n" in first
     assert b"$1\r\nt\r\n$6\r\n41.250\r\n" in first
     assert b"$1\r\nx\r\n$24\r\n1180591620717411303424-0\r\n" in first
+
+
+async def test_the_compiled_mirror_queues_and_wakes_as_push_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A shared stream's every event goes through its mirror: queued in order, in the list the
+    # writer's next write takes, and the writer woken by the first one only.
+    from firstbyte.router.shared import streams as shared_streams
+    from firstbyte.router.shared.keys import Keys
+
+    assert chunkpath.MIRROR is not None
+    seen = {}
+    for path, mirror in (("compiled", chunkpath.MIRROR), ("python", None)):
+        monkeypatch.setattr(shared_streams, "MIRROR", mirror)
+        writer = shared_streams._Writer(None, Keys("fb:"), "proc-1", 60_000, 1000)  # type: ignore[arg-type]
+        assert (type(writer.mirror).__name__ == "Mirror") is (mirror is not None)
+        wakes = []
+        for round_ in range(2):
+            writer._idle.set()
+            writer._wake = asyncio.get_running_loop().create_future()
+            stream = Stream(f"s{round_}", b"owner", 0.0, mirror=writer.mirror)
+            stream.append(b"one", 0.0)
+            wakes.append((writer._wake.done(), writer._idle.is_set()))
+            writer._wake = asyncio.get_running_loop().create_future()
+            stream.append(b"two", 0.0)  # queued behind the first: no wake-up
+            wakes.append((writer._wake.done(), writer._idle.is_set()))
+            if round_ == 0:  # the write takes the queue; the next event wakes it again
+                batch = writer._queue.copy()
+                writer._queue.clear()
+        seen[path] = (wakes, [(s.id, e.seq, e.data) for s, e in batch],  # type: ignore[union-attr]
+                      [(s.id, e.seq) for s, e in writer._queue])  # type: ignore[union-attr]
+    assert seen["compiled"] == seen["python"]
+    assert seen["compiled"] == (
+        [(True, False), (False, False), (True, False), (False, False)],
+        [("s0", 1, b"one"), ("s0", 2, b"two")], [("s1", 1), ("s1", 2)])
 
 
 def test_the_compiled_packer_stops_where_the_loop_must_pack() -> None:
