@@ -23,8 +23,9 @@ for each plain event (:data:`PACK_XADDS`, in place of
 everything else).
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
-``READ_PATH``, ``SSE_WRITER``, ``MIRROR`` and ``PACK_XADDS`` are None and the Python path runs alone, as it does with
-``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
+``READ_PATH``, ``SSE_WRITER``, ``MIRROR`` and ``PACK_XADDS`` are None and the Python path
+runs alone, as it does with ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare
+the two).
 """
 
 from __future__ import annotations
