@@ -215,6 +215,21 @@ def _redis_info(url: str, section: str) -> dict[str, Any]:
     return info
 
 
+def _redis_exchanges(url: str) -> dict[str, int]:
+    """Redis's counts so far (one ``INFO``): the reads it has processed from its clients (a
+    round trip each, or a part of a large one) and the scripts it has run, by digest
+    (``EVALSHA``: admissions and releases) and with their body (``EVAL``: the stream
+    writer's calls)."""
+    info = _redis_info(url, "all")
+
+    def calls(command: str) -> int:
+        stats = info.get(f"cmdstat_{command}")
+        return int(stats["calls"]) if isinstance(stats, dict) else 0
+
+    return {"reads": int(info.get("total_reads_processed", 0)),
+            "evalsha": calls("evalsha"), "eval": calls("eval")}
+
+
 def _self_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -305,6 +320,7 @@ def _measure(
     self_cpu0 = _self_cpu_s()
     machine0 = _machine_busy_s()
     redis_cpu0 = _cpu_s(redis_pid) if redis_pid else 0.0
+    exchanges0 = _redis_exchanges(redis_url) if redis_url else None
     peak: dict[str, int] = {"router_rss": 0, "redis_rss": 0, "live": 0}
 
     async def sample(load: _Load) -> None:
@@ -332,6 +348,10 @@ def _measure(
         wall_s = time.monotonic() - started
     router_cpu = (router.cpu_s() - router_cpu0) if router else 0.0
     redis_cpu = (_cpu_s(redis_pid) - redis_cpu0) if redis_pid else 0.0
+    exchanges: dict[str, float | None] = {"reads": None, "evalsha": None, "eval": None}
+    if exchanges0 is not None and redis_url:
+        exchanges1 = _redis_exchanges(redis_url)
+        exchanges = {k: round((exchanges1[k] - exchanges0[k]) / n, 2) for k in exchanges0}
     busiest = max(
         (cpu - per_process0.get(pid, 0.0) for pid, cpu in router.busiest_cpu_s().items()),
         default=0.0,
@@ -366,6 +386,9 @@ def _measure(
         "router_cpu_us_per_chunk": round(router_cpu / chunks * 1e6, 1) if router else None,
         "router_chunks_per_cpu_s": round(load.chunks / router_cpu) if router_cpu else None,
         "redis_cpu_us_per_chunk": round(redis_cpu / chunks * 1e6, 1) if redis_pid else None,
+        "redis_reads_per_stream": exchanges["reads"],
+        "redis_evalsha_per_stream": exchanges["evalsha"],
+        "redis_eval_per_stream": exchanges["eval"],
         "router_rss_mb_per_1000_live": round(peak["router_rss"] / live_k / 2**20, 1)
         if router else None,
         "redis_rss_mb_per_1000_live": round(peak["redis_rss"] / live_k / 2**20, 1)
@@ -758,9 +781,10 @@ def _markdown(results: dict[str, Any]) -> str:
     lines = [
         "| target | streams | rounds | errors | peak live | TTFT P50 / P99 ms |"
         " added P50 / P99 ms | response head P50 ms | router's own time per stream, mean / P99 ms |"
-        " router CPU µs/chunk | Redis CPU µs/chunk | RSS MB/1k live (router, Redis) | held |"
+        " router CPU µs/chunk | Redis CPU µs/chunk |"
+        " Redis reads / stream (EVALSHA, EVAL) | RSS MB/1k live (router, Redis) | held |"
         " CPU of a core: router (busiest / all), sim, load gen, Redis, others | limit | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in results["targets"].items():
         for level, r in rows.items():
@@ -771,6 +795,9 @@ def _markdown(results: dict[str, Any]) -> str:
                 f" {_fmt(r['p50_head_ms'])} |"
                 f" {_fmt(r['router_start_mean_ms'], 2)} / {_fmt(r['router_start_p99_ms'], 2)} |"
                 f" {_fmt(r['router_cpu_us_per_chunk'])} | {_fmt(r['redis_cpu_us_per_chunk'])} |"
+                f" {_fmt(r.get('redis_reads_per_stream'), 2)}"
+                f" ({_fmt(r.get('redis_evalsha_per_stream'), 2)},"
+                f" {_fmt(r.get('redis_eval_per_stream'), 2)}) |"
                 f" {_fmt(r['router_rss_mb_per_1000_live'])},"
                 f" {_fmt(r['redis_rss_mb_per_1000_live'])}"
                 f" | {r.get('held', '-')} | {_shares(r['cpu_share'])} | {r['limit']} |"

@@ -48,6 +48,13 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
             if name.endswith("redis"):
                 assert row["redis_cpu_us_per_chunk"] > 0
                 assert row["redis_rss_mb_per_1000_live"] > 0
+                # a stream's admission and the writer's calls reach Redis: a script by its
+                # digest per admission (the releases' go with them or in calls of their own)
+                assert row["redis_evalsha_per_stream"] >= 1
+                assert row["redis_eval_per_stream"] > 0
+                assert row["redis_reads_per_stream"] > 0
+            else:  # no Redis: none of its counts
+                assert row["redis_reads_per_stream"] is None
     # Two workers: two processes served (the busiest one did less than all of them together).
     two = results["targets"]["router-2-redis"][levels[-1]]["cpu_share"]
     assert two["router"] < two["router total"]
