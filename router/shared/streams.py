@@ -491,6 +491,7 @@ class _Writer:
             self._first_queued()
 
     def _first_queued(self) -> None:
+        """The queue was empty: the writer has work again."""
         self._idle.clear()
         wake = self._wake
         if wake is not None and not wake.done():
@@ -554,8 +555,6 @@ class _Writer:
                     if len(ops) >= _OPS_PER_CALL:
                         close()
                     continue
-                if i == count:
-                    break
             stream, event = batch[i]  # what the compiled run stopped at, or every item
             i += 1
             if event is not None and event is not _TRIM:  # an event: the common case, first
@@ -585,7 +584,7 @@ class _Writer:
                     values += (b"$1\r\nf\r\n", bulk(stream.format.encode()), b"$0\r\n\r\n")
                     ops.append(None)
             else:  # its trim point
-                names.append(bulk(keys.events(stream.id).encode()))
+                names.append(name_of(stream.id))
                 values += (b"$1\r\nr\r\n", bulk(b"%d-0" % (stream.trimmed + 1)), b"$0\r\n\r\n")
                 ops.append(None)
             if len(ops) >= _OPS_PER_CALL:
