@@ -25,7 +25,7 @@ import collections
 import hashlib
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import ConnectionPool
@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 Arg = bytes | str | int | float
+
+Landed = Callable[[Exception | None], None]
+"""Told when a batch's last reply came (None) or why it never will (:meth:`ReplyChannel.send`)."""
 
 
 def bulk(value: bytes) -> bytes:
@@ -188,7 +191,7 @@ class ReplyChannel(asyncio.Protocol):
         self._theirs = self._transport.get_protocol()
         self._parser = ReplyParser()
         self._waiting: collections.deque[
-            tuple[asyncio.Future[Any], asyncio.Future[None] | None]
+            tuple[asyncio.Future[Any], Landed | None]
         ] = collections.deque()
         self.broken: Exception | None = None
         """Why the connection can carry no more (then it is closed)."""
@@ -198,19 +201,19 @@ class ReplyChannel(asyncio.Protocol):
         """Commands sent so far (replies come in their order)."""
         self._transport.set_protocol(self)
 
-    def send(self, packed: bytes, futures: Sequence[asyncio.Future[Any]]) -> asyncio.Future[None]:
-        """Write ``packed`` (one command per future); the returned future is done when the
-        last reply has arrived (or the connection broke)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def send(self, packed: bytes, futures: Sequence[asyncio.Future[Any]], landed: Landed) -> None:
+        """Write ``packed`` (one command per future); ``landed(None)`` is called once the last
+        reply has arrived, or ``landed(why)`` once the connection broke first (at once if it
+        is broken already). It is called from the data callback, not a turn later, so the
+        next batch can go out at once."""
         if self.broken is not None:
-            done.set_exception(self.broken)
-            return done
+            landed(self.broken)
+            return
         last = len(futures) - 1
         for i, future in enumerate(futures):
-            self._waiting.append((future, done if i == last else None))
+            self._waiting.append((future, landed if i == last else None))
         self.sent += len(futures)
         self._transport.write(packed)
-        return done
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -219,18 +222,21 @@ class ReplyChannel(asyncio.Protocol):
             self.fail(exc)
             return
         self.replies += len(replies)
+        landed: Landed | None = None
         for reply in replies:
             if not self._waiting:
                 self.fail(InvalidResponse("Redis sent a reply to no command"))
                 return
-            future, done = self._waiting.popleft()
+            future, last = self._waiting.popleft()
             if not future.done():  # else its caller left meanwhile
                 if isinstance(reply, ResponseError):
                     future.set_exception(reply)
                 else:
                     future.set_result(reply)
-            if done is not None and not done.done():
-                done.set_result(None)
+            if last is not None:
+                landed = last
+        if landed is not None:  # after the loop: what it sends next is not matched to these
+            landed(None)
 
     def eof_received(self) -> bool:
         self.fail(ConnectionError("Redis closed the connection"))
@@ -252,13 +258,12 @@ class ReplyChannel(asyncio.Protocol):
         its callers get: a batch sent again keeps their futures); the connection closes."""
         if self.broken is None:
             self.broken = exc
-        while self._waiting:
-            _, done = self._waiting.popleft()
-            if done is not None and not done.done():
-                done.set_exception(exc)
-                done.exception()  # its batch's task may be gone: no "never retrieved" log
+        landed = [last for _, last in self._waiting if last is not None]
+        self._waiting.clear()
         if not self._transport.is_closing():
             self._transport.close()
+        for last in landed:
+            last(exc)
 
     def give_back(self) -> bool:
         """Hand the transport back to redis-py's protocol: True if the connection is whole
@@ -273,15 +278,18 @@ class ReplyChannel(asyncio.Protocol):
 class Calls:
     """Commands sent by many callers, together, one batch in flight at a time.
 
-    :meth:`call` queues one command and returns the future of its reply. The first call
-    starts a sender whose first step runs at the end of the turn, so a burst of stream starts
-    (or ends) shares one send and one read; calls made while a batch awaits its replies go
-    together in the next batch, sent as soon as those replies are in. In a ramp each batch
-    then carries what came during one round trip, instead of one send and one read (two
-    system calls, ~10% of a stream start's CPU here) per loop turn; a call waits at most the
-    round trip in flight before its own goes. Replies are parsed in the connection's data
-    callback (:class:`ReplyChannel`), which is kept from batch to batch: the pool's hand-out
-    and return cost as much CPU as a batch.
+    :meth:`call` queues one command and returns the future of its reply. With no batch in
+    flight it goes at once, in the caller's turn; calls made while a batch awaits its replies
+    go together in the next batch, sent from the data callback that read the last of those
+    replies. In a ramp each batch then carries what came during one round trip, instead of
+    one send and one read (two system calls, ~10% of a stream start's CPU here) per loop
+    turn; a call waits at most the round trip in flight before its own goes. No task runs a
+    batch: a stream's start awaits its admission, and in a ramp every loop turn relays the
+    chunks ready then, so each turn between the call and its send, or between a reply and
+    the next send, is that much later a first byte. Replies are parsed in the connection's
+    data callback (:class:`ReplyChannel`), which is kept from batch to batch: the pool's
+    hand-out and return cost as much CPU as a batch. Only opening a connection (the first
+    call, or after Redis went away) takes a task.
     """
 
     def __init__(self, pool: ConnectionPool, timeout_s: float) -> None:
@@ -289,10 +297,16 @@ class Calls:
         self._timeout_s = timeout_s
         self._queue: list[tuple[bytes, asyncio.Future[Any], float]] = []
         """Calls not sent yet: the command, its caller's future, when it was made."""
-        self._sender: asyncio.Task[None] | None = None
-        """Sends the queue, batch after batch, until it is empty."""
+        self._busy = False
+        """A batch is in flight, or a connection is being opened for one."""
+        self._opening: asyncio.Task[None] | None = None
+        """Opens a connection, then sends the batch that waits for it."""
         self._channel: ReplyChannel | None = None
         """The connection the batches go on, until it breaks."""
+        self._retiring: set[asyncio.Task[None]] = set()
+        """Broken connections being closed and handed back to the pool."""
+        self._drained: asyncio.Future[None] | None = None
+        """Set when nothing is queued or in flight (:meth:`aclose` waits for it)."""
         self.round_trips = 0
         """Batches sent (each one round trip)."""
         self.commands = 0
@@ -305,12 +319,8 @@ class Calls:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append((packed, future, loop.time()))
-        if self._sender is None:
-            # A task whose first step runs after the rest of this turn's calls and sends
-            # them: a callback that started the task would cost each batch one more loop
-            # turn, ~0.5-1 ms under a 1,000-stream/s ramp (each turn relays every chunk
-            # ready), which a stream's start awaits.
-            self._sender = asyncio.ensure_future(self._send_queued())
+        if not self._busy:
+            self._next()
         return future
 
     async def script(self, script: PackedScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
@@ -321,80 +331,78 @@ class Calls:
         except NoScriptError:
             return await self.call(script.eval(keys, args))
 
-    async def _send_queued(self) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                live = [call for call in batch if not call[1].done()]
-                if live:  # else every caller cancelled before the send: nothing to claim
-                    await self._send(live)
-        finally:
-            self._sender = None
-            queued, self._queue = self._queue, []
-            for _, future, _ in queued:  # the sender was cancelled (the loop is closing)
-                if not future.done():
-                    future.set_exception(ConnectionError("batch cancelled"))
+    def _next(self) -> None:
+        """Send what is queued, as one batch: on the kept connection now, or through a task
+        that opens one; else (nothing queued) the sender is idle."""
+        self._busy = True
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            live = [call for call in batch if not call[1].done()]
+            if not live:  # every caller cancelled before the send: nothing to claim
+                continue
+            # Each call's replies are due ``timeout_s`` after it was made, whatever it waited
+            # for behind a batch in flight: the oldest call's deadline is the batch's.
+            deadline = live[0][2] + self._timeout_s
+            if loop.time() >= deadline:  # waited its whole time in the queue
+                _fail(live, RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s"))
+                continue
+            channel = self._channel
+            if channel is not None and channel.broken is None:
+                self._send_on(channel, live, deadline, retry=True)
+            else:  # none yet, or it broke between batches (Redis went away)
+                self._opening = asyncio.ensure_future(self._open_and_send(live, deadline))
+            return
+        self._busy = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
-    async def _send(self, batch: list[tuple[bytes, asyncio.Future[Any], float]]) -> None:
+    def _send_on(
+        self, channel: ReplyChannel, batch: list[tuple[bytes, asyncio.Future[Any], float]],
+        deadline: float, *, retry: bool,
+    ) -> None:
+        """Send ``batch`` on ``channel``; when its replies are in, the next batch goes. If the
+        connection breaks before any of its replies came and ``retry``, it goes again once,
+        at once, on a new connection (Redis closed this one, a restart: as redis-py retries
+        its own commands); never after a timeout, nor once a reply of it came."""
         self.round_trips += 1
         self.commands += len(batch)
-        packed = b"".join(call[0] for call in batch)
         futures = [call[1] for call in batch]
-        # Each call's replies are due ``timeout_s`` after it was made, whatever it waited
-        # for in the queue behind a batch in flight: the oldest call's deadline is the batch's.
-        deadline = batch[0][2] + self._timeout_s
-        try:
-            await self._exchange(packed, futures, deadline)
-        except BaseException as exc:  # the batch is lost: each caller decides what that means
-            lost = exc if isinstance(exc, Exception) else ConnectionError("batch cancelled")
-            for future in futures:
-                if not future.done():
-                    future.set_exception(lost)
-            if not isinstance(exc, Exception):
-                raise
-
-    async def _exchange(
-        self, packed: bytes, futures: list[asyncio.Future[Any]], deadline: float
-    ) -> None:
-        """Send on the kept connection (or a new one); the callers' futures are set as the
-        replies arrive, and this returns after the last, or raises if ``deadline`` (loop
-        time) passes first (the connection is dropped then: replies may still be on their
-        way)."""
-        if asyncio.get_running_loop().time() >= deadline:  # waited its whole time in the queue
-            raise RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s")
-        channel = self._channel
-        if channel is not None and channel.broken is None:
-            sent = channel.sent
-            try:
-                await self._exchange_on(channel, packed, futures, deadline)
-                return
-            except ConnectionError:
-                # Once, at once, on a new connection: Redis closed this one (a restart)
-                # before it answered any of these, as redis-py retries its own commands;
-                # never on a timeout, nor once a reply of this batch came.
-                if channel.replies > sent:
-                    raise
-        elif channel is not None:  # it broke between batches (Redis went away)
-            await self._retire(channel)
-        async with asyncio.timeout_at(deadline):
-            channel = await self._open()
-        await self._exchange_on(channel, packed, futures, deadline)
-
-    async def _exchange_on(
-        self, channel: ReplyChannel, packed: bytes, futures: list[asyncio.Future[Any]],
-        deadline: float,
-    ) -> None:
+        sent = channel.sent
         # One deadline for the whole batch, none per reply; a timer, not asyncio.timeout,
         # whose set-up and tear-down per batch cost several times more CPU.
         timer = asyncio.get_running_loop().call_at(deadline, self._late, channel)
-        try:
-            await channel.send(packed, futures)
-        except BaseException:
-            channel.fail(RedisTimeoutError("batch abandoned"))
-            await self._retire(channel)
-            raise
-        finally:
+
+        def landed(why: Exception | None) -> None:
             timer.cancel()
+            if why is not None:
+                self._retire(channel)
+                if retry and isinstance(why, ConnectionError) and channel.replies <= sent:
+                    self._opening = asyncio.ensure_future(self._open_and_send(batch, deadline))
+                    return
+                _fail(batch, why)
+            self._next()
+
+        channel.send(b"".join(call[0] for call in batch), futures, landed)
+
+    async def _open_and_send(
+        self, batch: list[tuple[bytes, asyncio.Future[Any], float]], deadline: float
+    ) -> None:
+        try:
+            async with asyncio.timeout_at(deadline):
+                channel = await self._open()
+        except BaseException as exc:  # the batch is lost: each caller decides what that means
+            self._opening = None
+            if not isinstance(exc, Exception):  # cancelled (the loop is closing)
+                _fail(batch + self._queue, ConnectionError("batch cancelled"))
+                self._queue = []
+                self._busy = False
+                raise
+            _fail(batch, exc)
+            self._next()
+        else:
+            self._opening = None
+            self._send_on(channel, batch, deadline, retry=False)
 
     def _late(self, channel: ReplyChannel) -> None:
         channel.fail(RedisTimeoutError(f"no reply from Redis in {self._timeout_s:g} s"))
@@ -411,11 +419,13 @@ class Calls:
         self.connections += 1
         return channel
 
-    async def _retire(self, channel: ReplyChannel) -> None:
+    def _retire(self, channel: ReplyChannel) -> None:
         """Close a broken connection and hand it back to the pool (once)."""
         if self._channel is channel:
             self._channel = None
-            await self._drop(channel.connection)
+            task = asyncio.ensure_future(self._drop(channel.connection))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     async def _drop(self, connection: Any) -> None:
         await connection.disconnect()
@@ -424,11 +434,24 @@ class Calls:
     async def aclose(self) -> None:
         """Wait for the batches queued and in flight (a clean exit's releases reach Redis),
         then give the connection back."""
-        if self._sender is not None:
-            await asyncio.wait([self._sender], timeout=self._timeout_s)
+        if self._busy:
+            self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.wait([self._drained], timeout=self._timeout_s)
+        if self._opening is not None:
+            self._opening.cancel()
+            await asyncio.wait([self._opening])
+        if self._retiring:
+            await asyncio.wait(self._retiring)
         channel, self._channel = self._channel, None
         if channel is not None:
             if channel.give_back():
                 await self._pool.release(channel.connection)
             else:
                 await self._drop(channel.connection)
+
+
+def _fail(batch: Sequence[tuple[bytes, asyncio.Future[Any], float]], why: Exception) -> None:
+    """Each caller of ``batch`` still waiting gets ``why``."""
+    for _, future, _ in batch:
+        if not future.done():
+            future.set_exception(why)
