@@ -6,12 +6,10 @@ one prepacked among others in one send ~20 µs, and a reply parsed per relayed c
 (there is no hiredis here). So the commands on a stream's path are packed here
 (:func:`pack`), and each job's commands go out together:
 
-- :func:`round_trip` sends a batch on one pooled connection and reads every reply under one
-  deadline (an error reply is returned in its place, a lost connection raises);
-- :class:`Calls` gathers the calls of one event-loop turn whose replies are awaited (a
-  stream's admission) or not (its releases) into one round trip, one batch in flight at a
-  time, on a kept connection whose replies it parses in the data callback
-  (:class:`ReplyChannel`);
+- :class:`Calls` sends the calls of many callers (streams' admissions and releases; the
+  stream writer's script calls, on a :class:`Calls` of its own) one batch in flight at a
+  time, those made during a round trip together in the next, on a kept connection whose
+  replies it parses in the data callback (:class:`ReplyChannel`);
 - :class:`PackedScript` is a Lua script called by its digest, its body sent only if Redis
   lost it (a restart, ``SCRIPT FLUSH``).
 
@@ -24,7 +22,6 @@ import asyncio
 import collections
 import hashlib
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,10 +40,12 @@ __all__ = [
     "check_shape",
     "pack",
     "pooled",
-    "round_trip",
 ]
 
 Arg = bytes | str | int | float
+
+_Call = tuple[bytes, list["asyncio.Future[Any]"], float]
+"""A queued call (:class:`Calls`): its commands, a future per reply, when it was made."""
 
 Landed = Callable[[Exception | None], None]
 """Told when a batch's last reply came (None) or why it never will (:meth:`ReplyChannel.send`)."""
@@ -85,57 +84,6 @@ async def pooled(pool: ConnectionPool) -> Any:
     if _NAMED_GET:
         return await pool.get_connection("EVALSHA")  # type: ignore[no-untyped-call]
     return await pool.get_connection()  # type: ignore[no-untyped-call,unused-ignore]
-
-
-async def round_trip(
-    pool: ConnectionPool, packed: bytes, replies: int, timeout_s: float
-) -> list[Any]:
-    """Send ``packed`` (``replies`` commands) on one pooled connection; their replies, in
-    order, an error reply as its :class:`~redis.exceptions.ResponseError`. Raises if no
-    connection is free (the pool's own timeout), or the connection fails or takes over
-    ``timeout_s`` for the replies (then it is dropped: replies may still be on their way)."""
-    connection = await pooled(pool)
-    try:
-        return await exchange(connection, packed, replies, timeout_s)
-    finally:
-        await pool.release(connection)
-
-
-async def exchange(connection: Any, packed: bytes, replies: int, timeout_s: float) -> list[Any]:
-    """:func:`round_trip` on ``connection`` (disconnected if it fails)."""
-    results: list[Any] = [None] * replies
-    try:
-        # One deadline for the whole batch, its send included, none per reply: redis-py
-        # arms a timeout for every reply it reads, which was a third of the stream writer's
-        # CPU per event.
-        async with asyncio.timeout(timeout_s):
-            await _send(connection, packed)
-            for i in range(replies):
-                try:
-                    results[i] = await connection.read_response(
-                        disable_decoding=True, timeout=math.inf
-                    )
-                except ResponseError as refused:  # one command refused: read on
-                    results[i] = refused
-    except BaseException:
-        await connection.disconnect()
-        raise
-    return results
-
-
-async def _send(connection: Any, packed: bytes) -> None:
-    """Write ``packed`` (connecting first if need be), bounded by the caller's deadline.
-
-    redis-py bounds a send by the connection's ``socket_timeout`` with ``asyncio.wait_for``,
-    which on Python 3.11 runs the write in a task of its own: two more loop turns per round
-    trip, each a millisecond or more in a ramp (every turn relays the chunks ready then),
-    which a stream's start awaited. Without a socket timeout it writes in the caller's turn.
-    """
-    bound, connection.socket_timeout = connection.socket_timeout, None
-    try:
-        await connection.send_packed_command(packed, check_health=False)
-    finally:
-        connection.socket_timeout = bound
 
 
 class PackedScript:
@@ -295,8 +243,8 @@ class Calls:
     def __init__(self, pool: ConnectionPool, timeout_s: float) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
-        self._queue: list[tuple[bytes, asyncio.Future[Any], float]] = []
-        """Calls not sent yet: the command, its caller's future, when it was made."""
+        self._queue: list[_Call] = []
+        """Calls not sent yet: the commands, a future per reply, when they were made."""
         self._busy = False
         """A batch is in flight, or a connection is being opened for one."""
         self._opening: asyncio.Task[None] | None = None
@@ -318,10 +266,21 @@ class Calls:
         the exception that lost the batch."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._queue.append((packed, future, loop.time()))
+        self._queue.append((packed, [future], loop.time()))
         if not self._busy:
             self._next()
         return future
+
+    def call_many(self, packed: bytes, replies: int) -> list[asyncio.Future[Any]]:
+        """Queue ``packed``, ``replies`` commands that go in one batch; a future per reply,
+        in order, as :meth:`call`'s. Leaving (cancelling the first future) before they are
+        sent withdraws them all."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(replies)]
+        self._queue.append((packed, futures, loop.time()))
+        if not self._busy:
+            self._next()
+        return futures
 
     async def script(self, script: PackedScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run ``script``: its reply, or the error it raised (a lost script is sent again with
@@ -338,7 +297,7 @@ class Calls:
         loop = asyncio.get_running_loop()
         while self._queue:
             batch, self._queue = self._queue, []
-            live = [call for call in batch if not call[1].done()]
+            live = [call for call in batch if not call[1][0].done()]
             if not live:  # every caller cancelled before the send: nothing to claim
                 continue
             # Each call's replies are due ``timeout_s`` after it was made, whatever it waited
@@ -358,16 +317,15 @@ class Calls:
             self._drained.set_result(None)
 
     def _send_on(
-        self, channel: ReplyChannel, batch: list[tuple[bytes, asyncio.Future[Any], float]],
-        deadline: float, *, retry: bool,
+        self, channel: ReplyChannel, batch: list[_Call], deadline: float, *, retry: bool,
     ) -> None:
         """Send ``batch`` on ``channel``; when its replies are in, the next batch goes. If the
         connection breaks before any of its replies came and ``retry``, it goes again once,
         at once, on a new connection (Redis closed this one, a restart: as redis-py retries
         its own commands); never after a timeout, nor once a reply of it came."""
+        futures = [future for call in batch for future in call[1]]
         self.round_trips += 1
-        self.commands += len(batch)
-        futures = [call[1] for call in batch]
+        self.commands += len(futures)
         sent = channel.sent
         # One deadline for the whole batch, none per reply; a timer, not asyncio.timeout,
         # whose set-up and tear-down per batch cost several times more CPU.
@@ -385,9 +343,7 @@ class Calls:
 
         channel.send(b"".join(call[0] for call in batch), futures, landed)
 
-    async def _open_and_send(
-        self, batch: list[tuple[bytes, asyncio.Future[Any], float]], deadline: float
-    ) -> None:
+    async def _open_and_send(self, batch: list[_Call], deadline: float) -> None:
         try:
             async with asyncio.timeout_at(deadline):
                 channel = await self._open()
@@ -450,8 +406,9 @@ class Calls:
                 await self._drop(channel.connection)
 
 
-def _fail(batch: Sequence[tuple[bytes, asyncio.Future[Any], float]], why: Exception) -> None:
+def _fail(batch: Sequence[_Call], why: Exception) -> None:
     """Each caller of ``batch`` still waiting gets ``why``."""
-    for _, future, _ in batch:
-        if not future.done():
-            future.set_exception(why)
+    for _, futures, _ in batch:
+        for future in futures:
+            if not future.done():
+                future.set_exception(why)
