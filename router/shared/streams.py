@@ -631,11 +631,12 @@ class _Writer:
                     self._fence(producer, f"an XADD of {producer.id} was refused")
         if lost is not None:
             self._failed(unwritten, lost)
-        for stream, event in batch:
-            if event is None:
-                future = self._announced.pop(stream.id, None)
-                if future is not None and not future.done():
-                    future.set_result(None)
+        if self._announced:  # a pass over every event of the write, only for announcements
+            for stream, event in batch:
+                if event is None:
+                    future = self._announced.pop(stream.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(None)
 
     def _failed(self, commands: int, exc: Exception) -> None:
         self.failures += 1
