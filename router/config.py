@@ -335,7 +335,8 @@ class StateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A process renews its lease this often x3; readers elsewhere declare its unfinished
     streams lost (a ``stream_lost`` error event) once the lease has lapsed."""
     max_events_per_stream: Annotated[int, msgspec.Meta(ge=16)] = 100_000
-    """Redis keeps about this many events per stream (``XADD MAXLEN ~``)."""
+    """Redis keeps about this many events per stream (``XADD MAXLEN ~``, checked on every
+    64th event, or eighth of this if fewer)."""
     write_interval_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 10.0
     """A process writes its streams' new events to Redis at most this often (all of them in
     one round trip): a reader on another process sees an event up to this much later (plus

@@ -331,8 +331,11 @@ def test_the_compiled_packer_packs_what_the_python_loop_packs(
     assert [len(ops) for ops in producers] == [256, 256, 196]
     assert first.count(b"$4\r\nEVAL\r\n") == 3
     assert b"$1\r\nX\r\n$3\r\n1-0\r\n" in first
+    assert b"$1\r\nx\r\n$4\r\n63-0\r\n" in first
+    assert b"$1\r\ny\r\n$4\r\n64-0\r\n" in first  # every 64th bounds the stream's length
+    assert first.count(b"$1\r\ny\r\n") == 5 * 2 + 1  # 64 and 128 of each stream, 2**70
     assert b"$1\r\nt\r\n$6\r\n41.250\r\n" in first
-    assert b"$1\r\nx\r\n$24\r\n1180591620717411303424-0\r\n" in first
+    assert b"$1\r\ny\r\n$24\r\n1180591620717411303424-0\r\n" in first
 
 
 async def test_the_compiled_mirror_queues_and_wakes_as_push_does(
@@ -386,18 +389,23 @@ def test_the_compiled_packer_stops_where_the_loop_must_pack() -> None:
     pack = chunkpath.PACK_XADDS
     for stop in (None, _TRIM, StreamEvent(4, b"[DONE]")):
         end, keys, values, ops = pack([*plain, (stream, stop)], 0, 256, names, name_of,
-                                      _TRIM, b"[DONE]")
+                                      _TRIM, b"[DONE]", 64)
         assert (end, keys, ops) == (3, b"$3\r\nk:s\r\n" * 3, [stream] * 3)
         assert values == (b"$1\r\nX\r\n$3\r\n1-0\r\n$2\r\nd1\r\n"
                           b"$1\r\nx\r\n$3\r\n2-0\r\n$2\r\nd2\r\n"
                           b"$1\r\nx\r\n$3\r\n3-0\r\n$2\r\nd3\r\n")
     assert made == ["s"]  # made once, then kept in `names`
-    assert pack(plain, 1, 1, names, name_of, _TRIM, b"[DONE]")[0] == 2  # at most `limit`
-    assert pack(plain, 3, 9, names, name_of, _TRIM, b"[DONE]")[1:] == (b"", b"", [])
+    assert pack(plain, 1, 1, names, name_of, _TRIM, b"[DONE]", 64)[0] == 2  # at most `limit`
+    assert pack(plain, 3, 9, names, name_of, _TRIM, b"[DONE]", 64)[1:] == (b"", b"", [])
+    assert pack(plain, 0, 9, names, name_of, _TRIM, b"[DONE]", 2)[2] == (  # every 2nd bounds
+        b"$1\r\nX\r\n$3\r\n1-0\r\n$2\r\nd1\r\n$1\r\ny\r\n$3\r\n2-0\r\n$2\r\nd2\r\n"
+        b"$1\r\nx\r\n$3\r\n3-0\r\n$2\r\nd3\r\n")
+    with pytest.raises(ValueError, match="every must be at least 1"):
+        pack(plain, 0, 9, names, name_of, _TRIM, b"[DONE]", 0)
     with pytest.raises(TypeError, match="must return bytes"):
-        pack(plain, 0, 9, {}, lambda stream_id: "str", _TRIM, b"[DONE]")
+        pack(plain, 0, 9, {}, lambda stream_id: "str", _TRIM, b"[DONE]", 64)
     with pytest.raises(ZeroDivisionError):  # name_of's own error reaches the writer
-        pack(plain, 0, 9, {}, lambda stream_id: 1 / 0, _TRIM, b"[DONE]")
+        pack(plain, 0, 9, {}, lambda stream_id: 1 / 0, _TRIM, b"[DONE]", 64)
 
 
 # -- the read path, over sockets ----------------------------------------------------------

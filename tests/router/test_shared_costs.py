@@ -322,16 +322,46 @@ async def test_an_admission_is_answered_in_two_loop_turns(
     finally:
         selector.select = poll
 
-def _shared_state(redis: RedisServer) -> SharedState:
-    """The shared state of a router on ``redis``, under a key prefix of its own (not started)."""
+def _shared_state(redis: RedisServer, **state: Any) -> SharedState:
+    """The shared state of a router on ``redis``, under a key prefix of its own (not started),
+    with ``state`` added to its ``[state]`` table."""
     config = parse_config({
         "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
         "listen": {"insecure_plain_http": True},
-        "state": {"redis_url": redis.url, "key_prefix": f"w{secrets.token_hex(4)}:"},
+        "state": {"redis_url": redis.url, "key_prefix": f"w{secrets.token_hex(4)}:", **state},
     }, "test")
     shared = connect(config)
     assert shared is not None
     return shared
+
+
+async def test_a_stream_in_redis_stays_near_its_bound_though_few_xadds_check_it(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """``state.max_events_per_stream`` bounds a stream in Redis (``XADD MAXLEN ~``), checked
+    by its first event and every few after (the check was a fifth of Redis's work for an
+    event): a stream of 1,000 events under a bound of 16 keeps about a node's worth (``~``
+    trims whole nodes of 100 entries), and one under the default keeps every event."""
+    shared = _shared_state(redis_server, max_events_per_stream=16)
+    roomy = _shared_state(redis_server)
+    try:
+        for state in (shared, roomy):
+            await state.start()
+        bounded, whole = Stream("bounded", b"owner", 0.0), Stream("whole", b"owner", 0.0)
+        for state, stream in ((shared, bounded), (roomy, whole)):
+            state.streams.publish(stream)
+            await state.streams.announced(stream)
+            for n in range(1000):
+                stream.append(b"data: %d" % n, 0.0)
+        await asyncio.sleep(0.3)  # one write interval and its round trip
+        kept = await shared.redis.xlen(shared.keys.events("bounded"))
+        assert 16 <= kept <= 16 + 100 + 2, kept
+        assert await roomy.redis.xlen(roomy.keys.events("whole")) == 1000
+        last: Any = await shared.redis.xrevrange(shared.keys.events("bounded"), count=1)
+        assert last[0][0] == b"1000-0"  # the newest kept, the oldest dropped
+    finally:
+        for state in (shared, roomy):
+            await state.aclose()
 
 
 async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_declared_lost(
