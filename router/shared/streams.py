@@ -669,13 +669,15 @@ class _Writer:
         """Write what is queued (for up to ``timeout_s``), then stop."""
         if self._task is None:
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(deadline):
                 await self._idle.wait()
         await cancel_and_wait(self._task)
         self._task = None
-        if self._calls is not None:
-            await self._calls.aclose()
+        if self._calls is not None:  # a write still in flight: what is left of the time
+            await self._calls.aclose(max(0.0, deadline - loop.time()))
 
 
 class _Follower:

@@ -387,12 +387,13 @@ class Calls:
         await connection.disconnect()
         await self._pool.release(connection)
 
-    async def aclose(self) -> None:
-        """Wait for the batches queued and in flight (a clean exit's releases reach Redis),
-        then give the connection back."""
+    async def aclose(self, timeout_s: float | None = None) -> None:
+        """Wait for the batches queued and in flight (a clean exit's releases reach Redis), up
+        to ``timeout_s`` (default: the calls' own), then give the connection back."""
         if self._busy:
             self._drained = asyncio.get_running_loop().create_future()
-            await asyncio.wait([self._drained], timeout=self._timeout_s)
+            wait_s = self._timeout_s if timeout_s is None else timeout_s
+            await asyncio.wait([self._drained], timeout=wait_s)
         if self._opening is not None:
             self._opening.cancel()
             await asyncio.wait([self._opening])

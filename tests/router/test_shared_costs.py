@@ -364,6 +364,29 @@ async def test_a_stream_in_redis_stays_near_its_bound_though_few_xadds_check_it(
             await state.aclose()
 
 
+async def test_the_writer_stops_within_its_time_though_redis_holds_a_write(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """A process that exits gives its writer ``timeout_s`` (2 s) to write what is queued, in
+    all: a write Redis does not answer (paused here) is abandoned at that time, not held
+    until the write's own timeout (10 s)."""
+    shared = _shared_state(redis_server)
+    try:
+        await shared.start()
+        stream = Stream("held", b"owner", 0.0)
+        shared.streams.publish(stream)
+        await shared.streams.announced(stream)
+        await shared.redis.execute_command("CLIENT", "PAUSE", "4000", "WRITE")
+        stream.append(b"data: 1", 0.0)
+        await asyncio.sleep(0.1)  # the write is in flight, unanswered
+        started = time.monotonic()
+        await shared.streams.writer.aclose(timeout_s=0.5)
+        assert time.monotonic() - started < 2.0
+    finally:
+        await shared.redis.execute_command("CLIENT", "UNPAUSE")
+        await shared.aclose()
+
+
 async def test_one_write_carries_metadata_events_and_ttft_and_fences_a_stream_declared_lost(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
