@@ -48,6 +48,8 @@ class Lease:
         this process's counts as a dead process's (:meth:`SharedAdmission.reconcile` writes
         them again)."""
         self._throttle = Throttle(10.0)
+        self._stopping = False
+        """Set by :meth:`aclose`: the renewals end."""
 
     @property
     def check_interval_s(self) -> float:
@@ -82,13 +84,18 @@ class Lease:
                 log.warning("cannot renew the process lease: %s%s", describe_error(exc), more)
 
     async def _keep(self) -> None:
-        while True:
+        # Until aclose says stop, not only until it cancels: a cancel that lands inside a
+        # renewal can be absorbed by redis-py (the renewal returns), and the loop slept on
+        # with the cancel spent, holding aclose (and the process's exit) for ever.
+        while not self._stopping:
             await asyncio.sleep(self.check_interval_s)
-            await self._renew_or_log()
+            if not self._stopping:
+                await self._renew_or_log()
 
     async def aclose(self) -> None:
         """Stop renewing and delete the key (a clean exit ends no one's stream as lost:
         its producers have finished or appended their own error by then)."""
+        self._stopping = True
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None

@@ -8,7 +8,10 @@ and a reader further behind gets the same error, not a "history trimmed" answer.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -57,4 +60,35 @@ async def test_a_reader_past_what_redis_holds_still_gets_the_lost_error(
         assert [e.seq for e in behind.after(2)] == [3, 6, 7]
         assert shared.lost_declared == 1
     finally:
+        await redis.aclose()
+
+
+async def test_a_lease_stops_though_its_cancel_lands_in_a_renewal_that_returns(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """redis-py can finish a command normally though its task was cancelled meanwhile (a
+    renewal answered as the process stopped, after Redis had stalled): the renewing loop then
+    slept on with the cancel spent, and the process never exited. Stopping is a flag the loop
+    reads, not only a cancel. The renewal here absorbs the cancel the same way, on purpose."""
+    redis = Redis.from_url(redis_server.url)
+    lease = Lease(redis, Keys("fb-lease-stop:"), "p1", 0.3)
+    real_set = redis.set
+    renewing = asyncio.Event()
+
+    async def absorbing_set(*args: Any, **kwargs: Any) -> Any:
+        renewing.set()
+        call = asyncio.ensure_future(asyncio.sleep(0.05))
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(call)
+        await call
+        return await real_set(*args, **kwargs)
+
+    try:
+        await lease.start()
+        redis.set = absorbing_set  # type: ignore[method-assign]
+        await asyncio.wait_for(renewing.wait(), 2)  # a renewal is in flight: stop now
+        await asyncio.wait_for(lease.aclose(), 2)
+        assert await redis.exists(lease.key) == 0
+    finally:
+        redis.set = real_set  # type: ignore[method-assign]
         await redis.aclose()
