@@ -696,6 +696,9 @@ class _Follower:
         self._task: asyncio.Task[None] | None = None
         self._blocked = False
         self.reads = 0
+        self._stopping = False
+        """Set by :meth:`aclose`: the reads end (as :class:`~.lease.Lease`'s renewals, a
+        cancel that lands as a read's reply comes can be absorbed by redis-py)."""
 
     def start(self) -> None:
         if self._task is None:
@@ -721,7 +724,7 @@ class _Follower:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             if not self._followed:
                 self._changed = loop.create_future()
                 await self._changed
@@ -765,6 +768,7 @@ class _Follower:
         self._client_id = None
 
     async def aclose(self) -> None:
+        self._stopping = True
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None

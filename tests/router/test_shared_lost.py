@@ -20,7 +20,7 @@ from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.protocol import error_codes
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.lease import Lease
-from firstbyte.router.shared.streams import SharedStreams, lost_event
+from firstbyte.router.shared.streams import SharedStreams, _Follower, lost_event
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.asyncio
@@ -91,4 +91,46 @@ async def test_a_lease_stops_though_its_cancel_lands_in_a_renewal_that_returns(
         assert await redis.exists(lease.key) == 0
     finally:
         redis.set = real_set  # type: ignore[method-assign]
+        await redis.aclose()
+
+
+async def test_the_follower_stops_though_its_cancel_lands_in_a_read_that_returns(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The same for the one ``XREAD BLOCK`` that follows remote streams: a read that returns
+    though its task was cancelled must not start the next one."""
+    redis = Redis.from_url(redis_server.url)
+    follower = _Follower(redis)
+    real_client = redis.client
+    reading = asyncio.Event()
+
+    def client() -> Any:
+        conn = real_client()
+        real_xread = conn.xread
+
+        async def absorbing_xread(*args: Any, **kwargs: Any) -> Any:
+            reading.set()
+            call = asyncio.ensure_future(asyncio.sleep(0.05))
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(call)
+            await call
+            return await real_xread(*args, **{**kwargs, "block": 10})
+
+        conn.xread = absorbing_xread  # type: ignore[method-assign]
+        return conn
+
+    class Reader:
+        cursor = 0
+
+        def receive(self, entries: object) -> None:
+            pass
+
+    try:
+        redis.client = client  # type: ignore[method-assign]
+        follower._followed[b"fb-follow-stop:s:x"] = [Reader()]  # type: ignore[list-item]
+        follower.start()
+        await asyncio.wait_for(reading.wait(), 2)  # a read is in flight: stop now
+        await asyncio.wait_for(follower.aclose(), 2)
+    finally:
+        redis.client = real_client  # type: ignore[method-assign]
         await redis.aclose()
