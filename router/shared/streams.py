@@ -423,7 +423,7 @@ _BOUND_EVERY = 64
 """A stream's length is bounded (``XADD MAXLEN ~``) by its first event and every this many
 after (``y``; ``x`` adds alone): the bound cost Redis ~0.5 µs an event, a fifth of its work for
 one, while ``~`` lets a stream run a whole node (100 entries) past it anyway. Fewer for small
-bounds (:meth:`_Writer.__init__`), so a stream never runs past one by more than an eighth."""
+bounds (:meth:`_Writer.__init__`): at least one check every eighth of the bound."""
 _NAMES_KEPT = 1 << 14
 """Streams whose packed event key the writer keeps (:attr:`_Writer._names`); past this many
 it forgets them all and packs each again once (a key is a function of the stream's id)."""
