@@ -75,7 +75,8 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
         assert versus["rounds"] == rounds
         assert len(versus["p50_ttft_deltas_ms"]) == len(versus["aa_p50_ttft_deltas_ms"]) == rounds
         for key in ("added_p50_ttft_ms", "added_p99_ttft_ms", "aa_p50_ttft_ms",
-                    "aa_p99_ttft_ms", "added_start_mean_ms", "aa_start_mean_ms",
+                    "aa_p99_ttft_ms", "added_mean_ttft_ms", "aa_mean_ttft_ms",
+                    "added_start_mean_ms", "aa_start_mean_ms",
                     "added_start_p99_ms", "aa_start_p99_ms", "added_p50_head_ms",
                     "aa_p50_head_ms"):
             assert isinstance(versus[key], float), (key, versus)
