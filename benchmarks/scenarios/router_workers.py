@@ -263,9 +263,14 @@ START = "firstbyte_router_start_seconds"
 (router/metrics.py): what Redis can add, without the sim's queue that TTFT also holds."""
 
 
-def _start_histogram(port: int) -> tuple[list[tuple[float, float]], float, float]:
-    """The router's ``START`` histogram from ``/metrics``: cumulative (bound, count) pairs,
-    sum and count (one process: with several workers, whichever answered)."""
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+"""The sim's own TTFT: a request's arrival at its engine to its first token, engine time (its
+queue and prefill), without its HTTP serving, the router or the load generator."""
+
+
+def _histogram(port: int, name: str = START) -> tuple[list[tuple[float, float]], float, float]:
+    """Histogram ``name`` from the ``/metrics`` of the server on ``port``: cumulative (bound,
+    count) pairs, sum and count (one process: with several workers, whichever answered)."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
@@ -273,12 +278,12 @@ def _start_histogram(port: int) -> tuple[list[tuple[float, float]], float, float
     buckets: list[tuple[float, float]] = []
     total = count = 0.0
     for line in text.splitlines():
-        if line.startswith(START + "_bucket{"):
+        if line.startswith(name + "_bucket{"):
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
-        elif line.startswith(START + "_sum"):
+        elif line.startswith(name + "_sum"):
             total = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(START + "_count"):
+        elif line.startswith(name + "_count"):
             count = float(line.rsplit(" ", 1)[1])
     return buckets, total, count
 
@@ -315,14 +320,15 @@ def _start_figures(
 
 def _measure(
     port: int, n: int, ramp_s: float, max_tokens: int, router: _Proc | None,
-    redis_pid: int | None, redis_url: str | None, sim: _Proc | None = None,
+    redis_pid: int | None, redis_url: str | None, sim: _Proc, sim_port: int,
     scrape: bool = False,
 ) -> dict[str, Any]:
     # One process's /metrics: with several workers two scrapes may reach two of them.
-    start0 = _start_histogram(port) if scrape else None
+    start0 = _histogram(port) if scrape else None
+    engine0 = _histogram(sim_port, ENGINE_TTFT)
     router_cpu0 = router.cpu_s() if router else 0.0
     per_process0 = router.busiest_cpu_s() if router else {}
-    sim_cpu0 = sim.cpu_s() if sim else 0.0
+    sim_cpu0 = sim.cpu_s()
     self_cpu0 = _self_cpu_s()
     machine0 = _machine_busy_s()
     redis_cpu0 = _cpu_s(redis_pid) if redis_pid else 0.0
@@ -364,7 +370,7 @@ def _measure(
     ) if router else 0.0
     shares = {
         "router": busiest / wall_s,
-        "sim": ((sim.cpu_s() - sim_cpu0) / wall_s) if sim else 0.0,
+        "sim": (sim.cpu_s() - sim_cpu0) / wall_s,
         "load generator": (_self_cpu_s() - self_cpu0) / wall_s,
         "redis": redis_cpu / wall_s,
     }
@@ -373,7 +379,11 @@ def _measure(
     shares["other processes"] = max(0.0, shares["machine"] - ours)
     if router:
         shares["router total"] = router_cpu / wall_s
-    starts = _start_figures(start0, _start_histogram(port)) if start0 else {
+    engine1 = _histogram(sim_port, ENGINE_TTFT)
+    engine_count = engine1[2] - engine0[2]
+    engine_ms = (engine1[1] - engine0[1]) / engine_count * 1000 if engine_count > 0 else None
+    mean_ttft = statistics.fmean(load.ttft_ms) if load.ttft_ms else None
+    starts = _start_figures(start0, _histogram(port)) if start0 else {
         "router_start_mean_ms": None, "router_start_p50_ms": None, "router_start_p99_ms": None}
     chunks = max(load.chunks, 1)
     live_k = max(peak["live"], 1) / 1000
@@ -386,7 +396,10 @@ def _measure(
         "wall_s": round(wall_s, 2),
         "p50_ttft_ms": _pct(load.ttft_ms, 0.5),
         "p99_ttft_ms": _pct(load.ttft_ms, 0.99),
-        "mean_ttft_ms": statistics.fmean(load.ttft_ms) if load.ttft_ms else None,
+        "mean_ttft_ms": mean_ttft,
+        "sim_ttft_mean_ms": engine_ms,
+        "outside_sim_mean_ms": None if mean_ttft is None or engine_ms is None
+        else mean_ttft - engine_ms,
         "p50_head_ms": _pct(load.head_ms, 0.5),
         "p99_head_ms": _pct(load.head_ms, 0.99),
         "router_cpu_us_per_chunk": round(router_cpu / chunks * 1e6, 1) if router else None,
@@ -461,7 +474,7 @@ REDIS_TARGET = {"added_p50_ttft_ms": 10.0, "added_p99_ttft_ms": 30.0, "cpu_ratio
 router CPU per chunk within this ratio of it."""
 ROUNDS, QUICK_ROUNDS = 6, 2
 """Rounds of memory, Redis and memory again (one worker each) per level. At 2,000 streams
-the TTFT P50 (~500 ms, the sim's batching queue) moves by tens of ms between phases of one
+the TTFT P50 (~300 ms, the sim's batching queue) moves by tens of ms between phases of one
 target: a figure from one phase each cannot tell +10 ms; the median of per-round paired
 deltas can, with its A/A the same way."""
 
@@ -554,10 +567,11 @@ def run(
                 if name in routers or name == MEMORY_AA:
                     port, proc, redis_url = routers[MEMORY if name == MEMORY_AA else name]
                     row = _measure(port, n, ramp_s, max_tokens, proc,
-                                   rs.pid if redis_url else None, redis_url, sim,
+                                   rs.pid if redis_url else None, redis_url, sim, sim_port,
                                    scrape=name != "router-2-redis")
                 else:
-                    row = _measure(sim_port, n, ramp_s, max_tokens, None, None, None, sim)
+                    row = _measure(sim_port, n, ramp_s, max_tokens, None, None, None, sim,
+                                   sim_port)
                 per_round.setdefault(name, {}).setdefault(str(n), []).append(row)
                 print(f"{name} {n}: {row}", file=sys.stderr, flush=True)
     results["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -574,7 +588,7 @@ def run(
     return results
 
 
-ROUND_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "p50_head_ms",
+ROUND_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "outside_sim_mean_ms", "p50_head_ms",
               "router_cpu_us_per_chunk", "router_start_mean_ms", "router_start_p50_ms",
               "router_start_p99_ms", "errors", "load_avg_1m")
 """A round's figures kept in its target's row (``per_round``), in the order measured."""
@@ -668,8 +682,12 @@ def _summarise(results: dict[str, Any]) -> None:
         f"Redis vs memory at {top} streams, TTFT P50 / P99 ms (A/A: memory vs memory)":
             f"{_signed(versus['added_p50_ttft_ms'])} / {_signed(versus['added_p99_ttft_ms'])}"
             f" (A/A {_signed(versus['aa_p50_ttft_ms'])} / {_signed(versus['aa_p99_ttft_ms'])})",
-        f"Redis vs memory at {top} streams, TTFT mean ms (A/A; not a target figure)":
-            f"{_signed(versus['added_mean_ttft_ms'])} (A/A {_signed(versus['aa_mean_ttft_ms'])})",
+        f"Redis vs memory at {top} streams, TTFT mean ms, and the part outside the sim's engine"
+        " (A/A; not target figures)":
+            f"{_signed(versus['added_mean_ttft_ms'])},"
+            f" {_signed(versus['added_outside_sim_mean_ms'])}"
+            f" (A/A {_signed(versus['aa_mean_ttft_ms'])},"
+            f" {_signed(versus['aa_outside_sim_mean_ms'])})",
         f"Redis vs memory at {top} streams, router CPU per chunk (A/A)":
             f"{_ratio(versus['cpu_ratio'])} (A/A {_ratio(versus['aa_cpu_ratio'])})",
         f"Redis vs memory at {top} streams, the router's own time per stream (arrival to"
@@ -718,6 +736,7 @@ def _versus(
         out[f"{prefix}_p50_ttft_ms"] = median(diffs(rows, "p50_ttft_ms"))
         out[f"{prefix}_p99_ttft_ms"] = median(diffs(rows, "p99_ttft_ms"))
         out[f"{prefix}_mean_ttft_ms"] = median(diffs(rows, "mean_ttft_ms"))
+        out[f"{prefix}_outside_sim_mean_ms"] = median(diffs(rows, "outside_sim_mean_ms"))
         out[f"{prefix}_start_mean_ms"] = median(diffs(rows, "router_start_mean_ms"), 3)
         out[f"{prefix}_start_p99_ms"] = median(diffs(rows, "router_start_p99_ms"), 3)
         out[f"{prefix}_p50_head_ms"] = median(diffs(rows, "p50_head_ms"))
@@ -789,17 +808,20 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def _markdown(results: dict[str, Any]) -> str:
     lines = [
         "| target | streams | rounds | errors | peak live | TTFT P50 / P99 ms |"
+        " TTFT mean ms (the sim's engine + outside it) |"
         " added P50 / P99 ms | response head P50 ms | router's own time per stream, mean / P99 ms |"
         " router CPU µs/chunk | Redis CPU µs/chunk |"
         " Redis reads / stream (EVALSHA, EVAL) | RSS MB/1k live (router, Redis) | held |"
         " CPU of a core: router (busiest / all), sim, load gen, Redis, others | limit | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in results["targets"].items():
         for level, r in rows.items():
             lines.append(
                 f"| {name} | {level} | {r.get('rounds', 1)} | {r['errors']} | {r['peak_live']} |"
                 f" {_fmt(r['p50_ttft_ms'])} / {_fmt(r['p99_ttft_ms'])} |"
+                f" {_fmt(r['mean_ttft_ms'])} ({_fmt(r['sim_ttft_mean_ms'])} +"
+                f" {_fmt(r['outside_sim_mean_ms'])}) |"
                 f" {_fmt(r.get('added_p50_ttft_ms'))} / {_fmt(r.get('added_p99_ttft_ms'))} |"
                 f" {_fmt(r['p50_head_ms'])} |"
                 f" {_fmt(r['router_start_mean_ms'], 2)} / {_fmt(r['router_start_p99_ms'], 2)} |"
@@ -820,16 +842,16 @@ def _markdown(results: dict[str, Any]) -> str:
         f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
         f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
         f" Redis vs memory (1 worker; medians of the rounds' paired deltas: TTFT P50 / P99 ms"
-        f" (mean), router CPU per chunk, the router's own time per stream mean / P99 ms, time"
-        f" to the response head P50 ms; A/A: the memory router again; each round's P50 delta"
-        f" in brackets): " + "; ".join(
+        f" (mean, mean outside the sim's engine), router CPU per chunk, the router's own time"
+        f" per stream mean / P99 ms, time to the response head P50 ms; A/A: the memory router"
+        f" again; each round's P50 delta in brackets): " + "; ".join(
             f"{level}: {_signed(v['added_p50_ttft_ms'])} / {_signed(v['added_p99_ttft_ms'])}"
-            f" ({_signed(v['added_mean_ttft_ms'])}),"
+            f" ({_signed(v['added_mean_ttft_ms'])}, {_signed(v['added_outside_sim_mean_ms'])}),"
             f" {_ratio(v['cpu_ratio'])}, {_signed(v['added_start_mean_ms'], 2)} /"
             f" {_signed(v['added_start_p99_ms'], 2)}, {_signed(v['added_p50_head_ms'])}"
             f" {v['p50_ttft_deltas_ms']}"
             f" (A/A {_signed(v['aa_p50_ttft_ms'])} / {_signed(v['aa_p99_ttft_ms'])}"
-            f" ({_signed(v['aa_mean_ttft_ms'])}),"
+            f" ({_signed(v['aa_mean_ttft_ms'])}, {_signed(v['aa_outside_sim_mean_ms'])}),"
             f" {_ratio(v['aa_cpu_ratio'])}, {_signed(v['aa_start_mean_ms'], 2)} /"
             f" {_signed(v['aa_start_p99_ms'], 2)}, {_signed(v['aa_p50_head_ms'])}"
             f" {v['aa_p50_ttft_deltas_ms']}) {v['target']}{_by_figure(v)}"

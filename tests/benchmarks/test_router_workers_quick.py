@@ -33,6 +33,10 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
             assert row["cpu_share"]["load generator"] > 0
             # the response head comes before the first token, and after the request starts
             assert 0 < row["p50_head_ms"] <= row["p50_ttft_ms"]
+            # the sim's engine (its /metrics: from after the sim read the request to the step
+            # that made the first token) holds part of each TTFT, never all of it
+            assert 0 < row["sim_ttft_mean_ms"] < row["mean_ttft_ms"]
+            assert 0 < row["outside_sim_mean_ms"] < row["mean_ttft_ms"]
             if name == "direct-aa":  # the A/A control: direct again, against direct
                 assert row["added_p99_ttft_ms"] is not None
                 assert "held" not in row
@@ -76,6 +80,7 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
         assert len(versus["p50_ttft_deltas_ms"]) == len(versus["aa_p50_ttft_deltas_ms"]) == rounds
         for key in ("added_p50_ttft_ms", "added_p99_ttft_ms", "aa_p50_ttft_ms",
                     "aa_p99_ttft_ms", "added_mean_ttft_ms", "aa_mean_ttft_ms",
+                    "added_outside_sim_mean_ms", "aa_outside_sim_mean_ms",
                     "added_start_mean_ms", "aa_start_mean_ms",
                     "added_start_p99_ms", "aa_start_p99_ms", "added_p50_head_ms",
                     "aa_p50_head_ms"):
