@@ -12,7 +12,8 @@ memory router, the Redis router and the memory router again (every other round r
 two-worker router once, after the first), then direct again (A/A controls of what noise and
 drift alone do to the figures).
 
-Per target and level: TTFT P50/P99 (request sent to the first content chunk), errors, the
+Per target and level: TTFT P50/P99 (request sent to the first content chunk) and its mean,
+split into the sim's engine's part (its own TTFT histogram) and the rest, errors, the
 peak number of live streams, chunks relayed; the router's CPU per chunk (its processes'
 utime+stime over the phase / chunks), Redis's CPU per chunk, and RSS of router and Redis per
 1,000 live streams (sampled at the peak). Added latency is router minus direct at the same
