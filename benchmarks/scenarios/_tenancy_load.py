@@ -51,6 +51,7 @@ class Outcome:
     retry_after_s: float | None = None
     stream_id: str | None = None
     tokens: int = 0
+    """Content chunks read (the role chunk not counted)."""
 
     @property
     def served(self) -> bool:
@@ -159,7 +160,8 @@ async def _stream(port: int, body: bytes, headers: Mapping[str, str], tally: Tal
             contents = window.count(b'"content":"') - window.count(b'"content":""')
             if contents and outcome.ttft_ms is None:
                 outcome.ttft_ms = (time.monotonic() - started) * 1000
-            outcome.tokens += data.count(b'"content":"')
+            # content chunks only: the role chunk's empty content is not a token
+            outcome.tokens += data.count(b'"content":"') - data.count(b'"content":""')
             if b'"error"' in data:
                 found = _CODE.search(data)
                 raise RuntimeError("error event " + (found.group(1).decode() if found else ""))
