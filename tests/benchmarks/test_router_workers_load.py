@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from firstbyte.benchmarks.scenarios.router_workers import _Load, _stream
+from tests.benchmarks.sse_answer import ROLE, TOKEN, answering
 
-ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
 HELD_S = 0.6
 """How long the server holds back what it sends second."""
 
@@ -17,29 +16,12 @@ HELD_S = 0.6
 async def _ttft_ms(first: bytes, then: bytes) -> float:
     """TTFT as the load generator times it from a server that answers with ``first`` at
     once and ``then`` (and ``[DONE]``) ``HELD_S`` later."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
-            + first
-        )
-        await writer.drain()
-        await asyncio.sleep(HELD_S)
-        writer.write(then + b"data: [DONE]\n\n")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
+    async with answering(first, then, HELD_S) as port:
         load = _Load()
-        await asyncio.wait_for(_stream(server.sockets[0].getsockname()[1], b"{}", load), 10)
-        assert load.errors == 0, load.error_kinds
-        assert len(load.ttft_ms) == 1
-        return load.ttft_ms[0]
-    finally:
-        server.close()
-        await server.wait_closed()
+        await asyncio.wait_for(_stream(port, b"{}", load), 10)
+    assert load.errors == 0, load.error_kinds
+    assert len(load.ttft_ms) == 1
+    return load.ttft_ms[0]
 
 
 async def test_the_first_token_read_with_the_role_chunk_is_the_first_content() -> None:
