@@ -9,12 +9,15 @@ fair share in a full region waits for a slot between routing and its retry (``_r
 
 With shared state (``state.redis_url``) the counts are region-wide, in Redis
 (:mod:`firstbyte.router.shared.admission`). Routing decides first, as in memory, with the other
-processes' load on each backend added; then one round trip checks and claims, atomically, a
-slot of the API key (concurrency and rate, over every process), the prompt's affinity and a
-slot of the chosen backend. When the prompt's affinity key lives on another backend, or the
-chosen backend is full region-wide, routing runs again knowing it (at most a few times), so
-the same prompt goes to the same backend whichever process answers, and a region of processes
-never puts more than a backend's ``max_in_flight`` on it. Room in this process's stream store
+processes' load on each backend added. A request nothing in Redis can refuse (its key has no
+cap nor rate; its affinity key is known here, or it opens a conversation; this process holds
+a spare slot of its backend) is admitted at once, its claim sent while it goes upstream.
+Otherwise one round trip checks and claims, atomically, a slot of the API key (concurrency and
+rate, over every process), the prompt's affinity and a slot of the chosen backend. When the
+prompt's affinity key lives on another backend, or the chosen backend is full region-wide,
+routing runs again knowing it (at most a few times), so a conversation goes to the same
+backend whichever process answers, and a region of processes never puts more than a
+backend's ``max_in_flight`` on it. Room in this process's stream store
 is made last, so no await separates it from the stream's creation (a refusal there has spent a
 rate token, unlike in memory); a request refused by routing is refused before its key's limits
 are looked at (in memory, after). Whatever was claimed for a request refused on the way is
@@ -31,10 +34,13 @@ Which of the two runs is chosen once, at start: :func:`place` asks the process's
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .multiregion import WAIT_FOR_SLOT, Observation
+from .pipeline.affinity import opens_conversation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
 from .shared.admission import Affinity, Verdict
@@ -127,27 +133,30 @@ def release_key_slot(ctx: RequestContext) -> None:
 async def place_shared(
     state: RouterState, admission: SharedAdmission, ctx: RequestContext,
     gone: Callable[[], Awaitable[object]] | None, stream_id: str | None = None,
-) -> Outcome:
+) -> tuple[Outcome, asyncio.Future[None] | None]:
     """:func:`place` with shared state (:class:`~firstbyte.router.regionstate.InRedis`),
-    before the request is held for its key; an admitted request's ``stream_id`` (the id of
-    the stream it is to make) is findable region-wide as soon as it returns."""
+    before the request is held for its key, and when an admitted request's ``stream_id``
+    (the id of the stream it is to make) is findable region-wide: None, as soon as this
+    returns (it waited for Redis); else when the future is done (admitted without waiting:
+    its claims and the stream's metadata are on their way to Redis)."""
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
     policy = limiter.policy(owner)
     refused = subject_refusal(ctx, limiter, state.tenants, 0, state.clock())
     if refused is not None:  # its own cap (the key's is counted region-wide, below)
-        return refusal(refused)
+        return refusal(refused), None
     gate = state.fair_gate(ctx)  # this process's flows (docs/limits.md, "Shared state")
     if gate is not CONTINUE:
-        return gate
+        return gate, None
     key = routing.affinity_key(ctx.request) if ctx.request is not None else None
+    opening = ctx.request is not None and opens_conversation(ctx.request)
     learned: str | None = None
     for attempt in range(len(routing.tracker.backends) + 2):
         outcome = await _route(state, ctx, first=attempt == 0, gone=gone)
         if outcome is CONTINUE:
             outcome = choose_backend(ctx, state.pool)
         if outcome is not CONTINUE:
-            return outcome
+            return outcome, None
         observer = ctx.observer
         local = isinstance(observer, Observation) and observer.local
         backend = observer.backend if local and isinstance(observer, Observation) else None
@@ -155,18 +164,29 @@ async def place_shared(
         affinity = Affinity.NONE
         if backend is not None and choice in _STICKY:
             affinity = Affinity.OVERWRITE if learned not in (None, backend) else Affinity.FOLLOW
+        limit = None if choice in _QUEUED or backend is None else routing.tracker[backend].limit
+        if learned is None:  # nothing in Redis can refuse it: no round trip before upstream
+            landed = admission.admit_now(
+                owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
+                rate_per_s=policy.rate_per_s, backend=backend, backend_limit=limit,
+                affinity_key=key, affinity=affinity, stream_id=stream_id,
+                subject=ctx.subject, stream_format=ctx.codec.name, opening=opening,
+                answered=None if backend is None
+                else functools.partial(_claimed, state, backend, key),
+            )
+            if landed is not None:
+                return _admitted(state, admission, ctx, owner, backend), landed
         try:
             answer = await admission.admit(
                 owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
                 rate_per_s=policy.rate_per_s, burst=policy.burst, backend=backend,
-                backend_limit=None if choice in _QUEUED or backend is None
-                else routing.tracker[backend].limit,
+                backend_limit=limit,
                 affinity_key=key, affinity=affinity, stream_id=stream_id, subject=ctx.subject,
                 stream_format=ctx.codec.name,
             )
         except StateUnavailable as exc:
             routing.unroute(ctx)  # this process's count too: the request will not go
-            return unavailable_reply(exc)
+            return unavailable_reply(exc), None
         except BaseException:  # cancelled: the client left while its claim was in flight
             routing.unroute(ctx)
             raise
@@ -174,18 +194,30 @@ async def place_shared(
         if backend is not None and verdict in (Verdict.ADMITTED, Verdict.BACKEND_FULL):
             routing.tracker.observe_elsewhere(backend, int(answer.value))
         if verdict is Verdict.ADMITTED:
-            return _admitted(state, admission, ctx, owner, backend)
+            return _admitted(state, admission, ctx, owner, backend), None
         routing.unroute(ctx)
         if verdict is Verdict.KEY_RATE:
-            return refusal(limiter.rate_limited(owner, float(answer.value)))
+            return refusal(limiter.rate_limited(owner, float(answer.value))), None
         if verdict is Verdict.KEY_BUSY:
             over = limiter.over_concurrency(owner, int(answer.value))
             assert over is not None  # the script counted at least max_streams
-            return refusal(over)
+            return refusal(over), None
         if verdict is Verdict.AFFINITY_ELSEWHERE and key is not None:
             learned = str(answer.value)
             routing.policy.learn(key, learned, state.clock())
-    return routing.reject(ctx, state.clock(), "no_local_backend")
+    return routing.reject(ctx, state.clock(), "no_local_backend"), None
+
+
+def _claimed(
+    state: RouterState, backend: str, key: str | None, others: int, stored: str
+) -> None:
+    """What Redis answered a claim of a request admitted at once: the other processes' load
+    on its backend, and where its affinity key lives if another process placed it first
+    (learned: its next request follows it)."""
+    routing = state.routing
+    routing.tracker.observe_elsewhere(backend, others)
+    if stored and key is not None:
+        routing.policy.learn(key, stored, state.clock())
 
 
 def _admitted(

@@ -185,6 +185,8 @@ class InRedis:
         """Stream ids admitted (and announced) this loop turn, by owner and subject, for
         :meth:`announced_id`; what a request did not take is forgotten at the turn's end
         (its metadata expires in Redis, never found: nobody learns the id)."""
+        self._landing: dict[str, asyncio.Future[None]] = {}
+        """Streams admitted without waiting for Redis whose metadata has not landed yet."""
 
     def shared_warm_budget(self, window_s: float) -> SharedWarmBudget | None:
         shared = self.shared
@@ -198,15 +200,19 @@ class InRedis:
             await asyncio.shield(self._starting)  # the lease covers every stream we create
 
     async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
-        # A stream's metadata goes with its admission: one round trip before the first byte,
-        # not two (the second, awaited before the stream id goes out, cost a round trip's CPU
-        # per stream start in a ramp).
+        # A stream's metadata goes with its admission, not in a call of its own (which cost
+        # a round trip's CPU per stream start in a ramp): before the first byte if the
+        # admission waits for Redis; else on its way while the request goes upstream, and
+        # the stream's id goes out once it landed (:meth:`announced`).
         stream_id = new_stream_id() if ctx.stream_requested else None
-        outcome = await place_shared(state, self.shared.admission, ctx, gone, stream_id)
+        outcome, landed = await place_shared(state, self.shared.admission, ctx, gone, stream_id)
         if outcome is CONTINUE and stream_id is not None:
             if not self._announced:
                 asyncio.get_running_loop().call_soon(self._announced.clear)
             self._announced.setdefault((ctx.owner, ctx.subject), []).append(stream_id)
+            if landed is not None and not landed.done():
+                self._landing[stream_id] = landed
+                landed.add_done_callback(lambda _: self._landing.pop(stream_id, None))
         return outcome
 
     def release_backend(self, backend: str) -> None:
@@ -220,6 +226,10 @@ class InRedis:
         self.shared.streams.publish(stream, announced)
 
     async def announced(self, stream: Stream) -> None:
+        landed = self._landing.get(stream.id)
+        if landed is not None:  # admitted without waiting: its claim carries the metadata
+            with contextlib.suppress(Exception):  # Redis away: served here, found nowhere else
+                await asyncio.shield(landed)
         await self.shared.streams.announced(stream)
 
     async def lookup(self, stream_id: str, owner: bytes) -> ReadableStream | None:
@@ -227,6 +237,7 @@ class InRedis:
 
     async def housekeep(self, state: RouterState, grace_s: float) -> None:
         try:
+            self.shared.admission.give_back_idle()
             # Slots a failed claim or release may have left: rewritten first.
             await self.shared.admission.reconcile(state.config.state.timeout_s)
             await self.shared.streams.keep_attended(state.store.running(), state.clock(), grace_s)

@@ -162,6 +162,15 @@ class RouterState:
                 " every lease_s / 3) succeeded.",
                 lambda: int(lease.reachable),
             )
+            admission = self.shared.admission
+            self.metrics.add_counter_source(
+                "firstbyte_router_shared_admissions_total",
+                "Requests admitted region-wide, by what they waited for: redis (a round trip"
+                " before the upstream request) or none (nothing in Redis could refuse them:"
+                " a spare backend slot, a key with no cap nor rate, a known affinity key).",
+                "waited",
+                lambda: {"redis": admission.waited, "none": admission.admitted_now},
+            )
         self.metrics.add_section(process_metrics)
         self.metrics.add_counter_source(
             "firstbyte_router_stream_evictions_total",

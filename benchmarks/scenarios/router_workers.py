@@ -269,13 +269,34 @@ ENGINE_TTFT = "vllm:time_to_first_token_seconds"
 queue and prefill), without its HTTP serving, the router or the load generator."""
 
 
-def _histogram(port: int, name: str = START) -> tuple[list[tuple[float, float]], float, float]:
-    """Histogram ``name`` from the ``/metrics`` of the server on ``port``: cumulative (bound,
-    count) pairs, sum and count (one process: with several workers, whichever answered)."""
+def _scrape(port: int) -> str:
+    """The ``/metrics`` of the server on ``port`` (one process: with several workers,
+    whichever answered)."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
+        return str(answer.read().decode())
+
+
+ADMISSIONS = "firstbyte_router_shared_admissions_total"
+"""The router's admissions with shared state, by what they waited for (``redis``, ``none``)."""
+
+
+def _counter(port: int, name: str) -> dict[str, float]:
+    """Counter family ``name`` from the ``/metrics`` of the server on ``port``, by its one
+    label's value."""
+    values: dict[str, float] = {}
+    for line in _scrape(port).splitlines():
+        if line.startswith(name + "{"):
+            label = line.split('="', 1)[1].split('"', 1)[0]
+            values[label] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def _histogram(port: int, name: str = START) -> tuple[list[tuple[float, float]], float, float]:
+    """Histogram ``name`` from the ``/metrics`` of the server on ``port``: cumulative (bound,
+    count) pairs, sum and count (one process: with several workers, whichever answered)."""
+    text = _scrape(port)
     buckets: list[tuple[float, float]] = []
     total = count = 0.0
     for line in text.splitlines():
@@ -326,6 +347,7 @@ def _measure(
 ) -> dict[str, Any]:
     # One process's /metrics: with several workers two scrapes may reach two of them.
     start0 = _histogram(port) if scrape else None
+    admissions0 = _counter(port, ADMISSIONS) if scrape and redis_url else None
     engine0 = _histogram(sim_port, ENGINE_TTFT)
     router_cpu0 = router.cpu_s() if router else 0.0
     per_process0 = router.busiest_cpu_s() if router else {}
@@ -386,6 +408,12 @@ def _measure(
     mean_ttft = statistics.fmean(load.ttft_ms) if load.ttft_ms else None
     starts = _start_figures(start0, _histogram(port)) if start0 else {
         "router_start_mean_ms": None, "router_start_p50_ms": None, "router_start_p99_ms": None}
+    at_once = None
+    if admissions0 is not None:
+        admissions1 = _counter(port, ADMISSIONS)
+        went = {k: admissions1.get(k, 0.0) - admissions0.get(k, 0.0) for k in ("none", "redis")}
+        if sum(went.values()) > 0:
+            at_once = round(went["none"] / sum(went.values()), 3)
     chunks = max(load.chunks, 1)
     live_k = max(peak["live"], 1) / 1000
     return {
@@ -416,6 +444,7 @@ def _measure(
         "redis_used_memory_mb": round(_redis_info(redis_url, "memory")["used_memory"] / 2**20, 1)
         if redis_url else None,
         **starts,
+        "admitted_at_once": at_once,
         "cpu_share": {part: round(share, 2) for part, share in shares.items()},
         "limit": _limit(shares, os.cpu_count() or 1),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -697,6 +726,8 @@ def _summarise(results: dict[str, Any]) -> None:
             f" {_signed(versus['added_start_p99_ms'], 2)}"
             f" (A/A {_signed(versus['aa_start_mean_ms'], 2)} /"
             f" {_signed(versus['aa_start_p99_ms'], 2)})",
+        f"Redis router's admissions at {top} streams that waited for no round trip":
+            versus.get("admitted_at_once"),
         f"Redis vs memory at {top} streams, time to the response head P50 ms (A/A)":
             f"{_signed(versus['added_p50_head_ms'])}"
             f" (A/A {_signed(versus['aa_p50_head_ms'])})",
@@ -742,6 +773,8 @@ def _versus(
         out[f"{prefix}_start_p99_ms"] = median(diffs(rows, "router_start_p99_ms"), 3)
         out[f"{prefix}_p50_head_ms"] = median(diffs(rows, "p50_head_ms"))
     out["cpu_ratio"] = median(ratios(redis), 3)
+    out["admitted_at_once"] = median(
+        [float(r["admitted_at_once"]) for r in redis if r.get("admitted_at_once") is not None], 3)
     out["aa_cpu_ratio"] = median(ratios(again), 3)
     out["p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(redis, "p50_ttft_ms")]
     out["aa_p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(again, "p50_ttft_ms")]

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from firstbyte.protocol.openai import ChatCompletionRequest, message_text
 
-__all__ = ["AffinityPolicy", "BackendChoice", "affinity_key", "rendezvous_rank"]
+__all__ = ["AffinityPolicy", "BackendChoice", "affinity_key", "opens_conversation",
+           "rendezvous_rank"]
 
 
 def affinity_key(
@@ -54,6 +55,14 @@ def affinity_key(
             first = first[len(prefix) :]
             break
     return f"{request.model}\x00{messages[i].role}:{first[:chars]}"
+
+
+def opens_conversation(request: ChatCompletionRequest) -> bool:
+    """No answer in it yet (no ``assistant``, ``tool`` or ``function`` message): a
+    conversation's first message, whose history no backend can hold a cache of, so no other
+    router process can have placed its key already, unless the same first message came
+    before (a retry, or users opening alike: a short prompt to compute again)."""
+    return not any(m.role in ("assistant", "tool", "function") for m in request.messages)
 
 
 def _score(key: str, backend: str, weight: float) -> float:

@@ -290,6 +290,22 @@ class Calls:
         except NoScriptError:
             return await self.call(script.eval(keys, args))
 
+    def script_then(
+        self, script: PackedScript, keys: Sequence[Arg], args: Sequence[Arg],
+        done: Callable[[asyncio.Future[Any]], None],
+    ) -> None:
+        """Queue ``script`` now, as :meth:`script` without a task nor a caller waiting:
+        ``done`` gets the future of its reply (sent again with its body, once, if Redis
+        lost it)."""
+
+        def first(reply: asyncio.Future[Any]) -> None:
+            if not reply.cancelled() and isinstance(reply.exception(), NoScriptError):
+                self.call(script.eval(keys, args)).add_done_callback(done)
+            else:
+                done(reply)
+
+        self.call(script.evalsha(keys, args)).add_done_callback(first)
+
     def _next(self) -> None:
         """Send what is queued, as one batch: on the kept connection now, or through a task
         that opens one; else (nothing queued) the sender is idle."""

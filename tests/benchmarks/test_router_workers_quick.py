@@ -52,13 +52,17 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
             if name.endswith("redis"):
                 assert row["redis_cpu_us_per_chunk"] > 0
                 assert row["redis_rss_mb_per_1000_live"] > 0
-                # a stream's admission and the writer's calls reach Redis: a script by its
-                # digest per admission (the releases' go with them or in calls of their own)
+                # a stream's admission (or its claim, admitted at once) and the writer's calls
+                # reach Redis: a script by its digest per stream (the releases' go with them
+                # or in calls of their own)
                 assert row["redis_evalsha_per_stream"] >= 1
                 assert row["redis_eval_per_stream"] > 0
                 assert row["redis_reads_per_stream"] > 0
+                if name == "router-1-redis":  # a ramp of first messages: most go at once
+                    assert 0.5 < row["admitted_at_once"] <= 1
             else:  # no Redis: none of its counts
                 assert row["redis_reads_per_stream"] is None
+                assert row["admitted_at_once"] is None
     # Two workers: two processes served (the busiest one did less than all of them together).
     two = results["targets"]["router-2-redis"][levels[-1]]["cpu_share"]
     assert two["router"] < two["router total"]
@@ -87,6 +91,7 @@ def test_quick_run_reports_every_target_and_what_limited_it(quick_runs: QuickRun
             assert isinstance(versus[key], float), (key, versus)
         assert versus["cpu_ratio"] > 0
         assert versus["aa_cpu_ratio"] > 0
+        assert 0.5 < versus["admitted_at_once"] <= 1
         assert versus["target"] in ("met", "NOT MET", "inconclusive")
         assert set(versus["target_by_figure"]) == {
             "added_p50_ttft_ms", "added_p99_ttft_ms", "cpu_ratio"}

@@ -79,18 +79,20 @@ MakeAdmission = Callable[..., Awaitable[Admitting]]
 
 @pytest.fixture
 async def admitting(redis_server: RedisServer) -> AsyncIterator[MakeAdmission]:
-    """``await admitting(timeout_s=...)``: a started admission of process ``p1`` under a key
-    prefix of its own; closed, with its Redis client, at the test's end."""
+    """``await admitting(timeout_s=..., process=..., keys=...)``: a started admission of
+    ``process`` (``p1``) under ``keys`` (a prefix of its own: pass another's to share it);
+    closed, with its Redis client, at the test's end."""
     made: list[Admitting] = []
 
-    async def make(timeout_s: float = 2.0) -> Admitting:
+    async def make(timeout_s: float = 2.0, process: str = "p1", keys: Keys | None = None
+                   ) -> Admitting:
         redis = Redis.from_url(redis_server.url)
-        keys = Keys(f"t{secrets.token_hex(4)}:")
-        admission = SharedAdmission(redis, keys, "p1", expiry_s=60, affinity_ttl_s=60,
+        keys = keys or Keys(f"t{secrets.token_hex(4)}:")
+        admission = SharedAdmission(redis, keys, process, expiry_s=60, affinity_ttl_s=60,
                                     timeout_s=timeout_s)
         made.append(Admitting(redis, keys, admission))
         await admission.start()
-        await redis.set(keys.lease("p1"), b"1")
+        await redis.set(keys.lease(process), b"1")
         return made[-1]
 
     try:

@@ -3,7 +3,12 @@ from __future__ import annotations
 from collections import Counter
 
 from firstbyte.protocol.openai import ChatCompletionRequest, Message
-from firstbyte.router.pipeline.affinity import AffinityPolicy, affinity_key, rendezvous_rank
+from firstbyte.router.pipeline.affinity import (
+    AffinityPolicy,
+    affinity_key,
+    opens_conversation,
+    rendezvous_rank,
+)
 
 SYSTEM = "You are a careful assistant. " * 300
 BACKENDS = ["b0", "b1", "b2", "b3"]
@@ -113,3 +118,22 @@ def test_round_robin_cycles() -> None:
     policy = AffinityPolicy(dict.fromkeys(BACKENDS, 1.0), policy="round_robin")
     got = [policy.choose("same", BACKENDS, {}, 0.0) for _ in range(8)]
     assert Counter(c.backend for c in got if c is not None) == Counter(dict.fromkeys(BACKENDS, 2))
+
+
+def test_a_conversation_opens_until_something_answered_it() -> None:
+    """A first message (a shared system prompt before it or not) opens a conversation: no
+    other router process can have placed its affinity key. Once an answer, a tool's result or
+    a function's is in it, it is a later turn, whose key may live elsewhere."""
+
+    def request(*roles: str) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model="m", messages=[
+            Message(role=role, content=f"{role} {i}") for i, role in enumerate(roles)])  # type: ignore[arg-type]
+
+    assert opens_conversation(request("user"))
+    assert opens_conversation(request("system", "user"))
+    assert opens_conversation(request("developer", "user", "user"))
+    assert not opens_conversation(request("user", "assistant", "user"))
+    assert not opens_conversation(request("system", "user", "tool"))
+    assert not opens_conversation(request("user", "function"))
+    # the key is the first message's either way: a later turn names the conversation's key
+    assert affinity_key(request("user", "assistant", "user")) == affinity_key(request("user"))

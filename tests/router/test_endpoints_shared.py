@@ -36,6 +36,14 @@ def _events(raw: bytes) -> list[tuple[int, str, dict[str, Any]]]:
     ]
 
 
+async def _admitted_at_once(client: httpx.AsyncClient, base: str) -> int:
+    """Requests the router process at ``base`` admitted without waiting for Redis."""
+    text = (await client.get(base + "/metrics", headers=auth())).text
+    return int(float(next(
+        line.split()[1] for line in text.splitlines()
+        if line.startswith('firstbyte_router_shared_admissions_total{waited="none"}'))))
+
+
 async def test_messages_stream_resumes_on_another_process(
     redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path  # noqa: F811
 ) -> None:
@@ -44,6 +52,12 @@ async def test_messages_stream_resumes_on_another_process(
     async with running_formats_upstream(delay_s=0.05) as up, running_pair(
         tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-endpoints:"
     ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as client:
+        # A first stream leaves A spare slots of the backend: the one under test is admitted
+        # without waiting for Redis, its id sent once its claim (with its metadata) landed.
+        warm = {**body, "max_tokens": 1}
+        assert (await client.post(a.url + "/v1/messages", json=warm,
+                                  headers=auth())).status_code == 200
+        at_once = await _admitted_at_once(client, a.url)
         first = b""
         async with client.stream("POST", a.url + "/v1/messages", json=body,
                                  headers=auth()) as response:
@@ -65,6 +79,7 @@ async def test_messages_stream_resumes_on_another_process(
             headers=auth(),
         )
         assert polled.status_code == 200
+        assert await _admitted_at_once(client, a.url) == at_once + 1
     events = before + after
     assert [seq for seq, _, _ in events] == list(range(1, len(events) + 1))
     upstream = b"".join(

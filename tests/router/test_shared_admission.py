@@ -134,10 +134,16 @@ async def test_a_prompt_goes_to_the_same_backend_whichever_process_answers(
         async with _routers(tmp_path, tls_files, redis_server.url, gpu_a.url,
                             upstreams=upstreams) as (a, b):
 
-            async def served_by(router: RouterProcess, content: str) -> str:
+            async def served_by(router: RouterProcess, content: str, turn: int = 1) -> str:
+                """Which backend served a conversation opened by ``content`` at its
+                ``turn``-th message (its affinity key is its first message's)."""
                 before = {n: s.engine.prompt_tokens_total for n, s in sims.items()}
+                messages = [{"role": "user", "content": content}]
+                for i in range(1, turn):
+                    messages += [{"role": "assistant", "content": f"Answer {i}."},
+                                 {"role": "user", "content": f"Question {i + 1}?"}]
                 body: dict[str, Any] = {**BODY, "stream": False, "max_tokens": 2,
-                                        "messages": [{"role": "user", "content": content}]}
+                                        "messages": messages}
                 answer = await client.post(router.url + "/v1/chat/completions", json=body,
                                            headers=auth())
                 assert answer.status_code == 200, answer.text
@@ -148,9 +154,11 @@ async def test_a_prompt_goes_to_the_same_backend_whichever_process_answers(
             home = await served_by(a, x)
             assert home == "gpu-a"
             assert await served_by(b, y) == "gpu-a"
-            assert await served_by(b, x) == home  # B followed A's placement
-            assert await served_by(a, x) == home
-            assert await served_by(b, x) == home
+            # The conversation's next turn reaches B, which never saw it: it asks Redis
+            # (an opening message goes at once: nobody can have placed it yet).
+            assert await served_by(b, x, turn=2) == home  # B followed A's placement
+            assert await served_by(a, x, turn=3) == home
+            assert await served_by(b, x, turn=3) == home
 
 
 async def test_two_processes_together_respect_a_backends_max_in_flight(

@@ -28,7 +28,14 @@ from firstbyte.benchmarks.redis_server import RedisServer, running_redis
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
 from firstbyte.router.shared import SharedState, connect
-from firstbyte.router.shared.admission import _ADMIT, _RELEASE, Affinity, SharedAdmission, Verdict
+from firstbyte.router.shared.admission import (
+    _ADMIT,
+    _CLAIM,
+    _RELEASE,
+    Affinity,
+    SharedAdmission,
+    Verdict,
+)
 from firstbyte.router.shared.errors import StateUnavailable
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.wire import ReplyChannel
@@ -43,6 +50,7 @@ from tests.router.upstream import running_upstream
 
 ADMIT_SHA = hashlib.sha1(_ADMIT.encode()).hexdigest().encode()
 RELEASE_SHA = hashlib.sha1(_RELEASE.encode()).hexdigest().encode()
+CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest().encode()
 TOKENS = 40
 
 
@@ -63,13 +71,15 @@ def _commands(payload: bytes) -> Iterator[list[bytes]]:
 
 
 def _kind(command: list[bytes]) -> str:
-    """What a command is for: a stream's admission, release or events; else the process's
+    """What a command is for: a stream's admission (or claim), release or events; else the process's
     own housekeeping (lease, load elsewhere, connection set-up)."""
     name = command[0].upper()
     if name == b"EVALSHA" and command[1] == ADMIT_SHA:
         return "admit"
     if name == b"EVALSHA" and command[1] == RELEASE_SHA:
         return "release"
+    if name == b"EVALSHA" and command[1] == CLAIM_SHA:
+        return "claim"
     if name == b"EVAL" and b"XADD" in command[1]:  # the writer's script: which operations?
         count = int(command[2])
         kinds = command[6 + count :: 3]
@@ -159,10 +169,12 @@ async def _stream(http: httpx.AsyncClient, base: str, tokens: int) -> int:
 async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
     shared_router: str, spy: Spy, redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    """Per stream: one round trip before the first byte (the admission: the key's and the
-    backend's slots region-wide, and the stream's metadata, so its id can go out), one
-    release, and its events written a batch to a script call, not a command per chunk;
-    nothing else."""
+    """Per stream: no round trip before the request goes upstream (nothing in Redis can
+    refuse it: the key has no cap nor rate, and this process holds spare slots of the
+    backend, claimed by the first stream's admission); one claim sent meanwhile (the key's
+    slot, and the stream's metadata, so its id can go out), no release (the backend's slot
+    is kept spare, the key's is one), and its events written a batch to a script call, not
+    a command per chunk; nothing else."""
     async with httpx.AsyncClient(timeout=20) as http:
         await _stream(http, shared_router, 2)  # connections made, scripts loaded
         await asyncio.sleep(0.1)
@@ -180,9 +192,10 @@ async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
           f" round trips {dict(trips)} (over {streams} streams)")
     assert events >= streams * TOKENS
     assert ran["xadd"] == events  # every event its own entry: resume stays exact
-    assert commands["admit"] == trips["admit"] == streams  # the critical path: one round trip
-    assert trips["announce"] == 0  # no second one before the stream id goes out
-    assert commands["release"] == streams
+    assert commands["admit"] == 0  # the critical path: no round trip
+    assert commands["claim"] == streams  # sent while the request goes upstream
+    assert trips["announce"] == 0  # its metadata goes in the claim, not a call of its own
+    assert commands["release"] == streams  # the key's slot; the backend's is kept spare
     # The events: a batch per write. A command per chunk was 40+.
     assert commands["events"] <= 5 * streams, commands
     assert trips["events"] <= 5 * streams, trips
@@ -207,7 +220,7 @@ async def test_a_burst_of_admissions_takes_two_round_trips(
     redis, keys, admission = rig.redis, rig.keys, rig.admission
     await _admit(admission)  # the admissions' connection is open
     mark = spy.mark()
-    answers = await asyncio.gather(*(_admit(admission, b"k%d" % (i % 3), 100) for i in range(50)))
+    answers = await asyncio.gather(*(_admit(admission, b"k%d" % (i % 3), 60) for i in range(50)))
     assert [a.verdict for a in answers] == [Verdict.ADMITTED] * 50
     commands, trips = spy.since(mark)
     assert commands["admit"] == 50
