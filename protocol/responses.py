@@ -63,6 +63,12 @@ def _text(content: Any) -> str:
     return ""
 
 
+_CALL_ROLES: dict[str, Role] = {"function_call": "assistant", "function_call_output": "tool"}
+"""Input items without ``content`` that routing reads as messages: the model's call of a
+function (its arguments) and the function's output, so a request carrying them reads as a
+later turn of its conversation, not as its first message."""
+
+
 def input_messages(request: ResponsesRequest) -> list[Message]:
     """The instructions and input as chat messages (what routing reads: roles and text)."""
     messages: list[Message] = []
@@ -72,10 +78,17 @@ def input_messages(request: ResponsesRequest) -> list[Message]:
         messages.append(Message(role="user", content=request.input))
         return messages
     for item in request.input:
-        if isinstance(item, dict) and "content" in item:
+        if not isinstance(item, dict):
+            continue
+        if "content" in item:
             role: Role = item.get("role") if item.get("role") in _ROLES else "user"  # type: ignore[assignment]
             messages.append(Message(role=role, content=_text(item["content"])))
+        elif item.get("type") in _CALL_ROLES:  # a tool call and its result: a later turn
+            text = item.get("output" if item["type"] == "function_call_output" else "arguments")
+            messages.append(Message(role=_CALL_ROLES[item["type"]],
+                                    content=text if isinstance(text, str) else ""))
     return messages or [Message(role="user", content="")]
+
 
 
 class _Response(msgspec.Struct):

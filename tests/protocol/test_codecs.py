@@ -40,13 +40,17 @@ def test_responses_request_view() -> None:
         "model": "m", "instructions": "be brief", "stream": True, "max_output_tokens": 9,
         "safety_identifier": "s", "input": [
             {"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c", "output": "x"},
             {"role": "assistant", "content": "earlier"},
+            {"type": "reasoning", "summary": []},
         ],
     }
     view = RESPONSES.decode_request(json.dumps(body).encode())
+    # a function's call and output read as the turns they are (routing: not an opening)
     assert [(m.role, m.content) for m in view.messages] == [
-        ("system", "be brief"), ("user", "hello"), ("assistant", "earlier"),
+        ("system", "be brief"), ("user", "hello"), ("assistant", "{}"), ("tool", "x"),
+        ("assistant", "earlier"),
     ]
     assert (view.max_tokens, view.safety_identifier, view.stream) == (9, "s", True)
     assert RESPONSES.decode_request(b'{"model": "m", "input": "hi"}').messages[0].content == "hi"
