@@ -180,6 +180,45 @@ async def test_two_processes_together_respect_a_backends_max_in_flight(
         assert len(sim.engine.running) + len(sim.engine.waiting) == 2  # and only two went
 
 
+async def test_processes_admitting_at_once_never_put_more_than_the_limit_on_a_backend(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+) -> None:
+    """With a limit of 128 each process keeps 2 spare slots of the backend and admits new
+    conversations on them without waiting for Redis: 150 streams at once over both processes
+    put at most 128 on the backend (at least 124: what one process keeps spare the other
+    cannot take), and the rest are refused as a full region. (Each stream sends a token,
+    then holds 10 s: none ends and frees its slot while the test counts.)"""
+    async with sim_server("h100-7b", faults=["stall:after=1,ms=10000"]) as held_sim:
+        upstreams = f'[[upstreams]]\nurl = "{held_sim.url}"\nmax_in_flight = 128'
+        extra = "[routing]\nbackend_metrics_interval_s = 60\n"
+        async with _routers(tmp_path, tls_files, redis_server.url, held_sim.url,
+                            upstreams=upstreams, extra=extra) as (a, b):
+            limits = httpx.Limits(max_connections=150, max_keepalive_connections=150)
+            async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=30,
+                                         limits=limits) as http:
+                for router in (a, b):  # each holds spare slots of the backend now
+                    assert (await _hold(http, router)).status_code == 201
+                answers = await asyncio.gather(*(
+                    http.post(router.url + "/v1/streams",
+                              json={**BODY, "messages": [{"role": "user", "content": f"Hi {i}"}]},
+                              headers=auth())
+                    for i, router in enumerate([a, b] * 75)
+                ))
+                statuses = [r.status_code for r in answers]
+                assert statuses.count(201) + statuses.count(429) == len(statuses), statuses
+                assert all(_refused(r, error_codes.REGION_SATURATED)
+                           for r in answers if r.status_code == 429)
+                admitted = statuses.count(201) + 2
+                assert 124 <= admitted <= 128, admitted
+                engine = held_sim.engine  # and the backend itself never had more
+                assert len(engine.running) + len(engine.waiting) <= 128
+                text = (await http.get(a.url + "/metrics", headers=auth())).text
+                at_once = next(
+                    float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith('firstbyte_router_shared_admissions_total{waited="none"}'))
+                assert at_once > 0  # and some of them went without waiting for Redis
+
+
 async def test_no_default_caps_a_key_across_processes(
     redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
 ) -> None:
