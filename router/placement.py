@@ -43,7 +43,7 @@ from .multiregion import WAIT_FOR_SLOT, Observation
 from .pipeline.affinity import opens_conversation
 from .pipeline.backend import choose_backend
 from .pipeline.context import CONTINUE, Outcome, RequestContext
-from .shared.admission import Affinity, Verdict
+from .shared.admission import Affinity, Claim, Verdict
 from .shared.errors import StateUnavailable, unavailable_reply
 from .tenancy import limit_key, refusal, store_refusal, subject_refusal
 
@@ -165,25 +165,21 @@ async def place_shared(
         if backend is not None and choice in _STICKY:
             affinity = Affinity.OVERWRITE if learned not in (None, backend) else Affinity.FOLLOW
         limit = None if choice in _QUEUED or backend is None else routing.tracker[backend].limit
+        claim = Claim(
+            owner, backend, limit, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
+            rate_per_s=policy.rate_per_s, burst=policy.burst, affinity_key=key,
+            affinity=affinity, stream_id=stream_id, subject=ctx.subject,
+            stream_format=ctx.codec.name,
+        )
         if learned is None:  # nothing in Redis can refuse it: no round trip before upstream
             landed = admission.admit_now(
-                owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
-                rate_per_s=policy.rate_per_s, backend=backend, backend_limit=limit,
-                affinity_key=key, affinity=affinity, stream_id=stream_id,
-                subject=ctx.subject, stream_format=ctx.codec.name, opening=opening,
-                answered=None if backend is None
+                claim, opening=opening, answered=None if backend is None
                 else functools.partial(_claimed, state, backend, key),
             )
             if landed is not None:
                 return _admitted(state, admission, ctx, owner, backend), landed
         try:
-            answer = await admission.admit(
-                owner, keyed=limiter.enabled, key_limit=limiter.max_streams(owner),
-                rate_per_s=policy.rate_per_s, burst=policy.burst, backend=backend,
-                backend_limit=limit,
-                affinity_key=key, affinity=affinity, stream_id=stream_id, subject=ctx.subject,
-                stream_format=ctx.codec.name,
-            )
+            answer = await admission.admit(claim)
         except StateUnavailable as exc:
             routing.unroute(ctx)  # this process's count too: the request will not go
             return unavailable_reply(exc), None

@@ -56,7 +56,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +68,7 @@ from .keys import Keys
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["Admission", "Affinity", "SharedAdmission", "Verdict"]
+__all__ = ["Admission", "Affinity", "Claim", "SharedAdmission", "Verdict"]
 
 log = logging.getLogger("firstbyte.router.shared")
 
@@ -332,6 +332,44 @@ def affinity_digest(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
+_NO_AFFINITY = affinity_digest("")
+"""The affinity key an admission without one names (the script does not touch it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one request claims region-wide, whether it waits for Redis
+    (:meth:`SharedAdmission.admit`) or not (:meth:`SharedAdmission.admit_now`): built once a
+    routing attempt, read by both.
+
+    A slot of ``owner``'s key (``keyed`` False: no per-key limits nor counts; ``key_limit``
+    None: counted, no cap; ``rate_per_s`` 0: no rate, else ``burst`` tokens at most), the
+    affinity of ``affinity_key`` (what to do with it: ``affinity``), a slot of ``backend``
+    (None: a peer region, nothing to claim; ``backend_limit`` None: no limit, a request queued
+    on purpose), and ``stream_id`` made findable by the region's processes (``owner``'s, for
+    ``subject``, in ``stream_format``) if the request makes a stream."""
+
+    owner: bytes
+    backend: str | None
+    backend_limit: int | None = None
+    keyed: bool = True
+    key_limit: int | None = None
+    rate_per_s: float = 0.0
+    burst: int = 1
+    affinity_key: str | None = None
+    affinity: Affinity = Affinity.NONE
+    stream_id: str | None = None
+    subject: str | None = None
+    stream_format: str = "chat"
+    digest: str = field(init=False)
+    """``affinity_key``'s :func:`affinity_digest` ('' without one), computed once a claim (an
+    admission that could not go at once asks Redis with the same)."""
+
+    def __post_init__(self) -> None:
+        key = self.affinity_key
+        object.__setattr__(self, "digest", affinity_digest(key) if key is not None else "")
+
+
 class SharedAdmission:
     """Claims and releases of key slots, backend slots and affinity (see the module docstring).
 
@@ -406,34 +444,18 @@ class SharedAdmission:
             await self._redis.script_load(_RELEASE)
             await self._redis.script_load(_CLAIM)
 
-    async def admit(
-        self,
-        owner: bytes,
-        *,
-        keyed: bool = True,
-        key_limit: int | None,
-        rate_per_s: float,
-        burst: int,
-        backend: str | None,
-        backend_limit: int | None,
-        affinity_key: str | None,
-        affinity: Affinity,
-        stream_id: str | None = None,
-        subject: str | None = None,
-        stream_format: str = "chat",
-    ) -> Admission:
-        """One round trip: check ``owner``'s concurrency (``keyed`` False: no per-key limits
-        nor counts; ``key_limit`` None: counted, no cap), the affinity of ``affinity_key``,
-        ``backend``'s slots (None: a peer region, nothing to claim; ``backend_limit`` None: no
-        limit, a request queued on purpose) and the key's rate, in that order; if all pass,
-        claim a slot of each and take a token, and make ``stream_id`` (``owner``'s, for
-        ``subject``, in ``stream_format``) findable by the region's processes: announced
-        with the admission, in its round trip, instead of in one of its own before the
-        stream's id goes out.
+    async def admit(self, claim: Claim) -> Admission:
+        """One round trip: check ``claim``'s key concurrency, the affinity of its affinity key,
+        its backend's slots and the key's rate, in that order; if all pass, claim a slot of
+        each and take a token, and make its stream findable by the region's processes:
+        announced with the admission, in its round trip, instead of in one of its own before
+        the stream's id goes out.
 
         :class:`StateUnavailable` if Redis does not answer: nothing is counted as held, and
         whatever the script may have claimed is undone by :meth:`reconcile`."""
-        digest = affinity_digest(affinity_key or "")
+        owner, backend, backend_limit = claim.owner, claim.backend, claim.backend_limit
+        keyed, affinity_key, stream_id = claim.keyed, claim.affinity_key, claim.stream_id
+        digest = claim.digest or _NO_AFFINITY
         key_slots = self.keys.key_slots(owner)
         backend_load = self.keys.backend_load(backend or "")
         spared = 0
@@ -443,12 +465,12 @@ class SharedAdmission:
         keys = (key_slots, self.keys.key_bucket(owner), self.keys.affinity(digest), backend_load,
                 "" if stream_id is None else self.keys.meta(stream_id))
         args = (
-            self.process, self._lease_prefix, -1 if not keyed else (key_limit or 0),
-            rate_per_s, burst, self._expiry_ms, backend or "",
+            self.process, self._lease_prefix, -1 if not keyed else (claim.key_limit or 0),
+            claim.rate_per_s, claim.burst, self._expiry_ms, backend or "",
             -1 if backend_limit is None else backend_limit,
-            int(affinity if affinity_key is not None else Affinity.NONE), self._affinity_ms,
-            owner, subject or "", "" if stream_format == "chat" else stream_format,
-            wanted, spared,
+            int(claim.affinity if affinity_key is not None else Affinity.NONE),
+            self._affinity_ms, owner, claim.subject or "",
+            "" if claim.stream_format == "chat" else claim.stream_format, wanted, spared,
         )
         claims = ([key_slots] if keyed else []) + (
             [backend_load] if backend is not None else []
@@ -476,7 +498,7 @@ class SharedAdmission:
             self.held.update(claims)
             if int(reply[2]):
                 self._granted(backend_load, int(reply[2]))
-            if affinity_key is not None and affinity is not Affinity.NONE and backend:
+            if affinity_key is not None and claim.affinity is not Affinity.NONE and backend:
                 self._know(digest, backend)
         else:
             self._spare_back(backend_load, spared)  # nothing was claimed
@@ -487,20 +509,7 @@ class SharedAdmission:
         return Admission(verdict, int(value))
 
     def admit_now(
-        self,
-        owner: bytes,
-        *,
-        keyed: bool,
-        key_limit: int | None,
-        rate_per_s: float,
-        backend: str | None,
-        backend_limit: int | None,
-        affinity_key: str | None,
-        affinity: Affinity,
-        stream_id: str | None = None,
-        subject: str | None = None,
-        stream_format: str = "chat",
-        opening: bool = False,
+        self, claim: Claim, *, opening: bool = False,
         answered: Callable[[int, str], None] | None = None,
     ) -> asyncio.Future[None] | None:
         """Admit a request without waiting for Redis, when nothing Redis holds could refuse
@@ -520,13 +529,15 @@ class SharedAdmission:
         key for if not ``backend`` ('' if it is: it went the same way, or is stored now)."""
         if self._gate is not None or self._rounds_due:
             return None  # Redis failed lately: each request asks it (and hears it is away)
-        if keyed and (key_limit is not None or rate_per_s > 0):
+        keyed, backend, backend_limit = claim.keyed, claim.backend, claim.backend_limit
+        if keyed and (claim.key_limit is not None or claim.rate_per_s > 0):
             return None
         digest = ""
-        if affinity_key is not None and affinity is not Affinity.NONE:
+        affinity = claim.affinity
+        if claim.affinity_key is not None and affinity is not Affinity.NONE:
             if affinity is not Affinity.FOLLOW or backend is None:
                 return None
-            digest = affinity_digest(affinity_key)
+            digest = claim.digest
             known = self._known.get(digest)
             if known is not None and known[1] < asyncio.get_running_loop().time():
                 del self._known[digest]
@@ -540,6 +551,7 @@ class SharedAdmission:
         limited = backend is not None and backend_limit is not None
         if limited and not self._take_spare(backend_load):
             return None
+        owner, stream_id, stream_format = claim.owner, claim.stream_id, claim.stream_format
         key_slots = self.keys.key_slots(owner) if keyed else ""
         claims = [key_slots] if keyed else []
         if backend is not None:
@@ -552,7 +564,7 @@ class SharedAdmission:
             self.process, self._lease_prefix, self._expiry_ms, backend or "",
             self._affinity_ms, 1 if limited else 0, wanted,
             -1 if backend_limit is None else backend_limit,
-            owner, subject or "", "" if stream_format == "chat" else stream_format,
+            owner, claim.subject or "", "" if stream_format == "chat" else stream_format,
         )
         landed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         unsure = claims
@@ -645,10 +657,7 @@ class SharedAdmission:
         backend refused the connection (its key's slot and affinity stay as claimed); False
         if the processes together hold ``limit`` on it, or Redis does not answer."""
         try:
-            answer = await self.admit(
-                b"", keyed=False, key_limit=None, rate_per_s=0.0, burst=0, backend=backend,
-                backend_limit=limit, affinity_key=None, affinity=Affinity.NONE,
-            )
+            answer = await self.admit(Claim(b"", backend, limit, keyed=False, burst=0))
         except StateUnavailable as exc:
             log.debug("cannot claim a slot of %s for a failover: %s", backend, exc)
             return False

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.router.shared.admission import (
     Affinity,
+    Claim,
     SharedAdmission,
     Verdict,
     affinity_digest,
@@ -37,16 +38,15 @@ def _now(admission: SharedAdmission, *, limit: int | None = LIMIT, key_limit: in
          rate: float = 0.0, affinity_key: str | None = None,
          affinity: Affinity = Affinity.NONE, stream_id: str | None = None
          ) -> asyncio.Future[None] | None:
-    return admission.admit_now(OWNER, keyed=True, key_limit=key_limit, rate_per_s=rate,
-                               backend="b0", backend_limit=limit, affinity_key=affinity_key,
-                               affinity=affinity, stream_id=stream_id)
+    return admission.admit_now(Claim(OWNER, "b0", limit, key_limit=key_limit, rate_per_s=rate,
+                                     affinity_key=affinity_key, affinity=affinity,
+                                     stream_id=stream_id))
 
 
 async def _wait(admission: SharedAdmission, *, limit: int | None = LIMIT,
                 affinity_key: str | None = None, affinity: Affinity = Affinity.NONE) -> Verdict:
-    answer = await admission.admit(OWNER, key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                                   backend_limit=limit, affinity_key=affinity_key,
-                                   affinity=affinity)
+    answer = await admission.admit(
+        Claim(OWNER, "b0", limit, affinity_key=affinity_key, affinity=affinity))
     return answer.verdict
 
 
@@ -175,17 +175,14 @@ async def test_an_opening_message_goes_at_once_and_learns_where_another_placed_i
     redis, keys = one.redis, one.keys
     for rig in (one, two):  # spare slots of b0 and b1 for both
         for backend in ("b0", "b1"):
-            answer = await rig.admission.admit(
-                OWNER, key_limit=None, rate_per_s=0.0, burst=1, backend=backend,
-                backend_limit=LIMIT, affinity_key=None, affinity=Affinity.NONE)
+            answer = await rig.admission.admit(Claim(OWNER, backend, LIMIT))
             assert answer.verdict is Verdict.ADMITTED
     heard: dict[str, str] = {}
 
     def now(rig_admission: SharedAdmission, backend: str, opening: bool, name: str = ""
             ) -> asyncio.Future[None] | None:
         return rig_admission.admit_now(
-            OWNER, keyed=True, key_limit=None, rate_per_s=0.0, backend=backend,
-            backend_limit=LIMIT, affinity_key="Hello", affinity=Affinity.FOLLOW,
+            Claim(OWNER, backend, LIMIT, affinity_key="Hello", affinity=Affinity.FOLLOW),
             opening=opening, answered=lambda others, stored: heard.update({name: stored}))
 
     assert now(one.admission, "b0", opening=False) is None  # a later turn asks Redis

@@ -32,7 +32,7 @@ from firstbyte.router.shared.admission import (
     _ADMIT,
     _CLAIM,
     _RELEASE,
-    Affinity,
+    Claim,
     SharedAdmission,
     Verdict,
 )
@@ -204,9 +204,7 @@ async def test_a_stream_costs_one_admission_one_release_and_a_few_writes(
 def _admit(admission: SharedAdmission, owner: bytes = b"k",
            backend_limit: int | None = None) -> Any:
     """An admission of ``owner`` (no key limits) on backend ``b0``, without affinity."""
-    return admission.admit(owner, key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                           backend_limit=backend_limit, affinity_key=None,
-                           affinity=Affinity.NONE)
+    return admission.admit(Claim(owner, "b0", backend_limit))
 
 
 async def test_a_burst_of_admissions_takes_two_round_trips(
@@ -451,9 +449,7 @@ async def test_the_first_admission_after_a_redis_restart_is_answered() -> None:
             await admission.start()
 
             async def admit() -> Verdict:
-                answer = await admission.admit(
-                    b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                    backend_limit=100, affinity_key=None, affinity=Affinity.NONE)
+                answer = await admission.admit(Claim(b"k", "b0", 100))
                 return answer.verdict
 
             assert await admit() is Verdict.ADMITTED  # the batch's connection is kept

@@ -34,7 +34,7 @@ from firstbyte.router.pipeline.admit import admit_body
 from firstbyte.router.pipeline.context import CONTINUE, RequestContext
 from firstbyte.router.placement import place
 from firstbyte.router.shared import connect
-from firstbyte.router.shared.admission import Affinity, Verdict
+from firstbyte.router.shared.admission import Claim, Verdict
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.tickets import PAUSE_S, RedisTicketStore
 from firstbyte.router.sim.server import SimServer, sim_server
@@ -96,10 +96,7 @@ async def test_2000_admissions_at_once_are_all_answered(
         await shared.start()
 
         async def one(i: int) -> Verdict:
-            answer = await shared.admission.admit(
-                b"k%d" % (i % 7), key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                backend_limit=None, affinity_key=None, affinity=Affinity.NONE,
-            )
+            answer = await shared.admission.admit(Claim(b"k%d" % (i % 7), "b0"))
             return answer.verdict
 
         results = await asyncio.gather(*(one(i) for i in range(2000)), return_exceptions=True)
@@ -446,10 +443,7 @@ async def test_a_claim_cancelled_in_flight_is_undone_when_redis_answers() -> Non
             await shared.start()
             os.kill(server.pid, signal.SIGSTOP)
             try:
-                claim = asyncio.create_task(shared.admission.admit(
-                    b"k", key_limit=None, rate_per_s=0.0, burst=1, backend="b0",
-                    backend_limit=None, affinity_key=None, affinity=Affinity.NONE,
-                ))
+                claim = asyncio.create_task(shared.admission.admit(Claim(b"k", "b0")))
                 await asyncio.sleep(0.3)
                 claim.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

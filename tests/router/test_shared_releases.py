@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from firstbyte.router.shared.admission import _RELEASE, Affinity, Verdict
+from firstbyte.router.shared.admission import _RELEASE, Claim, Verdict
 from tests.router.redis_fixture import (  # noqa: F401 (fixtures)
     MakeAdmission,
     admitting,
@@ -21,8 +21,7 @@ async def test_releases_of_one_turn_are_one_call_and_each_gives_back_a_slot(
     redis, keys, admission = rig.redis, rig.keys, rig.admission
     for _ in range(3):  # three streams of one key on one backend
         admitted = await admission.admit(
-            OWNER, key_limit=10, rate_per_s=100.0, burst=100, backend="b0",
-            backend_limit=10, affinity_key=None, affinity=Affinity.NONE,
+            Claim(OWNER, "b0", 10, key_limit=10, rate_per_s=100.0, burst=100)
         )
         assert admitted.verdict is Verdict.ADMITTED
     assert await redis.hget(keys.key_slots(OWNER), "p1") == b"3"
