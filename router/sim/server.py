@@ -110,9 +110,13 @@ def options(
     keyfile: str | None = None,
     *,
     keep_alive_timeout_s: float = 30.0,
+    tune_gc: bool = False,
 ) -> ServerOptions:
     """How ``server`` (``uvicorn`` or ``hypercorn``) runs a sim: no lifespan (the engine's
-    driver is started around it), no WebSockets, short drain; the GC is left alone."""
+    driver is started around it), no WebSockets, short drain. ``tune_gc``: the cyclic GC set
+    as a router process has it (:mod:`firstbyte.router.hosting.gc_tuning`), for a sim that
+    is a process of its own (``firstbyte sim``); a sim inside someone else's program (a
+    test's) leaves it alone."""
     return ServerOptions(
         server=server,
         certfile=certfile,
@@ -120,6 +124,7 @@ def options(
         keep_alive_timeout_s=keep_alive_timeout_s,
         graceful_timeout_s=1.0,
         lifespan=False,
+        tune_gc=tune_gc,
     )
 
 
