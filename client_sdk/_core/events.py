@@ -17,7 +17,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 import msgspec
 
-from firstbyte.client_sdk._core.stream import SequenceGapError
+from firstbyte.client_sdk._core.stream import SequenceGapError, payload_object
 from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
 from firstbyte.protocol.codec import DONE_BYTES, Usage
 from firstbyte.protocol.events import EventFormat
@@ -88,13 +88,7 @@ class EventAssembler(Generic[E]):
 
     def _not_an_event(self, payload: str | bytes | dict[str, Any]) -> NoReturn:
         """An OpenAI-shaped error raises its APIError; anything else breaks the stream."""
-        if isinstance(payload, (str, bytes)):
-            try:
-                obj: Any = msgspec.json.decode(payload)
-            except msgspec.DecodeError as exc:
-                raise StreamBrokenError(f"undecodable stream event: {exc}") from None
-        else:
-            obj = payload
+        obj = payload_object(payload)
         if isinstance(obj, dict) and "error" in obj:
             self.done = True
             raise api_error_from_response(None, obj)

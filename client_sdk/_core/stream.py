@@ -17,7 +17,18 @@ from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_respon
 from firstbyte.protocol.openai import ChatCompletionChunk, ToolCallDelta, Usage
 from firstbyte.protocol.sse import DONE
 
-__all__ = ["SequenceGapError", "StreamAssembler", "StreamDelta"]
+__all__ = ["SequenceGapError", "StreamAssembler", "StreamDelta", "payload_object"]
+
+
+def payload_object(payload: str | bytes | dict[str, Any]) -> Any:
+    """A stream event's payload as an object: JSON text decoded (:class:`StreamBrokenError`
+    if it is not JSON), a dict as it is."""
+    if not isinstance(payload, (str, bytes)):
+        return payload
+    try:
+        return msgspec.json.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise StreamBrokenError(f"undecodable stream event: {exc}") from None
 
 
 class StreamDelta(msgspec.Struct, frozen=True, gc=False):
@@ -106,13 +117,7 @@ class StreamAssembler:
 
     def _not_a_chunk(self, payload: str | bytes | dict[str, Any]) -> ChatCompletionChunk:
         """An error event raises its APIError; anything else that is not a chunk breaks."""
-        if isinstance(payload, (str, bytes)):
-            try:
-                obj: Any = msgspec.json.decode(payload)
-            except msgspec.DecodeError as exc:
-                raise StreamBrokenError(f"undecodable stream event: {exc}") from None
-        else:
-            obj = payload
+        obj = payload_object(payload)
         if isinstance(obj, dict) and "error" in obj:
             self.done = True
             raise api_error_from_response(None, obj)

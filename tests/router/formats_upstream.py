@@ -15,13 +15,12 @@ import asyncio
 import base64
 import contextlib
 import json
-import socket
 import struct
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
+from tests.router.upstream import serving_on_loopback
 
 MODEL = "test-model"
 CONTENT = b"\0"
@@ -272,20 +271,6 @@ async def _reply(send: Any, status: int, obj: Any, raw: bytes | None = None) -> 
 @contextlib.asynccontextmanager
 async def running_formats_upstream(**options: Any) -> AsyncIterator[FormatsUpstream]:
     upstream = FormatsUpstream(**options)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(upstream, lifespan="on", log_level="warning", loop="none", http="httptools")
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    upstream.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    async with serving_on_loopback(upstream) as url:
+        upstream.url = url
         yield upstream
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()

@@ -21,6 +21,7 @@ from firstbyte.router import hosting, multiregion
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimConfig, build_app, options, running_app, running_sim
 from tests.router.conftest import RouterFactory, auth, router_config
+from tests.router.logs import CHAT_PATH, access_records, upstream_state_lines
 
 pytestmark = pytest.mark.asyncio
 
@@ -154,22 +155,6 @@ async def _broken_on(port: int, mode: str) -> AsyncIterator[None]:
         await server.wait_closed()
 
 
-def _access(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
-        r.fields  # type: ignore[attr-defined]
-        for r in caplog.records
-        if r.name == "firstbyte.access" and r.fields.get("path") == "/v1/chat/completions"  # type: ignore[attr-defined]
-    ]
-
-
-def _state_lines(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "firstbyte.router" and r.getMessage().startswith(f"upstream {name} ")
-    ]
-
-
 async def _stream(client: httpx.AsyncClient, router: RouterEndpoints) -> float:
     """One streamed completion, whole and without an error event; its duration (s)."""
     started = time.monotonic()
@@ -244,7 +229,7 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
         healthy = await serving(_sim_on(port))  # both serve: the region learns their TTFT
         for _ in range(4):
             await _stream(client, router)
-        assert {line["backend"] for line in _access(caplog)} == {"flaky", "live"}
+        assert {line["backend"] for line in access_records(caplog, CHAT_PATH)} == {"flaky", "live"}
         # From its TTFT (the floor, on a quiet machine; a loaded one's can be slower), where a
         # backend that had shown none would wait for the ceiling, 30 s.
         assert 0.3 <= state.first_byte_timeout_s("flaky") < 3.0
@@ -259,7 +244,7 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
         assert whole.status_code == 200, whole.text
         # Every request was served by the live backend, none waited past the deadline much
         # (a generous bound: a loaded machine; the read timeout is 300 s).
-        lines = _access(caplog)[-7:]
+        lines = access_records(caplog, CHAT_PATH)[-7:]
         assert {line["backend"] for line in lines} == {"live"}
         assert [line["outcome"] for line in lines] == ["ok"] * 7
         assert max(durations) < 10.0
@@ -274,7 +259,7 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
             f'firstbyte_backend_ejections_total{{backend="flaky",cause="{cause}"}}'
             in metrics.text
         )
-        down = _state_lines(caplog, "flaky")
+        down = upstream_state_lines(caplog, "flaky")
         assert len(down) == 1  # one line, however many requests found it broken
         assert f"is down: ejected ({cause})" in down[0]
 
@@ -288,8 +273,8 @@ async def test_a_backend_that_stops_serving_is_ejected_and_readmitted_when_heale
         await _until(readmitted)
         for _ in range(4):
             await _stream(client, router)
-        assert {line["backend"] for line in _access(caplog)[-4:]} == {"flaky", "live"}
-        assert _state_lines(caplog, "flaky")[1:] == [
+        assert {line["backend"] for line in access_records(caplog, CHAT_PATH)[-4:]} == {"flaky", "live"}
+        assert upstream_state_lines(caplog, "flaky")[1:] == [
             f"upstream flaky (http://127.0.0.1:{port}) is up again"
         ]
 
@@ -324,7 +309,7 @@ async def test_the_last_healthy_backend_is_not_ejected(
             headers=auth(),
         )
         assert again.status_code == 502, again.text
-    assert _state_lines(caplog, "only") == [
+    assert upstream_state_lines(caplog, "only") == [
         f"upstream only (http://127.0.0.1:{port}) failed a request (first_byte_timeout): "
         "ReadTimeout: no response within 0.5 s (first-byte deadline); kept in rotation, the "
         "region's last"
@@ -401,7 +386,7 @@ async def test_a_backend_blackholed_from_the_start_costs_a_deadline_from_warmup_
         assert 0.3 <= state.first_byte_timeout_s("flaky") < 3.0
         durations = [await _stream(client, router) for _ in range(3)]
         assert max(durations) < 10.0
-        assert {line["backend"] for line in _access(caplog)} == {"live"}
+        assert {line["backend"] for line in access_records(caplog, CHAT_PATH)} == {"live"}
         assert not state.backends["flaky"].healthy
 
 

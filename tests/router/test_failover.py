@@ -20,6 +20,7 @@ from firstbyte.router import hosting, multiregion
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimConfig, build_app, options, running_app, running_sim
 from tests.router.conftest import RouterFactory, auth, router_config
+from tests.router.logs import CHAT_PATH, access_records, upstream_state_lines
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.asyncio
@@ -80,22 +81,6 @@ async def _stream(client: httpx.AsyncClient, router: RouterEndpoints) -> None:
     assert '"error"' not in response.text
 
 
-def _access(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
-        r.fields  # type: ignore[attr-defined]
-        for r in caplog.records
-        if r.name == "firstbyte.access" and r.fields.get("path") == "/v1/chat/completions"  # type: ignore[attr-defined]
-    ]
-
-
-def _state_lines(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "firstbyte.router" and r.getMessage().startswith(f"upstream {name} ")
-    ]
-
-
 async def test_refused_backend_fails_over_and_comes_back(
     start_router: RouterFactory,
     caplog: pytest.LogCaptureFixture,
@@ -121,7 +106,7 @@ async def test_refused_backend_fails_over_and_comes_back(
         )
         assert whole.status_code == 200, whole.text
         assert whole.json()["choices"][0]["message"]["content"]
-        lines = _access(caplog)
+        lines = access_records(caplog, CHAT_PATH)
         assert [line["outcome"] for line in lines] == ["ok"] * 5
         assert {line["backend"] for line in lines} == {"live"}
         moved = [line for line in lines if line.get("route_reason") == "backend_unreachable"]
@@ -140,9 +125,9 @@ async def test_refused_backend_fails_over_and_comes_back(
         await asyncio.sleep(0.6)
         for _ in range(2):
             await _stream(client, router)
-        moved = [x for x in _access(caplog) if x.get("route_reason") == "backend_unreachable"]
+        moved = [x for x in access_records(caplog, CHAT_PATH) if x.get("route_reason") == "backend_unreachable"]
         assert len(moved) == 2
-        down = _state_lines(caplog, "gone")
+        down = upstream_state_lines(caplog, "gone")
         assert len(down) == 1
         assert down[0].startswith(f"upstream gone (http://127.0.0.1:{dead_port}) is down: Connect")
 
@@ -151,10 +136,10 @@ async def test_refused_backend_fails_over_and_comes_back(
             await asyncio.sleep(0.6)
             for _ in range(4):
                 await _stream(client, router)
-            served = {line["backend"] for line in _access(caplog)[-4:]}
+            served = {line["backend"] for line in access_records(caplog, CHAT_PATH)[-4:]}
             assert served == {"gone", "live"}
             assert routing.backends["gone"].healthy
-            assert _state_lines(caplog, "gone")[1:] == [
+            assert upstream_state_lines(caplog, "gone")[1:] == [
                 f"upstream gone (http://127.0.0.1:{dead_port}) is up again"
             ]
 
@@ -183,7 +168,7 @@ async def test_a_lone_backend_fails_the_request_and_stays_in_rotation(
             router.base_url + "/v1/chat/completions", json={**BODY, "stream": True}, headers=auth()
         )
         assert again.status_code == 502, again.text
-    assert len(_state_lines(caplog, "gone")) == 1
+    assert len(upstream_state_lines(caplog, "gone")) == 1
 
 
 async def test_failover_with_shared_state_moves_the_backend_slot(

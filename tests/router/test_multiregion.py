@@ -24,6 +24,7 @@ from tests.router.geo_fixtures import (
     VIRGINIA_CLIENT,
     write_city_mmdb,
 )
+from tests.router.logs import access_records
 
 API_KEY = "sk-multiregion-0001"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -103,7 +104,7 @@ async def test_client_served_by_its_region_via_trusted_proxy(
         metrics = (await client.get(f"{frankfurt.url}/metrics", headers=AUTH)).text
         assert 'firstbyte_route_forwards_total{to="tokyo"} 2' in metrics
     # One JSON access-log line per request, without secrets or addresses.
-    records = [r.fields for r in caplog.records if r.name == "firstbyte.access"]  # type: ignore[attr-defined]
+    records = access_records(caplog)
     forwarded = [r for r in records if r["entry_region"] == "frankfurt" and r["region"] == "tokyo"]
     assert len(forwarded) == 2
     assert forwarded[0]["client_city"] == "Tokyo"

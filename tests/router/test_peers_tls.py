@@ -14,6 +14,7 @@ import pytest
 from firstbyte.router.sim.server import sim_server
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
+from tests.router.logs import access_records
 
 PEER_KEY = "a long shared peer secret"
 
@@ -60,7 +61,7 @@ async def test_concurrent_forwards_ride_one_http2_connection_to_the_peer(
         origin = httpcore.Origin(b"https", b"127.0.0.1", port)
         to_peer = [c for c in pool.connections if c.can_handle_request(origin)]
         assert len(to_peer) == 1, pool.connections
-    records = [r.fields for r in caplog.records if r.name == "firstbyte.access"]  # type: ignore[attr-defined]
+    records = access_records(caplog)
     at_peer = [r for r in records
                if r["entry_region"] == "tokyo" and r["path"].endswith("/completions")]
     assert len(at_peer) == 4

@@ -213,26 +213,34 @@ async def _json(send: Any, status: int, obj: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_upstream(**options: Any) -> AsyncIterator[Upstream]:
-    upstream = Upstream(**options)
+async def serving_on_loopback(app: Any) -> AsyncIterator[str]:
+    """``app`` served by plain uvicorn in this event loop on a free loopback port (not the
+    router's hosting: a test upstream stands apart from what it tests); yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(upstream, lifespan="on", log_level="warning", loop="none", http="httptools")
+        uvicorn.Config(app, lifespan="on", log_level="warning", loop="none", http="httptools")
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
-    upstream.url = f"http://127.0.0.1:{port}"
     try:
-        yield upstream
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         await task
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def running_upstream(**options: Any) -> AsyncIterator[Upstream]:
+    upstream = Upstream(**options)
+    async with serving_on_loopback(upstream) as url:
+        upstream.url = url
+        yield upstream
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
