@@ -16,11 +16,11 @@ import base64
 import contextlib
 import json
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.router.upstream import serving_on_loopback
+from tests.router.upstream import serving_upstream
 
 MODEL = "test-model"
 CONTENT = b"\0"
@@ -268,9 +268,5 @@ async def _reply(send: Any, status: int, obj: Any, raw: bytes | None = None) -> 
     await send({"type": "http.response.body", "body": body})
 
 
-@contextlib.asynccontextmanager
-async def running_formats_upstream(**options: Any) -> AsyncIterator[FormatsUpstream]:
-    upstream = FormatsUpstream(**options)
-    async with serving_on_loopback(upstream) as url:
-        upstream.url = url
-        yield upstream
+def running_formats_upstream(**options: Any) -> contextlib.AbstractAsyncContextManager[FormatsUpstream]:
+    return serving_upstream(FormatsUpstream(**options))

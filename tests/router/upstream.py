@@ -13,9 +13,11 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
+
+_U = TypeVar("_U")
 
 MODELS = (
     "test-model", "m", "x", "sim", "sim-model", "sim-instant", "sim-llama-7b", "chat-model",
@@ -236,11 +238,15 @@ async def serving_on_loopback(app: Any) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def running_upstream(**options: Any) -> AsyncIterator[Upstream]:
-    upstream = Upstream(**options)
+async def serving_upstream(upstream: _U) -> AsyncIterator[_U]:
+    """A test upstream (an ASGI app with a ``url``) served on loopback, its ``url`` set."""
     async with serving_on_loopback(upstream) as url:
         upstream.url = url
         yield upstream
+
+
+def running_upstream(**options: Any) -> contextlib.AbstractAsyncContextManager[Upstream]:
+    return serving_upstream(Upstream(**options))
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
