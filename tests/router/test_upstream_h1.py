@@ -200,7 +200,12 @@ async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
         assert isinstance(sink.error, httpx.ReadTimeout)
         assert sink.status == 200
         assert asyncio.get_running_loop().time() - started >= 2.0 - 0.05
-        assert len(armed) == 2
+        # One timer made at the send; the timeout counts from the last byte, so a head that
+        # arrived a turn after the send re-arms it once for the rest of the window (a loaded
+        # machine read [2.0, 2.0, 0.0013]).
+        assert armed[:2] == [2.0, 2.0]
+        assert len(armed) <= 3, armed
+        assert all(0 < rest < 2.0 for rest in armed[2:]), armed
         upstreams.release(conn)
     finally:
         await upstreams.aclose()
