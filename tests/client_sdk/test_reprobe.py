@@ -64,12 +64,15 @@ async def test_reprobe_leaves_a_slow_region_and_comes_back_after_it_recovers(
     specs = [RegionSpec("near", 0.0, 0.0, **FAST), RegionSpec("mid", 0.0, 1.0, **FAST),
              RegionSpec("far", 0.0, 2.0, **FAST)]
     async with running_regions(specs) as regions, \
-            edges(regions, (cert, key), {"mid": 0.02, "far": 0.04}) as proxies, \
+            edges(regions, (cert, key), {"mid": 0.05, "far": 0.1}) as proxies, \
             sdk(proxies, ["near", "mid", "far"], ca_file, transport=transport,
                 reprobe_interval_s=INTERVAL_S) as client:
         # Each probe counts fully (no EWMA): a recovered region then goes from let go (no
         # connection) straight to primary, the case where its connection must be opened
         # before requests are sent there. The EWMA path is in test_reprobe_units.
+        # So one probe decides, and the regions' RTTs (~0, 100 and 200 ms) are far enough
+        # apart that only a probe stalled by ~90 ms (this process descheduled under a loaded
+        # suite) could reorder them; 20 and 40 ms delays once read a switch too many.
         client.regions.alpha = 1.0
         await client.prewarm()
         assert (primary(client), standby(client)) == ("near", "mid")
@@ -79,16 +82,16 @@ async def test_reprobe_leaves_a_slow_region_and_comes_back_after_it_recovers(
             accepted = {name: proxies[name].accepted for name in ("near", "mid")}
             far_accepted = proxies["far"].accepted
             await asyncio.sleep(4 * INTERVAL_S)
+            # far (let go) costs a connection per probe (a handshake each at 200 ms RTT).
+            await until(lambda: proxies["far"].accepted >= far_accepted + 2, timeout_s=5.0)
             assert client.regions.switches == 0
-            # The kept regions are probed on their warm connections; far (let go) costs a
-            # connection per probe.
+            # The kept regions are probed on their warm connections.
             assert {name: proxies[name].accepted for name in ("near", "mid")} == accepted
-            assert proxies["far"].accepted >= far_accepted + 2
             assert (primary(client), standby(client)) == ("near", "mid")
 
-            proxies["near"].delay_s = 0.06  # near is now the farthest: ~120 ms RTT
+            proxies["near"].delay_s = 0.15  # near is now the farthest: ~300 ms RTT
             await until(lambda: primary(client) == "mid", timeout_s=10.0)
-            # far (80 ms) is now second best: it becomes the warm standby, near is let go.
+            # far (200 ms) is now second best: it becomes the warm standby, near is let go.
             await until(lambda: standby(client) == "far", timeout_s=10.0)
             assert proxies["far"].open >= 1
             before = len(outcomes)
