@@ -22,16 +22,17 @@ the scaling figure is the largest level held with 2 workers over the largest hel
 (none when one worker holds the highest level: nothing is left for a second to show), and,
 apples to apples, chunks per router-CPU-second with 2 workers over 1. Redis against memory
 (one worker each): TTFT P50 and P99 Redis minus memory and router CPU per chunk Redis over
-memory, as medians of the rounds' paired deltas, next to the same figures of the memory
-router measured a second time in each round (its A/A control), and whether they are within
-issue 26's target (+10 ms, +30 ms, x1.15), figure by figure read with its A/A: met (within,
-and so is the A/A), NOT MET (past it by more than the A/A strays) or inconclusive (the run's
-own noise is larger than the target); with the router's own time per stream (its
-``firstbyte_router_start_seconds``: arrival to the request written upstream, without the
-sim's queue), the part of TTFT Redis can cost, and the TTFT mean's delta (not a target
-figure: the sim answers in decode steps, ~245 ms at 2,000 streams, so TTFT clusters a step
-apart and a few ms that move requests past a step's start move the P50 by tens of ms, the
-mean by about those ms).
+memory, as medians over the rounds of Redis against the mean of its round's two memory phases
+(one before it, one after: a steady drift of the machine's load cancels), next to the
+same figures of the memory router's second phase against its first (its A/A control), and
+whether they are within issue 26's target (+10 ms, +30 ms, x1.15), figure by figure read
+with its A/A: met (within, and so is the A/A), NOT MET (past it by more than the A/A strays)
+or inconclusive (the run's own noise is larger than the target); with the router's own
+time per stream (its ``firstbyte_router_start_seconds``: arrival to the request written
+upstream, without the sim's queue), the part of TTFT Redis can cost, and the TTFT mean's
+delta (not a target figure: the sim answers in decode steps, ~245 ms at 2,000 streams, so
+TTFT clusters a step apart and a few ms that move requests past a step's start move the P50
+by tens of ms, the mean by about those ms).
 
 On a 2-core machine the sim, Redis, the load generator and the router share the two cores:
 each row names what limited it (``limit``): the first of the router (its busiest process),
@@ -750,16 +751,35 @@ def _versus(
     """Redis against memory at one level over the rounds: the median of the per-round
     differences (TTFT, the router's own time per stream) and ratios (router CPU per chunk),
     and the same of the memory router against itself (the A/A: what noise and drift alone
-    make of them); each round's TTFT P50 deltas too, to show the spread."""
+    make of them); each round's TTFT P50 deltas too, to show the spread.
 
-    def diffs(a: list[dict[str, Any]], key: str) -> list[float]:
-        return [float(x[key]) - float(m[key]) for x, m in zip(a, memory, strict=True)
-                if x[key] is not None and m[key] is not None]
+    Each round measures Redis between its two memory phases (memory, Redis, memory again,
+    or the reverse), so Redis is read against their mean: a machine whose load drifts
+    through a round (a shared 2-core one does: in one full run the memory router's CPU per
+    chunk went from 28 to 47 µs over the rounds) moves both memory phases, one before and
+    one after, and their mean cancels a steady drift that a single neighbour adds to or
+    takes from the figure. The A/A is the second memory phase against the first (two phases
+    apart: the drift of a whole round, a conservative measure of noise)."""
 
-    def ratios(a: list[dict[str, Any]]) -> list[float]:
+    def base(key: str, bracketed: bool) -> list[float | None]:
+        """Per round, the memory figure a phase is read against: the mean of the round's
+        two memory phases (a Redis phase, between them) or the first one's (the A/A)."""
+        out: list[float | None] = []
+        for m, a in zip(memory, again, strict=True):
+            if m[key] is None or (bracketed and a[key] is None):
+                out.append(None)
+            else:
+                out.append((float(m[key]) + float(a[key])) / 2 if bracketed else float(m[key]))
+        return out
+
+    def diffs(rows: list[dict[str, Any]], key: str) -> list[float]:
+        return [float(x[key]) - b for x, b in zip(rows, base(key, rows is redis), strict=True)
+                if x[key] is not None and b is not None]
+
+    def ratios(rows: list[dict[str, Any]]) -> list[float]:
         key = "router_cpu_us_per_chunk"
-        return [float(x[key]) / float(m[key]) for x, m in zip(a, memory, strict=True)
-                if x[key] and m[key]]
+        return [float(x[key]) / b for x, b in zip(rows, base(key, rows is redis), strict=True)
+                if x[key] and b]
 
     def median(values: list[float], digits: int = 1) -> float | None:
         return round(statistics.median(values), digits) if values else None
@@ -876,7 +896,8 @@ def _markdown(results: dict[str, Any]) -> str:
         f"{' (' + results['scaling_note'] + ')' if 'scaling_note' in results else ''};"
         f" router chunks per CPU-second at the top level: {results['chunks_per_router_cpu_s']};"
         f" Redis's cost to the router, µs per chunk: {results['redis_cost_us_per_chunk']}."
-        f" Redis vs memory (1 worker; medians of the rounds' paired deltas: TTFT P50 / P99 ms"
+        f" Redis vs memory (1 worker; medians over the rounds of Redis against the mean of its"
+        f" round's two memory phases: TTFT P50 / P99 ms"
         f" (mean, mean outside the sim's engine), router CPU per chunk, the router's own time"
         f" per stream mean / P99 ms, time to the response head P50 ms; A/A: the memory router"
         f" again; each round's P50 delta in brackets): " + "; ".join(
