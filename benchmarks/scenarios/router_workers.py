@@ -10,7 +10,8 @@ holds them (each ``max_tokens`` long enough to outlast the ramp). All routers ru
 start, and each level's phases alternate over the targets: direct, ``rounds`` rounds of the
 memory router, the Redis router and the memory router again (every other round reversed; the
 two-worker router once, after the first), then direct again (A/A controls of what noise and
-drift alone do to the figures).
+drift alone do to the figures); each phase starts after a pause (:data:`SETTLE_S`) in which
+the processes not measured finish their own deferred work.
 
 Per target and level: TTFT P50/P99 (request sent to the first content chunk) and its mean,
 split into the sim's engine's part (its own TTFT histogram) and the rest, errors, the
@@ -64,6 +65,7 @@ from typing import Any
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import running_redis
+from firstbyte.router.hosting.gc_tuning import CHECK_S
 
 __all__ = ["run"]
 
@@ -506,8 +508,15 @@ router CPU per chunk within this ratio of it."""
 ROUNDS, QUICK_ROUNDS = 6, 2
 """Rounds of memory, Redis and memory again (one worker each) per level. At 2,000 streams
 the TTFT P50 (~300 ms, the sim's batching queue) moves by tens of ms between phases of one
-target: a figure from one phase each cannot tell +10 ms; the median of per-round paired
-deltas can, with its A/A the same way."""
+target: a figure from one phase each cannot tell +10 ms; the median of per-round deltas
+can, with its A/A the same way."""
+
+SETTLE_S = 2 * CHECK_S + 1.0
+"""The pause before each phase (full runs). A process serving nothing runs a due full
+collection of its GC within two of its quiet-time checks (:mod:`firstbyte.router.hosting.
+gc_tuning`, every ``CHECK_S``; the sim's too), and its collection takes ~0.1 s: without the
+pause, the routers not measured ran theirs (~100 ms of a core each at 2,000 streams) a
+second or two into the next target's phase, in its ramp, on the two cores it shares."""
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -595,6 +604,7 @@ def run(
             for i in range(1, rounds):
                 order += _round_order(i)
             for name in (*order, AA_TARGET):
+                time.sleep(0.0 if quick else SETTLE_S)
                 if name in routers or name == MEMORY_AA:
                     port, proc, redis_url = routers[MEMORY if name == MEMORY_AA else name]
                     row = _measure(port, n, ramp_s, max_tokens, proc,
