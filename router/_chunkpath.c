@@ -153,6 +153,18 @@ attr_none(PyObject *obj, Slot *slot)
     return none;
 }
 
+/* *out = obj.<slot> (an int attribute); 0, or -1 with an exception. */
+static int
+attr_ll(PyObject *obj, Slot *slot, long long *out)
+{
+    PyObject *value = slot_get(obj, slot);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* obj.<slot> += delta (an int attribute); 0, or -1 with an exception. */
 static int
 add_to_attr(PyObject *obj, Slot *slot, Py_ssize_t delta)
@@ -196,6 +208,7 @@ static Slot store_owners = {"_owners"};
 static Slot store_shares = {"_shares"};
 static Slot store_max_owner_bytes = {"max_owner_bytes"};
 static Slot store_total_bytes = {"total_bytes"};
+static Slot store_max_total_bytes = {"max_total_bytes"};
 static Slot owner_bytes = {"bytes"};
 static Slot tap_write = {"write"};
 static Slot tap_seq = {"seq"};
@@ -223,7 +236,8 @@ static Slot hist_count = {"count"};
 static Slot *const all_slots[] = {
     &stream_finished_at, &stream_store, &stream_owner, &stream_events, &stream_trimmed,
     &stream_size_bytes, &stream_mirror, &stream_taps, &stream_waiters, &store_over_share,
-    &store_owners, &store_shares, &store_max_owner_bytes, &store_total_bytes, &owner_bytes,
+    &store_owners, &store_shares, &store_max_owner_bytes, &store_total_bytes,
+    &store_max_total_bytes, &owner_bytes,
     &tap_write, &tap_seq, &tap_last_at, &tap_released, &relay_fast, &relay_framer,
     &relay_appended, &framer_idle, &conn_last_read, &flow_write_paused, &cycle_disconnected,
     &cycle_chunked_encoding, &cycle_response_complete, &event_seq, &event_data, &framer_direct,
@@ -361,10 +375,13 @@ perf_counter(void)
 /* Stream.add (router/streams.py) for a read's `payloads` (`size`: what the store charges for
  * them), with the same effects in the same order: the events stored, the stream, its owner
  * and the store charged, the mirror called per event, the direct readers written (an
- * SSEWriter called here, in C) and the others woken. It runs where Stream.add would neither
- * trim nor reclaim, the case of every read of a stream within its owner's share; anywhere
- * else (no store, a finished stream, an owner at its share, a store trimming) it returns 0
- * having changed nothing and Stream.add runs, which stays the definition. 1 done, -1 error. */
+ * SSEWriter called here, in C) and the others woken; an owner that these take past its share
+ * is marked for trimming, as Stream.add marks it. It runs where Stream.add would not reclaim:
+ * every read that leaves the store within its bound, whoever is over a share (one key
+ * holding most of a full store stays over its share, and its reads come here too); anywhere
+ * else (no store, a finished stream, a store these would take past its bound while an owner
+ * is over its share) it returns 0 having changed nothing and Stream.add runs, which stays the
+ * definition. 1 done, -1 error. */
 static int
 stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_at)
 {
@@ -378,14 +395,17 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     int status = 0;
     PyObject *owners = NULL, *owner = NULL, *usage = NULL, *events = NULL, *trimmed = NULL;
     PyObject *added = NULL, *last = NULL, *mirror = NULL, *taps = NULL, *waiters = NULL;
+    PyObject *marked = NULL;
     if (store == Py_None)
         goto out;
-    int trimming = attr_true(store, &store_over_share);
-    if (trimming != 0) {
-        status = trimming < 0 ? -1 : 0;
+    status = -1;
+    marked = slot_get(store, &store_over_share);
+    if (marked == NULL)
+        goto out;
+    if (!PyDict_CheckExact(marked)) {
+        status = 0;
         goto out;
     }
-    status = -1;
     owners = slot_get(store, &store_owners);
     owner = slot_get(stream, &stream_owner);
     if (owners == NULL || owner == NULL)
@@ -403,17 +423,21 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     int shares = attr_true(store, &store_shares);
     if (shares < 0)
         goto out;
+    int over = 0; /* these take the owner past its share: it is marked, as Stream.add does */
     if (shares) {
-        /* Over its share after these: Stream.add marks the owner for trimming. */
-        PyObject *held = slot_get(usage, &owner_bytes);
-        PyObject *limit = held == NULL ? NULL : slot_get(store, &store_max_owner_bytes);
-        long long held_n = held == NULL ? -1 : PyLong_AsLongLong(held);
-        long long limit_n = limit == NULL ? -1 : PyLong_AsLongLong(limit);
-        Py_XDECREF(held);
-        Py_XDECREF(limit);
-        if (PyErr_Occurred())
+        long long held_n, limit_n;
+        if (attr_ll(usage, &owner_bytes, &held_n) < 0 ||
+            attr_ll(store, &store_max_owner_bytes, &limit_n) < 0)
             goto out;
-        if (held_n + (long long)size > limit_n) {
+        over = held_n + (long long)size > limit_n;
+    }
+    if (over || PyDict_GET_SIZE(marked) > 0) {
+        /* Past the store's bound with an owner over its share: Stream.add reclaims. */
+        long long total_n, bound_n;
+        if (attr_ll(store, &store_total_bytes, &total_n) < 0 ||
+            attr_ll(store, &store_max_total_bytes, &bound_n) < 0)
+            goto out;
+        if (total_n + (long long)size > bound_n) {
             status = 0;
             goto out;
         }
@@ -453,6 +477,8 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     if (add_to_attr(stream, &stream_size_bytes, size) < 0 ||
         add_to_attr(store, &store_total_bytes, size) < 0 ||
         add_to_attr(usage, &owner_bytes, size) < 0)
+        goto out;
+    if (over && discard(Py_XNewRef(PyDict_SetDefault(marked, owner, usage))) < 0)
         goto out;
     mirror = slot_get(stream, &stream_mirror);
     if (mirror == NULL)
@@ -515,6 +541,7 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
         goto out;
     status = 1;
 out:
+    Py_XDECREF(marked);
     Py_XDECREF(waiters);
     Py_XDECREF(taps);
     Py_XDECREF(mirror);

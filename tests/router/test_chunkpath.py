@@ -267,6 +267,45 @@ def test_the_compiled_read_path_adds_as_stream_add_does(case: str) -> None:
         loop.close()
 
 
+def test_a_key_over_its_share_in_a_store_with_room_is_added_in_c(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One key holding most of the store stays over its share (its quarter of the store by
+    # default) while the store has room: its reads are added in C, and it is marked for
+    # trimming as Stream.add marks it. Before, every such read went to Stream.add.
+    loop = asyncio.new_event_loop()
+    try:
+        compiled, python = _Side(loop, max_owner_bytes=600), _Side(loop, max_owner_bytes=600)
+        calls: list[Stream] = []
+        add = Stream.add
+
+        def counted(stream: Stream, payloads: list[bytes], read_at: float) -> None:
+            calls.append(stream)
+            add(stream, payloads, read_at)
+
+        monkeypatch.setattr(Stream, "add", counted)
+        for n, payloads in enumerate(_reads(12)):
+            now = 1.0 + n * 0.004
+            assert compiled.path(_as_read(payloads))
+            python.feed_python(payloads, now)
+        assert compiled.stream not in calls
+        assert calls == [python.stream] * 12
+        assert compiled.store.owner_bytes(OWNER) > compiled.store.max_owner_bytes
+        assert list(compiled.store._over_share) == [OWNER]
+        assert compiled.state() == python.state()
+        assert compiled.stream.trimmed == 0  # the store has room: nothing is trimmed
+        # Once the store is at its bound, the read goes to Stream.add, which trims.
+        compiled.store.max_total_bytes = python.store.max_total_bytes = 1_500
+        for payloads in _reads(3):
+            assert compiled.path(_as_read(payloads))
+            python.feed_python(payloads, 2.0)
+        assert compiled.stream in calls
+        assert compiled.stream.trimmed > 0
+        assert compiled.state() == python.state()
+    finally:
+        loop.close()
+
+
 def test_the_per_chunk_objects_keep_their_fields_in_slots() -> None:
     # The compiled path reads and writes these at their slots' offsets (any other object
     # through getattr: the same result, ~200 instructions an attribute more).
