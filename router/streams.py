@@ -11,8 +11,9 @@ keeps when the store is full, not a cap while it has room (the store is work-con
 soon as an append or a new stream finds the store full, owners over their share lose their
 *own* oldest history first, the first to go over first: the oldest events of their oldest
 streams are trimmed (live streams included, never a live stream's newest event, so a reader
-keeping up loses nothing), down to 7/8 of the share so that trims come in batches; a finished
-stream with nothing but ``[DONE]`` left is dropped. A reader asking for events from before a
+keeping up loses nothing), by what the store needs plus an eighth of the share (never below
+7/8 of the share), so that trims come in batches of bounded size; a finished stream with
+nothing but ``[DONE]`` left is dropped. A reader asking for events from before a
 stream's trim point (:attr:`Stream.trimmed`) gets ``stream_history_trimmed``. So one owner's
 growth never evicts another owner's streams nor fills the store for them. Only then, while the
 store is still over ``max_total_bytes``, finished streams go oldest first, and when live
@@ -630,18 +631,31 @@ class StreamStore:
 
     def _reclaim(self, *, strict: bool) -> list[Stream]:
         """While the store is over its bound (or at it unless ``strict``), trim the owners over
-        their share, the first to go over first, each to 7/8 of its share. Returns the
-        streams dropped."""
+        their share, the first to go over first, each by what the store is over its bound
+        plus an eighth of its share, never below 7/8 of the share. Returns the streams
+        dropped.
+
+        An eighth of the share beyond the excess makes trims come in batches (the next one
+        waits for that much to grow again); no more than that, because a trim is work done at
+        once in the append that found the store full: one key holding most of a full store
+        (a quarter of it is its share) was trimmed to 7/8 of its share in one go, ~200 MB of
+        streams at the defaults, an ~85 ms stall of the event loop for every stream."""
         dropped: list[Stream] = []
         limit = self.max_total_bytes
+        batch = self.max_owner_bytes // 8
         while self._over_share and (
             self.total_bytes > limit or (not strict and self.total_bytes >= limit)
         ):
             owner, usage = next(iter(self._over_share.items()))
-            # Out of the set even if still over (the newest events of its live streams are
-            # all it holds): it comes back at its next append, and this loop ends.
+            # Out of the set while trimmed (the newest events of its live streams may be all
+            # it holds, and the loop must end); back in it if still over its share.
             del self._over_share[owner]
-            dropped += self._trim(usage, self._owner_low_bytes)
+            excess = self.total_bytes - limit
+            dropped += self._trim(usage, max(self._owner_low_bytes, usage.bytes - excess - batch))
+            if (usage.bytes > self.max_owner_bytes and usage.streams
+                    and self.total_bytes < limit):
+                # Still first in line: the first to go over is trimmed first, every time.
+                self._over_share = {owner: usage, **self._over_share}
         return dropped
 
     def _trim(self, usage: _Owner, target: int) -> list[Stream]:
