@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import gc
 import json
 import os
 import random
@@ -55,6 +54,7 @@ import httpx
 from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.errors import PartFailed
+from firstbyte.benchmarks.gc_hold import gc_held_off
 from firstbyte.benchmarks.progress import Progress
 from firstbyte.benchmarks.scenarios import _baseline_router, _mid_stream
 from firstbyte.benchmarks.stats import SLO, summarize
@@ -362,7 +362,7 @@ async def _phase(
             except (httpx.HTTPError, ValueError) as exc:
                 failed.append(f"{type(exc).__name__}: {exc}"[:200])
 
-    with _gc_held_off():
+    with gc_held_off():
         started = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = time.perf_counter() - started
@@ -386,23 +386,6 @@ async def _metered_phase(
     used |= {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
     busy, total = (b - a for a, b in zip(machine, machine_cpu(), strict=True))
     return ok, bad, seconds, used, busy, total
-
-
-@contextmanager
-def _gc_held_off() -> Iterator[None]:
-    """Collect now, then no cyclic GC in this (load generator) process until the block ends.
-
-    A phase allocates a few MB at most; a full collection in the middle of one would stall
-    every worker and be charged to the target under test.
-    """
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 async def _measure(
