@@ -14,7 +14,7 @@ def gc_held_off() -> Iterator[None]:
     """Collect now, then no cyclic GC in this (load generator) process until the block ends.
 
     A full collection in the middle of a phase stalls every client of the load generator at
-    once (30-70 ms at 2,000 streams, logged in ``bench router_workers``), and the target under
+    once (30-90 ms at 2,000 streams, logged in ``bench router_workers``), and the target under
     test is charged with it. What a phase leaves in reference cycles waits for the next
     collection, at the block's end or the next one's start.
     """

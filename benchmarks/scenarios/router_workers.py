@@ -785,33 +785,33 @@ def _versus(
                 out.append((float(m[key]) + float(a[key])) / 2 if bracketed else float(m[key]))
         return out
 
-    def diffs(rows: list[dict[str, Any]], key: str) -> list[float]:
-        return [float(x[key]) - b for x, b in zip(rows, base(key, rows is redis), strict=True)
+    def diffs(rows: list[dict[str, Any]], key: str, bracketed: bool) -> list[float]:
+        return [float(x[key]) - b for x, b in zip(rows, base(key, bracketed), strict=True)
                 if x[key] is not None and b is not None]
 
-    def ratios(rows: list[dict[str, Any]]) -> list[float]:
+    def ratios(rows: list[dict[str, Any]], bracketed: bool) -> list[float]:
         key = "router_cpu_us_per_chunk"
-        return [float(x[key]) / b for x, b in zip(rows, base(key, rows is redis), strict=True)
+        return [float(x[key]) / b for x, b in zip(rows, base(key, bracketed), strict=True)
                 if x[key] and b]
 
     def median(values: list[float], digits: int = 1) -> float | None:
         return round(statistics.median(values), digits) if values else None
 
     out: dict[str, Any] = {"rounds": len(memory)}
-    for prefix, rows in (("added", redis), ("aa", again)):
-        out[f"{prefix}_p50_ttft_ms"] = median(diffs(rows, "p50_ttft_ms"))
-        out[f"{prefix}_p99_ttft_ms"] = median(diffs(rows, "p99_ttft_ms"))
-        out[f"{prefix}_mean_ttft_ms"] = median(diffs(rows, "mean_ttft_ms"))
-        out[f"{prefix}_outside_sim_mean_ms"] = median(diffs(rows, "outside_sim_mean_ms"))
-        out[f"{prefix}_start_mean_ms"] = median(diffs(rows, "router_start_mean_ms"), 3)
-        out[f"{prefix}_start_p99_ms"] = median(diffs(rows, "router_start_p99_ms"), 3)
-        out[f"{prefix}_p50_head_ms"] = median(diffs(rows, "p50_head_ms"))
-    out["cpu_ratio"] = median(ratios(redis), 3)
+    for prefix, rows, b in (("added", redis, True), ("aa", again, False)):
+        out[f"{prefix}_p50_ttft_ms"] = median(diffs(rows, "p50_ttft_ms", b))
+        out[f"{prefix}_p99_ttft_ms"] = median(diffs(rows, "p99_ttft_ms", b))
+        out[f"{prefix}_mean_ttft_ms"] = median(diffs(rows, "mean_ttft_ms", b))
+        out[f"{prefix}_outside_sim_mean_ms"] = median(diffs(rows, "outside_sim_mean_ms", b))
+        out[f"{prefix}_start_mean_ms"] = median(diffs(rows, "router_start_mean_ms", b), 3)
+        out[f"{prefix}_start_p99_ms"] = median(diffs(rows, "router_start_p99_ms", b), 3)
+        out[f"{prefix}_p50_head_ms"] = median(diffs(rows, "p50_head_ms", b))
+    out["cpu_ratio"] = median(ratios(redis, True), 3)
     out["admitted_at_once"] = median(
         [float(r["admitted_at_once"]) for r in redis if r.get("admitted_at_once") is not None], 3)
-    out["aa_cpu_ratio"] = median(ratios(again), 3)
-    out["p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(redis, "p50_ttft_ms")]
-    out["aa_p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(again, "p50_ttft_ms")]
+    out["aa_cpu_ratio"] = median(ratios(again, False), 3)
+    out["p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(redis, "p50_ttft_ms", True)]
+    out["aa_p50_ttft_deltas_ms"] = [round(d, 1) for d in diffs(again, "p50_ttft_ms", False)]
     figures = [out[key] for key in REDIS_TARGET]
     if None in figures or None in [out[_FIGURES[key][0]] for key in REDIS_TARGET] \
             or any(r["errors"] for r in redis):
