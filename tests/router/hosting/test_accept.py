@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from firstbyte.benchmarks.ports import free_port
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.upstream import Upstream
 
@@ -272,9 +273,9 @@ async def test_a_router_process_raises_its_open_file_limit_to_the_hard_limit(
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # Below the ephemeral range: a port the kernel handed out (bind to 0, then closed) can be
+    # any other test's client socket by the time the router binds it.
+    port = free_port()
     config = tmp_path / "router.toml"
     config.write_text(
         f'region = "t"\n[[upstreams]]\nurl = "{upstream.url}"\n'
