@@ -83,6 +83,7 @@ from .pipeline.region import RegionCandidate, RegionModel, Verdict
 from .regions_config import warm_prefix_text
 from .routing_services import RoutingServices
 from .spill import SpillBudget, SpillSlot
+from .upstream_h1 import H1Pool
 from .warmup import WarmPrefix, WarmupScheduler
 
 log = logging.getLogger("firstbyte.router")
@@ -231,10 +232,11 @@ class RegionRouting:
         clock: Callable[[], float] = time.monotonic,
         *,
         peer_client: httpx.AsyncClient | None = None,
+        scrape_pool: H1Pool | None = None,
     ) -> None:
-        """``client`` scrapes and warms this region's backends; ``peer_client`` (default:
-        ``client``) polls the peers, and should be the pool forwarded requests use, whose
-        connections the polls then keep warm."""
+        """``client`` scrapes and warms this region's backends (``scrape_pool``, if given,
+        scrapes them); ``peer_client`` (default: ``client``) polls the peers, and should be
+        the pool forwarded requests use, whose connections the polls then keep warm."""
         self.config = config
         self.region = config.region
         self.pool = pool
@@ -355,7 +357,9 @@ class RegionRouting:
         """This process is shutting down: it counts as unhealthy for routing (a request goes
         to a peer with room, or gets 503 ``draining``) and in its edge status."""
         # The background services feeding the state above.
-        self.services = RoutingServices(self, client, peer_client or client, clock)
+        self.services = RoutingServices(
+            self, client, peer_client or client, clock, scrape_pool=scrape_pool
+        )
         self.poller, self.runner, self.lister = (
             self.services.poller, self.services.runner, self.services.lister
         )

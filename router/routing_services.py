@@ -19,6 +19,7 @@ import httpx
 
 from .models import ModelLister
 from .peers import PeerPoller
+from .upstream_h1 import H1Pool
 from .upstream_metrics import BackendMetrics
 from .warmup import WarmupRunner
 
@@ -39,6 +40,8 @@ class RoutingServices:
         client: httpx.AsyncClient,
         peer_client: httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        scrape_pool: H1Pool | None = None,
     ) -> None:
         self.routing = r = routing
         config = r.config
@@ -66,7 +69,7 @@ class RoutingServices:
             r.scheduler, client, scraped,
             poll_interval_s=config.routing.backend_metrics_interval_s, clock=clock,
             on_metrics=self._on_metrics, headers={n: headers[n] for n in scraped if n in headers},
-            on_probe=self._on_probe,
+            on_probe=self._on_probe, scrape_pool=scrape_pool,
         )
         self._started = False
 

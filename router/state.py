@@ -112,7 +112,8 @@ class RouterState:
                            ca_file=config.upstream_ca_file)
         # Region choice, backend affinity, backpressure, peers and warmup (router/multiregion.py).
         self.routing = RegionRouting(
-            config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client
+            config, self.pool, self.proxy.client, clock, peer_client=self.proxy.peer_client,
+            scrape_pool=self.proxy.scrape_pool,
         )
         self.shared: SharedState | None = connect(config)
         """The region's shared state (Redis), or None: everything in this process's memory.
@@ -252,7 +253,8 @@ class RouterState:
         fresh = [kept.get((b.name, b.url, b.api_key), b) for b in _backends(config)]
         pool = BackendPool(fresh)
         routing = RegionRouting(
-            config, pool, self.proxy.client, self.clock, peer_client=self.proxy.peer_client
+            config, pool, self.proxy.client, self.clock, peer_client=self.proxy.peer_client,
+            scrape_pool=self.proxy.scrape_pool,
         )
         routing.adopt(self.routing)
         previous, self.routing, self.pool = self.routing, routing, pool

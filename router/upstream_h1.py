@@ -13,6 +13,9 @@ connection that has been idle for ``keepalive_expiry_s`` when it reaches it (O(1
 lists are in release order), and holds at most ``max_connections`` open at once; a request
 that finds them all busy waits for one (bounded by the connect timeout).
 
+:func:`fetch` is a whole-body GET over the same kind of pool, for the backends' ``/metrics``
+scrapes (~0.06 ms of CPU each here against httpx's ~0.55 for the sim's 9.7 KB page).
+
 Errors are httpx's exception classes (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
 ``ReadTimeout``, ``RemoteProtocolError``, ``PoolTimeout``), so messages and handling match the
 httpx paths the router keeps for non-streamed requests and for peers (HTTP/2).
@@ -30,7 +33,7 @@ from typing import Protocol, cast
 import httptools
 import httpx
 
-__all__ = ["H1Connection", "H1Pool", "Origin", "ResponseSink", "encode_request"]
+__all__ = ["H1Connection", "H1Pool", "Origin", "ResponseSink", "encode_request", "fetch"]
 
 _LF = 10
 
@@ -460,3 +463,78 @@ class H1Pool:
             if not waiter.done():
                 waiter.set_result(None)
                 return
+
+
+class _BodySink:
+    """A :class:`ResponseSink` that keeps a response whole: its status and at most
+    ``max_bytes`` of body; ``done`` is resolved at the body's end, at an error, or (with
+    ``too_large`` set) once the body passes ``max_bytes``."""
+
+    __slots__ = ("done", "max_bytes", "parts", "size", "status", "too_large")
+
+    def __init__(self, done: asyncio.Future[None], max_bytes: int) -> None:
+        self.done = done
+        self.max_bytes = max_bytes
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.status = 0
+        self.too_large = False
+
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        self.size += len(data)
+        if self.size > self.max_bytes:
+            self.too_large = True
+            self.parts.clear()
+            self.done.set_result(None)
+            return
+        self.parts.append(data)
+
+    def on_read_end(self) -> None:
+        pass
+
+    def on_end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def on_error(self, exc: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+async def fetch(
+    pool: H1Pool,
+    origin: Origin,
+    path: str,
+    *,
+    max_bytes: int,
+    timeout_s: float,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes | None]:
+    """GET ``path`` of ``origin`` over ``pool``: the status and the whole body, or None for
+    the body when it is over ``max_bytes`` (read no further: its connection is dropped, unless
+    the read that passed the bound also ended the answer).
+
+    ``timeout_s`` bounds the whole exchange, the wait for a connection included
+    (``httpx.ReadTimeout``; the pool's own connect timeout still applies). Other errors are
+    the pool's (``ConnectError``, ``ReadError`` for a connection closed before the answer's
+    end, ``RemoteProtocolError``...): a kept-alive connection the upstream closed while idle
+    is the caller's to try again (:attr:`H1Connection.stale`)."""
+    request = encode_request("GET", origin, path, headers or {}, b"")
+    conn: H1Connection | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            conn = await pool.acquire(origin)
+            sink = _BodySink(pool.loop.create_future(), max_bytes)
+            conn.send(request, sink)
+            await sink.done
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
+    finally:
+        if conn is not None:
+            pool.release(conn)  # kept if the answer ended cleanly, else dropped
+    return sink.status, None if sink.too_large else b"".join(sink.parts)

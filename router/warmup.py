@@ -17,8 +17,9 @@ when*; it never touches a socket or a clock (every method takes ``now``):
 - never while a backend is busy (any waiting request, or more running than the threshold):
   warming would queue behind users or delay them; the task waits for a quieter moment.
 
-:class:`WarmupRunner` is the IO: it scrapes ``/metrics``, sends the probes with httpx and
-feeds results back.
+:class:`WarmupRunner` is the IO: it scrapes ``/metrics`` (over the router's own HTTP/1.1 pool
+when given one, :func:`firstbyte.router.upstream_h1.fetch`: a scrape a second per backend,
+at a tenth of httpx's CPU), sends the probes with httpx and feeds results back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from enum import Enum
 
 from firstbyte.protocol import paths
 from firstbyte.router.observability.logs import StateChanges, describe_error
+from firstbyte.router.upstream_h1 import H1Pool, Origin, fetch
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 from firstbyte.tasks import cancel_and_wait
 
@@ -44,6 +46,10 @@ __all__ = [
     "WarmupScheduler",
     "probe_body",
 ]
+
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+"""The largest ``/metrics`` page a scrape reads (vLLM's are tens of KB; the sim's ~10 KB):
+a larger one counts as an answer without metrics (the backend is up), read no further."""
 
 _SCRAPE_ATTEMPTS = 3
 """Tries of a scrape whose request was lost on its connection (reset, closed before the
@@ -292,9 +298,13 @@ class WarmupRunner:
         on_metrics: Callable[[str, BackendMetrics | None], bool | None] | None = None,
         headers: Mapping[str, Mapping[str, str]] | None = None,
         on_probe: Callable[[str, bool, float | None], None] | None = None,
+        scrape_pool: H1Pool | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.client = client
+        self.scrape_pool = scrape_pool
+        """Where scrapes go, if given (else through ``client``, as the probes do)."""
+        self._origins: dict[str, Origin] = {}
         self.urls = dict(urls)
         """Backend name -> base URL (without ``/v1``)."""
         self.poll_interval_s = poll_interval_s
@@ -316,14 +326,12 @@ class WarmupRunner:
     async def scrape(self, name: str) -> None:
         import httpx
 
-        client = self.client
-        assert isinstance(client, httpx.AsyncClient)
         base = self.urls[name].rstrip("/")
         timeout = self.poll_interval_s * 2 + 1
         try:
             for attempt in range(_SCRAPE_ATTEMPTS):
                 try:
-                    response = await client.get(base + paths.METRICS, timeout=timeout)
+                    status, text = await self._get_metrics(base, timeout)
                     break
                 except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
                     # A kept-alive connection the server closed as it was reused (its
@@ -343,7 +351,7 @@ class WarmupRunner:
                 self.on_metrics(name, None)
             return
         # Any HTTP answer means the server is up; without metrics there is just less to know.
-        metrics = parse_backend_metrics(response.text) if response.status_code == 200 else (
+        metrics = parse_backend_metrics(text) if status == 200 and text is not None else (
             BackendMetrics()
         )
         if self.on_metrics is not None and self.on_metrics(name, metrics) is False:
@@ -352,6 +360,30 @@ class WarmupRunner:
         self.scheduler.metrics(name, metrics)
         # A backend's models, when not configured, come from its /v1/models through
         # firstbyte.router.models.ModelLister (scheduler.set_models).
+
+    async def _get_metrics(self, base: str, timeout_s: float) -> tuple[int, str | None]:
+        """GET ``/metrics`` of the backend at ``base``: the status and the page (None: over
+        :data:`MAX_METRICS_BYTES`); httpx's errors."""
+        if self.scrape_pool is None:
+            import httpx
+
+            client = self.client
+            assert isinstance(client, httpx.AsyncClient)
+            async with client.stream("GET", base + paths.METRICS, timeout=timeout_s) as response:
+                body = bytearray()
+                async for part in response.aiter_bytes():
+                    body += part
+                    if len(body) > MAX_METRICS_BYTES:
+                        return response.status_code, None
+                return response.status_code, body.decode(response.encoding or "utf-8", "replace")
+        origin = self._origins.get(base)
+        if origin is None:
+            origin = self._origins[base] = Origin.parse(base)
+        status, page = await fetch(
+            self.scrape_pool, origin, paths.METRICS, max_bytes=MAX_METRICS_BYTES,
+            timeout_s=timeout_s,
+        )
+        return status, None if page is None else page.decode("utf-8", "replace")
 
     async def probe(self, task: WarmTask) -> None:
         import httpx

@@ -74,6 +74,10 @@ _DRAIN_AFTER_DONE_S = 1.0
 _STALE_RETRIES = 2
 """Times a request goes again after its kept-alive connection turned out to be closed."""
 
+SCRAPE_CONNECTIONS = 64
+"""Connections the backends' ``/metrics`` scrapes may hold open at once (one a backend,
+scraped together each interval; a region of more backends waits its turn for one)."""
+
 _MAX_FAILOVERS = 3
 """Backends a request may move to after the one it was sent to refused the connection (each
 refusal takes that backend out of rotation, so this bounds only a region flapping back)."""
@@ -133,6 +137,15 @@ class Proxy:
         # Streams to local upstreams: the router's own HTTP/1.1 pool (see upstream_h1).
         self.streams_pool = H1Pool(
             max_connections=max_connections,
+            keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
+            connect_timeout_s=limits.upstream_connect_timeout_s,
+            read_timeout_s=limits.upstream_read_timeout_s,
+            ssl_context=h1_tls,
+        )
+        # The backends' /metrics scrapes (router/warmup.py): a second of each backend's, a
+        # tenth of httpx's CPU each; a pool of their own, so they never wait for the streams'.
+        self.scrape_pool = H1Pool(
+            max_connections=SCRAPE_CONNECTIONS,
             keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
             connect_timeout_s=limits.upstream_connect_timeout_s,
             read_timeout_s=limits.upstream_read_timeout_s,
@@ -288,6 +301,7 @@ class Proxy:
         for client in (self.client, self.peer_client):
             await client.aclose()
         await self.streams_pool.aclose()
+        await self.scrape_pool.aclose()
 
 
 def _stream_body(ctx: RequestContext) -> bytes:

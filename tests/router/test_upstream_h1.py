@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin, encode_request
+from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin, encode_request, fetch
 
 from .conftest import RouterFactory, auth
 from .upstream import chunk, read_request, sse
@@ -118,6 +118,92 @@ async def test_chunked_bodies_arrive_whole_and_the_connection_is_reused() -> Non
         assert len(connections) == 1
         assert "1 idle" in repr(upstreams)
         await upstreams.aclose()
+
+
+@asynccontextmanager
+async def page_server(body: bytes, *, chunked: bool = False, hang: bool = False
+                      ) -> AsyncIterator[tuple[Origin, list[bytes]]]:
+    """Answer every GET with ``body`` (in 1 KiB chunks, with ``chunked``), or never (``hang``);
+    the requests' heads are listed as they arrive."""
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                heads.append(await read_request(reader))
+                if hang:
+                    await reader.read()  # until the client gives up
+                    return
+                if chunked:
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    for at in range(0, len(body), 1024):
+                        part = body[at:at + 1024]
+                        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    writer.write(b"0\r\n\r\n")
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"), heads
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_fetch_reads_a_page_whole_and_keeps_the_connection(chunked: bool) -> None:
+    page = b"vllm:num_requests_running 3\n" * 1000  # 28 KB
+    async with page_server(page, chunked=chunked) as (origin, heads):
+        upstreams = pool()
+        for _ in range(2):
+            got = await fetch(upstreams, origin, "/metrics", max_bytes=64 << 10, timeout_s=5,
+                              headers={"accept": "text/plain"})
+            assert got == (200, page)
+        assert len(heads) == 2
+        assert all(h.startswith(b"GET /metrics HTTP/1.1\r\n") for h in heads)
+        assert b"accept: text/plain" in heads[0]
+        assert "0 active, 1 idle" in repr(upstreams)  # both on one kept-alive connection
+        await upstreams.aclose()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_fetch_stops_reading_a_page_over_its_bound_and_drops_the_connection(
+    chunked: bool,
+) -> None:
+    async with page_server(b"x" * 4_000_000, chunked=chunked) as (origin, _):
+        upstreams = pool()
+        got = await fetch(upstreams, origin, "/metrics", max_bytes=10_000, timeout_s=5)
+        assert got == (200, None)
+        # Far more than one read brings: the rest unread, the connection is not reused.
+        assert "0 active, 0 idle" in repr(upstreams)
+        await upstreams.aclose()
+
+
+async def test_fetch_times_out_as_a_whole_and_drops_the_connection() -> None:
+    async with page_server(b"", hang=True) as (origin, heads):
+        upstreams = pool()  # its read timeout is 5 s: the fetch's own bound comes first
+        with pytest.raises(httpx.ReadTimeout, match=r"no whole answer within 0\.3 s"):
+            await fetch(upstreams, origin, "/metrics", max_bytes=1000, timeout_s=0.3)
+        assert len(heads) == 1
+        assert "0 active, 0 idle" in repr(upstreams)
+        await upstreams.aclose()
+
+
+async def test_fetch_from_a_closed_port_is_a_connect_error() -> None:
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        origin = Origin.parse(f"http://127.0.0.1:{closed.getsockname()[1]}")
+        with pytest.raises(httpx.ConnectError):
+            await fetch(pool(), origin, "/metrics", max_bytes=1000, timeout_s=5)
 
 
 async def test_a_header_with_a_line_break_is_refused() -> None:

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
+from firstbyte.router import warmup
 from firstbyte.router.sim.server import SimServer, sim_server
+from firstbyte.router.upstream_h1 import H1Pool
 from firstbyte.router.upstream_metrics import BackendMetrics, parse_backend_metrics
 from firstbyte.router.warmup import WarmPrefix, WarmState, WarmupRunner, WarmupScheduler
 from tests.router.conftest import RouterFactory, auth
@@ -173,8 +177,6 @@ async def test_router_listens_while_warming_and_holds_requests_until_warm(
     start_router: RouterFactory,
 ) -> None:
     """/healthz says "warming" at once; a user request waits for the warmup to end."""
-    import asyncio
-
     async with running_upstream() as upstream:
         upstream.hold = asyncio.Event()  # the warmup request stays unanswered until released
         async with start_router(
@@ -212,15 +214,20 @@ class _Scraped:
     """What each scrape reported (None: the backend taken out of rotation)."""
 
 
+def scrape_pool() -> H1Pool:
+    """A pool like the router's for its scrapes (``Proxy.scrape_pool``)."""
+    return H1Pool(max_connections=64, keepalive_expiry_s=60, connect_timeout_s=2,
+                  read_timeout_s=5)
+
+
 async def _scrape_a_server_that_drops(
-    drop: Callable[[int, int], bool], scrapes: Callable[[WarmupRunner], Awaitable[object]]
+    drop: Callable[[int, int], bool], scrapes: Callable[[WarmupRunner], Awaitable[object]],
+    via: str, body: bytes = b"vllm:num_requests_running 0\n",
 ) -> _Scraped:
     """Run ``scrapes`` against a metrics server that closes a kept-alive connection with its
     request unanswered where ``drop(connection, request)`` says (its keep-alive timer closed
-    it just as the scrape reused it)."""
-    import asyncio
-
-    body = b"vllm:num_requests_running 0\n"
+    it just as the scrape reused it); ``via``: ``httpx`` (the client) or ``pool`` (the
+    router's HTTP/1.1 pool, as the router scrapes)."""
     out = _Scraped()
     connections = 0
 
@@ -244,15 +251,19 @@ async def _scrape_a_server_that_drops(
     s.add_backend("b", ["chat-model"])
     try:
         async with httpx.AsyncClient() as client:
-            await scrapes(WarmupRunner(s, client, {"b": url},
+            pool = scrape_pool() if via == "pool" else None
+            await scrapes(WarmupRunner(s, client, {"b": url}, scrape_pool=pool,
                                        on_metrics=lambda name, m: out.seen.append(m) is not None))
+            if pool is not None:
+                await pool.aclose()
     finally:
         server.close()
         await server.wait_closed()
     return out
 
 
-async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again() -> None:
+@pytest.mark.parametrize("via", ["httpx", "pool"])
+async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again(via: str) -> None:
     """The server closes a kept-alive connection just as the next scrape reuses it (its
     keep-alive timer; a loaded router's loop sees the FIN late): the scrape is asked again on
     a new connection, and the backend is not taken out of rotation for it."""
@@ -261,24 +272,69 @@ async def test_a_scrape_on_a_connection_closed_as_it_was_reused_is_asked_again()
         for _ in range(3):
             await runner.scrape("b")
 
-    out = await _scrape_a_server_that_drops(lambda c, r: (c, r) == (0, 1), three_in_a_row)
+    out = await _scrape_a_server_that_drops(lambda c, r: (c, r) == (0, 1), three_in_a_row, via)
     assert out.dropped == [(0, 1)]
     assert out.served == [(0, 0), (1, 0), (1, 1)]  # asked again on a new connection, kept alive
     assert [m is not None for m in out.seen] == [True, True, True]
 
 
-async def test_a_scrape_tries_past_several_kept_alive_connections_closed_at_once() -> None:
+@pytest.mark.parametrize("via", ["httpx", "pool"])
+async def test_a_scrape_tries_past_several_kept_alive_connections_closed_at_once(
+    via: str,
+) -> None:
     """Two kept-alive connections whose server closed them both (keep-alive timers that ran
     out together while the loop was late): the scrape is lost on each, then answered on a
     new one, and the backend stays in rotation. It was asked once more only, so the second
     loss took the backend out of rotation (a region's only backend: every request a 503)."""
-    import asyncio
-
     async def two_at_once_then_one(runner: WarmupRunner) -> None:
         await asyncio.gather(runner.scrape("b"), runner.scrape("b"))  # two connections
         await runner.scrape("b")
 
-    out = await _scrape_a_server_that_drops(lambda c, r: c < 2 and r == 1, two_at_once_then_one)
+    out = await _scrape_a_server_that_drops(lambda c, r: c < 2 and r == 1, two_at_once_then_one,
+                                            via)
     assert sorted(out.dropped) == [(0, 1), (1, 1)]
     assert sorted(out.served) == [(0, 0), (1, 0), (2, 0)]
     assert [m is not None for m in out.seen] == [True, True, True]
+
+
+@pytest.mark.parametrize("via", ["httpx", "pool"])
+async def test_a_metrics_page_over_the_bound_is_an_answer_without_metrics(
+    via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page past :data:`~firstbyte.router.warmup.MAX_METRICS_BYTES` is not read whole: the
+    backend answered, so it stays in rotation, with nothing learnt from the page."""
+    monkeypatch.setattr(warmup, "MAX_METRICS_BYTES", 1000)
+
+    async def one(runner: WarmupRunner) -> None:
+        await runner.scrape("b")
+
+    page = b"vllm:num_requests_running 7\n" + b"# padding\n" * 90  # 928 bytes: read
+    out = await _scrape_a_server_that_drops(lambda c, r: False, one, via, page)
+    assert [m.running if m else None for m in out.seen] == [7]
+    out = await _scrape_a_server_that_drops(lambda c, r: False, one, via, page + b"#" * 100)
+    assert out.seen == [BackendMetrics()]
+
+
+async def test_the_router_scrapes_its_backends_over_its_own_pool(
+    start_router: RouterFactory,
+) -> None:
+    """The router's scrapes go through ``Proxy.scrape_pool`` (not httpx): its backend's load
+    is learnt, and the pool keeps the scrape's connection for the next one."""
+    async with sim_server(served_model_names=["chat-model"]) as sim, start_router(
+        [sim.url], tls=False, upstreams=[{"url": sim.url, "models": ["chat-model"]}],
+    ) as router:
+        state = router.app.state
+        runner, pool = state.routing.runner, state.proxy.scrape_pool
+        assert runner.scrape_pool is pool
+        seen: list[BackendMetrics | None] = []
+        learn = runner.on_metrics
+        assert learn is not None
+        runner.on_metrics = lambda name, m: (seen.append(m), learn(name, m))[1]
+        for _ in range(100):  # its own scrapes, every backend_metrics_interval_s (1 s)
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+        assert seen
+        assert seen[0] is not None
+        assert seen[0].running == 0  # the sim's page, parsed
+        assert "0 active, 0 idle" not in repr(pool)  # its connection, kept for the next
