@@ -13,8 +13,11 @@ connection that has been idle for ``keepalive_expiry_s`` when it reaches it (O(1
 lists are in release order), and holds at most ``max_connections`` open at once; a request
 that finds them all busy waits for one (bounded by the connect timeout).
 
-:func:`fetch` is a whole-body GET over the same kind of pool, for the backends' ``/metrics``
-scrapes (~0.06 ms of CPU each here against httpx's ~0.55 for the sim's 9.7 KB page).
+:func:`fetch` is one request whose answer is read whole, over the same pool: the backends'
+``/metrics`` scrapes and the non-streamed requests to local upstreams (embeddings, chat without
+``stream``). httpx cost ~0.56 ms of CPU a request here and over 1 ms with hundreds in flight
+(its pool's scans again), this ~0.03 ms (``python /work/notes/s41/nonstream_cost.py``-style
+measurements are in docs/router.md).
 
 Errors are httpx's exception classes (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
 ``ReadTimeout``, ``RemoteProtocolError``, ``PoolTimeout``), so messages and handling match the
@@ -33,7 +36,13 @@ from typing import Protocol, cast
 import httptools
 import httpx
 
-__all__ = ["H1Connection", "H1Pool", "Origin", "ResponseSink", "encode_request", "fetch"]
+__all__ = [
+    "STALE_RETRIES", "Answer", "H1Connection", "H1Pool", "Origin", "ResponseSink",
+    "encode_request", "fetch",
+]
+
+STALE_RETRIES = 2
+"""Times a request goes again after its kept-alive connection turned out to be closed."""
 
 _LF = 10
 
@@ -98,7 +107,7 @@ class H1Connection(asyncio.Protocol):
     __slots__ = (
         "_boundary", "_complete", "_ended", "_fast", "_fast_offer", "_framed_by_close",
         "_has_length", "_keep_alive", "_last_read", "_parser", "_sink", "_timer", "answered",
-        "closed", "idle_since", "origin", "pool", "reused", "transport",
+        "closed", "content_type", "idle_since", "origin", "pool", "reused", "transport",
     )
 
     def __init__(self, pool: H1Pool, origin: Origin) -> None:
@@ -111,6 +120,8 @@ class H1Connection(asyncio.Protocol):
         """Handed out from the idle list (the upstream may have closed it meanwhile)."""
         self.answered = False
         """A byte of the current response arrived."""
+        self.content_type = b""
+        """The current response's ``content-type`` (empty until its head, or without one)."""
         self._sink: ResponseSink | None = None
         self._parser: httptools.HttpResponseParser | None = None
         self._complete = True
@@ -176,8 +187,11 @@ class H1Connection(asyncio.Protocol):
         self._boundary = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        name = name.lower()
+        if name in (b"content-length", b"transfer-encoding"):
             self._has_length = True
+        elif name == b"content-type":
+            self.content_type = value
 
     def on_headers_complete(self) -> None:
         if self._parser is None or self._sink is None:
@@ -215,6 +229,7 @@ class H1Connection(asyncio.Protocol):
         self._framed_by_close = False  # known at the head's end
         self._has_length = False
         self.answered = False
+        self.content_type = b""
         self._ended = None
         self._last_read = self.pool.loop.time()
         if self._timer is None:  # else the last response's, which re-arms for the rest
@@ -506,35 +521,59 @@ class _BodySink:
             self.done.set_exception(exc)
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole answer (:func:`fetch`)."""
+
+    status: int
+    content_type: str
+    """Its ``content-type`` header (empty without one)."""
+    body: bytes | None
+    """None: over the bound, and not read further."""
+
+
 async def fetch(
     pool: H1Pool,
     origin: Origin,
     path: str,
     *,
     max_bytes: int,
-    timeout_s: float,
+    timeout_s: float | None,
+    method: str = "GET",
+    body: bytes = b"",
     headers: dict[str, str] | None = None,
-) -> tuple[int, bytes | None]:
-    """GET ``path`` of ``origin`` over ``pool``: the status and the whole body, or None for
-    the body when it is over ``max_bytes`` (read no further: its connection is dropped, unless
-    the read that passed the bound also ended the answer).
+) -> Answer:
+    """Send one request to ``origin`` over ``pool`` and read its answer whole: at most
+    ``max_bytes`` of body, past which :attr:`Answer.body` is None and the rest is not read
+    (its connection is dropped, unless the read that passed the bound also ended it).
 
     ``timeout_s`` bounds the whole exchange, the wait for a connection included
-    (``httpx.ReadTimeout``; the pool's own connect timeout still applies). Other errors are
-    the pool's (``ConnectError``, ``ReadError`` for a connection closed before the answer's
-    end, ``RemoteProtocolError``...): a kept-alive connection the upstream closed while idle
-    is the caller's to try again (:attr:`H1Connection.stale`)."""
-    request = encode_request("GET", origin, path, headers or {}, b"")
-    conn: H1Connection | None = None
+    (``httpx.ReadTimeout``); with None, the pool's connect and read timeouts alone do. A
+    kept-alive connection the upstream had closed while idle (no byte of the answer) is
+    sent again on another one, at most :data:`STALE_RETRIES` times: the upstream never saw
+    the request. Other errors are the pool's (``ConnectError``, ``ConnectTimeout``,
+    ``PoolTimeout``, ``ReadError``, ``ReadTimeout``, ``RemoteProtocolError``)."""
+    request = encode_request(method, origin, path, headers or {}, body)
     try:
         async with asyncio.timeout(timeout_s):
-            conn = await pool.acquire(origin)
-            sink = _BodySink(pool.loop.create_future(), max_bytes)
-            conn.send(request, sink)
-            await sink.done
+            for attempt in range(STALE_RETRIES + 1):
+                conn = await pool.acquire(origin)
+                sink = _BodySink(pool.loop.create_future(), max_bytes)
+                try:
+                    conn.send(request, sink)
+                    await sink.done
+                    content_type = conn.content_type
+                except httpx.ReadError:
+                    if not conn.stale or attempt == STALE_RETRIES:
+                        raise
+                    continue
+                finally:
+                    pool.release(conn)  # kept if the answer ended cleanly, else dropped
+                return Answer(
+                    sink.status,
+                    content_type.decode("latin-1"),
+                    None if sink.too_large else b"".join(sink.parts),
+                )
     except TimeoutError:
         raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
-    finally:
-        if conn is not None:
-            pool.release(conn)  # kept if the answer ended cleanly, else dropped
-    return sink.status, None if sink.too_large else b"".join(sink.parts)
+    raise AssertionError("unreachable")  # the loop returns or raises

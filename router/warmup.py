@@ -379,11 +379,12 @@ class WarmupRunner:
         origin = self._origins.get(base)
         if origin is None:
             origin = self._origins[base] = Origin.parse(base)
-        status, page = await fetch(
+        answer = await fetch(
             self.scrape_pool, origin, paths.METRICS, max_bytes=MAX_METRICS_BYTES,
             timeout_s=timeout_s,
         )
-        return status, None if page is None else page.decode("utf-8", "replace")
+        page = answer.body
+        return answer.status, None if page is None else page.decode("utf-8", "replace")
 
     async def probe(self, task: WarmTask) -> None:
         import httpx

@@ -56,7 +56,7 @@ from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.gc_hold import gc_held_off
 from firstbyte.benchmarks.progress import Progress
-from firstbyte.benchmarks.scenarios import _baseline_router, _mid_stream
+from firstbyte.benchmarks.scenarios import _baseline_router, _mid_stream, _whole
 from firstbyte.benchmarks.stats import SLO, summarize
 from firstbyte.client_sdk.timings import Timings
 from firstbyte.protocol import paths
@@ -519,6 +519,9 @@ their limit: CPU per chunk read mid-stream (:mod:`._mid_stream`), and what the l
 same concurrency costs per stream beyond it (the work per request)."""
 QUICK_MID_STREAM = (100, 1, 64)
 MID_STREAM_TARGETS = (PIPE_TARGET, "router/auto", ROUTER_AA_TARGET)
+WHOLE = (100, 4, 20)
+"""Non-streamed requests (:mod:`._whole`): concurrency, rounds, requests per worker a round."""
+QUICK_WHOLE = (20, 1, 3)
 SATURATED = 0.9
 """A process using this share of a core (or the machine this share of all its CPUs) limits
 the figure: a Python process (load generator, sim, router) runs on one core at a time."""
@@ -547,6 +550,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     levels = QUICK_LEVELS if quick else LEVELS
     sustained = QUICK_SUSTAINED if quick else SUSTAINED
     mid = QUICK_MID_STREAM if quick else MID_STREAM
+    whole = QUICK_WHOLE if quick else WHOLE
     tls_rounds = 0 if quick else 2
     top = max(c for c, _, _ in levels)
     nginx = _nginx_binary()
@@ -558,6 +562,11 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     total = sum((targets + 2 * (c > 1)) * rounds for c, rounds, _ in levels)
     total += (targets - len(pipe) - len(then)) * sustained[1] + 4 * tls_rounds
     total += len(MID_STREAM_TARGETS) * mid[1]
+    whole_targets = [
+        *([NGINX_TARGET] if nginx else []), "router/auto", ROUTER_AA_TARGET,
+        *(["router/uvicorn", "baseline-uvicorn"] if baseline else []),
+    ]
+    total += len(whole_targets) * whole[1]
     runs: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     overhead: list[dict[str, Any]] = []
@@ -637,6 +646,19 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             )
         )
         summary |= _mid_stream_costs(steady, at_mid, mid[0])
+        answers = asyncio.run(
+            _whole.measure(
+                {name: with_aa[name] for name in whole_targets},
+                {name: functools.partial(_cpu_seconds, pids[name]) for name in whole_targets},
+                concurrency=whole[0],
+                rounds=whole[1],
+                per_worker=whole[2],
+                prompt=PROMPT,
+                make_clients=_h1_clients,
+                bar=bar,
+            )
+        )
+        summary |= _whole_costs(answers, whole[0])
         relays = {name: url for name, url in urls.items() if name not in (*pipe, *then)}
         phases = _sustained(relays, pids, sustained, max_tokens, bar)
         _summarise_sustained(summary, phases)
@@ -684,7 +706,13 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             "has ended (the relay alone: no request starts or ends in it), "
             "mid_stream_TARGET_cpu_vs_pipe = that over the pipe's, "
             f"mid_stream_TARGET_rest_ms_per_stream = the target's CPU per stream at the "
-            f"{mid[0]}-stream level beyond that cost of its chunks (its work per request)."
+            f"{mid[0]}-stream level beyond that cost of its chunks (its work per request); "
+            f"whole_* = then {whole[1]} round{'s' * (whole[1] != 1)} of {whole[0]} "
+            f"closed-loop workers sending {whole[2]} non-streamed chat requests each "
+            f"({_whole.MAX_TOKENS} tokens, answered whole), alternating over "
+            f"{', '.join(whole_targets)}: whole_TARGET_cpu_ms_per_request = its CPU per "
+            "answer, whole_TARGET_vs_nginx = that over nginx's in the same rounds, "
+            "whole_TARGET_failed = requests not answered 200."
         ),
         "summary": summary,
         "conditions": conditions,
@@ -759,6 +787,24 @@ def _mid_stream_costs(
             out[f"mid_stream_{key}_rest_ms_per_stream"] = (
                 at_level["cpu_ms_per_stream"][name] - chunks * per_chunk / 1000
             )
+    return out
+
+
+def _whole_costs(answers: dict[str, dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """``whole_*`` (see :mod:`._whole`): each target's CPU per non-streamed request, and its
+    ratio to nginx's where nginx ran."""
+    out: dict[str, Any] = {"whole_concurrency": concurrency}
+    nginx = answers.get(NGINX_TARGET, {}).get("cpu_ms_per_request")
+    for name, result in answers.items():
+        key = name.split("/")[-1].replace("-", "_")
+        mine = result["cpu_ms_per_request"]
+        out[f"whole_{key}_cpu_ms_per_request"] = mine
+        out[f"whole_{key}_requests"] = result["requests"]
+        out[f"whole_{key}_failed"] = result["failed"]
+        if result["errors"]:
+            out[f"whole_{key}_errors"] = result["errors"]
+        if mine is not None and nginx and name != NGINX_TARGET:
+            out[f"whole_{key}_vs_nginx"] = mine / nginx
     return out
 
 

@@ -46,7 +46,7 @@ from ..observability.access import stream_usage
 from ..observability.logs import describe_error
 from ..observability.usage import TokenUsage, with_usage_option
 from ..streams import EVENT_OVERHEAD_BYTES, Stream, StreamEvent
-from ..upstream_h1 import H1Connection, H1Pool, Origin, encode_request
+from ..upstream_h1 import STALE_RETRIES, H1Connection, H1Pool, Origin, encode_request, fetch
 from .backend import PEER_PREFIX, Backend
 from .context import FailCause, Observer, RequestContext
 from .relay import (
@@ -71,12 +71,13 @@ _MAX_ERROR_BODY_BYTES = 64 << 10
 _DRAIN_AFTER_DONE_S = 1.0
 """How long to read on after ``[DONE]`` for the body's end before dropping the connection."""
 
-_STALE_RETRIES = 2
-"""Times a request goes again after its kept-alive connection turned out to be closed."""
-
 SCRAPE_CONNECTIONS = 64
 """Connections the backends' ``/metrics`` scrapes may hold open at once (one a backend,
 scraped together each interval; a region of more backends waits its turn for one)."""
+
+MAX_ANSWER_BYTES = 256 << 20
+"""The largest non-streamed answer read from a local upstream (an embeddings batch of 2,048
+inputs of 3,072 dimensions is ~130 MB of JSON floats): past it, ``502 upstream_error``."""
 
 _MAX_FAILOVERS = 3
 """Backends a request may move to after the one it was sent to refused the connection (each
@@ -134,7 +135,8 @@ class Proxy:
         h1_tls.set_alpn_protocols(["http/1.1"])
         self.metrics = metrics
         self.clock = clock
-        # Streams to local upstreams: the router's own HTTP/1.1 pool (see upstream_h1).
+        # Streams and whole answers from local upstreams: the router's own HTTP/1.1 pool
+        # (see upstream_h1).
         self.streams_pool = H1Pool(
             max_connections=max_connections,
             keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
@@ -151,7 +153,8 @@ class Proxy:
             read_timeout_s=limits.upstream_read_timeout_s,
             ssl_context=h1_tls,
         )
-        # Non-streamed requests and the routing stages' probes.
+        # The routing stages' warmup probes and model lists (non-streamed requests to local
+        # upstreams go over the streams' pool: fetch in forward).
         self.client = self._new_client(limits, max_connections, tls)
         # Peer regions' routers: HTTP/2 (negotiated by ALPN with a TLS peer), so one connection
         # per peer carries the status polls that keep it warm and every request forwarded
@@ -193,10 +196,6 @@ class Proxy:
         if not http2:  # aionet does not negotiate ALPN; HTTP/2 keeps httpx's own backend
             aionet.install(client)  # asyncio transports instead of anyio: less CPU per chunk
         return client
-
-    def client_for(self, backend: Backend) -> httpx.AsyncClient:
-        """The pool for one-shot requests to ``backend``: a peer region's or the upstreams'."""
-        return self.peer_client if backend.name.startswith(PEER_PREFIX) else self.client
 
     def _headers(self, ctx: RequestContext, backend: Backend, accept: str) -> dict[str, str]:
         headers = {
@@ -244,15 +243,29 @@ class Proxy:
                 local = not backend.name.startswith(PEER_PREFIX)
                 cause: FailCause = "refused"
                 try:
-                    response = await self.client_for(backend).request(
-                        method,
-                        backend.url + path,
-                        content=body,
-                        headers=self._headers(ctx, backend, "application/json"),
-                    )
-                    if response.status_code < 500 or not local:
+                    headers = self._headers(ctx, backend, "application/json")
+                    if local:  # the router's own pool, as streams: a fraction of httpx's CPU
+                        answer = await fetch(
+                            self.streams_pool, self.origin(backend), path, method=method,
+                            body=body or b"", headers=headers, max_bytes=MAX_ANSWER_BYTES,
+                            timeout_s=None,
+                        )
+                        if answer.body is None:
+                            raise httpx.RemoteProtocolError(
+                                f"answer over {MAX_ANSWER_BYTES >> 20} MiB"
+                            )
+                        status, content, content_type = (
+                            answer.status, answer.body, answer.content_type
+                        )
+                    else:
+                        response = await self.peer_client.request(
+                            method, backend.url + path, content=body, headers=headers
+                        )
+                        status, content = response.status_code, response.content
+                        content_type = response.headers.get("content-type", "")
+                    if status < 500 or not local:
                         break
-                    failed: Exception = UpstreamStatusError(response.status_code)
+                    failed: Exception = UpstreamStatusError(status)
                     cause = "5xx"
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     failed = exc
@@ -269,12 +282,11 @@ class Proxy:
                 backend.in_flight -= 1
                 backend = moved
                 backend.in_flight += 1
-            content_type = response.headers.get("content-type", "application/json")
-            ok = response.status_code == 200
+            ok = status == 200
             return UpstreamReply(
-                response.status_code,
-                response.content,
-                content_type,
+                status,
+                content,
+                content_type or "application/json",
                 (time.perf_counter() - sent_at) * 1000,
             )
         except httpx.HTTPError as exc:
@@ -509,14 +521,15 @@ class _Producer:
 
         A kept-alive connection the upstream closed while it was idle fails before any byte
         of the answer: the request goes again on another one (at most
-        :data:`_STALE_RETRIES` times), as a browser would; the upstream never saw it.
+        :data:`~firstbyte.router.upstream_h1.STALE_RETRIES` times), as a browser would; the
+        upstream never saw it.
         """
         pool = self.proxy.streams_pool
         origin = self.proxy.origin(self.backend)
         body, headers = self._request()
         request = encode_request("POST", origin, self.ctx.codec.path, headers, body)
         result = "retry"
-        for _ in range(_STALE_RETRIES + 1):
+        for _ in range(STALE_RETRIES + 1):
             try:
                 self._conn = conn = await pool.acquire(origin)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:

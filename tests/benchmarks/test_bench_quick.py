@@ -143,6 +143,15 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
         chunks = at_level * 1000 / summary[f"c100_{name}_cpu_us_per_chunk"]
         assert math.isclose(summary[f"mid_stream_{name}_rest_ms_per_stream"],
                             at_level - chunks * per_chunk / 1000, rel_tol=1e-6, abs_tol=1e-9)
+    # CPU per non-streamed answer, every one answered: 20 workers of 3 requests a round
+    assert summary["whole_concurrency"] == 20
+    for name in ("auto", "auto_aa", *(["nginx"] if nginx_installed() else [])):
+        assert summary[f"whole_{name}_requests"] == 60, summary.get(f"whole_{name}_errors")
+        assert summary[f"whole_{name}_failed"] == 0
+        assert summary[f"whole_{name}_cpu_ms_per_request"] >= 0
+    if nginx_installed() and summary["whole_nginx_cpu_ms_per_request"]:
+        assert summary["whole_auto_vs_nginx"] == (
+            summary["whole_auto_cpu_ms_per_request"] / summary["whole_nginx_cpu_ms_per_request"])
     for key in ("c1_hypercorn_added_p50_ttft_ms", "c100_direct_aa_added_p99_ttft_ms"):
         added = results["summary"][key]
         assert isinstance(added, float), key

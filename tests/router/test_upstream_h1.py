@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
+from firstbyte.router.pipeline import proxy
 from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin, encode_request, fetch
 
 from .conftest import RouterFactory, auth
@@ -20,6 +22,12 @@ pytestmark = pytest.mark.asyncio
 
 MODELS = json.dumps({"object": "list", "data": [{"id": "test-model", "object": "model"}]}).encode()
 SSE_BODY = sse(chunk(content="hi")) + b"data: [DONE]\n\n"
+WHOLE_BODY = json.dumps({
+    "id": "chatcmpl-1", "object": "chat.completion", "model": "test-model",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                 "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}).encode()
 
 
 def chunked_reply(body: bytes) -> bytes:
@@ -53,7 +61,12 @@ async def raw_server(close_after: int | None = None) -> AsyncIterator[tuple[str,
                 if close_after is not None and answered >= close_after:
                     writer.transport.abort()
                     return
-                writer.write(chunked_reply(SSE_BODY))
+                if not re.search(rb'"stream":\s*true', request):  # a whole answer
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json; "
+                                 b"charset=utf-8\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(WHOLE_BODY), WHOLE_BODY))
+                else:
+                    writer.write(chunked_reply(SSE_BODY))
                 await writer.drain()
                 answered += 1
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -104,7 +117,8 @@ async def _stream_whole(upstreams: H1Pool, origin: Origin, *, times: int) -> Non
     for _ in range(times):
         conn = await upstreams.acquire(origin)
         sink = Collect()
-        conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
+        conn.send(encode_request("POST", origin, "/v1/chat/completions", {},
+                                 b'{"stream": true}'), sink)
         await asyncio.wait_for(sink.done, 5)
         assert (sink.status, sink.body, sink.error) == (200, SSE_BODY, None)
         upstreams.release(conn)
@@ -135,14 +149,15 @@ async def page_server(body: bytes, *, chunked: bool = False, hang: bool = False
                     await reader.read()  # until the client gives up
                     return
                 if chunked:
-                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
                     for at in range(0, len(body), 1024):
                         part = body[at:at + 1024]
                         writer.write(b"%x\r\n%s\r\n" % (len(part), part))
                     writer.write(b"0\r\n\r\n")
                 else:
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(body), body))
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -165,7 +180,7 @@ async def test_fetch_reads_a_page_whole_and_keeps_the_connection(chunked: bool) 
         for _ in range(2):
             got = await fetch(upstreams, origin, "/metrics", max_bytes=64 << 10, timeout_s=5,
                               headers={"accept": "text/plain"})
-            assert got == (200, page)
+            assert (got.status, got.content_type, got.body) == (200, "text/plain", page)
         assert len(heads) == 2
         assert all(h.startswith(b"GET /metrics HTTP/1.1\r\n") for h in heads)
         assert b"accept: text/plain" in heads[0]
@@ -180,7 +195,7 @@ async def test_fetch_stops_reading_a_page_over_its_bound_and_drops_the_connectio
     async with page_server(b"x" * 4_000_000, chunked=chunked) as (origin, _):
         upstreams = pool()
         got = await fetch(upstreams, origin, "/metrics", max_bytes=10_000, timeout_s=5)
-        assert got == (200, None)
+        assert (got.status, got.body) == (200, None)
         # Far more than one read brings: the rest unread, the connection is not reused.
         assert "0 active, 0 idle" in repr(upstreams)
         await upstreams.aclose()
@@ -237,6 +252,49 @@ async def test_router_sends_again_when_the_kept_alive_connection_was_closed(
     assert len(connections) >= 3
 
 
+async def test_fetch_sends_again_when_the_kept_alive_connection_was_closed() -> None:
+    """A POST whose kept-alive connection the upstream closed as it arrived (no byte of an
+    answer) goes again on a new connection: the answer, its type and body, come whole."""
+    async with raw_server(close_after=1) as (url, connections):
+        upstreams = pool()
+        for _ in range(3):
+            got = await fetch(upstreams, Origin.parse(url), "/v1/chat/completions",
+                              method="POST", body=b'{"model": "test-model"}',
+                              headers={"content-type": "application/json"},
+                              max_bytes=1 << 20, timeout_s=5)
+            assert (got.status, got.content_type, got.body) == (
+                200, "application/json; charset=utf-8", WHOLE_BODY)
+        assert len(connections) == 3  # the 2nd and 3rd each found theirs closed
+        await upstreams.aclose()
+
+
+async def test_router_answers_whole_requests_over_its_own_pool(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-streamed request to a local upstream goes over the streams' pool (not httpx),
+    is sent again when its kept-alive connection was closed, and an answer past
+    ``MAX_ANSWER_BYTES`` is a 502 ``upstream_error``, not read whole."""
+    body = {"model": "test-model", "messages": [{"role": "user", "content": "x"}]}
+    async with (
+        raw_server(close_after=1) as (url, connections),
+        start_router([url], tls=False) as router,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        for _ in range(3):
+            response = await client.post(router.base_url + "/v1/chat/completions",
+                                         headers=auth(), json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["content"] == "hi"
+            assert response.headers["content-type"].startswith("application/json")
+        assert len(connections) >= 3
+        assert "1 idle" in repr(router.app.state.proxy.streams_pool)
+        monkeypatch.setattr(proxy, "MAX_ANSWER_BYTES", 100)
+        response = await client.post(router.base_url + "/v1/chat/completions",
+                                     headers=auth(), json=body)
+        assert response.status_code == 502, response.text
+        assert response.json()["error"]["code"] == "upstream_error"
+
+
 async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -281,7 +339,8 @@ async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
         assert conn.reused
         sink = Collect()
         started = asyncio.get_running_loop().time()
-        conn.send(encode_request("POST", origin, "/v1/chat/completions", {}, b"{}"), sink)
+        conn.send(encode_request("POST", origin, "/v1/chat/completions", {},
+                                 b'{"stream": true}'), sink)
         await asyncio.wait_for(sink.done, 5)
         assert isinstance(sink.error, httpx.ReadTimeout)
         assert sink.status == 200
