@@ -137,22 +137,10 @@ class Proxy:
         self.clock = clock
         # Streams and whole answers from local upstreams: the router's own HTTP/1.1 pool
         # (see upstream_h1).
-        self.streams_pool = H1Pool(
-            max_connections=max_connections,
-            keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
-            connect_timeout_s=limits.upstream_connect_timeout_s,
-            read_timeout_s=limits.upstream_read_timeout_s,
-            ssl_context=h1_tls,
-        )
+        self.streams_pool = _h1_pool(limits, max_connections, h1_tls)
         # The backends' /metrics scrapes (router/warmup.py): a second of each backend's, a
         # tenth of httpx's CPU each; a pool of their own, so they never wait for the streams'.
-        self.scrape_pool = H1Pool(
-            max_connections=SCRAPE_CONNECTIONS,
-            keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
-            connect_timeout_s=limits.upstream_connect_timeout_s,
-            read_timeout_s=limits.upstream_read_timeout_s,
-            ssl_context=h1_tls,
-        )
+        self.scrape_pool = _h1_pool(limits, SCRAPE_CONNECTIONS, h1_tls)
         # The routing stages' warmup probes and model lists (non-streamed requests to local
         # upstreams go over the streams' pool: fetch in forward).
         self.client = self._new_client(limits, max_connections, tls)
@@ -314,6 +302,17 @@ class Proxy:
             await client.aclose()
         await self.streams_pool.aclose()
         await self.scrape_pool.aclose()
+
+
+def _h1_pool(limits: LimitsConfig, max_connections: int, tls: ssl.SSLContext) -> H1Pool:
+    """An HTTP/1.1 pool to the upstreams with the configured keep-alive and timeouts."""
+    return H1Pool(
+        max_connections=max_connections,
+        keepalive_expiry_s=limits.upstream_keepalive_expiry_s,
+        connect_timeout_s=limits.upstream_connect_timeout_s,
+        read_timeout_s=limits.upstream_read_timeout_s,
+        ssl_context=tls,
+    )
 
 
 def _stream_body(ctx: RequestContext) -> bytes:
