@@ -13,15 +13,15 @@ connection that has been idle for ``keepalive_expiry_s`` when it reaches it (O(1
 lists are in release order), and holds at most ``max_connections`` open at once; a request
 that finds them all busy waits for one (bounded by the connect timeout).
 
-:func:`fetch` is one request whose answer is read whole, over the same pool: the backends'
-``/metrics`` scrapes and the non-streamed requests to local upstreams (embeddings, chat without
-``stream``). httpx cost ~0.56 ms of CPU a request here and over 1 ms with hundreds in flight
-(its pool's scans again), this ~0.03 ms (``python /work/notes/s41/nonstream_cost.py``-style
-measurements are in docs/router.md).
+:func:`fetch` is one request whose answer is read whole, over the same kind of pool: the
+backends' ``/metrics`` scrapes and the non-streamed requests to local upstreams (embeddings,
+chat without ``stream``). Through httpx a whole answer cost the router 13.3 ms of CPU at 100
+in flight, its pool scanning again, and 0.3 ms this way (``bench router_overhead``'s
+``whole_*``, docs/router.md).
 
 Errors are httpx's exception classes (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
 ``ReadTimeout``, ``RemoteProtocolError``, ``PoolTimeout``), so messages and handling match the
-httpx paths the router keeps for non-streamed requests and for peers (HTTP/2).
+httpx paths the router keeps for its warmup probes and model lists and for peers (HTTP/2).
 """
 
 from __future__ import annotations
