@@ -346,7 +346,7 @@ PATCHES: tuple[Patch, ...] = (
         "hypercorn sends HTTP/2 GOAWAY only once shut down, and never an HTTP/3 one",
         (
             Shape(_H2, ("__init__", "stream_send", "_flush"),
-                  source=(("__init__", "self.config"),)),
+                  source=(("__init__", "self.config"), ("__init__", "self.closed"))),
             Shape(_H3, ("__init__",), source=(("__init__", "self.send"),)),
             Shape("aioquic.h3.connection:H3Connection",
                   source=(("__init__", "self._local_control_stream_id"),)),
