@@ -48,10 +48,10 @@ class ConnectionRegistry:
         """Tell every open connection (see the module docstring); the number told now (busy
         HTTP/2 connections are told when their last stream ends).
 
-        An HTTP/2 connection its client has closed stays in :attr:`h2` until the cyclic GC
-        frees it (hypercorn's protocol objects sit in reference cycles, and the router runs
-        the GC seldom): it is skipped, not written to (asyncio logs "SSL connection is
-        closed" for writes to a closed TLS transport) nor counted."""
+        A connection its client has closed stays in :attr:`h2` or :attr:`h3` until the
+        cyclic GC frees it (hypercorn's protocol objects sit in reference cycles, and the
+        router runs the GC seldom): it is skipped, not written to (asyncio logs "SSL
+        connection is closed" for writes to a closed TLS transport) nor counted."""
         self.going_away = True
         told = 0
         for protocol in list(self.h2):
@@ -59,6 +59,8 @@ class ConnectionRegistry:
                 continue
             told += await self.h2_goaway_if_idle(protocol)
         for protocol in list(self.h3):
+            if protocol.connection._quic._close_event is not None:  # closed, either side
+                continue
             with contextlib.suppress(Exception):  # a connection closing meanwhile
                 await _h3_goaway(protocol)
                 told += 1

@@ -94,20 +94,28 @@ async def test_http3_gets_goaway_at_once_and_its_stream_finishes(
 
 
 async def test_connections_their_clients_closed_are_not_told_nor_counted(
-    start_router_process: RouterStarter, upstream: Upstream
+    start_router_process: RouterStarter, upstream: Upstream, tls_files: dict[str, str]
 ) -> None:
-    """hypercorn's closed HTTP/2 connections linger in the registry until the cyclic GC runs;
-    the drain skips them: no GOAWAY written to a closed TLS transport (asyncio's "SSL
-    connection is closed" warning), and the count in its log line is the connections told."""
-    async with start_router_process() as router:
+    """hypercorn's closed HTTP/2 and HTTP/3 connections linger in the registry until the
+    cyclic GC runs; the drain skips them: no GOAWAY written to a closed TLS transport
+    (asyncio's "SSL connection is closed" warning), and the count in its log line is the
+    connections told."""
+    async with start_router_process(listen={"http3": True}) as router:
         for _ in range(6):
             async with httpx.AsyncClient(http2=True, verify=router.client_tls()) as gone:
                 answer = await gone.get(router.base_url + "/healthz")
                 assert (answer.http_version, answer.status_code) == ("HTTP/2", 200)
+        for _ in range(3):  # each closes its QUIC connection once answered
+            response = await h3_request(
+                router.port, "POST", "/v1/chat/completions", cafile=tls_files["cafile"],
+                headers={**auth(), "content-type": "application/json"},
+                body=json.dumps(chat_body(2)).encode(),
+            )
+            assert response.status == 200
         session = await H2Session.open(router)  # stays open, idle after its stream
         stream = await session.request(chat_body(2), API_KEY)
         await session.read(lambda: stream.ended)
-        await asyncio.sleep(1.0)  # the router reads the six closes (a few ms on loopback)
+        await asyncio.sleep(1.0)  # the router reads the nine closes (a few ms on loopback)
         router.proc.send_signal(signal.SIGTERM)
         await session.read(lambda: session.goaway is not None, timeout_s=10)
         assert session.goaway is not None
