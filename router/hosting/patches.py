@@ -347,7 +347,8 @@ PATCHES: tuple[Patch, ...] = (
         (
             Shape(_H2, ("__init__", "stream_send", "_flush"),
                   source=(("__init__", "self.config"), ("__init__", "self.closed"))),
-            Shape(_H3, ("__init__",), source=(("__init__", "self.send"),)),
+            Shape(_H3, ("__init__",),
+                  source=(("__init__", "self.send"), ("__init__", "self.connection"))),
             Shape("aioquic.h3.connection:H3Connection",
                   source=(("__init__", "self._local_control_stream_id"),
                           ("__init__", "self._quic"))),
