@@ -15,9 +15,9 @@ that finds them all busy waits for one (bounded by the connect timeout).
 
 :func:`fetch` is one request whose answer is read whole, over the same kind of pool: the
 backends' ``/metrics`` scrapes and the non-streamed requests to local upstreams (embeddings,
-chat without ``stream``). Through httpx a whole answer cost the router 13.3 ms of CPU at 100
-in flight, its pool scanning again, and 0.3 ms this way (``bench router_overhead``'s
-``whole_*``, docs/router.md).
+chat without ``stream``). Through httpx a whole answer cost the router 36-48 times the CPU
+it costs this way at 100 in flight, httpcore's pool scanning again (``bench
+router_overhead``'s ``whole_*``, docs/router.md).
 
 Errors are httpx's exception classes (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
 ``ReadTimeout``, ``RemoteProtocolError``, ``PoolTimeout``), so messages and handling match the
