@@ -2,8 +2,8 @@
 
 The pool owns everything that outlives one request: the resolver cache, one HTTP session per
 (origin, HTTP version), one WebSocket pool per origin, the QUIC session tickets, and the
-keep-warm task. Keep-warm exercises idle connections every ``keepalive_interval_s`` (HTTP/1.1
-and HTTP/2: ``GET /healthz``; HTTP/3: QUIC PING; WebSocket: ping frames) so that neither side's
+keep-warm task. Keep-warm exercises idle connections every ``keepalive_interval_s`` (HTTP/1.1,
+HTTP/2 and HTTP/3: ``GET /healthz``; WebSocket: ping frames) so that neither side's
 idle timer closes them, and stops after ``keepalive_expiry_s`` without a request, so an idle
 application does not hold connections open forever.
 
@@ -95,8 +95,9 @@ class ConnectionPool:
         session = self._sessions.get(key)
         if session is None:
             if http == "3":
-                # aioquic (and the cryptography it pulls in) loads on the first HTTP/3 session,
-                # so HTTP/1.1 and HTTP/2 users never pay its import time.
+                # aioquic (and the cryptography it pulls in) loads only for HTTP/3 (an
+                # AsyncClient asking for it imports it when built), so HTTP/1.1 and HTTP/2
+                # users never pay its import time.
                 from firstbyte.client_sdk.transports.h3 import H3Session
 
                 session = H3Session(

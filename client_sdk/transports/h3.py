@@ -4,7 +4,8 @@ One QUIC connection per origin carries every request (QUIC multiplexes streams).
 resolves the name itself (the ``dns`` phase), times the handshake from aioquic's
 ``HandshakeCompleted`` event (``quic_handshake``), keeps the session tickets the server issues
 per host so that a reconnect resumes the TLS session and sends its request as 0-RTT early data
-when the ticket allows it, and keeps the connection warm with QUIC PING frames.
+when the ticket allows it, and keeps the connection warm with a ``GET /healthz`` each
+keep-warm interval (servers time idle connections by requests, not by PING frames).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from firstbyte.client_sdk.transports.base import (
     note_response_headers,
     noted_accept_encoding,
 )
+from firstbyte.protocol import paths
 
 TICKET_WAIT_S = 0.25
 """How long closing a session waits for a session ticket the server has not sent yet."""
@@ -56,6 +58,9 @@ _END = object()
 # reaches the application as TLSError / ConnectError, and an application that configures
 # logging still sees aioquic's records (they propagate to its handlers).
 logging.getLogger("quic").addHandler(logging.NullHandler())
+ICMP_PROBE_MIN_S, ICMP_PROBE_RTTS, ICMP_PROBE_MAX_S = 0.2, 4, 2.0
+"""After an ICMP port unreachable on a connection the server has spoken on: how long a PING
+waits for any answer before the connection counts as dead (4 round trips, 0.2 to 2 s)."""
 MAX_UNREAD_BYTES = 16 << 20
 """Response bytes one HTTP/3 stream may hold unread. aioquic grants the server more flow
 control credit as data arrives, not as it is read, so past this the stream is cut (reset;
@@ -154,6 +159,8 @@ class _H3Protocol(QuicConnectionProtocol):
         self.handshake_waiter.add_done_callback(_retrieve)
         self.heard = False
         """True once any datagram came from the server."""
+        self._datagrams = 0
+        self._probe: asyncio.TimerHandle | None = None
         self._pings: dict[int, asyncio.Future[None]] = {}
 
     @property
@@ -173,15 +180,61 @@ class _H3Protocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self.heard = True
+        self._datagrams += 1
         super().datagram_received(data, addr)
 
     def error_received(self, exc: Exception) -> None:
         # ICMP port unreachable: nothing listens on that UDP port, the QUIC analogue of a TCP
-        # reset. Believed only before the server has said anything (RFC 9000 lets endpoints
-        # ignore ICMP, which is easy to spoof); later ones are left to QUIC's own timers.
-        refused = isinstance(exc, ConnectionRefusedError) and not self.heard
-        if refused and not self.handshake_waiter.done():
-            self.handshake_waiter.set_exception(exc)
+        # reset. Believed at once only before the server has said anything: RFC 9000 lets
+        # endpoints ignore ICMP, which is easy to spoof. Later, it is checked instead (a
+        # server that went away, e.g. a router restarted or killed, would otherwise hold a
+        # request on this connection until QUIC's idle timeout or the keep-warm's failure).
+        if not isinstance(exc, ConnectionRefusedError):
+            return
+        if not self.heard:
+            if not self.handshake_waiter.done():
+                self.handshake_waiter.set_exception(exc)
+        elif self.terminated is None and self._probe is None:
+            self._probe_server()
+
+    def _probe_server(self) -> None:
+        """A PING after an ICMP port unreachable: if no datagram at all comes from the server
+        within a few round trips, the connection is ended here (its requests cut, so they
+        reconnect or fail over). A spoofed ICMP costs one PING a live server answers."""
+        rtt = _min_rtt_s(self._quic) or 0.0
+        wait_s = min(max(ICMP_PROBE_MIN_S, ICMP_PROBE_RTTS * rtt), ICMP_PROBE_MAX_S)
+        self._probe = asyncio.get_running_loop().call_later(
+            wait_s, self._probe_expired, self._datagrams)
+        self.send_ping()
+
+    def _probe_expired(self, datagrams: int) -> None:
+        self._probe = None
+        if self.terminated is not None or self._datagrams != datagrams:
+            return  # ended meanwhile, or the server answered: alive
+        reason = "the server is gone (ICMP port unreachable, no answer to a PING)"
+        self._quic.close(reason_phrase=reason)
+        self.transmit()
+        self._ended(ConnectionTerminated(error_code=0, frame_type=None, reason_phrase=reason))
+
+    def _ended(self, event: ConnectionTerminated) -> None:
+        """The connection ended (by either side, or found dead): fail what waits on it."""
+        if self.terminated is not None:
+            return
+        self.terminated = event
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+        pings, self._pings = self._pings, {}
+        for ping in pings.values():
+            if not ping.done():
+                ping.set_exception(ConnectionError(event.reason_phrase))
+        if not self.handshake_waiter.done():
+            self.handshake_waiter.set_exception(ConnectionError(event.reason_phrase))
+        cut = TransportCut(f"QUIC connection closed: {event.reason_phrase or event.error_code}")
+        for stream in self.streams.values():
+            if not stream.headers.done():
+                stream.headers.set_exception(cut)
+            stream.data.put_nowait(cut)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
@@ -193,18 +246,7 @@ class _H3Protocol(QuicConnectionProtocol):
             if ping is not None and not ping.done():
                 ping.set_result(None)
         elif isinstance(event, ConnectionTerminated):
-            self.terminated = event
-            pings, self._pings = self._pings, {}
-            for ping in pings.values():
-                if not ping.done():
-                    ping.set_exception(ConnectionError(event.reason_phrase))
-            if not self.handshake_waiter.done():
-                self.handshake_waiter.set_exception(ConnectionError(event.reason_phrase))
-            cut = TransportCut(f"QUIC connection closed: {event.reason_phrase or event.error_code}")
-            for stream in self.streams.values():
-                if not stream.headers.done():
-                    stream.headers.set_exception(cut)
-                stream.data.put_nowait(cut)
+            self._ended(event)
         elif isinstance(event, StreamReset):
             reset = self.streams.get(event.stream_id)
             if reset is not None:
@@ -446,13 +488,18 @@ class H3Session:
         await self._connection(None)
 
     async def keepalive(self) -> None:
+        """``GET /healthz`` on the open connection, as over HTTP/1.1 and HTTP/2: a server times
+        an idle QUIC connection by its requests, not by PINGs (the router closes one without
+        a request for ``limits.client_header_timeout_s``). Dropped if it fails or times out."""
         proto = self._proto
-        if proto is None or not proto.usable:
+        if proto is None or not proto.usable or not proto.handshake_waiter.done():
             return
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                await asyncio.shield(proto.send_ping())
-        except (TimeoutError, ConnectionError):
+                async with self.request("GET", paths.HEALTHZ, headers={}, body=None,
+                                        recorder=None) as response:
+                    await response.read()
+        except (TimeoutError, ConnectionError, TransportCut):
             async with self._lock:
                 if self._proto is proto:
                     await self._drop()

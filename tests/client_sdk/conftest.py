@@ -79,6 +79,7 @@ async def start_stack(
     profile: str = "instant",
     heartbeat_s: float = 15.0,
     keep_alive_timeout_s: float = 75.0,
+    header_timeout_s: float = 60.0,
     models: Sequence[str] = (),
 ) -> AsyncIterator[Stack]:
     """Start ``firstbyte sim`` and the router in front of it in the running loop; the sim
@@ -95,7 +96,8 @@ async def start_stack(
             "listen": {"host": "127.0.0.1", "port": 0, "certfile": cert_file,
                        "keyfile": key_file, "keep_alive_timeout_s": keep_alive_timeout_s},
             "auth": {"api_keys": [ROUTER_KEY, OTHER_KEY]},
-            "limits": {"heartbeat_interval_s": heartbeat_s},
+            "limits": {"heartbeat_interval_s": heartbeat_s,
+                       "client_header_timeout_s": header_timeout_s},
         }, "<sdk-test>")
         async with running_router(config) as endpoints:
             yield Stack(f"https://localhost:{endpoints.port}/v1", endpoints.port, sim_url,
