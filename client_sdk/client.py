@@ -111,6 +111,18 @@ def keylog_path(keylog_file: str | None) -> str | None:
     return keylog_file or None
 
 
+def _check_numbers(*, at_least_zero: bool = False, **options: object) -> None:
+    """``ConfigurationError`` naming the first option that is not a number above 0 (with
+    ``at_least_zero``: 0 or more): a zero interval would busy-loop and a zero timeout fail
+    every request, far from where it was set."""
+    for name, value in options.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if at_least_zero and not (number and value >= 0):  # type: ignore[operator]
+            raise ConfigurationError(name, f"must be a number of 0 or more, not {value!r}")
+        if not at_least_zero and not (number and value > 0):  # type: ignore[operator]
+            raise ConfigurationError(name, f"must be a number above 0, not {value!r}")
+
+
 class AsyncClient:
     """Streams chat completions over a prewarmed connection (see the README's SDK section).
 
@@ -185,18 +197,30 @@ class AsyncClient:
         if transport not in ("sse", "websocket", "longpoll"):
             raise ConfigurationError(
                 "transport", f"must be sse, websocket or longpoll, not {transport!r}")
+        _check_numbers(idle_timeout_s=idle_timeout_s, connect_timeout_s=connect_timeout_s,
+                       keepalive_interval_s=keepalive_interval_s, poll_wait_s=poll_wait_s)
+        _check_numbers(at_least_zero=True, max_resumes=max_resumes, stall_retries=stall_retries,
+                       resume_backoff_s=resume_backoff_s, keepalive_expiry_s=keepalive_expiry_s)
+        if reprobe_interval_s is not None:
+            _check_numbers(reprobe_interval_s=reprobe_interval_s)
         if isinstance(base_url, str):
             named = {base_url: base_url}
         elif isinstance(base_url, Mapping):
             named = dict(base_url)
-        else:
+        elif isinstance(base_url, Sequence):
             named = {url: url for url in base_url}
+            if len(named) != len(base_url):
+                raise ConfigurationError("base_url", "the same URL is given for two regions")
+        else:
+            raise ConfigurationError(
+                "base_url", "must be a URL, a list of URLs or a mapping of region name to URL,"
+                f" not {base_url!r}")
         if not named:
             raise ConfigurationError("base_url", "give at least one URL")
         urls = list(named.values())
-        if len(set(urls)) != len(urls):
-            raise ConfigurationError("base_url", "the same URL is given for two regions")
         self.origins = [Origin.parse(url) for url in urls]
+        if len(set(self.origins)) != len(self.origins):  # also https://h/v1 and https://h/v1/
+            raise ConfigurationError("base_url", "the same URL is given for two regions")
         self.origin = self.origins[0]
         """The preferred region; :meth:`prewarm` warms it."""
         self.regions = RegionSelector(Region(name, url) for name, url in named.items())
@@ -226,6 +250,10 @@ class AsyncClient:
             raise ConfigurationError("http", "WebSocket runs over HTTP/1.1; use http='1.1'")
         if http == "3" and not all(origin.tls for origin in self.origins):
             raise ConfigurationError("http", "HTTP/3 needs an https:// base URL")
+        if http == "3":
+            # aioquic (and the cryptography it pulls in) loads now, not inside the first
+            # request's timings, where its ~70 ms would belong to no phase.
+            import firstbyte.client_sdk.transports.h3  # noqa: F401
         self.transport: TransportName = transport
         self.http: HTTPVersion = http
         self.idle_timeout_s = idle_timeout_s

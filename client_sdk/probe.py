@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     except ConnectError as exc:
         raise CLIError(str(exc)) from None
     except AuthenticationError as exc:
-        raise CLIError(f"authentication failed ({exc.status or 'ws'}): {exc.message};"
+        message = exc.message.rstrip(" .;")  # the router's ends with a full stop
+        raise CLIError(f"authentication failed ({exc.status or 'ws'}): {message};"
                        " pass --api-key or set FIRSTBYTE_API_KEY") from None
     except APIError as exc:
         raise CLIError(f"the server answered {exc}") from None

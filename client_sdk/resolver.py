@@ -30,11 +30,24 @@ class Origin:
 
     @classmethod
     def parse(cls, url: str) -> Origin:
+        """``url``'s parts; ``ConfigurationError`` naming ``url`` for anything else than an
+        http(s) base URL with a host and a valid port (no whitespace around it)."""
+        bad = ConfigurationError(
+            "base_url", f"must be a base URL http(s)://host[:port][/path], not {url!r}")
+        if not isinstance(url, str) or url != url.strip():
+            raise bad
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise bad
+        try:
+            port = parts.port
+        except ValueError:  # urllib: "Port out of range 0-65535", "could not be cast"
+            port = 0
+        if port == 0:
             raise ConfigurationError(
-                "base_url", f"must be a base URL http(s)://host[:port][/path], not {url!r}")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+                "base_url", f"the port of {url!r} is not a number from 1 to 65535")
+        if port is None:
+            port = 443 if parts.scheme == "https" else 80
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 
     @property

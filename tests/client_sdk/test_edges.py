@@ -86,6 +86,50 @@ async def test_plain_http_to_a_tls_port_says_to_use_https(
 def test_a_bad_base_url_names_the_option() -> None:
     with pytest.raises(ConfigurationError, match=r"^base_url: must be a base URL http\(s\)://"):
         AsyncClient("localhost:8080")
+    # Pasted from a file or an environment variable with its newline: refused here, not a 404
+    # for "/v1\n/chat/completions" at the first request.
+    with pytest.raises(ConfigurationError, match=r"^base_url: must be a base URL .*/v1\\n'$"):
+        AsyncClient("https://localhost:8443/v1\n")
+    for port in ("99999", "abc", "0"):
+        url = f"https://localhost:{port}/v1"
+        with pytest.raises(ConfigurationError) as info:
+            AsyncClient(url)
+        assert str(info.value) == f"base_url: the port of {url!r} is not a number from 1 to 65535"
+    with pytest.raises(ConfigurationError) as info:
+        AsyncClient(None)  # type: ignore[arg-type]
+    assert str(info.value) == ("base_url: must be a URL, a list of URLs or a mapping of region"
+                               " name to URL, not None")
+
+
+@pytest.mark.parametrize("base_url", [
+    ["https://a.test/v1", "https://a.test/v1"],
+    ["https://a.test/v1", "https://a.test/v1/"],
+    {"tokyo": "https://a.test/v1", "osaka": "https://a.test:443/v1"},
+])
+def test_the_same_region_given_twice_is_refused(base_url: list[str] | dict[str, str]) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        AsyncClient(base_url)
+    assert str(info.value) == "base_url: the same URL is given for two regions"
+
+
+@pytest.mark.parametrize(("option", "value", "wanted"), [
+    ("keepalive_interval_s", 0, "a number above 0"),  # would ping back to back
+    ("idle_timeout_s", -1, "a number above 0"),  # would stall every stream at once
+    ("connect_timeout_s", 0, "a number above 0"),
+    ("poll_wait_s", -5, "a number above 0"),  # the router's 400, after the stream was made
+    ("reprobe_interval_s", 0, "a number above 0"),
+    ("idle_timeout_s", float("nan"), "a number above 0"),
+    ("connect_timeout_s", True, "a number above 0"),
+    ("max_resumes", -1, "a number of 0 or more"),
+    ("stall_retries", -1, "a number of 0 or more"),
+    ("resume_backoff_s", -0.5, "a number of 0 or more"),
+    ("keepalive_expiry_s", "120", "a number of 0 or more"),
+])
+def test_a_timing_option_out_of_range_names_itself(option: str, value: object, wanted: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        AsyncClient("https://a.test/v1", **{option: value})  # type: ignore[arg-type]
+    assert str(info.value) == f"{option}: must be {wanted}, not {value!r}"
+    AsyncClient("https://a.test/v1", reprobe_interval_s=None, keepalive_expiry_s=0, max_resumes=0)
 
 
 def _udp_port(*, keep: bool) -> tuple[int, socket.socket | None]:
@@ -188,3 +232,23 @@ async def test_prewarm_while_a_stream_runs_opens_no_second_connection(
         assert stream.text == expected_text(9)
         assert await first_text(client) == expected_text(3)
         assert opened() == 1
+
+
+_IMPORTS_AT = """
+import sys
+from firstbyte.client_sdk.client import AsyncClient
+before = "aioquic" in sys.modules
+AsyncClient("https://localhost:1/v1", http=sys.argv[1])
+print(before, "aioquic" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(("http", "loaded"), [("3", "True"), ("2", "False")])
+def test_aioquic_loads_when_an_h3_client_is_built_not_in_its_first_request(
+    http: str, loaded: str
+) -> None:
+    """Loading aioquic takes ~70 ms: inside the first request it would sit in no phase of its
+    timings (the clock has started, no connection phase has). HTTP/2 clients never load it."""
+    done = subprocess.run([sys.executable, "-c", _IMPORTS_AT, http], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["False", loaded], done.stdout + done.stderr
