@@ -346,6 +346,25 @@ def _pid_file(path: str | None) -> Any:
                 Path(path).unlink()
 
 
+def _check_router_pid(pid: int, pid_file: str | None) -> None:
+    """Refuse to SIGHUP anything but a firstbyte router: SIGHUP ends a process that does not
+    handle it, and ``kill`` reads 0 and -1 as whole process groups, or every process."""
+    stale = f" (a stale {pid_file}?)" if pid_file else ""
+    if pid <= 0:
+        raise CLIError(f"{pid} is not a process id{stale}: nothing signalled")
+    proc = Path("/proc")
+    if not (proc / "self").exists():  # no procfs (not Linux): the pid is taken as given
+        return
+    try:
+        command = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        raise CLIError(f"no process {pid} is running{stale}") from None
+    if b"firstbyte" not in command:
+        shown = command.replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+        raise CLIError(f"process {pid} is not a firstbyte router ({shown!r}){stale}:"
+                       " nothing signalled")
+
+
 def _signal_reload(args: argparse.Namespace) -> int:
     """``firstbyte router reload``: check the config here (when given), then SIGHUP the router."""
     pid_file = args.pid_file
@@ -360,6 +379,7 @@ def _signal_reload(args: argparse.Namespace) -> int:
             pid = int(Path(pid_file).read_text().strip())
         except (OSError, ValueError) as exc:
             raise CLIError(f"cannot read a pid from {pid_file}: {exc}") from None
+    _check_router_pid(pid, pid_file if args.pid is None else None)
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:

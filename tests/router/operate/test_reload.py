@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from firstbyte.cli import CLIError
+from firstbyte.router.cli import _check_router_pid
 from tests.router.attacks.conftest import RouterStarter, chat_body, router_sections
 from tests.router.conftest import API_KEY
 from tests.router.upstream import Upstream, running_upstream
@@ -170,3 +172,29 @@ async def test_firstbyte_router_reload_checks_the_file_then_signals_the_pid_file
     missing = await asyncio.to_thread(_cli, "reload", "--pid-file", str(pid_file))
     assert missing.returncode == 2
     assert "cannot read a pid" in missing.stderr
+
+
+def test_firstbyte_router_reload_signals_nothing_but_a_firstbyte_router(
+    tmp_path: Path,
+) -> None:
+    """A stale pid file may name a pid reused by another process, and ``kill`` reads 0 and -1
+    as process groups or every process: SIGHUP would end them. Each is refused, in one line."""
+    pid_file = tmp_path / "router.pid"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid_file.write_text(f"{other.pid}\n")
+        done = _cli("reload", "--pid-file", str(pid_file))
+        assert other.poll() is None  # not signalled
+        assert done.returncode == 2, done
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert f"process {other.pid} is not a firstbyte router (" in done.stderr
+        assert f"(a stale {pid_file}?)" in done.stderr
+    finally:
+        other.kill()
+        other.wait()
+    # Checked where the pid is read, not through the command: were the check lost, the
+    # command would SIGHUP this test's process group, or every process.
+    for pid in (0, -1):
+        with pytest.raises(CLIError) as info:
+            _check_router_pid(pid, str(pid_file))
+        assert str(info.value) == f"{pid} is not a process id (a stale {pid_file}?): nothing signalled"
