@@ -461,6 +461,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 " (or set listen.insecure_plain_http = true for local use)"
             )
         _check_proxy_protocol(listen)
+        _check_upstreams(self.upstreams)
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
             raise ValueError("listen.http3 needs listen.server = 'auto' or 'hypercorn'")
@@ -491,6 +492,29 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "auth.api_keys: no API key configured; give one, or set"
                 " auth.allow_anonymous = true to accept any request"
             )
+
+
+def _check_upstreams(upstreams: list[UpstreamConfig]) -> None:
+    """Each upstream once: two of one name would share one backend's counts (one of them
+    never chosen), one URL listed twice would count its slots twice. A name defaults to
+    ``upstream<i>``, its place in the list. No query or fragment in a URL (``/v1/...`` is
+    appended to it)."""
+    names: dict[str, int] = {}
+    urls: dict[tuple[str, str | None], int] = {}
+    for i, upstream in enumerate(upstreams):
+        if "?" in upstream.url or "#" in upstream.url:
+            raise ValueError(f"upstreams[{i}].url: no query or fragment: {upstream.url!r}"
+                             " (the router appends /v1/... to it)")
+        name = upstream.name or f"upstream{i}"
+        if name in names:
+            raise ValueError(f"upstreams[{i}].name: {name!r} is also upstreams[{names[name]}]'s"
+                             " name (unnamed upstreams are upstream0, upstream1, ...)")
+        names[name] = i
+        url = (upstream.base_url, upstream.api_key)
+        if url in urls:
+            raise ValueError(f"upstreams[{i}].url: the same backend as upstreams[{urls[url]}]"
+                             f" ({upstream.base_url}): its slots would count twice")
+        urls[url] = i
 
 
 def _check_proxy_protocol(listen: ListenConfig) -> None:

@@ -64,6 +64,16 @@ resume_grace_s = 10
             GOOD + '[[auth.keys]]\nkey = "sk-test-key-0001"\n',
             "auth.keys[0]: this key is listed twice",
         ),
+        (
+            GOOD + '[[upstreams]]\nurl = "http://127.0.0.1:8001/v1/"\n',
+            "upstreams[1].url: the same backend as upstreams[0] (http://127.0.0.1:8001):"
+            " its slots would count twice",
+        ),
+        (
+            GOOD + '[[upstreams]]\nurl = "http://127.0.0.1:8002"\nname = "upstream0"\n',
+            "upstreams[1].name: 'upstream0' is also upstreams[0]'s name",
+        ),
+        (GOOD.replace("8001", "8001?x=1"), "upstreams[0].url: no query or fragment"),
         ("region = [", "not valid TOML"),
         ('region = "x"\n', "missing required field `upstreams`"),
     ],
