@@ -253,6 +253,9 @@ _FLAG_TEXTS = (
     ("keyfile", "listen.keyfile", "--keyfile"),
     ("api_key", "auth.api_keys", "--api-key"),
     ("region", "region:", "--region:"),
+    ("workers", "listen.workers", "--workers"),
+    ("redis_url", "state.redis_url", "--redis-url"),
+    ("pid_file", "listen.pid_file", "--pid-file"),
 )
 
 
@@ -265,10 +268,12 @@ def name_flags(message: str, args: argparse.Namespace) -> str:
     """
     everything = not args.config
     env_keys = not args.api_key and bool(os.environ.get("FIRSTBYTE_API_KEYS"))
-    for attr, text, flag in _FLAG_TEXTS:
+    limit_texts = [(flag[2:].replace("-", "_"), key, flag)
+                   for flag, (key, _, _) in LIMIT_FLAGS.items()]
+    for attr, text, flag in (*_FLAG_TEXTS, *limit_texts):
         if attr == "api_key" and env_keys:
             flag = "FIRSTBYTE_API_KEYS"
-        elif not (everything or getattr(args, attr)):
+        elif not (everything or getattr(args, attr, None) not in (None, False)):
             continue
         pattern = r"(?<![\w.\[])" + re.escape(text) + r"(?:\[\d+\])?(?![\w])"
         message = re.sub(pattern, flag, message)
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_state(config, args.config or "command line")
     except ConfigError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(name_flags(str(exc), args)) from None
     from .observability.logs import configure
 
     # Logs (the start-up line included) go to stdout; errors before this point to stderr.

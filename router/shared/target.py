@@ -64,6 +64,13 @@ def redis_target(state: StateConfig, environ: Mapping[str, str] | None = None) -
     :class:`ConfigError` naming the key when that cannot be read or is empty."""
     if state.redis_url is None:
         raise ValueError("no state.redis_url")
+    try:  # redis-py would raise urllib's ValueError, a traceback at start
+        parts = urlsplit(state.redis_url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"state.redis_url: {redacted(state.redis_url)}: {exc}") from None
+    if port == 0:
+        raise ConfigError(f"state.redis_url: {redacted(state.redis_url)}: port 0")
     password: str | None = None
     source: str | None = None
     if state.redis_password_file is not None:

@@ -135,3 +135,29 @@ def test_flags_are_named_as_flags(certs: Path) -> None:
     result = firstbyte("router", "--config", str(config), "--keyfile", str(certs / "cert.pem"))
     assert "--keyfile: no PEM private key in" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_workers_redis_and_limit_flags_are_named_as_flags(certs: Path) -> None:
+    """The same for the flags of shared state and of the limits; a Redis URL redis-py could
+    not parse is one line naming it, not urllib's traceback."""
+    flags = ["--upstream", "http://127.0.0.1:1", "--api-key", "sk-test-key-0001",
+             "--insecure-plain-http"]
+    result = firstbyte("router", *flags, "--workers", "0")
+    assert "command line: --workers: Expected `int` >= 1" in result.stderr
+    result = firstbyte("router", *flags, "--max-streams-per-key", "0")
+    assert "--max-streams-per-key: Expected `int` >= 1" in result.stderr
+    for url, why in (("redis://:secret@127.0.0.1:99999/0", "Port out of range 0-65535"),
+                     ("redis://127.0.0.1:port/0", "Port could not be cast")):
+        result = firstbyte("router", *flags, "--workers", "2", "--redis-url", url)
+        assert result.returncode == 2, result
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert "command line: --redis-url: redis://" in result.stderr
+        assert why in result.stderr
+        assert "secret" not in result.stderr
+    config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n[state]\n'
+                          'redis_url = "redis://127.0.0.1:99999/0"\n')
+    result = firstbyte("router", "--check-config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"{config}: state.redis_url: redis://127.0.0.1:99999/0: Port out of range" in (
+        result.stderr)
