@@ -57,10 +57,12 @@ async def drain(
     state.start_draining()
     told = await connections.goaway() if connections is not None else 0
     listen = state.config.listen
+    # Two counts: a streamed request is both a request being answered and a stream being
+    # produced (a stream whose client left is only the latter), so their sum counted it twice.
     log.warning(
-        "draining: no new work; %d requests and streams in flight get up to %g s"
-        " (listen.drain_timeout_s); GOAWAY sent on %d HTTP/2 and HTTP/3 connections",
-        app.in_flight(), listen.drain_timeout_s, told,
+        "draining: no new work; %d requests being answered and %d streams being produced get"
+        " up to %g s (listen.drain_timeout_s); GOAWAY sent on %d HTTP/2 and HTTP/3 connections",
+        app.requests_in_flight, len(state.store.running()), listen.drain_timeout_s, told,
     )
     while True:
         listen = state.config.listen  # a reload may change the timings meanwhile

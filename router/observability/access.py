@@ -31,7 +31,6 @@ from .logs import key_id, subject_id, write_direct
 
 if TYPE_CHECKING:
     from ..pipeline.context import RequestContext
-    from ..readers import ReadableStream
 
 __all__ = [
     "CONTEXT_KEY",
@@ -385,10 +384,16 @@ def _produced(ctx: RequestContext | None, exchange: _Exchange, websocket: bool) 
     return None
 
 
-def _path_template(path: str, stream: ReadableStream | None) -> str:
-    """The path with a stream id replaced by ``{id}`` (the id is logged as ``stream``)."""
-    if stream is not None and path.startswith(paths.STREAMS + "/"):
-        return path.replace(stream.id, "{id}", 1)
+_STREAM_PATH = paths.STREAMS + "/"
+
+
+def _path_template(path: str) -> str:
+    """The path with a stream id replaced by ``{id}``, found or not: a found stream's id is
+    logged as ``stream``; an id no stream of the key has (a mistake, a guess, another key's)
+    is the client's text, not kept."""
+    if path.startswith(_STREAM_PATH):
+        _, slash, rest = path[len(_STREAM_PATH):].partition("/")
+        return f"{_STREAM_PATH}{{id}}{slash}{rest}"
     return path
 
 
@@ -557,7 +562,7 @@ class RequestLog:
             transport=_transport(exchange.path, ctx, websocket),
             http_version=bounded(exchange.http_version) or "",
             method=bounded(exchange.method) or "",
-            path=bounded(_path_template(exchange.path, touched)) or "",
+            path=bounded(_path_template(exchange.path)) or "",
             status=status,
             outcome=outcome,
             stream=touched.id if touched is not None else None,

@@ -199,8 +199,11 @@ async def test_a_detached_stream_is_logged_when_it_ends(
             stream_id = started.json()["stream"]
             read = await client.get(router.base_url + f"/v1/streams/{stream_id}", headers=auth())
             assert read.text.endswith("data: [DONE]\n\n")
+            unknown = await client.get(router.base_url + "/v1/streams/NoSuchStream0123/poll",
+                                       headers=auth())
+            assert unknown.status_code == 404
         for _ in range(100):
-            if len(caplog.records) >= 2:
+            if len(caplog.records) >= 3:
                 break
             await asyncio.sleep(0.02)
     fields = [record.fields for record in caplog.records]  # type: ignore[attr-defined]
@@ -216,6 +219,9 @@ async def test_a_detached_stream_is_logged_when_it_ends(
     assert reader["transport"] == "sse"
     assert reader["key_id"] == key_id(API_KEY)
     assert API_KEY not in caplog.text
+    # An id no stream of the key has is the client's text (a guess, another key's): not kept.
+    assert by_path["/v1/streams/{id}/poll"]["status"] == 404
+    assert "NoSuchStream0123" not in caplog.text
 
 
 async def test_an_upstream_failure_is_named_in_the_access_line(
