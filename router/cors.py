@@ -12,6 +12,7 @@ The browser client's own files are public code: any origin may load them.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -32,6 +33,10 @@ log = logging.getLogger("firstbyte.router.cors")
 
 ALLOW_METHODS = "GET, POST, OPTIONS"
 ALLOW_HEADERS = "authorization, content-encoding, content-type, last-event-id, traceparent"
+"""What a preflight allows when it names no headers (a prewarm's plain ``OPTIONS``)."""
+_MAX_ASKED_HEADERS_CHARS = 2048
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # an HTTP field name (RFC 9110)
+_HEADER_NAMES = re.compile(rf"{_TOKEN}(?:[ \t]*,[ \t]*{_TOKEN})*")
 EXPOSE_HEADERS = ", ".join((
     STREAM_HEADER, REGION_HEADER, BETTER_REGION_HEADER, BETTER_REGION_URL_HEADER,
     "server-timing", "retry-after", "traceparent", ACCEPT_ENCODING_HEADER,
@@ -79,9 +84,9 @@ class CorsPolicy:
                 return Preflight(204, (
                     ("access-control-allow-origin", origin),
                     ("access-control-allow-methods", ALLOW_METHODS),
-                    ("access-control-allow-headers", ALLOW_HEADERS),
+                    ("access-control-allow-headers", _allowed_headers(headers)),
                     ("access-control-max-age", str(self.max_age_s)),
-                    ("vary", "Origin"),
+                    ("vary", "Origin, Access-Control-Request-Headers"),
                 ))
             return ResponseHeaders((
                 ("access-control-allow-origin", origin),
@@ -104,6 +109,19 @@ class CorsPolicy:
         self._logged.add(origin)
         log.warning("CORS: origin %r is not in cors.allow_origins; answered without CORS"
                     " headers (the browser withholds the response)", origin[:200])
+
+
+def _allowed_headers(headers: dict[str, str]) -> str:
+    """The request headers a listed origin's page may send: :data:`ALLOW_HEADERS` and those
+    its preflight asks for (a well-formed list of names). The official SDKs send headers
+    of their own (``x-stainless-*``, ``anthropic-version``, ``x-api-key``); the router reads
+    the ones it knows and ignores the rest, and no credentials mode means no cookie rides
+    along, so a listed page sending any of them reaches nothing it could not already."""
+    asked = headers.get("access-control-request-headers", "").strip()
+    if not asked or len(asked) > _MAX_ASKED_HEADERS_CHARS or not _HEADER_NAMES.fullmatch(asked):
+        return ALLOW_HEADERS
+    names = (name.strip().lower() for name in asked.split(","))
+    return ", ".join(dict.fromkeys((*ALLOW_HEADERS.split(", "), *names)))
 
 
 def _same_origin(origin: str, headers: dict[str, str]) -> bool:

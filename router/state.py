@@ -247,7 +247,8 @@ class RouterState:
             max_owner_bytes=config.store_bytes_per_key(),
         )
         self.proxy.limits = limits
-        self.cors = CorsPolicy(config.cors)
+        if old.cors != config.cors:  # else keep which refused origins were logged
+            self.cors = CorsPolicy(config.cors)
         if not _routing_changed(old, config):
             self.routing.config = config
             return

@@ -134,3 +134,24 @@ def test_bad_browser_config_is_refused_naming_the_key(
 
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
         router_config(["http://127.0.0.1:1"], None, **{section: values})
+
+
+def test_a_preflight_allows_the_headers_it_asks_for() -> None:
+    """The official SDKs send headers of their own from a page (openai's ``x-stainless-*``,
+    anthropic's ``anthropic-version``, ``x-api-key``): a fixed list refused them, and the
+    browser never sent the request. A malformed list gets the fixed one."""
+    asked = "Authorization, content-type, x-stainless-os, anthropic-version, x-api-key"
+    answer = policy().decide("OPTIONS", "/v1/messages",
+                             {**PREFLIGHT, "access-control-request-headers": asked})
+    assert isinstance(answer, Preflight)
+    headers = dict(answer.headers)
+    assert headers["access-control-allow-headers"] == (
+        "authorization, content-encoding, content-type, last-event-id, traceparent,"
+        " x-stainless-os, anthropic-version, x-api-key")
+    assert headers["vary"] == "Origin, Access-Control-Request-Headers"
+    for bad in ("x-a, bad header", "x-a,,x-b", "x" * 3000):
+        answer = policy().decide("OPTIONS", "/v1/messages",
+                                 {**PREFLIGHT, "access-control-request-headers": bad})
+        assert isinstance(answer, Preflight)
+        assert dict(answer.headers)["access-control-allow-headers"] == (
+            "authorization, content-encoding, content-type, last-event-id, traceparent")
