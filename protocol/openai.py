@@ -64,9 +64,13 @@ class FunctionCall(msgspec.Struct, omit_defaults=True):
 
 
 class ToolCall(msgspec.Struct, omit_defaults=True):
+    """An assistant message's tool call: ``function`` (``type`` "function"), or another
+    type's own field (OpenAI's ``custom`` tools: ``custom: {name, input}``)."""
+
     id: str
-    function: FunctionCall
+    function: FunctionCall | None = None
     type: str = "function"
+    custom: dict[str, Any] | None = None
 
 
 class Message(msgspec.Struct, omit_defaults=True):
@@ -255,6 +259,14 @@ _chunk_decoder = msgspec.json.Decoder(ChatCompletionChunk)
 _encoder = msgspec.json.Encoder()
 
 
+_EXPLAINED = {
+    "n": "only 1 is served: the router streams, stores and resumes one choice per request;"
+         " send n requests for n answers",
+}
+"""What a refused value of these fields means here (msgspec's own text, "Invalid enum value
+2", does not say why)."""
+
+
 def decode_request(body: bytes) -> ChatCompletionRequest:
     """Decode and validate a chat completion request body.
 
@@ -275,7 +287,7 @@ def decode_with(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         if match is None:
             raise RequestValidationError(text) from None
         param = _param_from_path(match.group("path"))
-        message = text[: match.start()]
+        message = _EXPLAINED.get(param or "", text[: match.start()])
         if param is not None:
             message = f"Invalid value for '{param}': {message}"
         raise RequestValidationError(message, param) from None

@@ -78,3 +78,27 @@ def test_chunk_round_trip() -> None:
     chunk = decode_chunk(raw)
     assert chunk.choices[0].delta.content == "Hi"
     assert msgspec.json.decode(encode(chunk), type=ChatCompletionChunk) == chunk
+
+
+def test_n_above_1_says_why_it_is_refused() -> None:
+    """msgspec's own text was "Invalid enum value 2": the client could not tell why."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}'
+    with pytest.raises(RequestValidationError) as info:
+        decode_request(body)
+    assert info.value.message == (
+        "Invalid value for 'n': only 1 is served: the router streams, stores and resumes one"
+        " choice per request; send n requests for n answers")
+
+
+def test_a_custom_tool_call_in_the_history_is_accepted() -> None:
+    """OpenAI's custom tools: the assistant's call has ``custom``, no ``function``."""
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "run it"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "custom", "custom": {"name": "shell", "input": "ls"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "README.md"},
+    ]}
+    request = decode_request(msgspec.json.encode(body))
+    call = request.messages[1].tool_calls[0]  # type: ignore[index]
+    assert (call.type, call.function, call.custom) == ("custom", None, {"name": "shell",
+                                                                        "input": "ls"})
