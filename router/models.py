@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -136,6 +137,11 @@ class ModelLister:
         """Set once every list was asked for once (answered or not)."""
         self._wake = asyncio.Event()
 
+    def carry_failures(self, previous: ModelLister, names: Iterable[str]) -> None:
+        """Take over ``previous``'s (a reloaded lister's) failing backends among ``names``:
+        their next failure is not a new line."""
+        self._failed.update(name for name in names if name in previous._failed)
+
     async def list_once(self, name: str) -> None:
         """Ask ``name`` once; a failure keeps what was known (one log line per failure run)."""
         import httpx
@@ -144,15 +150,12 @@ class ModelLister:
         assert isinstance(client, httpx.AsyncClient)
         url = self.urls[name].rstrip("/") + paths.MODELS
         try:
-            async with client.stream(
-                "GET", url, headers=self.headers.get(name, {}), timeout=self.timeout_s
-            ) as response:
-                body = b""
-                async for chunk in response.aiter_bytes():
-                    body += chunk
-                    if len(body) > MAX_LIST_BYTES:
-                        raise ValueError(f"its list is over {MAX_LIST_BYTES} bytes")
-            response.raise_for_status()
+            try:
+                body = await self._read(client, name, url)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection the backend closed as it was reused (uvicorn's and
+                # vLLM's keep-alive is 5 s, the pool's longer): a GET, asked again at once.
+                body = await self._read(client, name, url)
             ids = [m.id for m in _model_list.decode(body).data]
         except (httpx.HTTPError, ValueError, msgspec.DecodeError) as exc:
             if name not in self._failed:
@@ -169,6 +172,19 @@ class ModelLister:
             log.info("model list of upstream %s: %s", name, ", ".join(sorted(self.models.of(name))))
             if self.on_change is not None:
                 self.on_change(name, self.models.of(name))
+
+    async def _read(self, client: Any, name: str, url: str) -> bytes:
+        """``GET url``'s body, bounded (``ValueError`` past :data:`MAX_LIST_BYTES`)."""
+        async with client.stream(
+            "GET", url, headers=self.headers.get(name, {}), timeout=self.timeout_s
+        ) as response:
+            body = b""
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_LIST_BYTES:
+                    raise ValueError(f"its list is over {MAX_LIST_BYTES} bytes")
+        response.raise_for_status()
+        return body
 
     async def step(self) -> None:
         """Ask every backend whose list is learned, at once."""

@@ -391,6 +391,15 @@ class RegionRouting:
             if was is not None and was.url == peer.url:
                 self.peer_table.peers[name] = was
         self.draining = previous.draining
+        # What the previous services reported down stays reported (their logs say changes
+        # once each; a reload is not one): peers at the same URL, backends that stay.
+        staying_peers = [name for name, peer in self.peer_table.peers.items()
+                         if previous.peer_table.peers.get(name) is peer]
+        staying = [name for name, backend in self.backends.items()
+                   if previous.backends.get(name) is backend]
+        self.poller.changes.carry(previous.poller.changes, staying_peers)
+        self.runner.changes.carry(previous.runner.changes, staying)
+        self.lister.carry_failures(previous.lister, staying)
         for name in self.models.to_learn():  # a list learned stays until asked again
             if self.backends[name] is previous.backends.get(name):
                 self.models.keep(name, previous.models.lists.get(name))

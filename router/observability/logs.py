@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, TextIO
 
 import msgspec
@@ -249,6 +249,13 @@ class StateChanges:
         """What the things are (``upstream``, ``peer``), the first word of each line."""
         self.down_since: dict[str, str] = {}
         """Things now down, with the reason given when they went down."""
+
+    def carry(self, previous: StateChanges, names: Iterable[str]) -> None:
+        """Take over what ``previous`` (a reloaded service's) reported down, for ``names``
+        (the things that stay): still down is then no change, and says nothing again."""
+        for name in names:
+            if name in previous.down_since:
+                self.down_since[name] = previous.down_since[name]
 
     def down(self, name: str, reason: str, *, url: str = "") -> bool:
         """``name`` is down; True (and a warning) if that is a change."""

@@ -159,3 +159,28 @@ async def test_a_reload_applies_the_new_cors_origins() -> None:
         assert not state.cors.allows("https://a.example", {})  # removed: refused from now
     finally:
         await state.aclose()
+
+
+async def test_a_reload_does_not_report_again_what_is_still_down() -> None:
+    """Peers and backends that stay and were down stay reported down: the rebuilt services'
+    first failed poll, scrape or model list is no change (20 reloads logged 40 'peer ... is
+    down' lines for two peers that never came up)."""
+    peers = [{"name": "us-east-1", "url": "http://127.0.0.1:11"},
+             {"name": "ap-south-1", "url": "http://127.0.0.1:13"}]
+    state = RouterState(_config(peers=peers))
+    try:
+        old = state.routing
+        old.poller.changes.down("us-east-1", "ConnectError")
+        old.poller.changes.down("ap-south-1", "ConnectError")
+        old.runner.changes.down("a", "ConnectError")
+        old.lister._failed.add("a")
+        moved = [peers[0], {**peers[1], "url": "http://127.0.0.1:14"}]
+        await state.reconfigure(_config(peers=moved, routing__first_token_deadline_ms=900))
+        new = state.routing
+        assert new is not old
+        assert not new.poller.changes.down("us-east-1", "ConnectError")  # no new line
+        assert new.poller.changes.down("ap-south-1", "ConnectError")  # moved: a new peer
+        assert not new.runner.changes.down("a", "ConnectError")
+        assert "a" in new.lister._failed
+    finally:
+        await state.aclose()
