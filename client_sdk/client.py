@@ -603,7 +603,8 @@ class AsyncClient:
         if self.transport == "longpoll":
             return longpoll_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                                    after=after, recorder=recorder, wait_s=self.poll_wait_s,
-                                   endpoint=endpoint, content_encoding=coding)
+                                   max_failures=self.max_resumes, endpoint=endpoint,
+                                   content_encoding=coding)
         if events is None:
             return sse_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                               after=after, recorder=recorder, content_encoding=coding)

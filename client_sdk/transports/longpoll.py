@@ -60,6 +60,14 @@ async def start_stream(
     return started.stream, started.batch()
 
 
+def _retry(cursor: PollCursor, recorder: TimingRecorder | None, reason: str) -> None:
+    """A failed poll: the next one is this transport's resume (from the same event on), so it
+    counts in ``Timings.resumes`` and within ``max_resumes``, as an SSE or WebSocket resume."""
+    cursor.receive_failure(time.monotonic(), reason)
+    if recorder is not None:
+        recorder.feed("resume", time.perf_counter())
+
+
 async def longpoll_source(
     session: Session,
     prefix: str,
@@ -105,10 +113,10 @@ async def longpoll_source(
                 status = response.status
                 retry_after = response.headers.get("retry-after")
         except (TransportCut, ConnectError) as exc:
-            cursor.receive_failure(time.monotonic(), f"poll failed: {exc}")
+            _retry(cursor, recorder, f"poll failed: {exc}")
             continue
         if status in (429, 502, 503, 504):
-            cursor.receive_failure(time.monotonic(), f"poll answered {status}")
+            _retry(cursor, recorder, f"poll answered {status}")
             continue
         if status != 200:
             raise api_error_from_response(status, raw, retry_after=retry_after)

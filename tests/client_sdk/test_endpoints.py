@@ -18,7 +18,12 @@ from typing import Any
 import pytest
 
 from firstbyte.client_sdk.client import AsyncClient, EventStream
-from firstbyte.client_sdk.errors import BadRequestError, NotFoundError, RateLimitError
+from firstbyte.client_sdk.errors import (
+    BadRequestError,
+    NotFoundError,
+    RateLimitError,
+    StreamBrokenError,
+)
 from firstbyte.client_sdk.sync import Client
 from firstbyte.protocol.events import CompletionChunk, MessageEvent, ResponseEvent
 from tests.client_sdk.conftest import Stack
@@ -138,9 +143,20 @@ async def test_a_cut_mid_stream_resumes_with_nothing_lost_or_repeated(
     assert proxy.connections >= 2  # the cut connection and the one the resume opened
     check_events(fmt, stream, events, expected)
     assert stream.timings.output_chunks > 60  # long enough that the cut fell inside it
-    if transport != "longpoll":
-        # Long-poll retries a failed poll from its cursor without a stream-level resume.
-        assert stream.timings.resumes >= 1
+    # Long-poll's resume is its next poll from the cursor: counted as the others' are.
+    assert stream.timings.resumes >= 1
+
+
+async def test_a_long_poll_cut_past_max_resumes_gives_up(tls_files: tuple[str, str, str]) -> None:
+    """``max_resumes`` bounds long-poll's retried polls too (it was a fixed 5)."""
+    async with start_formats_stack(tls_files) as stack, \
+            TcpCutProxy(stack.port, cut_after=CUT_AFTER) as proxy, AsyncClient(
+                stack.url_via(proxy.port), ROUTER_KEY, transport="longpoll", http="2",
+                ca_file=stack.ca_file, idle_timeout_s=10, max_resumes=0) as client:
+        stream = open_stream(client, "chat", TOKENS)
+        with pytest.raises(StreamBrokenError, match="gave up after 0 retries"):
+            await read(stream)
+    assert proxy.cuts_done == 1
 
 
 @pytest.mark.parametrize("fmt", ["responses", "messages"])
