@@ -18,7 +18,12 @@ from typing import Any
 
 import msgspec
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidMessage,
+    InvalidStatus,
+)
 from websockets.protocol import State
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
@@ -116,6 +121,14 @@ class WebSocketPool:
         except ssl.SSLError as exc:
             sock.close()
             raise TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {exc}") from exc
+        except InvalidMessage as exc:
+            sock.close()
+            mistake = await plaintext_to_tls_port(origin, address, self._connect_timeout_s)
+            if mistake is not None:
+                raise mistake from None
+            # The connection ended before the upgrade's answer (reset, closed): a cut, sent
+            # again within max_resumes as an SSE or long-poll request cut there is.
+            raise TransportCut(f"WebSocket upgrade cut: {exc}") from exc
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             sock.close()
             mistake = await plaintext_to_tls_port(origin, address, self._connect_timeout_s)
