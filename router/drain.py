@@ -49,9 +49,11 @@ async def drain(
     app: RouterApp,
     connections: ConnectionRegistry | None,
     clock: Callable[[], float] = time.monotonic,
+    hurry: asyncio.Event | None = None,
 ) -> None:
     """Steps 1 to 3 of the module docstring, then end the streams left (step 4's first
-    part); the caller's server stops when this returns."""
+    part); the caller's server stops when this returns. ``hurry`` set (a second SIGTERM or
+    SIGINT: an operator who will not wait) ends the wait at once, as the timeout would."""
     state = app.state
     started = clock()
     state.start_draining()
@@ -70,13 +72,17 @@ async def drain(
             clock() - started, app.in_flight(), listen.drain_grace_s, listen.drain_timeout_s
         ):
             break
+        if hurry is not None and hurry.is_set():
+            break
         await asyncio.sleep(POLL_S)
     ended = state.end_unfinished_streams()
     if ended:
+        hurried = hurry is not None and hurry.is_set()
         log.warning(
-            "drain timed out after %g s: %d unfinished streams end with a 'draining' error"
-            " event%s",
-            listen.drain_timeout_s, ended,
+            "drain %s: %d unfinished streams end with a 'draining' error event%s",
+            "cut short by a second signal" if hurried
+            else f"timed out after {listen.drain_timeout_s:g} s",
+            ended,
             "" if state.region_state.readable_elsewhere
             else " (in memory: they cannot be read elsewhere)",
         )

@@ -254,9 +254,10 @@ async def _until_drained(
     app: RouterApp, connections: ConnectionRegistry, stop: asyncio.Event
 ) -> None:
     """Once ``stop`` is set (SIGTERM or SIGINT, handled from before the start), drain and
-    return."""
+    return; a second signal cuts the drain short."""
     await stop.wait()
-    await drain(app, connections)
+    stop.clear()  # set again by a second signal: the drain then ends at once
+    await drain(app, connections, hurry=stop)
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import httpx
 import pytest
@@ -143,6 +144,31 @@ async def test_past_the_drain_timeout_the_stream_ends_with_a_draining_error(
         assert text.startswith(_words(3))
         assert len(text) < len(_words(2000))
         assert await _exit_code(router, 15) == 0
+    router.assert_clean_log()
+
+
+async def test_a_second_sigterm_cuts_the_drain_short(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    """An operator who sends the signal again (Ctrl-C twice) does not wait out the drain's
+    timeout: the streams left end as at the timeout, and the process exits 0."""
+    upstream.delay_s = 0.05
+    async with start_router_process(listen={"drain_timeout_s": 60.0}) as router:
+        session = await H2Session.open(router)
+        stream = await session.request(chat_body(2000), API_KEY)  # ~100 s
+        await session.read(lambda: b"w2" in stream.body)
+        router.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "draining: no new work" not in router.log():
+            assert time.monotonic() < deadline, router.log()[-3000:]
+            await asyncio.sleep(0.05)
+        router.proc.send_signal(signal.SIGTERM)
+        await session.read(lambda: stream.ended, timeout_s=15)  # not the 60 s timeout
+        _, errors, _ = content_of(stream.body)
+        assert [e["code"] for e in errors] == [error_codes.DRAINING]
+        assert await _exit_code(router, 15) == 0
+    assert ("drain cut short by a second signal: 1 unfinished streams end with a 'draining'"
+            " error event" in router.log())
     router.assert_clean_log()
 
 
