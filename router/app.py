@@ -47,6 +47,7 @@ _UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDG
 # paths.edge_client(NAME)
 _CLIENT_FILE = re.compile("^" + re.escape(paths.EDGE_CLIENT) + r"/(?P<name>[a-z0-9_-]{1,40}\.js)$")
 _CLIENT_PREFIX = paths.EDGE_CLIENT + "/"
+_MODEL_PREFIX = paths.MODELS + "/"
 # paths.stream(ID) and paths.stream_poll(ID)
 _STREAM_PATH = re.compile(
     "^" + re.escape(paths.STREAMS) + r"/(?P<id>[A-Za-z0-9_-]{1,64})(?P<poll>/poll)?$"
@@ -130,6 +131,13 @@ class RouterApp:
                 await endpoints.poll_stream(self.state, scope, receive, send, match.group("id"))
             else:
                 await endpoints.read_stream(self.state, scope, receive, send, match.group("id"))
+            return
+        if path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
+            if method != "GET":
+                await endpoints.not_found(scope, send, allowed="GET")
+                return
+            # The id is the rest of the (decoded) path: it may hold slashes (org/model).
+            await endpoints.model(self.state, scope, receive, send, path[len(_MODEL_PREFIX):])
             return
         await endpoints.not_found(scope, send)
 

@@ -606,6 +606,26 @@ async def models(state: RouterState, scope: Scope, receive: Receive, send: Send)
     await send_bytes(send, 200, encode(listing), headers=_common_headers(ctx))
 
 
+async def model(
+    state: RouterState, scope: Scope, receive: Receive, send: Send, name: str
+) -> None:
+    """``GET /v1/models/{model}`` (the SDKs' ``models.retrieve``): the model object when this
+    region or a peer with fresh status serves ``name``, else 404 ``model_not_found``."""
+    ctx = new_context(state, scope)
+    if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "models"):
+        return
+    if name not in state.routing.model_names(peers=True):
+        state.metrics.count("models", "not_found")
+        await reply(send, ctx, error_reply(
+            404, f"The model {name[:200]!r} is not served in region {state.config.region} or"
+                 " its peers; GET /v1/models lists the models served.",
+            param="model", code=error_codes.MODEL_NOT_FOUND))
+        return
+    state.metrics.count("models", "ok")
+    await send_bytes(send, 200, encode(Model(id=name, owned_by=state.config.region)),
+                     headers=_common_headers(ctx))
+
+
 _token_request = msgspec.json.Decoder(TokenRequest)
 _origin = msgspec.json.Decoder(Origin)
 

@@ -99,6 +99,13 @@ async def test_openai_sdk_through_the_router_to_the_sim(
 
         with pytest.raises(openai.NotFoundError):  # vLLM's 404, passed through
             await client.completions.create(model="not-served", prompt="x", max_tokens=1)
+
+        listed = [m.id async for m in client.models.list()]
+        assert MODEL in listed
+        retrieved = await client.models.retrieve(MODEL)  # GET /v1/models/{model}
+        assert (retrieved.id, retrieved.object) == (MODEL, "model")
+        with pytest.raises(openai.NotFoundError, match="model_not_found|not served"):
+            await client.models.retrieve("not-served")
     assert set(seen) == {f"HTTP/{http_version}"}
 
 
