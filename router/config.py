@@ -130,6 +130,13 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``/v1/models`` lists (asked before serving and every ``routing.models_refresh_s``)."""
 
     @property
+    def backend_name(self) -> str:
+        """Its name in metrics, logs and the shared state: ``name``, else its URL without the
+        scheme (``10.0.0.5:8000``): the same in every process, across reloads and restarts,
+        wherever it sits in the list (a name by place renamed the others when one went)."""
+        return self.name or self.base_url.split("://", 1)[-1]
+
+    @property
     def base_url(self) -> str:
         """The URL the router appends ``/v1/...`` and ``/metrics`` to: ``url`` without a
         trailing ``/`` or ``/v1`` (vLLM and OpenAI document their URLs with ``/v1``; kept, it
@@ -495,26 +502,26 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def _check_upstreams(upstreams: list[UpstreamConfig]) -> None:
-    """Each upstream once: two of one name would share one backend's counts (one of them
-    never chosen), one URL listed twice would count its slots twice. A name defaults to
-    ``upstream<i>``, its place in the list. No query or fragment in a URL (``/v1/...`` is
-    appended to it)."""
+    """Each upstream once: one URL listed twice would count its slots twice, two of one name
+    would share one backend's counts (one of them never chosen). An unnamed upstream is named
+    by its URL (:attr:`UpstreamConfig.backend_name`). No query or fragment in a URL
+    (``/v1/...`` is appended to it)."""
     names: dict[str, int] = {}
-    urls: dict[tuple[str, str | None], int] = {}
+    urls: dict[str, int] = {}
     for i, upstream in enumerate(upstreams):
         if "?" in upstream.url or "#" in upstream.url:
             raise ValueError(f"upstreams[{i}].url: no query or fragment: {upstream.url!r}"
                              " (the router appends /v1/... to it)")
-        name = upstream.name or f"upstream{i}"
+        if upstream.base_url in urls:
+            raise ValueError(f"upstreams[{i}].url: the same backend as upstreams"
+                             f"[{urls[upstream.base_url]}] ({upstream.base_url}): its slots"
+                             " would count twice")
+        urls[upstream.base_url] = i
+        name = upstream.backend_name
         if name in names:
             raise ValueError(f"upstreams[{i}].name: {name!r} is also upstreams[{names[name]}]'s"
-                             " name (unnamed upstreams are upstream0, upstream1, ...)")
+                             " name (an unnamed upstream is named by its URL)")
         names[name] = i
-        url = (upstream.base_url, upstream.api_key)
-        if url in urls:
-            raise ValueError(f"upstreams[{i}].url: the same backend as upstreams[{urls[url]}]"
-                             f" ({upstream.base_url}): its slots would count twice")
-        urls[url] = i
 
 
 def _check_proxy_protocol(listen: ListenConfig) -> None:

@@ -13,7 +13,6 @@ Streams are created with :meth:`RouterState.new_stream` and found with
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 import time
@@ -252,7 +251,9 @@ class RouterState:
         if not _routing_changed(old, config):
             self.routing.config = config
             return
-        pool = BackendPool(_carried_backends(old, self.pool.backends, config))
+        kept = {(b.name, b.url, b.api_key): b for b in self.pool.backends}
+        fresh = [kept.get((b.name, b.url, b.api_key), b) for b in _backends(config)]
+        pool = BackendPool(fresh)
         routing = RegionRouting(
             config, pool, self.proxy.client, self.clock, peer_client=self.proxy.peer_client,
             scrape_pool=self.proxy.scrape_pool,
@@ -565,44 +566,9 @@ def key_policies(config: RouterConfig) -> tuple[KeyPolicy, dict[bytes, KeyPolicy
 
 def _backends(config: RouterConfig) -> list[Backend]:
     return [
-        Backend(name=u.name or f"upstream{i}", url=u.base_url, api_key=u.api_key)
-        for i, u in enumerate(config.upstreams)
+        Backend(name=u.backend_name, url=u.base_url, api_key=u.api_key)
+        for u in config.upstreams
     ]
-
-
-def _carried_backends(
-    old: RouterConfig, current: list[Backend], config: RouterConfig
-) -> list[Backend]:
-    """``config``'s backends after a reload. One that stays keeps its live counts, health and
-    name: a named one by its name, URL and key; an unnamed one by its URL and key, whatever
-    its place (its default name, ``upstream<i>``, is its place at start: removing an upstream
-    above it must not rename it, hand its counts to another backend and reset its own)."""
-    by_name = {(b.name, b.url, b.api_key): b for b in current}
-    unnamed = {(b.url, b.api_key): b
-               for u, b in zip(old.upstreams, current, strict=True) if not u.name}
-    explicit = {u.name for u in config.upstreams if u.name}
-    taken = explicit | {b.name for b in current}
-    fresh: list[Backend | None] = []
-    for u in config.upstreams:
-        if u.name:
-            fresh.append(by_name.get((u.name, u.base_url, u.api_key)))
-            continue
-        carried = unnamed.pop((u.base_url, u.api_key), None)
-        if carried is not None and carried.name not in explicit:
-            fresh.append(carried)
-        else:
-            fresh.append(None)
-    backends: list[Backend] = []
-    for i, (u, backend) in enumerate(zip(config.upstreams, fresh, strict=True)):
-        if backend is None:
-            name = u.name
-            if not name:  # its place, else the next name no backend has (nor the removed)
-                name = next(f"upstream{k}" for k in itertools.count(i)
-                            if f"upstream{k}" not in taken)
-                taken.add(name)
-            backend = Backend(name=name, url=u.base_url, api_key=u.api_key)
-        backends.append(backend)
-    return backends
 
 
 def _routing_changed(old: RouterConfig, new: RouterConfig) -> bool:

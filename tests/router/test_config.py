@@ -70,8 +70,13 @@ resume_grace_s = 10
             " its slots would count twice",
         ),
         (
-            GOOD + '[[upstreams]]\nurl = "http://127.0.0.1:8002"\nname = "upstream0"\n',
-            "upstreams[1].name: 'upstream0' is also upstreams[0]'s name",
+            GOOD + '[[upstreams]]\nurl = "http://127.0.0.1:8002"\nname = "127.0.0.1:8001"\n',
+            "upstreams[1].name: '127.0.0.1:8001' is also upstreams[0]'s name (an unnamed"
+            " upstream is named by its URL)",
+        ),
+        (
+            GOOD + '[[upstreams]]\nurl = "http://127.0.0.1:8001"\napi_key = "other"\n',
+            "upstreams[1].url: the same backend as upstreams[0]",
         ),
         (GOOD.replace("8001", "8001?x=1"), "upstreams[0].url: no query or fragment"),
         ("region = [", "not valid TOML"),

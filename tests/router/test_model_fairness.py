@@ -70,7 +70,8 @@ async def test_a_key_flooding_one_model_does_not_lower_anothers_share_of_its_bac
             )
         state = router.app.state
         # Shares kept per pool: one per model here, bounded by the backends' lists.
-        assert set(state.pools) <= {frozenset({"upstream0"}), frozenset({"upstream1"})}
+        names = [backend.name for backend in state.pool.backends]
+        assert set(state.pools) <= {frozenset({names[0]}), frozenset({names[1]})}
         state.tick(state.clock() + 3.0)  # past the ask window: nothing held, nothing kept
         assert state.pools == {}
     ys, xs = answers["y"], answers["x"]

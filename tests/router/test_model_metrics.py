@@ -65,7 +65,8 @@ async def test_each_served_model_has_its_series_and_refusals_before_routing_have
     route_ttft = 'firstbyte_route_ttft_seconds_count{region="test-1",transport="sse"'
     assert f'{route_ttft},model="model-a"}} 2' in text
     assert f'{route_ttft},model="model-b"}} 1' in text
-    assert ('firstbyte_route_requests_total{region="test-1",backend="upstream1",outcome="ok",'
+    second = router.app.state.pool.backends[1].name
+    assert (f'firstbyte_route_requests_total{{region="test-1",backend="{second}",outcome="ok",'
             'model="model-b"} 2') in text
     assert 'firstbyte_route_rejections_total{reason="model_not_found",model=""} 2' in text
     # Only the served models (and "") are label values: the clients' names made no series.

@@ -68,8 +68,9 @@ async def test_requests_go_only_to_backends_listing_their_model(
         assert rooms["model-a"]["saturated"] is False
         assert rooms["model-a"]["capacity"] == 1024  # one backend of routing's default cap
         metrics = (await client.get(router.base_url + "/metrics", headers=auth())).text
-        assert 'firstbyte_backend_serves{backend="upstream1",model="model-b-lora"} 1' in metrics
-        assert 'firstbyte_backend_serves{backend="upstream0",model="model-b"}' not in metrics
+        first, second = (b.name for b in router.app.state.pool.backends)
+        assert f'firstbyte_backend_serves{{backend="{second}",model="model-b-lora"}} 1' in metrics
+        assert f'firstbyte_backend_serves{{backend="{first}",model="model-b"}}' not in metrics
 
 
 async def test_configured_models_win_over_the_backends_list(start_router: RouterFactory) -> None:

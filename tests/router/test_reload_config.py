@@ -127,25 +127,20 @@ async def test_reconfigured_state_keeps_what_stays_and_swaps_the_rest() -> None:
 
 
 async def test_an_unnamed_backend_that_stays_keeps_its_name_and_load_when_one_above_goes() -> None:
-    """Unnamed upstreams are named by their place at start (``upstream0``, ...): removing
-    the first must not rename the second ``upstream0``, which handed it a fresh, idle load
-    record (a backend capped at 4 then ran 8) and moved its metric series to another."""
+    """Unnamed upstreams are named by their URL, not their place: removing the first does not
+    rename the second (by place it became ``upstream0``, whose fresh, idle load record let a
+    backend capped at 4 run 8, and whose metric series was another backend's)."""
     urls = ["http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:12"]
     state = RouterState(_config(upstreams=[{"url": url} for url in urls[:2]]))
     try:
         second = state.pool.backends[1]
-        assert second.name == "upstream1"
+        assert [b.name for b in state.pool.backends] == ["127.0.0.1:9", "127.0.0.1:10"]
         for _ in range(4):
-            state.routing.tracker.started("upstream1")
-        await state.reconfigure(_config(upstreams=[{"url": urls[1]}, {"url": urls[2]},
-                                                   {"url": urls[0], "name": "upstream2"}]))
-        # The new one takes the first name from its place on that no backend has: not the
-        # removed upstream0's, whose requests in flight finish under that name.
-        assert [b.name for b in state.pool.backends] == ["upstream1", "upstream3", "upstream2"]
+            state.routing.tracker.started("127.0.0.1:10")
+        await state.reconfigure(_config(upstreams=[{"url": urls[1]}, {"url": urls[2]}]))
+        assert [b.name for b in state.pool.backends] == ["127.0.0.1:10", "127.0.0.1:12"]
         assert state.pool.backends[0] is second
-        assert state.routing.tracker["upstream1"].in_flight == 4
-        assert state.routing.tracker["upstream3"].in_flight == 0
-        assert state.pool.backends[2].url == urls[0]  # named now: a backend of its own
+        assert state.routing.tracker["127.0.0.1:10"].in_flight == 4
     finally:
         await state.aclose()
 

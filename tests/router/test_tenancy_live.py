@@ -185,7 +185,8 @@ async def test_router_defaults_serve_100_concurrent_streams_on_a_256_slot_sim() 
                         return await client.post(url, json=chat(f"load {i}", 32), headers=auth())
 
                 answers = await asyncio.gather(*(one(i) for i in range(200)))
-            peak = router.app.state.routing.tracker.backends["upstream0"]
+            peak = router.app.state.routing.tracker.backends[
+                router.app.state.pool.backends[0].name]
     statuses = Counter(r.status_code for r in answers)
     assert statuses == {200: 200}, statuses
     assert all(r.content.endswith(b"data: [DONE]\n\n") for r in answers)

@@ -141,7 +141,7 @@ async def test_a_streamed_request_is_exported_as_a_genai_trace(
     assert attrs["server.address"] == router.base_url.split("://")[1]
     assert attrs["firstbyte.region"] == "test-1"
     assert attrs["firstbyte.transport"] == "sse"
-    assert attrs["firstbyte.backend"] == "upstream0"
+    assert attrs["firstbyte.backend"] == router.app.state.pool.backends[0].name
     assert attrs["firstbyte.outcome"] == "ok"
     assert attrs["http.response.status_code"] == 200
     assert attrs["firstbyte.ttft_ms"] > 0
