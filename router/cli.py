@@ -253,6 +253,8 @@ _FLAG_TEXTS = (
     ("keyfile", "listen.keyfile", "--keyfile"),
     ("api_key", "auth.api_keys", "--api-key"),
     ("region", "region:", "--region:"),
+    ("workers", "set listen.workers =", "give --workers"),
+    ("workers", "listen.workers =", "--workers"),
     ("workers", "listen.workers", "--workers"),
     ("redis_url", "state.redis_url", "--redis-url"),
     ("pid_file", "listen.pid_file", "--pid-file"),

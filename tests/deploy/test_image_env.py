@@ -188,21 +188,27 @@ def test_the_environment_holds_the_router_extra_only(image: Image) -> None:
 
 
 @pytest.fixture
-def sim(image: Image) -> Iterator[str]:
-    """``firstbyte sim`` from the image's environment: the region's upstream."""
+def sims(image: Image) -> Iterator[list[str]]:
+    """Two ``firstbyte sim`` from the image's environment: the region's upstreams (one each:
+    the router refuses one URL listed twice)."""
     firstbyte = image.root("/opt/firstbyte/bin/firstbyte")
-    proc = subprocess.Popen(
+    procs = [subprocess.Popen(
         [str(firstbyte), "sim", "--port", "0", "--profile", "instant"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_clean_env(),
-    )  # fmt: skip
+    ) for _ in range(2)]  # fmt: skip
     try:
-        assert proc.stdout is not None
-        match = re.search(r"serving (http://\S+)", proc.stdout.readline())
-        assert match, proc.stderr.read() if proc.stderr else ""
-        yield match.group(1)
+        urls = []
+        for proc in procs:
+            assert proc.stdout is not None
+            match = re.search(r"serving (http://\S+)", proc.stdout.readline())
+            assert match, proc.stderr.read() if proc.stderr else ""
+            urls.append(match.group(1))
+        yield urls
     finally:
-        proc.terminate()
-        proc.wait(20)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(20)
 
 
 @dataclass(frozen=True)
@@ -212,9 +218,9 @@ class Mounted:
 
 
 @pytest.fixture
-def mounted(image: Image, sim: str) -> Mounted:
+def mounted(image: Image, sims: list[str]) -> Mounted:
     """The shipped config and a certificate where the image expects them. Only addresses and
-    mounted paths change: the upstreams become the sim, the peers a closed loopback port (a
+    mounted paths change: the upstreams become the sims, the peers a closed loopback port (a
     peer that does not answer is no candidate), /etc/firstbyte this test's folder."""
     ca = trustme.CA()
     tls = image.root("/etc/firstbyte/tls")
@@ -226,10 +232,10 @@ def mounted(image: Image, sim: str) -> Mounted:
     text = SHIPPED_CONFIG.read_text()
     upstreams = re.findall(r'^url = "(http://[^"]+)"', text, re.MULTILINE)
     peers = re.findall(r'^url = "(https://[^"]+)"', text, re.MULTILINE)
-    assert upstreams
+    assert len(upstreams) == len(sims), upstreams
     assert len(peers) == 2, peers
     closed = f"https://127.0.0.1:{free_port(udp=True)}"
-    for url in upstreams:
+    for url, sim in zip(upstreams, sims, strict=True):
         text = text.replace(f'"{url}"', f'"{sim}"')
     for url in peers:
         text = text.replace(f'"{url}"', f'"{closed}"')
