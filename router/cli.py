@@ -295,12 +295,16 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "reload":
         return _signal_reload(args)
     if args.check_config:
+        if args.config and args.config != args.check_config:
+            raise CLIError("give the file to check once: --check-config FILE")
+        # The config the router would run: the file with the flags given beside it applied
+        # (a --port 70000 that would stop the start is an error here too).
+        args.config = args.check_config
+        checked = config_from_args(args)
         try:
-            checked = load_config(args.check_config)
-            check_files(checked, args.check_config)
             check_state(checked, args.check_config)
         except ConfigError as exc:
-            raise CLIError(str(exc)) from None
+            raise CLIError(name_flags(str(exc), args)) from None
         for warning in key_warnings(checked):
             print(f"firstbyte router: warning: {args.check_config}: {warning}", file=sys.stderr)
         print("OK")

@@ -161,3 +161,14 @@ def test_workers_redis_and_limit_flags_are_named_as_flags(certs: Path) -> None:
     assert result.stderr.count("\n") == 1, result.stderr
     assert f"{config}: state.redis_url: redis://127.0.0.1:99999/0: Port out of range" in (
         result.stderr)
+
+
+def test_check_config_checks_the_flags_given_beside_the_file(certs: Path) -> None:
+    """What would run is checked: a flag that would stop the start is an error here too
+    (it printed OK, and the start then failed)."""
+    config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n')
+    result = firstbyte("router", "--check-config", str(config), "--port", "70000")
+    assert result.returncode == 2
+    assert result.stderr == (f"firstbyte router: error: {config} (with command-line flags):"
+                             " --port: Expected `int` <= 65535\n")
+    assert firstbyte("router", "--check-config", str(config), "--port", "9443").stdout == "OK\n"
