@@ -48,8 +48,10 @@ __all__ = [
 ]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
-NonNegSeconds = Annotated[float, msgspec.Meta(ge=0)]
+_MAX_SECONDS = 10_000_000.0
+"""A duration's bound (~115 days): finite, so no timeout can be turned off with ``inf``."""
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
+NonNegSeconds = Annotated[float, msgspec.Meta(ge=0, le=_MAX_SECONDS)]
 PositiveBytes = Annotated[int, msgspec.Meta(ge=1)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 _MIN_UPSTREAM_CONNECTIONS = 512

@@ -79,6 +79,9 @@ resume_grace_s = 10
             "upstreams[1].url: the same backend as upstreams[0]",
         ),
         (GOOD.replace("8001", "8001?x=1"), "upstreams[0].url: no query or fragment"),
+        # inf would turn the timeout off: every phase of a connection has one.
+        (GOOD + "[limits]\nupstream_connect_timeout_s = inf\n",
+         "limits.upstream_connect_timeout_s: Expected `float` <= 10000000.0"),
         ("region = [", "not valid TOML"),
         ('region = "x"\n', "missing required field `upstreams`"),
     ],
