@@ -563,17 +563,23 @@ async function eventSource(stream, channel, streamId, after) {
       return;
     }
     // Refused before opening: EventSource hides the status; ask for it with a poll.
-    explain(stream, streamId, after).then((err) => channel.fail(err));
+    explain(stream, streamId, after, "EventSource").then((err) => channel.fail(err));
   };
 }
 
-async function explain(stream, streamId, after) {
+const NO_STREAM = "none";
+
+/** Why an EventSource or a WebSocket was refused before opening (the browser hides the
+ * status): a poll of its stream with the same token says. Before a stream was made, a poll of
+ * no stream: its 404 means the token passed, and the failure was the connection's. */
+async function explain(stream, streamId, after, what) {
   try {
-    const [url, init] = stream.poll(streamId, after, 0);
+    const [url, init] = stream.poll(streamId ?? NO_STREAM, after, 0);
     const response = await fetch(url, init);
-    if (!response.ok) return await errorFrom(response);
+    const tokenPassed = streamId === null && response.status === 404;
+    if (!response.ok && !tokenPassed) return await errorFrom(response);
   } catch { /* unreachable: a cut */ }
-  return new TransportCut("EventSource could not connect");
+  return new TransportCut(`${what} could not connect`);
 }
 
 async function webSocket(stream, channel, streamId, after) {
@@ -627,11 +633,24 @@ async function webSocket(stream, channel, streamId, after) {
       channel.fail(new APIError(message.stream ? null : message.status ?? null, message.error));
     } // a newer router's message type: skipped
   };
+  let opened = reused;
   socket.onclose = (e) => {
-    if (!done) channel.fail(new TransportCut(`WebSocket closed (${e.code})`));
+    if (done) return;
+    if (opened) {
+      channel.fail(new TransportCut(`WebSocket closed (${e.code})`));
+      return;
+    }
+    // Refused before opening (a 401 for an expired token, a 403...): the browser says only
+    // 1006; ask for the status with a poll, so a refusal is the APIError it is, not a cut.
+    explain(stream, streamId, after, "WebSocket").then((err) => channel.fail(err));
   };
   if (reused) send();
-  else socket.onopen = send;
+  else {
+    socket.onopen = () => {
+      opened = true;
+      send();
+    };
+  }
 }
 
 function openSocket(client) {

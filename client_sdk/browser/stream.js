@@ -200,6 +200,13 @@ export class ResumePolicy {
       }
     }
     this.resumes += 1;
+    if (this.resumes > this.maxResumes && !opened) {
+      // Never answered: the browser hides why (a network error and a CORS refusal are
+      // both "Failed to fetch").
+      throw new StreamBrokenError(
+        `stream not started: ${this.maxResumes + 1} tries failed: ${reason} (the router is` +
+        " unreachable, or this page's origin is not in its cors.allow_origins)");
+    }
     if (this.resumes > this.maxResumes) {
       throw new StreamBrokenError(
         `stream broken and ${this.maxResumes} resumes failed: ${reason}`);

@@ -277,10 +277,18 @@ async def test_an_unlisted_origin_is_blocked_by_the_browser(
         async with browser_on(w, origin=f"http://localhost:{w.page_port}") as page:
             unlisted = await page.evaluate(f"{FETCH_FROM_PAGE}({json.dumps(url)}, "
                                            f"{json.dumps(init)})")
+            # Through the client: the browser says only "Failed to fetch"; the error says
+            # the stream never started and what that may be, not that it "broke".
+            client = await page.evaluate(stream_script(f"{w.router_url}/v1", token,
+                                                       "sse-fetch", 3))
     assert listed["status"] == 200
     assert listed["stream"]  # x-firstbyte-stream is exposed to the page
     assert "[DONE]" in listed["body"]
     assert unlisted == {"blocked": "TypeError"}
+    assert client["error"] == "StreamBrokenError", client
+    assert client["message"].startswith("stream not started: 6 tries failed: "), client
+    assert client["message"].endswith("(the router is unreachable, or this page's origin is"
+                                      " not in its cors.allow_origins)"), client
     assert any("localhost" in r.getMessage() and "cors.allow_origins" in r.getMessage()
                for r in caplog.records)
 
@@ -294,6 +302,9 @@ async def test_tokens_refused_in_the_page() -> None:
         async with browser_on(w) as page:
             gone = await page.evaluate(stream_script(base, expired, "sse-fetch", 5))
             ws_gone = await page.evaluate(stream_script(base, expired, "eventsource", 5))
+            # The browser hides a refused upgrade's status (1006): the client asks for it.
+            socket_gone = await page.evaluate(stream_script(base, expired, "websocket", 5))
+            poll_gone = await page.evaluate(stream_script(base, expired, "longpoll", 5))
             # A fresh token of the other key cannot resume this key's stream.
             fresh = await w.mint()
             started = await page.evaluate(f"""(async () => {{
@@ -308,6 +319,9 @@ async def test_tokens_refused_in_the_page() -> None:
     assert (gone["status"], gone["code"]) == (401, "client_token_expired")
     assert ws_gone["error"] == "APIError"
     assert ws_gone["status"] == 401
+    for refused in (socket_gone, poll_gone):
+        assert refused["error"] == "APIError", refused
+        assert (refused["status"], refused["code"]) == (401, "client_token_expired")
     assert foreign["status"] == 404
     assert json.loads(foreign["body"])["error"]["code"] == "stream_not_found"
 
