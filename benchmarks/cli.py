@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -206,11 +207,16 @@ def _run_compare(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    out = _out_dir(args.out)  # before the table: a bad --out says so first
     print(result.render(all_rows=args.all))
-    out = _out_dir(args.out)
     page = out / "report.html"
-    page.write_text(render_comparison(result, args.baseline, args.new), encoding="utf-8")
+    try:
+        page.write_text(render_comparison(result, args.baseline, args.new), encoding="utf-8")
+    except OSError as exc:  # exit 2, never 1: 1 says a metric regressed
+        raise CLIError(f"cannot write {page}: {exc.strerror or exc}") from None
     print(f"bench: wrote {page}", file=sys.stderr)
+    if not result.compared:
+        raise CLIError(f"{args.new} against {args.baseline}: {result.nothing_compared()}")
     return 0 if result.ok else 1
 
 
@@ -222,6 +228,12 @@ def _out_dir(path: str) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+    probe = out / f".firstbyte-write-check-{os.getpid()}"
+    try:  # a folder that exists but takes no file (read-only, immutable, another owner's)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CLIError(f"cannot write in --out {out}: {exc.strerror or exc}") from None
     return out
 
 

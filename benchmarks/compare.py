@@ -39,7 +39,7 @@ class Row(msgspec.Struct, frozen=True):
     baseline: float | None
     new: float | None
     change: float | None
-    """(new - baseline) / baseline, or None when either side is absent or the baseline is 0."""
+    """(new - baseline) / |baseline|, or None when either side is absent or the baseline is 0."""
     status: Status
 
 
@@ -55,8 +55,25 @@ class Comparison(msgspec.Struct, frozen=True):
         return [row for row in self.rows if row.status is Status.REGRESSED]
 
     @property
+    def compared(self) -> list[Row]:
+        """The metrics in both files (regressed, improved or within the threshold)."""
+        return [row for row in self.rows if row.status not in (Status.NEW, Status.MISSING)]
+
+    @property
     def ok(self) -> bool:
-        return not self.regressions
+        """Nothing regressed, and something was compared: two files that share no metric
+        (a loopback run against emulated geographies) vouch for nothing."""
+        return bool(self.compared) and not self.regressions
+
+    def nothing_compared(self) -> str:
+        """Why no metric was compared (the verdict when :attr:`compared` is empty)."""
+        only_base = sum(1 for row in self.rows if row.status is Status.MISSING)
+        only_new = sum(1 for row in self.rows if row.status is Status.NEW)
+        if not self.rows:
+            return "no tracked P95/P99 metrics in common"
+        return (f"no tracked P95/P99 metric is in both files ({only_base} only in the baseline,"
+                f" {only_new} only in the new run): nothing was compared; compare runs of the"
+                " same mode and labels (loopback against loopback, emulated against emulated)")
 
     def render(self, *, all_rows: bool = True) -> str:
         """A plain-text table and a one-line verdict; without ``all_rows`` only the metrics
@@ -88,8 +105,8 @@ class Comparison(msgspec.Struct, frozen=True):
             if n
             else f"no tracked P95/P99 metric regressed by more than {limit}"
         )
-        if not self.rows:
-            verdict = "no tracked P95/P99 metrics in common"
+        if not self.compared:
+            verdict = self.nothing_compared()
         if self.skipped:
             verdict += f"; not in both files: {', '.join(self.skipped)}"
         hidden = len(self.rows) - len(shown)
@@ -155,8 +172,8 @@ def compare(
     """Compare every tracked metric of ``new`` against ``baseline``."""
     if not threshold > 0:
         raise ValueError(f"threshold must be a positive fraction (0.10 = 10%), not {threshold}")
-    if min_delta_ms < 0:
-        raise ValueError("min_delta_ms must not be negative")
+    if not min_delta_ms >= 0:  # also nan, which would turn the gate off
+        raise ValueError(f"min_delta_ms must be 0 or more, not {min_delta_ms}")
     base, current = tracked_metrics(baseline), tracked_metrics(new)
     # Only scenarios both files ran: one scenario's result against a combined baseline
     # compares that scenario, not "missing" for all the others.
@@ -174,7 +191,9 @@ def compare(
         if n is None:
             rows.append(Row(metric, b, None, None, Status.MISSING))
             continue
-        change = (n - b) / b if b > 0 else None
+        # Relative to the baseline's size: an added latency may be negative (the router
+        # faster than direct), and -2.7 to -2.6 ms is 3.7% worse, not a regression.
+        change = (n - b) / abs(b) if b != 0 else None
         status = Status.OK
         if n - b > min_delta_ms and (change is None or change > threshold):
             status = Status.REGRESSED

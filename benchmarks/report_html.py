@@ -423,8 +423,9 @@ def render_comparison(comparison: Comparison, baseline: str, new: str) -> str:
     improved = sum(1 for r in comparison.rows if r.status is Status.IMPROVED)
     if improved:
         words.append(f"{improved} improved by more than {comparison.threshold:.0%}.")
-    if not comparison.rows:
-        words = ["The two files have no tracked P95/P99 metrics in common."]
+    if not comparison.compared:
+        reason = comparison.nothing_compared()
+        words = [f"Nothing was compared: {reason[0].lower()}{reason[1:]}."]
     if comparison.skipped:
         words.append(f"In only one of the files (not compared): {', '.join(comparison.skipped)}.")
     words.append(f"{len(still)} metric(s) stayed within the threshold.")

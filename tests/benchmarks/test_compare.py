@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -7,7 +8,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from firstbyte.benchmarks.cli import _out_dir
 from firstbyte.benchmarks.compare import Status, compare, load_results, tracked_metrics
+from firstbyte.cli import CLIError
 from tests.cli import firstbyte
 
 
@@ -152,3 +155,44 @@ def test_single_scenario_against_combined_baseline_compares_that_scenario() -> N
     assert comparison.skipped == ["decode"]
     assert all(row.metric.startswith("router_overhead/") for row in comparison.rows)
     assert "not in both files: decode" in comparison.render()
+
+
+def test_a_negative_baseline_moves_by_its_size() -> None:
+    """An added latency may be negative (the router faster than direct): -2.7 to -2.6 ms is
+    3.7% worse, within 10%; to +5 ms it regressed; to -50 ms it improved."""
+    def added(value: float) -> dict[str, Any]:
+        return {"scenario": "router_overhead", "summary": {"c100_added_p99_ttft_ms": value}}
+
+    statuses = [compare(added(-2.7), added(n)).rows[0].status for n in (-2.6, 5.0, -50.0)]
+    assert statuses == [Status.OK, Status.REGRESSED, Status.IMPROVED]
+    with pytest.raises(ValueError, match="min_delta_ms must be 0 or more, not nan"):
+        compare(added(1.0), added(9.0), min_delta_ms=float("nan"))  # nan: the gate off
+
+
+def test_files_that_share_no_metric_fail_the_gate(tmp_path: Path) -> None:
+    """A loopback run against the emulated baseline: every row new or missing. It passed,
+    'no tracked metric regressed', having compared nothing."""
+    base = result(100.0)
+    new = result(100.0)
+    new["runs"][0]["label"] = "loopback"
+    del base["summary"], new["summary"]
+    comparison = compare(base, new)
+    assert not comparison.compared
+    assert not comparison.ok
+    assert "nothing was compared" in comparison.render()
+    done = bench("compare", str(write(tmp_path / "base.json", base)),
+                 str(write(tmp_path / "new.json", new)), "--out", str(tmp_path / "cmp"))
+    assert done.returncode == 2, done
+    assert "no tracked P95/P99 metric is in both files (2 only in the baseline, 2 only in" \
+           " the new run): nothing was compared" in done.stderr
+    assert "Nothing was compared" in (tmp_path / "cmp" / "report.html").read_text()
+
+
+def test_an_out_folder_that_takes_no_file_is_refused_before_the_run(tmp_path: Path) -> None:
+    """A folder that exists but takes no file (read-only, immutable) was found only when the
+    results were written, minutes later, as a traceback. Made here by putting a folder where
+    the check's file goes, which fails for root too."""
+    (tmp_path / f".firstbyte-write-check-{os.getpid()}").mkdir()
+    with pytest.raises(CLIError, match=f"^cannot write in --out {tmp_path}: "):
+        _out_dir(str(tmp_path))
+    assert _out_dir(str(tmp_path / "new")) == tmp_path / "new"  # made, and it takes files
