@@ -42,6 +42,8 @@ EMBEDDING_DIMENSIONS = 384
 """Length of an embedding vector unless the request asks for fewer ``dimensions``."""
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+"""A token id as the prefix cache holds it (an unsigned 32-bit array): past it, a 400."""
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 
 
@@ -82,7 +84,7 @@ class Job:
 
 class _Completions(msgspec.Struct):
     model: NonEmptyStr
-    prompt: str | list[str | int]
+    prompt: str | list[str | TokenId]
     """A string, one string in a list, or token ids (msgspec takes one array type per union:
     the list's items are checked below)."""
     max_tokens: PosInt | None = 16
@@ -116,7 +118,7 @@ class _Responses(msgspec.Struct):
 
 class _Embeddings(msgspec.Struct):
     model: NonEmptyStr
-    input: str | list[str | int | list[int]]
+    input: str | list[str | TokenId | list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1, le=EMBEDDING_DIMENSIONS)] | None = None
 
@@ -159,7 +161,7 @@ def decode_job(api: Api, body: bytes) -> Job:
 def _completions(request: _Completions) -> Job:
     if request.echo:
         raise RequestValidationError("The sim does not echo the prompt.", "echo")
-    prompt: str | list[str | int] = request.prompt
+    prompt: str | list[str | TokenId] = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise RequestValidationError(

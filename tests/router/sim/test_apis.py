@@ -347,6 +347,10 @@ async def test_unknown_model_is_vllms_404_on_every_endpoint(
         ("/v1/responses", {"input": 3}, "input"),
         ("/v1/embeddings", {"input": ""}, "input"),
         ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        # Token ids past an unsigned 32-bit int: the prefix cache's array raised, a 500.
+        ("/v1/completions", {"prompt": [-1]}, "prompt[0]"),
+        ("/v1/completions", {"prompt": [1 << 32]}, "prompt[0]"),
+        ("/v1/embeddings", {"input": [[5, -1]]}, "input[0][1]"),
     ],
 )
 async def test_invalid_bodies_get_openais_400(
