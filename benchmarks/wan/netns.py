@@ -61,7 +61,11 @@ def check_capable() -> None:
         )
     if not os.path.exists("/dev/net/tun"):
         raise WanUnavailable("the WAN emulator needs /dev/net/tun, which this machine lacks")
-    if subprocess.run(["ip", "-V"], capture_output=True).returncode != 0:
+    try:
+        found = subprocess.run(["ip", "-V"], capture_output=True).returncode == 0
+    except OSError:  # not on PATH at all
+        found = False
+    if not found:
         raise WanUnavailable("the WAN emulator needs iproute2's `ip` command")
 
 

@@ -31,6 +31,22 @@ def test_without_root_the_error_says_so(
     assert "Traceback" not in err
 
 
+def test_without_iproute2_the_error_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    """Root with /dev/net/tun but no `ip` on PATH: one line (it was a FileNotFoundError
+    traceback), so the demo and the benchmarks fall back to loopback."""
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os.path, "exists", lambda path: True)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no `ip`
+    with pytest.raises(netns.WanUnavailable, match="needs iproute2's `ip` command"):
+        netns.check_capable()
+    assert main(["wan", "down"]) == 2
+    err = capsys.readouterr().err
+    assert "needs iproute2's `ip` command" in err
+    assert "Traceback" not in err
+
+
 def test_unknown_profile_is_a_clear_error() -> None:
     done = run("wan", "up", "no-such-profile")
     assert done.returncode == 2
