@@ -203,15 +203,24 @@ def _names(config: SimConfig) -> list[str]:
 
 def _run_granian(args: argparse.Namespace, config: SimConfig) -> int:
     os.environ[CONFIG_ENV] = msgspec.json.encode(config).decode()
+    # granian binds its own socket: bind here first, so a busy port is the one line the
+    # other servers give (granian's is a Rust traceback) and port 0 is a port the start-up
+    # line can print; closed just before granian binds it again.
+    try:
+        listeners = hosting.bind(args.host, args.port)
+    except OSError as exc:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    url, port = listeners.url(tls=bool(args.certfile)), listeners.port
+    listeners.close()
     print(
-        f"firstbyte sim: serving on {args.host}:{args.port} (profile {config.profile}, "
-        f"server granian, pid {os.getpid()})",
+        f"firstbyte sim: serving {url} (profile {config.profile}, models"
+        f" {', '.join(_names(config))}, server granian, pid {os.getpid()})",
         flush=True,
     )
     hosting.run_granian(
         "firstbyte.router.sim.server:granian_app",
         args.host,
-        args.port,
+        port,
         certfile=args.certfile,
         keyfile=args.keyfile,
     )

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from firstbyte.benchmarks.ports import free_port
 from firstbyte.protocol.sse import DONE
 from firstbyte.router.hosting.gc_tuning import GEN0_THRESHOLD
 from tests.cli import FIRSTBYTE
@@ -119,18 +118,27 @@ def test_the_sim_process_sets_its_gc_as_a_router_does(
 
 
 def test_granian_server_option(sim_process: list[subprocess.Popen[str]]) -> None:
-    port = free_port()
+    """``--port 0`` as with the other servers: the start-up line has the port granian
+    serves on (it said 127.0.0.1:0). A busy port is one line, not granian's traceback."""
     proc = subprocess.Popen(
-        [*SIM, "--port", str(port), "--profile", "instant", "--server", "granian",
+        [*SIM, "--port", "0", "--profile", "instant", "--server", "granian",
          "--served-model-name", "other", "m"],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     sim_process.append(proc)
-    url = f"http://127.0.0.1:{port}"
+    assert proc.stdout is not None
+    match = re.search(r"serving (http://127\.0\.0\.1:(\d+)) ", proc.stdout.readline())
+    assert match
+    url = match.group(1)
     wait_healthy(url)
     assert stream_text(url)[-1] == DONE
+    busy = subprocess.run([*SIM, "--port", match.group(2), "--server", "granian"],
+                          capture_output=True, text=True, timeout=30)
+    assert busy.returncode == 2
+    assert busy.stderr == (f"firstbyte sim: error: cannot listen on 127.0.0.1:{match.group(2)}:"
+                           " Address already in use\n")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
 
