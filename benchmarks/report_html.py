@@ -394,9 +394,14 @@ def render_all(combined: Mapping[str, Any]) -> str:
         sections.append(f'<section id="{_e(name)}"><h2>{_e(name)}</h2>'
                         + _section(results, 3) + "</section>")
     quick = "quick run" if combined.get("quick") else "full run"
+    skipped = combined.get("skipped")
+    not_run = "".join(f"<li>{_e(name)}: {_e(str(why))}</li>" for name, why in skipped.items()
+                      ) if isinstance(skipped, Mapping) else ""
     return _page("firstbyte bench all",
                  f"<h1>firstbyte bench all</h1><p class=\"meta\">{quick}, {len(sections)} "
-                 f"scenarios</p><h2>The answers</h2><nav><ul class=\"answer\" data-headline>"
+                 f"scenarios</p>"
+                 + (f"<h2>Not run here</h2><ul>{not_run}</ul>" if not_run else "")
+                 + f"<h2>The answers</h2><nav><ul class=\"answer\" data-headline>"
                  f"{''.join(nav)}</ul></nav>" + "".join(sections))
 
 
