@@ -38,6 +38,7 @@ from firstbyte.benchmarks.conditions import run_conditions
 from firstbyte.benchmarks.report_html import fmt as _fmt
 from firstbyte.benchmarks.report_html import render_all, render_report
 from firstbyte.benchmarks.report_html import run_name as _run_name
+from firstbyte.benchmarks.report_views import tail_withheld
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS
 
 __all__ = ["markdown_summary", "write_combined_report", "write_json", "write_report"]
@@ -181,7 +182,8 @@ def _runs_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     header = ["run", *(names[key] for key in columns)]
     rows = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(columns) + "|"]
     for run in runs:
-        cells = [_run_name(run), *(_fmt(run.get(key)) for key in columns)]
+        cells = [_run_name(run), *("n<20" if tail_withheld(run, key) else _fmt(run.get(key))
+                                   for key in columns)]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 

@@ -25,6 +25,7 @@ from firstbyte.benchmarks.report_views import (
     headline,
     runs_of,
     tail_note,
+    tail_withheld,
 )
 from firstbyte.benchmarks.stats import METRIC_DEFINITIONS
 from firstbyte.client_sdk.budget import PHASE_MEANING, BudgetReport, LatencyBudget, LineResult
@@ -226,7 +227,6 @@ _RUN_COLUMNS: dict[str, str] = {
     "goodput_fraction": "goodput",
 }
 _LABEL_KEYS = ("label", "transport", "protocol", "geography")
-_TAIL_COLUMNS = {"p95_ttft_ms", "p99_ttft_ms", "p99_itl_ms"}
 
 
 def run_name(run: Mapping[str, Any]) -> str:
@@ -251,8 +251,7 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         cells = [f'<td class="text">{_e(run_name(r))}</td>']
         for k in columns:
-            few = "completed" in r and int(r.get("completed") or 0) < MIN_TAIL_SAMPLES
-            if k in _TAIL_COLUMNS and few:
+            if tail_withheld(r, k):
                 cells.append(f'<td class="na" title="fewer than {MIN_TAIL_SAMPLES} requests">'
                              "n&lt;20</td>")
             else:

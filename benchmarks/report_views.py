@@ -17,7 +17,10 @@ from firstbyte.benchmarks import svg
 from firstbyte.benchmarks.stats import percentile
 from firstbyte.client_sdk.budget import PHASE_MEANING, LatencyBudget
 
-__all__ = ["MIN_TAIL_SAMPLES", "Figure", "cell_name", "figures", "headline", "runs_of"]
+__all__ = [
+    "MIN_TAIL_SAMPLES", "TAIL_COLUMNS", "Figure", "cell_name", "figures", "headline", "runs_of",
+    "tail_withheld",
+]
 
 MIN_TAIL_SAMPLES = 20
 """Fewer requests than this in a cell and its P95/P99 are not shown (they would be the worst
@@ -87,6 +90,15 @@ def _tail_ok(run: Mapping[str, Any]) -> bool:
     return int(run.get("completed") or 0) >= MIN_TAIL_SAMPLES
 
 
+TAIL_COLUMNS = frozenset({"p95_ttft_ms", "p99_ttft_ms", "p99_itl_ms"})
+"""The runs tables' tail columns: left blank (``n<20``) for a run of too few requests."""
+
+
+def tail_withheld(run: Mapping[str, Any], key: str) -> bool:
+    """Is ``run``'s ``key`` a tail of too few requests to mean anything (the tables' ``n<20``)?"""
+    return key in TAIL_COLUMNS and "completed" in run and not _tail_ok(run)
+
+
 def _budget(results: Mapping[str, Any]) -> tuple[float, float]:
     for run in runs_of(results):
         total = _num(run, "budget_total_ms")
@@ -140,7 +152,9 @@ def _cells_headline(results: Mapping[str, Any]) -> list[str]:
         far = far if far in ratios else next(iter(ratios))
         low, high = min(ratios.values()), max(ratios.values())
         spread = f" ({low:.2f}x to {high:.2f}x across clients)" if len(ratios) > 1 else ""
-        out.append(f"HTTP/3 0-RTT cut a cold start to {ratios[far]:.2f}x of HTTP/2's time to "
+        # On loopback a handshake costs nothing to save, and 0-RTT may come out slower.
+        verb = "cut a cold start to" if ratios[far] < 1 else "did not cut a cold start:"
+        out.append(f"HTTP/3 0-RTT {verb} {ratios[far]:.2f}x of HTTP/2's time to "
                    f"first token for {far}{spread}.")
     total, _ = _budget(results)
     fits = {}

@@ -148,3 +148,13 @@ def test_progress_prints_quarters_when_not_a_tty() -> None:
     lines = out.getvalue().splitlines()
     assert [line.split("]")[1].split()[0] for line in lines] == ["2/8", "4/8", "6/8", "8/8"]
     assert all(line.startswith("unit [") for line in lines)
+
+
+def test_markdown_leaves_the_tails_of_a_few_requests_blank() -> None:
+    """As report.html does (docs/reports.md): a P95 of 3 requests is its largest one."""
+    few = {"label": "cold", "completed": 3, "p50_ttft_ms": 8.5, "p95_ttft_ms": 8.99,
+           "p99_ttft_ms": 9.02}
+    enough = {**few, "label": "warm", "completed": 20}
+    text = markdown_summary({"scenario": "x", "runs": [few, enough]})
+    assert "| cold | 3 | 8.50 | n<20 | n<20 |" in text, text
+    assert "| warm | 20 | 8.50 | 8.99 | 9.02 |" in text, text
