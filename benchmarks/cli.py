@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         f"scenarios:\n{listing}\n"
         "  all                every scenario above, one combined results.json\n\n"
-        "compare:\n  firstbyte bench compare BASELINE.json NEW.json [--threshold 0.10]\n\n"
+        "compare:\n  firstbyte bench compare BASELINE.json NEW.json [--threshold 0.10]"
+        " [--min-delta-ms MS] [--all] [--out DIR]\n\n"
         "screenshot:\n  firstbyte bench screenshot REPORT.html OUT.png [--width 1000]"
     )
     sub = parser.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)

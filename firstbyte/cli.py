@@ -62,7 +62,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "wan": Subcommand(
         "firstbyte.benchmarks.wan.cli",
-        "packet-level WAN emulator: up, down, exec, cleanup, precision",
+        "packet-level WAN emulator: up, status, exec, down, cleanup, precision",
         "bench",
     ),
     "demo": Subcommand(

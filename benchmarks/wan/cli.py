@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Remove what crashed runs left behind.",
     )
     clean.add_argument(
-        "--stale", action="store_true", help="only runs whose owner died (the default, and safe)"
+        "--stale", action="store_true",
+        help="only runs whose owner died: what cleanup always does (accepted for scripts)",
     )
     prec = sub.add_parser(
         "precision",
