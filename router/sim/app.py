@@ -120,6 +120,11 @@ class SimApp:
         if kind == "lifespan":
             await self._lifespan(receive, send)
             return
+        if kind == "websocket":
+            # vLLM serves no WebSocket: refused (403), as a server without the route answers
+            # (returning without a word made hypercorn answer a bare 500).
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if kind != "http":
             return
         path: str = scope["path"]

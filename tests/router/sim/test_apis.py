@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -450,3 +451,17 @@ async def test_the_sdks_stream_every_format_over_http2(tls_files: dict[str, str]
             ) as stream:
                 assert len([t async for t in stream.text_stream]) == 4
     assert versions == ["HTTP/2"] * 3
+
+
+async def test_a_websocket_upgrade_is_refused_not_a_bare_500() -> None:
+    """vLLM serves no WebSocket: under hypercorn the sim returned without a word and the
+    client got a bare 500 (so `firstbyte probe --transport websocket` said 'answered 500')."""
+    async with sim_server("instant", server="hypercorn") as sim:
+        host, port = sim.url.split("://")[1].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                     b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        status = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+    assert status.split()[1] == b"403", status
