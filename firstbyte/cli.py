@@ -73,6 +73,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
+_NESTED = frozenset({"bench", "wan"})
+"""Commands whose first word picks a parser of its own (a scenario, an action)."""
+
+
 class _Module(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
 
@@ -105,7 +109,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             module.add_arguments(sub)
             sub.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse reports a subcommand's stray option with the top-level usage ("firstbyte
+        # [-h] [--version] COMMAND"), not the usage of the command that was mistyped.
+        at = argv.index(args.command) if args.command in argv else -1
+        # The command, and for bench and wan the scenario or action right after it.
+        named = argv[at: at + 2] if at >= 0 else []
+        if len(named) == 2 and (args.command not in _NESTED or named[1].startswith("-")
+                                or named[1] == unknown[0]):
+            named = named[:1]
+        prog = " ".join(["firstbyte", *named])
+        print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)}"
+              f" (see {prog} --help)", file=sys.stderr)
+        return 2
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()

@@ -74,6 +74,23 @@ def test_unknown_command_is_one_usage_error() -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["bench", "decode", "--quik"], "firstbyte bench decode: error: unrecognized arguments:"
+                                        " --quik (see firstbyte bench decode --help)"),
+        (["probe", "https://localhost:1/v1", "extra"],
+         "firstbyte probe: error: unrecognized arguments: extra (see firstbyte probe --help)"),
+        (["--bogus"], "firstbyte: error: unrecognized arguments: --bogus (see firstbyte --help)"),
+    ],
+)
+def test_a_mistyped_option_names_the_command_it_was_given_to(argv: list[str], said: str) -> None:
+    """argparse answered every stray option with the top-level usage line."""
+    result = firstbyte(*argv)
+    assert result.returncode == 2
+    assert result.stderr == said + "\n"
+
+
+@pytest.mark.parametrize(
     ("argv", "blocked", "extra"),
     [
         (["sim", "--host", "127.0.0.1", "--port", "0"], "uvicorn", "router"),
