@@ -132,7 +132,8 @@ export class Client {
       throw new TypeError(`transport must be one of ${TRANSPORTS.join(", ")}`);
     }
     this.baseUrl = baseUrl.replace(/\/+$/, "");
-    this.apiBase = new URL(this.baseUrl).pathname; // "/v1", or a proxy's own base
+    // "/v1", or a proxy's own base; no trailing "/" (a bare origin's "/" made "//chat/...")
+    this.apiBase = new URL(this.baseUrl).pathname.replace(/\/+$/, "");
     this.token = token;
     this.transport = transport;
     this.idleTimeoutS = idleTimeoutS;

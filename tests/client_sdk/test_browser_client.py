@@ -379,3 +379,14 @@ async def test_a_rate_limited_stream_is_sent_again_after_retry_after() -> None:
             # The browser logs each refused fetch; nothing else went wrong on the page.
             assert [p for p in page.problems() if "status of 429" not in p] == []
     assert (refused["status"], refused["code"]) == (429, "key_rate_limited")
+
+
+async def test_a_base_url_with_or_without_its_trailing_slash_builds_one_path() -> None:
+    """A bare origin's pathname is "/": the client built "//chat/completions" from it."""
+    async with world() as w, browser_on(w) as page:
+        built = await page.evaluate("""(() => [
+          "https://r.example/v1", "https://r.example/v1/", "https://r.example",
+          "https://r.example/",
+        ].map((baseUrl) => new fb.Client({baseUrl, token: "t"}).url("/v1/chat/completions")))()""")
+    assert built == ["https://r.example/v1/chat/completions"] * 2 + [
+        "https://r.example/chat/completions"] * 2
