@@ -46,6 +46,13 @@ RESTART_KEYS = (
     "limits.max_header_line_bytes",
     "limits.max_header_bytes",
     "limits.max_headers",
+    "limits.quic_retry_above_handshakes_per_s",
+    # Built once at start (router/state.py): the timing reports' counters and label tables.
+    "client_timings.max_countries",
+    "client_timings.max_countries_per_key",
+    "client_timings.max_records_per_report",
+    "client_timings.reports_per_s_per_key",
+    "client_timings.report_burst_per_key",
 )
 """Keys (or whole sections) a reload cannot change: the process must restart."""
 

@@ -59,6 +59,11 @@ def test_keys_upstreams_peers_and_limits_change_in_place() -> None:
         ({"region": "us-east-1"}, "region"),
         ({"limits__upstream_read_timeout_s": 10.0}, "limits.upstream_read_timeout_s"),
         ({"telemetry__service_name": "other"}, "telemetry.service_name"),
+        # Read once at start by the QUIC listener and the timing reports' tables.
+        ({"limits__quic_retry_above_handshakes_per_s": 0.0},
+         "limits.quic_retry_above_handshakes_per_s"),
+        ({"client_timings__max_countries": 5}, "client_timings.max_countries"),
+        ({"client_timings__reports_per_s_per_key": 5.0}, "client_timings.reports_per_s_per_key"),
     ],
 )
 def test_what_needs_a_restart_is_named(change: dict[str, Any], key: str) -> None:
