@@ -43,7 +43,8 @@ class MessagesRequest(msgspec.Struct):
     messages: Annotated[list[AnthropicMessage], msgspec.Meta(min_length=1)]
     max_tokens: PosInt
     system: str | list[Any] | None = None
-    stream: bool = False
+    stream: bool | None = False
+    """Null is false, as vLLM's Messages endpoint takes it."""
     metadata: Metadata | None = None
 
 
@@ -89,7 +90,7 @@ class MessagesCodec(Codec):
         return ChatCompletionRequest(
             model=request.model,
             messages=messages,
-            stream=request.stream,
+            stream=bool(request.stream),
             max_tokens=request.max_tokens,
             user=user,
         )

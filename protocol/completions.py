@@ -24,7 +24,8 @@ class CompletionRequest(msgspec.Struct):
     model: Annotated[str, msgspec.Meta(min_length=1)]
     prompt: str | list[Any]
     """Text, a list of texts, or token ids (no text to route by)."""
-    stream: bool = False
+    stream: bool | None = False
+    """Null is false, as at OpenAI."""
     stream_options: StreamOptions | None = None
     max_tokens: PosInt | None = None
     user: str | None = None
@@ -49,7 +50,7 @@ class CompletionsCodec(Codec):
         return ChatCompletionRequest(
             model=request.model,
             messages=[Message(role="user", content=prompt_text(request.prompt))],
-            stream=request.stream,
+            stream=bool(request.stream),
             stream_options=request.stream_options,
             max_tokens=request.max_tokens,
             user=request.user,

@@ -96,7 +96,9 @@ class ChatCompletionRequest(msgspec.Struct, omit_defaults=True):
 
     model: Annotated[str, msgspec.Meta(min_length=1)]
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
-    stream: bool = False
+    stream: bool | None = False
+    """Null is false, as OpenAI and vLLM take it (``boolean or null``); always a bool once
+    decoded."""
     stream_options: StreamOptions | None = None
     max_tokens: PosInt | None = None
     max_completion_tokens: PosInt | None = None
@@ -117,6 +119,9 @@ class ChatCompletionRequest(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool | None = None
     """vLLM's extra sampling parameter: generate up to the output limit, past the end the
     model would stop at (the sim honours it too)."""
+
+    def __post_init__(self) -> None:
+        self.stream = bool(self.stream)
 
     @property
     def output_limit(self) -> int | None:
@@ -246,6 +251,10 @@ class RequestValidationError(ValueError):
 
 
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING = re.compile(
+    r"Object missing required field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?$"
+)
+"""msgspec's text for a missing field (the path: of the object lacking it, none at the top)."""
 
 
 def _param_from_path(path: str) -> str | None:
@@ -283,6 +292,11 @@ def decode_with(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
+        missing = _MISSING.match(text)
+        if missing is not None:  # OpenAI's wording, and the field named in ``param``
+            within = _param_from_path(missing["path"] or "")
+            param = missing["field"] if within is None else f"{within}.{missing['field']}"
+            raise RequestValidationError(f"Missing required parameter: '{param}'.", param) from None
         match = _PATH.search(text)
         if match is None:
             raise RequestValidationError(text) from None

@@ -42,7 +42,8 @@ class ResponsesRequest(msgspec.Struct):
     model: Annotated[str, msgspec.Meta(min_length=1)]
     input: str | list[Any] = ""
     instructions: str | None = None
-    stream: bool = False
+    stream: bool | None = False
+    """Null is false, as at OpenAI."""
     max_output_tokens: PosInt | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -113,7 +114,7 @@ class ResponsesCodec(Codec):
         return ChatCompletionRequest(
             model=request.model,
             messages=input_messages(request),
-            stream=request.stream,
+            stream=bool(request.stream),
             max_tokens=request.max_output_tokens,
             user=request.user,
             safety_identifier=request.safety_identifier,

@@ -168,9 +168,10 @@ async def _admitted(
 ) -> RequestContext | None:
     """Read the body, admit, apply the key's limits and route; None if a reply was sent.
 
-    ``invalid`` (a bad query parameter found by the caller) is answered after admission and
-    before the key's limits and routing, so a rejected request spends no token and never
-    holds a routing slot. ``codec`` reads the body (the endpoint's wire format)."""
+    ``invalid`` (a bad query parameter found by the caller) is answered once the key is checked
+    and the body read, before the body is parsed, the key's limits and routing, so a rejected
+    request spends no token and never holds a routing slot. ``codec`` reads the body (the
+    endpoint's wire format)."""
     ctx = new_context(state, scope)
     ctx.codec = codec
     endpoint = codec.name
@@ -189,11 +190,13 @@ async def _admitted(
     limit = state.config.limits.max_body_bytes
     if not await _read_request_body(state, receive, send, ctx, query, endpoint):
         return None
+    # Before the body is parsed: with an unknown ``endpoint`` the codec reading it is only a
+    # stand-in, and its complaint about the body would hide the real mistake.
+    if invalid is not None and await _finish(state, send, ctx, invalid, endpoint):
+        return None
     if await _finish(
         state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), endpoint
     ):
-        return None
-    if invalid is not None and await _finish(state, send, ctx, invalid, endpoint):
         return None
     placed = await place(state, ctx, lambda: until_disconnect(receive))
     if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer

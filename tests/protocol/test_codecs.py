@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from firstbyte.protocol.codec import CHAT, Usage, event_data, event_name, named_event
+from firstbyte.protocol.codec import CHAT, Codec, Usage, event_data, event_name, named_event
 from firstbyte.protocol.formats import BY_PATH, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
 from firstbyte.protocol.openai import RequestValidationError
 
@@ -68,6 +68,22 @@ def test_messages_request_view() -> None:
     with pytest.raises(RequestValidationError) as err:  # max_tokens is required there
         MESSAGES.decode_request(b'{"model": "m", "messages": [{"role": "user", "content": "q"}]}')
     assert err.value.param is None or "max_tokens" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("codec", "body"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
+        (COMPLETIONS, {"prompt": "hi"}),
+        (RESPONSES, {"input": "hi"}),
+        (MESSAGES, {"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_stream_null_reads_as_not_streamed(codec: Codec, body: dict[str, object]) -> None:
+    """OpenAI types ``stream`` as ``boolean or null`` (vLLM too): null is no stream, not a
+    400."""
+    view = codec.decode_request(json.dumps({"model": "m", **body, "stream": None}).encode())
+    assert view.stream is False
 
 
 def test_embeddings_never_stream() -> None:

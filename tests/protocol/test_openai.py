@@ -52,7 +52,7 @@ def test_request_accepts_openai_shapes_and_unknown_fields() -> None:
             b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}',
             "temperature",
         ),
-        (b'{"messages": [{"role": "user", "content": "x"}]}', None),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
     ],
 )
 def test_invalid_values_name_the_field(body: bytes, param: str | None) -> None:
@@ -60,8 +60,22 @@ def test_invalid_values_name_the_field(body: bytes, param: str | None) -> None:
         decode_request(body)
     assert info.value.param == param
     assert info.value.body().error.type == "invalid_request_error"
-    if param is None:
-        assert "model" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
+        (b'{"model": "m"}', "messages"),
+        (b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0].role"),
+    ],
+)
+def test_a_missing_field_is_named_as_openai_names_it(body: bytes, param: str) -> None:
+    """msgspec's text ("Object missing required field `model`") came with no ``param``."""
+    with pytest.raises(RequestValidationError) as info:
+        decode_request(body)
+    assert (info.value.param, info.value.message) == (
+        param, f"Missing required parameter: '{param}'.")
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[]", b"", b'"text"'])

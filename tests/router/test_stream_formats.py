@@ -81,6 +81,21 @@ async def test_longpoll_refuses_an_unknown_endpoint_before_upstream(
     assert up.received == []
 
 
+async def test_longpoll_names_a_misspelt_endpoint_not_the_body(
+    formats: tuple[RouterEndpoints, FormatsUpstream], tls_files: dict[str, str]
+) -> None:
+    """A Responses body started with a misspelt ``endpoint`` is refused for the name, not
+    for lacking chat's ``messages`` (the body is not read as chat)."""
+    router, up = formats
+    async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+        refused = await client.post(router.base_url + "/v1/streams?endpoint=response",
+                                    json={"model": "test-model", "input": "hi"}, headers=auth())
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("endpoint", "invalid_request")
+    assert up.received == []
+
+
 async def test_websocket_starts_a_stream_in_the_named_format(
     formats: tuple[RouterEndpoints, FormatsUpstream], tls_files: dict[str, str]
 ) -> None:
