@@ -10,8 +10,9 @@ the bytes the deterministic output is seeded from. An invalid body raises
   string, or a list of token ids; tokenized without a chat template. ``max_tokens`` defaults
   to 16, as OpenAI's and vLLM's.
 - ``/v1/responses``: ``input`` is a string or a list of message items (``{"role", "content"}``
-  with a string or ``input_text`` / ``output_text`` parts); ``instructions`` is a leading
-  system message. Chat-templated like chat.
+  with a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
+  ``function_call_output`` items (the assistant's and the tool's turns) and ``reasoning``
+  items (skipped); ``instructions`` is a leading system message. Chat-templated like chat.
 - ``/v1/embeddings``: ``input`` is a string, a list of strings, or token ids (one list or a
   list of lists); ``encoding_format`` ``float`` (default) or ``base64``; ``dimensions``.
 - ``/v1/messages`` (Anthropic): ``max_tokens`` is required; ``system`` (a string or text
@@ -36,7 +37,7 @@ from firstbyte.protocol.openai import (
 )
 from firstbyte.router.sim.tokens import prompt_tokens, tokenize
 
-__all__ = ["EMBEDDING_DIMENSIONS", "Api", "Job", "decode_job"]
+__all__ = ["EMBEDDING_DIMENSIONS", "Api", "Job", "decode_job", "stop_strings"]
 
 EMBEDDING_DIMENSIONS = 384
 """Length of an embedding vector unless the request asks for fewer ``dimensions``."""
@@ -80,6 +81,8 @@ class Job:
     """``/v1/embeddings``: one key per input, each vector drawn from its own."""
     ignore_eos: bool = False
     """Chat's ``ignore_eos`` (vLLM's): the output runs to its limit."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (chat's and completions' ``stop``, Messages' ``stop_sequences``)."""
 
 
 class _Completions(msgspec.Struct):
@@ -88,12 +91,13 @@ class _Completions(msgspec.Struct):
     """A string, one string in a list, or token ids (msgspec takes one array type per union:
     the list's items are checked below)."""
     max_tokens: PosInt | None = 16
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
     n: Literal[1] | None = None
     echo: bool | None = None
     """Only false (checked below: msgspec before 0.19 has no ``Literal[False]``)."""
+    stop: str | list[str] | None = None
 
 
 class _TextPart(msgspec.Struct):
@@ -102,9 +106,14 @@ class _TextPart(msgspec.Struct):
 
 
 class _InputItem(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
-    type: Literal["message"] | None = None
+    """A message item (``type`` "message" or none: ``role`` and ``content``), a function call
+    the model made (``arguments``), its output (``output``), or a reasoning item (skipped)."""
+
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = None
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[_TextPart] | None = None
+    arguments: str | None = None
+    output: str | list[_TextPart] | None = None
 
 
 class _Responses(msgspec.Struct):
@@ -112,7 +121,7 @@ class _Responses(msgspec.Struct):
     input: str | list[_InputItem]
     instructions: str | None = None
     max_output_tokens: PosInt | None = None
-    stream: bool = False
+    stream: bool | None = False
     seed: int | None = None
 
 
@@ -133,7 +142,8 @@ class _Messages(msgspec.Struct):
     max_tokens: PosInt
     messages: Annotated[list[_AnthropicMessage], msgspec.Meta(min_length=1)]
     system: str | list[_TextPart] | None = None
-    stream: bool = False
+    stream: bool | None = False
+    stop_sequences: list[str] | None = None
 
 
 _DECODERS: dict[Api, msgspec.json.Decoder[Any]] = {
@@ -187,11 +197,19 @@ def _completions(request: _Completions) -> Job:
         model=request.model,
         prompt=ids,
         output_limit=request.max_tokens,
-        stream=request.stream,
-        include_usage=request.stream and options is not None and options.include_usage,
+        stream=bool(request.stream),
+        include_usage=bool(request.stream) and options is not None and options.include_usage,
         seed=request.seed,
         text_key=key,
+        stop=stop_strings(request.stop),
     )
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A request's stop strings, however it gave them (one, a list, none)."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def _text(content: str | list[_TextPart]) -> str:
@@ -210,7 +228,10 @@ def _responses(request: _Responses) -> Job:
     if isinstance(request.input, str):
         messages.append(Message(role="user", content=request.input))
     else:
-        messages += [Message(role=item.role, content=_text(item.content)) for item in request.input]
+        for index, item in enumerate(request.input):
+            message = _input_message(index, item)
+            if message is not None:
+                messages.append(message)
     if len(messages) == 0:
         raise RequestValidationError("The input is empty.", "input")
     return Job(
@@ -218,12 +239,30 @@ def _responses(request: _Responses) -> Job:
         model=request.model,
         prompt=prompt_tokens(messages),
         output_limit=request.max_output_tokens,
-        stream=request.stream,
+        stream=bool(request.stream),
         include_usage=True,
         seed=request.seed,
         text_key=msgspec.json.encode(messages),
         instructions=request.instructions,
     )
+
+
+def _input_message(index: int, item: _InputItem) -> Message | None:
+    """A Responses input item as the chat message vLLM templates it: a tool call is the
+    assistant's turn, its output the tool's, as a conversation with tools carries them."""
+    if item.type == "function_call":
+        return Message(role="assistant", content=item.arguments or "")
+    if item.type == "function_call_output":
+        return Message(role="tool", content=_text(item.output or ""))
+    if item.type == "reasoning":
+        return None
+    if item.role is None or item.content is None:
+        field = "role" if item.role is None else "content"
+        raise RequestValidationError(
+            f"Invalid value for 'input[{index}]': a message needs '{field}'",
+            f"input[{index}].{field}",
+        )
+    return Message(role=item.role, content=_text(item.content))
 
 
 def _embeddings(request: _Embeddings) -> Job:
@@ -275,8 +314,9 @@ def _messages(request: _Messages) -> Job:
         model=request.model,
         prompt=prompt_tokens(messages),
         output_limit=request.max_tokens,
-        stream=request.stream,
+        stream=bool(request.stream),
         include_usage=True,
         seed=None,
         text_key=msgspec.json.encode(messages),
+        stop=stop_strings(request.stop_sequences),
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 from firstbyte.protocol import paths
 from firstbyte.protocol.openai import RequestValidationError, decode_request, encode, error_body
-from firstbyte.router.sim.apis import Api, Job, decode_job
+from firstbyte.router.sim.apis import Api, Job, decode_job, stop_strings
 from firstbyte.router.sim.driver import EngineDriver
 from firstbyte.router.sim.engine import Engine, Overloaded, SeqState, Sequence
 from firstbyte.router.sim.faults import FaultPlan, RequestFaults
@@ -205,7 +205,7 @@ class SimApp:
         else:
             completion = plan_output(
                 job.text_key, job.seed, model, job.output_limit, self.options.seed,
-                ignore_eos=job.ignore_eos,
+                ignore_eos=job.ignore_eos, stop=job.stop,
             )
         try:
             seq = self.driver.submit(
@@ -360,11 +360,12 @@ def _chat_job(body: bytes) -> Job:
         model=request.model,
         prompt=prompt_tokens(request.messages),
         output_limit=request.output_limit,
-        stream=request.stream,
+        stream=bool(request.stream),
         include_usage=request.wants_usage_chunk,
         seed=request.seed,
         text_key=encode(request.messages),
         ignore_eos=bool(request.ignore_eos),
+        stop=stop_strings(request.stop),
     )
 
 

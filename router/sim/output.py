@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from firstbyte.protocol.openai import ChatCompletionRequest, encode
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "VOCABULARY",
     "Completion",
+    "cut_at_stop",
     "embedding",
     "plan_completion",
     "plan_output",
@@ -52,11 +54,22 @@ class Completion:
 
     words: tuple[str, ...]
     finish_reason: str
+    stop_sequence: str | None = None
+    """The request's stop string the output ended at (vLLM's ``stop_reason``); the text ends
+    before it."""
+    last_text: str | None = None
+    """The last token's text when a stop string cut it (maybe empty)."""
 
     def token_text(self, index: int) -> str:
         """The text of token ``index`` (words after the first carry a leading space)."""
+        if self.last_text is not None and index == len(self.words) - 1:
+            return self.last_text
         word = self.words[index]
         return word if index == 0 else " " + word
+
+    def text(self, count: int) -> str:
+        """The text of the first ``count`` tokens."""
+        return "".join(self.token_text(index) for index in range(count))
 
 
 def plan_completion(request: ChatCompletionRequest, server_seed: int = 0) -> Completion:
@@ -64,15 +77,17 @@ def plan_completion(request: ChatCompletionRequest, server_seed: int = 0) -> Com
     return plan_output(
         encode(request.messages), request.seed, request.model, request.output_limit, server_seed,
         ignore_eos=bool(request.ignore_eos),
+        stop=[request.stop] if isinstance(request.stop, str) else request.stop or (),
     )
 
 
 def plan_output(
     key: bytes, seed: int | None, model: str, limit: int | None, server_seed: int = 0,
-    *, ignore_eos: bool = False,
+    *, ignore_eos: bool = False, stop: Sequence[str] = (),
 ) -> Completion:
     """The deterministic completion for a prompt whose bytes are ``key`` (any endpoint);
-    ``ignore_eos`` (vLLM's): to the limit, whatever the natural length."""
+    ``ignore_eos`` (vLLM's): to the limit, whatever the natural length. With ``stop``
+    strings, it ends before the first one the text contains (:func:`cut_at_stop`)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"{server_seed}/{seed}/{model}/".encode())
     digest.update(key)
@@ -86,7 +101,30 @@ def plan_output(
         count, reason = limit, "length"
     vocab = VOCABULARY
     words = tuple(vocab[int(rng.random() * len(vocab))] for _ in range(count))
-    return Completion(words=words, finish_reason=reason)
+    return cut_at_stop(Completion(words=words, finish_reason=reason), stop)
+
+
+def cut_at_stop(completion: Completion, stop: Sequence[str]) -> Completion:
+    """``completion`` ended as vLLM ends it at a stop string: its text stops just before the
+    first occurrence of any of ``stop``, the token where that occurrence begins is the last
+    one generated (its text cut there), and it finishes with ``stop``."""
+    text = completion.text(len(completion.words))
+    hits = [(at, s) for s in stop if s and (at := text.find(s)) >= 0]
+    if not hits:
+        return completion
+    at, string = min(hits)
+    start = 0
+    for index in range(len(completion.words)):
+        end = start + len(completion.token_text(index))
+        if at < end:
+            return Completion(
+                words=completion.words[: index + 1],
+                finish_reason="stop",
+                stop_sequence=string,
+                last_text=text[start:at],
+            )
+        start = end
+    return completion  # unreachable: ``at`` is inside the text
 
 
 def embedding(key: bytes, model: str, dimensions: int) -> list[float]:

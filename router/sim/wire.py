@@ -90,7 +90,7 @@ def usage(seq: Sequence) -> Usage:
 
 
 def _text(completion: Completion, seq: Sequence) -> str:
-    return " ".join(completion.words[: seq.generated])
+    return completion.text(seq.generated)
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -196,7 +196,9 @@ class CompletionsFormat:
         self._last_tail = (
             b',"logprobs":null,"finish_reason":"'
             + seq.finish_reason.encode()
-            + b'","stop_reason":null}]'
+            + b'","stop_reason":'
+            + encode(completion.stop_sequence)  # vLLM's: the stop string it ended at
+            + b"}]"
             + usage_null
             + b"}\n\n"
         )
@@ -241,7 +243,7 @@ class CompletionsFormat:
                         "text": _text(self.completion, seq),
                         "logprobs": None,
                         "finish_reason": seq.finish_reason,
-                        "stop_reason": None,
+                        "stop_reason": self.completion.stop_sequence,
                         "prompt_logprobs": None,
                     }
                 ],
@@ -428,7 +430,7 @@ class MessagesFormat:
             "content": content,
             "model": self.model,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": self.completion.stop_sequence if stop_reason else None,
             "usage": self._usage(self.seq.generated if stop_reason else 0),
         }
 
@@ -456,8 +458,8 @@ class MessagesFormat:
         delta = {
             "type": "message_delta",
             "delta": {
-                "stop_reason": _STOP_REASONS[self.seq.finish_reason],
-                "stop_sequence": None,
+                "stop_reason": self._stop_reason(),
+                "stop_sequence": self.completion.stop_sequence,
             },
             "usage": self._usage(self.seq.generated),
         }
@@ -469,9 +471,13 @@ class MessagesFormat:
 
     def whole(self) -> bytes:
         content = [_text_block(_text(self.completion, self.seq))]
-        return msgspec.json.encode(
-            self._message(content, _STOP_REASONS[self.seq.finish_reason])
-        )
+        return msgspec.json.encode(self._message(content, self._stop_reason()))
+
+    def _stop_reason(self) -> str:
+        """Anthropic's name for why the output ended (a stop string: ``stop_sequence``)."""
+        if self.completion.stop_sequence is not None:
+            return "stop_sequence"
+        return _STOP_REASONS[self.seq.finish_reason]
 
 
 def _text_block(text: str) -> dict[str, Any]:

@@ -179,6 +179,75 @@ async def test_responses_stream_typed_events_with_the_openai_sdk(
     assert again.usage.input_tokens_details.cached_tokens >= 300  # the shared instructions
 
 
+async def test_responses_take_a_function_calls_turns_with_the_openai_sdk(
+    oai: openai.AsyncOpenAI,
+) -> None:
+    """The second request of a tool loop carries the model's ``function_call`` and its
+    ``function_call_output`` (and a ``reasoning`` item), as vLLM takes them; they count as
+    prompt tokens."""
+    turn = [{"role": "user", "content": "Weather in Paris?"}]
+    first = await oai.responses.create(model=MODEL, input=turn, max_output_tokens=3)  # type: ignore[arg-type]
+    calls = [
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny, 24 C"},
+    ]
+    second = await oai.responses.create(
+        model=MODEL, input=turn + calls, max_output_tokens=3,  # type: ignore[arg-type]
+        tools=[{"type": "function", "name": "weather", "strict": False,
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+    )  # fmt: skip
+    assert first.usage is not None
+    assert second.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    async with httpx.AsyncClient() as c:
+        r = await c.post(f"{oai.base_url}responses",
+                         json={"model": MODEL, "input": [{"type": "message", "content": "x"}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "input[0].role"
+
+
+async def test_stop_strings_end_the_output_before_them_with_both_sdks(
+    oai: openai.AsyncOpenAI, claude: anthropic.AsyncAnthropic
+) -> None:
+    """Chat's and completions' ``stop`` and Messages' ``stop_sequences`` end the text just
+    before the first stop string (vLLM's rule), streamed or not; Messages says which one."""
+    messages: Any = [{"role": "user", "content": "Tell me about rivers."}]
+    full = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                             extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content or ""
+    stop = " " + text.split()[5]
+    before = text[: text.find(stop)]
+    cut = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                            stop=[stop, "never said"],
+                                            extra_body={"ignore_eos": True})
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == (before, "stop")
+    chunks = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                               stop=stop, stream=True,
+                                               extra_body={"ignore_eos": True})
+    streamed = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+    assert streamed == before
+
+    anthropic_messages: Any = messages
+    said = await claude.messages.create(model=MODEL, max_tokens=40, messages=anthropic_messages)
+    said_text = said.content[0].text  # type: ignore[union-attr]
+    stop = " " + said_text.split()[3]
+    answer = await claude.messages.create(model=MODEL, max_tokens=40, stop_sequences=[stop],
+                                          messages=anthropic_messages)
+    assert answer.content[0].text == said_text[: said_text.find(stop)]  # type: ignore[union-attr]
+    assert (answer.stop_reason, answer.stop_sequence) == ("stop_sequence", stop)
+    async with claude.messages.stream(model=MODEL, max_tokens=40, stop_sequences=[stop],
+                                      messages=anthropic_messages) as stream:
+        final = await stream.get_final_message()
+    assert [block.text for block in final.content] == [  # type: ignore[union-attr]
+        block.text for block in answer.content]  # type: ignore[union-attr]
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+    done = await oai.completions.create(model=MODEL, prompt="Rivers", max_tokens=30, stop="zz")
+    assert done.choices[0].finish_reason in ("stop", "length")  # no stop string said: as before
+
+
 async def test_responses_sse_has_event_lines_naming_each_type(sim: SimServer) -> None:
     body = {"model": MODEL, "input": [{"role": "user", "content": "hi"}], "stream": True,
             "max_output_tokens": 5}  # fmt: skip
@@ -338,6 +407,15 @@ async def test_unknown_model_is_vllms_404_on_every_endpoint(
             "error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
         }
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path", sorted(set(BODIES) - {"/v1/embeddings"}))
+async def test_stream_null_is_one_json_answer(sim: SimServer, path: str) -> None:
+    """``"stream": null`` is false, as OpenAI's ``boolean or null`` and vLLM take it."""
+    async with httpx.AsyncClient() as c:
+        r = await c.post(sim.url + path, json={"model": MODEL, **BODIES[path], "stream": None})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
 
 
 @pytest.mark.parametrize(

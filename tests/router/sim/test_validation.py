@@ -42,7 +42,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         (json.dumps({**GOOD, "max_tokens": "ten"}).encode(), "max_tokens"),
         (json.dumps({**GOOD, "stream": "yes"}).encode(), "stream"),
         (json.dumps({**GOOD, "temperature": 9}).encode(), "temperature"),
-        (json.dumps({"messages": GOOD["messages"]}).encode(), None),  # model missing
+        (json.dumps({"messages": GOOD["messages"]}).encode(), "model"),  # model missing
         (
             json.dumps({**GOOD, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
             "messages[0].role",
