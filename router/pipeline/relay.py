@@ -120,16 +120,24 @@ def has_content(data: bytes) -> bool:
 
 
 def _as_error_event(status: int, body: bytes, codec: Codec = CHAT) -> bytes:
-    """An upstream error reply as an in-stream error event (its body if it is OpenAI's and
-    the format is OpenAI's chat or completions)."""
-    if codec.named_events:
-        return codec.error_event(f"Upstream answered {status}.", code=f"upstream_{status}")
+    """An upstream error reply as an in-stream error event: its body if it is OpenAI's and
+    the format is OpenAI's chat or completions; in a format of named events (Responses,
+    Anthropic's Messages), that format's error event carrying the upstream's message (from
+    OpenAI's or Anthropic's error body, both ``{"error": {"message": ...}}``)."""
+    error = None
     try:
         data: Any = msgspec.json.decode(body)
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            return encode({"error": data["error"]})
+            error = data["error"]
     except msgspec.DecodeError:
         pass
+    if codec.named_events:
+        message = error.get("message") if error is not None else None
+        if not isinstance(message, str) or not message:
+            message = f"Upstream answered {status}."
+        return codec.error_event(message, code=f"upstream_{status}")
+    if error is not None:
+        return encode({"error": error})
     return error_event(f"Upstream answered {status}.", code=f"upstream_{status}")
 
 

@@ -8,6 +8,8 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from firstbyte.protocol.anthropic import MESSAGES
+from firstbyte.protocol.responses import RESPONSES
 from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.pipeline.relay import (
     Action,
@@ -148,6 +150,29 @@ def test_refusal_is_the_head_and_an_error_event() -> None:
     assert msgspec.json.decode(finish.error or b"") == {
         "error": {"message": "busy", "type": "server_error"}
     }
+
+
+def test_a_refusal_in_a_format_of_named_events_keeps_the_upstreams_message() -> None:
+    # A long-poll, WebSocket or resumed reader of a Responses or Messages stream gets the
+    # stored error event, not the upstream's body: it must carry the upstream's message.
+    openai_body = b'{"error": {"message": "role must be user", "type": "invalid_request_error"}}'
+    anthropic_body = (
+        b'{"type": "error", "error": {"type": "invalid_request_error", "message": "bad role"}}'
+    )
+    for codec, body, message in (
+        (RESPONSES, openai_body, "role must be user"),
+        (MESSAGES, anthropic_body, "bad role"),
+        (MESSAGES, b"<html>busy</html>", "Upstream answered 400."),
+    ):
+        relay = Relay(hold_head=True, codec=codec)
+        relay.start(0.0)
+        finish = relay.receive_head(400, 0.004, body)[1]
+        assert isinstance(finish, Finish)
+        event = SSEDecoder().receive_data((finish.error or b"") + b"\n\n")
+        data = msgspec.json.decode(event[0].data)
+        error = data.get("error", data)  # Anthropic nests it; Responses' event is flat
+        assert error["message"] == message, (codec.name, data)
+        assert error["code"] == "upstream_400"
 
 
 def test_early_end_and_failure_are_error_events() -> None:
