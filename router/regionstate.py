@@ -242,6 +242,7 @@ class InRedis:
             await self.shared.admission.reconcile(state.config.state.timeout_s)
             await self.shared.streams.keep_attended(state.store.running(), state.clock(), grace_s)
             await self._load_elsewhere(state)
+            await self.shared.streams.writer.end_dropped()  # last: Redis full refuses it
         except Exception as exc:  # Redis away: only local readers count this turn
             more = self._throttle.report("maintain", time.monotonic())
             if more is not None:

@@ -4,7 +4,9 @@ The process sets ``{prefix}p:{process}`` with a time to live of ``lease_s`` and 
 every ``lease_s / 3``. Its streams record the process id; a reader elsewhere that finds a
 stream unfinished and the lease gone knows the producer died (killed, crashed, its host lost)
 and ends the stream with a ``stream_lost`` error event instead of waiting forever. One key
-per process, not per stream: 2,000 live streams cost one ``SET`` a second, not 2,000.
+per process, not per stream: 2,000 live streams cost one ``PEXPIRE`` a second, not 2,000
+(a ``SET`` when the key is gone: the first, or after a lapse; a full Redis refuses a ``SET``,
+not a ``PEXPIRE``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ class Lease:
             self._task = asyncio.create_task(self._keep())
 
     async def _renew(self) -> None:
-        was = await self._redis.set(self.key, b"1", px=int(self.lease_s * 1000), get=True)
+        # PEXPIRE while the key is there: a full Redis (maxmemory, noeviction) refuses a SET
+        # (OOM) but not a PEXPIRE, and with SET alone every process's lease lapsed while it
+        # was full: the others took it for dead, dropped its counts and, once Redis had room,
+        # could declare its live streams lost (cancelling them).
+        px = int(self.lease_s * 1000)
+        if self._taken and await self._redis.pexpire(self.key, px):
+            return
+        was = await self._redis.set(self.key, b"1", px=px, get=True)
         if was is None and self._taken:
             self.lapses += 1
             log.warning("the process lease had lapsed (Redis restarted or away); taken again")

@@ -39,6 +39,7 @@ import asyncio
 import bisect
 import contextlib
 import hmac
+import itertools
 import logging
 import math
 import time
@@ -64,6 +65,7 @@ from .wire import Calls, bulk
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
 
 __all__ = ["RemoteStream", "SharedStreams", "lost_event"]
 
@@ -147,6 +149,9 @@ class RemoteStream:
         """The stream is gone from Redis (expired): no more events will come."""
         self.trimmed = 0
         """Events found missing before the first one read (trimmed from Redis)."""
+        self.holes: list[tuple[int, int]] = []
+        """``(before, after)`` of each run of events missing between two read in one batch
+        (the producer's writes of them failed: Redis away or full), in order."""
         self._shared = shared
         self._waiters: list[asyncio.Future[None]] = []
         self._following = False
@@ -162,7 +167,23 @@ class RemoteStream:
         events = self.events
         if not events or events[-1].seq <= seq:
             return []
+        if self.holes:
+            return self._around_holes(seq)
         return events[bisect.bisect_right(events, seq, key=lambda e: e.seq) :]
+
+    def _around_holes(self, seq: int) -> list[StreamEvent]:
+        """:meth:`after` of a stream with :attr:`holes`: the events up to the next hole, then
+        :class:`HistoryTrimmed` for a reader at its edge (or inside it), as for a trimmed
+        front: never the events after a hole as if none were missing."""
+        events = self.events
+        start = bisect.bisect_right(events, seq, key=lambda e: e.seq)
+        for before, after in self.holes:
+            if seq < before:
+                end = bisect.bisect_right(events, before, key=lambda e: e.seq)
+                return events[start:end]
+            if seq < after - 1:
+                raise HistoryTrimmed(seq, after - 1)
+        return events[start:]
 
     def attach(self, now: float) -> None:
         self._touch(now)
@@ -180,6 +201,8 @@ class RemoteStream:
         # never wrote is gone, and the error says so.
         if new[0].seq > self.cursor + 1 and new[0].data != lost_event(self.format):
             self.trimmed = max(self.trimmed, new[0].seq - 1)
+        if new[-1].seq - new[0].seq >= len(new):  # a hole inside: events never written
+            self._find_holes(new)
         self.events.extend(new)
         self.cursor = new[-1].seq
         if new[-1].is_done:
@@ -188,6 +211,16 @@ class RemoteStream:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _find_holes(self, new: list[StreamEvent]) -> None:
+        """Note the runs missing between consecutive events of ``new``: what a write that
+        failed dropped (a reader reading past one gets ``stream_history_trimmed``, as for a
+        trimmed front, instead of a silent gap). Not before a lost stream's error: what a dead
+        producer never wrote is gone, and the error says so."""
+        lost = lost_event(self.format)
+        for previous, event in itertools.pairwise(new):
+            if event.seq > previous.seq + 1 and event.data != lost:
+                self.holes.append((previous.seq, event.seq))
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool:
         """Wait until an event after ``seq`` exists; False on timeout or if the stream is gone.
@@ -392,22 +425,39 @@ _TRIM = StreamEvent(0, b"")
 # operation: its kind and two values. x: XADD (id, data); X: the same, then PEXPIRE (a
 # stream's first event); m: a new stream's metadata (owner, subject); t: its upstream TTFT;
 # f: its wire format (written for formats other than chat);
-# r: XTRIM MINID (the first id kept). Each runs whatever the others did (an XADD refused
-# fences its producer, not the batch); returns the operations refused, by index.
+# r: XTRIM MINID (the first id kept). Only a stream's first event and its metadata make a
+# key (with its expiry): the others go to keys that exist, so a stream Redis lost (restarted
+# empty; expired) is not made again without an expiry, to be kept forever (x and y: XADD
+# NOMKSTREAM, Redis 6.2; one whose metadata is there, its first events dropped by a failed
+# write, is made as by X: the metadata key is the events key with m: for s:, Keys). Each
+# runs whatever the others did (an XADD refused fences its producer, not the batch); returns
+# the XADDs refused for their id (another process declared the stream lost: the fence), by
+# index, the other operations refused (Redis full: OOM) by minus their index, then the first
+# of those errors as a string: their events are dropped, as when Redis is away, and the
+# stream goes on.
 _APPEND = """
 local maxlen, age, proc = ARGV[1], ARGV[2], ARGV[3]
-local refused = {}
+local refused, why = {}, nil
 for i = 1, #KEYS do
   local kind, a, b, key = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3], KEYS[i]
   local ok
   if kind == 'x' then
-    ok = redis.pcall('XADD', key, a, 'd', b)
-  elseif kind == 'y' or kind == 'X' then
+    ok = redis.pcall('XADD', key, 'NOMKSTREAM', a, 'd', b)
+  elseif kind == 'y' then
+    ok = redis.pcall('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, a, 'd', b)
+  end
+  if ok == false and redis.call('EXISTS', (string.gsub(key, 's:([^:]+)$', 'm:%1'))) == 1 then
+    kind = 'X'  -- its metadata is there, its first events were dropped: made now
+  end
+  if ok ~= nil and kind ~= 'X' then  -- x or y, done
+  elseif kind == 'X' then
     ok = redis.pcall('XADD', key, 'MAXLEN', '~', maxlen, a, 'd', b)
-    if kind == 'X' and type(ok) ~= 'table' then redis.call('PEXPIRE', key, age) end
+    if type(ok) ~= 'table' then redis.call('PEXPIRE', key, age) end
   elseif kind == 'm' then
     ok = redis.pcall('HSET', key, 'owner', a, 'proc', proc, 'subj', b)
     redis.call('PEXPIRE', key, age)
+  elseif redis.call('EXISTS', key) == 0 then
+    ok = false
   elseif kind == 't' then
     ok = redis.pcall('HSET', key, 'ttft', a)
   elseif kind == 'f' then
@@ -415,9 +465,31 @@ for i = 1, #KEYS do
   else
     ok = redis.pcall('XTRIM', key, 'MINID', a)
   end
-  if type(ok) == 'table' and ok.err then refused[#refused + 1] = i end
+  if type(ok) == 'table' and ok.err then
+    if string.find(ok.err, _FENCED, 1, true) then refused[#refused + 1] = i
+    else
+      if not why then why = ok.err end
+      refused[#refused + 1] = -i
+    end
+  end
 end
+if why then refused[#refused + 1] = why end
 return refused
+""".replace("_FENCED", "'equal or smaller than the target stream top item'")
+"""The fence is told from other refusals by XADD's message for an id not above the top
+(Redis and Valkey alike): an OOM had fenced, and cancelled, every stream written while Redis
+was full."""
+# KEYS: a stream's events. ARGV: the sequence number of its [DONE], and [DONE]. Appends it
+# unless the stream is gone (expired, or Redis restarted empty: no reader can find it) or
+# Redis has it (or anything past it: declared lost). Returns 1 if it appended, else 0.
+_END_DROPPED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last > 0 and tonumber(string.match(last[1][1], '^(%d+)')) >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('XADD', KEYS[1], ARGV[1] .. '-0', 'd', ARGV[2])
+return 1
 """
 _BOUND_EVERY = 64
 """A stream's length is bounded (``XADD MAXLEN ~``) by its first event and every this many
@@ -482,6 +554,10 @@ class _Writer:
         """Operations written (an XADD, a stream's metadata, ...)."""
         self.failures = 0
         self.fenced = 0
+        self.dropped: dict[str, Stream] = {}
+        """Streams with events a failed write dropped, by id, until their end is in Redis."""
+        self._end: AsyncScript | None = None
+        """:data:`_END_DROPPED`, registered at its first use (rare: after a failed write)."""
 
     def start(self) -> None:
         if self._task is None:
@@ -631,15 +707,25 @@ class _Writer:
                 refused = await reply
             except ResponseError as exc:  # the whole call refused (not a fence)
                 self._failed(len(ops), exc)
+                for producer in ops:
+                    self._dropped_one(producer)
                 continue
             except Exception as exc:  # Redis away: local readers go on, remote ones see a gap
                 lost = exc
                 unwritten += len(ops)
+                for producer in ops:
+                    self._dropped_one(producer)
                 continue
             for index in refused:
-                producer = ops[int(index) - 1]
-                if producer is not None and producer.mirror:
-                    self._fence(producer, f"an XADD of {producer.id} was refused")
+                if isinstance(index, bytes):  # why the ones below were refused
+                    lost = ResponseError(index.decode(errors="replace"))
+                elif index < 0:  # refused, not fenced (Redis full): dropped
+                    self._dropped_one(ops[-index - 1])
+                    unwritten += 1
+                else:
+                    producer = ops[index - 1]
+                    if producer is not None and producer.mirror:
+                        self._fence(producer, f"an XADD of {producer.id} was refused")
         if lost is not None:
             self._failed(unwritten, lost)
         if self._announced:  # a pass over every event of the write, only for announcements
@@ -648,6 +734,27 @@ class _Writer:
                     future = self._announced.pop(stream.id, None)
                     if future is not None and not future.done():
                         future.set_result(None)
+
+    def _dropped_one(self, producer: Stream | None) -> None:
+        """An event of ``producer`` (None: another operation) was not written: its end is
+        made sure of (:meth:`end_dropped`)."""
+        if producer is not None:
+            self.dropped[producer.id] = producer
+
+    async def end_dropped(self) -> None:
+        """Write ``[DONE]`` into Redis for each finished stream some of whose events a
+        failed write dropped, if Redis lacks it: a reader elsewhere waited for it until the
+        stream expired (``streams.max_age_s``), the producer alive. The streams still live,
+        or whose end Redis does not take yet, are kept for the next call."""
+        for stream_id, stream in list(self.dropped.items()):
+            if stream.mirror is None:  # fenced: another process ended it
+                del self.dropped[stream_id]
+            elif stream.done:
+                if self._end is None:
+                    self._end = self._redis.register_script(_END_DROPPED)
+                await self._end(keys=[self._keys.events(stream_id)],
+                                args=[stream.last_seq, DONE_DATA])
+                del self.dropped[stream_id]
 
     def _failed(self, commands: int, exc: Exception) -> None:
         self.failures += 1

@@ -82,21 +82,21 @@ async def test_a_lease_stops_though_its_cancel_lands_in_a_renewal_that_returns(
     reads, not only a cancel. The renewal here absorbs the cancel the same way, on purpose."""
     redis = Redis.from_url(redis_server.url)
     lease = Lease(redis, Keys("fb-lease-stop:"), "p1", 0.3)
-    real_set = redis.set
+    real_pexpire = redis.pexpire  # a renewal of a lease held
     renewing = asyncio.Event()
 
-    async def absorbing_set(*args: Any, **kwargs: Any) -> Any:
+    async def absorbing_pexpire(*args: Any, **kwargs: Any) -> Any:
         await _through_a_cancel(renewing)
-        return await real_set(*args, **kwargs)
+        return await real_pexpire(*args, **kwargs)
 
     try:
         await lease.start()
-        redis.set = absorbing_set  # type: ignore[method-assign]
+        redis.pexpire = absorbing_pexpire  # type: ignore[method-assign]
         await asyncio.wait_for(renewing.wait(), 2)  # a renewal is in flight: stop now
         await asyncio.wait_for(lease.aclose(), 2)
         assert await redis.exists(lease.key) == 0
     finally:
-        redis.set = real_set  # type: ignore[method-assign]
+        redis.pexpire = real_pexpire  # type: ignore[method-assign]
         await redis.aclose()
 
 

