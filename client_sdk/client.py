@@ -14,10 +14,11 @@ count as progress. A cut connection or a sequence gap resumes from the last deli
 connections, then raises.
 With several base URLs (one per region), :meth:`AsyncClient.prewarm` probes each region's
 RTT on a warm connection, sends requests to the fastest and keeps a warm standby connection to
-the second; a request that cannot start on one region (unreachable, 429, 502-504) is sent to
-the next, so failing over to the standby costs a round trip, not a handshake. A started stream
-stays on its region, since only that region's router holds it. A router's
-``x-firstbyte-better-region`` hint moves later requests to that region if it is configured.
+the second; a request that cannot start on one region (unreachable, 429, 502-504, or silent
+for the idle timeout) is sent to the next, so failing over to the standby costs a round trip,
+not a handshake. A started stream stays on its region, since only that region's router holds
+it. A router's ``x-firstbyte-better-region`` hint moves later requests to that region if it is
+configured.
 While the client is in use, the regions are probed again every ``reprobe_interval_s`` and the
 warm primary and standby follow the ranking (with hysteresis, :mod:`firstbyte.client_sdk.regions`).
 """
@@ -29,7 +30,7 @@ import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, Self, TypeVar
 
@@ -240,6 +241,8 @@ class AsyncClient:
         ``prewarmed``."""
         self._busy: Counter[str] = Counter()
         """Streams reading from each region now: a re-probe does not close their connections."""
+        self._streams: set[_Stream[Any]] = set()
+        """Streams entered and not yet closed: :meth:`aclose` ends them first."""
         if http is None:
             # HTTP/2 is negotiated with TLS (ALPN); over plain http it would need prior knowledge.
             plain = not all(origin.tls for origin in self.origins)
@@ -298,6 +301,11 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the client: streams still open end (their readers get
+        :class:`~firstbyte.client_sdk.errors.StreamBrokenError` saying so, not a silent end),
+        then every connection closes; nothing is sent with this client afterwards."""
+        for stream in list(self._streams):
+            await stream._close_with_client()
         tasks, self._background = self._background, set()
         for task in tasks:
             task.cancel()
@@ -436,7 +444,7 @@ class AsyncClient:
         regions = self.regions.regions
         probes = await asyncio.gather(*(
             probe_region(self.pool.session(self._origin_by_name[r.name], self._probe_http),
-                         samples)
+                         samples, timeout_s=self.pool.connect_timeout_s)
             for r in regions
         ))
         now = time.monotonic()
@@ -486,7 +494,17 @@ class AsyncClient:
                     return
             await self._warm_region(region)
 
-        task = asyncio.get_running_loop().create_task(act(region))
+        self._in_background(act(region))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task of the client's (:meth:`aclose` cancels what is left); its
+        failure is nobody's business but its own."""
+
+        async def quietly() -> None:
+            with contextlib.suppress(Exception):
+                await work
+
+        task = asyncio.get_running_loop().create_task(quietly())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -708,6 +726,8 @@ class _Stream(Generic[T]):
         self._busy_region: str | None = None
         """The region counted in the client's ``_busy`` while a pump reads from it."""
         self._reported = False
+        self._closed_by_client: StreamBrokenError | None = None
+        """Set when the client was closed while this stream was open."""
 
     @property
     def _origin(self) -> Origin:
@@ -735,6 +755,7 @@ class _Stream(Generic[T]):
 
     async def __aenter__(self) -> Self:
         self._start(self._fresh_source())
+        self._client._streams.add(self)
         try:
             # Sources yield Opened before any event; events before it would wait in _batch.
             while not self._opened and not self._finished and self._at >= len(self._batch):
@@ -756,6 +777,8 @@ class _Stream(Generic[T]):
     async def __anext__(self) -> T:
         if self._pump_task is None:
             raise RuntimeError("use 'async with client.stream(...) as stream' before iterating")
+        if self._closed_by_client is not None:
+            raise StreamBrokenError(str(self._closed_by_client))
         assembler = self._assembler
         while not self._finished:
             try:
@@ -787,7 +810,7 @@ class _Stream(Generic[T]):
                     raise self._lost(
                         f"stream {self._stream_id} is lost (its router process stopped"
                         f" mid-stream) after event {assembler.last_seq}; resumed"
-                        f" {self._policy.resumes} times"
+                        f" {self._recorder.record.resumes} times"
                     ) from exc
                 raise
             if assembler.done:
@@ -805,11 +828,28 @@ class _Stream(Generic[T]):
         With ``report_timings``, a stream that got its first token is queued for reporting
         (once)."""
         self._finished = True
+        self._client._streams.discard(self)
         await self._stop_pump()
         reporter = self._client.timings_reporter
         if reporter is not None and not self._reported:
             self._reported = True
             reporter.note(self._origin, self.timings)
+
+    async def _close_with_client(self) -> None:
+        """The client is closing while this stream is open: stop reading and free its
+        connection now (the pool closes next), and make the reader raise, at once if it waits
+        for the next event: ending as if the answer were whole would pass a cut-off answer
+        for a complete one."""
+        if not self._finished:
+            self._closed_by_client = StreamBrokenError(
+                f"the client was closed while stream {self._stream_id} was read, after event"
+                f" {self._assembler.last_seq}")
+        await self.aclose()
+        if self._closed_by_client is not None:
+            queue = self._queue  # what a waiting reader wakes on: the error, nothing before
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(self._closed_by_client)
 
     # -- machinery ------------------------------------------------------------------------------
     def _new_assembler(self) -> _Assembler[T]:
@@ -893,6 +933,19 @@ class _Stream(Generic[T]):
                 async with asyncio.timeout(self._client.idle_timeout_s):
                     item = await self._queue.get()
             except TimeoutError:
+                if self._stream_id is None and self._attempt + 1 < len(self._plan):
+                    # The region took the request and said nothing for the idle timeout (a
+                    # wedged or stopped router, a black-holed path): it is as unreachable as
+                    # one refusing connections, so the next region takes the request. Sent
+                    # again here instead, it would stall as long again.
+                    self._client.regions.failed(self._region_name, time.monotonic())
+                    await self._stop_pump()
+                    # Its connections may be dead without knowing it: dropped in the
+                    # background (closing a WebSocket waits for a goodbye that may not come).
+                    self._client._in_background(self._client._target(self._origin).reset())
+                    self._attempt += 1
+                    self._start(self._fresh_source())
+                    return
                 await self._recover(None, stalled=True)
                 return
         if type(item) is list:
@@ -958,7 +1011,10 @@ class _Stream(Generic[T]):
                 # error carry the same code): the router restarted or dropped it.
                 raise self._lost(
                     f"stream {self._stream_id} is lost (the router no longer has it) after"
-                    f" event {self._assembler.last_seq}; resumed {self._policy.resumes} times"
+                    f" event {self._assembler.last_seq}; resumed"
+                    # What Timings.resumes says: a long-poll's retried polls are its resumes,
+                    # made inside the transport, which the resume policy does not see.
+                    f" {self._recorder.record.resumes} times"
                 ) from item
             raise item
         assert isinstance(item, Opened)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from firstbyte.client_sdk.errors import FirstbyteError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import MemoryTicketStore, TicketStore
 from firstbyte.client_sdk.transports.base import Session
@@ -72,6 +73,8 @@ class ConnectionPool:
         self._keepalive_task: asyncio.Task[None] | None = None
         self._jobs = [_Job(keepalive_interval_s, self._ping_idle)]
         self._start_on_use = False
+        self._closed = False
+        """After :meth:`aclose`: no session is opened again (it would never be closed)."""
 
     def touch(self) -> None:
         """A request is being made: extend the keep-warm lifetime (and, once :meth:`every`
@@ -90,7 +93,17 @@ class ConnectionPool:
         self._jobs.append(_Job(interval_s, job))
         self._start_on_use = True
 
+    @property
+    def connect_timeout_s(self) -> float:
+        """The connection set-up limit; also how long a probe or keep-warm ping may take."""
+        return self._connect_timeout_s
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FirstbyteError("the client is closed (aclose()): make a new one to send more")
+
     def session(self, origin: Origin, http: str) -> Session:
+        self._check_open()
         key = (origin, http)
         session = self._sessions.get(key)
         if session is None:
@@ -128,6 +141,7 @@ class ConnectionPool:
         return accept_encoding, min(rtts, default=None)
 
     def websockets(self, origin: Origin, headers: dict[str, str]) -> WebSocketPool:
+        self._check_open()
         pool = self._websockets.get(origin)
         if pool is None:
             pool = WebSocketPool(
@@ -184,14 +198,23 @@ class ConnectionPool:
             await job.run()
 
     async def _ping_idle(self) -> None:
+        """Ping every target's idle connections at once, each within ``connect_timeout_s``:
+        a warm connection to a router that stopped answering would hold its ping for ever
+        (reads have no timeout: a stream may wait long for its next event), and one after
+        the other, it held keep-warm of every other region with it."""
         targets: list[Session | WebSocketPool] = [*self._sessions.values(),
                                                   *self._websockets.values()]
-        for target in targets:
+
+        async def ping(target: Session | WebSocketPool) -> None:
             # One failed ping must not stop keep-warm of the others.
-            with contextlib.suppress(Exception):
-                await target.keepalive()
+            with contextlib.suppress(Exception):  # TimeoutError included
+                async with asyncio.timeout(self._connect_timeout_s):
+                    await target.keepalive()
+
+        await asyncio.gather(*(ping(target) for target in targets))
 
     async def aclose(self) -> None:
+        self._closed = True
         self._start_on_use = False
         task, self._keepalive_task = self._keepalive_task, None
         tasks = [t for t in (task, *(job.task for job in self._jobs)) if t is not None]

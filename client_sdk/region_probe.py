@@ -10,6 +10,7 @@ few hundred microseconds, and the minimum is the sample least disturbed by sched
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,31 +41,40 @@ class RegionProbe:
     error: str | None = None
 
 
-async def probe_region(session: Session, samples: int = 3) -> RegionProbe:
+async def probe_region(
+    session: Session, samples: int = 3, *, timeout_s: float | None = None
+) -> RegionProbe:
     """Probe the origin ``session`` talks to (see the module docstring); never raises for
-    network failures, which come back as ``rtt_ms=None`` with ``error`` set."""
+    network failures, which come back as ``rtt_ms=None`` with ``error`` set. A probe not done
+    within ``timeout_s`` is one of them: on a warm connection to a router that stopped
+    answering (stopped, wedged, a black-holed path) it would otherwise wait for ever, and
+    with it ``prewarm()`` and every later re-probe."""
     if samples < 1:
         raise ValueError("samples must be at least 1")
     label: str | None = None
     try:
-        async with session.request("GET", paths.EDGE_STATUS, headers={}, body=None,
-                                   recorder=None) as response:
-            body = await response.read()
-        if response.status == 200:
-            # Any server may sit at a configured URL; only a well-formed status names a region.
-            try:
-                label = _status.decode(body).region
-            except msgspec.DecodeError:  # ValidationError included
-                label = None
-        best = float("inf")
-        healthy = True
-        for _ in range(samples):
-            start = time.perf_counter()
-            async with session.request("GET", paths.HEALTHZ, headers={}, body=None,
+        async with asyncio.timeout(timeout_s):
+            async with session.request("GET", paths.EDGE_STATUS, headers={}, body=None,
                                        recorder=None) as response:
-                await response.read()
-            best = min(best, (time.perf_counter() - start) * 1000.0)
-            healthy = response.status == 200
+                body = await response.read()
+            if response.status == 200:
+                # Any server may sit at a configured URL; only a well-formed status names a
+                # region.
+                try:
+                    label = _status.decode(body).region
+                except msgspec.DecodeError:  # ValidationError included
+                    label = None
+            best = float("inf")
+            healthy = True
+            for _ in range(samples):
+                start = time.perf_counter()
+                async with session.request("GET", paths.HEALTHZ, headers={}, body=None,
+                                           recorder=None) as response:
+                    await response.read()
+                best = min(best, (time.perf_counter() - start) * 1000.0)
+                healthy = response.status == 200
+    except TimeoutError:
+        return RegionProbe(None, label, healthy=False, error=f"no answer within {timeout_s:g} s")
     except (FirstbyteError, OSError) as exc:
         return RegionProbe(None, label, healthy=False, error=str(exc) or type(exc).__name__)
     return RegionProbe(best, label, healthy=healthy)

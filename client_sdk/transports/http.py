@@ -8,6 +8,7 @@ SDK resolved itself (``sni_hostname`` and ``Host`` keep the name) so DNS is its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -16,10 +17,12 @@ from typing import Any
 
 # httpcore imports its HTTP/2 connection and network backend on the first connection; left
 # to it, tens of milliseconds of one-time import CPU would land in the first request's phases.
+import anyio
 import anyio._backends._asyncio
-import anyio.streams.tls  # noqa: F401
+import anyio.streams.tls
+import httpcore
 import httpcore._async.http2
-import httpcore._backends.anyio  # noqa: F401
+import httpcore._backends.anyio
 import httpx
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
@@ -37,15 +40,99 @@ from firstbyte.protocol import paths
 __all__ = ["HttpxSession", "connect_error"]
 
 
-def connect_error(exc: BaseException, origin: Origin) -> ConnectError:
-    """Our typed error for a failure to connect (TLS problems become :class:`TLSError`)."""
+class _ClosingStream(httpcore.AsyncNetworkStream):
+    """A TCP stream that is closed when its TLS handshake does not complete, cancelled too,
+    and whose failed writes are httpcore's ``WriteError`` (a cut), whatever anyio raised.
+
+    httpcore closes the socket when ``start_tls`` raises an ``Exception``, not when it is
+    cancelled (``CancelledError`` is a ``BaseException``): a request cancelled mid-handshake
+    (the application cancels its stream, the idle watchdog gives up on a server that accepted
+    the connection but never answers) would leave its socket open for the garbage collector
+    ("unclosed transport"), one file descriptor per such request."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+
+    # httpcore's stream and backend interfaces take ``timeout`` arguments (ASYNC109).
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        return await self._stream.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        try:
+            await self._stream.write(buffer, timeout)
+        except anyio.EndOfStream as exc:
+            # A TLS write that meets the peer's unexpected EOF (a cut connection) raises
+            # anyio's EndOfStream, which httpcore maps on reads but not on writes: it reached
+            # the application as itself instead of a cut the SDK resumes.
+            raise httpcore.WriteError(f"connection closed while writing: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            return await self._stream.start_tls(ssl_context, server_hostname, timeout)
+        except BaseException:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self._stream.aclose()
+            raise
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _ClosingBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, with :class:`_ClosingStream` TCP streams."""
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+        self._backend = backend
+
+    async def connect_tcp(
+        self, host: str, port: int, timeout: float | None = None,  # noqa: ASYNC109
+        local_address: str | None = None, socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return _ClosingStream(await self._backend.connect_tcp(
+            host, port, timeout, local_address, socket_options))
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None,  # noqa: ASYNC109
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return await self._backend.connect_unix_socket(path, timeout, socket_options)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+def connect_error(
+    exc: BaseException, origin: Origin, timeout_s: float | None = None
+) -> ConnectError:
+    """Our typed error for a failure to connect (TLS problems become :class:`TLSError`).
+
+    A connection that got no answer within ``timeout_s`` is a plain :class:`ConnectError`
+    saying so, whether the TCP connect or the TLS handshake waited: a server that accepts
+    connections but never answers (stopped, overloaded) has no certificate problem, though
+    the timed-out handshake leaves an ``ssl.SSLWantReadError`` behind ("The operation did
+    not complete")."""
+    where = f"{origin.host}:{origin.port}"
+    tls = False
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, ssl.SSLError):
-            return TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {cause}")
+            tls = True
+            break
         cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, httpx.ConnectTimeout):
+        after = "" if timeout_s is None else f" after {timeout_s:g} s"
+        stage = "TLS handshake" if tls else "TCP connect"
+        return ConnectError(f"cannot connect to {where}: {stage} timed out{after}")
+    if tls:
+        return TLSError(f"TLS handshake with {where} failed: {cause}")
     text = str(exc) or type(exc).__name__
-    return ConnectError(f"cannot connect to {origin.host}:{origin.port}: {text}")
+    return ConnectError(f"cannot connect to {where}: {text}")
 
 
 class HttpxSession:
@@ -76,7 +163,7 @@ class HttpxSession:
 
     def _make_client(self) -> httpx.AsyncClient:
         max_connections, keepalive_expiry_s, connect_timeout_s = self._limits
-        return httpx.AsyncClient(
+        client = httpx.AsyncClient(
             http1=self._http == "1.1",
             http2=self._http == "2",
             verify=self._ssl_context,
@@ -91,6 +178,9 @@ class HttpxSession:
                 pool=connect_timeout_s,
             ),
         )
+        pool = client._transport._pool  # type: ignore[attr-defined]
+        pool._network_backend = _ClosingBackend(pool._network_backend)
+        return client
 
     async def _url(self, path: str, recorder: TimingRecorder | None) -> httpx.URL:
         address = await self._resolver.resolve(self.origin.host, self.origin.port, recorder)
@@ -132,7 +222,7 @@ class HttpxSession:
         try:
             response = await self._client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise connect_error(exc, self.origin) from exc
+            raise connect_error(exc, self.origin, self._limits[2]) from exc
         except httpx.TransportError as exc:
             mistake = await plaintext_to_tls_port(self.origin, url.host, self._limits[2])
             if mistake is not None:

@@ -63,6 +63,8 @@ async def test_restarted_router_surfaces_stream_lost_on_every_transport(
         tokens = dict.fromkeys(TRANSPORTS, 0)
         stalled = {t: asyncio.Event() for t in TRANSPORTS}
 
+        resumes = dict.fromkeys(TRANSPORTS, 0)
+
         async def read(transport: str, http: str) -> BaseException | None:
             # A dead QUIC peer says nothing: the idle watchdog finds it, then resumes.
             async with AsyncClient(
@@ -79,6 +81,7 @@ async def test_restarted_router_surfaces_stream_lost_on_every_transport(
                             if tokens[transport, http] == BEFORE_DEATH:
                                 stalled[transport, http].set()
                 except StreamBrokenError as exc:
+                    resumes[transport, http] = stream.timings.resumes
                     return exc
             return None
 
@@ -100,3 +103,6 @@ async def test_restarted_router_surfaces_stream_lost_on_every_transport(
         assert tokens[transport] == BEFORE_DEATH, transport
         assert outcome.last_seq >= BEFORE_DEATH, transport  # the role chunk and the tokens
         assert outcome.stream_id
+        # The message counts the resumes Timings counts (a long-poll's retried polls too).
+        assert resumes[transport] >= 1, transport
+        assert f"; resumed {resumes[transport]} times" in str(outcome), (transport, outcome)
