@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 import msgspec
@@ -78,6 +79,9 @@ from .state import CLIENT_GONE, RouterState
 from .streams import Stream
 from .tenancy import refusal
 
+if TYPE_CHECKING:
+    from .pipeline.proxy import UpstreamHead
+
 __all__ = [
     "FORMAT_ROUTES",
     "chat_completions",
@@ -93,6 +97,7 @@ __all__ = [
     "read_stream",
     "reply",
     "start_detached_stream",
+    "upstream_refusal",
 ]
 
 SSE_HEADERS = (
@@ -375,6 +380,24 @@ FORMAT_ROUTES = {
 completions, Responses, Anthropic Messages, embeddings."""
 
 
+async def upstream_refusal(
+    started: asyncio.Future[UpstreamHead], timeout_s: float
+) -> UpstreamHead | None:
+    """The upstream's head if it refused the stream (not 200) within ``timeout_s``, else None.
+
+    A long-poll or WebSocket start answers a refusal (the upstream's 429 or 503, a 502 when
+    no backend could be reached) with its status, as SSE does, instead of announcing the
+    stream and handing over its error as the first event: a client sends a refused request
+    to the next region, but takes an error inside a started stream as the stream's end."""
+    if not started.done():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(started), timeout_s)
+    if not started.done() or started.cancelled():
+        return None
+    head = started.result()
+    return head if head.status != 200 else None
+
+
 def _retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:
     """A 429 or 503 from upstream (a peer region, a backend) goes out with our Retry-After."""
     if status in (429, 503):
@@ -418,7 +441,7 @@ async def start_detached_stream(
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
     stream.format = ctx.codec.name  # a lost producer's end comes in this format
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
-    state.proxy.start_stream(ctx, stream)
+    started = state.proxy.start_stream(ctx, stream)
     await state.announced(stream)
     if wait == 0:
         headers = [
@@ -428,6 +451,18 @@ async def start_detached_stream(
         ]
         await send_bytes(send, 201, encode(StreamStarted(stream.id)), headers=headers)
         return
+    began = state.clock()
+    refused = await upstream_refusal(started, wait)
+    if refused is not None:  # answered as SSE answers it: the client tries the next region
+        headers = [
+            *_common_headers(ctx),
+            (STREAM_HEADER, stream.id),
+            ("server-timing", ctx.server_timing(upstream_headers=refused.elapsed_ms)),
+            *_retry_after(state, refused.status),
+        ]
+        await send_bytes(send, refused.status, refused.body, headers=headers)
+        return
+    wait = max(0.0, wait - (state.clock() - began))
     batch = await poll(stream, 0, wait, clock=state.clock)
     timing = {} if stream.upstream_ttft_ms is None else {"upstream_ttft": stream.upstream_ttft_ms}
     headers = [

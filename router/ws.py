@@ -36,7 +36,7 @@ from firstbyte.protocol.ws import (
 from firstbyte.protocol.ws import encode as encode_message
 
 from .asgi import Message, Receive, Scope, Send
-from .endpoints import new_context
+from .endpoints import new_context, upstream_refusal
 from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .placement import place
@@ -68,6 +68,18 @@ def _error(stream: str | None, body: ErrorBody | bytes, status: int) -> Error:
     # The message carries the inner error object, as in ``{"error": {...}}`` bodies.
     inner = msgspec.json.decode(raw).get("error", {})
     return Error(stream, msgspec.Raw(encode(inner)), status)
+
+
+def _upstream_error(status: int, body: bytes) -> Error:
+    """The ``error`` message for a stream the upstream refused with ``status`` and ``body``
+    (OpenAI's or Anthropic's error body, whose ``error`` object it carries; another body, a
+    proxy's HTML page, is named by its status)."""
+    with contextlib.suppress(msgspec.DecodeError):
+        data = msgspec.json.decode(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return Error(None, msgspec.Raw(encode(data["error"])), status)
+    fallback = error_body(f"Upstream answered {status}.", code=f"upstream_{status}")
+    return _error(None, fallback, status)
 
 
 def _trimmed(stream_id: str, trimmed: HistoryTrimmed) -> Error:
@@ -161,9 +173,20 @@ class _Session:
         self.state.client_latency.stream_started(
             ctx.owner, ctx.region or self.state.region, self.state.clock()
         )
-        self.state.proxy.start_stream(ctx, stream)
+        started = self.state.proxy.start_stream(ctx, stream)
         await self.state.announced(stream)
         self.state.requests.stream_started(ctx)
+        # The upstream's head before ``start``: a refusal goes out as the error with its status
+        # (what SSE answers), which sends the request to the next region, not as the first
+        # event of a started stream. The head ends the producer's wait at the latest (its
+        # connect and read timeouts); the bound is for a producer cancelled before it ran.
+        limits = self.state.config.limits
+        refused = await upstream_refusal(
+            started, limits.upstream_connect_timeout_s + limits.upstream_read_timeout_s
+        )
+        if refused is not None:
+            await self.send(_upstream_error(refused.status, refused.body))
+            return
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.response_headers)
         await self.send(Start(stream.id, ctx.region, hint.get(BETTER_REGION_HEADER),

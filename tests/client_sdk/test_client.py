@@ -12,7 +12,7 @@ from firstbyte.client_sdk.client import AsyncClient
 from firstbyte.client_sdk.errors import AuthenticationError, ConnectError, RateLimitError, TLSError
 from firstbyte.client_sdk.sync import Client
 from firstbyte.client_sdk.timings import Timings
-from tests.client_sdk.conftest import ROUTER_KEY, Stack
+from tests.client_sdk.conftest import ROUTER_KEY, Stack, start_stack
 from tests.client_sdk.protocol_server import RunningServer
 
 MESSAGES = [{"role": "user", "content": "Tell me about latency."}]
@@ -234,6 +234,25 @@ async def test_failover_to_the_next_region_when_the_first_is_unreachable(stack: 
             text, timings, _ = await stream_once(client, max_tokens=5)
     assert text == await reference_text(stack, 5)
     assert timings.region == "sdk-test"
+
+
+@pytest.mark.parametrize(("transport", "http"), COMBOS)
+async def test_a_region_whose_upstream_refuses_fails_over_on_every_transport(
+    stack: Stack, tls_files: tuple[str, str, str], transport: str, http: str
+) -> None:
+    # The first region's backend answers every request 503. Over SSE the router answers
+    # 503 too; over WebSocket and long-poll it announced the stream and sent the refusal as
+    # its first event, which the SDK took for the stream's end: an APIError, no failover.
+    async with (
+        start_stack(tls_files, faults=["error503:rate=1"]) as refusing,
+        AsyncClient([refusing.base_url, stack.base_url], ROUTER_KEY,
+                    transport=transport, http=http,  # type: ignore[arg-type]
+                    ca_file=stack.ca_file, idle_timeout_s=10) as client,
+    ):
+        text, timings, _ = await stream_once(client, max_tokens=5)
+    # Served whole: only the second region can have served it (the first refuses all).
+    assert text == await reference_text(stack, 5)
+    assert timings.stream_id is not None
 
 
 async def test_failover_on_429_and_a_started_stream_stays_on_its_region(
