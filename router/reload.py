@@ -23,7 +23,7 @@ from .config import ConfigError, RouterConfig
 if TYPE_CHECKING:
     from .app import RouterApp
 
-__all__ = ["RESTART_KEYS", "Reloader", "changed_keys", "needs_restart"]
+__all__ = ["RESTART_KEYS", "SHARED_RESTART_KEYS", "Reloader", "changed_keys", "needs_restart"]
 
 log = logging.getLogger("firstbyte.router")
 
@@ -56,6 +56,11 @@ RESTART_KEYS = (
 )
 """Keys (or whole sections) a reload cannot change: the process must restart."""
 
+SHARED_RESTART_KEYS = ("streams.max_age_s", "streams.resume_grace_s", "routing.affinity_ttl_s")
+"""Keys a reload cannot change while the state is shared (``state.redis_url``): the shared
+state's expiries and reader grace are built from them at start (``router/shared``), so a
+reload would change this process's own store and not what it writes to Redis."""
+
 IN_PLACE_LISTEN_KEYS = ("listen.drain_timeout_s", "listen.drain_grace_s")
 """The ``listen`` keys a reload may change (read when a drain starts)."""
 
@@ -79,12 +84,14 @@ def changed_keys(old: RouterConfig, new: RouterConfig) -> list[str]:
 
 
 def needs_restart(old: RouterConfig, new: RouterConfig) -> list[str]:
-    """The changed keys a reload cannot apply (see :data:`RESTART_KEYS`)."""
+    """The changed keys a reload cannot apply (see :data:`RESTART_KEYS`, and
+    :data:`SHARED_RESTART_KEYS` with shared state)."""
+    restart = RESTART_KEYS + (SHARED_RESTART_KEYS if old.state.redis_url else ())
     return [
         key
         for key in changed_keys(old, new)
         if key not in IN_PLACE_LISTEN_KEYS
-        and any(key == r or key.startswith(r + ".") for r in RESTART_KEYS)
+        and any(key == r or key.startswith(r + ".") for r in restart)
     ]
 
 

@@ -70,6 +70,18 @@ def test_what_needs_a_restart_is_named(change: dict[str, Any], key: str) -> None
     assert ", ".join(needs_restart(_config(), _config(**change))) == key
 
 
+def test_the_shared_states_expiries_need_a_restart_only_when_shared() -> None:
+    # Built into the shared state at start: a reload would change this process's own store
+    # and not what it writes to Redis, while logging the change as applied.
+    change = {"streams__max_age_s": 60.0, "streams__resume_grace_s": 5.0,
+              "routing__affinity_ttl_s": 30.0}
+    shared = {"listen__workers": 2, "state__redis_url": "redis://127.0.0.1:6379/0"}
+    assert needs_restart(_config(**shared), _config(**shared, **change)) == [
+        "routing.affinity_ttl_s", "streams.max_age_s", "streams.resume_grace_s",
+    ]
+    assert needs_restart(_config(), _config(**change)) == []  # in memory: applied in place
+
+
 @pytest.mark.parametrize(
     ("elapsed", "in_flight", "grace", "timeout", "finished"),
     [
