@@ -98,7 +98,7 @@ class RouterState:
         )
         """Per-key rate of client timing reports (``[client_timings]``)."""
         self.client_latency = ClientLatency(
-            [config.region, *(peer.name for peer in config.peers)],
+            _report_regions(config),
             max_countries=reports.max_countries,
             # Like the other per-key limits, only with keys: anonymous, every caller is one.
             max_countries_per_key=reports.max_countries_per_key if self.api_keys else 0,
@@ -246,6 +246,7 @@ class RouterState:
             max_owner_bytes=config.store_bytes_per_key(),
         )
         self.proxy.limits = limits
+        self.client_latency.regions = frozenset(_report_regions(config))
         if old.cors != config.cors:  # else keep which refused origins were logged
             self.cors = CorsPolicy(config.cors)
         if not _routing_changed(old, config):
@@ -573,3 +574,9 @@ def _backends(config: RouterConfig) -> list[Backend]:
 
 def _routing_changed(old: RouterConfig, new: RouterConfig) -> bool:
     return any(getattr(old, name) != getattr(new, name) for name in _ROUTING_SECTIONS)
+
+
+def _report_regions(config: RouterConfig) -> list[str]:
+    """The regions clients' timing reports may name: this one and its peers (reloaded too:
+    a peer added by a reload is one a client may have been served by)."""
+    return [config.region, *(peer.name for peer in config.peers)]
