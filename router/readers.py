@@ -50,10 +50,14 @@ TRIMMED_STATUS = 410
 
 
 def _trimmed_message(trimmed: HistoryTrimmed) -> str:
+    why = (
+        "the region's shared state (Redis) could not take them when they were made (away or"
+        " full)" if trimmed.unwritten
+        else "its API key's streams went over the key's share of the stream store"
+    )
     return (
-        f"Events {trimmed.after + 1} to {trimmed.trimmed} of this stream were dropped: its API"
-        " key's streams went over the key's share of the stream store. Read on from"
-        f" after={trimmed.trimmed}, or send the request again."
+        f"Events {trimmed.after + 1} to {trimmed.trimmed} of this stream were dropped: {why}."
+        f" Read on from after={trimmed.trimmed}, or send the request again."
     )
 
 

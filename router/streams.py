@@ -77,12 +77,14 @@ reader costs no clock call of its own."""
 class HistoryTrimmed(Exception):
     """A reader asked for events from before a stream's trim point: they are gone for good
     (its key went over its share of the store). ``after`` is where the reader was, ``trimmed``
-    the last event dropped."""
+    the last event dropped. ``unwritten``: not trimmed but never written to the shared state
+    (Redis away or full when they were made), read on another process."""
 
-    def __init__(self, after: int, trimmed: int) -> None:
+    def __init__(self, after: int, trimmed: int, *, unwritten: bool = False) -> None:
         super().__init__(f"events {after + 1} to {trimmed} were trimmed")
         self.after = after
         self.trimmed = trimmed
+        self.unwritten = unwritten
 
 
 class _RandomBytes:

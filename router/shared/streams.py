@@ -182,7 +182,7 @@ class RemoteStream:
                 end = bisect.bisect_right(events, before, key=lambda e: e.seq)
                 return events[start:end]
             if seq < after - 1:
-                raise HistoryTrimmed(seq, after - 1)
+                raise HistoryTrimmed(seq, after - 1, unwritten=True)
         return events[start:]
 
     def attach(self, now: float) -> None:

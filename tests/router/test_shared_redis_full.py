@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
 from firstbyte.router.config import parse_config
+from firstbyte.router.readers import trimmed_body
 from firstbyte.router.shared import SharedState, connect
 from firstbyte.router.shared.lease import Lease
 from firstbyte.router.shared.streams import SharedStreams
@@ -114,6 +115,8 @@ async def test_a_reader_elsewhere_is_told_of_events_a_full_redis_dropped(
     with pytest.raises(HistoryTrimmed) as trimmed:
         behind.after(1)
     assert (trimmed.value.after, trimmed.value.trimmed) == (1, 3)
+    # Its message names Redis, not the key's share of the store.
+    assert "shared state (Redis)" in trimmed_body(trimmed.value).error.message
     assert await ahead.wait(3, timeout_s=3)
     assert [e.seq for e in ahead.after(3)] == [4, 5]
     assert ahead.after(3)[-1].is_done
