@@ -157,6 +157,7 @@ async def _finish(
     assert isinstance(local, LocalReply)
     state.metrics.count_reply(endpoint, local, ctx.model_label)
     ctx.outcome = local.outcome
+    ctx.error_code = local.code or None
     await reply(send, ctx, local)
     return True
 

@@ -292,6 +292,8 @@ class AccessRecord(msgspec.Struct, gc=False):
     upstream_error: str | None = None
     """The last failure of its upstream requests (:attr:`RequestContext.upstream_error`),
     even one it failed over from; None when there was none."""
+    error_code: str | None = None
+    """The code of the router's own refusal (``key_rate_limited``, ...); None otherwise."""
 
     @property
     def ttft_ms(self) -> float | None:
@@ -340,6 +342,8 @@ class AccessRecord(msgspec.Struct, gc=False):
             out["client_gone"] = True
         if self.upstream_error is not None:
             out["upstream_error"] = self.upstream_error
+        if self.error_code is not None:
+            out["error_code"] = self.error_code
         return out
 
 
@@ -579,6 +583,7 @@ class RequestLog:
             ended_at=ended_at,
             endpoint=ctx.codec.name if ctx is not None and ctx.request is not None else None,
             upstream_error=bounded(ctx.upstream_error) if ctx and ctx.upstream_error else None,
+            error_code=ctx.error_code if ctx is not None else None,
         )
 
     async def aclose(self) -> None:

@@ -232,6 +232,8 @@ class RequestContext:
     """When the first content chunk arrived from upstream."""
     outcome: str = ""
     """How the request ended, as the requests metric labels it (``ok``, ``rejected``, ...)."""
+    error_code: str | None = None
+    """The code of the router's own refusal (``key_rate_limited``, ...), for the access line."""
     route_reason: str = ""
     """Why routing answered 429 itself (a key of ``multiregion.REJECTION_REASONS``)."""
     upstream_error: str = ""

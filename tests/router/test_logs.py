@@ -252,6 +252,33 @@ async def test_an_upstream_failure_is_named_in_the_access_line(
     assert failed.json()["error"]["message"]
 
 
+async def test_a_refusal_names_its_code_in_the_access_line(
+    start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 429's line names the limit (only the metric did): an operator can tell a key over
+    its rate from one over its concurrency. A request served has no such field."""
+    caplog.set_level(logging.INFO, logger="firstbyte.access")
+    async with running_upstream() as up, start_router(
+        [up.url], tls=False,
+        limits={"requests_per_s_per_key": 0.01, "request_burst_per_key": 1},
+    ) as router:
+        async with httpx.AsyncClient(timeout=10) as client:
+            url = router.base_url + "/v1/chat/completions"
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 3, "stream": True}
+            assert (await client.post(url, json=body, headers=auth())).status_code == 200
+            refused = await client.post(url, json=body, headers=auth())
+        for _ in range(100):
+            if len(caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.02)
+    assert refused.status_code == 429
+    served, limited = [record.fields for record in caplog.records]  # type: ignore[attr-defined]
+    assert "error_code" not in served
+    assert (limited["status"], limited["outcome"]) == (429, "rejected")
+    assert limited["error_code"] == refused.json()["error"]["code"] == "key_rate_limited"
+
+
 async def test_client_supplied_fields_are_bounded_in_access_lines(
     start_router: RouterFactory, tls_files: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
