@@ -175,6 +175,7 @@ class AsyncClient:
         keepalive_expiry_s: float = 120.0,
         keepalive_interval_s: float = 15.0,
         connect_timeout_s: float = 10.0,
+        max_connections: int = 256,
         poll_wait_s: float = 10.0,
         reprobe_interval_s: float | None = 60.0,
         ticket_store: TicketStore | str | os.PathLike[str] | None = None,
@@ -192,6 +193,11 @@ class AsyncClient:
         self.compress_requests: CompressMode = compress_requests
         if retries < 0:
             raise ConfigurationError("retries", f"must be 0 or more, not {retries!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or (
+            max_connections < 1
+        ):
+            raise ConfigurationError(
+                "max_connections", f"must be a whole number, 1 or more, not {max_connections!r}")
         if retry_budget_s < 0:
             raise ConfigurationError("retry_budget_s", f"must be 0 or more, not {retry_budget_s!r}")
         tickets = ticket_store_for(ticket_store)
@@ -271,7 +277,8 @@ class AsyncClient:
         self.pool = ConnectionPool(
             build_ssl_context(checked, ca_file, keylog), verify=checked, ca_file=ca_file,
             keepalive_expiry_s=keepalive_expiry_s, keepalive_interval_s=keepalive_interval_s,
-            connect_timeout_s=connect_timeout_s, tickets=tickets, keylog_file=keylog,
+            connect_timeout_s=connect_timeout_s, max_connections=max_connections,
+            tickets=tickets, keylog_file=keylog,
         )
         self.timings_reporter: TimingsReporter[Origin] | None = None
         """With ``report_timings``: the queue of finished streams' timings and its sender."""

@@ -51,7 +51,7 @@ class ConnectionPool:
         keepalive_expiry_s: float = 120.0,
         keepalive_interval_s: float = 15.0,
         connect_timeout_s: float = 10.0,
-        max_connections: int = 16,
+        max_connections: int = 256,
         tickets: TicketStore | None = None,
         keylog_file: str | None = None,
     ) -> None:

@@ -146,7 +146,7 @@ class HttpxSession:
         resolver: Resolver,
         *,
         keepalive_expiry_s: float = 120.0,
-        max_connections: int = 16,
+        max_connections: int = 256,
         connect_timeout_s: float = 10.0,
     ) -> None:
         if http not in ("1.1", "2"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from typing import Any
 
 import httpx
@@ -234,6 +236,30 @@ async def test_failover_to_the_next_region_when_the_first_is_unreachable(stack: 
             text, timings, _ = await stream_once(client, max_tokens=5)
     assert text == await reference_text(stack, 5)
     assert timings.region == "sdk-test"
+
+
+async def test_an_app_streams_more_than_sixteen_at_once_over_http11(
+    tls_files: tuple[str, str, str],
+) -> None:
+    # A stream over HTTP/1.1 holds its connection to the end: with the pool's old cap of 16
+    # connections, the 17th stream waited for one of the first 16 to end.
+    async with start_stack(tls_files, profile="h100-7b") as slow, AsyncClient(
+        slow.base_url, ROUTER_KEY, http="1.1", ca_file=slow.ca_file
+    ) as client:
+        first: list[float] = []
+        ended: list[float] = []
+
+        async def one(i: int) -> None:
+            async with client.stream(model="sim-llama-7b", messages=MESSAGES, max_tokens=40,
+                                     seed=i) as stream:
+                async for _ in stream:
+                    if len(first) < 24 and stream.timings.output_chunks == 1:
+                        first.append(time.monotonic())
+                ended.append(time.monotonic())
+
+        await asyncio.gather(*(one(i) for i in range(24)))
+    assert len(first) == len(ended) == 24
+    assert max(first) < min(ended)  # all 24 were streaming at once
 
 
 @pytest.mark.parametrize(("transport", "http"), COMBOS)

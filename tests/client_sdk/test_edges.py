@@ -124,6 +124,8 @@ def test_the_same_region_given_twice_is_refused(base_url: list[str] | dict[str, 
     ("stall_retries", -1, "a number of 0 or more"),
     ("resume_backoff_s", -0.5, "a number of 0 or more"),
     ("keepalive_expiry_s", "120", "a number of 0 or more"),
+    ("max_connections", 0, "a whole number, 1 or more"),
+    ("max_connections", 2.5, "a whole number, 1 or more"),
 ])
 def test_a_timing_option_out_of_range_names_itself(option: str, value: object, wanted: str) -> None:
     with pytest.raises(ConfigurationError) as info:
