@@ -102,7 +102,8 @@ def authenticate(
     if token is None:
         return error_reply(
             401,
-            "Missing API key: send 'Authorization: Bearer KEY'.",
+            "Missing API key: send 'Authorization: Bearer KEY' (to /v1/messages, also"
+            " 'x-api-key: KEY').",
             "authentication_error",
             code=error_codes.MISSING_API_KEY,
             outcome="unauthorized",

@@ -275,6 +275,10 @@ async def test_messages_takes_x_api_key_and_refuses_on_the_head(
                 headers={"x-api-key": API_KEY},
             )
             assert other.status_code == 401
+            # A request with no key is told of both headers /v1/messages takes.
+            keyless = await client.post(router.base_url + "/v1/messages", json=body)
+            assert keyless.status_code == 401
+            assert "'x-api-key: KEY'" in keyless.json()["error"]["message"]
             bad = await client.post(router.base_url + "/v1/messages", headers=auth(),
                                     json={"model": "test-model", "messages": []})
             assert bad.status_code == 400
