@@ -507,7 +507,9 @@ class RequestLog:
                     (record.method, record.path, record.status), None,
                     extra={"fields": fields},
                 ))
-        if self.spans is not None and ctx is not None and record.sampled:
+        # Not the operational requests either: a scrape and each peer's poll every second
+        # would be a trace a second each, as they would be a line (debug only, above).
+        if self.spans is not None and ctx is not None and record.sampled and not operational:
             self.spans.export(record)
 
     def record(

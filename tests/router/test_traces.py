@@ -116,6 +116,13 @@ async def test_a_streamed_request_is_exported_as_a_genai_trace(
                         headers={**auth(), "traceparent": f"00-{'1' * 32}-{CALLER}-00"},
                     )
                     assert unsampled.status_code == 200
+                    # Operational requests (Prometheus' scrapes, peers' status polls, one a
+                    # second each) are not traced, as they are logged at debug only.
+                    scrape = await client.get(
+                        router.base_url + "/metrics",
+                        headers={**auth(), "traceparent": f"00-{'2' * 32}-{CALLER}-01"},
+                    )
+                    assert scrape.status_code == 200
             # Leaving the router flushes the exporter.
     assert set(otlp.paths) == {"/v1/traces"}
     assert set(otlp.content_types) == {"application/x-protobuf"}
