@@ -26,7 +26,7 @@ import httpcore._backends.anyio
 import httpx
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
-from firstbyte.client_sdk.errors import ConnectError, TLSError
+from firstbyte.client_sdk.errors import ConnectError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import (
     HTTPResponse,
@@ -34,7 +34,7 @@ from firstbyte.client_sdk.transports.base import (
     note_response_headers,
     noted_accept_encoding,
 )
-from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
+from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port, tls_failure
 from firstbyte.protocol import paths
 
 __all__ = ["HttpxSession", "connect_error"]
@@ -129,8 +129,8 @@ def connect_error(
         after = "" if timeout_s is None else f" after {timeout_s:g} s"
         stage = "TLS handshake" if tls else "TCP connect"
         return ConnectError(f"cannot connect to {where}: {stage} timed out{after}")
-    if tls:
-        return TLSError(f"TLS handshake with {where} failed: {cause}")
+    if isinstance(cause, ssl.SSLError):
+        return tls_failure(origin.host, origin.port, cause)
     text = str(exc) or type(exc).__name__
     return ConnectError(f"cannot connect to {where}: {text}")
 

@@ -1,4 +1,5 @@
-"""Naming one common mistake: an ``http://`` base URL aimed at a port that speaks TLS.
+"""Naming two common mistakes: an ``http://`` base URL aimed at a port that speaks TLS, and
+an ``https://`` one aimed at a port that does not (:func:`tls_failure`).
 
 A TLS server that reads a plaintext request closes the connection (or answers with a TLS
 alert), which on its own looks like a connection cut before the response and would be
@@ -13,10 +14,10 @@ import asyncio
 import contextlib
 import ssl
 
-from firstbyte.client_sdk.errors import ConnectError
+from firstbyte.client_sdk.errors import ConnectError, TLSError
 from firstbyte.client_sdk.resolver import Origin
 
-__all__ = ["plaintext_to_tls_port"]
+__all__ = ["plaintext_to_tls_port", "tls_failure"]
 
 
 async def _speaks_tls(address: str, port: int, timeout_s: float) -> bool:
@@ -43,3 +44,13 @@ async def plaintext_to_tls_port(
         return None
     return ConnectError(f"{origin.host}:{origin.port} speaks TLS: use https:// instead of"
                         " http:// in the base URL")
+
+
+def tls_failure(host: str, port: int, exc: ssl.SSLError) -> TLSError:
+    """The error for a failed TLS handshake with ``host:port``. ``WRONG_VERSION_NUMBER``: what
+    came back is no TLS record (a plain HTTP server's answer to the ClientHello), so the
+    message says that the port does not speak TLS, not only OpenSSL's name for it."""
+    if getattr(exc, "reason", None) == "WRONG_VERSION_NUMBER":
+        return TLSError(f"TLS handshake with {host}:{port} failed: the server does not speak TLS"
+                        " there (if it serves plain HTTP, use http:// in the base URL)")
+    return TLSError(f"TLS handshake with {host}:{port} failed: {exc}")

@@ -31,12 +31,11 @@ from firstbyte.client_sdk.errors import (
     AuthenticationError,
     ConnectError,
     StreamBrokenError,
-    TLSError,
     api_error_from_response,
 )
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import Event, Opened, Source, TransportCut
-from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port
+from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port, tls_failure
 from firstbyte.protocol import paths
 from firstbyte.protocol import ws as messages
 from firstbyte.protocol.sse import DONE
@@ -120,7 +119,7 @@ class WebSocketPool:
             raise api_error_from_response(status, body) from None
         except ssl.SSLError as exc:
             sock.close()
-            raise TLSError(f"TLS handshake with {origin.host}:{origin.port} failed: {exc}") from exc
+            raise tls_failure(origin.host, origin.port, exc) from exc
         except InvalidMessage as exc:
             sock.close()
             mistake = await plaintext_to_tls_port(origin, address, self._connect_timeout_s)

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from firstbyte.client_sdk.client import AsyncClient
-from firstbyte.client_sdk.errors import ConfigurationError, ConnectError
+from firstbyte.client_sdk.errors import ConfigurationError, ConnectError, TLSError
+from firstbyte.router.sim.server import running_sim
 from tests.client_sdk.protocol_server import RunningServer, expected_text
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -81,6 +82,24 @@ async def test_plain_http_to_a_tls_port_says_to_use_https(
     assert client.pool.ssl_context is not None
     assert not server.app.requests  # the plaintext request never reached the application
     print(f"{transport}: refused in {time.perf_counter() - start:.3f} s")
+
+
+@pytest.mark.parametrize(("transport", "http"), [("sse", "1.1"), ("sse", "2"),
+                                                 ("longpoll", "1.1"), ("websocket", "1.1")])
+async def test_https_to_a_plain_http_port_says_the_port_does_not_speak_tls(
+    transport: str, http: str
+) -> None:
+    # Before: OpenSSL's "[SSL: WRONG_VERSION_NUMBER] wrong version number" and nothing more.
+    async with running_sim("instant") as sim_url:
+        url = sim_url.replace("http://", "https://") + "/v1"
+        async with AsyncClient(url, "test-key", transport=transport, http=http,  # type: ignore[arg-type]
+                               retries=0) as client:
+            with pytest.raises(TLSError) as info:
+                await first_text(client)
+    port = sim_url.rsplit(":", 1)[1]
+    assert str(info.value) == (
+        f"TLS handshake with 127.0.0.1:{port} failed: the server does not speak TLS there"
+        " (if it serves plain HTTP, use http:// in the base URL)")
 
 
 def test_a_bad_base_url_names_the_option() -> None:
