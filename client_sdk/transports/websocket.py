@@ -42,6 +42,11 @@ from firstbyte.protocol.sse import DONE
 
 __all__ = ["WebSocketPool", "websocket_source"]
 
+CLOSE_TIMEOUT_S = 1.0
+"""How long closing a socket waits for the router's close frame (websockets' default is
+10 s): a router gone silent (stopped, a path black-holed) answers none, and the pool's reset
+and keep-warm close such sockets. A live router answers in a round trip."""
+
 
 class _TimedConnection(ClientConnection):
     made_at: float = 0.0
@@ -110,7 +115,7 @@ class WebSocketPool:
                 self.url, sock=sock, additional_headers=self._headers,
                 create_connection=_TimedConnection, open_timeout=self._connect_timeout_s,
                 ping_interval=self._ping_interval_s, ping_timeout=self._connect_timeout_s,
-                max_size=16 << 20, compression=None, **kw,
+                close_timeout=CLOSE_TIMEOUT_S, max_size=16 << 20, compression=None, **kw,
             )
         except InvalidStatus as exc:
             sock.close()
@@ -190,8 +195,8 @@ class WebSocketPool:
 
     async def reset(self) -> None:
         idle, self._idle = self._idle, []
-        for ws in idle:
-            await ws.close()
+        # Together: each waits up to CLOSE_TIMEOUT_S for a peer that may be gone.
+        await asyncio.gather(*(ws.close() for ws in idle))
 
     async def aclose(self) -> None:
         await self.reset()
@@ -268,5 +273,5 @@ async def websocket_source(
         else:
             pool.forget(ws)
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
                     await ws.close()

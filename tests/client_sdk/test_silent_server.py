@@ -201,6 +201,31 @@ async def test_a_region_gone_silent_on_a_warm_connection_holds_no_probe_or_keep_
             proxy.close()
 
 
+async def test_warm_websockets_to_a_router_gone_silent_are_closed_in_a_second(
+    stack: Stack,
+) -> None:
+    # Closing waits for the router's close frame, which a silent router never sends: for
+    # websockets' default 10 s a socket, one after another (the pool's reset after a stall,
+    # keep-warm after a missed pong).
+    proxy = FreezingProxy(stack.port)
+    listening = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    proxy.port = listening.sockets[0].getsockname()[1]
+    async with listening, AsyncClient(
+        f"https://localhost:{proxy.port}/v1", ROUTER_KEY, ca_file=stack.ca_file,
+        transport="websocket", http="1.1", reprobe_interval_s=None,
+    ) as client:
+        try:
+            origin = client.origins[0]
+            sockets = client.pool.websockets(origin, client.headers)
+            await sockets.prewarm(3)
+            proxy.frozen = True
+            started = time.monotonic()
+            await asyncio.wait_for(sockets.reset(), 20)
+            assert time.monotonic() - started < 3.0  # 1 s together, not 10 s each
+        finally:
+            proxy.close()
+
+
 class _CutOnWrite(httpcore.AsyncNetworkStream):
     """A TLS stream whose peer is gone: anyio's TLS write raises ``EndOfStream`` (what it
     raises for an unexpected EOF when not ``standard_compatible``, as httpcore opens it)."""
