@@ -55,17 +55,31 @@ async def shared() -> AsyncIterator[SharedState]:
             await state.aclose()
 
 
+async def _published(shared: SharedState, stream_id: str) -> Stream:
+    """A new stream of this process, shared: its metadata in Redis."""
+    stream = Stream(stream_id, b"owner", 0.0)
+    shared.streams.publish(stream)
+    await shared.streams.announced(stream)
+    return stream
+
+
+def _reader_elsewhere(shared: SharedState) -> SharedStreams:
+    """Another process's view of the shared streams."""
+    return SharedStreams(
+        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
+        max_age_s=60, max_events=1000, reader_grace_s=1,
+    )
+
+
 async def test_a_full_redis_drops_a_streams_events_without_cancelling_it(
     shared: SharedState,
 ) -> None:
     """Events written while Redis refuses them for memory are dropped (counted as failures),
     the stream is not fenced: its upstream request goes on, and what it appends once Redis
     has room again is written."""
-    stream = Stream("full", b"owner", 0.0)
+    stream = await _published(shared, "full")
     cancelled: list[str] = []
     stream.cancel_producer = lambda: cancelled.append(stream.id)
-    shared.streams.publish(stream)
-    await shared.streams.announced(stream)
     stream.append(b"data: 1", 0.0)
     await asyncio.sleep(0.2)
     await shared.redis.config_set("maxmemory", 1)  # far below what it uses: full
@@ -90,9 +104,7 @@ async def test_a_reader_elsewhere_is_told_of_events_a_full_redis_dropped(
     a reader on another process resuming from 0 reads 1 then gets :class:`HistoryTrimmed`
     (it used to get 1, 4, ``[DONE]``: a silent gap of two tokens), and one that had seen 3
     from the producer reads on from 4."""
-    stream = Stream("holed", b"owner", 0.0)
-    shared.streams.publish(stream)
-    await shared.streams.announced(stream)
+    stream = await _published(shared, "holed")
     stream.append(b"data: 1", 0.0)
     await asyncio.sleep(0.2)
     await shared.redis.config_set("maxmemory", 1)
@@ -103,10 +115,7 @@ async def test_a_reader_elsewhere_is_told_of_events_a_full_redis_dropped(
     stream.append(b"data: 4", 0.0)
     stream.finish(0.0)
     await asyncio.sleep(0.2)
-    reader = SharedStreams(
-        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
-        max_age_s=60, max_events=1000, reader_grace_s=1,
-    )
+    reader = _reader_elsewhere(shared)
     behind, ahead = await reader.lookup("holed", b"owner"), await reader.lookup("holed", b"owner")
     assert behind is not None
     assert ahead is not None
@@ -129,9 +138,7 @@ async def test_a_streams_end_a_full_redis_dropped_is_written_once_it_has_room(
     waited for it until the stream expired. The next housekeeping after Redis has room
     writes it (once: a second call leaves Redis as it is), so that reader ends, told of the
     events missing before it."""
-    stream = Stream("unended", b"owner", 0.0)
-    shared.streams.publish(stream)
-    await shared.streams.announced(stream)
+    stream = await _published(shared, "unended")
     stream.append(b"data: 1", 0.0)
     await asyncio.sleep(0.2)
     await shared.redis.config_set("maxmemory", 1)
@@ -148,10 +155,7 @@ async def test_a_streams_end_a_full_redis_dropped_is_written_once_it_has_room(
     assert writer.dropped == {}
     entries: Any = await shared.redis.xrange(shared.keys.events("unended"))
     assert [(e[0], e[1][b"d"]) for e in entries] == [(b"1-0", b"data: 1"), (b"3-0", b"[DONE]")]
-    reader = SharedStreams(
-        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
-        max_age_s=60, max_events=1000, reader_grace_s=1,
-    )
+    reader = _reader_elsewhere(shared)
     remote = await reader.lookup("unended", b"owner")
     assert remote is not None
     assert await remote.wait(0, timeout_s=3)
@@ -167,9 +171,7 @@ async def test_a_stream_redis_lost_is_not_made_again_without_an_expiry(
     next events and its TTFT used to make the stream's keys again, without an expiry, kept
     until Redis was full; they are dropped instead (no reader elsewhere can find the stream
     without its metadata), and a new stream is written as before."""
-    stream = Stream("forgotten", b"owner", 0.0)
-    shared.streams.publish(stream)
-    await shared.streams.announced(stream)
+    stream = await _published(shared, "forgotten")
     stream.append(b"data: 1", 0.0)
     await asyncio.sleep(0.2)
     events, meta = shared.keys.events("forgotten"), shared.keys.meta("forgotten")
@@ -179,9 +181,7 @@ async def test_a_stream_redis_lost_is_not_made_again_without_an_expiry(
     for n in range(2, 80):  # past the events that bound the length (XADD MAXLEN)
         stream.append(b"data: %d" % n, 0.0)
     stream.finish(0.0)
-    fresh = Stream("fresh", b"owner", 0.0)
-    shared.streams.publish(fresh)
-    await shared.streams.announced(fresh)
+    fresh = await _published(shared, "fresh")
     fresh.append(b"data: 1", 0.0)
     await asyncio.sleep(0.3)
     assert await shared.redis.exists(events, meta) == 0
@@ -210,9 +210,7 @@ async def test_a_stream_whose_first_event_was_dropped_is_made_with_its_expiry(
     """Its metadata in Redis, its first event dropped (Redis full): the next event makes the
     stream, with its expiry (events of a stream Redis lost go nowhere, but this one a reader
     can find), and a reader elsewhere is told event 1 is missing instead of waiting for it."""
-    stream = Stream("headless", b"owner", 0.0)
-    shared.streams.publish(stream)
-    await shared.streams.announced(stream)
+    stream = await _published(shared, "headless")
     await shared.redis.config_set("maxmemory", 1)
     stream.append(b"data: 1", 0.0)
     await asyncio.sleep(0.2)
@@ -224,10 +222,7 @@ async def test_a_stream_whose_first_event_was_dropped_is_made_with_its_expiry(
     entries: Any = await shared.redis.xrange(events)
     assert [e[0] for e in entries] == [b"2-0", b"3-0"]
     assert await shared.redis.pttl(events) > 0
-    reader = SharedStreams(
-        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
-        max_age_s=60, max_events=1000, reader_grace_s=1,
-    )
+    reader = _reader_elsewhere(shared)
     remote = await reader.lookup("headless", b"owner")
     assert remote is not None
     with pytest.raises(HistoryTrimmed):
