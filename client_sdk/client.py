@@ -58,7 +58,13 @@ from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
 from firstbyte.client_sdk.regions import Region, RegionSelector
 from firstbyte.client_sdk.resolver import Origin
-from firstbyte.client_sdk.resources import Completions, Embeddings, Messages, Responses
+from firstbyte.client_sdk.resources import (
+    Completions,
+    Embeddings,
+    Messages,
+    Responses,
+    message_list,
+)
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.tickets import ticket_store as ticket_store_for
 from firstbyte.client_sdk.timings import Timings
@@ -375,7 +381,7 @@ class AsyncClient:
         session = self.pool.session(origin, self.http)
         headers = {**self.headers, "content-type": "application/json"}
         body, headers = self._packed(origin, msgspec.json.encode(
-            {"model": model, "messages": list(messages)}), headers)
+            {"model": model, "messages": message_list(messages)}), headers)
         path = paths.at_base(paths.EDGE_WARM, origin.prefix)
         async with session.request("POST", path, headers=headers, body=body,
                                    recorder=None) as response:
@@ -529,7 +535,7 @@ class AsyncClient:
         ``on_first_token`` is called with the first content delta; the time it returns is
         ``timings.render_ms`` (hand the token to the UI there).
         """
-        body: dict[str, Any] = {"model": model, "messages": list(messages), "stream": True,
+        body: dict[str, Any] = {"model": model, "messages": message_list(messages), "stream": True,
                                 "stream_options": {"include_usage": True}}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens

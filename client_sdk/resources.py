@@ -10,7 +10,7 @@ decoded with :mod:`firstbyte.protocol.events`' types.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -32,9 +32,20 @@ from firstbyte.protocol.formats import EMBEDDINGS
 if TYPE_CHECKING:
     from firstbyte.client_sdk.client import AsyncClient, EventStream
 
-__all__ = ["Completions", "Embeddings", "Messages", "Responses"]
+__all__ = ["Completions", "Embeddings", "Messages", "Responses", "message_list"]
 
 W = TypeVar("W")
+
+
+def message_list(messages: Any) -> list[Any]:
+    """``messages`` as the list a request body carries; a ``TypeError`` that says what is
+    wanted for something that is no sequence of messages (``None``; a string, which ``list``
+    would cut into characters for the router to refuse one by one)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise TypeError(
+            f"messages must be a list of messages ({{'role': ..., 'content': ...}}), not"
+            f" {type(messages).__name__}")
+    return list(messages)
 
 
 def _body(fields: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +142,7 @@ class Messages:
         **options: Any,
     ) -> EventStream[MessageEvent]:
         """A streamed message: its typed events, ``message_stop`` last."""
-        body = _body({"model": model, "messages": list(messages), "max_tokens": max_tokens,
+        body = _body({"model": model, "messages": message_list(messages), "max_tokens": max_tokens,
                       "system": system, "stream": True}, options)
         return self._client._event_stream(MESSAGE_EVENTS, body, on_first_token)
 
@@ -140,7 +151,7 @@ class Messages:
         system: str | Sequence[Any] | None = None, **options: Any,
     ) -> MessageObject:
         """A whole message (its ``text``, ``stop_reason`` and ``usage``)."""
-        body = _body({"model": model, "messages": list(messages), "max_tokens": max_tokens,
+        body = _body({"model": model, "messages": message_list(messages), "max_tokens": max_tokens,
                       "system": system}, options)
         raw = await self._client._post_json(MESSAGE_EVENTS.path, body)
         return _decode(raw, MessageObject, "messages")

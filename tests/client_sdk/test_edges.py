@@ -102,6 +102,20 @@ async def test_https_to_a_plain_http_port_says_the_port_does_not_speak_tls(
         " (if it serves plain HTTP, use http:// in the base URL)")
 
 
+async def test_messages_that_are_no_list_of_messages_say_so() -> None:
+    # Before: None raised "'NoneType' object is not iterable"; a string went out cut into
+    # characters, for the router to refuse as 'messages[0]: expected object'.
+    async with AsyncClient("https://localhost:1/v1", "key") as client:
+        for bad, name in ((None, "NoneType"), ("Hi", "str"), ({"role": "user"}, "dict")):
+            with pytest.raises(TypeError) as info:
+                client.stream(model="m", messages=bad)  # type: ignore[arg-type]
+            assert str(info.value) == (
+                "messages must be a list of messages ({'role': ..., 'content': ...}), not"
+                f" {name}")
+            with pytest.raises(TypeError, match=r"^messages must be a list of messages"):
+                client.messages.stream(model="m", messages=bad, max_tokens=4)  # type: ignore[arg-type]
+
+
 def test_a_bad_base_url_names_the_option() -> None:
     with pytest.raises(ConfigurationError, match=r"^base_url: must be a base URL http\(s\)://"):
         AsyncClient("localhost:8080")
