@@ -248,3 +248,21 @@ async def test_disconnect_cancels_upstream_after_grace(
         events = SSEDecoder().receive_data(late.content)
         assert events[-1].data == "[DONE]"
         assert json.loads(events[-2].data)["error"]["code"] == "cancelled"
+
+
+async def test_a_resume_before_the_first_token_sends_no_empty_server_timing(
+    start_router: RouterFactory,
+) -> None:
+    """Nothing is timed yet (no first token): no ``Server-Timing`` at all (it was sent
+    empty)."""
+    async with sim_server("instant", faults=["stall:after=0"]) as stalled, start_router(
+        [stalled.url], tls=False
+    ) as router, httpx.AsyncClient(timeout=10) as client:
+        body = {"model": "sim-instant", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4}
+        started = await client.post(router.base_url + "/v1/streams", json=body, headers=auth())
+        stream_id = started.json()["stream"]
+        async with client.stream("GET", router.base_url + f"/v1/streams/{stream_id}",
+                                 headers=auth()) as resumed:
+            assert resumed.status_code == 200
+            assert "server-timing" not in resumed.headers
