@@ -180,19 +180,22 @@ async def test_weights_1_1_2_are_honoured_in_a_full_region(start_router: RouterF
             {(API_KEY, None): 8, (OTHER_KEY, None): 8, (THIRD_KEY, None): 8},
             router.app.state.tenants,
         )
-    # Shares of what was held: 1/4, 1/4 and 1/2 (within 20%); served in about that ratio.
-    # Shares, not counts: how full the closed loops keep the region between a stream's end
-    # and the next admission is the machine's speed (6.6 of 8 held on a slow one), not the
-    # router's fairness. 20%, not 15%: a loaded CI machine read a light key at 0.291 once in
-    # four runs; weights ignored would hold 1/3 each, past the light keys' 0.30.
+    # Shares of what was held: about 1/4, 1/4 and 1/2; served in about that ratio. Shares,
+    # not counts: how full the closed loops keep the region between a stream's end and the
+    # next admission is the machine's speed (6.6 of 8 held on a slow one), not the router's
+    # fairness. Nor a band around 1/4: a light key's client takes a slot the weight-2 key
+    # freed while that key's next request is still on its way (the region has room: work
+    # conserving), and the slower the machine the wider that window: 0.25 / 0.25 / 0.50 on a
+    # quiet machine, 0.32 / 0.25 / 0.43 on a loaded CI one. So: the weight-2 key holds more
+    # than each weight-1 key by at least 30% (ideally twice; weights ignored, as much).
     in_flight = sum(held.values())
     assert in_flight >= 4, held  # contended: more asked than the region's 8 hold
     shares = {key: count / in_flight for key, count in held.items()}
-    assert all(0.20 <= shares[k] <= 0.30 for k in (API_KEY, OTHER_KEY)), held
+    assert all(shares[THIRD_KEY] >= 1.3 * shares[k] for k in (API_KEY, OTHER_KEY)), held
     assert 0.40 <= shares[THIRD_KEY] <= 0.60, held
     a, b, c = (served[(k, None)] for k in (API_KEY, OTHER_KEY, THIRD_KEY))
     assert 0.7 <= a / b <= 1.4, (a, b, c)
-    assert 1.4 <= c / ((a + b) / 2) <= 2.6, (a, b, c)
+    assert 1.3 <= c / ((a + b) / 2) <= 2.6, (a, b, c)
     codes = Counter(_code(r) for k in answers for r in answers[k] if r.status_code == 429)
     assert set(codes) <= {"key_over_fair_share", "region_saturated"}, codes
     assert codes["key_over_fair_share"] > codes["region_saturated"], codes
