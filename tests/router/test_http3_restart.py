@@ -66,7 +66,12 @@ async def test_quic_server_end_is_logged_unadvertised_and_restarted(
                 udp.sendto(CRASH, ("127.0.0.1", router.h3_port))
             crashed = time.monotonic()
             await _until(lambda: not status.up, 5.0)
-            errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+            # The router's own lines. Not asyncio's "exception was never retrieved" for a
+            # gather the crash cancelled, which hypercorn at the lowest supported version
+            # leaves behind; it is written when the garbage collector frees it, so it lands
+            # in this window or not.
+            errors = [r for r in caplog.records
+                      if r.levelno == logging.ERROR and r.name.startswith("firstbyte")]
             assert [r.getMessage() for r in errors] == [
                 f"HTTP/3 server stopped on RuntimeError: forced at {__name__.rsplit('.')[-1]}.py"
                 f":{crashing.__code__.co_firstlineno + 2}; not advertised, restarting in 5 s"
