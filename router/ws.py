@@ -39,6 +39,7 @@ from .asgi import Message, Receive, Scope, Send
 from .endpoints import new_context, upstream_refusal
 from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
+from .pipeline.relay import upstream_error_object
 from .placement import place
 from .readers import TRIMMED_STATUS, HistoryTrimmed, ReadableStream, follow, trimmed_body
 from .shared.errors import StateUnavailable, unavailable_reply
@@ -74,10 +75,9 @@ def _upstream_error(status: int, body: bytes) -> Error:
     """The ``error`` message for a stream the upstream refused with ``status`` and ``body``
     (OpenAI's or Anthropic's error body, whose ``error`` object it carries; another body, a
     proxy's HTML page, is named by its status)."""
-    with contextlib.suppress(msgspec.DecodeError):
-        data = msgspec.json.decode(body)
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            return Error(None, msgspec.Raw(encode(data["error"])), status)
+    error = upstream_error_object(body)
+    if error is not None:
+        return Error(None, msgspec.Raw(encode(error)), status)
     fallback = error_body(f"Upstream answered {status}.", code=f"upstream_{status}")
     return _error(None, fallback, status)
 

@@ -53,6 +53,7 @@ __all__ = [
     "SwitchBackend",
     "error_event",
     "has_content",
+    "upstream_error_object",
 ]
 
 DONE_BYTES = DONE.encode()
@@ -119,18 +120,25 @@ def has_content(data: bytes) -> bool:
     return CHAT.is_content(data)
 
 
+def upstream_error_object(body: bytes) -> dict[str, Any] | None:
+    """The ``error`` object of an upstream's error body (OpenAI's and Anthropic's both have
+    ``{"error": {...}}``), or None for another body (a proxy's HTML page, nothing)."""
+    try:
+        data: Any = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        error: dict[str, Any] = data["error"]
+        return error
+    return None
+
+
 def _as_error_event(status: int, body: bytes, codec: Codec = CHAT) -> bytes:
     """An upstream error reply as an in-stream error event: its body if it is OpenAI's and
     the format is OpenAI's chat or completions; in a format of named events (Responses,
     Anthropic's Messages), that format's error event carrying the upstream's message (from
     OpenAI's or Anthropic's error body, both ``{"error": {"message": ...}}``)."""
-    error = None
-    try:
-        data: Any = msgspec.json.decode(body)
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            error = data["error"]
-    except msgspec.DecodeError:
-        pass
+    error = upstream_error_object(body)
     if codec.named_events:
         message = error.get("message") if error is not None else None
         if not isinstance(message, str) or not message:
