@@ -239,7 +239,7 @@ def test_the_compiled_read_path_adds_as_stream_add_does(case: str) -> None:
                 side.stream.finish(0.5)
             if case == "two_owners":  # another owner's stream, within its share
                 other = side.store.create(b"p" * 32, 0.0)
-                other.add([b"y" * 1_000], 0.0)
+                other.add([b"y" * 900], 0.0)
         taken = []
         for n, payloads in enumerate(_reads(12)):
             now = 1.0 + n * 0.004
