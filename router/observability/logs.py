@@ -30,6 +30,7 @@ __all__ = [
     "TextFormatter",
     "configure",
     "key_id",
+    "set_worker",
     "subject_id",
     "write_direct",
 ]
@@ -52,6 +53,10 @@ QUIET_LIBRARIES = (
 
 _ENCODER = msgspec.json.Encoder(enc_hook=str)
 
+_worker: int | None = None
+"""This process's worker slot when it is one of ``listen.workers > 1`` (:func:`set_worker`):
+every line then says which process wrote it."""
+
 _FIELDS = "fields"
 """The ``extra`` key carrying a record's structured fields."""
 
@@ -73,6 +78,14 @@ def subject_id(subject: str | None) -> str | None:
     if not subject:
         return None
     return hashlib.sha256(b"firstbyte-subject-id\0" + subject.encode()).hexdigest()[:12]
+
+
+def set_worker(index: int) -> None:
+    """Called in a forked worker (:mod:`firstbyte.router.workers`) before it serves: its
+    lines carry ``worker`` (the slot, 0 to N-1), so the lines of N processes writing to one
+    stdout can be told apart; a single process's lines have no such field."""
+    global _worker
+    _worker = index
 
 
 def _fields(record: logging.LogRecord) -> Mapping[str, Any]:
@@ -138,6 +151,8 @@ class JsonFormatter(_LineFormatter):
             "logger": logger,
             "msg": msg,
         }
+        if _worker is not None:
+            line["worker"] = _worker
         for name, value in fields.items():
             line.setdefault(name, value)
         if exc:
@@ -156,6 +171,8 @@ class TextFormatter(_LineFormatter):
         exc: str | None = None,
     ) -> str:
         text = f"{self._timestamp(created)} {level} {logger}: {msg}"
+        if _worker is not None:
+            fields = {"worker": _worker, **fields}
         pairs = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         if pairs:
             text += " " + pairs

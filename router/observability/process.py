@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..hosting.prometheus import labels, render_counter, render_gauge
 from ..overload import read_rss_bytes
+from .logs import set_worker
 
 __all__ = ["WorkerSlot", "render", "set_worker_slot", "worker_slot"]
 
@@ -36,6 +37,7 @@ def set_worker_slot(index: int, restarts: int) -> None:
     """Called in a forked worker before it serves (the supervisor knows the count)."""
     global _slot
     _slot = WorkerSlot(index, restarts)
+    set_worker(index)  # and its log lines say so
 
 
 def worker_slot() -> WorkerSlot:

@@ -21,6 +21,7 @@ import pytest
 
 from firstbyte.benchmarks.ports import free_port
 from firstbyte.protocol.formats import MESSAGES
+from firstbyte.router.observability import logs
 from firstbyte.router.observability.access import (
     MAX_FIELD_CHARS,
     bounded,
@@ -402,6 +403,19 @@ def test_text_lines_carry_the_same_time_and_the_fields() -> None:
     record.fields = {"status": 200, "model": None}
     assert TextFormatter().format(record) == (
         "2023-11-14T22:13:20.250Z INFO firstbyte.access: POST /x status=200"
+    )
+
+
+def test_a_workers_lines_name_it_in_both_formats(monkeypatch: pytest.MonkeyPatch) -> None:
+    record = logging.LogRecord("firstbyte.access", logging.INFO, __file__, 1, "m", (), None)
+    record.created, record.msecs = 1_700_000_000.25, 250.0
+    record.fields = {"status": 200}
+    assert "worker" not in json.loads(JsonFormatter().format(record))  # one process: none
+    monkeypatch.setattr(logs, "_worker", None)
+    logs.set_worker(3)
+    assert json.loads(JsonFormatter().format(record))["worker"] == 3
+    assert TextFormatter().format(record) == (
+        "2023-11-14T22:13:20.250Z INFO firstbyte.access: m worker=3 status=200"
     )
 
 

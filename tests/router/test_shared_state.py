@@ -450,7 +450,11 @@ async def test_workers_drain_on_sigterm_and_the_supervisor_exits_0(
     await _start_sse(client, workers.url, 3, {**BODY, "max_tokens": 100})  # in flight at SIGTERM
     workers.process.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(workers.process.wait, 30) == 0
-    assert workers.log.read_text().count("draining: no new work") == 2
+    lines = [json.loads(line) for line in workers.log.read_text().splitlines()
+             if line.startswith("{")]
+    # Each worker's lines say which worker wrote them.
+    assert sorted(line.get("worker") for line in lines
+                  if line["msg"].startswith("draining: no new work")) == [0, 1]
 
 
 async def test_sighup_to_the_supervisor_reloads_every_worker(
