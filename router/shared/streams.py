@@ -370,8 +370,14 @@ class SharedStreams:
 
     def touch_reader(self, stream_id: str) -> None:
         """Mark ``stream_id`` as read by this process (keeps its producer from cancelling)."""
-        key = self.keys.reader(stream_id)
-        self.background.spawn(self._redis.set(key, b"1", px=self.reader_ttl_ms))
+        self.background.spawn(self._touch(self.keys.reader(stream_id)))
+
+    async def _touch(self, key: str) -> None:
+        # Renewed with PEXPIRE, which a full Redis (maxmemory, noeviction) still takes where it
+        # refuses SET: a marker made before Redis filled keeps its reader counted, and the
+        # producer does not cancel a stream read only elsewhere after its grace period.
+        if not await self._redis.pexpire(key, self.reader_ttl_ms):
+            await self._redis.set(key, b"1", px=self.reader_ttl_ms)
 
     async def check_producer(self, remote: RemoteStream) -> None:
         """If the stream's producer lost its lease, end the stream as lost; mark it evicted

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
@@ -227,3 +227,23 @@ async def test_a_stream_whose_first_event_was_dropped_is_made_with_its_expiry(
     assert remote is not None
     with pytest.raises(HistoryTrimmed):
         await remote.wait(0, timeout_s=3)
+
+
+async def test_a_full_redis_keeps_a_readers_mark_renewed(shared: SharedState) -> None:
+    """A reader on another process renews its mark while Redis is full (PEXPIRE, which a full
+    Redis takes; SET it refuses): its stream's producer keeps counting it as attended rather
+    than cancel a stream read only elsewhere once the mark lapsed."""
+    reader = _reader_elsewhere(shared)
+    key = shared.keys.reader("attended")
+    reader.touch_reader("attended")
+    await asyncio.sleep(0.2)
+    assert await shared.redis.exists(key)
+    await shared.redis.config_set("maxmemory", 1)
+    with pytest.raises(OutOfMemoryError):
+        await shared.redis.set(key, b"1", px=reader.reader_ttl_ms)  # full: SET is refused
+    before = await shared.redis.pttl(key)
+    await asyncio.sleep(0.3)
+    reader.touch_reader("attended")
+    await asyncio.sleep(0.2)
+    assert await shared.redis.pttl(key) > before  # renewed, full as Redis is
+    await reader.aclose()
