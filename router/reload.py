@@ -23,7 +23,14 @@ from .config import ConfigError, RouterConfig
 if TYPE_CHECKING:
     from .app import RouterApp
 
-__all__ = ["RESTART_KEYS", "SHARED_RESTART_KEYS", "Reloader", "changed_keys", "needs_restart"]
+__all__ = [
+    "RESTART_KEYS",
+    "SHARED_RESTART_KEYS",
+    "Reloader",
+    "changed_keys",
+    "needs_restart",
+    "reload_summary",
+]
 
 log = logging.getLogger("firstbyte.router")
 
@@ -83,6 +90,39 @@ def changed_keys(old: RouterConfig, new: RouterConfig) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
+def _by_name(entries: str, old: dict[str, Any], new: dict[str, Any]) -> str:
+    """``added c; removed b; a1: weight``: which entries came, went, and which fields of those
+    that stayed changed (field names only: an upstream's ``api_key`` is a secret)."""
+    parts = [f"added {name}" for name in new if name not in old]
+    parts += [f"removed {name}" for name in old if name not in new]
+    for name in (n for n in new if n in old):
+        fields = sorted(
+            k for k in old[name].keys() | new[name].keys() if old[name].get(k) != new[name].get(k)
+        )
+        if fields:
+            parts.append(f"{name}: {', '.join(fields)}")
+    return f"{entries} ({'; '.join(parts)})" if parts else entries
+
+
+def reload_summary(old: RouterConfig, new: RouterConfig) -> str:
+    """What a reload changed, for its log line: the changed keys, and for ``upstreams`` and
+    ``peers`` which ones were added, removed or changed by name (``upstreams (added c; removed
+    b; a1: weight)``), so an operator can tell from the log what the new config did."""
+
+    def upstreams(config: RouterConfig) -> dict[str, Any]:
+        return {u.backend_name: msgspec.to_builtins(u) for u in config.upstreams}
+
+    def peers(config: RouterConfig) -> dict[str, Any]:
+        return {p.name: msgspec.to_builtins(p) for p in config.peers}
+
+    named = {"upstreams": upstreams, "peers": peers}
+    said = [
+        _by_name(key, named[key](old), named[key](new)) if key in named else key
+        for key in changed_keys(old, new)
+    ]
+    return ", ".join(said) + " changed" if said else "nothing changed"
+
+
 def needs_restart(old: RouterConfig, new: RouterConfig) -> list[str]:
     """The changed keys a reload cannot apply (see :data:`RESTART_KEYS`, and
     :data:`SHARED_RESTART_KEYS` with shared state)."""
@@ -129,11 +169,8 @@ class Reloader:
                     "it" if len(fixed) == 1 else "them",
                 )
                 return False
-            changed = changed_keys(current, new)
+            # Names only, never values: auth.api_keys and peer keys are secrets.
+            said = reload_summary(current, new)
             await self.app.reconfigure(new)
-            log.info(
-                "config reloaded: %s",
-                # Names only, never values: auth.api_keys and peer keys are secrets.
-                ", ".join(changed) + " changed" if changed else "nothing changed",
-            )
+            log.info("config reloaded: %s", said)
             return True

@@ -10,7 +10,7 @@ import pytest
 
 from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.drain import drain_finished
-from firstbyte.router.reload import changed_keys, needs_restart
+from firstbyte.router.reload import changed_keys, needs_restart, reload_summary
 from firstbyte.router.state import RouterState
 from firstbyte.router.streams import owner_of
 
@@ -48,6 +48,31 @@ def test_keys_upstreams_peers_and_limits_change_in_place() -> None:
         "upstreams",
     ]
     assert needs_restart(old, new) == []
+
+
+def test_the_reload_line_names_the_upstreams_and_peers_added_removed_or_changed() -> None:
+    # "upstreams changed" alone left the operator to diff the files to learn what a reload
+    # did: which backend went (and with it a model), which came, which was reweighted.
+    old = _config(
+        upstreams=[{"url": "http://127.0.0.1:9", "name": "a"},
+                   {"url": "http://127.0.0.1:10", "name": "b", "models": ["qwen"]}],
+        peers=[{"name": "us-east-1", "url": "http://127.0.0.1:11"}],
+    )
+    new = _config(
+        upstreams=[{"url": "http://127.0.0.1:9", "name": "a", "weight": 3.0,
+                    "api_key": "sk-upstream-secret"},
+                   {"url": "http://127.0.0.1:12"}],
+        peers=[{"name": "us-east-1", "url": "http://127.0.0.1:13"}],
+        auth__api_keys=["sk-first-key", "sk-second-key"],
+    )
+    said = reload_summary(old, new)
+    assert said == (
+        "auth.api_keys, peers (us-east-1: url),"
+        " upstreams (added 127.0.0.1:12; removed b; a: api_key, weight) changed"
+    )
+    assert "secret" not in said  # names, never values
+    assert "sk-second" not in said
+    assert reload_summary(old, old) == "nothing changed"
 
 
 @pytest.mark.parametrize(
