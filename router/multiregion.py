@@ -721,6 +721,9 @@ class RegionRouting:
         (reason ``no_healthy_backend``), so clients and operators do not read it as one."""
         self.outcomes[(self.region, "", "rejected", ctx.model_label)] += 1
         serving = self.serving(ctx)
+        # The backends are the model's pool: with another model served fine, "region R is
+        # at capacity" alone read as the whole region down. A listed name only (the label).
+        model = f" for model {ctx.model_label!r}" if ctx.model_label else ""
         if serving != frozenset() and not self.tracker.healthy(serving):
             reason = "no_healthy_backend"
             self.rejections[(reason, ctx.model_label)] += 1
@@ -728,8 +731,8 @@ class RegionRouting:
             retry = self.down_retry_after_s(now)
             return error_reply(
                 503,
-                f"No backend of region {self.region} is answering and no other region can"
-                f" take this request; retry after {retry} s.",
+                f"No backend of region {self.region}{model} is answering and no other region"
+                f" can take this request; retry after {retry} s.",
                 "server_error",
                 code=error_codes.NO_HEALTHY_BACKEND,
                 headers=(("retry-after", str(retry)),),
@@ -740,7 +743,8 @@ class RegionRouting:
         ctx.route_reason = reason  # for the access log
         said = (
             f"Region {self.region} does not serve this request's model and"
-            if reason == "model_elsewhere_full" else f"Region {self.region} is at capacity and"
+            if reason == "model_elsewhere_full"
+            else f"Region {self.region} is at capacity{model} and"
         )
         return error_reply(
             429,

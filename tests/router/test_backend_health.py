@@ -95,6 +95,50 @@ async def test_every_backend_down_is_503_no_healthy_backend_not_429(
         assert 'reason="no_healthy_backend",model=""} 2' in metrics.text
 
 
+async def test_a_refusal_for_one_models_backends_names_that_model(
+    start_router: RouterFactory,
+) -> None:
+    # Model "b" is served only by a backend that is down, model "a" by one with one slot:
+    # "No backend of region R is answering" / "Region R is at capacity" read as the whole
+    # region out while "a" was being served; the message says which model's backends.
+    upstreams = [
+        {"name": "up", "url": "", "models": ["a"], "max_in_flight": 1},
+        {"name": "down", "url": f"http://127.0.0.1:{_closed_port()}", "models": ["b"]},
+    ]
+    async with (
+        running_sim("instant", served_model_names=["a"], faults=["delay:ms=3000"]) as sim_url,
+    ):
+        upstreams[0]["url"] = sim_url
+        async with (
+            start_router(
+                [], tls=False, upstreams=upstreams,
+                routing={"backend_metrics_interval_s": 0.2},
+            ) as router,
+            httpx.AsyncClient(timeout=10) as client,
+        ):
+            url = router.base_url + "/v1/chat/completions"
+
+            async def b_refused() -> bool:
+                answer = await client.post(url, json={**BODY, "model": "b"}, headers=auth())
+                return answer.status_code == 503
+
+            await _until(b_refused)
+            refused = await client.post(url, json={**BODY, "model": "b"}, headers=auth())
+            assert refused.json()["error"]["message"].startswith(
+                "No backend of region test-1 for model 'b' is answering"
+            )
+            holding = asyncio.ensure_future(
+                client.post(url, json={**BODY, "model": "a"}, headers=auth())
+            )
+            await asyncio.sleep(0.5)  # the one slot of "a" taken
+            full = await client.post(url, json={**BODY, "model": "a"}, headers=auth())
+            assert full.status_code == 429, full.text
+            assert full.json()["error"]["message"].startswith(
+                "Region test-1 is at capacity for model 'a' and"
+            )
+            assert (await holding).status_code == 200
+
+
 @contextlib.asynccontextmanager
 async def _sim_on(port: int) -> AsyncIterator[None]:
     """A sim on a given loopback port (the backend healed, where it was). With
