@@ -138,10 +138,13 @@ class RoutingServices:
         healthy = metrics is not None
         if healthy and not r.readmit(name, self.clock()):
             return False
+        came_back = healthy and not r.backends[name].healthy
         r.tracker.set_health(name, healthy)
         r.backends[name].healthy = healthy
-        if healthy and r.models.lists.get(name, ()) is None:
-            self.lister.wake()  # up, and its models still unknown: ask now
+        if healthy and (came_back or r.models.lists.get(name, ()) is None):
+            # Up, and its models still unknown, or back from down: a restarted server may
+            # serve other models now (its new ones were 404 until the next refresh): ask now.
+            self.lister.wake()
         if metrics is not None:
             r.tracker.observe_metrics(name, metrics, self.clock())
         return healthy

@@ -140,12 +140,13 @@ async def test_a_refusal_for_one_models_backends_names_that_model(
 
 
 @contextlib.asynccontextmanager
-async def _sim_on(port: int) -> AsyncIterator[None]:
+async def _sim_on(port: int, model: str = "m") -> AsyncIterator[None]:
     """A sim on a given loopback port (the backend healed, where it was). With
     ``SO_REUSEPORT``, as :func:`_broken_on`: the one starts before the other stops, so the
     router's scrapes never find the port closed (that alone takes a backend down)."""
     listeners = hosting.bind("127.0.0.1", port, reuse_port=True)
-    async with running_app(build_app(SimConfig(profile="instant", served_model_names=["m"])), listeners, options("uvicorn")):
+    config = SimConfig(profile="instant", served_model_names=[model])
+    async with running_app(build_app(config), listeners, options("uvicorn")):
         yield
 
 
@@ -227,6 +228,38 @@ async def _router_that_listed(
             yield router
     finally:
         await gone.aclose()
+
+
+async def test_a_backend_back_from_down_is_asked_its_models_at_once(
+    start_router: RouterFactory,
+) -> None:
+    # A backend redeployed with another model: down, then up serving "m2". Its list was
+    # read again only at the next routing.models_refresh_s (30 s): "m2" was 404
+    # model_not_found all that time while the backend served it.
+    port = _closed_port()
+    routing = {"backend_metrics_interval_s": 0.2, "models_refresh_s": 300.0}
+    async with (
+        _router_that_listed(start_router, port, routing=routing, upstreams=[
+            {"name": "redeployed", "url": f"http://127.0.0.1:{port}"},
+        ]) as router,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        url = router.base_url + "/v1/chat/completions"
+
+        async def down() -> bool:
+            answer = await client.get(router.base_url + "/healthz")
+            return answer.status_code == 503
+
+        await _until(down)
+        async with _sim_on(port, model="m2"):
+
+            async def m2_served() -> bool:
+                answer = await client.post(url, json={**BODY, "model": "m2"}, headers=auth())
+                return answer.status_code == 200
+
+            await _until(m2_served, timeout_s=5.0)
+            gone = await client.post(url, json=BODY, headers=auth())
+            assert gone.json()["error"]["code"] == "model_not_found"
 
 
 def _upstreams(flaky_port: int, live_url: str) -> list[dict[str, Any]]:
