@@ -474,7 +474,10 @@ class Relay:
         message = f"Upstream failed: {reason}."
         release = None
         if not self.head_released:
-            release = ReleaseHead(502, encode(error_body(message, "server_error")), 0.0)
+            # The same code as the error event and as a whole request's 502: a client
+            # switching on ``code`` saw null here (a stream cut at its first-byte deadline).
+            body = error_body(message, "server_error", code=error_codes.UPSTREAM_ERROR)
+            release = ReleaseHead(502, encode(body), 0.0)
         return self._finish(
             Finish(
                 False,

@@ -190,6 +190,8 @@ def test_early_end_and_failure_are_error_events() -> None:
     actions = failing.fail("ConnectError", 0.1)
     assert isinstance(actions[0], ReleaseHead)
     assert actions[0].status == 502
+    # A code of its own, as every other error body of the router (it was null).
+    assert msgspec.json.decode(actions[0].body)["error"]["code"] == "upstream_error"
     assert isinstance(actions[1], Finish)
     assert b"ConnectError" in (actions[1].error or b"")
     assert failing.receive_data(b"data: x\n\n", 0.2) == []
