@@ -366,12 +366,28 @@ class RegionRouting:
 
     def adopt(self, previous: RegionRouting) -> None:
         """Carry over what ``previous`` (the routing before a reload) learned and still counts:
-        the load record of every backend that stays (requests in flight on it finish on the
-        previous routing's record, which this one now shares; out of rotation until when it
-        was), the status and RTT of every
-        peer that stays at the same URL, the draining flag, and the shared state's hooks
-        (:attr:`released`, :attr:`claim`)."""
+        its metrics' counters and histograms, the load record of every backend that stays
+        (requests in flight on it finish on the previous routing's record, which this one now
+        shares; out of rotation until when it was), the status and RTT of every peer that stays
+        at the same URL, the draining flag, and the shared state's hooks (:attr:`released`,
+        :attr:`claim`)."""
         self.released, self.claim = previous.released, previous.claim
+        # The counters are the process's, not the config's: a reload zeroed every route,
+        # TTFT, spill and ejection series (a reset to Prometheus, and series that went
+        # missing). Shared, not copied: requests finishing on the previous routing count too.
+        self.outcomes, self.rejections, self.choices = (
+            previous.outcomes, previous.rejections, previous.choices
+        )
+        self.spills, self.forwards, self.ejections = (
+            previous.spills, previous.forwards, previous.ejections
+        )
+        self.ttft, self.itl = previous.ttft, previous.itl
+        self.spill.acquired, self.spill.refused = previous.spill.acquired, previous.spill.refused
+        warmed, warming = previous.scheduler, self.scheduler
+        warming.warmups_total, warming.evictions_total = (
+            warmed.warmups_total, warmed.evictions_total
+        )
+        warming.restarts_total.update(warmed.restarts_total)
         for name, load in self.tracker.backends.items():
             old = previous.tracker.backends.get(name)
             if old is not None and self.backends[name] is previous.backends.get(name):

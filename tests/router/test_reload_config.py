@@ -11,6 +11,7 @@ import pytest
 from firstbyte.router.config import RouterConfig, parse_config
 from firstbyte.router.drain import drain_finished
 from firstbyte.router.reload import changed_keys, needs_restart, reload_summary
+from firstbyte.router.routing_metrics import render
 from firstbyte.router.state import RouterState
 from firstbyte.router.streams import owner_of
 
@@ -123,6 +124,32 @@ def test_drain_finished(
     elapsed: float, in_flight: int, grace: float, timeout: float, finished: bool
 ) -> None:
     assert drain_finished(elapsed, in_flight, grace, timeout) is finished
+
+
+async def test_a_reload_keeps_the_routing_counters() -> None:
+    # A reload that added a backend zeroed every firstbyte_route_* series: a counter reset
+    # to Prometheus with no restart, and the series of a quiet model or backend gone.
+    state = RouterState(_config())
+    try:
+        old = state.routing
+        old.outcomes[("eu-west-1", "a", "ok", "m")] += 18
+        old.choices["new-key"] += 18
+        old.rejections[("no_peer_with_room", "m")] += 2
+        old.ejections[("a", "reset")] += 1
+        await state.reconfigure(_config(upstreams=[
+            {"url": "http://127.0.0.1:9", "name": "a"}, {"url": "http://127.0.0.1:10", "name": "b"},
+        ]))
+        new = state.routing
+        assert new is not old
+        text = render(new)
+        assert 'firstbyte_route_requests_total{region="eu-west-1",backend="a",outcome="ok",model="m"} 18' in text
+        assert 'firstbyte_route_backend_choices_total{reason="new-key"} 18' in text
+        assert 'firstbyte_route_rejections_total{reason="no_peer_with_room",model="m"} 2' in text
+        assert 'firstbyte_backend_ejections_total{backend="a",cause="reset"} 1' in text
+        old.outcomes[("eu-west-1", "a", "ok", "m")] += 1  # a request finishing on the old one
+        assert new.outcomes[("eu-west-1", "a", "ok", "m")] == 19
+    finally:
+        await state.aclose()
 
 
 async def test_reconfigured_state_keeps_what_stays_and_swaps_the_rest() -> None:
