@@ -717,11 +717,14 @@ class RegionRouting:
             self.active_by_model[model] += 1
             self.peer_routed_by_model[model] += 1
 
-    def down_retry_after_s(self, now: float) -> int:
-        """``Retry-After`` when no backend is healthy: until the first ejected one is tried
-        again, else (down by its scrapes) the scrape interval; whole seconds, 1 to 10."""
+    def down_retry_after_s(self, now: float, pool: frozenset[str] | None = None) -> int:
+        """``Retry-After`` when no backend (of ``pool``, the request's model's; None: any) is
+        healthy: until the first ejected one is tried again, else (down by its scrapes) the
+        scrape interval; whole seconds, 1 to 10."""
         until = [
-            t for t in (*self._down_until.values(), *self._ejected_until.values()) if t > now
+            t
+            for name, t in (*self._down_until.items(), *self._ejected_until.items())
+            if t > now and (pool is None or name in pool)
         ]
         wait = min(until) - now if until else self.config.routing.backend_metrics_interval_s
         return max(1, min(10, math.ceil(wait)))
@@ -744,7 +747,8 @@ class RegionRouting:
             reason = "no_healthy_backend"
             self.rejections[(reason, ctx.model_label)] += 1
             ctx.route_reason = reason
-            retry = self.down_retry_after_s(now)
+            # Its model's backends: another model's ejected backend says nothing of them.
+            retry = self.down_retry_after_s(now, serving)
             return error_reply(
                 503,
                 f"No backend of region {self.region}{model} is answering and no other region"

@@ -20,6 +20,7 @@ import pytest
 from firstbyte.router import hosting, multiregion
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.sim.server import SimConfig, build_app, options, running_app, running_sim
+from firstbyte.router.state import RouterState
 from tests.router.conftest import RouterFactory, auth, router_config
 from tests.router.logs import CHAT_PATH, access_records, upstream_state_lines
 
@@ -137,6 +138,26 @@ async def test_a_refusal_for_one_models_backends_names_that_model(
                 "Region test-1 is at capacity for model 'a' and"
             )
             assert (await holding).status_code == 200
+
+
+async def test_retry_after_for_a_models_down_backends_is_theirs_not_the_regions() -> None:
+    # "qwen"'s only backend is down by its scrapes (back within the scrape interval, 1 s);
+    # another model's backend is ejected for 10 s: qwen's 503 said "retry after 10 s".
+    upstreams = [
+        {"name": "llama", "url": "http://127.0.0.1:9", "models": ["llama"]},
+        {"name": "llama-2", "url": "http://127.0.0.1:10", "models": ["llama"]},
+        {"name": "qwen", "url": "http://127.0.0.1:11", "models": ["qwen"]},
+    ]
+    state = RouterState(router_config([], None, upstreams=upstreams, listen={
+        "port": 0, "host": "127.0.0.1", "insecure_plain_http": True,
+    }))
+    try:
+        routing = state.routing
+        routing.eject("llama", ConnectionResetError("reset"), "reset")  # ejected for 10 s
+        assert routing.down_retry_after_s(routing.clock()) == 10  # the region's soonest
+        assert routing.down_retry_after_s(routing.clock(), frozenset({"qwen"})) == 1
+    finally:
+        await state.aclose()
 
 
 @contextlib.asynccontextmanager
