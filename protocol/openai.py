@@ -255,6 +255,12 @@ _MISSING = re.compile(
     r"Object missing required field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?$"
 )
 """msgspec's text for a missing field (the path: of the object lacking it, none at the top)."""
+_LONE_HIGH_SURROGATE = re.compile(
+    rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F])(?=[\s\S])"
+)
+"""A ``\\uD800``-``\\uDBFF`` escape (not itself escaped) with no low surrogate after it: half
+of a character, as a JavaScript string cut inside an emoji serializes. msgspec calls it "Input
+data was truncated", which sends the client looking for a cut body."""
 
 
 def _param_from_path(path: str) -> str | None:
@@ -306,10 +312,21 @@ def decode_with(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
             message = f"Invalid value for '{param}': {message}"
         raise RequestValidationError(message, param) from None
     except msgspec.DecodeError as exc:
-        raise RequestValidationError(f"The request body is not valid JSON: {exc}") from None
+        reason = _reason(exc, body)
+        raise RequestValidationError(f"The request body is not valid JSON: {reason}") from None
     except RecursionError:
         # Arrays or objects nested deeper than the decoder's recursion bound (~1000 levels).
         raise RequestValidationError("The request body is nested too deeply.") from None
+
+
+def _reason(exc: msgspec.DecodeError, body: bytes) -> str:
+    """msgspec's reason a body is not JSON, unless it blames truncation on a lone surrogate."""
+    lone = _LONE_HIGH_SURROGATE.search(body) if str(exc) == "Input data was truncated" else None
+    if lone is None:
+        return str(exc)
+    escape = lone.group(1).decode()
+    return (f"{escape} at byte {lone.start(1)} is half of a UTF-16 surrogate pair"
+            " (a string cut inside a character?)")
 
 
 def decode_chunk(data: bytes | str) -> ChatCompletionChunk:

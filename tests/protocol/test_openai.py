@@ -104,6 +104,24 @@ def test_n_above_1_says_why_it_is_refused() -> None:
         " choice per request; send n requests for n answers")
 
 
+def test_a_lone_surrogate_is_named_not_called_truncation() -> None:
+    """JSON.stringify of a JavaScript string cut inside an emoji ends in a lone ``\\ud83d``;
+    msgspec calls that "Input data was truncated", and the client looked for a cut body."""
+    body = rb'{"model": "m", "messages": [{"role": "user", "content": "hi \ud83d"}]}'
+    with pytest.raises(RequestValidationError) as info:
+        decode_request(body)
+    assert info.value.message == (
+        "The request body is not valid JSON: \\ud83d at byte 60 is half of a UTF-16"
+        " surrogate pair (a string cut inside a character?)")
+    assert body[60:66] == rb"\ud83d"
+    for cut in (body[:66], rb'{"model": "m", "content": "\\ud83d', rb'{"content": "\ud83d\ude00'):
+        # A body cut short is still called truncated, an escaped backslash is no escape,
+        # and a whole pair is no lone half.
+        with pytest.raises(RequestValidationError) as info:
+            decode_request(cut)
+        assert info.value.message.endswith("Input data was truncated"), cut
+
+
 def test_a_custom_tool_call_in_the_history_is_accepted() -> None:
     """OpenAI's custom tools: the assistant's call has ``custom``, no ``function``."""
     body = {"model": "m", "messages": [
