@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 
-from firstbyte.router.readers import follow, parse_after, poll, sse_events
+from firstbyte.router.readers import BATCH_BYTES, follow, parse_after, poll, sse_events
 from firstbyte.router.streams import (
     DONE_DATA,
     EVENT_OVERHEAD_BYTES,
@@ -374,6 +374,39 @@ async def test_follow_delivers_every_event_once_while_in_progress() -> None:
     await producer
     assert seen == [2, 3, 4, 5, 6, 7, 8]
     assert stream.readers == 0
+
+
+async def test_a_reader_behind_takes_the_store_a_bounded_batch_at_a_time() -> None:
+    """A reader far behind (a resume of a long stream, a client that stopped reading) takes
+    at most BATCH_BYTES of events at once, the next when the last was sent: what its
+    connection has not taken stays in the store's bounds, not in the server's buffer."""
+    store = StreamStore(max_total_bytes=1 << 30, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    for _ in range(200):  # ~200 KB of backlog
+        stream.append(b"x" * 1_000, 0.0)
+    stream.finish(0.0)
+    batches = [batch async for batch in follow(stream, 0, idle_s=5)]
+    assert [e.seq for batch in batches for e in batch] == list(range(1, 202))  # all, once
+    assert len(batches) >= 200_000 // BATCH_BYTES
+    assert all(sum(len(e.data) for e in batch) <= BATCH_BYTES for batch in batches)
+    big = store.create(ALICE, 0.0)  # an event bigger than a batch still goes, alone
+    big.append(b"y" * (2 * BATCH_BYTES), 0.0)
+    big.finish(0.0)
+    assert [len(b) for b in [batch async for batch in follow(big, 0, idle_s=5)]] == [1, 1]
+
+
+async def test_a_reader_behind_an_evicted_stream_sends_no_more_of_it() -> None:
+    """Evicted (its age, the store's bytes), a stream's events are out of the store's count:
+    a reader still behind on it ends instead of sending them on (it resumes to a 404)."""
+    store = StreamStore(max_total_bytes=1 << 30, max_age_s=10)
+    stream = store.create(ALICE, 0.0)
+    for _ in range(200):
+        stream.append(b"x" * 1_000, 0.0)
+    reader = follow(stream, 0, idle_s=5)
+    first = await reader.__anext__()
+    assert store.evict(11.0) == [stream]
+    assert [batch async for batch in reader] == []
+    assert first[-1].seq < 200
 
 
 async def test_sse_reframes_with_ids_and_pings_when_idle() -> None:
