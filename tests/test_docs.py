@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import re
+import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -20,6 +23,7 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.M)
 _INLINE_CODE = re.compile(r"`([^`\n]+)`")
 _COMMAND = re.compile(r"\bfirstbyte ([a-z][a-z0-9_-]*)(?: ([A-Za-z][A-Za-z0-9_-]*))?")
+_WHEEL = re.compile(r"firstbyte-[^\s\"'/()\[\]]*\.whl")
 
 
 def _without_code_blocks(text: str) -> str:
@@ -114,3 +118,23 @@ def test_named_commands_exist(page: Path) -> None:
             elif command == "bench" and argument.islower() and argument not in scenarios:
                 unknown.add(f"firstbyte bench {argument}")
     assert not unknown, f"{page.relative_to(ROOT)} names commands the CLI lacks: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_named_wheels_are_what_pip_wheel_builds_here(page: Path) -> None:
+    """The wheel holds a compiled module (setup.py), so pip names it for the Python and
+    platform that built it: a command naming ``py3-none-any`` installs a file that is not
+    there. A glob a page names matches this machine's wheel; a name written out carries a
+    CPython tag (an example of one machine's)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    python = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    platform = re.sub(r"[-.]", "_", sysconfig.get_platform())
+    built = f"firstbyte-{version}-{python}-{python}-{platform}.whl"
+    wrong = {
+        name
+        for code in _code(page.read_text())
+        for name in _WHEEL.findall(code)
+        if not (fnmatch.fnmatchcase(built, name) if "*" in name else
+                re.fullmatch(rf"firstbyte-{re.escape(version)}-(cp3\d+)-\1-\w+\.whl", name))
+    }  # fmt: skip
+    assert not wrong, f"{page.relative_to(ROOT)} names wheels pip does not build: {sorted(wrong)}"
