@@ -48,8 +48,16 @@ def check_files(config: RouterConfig, source: str = "<config>") -> None:
 
 
 def _missing(key: str, path: str) -> str | None:
+    """Why the file at ``path`` cannot be used at all: not there, or not readable by this
+    process (a key readable by root only, the router running as its own user), which the
+    later checks would otherwise report as a file without a certificate, or not catch."""
     if not Path(path).is_file():
         return f"{key}: no such file: {path}"
+    try:
+        with Path(path).open("rb"):
+            pass
+    except OSError as exc:
+        return f"{key}: cannot read {path}: {exc.strerror or exc}"
     return None
 
 

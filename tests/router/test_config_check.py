@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
 
-from firstbyte.router.config import load_config
+from firstbyte.router.config import ConfigError, load_config
+from firstbyte.router.config_check import check_files
 from tests.cli import firstbyte
 
 BASE = """
@@ -111,6 +113,37 @@ def test_check_config_names_the_key_of_a_bad_file(
     assert code == 2
     assert output.startswith("firstbyte router: error: ")
     assert f"{config}: {expected.format(dir=certs)}" in output
+
+
+@pytest.mark.parametrize(
+    ("unreadable", "extra", "key"),
+    [
+        ("cert.pem", "", "listen.certfile"),
+        ("key.pem", "", "listen.keyfile"),
+        ("ca.pem", 'upstream_ca_file = "ca.pem"\n', "upstream_ca_file"),
+    ],
+)
+def test_a_file_the_router_cannot_read_is_named_so(
+    certs: Path, monkeypatch: pytest.MonkeyPatch, unreadable: str, extra: str, key: str
+) -> None:
+    """A key readable by root only, the router running as its own user: "cannot read", not
+    "no PEM private key" (the file is fine) nor a traceback (the CA bundle). Path.open is
+    made to refuse because the tests may run as root, whom file modes do not stop."""
+    config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n', extra)
+    loaded = load_config(config)
+    real_open = Path.open
+
+    def refusing_open(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self.name == unreadable:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing_open)
+    with pytest.raises(ConfigError) as raised:
+        check_files(loaded, "router.toml")
+    assert str(raised.value) == (
+        f"router.toml: {key}: cannot read {certs / unreadable}: Permission denied"
+    )
 
 
 def test_flags_are_named_as_flags(certs: Path) -> None:
