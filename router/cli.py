@@ -345,6 +345,12 @@ def _pid_file(path: str | None) -> Any:
     if path is None:
         yield
         return
+    running = _running_router(Path(path))
+    if running is not None:
+        # Taking the file over would lose the running router's pid: this start then fails
+        # to bind its port and, leaving, removes the file that `reload` reads.
+        raise CLIError(f"listen.pid_file: {path} names pid {running}, a firstbyte router still"
+                       " running: stop it first, or give this router another pid file")
     try:
         Path(path).write_text(f"{os.getpid()}\n")
     except OSError as exc:
@@ -355,6 +361,28 @@ def _pid_file(path: str | None) -> Any:
         with contextlib.suppress(OSError):
             if Path(path).read_text().strip() == str(os.getpid()):
                 Path(path).unlink()
+
+
+def _running_router(path: Path) -> int | None:
+    """The pid ``path`` holds when it is a running firstbyte router's other than this
+    process's; None for no file, no pid, or a stale one (the process gone, or another)."""
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():  # a restarted container: the same pid, this one
+        return None
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether it runs (without procfs, too)
+    except ProcessLookupError:
+        return None
+    except OSError:  # another user's process: it runs
+        pass
+    try:
+        _check_router_pid(pid, None)
+    except CLIError:  # gone meanwhile, or the pid reused by another program
+        return None
+    return pid
 
 
 def _check_router_pid(pid: int, pid_file: str | None) -> None:

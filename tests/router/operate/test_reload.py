@@ -174,6 +174,27 @@ async def test_firstbyte_router_reload_checks_the_file_then_signals_the_pid_file
     assert "cannot read a pid" in missing.stderr
 
 
+async def test_a_second_start_on_the_same_pid_file_leaves_it_to_the_running_router(
+    start_router_process: RouterStarter, tmp_path: Path,
+) -> None:
+    """Started again by mistake, the same config cannot bind its port: it must not take the
+    pid file over and, leaving, remove it, or `reload` no longer finds the running router."""
+    pid_file = tmp_path / "router.pid"
+    async with start_router_process(listen={"pid_file": str(pid_file)}) as router:
+        config = str(_config_path(router))
+        again = await asyncio.to_thread(_cli, "--config", config)
+        assert again.returncode == 2, again
+        assert again.stderr.count("\n") == 1, again.stderr
+        assert f"names pid {router.proc.pid}, a firstbyte router still running" in again.stderr
+        assert pid_file.read_text().strip() == str(router.proc.pid)
+        done = await asyncio.to_thread(_cli, "reload", "--config", config)
+        assert done.returncode == 0, done.stderr
+    # A stale file (its router gone) does not stop a start: the same config starts again.
+    pid_file.write_text("999999999\n")
+    async with start_router_process(listen={"pid_file": str(pid_file)}) as router:
+        assert pid_file.read_text().strip() == str(router.proc.pid)
+
+
 def test_firstbyte_router_reload_signals_nothing_but_a_firstbyte_router(
     tmp_path: Path,
 ) -> None:
