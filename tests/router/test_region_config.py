@@ -138,3 +138,6 @@ def test_shipped_example_config_is_valid() -> None:
     config = load_config(example)
     assert config.region == "ap-northeast-1"
     assert [p.name for p in config.peers] == ["eu-central-1", "us-east-1"]
+    # README: "SIGHUP (or `firstbyte router reload --config FILE`)": reload finds the
+    # router through listen.pid_file, beside the config like its other relative paths.
+    assert config.listen.pid_file == str(example.parent / "router-tokyo.pid")
