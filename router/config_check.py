@@ -24,7 +24,10 @@ from pathlib import Path
 
 from .config import ConfigError, RouterConfig
 
-__all__ = ["MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "key_warnings"]
+__all__ = [
+    "MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "key_warnings",
+    "tls_pair_problem",
+]
 
 MIN_KEY_CHARS = 16
 """Keys shorter than this get a warning from ``--check-config``: a generated key is 40 or more
@@ -65,33 +68,40 @@ def _tls_pair(config: RouterConfig) -> str | None:
     listen = config.listen
     if listen.certfile is None or listen.keyfile is None:
         return None  # the schema already said whether they are required
-    for key, path in (("listen.certfile", listen.certfile), ("listen.keyfile", listen.keyfile)):
+    return tls_pair_problem(listen.certfile, listen.keyfile)
+
+
+def tls_pair_problem(
+    certfile: str, keyfile: str, names: tuple[str, str] = ("listen.certfile", "listen.keyfile")
+) -> str | None:
+    """Why the certificate and key cannot serve TLS, naming them as ``names`` (the config's
+    keys, or the sim's flags), or None: loaded as the server will load them, but never
+    asking for an encrypted key's pass phrase on the terminal."""
+    cert_name, key_name = names
+    for key, path in ((cert_name, certfile), (key_name, keyfile)):
         missing = _missing(key, path)
         if missing is not None:
             return missing
-    cert_text = _read_text(listen.certfile)
-    key_text = _read_text(listen.keyfile)
+    cert_text = _read_text(certfile)
+    key_text = _read_text(keyfile)
     if "CERTIFICATE-----" not in cert_text:
-        swapped = " (swapped with listen.keyfile?)" if "CERTIFICATE-----" in key_text else ""
-        return f"listen.certfile: no PEM certificate in {listen.certfile}{swapped}"
+        swapped = f" (swapped with {key_name}?)" if "CERTIFICATE-----" in key_text else ""
+        return f"{cert_name}: no PEM certificate in {certfile}{swapped}"
     if "PRIVATE KEY-----" not in key_text:
-        swapped = " (swapped with listen.certfile?)" if "CERTIFICATE-----" in key_text else ""
-        return f"listen.keyfile: no PEM private key in {listen.keyfile}{swapped}"
+        swapped = f" (swapped with {cert_name}?)" if "CERTIFICATE-----" in key_text else ""
+        return f"{key_name}: no PEM private key in {keyfile}{swapped}"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         # password: an encrypted key fails here instead of prompting on the terminal.
-        context.load_cert_chain(listen.certfile, listen.keyfile, password=_no_password)
+        context.load_cert_chain(certfile, keyfile, password=_no_password)
     except ssl.SSLError as exc:
         if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
             reason = "the private key does not belong to the certificate"
         else:
             reason = f"cannot load them ({exc.reason or exc})"
-        return (
-            f"listen.certfile, listen.keyfile: {reason}"
-            f" ({listen.certfile}, {listen.keyfile})"
-        )
+        return f"{cert_name}, {key_name}: {reason} ({certfile}, {keyfile})"
     except (OSError, TypeError) as exc:
-        return f"listen.certfile, listen.keyfile: cannot load them ({exc})"
+        return f"{cert_name}, {key_name}: cannot load them ({exc})"
     return None
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import ssl
 import sys
 
 import msgspec
 
 from firstbyte.cli import CLIError
 from firstbyte.router import hosting
+from firstbyte.router.config_check import tls_pair_problem
 from firstbyte.router.sim.faults import FaultSpecError, parse_fault
 from firstbyte.router.sim.profiles import PROFILES
 from firstbyte.router.sim.server import (
@@ -130,17 +130,12 @@ def _config(args: argparse.Namespace) -> SimConfig:
         raise CLIError(f"--port must be 0..65535, got {args.port}")
     if bool(args.certfile) != bool(args.keyfile):
         raise CLIError("--certfile and --keyfile go together")
-    for path in (args.certfile, args.keyfile):
-        if path and not os.path.isfile(path):
-            raise CLIError(f"no such file: {path}")
     if args.certfile:
-        # Load the pair here: the server would only fail later, with a traceback.
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                args.certfile, args.keyfile
-            )
-        except (ssl.SSLError, OSError) as exc:
-            raise CLIError(f"cannot load --certfile/--keyfile: {exc}") from None
+        # Load the pair here, as the router checks its own: the server would only fail later,
+        # with a traceback, or stop to ask an encrypted key's pass phrase on the terminal.
+        problem = tls_pair_problem(args.certfile, args.keyfile, ("--certfile", "--keyfile"))
+        if problem is not None:
+            raise CLIError(problem)
     names = args.served_model_name or []
     if any(not name.strip() for name in names):
         raise CLIError("--served-model-name: a name cannot be empty")

@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+import trustme
+from cryptography.hazmat.primitives import serialization
 
 from firstbyte.protocol.sse import DONE
 from firstbyte.router.hosting.gc_tuning import GEN0_THRESHOLD
@@ -150,7 +153,7 @@ def test_granian_server_option(sim_process: list[subprocess.Popen[str]]) -> None
         (["--fault", "stall:after=x"], "after must be a number"),
         (["--certfile", "/nonexistent.pem"], "--certfile and --keyfile go together"),
         (["--certfile", "/nonexistent.pem", "--keyfile", "/x.pem"], "no such file"),
-        (["--certfile", __file__, "--keyfile", __file__], "cannot load --certfile/--keyfile"),
+        (["--certfile", __file__, "--keyfile", __file__], f"--certfile: no PEM certificate in {__file__}"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--queue-limit", "-1"], "--queue-limit must be >= 0"),
         (["--port", "70000"], "--port must be 0..65535"),
@@ -165,6 +168,26 @@ def test_user_errors_are_clear(args: list[str], message: str) -> None:
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_encrypted_key_is_named_and_no_pass_phrase_is_asked(tmp_path: Path) -> None:
+    """OpenSSL asks an encrypted key's pass phrase on the terminal: the sim would wait there
+    (and the server load the key again). It says what is wrong instead, as the router does."""
+    issued = trustme.CA().issue_cert("localhost")
+    key = serialization.load_pem_private_key(issued.private_key_pem.bytes(), password=None)
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret"),
+    ))  # fmt: skip
+    issued.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    result = subprocess.run(
+        [*SIM, "--certfile", str(tmp_path / "cert.pem"), "--keyfile", str(tmp_path / "key.pem")],
+        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "pass phrase" not in result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "the private key is encrypted; give an unencrypted key" in result.stderr
 
 
 def test_port_in_use_is_a_user_error() -> None:
