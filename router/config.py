@@ -16,6 +16,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -471,6 +472,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         _check_proxy_protocol(listen)
         _check_upstreams(self.upstreams)
+        _check_url_ports(self)
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
             raise ValueError("listen.http3 needs listen.server = 'auto' or 'hypercorn'")
@@ -524,6 +526,28 @@ def _check_upstreams(upstreams: list[UpstreamConfig]) -> None:
             raise ValueError(f"upstreams[{i}].name: {name!r} is also upstreams[{names[name]}]'s"
                              " name (an unnamed upstream is named by its URL)")
         names[name] = i
+
+
+def _check_url_ports(config: RouterConfig) -> None:
+    """Each URL's port a number from 1 to 65535. The URLs' pattern lets any digits through,
+    and the resolver takes the port modulo 65536: ``http://10.0.0.5:73537`` would send
+    requests to port 8001, whatever listens there."""
+    urls: list[tuple[str, str | None]] = [
+        (f"upstreams[{i}].url", u.url) for i, u in enumerate(config.upstreams)
+    ]
+    for i, peer in enumerate(config.peers):
+        urls += [(f"peers[{i}].url", peer.url), (f"peers[{i}].public_url", peer.public_url)]
+    urls += [("geo.public_url", config.geo.public_url),
+             ("telemetry.otlp_endpoint", config.telemetry.otlp_endpoint)]
+    for key, url in urls:
+        if url is None:
+            continue
+        try:
+            port = urlsplit(url).port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise ValueError(f"{key}: the port of {url!r} is not a number from 1 to 65535")
 
 
 def _check_proxy_protocol(listen: ListenConfig) -> None:

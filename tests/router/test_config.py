@@ -79,6 +79,16 @@ resume_grace_s = 10
             "upstreams[1].url: the same backend as upstreams[0]",
         ),
         (GOOD.replace("8001", "8001?x=1"), "upstreams[0].url: no query or fragment"),
+        # The resolver takes a port modulo 65536: 73537 would reach port 8001.
+        (
+            GOOD.replace("8001", "73537"),
+            "upstreams[0].url: the port of 'http://127.0.0.1:73537' is not a number from 1 to 65535",
+        ),
+        (GOOD.replace("8001", "0"), "upstreams[0].url: the port of 'http://127.0.0.1:0' is not"),
+        (
+            GOOD + '[geo]\npublic_url = "https://edge.example.com:443x"\n',
+            "geo.public_url: the port of 'https://edge.example.com:443x' is not",
+        ),
         # inf would turn the timeout off: every phase of a connection has one.
         (GOOD + "[limits]\nupstream_connect_timeout_s = inf\n",
          "limits.upstream_connect_timeout_s: Expected `float` <= 10000000.0"),
