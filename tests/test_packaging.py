@@ -242,3 +242,30 @@ def test_a_command_without_its_extra_says_which(
     assert line.startswith(f"firstbyte {argv[0]}: needs the {extra!r} extra (missing module ")
     assert line.endswith(f": pip install 'firstbyte[{extra}]'\n")
     assert line.count("\n") == 1, line
+
+
+def test_a_module_deleted_since_the_last_build_is_not_in_the_next_wheel(tmp_path: Path) -> None:
+    """The README builds in the checkout, where the last build's ``build/lib`` stays: a module
+    since deleted (a ``git pull`` that removed or renamed it) must not ride along."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    stale = src / "router" / "stale_module.py"
+    stale.write_text('"""Deleted before the second build."""\n')
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps"]
+    for build in ("first", "second"):
+        subprocess.run([*pip, "-w", str(tmp_path / build), "."], cwd=src, env=_env(),
+                       check=True, timeout=300)  # fmt: skip
+        stale.unlink(missing_ok=True)
+    (first,) = (tmp_path / "first").glob("firstbyte-*.whl")
+    (second,) = (tmp_path / "second").glob("firstbyte-*.whl")
+    assert "firstbyte/router/stale_module.py" in zipfile.ZipFile(first).namelist()
+    names = zipfile.ZipFile(second).namelist()
+    assert "firstbyte/router/stale_module.py" not in names
+    assert "firstbyte/router/relay.py" in names or "firstbyte/router/chunkpath.py" in names
+    assert [n for n in names if n.startswith("firstbyte/router/_chunkpath.")]  # still built
