@@ -305,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
             check_state(checked, args.check_config)
         except ConfigError as exc:
             raise CLIError(name_flags(str(exc), args)) from None
+        _check_libraries(checked)
         for warning in key_warnings(checked):
             print(f"firstbyte router: warning: {args.check_config}: {warning}", file=sys.stderr)
         print("OK")
@@ -320,6 +321,20 @@ def run(args: argparse.Namespace) -> int:
     configure("debug" if args.verbose else args.log_level or "info", args.log_format)
     # After configure: importing the hosting layer holds hpack and h2 above DEBUG whatever
     # the level (they log decoded headers, API keys among them).
+    _check_libraries(config)
+    with _pid_file(config.listen.pid_file):
+        if config.listen.workers > 1:
+            from .workers import run_workers
+
+            return run_workers(config, lambda c, i: _serve_worker(c, i, args))
+        return _serve_worker(config, None, args)
+
+
+def _check_libraries(config: RouterConfig) -> None:
+    """What a start checks after the config, before serving: the router extra is installed
+    (a missing module is named, with the extra that brings it, by the ``firstbyte`` command)
+    and each library has the shape its patches were tested on. ``--check-config`` runs it
+    too, so a config it passes starts here."""
     from .hosting.patches import PatchShapeError, apply_all
 
     try:
@@ -332,12 +347,6 @@ def run(args: argparse.Namespace) -> int:
         problem = check_shape()  # the redis-py internal the admissions' replies rely on
         if problem is not None:
             raise CLIError(problem)
-    with _pid_file(config.listen.pid_file):
-        if config.listen.workers > 1:
-            from .workers import run_workers
-
-            return run_workers(config, lambda c, i: _serve_worker(c, i, args))
-        return _serve_worker(config, None, args)
 
 
 @contextlib.contextmanager

@@ -146,6 +146,28 @@ def test_a_file_the_router_cannot_read_is_named_so(
     )
 
 
+def test_check_config_says_the_router_extra_is_missing_as_the_start_does(
+    certs: Path, tmp_path: Path
+) -> None:
+    """With the SDK alone installed the start says "needs the 'router' extra": the check
+    must not print OK for a config that cannot start. hypercorn is made missing by a
+    package of its name, first on the path, that fails to import as a missing one does."""
+    fake = tmp_path / "without-router-extra" / "hypercorn"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'hypercorn\'", name="hypercorn")\n'
+    )
+    config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n')
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), root])}
+    result = firstbyte("router", "--check-config", str(config), env=env)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "firstbyte router: needs the 'router' extra (missing module 'hypercorn')" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
 def test_flags_are_named_as_flags(certs: Path) -> None:
     """A bad value typed as a flag is reported as that flag, with or without --config."""
     flags = ["--upstream", "http://127.0.0.1:1", "--api-key", "sk-test-key-0001"]
