@@ -1049,6 +1049,26 @@ class _Stream(Generic[T]):
         self._batch, self._at = [], 0
         self._start(self._fresh_source())
 
+    def _fail_over_unstarted(self, reason: BaseException | None) -> bool:
+        """Whether to send the request to the next region after every resume failed: its
+        router cannot be reached (killed, its host gone) and took the stream with it before
+        any content, so this is a request that could not start there, as an unreachable
+        region's is (nothing was delivered, so nothing repeats). Sets the next attempt up."""
+        if not (
+            isinstance(reason, ConnectError)
+            and self._recorder.record.first_token_ms is None
+            and self._attempt + 1 < len(self._plan)
+        ):
+            return False
+        self._client.regions.failed(self._region_name, time.monotonic())
+        self._attempt += 1
+        client = self._client
+        self._policy = ResumePolicy(max_resumes=client.max_resumes,
+                                    backoff_s=client.resume_backoff_s,
+                                    stall_retries=client.stall_retries,
+                                    idle_timeout_s=client.idle_timeout_s)
+        return True
+
     def _trimmed(self, error: APIError) -> StreamHistoryTrimmedError:
         """The error for a resume from before the stream's trim point (on any transport)."""
         return StreamHistoryTrimmedError(
@@ -1078,6 +1098,9 @@ class _Stream(Generic[T]):
             step = self._policy.broken(reason, opened=self._stream_id is not None,
                                        stalled=stalled, last_seq=self._assembler.last_seq)
         except StreamBrokenError as exc:
+            if self._fail_over_unstarted(reason):
+                await self._resend()
+                return
             self._finished = True
             raise exc from reason
         if stalled:

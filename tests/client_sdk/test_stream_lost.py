@@ -19,7 +19,9 @@ from firstbyte.client_sdk.errors import StreamBrokenError, StreamLostError
 from firstbyte.router.sim.server import running_sim
 from tests.cli import FIRSTBYTE
 from tests.client_sdk.conftest import ROUTER_KEY
+from tests.client_sdk.protocol_server import expected_text, running_protocol_server
 from tests.client_sdk.test_client import MESSAGES
+from tests.waits import until
 
 pytestmark = pytest.mark.slow
 
@@ -106,3 +108,31 @@ async def test_restarted_router_surfaces_stream_lost_on_every_transport(
         # The message counts the resumes Timings counts (a long-poll's retried polls too).
         assert resumes[transport] >= 1, transport
         assert f"; resumed {resumes[transport]} times" in str(outcome), (transport, outcome)
+
+
+@pytest.mark.parametrize(("transport", "http"), [("sse", "1.1"), ("sse", "2")])
+async def test_a_router_gone_before_the_first_token_fails_over_to_the_next_region(
+    tls_files: tuple[str, str, str], transport: str, http: str
+) -> None:
+    # A router killed after its stream started, before any token: every resume failed to
+    # connect and the stream raised StreamBrokenError (239 of 500 in flight at a kill -9),
+    # though nothing was delivered and the other region was up.
+    ca_file, cert, key = tls_files
+    with running_protocol_server(cert, key, api_key="test-key") as standby:
+        dying = running_protocol_server(cert, key, api_key="test-key", token_interval=60.0)
+        primary = dying.__enter__()
+        stopped = False
+        try:
+            async with AsyncClient([primary.base_url, standby.base_url], "test-key",
+                                   transport=transport, http=http,  # type: ignore[arg-type]
+                                   ca_file=ca_file, resume_backoff_s=0.01) as client, \
+                    client.stream(model="m", messages=MESSAGES, max_tokens=5) as stream:
+                await until(lambda: bool(primary.app.streams), timeout_s=10)
+                await asyncio.to_thread(dying.__exit__, None, None, None)
+                stopped = True
+                text = "".join([delta.text async for delta in stream])
+        finally:
+            if not stopped:
+                dying.__exit__(None, None, None)
+    assert text == expected_text(5)
+    assert stream.timings.stream_id in standby.app.streams
