@@ -1022,6 +1022,12 @@ class _Stream(Generic[T]):
             ):
                 # A resume found no such stream (on every transport: a 404 or a WebSocket
                 # error carry the same code): the router restarted or dropped it.
+                if (
+                    self._recorder.record.first_token_ms is None
+                    and self._retry.delay(0.0) is not None
+                ):
+                    await self._resend()  # nothing was delivered: nothing can repeat
+                    return
                 raise self._lost(
                     f"stream {self._stream_id} is lost (the router no longer has it) after"
                     f" event {self._assembler.last_seq}; resumed"

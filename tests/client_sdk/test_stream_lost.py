@@ -136,3 +136,34 @@ async def test_a_router_gone_before_the_first_token_fails_over_to_the_next_regio
                 dying.__exit__(None, None, None)
     assert text == expected_text(5)
     assert stream.timings.stream_id in standby.app.streams
+
+
+async def test_a_stream_lost_before_its_first_token_is_sent_again(
+    tmp_path: Path, tls_files: tuple[str, str, str]
+) -> None:
+    # Nothing was delivered, so a new stream repeats nothing; it used to raise
+    # StreamLostError (244 of 500 streams in flight when a router was restarted).
+    ca_file, cert_file, key_file = tls_files
+    async with running_sim("instant", faults=["stall:after=0,ms=2000"], seed=7) as sim:
+        port = free_port(udp=True)
+        config = tmp_path / "router.toml"
+        config.write_text(
+            f'region = "lost"\n[[upstreams]]\nurl = "{sim}"\n'
+            f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
+            f'[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
+        )
+        router = await start_router(config, port, ca_file)
+        try:
+            async with AsyncClient(f"https://localhost:{port}/v1", ROUTER_KEY, ca_file=ca_file,
+                                   idle_timeout_s=5) as client, \
+                    client.stream(model="sim-instant", messages=MESSAGES,
+                                  max_tokens=5) as stream:
+                router.kill()  # the stream started (its head came), no token yet
+                await router.wait()
+                router = await start_router(config, port, ca_file)
+                tokens = [delta.text async for delta in stream if delta.is_content]
+        finally:
+            router.kill()
+            await router.wait()
+    assert len(tokens) == 5
+    assert stream.timings.resumes >= 1
