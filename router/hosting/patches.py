@@ -114,7 +114,7 @@ PATCHES: tuple[Patch, ...] = (
         (
             Shape(_H2, ("_close_stream", "_flush"), (("_close_stream", ("self", "stream_id")),),
                   (("__init__", "self.stream_buffers"), ("__init__", "self.priority"),
-                   ("__init__", "self.has_data"))),
+                   ("__init__", "self.has_data"), ("__init__", "self.closed"))),
             Shape("hypercorn.protocol.h2:StreamBuffer", ("complete", "close")),
             Shape("h2.connection:H2Connection", ("reset_stream",)),
         ),

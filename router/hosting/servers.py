@@ -581,9 +581,15 @@ def _reset_unfinished_h2_streams() -> None:
     async def _close_stream(self: Any, stream_id: int) -> None:
         buffer = self.stream_buffers.get(stream_id)
         if buffer is not None and not buffer.complete and stream_id in self.streams:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
-                await self._flush()
+            if not self.closed:
+                # Not once the connection is gone (its streams are closed one by one): a
+                # flush there fails, and hypercorn's writer then handles Closed again while
+                # it holds its send lock, which the next stream's flush waited for forever,
+                # with every later stream's app blocked in its send (a client that closed
+                # with streams in flight left their requests, and a drain, hanging).
+                with contextlib.suppress(h2.exceptions.ProtocolError):
+                    self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                    await self._flush()
             await buffer.close()
             # Let the send loop visit the stream once more; it then drops its buffer.
             with contextlib.suppress(Exception):

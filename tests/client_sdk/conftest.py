@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trustme
 
+from firstbyte.router.app import RouterApp
 from firstbyte.router.config import parse_config
 from firstbyte.router.serve import running_router
 from firstbyte.router.sim.profiles import get_profile
@@ -66,6 +67,8 @@ class Stack:
     port: int
     sim_url: str
     ca_file: str
+    app: RouterApp | None = None
+    """The router's app (its counts of requests and streams), in-process."""
 
     def url_via(self, port: int) -> str:
         return f"https://localhost:{port}/v1"
@@ -101,7 +104,7 @@ async def start_stack(
         }, "<sdk-test>")
         async with running_router(config) as endpoints:
             yield Stack(f"https://localhost:{endpoints.port}/v1", endpoints.port, sim_url,
-                        ca_file)
+                        ca_file, endpoints.app)
 
 
 @pytest.fixture

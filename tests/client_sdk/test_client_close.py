@@ -62,3 +62,37 @@ async def test_closing_the_client_ends_its_open_streams_with_a_clear_error(
                 pass
         gc.collect()
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+async def test_a_client_closed_with_http2_streams_in_flight_leaves_none_on_the_router(
+    slow_stack: Stack,
+) -> None:
+    """The router ends every request of an HTTP/2 connection its client closed mid-stream.
+    Before, the second stream's close on the dead connection deadlocked hypercorn's writer
+    (the reset of an unfinished stream flushed to it while the writer held its lock): every
+    other request stayed "being answered", blocked in its send, and a drain never ended."""
+    model = get_profile(PROFILE).model
+    client = AsyncClient(slow_stack.base_url, ROUTER_KEY, ca_file=slow_stack.ca_file,
+                         transport="sse", http="2")
+    reading: set[int] = set()
+    all_reading = asyncio.Event()
+
+    async def read(i: int) -> None:
+        async with client.stream(model=model, messages=MESSAGES, max_tokens=400) as stream:
+            async for _ in stream:
+                reading.add(i)
+                if len(reading) == 20:
+                    all_reading.set()
+
+    readers = [asyncio.create_task(read(i)) for i in range(20)]
+    await asyncio.wait_for(all_reading.wait(), 20)
+    app = slow_stack.app
+    assert app is not None
+    assert app.requests_in_flight >= 20
+    await client.aclose()
+    await asyncio.gather(*readers, return_exceptions=True)
+    for _ in range(100):  # 5 s: the router notices the connection's end at once
+        if app.requests_in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert app.requests_in_flight == 0
