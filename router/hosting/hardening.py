@@ -292,6 +292,42 @@ async def _discard_until_disconnect(queue: asyncio.Queue[Any]) -> None:
                 pass
 
 
+def _refuse_streams_past_the_limit() -> None:
+    """Refuse an HTTP/2 stream past ``SETTINGS_MAX_CONCURRENT_STREAMS`` alone.
+
+    h2 raises ``TooManyStreamsError`` for the HEADERS that opens one stream too many, a
+    connection error: hypercorn answers GOAWAY PROTOCOL_ERROR and the connection's other
+    streams, every one of them within the limit, are lost with it. RFC 9113 section 5.1.2
+    makes it a stream error; that stream is now reset with REFUSED_STREAM (which tells the
+    client it may send it again) and the connection goes on. Its header block is still
+    decoded: HPACK's table is the connection's, and a block skipped would corrupt the next.
+    """
+    import h2.connection
+    import h2.errors
+    import h2.exceptions
+    from h2.stream import StreamClosedBy
+    from hyperframe.frame import RstStreamFrame
+
+    receive = h2.connection.H2Connection._receive_headers_frame
+
+    def refusing(self: Any, frame: Any) -> Any:
+        try:
+            return receive(self, frame)
+        except h2.exceptions.TooManyStreamsError:
+            if self.config.client_side or frame.stream_id <= self.highest_inbound_stream_id:
+                raise  # not a new stream of a client: h2's own error stands
+            h2.connection._decode_headers(self.decoder, frame.data)
+            self.highest_inbound_stream_id = frame.stream_id
+            # Closed by our reset: its DATA still in flight is acknowledged (the
+            # connection's window) and answered by h2 with RST_STREAM, not a GOAWAY.
+            self._closed_streams[frame.stream_id] = StreamClosedBy.SEND_RST_STREAM
+            refused = RstStreamFrame(frame.stream_id)
+            refused.error_code = h2.errors.ErrorCodes.REFUSED_STREAM
+            return [refused], []
+
+    h2.connection.H2Connection._receive_headers_frame = refusing
+
+
 def _close_finished_h2_streams() -> None:
     """Handle DATA for answered streams, and rapid-reset floods, on HTTP/2.
 

@@ -239,6 +239,25 @@ PATCHES: tuple[Patch, ...] = (
         " test_rapid_reset_gets_goaway_and_upstream_work_is_bounded",
     ),
     Patch(
+        "h2-refuse-streams-past-the-limit",
+        "h2",
+        "a stream past SETTINGS_MAX_CONCURRENT_STREAMS takes its whole connection down",
+        (
+            Shape("h2.connection:H2Connection", ("_receive_headers_frame",),
+                  (("_receive_headers_frame", ("self", "frame")),),
+                  (("__init__", "self.highest_inbound_stream_id"),
+                   ("__init__", "self._closed_streams"), ("__init__", "self.decoder"),
+                   ("_receive_headers_frame", "TooManyStreamsError"))),
+            Shape("h2.connection", ("_decode_headers",)),
+            Shape("h2.stream:StreamClosedBy", ("SEND_RST_STREAM",)),
+            Shape("hyperframe.frame:RstStreamFrame"),
+        ),
+        (("h2.connection:H2Connection", "_receive_headers_frame"),),
+        _apply("hardening", "_refuse_streams_past_the_limit"),
+        "tests/router/attacks/test_http2.py::"
+        "test_a_stream_past_the_limit_is_refused_alone_not_the_connection",
+    ),
+    Patch(
         "websocket-frame-bounds",
         "hypercorn",
         "an oversized WebSocket message is buffered whole; a closing socket's queue deadlocks",

@@ -221,3 +221,56 @@ async def test_answer_before_the_body_keeps_the_connection(
         assert answered == status, answer
         assert await client.get("/healthz") == 200
     router.assert_clean_log()
+
+
+async def test_a_stream_past_the_limit_is_refused_alone_not_the_connection(
+    start_router_process: RouterStarter,
+) -> None:
+    """150 requests sent at once on one connection, before the server's SETTINGS could be
+    seen (the initial limit is unlimited): those past hypercorn's 100 concurrent streams get
+    RST_STREAM REFUSED_STREAM, the others are answered, and the connection serves on. h2
+    made it a connection error: GOAWAY PROTOCOL_ERROR, and all 150 were lost."""
+    from h2.frame_buffer import FrameBuffer
+    from hpack import Encoder
+    from hyperframe.frame import HeadersFrame, SettingsFrame
+
+    async with start_router_process() as router:
+        reader, writer = await open_tls(router, alpn=["h2"])
+        encoder = Encoder()
+        head = [(":method", "GET"), (":path", "/healthz"), (":scheme", "https"),
+                (":authority", "127.0.0.1")]
+        out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()
+        for i in range(150):
+            frame = HeadersFrame(1 + 2 * i)
+            frame.data = encoder.encode(head)
+            frame.flags.add("END_HEADERS")
+            frame.flags.add("END_STREAM")
+            out += frame.serialize()
+        writer.write(out)
+        frames = FrameBuffer(server=False)
+        frames.max_frame_size = 1 << 24
+        ended: set[int] = set()
+        refused: set[int] = set()
+        goaway = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(20):
+                while len(ended) + len(refused) < 150 and not goaway:
+                    data = await reader.read(1 << 20)
+                    if not data:
+                        break
+                    frames.add_data(data)
+                    for frame in frames:
+                        kind = type(frame).__name__
+                        if kind == "RstStreamFrame":
+                            assert frame.error_code == h2.errors.ErrorCodes.REFUSED_STREAM
+                            refused.add(frame.stream_id)
+                        elif kind == "GoAwayFrame":
+                            goaway.append(frame.error_code)
+                        elif "END_STREAM" in frame.flags:
+                            ended.add(frame.stream_id)
+        assert goaway == []
+        assert refused  # past the limit: refused, each alone
+        assert len(ended) + len(refused) == 150
+        assert len(ended) >= 100
+        writer.close()
+    router.assert_clean_log()
