@@ -325,7 +325,7 @@ def _refuse_streams_past_the_limit() -> None:
             refused.error_code = h2.errors.ErrorCodes.REFUSED_STREAM
             return [refused], []
 
-    h2.connection.H2Connection._receive_headers_frame = refusing
+    h2.connection.H2Connection._receive_headers_frame = refusing  # type: ignore[method-assign]
 
 
 def _close_finished_h2_streams() -> None:
