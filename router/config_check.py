@@ -23,6 +23,7 @@ import ssl
 from pathlib import Path
 
 from .config import ConfigError, RouterConfig
+from .hosting.tls_files import file_problem, tls_pair_problem
 
 __all__ = [
     "MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "key_warnings",
@@ -50,20 +51,6 @@ def check_files(config: RouterConfig, source: str = "<config>") -> None:
             raise ConfigError(f"{source}: {reason}")
 
 
-def _missing(key: str, path: str) -> str | None:
-    """Why the file at ``path`` cannot be used at all: not there, or not readable by this
-    process (a key readable by root only, the router running as its own user), which the
-    later checks would otherwise report as a file without a certificate, or not catch."""
-    if not Path(path).is_file():
-        return f"{key}: no such file: {path}"
-    try:
-        with Path(path).open("rb"):
-            pass
-    except OSError as exc:
-        return f"{key}: cannot read {path}: {exc.strerror or exc}"
-    return None
-
-
 def _tls_pair(config: RouterConfig) -> str | None:
     listen = config.listen
     if listen.certfile is None or listen.keyfile is None:
@@ -71,56 +58,11 @@ def _tls_pair(config: RouterConfig) -> str | None:
     return tls_pair_problem(listen.certfile, listen.keyfile)
 
 
-def tls_pair_problem(
-    certfile: str, keyfile: str, names: tuple[str, str] = ("listen.certfile", "listen.keyfile")
-) -> str | None:
-    """Why the certificate and key cannot serve TLS, naming them as ``names`` (the config's
-    keys, or the sim's flags), or None: loaded as the server will load them, but never
-    asking for an encrypted key's pass phrase on the terminal."""
-    cert_name, key_name = names
-    for key, path in ((cert_name, certfile), (key_name, keyfile)):
-        missing = _missing(key, path)
-        if missing is not None:
-            return missing
-    cert_text = _read_text(certfile)
-    key_text = _read_text(keyfile)
-    if "CERTIFICATE-----" not in cert_text:
-        swapped = f" (swapped with {key_name}?)" if "CERTIFICATE-----" in key_text else ""
-        return f"{cert_name}: no PEM certificate in {certfile}{swapped}"
-    if "PRIVATE KEY-----" not in key_text:
-        swapped = f" (swapped with {cert_name}?)" if "CERTIFICATE-----" in key_text else ""
-        return f"{key_name}: no PEM private key in {keyfile}{swapped}"
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        # password: an encrypted key fails here instead of prompting on the terminal.
-        context.load_cert_chain(certfile, keyfile, password=_no_password)
-    except ssl.SSLError as exc:
-        if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
-            reason = "the private key does not belong to the certificate"
-        else:
-            reason = f"cannot load them ({exc.reason or exc})"
-        return f"{cert_name}, {key_name}: {reason} ({certfile}, {keyfile})"
-    except (OSError, TypeError) as exc:
-        return f"{cert_name}, {key_name}: cannot load them ({exc})"
-    return None
-
-
-def _no_password() -> bytes:
-    raise TypeError("the private key is encrypted; give an unencrypted key")
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return ""
-
-
 def _ca_bundle(config: RouterConfig) -> str | None:
     path = config.upstream_ca_file
     if path is None:
         return None
-    missing = _missing("upstream_ca_file", path)
+    missing = file_problem("upstream_ca_file", path)
     if missing is not None:
         return missing
     try:
@@ -134,7 +76,7 @@ def _geo_database(config: RouterConfig) -> str | None:
     path = config.geo.database
     if path is None:
         return None
-    missing = _missing("geo.database", path)
+    missing = file_problem("geo.database", path)
     if missing is not None:
         return missing
     try:
@@ -153,7 +95,7 @@ def _warm_prefix_files(config: RouterConfig) -> str | None:
         if prefix.file is None:
             continue
         key = f"warm_prefixes[{i}].file"
-        missing = _missing(key, prefix.file)
+        missing = file_problem(key, prefix.file)
         if missing is not None:
             return missing
         try:
@@ -179,7 +121,7 @@ def _redis_credentials(config: RouterConfig) -> str | None:
     if state.redis_url is None:
         return None
     if state.redis_ca_file is not None:
-        missing = _missing("state.redis_ca_file", state.redis_ca_file)
+        missing = file_problem("state.redis_ca_file", state.redis_ca_file)
         if missing is not None:
             return missing
         try:

@@ -11,7 +11,7 @@ import msgspec
 
 from firstbyte.cli import CLIError
 from firstbyte.router import hosting
-from firstbyte.router.config_check import tls_pair_problem
+from firstbyte.router.hosting.tls_files import tls_pair_problem
 from firstbyte.router.sim.faults import FaultSpecError, parse_fault
 from firstbyte.router.sim.profiles import PROFILES
 from firstbyte.router.sim.server import (
