@@ -51,6 +51,11 @@ QUIET_LIBRARIES = (
 )
 """Loggers held at ``warning`` unless the level is ``debug``."""
 
+SECRET_LOGGING_LIBRARIES = ("hpack", "h2")
+"""Loggers never let down to ``debug``: they log decoded header values there, the API key
+among them. (The hosting layer holds them above it on import too; this holds them whatever
+was imported before :func:`configure`.)"""
+
 _ENCODER = msgspec.json.Encoder(enc_hook=str)
 
 _worker: int | None = None
@@ -250,6 +255,8 @@ def configure(
     library_level = logging.DEBUG if level == "debug" else logging.WARNING
     for name in QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(library_level)
+    for name in SECRET_LOGGING_LIBRARIES:  # never at DEBUG, whatever was imported when
+        logging.getLogger(name).setLevel(max(library_level, logging.INFO))
     return handler
 
 

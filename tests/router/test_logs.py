@@ -483,3 +483,25 @@ def test_a_line_written_direct_is_the_line_logging_writes(
         assert write_direct(log, logging.INFO, "m", fields)
     # Not configured here (pytest's handlers at the root): never direct.
     assert not write_direct(log, logging.INFO, "m", fields)
+
+
+def test_a_debug_run_never_lets_hpack_or_h2_log_header_values() -> None:
+    """hpack and h2 log decoded headers (the API key among them) at DEBUG: ``configure`` at
+    ``debug`` holds them above it whatever was imported first (a start that imported the
+    hosting layer before configuring its logging leaked ``Bearer`` keys under ``-v``)."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level,
+             {name: logging.getLogger(name).level for name in (*QUIET_LIBRARIES, "h2")})
+    try:
+        for name in ("hpack", "h2"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        configure("debug", "json", io.StringIO())
+        assert logging.getLogger("hpack").getEffectiveLevel() > logging.DEBUG
+        assert logging.getLogger("h2").getEffectiveLevel() > logging.DEBUG
+        assert logging.getLogger("httpx").getEffectiveLevel() == logging.DEBUG
+    finally:
+        handlers, level, libraries = saved
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, library_level in libraries.items():
+            logging.getLogger(name).setLevel(library_level)
