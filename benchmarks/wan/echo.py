@@ -4,7 +4,8 @@ Run inside emulated hosts (``python -m firstbyte.benchmarks.wan.echo ...`` under
 exec``), so every measurement crosses the forwarder. Each command prints one JSON object on stdout:
 
 - ``serve --proto udp|tcp --bind IP``: prints ``{"port": N}`` (an ephemeral port), then echoes
-  every datagram (UDP) or every byte of every connection (TCP) until killed.
+  every datagram (UDP) or every read of every connection (TCP) until killed, each followed by
+  how long the server held it.
 - ``udp-ping --to IP --port N --count C [--interval-ms I]``: sends ``C`` numbered datagrams
   ``I`` ms apart (several may be in flight) and prints ``{"rtt_ms": [...], "lost": L}``.
 - ``tcp-probe --to IP --port N --count C``: ``C`` times: opens a connection (``connect_ms``,
@@ -12,13 +13,14 @@ exec``), so every measurement crosses the forwarder. Each command prints one JSO
   closes. Prints ``{"connect_ms": [...], "request_ms": [...]}``.
 
 They measure the emulator, not the machine's scheduler: on a busy or virtualised machine a
-process can wait milliseconds to run after its packet arrived. So a UDP ping's arrival time is
-the kernel's receive timestamp (``SO_TIMESTAMPNS``), not the time the probe woke up, and the echo
-server puts in its reply how long it held the datagram (its kernel receive timestamp to its
-send), which the probe subtracts, as TWAMP does. Each process compares only its own timestamps,
-so no clocks are compared. The TCP probe times ``connect()`` and ``recv()`` as a client sees
-them. The probes and servers also run at a low SCHED_FIFO priority when allowed (below the
-forwarder's).
+process can wait milliseconds to run after its packet arrived (a virtual CPU halted through a
+75 ms wait woke 0.5-1.3 ms late). So an arrival time is the kernel's receive timestamp
+(``SO_TIMESTAMPNS``, on UDP and TCP alike), not the time the probe woke up, and the echo server
+puts in its reply how long it held the data (its kernel receive timestamp to its send), which
+the probe subtracts, as TWAMP does. A connect is the round trip the kernel itself measured from
+SYN to SYN-ACK (``TCP_INFO``'s ``tcpi_rtt``), not the time ``connect()`` took to return. Each
+process compares only its own timestamps, so no clocks are compared. The probes and servers
+also run at a low SCHED_FIFO priority when allowed (below the forwarder's).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def _stamped_socket() -> socket.socket:
 
 
 def _recv_stamped(sock: socket.socket) -> tuple[bytes, Any, int]:
-    """One datagram, its sender and when the kernel received it (ns); the time of this call
-    when the kernel gave no timestamp."""
+    """One datagram (or one read of a stream), its sender and when the kernel received it
+    (ns); the time of this call when the kernel gave no timestamp."""
     data, ancdata, _flags, addr = sock.recvmsg(65535, socket.CMSG_SPACE(_TIMESPEC.size))
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
@@ -72,6 +74,7 @@ def serve(proto: str, bind: str) -> None:
             sock.sendto(data + _HOLD.pack(time.time_ns() - received), addr)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # accepted connections inherit it
     sock.bind((bind, 0))
     sock.listen(128)
     _announce(sock)
@@ -88,8 +91,11 @@ def _announce(sock: socket.socket) -> None:
 def _echo_stream(conn: socket.socket) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with conn:
-        while data := conn.recv(65536):
-            conn.sendall(data)
+        while True:
+            data, _, received = _recv_stamped(conn)
+            if not data:
+                return
+            conn.sendall(data + _HOLD.pack(time.time_ns() - received))
 
 
 def udp_ping(
@@ -129,25 +135,41 @@ def udp_ping(
 def tcp_probe(to: str, port: int, count: int, timeout_s: float) -> dict[str, object]:
     connect_ms: list[float] = []
     request_ms: list[float] = []
+    line = b"ping\n"
     for _ in range(count):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = time.perf_counter_ns()
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         sock.connect((to, port))
-        t1 = time.perf_counter_ns()
-        sock.sendall(b"ping\n")
+        connect_ms.append(_handshake_rtt_ms(sock))
+        sent = time.time_ns()
+        sock.sendall(line)
         got = b""
-        while not got.endswith(b"\n"):
-            chunk = sock.recv(64)
+        received = sent
+        while len(got) < len(line) + _HOLD.size:
+            chunk, _, received = _recv_stamped(sock)
             if not chunk:
                 raise ConnectionError("echo server closed the connection")
             got += chunk
-        t2 = time.perf_counter_ns()
         sock.close()
-        connect_ms.append((t1 - t0) / 1e6)
-        request_ms.append((t2 - t1) / 1e6)
+        if not got.startswith(line):
+            raise ConnectionError(f"echo server answered {got!r}")
+        (held,) = _HOLD.unpack_from(got, len(line))
+        request_ms.append((received - sent - held) / 1e6)
     return {"connect_ms": connect_ms, "request_ms": request_ms}
+
+
+_TCPI_RTT = struct.Struct("@I")
+_TCPI_RTT_OFFSET = 68  # struct tcp_info: 8 one-byte fields, then u32s; tcpi_rtt is the 16th
+
+
+def _handshake_rtt_ms(sock: socket.socket) -> float:
+    """The round trip the kernel measured from SYN to SYN-ACK (``tcpi_rtt``, in us): read
+    right after ``connect()``, when the handshake's is the connection's only RTT sample."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    (rtt_us,) = _TCPI_RTT.unpack_from(info, _TCPI_RTT_OFFSET)
+    return float(rtt_us) / 1000.0
 
 
 def main(argv: list[str] | None = None) -> int:

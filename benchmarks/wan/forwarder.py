@@ -8,8 +8,10 @@ packets), prints one ``ready`` JSON line on stdout, and from then on reads packe
 destination host's TUN at that time. The caller moves the TUN devices into their namespaces.
 
 Timing: ``epoll`` timers round to 1 ms, so the loop waits in ``select`` (microsecond timeouts,
-with the timer slack lowered to 1 ns) until :data:`SPIN_NS` before the next deadline, then polls
-without sleeping until the deadline. Every write's lateness (actual - scheduled) is recorded and
+with the timer slack lowered to 1 ns) until a margin before the next deadline, then polls
+without sleeping until the deadline. The margin is :class:`WakeMargin`'s: how late this
+machine's recent sleeps woke (a virtual CPU woken from a long idle can take a millisecond),
+never less than :data:`SPIN_NS`. Every write's lateness (actual - scheduled) is recorded and
 reported by the ``stats`` command.
 
 Control (attached mode): each line on stdin is a command: ``stats`` answers one JSON line on
@@ -41,9 +43,11 @@ TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 PR_SET_TIMERSLACK = 29
-# How long before a deadline the loop stops sleeping and polls: select() on this machine
-# wakes ~60-80 us late, so 200 us covers it with margin while spinning only briefly.
+# The least time before a deadline the loop stops sleeping and polls: select() on an idle
+# machine wakes ~60-80 us late, so 200 us covers it while spinning only briefly.
 SPIN_NS = 200_000
+# The most: on a busy host a virtual CPU halted through a 75 ms wait woke 0.5-1.3 ms late.
+MAX_SPIN_NS = 3_000_000
 MAX_PACKET = 65_535
 REALTIME_PRIORITY = 10
 READ_BURST = 64
@@ -123,6 +127,27 @@ def _lower_timer_slack() -> None:
         pass  # only precision suffers
 
 
+class WakeMargin:
+    """How long before a deadline to stop sleeping: the latest of the last :attr:`window`
+    sleeps' oversleep (woken after the timeout asked for), plus a quarter, within
+    [:data:`SPIN_NS`, :data:`MAX_SPIN_NS`]. A machine whose wake-ups grow late (a virtual CPU
+    descheduled while idle) widens it at once; it narrows again once they are prompt, so
+    polling costs CPU only on the hours that need it."""
+
+    def __init__(self, window: int = 32) -> None:
+        self.window = window
+        self._late: collections.deque[int] = collections.deque(maxlen=window)
+
+    def woke(self, asked_ns: int, slept_ns: int) -> None:
+        """A sleep asked for ``asked_ns`` and lasted ``slept_ns`` (it timed out)."""
+        self._late.append(max(0, slept_ns - asked_ns))
+
+    @property
+    def ns(self) -> int:
+        worst = max(self._late, default=0)
+        return min(MAX_SPIN_NS, max(SPIN_NS, worst + worst // 4))
+
+
 class Forwarder:
     """The IO loop around a :class:`DelayLine`."""
 
@@ -139,6 +164,7 @@ class Forwarder:
         self.unknown_host = 0
         self.write_errors = 0
         self.max_in_flight = 0
+        self.margin = WakeMargin()
         self.running = True
 
     def close(self) -> None:
@@ -166,6 +192,7 @@ class Forwarder:
             "write_errors": self.write_errors,
             "in_flight": self.line.in_flight(),
             "max_in_flight": self.max_in_flight,
+            "wake_margin_us": self.margin.ns / 1000.0,
             "lateness_us": {
                 "samples": len(late),
                 "p50": pct(0.5),
@@ -175,8 +202,9 @@ class Forwarder:
             },
         }
 
-    def _read_from(self, fd: int, now: int) -> None:
+    def _read_from(self, fd: int) -> None:
         src = self.index_of_fd[fd]
+        clock = time.perf_counter_ns
         for _ in range(READ_BURST):
             try:
                 packet = os.read(fd, MAX_PACKET)
@@ -184,6 +212,10 @@ class Forwarder:
                 return
             except OSError:
                 return  # device gone (namespace deleted during teardown)
+            # Its arrival is now, after the read: a time taken before it (when select returned)
+            # would date a packet written since then too early, and release it early by as long
+            # as this process was off the CPU in between (0.1-0.4 ms on a busy virtual machine).
+            now = clock()
             if len(packet) < 20 or packet[0] >> 4 != 4:
                 self.non_ipv4 += 1  # IPv6 router solicitations and the like: not emulated
                 continue
@@ -224,22 +256,24 @@ class Forwarder:
         clock = time.perf_counter_ns
         while self.running:
             deadline = self.line.next_deadline()
-            now = clock()
+            before = clock()
             if deadline is None:
                 timeout: float | None = 0.5  # wake now and then to notice SIGTERM promptly
+                wait = 0
             else:
-                wait = deadline - now - SPIN_NS
+                wait = deadline - before - self.margin.ns
                 timeout = wait / 1e9 if wait > 0 else 0.0
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
             except InterruptedError:
                 continue
-            now = clock()
+            if wait > 0 and not ready:
+                self.margin.woke(wait, clock() - before)
             for fd in ready:
                 if fd == self.control:
                     self._handle_control()
                 else:
-                    self._read_from(fd, now)
+                    self._read_from(fd)
             self._release(clock())
 
 

@@ -42,7 +42,7 @@ def wan() -> Iterator[Emulator]:
 
 @pytest.fixture(scope="module")
 def report(wan: Emulator) -> PrecisionReport:
-    bounds = {"udp": 1.0, "tcp-connect": 1.0, "tcp-request": 2.0}
+    bounds = {"udp": 1.0, "tcp-connect": 1.0, "tcp-request": 1.0}
     return steadiest(
         lambda: wan.precision([(CLIENT, SERVER)], count=20, methods=("udp", "tcp")),
         lambda r: all(precise(p, bounds[p.method]) for p in r.pairs),
@@ -84,13 +84,19 @@ def test_tcp_connect_costs_one_rtt_within_1ms(report: PrecisionReport) -> None:
 
 
 def test_tcp_request_response_costs_one_rtt(report: PrecisionReport) -> None:
-    assert_precise(_result(report, "tcp-request"), 2.0, report)
+    # timed by the kernel's receive stamps, the echo server's hold subtracted: the emulator's
+    # own cost, as tight as the other probes' (it read +2.4 to +3.8 ms timed by wake-ups)
+    assert_precise(_result(report, "tcp-request"), 1.0, report)
 
 
 def test_forwarder_reports_its_lateness(report: PrecisionReport) -> None:
     late = report.forwarder["lateness_us"]
     assert late["samples"] >= 20 * 2 * 3
-    assert late["p50"] < 1000
+    # Most packets leave on time: the forwarder polls through the last stretch before a
+    # release, for as long as its recent sleeps overslept (a fixed 200 us read 200-400 us
+    # at the median on hours when a woken virtual CPU was a millisecond late).
+    assert late["p50"] < 100, report.forwarder
+    assert 200 <= report.forwarder["wake_margin_us"] <= 3000
     assert report.forwarder["forwarded"] >= late["samples"]
     assert report.forwarder["lost"] == 0
     assert "max_abs_error_ms" in report.to_dict()
