@@ -7,7 +7,14 @@ import json
 import pytest
 
 from firstbyte.protocol.codec import CHAT, Codec, Usage, event_data, event_name, named_event
-from firstbyte.protocol.formats import BY_PATH, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
+from firstbyte.protocol.formats import (
+    BY_PATH,
+    COMPLETIONS,
+    EMBEDDINGS,
+    MAX_EMBEDDING_INPUTS,
+    MESSAGES,
+    RESPONSES,
+)
 from firstbyte.protocol.openai import RequestValidationError
 
 
@@ -90,6 +97,18 @@ def test_embeddings_never_stream() -> None:
     assert not EMBEDDINGS.streams
     view = EMBEDDINGS.decode_request(b'{"model": "m", "input": ["a", "b"], "user": "u"}')
     assert (view.model, view.messages[0].content, view.user) == ("m", "ab", "u")
+
+
+def test_embeddings_take_at_most_openais_2048_inputs() -> None:
+    assert MAX_EMBEDDING_INPUTS == 2048
+    most = json.dumps({"model": "m", "input": ["a"] * MAX_EMBEDDING_INPUTS}).encode()
+    assert EMBEDDINGS.decode_request(most).messages[0].content == "a" * MAX_EMBEDDING_INPUTS
+    for too_many in (["a"] * (MAX_EMBEDDING_INPUTS + 1), [[1, 2]] * 20_000):
+        body = json.dumps({"model": "m", "input": too_many}).encode()
+        with pytest.raises(RequestValidationError) as err:
+            EMBEDDINGS.decode_request(body)
+        assert err.value.param == "input"
+        assert "2048" in str(err.value)
 
 
 def test_content_end_and_usage_of_each_format() -> None:
