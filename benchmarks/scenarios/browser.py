@@ -45,8 +45,8 @@ from firstbyte.benchmarks.scenarios._browser_runner import (
     HISTORY_TOKENS,
 )
 from firstbyte.benchmarks.scenarios.transports import (
+    CDF_GEOGRAPHY,
     GEOGRAPHIES,
-    QUICK_GEOGRAPHIES,
     REGION_HOST,
     Geography,
     _emulator,
@@ -58,6 +58,8 @@ from firstbyte.client_sdk.timings import Timings
 __all__ = ["HISTORY_CELLS", "SDK_CELL", "cells", "next_message", "run", "run_browser"]
 
 MAX_TOKENS = 8
+QUICK_GEOGRAPHIES = ("local", CDF_GEOGRAPHY)
+"""``--quick``: the 0 ms local cost and the ~150 ms path the browser is compared on."""
 SDK_CELL = {"sse-fetch": "sse", "eventsource": "sse", "websocket": "websocket",
             "longpoll": "longpoll"}
 """The Python SDK's transport for each browser transport (EventSource reads SSE)."""

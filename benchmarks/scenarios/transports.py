@@ -79,7 +79,8 @@ GEOGRAPHIES: dict[str, Geography] = {
         Geography("lossy-long", "Sydney on 4G, 2% loss each way", "ap-southeast-2", "4g", 2.0),
     ]
 }
-QUICK_GEOGRAPHIES = ("local", "transpacific")
+QUICK_GEOGRAPHIES = ("local", "transatlantic", "transpacific")
+"""Two long RTTs: the round trips are also measured as the slope between them."""
 CDF_GEOGRAPHY = "transpacific"
 
 
@@ -189,8 +190,10 @@ def _results(
                 continue
             base = samples.get(("local", cell), [])
             row = {"geography": g.name, "cell": cell, "checked": g.checked}
+            pair = _slope_partner(g, geos)
+            other = None if pair is None else (samples.get((pair.name, cell), []), pair.rtt_ms)
             row |= theory.round_trips(got, base, g.rtt_ms, theory.theory_first_byte(
-                transport, http, state), theory.theory_ttft(transport, http, state))
+                transport, http, state), theory.theory_ttft(transport, http, state), other)
             trips.append(row)
             if state == "warm" and g.checked:
                 result = theory.prewarmed_target(got, base, g.rtt_ms)
@@ -215,6 +218,15 @@ def _results(
         "emulator_precision": [] if precision is None else precision.to_dict()["pairs"],
         "notes": _notes(mode, why),
     }
+
+
+def _slope_partner(g: Geography, geos: Sequence[Geography]) -> Geography | None:
+    """The other checked geography whose RTT is furthest from ``g``'s, for the slope counts
+    (None: ``g`` is not checked or has no partner)."""
+    if not g.checked:
+        return None
+    others = [o for o in geos if o.checked and o.rtt_ms != g.rtt_ms]
+    return max(others, key=lambda o: abs(o.rtt_ms - g.rtt_ms), default=None)
 
 
 def _description(mode: str, geos: Sequence[Geography], repeat: int) -> str:
@@ -278,7 +290,10 @@ def _notes(mode: str, why: str | None) -> list[str]:
         "(POST /v1/streams?wait=S), so it costs the same.",
         "first_byte_rtts = median (first_byte - Server-Timing total - local cost) / RTT, where "
         "local cost is the same cell's median at 0 ms RTT in this run (client and server CPU, "
-        "reported apart from round trips); first_byte_rtts_raw subtracts only Server-Timing.",
+        "reported apart from round trips); first_byte_rtts_raw subtracts only Server-Timing; "
+        "first_byte_rtts_slope is the change of that median between the two checked RTTs over "
+        "the change of RTT (no fixed local cost in it). A cell matches theory when the band "
+        "these counts span, widened by 10%, holds it.",
         "Round trips are checked (within 10%) on long loss-free paths; on short paths the local "
         "CPU cost is as large as a round trip, and loss adds retransmissions.",
         "Budget bars: one per geography and connection state: SSE over HTTP/2 for cold and "

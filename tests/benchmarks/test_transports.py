@@ -90,6 +90,32 @@ def test_an_overstated_local_cost_is_judged_by_the_band_up_to_the_raw_count() ->
     assert row["ttft_within_10pct"] is False
 
 
+def test_the_slope_between_two_long_rtts_leaves_out_a_cost_the_0ms_samples_missed() -> None:
+    # cold HTTP/3, 2 RTT; the local cost read 12 ms at 0 ms, but 50 ms at both long RTTs (a
+    # process woken after a long idle runs slower): corrected 2.25 and raw 2.33 at 151 ms,
+    # the slope between 76 and 151 ms exactly 2
+    far = [timings(2 * 151.0 + 50.0, 2 * 151.0 + 51.0)]
+    near = [timings(2 * 76.0 + 50.0, 2 * 76.0 + 51.0)]
+    base = [timings(12.0, 13.0)]
+    alone = theory.round_trips(far, base, 151.0, 2, 2)
+    assert alone["first_byte_within_10pct"] is False
+    row = theory.round_trips(far, base, 151.0, 2, 2, (near, 76.0))
+    assert row["first_byte_rtts"] == pytest.approx(2.252, abs=1e-3)
+    assert row["first_byte_rtts_slope"] == pytest.approx(2.0)
+    assert row["ttft_rtts_slope"] == pytest.approx(2.0)
+    assert row["first_byte_within_10pct"] is True
+    assert row["ttft_within_10pct"] is True
+    # an extra round trip at both RTTs moves every count past theory, the slope too
+    far3 = [timings(3 * 151.0 + 50.0, 3 * 151.0 + 51.0)]
+    near3 = [timings(3 * 76.0 + 50.0, 3 * 76.0 + 51.0)]
+    row = theory.round_trips(far3, base, 151.0, 2, 2, (near3, 76.0))
+    assert row["first_byte_rtts_slope"] == pytest.approx(3.0)
+    assert row["first_byte_within_10pct"] is False
+    # no partner (or the same RTT): no slope, judged as before
+    row = theory.round_trips(far, base, 151.0, 2, 2, (near, 151.0))
+    assert "first_byte_rtts_slope" not in row
+
+
 def test_round_trips_outside_tolerance_are_flagged() -> None:
     # a cold HTTP/2 request that cost 4 RTT (say a lost SYN's retransmission): not theory
     row = theory.round_trips([timings(400.0, 401.0)], [], 100.0, 3, 3)
@@ -242,6 +268,7 @@ def test_quick_run_through_the_emulator_matches_round_trip_theory(tmp_path: Path
     assert {row["cell"] for row in checked} == set(cells(quick=True))
     for row in checked:
         # the "must show": cold and warm costs are the round trips of theory, within 10%
+        assert "first_byte_rtts_slope" in row, row  # two long paths: the slope is measured
         assert row["first_byte_within_10pct"], row
         assert row["ttft_within_10pct"], row
     assert summary["round_trips_match_theory"] == "met"
