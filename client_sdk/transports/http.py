@@ -168,7 +168,13 @@ class HttpxSession:
         self._clients = [self._make_client()]
         """HTTP/1.1: one client, its pool of ``max_connections``. HTTP/2: one client per
         connection (up to ``max_connections``), each given at most
-        :data:`STREAMS_PER_H2_CONNECTION` requests while another may be opened."""
+        :data:`STREAMS_PER_H2_CONNECTION` requests while another may be opened. Each client
+        keeps a pool of ``max_connections`` too: httpcore carries every request on its first
+        HTTP/2 connection while it can take them, and opens another only to replace one that
+        cannot (GOAWAY, an error). Pools of one connection made requests wait in httpcore's
+        queue, where a cancel at the wrong moment released a stream twice ("semaphore
+        released too many times") and left the connection's pool full: a stream cancelled
+        now and then hung the client's later requests until the pool timed out."""
         self._in_flight: dict[httpx.AsyncClient, int] = {}
         self.accept_encoding: str | None = None
         self.rtt_s: float | None = None
@@ -192,8 +198,6 @@ class HttpxSession:
 
     def _make_client(self) -> httpx.AsyncClient:
         max_connections, keepalive_expiry_s, connect_timeout_s = self._limits
-        if self._http == "2":
-            max_connections = 1  # one connection per client: _pick_client spreads them
         client = httpx.AsyncClient(
             http1=self._http == "1.1",
             http2=self._http == "2",
