@@ -245,5 +245,7 @@ async def test_a_full_redis_keeps_a_readers_mark_renewed(shared: SharedState) ->
     await asyncio.sleep(0.3)
     reader.touch_reader("attended")
     await asyncio.sleep(0.2)
-    assert await shared.redis.pttl(key) > before  # renewed, full as Redis is
+    # Left alone, the mark would have 500 ms less to live than ``before``; renewed, about as
+    # much (it was last set 200 ms before ``before`` too): judged halfway between.
+    assert await shared.redis.pttl(key) > before - 250  # renewed, full as Redis is
     await reader.aclose()
