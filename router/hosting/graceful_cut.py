@@ -12,6 +12,10 @@ pool and every browser has:
   (:func:`.servers.running`) then cancels hypercorn's ``serve`` in the middle of its clean-up,
   which raises ``InvalidStateError`` out of it (it asks the gathered tasks' future for an
   exception before that future is done).
+- A client that holds a kept-alive TLS connection open and never answers the server's
+  ``close_notify`` (at a keep-alive timeout, not only in a drain) makes hypercorn's wait end
+  in ``TimeoutError: SSL shutdown timed out`` after the loop's 30 s, which ended the
+  connection's task with a traceback; the connection is cut instead, quietly.
 - Python 3.11 before 3.11.8 (gh-113538): ``asyncio.start_server``'s done-callback calls
   ``task.exception()`` on a cancelled task and logs a traceback: one per connection.
 
@@ -64,7 +68,14 @@ def cut_at_graceful_timeout() -> None:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 self._cut()  # no TLS goodbye to wait for
-            await super()._close()
+            try:
+                await super()._close()
+            except TimeoutError:
+                # The client never answered the TLS goodbye within the loop's shutdown
+                # timeout (a kept-alive connection it holds open and no longer reads): the
+                # wait is over, so cut it. Raised on, it ended the connection's task with a
+                # traceback in the log ("SSL shutdown timed out"), once per such client.
+                self._cut()
             if task is not None and task.cancelling():
                 self._cut()  # the cancel came while hypercorn waited, and it swallowed it
 

@@ -96,3 +96,41 @@ async def test_without_the_patch_a_silent_client_outlives_the_stop(
         took, raised = await _stop_around_silent_clients("hypercorn", "h2", tls_files)
     assert took >= GRACEFUL_S + 5.0 - 0.05
     assert isinstance(raised, asyncio.InvalidStateError), raised
+
+
+class _UnansweredGoodbye:
+    """The stream writer (and its transport) of a TLS connection whose client holds it open and
+    reads nothing: the loop's wait for its TLS goodbye ends as asyncio's does, in
+    ``TimeoutError``."""
+
+    def __init__(self) -> None:
+        self.transport = self
+        self.aborted = False
+
+    def write_eof(self) -> None:
+        raise RuntimeError("a TLS transport cannot half-close")  # hypercorn passes over it
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        raise TimeoutError("SSL shutdown timed out")
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_a_tls_goodbye_never_answered_is_cut_not_raised() -> None:
+    """At a keep-alive timeout, not only in a drain, hypercorn closes a connection and waits
+    for the client's TLS goodbye; a client that holds the connection open and reads nothing
+    never sends it, and the wait ended in ``TimeoutError`` after the loop's 30 s, which ended
+    the connection's task with a traceback in the log. The connection is cut instead."""
+    from hypercorn.asyncio import run, tcp_server
+
+    patches.apply_all()
+    server = run.TCPServer.__new__(run.TCPServer)  # the patched server, without a connection
+    writer = _UnansweredGoodbye()
+    server.writer = writer
+    server.idle_task = tcp_server.AsyncioSingleTask()
+    await server._close()
+    assert writer.aborted
