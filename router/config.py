@@ -279,6 +279,10 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Header fields in one request; more: 431 and close."""
     client_body_timeout_s: PositiveSeconds = 60.0
     """Longest wait for the next piece of a request body: longer, 408 and close."""
+    client_send_timeout_s: PositiveSeconds = 60.0
+    """A client whose connection has taken nothing of what the router has for it for this
+    long (its writes paused throughout: it stopped reading) is disconnected, as nginx's
+    ``send_timeout``; every server and HTTP version over TCP."""
     websocket_idle_timeout_s: PositiveSeconds = 300.0
     """A WebSocket with no client message and no stream followed for this long is closed
     (1001)."""

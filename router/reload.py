@@ -45,6 +45,7 @@ RESTART_KEYS = (
     "limits.upstream_keepalive_expiry_s",
     "limits.upstream_max_connections",
     "limits.client_header_timeout_s",
+    "limits.client_send_timeout_s",
     "limits.max_connections_per_client",
     "limits.hard_max_connections_per_client",
     "limits.reserved_fds",

@@ -126,6 +126,7 @@ def client_limits(config: RouterConfig) -> ClientLimits:
     return ClientLimits(
         heads=head_limits(config),
         header_timeout_s=limits.client_header_timeout_s,
+        send_timeout_s=limits.client_send_timeout_s,
         max_connections_per_client=limits.max_connections_per_client,
         hard_max_connections_per_client=limits.hard_max_connections_per_client,
         reserved_fds=limits.reserved_fds,

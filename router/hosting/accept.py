@@ -36,6 +36,7 @@ from typing import Any, cast
 from .hardening import BUSY_BODY, BUSY_H1, report
 from .limits import ConnectionCounter
 from .proxy_protocol import NEED_MORE, HeaderWait, Proxied, ProxyError, ProxyProtocol, with_client
+from .send_timeout import SendTimer
 
 __all__ = [
     "H2_PREFACE",
@@ -310,6 +311,8 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
         self._handshake: asyncio.Task[None] | None = None
         self._proxy: ProxyRead | None = None
         self._client: tuple[str, int] | None = None
+        self._send: SendTimer | None = None
+        self._served: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
@@ -342,7 +345,7 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
         """Hand the connection to the stream, after its TLS handshake with ``tls``; ``early``:
         its bytes already read (after a PROXY header)."""
         if self._tls is None:
-            super().connection_made(with_client(transport, self._client))
+            self._connected(transport)
             if early:
                 super().data_received(early)
             return
@@ -364,7 +367,12 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
             if self._admission is not None:
                 self._admission.release()
             return
-        super().connection_made(with_client(tls, self._client))
+        self._connected(tls)
+
+    def _connected(self, transport: asyncio.Transport) -> None:
+        """The stream's connection is made: over ``transport`` (TLS done, if any)."""
+        self._served = transport
+        super().connection_made(with_client(transport, self._client))
 
     def data_received(self, data: bytes) -> None:
         if self._proxy is not None and self._proxy.waiting:
@@ -375,7 +383,22 @@ class _AcceptProtocol(asyncio.StreamReaderProtocol):
             return
         super().data_received(data)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._served is not None:  # else the handshake's own writes, under its timeout
+            self._send = SendTimer.paused(
+                self._send, asyncio.get_running_loop(), self._gate.counter.limits.send_timeout_s,
+                self._served, self._admission.client if self._admission is not None else "?",
+            )
+
+    def resume_writing(self) -> None:
+        if self._send is not None:
+            self._send.resumed()
+        super().resume_writing()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._send is not None:
+            self._send.stop()
         if self._proxy is not None:
             self._proxy.stop()
         if self._admission is not None:

@@ -1,6 +1,6 @@
 """What one client may hold of a server, as sans-IO accounting the hosting layer feeds.
 
-- :class:`ClientLimits`: the knobs (header timeout, connections per address, descriptor
+- :class:`ClientLimits`: the knobs (header and send timeouts, connections per address, descriptor
   reserve, HTTP/2 early resets), as :class:`~firstbyte.router.hosting.ServerOptions` carries them.
 - :class:`ConnectionCounter`: admits or refuses a new connection, counted from its accept, by
   its client address and the descriptor its socket got; the per-address cap applies only
@@ -37,6 +37,9 @@ class ClientLimits:
     header_timeout_s: float = 60.0
     """From a request's first byte to its complete head (HTTP/1.1), and the TLS handshake
     from the connection's accept."""
+    send_timeout_s: float = 60.0
+    """A connection whose writes stay paused this long (its client stopped reading) is
+    closed (:mod:`.send_timeout`)."""
     max_connections_per_client: int | None = None
     """Under pressure (:meth:`ConnectionCounter.under_pressure`), a client address holding
     this many connections gets no more; None: no cap. Without pressure an address may hold

@@ -44,6 +44,7 @@ from .disconnected import EXTENSION as DISCONNECTED
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, Linger, report
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
+from .send_timeout import SendTimer
 
 __all__ = ["guarded_protocols"]
 
@@ -52,6 +53,11 @@ _LINGER_IDLE_S = 2.0
 the client has sent nothing for this long (nginx's ``lingering_timeout`` is 5 s)..."""
 _LINGER_MAX_S = 30.0
 """... and at the latest this long after the response (nginx's ``lingering_time``)."""
+
+
+def _client(protocol: Any) -> str:
+    """The client address of a uvicorn protocol, for a log line."""
+    return protocol.client[0] if protocol.client else "?"
 
 
 def guarded_protocols(
@@ -77,10 +83,25 @@ def guarded_protocols(
         ended: asyncio.Future[None] | None = None
         """Set when the connection closes (handed over at the upgrade, see below)."""
 
+        _send: SendTimer | None = None
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._send is not None:
+                self._send.stop()
             _release(self.counted, self.ended)
             self.counted = None
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._send = SendTimer.paused(
+                self._send, self.loop, limits.send_timeout_s, self.transport, _client(self)
+            )
+
+        def resume_writing(self) -> None:
+            if self._send is not None:
+                self._send.resumed()
+            super().resume_writing()
 
         def data_received(self, data: bytes) -> None:
             if self._lingering is None:
@@ -97,8 +118,10 @@ def guarded_protocols(
                     b"".join(self.frames).decode()
                 except UnicodeDecodeError as exc:
                     self.frames = []
-                    client = self.client[0] if self.client else "?"
-                    report(logging.INFO, "WebSocket text not UTF-8: close 1007", client, str(exc))
+                    report(
+                        logging.INFO, "WebSocket text not UTF-8: close 1007", _client(self),
+                        str(exc),
+                    )
                     self.conn.send_close(1007, "invalid UTF-8")
                     self.handle_parser_exception()
                     return
@@ -113,8 +136,9 @@ def guarded_protocols(
                 return
             exc = self.conn.parser_exc
             if isinstance(exc, PayloadTooBig):
-                client = self.client[0] if self.client else "?"
-                report(logging.INFO, "WebSocket message too big: close 1009", client, str(exc))
+                report(
+                    logging.INFO, "WebSocket message too big: close 1009", _client(self), str(exc)
+                )
             close = self.conn.close_sent
             assert close is not None  # the parser's error closed the connection
             self.queue.put_nowait(
@@ -159,6 +183,8 @@ def guarded_protocols(
         _plain_early = b""
         _proxy: ProxyRead | None = None
         _proxy_client: tuple[str, int] | None = None
+        _send: SendTimer | None = None
+        """The send timeout, armed while the connection's writes are paused."""
         _gone: tuple[tuple[Any, asyncio.Future[None]], ...] = ()
         """The ``firstbyte.disconnected`` futures (:mod:`.disconnected`) of the requests whose
         response may not be complete, with their request cycles: one, or more when requests
@@ -239,7 +265,20 @@ def guarded_protocols(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._send = SendTimer.paused(
+                self._send, self.loop, limits.send_timeout_s, self.transport, _client(self)
+            )
+
+        def resume_writing(self) -> None:
+            if self._send is not None:
+                self._send.resumed()
+            super().resume_writing()
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._send is not None:
+                self._send.stop()
             if self._proxy is not None:
                 self._proxy.stop()
             if not self._made:  # lost before its TLS handshake began: nothing of uvicorn's
@@ -372,7 +411,7 @@ def guarded_protocols(
             self._head_timer = None
             if self.transport.is_closing():
                 return
-            report(logging.INFO, "request head timed out", self.client[0] if self.client else "?")
+            report(logging.INFO, "request head timed out", _client(self))
             self.transport.write(TIMEOUT_H1)
             self.transport.close()
 

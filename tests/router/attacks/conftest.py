@@ -84,6 +84,12 @@ class RouterProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    async def logged(self, text: str, timeout_s: float) -> None:
+        """Wait until the log has ``text`` (``TimeoutError`` after ``timeout_s``)."""
+        async with asyncio.timeout(timeout_s):
+            while text not in self.log():  # noqa: ASYNC110 (a file to poll, no event to wait on)
+                await asyncio.sleep(0.2)
+
     def assert_clean_log(self) -> None:
         """No traceback and no exception name: every client mistake is one plain line."""
         text = self.log()

@@ -16,6 +16,7 @@ import httpx
 
 from tests.router.conftest import API_KEY, auth
 from tests.router.geo_fixtures import TOKYO_CLIENT, write_city_mmdb
+from tests.router.upstream import Upstream
 
 from .conftest import (
     ON_EACH_PROTOCOL,
@@ -71,6 +72,48 @@ async def test_slowloris_head_is_cut_at_the_header_timeout(
             await asyncio.gather(*tricklers, return_exceptions=True)
         assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:2]
         assert 2.0 - TIMER_SLACK_S <= held_s < CLOSED_WITHIN_S
+    router.assert_clean_log()
+
+
+STALLED_TOKENS = 40_000
+"""A stream long enough (~7 MB) to fill what the kernel buffers on loopback for a client that
+reads nothing (the router's send buffer autotunes up to ``tcp_wmem``'s 4 MiB) and then the
+transport's, so the router's writes pause."""
+
+
+@ON_EACH_PROTOCOL
+async def test_a_client_that_stops_reading_is_reset_at_the_send_timeout(
+    start_router_process: RouterStarter, upstream: Upstream,
+) -> None:
+    """A client that reads a stream's first bytes and then nothing more is reset once the
+    router's writes have stayed paused for ``client_send_timeout_s``, with one log line;
+    before the change it held its connection (and the stream's writer) until it went."""
+    upstream.burst = 2000  # the stream at ~200,000 chunks a second, not the fixture's 100
+    async with start_router_process(limits={"client_send_timeout_s": 1.0}) as router:
+        async with canary_running(router):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
+            reader, writer = await asyncio.open_connection(
+                sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
+            )
+            body = json.dumps(chat_body(STALLED_TOKENS)).encode()
+            writer.write(
+                _keyed_post(f"content-length: {len(body)}", "content-type: application/json")
+                + body
+            )
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            # Read nothing until the router has given up on this client...
+            await router.logged("client stopped reading", CLOSED_WITHIN_S)
+            # ... then all it had taken: cut short by a reset, never the stream's end.
+            rest = b""
+            with contextlib.suppress(TimeoutError):
+                rest = await read_until_closed(reader, 10)
+            writer.close()
+        assert b"data: [DONE]" not in rest
+        assert len(rest) < STALLED_TOKENS * 100, len(rest)
+    assert router.log().count("client stopped reading") == 1, router.log()[-2000:]
     router.assert_clean_log()
 
 

@@ -19,6 +19,7 @@ import websockets
 from websockets.asyncio.client import connect
 
 from tests.router.conftest import API_KEY, auth
+from tests.router.upstream import Upstream
 
 from .conftest import (
     ON_EACH_PROTOCOL,
@@ -31,6 +32,7 @@ from .conftest import (
     open_tls,
     read_until_closed,
 )
+from .test_http1 import CLOSED_WITHIN_S, STALLED_TOKENS
 
 MiB = 1 << 20
 CLOSE_1009 = struct.pack("!H", 1009)
@@ -335,4 +337,45 @@ async def test_a_backed_up_websocket_that_leaves_logs_no_task_exception(
         await asyncio.sleep(2)
     text = router.log()
     assert "never retrieved" not in text, text[-3000:]
+    router.assert_clean_log()
+
+
+@ON_EACH_PROTOCOL
+async def test_a_websocket_that_stops_reading_is_reset_at_the_send_timeout(
+    start_router_process: RouterStarter, upstream: Upstream,
+) -> None:
+    """A WebSocket client that asks for a long stream and then reads nothing is reset once
+    the router's writes have stayed paused for ``client_send_timeout_s`` (one log line), not
+    held for as long as it stays."""
+    upstream.burst = 2000  # the stream at ~200,000 chunks a second, not the fixture's 100
+    async with start_router_process(limits={"client_send_timeout_s": 1.0}) as router:
+        async with canary_running(router):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
+            reader, writer = await asyncio.open_connection(
+                sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
+            )
+            key = base64.b64encode(os.urandom(16)).decode()
+            writer.write(
+                (
+                    "GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                    f"connection: Upgrade\r\nsec-websocket-key: {key}\r\n"
+                    f"sec-websocket-version: 13\r\nauthorization: Bearer {API_KEY}\r\n\r\n"
+                ).encode()
+            )
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+            request = {"type": "request", "body": chat_body(STALLED_TOKENS)}
+            writer.write(_text_frame(json.dumps(request).encode()))
+            await writer.drain()
+            writer.transport.pause_reading()
+            await router.logged("client stopped reading", CLOSED_WITHIN_S)
+            writer.transport.resume_reading()
+            rest = b""
+            with contextlib.suppress(TimeoutError):
+                rest = await read_until_closed(reader, 10)
+            writer.close()
+        assert b"[DONE]" not in rest
+        assert b'"done"' not in rest
     router.assert_clean_log()
