@@ -266,7 +266,8 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # What one client connection may hold (docs/router.md, "Limits"); defaults like nginx's.
     client_header_timeout_s: PositiveSeconds = 60.0
     """From a request's first byte to its complete head (HTTP/1.1; TLS handshakes too):
-    longer, 408 and the connection closes (a slowloris)."""
+    longer, 408 and the connection closes (a slowloris). HTTP/2: from a stream's first
+    HEADERS bytes to the end of its header block; longer, GOAWAY and the connection closes."""
     # A request head, bounded before authentication (router/hosting/heads.py); nginx's
     # large_client_header_buffers 4 8k: a line fits one 8 KiB buffer, the head four.
     max_request_line_bytes: PositiveBytes = 8192
@@ -298,9 +299,13 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_rss_bytes: PositiveBytes | None = None
     """Resident memory above which new work is refused with 503 while streams in flight go
     on (None: no bound; set it below the container's memory limit)."""
-    h2_max_early_resets: PositiveInt = 100
-    """HTTP/2: a connection whose client reset this many streams before their response was
-    done, more than half of all it opened, gets GOAWAY (the 2023 rapid-reset attack)."""
+    h2_max_early_resets: PositiveInt = 200
+    """HTTP/2: streams one connection may reset before their response was done, at once
+    (twice the 100 streams a client may have open); past that budget the connection gets
+    GOAWAY (the 2023 rapid-reset attack)."""
+    h2_early_resets_per_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
+    """... and how fast the budget refills: a client may go on resetting this many streams a
+    second. Only time refills it, not the requests that complete."""
     quic_retry_above_handshakes_per_s: Annotated[float, msgspec.Meta(ge=0)] = 200.0
     """HTTP/3: while new QUIC handshakes arrive faster than this, each must first prove its
     address with a Retry (RFC 9000 section 8.1, one more round trip), so a flood from spoofed

@@ -50,6 +50,7 @@ RESTART_KEYS = (
     "limits.hard_max_connections_per_client",
     "limits.reserved_fds",
     "limits.h2_max_early_resets",
+    "limits.h2_early_resets_per_s",
     "limits.max_request_line_bytes",
     "limits.max_header_line_bytes",
     "limits.max_header_bytes",

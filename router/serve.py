@@ -131,6 +131,7 @@ def client_limits(config: RouterConfig) -> ClientLimits:
         hard_max_connections_per_client=limits.hard_max_connections_per_client,
         reserved_fds=limits.reserved_fds,
         h2_max_early_resets=limits.h2_max_early_resets,
+        h2_early_resets_per_s=limits.h2_early_resets_per_s,
         quic_retry_above_handshakes_per_s=limits.quic_retry_above_handshakes_per_s,
     )
 

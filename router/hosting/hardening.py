@@ -13,8 +13,9 @@ whose hypercorn ``Config`` carries
   answered 400 and its connection closed (RFC 9112 section 6.1: request smuggling);
 - a body the app answered without reading (401, 404, a 413 after 64 MiB) is read and dropped,
   so it cannot fill the app's queue and stall the connection;
-- HTTP/2: DATA for a stream already answered is acknowledged and the stream reset
-  (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
+- HTTP/2: a header block must end within ``header_timeout_s`` of its stream's first HEADERS
+  bytes (GOAWAY PROTOCOL_ERROR); DATA for a stream already answered is acknowledged and the
+  stream reset (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
   (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
   disconnect and cancel their work;
 - HTTP/3 and QUIC (:mod:`.quic_hardening`): late DATA for an answered stream is dropped; a
@@ -37,7 +38,7 @@ import logging
 import time
 from typing import Any
 
-from .limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
+from .limits import ClientLimits, ConnectionCounter, HeaderBlockClock, ResetFlood, Throttle
 from .ws_frames import FrameSizeGuard
 
 __all__ = [
@@ -211,6 +212,94 @@ def _stop_head_timer(protocol: Any) -> None:
         protocol._firstbyte_head_timer = None
 
 
+_HEADERS_FRAME, _CONTINUATION_FRAME = 0x1, 0x9
+
+
+def pending_header_block(connection: Any) -> int | None:
+    """The stream whose header block h2's ``connection`` holds unfinished: a HEADERS frame
+    whose END_HEADERS has not come, or the first bytes of a HEADERS or CONTINUATION frame
+    not whole yet (:attr:`HeaderBlockClock.UNKNOWN` before they name their stream); None if
+    there is none."""
+    frames = connection.incoming_buffer
+    if frames._headers_buffer:
+        return int(frames._headers_buffer[0].stream_id)
+    data = frames._data  # starts at a frame's first byte: h2 drops each frame it parsed
+    if len(data) < 4 or data[3] not in (_HEADERS_FRAME, _CONTINUATION_FRAME):
+        return None
+    if len(data) < 9:
+        return HeaderBlockClock.UNKNOWN
+    return int.from_bytes(data[5:9], "big") & 0x7FFFFFFF
+
+
+def _time_h2_header_blocks() -> None:
+    """Close an HTTP/2 connection whose header block does not end in time.
+
+    h2 holds a HEADERS frame without END_HEADERS, and its CONTINUATION frames, until the
+    block's end (at most 64 frames), and hypercorn sees nothing of it: its only clock, the
+    keep-alive timer, closed a connection sending one CONTINUATION byte every 20 s at
+    ``keep_alive_timeout_s`` (75 s), and never while another stream of it was open. nginx
+    applies ``client_header_timeout`` to an HTTP/2 request's header: so does this, from the
+    block's first HEADERS bytes (:class:`HeaderBlockClock`), and then closes the connection
+    with GOAWAY PROTOCOL_ERROR, as nginx does when a client times out.
+    """
+    import h2.errors
+    from hypercorn.events import Closed, RawData
+    from hypercorn.protocol.h2 import H2Protocol
+
+    handle = H2Protocol.handle
+
+    async def timed(self: Any, event: Any) -> None:
+        limits = _limits(self.config)
+        if limits is None:
+            await handle(self, event)
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        await handle(self, event)
+        timer: asyncio.TimerHandle | None = getattr(self, "_firstbyte_block_timer", None)
+        if isinstance(event, Closed) or self.closed:
+            if timer is not None:
+                timer.cancel()
+            return
+        if not isinstance(event, RawData):
+            return
+        clock: HeaderBlockClock | None = getattr(self, "_firstbyte_block_clock", None)
+        if clock is None:
+            clock = self._firstbyte_block_clock = HeaderBlockClock(limits.header_timeout_s)
+        due = clock.read(pending_header_block(self.connection), now)
+        if timer is not None and (due is None or timer.when() != due):
+            timer.cancel()
+            timer = self._firstbyte_block_timer = None
+        if due is not None and timer is None:
+            self._firstbyte_block_timer = loop.call_at(due, _expired, self, clock)
+
+    def _expired(self: Any, clock: HeaderBlockClock) -> None:
+        report(
+            logging.INFO,
+            "HTTP/2 request head timed out: GOAWAY",
+            self.client,
+            f"the header block of stream {clock.stream} unfinished after"
+            f" {clock.timeout_s:g} s (limits.client_header_timeout_s)",
+        )
+        self._firstbyte_closing = asyncio.ensure_future(
+            goaway_and_close(self, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+        )
+
+    H2Protocol.handle = timed  # type: ignore[method-assign]
+
+
+async def goaway_and_close(protocol: Any, error_code: int) -> None:
+    """Send GOAWAY ``error_code`` on the HTTP/2 connection ``protocol`` (hypercorn's), then
+    close it: the apps of its streams see a disconnect."""
+    import h2.exceptions
+    from hypercorn.events import Closed
+
+    with contextlib.suppress(h2.exceptions.ProtocolError):
+        protocol.connection.close_connection(error_code=error_code)
+        await protocol._flush()
+    await protocol.send(Closed())
+
+
 def _reject_ambiguous_framing() -> None:
     """400 and close for a request with both ``Content-Length`` and ``Transfer-Encoding``.
 
@@ -338,14 +427,14 @@ def _close_finished_h2_streams() -> None:
 
     A client that opens streams and resets them before their response (HEADERS, RST_STREAM,
     again, fifty thousand times in three seconds) makes the server start a request's work per
-    stream for free. Each connection counts streams reset before their response was done;
-    past ``h2_max_early_resets`` (and more than half of all streams) it gets GOAWAY
-    ENHANCE_YOUR_CALM and is closed, as nginx, Envoy and h2o did in October 2023.
+    stream for free. Each connection has a budget of streams reset before their response was
+    done (:class:`ResetFlood`: ``h2_max_early_resets`` at once, ``h2_early_resets_per_s``
+    after); past it the connection gets GOAWAY ENHANCE_YOUR_CALM and is closed, as nginx,
+    Envoy and h2o did in October 2023.
     """
     import h2.errors
     import h2.events
     import h2.exceptions
-    from hypercorn.events import Closed
     from hypercorn.protocol.h2 import H2Protocol
 
     handle_events = H2Protocol._handle_events
@@ -378,27 +467,25 @@ def _close_finished_h2_streams() -> None:
         assert limits.h2_max_early_resets is not None
         flood: ResetFlood | None = getattr(self, "_firstbyte_reset_flood", None)
         if flood is None:
-            flood = self._firstbyte_reset_flood = ResetFlood(limits.h2_max_early_resets)
+            flood = self._firstbyte_reset_flood = ResetFlood(
+                limits.h2_max_early_resets, limits.h2_early_resets_per_s
+            )
         if isinstance(event, h2.events.RequestReceived):
             flood.stream_opened()
         elif (
             isinstance(event, h2.events.StreamReset)
             and event.stream_id in self.streams
-            and flood.stream_reset_early()
+            and flood.stream_reset_early(asyncio.get_running_loop().time())
         ):
             report(
                 logging.WARNING,
                 "HTTP/2 rapid reset: GOAWAY",
                 self.client,
-                f"{flood.early_resets} of {flood.opened} streams reset before their"
-                " response (limits.h2_max_early_resets)",
+                f"{flood.early_resets} of {flood.opened} streams reset before their response,"
+                f" over {flood.burst} at once and {flood.per_s:g} a second"
+                " (limits.h2_max_early_resets, limits.h2_early_resets_per_s)",
             )
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.connection.close_connection(
-                    error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-                )
-                await self._flush()
-            await self.send(Closed())
+            await goaway_and_close(self, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
             return True
         return False
 

@@ -8,6 +8,7 @@
 - :func:`admit_quic`: the same for a QUIC connection, which has no descriptor of its own.
 - :class:`HandshakeRate`: new QUIC handshakes per second, and when to ask for Retry.
 - :class:`ResetFlood`: tells an HTTP/2 rapid-reset flood from a client that cancels now and then.
+- :class:`HeaderBlockClock`: when an HTTP/2 header block left unfinished is due.
 - :class:`Throttle`: at most one log line per reason per interval, so an attack cannot flood
   the log with the lines that report it.
 
@@ -23,6 +24,7 @@ __all__ = [
     "ClientLimits",
     "ConnectionCounter",
     "HandshakeRate",
+    "HeaderBlockClock",
     "ResetFlood",
     "Throttle",
     "admit_quic",
@@ -35,8 +37,9 @@ class ClientLimits:
     the defaults only time out, so a server without a config, the sim, caps nothing)."""
 
     header_timeout_s: float = 60.0
-    """From a request's first byte to its complete head (HTTP/1.1), and the TLS handshake
-    from the connection's accept."""
+    """From a request's first byte to its complete head (HTTP/1.1), from an HTTP/2 stream's
+    first HEADERS bytes to the end of its header block, and the TLS handshake from the
+    connection's accept."""
     send_timeout_s: float = 60.0
     """A connection whose writes stay paused this long (its client stopped reading) is
     closed (:mod:`.send_timeout`)."""
@@ -51,8 +54,10 @@ class ClientLimits:
     heads: HeadLimits | None = None
     """Bounds on a request head (:mod:`.heads`), on every protocol; None: the servers' own."""
     h2_max_early_resets: int | None = None
-    """HTTP/2 streams a client may reset before their response is done (more than half of
-    all it opened) before the connection gets GOAWAY; None: no bound."""
+    """HTTP/2 streams one connection may reset before their response is done, at once (the
+    budget of :class:`ResetFlood`); past it the connection gets GOAWAY; None: no bound."""
+    h2_early_resets_per_s: float = 20.0
+    """... and the rate at which that budget refills with time (nothing else refills it)."""
     quic_retry_above_handshakes_per_s: float | None = None
     """New QUIC handshakes per second above which each must first prove its address with a
     Retry (:class:`HandshakeRate`); None: never."""
@@ -197,25 +202,74 @@ class HandshakeRate:
 
 
 class ResetFlood:
-    """One HTTP/2 connection's streams opened and reset early (before their response was done).
+    """One HTTP/2 connection's budget of streams reset early (before their response was done).
 
-    Cancelling is normal (a user stops a generation, an SDK fails over), so one reset means
-    nothing; a connection on which most streams die young, many times over, is the 2023
-    rapid-reset attack: each reset stream cost the server a request's work, the client nothing.
+    Cancelling is normal (a user stops a generation, an SDK fails over, a page closes with
+    every stream it had open), so a client may reset ``burst`` streams at once and
+    ``per_s`` a second for as long as it likes; a connection that resets faster than that is
+    the 2023 rapid-reset attack: each reset stream cost the server a request's work, the
+    client nothing. Only time refills the budget: requests that complete do not, so cheap
+    ones sent between the resets (a ``GET /v1/edge/warm`` each) cannot dilute it, as they
+    did the former rule (more than half of all streams reset). Sans-IO: ``now`` is the
+    caller's clock, in seconds.
     """
 
-    def __init__(self, max_early_resets: int) -> None:
-        self.max_early_resets = max_early_resets
+    def __init__(self, burst: int, per_s: float) -> None:
+        self.burst = burst
+        self.per_s = per_s
         self.opened = 0
         self.early_resets = 0
+        self._tokens = float(burst)
+        self._at: float | None = None
 
     def stream_opened(self) -> None:
         self.opened += 1
 
-    def stream_reset_early(self) -> bool:
-        """Count one early reset; True if the connection is now a flood (close it)."""
+    def stream_reset_early(self, now: float) -> bool:
+        """Count one early reset at ``now``; True if it is past the budget (close the
+        connection)."""
         self.early_resets += 1
-        return self.early_resets >= self.max_early_resets and 2 * self.early_resets > self.opened
+        if self._at is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        if self._tokens < 1.0:
+            return True
+        self._tokens -= 1.0
+        return False
+
+
+class HeaderBlockClock:
+    """When one HTTP/2 connection's unfinished header block is due (nginx applies
+    ``client_header_timeout`` to an HTTP/2 request's header so).
+
+    A header block is a HEADERS frame and the CONTINUATION frames up to its END_HEADERS;
+    until it ends the connection can carry nothing else. Its deadline counts from the read
+    that brought its stream's first HEADERS bytes: more CONTINUATION bytes, a byte now and
+    then, do not move it. A block that ends clears it, the next block (another stream) gets
+    its own. Sans-IO: the caller says, after each read, which stream's block is pending.
+    """
+
+    UNKNOWN = -1
+    """A pending block whose stream is not known yet (fewer than 9 bytes of its frame)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.stream: int | None = None
+        """The stream whose block the deadline is for (None: no block pending)."""
+        self.due: float | None = None
+
+    def read(self, pending: int | None, now: float) -> float | None:
+        """After a read at ``now`` that left ``pending`` (the stream whose header block is
+        unfinished, :attr:`UNKNOWN`, or None); the deadline (None: nothing pending)."""
+        if pending is None:
+            self.stream = self.due = None
+        elif self.due is None or (
+            pending != self.UNKNOWN and self.stream != self.UNKNOWN and pending != self.stream
+        ):
+            self.stream, self.due = pending, now + self.timeout_s
+        elif pending != self.UNKNOWN:
+            self.stream = pending
+        return self.due
 
 
 class Throttle:

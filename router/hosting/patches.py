@@ -201,6 +201,25 @@ PATCHES: tuple[Patch, ...] = (
         "tests/router/attacks/test_http1.py::test_slowloris_head_is_cut_at_the_header_timeout[hypercorn]",
     ),
     Patch(
+        "h2-header-block-timeout",
+        "hypercorn",
+        "an HTTP/2 header block never finished holds its connection until the keep-alive"
+        " timeout (for ever while another stream is open)",
+        (
+            Shape(_H2, ("handle",), (("handle", ("self", "event")),),
+                  (("__init__", "self.connection"), ("__init__", "self.client"),
+                   ("__init__", "self.closed"), ("__init__", "self.send"))),
+            Shape("h2.connection:H2Connection", ("close_connection",),
+                  source=(("__init__", "self.incoming_buffer"),)),
+            Shape("h2.frame_buffer:FrameBuffer",
+                  source=(("__init__", "self._headers_buffer"), ("__init__", "self._data"))),
+        ),
+        ((_H2, "handle"),),
+        _apply("hardening", "_time_h2_header_blocks"),
+        "tests/router/attacks/test_http2.py::"
+        "test_an_unfinished_header_block_is_cut_at_the_header_timeout",
+    ),
+    Patch(
         "h11-ambiguous-framing",
         "hypercorn",
         "a request with Content-Length and Transfer-Encoding is served (request smuggling)",

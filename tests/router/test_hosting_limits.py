@@ -9,7 +9,13 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
-from firstbyte.router.hosting.limits import ClientLimits, ConnectionCounter, ResetFlood, Throttle
+from firstbyte.router.hosting.limits import (
+    ClientLimits,
+    ConnectionCounter,
+    HeaderBlockClock,
+    ResetFlood,
+    Throttle,
+)
 from firstbyte.router.hosting.ws_frames import FrameSizeGuard
 from firstbyte.router.overload import MemoryGuard
 
@@ -103,17 +109,49 @@ def test_connection_counter_memory_pressure_and_hard_cap() -> None:
     assert "hard_max_connections_per_client" in refusal
 
 
-def test_reset_flood_needs_both_count_and_share() -> None:
-    flood = ResetFlood(10)
-    for _ in range(100):
-        flood.stream_opened()
-    assert not any(flood.stream_reset_early() for _ in range(40))  # 40 of 100: a canceller
-    rapid = ResetFlood(10)
+def test_reset_budget_lets_cancellers_through() -> None:
+    """The defaults (200 at once, 20 a second): a page closing with its 100 streams open,
+    twice in a row, then an app cancelling 15 streams a second for ten minutes."""
+    flood = ResetFlood(200, 20.0)
+    assert not any(flood.stream_reset_early(0.0) for _ in range(200))
+    now = 10.0
+    for _ in range(600 * 15):
+        now += 1 / 15
+        assert not flood.stream_reset_early(now)
+
+
+def test_reset_budget_stops_a_flood_whatever_completes_between() -> None:
+    """1,000 resets a second: the 201st is past the budget; requests that complete in
+    between (cheap GETs) refill nothing."""
+    flood = ResetFlood(200, 20.0)
     results = []
-    for _ in range(10):
-        rapid.stream_opened()
-        results.append(rapid.stream_reset_early())
-    assert results == [False] * 9 + [True]
+    for i in range(400):
+        flood.stream_opened()
+        flood.stream_opened()  # a GET /v1/edge/warm, answered
+        results.append(flood.stream_reset_early(i / 1000))
+    assert results.index(True) in range(200, 210)
+    assert flood.opened == 800
+
+
+def test_reset_budget_refills_with_time_up_to_its_burst() -> None:
+    flood = ResetFlood(10, 1.0)
+    assert not any(flood.stream_reset_early(0.0) for _ in range(10))
+    assert flood.stream_reset_early(0.0)
+    assert not flood.stream_reset_early(1.5)  # refilled by 1.5, one spent
+    assert not any(flood.stream_reset_early(1000.0) for _ in range(10))  # at most the burst
+    assert flood.stream_reset_early(1000.0)
+
+
+def test_header_block_clock_counts_from_the_first_headers_bytes() -> None:
+    clock = HeaderBlockClock(60.0)
+    assert clock.read(None, 0.0) is None
+    assert clock.read(HeaderBlockClock.UNKNOWN, 1.0) == 61.0  # 4 bytes of a HEADERS frame
+    assert clock.read(1, 2.0) == 61.0  # they name stream 1: the same block
+    assert clock.read(1, 40.0) == 61.0  # a CONTINUATION byte moves nothing
+    assert clock.read(HeaderBlockClock.UNKNOWN, 41.0) == 61.0
+    assert clock.read(3, 42.0) == 102.0  # stream 1's block ended, stream 3's began
+    assert clock.read(None, 43.0) is None  # it ended
+    assert clock.read(5, 44.0) == 104.0
 
 
 def test_throttle_reports_what_it_held_back() -> None:

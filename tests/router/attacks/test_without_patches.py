@@ -17,6 +17,7 @@ import pytest
 
 from tests.router.attacks import test_heads as heads
 from tests.router.attacks import test_http1 as http1
+from tests.router.attacks import test_http2 as http2
 from tests.router.attacks import test_http3 as http3
 from tests.router.attacks import test_websocket as websocket
 from tests.router.attacks.conftest import RouterStarter
@@ -27,6 +28,9 @@ CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
     ("h11-ambiguous-framing", "hypercorn",
      http1.test_content_length_with_transfer_encoding_is_refused_and_closed, {}),
     ("h11-head-timeout", "hypercorn", http1.test_slowloris_head_is_cut_at_the_header_timeout, {}),
+    ("h2-header-block-timeout", "auto",
+     http2.test_an_unfinished_header_block_is_cut_at_the_header_timeout,
+     {"drip": http2.unfinished_block, "beside_a_stream": False}),
     ("h11-head-bounds", "hypercorn", heads.test_http1_head_over_a_bound_is_refused_and_closed,
      dict(zip(("head", "status", "code"), heads.HEADS[0].values, strict=True))),
     ("h3-late-data", "auto", http3.test_early_answer_leaves_http3_serving, {}),
@@ -63,6 +67,7 @@ async def test_without_its_patch_the_attack_gets_through(
 ) -> None:
     monkeypatch.setattr(http1, "CLOSED_WITHIN_S", WAIT_FOR_A_CLOSE_S)
     monkeypatch.setattr(http3, "CLOSED_WITHIN_S", WAIT_FOR_A_CLOSE_S)
+    monkeypatch.setattr(http2, "CLOSED_WITHIN_S", WAIT_FOR_A_CLOSE_S)
     with pytest.raises((AssertionError, TimeoutError, OSError, httpx.HTTPError)) as failed:
         await attack(start_router_process, **arguments)
     assert "router exited" not in str(failed.value)  # it ran, and the attack got through
