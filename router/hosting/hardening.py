@@ -278,7 +278,7 @@ def _time_h2_header_blocks() -> None:
             logging.INFO,
             "HTTP/2 request head timed out: GOAWAY",
             self.client,
-            f"the header block of stream {clock.stream} unfinished after"
+            f"a header block{_of_stream(clock.stream)} unfinished after"
             f" {clock.timeout_s:g} s (limits.client_header_timeout_s)",
         )
         self._firstbyte_closing = asyncio.ensure_future(
@@ -286,6 +286,10 @@ def _time_h2_header_blocks() -> None:
         )
 
     H2Protocol.handle = timed  # type: ignore[method-assign]
+
+
+def _of_stream(stream: int | None) -> str:
+    return "" if stream is None or stream == HeaderBlockClock.UNKNOWN else f" of stream {stream}"
 
 
 async def goaway_and_close(protocol: Any, error_code: int) -> None:
