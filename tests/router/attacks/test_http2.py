@@ -220,6 +220,45 @@ async def test_rapid_reset_gets_goaway_and_upstream_work_is_bounded(
     router.assert_clean_log()
 
 
+async def test_a_client_cancelling_every_stream_it_has_keeps_its_connection(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    """The default reset budget lets a client (a page closing, an SDK giving up) cancel all
+    100 streams it may have open, mid-answer, twice in a row: no GOAWAY, the connection
+    serves on."""
+    async with start_router_process() as router:
+        client = await H2Client.open(router)
+        assert await client.get("/healthz") == 200  # the router's SETTINGS are in
+        body = json.dumps(chat_body(2000)).encode()
+        for _ in range(2):
+            streams = []
+            for _ in range(100):
+                stream_id = client.conn.get_next_available_stream_id()
+                client.conn.send_headers(stream_id, client.headers(CHAT))
+                client.conn.send_data(stream_id, body, end_stream=True)
+                streams.append(stream_id)
+            await client.flush()
+            answering: set[int] = set()
+            async with asyncio.timeout(30):
+                while len(answering) < len(streams):
+                    for event in await client.events(1):
+                        assert not isinstance(event, h2.events.ConnectionTerminated)
+                        if isinstance(event, h2.events.ResponseReceived):
+                            answering.add(event.stream_id)
+                        elif isinstance(event, h2.events.DataReceived):
+                            client.conn.acknowledge_received_data(
+                                event.flow_controlled_length, event.stream_id
+                            )
+            for stream_id in streams:
+                client.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            await client.flush()
+        assert await client.get("/healthz") == 200
+        assert not client.closed
+        client.writer.close()
+    assert "HTTP/2 rapid reset" not in router.log()
+    router.assert_clean_log()
+
+
 async def test_an_oversized_http2_body_is_413_without_a_traceback(
     start_router_process: RouterStarter,
 ) -> None:
