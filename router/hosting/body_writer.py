@@ -19,7 +19,8 @@ body with ``send`` (``more_body`` false), so the server's own end of response bo
 (keep-alive, the next request) runs as always.
 
 Offered on uvicorn's httptools protocol (:func:`uvicorn_writer`, used by
-:mod:`.uvicorn_limits`: the default server's HTTP/1.1), which this reads the state of: the
+:mod:`.uvicorn_limits`: the default server's HTTP/1.1) to HTTP/1.1 requests (an HTTP/1.0
+one's body has no chunks: :mod:`.http10`), which this reads the state of: the
 request cycle's ``transport``, ``flow.write_paused``, ``disconnected``, ``chunked_encoding``
 and ``response_complete``. :func:`uvicorn_shape_ok` checks those are there before it is
 offered: with another uvicorn the extension is simply absent and bodies go through ``send``.

@@ -3,10 +3,11 @@
 hypercorn, h2, h11, aioquic, uvicorn, httpx and httpcore lack defences and fixes the router
 needs (:mod:`.hardening`, :mod:`.quic_hardening`, :mod:`.head_guards`, :mod:`.early_answers`,
 :mod:`.accept`, :mod:`.http1_split`, :mod:`.graceful_cut`, :mod:`.h1_body`, :mod:`.goaway`,
-:mod:`.quic`, :mod:`.servers`, :mod:`.uvicorn_limits`, :mod:`firstbyte.router.aionet`), and
-each reaches into a library's private classes. :data:`PATCHES` lists them all: for each, the
-library, what it fixes, the shape of the library it expects (attributes, parameters, text of
-a method's source that shows an instance attribute it uses) and the function that applies it.
+:mod:`.quic`, :mod:`.servers`, :mod:`.uvicorn_limits`, :mod:`.http10`,
+:mod:`firstbyte.router.aionet`), and each reaches into a library's private classes.
+:data:`PATCHES` lists them all: for each, the library, what it fixes, the shape of the library
+it expects (attributes, parameters, text of a method's source that shows an instance attribute
+it uses) and the function that applies it.
 
 :func:`apply_all` checks every shape first and then applies the patches in the list's order
 (the order matters: a later patch wraps what an earlier one installed, see each entry); a
@@ -458,6 +459,27 @@ PATCHES: tuple[Patch, ...] = (
         (),
         _nothing,
         "tests/router/test_direct_relay.py::test_http1_stream_is_written_directly_and_whole",
+    ),
+    Patch(
+        "uvicorn-http10-close-delimited",
+        "uvicorn",
+        "a streamed answer to an HTTP/1.0 request is sent chunked, which HTTP/1.0 has not;"
+        " http10.py gives a 1.0 request's cycle a send that delimits it by the close",
+        (
+            Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle",
+                  ("send", "run_asgi"),
+                  source=(("run_asgi", "self.send"),
+                          ("send", "self.chunked_encoding is None"),
+                          ("send", "self.expected_content_length -= num_bytes"),
+                          ("send", "if not self.keep_alive"),
+                          ("__init__", "self.response_started"),
+                          ("__init__", "self.default_headers"))),
+        ),
+        (),
+        _nothing,
+        "tests/router/test_http10.py::"
+        "test_a_stream_reaches_an_http10_client_as_its_bytes_until_the_close,"
+        " tests/router/test_transports.py::test_curl_http10_reads_the_events_unchunked",
     ),
     Patch(
         "uvicorn-disconnected",

@@ -25,6 +25,9 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
   one log line, as under hypercorn; so is a text message that is not UTF-8 (close 1007),
   which uvicorn logs as an ERROR with a traceback.
 
+An HTTP/1.0 request's answer without a length goes out as HTTP/1.0 has it, delimited by the
+connection's close, not chunked (:mod:`.http10`).
+
 A request with both ``Content-Length`` and ``Transfer-Encoding`` needs nothing here:
 httptools (llhttp) refuses it as invalid, and uvicorn answers 400 and closes. Every refusal
 is one throttled log line, as hypercorn's are.
@@ -42,6 +45,7 @@ from .body_writer import EXTENSION as BODY_WRITER
 from .body_writer import uvicorn_shape_ok, uvicorn_writer
 from .disconnected import EXTENSION as DISCONNECTED
 from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, Linger, report
+from .http10 import close_delimited, is_http10
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
 from .send_timeout import SendTimer
@@ -354,9 +358,13 @@ def guarded_protocols(
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not before and cycle is not None and uvicorn_shape_ok(cycle):
-                # Its task has not run yet: the app finds the writer in its scope.
+                # Its task has not run yet: the app finds the writer in its scope, and the
+                # cycle's send is still ours to change.
                 extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
-                extensions[BODY_WRITER] = uvicorn_writer(cycle)
+                if is_http10(cycle.scope):
+                    close_delimited(cycle)  # no chunked coding: no chunk writer either
+                else:
+                    extensions[BODY_WRITER] = uvicorn_writer(cycle)
                 gone = extensions[DISCONNECTED] = self.loop.create_future()
                 self._gone = (*(pair for pair in self._gone if not pair[0].response_complete),
                               (cycle, gone))

@@ -21,6 +21,7 @@ from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import API_KEY, RouterFactory, auth, client_tls
 from tests.router.h3client import h3_request
 from tests.router.streamtext import sim_text, sse_text
+from tests.router.test_http10 import curl_http10
 
 BODY = {
     "model": "sim-instant",
@@ -256,6 +257,35 @@ async def test_curl_http2_streams(
     body, _, version = out.rpartition(b"\n")
     assert version == b"2"
     assert sse_text(body + b"\n")[0] == expected
+
+
+async def test_curl_http10_reads_the_events_unchunked(
+    sim: SimServer, sim_router: RouterEndpoints, tls_files: dict[str, str]
+) -> None:
+    """Over the default server (``auto``: uvicorn's protocol for HTTP/1.x), with TLS."""
+    expected = await direct_text(sim)
+    url = sim_router.base_url + "/v1/chat/completions"
+    options = ("--cacert", tls_files["cafile"], "-H", f"Authorization: Bearer {API_KEY}",
+               "-H", "Content-Type: application/json")
+    headers, body = await curl_http10(url, *options, "--data", json.dumps(BODY))
+    assert headers["content-type"].startswith("text/event-stream")
+    assert headers["connection"].lower() == "close"
+    assert "transfer-encoding" not in headers
+    assert "content-length" not in headers
+    # The body is the events and nothing else: re-encoded, they give its bytes back.
+    events = SSEDecoder().receive_data(body)
+    assert body == b"".join(f"id: {e.id}\ndata: {e.data}\n\n".encode() for e in events)
+    text, ids = sse_text(body)
+    assert text == expected
+    assert ids == [str(i) for i in range(1, len(ids) + 1)]
+    assert events[-1].data == "[DONE]"
+
+    # A whole answer keeps its length.
+    headers, whole = await curl_http10(
+        url, *options, "--data", json.dumps({**BODY, "stream": False})
+    )
+    assert headers["content-length"] == str(len(whole))
+    assert json.loads(whole)["choices"][0]["message"]["content"] == expected
 
 
 @pytest.mark.parametrize("http2", [False, True])
