@@ -131,9 +131,15 @@ class MessagesCodec(Codec):
         return Usage(start.input_tokens, last.output_tokens)
 
     def error_event(
-        self, message: str, type: str = "server_error", code: str | None = None
+        self,
+        message: str,
+        type: str = "server_error",
+        code: str | None = None,
+        *,
+        after: bytes | None = None,
     ) -> bytes:
-        """Anthropic's ``error`` event; ``code`` (ours) rides along in the error object."""
+        """Anthropic's ``error`` event; ``code`` (ours) rides along in the error object
+        (Anthropic's events are not numbered: ``after`` changes nothing)."""
         error = {"type": "api_error", "message": message, "code": code or type}
         return named_event(b"error", encode({"type": "error", "error": error}))
 

@@ -154,9 +154,16 @@ class Codec:
         return None
 
     def error_event(
-        self, message: str, type: str = "server_error", code: str | None = None
+        self,
+        message: str,
+        type: str = "server_error",
+        code: str | None = None,
+        *,
+        after: bytes | None = None,
     ) -> bytes:
-        """The payload of an error the router adds to a stream (OpenAI's error body)."""
+        """The payload of an error the router adds to a stream (OpenAI's error body);
+        ``after`` is the stream's last event before it (None: there is none), which a
+        format that numbers its events numbers it after (Responses)."""
         return encode(error_body(message, type, code=code))
 
     def __repr__(self) -> str:

@@ -4,7 +4,8 @@ Streamed as named events (``event: response.output_text.delta`` and its JSON, wh
 repeats the name and whose ``sequence_number`` counts from 0). Output is in the ``*.delta``
 events of text, refusals and function-call arguments; the stream ends with
 ``response.completed`` (usage inside its ``response``), ``response.incomplete``,
-``response.failed`` or ``error``, never ``[DONE]``.
+``response.failed`` or ``error``, never ``[DONE]``. The ``error`` event the router adds
+(:meth:`ResponsesCodec.error_event`) takes the number after the stream's last event.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import msgspec
 from .codec import Codec, Usage, _Tokens, event_data, event_name, named_event
 from .openai import ChatCompletionRequest, Message, Role, decode_with, encode
 
-__all__ = ["RESPONSES", "ResponsesCodec", "ResponsesRequest", "input_messages"]
+__all__ = [
+    "RESPONSES",
+    "ResponsesCodec",
+    "ResponsesRequest",
+    "input_messages",
+    "next_sequence_number",
+]
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -100,8 +107,26 @@ class _Completed(msgspec.Struct):
     response: _Response | None = None
 
 
+class _Numbered(msgspec.Struct):
+    sequence_number: int | None = None
+
+
 _decoder = msgspec.json.Decoder(ResponsesRequest)
 _completed = msgspec.json.Decoder(_Completed)
+_numbered = msgspec.json.Decoder(_Numbered)
+
+
+def next_sequence_number(after: bytes | None) -> int | None:
+    """The ``sequence_number`` of the event that follows ``after`` (a stream's last event, a
+    stored payload): 0 with none before it, else one more than ``after``'s; None when
+    ``after`` carries no number (an upstream that does not number its events)."""
+    if after is None:
+        return 0
+    try:
+        number = _numbered.decode(event_data(after)).sequence_number
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if number is None else number + 1
 
 
 class ResponsesCodec(Codec):
@@ -142,10 +167,20 @@ class ResponsesCodec(Codec):
         return response.usage.usage()
 
     def error_event(
-        self, message: str, type: str = "server_error", code: str | None = None
+        self,
+        message: str,
+        type: str = "server_error",
+        code: str | None = None,
+        *,
+        after: bytes | None = None,
     ) -> bytes:
-        """Responses' ``error`` event (``code``, ``message``, ``param``)."""
-        data = {"type": "error", "code": code or type, "message": message, "param": None}
+        """Responses' ``error`` event (``code``, ``message``, ``param``), numbered as the
+        event that follows ``after`` (:func:`next_sequence_number`)."""
+        data: dict[str, Any] = {"type": "error"}
+        number = next_sequence_number(after)
+        if number is not None:
+            data["sequence_number"] = number
+        data.update(code=code or type, message=message, param=None)
         return named_event(b"error", encode(data))
 
 

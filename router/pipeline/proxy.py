@@ -492,7 +492,9 @@ class _Producer:
         if not codec.named_events:
             return _DRAINED_EVENT if drained else _CANCELLED_EVENT
         detail = msgspec.json.decode(_DRAINED_EVENT if drained else _CANCELLED_EVENT)["error"]
-        return codec.error_event(detail["message"], detail["type"], detail["code"])
+        return codec.error_event(
+            detail["message"], detail["type"], detail["code"], after=self.relay.last_event
+        )
 
     def _fail_here(self, exc: Exception) -> None:
         """No other backend takes the request: it ends as its backend failed it (the 5xx

@@ -133,17 +133,20 @@ def upstream_error_object(body: bytes) -> dict[str, Any] | None:
     return None
 
 
-def _as_error_event(status: int, body: bytes, codec: Codec = CHAT) -> bytes:
+def _as_error_event(
+    status: int, body: bytes, codec: Codec = CHAT, after: bytes | None = None
+) -> bytes:
     """An upstream error reply as an in-stream error event: its body if it is OpenAI's and
     the format is OpenAI's chat or completions; in a format of named events (Responses,
     Anthropic's Messages), that format's error event carrying the upstream's message (from
-    OpenAI's or Anthropic's error body, both ``{"error": {"message": ...}}``)."""
+    OpenAI's or Anthropic's error body, both ``{"error": {"message": ...}}``), following
+    ``after``, the stream's last event."""
     error = upstream_error_object(body)
     if codec.named_events:
         message = error.get("message") if error is not None else None
         if not isinstance(message, str) or not message:
             message = f"Upstream answered {status}."
-        return codec.error_event(message, code=f"upstream_{status}")
+        return codec.error_event(message, code=f"upstream_{status}", after=after)
     if error is not None:
         return encode({"error": error})
     return error_event(f"Upstream answered {status}.", code=f"upstream_{status}")
@@ -254,7 +257,8 @@ class Relay:
     __slots__ = (
         "_appended_full", "_every", "_fast", "_framer", "_head_ms", "_pending", "_sent_at",
         "_skip_preamble", "_status", "appended", "codec", "done", "first_content",
-        "full_reads", "head_released", "hold_head", "read_usage", "strip_usage", "usage",
+        "full_reads", "head_released", "hold_head", "last_event", "read_usage", "strip_usage",
+        "usage",
     )
 
     def __init__(
@@ -276,6 +280,9 @@ class Relay:
         self.usage: TokenUsage | None = None
         """The tokens the upstream reported (its usage chunk or events), once it did."""
         self.appended = 0
+        self.last_event: bytes | None = None
+        """The last event appended, in a format of named events (None before the first):
+        an error the router adds follows it (Responses numbers it next)."""
         self.first_content = False
         self.done = False
         self.head_released = False
@@ -308,7 +315,8 @@ class Relay:
         self._head_ms = (now - self._sent_at) * 1000
         if status != 200:
             return self._finish(
-                Finish(False, f"upstream_{status}", _as_error_event(status, body, self.codec)),
+                Finish(False, f"upstream_{status}",
+                       _as_error_event(status, body, self.codec, self.last_event)),
                 ReleaseHead(status, body, self._head_ms),
             )
         if self.hold_head:
@@ -423,6 +431,8 @@ class Relay:
             if payload[-2:] == b"}}" and self._usage(payload):
                 continue
             kept.append(payload)
+        if every and kept:
+            self.last_event = kept[-1]
         return kept
 
     def _usage(self, payload: bytes) -> bool:
@@ -459,6 +469,7 @@ class Relay:
                 self.codec.error_event(
                     "The upstream closed the stream before its end.",
                     code=error_codes.UPSTREAM_EOF,
+                    after=self.last_event,
                 )
                 if self._every
                 else error_event(
@@ -482,7 +493,9 @@ class Relay:
             Finish(
                 False,
                 "upstream_error",
-                self.codec.error_event(message, code=error_codes.UPSTREAM_ERROR),
+                self.codec.error_event(
+                    message, code=error_codes.UPSTREAM_ERROR, after=self.last_event
+                ),
             ),
             release,
         )

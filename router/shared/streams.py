@@ -42,6 +42,7 @@ import hmac
 import itertools
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.commands.core import AsyncScript
 
-__all__ = ["RemoteStream", "SharedStreams", "lost_event"]
+__all__ = ["RemoteStream", "SharedStreams", "is_lost_event", "lost_event"]
 
 log = logging.getLogger("firstbyte.router.shared")
 
@@ -87,31 +88,46 @@ _BATCH_TIMEOUT_S = 10.0
 # -1 if the producer lives. The error goes after the reader's cursor too: a client that read
 # from the producer itself may have seen events the producer never wrote here (writes are
 # batched), and its resume must still get the error, not a [DONE] under an id it has seen.
+# In a format that numbers its events (Responses), the error's ``"sequence_number":0`` becomes
+# the number of its place: the last entry's, plus one per id after it (events numbered as
+# their ids run: what the producer never wrote here took numbers too), or its id - 1.
 _DECLARE_LOST = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local seq = 0
+local number = nil
 if #last > 0 then
   if last[1][2][2] == '[DONE]' then return 0 end
   seq = tonumber(string.match(last[1][1], '^(%d+)'))
+  number = string.match(last[1][2][2], '"sequence_number":%s*(%d+)')
 end
+local top = seq
 seq = math.max(seq, math.min(tonumber(ARGV[3]), seq + 100000))
-redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 'd', ARGV[1])
+if number then number = tonumber(number) + 1 + seq - top else number = seq end
+local event = string.gsub(ARGV[1], '"sequence_number":0,', '"sequence_number":' .. number .. ',', 1)
+redis.call('XADD', KEYS[1], (seq + 1) .. '-0', 'd', event)
 redis.call('XADD', KEYS[1], (seq + 2) .. '-0', 'd', '[DONE]')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return seq + 2
 """
+_NUMBER = re.compile(rb'"sequence_number":\d+,')
 
 
 def lost_event(format: str = "chat") -> bytes:
     """The error event a reader gets when its stream's producer died mid-stream, in the
-    stream's wire format (OpenAI's error body for chat and completions)."""
+    stream's wire format (OpenAI's error body for chat and completions); a Responses one is
+    numbered 0 here, and by its place in the stream as it is appended (``_DECLARE_LOST``)."""
     return BY_NAME.get(format, CHAT).error_event(
         "The router process producing this stream stopped before it finished;"
         " the events before this one are all there is.",
         "server_error",
         code=error_codes.STREAM_LOST,
     )
+
+
+def is_lost_event(data: bytes, format: str) -> bool:
+    """Is ``data`` the :func:`lost_event` of ``format``, whatever number it was given?"""
+    return _NUMBER.sub(b'"sequence_number":0,', data, count=1) == lost_event(format)
 
 
 def _events(entries: Iterable[Any], after: int) -> list[StreamEvent]:
@@ -199,7 +215,7 @@ class RemoteStream:
         # XREAD skips what is gone: the history was trimmed. Unless the gap is before a lost
         # stream's error (placed after another reader's cursor): what the dead producer
         # never wrote is gone, and the error says so.
-        if new[0].seq > self.cursor + 1 and new[0].data != lost_event(self.format):
+        if new[0].seq > self.cursor + 1 and not is_lost_event(new[0].data, self.format):
             self.trimmed = max(self.trimmed, new[0].seq - 1)
         if new[-1].seq - new[0].seq >= len(new):  # a hole inside: events never written
             self._find_holes(new)
@@ -217,9 +233,8 @@ class RemoteStream:
         failed dropped (a reader reading past one gets ``stream_history_trimmed``, as for a
         trimmed front, instead of a silent gap). Not before a lost stream's error: what a dead
         producer never wrote is gone, and the error says so."""
-        lost = lost_event(self.format)
         for previous, event in itertools.pairwise(new):
-            if event.seq > previous.seq + 1 and event.data != lost:
+            if event.seq > previous.seq + 1 and not is_lost_event(event.data, self.format):
                 self.holes.append((previous.seq, event.seq))
 
     async def wait(self, seq: int, timeout_s: float | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -147,12 +148,31 @@ def test_error_events_are_in_the_formats_own_shape() -> None:
     responses = RESPONSES.error_event("gone", code="upstream_eof")
     assert event_name(responses) == b"error"
     assert json.loads(event_data(responses)) == {
-        "type": "error", "code": "upstream_eof", "message": "gone", "param": None,
+        "type": "error", "sequence_number": 0, "code": "upstream_eof", "message": "gone",
+        "param": None,
     }
     messages = json.loads(event_data(MESSAGES.error_event("gone", code="upstream_eof")))
     assert messages["type"] == "error"
     assert messages["error"]["message"] == "gone"
     assert json.loads(CHAT.error_event("gone", code="x"))["error"]["code"] == "x"
+
+
+def test_a_responses_error_event_is_numbered_after_the_streams_last_event() -> None:
+    def number(after: bytes | None) -> Any:
+        event = RESPONSES.error_event("gone", code="upstream_eof", after=after)
+        return json.loads(event_data(event)).get("sequence_number")
+
+    assert number(None) == 0  # the stream's first event
+    assert number(_named("response.output_text.delta", delta="w", sequence_number=4)) == 5
+    # The number is the event's own, not one inside its text or its response.
+    assert number(_named("response.output_text.delta", delta='"sequence_number":9',
+                         sequence_number=2)) == 3
+    # An upstream that does not number its events: no number made up.
+    assert number(named_event("message", b'{"type":"x"}')) is None
+    assert number(named_event("message", b"[1]")) is None
+    # Formats that do not number their events are as before.
+    assert MESSAGES.error_event("gone", after=b"x") == MESSAGES.error_event("gone")
+    assert CHAT.error_event("gone", after=b"x") == CHAT.error_event("gone")
 
 
 def test_event_data_of_several_data_lines() -> None:

@@ -353,6 +353,55 @@ async def test_an_upstream_gone_mid_stream_ends_it_with_the_formats_error_event(
             assert data[key] == value
 
 
+async def test_the_routers_responses_error_event_takes_the_streams_next_number(
+    start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    """Read with the openai SDK: the ``error`` event the router adds when the upstream goes
+    mid-stream carries ``sequence_number``, the next after the upstream's events."""
+    seen: list[str] = []
+    async with running_formats_upstream(cut_after=2) as up, start_router(
+        [up.url]
+    ) as router, _http(tls_files, "1.1", seen) as http, openai.AsyncOpenAI(
+        base_url=router.openai_base_url, api_key=API_KEY, http_client=http, max_retries=0
+    ) as client:
+        events = [
+            e
+            async for e in await client.responses.create(
+                model="test-model", input="hi", max_output_tokens=6, stream=True
+            )
+        ]
+    assert events[0].type == "response.created"
+    assert [e.type for e in events].count("response.output_text.delta") == 2
+    error = events[-1]
+    assert error.type == "error"
+    assert error.code == "upstream_eof"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+async def test_a_responses_stream_ended_by_the_drain_numbers_its_error_next(
+    start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    """The ``draining`` error (the drain timed out; a cancel's is made the same way) too."""
+    seen: list[str] = []
+    async with running_formats_upstream(gap_after=2, gap_s=2) as up, start_router(
+        [up.url]
+    ) as router, _http(tls_files, "1.1", seen) as http, openai.AsyncOpenAI(
+        base_url=router.openai_base_url, api_key=API_KEY, http_client=http, max_retries=0
+    ) as client:
+        events = []
+        async for event in await client.responses.create(
+            model="test-model", input="hi", max_output_tokens=6, stream=True
+        ):
+            events.append(event)
+            if event.type == "response.output_text.delta" and event.delta.strip() == "w1":
+                # The upstream is silent now: the drain times out on this stream.
+                assert router.app.state.end_unfinished_streams() == 1
+    error = events[-1]
+    assert error.type == "error"
+    assert error.code == "draining"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 async def test_every_endpoint_is_held_to_the_keys_limits(
     start_router: RouterFactory, tls_files: dict[str, str]
 ) -> None:

@@ -20,7 +20,12 @@ from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.protocol import error_codes
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.lease import Lease
-from firstbyte.router.shared.streams import SharedStreams, _Follower, lost_event
+from firstbyte.router.shared.streams import (
+    SharedStreams,
+    _Follower,
+    is_lost_event,
+    lost_event,
+)
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.asyncio
@@ -36,10 +41,11 @@ async def test_a_reader_past_what_redis_holds_still_gets_the_lost_error(
         max_age_s=60, max_events=1000, reader_grace_s=1,
     )
     try:
-        # The dead producer "dead" (no lease) wrote events 1-3 and a response format's meta;
-        # its own client had seen events up to 5.
+        # The dead producer "dead" (no lease) wrote events 1-3 (Responses events numbered
+        # 0-2) and a response format's meta; its own client had seen events up to 5.
         for seq in (1, 2, 3):
-            await redis.xadd(keys.events("s1"), {"d": b'{"n": %d}' % seq}, id=f"{seq}-0")
+            event = b'event: e\ndata: {"type":"e","sequence_number":%d}' % (seq - 1)
+            await redis.xadd(keys.events("s1"), {"d": event}, id=f"{seq}-0")
         await redis.hset(keys.meta("s1"), mapping={"owner": b"o", "proc": b"dead",
                                                    "fmt": b"responses"})
         ahead = await shared.lookup("s1", b"o")
@@ -51,8 +57,14 @@ async def test_a_reader_past_what_redis_holds_still_gets_the_lost_error(
         assert await ahead.wait(5, timeout_s=3)
         events = ahead.after(5)
         assert [e.seq for e in events] == [6, 7]
-        assert events[0].data == lost_event("responses")
-        assert json.loads(events[0].data.split(b"data: ", 1)[1])["code"] == error_codes.STREAM_LOST
+        assert is_lost_event(events[0].data, "responses")
+        error = json.loads(events[0].data.split(b"data: ", 1)[1])
+        assert error["code"] == error_codes.STREAM_LOST
+        # Numbered for its place: after event 5, which its client read as number 4.
+        assert error["sequence_number"] == 5
+        assert events[0].data == lost_event("responses").replace(
+            b'"sequence_number":0,', b'"sequence_number":5,'
+        )
         assert events[1].is_done
 
         # Another reader at 2 gets event 3, then the same error: no HistoryTrimmed.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import msgspec
 from hypothesis import given
@@ -195,6 +196,45 @@ def test_early_end_and_failure_are_error_events() -> None:
     assert isinstance(actions[1], Finish)
     assert b"ConnectError" in (actions[1].error or b"")
     assert failing.receive_data(b"data: x\n\n", 0.2) == []
+
+
+def _responses_events(count: int) -> bytes:
+    """The start of a Responses stream: ``count`` (2 or more) events numbered from 0."""
+    names = ["response.created", "response.in_progress"]
+    names += ["response.output_text.delta"] * (count - 2)
+    events = []
+    for number, name in enumerate(names):
+        data: dict[str, Any] = {"type": name, "sequence_number": number}
+        if name.endswith(".delta"):
+            data["delta"] = "w"
+        events.append(b"event: %s\ndata: %s\n\n" % (name.encode(), msgspec.json.encode(data)))
+    return b"".join(events)
+
+
+def test_every_responses_error_the_relay_adds_takes_the_next_sequence_number() -> None:
+    def error_number(finish: Action | None) -> Any:
+        assert isinstance(finish, Finish), finish
+        (event,) = SSEDecoder().receive_data((finish.error or b"") + b"\n\n")
+        assert event.event == "error"
+        return msgspec.json.decode(event.data)["sequence_number"]
+
+    for ends in ("eof", "fail", "refused"):
+        relay = Relay(codec=RESPONSES)
+        relay.start(0.0)
+        if ends == "refused":  # answered with an error before any event: the first number
+            assert error_number(relay.receive_head(503, 0.1, b"busy")[-1]) == 0
+            continue
+        relay.receive_head(200, 0.0)
+        appended_now = appended(relay.receive_data(_responses_events(5), 0.1))
+        assert len(appended_now) == 5
+        actions = relay.receive_end(0.2) if ends == "eof" else relay.fail("ReadTimeout", 0.2)
+        assert error_number(actions[-1]) == 5, ends
+
+    # Before any event, an upstream gone is the first event too.
+    early = Relay(codec=RESPONSES)
+    early.start(0.0)
+    early.receive_head(200, 0.0)
+    assert error_number(early.receive_end(0.1)[-1]) == 0
 
 
 def test_an_event_without_end_past_the_limit_fails_the_stream() -> None:
