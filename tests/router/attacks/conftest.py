@@ -40,6 +40,11 @@ protocol, which ``auto`` and ``uvicorn`` run alike (the same classes and config)
 own checks run once, on the default."""
 CANARY_TOKENS = 20
 
+STALLED_TOKENS = 40_000
+"""A stream long enough (~7 MB) to fill what the kernel buffers on loopback for a client that
+reads nothing (the router's send buffer autotunes up to ``tcp_wmem``'s 4 MiB) and then the
+transport's, so the router's writes pause."""
+
 TIMER_SLACK_S = 0.05
 """How early a router's timeout may end a connection: the event loop fires a timer up to
 its clock's resolution early (a 1.5 s timeout was seen to hold 1.49995 s)."""

@@ -21,6 +21,7 @@ from tests.router.upstream import Upstream
 from .conftest import (
     ON_EACH_PROTOCOL,
     ON_EACH_SERVER,
+    STALLED_TOKENS,
     TIMER_SLACK_S,
     RouterStarter,
     canary_running,
@@ -73,12 +74,6 @@ async def test_slowloris_head_is_cut_at_the_header_timeout(
         assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:2]
         assert 2.0 - TIMER_SLACK_S <= held_s < CLOSED_WITHIN_S
     router.assert_clean_log()
-
-
-STALLED_TOKENS = 40_000
-"""A stream long enough (~7 MB) to fill what the kernel buffers on loopback for a client that
-reads nothing (the router's send buffer autotunes up to ``tcp_wmem``'s 4 MiB) and then the
-transport's, so the router's writes pause."""
 
 
 @ON_EACH_PROTOCOL

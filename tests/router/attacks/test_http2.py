@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,12 +14,14 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import pytest
 
 from tests.router.conftest import API_KEY
 from tests.router.upstream import Upstream
 
 from .conftest import (
+    STALLED_TOKENS,
     TIMER_SLACK_S,
     RouterProcess,
     RouterStarter,
@@ -519,4 +522,43 @@ async def test_a_connection_that_only_pings_closes_at_the_keep_alive_timeout(
             closed.cancel()
             raw.writer.close()
         assert 2.0 - TIMER_SLACK_S <= held_s < CLOSED_WITHIN_S
+    router.assert_clean_log()
+
+
+async def test_an_http2_client_that_stops_reading_is_reset_at_the_send_timeout(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    """An HTTP/2 client that opens every flow-control window wide (so nothing but TCP holds
+    the router's writes back), asks for a long stream and then reads nothing is reset once
+    the writes have stayed paused for ``client_send_timeout_s``: one log line, no traceback,
+    and the stream never reaches its end."""
+    upstream.burst = 2000  # the stream at ~200,000 chunks a second, not the fixture's 100
+    async with start_router_process(limits={"client_send_timeout_s": 1.0}) as router:
+        async with canary_running(router):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
+            reader, writer = await asyncio.open_connection(
+                sock=sock, ssl=router.client_tls(["h2"]), server_hostname="127.0.0.1"
+            )
+            client = H2Client(reader, writer)
+            wide = 2**31 - 1
+            client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: wide})
+            client.conn.increment_flow_control_window(wide - 65535)
+            stream_id = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(stream_id, client.headers(CHAT))
+            client.conn.send_data(
+                stream_id, json.dumps(chat_body(STALLED_TOKENS)).encode(), end_stream=True
+            )
+            await client.flush()
+            writer.transport.pause_reading()
+            await router.logged("client stopped reading", CLOSED_WITHIN_S)
+            writer.transport.resume_reading()
+            ended = False
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                while not client.closed:
+                    events = await client.events(1)
+                    ended = ended or any(isinstance(e, h2.events.StreamEnded) for e in events)
+        assert not ended
     router.assert_clean_log()

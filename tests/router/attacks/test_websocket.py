@@ -24,6 +24,7 @@ from tests.router.upstream import Upstream
 from .conftest import (
     ON_EACH_PROTOCOL,
     ON_EACH_SERVER,
+    STALLED_TOKENS,
     TIMER_SLACK_S,
     RouterProcess,
     RouterStarter,
@@ -32,7 +33,7 @@ from .conftest import (
     open_tls,
     read_until_closed,
 )
-from .test_http1 import CLOSED_WITHIN_S, STALLED_TOKENS
+from .test_http1 import CLOSED_WITHIN_S
 
 MiB = 1 << 20
 CLOSE_1009 = struct.pack("!H", 1009)
