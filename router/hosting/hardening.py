@@ -223,7 +223,9 @@ def pending_header_block(connection: Any) -> int | None:
     frames = connection.incoming_buffer
     if frames._headers_buffer:
         return int(frames._headers_buffer[0].stream_id)
-    data = frames._data  # starts at a frame's first byte: h2 drops each frame it parsed
+    # The unparsed bytes, from a frame's first byte (h2 drops each frame it parsed): ``_data``
+    # since h2 4.2, ``data`` in 4.1.
+    data = frames._data if hasattr(frames, "_data") else frames.data
     if len(data) < 4 or data[3] not in (_HEADERS_FRAME, _CONTINUATION_FRAME):
         return None
     if len(data) < 9:

@@ -55,7 +55,8 @@ class Shape:
     """``(method, names)``: the method's parameters must begin with ``names``."""
     source: tuple[tuple[str, str], ...] = ()
     """``(method, text)``: the method's source must contain ``text`` (an instance attribute
-    the patch reads, which no ``hasattr`` on the class can see); ``""``: ``owner``'s."""
+    the patch reads, which no ``hasattr`` on the class can see), or one of the alternatives
+    ``"a | b"`` (an attribute a version renamed); ``""``: ``owner``'s."""
 
     @property
     def library(self) -> str:
@@ -213,7 +214,8 @@ PATCHES: tuple[Patch, ...] = (
             Shape("h2.connection:H2Connection", ("close_connection",),
                   source=(("__init__", "self.incoming_buffer"),)),
             Shape("h2.frame_buffer:FrameBuffer",
-                  source=(("__init__", "self._headers_buffer"), ("__init__", "self._data"))),
+                  source=(("__init__", "self._headers_buffer"),
+                          ("__init__", "self._data | self.data"))),
         ),
         ((_H2, "handle"),),
         _apply("hardening", "_time_h2_header_blocks"),
@@ -608,7 +610,7 @@ def _mismatch(shape: Shape) -> str | None:
             code = inspect.getsource(own(attribute) if attribute else owner)
         except (AttributeError, OSError, TypeError):
             code = ""
-        if text not in code:
+        if not any(one in code for one in text.split(" | ")):
             place = f"{where}.{attribute}" if attribute else where
             return f"{place} no longer has {text!r}"
     return None
