@@ -79,25 +79,16 @@ def guarded_protocols(
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
 
-    class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
-        counted: Admission | None = None
-        """The client whose count this connection holds, handed over at the upgrade."""
-        _lingering: Linger | None = None
-        """Set once a message was refused: the socket closes once the client is quiet."""
-        ended: asyncio.Future[None] | None = None
-        """Set when the connection closes (handed over at the upgrade, see below)."""
+    class SendTimeout:
+        """The send timeout (:mod:`.send_timeout`) of a uvicorn protocol, ahead of it in the
+        MRO: armed while the connection's writes are paused."""
 
         _send: SendTimer | None = None
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._send is not None:
-                self._send.stop()
-            _release(self.counted, self.ended)
-            self.counted = None
-            super().connection_lost(exc)
+        loop: asyncio.AbstractEventLoop
+        transport: asyncio.Transport
 
         def pause_writing(self) -> None:
-            super().pause_writing()
+            super().pause_writing()  # type: ignore[misc]
             self._send = SendTimer.paused(
                 self._send, self.loop, limits.send_timeout_s, self.transport, _client(self)
             )
@@ -105,7 +96,25 @@ def guarded_protocols(
         def resume_writing(self) -> None:
             if self._send is not None:
                 self._send.resumed()
-            super().resume_writing()
+            super().resume_writing()  # type: ignore[misc]
+
+        def _stop_send_timer(self) -> None:
+            if self._send is not None:
+                self._send.stop()
+
+    class GuardedWebSocketProtocol(SendTimeout, WebSocketsSansIOProtocol):
+        counted: Admission | None = None
+        """The client whose count this connection holds, handed over at the upgrade."""
+        _lingering: Linger | None = None
+        """Set once a message was refused: the socket closes once the client is quiet."""
+        ended: asyncio.Future[None] | None = None
+        """Set when the connection closes (handed over at the upgrade, see below)."""
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_send_timer()
+            _release(self.counted, self.ended)
+            self.counted = None
+            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._lingering is None:
@@ -164,7 +173,7 @@ def guarded_protocols(
             self.close_timer = None
             self.transport.close()
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    class GuardedHttpToolsProtocol(SendTimeout, HttpToolsProtocol):
         ended: asyncio.Future[None] | None = None
         """Set when the connection closes, for whoever serves it outside a uvicorn server
         (:mod:`.http1_split`); an upgraded connection's is set when its WebSocket closes."""
@@ -187,8 +196,6 @@ def guarded_protocols(
         _plain_early = b""
         _proxy: ProxyRead | None = None
         _proxy_client: tuple[str, int] | None = None
-        _send: SendTimer | None = None
-        """The send timeout, armed while the connection's writes are paused."""
         _gone: tuple[tuple[Any, asyncio.Future[None]], ...] = ()
         """The ``firstbyte.disconnected`` futures (:mod:`.disconnected`) of the requests whose
         response may not be complete, with their request cycles: one, or more when requests
@@ -269,20 +276,8 @@ def guarded_protocols(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            self._send = SendTimer.paused(
-                self._send, self.loop, limits.send_timeout_s, self.transport, _client(self)
-            )
-
-        def resume_writing(self) -> None:
-            if self._send is not None:
-                self._send.resumed()
-            super().resume_writing()
-
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._send is not None:
-                self._send.stop()
+            self._stop_send_timer()
             if self._proxy is not None:
                 self._proxy.stop()
             if not self._made:  # lost before its TLS handshake began: nothing of uvicorn's

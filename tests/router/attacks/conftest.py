@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import resource
+import socket
 import ssl
 import subprocess
 import sys
@@ -354,6 +355,20 @@ async def open_tls(
         ssl=router.client_tls(alpn or ["http/1.1"]),
         server_hostname="127.0.0.1",
         local_addr=(local, 0),
+    )
+
+
+async def open_tls_small_window(
+    router: RouterProcess, alpn: list[str]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TLS connection whose socket receives into 4 KiB: once its client stops reading,
+    the router's writes back up at once."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
+    return await asyncio.open_connection(
+        sock=sock, ssl=router.client_tls(alpn), server_hostname="127.0.0.1"
     )
 
 

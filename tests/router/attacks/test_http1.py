@@ -27,6 +27,7 @@ from .conftest import (
     canary_running,
     chat_body,
     open_tls,
+    open_tls_small_window,
     read_until_closed,
 )
 
@@ -86,13 +87,7 @@ async def test_a_client_that_stops_reading_is_reset_at_the_send_timeout(
     upstream.burst = 2000  # the stream at ~200,000 chunks a second, not the fixture's 100
     async with start_router_process(limits={"client_send_timeout_s": 1.0}) as router:
         async with canary_running(router):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
-            reader, writer = await asyncio.open_connection(
-                sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
-            )
+            reader, writer = await open_tls_small_window(router, ["http/1.1"])
             body = json.dumps(chat_body(STALLED_TOKENS)).encode()
             writer.write(
                 _keyed_post(f"content-length: {len(body)}", "content-type: application/json")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ from .conftest import (
     canary_running,
     chat_body,
     open_tls,
+    open_tls_small_window,
 )
 
 CHAT = "/v1/chat/completions"
@@ -535,13 +535,7 @@ async def test_an_http2_client_that_stops_reading_is_reset_at_the_send_timeout(
     upstream.burst = 2000  # the stream at ~200,000 chunks a second, not the fixture's 100
     async with start_router_process(limits={"client_send_timeout_s": 1.0}) as router:
         async with canary_running(router):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
-            reader, writer = await asyncio.open_connection(
-                sock=sock, ssl=router.client_tls(["h2"]), server_hostname="127.0.0.1"
-            )
+            reader, writer = await open_tls_small_window(router, ["h2"])
             client = H2Client(reader, writer)
             wide = 2**31 - 1
             client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: wide})

@@ -9,7 +9,6 @@ import base64
 import contextlib
 import json
 import os
-import socket
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from .conftest import (
     canary_running,
     chat_body,
     open_tls,
+    open_tls_small_window,
     read_until_closed,
 )
 from .test_http1 import CLOSED_WITHIN_S
@@ -40,8 +40,14 @@ CLOSE_1009 = struct.pack("!H", 1009)
 
 
 
-async def _upgraded(router: RouterProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    reader, writer = await open_tls(router)
+async def _upgraded(
+    router: RouterProcess, *, small_window: bool = False
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket upgraded over TLS (``small_window``: its socket receives into 4 KiB)."""
+    if small_window:
+        reader, writer = await open_tls_small_window(router, ["http/1.1"])
+    else:
+        reader, writer = await open_tls(router)
     key = base64.b64encode(os.urandom(16)).decode()
     writer.write(
         (
@@ -313,22 +319,7 @@ async def test_a_backed_up_websocket_that_leaves_logs_no_task_exception(
     gone socket are not logged as "Task exception was never retrieved" with a traceback (one
     per run before, under uvicorn's protocol)."""
     async with start_router_process() as router, canary_running(router):
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
-        reader, writer = await asyncio.open_connection(
-            sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
-        )
-        key = base64.b64encode(os.urandom(16)).decode()
-        writer.write(
-            (
-                "GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
-                f"connection: Upgrade\r\nsec-websocket-key: {key}\r\n"
-                f"sec-websocket-version: 13\r\nauthorization: Bearer {API_KEY}\r\n\r\n"
-            ).encode()
-        )
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        _, writer = await _upgraded(router, small_window=True)
         request = json.dumps({"type": "request", "body": chat_body(5000)}).encode()
         writer.write(b"".join(_text_frame(request) for _ in range(64)))
         await writer.drain()
@@ -351,22 +342,7 @@ async def test_a_websocket_that_stops_reading_is_reset_at_the_send_timeout(
     upstream.burst = 2000  # the stream at ~200,000 chunks a second, not the fixture's 100
     async with start_router_process(limits={"client_send_timeout_s": 1.0}) as router:
         async with canary_running(router):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.port))
-            reader, writer = await asyncio.open_connection(
-                sock=sock, ssl=router.client_tls(["http/1.1"]), server_hostname="127.0.0.1"
-            )
-            key = base64.b64encode(os.urandom(16)).decode()
-            writer.write(
-                (
-                    "GET /v1/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
-                    f"connection: Upgrade\r\nsec-websocket-key: {key}\r\n"
-                    f"sec-websocket-version: 13\r\nauthorization: Bearer {API_KEY}\r\n\r\n"
-                ).encode()
-            )
-            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+            reader, writer = await _upgraded(router, small_window=True)
             request = {"type": "request", "body": chat_body(STALLED_TOKENS)}
             writer.write(_text_frame(json.dumps(request).encode()))
             await writer.drain()
