@@ -5,7 +5,8 @@ exactly once, whether the stream is finished or still being produced. A reader i
 "attached" to the stream while it reads, which keeps the upstream request alive (see the
 resume grace period in ``router.pipeline.proxy``). A reader from before a stream's trim point
 (its key went over its share of the store) gets ``stream_history_trimmed``: a 410 when it asks
-(:func:`trimmed_reply`), an error event without an ``id`` when it falls behind mid-follow.
+(:func:`trimmed_reply`), an error event without an ``id`` in the stream's own format when it
+falls behind mid-follow (:func:`trimmed_event`).
 
 A named event (Responses, Anthropic Messages: stored as ``event: NAME\\ndata: ...``, see
 :mod:`firstbyte.protocol.codec`) goes out over SSE as the upstream sent it with our ``id:``
@@ -16,13 +17,14 @@ not sent after it. Long-poll and WebSocket carry the event's JSON (its ``type`` 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, MutableMapping
+from collections.abc import AsyncGenerator, Callable, MutableMapping, Sequence
 from typing import Protocol
 
 import msgspec
 
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import NAMED_PREFIX, event_data
+from firstbyte.protocol.formats import BY_NAME, CHAT
 from firstbyte.protocol.openai import ErrorBody, encode, error_body
 from firstbyte.protocol.poll import PollBatch, PollEvent
 from firstbyte.protocol.sse import HEARTBEAT, encode_event
@@ -43,6 +45,7 @@ __all__ = [
     "poll",
     "sse_events",
     "trimmed_body",
+    "trimmed_event",
     "trimmed_reply",
 ]
 
@@ -87,6 +90,26 @@ def trimmed_body(trimmed: HistoryTrimmed) -> ErrorBody:
     )
 
 
+def trimmed_event(stream: ReadableStream, trimmed: HistoryTrimmed) -> bytes:
+    """The SSE event of a reader overtaken by a trim, in ``stream``'s wire format, without an
+    ``id`` (it is not one of the stream's events): for chat and completions a ``data:`` event
+    of :func:`trimmed_body`; for Responses and Anthropic Messages the format's own ``event:
+    error`` (:meth:`~firstbyte.protocol.codec.Codec.error_event`), a Responses one numbered
+    after the stream's last event at hand, as every error the router adds to a stream."""
+    codec = BY_NAME.get(stream.format, CHAT)
+    if not codec.named_events:
+        return encode_event(encode(trimmed_body(trimmed)))
+    last = next((e.data for e in reversed(stream.events[-2:]) if not e.is_done), None)
+    error = codec.error_event(
+        _trimmed_message(trimmed),
+        code=error_codes.STREAM_HISTORY_TRIMMED,
+        # None would number it 0, the first event's; with none at hand (not met: a reader
+        # learns of a trim from events after it) an empty one leaves it unnumbered.
+        after=b"" if last is None else last,
+    )
+    return error + b"\n\n"
+
+
 def trimmed_reply(trimmed: HistoryTrimmed) -> LocalReply:
     """``410 stream_history_trimmed`` for a resume or a poll from before the trim point."""
     return error_reply(
@@ -121,6 +144,16 @@ class ReadableStream(Protocol):
     @property
     def trimmed(self) -> int:
         """Events dropped from the front: a reader from before this one cannot be served."""
+        ...
+
+    @property
+    def format(self) -> str:
+        """Its wire format (a codec's name): the shape of an error a reader is sent."""
+        ...
+
+    @property
+    def events(self) -> Sequence[StreamEvent]:
+        """The events at hand, oldest first (those kept, or those read so far)."""
         ...
 
     def after(self, seq: int) -> list[StreamEvent]:
@@ -314,8 +347,8 @@ async def sse_events(
 ) -> AsyncGenerator[bytes, None]:
     """SSE bytes for every event after ``after`` (:class:`SSEFramer`); :data:`HEARTBEAT`
     (no event for any SSE client) when idle. A reader overtaken by a trim gets a
-    ``stream_history_trimmed`` error event (no ``id``: it is not one of the stream's) and the
-    response ends.
+    ``stream_history_trimmed`` error event in the stream's format (:func:`trimmed_event`) and
+    the response ends.
 
     With ``direct`` (the connection's body writer), live events caught up with are written
     by the producer as they are appended, not yielded (see :func:`follow`); what is
@@ -340,7 +373,7 @@ async def sse_events(
                 # The stream's end: the response's too, in the same write.
                 yield LastPart(frames) if batch[-1].is_done else frames
     except HistoryTrimmed as trimmed:
-        yield encode_event(encode(trimmed_body(trimmed)))
+        yield trimmed_event(stream, trimmed)
     finally:
         await events.aclose()
         if tally is not None:

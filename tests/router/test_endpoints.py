@@ -26,6 +26,7 @@ import pytest
 from firstbyte.protocol.headers import STREAM_HEADER
 from firstbyte.protocol.sse import HEARTBEAT, SSEDecoder
 from firstbyte.router.serve import RouterEndpoints
+from firstbyte.router.streams import owner_of
 from tests.router.conftest import API_KEY, RouterFactory, auth, client_tls
 from tests.router.formats_upstream import (
     CONTENT,
@@ -400,6 +401,102 @@ async def test_a_responses_stream_ended_by_the_drain_numbers_its_error_next(
     assert error.type == "error"
     assert error.code == "draining"
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+TRIM_STORE_BYTES = 64 << 10
+"""The store of the trim tests: a key's share is 16 KiB, a small part of one long stream."""
+TRIM_WORDS = 3_000
+"""Output of a trimmed stream: ~500 KB of Responses events, ~300 KB of Messages ones, far
+more than the store and the 64 KiB an HTTP/2 stream holds while its client reads nothing.
+Its upstream pauses after two words, for the client to read the first event in time."""
+
+
+async def _stall_until_trimmed(router: RouterEndpoints, stream_id: str) -> None:
+    """While the client reads nothing (its HTTP/2 window shuts), until its stream ended
+    upstream with its history trimmed (bounded): past the router's reader of it, which
+    cannot send while the window is shut, if not already as it raced the upstream."""
+    stored = router.app.state.store.get(stream_id, owner_of(API_KEY))
+    assert stored is not None
+    for _ in range(600):
+        if stored.done:
+            break
+        await asyncio.sleep(0.05)
+    assert stored.done
+    assert stored.trimmed > 0
+
+
+async def test_an_openai_reader_behind_the_trim_point_gets_a_responses_error_event(
+    start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    """The openai SDK reads one event of a Responses stream, then nothing while its key's
+    share trims the stream's history past it; reading on, it gets what its connection held,
+    then the ``stream_history_trimmed`` error as a Responses ``error`` event (the SDK's typed
+    ``ResponseErrorEvent``, not an exception for a chat-shaped error), numbered after the
+    stream's last event, with a gap where the dropped events were."""
+    seen: list[str] = []
+    async with running_formats_upstream(gap_after=2, gap_s=0.5) as up, start_router(
+        [up.url], streams={"max_total_bytes": TRIM_STORE_BYTES}
+    ) as router, _http(tls_files, "2", seen) as http, openai.AsyncOpenAI(
+        base_url=router.openai_base_url, api_key=API_KEY, http_client=http, max_retries=0
+    ) as client:
+        stream = await client.responses.create(
+            model="test-model", input="hi", max_output_tokens=TRIM_WORDS, stream=True
+        )
+        events: list[Any] = [await stream.__anext__()]
+        await _stall_until_trimmed(router, stream.response.headers[STREAM_HEADER])
+        events += [e async for e in stream]
+    assert seen == ["HTTP/2"]
+    *read, error = events
+    assert read[0].type == "response.created"
+    assert [e.sequence_number for e in read] == list(range(len(read)))
+    assert len(read) < TRIM_WORDS // 2
+    assert isinstance(error, openai.types.responses.ResponseErrorEvent)
+    assert error.code == "stream_history_trimmed"
+    assert "share of the stream store" in error.message
+    dropped = re.match(r"Events (\d+) to (\d+) of this stream were dropped", error.message)
+    assert dropped is not None, error.message
+    first, last = int(dropped[1]), int(dropped[2])
+    assert first == len(read) + 1  # the client's next event
+    # Numbered after the last event in the store then (event N is numbered N - 1), which
+    # comes after the last dropped; at most one past response.completed's, the stream's last.
+    assert last < error.sequence_number <= TRIM_WORDS + 8
+
+
+async def test_an_anthropic_reader_behind_the_trim_point_gets_an_anthropic_error_event(
+    start_router: RouterFactory, tls_files: dict[str, str]
+) -> None:
+    """The same with the anthropic SDK on a Messages stream: the SDK raises its status error
+    for the ``event: error`` (a chat-shaped ``data:`` event it skipped, ending the stream
+    without a word)."""
+    async with running_formats_upstream(gap_after=2, gap_s=0.5) as up, start_router(
+        [up.url], streams={"max_total_bytes": TRIM_STORE_BYTES}
+    ) as router, _http(tls_files, "2", [], httpx2) as http, anthropic.AsyncAnthropic(
+        base_url=router.base_url, api_key=API_KEY, http_client=http, max_retries=0
+    ) as client:
+        stream = await client.messages.create(
+            model="test-model", max_tokens=TRIM_WORDS, stream=True,
+            messages=[{"role": "user", "content": "hello"}],
+        )
+        events: list[Any] = [await stream.__anext__()]
+        await _stall_until_trimmed(router, stream.response.headers[STREAM_HEADER])
+
+        async def read_on() -> None:
+            async for event in stream:
+                events.append(event)
+
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            await read_on()
+    assert events[0].type == "message_start"
+    assert 1 < len(events) < TRIM_WORDS // 2
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "api_error"
+    assert body["error"]["code"] == "stream_history_trimmed"
+    message = body["error"]["message"]
+    dropped = re.match(r"Events (\d+) to \d+ of this stream were dropped", message)
+    assert dropped is not None, message
+    assert int(dropped[1]) > len(events)  # after the events read (the SDK skips pings)
 
 
 async def test_every_endpoint_is_held_to_the_keys_limits(

@@ -24,6 +24,7 @@ from firstbyte.protocol import error_codes
 from firstbyte.router.streams import Stream, owner_of
 from tests.client_sdk.cutproxy import TcpCutProxy
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth
+from tests.router.formats_upstream import running_formats_upstream
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.upstream import running_upstream
 
@@ -221,3 +222,58 @@ async def test_with_redis_a_trim_is_mirrored_and_a_reader_elsewhere_gets_the_err
     assert error["code"] == error_codes.STREAM_HISTORY_TRIMMED
     assert polled.status_code == 410, polled.text
     assert polled.json()["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
+
+
+async def test_with_redis_a_reader_elsewhere_behind_a_responses_trim_gets_its_error_event(
+    start_router: RouterFactory,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """As above for a Responses stream: the reader on Y (its stream's format from the
+    metadata in Redis) gets the trim as a Responses ``error`` event without ``id``, numbered
+    after the last event it read from Redis (``response.completed``: the stream ended)."""
+    prefix = f"st{secrets.token_hex(4)}:"
+    shared = {"state": {"redis_url": redis_server.url, "key_prefix": prefix}}
+    words = 3_000  # ~500 KB of events through a 64 KiB store: a 16 KiB share
+    redis = Redis.from_url(redis_server.url)
+    try:
+        async with running_formats_upstream() as upstream, start_router(
+            [upstream.url], tls=False, streams={"max_total_bytes": 64 << 10}, **shared,
+        ) as x, start_router([upstream.url], tls=False, **shared) as y, httpx.AsyncClient(
+            timeout=60,
+        ) as http:
+            started = await http.post(
+                f"{x.base_url}/v1/streams", headers=auth(), params={"endpoint": "responses"},
+                json={"model": "test-model", "input": "hi", "max_output_tokens": words},
+            )
+            assert started.status_code == 201, started.text
+            sid = started.json()["stream"]
+            local = x.app.state.store.get(sid, owner_of(API_KEY))
+            assert isinstance(local, Stream)
+            head: list[Any] = []
+            tail: list[Any] = []
+            for _ in range(1_200):  # until it ended, trimmed, in Redis (bounded)
+                if local.done:
+                    head = await redis.xrange(f"{prefix}s:{sid}", count=1)
+                    tail = await redis.xrevrange(f"{prefix}s:{sid}", count=1)
+                    if head and int(head[0][0].split(b"-")[0]) > 10 and tail[0][1][b"d"] == (
+                            b"[DONE]"):
+                        break
+                await asyncio.sleep(0.05)
+            sse = await http.get(f"{y.base_url}/v1/streams/{sid}", headers=auth(),
+                                 params={"after": "0"})
+    finally:
+        await redis.aclose()
+    assert head
+    assert int(head[0][0].split(b"-")[0]) > 10  # trimmed in Redis
+    assert tail
+    assert tail[0][1][b"d"] == b"[DONE]"
+    assert sse.status_code == 200
+    assert sse.text.startswith("event: error\ndata: ")  # no id: not one of the stream's
+    assert sse.text.endswith("\n\n")
+    assert sse.text.count("\n\n") == 1  # one event, then the response ends
+    error = json.loads(sse.text.removeprefix("event: error\ndata: "))
+    assert error["type"] == "error"
+    assert error["code"] == error_codes.STREAM_HISTORY_TRIMMED
+    assert error["message"].startswith("Events 1 to ")
+    assert error["param"] is None
+    assert error["sequence_number"] == words + 8  # after response.completed's

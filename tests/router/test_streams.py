@@ -10,6 +10,7 @@ import math
 import os
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -279,6 +280,83 @@ async def test_a_reader_keeping_up_is_never_cut_and_one_left_behind_gets_an_erro
         "stream_history_trimmed")
     with pytest.raises(HistoryTrimmed):
         await poll(stream, 3, 0)
+
+
+_TRIMMED_MESSAGE = (
+    "Events 2 to {trimmed} of this stream were dropped: its API key's streams went over the"
+    " key's share of the stream store. Read on from after={trimmed}, or send the request again."
+)
+
+
+def _named(name: str, data: dict[str, object]) -> bytes:
+    return b"event: %s\ndata: %s" % (name.encode(), json.dumps(data).encode())
+
+
+async def _overtaken(stream: Stream, event: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+    """A reader of ``stream`` takes its first event then stalls while 40 more of ``event(n)``
+    (n from 1) go through the store and trim it past the reader, and the stream ends: (the
+    first event's SSE, what the reader gets after it), one piece."""
+    stream.append(event(0), 0.0)
+    behind = sse_events(stream, 0, heartbeat_s=5)
+    first = await behind.__anext__()
+    for n in range(1, 41):
+        stream.append(event(n), 1.0)
+    stream.finish(2.0)
+    assert stream.trimmed > 1
+    (rest,) = [piece async for piece in behind]
+    return first, rest
+
+
+async def test_a_reader_left_behind_a_responses_stream_gets_its_error_event() -> None:
+    # A Responses stream: the error is the format's named event, numbered after the last
+    # event in the store (the reader missed the numbers of the events trimmed before it).
+    store = StreamStore(max_total_bytes=8_000, max_age_s=1e9, max_owner_bytes=4_000)
+    stream = store.create(ALICE, 0.0)
+    stream.format = "responses"
+
+    def delta(n: int) -> bytes:
+        data = {"type": "response.output_text.delta", "sequence_number": n, "delta": "x" * 400}
+        return _named("response.output_text.delta", data)
+
+    first, rest = await _overtaken(stream, delta)
+    assert first == b"id: 1\n" + delta(0) + b"\n\n"
+    message = _TRIMMED_MESSAGE.format(trimmed=stream.trimmed)
+    assert rest == (
+        b'event: error\ndata: {"type":"error","sequence_number":41,'
+        b'"code":"stream_history_trimmed","message":"%s","param":null}\n\n' % message.encode()
+    )
+
+
+async def test_a_reader_left_behind_a_messages_stream_gets_an_anthropic_error_event() -> None:
+    store = StreamStore(max_total_bytes=8_000, max_age_s=1e9, max_owner_bytes=4_000)
+    stream = store.create(ALICE, 0.0)
+    stream.format = "messages"
+
+    def delta(n: int) -> bytes:
+        text = {"type": "text_delta", "text": "x" * 400}
+        return _named("content_block_delta", {"type": "content_block_delta", "delta": text})
+
+    first, rest = await _overtaken(stream, delta)
+    assert first == b"id: 1\n" + delta(0) + b"\n\n"
+    message = _TRIMMED_MESSAGE.format(trimmed=stream.trimmed)
+    assert rest == (
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"%s",'
+        b'"code":"stream_history_trimmed"}}\n\n' % message.encode()
+    )
+
+
+async def test_a_reader_left_behind_an_unnumbered_responses_stream_gets_no_number() -> None:
+    # An upstream that numbers nothing: no number is made up for the error either.
+    store = StreamStore(max_total_bytes=8_000, max_age_s=1e9, max_owner_bytes=4_000)
+    stream = store.create(ALICE, 0.0)
+    stream.format = "responses"
+
+    def delta(n: int) -> bytes:
+        return _named("response.output_text.delta", {"type": "response.output_text.delta",
+                                                     "delta": "x" * 400})
+
+    _, rest = await _overtaken(stream, delta)
+    assert rest.startswith(b'event: error\ndata: {"type":"error","code":"stream_history_trimmed",')
 
 
 def test_smaller_bounds_on_reload_are_applied_at_the_next_tick() -> None:
