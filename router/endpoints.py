@@ -39,6 +39,7 @@ from .asgi import (
     BodyTimeout,
     ClientGone,
     Disconnect,
+    Headers,
     Receive,
     Scope,
     Send,
@@ -74,7 +75,7 @@ from .readers import (
     sse_events,
     trimmed_reply,
 )
-from .shared.errors import StateUnavailable, unavailable_reply
+from .shared.errors import RETRY_AFTER_S, StateUnavailable, unavailable_reply
 from .state import CLIENT_GONE, RouterState
 from .streams import Stream
 from .tenancy import refusal
@@ -708,12 +709,19 @@ async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: S
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /healthz``: 200 ``ok``; 503 ``draining`` from SIGTERM on, ``warming`` during the
-    start-up warmup (requests are held meanwhile) or ``unhealthy`` when no backend is healthy;
-    200 ``ok; HTTP/3 down`` while the HTTP/3 server is being restarted. No key: load
-    balancers ask."""
+    """``GET /healthz``: 200 ``ok``; 503 ``draining`` from SIGTERM on, ``state_unavailable``
+    (with ``Retry-After``) while the region's shared state does not answer (new requests get
+    that 503), ``warming`` during the start-up warmup (requests are held meanwhile)
+    or ``unhealthy`` when no backend is healthy; 200 ``ok; HTTP/3 down`` while the HTTP/3
+    server is being restarted. No key: load balancers ask."""
+    headers: Headers = ADVERTISED
     if state.draining:
         status, text = 503, error_codes.DRAINING.encode() + b"\n"
+    elif state.region_state.unreachable:
+        # As the requests' own 503: a balancer or the SDK sends users to a router or region
+        # that can serve them, and asks again shortly.
+        status, text = 503, error_codes.STATE_UNAVAILABLE.encode() + b"\n"
+        headers = (*ADVERTISED, ("retry-after", str(RETRY_AFTER_S)))
     elif state.warming:
         status, text = 503, b"warming\n"
     elif state.healthy:
@@ -724,7 +732,7 @@ async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send
     else:
         status, text = 503, b"unhealthy\n"
     # The SDKs' prewarm and keep-warm ask here: the answer says what request bodies go.
-    await send_bytes(send, status, text, content_type="text/plain", headers=ADVERTISED)
+    await send_bytes(send, status, text, content_type="text/plain", headers=headers)
 
 
 def _observer(state: RouterState, ctx: RequestContext) -> Outcome:
@@ -752,7 +760,7 @@ async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: 
     Without a key that may see it (:func:`_observer`) only what a client needs to find its
     regions (:class:`~firstbyte.protocol.edge.PublicEdgeStatus`).
     """
-    status = state.routing.status()
+    status = state.routing.status(state_unavailable=state.region_state.unreachable)
     document: PublicEdgeStatus | EdgeStatusReport
     if isinstance(_observer(state, new_context(state, scope)), LocalReply):
         document = PublicEdgeStatus(

@@ -966,11 +966,12 @@ class RegionRouting:
         self.outcomes[(obs.region, obs.backend, outcome, ctx.model_label)] += 1
 
     # --- status and metrics ------------------------------------------------------------
-    def status(self) -> EdgeStatus:
-        """``GET /v1/edge/status`` (:func:`firstbyte.router.routing_status.edge_status`)."""
+    def status(self, *, state_unavailable: bool = False) -> EdgeStatus:
+        """``GET /v1/edge/status`` (:func:`firstbyte.router.routing_status.edge_status`);
+        ``state_unavailable``: the region's shared state does not answer (unhealthy)."""
         from .routing_status import edge_status
 
-        return edge_status(self)
+        return edge_status(self, state_unavailable=state_unavailable)
 
     def model_names(self, *, peers: bool = False) -> list[str]:
         """The models this region serves (``GET /v1/models``); with ``peers``, also those

@@ -63,6 +63,13 @@ class RegionState(Protocol):
         ...
 
     @property
+    def unreachable(self) -> bool:
+        """Whether the region's state has stopped answering this process, so that new
+        requests get ``503 state_unavailable`` (``/healthz`` says so): read from what the
+        process already tracks, never a command of its own."""
+        ...
+
+    @property
     def claim_backend(self) -> Callable[[str, int], Awaitable[bool]] | None:
         """Claims a slot of a backend (name, limit) for a request moved there, False if it is
         full region-wide; None when this process's tracker counts everything
@@ -133,6 +140,7 @@ class InMemory:
     """The region is this process: its tracker and limiter count everything."""
 
     readable_elsewhere = False
+    unreachable = False  # this process's memory always answers
     claim_backend = None
 
     def shared_warm_budget(self, window_s: float) -> SharedWarmBudget | None:
@@ -187,6 +195,12 @@ class InRedis:
         (its metadata expires in Redis, never found: nobody learns the id)."""
         self._landing: dict[str, asyncio.Future[None]] = {}
         """Streams admitted without waiting for Redis whose metadata has not landed yet."""
+
+    @property
+    def unreachable(self) -> bool:
+        # The lease's renewals, every lease_s / 3 whatever the traffic: a health check costs
+        # no round trip, and a burst of them cannot add load to a Redis in trouble.
+        return self.shared.lease.outage.down
 
     def shared_warm_budget(self, window_s: float) -> SharedWarmBudget | None:
         shared = self.shared

@@ -17,11 +17,14 @@ if TYPE_CHECKING:
 __all__ = ["edge_status"]
 
 
-def edge_status(r: RegionRouting) -> EdgeStatus:
-    """The status of ``r``'s region now."""
+def edge_status(r: RegionRouting, *, state_unavailable: bool = False) -> EdgeStatus:
+    """The status of ``r``'s region now; unhealthy (the region's and each model's) while it
+    drains or, ``state_unavailable``, its shared state does not answer: peers stop sending
+    requests here that would get a 503."""
     now = r.clock()
     chooser, tracker = r.chooser, r.tracker
-    here = chooser.here(now, draining=r.draining)
+    out = r.draining or state_unavailable
+    here = chooser.here(now, draining=out)
     backends = [
         BackendStatus(
             name=name, healthy=b.healthy, in_flight=b.in_flight,
@@ -42,7 +45,7 @@ def edge_status(r: RegionRouting) -> EdgeStatus:
         longitude=point.lon if point else None,
         public_url=r.config.geo.public_url, ttft_ms=tracker.ttft_ms(),
         warm_prefixes=sorted(here.warm_prefixes), backends=backends,
-        models=chooser.model_status(now, draining=r.draining),
+        models=chooser.model_status(now, draining=out),
         peers=[
             PeerLink(
                 name=name,

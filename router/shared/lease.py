@@ -7,6 +7,10 @@ and ends the stream with a ``stream_lost`` error event instead of waiting foreve
 per process, not per stream: 2,000 live streams cost one ``PEXPIRE`` a second, not 2,000
 (a ``SET`` when the key is gone: the first, or after a lapse; a full Redis refuses a ``SET``,
 not a ``PEXPIRE``).
+
+The renewals are also the process's one steady look at Redis, whatever the traffic: their
+outcomes say whether the shared state counts as down (:class:`Outage`), which ``/healthz``
+reads without asking Redis itself.
 """
 
 from __future__ import annotations
@@ -26,9 +30,35 @@ from .keys import Keys
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["Lease"]
+__all__ = ["DOWN_AFTER_FAILED_RENEWALS", "Lease", "Outage"]
 
 log = logging.getLogger("firstbyte.router.shared")
+
+DOWN_AFTER_FAILED_RENEWALS = 2
+"""Renewals that must fail in a row before the shared state counts as down: one slow or
+failed command is not an outage (every process of a region shares the one Redis, so a blip
+counted as one would take them all out of their balancer at once)."""
+
+
+class Outage:
+    """Whether the shared state counts as down, from the lease renewals' outcomes (sans-IO):
+    down once :data:`DOWN_AFTER_FAILED_RENEWALS` renewals in a row failed, up again at the
+    first that reaches Redis (requests are admitted again from then on)."""
+
+    def __init__(self, down_after: int = DOWN_AFTER_FAILED_RENEWALS) -> None:
+        self.down_after = down_after
+        self.failed_in_a_row = 0
+
+    @property
+    def down(self) -> bool:
+        return self.failed_in_a_row >= self.down_after
+
+    def renewed(self, ok: bool) -> bool | None:
+        """Count one renewal's outcome; the new :attr:`down` when this one changed it, else
+        None."""
+        was = self.down
+        self.failed_in_a_row = 0 if ok else self.failed_in_a_row + 1
+        return self.down if self.down != was else None
 
 
 class Lease:
@@ -43,6 +73,8 @@ class Lease:
         self.renew_failures = 0
         self.reachable = False
         """Did the last renewal reach Redis (``firstbyte_router_redis_up``)?"""
+        self.outage = Outage()
+        """Whether Redis counts as down (``/healthz`` 503 ``state_unavailable``)."""
         self.lapses = 0
         """Renewals that found the lease gone (Redis restarted or was away past ``lease_s``)."""
         self.on_lapse: Callable[[], object] | None = None
@@ -84,13 +116,20 @@ class Lease:
     async def _renew_or_log(self) -> None:
         try:
             await self._renew()
-            self.reachable = True
         except Exception as exc:  # Redis away: keep trying; readers may call us lost
             self.reachable = False
             self.renew_failures += 1
             more = self._throttle.report("renew", time.monotonic(), "failures")
             if more is not None:
                 log.warning("cannot renew the process lease: %s%s", describe_error(exc), more)
+            if self.outage.renewed(False):
+                log.warning("shared state unreachable (%d lease renewals in a row failed):"
+                            " /healthz answers 503 state_unavailable until it answers",
+                            self.outage.failed_in_a_row)
+        else:
+            self.reachable = True
+            if self.outage.renewed(True) is False:
+                log.warning("shared state reachable again: /healthz no longer says so")
 
     async def _keep(self) -> None:
         # Until aclose says stop, not only until it cancels: a cancel that lands inside a

@@ -38,6 +38,7 @@ async def test_in_memory_the_region_is_this_process() -> None:
         assert await state.find_stream(stream.id, b"owner") is stream
         assert await state.find_stream("unknown", b"owner") is None
         assert not state.region_state.readable_elsewhere
+        assert not state.region_state.unreachable  # /healthz never says state_unavailable
     finally:
         await state.aclose()
 
@@ -56,6 +57,7 @@ async def test_with_redis_url_the_state_is_shared_through_redis(
         for state in (one, other):
             state.ensure_started()
             await state.region_state.started()
+        assert not one.region_state.unreachable
         stream = one.new_stream(b"owner")
         await one.announced(stream)
         found = await other.find_stream(stream.id, b"owner")

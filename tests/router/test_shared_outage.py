@@ -3,8 +3,9 @@
 Real ``firstbyte router`` processes (TLS, loopback) and real ``valkey-server`` processes: the
 session's server for the burst tests, a server of its own for each test that stops, kills,
 freezes or password-protects it. A Redis error reaches a client as ``503 state_unavailable``
-with ``Retry-After``, never a 500; a request that failed leaves nothing claimed, here or in
-Redis; a wrong URL or password stops the router at start with one line.
+with ``Retry-After``, never a 500, and ``/healthz`` says ``state_unavailable`` meanwhile; a
+request that failed leaves nothing claimed, here or in Redis; a wrong URL or password stops
+the router at start with one line.
 """
 
 from __future__ import annotations
@@ -589,3 +590,77 @@ async def test_redis_up_on_metrics_follows_a_frozen_redis(upstream: Upstream) ->
             finally:
                 os.kill(server.pid, signal.SIGCONT)
             await until(client, router.base_url, "1")
+
+
+async def _healthz(client: httpx.AsyncClient, router: RouterProcess) -> tuple[int, str, str]:
+    """``/healthz``'s status, text and Retry-After."""
+    answer = await client.get(router.url + "/healthz")
+    return answer.status_code, answer.text, answer.headers.get("retry-after", "")
+
+
+async def _until_healthz(client: httpx.AsyncClient, router: RouterProcess,
+                         status: int) -> tuple[int, str, str]:
+    """Ask ``/healthz`` every 0.1 s until it answers ``status`` (15 s at most)."""
+    deadline = time.monotonic() + 15
+    while (seen := await _healthz(client, router))[0] != status:
+        assert time.monotonic() < deadline, f"/healthz stayed {seen}, not {status}"
+        await asyncio.sleep(0.1)
+    return seen
+
+
+@pytest.mark.parametrize("outage", ["kill", "freeze"])
+async def test_healthz_says_state_unavailable_while_redis_is_away(
+    outage: str, sim: SimServer, tls_files: dict[str, str], tmp_path: Path
+) -> None:
+    """A router process whose Redis is killed, or frozen past ``state.timeout_s``: once two
+    lease renewals in a row failed, ``/healthz`` answers 503 ``state_unavailable`` with
+    ``Retry-After`` (a balancer, and the SDK's region probe, send users elsewhere) and
+    ``/v1/edge/status`` says unhealthy (peers stop forwarding here), while a stream request
+    still gets its own ``503 state_unavailable``. Redis started again on its port (empty), or
+    woken: ``/healthz`` is 200 ``ok`` again without a restart, and streams are served.
+
+    The key has a cap (``LIMITS``), so its requests wait for Redis and each gets its 503; one
+    of a key without (the default) may still be served from a backend slot the process holds
+    spare (docs/router.md), until those are used up."""
+    port, redis_port = free_port(), free_port()
+    stack = contextlib.ExitStack()
+    server = stack.enter_context(_own_redis(redis_port))
+    path = _config(tmp_path, outage, sim.url, tls_files, server.url, port,
+                   key_prefix="healthz:", extra="timeout_s = 0.5\n" + LIMITS)
+    router = _start(path, port, tmp_path, outage)
+    try:
+        await _until_listening(router)
+        async with httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client:
+            assert await _until_healthz(client, router, 200) == (200, "ok\n", "")
+            assert await _stream(client, router.url) == (200, "[DONE]", "")
+            if outage == "kill":
+                stack.close()
+            else:
+                os.kill(server.pid, signal.SIGSTOP)
+            try:
+                assert await _until_healthz(client, router, 503) == (
+                    503, f"{error_codes.STATE_UNAVAILABLE}\n", "1")
+                assert await _stream(client, router.url) == (
+                    503, error_codes.STATE_UNAVAILABLE, "1")
+                public = (await client.get(router.url + "/v1/edge/status")).json()
+                assert public["healthy"] is False
+                status = (await client.get(router.url + "/v1/edge/status", headers=auth())).json()
+                assert status["healthy"] is False
+                assert [m["healthy"] for m in status["models"]] == [False]
+                assert (await _healthz(client, router))[0] == 503  # it stays so
+            finally:
+                if outage == "kill":
+                    server = stack.enter_context(_own_redis(redis_port))
+                else:
+                    os.kill(server.pid, signal.SIGCONT)
+            assert await _until_healthz(client, router, 200) == (200, "ok\n", "")
+            status = (await client.get(router.url + "/v1/edge/status", headers=auth())).json()
+            assert status["healthy"] is True
+            assert [m["healthy"] for m in status["models"]] == [True]
+            assert await _stream(client, router.url) == (200, "[DONE]", "")
+        log = router.log.read_text()
+        assert "Traceback" not in log
+        assert log.count("/healthz answers 503 state_unavailable") == 1, log
+    finally:
+        _stop(router)
+        stack.close()
