@@ -11,7 +11,9 @@ iterator hands out a batch's events one at a time and waits on the queue, with t
 watchdog, only when the batch is used up, so heartbeats (which never become events) do not
 count as progress. A cut connection or a sequence gap resumes from the last delivered event
 (the rest of its batch is dropped: the resume sends it again); a stall resumes once on fresh
-connections, then raises.
+connections, then raises. A stall before the router answered (no stream id) on a region that
+still answers a probe is waited out instead: the router holds the request, and sending it
+again would run the model twice.
 With several base URLs (one per region), :meth:`AsyncClient.prewarm` probes each region's
 RTT on a warm connection, sends requests to the fastest and keeps a warm standby connection to
 the second; a request that cannot start on one region (unreachable, 429, 502-504, or silent
@@ -52,6 +54,7 @@ from firstbyte.client_sdk.errors import (
     StreamBrokenError,
     StreamHistoryTrimmedError,
     StreamLostError,
+    StreamStalledError,
     api_error_from_response,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
@@ -959,6 +962,19 @@ class _Stream(Generic[T]):
                     self._attempt += 1
                     self._start(self._fresh_source())
                     return
+                if self._stream_id is None and await self._region_answers():
+                    # Nothing to resume by, and the region still answers: its router holds
+                    # the request (queued, or its upstream slow to answer: a long prefill).
+                    # Sent again, the model would run it twice; wait on it instead.
+                    try:
+                        self._policy.held(last_seq=self._assembler.last_seq)
+                    except StreamStalledError:
+                        # Given up, and closed: an SSE request gone before its head is
+                        # cancelled upstream by the router.
+                        self._finished = True
+                        await self._stop_pump()
+                        raise
+                    return
                 await self._recover(None, stalled=True)
                 return
         if type(item) is list:
@@ -1043,6 +1059,17 @@ class _Stream(Generic[T]):
         self._opened = True
         if item.stream_id is not None:
             self._stream_id = item.stream_id
+
+    async def _region_answers(self) -> bool:
+        """Whether this attempt's region answers a probe now (any HTTP answer), within the
+        connect timeout and the idle timeout. Over HTTP/2 and HTTP/3 the probe rides the
+        stream's connection (the pooled one, unless prewarmed with several), so an answer
+        also says the bytes sent before it, the request's, reached the router."""
+        client = self._client
+        probe = await probe_region(
+            client.pool.session(self._origin, client._probe_http), 1,
+            timeout_s=min(client.pool.connect_timeout_s, client.idle_timeout_s))
+        return probe.rtt_ms is not None
 
     async def _resend(self) -> None:
         """The stream's router shut down (``draining``) before any content was delivered: send

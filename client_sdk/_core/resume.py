@@ -5,6 +5,9 @@ not count) arrives for the idle timeout (a stall). Each break costs one resume, 
 ``max_resumes``; stalls are also bounded by ``stall_retries``. A stream cut before the router
 answered (no stream id yet) is sent again, the first time at once (most likely a kept-alive
 connection the server had closed); every other resume waits a doubling backoff, capped at 2 s.
+A stall without a stream id while the server still answers (:meth:`ResumePolicy.held`: it holds
+the request, e.g. queued or in a long prefill) is waited out, never sent again: a second request
+would run the model twice. It counts against ``stall_retries`` like any stall.
 The browser client (``client_sdk/browser/stream.js``) implements the same rules and is
 tested against the same cases (``tests/client_sdk/stream_rules.py``).
 """
@@ -43,14 +46,12 @@ class ResumePolicy:
                last_seq: int = 0) -> ResumeStep:
         """The next step after a break; raises :class:`StreamStalledError` or
         :class:`StreamBrokenError` when out of attempts."""
-        if stalled:
-            self.stalls += 1
-            if self.stalls > self.stall_retries:
-                raise StreamStalledError(
-                    f"no event for {self.idle_timeout_s:g} s (heartbeats do not count)"
-                    f" after event {last_seq}; resumed {self.resumes} times",
-                    idle_s=self.idle_timeout_s,
-                )
+        if stalled and self._stalled_out():
+            raise StreamStalledError(
+                f"no event for {self.idle_timeout_s:g} s (heartbeats do not count)"
+                f" after event {last_seq}; resumed {self.resumes} times",
+                idle_s=self.idle_timeout_s,
+            )
         self.resumes += 1
         if self.resumes > self.max_resumes:
             raise StreamBrokenError(
@@ -58,3 +59,20 @@ class ResumePolicy:
         backoff = opened or self.resumes > 1 or stalled
         delay = min(self.backoff_s * 2 ** (self.resumes - 1), BACKOFF_MAX_S) if backoff else 0.0
         return ResumeStep(delay, not opened)
+
+    def held(self, *, last_seq: int = 0) -> None:
+        """A stall with no stream id to resume by, while the server still answers, so it holds
+        the request: wait on (no resume is spent); raises :class:`StreamStalledError` when out
+        of ``stall_retries``."""
+        if self._stalled_out():
+            raise StreamStalledError(
+                f"no event for {self.idle_timeout_s:g} s (heartbeats do not count)"
+                f" after event {last_seq}; not sent again: the server still answers, so it"
+                " holds the request",
+                idle_s=self.idle_timeout_s,
+            )
+
+    def _stalled_out(self) -> bool:
+        """Count a stall; whether it is one more than ``stall_retries`` allows."""
+        self.stalls += 1
+        return self.stalls > self.stall_retries

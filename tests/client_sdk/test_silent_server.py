@@ -20,7 +20,7 @@ import httpcore
 import pytest
 
 from firstbyte.client_sdk.client import AsyncClient
-from firstbyte.client_sdk.errors import ConnectError, TLSError
+from firstbyte.client_sdk.errors import ConnectError, StreamStalledError, TLSError
 from firstbyte.client_sdk.transports.http import _ClosingStream
 from tests.client_sdk.conftest import ROUTER_KEY, Stack
 from tests.client_sdk.cutproxy import UdpCutProxy
@@ -199,6 +199,32 @@ async def test_a_region_gone_silent_on_a_warm_connection_holds_no_probe_or_keep_
             assert pings >= 2
         finally:
             proxy.close()
+
+
+@pytest.mark.parametrize("http", ["1.1", "2"])
+async def test_the_only_region_gone_silent_gets_the_request_again(stack: Stack, http: str) -> None:
+    # No answer to the request, and none to the probe that follows (over HTTP/2 on the same
+    # connection, over HTTP/1.1 on another through the same frozen relay): the router is
+    # wedged or the path dead, so the request is sent again on fresh connections (which
+    # stall too here), unlike a router that answers the probe (test_slow_head.py).
+    proxy = FreezingProxy(stack.port)
+    listening = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    proxy.port = listening.sockets[0].getsockname()[1]
+    async with listening, AsyncClient(
+        f"https://localhost:{proxy.port}/v1", ROUTER_KEY, ca_file=stack.ca_file,
+        http=http,  # type: ignore[arg-type]
+        idle_timeout_s=0.5, connect_timeout_s=5.0, reprobe_interval_s=None,
+    ) as client:
+        try:
+            await client.prewarm()
+            proxy.frozen = True
+            with pytest.raises(StreamStalledError) as raised:
+                async with client.stream(model="sim-instant", messages=MESSAGES,
+                                         max_tokens=8):
+                    pass
+        finally:
+            proxy.close()
+    assert str(raised.value).endswith("after event 0; resumed 1 times")
 
 
 async def test_warm_websockets_to_a_router_gone_silent_are_closed_in_a_second(
