@@ -49,6 +49,8 @@ export class TransportCut extends StreamBrokenError {}
 class Stalled extends StreamBrokenError {}
 
 const END = Symbol("end");
+/** The longest a stalled stream's probe of its router waits (ChatStream.#routerAnswers). */
+const PROBE_TIMEOUT_MAX_S = 10;
 
 /** A push queue between a transport's callbacks and the stream's loop. */
 class Channel {
@@ -385,8 +387,47 @@ export class ChatStream {
         this.finished = true;
         throw err;
       }
+      if (err instanceof Stalled && this.streamId === null && await this.#routerAnswers()) {
+        // Nothing to resume by, and the router still answers: it holds the request (queued,
+        // or its upstream slow to answer: a long prefill). Sent again, the model would run
+        // it twice; wait on it, on the same request, instead.
+        try {
+          this.policy.held({ lastSeq: this.assembler.lastSeq });
+        } catch (stalled) {
+          // Given up; the iterator's `finally` closes the request: an SSE request gone
+          // before its head is cancelled upstream.
+          this.finished = true;
+          throw stalled;
+        }
+        return null;
+      }
       await this.#recover(err);
       return null;
+    }
+  }
+
+  /**
+   * Whether the router answers a probe now: any HTTP answer (any status) to GET
+   * /v1/edge/status under this client's base URL, within min(idleTimeoutS, 10 s: the Python
+   * SDK's default connect timeout). A simple request (no preflight); the router answers it
+   * with the CORS headers the stream's own requests got. Not `no-cors`: Chromium blocks an
+   * opaque JSON answer's body, a failed load in the page's console.
+   */
+  async #routerAnswers() {
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(),
+                             Math.min(this.client.idleTimeoutS, PROBE_TIMEOUT_MAX_S) * 1000);
+    try {
+      // no-store: an answer from the HTTP cache would say nothing about the router now.
+      const response = await fetch(this.client.url(PATHS.EDGE_STATUS), {
+        cache: "no-store", signal: abort.signal,
+      });
+      await response.arrayBuffer(); // read to its end: an unread answer may hold its stream
+      return true;
+    } catch {
+      return false;
+    } finally {
+      clearTimeout(timer);
     }
   }
 

@@ -191,13 +191,10 @@ export class ResumePolicy {
    * StreamStalledError / StreamBrokenError when out of attempts.
    */
   broken(reason, { opened, stalled = false, lastSeq = 0 }) {
-    if (stalled) {
-      this.stalls += 1;
-      if (this.stalls > this.stallRetries) {
-        throw new StreamStalledError(
-          `no event for ${this.idleTimeoutS} s (heartbeats do not count) after event ` +
-          `${lastSeq}; resumed ${this.resumes} times`);
-      }
+    if (stalled && this.#stalledOut()) {
+      throw new StreamStalledError(
+        `no event for ${this.idleTimeoutS} s (heartbeats do not count) after event ` +
+        `${lastSeq}; resumed ${this.resumes} times`);
     }
     this.resumes += 1;
     if (this.resumes > this.maxResumes && !opened) {
@@ -216,5 +213,24 @@ export class ResumePolicy {
     const backoff = opened || this.resumes > 1 || stalled;
     const delayS = backoff ? Math.min(this.backoffS * 2 ** (this.resumes - 1), 2.0) : 0;
     return { delayS, resend: !opened };
+  }
+
+  /**
+   * A stall with no stream id to resume by, while the server still answers, so it holds the
+   * request (queued, or a long prefill): wait on, spending no resume; sent again, the model
+   * would run it twice. Throws StreamStalledError when out of stallRetries.
+   */
+  held({ lastSeq = 0 } = {}) {
+    if (this.#stalledOut()) {
+      throw new StreamStalledError(
+        `no event for ${this.idleTimeoutS} s (heartbeats do not count) after event ` +
+        `${lastSeq}; not sent again: the server still answers, so it holds the request`);
+    }
+  }
+
+  /** Count a stall; whether it is one more than stallRetries allows. */
+  #stalledOut() {
+    this.stalls += 1;
+    return this.stalls > this.stallRetries;
   }
 }

@@ -86,10 +86,11 @@ async def _serve_page(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 @contextlib.asynccontextmanager
-async def world(tls: trustme.CA | None = None, tls_dir: str = "", **sections: Any
-                ) -> AsyncIterator[World]:
+async def world(tls: trustme.CA | None = None, tls_dir: str = "", upstream: str | None = None,
+                **sections: Any) -> AsyncIterator[World]:
     """The sim, the router (CORS for the page's origin) and the page server, running; with
-    ``tls`` both serve HTTPS with one certificate of that CA."""
+    ``tls`` both serve HTTPS with one certificate of that CA. ``upstream``: the URL of a sim
+    already running (a ``firstbyte sim`` process with faults) instead of one started here."""
     listen: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
     cert_pem = None
     page_tls = None
@@ -107,7 +108,9 @@ async def world(tls: trustme.CA | None = None, tls_dir: str = "", **sections: An
     page_port = page_server.sockets[0].getsockname()[1]
     scheme = "http" if tls is None else "https"
     try:
-        async with running_sim("instant", seed=7) as sim_url:
+        async with contextlib.AsyncExitStack() as stack:
+            sim_url = upstream or await stack.enter_async_context(
+                running_sim("instant", seed=7))
             data: dict[str, Any] = {
                 "region": "browser-test",
                 "upstreams": [{"url": sim_url}],

@@ -3,8 +3,8 @@
 browser client's ``stream.js``: both must give exactly the expected outputs.
 
 Every case is plain JSON: the inputs, and per input the expected output (a delta, a delay, the
-events a poll batch yields) or the error that ends the case (``gap``, ``api``, ``broken``,
-``stalled``).
+events a poll batch yields, the counts after a stall the server holds) or the error that ends
+the case (``gap``, ``api``, ``broken``, ``stalled``; a held stall's error with its message).
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ POLL: list[dict[str, Any]] = [
         {"batch": _batch([], next_seq=5), "now": 0.0, "expect": {"error": "broken"}}]},
 ]
 
+HELD_OUT = ("no event for {idle} s (heartbeats do not count) after event {seq}; not sent"
+            " again: the server still answers, so it holds the request")
+"""The error of a stall the server held (``held``) once out of ``stall_retries``."""
+
 RESUME: list[dict[str, Any]] = [
     {"name": "a cut before the answer is resent at once, then backs off",
      "config": {"max_resumes": 3, "backoff_s": 0.05, "stall_retries": 1}, "steps": [
@@ -133,6 +137,21 @@ RESUME: list[dict[str, Any]] = [
          {"opened": False, "stalled": True, "expect": {"delay_s": 0.05, "resend": True}},
          {"opened": True, "stalled": False, "expect": {"delay_s": 0.1, "resend": False}},
          {"opened": True, "stalled": True, "expect": {"error": "stalled"}}]},
+    {"name": "a stall the server holds is waited out: no resume spent, never sent again",
+     "config": {"max_resumes": 5, "backoff_s": 0.05, "stall_retries": 2, "idle_timeout_s": 1.5},
+     "steps": [
+         {"held": True, "last_seq": 0, "expect": {"stalls": 1, "resumes": 0}},
+         {"held": True, "last_seq": 0, "expect": {"stalls": 2, "resumes": 0}},
+         {"held": True, "last_seq": 0, "expect": {
+             "error": "stalled", "message": HELD_OUT.format(idle="1.5", seq=0)}}]},
+    {"name": "held and resumed stalls share one stall budget, not the resume budget",
+     "config": {"max_resumes": 1, "backoff_s": 0.05, "stall_retries": 2, "idle_timeout_s": 2},
+     "steps": [
+         {"held": True, "last_seq": 0, "expect": {"stalls": 1, "resumes": 0}},
+         # The first resume: the held stall spent none (else 0.1 s, or out of max_resumes).
+         {"opened": False, "stalled": True, "expect": {"delay_s": 0.05, "resend": True}},
+         {"held": True, "last_seq": 4, "expect": {
+             "error": "stalled", "message": HELD_OUT.format(idle="2", seq=4)}}]},
 ]
 
 CASES = {"assembler": ASSEMBLER, "poll": POLL, "resume": RESUME}
@@ -194,10 +213,17 @@ def run_resume(case: dict[str, Any]) -> list[Any]:
     out: list[Any] = []
     for step in case["steps"]:
         try:
-            s = policy.broken("cut", opened=step["opened"], stalled=step["stalled"])
-            out.append({"delay_s": s.delay_s, "resend": s.resend})
+            if step.get("held"):
+                policy.held(last_seq=step["last_seq"])
+                out.append({"stalls": policy.stalls, "resumes": policy.resumes})
+            else:
+                s = policy.broken("cut", opened=step["opened"], stalled=step["stalled"])
+                out.append({"delay_s": s.delay_s, "resend": s.resend})
         except Exception as exc:
-            out.append(_error(exc))
+            error = _error(exc)
+            if step.get("held"):
+                error["message"] = str(exc)
+            out.append(error)
             break
     return out
 
@@ -218,7 +244,8 @@ JS_RUNNER = """((cases) => {
     : e instanceof R.StreamStalledError ? {error: "stalled"}
     : e instanceof R.StreamBrokenError ? {error: "broken"} : {error: "other: " + e};
   const run = (steps, fn) => { const out = []; for (const s of steps) {
-    try { out.push(fn(s)); } catch (e) { out.push(error(e)); break; } } return out; };
+    try { out.push(fn(s)); } catch (e) {
+      out.push(s.held ? {...error(e), message: e.message} : error(e)); break; } } return out; };
   const assembler = cases.assembler.map((c) => {
     const asm = new R.StreamAssembler({after: c.after});
     const outputs = run(c.events, ([seq, payload]) => { const d = asm.receive(seq, payload);
@@ -235,8 +262,10 @@ JS_RUNNER = """((cases) => {
       return cursor.receiveBatch(s.batch, s.now).map((e) => e.seq); }); });
   const resume = cases.resume.map((c) => { const p = new R.ResumePolicy({
       maxResumes: c.config.max_resumes, backoffS: c.config.backoff_s,
-      stallRetries: c.config.stall_retries});
-    return run(c.steps, (s) => { const r = p.broken("cut", {opened: s.opened, stalled: s.stalled});
+      stallRetries: c.config.stall_retries, idleTimeoutS: c.config.idle_timeout_s});
+    return run(c.steps, (s) => {
+      if (s.held) { p.held({lastSeq: s.last_seq}); return {stalls: p.stalls, resumes: p.resumes}; }
+      const r = p.broken("cut", {opened: s.opened, stalled: s.stalled});
       return {delay_s: r.delayS, resend: r.resend}; }); });
   return {assembler, poll, resume};
 })"""

@@ -1,6 +1,6 @@
 """``ResumePolicy.held``: a stall while the server holds the request is waited out, within
-``stall_retries``, without spending a resume. Python client only, so not a case of
-``stream_rules.py``: the browser client (``client_sdk/browser/``) does not wait yet."""
+``stall_retries``, without spending a resume. The same rule is a case of ``stream_rules.py``
+for both clients; here the Python error's ``idle_s`` too."""
 
 from __future__ import annotations
 
