@@ -17,6 +17,13 @@ server whose hypercorn ``Config`` carries it as ``firstbyte_connections_registry
 - HTTP/3: every connection gets GOAWAY at once with the largest client stream id (RFC 9114
   section 5.2: streams in flight go on, new requests go to a new connection); aioquic's
   client ignores it without harm.
+
+An HTTP/2 connection that hypercorn closes at its keep-alive timeout goes away too
+(:func:`goaway_at_idle_close`): hypercorn closed it without a GOAWAY, so a client whose
+request crossed the close on the wire got a reset and could not tell whether the request had
+been processed; GOAWAY(NO_ERROR) with the last stream the connection took (RFC 9113 section
+6.8) tells it that the request was not, and that it must go to a new connection. HTTP/1.1's
+idle close stays a plain close; HTTP/3 connections end at QUIC's own idle timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import logging
 import weakref
 from typing import Any
 
-__all__ = ["ConnectionRegistry", "track_connections"]
+__all__ = ["ConnectionRegistry", "goaway_at_idle_close", "send_h2_goaway", "track_connections"]
 
 log = logging.getLogger("firstbyte.hosting")
 
@@ -77,6 +84,18 @@ class ConnectionRegistry:
             await protocol._flush()
             return True
         return False
+
+
+async def send_h2_goaway(protocol: Any, error_code: int = 0) -> None:
+    """GOAWAY ``error_code`` (0: NO_ERROR) on ``protocol``, hypercorn's HTTP/2 connection,
+    written to its transport before anything sent after it. Its last stream id is h2's
+    ``highest_inbound_stream_id``: the last stream the client opened (0 if none; a stream
+    refused past the concurrency limit counts, its REFUSED_STREAM having told its client)."""
+    import h2.exceptions
+
+    with contextlib.suppress(h2.exceptions.ProtocolError):
+        protocol.connection.close_connection(error_code=error_code)
+        await protocol._flush()
 
 
 async def _h3_goaway(protocol: Any) -> None:
@@ -133,3 +152,37 @@ def _goaway_when_idle(h2_protocol: Any) -> None:
             await registry.h2_goaway_if_idle(self)
 
     h2_protocol.stream_send = stream_send
+
+
+def goaway_at_idle_close() -> None:
+    """Send GOAWAY(NO_ERROR) on an HTTP/2 connection before hypercorn closes it at its
+    keep-alive timeout, unless a GOAWAY already went either way (a drain's, the client's);
+    an HTTP/1.1 connection is closed as before (once per process, by :mod:`.patches`).
+
+    hypercorn's per-connection server closes an idle connection from its idle timer
+    (``TCPServer._idle_timeout`` -> ``_initiate_server_close``): the protocol handles
+    ``Closed`` and the writer closes, and an HTTP/2 protocol then sends nothing. The GOAWAY
+    is written through hypercorn's own send path first, so the transport sends it before its
+    close (over TLS, before the ``close_notify``). A client that reads nothing cannot hold
+    the close up: a write that stays paused is cut by the send timeout (:mod:`.send_timeout`).
+    """
+    from h2.connection import ConnectionState
+    from hypercorn.asyncio import run
+    from hypercorn.protocol.h2 import H2Protocol
+
+    hypercorn_run: Any = run
+
+    class GoawayAtIdleTCPServer(hypercorn_run.TCPServer):  # type: ignore[misc]
+        async def _initiate_server_close(self) -> None:
+            # ProtocolWrapper.protocol: the connection's HTTP/1.1 or HTTP/2 protocol (an
+            # h2c upgrade replaces the first with the second).
+            protocol = getattr(getattr(self, "protocol", None), "protocol", None)
+            if (
+                isinstance(protocol, H2Protocol)
+                and not protocol.closed
+                and protocol.connection.state_machine.state is not ConnectionState.CLOSED
+            ):
+                await send_h2_goaway(protocol)
+            await super()._initiate_server_close()
+
+    hypercorn_run.TCPServer = GoawayAtIdleTCPServer

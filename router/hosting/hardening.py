@@ -297,12 +297,11 @@ def _of_stream(stream: int | None) -> str:
 async def goaway_and_close(protocol: Any, error_code: int) -> None:
     """Send GOAWAY ``error_code`` on the HTTP/2 connection ``protocol`` (hypercorn's), then
     close it: the apps of its streams see a disconnect."""
-    import h2.exceptions
     from hypercorn.events import Closed
 
-    with contextlib.suppress(h2.exceptions.ProtocolError):
-        protocol.connection.close_connection(error_code=error_code)
-        await protocol._flush()
+    from .goaway import send_h2_goaway
+
+    await send_h2_goaway(protocol, error_code)
     await protocol.send(Closed())
 
 

@@ -404,6 +404,31 @@ PATCHES: tuple[Patch, ...] = (
         " test_connections_their_clients_closed_are_not_told_nor_counted",
     ),
     Patch(
+        "h2-goaway-at-idle-close",
+        "hypercorn",
+        "an HTTP/2 connection closed at the keep-alive timeout gets no GOAWAY: a request that"
+        " crossed the close is reset, and its client cannot tell whether it was processed",
+        (
+            Shape(_RUN, ("TCPServer",)),
+            Shape(_TCP, ("_initiate_server_close", "_idle_timeout"),
+                  source=(("_idle_timeout", "self._initiate_server_close()"),
+                          ("run", "self.protocol"))),
+            Shape("hypercorn.protocol:ProtocolWrapper", source=(("__init__", "self.protocol"),)),
+            Shape(_H2, ("_flush",), source=(("__init__", "self.connection"),
+                                            ("__init__", "self.closed"))),
+            Shape("h2.connection:H2Connection", ("close_connection",),
+                  (("close_connection", ("self", "error_code")),),
+                  (("__init__", "self.state_machine"),
+                   ("__init__", "self.highest_inbound_stream_id"))),
+            Shape("h2.connection:H2ConnectionStateMachine", source=(("__init__", "self.state"),)),
+            Shape("h2.connection:ConnectionState", ("CLOSED",)),
+        ),
+        ((_RUN, "TCPServer"),),
+        _apply("goaway", "goaway_at_idle_close"),
+        "tests/router/attacks/test_http2.py::"
+        "test_an_idle_connection_gets_goaway_with_its_last_stream_before_the_close",
+    ),
+    Patch(
         "quic-session-tickets",
         "hypercorn",
         "hypercorn's QUIC connections get no session ticket store: no resumption, no 0-RTT",

@@ -20,6 +20,7 @@ from tests.router.conftest import API_KEY
 from tests.router.upstream import Upstream
 
 from .conftest import (
+    ON_EACH_PROTOCOL,
     STALLED_TOKENS,
     TIMER_SLACK_S,
     RouterProcess,
@@ -359,6 +360,8 @@ class RawH2:
         self.writer = writer
         self.encoder = Encoder()
         self.goaway: list[int] = []
+        self.goaway_last_stream: list[int] = []
+        self.ended: list[int] = []
 
     @classmethod
     async def open(cls, router: RouterProcess) -> RawH2:
@@ -384,7 +387,8 @@ class RawH2:
 
     async def until_closed(self) -> float:
         """Read until the server closes; when it did (``time.monotonic()``). GOAWAY error
-        codes are kept in :attr:`goaway`."""
+        codes are kept in :attr:`goaway`, their last stream ids in :attr:`goaway_last_stream`,
+        the streams the server ended (END_STREAM) in :attr:`ended`."""
         from h2.frame_buffer import FrameBuffer
         from hyperframe.frame import GoAwayFrame
 
@@ -401,6 +405,9 @@ class RawH2:
             for frame in frames:
                 if isinstance(frame, GoAwayFrame):
                     self.goaway.append(frame.error_code)
+                    self.goaway_last_stream.append(frame.last_stream_id)
+                elif "END_STREAM" in frame.flags:
+                    self.ended.append(frame.stream_id)
 
 
 def _request(path: str, method: str = "GET") -> list[tuple[str, str]]:
@@ -521,6 +528,36 @@ async def test_a_connection_that_only_pings_closes_at_the_keep_alive_timeout(
         finally:
             closed.cancel()
             raw.writer.close()
+        assert 2.0 - TIMER_SLACK_S <= held_s < CLOSED_WITHIN_S
+    router.assert_clean_log()
+
+
+@ON_EACH_PROTOCOL
+@pytest.mark.parametrize("requests", [1, 0], ids=["after-a-request", "without-a-request"])
+async def test_an_idle_connection_gets_goaway_with_its_last_stream_before_the_close(
+    start_router_process: RouterStarter, requests: int
+) -> None:
+    """An HTTP/2 connection idle for ``keep_alive_timeout_s`` gets GOAWAY NO_ERROR naming
+    the last stream it took (1 after one request, 0 without any) before the server closes
+    it (RFC 9113 section 6.8): a request that crosses the close is then known not to have
+    been processed. hypercorn closed it with no GOAWAY; ``auto`` serves HTTP/2 the same."""
+    async with start_router_process(
+        limits={"client_header_timeout_s": KEEP_ALIVE_S}, listen={"keep_alive_timeout_s": 2.0}
+    ) as router:
+        raw = await RawH2.open(router)
+        closed = asyncio.create_task(raw.until_closed())
+        try:
+            if requests:
+                await raw.send(raw.headers(1, _request("/v1/models"), "END_HEADERS", "END_STREAM"))
+            started = time.monotonic()
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                held_s = await closed - started
+        finally:
+            closed.cancel()
+            raw.writer.close()
+        assert raw.ended == [1] * requests  # answered, before the idle close
+        assert raw.goaway == [h2.errors.ErrorCodes.NO_ERROR]
+        assert raw.goaway_last_stream == [requests]  # stream 1, or none (0)
         assert 2.0 - TIMER_SLACK_S <= held_s < CLOSED_WITHIN_S
     router.assert_clean_log()
 

@@ -42,6 +42,9 @@ CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
     ("quic-connection-guard", "auto", http3.test_connection_that_only_pings_is_closed, {}),
     ("count-at-accept", "hypercorn",
      http1.test_sockets_silent_before_tls_count_and_put_their_address_under_the_cap, {}),
+    ("h2-goaway-at-idle-close", "auto",
+     http2.test_an_idle_connection_gets_goaway_with_its_last_stream_before_the_close,
+     {"requests": 1}),
 ]
 
 
