@@ -636,7 +636,7 @@ class AsyncClient:
             recorder.record.request_bytes = len(body)
         if self.transport == "longpoll":
             return longpoll_source(target, prefix, self.headers, body=body, stream_id=stream_id,
-                                   after=after, recorder=recorder, wait_s=self.poll_wait_s,
+                                   after=after, recorder=recorder, wait_s=self._poll_wait_s,
                                    max_failures=self.max_resumes, endpoint=endpoint,
                                    content_encoding=coding)
         if events is None:
@@ -645,6 +645,16 @@ class AsyncClient:
         return sse_source(target, prefix, self.headers, body=body, stream_id=stream_id,
                           after=after, recorder=recorder, path=events.path,
                           ends=events.terminal, content_encoding=coding)
+
+    @property
+    def _poll_wait_s(self) -> float:
+        """The ``wait`` a long-poll asks the router for: ``poll_wait_s``, at most half the idle
+        timeout. The start's ``201`` (the stream id) comes once the wait is over, however slow
+        the upstream's head or first token, so it must come before the watchdog fires: then a
+        stall is resumed by the stream's id, not waited on without one. Half leaves the other
+        half for the round trip and the router's own time; each later poll, answered empty at
+        the wait's end, likewise never outlasts the watchdog."""
+        return min(self.poll_wait_s, self.idle_timeout_s / 2)
 
     def _compresses(self, origin: Origin, size: int) -> bool:
         """Gzip a body of ``size`` bytes for ``origin`` (:func:`should_compress` over what the
