@@ -22,7 +22,9 @@ not a handshake. A started stream stays on its region, since only that region's 
 it. A router's ``x-firstbyte-better-region`` hint moves later requests to that region if it is
 configured.
 While the client is in use, the regions are probed again every ``reprobe_interval_s`` and the
-warm primary and standby follow the ranking (with hysteresis, :mod:`firstbyte.client_sdk.regions`).
+warm primary and standby follow the ranking (with hysteresis, :mod:`firstbyte.client_sdk.regions`),
+and a region whose ``/healthz`` refuses a keep-warm ping (``503`` draining, ...) is set aside
+as a refused request would set it, before a request pays for the refusal.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from firstbyte.client_sdk.transports.base import (
     Event,
     Item,
     Opened,
+    Refusal,
     Session,
     Source,
     TransportCut,
@@ -304,6 +307,10 @@ class AsyncClient:
         """``messages.stream(...)``, ``messages.create(...)``: Anthropic's Messages API."""
         self.embeddings = Embeddings(self)
         """``embeddings.create(...)``: ``POST /v1/embeddings``."""
+        self._rechecks: set[str] = set()
+        """Regions a keep-warm ping found refusing that are to be asked again."""
+        if len(self.origins) > 1:
+            self.pool.on_refusal = self._keep_warm_refused
         self._reprobing = False
         if reprobe_interval_s is not None and len(self.origins) > 1:
             self._reprobing = True
@@ -476,6 +483,30 @@ class AsyncClient:
                 self.regions.observe_rtt(region.name, probe.rtt_ms)
             result[region.name] = probe.rtt_ms
         return result
+
+    def _keep_warm_refused(self, origin: Origin, refused: Refusal) -> None:
+        """A keep-warm ping's ``/healthz`` was answered ``429`` or ``503``: set the region
+        aside as a refused request does (for its ``Retry-After``, else the growing backoff),
+        so the next request goes to another region without paying for a refusal first, and
+        ask it again when that ends. A ping answered ``200`` changes nothing: it does not
+        say that what else set the region aside (a key's ``429``, a stall, a failed probe)
+        is over."""
+        name = self.regions.regions[self.origins.index(origin)].name
+        self.regions.failed(name, time.monotonic(), refused.retry_after_s)
+        if name not in self._rechecks:
+            self._rechecks.add(name)
+            self._in_background(self._recheck(name, origin))
+
+    async def _recheck(self, name: str, origin: Origin) -> None:
+        """Ping ``name``'s connections once its set-aside ends (a refusal sets it aside again
+        and comes back here), while the client is in use: without this, a region whose router
+        said ``Retry-After: 1`` got requests again from then until the next keep-warm ping."""
+        try:
+            await asyncio.sleep(self.regions.aside_s(name, time.monotonic()))
+        finally:
+            self._rechecks.discard(name)
+        if self.pool.in_use:
+            await self.pool.ping(origin)
 
     async def _warm_region(self, region: Region) -> None:
         """One kept-warm connection to ``region``; a failure sets the region aside."""

@@ -30,6 +30,7 @@ __all__ = [
     "StreamStalledError",
     "TLSError",
     "api_error_from_response",
+    "retry_after_s",
 ]
 
 
@@ -172,7 +173,8 @@ def _parse_body(body: bytes | str | dict[str, Any] | None) -> _ErrorDetail | Non
         return None
 
 
-def _retry_after(value: str | None) -> float | None:
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` header's seconds (None: absent, or not a number of seconds)."""
     if value is None:
         return None
     try:
@@ -210,7 +212,7 @@ def api_error_from_response(
     if status == 404:
         return NotFoundError(message, **kw)
     if status == 429:
-        return RateLimitError(message, retry_after=_retry_after(retry_after), **kw)
+        return RateLimitError(message, retry_after=retry_after_s(retry_after), **kw)
     if status in (502, 503, 504):
-        return ServiceUnavailableError(message, retry_after=_retry_after(retry_after), **kw)
+        return ServiceUnavailableError(message, retry_after=retry_after_s(retry_after), **kw)
     return APIError(message, **kw)

@@ -5,7 +5,10 @@ The pool owns everything that outlives one request: the resolver cache, one HTTP
 keep-warm task. Keep-warm exercises idle connections every ``keepalive_interval_s`` (HTTP/1.1,
 HTTP/2 and HTTP/3: ``GET /healthz``; WebSocket: ping frames) so that neither side's
 idle timer closes them, and stops after ``keepalive_expiry_s`` without a request, so an idle
-application does not hold connections open forever.
+application does not hold connections open forever. A ping's ``/healthz`` answered ``429`` or
+``503`` (the router draining, its shared state away, no healthy backend) is handed to
+:attr:`ConnectionPool.on_refusal` with its origin: the client sets that region aside
+(WebSocket pongs say nothing of the router's health).
 
 The keep-warm loop is the pool's one scheduler: other periodic work (the client's region
 re-probe) is registered with :meth:`ConnectionPool.every` and runs from the same loop, only
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from firstbyte.client_sdk.errors import FirstbyteError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import MemoryTicketStore, TicketStore
-from firstbyte.client_sdk.transports.base import Session
+from firstbyte.client_sdk.transports.base import Refusal, Session
 from firstbyte.client_sdk.transports.http import HttpxSession
 from firstbyte.client_sdk.transports.websocket import WebSocketPool
 
@@ -75,6 +78,8 @@ class ConnectionPool:
         self._start_on_use = False
         self._closed = False
         """After :meth:`aclose`: no session is opened again (it would never be closed)."""
+        self.on_refusal: Callable[[Origin, Refusal], None] | None = None
+        """Called with the origin and the answer when a keep-warm ping was refused."""
 
     def touch(self) -> None:
         """A request is being made: extend the keep-warm lifetime (and, once :meth:`every`
@@ -92,6 +97,12 @@ class ConnectionPool:
             raise ValueError("interval_s must be positive")
         self._jobs.append(_Job(interval_s, job))
         self._start_on_use = True
+
+    @property
+    def in_use(self) -> bool:
+        """Whether the client made a request (or prewarmed) within ``keepalive_expiry_s``."""
+        return not self._closed and (
+            time.monotonic() - self._last_used < self._keepalive_expiry_s)
 
     @property
     def connect_timeout_s(self) -> float:
@@ -202,16 +213,27 @@ class ConnectionPool:
         a warm connection to a router that stopped answering would hold its ping for ever
         (reads have no timeout: a stream may wait long for its next event), and one after
         the other, it held keep-warm of every other region with it."""
-        targets: list[Session | WebSocketPool] = [*self._sessions.values(),
-                                                  *self._websockets.values()]
+        await self.ping()
 
-        async def ping(target: Session | WebSocketPool) -> None:
+    async def ping(self, origin: Origin | None = None) -> None:
+        """Ping the idle connections now, ``origin``'s only if given (the client asks again
+        of a region a ping found refusing, once it may serve again); a refusal goes to
+        :attr:`on_refusal`."""
+        targets: list[tuple[Origin, Session | WebSocketPool]] = [
+            *((of, session) for (of, _), session in self._sessions.items()),
+            *self._websockets.items(),
+        ]
+
+        async def ping(of: Origin, target: Session | WebSocketPool) -> None:
             # One failed ping must not stop keep-warm of the others.
             with contextlib.suppress(Exception):  # TimeoutError included
                 async with asyncio.timeout(self._connect_timeout_s):
-                    await target.keepalive()
+                    refused = await target.keepalive()
+                if refused is not None and self.on_refusal is not None:
+                    self.on_refusal(of, refused)
 
-        await asyncio.gather(*(ping(target) for target in targets))
+        await asyncio.gather(*(ping(of, target) for of, target in targets
+                               if origin in (None, of)))
 
     async def aclose(self) -> None:
         self._closed = True

@@ -187,6 +187,10 @@ class RegionSelector:
     def available(self, name: str, now: float) -> bool:
         return self._states[name].unavailable_until <= now
 
+    def aside_s(self, name: str, now: float) -> float:
+        """Seconds until ``name`` is available again (0: it is)."""
+        return max(0.0, self._states[name].unavailable_until - now)
+
     def beats(self, challenger: str, incumbent: str) -> bool:
         """True when ``challenger``'s RTT is lower than ``incumbent``'s by the switch margin,
         ``max(switch_margin_ms, switch_ratio x incumbent's RTT)``: more than noise."""

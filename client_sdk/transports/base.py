@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from firstbyte.client_sdk._core.retry import RETRY_STATUSES
 from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
-from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.client_sdk.errors import StreamBrokenError, retry_after_s
 from firstbyte.protocol.content_coding import ACCEPT_ENCODING_HEADER
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
@@ -33,8 +34,9 @@ from firstbyte.protocol.headers import (
     STREAM_HEADER,
 )
 
-__all__ = ["MAX_BODY_BYTES", "Batch", "Event", "HTTPResponse", "Item", "Opened", "Session",
-           "Source", "TransportCut", "note_response_headers", "noted_accept_encoding"]
+__all__ = ["MAX_BODY_BYTES", "Batch", "Event", "HTTPResponse", "Item", "Opened", "Refusal",
+           "Session", "Source", "TransportCut", "note_response_headers", "noted_accept_encoding",
+           "refusal"]
 
 MAX_BODY_BYTES = 64 << 20
 """The most :meth:`HTTPResponse.read` holds: a long-poll batch of a long completion fits,
@@ -48,6 +50,23 @@ class TransportCut(StreamBrokenError):
 @dataclass(frozen=True, slots=True)
 class Opened:
     stream_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A keep-warm ping's ``GET /healthz`` was answered ``429`` or ``503`` (the router is
+    draining, its shared state is away, it has no healthy backend, ...): its requests would
+    be refused too. ``retry_after_s``: the answer's ``Retry-After`` (None: none)."""
+
+    status: int
+    retry_after_s: float | None = None
+
+
+def refusal(response: HTTPResponse) -> Refusal | None:
+    """The :class:`Refusal` a ``/healthz`` answer is, if it is one."""
+    if response.status not in RETRY_STATUSES:
+        return None
+    return Refusal(response.status, retry_after_s(response.headers.get("retry-after")))
 
 
 class Event(msgspec.Struct, frozen=True, gc=False):
@@ -136,8 +155,9 @@ class Session(Protocol):
         """Open ``connections`` connections now (idempotent: counts ones already open)."""
         ...
 
-    async def keepalive(self) -> None:
-        """Exercise every idle connection once so neither end's idle timer closes it."""
+    async def keepalive(self) -> Refusal | None:
+        """Exercise every idle connection once so neither end's idle timer closes it; the
+        :class:`Refusal` one of the pings' answers was (None: none was)."""
         ...
 
     async def reset(self) -> None:

@@ -41,9 +41,11 @@ from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.transports.base import (
     HTTPResponse,
+    Refusal,
     TransportCut,
     note_response_headers,
     noted_accept_encoding,
+    refusal,
 )
 from firstbyte.protocol import paths
 
@@ -487,13 +489,14 @@ class H3Session:
     async def prewarm(self, connections: int = 1) -> None:
         await self._connection(None)
 
-    async def keepalive(self) -> None:
+    async def keepalive(self) -> Refusal | None:
         """``GET /healthz`` on the open connection, as over HTTP/1.1 and HTTP/2: a server times
         an idle QUIC connection by its requests, not by PINGs (the router closes one without
-        a request for ``limits.client_header_timeout_s``). Dropped if it fails or times out."""
+        a request for ``limits.client_header_timeout_s``). Dropped if it fails or times out.
+        Returns the answer's refusal (``429``, ``503``), if it was one."""
         proto = self._proto
         if proto is None or not proto.usable or not proto.handshake_waiter.done():
-            return
+            return None
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 async with self.request("GET", paths.HEALTHZ, headers={}, body=None,
@@ -503,6 +506,8 @@ class H3Session:
             async with self._lock:
                 if self._proto is proto:
                     await self._drop()
+            return None
+        return refusal(response)
 
     async def reset(self) -> None:
         """Forget the current connection (e.g. after a stall); the next request reconnects."""

@@ -31,9 +31,11 @@ from firstbyte.client_sdk.errors import ConnectError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.transports.base import (
     HTTPResponse,
+    Refusal,
     TransportCut,
     note_response_headers,
     noted_accept_encoding,
+    refusal,
 )
 from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port, tls_failure
 from firstbyte.protocol import paths
@@ -314,13 +316,14 @@ class HttpxSession:
         except httpx.TransportError as exc:
             raise TransportCut(f"connection lost mid-stream: {exc!r}") from exc
 
-    async def _ping(self, client: httpx.AsyncClient | None = None) -> None:
+    async def _ping(self, client: httpx.AsyncClient | None = None) -> Refusal | None:
         try:
             async with self._send(client or self._pick_client(), "GET", paths.HEALTHZ, {},
                                   None, None) as response:
                 await response.read()
         except TransportCut:
-            pass
+            return None
+        return refusal(response)
 
     async def prewarm(self, connections: int = 1) -> None:
         # HTTP/2 multiplexes: one connection carries every request. HTTP/1.1 needs one
@@ -337,8 +340,9 @@ class HttpxSession:
             idle = sum(1 for c in alive if c.is_idle())
             await asyncio.gather(*(self._ping() for _ in range(idle + missing)))
 
-    async def keepalive(self) -> None:
-        """``GET /healthz`` on each idle connection (HTTP/1.1 and HTTP/2 alike).
+    async def keepalive(self) -> Refusal | None:
+        """``GET /healthz`` on each idle connection (HTTP/1.1 and HTTP/2 alike); the refusal
+        (``429``, ``503``) of the ping told to wait longest, if one was refused.
 
         Not an HTTP/2 PING: servers commonly time idle connections by open streams, not frames
         (hypercorn, which the router runs on, closed an HTTP/2 connection after its keep-alive
@@ -349,8 +353,9 @@ class HttpxSession:
         for client in self._clients:
             pool = client._transport._pool  # type: ignore[attr-defined]
             pings += [client] * sum(1 for c in pool.connections if c.is_idle())
-        if pings:
-            await asyncio.gather(*(self._ping(client) for client in pings))
+        answers = await asyncio.gather(*(self._ping(client) for client in pings))
+        refused = [answer for answer in answers if answer is not None]
+        return max(refused, key=lambda r: r.retry_after_s or 0.0, default=None)
 
     async def reset(self) -> None:
         """Drop every pooled connection (e.g. after a stall); the next request reconnects."""

@@ -34,7 +34,7 @@ from firstbyte.client_sdk.errors import (
     api_error_from_response,
 )
 from firstbyte.client_sdk.resolver import Origin, Resolver
-from firstbyte.client_sdk.transports.base import Event, Opened, Source, TransportCut
+from firstbyte.client_sdk.transports.base import Event, Opened, Refusal, Source, TransportCut
 from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port, tls_failure
 from firstbyte.protocol import paths
 from firstbyte.protocol import ws as messages
@@ -182,7 +182,10 @@ class WebSocketPool:
             opened = await asyncio.gather(*(self._connect(None) for _ in range(missing)))
             self._idle.extend(opened)
 
-    async def keepalive(self) -> None:
+    async def keepalive(self) -> Refusal | None:
+        """A ping frame on each idle socket; a pong says nothing of the router's health, so
+        never a refusal (with several regions and the re-probe on, the client keeps the
+        re-probe's HTTP connection warm too, and its ``/healthz`` answers count)."""
         for ws in list(self._idle):
             try:
                 pong = await ws.ping()
@@ -192,6 +195,7 @@ class WebSocketPool:
                 with contextlib.suppress(ValueError):
                     self._idle.remove(ws)
                 await ws.close()
+        return None
 
     async def reset(self) -> None:
         idle, self._idle = self._idle, []

@@ -12,6 +12,8 @@ tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first
 that model name with ``Retry-After: 1``, then serve.
 ``POST /v1/streams?wait=S`` answers with the first poll batch, unless ``post_batch`` is False
 (then it answers the bare ``{"stream": ID}``, as a router from before ``wait`` did).
+``/healthz`` answers ``health`` (status, ``Retry-After`` or None; default 200), which a test
+may change while the server runs.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class ProtocolApp:
         """Requests refused so far per ``busy-N`` / ``draining-N`` model name."""
         self.batches: list[tuple[str, list[int]]] = []
         """Long-poll answers in order: (method, the seqs of the events they carried)."""
+        self.health: tuple[int, str | None] = (200, None)
+        """What ``/healthz`` answers: the status and its ``Retry-After`` (None: none)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- producer -------------------------------------------------------------------------------
@@ -177,7 +181,10 @@ class ProtocolApp:
         method = scope["method"]
         query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
         if path == "/healthz":
-            await _json(send, 200, {"status": "ok"})
+            status, retry_after = self.health
+            await _json(send, status, {"status": "ok" if status == 200 else "refused"},
+                        extra=None if retry_after is None else [
+                            (b"retry-after", retry_after.encode())])
         elif method == "POST" and path == "/v1/chat/completions":
             body = json.loads(await _body(receive))
             if body.get("model") == "busy":

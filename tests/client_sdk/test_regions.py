@@ -104,3 +104,11 @@ async def test_regions_from_a_routers_edge_status() -> None:
     assert got == [Region("tokyo", regions["tokyo"].url), Region("frankfurt", regions["frankfurt"].url)]
     status = msgspec.json.decode(body)
     assert status["peers"] == [{"name": "frankfurt", "url": regions["frankfurt"].url, "up": True}]
+
+
+def test_aside_s_is_the_time_left_of_a_set_aside() -> None:
+    selector = RegionSelector([Region("a", "https://a.example/v1")])
+    assert selector.aside_s("a", 100.0) == 0.0
+    selector.failed("a", 100.0, 30.0)
+    assert selector.aside_s("a", 110.0) == 20.0
+    assert selector.aside_s("a", 131.0) == 0.0
