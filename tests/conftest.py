@@ -41,17 +41,29 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         machine.leave_test()
 
 
+BENCHMARK_FILES_OF_THEIR_OWN = frozenset(f"tests/benchmarks/{name}" for name in (
+    "test_routing_bench.py", "test_demo.py", "test_bench_signals.py", "test_report_browser.py",
+    "test_router_overhead_baseline.py", "test_compare.py",
+))
+"""Files of tests/benchmarks that are groups of their own: they use neither the quick runs nor
+the machine alone, and assert no upper bound on a time. In the benchmarks' group they ran one
+after another behind the quick runs (~80 s of the ~360 s that group took, the suite's last)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         # pytest-xdist (addopts: -n, --dist loadgroup) runs a group on one worker, in order: a
-        # file is a group, so its module fixtures start once. tests/benchmarks is one group,
-        # run as without workers: its quick runs (three scenarios at a time, a session fixture)
-        # start once and end before the WAN emulator's precision tests, which need the CPU
-        # that the quick runs would take (they failed beside them on three workers).
+        # file is a group, so its module fixtures start once. tests/benchmarks is one group
+        # (but BENCHMARK_FILES_OF_THEIR_OWN), run as without workers: its quick runs (three
+        # scenarios at a time, a session fixture) start once and end before the WAN
+        # emulator's precision tests, which need the CPU that the quick runs would take (they
+        # failed beside them on three workers).
         if item.get_closest_marker("xdist_group") is None:
             path = item.nodeid.split("::", 1)[0]
-            group = "tests/benchmarks" if path.startswith("tests/benchmarks/") else path
+            group = path
+            if path.startswith("tests/benchmarks/") and path not in BENCHMARK_FILES_OF_THEIR_OWN:
+                group = "tests/benchmarks"
             item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("CI") == "true":
         return
