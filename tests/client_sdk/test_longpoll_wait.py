@@ -14,15 +14,12 @@ import asyncio
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from firstbyte.benchmarks.ports import free_port
 from firstbyte.client_sdk.client import AsyncClient
 from tests.client_sdk.conftest import ROUTER_KEY
 from tests.client_sdk.test_client import MESSAGES
-from tests.client_sdk.test_slow_head import sim_process, sim_requests
-from tests.client_sdk.test_stream_lost import start_router
+from tests.client_sdk.test_slow_head import router_before, sim_answer, sim_process, sim_requests
 
 pytestmark = pytest.mark.slow
 
@@ -38,41 +35,28 @@ TOKENS = 12
 async def test_longpoll_gets_its_stream_id_before_the_watchdog_and_resumes_by_it(
     tmp_path: Path, tls_files: tuple[str, str, str]
 ) -> None:
-    ca_file, cert_file, key_file = tls_files
-    async with sim_process(f"delay:ms={HEAD_DELAY_S * 1000:g}",
-                           f"stall:after=3,ms={GAP_S * 1000:g}") as sim:
-        port = free_port(udp=True)
-        config = tmp_path / "router.toml"
-        config.write_text(
-            f'region = "longpoll-wait"\n[[upstreams]]\nurl = "{sim}"\n'
-            f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
-            f'[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
-        )
-        router = await start_router(config, port, ca_file)
-        try:
-            async with httpx.AsyncClient(timeout=10) as direct:
-                answer = await direct.post(f"{sim}/v1/chat/completions", json={
-                    "model": "sim-instant", "messages": MESSAGES, "max_tokens": TOKENS,
-                    "seed": 11})
-            expected = answer.json()["choices"][0]["message"]["content"]
-            before = await sim_requests(sim)
-            text = ""
-            async with AsyncClient(
-                f"https://localhost:{port}/v1", ROUTER_KEY, ca_file=ca_file,
-                transport="longpoll", http="2", idle_timeout_s=IDLE_S,  # poll_wait_s: 10
-            ) as client:
-                started = time.monotonic()
-                async with client.stream(model="sim-instant", messages=MESSAGES,
-                                         max_tokens=TOKENS, seed=11) as stream:
-                    opened_s = time.monotonic() - started
-                    stream_id = stream.stream_id
-                    async for delta in stream:
-                        text += delta.text
-            await asyncio.sleep(0.3)
-            engine_requests = await sim_requests(sim) - before
-        finally:
-            router.terminate()
-            await router.wait()
+    ca_file = tls_files[0]
+    async with (
+        sim_process(f"delay:ms={HEAD_DELAY_S * 1000:g}", f"stall:after=3,ms={GAP_S * 1000:g}")
+        as sim,
+        router_before(sim, "longpoll-wait", tmp_path, tls_files) as port,
+    ):
+        expected = await sim_answer(sim, TOKENS)
+        before = await sim_requests(sim)
+        text = ""
+        async with AsyncClient(
+            f"https://localhost:{port}/v1", ROUTER_KEY, ca_file=ca_file,
+            transport="longpoll", http="2", idle_timeout_s=IDLE_S,  # poll_wait_s: 10
+        ) as client:
+            started = time.monotonic()
+            async with client.stream(model="sim-instant", messages=MESSAGES,
+                                     max_tokens=TOKENS, seed=11) as stream:
+                opened_s = time.monotonic() - started
+                stream_id = stream.stream_id
+                async for delta in stream:
+                    text += delta.text
+        await asyncio.sleep(0.3)
+        engine_requests = await sim_requests(sim) - before
     # The 201 came after the SDK's wait (half the idle timeout), not after the slow head.
     assert stream_id is not None
     assert opened_s < IDLE_S

@@ -79,50 +79,67 @@ async def sim_requests(sim: str) -> float:
             await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def router_before(
+    sim: str, region: str, tmp_path: Path, tls_files: tuple[str, str, str]
+) -> AsyncIterator[int]:
+    """``firstbyte router`` (TLS, one key) in front of ``sim`` as a process; yields its port."""
+    ca_file, cert_file, key_file = tls_files
+    port = free_port(udp=True)
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'region = "{region}"\n[[upstreams]]\nurl = "{sim}"\n'
+        f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
+        f'[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
+    )
+    router = await start_router(config, port, ca_file)
+    try:
+        yield port
+    finally:
+        router.terminate()
+        await router.wait()
+
+
+async def sim_answer(sim: str, tokens: int) -> str:
+    """The text the sim answers the tests' request with, asked directly (one engine request)."""
+    async with httpx.AsyncClient(timeout=10) as direct:
+        answer = await direct.post(f"{sim}/v1/chat/completions", json={
+            "model": "sim-instant", "messages": MESSAGES, "max_tokens": tokens, "seed": 11})
+    text: str = answer.json()["choices"][0]["message"]["content"]
+    return text
+
+
 async def test_a_head_later_than_the_idle_timeout_is_waited_for_not_sent_again(
     tmp_path: Path, tls_files: tuple[str, str, str]
 ) -> None:
-    ca_file, cert_file, key_file = tls_files
-    async with sim_process(f"delay:ms={HEAD_DELAY_S * 1000:g}") as sim:
-        port = free_port(udp=True)
-        config = tmp_path / "router.toml"
-        config.write_text(
-            f'region = "slow-head"\n[[upstreams]]\nurl = "{sim}"\n'
-            f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
-            f'[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
-        )
-        router = await start_router(config, port, ca_file)
-        try:
-            # What the sim answers, asked directly (one engine request, counted below).
-            async with httpx.AsyncClient(timeout=10) as direct:
-                answer = await direct.post(f"{sim}/v1/chat/completions", json={
-                    "model": "sim-instant", "messages": MESSAGES, "max_tokens": TOKENS,
-                    "seed": 11})
-            expected = answer.json()["choices"][0]["message"]["content"]
-            outcomes: dict[str, tuple[float, str, str | None]] = {}
-            for transport, http in TRANSPORTS:
-                before = await sim_requests(sim)
-                text, error = "", None
-                async with AsyncClient(
-                    f"https://localhost:{port}/v1", ROUTER_KEY, ca_file=ca_file,
-                    transport=transport, http=http,  # type: ignore[arg-type]
-                    idle_timeout_s=IDLE_S, stall_retries=3,
-                ) as client:
-                    try:
-                        async with client.stream(model="sim-instant", messages=MESSAGES,
-                                                 max_tokens=TOKENS, seed=11) as stream:
-                            async for delta in stream:
-                                text += delta.text
-                    except Exception as exc:  # reported with the count below
-                        error = f"{type(exc).__name__}: {exc}"
-                # An attempt abandoned during the sim's delay reaches its engine at the end
-                # of that delay: count once every attempt would have.
-                await asyncio.sleep(HEAD_DELAY_S + 0.3)
-                outcomes[f"{transport} http/{http}"] = (
-                    await sim_requests(sim) - before, text, error)
-        finally:
-            router.terminate()
-            await router.wait()
+    ca_file = tls_files[0]
+    async with (
+        sim_process(f"delay:ms={HEAD_DELAY_S * 1000:g}") as sim,
+        router_before(sim, "slow-head", tmp_path, tls_files) as port,
+    ):
+        # What the sim answers, asked directly (one engine request, counted below).
+        expected = await sim_answer(sim, TOKENS)
+        outcomes: dict[str, tuple[float, str, str | None]] = {}
+        for transport, http in TRANSPORTS:
+            before = await sim_requests(sim)
+            text, error = "", None
+            async with AsyncClient(
+                f"https://localhost:{port}/v1", ROUTER_KEY, ca_file=ca_file,
+                transport=transport, http=http,  # type: ignore[arg-type]
+                idle_timeout_s=IDLE_S, stall_retries=3,
+            ) as client:
+                try:
+                    async with client.stream(model="sim-instant", messages=MESSAGES,
+                                             max_tokens=TOKENS, seed=11) as stream:
+                        async for delta in stream:
+                            text += delta.text
+                except Exception as exc:  # reported with the count below
+                    error = f"{type(exc).__name__}: {exc}"
+            # An attempt abandoned during the sim's delay reaches its engine at the end
+            # of that delay: count once every attempt would have.
+            await asyncio.sleep(HEAD_DELAY_S + 0.3)
+            outcomes[f"{transport} http/{http}"] = (
+                await sim_requests(sim) - before, text, error)
     assert outcomes == {
         f"{transport} http/{http}": (1.0, expected, None) for transport, http in TRANSPORTS
     }
