@@ -17,7 +17,6 @@ A request forwarded to a peer region is counted there, where its backend served 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import msgspec
 
@@ -39,9 +38,10 @@ OTHER = "other"
 """The label of every key without a ``usage_label`` of its own."""
 
 
-@dataclass(frozen=True, slots=True)
-class TokenUsage:
-    """What one completion cost, as its upstream said (None: not said)."""
+class TokenUsage(msgspec.Struct, frozen=True, gc=False):
+    """What one completion cost, as its upstream said (None: not said).
+
+    A msgspec Struct (its ``__init__`` is C): one is made a stream, from its usage chunk."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None

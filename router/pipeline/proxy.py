@@ -93,9 +93,11 @@ class UpstreamStatusError(Exception):
         self.status = status
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamHead:
-    """How the upstream answered a streamed request: 200, or an error status with its body."""
+class UpstreamHead(msgspec.Struct, frozen=True, gc=False):
+    """How the upstream answered a streamed request: 200, or an error status with its body.
+
+    A msgspec Struct: one a stream, and a frozen dataclass's ``__init__`` is a Python call
+    setting each field through ``object.__setattr__``."""
 
     status: int
     body: bytes = b""
