@@ -27,6 +27,7 @@ import msgspec
 
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import CHAT, Codec
+from firstbyte.protocol.content_coding import Coding
 from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
 from firstbyte.protocol.formats import BY_PATH, MESSAGES, STREAMED
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
@@ -185,14 +186,16 @@ async def _admitted(
     if codec is MESSAGES:
         adopt_api_key_header(ctx)  # Anthropic's header for the key
     query = _query(scope)
+    # Each outcome is tested for CONTINUE before awaiting _finish: the stages nearly always
+    # continue, and an awaited call is a coroutine made, run and closed (five a request).
     # A browser's preflight-free start carries its client token in the URL.
-    if await _finish(state, send, ctx, adopt_query_token(ctx, query, state.cors), endpoint):
+    outcome = adopt_query_token(ctx, query, state.cors)
+    if outcome is not CONTINUE and await _finish(state, send, ctx, outcome, endpoint):
         return None
     # The key is checked on the head, before any body is read: a client without one cannot
     # make the router wait for a body, or read and drain one.
-    if await _finish(
-        state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), endpoint
-    ):
+    outcome = authenticate(ctx, state.api_keys, state.tokens)
+    if outcome is not CONTINUE and await _finish(state, send, ctx, outcome, endpoint):
         return None
     limit = state.config.limits.max_body_bytes
     if not await _read_request_body(state, receive, send, ctx, query, endpoint):
@@ -201,16 +204,15 @@ async def _admitted(
     # stand-in, and its complaint about the body would hide the real mistake.
     if invalid is not None and await _finish(state, send, ctx, invalid, endpoint):
         return None
-    if await _finish(
-        state, send, ctx, admit_body(ctx, limit, force_stream=force_stream), endpoint
-    ):
+    outcome = admit_body(ctx, limit, force_stream=force_stream)
+    if outcome is not CONTINUE and await _finish(state, send, ctx, outcome, endpoint):
         return None
     placed = await place(state, ctx, lambda: until_disconnect(receive))
     if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer
         state.metrics.count(endpoint, "client_gone", ctx.model_label)
         ctx.outcome = "client_gone"
         return None
-    if await _finish(state, send, ctx, placed, endpoint):
+    if placed is not CONTINUE and await _finish(state, send, ctx, placed, endpoint):
         return None
     return ctx
 
@@ -232,7 +234,10 @@ async def _read_request_body(
     if body is None:
         return False
     ctx.body = body
-    return not await _finish(state, send, ctx, inflate_body(ctx, coding, limit), endpoint)
+    if coding is Coding.IDENTITY:  # as sent: nothing to inflate
+        return True
+    inflated = inflate_body(ctx, coding, limit)
+    return inflated is CONTINUE or not await _finish(state, send, ctx, inflated, endpoint)
 
 
 async def _read_body(

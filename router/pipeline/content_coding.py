@@ -39,6 +39,8 @@ def body_coding(ctx: RequestContext, query: dict[str, str]) -> Coding | LocalRep
     """The coding of the body to come, from ``Content-Encoding`` or (the simple start, whose
     ``text/plain`` body cannot come with that header) ``?encoding=``; a 415 for another."""
     header = ctx.headers.get(CONTENT_ENCODING_HEADER)
+    if header is None and QUERY_PARAM not in query:  # nearly every request: one call less
+        return Coding.IDENTITY
     try:
         return requested_coding(header, query.get(QUERY_PARAM))
     except UnsupportedCoding:
