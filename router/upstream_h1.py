@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import Protocol, cast
 
 import httptools
 import httpx
+import msgspec
 
 __all__ = [
     "STALE_RETRIES", "Answer", "H1Connection", "H1Pool", "Origin", "ResponseSink",
@@ -64,9 +66,11 @@ class ResponseSink(Protocol):
     def on_error(self, exc: Exception) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Scheme, host and port of an upstream base URL, plus the path prefix it carries."""
+class Origin(msgspec.Struct, frozen=True, gc=False):
+    """Scheme, host and port of an upstream base URL, plus the path prefix it carries.
+
+    A msgspec Struct: the pool looks its idle connections up by origin twice a request,
+    and a frozen dataclass's ``__hash__`` is a Python call; a Struct's is C."""
 
     scheme: str
     host: str
@@ -106,8 +110,8 @@ class H1Connection(asyncio.Protocol):
     # Slots: the compiled read path (router/_chunkpath.c) writes _last_read at its offset.
     __slots__ = (
         "_boundary", "_complete", "_ended", "_fast", "_fast_offer", "_framed_by_close",
-        "_has_length", "_keep_alive", "_last_read", "_parser", "_sink", "_timer", "answered",
-        "closed", "content_type", "idle_since", "origin", "pool", "reused", "transport",
+        "_has_length", "_keep_alive", "_last_read", "_marks", "_parser", "_sink", "_timer",
+        "answered", "closed", "content_type", "idle_since", "origin", "pool", "reused", "transport",
     )
 
     def __init__(self, pool: H1Pool, origin: Origin) -> None:
@@ -137,6 +141,13 @@ class H1Connection(asyncio.Protocol):
         self._fast_offer: Callable[[bytes], bool] | None = None
         self._boundary = False
         """The parser's last callback ended a chunk of the body (see :meth:`offer_fast`)."""
+        # The parser's chunk callbacks (_ChunkCallbacks): each sets _boundary, and as
+        # partials of setattr they are C calls, not a Python call per chunk's start and end
+        # (ten a request of four chunks, before the compiled path takes its reads).
+        self._marks = (
+            functools.partial(setattr, self, "_boundary", False),  # a chunk's size line
+            functools.partial(setattr, self, "_boundary", True),  # a chunk's end
+        )
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -179,13 +190,7 @@ class H1Connection(asyncio.Protocol):
                 self._fail(httpx.ReadError(str(exc) if exc else "connection closed"))
         self._resolve_ended()
 
-    # -- httptools callbacks
-    def on_chunk_header(self) -> None:
-        self._boundary = False
-
-    def on_chunk_complete(self) -> None:
-        self._boundary = True
-
+    # -- httptools callbacks (the chunks' two: :attr:`_marks`)
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name in (b"content-length", b"transfer-encoding"):
@@ -350,8 +355,7 @@ class _ChunkCallbacks(_Callbacks):
 
     def __init__(self, conn: H1Connection, sink: ResponseSink) -> None:
         super().__init__(conn, sink)
-        self.on_chunk_header = conn.on_chunk_header
-        self.on_chunk_complete = conn.on_chunk_complete
+        self.on_chunk_header, self.on_chunk_complete = conn._marks
 
 
 class H1Pool:
