@@ -16,8 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import msgspec
 
@@ -26,7 +25,7 @@ from firstbyte.protocol.codec import CHAT, Codec, event_data
 from firstbyte.protocol.formats import BY_PATH
 
 from ..asgi import Message, Receive, Scope, Send
-from ..streams import Stream
+from ..streams import DONE_DATA, Stream
 from .logs import key_id, subject_id, write_direct
 
 if TYPE_CHECKING:
@@ -93,6 +92,12 @@ class Usage(msgspec.Struct, gc=False):
     """``ok``, or the code of the stream's error event (``upstream_error``, ``cancelled``...)."""
 
 
+@overload
+def bounded(value: str, limit: int = MAX_FIELD_CHARS) -> str: ...
+@overload
+def bounded(value: None, limit: int = MAX_FIELD_CHARS) -> None: ...
+@overload
+def bounded(value: str | None, limit: int = MAX_FIELD_CHARS) -> str | None: ...
 def bounded(value: str | None, limit: int = MAX_FIELD_CHARS) -> str | None:
     """``value``, or its first ``limit`` characters and ``...[+N]`` saying how many more
     there were (so a truncated field is never mistaken for the client's own value)."""
@@ -136,33 +141,32 @@ def _model_and_error(first: bytes, last: bytes) -> tuple[str | None, str]:
     return (model if isinstance(model, str) else None), outcome
 
 
-def _chat_ending(first: bytes | None, last: bytes | None) -> tuple[str | None, str]:
-    """A chat stream's model (its first chunk's) and outcome (``ok``, or the code of a last
-    ``{"error": ...}`` event)."""
-    decoded = _decode_chunk(first) if first is not None else None
-    outcome = "ok"
-    if last is not None and last.startswith(b'{"error"'):
-        try:
-            error = _error.decode(last).error
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            error = None
-        outcome = (error.code if error is not None else None) or "error"
-    return (decoded.model if decoded is not None else None), outcome
-
-
 def stream_ending(
     first: bytes | None, last: bytes | None, codec: Codec = CHAT
 ) -> tuple[str | None, str]:
     """A stream's model (bounded) and outcome, from its first and last event payloads other
     than ``[DONE]`` (None: the stream has none): two events decoded at most, whatever the
-    stream's length."""
-    if codec is CHAT:
-        model, outcome = _chat_ending(first, last)
-    elif first is None or last is None:
-        model, outcome = None, "ok"
-    else:
+    stream's length. Chat's: its first chunk's model, and ``ok`` or the code of a last
+    ``{"error": ...}`` event."""
+    model: str | None = None
+    outcome = "ok"
+    if codec is CHAT:  # in line, not in helpers: once a request, a call costs more than it
+        if first is not None:
+            try:
+                model = _chunk.decode(first).model
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                model = None
+        if last is not None and last.startswith(b'{"error"'):
+            try:
+                error = _error.decode(last).error
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                error = None
+            outcome = (error.code if error is not None else None) or "error"
+    elif first is not None and last is not None:
         model, outcome = _model_and_error(first, last)
-    return bounded(model), outcome
+    if model is not None and len(model) > MAX_FIELD_CHARS:
+        model = bounded(model)
+    return model, outcome
 
 
 def stream_usage(events: Iterable[bytes], codec: Codec = CHAT) -> Usage:
@@ -308,7 +312,8 @@ class AccessRecord(msgspec.Struct, gc=False):
 
     def fields(self) -> dict[str, Any]:
         """The access line's fields (no key, no prompt; ``key_id`` is a digest)."""
-        ttft = self.ttft_ms
+        first_token_at = self.first_token_at  # ttft_ms and duration_ms, without their calls
+        ttft = None if first_token_at is None else (first_token_at - self.started_at) * 1000
         out: dict[str, Any] = {
             "request_id": self.request_id,
             "trace_id": self.trace_id,
@@ -324,7 +329,7 @@ class AccessRecord(msgspec.Struct, gc=False):
             "endpoint": self.endpoint,
             "status": self.status,
             "ttft_ms": None if ttft is None else round(ttft, 2),
-            "duration_ms": round(self.duration_ms, 2),
+            "duration_ms": round((self.ended_at - self.started_at) * 1000, 2),
             "input_tokens": self.usage.input_tokens,
             "output_tokens": self.usage.output_tokens,
             "outcome": self.outcome,
@@ -355,9 +360,8 @@ class SpanSink(Protocol):
     async def aclose(self) -> None: ...
 
 
-@dataclass
-class _Exchange:
-    """What the ASGI layer saw of one HTTP request."""
+class _Exchange(msgspec.Struct, gc=False):
+    """What the ASGI layer saw of one HTTP request (a Struct: its ``__init__`` is C)."""
 
     method: str
     path: str
@@ -438,7 +442,7 @@ class RequestLog:
         handler: Callable[[Scope, Receive, Send], Awaitable[None]],
     ) -> None:
         """Run ``handler`` for one HTTP request and record it when it is over."""
-        if not self.enabled:
+        if self.spans is None and not log.isEnabledFor(logging.INFO):  # not self.enabled
             await handler(scope, receive, send)
             return
         exchange = _Exchange(
@@ -471,8 +475,9 @@ class RequestLog:
 
     def _finish(self, exchange: _Exchange, ctx: RequestContext | None, *, websocket: bool) -> None:
         stream = _produced(ctx, exchange, websocket)
-        if stream is None or stream.done or stream.evicted:
-            self._write(exchange, ctx, websocket, self.clock())
+        # finished_at, not the done property: one call less a request.
+        if stream is None or stream.finished_at is not None or stream.evicted:
+            self._write(exchange, ctx, websocket, self.clock(), stream)
             return
         task = asyncio.ensure_future(self._after(stream, exchange, ctx, websocket))
         self._waiting.add(task)
@@ -485,12 +490,13 @@ class RequestLog:
             while not stream.done and not stream.evicted:
                 await stream.wait(stream.last_seq, None)
         finally:  # at shutdown: the line as it stands
-            self._write(exchange, ctx, websocket, self.clock())
+            self._write(exchange, ctx, websocket, self.clock(), stream)
 
     def _write(
-        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float
+        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float,
+        stream: Stream | None,
     ) -> None:
-        record = self.record(exchange, ctx, websocket, ended_at)
+        record = self.record(exchange, ctx, websocket, ended_at, stream)
         # A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too (a
         # prompt warm-up, its POST, spends tokens and is logged as any request).
         operational = exchange.path in _OPERATIONAL or (
@@ -513,17 +519,26 @@ class RequestLog:
             self.spans.export(record)
 
     def record(
-        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float
+        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float,
+        stream: Stream | None,
     ) -> AccessRecord:
-        """The access record of a finished request (``ctx`` None: no pipeline ran)."""
-        stream = _produced(ctx, exchange, websocket)
+        """The access record of a finished request (``ctx`` None: no pipeline ran) that
+        produced ``stream`` (:func:`_produced`)."""
         touched = ctx.stream if ctx is not None else None  # started or read
         status = exchange.status
         if stream is not None:
             codec = ctx.codec if ctx is not None else CHAT
             if stream.usage is not None:  # the relay's (its usage chunk may be dropped)
                 # Tokens known: no pass over the events, a JSON decode of two at most.
-                model, ended = stream_ending(*_stored_ends(stream), codec)
+                # _stored_ends in line (once a request, the call costs more than its work).
+                events = stream.events
+                end = len(events)
+                if end and events[-1].data == DONE_DATA:
+                    end -= 1
+                if end:
+                    model, ended = stream_ending(events[0].data, events[end - 1].data, codec)
+                else:
+                    model, ended = stream_ending(None, None, codec)
                 usage = Usage(stream.usage.input_tokens, stream.usage.output_tokens,
                               model, ended)
             else:
@@ -545,18 +560,37 @@ class RequestLog:
         # The multi-region stage's records (router.multiregion.Observation, geo.Location).
         observer = ctx.observer if ctx is not None else None
         location = ctx.location if ctx is not None else None
+        # Client-supplied strings are bounded; each is tested here and bounded() called only
+        # for one past the bound (six calls a request otherwise, nearly always of nothing).
+        path = exchange.path
+        if path.startswith(_STREAM_PATH):
+            path = _path_template(path)
+        method, http_version = exchange.method, exchange.http_version
+        model = request.model if request is not None else None
+        host = ctx.headers.get("host") if ctx is not None else None
+        if (len(path) > MAX_FIELD_CHARS or len(method) > MAX_FIELD_CHARS
+                or len(http_version) > MAX_FIELD_CHARS
+                or (model is not None and len(model) > MAX_FIELD_CHARS)
+                or (host is not None and len(host) > MAX_FIELD_CHARS)):
+            path, method, http_version = bounded(path), bounded(method), bounded(http_version)
+            model, host = bounded(model), bounded(host)
+        if ctx is None:
+            key, subject = None, None
+        else:  # the digests only of what is there (an anonymous request has no key)
+            key = key_id(ctx.api_key) if ctx.api_key else None
+            subject = subject_id(ctx.subject) if ctx.subject else None
         return AccessRecord(
             request_id=trace.parent_id if trace is not None else "",
             trace_id=trace.trace_id if trace is not None else "",
             caller_span_id=trace.caller_id if trace is not None else None,
             sampled=trace.sampled if trace is not None else False,
-            key_id=key_id(ctx.api_key) if ctx is not None else None,
+            key_id=key,
             usage_key=(
                 self.usage_key(ctx.owner)
                 if ctx is not None and self.usage_key is not None and ctx.request is not None
                 else None
             ),
-            subject_id=subject_id(ctx.subject) if ctx is not None else None,
+            subject_id=subject,
             region=ctx.region if ctx is not None and ctx.region else self.region,
             entry_region=self.region,
             spill=bool(getattr(observer, "spill", False)),
@@ -566,17 +600,17 @@ class RequestLog:
             backend=backend,
             backend_url=backend_url,
             transport=_transport(exchange.path, ctx, websocket),
-            http_version=bounded(exchange.http_version) or "",
-            method=bounded(exchange.method) or "",
-            path=bounded(_path_template(exchange.path)) or "",
+            http_version=http_version,
+            method=method,
+            path=path,
             status=status,
             outcome=outcome,
             stream=touched.id if touched is not None else None,
-            model=bounded(request.model) if request is not None else None,
+            model=model,
             max_tokens=request.output_limit if request is not None else None,
             usage=usage,
             client_gone=not exchange.complete,
-            server_address=bounded(ctx.headers.get("host")) if ctx is not None else None,
+            server_address=host,
             started_at=min(exchange.started_at, ctx.received_at) if ctx else exchange.started_at,
             admitted_at=ctx.admitted_at if ctx is not None else None,
             routed_at=ctx.routed_at if ctx is not None else None,

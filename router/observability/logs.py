@@ -158,8 +158,11 @@ class JsonFormatter(_LineFormatter):
         }
         if _worker is not None:
             line["worker"] = _worker
-        for name, value in fields.items():
-            line.setdefault(name, value)
+        if line.keys().isdisjoint(fields):  # an access line's ~25 fields: two C calls
+            line.update(fields)
+        else:  # a field named as a line's own member is not written over it
+            for name, value in fields.items():
+                line.setdefault(name, value)
         if exc:
             line["exc"] = exc
         try:
