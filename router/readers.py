@@ -212,6 +212,9 @@ async def follow(
     With ``live``, a reader caught up is handed each new event by the producer itself
     (:meth:`~firstbyte.router.streams.Stream.relay_live`), and only what ``live`` refused
     (the reader fell behind), the stream's end and idle periods come as batches.
+
+    :func:`sse_events` runs this loop in line (SSE is every streamed request's reader):
+    a change here is a change there.
     """
     stream.attach(clock())
     try:
@@ -361,21 +364,42 @@ async def sse_events(
     framer = SSEFramer()
     sent = 0
     live = None if direct is None else framer.writer(direct)
-    events = follow(stream, after, idle_s=heartbeat_s, clock=clock, live=live)
+    # follow()'s loop, in line: one async generator a response instead of one stepping
+    # another (each ~1 us to set up and close, and a step of both per batch sent).
+    stream.attach(clock())
     try:
-        async for batch in events:
-            if not batch:
-                yield HEARTBEAT
+        seq = after
+        while True:
+            if stream.evicted:
+                return  # gone from the store: what it still holds is no longer sent
+            pending = stream.after(seq)
+            if pending:
+                if len(pending) > 1:
+                    pending = _capped(pending)
+                last = pending[-1]
+                seq = last.seq
+                frames = framer.frame(pending, stream)
+                if last.data == DONE_DATA:
+                    if frames:
+                        sent += len(pending)
+                        yield LastPart(frames)  # the stream's end: the response's too, at once
+                    return
+                if frames:
+                    sent += len(pending)
+                    yield frames
                 continue
-            frames = framer.frame(batch, stream)
-            if frames:
-                sent += len(batch)
-                # The stream's end: the response's too, in the same write.
-                yield LastPart(frames) if batch[-1].is_done else frames
+            if stream.evicted or stream.done:
+                return
+            if live is not None:
+                seq, idle = await stream.relay_live(seq, live, heartbeat_s)
+                if idle:
+                    yield HEARTBEAT
+            elif not await stream.wait(seq, heartbeat_s):
+                yield HEARTBEAT
     except HistoryTrimmed as trimmed:
         yield trimmed_event(stream, trimmed)
     finally:
-        await events.aclose()
+        stream.detach(clock())
         if tally is not None:
             tally["direct"] += framer.direct
             tally["send"] += sent
