@@ -575,6 +575,10 @@ class StreamStore:
         within their shares fill the whole store, the answer is a refusal.
         """
         self._evict_aged(now)
+        # With room, _reclaim and _evict_over_budget find nothing to do (non-strict, they
+        # act at the bound): not called, two calls a request less.
+        if self.total_bytes < self.max_total_bytes:
+            return None
         self._reclaim(strict=False)
         self._evict_over_budget(strict=False)
         return StoreFull.STORE if self.total_bytes >= self.max_total_bytes else None
