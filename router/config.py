@@ -283,7 +283,9 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     client_send_timeout_s: PositiveSeconds = 60.0
     """A client whose connection has taken nothing of what the router has for it for this
     long (its writes paused throughout: it stopped reading) is disconnected, as nginx's
-    ``send_timeout``; every server and HTTP version over TCP."""
+    ``send_timeout``; every server and HTTP version over TCP. HTTP/2: a stream that has
+    taken nothing for this long, waiting on its flow-control window, is reset alone
+    (``CANCEL``). Not HTTP/3 (``docs/limits.md``)."""
     websocket_idle_timeout_s: PositiveSeconds = 300.0
     """A WebSocket with no client message and no stream followed for this long is closed
     (1001)."""

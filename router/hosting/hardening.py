@@ -17,7 +17,8 @@ whose hypercorn ``Config`` carries
   bytes (GOAWAY PROTOCOL_ERROR); DATA for a stream already answered is acknowledged and the
   stream reset (NO_ERROR) instead of raising ``KeyError``; a rapid-reset flood gets GOAWAY
   (ENHANCE_YOUR_CALM) and the connection is closed, so the apps of its streams see a
-  disconnect and cancel their work;
+  disconnect and cancel their work; a stream whose flow-control window stays shut for
+  ``send_timeout_s`` is reset (CANCEL) alone (:mod:`.send_timeout`);
 - HTTP/3 and QUIC (:mod:`.quic_hardening`): late DATA for an answered stream is dropped; a
   new connection is counted per address, closed when it has had no request for
   ``header_timeout_s``, and (under a handshake flood) asked to prove its address (Retry);

@@ -42,7 +42,8 @@ class ClientLimits:
     connection's accept."""
     send_timeout_s: float = 60.0
     """A connection whose writes stay paused this long (its client stopped reading) is
-    closed (:mod:`.send_timeout`)."""
+    closed; an HTTP/2 stream that waits this long on a shut flow-control window, taking
+    nothing, is reset (:mod:`.send_timeout`)."""
     max_connections_per_client: int | None = None
     """Under pressure (:meth:`ConnectionCounter.under_pressure`), a client address holding
     this many connections gets no more; None: no cap. Without pressure an address may hold

@@ -3,7 +3,7 @@
 hypercorn, h2, h11, aioquic, uvicorn, httpx and httpcore lack defences and fixes the router
 needs (:mod:`.hardening`, :mod:`.quic_hardening`, :mod:`.head_guards`, :mod:`.early_answers`,
 :mod:`.accept`, :mod:`.http1_split`, :mod:`.graceful_cut`, :mod:`.h1_body`, :mod:`.goaway`,
-:mod:`.quic`, :mod:`.servers`, :mod:`.uvicorn_limits`, :mod:`.http10`,
+:mod:`.quic`, :mod:`.servers`, :mod:`.send_timeout`, :mod:`.uvicorn_limits`, :mod:`.http10`,
 :mod:`firstbyte.router.aionet`), and each reaches into a library's private classes.
 :data:`PATCHES` lists them all: for each, the library, what it fixes, the shape of the library
 it expects (attributes, parameters, text of a method's source that shows an instance attribute
@@ -221,6 +221,32 @@ PATCHES: tuple[Patch, ...] = (
         _apply("hardening", "_time_h2_header_blocks"),
         "tests/router/attacks/test_http2.py::"
         "test_an_unfinished_header_block_is_cut_at_the_header_timeout",
+    ),
+    Patch(
+        "h2-stream-send-timeout",
+        "hypercorn",
+        "an HTTP/2 stream whose client never opens its flow-control window waits for ever,"
+        " holding its app, its upstream request and its key's slot",
+        (
+            Shape(_H2, ("_send_data", "_flush", "_close_stream"),
+                  (("_send_data", ("self", "stream_id")),),
+                  (("__init__", "self.stream_buffers"), ("__init__", "self.priority"),
+                   ("__init__", "self.has_data"), ("__init__", "self.closed"),
+                   ("__init__", "self.connection"), ("__init__", "self.client"),
+                   ("__init__", "self.config"),
+                   # The chunk a visit takes, which the patch works out before it.
+                   ("_send_data", "self.connection.local_flow_control_window(stream_id)"),
+                   ("_send_data", "self.connection.max_outbound_frame_size"),
+                   ("_send_data", ".pop(chunk_size)"))),
+            Shape("hypercorn.protocol.h2:StreamBuffer", ("close", "pop"),
+                  source=(("__init__", "self.buffer"),)),
+            Shape("h2.connection:H2Connection", ("local_flow_control_window", "reset_stream"),
+                  source=(("__init__", "self.max_outbound_frame_size"),)),
+        ),
+        ((_H2, "_send_data"),),
+        _apply("send_timeout", "time_h2_stream_windows"),
+        "tests/router/attacks/test_http2.py::"
+        "test_a_stream_whose_window_stays_shut_is_reset_and_its_slot_freed",
     ),
     Patch(
         "h11-ambiguous-framing",

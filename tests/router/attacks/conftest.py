@@ -326,6 +326,18 @@ def _content(line: str) -> str:
     return str(choices[0].get("delta", {}).get("content") or "")
 
 
+def sse_text(body: bytes) -> str:
+    """The completion text of a streamed chat answer's SSE body (its deltas joined)."""
+    return "".join(
+        _content(line) for line in body.decode().splitlines() if line.startswith("data: {")
+    )
+
+
+def words(n: int) -> str:
+    """What the tests' upstream streams for ``max_tokens = n``."""
+    return " ".join(f"w{i}" for i in range(n))
+
+
 @contextlib.asynccontextmanager
 async def canary_running(router: RouterProcess) -> AsyncIterator[Canary]:
     """A canary for the duration of the block; on exit it must have completed streams,

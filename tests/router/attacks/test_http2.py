@@ -7,12 +7,14 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import pytest
 
@@ -29,6 +31,8 @@ from .conftest import (
     chat_body,
     open_tls,
     open_tls_small_window,
+    sse_text,
+    words,
 )
 
 CHAT = "/v1/chat/completions"
@@ -592,4 +596,181 @@ async def test_an_http2_client_that_stops_reading_is_reset_at_the_send_timeout(
                     events = await client.events(1)
                     ended = ended or any(isinstance(e, h2.events.StreamEnded) for e in events)
         assert not ended
+    router.assert_clean_log()
+
+
+SEND_TIMEOUT_S = 1.0
+"""``limits.client_send_timeout_s`` of the tests of a stream's flow-control window."""
+
+
+@dataclass
+class Answer:
+    """What one stream of an :class:`H2Client` got, and when (``time.monotonic()``)."""
+
+    status: int = 0
+    body: bytearray = field(default_factory=bytearray)
+    head_at: float = 0.0
+    last_data_at: float = 0.0
+    ended_at: float | None = None
+    reset: int | None = None
+    """The error code of the server's RST_STREAM."""
+    reset_at: float | None = None
+
+    @property
+    def over(self) -> bool:
+        return self.ended_at is not None or self.reset is not None
+
+
+class Streams:
+    """Streamed completions on one :class:`H2Client`, read together. The connection's window
+    is given back as its data comes; a stream's only for the streams in :attr:`reading`, or
+    when the test says so (:meth:`open`), so a test can leave one stream's window shut."""
+
+    def __init__(self, client: H2Client) -> None:
+        self.client = client
+        self.answers: dict[int, Answer] = {}
+        self.reading: set[int] = set()
+        self.unopened: dict[int, int] = {}
+        """Per stream, the bytes received whose window was not given back yet."""
+
+    def request(self, body: dict[str, Any], *, reading: bool = True) -> int:
+        """Send a completion request (flushed by the next :meth:`read`); its stream id."""
+        conn = self.client.conn
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, self.client.headers(CHAT))
+        conn.send_data(stream_id, json.dumps(body).encode(), end_stream=True)
+        self.answers[stream_id] = Answer()
+        self.unopened[stream_id] = 0
+        if reading:
+            self.reading.add(stream_id)
+        return stream_id
+
+    def open(self, stream_id: int, extra: int = 0) -> None:
+        """Give ``stream_id`` back the window its data took, and ``extra`` bytes more."""
+        grant = self.unopened[stream_id] + extra
+        self.unopened[stream_id] = 0
+        if grant and not self.answers[stream_id].over:
+            with contextlib.suppress(h2.exceptions.StreamClosedError):
+                self.client.conn.increment_flow_control_window(grant, stream_id)
+
+    async def read(self, wait_s: float = 0.1) -> None:
+        """Take what the server sent within ``wait_s``."""
+        for event in await self.client.events(wait_s):
+            now = time.monotonic()
+            answer = self.answers.get(getattr(event, "stream_id", None) or 0)
+            if answer is None:
+                continue
+            stream_id = event.stream_id
+            if isinstance(event, h2.events.ResponseReceived):
+                answer.status = int(dict(event.headers)[":status"])
+                answer.head_at = now
+            elif isinstance(event, h2.events.DataReceived):
+                answer.body += event.data
+                answer.last_data_at = now
+                if event.flow_controlled_length:
+                    self.client.conn.increment_flow_control_window(event.flow_controlled_length)
+                    self.unopened[stream_id] += event.flow_controlled_length
+                    if stream_id in self.reading:
+                        self.open(stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                answer.ended_at = now
+            elif isinstance(event, h2.events.StreamReset):
+                answer.reset = event.error_code
+                answer.reset_at = now
+        with contextlib.suppress(ConnectionError):
+            await self.client.flush()
+
+    async def until_over(self, *stream_ids: int) -> None:
+        """Read until each of ``stream_ids`` ended or was reset (``TimeoutError`` after
+        ``CLOSED_WITHIN_S`` if not)."""
+        async with asyncio.timeout(CLOSED_WITHIN_S):
+            while not all(self.answers[s].over for s in stream_ids) and not self.client.closed:
+                await self.read()
+
+
+@ON_EACH_PROTOCOL
+@pytest.mark.parametrize("zero_window", [False, True], ids=["window-spent", "zero-initial-window"])
+async def test_a_stream_whose_window_stays_shut_is_reset_and_its_slot_freed(
+    start_router_process: RouterStarter, upstream: Upstream, zero_window: bool
+) -> None:
+    """An HTTP/2 client that reads its connection (its window given back, PINGs answered)
+    but never opens one stream's window, once spent or from the start
+    (``SETTINGS_INITIAL_WINDOW_SIZE`` 0): that stream is reset with CANCEL once its send has
+    taken nothing for ``client_send_timeout_s``, its upstream request is cancelled once its
+    resume grace (1 s here) passes and its key's slot is free again, while the stream beside
+    it on the same connection streams on to its last token. Before, the stream waited for
+    ever, its upstream request ran on and its slot stayed taken: the TCP send timeout never
+    fires while the connection is read."""
+    upstream.burst = 20  # 2,000 tokens a second: the window and hypercorn's buffer fill at once
+    beside_tokens = 6000  # three seconds of it: on through the reset
+    limits = {"client_send_timeout_s": SEND_TIMEOUT_S, "max_streams_per_key": 2}
+    async with start_router_process(limits=limits) as router:
+        client = await H2Client.open(router)
+        if zero_window:
+            client.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        streams = Streams(client)
+        shut = streams.request(chat_body(100_000), reading=False)
+        beside = streams.request(chat_body(beside_tokens))
+        if zero_window:
+            streams.open(beside, extra=1 << 20)
+        await streams.until_over(shut, beside)
+        shut_answer, beside_answer = streams.answers[shut], streams.answers[beside]
+        assert shut_answer.status == 200
+        assert shut_answer.reset == h2.errors.ErrorCodes.CANCEL, shut_answer
+        assert shut_answer.reset_at is not None
+        # Shut from its head on (zero window), or from its window's last byte.
+        shut_from = shut_answer.head_at if zero_window else shut_answer.last_data_at
+        assert shut_answer.reset_at - shut_from >= SEND_TIMEOUT_S - 0.2
+        assert beside_answer.status == 200
+        assert beside_answer.ended_at is not None
+        assert beside_answer.reset is None
+        assert beside_answer.ended_at > shut_answer.reset_at  # still streaming at the reset
+        assert sse_text(bytes(beside_answer.body)) == words(beside_tokens)
+        async with asyncio.timeout(CLOSED_WITHIN_S):
+            while upstream.running:  # noqa: ASYNC110 (a counter to poll)
+                await asyncio.sleep(0.05)
+        assert upstream.cancelled == 1
+        # The key's two slots are free: two more streams at once, on the same connection.
+        again = [streams.request(chat_body(20)) for _ in range(2)]
+        if zero_window:
+            for stream_id in again:
+                streams.open(stream_id, extra=1 << 20)
+        await streams.until_over(*again)
+        for stream_id in again:
+            answer = streams.answers[stream_id]
+            assert answer.status == 200, bytes(answer.body)
+            assert sse_text(bytes(answer.body)) == words(20)
+        assert not client.closed
+        client.writer.close()
+    assert "client stopped reading an HTTP/2 stream: RST_STREAM CANCEL" in router.log()
+    router.assert_clean_log()
+
+
+async def test_a_stream_whose_window_opens_late_but_in_time_is_not_reset(
+    start_router_process: RouterStarter, upstream: Upstream
+) -> None:
+    """A slow reader is not a stopped one: a client that gives its stream's window back only
+    every half send timeout (the stream shut far longer than the timeout in all, never that
+    long in a row) gets the whole stream."""
+    upstream.burst = 20
+    tokens = 3000
+    late_s = SEND_TIMEOUT_S / 2
+    async with start_router_process(limits={"client_send_timeout_s": SEND_TIMEOUT_S}) as router:
+        client = await H2Client.open(router)
+        streams = Streams(client)
+        slow = streams.request(chat_body(tokens), reading=False)
+        answer = streams.answers[slow]
+        opened_at, openings = time.monotonic(), 0
+        async with asyncio.timeout(60):
+            while not answer.over and not client.closed:
+                await streams.read(0.05)
+                if streams.unopened[slow] and time.monotonic() - opened_at >= late_s:
+                    streams.open(slow)
+                    opened_at, openings = time.monotonic(), openings + 1
+        assert answer.reset is None
+        assert answer.ended_at is not None
+        assert sse_text(bytes(answer.body)) == words(tokens)
+        assert openings * late_s > 2 * SEND_TIMEOUT_S
+        client.writer.close()
+    assert "client stopped reading" not in router.log()
     router.assert_clean_log()

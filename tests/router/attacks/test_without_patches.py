@@ -9,6 +9,7 @@ before a body's end, where another patch or the client's timing often hides the 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from tests.router.attacks import test_http2 as http2
 from tests.router.attacks import test_http3 as http3
 from tests.router.attacks import test_websocket as websocket
 from tests.router.attacks.conftest import RouterStarter
+from tests.router.upstream import Upstream
 
 Attack = Callable[..., Awaitable[None]]
 
@@ -45,6 +47,9 @@ CASES: list[tuple[str, str, Attack, dict[str, Any]]] = [
     ("h2-goaway-at-idle-close", "auto",
      http2.test_an_idle_connection_gets_goaway_with_its_last_stream_before_the_close,
      {"requests": 1}),
+    ("h2-stream-send-timeout", "auto",
+     http2.test_a_stream_whose_window_stays_shut_is_reset_and_its_slot_freed,
+     {"zero_window": False}),
 ]
 
 
@@ -66,11 +71,14 @@ async def test_without_its_patch_the_attack_gets_through(
     router_server: str,
     attack: Attack,
     arguments: dict[str, Any],
+    upstream: Upstream,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(http1, "CLOSED_WITHIN_S", WAIT_FOR_A_CLOSE_S)
     monkeypatch.setattr(http3, "CLOSED_WITHIN_S", WAIT_FOR_A_CLOSE_S)
     monkeypatch.setattr(http2, "CLOSED_WITHIN_S", WAIT_FOR_A_CLOSE_S)
+    if "upstream" in inspect.signature(attack).parameters:
+        arguments = {**arguments, "upstream": upstream}
     with pytest.raises((AssertionError, TimeoutError, OSError, httpx.HTTPError)) as failed:
         await attack(start_router_process, **arguments)
     assert "router exited" not in str(failed.value)  # it ran, and the attack got through
