@@ -172,11 +172,20 @@ export class Client {
     return new URL(this.baseUrl).origin + this.apiBase + path.slice(PATHS.API_BASE.length);
   }
 
+  /** The `wait` a long-poll asks the router for (the start and every poll): `pollWaitS`, at
+   * most half of `idleTimeoutS`, as the Python SDK. The start's 201 (the stream id) comes
+   * once the wait is over, however slow the upstream's head, so it must come before the
+   * watchdog fires: then a stall is resumed by the stream's id, not waited on without one.
+   * Half leaves the other half for the round trip and the router's own time. */
+  get longPollWaitS() {
+    return Math.min(this.pollWaitS, this.idleTimeoutS / 2);
+  }
+
   /** The URL a stream of this client's transport starts at (the preflight cache is per URL). */
   startUrl() {
     const url = new URL(this.url(this.transport === "sse-fetch"
       ? PATHS.CHAT_COMPLETIONS : PATHS.STREAMS));
-    if (this.transport === "longpoll") url.searchParams.set("wait", String(this.pollWaitS));
+    if (this.transport === "longpoll") url.searchParams.set("wait", String(this.longPollWaitS));
     if (this.simpleStart) url.searchParams.set(TOKENS.QUERY_PARAM, this.token);
     return url.href;
   }
@@ -709,7 +718,7 @@ async function longPoll(stream, channel, streamId, after) {
     streamId = batch.stream;
   }
   channel.push({ opened: streamId });
-  const cursor = new PollCursor(streamId, { after, waitS: client.pollWaitS });
+  const cursor = new PollCursor(streamId, { after, waitS: client.longPollWaitS });
   for (;;) {
     if (batch) {
       for (const e of cursor.receiveBatch(batch, performance.now() / 1000)) {
