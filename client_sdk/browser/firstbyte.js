@@ -152,8 +152,12 @@ export class Client {
     /** Bodies over 10 KiB (a stream's start, a prompt warm-up) go gzip-compressed where the
      * browser can (compress.js): a long history then fits in the first flight. */
     this.compressRequests = compressRequests;
-    /** When this client last sent a request to the router (seconds, performance.now()). */
+    /** When this client last sent a request to the router (seconds, performance.now()):
+     * what keeps its connection warm. */
     this.lastUseS = null;
+    /** When a stream of this client last sent a request: the user's activity (a prewarm,
+     * the keep-warm's own, is not). */
+    this.lastStreamS = null;
     /** A prewarm on intent opened the connection and no stream has used it yet. */
     this.intentWarm = false;
     /** With `reportTimings`: finished streams' Timings go to the router (report.js). */
@@ -200,7 +204,9 @@ export class Client {
    * warms the prompt too: POST /v1/edge/warm has the router compute the prefix on the backend
    * the next message will be routed to (best effort: a busy region or a spent budget answers
    * null). Resolves to `{ ms, prompt }`: the milliseconds it took and the router's
-   * `{warmed, prompt_tokens, cached_tokens}` (or null).
+   * `{warmed, prompt_tokens, cached_tokens}` (or null). A `429` or `503` to the GET (a
+   * balancer or CDN in front, or the router refusing a new connection) rejects with its
+   * APIError (`retryAfter` in seconds, or null): the connection is not warm.
    */
   async prewarm({ preflight = !this.simpleStart, intent = true, model = null,
                   messages = null } = {}) {
@@ -211,7 +217,9 @@ export class Client {
     } else {
       // Each answer is read to its end: a response left unread is cancelled (a failed load
       // in the page's console), and may hold the connection's stream open.
-      await (await fetch(this.url(PATHS.EDGE_WARM))).arrayBuffer();
+      const response = await fetch(this.url(PATHS.EDGE_WARM));
+      if (RETRY_STATUSES.includes(response.status)) throw await errorFrom(response);
+      await response.arrayBuffer();
       if (preflight) {
         // The preflight asks for these header names; the values never reach an endpoint.
         await (await fetch(this.startUrl(), {
@@ -506,7 +514,7 @@ export class ChatStream {
   }
 
   async fetch(url, init, channel) {
-    this.client.lastUseS = performance.now() / 1000;
+    this.client.lastUseS = this.client.lastStreamS = performance.now() / 1000;
     this.recorder.noteRequest(url);
     // No `cache: "no-store"`: Chromium then bypasses its CORS preflight cache too, and every
     // request of a warm page paid one more round trip (measured: bench browser). The router's
@@ -654,7 +662,7 @@ async function webSocket(stream, channel, streamId, after) {
     } else socket.close();
   });
   const send = () => {
-    client.lastUseS = performance.now() / 1000;
+    client.lastUseS = client.lastStreamS = performance.now() / 1000;
     stream.recorder.requestSent();
     if (streamId === null) {
       stream.recorder.record.request_bytes = new TextEncoder().encode(stream.body).length;

@@ -11,6 +11,12 @@
 // so far (POST /v1/edge/warm): the router computes its prefix on the backend the next message
 // goes to, at most limits.prompt_warms_per_min_per_subject times a minute per user.
 //
+// A keep-warm is the client's own request, not the user's: it never extends idleS. A warm
+// answered 429 or 503 (a balancer or CDN in front, or the router refusing a new connection)
+// says when to come back: no warm goes before its Retry-After, on intent either. With one
+// origin there is nowhere else to send a stream; the stream gets the answer and its retry
+// rules (docs/browser.md, "Prewarm").
+//
 // The cost, per page that showed intent and stays visible: one GET /v1/edge/warm every
 // keepWarmS (default 20 s: 3 requests a minute, ~150 bytes each way on an open HTTP/2 or
 // HTTP/3 connection), for at most idleS (default 600 s) after the user's last intent or
@@ -18,6 +24,8 @@
 //
 // WarmSchedule is the decision, sans-IO (times in seconds on one clock, passed in);
 // IntentWarmer is the thin shell: DOM events and one timer.
+
+import { RETRY_STATUSES } from "./stream.js";
 
 /** When to warm: on intent, on becoming visible again, and every keepWarmS while visible. */
 export class WarmSchedule {
@@ -27,6 +35,7 @@ export class WarmSchedule {
     this.visible = visible;
     this.lastIntent = null; // the user's last focus, keystroke or stream
     this.lastWarm = null; // the last request that kept the connection open
+    this.quietUntil = null; // a refused warm's Retry-After: no warm before it
   }
 
   /** The user showed intent at `now`; true if a prewarm should go now. */
@@ -46,6 +55,12 @@ export class WarmSchedule {
     this.lastWarm = Math.max(this.lastWarm ?? now, now);
   }
 
+  /** A warm was refused at `now` (429 or 503) with `retryAfterS` (seconds, or null): no
+   * warm before that has passed (the keep-warm's own pace, keepWarmS, still holds). */
+  refused(now, retryAfterS) {
+    this.quietUntil = Math.max(this.quietUntil ?? now, now + (retryAfterS ?? 0));
+  }
+
   /** A stream went at `now`: intent and warmth at once. */
   used(now) {
     this.lastIntent = Math.max(this.lastIntent ?? now, now);
@@ -55,7 +70,8 @@ export class WarmSchedule {
   /** When the next keep-warm is due, or null: hidden, no intent yet, or idle past idleS. */
   nextAt(now) {
     if (!this.visible || !this.#active(now)) return null;
-    return this.lastWarm === null ? now : this.lastWarm + this.keepWarmS;
+    const due = this.lastWarm === null ? now : this.lastWarm + this.keepWarmS;
+    return Math.max(due, this.quietUntil ?? due);
   }
 
   #active(now) {
@@ -63,6 +79,7 @@ export class WarmSchedule {
   }
 
   #stale(now) {
+    if (this.quietUntil !== null && now < this.quietUntil) return false;
     return this.lastWarm === null || now - this.lastWarm >= this.keepWarmS;
   }
 }
@@ -102,9 +119,12 @@ export class IntentWarmer {
     return performance.now() / 1000;
   }
 
+  /** What the client did since: its requests keep the connection warm; only its streams
+   * are the user's activity (a keep-warm counted as one would never let idleS end). */
   #sync(now) {
-    const used = this.client.lastUseS;
-    if (used !== null && used <= now) this.schedule.used(used);
+    const { lastUseS, lastStreamS } = this.client;
+    if (lastUseS !== null && lastUseS <= now) this.schedule.warmed(lastUseS);
+    if (lastStreamS !== null && lastStreamS <= now) this.schedule.used(lastStreamS);
   }
 
   #intent() {
@@ -126,7 +146,14 @@ export class IntentWarmer {
     this.schedule.warmed(now);
     this.warms += 1;
     const prompt = intent && this.conversation ? this.conversation() : null;
-    this.client.prewarm({ intent, ...(prompt ?? {}) }).catch(() => { this.failures += 1; });
+    this.client.prewarm({ intent, ...(prompt ?? {}) }).catch((err) => {
+      this.failures += 1;
+      // A refusal's Retry-After (the client's APIError): the next warm waits for it (the
+      // armed timer's tick finds it due later, and re-arms).
+      if (RETRY_STATUSES.includes(err?.status)) {
+        this.schedule.refused(this.#now(), err.retryAfter ?? null);
+      }
+    });
     this.#arm(now);
   }
 

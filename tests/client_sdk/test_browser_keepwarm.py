@@ -1,0 +1,149 @@
+"""The browser's keep-warm (``warmOnIntent``) in headless Chromium: what counts as the user's
+activity, and what a refused keep-warm does.
+
+The browser client has one origin (no regions to set one aside, unlike the Python SDK's
+keep-warm, test_keepwarm_health.py), so a refusal changes only the keep-warm's own pace:
+
+- A keep-warm ``GET /v1/edge/warm`` is the client's own request, not the user's: it keeps the
+  connection open but never keeps the keep-warm going, which stops ``idleS`` after the user's
+  last intent or stream. Counting it as activity (it set the client's last use, which the
+  warmer read as the user's) kept a visible page pinging forever.
+- A ``429`` or ``503`` (a balancer or CDN in front of the router, or the router's own ``503
+  overloaded`` for a new connection to a same-origin page) says when to come back: no warm
+  goes before its ``Retry-After``, on intent either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from tests.benchmarks.test_report_browser import chromium  # noqa: F401 (the fixture)
+from tests.client_sdk.browser_stack import KEY, browser_on, world
+from tests.router.test_client_timings import metric
+
+pytestmark = [pytest.mark.usefixtures("chromium"), pytest.mark.slow]
+
+KEEP_WARM_S = 0.3
+WARMER_PAGE = """(() => {
+  const prompt = document.createElement("textarea");
+  prompt.id = "prompt";
+  document.body.append(prompt);
+  const client = new fb.Client({ baseUrl: %(base)s, token: %(token)s });
+  window.warmer = client.warmOnIntent(prompt, { keepWarmS: %(keep)s, idleS: %(idle)s });
+  prompt.focus();
+  return true;
+})()"""
+KEYSTROKE = """document.getElementById('prompt').dispatchEvent(
+  new KeyboardEvent('keydown', {key: 'h'})); true"""
+
+
+def warmer_page(base: str, token: str, idle_s: float) -> str:
+    return WARMER_PAGE % {"base": repr(base), "token": repr(token), "keep": KEEP_WARM_S,
+                          "idle": idle_s}
+
+
+async def router_warms(router_url: str) -> float:
+    """``GET /v1/edge/warm`` requests the router answered so far."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{router_url}/metrics",
+                               headers={"authorization": f"Bearer {KEY}"})).text
+    return metric(text, "firstbyte_router_requests_total", endpoint="warm", outcome="ok")
+
+
+async def test_keep_warm_stops_idle_s_after_the_users_intent_not_after_its_own_pings() -> None:
+    idle_s = 1.2
+    async with world() as w:
+        token = await w.mint()
+        async with browser_on(w) as page:
+            assert await page.evaluate(warmer_page(f"{w.router_url}/v1", token, idle_s))
+            # The focus warms, then every KEEP_WARM_S until idle_s after it; then nothing.
+            await asyncio.sleep(idle_s + 0.6)
+            while_active = await router_warms(w.router_url)
+            await asyncio.sleep(6 * KEEP_WARM_S)
+            idle = await router_warms(w.router_url) - while_active
+            await page.evaluate("window.warmer.stop(); true")
+            assert page.problems() == []
+    assert idle == 0, f"{idle} keep-warms after idleS (the user idle since the focus)"
+    assert 2 <= while_active <= idle_s / KEEP_WARM_S + 2
+
+
+class RefusingFront:
+    """What a balancer or CDN in front of a page's router answers while it refuses: ``503``
+    with ``Retry-After`` (and the CORS headers a front serving that page must add, or the page
+    could not read it); keeps its connections open and notes when each request came."""
+
+    def __init__(self, page_origin: str, retry_after_s: int) -> None:
+        self.page_origin = page_origin
+        self.retry_after_s = retry_after_s
+        self.arrivals: list[tuple[str, str, float]] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = (b'{"error": {"message": "Service unavailable.", "type": "server_error",'
+                b' "code": "overloaded"}}')
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, target = head.decode("latin-1").split(" ", 2)[:2]
+                self.arrivals.append((method, target.split("?")[0], time.monotonic()))
+                writer.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                    b"retry-after: %d\r\naccess-control-allow-origin: %s\r\n"
+                    b"access-control-expose-headers: retry-after\r\ncontent-length: %d\r\n\r\n"
+                    % (self.retry_after_s, self.page_origin.encode(), len(body)) + body)
+                await writer.drain()
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def refusing_front(page_origin: str, retry_after_s: int
+                         ) -> AsyncIterator[tuple[RefusingFront, str]]:
+    front = RefusingFront(page_origin, retry_after_s)
+    server = await asyncio.start_server(front.handle, "127.0.0.1", 0)
+    async with server:
+        yield front, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_refused_keep_warm_waits_its_retry_after_even_on_intent() -> None:
+    retry_after_s = 2
+    async with world() as w, refusing_front(w.page_origin, retry_after_s) as (front, url):
+        token = await w.mint()
+        async with browser_on(w) as page:  # the modules from the router, the warms to the front
+            assert await page.evaluate(warmer_page(f"{url}/v1", token, 600))
+            await asyncio.sleep(4 * KEEP_WARM_S)
+            await page.evaluate(KEYSTROKE)  # intent, past KEEP_WARM_S, within the Retry-After
+            await asyncio.sleep(retry_after_s + 0.8 - 4 * KEEP_WARM_S)
+            await page.evaluate("window.warmer.stop(); true")
+    warms = [at for method, path, at in front.arrivals if path == "/v1/edge/warm"]
+    assert [(method, path) for method, path, _ in front.arrivals] == [("GET", "/v1/edge/warm")] * 2
+    # The second came once the first's Retry-After was over, not KEEP_WARM_S after it.
+    assert warms[1] - warms[0] >= retry_after_s - 0.05
+
+
+REFUSED_SCHEDULE = """(async () => {
+  const { WarmSchedule } = await import("%s/v1/edge/client/warm.js");
+  const s = new WarmSchedule({ keepWarmS: 20, idleS: 600 });
+  const out = [];
+  out.push(s.intent(0));            // first intent: warm now
+  s.warmed(0);
+  s.refused(0.1, 60);               // 503, Retry-After: 60
+  out.push(s.nextAt(1));            // not at 20: after the Retry-After
+  out.push(s.intent(30));           // intent within it: no request
+  out.push(s.visibility(false, 31), s.visibility(true, 59));  // nor on becoming visible
+  out.push(s.intent(61));           // past it: warm
+  s.warmed(61);
+  s.refused(61.1, null);            // no Retry-After: the keep-warm's own pace
+  out.push(s.nextAt(62));
+  return out;
+})()"""
+
+
+async def test_the_schedule_after_a_refusal_with_the_clock_passed_in() -> None:
+    async with world() as w, browser_on(w) as page:
+        got = await page.evaluate(REFUSED_SCHEDULE % w.router_url)
+    assert got == [True, 60.1, False, False, False, True, 81], got
