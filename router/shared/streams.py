@@ -125,6 +125,19 @@ def lost_event(format: str = "chat") -> bytes:
     )
 
 
+def gone_event(format: str = "chat") -> bytes:
+    """The error event a reader elsewhere gets when its stream left Redis before its end
+    (expired, or evicted by a ``maxmemory`` policy other than ``noeviction``): the same
+    ``stream_lost`` as for a dead producer, so the SDK raises ``StreamLostError`` with the
+    text delivered so far, instead of a response that ends without ``[DONE]``."""
+    return BY_NAME.get(format, CHAT).error_event(
+        "This stream is gone from the region's shared state (Redis: expired or evicted)"
+        " before it finished; the events before this one are all there is here.",
+        "server_error",
+        code=error_codes.STREAM_LOST,
+    )
+
+
 def is_lost_event(data: bytes, format: str) -> bool:
     """Is ``data`` the :func:`lost_event` of ``format``, whatever number it was given?"""
     return _NUMBER.sub(b'"sequence_number":0,', data, count=1) == lost_event(format)
@@ -200,6 +213,15 @@ class RemoteStream:
             if seq < after - 1:
                 raise HistoryTrimmed(seq, after - 1, unwritten=True)
         return events[start:]
+
+    def gone(self) -> None:
+        """The stream left Redis unfinished: end it here with :func:`gone_event` and
+        ``[DONE]`` after the last event read (nothing is written to Redis)."""
+        seq = self.cursor
+        self.receive([
+            (b"%d-0" % (seq + 1), {b"d": gone_event(self.format)}),
+            (b"%d-0" % (seq + 2), {b"d": DONE_DATA}),
+        ])
 
     def attach(self, now: float) -> None:
         self._touch(now)
@@ -395,15 +417,19 @@ class SharedStreams:
             await self._redis.set(key, b"1", px=self.reader_ttl_ms)
 
     async def check_producer(self, remote: RemoteStream) -> None:
-        """If the stream's producer lost its lease, end the stream as lost; mark it evicted
-        if it expired. Called by a reader after a check interval without events."""
+        """If the stream's producer lost its lease, end the stream as lost; if the stream
+        left Redis unfinished (its metadata, or its events once read, expired or evicted),
+        end it with :meth:`RemoteStream.gone`. Called by a reader after a check interval
+        without events."""
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.exists(self.keys.lease(remote.process))
                 pipe.exists(self.keys.meta(remote.id))
-                alive, present = await pipe.execute()
-            if not present:
-                remote.evicted = True
+                pipe.exists(self.keys.events(remote.id))
+                alive, present, stored = await pipe.execute()
+            # Its events key is made by its first event: missing once read from, it is gone.
+            if not present or (not stored and remote.events):
+                remote.gone()
                 return
             if alive:
                 return

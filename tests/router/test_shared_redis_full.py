@@ -249,3 +249,44 @@ async def test_a_full_redis_keeps_a_readers_mark_renewed(shared: SharedState) ->
     # much (it was last set 200 ms before ``before`` too): judged halfway between.
     assert await shared.redis.pttl(key) > before - 250  # renewed, full as Redis is
     await reader.aclose()
+
+
+async def _evict(shared: SharedState, *keys: str) -> None:
+    """Fill Redis under ``allkeys-lru`` with keys of another program until ``keys`` are
+    evicted (the router's keys, idle, are the least recently used)."""
+    redis = shared.redis
+    await redis.config_set("maxmemory-policy", "allkeys-lru")
+    info: Any = await redis.info("memory")
+    await redis.config_set("maxmemory", info["used_memory"] + 512 * 1024)
+    for i in range(10_000):
+        await redis.set(f"foreign:{i}", b"x" * 4096)
+        if i % 32 == 0 and await redis.exists(*keys) == 0:
+            return
+    pytest.fail(f"{keys} not evicted")
+
+
+async def test_a_reader_elsewhere_of_a_stream_evicted_from_redis_is_told_it_is_lost(
+    shared: SharedState,
+) -> None:
+    """A maxmemory policy that evicts (``allkeys-lru``) took an unfinished stream's keys:
+    a reader elsewhere gets ``stream_lost`` and ``[DONE]`` after what it read (the SDK's
+    ``StreamLostError``, with the text so far). It used to see the stream as evicted and
+    end its response without ``[DONE]`` or an error, after the events read."""
+    stream = await _published(shared, "evicted")
+    stream.append(b"data: 1", 0.0)
+    stream.append(b"data: 2", 0.0)
+    await asyncio.sleep(0.2)
+    reader = _reader_elsewhere(shared)
+    remote = await reader.lookup("evicted", b"owner")
+    assert remote is not None
+    assert await remote.wait(0, timeout_s=3)
+    assert [e.data for e in remote.after(0)] == [b"data: 1", b"data: 2"]
+    await _evict(shared, shared.keys.meta("evicted"), shared.keys.events("evicted"))
+    assert await remote.wait(2, timeout_s=3)
+    ended = remote.after(2)
+    assert [e.seq for e in ended] == [3, 4]
+    assert b'"code":"stream_lost"' in ended[0].data
+    assert b"expired or evicted" in ended[0].data
+    assert ended[-1].is_done
+    await reader.aclose()
+
