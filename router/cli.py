@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -302,23 +303,25 @@ def run(args: argparse.Namespace) -> int:
         args.config = args.check_config
         checked = config_from_args(args)
         try:
-            check_state(checked, args.check_config)
+            state_warnings = check_state(checked, args.check_config)
         except ConfigError as exc:
             raise CLIError(name_flags(str(exc), args)) from None
         _check_libraries(checked)
-        for warning in key_warnings(checked):
+        for warning in [*key_warnings(checked), *state_warnings]:
             print(f"firstbyte router: warning: {args.check_config}: {warning}", file=sys.stderr)
         print("OK")
         return 0
     config = config_from_args(args)
     try:
-        check_state(config, args.config or "command line")
+        state_warnings = check_state(config, args.config or "command line")
     except ConfigError as exc:
         raise CLIError(name_flags(str(exc), args)) from None
     from .observability.logs import configure
 
     # Logs (the start-up line included) go to stdout; errors before this point to stderr.
     configure("debug" if args.verbose else args.log_level or "info", args.log_format)
+    for warning in state_warnings:
+        logging.getLogger("firstbyte.router").warning("%s", warning)
     # After configure: importing the hosting layer holds hpack and h2 above DEBUG whatever
     # the level (they log decoded headers, API keys among them).
     _check_libraries(config)

@@ -15,18 +15,22 @@ guessing; ``--check-config`` prints one line per key, and still passes.
 ``state.timeout_s``): ``--check-config`` and the start-up run it too, so a wrong URL or
 password fails there in one line instead of every request failing later. A reload does not
 (the shared state cannot change in place, and Redis away must not stop a reload of keys).
+It returns a warning for a Redis whose ``maxmemory-policy`` evicts keys once full (anything
+but ``noeviction``): the router's streams, leases and per-key counts would go with them.
 """
 
 from __future__ import annotations
 
 import ssl
 from pathlib import Path
+from typing import Any
 
 from .config import ConfigError, RouterConfig
 from .hosting.tls_files import file_problem, tls_pair_problem
 
 __all__ = [
-    "MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "key_warnings",
+    "MIN_KEY_CHARS", "PLACEHOLDER_MARK", "check_files", "check_state", "eviction_warning",
+    "key_warnings",
     "tls_pair_problem",
 ]
 
@@ -163,12 +167,13 @@ def key_warnings(config: RouterConfig) -> list[str]:
     return lines
 
 
-def check_state(config: RouterConfig, source: str = "<config>") -> None:
+def check_state(config: RouterConfig, source: str = "<config>") -> list[str]:
     """Raise :class:`ConfigError` naming ``state.redis_url`` if the shared state does not
     answer ``PING`` (after AUTH, when a password is given) within ``state.timeout_s``. The
-    message never holds the password."""
+    message never holds the password. Returns the warnings about what answered (see
+    :func:`eviction_warning`)."""
     if config.state.redis_url is None:
-        return
+        return []
     from .shared.target import redacted, redis_target
 
     try:
@@ -192,6 +197,10 @@ def check_state(config: RouterConfig, source: str = "<config>") -> None:
     )  # fmt: skip
     try:
         client.ping()
+        try:  # INFO, not CONFIG GET: managed services and ACLs often refuse CONFIG
+            memory: Any = client.info("memory")
+        except redis.RedisError:
+            memory = {}
     except redis.AuthenticationError as exc:
         if target.password_source is not None:
             fix = f"check the password in {target.password_source}"
@@ -206,7 +215,25 @@ def check_state(config: RouterConfig, source: str = "<config>") -> None:
     except (redis.RedisError, OSError) as exc:
         reason = f"no answer within {timeout_s:g} s ({type(exc).__name__}: {exc})"
     else:
-        return
+        warning = eviction_warning(memory)
+        return [] if warning is None else [warning]
     finally:
         client.close()
     raise ConfigError(f"{source}: state.redis_url: cannot use {redacted(url)}: {reason}")
+
+
+def eviction_warning(memory: dict[str, Any]) -> str | None:
+    """A warning for a Redis (its ``INFO memory``) that evicts keys once full: the router's
+    keys all have an expiry, so every policy but ``noeviction`` (``allkeys-*`` and
+    ``volatile-*`` alike) drops them. Evicted, a stream ends as lost for its readers on
+    other processes, a lease makes a live process look dead (its streams declared lost,
+    its slots dropped), and a key's count or bucket lets it past its limits. ``None``
+    without a ``maxmemory`` (nothing is evicted) or with ``noeviction``."""
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    if not memory.get("maxmemory") or policy == "noeviction":
+        return None
+    return (f"state.redis_url: maxmemory-policy is {policy}: once full, Redis evicts the"
+            " router's streams, leases and per-key counts (resumes end as stream_lost,"
+            " live streams may be declared lost, per-key limits stop holding); set"
+            " maxmemory-policy noeviction (a full Redis then refuses new requests with"
+            " 503 state_unavailable and keeps what it holds)")

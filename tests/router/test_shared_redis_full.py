@@ -14,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -290,3 +293,39 @@ async def test_a_reader_elsewhere_of_a_stream_evicted_from_redis_is_told_it_is_l
     assert ended[-1].is_done
     await reader.aclose()
 
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "noeviction"])
+async def test_check_config_warns_of_a_redis_that_evicts(
+    shared: SharedState, tmp_path: Path, policy: str,
+) -> None:
+    """``--check-config`` (and the start, which runs the same check and logs it) names a
+    ``maxmemory-policy`` that evicts the router's keys once full, and still passes; with
+    ``noeviction`` it says nothing. It used to pass silently whatever the policy."""
+    await shared.redis.config_set("maxmemory", 64 * 1024 * 1024)
+    await shared.redis.config_set("maxmemory-policy", policy)
+    url = shared.redis.connection_pool.connection_kwargs
+    config = tmp_path / "router.toml"
+    config.write_text(f"""
+[[upstreams]]
+url = "http://127.0.0.1:9/v1"
+[listen]
+insecure_plain_http = true
+[auth]
+allow_anonymous = true
+[state]
+redis_url = "redis://{url['host']}:{url['port']}/0"
+""")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "firstbyte", "router", "--check-config", str(config)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "OK"
+    warned = [line for line in done.stderr.splitlines() if "maxmemory-policy" in line]
+    if policy == "noeviction":
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert f"maxmemory-policy is {policy}" in warned[0]
+        assert "set maxmemory-policy noeviction" in warned[0]
