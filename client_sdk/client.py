@@ -476,7 +476,8 @@ class AsyncClient:
             if probe.label is not None:
                 self.regions.learn_label(region.name, probe.label)
             if probe.rtt_ms is None or not probe.healthy:
-                self.regions.failed(region.name, now)
+                # An unhealthy answer's Retry-After, as a refused request's (else the backoff).
+                self.regions.failed(region.name, now, probe.retry_after_s)
             else:
                 self.regions.succeeded(region.name)
             if probe.rtt_ms is not None:
@@ -641,8 +642,9 @@ class AsyncClient:
                                             retry_after=response.headers.get("retry-after"))
             if not isinstance(error, RateLimitError | ServiceUnavailableError):
                 raise error
-            retry_after = error.retry_after if isinstance(error, RateLimitError) else None
-            self.regions.failed(name, time.monotonic(), retry_after)
+            # Set aside for its Retry-After, a 503's as a 429's (a draining or state-less
+            # router says how long); the growing backoff only when it gave none.
+            self.regions.failed(name, time.monotonic(), error.retry_after)
             refused = error
         assert refused is not None
         return refused
@@ -1035,7 +1037,9 @@ class _Stream(Generic[T]):
             if self._stream_id is None and isinstance(
                 item, ConnectError | RateLimitError | ServiceUnavailableError
             ):
-                retry_after = item.retry_after if isinstance(item, RateLimitError) else None
+                # A refusal's Retry-After (a 503's as a 429's) sets the region aside for
+                # that long; an unreachable region gets the growing backoff.
+                retry_after = None if isinstance(item, ConnectError) else item.retry_after
                 self._client.regions.failed(self._region_name, time.monotonic(), retry_after)
             if (
                 self._stream_id is None

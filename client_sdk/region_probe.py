@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from firstbyte.client_sdk.errors import APIError, FirstbyteError
+from firstbyte.client_sdk.errors import APIError, FirstbyteError, retry_after_s
 from firstbyte.client_sdk.regions import regions_from_status
 from firstbyte.client_sdk.resolver import Origin
 from firstbyte.client_sdk.transports.base import Session
@@ -39,6 +39,8 @@ class RegionProbe:
     healthy: bool = True
     """False when ``/healthz`` answered other than 200 (e.g. 503: no healthy upstream)."""
     error: str | None = None
+    retry_after_s: float | None = None
+    """The ``Retry-After`` of an unhealthy ``/healthz`` answer (None: none, or healthy)."""
 
 
 async def probe_region(
@@ -73,11 +75,12 @@ async def probe_region(
                     await response.read()
                 best = min(best, (time.perf_counter() - start) * 1000.0)
                 healthy = response.status == 200
+            wait_s = None if healthy else retry_after_s(response.headers.get("retry-after"))
     except TimeoutError:
         return RegionProbe(None, label, healthy=False, error=f"no answer within {timeout_s:g} s")
     except (FirstbyteError, OSError) as exc:
         return RegionProbe(None, label, healthy=False, error=str(exc) or type(exc).__name__)
-    return RegionProbe(best, label, healthy=healthy)
+    return RegionProbe(best, label, healthy=healthy, retry_after_s=wait_s)
 
 
 async def discover_regions(base_url: str, **client_options: Any) -> dict[str, str]:

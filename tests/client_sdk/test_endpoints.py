@@ -195,9 +195,12 @@ async def test_an_unreachable_region_fails_over_to_the_next(formats: Stack, fmt:
 
 
 @contextlib.asynccontextmanager
-async def saturated_region(retry_after: int = 2) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A plain-HTTP/1.1 server answering every request 429 with Retry-After (a region that
-    cannot take it); yields its base URL and the request lines it got."""
+async def saturated_region(
+    retry_after: int = 2, *, status: int = 429, code: str = "region_saturated"
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A plain-HTTP/1.1 server answering every request ``status`` (429, or 503 for a region
+    whose routers say ``code``) with Retry-After (a region that cannot take it); yields its
+    base URL and the request lines it got."""
     lines: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -209,12 +212,11 @@ async def saturated_region(retry_after: int = 2) -> AsyncIterator[tuple[str, lis
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
             await reader.readexactly(length)
-            body = (b'{"error": {"message": "saturated", "type": "rate_limit",'
-                    b' "param": null, "code": "region_saturated"}}')
-            writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-                         b"retry-after: " + str(retry_after).encode() + b"\r\ncontent-length: "
-                         + str(len(body)).encode()
-                         + b"\r\n\r\n" + body)
+            body = (b'{"error": {"message": "refused", "type": "rate_limit",'
+                    b' "param": null, "code": "' + code.encode() + b'"}}')
+            writer.write(b"HTTP/1.1 %d Refused\r\ncontent-type: application/json\r\n"
+                         b"retry-after: %d\r\ncontent-length: %d\r\n\r\n"
+                         % (status, retry_after, len(body)) + body)
             await writer.drain()
         writer.close()
 

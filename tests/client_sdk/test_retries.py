@@ -19,7 +19,12 @@ from firstbyte.client_sdk.errors import (
 )
 from firstbyte.client_sdk.sync import Client
 from tests.client_sdk.conftest import API_KEY
-from tests.client_sdk.protocol_server import RunningServer, expected_text
+from tests.client_sdk.protocol_server import (
+    RunningServer,
+    expected_text,
+    running_protocol_server,
+)
+from tests.client_sdk.test_endpoints import saturated_region
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -104,3 +109,56 @@ def test_the_budget_honours_retry_after_backs_off_and_stops() -> None:
     assert budget.delay(2.5) is None  # 5.5 s of waiting is past the budget: not spent
     assert budget.delay(1.5) == 1.5
     assert budget.delay(0.0) is None  # three retries used
+
+
+
+async def test_a_503_sets_its_region_aside_for_its_retry_after(
+    server: RunningServer, ca_file: str
+) -> None:
+    """A region refusing ``503`` with ``Retry-After: 30`` (its routers' shared state away) is
+    set aside for those 30 s, as for a ``429``: not for the growing backoff's 1 s, after which
+    requests would go back there to be refused again."""
+    async with (
+        saturated_region(retry_after=30, status=503, code="state_unavailable") as (
+            refusing, lines),
+        AsyncClient([refusing, server.base_url], API_KEY, ca_file=ca_file, http="1.1",
+                    reprobe_interval_s=None) as client,
+    ):
+        async with client.stream(model="m", messages=MESSAGES, max_tokens=3) as stream:
+            text = "".join([delta.text async for delta in stream])
+        assert client.regions.aside_s(refusing, time.monotonic()) > 25
+    assert text == expected_text(3)
+    assert lines == [b"POST /v1/chat/completions HTTP/1.1"]
+
+
+async def test_a_503_to_a_create_sets_its_region_aside_for_its_retry_after() -> None:
+    async with (
+        saturated_region(retry_after=30, status=503, code="state_unavailable") as (
+            unavailable, first_lines),
+        saturated_region(retry_after=20, status=503, code="draining") as (
+            draining, second_lines),
+        AsyncClient([unavailable, draining], API_KEY, http="1.1", retries=0,
+                    reprobe_interval_s=None) as client,
+    ):
+        with pytest.raises(ServiceUnavailableError):
+            await client.messages.create(model="m", max_tokens=2, messages=MESSAGES)
+        now = time.monotonic()
+        assert client.regions.aside_s(unavailable, now) > 25
+        assert client.regions.aside_s(draining, now) > 15
+    assert first_lines == second_lines == [b"POST /v1/messages HTTP/1.1"]
+
+
+async def test_a_probe_answered_503_sets_the_region_aside_for_its_retry_after(
+    tls_files: tuple[str, str, str]
+) -> None:
+    _, cert_file, key_file = tls_files
+    with running_protocol_server(cert_file, key_file) as a, \
+            running_protocol_server(cert_file, key_file) as b:
+        async with AsyncClient({"a": a.base_url, "b": b.base_url}, "k", ca_file=tls_files[0],
+                               reprobe_interval_s=None) as client:
+            a.app.health = (503, "30")
+            rtts = await client.probe_regions()
+            now = time.monotonic()
+            assert rtts["a"] is not None  # it answered: refused, not unreachable
+            assert client.regions.aside_s("a", now) > 25
+            assert client.regions.available("b", now)
