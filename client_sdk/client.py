@@ -25,6 +25,10 @@ While the client is in use, the regions are probed again every ``reprobe_interva
 warm primary and standby follow the ranking (with hysteresis, :mod:`firstbyte.client_sdk.regions`),
 and a region whose ``/healthz`` refuses a keep-warm ping (``503`` draining, ...) is set aside
 as a refused request would set it, before a request pays for the refusal.
+A ``503`` ``draining`` (to a request, a keep-warm ping or a probe) is first taken as the word of
+one router process, not of its region: its connection is dropped and the same region asked
+again at once on a new one, which a balancer gives another of its processes; only a second
+``draining`` sets the region aside.
 """
 
 from __future__ import annotations
@@ -57,7 +61,6 @@ from firstbyte.client_sdk.errors import (
     StreamHistoryTrimmedError,
     StreamLostError,
     StreamStalledError,
-    api_error_from_response,
 )
 from firstbyte.client_sdk.pool import ConnectionPool
 from firstbyte.client_sdk.region_probe import probe_region
@@ -83,6 +86,8 @@ from firstbyte.client_sdk.transports.base import (
     Session,
     Source,
     TransportCut,
+    draining_refusal,
+    error_answer,
 )
 from firstbyte.client_sdk.transports.longpoll import longpoll_source
 from firstbyte.client_sdk.transports.sse import sse_source
@@ -163,7 +168,8 @@ class AsyncClient:
     refused before its stream started (``429``, ``503``) is sent again after the server's
     ``Retry-After``, and a stream that ended with ``draining`` before any token is sent
     again (:mod:`~firstbyte.client_sdk._core.retry`); with several regions the others are
-    tried first, at once.
+    tried first, at once. A ``503`` ``draining`` is first sent again to the same region at
+    once, on a new connection (one of the ``retries``, with no wait).
     ``compress_requests`` (default ``"auto"``) gzips a request body over 10 KiB once the
     server has said it takes gzip bodies (``Accept-Encoding`` on an answer: the router's to
     :meth:`prewarm` and :meth:`warm_prompt`) and the round trip measured to it is at least
@@ -395,11 +401,9 @@ class AsyncClient:
         path = paths.at_base(paths.EDGE_WARM, origin.prefix)
         async with session.request("POST", path, headers=headers, body=body,
                                    recorder=None) as response:
-            answer = await response.read()
-        if response.status == 200:
-            return msgspec.json.decode(answer, type=PromptWarmed)
-        error = api_error_from_response(response.status, answer,
-                                        retry_after=response.headers.get("retry-after"))
+            if response.status == 200:
+                return msgspec.json.decode(await response.read(), type=PromptWarmed)
+            error = await error_answer(response)  # a 503 draining retires the connection
         if error.code in (error_codes.PROMPT_WARM_BUSY, error_codes.PROMPT_WARM_LIMITED):
             return None
         raise error
@@ -599,14 +603,15 @@ class AsyncClient:
         that cannot take it (unreachable, ``429``, ``502``-``504``) is set aside and the next
         one tried, as for a stream that has not started; when every region refused with
         ``429`` or ``503``, the request is sent again after the ``Retry-After`` within
-        ``retries`` and ``retry_budget_s``, as a stream's first request is."""
+        ``retries`` and ``retry_budget_s``, as a stream's first request is; a ``503``
+        ``draining`` is first sent once more to its region at once, on a new connection."""
         self.pool.touch()
         data = msgspec.json.encode(body)
         headers = {**self.headers, "content-type": "application/json",
                    "accept": "application/json"}
         retry = RetryBudget(self.retries, self.retry_budget_s)
         while True:
-            refused = await self._post_once(path, data, headers)
+            refused = await self._post_once(path, data, headers, retry)
             if isinstance(refused, bytes):
                 return refused
             wait = None
@@ -617,37 +622,53 @@ class AsyncClient:
             await asyncio.sleep(wait)
 
     async def _post_once(
-        self, path: str, data: bytes, headers: dict[str, str]
+        self, path: str, data: bytes, headers: dict[str, str], retry: RetryBudget
     ) -> bytes | FirstbyteError:
         """One pass over the regions, best first: the first answer's body, or the last
-        refusal (every region refused or was unreachable). Raises any other error."""
+        refusal (every region refused or was unreachable). Raises any other error. A region's
+        ``503`` ``draining`` is sent there once more at once, on a new connection (another of
+        its router processes may take it), as one of ``retry``'s retries, as a stream's is."""
         refused: FirstbyteError | None = None
         for index in self._plan():
             name, origin = self.regions.regions[index].name, self.origins[index]
-            session = self.pool.session(origin, self._probe_http)
-            body, sent_headers = self._packed(origin, data, headers)
-            try:
-                async with session.request("POST", paths.at_base(path, origin.prefix),
-                                           headers=sent_headers, body=body,
-                                           recorder=None) as response:
-                    raw = await response.read()
-            except ConnectError as exc:
-                self.regions.failed(name, time.monotonic())
-                refused = exc
-                continue
-            if response.status == 200:
+            answer = await self._post_to(origin, path, data, headers)
+            if (
+                isinstance(answer, ServiceUnavailableError)
+                and draining_refusal(answer)
+                and retry.delay(0.0) is not None
+            ):
+                answer = await self._post_to(origin, path, data, headers)
+            if isinstance(answer, bytes):
                 self.regions.succeeded(name)
-                return raw
-            error = api_error_from_response(response.status, raw,
-                                            retry_after=response.headers.get("retry-after"))
-            if not isinstance(error, RateLimitError | ServiceUnavailableError):
-                raise error
+                return answer
             # Set aside for its Retry-After, a 503's as a 429's (a draining or state-less
-            # router says how long); the growing backoff only when it gave none.
-            self.regions.failed(name, time.monotonic(), error.retry_after)
-            refused = error
+            # router says how long); the growing backoff when it gave none or was unreachable.
+            retry_after = None if isinstance(answer, ConnectError) else answer.retry_after
+            self.regions.failed(name, time.monotonic(), retry_after)
+            refused = answer
         assert refused is not None
         return refused
+
+    async def _post_to(
+        self, origin: Origin, path: str, data: bytes, headers: dict[str, str]
+    ) -> bytes | ConnectError | RateLimitError | ServiceUnavailableError:
+        """``POST`` to one region: the answer's body, or why the region cannot take it now
+        (unreachable, ``429``, ``502``-``504``; a ``503`` ``draining`` retired the connection
+        it came on). Raises any other error."""
+        session = self.pool.session(origin, self._probe_http)
+        body, sent_headers = self._packed(origin, data, headers)
+        try:
+            async with session.request("POST", paths.at_base(path, origin.prefix),
+                                       headers=sent_headers, body=body,
+                                       recorder=None) as response:
+                if response.status == 200:
+                    return await response.read()
+                error = await error_answer(response)
+        except ConnectError as exc:
+            return exc
+        if not isinstance(error, RateLimitError | ServiceUnavailableError):
+            raise error
+        return error
 
     def _source(
         self, body: bytes | None, stream_id: str | None, after: int, recorder: TimingRecorder,
@@ -782,6 +803,9 @@ class _Stream(Generic[T]):
         self._attempt = 0
         self._retry = RetryBudget(client.retries, client.retry_budget_s)
         """Sends again after a refusal or a ``draining`` end before any token."""
+        self._reconnected = False
+        """This attempt is the one sent again at once on a new connection after a ``503``
+        ``draining``: refused again, its region is set aside."""
         self._busy_region: str | None = None
         """The region counted in the client's ``_busy`` while a pump reads from it."""
         self._reported = False
@@ -923,7 +947,8 @@ class _Stream(Generic[T]):
         return self._client._source(self._body, None, 0, self._recorder, self._origin,
                                     self._events)
 
-    def _start(self, source: Source) -> None:
+    def _start(self, source: Source, *, reconnected: bool = False) -> None:
+        self._reconnected = reconnected
         self._unbusy()
         self._busy_region = self._region_name
         self._client._busy[self._busy_region] += 1
@@ -1034,6 +1059,20 @@ class _Stream(Generic[T]):
             await self._recover(TransportCut("stream ended before its last event"))
             return
         if isinstance(item, BaseException):
+            if (
+                self._stream_id is None
+                and draining_refusal(item)
+                and not self._reconnected
+                and self._retry.delay(0.0) is not None
+            ):
+                # The router process behind this connection is shutting down, not its region:
+                # the transport retired the connection, and a new one through the region's
+                # balancer reaches another of its processes. Sent there at once, as one of
+                # the retries; refused again (one process, or all draining), the region is
+                # set aside below.
+                await self._stop_pump()
+                self._start(self._fresh_source(), reconnected=True)
+                return
             if self._stream_id is None and isinstance(
                 item, ConnectError | RateLimitError | ServiceUnavailableError
             ):

@@ -8,7 +8,9 @@ idle timer closes them, and stops after ``keepalive_expiry_s`` without a request
 application does not hold connections open forever. A ping's ``/healthz`` answered ``429`` or
 ``503`` (the router draining, its shared state away, no healthy backend) is handed to
 :attr:`ConnectionPool.on_refusal` with its origin: the client sets that region aside
-(WebSocket pongs say nothing of the router's health).
+(WebSocket pongs say nothing of the router's health). A ``draining`` answer is handed on only
+if a new connection, which the session opens and asks at once in place of the one that heard
+it, hears it too: behind a balancer the new one may reach another of the region's processes.
 
 The keep-warm loop is the pool's one scheduler: other periodic work (the client's region
 re-probe) is registered with :meth:`ConnectionPool.every` and runs from the same loop, only

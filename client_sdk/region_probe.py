@@ -5,7 +5,9 @@ the router's own name for its region, then ``samples`` sequential ``GET /healthz
 now-warm connection, each timed from the request to the last byte of its answer. The fastest
 sample is the RTT: on a warm connection a tiny request costs one round trip plus the server's
 few hundred microseconds, and the minimum is the sample least disturbed by scheduling noise
-(the handshake is deliberately not part of it: a warm request never pays one).
+(the handshake is deliberately not part of it: a warm request never pays one). A ``/healthz``
+answered ``draining`` retires its connection, and the probe runs once more on a new one: the
+router process behind the first is shutting down, and a balancer may reach another.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import msgspec
 from firstbyte.client_sdk.errors import APIError, FirstbyteError, retry_after_s
 from firstbyte.client_sdk.regions import regions_from_status
 from firstbyte.client_sdk.resolver import Origin
-from firstbyte.client_sdk.transports.base import Session
+from firstbyte.client_sdk.transports.base import Session, refusal
 from firstbyte.protocol import paths
 from firstbyte.protocol.edge import PublicEdgeStatus
 
@@ -56,25 +58,35 @@ async def probe_region(
     label: str | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.request("GET", paths.EDGE_STATUS, headers={}, body=None,
-                                       recorder=None) as response:
-                body = await response.read()
-            if response.status == 200:
-                # Any server may sit at a configured URL; only a well-formed status names a
-                # region.
-                try:
-                    label = _status.decode(body).region
-                except msgspec.DecodeError:  # ValidationError included
-                    label = None
-            best = float("inf")
-            healthy = True
-            for _ in range(samples):
-                start = time.perf_counter()
-                async with session.request("GET", paths.HEALTHZ, headers={}, body=None,
+            for retire_draining in (True, False):
+                async with session.request("GET", paths.EDGE_STATUS, headers={}, body=None,
                                            recorder=None) as response:
-                    await response.read()
-                best = min(best, (time.perf_counter() - start) * 1000.0)
-                healthy = response.status == 200
+                    body = await response.read()
+                if response.status == 200:
+                    # Any server may sit at a configured URL; only a well-formed status names a
+                    # region.
+                    try:
+                        label = _status.decode(body).region
+                    except msgspec.DecodeError:  # ValidationError included
+                        label = None
+                best = float("inf")
+                draining = False
+                for _ in range(samples):
+                    start = time.perf_counter()
+                    async with session.request("GET", paths.HEALTHZ, headers={}, body=None,
+                                               recorder=None) as response:
+                        answer = refusal(response, await response.read())
+                        draining = retire_draining and answer is not None and answer.draining
+                        if draining:
+                            response.retire_connection()
+                            break
+                    best = min(best, (time.perf_counter() - start) * 1000.0)
+                if not draining:
+                    break
+                # The router process behind that connection is shutting down, which says
+                # nothing yet of its region: probed again on a new connection, which a
+                # balancer may give another of the region's processes.
+            healthy = response.status == 200
             wait_s = None if healthy else retry_after_s(response.headers.get("retry-after"))
     except TimeoutError:
         return RegionProbe(None, label, healthy=False, error=f"no answer within {timeout_s:g} s")

@@ -2,11 +2,13 @@
 
 A request refused before its stream started (``429``, ``503``: the region is saturated or its
 router is draining) is sent again after the server's ``Retry-After`` (never sooner), or after
-a doubling backoff when it sent none; a stream that ended with ``draining`` before any token
-is sent again at once. Each costs one retry of ``retries``, and the waits of one request add
-up to at most ``budget_s``: a ``Retry-After`` longer than the budget left raises the error at
-once rather than after a wait that cannot end in a retry. Nothing is retried once a token was
-delivered (a retry would repeat it): the caller asks only before.
+a doubling backoff when it sent none; a stream that ended with ``draining`` before any token,
+and a ``503`` ``draining`` refusal's first resend (to the same region on a new connection: the
+refusal was one router process's), are sent again at once. Each costs one retry of
+``retries``, and the waits of one request add up to at most ``budget_s``: a ``Retry-After``
+longer than the budget left raises the error at once rather than after a wait that cannot end
+in a retry. Nothing is retried once a token was delivered (a retry would repeat it): the
+caller asks only before.
 """
 
 from __future__ import annotations

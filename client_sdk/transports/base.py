@@ -10,13 +10,19 @@ raises :class:`TransportCut` when the connection broke mid-stream (the client re
 
 A *session* is one origin's HTTP connections for one HTTP version (httpx for 1.1 and 2,
 aioquic for 3); SSE and long-poll run over any session.
+
+A ``503`` ``draining`` answer (:func:`draining_refusal`; ``/healthz``'s plain ``draining``) is
+about the router process behind one connection, not about its region: behind a balancer a new
+connection reaches another of the region's processes. So the transport that reads one retires
+the connection it came on (:meth:`HTTPResponse.retire_connection`; a WebSocket's is closed)
+before it raises, and the next request to that origin opens a new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +31,13 @@ import msgspec
 
 from firstbyte.client_sdk._core.retry import RETRY_STATUSES
 from firstbyte.client_sdk._core.timing import TimingRecorder, parse_server_timing
-from firstbyte.client_sdk.errors import StreamBrokenError, retry_after_s
+from firstbyte.client_sdk.errors import (
+    APIError,
+    StreamBrokenError,
+    api_error_from_response,
+    retry_after_s,
+)
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.content_coding import ACCEPT_ENCODING_HEADER
 from firstbyte.protocol.headers import (
     BETTER_REGION_HEADER,
@@ -35,8 +47,8 @@ from firstbyte.protocol.headers import (
 )
 
 __all__ = ["MAX_BODY_BYTES", "Batch", "Event", "HTTPResponse", "Item", "Opened", "Refusal",
-           "Session", "Source", "TransportCut", "note_response_headers", "noted_accept_encoding",
-           "refusal"]
+           "Session", "Source", "TransportCut", "draining_refusal", "error_answer",
+           "note_response_headers", "noted_accept_encoding", "refusal"]
 
 MAX_BODY_BYTES = 64 << 20
 """The most :meth:`HTTPResponse.read` holds: a long-poll batch of a long completion fits,
@@ -56,17 +68,40 @@ class Opened:
 class Refusal:
     """A keep-warm ping's ``GET /healthz`` was answered ``429`` or ``503`` (the router is
     draining, its shared state is away, it has no healthy backend, ...): its requests would
-    be refused too. ``retry_after_s``: the answer's ``Retry-After`` (None: none)."""
+    be refused too. ``retry_after_s``: the answer's ``Retry-After`` (None: none).
+    ``draining``: a ``503`` ``draining`` (the router process behind that connection is shutting
+    down; a new connection through the region's balancer may reach another)."""
 
     status: int
     retry_after_s: float | None = None
+    draining: bool = False
 
 
-def refusal(response: HTTPResponse) -> Refusal | None:
-    """The :class:`Refusal` a ``/healthz`` answer is, if it is one."""
+def refusal(response: HTTPResponse, body: bytes) -> Refusal | None:
+    """The :class:`Refusal` a ``/healthz`` answer (``body`` read) is, if it is one."""
     if response.status not in RETRY_STATUSES:
         return None
-    return Refusal(response.status, retry_after_s(response.headers.get("retry-after")))
+    return Refusal(response.status, retry_after_s(response.headers.get("retry-after")),
+                   draining=response.status == 503
+                   and body.strip() == error_codes.DRAINING.encode())
+
+
+def draining_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is a request's ``503`` ``draining``: the router process that answered
+    takes no new work, though its region's other processes may (a WebSocket ``error`` message
+    carries the status too)."""
+    return (isinstance(error, APIError) and error.status == 503
+            and error.code == error_codes.DRAINING)
+
+
+async def error_answer(response: HTTPResponse) -> APIError:
+    """The error an answer other than a success is, its body read. A ``503`` ``draining``
+    retires the connection it came on (see the module docstring)."""
+    error = api_error_from_response(response.status, await response.read(),
+                                    retry_after=response.headers.get("retry-after"))
+    if draining_refusal(error):
+        response.retire_connection()
+    return error
 
 
 class Event(msgspec.Struct, frozen=True, gc=False):
@@ -93,6 +128,15 @@ class HTTPResponse:
     http_version: str
     chunks: AsyncIterator[bytes]
     extra: dict[str, Any] = field(default_factory=dict)
+    on_retire: Callable[[], None] | None = None
+    """Set by the session: takes the connection this answer came on out of use."""
+
+    def retire_connection(self) -> None:
+        """Give the connection this answer came on no new request (its router process is
+        draining): the session's next request opens a new connection, and this one closes
+        once its requests in flight (a stream of another request, this answer) end."""
+        if self.on_retire is not None:
+            self.on_retire()
 
     async def finish(self, budget_s: float = 0.1, max_bytes: int = 64 << 10) -> None:
         """Read what is left of the body (the stream's end has been seen), within

@@ -6,6 +6,10 @@ resolves the name itself (the ``dns`` phase), times the handshake from aioquic's
 per host so that a reconnect resumes the TLS session and sends its request as 0-RTT early data
 when the ticket allows it, and keeps the connection warm with a ``GET /healthz`` each
 keep-warm interval (servers time idle connections by requests, not by PING frames).
+
+A ``503`` ``draining`` retires the connection it came on (aioquic's client ignores the
+router's HTTP/3 GOAWAY, so a request can still reach a draining router on it): the next
+request opens a new one, and the old one closes once its streams in flight end.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from aioquic.quic.events import (
 from aioquic.tls import CipherSuite, SessionTicket
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
-from firstbyte.client_sdk.errors import ConnectError, TLSError
+from firstbyte.client_sdk.errors import ConnectError, FirstbyteError, TLSError
 from firstbyte.client_sdk.resolver import Origin, Resolver
 from firstbyte.client_sdk.tickets import TicketStore
 from firstbyte.client_sdk.transports.base import (
@@ -328,6 +332,9 @@ class H3Session:
         """Set when the current connection's server sent a session ticket."""
         self._transport: asyncio.DatagramTransport | None = None
         self._lock = asyncio.Lock()
+        self._retired: dict[_H3Protocol, asyncio.DatagramTransport | None] = {}
+        """Connections a ``503`` ``draining`` came on, with streams still in flight on them."""
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _config(self) -> QuicConfiguration:
         config = QuicConfiguration(
@@ -411,14 +418,22 @@ class H3Session:
     async def _drop(self) -> None:
         proto, transport = self._proto, self._transport
         self._proto, self._transport = None, None
-        if proto is not None:
-            proto.close()
-            if proto.heard:  # else there is no peer to say goodbye to
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.5):
-                        await proto.wait_closed()
-        if transport is not None:
-            transport.close()
+        await _close(proto, transport)
+
+    def _retire(self, proto: _H3Protocol) -> None:
+        """A ``503`` ``draining`` came on ``proto``: the next request opens a new connection
+        (behind a balancer it may reach another of the region's processes); ``proto`` closes
+        when its last stream ends."""
+        if self._proto is proto:
+            self._retired[proto] = self._transport
+            self._proto, self._transport = None, None
+
+    def _close_retired(self, proto: _H3Protocol) -> None:
+        """Close a retired connection whose streams have ended, in the background: the
+        request whose answer retired it goes on without waiting for the goodbye."""
+        task = asyncio.get_running_loop().create_task(_close(proto, self._retired.pop(proto)))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     @asynccontextmanager
     async def request(
@@ -462,7 +477,8 @@ class H3Session:
                 recorder.feed("first_byte", at)
             hdrs = {k.decode().lower(): v.decode() for k, v in raw_headers}
             status = int(hdrs.pop(":status", "0"))
-            response = HTTPResponse(status, hdrs, "HTTP/3", self._chunks(stream))
+            response = HTTPResponse(status, hdrs, "HTTP/3", self._chunks(stream),
+                                    on_retire=lambda: self._retire(proto))
             note_response_headers(recorder, response)
             noted_accept_encoding(self, response)
             self.rtt_s = _min_rtt_s(quic) or self.rtt_s
@@ -473,6 +489,8 @@ class H3Session:
                 with contextlib.suppress(Exception):
                     quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
                     proto.transmit()
+            if proto in self._retired and not proto.streams:
+                self._close_retired(proto)
 
     @staticmethod
     async def _chunks(stream: _Stream) -> AsyncIterator[bytes]:
@@ -493,21 +511,36 @@ class H3Session:
         """``GET /healthz`` on the open connection, as over HTTP/1.1 and HTTP/2: a server times
         an idle QUIC connection by its requests, not by PINGs (the router closes one without
         a request for ``limits.client_header_timeout_s``). Dropped if it fails or times out.
-        Returns the answer's refusal (``429``, ``503``), if it was one."""
+        Returns the answer's refusal (``429``, ``503``), if it was one. Answered ``draining``,
+        the connection is retired and a new one asked once: behind a balancer it may reach
+        another of the region's processes, and its answer is the one returned."""
         proto = self._proto
         if proto is None or not proto.usable or not proto.handshake_waiter.done():
             return None
+        answer = await self._ping(proto)
+        if answer is None or not answer.draining:
+            return answer
+        try:
+            return await self._ping(None)
+        except FirstbyteError:  # the new connection failed: the next request tells
+            return None
+
+    async def _ping(self, proto: _H3Protocol | None) -> Refusal | None:
+        """``GET /healthz`` on ``proto`` (the open connection; None: a new one) within the
+        connect timeout; its refusal, if one. A ``draining`` answer retires the connection."""
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 async with self.request("GET", paths.HEALTHZ, headers={}, body=None,
                                         recorder=None) as response:
-                    await response.read()
+                    answer = refusal(response, await response.read())
+                    if answer is not None and answer.draining:
+                        response.retire_connection()
         except (TimeoutError, ConnectionError, TransportCut):
             async with self._lock:
-                if self._proto is proto:
+                if proto is not None and self._proto is proto:
                     await self._drop()
             return None
-        return refusal(response)
+        return answer
 
     async def reset(self) -> None:
         """Forget the current connection (e.g. after a stall); the next request reconnects."""
@@ -525,3 +558,18 @@ class H3Session:
                 async with asyncio.timeout(TICKET_WAIT_S):
                     await self._ticket_came.wait()
         await self.reset()
+        retired, self._retired = self._retired, {}
+        await asyncio.gather(*self._closing, *(_close(p, t) for p, t in retired.items()),
+                             return_exceptions=True)
+
+
+async def _close(proto: _H3Protocol | None, transport: asyncio.DatagramTransport | None) -> None:
+    """Close a QUIC connection, waiting a little for the server's goodbye if it ever spoke."""
+    if proto is not None:
+        proto.close()
+        if proto.heard:  # else there is no peer to say goodbye to
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await proto.wait_closed()
+    if transport is not None:
+        transport.close()

@@ -178,6 +178,9 @@ class HttpxSession:
         released too many times") and left the connection's pool full: a stream cancelled
         now and then hung the client's later requests until the pool timed out."""
         self._in_flight: dict[httpx.AsyncClient, int] = {}
+        self._retired: set[httpx.AsyncClient] = set()
+        """Clients a ``503`` ``draining`` came on (:meth:`_retire`): given no new request, and
+        closed once their last request in flight ends."""
         self.accept_encoding: str | None = None
         self.rtt_s: float | None = None
 
@@ -253,6 +256,24 @@ class HttpxSession:
             self._in_flight[client] -= 1
             if not self._in_flight[client]:
                 del self._in_flight[client]  # a client reset() dropped is not kept for it
+                if client in self._retired:
+                    self._retired.discard(client)
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(client.aclose())
+
+    def _retire(self, client: httpx.AsyncClient) -> None:
+        """A ``503`` ``draining`` came on ``client``'s connection: its router process takes no
+        new work, though another behind the same balancer may. New requests go to another
+        client (a new one, so a new connection, when none is left) and ``client`` closes once
+        its requests in flight end (streams on it run to their end). Over HTTP/1.1 that is the
+        session's one client, so its idle connections go too: the balancer may have put any
+        of them on the draining process, and the request sent again must reach a new one."""
+        if client not in self._clients:
+            return  # already retired (or dropped by reset())
+        self._clients.remove(client)
+        if not self._clients:
+            self._clients.append(self._make_client())
+        self._retired.add(client)
 
     @asynccontextmanager
     async def _exchange(
@@ -301,6 +322,7 @@ class HttpxSession:
                 headers={k.lower(): v for k, v in response.headers.items()},
                 http_version=response.http_version,
                 chunks=self._chunks(response),
+                on_retire=lambda: self._retire(client),
             )
             note_response_headers(recorder, result)
             noted_accept_encoding(self, result)
@@ -317,13 +339,26 @@ class HttpxSession:
             raise TransportCut(f"connection lost mid-stream: {exc!r}") from exc
 
     async def _ping(self, client: httpx.AsyncClient | None = None) -> Refusal | None:
+        """``GET /healthz`` on ``client``'s connection (else the next request's); the refusal
+        it was, if one. A ``draining`` one retires that connection and asks once more on
+        another (a new one, unless another HTTP/2 connection is open): behind a balancer it may
+        reach another of the region's processes. That answer is the one returned, so the
+        region is refused only when it says ``draining`` too."""
+        answer = await self._ping_once(client)
+        if answer is None or not answer.draining:
+            return answer
+        return await self._ping_once(None)
+
+    async def _ping_once(self, client: httpx.AsyncClient | None) -> Refusal | None:
         try:
             async with self._send(client or self._pick_client(), "GET", paths.HEALTHZ, {},
                                   None, None) as response:
-                await response.read()
+                answer = refusal(response, await response.read())
+                if answer is not None and answer.draining:
+                    response.retire_connection()
         except TransportCut:
             return None
-        return refusal(response)
+        return answer
 
     async def prewarm(self, connections: int = 1) -> None:
         # HTTP/2 multiplexes: one connection carries every request. HTTP/1.1 needs one
@@ -342,7 +377,8 @@ class HttpxSession:
 
     async def keepalive(self) -> Refusal | None:
         """``GET /healthz`` on each idle connection (HTTP/1.1 and HTTP/2 alike); the refusal
-        (``429``, ``503``) of the ping told to wait longest, if one was refused.
+        (``429``, ``503``) of the ping told to wait longest, if one was refused. A connection
+        answered ``draining`` is replaced by a new one, whose answer counts (:meth:`_ping`).
 
         Not an HTTP/2 PING: servers commonly time idle connections by open streams, not frames
         (hypercorn, which the router runs on, closed an HTTP/2 connection after its keep-alive
@@ -363,4 +399,5 @@ class HttpxSession:
         await asyncio.gather(*(client.aclose() for client in old))
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(client.aclose() for client in self._clients))
+        retired, self._retired = self._retired, set()
+        await asyncio.gather(*(client.aclose() for client in (*self._clients, *retired)))

@@ -22,7 +22,14 @@ import msgspec
 from firstbyte.client_sdk._core.longpoll import PollCursor, decode_batch
 from firstbyte.client_sdk._core.timing import TimingRecorder
 from firstbyte.client_sdk.errors import ConnectError, StreamBrokenError, api_error_from_response
-from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source, TransportCut
+from firstbyte.client_sdk.transports.base import (
+    Event,
+    Opened,
+    Session,
+    Source,
+    TransportCut,
+    error_answer,
+)
 from firstbyte.protocol import paths
 from firstbyte.protocol.content_coding import CONTENT_ENCODING_HEADER
 from firstbyte.protocol.poll import PollBatch, StreamStarted
@@ -49,10 +56,9 @@ async def start_stream(
         "POST", paths.at_base(paths.STREAMS, prefix) + query,
         headers={**headers, "content-type": "application/json"}, body=body, recorder=recorder,
     ) as response:
-        raw = await response.read()
         if response.status not in (200, 201):
-            raise api_error_from_response(response.status, raw,
-                                          retry_after=response.headers.get("retry-after"))
+            raise await error_answer(response)  # a 503 draining retires the connection
+        raw = await response.read()
     try:
         started = _started.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

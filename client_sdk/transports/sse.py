@@ -12,8 +12,8 @@ watchdog ignores them.
 from __future__ import annotations
 
 from firstbyte.client_sdk._core.timing import TimingRecorder
-from firstbyte.client_sdk.errors import StreamBrokenError, api_error_from_response
-from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source
+from firstbyte.client_sdk.errors import StreamBrokenError
+from firstbyte.client_sdk.transports.base import Event, Opened, Session, Source, error_answer
 from firstbyte.protocol import paths
 from firstbyte.protocol.content_coding import CONTENT_ENCODING_HEADER
 from firstbyte.protocol.headers import STREAM_HEADER
@@ -52,8 +52,7 @@ async def sse_source(
     async with session.request(method, path, headers=req_headers, body=body,
                                recorder=recorder) as response:
         if response.status != 200:
-            raise api_error_from_response(response.status, await response.read(),
-                                          retry_after=response.headers.get("retry-after"))
+            raise await error_answer(response)  # a 503 draining retires the connection
         ctype = response.headers.get("content-type", "")
         if not ctype.startswith("text/event-stream"):
             raise StreamBrokenError(f"expected an event stream, got content-type {ctype!r}")

@@ -4,7 +4,9 @@ A socket carries one stream at a time and goes back to the pool when its stream 
 cleanly; a socket abandoned mid-stream is closed (late messages would confuse the next user).
 The connect is done in steps so each is timed: DNS (our resolver), TCP (our own socket),
 TLS (until the protocol's ``connection_made``) and the HTTP upgrade (``ws_upgrade``).
-Keep-warm uses WebSocket ping frames.
+Keep-warm uses WebSocket ping frames. A request refused ``503`` ``draining`` closes its socket
+and the pool's idle ones (a balancer may have put them on the same draining router process),
+so the request sent again opens a new socket.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ from firstbyte.client_sdk.errors import (
     api_error_from_response,
 )
 from firstbyte.client_sdk.resolver import Origin, Resolver
-from firstbyte.client_sdk.transports.base import Event, Opened, Refusal, Source, TransportCut
+from firstbyte.client_sdk.transports.base import (
+    Event,
+    Opened,
+    Refusal,
+    Source,
+    TransportCut,
+    draining_refusal,
+)
 from firstbyte.client_sdk.transports.tls_port import plaintext_to_tls_port, tls_failure
 from firstbyte.protocol import paths
 from firstbyte.protocol import ws as messages
@@ -173,6 +182,11 @@ class WebSocketPool:
         """``ws`` is being closed: no longer the pool's."""
         self._busy.discard(ws)
 
+    def take_idle(self) -> list[ClientConnection]:
+        """The idle sockets, no longer the pool's: the caller closes them."""
+        idle, self._idle = self._idle, []
+        return idle
+
     async def prewarm(self, connections: int = 1) -> None:
         """Open sockets until ``connections`` are open, counting those carrying a stream now
         (a re-probe while a stream runs must not open a second socket for the same need)."""
@@ -219,6 +233,7 @@ async def websocket_source(
     resume one (``{"type": "resume"}``)."""
     ws = await pool.acquire(recorder)
     clean = False
+    draining = False
     try:
         message: messages.ClientMessage
         if stream_id is None:
@@ -260,9 +275,11 @@ async def websocket_source(
             elif isinstance(msg, messages.Error):
                 # With its HTTP status (a newer router's): a 429 or 503 before the stream
                 # started sends the request to the next region, as over SSE.
-                raise api_error_from_response(
+                error = api_error_from_response(
                     msg.status, {"error": msgspec.json.decode(msg.error)}
                 )
+                draining = draining_refusal(error)
+                raise error
         raise TransportCut("WebSocket closed before the stream ended")
     except ConnectionClosed as exc:
         rcvd = exc.rcvd
@@ -276,6 +293,8 @@ async def websocket_source(
             pool.release(ws)
         else:
             pool.forget(ws)
+            # Its router process is draining: so may be the one behind each idle socket.
+            closing = [ws, *(pool.take_idle() if draining else ())]
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                    await ws.close()
+                    await asyncio.gather(*(each.close() for each in closing))

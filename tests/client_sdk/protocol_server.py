@@ -9,11 +9,14 @@ Behaviour is chosen per request through the model name: ``stall-K`` stops produc
 tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first token,
 ``tools`` streams one tool call (``get_weather``) in fragments, ``busy`` answers 429;
 ``busy-N`` (429) and ``draining-N`` (503, code ``draining``) refuse the first N requests of
-that model name with ``Retry-After: 1``, then serve.
+that model name with ``Retry-After: 1``, then serve (over SSE, ``POST /v1/streams`` and
+WebSocket alike: a WebSocket ``error`` message with the status, as the router sends).
 ``POST /v1/streams?wait=S`` answers with the first poll batch, unless ``post_batch`` is False
 (then it answers the bare ``{"stream": ID}``, as a router from before ``wait`` did).
 ``/healthz`` answers ``health`` (status, ``Retry-After`` or None; default 200), which a test
-may change while the server runs.
+may change while the server runs; the next ``health_draining`` answers are the router's
+``503`` ``draining`` (plain text) instead. ``peers`` says which connection (the client's
+address and port) each request came on.
 """
 
 from __future__ import annotations
@@ -87,12 +90,17 @@ class ProtocolApp:
         self.heartbeat = heartbeat
         self.streams: dict[str, _Stream] = {}
         self.requests: list[tuple[str, str]] = []
+        self.peers: list[tuple[str, int] | None] = []
+        """Each request's client address and port (``requests``' order): a connection's."""
         self.refused: dict[str, int] = {}
         """Requests refused so far per ``busy-N`` / ``draining-N`` model name."""
         self.batches: list[tuple[str, list[int]]] = []
         """Long-poll answers in order: (method, the seqs of the events they carried)."""
         self.health: tuple[int, str | None] = (200, None)
         """What ``/healthz`` answers: the status and its ``Retry-After`` (None: none)."""
+        self.health_draining = 0
+        """How many of the next ``/healthz`` answers are ``503`` ``draining`` (the router's
+        while it drains), before ``health``'s."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- producer -------------------------------------------------------------------------------
@@ -167,6 +175,8 @@ class ProtocolApp:
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
         path: str = scope["path"]
         self.requests.append((scope.get("method", "WS"), path))
+        client = scope.get("client")
+        self.peers.append(None if client is None else (client[0], client[1]))
         key = None
         auth = headers.get("authorization", "")
         if auth.startswith("Bearer "):
@@ -180,7 +190,12 @@ class ProtocolApp:
             return
         method = scope["method"]
         query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
-        if path == "/healthz":
+        if path == "/healthz" and self.health_draining:
+            self.health_draining -= 1
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"draining\n"})
+        elif path == "/healthz":
             status, retry_after = self.health
             await _json(send, status, {"status": "ok" if status == 200 else "refused"},
                         extra=None if retry_after is None else [
@@ -198,6 +213,8 @@ class ProtocolApp:
             await self._sse(send, sid, 0)
         elif method == "POST" and path == "/v1/streams":
             body = json.loads(await _body(receive))
+            if await self._refused(send, str(body.get("model", ""))):
+                return
             sid = self._start(body, key)
             wait = float(query.get("wait", "0"))
             if wait > 0 and self.post_batch:
@@ -270,6 +287,13 @@ class ProtocolApp:
                     return
                 req = json.loads(msg.get("text") or "{}")
                 if req.get("type") == "request":
+                    refused = self._refusal(str(req["body"].get("model", "")))
+                    if refused is not None:
+                        status, error = refused
+                        await send({"type": "websocket.send", "text": json.dumps(
+                            {"type": "error", "stream": None, "error": error,
+                             "status": status})})
+                        continue
                     sid = self._start(req["body"], key)
                     after = 0
                 elif req.get("type") == "resume":
@@ -305,18 +329,26 @@ class ProtocolApp:
                 await send({"type": "websocket.send", "text": json.dumps(
                     {"type": "event", "stream": sid, "seq": seq, "data": json.loads(payload)})})
 
-    async def _refused(self, send: Send, model: str) -> bool:
-        """Answer a ``busy-N`` / ``draining-N`` request 429 / 503 if it is one of the first N."""
+    def _refusal(self, model: str) -> tuple[int, dict[str, Any]] | None:
+        """The status and error a ``busy-N`` / ``draining-N`` request is refused with (429 /
+        503) if it is one of the first N (counted in ``refused``)."""
         kind, _, count = model.partition("-")
         if kind not in ("busy", "draining") or not count.isdigit():
-            return False
+            return None
         if self.refused.get(model, 0) >= int(count):
-            return False
+            return None
         self.refused[model] = self.refused.get(model, 0) + 1
         status, code = (429, "region_saturated") if kind == "busy" else (503, "draining")
-        await _json(send, status, {"error": {"message": kind, "type": "server_error",
-                                             "param": None, "code": code}},
-                    extra=[(b"retry-after", b"1")])
+        return status, {"message": kind, "type": "server_error", "param": None, "code": code}
+
+    async def _refused(self, send: Send, model: str) -> bool:
+        """Answer a ``busy-N`` / ``draining-N`` request 429 / 503 with ``Retry-After: 1`` if it
+        is one of the first N."""
+        refused = self._refusal(model)
+        if refused is None:
+            return False
+        status, error = refused
+        await _json(send, status, {"error": error}, extra=[(b"retry-after", b"1")])
         return True
 
 

@@ -1,14 +1,15 @@
 """Keep-warm pings read the router's ``/healthz``: a region whose router refuses (``503``
 ``draining``, ``state_unavailable``, ``warming``, ``unhealthy``; ``429``) is set aside as a
 refused request would set it, so the next request goes to another region without a refused
-attempt first.
+attempt first. A ``draining`` answer (or a probe's) first replaces its connection with a new
+one, asked at once: only if that one says ``draining`` too is the region set aside.
 
 With real ``firstbyte sim`` and ``firstbyte router`` processes (two regions, one drained by
 SIGTERM; the routers' ``/metrics`` count the requests that reached them, refused ones too: a
 WebSocket request refused on an open socket has no access line of its own), and with the SDK's
-test
-protocol server, whose ``/healthz`` answer a test sets (``Retry-After``, a ``200`` after a
-refusal, one region).
+test protocol server, whose ``/healthz`` answer a test sets (``Retry-After``, a ``200`` after a
+refusal, ``draining`` once or twice, one region). Behind a balancer:
+``test_drain_behind_balancer.py``.
 """
 
 from __future__ import annotations
@@ -59,18 +60,22 @@ async def requests_counted(port: int, ca_file: str) -> dict[str, float]:
 
 @asynccontextmanager
 async def regions(
-    tmp_path: Path, tls_files: tuple[str, str, str], sim: str, names: list[str]
+    tmp_path: Path, tls_files: tuple[str, str, str], sim: str, names: list[str],
+    region_of: dict[str, str] | None = None,
 ) -> AsyncIterator[dict[str, tuple[asyncio.subprocess.Process, int]]]:
-    """A ``firstbyte router`` process per region in front of ``sim``: {name: (process,
-    port)}. On SIGTERM each stays draining (listening, ``/healthz`` 503) for 5 s."""
+    """A ``firstbyte router`` process per name in front of ``sim``, each the router of region
+    ``region_of[name]`` (default: its name; several processes may serve one region, as behind
+    a balancer): {name: (process, port)}. On SIGTERM each stays draining (listening,
+    ``/healthz`` 503) for 5 s."""
     ca_file, cert_file, key_file = tls_files
     started: dict[str, tuple[asyncio.subprocess.Process, int]] = {}
     try:
         for name in names:
             port = free_port(udp=True)
             config = tmp_path / f"{name}.toml"
+            region = (region_of or {}).get(name, name)
             config.write_text(
-                f'region = "{name}"\n[[upstreams]]\nurl = "{sim}"\n'
+                f'region = "{region}"\n[[upstreams]]\nurl = "{sim}"\n'
                 f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
                 f'drain_grace_s = 5\n[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
             )
@@ -216,3 +221,56 @@ async def test_one_region_refusing_keep_warm_still_gets_the_requests(
             async with client.stream(model="m", messages=MESSAGES) as stream:
                 assert "".join([d.text async for d in stream])
             assert ("POST", "/v1/chat/completions") in only.app.requests[posted:]
+
+
+def healthz_connections(server: RunningServer, since: int) -> list[tuple[str, int] | None]:
+    """The connection each ``/healthz`` after request ``since`` came on, in order."""
+    app = server.app
+    return [peer for (_, path), peer in zip(app.requests[since:], app.peers[since:], strict=True)
+            if path == "/healthz"]
+
+
+@pytest.mark.parametrize("http", ["1.1", "2", "3"])
+@pytest.mark.parametrize("draining", [1, 2])
+async def test_a_draining_keep_warm_answer_rewarms_a_new_connection(
+    tls_files: tuple[str, str, str], http: str, draining: int
+) -> None:
+    """The router process behind the kept connection to ``a`` drains (``/healthz`` 503
+    ``draining``): that connection is dropped and a new one asked at once. Another process
+    answers it (one ``draining``): ``a`` stays in use and the next request rides the new
+    connection. It drains too (two): ``a`` is set aside, as before."""
+    async with two_servers(tls_files, http=http, keepalive_interval_s=60) as (client, servers):
+        a = servers["a"]
+        since = len(a.app.requests)
+        a.app.health_draining = draining
+        await client.pool.ping()  # what the keep-warm loop runs every interval
+        kept, fresh = healthz_connections(a, since)
+        assert kept != fresh
+        if draining == 2:
+            assert not client.regions.available("a", time.monotonic())
+            return
+        assert client.regions.available("a", time.monotonic())
+        since = len(a.app.requests)
+        async with client.stream(model="m", messages=MESSAGES) as stream:
+            assert "".join([d.text async for d in stream])
+        assert stream.timings.warm
+        assert a.app.requests[since:] == [("POST", "/v1/chat/completions")]
+        assert a.app.peers[since:] == [fresh]
+
+
+@pytest.mark.parametrize("http", ["1.1", "2", "3"])
+async def test_a_probe_answered_draining_measures_again_on_a_new_connection(
+    tls_files: tuple[str, str, str], http: str
+) -> None:
+    """A re-probe whose ``/healthz`` says ``draining`` probes again on a new connection; the
+    region's other process answers it, so the region stays in use."""
+    async with two_servers(tls_files, http=http, keepalive_interval_s=60) as (client, servers):
+        a = servers["a"]
+        since = len(a.app.requests)
+        a.app.health_draining = 1
+        rtts = await client.probe_regions()
+        connections = healthz_connections(a, since)
+        assert len(connections) == 4  # the draining answer, then the probe's three samples
+        assert connections[0] != connections[1] == connections[3]
+        assert rtts["a"] is not None
+        assert client.regions.available("a", time.monotonic())

@@ -13,12 +13,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import shutil
 import socket
 import ssl
 import struct
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ import pytest
 from firstbyte.router.hosting import hardening
 from firstbyte.router.hosting.limits import Throttle
 from firstbyte.router.hosting.proxy_protocol import V2_SIGNATURE
-from tests.apt import apt_lock
+from tests.haproxy import running_haproxy
 from tests.router.conftest import RouterFactory, auth, client_tls
 from tests.router.geo_fixtures import FRANKFURT_CLIENT, TOKYO_CLIENT, write_city_mmdb
 from tests.router.upstream import Upstream
@@ -39,75 +36,19 @@ CLIENT = "127.0.0.2"
 OTHER_CLIENT = "127.0.0.3"
 
 
-def haproxy_or_skip() -> str:
-    """The system HAProxy, installed with apt-get when missing (CI is root on a fresh
-    Debian); a failure fails the test under CI=true and skips it elsewhere."""
-    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
-    why = "haproxy is not installed and apt-get is not available"
-    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "haproxy"]
-        with apt_lock():
-            for argv in (install, ["apt-get", "update", "-q"], install):
-                done = subprocess.run(argv, capture_output=True, timeout=900, env=env,
-                                      check=False)
-                if argv is install and done.returncode == 0:
-                    break
-                why = f"installing haproxy failed: {done.stderr.decode(errors='replace')[-500:]}"
-        found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
-    if found:
-        return found
-    if os.environ.get("CI") == "true":
-        pytest.fail(why)
-    pytest.skip(why)
-
-
 @contextlib.asynccontextmanager
 async def haproxy_in_front(router_port: int, send: str, directory: Path) -> AsyncIterator[int]:
-    """HAProxy in TCP mode on an ephemeral loopback port (a socket bound here and handed
-    over as ``fd@N``), relaying to the router from :data:`BALANCER` with ``send`` (``send-proxy``
-    or ``send-proxy-v2``); yields the port clients connect to."""
-    binary = haproxy_or_skip()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    listener.set_inheritable(True)
-    fd = listener.fileno()
-    config = directory / f"haproxy-{router_port}.cfg"
-    config.write_text(
-        "global\n    maxconn 200\n"
-        "defaults\n    mode tcp\n    timeout connect 5s\n"
-        "    timeout client 30s\n    timeout server 30s\n"
-        f"frontend clients\n    bind fd@{fd}\n    default_backend router\n"
+    """HAProxy (:func:`tests.haproxy.running_haproxy`) relaying to the router from
+    :data:`BALANCER` with ``send`` (``send-proxy`` or ``send-proxy-v2``); yields the port
+    clients connect to."""
+    backend = (
         # Health checks every 200 ms: they carry a header too (v2: LOCAL; v1: HAProxy's own
         # addresses), and must be served, never logged as errors.
         f"backend router\n    server r 127.0.0.1:{router_port} {send} source {BALANCER}"
         " check inter 200ms\n"
     )
-    log_path = directory / f"haproxy-{router_port}.log"
-    proc = _spawn(binary, config, fd, log_path)
-    try:
-        await asyncio.sleep(0.2)
-        if proc.poll() is not None:
-            raise AssertionError(f"haproxy exited: {log_path.read_text()}")
-        yield listener.getsockname()[1]
-    finally:
-        proc.terminate()
-        try:
-            await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        listener.close()
-
-
-def _spawn(binary: str, config: Path, fd: int, log_path: Path) -> subprocess.Popen[bytes]:
-    """HAProxy in the foreground (``-db``), listening on the inherited ``fd``."""
-    with open(log_path, "wb") as log_file:
-        return subprocess.Popen(
-            [binary, "-db", "-f", str(config)], pass_fds=[fd], stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+    async with running_haproxy(backend, directory, f"haproxy-{router_port}") as balancer:
+        yield balancer.port
 
 
 @pytest.fixture(autouse=True)
