@@ -17,7 +17,7 @@ from firstbyte.protocol import error_codes, paths
 from . import endpoints
 from .asgi import Message, Receive, Scope, Send, header_dict, send_bytes
 from .config import RouterConfig
-from .cors import Preflight
+from .cors import Preflight, ResponseHeaders
 from .edge_client import serve_client_file
 from .overload import MemoryGuard
 from .pipeline.context import error_reply
@@ -77,7 +77,7 @@ class RouterApp:
         if kind == "lifespan":
             await self._lifespan(receive, send)
             return
-        if (kind == "websocket" or scope["method"] == "POST") and await self._shed(kind, send):
+        if (kind == "websocket" or scope["method"] == "POST") and await self._shed(scope, send):
             return
         self.state.ensure_started()
         if kind == "http":
@@ -153,14 +153,15 @@ class RouterApp:
                 log.warning("memory back under limits.max_rss_bytes: new work accepted")
         return reason
 
-    async def _shed(self, kind: str, send: Send) -> bool:
+    async def _shed(self, scope: Scope, send: Send) -> bool:
         """Refuse new work (a POST, a WebSocket) while memory is short; True if refused.
-        Streams in flight and their readers (GETs) go on."""
+        Streams in flight and their readers (GETs) go on. The refusal comes before
+        :meth:`_route`, so it carries the CORS headers itself."""
         reason = self.memory_refusal()
         if reason is None:
             return False
         self.state.metrics.count("shed", "memory")
-        if kind == "websocket":
+        if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1013, "reason": "overloaded"})
             return True
         refusal = error_reply(
@@ -168,11 +169,15 @@ class RouterApp:
             "The router is short of memory; retry, or use another region.",
             "server_error",
             code=error_codes.OVERLOADED,
-            headers=(("retry-after", "1"),),
+            headers=(("retry-after", "1"), *self._cors_headers(scope)),
             outcome="overloaded",
         )
         await endpoints.reply(send, None, refusal)
         return True
+
+    def _cors_headers(self, scope: Scope) -> tuple[tuple[str, str], ...]:
+        cors = self.state.cors.decide(scope["method"], scope["path"], header_dict(scope))
+        return cors.headers if isinstance(cors, ResponseHeaders) else ()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

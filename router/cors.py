@@ -99,6 +99,14 @@ class CorsPolicy:
         self._note_refused(origin)
         return Preflight(403, (("vary", "Origin"),)) if preflight else None
 
+    def refusal_headers(self, origin: str, host: str | None) -> Headers:
+        """The CORS headers of a refusal the server writes before the app, to a request of
+        ``origin`` for ``host`` (:mod:`.hosting.refusal_cors`): those :meth:`decide` gives
+        the app's own answers to it; none for an origin not allowed."""
+        headers = {"origin": origin} if host is None else {"origin": origin, "host": host}
+        decided = self.decide("GET", "/", headers)
+        return decided.headers if isinstance(decided, ResponseHeaders) else ()
+
     def allows(self, origin: str, headers: dict[str, str]) -> bool:
         """May a page of ``origin`` call the router: listed, or the router's own origin."""
         return origin in self.allowed or _same_origin(origin, headers)

@@ -100,6 +100,9 @@ def _options(config: RouterConfig, tune_gc: bool, app: RouterApp) -> ServerOptio
         limits=client_limits(config),
         # Memory near limits.max_rss_bytes puts the per-address cap in force.
         memory_pressed=lambda: app.memory_refusal() is not None,
+        # Refusals written before the app carry its CORS headers (the policy read at the
+        # refusal: a reload changes it).
+        refusal_cors=lambda origin, host: app.state.cors.refusal_headers(origin, host),
         tune_gc=tune_gc,
         backlog=listen.backlog,
         proxy_protocol=(

@@ -33,9 +33,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .hardening import BUSY_BODY, BUSY_H1, report
+from .hardening import BUSY_BODY, busy_h1, report
 from .limits import ConnectionCounter
 from .proxy_protocol import NEED_MORE, HeaderWait, Proxied, ProxyError, ProxyProtocol, with_client
+from .refusal_cors import RefusalCors, cors_fields, h1_cors_lines
 from .send_timeout import SendTimer
 
 __all__ = [
@@ -451,10 +452,12 @@ async def answer_refused(
     writer: asyncio.StreamWriter,
     first: bytes = b"",
     deadline_s: float = REFUSED_DEADLINE_S,
+    cors: RefusalCors | None = None,
 ) -> None:
     """Answer a refused connection's first request after its head, then close it: HTTP/1.1
     ``503`` (``overloaded``, ``Retry-After: 1``), or on HTTP/2 (by ALPN, or the preface on
-    a plain connection) a 503 for its first stream and GOAWAY. ``first``: bytes already
+    a plain connection) a 503 for its first stream and GOAWAY; with the CORS headers
+    ``cors`` gives the request's origin (:mod:`.refusal_cors`). ``first``: bytes already
     read from ``reader``. Within ``deadline_s`` (the admission's, from its accept); a client
     that sends nothing is closed then."""
     ssl_object = writer.get_extra_info("ssl_object")
@@ -471,26 +474,30 @@ async def answer_refused(
                     data += chunk
                 h2 = data.startswith(H2_PREFACE)
             if h2:
-                await _refuse_h2(reader, writer, data)
+                await _refuse_h2(reader, writer, data, cors)
             else:
-                await _refuse_h1(reader, writer, data)
+                await _refuse_h1(reader, writer, data, cors)
         async with asyncio.timeout(_LINGER_S):
             while await reader.read(65536):
                 pass
     writer.close()
 
 
-async def _refuse_h1(reader: Any, writer: asyncio.StreamWriter, data: bytes) -> None:
+async def _refuse_h1(
+    reader: Any, writer: asyncio.StreamWriter, data: bytes, cors: RefusalCors | None
+) -> None:
     while b"\r\n\r\n" not in data and len(data) < MAX_REFUSED_HEAD_BYTES:
         chunk = await reader.read(65536)
         if not chunk:
             return
         data += chunk
-    writer.write(BUSY_H1)
+    writer.write(busy_h1(h1_cors_lines(cors, data)))
     await writer.drain()
 
 
-async def _refuse_h2(reader: Any, writer: asyncio.StreamWriter, data: bytes) -> None:
+async def _refuse_h2(
+    reader: Any, writer: asyncio.StreamWriter, data: bytes, cors: RefusalCors | None
+) -> None:
     import h2.config
     import h2.connection
     import h2.events
@@ -513,6 +520,7 @@ async def _refuse_h2(reader: Any, writer: asyncio.StreamWriter, data: bytes) -> 
                     (b"content-type", b"application/json"),
                     (b"retry-after", b"1"),
                     (b"content-length", b"%d" % len(BUSY_BODY)),
+                    *cors_fields(cors, event.headers),
                 ])
                 connection.send_data(stream, BUSY_BODY, end_stream=True)
                 # Every stream after this one was not processed: the client may retry them.

@@ -49,6 +49,7 @@ __all__ = [
     "TIMEOUT_H1",
     "WS_LINGER_MAX_S",
     "Linger",
+    "busy_h1",
     "count_connection",
     "report",
 ]
@@ -93,11 +94,17 @@ BUSY_BODY = (
     b'{"error":{"message":"Too many connections; retry later.",'
     b'"type":"server_error","param":null,"code":"overloaded"}}'
 )
-BUSY_H1 = (
+_BUSY_HEAD = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-    % (len(BUSY_BODY), BUSY_BODY)
+    b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n" % len(BUSY_BODY)
 )
+BUSY_H1 = _BUSY_HEAD + b"\r\n" + BUSY_BODY
+
+
+def busy_h1(cors_lines: bytes = b"") -> bytes:
+    """The HTTP/1.1 503 ``overloaded`` of a refused connection, with ``cors_lines`` (header
+    lines ending CRLF, :func:`.refusal_cors.h1_cors_lines`) among its headers."""
+    return _BUSY_HEAD + cors_lines + b"\r\n" + BUSY_BODY if cors_lines else BUSY_H1
 TIMEOUT_H1 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -131,7 +138,10 @@ def _guard_connections(run: Any) -> None:
 
             admission = getattr(self.reader, "admission", None)
             if admission is not None and admission.refusal is not None:
-                await answer_refused(self.reader, self.writer, deadline_s=admission.deadline_s)
+                await answer_refused(
+                    self.reader, self.writer, deadline_s=admission.deadline_s,
+                    cors=getattr(self.config, "firstbyte_refusal_cors", None),
+                )
                 return
             await super().run()
 

@@ -20,6 +20,8 @@ A refused head gets 414 or 431 with an OpenAI-style error body and ``connection:
 on HTTP/1.1 what the client still sends is read and dropped for :data:`.hardening.LINGER_S`
 (so the kernel does not reset the connection under the answer), then the connection closes;
 on HTTP/2 and HTTP/3 only the stream ends. Each refusal is one throttled log line.
+HTTP/2 and HTTP/3 refusals, written with the head decoded, carry the CORS headers of its
+origin (:mod:`.refusal_cors`); an HTTP/1.1 one, refused before its head's end, carries none.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .heads import (
     refusal_body,
     refusal_h1,
 )
+from .refusal_cors import cors_fields
 
 __all__ = [
     "bound_decoded_heads",
@@ -250,15 +253,18 @@ def bound_decoded_heads() -> None:
                 self.state = ASGIHTTPState.CLOSED
                 self.app_put = None  # no app: set only once one starts
                 _log(refusal, self.client[0] if self.client else "?")
+                cors = cors_fields(getattr(self.config, "firstbyte_refusal_cors", None),
+                                   event.headers)
                 # Answered from a task, as an app would: sending waits for the client's flow
                 # control window, and the connection's reader must not wait with it.
-                self.task_group.spawn(_answer, self, refusal)
+                self.task_group.spawn(_answer, self, refusal, cors)
                 return
         await handle(self, event)
 
-    async def _answer(self: Any, refusal: HeadRefusal) -> None:
+    async def _answer(self: Any, refusal: HeadRefusal, cors: list[tuple[bytes, bytes]]) -> None:
         body = refusal_body(refusal)
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   *cors]
         await self.send(Response(stream_id=self.stream_id, status_code=refusal.status,
                                  headers=headers))
         await self.send(Body(stream_id=self.stream_id, data=body))

@@ -155,7 +155,10 @@ def split_http1() -> None:
                 await super().run()
                 return
             if admission is not None and admission.refusal is not None:
-                await answer_refused(self.reader, self.writer, deadline_s=admission.deadline_s)
+                await answer_refused(
+                    self.reader, self.writer, deadline_s=admission.deadline_s,
+                    cors=getattr(self.config, "firstbyte_refusal_cors", None),
+                )
                 return
             ssl_object = self.writer.get_extra_info("ssl_object")
             if ssl_object is not None:

@@ -35,6 +35,7 @@ from .batch_accept import one_at_a_time_from
 from .gc_tuning import tune_for_serving
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import ProxyProtocol
+from .refusal_cors import RefusalCors
 
 if TYPE_CHECKING:
     from .goaway import ConnectionRegistry
@@ -109,6 +110,10 @@ class ServerOptions:
     memory_pressed: Callable[[], bool] | None = None
     """Whether memory is near its budget now (the router's ``limits.max_rss_bytes``): the
     per-address connection cap then applies (:class:`.limits.ConnectionCounter`)."""
+    refusal_cors: RefusalCors | None = None
+    """The CORS headers of the refusals the server writes after a request's head, before
+    the app (a connection over its cap, an HTTP/2 or HTTP/3 head over its bounds), for the
+    request's origin: the app's CORS policy (:mod:`.refusal_cors`); None: none."""
     proxy_protocol: ProxyProtocol | None = None
     """Read a PROXY protocol header (v1 or v2) at the start of every TCP connection from
     the balancers it lists, and serve the connection as the client's it names
@@ -397,7 +402,8 @@ def uvicorn_config(
 
     # The TLS handshake is the protocol's (after the connection is counted), not uvicorn's.
     http, ws = guarded_protocols(
-        options.limits, counter, _tls_context(options) if tls else None, proxy
+        options.limits, counter, _tls_context(options) if tls else None, proxy,
+        options.refusal_cors,
     )
     return uvicorn.Config(
         app,
@@ -442,6 +448,7 @@ async def _serve_hypercorn(
     if connections is not None:
         config.firstbyte_connections_registry = connections
     config.firstbyte_limits = options.limits
+    config.firstbyte_refusal_cors = options.refusal_cors
     counter = ConnectionCounter(options.limits, _descriptor_limit(), options.memory_pressed)
     config.firstbyte_connections = counter
     # hypercorn listens again with its own backlog (default 100) on the socket it is given.

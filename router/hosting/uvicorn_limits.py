@@ -44,10 +44,11 @@ from .accept import MAX_REFUSED_HEAD_BYTES, Admission, ProxyRead, TlsStart, admi
 from .body_writer import EXTENSION as BODY_WRITER
 from .body_writer import uvicorn_shape_ok, uvicorn_writer
 from .disconnected import EXTENSION as DISCONNECTED
-from .hardening import BUSY_H1, LINGER_S, TIMEOUT_H1, Linger, report
+from .hardening import LINGER_S, TIMEOUT_H1, Linger, busy_h1, report
 from .http10 import close_delimited, is_http10
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
+from .refusal_cors import RefusalCors, h1_cors_lines
 from .send_timeout import SendTimer
 
 __all__ = ["guarded_protocols"]
@@ -69,12 +70,15 @@ def guarded_protocols(
     counter: ConnectionCounter,
     tls: ssl.SSLContext | None = None,
     proxy: ProxyProtocol | None = None,
+    cors: RefusalCors | None = None,
 ) -> tuple[type[Any], type[Any]]:
     """uvicorn's ``HttpToolsProtocol`` enforcing ``limits`` and its sans-IO WebSocket
     protocol (``http=`` and ``ws=`` of its ``Config``); ``counter`` counts this server's
     connections; with ``tls`` the protocol runs the TLS handshake of the connections it
     accepts (uvicorn's own ``ssl`` must then be off); with ``proxy`` it reads the PROXY
-    header of its balancers' connections first (:class:`.accept.ProxyRead`)."""
+    header of its balancers' connections first (:class:`.accept.ProxyRead`); ``cors`` gives
+    a refused connection's 503 the CORS headers of its request's origin
+    (:mod:`.refusal_cors`)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
@@ -308,7 +312,7 @@ def guarded_protocols(
             ):
                 return
             self._refused_answered = True
-            self.transport.write(BUSY_H1)
+            self.transport.write(busy_h1(h1_cors_lines(cors, self._refused_head)))
             self.loop.call_later(LINGER_S, self.transport.close)
 
         def data_received(self, data: bytes) -> None:
