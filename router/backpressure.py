@@ -102,14 +102,16 @@ class BackendLoad:
 
     @property
     def limit(self) -> int:
-        """Load at which it is saturated: learned slots plus the allowed queue, capped."""
+        """Load at which it is saturated: learned slots plus the allowed queue, capped
+        (inlined in :meth:`LoadTracker._saturated` and :meth:`LoadTracker.capacity`)."""
         if self.slots is None:
             return self.max_in_flight
         return max(1, min(self.max_in_flight, self.slots + self.max_waiting))
 
     @property
     def queued(self) -> bool:
-        """A queue in two scrapes in a row, and the backend no longer runs more: full."""
+        """A queue in two scrapes in a row, and the backend no longer runs more: full
+        (inlined in :meth:`LoadTracker._saturated`)."""
         return self.queued_scrapes >= 2 and not self.admitting
 
 
@@ -231,33 +233,45 @@ class LoadTracker:
         return self._saturated(self.backends[name], now)
 
     def _saturated(self, b: BackendLoad, now: float) -> bool:
-        # :meth:`_fresh` and :meth:`load` inlined: asked of every backend three times a
-        # request (the fair gate, the region's room, the backend's choice).
+        # :meth:`_fresh`, :meth:`load` and the properties ``limit`` and ``queued`` inlined:
+        # asked of every backend three times a request (the fair gate, the region's room,
+        # the backend's choice), and a property is a Python call.
         if not b.healthy:
             return True
         ours = b.in_flight + b.elsewhere
+        slots = b.slots
+        limit = (
+            b.max_in_flight if slots is None
+            else max(1, min(b.max_in_flight, slots + b.max_waiting))
+        )
         m = b.metrics
         if m is None or b.metrics_at is None or now - b.metrics_at > self.metrics_ttl_s:
-            return ours >= b.limit
-        if b.queued and b.queue > b.max_waiting:
+            return ours >= limit
+        if b.queued_scrapes >= 2 and not b.admitting and b.queue > b.max_waiting:
             return True  # its queue is longer than allowed, whatever it runs
         others = int((m.running or 0) + (m.waiting or 0)) - b.in_flight_at_metrics
-        return ours + max(0, others) >= b.limit
+        return ours + max(0, others) >= limit
 
     def available(self, now: float, among: Collection[str] | None = None) -> list[str]:
         """Healthy, unsaturated backends (of ``among``: those serving a request's model), in
         configuration order."""
         saturated = self._saturated
-        return [
-            n for n, b in self.backends.items()
-            if (among is None or n in among) and not saturated(b, now)
-        ]
+        out: list[str] = []
+        for n, b in self.backends.items():  # a loop, not a listcomp: a listcomp is a call
+            if (among is None or n in among) and not saturated(b, now):
+                out.append(n)
+        return out
 
     # The aggregates below are asked several times a request (admission, the fair gate,
-    # routing): one loop each over the backends, no helper lists or generators (a Python
-    # call or generator costs ~2k instructions, more than a region's backends take to sum).
+    # routing): one loop each over the backends, no helper lists, generators or
+    # comprehensions (a Python call, which each of them is, costs ~2k instructions, more
+    # than a region's backends take to sum).
     def healthy(self, among: Collection[str] | None = None) -> list[str]:
-        return [n for n, b in self.backends.items() if b.healthy and (among is None or n in among)]
+        out: list[str] = []
+        for n, b in self.backends.items():
+            if b.healthy and (among is None or n in among):
+                out.append(n)
+        return out
 
     def region_saturated(self, now: float, among: Collection[str] | None = None) -> bool:
         saturated = self._saturated
@@ -301,7 +315,11 @@ class LoadTracker:
         total = 0
         for n, b in self.backends.items():
             if b.healthy and (among is None or n in among):
-                total += b.limit
+                slots = b.slots  # BackendLoad.limit inlined
+                total += (
+                    b.max_in_flight if slots is None
+                    else max(1, min(b.max_in_flight, slots + b.max_waiting))
+                )
         return total
 
     def ttft_ms(self) -> float | None:

@@ -68,7 +68,9 @@ class ModelMap:
         for name, models in self.lists.items():
             for model in models or ():
                 by_model.setdefault(model, []).append(name)
-        self._by_model = {model: frozenset(names) for model, names in by_model.items()}
+        self.by_model = {model: frozenset(names) for model, names in by_model.items()}
+        """Who serves each listed model (never an empty set): :meth:`serving`'s answers, read
+        directly where a request asks (a method is a Python call)."""
         self.unknown_set = frozenset(n for n, models in self.lists.items() if models is None)
         """:meth:`unknown` as a set."""
 
@@ -93,7 +95,7 @@ class ModelMap:
 
     def serving(self, model: str) -> frozenset[str]:
         """The backends known to serve ``model``."""
-        return self._by_model.get(model, _NOBODY)
+        return self.by_model.get(model, _NOBODY)
 
     def unknown(self) -> list[str]:
         """Backends whose list is not known yet."""

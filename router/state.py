@@ -394,11 +394,15 @@ class RouterState:
         pool = self.fair_pool(ctx)
         if tracker.region_saturated(now, pool) or not tracker.healthy(pool):
             return CONTINUE
-        refused = self.tenants_of(pool).fair_refusal(
+        # The region's shares (pool None) asked without tenants_of and _forget_pool, which
+        # have nothing to do for them: each is a Python call.
+        tenants = self.tenants if pool is None else self.tenants_of(pool)
+        refused = tenants.fair_refusal(
             ctx, self._fair_capacity(pool), now,
             lambda: tracker.retry_after_s(now, pool), full=False,
         )
-        self._forget_pool(pool)
+        if pool is not None:
+            self._forget_pool(pool)
         return CONTINUE if refused is None else refusal(refused)
 
     def _released(self, backend: str) -> None:
@@ -430,10 +434,11 @@ class RouterState:
         fair share it waits too (:data:`WAIT_FOR_SLOT`), above it it is refused with its own
         429, and a flow asking alone is refused as a full region."""
         pool = self.fair_pool(ctx)
-        queue = self.tenants_of(pool).queue
+        queue = (self.tenants if pool is None else self.tenants_of(pool)).queue
         now = self.clock()
         if not queue.busy() or (not len(queue) and self.free_slots(now, pool) > queue.handed):
-            self._forget_pool(pool)
+            if pool is not None:
+                self._forget_pool(pool)
             return CONTINUE
         verdict = self.fair_check(ctx, now)
         if isinstance(verdict, LocalReply):

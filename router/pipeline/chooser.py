@@ -178,15 +178,15 @@ class RouteChooser:
         """The local backends a request for ``model`` may go to: those listing it; when none
         does, those whose list is not known yet (they may serve it: the only ones here that
         may). A backend whose list is unknown never takes a model another backend lists."""
-        known = self.models.serving(model)
-        return known or self.models.unknown_set
+        models = self.models  # ModelMap.serving inlined: asked several times a request
+        return models.by_model.get(model) or models.unknown_set
 
     def model_label(self, model: str, now: float) -> str:
         """``model`` if a local backend or a fresh peer lists it, else ``""``: the metrics'
         ``model`` label. Its values are bounded by those lists (``MAX_MODELS`` a backend),
         never by what clients send: a backend whose list is unknown, or a peer that lists
         none, may take any model, and those requests go unlabelled."""
-        if self.models.serving(model):
+        if model in self.models.by_model:
             return model
         for status in self.peer_table.fresh(now).values():
             if status.models is not None and any(m.name == model for m in status.models):
@@ -206,9 +206,10 @@ class RouteChooser:
         """Where ``route`` is served (:func:`choose_region` over the region and the peers
         serving its model), or why nobody can serve its model. A request a peer forwarded
         is never forwarded again."""
-        serving = self.serving(route.model)
+        known = self.models.by_model.get(route.model)  # :meth:`serving`, inlined
+        serving = known or self.models.unknown_set
         peers = {} if forwarded else self.peers(now, route.model, sent_since)
-        if peers and not self.models.serving(route.model):
+        if peers and not known:
             serving = frozenset()  # a peer that lists it, before backends that may not serve it
         if not serving and not peers:
             return self.missing(route.model, forwarded=forwarded)

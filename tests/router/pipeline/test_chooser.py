@@ -122,7 +122,7 @@ def test_who_serves_a_model_follows_every_list_change() -> None:
     assert (c.serving("A"), c.serving("B")) == ({"a0"}, {"new"})
     for i in range(100):
         c.serving(f"junk-{i}")
-    assert set(c.models._by_model) == {"A"}
+    assert set(c.models.by_model) == {"A"}
 
 
 def test_a_region_without_peers_serves_while_it_has_room_and_refuses_when_full() -> None:
