@@ -29,7 +29,8 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from firstbyte.protocol.openai import ChatCompletionRequest, message_text
 
@@ -76,8 +77,9 @@ def rendezvous_rank(key: str, weights: Mapping[str, float]) -> list[str]:
     return sorted(weights, key=lambda b: _score(key, b, weights[b]), reverse=True)
 
 
-@dataclass(frozen=True, slots=True)
-class BackendChoice:
+# A msgspec Struct, not a frozen dataclass: made once or twice a request, and a frozen
+# dataclass's __init__ is a Python call setting each field through object.__setattr__.
+class BackendChoice(msgspec.Struct, frozen=True):
     backend: str
     reason: str
     """``affinity``, ``new-key``, ``balance``, ``round-robin`` or ``least-loaded``."""

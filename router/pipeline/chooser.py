@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from enum import Enum
+
+import msgspec
 
 from firstbyte.protocol.edge import ModelStatus, prefix_hash
 from firstbyte.protocol.openai import ChatCompletionRequest, message_text
@@ -35,8 +36,9 @@ __all__ = ["CHARS_PER_TOKEN", "ModelMissing", "RouteChooser", "RouteDecision", "
 CHARS_PER_TOKEN = 4.0
 
 
-@dataclass(frozen=True, slots=True)
-class RouteInput:
+# A msgspec Struct, not a frozen dataclass: made once or twice a request, and a frozen
+# dataclass's __init__ is a Python call setting each field through object.__setattr__.
+class RouteInput(msgspec.Struct, frozen=True):
     """What of a request decides where it goes."""
 
     model: str
@@ -56,8 +58,7 @@ class ModelMissing(Enum):
     """A peer that served it went quiet (its status is older than its TTL): 503."""
 
 
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
+class RouteDecision(msgspec.Struct, frozen=True):  # a Struct, as RouteInput
     """The region verdict for a request, and the local backends serving its model."""
 
     region: RegionDecision

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+
+import msgspec
 
 from firstbyte.router.geo import GeoPoint, Location, estimate_rtt_ms
 
@@ -66,12 +68,13 @@ class RegionCandidate:
     to :func:`choose_region`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class RegionDecision:
+# A msgspec Struct, not a frozen dataclass: made once or twice a request, and a frozen
+# dataclass's __init__ is a Python call setting each field through object.__setattr__.
+class RegionDecision(msgspec.Struct, frozen=True):
     verdict: Verdict
     region: str
     """The region to serve from (this one for LOCAL and REJECT)."""
-    expected_ms: Mapping[str, float] = field(default_factory=dict)
+    expected_ms: Mapping[str, float] = msgspec.field(default_factory=dict)
     better_region: str | None = None
     """A region the client should use directly next time, if not the one it reached."""
 
