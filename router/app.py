@@ -79,7 +79,8 @@ class RouterApp:
             return
         if (kind == "websocket" or scope["method"] == "POST") and await self._shed(scope, send):
             return
-        self.state.ensure_started()
+        if not self.state.warm:  # warm: started
+            self.state.ensure_started()
         if kind == "http":
             counted = scope["path"] not in _UNGATED
             self.requests_in_flight += counted
@@ -105,7 +106,7 @@ class RouterApp:
             if client_file is not None and scope["method"] == "GET":
                 await serve_client_file(scope, receive, send, client_file.group("name"))
                 return
-        if path not in _UNGATED:
+        if path not in _UNGATED and not self.state.warm:
             await self.state.until_warm()
         if kind == "websocket":
             if path == paths.WEBSOCKET:

@@ -132,6 +132,9 @@ class RouterState:
         self.cancelled_unattended = 0
         self._maintainer: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[bool] | None = None
+        self.warm = False
+        """:meth:`until_warm` returned since the last new routing: a request need not ask it
+        (nor :meth:`ensure_started`) again, five Python calls and coroutines a request."""
         self.metrics.add_gauge_source(
             "firstbyte_router_streams", "Streams held in the store.", lambda: len(self.store)
         )
@@ -260,6 +263,7 @@ class RouterState:
             scrape_pool=self.proxy.scrape_pool,
         )
         routing.adopt(self.routing)
+        self.warm = False  # its model lists are asked for again (adopted when known)
         previous, self.routing, self.pool = self.routing, routing, pool
         if self._maintainer is not None:
             routing.start()
@@ -294,7 +298,9 @@ class RouterState:
         assert self._warming is not None
         if not self._warming.done():
             await asyncio.shield(self._warming)
-        await self.routing.wait_models()  # which backend serves which model
+        routing = self.routing
+        await routing.wait_models()  # which backend serves which model
+        self.warm = routing is self.routing  # not if a reload swapped it in the meantime
 
     def new_stream(
         self, owner: bytes, on_finish: Callable[[], object] | None = None,
@@ -528,6 +534,7 @@ class RouterState:
             self.tick(self.clock())
 
     async def aclose(self) -> None:
+        self.warm = False
         if self._warming is not None:
             await cancel_and_wait(self._warming)
         if self._maintainer is not None:
