@@ -81,8 +81,8 @@ def _by_token(
         return error_reply(
             401, claims.message, "authentication_error", code=claims.code, outcome="unauthorized"
         )
+    ctx.token_owner = claims.owner  # first: the owner is then the token's, no digest taken
     ctx.api_key = None
-    ctx.token_owner = claims.owner
     ctx.subject = claims.subject
     ctx.subject_max_streams = claims.max_streams
     return CONTINUE

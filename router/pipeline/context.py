@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -178,6 +178,29 @@ class Observer(Protocol):
     def finished(self, ctx: RequestContext, ok: bool) -> None: ...
 
 
+_T = TypeVar("_T")
+
+_ANONYMOUS = owner_of(None)
+
+
+class _Credential(Generic[_T]):
+    """:attr:`RequestContext.api_key` and :attr:`RequestContext.token_owner`: setting either
+    works out the request's :attr:`~RequestContext.owner` again, a plain attribute then.
+    A property, it was a Python call at each of the six to eight times a request asks."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, ctx: object, objtype: type | None = None) -> _T | None:
+        return None if ctx is None else ctx.__dict__.get(self.name)
+
+    def __set__(self, ctx: RequestContext, value: _T | None) -> None:
+        known = ctx.__dict__
+        known[self.name] = value
+        token_owner = known.get("_token_owner")
+        ctx.owner = token_owner if token_owner is not None else owner_of(known.get("_api_key"))
+
+
 @dataclass(eq=False)
 class RequestContext:
     """What the pipeline knows about one request; stages fill it in, in order.
@@ -196,10 +219,17 @@ class RequestContext:
     client: tuple[str, int] | None = None
     http_version: str = "1.1"
     received_at: float = field(default_factory=time.perf_counter)
-    api_key: str | None = field(default=None, repr=False)
-    token_owner: bytes | None = field(default=None, repr=False)
+    # The credential: not fields (not in the constructor or the repr), each None until
+    # admission sets it; setting one sets ``owner``.
+    api_key = _Credential[str]()
+    """The API key the request came with (None: none, or a client token)."""
+    token_owner = _Credential[bytes]()
     """Set when a client token authenticated the request: its key's owner digest
     (``api_key`` is then None: the router never sees the key behind a token)."""
+    owner: bytes = field(default=_ANONYMOUS, init=False, repr=False)
+    """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
+    owner of its streams and the subject of the per-key limits, for a key or its token.
+    Set by setting ``api_key`` or ``token_owner``; before either, no key's."""
     subject: str | None = field(default=None, repr=False)
     """Who the key's request is for (an app's end user, bounded in size): a client token's
     subject, else the ``x-firstbyte-subject`` header, ``safety_identifier`` or ``user`` of the
@@ -258,20 +288,6 @@ class RequestContext:
     process) or reads (perhaps another process's, through Redis): for the access log."""
     usage: Usage | None = None
     """A non-streamed completion's usage (a stream's is read from the stream at its end)."""
-
-    _owner_of_key: tuple[str | None, bytes] | None = field(default=None, repr=False)
-    """The key's digest, kept: a streamed request asks for :attr:`owner` six times."""
-
-    @property
-    def owner(self) -> bytes:
-        """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
-        owner of its streams and the subject of the per-key limits, for a key or its token."""
-        if self.token_owner is not None:
-            return self.token_owner
-        known = self._owner_of_key
-        if known is None or known[0] != self.api_key:
-            known = self._owner_of_key = (self.api_key, owner_of(self.api_key))
-        return known[1]
 
     @property
     def transport(self) -> str:
