@@ -481,7 +481,11 @@ class RegionRouting:
 
     def sent_since(self) -> dict[str, int]:
         """Requests routed to each peer since its last status (which counted those before)."""
-        return {n: self.peer_routed[n] - self._sent_baseline[n] for n in self.peer_routed}
+        baseline = self._sent_baseline
+        out: dict[str, int] = {}
+        for n, routed in self.peer_routed.items():  # a loop: a comprehension is a call
+            out[n] = routed - baseline[n]
+        return out
 
     def _here(self, now: float) -> RegionCandidate:
         return self.chooser.here(now, draining=self.draining)
@@ -571,7 +575,7 @@ class RegionRouting:
         location = self.locate(ctx, from_peer)
         chosen_region = self.chooser.region_for(
             route, location, now, forwarded=forwarded, draining=self.draining,
-            sent_since=self.sent_since(),
+            sent_since=self.sent_since() if self.peer_routed else None,  # None: no peers
         )
         if isinstance(chosen_region, ModelMissing):
             return self.model_missing(ctx, route.model, chosen_region, now)

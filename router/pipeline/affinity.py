@@ -155,7 +155,10 @@ class AffinityPolicy:
             list(available) if len(available) == 1
             else rendezvous_rank(key, {b: self.weights.get(b, 1.0) for b in available})
         )
-        position = {b: i for i, b in enumerate(rank)}
+        # Loops, not comprehensions: each comprehension is a Python call, made per request.
+        position: dict[str, int] = {}
+        for i, b in enumerate(rank):
+            position[b] = i
 
         def least_loaded() -> str:
             return min(available, key=lambda b: (loads.get(b, 0), position[b]))
@@ -163,8 +166,13 @@ class AffinityPolicy:
         if self.policy == "least_loaded":
             return BackendChoice(least_loaded(), "least-loaded")
         self._expire(now)
-        values = [loads.get(b, 0) for b in available]
-        high, low = max(values), min(values)
+        high = low = loads.get(available[0], 0)
+        for b in available:
+            load = loads.get(b, 0)
+            if load > high:
+                high = load
+            elif load < low:
+                low = load
         if high - low > self.abs_threshold and high > self.rel_threshold * low:
             return BackendChoice(least_loaded(), "balance")
         known = self._keys.get(key)

@@ -92,6 +92,7 @@ class RouteChooser:
         self.models = models
         self.scheduler = scheduler
         self.prefixes = list(prefixes)
+        self.prefix_texts = [p.text for p in self.prefixes]
         self.prefix_hashes = {p.name: prefix_hash(p.text) for p in self.prefixes}
         self.peer_table = peer_table
         self.peer_points = peer_points
@@ -104,8 +105,10 @@ class RouteChooser:
     def route_input(self, request: ChatCompletionRequest) -> RouteInput:
         """A chat request's routing inputs."""
         prefix = self.prefix_of(request)
-        chars = sum(len(message_text(m)) for m in request.messages)
-        key = affinity_key(request, [p.text for p in self.prefixes], self.affinity_chars)
+        chars = 0
+        for m in request.messages:  # not sum() over a generator: each of its steps is a call
+            chars += len(message_text(m))
+        key = affinity_key(request, self.prefix_texts, self.affinity_chars)
         return RouteInput(request.model, key, prefix, int(chars / CHARS_PER_TOKEN))
 
     def prefix_of(self, request: ChatCompletionRequest) -> WarmPrefix | None:
@@ -255,7 +258,10 @@ class RouteChooser:
     ) -> BackendChoice | None:
         """The affinity policy's pick among ``candidates`` (under ``reason``, the policy's
         own when None); None if it picks nothing."""
-        loads = {n: self.tracker.load(n, now) for n in candidates}
+        load = self.tracker.load
+        loads = {}
+        for n in candidates:  # a loop, not a dict comprehension: that is a call of its own
+            loads[n] = load(n, now)
         choice = self.policy.choose(route.affinity_key, candidates, loads, now)
         if choice is None or reason is None:
             return choice
