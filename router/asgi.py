@@ -65,9 +65,9 @@ def header_dict(scope: Scope) -> dict[str, str]:
     returned each time, so it is read-only; copy it to change it."""
     found: dict[str, str] | None = scope.get(_HEADER_DICT)
     if found is None:
-        found = scope[_HEADER_DICT] = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
-        }
+        found = scope[_HEADER_DICT] = {}
+        for k, v in scope.get("headers", []):  # a loop: a dict comprehension is a call
+            found[k.decode("latin-1").lower()] = v.decode("latin-1")
     return found
 
 
@@ -204,7 +204,10 @@ async def unless_gone(receive: Receive, work: asyncio.Future[Any]) -> bool:
 
 
 def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
-    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    encoded = []
+    for k, v in headers:  # a loop: a list comprehension is a call
+        encoded.append((k.encode("latin-1"), v.encode("latin-1")))
+    return encoded
 
 
 async def send_bytes(

@@ -203,8 +203,10 @@ class KeyLimiter:
 
     def take(self, owner: bytes, now: float) -> Refusal | None:
         """Take a token from the key's bucket; a refusal if it is empty (no rate: never)."""
+        if not self.enabled:  # before the policy's lookup: an anonymous router has no rate
+            return None
         policy = self.policy(owner)
-        if not self.enabled or policy.rate_per_s <= 0:
+        if policy.rate_per_s <= 0:
             return None
         bucket = self._buckets.get(owner)
         if bucket is None:
@@ -425,16 +427,19 @@ def subject_refusal(
     owner, subject = ctx.owner, ctx.subject or ""
     subjects = tenants.subjects.get(owner)
     mine = subjects.in_flight(subject) if subjects is not None else 0
-    policy = limiter.policy(owner)
-    cap = ctx.subject_max_streams or (policy.max_streams_per_subject if ctx.subject else None)
+    cap = ctx.subject_max_streams or (
+        limiter.policy(owner).max_streams_per_subject if ctx.subject else None
+    )
     if cap is not None and mine >= cap:
         return Refusal(
             error_codes.SUBJECT_CONCURRENCY_EXCEEDED, 1,
             f"This user of the application has {mine} completions in flight, its limit is"
             f" {cap}; retry when one has finished.",
         )
+    if subjects is None:  # before the key's cap is looked up: nobody else of the key holds
+        return None
     key_cap = limiter.max_streams(owner)
-    if key_cap is None or subjects is None:
+    if key_cap is None:
         return None
     decision = subjects.decide(subject, key_cap, now, weight_of=_one,
                                contended=key_in_flight >= key_cap)

@@ -365,8 +365,11 @@ def guarded_protocols(
                 else:
                     extensions[BODY_WRITER] = uvicorn_writer(cycle)
                 gone = extensions[DISCONNECTED] = self.loop.create_future()
-                self._gone = (*(pair for pair in self._gone if not pair[0].response_complete),
-                              (cycle, gone))
+                live = [(cycle, gone)]
+                for pair in self._gone:  # a loop, not a generator: that is a call per request
+                    if not pair[0].response_complete:
+                        live.append(pair)
+                self._gone = tuple(live)
 
         def handle_websocket_upgrade(self) -> None:
             self._head_due = False
