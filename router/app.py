@@ -77,7 +77,10 @@ class RouterApp:
         if kind == "lifespan":
             await self._lifespan(receive, send)
             return
-        if (kind == "websocket" or scope["method"] == "POST") and await self._shed(scope, send):
+        if (kind == "websocket" or scope["method"] == "POST") and (
+            self.memory_refusal() is not None
+        ):
+            await self._shed(scope, send)
             return
         if not self.state.warm:  # warm: started
             self.state.ensure_started()
@@ -154,17 +157,14 @@ class RouterApp:
                 log.warning("memory back under limits.max_rss_bytes: new work accepted")
         return reason
 
-    async def _shed(self, scope: Scope, send: Send) -> bool:
-        """Refuse new work (a POST, a WebSocket) while memory is short; True if refused.
-        Streams in flight and their readers (GETs) go on. The refusal comes before
-        :meth:`_route`, so it carries the CORS headers itself."""
-        reason = self.memory_refusal()
-        if reason is None:
-            return False
+    async def _shed(self, scope: Scope, send: Send) -> None:
+        """Refuse new work (a POST, a WebSocket) while memory is short (called only then:
+        no coroutine for the others). Streams in flight and their readers (GETs) go on. The
+        refusal comes before :meth:`_route`, so it carries the CORS headers itself."""
         self.state.metrics.count("shed", "memory")
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1013, "reason": "overloaded"})
-            return True
+            return
         refusal = error_reply(
             503,
             "The router is short of memory; retry, or use another region.",
@@ -174,7 +174,6 @@ class RouterApp:
             outcome="overloaded",
         )
         await endpoints.reply(send, None, refusal)
-        return True
 
     def _cors_headers(self, scope: Scope) -> tuple[tuple[str, str], ...]:
         cors = self.state.cors.decide(scope["method"], scope["path"], header_dict(scope))

@@ -337,8 +337,14 @@ class RouterState:
         """The backends whose slots ``ctx``'s key shares with the other keys: those serving
         its model. None: every backend of the region (a region serving one model, or a
         model every backend serves), whose shares are :attr:`tenants`'."""
-        serving = self.routing.serving(ctx)
-        if serving is None or serving.issuperset(self.routing.tracker.backends):
+        request = ctx.request
+        if request is None:
+            return None
+        # RegionRouting.serving inlined: asked three times a request (the fair gate, the
+        # fair turn, the hold).
+        routing = self.routing
+        serving = routing.chooser.serving(request.model)
+        if serving.issuperset(routing.tracker.backends):
             return None
         return serving
 

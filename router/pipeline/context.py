@@ -316,5 +316,6 @@ class RequestContext:
             parts.append(f"queue;dur={(self.admitted_at - self.received_at) * 1000:.2f}")
             if self.routed_at is not None:
                 parts.append(f"route;dur={(self.routed_at - self.admitted_at) * 1000:.2f}")
-        parts.extend(f"{name.replace('_', '-')};dur={ms:.2f}" for name, ms in more_ms.items())
+        for name, ms in more_ms.items():  # a loop: a generator is a call and a step each
+            parts.append(f"{name.replace('_', '-')};dur={ms:.2f}")
         return ", ".join(parts)
