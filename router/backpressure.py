@@ -133,8 +133,12 @@ class LoadTracker:
         if not probe:
             b.requests += 1
         if now is not None:
-            b.recent_starts.append(now)
-            _forget_before(b.recent_starts, now - RECENT_S)
+            times = b.recent_starts
+            times.append(now)
+            cutoff = now - RECENT_S
+            # _forget_before inlined (a call a request); it stops at ``now`` at the latest
+            while times[0] < cutoff:
+                times.popleft()
 
     def unstarted(self, name: str) -> None:
         """Undo :meth:`started` for a request that did not go after all (its backend turned
@@ -223,8 +227,8 @@ class LoadTracker:
     def load(self, name: str, now: float) -> int:
         b = self.backends[name]
         ours = b.in_flight + b.elsewhere
-        m = self._fresh(b, now)
-        if m is None:
+        m = b.metrics  # _fresh inlined: asked of a request's every candidate backend
+        if m is None or b.metrics_at is None or now - b.metrics_at > self.metrics_ttl_s:
             return ours
         others = int((m.running or 0) + (m.waiting or 0)) - b.in_flight_at_metrics
         return ours + max(0, others)

@@ -545,7 +545,7 @@ class RegionRouting:
 
     def _uncount(self, obs: Observation) -> None:
         """``obs``'s request no longer counts as active (it ended, or will not go)."""
-        model = _model_of(obs)
+        model = obs.route.model if obs.route is not None else ""  # _model_of, inlined
         _decrement(self.active_by_model, model)
         if not obs.local:
             _decrement(self.peer_routed_by_model, model)
@@ -593,7 +593,7 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self._counted(self.chooser.local_backend(route, now))
+            chosen = self._counted(self.chooser.local_backend(route, now, serving))
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now, route)

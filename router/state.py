@@ -404,7 +404,9 @@ class RouterState:
         now = self.clock()
         tracker = self.routing.tracker
         pool = self.fair_pool(ctx)
-        if tracker.region_saturated(now, pool) or not tracker.healthy(pool):
+        # Not saturated means some backend of the pool is healthy (an unhealthy one counts as
+        # saturated): a pool with nobody healthy is saturated too.
+        if tracker.region_saturated(now, pool):
             return CONTINUE
         # The region's shares (pool None) asked without tenants_of and _forget_pool, which
         # have nothing to do for them: each is a Python call.

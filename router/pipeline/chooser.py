@@ -221,10 +221,8 @@ class RouteChooser:
             # This region alone: choose_region's answer is LOCAL with room, else REJECT, and
             # no wait or prefill estimate can change it (none is computed: its expected_ms
             # is empty).
-            room = (
-                not draining and bool(self.tracker.healthy(serving))
-                and not self.tracker.region_saturated(now, serving)
-            )
+            # Not saturated: some backend serving is healthy (an unhealthy one is saturated).
+            room = not draining and not self.tracker.region_saturated(now, serving)
             verdict = Verdict.LOCAL if room else Verdict.REJECT
             return RouteDecision(RegionDecision(verdict, self.region), serving)
         prefix = route.prefix
@@ -267,9 +265,13 @@ class RouteChooser:
             return choice
         return BackendChoice(choice.backend, reason)
 
-    def local_backend(self, route: RouteInput, now: float) -> BackendChoice | None:
-        """A backend with room serving ``route``'s model."""
-        serving = self.serving(route.model)
+    def local_backend(
+        self, route: RouteInput, now: float, serving: frozenset[str] | None = None
+    ) -> BackendChoice | None:
+        """A backend with room serving ``route``'s model (among ``serving``, when the caller
+        has them already: :attr:`RouteDecision.serving`)."""
+        if serving is None:
+            serving = self.serving(route.model)
         return self.backend(route, self.tracker.available(now, serving), now)
 
     def queue_backend(self, route: RouteInput, now: float) -> BackendChoice | None:
