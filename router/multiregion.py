@@ -570,9 +570,11 @@ class RegionRouting:
         now = self.clock()
         if self._down_until:
             self._back_in_rotation(now)
-        from_peer = self.peer_authenticated(ctx)
+        # Without a peer key nobody is a peer, without a database nobody is located: neither
+        # asked then (two calls a request).
+        from_peer = bool(self.peer_key) and self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
-        location = self.locate(ctx, from_peer)
+        location = None if self.locator is None else self.locate(ctx, from_peer)
         chosen_region = self.chooser.region_for(
             route, location, now, forwarded=forwarded, draining=self.draining,
             sent_since=self.sent_since() if self.peer_routed else None,  # None: no peers

@@ -114,11 +114,13 @@ def _hold(state: RouterState, ctx: RequestContext) -> None:
     key slot, if any: both go back through ``ctx.release_key_slot``)."""
     release_share = state.hold(ctx)
     release_slot = ctx.release_key_slot
+    if release_slot is None:  # no region-wide slot (in memory): no call around the share's
+        ctx.release_key_slot = release_share
+        return
 
     def release() -> None:
         release_share()
-        if release_slot is not None:
-            release_slot()
+        release_slot()
 
     ctx.release_key_slot = release
 

@@ -511,7 +511,8 @@ class RouterState:
         if pool is not None:
             return float(routing.tracker.capacity(pool) + routing.routed_to_peers(pool))
         # The region's own requests hold slots of its backends; those routed to peers do not.
-        return float(routing.tracker.capacity() + routing.routed_to_any_peer())
+        # (RegionRouting.routed_to_any_peer inlined: asked once a request.)
+        return float(routing.tracker.capacity() + sum(routing.peer_routed.values()))
 
     def tick(self, now: float) -> None:
         """Evict what the store's bounds say must go; cancel unattended upstream requests;

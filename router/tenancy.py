@@ -265,7 +265,11 @@ class Tenants:
         ends it (once)."""
         name = subject or ""
         self.keys.started(owner, now)
-        self.subjects_of(owner).started(name, now)
+        # subjects_of inlined here and in release (once each a request)
+        subjects = self.subjects.get(owner)
+        if subjects is None:
+            subjects = self.subjects[owner] = FairShare()
+        subjects.started(name, now)
         held = True
 
         def release() -> None:
@@ -273,7 +277,10 @@ class Tenants:
             if held:
                 held = False
                 self.keys.finished(owner)
-                subjects = self.subjects_of(owner)
+                # The key's subjects now: those of the hold may have been dropped since.
+                subjects = self.subjects.get(owner)
+                if subjects is None:
+                    subjects = self.subjects[owner] = FairShare()
                 subjects.finished(name)
                 if not subjects.active():
                     del self.subjects[owner]

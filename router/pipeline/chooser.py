@@ -212,7 +212,10 @@ class RouteChooser:
         is never forwarded again."""
         known = self.models.by_model.get(route.model)  # :meth:`serving`, inlined
         serving = known or self.models.unknown_set
-        peers = {} if forwarded else self.peers(now, route.model, sent_since)
+        peers = (
+            {} if forwarded or not self.peer_table.peers  # no peers: none has fresh status
+            else self.peers(now, route.model, sent_since)
+        )
         if peers and not known:
             serving = frozenset()  # a peer that lists it, before backends that may not serve it
         if not serving and not peers:
