@@ -77,8 +77,10 @@ class RouterApp:
         if kind == "lifespan":
             await self._lifespan(receive, send)
             return
-        if (kind == "websocket" or scope["method"] == "POST") and (
-            self.memory_refusal() is not None
+        if (
+            (kind == "websocket" or scope["method"] == "POST")
+            and self.memory.max_rss_bytes is not None  # no bound (the default): no question
+            and self.memory_refusal() is not None
         ):
             await self._shed(scope, send)
             return

@@ -352,7 +352,10 @@ def guarded_protocols(
 
         def on_headers_complete(self) -> None:
             self._head_due = False
-            self._stop_head_timer()
+            timer = self._head_timer  # _stop_head_timer inlined: once a request
+            if timer is not None:
+                timer.cancel()
+                self._head_timer = None
             before = self.cycle
             super().on_headers_complete()
             cycle = self.cycle
