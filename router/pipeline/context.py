@@ -93,6 +93,8 @@ def error_reply(
 
 
 _HEX = frozenset("0123456789abcdef")
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
 
 
 def _nonzero_bits(n: int) -> int:
@@ -106,7 +108,8 @@ def new_span_id() -> str:
     """A W3C span id: 64 random bits, not zero. From :mod:`random`, as OpenTelemetry's
     ``RandomIdGenerator`` draws them: an id names a span, it guards nothing, and a system
     call per id (``secrets``) cost ~2% of a streamed request's CPU."""
-    return f"{_nonzero_bits(64):016x}"
+    # Hex through bytes: a third of f"{bits:016x}"'s instructions, the same 16 digits.
+    return _nonzero_bits(64).to_bytes(8, "big").hex()
 
 
 # A msgspec Struct, not a frozen dataclass: made once or twice a request, and a frozen
@@ -123,9 +126,6 @@ class Traceparent(msgspec.Struct, frozen=True):
     @classmethod
     def continue_from(cls, header: str | None) -> Traceparent:
         """Join the caller's trace (new span id) or start a new one if absent or malformed."""
-        # new_span_id and _nonzero_bits inlined (a retry only on a zero draw, 1 in 2**64):
-        # three Python calls a request less.
-        own = f"{random.getrandbits(64) or _nonzero_bits(64):016x}"
         if header:
             parts = header.strip().lower().split("-")
             if (
@@ -133,14 +133,21 @@ class Traceparent(msgspec.Struct, frozen=True):
                 and parts[0] == "00"
                 and len(parts[1]) == 32
                 and len(parts[3]) == 2
-                and all(c in _HEX for c in parts[1] + parts[3])
-                and parts[1] != "0" * 32
+                and _HEX.issuperset(parts[1] + parts[3])  # a set's test: no generator
+                and parts[1] != _ZERO_TRACE
             ):
                 span = parts[2]
-                valid = len(span) == 16 and span != "0" * 16 and all(c in _HEX for c in span)
+                valid = len(span) == 16 and span != _ZERO_SPAN and _HEX.issuperset(span)
                 caller = span if valid else None
-                return cls(parts[1], own, parts[3], caller)
-        return cls(f"{random.getrandbits(128) or _nonzero_bits(128):032x}", own)
+                return cls(parts[1], new_span_id(), parts[3], caller)
+        # A new trace: its id and the router's span id from one draw, in hex through bytes
+        # (some 5k instructions a request less than two draws each formatted); an all-zero
+        # id, which W3C forbids (1 in 2**64), is drawn again.
+        ids = random.getrandbits(192).to_bytes(24, "big").hex()
+        trace_id, span_id = ids[:32], ids[32:]
+        if trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+            return cls(_nonzero_bits(128).to_bytes(16, "big").hex(), new_span_id())
+        return cls(trace_id, span_id)
 
     def header(self) -> str:
         return f"00-{self.trace_id}-{self.parent_id}-{self.flags}"
@@ -200,7 +207,8 @@ class _Credential(Generic[_T]):
         ctx.owner = token_owner if token_owner is not None else owner_of(ctx._api_key)
 
 
-@dataclass(eq=False)
+# Slots: its ~40 fields set a request in a quarter less of the instructions, and read faster.
+@dataclass(eq=False, slots=True)
 class RequestContext:
     """What the pipeline knows about one request; stages fill it in, in order.
 
