@@ -123,7 +123,13 @@ class AffinityPolicy:
             self._key_counts[backend] -= 1
 
     def _remember(self, key: str, backend: str, now: float) -> None:
-        old = self._keys.pop(key, None)
+        keys = self._keys
+        old = keys.get(key)
+        if old is not None and old[0] == backend:  # seen again where it was: counts stay
+            keys[key] = (backend, now)
+            keys.move_to_end(key)
+            return
+        old = keys.pop(key, None)
         if old is not None:
             self._key_counts[old[0]] -= 1
         self._keys[key] = (backend, now)
@@ -150,6 +156,17 @@ class AffinityPolicy:
             return None
         if self.policy == "round_robin":
             return BackendChoice(available[next(self._rr) % len(available)], "round-robin")
+        if len(available) == 1 and self.policy != "least_loaded" and self.abs_threshold >= 0:
+            # One candidate (a model one backend serves, or the only one with room): every
+            # rule below picks it (no imbalance within one backend, its bounded load or the
+            # fallback takes a new key), so only the reason and the key's memory are left,
+            # without the ranks, loads and shares worked out for several (~8k instructions).
+            backend = available[0]
+            self._expire(now)
+            known = self._keys.get(key)
+            self._remember(key, backend, now)
+            seen = known is not None and known[0] == backend
+            return BackendChoice(backend, "affinity" if seen else "new-key")
         # One backend is its own rank: no digest to take (a region of one backend per model).
         rank = (
             list(available) if len(available) == 1
