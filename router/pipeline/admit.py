@@ -170,7 +170,7 @@ def name_subject(ctx: RequestContext) -> None:
     request = ctx.request
     if not name and request is not None:
         name = request.safety_identifier or request.user
-    ctx.subject = subject_of(name)
+    ctx.subject = subject_of(name) if name else None  # none named: no call
 
 
 def admit_body(ctx: RequestContext, max_body_bytes: int, *, force_stream: bool = False) -> Outcome:

@@ -192,6 +192,8 @@ class RouteChooser:
         none, may take any model, and those requests go unlabelled."""
         if model in self.models.by_model:
             return model
+        if not self.peer_table.peers:  # no peers: no fresh status to look through
+            return ""
         for status in self.peer_table.fresh(now).values():
             if status.models is not None and any(m.name == model for m in status.models):
                 return model
