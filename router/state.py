@@ -428,11 +428,19 @@ class RouterState:
     def hand_slots(self) -> int:
         """Wake, in the region and in each model pool, as many waiting requests as its
         backends have free slots not yet handed (:meth:`Tenants.hand_slots`); how many woke."""
+        # Asked at every request's end, when mostly nobody waits: the clock is read, and the
+        # pools listed, only when somebody does.
         woken = 0
-        now = self.clock()
-        for pool, tenants in ((None, self.tenants), *self.pools.items()):
-            if len(tenants.queue):
-                woken += tenants.hand_slots(self.free_slots(now, pool))
+        now: float | None = None
+        if len(self.tenants.queue):
+            now = self.clock()
+            woken += self.tenants.hand_slots(self.free_slots(now, None))
+        if self.pools:
+            for pool, tenants in list(self.pools.items()):
+                if len(tenants.queue):
+                    if now is None:
+                        now = self.clock()
+                    woken += tenants.hand_slots(self.free_slots(now, pool))
         return woken
 
     def free_slots(self, now: float, pool: frozenset[str] | None = None) -> int:
