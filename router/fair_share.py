@@ -80,6 +80,10 @@ class Decision:
 class FairShare(Generic[K]):
     """In-flight counts and recent refusals of flows; fair decisions over them."""
 
+    # Slots: a key's subjects get one for each request in the usual case (made at its
+    # start, dropped at its end), and every request reads and writes two.
+    __slots__ = ("_asked_at", "_in_flight", "_peak", "_total", "_waiting", "ask_window_s")
+
     def __init__(self, ask_window_s: float = ASK_WINDOW_S) -> None:
         self.ask_window_s = ask_window_s
         self._in_flight: dict[K, int] = {}
@@ -139,8 +143,11 @@ class FairShare(Generic[K]):
         longer; a flow that waited keeps the demand it waited with, :meth:`wait`)."""
         self._in_flight[flow] = self._in_flight.get(flow, 0) + 1
         self._total += 1
-        self._asked_at.pop(flow, None)
-        peak = self._peak.get(flow)
+        # Nobody refused or waiting lately (the usual case, twice a request: its key and its
+        # subject): the two lookups below have nothing to find.
+        if self._asked_at:
+            self._asked_at.pop(flow, None)
+        peak = self._peak.get(flow) if self._peak else None
         if now is not None and peak is not None and now - peak[1] < self.ask_window_s:
             self._peak[flow] = (peak[0], now)
 
