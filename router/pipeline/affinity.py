@@ -51,10 +51,11 @@ def affinity_key(
     # Only the first message after the shared prompt: later messages grow turn by turn, and a
     # key that changes between turns would move the conversation away from its cache.
     first = message_text(messages[i])
-    for prefix in sorted(warm_prefixes, key=len, reverse=True):
-        if prefix and first.startswith(prefix):
-            first = first[len(prefix) :]
-            break
+    if warm_prefixes:  # none (no warmup): no sort, which cost ~1.6k instructions even empty
+        for prefix in sorted(warm_prefixes, key=len, reverse=True):
+            if prefix and first.startswith(prefix):
+                first = first[len(prefix) :]
+                break
     return f"{request.model}\x00{messages[i].role}:{first[:chars]}"
 
 
