@@ -64,6 +64,9 @@ lookup costs a tenth. Names only: a value may be a secret (``authorization``).""
 _MAX_NAMES = 512
 """Past this many names kept, a new one is decoded each time (a client sending made-up
 names cannot grow the table)."""
+_MAX_NAME_BYTES = 64
+"""Longer names are decoded each time, never kept: the table stays under ~100 KB whatever
+names clients send (a head may hold names of kilobytes)."""
 
 
 def header_dict(scope: Scope) -> dict[str, str]:
@@ -78,7 +81,7 @@ def header_dict(scope: Scope) -> dict[str, str]:
             name = _NAMES.get(k)
             if name is None:
                 name = k.decode("latin-1").lower()
-                if len(_NAMES) < _MAX_NAMES:
+                if len(_NAMES) < _MAX_NAMES and len(k) <= _MAX_NAME_BYTES:
                     _NAMES[k] = name
             found[name] = v.decode("latin-1")
     return found
