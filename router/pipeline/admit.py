@@ -52,10 +52,18 @@ def adopt_token(ctx: RequestContext, credential: str | None) -> None:
 
 
 @functools.lru_cache(maxsize=4)
+def _owner_by_key(api_keys: tuple[bytes, ...]) -> dict[bytes, bytes]:
+    """Each configured key's owner digest, by the key (computed once per key set: a reload
+    makes a new one). A keyed request then takes its owner from here, where working out the
+    digest (``owner_of``, a SHA-256) cost it ~6k instructions."""
+    return {key: owner_of(key.decode()) for key in api_keys}
+
+
+@functools.lru_cache(maxsize=4)
 def _key_owners(api_keys: tuple[bytes, ...]) -> frozenset[bytes]:
     """The owner digests of the configured keys (computed once per key set: a reload makes
     a new one)."""
-    return frozenset(owner_of(key.decode()) for key in api_keys)
+    return frozenset(_owner_by_key(api_keys).values())
 
 
 _REVOKED = TokenRefusal(
@@ -121,7 +129,9 @@ def authenticate(
             code=error_codes.INVALID_API_KEY,
             outcome="unauthorized",
         )
-    ctx.api_key = token
+    # Looked up only once the comparison above matched: the request holds a configured key,
+    # so the lookup says nothing about the keys to a client that does not already hold one.
+    ctx.adopt_api_key(token, _owner_by_key(tuple(api_keys))[candidate])
     return CONTINUE
 
 

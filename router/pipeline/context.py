@@ -302,6 +302,14 @@ class RequestContext:
     usage: Usage | None = None
     """A non-streamed completion's usage (a stream's is read from the stream at its end)."""
 
+    def adopt_api_key(self, key: str, owner: bytes) -> None:
+        """Set :attr:`api_key` to ``key`` as setting it does, with its owner digest
+        (:func:`~firstbyte.router.streams.owner_of` ``key``) already known: a configured key's,
+        worked out once, not a SHA-256 a request."""
+        self._api_key = key
+        if self._token_owner is None:  # a token's owner stays the owner, as in _Credential
+            self.owner = owner if key else _ANONYMOUS
+
     @property
     def transport(self) -> str:
         """How the client reads the answer, as metrics label it: ``websocket``, ``longpoll``

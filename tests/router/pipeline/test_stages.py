@@ -45,6 +45,27 @@ def test_authenticate() -> None:
     assert authenticate(ctx({}), []) is CONTINUE  # no keys configured: open (local use)
 
 
+def test_a_key_owns_its_request_a_token_its_own() -> None:
+    """The owner of a request by a configured key is the key's digest, as setting
+    ``api_key`` works it out (authenticate takes it from a table made once per key set)."""
+    for key in KEYS:
+        request = ctx({"authorization": f"Bearer {key.decode()}"})
+        assert authenticate(request, KEYS) is CONTINUE
+        assert request.owner == owner_of(key.decode())
+        assert (request.api_key, request.by_client_token) == (key.decode(), False)
+        by_setter = ctx()
+        by_setter.api_key = key.decode()
+        assert by_setter.owner == request.owner
+    anonymous = ctx({"authorization": "Bearer anything-at-all"})
+    assert authenticate(anonymous, []) is CONTINUE  # no keys: the digest of what came
+    assert anonymous.owner == owner_of("anything-at-all")
+    tokened = ctx()
+    tokened.token_owner = b"t" * 32
+    tokened.adopt_api_key("sk-one-00000000", owner_of("sk-one-00000000"))
+    assert tokened.owner == b"t" * 32  # as setting api_key: the token's owner stays
+    assert tokened.api_key == "sk-one-00000000"
+
+
 def test_reprs_carry_no_key_and_no_prompt() -> None:
     request = ctx({"authorization": "Bearer sk-two-00000000"})
     assert authenticate(request, KEYS) is CONTINUE
