@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from firstbyte.router.asgi import BodyTimeout, Message, read_body
+from firstbyte.router.asgi import BodyTimeout, ClientGone, Message, read_body
 
 
 def _parts(*bodies: bytes) -> list[Message]:
@@ -75,6 +75,110 @@ async def test_a_part_that_outlives_the_deadline_leaves_no_cancel_behind() -> No
         return _parts(b"done")[0]
 
     assert await read_body(receive, 100, timeout_s=0.02) == b"done"
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+
+
+async def test_a_body_already_in_arms_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive() that answers without waiting (HTTP/1.1's body, in with its head) needs no
+    deadline: no timer is armed; one that waits has its deadline as before."""
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_later = loop.call_later
+
+    def counting(delay: float, *args: object) -> asyncio.TimerHandle:
+        armed.append(delay)
+        return call_later(delay, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "call_later", counting)
+    queue = _parts(b"ab", b"cd")
+
+    async def at_once() -> Message:
+        return queue.pop(0)
+
+    assert await read_body(at_once, 100, timeout_s=5.0) == b"abcd"
+    assert armed == []
+    queue = _parts(b"ef", b"gh")
+
+    async def later() -> Message:
+        for _ in range(3):  # waits more than once: each step goes through
+            await asyncio.sleep(0)
+        return queue.pop(0)
+
+    assert await read_body(later, 100, timeout_s=5.0) == b"efgh"
+    assert armed == [5.0, 5.0]
+
+
+async def test_a_receive_failing_before_or_after_a_wait_raises_its_error() -> None:
+    async def at_once() -> Message:
+        raise OSError("at once")
+
+    async def after_a_wait() -> Message:
+        await asyncio.sleep(0)
+        raise OSError("after a wait")
+
+    for receive, text in ((at_once, "at once"), (after_a_wait, "after a wait")):
+        with pytest.raises(OSError, match=text):
+            await read_body(receive, 100, timeout_s=5.0)
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+
+
+async def test_a_disconnect_already_in_is_client_gone() -> None:
+    async def gone() -> Message:
+        return {"type": "http.disconnect"}
+
+    with pytest.raises(ClientGone):
+        await read_body(gone, 100, timeout_s=5.0)
+
+
+class _BareAwaitable:
+    """An awaitable whose iterator has ``__next__`` only, no ``send`` or ``throw`` (as
+    granian's receive() returns): it yields ``future`` until that is done."""
+
+    def __init__(self, future: asyncio.Future[Message]) -> None:
+        self.future = future
+
+    def __await__(self) -> _BareAwaitable:
+        return self
+
+    def __iter__(self) -> _BareAwaitable:
+        return self
+
+    def __next__(self) -> asyncio.Future[Message]:
+        if self.future.done():
+            raise StopIteration(self.future.result())
+        self.future._asyncio_future_blocking = True
+        return self.future
+
+
+async def test_a_receive_of_a_bare_awaitable_is_read_waiting_or_not() -> None:
+    loop = asyncio.get_running_loop()
+    parts = _parts(b"ab", b"cd", b"e")
+
+    def receive() -> _BareAwaitable:
+        future: asyncio.Future[Message] = loop.create_future()
+        part = parts.pop(0)
+        if part["body"] == b"cd":  # this one waits a loop turn
+            loop.call_soon(future.set_result, part)
+        else:
+            future.set_result(part)
+        return _BareAwaitable(future)
+
+    assert await read_body(receive, 100, timeout_s=5.0) == b"abcde"  # type: ignore[arg-type]
+
+    def stalled() -> _BareAwaitable:
+        return _BareAwaitable(loop.create_future())
+
+    with pytest.raises(BodyTimeout):
+        await read_body(stalled, 100, timeout_s=0.02)  # type: ignore[arg-type]
+    reader = asyncio.create_task(read_body(stalled, 100, timeout_s=5.0))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
     task = asyncio.current_task()
     assert task is not None
     assert task.cancelling() == 0
