@@ -105,7 +105,10 @@ def authenticate(
     if tokens is not None and token is not None and is_client_token(token):
         return _by_token(ctx, token, tokens, api_keys)
     if not api_keys:
-        ctx.api_key = token
+        # No token and no key set: setting the key to None would change nothing (the owner
+        # stays as it is) but cost the setter's Python call.
+        if token is not None or ctx._api_key is not None:
+            ctx.api_key = token
         return CONTINUE
     if token is None:
         return error_reply(

@@ -56,6 +56,12 @@ def test_a_key_owns_its_request_a_token_its_own() -> None:
         by_setter = ctx()
         by_setter.api_key = key.decode()
         assert by_setter.owner == request.owner
+    keyless = ctx()
+    assert authenticate(keyless, []) is CONTINUE  # no keys, no token: the anonymous owner
+    assert (keyless.api_key, keyless.owner) == (None, owner_of(None))
+    keyless.api_key = "sk-set-before-00"  # a key set before is taken back, as ever
+    assert authenticate(keyless, []) is CONTINUE
+    assert (keyless.api_key, keyless.owner) == (None, owner_of(None))
     anonymous = ctx({"authorization": "Bearer anything-at-all"})
     assert authenticate(anonymous, []) is CONTINUE  # no keys: the digest of what came
     assert anonymous.owner == owner_of("anything-at-all")
