@@ -188,9 +188,9 @@ def name_subject(ctx: RequestContext) -> None:
 
 def admit_body(ctx: RequestContext, max_body_bytes: int, *, force_stream: bool = False) -> Outcome:
     """Run the body limit and parsing on an authenticated request; stamp ``ctx.admitted_at``."""
-    outcome = check_body_size(ctx, max_body_bytes)
-    if outcome is CONTINUE:
-        outcome = parse_chat(ctx, force_stream=force_stream)
+    if len(ctx.body) > max_body_bytes:  # check_body_size's test: a call only to refuse
+        return check_body_size(ctx, max_body_bytes)
+    outcome = parse_chat(ctx, force_stream=force_stream)
     if outcome is CONTINUE:
         name_subject(ctx)
         ctx.admitted_at = time.perf_counter()

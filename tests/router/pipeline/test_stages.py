@@ -94,6 +94,11 @@ def test_body_limit_and_parse() -> None:
     wrong = parse_chat(ctx(body=b'{"model": "m", "messages": [], "stream": true}'))
     assert isinstance(wrong, LocalReply)
     assert json.loads(wrong.body)["error"]["param"] == "messages"
+    at_limit = ctx({"authorization": "Bearer sk-one-00000000"})
+    assert admit_chat(at_limit, KEYS, len(BODY)) is CONTINUE  # the limit is inclusive
+    over = admit_chat(ctx({"authorization": "Bearer sk-one-00000000"}), KEYS, len(BODY) - 1)
+    assert isinstance(over, LocalReply)
+    assert over.status == 413
     good = ctx({"authorization": "Bearer sk-one-00000000"})
     assert admit_chat(good, KEYS, 1 << 20, force_stream=True) is CONTINUE
     assert good.request is not None
