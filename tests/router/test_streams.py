@@ -5,6 +5,7 @@ stream evicted for bytes) and its cost (constant per new stream, whatever the nu
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from firstbyte.router import streams
 from firstbyte.router.readers import BATCH_BYTES, follow, parse_after, poll, sse_events
 from firstbyte.router.streams import (
     DONE_DATA,
@@ -550,6 +552,11 @@ def test_stream_ids_are_unique_and_a_forked_child_draws_its_own() -> None:
     ids = {new_stream_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 22 and "=" not in i for i in ids)
+    # URL-safe base64 of the bytes drawn, as base64.urlsafe_b64encode has it
+    drawn = bytes([0xFB, 0xFF, 0xBF] * 5 + [0xFF])  # "+/" in standard base64
+    streams._random._pool, streams._random._at = drawn, 0  # the next 16 bytes drawn
+    assert new_stream_id() == base64.urlsafe_b64encode(drawn).rstrip(b"=").decode()
+    streams._random.forget()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its first id, then gone
