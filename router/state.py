@@ -316,9 +316,11 @@ class RouterState:
         self.region_state.publish(stream, announced=stream_id is not None)
         return stream
 
-    async def announced(self, stream: Stream) -> None:
-        """Return once other processes can find ``stream``: await before its id goes out."""
-        await self.region_state.announced(stream)
+    def announced(self, stream: Stream) -> Awaitable[None]:
+        """Await it before ``stream``'s id goes out: it returns once other processes can find
+        the stream. The region state's own awaitable, not a coroutine awaiting it: one
+        coroutine made, run and closed a stream less."""
+        return self.region_state.announced(stream)
 
     async def find_stream(
         self, stream_id: str, owner: bytes, subject: str | None = None
