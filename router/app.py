@@ -100,14 +100,19 @@ class RouterApp:
         kind = scope["type"]
         path: str = scope["path"]
         if kind == "http":
-            cors = self.state.cors.decide(scope["method"], path, header_dict(scope))
-            if isinstance(cors, Preflight):
-                await send_bytes(send, cors.status, b"", content_type="text/plain",
-                                 headers=cors.headers)
-                return
-            if cors is not None:
-                send = _adding_headers(send, cors.headers)
-            client_file = _CLIENT_FILE.match(path) if path.startswith(_CLIENT_PREFIX) else None
+            headers = header_dict(scope)
+            for_client = path.startswith(_CLIENT_PREFIX)
+            # CORS asks nothing of a request without Origin but for the client's files
+            # (CorsPolicy.decide): most requests, answered without its call.
+            if "origin" in headers or for_client:
+                cors = self.state.cors.decide(scope["method"], path, headers)
+                if isinstance(cors, Preflight):
+                    await send_bytes(send, cors.status, b"", content_type="text/plain",
+                                     headers=cors.headers)
+                    return
+                if cors is not None:
+                    send = _adding_headers(send, cors.headers)
+            client_file = _CLIENT_FILE.match(path) if for_client else None
             if client_file is not None and scope["method"] == "GET":
                 await serve_client_file(scope, receive, send, client_file.group("name"))
                 return

@@ -69,7 +69,9 @@ class CorsPolicy:
     def decide(
         self, method: str, path: str, headers: dict[str, str]
     ) -> Preflight | ResponseHeaders | None:
-        """What CORS asks of this request (``headers`` lower-cased, as :func:`header_dict`)."""
+        """What CORS asks of this request (``headers`` lower-cased, as :func:`header_dict`):
+        always None for a request without ``Origin`` but to the client's files (the app
+        does not ask then)."""
         origin = headers.get("origin")
         if path.startswith(paths.EDGE_CLIENT + "/"):
             return ResponseHeaders((("access-control-allow-origin", "*"),

@@ -61,6 +61,20 @@ def test_same_origin_and_non_browser_requests_need_nothing() -> None:
                     {"origin": "https://router.example", "host": "router.example"}) is None
 
 
+def test_without_origin_only_the_client_files_get_cors() -> None:
+    """The app asks decide() only of a request with ``Origin`` or to the client's files: every
+    other answer is None, whatever the method, path or other headers."""
+    p = policy()
+    others = ({}, {"access-control-request-method": "POST", "host": "router.example"},
+              {k: v for k, v in PREFLIGHT.items() if k != "origin"})
+    for method in ("GET", "POST", "OPTIONS", "DELETE"):
+        for path in ("/v1/chat/completions", "/v1/models", "/v1/edge/client", "/", "/healthz"):
+            for headers in others:
+                assert p.decide(method, path, headers) is None, (method, path, headers)
+        assert p.decide(method, "/v1/edge/client/firstbyte.js", {}) == ResponseHeaders(
+            (("access-control-allow-origin", "*"), ("timing-allow-origin", "*")))
+
+
 def test_client_files_are_open_to_every_origin() -> None:
     answer = policy().decide("GET", "/v1/edge/client/firstbyte.js", {"origin": "https://x.example"})
     assert answer == ResponseHeaders((("access-control-allow-origin", "*"),
