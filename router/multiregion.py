@@ -69,7 +69,7 @@ from .observability.logs import describe_error
 from .peers import PeerTable
 from .pipeline.affinity import AffinityPolicy, BackendChoice
 from .pipeline.backend import PEER_PREFIX, Backend, BackendPool
-from .pipeline.chooser import ModelMissing, RouteChooser, RouteInput
+from .pipeline.chooser import ModelMissing, Room, RouteChooser, RouteInput
 from .pipeline.context import (
     CONTINUE,
     FailCause,
@@ -552,7 +552,8 @@ class RegionRouting:
 
     def route(
         self, ctx: RequestContext, share: FairCheck | None = None, *,
-        route_input: RouteInput | None = None,
+        route_input: RouteInput | None = None, now: float | None = None,
+        room: Room | None = None,
     ) -> Outcome:
         """Choose the region and backend for an admitted request (sets ``ctx.backend``), by
         ``route_input`` (its model, affinity key, warm prefix, size; default: those of the
@@ -562,14 +563,19 @@ class RegionRouting:
         share of the keys asking, :meth:`firstbyte.router.tenancy.Tenants.fair_refusal`) says
         whether it waits for a slot (below its share: :data:`WAIT_FOR_SLOT`; queued on a
         backend past its limit when ``routing.max_fair_wait_ms`` is 0), is refused with its own
-        answer (above it), or refused as before (``False``: it alone fills the region)."""
+        answer (above it), or refused as before (``False``: it alone fills the region).
+
+        ``now``: the placement's moment (default: the clock's); ``room``: the request's
+        :data:`~firstbyte.router.pipeline.chooser.Room` at that moment, if the caller has it."""
         if route_input is None:
             assert ctx.request is not None
             route_input = self.chooser.route_input(ctx.request)
         route = route_input
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         if self._down_until:
             self._back_in_rotation(now)
+            room = None  # a backend may be back: its room is not in it
         # Without a peer key nobody is a peer, without a database nobody is located: neither
         # asked then (two calls a request).
         from_peer = bool(self.peer_key) and self.peer_authenticated(ctx)
@@ -578,6 +584,7 @@ class RegionRouting:
         chosen_region = self.chooser.region_for(
             route, location, now, forwarded=forwarded, draining=self.draining,
             sent_since=self.sent_since() if self.peer_routed else None,  # None: no peers
+            room=room,
         )
         if isinstance(chosen_region, ModelMissing):
             return self.model_missing(ctx, route.model, chosen_region, now)
@@ -595,7 +602,7 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self._counted(self.chooser.local_backend(route, now, serving))
+            chosen = self._counted(self.chooser.local_backend(route, now, serving, room))
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
             return self._serve_local(ctx, chosen, location, now, route)

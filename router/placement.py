@@ -48,6 +48,7 @@ from .shared.errors import StateUnavailable, unavailable_reply
 from .tenancy import limit_key, refusal, store_refusal, subject_refusal
 
 if TYPE_CHECKING:
+    from .pipeline.chooser import Room
     from .shared.admission import SharedAdmission
     from .state import RouterState
 
@@ -78,11 +79,16 @@ async def place_in_memory(
 ) -> Outcome:
     """:func:`place` in memory (:class:`~firstbyte.router.regionstate.InMemory`), before
     the request is held for its key."""
-    outcome = limit_key(ctx, state.limiter, state.store, state.clock(), state.tenants)
+    # One moment for the stages, and one scan of the backends' room at it (the fair gate,
+    # the region's choice and the backend's each scanned them): nothing between them
+    # changes a backend's load or health, and no await separates them unless it waits.
+    now = state.clock()
+    outcome = limit_key(ctx, state.limiter, state.store, now, state.tenants)
     if outcome is CONTINUE:
-        outcome = state.fair_gate(ctx)
-    if outcome is CONTINUE:
-        outcome = await _route(state, ctx, gone=gone)
+        room = state.room(ctx, now)
+        outcome = state.fair_gate(ctx, now, room)
+        if outcome is CONTINUE:
+            outcome = await _route(state, ctx, gone=gone, now=now, room=room)
     if outcome is CONTINUE:
         outcome = choose_backend(ctx, state.pool)
     return outcome
@@ -91,14 +97,17 @@ async def place_in_memory(
 async def _route(
     state: RouterState, ctx: RequestContext, first: bool = True,
     gone: Callable[[], Awaitable[object]] | None = None,
+    now: float | None = None, room: Room | None = None,
 ) -> Outcome:
     """Route ``ctx`` (:meth:`~firstbyte.router.multiregion.RegionRouting.route`). Below its
     fair share in a full region it waits for a slot (``routing.max_fair_wait_ms`` in all),
     and is routed again the moment one is handed to it; a ``first`` try does not overtake
-    requests already waiting (:meth:`~firstbyte.router.state.RouterState.fair_turn`)."""
-    outcome = state.fair_turn(ctx) if first else CONTINUE
+    requests already waiting (:meth:`~firstbyte.router.state.RouterState.fair_turn`).
+    ``now`` and ``room`` (``ctx``'s at ``now``) are the first try's, if the caller has them;
+    a try after a wait reads the clock and the backends again."""
+    outcome = state.fair_turn(ctx, now, room) if first else CONTINUE
     if outcome is CONTINUE:
-        outcome = state.routing.route(ctx, state.fair_check)
+        outcome = state.routing.route(ctx, state.fair_check, now=now, room=room)
     until: float | None = None
     while outcome is WAIT_FOR_SLOT:
         if until is None:

@@ -30,6 +30,7 @@ from .multiregion import WAIT_FOR_SLOT, RegionRouting
 from .observability.access import RequestLog, SpanSink
 from .observability.process import render as process_metrics
 from .pipeline.backend import Backend, BackendPool
+from .pipeline.chooser import Room
 from .pipeline.context import CONTINUE, Fallback, LocalReply, Outcome, RequestContext
 from .pipeline.proxy import DRAIN_CANCEL, Proxy
 from .readers import ReadableStream
@@ -350,6 +351,19 @@ class RouterState:
             return None
         return serving
 
+    def room(self, ctx: RequestContext, now: float) -> Room | None:
+        """``ctx``'s :data:`~firstbyte.router.pipeline.chooser.Room` at ``now``: worked out
+        once for its placement, in one scan of the backends (None: no chat request)."""
+        request = ctx.request
+        if request is None:
+            return None
+        routing = self.routing
+        models = routing.chooser.models  # RouteChooser.serving inlined
+        serving = models.by_model.get(request.model) or models.unknown_set
+        tracker = routing.tracker
+        pool = None if serving.issuperset(tracker.backends) else serving  # fair_pool's
+        return serving, pool, tracker.available(now, serving)
+
     def tenants_of(self, pool: frozenset[str] | None) -> Tenants:
         """The fair shares of ``pool`` (:meth:`fair_pool`)."""
         if pool is None:
@@ -398,18 +412,27 @@ class RouterState:
             return True
         return False if refused is ALONE else refusal(refused)
 
-    def fair_gate(self, ctx: RequestContext) -> Outcome:
+    def fair_gate(
+        self, ctx: RequestContext, now: float | None = None, room: Room | None = None
+    ) -> Outcome:
         """Before routing, with room on the backends serving ``ctx``'s model: refuse a key
         (or subject) above its fair share of them while flows below theirs are asking for
         the room there is (full, it is :meth:`fair_check`'s, at the point routing would
-        refuse)."""
-        now = self.clock()
+        refuse). ``now`` defaults to the clock's; ``room`` is ``ctx``'s at ``now``
+        (:meth:`room`), if the caller has it."""
+        if now is None:
+            now = self.clock()
         tracker = self.routing.tracker
-        pool = self.fair_pool(ctx)
         # Not saturated means some backend of the pool is healthy (an unhealthy one counts as
         # saturated): a pool with nobody healthy is saturated too.
-        if tracker.region_saturated(now, pool):
-            return CONTINUE
+        if room is None:
+            pool = self.fair_pool(ctx)
+            if tracker.region_saturated(now, pool):
+                return CONTINUE
+        else:
+            pool = room[1]
+            if not room[2]:  # nobody serving it has room: the region is saturated
+                return CONTINUE
         # The region's shares (pool None) asked without tenants_of and _forget_pool, which
         # have nothing to do for them: each is a Python call.
         tenants = self.tenants if pool is None else self.tenants_of(pool)
@@ -452,14 +475,18 @@ class RouterState:
         return sum(max(0, tracker[n].limit - tracker.load(n, now))
                    for n in tracker.available(now, pool))
 
-    def fair_turn(self, ctx: RequestContext) -> Outcome:
+    def fair_turn(
+        self, ctx: RequestContext, now: float | None = None, room: Room | None = None
+    ) -> Outcome:
         """A new request while others wait for a slot (or hold one handed to them): it does
         not take a slot before them. CONTINUE when a free slot is left over; else below its
         fair share it waits too (:data:`WAIT_FOR_SLOT`), above it it is refused with its own
-        429, and a flow asking alone is refused as a full region."""
-        pool = self.fair_pool(ctx)
+        429, and a flow asking alone is refused as a full region. ``now`` and ``room`` as
+        :meth:`fair_gate`'s."""
+        pool = self.fair_pool(ctx) if room is None else room[1]
         queue = (self.tenants if pool is None else self.tenants_of(pool)).queue
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         if not queue.busy() or (not len(queue) and self.free_slots(now, pool) > queue.handed):
             if pool is not None:
                 self._forget_pool(pool)

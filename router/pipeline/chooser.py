@@ -31,9 +31,20 @@ from ..warmup import WarmPrefix, WarmupScheduler
 from .affinity import AffinityPolicy, BackendChoice, affinity_key
 from .region import RegionCandidate, RegionDecision, RegionModel, Verdict, choose_region
 
-__all__ = ["CHARS_PER_TOKEN", "ModelMissing", "RouteChooser", "RouteDecision", "RouteInput"]
+__all__ = [
+    "CHARS_PER_TOKEN", "ModelMissing", "Room", "RouteChooser", "RouteDecision", "RouteInput",
+]
 
 CHARS_PER_TOKEN = 4.0
+
+Room = tuple[frozenset[str], frozenset[str] | None, list[str]]
+"""A request's room at one moment: the backends serving its model (:meth:`RouteChooser.serving`),
+its fair pool (:meth:`~firstbyte.router.state.RouterState.fair_pool`) and those serving it with
+room, in configuration order (:meth:`~firstbyte.router.backpressure.LoadTracker.available`).
+Worked out once for a placement at its ``now`` (:meth:`~firstbyte.router.state.RouterState.room`):
+the fair gate, the region's choice and the backend's then read it instead of scanning the
+backends each (a tuple, not a class: made once a request). It is used only for the very set
+it was worked out for (``is``): a model map changed since makes it the caller's scan again."""
 
 
 # A msgspec Struct, not a frozen dataclass: made once or twice a request, and a frozen
@@ -208,10 +219,11 @@ class RouteChooser:
         forwarded: bool = False,
         draining: bool = False,
         sent_since: Mapping[str, int] | None = None,
+        room: Room | None = None,
     ) -> RouteDecision | ModelMissing:
         """Where ``route`` is served (:func:`choose_region` over the region and the peers
         serving its model), or why nobody can serve its model. A request a peer forwarded
-        is never forwarded again."""
+        is never forwarded again. ``room``: the request's :data:`Room` at ``now``, if known."""
         known = self.models.by_model.get(route.model)  # :meth:`serving`, inlined
         serving = known or self.models.unknown_set
         peers = (
@@ -227,8 +239,13 @@ class RouteChooser:
             # no wait or prefill estimate can change it (none is computed: its expected_ms
             # is empty).
             # Not saturated: some backend serving is healthy (an unhealthy one is saturated).
-            room = not draining and not self.tracker.region_saturated(now, serving)
-            verdict = Verdict.LOCAL if room else Verdict.REJECT
+            if draining:
+                verdict = Verdict.REJECT
+            elif room is not None and room[0] is serving:
+                verdict = Verdict.LOCAL if room[2] else Verdict.REJECT
+            else:
+                saturated = self.tracker.region_saturated(now, serving)
+                verdict = Verdict.REJECT if saturated else Verdict.LOCAL
             return RouteDecision(RegionDecision(verdict, self.region), serving)
         prefix = route.prefix
         decision = choose_region(
@@ -271,12 +288,16 @@ class RouteChooser:
         return BackendChoice(choice.backend, reason)
 
     def local_backend(
-        self, route: RouteInput, now: float, serving: frozenset[str] | None = None
+        self, route: RouteInput, now: float, serving: frozenset[str] | None = None,
+        room: Room | None = None,
     ) -> BackendChoice | None:
         """A backend with room serving ``route``'s model (among ``serving``, when the caller
-        has them already: :attr:`RouteDecision.serving`)."""
+        has them already: :attr:`RouteDecision.serving`; those with room in ``room``, the
+        request's :data:`Room` at ``now``, when it was worked out for them)."""
         if serving is None:
             serving = self.serving(route.model)
+        if room is not None and room[0] is serving:
+            return self.backend(route, room[2], now)
         return self.backend(route, self.tracker.available(now, serving), now)
 
     def queue_backend(self, route: RouteInput, now: float) -> BackendChoice | None:

@@ -142,3 +142,21 @@ def test_a_region_without_peers_serves_while_it_has_room_and_refuses_when_full()
     gone = c.region_for(RouteInput("B", "k"), None, now=1.0)
     assert isinstance(gone, RouteDecision)
     assert gone.region.verdict is Verdict.REJECT
+
+
+def test_a_room_is_read_only_for_the_backends_it_was_worked_out_for() -> None:
+    # A placement's room (RouterState.room) stands in for a scan of the backends, but only
+    # for the very set it was made for: for another (a model map changed since) the chooser
+    # scans them as without one.
+    c = chooser({"a0": ["A"], "a1": ["A"], "b0": ["B"]}, {})
+    serving = c.serving("A")
+    full: tuple[frozenset[str], frozenset[str] | None, list[str]] = (serving, serving, [])
+    decision = c.region_for(RouteInput("A", "k"), None, now=1.0, room=full)
+    assert decision.region.verdict is Verdict.REJECT  # type: ignore[union-attr]
+    assert c.local_backend(RouteInput("A", "k"), 1.0, serving, full) is None
+    only_a1 = (serving, serving, ["a1"])
+    assert c.local_backend(RouteInput("A", "k"), 1.0, serving, only_a1).backend == "a1"  # type: ignore[union-attr]
+    other = (frozenset(sorted(serving)), serving, [])  # equal, not the same: not its room
+    decision = c.region_for(RouteInput("A", "k"), None, now=1.0, room=other)
+    assert decision.region.verdict is Verdict.LOCAL  # type: ignore[union-attr]
+    assert c.local_backend(RouteInput("A", "k"), 1.0, serving, other) is not None
