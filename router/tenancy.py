@@ -466,10 +466,16 @@ def limit_key(
     The rate is checked last so that a request refused for another reason spends no token.
     """
     owner = ctx.owner
-    in_flight = store.live_streams(owner) + limiter.unstreamed(owner)
-    refused = limiter.over_concurrency(owner, in_flight)
-    if refused is not None and tenants is not None:
-        tenants.subjects_of(owner).asked(ctx.subject or "", now)  # a slot that frees is its
+    # The key's completions in flight are counted only for a key with a cap (none by default,
+    # none without API keys): nothing else here reads the count (subject_refusal's share of
+    # the key's cap neither), and counting it is three calls a request.
+    refused: Refusal | None = None
+    in_flight = 0
+    if limiter.max_streams(owner) is not None:
+        in_flight = store.live_streams(owner) + limiter.unstreamed(owner)
+        refused = limiter.over_concurrency(owner, in_flight)
+        if refused is not None and tenants is not None:
+            tenants.subjects_of(owner).asked(ctx.subject or "", now)  # a slot that frees is its
     if refused is None and tenants is not None:
         refused = subject_refusal(ctx, limiter, tenants, in_flight, now)
     if refused is None and ctx.stream_requested:
