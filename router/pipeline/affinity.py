@@ -151,7 +151,9 @@ class AffinityPolicy:
     ) -> BackendChoice | None:
         """Pick a backend among ``available`` (healthy, unsaturated); ``None`` if there is none.
 
-        ``loads`` is each backend's current load (requests in flight or queued).
+        ``loads`` is each backend's current load (requests in flight or queued); with one
+        candidate and ``abs_threshold >= 0`` it is not read (the candidate is picked
+        whatever its load, under every policy).
         """
         if not available:
             return None

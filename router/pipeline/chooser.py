@@ -278,11 +278,16 @@ class RouteChooser:
     ) -> BackendChoice | None:
         """The affinity policy's pick among ``candidates`` (under ``reason``, the policy's
         own when None); None if it picks nothing."""
-        load = self.tracker.load
+        policy = self.policy
         loads = {}
-        for n in candidates:  # a loop, not a dict comprehension: that is a call of its own
-            loads[n] = load(n, now)
-        choice = self.policy.choose(route.affinity_key, candidates, loads, now)
+        # A lone candidate is picked whatever its load (AffinityPolicy.choose; a negative
+        # abs_threshold aside): its load, a call, is not asked (the usual case: a region of
+        # one backend per model, or one with room).
+        if len(candidates) > 1 or policy.abs_threshold < 0:
+            load = self.tracker.load
+            for n in candidates:  # a loop, not a dict comprehension: that is a call of its own
+                loads[n] = load(n, now)
+        choice = policy.choose(route.affinity_key, candidates, loads, now)
         if choice is None or reason is None:
             return choice
         return BackendChoice(choice.backend, reason)

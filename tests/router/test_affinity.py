@@ -137,3 +137,14 @@ def test_a_conversation_opens_until_something_answered_it() -> None:
     assert not opens_conversation(request("user", "function"))
     # the key is the first message's either way: a later turn names the conversation's key
     assert affinity_key(request("user", "assistant", "user")) == affinity_key(request("user"))
+
+
+def test_a_lone_candidate_is_chosen_whatever_its_load() -> None:
+    # RouteChooser.backend asks no load for a lone candidate (abs_threshold >= 0): under every
+    # policy the choice and its reason are the same without it.
+    for name in ("prefix", "least_loaded", "round_robin"):
+        answers = []
+        for loads in ({}, {"b": 0}, {"b": 50}):
+            policy = AffinityPolicy({"a": 1.0, "b": 1.0}, policy=name)
+            answers.append([policy.choose(f"k{i % 3}", ["b"], loads, float(i)) for i in range(6)])
+        assert answers[0] == answers[1] == answers[2], name
