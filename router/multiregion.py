@@ -602,9 +602,10 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self._counted(self.chooser.local_backend(route, now, serving, room))
+            chosen = self.chooser.local_backend(route, now, serving, room)
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
+            self.choices[chosen.reason] += 1  # _counted inlined (every request's call)
             return self._serve_local(ctx, chosen, location, now, route)
         if decision.verdict is Verdict.REJECT:
             reason = "saturated_forwarded" if forwarded else "no_peer_with_room"

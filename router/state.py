@@ -343,10 +343,11 @@ class RouterState:
         request = ctx.request
         if request is None:
             return None
-        # RegionRouting.serving inlined: asked three times a request (the fair gate, the
-        # fair turn, the hold).
+        # RegionRouting.serving and RouteChooser.serving inlined: asked at every request's
+        # hold (its placement's stages read the pool in its room instead: room()).
         routing = self.routing
-        serving = routing.chooser.serving(request.model)
+        models = routing.chooser.models
+        serving = models.by_model.get(request.model) or models.unknown_set
         if serving.issuperset(routing.tracker.backends):
             return None
         return serving
@@ -434,11 +435,16 @@ class RouterState:
             if not room[2]:  # nobody serving it has room: the region is saturated
                 return CONTINUE
         # The region's shares (pool None) asked without tenants_of and _forget_pool, which
-        # have nothing to do for them: each is a Python call.
-        tenants = self.tenants if pool is None else self.tenants_of(pool)
+        # have nothing to do for them, and its capacity without _fair_capacity (inlined):
+        # each is a Python call.
+        if pool is None:
+            tenants = self.tenants
+            capacity = float(tracker.capacity() + sum(self.routing.peer_routed.values()))
+        else:
+            tenants = self.tenants_of(pool)
+            capacity = self._fair_capacity(pool)
         refused = tenants.fair_refusal(
-            ctx, self._fair_capacity(pool), now,
-            lambda: tracker.retry_after_s(now, pool), full=False,
+            ctx, capacity, now, lambda: tracker.retry_after_s(now, pool), full=False,
         )
         if pool is not None:
             self._forget_pool(pool)

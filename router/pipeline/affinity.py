@@ -166,10 +166,14 @@ class AffinityPolicy:
             # without the ranks, loads and shares worked out for several (~8k instructions).
             backend = available[0]
             self._expire(now)
-            known = self._keys.get(key)
+            keys = self._keys
+            known = keys.get(key)
+            if known is not None and known[0] == backend:  # _remember's own first case
+                keys[key] = (backend, now)
+                keys.move_to_end(key)
+                return BackendChoice(backend, "affinity")
             self._remember(key, backend, now)
-            seen = known is not None and known[0] == backend
-            return BackendChoice(backend, "affinity" if seen else "new-key")
+            return BackendChoice(backend, "new-key")
         # One backend is its own rank: no digest to take (a region of one backend per model).
         rank = (
             list(available) if len(available) == 1
