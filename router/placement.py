@@ -4,8 +4,9 @@ In memory (the default) they are plain synchronous stages, in this order:
 :func:`~firstbyte.router.tenancy.limit_key` (concurrency, room in the store, rate),
 :meth:`~firstbyte.router.multiregion.RegionRouting.route` (region, then backend by affinity
 and load) and :func:`~firstbyte.router.pipeline.backend.choose_backend`. A request below its
-fair share in a full region waits for a slot between routing and its retry (``_route``,
-``routing.max_fair_wait_ms``; with shared state, for the slots this process sees free).
+fair share in a full region waits for a slot between routing and its retry
+(``_wait_and_route``, ``routing.max_fair_wait_ms``; with shared state, for the slots this
+process sees free).
 
 With shared state (``state.redis_url``) the counts are region-wide, in Redis
 (:mod:`firstbyte.router.shared.admission`). Routing decides first, as in memory, with the other
@@ -48,7 +49,6 @@ from .shared.errors import StateUnavailable, unavailable_reply
 from .tenancy import limit_key, refusal, store_refusal, subject_refusal
 
 if TYPE_CHECKING:
-    from .pipeline.chooser import Room
     from .shared.admission import SharedAdmission
     from .state import RouterState
 
@@ -87,8 +87,12 @@ async def place_in_memory(
     if outcome is CONTINUE:
         room = state.room(ctx, now)
         outcome = state.fair_gate(ctx, now, room)
-        if outcome is CONTINUE:
-            outcome = await _route(state, ctx, gone=gone, now=now, room=room)
+        if outcome is CONTINUE:  # _route's first try, inlined: no coroutine unless it waits
+            outcome = state.fair_turn(ctx, now, room)
+            if outcome is CONTINUE:
+                outcome = state.routing.route(ctx, state.fair_check, now=now, room=room)
+            if outcome is WAIT_FOR_SLOT:
+                outcome = await _wait_and_route(state, ctx, gone)
     if outcome is CONTINUE:
         outcome = choose_backend(ctx, state.pool)
     return outcome
@@ -97,21 +101,29 @@ async def place_in_memory(
 async def _route(
     state: RouterState, ctx: RequestContext, first: bool = True,
     gone: Callable[[], Awaitable[object]] | None = None,
-    now: float | None = None, room: Room | None = None,
 ) -> Outcome:
     """Route ``ctx`` (:meth:`~firstbyte.router.multiregion.RegionRouting.route`). Below its
-    fair share in a full region it waits for a slot (``routing.max_fair_wait_ms`` in all),
-    and is routed again the moment one is handed to it; a ``first`` try does not overtake
-    requests already waiting (:meth:`~firstbyte.router.state.RouterState.fair_turn`).
-    ``now`` and ``room`` (``ctx``'s at ``now``) are the first try's, if the caller has them;
-    a try after a wait reads the clock and the backends again."""
-    outcome = state.fair_turn(ctx, now, room) if first else CONTINUE
+    fair share in a full region it waits for a slot (:func:`_wait_and_route`); a ``first``
+    try does not overtake requests already waiting
+    (:meth:`~firstbyte.router.state.RouterState.fair_turn`). (:func:`place_in_memory` has
+    its first try inlined.)"""
+    outcome = state.fair_turn(ctx) if first else CONTINUE
     if outcome is CONTINUE:
-        outcome = state.routing.route(ctx, state.fair_check, now=now, room=room)
-    until: float | None = None
+        outcome = state.routing.route(ctx, state.fair_check)
+    if outcome is WAIT_FOR_SLOT:
+        outcome = await _wait_and_route(state, ctx, gone)
+    return outcome
+
+
+async def _wait_and_route(
+    state: RouterState, ctx: RequestContext, gone: Callable[[], Awaitable[object]] | None
+) -> Outcome:
+    """``ctx`` was told to wait for a slot (:data:`~firstbyte.router.multiregion.WAIT_FOR_SLOT`):
+    wait (``routing.max_fair_wait_ms`` in all, from now), and route it again the moment one
+    is handed to it (reading the clock and the backends again)."""
+    until = state.clock() + state.config.routing.max_fair_wait_ms / 1000.0
+    outcome: Outcome = WAIT_FOR_SLOT
     while outcome is WAIT_FOR_SLOT:
-        if until is None:
-            until = state.clock() + state.config.routing.max_fair_wait_ms / 1000.0
         outcome = await state.wait_for_slot(ctx, until, gone)
         if outcome is CONTINUE:
             outcome = state.routing.route(ctx, state.fair_check)
