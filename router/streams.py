@@ -579,7 +579,11 @@ class StreamStore:
         streams of anyone. No owner is refused for its share; when live streams of owners
         within their shares fill the whole store, the answer is a refusal.
         """
-        self._evict_aged(now)
+        streams = self._streams
+        # The oldest stream within its age (the usual case): none is, and _evict_aged, a
+        # call making a list, has nothing to do.
+        if streams and now - next(iter(streams.values())).created_at > self.max_age_s:
+            self._evict_aged(now)
         # With room, _reclaim and _evict_over_budget find nothing to do (non-strict, they
         # act at the bound): not called, two calls a request less.
         if self.total_bytes < self.max_total_bytes:

@@ -433,16 +433,17 @@ def subject_refusal(
     ``max_streams_per_subject``), then, at the key's cap, its fair share of that cap."""
     owner, subject = ctx.owner, ctx.subject or ""
     subjects = tenants.subjects.get(owner)
-    mine = subjects.in_flight(subject) if subjects is not None else 0
     cap = ctx.subject_max_streams or (
         limiter.policy(owner).max_streams_per_subject if ctx.subject else None
     )
-    if cap is not None and mine >= cap:
-        return Refusal(
-            error_codes.SUBJECT_CONCURRENCY_EXCEEDED, 1,
-            f"This user of the application has {mine} completions in flight, its limit is"
-            f" {cap}; retry when one has finished.",
-        )
+    if cap is not None:  # the subject's count is asked only of a capped subject (a call)
+        mine = subjects.in_flight(subject) if subjects is not None else 0
+        if mine >= cap:
+            return Refusal(
+                error_codes.SUBJECT_CONCURRENCY_EXCEEDED, 1,
+                f"This user of the application has {mine} completions in flight, its limit"
+                f" is {cap}; retry when one has finished.",
+            )
     if subjects is None:  # before the key's cap is looked up: nobody else of the key holds
         return None
     key_cap = limiter.max_streams(owner)

@@ -569,3 +569,17 @@ def test_stream_ids_are_unique_and_a_forked_child_draws_its_own() -> None:
     # Without the fork hook the child hands out the parent's next id from the same pool.
     assert len(child) == 22
     assert child != new_stream_id()
+
+
+def test_making_room_evicts_the_streams_past_their_age_first() -> None:
+    # make_room looks at the oldest stream only: when it is within its age none is past it.
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    old, young = store.create(ALICE, 0.0), store.create(BOB, 30.0)
+    assert store.make_room(ALICE, 60.0) is None
+    assert store.get(old.id, ALICE) is not None  # exactly its age: kept
+    assert store.make_room(ALICE, 61.0) is None
+    assert store.get(old.id, ALICE) is None
+    assert store.get(young.id, BOB) is not None
+    assert store.make_room(ALICE, 91.0) is None
+    assert store.get(young.id, BOB) is None
+    assert len(store) == 0

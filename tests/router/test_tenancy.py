@@ -196,6 +196,12 @@ def test_a_token_subject_cap_wins_over_the_keys() -> None:
     assert _refusal(limit_key(ctx, limiter, store, 0.0, tenants))[1] == (
         "subject_concurrency_exceeded"
     )
+    outcome = limit_key(ctx, limiter, store, 0.0, tenants)
+    assert isinstance(outcome, LocalReply)
+    assert json.loads(outcome.body)["error"]["message"] == (
+        "This user of the application has 1 completions in flight, its limit is 1;"
+        " retry when one has finished."
+    )
 
 
 def test_a_full_region_is_shared_between_keys_then_between_subjects() -> None:
