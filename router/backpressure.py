@@ -272,6 +272,24 @@ class LoadTracker:
                 out.append(n)
         return out
 
+    def room(self, now: float, among: Collection[str] | None = None) -> tuple[list[str], int]:
+        """:meth:`available` and :meth:`capacity` (of ``among``) in one loop over the
+        backends: a placement asks both (:meth:`~firstbyte.router.state.RouterState.room`)."""
+        saturated = self._saturated
+        out: list[str] = []
+        total = 0
+        for n, b in self.backends.items():
+            # An unhealthy backend is saturated, and no part of the capacity.
+            if b.healthy and (among is None or n in among):
+                slots = b.slots  # BackendLoad.limit inlined
+                total += (
+                    b.max_in_flight if slots is None
+                    else max(1, min(b.max_in_flight, slots + b.max_waiting))
+                )
+                if not saturated(b, now):
+                    out.append(n)
+        return out, total
+
     # The aggregates below are asked several times a request (admission, the fair gate,
     # routing): one loop each over the backends, no helper lists, generators or
     # comprehensions (a Python call, which each of them is, costs ~2k instructions, more

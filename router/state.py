@@ -363,7 +363,8 @@ class RouterState:
         serving = models.by_model.get(request.model) or models.unknown_set
         tracker = routing.tracker
         pool = None if serving.issuperset(tracker.backends) else serving  # fair_pool's
-        return serving, pool, tracker.available(now, serving)
+        available, capacity = tracker.room(now, serving)
+        return serving, pool, available, capacity
 
     def tenants_of(self, pool: frozenset[str] | None) -> Tenants:
         """The fair shares of ``pool`` (:meth:`fair_pool`)."""
@@ -437,12 +438,17 @@ class RouterState:
         # The region's shares (pool None) asked without tenants_of and _forget_pool, which
         # have nothing to do for them, and its capacity without _fair_capacity (inlined):
         # each is a Python call.
+        # The room's capacity is its pool's (over the same backends, at the same moment).
         if pool is None:
             tenants = self.tenants
-            capacity = float(tracker.capacity() + sum(self.routing.peer_routed.values()))
+            here = tracker.capacity() if room is None else room[3]
+            capacity = float(here + sum(self.routing.peer_routed.values()))
         else:
             tenants = self.tenants_of(pool)
-            capacity = self._fair_capacity(pool)
+            capacity = (
+                self._fair_capacity(pool) if room is None
+                else float(room[3] + self.routing.routed_to_peers(pool))
+            )
         refused = tenants.fair_refusal(
             ctx, capacity, now, lambda: tracker.retry_after_s(now, pool), full=False,
         )

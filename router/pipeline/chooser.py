@@ -37,10 +37,11 @@ __all__ = [
 
 CHARS_PER_TOKEN = 4.0
 
-Room = tuple[frozenset[str], frozenset[str] | None, list[str]]
+Room = tuple[frozenset[str], frozenset[str] | None, list[str], int]
 """A request's room at one moment: the backends serving its model (:meth:`RouteChooser.serving`),
-its fair pool (:meth:`~firstbyte.router.state.RouterState.fair_pool`) and those serving it with
-room, in configuration order (:meth:`~firstbyte.router.backpressure.LoadTracker.available`).
+its fair pool (:meth:`~firstbyte.router.state.RouterState.fair_pool`), those serving it with
+room, in configuration order (:meth:`~firstbyte.router.backpressure.LoadTracker.available`),
+and their capacity (:meth:`~firstbyte.router.backpressure.LoadTracker.capacity`).
 Worked out once for a placement at its ``now`` (:meth:`~firstbyte.router.state.RouterState.room`):
 the fair gate, the region's choice and the backend's then read it instead of scanning the
 backends each (a tuple, not a class: made once a request). It is used only for the very set

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import random
 
 from firstbyte.router.backpressure import BackendLoad, Ewma, LoadTracker
@@ -211,3 +212,19 @@ def test_consecutive_5xx_count_until_a_first_token() -> None:
     t.observe_ttft("b0", 50.0)
     assert t.observe_5xx("b0") == 1
     assert t.observe_5xx("b1") == 1
+
+
+def test_room_is_available_and_capacity_in_one_loop() -> None:
+    # RouterState.room reads both from LoadTracker.room: the same lists and sums, for every
+    # mix of health, learned slots, load and subset asked.
+    backends = [BackendLoad(f"b{i}", max_in_flight=4, max_waiting=1) for i in range(4)]
+    tracker = LoadTracker(backends)
+    backends[1].healthy = False
+    backends[2].slots = 2
+    for among in (None, frozenset({"b0", "b1"}), frozenset({"b2", "b3"}), frozenset()):
+        for loads in itertools.product((0, 2, 3, 4), repeat=4):
+            for b, load in zip(backends, loads, strict=True):
+                b.in_flight = load
+            assert tracker.room(1.0, among) == (
+                tracker.available(1.0, among), tracker.capacity(among)
+            ), (among, loads)

@@ -150,13 +150,13 @@ def test_a_room_is_read_only_for_the_backends_it_was_worked_out_for() -> None:
     # scans them as without one.
     c = chooser({"a0": ["A"], "a1": ["A"], "b0": ["B"]}, {})
     serving = c.serving("A")
-    full: tuple[frozenset[str], frozenset[str] | None, list[str]] = (serving, serving, [])
+    full: tuple[frozenset[str], frozenset[str] | None, list[str], int] = (serving, serving, [], 8)
     decision = c.region_for(RouteInput("A", "k"), None, now=1.0, room=full)
     assert decision.region.verdict is Verdict.REJECT  # type: ignore[union-attr]
     assert c.local_backend(RouteInput("A", "k"), 1.0, serving, full) is None
-    only_a1 = (serving, serving, ["a1"])
+    only_a1 = (serving, serving, ["a1"], 8)
     assert c.local_backend(RouteInput("A", "k"), 1.0, serving, only_a1).backend == "a1"  # type: ignore[union-attr]
-    other = (frozenset(sorted(serving)), serving, [])  # equal, not the same: not its room
+    other = (frozenset(sorted(serving)), serving, [], 8)  # equal, not the same: not its room
     decision = c.region_for(RouteInput("A", "k"), None, now=1.0, room=other)
     assert decision.region.verdict is Verdict.LOCAL  # type: ignore[union-attr]
     assert c.local_backend(RouteInput("A", "k"), 1.0, serving, other) is not None
