@@ -1,0 +1,364 @@
+"""The access line's exact bytes, in both formats, for the requests a router sees: a streamed
+completion with everything known, a refusal, a read of a stream, a stream evicted before its
+end, a request no pipeline ran for; and the record the trace exporter gets. The line is an
+interface (operators parse it): these pin its keys, their order and their values, so a change
+made for speed is seen to give the same line."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+
+from firstbyte.protocol.openai import ChatCompletionRequest, Message
+from firstbyte.router.geo import GeoPoint, Location
+from firstbyte.router.observability.access import (
+    CONTEXT_KEY,
+    AccessRecord,
+    RequestLog,
+    Usage,
+)
+from firstbyte.router.observability.logs import LogFormat
+from firstbyte.router.observability.usage import TokenUsage
+from firstbyte.router.pipeline.backend import Backend
+from firstbyte.router.pipeline.context import RequestContext, Traceparent
+from firstbyte.router.streams import Stream, StreamEvent
+from tests.router.test_logs import configured
+
+NOW = 1_700_000_000.25
+"""``time.time()`` as each line is written."""
+
+
+@dataclass
+class _Observation:
+    spill: bool
+    reason: str
+
+
+class _Spans:
+    def __init__(self) -> None:
+        self.records: list[AccessRecord] = []
+
+    def export(self, record: AccessRecord) -> None:
+        self.records.append(record)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _clock(*values: float) -> Any:
+    readings: Iterator[float] = iter(values)
+    return lambda: next(readings)
+
+
+def _chunk(content: str) -> bytes:
+    return (
+        b'{"id":"c1","object":"chat.completion.chunk","model":"served-m","choices":[{"index":0,'
+        b'"delta":{"content":"' + content.encode() + b'"}}]}'
+    )
+
+
+def _stream(*payloads: bytes, done: bool = True, usage: TokenUsage | None = None) -> Stream:
+    events = [StreamEvent(seq, data) for seq, data in enumerate(payloads, 1)]
+    if done:
+        events.append(StreamEvent(len(events) + 1, b"[DONE]"))
+    return Stream(
+        "strm-1", b"owner", 1.0, events=events, finished_at=2.0 if done else None, usage=usage
+    )
+
+
+def _request(model: str = "m", max_tokens: int | None = 64) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model, [Message("user", "hi")], stream=True, max_tokens=max_tokens)
+
+
+def _streamed() -> RequestContext:
+    """A streamed chat completion with everything an access line can say."""
+    ctx = RequestContext(
+        "POST",
+        "/v1/chat/completions",
+        {"host": "router.example", "authorization": "Bearer k"},
+        http_version="1.1",
+        received_at=10.0,
+    )
+    ctx.api_key = "sk-test-key"
+    ctx.subject = "user-7"
+    ctx.request = _request()
+    ctx.stream_requested = True
+    ctx.traceparent = Traceparent(
+        "4bf92f3577b34da6a3ce929d0e0e4736", "a1b2c3d4e5f60718", "01", "00f067aa0ba902b7"
+    )
+    ctx.backend = Backend("gpu-a", "http://10.0.0.5:8000/v1")
+    ctx.region = "eu-2"
+    ctx.admitted_at, ctx.routed_at = 10.001, 10.002
+    ctx.upstream_sent_at, ctx.first_token_at = 10.003, 10.0523
+    ctx.location = Location(GeoPoint(48.1, 11.6), "Munich", "DE")
+    ctx.observer = _Observation(True, "first_token_deadline")  # type: ignore[assignment]
+    ctx.upstream_error = "ReadTimeout: timed out"
+    ctx.outcome = "ok"
+    ctx.model_label = "m"
+    ctx.stream = _stream(_chunk(""), _chunk("a"), _chunk("b"), usage=TokenUsage(11, 2))
+    return ctx
+
+
+def _refused() -> RequestContext:
+    """A refusal before routing, of a model name past the bound."""
+    ctx = RequestContext("POST", "/v1/chat/completions", {}, received_at=20.0)
+    ctx.traceparent = Traceparent("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331", "00")
+    ctx.request = _request("x" * 300, None)
+    ctx.outcome = "rejected"
+    ctx.error_code = "key_rate_limited"
+    ctx.usage = Usage(outcome="")
+    return ctx
+
+
+def _read() -> RequestContext:
+    """A read of another request's stream (it is not this request's: no tokens)."""
+    ctx = RequestContext("GET", "/v1/streams/strm-1", {}, http_version="2", received_at=30.0)
+    ctx.traceparent = Traceparent("0af7651916cd43dd8448eb211c80319c", "c7ad6b7169203331")
+    ctx.stream = _stream(_chunk("a"))
+    ctx.region = "eu-1"
+    return ctx
+
+
+def _evicted() -> RequestContext:
+    """A long-poll stream evicted before its end, its tokens counted from its events."""
+    ctx = RequestContext("POST", "/v1/streams", {}, received_at=40.0)
+    ctx.traceparent = Traceparent("0af7651916cd43dd8448eb211c80319c", "d7ad6b7169203331")
+    ctx.request = _request()
+    ctx.backend = Backend("gpu-b", "http://10.0.0.6:8000")
+    ctx.first_token_at = 40.25
+    stream = _stream(
+        _chunk(""),
+        _chunk("a"),
+        _chunk("b"),
+        b'{"error":{"message":"x","code":"upstream_eof"}}',
+        done=False,
+    )
+    stream.evicted = True
+    ctx.stream = stream
+    return ctx
+
+
+async def _serve(
+    request_log: RequestLog,
+    path: str,
+    ctx: RequestContext | None,
+    status: int,
+    *,
+    complete: bool = True,
+) -> None:
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": ctx.method if ctx else "GET",
+        "path": path,
+        "http_version": ctx.http_version if ctx else "1.1",
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "http.disconnect"}
+
+    async def handler(scope: Any, receive: Any, send: Any) -> None:
+        if ctx is not None:
+            scope[CONTEXT_KEY] = ctx
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": not complete})
+
+    await request_log.serve(scope, receive, send, handler)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+
+
+JSON_LINES = [
+    '{"time":"2023-11-14T22:13:20.250Z","level":"info","logger":"firstbyte.access","msg":"POST /v1/chat/completions 200","request_id":"a1b2c3d4e5f60718","trace_id":"4bf92f3577b34da6a3ce929d0e0e4736","key_id":"b92d22615001","usage_key":"team-a","region":"eu-2","entry_region":"eu-1","backend":"gpu-a","transport":"sse","http_version":"1.1","method":"POST","path":"/v1/chat/completions","endpoint":"chat","status":200,"ttft_ms":52.3,"duration_ms":1250.5,"input_tokens":11,"output_tokens":2,"outcome":"ok","model":"m","stream":"strm-1","client_city":"Munich","client_country":"DE","subject_id":"4ff4c7354d44","spill":true,"route_reason":"first_token_deadline","upstream_error":"ReadTimeout: timed out"}\n',
+    '{"time":"2023-11-14T22:13:20.250Z","level":"info","logger":"firstbyte.access","msg":"POST /v1/chat/completions 429","request_id":"b7ad6b7169203331","trace_id":"0af7651916cd43dd8448eb211c80319c","key_id":null,"usage_key":"team-a","region":"eu-1","entry_region":"eu-1","backend":null,"transport":"json","http_version":"1.1","method":"POST","path":"/v1/chat/completions","endpoint":"chat","status":429,"ttft_ms":null,"duration_ms":0.75,"input_tokens":null,"output_tokens":null,"outcome":"rejected","model":"'
+    + "x" * 256
+    + '...[+44]","stream":null,"client_city":null,"client_country":null,"error_code":"key_rate_limited"}\n',
+    '{"time":"2023-11-14T22:13:20.250Z","level":"info","logger":"firstbyte.access","msg":"GET /v1/streams/{id} 200","request_id":"c7ad6b7169203331","trace_id":"0af7651916cd43dd8448eb211c80319c","key_id":null,"usage_key":null,"region":"eu-1","entry_region":"eu-1","backend":null,"transport":"sse","http_version":"2","method":"GET","path":"/v1/streams/{id}","endpoint":null,"status":200,"ttft_ms":null,"duration_ms":3000.0,"input_tokens":null,"output_tokens":null,"outcome":"ok","model":null,"stream":"strm-1","client_city":null,"client_country":null}\n',
+    '{"time":"2023-11-14T22:13:20.250Z","level":"info","logger":"firstbyte.access","msg":"POST /v1/streams 200","request_id":"d7ad6b7169203331","trace_id":"0af7651916cd43dd8448eb211c80319c","key_id":null,"usage_key":"team-a","region":"eu-1","entry_region":"eu-1","backend":"gpu-b","transport":"longpoll","http_version":"1.1","method":"POST","path":"/v1/streams","endpoint":"chat","status":200,"ttft_ms":250.0,"duration_ms":500.0,"input_tokens":null,"output_tokens":2,"outcome":"evicted","model":"m","stream":"strm-1","client_city":null,"client_country":null,"client_gone":true}\n',
+    '{"time":"2023-11-14T22:13:20.250Z","level":"info","logger":"firstbyte.access","msg":"GET /nowhere 404","request_id":"","trace_id":"","key_id":null,"usage_key":null,"region":"eu-1","entry_region":"eu-1","backend":null,"transport":"http","http_version":"1.1","method":"GET","path":"/nowhere","endpoint":null,"status":404,"ttft_ms":null,"duration_ms":2.0,"input_tokens":null,"output_tokens":null,"outcome":"error","model":null,"stream":null,"client_city":null,"client_country":null}\n',
+]
+
+TEXT_LINES = [
+    "2023-11-14T22:13:20.250Z INFO firstbyte.access: POST /v1/chat/completions 200 request_id=a1b2c3d4e5f60718 trace_id=4bf92f3577b34da6a3ce929d0e0e4736 key_id=b92d22615001 usage_key=team-a region=eu-2 entry_region=eu-1 backend=gpu-a transport=sse http_version=1.1 method=POST path=/v1/chat/completions endpoint=chat status=200 ttft_ms=52.3 duration_ms=1250.5 input_tokens=11 output_tokens=2 outcome=ok model=m stream=strm-1 client_city=Munich client_country=DE subject_id=4ff4c7354d44 spill=True route_reason=first_token_deadline upstream_error=ReadTimeout: timed out\n",
+    "2023-11-14T22:13:20.250Z INFO firstbyte.access: POST /v1/chat/completions 429 request_id=b7ad6b7169203331 trace_id=0af7651916cd43dd8448eb211c80319c usage_key=team-a region=eu-1 entry_region=eu-1 transport=json http_version=1.1 method=POST path=/v1/chat/completions endpoint=chat status=429 duration_ms=0.75 outcome=rejected model="
+    + "x" * 256
+    + "...[+44] error_code=key_rate_limited\n",
+    "2023-11-14T22:13:20.250Z INFO firstbyte.access: GET /v1/streams/{id} 200 request_id=c7ad6b7169203331 trace_id=0af7651916cd43dd8448eb211c80319c region=eu-1 entry_region=eu-1 transport=sse http_version=2 method=GET path=/v1/streams/{id} status=200 duration_ms=3000.0 outcome=ok stream=strm-1\n",
+    "2023-11-14T22:13:20.250Z INFO firstbyte.access: POST /v1/streams 200 request_id=d7ad6b7169203331 trace_id=0af7651916cd43dd8448eb211c80319c usage_key=team-a region=eu-1 entry_region=eu-1 backend=gpu-b transport=longpoll http_version=1.1 method=POST path=/v1/streams endpoint=chat status=200 ttft_ms=250.0 duration_ms=500.0 output_tokens=2 outcome=evicted model=m stream=strm-1 client_gone=True\n",
+    "2023-11-14T22:13:20.250Z INFO firstbyte.access: GET /nowhere 404 request_id= trace_id= region=eu-1 entry_region=eu-1 transport=http http_version=1.1 method=GET path=/nowhere status=404 duration_ms=2.0 outcome=error\n",
+]
+
+
+async def _lines(fmt: LogFormat, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[Any]]:
+    spans = _Spans()
+    # Each request's two readings: when it arrived, when it was over.
+    clock = _clock(
+        10.5, 11.2505, 20.1, 20.00075, 31.0, 33.0, 40.1, 40.5, 50.0, 50.002, 60.0, 60.001
+    )
+    request_log = RequestLog("eu-1", spans, clock, usage_key=lambda owner: "team-a")
+    with configured(fmt) as (out, _), monkeypatch.context() as patch:
+        patch.setattr(time, "time", lambda: NOW)
+        await _serve(request_log, "/v1/chat/completions", _streamed(), 200)
+        await _serve(request_log, "/v1/chat/completions", _refused(), 429)
+        await _serve(request_log, "/v1/streams/strm-1", _read(), 200)
+        await _serve(request_log, "/v1/streams", _evicted(), 200, complete=False)
+        await _serve(request_log, "/nowhere", None, 404)
+        await _serve(request_log, "/healthz", None, 200)  # debug: no line at info
+        return out.getvalue(), spans.records
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_access_lines_are_these_bytes(
+    fmt: LogFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written, _ = await _lines(fmt, monkeypatch)
+    assert written.splitlines(keepends=True) == (JSON_LINES if fmt == "json" else TEXT_LINES)
+
+
+async def test_the_trace_exporter_gets_these_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled requests a pipeline ran for, not the operational ones: every field of each."""
+    _, records = await _lines("json", monkeypatch)
+    assert [
+        msgspec.structs.asdict(record) | {"usage": msgspec.structs.asdict(record.usage)}
+        for record in records
+    ] == EXPORTED
+
+
+EXPORTED: list[dict[str, Any]] = [
+    {
+        "request_id": "a1b2c3d4e5f60718",
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+        "caller_span_id": "00f067aa0ba902b7",
+        "sampled": True,
+        "key_id": "b92d22615001",
+        "usage_key": "team-a",
+        "subject_id": "4ff4c7354d44",
+        "region": "eu-2",
+        "entry_region": "eu-1",
+        "spill": True,
+        "route_reason": "first_token_deadline",
+        "client_city": "Munich",
+        "client_country": "DE",
+        "backend": "gpu-a",
+        "backend_url": "http://10.0.0.5:8000/v1",
+        "transport": "sse",
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "outcome": "ok",
+        "stream": "strm-1",
+        "model": "m",
+        "max_tokens": 64,
+        "usage": {
+            "input_tokens": 11,
+            "output_tokens": 2,
+            "response_model": "served-m",
+            "outcome": "ok",
+        },
+        "client_gone": False,
+        "server_address": "router.example",
+        "started_at": 10.0,
+        "admitted_at": 10.001,
+        "routed_at": 10.002,
+        "upstream_sent_at": 10.003,
+        "first_token_at": 10.0523,
+        "ended_at": 11.2505,
+        "endpoint": "chat",
+        "upstream_error": "ReadTimeout: timed out",
+        "error_code": None,
+    },
+    {
+        "request_id": "c7ad6b7169203331",
+        "trace_id": "0af7651916cd43dd8448eb211c80319c",
+        "caller_span_id": None,
+        "sampled": True,
+        "key_id": None,
+        "usage_key": None,
+        "subject_id": None,
+        "region": "eu-1",
+        "entry_region": "eu-1",
+        "spill": False,
+        "route_reason": "",
+        "client_city": None,
+        "client_country": None,
+        "backend": None,
+        "backend_url": None,
+        "transport": "sse",
+        "http_version": "2",
+        "method": "GET",
+        "path": "/v1/streams/{id}",
+        "status": 200,
+        "outcome": "ok",
+        "stream": "strm-1",
+        "model": None,
+        "max_tokens": None,
+        "usage": {
+            "input_tokens": None,
+            "output_tokens": None,
+            "response_model": None,
+            "outcome": "",
+        },
+        "client_gone": False,
+        "server_address": None,
+        "started_at": 30.0,
+        "admitted_at": None,
+        "routed_at": None,
+        "upstream_sent_at": None,
+        "first_token_at": None,
+        "ended_at": 33.0,
+        "endpoint": None,
+        "upstream_error": None,
+        "error_code": None,
+    },
+    {
+        "request_id": "d7ad6b7169203331",
+        "trace_id": "0af7651916cd43dd8448eb211c80319c",
+        "caller_span_id": None,
+        "sampled": True,
+        "key_id": None,
+        "usage_key": "team-a",
+        "subject_id": None,
+        "region": "eu-1",
+        "entry_region": "eu-1",
+        "spill": False,
+        "route_reason": "",
+        "client_city": None,
+        "client_country": None,
+        "backend": "gpu-b",
+        "backend_url": "http://10.0.0.6:8000",
+        "transport": "longpoll",
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/streams",
+        "status": 200,
+        "outcome": "evicted",
+        "stream": "strm-1",
+        "model": "m",
+        "max_tokens": 64,
+        "usage": {
+            "input_tokens": None,
+            "output_tokens": 2,
+            "response_model": "served-m",
+            "outcome": "evicted",
+        },
+        "client_gone": True,
+        "server_address": None,
+        "started_at": 40.0,
+        "admitted_at": None,
+        "routed_at": None,
+        "upstream_sent_at": None,
+        "first_token_at": 40.25,
+        "ended_at": 40.5,
+        "endpoint": "chat",
+        "upstream_error": None,
+        "error_code": None,
+    },
+]
