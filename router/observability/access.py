@@ -383,15 +383,6 @@ def _transport(path: str, ctx: RequestContext | None, websocket: bool) -> str:
     return "http"
 
 
-def _produced(ctx: RequestContext | None, exchange: _Exchange, websocket: bool) -> Stream | None:
-    """The stream this request started in this process (its tokens are this request's), or
-    None: a request that read a stream, or started none."""
-    stream = ctx.stream if ctx is not None else None
-    if isinstance(stream, Stream) and (websocket or exchange.path in _STARTS_STREAM):
-        return stream
-    return None
-
-
 _STREAM_PATH = paths.STREAMS + "/"
 
 
@@ -474,7 +465,12 @@ class RequestLog:
         self._finish(exchange, ctx, websocket=True)
 
     def _finish(self, exchange: _Exchange, ctx: RequestContext | None, *, websocket: bool) -> None:
-        stream = _produced(ctx, exchange, websocket)
+        # The stream this request started in this process (its tokens are this request's),
+        # or None: a request that read a stream, or started none.
+        stream = ctx.stream if ctx is not None else None
+        if not isinstance(stream, Stream) or not (
+                websocket or exchange.path in _STARTS_STREAM):
+            stream = None
         # finished_at, not the done property: one call less a request.
         if stream is None or stream.finished_at is not None or stream.evicted:
             self._write(exchange, ctx, websocket, self.clock(), stream)
@@ -523,11 +519,14 @@ class RequestLog:
         stream: Stream | None,
     ) -> AccessRecord:
         """The access record of a finished request (``ctx`` None: no pipeline ran) that
-        produced ``stream`` (:func:`_produced`)."""
-        touched = ctx.stream if ctx is not None else None  # started or read
+        produced ``stream`` (started in this process: its tokens are this request's)."""
         status = exchange.status
+        path = exchange.path
+        if ctx is None:
+            return self._bare_record(exchange, websocket, ended_at)
+        # From here on ctx is there: one test of it, not one a field.
         if stream is not None:
-            codec = ctx.codec if ctx is not None else CHAT
+            codec = ctx.codec
             if stream.usage is not None:  # the relay's (its usage chunk may be dropped)
                 # Tokens known: no pass over the events, a JSON decode of two at most.
                 # _stored_ends in line (once a request, the call costs more than its work).
@@ -546,60 +545,77 @@ class RequestLog:
             if stream.evicted and not stream.done:
                 usage = Usage(usage.input_tokens, usage.output_tokens, usage.response_model,
                               "evicted")
-        elif ctx is not None and ctx.usage is not None:
+        elif ctx.usage is not None:
             usage = ctx.usage
         else:
             usage = Usage(outcome="")
-        outcome = (ctx.outcome if ctx is not None else "") or usage.outcome
+        outcome = ctx.outcome or usage.outcome
         if not outcome:
             outcome = "ok" if status is not None and status < 400 else "error"
-        backend = getattr(ctx.backend, "name", None) if ctx is not None else None
-        backend_url = getattr(ctx.backend, "url", None) if ctx is not None else None
-        request = ctx.request if ctx is not None else None
-        trace = ctx.traceparent if ctx is not None else None
+        backend = ctx.backend
+        request = ctx.request
+        trace = ctx.traceparent
+        touched = ctx.stream  # started or read
         # The multi-region stage's records (router.multiregion.Observation, geo.Location).
-        observer = ctx.observer if ctx is not None else None
-        location = ctx.location if ctx is not None else None
+        observer = ctx.observer
+        if observer is not None:
+            spill = bool(getattr(observer, "spill", False))
+            reason = getattr(observer, "reason", "")
+        else:
+            spill, reason = False, ""
+        location = ctx.location
+        if location is not None:
+            city, country = getattr(location, "city", None), getattr(location, "country", None)
+        else:
+            city = country = None
         # Client-supplied strings are bounded; each is tested here and bounded() called only
         # for one past the bound (six calls a request otherwise, nearly always of nothing).
-        path = exchange.path
         if path.startswith(_STREAM_PATH):
             path = _path_template(path)
         method, http_version = exchange.method, exchange.http_version
         model = request.model if request is not None else None
-        host = ctx.headers.get("host") if ctx is not None else None
+        host = ctx.headers.get("host")
         if (len(path) > MAX_FIELD_CHARS or len(method) > MAX_FIELD_CHARS
                 or len(http_version) > MAX_FIELD_CHARS
                 or (model is not None and len(model) > MAX_FIELD_CHARS)
                 or (host is not None and len(host) > MAX_FIELD_CHARS)):
             path, method, http_version = bounded(path), bounded(method), bounded(http_version)
             model, host = bounded(model), bounded(host)
-        if ctx is None:
-            key, subject = None, None
-        else:  # the digests only of what is there (an anonymous request has no key)
-            key = key_id(ctx.api_key) if ctx.api_key else None
-            subject = subject_id(ctx.subject) if ctx.subject else None
+        # _transport in line, with ctx known to be there.
+        if websocket:
+            transport = "websocket"
+        elif exchange.path in BY_PATH:
+            transport = "sse" if ctx.stream_requested else "json"
+        else:
+            transport = _transport(exchange.path, ctx, websocket)
+        started_at, received_at = exchange.started_at, ctx.received_at
+        if received_at < started_at:  # min(), without its call
+            started_at = received_at
+        upstream_error = ctx.upstream_error
+        api_key = ctx._api_key
         return AccessRecord(
-            request_id=trace.parent_id if trace is not None else "",
-            trace_id=trace.trace_id if trace is not None else "",
-            caller_span_id=trace.caller_id if trace is not None else None,
-            sampled=trace.sampled if trace is not None else False,
-            key_id=key,
+            request_id=trace.parent_id,
+            trace_id=trace.trace_id,
+            caller_span_id=trace.caller_id,
+            sampled=trace.sampled,
+            # The digests only of what is there (an anonymous request has no key). The key
+            # is read from its field, not through the api_key descriptor: a call less.
+            key_id=key_id(api_key) if api_key else None,
             usage_key=(
                 self.usage_key(ctx.owner)
-                if ctx is not None and self.usage_key is not None and ctx.request is not None
+                if self.usage_key is not None and request is not None
                 else None
             ),
-            subject_id=subject,
-            region=ctx.region if ctx is not None and ctx.region else self.region,
+            subject_id=subject_id(ctx.subject) if ctx.subject else None,
+            region=ctx.region or self.region,
             entry_region=self.region,
-            spill=bool(getattr(observer, "spill", False)),
-            route_reason=str(getattr(observer, "reason", "") or (ctx.route_reason if ctx else "")),
-            client_city=getattr(location, "city", None),
-            client_country=getattr(location, "country", None),
-            backend=backend,
-            backend_url=backend_url,
-            transport=_transport(exchange.path, ctx, websocket),
+            spill=spill,
+            route_reason=str(reason or ctx.route_reason),
+            client_city=city,
+            client_country=country,
+            backend=getattr(backend, "name", None),
+            backend_url=getattr(backend, "url", None),
+            transport=transport,
             http_version=http_version,
             method=method,
             path=path,
@@ -611,15 +627,58 @@ class RequestLog:
             usage=usage,
             client_gone=not exchange.complete,
             server_address=host,
-            started_at=min(exchange.started_at, ctx.received_at) if ctx else exchange.started_at,
-            admitted_at=ctx.admitted_at if ctx is not None else None,
-            routed_at=ctx.routed_at if ctx is not None else None,
-            upstream_sent_at=ctx.upstream_sent_at if ctx is not None else None,
-            first_token_at=ctx.first_token_at if ctx is not None else None,
+            started_at=started_at,
+            admitted_at=ctx.admitted_at,
+            routed_at=ctx.routed_at,
+            upstream_sent_at=ctx.upstream_sent_at,
+            first_token_at=ctx.first_token_at,
             ended_at=ended_at,
-            endpoint=ctx.codec.name if ctx is not None and ctx.request is not None else None,
-            upstream_error=bounded(ctx.upstream_error) if ctx and ctx.upstream_error else None,
-            error_code=ctx.error_code if ctx is not None else None,
+            endpoint=ctx.codec.name if request is not None else None,
+            upstream_error=bounded(upstream_error) if upstream_error else None,
+            error_code=ctx.error_code,
+        )
+
+    def _bare_record(self, exchange: _Exchange, websocket: bool, ended_at: float) -> AccessRecord:
+        """:meth:`record` of a request no pipeline ran for (no context, so no stream)."""
+        status = exchange.status
+        path = exchange.path
+        if path.startswith(_STREAM_PATH):
+            path = _path_template(path)
+        return AccessRecord(
+            request_id="",
+            trace_id="",
+            caller_span_id=None,
+            sampled=False,
+            key_id=None,
+            usage_key=None,
+            subject_id=None,
+            region=self.region,
+            entry_region=self.region,
+            spill=False,
+            route_reason="",
+            client_city=None,
+            client_country=None,
+            backend=None,
+            backend_url=None,
+            transport=_transport(exchange.path, None, websocket),
+            # Each bounded alone: the same as bounding all when one is past the bound.
+            http_version=bounded(exchange.http_version),
+            method=bounded(exchange.method),
+            path=bounded(path),
+            status=status,
+            outcome="ok" if status is not None and status < 400 else "error",
+            stream=None,
+            model=None,
+            max_tokens=None,
+            usage=Usage(outcome=""),
+            client_gone=not exchange.complete,
+            server_address=None,
+            started_at=exchange.started_at,
+            admitted_at=None,
+            routed_at=None,
+            upstream_sent_at=None,
+            first_token_at=None,
+            ended_at=ended_at,
         )
 
     async def aclose(self) -> None:
