@@ -158,7 +158,21 @@ class JsonFormatter(_LineFormatter):
         }
         if _worker is not None:
             line["worker"] = _worker
-        if line.keys().isdisjoint(fields):  # an access line's ~25 fields: two C calls
+        disjoint = line.keys().isdisjoint(fields)
+        if disjoint and fields and not exc and type(fields) is dict:
+            # The line's members and the fields encoded one after the other into one buffer,
+            # the fields' ``{`` made the ``,`` between: the bytes of the merged object's
+            # encoding, without merging an access line's ~25 fields into a second dict.
+            try:
+                buffer = bytearray()
+                _ENCODER.encode_into(line, buffer)
+                brace = len(buffer) - 1
+                _ENCODER.encode_into(fields, buffer, brace)
+                buffer[brace] = 44  # ","
+                return buffer.decode()
+            except (TypeError, ValueError, UnicodeDecodeError):
+                pass  # as the merged object fails: below
+        if disjoint:
             line.update(fields)
         else:  # a field named as a line's own member is not written over it
             for name, value in fields.items():

@@ -14,9 +14,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from firstbyte.benchmarks.ports import free_port
@@ -394,6 +396,30 @@ def test_json_lines_encode_any_field_and_stamp_each_line() -> None:
     assert lines[0]["text"] == "café"
     assert lines[1]["text"].startswith("<object object at ")
     assert lines[0]["ttft_ms"] == 9.52
+
+
+def test_a_json_line_is_its_members_then_its_fields_as_one_object() -> None:
+    """Whatever the fields (none, a mapping other than a dict, a name of the line's own, a
+    value only the standard library encodes, an exception's text after them), the line is
+    the JSON of the line's members followed by the fields not named as one of them."""
+    formatter = JsonFormatter()
+    head = {"time": "2023-11-14T22:13:20.250Z", "level": "info", "logger": "a", "msg": "m"}
+    cases: list[tuple[Any, str | None]] = [
+        ({}, None),
+        ({"status": 200, "ttft_ms": 9.52, "model": None, "obj": object()}, None),
+        (MappingProxyType({"status": 200}), None),
+        ({"status": 200, "msg": "not overwritten", "level": "no"}, None),
+        ({"status": 200, "text": "lone \ud800 surrogate"}, None),
+        ({"status": 200}, "Traceback: boom"),
+    ]
+    for fields, exc in cases:
+        merged = {**head, **{k: v for k, v in fields.items() if k not in head}}
+        if exc:
+            merged["exc"] = exc
+        line = formatter.line(1_700_000_000.25, "INFO", "a", "m", fields, exc)
+        assert json.loads(line) == json.loads(json.dumps(merged, default=str)), fields
+        if "text" not in fields:  # the standard library's own escapes the surrogate
+            assert line == msgspec.json.encode(merged, enc_hook=str).decode()
 
 
 def test_text_lines_carry_the_same_time_and_the_fields() -> None:
