@@ -124,11 +124,15 @@ class UsageMeter:
     def record(self, owner: bytes, input_tokens: int | None, output_tokens: int | None) -> None:
         """One completion served for ``owner``'s key, with the tokens known of it."""
         name = self._names.get(owner, OTHER)
-        self.requests[name] = self.requests.get(name, 0) + 1
-        for direction, count in (("input", input_tokens), ("output", output_tokens)):
-            if count:
-                series = (name, direction)
-                self.tokens[series] = self.tokens.get(series, 0) + count
+        requests, tokens = self.requests, self.tokens
+        requests[name] = requests.get(name, 0) + 1
+        # The two directions written out: no pairs to build and loop over, once a request.
+        if input_tokens:
+            series = (name, "input")
+            tokens[series] = tokens.get(series, 0) + input_tokens
+        if output_tokens:
+            series = (name, "output")
+            tokens[series] = tokens.get(series, 0) + output_tokens
 
     def render(self) -> list[str]:
         return [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from firstbyte.router.hosting.prometheus import Histogram, labels, render_counter, render_gauge
+from firstbyte.router.metrics import START_BUCKETS_S, TTFT_BUCKETS_S, Metrics
 
 
 def test_labels_escape_backslash_quote_and_newline() -> None:
@@ -38,3 +39,17 @@ def test_histogram_is_cumulative_with_le_last() -> None:
         'h_count{m="x"} 4',
     ]
     assert hist.samples("h")[-2:] == ["h_sum 3.65", "h_count 4"]
+
+
+def test_the_routers_histograms_count_as_a_histogram_does() -> None:
+    """Metrics.observe_start and observe_ttft update their histograms in line."""
+    metrics = Metrics()
+    start, ttft = Histogram(START_BUCKETS_S), Histogram(TTFT_BUCKETS_S)
+    for value in (0.0001, 0.003, 0.003, 0.2, 7.0, 99.0):
+        metrics.observe_start(value)
+        start.observe(value)
+        metrics.observe_ttft("m", value)
+        ttft.observe(value)
+    assert metrics.start.samples("s", sum_spec=".6f") == start.samples("s", sum_spec=".6f")
+    assert metrics.ttft["m"].samples("t") == ttft.samples("t")
+    assert list(metrics.ttft) == ["m"]
