@@ -362,3 +362,16 @@ EXPORTED: list[dict[str, Any]] = [
         "error_code": None,
     },
 ]
+
+
+def test_the_record_has_the_fields_record_passes_by_position() -> None:
+    """RequestLog.record passes the record's values by position: a field moved or added
+    must move its value there too."""
+    assert AccessRecord.__struct_fields__ == (
+        "request_id", "trace_id", "caller_span_id", "sampled", "key_id", "usage_key",
+        "subject_id", "region", "entry_region", "spill", "route_reason", "client_city",
+        "client_country", "backend", "backend_url", "transport", "http_version", "method",
+        "path", "status", "outcome", "stream", "model", "max_tokens", "usage", "client_gone",
+        "server_address", "started_at", "admitted_at", "routed_at", "upstream_sent_at",
+        "first_token_at", "ended_at", "endpoint", "upstream_error", "error_code",
+    )  # fmt: skip
