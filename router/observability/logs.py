@@ -102,6 +102,10 @@ def _fields(record: logging.LogRecord) -> Mapping[str, Any]:
     return fields if isinstance(fields, Mapping) else {}
 
 
+_MILLIS = tuple(f".{millis:03d}Z" for millis in range(1000))
+"""A timestamp's ending for each count of milliseconds (``.250Z``)."""
+
+
 class _Timestamps:
     """A time (``time.time()``) as UTC ISO 8601 with milliseconds (``...T12:00:00.250Z``),
     the milliseconds as a LogRecord counts them; the seconds' text is made once a second,
@@ -120,7 +124,10 @@ class _Timestamps:
         if second != self.second:
             self.second = second
             self.text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self.text}.{int((created - second) * 1000):03d}Z"
+        millis = int((created - second) * 1000)
+        if 0 <= millis < 1000:  # any time after 1970: the ending made once, not formatted
+            return self.text + _MILLIS[millis]
+        return f"{self.text}.{millis:03d}Z"
 
 
 class _LineFormatter(logging.Formatter):

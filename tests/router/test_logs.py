@@ -422,6 +422,15 @@ def test_a_json_line_is_its_members_then_its_fields_as_one_object() -> None:
             assert line == msgspec.json.encode(merged, enc_hook=str).decode()
 
 
+def test_a_timestamp_counts_milliseconds_as_a_log_record_does() -> None:
+    stamps = logs._Timestamps()
+    for created in (1_700_000_000.0, 1_700_000_000.0009, 1_700_000_000.25, 1_700_000_000.999,
+                    1_700_000_001.9999999, 0.5, -1.25):
+        second = int(created)
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        assert stamps.format(created) == f"{expected}.{int((created - second) * 1000):03d}Z"
+
+
 def test_text_lines_carry_the_same_time_and_the_fields() -> None:
     record = logging.LogRecord("firstbyte.access", logging.INFO, __file__, 1, "POST %s", ("/x",),
                                None)  # fmt: skip
