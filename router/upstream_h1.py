@@ -40,7 +40,7 @@ import msgspec
 
 __all__ = [
     "STALE_RETRIES", "Answer", "H1Connection", "H1Pool", "Origin", "ResponseSink",
-    "encode_request", "fetch",
+    "encode_request", "encode_request_parts", "fetch",
 ]
 
 STALE_RETRIES = 2
@@ -102,6 +102,25 @@ def encode_request(
         lines.append(f"{name}: {value}")
     lines.append(f"content-length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+_MARK = "\0"
+
+
+def encode_request_parts(
+    method: str, origin: Origin, path: str, headers: dict[str, str], varying: str
+) -> tuple[bytes, bytes] | None:
+    """:func:`encode_request` made once for requests that differ only in header ``varying``
+    (one of ``headers``) and their body: ``(head, tail)`` such that, for a value ``v``
+    without CR or LF and any ``body``, the request is
+    ``head + v.encode("latin-1") + tail + b"%d\r\n\r\n" % len(body) + body``. Cut out of
+    :func:`encode_request`'s own bytes (a NUL in place of the value), so the two cannot
+    differ; None where another part holds a NUL too. A header with CR or LF is refused."""
+    marked = encode_request(method, origin, path, {**headers, varying: _MARK}, b"")
+    head, mark, rest = marked.partition(_MARK.encode())
+    if not mark or _MARK.encode() in rest:
+        return None
+    return head, rest[: -len(b"0\r\n\r\n")]
 
 
 class H1Connection(asyncio.Protocol):

@@ -46,7 +46,15 @@ from ..observability.access import stream_usage
 from ..observability.logs import describe_error
 from ..observability.usage import TokenUsage, with_usage_option
 from ..streams import EVENT_OVERHEAD_BYTES, Stream, StreamEvent
-from ..upstream_h1 import STALE_RETRIES, H1Connection, H1Pool, Origin, encode_request, fetch
+from ..upstream_h1 import (
+    STALE_RETRIES,
+    H1Connection,
+    H1Pool,
+    Origin,
+    encode_request,
+    encode_request_parts,
+    fetch,
+)
 from .backend import PEER_PREFIX, Backend
 from .context import FailCause, Observer, RequestContext
 from .relay import (
@@ -156,6 +164,9 @@ class Proxy:
         self.peer_client = self._new_client(limits, max_connections, tls, http2=True)
         self.producers: set[asyncio.Task[None]] = set()
         self._origins: dict[str, Origin] = {}
+        self._stream_heads: dict[tuple[Origin, str, str | None], tuple[bytes, bytes] | None] = {}
+        """A stream request's bytes but its traceparent and length, by origin, path and key
+        (:meth:`_stream_request`)."""
 
     @staticmethod
     def _new_client(
@@ -198,6 +209,33 @@ class Proxy:
         # Set by the multi-region stage when the "backend" is a peer region's router.
         headers.update(ctx.upstream_headers)
         return headers
+
+    def _stream_request(
+        self, ctx: RequestContext, backend: Backend, origin: Origin, body: bytes
+    ) -> bytes:
+        """A stream's request to local ``backend``: ``encode_request("POST", origin, path,
+        self._headers(...), body)``. Only its traceparent and its body change from one
+        request to the next, so the rest is encoded once (:func:`encode_request_parts`):
+        encoding the whole head (~15k instructions) and its headers' dict cost as much as
+        the relay of a chunk."""
+        path = ctx.codec.path
+        traceparent = ctx.traceparent.header()
+        if not ctx.upstream_headers and "\r" not in traceparent and "\n" not in traceparent:
+            key = (origin, path, backend.api_key)
+            try:
+                parts = self._stream_heads[key]
+            except KeyError:
+                parts = self._stream_heads[key] = encode_request_parts(
+                    "POST", origin, path, self._headers(ctx, backend, "text/event-stream"),
+                    "traceparent",
+                )
+            if parts is not None:
+                head, tail = parts
+                return b"%b%b%b%d\r\n\r\n%b" % (
+                    head, traceparent.encode("latin-1"), tail, len(body), body
+                )
+        headers = self._headers(ctx, backend, "text/event-stream")
+        return encode_request("POST", origin, path, headers, body)
 
     def start_stream(self, ctx: RequestContext, stream: Stream) -> asyncio.Future[UpstreamHead]:
         """Start producing ``stream`` from the upstream; the future resolves with its head."""
@@ -527,10 +565,10 @@ class _Producer:
         :data:`~firstbyte.router.upstream_h1.STALE_RETRIES` times), as a browser would; the
         upstream never saw it.
         """
-        pool = self.proxy.streams_pool
-        origin = self.proxy.origin(self.backend)
-        body, headers = self._request()
-        request = encode_request("POST", origin, self.ctx.codec.path, headers, body)
+        proxy = self.proxy
+        pool = proxy.streams_pool
+        origin = proxy.origin(self.backend)
+        request = proxy._stream_request(self.ctx, self.backend, origin, _stream_body(self.ctx))
         result = "retry"
         for _ in range(STALE_RETRIES + 1):
             try:
@@ -548,7 +586,7 @@ class _Producer:
                 conn.send(request, self, chunks=self._compiled)
                 if not self._start_observed:  # once a stream, not again on a retry
                     self._start_observed = True
-                    self.proxy.metrics.observe_start(time.perf_counter() - self.ctx.received_at)
+                    proxy.metrics.observe_start(time.perf_counter() - self.ctx.received_at)
                 # From here, not from the pool's wait: a full pool is not the backend's fault.
                 self._arm_first_byte()
                 result = await self.outcome

@@ -12,8 +12,19 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
+from firstbyte.router.config import LimitsConfig
+from firstbyte.router.metrics import Metrics
 from firstbyte.router.pipeline import proxy
-from firstbyte.router.upstream_h1 import H1Connection, H1Pool, Origin, encode_request, fetch
+from firstbyte.router.pipeline.backend import Backend
+from firstbyte.router.pipeline.context import RequestContext
+from firstbyte.router.upstream_h1 import (
+    H1Connection,
+    H1Pool,
+    Origin,
+    encode_request,
+    encode_request_parts,
+    fetch,
+)
 
 from .conftest import RouterFactory, auth
 from .upstream import chunk, read_request, sse
@@ -224,6 +235,59 @@ async def test_fetch_from_a_closed_port_is_a_connect_error() -> None:
 async def test_a_header_with_a_line_break_is_refused() -> None:
     with pytest.raises(httpx.LocalProtocolError):
         encode_request("POST", Origin.parse("http://x"), "/", {"a": "b\r\nevil: 1"}, b"")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://h/base/", "http://[::1]:81"])
+@pytest.mark.parametrize("auth_key", [None, "sk-k"])
+def test_request_parts_cut_encode_requests_bytes(url: str, auth_key: str | None) -> None:
+    origin = Origin.parse(url)
+    headers = {"content-type": "application/json", "accept": "text/event-stream",
+               "traceparent": "x"}
+    if auth_key:
+        headers["authorization"] = f"Bearer {auth_key}"
+    parts = encode_request_parts("POST", origin, "/v1/chat/completions", headers, "traceparent")
+    assert parts is not None
+    head, tail = parts
+    for value in ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", ""):
+        for body in (b"", b"{}", b"x" * 5000):
+            want = encode_request(
+                "POST", origin, "/v1/chat/completions", {**headers, "traceparent": value}, body
+            )
+            assert head + value.encode() + tail + b"%d\r\n\r\n" % len(body) + body == want
+
+
+def test_request_parts_refuse_a_line_break_and_pass_on_a_nul() -> None:
+    origin = Origin.parse("http://x")
+    with pytest.raises(httpx.LocalProtocolError):
+        encode_request_parts("POST", origin, "/", {"a": "b\nevil: 1", "t": "x"}, "t")
+    assert encode_request_parts("POST", origin, "/", {"a": "\0", "t": "x"}, "t") is None
+
+
+async def test_a_streams_request_is_encode_requests_of_its_headers() -> None:
+    """The stream's request bytes (made once but for the traceparent and body) are those
+    :func:`encode_request` makes of the proxy's headers: with and without a key, with a
+    peer's extra headers, and again from the made bytes."""
+    upstream = proxy.Proxy(LimitsConfig(), Metrics(), max_connections=4)
+    try:
+        for key in (None, "sk-up", "bad\nkey"):
+            backend = Backend("b", "http://127.0.0.1:9/base", api_key=key)
+            origin = upstream.origin(backend)
+            for extra in ({}, {}, {"x-firstbyte-peer": "1"}, {"accept": "*/*"}):
+                ctx = RequestContext("POST", "/v1/chat/completions", {})
+                ctx.upstream_headers = dict(extra)
+                body = b'{"model":"m","stream":true}'
+                try:
+                    want = encode_request(
+                        "POST", origin, ctx.codec.path,
+                        upstream._headers(ctx, backend, "text/event-stream"), body,
+                    )
+                except httpx.LocalProtocolError:
+                    with pytest.raises(httpx.LocalProtocolError):
+                        upstream._stream_request(ctx, backend, origin, body)
+                    continue
+                assert upstream._stream_request(ctx, backend, origin, body) == want
+    finally:
+        await upstream.aclose()
 
 
 async def test_router_sends_again_when_the_kept_alive_connection_was_closed(
