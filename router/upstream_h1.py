@@ -55,9 +55,9 @@ class ResponseSink(Protocol):
     ``on_body`` is the parser's own callback (no call of the connection's in between): a
     sink ignores a body that comes after its ``on_end`` or ``on_error`` (bytes of a second,
     unasked-for response in the same read). ``on_read_end`` follows every read that reached
-    the sink, once its ``on_body`` calls are made: a sink may hold the parts of one read and
-    pass them on together (it must pass on what it holds at ``on_end`` and ``on_error``,
-    which may come in the same read instead)."""
+    the sink, once its ``on_body`` calls are made, but the read its ``on_end`` or
+    ``on_error`` came in: a sink may hold the parts of one read and pass them on together
+    (it must pass on what it holds at ``on_end`` and ``on_error``)."""
 
     def on_head(self, status: int) -> None: ...
     def on_body(self, data: bytes) -> None: ...
@@ -128,9 +128,10 @@ class H1Connection(asyncio.Protocol):
 
     # Slots: the compiled read path (router/_chunkpath.c) writes _last_read at its offset.
     __slots__ = (
-        "_boundary", "_complete", "_ended", "_fast", "_fast_offer", "_framed_by_close",
-        "_has_length", "_keep_alive", "_last_read", "_marks", "_parser", "_sink", "_timer",
-        "answered", "closed", "content_type", "idle_since", "origin", "pool", "reused", "transport",
+        "_boundary", "_callbacks", "_chunk_callbacks", "_ended", "_fast", "_fast_offer",
+        "_framed_by_close", "_has_length", "_keep_alive", "_last_read", "_marks", "_parser",
+        "_sink", "_timer", "answered", "closed", "complete", "content_type", "idle_since",
+        "origin", "pool", "reused", "transport",
     )
 
     def __init__(self, pool: H1Pool, origin: Origin) -> None:
@@ -147,7 +148,8 @@ class H1Connection(asyncio.Protocol):
         """The current response's ``content-type`` (empty until its head, or without one)."""
         self._sink: ResponseSink | None = None
         self._parser: httptools.HttpResponseParser | None = None
-        self._complete = True
+        self.complete = True
+        """No response under way: the last one ended (cleanly or not), or none was sent."""
         self._keep_alive = False
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -167,6 +169,11 @@ class H1Connection(asyncio.Protocol):
             functools.partial(setattr, self, "_boundary", False),  # a chunk's size line
             functools.partial(setattr, self, "_boundary", True),  # a chunk's end
         )
+        # What each parser is made with, made once a connection (not a Python __init__
+        # per response): :meth:`send` sets the response's ``on_body`` for the parser to
+        # take, and takes it off again (the parser keeps what it took, not these).
+        self._callbacks = _Callbacks(self)
+        self._chunk_callbacks = _ChunkCallbacks(self)
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -188,7 +195,7 @@ class H1Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
-        if sink is not None:
+        if sink is not None and sink is self._sink:  # else its on_end or on_error came
             sink.on_read_end()
         if self._fast_offer is not None and self._boundary and data[-1] == _LF:
             # The read ended with a chunk's end (its CRLF's LF), not in the next chunk's size
@@ -202,7 +209,7 @@ class H1Connection(asyncio.Protocol):
         self.closed = True
         self._cancel_timer()
         self.pool._forget(self)
-        if not self._complete:
+        if not self.complete:
             if self._framed_by_close and exc is None:
                 self.on_message_complete()  # a body without length or chunks ends at the close
             else:
@@ -226,7 +233,7 @@ class H1Connection(asyncio.Protocol):
         self._sink.on_head(status)
 
     def on_message_complete(self) -> None:
-        self._complete = True
+        self.complete = True
         self._parser = None
         self._fast = self._fast_offer = None
         # The read timer is left to run out (it stops when it finds no response under way):
@@ -235,20 +242,24 @@ class H1Connection(asyncio.Protocol):
         sink, self._sink = self._sink, None
         if sink is not None:
             sink.on_end()
-        self._resolve_ended()
+        ended = self._ended  # _resolve_ended inlined: a call a response
+        if ended is not None and not ended.done():
+            ended.set_result(None)
 
     # -- the shell's side
     def send(self, request: bytes, sink: ResponseSink, *, chunks: bool = False) -> None:
         """Write ``request``; its response goes to ``sink``. ``chunks``: the sink may
         :meth:`offer_fast` (the parser then tells where its chunks end)."""
         assert self.transport is not None
-        assert self._complete
+        assert self.complete
         self._sink = sink
         self._fast = self._fast_offer = None
         self._boundary = False
-        callbacks = (_ChunkCallbacks if chunks else _Callbacks)(self, sink)
+        callbacks = self._chunk_callbacks if chunks else self._callbacks
+        callbacks.on_body = sink.on_body
         self._parser = httptools.HttpResponseParser(callbacks)
-        self._complete = False
+        callbacks.on_body = None  # the parser has it: the connection keeps no sink
+        self.complete = False
         self._keep_alive = False
         self._framed_by_close = False  # known at the head's end
         self._has_length = False
@@ -270,11 +281,11 @@ class H1Connection(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         """The last response ended cleanly and the upstream keeps the connection open."""
-        return self._complete and self._keep_alive and not self.closed
+        return self.complete and self._keep_alive and not self.closed
 
     async def wait_end(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the response's end; True if it ended cleanly."""
-        if not self._complete and not self.closed:
+        if not self.complete and not self.closed:
             if self._ended is None:
                 self._ended = self.pool.loop.create_future()
             try:
@@ -315,7 +326,7 @@ class H1Connection(asyncio.Protocol):
     def _fail(self, exc: Exception) -> None:
         sink, self._sink = self._sink, None
         self._fast = self._fast_offer = None
-        self._complete = True
+        self.complete = True
         self._keep_alive = False
         self._cancel_timer()
         if self.transport is not None and not self.closed:
@@ -336,7 +347,7 @@ class H1Connection(asyncio.Protocol):
         # than rescheduled on every read (reads are per chunk, timeouts are rare) or made
         # again for every response; it stops when it finds none under way.
         self._timer = None
-        if self._complete or self.closed:
+        if self.complete or self.closed:
             return
         silent_s = self.pool.loop.time() - self._last_read
         if silent_s >= self.pool.read_timeout_s:
@@ -352,17 +363,18 @@ class H1Connection(asyncio.Protocol):
 
 class _Callbacks:
     """What the parser calls: the connection's callbacks, but a body goes straight to the
-    response's sink (one Python call less per relayed chunk). httptools looks the callbacks
-    up once, when the parser is made; the sink checks its own state (it ignores a body once
+    response's sink (one Python call less per relayed chunk; ``on_body``, set by
+    :meth:`H1Connection.send` while it makes the parser). httptools looks the callbacks up
+    once, when the parser is made; the sink checks its own state (it ignores a body once
     its attempt is decided), and a connection whose sink is dropped is not fed again
     (aborted, or idle with no parser)."""
 
     __slots__ = ("on_body", "on_header", "on_headers_complete", "on_message_complete")
 
-    def __init__(self, conn: H1Connection, sink: ResponseSink) -> None:
+    def __init__(self, conn: H1Connection) -> None:
         self.on_header = conn.on_header
         self.on_headers_complete = conn.on_headers_complete
-        self.on_body = sink.on_body
+        self.on_body: Callable[[bytes], None] | None = None
         self.on_message_complete = conn.on_message_complete
 
 
@@ -372,8 +384,8 @@ class _ChunkCallbacks(_Callbacks):
 
     __slots__ = ("on_chunk_complete", "on_chunk_header")
 
-    def __init__(self, conn: H1Connection, sink: ResponseSink) -> None:
-        super().__init__(conn, sink)
+    def __init__(self, conn: H1Connection) -> None:
+        super().__init__(conn)
         self.on_chunk_header, self.on_chunk_complete = conn._marks
 
 
@@ -434,8 +446,10 @@ class H1Pool:
 
     def release(self, conn: H1Connection) -> None:
         """Give ``conn`` back after a response: kept if reusable, else closed."""
-        conn.detach()
-        if not conn.reusable:
+        # The connection's detach and reusable inlined (calls a request; same module).
+        conn._sink = None
+        conn._fast = conn._fast_offer = None
+        if not (conn.complete and conn._keep_alive and not conn.closed):
             conn.abort()
             return
         conn.idle_since = self.loop.time()
@@ -444,7 +458,8 @@ class H1Pool:
         expiry = self.keepalive_expiry_s
         while idle and (idle[0].closed or conn.idle_since - idle[0].idle_since > expiry):
             idle.popleft().abort()
-        self._wake_one()
+        if self._waiters:
+            self._wake_one()
 
     async def aclose(self) -> None:
         for conn in list(self._open):

@@ -590,7 +590,12 @@ class _Producer:
                 # From here, not from the pool's wait: a full pool is not the backend's fault.
                 self._arm_first_byte()
                 result = await self.outcome
-                if result == "finished" and self.relay.done and self._refused is None:
+                if (
+                    result == "finished"
+                    and self.relay.done
+                    and self._refused is None
+                    and not conn.complete  # the body's end came with [DONE], as usual
+                ):
                     # After [DONE], read on to the end of the body (briefly): dropping an
                     # unfinished response drops the kept-alive connection, and every stream
                     # would pay a new one.

@@ -359,6 +359,68 @@ async def test_router_answers_whole_requests_over_its_own_pool(
         assert response.json()["error"]["code"] == "upstream_error"
 
 
+class Calls(Collect):
+    """:class:`Collect`, listing the sink's calls in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def on_head(self, status: int) -> None:
+        self.calls.append("head")
+
+    def on_body(self, data: bytes) -> None:
+        self.calls.append("body")
+
+    def on_read_end(self) -> None:
+        self.calls.append("read_end")
+
+    def on_end(self) -> None:
+        self.calls.append("end")
+        super().on_end()
+
+    def on_error(self, exc: Exception) -> None:
+        self.calls.append("error")
+        super().on_error(exc)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+async def test_a_sink_hears_each_reads_end_but_the_one_its_response_ended_in(
+    broken: bool,
+) -> None:
+    """A read that ends the response (cleanly, or with a parse error) passes on what it
+    brought through ``on_end`` or ``on_error`` (:class:`~firstbyte.router.upstream_h1.
+    ResponseSink`), with no ``on_read_end`` after it; every other read ends with one."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    end = b"3\r\nabc\r\nzz\r\n" if broken else b"3\r\nabc\r\n0\r\n\r\n"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(head)
+        await writer.drain()
+        await asyncio.sleep(0.2)  # a read of its own each
+        writer.write(end)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    upstreams = pool()
+    try:
+        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        conn = await upstreams.acquire(origin)
+        sink = Calls()
+        conn.send(encode_request("POST", origin, "/", {}, b""), sink, chunks=True)
+        await asyncio.wait_for(sink.done, 5)
+        last = "error" if broken else "end"
+        assert sink.calls == ["head", "body", "read_end", "body", last]
+        assert conn.complete
+        upstreams.release(conn)
+        assert "1 idle" not in repr(upstreams) if broken else "1 idle" in repr(upstreams)
+    finally:
+        await upstreams.aclose()
+        server.close()
+
+
 async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
