@@ -54,7 +54,9 @@ TTFT_PERCENTILE = 0.95
 
 
 class Ewma:
-    """Exponentially weighted moving average; ``value`` is ``None`` before the first sample."""
+    """Exponentially weighted moving average; ``value`` is ``None`` before the first sample.
+    (:meth:`add` is inlined in :meth:`LoadTracker.observe_ttft` and
+    :meth:`LoadTracker.finished`, once a request each.)"""
 
     def __init__(self, alpha: float = 0.2, initial: float | None = None) -> None:
         self.alpha = alpha
@@ -161,15 +163,30 @@ class LoadTracker:
         b = self.backends[name]
         b.in_flight = max(0, b.in_flight - 1)
         if duration_ms is not None:
-            b.service_ms.add(duration_ms)
+            ewma = b.service_ms  # Ewma.add inlined: a call a request
+            value = ewma.value
+            ewma.value = (
+                duration_ms if value is None
+                else ewma.alpha * duration_ms + (1 - ewma.alpha) * value
+            )
 
     def observe_ttft(self, name: str, ttft_ms: float, upstream_ms: float | None = None) -> None:
         """A first token from ``name``, ``ttft_ms`` after the request arrived and
         ``upstream_ms`` after it was sent there (this attempt): it serves, its run of 5xx
         ends."""
         b = self.backends[name]
-        b.ttft_ms.add(ttft_ms)
-        _add_ttft(b, ttft_ms if upstream_ms is None else upstream_ms)
+        # Ewma.add and _add_ttft inlined: two calls a request.
+        ewma = b.ttft_ms
+        value = ewma.value
+        ewma.value = (
+            ttft_ms if value is None else ewma.alpha * ttft_ms + (1 - ewma.alpha) * value
+        )
+        sample = ttft_ms if upstream_ms is None else upstream_ms
+        recent, ordered = b.ttft_recent, b.ttft_sorted
+        if len(recent) == recent.maxlen:
+            del ordered[bisect_left(ordered, recent[0])]
+        recent.append(sample)
+        insort(ordered, sample)
         b.consecutive_5xx = 0
 
     def observe_probe(self, name: str, ttft_ms: float) -> None:

@@ -546,7 +546,12 @@ class RegionRouting:
     def _uncount(self, obs: Observation) -> None:
         """``obs``'s request no longer counts as active (it ended, or will not go)."""
         model = obs.route.model if obs.route is not None else ""  # _model_of, inlined
-        _decrement(self.active_by_model, model)
+        active = self.active_by_model
+        left = active.get(model, 0) - 1  # _decrement inlined: a call a request
+        if left > 0:
+            active[model] = left
+        else:
+            active.pop(model, None)
         if not obs.local:
             _decrement(self.peer_routed_by_model, model)
 

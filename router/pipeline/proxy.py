@@ -360,8 +360,8 @@ def _stream_body(ctx: RequestContext) -> bytes:
     client did not ask for it (``POST /v1/streams``, WebSocket), and the final usage chunk
     asked for (``stream_options.include_usage``) when the client did not: the key's usage
     is counted from it (:mod:`firstbyte.router.observability.usage`), and the relay drops it
-    from what this client reads (:func:`_client_asked_usage`). Formats of named events
-    (Responses, Messages) report usage in their own events and are sent as they came."""
+    from what this client reads (its ``strip_usage``). Formats of named events (Responses,
+    Messages) report usage in their own events and are sent as they came."""
     request = ctx.request
     if ctx.codec.named_events:
         if request is not None and request.stream:
@@ -380,12 +380,6 @@ def _stream_body(ctx: RequestContext) -> bytes:
     data["stream_options"] = {**(options if isinstance(options, dict) else {}),
                               "include_usage": True}
     return encode(data)
-
-
-def _client_asked_usage(ctx: RequestContext) -> bool:
-    return ctx.codec.named_events or (
-        ctx.request is not None and ctx.request.wants_usage_chunk
-    )
 
 
 _CANCELLED_EVENT = error_event("The upstream request was cancelled.", code=error_codes.CANCELLED)
@@ -412,10 +406,14 @@ class _Producer:
         self.observer: Observer | None = ctx.observer
         self.backend: Backend = ctx.backend
         deadline = None if self.observer is None else self.observer.first_token_deadline_s
+        codec, request = ctx.codec, ctx.request
         self.relay = Relay(
             hold_head=deadline is not None,
-            codec=ctx.codec,
-            strip_usage=not _client_asked_usage(ctx),
+            codec=codec,
+            # The usage chunk is the router's unless the client asked for it too.
+            strip_usage=not (
+                codec.named_events or (request is not None and request.wants_usage_chunk)
+            ),
         )
         self.loop = asyncio.get_running_loop()
         self.outcome: asyncio.Future[str] = self.loop.create_future()
@@ -447,10 +445,13 @@ class _Producer:
         failovers = 0
         try:
             while True:
-                self.outcome = self.loop.create_future()
-                self._refused = None
-                self._read = []
-                self._arm_deadline()
+                # The first attempt has the outcome future and read list __init__ made; the
+                # others get their own at the loop's end.
+                observer = self.observer
+                if observer is not None and observer.first_token_deadline_s is not None:
+                    self._arm_deadline()
+                elif self._timer is not None:  # _arm_deadline's work then, without its call
+                    self._cancel_deadline()
                 ctx.upstream_sent_at = sent_at = time.perf_counter()
                 self.relay.start(sent_at)
                 if self.backend.name.startswith(PEER_PREFIX):
@@ -496,6 +497,9 @@ class _Producer:
                     self._move_to(moved)
                 else:
                     break
+                self.outcome = self.loop.create_future()
+                self._refused = None
+                self._read = []
         except asyncio.CancelledError as exc:
             drained = exc.args == (DRAIN_CANCEL,)
             stream.append(self._cancelled_event(drained), proxy.clock())
@@ -646,8 +650,10 @@ class _Producer:
     def on_head(self, status: int) -> None:
         if self.outcome.done():
             return
-        if self._first_byte_timer is not None:
-            self._cancel_first_byte()
+        timer = self._first_byte_timer
+        if timer is not None:  # _cancel_first_byte inlined (a call a request)
+            timer.cancel()
+            self._first_byte_timer = None
         if status == 200:
             self._apply(self.relay.receive_head(200, time.perf_counter()))
         else:
@@ -793,7 +799,8 @@ class _Producer:
             counted = stream_usage(event.data for event in self.stream.events)
             usage = TokenUsage(counted.input_tokens, counted.output_tokens)
         self.stream.usage = usage
-        if self._local:  # a peer region's router counts what its backends serve
+        # _local inlined: a peer region's router counts what its backends serve
+        if not self.backend.name.startswith(PEER_PREFIX):
             self.proxy.metrics.usage.record(
                 self.ctx.owner, usage.input_tokens, usage.output_tokens
             )
