@@ -421,7 +421,13 @@ class _Producer:
         self._refused: list[bytes] | None = None
         self._refused_status = 0
         self._read: list[bytes] = []
-        """Body parts of the upstream read in progress (:meth:`on_read_end` relays them)."""
+        """Body parts of the upstream read in progress (:meth:`on_read_end` relays them);
+        the same list for every attempt (cleared), as :attr:`on_body` appends to it."""
+        self.on_body: Callable[[bytes], None] = self._read.append
+        """The :class:`~firstbyte.router.upstream_h1.ResponseSink`'s ``on_body``: each body
+        part is held to the read's end, where :meth:`on_read_end` sees to the rest (a
+        refused answer's body, an attempt already decided). The list's own ``append``, so
+        the parser's call per part is a C call, not a Python one (four a request)."""
         self._timer: asyncio.TimerHandle | None = None
         self._conn: H1Connection | None = None
         self._unreachable: Exception | None = None
@@ -499,7 +505,7 @@ class _Producer:
                     break
                 self.outcome = self.loop.create_future()
                 self._refused = None
-                self._read = []
+                self._read.clear()
         except asyncio.CancelledError as exc:
             drained = exc.args == (DRAIN_CANCEL,)
             stream.append(self._cancelled_event(drained), proxy.clock())
@@ -659,20 +665,10 @@ class _Producer:
         else:
             self._refused, self._refused_status = [], status
 
-    def on_body(self, data: bytes) -> None:
-        if self.outcome.done():
-            return
-        refused = self._refused
-        if refused is None:
-            # Held to the read's end: the HTTP chunks one upstream read brought (several,
-            # when the router is busy) go through the relay and out to a direct reader
-            # together, one write on the client's connection instead of one per chunk.
-            self._read.append(data)
-            return
-        refused.append(data)
-        if sum(map(len, refused)) > _MAX_ERROR_BODY_BYTES:
-            self.on_end()
-
+    # on_body: the read list's append (see __init__). Held to the read's end, the HTTP
+    # chunks one upstream read brought (several, when the router is busy) go through the
+    # relay and out to a direct reader together, one write on the client's connection
+    # instead of one per chunk.
     def on_read_end(self) -> None:
         parts = self._read
         if not parts:
@@ -680,6 +676,12 @@ class _Producer:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         parts.clear()  # the list is kept: one allocation less per read
         if self.outcome.done():
+            return
+        refused = self._refused
+        if refused is not None:  # a refusal's body: kept (bounded) for its error event
+            refused.append(data)
+            if sum(map(len, refused)) > _MAX_ERROR_BODY_BYTES:
+                self.on_end()
             return
         now = time.perf_counter()
         relay = self.relay

@@ -316,6 +316,53 @@ async def test_router_sends_again_when_the_kept_alive_connection_was_closed(
     assert len(connections) >= 3
 
 
+@pytest.mark.parametrize("size", [300, 200 << 10])
+async def test_a_refused_streams_body_reaches_the_client_up_to_its_bound(
+    start_router: RouterFactory, size: int
+) -> None:
+    """An upstream's 4xx to a stream: its status and body go to the client, the body cut
+    at 64 KiB (a larger one is not read further), whatever reads it came in."""
+    message = json.dumps({"error": {"message": "m" * size, "type": "invalid_request_error"}})
+    body = message.encode()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                request = await read_request(reader)
+                if not request.startswith(b"POST /v1/chat/completions "):
+                    reply = MODELS if request.startswith(b"GET /v1/models ") else b""
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(reply))
+                    writer.write(reply)
+                    continue
+                writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for at in range(0, len(body), 7000):
+                    part = body[at:at + 7000]
+                    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    await writer.drain()
+                    await asyncio.sleep(0.002)  # reads of their own, some of them
+                writer.write(b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with start_router([url], tls=False) as router, httpx.AsyncClient(timeout=10) as c:
+            for _ in range(2):
+                response = await c.post(
+                    router.base_url + "/v1/chat/completions", headers=auth(),
+                    json={"model": "test-model", "stream": True,
+                          "messages": [{"role": "user", "content": "x"}]},
+                )
+                assert response.status_code == 400
+                assert response.content == body[: 64 << 10]
+    finally:
+        server.close()
+
+
 async def test_fetch_sends_again_when_the_kept_alive_connection_was_closed() -> None:
     """A POST whose kept-alive connection the upstream closed as it arrived (no byte of an
     answer) goes again on a new connection: the answer, its type and body, come whole."""
