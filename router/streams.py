@@ -219,8 +219,24 @@ class Stream:
             if self.on_finish is not None:
                 on_finish, self.on_finish = self.on_finish, None
                 on_finish()
-        if self._store is not None:
-            self._store._grew(self, size, self.finished_at is not None)
+        store = self._store
+        if store is not None:
+            # The store's bookkeeping of a grown stream, here rather than in a method of
+            # the store's: a call less an event (two a request at least).
+            store.total_bytes += size
+            usage = store._owners[self.owner]
+            usage.bytes += size
+            if self.finished_at is not None:  # the [DONE] event
+                del store._live[self.id]
+                store._finished[self.id] = self
+                usage.live -= 1
+            if store._shares and usage.bytes > store.max_owner_bytes:
+                store._over_share.setdefault(self.owner, usage)
+            if store._over_share and store.total_bytes > store.max_total_bytes:
+                # Charged as it grows: the store full, owners over their share pay with
+                # their own history at once, so one owner's growth never takes another's
+                # streams or room.
+                store._reclaim(strict=True)
         if self.mirror is not None:
             self.mirror(self, event)
         if self._taps:
@@ -279,7 +295,7 @@ class Stream:
         self.size_bytes += size
         store = self._store
         if store is not None:
-            # _grew, for events that cannot finish the stream.
+            # append's store bookkeeping, for events that cannot finish the stream.
             store.total_bytes += size
             usage = store._owners[self.owner]
             usage.bytes += size
@@ -714,21 +730,6 @@ class StreamStore:
         return dropped
 
     # --- bookkeeping, called by Stream ---------------------------------------------------
-    def _grew(self, stream: Stream, size: int, done: bool) -> None:
-        self.total_bytes += size
-        usage = self._owners[stream.owner]
-        usage.bytes += size
-        if done:  # the [DONE] event
-            del self._live[stream.id]
-            self._finished[stream.id] = stream
-            usage.live -= 1
-        if self._shares and usage.bytes > self.max_owner_bytes:
-            self._over_share.setdefault(stream.owner, usage)
-        if self._over_share and self.total_bytes > self.max_total_bytes:
-            # Charged as it grows: the store full, owners over their share pay with their own
-            # history at once, so one owner's growth never takes another's streams or room.
-            self._reclaim(strict=True)
-
     def _drop(self, stream: Stream, reason: str) -> Stream:
         del self._streams[stream.id]
         usage = self._owners[stream.owner]
