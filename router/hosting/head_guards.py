@@ -1,10 +1,10 @@
 """The request-head bounds of :mod:`.heads`, enforced by each server before it buffers a head.
 
-- uvicorn's httptools protocol (``auto`` and ``uvicorn``, HTTP/1.1): :func:`bounded_heads`
-  subclasses it so every piece of a head passes a :class:`~.heads.HeadScanner` before the
-  parser sees it. httptools keeps a header line it has not seen the end of, appending each
-  new piece (quadratic in the line's length), and has no bound: a 64 MiB line was 64 MiB of
-  memory and seconds of CPU.
+- uvicorn's httptools protocol (``auto`` and ``uvicorn``, HTTP/1.1): the subclass of
+  :mod:`.uvicorn_limits` passes every piece of a head to a :class:`~.heads.HeadScanner`
+  before the parser sees it. httptools keeps a header line it has not seen the end of,
+  appending each new piece (quadratic in the line's length), and has no bound: a 64 MiB
+  line was 64 MiB of memory and seconds of CPU.
 - hypercorn's h11 (``hypercorn``, HTTP/1.1): the same scanner in front of h11, whose own
   bound (``h11_max_incomplete_size``) answers a plain 400 for any kind of excess.
 - HTTP/2 and HTTP/3 (hypercorn): the decoded head is checked before the stream's app starts
@@ -35,7 +35,6 @@ from .heads import (
     HeadLimits,
     HeadRefusal,
     HeadScanner,
-    UnalignedHead,
     check_fields,
     max_head_bytes,
     refusal_body,
@@ -46,7 +45,6 @@ from .refusal_cors import cors_fields
 __all__ = [
     "bound_decoded_heads",
     "bound_h11_heads",
-    "bounded_heads",
     "h2_header_list_size",
     "h11_incomplete_size",
 ]
@@ -74,101 +72,6 @@ def h11_incomplete_size(limits: HeadLimits) -> int:
 
 def _log(refusal: HeadRefusal, client: object) -> None:
     report(logging.INFO, f"request head refused: {refusal.status}", client, refusal.reason)
-
-
-def bounded_heads(protocol: type[Any], bounds: HeadLimits | None) -> type[Any]:
-    """uvicorn's ``HttpToolsProtocol`` (or a subclass: :mod:`.uvicorn_limits`'s) with every
-    request head bounded by ``bounds`` before httptools buffers it (None: ``protocol`` as it
-    is).
-
-    A head starts with the connection and after each request's end. A pipelined head that
-    began in the read that ended the request before it went past the scanner in part, and
-    httptools keeps no bytes one could rescan: it is bounded by its size alone
-    (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB
-    at most under uvloop)."""
-
-    if bounds is None:
-        return protocol
-    limits = bounds  # uvicorn's methods overridden here: checked by .patches at start
-
-    class HeadBoundedProtocol(protocol):  # type: ignore[misc]
-        _head_scan: HeadScanner | None = None
-        _unaligned: UnalignedHead | None = None
-        _head_refused = False
-        _feeding = False
-        """In httptools' ``feed_data``: callbacks then come from the read being parsed."""
-        _scan_began_in_read = False
-        """The scanner was made (at a request's end) inside the read being parsed."""
-
-        _started = False
-        """The first head's scanner is made (at the first bytes uvicorn's side reads)."""
-
-        def data_received(self, data: bytes) -> None:
-            if self._head_refused:
-                return  # answered: dropped until the connection closes
-            if self.flow is None:
-                # uvicorn's connection_made has not run: bytes of a TLS handshake that a
-                # protocol subclass runs itself (:mod:`.uvicorn_limits`), not of a head.
-                super().data_received(data)
-                return
-            if not self._started:
-                self._started = True
-                self._head_scan = HeadScanner(limits)
-            scan = self._head_scan
-            if scan is not None and not scan.complete:
-                refusal = scan.feed(data)
-                if refusal is not None:
-                    self._refuse_head(refusal)
-                    return
-            self._feeding, self._scan_began_in_read = True, False
-            try:
-                super().data_received(data)
-            finally:
-                self._feeding = False
-            unaligned = self._unaligned
-            if unaligned is not None and not self._head_refused:
-                refusal = unaligned.add(len(data))
-                if refusal is not None:
-                    self._refuse_head(refusal)
-
-        def on_message_begin(self) -> None:
-            if self._feeding and self._scan_began_in_read:
-                # This head began in the read that ended the last request, after the point
-                # the scanner had seen: its lines cannot be followed; bound its size.
-                self._head_scan, self._unaligned = None, UnalignedHead(limits)
-            super().on_message_begin()
-
-        def on_headers_complete(self) -> None:
-            self._head_scan = self._unaligned = None
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._head_scan = HeadScanner(limits)
-            self._scan_began_in_read = self._feeding
-
-        def _refuse_head(self, refusal: HeadRefusal) -> None:
-            self._head_refused = True
-            stop_timer = getattr(self, "_stop_head_timer", None)  # the head is answered
-            if stop_timer is not None:
-                stop_timer()
-            _log(refusal, self.client[0] if self.client else "?")
-            if self.transport.is_closing():
-                return
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:
-                # A pipelined head, refused while the request before it is being answered:
-                # that answer goes out whole, then the connection closes (a 431 written now
-                # would land inside it).
-                cycle.keep_alive = False
-                return
-            self.transport.write(refusal_h1(refusal))
-            self.loop.call_later(LINGER_S, self.transport.close)
-
-    HeadBoundedProtocol.__name__ = HeadBoundedProtocol.__qualname__ = (
-        f"HeadBounded{protocol.__name__}"
-    )
-    return HeadBoundedProtocol
 
 
 def _heads(config: Any) -> HeadLimits | None:

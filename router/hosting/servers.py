@@ -397,7 +397,6 @@ def uvicorn_config(
     the PROXY header of its balancers' connections (when it accepts them itself)."""
     import uvicorn
 
-    from .head_guards import bounded_heads
     from .uvicorn_limits import guarded_protocols
 
     # The TLS handshake is the protocol's (after the connection is counted), not uvicorn's.
@@ -407,7 +406,7 @@ def uvicorn_config(
     )
     return uvicorn.Config(
         app,
-        http=bounded_heads(http, options.limits.heads),
+        http=http,  # its heads bounded by options.limits.heads
         ws="none" if options.ws_max_message_bytes is None else ws,
         ws_max_size=options.ws_max_message_bytes or 16 * 1024 * 1024,
         ws_per_message_deflate=False,  # as under hypercorn: see hardening's WebSocket guard

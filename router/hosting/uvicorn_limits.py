@@ -14,6 +14,14 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
   between requests is (uvicorn's clock starts only after a first response);
 - a request head must be complete within ``header_timeout_s`` of its first byte (slowloris),
   else 408 and close;
+- with ``limits.heads``, every piece of a request head passes a :class:`~.heads.HeadScanner`
+  before httptools sees it (:mod:`.head_guards` says why, and what the answer is). A head
+  starts with the connection and after each request's end. A pipelined head that began in
+  the read that ended the request before it went past the scanner in part, and httptools
+  keeps no bytes one could rescan: it is bounded by its size alone
+  (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB at
+  most under uvloop). Done in this one subclass, not a second one around it: each of
+  httptools' callbacks then runs one layer of Python less, on every request;
 - after a response sent before its request's body was all received (a 401 at the head, a
   413, a 408 when the body is too slow), uvicorn reads the rest and drops it; the connection
   closes if the client pauses for 2 s before the body's end, or at the latest after 30 s, so
@@ -45,6 +53,7 @@ from .body_writer import EXTENSION as BODY_WRITER
 from .body_writer import uvicorn_shape_ok, uvicorn_writer
 from .disconnected import EXTENSION as DISCONNECTED
 from .hardening import LINGER_S, TIMEOUT_H1, Linger, busy_h1, report
+from .heads import HeadRefusal, HeadScanner, UnalignedHead, refusal_h1
 from .http10 import close_delimited, is_http10
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
@@ -82,6 +91,8 @@ def guarded_protocols(
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
+
+    heads = limits.heads
 
     class SendTimeout:
         """The send timeout (:mod:`.send_timeout`) of a uvicorn protocol, ahead of it in the
@@ -204,6 +215,16 @@ def guarded_protocols(
         """The ``firstbyte.disconnected`` futures (:mod:`.disconnected`) of the requests whose
         response may not be complete, with their request cycles: one, or more when requests
         were pipelined."""
+        # The request head's bounds (limits.heads), when set: see the module's docstring.
+        _head_scan: HeadScanner | None = None
+        _unaligned: UnalignedHead | None = None
+        _head_refused = False
+        _feeding = False
+        """In httptools' ``feed_data``: callbacks then come from the read being parsed."""
+        _scan_began_in_read = False
+        """The scanner was made (at a request's end) inside the read being parsed."""
+        _started = False
+        """The first head's scanner is made (at the first bytes uvicorn's side reads)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if self.admission is not None:  # counted at its accept, handshake done
@@ -316,6 +337,8 @@ def guarded_protocols(
             self.loop.call_later(LINGER_S, self.transport.close)
 
         def data_received(self, data: bytes) -> None:
+            if self._head_refused:
+                return  # answered: dropped until the connection closes
             if self._proxy is not None and self._proxy.waiting:
                 self._proxy.feed(data)
                 return
@@ -325,6 +348,18 @@ def guarded_protocols(
                 else:  # decrypted, before the handshake's end reached this protocol
                     self._plain_early += data
                 return
+            # Past both, uvicorn's connection_made has run (flow is set) unless the connection
+            # was closed at its count: bytes then are no head's.
+            if heads is not None and self.flow is not None:
+                if not self._started:
+                    self._started = True
+                    self._head_scan = HeadScanner(heads)
+                scan = self._head_scan
+                if scan is not None and not scan.complete:
+                    refusal = scan.feed(data)
+                    if refusal is not None:
+                        self._refuse_head(refusal)
+                        return
             if self.admission is not None and self.admission.refusal is not None:
                 self._refused_data(data)
                 return
@@ -339,18 +374,50 @@ def guarded_protocols(
                 # The first bytes of a head (or of blank lines before one): its clock starts
                 # (nginx's client_header_timeout).
                 self._head_due = True
-            super().data_received(data)
+            self._feeding, self._scan_began_in_read = True, False
+            try:
+                super().data_received(data)
+            finally:
+                self._feeding = False
             if self._head_due:  # the head goes on in a later read: now it needs its timer
                 self._head_due = False
                 if self._head_timer is None and not self.transport.is_closing():
                     self._start_head_timer()
+            unaligned = self._unaligned
+            if unaligned is not None and not self._head_refused:
+                refusal = unaligned.add(len(data))
+                if refusal is not None:
+                    self._refuse_head(refusal)
+
+        def _refuse_head(self, refusal: HeadRefusal) -> None:
+            self._head_refused = True
+            self._stop_head_timer()  # the head is answered
+            report(logging.INFO, f"request head refused: {refusal.status}", _client(self),
+                   refusal.reason)
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # A pipelined head, refused while the request before it is being answered:
+                # that answer goes out whole, then the connection closes (a 431 written now
+                # would land inside it).
+                cycle.keep_alive = False
+                return
+            self.transport.write(refusal_h1(refusal))
+            self.loop.call_later(LINGER_S, self.transport.close)
 
         def on_message_begin(self) -> None:
+            if self._feeding and self._scan_began_in_read:
+                # This head began in the read that ended the last request, after the point
+                # the scanner had seen: its lines cannot be followed; bound its size.
+                assert heads is not None  # the flag is set only with them
+                self._head_scan, self._unaligned = None, UnalignedHead(heads)
             if self._head_timer is None:  # a head that began where a dropped body ended
                 self._head_due = True  # parsers call back from data_received only
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
+            self._head_scan = self._unaligned = None
             self._head_due = False
             timer = self._head_timer  # _stop_head_timer inlined: once a request
             if timer is not None:
@@ -411,6 +478,9 @@ def guarded_protocols(
                         self.timeout_keep_alive, self.timeout_keep_alive_handler
                     )
             super().on_message_complete()
+            if heads is not None:
+                self._head_scan = HeadScanner(heads)
+                self._scan_began_in_read = self._feeding
 
         def _linger(self) -> None:
             until = min(self._last_data + _LINGER_IDLE_S, self._linger_ends)
