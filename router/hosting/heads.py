@@ -32,6 +32,7 @@ __all__ = [
     "max_head_bytes",
     "refusal_body",
     "refusal_h1",
+    "too_many_fields",
 ]
 
 
@@ -72,7 +73,8 @@ def _too_many_bytes(limits: HeadLimits) -> HeadRefusal:
     )
 
 
-def _too_many(limits: HeadLimits) -> HeadRefusal:
+def too_many_fields(limits: HeadLimits) -> HeadRefusal:
+    """The refusal of a head with more than ``limits.max_headers`` fields."""
     return HeadRefusal(
         431, "too_many_headers", f"More than {limits.max_headers} header fields."
     )
@@ -110,12 +112,13 @@ class HeadScanner:
         limits = self.limits
         if self._line == 0 and self._request_line and not self._leading and data[0] > 0x0D:
             # Fast path, a whole small head in one piece (the usual case): no line and no
-            # total can be over its bound; only the count is left to check.
+            # total can be over its bound; only the count is left to check. (uvicorn_limits'
+            # protocol runs the same test on a head's first read before making a scanner.)
             end = data.find(b"\r\n\r\n")
             if 0 <= end < min(limits.max_request_line_bytes, limits.max_header_line_bytes,
                               limits.max_header_bytes):
                 if data.count(b"\n", 0, end) > limits.max_headers:
-                    return _too_many(limits)
+                    return too_many_fields(limits)
                 self.complete = True
                 return None
         start, size = 0, len(data)
@@ -174,7 +177,7 @@ class HeadScanner:
         if self._header_bytes > limits.max_header_bytes:
             return _too_many_bytes(limits)
         if self._headers > limits.max_headers:
-            return _too_many(limits)
+            return too_many_fields(limits)
         return None
 
 
@@ -209,7 +212,7 @@ def check_fields(
     if len(path) > limits.max_request_line_bytes:
         return _too_long_line(limits)
     if len(headers) > limits.max_headers:
-        return _too_many(limits)
+        return too_many_fields(limits)
     total = 0
     for name, value in headers:
         length = len(name) + len(value) + 2

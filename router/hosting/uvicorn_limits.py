@@ -53,7 +53,7 @@ from .body_writer import EXTENSION as BODY_WRITER
 from .body_writer import uvicorn_shape_ok, uvicorn_writer
 from .disconnected import EXTENSION as DISCONNECTED
 from .hardening import LINGER_S, TIMEOUT_H1, Linger, busy_h1, report
-from .heads import HeadRefusal, HeadScanner, UnalignedHead, refusal_h1
+from .heads import HeadRefusal, HeadScanner, UnalignedHead, refusal_h1, too_many_fields
 from .http10 import close_delimited, is_http10
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
@@ -93,6 +93,13 @@ def guarded_protocols(
     from websockets.exceptions import PayloadTooBig
 
     heads = limits.heads
+    # HeadScanner.feed's fast path, for a head's first read (below): a head that ends in it
+    # under this many bytes is within every bound but the count of its fields.
+    whole_under = (
+        0 if heads is None else min(
+            heads.max_request_line_bytes, heads.max_header_line_bytes, heads.max_header_bytes
+        )
+    )
 
     class SendTimeout:
         """The send timeout (:mod:`.send_timeout`) of a uvicorn protocol, ahead of it in the
@@ -223,8 +230,9 @@ def guarded_protocols(
         """In httptools' ``feed_data``: callbacks then come from the read being parsed."""
         _scan_began_in_read = False
         """The scanner was made (at a request's end) inside the read being parsed."""
-        _started = False
-        """The first head's scanner is made (at the first bytes uvicorn's side reads)."""
+        _head_fresh = True
+        """The next bytes uvicorn's side reads begin a head that no scanner has seen yet (at
+        the connection's start and after each request's end)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if self.admission is not None:  # counted at its accept, handshake done
@@ -351,9 +359,17 @@ def guarded_protocols(
             # Past both, uvicorn's connection_made has run (flow is set) unless the connection
             # was closed at its count: bytes then are no head's.
             if heads is not None and self.flow is not None:
-                if not self._started:
-                    self._started = True
-                    self._head_scan = HeadScanner(heads)
+                if self._head_fresh and data:
+                    # Most heads come whole and small in their first read: HeadScanner.feed's
+                    # fast path (the same test) passes them without a scanner made for each.
+                    self._head_fresh = False
+                    end = data.find(b"\r\n\r\n") if data[0] > 0x0D else -1
+                    if 0 <= end < whole_under:
+                        if data.count(b"\n", 0, end) > heads.max_headers:
+                            self._refuse_head(too_many_fields(heads))
+                            return
+                    else:
+                        self._head_scan = HeadScanner(heads)
                 scan = self._head_scan
                 if scan is not None and not scan.complete:
                     refusal = scan.feed(data)
@@ -412,13 +428,14 @@ def guarded_protocols(
                 # the scanner had seen: its lines cannot be followed; bound its size.
                 assert heads is not None  # the flag is set only with them
                 self._head_scan, self._unaligned = None, UnalignedHead(heads)
+                self._head_fresh = False
             if self._head_timer is None:  # a head that began where a dropped body ended
                 self._head_due = True  # parsers call back from data_received only
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
             self._head_scan = self._unaligned = None
-            self._head_due = False
+            self._head_fresh = self._head_due = False
             timer = self._head_timer  # _stop_head_timer inlined: once a request
             if timer is not None:
                 timer.cancel()
@@ -479,7 +496,7 @@ def guarded_protocols(
                     )
             super().on_message_complete()
             if heads is not None:
-                self._head_scan = HeadScanner(heads)
+                self._head_scan, self._head_fresh = None, True  # scanned from the next byte
                 self._scan_began_in_read = self._feeding
 
         def _linger(self) -> None:

@@ -104,6 +104,39 @@ async def test_http1_head_within_the_bounds_is_served(start_router_process: Rout
 
 
 @ON_EACH_SERVER
+@pytest.mark.parametrize(
+    ("second", "status"),
+    [
+        pytest.param(f"GET /v1/models HTTP/1.1\r\nhost: x\r\n{_fields(101)}\r\n", 431,
+                     id="101-headers-whole"),
+        pytest.param(f"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: {'v' * 9000}\r\n\r\n",
+                     431, id="header-line-9KB"),
+        pytest.param("\r\n" * 3 + f"GET /v1/models HTTP/1.1\r\nhost: x\r\n{_fields(101)}\r\n",
+                     431, id="101-headers-after-blank-lines"),
+    ],
+)
+async def test_a_head_after_a_served_request_is_bounded_as_the_first(
+    start_router_process: RouterStarter, second: str, status: int
+) -> None:
+    """The next head on a kept-alive connection, sent once the first request's answer is
+    in (so it starts a read of its own), meets the same bounds as a connection's first."""
+    async with start_router_process() as router:
+        reader, writer = await open_tls(router)
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = next(int(line.split(b":", 1)[1]) for line in first.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await asyncio.wait_for(reader.readexactly(length), 10)
+        writer.write(second.encode())
+        answer = await read_until_closed(reader, 10)
+        writer.close()
+    assert first.startswith(b"HTTP/1.1 200 "), first
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert f"request head refused: {status}" in router.log()
+    router.assert_clean_log()
+
+
+@ON_EACH_SERVER
 async def test_a_pipelined_head_split_across_reads_is_bounded_not_misread(
     start_router_process: RouterStarter,
 ) -> None:
