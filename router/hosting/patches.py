@@ -4,7 +4,8 @@ hypercorn, h2, h11, aioquic, uvicorn, httpx and httpcore lack defences and fixes
 needs (:mod:`.hardening`, :mod:`.quic_hardening`, :mod:`.head_guards`, :mod:`.early_answers`,
 :mod:`.accept`, :mod:`.http1_split`, :mod:`.graceful_cut`, :mod:`.h1_body`, :mod:`.goaway`,
 :mod:`.quic`, :mod:`.servers`, :mod:`.send_timeout`, :mod:`.uvicorn_limits`, :mod:`.http10`,
-:mod:`firstbyte.router.aionet`), and each reaches into a library's private classes.
+:mod:`.uvicorn_send`, :mod:`firstbyte.router.aionet`), and each reaches into a library's
+private classes.
 :data:`PATCHES` lists them all: for each, the library, what it fixes, the shape of the library
 it expects (attributes, parameters, text of a method's source that shows an instance attribute
 it uses) and the function that applies it.
@@ -533,6 +534,47 @@ PATCHES: tuple[Patch, ...] = (
         "tests/router/test_http10.py::"
         "test_a_stream_reaches_an_http10_client_as_its_bytes_until_the_close,"
         " tests/router/test_transports.py::test_curl_http10_reads_the_events_unchunked",
+    ),
+    Patch(
+        "uvicorn-h1-send",
+        "uvicorn",
+        "(CPU) uvicorn's send runs two regular expressions and a lower() per header of every"
+        " response head; uvicorn_send.py gives an HTTP/1.1 request's cycle a send that"
+        " does what it does in fewer steps, and falls back to it for anything else",
+        (
+            Shape("uvicorn.protocols.http.httptools_impl",
+                  ("HEADER_RE", "HEADER_VALUE_RE", "STATUS_LINE")),
+            Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle",
+                  ("send", "run_asgi"),
+                  source=(("run_asgi", "self.send"),
+                          ("__init__", "self.access_log"), ("__init__", "self.keep_alive"),
+                          ("__init__", "self.default_headers"),
+                          ("__init__", "self.message_event"), ("__init__", "self.on_response"),
+                          ("__init__", "self.waiting_for_100_continue"),
+                          ("__init__", "self.expected_content_length"),
+                          ("send", "if self.flow.write_paused and not self.disconnected"),
+                          ("send", "self.response_started = True"),
+                          ("send", "self.waiting_for_100_continue = False"),
+                          ("send", 'self.default_headers + list(message.get("headers", []))'),
+                          ("send", "if self.access_log:"),
+                          ("send", "content = [STATUS_LINE[status_code]]"),
+                          ("send", "if HEADER_RE.search(name):"),
+                          ("send", "if HEADER_VALUE_RE.search(value):"),
+                          ("send", "name = name.lower()"),
+                          ("send", 'content.extend([name, b": ", value, b"\\r\\n"])'),
+                          ("send", 'content.append(b"connection: close\\r\\n")'),
+                          ("send", "status_code not in (204, 304)"),
+                          ("send", 'content.append(b"transfer-encoding: chunked\\r\\n")'),
+                          ("send", 'content = [b"%x\\r\\n" % len(body), body, b"\\r\\n"]'),
+                          ("send", 'content.append(b"0\\r\\n\\r\\n")'),
+                          ("send", "self.response_complete = True"),
+                          ("send", "self.message_event.set()"),
+                          ("send", "self.on_response()"))),
+        ),
+        (),
+        _nothing,
+        "tests/router/hosting/test_uvicorn_send.py::"
+        "test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send",
     ),
     Patch(
         "uvicorn-disconnected",

@@ -59,6 +59,7 @@ from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
 from .refusal_cors import RefusalCors, h1_cors_lines
 from .send_timeout import SendTimer
+from .uvicorn_send import fast_send
 
 __all__ = ["guarded_protocols"]
 
@@ -451,6 +452,7 @@ def guarded_protocols(
                     close_delimited(cycle)  # no chunked coding: no chunk writer either
                 else:
                     extensions[BODY_WRITER] = uvicorn_writer(cycle)
+                    fast_send(cycle)
                 gone = extensions[DISCONNECTED] = self.loop.create_future()
                 live = [(cycle, gone)]
                 for pair in self._gone:  # a loop, not a generator: that is a call per request
@@ -531,10 +533,16 @@ def _drop_writer(cycle: Any) -> None:
     connection lost): it refers to the cycle, whose scope refers to it, and that loop kept
     each request's scope, request context and what hangs off them (~45 objects, its body)
     for the cyclic GC, which a router tuned for serving runs rarely. Whoever still holds
-    the writer keeps it working (it says False from now on); the scope no longer does."""
+    the writer keeps it working (it says False from now on); the scope no longer does.
+    The cycle's own ``send`` (:mod:`.uvicorn_send`, :mod:`.http10`) goes too, for the same
+    loop: whoever holds it (the application) keeps it, and uvicorn's is the cycle's again."""
     extensions = cycle.scope.get("extensions")
     if extensions:
         extensions.pop(BODY_WRITER, None)
+    try:
+        del cycle.send  # not through vars(): that would make the instance keep a dict
+    except AttributeError:
+        pass  # uvicorn's own (a HEAD's), or taken already
 
 
 def _release(admission: Admission | None, ended: asyncio.Future[None] | None) -> None:

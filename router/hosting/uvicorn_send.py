@@ -1,0 +1,165 @@
+"""uvicorn's ASGI ``send`` for an HTTP/1.1 request cycle, with the common case in fewer steps.
+
+uvicorn's ``RequestResponseCycle.send`` was the costliest function of a streamed request
+(~590 Python opcodes of ~12,300): for the response head it runs two regular expressions,
+a ``lower()`` and three comparisons for every header, the date header included. The
+headers of a response are almost always the same few names with new values, so
+:func:`fast_send` gives a cycle a ``send`` that:
+
+- builds the head from each name's lower-cased form, learnt once per name (a name is
+  learnt only if uvicorn's name check passes and it is none of the names that change the
+  framing or the connection: ``content-length``, ``transfer-encoding``, ``connection``),
+  and checks all the values with uvicorn's value pattern in one search over their
+  concatenation (the pattern matches single characters: it finds one in the concatenation
+  exactly when it finds one in a value);
+- writes a part of a chunked body and ends it as uvicorn's does.
+
+Its state changes, its writes and their bytes are uvicorn's (``response_started``,
+``waiting_for_100_continue``, ``chunked_encoding``, ``response_complete``, the message
+event, the close without keep-alive, ``on_response``), in the same order. Anything else
+(a head with one of those names, a name or a value uvicorn would refuse, an unknown
+status, the access log on, the writes paused, a client gone, a body not chunked, a message
+out of turn) goes to uvicorn's own ``send``, untouched, before anything is changed: its
+checks, errors and waits are the ones that apply.
+
+Set on HTTP/1.1 cycles other than ``HEAD`` by :mod:`.uvicorn_limits` (an HTTP/1.0 one gets
+:mod:`.http10`'s), before their ``run_asgi`` task runs; :mod:`.patches` checks the shape of
+``send`` it reproduces (``uvicorn-h1-send``). The ``send`` refers to its cycle, so the
+cycle's attribute is taken back at the response's end (``uvicorn_limits._drop_writer``):
+that loop would leave each request's objects to the cyclic GC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["fast_send"]
+
+_SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+"""Names whose value changes the framing or the connection: uvicorn's ``send`` has them."""
+_NAMES: dict[bytes, bytes] = {}
+"""Header names as sent (lower-cased), by the bytes the application gave: checked once."""
+_MAX_NAMES = 512
+"""Past this many names kept, a new one is checked each time (made-up names cannot grow
+the table)..."""
+_MAX_NAME_BYTES = 64
+"""... and longer names are checked each time, never kept."""
+_STATUS_LINE: dict[int, bytes] = {}
+"""uvicorn's status lines, by status (bound at the first cycle: this module imports no
+library when imported)."""
+_bad_value: Callable[[bytes], object] = bool
+"""uvicorn's value check (bound with the status lines; until then any value fails it)."""
+
+
+def _bind() -> None:
+    global _STATUS_LINE, _bad_value
+    from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
+
+    _STATUS_LINE, _bad_value = STATUS_LINE, HEADER_VALUE_RE.search
+
+
+def _learn(name: bytes) -> bytes | None:
+    """``name`` lower-cased, if uvicorn takes it and it changes neither the framing nor the
+    connection; else None (uvicorn's ``send`` then sends the head)."""
+    from uvicorn.protocols.http.httptools_impl import HEADER_RE
+
+    if type(name) is not bytes or HEADER_RE.search(name):
+        return None
+    lowered = name.lower()
+    if lowered in _SPECIAL:
+        return None
+    if len(_NAMES) < _MAX_NAMES and len(name) <= _MAX_NAME_BYTES:
+        _NAMES[name] = lowered
+    return lowered
+
+
+def _head(message: Any, default_headers: Any) -> tuple[int, list[bytes]] | None:
+    """The status and the head's lines so far (status line, headers) of a response start,
+    or None where uvicorn's ``send`` must send it (see the module's docstring)."""
+    status = message["status"]
+    if type(status) is not int or status not in _STATUS_LINE:
+        return None
+    parts = [_STATUS_LINE[status]]
+    values: list[bytes] = []
+    names = _NAMES
+    # A loop over both lists, not their concatenation: uvicorn's default headers (the
+    # date) come first, as uvicorn sends them.
+    for headers in (default_headers, message.get("headers", ())):
+        for name, value in headers:
+            lowered = names.get(name)
+            if lowered is None:
+                lowered = _learn(name)
+                if lowered is None:
+                    return None
+            parts += (lowered, b": ", value, b"\r\n")
+            values.append(value)
+    if _bad_value(b"".join(values)):
+        return None  # uvicorn refuses the first bad value
+    return status, parts
+
+
+def fast_send(cycle: Any) -> None:
+    """Give uvicorn's HTTP/1.1 request ``cycle`` (not a ``HEAD``) the ``send`` above; must be
+    called before its ``run_asgi`` task runs."""
+    if cycle.scope["method"] == "HEAD":
+        return  # uvicorn's send writes no body for it: nothing to gain
+    if not _STATUS_LINE:
+        _bind()
+    uvicorn_send: Callable[[Any], Awaitable[None]] = cycle.send
+    # The closure holds the cycle and uvicorn's send only: each object it holds is one
+    # more for the cyclic GC to count while the request lasts.
+
+    async def send(message: Any) -> None:
+        if cycle.flow.write_paused or cycle.disconnected:
+            await uvicorn_send(message)  # it waits for the drain, or drops the message
+            return
+        if not cycle.response_started:
+            if message["type"] != "http.response.start" or cycle.access_log:
+                await uvicorn_send(message)
+                return
+            try:
+                head = _head(message, cycle.default_headers)
+            except Exception:  # uvicorn raises it, as far into its state as it gets there
+                head = None
+            if head is None:
+                await uvicorn_send(message)
+                return
+            status, parts = head
+            cycle.response_started = True
+            cycle.waiting_for_100_continue = False
+            if not cycle.keep_alive:
+                parts.append(b"connection: close\r\n")
+            if cycle.chunked_encoding is None and status != 204 and status != 304:
+                cycle.chunked_encoding = True
+                parts.append(b"transfer-encoding: chunked\r\n\r\n")
+            else:
+                parts.append(b"\r\n")
+            cycle.transport.write(b"".join(parts))
+            return
+        if (
+            cycle.response_complete
+            or cycle.chunked_encoding is not True
+            or message["type"] != "http.response.body"
+        ):
+            await uvicorn_send(message)
+            return
+        body = message.get("body", b"")
+        transport = cycle.transport
+        if message.get("more_body", False):
+            if body:
+                transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            else:
+                transport.write(b"")  # as uvicorn's: a part without bytes writes none
+            return
+        if cycle.expected_content_length != 0:
+            await uvicorn_send(message)  # it refuses a body shorter than announced
+            return
+        transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n")
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            transport.close()
+        cycle.on_response()
+
+    cycle.send = send

@@ -1,0 +1,189 @@
+"""uvicorn's send with the common case in fewer steps (router.hosting.uvicorn_send): for every
+message sequence, the same bytes written, the same state of the request cycle, the same
+errors and the same end-of-response calls as uvicorn's own ``send``; and the router's
+streamed answers take it without falling back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import pytest
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from firstbyte.router.hosting import uvicorn_limits
+from firstbyte.router.hosting.uvicorn_send import fast_send
+from tests.router.conftest import RouterFactory, auth
+from tests.router.streamtext import sse_text
+from tests.router.upstream import running_upstream
+
+DATE = [(b"date", b"Mon, 07 Dec 2026 09:00:00 GMT")]
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _cycle(
+    method: str = "POST", keep_alive: bool = True, default_headers: Any = DATE
+) -> tuple[RequestResponseCycle, Transport, list[str]]:
+    transport = Transport()
+    ended: list[str] = []
+    scope: Any = {"type": "http", "method": method, "http_version": "1.1", "path": "/",
+                  "query_string": b"", "client": ("127.0.0.1", 1), "headers": []}
+    cycle = RequestResponseCycle(
+        scope, transport, FlowControl(transport), logging.getLogger("t"),
+        logging.getLogger("t.access"), False, list(default_headers), asyncio.Event(), False,
+        keep_alive, lambda: ended.append("response"),
+    )
+    return cycle, transport, ended
+
+
+_STATE = ("response_started", "response_complete", "chunked_encoding", "keep_alive",
+          "expected_content_length", "waiting_for_100_continue")
+
+
+async def _run(cycle: RequestResponseCycle, transport: Transport, ended: list[str],
+               messages: list[dict[str, Any]]) -> tuple[Any, ...]:
+    outcome: list[Any] = []
+    for message in messages:
+        try:
+            await cycle.send(message)  # type: ignore[arg-type]
+            outcome.append("ok")
+        except Exception as exc:  # the same error, at the same message
+            outcome.append((type(exc).__name__, str(exc)))
+    state = tuple(getattr(cycle, name) for name in _STATE)
+    return (b"".join(transport.writes), len(transport.writes), transport.closed,
+            cycle.message_event.is_set(), tuple(ended), tuple(outcome), state)
+
+
+def start(status: int = 200, headers: Any = SSE) -> dict[str, Any]:
+    return {"type": "http.response.start", "status": status, "headers": headers}
+
+
+def part(body: bytes, more: bool = True) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": body, "more_body": more}
+
+
+CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {
+    "stream": ({}, [start(), part(b"id: 1\ndata: a\n\n"), part(b""), part(b"x", False)]),
+    "stream-ends-empty": ({}, [start(), part(b"abc"), part(b"", False)]),
+    "upper-case-names": ({}, [start(headers=[(b"X-Thing", b"V"), (b"Cache-Control", b"a")]),
+                              part(b"", False)]),
+    "no-keep-alive": ({"keep_alive": False}, [start(), part(b"a", False)]),
+    "connection-close": ({}, [start(headers=[*SSE, (b"connection", b"close")]), part(b"a"),
+                              part(b"b", False)]),
+    "content-length": ({}, [start(headers=[(b"content-length", b"3")]), part(b"ab"),
+                            part(b"c", False)]),
+    "content-length-short": ({}, [start(headers=[(b"content-length", b"3")]),
+                                  part(b"ab", False)]),
+    "chunked-given": ({}, [start(headers=[(b"Transfer-Encoding", b"chunked")]),
+                           part(b"a", False)]),
+    "no-content": ({}, [start(204), part(b"", False)]),
+    "not-modified": ({}, [start(304, []), part(b"", False)]),
+    "head": ({"method": "HEAD"}, [start(), part(b"", False)]),
+    "bad-value": ({}, [start(headers=[*SSE, (b"x-a", b"ok"), (b"x-b", b"a\r\nb: c")])]),
+    "bad-value-first": ({}, [start(headers=[(b"x-b", b"\x00"), (b"bad name", b"v")])]),
+    "bad-name": ({}, [start(headers=[*SSE, (b"bad name", b"v")])]),
+    "bad-name-first": ({}, [start(headers=[(b"bad name", b"v"), (b"x-b", b"\x00")])]),
+    "no-date": ({"default_headers": []}, [start(headers=[]), part(b"a", False)]),
+    "unknown-status": ({}, [start(999)]),
+    "no-status": ({}, [{"type": "http.response.start", "headers": []}]),
+    "not-a-pair": ({}, [start(headers=[(b"x-a",)])]),
+    "str-header": ({}, [start(headers=[("x-a", "v")])]),
+    "body-first": ({}, [part(b"a")]),
+    "start-twice": ({}, [start(), start()]),
+    "after-the-end": ({}, [start(), part(b"a", False), part(b"b")]),
+    "no-headers-key": ({}, [{"type": "http.response.start", "status": 200},
+                            part(b"a", False)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_fast_send_does_what_uvicorns_send_does(case: str) -> None:
+    options, messages = CASES[case]
+    theirs = _cycle(**options)
+    ours = _cycle(**options)
+    fast_send(ours[0])
+    assert await _run(*ours, messages) == await _run(*theirs, messages)
+
+
+async def test_a_head_with_the_first_part_is_one_write_each() -> None:
+    cycle, transport, _ = _cycle()
+    fast_send(cycle)
+    await cycle.send(start())  # type: ignore[arg-type]
+    assert transport.writes == [
+        b"HTTP/1.1 200 OK\r\ndate: Mon, 07 Dec 2026 09:00:00 GMT\r\ncontent-type: "
+        b"text/event-stream; charset=utf-8\r\ncache-control: no-cache\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    ]
+
+
+async def test_paused_writes_go_through_uvicorns_send_and_its_wait() -> None:
+    cycle, transport, _ = _cycle()
+    fast_send(cycle)
+    cycle.flow.pause_writing()
+    sending = asyncio.ensure_future(cycle.send(start()))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    assert not sending.done()
+    assert transport.writes == []
+    cycle.flow.resume_writing()
+    await sending
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # uvicorn_limits gives each HTTP/1.1 cycle its own send; uvicorn's is what it falls
+    # back to, counted here.
+    calls: list[str] = []
+    installed: list[RequestResponseCycle] = []
+
+    def spying(cycle: RequestResponseCycle) -> None:
+        uvicorns = cycle.send
+
+        async def counted(message: Any) -> None:
+            calls.append(message["type"])
+            await uvicorns(message)
+
+        cycle.send = counted  # type: ignore[method-assign]
+        installed.append(cycle)
+        fast_send(cycle)
+
+    monkeypatch.setattr(uvicorn_limits, "fast_send", spying)
+    async with running_upstream() as up, start_router(
+        [up.url], tls=False
+    ) as router, httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(
+            router.base_url + "/v1/chat/completions", headers=auth(),
+            json={"model": "test-model", "messages": [{"role": "user", "content": "hi"}],
+                  "stream": True, "max_tokens": 5},
+        )
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert sse_text(response.content)[0] == "w0 w1 w2 w3 w4"
+    assert len(installed) == 1
+    assert calls == []
