@@ -15,6 +15,7 @@ from firstbyte.tasks import cancel_and_wait
 
 from .hosting.body_writer import EXTENSION as BODY_WRITER
 from .hosting.disconnected import EXTENSION as DISCONNECTED
+from .hosting.uvicorn_send import EXTENSION as HEAD_BODY
 
 __all__ = [
     "BODY_WRITER",
@@ -28,6 +29,7 @@ __all__ = [
     "Scope",
     "Send",
     "body_writer",
+    "head_body",
     "header_dict",
     "read_body",
     "send_bytes",
@@ -53,6 +55,13 @@ def body_writer(scope: Scope) -> Callable[[bytes], bool] | None:
         return None
     writer: Callable[[bytes], bool] | None = extensions.get(BODY_WRITER)
     return writer
+
+
+def head_body(scope: Scope) -> bool:
+    """Does the server take a body's first part with the response head, in one write (the
+    ``firstbyte.head_body`` extension: :mod:`firstbyte.router.hosting.uvicorn_send`)?"""
+    extensions = scope.get("extensions")
+    return extensions is not None and HEAD_BODY in extensions
 
 
 _HEADER_DICT = "firstbyte.header_dict"
@@ -305,6 +314,7 @@ async def stream_body(
     chunks: AsyncIterator[bytes],
     *,
     disconnect: Disconnect | None = None,
+    first_at_hand: bool = False,
 ) -> bool:
     """Send ``chunks`` as one streamed response, each chunk flushed as it comes; a
     :class:`LastPart` ends it (whatever ``chunks`` would yield after it is not sent).
@@ -317,10 +327,16 @@ async def stream_body(
     which cancels the caller when the client goes: one task per response fewer, and no
     ``asyncio.wait``/``gather`` bookkeeping, than a task for each side. ``disconnect``: the
     request's listener already running (the caller stops it), else one is started here.
+
+    ``first_at_hand``: the server takes a first part with the head (:func:`head_body`) and
+    ``chunks`` yields its first part without waiting (a stream with events already in it):
+    the head goes out with that part, one write of the connection where they were two.
     """
-    await send(
-        {"type": "http.response.start", "status": status, "headers": _encode_headers(headers)}
-    )
+    start: Message = {
+        "type": "http.response.start", "status": status, "headers": _encode_headers(headers)
+    }
+    if not first_at_hand:
+        await send(start)
     sender = asyncio.current_task()
     assert sender is not None
     gone = False
@@ -341,6 +357,20 @@ async def stream_body(
 
     listener.add_done_callback(on_gone)
     try:
+        if first_at_hand:
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                first = LastPart()  # no part: the end goes out after the head
+            except Exception:
+                await send(start)  # the head went out before the body failed, as always
+                raise
+            if type(first) is LastPart:
+                await send(start)
+                await send({"type": "http.response.body", "body": first, "more_body": False})
+                return True
+            start[HEAD_BODY] = first
+            await send(start)
         async for chunk in chunks:
             if type(chunk) is LastPart:
                 await send({"type": "http.response.body", "body": chunk, "more_body": False})

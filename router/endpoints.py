@@ -45,6 +45,7 @@ from .asgi import (
     Scope,
     Send,
     body_writer,
+    head_body,
     header_dict,
     read_body,
     send_bytes,
@@ -374,6 +375,9 @@ async def _stream_response(
             tally=state.metrics.sse_events,
         ),
         disconnect=disconnect,
+        # Its first event (the role chunk) came with the upstream's head, as a rule: then
+        # it goes out with ours.
+        first_at_hand=stream.last_seq > 0 and head_body(scope),
     )
 
 

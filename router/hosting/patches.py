@@ -540,7 +540,8 @@ PATCHES: tuple[Patch, ...] = (
         "uvicorn",
         "(CPU) uvicorn's send runs two regular expressions and a lower() per header of every"
         " response head; uvicorn_send.py gives an HTTP/1.1 request's cycle a send that"
-        " does what it does in fewer steps, and falls back to it for anything else",
+        " does what it does in fewer steps, and falls back to it for anything else; it"
+        " takes a body's first part with the head, one write (firstbyte.head_body)",
         (
             Shape("uvicorn.protocols.http.httptools_impl",
                   ("HEADER_RE", "HEADER_VALUE_RE", "STATUS_LINE")),

@@ -12,7 +12,10 @@ headers of a response are almost always the same few names with new values, so
   and checks all the values with uvicorn's value pattern in one search over their
   concatenation (the pattern matches single characters: it finds one in the concatenation
   exactly when it finds one in a value);
-- writes a part of a chunked body and ends it as uvicorn's does.
+- writes a part of a chunked body and ends it as uvicorn's does;
+- takes the body's first part in the response start (:data:`EXTENSION`, which the scope's
+  extensions list): the head and that part go out in one write, where the head and then
+  the part were two (a streamed answer has its first event at hand when its head goes).
 
 Its state changes, its writes and their bytes are uvicorn's (``response_started``,
 ``waiting_for_100_continue``, ``chunked_encoding``, ``response_complete``, the message
@@ -34,7 +37,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["fast_send"]
+__all__ = ["EXTENSION", "fast_send"]
+
+EXTENSION = "firstbyte.head_body"
+"""In the scope's extensions where this ``send`` is the cycle's; in an ``http.response.start``
+message, the first part of the body (more parts to follow), written with the head."""
 
 _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 """Names whose value changes the framing or the connection: uvicorn's ``send`` has them."""
@@ -112,30 +119,35 @@ def fast_send(cycle: Any) -> None:
 
     async def send(message: Any) -> None:
         if cycle.flow.write_paused or cycle.disconnected:
-            await uvicorn_send(message)  # it waits for the drain, or drops the message
+            await _uvicorns(uvicorn_send, message)  # it waits, or drops the message
             return
         if not cycle.response_started:
-            if message["type"] != "http.response.start" or cycle.access_log:
-                await uvicorn_send(message)
-                return
-            try:
-                head = _head(message, cycle.default_headers)
-            except Exception:  # uvicorn raises it, as far into its state as it gets there
-                head = None
+            head = None
+            if message["type"] == "http.response.start" and not cycle.access_log:
+                try:
+                    head = _head(message, cycle.default_headers)
+                except Exception:  # uvicorn raises it, as far into its state as it gets there
+                    pass
             if head is None:
-                await uvicorn_send(message)
+                await _uvicorns(uvicorn_send, message)
                 return
             status, parts = head
             cycle.response_started = True
             cycle.waiting_for_100_continue = False
             if not cycle.keep_alive:
                 parts.append(b"connection: close\r\n")
+            first = message.get(EXTENSION)
             if cycle.chunked_encoding is None and status != 204 and status != 304:
                 cycle.chunked_encoding = True
                 parts.append(b"transfer-encoding: chunked\r\n\r\n")
-            else:
-                parts.append(b"\r\n")
+                if first:  # the body's first part, in the same write
+                    parts += (b"%x\r\n" % len(first), first, b"\r\n")
+                cycle.transport.write(b"".join(parts))
+                return
+            parts.append(b"\r\n")
             cycle.transport.write(b"".join(parts))
+            if first:  # as the body message it stands for (uvicorn's send refuses it)
+                await uvicorn_send({"type": "http.response.body", "body": first, "more_body": True})
             return
         if (
             cycle.response_complete
@@ -163,3 +175,15 @@ def fast_send(cycle: Any) -> None:
         cycle.on_response()
 
     cycle.send = send
+    cycle.scope.setdefault("extensions", {})[EXTENSION] = True
+
+
+async def _uvicorns(uvicorn_send: Callable[[Any], Awaitable[None]], message: Any) -> None:
+    """uvicorn's ``send`` of ``message``; then a response start's first part of the body
+    (:data:`EXTENSION`), as the body message it stands for (through uvicorn's ``send`` too:
+    the cycle's ``send`` referring to itself would be a loop for the cyclic GC)."""
+    await uvicorn_send(message)
+    if message.get("type") == "http.response.start":
+        first = message.get(EXTENSION)
+        if first:
+            await uvicorn_send({"type": "http.response.body", "body": first, "more_body": True})

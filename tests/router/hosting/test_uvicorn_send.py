@@ -5,6 +5,7 @@ streamed answers take it without falling back."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from typing import Any
@@ -14,11 +15,12 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from firstbyte.benchmarks import chunk_instructions
+from firstbyte.router.asgi import LastPart, stream_body
 from firstbyte.router.hosting import uvicorn_limits
-from firstbyte.router.hosting.uvicorn_send import fast_send
+from firstbyte.router.hosting.uvicorn_send import EXTENSION, fast_send
 from tests.router.conftest import RouterFactory, auth
 from tests.router.streamtext import sse_text
-from tests.router.upstream import running_upstream
 
 DATE = [(b"date", b"Mon, 07 Dec 2026 09:00:00 GMT")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -130,6 +132,84 @@ async def test_fast_send_does_what_uvicorns_send_does(case: str) -> None:
     assert await _run(*ours, messages) == await _run(*theirs, messages)
 
 
+WITH_FIRST: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "stream": ({}, start()),
+    "no-keep-alive": ({"keep_alive": False}, start()),
+    "connection-close": ({}, start(headers=[*SSE, (b"connection", b"close")])),
+    "content-length": ({}, start(headers=[(b"content-length", b"4")])),
+    "no-content": ({}, start(204)),
+    "bad-value": ({}, start(headers=[(b"x-b", b"a\nb")])),
+    "unknown-status": ({}, start(999)),
+}
+
+
+@pytest.mark.parametrize("case", WITH_FIRST)
+async def test_a_first_part_in_the_start_is_the_body_message_it_stands_for(case: str) -> None:
+    options, head = WITH_FIRST[case]
+    theirs = _cycle(**options)
+    ours = _cycle(**options)
+    fast_send(ours[0])
+    assert ours[0].scope["extensions"][EXTENSION] is True
+    rest = [part(b"rest", False)]
+    expected = await _run(*theirs, [head, part(b"abcd"), *rest])
+    got = await _run(*ours, [{**head, EXTENSION: b"abcd"}, *rest])
+    # The same bytes, end and state; one message fewer, so the first error is compared.
+    assert (got[0], *got[2:5], got[6]) == (expected[0], *expected[2:5], expected[6])
+    assert [o for o in got[5] if o != "ok"][:1] == [o for o in expected[5] if o != "ok"][:1]
+
+
+async def test_a_streamed_head_and_its_first_part_are_one_write() -> None:
+    cycle, transport, _ = _cycle()
+    fast_send(cycle)
+    await cycle.send({**start(), EXTENSION: b"id: 1\ndata: a\n\n"})  # type: ignore[arg-type]
+    assert len(transport.writes) == 1
+    assert transport.writes[0].endswith(b"\r\n\r\nf\r\nid: 1\ndata: a\n\n\r\n")
+
+
+async def _parts(*parts: bytes, fail: bool = False) -> Any:
+    for one in parts:
+        yield one
+    if fail:
+        raise ValueError("upstream")
+
+
+async def _stream(chunks: Any, sent: list[dict[str, Any]]) -> None:
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    class Listening:
+        listener: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    await stream_body(None, send, 200, [("a", "b")], chunks,  # type: ignore[arg-type]
+                      disconnect=Listening(), first_at_hand=True)  # type: ignore[arg-type]
+
+
+async def test_stream_body_sends_its_first_part_with_the_head() -> None:
+    sent: list[dict[str, Any]] = []
+    await _stream(_parts(b"one", b"two", LastPart(b"end")), sent)
+    assert [m.get(EXTENSION, m.get("body")) for m in sent] == [b"one", b"two", b"end"]
+    assert sent[0]["type"] == "http.response.start"
+    assert sent[0]["headers"] == [(b"a", b"b")]
+    assert [m.get("more_body") for m in sent[1:]] == [True, False]
+
+
+async def test_stream_body_ending_at_once_sends_the_head_then_the_end() -> None:
+    for chunks, body in ((_parts(), b""), (_parts(LastPart(b"end")), b"end")):
+        sent: list[dict[str, Any]] = []
+        await _stream(chunks, sent)
+        assert sent[0]["type"] == "http.response.start"
+        assert EXTENSION not in sent[0]
+        assert sent[1:] == [{"type": "http.response.body", "body": body, "more_body": False}]
+
+
+async def test_stream_body_whose_first_part_fails_sends_the_head_first() -> None:
+    sent: list[dict[str, Any]] = []
+    with pytest.raises(ValueError, match="upstream"):
+        await _stream(_parts(fail=True), sent)
+    assert [m["type"] for m in sent] == ["http.response.start"]  # as without the first part
+    assert EXTENSION not in sent[0]
+
+
 async def test_a_head_with_the_first_part_is_one_write_each() -> None:
     cycle, transport, _ = _cycle()
     fast_send(cycle)
@@ -160,6 +240,7 @@ async def test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send(
     # uvicorn_limits gives each HTTP/1.1 cycle its own send; uvicorn's is what it falls
     # back to, counted here.
     calls: list[str] = []
+    sent: list[str] = []
     installed: list[RequestResponseCycle] = []
 
     def spying(cycle: RequestResponseCycle) -> None:
@@ -172,10 +253,25 @@ async def test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send(
         cycle.send = counted  # type: ignore[method-assign]
         installed.append(cycle)
         fast_send(cycle)
+        ours = cycle.send
+
+        async def seen(message: Any) -> None:
+            sent.append(message["type"] + ("+first" if EXTENSION in message else ""))
+            await ours(message)
+
+        cycle.send = seen  # type: ignore[method-assign]
 
     monkeypatch.setattr(uvicorn_limits, "fast_send", spying)
-    async with running_upstream() as up, start_router(
-        [up.url], tls=False
+    # An upstream that writes its head and first event at once, as vLLM and the sim do.
+    upstream = await asyncio.start_server(
+        lambda r, w: chunk_instructions._upstream(
+            r, w, argparse.Namespace(chunks=2, interval_ms=5.0)
+        ),
+        "127.0.0.1", 0,
+    )
+    url = f"http://127.0.0.1:{upstream.sockets[0].getsockname()[1]}"
+    async with upstream, start_router(
+        [url], tls=False
     ) as router, httpx.AsyncClient(timeout=30) as client:
         response = await client.post(
             router.base_url + "/v1/chat/completions", headers=auth(),
@@ -184,6 +280,8 @@ async def test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send(
         )
     assert response.status_code == 200
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
-    assert sse_text(response.content)[0] == "w0 w1 w2 w3 w4"
+    assert sse_text(response.content)[0] == " word word", response.content
     assert len(installed) == 1
     assert calls == []
+    # The role chunk came with the upstream's head: it went out with ours.
+    assert sent[0] == "http.response.start+first"
