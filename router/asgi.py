@@ -268,11 +268,14 @@ async def unless_gone(receive: Receive, work: asyncio.Future[Any]) -> bool:
             await cancel_and_wait(listener)  # settled before the next receive (a stream's own)
 
 
-def _encode_headers(headers: Headers) -> list[tuple[bytes, bytes]]:
-    encoded = []
+def _encode_headers(
+    headers: Headers, encoded: tuple[tuple[bytes, bytes], ...] = ()
+) -> list[tuple[bytes, bytes]]:
+    """``encoded`` (headers already in bytes), then ``headers`` encoded, in one list."""
+    out = list(encoded)
     for k, v in headers:  # a loop: a list comprehension is a call
-        encoded.append((k.encode("latin-1"), v.encode("latin-1")))
-    return encoded
+        out.append((k.encode("latin-1"), v.encode("latin-1")))
+    return out
 
 
 async def send_bytes(
@@ -315,6 +318,7 @@ async def stream_body(
     *,
     disconnect: Disconnect | None = None,
     first_at_hand: bool = False,
+    encoded: tuple[tuple[bytes, bytes], ...] = (),
 ) -> bool:
     """Send ``chunks`` as one streamed response, each chunk flushed as it comes; a
     :class:`LastPart` ends it (whatever ``chunks`` would yield after it is not sent).
@@ -331,9 +335,11 @@ async def stream_body(
     ``first_at_hand``: the server takes a first part with the head (:func:`head_body`) and
     ``chunks`` yields its first part without waiting (a stream with events already in it):
     the head goes out with that part, one write of the connection where they were two.
+
+    ``encoded``: headers already in bytes (constants, encoded once), sent before ``headers``.
     """
     start: Message = {
-        "type": "http.response.start", "status": status, "headers": _encode_headers(headers)
+        "type": "http.response.start", "status": status, "headers": _encode_headers(headers, encoded)
     }
     if not first_at_hand:
         await send(start)

@@ -108,6 +108,8 @@ SSE_HEADERS = (
     ("cache-control", "no-cache"),
     ("x-accel-buffering", "no"),
 )
+_SSE_HEADERS_ENCODED = tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in SSE_HEADERS)
+""":data:`SSE_HEADERS` as sent, encoded once (every streamed answer has them)."""
 
 
 def new_context(state: RouterState, scope: Scope) -> RequestContext:
@@ -365,7 +367,7 @@ async def _stream_response(
         receive,
         send,
         200,
-        [*SSE_HEADERS, *headers],
+        headers,
         sse_events(
             stream,
             0,
@@ -378,6 +380,7 @@ async def _stream_response(
         # Its first event (the role chunk) came with the upstream's head, as a rule: then
         # it goes out with ours.
         first_at_hand=stream.last_seq > 0 and head_body(scope),
+        encoded=_SSE_HEADERS_ENCODED,  # before ``headers``, as SSE_HEADERS were
     )
 
 
@@ -588,7 +591,7 @@ async def read_stream(
         return
     ctx, found, after, _ = opened
     state.metrics.count("stream", "ok")
-    headers = [*SSE_HEADERS, *_common_headers(ctx), (STREAM_HEADER, found.id)]
+    headers = [*_common_headers(ctx), (STREAM_HEADER, found.id)]
     if found.upstream_ttft_ms is not None:  # else nothing to time: no empty header
         headers.append(("server-timing", ctx.server_timing(upstream_ttft=found.upstream_ttft_ms)))
     await stream_body(
@@ -604,6 +607,7 @@ async def read_stream(
             direct=body_writer(scope),
             tally=state.metrics.sse_events,
         ),
+        encoded=_SSE_HEADERS_ENCODED,
     )
 
 

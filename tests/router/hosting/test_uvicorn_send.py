@@ -279,7 +279,14 @@ async def test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send(
                   "stream": True, "max_tokens": 5},
         )
     assert response.status_code == 200
+    # The head as uvicorn sent it: its date, the SSE headers, the router's, the framing.
+    names = [name for name, _ in response.headers.raw]
+    assert names == [b"date", b"content-type", b"cache-control", b"x-accel-buffering",
+                     b"x-firstbyte-region", b"traceparent", b"x-firstbyte-stream",
+                     b"server-timing", b"transfer-encoding"]
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == "no"
     assert sse_text(response.content)[0] == " word word", response.content
     assert len(installed) == 1
     assert calls == []
