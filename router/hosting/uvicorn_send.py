@@ -146,7 +146,7 @@ def fast_send(cycle: Any) -> None:
                 return
             parts.append(b"\r\n")
             cycle.transport.write(b"".join(parts))
-            if first:  # as the body message it stands for (uvicorn's send refuses it)
+            if first:  # as the body message it stands for (which uvicorn refuses: no body)
                 await uvicorn_send({"type": "http.response.body", "body": first, "more_body": True})
             return
         if (
