@@ -173,3 +173,23 @@ def test_a_request_by_key_names_its_subject_a_token_keeps_its_own() -> None:
                    _body(user="mallory"))
     assert admit_chat(by_token, KEYS, 1 << 20, tokens=signer) is CONTINUE
     assert (by_token.subject, by_token.reader_subject) == ("alice", "alice")
+
+
+def test_a_contexts_repr_keeps_the_key_the_prompt_and_the_headers_out() -> None:
+    tp = Traceparent("a" * 32, "b" * 16)
+    c = RequestContext(
+        "POST", "/v1/chat/completions", {"authorization": "Bearer sk-secret"},
+        client=("1.2.3.4", 5), traceparent=tp, body=b"my prompt", received_at=1.5,
+    )
+    c.api_key, c.subject, c.region = "sk-secret", "user-7", "eu"
+    assert repr(c) == (
+        "RequestContext(method='POST', path='/v1/chat/completions', client=('1.2.3.4', 5), "
+        "http_version='1.1', received_at=1.5, codec=<ChatCodec chat /v1/chat/completions>, "
+        f"stream_requested=False, traceparent={tp!r}, backend=None, region='eu', "
+        "admitted_at=None, routed_at=None, upstream_sent_at=None, first_token_at=None, "
+        "outcome='', error_code=None, route_reason='', upstream_error='', model_label='', "
+        "usage=None)"
+    )
+    assert c.owner == owner_of("sk-secret")
+    assert c != RequestContext("POST", "/v1/chat/completions", {})  # by identity
+    assert hash(c) == hash(c)
