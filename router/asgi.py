@@ -235,7 +235,9 @@ class Disconnect:
         if not work.done() and not listener.done():
             # asyncio.wait(FIRST_COMPLETED) for two futures, without its sets, counter and
             # timeout handling.
-            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            # work's own loop (the running one), not looked up: on Python 3.11 each
+            # get_running_loop() is a getpid() system call.
+            woken: asyncio.Future[None] = work.get_loop().create_future()
 
             def wake(_: object) -> None:
                 if not woken.done():
@@ -343,8 +345,6 @@ async def stream_body(
     }
     if not first_at_hand:
         await send(start)
-    sender = asyncio.current_task()
-    assert sender is not None
     gone = False
     if disconnect is None:
         disconnect = Disconnect(receive)
@@ -352,6 +352,10 @@ async def stream_body(
     else:
         owned = False
     listener = disconnect.listener
+    # The listener's loop is the running one: passed, current_task() skips looking it up
+    # (on Python 3.11 a getpid() system call).
+    sender = asyncio.current_task(listener.get_loop())
+    assert sender is not None
     sending = True
 
     def on_gone(done: asyncio.Future[None]) -> None:

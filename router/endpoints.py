@@ -351,7 +351,8 @@ async def _stream_response(
     """Start the upstream for the attached ``stream``, then answer with its head: the SSE
     body, or the upstream's error."""
     try:
-        started = state.proxy.start_stream(ctx, stream)
+        # The listener's loop is the running one: no lookup (a getpid() on Python 3.11).
+        started = state.proxy.start_stream(ctx, stream, disconnect.listener.get_loop())
         if not await disconnect.unless_gone(started):
             # Gone before the response head, so before learning the stream id: nobody can
             # ever read this stream (an HTTP/2 rapid reset, or a client giving up).

@@ -190,8 +190,9 @@ class Stream:
     """Called after events were trimmed from the front (the shared state trims Redis too)."""
     evicted: bool = False
     _store: StreamStore | None = field(default=None, repr=False)
-    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
-    """The loop its readers wait in (the serving loop), known at the first wait."""
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    """The loop its readers wait in (the serving loop): given by the proxy as it starts the
+    stream's producer, else known at the first wait."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     """One future per reader blocked in :meth:`wait`, all resolved by the next change."""
     _taps: list[_Tap] = field(default_factory=list, repr=False)
@@ -352,9 +353,9 @@ class Stream:
         # A bare future and a timer handle, not ``wait_for(event.wait())``: that made a task
         # per call, and every live reader calls this once per relayed chunk. The loop is
         # looked up once per stream: on Python 3.11 each lookup is a getpid() system call.
-        loop = self._loop
+        loop = self.loop
         if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
+            loop = self.loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
         timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
@@ -381,9 +382,9 @@ class Stream:
         written is in the store, after the returned number, for the reader's own path."""
         if self.last_seq > seq or self.evicted or self.done or idle_s == 0:
             return seq, False
-        loop = self._loop
+        loop = self.loop
         if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
+            loop = self.loop = asyncio.get_running_loop()
         tap = _Tap(write, seq, loop.create_future(), _idle_clock(), loop)
         self._taps.append(tap)
         if idle_s is not None:

@@ -393,7 +393,7 @@ class H1Pool:
     """Kept-alive HTTP/1.1 connections to the upstreams (see the module docstring)."""
 
     loop: asyncio.AbstractEventLoop
-    """The serving loop, taken by the first :meth:`acquire` (the pool may be built before)."""
+    """The serving loop, taken by each :meth:`acquire` (the pool may be built before)."""
 
     def __init__(
         self,
@@ -418,9 +418,13 @@ class H1Pool:
         idle = sum(len(q) for q in self._idle.values())
         return f"<H1Pool [Connections: {len(self._open) - idle} active, {idle} idle]>"
 
-    async def acquire(self, origin: Origin) -> H1Connection:
-        """A connection to ``origin``: the most recently used idle one, else a new one."""
-        self.loop = asyncio.get_running_loop()
+    async def acquire(
+        self, origin: Origin, loop: asyncio.AbstractEventLoop | None = None
+    ) -> H1Connection:
+        """A connection to ``origin``: the most recently used idle one, else a new one.
+        ``loop``: the running loop where the caller holds it (saves looking it up: on
+        Python 3.11 a getpid() system call)."""
+        self.loop = loop if loop is not None else asyncio.get_running_loop()
         conn = self._take_idle(origin)
         if conn is not None:
             return conn  # the common case: no deadline to arm and cancel

@@ -237,11 +237,21 @@ class Proxy:
         headers = self._headers(ctx, backend, "text/event-stream")
         return encode_request("POST", origin, path, headers, body)
 
-    def start_stream(self, ctx: RequestContext, stream: Stream) -> asyncio.Future[UpstreamHead]:
-        """Start producing ``stream`` from the upstream; the future resolves with its head."""
-        head: asyncio.Future[UpstreamHead] = asyncio.get_running_loop().create_future()
-        producer = _Producer(self, ctx, stream, head)
-        task = asyncio.create_task(producer.run())
+    def start_stream(
+        self, ctx: RequestContext, stream: Stream, loop: asyncio.AbstractEventLoop | None = None
+    ) -> asyncio.Future[UpstreamHead]:
+        """Start producing ``stream`` from the upstream; the future resolves with its head.
+        ``loop``: the running loop where the caller holds it."""
+        # The loop looked up at most once for the request, then handed on (the producer, its
+        # pool acquire, the stream's readers): on Python 3.11 each lookup is a getpid()
+        # system call.
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        head: asyncio.Future[UpstreamHead] = loop.create_future()
+        producer = _Producer(self, ctx, stream, head, loop)
+        if stream.loop is None:
+            stream.loop = loop
+        task = loop.create_task(producer.run())
         self.producers.add(task)
         task.add_done_callback(self.producers.discard)
         stream.cancel_producer = task.cancel
@@ -397,7 +407,12 @@ class _Producer:
     the first-token timer and, for a local backend, the first-byte timer (passive health)."""
 
     def __init__(
-        self, proxy: Proxy, ctx: RequestContext, stream: Stream, head: asyncio.Future[UpstreamHead]
+        self,
+        proxy: Proxy,
+        ctx: RequestContext,
+        stream: Stream,
+        head: asyncio.Future[UpstreamHead],
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.proxy = proxy
         self.ctx = ctx
@@ -415,8 +430,8 @@ class _Producer:
                 codec.named_events or (request is not None and request.wants_usage_chunk)
             ),
         )
-        self.loop = asyncio.get_running_loop()
-        self.outcome: asyncio.Future[str] = self.loop.create_future()
+        self.loop = loop  # the running loop, as start_stream looked it up
+        self.outcome: asyncio.Future[str] = loop.create_future()
         self.ok = False
         self._refused: list[bytes] | None = None
         self._refused_status = 0
@@ -582,7 +597,7 @@ class _Producer:
         result = "retry"
         for _ in range(STALE_RETRIES + 1):
             try:
-                self._conn = conn = await pool.acquire(origin)
+                self._conn = conn = await pool.acquire(origin, self.loop)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if self.outcome.done():  # a first-token switch was claimed meanwhile
                     return self.outcome.result()
