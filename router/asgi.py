@@ -341,7 +341,9 @@ async def stream_body(
     ``encoded``: headers already in bytes (constants, encoded once), sent before ``headers``.
     """
     start: Message = {
-        "type": "http.response.start", "status": status, "headers": _encode_headers(headers, encoded)
+        "type": "http.response.start",
+        "status": status,
+        "headers": _encode_headers(headers, encoded),
     }
     if not first_at_hand:
         await send(start)

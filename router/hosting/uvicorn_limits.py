@@ -539,7 +539,8 @@ def _drop_writer(cycle: Any) -> None:
     extensions = cycle.scope.get("extensions")
     if extensions:
         extensions.pop(BODY_WRITER, None)
-    try:
+    # try/except, not contextlib.suppress: no context manager made once a request
+    try:  # noqa: SIM105
         del cycle.send  # not through vars(): that would make the instance keep a dict
     except AttributeError:
         pass  # uvicorn's own (a HEAD's), or taken already
