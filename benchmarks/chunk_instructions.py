@@ -16,6 +16,11 @@ instructions are counted, not the server's).
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target pipe
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --redis
 
+``gc_instructions_per_chunk`` is the cyclic GC's share of the measured pass; with a few
+passes, whether one young collection falls inside it depends on where the collector's count
+stood, so compare revisions by ``busy_instructions_per_chunk_without_gc`` (or use enough
+passes to hold several collections).
+
 Not part of ``firstbyte bench``: a tool for judging a change to the data path.
 """
 
@@ -26,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +41,7 @@ from pathlib import Path
 from firstbyte.benchmarks.redis_server import running_redis
 from firstbyte.benchmarks.scenarios.router_overhead import _PIPE, _ROUTER, _router_config
 
-__all__ = ["main"]
+__all__ = ["gc_instructions", "main"]
 
 _CHUNK = (
     b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
@@ -210,13 +216,14 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         for _ in range(args.passes):
             received += await _pass(clients)
         elapsed, cpu = time.perf_counter() - started, _cpu_s(proc.pid) - cpu_before
-        instructions = 0
+        instructions = gc = 0
         events: dict[str, int] = {}
         if not args.no_valgrind:
             await asyncio.to_thread(_callgrind, proc.pid, "-d")
             await asyncio.to_thread(_callgrind, proc.pid, "-i", "off")
             events = await asyncio.to_thread(_events, out)
             instructions = events["Ir"]
+            gc = await asyncio.to_thread(_gc_total, out)
         for client in clients:
             client.close()
     finally:
@@ -254,11 +261,40 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
         "instructions_per_chunk": round(instructions / chunks),
         "idle_instructions_per_s": round(idle_per_s),
         "busy_instructions_per_chunk": round((instructions - idle_per_s * elapsed) / chunks),
+        # The cyclic GC's young collections run every few thousand objects kept: over a short
+        # pass one falls inside the window or not (~1.7M instructions, ~14k a chunk of 40
+        # one-chunk streams) as a change moves the count by a little. Compare revisions by
+        # the figure without it, or with passes long enough to hold several collections.
+        "gc_instructions_per_chunk": round(gc / chunks),
+        "busy_instructions_per_chunk_without_gc": round(
+            (instructions - gc - idle_per_s * elapsed) / chunks
+        ),
         # With --no-valgrind: the process's CPU time (system calls included) per chunk, noisy
         # on a shared machine, in 10 ms ticks: use thousands of chunks.
         "cpu_us_per_chunk": round(cpu * 1e6 / chunks, 1),
         "dump_dir": str(out),
     } | misses
+
+
+_GC_LINE = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+\S*:gc_collect_main(?:'\d+)? \[", re.M)
+
+
+def gc_instructions(annotation: str) -> int:
+    """The instructions spent in the cyclic GC's collections, from ``callgrind_annotate
+    --inclusive=yes`` of a dump: ``gc_collect_main``'s inclusive count (the largest of its
+    lines, a recursive call's being inside it), 0 if no collection ran."""
+    counts = [int(m.group(1).replace(",", "")) for m in _GC_LINE.finditer(annotation)]
+    return max(counts, default=0)
+
+
+def _gc_total(out: Path) -> int:
+    """:func:`gc_instructions` of the last callgrind dump in ``out``."""
+    path = sorted(out.glob("callgrind.out.*"), key=lambda p: p.stat().st_mtime)[-1]
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return gc_instructions(annotated)
 
 
 def main(argv: list[str] | None = None) -> None:
