@@ -7,8 +7,9 @@ leaves the client with no stream id when its idle timeout fires. Sending the req
 ran the model once per stall. The router still answers a probe, so it holds the request: the
 client waits for that answer, as the Python SDK does (test_slow_head.py), and every token
 arrives once from one engine request. (EventSource's stream is made by a ``POST /v1/streams``
-answered at once: its stall has a stream id and is resumed by it, one resume.) A router that
-answers nothing (a frozen relay in front of it) still gets the request again.
+answered at once, and long-poll's start is answered at its ``wait``: either stall has a stream id
+and is resumed by it, one resume.) A router that answers nothing (a frozen relay in front of it)
+still gets the request again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ HEAD_DELAY_S = 1.5
 IDLE_S = 1
 TOKENS = 12
 TRANSPORTS = ["sse-fetch", "eventsource", "websocket", "longpoll"]
+POLL_WAIT_S = 0.3
+"""Long-poll's ``wait``: its start's ``201`` (the stream id) comes at 0.3 s, so the watchdog's
+stall comes at 1.3 s, 0.2 s before the head and 0.1 s into a poll (polls end at 0.3 s steps),
+which the resume cancels. At the default wait (``IDLE_S / 2``) the stall fell at the head's own
+time and at a poll's end: which came first was a race, and so was whether a poll was cut."""
+RESUMED_BY_ID = {"eventsource", "longpoll"}
 
 
 async def test_a_head_later_than_the_idle_timeout_is_waited_for_not_sent_again() -> None:
@@ -43,7 +50,8 @@ async def test_a_head_later_than_the_idle_timeout_is_waited_for_not_sent_again()
                 before, problems = await sim_requests(sim), len(page.problems())
                 got = await page.evaluate(stream_script(
                     f"{w.router_url}/v1", token, transport, TOKENS,
-                    options={"idleTimeoutS": IDLE_S, "stallRetries": 3}))
+                    options={"idleTimeoutS": IDLE_S, "stallRetries": 3,
+                             "pollWaitS": POLL_WAIT_S}))
                 # An attempt abandoned during the sim's delay reaches its engine at the end
                 # of that delay: count once every attempt would have.
                 await asyncio.sleep(HEAD_DELAY_S + 0.3)
@@ -53,10 +61,11 @@ async def test_a_head_later_than_the_idle_timeout_is_waited_for_not_sent_again()
                     got["timings"]["resumes"],
                     len(page.problems()) - problems,  # failed loads: the probe is not one
                 )
-    # The EventSource closed at its stall (resumed by its id) is its one aborted load.
+    # The EventSource closed at its stall (resumed by its id) is its one aborted load, and the
+    # poll in flight at long-poll's stall is its one.
     assert outcomes == {
-        transport: (1.0, expected, None, int(transport == "eventsource"),
-                    int(transport == "eventsource"))
+        transport: (1.0, expected, None, int(transport in RESUMED_BY_ID),
+                    int(transport in RESUMED_BY_ID))
         for transport in TRANSPORTS
     }
 

@@ -29,8 +29,6 @@ from firstbyte.router.upstream_h1 import (
 from .conftest import RouterFactory, auth
 from .upstream import chunk, read_request, sse
 
-pytestmark = pytest.mark.asyncio
-
 MODELS = json.dumps({"object": "list", "data": [{"id": "test-model", "object": "model"}]}).encode()
 SSE_BODY = sse(chunk(content="hi")) + b"data: [DONE]\n\n"
 WHOLE_BODY = json.dumps({
