@@ -95,11 +95,14 @@ class Error(msgspec.Struct, tag="error", tag_field="type"):
     ``stream`` is null when the error belongs to no stream (e.g. a malformed message).
     ``status`` is the HTTP status the same answer has over SSE (``429`` region saturated,
     ``503`` draining, ``404`` no such stream, ...), so a client handles both alike; absent from
-    an older router."""
+    an older router. ``retry_after`` is the seconds the same answer's ``Retry-After`` header
+    says over SSE (a ``429``'s, a ``503``'s: when to send the request again), null when that
+    answer has none or from an older router."""
 
     stream: str | None = None
     error: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
     status: int | None = None
+    retry_after: int | None = None
 
 
 ClientMessage = Request | Resume

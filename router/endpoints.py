@@ -91,6 +91,7 @@ __all__ = [
     "completion",
     "edge_status",
     "edge_timings",
+    "fallback_reply",
     "healthz",
     "metrics",
     "mint_token",
@@ -101,6 +102,7 @@ __all__ = [
     "reply",
     "start_detached_stream",
     "upstream_refusal",
+    "upstream_retry_after",
 ]
 
 SSE_HEADERS = (
@@ -150,7 +152,9 @@ async def reply(send: Send, ctx: RequestContext | None, outcome: LocalReply) -> 
     await send_bytes(send, outcome.status, outcome.body, headers=headers)
 
 
-def _fallback_reply(outcome: Fallback) -> LocalReply:
+def fallback_reply(outcome: Fallback) -> LocalReply:
+    """The ``503`` for a stage that could not serve the request here (SSE's and the
+    WebSocket's answer alike)."""
     return error_reply(
         503,
         f"Cannot serve this request here: {outcome.reason}.",
@@ -167,7 +171,7 @@ async def _finish(
     """Answer a stage's non-continue outcome; True if the request is over."""
     if outcome is CONTINUE:
         return False
-    local = _fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
+    local = fallback_reply(outcome) if isinstance(outcome, Fallback) else outcome
     assert isinstance(local, LocalReply)
     state.metrics.count_reply(endpoint, local, ctx.model_label)
     ctx.outcome = local.outcome
@@ -327,7 +331,7 @@ async def completion(
             headers=[
                 *_common_headers(ctx),
                 ("server-timing", timing),
-                *_retry_after(state, answer.status),
+                *upstream_retry_after(state, answer.status),
             ],
         )
         return
@@ -370,7 +374,7 @@ async def _stream_response(
         ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
     ]
     if head.status != 200:
-        headers += _retry_after(state, head.status)
+        headers += upstream_retry_after(state, head.status)
         await send_bytes(send, head.status, head.body, headers=headers)
         return
     await stream_body(
@@ -422,8 +426,9 @@ async def upstream_refusal(
     return head if head.status != 200 else None
 
 
-def _retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:
-    """A 429 or 503 from upstream (a peer region, a backend) goes out with our Retry-After."""
+def upstream_retry_after(state: RouterState, status: int) -> list[tuple[str, str]]:
+    """A 429 or 503 from upstream (a peer region, a backend) goes out with our Retry-After
+    (over SSE and long-poll as a header, over WebSocket in the ``error`` message)."""
     if status in (429, 503):
         return [("retry-after", str(state.routing.retry_after_s()))]
     return []
@@ -482,7 +487,7 @@ async def start_detached_stream(
             *_common_headers(ctx),
             (STREAM_HEADER, stream.id),
             ("server-timing", ctx.server_timing(upstream_headers=refused.elapsed_ms)),
-            *_retry_after(state, refused.status),
+            *upstream_retry_after(state, refused.status),
         ]
         await send_bytes(send, refused.status, refused.body, headers=headers)
         return

@@ -36,7 +36,7 @@ from firstbyte.protocol.ws import (
 from firstbyte.protocol.ws import encode as encode_message
 
 from .asgi import Message, Receive, Scope, Send
-from .endpoints import new_context, upstream_refusal
+from .endpoints import fallback_reply, new_context, upstream_refusal, upstream_retry_after
 from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .pipeline.relay import upstream_error_object
@@ -63,23 +63,42 @@ class _Close(Exception):
         self.reason = reason
 
 
-def _error(stream: str | None, body: ErrorBody | bytes, status: int) -> Error:
-    """The ``error`` message for an answer that is ``status`` with ``body`` over HTTP."""
+def _error(
+    stream: str | None, body: ErrorBody | bytes, status: int,
+    headers: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
+) -> Error:
+    """The ``error`` message for an answer that is ``status`` with ``body`` and ``headers``
+    over HTTP."""
     raw = body if isinstance(body, bytes) else encode(body)
     # The message carries the inner error object, as in ``{"error": {...}}`` bodies.
     inner = msgspec.json.decode(raw).get("error", {})
-    return Error(stream, msgspec.Raw(encode(inner)), status)
+    return Error(stream, msgspec.Raw(encode(inner)), status, _retry_after(headers))
 
 
-def _upstream_error(status: int, body: bytes) -> Error:
+def _reply(stream: str | None, reply: LocalReply) -> Error:
+    """The ``error`` message for a refusal that HTTP answers with ``reply``."""
+    return _error(stream, reply.body, reply.status, reply.headers)
+
+
+def _retry_after(headers: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> int | None:
+    """The ``Retry-After`` seconds among an HTTP answer's headers: read from the header the
+    code that refuses sets, so SSE and the socket give one figure, computed once."""
+    for name, value in headers:
+        if name == "retry-after":
+            return int(value)  # the router's are whole seconds (never an HTTP-date)
+    return None
+
+
+def _upstream_error(state: RouterState, status: int, body: bytes) -> Error:
     """The ``error`` message for a stream the upstream refused with ``status`` and ``body``
     (OpenAI's or Anthropic's error body, whose ``error`` object it carries; another body, a
-    proxy's HTML page, is named by its status)."""
+    proxy's HTML page, is named by its status), with the ``Retry-After`` SSE adds to it."""
+    headers = upstream_retry_after(state, status)
     error = upstream_error_object(body)
     if error is not None:
-        return Error(None, msgspec.Raw(encode(error)), status)
+        return Error(None, msgspec.Raw(encode(error)), status, _retry_after(headers))
     fallback = error_body(f"Upstream answered {status}.", code=f"upstream_{status}")
-    return _error(None, fallback, status)
+    return _error(None, fallback, status, headers)
 
 
 def _trimmed(stream_id: str, trimmed: HistoryTrimmed) -> Error:
@@ -142,29 +161,22 @@ class _Session:
                              tokens=self.state.tokens)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
-            await self.send(_error(None, outcome.body, outcome.status))
+            await self.send(_reply(None, outcome))
             if outcome.status == 401:  # a token revoked (or expired) since the socket opened
                 raise _Close(CLOSE_POLICY, "unauthorized")
             raise _Close(CLOSE_INVALID_PAYLOAD, "invalid request body")
         outcome = await place(self.state, ctx)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count_reply("ws", outcome, ctx.model_label)
-            await self.send(_error(None, outcome.body, outcome.status))
+            await self.send(_reply(None, outcome))
             return
         if outcome is not CONTINUE:
-            reason = outcome.reason if isinstance(outcome, Fallback) else "unavailable"
-            self.state.metrics.count("ws", "unavailable", ctx.model_label)
-            await self.send(
-                _error(
-                    None,
-                    error_body(
-                        f"Cannot serve here: {reason}.",
-                        "server_error",
-                        code=error_codes.UNAVAILABLE,
-                    ),
-                    503,
-                )
+            # SSE's 503 for it, Retry-After included.
+            unavailable = fallback_reply(
+                outcome if isinstance(outcome, Fallback) else Fallback("unavailable")
             )
+            self.state.metrics.count("ws", "unavailable", ctx.model_label)
+            await self.send(_reply(None, unavailable))
             return
         stream = ctx.stream = self.state.new_stream(
             ctx.owner, ctx.release_key_slot, ctx.subject
@@ -185,7 +197,7 @@ class _Session:
             started, limits.upstream_connect_timeout_s + limits.upstream_read_timeout_s
         )
         if refused is not None:
-            await self.send(_upstream_error(refused.status, refused.body))
+            await self.send(_upstream_error(self.state, refused.status, refused.body))
             return
         # The routing stage put the hint (if any) in the headers SSE would send.
         hint = dict(ctx.response_headers)
@@ -199,7 +211,7 @@ class _Session:
         outcome = authenticate(self.ctx, self.state.api_keys, self.state.tokens)
         if isinstance(outcome, LocalReply):
             self.state.metrics.count("ws", outcome.outcome)
-            await self.send(_error(message.stream, outcome.body, outcome.status))
+            await self.send(_reply(message.stream, outcome))
             raise _Close(CLOSE_POLICY, "unauthorized")
         try:
             stream = await self.state.find_stream(
@@ -208,7 +220,7 @@ class _Session:
         except StateUnavailable as exc:  # the socket stays: the client may resume again
             refused = unavailable_reply(exc)
             self.state.metrics.count_reply("ws", refused)
-            await self.send(_error(message.stream, refused.body, refused.status))
+            await self.send(_reply(message.stream, refused))
             return
         if stream is None:
             await self.send(

@@ -26,13 +26,16 @@ def test_server_messages_bytes() -> None:
     )
     assert ws.encode(ws.Done("S", 4)) == b'{"type":"done","stream":"S","seq":4}'
     error = b'{"message":"m","type":"t","param":null,"code":"c"}'
-    assert ws.encode(ws.Error(None, msgspec.Raw(error), 503)) == (
-        b'{"type":"error","stream":null,"error":' + error + b',"status":503}'
+    assert ws.encode(ws.Error(None, msgspec.Raw(error), 503, 7)) == (
+        b'{"type":"error","stream":null,"error":' + error + b',"status":503,"retry_after":7}'
     )
-    # An older router's error has no status: still a valid message, without one.
+    assert ws.encode(ws.Error("S", msgspec.Raw(error), 404)) == (
+        b'{"type":"error","stream":"S","error":' + error + b',"status":404,"retry_after":null}'
+    )
+    # An older router's error has no status nor retry_after: still valid, without them.
     older = ws.decode_server_message(b'{"type":"error","stream":null,"error":' + error + b"}")
     assert isinstance(older, ws.Error)
-    assert older.status is None
+    assert (older.status, older.retry_after) == (None, None)
 
 
 @pytest.mark.parametrize(

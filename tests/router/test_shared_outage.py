@@ -36,6 +36,7 @@ from firstbyte.router.pipeline.context import CONTINUE, RequestContext
 from firstbyte.router.placement import place
 from firstbyte.router.shared import connect
 from firstbyte.router.shared.admission import Claim, Verdict
+from firstbyte.router.shared.errors import RETRY_AFTER_S
 from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.tickets import PAUSE_S, RedisTicketStore
 from firstbyte.router.sim.server import SimServer, sim_server
@@ -214,7 +215,8 @@ class _Load:
 
 async def _websocket_refusals(router: RouterProcess, tls_files: dict[str, str]) -> None:
     """Redis away: a WebSocket's request and its resume each get an error message (status
-    503, ``state_unavailable``), and the socket stays open for the next try."""
+    503, ``state_unavailable``, SSE's ``Retry-After`` as ``retry_after``), and the socket
+    stays open for the next try."""
     url = router.url.replace("https://", "wss://") + "/v1/ws"
     async with ws_connect(url, ssl=client_tls(tls_files), additional_headers=auth()) as ws:
         for message in ({"type": "request", "body": BODY},
@@ -224,6 +226,7 @@ async def _websocket_refusals(router: RouterProcess, tls_files: dict[str, str]) 
             answer = json.loads(await ws.recv())
             assert (answer["type"], answer["status"], answer["error"]["code"]) == (
                 "error", 503, error_codes.STATE_UNAVAILABLE)
+            assert answer["retry_after"] == RETRY_AFTER_S
 
 
 def _check_answers(results: list[tuple[float, int, str, str]]) -> None:
