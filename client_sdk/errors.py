@@ -135,7 +135,8 @@ class NotFoundError(APIError):
 
 
 class RateLimitError(APIError):
-    """429: the server is saturated; ``retry_after`` seconds from its ``Retry-After`` header."""
+    """429: the server is saturated; ``retry_after`` seconds from its ``Retry-After`` header
+    (over WebSocket, the ``error`` message's ``retry_after``)."""
 
     def __init__(self, message: str, *, retry_after: float | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
@@ -144,7 +145,8 @@ class RateLimitError(APIError):
 
 class ServiceUnavailableError(APIError):
     """503 (or 502/504): no backend could serve the request right now; ``retry_after``
-    seconds from its ``Retry-After`` header (a draining router sends one)."""
+    seconds from its ``Retry-After`` header or WebSocket ``retry_after`` (a draining router
+    sends one)."""
 
     def __init__(self, message: str, *, retry_after: float | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
@@ -173,10 +175,13 @@ def _parse_body(body: bytes | str | dict[str, Any] | None) -> _ErrorDetail | Non
         return None
 
 
-def retry_after_s(value: str | None) -> float | None:
-    """A ``Retry-After`` header's seconds (None: absent, or not a number of seconds)."""
+def retry_after_s(value: str | float | None) -> float | None:
+    """A ``Retry-After`` header's seconds (None: absent, or not a number of seconds); a
+    number is already seconds (a WebSocket ``error`` message's ``retry_after``)."""
     if value is None:
         return None
+    if isinstance(value, int | float):
+        return max(float(value), 0.0)
     try:
         seconds = float(value)
     except ValueError:
@@ -188,12 +193,13 @@ def api_error_from_response(
     status: int | None,
     body: bytes | str | dict[str, Any] | None,
     *,
-    retry_after: str | None = None,
+    retry_after: str | float | None = None,
 ) -> APIError:
     """Build the typed error for an HTTP status and (OpenAI-style) error body.
 
     ``body`` may also be an already-decoded ``{"error": {...}}`` dict, as found in a stream's
     error event. Bodies that are not OpenAI errors still yield an error with the raw text.
+    ``retry_after`` is the ``Retry-After`` header, or a WebSocket error's seconds.
     """
     detail = _parse_body(body)
     if detail is not None:

@@ -19,9 +19,10 @@ RETRY_STATUSES = frozenset({429, 503})
 """The answers a request is sent again for: saturated, or draining / unavailable for now."""
 
 FIRST_BACKOFF_S = 1.0
-"""The wait before the first retry when the answer has no ``Retry-After`` (a WebSocket
-``error`` message has none); doubled each time. The router's shortest ``Retry-After`` is 1 s
-(whole seconds), so a shorter wait would only spend a retry on a refusal."""
+"""The wait before the first retry when the answer has no ``Retry-After`` (nor, over
+WebSocket, ``retry_after``: an older router's ``error`` message); doubled each time. The
+router's shortest ``Retry-After`` is 1 s (whole seconds), so a shorter wait would only spend a
+retry on a refusal."""
 
 
 class RetryBudget:

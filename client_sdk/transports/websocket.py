@@ -274,9 +274,12 @@ async def websocket_source(
                 return
             elif isinstance(msg, messages.Error):
                 # With its HTTP status (a newer router's): a 429 or 503 before the stream
-                # started sends the request to the next region, as over SSE.
+                # started sends the request to the next region, as over SSE, and its
+                # ``retry_after`` is waited for and sets the region aside as SSE's
+                # Retry-After is (None from an older router: the backoff).
                 error = api_error_from_response(
-                    msg.status, {"error": msgspec.json.decode(msg.error)}
+                    msg.status, {"error": msgspec.json.decode(msg.error)},
+                    retry_after=msg.retry_after,
                 )
                 draining = draining_refusal(error)
                 raise error

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
@@ -84,9 +85,11 @@ async def start_stack(
     keep_alive_timeout_s: float = 75.0,
     header_timeout_s: float = 60.0,
     models: Sequence[str] = (),
+    limits: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Stack]:
     """Start ``firstbyte sim`` and the router in front of it in the running loop; the sim
-    serves its profile's model, ``busy`` and ``models``."""
+    serves its profile's model, ``busy`` and ``models``; ``limits`` adds to the router's
+    ``[limits]``."""
     ca_file, cert_file, key_file = tls_files
     # "busy": what a client failing over from a saturated protocol server asks for.
     served = [get_profile(profile).model, "busy", *models]
@@ -100,7 +103,7 @@ async def start_stack(
                        "keyfile": key_file, "keep_alive_timeout_s": keep_alive_timeout_s},
             "auth": {"api_keys": [ROUTER_KEY, OTHER_KEY]},
             "limits": {"heartbeat_interval_s": heartbeat_s,
-                       "client_header_timeout_s": header_timeout_s},
+                       "client_header_timeout_s": header_timeout_s, **(limits or {})},
         }, "<sdk-test>")
         async with running_router(config) as endpoints:
             yield Stack(f"https://localhost:{endpoints.port}/v1", endpoints.port, sim_url,

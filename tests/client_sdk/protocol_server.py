@@ -9,8 +9,10 @@ Behaviour is chosen per request through the model name: ``stall-K`` stops produc
 tokens (heartbeats continue), ``slow-MS`` waits MS milliseconds before the first token,
 ``tools`` streams one tool call (``get_weather``) in fragments, ``busy`` answers 429;
 ``busy-N`` (429) and ``draining-N`` (503, code ``draining``) refuse the first N requests of
-that model name with ``Retry-After: 1``, then serve (over SSE, ``POST /v1/streams`` and
-WebSocket alike: a WebSocket ``error`` message with the status, as the router sends).
+that model name with ``Retry-After: 1`` (``refusal_retry_after`` seconds), then serve (over
+SSE, ``POST /v1/streams`` and WebSocket alike: a WebSocket ``error`` message with the status
+and ``retry_after``, as the router sends; without ``retry_after`` while ``ws_retry_after`` is
+False, as an older router sends).
 ``POST /v1/streams?wait=S`` answers with the first poll batch, unless ``post_batch`` is False
 (then it answers the bare ``{"stream": ID}``, as a router from before ``wait`` did).
 ``/healthz`` answers ``health`` (status, ``Retry-After`` or None; default 200), which a test
@@ -94,6 +96,10 @@ class ProtocolApp:
         """Each request's client address and port (``requests``' order): a connection's."""
         self.refused: dict[str, int] = {}
         """Requests refused so far per ``busy-N`` / ``draining-N`` model name."""
+        self.refusal_retry_after = 1
+        """The ``Retry-After`` seconds of a ``busy-N`` / ``draining-N`` refusal."""
+        self.ws_retry_after = True
+        """Whether a WebSocket refusal carries ``retry_after`` (False: an older router's)."""
         self.batches: list[tuple[str, list[int]]] = []
         """Long-poll answers in order: (method, the seqs of the events they carried)."""
         self.health: tuple[int, str | None] = (200, None)
@@ -290,9 +296,11 @@ class ProtocolApp:
                     refused = self._refusal(str(req["body"].get("model", "")))
                     if refused is not None:
                         status, error = refused
-                        await send({"type": "websocket.send", "text": json.dumps(
-                            {"type": "error", "stream": None, "error": error,
-                             "status": status})})
+                        message = {"type": "error", "stream": None, "error": error,
+                                   "status": status}
+                        if self.ws_retry_after:
+                            message["retry_after"] = self.refusal_retry_after
+                        await send({"type": "websocket.send", "text": json.dumps(message)})
                         continue
                     sid = self._start(req["body"], key)
                     after = 0
@@ -342,13 +350,14 @@ class ProtocolApp:
         return status, {"message": kind, "type": "server_error", "param": None, "code": code}
 
     async def _refused(self, send: Send, model: str) -> bool:
-        """Answer a ``busy-N`` / ``draining-N`` request 429 / 503 with ``Retry-After: 1`` if it
+        """Answer a ``busy-N`` / ``draining-N`` request 429 / 503 with ``Retry-After`` if it
         is one of the first N."""
         refused = self._refusal(model)
         if refused is None:
             return False
         status, error = refused
-        await _json(send, status, {"error": error}, extra=[(b"retry-after", b"1")])
+        retry_after = str(self.refusal_retry_after).encode()
+        await _json(send, status, {"error": error}, extra=[(b"retry-after", retry_after)])
         return True
 
 

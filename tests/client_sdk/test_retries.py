@@ -20,7 +20,8 @@ from firstbyte.client_sdk.errors import (
     ServiceUnavailableError,
 )
 from firstbyte.client_sdk.sync import Client
-from tests.client_sdk.conftest import API_KEY
+from firstbyte.router.sim.profiles import get_profile
+from tests.client_sdk.conftest import API_KEY, ROUTER_KEY, start_stack
 from tests.client_sdk.protocol_server import (
     RunningServer,
     expected_text,
@@ -228,3 +229,65 @@ async def test_the_new_connection_after_draining_is_one_of_the_retries(
                 pass
     assert server.app.refused == {"draining-2": 2, "draining-1": 1}
     assert len(start_connections(server)) == 3
+
+
+async def test_a_websocket_refusal_waits_the_routers_retry_after(
+    server: RunningServer, ca_file: str
+) -> None:
+    """A WebSocket ``error`` message's ``retry_after`` (30 s here) is used as an SSE answer's
+    ``Retry-After`` is: the region is set aside for it, and a wait past ``retry_budget_s``
+    (5 s) raises the refusal at once with the figure, where the default backoff (1 s) would
+    have sent the request again and been served."""
+    server.app.refusal_retry_after = 30
+    async with AsyncClient(server.base_url, API_KEY, ca_file=ca_file,
+                           transport="websocket", reprobe_interval_s=None) as client:
+        with pytest.raises(RateLimitError) as info:
+            async with client.stream(model="busy-1", messages=MESSAGES):
+                pass
+        assert client.regions.aside_s(client.regions.regions[0].name, time.monotonic()) > 25
+    assert info.value.retry_after == 30.0
+    assert info.value.status == 429
+    assert server.app.refused == {"busy-1": 1}  # never sent again
+
+
+async def test_an_older_routers_websocket_refusal_backs_off_from_the_default(
+    server: RunningServer, ca_file: str
+) -> None:
+    """No ``retry_after`` in the message (a router from before it): the default backoff, 1 s
+    and within the budget, so the request is sent again and served."""
+    server.app.refusal_retry_after = 30  # over HTTP only: the socket does not say it
+    server.app.ws_retry_after = False
+    async with (
+        AsyncClient(server.base_url, API_KEY, ca_file=ca_file, transport="websocket",
+                    reprobe_interval_s=None) as client,
+        client.stream(model="busy-1", messages=MESSAGES, max_tokens=4) as stream,
+    ):
+        text = "".join([delta.text async for delta in stream])
+    assert text == expected_text(4)
+    assert server.app.refused == {"busy-1": 1}
+
+
+async def test_the_routers_rate_limit_over_websocket_is_waited_for_not_backed_off(
+    tls_files: tuple[str, str, str]
+) -> None:
+    """The real router, its key's bucket holding one request a 100 s: the second stream's
+    refusal over WebSocket says ~100 s, as SSE's ``Retry-After`` would, so it is raised at
+    once with that figure (past the 5 s budget) and the region set aside for it, instead of
+    two retries after the 1 s and 2 s backoff."""
+    limits = {"requests_per_s_per_key": 0.01, "request_burst_per_key": 1}
+    async with (
+        start_stack(tls_files, limits=limits) as stack,
+        AsyncClient(stack.base_url, ROUTER_KEY, ca_file=stack.ca_file, transport="websocket",
+                    reprobe_interval_s=None) as client,
+    ):
+        model = get_profile("instant").model
+        async with client.stream(model=model, messages=MESSAGES, max_tokens=2) as stream:
+            assert [delta async for delta in stream]
+        with pytest.raises(RateLimitError) as info:
+            async with client.stream(model=model, messages=MESSAGES, max_tokens=2):
+                pass
+        aside_s = client.regions.aside_s(client.regions.regions[0].name, time.monotonic())
+    assert info.value.code == "key_rate_limited"
+    assert info.value.retry_after is not None
+    assert info.value.retry_after > 90
+    assert aside_s > 80
