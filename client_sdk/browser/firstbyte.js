@@ -689,7 +689,10 @@ async function webSocket(stream, channel, streamId, after) {
     } else if (message.type === WS.ERROR) {
       done = true;
       // A refusal carries the status SSE would have (429, 503...); an error event, none.
-      channel.fail(new APIError(message.stream ? null : message.status ?? null, message.error));
+      const err = new APIError(message.stream ? null : message.status ?? null, message.error);
+      // And SSE's Retry-After, for the same wait (null from an older router: the backoff).
+      err.retryAfter = message.retry_after ?? null;
+      channel.fail(err);
     } // a newer router's message type: skipped
   };
   let opened = reused;

@@ -101,9 +101,10 @@ function isChunk(c) {
 
 /**
  * The retry budget (client_sdk/_core/retry.py): a request refused before its stream started
- * (429, 503) is sent again after the server's Retry-After (a doubling backoff from 1 s
- * without one: a WebSocket refusal has none), a stream that ended with `draining` before any token at once; at most
- * `retries` times and `budgetS` of waiting in all. `delay` is null when out of budget.
+ * (429, 503) is sent again after the server's Retry-After (a WebSocket refusal's
+ * `retry_after`; a doubling backoff from 1 s without one), a stream that ended with
+ * `draining` before any token at once; at most `retries` times and `budgetS` of waiting in
+ * all. `delay` is null when out of budget.
  */
 export const RETRY_STATUSES = Object.freeze([429, 503]);
 export class RetryBudget {

@@ -338,7 +338,9 @@ def _retry_script(base_url: str, token: str, transport: str, max_tokens: int,
   try {{
     for await (const _ of stream);
   }} catch (err) {{
-    return {{ error: err.name, status: err.status ?? null, code: err.code ?? null }};
+    return {{ error: err.name, status: err.status ?? null, code: err.code ?? null,
+             retryAfter: err.retryAfter ?? null, retried: stream.retry.used,
+             waitedS: stream.retry.waitedS }};
   }}
   return {{ text: stream.text, timings: stream.timings }};
 }})()"""
@@ -379,6 +381,32 @@ async def test_a_rate_limited_stream_is_sent_again_after_retry_after() -> None:
             # The browser logs each refused fetch; nothing else went wrong on the page.
             assert [p for p in page.problems() if "status of 429" not in p] == []
     assert (refused["status"], refused["code"]) == (429, "key_rate_limited")
+
+
+async def test_a_websocket_refusal_is_waited_for_as_the_routers_retry_after_says() -> None:
+    """The key's bucket holds one request a 100 s: the page's stream is refused with ~100 s,
+    over SSE as ``Retry-After`` and over WebSocket as the ``error`` message's
+    ``retry_after``. On both the page's APIError has that figure as ``retryAfter`` and the
+    retry budget (5 s) decides no wait at all (none could end in a retry), where a 1 s
+    backoff would have spent both retries waiting 3 s for nothing."""
+    async with world(limits={"requests_per_s_per_key": 0.01, "request_burst_per_key": 1}) as w:
+        token = await w.mint()
+        body = {"model": "sim-instant", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 1}
+        async with httpx.AsyncClient(verify=False) as http, browser_on(w) as page:
+            spent = await http.post(f"{w.router_url}/v1/chat/completions", json=body,
+                                    headers={"authorization": f"Bearer {KEY}"})
+            assert spent.status_code == 200
+            refused = {transport: await page.evaluate(_retry_script(
+                f"{w.router_url}/v1", token, transport, 8, 2))
+                for transport in ("sse-fetch", "websocket")}
+    for transport, got in refused.items():
+        assert (got["error"], got["status"], got["code"]) == (
+            "APIError", 429, "key_rate_limited"), transport
+        assert got["retryAfter"] > 90, transport
+        assert (got["retried"], got["waitedS"]) == (0, 0), transport
+    # The socket's refusal came after SSE's: the same bucket, a figure no larger.
+    assert refused["websocket"]["retryAfter"] <= refused["sse-fetch"]["retryAfter"]
 
 
 async def test_a_base_url_with_or_without_its_trailing_slash_builds_one_path() -> None:
