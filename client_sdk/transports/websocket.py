@@ -130,7 +130,9 @@ class WebSocketPool:
             sock.close()
             body = bytes(exc.response.body or b"")
             status = exc.response.status_code
-            raise api_error_from_response(status, body) from None
+            # A 429 or 503 to the upgrade says when to come back, as to any request.
+            retry_after = exc.response.headers.get("retry-after")
+            raise api_error_from_response(status, body, retry_after=retry_after) from None
         except ssl.SSLError as exc:
             sock.close()
             raise tls_failure(origin.host, origin.port, exc) from exc

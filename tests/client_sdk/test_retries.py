@@ -291,3 +291,22 @@ async def test_the_routers_rate_limit_over_websocket_is_waited_for_not_backed_of
     assert info.value.retry_after is not None
     assert info.value.retry_after > 90
     assert aside_s > 80
+
+
+async def test_a_refused_websocket_upgrade_waits_its_retry_after() -> None:
+    """The upgrade itself answered ``503`` with ``Retry-After: 30`` (a front, or the router's
+    hosting layer refusing a connection over its cap, answers the upgrade's request as any
+    other): the error has the figure, the region is set aside for it and, past the budget, it
+    is raised at once instead of the upgrade being sent again after the 1 s backoff."""
+    async with (
+        saturated_region(retry_after=30, status=503, code="overloaded") as (refusing, lines),
+        AsyncClient(refusing, API_KEY, transport="websocket",
+                    reprobe_interval_s=None) as client,
+    ):
+        with pytest.raises(ServiceUnavailableError) as info:
+            async with client.stream(model="m", messages=MESSAGES):
+                pass
+        assert client.regions.aside_s(client.regions.regions[0].name, time.monotonic()) > 25
+    assert (info.value.status, info.value.code, info.value.retry_after) == (
+        503, "overloaded", 30.0)
+    assert lines == [b"GET /v1/ws HTTP/1.1"]
