@@ -23,7 +23,7 @@ from .overload import MemoryGuard
 from .pipeline.context import error_reply
 from .prewarm import edge_warm, warm_prompt
 from .state import RouterState
-from .ws import websocket_session
+from .ws import refuse_upgrade, websocket_session
 
 __all__ = ["RouterApp", "build_app"]
 
@@ -169,17 +169,20 @@ class RouterApp:
         no coroutine for the others). Streams in flight and their readers (GETs) go on. The
         refusal comes before :meth:`_route`, so it carries the CORS headers itself."""
         self.state.metrics.count("shed", "memory")
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1013, "reason": "overloaded"})
-            return
+        websocket = scope["type"] == "websocket"
         refusal = error_reply(
             503,
             "The router is short of memory; retry, or use another region.",
             "server_error",
             code=error_codes.OVERLOADED,
-            headers=(("retry-after", "1"), *self._cors_headers(scope)),
+            headers=(("retry-after", "1"), *(() if websocket else self._cors_headers(scope))),
             outcome="overloaded",
         )
+        if websocket:
+            # The POST's answer, Retry-After included: a close before the accept reached the
+            # client as a bare 403, which it does not retry. 1013 where the server cannot.
+            await refuse_upgrade(scope, send, refusal, 1013, "overloaded")
+            return
         await endpoints.reply(send, None, refusal)
 
     def _cors_headers(self, scope: Scope) -> tuple[tuple[str, str], ...]:

@@ -45,7 +45,7 @@ from .readers import TRIMMED_STATUS, HistoryTrimmed, ReadableStream, follow, tri
 from .shared.errors import StateUnavailable, unavailable_reply
 from .state import RouterState
 
-__all__ = ["websocket_session"]
+__all__ = ["refuse_upgrade", "websocket_session"]
 
 log = logging.getLogger("firstbyte.router")
 
@@ -284,19 +284,25 @@ class _Session:
         await asyncio.gather(*self.followers, return_exceptions=True)
 
 
-async def _refuse(scope: Scope, send: Send, refusal: LocalReply) -> None:
-    """Refuse the upgrade with the HTTP status if the server can, else close with 1008."""
+async def refuse_upgrade(
+    scope: Scope, send: Send, refusal: LocalReply, close_code: int = CLOSE_POLICY,
+    reason: str = "unauthorized",
+) -> None:
+    """Refuse the upgrade with ``refusal``, the HTTP answer (status, body, headers such as
+    ``Retry-After``) a POST gets, if the server can; else close with ``close_code``."""
     if "websocket.http.response" in scope.get("extensions", {}):
+        headers = [(b"content-type", b"application/json")]
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in refusal.headers]
         await send(
             {
                 "type": "websocket.http.response.start",
                 "status": refusal.status,
-                "headers": [(b"content-type", b"application/json")],
+                "headers": headers,
             }
         )
         await send({"type": "websocket.http.response.body", "body": refusal.body})
     else:
-        await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
+        await send({"type": "websocket.close", "code": close_code, "reason": reason})
 
 
 async def _next_message(session: _Session, receive: Receive, idle_s: float) -> Message | None:
@@ -333,7 +339,7 @@ async def websocket_session(state: RouterState, scope: Scope, receive: Receive, 
     outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         state.metrics.count("ws", outcome.outcome)
-        await _refuse(scope, send, outcome)
+        await refuse_upgrade(scope, send, outcome)
         return
     accept: dict[str, object] = {
         "type": "websocket.accept",

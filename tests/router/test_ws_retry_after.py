@@ -9,7 +9,9 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
 
 from firstbyte.protocol import error_codes
 from firstbyte.router.serve import RouterEndpoints
@@ -109,3 +111,28 @@ async def test_an_error_with_no_retry_after_over_http_has_none(
             answer = json.loads(await ws.recv())
     assert (answer["type"], answer["status"]) == ("error", 404)
     assert answer.get("retry_after") is None
+
+
+@pytest.mark.parametrize("server", ["auto", "hypercorn"])
+async def test_an_upgrade_shed_for_memory_is_the_posts_503_with_retry_after(
+    start_router: RouterFactory, upstream: Upstream, server: str
+) -> None:
+    """Memory short (1 MiB: always over): a POST gets ``503 overloaded`` with
+    ``Retry-After: 1``; an upgrade gets the same answer, status, body and header, where it
+    was closed (1013) before it was accepted, which a client read as a ``403``."""
+    async with (
+        start_router([upstream.url], tls=False, listen={"server": server},
+                     limits={"max_rss_bytes": 1 << 20}) as router,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        post = await client.post(router.base_url + "/v1/chat/completions", json=BODY,
+                                 headers=auth())
+        with pytest.raises(InvalidStatus) as info:
+            async with ws_connect(router.base_url.replace("http://", "ws://") + "/v1/ws",
+                                  additional_headers=auth(), proxy=None):
+                pass
+    refused = info.value.response
+    assert (post.status_code, post.json()["error"]["code"]) == (503, error_codes.OVERLOADED)
+    assert refused.status_code == 503
+    assert json.loads(bytes(refused.body or b""))["error"]["code"] == error_codes.OVERLOADED
+    assert refused.headers["retry-after"] == post.headers["retry-after"] == "1"
