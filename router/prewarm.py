@@ -8,6 +8,14 @@ page has learnt ``Alt-Svc`` from it) is the one the first message then reuses. T
 preflight cache is filled by a plain ``OPTIONS`` to the start URL, which
 :class:`~firstbyte.router.cors.CorsPolicy` answers for listed origins without an endpoint.
 
+While the router drains (:mod:`~firstbyte.router.drain`) both answer as a new stream is refused
+then, with :func:`~firstbyte.router.multiregion.draining_reply` (503 ``draining``,
+``Retry-After``): a connection kept warm on a process that refuses the next stream is no warmth,
+and the refusal is what tells the client to warm another (a new connection, another process or
+region). A prompt warm-up is refused so even when a peer region would take a new stream: its
+point is the cache of the backend the conversation's next message goes to, which a client sent
+elsewhere by the refusal reaches on its own.
+
 ``POST /v1/edge/warm`` with a chat request (the conversation so far) warms the *prompt*: the
 request is admitted and placed as a chat completion is (the key's limits, the same prefix
 affinity, so the backend chosen is the one the conversation's next message will be routed
@@ -38,6 +46,7 @@ from firstbyte.protocol.prewarm import PromptWarmed
 
 from .asgi import Receive, Scope, Send, send_bytes, unless_gone, until_disconnect
 from .endpoints import _finish, _query, _read_request_body, new_context, not_found
+from .multiregion import draining_reply
 from .observability.access import reply_usage
 from .pipeline.admit import admit_body, authenticate
 from .pipeline.content_coding import ADVERTISED
@@ -146,7 +155,11 @@ def warm_body(body: bytes) -> bytes:
 
 async def edge_warm(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
     """``GET /v1/edge/warm``: 204, ``Cache-Control: no-store`` (every prewarm must reach the
-    router: an answer from a cache would open no connection)."""
+    router: an answer from a cache would open no connection); while draining, a stream's
+    refusal."""
+    if state.draining:
+        await _finish(state, send, new_context(state, scope), draining_reply(), "warm")
+        return
     state.metrics.count("warm", "ok")
     await send_bytes(send, 204, b"", content_type="text/plain",
                      headers=(("cache-control", "no-store"), *ADVERTISED))
@@ -190,6 +203,9 @@ async def warm_prompt(state: RouterState, scope: Scope, receive: Receive, send: 
     if await _finish(state, send, ctx, adopt_query_token(ctx, query, state.cors), "warm"):
         return
     if await _finish(state, send, ctx, authenticate(ctx, state.api_keys, state.tokens), "warm"):
+        return
+    if state.draining:  # before the body: nothing of it counts, nor is it read for nothing
+        await _finish(state, send, ctx, draining_reply(), "warm")
         return
     if not await _read_request_body(state, receive, send, ctx, query, "warm"):
         return
