@@ -23,9 +23,10 @@ it. A router's ``x-firstbyte-better-region`` hint moves later requests to that r
 configured.
 While the client is in use, the regions are probed again every ``reprobe_interval_s`` and the
 warm primary and standby follow the ranking (with hysteresis, :mod:`firstbyte.client_sdk.regions`),
-and a region whose ``/healthz`` refuses a keep-warm ping (``503`` draining, ...) is set aside
-as a refused request would set it, before a request pays for the refusal.
-A ``503`` ``draining`` (to a request, a keep-warm ping or a probe) is first taken as the word of
+and a region whose ``/healthz`` refuses a keep-warm ping or a prewarm (``503`` draining, ...)
+is set aside as a refused request would set it, before a request pays for the refusal.
+A ``503`` ``draining`` (to a request, a prompt warm-up, a keep-warm ping, a prewarm or a probe)
+is first taken as the word of
 one router process, not of its region: its connection is dropped and the same region asked
 again at once on a new one, which a balancer gives another of its processes; only a second
 ``draining`` sets the region aside.
@@ -392,21 +393,44 @@ class AsyncClient:
         """Ask the router to place this conversation's prefix on the backend its next message
         will be routed to (``POST /v1/edge/warm``: one request of one token there, counted in
         the key's usage). Best effort: None when the router declines (the region busy, the
-        user's warm-ups per minute spent); other refusals raise as a request's would."""
-        origin = self.origin
-        session = self.pool.session(origin, self.http)
+        user's warm-ups per minute spent, every region draining); other refusals raise as a
+        request's would.
+
+        Sent to the region the next message goes to. A ``503`` ``draining`` is sent there
+        once more at once, on a new connection (another of its router processes may take
+        it); refused again, the region is set aside as a stream's refusals set it (for the
+        ``Retry-After``) and the warm-up goes to the next region, where the message now
+        goes."""
         headers = {**self.headers, "content-type": "application/json"}
-        body, headers = self._packed(origin, msgspec.json.encode(
-            {"model": model, "messages": message_list(messages)}), headers)
+        data = msgspec.json.encode({"model": model, "messages": message_list(messages)})
+        for index in self._plan():
+            name, origin = self.regions.regions[index].name, self.origins[index]
+            answer = await self._warm_prompt_at(origin, data, headers)
+            if draining_refusal(answer):  # its connection is retired: this goes on a new one
+                answer = await self._warm_prompt_at(origin, data, headers)
+            if isinstance(answer, PromptWarmed):
+                return answer
+            if not draining_refusal(answer):
+                if answer.code in (error_codes.PROMPT_WARM_BUSY,
+                                   error_codes.PROMPT_WARM_LIMITED):
+                    return None
+                raise answer
+            self.regions.failed(name, time.monotonic(), getattr(answer, "retry_after", None))
+        return None
+
+    async def _warm_prompt_at(
+        self, origin: Origin, data: bytes, headers: dict[str, str]
+    ) -> PromptWarmed | APIError:
+        """One prompt warm-up sent to ``origin``: its answer, or the error it was (a ``503``
+        ``draining`` retired the connection it came on)."""
+        session = self.pool.session(origin, self.http)
+        body, sent = self._packed(origin, data, headers)
         path = paths.at_base(paths.EDGE_WARM, origin.prefix)
-        async with session.request("POST", path, headers=headers, body=body,
+        async with session.request("POST", path, headers=sent, body=body,
                                    recorder=None) as response:
             if response.status == 200:
                 return msgspec.json.decode(await response.read(), type=PromptWarmed)
-            error = await error_answer(response)  # a 503 draining retires the connection
-        if error.code in (error_codes.PROMPT_WARM_BUSY, error_codes.PROMPT_WARM_LIMITED):
-            return None
-        raise error
+            return await error_answer(response)
 
     async def reprobe(self) -> None:
         """Probe every region again and move the warm primary and standby if the ranking
@@ -490,7 +514,8 @@ class AsyncClient:
         return result
 
     def _keep_warm_refused(self, origin: Origin, refused: Refusal) -> None:
-        """A keep-warm ping's ``/healthz`` was answered ``429`` or ``503``: set the region
+        """A keep-warm ping's or a prewarm's ``/healthz`` was answered ``429`` or ``503``
+        (``draining`` from a new connection too): set the region
         aside as a refused request does (for its ``Retry-After``, else the growing backoff),
         so the next request goes to another region without paying for a refusal first, and
         ask it again when that ends. A ping answered ``200`` changes nothing: it does not

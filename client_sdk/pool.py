@@ -6,8 +6,8 @@ keep-warm task. Keep-warm exercises idle connections every ``keepalive_interval_
 HTTP/2 and HTTP/3: ``GET /healthz``; WebSocket: ping frames) so that neither side's
 idle timer closes them, and stops after ``keepalive_expiry_s`` without a request, so an idle
 application does not hold connections open forever. A ping's ``/healthz`` answered ``429`` or
-``503`` (the router draining, its shared state away, no healthy backend) is handed to
-:attr:`ConnectionPool.on_refusal` with its origin: the client sets that region aside
+``503`` (the router draining, its shared state away, no healthy backend), or a prewarm's, is
+handed to :attr:`ConnectionPool.on_refusal` with its origin: the client sets that region aside
 (WebSocket pongs say nothing of the router's health). A ``draining`` answer is handed on only
 if a new connection, which the session opens and asks at once in place of the one that heard
 it, hears it too: behind a balancer the new one may reach another of the region's processes.
@@ -81,7 +81,8 @@ class ConnectionPool:
         self._closed = False
         """After :meth:`aclose`: no session is opened again (it would never be closed)."""
         self.on_refusal: Callable[[Origin, Refusal], None] | None = None
-        """Called with the origin and the answer when a keep-warm ping was refused."""
+        """Called with the origin and the answer when a keep-warm ping or a prewarm was
+        refused."""
 
     def touch(self) -> None:
         """A request is being made: extend the keep-warm lifetime (and, once :meth:`every`
@@ -165,11 +166,18 @@ class ConnectionPool:
             self._websockets[origin] = pool
         return pool
 
-    async def prewarm(self, target: Session | WebSocketPool, connections: int = 1) -> None:
-        """Open connections now and keep them (and every other open one) warm."""
+    async def prewarm(
+        self, target: Session | WebSocketPool, connections: int = 1
+    ) -> Refusal | None:
+        """Open connections now and keep them (and every other open one) warm. A refusal
+        heard on them (``/healthz`` ``429`` or ``503``, ``draining`` from a new connection
+        too) goes to :attr:`on_refusal`, as a keep-warm ping's, and is returned."""
         self.touch()
-        await target.prewarm(connections)
+        refused = await target.prewarm(connections)
         self._ensure_loop()
+        if refused is not None and self.on_refusal is not None:
+            self.on_refusal(target.origin, refused)
+        return refused
 
     def _ensure_loop(self) -> None:
         if self._keepalive_task is None or self._keepalive_task.done():

@@ -37,6 +37,7 @@ from firstbyte.client_sdk.errors import (
     api_error_from_response,
     retry_after_s,
 )
+from firstbyte.client_sdk.resolver import Origin
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.content_coding import ACCEPT_ENCODING_HEADER
 from firstbyte.protocol.headers import (
@@ -66,7 +67,7 @@ class Opened:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """A keep-warm ping's ``GET /healthz`` was answered ``429`` or ``503`` (the router is
+    """A keep-warm's or a prewarm's ``GET /healthz`` was answered ``429`` or ``503`` (the router is
     draining, its shared state is away, it has no healthy backend, ...): its requests would
     be refused too. ``retry_after_s``: the answer's ``Retry-After`` (None: none).
     ``draining``: a ``503`` ``draining`` (the router process behind that connection is shutting
@@ -86,7 +87,7 @@ def refusal(response: HTTPResponse, body: bytes) -> Refusal | None:
                    and body.strip() == error_codes.DRAINING.encode())
 
 
-def draining_refusal(error: BaseException) -> bool:
+def draining_refusal(error: object) -> bool:
     """Whether ``error`` is a request's ``503`` ``draining``: the router process that answered
     takes no new work, though its region's other processes may (a WebSocket ``error`` message
     carries the status too)."""
@@ -171,6 +172,7 @@ class HTTPResponse:
 class Session(Protocol):
     """HTTP requests to one origin over one HTTP version, with kept-warm connections."""
 
+    origin: Origin
     http_version: str
     accept_encoding: str | None
     """The last ``Accept-Encoding`` an answer on this session carried: the request codings
@@ -195,8 +197,9 @@ class Session(Protocol):
         """
         ...
 
-    async def prewarm(self, connections: int) -> None:
-        """Open ``connections`` connections now (idempotent: counts ones already open)."""
+    async def prewarm(self, connections: int) -> Refusal | None:
+        """Open ``connections`` connections now (idempotent: counts ones already open); the
+        :class:`Refusal` an answer on them was, if one (as :meth:`keepalive`)."""
         ...
 
     async def keepalive(self) -> Refusal | None:

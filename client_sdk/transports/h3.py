@@ -504,8 +504,10 @@ class H3Session:
             stream.unread -= len(item)
             yield item
 
-    async def prewarm(self, connections: int = 1) -> None:
+    async def prewarm(self, connections: int = 1) -> Refusal | None:
+        # The handshake only: no request, so no refusal heard (the first keep-warm asks).
         await self._connection(None)
+        return None
 
     async def keepalive(self) -> Refusal | None:
         """``GET /healthz`` on the open connection, as over HTTP/1.1 and HTTP/2: a server times

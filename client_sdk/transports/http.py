@@ -360,20 +360,25 @@ class HttpxSession:
             return None
         return answer
 
-    async def prewarm(self, connections: int = 1) -> None:
+    async def prewarm(self, connections: int = 1) -> Refusal | None:
+        """Open connections with ``GET /healthz`` pings; a refusal among their answers is
+        returned as :meth:`keepalive` returns one (a connection warm on a router that refuses
+        is no warmth: the caller sets its region aside)."""
         # HTTP/2 multiplexes: one connection carries every request. HTTP/1.1 needs one
         # connection per concurrent request, opened by concurrent cheap requests.
         # Connections carrying a response now count as open: a re-probe while a stream runs
         # must not open a second connection for the same need.
         if self.http_version == "HTTP/2":
-            await self._ping()
-            return
+            return await self._ping()
         pool = self._client._transport._pool  # type: ignore[attr-defined]
         alive = [c for c in pool.connections if not c.is_closed()]
         missing = max(connections, 1) - len(alive)
-        if missing > 0:  # the idle ones take a ping each, so the rest open new connections
-            idle = sum(1 for c in alive if c.is_idle())
-            await asyncio.gather(*(self._ping() for _ in range(idle + missing)))
+        if missing <= 0:
+            return None
+        # The idle ones take a ping each, so the rest open new connections.
+        idle = sum(1 for c in alive if c.is_idle())
+        answers = await asyncio.gather(*(self._ping() for _ in range(idle + missing)))
+        return _longest([answer for answer in answers if answer is not None])
 
     async def keepalive(self) -> Refusal | None:
         """``GET /healthz`` on each idle connection (HTTP/1.1 and HTTP/2 alike); the refusal
@@ -390,8 +395,7 @@ class HttpxSession:
             pool = client._transport._pool  # type: ignore[attr-defined]
             pings += [client] * sum(1 for c in pool.connections if c.is_idle())
         answers = await asyncio.gather(*(self._ping(client) for client in pings))
-        refused = [answer for answer in answers if answer is not None]
-        return max(refused, key=lambda r: r.retry_after_s or 0.0, default=None)
+        return _longest([answer for answer in answers if answer is not None])
 
     async def reset(self) -> None:
         """Drop every pooled connection (e.g. after a stall); the next request reconnects."""
@@ -401,3 +405,8 @@ class HttpxSession:
     async def aclose(self) -> None:
         retired, self._retired = self._retired, set()
         await asyncio.gather(*(client.aclose() for client in (*self._clients, *retired)))
+
+
+def _longest(refused: list[Refusal]) -> Refusal | None:
+    """The refusal that says to wait longest, if any."""
+    return max(refused, key=lambda r: r.retry_after_s or 0.0, default=None)

@@ -189,14 +189,16 @@ class WebSocketPool:
         idle, self._idle = self._idle, []
         return idle
 
-    async def prewarm(self, connections: int = 1) -> None:
+    async def prewarm(self, connections: int = 1) -> Refusal | None:
         """Open sockets until ``connections`` are open, counting those carrying a stream now
-        (a re-probe while a stream runs must not open a second socket for the same need)."""
+        (a re-probe while a stream runs must not open a second socket for the same need).
+        Never a refusal: an upgrade says nothing of the router's health (as a pong)."""
         opened_now = sum(1 for ws in (*self._idle, *self._busy) if ws.state is State.OPEN)
         missing = max(connections, 1) - opened_now
         if missing > 0:
             opened = await asyncio.gather(*(self._connect(None) for _ in range(missing)))
             self._idle.extend(opened)
+        return None
 
     async def keepalive(self) -> Refusal | None:
         """A ping frame on each idle socket; a pong says nothing of the router's health, so
