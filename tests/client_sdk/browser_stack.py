@@ -17,6 +17,7 @@ import trustme
 
 from firstbyte.benchmarks import browser
 from firstbyte.benchmarks.browser import Page, open_page
+from firstbyte.router.app import RouterApp
 from firstbyte.router.config import parse_config
 from firstbyte.router.edge_client import client_files
 from firstbyte.router.serve import running_router
@@ -48,6 +49,8 @@ class World:
     page_port: int
     cert_pem: bytes | None = None
     """The router's (and, with TLS, the page server's) certificate."""
+    app: RouterApp | None = None
+    """The router's app, for a test that changes its state (a drain)."""
 
     @property
     def page_origin(self) -> str:
@@ -121,7 +124,8 @@ async def world(tls: trustme.CA | None = None, tls_dir: str = "", upstream: str 
             for name, values in sections.items():
                 data.setdefault(name, {}).update(values)
             async with running_router(parse_config(data, "<browser-test>")) as endpoints:
-                yield World(endpoints.base_url, endpoints.port, sim_url, page_port, cert_pem)
+                yield World(endpoints.base_url, endpoints.port, sim_url, page_port, cert_pem,
+                            endpoints.app)
     finally:
         page_server.close()
 

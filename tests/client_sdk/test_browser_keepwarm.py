@@ -8,9 +8,10 @@ keep-warm, test_keepwarm_health.py), so a refusal changes only the keep-warm's o
   connection open but never keeps the keep-warm going, which stops ``idleS`` after the user's
   last intent or stream. Counting it as activity (it set the client's last use, which the
   warmer read as the user's) kept a visible page pinging forever.
-- A ``429`` or ``503`` (a balancer or CDN in front of the router, or the router's own ``503
-  overloaded`` for a new connection to a same-origin page) says when to come back: no warm
-  goes before its ``Retry-After``, on intent either.
+- A ``429`` or ``503`` (a balancer or CDN in front of the router, the router's own ``503
+  overloaded`` for a new connection to a same-origin page, or its ``503 draining`` while it
+  shuts down) says when to come back: no warm goes before its ``Retry-After``, on intent
+  either.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import httpx
 import pytest
 
 from tests.benchmarks.test_report_browser import chromium  # noqa: F401 (the fixture)
-from tests.client_sdk.browser_stack import KEY, browser_on, world
+from tests.client_sdk.browser_stack import KEY, World, browser_on, world
 from tests.router.test_client_timings import metric
 
 pytestmark = [pytest.mark.usefixtures("chromium"), pytest.mark.slow]
@@ -147,3 +148,62 @@ async def test_the_schedule_after_a_refusal_with_the_clock_passed_in() -> None:
     async with world() as w, browser_on(w) as page:
         got = await page.evaluate(REFUSED_SCHEDULE % w.router_url)
     assert got == [True, 60.1, False, False, False, True, 81], got
+
+
+DRAINING_PREWARM = """(async () => {
+  const client = new fb.Client({ baseUrl: %(base)s, token: %(token)s });
+  try {
+    await client.prewarm();
+    return { resolved: true };
+  } catch (err) {
+    return { name: err.constructor.name, status: err.status, code: err.code,
+             retryAfter: err.retryAfter };
+  }
+})()"""
+FAILED_LOAD_503 = "Failed to load resource: the server responded with a status of 503"
+
+
+async def test_a_draining_routers_warm_refusal_is_read_and_waited_out() -> None:
+    """The router's own ``503 draining`` to ``GET /v1/edge/warm`` (it answered 204 while
+    draining, so a page kept a connection warm on a router that refused its next stream):
+    cross-origin, the page reads it (the CORS headers of the router's answers), ``prewarm()``
+    rejects with its APIError, and the keep-warm sends its next warm after the ``Retry-After``
+    (1 s), not every ``keepWarmS``. Nothing else is a problem in the page: no unhandled
+    rejection, only Chromium's own line for each load answered 503."""
+    async with world() as w:
+        assert w.app is not None
+        token = await w.mint()
+        async with browser_on(w) as page:
+            assert await page.evaluate(warmer_page(f"{w.router_url}/v1", token, 600))
+            await until_warms(w.router_url, 1)
+            w.app.state.start_draining()
+            drained_at = time.monotonic()
+            await asyncio.sleep(2.5)
+            warmer = await page.evaluate(
+                "(() => { window.warmer.stop(); return { warms: window.warmer.warms,"
+                " failures: window.warmer.failures }; })()")
+            refused_warms = refused_count(w)
+            elapsed_s = time.monotonic() - drained_at
+            got = await page.evaluate(DRAINING_PREWARM % {
+                "base": repr(f"{w.router_url}/v1"), "token": repr(token)})
+            problems = page.problems()
+    assert got == {"name": "APIError", "status": 503, "code": "draining", "retryAfter": 1}
+    # At keepWarmS 0.3 s the warmer would have sent ~8 in 2.5 s; one a Retry-After at most.
+    assert 1 <= refused_warms <= elapsed_s / 1.0 + 1, (refused_warms, elapsed_s)
+    assert 1 <= warmer["failures"] <= refused_warms  # a warm in flight at stop() not yet
+    assert all(FAILED_LOAD_503 in p for p in problems), problems
+
+
+def refused_count(w: World) -> int:
+    """``GET /v1/edge/warm`` requests the router refused ``draining`` so far."""
+    assert w.app is not None
+    requests = w.app.state.metrics.requests
+    return sum(n for (e, o, _), n in requests.items() if (e, o) == ("warm", "draining"))
+
+
+async def until_warms(router_url: str, n: int) -> None:
+    for _ in range(200):
+        if await router_warms(router_url) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"fewer than {n} warms reached the router")
