@@ -11,21 +11,27 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import httpx2
+import openai
 import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.types.responses import Response, ResponseErrorEvent, ResponseStreamEvent
 from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.benchmarks.redis_server import RedisServer
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.headers import STREAM_HEADER
 from firstbyte.protocol.sse import SSEDecoder
-from tests.router.conftest import auth, client_tls
+from tests.router.conftest import API_KEY, auth, client_tls
 from tests.router.formats_upstream import CONTENT, _messages, running_formats_upstream
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
-from tests.router.test_shared_state import running_pair
+from tests.router.test_shared_state import RouterProcess, running_pair
 
 WORDS = 30
 
@@ -165,3 +171,93 @@ async def test_a_killed_producer_ends_a_named_stream_with_its_own_error_event(
     assert code == error_codes.STREAM_LOST
     seqs = [s for s, _, _ in before + after]
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+async def _read_then_kill(
+    events: AsyncIterator[Any], a: RouterProcess, count: int
+) -> list[Any]:
+    """The first ``count`` events of a stream on router A, then A killed (SIGKILL) while
+    its upstream still streams: the stream's producer is lost mid-stream."""
+    read = [await events.__anext__() for _ in range(count)]
+    os.killpg(a.process.pid, signal.SIGKILL)
+    return read
+
+
+async def test_the_openai_sdk_reads_a_lost_responses_stream_s_error_numbered_next(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+) -> None:
+    """``client.responses.create(stream=True)`` on A, A killed, the stream read on from B with
+    the SDK's own stream class (what ``create`` returns): after A's events the SDK yields a
+    :class:`ResponseErrorEvent` with ``stream_lost``, the router's message, and the next
+    ``sequence_number`` (not 0), every number once and in order."""
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-sdk-lost-r:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as http:
+        on_a = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key=API_KEY, http_client=http,
+                                  max_retries=0)
+        on_b = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key=API_KEY, http_client=http,
+                                  max_retries=0)
+        stream = await on_a.responses.create(
+            model="test-model", input="hi", max_output_tokens=400, stream=True
+        )
+        stream_id = stream.response.headers[STREAM_HEADER]
+        before = await _read_then_kill(stream.__aiter__(), a, 6)
+        # Event N of the stream has Last-Event-ID N: the SDK yields every event it is sent.
+        resumed = await on_b.get(
+            f"/streams/{stream_id}", cast_to=Response, stream=True,
+            stream_cls=openai.AsyncStream[ResponseStreamEvent],
+            options={"headers": {"last-event-id": str(len(before))}},
+        )
+        after = [event async for event in resumed]
+    events = before + after
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert before[0].type == "response.created"
+    *read_on, error = after
+    assert {e.type for e in read_on} <= {"response.output_text.delta"}
+    assert isinstance(error, ResponseErrorEvent)
+    assert error.code == error_codes.STREAM_LOST
+    assert "stopped before it finished" in error.message
+
+
+async def test_the_anthropic_sdk_raises_a_lost_messages_stream_s_error(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+) -> None:
+    """``client.messages.create(stream=True)`` on A, A killed, the stream read on from B with
+    the SDK's own stream class: it yields A's events, then raises its status error for the
+    ``event: error``, whose body is Anthropic's error shape with ``stream_lost``."""
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix="fb-sdk-lost-m:"
+    ) as (a, b), httpx2.AsyncClient(verify=client_tls(tls_files), timeout=30) as http:
+        on_a = anthropic.AsyncAnthropic(base_url=a.url, api_key=API_KEY, http_client=http,
+                                        max_retries=0)
+        on_b = anthropic.AsyncAnthropic(base_url=b.url, api_key=API_KEY, http_client=http,
+                                        max_retries=0)
+        stream = await on_a.messages.create(
+            model="test-model", max_tokens=400, stream=True,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+        stream_id = stream.response.headers[STREAM_HEADER]
+        before = await _read_then_kill(stream.__aiter__(), a, 6)
+        # The SDK skips the upstream's one ping (event 3), which the router numbers too.
+        resumed = await on_b.get(
+            f"/v1/streams/{stream_id}", cast_to=Message, stream=True,
+            stream_cls=anthropic.AsyncStream[RawMessageStreamEvent],
+            options={"headers": {"last-event-id": str(len(before) + 1)}},
+        )
+        after: list[Any] = []
+
+        async def read_on() -> None:
+            async for event in resumed:
+                after.append(event)
+
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            await read_on()
+    assert before[0].type == "message_start"
+    assert [e.type for e in after] == ["content_block_delta"] * len(after)
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "api_error"
+    assert body["error"]["code"] == error_codes.STREAM_LOST
+    assert "stopped before it finished" in body["error"]["message"]
+    assert "stopped before it finished" in raised.value.message
