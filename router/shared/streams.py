@@ -52,6 +52,7 @@ from redis.exceptions import ResponseError
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import CHAT
 from firstbyte.protocol.formats import BY_NAME
+from firstbyte.protocol.responses import next_sequence_number
 from firstbyte.tasks import cancel_and_wait
 
 from ..chunkpath import MIRROR, PACK_XADDS
@@ -111,6 +112,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return seq + 2
 """
 _NUMBER = re.compile(rb'"sequence_number":\d+,')
+_UNNUMBERED = b'"sequence_number":0,'
+"""How :func:`lost_event` and :func:`gone_event` number a Responses error before its place
+is known."""
 
 
 def lost_event(format: str = "chat") -> bytes:
@@ -129,7 +133,8 @@ def gone_event(format: str = "chat") -> bytes:
     """The error event a reader elsewhere gets when its stream left Redis before its end
     (expired, or evicted by a ``maxmemory`` policy other than ``noeviction``): the same
     ``stream_lost`` as for a dead producer, so the SDK raises ``StreamLostError`` with the
-    text delivered so far, instead of a response that ends without ``[DONE]``."""
+    text delivered so far, instead of a response that ends without ``[DONE]``. A Responses
+    one is numbered 0 here, and by its place as :meth:`RemoteStream.gone` appends it."""
     return BY_NAME.get(format, CHAT).error_event(
         "This stream is gone from the region's shared state (Redis: expired or evicted)"
         " before it finished; the events before this one are all there is here.",
@@ -140,7 +145,7 @@ def gone_event(format: str = "chat") -> bytes:
 
 def is_lost_event(data: bytes, format: str) -> bool:
     """Is ``data`` the :func:`lost_event` of ``format``, whatever number it was given?"""
-    return _NUMBER.sub(b'"sequence_number":0,', data, count=1) == lost_event(format)
+    return _NUMBER.sub(_UNNUMBERED, data, count=1) == lost_event(format)
 
 
 def _events(entries: Iterable[Any], after: int) -> list[StreamEvent]:
@@ -216,12 +221,27 @@ class RemoteStream:
 
     def gone(self) -> None:
         """The stream left Redis unfinished: end it here with :func:`gone_event` and
-        ``[DONE]`` after the last event read (nothing is written to Redis)."""
+        ``[DONE]`` after the last event read (nothing is written to Redis), the error
+        numbered for its place in a format that numbers its events (:meth:`_next_number`)."""
         seq = self.cursor
+        error = gone_event(self.format).replace(
+            _UNNUMBERED, b'"sequence_number":%d,' % self._next_number(), 1)
         self.receive([
-            (b"%d-0" % (seq + 1), {b"d": gone_event(self.format)}),
+            (b"%d-0" % (seq + 1), {b"d": error}),
             (b"%d-0" % (seq + 2), {b"d": DONE_DATA}),
         ])
+
+    def _next_number(self) -> int:
+        """The ``sequence_number`` (Responses) of an event added after :attr:`cursor`, as
+        :data:`_DECLARE_LOST` numbers a dead producer's: one past the last event read's, plus
+        one per id after it; with none read (a reader resumed there) or none numbered, the
+        cursor (event N is numbered N - 1, the store's ids counting from 1, the numbers
+        from 0)."""
+        last = self.events[-1] if self.events else None
+        number = None if last is None else next_sequence_number(last.data)
+        if last is None or number is None:
+            return self.cursor
+        return number + self.cursor - last.seq
 
     def attach(self, now: float) -> None:
         self._touch(now)

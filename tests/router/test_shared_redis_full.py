@@ -12,6 +12,7 @@ Each test runs its own ``valkey-server`` (a full one would fail the session's ot
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import subprocess
@@ -25,6 +26,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 
 from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
+from firstbyte.protocol.codec import event_data, event_name, named_event
 from firstbyte.router.config import parse_config
 from firstbyte.router.readers import trimmed_body
 from firstbyte.router.shared import SharedState, connect
@@ -58,9 +60,10 @@ async def shared() -> AsyncIterator[SharedState]:
             await state.aclose()
 
 
-async def _published(shared: SharedState, stream_id: str) -> Stream:
-    """A new stream of this process, shared: its metadata in Redis."""
+async def _published(shared: SharedState, stream_id: str, format: str = "chat") -> Stream:
+    """A new stream of this process in ``format``, shared: its metadata in Redis."""
     stream = Stream(stream_id, b"owner", 0.0)
+    stream.format = format
     shared.streams.publish(stream)
     await shared.streams.announced(stream)
     return stream
@@ -290,6 +293,44 @@ async def test_a_reader_elsewhere_of_a_stream_evicted_from_redis_is_told_it_is_l
     assert [e.seq for e in ended] == [3, 4]
     assert b'"code":"stream_lost"' in ended[0].data
     assert b"expired or evicted" in ended[0].data
+    assert ended[-1].is_done
+    await reader.aclose()
+
+
+def _delta(number: int) -> bytes:
+    return named_event("response.output_text.delta", json.dumps(
+        {"type": "response.output_text.delta", "sequence_number": number, "delta": "w"}).encode())
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+async def test_a_lost_responses_stream_evicted_from_redis_numbers_its_error_next(
+    shared: SharedState, resumed: bool,
+) -> None:
+    """The ``stream_lost`` a reader elsewhere gets for a Responses stream evicted from Redis
+    is numbered as the event after the last (every Responses event carries an increasing
+    ``sequence_number``; it used to keep 0, the stream's first event's): one past the last
+    event read, or, for a reader that resumed after event 2 and read nothing since, event
+    N's number N - 1 (as when its producer dies, :data:`_DECLARE_LOST`)."""
+    stream = await _published(shared, "evicted-r", "responses")
+    stream.append(_delta(0), 0.0)
+    stream.append(_delta(1), 0.0)
+    await asyncio.sleep(0.2)
+    reader = _reader_elsewhere(shared)
+    remote = await reader.lookup("evicted-r", b"owner")
+    assert remote is not None
+    assert remote.format == "responses"
+    if not resumed:  # else it reads from after event 2 on (its wait below), once evicted
+        assert await remote.wait(0, timeout_s=3)
+        assert len(remote.after(0)) == 2
+    await _evict(shared, shared.keys.meta("evicted-r"), shared.keys.events("evicted-r"))
+    assert await remote.wait(2, timeout_s=3)
+    ended = remote.after(2)
+    assert [e.seq for e in ended] == [3, 4]
+    assert event_name(ended[0].data) == b"error"
+    error = json.loads(event_data(ended[0].data))
+    assert (error["type"], error["code"]) == ("error", "stream_lost")
+    assert error["sequence_number"] == 2
+    assert "expired or evicted" in error["message"]
     assert ended[-1].is_done
     await reader.aclose()
 
