@@ -183,6 +183,9 @@ class RemoteStream:
         """The stream is gone from Redis (expired): no more events will come."""
         self.trimmed = 0
         """Events found missing before the first one read (trimmed from Redis)."""
+        self.never_written = False
+        """Those missing events were never written (Redis away or full when they were made:
+        :meth:`SharedStreams.never_written`), not trimmed."""
         self.holes: list[tuple[int, int]] = []
         """``(before, after)`` of each run of events missing between two read in one batch
         (the producer's writes of them failed: Redis away or full), in order."""
@@ -197,7 +200,7 @@ class RemoteStream:
 
     def after(self, seq: int) -> list[StreamEvent]:
         if seq < self.trimmed:
-            raise HistoryTrimmed(seq, self.trimmed)
+            raise HistoryTrimmed(seq, self.trimmed, unwritten=self.never_written)
         events = self.events
         if not events or events[-1].seq <= seq:
             return []
@@ -249,16 +252,28 @@ class RemoteStream:
     def detach(self, now: float) -> None:
         self._unfollow()
 
-    def receive(self, entries: Sequence[Any]) -> None:
-        """Entries read from Redis (by the follower or directly): keep the new ones, wake."""
+    def skips(self, entries: Sequence[Any]) -> bool:
+        """Do ``entries`` (read from Redis) start past the event after :attr:`cursor`, but for
+        a lost stream's error (what :meth:`receive` counts as :attr:`trimmed`)?"""
+        for entry_id, fields in entries:
+            seq = int(entry_id.split(b"-", 1)[0])
+            if seq > self.cursor:
+                return seq > self.cursor + 1 and not is_lost_event(fields[_FIELD], self.format)
+        return False
+
+    def receive(self, entries: Sequence[Any], never_written: bool = False) -> None:
+        """Entries read from Redis (by the follower or directly): keep the new ones, wake.
+        ``never_written``: the events they skip (:meth:`skips`) were never written, not
+        trimmed (:meth:`SharedStreams.deliver` asks Redis)."""
         new = _events(entries, self.cursor)
         if not new:
             return
-        # XREAD skips what is gone: the history was trimmed. Unless the gap is before a lost
-        # stream's error (placed after another reader's cursor): what the dead producer
-        # never wrote is gone, and the error says so.
+        # XREAD skips what is gone: the history was trimmed (or never written). Unless the
+        # gap is before a lost stream's error (placed after another reader's cursor): what
+        # the dead producer never wrote is gone, and the error says so.
         if new[0].seq > self.cursor + 1 and not is_lost_event(new[0].data, self.format):
             self.trimmed = max(self.trimmed, new[0].seq - 1)
+            self.never_written = never_written
         if new[-1].seq - new[0].seq >= len(new):  # a hole inside: events never written
             self._find_holes(new)
         self.events.extend(new)
@@ -294,7 +309,7 @@ class RemoteStream:
             # Catch up at once (a resuming reader gets what is stored in one read), then follow
             # (Redis away: the follower catches up from the cursor once it answers again).
             with contextlib.suppress(StateUnavailable):
-                self.receive(await self._shared.read_now(self))
+                await self._shared.deliver(self, await self._shared.read_now(self))
             if self.after(seq) or self.done or timeout_s == 0:
                 return bool(self.after(seq))
             self._following = True
@@ -462,7 +477,30 @@ class SharedStreams:
         if declared > 0:
             self.lost_declared += 1
             log.warning("stream %s lost: its process %s stopped", remote.id, remote.process)
-        remote.receive(await self.read_now(remote))
+        await self.deliver(remote, await self.read_now(remote))
+
+    async def deliver(self, remote: RemoteStream, entries: Sequence[Any]) -> None:
+        """Hand ``entries`` to ``remote``; when they skip events after its cursor, first ask
+        Redis whether those were trimmed or never written (:meth:`never_written`): the
+        reader is told which (``stream_history_trimmed``'s message)."""
+        remote.receive(entries, remote.skips(entries) and await self.never_written(remote))
+
+    async def never_written(self, remote: RemoteStream) -> bool:
+        """Were the events missing after ``remote.cursor`` never written (Redis away or full
+        when they were made) rather than trimmed (the key over its share of the producer's
+        store; the length bound)? Trims take a stream's front (``XTRIM MINID``, ``MAXLEN``):
+        an entry at or before the cursor means none after it was trimmed, and a stream that
+        never lost an entry (``entries-added`` is its length, Redis 7) lost none to a trim.
+        Asked only at such a gap; Redis not answering: unknown, taken as trimmed."""
+        key = self.keys.events(remote.id)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xrevrange(key, f"{remote.cursor}-0", "-", count=1)
+                pipe.xinfo_stream(key)
+                before, info = await pipe.execute()
+        except Exception:
+            return False
+        return bool(before) or info.get("entries-added") == info.get("length")
 
     async def keep_attended(self, streams: Iterable[Stream], now: float, grace_s: float) -> None:
         """Count a reader elsewhere as attending: for this process's streams unattended for
@@ -932,7 +970,10 @@ class _Follower:
             self.reads += 1
             for key, entries in reply or ():
                 for remote in list(self._followed.get(key, ())):
-                    remote.receive(entries)
+                    if remote.skips(entries):  # a gap: trimmed or never written? (rare)
+                        await remote._shared.deliver(remote, entries)
+                    else:
+                        remote.receive(entries)
 
     async def _reset(self) -> None:
         if self._conn is not None:

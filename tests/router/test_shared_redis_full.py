@@ -28,7 +28,7 @@ from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
 from firstbyte.protocol.codec import event_data, event_name, named_event
 from firstbyte.router.config import parse_config
-from firstbyte.router.readers import trimmed_body
+from firstbyte.router.readers import poll, trimmed_body
 from firstbyte.router.shared import SharedState, connect
 from firstbyte.router.shared.lease import Lease
 from firstbyte.router.shared.streams import SharedStreams
@@ -135,6 +135,72 @@ async def test_a_reader_elsewhere_is_told_of_events_a_full_redis_dropped(
     assert await ahead.wait(3, timeout_s=3)
     assert [e.seq for e in ahead.after(3)] == [4, 5]
     assert ahead.after(3)[-1].is_done
+
+
+@pytest.mark.parametrize("gap", ["dropped", "trimmed"])
+async def test_a_long_poll_inside_a_gap_is_told_why_its_events_are_missing(
+    shared: SharedState, gap: str,
+) -> None:
+    """A long-poll on another process from after event 2, where events 2 and 3 are missing:
+    dropped while Redis was full, its 410's message names Redis (it named the key's share of
+    the store, the wrong reason: the reader saw only a first event past its position); trimmed
+    from the front (the producer's ``XTRIM MINID``, the key over its share), the share."""
+    stream = await _published(shared, f"gap-{gap}")
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    if gap == "dropped":
+        await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 2", 0.0)
+    stream.append(b"data: 3", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 0)
+    if gap == "trimmed":
+        await shared.redis.xtrim(shared.keys.events(f"gap-{gap}"), minid="4-0")
+    stream.append(b"data: 4", 0.0)
+    stream.finish(0.0)
+    await asyncio.sleep(0.2)
+    reader = _reader_elsewhere(shared)
+    remote = await reader.lookup(f"gap-{gap}", b"owner")
+    assert remote is not None
+    with pytest.raises(HistoryTrimmed) as trimmed:
+        await poll(remote, 2, 3.0)
+    assert (trimmed.value.after, trimmed.value.trimmed) == (2, 3)
+    message = trimmed_body(trimmed.value).error.message
+    if gap == "dropped":
+        assert trimmed.value.unwritten
+        assert "shared state (Redis) could not take them" in message
+    else:
+        assert not trimmed.value.unwritten
+        assert "share of the stream store" in message
+    await reader.aclose()
+
+
+async def test_a_long_poll_following_live_is_told_redis_dropped_what_it_skips(
+    shared: SharedState,
+) -> None:
+    """The same for a long-poll waiting after event 1 as Redis fills: the follower reads 4
+    next, and the reader's 410 names Redis, not the key's share."""
+    stream = await _published(shared, "gap-live")
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    reader = _reader_elsewhere(shared)
+    reader.follower.start()  # live events reach a waiting reader through it (as in a router)
+    remote = await reader.lookup("gap-live", b"owner")
+    assert remote is not None
+    assert [e.seq for e in (await poll(remote, 0, 3.0)).events] == [1]
+    waiting = asyncio.ensure_future(poll(remote, 1, 5.0))
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 2", 0.0)
+    stream.append(b"data: 3", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 0)
+    stream.append(b"data: 4", 0.0)
+    with pytest.raises(HistoryTrimmed) as trimmed:
+        await waiting
+    assert (trimmed.value.after, trimmed.value.trimmed) == (1, 3)
+    assert "shared state (Redis) could not take them" in trimmed_body(trimmed.value).error.message
+    await reader.aclose()
 
 
 async def test_a_streams_end_a_full_redis_dropped_is_written_once_it_has_room(
