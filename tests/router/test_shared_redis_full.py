@@ -22,14 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import event_data, event_name, named_event
 from firstbyte.router.config import parse_config
 from firstbyte.router.readers import poll, trimmed_body
 from firstbyte.router.shared import SharedState, connect
+from firstbyte.router.shared.admission import Claim
+from firstbyte.router.shared.errors import StateUnavailable, unavailable_reply
 from firstbyte.router.shared.lease import Lease
 from firstbyte.router.shared.streams import SharedStreams
 from firstbyte.router.streams import HistoryTrimmed, Stream
@@ -260,6 +264,35 @@ async def test_a_stream_redis_lost_is_not_made_again_without_an_expiry(
     assert shared.streams.writer.fenced == 0
     assert await shared.redis.pttl(shared.keys.events("fresh")) > 0
     assert await shared.redis.pttl(shared.keys.meta("fresh")) > 0
+
+
+async def test_a_full_redis_is_said_full_not_away_in_the_503(shared: SharedState) -> None:
+    """An admission a full Redis refuses (``OOM``) is answered ``503 state_unavailable``,
+    ``Retry-After``, saying Redis is full (it said "not answering" while Redis answered);
+    a Redis that does not answer is still said not to."""
+    await shared.redis.config_set("maxmemory", 1)
+    with pytest.raises(StateUnavailable) as refused:
+        await shared.admission.admit(Claim(b"key", "b0"))
+    assert refused.value.full
+    full = unavailable_reply(refused.value)
+    assert full.status == 503
+    assert ("retry-after", "1") in full.headers
+    error = json.loads(full.body)["error"]
+    assert error["code"] == error_codes.STATE_UNAVAILABLE
+    assert error["message"] == (
+        "The region's shared state (Redis) is full (out of memory); retry shortly.")
+    await shared.redis.config_set("maxmemory", 0)
+    nobody = Redis.from_url(f"redis://127.0.0.1:{free_port()}")
+    away = SharedStreams(
+        nobody, shared.keys, Lease(nobody, shared.keys, "away", 0.3), "away",
+        max_age_s=60, max_events=1000, reader_grace_s=1,
+    )
+    with pytest.raises(StateUnavailable) as unanswered:
+        await away.lookup("any", b"owner")
+    assert not unanswered.value.full
+    assert "is not answering" in json.loads(unavailable_reply(unanswered.value).body)[
+        "error"]["message"]
+    await nobody.aclose()
 
 
 async def test_a_full_redis_keeps_the_process_lease(shared: SharedState) -> None:
