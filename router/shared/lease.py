@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from firstbyte.tasks import cancel_and_wait
 
@@ -30,7 +30,7 @@ from .keys import Keys
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["DOWN_AFTER_FAILED_RENEWALS", "Lease", "Outage"]
+__all__ = ["DOWN_AFTER_FAILED_RENEWALS", "Lease", "Outage", "lapse_reason"]
 
 log = logging.getLogger("firstbyte.router.shared")
 
@@ -61,6 +61,33 @@ class Outage:
         return self.down if self.down != was else None
 
 
+def lapse_reason(
+    since_renewed_s: float | None, lease_s: float, info: Mapping[str, Any] | None,
+    run_id: str | None = None,
+) -> str:
+    """Why a lease found gone at renewal was gone, from the time since its last renewal that
+    reached Redis, Redis's ``INFO`` then and its ``run_id`` before (None: not known). A new
+    ``run_id``: Redis restarted. Renewed less than ``lease_s`` before, the lease cannot have
+    expired: Redis evicted it (a ``maxmemory-policy`` that evicts, evictions counted) or
+    something deleted it."""
+    if info is None or since_renewed_s is None:
+        return "Redis restarted or away"
+    if run_id is not None and info.get("run_id", run_id) != run_id:
+        return "Redis restarted"
+    if since_renewed_s >= lease_s:
+        return f"expired: Redis away or this process stalled for over {lease_s:g} s"
+    policy = info.get("maxmemory_policy", "noeviction")
+    if policy != "noeviction" and info.get("evicted_keys", 0) > 0:
+        return (f"evicted by Redis (maxmemory-policy {policy}; run it with noeviction: the"
+                " other processes took this one for dead)")
+    return "removed before its expiry (deleted, or Redis emptied)"
+
+
+def _run_id(info: Mapping[str, Any] | None) -> str | None:
+    run_id = None if info is None else info.get("run_id")
+    return run_id if isinstance(run_id, str) else None
+
+
 class Lease:
     """Take, renew and release this process's lease (see the module docstring)."""
 
@@ -84,6 +111,12 @@ class Lease:
         self._throttle = Throttle(10.0)
         self._stopping = False
         """Set by :meth:`aclose`: the renewals end."""
+        self._run_id: str | None = None
+        """Redis's ``run_id`` when this process took its lease: another one at a lapse says
+        Redis restarted."""
+        self._renewed_at: float | None = None
+        """When a renewal last reached Redis (``time.monotonic``): a lapse found sooner
+        than ``lease_s`` after it is no expiry (:func:`lapse_reason`)."""
 
     @property
     def check_interval_s(self) -> float:
@@ -104,14 +137,31 @@ class Lease:
         # could declare its live streams lost (cancelling them).
         px = int(self.lease_s * 1000)
         if self._taken and await self._redis.pexpire(self.key, px):
+            self._renewed_at = time.monotonic()
             return
         was = await self._redis.set(self.key, b"1", px=px, get=True)
+        renewed_at, self._renewed_at = self._renewed_at, time.monotonic()
         if was is None and self._taken:
             self.lapses += 1
-            log.warning("the process lease had lapsed (Redis restarted or away); taken again")
+            info = await self._info()
+            why = lapse_reason(None if renewed_at is None else self._renewed_at - renewed_at,
+                               self.lease_s, info, self._run_id)
+            self._run_id = _run_id(info) or self._run_id
+            log.warning("the process lease had lapsed (%s); taken again", why)
             if self.on_lapse is not None:
                 self.on_lapse()
+        elif not self._taken:  # first taken, Redis just answered: which Redis, once
+            self._run_id = _run_id(await self._info())
         self._taken = True
+
+    async def _info(self) -> dict[str, Any] | None:
+        """Redis's ``INFO`` (``run_id``, memory policy, evictions): asked when the lease is
+        first taken and at each lapse, never per renewal; None if it does not answer."""
+        try:
+            info: dict[str, Any] = await self._redis.info()
+        except Exception:
+            return None
+        return info
 
     async def _renew_or_log(self) -> None:
         try:

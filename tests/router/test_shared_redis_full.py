@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -34,7 +35,7 @@ from firstbyte.router.readers import poll, trimmed_body
 from firstbyte.router.shared import SharedState, connect
 from firstbyte.router.shared.admission import Claim
 from firstbyte.router.shared.errors import StateUnavailable, unavailable_reply
-from firstbyte.router.shared.lease import Lease
+from firstbyte.router.shared.lease import Lease, lapse_reason
 from firstbyte.router.shared.streams import SharedStreams
 from firstbyte.router.streams import HistoryTrimmed, Stream
 
@@ -432,6 +433,44 @@ async def test_a_lost_responses_stream_evicted_from_redis_numbers_its_error_next
     assert "expired or evicted" in error["message"]
     assert ended[-1].is_done
     await reader.aclose()
+
+
+async def test_a_lease_evicted_by_redis_is_logged_as_evicted(
+    shared: SharedState, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``allkeys-lru`` evicts the process's lease between two renewals: the renewal that
+    finds it gone says it was evicted, and by which policy (it said "Redis restarted or
+    away", while Redis had run throughout and answered every renewal)."""
+    lease = shared.lease
+    caplog.set_level(logging.WARNING, "firstbyte.router.shared")
+    await _evict(shared, lease.key)
+    for _ in range(100):  # its next renewal, lease_s / 3 on (bounded)
+        if lease.lapses:
+            break
+        await asyncio.sleep(0.05)
+    assert lease.lapses == 1
+    [line] = [r.getMessage() for r in caplog.records if "lease" in r.getMessage()]
+    assert "evicted by Redis (maxmemory-policy allkeys-lru" in line, line
+    assert "restarted" not in line
+
+
+@pytest.mark.parametrize(("since_renewed_s", "info", "why"), [
+    (1.0, {"run_id": "a", "maxmemory_policy": "allkeys-lru", "evicted_keys": 3},
+     "evicted by Redis (maxmemory-policy allkeys-lru"),
+    (1.0, {"run_id": "b", "maxmemory_policy": "allkeys-lru", "evicted_keys": 3},
+     "Redis restarted"),
+    (1.0, {"run_id": "a", "maxmemory_policy": "noeviction", "evicted_keys": 0},
+     "removed before its expiry"),
+    (5.0, {"run_id": "a", "maxmemory_policy": "allkeys-lru", "evicted_keys": 3},
+     "expired"),
+    (1.0, None, "Redis restarted or away"),
+])
+def test_why_a_lease_lapsed(since_renewed_s: float, info: Any, why: str) -> None:
+    """Redis ``a`` when the lease was taken. Renewed 1 s before with ``lease_s`` 3 it cannot
+    have expired: Redis restarted since (another ``run_id``), evicted it (a policy that
+    evicts, evictions counted) or something deleted it; past ``lease_s`` it expired; without
+    Redis's INFO the reason is not known."""
+    assert why in lapse_reason(since_renewed_s, 3.0, info, "a")
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "noeviction"])
