@@ -21,6 +21,8 @@ import httpx2
 import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseErrorEvent, ResponseStreamEvent
 from websockets.asyncio.client import connect as ws_connect
 
@@ -261,3 +263,50 @@ async def test_the_anthropic_sdk_raises_a_lost_messages_stream_s_error(
     assert body["error"]["code"] == error_codes.STREAM_LOST
     assert "stopped before it finished" in body["error"]["message"]
     assert "stopped before it finished" in raised.value.message
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_the_openai_sdk_raises_a_lost_chat_or_completions_stream_s_error(
+    redis_server: RedisServer, tls_files: dict[str, str], tmp_path: Path,  # noqa: F811
+    path: str,
+) -> None:
+    """The same for chat and completions streams: after A's chunks, the SDK raises its
+    ``APIError`` for the router's ``data: {"error": ...}`` event, ``stream_lost`` its code."""
+    async with running_formats_upstream(delay_s=0.05) as up, running_pair(
+        tmp_path, tls_files, redis_server.url, up.url, key_prefix=f"fb-sdk-lost-{path[4:].replace('/', '-')}:"
+    ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=30) as http:
+        on_a = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key=API_KEY, http_client=http,
+                                  max_retries=0)
+        on_b = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key=API_KEY, http_client=http,
+                                  max_retries=0)
+        chunk: Any
+        if path == "/v1/chat/completions":
+            stream: Any = await on_a.chat.completions.create(
+                model="test-model", max_tokens=400, stream=True,
+                messages=[{"role": "user", "content": "hi"}],
+            )
+            cast_to, chunk = ChatCompletion, ChatCompletionChunk
+        else:
+            stream = await on_a.completions.create(
+                model="test-model", prompt="hi", max_tokens=400, stream=True
+            )
+            cast_to, chunk = Completion, Completion
+        stream_id = stream.response.headers[STREAM_HEADER]
+        before = await _read_then_kill(stream.__aiter__(), a, 6)
+        resumed = await on_b.get(
+            f"/streams/{stream_id}", cast_to=cast_to, stream=True,
+            stream_cls=openai.AsyncStream[chunk],
+            options={"headers": {"last-event-id": str(len(before))}},
+        )
+        after: list[Any] = []
+
+        async def read_on() -> None:
+            async for event in resumed:
+                after.append(event)
+
+        with pytest.raises(openai.APIError) as raised:
+            await read_on()
+    assert len(before) == 6
+    assert all(isinstance(e, chunk) for e in after)
+    assert "stopped before it finished" in raised.value.message
+    assert raised.value.code == error_codes.STREAM_LOST
