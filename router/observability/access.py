@@ -601,7 +601,8 @@ class RequestLog:
             trace.trace_id,  # trace_id
             trace.caller_id,  # caller_span_id
             trace.sampled,  # sampled
-            # The digests only of what is there (an anonymous request has no key). The key
+            # The digests only of what is there (an anonymous request has no key), each
+            # worked out once per key and subject (key_id's and subject_id's caches). The key
             # is read from its field, not through the api_key descriptor: a call less.
             key_id(api_key) if api_key else None,  # key_id
             (self.usage_key(ctx.owner)  # usage_key

@@ -12,6 +12,7 @@ A JSON line is an object with ``time`` (UTC, ISO 8601, milliseconds), ``level``,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -70,20 +71,32 @@ _FIELDS = "fields"
 """The ``extra`` key carrying a record's structured fields."""
 
 
+# The digests of the keys and subjects seen last, each worked out once: one application
+# sends thousands of streams under one key, often for one user, and a SHA-256 is ~6k
+# instructions a request each (the access line of every keyed request names both). Bounded:
+# a configured key's set is small, but an anonymous router takes any bearer string as the key
+# (up to a header line, 8 KiB) and subjects come from requests and client tokens (up to
+# MAX_SUBJECT_CHARS each), as many as clients care to send; past the bound the least recent
+# is dropped and worked out again if it comes back. A hit is one call in C (lru_cache's),
+# no Python frame.
+@functools.lru_cache(maxsize=1024)
 def key_id(api_key: str | None) -> str | None:
     """A short, stable digest naming an API key in logs and traces; never the key itself.
 
     12 hex digits of a domain-separated SHA-256: enough to tell a deployment's keys apart
     and to grep for one (``firstbyte``-side only; the key cannot be recovered from it).
+    The last 1024 keys' digests are kept (see above).
     """
     if not api_key:
         return None
     return hashlib.sha256(b"firstbyte-key-id\0" + api_key.encode()).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=4096)  # bounded: see key_id's
 def subject_id(subject: str | None) -> str | None:
     """The same kind of digest for a request's subject (an app's end user): usage per
-    subject can be summed from the access lines without logging who the user is."""
+    subject can be summed from the access lines without logging who the user is. The last
+    4096 subjects' digests are kept."""
     if not subject:
         return None
     return hashlib.sha256(b"firstbyte-subject-id\0" + subject.encode()).hexdigest()[:12]

@@ -6,7 +6,10 @@ made for speed is seen to give the same line."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 
 from firstbyte.protocol.openai import ChatCompletionRequest, Message
 from firstbyte.router.geo import GeoPoint, Location
+from firstbyte.router.observability import logs
 from firstbyte.router.observability.access import (
     CONTEXT_KEY,
     AccessRecord,
@@ -375,3 +379,57 @@ def test_the_record_has_the_fields_record_passes_by_position() -> None:
         "server_address", "started_at", "admitted_at", "routed_at", "upstream_sent_at",
         "first_token_at", "ended_at", "endpoint", "upstream_error", "error_code",
     )  # fmt: skip
+
+
+class _CountingHashlib:
+    """``hashlib`` as :mod:`.logs` sees it, counting the SHA-256 digests it is asked for."""
+
+    def __init__(self) -> None:
+        self.hashed: list[bytes] = []
+
+    def sha256(self, data: bytes) -> Any:
+        self.hashed.append(data)
+        return hashlib.sha256(data)
+
+
+def _keyed(api_key: str, subject: str) -> RequestContext:
+    """A refused keyed request naming a subject (no stream: its line is written at once)."""
+    ctx = RequestContext("POST", "/v1/chat/completions", {}, received_at=70.0)
+    ctx.traceparent = Traceparent("0af7651916cd43dd8448eb211c80319c", "e7ad6b7169203331")
+    ctx.api_key = api_key
+    ctx.subject = subject
+    ctx.request = _request()
+    ctx.outcome = "rejected"
+    ctx.usage = Usage(outcome="")
+    return ctx
+
+
+async def test_a_key_and_a_subject_are_digested_once_for_all_their_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One application sends thousands of streams under one key: its key's and its
+    subjects' digests are each worked out once, and every line carries the bytes the digest
+    gives (a domain-separated SHA-256's first 12 hex digits, as the first line above has for
+    ``sk-test-key`` and ``user-7``)."""
+    # Names no other test used: the digests this process may have kept are not theirs.
+    api_key, subject, other = (f"sk-{uuid.uuid4()}", f"u-{uuid.uuid4()}", f"u-{uuid.uuid4()}")
+    counting = _CountingHashlib()
+    request_log = RequestLog("eu-1")
+    with configured("json") as (out, _), monkeypatch.context() as patch:
+        patch.setattr(logs, "hashlib", counting)
+        for name in (subject, subject, other, subject):
+            await _serve(request_log, "/v1/chat/completions", _keyed(api_key, name), 429)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+
+    def digest(domain: bytes, value: str) -> str:
+        return hashlib.sha256(domain + b"\0" + value.encode()).hexdigest()[:12]
+
+    assert [(line["key_id"], line["subject_id"]) for line in lines] == [
+        (digest(b"firstbyte-key-id", api_key), digest(b"firstbyte-subject-id", name))
+        for name in (subject, subject, other, subject)
+    ]
+    assert counting.hashed == [
+        b"firstbyte-key-id\0" + api_key.encode(),
+        b"firstbyte-subject-id\0" + subject.encode(),
+        b"firstbyte-subject-id\0" + other.encode(),
+    ]
