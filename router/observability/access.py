@@ -6,8 +6,9 @@ cancelled). So a client that disconnects from an SSE stream, or a long-poll clie
 ``POST /v1/streams`` was answered at once, still gets a line with the stream's tokens and
 outcome. :class:`RequestLog` builds the :class:`AccessRecord` from the request context and
 the stream, writes the line on the ``firstbyte.access`` logger (``info``; ``debug`` for the
-operational paths a load balancer, Prometheus or the peers ask every second) and hands the
-record to the trace exporter when one is configured.
+operational paths a load balancer, Prometheus or the peers ask every second, whose record is
+not built at all where ``debug`` is off) and hands the record to the trace exporter when one
+is configured.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ record keeps: a 900 KB model name made a 900 KB access line (and span) per reque
 value keeps its first characters and ends with :func:`bounded`'s marker."""
 
 _OPERATIONAL = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS})
+_OPERATIONAL_GETS = _OPERATIONAL | {paths.EDGE_WARM}
+"""The paths on which a ``GET`` is operational (:meth:`RequestLog._write`'s test for a ``GET``;
+it is the one method they answer)."""
 _STARTS_STREAM = frozenset({*BY_PATH, paths.STREAMS})
 
 
@@ -437,12 +441,17 @@ class RequestLog:
         if self.spans is None and not log.isEnabledFor(logging.INFO):  # not self.enabled
             await handler(scope, receive, send)
             return
-        exchange = _Exchange(
-            scope.get("method", "GET"),
-            scope.get("path", ""),
-            scope.get("http_version", "1.1"),
-            self.clock(),
-        )
+        method, path = scope.get("method", "GET"), scope.get("path", "")
+        # An operational request (a balancer's probe, a scrape, every second) is written at
+        # debug and never traced (_write): below debug nothing would come of its record, so
+        # none is built (40-60k instructions each). _write's test for a GET, on the same
+        # values; the method first, a string compare, so that a POST (every completion) pays
+        # no set lookup. Another method's 405 on those paths is rare: built, and not written.
+        if (method == "GET" and path in _OPERATIONAL_GETS
+                and not log.isEnabledFor(logging.DEBUG)):
+            await handler(scope, receive, send)
+            return
+        exchange = _Exchange(method, path, scope.get("http_version", "1.1"), self.clock())
 
         async def watched(message: Message) -> None:
             kind = message["type"]
@@ -495,7 +504,8 @@ class RequestLog:
     ) -> None:
         record = self.record(exchange, ctx, websocket, ended_at, stream)
         # A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too (a
-        # prompt warm-up, its POST, spends tokens and is logged as any request).
+        # prompt warm-up, its POST, spends tokens and is logged as any request). serve()
+        # makes the same test to build no record where this would write none.
         operational = exchange.path in _OPERATIONAL or (
             exchange.path == paths.EDGE_WARM and exchange.method == "GET")
         level = logging.DEBUG if operational else logging.INFO

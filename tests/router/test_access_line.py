@@ -154,10 +154,11 @@ async def _serve(
     status: int,
     *,
     complete: bool = True,
+    method: str | None = None,
 ) -> None:
     scope: dict[str, Any] = {
         "type": "http",
-        "method": ctx.method if ctx else "GET",
+        "method": method or (ctx.method if ctx else "GET"),
         "path": path,
         "http_version": ctx.http_version if ctx else "1.1",
     }
@@ -433,3 +434,53 @@ async def test_a_key_and_a_subject_are_digested_once_for_all_their_lines(
         b"firstbyte-subject-id\0" + subject.encode(),
         b"firstbyte-subject-id\0" + other.encode(),
     ]
+
+
+_OPERATIONAL = [
+    ("GET", "/healthz", False),  # (method, path, whether its endpoint makes a context)
+    ("GET", "/metrics", True),
+    ("GET", "/v1/edge/status", True),
+    ("GET", "/v1/edge/warm", False),
+]
+_OTHERS = [("POST", "/v1/edge/warm", True), ("GET", "/nowhere", False)]
+
+HEALTHZ_DEBUG_LINE = '{"time":"2023-11-14T22:13:20.250Z","level":"debug","logger":"firstbyte.access","msg":"GET /healthz 200","request_id":"","trace_id":"","key_id":null,"usage_key":null,"region":"eu-1","entry_region":"eu-1","backend":null,"transport":"http","http_version":"1.1","method":"GET","path":"/healthz","endpoint":null,"status":200,"ttft_ms":null,"duration_ms":0.0,"input_tokens":null,"output_tokens":null,"outcome":"ok","model":null,"stream":null,"client_city":null,"client_country":null}'
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+async def test_an_operational_request_s_record_is_built_only_to_be_written(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load balancer asks /healthz every second: at ``info`` the operational requests'
+    records (their lines are ``debug``, never traced) are not built at all, the others' are;
+    at ``debug`` every record is built and the operational ones are written, at ``debug``."""
+    built: list[str] = []
+    record = RequestLog.record
+
+    def counted(self: RequestLog, exchange: Any, *args: Any) -> AccessRecord:
+        built.append(f"{exchange.method} {exchange.path}")
+        return record(self, exchange, *args)
+
+    monkeypatch.setattr(RequestLog, "record", counted)
+    spans = _Spans()
+    request_log = RequestLog("eu-1", spans, clock=lambda: 5.0)
+    with configured("json", level) as (out, _), monkeypatch.context() as patch:
+        patch.setattr(time, "time", lambda: NOW)
+        for method, path, context in [*_OPERATIONAL, *_OTHERS]:
+            ctx = RequestContext(method, path, {}, received_at=5.0) if context else None
+            await _serve(request_log, path, ctx, 200, method=method)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    written = [(line["level"], line["msg"]) for line in lines]
+    others = [f"{method} {path}" for method, path, _ in _OTHERS]
+    if level == "info":
+        assert built == others
+        assert written == [("info", f"{name} 200") for name in others]
+    else:
+        assert built == [f"{method} {path}" for method, path, _ in [*_OPERATIONAL, *_OTHERS]]
+        assert written == [
+            *(("debug", f"{method} {path} 200") for method, path, _ in _OPERATIONAL),
+            *(("info", f"{name} 200") for name in others),
+        ]
+        assert out.getvalue().splitlines()[0] == HEALTHZ_DEBUG_LINE
+    # Traced at either level: the request a pipeline ran for, not an operational one.
+    assert [(r.method, r.path) for r in spans.records] == [("POST", "/v1/edge/warm")]

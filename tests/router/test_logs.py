@@ -455,16 +455,18 @@ def test_a_workers_lines_name_it_in_both_formats(monkeypatch: pytest.MonkeyPatch
 
 
 @contextmanager
-def configured(fmt: LogFormat) -> Iterator[tuple[io.StringIO, logging.Handler]]:
-    """:func:`configure` as a router process has it, writing to a StringIO; the process's
-    logging (pytest's handlers, levels, flags) as it was afterwards."""
+def configured(
+    fmt: LogFormat, level: str = "info"
+) -> Iterator[tuple[io.StringIO, logging.Handler]]:
+    """:func:`configure` as a router process has it (at ``level``), writing to a StringIO;
+    the process's logging (pytest's handlers, levels, flags) as it was afterwards."""
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, logging.logThreads, logging.logProcesses,
              logging.logMultiprocessing,
              {name: logging.getLogger(name).level for name in QUIET_LIBRARIES})
     out = io.StringIO()
     try:
-        yield out, configure("info", fmt, out)
+        yield out, configure(level, fmt, out)
     finally:
         handlers, level, threads, processes, multiprocessing, libraries = saved
         root.handlers[:] = handlers
