@@ -54,6 +54,7 @@ from .asgi import (
     until_disconnect,
 )
 from .config import Origin
+from .multiregion import DRAINING_RETRY_AFTER_S
 from .observability.access import CONTEXT_KEY, reply_usage
 from .pipeline.admit import admit_body, adopt_api_key_header, adopt_token, authenticate
 from .pipeline.backend import PEER_PREFIX
@@ -737,14 +738,17 @@ async def mint_token(state: RouterState, scope: Scope, receive: Receive, send: S
 
 
 async def healthz(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
-    """``GET /healthz``: 200 ``ok``; 503 ``draining`` from SIGTERM on, ``state_unavailable``
-    (with ``Retry-After``) while the region's shared state does not answer (new requests get
-    that 503), ``warming`` during the start-up warmup (requests are held meanwhile)
-    or ``unhealthy`` when no backend is healthy; 200 ``ok; HTTP/3 down`` while the HTTP/3
-    server is being restarted. No key: load balancers ask."""
+    """``GET /healthz``: 200 ``ok``; 503 ``draining`` (with ``Retry-After``) from SIGTERM on,
+    ``state_unavailable`` (with ``Retry-After``) while the region's shared state does not
+    answer (new requests get that 503), ``warming`` during the start-up warmup (requests are
+    held meanwhile) or ``unhealthy`` when no backend is healthy; 200 ``ok; HTTP/3 down``
+    while the HTTP/3 server is being restarted. No key: load balancers ask."""
     headers: Headers = ADVERTISED
     if state.draining:
+        # The request refusal's Retry-After: a client (the SDKs' keep-warm) asking here is
+        # told when to ask again as it would be on a request.
         status, text = 503, error_codes.DRAINING.encode() + b"\n"
+        headers = (*ADVERTISED, ("retry-after", str(DRAINING_RETRY_AFTER_S)))
     elif state.region_state.unreachable:
         # As the requests' own 503: a balancer or the SDK sends users to a router or region
         # that can serve them, and asks again shortly.

@@ -89,8 +89,8 @@ from .warmup import WarmPrefix, WarmupScheduler
 log = logging.getLogger("firstbyte.router")
 
 __all__ = [
-    "REJECTION_REASONS", "WAIT_FOR_SLOT", "FairCheck", "Observation", "RegionRouting",
-    "draining_reply",
+    "DRAINING_RETRY_AFTER_S", "REJECTION_REASONS", "WAIT_FOR_SLOT", "FairCheck", "Observation",
+    "RegionRouting", "draining_reply",
 ]
 
 FairCheck = Callable[[RequestContext, float], "LocalReply | bool"]
@@ -122,6 +122,11 @@ REJECTION_REASONS = {
 client reads after "Region R is at capacity and"."""
 
 
+DRAINING_RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a draining process's 503s (the request refusal and ``/healthz``'s):
+another router of the region takes the request at once, so a second is enough."""
+
+
 def draining_reply() -> LocalReply:
     """503 ``draining`` with ``Retry-After``: this process takes no new work (SIGTERM)."""
     return error_reply(
@@ -130,7 +135,7 @@ def draining_reply() -> LocalReply:
         " takes it).",
         "server_error",
         code=error_codes.DRAINING,
-        headers=(("retry-after", "1"),),
+        headers=(("retry-after", str(DRAINING_RETRY_AFTER_S)),),
         outcome="draining",
     )
 

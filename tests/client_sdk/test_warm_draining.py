@@ -102,7 +102,7 @@ async def test_a_connection_prewarm_to_a_draining_router_reports_its_refusal(
         first.app.state.start_draining()
         origin = client.origins[0]
         refused = await client.pool.prewarm(client.pool.session(origin, http), 1)
-        assert refused == Refusal(503, None, draining=True)  # /healthz says no Retry-After
+        assert refused == Refusal(503, 1.0, draining=True)  # the request refusal's Retry-After
         assert heard == [(origin, refused)]
         assert await client.pool.prewarm(client.pool.session(client.origins[1], http), 1) is None
         assert heard == [(origin, refused)]
