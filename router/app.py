@@ -44,6 +44,9 @@ _ROUTES: dict[str, dict[str, Handler]] = {
 }
 # Answered while the start-up warmup runs; every other request waits for it.
 _UNGATED = frozenset({paths.HEALTHZ, paths.METRICS, paths.EDGE_STATUS, paths.EDGE_TOKENS})
+_HTTP1 = ("1.1", "1.0")
+"""The ASGI ``http_version`` values of a connection without GOAWAY."""
+_CLOSE = (("connection", "close"),)
 # paths.edge_client(NAME)
 _CLIENT_FILE = re.compile("^" + re.escape(paths.EDGE_CLIENT) + r"/(?P<name>[a-z0-9_-]{1,40}\.js)$")
 _CLIENT_PREFIX = paths.EDGE_CLIENT + "/"
@@ -86,6 +89,14 @@ class RouterApp:
             return
         if not self.state.warm:  # warm: started
             self.state.ensure_started()
+        if self.state.draining and kind == "http" and scope.get("http_version") in _HTTP1:
+            # Whatever the answer (a refusal, /healthz, a request forwarded to a peer), it is
+            # this connection's last: an HTTP/1.1 client has no GOAWAY, and a balancer keeps
+            # its connection on this process, so the client's next request opens a new one,
+            # which the balancer sends to a healthy process. Every server honours the header
+            # (uvicorn's send and h11 close after the answer; uvicorn_send leaves a head with
+            # it to uvicorn's send). HTTP/2 and HTTP/3 forbid it: they get a GOAWAY (drain).
+            send = _adding_headers(send, _CLOSE)
         if kind == "http":
             counted = scope["path"] not in _UNGATED
             self.requests_in_flight += counted

@@ -9,6 +9,8 @@ then tell clients, then close; Kubernetes sends SIGTERM after its preStop hook):
    (``/v1/edge/warm``) gets that 503 at once (:mod:`firstbyte.router.prewarm`);
 2. at once: every open HTTP/2 and HTTP/3 connection gets a graceful GOAWAY
    (:mod:`firstbyte.router.hosting.goaway`), so clients open their next request elsewhere;
+   HTTP/1.1 has no GOAWAY: every answer begun from now on says ``connection: close`` and
+   ends its connection (:class:`~firstbyte.router.app.RouterApp`);
 3. the listener keeps accepting (late arrivals get the 503, not a refused connection) while
    requests and streams in flight run to their end: at least ``listen.drain_grace_s``, at
    most ``listen.drain_timeout_s`` (:func:`drain_finished`);

@@ -1,16 +1,103 @@
-"""A draining router's answers: ``/healthz``'s 503 has the request refusal's ``Retry-After``;
-HTTP/2 connections stay (GOAWAY tells their clients: tests/router/operate/test_drain.py).
-Real servers on loopback."""
+"""A draining router sends HTTP/1.1 clients away: on a kept-alive connection, every answer it
+gives once the drain began (the 503 ``draining`` refusal, ``/healthz``'s 503) says
+``connection: close`` and the server closes the socket after it, under each in-process server
+(``auto``: uvicorn's HTTP/1.1, ``hypercorn``: h11, ``uvicorn``). A balancer that pins a client
+connection to a process then opens the client's next request on a new connection, which it
+sends to a healthy process. HTTP/2 has GOAWAY for that (tests/router/operate/test_drain.py):
+there the header is forbidden and the connection stays. ``/healthz``'s 503 has the request
+refusal's ``Retry-After``. Real servers on loopback, a raw socket read with h11."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import h11
 import httpx
 import pytest
 
+from firstbyte.protocol import error_codes
+from firstbyte.router.serve import RouterEndpoints
 from tests.router.conftest import API_KEY, RouterFactory, client_tls
 from tests.router.upstream import Upstream
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+class KeptAlive:
+    """One HTTP/1.1 connection, its requests sent and answers read one after the other."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def open(cls, router: RouterEndpoints) -> KeptAlive:
+        return cls(*await asyncio.open_connection("127.0.0.1", router.port))
+
+    async def request(
+        self, method: str, path: str, body: bytes = b""
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Send a request, read its whole answer: status, headers (lower-cased), body."""
+        if self.h11.our_state is h11.DONE:
+            self.h11.start_next_cycle()
+        headers = [("host", "127.0.0.1"), ("content-length", str(len(body))),
+                   ("authorization", f"Bearer {API_KEY}"), ("content-type", "application/json")]
+        self.writer.write(self.h11.send(h11.Request(method=method, target=path, headers=headers))
+                          + self.h11.send(h11.Data(data=body)) + self.h11.send(h11.EndOfMessage()))
+        status, head, content = 0, {}, b""
+        async with asyncio.timeout(20):
+            while True:
+                event = self.h11.next_event()
+                if event is h11.NEED_DATA:
+                    self.h11.receive_data(await self.reader.read(65536))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                    head = {k.decode(): v.decode() for k, v in event.headers}
+                elif isinstance(event, h11.Data):
+                    content += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    return status, head, content
+
+    async def closed_by_server(self) -> bool:
+        """Does the server close the connection (EOF) without a request more?"""
+        async with asyncio.timeout(10):
+            return await self.reader.read(65536) == b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@pytest.mark.parametrize("server", ["auto", "hypercorn", "uvicorn"])
+async def test_a_draining_router_closes_kept_alive_http1_connections_after_its_answer(
+    start_router: RouterFactory, upstream: Upstream, server: str
+) -> None:
+    async with start_router([upstream.url], tls=False,
+                            listen={"server": server, "http3": False}) as router:
+        refusal, health = await KeptAlive.open(router), await KeptAlive.open(router)
+        try:
+            # Before the drain both connections are kept alive...
+            status, head, _ = await refusal.request("GET", "/healthz")
+            assert (status, head.get("connection")) == (200, None)
+            status, head, _ = await health.request("GET", "/healthz")
+            assert (status, head.get("connection")) == (200, None)
+            router.app.state.start_draining()
+            # ... and after it, the next answer on each closes its connection.
+            status, head, content = await refusal.request(
+                "POST", "/v1/chat/completions", json.dumps(BODY).encode())
+            assert (status, json.loads(content)["error"]["code"]) == (503, error_codes.DRAINING)
+            assert head["retry-after"] == "1"
+            assert head["connection"] == "close"
+            assert await refusal.closed_by_server()
+            status, head, content = await health.request("GET", "/healthz")
+            assert (status, content.strip().decode()) == (503, error_codes.DRAINING)
+            assert head["retry-after"] == "1"  # the refusal's figure
+            assert head["connection"] == "close"
+            assert await health.closed_by_server()
+        finally:
+            refusal.close()
+            health.close()
+    assert upstream.started == 0
 
 
 @pytest.mark.parametrize("server", ["auto", "hypercorn"])

@@ -24,6 +24,7 @@ async def test_new_work_goes_to_a_peer_with_room_else_503_draining() -> None:
         async with httpx.AsyncClient(timeout=30) as client:
             before = await client.post(f"{tokyo.url}/v1/chat/completions", json=_body(0))
             assert before.headers["x-firstbyte-region"] == "tokyo"
+            assert "connection" not in before.headers  # kept alive
             tokyo.state.start_draining()
             health = await client.get(f"{tokyo.url}/healthz")
             assert (health.status_code, health.text) == (503, "draining\n")
@@ -34,6 +35,9 @@ async def test_new_work_goes_to_a_peer_with_room_else_503_draining() -> None:
             assert [(r.status_code, r.headers["x-firstbyte-region"]) for r in moved] == [
                 (200, "frankfurt")
             ] * 3
+            # Answered, yet each the last of its HTTP/1.1 connection: behind a balancer the
+            # client's next request opens a new one, which goes to a process not draining.
+            assert [r.headers.get("connection") for r in moved] == ["close"] * 3
             frankfurt.state.start_draining()  # no region left with room
             refused = await client.post(f"{tokyo.url}/v1/chat/completions", json=_body(9))
             assert refused.status_code == 503
