@@ -1,4 +1,5 @@
-"""Instructions per relayed chunk, counted by callgrind: the router against the byte pipe.
+"""Instructions per relayed chunk, counted by callgrind: the router against the byte pipe
+(and against a bare relay on uvicorn).
 
 CPU seconds per chunk on this shared 2-core machine move by 20-40% from run to run; the
 instructions a process executes for the same work do not. This runs the router (or
@@ -14,12 +15,18 @@ instructions are counted, not the server's).
 
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target router
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target pipe
+    PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --target bare
     PYTHONPATH=$PWD python -m firstbyte.benchmarks.chunk_instructions --redis
 
 ``gc_instructions_per_chunk`` is the cyclic GC's share of the measured pass; with a few
 passes, whether one young collection falls inside it depends on where the collector's count
 stood, so compare revisions by ``busy_instructions_per_chunk_without_gc`` (or use enough
 passes to hold several collections).
+
+``--target bare`` is :mod:`~firstbyte.benchmarks.bare_relay`: an ASGI relay on the same
+uvicorn and loop with none of the router's features, the least any relay hosted there does.
+With ``--no-valgrind`` each target's CPU per chunk (system calls included) can be set side
+by side, alternating targets run after run on this noisy machine.
 
 Not part of ``firstbyte bench``: a tool for judging a change to the data path.
 """
@@ -38,6 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from firstbyte.benchmarks.bare_relay import BARE_RELAY
 from firstbyte.benchmarks.redis_server import running_redis
 from firstbyte.benchmarks.scenarios.router_overhead import _PIPE, _ROUTER, _router_config
 
@@ -179,7 +187,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
             config["state"] = {"redis_url": args.redis_url, "key_prefix": f"ci{os.getpid()}:"}
         code, child_args = _ROUTER, [json.dumps(config)]
     else:
-        code, child_args = _PIPE, ["127.0.0.1", str(upstream_port)]
+        code = BARE_RELAY if args.target == "bare" else _PIPE
+        child_args = ["127.0.0.1", str(upstream_port)]
     command = [sys.executable, "-c", code, *child_args]
     if not args.no_valgrind:
         command = [
@@ -299,7 +308,10 @@ def _gc_total(out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", choices=("router", "pipe"), default="router")
+    parser.add_argument(
+        "--target", choices=("router", "pipe", "bare"), default="router",
+        help="the router, the byte pipe, or a bare ASGI relay on uvicorn (no features)",
+    )
     parser.add_argument("--streams", type=int, default=20)
     parser.add_argument("--chunks", type=int, default=50, help="content chunks per stream")
     parser.add_argument(
