@@ -30,6 +30,7 @@ from firstbyte.router.sim.server import SimServer, sim_server
 from tests.router.conftest import OTHER_KEY, auth, client_tls
 from tests.router.redis_fixture import redis_server  # noqa: F401 (a fixture)
 from tests.router.test_shared_state import BODY, LEASE_S, RouterProcess, running_pair
+from tests.waits import until
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +178,13 @@ async def test_two_processes_together_respect_a_backends_max_in_flight(
             refused = await _hold(client, router)
             assert _refused(refused, error_codes.REGION_SATURATED), refused.text
             assert int(refused.headers["retry-after"]) >= 1
-        assert len(sim.engine.running) + len(sim.engine.waiting) == 2  # and only two went
+        # A detached stream's 201 comes once it is admitted, before its request has reached
+        # the sim: wait for the two, then none more went (the two refused never do).
+        def at_sim() -> int:
+            return len(sim.engine.running) + len(sim.engine.waiting)
+        await until(lambda: at_sim() >= 2, what="both admitted streams at the sim")
+        await asyncio.sleep(0.2)
+        assert at_sim() == 2  # and only two went
 
 
 async def test_processes_admitting_at_once_never_put_more_than_the_limit_on_a_backend(
