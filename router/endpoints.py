@@ -792,12 +792,16 @@ async def edge_status(state: RouterState, scope: Scope, receive: Receive, send: 
     Without a key that may see it (:func:`_observer`) only what a client needs to find its
     regions (:class:`~firstbyte.protocol.edge.PublicEdgeStatus`).
     """
-    status = state.routing.status(state_unavailable=state.region_state.unreachable)
+    # Unhealthy whenever /healthz is not ok for requests (503 draining, state_unavailable,
+    # warming), in both documents: peers and the SDKs send requests elsewhere meanwhile.
+    status = state.routing.status(
+        unavailable=state.region_state.unreachable or state.warming
+    )
     document: PublicEdgeStatus | EdgeStatusReport
     if isinstance(_observer(state, new_context(state, scope)), LocalReply):
         document = PublicEdgeStatus(
             region=status.region,
-            healthy=status.healthy and not state.warming,
+            healthy=status.healthy,
             public_url=status.public_url,
             latitude=status.latitude,
             longitude=status.longitude,

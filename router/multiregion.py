@@ -990,12 +990,13 @@ class RegionRouting:
         self.outcomes[(obs.region, obs.backend, outcome, ctx.model_label)] += 1
 
     # --- status and metrics ------------------------------------------------------------
-    def status(self, *, state_unavailable: bool = False) -> EdgeStatus:
+    def status(self, *, unavailable: bool = False) -> EdgeStatus:
         """``GET /v1/edge/status`` (:func:`firstbyte.router.routing_status.edge_status`);
-        ``state_unavailable``: the region's shared state does not answer (unhealthy)."""
+        ``unavailable``: the region's shared state does not answer, or its start-up warmup
+        holds requests (unhealthy)."""
         from .routing_status import edge_status
 
-        return edge_status(self, state_unavailable=state_unavailable)
+        return edge_status(self, unavailable=unavailable)
 
     def model_names(self, *, peers: bool = False) -> list[str]:
         """The models this region serves (``GET /v1/models``); with ``peers``, also those

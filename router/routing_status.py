@@ -17,13 +17,13 @@ if TYPE_CHECKING:
 __all__ = ["edge_status"]
 
 
-def edge_status(r: RegionRouting, *, state_unavailable: bool = False) -> EdgeStatus:
+def edge_status(r: RegionRouting, *, unavailable: bool = False) -> EdgeStatus:
     """The status of ``r``'s region now; unhealthy (the region's and each model's) while it
-    drains or, ``state_unavailable``, its shared state does not answer: peers stop sending
-    requests here that would get a 503."""
+    drains or is ``unavailable`` (its shared state does not answer, or its start-up warmup
+    holds requests): peers stop sending requests here that would get a 503 or wait."""
     now = r.clock()
     chooser, tracker = r.chooser, r.tracker
-    out = r.draining or state_unavailable
+    out = r.draining or unavailable
     here = chooser.here(now, draining=out)
     backends = [
         BackendStatus(

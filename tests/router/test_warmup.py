@@ -183,25 +183,38 @@ async def test_router_listens_while_warming_and_holds_requests_until_warm(
             [upstream.url], tls=False, warm_prefixes=[{"name": "support", "text": SUPPORT.text}],
             upstreams=[{"url": upstream.url, "models": ["test-model"]}],
         ) as router, httpx.AsyncClient(timeout=30) as client:
-            state = router.app.state
-            health = await client.get(router.base_url + "/healthz")
-            assert (health.status_code, health.text) == (503, "warming\n")
-            body = {"model": "test-model", "max_tokens": 2,
-                    "messages": [{"role": "user", "content": "hello"}]}
-            user = asyncio.ensure_future(
-                client.post(router.base_url + "/v1/chat/completions", json=body, headers=auth()))
-            await asyncio.sleep(0.5)
-            assert not user.done()
-            assert state.warming
-            # Only the warmup reached the backend: the user's request is held by the router.
-            assert "hello" not in upstream.chat_requests
-            assert len(upstream.chat_requests) == 1
-            upstream.hold.set()
-            response = await user
-            assert response.status_code == 200, response.text
-            assert upstream.chat_requests[-1] == "hello"
-            assert not state.warming
-            assert (await client.get(router.base_url + "/healthz")).text == "ok\n"
+            try:
+                state = router.app.state
+                health = await client.get(router.base_url + "/healthz")
+                assert (health.status_code, health.text) == (503, "warming\n")
+                # Peers and the SDKs read /v1/edge/status: with a key or without, a warming
+                # region is not one to send requests to, as /healthz says.
+                status = router.base_url + "/v1/edge/status"
+                keyed = (await client.get(status, headers=auth())).json()
+                assert "warm" in keyed  # the whole report
+                assert keyed["healthy"] is False
+                assert (await client.get(status)).json()["healthy"] is False
+                body = {"model": "test-model", "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "hello"}]}
+                user = asyncio.ensure_future(
+                    client.post(router.base_url + "/v1/chat/completions", json=body, headers=auth()))
+                await asyncio.sleep(0.5)
+                assert not user.done()
+                assert state.warming
+                # Only the warmup reached the backend: the user's request is held by the router.
+                assert "hello" not in upstream.chat_requests
+                assert len(upstream.chat_requests) == 1
+                upstream.hold.set()
+                response = await user
+                assert response.status_code == 200, response.text
+                assert upstream.chat_requests[-1] == "hello"
+                assert not state.warming
+                assert (await client.get(router.base_url + "/healthz")).text == "ok\n"
+                assert (await client.get(status, headers=auth())).json()["healthy"] is True
+                assert (await client.get(status)).json()["healthy"] is True
+            finally:
+                # A failed check must not leave the warmup, and so the router's stop, hanging.
+                upstream.hold.set()
 
 
 @dataclass
