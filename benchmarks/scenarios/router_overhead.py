@@ -7,8 +7,9 @@ connections, parsing with the SDK's SSE core) runs in this one. For each level (
 concurrent streams) the targets are measured in alternating phases, so all see the same
 machine: ``direct`` (the sim), ``nginx`` (``proxy_buffering off``, 2 workers, kept-alive
 upstream connections) when it is installed, ``python-pipe`` (bytes piped in Python
-on uvloop: the floor of CPU per chunk for a Python relay, see :data:`PIPE_TARGET`), and the
-router under each of its HTTP/1.1 servers.
+on uvloop: the floor of CPU per chunk for a Python relay, see :data:`PIPE_TARGET`),
+``bare-relay`` (a featureless ASGI relay on uvicorn, :data:`BARE_TARGET`), and the router
+under each of its HTTP/1.1 servers.
 Added latency is the difference of the percentiles (target minus direct). Optionally (full
 runs) the same over TLS with HTTP/2 between the client and the router, next to the client
 straight to a sim served over TLS + HTTP/2 (``direct-h2``): that run's tail is mostly the
@@ -52,6 +53,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from firstbyte.benchmarks._parent import stop_process
+from firstbyte.benchmarks.bare_relay import BARE_RELAY
 from firstbyte.benchmarks.conditions import machine_cpu
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.gc_hold import gc_held_off
@@ -91,6 +93,12 @@ per client connection, bytes passed on untouched, no HTTP. Nothing relays a chun
 for less, so its CPU per chunk next to nginx's and the router's tells the interpreter's and
 the event loop's share of the router's cost from the router's own work
 (``cC_TARGET_cpu_vs_pipe``)."""
+BARE_TARGET = "bare-relay"
+"""The least a relay hosted on uvicorn does (:mod:`firstbyte.benchmarks.bare_relay`): the
+router's server and loop, each chunk one ASGI message, and no key, limit, placement, store,
+metrics, log or heartbeat. Its CPU per chunk over the pipe's is what uvicorn and ASGI alone
+cost a relay; the router's over it (``cC_auto_cpu_vs_bare_relay``) is what its features cost
+beside that, in the same phases."""
 BASELINE_SERVERS = ("hypercorn", "uvicorn")
 """The servers measured at the ``--baseline`` revision too (as ``baseline-SERVER``)."""
 BASELINE_OF = {"auto": "hypercorn", "hypercorn": "hypercorn", "uvicorn": "uvicorn"}
@@ -555,12 +563,13 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
     top = max(c for c, _, _ in levels)
     nginx = _nginx_binary()
     pipe = [PIPE_TARGET]  # quick runs too: the ratio to it is the figure CPU is judged by
+    references = [*pipe, BARE_TARGET]  # measured at the levels only
     routers = [f"router/{name}" for name in ROUTER_SERVERS]
     then = [f"baseline-{name}" for name in BASELINE_SERVERS] if baseline else []
-    proxies = ([NGINX_TARGET] if nginx else []) + pipe + routers + then
+    proxies = ([NGINX_TARGET] if nginx else []) + references + routers + then
     targets = 1 + len(proxies)
     total = sum((targets + 2 * (c > 1)) * rounds for c, rounds, _ in levels)
-    total += (targets - len(pipe) - len(then)) * sustained[1] + 4 * tls_rounds
+    total += (targets - len(references) - len(then)) * sustained[1] + 4 * tls_rounds
     total += len(MID_STREAM_TARGETS) * mid[1]
     whole_targets = [
         *([NGINX_TARGET] if nginx else []), "router/auto", ROUTER_AA_TARGET,
@@ -588,13 +597,12 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             )
             for name in ROUTER_SERVERS
         }
-        if pipe:
-            upstream = urlsplit(sim.url)
-            children = {
-                PIPE_TARGET: stack.enter_context(
-                    _server(_PIPE, upstream.hostname or "127.0.0.1", str(upstream.port))
-                )
-            } | children
+        upstream = urlsplit(sim.url)
+        at = (upstream.hostname or "127.0.0.1", str(upstream.port))
+        children = {
+            PIPE_TARGET: stack.enter_context(_server(_PIPE, *at)),
+            BARE_TARGET: stack.enter_context(_server(BARE_RELAY, *at)),
+        } | children
         if nginx:
             children = {NGINX_TARGET: stack.enter_context(_nginx(nginx, sim.url))} | children
         aa_config = json.dumps(_router_config(sim.url, "auto"))
@@ -659,7 +667,7 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             )
         )
         summary |= _whole_costs(answers, whole[0])
-        relays = {name: url for name, url in urls.items() if name not in (*pipe, *then)}
+        relays = {name: url for name, url in urls.items() if name not in (*references, *then)}
         phases = _sustained(relays, pids, sustained, max_tokens, bar)
         _summarise_sustained(summary, phases)
         if tls_rounds:
@@ -677,7 +685,9 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             f"({PROFILE} profile, ~10 ms a token, own process, max_num_seqs {seqs}), direct, "
             f"through nginx (proxy_buffering off, 2 workers) when installed, through "
             f"{PIPE_TARGET} (bytes piped in Python on uvloop, no HTTP: the floor of "
-            f"any Python relay's CPU per chunk) and through the router (one process per ASGI "
+            f"any Python relay's CPU per chunk), through {BARE_TARGET} (an ASGI relay on "
+            "uvicorn with no feature: no key, limit, placement, store, metrics, log or "
+            "heartbeat; levels only) and through the router (one process per ASGI "
             f"server: {', '.join(ROUTER_SERVERS)}) on loopback, in "
             f"alternating phases with the same workload; closed-loop workers ({levels_text}), "
             "plain HTTP/1.1 with kept-alive connections; then each target alone for "
@@ -692,7 +702,10 @@ def run(quick: bool, baseline: str | None = None) -> dict[str, Any]:
             "cC_TARGET_cpu_us_per_chunk = the target's CPU time (all its "
             "processes) per relayed chunk; cC_TARGET_cpu_vs_pipe = that over "
             f"{PIPE_TARGET}'s in the same phases (the router's target: at most "
-            f"{CPU_VS_PIPE_LIMIT:g}); cC_cpu_vs_pipe_target = that target at level C, from "
+            f"{CPU_VS_PIPE_LIMIT:g}); cC_auto_cpu_vs_bare_relay / cC_auto_aa_cpu_vs_bare_relay "
+            f"= the default router's CPU per chunk over {BARE_TARGET}'s in the same phases "
+            "(what its features cost beside the server's own); "
+            "cC_cpu_vs_pipe_target = that target at level C, from "
             "auto's and auto-aa's ratios: met when both are within it, NOT MET when both are "
             "past it, inconclusive when it lies between them; cpu_vs_pipe_target = over the "
             "levels (NOT MET if any is, met if all are); "
@@ -821,20 +834,28 @@ def _versus_baseline(summary: dict[str, Any], levels: list[int]) -> None:
 
 def _versus_pipe(summary: dict[str, Any], levels: list[int]) -> None:
     """``cC_TARGET_cpu_vs_pipe``: each target's CPU per chunk over :data:`PIPE_TARGET`'s in the
-    same phases (the target for the router is at most :data:`CPU_VS_PIPE_LIMIT`); where the
+    same phases (the target for the router is at most :data:`CPU_VS_PIPE_LIMIT`);
+    ``cC_auto_cpu_vs_bare_relay`` (and auto-aa's): the default router's over
+    :data:`BARE_TARGET`'s; where the
     A/A router ran, ``cC_cpu_vs_pipe_target``: that target judged by
     :func:`_cpu_verdict`, and ``cpu_vs_pipe_target`` over the levels."""
     pipe_key = PIPE_TARGET.replace("-", "_")
+    bare_key = BARE_TARGET.replace("-", "_")
     aa = ROUTER_AA_TARGET.removeprefix("router/").replace("-", "_")
     verdicts = []
     for concurrency in levels:
         pipe = summary.get(f"c{concurrency}_{pipe_key}_cpu_us_per_chunk")
         if not pipe:
             continue
-        for name in (*ROUTER_SERVERS, aa, NGINX_TARGET):
+        for name in (*ROUTER_SERVERS, aa, NGINX_TARGET, bare_key):
             mine = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
             if mine is not None:
                 summary[f"c{concurrency}_{name}_cpu_vs_pipe"] = mine / pipe
+        bare = summary.get(f"c{concurrency}_{bare_key}_cpu_us_per_chunk")
+        for name in ("auto", aa):
+            mine = summary.get(f"c{concurrency}_{name}_cpu_us_per_chunk")
+            if bare and mine is not None:
+                summary[f"c{concurrency}_{name}_cpu_vs_{bare_key}"] = mine / bare
         default = summary.get(f"c{concurrency}_auto_cpu_vs_pipe")
         again = summary.get(f"c{concurrency}_{aa}_cpu_vs_pipe")
         if default is not None and again is not None:

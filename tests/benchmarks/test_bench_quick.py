@@ -92,6 +92,8 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
     assert {"direct c=1", "router/hypercorn c=1", "direct c=100", "direct-aa c=100"} <= labels
     assert {"router/uvicorn c=100", "router/granian c=100", "router/auto-aa c=100"} <= labels
     assert "router/auto-aa c=1" not in labels  # the A/A controls from 100 streams up
+    # the featureless ASGI relay beside them, at every level (its failures: checked below)
+    assert {"bare-relay c=1", "bare-relay c=100"} <= labels
     if nginx_installed():
         assert "nginx c=100" in labels
         # the targets are relative to nginx in the same run: the differences are reported
@@ -124,6 +126,11 @@ def test_router_overhead_measures_both_paths(quick_runs: QuickRuns) -> None:
             assert ratio == summary[f"c100_{name}_cpu_us_per_chunk"] / summary[
                 "c100_python_pipe_cpu_us_per_chunk"
             ]
+        bare = summary["c100_bare_relay_cpu_us_per_chunk"]
+        for name in ("auto", "auto_aa"):  # the router over the bare relay, same phases
+            assert summary.get(f"c100_{name}_cpu_vs_bare_relay") == (
+                summary[f"c100_{name}_cpu_us_per_chunk"] / bare if bare else None
+            )
         # and the target judged from the two readings (its value is the full run's to show)
         assert summary["c100_cpu_vs_pipe_target"] in ("met", "NOT MET", "inconclusive")
         assert summary["cpu_vs_pipe_target"] == summary["c100_cpu_vs_pipe_target"]
