@@ -178,7 +178,8 @@ class ProtocolApp:
                         task.cancel()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        headers: dict[str, str] = {
+            k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
         path: str = scope["path"]
         self.requests.append((scope.get("method", "WS"), path))
         client = scope.get("client")
@@ -195,7 +196,8 @@ class ProtocolApp:
                                               "param": None, "code": "invalid_api_key"}})
             return
         method = scope["method"]
-        query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
+        query: dict[str, str] = dict(
+            p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
         if path == "/healthz" and self.health_draining:
             self.health_draining -= 1
             await send({"type": "http.response.start", "status": 503,
