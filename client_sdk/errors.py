@@ -10,6 +10,9 @@ lists every situation with its exception and message.
 
 from __future__ import annotations
 
+import datetime
+import re
+import time
 from typing import Any
 
 import msgspec
@@ -175,18 +178,63 @@ def _parse_body(body: bytes | str | dict[str, Any] | None) -> _ErrorDetail | Non
         return None
 
 
-def retry_after_s(value: str | float | None) -> float | None:
-    """A ``Retry-After`` header's seconds (None: absent, or not a number of seconds); a
-    number is already seconds (a WebSocket ``error`` message's ``retry_after``)."""
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_TIME = r"([01]\d|2[0-3]):([0-5]\d):([0-5]\d)"
+_MONTH = "(" + "|".join(_MONTHS) + ")"
+# RFC 9110 section 5.6.7: IMF-fixdate, and the two obsolete forms a recipient must accept.
+_IMF_FIXDATE = re.compile(rf"(?:{'|'.join(_DAYS)}), (\d\d) {_MONTH} (\d{{4}}) {_TIME} GMT")
+_RFC850_DATE = re.compile(
+    rf"(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday), (\d\d)-{_MONTH}-(\d\d)"
+    rf" {_TIME} GMT")
+_ASCTIME_DATE = re.compile(rf"(?:{'|'.join(_DAYS)}) {_MONTH} ([ \d]\d) {_TIME} (\d{{4}})")
+_DELAY_SECONDS = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _http_date(value: str, now: float) -> float | None:
+    """An HTTP-date (RFC 9110 section 5.6.7) as POSIX seconds, or None if ``value`` is not one.
+
+    ``now`` (POSIX seconds) places an obsolete two-digit year: more than 50 years ahead of it
+    is the century before, as the RFC says. The browser client's ``retryAfterS`` (stream.js) reads
+    the same forms; tests/client_sdk/stream_rules.py holds both to one table.
+    """
+    value = value.strip()
+    if m := _IMF_FIXDATE.fullmatch(value):
+        day, month, year, hh, mm, ss = m.groups()
+    elif m := _RFC850_DATE.fullmatch(value):
+        day, month, yy, hh, mm, ss = m.groups()
+        this_year = time.gmtime(now).tm_year
+        year = str(this_year - this_year % 100 + int(yy))
+        if int(year) > this_year + 50:
+            year = str(int(year) - 100)
+    elif m := _ASCTIME_DATE.fullmatch(value):
+        month, day, hh, mm, ss, year = m.groups()
+    else:
+        return None
+    try:
+        when = datetime.datetime(int(year), _MONTHS.index(month) + 1, int(day), int(hh),
+                                 int(mm), int(ss), tzinfo=datetime.UTC)
+    except ValueError:
+        return None  # no such day (30 Feb)
+    return when.timestamp()
+
+
+def retry_after_s(value: str | float | None, now: float | None = None) -> float | None:
+    """A ``Retry-After``'s wait in seconds, never negative; None when absent or garbage (the
+    caller's own backoff then). The header is delay-seconds or an HTTP-date (RFC 9110 section
+    10.2.3): the router sends seconds, a balancer or an upstream's 503 may send a date, which
+    is read as seconds from ``now`` (POSIX seconds; default: this machine's clock). A number
+    is already seconds (a WebSocket ``error`` message's ``retry_after``)."""
     if value is None:
         return None
     if isinstance(value, int | float):
         return max(float(value), 0.0)
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None  # an HTTP-date; the router always sends seconds
-    return max(seconds, 0.0)
+    value = value.strip()
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(value)
+    now = time.time() if now is None else now
+    when = _http_date(value, now)
+    return None if when is None else max(when - now, 0.0)
 
 
 def api_error_from_response(

@@ -30,8 +30,8 @@ import { declareEncoding, encodeBody } from "./compress.js";
 import { SSEDecoder, SSEProtocolError, seqOf } from "./sse.js";
 import { EventAssembler, STREAMED } from "./formats.js";
 import {
-  APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, SequenceGapError,
-  StreamAssembler, StreamBrokenError,
+  APIError, PollCursor, ResumePolicy, RETRY_STATUSES, RetryBudget, retryAfterS,
+  SequenceGapError, StreamAssembler, StreamBrokenError,
 } from "./stream.js";
 import { TimingRecorder } from "./timings.js";
 import { TimingsReporter } from "./report.js";
@@ -115,8 +115,7 @@ async function errorFrom(response) {
     error = (await response.json()).error;
   } catch { /* not JSON */ }
   const err = new APIError(response.status, error);
-  const retryAfter = Number.parseFloat(response.headers.get("retry-after") ?? "");
-  err.retryAfter = Number.isFinite(retryAfter) ? retryAfter : null;
+  err.retryAfter = retryAfterS(response.headers.get("retry-after"));
   return err;
 }
 

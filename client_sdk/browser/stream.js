@@ -125,6 +125,56 @@ export class RetryBudget {
   }
 }
 
+const DAYS = "Mon|Tue|Wed|Thu|Fri|Sat|Sun";
+const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+const MONTH = `(${MONTHS.join("|")})`;
+const TIME = "([01]\\d|2[0-3]):([0-5]\\d):([0-5]\\d)";
+// RFC 9110 section 5.6.7: IMF-fixdate, and the two obsolete forms a recipient must accept.
+const IMF_FIXDATE = new RegExp(`^(?:${DAYS}), (\\d\\d) ${MONTH} (\\d{4}) ${TIME} GMT$`);
+const RFC850_DATE = new RegExp("^(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday),"
+  + ` (\\d\\d)-${MONTH}-(\\d\\d) ${TIME} GMT$`);
+const ASCTIME_DATE = new RegExp(`^(?:${DAYS}) ${MONTH} ([ \\d]\\d) ${TIME} (\\d{4})$`);
+const DELAY_SECONDS = /^\d+(?:\.\d+)?$/;
+
+/** An HTTP-date as epoch seconds, or null if `value` is not one (client_sdk/errors.py's
+ * `_http_date`); `nowS` places an obsolete two-digit year (over 50 years ahead: the century
+ * before). Not Date.parse: it takes far more than HTTP-dates ("2" is a year) and reads
+ * asctime's zone-less form in local time. */
+function httpDate(value, nowS) {
+  let m, day, month, year, hh, mm, ss;
+  if ((m = IMF_FIXDATE.exec(value))) {
+    [, day, month, year, hh, mm, ss] = m;
+  } else if ((m = RFC850_DATE.exec(value))) {
+    [, day, month, year, hh, mm, ss] = m;
+    const thisYear = new Date(nowS * 1000).getUTCFullYear();
+    year = thisYear - (thisYear % 100) + Number(year);
+    if (year > thisYear + 50) year -= 100;
+  } else if ((m = ASCTIME_DATE.exec(value))) {
+    [, month, day, hh, mm, ss, year] = m;
+  } else {
+    return null;
+  }
+  const when = new Date(Date.UTC(Number(year), MONTHS.indexOf(month), Number(day),
+                                 Number(hh), Number(mm), Number(ss)));
+  // Date.UTC rolls 30 Feb over into March: no such day is no date.
+  if (when.getUTCDate() !== Number(day)) return null;
+  return when.getTime() / 1000;
+}
+
+/**
+ * A Retry-After header's wait in seconds, never negative; null when absent or garbage (the
+ * caller's backoff then), as client_sdk/errors.py's `retry_after_s`. Delay-seconds or an
+ * HTTP-date (RFC 9110 section 10.2.3): the router sends seconds, a balancer or an upstream's
+ * 503 may send a date, read as seconds from `nowS` (epoch seconds; default: this clock).
+ */
+export function retryAfterS(value, nowS = Date.now() / 1000) {
+  if (value === null || value === undefined) return null;
+  const text = String(value).trim();
+  if (DELAY_SECONDS.test(text)) return Number(text);
+  const when = httpDate(text, nowS);
+  return when === null ? null : Math.max(when - nowS, 0);
+}
+
 /** The long-poll cursor: which poll next, what a batch means, when to back off. */
 export class PollCursor {
   constructor(streamId, { after = 0, waitS = 10, maxFailures = 5, backoffS = 0.05,

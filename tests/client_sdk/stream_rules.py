@@ -1,6 +1,7 @@
 """The SDK's stream rules as one table of cases, run against the Python SDK's sans-IO cores
-(``_core/stream.py``, ``_core/longpoll.py``, ``_core/resume.py``) and, in Chromium, against the
-browser client's ``stream.js``: both must give exactly the expected outputs.
+(``_core/stream.py``, ``_core/longpoll.py``, ``_core/resume.py``, ``errors.retry_after_s``)
+and, in Chromium, against the browser client's ``stream.js``: both must give exactly the
+expected outputs.
 
 Every case is plain JSON: the inputs, and per input the expected output (a delta, a delay, the
 events a poll batch yields, the counts after a stall the server holds) or the error that ends
@@ -17,7 +18,12 @@ import msgspec
 from firstbyte.client_sdk._core.longpoll import PollCursor
 from firstbyte.client_sdk._core.resume import ResumePolicy
 from firstbyte.client_sdk._core.stream import SequenceGapError, StreamAssembler
-from firstbyte.client_sdk.errors import APIError, StreamBrokenError, StreamStalledError
+from firstbyte.client_sdk.errors import (
+    APIError,
+    StreamBrokenError,
+    StreamStalledError,
+    retry_after_s,
+)
 from firstbyte.protocol.poll import PollBatch, PollEvent
 
 
@@ -154,7 +160,41 @@ RESUME: list[dict[str, Any]] = [
              "error": "stalled", "message": HELD_OUT.format(idle="2", seq=4)}}]},
 ]
 
-CASES = {"assembler": ASSEMBLER, "poll": POLL, "resume": RESUME}
+# Retry-After (RFC 9110 section 10.2.3): delay-seconds, or an HTTP-date in any of the three forms
+# of section 5.6.7 read as seconds from ``now`` (784111777: Sun, 06 Nov 1994 08:49:37 GMT),
+# never negative; anything else is None (the client's own backoff).
+NOW = 784111777.0
+RETRY_AFTER: list[dict[str, Any]] = [
+    {"name": "delay-seconds", "value": "2", "now": NOW, "expect": 2},
+    {"name": "delay-seconds, surrounding spaces", "value": " 3 ", "now": NOW, "expect": 3},
+    {"name": "a fraction of a second", "value": "1.5", "now": NOW, "expect": 1.5},
+    {"name": "IMF-fixdate 30 s ahead", "value": "Sun, 06 Nov 1994 08:50:07 GMT", "now": NOW,
+     "expect": 30},
+    {"name": "RFC 850 date 30 s ahead", "value": "Sunday, 06-Nov-94 08:50:07 GMT", "now": NOW,
+     "expect": 30},
+    {"name": "asctime date 30 s ahead", "value": "Sun Nov  6 08:50:07 1994", "now": NOW,
+     "expect": 30},
+    {"name": "RFC 850 year over 50 ahead is the century before", "now": 1796083200.0,
+     "value": "Monday, 01-Dec-98 00:00:30 GMT", "expect": 0},  # now: 1 Dec 2026
+    {"name": "RFC 850 year within 50 ahead is this century", "now": 1796083200.0,
+     "value": "Tuesday, 01-Dec-26 00:00:30 GMT", "expect": 30},
+    {"name": "a date passed is no wait", "value": "Sun, 06 Nov 1994 08:49:07 GMT", "now": NOW,
+     "expect": 0},
+    {"name": "a negative number is garbage", "value": "-1", "now": NOW, "expect": None},
+    {"name": "an exponent is garbage", "value": "1e3", "now": NOW, "expect": None},
+    {"name": "a number with trailing garbage", "value": "2abc", "now": NOW, "expect": None},
+    {"name": "a word", "value": "soon", "now": NOW, "expect": None},
+    {"name": "empty", "value": "", "now": NOW, "expect": None},
+    {"name": "absent", "value": None, "now": NOW, "expect": None},
+    {"name": "a bare number is seconds, never a year", "value": "2030", "now": NOW,
+     "expect": 2030},
+    {"name": "a date with a numeric zone is not an HTTP-date",
+     "value": "Sun, 06 Nov 1994 08:50:07 +0000", "now": NOW, "expect": None},
+    {"name": "no such day", "value": "Wed, 30 Feb 1994 08:50:07 GMT", "now": NOW,
+     "expect": None},
+]
+
+CASES = {"assembler": ASSEMBLER, "poll": POLL, "resume": RESUME, "retry_after": RETRY_AFTER}
 
 
 # -- the Python side ----------------------------------------------------------------------------
@@ -228,7 +268,13 @@ def run_resume(case: dict[str, Any]) -> list[Any]:
     return out
 
 
+def run_retry_after(case: dict[str, Any]) -> float | None:
+    return retry_after_s(case["value"], now=case["now"])
+
+
 def expected(kind: str, case: dict[str, Any]) -> Any:
+    if kind == "retry_after":
+        return case["expect"]
     if kind == "assembler":
         return {"outputs": case["expect"], "done": case["done"], "last_seq": case["last_seq"],
                 "usage_tokens": case.get("usage_tokens")}
@@ -267,5 +313,6 @@ JS_RUNNER = """((cases) => {
       if (s.held) { p.held({lastSeq: s.last_seq}); return {stalls: p.stalls, resumes: p.resumes}; }
       const r = p.broken("cut", {opened: s.opened, stalled: s.stalled});
       return {delay_s: r.delayS, resend: r.resend}; }); });
-  return {assembler, poll, resume};
+  const retry_after = cases.retry_after.map((c) => R.retryAfterS(c.value, c.now));
+  return {assembler, poll, resume, retry_after};
 })"""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import time
 from collections.abc import AsyncIterator
 
@@ -79,9 +80,9 @@ class RefusingFront:
     with ``Retry-After`` (and the CORS headers a front serving that page must add, or the page
     could not read it); keeps its connections open and notes when each request came."""
 
-    def __init__(self, page_origin: str, retry_after_s: int) -> None:
+    def __init__(self, page_origin: str, retry_after: int | str) -> None:
         self.page_origin = page_origin
-        self.retry_after_s = retry_after_s
+        self.retry_after = str(retry_after)
         self.arrivals: list[tuple[str, str, float]] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,17 +95,18 @@ class RefusingFront:
                 self.arrivals.append((method, target.split("?")[0], time.monotonic()))
                 writer.write(
                     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                    b"retry-after: %d\r\naccess-control-allow-origin: %s\r\n"
+                    b"retry-after: %s\r\naccess-control-allow-origin: %s\r\n"
                     b"access-control-expose-headers: retry-after\r\ncontent-length: %d\r\n\r\n"
-                    % (self.retry_after_s, self.page_origin.encode(), len(body)) + body)
+                    % (self.retry_after.encode(), self.page_origin.encode(), len(body))
+                    + body)
                 await writer.drain()
         writer.close()
 
 
 @contextlib.asynccontextmanager
-async def refusing_front(page_origin: str, retry_after_s: int
+async def refusing_front(page_origin: str, retry_after: int | str
                          ) -> AsyncIterator[tuple[RefusingFront, str]]:
-    front = RefusingFront(page_origin, retry_after_s)
+    front = RefusingFront(page_origin, retry_after)
     server = await asyncio.start_server(front.handle, "127.0.0.1", 0)
     async with server:
         yield front, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -207,3 +209,19 @@ async def until_warms(router_url: str, n: int) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"fewer than {n} warms reached the router")
+
+
+async def test_a_fronts_retry_after_as_an_http_date_is_read_as_seconds_from_now() -> None:
+    """A balancer's or an upstream's ``503`` may say ``Retry-After`` as an HTTP-date (RFC 9110
+    section 10.2.3), not seconds: the page's APIError has the seconds until it (``parseFloat``
+    read the date as no figure at all, so the client fell back to its own backoff); the keep-
+    warm and the retry budget wait it out as they would a number. An hour ahead, so no load on
+    this machine moves it across a bound."""
+    hour_ahead = email.utils.formatdate(time.time() + 3600, usegmt=True)
+    async with world() as w, refusing_front(w.page_origin, hour_ahead) as (_, url):
+        token = await w.mint()
+        async with browser_on(w) as page:
+            got = await page.evaluate(DRAINING_PREWARM % {
+                "base": repr(f"{url}/v1"), "token": repr(token)})
+    assert (got["name"], got["status"], got["code"]) == ("APIError", 503, "overloaded"), got
+    assert 3000 < got["retryAfter"] <= 3600, got

@@ -24,7 +24,12 @@ def test_status_selects_the_class_and_body_fills_the_fields() -> None:
     assert other.message == "<html>teapot</html>"
 
 
-def test_retry_after_as_date_is_not_guessed() -> None:
+def test_retry_after_as_a_date_is_seconds_until_it_and_garbage_is_none() -> None:
+    """RFC 9110 allows an HTTP-date; a past one is no wait (tests/client_sdk/stream_rules.py
+    has the parser's table, here the error built from an answer's header)."""
     err = api_error_from_response(429, b"{}", retry_after="Wed, 21 Oct 2015 07:28:00 GMT")
     assert isinstance(err, RateLimitError)
+    assert err.retry_after == 0.0
+    err = api_error_from_response(503, b"{}", retry_after="in a while")
+    assert isinstance(err, ServiceUnavailableError)
     assert err.retry_after is None

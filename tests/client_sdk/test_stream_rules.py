@@ -16,9 +16,11 @@ from tests.client_sdk.stream_rules import (
     run_assembler,
     run_poll,
     run_resume,
+    run_retry_after,
 )
 
-RUNNERS = {"assembler": run_assembler, "poll": run_poll, "resume": run_resume}
+RUNNERS = {"assembler": run_assembler, "poll": run_poll, "resume": run_resume,
+           "retry_after": run_retry_after}
 ALL = [(kind, case) for kind, cases in CASES.items() for case in cases]
 
 
