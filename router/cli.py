@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-http3", action="store_true", help="do not serve HTTP/3")
     parser.add_argument(
+        "--http3-advertised-port",
+        type=int,
+        metavar="PORT",
+        help="the port alt-svc names for HTTP/3, when clients reach the router on another"
+        " (-p 443:8443, a balancer on 443; listen.http3_advertised_port; default: --port)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         metavar="N",
@@ -184,7 +191,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.config and args.upstream:
         raise CLIError("give either --config FILE or --upstream URL, not both")
     listen: dict[str, Any] = {}
-    for flag in ("host", "port", "certfile", "keyfile", "server", "workers", "pid_file"):
+    for flag in ("host", "port", "certfile", "keyfile", "server", "workers", "pid_file",
+                 "http3_advertised_port"):
         value = getattr(args, flag)
         if value is not None:
             # A path typed on the command line is relative to the working directory.
@@ -247,6 +255,7 @@ _FLAG_TEXTS = (
     ("allow_anonymous", "auth.allow_anonymous", "--allow-anonymous"),
     ("server", "listen.server = 'auto' or 'hypercorn'", "--server auto or hypercorn"),
     ("server", "listen.server", "--server"),
+    ("http3_advertised_port", "listen.http3_advertised_port", "--http3-advertised-port"),
     ("no_http3", "listen.http3", "HTTP/3 (on unless --no-http3)"),
     ("host", "listen.host", "--host"),
     ("port", "listen.port", "--port"),

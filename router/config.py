@@ -78,6 +78,11 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     certfile: str | None = None
     keyfile: str | None = None
     http3: bool = True
+    http3_advertised_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    """The UDP port ``alt-svc`` names for HTTP/3 (``h3=":PORT"``); default: ``port``, the one
+    bound. For clients that reach the router on another port number (a container published
+    with ``-p 443:8443``, a balancer on 443): they try HTTP/3 on the advertised port of the
+    address they connected to, so the router's own would be a port nobody answers there."""
     insecure_plain_http: bool = False
     server: Annotated[str, msgspec.Meta(pattern=r"^(auto|hypercorn|uvicorn)$")] = "auto"
     """``auto``: HTTP/2 and HTTP/3 on hypercorn, HTTP/1.1 on uvicorn's httptools protocol, one
@@ -484,6 +489,14 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _check_proxy_protocol(listen)
         _check_upstreams(self.upstreams)
         _check_url_ports(self)
+        if listen.http3_advertised_port is not None and (
+            listen.certfile is None or not listen.http3
+        ):
+            # Set for nothing: the operator expects an alt-svc that is never sent.
+            raise ValueError(
+                "listen.http3_advertised_port: no HTTP/3 to advertise: it needs"
+                " listen.certfile/listen.keyfile and listen.http3"
+            )
         if listen.server == "uvicorn" and listen.http3 and listen.certfile is not None:
             # uvicorn has no HTTP/3: the flag would silently do nothing.
             raise ValueError("listen.http3 needs listen.server = 'auto' or 'hypercorn'")

@@ -105,6 +105,7 @@ def _options(config: RouterConfig, tune_gc: bool, app: RouterApp) -> ServerOptio
         refusal_cors=lambda origin, host: app.state.cors.refusal_headers(origin, host),
         tune_gc=tune_gc,
         backlog=listen.backlog,
+        http3_advertised_port=listen.http3_advertised_port,
         proxy_protocol=(
             ProxyProtocol(listen.proxy_protocol_from) if listen.proxy_protocol else None
         ),
@@ -187,6 +188,8 @@ def describe(config: RouterConfig, endpoints: RouterEndpoints) -> str:
     text = f"{endpoints.base_url} ({', '.join(versions)}{'' if tls else '; plain HTTP, no TLS'})"
     if endpoints.h3_port is not None:
         text += f" and HTTP/3 on UDP {endpoints.h3_port}"
+        if listen.http3_advertised_port not in (None, endpoints.h3_port):
+            text += f" (advertised as {listen.http3_advertised_port})"
     return text
 
 

@@ -119,6 +119,9 @@ class ServerOptions:
     the balancers it lists, and serve the connection as the client's it names
     (:mod:`.proxy_protocol`); None: no connection may send one (today's behaviour, but a
     header is served as the bytes it is)."""
+    http3_advertised_port: int | None = None
+    """The port ``alt-svc`` names for HTTP/3; None: the bound UDP port (behind a port mapping
+    or a balancer, clients reach another)."""
     tune_gc: bool = False
     """Tune the cyclic GC for latency once listening
     (:func:`firstbyte.router.hosting.gc_tuning.tune_for_serving`): process-wide, so only for
@@ -480,7 +483,8 @@ async def _serve_hypercorn(
         from .quic import Http3Status, TicketStore
 
         config.firstbyte_ticket_store = tickets if tickets is not None else TicketStore()
-        config.alt_svc_headers = [f'h3=":{listeners.h3_port}"; ma=86400']
+        port = options.http3_advertised_port or listeners.h3_port
+        config.alt_svc_headers = [f'h3=":{port}"; ma=86400']
         http3 = http3 if http3 is not None else Http3Status()
         config.firstbyte_http3 = http3
     handoff = None

@@ -29,6 +29,19 @@ resume_grace_s = 10
         (GOOD + "bogus = 1\n", "streams.bogus: unknown key"),
         (GOOD.replace("port = 9000", "port = 70000"), "listen.port: Expected `int` <= 65535"),
         (
+            GOOD.replace("port = 9000", "port = 9000\nhttp3_advertised_port = 70000"),
+            "listen.http3_advertised_port: Expected `int` <= 65535",
+        ),
+        (
+            GOOD.replace("port = 9000", "port = 9000\nhttp3_advertised_port = 0"),
+            "listen.http3_advertised_port: Expected `int` >= 1",
+        ),
+        (
+            GOOD.replace("port = 9000", "port = 9000\nhttp3_advertised_port = 443"),
+            "listen.http3_advertised_port: no HTTP/3 to advertise: it needs"
+            " listen.certfile/listen.keyfile and listen.http3",
+        ),
+        (
             GOOD.replace("resume_grace_s = 10", 'resume_grace_s = "x"'),
             "streams.resume_grace_s: Expected `float`",
         ),

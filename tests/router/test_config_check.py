@@ -181,6 +181,10 @@ def test_flags_are_named_as_flags(certs: Path) -> None:
     )
     result = firstbyte("router", *flags, "--insecure-plain-http", "--port", "70000")
     assert "command line: --port: Expected `int` <= 65535" in result.stderr
+    result = firstbyte("router", *flags, "--insecure-plain-http", "--http3-advertised-port", "443")
+    assert result.stderr.splitlines()[-1] == (
+        "firstbyte router: error: command line: --http3-advertised-port: no HTTP/3 to advertise:"
+        " it needs --certfile/--keyfile and HTTP/3 (on unless --no-http3)")
     # With --config: the overriding flag is named; a key from the file stays a key.
     config = write(certs, 'certfile = "cert.pem"\nkeyfile = "key.pem"\n')
     result = firstbyte("router", "--config", str(config), "--port", "70000")

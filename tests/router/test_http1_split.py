@@ -19,8 +19,8 @@ import pytest
 from firstbyte.router.hosting import ServerOptions, uvicorn_config
 from firstbyte.router.hosting.http1_split import H2_PREFACE, Http1Handoff
 from firstbyte.router.hosting.limits import ConnectionCounter
-from firstbyte.router.serve import RouterEndpoints
-from tests.router.conftest import RouterFactory, auth, client_tls
+from firstbyte.router.serve import RouterEndpoints, describe
+from tests.router.conftest import RouterFactory, auth, client_tls, router_config
 from tests.router.upstream import Upstream
 
 CHAT = "/v1/chat/completions"
@@ -61,6 +61,28 @@ async def test_tls_alpn_chooses_the_server_both_stream(
         assert headers["alt-svc"] == f'h3=":{router.h3_port}"; ma=86400'
         assert abs(parsedate_to_datetime(headers["date"]).timestamp() - time.time()) < 5
         assert "server" not in headers
+
+
+@pytest.mark.parametrize("server", ["auto", "hypercorn"])
+async def test_alt_svc_advertises_the_published_port_when_it_differs(
+    start_router: RouterFactory, upstream: Upstream, tls_files: dict[str, str], server: str
+) -> None:
+    """Behind ``-p 443:8443`` or a balancer the clients' port is not the router's:
+    ``listen.http3_advertised_port`` is what ``alt-svc`` names, on HTTP/1.1 (uvicorn's
+    protocol under ``auto``, hypercorn's under ``hypercorn``) and HTTP/2 alike."""
+    verify = client_tls(tls_files)
+    async with start_router([upstream.url], listen={"server": server,
+                                                    "http3_advertised_port": 443}) as router:
+        assert router.h3_port not in (None, 443)
+        async with httpx.AsyncClient(verify=verify, http2=True) as h2, httpx.AsyncClient(
+                verify=verify) as h1:
+            answers = [await h2.get(router.base_url + "/healthz"),
+                       await h1.get(router.base_url + "/healthz")]
+    assert [a.http_version for a in answers] == ["HTTP/2", "HTTP/1.1"]
+    assert [a.headers.get("alt-svc") for a in answers] == ['h3=":443"; ma=86400'] * 2
+    config = router_config([upstream.url], tls_files, listen={"http3_advertised_port": 443})
+    assert describe(config, router).endswith(
+        f" and HTTP/3 on UDP {router.h3_port} (advertised as 443)")
 
 
 async def test_plain_port_serves_http1_and_h2c_prior_knowledge(
