@@ -192,7 +192,8 @@ class RouterApp:
         if websocket:
             # The POST's answer, Retry-After included: a close before the accept reached the
             # client as a bare 403, which it does not retry. 1013 where the server cannot.
-            await refuse_upgrade(scope, send, refusal, 1013, "overloaded")
+            await refuse_upgrade(scope, send, refusal, 1013, "overloaded",
+                                 draining=self.state.draining)
             return
         await endpoints.reply(send, None, refusal)
 

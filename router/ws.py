@@ -286,13 +286,20 @@ class _Session:
 
 async def refuse_upgrade(
     scope: Scope, send: Send, refusal: LocalReply, close_code: int = CLOSE_POLICY,
-    reason: str = "unauthorized",
+    reason: str = "unauthorized", *, draining: bool,
 ) -> None:
     """Refuse the upgrade with ``refusal``, the HTTP answer (status, body, headers such as
-    ``Retry-After``) a POST gets, if the server can; else close with ``close_code``."""
+    ``Retry-After``) a POST gets, if the server can; else close with ``close_code``. While
+    ``draining``, an HTTP/1.x answer says ``Connection: close``, as every other does."""
     if "websocket.http.response" in scope.get("extensions", {}):
         headers = [(b"content-type", b"application/json")]
         headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in refusal.headers]
+        if draining and scope.get("http_version") in ("1.1", "1.0"):
+            # RouterApp.__call__ adds it to HTTP answers (the client's next request then
+            # goes on a new connection, to a process not draining); a refused upgrade is an
+            # HTTP answer too. uvicorn's WebSocket protocol sent it anyway, hypercorn's not.
+            # Over HTTP/2 (RFC 8441) the header is forbidden: GOAWAY does it.
+            headers.append((b"connection", b"close"))
         await send(
             {
                 "type": "websocket.http.response.start",
@@ -339,7 +346,7 @@ async def websocket_session(state: RouterState, scope: Scope, receive: Receive, 
     outcome = authenticate(ctx, state.api_keys, state.tokens)
     if isinstance(outcome, LocalReply):
         state.metrics.count("ws", outcome.outcome)
-        await refuse_upgrade(scope, send, outcome)
+        await refuse_upgrade(scope, send, outcome, draining=state.draining)
         return
     accept: dict[str, object] = {
         "type": "websocket.accept",

@@ -1,11 +1,12 @@
 """A draining router sends HTTP/1.1 clients away: on a kept-alive connection, every answer it
-gives once the drain began (the 503 ``draining`` refusal, ``/healthz``'s 503) says
-``connection: close`` and the server closes the socket after it, under each in-process server
-(``auto``: uvicorn's HTTP/1.1, ``hypercorn``: h11, ``uvicorn``). A balancer that pins a client
-connection to a process then opens the client's next request on a new connection, which it
-sends to a healthy process. HTTP/2 has GOAWAY for that (tests/router/operate/test_drain.py):
-there the header is forbidden and the connection stays. ``/healthz``'s 503 has the request
-refusal's ``Retry-After``. Real servers on loopback, a raw socket read with h11."""
+gives once the drain began (the 503 ``draining`` refusal, ``/healthz``'s 503, a refused
+WebSocket upgrade) says ``connection: close`` and the server closes the socket after it, under
+each in-process server (``auto``: uvicorn's HTTP/1.1, ``hypercorn``: h11, ``uvicorn``). A
+balancer that pins a client connection to a process then opens the client's next request on
+a new connection, which it sends to a healthy process. HTTP/2 has GOAWAY for that
+(tests/router/operate/test_drain.py): there the header is forbidden and the connection stays.
+``/healthz``'s 503 has the request refusal's ``Retry-After``. Real servers on loopback, a raw
+socket read with h11."""
 
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ class KeptAlive:
         return cls(*await asyncio.open_connection("127.0.0.1", router.port))
 
     async def request(
-        self, method: str, path: str, body: bytes = b""
+        self, method: str, path: str, body: bytes = b"", key: str = API_KEY,
+        extra: tuple[tuple[str, str], ...] = (),
     ) -> tuple[int, dict[str, str], bytes]:
         """Send a request, read its whole answer: status, headers (lower-cased), body."""
         if self.h11.our_state is h11.DONE:
             self.h11.start_next_cycle()
         headers = [("host", "127.0.0.1"), ("content-length", str(len(body))),
-                   ("authorization", f"Bearer {API_KEY}"), ("content-type", "application/json")]
+                   ("authorization", f"Bearer {key}"), ("content-type", "application/json"),
+                   *extra]
         self.writer.write(self.h11.send(h11.Request(method=method, target=path, headers=headers))
                           + self.h11.send(h11.Data(data=body)) + self.h11.send(h11.EndOfMessage()))
         status, head, content = 0, {}, b""
@@ -98,6 +101,31 @@ async def test_a_draining_router_closes_kept_alive_http1_connections_after_its_a
             refusal.close()
             health.close()
     assert upstream.started == 0
+
+
+UPGRADE = (("upgrade", "websocket"), ("connection", "Upgrade"),
+           ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="), ("sec-websocket-version", "13"))
+
+
+@pytest.mark.parametrize("server", ["auto", "hypercorn", "uvicorn"])
+async def test_a_draining_routers_refused_websocket_upgrade_closes_its_http1_connection(
+    start_router: RouterFactory, upstream: Upstream, server: str
+) -> None:
+    """A WebSocket upgrade the router refuses with an HTTP answer (``websocket.http.response``:
+    a wrong key's 401 here, a short-of-memory 503) is an HTTP/1.1 answer like the others: while
+    draining it says ``connection: close`` too, and the connection closes after it."""
+    async with start_router([upstream.url], tls=False,
+                            listen={"server": server, "http3": False}) as router:
+        router.app.state.start_draining()
+        upgrade = await KeptAlive.open(router)
+        try:
+            status, head, content = await upgrade.request(
+                "GET", "/v1/ws", key="sk-not-a-key-0000", extra=UPGRADE)
+            assert (status, json.loads(content)["error"]["code"]) == (401, "invalid_api_key")
+            assert head.get("connection") == "close"
+            assert await upgrade.closed_by_server()
+        finally:
+            upgrade.close()
 
 
 @pytest.mark.parametrize("server", ["auto", "hypercorn"])
