@@ -613,8 +613,10 @@ class RequestLog:
             trace.sampled,  # sampled
             # The digests only of what is there (an anonymous request has no key), each
             # worked out once per key and subject (key_id's and subject_id's caches). The key
-            # is read from its field, not through the api_key descriptor: a call less.
-            key_id(api_key) if api_key else None,  # key_id
+            # is read from its field, not through the api_key descriptor: a call less. A
+            # client token's request has no key: its key's id came with the token's check.
+            key_id(api_key) if api_key  # key_id
+            else ctx.token_key_id if ctx._token_owner is not None else None,
             (self.usage_key(ctx.owner)  # usage_key
              if self.usage_key is not None and request is not None else None),
             subject_id(ctx.subject) if ctx.subject else None,  # subject_id

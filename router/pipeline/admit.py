@@ -17,6 +17,7 @@ from firstbyte.protocol.anthropic import API_KEY_HEADER
 from firstbyte.protocol.openai import RequestValidationError
 
 from ..client_tokens import TokenClaims, TokenRefusal, TokenSigner, is_client_token
+from ..observability.logs import key_id
 from ..streams import owner_of
 from ..tenancy import subject_of
 from .context import CONTINUE, Outcome, RequestContext, error_reply
@@ -60,10 +61,11 @@ def _owner_by_key(api_keys: tuple[bytes, ...]) -> dict[bytes, bytes]:
 
 
 @functools.lru_cache(maxsize=4)
-def _key_owners(api_keys: tuple[bytes, ...]) -> frozenset[bytes]:
-    """The owner digests of the configured keys (computed once per key set: a reload makes
-    a new one)."""
-    return frozenset(_owner_by_key(api_keys).values())
+def _key_id_by_owner(api_keys: tuple[bytes, ...]) -> dict[bytes, str | None]:
+    """Each configured key's ``key_id`` (the access line's digest), by its owner digest
+    (computed once per key set: a reload makes a new one). A token carries only its key's
+    owner: this is how its request is known to be one of a configured key's, and which."""
+    return {owner: key_id(key.decode()) for key, owner in _owner_by_key(api_keys).items()}
 
 
 _REVOKED = TokenRefusal(
@@ -78,18 +80,22 @@ def _by_token(
     claims = tokens.verify(token, time.time(), ctx.headers.get("origin"))
     # A token stands for its key only while the key is configured: checked against the
     # running config's keys, so removing a key (a reload) revokes its tokens at once, not at
-    # their expiry. An anonymous router has no keys to check against.
-    if (
-        isinstance(claims, TokenClaims)
-        and api_keys
-        and claims.owner not in _key_owners(tuple(api_keys))
-    ):
-        claims = _REVOKED
+    # their expiry. The same look-up names the key for the access line. An anonymous router
+    # has no keys to check against, nor the key behind a token to name (its line's key_id
+    # stays null).
+    token_key_id = None
+    if isinstance(claims, TokenClaims) and api_keys:
+        by_owner = _key_id_by_owner(tuple(api_keys))
+        if claims.owner in by_owner:
+            token_key_id = by_owner[claims.owner]
+        else:
+            claims = _REVOKED
     if isinstance(claims, TokenRefusal):
         return error_reply(
             401, claims.message, "authentication_error", code=claims.code, outcome="unauthorized"
         )
     ctx.token_owner = claims.owner  # first: the owner is then the token's, no digest taken
+    ctx.token_key_id = token_key_id
     ctx.api_key = None
     ctx.subject = claims.subject
     ctx.subject_max_streams = claims.max_streams

@@ -239,6 +239,11 @@ class RequestContext:
     (``api_key`` is then None: the router never sees the key behind a token)."""
     _api_key: str | None = field(default=None, init=False, repr=False)
     _token_owner: bytes | None = field(default=None, init=False, repr=False)
+    token_key_id: str | None = field(init=False, repr=False)
+    """The access line's ``key_id`` of a client token's key (None on a router without keys),
+    set with :attr:`token_owner` and only then: a slot with no default, so building the
+    context of a request without a token costs nothing more; read it only where
+    :attr:`by_client_token`."""
     owner: bytes = field(default=_ANONYMOUS, init=False, repr=False)
     """Whose request this is (:func:`~firstbyte.router.streams.owner_of` the key): the
     owner of its streams and the subject of the per-key limits, for a key or its token.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -16,8 +17,11 @@ from firstbyte.client_sdk.client_tokens import amint_client_token
 from firstbyte.client_sdk.errors import APIError, AuthenticationError
 from firstbyte.protocol import error_codes
 from firstbyte.router.client_tokens import TokenClaims, TokenRefusal, TokenSigner
+from firstbyte.router.observability.logs import key_id, subject_id
+from firstbyte.router.pipeline.admit import SUBJECT_HEADER
 from firstbyte.router.streams import owner_of
 from tests.router.conftest import API_KEY, OTHER_KEY, RouterFactory, auth
+from tests.router.logs import CHAT_PATH, access_records
 from tests.router.upstream import Upstream
 
 OWNER = owner_of(API_KEY)
@@ -210,3 +214,27 @@ async def test_a_websocket_takes_the_token_as_a_subprotocol(
                 kinds.append(json.loads(await ws.recv())["type"])
     assert kinds[0] == "start"
     assert kinds[-1] == "done"
+
+
+async def test_a_token_request_s_access_line_names_its_key_and_subject(
+    start_router: RouterFactory, upstream: Upstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator tells which key's browser users made a request: a token's line carries
+    the key's ``key_id`` and the subject's ``subject_id``, the digests the key's own request
+    for that subject logs; neither the token nor the key is in any line."""
+    caplog.set_level(logging.INFO, logger="firstbyte")
+    async with start_router([upstream.url], tls=False) as r:
+        grant = await amint_client_token(f"{r.base_url}/v1", API_KEY, subject="alice")
+        async with httpx.AsyncClient(base_url=r.base_url) as http:
+            by_token = await http.post(CHAT_PATH, headers=auth(grant.token), json=CHAT)
+            by_key = await http.post(
+                CHAT_PATH, headers={**auth(), SUBJECT_HEADER: "alice"}, json=CHAT
+            )
+    assert (by_token.status_code, by_key.status_code) == (200, 200)
+    lines = access_records(caplog, CHAT_PATH)
+    assert [(line["key_id"], line.get("subject_id")) for line in lines] == [
+        (key_id(API_KEY), subject_id("alice"))
+    ] * 2
+    logged = "\n".join(f"{r.getMessage()} {getattr(r, 'fields', '')}" for r in caplog.records)
+    assert grant.token not in logged
+    assert API_KEY not in logged
