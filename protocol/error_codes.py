@@ -96,7 +96,9 @@ STREAM_NOT_FOUND = "stream_not_found"
 STREAM_HISTORY_TRIMMED = "stream_history_trimmed"
 """410 (or an in-stream / WebSocket error): a resume from before the stream's oldest kept
 event. Its key's streams filled the key's share of the store, so their oldest events were
-dropped; the stream's later events are still there, the ones asked for are gone for good."""
+dropped (read on another process through Redis: also events Redis could not take, or cut by
+its bound on a stream's length; the message says which); the stream's later events are
+still there, the ones asked for are gone for good."""
 STREAM_LOST = "stream_lost"
 """In-stream: the router process producing the stream stopped (killed, crashed) before
 ``[DONE]``; a reader on another process of the region learns it within a few seconds (its

@@ -72,11 +72,18 @@ def _capped(pending: list[StreamEvent]) -> list[StreamEvent]:
 
 
 def _trimmed_message(trimmed: HistoryTrimmed) -> str:
-    why = (
-        "the region's shared state (Redis) could not take them when they were made (away or"
-        " full)" if trimmed.unwritten
-        else "its API key's streams went over the key's share of the stream store"
-    )
+    if trimmed.unwritten:
+        why = (
+            "the region's shared state (Redis) could not take them when they were made (away"
+            " or full)"
+        )
+    elif trimmed.cap is not None:
+        why = (
+            f"the region's shared state (Redis) keeps about the last {trimmed.cap} events of"
+            " a stream (state.max_events_per_stream)"
+        )
+    else:
+        why = "its API key's streams went over the key's share of the stream store"
     return (
         f"Events {trimmed.after + 1} to {trimmed.trimmed} of this stream were dropped: {why}."
         f" Read on from after={trimmed.trimmed}, or send the request again."

@@ -81,14 +81,19 @@ reader costs no clock call of its own."""
 class HistoryTrimmed(Exception):
     """A reader asked for events from before a stream's trim point: they are gone for good
     (its key went over its share of the store). ``after`` is where the reader was, ``trimmed``
-    the last event dropped. ``unwritten``: not trimmed but never written to the shared state
-    (Redis away or full when they were made), read on another process."""
+    the last event dropped. Read on another process, through the shared state, they may be
+    gone for another reason: ``unwritten``, never written to it (Redis away or full when they
+    were made); ``cap`` (the shared state's ``max_events_per_stream``), cut by its bound on a
+    stream's length."""
 
-    def __init__(self, after: int, trimmed: int, *, unwritten: bool = False) -> None:
+    def __init__(
+        self, after: int, trimmed: int, *, unwritten: bool = False, cap: int | None = None
+    ) -> None:
         super().__init__(f"events {after + 1} to {trimmed} were trimmed")
         self.after = after
         self.trimmed = trimmed
         self.unwritten = unwritten
+        self.cap = cap
 
 
 class _RandomBytes:

@@ -9,9 +9,10 @@ The producing process keeps its streams in its own :class:`~firstbyte.router.str
   ``streams.max_age_s`` its age; when the producing process trims a stream's history (its
   key went over its share of that process's store) the same events go from Redis (``XTRIM
   MINID``), and a reader elsewhere from before the trim point (or from before what ``MAXLEN``
-  dropped) gets ``stream_history_trimmed``;
+  dropped) gets ``stream_history_trimmed``, its message naming which;
 - the hash ``{prefix}m:{id}`` holds its owner (the API key's digest: a stream is readable only
-  with the key that created it, here as in memory) and the producing process's id;
+  with the key that created it, here as in memory), the producing process's id and, once the
+  key's share trimmed it, the first event kept (``cut``);
 - events are written by one :class:`_Writer` per process: everything queued since its last
   write goes in one round trip, as calls of one Lua script (one reply per 256 events, not one
   per chunk), at most every ``state.write_interval_ms`` (a write under load carries many
@@ -45,7 +46,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from redis.exceptions import ResponseError
 
@@ -74,6 +75,12 @@ __all__ = ["RemoteStream", "SharedStreams", "is_lost_event", "lost_event"]
 log = logging.getLogger("firstbyte.router.shared")
 
 _FIELD = b"d"
+_CUT = "cut"
+"""The metadata field holding the first id the producer's last key-share trim kept."""
+Gap = Literal["share", "unwritten", "cap"]
+"""Why events a reader elsewhere finds missing are gone: trimmed because the key went over
+its share of the producer's store, never written (Redis away or full when they were made),
+or cut by the bound on a stream's length (``state.max_events_per_stream``)."""
 _throttle = Throttle(10.0)
 """Redis away: one warning per 10 s per kind (writes, follows), not one per attempt."""
 _FOLLOW_BLOCK_MS = 250
@@ -148,6 +155,11 @@ def is_lost_event(data: bytes, format: str) -> bool:
     return _NUMBER.sub(_UNNUMBERED, data, count=1) == lost_event(format)
 
 
+def _seq(entry_id: bytes) -> int:
+    """The sequence number of a Redis Stream entry id ``b"SEQ-0"``."""
+    return int(entry_id.split(b"-", 1)[0])
+
+
 def _events(entries: Iterable[Any], after: int) -> list[StreamEvent]:
     """Redis Stream entries ``(b"SEQ-0", {b"d": data})`` as events after ``after``."""
     out: list[StreamEvent] = []
@@ -183,9 +195,8 @@ class RemoteStream:
         """The stream is gone from Redis (expired): no more events will come."""
         self.trimmed = 0
         """Events found missing before the first one read (trimmed from Redis)."""
-        self.never_written = False
-        """Those missing events were never written (Redis away or full when they were made:
-        :meth:`SharedStreams.never_written`), not trimmed."""
+        self.gap: Gap = "share"
+        """Why those missing events are gone (:meth:`SharedStreams.why_missing`)."""
         self.holes: list[tuple[int, int]] = []
         """``(before, after)`` of each run of events missing between two read in one batch
         (the producer's writes of them failed: Redis away or full), in order."""
@@ -200,7 +211,11 @@ class RemoteStream:
 
     def after(self, seq: int) -> list[StreamEvent]:
         if seq < self.trimmed:
-            raise HistoryTrimmed(seq, self.trimmed, unwritten=self.never_written)
+            gap = self.gap
+            raise HistoryTrimmed(
+                seq, self.trimmed, unwritten=gap == "unwritten",
+                cap=self._shared.max_events if gap == "cap" else None,
+            )
         events = self.events
         if not events or events[-1].seq <= seq:
             return []
@@ -261,10 +276,10 @@ class RemoteStream:
                 return seq > self.cursor + 1 and not is_lost_event(fields[_FIELD], self.format)
         return False
 
-    def receive(self, entries: Sequence[Any], never_written: bool = False) -> None:
+    def receive(self, entries: Sequence[Any], gap: Gap = "share") -> None:
         """Entries read from Redis (by the follower or directly): keep the new ones, wake.
-        ``never_written``: the events they skip (:meth:`skips`) were never written, not
-        trimmed (:meth:`SharedStreams.deliver` asks Redis)."""
+        ``gap``: why the events they skip (:meth:`skips`) are gone
+        (:meth:`SharedStreams.deliver` asks Redis)."""
         new = _events(entries, self.cursor)
         if not new:
             return
@@ -273,7 +288,7 @@ class RemoteStream:
         # the dead producer never wrote is gone, and the error says so.
         if new[0].seq > self.cursor + 1 and not is_lost_event(new[0].data, self.format):
             self.trimmed = max(self.trimmed, new[0].seq - 1)
-            self.never_written = never_written
+            self.gap = gap
         if new[-1].seq - new[0].seq >= len(new):  # a hole inside: events never written
             self._find_holes(new)
         self.events.extend(new)
@@ -383,6 +398,9 @@ class SharedStreams:
         self.keys = keys
         self.lease = lease
         self.max_age_ms = int(max_age_s * 1000)
+        self.max_events = max_events
+        """``state.max_events_per_stream``: about how many events Redis keeps of a stream
+        (a region's processes share the setting: a reader names it for the producer's)."""
         self.reader_ttl_ms = int(max(reader_grace_s, 3 * lease.check_interval_s) * 1000)
         self.writer = _Writer(redis, keys, process, self.max_age_ms, max_events, write_interval_s)
         # New streams' metadata goes on a writer (and connection) of its own: behind the event
@@ -481,26 +499,39 @@ class SharedStreams:
 
     async def deliver(self, remote: RemoteStream, entries: Sequence[Any]) -> None:
         """Hand ``entries`` to ``remote``; when they skip events after its cursor, first ask
-        Redis whether those were trimmed or never written (:meth:`never_written`): the
-        reader is told which (``stream_history_trimmed``'s message)."""
-        remote.receive(entries, remote.skips(entries) and await self.never_written(remote))
+        Redis why those are gone (:meth:`why_missing`): the reader is told
+        (``stream_history_trimmed``'s message)."""
+        if remote.skips(entries):
+            remote.receive(entries, await self.why_missing(remote, entries))
+        else:
+            remote.receive(entries)
 
-    async def never_written(self, remote: RemoteStream) -> bool:
-        """Were the events missing after ``remote.cursor`` never written (Redis away or full
-        when they were made) rather than trimmed (the key over its share of the producer's
-        store; the length bound)? Trims take a stream's front (``XTRIM MINID``, ``MAXLEN``):
-        an entry at or before the cursor means none after it was trimmed, and a stream that
-        never lost an entry (``entries-added`` is its length, Redis 7) lost none to a trim.
-        Asked only at such a gap; Redis not answering: unknown, taken as trimmed."""
+    async def why_missing(self, remote: RemoteStream, entries: Sequence[Any]) -> Gap:
+        """Why are the events between ``remote.cursor`` and the first of ``entries`` after
+        it gone? Never written (Redis away or full when they were made), or trimmed from the
+        front: by the producer when the key went over its share of its store (``XTRIM MINID``,
+        the first id it kept noted as ``cut`` in the stream's metadata), else by the length
+        bound (``XADD MAXLEN ~``, which notes nothing). An entry at or before the cursor
+        means none after it was trimmed, and a stream that never lost an entry
+        (``entries-added`` is its length, Redis 7) lost none to a trim. Asked only at such a
+        gap; Redis not answering: unknown, taken as the key's share (as before the bound
+        was told apart)."""
         key = self.keys.events(remote.id)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.xrevrange(key, f"{remote.cursor}-0", "-", count=1)
                 pipe.xinfo_stream(key)
-                before, info = await pipe.execute()
+                pipe.hget(self.keys.meta(remote.id), _CUT)
+                before, info, cut = await pipe.execute()
         except Exception:
-            return False
-        return bool(before) or info.get("entries-added") == info.get("length")
+            return "share"
+        if before or info.get("entries-added") == info.get("length"):
+            return "unwritten"
+        # The first event read past the gap: the share's trim kept it (or one before it), or
+        # the bound cut what the share's did not.
+        first = next(seq for seq in (_seq(entry_id) for entry_id, _ in entries)
+                     if seq > remote.cursor)
+        return "share" if cut is not None and _seq(cut) >= first else "cap"
 
     async def keep_attended(self, streams: Iterable[Stream], now: float, grace_s: float) -> None:
         """Count a reader elsewhere as attending: for this process's streams unattended for
@@ -530,11 +561,13 @@ _TRIM = StreamEvent(0, b"")
 # operation: its kind and two values. x: XADD (id, data); X: the same, then PEXPIRE (a
 # stream's first event); m: a new stream's metadata (owner, subject); t: its upstream TTFT;
 # f: its wire format (written for formats other than chat);
-# r: XTRIM MINID (the first id kept). Only a stream's first event and its metadata make a
-# key (with its expiry): the others go to keys that exist, so a stream Redis lost (restarted
-# empty; expired) is not made again without an expiry, to be kept forever (x and y: XADD
-# NOMKSTREAM, Redis 6.2; one whose metadata is there, its first events dropped by a failed
-# write, is made as by X: the metadata key is the events key with m: for s:, Keys). Each
+# r: XTRIM MINID (the first id kept), also noted as the metadata's ``cut`` (a reader elsewhere
+# tells the key's share from MAXLEN by it; not made again if expired). Only a stream's first
+# event and its metadata make a key (with its expiry): the others go to keys that exist, so a
+# stream Redis lost (restarted empty; expired) is not made again without an expiry, to be
+# kept forever (x and y: XADD NOMKSTREAM, Redis 6.2; one whose metadata is there, its first
+# events dropped by a failed write, is made as by X: the metadata key is the events key with
+# m: for s:, Keys). Each
 # runs whatever the others did (an XADD refused fences its producer, not the batch); returns
 # the XADDs refused for their id (another process declared the stream lost: the fence), by
 # index, the other operations refused (Redis full: OOM) by minus their index, then the first
@@ -569,6 +602,10 @@ for i = 1, #KEYS do
     ok = redis.pcall('HSET', key, 'fmt', a)
   else
     ok = redis.pcall('XTRIM', key, 'MINID', a)
+    local meta = (string.gsub(key, 's:([^:]+)$', 'm:%1'))
+    if type(ok) == 'number' and redis.call('EXISTS', meta) == 1 then
+      redis.pcall('HSET', meta, 'cut', a)  -- for readers elsewhere: the share cut, not MAXLEN
+    end
   end
   if type(ok) == 'table' and ok.err then
     if string.find(ok.err, _FENCED, 1, true) then refused[#refused + 1] = i

@@ -159,8 +159,11 @@ async def test_a_long_poll_inside_a_gap_is_told_why_its_events_are_missing(
     stream.append(b"data: 3", 0.0)
     await asyncio.sleep(0.2)
     await shared.redis.config_set("maxmemory", 0)
-    if gap == "trimmed":
-        await shared.redis.xtrim(shared.keys.events(f"gap-{gap}"), minid="4-0")
+    if gap == "trimmed":  # as the store trims a key over its share: the same in Redis
+        del stream.events[:3]
+        stream.trimmed = 3
+        assert stream.on_trim is not None
+        stream.on_trim(stream)
     stream.append(b"data: 4", 0.0)
     stream.finish(0.0)
     await asyncio.sleep(0.2)
