@@ -102,7 +102,8 @@ still there, the ones asked for are gone for good."""
 STREAM_LOST = "stream_lost"
 """In-stream: the router process producing the stream stopped (killed, crashed) before
 ``[DONE]``; a reader on another process of the region learns it within a few seconds (its
-lease lapsed). The events before the error are all the stream will have."""
+lease lapsed; a Redis that evicts may have evicted the lease of a process still running, and
+the message then says so). The events before the error are all the stream will have."""
 INVALID_AFTER = "invalid_after"
 INVALID_WAIT = "invalid_wait"
 REGION_SATURATED = "region_saturated"

@@ -30,7 +30,7 @@ from .keys import Keys
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["DOWN_AFTER_FAILED_RENEWALS", "Lease", "Outage", "lapse_reason"]
+__all__ = ["DOWN_AFTER_FAILED_RENEWALS", "Lease", "Outage", "eviction_policy", "lapse_reason"]
 
 log = logging.getLogger("firstbyte.router.shared")
 
@@ -61,6 +61,18 @@ class Outage:
         return self.down if self.down != was else None
 
 
+def eviction_policy(info: Mapping[str, Any] | None) -> str | None:
+    """The ``maxmemory-policy`` of a Redis (its ``INFO``) that evicts keys and has evicted
+    some, so a key found gone before its expiry may have been evicted; None otherwise (no
+    ``INFO``, ``noeviction``, or nothing evicted yet)."""
+    if info is None:
+        return None
+    policy = info.get("maxmemory_policy", "noeviction")
+    if policy != "noeviction" and info.get("evicted_keys", 0) > 0:
+        return str(policy)
+    return None
+
+
 def lapse_reason(
     since_renewed_s: float | None, lease_s: float, info: Mapping[str, Any] | None,
     run_id: str | None = None,
@@ -76,11 +88,21 @@ def lapse_reason(
         return "Redis restarted"
     if since_renewed_s >= lease_s:
         return f"expired: Redis away or this process stalled for over {lease_s:g} s"
-    policy = info.get("maxmemory_policy", "noeviction")
-    if policy != "noeviction" and info.get("evicted_keys", 0) > 0:
+    policy = eviction_policy(info)
+    if policy is not None:
         return (f"evicted by Redis (maxmemory-policy {policy}; run it with noeviction: the"
                 " other processes took this one for dead)")
     return "removed before its expiry (deleted, or Redis emptied)"
+
+
+async def redis_info(redis: Redis) -> dict[str, Any] | None:
+    """Redis's whole ``INFO`` (every server has the default sections; Redis 6 takes one
+    section name at most), None if it does not answer."""
+    try:
+        info: dict[str, Any] = await redis.info()
+    except Exception:
+        return None
+    return info
 
 
 def _run_id(info: Mapping[str, Any] | None) -> str | None:
@@ -157,11 +179,7 @@ class Lease:
     async def _info(self) -> dict[str, Any] | None:
         """Redis's ``INFO`` (``run_id``, memory policy, evictions): asked when the lease is
         first taken and at each lapse, never per renewal; None if it does not answer."""
-        try:
-            info: dict[str, Any] = await self._redis.info()
-        except Exception:
-            return None
-        return info
+        return await redis_info(self._redis)
 
     async def _renew_or_log(self) -> None:
         try:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import hmac
 import itertools
 import logging
@@ -63,7 +64,7 @@ from ..streams import DONE_DATA, HistoryTrimmed, Stream, StreamEvent
 from .background import Background
 from .errors import StateUnavailable
 from .keys import Keys
-from .lease import Lease
+from .lease import Lease, eviction_policy, redis_info
 from .wire import Calls, bulk
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ _FOLLOW_BLOCK_MS = 250
 """Longest ``XREAD BLOCK`` of the follower: a stream that joins while a read is being sent
 (so ``CLIENT UNBLOCK`` found nothing to unblock) waits at most this for its live events."""
 _READ_COUNT = 1000
+_EVICTIONS_KEPT = 256
+"""Processes whose lease's eviction check :meth:`SharedStreams._evicted_by` keeps."""
 _BATCH_TIMEOUT_S = 10.0
 """Longest wait for the replies to one batch of writes before the connection is dropped."""
 
@@ -124,15 +127,29 @@ _UNNUMBERED = b'"sequence_number":0,'
 is known."""
 
 
-def lost_event(format: str = "chat") -> bytes:
+@functools.lru_cache(maxsize=64)  # a few formats, times the policies a Redis can have
+def lost_event(format: str = "chat", *, evicted_by: str | None = None) -> bytes:
     """The error event a reader gets when its stream's producer died mid-stream, in the
     stream's wire format (OpenAI's error body for chat and completions); a Responses one is
-    numbered 0 here, and by its place in the stream as it is appended (``_DECLARE_LOST``)."""
+    numbered 0 here, and by its place in the stream as it is appended (``_DECLARE_LOST``).
+
+    ``evicted_by``: the ``maxmemory-policy`` of a Redis that evicts and has evicted keys
+    (:func:`~.lease.eviction_policy`): the lease may have been evicted, the process may run
+    on, and the message says so rather than that the process stopped."""
+    if evicted_by is None:
+        message = (
+            "The router process producing this stream stopped before it finished;"
+            " the events before this one are all there is."
+        )
+    else:
+        message = (
+            "The lease of the router process producing this stream is gone from the region's"
+            " shared state before the stream finished: it may have been evicted by Redis"
+            f" (maxmemory-policy {evicted_by}), the process still running; the stream ends"
+            " here, and the events before this one are all there is."
+        )
     return BY_NAME.get(format, CHAT).error_event(
-        "The router process producing this stream stopped before it finished;"
-        " the events before this one are all there is.",
-        "server_error",
-        code=error_codes.STREAM_LOST,
+        message, "server_error", code=error_codes.STREAM_LOST
     )
 
 
@@ -150,9 +167,18 @@ def gone_event(format: str = "chat") -> bytes:
     )
 
 
+_POLICY = re.compile(rb"maxmemory-policy [^)]*")
+_ANY_POLICY = "_"
+
+
 def is_lost_event(data: bytes, format: str) -> bool:
-    """Is ``data`` the :func:`lost_event` of ``format``, whatever number it was given?"""
-    return _NUMBER.sub(_UNNUMBERED, data, count=1) == lost_event(format)
+    """Is ``data`` a :func:`lost_event` of ``format`` (either text, any policy named),
+    whatever number it was given? Asked at a gap only, not per event."""
+    data = _NUMBER.sub(_UNNUMBERED, data, count=1)
+    if data == lost_event(format):
+        return True
+    named = _POLICY.sub(b"maxmemory-policy " + _ANY_POLICY.encode(), data, count=1)
+    return named == lost_event(format, evicted_by=_ANY_POLICY)
 
 
 def _seq(entry_id: bytes) -> int:
@@ -411,6 +437,9 @@ class SharedStreams:
         self._declare_lost = redis.register_script(_DECLARE_LOST)
         self.background = Background()
         self.lost_declared = 0
+        self._evictions: dict[str, tuple[float, str | None]] = {}
+        """:meth:`_evicted_by`'s answers: by process, when asked (``time.monotonic``) and
+        the policy."""
 
     def start(self) -> None:
         self.writer.start()
@@ -486,16 +515,38 @@ class SharedStreams:
                 return
             if alive:
                 return
+            evicted_by = await self._evicted_by(remote.process)
             declared = await self._declare_lost(
                 keys=[self.keys.events(remote.id), self.keys.lease(remote.process)],
-                args=[lost_event(remote.format), self.max_age_ms, remote.cursor],
+                args=[lost_event(remote.format, evicted_by=evicted_by), self.max_age_ms,
+                      remote.cursor],
             )
         except Exception as exc:
             raise StateUnavailable(f"producer check: {describe_error(exc)}") from exc
         if declared > 0:
             self.lost_declared += 1
-            log.warning("stream %s lost: its process %s stopped", remote.id, remote.process)
+            if evicted_by is None:
+                log.warning("stream %s lost: its process %s stopped", remote.id, remote.process)
+            else:
+                log.warning("stream %s lost: the lease of its process %s is gone; it may have"
+                            " been evicted by Redis (maxmemory-policy %s; run it with"
+                            " noeviction)", remote.id, remote.process, evicted_by)
         await self.deliver(remote, await self.read_now(remote))
+
+    async def _evicted_by(self, process: str) -> str | None:
+        """:func:`~.lease.eviction_policy` for ``process``'s lease, found gone: one ``INFO``
+        per process whose lease a reader finds gone, kept for ``lease_s`` (a dead process's
+        streams are declared lost one by one, each asking), never asked while leases are
+        there."""
+        now = time.monotonic()
+        known = self._evictions.get(process)
+        if known is not None and now - known[0] < self.lease.lease_s:
+            return known[1]
+        policy = eviction_policy(await redis_info(self._redis))
+        if len(self._evictions) >= _EVICTIONS_KEPT:
+            self._evictions.clear()
+        self._evictions[process] = (now, policy)
+        return policy
 
     async def deliver(self, remote: RemoteStream, entries: Sequence[Any]) -> None:
         """Hand ``entries`` to ``remote``; when they skip events after its cursor, first ask
