@@ -913,12 +913,12 @@ class _Stream(Generic[T]):
                 if isinstance(exc, APIError) and exc.code == error_codes.STREAM_HISTORY_TRIMMED:
                     raise self._trimmed(exc) from exc  # fell behind a trim while following
                 if isinstance(exc, APIError) and exc.code == error_codes.STREAM_LOST:
-                    # The router process producing the stream died mid-stream; a router with
-                    # shared state ends the stream for its readers elsewhere with this event.
+                    # The router process producing the stream died mid-stream, or its lease
+                    # went from Redis: a router with shared state ends the stream for its
+                    # readers elsewhere with this event, whose message says which.
                     raise self._lost(
-                        f"stream {self._stream_id} is lost (its router process stopped"
-                        f" mid-stream) after event {assembler.last_seq}; resumed"
-                        f" {self._recorder.record.resumes} times"
+                        f"stream {self._stream_id} is lost after event {assembler.last_seq};"
+                        f" resumed {self._recorder.record.resumes} times ({exc.message})"
                     ) from exc
                 raise
             if assembler.done:
@@ -1213,11 +1213,12 @@ class _Stream(Generic[T]):
 
     def _trimmed(self, error: APIError) -> StreamHistoryTrimmedError:
         """The error for a resume from before the stream's trim point (on any transport)."""
+        # The router's message says why (the key's share of the store, Redis's bound per
+        # stream, Redis full): the SDK cannot tell which, so it adds no reason of its own.
         return StreamHistoryTrimmedError(
             f"stream {self._stream_id} cannot be resumed after event"
-            f" {self._assembler.last_seq}: the router dropped the events after it (its API key's"
-            f" streams went over the key's share of the stream store); send a new request for"
-            f" the rest ({error.message})",
+            f" {self._assembler.last_seq}: the router dropped the events after it; send a new"
+            f" request for the rest ({error.message})",
             stream_id=self._stream_id or "",
             last_seq=self._assembler.last_seq,
             delivered_text=self.text,

@@ -582,6 +582,10 @@ async function sseFetch(stream, channel, streamId, after) {
   }
   channel.push({ opened: response.headers.get(HEADERS.STREAM) || streamId });
   const decoder = new SSEDecoder();
+  // An event without an id line of its own keeps the last id (the SSE spec); the router
+  // numbers each event once, so the same id again is one outside the stream's sequence (an
+  // error it adds, such as stream_history_trimmed), not a replay to drop.
+  let previous = null;
   const reader = response.body.getReader();
   channel.onClose.push(() => reader.cancel().catch(() => {}));
   for (;;) {
@@ -594,7 +598,10 @@ async function sseFetch(stream, channel, streamId, after) {
       if (err instanceof SSEProtocolError) throw new StreamBrokenError(err.message);
       throw err;
     }
-    for (const e of events) channel.push({ seq: seqOf(e.id), payload: e.data });
+    for (const e of events) {
+      channel.push({ seq: e.id === previous ? null : seqOf(e.id), payload: e.data });
+      previous = e.id;
+    }
   }
   channel.end();
 }
@@ -613,7 +620,11 @@ async function eventSource(stream, channel, streamId, after) {
   channel.onClose.push(() => source.close());
   let opened = false;
   source.onopen = () => { opened = true; };
-  source.onmessage = (e) => channel.push({ seq: seqOf(e.lastEventId), payload: e.data });
+  let previous = ""; // EventSource's lastEventId before any id: "" (as fetch's SSE, above)
+  source.onmessage = (e) => {
+    channel.push({ seq: e.lastEventId === previous ? null : seqOf(e.lastEventId), payload: e.data });
+    previous = e.lastEventId;
+  };
   source.onerror = () => {
     source.close(); // resume is ours (bounded, with backoff), not EventSource's own retry
     if (opened) {

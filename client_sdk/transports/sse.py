@@ -58,6 +58,7 @@ async def sse_source(
             raise StreamBrokenError(f"expected an event stream, got content-type {ctype!r}")
         yield Opened(response.headers.get(STREAM_HEADER) or stream_id)
         decoder = SSEDecoder()
+        previous: str | None = None
         async for chunk in response.chunks:
             try:
                 events = decoder.receive_data(chunk)
@@ -68,7 +69,15 @@ async def sse_source(
                     # The consumer stops at [DONE]: read the body's end first, so the
                     # connection is pooled rather than closed under the next request.
                     await response.finish()
-                yield [Event(_seq(e.id), e.data) for e in events]
+                batch = []
+                for e in events:
+                    # An event keeps the last id seen when it has no ``id:`` line of its own
+                    # (the SSE spec), and the router numbers each of its events once: the
+                    # same id again is an event outside the stream's sequence (an error the
+                    # router adds, such as stream_history_trimmed), not a replay to drop.
+                    batch.append(Event(None if e.id == previous else _seq(e.id), e.data))
+                    previous = e.id
+                yield batch
 
 
 def _seq(event_id: str | None) -> int | None:
