@@ -172,7 +172,8 @@ if backend ~= '' then
 end
 if mode ~= '0' then redis.call('SET', KEYS[3], backend, 'PX', ARGV[10]) end
 if KEYS[5] ~= '' then
-  redis.call('HSET', KEYS[5], 'owner', ARGV[11], 'proc', ARGV[1], 'subj', ARGV[12])
+  redis.call('HSET', KEYS[5], 'owner', ARGV[11], 'proc', ARGV[1], 'subj', ARGV[12],
+             'v', '2', 'intact', '1')
   if ARGV[13] ~= '' then redis.call('HSET', KEYS[5], 'fmt', ARGV[13]) end
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
 end
@@ -218,7 +219,8 @@ if KEYS[3] ~= '' then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
 end
 if KEYS[4] ~= '' then
-  redis.call('HSET', KEYS[4], 'owner', ARGV[9], 'proc', ARGV[1], 'subj', ARGV[10])
+  redis.call('HSET', KEYS[4], 'owner', ARGV[9], 'proc', ARGV[1], 'subj', ARGV[10],
+             'v', '2', 'intact', '1')
   if ARGV[11] ~= '' then redis.call('HSET', KEYS[4], 'fmt', ARGV[11]) end
   redis.call('PEXPIRE', KEYS[4], ARGV[3])
 end

@@ -19,7 +19,8 @@ class Keys:
 
     def meta(self, stream_id: str) -> str:
         """A hash: ``owner`` (the API key's digest), ``proc`` (the producing process),
-        ``ttft`` (upstream time to first token, ms, once known)."""
+        ``ttft`` (upstream time to first token, ms, once known), ``intact`` (removed when an
+        event could not be written: Redis full) and ``v`` (2: ``intact`` is kept)."""
         return f"{self.prefix}m:{stream_id}"
 
     def reader(self, stream_id: str) -> str:

