@@ -638,11 +638,14 @@ class SharedStreams:
 
 _TRIM = StreamEvent(0, b"")
 """Queued in place of an event: trim the stream's Redis history to its trim point."""
+_INTACT, _HOLED, _DUE = range(3)
+"""A stream's ``intact`` in Redis, as the writer follows it (:meth:`_Writer._heal`): there;
+removed (an XADD refused); removed, a later XADD taken (to be said again)."""
 
 # KEYS: one per operation. ARGV: 1 MAXLEN, 2 expiry ms, 3 this process, then three per
 # operation: its kind and two values. x: XADD (id, data); X: the same, then PEXPIRE (a
 # stream's first event); m: a new stream's metadata (owner, subject); t: its upstream TTFT;
-# f: its wire format (written for formats other than chat);
+# f: its wire format (written for formats other than chat); i: ``intact`` again (below);
 # r: XTRIM MINID (the first id kept), also noted as the metadata's ``cut`` (a reader elsewhere
 # tells the key's share from MAXLEN by it; not made again if expired). Only a stream's first
 # event and its metadata make a key (with its expiry): the others go to keys that exist, so a
@@ -658,7 +661,9 @@ _TRIM = StreamEvent(0, b"")
 # it; a router from before wrote neither); a stream with an XADD refused so loses it, by an
 # HDEL (not refused by a full Redis, unlike every write that grows memory) at the end of the
 # call: a reader elsewhere, caught up, stops waiting for events Redis will not get
-# (:meth:`SharedStreams.check_producer`). At the end, because once a script has run a write
+# (:meth:`SharedStreams.check_producer`); once Redis takes a later event of it, the writer
+# says ``intact`` again (i, first in its next call: a reader past the hole waits for the next
+# event instead). At the end, because once a script has run a write
 # command Redis lets its later ones past ``maxmemory`` (measured on Valkey 8: an XADD after
 # an HDEL, even one that removed nothing, was taken while full).
 _APPEND = """
@@ -688,6 +693,8 @@ for i = 1, #KEYS do
     ok = redis.pcall('HSET', key, 'ttft', a)
   elseif kind == 'f' then
     ok = redis.pcall('HSET', key, 'fmt', a)
+  elseif kind == 'i' then
+    ok = redis.pcall('HSET', key, 'intact', '1')
   else
     ok = redis.pcall('XTRIM', key, 'MINID', a)
     local meta = (string.gsub(key, 's:([^:]+)$', 'm:%1'))
@@ -793,6 +800,15 @@ class _Writer:
         """Streams with events a failed write dropped, by id, until their end is in Redis."""
         self._end: AsyncScript | None = None
         """:data:`_END_DROPPED`, registered at its first use (rare: after a failed write)."""
+        self._holed: dict[str, Stream] = {}
+        """Streams whose metadata says they are not ``intact`` (an XADD refused), by id."""
+        self._healed: dict[str, Stream] = {}
+        """Those of them whose last XADD Redis took since: ``intact`` again, by the next
+        write (first in it, before any event that write carries)."""
+        self._heal_due = False
+        """Write :attr:`_healed` even with no event queued: set when a stream joins it (not
+        when Redis refuses its ``intact``: then the next housekeeping tick, :meth:`end_dropped`,
+        sets it, not a write per interval against a full Redis)."""
 
     def start(self) -> None:
         if self._task is None:
@@ -831,7 +847,7 @@ class _Writer:
         loop = asyncio.get_running_loop()
         last = -math.inf
         while True:
-            if not self._queue:
+            if not self._queue and not self._heal_due:
                 self._idle.set()
                 self._wake = loop.create_future()
                 await self._wake
@@ -865,6 +881,12 @@ class _Writer:
             values.clear()
             ops.clear()
 
+        for stream in self._healed.values():  # before this write's events (rare)
+            names.append(bulk(keys.meta(stream.id).encode()))
+            values += (b"$1\r\ni\r\n", b"$0\r\n\r\n", b"$0\r\n\r\n")
+            ops.append(None)
+            if len(ops) >= _OPS_PER_CALL:
+                close()
         named = self._names
         if len(named) > _NAMES_KEPT:
             named.clear()
@@ -929,6 +951,9 @@ class _Writer:
         # pipeline cost the router ~24 us per relayed chunk (bench router_workers), a
         # prepacked XADD ~2 plus ~4 to parse its reply; a script call per batch has one reply.
         packed, producers = self._pack(batch)
+        self._heal_due = False
+        if not producers:
+            return
         self.round_trips += 1
         self.calls += len(producers)
         self.commands += sum(len(ops) for ops in producers)
@@ -937,6 +962,14 @@ class _Writer:
         replies = self._calls.call_many(packed, len(producers))
         lost: Exception | None = None
         unwritten = 0
+        healing = self._healed
+        if healing:
+            self._healed = {}
+        outcomes: list[tuple[list[Stream | None], set[int]]] | None = None
+        """Each call's operations and those refused, kept while some stream is not
+        ``intact`` (rare): whose last XADD Redis took (:meth:`_heal`)."""
+        if healing or self._holed:
+            outcomes = []
         for ops, reply in zip(producers, replies, strict=True):
             try:
                 refused = await reply
@@ -944,31 +977,83 @@ class _Writer:
                 self._failed(len(ops), exc)
                 for producer in ops:
                     self._dropped_one(producer)
+                if outcomes is not None:
+                    outcomes.append((ops, {-i for i in range(1, len(ops) + 1)}))
                 continue
             except Exception as exc:  # Redis away: local readers go on, remote ones see a gap
                 lost = exc
                 unwritten += len(ops)
                 for producer in ops:
                     self._dropped_one(producer)
+                if outcomes is not None:
+                    outcomes.append((ops, {-i for i in range(1, len(ops) + 1)}))
                 continue
             for index in refused:
                 if isinstance(index, bytes):  # why the ones below were refused
                     lost = ResponseError(index.decode(errors="replace"))
                 elif index < 0:  # refused, not fenced (Redis full): dropped
-                    self._dropped_one(ops[-index - 1])
+                    producer = ops[-index - 1]
+                    self._dropped_one(producer)
                     unwritten += 1
+                    if producer is not None and outcomes is None:  # an XADD: not intact
+                        outcomes = []  # (no stream was holed before: those calls change none)
                 else:
                     producer = ops[index - 1]
                     if producer is not None and producer.mirror:
                         self._fence(producer, f"an XADD of {producer.id} was refused")
+            if outcomes is not None:
+                outcomes.append((ops, {i for i in refused if isinstance(i, int)}))
         if lost is not None:
             self._failed(unwritten, lost)
+        if outcomes is not None:
+            self._heal(healing, outcomes)
         if self._announced:  # a pass over every event of the write, only for announcements
             for stream, event in batch:
                 if event is None:
                     future = self._announced.pop(stream.id, None)
                     if future is not None and not future.done():
                         future.set_result(None)
+
+    def _heal(
+        self, healing: dict[str, Stream],
+        outcomes: list[tuple[list[Stream | None], set[int]]],
+    ) -> None:
+        """After a write, each stream's ``intact`` as Redis has it, from the write's
+        operations in order: an XADD refused removed it (:attr:`_holed`); one taken after
+        that makes it due again (:attr:`_healed`), said first in the next write, which a
+        stream due since a write before opened with (``healing``; refused: still due, and
+        tried again by the next housekeeping tick, not by a write per interval against a full
+        Redis). Runs only while some stream is not intact."""
+        state = dict.fromkeys(self._holed, _HOLED)
+        streams = dict(self._holed)
+        for at, stream in enumerate(healing.values()):  # the first operations (:meth:`_pack`)
+            call, index = divmod(at, _OPS_PER_CALL)
+            denied = call < len(outcomes) and -(index + 1) in outcomes[call][1]
+            state[stream.id] = _DUE if denied else _INTACT
+        fresh = False
+        for ops, refused in outcomes:
+            for index, producer in enumerate(ops, start=1):
+                if producer is None:
+                    continue
+                if -index in refused:
+                    state[producer.id] = _HOLED
+                    streams[producer.id] = producer
+                elif state.get(producer.id) == _HOLED:
+                    state[producer.id] = _DUE
+                    fresh = True
+        self._holed, self._healed = {}, {}
+        for stream_id, now in state.items():
+            stream = streams.get(stream_id) or healing[stream_id]
+            if now == _INTACT or stream.mirror is None:  # intact; or fenced: ended elsewhere
+                continue
+            if stream.done and stream_id not in self.dropped:
+                continue  # its end is in Redis: its readers elsewhere end there
+            self._holed[stream_id] = stream
+            if now == _DUE:
+                self._healed[stream_id] = stream
+        if fresh:
+            self._heal_due = True
+            self._idle.clear()
 
     def _dropped_one(self, producer: Stream | None) -> None:
         """An event of ``producer`` (None: another operation) was not written: its end is
@@ -980,7 +1065,11 @@ class _Writer:
         """Write ``[DONE]`` into Redis for each finished stream some of whose events a
         failed write dropped, if Redis lacks it: a reader elsewhere waited for it until the
         stream expired (``streams.max_age_s``), the producer alive. The streams still live,
-        or whose end Redis does not take yet, are kept for the next call."""
+        or whose end Redis does not take yet, are kept for the next call. Also has the
+        writer say ``intact`` again of streams for which Redis refused it (:attr:`_healed`)."""
+        if self._healed and not self._heal_due:  # their ``intact`` refused: again
+            self._heal_due = True
+            self._first_queued()
         for stream_id, stream in list(self.dropped.items()):
             if stream.mirror is None:  # fenced: another process ended it
                 del self.dropped[stream_id]

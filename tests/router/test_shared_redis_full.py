@@ -593,3 +593,42 @@ async def test_a_resume_elsewhere_ends_while_redis_stays_full(
     assert polled.status_code == 410
     assert polled.json()["error"]["code"] == error_codes.STREAM_HISTORY_TRIMMED
     assert "shared state (Redis) could not take them" in polled.json()["error"]["message"]
+
+
+async def test_a_resume_past_a_hole_waits_once_redis_took_the_next_events(
+    shared: SharedState,
+) -> None:
+    """Events 2 and 3 dropped while Redis was full, 4 written once it had room: a reader on
+    another process that had 1 to 4 from the producer resumes after 4 and waits for 5 through
+    its idle checks (the stream is not missing anything it needs: the producer says
+    ``intact`` again once Redis takes an event after the hole), then reads 5 and ``[DONE]``.
+    Without that it was ended with ``stream_history_trimmed`` at its first idle check."""
+    stream = await _published(shared, "healed")
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 2", 0.0)
+    stream.append(b"data: 3", 0.0)
+    await asyncio.sleep(0.2)
+    meta = shared.keys.meta("healed")
+    assert await shared.redis.hget(meta, "intact") is None  # the hole, said while full
+    await shared.redis.config_set("maxmemory", 0)
+    stream.append(b"data: 4", 0.0)
+    for _ in range(100):  # its next write: event 4, then intact again
+        if await shared.redis.hget(meta, "intact") is not None:
+            break
+        await asyncio.sleep(0.02)
+    reader = _reader_elsewhere(shared)  # an idle check every 0.1 s
+    reader.follower.start()
+    remote = await reader.lookup("healed", b"owner")
+    assert remote is not None
+    assert not await remote.wait(4, timeout_s=0.5)  # idle checks, no trim
+    stream.append(b"data: 5", 0.0)
+    stream.finish(0.0)
+    assert await remote.wait(4, timeout_s=3)
+    read = remote.after(4)
+    if not read[-1].is_done:
+        assert await remote.wait(read[-1].seq, timeout_s=3)
+        read += remote.after(read[-1].seq)
+    assert [(e.seq, e.data) for e in read] == [(5, b"data: 5"), (6, b"[DONE]")]
+    await reader.aclose()
