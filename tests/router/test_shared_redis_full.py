@@ -38,8 +38,9 @@ from firstbyte.router.readers import poll, trimmed_body
 from firstbyte.router.shared import SharedState, connect
 from firstbyte.router.shared.admission import Claim
 from firstbyte.router.shared.errors import StateUnavailable, unavailable_reply
+from firstbyte.router.shared.keys import Keys
 from firstbyte.router.shared.lease import Lease, lapse_reason
-from firstbyte.router.shared.streams import SharedStreams
+from firstbyte.router.shared.streams import SharedStreams, _Writer
 from firstbyte.router.sim.server import sim_server
 from firstbyte.router.streams import HistoryTrimmed, Stream
 from tests.router.conftest import auth, client_tls
@@ -632,3 +633,32 @@ async def test_a_resume_past_a_hole_waits_once_redis_took_the_next_events(
         read += remote.after(read[-1].seq)
     assert [(e.seq, e.data) for e in read] == [(5, b"data: 5"), (6, b"[DONE]")]
     await reader.aclose()
+
+
+async def test_the_writer_follows_intact_through_each_writes_outcomes() -> None:
+    """The writer's view of a stream's ``intact`` from a write's outcomes in order (each
+    call's operations, and those refused by minus their index; a restoration opens the first
+    call, with no stream of its own): an XADD refused removes it; one taken after that makes
+    it due; a due restoration taken says it again, refused stays due (for the next
+    housekeeping tick, not the next interval: no write loop against a full Redis), and an
+    XADD refused after it in the same write wins over it."""
+    writer = _Writer(None, Keys("t:"), "p", 60_000, 1000)  # type: ignore[arg-type]
+    stream = Stream("s", b"owner", 0.0)
+    stream.mirror = writer.mirror
+    writer._heal({}, [([stream, stream], {-2})])
+    assert (list(writer._holed), writer._healed, writer._heal_due) == (["s"], {}, False)
+    writer._heal({}, [([stream], set())])  # taken after the hole: due, a write to say it
+    assert (list(writer._healed), writer._heal_due) == (["s"], True)
+    for ops, refused, holed, due in [
+        ([None, stream], {-1}, ["s"], ["s"]),  # its restoration refused: still due
+        ([None, stream], {-2}, ["s"], []),  # said, then an XADD refused after it
+        ([None], set(), [], []),  # said: intact, forgotten
+    ]:
+        healing, writer._healed, writer._heal_due = {"s": stream}, {}, False
+        writer._heal(healing, [(ops, refused)])
+        assert (list(writer._holed), list(writer._healed)) == (holed, due)
+        assert not writer._heal_due  # none newly taken after a hole: no write for it now
+        writer._holed = {"s": stream}
+    writer._holed, writer._healed = {"s": stream}, {"s": stream}
+    await writer.end_dropped()  # the housekeeping tick: the due restoration written again
+    assert writer._heal_due
