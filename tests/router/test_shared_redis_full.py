@@ -662,3 +662,26 @@ async def test_the_writer_follows_intact_through_each_writes_outcomes() -> None:
     writer._holed, writer._healed = {"s": stream}, {"s": stream}
     await writer.end_dropped()  # the housekeeping tick: the due restoration written again
     assert writer._heal_due
+
+
+async def test_a_stream_of_a_router_from_before_intact_is_waited_on_as_before(
+    shared: SharedState,
+) -> None:
+    """A stream whose metadata has neither ``v`` nor ``intact`` (made by a router from before
+    them, during a rolling upgrade) is not taken for one with a hole: a reader elsewhere,
+    caught up, waits through its idle checks for the next event and reads it, where a
+    stream of this router whose ``intact`` is gone ends it."""
+    stream = await _published(shared, "older")
+    await shared.redis.hdel(shared.keys.meta("older"), "v", "intact")
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    reader = _reader_elsewhere(shared)  # an idle check every 0.1 s
+    reader.follower.start()
+    remote = await reader.lookup("older", b"owner")
+    assert remote is not None
+    assert await remote.wait(0, timeout_s=3)
+    assert not await remote.wait(1, timeout_s=0.5)  # idle checks, no trim
+    stream.append(b"data: 2", 0.0)
+    assert await remote.wait(1, timeout_s=3)
+    assert [e.data for e in remote.after(1)] == [b"data: 2"]
+    await reader.aclose()
