@@ -967,7 +967,9 @@ class _Writer:
             self._healed = {}
         outcomes: list[tuple[list[Stream | None], set[int]]] | None = None
         """Each call's operations and those refused, kept while some stream is not
-        ``intact`` (rare): whose last XADD Redis took (:meth:`_heal`)."""
+        ``intact`` (rare): whose last XADD Redis took (:meth:`_heal`). A call lost whole
+        (Redis away) counts as all refused: its restorations are still due; its streams'
+        ``intact`` was not removed, and saying it again later is harmless."""
         if healing or self._holed:
             outcomes = []
         for ops, reply in zip(producers, replies, strict=True):
@@ -1025,7 +1027,7 @@ class _Writer:
         tried again by the next housekeeping tick, not by a write per interval against a full
         Redis). Runs only while some stream is not intact."""
         state = dict.fromkeys(self._holed, _HOLED)
-        streams = dict(self._holed)
+        streams = {**healing, **self._holed}
         for at, stream in enumerate(healing.values()):  # the first operations (:meth:`_pack`)
             call, index = divmod(at, _OPS_PER_CALL)
             denied = call < len(outcomes) and -(index + 1) in outcomes[call][1]
@@ -1043,7 +1045,7 @@ class _Writer:
                     fresh = True
         self._holed, self._healed = {}, {}
         for stream_id, now in state.items():
-            stream = streams.get(stream_id) or healing[stream_id]
+            stream = streams[stream_id]
             if now == _INTACT or stream.mirror is None:  # intact; or fenced: ended elsewhere
                 continue
             if stream.done and stream_id not in self.dropped:
