@@ -87,11 +87,13 @@ class StreamLostError(StreamBrokenError):
 
 
 class StreamHistoryTrimmedError(StreamLostError):
-    """A resume asked for events the router has dropped: the stream's API key went over its
-    share of the router's stream store, so the oldest events of the key's streams were trimmed
-    (code ``stream_history_trimmed``: a 410 on resume, or an error event or WebSocket error
-    for a reader that fell behind). The events after ``last_seq`` that this client missed are
-    gone for good; send a new request for the rest."""
+    """A resume asked for events the router has dropped (code ``stream_history_trimmed``: a
+    410 on resume, or an error event or WebSocket error for a reader that fell behind): the
+    stream's API key went over its share of the router's stream store, so the oldest events
+    of the key's streams were trimmed; or, with shared state, Redis keeps only the last
+    ``state.max_events_per_stream`` events of a stream, or could not take them (full, away).
+    The message ends with the router's, which says which. The events after ``last_seq`` that
+    this client missed are gone for good; send a new request for the rest."""
 
 
 class StreamStalledError(StreamBrokenError):
