@@ -239,6 +239,9 @@ class RemoteStream:
         self._waiters: list[asyncio.Future[None]] = []
         self._following = False
         self._touched_at = -1e9
+        self._quiet_from = 0.0
+        """When its readers here last got an event or asked about its producer (loop time):
+        the producer check's interval is counted from it, over a reader's successive waits."""
 
     @property
     def done(self) -> bool:
@@ -366,6 +369,7 @@ class RemoteStream:
                 return bool(self.after(seq))
             self._following = True
             self._shared.follower.add(self)
+            self._quiet_from = loop.time()
         step_s = self._shared.lease.check_interval_s
         while True:
             now = loop.time()
@@ -383,8 +387,12 @@ class RemoteStream:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
             if self.after(seq):
+                self._quiet_from = loop.time()
                 return True
-            if step >= step_s:  # a whole check interval without an event: is the producer alive?
+            # A whole check interval without an event: is the producer alive? Counted over
+            # successive waits: a reader's wait ends at each heartbeat, which may come sooner.
+            if loop.time() - self._quiet_from >= step_s:
+                self._quiet_from = loop.time()
                 with contextlib.suppress(StateUnavailable):  # Redis away: ask again next time
                     await self._shared.check_producer(self)
                 if self.after(seq):

@@ -148,3 +148,33 @@ async def test_the_follower_stops_though_its_cancel_lands_in_a_read_that_returns
     finally:
         redis.client = real_client  # type: ignore[method-assign]
         await redis.aclose()
+
+
+async def test_waits_shorter_than_the_check_interval_still_find_the_producer_dead(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """A reader's waits end at each heartbeat (``limits.heartbeat_interval_s``); shorter than
+    the producer check's interval (``lease_s / 3``), no single wait reached it, so a reader
+    elsewhere of a dead producer's stream got heartbeats for ever. The quiet time is counted
+    over the waits."""
+    redis = Redis.from_url(redis_server.url)
+    keys = Keys("fb-lost-short:")
+    lease = Lease(redis, keys, "reader", 0.3)  # a check every 0.1 s of quiet
+    shared = SharedStreams(redis, keys, lease, "reader", max_age_s=60, max_events=1000,
+                           reader_grace_s=1)
+    try:
+        await redis.xadd(keys.events("s1"), {"d": b'{"n":1}'}, id="1-0")
+        await redis.hset(keys.meta("s1"), mapping={"owner": b"o", "proc": b"dead"})
+        reader = await shared.lookup("s1", b"o")
+        assert reader is not None
+        heartbeats = 0
+        while not reader.after(1) and heartbeats < 60:  # 3 s of heartbeats 0.05 s apart
+            if not await reader.wait(1, timeout_s=lease.check_interval_s / 2):
+                heartbeats += 1
+        events = reader.after(1)
+        assert events, f"no stream_lost after {heartbeats} heartbeats"
+        assert is_lost_event(events[0].data, "chat")
+        assert events[-1].is_done
+        assert shared.lost_declared == 1
+    finally:
+        await redis.aclose()
