@@ -6,7 +6,8 @@ then tell clients, then close; Kubernetes sends SIGTERM after its preStop hook):
 1. at once: ``/healthz`` answers 503 ``draining``, ``/v1/edge/status`` says unhealthy (peers
    stop forwarding here), and every new chat request, detached stream or WebSocket request goes
    to a peer region with room, else gets 503 ``draining`` with ``Retry-After``; a warm-up
-   (``/v1/edge/warm``) gets that 503 at once (:mod:`firstbyte.router.prewarm`);
+   (``/v1/edge/warm``) and a new WebSocket upgrade get that 503 at once
+   (:mod:`firstbyte.router.prewarm`, :mod:`firstbyte.router.ws`);
 2. at once: every open HTTP/2 and HTTP/3 connection gets a graceful GOAWAY
    (:mod:`firstbyte.router.hosting.goaway`), so clients open their next request elsewhere;
    HTTP/1.1 has no GOAWAY: every answer begun from now on says ``connection: close`` and

@@ -37,6 +37,7 @@ from firstbyte.protocol.ws import encode as encode_message
 
 from .asgi import Message, Receive, Scope, Send
 from .endpoints import fallback_reply, new_context, upstream_refusal, upstream_retry_after
+from .multiregion import draining_reply
 from .pipeline.admit import admit_chat, adopt_token, authenticate
 from .pipeline.context import CONTINUE, Fallback, LocalReply, RequestContext
 from .pipeline.relay import upstream_error_object
@@ -51,6 +52,13 @@ log = logging.getLogger("firstbyte.router")
 
 CLOSE_GOING_AWAY = 1001
 """Close code for a socket closed for being idle (RFC 6455 section 7.4.1)."""
+
+CLOSE_SERVICE_RESTART = 1012
+"""Close code of an upgrade refused while draining where the server cannot answer it with
+HTTP (IANA's "Service Restart": the server is going away, connect again). Not 1013 "Try
+Again Later", which the router gives an upgrade shed for memory: a client reading the code
+tells the process stopping from the one overloaded. It is also what uvicorn closes the
+sockets still open with when the drain ends."""
 
 MAX_STREAMS_PER_SOCKET = 64
 """Streams followed at once on one socket; one more is refused (error, close 1008), so a
@@ -347,6 +355,15 @@ async def websocket_session(state: RouterState, scope: Scope, receive: Receive, 
     if isinstance(outcome, LocalReply):
         state.metrics.count("ws", outcome.outcome)
         await refuse_upgrade(scope, send, outcome, draining=state.draining)
+        return
+    if state.draining:
+        # The HTTP request's refusal, Retry-After included, so the client opens its socket on
+        # a sibling process or region: a 101 here would keep it on this process, which would
+        # refuse (or forward) each request sent on it until the drain closed it.
+        refusal = draining_reply()
+        state.metrics.count_reply("ws", refusal)
+        await refuse_upgrade(scope, send, refusal, CLOSE_SERVICE_RESTART, "draining",
+                             draining=True)
         return
     accept: dict[str, object] = {
         "type": "websocket.accept",

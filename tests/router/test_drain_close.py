@@ -16,10 +16,12 @@ import json
 import h11
 import httpx
 import pytest
+from websockets.asyncio.client import connect as ws_connect
 
 from firstbyte.protocol import error_codes
+from firstbyte.router.multiregion import DRAINING_RETRY_AFTER_S
 from firstbyte.router.serve import RouterEndpoints
-from tests.router.conftest import API_KEY, RouterFactory, client_tls
+from tests.router.conftest import API_KEY, RouterFactory, auth, client_tls
 from tests.router.upstream import Upstream
 
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -54,9 +56,11 @@ class KeptAlive:
                 event = self.h11.next_event()
                 if event is h11.NEED_DATA:
                     self.h11.receive_data(await self.reader.read(65536))
-                elif isinstance(event, h11.Response):
+                elif isinstance(event, h11.Response | h11.InformationalResponse):
                     status = event.status_code
                     head = {k.decode(): v.decode() for k, v in event.headers}
+                elif event is h11.PAUSED:  # a 101: the connection is a WebSocket's now
+                    return status, head, content
                 elif isinstance(event, h11.Data):
                     content += event.data
                 elif isinstance(event, h11.EndOfMessage):
@@ -126,6 +130,45 @@ async def test_a_draining_routers_refused_websocket_upgrade_closes_its_http1_con
             assert await upgrade.closed_by_server()
         finally:
             upgrade.close()
+
+
+@pytest.mark.parametrize("server", ["auto", "hypercorn", "uvicorn"])
+async def test_a_draining_router_refuses_a_new_websocket_but_serves_an_open_one(
+    start_router: RouterFactory, upstream: Upstream, server: str
+) -> None:
+    """A new upgrade gets the HTTP request's refusal (503 ``draining``, its ``Retry-After``,
+    ``connection: close``), not a 101 to a socket that would stay on this process and
+    refuse each request sent on it; a socket opened before the drain still gets the rest of
+    the stream it carries (the upstream holds it after its first word meanwhile)."""
+    upstream.pause = asyncio.Event()
+    async with start_router([upstream.url], tls=False,
+                            listen={"server": server, "http3": False}) as router:
+        url = router.base_url.replace("http://", "ws://") + "/v1/ws"
+        async with ws_connect(url, additional_headers=auth(), proxy=None) as ws, \
+                asyncio.timeout(30):
+            await ws.send(json.dumps({"type": "request", "body": {**BODY, "max_tokens": 3}}))
+            messages = [json.loads(await ws.recv())]
+            while "w0" not in json.dumps(messages[-1]):
+                messages.append(json.loads(await ws.recv()))
+            router.app.state.start_draining()
+            upgrade = await KeptAlive.open(router)
+            try:
+                status, head, content = await upgrade.request("GET", "/v1/ws", extra=UPGRADE)
+                assert await upgrade.closed_by_server()
+            finally:
+                upgrade.close()
+                upstream.pause.set()  # else the stream holds the router's exit
+            while messages[-1]["type"] not in ("done", "error"):
+                messages.append(json.loads(await ws.recv()))
+    assert (status, json.loads(content)["error"]["code"]) == (503, error_codes.DRAINING)
+    assert head["retry-after"] == str(DRAINING_RETRY_AFTER_S)
+    assert head["connection"] == "close"
+    assert router.app.state.metrics.requests[("ws", "draining", "")] == 1
+    assert messages[0]["type"] == "start"
+    assert messages[-1]["type"] == "done"
+    text = "".join(json.dumps(m) for m in messages)
+    assert all(word in text for word in ("w0", "w1", "w2"))
+    assert upstream.completed == 1
 
 
 @pytest.mark.parametrize("server", ["auto", "hypercorn"])

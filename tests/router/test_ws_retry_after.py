@@ -6,6 +6,7 @@ router on loopback, with a real WebSocket client next to an HTTP one."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -26,11 +27,14 @@ BODY = {
 }
 
 
-async def ws_answer(router: RouterEndpoints, tls_files: dict[str, str]) -> dict[str, Any]:
-    """The router's first message to a ``request`` on a new socket."""
+async def ws_answer(router: RouterEndpoints, tls_files: dict[str, str],
+                    opened: Callable[[], object] = lambda: None) -> dict[str, Any]:
+    """The router's first message to a ``request`` on a new socket (``opened()`` called once
+    it is open, before the request)."""
     url = router.base_url.replace("https://", "wss://") + "/v1/ws"
     async with ws_connect(url, ssl=client_tls(tls_files), additional_headers=auth(),
                           proxy=None) as ws:
+        opened()
         await ws.send(json.dumps({"type": "request", "body": BODY}))
         answer: dict[str, Any] = json.loads(await ws.recv())
     return answer
@@ -75,9 +79,10 @@ async def test_a_draining_router_gets_the_headers_retry_after(
         start_router([upstream.url]) as router,
         httpx.AsyncClient(verify=client_tls(tls_files), timeout=10) as client,
     ):
-        router.app.state.start_draining()
+        # A socket opened before the drain: a new upgrade is refused (tests/router/
+        # test_drain_close.py), a request on an open socket gets the error message.
+        answer = await ws_answer(router, tls_files, router.app.state.start_draining)
         refused = await sse_refusal(client, router)
-        answer = await ws_answer(router, tls_files)
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, error_codes.DRAINING)
     assert (answer["status"], answer["error"]["code"]) == (503, error_codes.DRAINING)
     assert answer["retry_after"] == int(refused.headers["retry-after"])

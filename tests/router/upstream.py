@@ -46,6 +46,9 @@ class Upstream:
     """The headers of every chat request received, in order (``last_headers`` is any path's)."""
     hold: asyncio.Event | None = None
     """When set to an event: chat requests wait for it before answering."""
+    pause: asyncio.Event | None = None
+    """When set to an event: streamed chat requests wait for it after their first word (a
+    stream surely in flight meanwhile)."""
     models: tuple[str, ...] | None = MODELS
     """What its ``/v1/models`` lists, so the router routes these names to it (it answers any);
     None: ``/v1/models`` answers 404 (a server without it)."""
@@ -136,6 +139,8 @@ class Upstream:
                 {"type": "http.response.body", "body": sse(chunk(role=True)), "more_body": True}
             )
             for i, word in enumerate(words):
+                if i == 1 and self.pause is not None:
+                    await self.pause.wait()
                 if self.delay_s and i % self.burst == 0:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(disconnected.wait(), self.delay_s)
