@@ -640,13 +640,31 @@ const NO_STREAM = "none";
 
 /** Why an EventSource or a WebSocket was refused before opening (the browser hides the
  * status): a poll of its stream with the same token says. Before a stream was made, a poll of
- * no stream: its 404 means the token passed, and the failure was the connection's. */
+ * no stream: its 404 means the token passed, and the failure was the connection's, or a
+ * draining router's `503 draining`, which `/healthz` says too (a poll, a read, is not refused
+ * while draining). */
 async function explain(stream, streamId, after, what) {
   try {
     const [url, init] = stream.poll(streamId ?? NO_STREAM, after, 0);
     const response = await fetch(url, init);
     const tokenPassed = streamId === null && response.status === 404;
     if (!response.ok && !tokenPassed) return await errorFrom(response);
+    if (tokenPassed) {
+      // At the origin's root, as the Python SDK asks it (not under the API base).
+      const healthz = new URL(stream.client.baseUrl).origin + PATHS.HEALTHZ;
+      const health = await fetch(healthz, { cache: "no-store" });
+      const text = (await health.text()).trim();
+      if (health.status === 503 && text === ERROR_CODES.DRAINING) {
+        // The upgrade's own answer (ws.py refuses it with the request's 503), so the retry
+        // rules treat it as SSE's: sent again after its Retry-After, on a new connection.
+        const err = new APIError(503, {
+          message: "The router is shutting down; send the request again.",
+          type: "server_error", code: ERROR_CODES.DRAINING,
+        });
+        err.retryAfter = retryAfterS(health.headers.get("retry-after"));
+        return err;
+      }
+    }
   } catch { /* unreachable: a cut */ }
   return new TransportCut(`${what} could not connect`);
 }

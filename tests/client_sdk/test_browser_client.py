@@ -418,3 +418,20 @@ async def test_a_base_url_with_or_without_its_trailing_slash_builds_one_path() -
         ].map((baseUrl) => new fb.Client({baseUrl, token: "t"}).url("/v1/chat/completions")))()""")
     assert built == ["https://r.example/v1/chat/completions"] * 2 + [
         "https://r.example/chat/completions"] * 2
+
+
+async def test_a_websocket_upgrade_refused_by_a_draining_router_is_its_503() -> None:
+    """A draining router refuses a new upgrade ``503 draining`` (``Retry-After: 1``), which
+    the browser hides (1006 before open): the page asks why, and its APIError is that 503,
+    as over SSE, not a cut resent with the resume backoff."""
+    async with world() as w:
+        assert w.app is not None
+        token = await w.mint()
+        w.app.state.start_draining()
+        async with browser_on(w) as page:
+            got = {transport: await page.evaluate(_retry_script(
+                f"{w.router_url}/v1", token, transport, 8, 0))
+                for transport in ("sse-fetch", "websocket")}
+    for transport, seen in got.items():
+        assert (seen["error"], seen["status"], seen["code"], seen["retryAfter"]) == (
+            "APIError", 503, "draining", 1), (transport, seen)
