@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from firstbyte.client_sdk.client import AsyncClient
-from firstbyte.client_sdk.errors import StreamLostError
+from firstbyte.client_sdk.errors import APIError, StreamLostError
 from firstbyte.router.config import parse_config
 from firstbyte.router.drain import drain
 from firstbyte.router.serve import RouterEndpoints, running_router
@@ -106,3 +106,33 @@ async def test_draining_after_content_raises_stream_lost_with_the_text(
     assert len(received.split()) == 3
     assert lost.value.stream_id
     assert "its router shut down before the end" in str(lost.value)
+
+
+async def test_a_websocket_upgrade_refused_draining_goes_to_the_next_region(
+    tls_files: tuple[str, str, str],
+) -> None:
+    """A draining router refuses the upgrade itself (``503 draining``, ``Retry-After``): the
+    SDK reads it as a request's refusal and the stream is served by the next region; alone,
+    the caller gets that 503."""
+    async with (
+        _region(tls_files, "first", []) as first,
+        _region(tls_files, "second", []) as second,
+        _client({"first": _url(first), "second": _url(second)}, tls_files, "websocket", "1.1")
+        as client,
+        _client(_url(first), tls_files, "websocket", "1.1") as alone,
+    ):
+        first.app.state.start_draining()
+        async with client.stream(model="sim-instant", messages=MESSAGES, max_tokens=4) as stream:
+            text = "".join([delta.text async for delta in stream])
+        with pytest.raises(APIError) as refused:
+            await _read(alone)
+    assert len(text.split()) == 4
+    assert stream.timings.region == "second"
+    assert (refused.value.status, refused.value.code) == (503, "draining")
+    assert getattr(refused.value, "retry_after", None) == 1
+    assert first.app.state.metrics.requests[("ws", "draining", "")] >= 2  # both clients'
+
+
+async def _read(client: AsyncClient) -> str:
+    async with client.stream(model="sim-instant", messages=MESSAGES, max_tokens=4) as stream:
+        return "".join([delta.text async for delta in stream])
