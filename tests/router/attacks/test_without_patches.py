@@ -9,8 +9,9 @@ before a body's end, where another patch or the client's timing often hides the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ from tests.router.attacks import test_http1 as http1
 from tests.router.attacks import test_http2 as http2
 from tests.router.attacks import test_http3 as http3
 from tests.router.attacks import test_websocket as websocket
-from tests.router.attacks.conftest import RouterStarter
+from tests.router.attacks.conftest import RouterProcess, RouterStarter
 from tests.router.upstream import Upstream
 
 Attack = Callable[..., Awaitable[None]]
@@ -58,6 +59,24 @@ WAIT_FOR_A_CLOSE_S = 8.0
 once): four times the timeout. With the patch the attack's own module waits up to 20-30 s, for a
 loaded machine; without it the close never comes and the attack waits the whole bound, so a
 shorter one here keeps these cases from spending ~50 s of the suite on waiting."""
+
+
+@pytest.fixture
+def start_router_process(start_router_process: RouterStarter) -> RouterStarter:
+    """The harness's starter, whose router is killed at the block's end: an attack that got
+    through may leave a stream the router cannot end (a shut window that nothing times out),
+    and a SIGTERM then waits for it through the drain (30 s) and hypercorn's graceful
+    timeout, past the harness's 10 s wait for a stop. Its stop is no part of what is shown."""
+
+    @contextlib.asynccontextmanager
+    async def start(*args: Any, **sections: dict[str, Any]) -> AsyncIterator[RouterProcess]:
+        async with start_router_process(*args, **sections) as router:
+            try:
+                yield router
+            finally:
+                router.proc.kill()
+
+    return start
 
 
 @pytest.mark.parametrize(
