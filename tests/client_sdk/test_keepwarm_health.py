@@ -69,22 +69,36 @@ async def regions(
     ``/healthz`` 503) for 5 s."""
     ca_file, cert_file, key_file = tls_files
     started: dict[str, tuple[asyncio.subprocess.Process, int]] = {}
-    try:
-        for name in names:
+    ports: set[int] = set()
+
+    async def start(name: str) -> None:
+        port = free_port(udp=True)
+        while port in ports:  # the others' are chosen but may not be bound yet
             port = free_port(udp=True)
-            config = tmp_path / f"{name}.toml"
-            region = (region_of or {}).get(name, name)
-            config.write_text(
-                f'region = "{region}"\n[[upstreams]]\nurl = "{sim}"\n'
-                f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
-                f'drain_grace_s = 5\n[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
-            )
-            started[name] = (await start_router(config, port, ca_file), port)
-        yield started
+        ports.add(port)
+        config = tmp_path / f"{name}.toml"
+        region = (region_of or {}).get(name, name)
+        config.write_text(
+            f'region = "{region}"\n[[upstreams]]\nurl = "{sim}"\n'
+            f'[listen]\nport = {port}\ncertfile = "{cert_file}"\nkeyfile = "{key_file}"\n'
+            f'drain_grace_s = 5\n[auth]\napi_keys = ["{ROUTER_KEY}"]\n'
+        )
+        started[name] = (await start_router(config, port, ca_file), port)
+
+    try:
+        # Side by side: each start is mostly a process importing the router on its own core.
+        # Every start ends (up or failed) before a failure is raised, so none is left behind.
+        done = await asyncio.gather(*(start(name) for name in names), return_exceptions=True)
+        for failed in done:
+            if isinstance(failed, BaseException):
+                raise failed
+        yield {name: started[name] for name in names}
     finally:
         for process, _ in started.values():
             if process.returncode is None:
-                process.terminate()  # a second SIGTERM ends a drain at once
+                # Not SIGTERM: each would stay draining for its 5 s grace, one after the
+                # other, and nothing after the block looks at how they end.
+                process.kill()
             await process.wait()
 
 
