@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import re
-import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,8 +134,8 @@ async def test_first_token_deadline_spills_no_more_than_the_budget() -> None:
 
 async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast() -> None:
     """10 streams at once into a region of 2 slots whose peer has 64 free, five times: no 429
-    (the budget allows every spill), a spilled stream's first token costs about what the
-    peer takes directly in the same run, and no spill waits for another stream to end.
+    (the budget allows every spill), every stream whole, each spill decided at once (reason
+    ``saturated``, not a first-token deadline) and none waiting for another stream to end.
 
     That last check is by order, not by a timer: a spill queued behind a busy connection is
     sent only once a stream ends, and its first token then takes at least what a fresh
@@ -144,7 +143,11 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
     each burst no spilled stream may have its first token later than that after the first
     spilled stream ended. A stall of the whole machine (CI runs tests side by side on 2 cores)
     delays first tokens and ends alike and keeps the order (CI once saw a first token 15 ms
-    after a short stream's end)."""
+    after a short stream's end). No timer compares spilled and direct first tokens: the
+    spills reach the peer's sim one by one, and each arrival's prefill delays the first
+    tokens of those before it, by as much as the router's hop was slowed (3.0x the direct
+    median beside two busy loops); with the peer pool cut to 4 connections that comparison
+    passed where the order check failed in every burst."""
     tokyo = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 2},
              "config": {"routing": {"spill_budget_ratio": 1.0}}}
     frankfurt = {"sim": {"profile": "h100-7b"}, "upstream": {"max_in_flight": 64}}
@@ -152,7 +155,6 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
         await wait_for_peers(regions)
         tokyo_url, peer_url = regions["tokyo"].url, regions["frankfurt"].url
         spilled: list[float] = []
-        direct: list[float] = []
         queued: list[tuple[int, float]] = []
         moved = 0
         with access_log() as log:
@@ -164,11 +166,13 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
                         *(stream(c, peer_url, 100 * burst + i, 100) for i in range(8))
                     )
                     fresh = [r.ttft_s for r in peer_alone if r.ttft_s is not None]
-                    direct += fresh
                     replies = await asyncio.gather(
                         *(stream(c, tokyo_url, 100 * burst + i, 100) for i in range(10))
                     )
                     assert [r.status for r in replies] == [200] * 10, [r.text for r in replies]
+                    for r in replies:  # whole, wherever it was served
+                        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+                        assert '"error"' not in r.text, r.text[-300:]
                     # Its 2 slots are used (a third stream only once one of them has ended, on
                     # a machine slow enough to spread the burst); the rest go to the peer.
                     assert sum(r.region == "tokyo" for r in replies) >= 2
@@ -186,9 +190,8 @@ async def test_burst_into_a_full_region_spills_all_to_a_peer_with_room_and_fast(
         assert moved >= 30
         assert spills == {'to="frankfurt",reason="saturated"': moved}
         assert len(spilled) == moved  # every spilled stream had its first token
-        # The same peer, the same moment: forwarding adds a hop through a second router (on
-        # the same 2 cores), not a queue: no spill waited for another stream to end first.
-        assert statistics.median(spilled) <= 3 * statistics.median(direct), (spilled, direct)
+        # Forwarding adds a hop through a second router, not a queue: no spill waited for
+        # another stream to end first.
         assert not queued, queued  # (burst, s from the first end to the last first token)
 
 
