@@ -246,3 +246,62 @@ def test_routing_two_models_serves_b_from_the_region_that_has_it(quick_runs: Qui
     for key in ("p50_ttft_ms_model_b_via_frankfurt", "p50_ttft_ms_model_b_direct_tokyo",
                 "p50_ttft_ms_model_a_alone", "p50_ttft_ms_model_a_with_b"):
         assert results["summary"][key] > 0, key
+
+
+def test_routing_geography_nearest_central_and_wrong_door(quick_runs: QuickRuns) -> None:
+    """``bench routing --quick``'s geography experiment (behind the WAN emulator: under
+    CI=true the run fails without it): nearest beats central; a client entering through the
+    wrong region (peered routers, no probe) is forwarded and hinted once, then served by its
+    nearest region directly. (Its loopback experiments' checks and the skipped geography's:
+    tests/benchmarks/test_routing_bench.py.)"""
+    code, stdout, stderr, _ = quick_runs.result("routing")
+    assert code == 0, stderr[-3000:]
+    results = msgspec.json.decode(stdout)
+    s = results["summary"]
+    if str(s.get("geography", "")).startswith("SKIPPED"):
+        assert os.environ.get("CI") != "true", s["geography"]
+        pytest.skip(s["geography"])
+    repeat = results["geography"]["repeat"]
+    assert s["geo_failed_nearest"] == s["geo_failed_central"] == 0
+    assert s["geo_sdk_chose_nearest"]  # the SDK's RTT probe found each client's nearest region
+    assert isinstance(s["geo_p99_within_budget_nearest"], bool)
+    assert s["geo_p50_ttft_ms_nearest"] < s["geo_p50_ttft_ms_central"]
+    rows = {row["client"]: row for row in results["geography_clients"]}
+    assert set(rows) == {"tokyo", "london", "new-york", "sydney", "sao-paulo"}
+    for row in rows.values():
+        assert row["p50_ttft_ms_nearest"] >= row["rtt_nearest_ms"]  # a round trip at least
+        assert row["p50_ttft_ms_central"] >= row["rtt_central_ms"]
+        assert row["served_by_central"] == f"us-east-1:{repeat}"
+        if row["rtt_central_ms"] - row["rtt_nearest_ms"] > 50:
+            # Far from us-east-1: the nearest region saves most of the RTT difference.
+            saved = row["p50_ttft_ms_central"] - row["p50_ttft_ms_nearest"]
+            assert saved > 0.5 * (row["rtt_central_ms"] - row["rtt_nearest_ms"])
+    assert rows["tokyo"]["served_by_nearest"].startswith("ap-northeast-1:")
+
+    # Wrong door: every client enters through us-east-1 (no probe).
+    assert s["geo_wrong_door_failed"] == 0
+    door = {row["client"]: row for row in results["wrong_door"]}
+    assert set(door) == set(rows)
+    for place, row in door.items():
+        nearest = rows[place]["nearest_region"]
+        assert row["failed_requests"] == 0, row
+        # After the first request every request is served by the nearest region.
+        assert row["moved"], row
+        assert row["served_after"] == f"{nearest}:{repeat - 1}", row
+        if nearest == "us-east-1":  # the right door: served there, no hint
+            assert row["first_served_by"] == "us-east-1", row
+            assert not row["forwarded"], row
+            assert row["hinted_to"] is None, row
+        else:
+            # us-east-1 knew (GeoIP) where the client is: forwarded and hinted.
+            assert row["forwarded"], row
+            assert row["first_served_by"] == nearest, row
+            assert row["hinted_to"] == nearest, row
+            # The forwarded request crossed one more region pair than the direct ones.
+            assert row["first_ttft_ms"] > row["p50_ttft_ms_after"], row
+            assert row["p50_ttft_ms_after"] < rows[place]["p50_ttft_ms_central"], row
+    assert s["geo_wrong_door_forwarded"] == s["geo_wrong_door_hinted"] == 3
+    assert s["geo_wrong_door_moved_to_nearest"]
+
+    assert len(results["runs"]) == 15
+    assert all(run["ttfts_ms"] for run in results["runs"])

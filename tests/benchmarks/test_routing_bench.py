@@ -2,8 +2,8 @@
 one run; the absolute targets, e.g. P99 within 500 ms, are the full benchmark's to report).
 
 The loopback experiments run with the geography experiment skipped (``FIRSTBYTE_LOOPBACK=1``,
-which the result must say); the geography experiment (nearest, central, wrong door) runs on its
-own in the netns test.
+which the result must say); the geography experiment (nearest, central, wrong door) is checked
+on the quick run of ``tests/benchmarks/test_bench_quick.py``, which goes through the emulator.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from firstbyte.benchmarks.report import markdown_summary
 from firstbyte.benchmarks.scenarios import routing
-from firstbyte.benchmarks.scenarios._routing_geo import geography, locations, profile
+from firstbyte.benchmarks.scenarios._routing_geo import locations, profile
 from firstbyte.benchmarks.world import Peering, World, WorldError, write_geoip_db
 from firstbyte.router.geo import GeoLocator
 
@@ -93,55 +93,3 @@ def test_peering_needs_the_emulator_and_every_region_placed() -> None:
     with pytest.raises(WorldError, match="no location for region"):
         World(regions=["region-us-east"], clients=["client-tokyo"], emulator=prof.emulator(),
               peering=Peering({}))
-
-
-@pytest.mark.netns
-async def test_quick_geography_nearest_central_and_wrong_door() -> None:
-    """Nearest beats central; a client entering through the wrong region (peered routers,
-    no probe) is forwarded and hinted once, then served by its nearest region directly."""
-    geo = await geography(quick=True)
-    assert "skipped" not in geo
-    s = geo["summary"]
-    assert s["geo_failed_nearest"] == s["geo_failed_central"] == 0
-    assert s["geo_sdk_chose_nearest"]  # the SDK's RTT probe found each client's nearest region
-    assert isinstance(s["geo_p99_within_budget_nearest"], bool)
-    assert s["geo_p50_ttft_ms_nearest"] < s["geo_p50_ttft_ms_central"]
-    rows = {row["client"]: row for row in geo["clients"]}
-    assert set(rows) == {"tokyo", "london", "new-york", "sydney", "sao-paulo"}
-    for row in rows.values():
-        assert row["p50_ttft_ms_nearest"] >= row["rtt_nearest_ms"]  # a round trip at least
-        assert row["p50_ttft_ms_central"] >= row["rtt_central_ms"]
-        assert row["served_by_central"] == f"us-east-1:{geo['repeat']}"
-        if row["rtt_central_ms"] - row["rtt_nearest_ms"] > 50:
-            # Far from us-east-1: the nearest region saves most of the RTT difference.
-            saved = row["p50_ttft_ms_central"] - row["p50_ttft_ms_nearest"]
-            assert saved > 0.5 * (row["rtt_central_ms"] - row["rtt_nearest_ms"])
-    assert rows["tokyo"]["served_by_nearest"].startswith("ap-northeast-1:")
-
-    # Wrong door: every client enters through us-east-1 (no probe).
-    assert s["geo_wrong_door_failed"] == 0
-    door = {row["client"]: row for row in geo["wrong_door"]}
-    assert set(door) == set(rows)
-    for place, row in door.items():
-        nearest = rows[place]["nearest_region"]
-        assert row["failed_requests"] == 0, row
-        # After the first request every request is served by the nearest region.
-        assert row["moved"], row
-        assert row["served_after"] == f"{nearest}:{geo['repeat'] - 1}", row
-        if nearest == "us-east-1":  # the right door: served there, no hint
-            assert row["first_served_by"] == "us-east-1", row
-            assert not row["forwarded"], row
-            assert row["hinted_to"] is None, row
-        else:
-            # us-east-1 knew (GeoIP) where the client is: forwarded and hinted.
-            assert row["forwarded"], row
-            assert row["first_served_by"] == nearest, row
-            assert row["hinted_to"] == nearest, row
-            # The forwarded request crossed one more region pair than the direct ones.
-            assert row["first_ttft_ms"] > row["p50_ttft_ms_after"], row
-            assert row["p50_ttft_ms_after"] < rows[place]["p50_ttft_ms_central"], row
-    assert s["geo_wrong_door_forwarded"] == s["geo_wrong_door_hinted"] == 3
-    assert s["geo_wrong_door_moved_to_nearest"]
-
-    assert len(geo["runs"]) == 15
-    assert all(run["ttfts_ms"] for run in geo["runs"])
