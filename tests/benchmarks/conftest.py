@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from firstbyte.benchmarks.cli import discover_scenarios
@@ -18,11 +19,17 @@ from tests.cli import FIRSTBYTE
 
 QUICK_AT_ONCE = 3
 """Quick scenario runs at the same time."""
-QUICK_FIRST = ("tenancy", "browser", "routing", "transports", "router_workers", "soak",
-               "router_overhead")
-"""The quick runs that take longest, longest first (~125, ~90, ~40, ~40 and ~30 s each on two
+QUICK_FIRST = ("tenancy", "browser", "routing", "router_workers", "soak", "router_overhead")
+"""The quick runs that take longest, longest first (~125, ~90, ~40 and ~30 s each on two
 cores beside the suite), started before the few-second ones. In name order tenancy started
 ninth, ~80 s in, and ran on alone ~80 s after the others had ended."""
+QUICK_ELSEWHERE = {
+    "transports": "tests/benchmarks/test_transports.py::"
+                  "test_quick_run_through_the_emulator_matches_round_trip_theory",
+}
+"""Scenarios whose ``--quick --json`` run a test makes anyway, under conditions of its own (the
+machine alone), and checks with :func:`check_quick_report` too: not run again beside the
+others (transports' was ~40 s of a slot here)."""
 QUICK_WAIT_S = 420.0
 """How long a test waits for its scenario's quick run, queue included (below the tests'
 ``pytest.mark.timeout``)."""
@@ -48,7 +55,7 @@ class QuickRuns:
     def start(self) -> None:
         have_chromium, _ = install_chromium()
         names = [n for n in sorted(discover_scenarios(), key=_launch_order)
-                 if n != "browser" or have_chromium]
+                 if (n != "browser" or have_chromium) and n not in QUICK_ELSEWHERE]
         self._ended = {name: threading.Event() for name in names}
         self._launcher = threading.Thread(target=self._launch, args=(names,), daemon=True)
         self._launcher.start()
@@ -100,6 +107,27 @@ class QuickRuns:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def check_quick_report(scenario: str, code: int, stdout: str, stderr: str, out: Path) -> None:
+    """What every scenario's ``--quick --out OUT --json`` run must give: exit 0, the same
+    results printed and written, a summary and an HTML report that say it was quick."""
+    assert code == 0, stderr[-3000:]
+    printed = msgspec.json.decode(stdout)
+    written = msgspec.json.decode((out / "results.json").read_bytes())
+    assert printed == written
+    assert written["scenario"] == scenario
+    assert written["quick"] is True
+    assert "TTFT" in written["metric_definitions"]
+    meta = {"scenario", "quick", "date", "host", "metric_definitions"}
+    assert set(written) - meta, "a scenario must report something"
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith(f"# Benchmark: {scenario}")
+    assert "| result | value |" in summary or "| run |" in summary
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "This was a quick run (--quick)" in page
+    assert written["conditions"]["command"].startswith(f"firstbyte bench {scenario}")
 
 
 def _launch_order(name: str) -> tuple[int, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 import os
 import shutil
@@ -11,7 +13,13 @@ import msgspec
 import pytest
 
 from firstbyte.benchmarks.cli import discover_scenarios
-from tests.benchmarks.conftest import QUICK_WAIT_S, QuickRuns, nginx_installed
+from tests.benchmarks.conftest import (
+    QUICK_ELSEWHERE,
+    QUICK_WAIT_S,
+    QuickRuns,
+    check_quick_report,
+    nginx_installed,
+)
 from tests.cli import firstbyte
 
 SCENARIOS = sorted(discover_scenarios())
@@ -47,25 +55,19 @@ def test_bad_out_dir_is_a_clear_error_before_running(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(QUICK_WAIT_S + 30)  # the first waits for its run, queue included
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", [n for n in SCENARIOS if n not in QUICK_ELSEWHERE])
 def test_quick_run_writes_valid_report(scenario: str, quick_runs: QuickRuns) -> None:
-    code, stdout, stderr, out = quick_runs.result(scenario)
-    assert code == 0, stderr[-3000:]
-    printed = msgspec.json.decode(stdout)
-    written = msgspec.json.decode((out / "results.json").read_bytes())
-    assert printed == written
-    assert written["scenario"] == scenario
-    assert written["quick"] is True
-    assert "TTFT" in written["metric_definitions"]
-    meta = {"scenario", "quick", "date", "host", "metric_definitions"}
-    assert set(written) - meta, "a scenario must report something"
-    summary = (out / "summary.md").read_text()
-    assert summary.startswith(f"# Benchmark: {scenario}")
-    assert "| result | value |" in summary or "| run |" in summary
-    page = (out / "report.html").read_text()
-    assert page.startswith("<!DOCTYPE html>")
-    assert "This was a quick run (--quick)" in page
-    assert written["conditions"]["command"].startswith(f"firstbyte bench {scenario}")
+    check_quick_report(scenario, *quick_runs.result(scenario))
+
+
+def test_the_quick_runs_made_elsewhere_are_checked_there() -> None:
+    """Each scenario left out of the quick runs names a test of this suite that makes its
+    quick run and calls :func:`check_quick_report` on it."""
+    for scenario, node in QUICK_ELSEWHERE.items():
+        assert scenario in SCENARIOS
+        path, name = node.split("::")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert f'check_quick_report("{scenario}"' in inspect.getsource(getattr(module, name))
 
 
 def test_decode_compares_both_pipelines_on_the_same_events(quick_runs: QuickRuns) -> None:
