@@ -86,6 +86,19 @@ async def _published(shared: SharedState, stream_id: str, format: str = "chat") 
     return stream
 
 
+async def _holed(shared: SharedState, stream_id: str) -> Stream:
+    """:func:`_published`, event 1 written to Redis, then events 2 and 3 made while Redis is
+    full (``maxmemory`` 1, left so: the caller gives it room again), so they never reach it."""
+    stream = await _published(shared, stream_id)
+    stream.append(b"data: 1", 0.0)
+    await asyncio.sleep(0.2)
+    await shared.redis.config_set("maxmemory", 1)
+    stream.append(b"data: 2", 0.0)
+    stream.append(b"data: 3", 0.0)
+    await asyncio.sleep(0.2)
+    return stream
+
+
 def _reader_elsewhere(shared: SharedState, lease_s: float = 0.3) -> SharedStreams:
     """Another process's view of the shared streams (its readers check their producer, and
     whether Redis took its events, every ``lease_s / 3`` without an event)."""
@@ -128,13 +141,7 @@ async def test_a_reader_elsewhere_is_told_of_events_a_full_redis_dropped(
     a reader on another process resuming from 0 reads 1 then gets :class:`HistoryTrimmed`
     (it used to get 1, 4, ``[DONE]``: a silent gap of two tokens), and one that had seen 3
     from the producer reads on from 4."""
-    stream = await _published(shared, "holed")
-    stream.append(b"data: 1", 0.0)
-    await asyncio.sleep(0.2)
-    await shared.redis.config_set("maxmemory", 1)
-    stream.append(b"data: 2", 0.0)
-    stream.append(b"data: 3", 0.0)
-    await asyncio.sleep(0.2)
+    stream = await _holed(shared, "holed")
     await shared.redis.config_set("maxmemory", 0)
     stream.append(b"data: 4", 0.0)
     stream.finish(0.0)
@@ -604,13 +611,7 @@ async def test_a_resume_past_a_hole_waits_once_redis_took_the_next_events(
     its idle checks (the stream is not missing anything it needs: the producer says
     ``intact`` again once Redis takes an event after the hole), then reads 5 and ``[DONE]``.
     Without that it was ended with ``stream_history_trimmed`` at its first idle check."""
-    stream = await _published(shared, "healed")
-    stream.append(b"data: 1", 0.0)
-    await asyncio.sleep(0.2)
-    await shared.redis.config_set("maxmemory", 1)
-    stream.append(b"data: 2", 0.0)
-    stream.append(b"data: 3", 0.0)
-    await asyncio.sleep(0.2)
+    stream = await _holed(shared, "healed")
     meta = shared.keys.meta("healed")
     assert await shared.redis.hget(meta, "intact") is None  # the hole, said while full
     await shared.redis.config_set("maxmemory", 0)
