@@ -107,7 +107,23 @@ class RouterApp:
         else:
             await self._route(scope, receive, send)
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _route(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The run of ``scope``'s handler, for the caller to await. A plain call returning the
+        handler's coroutine, not a coroutine awaiting it: every request's resumptions went
+        through one more frame. A request that needs more than its method and path to be
+        dispatched (an ``Origin``, the client's files, the start-up warmup not over, a
+        WebSocket) goes the awaiting way (:meth:`_route_slow`)."""
+        path: str = scope["path"]
+        if (
+            scope["type"] == "http"
+            and (self.state.warm or path in _UNGATED)
+            and not path.startswith(_CLIENT_PREFIX)
+            and "origin" not in header_dict(scope)
+        ):
+            return self._dispatch(scope, receive, send, path)
+        return self._route_slow(scope, receive, send)
+
+    async def _route_slow(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         path: str = scope["path"]
         if kind == "http":
@@ -135,33 +151,31 @@ class RouterApp:
             else:
                 await send({"type": "websocket.close", "code": 1008, "reason": "no such path"})
             return
+        await self._dispatch(scope, receive, send, path)
+
+    def _dispatch(self, scope: Scope, receive: Receive, send: Send, path: str) -> Awaitable[None]:
+        """The run of the handler of an HTTP request's method and ``path`` (or of its 404 or
+        405), not awaited."""
         method: str = scope["method"]
         methods = _ROUTES.get(path)
         if methods is not None:
             handler = methods.get(method)
             if handler is None:
-                await endpoints.not_found(scope, send, allowed=", ".join(methods))
-                return
-            await handler(self.state, scope, receive, send)
-            return
+                return endpoints.not_found(scope, send, allowed=", ".join(methods))
+            return handler(self.state, scope, receive, send)
         match = _STREAM_PATH.match(path)
         if match is not None:
             if method != "GET":
-                await endpoints.not_found(scope, send, allowed="GET")
-                return
+                return endpoints.not_found(scope, send, allowed="GET")
             if match.group("poll"):
-                await endpoints.poll_stream(self.state, scope, receive, send, match.group("id"))
-            else:
-                await endpoints.read_stream(self.state, scope, receive, send, match.group("id"))
-            return
+                return endpoints.poll_stream(self.state, scope, receive, send, match.group("id"))
+            return endpoints.read_stream(self.state, scope, receive, send, match.group("id"))
         if path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
             if method != "GET":
-                await endpoints.not_found(scope, send, allowed="GET")
-                return
+                return endpoints.not_found(scope, send, allowed="GET")
             # The id is the rest of the (decoded) path: it may hold slashes (org/model).
-            await endpoints.model(self.state, scope, receive, send, path[len(_MODEL_PREFIX):])
-            return
-        await endpoints.not_found(scope, send)
+            return endpoints.model(self.state, scope, receive, send, path[len(_MODEL_PREFIX):])
+        return endpoints.not_found(scope, send)
 
     def memory_refusal(self) -> str | None:
         """Why new work is refused for memory now, or None; logs when shedding starts and
