@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from firstbyte.protocol import paths
 from firstbyte.protocol.codec import CHAT, Codec, event_data
@@ -27,7 +28,7 @@ from firstbyte.protocol.formats import BY_PATH
 
 from ..asgi import Message, Receive, Scope, Send
 from ..streams import DONE_DATA, Stream
-from .logs import key_id, subject_id, write_direct
+from .logs import key_id, struct_fields, subject_id, write_direct
 
 if TYPE_CHECKING:
     from ..pipeline.context import RequestContext
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONTEXT_KEY",
     "MAX_FIELD_CHARS",
+    "AccessLine",
     "AccessRecord",
     "RequestLog",
     "SpanSink",
@@ -317,44 +319,87 @@ class AccessRecord(msgspec.Struct, gc=False):
 
     def fields(self) -> dict[str, Any]:
         """The access line's fields (no key, no prompt; ``key_id`` is a digest)."""
+        return struct_fields(self.line_fields())
+
+    def line_fields(self) -> AccessLine:
+        """:meth:`fields` as a struct (the members a line leaves out are ``UNSET``): the JSON
+        line encodes it without a dict, its names encoded once (:func:`.logs.write_direct`)."""
         first_token_at = self.first_token_at  # ttft_ms and duration_ms, without their calls
-        ttft = None if first_token_at is None else (first_token_at - self.started_at) * 1000
-        out: dict[str, Any] = {
-            "request_id": self.request_id,
-            "trace_id": self.trace_id,
-            "key_id": self.key_id,
-            "usage_key": self.usage_key,
-            "region": self.region,
-            "entry_region": self.entry_region,
-            "backend": self.backend,
-            "transport": self.transport,
-            "http_version": self.http_version,
-            "method": self.method,
-            "path": self.path,
-            "endpoint": self.endpoint,
-            "status": self.status,
-            "ttft_ms": None if ttft is None else round(ttft, 2),
-            "duration_ms": round((self.ended_at - self.started_at) * 1000, 2),
-            "input_tokens": self.usage.input_tokens,
-            "output_tokens": self.usage.output_tokens,
-            "outcome": self.outcome,
-            "model": self.model,
-            "stream": self.stream,
-            "client_city": self.client_city,
-            "client_country": self.client_country,
-        }
-        if self.subject_id is not None:
-            out["subject_id"] = self.subject_id
-        if self.spill or self.route_reason:
-            out["spill"] = self.spill
-            out["route_reason"] = self.route_reason
-        if self.client_gone:
-            out["client_gone"] = True
-        if self.upstream_error is not None:
-            out["upstream_error"] = self.upstream_error
-        if self.error_code is not None:
-            out["error_code"] = self.error_code
-        return out
+        started_at = self.started_at
+        spill = self.spill
+        route_reason = self.route_reason
+        shows_route = spill or route_reason
+        usage = self.usage
+        subject_id, upstream_error, error_code = (
+            self.subject_id, self.upstream_error, self.error_code)
+        # Positional, in AccessLine's order: a keyword costs msgspec a match each.
+        return AccessLine(
+            self.request_id,
+            self.trace_id,
+            self.key_id,
+            self.usage_key,
+            self.region,
+            self.entry_region,
+            self.backend,
+            self.transport,
+            self.http_version,
+            self.method,
+            self.path,
+            self.endpoint,
+            self.status,
+            None if first_token_at is None else round((first_token_at - started_at) * 1000, 2),
+            round((self.ended_at - started_at) * 1000, 2),
+            usage.input_tokens,
+            usage.output_tokens,
+            self.outcome,
+            self.model,
+            self.stream,
+            self.client_city,
+            self.client_country,
+            UNSET if subject_id is None else subject_id,
+            spill if shows_route else UNSET,
+            route_reason if shows_route else UNSET,
+            True if self.client_gone else UNSET,
+            UNSET if upstream_error is None else upstream_error,
+            UNSET if error_code is None else error_code,
+        )
+
+
+class AccessLine(msgspec.Struct, gc=False):
+    """The access line's fields in their order (:meth:`AccessRecord.fields`); a member the
+    line leaves out is ``UNSET`` (msgspec omits it)."""
+
+    request_id: str
+    trace_id: str
+    key_id: str | None
+    usage_key: str | None
+    region: str
+    entry_region: str
+    backend: str | None
+    transport: str
+    http_version: str
+    method: str
+    path: str
+    endpoint: str | None
+    status: int | None
+    ttft_ms: float | None
+    duration_ms: float
+    input_tokens: int | None
+    output_tokens: int | None
+    outcome: str
+    model: str | None
+    stream: str | None
+    client_city: str | None
+    client_country: str | None
+    subject_id: str | UnsetType = UNSET
+    """Only when the request named a subject."""
+    spill: bool | UnsetType = UNSET
+    """``spill`` and ``route_reason`` only when it spilled or has a reason."""
+    route_reason: str | UnsetType = UNSET
+    client_gone: bool | UnsetType = UNSET
+    """Only when true."""
+    upstream_error: str | UnsetType = UNSET
+    error_code: str | UnsetType = UNSET
 
 
 class SpanSink(Protocol):
@@ -511,17 +556,16 @@ class RequestLog:
         operational = exchange.path in _OPERATIONAL or (
             exchange.path == paths.EDGE_WARM and exchange.method == "GET")
         level = logging.DEBUG if operational else logging.INFO
-        if log.isEnabledFor(level):
-            fields = record.fields()
-            if not write_direct(log, level, f"{record.method} {record.path} {record.status}",
-                                fields):
-                # Logger.log without its findCaller (a walk up the stack, once a request):
-                # the record says where it comes from by its logger's name, not a line.
-                log.handle(log.makeRecord(
-                    log.name, level, __file__, 0, "%s %s %s",
-                    (record.method, record.path, record.status), None,
-                    extra={"fields": fields},
-                ))
+        if log.isEnabledFor(level) and not write_direct(
+                log, level, f"{record.method} {record.path} {record.status}",
+                record.line_fields()):
+            # Logger.log without its findCaller (a walk up the stack, once a request): the
+            # record says where it comes from by its logger's name, not a line.
+            log.handle(log.makeRecord(
+                log.name, level, __file__, 0, "%s %s %s",
+                (record.method, record.path, record.status), None,
+                extra={"fields": record.fields()},
+            ))
         # Not the operational requests either: a scrape and each peer's poll every second
         # would be a trace a second each, as they would be a line (debug only, above).
         if self.spans is not None and ctx is not None and record.sampled and not operational:

@@ -32,6 +32,7 @@ __all__ = [
     "configure",
     "key_id",
     "set_worker",
+    "struct_fields",
     "subject_id",
     "write_direct",
 ]
@@ -110,6 +111,25 @@ def set_worker(index: int) -> None:
     _worker = index
 
 
+Fields = Mapping[str, Any] | msgspec.Struct
+"""A line's fields: a mapping, or a struct whose members are the fields in their order, a
+member set to ``msgspec.UNSET`` left out (:class:`.access.AccessLine`)."""
+
+_LINE_MEMBERS = frozenset({"time", "level", "logger", "msg", "worker", "exc"})
+_DISJOINT: dict[type, bool] = {}
+"""Per struct type: are its members' names none of a line's own (:data:`_LINE_MEMBERS`)?"""
+
+
+def struct_fields(fields: msgspec.Struct) -> dict[str, Any]:
+    """A struct's fields as the mapping a line is made of (``UNSET`` members left out)."""
+    return {
+        name: value
+        for name, value in zip(fields.__struct_fields__, msgspec.structs.astuple(fields),
+                               strict=True)
+        if value is not msgspec.UNSET
+    }
+
+
 def _fields(record: logging.LogRecord) -> Mapping[str, Any]:
     fields = getattr(record, _FIELDS, None)
     return fields if isinstance(fields, Mapping) else {}
@@ -158,7 +178,7 @@ class _LineFormatter(logging.Formatter):
         )
 
     def line(
-        self, created: float, level: str, logger: str, msg: str, fields: Mapping[str, Any],
+        self, created: float, level: str, logger: str, msg: str, fields: Fields,
         exc: str | None = None,
     ) -> str:
         """The line of a record of ``logger`` at ``level`` (``INFO``...) made at ``created``."""
@@ -173,7 +193,7 @@ class JsonFormatter(_LineFormatter):
     giving the same bytes."""
 
     def line(
-        self, created: float, level: str, logger: str, msg: str, fields: Mapping[str, Any],
+        self, created: float, level: str, logger: str, msg: str, fields: Fields,
         exc: str | None = None,
     ) -> str:
         line: dict[str, Any] = {
@@ -184,6 +204,25 @@ class JsonFormatter(_LineFormatter):
         }
         if _worker is not None:
             line["worker"] = _worker
+        if isinstance(fields, msgspec.Struct):
+            # A struct's members after the line's, as the dict's below: its names encoded
+            # once by msgspec, not each as a dict's key, and no dict made (an access line).
+            kind = type(fields)
+            disjoint = _DISJOINT.get(kind)
+            if disjoint is None:
+                disjoint = _DISJOINT[kind] = _LINE_MEMBERS.isdisjoint(fields.__struct_fields__)
+            if disjoint and not exc:
+                try:
+                    buffer = bytearray()
+                    _ENCODER.encode_into(line, buffer)
+                    brace = len(buffer) - 1
+                    _ENCODER.encode_into(fields, buffer, brace)
+                    if len(buffer) > brace + 2:  # some member: "{" made the ","
+                        buffer[brace] = 44
+                        return buffer.decode()
+                except (TypeError, ValueError, UnicodeDecodeError):
+                    pass  # as the merged object fails: below
+            fields = struct_fields(fields)
         # The fields' keys tested against the line's 4 or 5 members, not each of an access
         # line's ~25 fields looked up in the line: one lookup a member.
         disjoint = fields.keys().isdisjoint(line)
@@ -217,10 +256,12 @@ class TextFormatter(_LineFormatter):
     """``TIME LEVEL LOGGER: MSG key=value ...`` for a terminal."""
 
     def line(
-        self, created: float, level: str, logger: str, msg: str, fields: Mapping[str, Any],
+        self, created: float, level: str, logger: str, msg: str, fields: Fields,
         exc: str | None = None,
     ) -> str:
         text = f"{self._timestamp.format(created)} {level} {logger}: {msg}"
+        if isinstance(fields, msgspec.Struct):
+            fields = struct_fields(fields)
         if _worker is not None:
             fields = {"worker": _worker, **fields}
         pairs = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
@@ -235,15 +276,14 @@ class _LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The one handler :func:`configure` installs (:func:`write_direct` writes to it)."""
 
 
-def write_direct(
-    logger: logging.Logger, level: int, msg: str, fields: Mapping[str, Any]
-) -> bool:
+def write_direct(logger: logging.Logger, level: int, msg: str, fields: Fields) -> bool:
     """Write a record of ``logger`` at ``level`` (enabled: the caller asked) with ``fields``
-    as its ``extra`` straight to the handler :func:`configure` installed, without making a
-    LogRecord, when that handler is the only place it would go: no handler, filter or
-    disabled logger on its way up to the root, whose only handler is ours, unfiltered and at
-    ``level`` or below. The line is the one its formatter makes of the same record. False
-    (nothing written) otherwise, or if the write failed: the caller logs the standard way.
+    (a mapping, or a struct: :data:`Fields`) as its ``extra`` straight to the handler
+    :func:`configure` installed, without making a LogRecord, when that handler is the only
+    place it would go: no handler, filter or disabled logger on its way up to the root, whose
+    only handler is ours, unfiltered and at ``level`` or below. The line is the one its
+    formatter makes of the same record. False (nothing written) otherwise, or if the write
+    failed: the caller logs the standard way.
 
     An access line a request went through ``Logger.handle``: a LogRecord of ~20 fields, the
     logger hierarchy's handlers and the handler's locks, ~0.1M instructions of the ~1.5M a
