@@ -549,12 +549,17 @@ class RequestLog:
         self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float,
         stream: Stream | None,
     ) -> None:
-        record = self.record(exchange, ctx, websocket, ended_at, stream)
         # A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too (a
         # prompt warm-up, its POST, spends tokens and is logged as any request). serve()
         # makes the same test to build no record where this would write none.
         operational = exchange.path in _OPERATIONAL or (
             exchange.path == paths.EDGE_WARM and exchange.method == "GET")
+        # Not the operational requests either: a scrape and each peer's poll every second
+        # would be a trace a second each, as they would be a line (debug only, below).
+        spans = self.spans
+        traced = spans is not None and ctx is not None and not operational and (
+            ctx.traceparent.sampled)
+        record = self.record(exchange, ctx, websocket, ended_at, stream, traced=traced)
         level = logging.DEBUG if operational else logging.INFO
         if log.isEnabledFor(level) and not write_direct(
                 log, level, f"{record.method} {record.path} {record.status}",
@@ -566,17 +571,17 @@ class RequestLog:
                 (record.method, record.path, record.status), None,
                 extra={"fields": record.fields()},
             ))
-        # Not the operational requests either: a scrape and each peer's poll every second
-        # would be a trace a second each, as they would be a line (debug only, above).
-        if self.spans is not None and ctx is not None and record.sampled and not operational:
-            self.spans.export(record)
+        if traced and spans is not None:
+            spans.export(record)
 
     def record(
         self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float,
-        stream: Stream | None,
+        stream: Stream | None, *, traced: bool = True,
     ) -> AccessRecord:
         """The access record of a finished request (``ctx`` None: no pipeline ran) that
-        produced ``stream`` (started in this process: its tokens are this request's)."""
+        produced ``stream`` (started in this process: its tokens are this request's).
+        Unless ``traced`` (the record goes to the trace exporter), a chat stream's
+        ``usage.response_model``, which only a trace says, is not read (None)."""
         status = exchange.status
         path = exchange.path
         if ctx is None:
@@ -592,7 +597,11 @@ class RequestLog:
                 if end and events[-1].data == DONE_DATA:
                     end -= 1
                 if end:
-                    model, ended = stream_ending(events[0].data, events[end - 1].data, codec)
+                    # A chat stream's first event is decoded for its model only, which only
+                    # a trace says: not for a line alone (a JSON decode a request).
+                    model, ended = stream_ending(
+                        events[0].data if traced or codec is not CHAT else None,
+                        events[end - 1].data, codec)
                 else:
                     model, ended = stream_ending(None, None, codec)
                 usage = Usage(stream.usage.input_tokens, stream.usage.output_tokens,

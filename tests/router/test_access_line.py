@@ -457,9 +457,9 @@ async def test_an_operational_request_s_record_is_built_only_to_be_written(
     built: list[str] = []
     record = RequestLog.record
 
-    def counted(self: RequestLog, exchange: Any, *args: Any) -> AccessRecord:
+    def counted(self: RequestLog, exchange: Any, *args: Any, **kwargs: Any) -> AccessRecord:
         built.append(f"{exchange.method} {exchange.path}")
-        return record(self, exchange, *args)
+        return record(self, exchange, *args, **kwargs)
 
     monkeypatch.setattr(RequestLog, "record", counted)
     spans = _Spans()
