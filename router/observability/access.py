@@ -559,33 +559,48 @@ class RequestLog:
         spans = self.spans
         traced = spans is not None and ctx is not None and not operational and (
             ctx.traceparent.sampled)
-        record = self.record(exchange, ctx, websocket, ended_at, stream, traced=traced)
         level = logging.DEBUG if operational else logging.INFO
-        if log.isEnabledFor(level) and not write_direct(
-                log, level, f"{record.method} {record.path} {record.status}",
-                record.line_fields()):
-            # Logger.log without its findCaller (a walk up the stack, once a request): the
-            # record says where it comes from by its logger's name, not a line.
-            log.handle(log.makeRecord(
-                log.name, level, __file__, 0, "%s %s %s",
-                (record.method, record.path, record.status), None,
-                extra={"fields": record.fields()},
-            ))
-        if traced and spans is not None:
+        record: AccessRecord | None = None
+        if traced:
+            record = self.record(exchange, ctx, websocket, ended_at, stream)
+        if log.isEnabledFor(level):
+            # Without a trace, the line's fields alone: no record made to be read once.
+            line = (record.line_fields() if record is not None
+                    else self._make(exchange, ctx, websocket, ended_at, stream, False, True))
+            assert isinstance(line, AccessLine)
+            if not write_direct(log, level, f"{line.method} {line.path} {line.status}", line):
+                # Logger.log without its findCaller (a walk up the stack, once a request): the
+                # record says where it comes from by its logger's name, not a line.
+                log.handle(log.makeRecord(
+                    log.name, level, __file__, 0, "%s %s %s",
+                    (line.method, line.path, line.status), None,
+                    extra={"fields": struct_fields(line)},
+                ))
+        if record is not None and spans is not None:
             spans.export(record)
 
     def record(
         self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float,
-        stream: Stream | None, *, traced: bool = True,
+        stream: Stream | None,
     ) -> AccessRecord:
         """The access record of a finished request (``ctx`` None: no pipeline ran) that
-        produced ``stream`` (started in this process: its tokens are this request's).
-        Unless ``traced`` (the record goes to the trace exporter), a chat stream's
-        ``usage.response_model``, which only a trace says, is not read (None)."""
+        produced ``stream`` (started in this process: its tokens are this request's)."""
+        record = self._make(exchange, ctx, websocket, ended_at, stream, True, False)
+        assert isinstance(record, AccessRecord)
+        return record
+
+    def _make(
+        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool, ended_at: float,
+        stream: Stream | None, traced: bool, line: bool,
+    ) -> AccessRecord | AccessLine:
+        """:meth:`record`, or with ``line`` its :meth:`~AccessRecord.line_fields` made
+        without it. Unless ``traced`` (the record goes to the trace exporter), a chat
+        stream's ``usage.response_model``, which only a trace says, is not read (None)."""
         status = exchange.status
         path = exchange.path
         if ctx is None:
-            return self._bare_record(exchange, websocket, ended_at)
+            bare = self._bare_record(exchange, websocket, ended_at)
+            return bare.line_fields() if line else bare
         # From here on ctx is there: one test of it, not one a field.
         if stream is not None:
             codec = ctx.codec
@@ -659,6 +674,55 @@ class RequestLog:
             started_at = received_at
         upstream_error = ctx.upstream_error
         api_key = ctx._api_key
+        # The digests only of what is there (an anonymous request has no key), each worked
+        # out once per key and subject (key_id's and subject_id's caches). The key is read
+        # from its field, not through the api_key descriptor: a call less. A client token's
+        # request has no key: its key's id came with the token's check.
+        the_key_id = (key_id(api_key) if api_key
+                      else ctx.token_key_id if ctx._token_owner is not None else None)
+        usage_key = (self.usage_key(ctx.owner)
+                     if self.usage_key is not None and request is not None else None)
+        the_subject_id = subject_id(ctx.subject) if ctx.subject else None
+        route_reason = str(reason or ctx.route_reason)
+        endpoint = ctx.codec.name if request is not None else None
+        stream_id = touched.id if touched is not None else None
+        first_token_at = ctx.first_token_at
+        error_code = ctx.error_code
+        if line:
+            # AccessRecord.line_fields of the record these values make, without the record
+            # (no trace takes it): the same values, the same members left out.
+            shows_route = spill or route_reason
+            return AccessLine(
+                trace.parent_id,  # request_id
+                trace.trace_id,  # trace_id
+                the_key_id,  # key_id
+                usage_key,  # usage_key
+                ctx.region or self.region,  # region
+                self.region,  # entry_region
+                getattr(backend, "name", None),  # backend
+                transport,  # transport
+                http_version,  # http_version
+                method,  # method
+                path,  # path
+                endpoint,  # endpoint
+                status,  # status
+                (None if first_token_at is None  # ttft_ms
+                 else round((first_token_at - started_at) * 1000, 2)),
+                round((ended_at - started_at) * 1000, 2),  # duration_ms
+                usage.input_tokens,  # input_tokens
+                usage.output_tokens,  # output_tokens
+                outcome,  # outcome
+                model,  # model
+                stream_id,  # stream
+                city,  # client_city
+                country,  # client_country
+                UNSET if the_subject_id is None else the_subject_id,  # subject_id
+                spill if shows_route else UNSET,  # spill
+                route_reason if shows_route else UNSET,  # route_reason
+                UNSET if exchange.complete else True,  # client_gone
+                bounded(upstream_error) if upstream_error else UNSET,  # upstream_error
+                UNSET if error_code is None else error_code,  # error_code
+            )
         # Positional, in the fields' order (the comments name them): msgspec matched these
         # 36 keywords to fields at ~16k instructions a record, the positions cost ~6k.
         return AccessRecord(
@@ -666,19 +730,13 @@ class RequestLog:
             trace.trace_id,  # trace_id
             trace.caller_id,  # caller_span_id
             trace.sampled,  # sampled
-            # The digests only of what is there (an anonymous request has no key), each
-            # worked out once per key and subject (key_id's and subject_id's caches). The key
-            # is read from its field, not through the api_key descriptor: a call less. A
-            # client token's request has no key: its key's id came with the token's check.
-            key_id(api_key) if api_key  # key_id
-            else ctx.token_key_id if ctx._token_owner is not None else None,
-            (self.usage_key(ctx.owner)  # usage_key
-             if self.usage_key is not None and request is not None else None),
-            subject_id(ctx.subject) if ctx.subject else None,  # subject_id
+            the_key_id,  # key_id
+            usage_key,  # usage_key
+            the_subject_id,  # subject_id
             ctx.region or self.region,  # region
             self.region,  # entry_region
             spill,  # spill
-            str(reason or ctx.route_reason),  # route_reason
+            route_reason,  # route_reason
             city,  # client_city
             country,  # client_country
             getattr(backend, "name", None),  # backend
@@ -689,7 +747,7 @@ class RequestLog:
             path,  # path
             status,  # status
             outcome,  # outcome
-            touched.id if touched is not None else None,  # stream
+            stream_id,  # stream
             model,  # model
             request.output_limit if request is not None else None,  # max_tokens
             usage,  # usage
@@ -699,11 +757,11 @@ class RequestLog:
             ctx.admitted_at,  # admitted_at
             ctx.routed_at,  # routed_at
             ctx.upstream_sent_at,  # upstream_sent_at
-            ctx.first_token_at,  # first_token_at
+            first_token_at,  # first_token_at
             ended_at,  # ended_at
-            ctx.codec.name if request is not None else None,  # endpoint
+            endpoint,  # endpoint
             bounded(upstream_error) if upstream_error else None,  # upstream_error
-            ctx.error_code,  # error_code
+            error_code,  # error_code
         )
 
     def _bare_record(self, exchange: _Exchange, websocket: bool, ended_at: float) -> AccessRecord:

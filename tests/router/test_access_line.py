@@ -201,13 +201,17 @@ TEXT_LINES = [
 ]
 
 
-async def _lines(fmt: LogFormat, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[Any]]:
+async def _lines(
+    fmt: LogFormat, monkeypatch: pytest.MonkeyPatch, *, traced: bool = True
+) -> tuple[str, list[Any]]:
     spans = _Spans()
     # Each request's two readings: when it arrived, when it was over.
     clock = _clock(
         10.5, 11.2505, 20.1, 20.00075, 31.0, 33.0, 40.1, 40.5, 50.0, 50.002, 60.0, 60.001
     )
-    request_log = RequestLog("eu-1", spans, clock, usage_key=lambda owner: "team-a")
+    request_log = RequestLog(
+        "eu-1", spans if traced else None, clock, usage_key=lambda owner: "team-a"
+    )
     with configured(fmt) as (out, _), monkeypatch.context() as patch:
         patch.setattr(time, "time", lambda: NOW)
         await _serve(request_log, "/v1/chat/completions", _streamed(), 200)
@@ -219,11 +223,14 @@ async def _lines(fmt: LogFormat, monkeypatch: pytest.MonkeyPatch) -> tuple[str, 
         return out.getvalue(), spans.records
 
 
+@pytest.mark.parametrize("traced", [True, False])
 @pytest.mark.parametrize("fmt", ["json", "text"])
 async def test_access_lines_are_these_bytes(
-    fmt: LogFormat, monkeypatch: pytest.MonkeyPatch
+    fmt: LogFormat, traced: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    written, _ = await _lines(fmt, monkeypatch)
+    """The same lines whether a trace exporter takes the records or not (without one, a
+    line's fields are made without a record: RequestLog._make)."""
+    written, _ = await _lines(fmt, monkeypatch, traced=traced)
     assert written.splitlines(keepends=True) == (JSON_LINES if fmt == "json" else TEXT_LINES)
 
 
@@ -455,13 +462,13 @@ async def test_an_operational_request_s_record_is_built_only_to_be_written(
     records (their lines are ``debug``, never traced) are not built at all, the others' are;
     at ``debug`` every record is built and the operational ones are written, at ``debug``."""
     built: list[str] = []
-    record = RequestLog.record
+    make = RequestLog._make  # the record, or the line's fields alone
 
-    def counted(self: RequestLog, exchange: Any, *args: Any, **kwargs: Any) -> AccessRecord:
+    def counted(self: RequestLog, exchange: Any, *args: Any) -> Any:
         built.append(f"{exchange.method} {exchange.path}")
-        return record(self, exchange, *args, **kwargs)
+        return make(self, exchange, *args)
 
-    monkeypatch.setattr(RequestLog, "record", counted)
+    monkeypatch.setattr(RequestLog, "_make", counted)
     spans = _Spans()
     request_log = RequestLog("eu-1", spans, clock=lambda: 5.0)
     with configured("json", level) as (out, _), monkeypatch.context() as patch:
