@@ -5,10 +5,11 @@ stream has finished (``[DONE]`` is in the store: the upstream completed, failed 
 cancelled). So a client that disconnects from an SSE stream, or a long-poll client whose
 ``POST /v1/streams`` was answered at once, still gets a line with the stream's tokens and
 outcome. :class:`RequestLog` builds the :class:`AccessRecord` from the request context and
-the stream, writes the line on the ``firstbyte.access`` logger (``info``; ``debug`` for the
-operational paths a load balancer, Prometheus or the peers ask every second, whose record is
-not built at all where ``debug`` is off) and hands the record to the trace exporter when one
-is configured.
+the stream, writes the line (its :class:`AccessLine`) on the ``firstbyte.access`` logger
+(``info``; ``debug`` for the operational paths a load balancer, Prometheus or the peers ask
+every second, whose record is not built at all where ``debug`` is off) and hands the record
+to the trace exporter when one is configured and takes it (a sampled request); a request no
+trace takes gets its line's fields made from the same values, without the record.
 """
 
 from __future__ import annotations
