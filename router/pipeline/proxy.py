@@ -703,6 +703,10 @@ class _Producer:
         payloads = relay.feed(data, now)
         if payloads is None:  # more than events to append: the relay's actions
             self._apply(relay.take_actions(), now)
+            # The read with the first content made the relay's fast path apply: the next
+            # read (the second token's) goes the compiled way already, not the Python one.
+            if relay.cuts_reads and self._compiled and self._conn is not None:
+                self._take_reads(self._conn)
         elif payloads:
             # The fused path: the store appends, mirrors and writes to its direct readers
             # in one call; the inter-token metric from this read's one clock reading.

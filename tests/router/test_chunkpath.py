@@ -499,7 +499,7 @@ def _script() -> list[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def _scripted_upstream(writes: list[bytes]) -> AsyncIterator[str]:
+async def _scripted_upstream(writes: list[bytes], gap_s: float = 0.005) -> AsyncIterator[str]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while True:
@@ -519,7 +519,7 @@ async def _scripted_upstream(writes: list[bytes]) -> AsyncIterator[str]:
                     b"transfer-encoding: chunked\r\n\r\n"
                 )
                 for data in writes:
-                    await asyncio.sleep(0.005)
+                    await asyncio.sleep(gap_s)
                     writer.write(data)
                     await writer.drain()
         writer.close()
@@ -531,11 +531,13 @@ async def _scripted_upstream(writes: list[bytes]) -> AsyncIterator[str]:
         server.close()
 
 
-async def _relayed(start_router: RouterFactory, writes: list[bytes]) -> bytes:
+async def _relayed(
+    start_router: RouterFactory, writes: list[bytes], gap_s: float = 0.005
+) -> bytes:
     body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}],
             "stream": True}
     async with (
-        _scripted_upstream(writes) as url,
+        _scripted_upstream(writes, gap_s) as url,
         start_router([url], tls=False) as router,
         httpx.AsyncClient(timeout=30) as client,
     ):
@@ -599,6 +601,29 @@ async def test_a_scripted_stream_reaches_the_client_the_same_on_both_paths(
     assert sum(taken) >= 20, taken
     assert taken.count(False) >= 5, taken
     assert sum(written) >= sum(taken)
+
+
+async def test_every_token_after_the_first_goes_the_compiled_way(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The read with the first content goes the Python way (its first-token hooks, the
+    # response head); the compiled path is offered from that read on, so the second token's
+    # read is taken too, not left to the Python fast path.
+    paths: list[Any] = []
+    real_read = chunkpath.READ_PATH
+
+    def counting(*args: Any) -> Any:
+        path = real_read(*args)
+        paths.append(path)
+        return path
+
+    monkeypatch.setattr(chunkpath, "READ_PATH", counting)
+    tokens = [_chunk(_event(n)) for n in range(3)]
+    writes = [_chunk(ROLE), *tokens, _chunk(USAGE), _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"]
+    body = await _relayed(start_router, writes, gap_s=0.05)
+    assert sse_text(body)[0] == "w0 w1 w2 "
+    assert len(paths) == 1
+    assert (paths[0].reads, paths[0].events) == (2, 2)  # w1's read and w2's
 
 
 # -- when a connection offers its reads: only at a chunk's end ---------------------------
