@@ -7,9 +7,14 @@
  *                   the store (Stream.add, done here in C where it neither trims nor
  *                   reclaims) and the inter-token metric (GapTimer.tick, here in C). It
  *                   replaces httptools' parse, the sink's on_body/on_read_end and Relay.feed
- *                   for that read; any other read (a partial chunk, the last chunk, an event
- *                   of another shape, a decided attempt) returns False having changed nothing,
- *                   and the Python path takes the read as before.
+ *                   for that read. A read of whole chunks of one-line `data:` events that it
+ *                   does not take so (the first content, a usage chunk, [DONE], maybe with the
+ *                   body's last chunk) is cut here and its events' payloads handed to the
+ *                   sink's on_events (the relay from its framer on, in Python), the body's end
+ *                   to the connection's on_message_complete, as the parser would. Any other
+ *                   read (a partial chunk, an event of another shape, trailers, a decided
+ *                   attempt) returns False having changed nothing, and the Python path takes
+ *                   the read as before.
  *   pack_xadds(batch, start, limit, names, name_of, trim, done, every)
  *                   the Redis writer's per-event packing (router/shared/streams.py,
  *                   _Writer._pack): the XADD operations of a run of plain events, packed
@@ -39,7 +44,7 @@
 #define MAX_EVENTS 64 /* more chunks in one read than this: the Python path */
 
 static PyObject *s_done, *s_is_closing, *s_write, *s_transport, *s_flow, *s_add,
-    *s_drop_released_taps, *s_wake;
+    *s_drop_released_taps, *s_wake, *s_on_message_complete;
 
 static PyTypeObject SSEWriterType;
 static PyObject *SSEWriter_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
@@ -256,14 +261,18 @@ typedef struct {
     Py_ssize_t overhead;  /* EVENT_OVERHEAD_BYTES: the store's charge an event beyond its data */
     PyObject *gaps;      /* the observer's GapTimer (its chunk's work), or None */
     PyObject *loop_time; /* loop.time, bound */
+    PyObject *on_events; /* the sink's on_events (a read cut into its events), or None */
     Py_ssize_t reads;    /* reads taken */
     Py_ssize_t events;   /* events they held */
+    Py_ssize_t handed;   /* reads cut and handed to on_events */
     vectorcallfunc vectorcall;
 } ReadPath;
 
 static PyMemberDef ReadPath_members[] = {
     {"reads", T_PYSSIZET, offsetof(ReadPath, reads), READONLY, "Reads taken."},
     {"events", T_PYSSIZET, offsetof(ReadPath, events), READONLY, "Events those reads held."},
+    {"handed", T_PYSSIZET, offsetof(ReadPath, handed), READONLY,
+     "Reads cut into their events and handed to on_events (or the body's end only)."},
     {NULL},
 };
 
@@ -277,6 +286,7 @@ ReadPath_traverse(ReadPath *self, visitproc visit, void *arg)
     Py_VISIT(self->event_type);
     Py_VISIT(self->gaps);
     Py_VISIT(self->loop_time);
+    Py_VISIT(self->on_events);
     return 0;
 }
 
@@ -290,6 +300,7 @@ ReadPath_clear(ReadPath *self)
     Py_CLEAR(self->event_type);
     Py_CLEAR(self->gaps);
     Py_CLEAR(self->loop_time);
+    Py_CLEAR(self->on_events);
     return 0;
 }
 
@@ -301,9 +312,12 @@ ReadPath_dealloc(ReadPath *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Is `p[0:n]` one whole event the relay's fast path cuts (Relay.feed's test, byte for byte)? */
+/* Is `p[0:n]` one whole one-line event, `data: DATA\n\n` with no CR or LF in DATA (what the
+ * relay's framer cuts to DATA on its own, at an event boundary)? 2 if it is also one the
+ * relay's fast path cuts (Relay.feed's test, byte for byte: not `[DONE]`, not ending with
+ * `}}`), 1 if only the former, 0 if neither. */
 static int
-fast_event(const char *p, Py_ssize_t n)
+plain_event(const char *p, Py_ssize_t n)
 {
     if (n < 8 || memcmp(p, "data: ", 6) != 0)
         return 0;
@@ -311,18 +325,23 @@ fast_event(const char *p, Py_ssize_t n)
     const char *lf = memchr(p, '\n', (size_t)n);
     if (lf == NULL || lf - p != end || p[n - 1] != '\n')
         return 0;
-    if (memchr(p, '\r', (size_t)n) != NULL || p[6] == '[')
+    if (memchr(p, '\r', (size_t)n) != NULL)
         return 0;
-    if (p[end - 2] == '}' && p[end - 1] == '}')
-        return 0;
-    return 1;
+    if (p[6] == '[' || (p[end - 2] == '}' && p[end - 1] == '}'))
+        return 1;
+    return 2;
 }
 
-/* Whole chunks `HEX\r\nPAYLOAD\r\n`, each a fast event: their data's offsets; -1 if not. */
+/* Whole chunks `HEX\r\nPAYLOAD\r\n`, each a one-line event (plain_event), then maybe the
+ * body's last chunk `0\r\n\r\n` (no trailers) ending the read: their data's offsets; -1 if
+ * not. `*fast`: every one is an event the fast path cuts; `*ended`: the last chunk came. */
 static Py_ssize_t
-cut_chunks(const char *buf, Py_ssize_t len, Py_ssize_t *starts, Py_ssize_t *sizes)
+cut_chunks(const char *buf, Py_ssize_t len, Py_ssize_t *starts, Py_ssize_t *sizes, int *fast,
+           int *ended)
 {
     Py_ssize_t pos = 0, count = 0;
+    *fast = 1;
+    *ended = 0;
     while (pos < len) {
         size_t size = 0;
         Py_ssize_t digits = 0;
@@ -341,16 +360,27 @@ cut_chunks(const char *buf, Py_ssize_t len, Py_ssize_t *starts, Py_ssize_t *size
             digits++;
             pos++;
         }
-        if (digits == 0 || size == 0 || count == MAX_EVENTS)
-            return -1; /* not a size, the last chunk, or too many: the parser's */
+        if (digits == 0 || count == MAX_EVENTS)
+            return -1; /* not a size, or too many: the parser's */
+        if (size == 0) {
+            if (len - pos != 4 || memcmp(buf + pos, "\r\n\r\n", 4) != 0)
+                return -1; /* trailers, extensions, or more after it: the parser's */
+            *ended = 1;
+            return count;
+        }
         if (len - pos < 2 || buf[pos] != '\r' || buf[pos + 1] != '\n')
             return -1; /* extensions, a long size, or cut short */
         pos += 2;
         if ((size_t)(len - pos) < size + 2)
             return -1;
         Py_ssize_t n = (Py_ssize_t)size;
-        if (buf[pos + n] != '\r' || buf[pos + n + 1] != '\n' || !fast_event(buf + pos, n))
+        if (buf[pos + n] != '\r' || buf[pos + n + 1] != '\n')
             return -1;
+        int plain = plain_event(buf + pos, n);
+        if (plain == 0)
+            return -1;
+        if (plain == 1)
+            *fast = 0;
         starts[count] = pos + 6;
         sizes[count] = n - 8;
         count++;
@@ -628,6 +658,46 @@ out:
     return status;
 }
 
+/* A read of whole one-line events that the fast path does not take (the first content, a
+ * usage chunk, [DONE], a relay not on its fast path), maybe ending with the body's last
+ * chunk: its events' payloads, as the relay's framer would cut them, to the sink's
+ * `on_events` (router/pipeline/proxy.py: Relay.feed_events from there on, the Python path
+ * past the framer), then the parser's `on_message_complete` if the body ended. 1 taken,
+ * -1 error. */
+static int
+hand_over(ReadPath *self, const char *buf, const Py_ssize_t *starts, const Py_ssize_t *sizes,
+          Py_ssize_t count, int ended)
+{
+    PyObject *loop_now = PyObject_CallNoArgs(self->loop_time);
+    if (loop_now == NULL)
+        return -1;
+    int set = slot_set(self->conn, &conn_last_read, loop_now);
+    Py_DECREF(loop_now);
+    if (set < 0)
+        return -1;
+    if (count > 0) {
+        PyObject *payloads = PyList_New(count);
+        if (payloads == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *payload = PyBytes_FromStringAndSize(buf + starts[i], sizes[i]);
+            if (payload == NULL) {
+                Py_DECREF(payloads);
+                return -1;
+            }
+            PyList_SET_ITEM(payloads, i, payload);
+        }
+        PyObject *result = PyObject_CallOneArg(self->on_events, payloads);
+        Py_DECREF(payloads);
+        if (discard(result) < 0)
+            return -1;
+    }
+    if (ended && discard(PyObject_CallMethodNoArgs(self->conn, s_on_message_complete)) < 0)
+        return -1;
+    self->handed++;
+    return 1;
+}
+
 /* The read's outcome: 1 taken, 0 for the Python path (nothing changed), -1 error. */
 static int
 read_path(ReadPath *self, PyObject *data)
@@ -637,8 +707,11 @@ read_path(ReadPath *self, PyObject *data)
     const char *buf = PyBytes_AS_STRING(data);
     Py_ssize_t len = PyBytes_GET_SIZE(data);
     Py_ssize_t starts[MAX_EVENTS], sizes[MAX_EVENTS];
-    Py_ssize_t count = cut_chunks(buf, len, starts, sizes);
-    if (count <= 0)
+    int all_fast, ended;
+    Py_ssize_t count = cut_chunks(buf, len, starts, sizes, &all_fast, &ended);
+    if (count < 0 || (count == 0 && !ended))
+        return 0;
+    if (!(all_fast && !ended) && self->on_events == Py_None)
         return 0;
 
     PyObject *done = PyObject_CallMethodNoArgs(self->outcome, s_done);
@@ -648,16 +721,25 @@ read_path(ReadPath *self, PyObject *data)
     Py_DECREF(done);
     if (decided != 0)
         return decided < 0 ? -1 : 0;
-    int fast = attr_true(self->relay, &relay_fast);
-    if (fast <= 0)
-        return fast;
-    PyObject *framer = slot_get(self->relay, &relay_framer);
-    if (framer == NULL)
-        return -1;
-    int idle = attr_true(framer, &framer_idle);
-    Py_DECREF(framer);
-    if (idle <= 0)
-        return idle;
+    int fast = 0;
+    if (all_fast && !ended) {
+        fast = attr_true(self->relay, &relay_fast);
+        if (fast < 0)
+            return -1;
+        if (!fast && self->on_events == Py_None)
+            return 0;
+    }
+    if (count > 0) {
+        PyObject *framer = slot_get(self->relay, &relay_framer);
+        if (framer == NULL)
+            return -1;
+        int idle = attr_true(framer, &framer_idle);
+        Py_DECREF(framer);
+        if (idle <= 0)
+            return idle;
+    }
+    if (!fast)
+        return hand_over(self, buf, starts, sizes, count, ended);
 
     /* From here the read is taken, as Relay.feed would (same payloads, same counters). */
     double now = perf_counter();
@@ -722,12 +804,14 @@ ReadPath_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, Py
 static PyObject *
 ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"conn",           "outcome", "relay",     "stream", "event_type",
-                             "event_overhead", "gaps",    "loop_time", NULL};
+    static char *kwlist[] = {"conn",           "outcome", "relay",     "stream",    "event_type",
+                             "event_overhead", "gaps",    "loop_time", "on_events", NULL};
     PyObject *conn, *outcome, *relay, *stream, *event_type, *gaps, *loop_time;
+    PyObject *on_events = Py_None;
     Py_ssize_t overhead;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOnOO:ReadPath", kwlist, &conn, &outcome,
-                                     &relay, &stream, &event_type, &overhead, &gaps, &loop_time))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOnOO|O:ReadPath", kwlist, &conn, &outcome,
+                                     &relay, &stream, &event_type, &overhead, &gaps, &loop_time,
+                                     &on_events))
         return NULL;
     ReadPath *self = (ReadPath *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -740,6 +824,7 @@ ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->overhead = overhead;
     self->gaps = Py_NewRef(gaps);
     self->loop_time = Py_NewRef(loop_time);
+    self->on_events = Py_NewRef(on_events);
     self->vectorcall = ReadPath_vectorcall;
     return (PyObject *)self;
 }
@@ -748,7 +833,7 @@ static PyTypeObject ReadPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "firstbyte.router._chunkpath.ReadPath",
     .tp_doc = "ReadPath(conn, outcome, relay, stream, event_type, event_overhead, gaps, "
-              "loop_time)(data) -> bool: "
+              "loop_time, on_events=None)(data) -> bool: "
               "take an upstream read of whole chunks of whole events, or leave it (False).",
     .tp_basicsize = sizeof(ReadPath),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -1305,6 +1390,7 @@ PyInit__chunkpath(void)
     INTERN(s_add, "add");
     INTERN(s_drop_released_taps, "_drop_released_taps");
     INTERN(s_wake, "_wake");
+    INTERN(s_on_message_complete, "on_message_complete");
     for (Slot *const *slot = all_slots; *slot != NULL; slot++)
         INTERN((*slot)->name, (*slot)->text);
     if (PyType_Ready(&ReadPathType) < 0 || PyType_Ready(&SSEWriterType) < 0 ||

@@ -11,10 +11,13 @@ frame on uvicorn's transport (:class:`SSEWriter`). The objects it reads per chun
 fields in ``__slots__`` (the stream, its store and owner, the relay and its framer, the
 connection, the reader's tap and framer, the timer and histogram); the C reads and writes
 those at the slots' offsets, as CPython's specialized ``LOAD_ATTR_SLOT`` does, and any other
-object through ``getattr``. Any other read (a partial chunk, the body's end, another shape
-of event, a reader that fell behind, a named event) goes the Python way, which stays the
-one definition of what a read means; the compiled path gives the same store, bytes and
-counters (``tests/router/test_chunkpath.py``).
+object through ``getattr``. A read of whole chunks of one-line ``data:`` events that is not
+such a read (the first content, the usage chunk, ``[DONE]``, the body's end) is cut in C
+and its events handed to the producer's ``on_events``: the relay's Python path from its
+framer on, without httptools' callbacks, the read's join and the framer. Any other read (a
+partial chunk, another shape of event, a named event), and a reader that fell behind, go
+the Python way, which stays the one definition of what a read means; the compiled path
+gives the same store, bytes and counters (``tests/router/test_chunkpath.py``).
 
 With shared state it also queues each event for the Redis writer (:data:`MIRROR`, in place
 of :meth:`~firstbyte.router.shared.streams._Writer.push`) and packs the writer's operation

@@ -297,9 +297,11 @@ class H1Connection(asyncio.Protocol):
 
     def offer_fast(self, take: Callable[[bytes], bool]) -> None:
         """From the next read that starts at a chunk boundary of the body, ``take(data)``
-        is asked first: True means it took the read whole (nothing goes to the parser or
-        the sink), False that the read goes the usual way. Only whole chunks may be taken:
-        the parser, not fed them, stays at the boundary where it was."""
+        is asked first: True means it took the read whole (nothing goes to the parser; the
+        taker gives the sink what it must, and calls :meth:`on_message_complete` as the
+        parser would when the read held the body's last chunk), False that the read goes the
+        usual way. Only whole chunks may be taken: the parser, not fed them, stays at the
+        boundary where it was."""
         self._fast_offer = take
 
     @property

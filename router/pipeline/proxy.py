@@ -540,6 +540,9 @@ class _Producer:
             for path in self._compiled_paths:  # their events are in the relay's count
                 reads["compiled"] += path.reads
                 reads["fast"] -= path.events
+            # Each path holds this producer (its on_events): dropped, so the two make no
+            # cycle for the cyclic GC to find (the connection let go of it at its release).
+            self._compiled_paths.clear()
             reads["fast"] += self.relay.fast_reads
             reads["full"] += self.relay.full_reads
             stream.finish(proxy.clock())
@@ -677,6 +680,8 @@ class _Producer:
             self._first_byte_timer = None
         if status == 200:
             self._apply(self.relay.receive_head(200, time.perf_counter()))
+            if self._compiled and self._conn is not None:
+                self._take_reads(self._conn)
         else:
             self._refused, self._refused_status = [], status
 
@@ -701,24 +706,39 @@ class _Producer:
         now = time.perf_counter()
         relay = self.relay
         payloads = relay.feed(data, now)
+        # on_events carries out the same (a read the compiled path cut): kept alike.
         if payloads is None:  # more than events to append: the relay's actions
             self._apply(relay.take_actions(), now)
-            # The read with the first content made the relay's fast path apply: the next
-            # read (the second token's) goes the compiled way already, not the Python one.
-            if relay.cuts_reads and self._compiled and self._conn is not None:
-                self._take_reads(self._conn)
         elif payloads:
             # The fused path: the store appends, mirrors and writes to its direct readers
             # in one call; the inter-token metric from this read's one clock reading.
             self.stream.add(payloads, now)
             if self.observer is not None and relay.first_content:
                 self.observer.chunk(self.ctx, now)
-            if relay.cuts_reads and self._compiled and self._conn is not None:
-                self._take_reads(self._conn)
+
+    def on_events(self, events: list[bytes]) -> None:
+        """:meth:`on_read_end` for a read the compiled path cut into its ``events``'
+        payloads (whole chunks of one-line ``data:`` events, as the relay's framer cuts
+        them) but did not take on its own (the first content, the usage chunk, ``[DONE]``):
+        the same from the relay on (:meth:`~.relay.Relay.feed_events`), without the
+        parser's callbacks, the read's join and the framer. The compiled path calls it for
+        an undecided attempt only, and before the parser's ``on_message_complete`` when the
+        read ends the body."""
+        now = time.perf_counter()
+        relay = self.relay
+        payloads = relay.feed_events(events, now)
+        if payloads is None:
+            self._apply(relay.take_actions(), now)
+        elif payloads:
+            self.stream.add(payloads, now)
+            if self.observer is not None and relay.first_content:
+                self.observer.chunk(self.ctx, now)
 
     def _take_reads(self, conn: H1Connection) -> None:
-        """From here this attempt's common reads go the compiled way (:meth:`on_read_end`'s
-        fused path, in C): offered once an attempt, when the relay's fast path applies."""
+        """From the response's 200 head on, this attempt's reads of whole chunks of one-line
+        events go the compiled way: taken in C where the relay's fast path applies
+        (:meth:`on_read_end`'s fused path), else cut in C and handed to :meth:`on_events`;
+        offered once an attempt."""
         if not conn.fast_offered:
             observer = self.observer
             path = chunkpath.READ_PATH(
@@ -730,6 +750,7 @@ class _Producer:
                 EVENT_OVERHEAD_BYTES,
                 None if observer is None else observer.gaps,
                 self.loop.time,
+                self.on_events,
             )
             self._compiled_paths.append(path)
             conn.offer_fast(path)

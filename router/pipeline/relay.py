@@ -2,7 +2,8 @@
 
 Like aioquic's ``QuicConnection`` it never touches a socket or a clock. Its inputs are the
 upstream's response head (:meth:`Relay.receive_head`), body bytes with their arrival time
-(:meth:`Relay.receive_data`), the first-token deadline firing (:meth:`Relay.deadline_fired`),
+(:meth:`Relay.receive_data`; or the events' payloads already cut out of them,
+:meth:`Relay.receive_events`), the first-token deadline firing (:meth:`Relay.deadline_fired`),
 the body's end (:meth:`Relay.receive_end`) and a transport failure (:meth:`Relay.fail`); each
 returns the actions the IO shell (:mod:`firstbyte.router.pipeline.proxy`) carries out:
 :class:`Append` events to the stream, :class:`ReleaseHead` (the client's response head may go
@@ -327,9 +328,12 @@ class Relay:
             payloads = self._framer.receive_data(data)
         except SSEProtocolError as exc:
             return self.fail(type(exc).__name__, now)
-        # What the payloads make, here rather than in a method of its own: a call less per
-        # read that feed hands over (two a request, at least).
-        if not payloads:
+        return self.receive_events(payloads, now)
+
+    def receive_events(self, payloads: list[bytes], now: float) -> list[Action]:
+        """The events' ``payloads`` that arrived at ``now``, as the framer cuts them out of
+        body bytes: :meth:`receive_data` past its framer."""
+        if not payloads or self.done:
             return []
         actions: list[Action] = []
         if not self.first_content or self._skip_preamble or self._every or DONE_BYTES in payloads:
@@ -376,11 +380,21 @@ class Relay:
         self._pending = actions
         return None
 
-    @property
-    def cuts_reads(self) -> bool:
-        """:meth:`feed` may cut a read itself now (past the first content, nothing to drop
-        or to look at in every event, not done): what the compiled path takes over."""
-        return self._fast
+    def feed_events(self, payloads: list[bytes], now: float) -> list[bytes] | None:
+        """:meth:`feed` for a read already cut into its events' payloads (the compiled read
+        path cuts whole chunks of one-line ``data:`` events, as the framer would at an event
+        boundary): the same outcome, from :meth:`receive_events` on."""
+        self.full_reads += 1
+        self._appended_full -= self.appended
+        actions = self.receive_events(payloads, now)
+        self._appended_full += self.appended
+        if not actions:
+            return []
+        first = actions[0]
+        if len(actions) == 1 and type(first) is Append:
+            return first.payloads
+        self._pending = actions
+        return None
 
     @property
     def fast_reads(self) -> int:

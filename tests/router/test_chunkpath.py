@@ -5,7 +5,9 @@ refuses in the same states as the Python writer over uvicorn's body writer. Over
 upstream whose every write is scripted (whole chunks, several in one read, chunks cut in
 their size line, payload or trailing CRLF, two events in one chunk, events of other shapes,
 a usage chunk) gives a client the same bytes through the router with the compiled path as
-with the Python path alone, and the compiled path takes most reads. The module is built by
+with the Python path alone, and the compiled path takes most reads; the reads it cuts but
+hands to the relay (the first content, the usage chunk, ``[DONE]``, the body's end) give
+the same bytes, usage and metrics too. The module is built by
 the project's install (``pip install -e``); a missing build fails here, it is not skipped.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -532,10 +535,19 @@ async def _scripted_upstream(writes: list[bytes], gap_s: float = 0.005) -> Async
 
 
 async def _relayed(
-    start_router: RouterFactory, writes: list[bytes], gap_s: float = 0.005
+    start_router: RouterFactory,
+    writes: list[bytes],
+    gap_s: float = 0.005,
+    *,
+    usage: bool = False,
+    metrics: list[str] | None = None,
 ) -> bytes:
-    body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}],
-            "stream": True}
+    """The client's body; ``usage``: the client asks for the usage chunk; ``metrics``: gets
+    the metrics page's samples after the stream (but which path the reads took)."""
+    body: dict[str, Any] = {"model": "test-model", "stream": True,
+                            "messages": [{"role": "user", "content": "hi"}]}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     async with (
         _scripted_upstream(writes, gap_s) as url,
         start_router([url], tls=False) as router,
@@ -544,6 +556,15 @@ async def _relayed(
         response = await client.post(
             router.base_url + "/v1/chat/completions", json=body, headers=auth()
         )
+        if metrics is not None:
+            page = (await client.get(router.base_url + "/metrics", headers=auth())).text
+            metrics += [
+                # a time: its name; the backend: its port changes from one upstream to the next
+                re.sub(r'backend="[^"]*"', "", line.split(" ")[0] if "_sum" in line else line)
+                for line in page.splitlines()
+                if line.startswith(("firstbyte_router_requests", "firstbyte_key_",
+                                    "firstbyte_route_", "firstbyte_router_ttft_seconds_count"))
+            ]
     assert response.status_code == 200, response.text
     return response.content
 
@@ -624,6 +645,61 @@ async def test_every_token_after_the_first_goes_the_compiled_way(
     assert sse_text(body)[0] == "w0 w1 w2 "
     assert len(paths) == 1
     assert (paths[0].reads, paths[0].events) == (2, 2)  # w1's read and w2's
+
+
+_DONE_END = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("case", "writes"),
+    [
+        ("usage, [DONE] and the end together",
+         [_chunk(ROLE), _chunk(_event(0)), _chunk(_event(1)), _chunk(USAGE) + _DONE_END]),
+        ("the first content with the end",
+         [_chunk(ROLE), _chunk(_event(0)) + _chunk(USAGE) + _DONE_END]),
+        ("a token with the usage",
+         [_chunk(ROLE), _chunk(_event(0)), _chunk(_event(1)) + _chunk(USAGE), _DONE_END]),
+        ("[DONE], then the end alone",
+         [_chunk(ROLE), _chunk(_event(0)), _chunk(USAGE), _chunk(b"data: [DONE]\n\n"),
+          b"0\r\n\r\n"]),
+        ("the end without [DONE]",
+         [_chunk(ROLE), _chunk(_event(0)), _chunk(_event(1)) + b"0\r\n\r\n"]),
+        ("an event past the [DONE]",
+         [_chunk(ROLE), _chunk(_event(0)), _DONE_END[:-5] + _chunk(_event(1)) + b"0\r\n\r\n"]),
+    ],
+)
+@pytest.mark.parametrize("usage", [False, True])
+async def test_reads_cut_in_c_but_not_taken_are_relayed_as_the_python_path_relays_them(
+    start_router: RouterFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    writes: list[bytes],
+    usage: bool,
+) -> None:
+    # A read of whole chunks of one-line events that the compiled path does not take on its
+    # own (the first content, a usage chunk, [DONE], the body's end) is cut in C and handed
+    # to the producer's on_events: the client, the usage and the metrics are as the Python
+    # path alone has them.
+    paths: list[Any] = []
+    real_read = chunkpath.READ_PATH
+
+    def counting(*args: Any) -> Any:
+        path = real_read(*args)
+        paths.append(path)
+        return path
+
+    monkeypatch.setattr(chunkpath, "READ_PATH", counting)
+    seen: dict[str, list[str]] = {"compiled": [], "python": []}
+    compiled = await _relayed(start_router, writes, 0.05, usage=usage, metrics=seen["compiled"])
+    monkeypatch.setattr(chunkpath, "READ_PATH", None)
+    python = await _relayed(start_router, writes, 0.05, usage=usage, metrics=seen["python"])
+    assert compiled == python
+    assert seen["compiled"] == seen["python"]
+    assert (b'"usage"' in compiled) is (usage and USAGE[6:-2] in b"".join(writes))
+    assert sum(path.handed for path in paths) >= 1
+    if case != "the end without [DONE]":
+        assert b"upstream_eof" not in compiled
+        assert any('outcome="ok"' in line for line in seen["compiled"])
 
 
 # -- when a connection offers its reads: only at a chunk's end ---------------------------
