@@ -2,8 +2,9 @@
  *
  * What runs for every token a caught-up stream relays, once its first content is out:
  *
- *   ReadPath(data)  an upstream read of whole HTTP/1.1 chunks, each one whole `data: ...`
- *                   event, cut as the relay's fast path cuts it (Relay.feed), then handed to
+ *   ReadPath(data)  an upstream read of whole HTTP/1.1 chunks, each of whole `data: ...`
+ *                   events (one a chunk, or several), cut as the relay cuts them (Relay.feed,
+ *                   its framer where a read holds more than one), then handed to
  *                   the store (Stream.add, done here in C where it neither trims nor
  *                   reclaims) and the inter-token metric (GapTimer.tick, here in C). It
  *                   replaces httptools' parse, the sink's on_body/on_read_end and Relay.feed
@@ -332,9 +333,10 @@ plain_event(const char *p, Py_ssize_t n)
     return 2;
 }
 
-/* Whole chunks `HEX\r\nPAYLOAD\r\n`, each a one-line event (plain_event), then maybe the
- * body's last chunk `0\r\n\r\n` (no trailers) ending the read: their data's offsets; -1 if
- * not. `*fast`: every one is an event the fast path cuts; `*ended`: the last chunk came. */
+/* Whole chunks `HEX\r\nPAYLOAD\r\n`, each one or more one-line events (plain_event), then
+ * maybe the body's last chunk `0\r\n\r\n` (no trailers) ending the read: the events' data's
+ * offsets; -1 if not. `*fast`: every one is an event the fast path cuts; `*ended`: the last
+ * chunk came. */
 static Py_ssize_t
 cut_chunks(const char *buf, Py_ssize_t len, Py_ssize_t *starts, Py_ssize_t *sizes, int *fast,
            int *ended)
@@ -376,14 +378,26 @@ cut_chunks(const char *buf, Py_ssize_t len, Py_ssize_t *starts, Py_ssize_t *size
         Py_ssize_t n = (Py_ssize_t)size;
         if (buf[pos + n] != '\r' || buf[pos + n + 1] != '\n')
             return -1;
-        int plain = plain_event(buf + pos, n);
-        if (plain == 0)
-            return -1;
-        if (plain == 1)
-            *fast = 0;
-        starts[count] = pos + 6;
-        sizes[count] = n - 8;
-        count++;
+        /* The chunk's payload: one whole one-line event or more (an upstream may write
+         * several in one chunk), each ended by its blank line within the chunk. */
+        for (Py_ssize_t at = pos, stop = pos + n; at < stop;) {
+            if (count == MAX_EVENTS)
+                return -1;
+            const char *p = buf + at;
+            const char *lf = memchr(p, '\n', (size_t)(stop - at));
+            if (lf == NULL || lf + 1 >= buf + stop || lf[1] != '\n')
+                return -1; /* an event that goes on past the chunk, or of several lines */
+            Py_ssize_t e = lf + 2 - p;
+            int plain = plain_event(p, e);
+            if (plain == 0)
+                return -1;
+            if (plain == 1)
+                *fast = 0;
+            starts[count] = at + 6;
+            sizes[count] = e - 8;
+            count++;
+            at += e;
+        }
         pos += n + 2;
     }
     return count;
