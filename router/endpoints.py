@@ -69,7 +69,7 @@ from .pipeline.context import (
     error_reply,
 )
 from .pipeline.simple_start import adopt_query_token
-from .placement import place, release_key_slot
+from .placement import PLACE_LATER, place_later, place_now, release_key_slot
 from .readers import (
     HistoryTrimmed,
     ReadableStream,
@@ -224,7 +224,10 @@ async def _admitted(
     outcome = admit_body(ctx, limit, force_stream=force_stream)
     if outcome is not CONTINUE and await _finish(state, send, ctx, outcome, endpoint):
         return None
-    placed = await place(state, ctx, lambda: until_disconnect(receive))
+    # Placed without an await (and no listener for the client's going made) unless it waits.
+    placed = place_now(state, ctx)
+    if placed is PLACE_LATER:
+        placed = await place_later(state, ctx, lambda: until_disconnect(receive))
     if placed is CLIENT_GONE:  # it left while waiting for a slot: nobody to answer
         state.metrics.count(endpoint, "client_gone", ctx.model_label)
         ctx.outcome = "client_gone"

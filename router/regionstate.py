@@ -13,7 +13,8 @@ once, at start (:func:`region_state_for`), and calls it without asking which it 
   counted region-wide (:mod:`firstbyte.router.shared.admission`) and its streams mirrored into
   Redis (:mod:`firstbyte.router.shared.streams`).
 
-The two placements themselves are :func:`~firstbyte.router.placement.place_in_memory` and
+The two placements themselves are :func:`~firstbyte.router.placement.place_in_memory` (with
+:func:`~firstbyte.router.placement.wait_in_memory`) and
 :func:`~firstbyte.router.placement.place_shared` (their differences are in that module's
 docstring). ``redis`` is not imported here: :class:`InRedis` is only built around a
 :class:`~firstbyte.router.shared.SharedState` that :func:`~firstbyte.router.shared.connect`
@@ -34,7 +35,7 @@ from firstbyte.tasks import cancel_and_wait
 from .hosting.limits import Throttle
 from .observability.logs import describe_error
 from .pipeline.context import CONTINUE
-from .placement import place_in_memory, place_shared
+from .placement import PLACE_LATER, place_in_memory, place_shared, wait_in_memory
 from .shared.warm_budget import SharedWarmBudget
 from .streams import new_stream_id
 
@@ -85,9 +86,16 @@ class RegionState(Protocol):
         tried); never raises."""
         ...
 
-    async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
+    def place_now(self, state: RouterState, ctx: RequestContext) -> Outcome:
         """Apply the key's limits and choose the region and backend, claiming what the choice
-        takes; CONTINUE, or a refusal with nothing left claimed."""
+        takes, as far as that goes without an await; CONTINUE, or a refusal with nothing left
+        claimed, or :data:`~firstbyte.router.placement.PLACE_LATER`: :meth:`place_later`
+        finishes it."""
+        ...
+
+    async def place_later(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
+        """The rest of a placement :meth:`place_now` answered ``PLACE_LATER`` for (the same
+        answers, but that one)."""
         ...
 
     def release_backend(self, backend: str) -> None:
@@ -152,8 +160,9 @@ class InMemory:
     async def started(self) -> None:
         pass
 
-    # The function itself, not a method awaiting it: one coroutine a request less.
-    place = staticmethod(place_in_memory)
+    # The functions themselves, not methods calling them: a call a request less.
+    place_now = staticmethod(place_in_memory)
+    place_later = staticmethod(wait_in_memory)
 
     def release_backend(self, backend: str) -> None:
         pass
@@ -213,7 +222,10 @@ class InRedis:
         if self._starting is not None and not self._starting.done():
             await asyncio.shield(self._starting)  # the lease covers every stream we create
 
-    async def place(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
+    def place_now(self, state: RouterState, ctx: RequestContext) -> Outcome:
+        return PLACE_LATER  # it asks Redis (or sends its claim there): all in place_later
+
+    async def place_later(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:
         # A stream's metadata goes with its admission, not in a call of its own (which cost
         # a round trip's CPU per stream start in a ramp): before the first byte if the
         # admission waits for Redis; else on its way while the request goes upstream, and
