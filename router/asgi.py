@@ -28,10 +28,12 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "Started",
     "body_writer",
     "head_body",
     "header_dict",
     "read_body",
+    "receive_now",
     "send_bytes",
     "stream_body",
     "unless_gone",
@@ -105,23 +107,52 @@ class BodyTimeout(Exception):
     """The next part of the request body did not come within the body timeout."""
 
 
+Started = tuple[Iterator[Any], Any]
+"""A ``receive()`` begun by :func:`receive_now` that has to wait: its steps (its
+``__await__``), and what the first one yielded."""
+
+
+def receive_now(receive: Receive) -> Message | Started:
+    """Begin ``receive()``: its message if it answers without waiting (a body come with its
+    head, HTTP/1.1's nearly always), else the :data:`Started` receive for :func:`read_body`'s
+    ``first`` (a tuple, never a message). Begun by hand: a body at hand is then taken with no
+    coroutine made, where reading it through :func:`read_body` made two."""
+    steps = receive().__await__()
+    try:
+        waits_on = next(steps)  # not send(None): a bare iterator has no send
+    except StopIteration as done:  # answered without waiting
+        answered: Message = done.value
+        return answered
+    return steps, waits_on
+
+
 async def read_body(
     receive: Receive,
     limit: int,
     *,
     timeout_s: float | None = None,
     drain_bytes: int = 64 << 20,
+    first: Message | Started | None = None,
 ) -> bytes:
     """Read the request body; past ``limit`` bytes, keep only ``limit + 1`` (so the caller
     answers 413) but go on reading and discarding up to ``drain_bytes``: a client still
     sending (an HTTP/2 stream, say) then receives the 413 instead of a write error.
 
     :class:`BodyTimeout` if a wait for the next part lasts over ``timeout_s`` (nginx's
-    ``client_body_timeout``: between two reads, not for the whole body)."""
+    ``client_body_timeout``: between two reads, not for the whole body). ``first``: the
+    first message, or its receive begun (:func:`receive_now`), if the caller has it."""
     parts: list[bytes] = []
     size = 0
     while True:
-        message = await (receive() if timeout_s is None else _within(receive, timeout_s))
+        if first is None:
+            message = await (receive() if timeout_s is None else _within(receive, timeout_s))
+        elif isinstance(first, tuple):  # begun, waiting: the rest of that receive()
+            started, first = first, None
+            message = await (
+                _rest(*started) if timeout_s is None else _within(receive, timeout_s, started)
+            )
+        else:
+            message, first = first, None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk: bytes = message.get("body", b"")
@@ -166,7 +197,7 @@ def _rest(steps: Iterator[Any], yielded: Any) -> Generator[Any, Any, Any]:
                 return done.value
 
 
-async def _within(receive: Receive, timeout_s: float) -> Message:
+async def _within(receive: Receive, timeout_s: float, started: Started | None = None) -> Message:
     """``receive()`` under a deadline on this task (:class:`BodyTimeout` past it), as
     ``asyncio.timeout`` has it for one await: a timer that cancels the task, the cancel
     taken back if it was the timer's. Not ``wait_for``, which wrapped each receive() in a
@@ -176,13 +207,18 @@ async def _within(receive: Receive, timeout_s: float) -> Message:
     The timer is armed only if ``receive()`` has to wait: its first step is taken by hand,
     and a body already in (HTTP/1.1's, with its head, nearly always) is answered in it, with
     no time for a deadline to pass; arming and cancelling the timer cost that request ~9k
-    instructions."""
-    steps = receive().__await__()
-    try:
-        waits_on = next(steps)  # not send(None): a bare iterator has no send
-    except StopIteration as done:  # answered without waiting
-        answered: Message = done.value
-        return answered
+    instructions. ``started``: that first step, taken by the caller (:func:`receive_now`),
+    which waits."""
+    steps: Iterator[Any]
+    if started is None:
+        steps = receive().__await__()
+        try:
+            waits_on = next(steps)  # not send(None): a bare iterator has no send
+        except StopIteration as done:  # answered without waiting
+            answered: Message = done.value
+            return answered
+    else:
+        steps, waits_on = started
     task = asyncio.current_task()
     assert task is not None  # an ASGI app runs in a task
     expired: list[bool] = []

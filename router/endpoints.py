@@ -41,13 +41,16 @@ from .asgi import (
     ClientGone,
     Disconnect,
     Headers,
+    Message,
     Receive,
     Scope,
     Send,
+    Started,
     body_writer,
     head_body,
     header_dict,
     read_body,
+    receive_now,
     send_bytes,
     stream_body,
     unless_gone,
@@ -215,7 +218,16 @@ async def _admitted(
     if outcome is not CONTINUE and await _finish(state, send, ctx, outcome, endpoint):
         return None
     limit = state.config.limits.max_body_bytes
-    if not await _read_request_body(state, receive, send, ctx, query, endpoint):
+    # A body come whole with its head, as sent (nearly every request's), is taken without an
+    # await: reading it through _read_request_body made four coroutines.
+    first = _begin_body(ctx, receive, query, limit)
+    if (
+        type(first) is dict
+        and first["type"] != "http.disconnect"
+        and not first.get("more_body", False)
+    ):
+        ctx.body = first.get("body", b"")[: limit + 1]  # as read_body would have it
+    elif not await _read_request_body(state, receive, send, ctx, query, endpoint, first):
         return None
     # Before the body is parsed: with an unknown ``endpoint`` the codec reading it is only a
     # stand-in, and its complaint about the body would hide the real mistake.
@@ -237,20 +249,31 @@ async def _admitted(
     return ctx
 
 
+def _begin_body(
+    ctx: RequestContext, receive: Receive, query: dict[str, str], limit: int
+) -> Message | Started | None:
+    """Begin reading an inference request's body where :func:`_read_request_body` would read
+    it at once (no coding, not too big to read): its first message, or that receive begun
+    (:func:`~.asgi.receive_now`); None when nothing was received."""
+    if body_coding(ctx, query) is not Coding.IDENTITY or _too_big_to_read(ctx, limit):
+        return None
+    return receive_now(receive)
+
+
 async def _read_request_body(
     state: RouterState, receive: Receive, send: Send, ctx: RequestContext,
-    query: dict[str, str], endpoint: str,
+    query: dict[str, str], endpoint: str, first: Message | Started | None = None,
 ) -> bool:
     """Read an inference request's body into ``ctx.body``, inflated if its head names a
     coding (:mod:`.pipeline.content_coding`); False once a reply was sent or the client went
     away. Past ``max_body_bytes`` (read or inflated) the body is cut and admission answers
-    413."""
+    413. ``first``: what :func:`_begin_body` received, if it was asked."""
     coding = body_coding(ctx, query)
     if isinstance(coding, LocalReply):  # refused on the head: nothing read
         await _finish(state, send, ctx, coding, endpoint)
         return False
     limit = state.config.limits.max_body_bytes
-    body = await _read_body(state, receive, send, ctx, limit, endpoint)
+    body = await _read_body(state, receive, send, ctx, limit, endpoint, first)
     if body is None:
         return False
     ctx.body = body
@@ -260,24 +283,31 @@ async def _read_request_body(
     return inflated is CONTINUE or not await _finish(state, send, ctx, inflated, endpoint)
 
 
-async def _read_body(
-    state: RouterState, receive: Receive, send: Send, ctx: RequestContext, limit: int,
-    endpoint: str,
-) -> bytes | None:
-    """The request body, cut at ``limit + 1`` bytes (the caller answers 413 past ``limit``);
-    None once the client went away or a 408 for a stalled body was sent."""
+def _too_big_to_read(ctx: RequestContext, limit: int) -> bool:
+    """Does the request declare a body too big to read (answered 413 without reading)?"""
     declared = ctx.headers.get("content-length", "")
     # HTTP/2 and HTTP/3 end one stream, not the connection: past the limit the answer goes
     # at once and the server resets the stream (NO_ERROR, RFC 9113 section 8.1), so the
     # client stops sending; draining as on HTTP/1.1 made a 63 MiB body take 57 s to its 413.
-    multiplexed = ctx.http_version in ("2", "3")
-    drain_limit = limit if multiplexed else 64 * max(limit, 1 << 20)
-    if declared.isdigit() and int(declared) > drain_limit:
+    drain_limit = limit if ctx.http_version in ("2", "3") else 64 * max(limit, 1 << 20)
+    return declared.isdigit() and int(declared) > drain_limit
+
+
+async def _read_body(
+    state: RouterState, receive: Receive, send: Send, ctx: RequestContext, limit: int,
+    endpoint: str, first: Message | Started | None = None,
+) -> bytes | None:
+    """The request body, cut at ``limit + 1`` bytes (the caller answers 413 past ``limit``);
+    None once the client went away or a 408 for a stalled body was sent. ``first``: its
+    first message, or that receive begun, if the caller has it."""
+    if first is None and _too_big_to_read(ctx, limit):
         return b"\0" * (limit + 1)  # too big to read: 413 without reading
+    multiplexed = ctx.http_version in ("2", "3")
     timeout_s = state.config.limits.client_body_timeout_s
     try:
         return await read_body(
-            receive, limit, timeout_s=timeout_s, drain_bytes=limit if multiplexed else 64 << 20
+            receive, limit, timeout_s=timeout_s,
+            drain_bytes=limit if multiplexed else 64 << 20, first=first,
         )
     except ClientGone:
         return None

@@ -1,14 +1,16 @@
 """read_body's deadline between two parts of a body: a stall is a BodyTimeout, a cancel
-from outside stays a cancel, and a part that comes in time leaves no timer behind."""
+from outside stays a cancel, and a part that comes in time leaves no timer behind; a receive
+begun by hand (receive_now) is read on by read_body the same way."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from firstbyte.router.asgi import BodyTimeout, ClientGone, Message, read_body
+from firstbyte.router.asgi import BodyTimeout, ClientGone, Message, read_body, receive_now
 
 
 def _parts(*bodies: bytes) -> list[Message]:
@@ -179,6 +181,42 @@ async def test_a_receive_of_a_bare_awaitable_is_read_waiting_or_not() -> None:
     reader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reader
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+
+
+def _later(queue: list[Message]) -> Callable[[], Awaitable[Message]]:
+    async def receive() -> Message:
+        await asyncio.sleep(0)  # each part comes a loop turn later
+        return queue.pop(0)
+
+    return receive
+
+
+async def test_a_receive_begun_by_hand_is_read_on_as_one_not_begun() -> None:
+    """receive_now answers a message at hand as it is; one that waits is handed to read_body
+    (``first``), which reads the rest of it under the same deadline, then the next parts."""
+
+    async def at_hand() -> Message:
+        return _parts(b"whole")[0]
+
+    assert receive_now(at_hand) == _parts(b"whole")[0]
+    for timeout_s in (None, 5.0):
+        receive = _later(_parts(b"ab", b"cd", b"e"))
+        first = receive_now(receive)
+        assert isinstance(first, tuple)  # it waits: begun, not answered
+        assert await read_body(receive, 100, timeout_s=timeout_s, first=first) == b"abcde"
+    assert await read_body(at_hand, 3, first=_parts(b"abcd", b"ef")[0]) == b"abcd"
+
+    stalled = asyncio.Event()
+
+    async def stalling() -> Message:
+        await stalled.wait()
+        return _parts(b"late")[0]
+
+    with pytest.raises(BodyTimeout):
+        await read_body(stalling, 100, timeout_s=0.02, first=receive_now(stalling))
     task = asyncio.current_task()
     assert task is not None
     assert task.cancelling() == 0
