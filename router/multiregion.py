@@ -226,6 +226,10 @@ class Observation:
             self.routing.finished(self, ctx, ok)
 
 
+_new_observation = object.__new__
+_init_observation = Observation.__init__
+
+
 class RegionRouting:
     """This region's routing state and decisions (see the module docstring)."""
 
@@ -683,10 +687,13 @@ class RegionRouting:
         ctx.region = self.region
         self.tracker.started(name, now)
         self.active_by_model[route.model] += 1
-        ctx.observer = Observation(
-            self, self.region, name, True, False, time.perf_counter(), location,
-            first_token_deadline_s=self.deadline_s if ctx.stream_requested else None,
-            choice=choice.reason, route=route,
+        # Made and then initialised, not by calling the class (as endpoints.new_context makes
+        # a RequestContext): a class's call with keywords passes them to a Python __init__
+        # through a dict built for them (no vectorcall for it on 3.11).
+        observer = ctx.observer = _new_observation(Observation)
+        _init_observation(
+            observer, self, self.region, name, True, False, time.perf_counter(), location,
+            self.deadline_s if ctx.stream_requested else None, choice.reason, route=route,
         )
         return CONTINUE
 
