@@ -399,7 +399,9 @@ async def _stream_response(
             state.metrics.count(endpoint, "client_gone", ctx.model_label)
             return
         head = started.result()
-        await state.announced(stream)  # written by now: it went out while upstream answered
+        announcing = state.announced(stream)  # None in memory: nothing to wait for
+        if announcing is not None:  # written by now: it went out while upstream answered
+            await announcing
     finally:
         stream.detach(state.clock())
     headers = [
@@ -505,7 +507,9 @@ async def start_detached_stream(
     stream.format = ctx.codec.name  # a lost producer's end comes in this format
     state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
     started = state.proxy.start_stream(ctx, stream)
-    await state.announced(stream)
+    announcing = state.announced(stream)
+    if announcing is not None:
+        await announcing
     if wait == 0:
         headers = [
             *_common_headers(ctx),

@@ -113,8 +113,9 @@ class RegionState(Protocol):
         (``announced``: it is already, its id from :meth:`announced_id`)."""
         ...
 
-    async def announced(self, stream: Stream) -> None:
-        """Return once other processes can find ``stream``: await before its id goes out."""
+    def announced(self, stream: Stream) -> Awaitable[None] | None:
+        """What to await before ``stream``'s id goes out: it ends once other processes can
+        find the stream. None: nothing to wait for (no other process reads it)."""
         ...
 
     async def lookup(self, stream_id: str, owner: bytes) -> ReadableStream | None:
@@ -173,8 +174,8 @@ class InMemory:
     def publish(self, stream: Stream, announced: bool = False) -> None:
         pass
 
-    async def announced(self, stream: Stream) -> None:
-        pass
+    def announced(self, stream: Stream) -> None:
+        return None  # not a coroutine that does nothing: one made, run and closed a stream
 
     async def lookup(self, stream_id: str, owner: bytes) -> ReadableStream | None:
         return None

@@ -317,10 +317,11 @@ class RouterState:
         self.region_state.publish(stream, announced=stream_id is not None)
         return stream
 
-    def announced(self, stream: Stream) -> Awaitable[None]:
-        """Await it before ``stream``'s id goes out: it returns once other processes can find
-        the stream. The region state's own awaitable, not a coroutine awaiting it: one
-        coroutine made, run and closed a stream less."""
+    def announced(self, stream: Stream) -> Awaitable[None] | None:
+        """Await it, unless None, before ``stream``'s id goes out: it returns once other
+        processes can find the stream (None: in memory, nobody else reads it). The region
+        state's own awaitable, not a coroutine awaiting it: one coroutine made, run and closed
+        a stream less."""
         return self.region_state.announced(stream)
 
     async def find_stream(

@@ -194,7 +194,9 @@ class _Session:
             ctx.owner, ctx.region or self.state.region, self.state.clock()
         )
         started = self.state.proxy.start_stream(ctx, stream)
-        await self.state.announced(stream)
+        announcing = self.state.announced(stream)
+        if announcing is not None:
+            await announcing
         self.state.requests.stream_started(ctx)
         # The upstream's head before ``start``: a refusal goes out as the error with its status
         # (what SSE answers), which sends the request to the next region, not as the first

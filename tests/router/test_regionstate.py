@@ -34,7 +34,7 @@ async def test_in_memory_the_region_is_this_process() -> None:
         assert isinstance(state.region_state, InMemory)
         assert state.routing.claim is None  # the tracker's count is all
         stream = state.new_stream(b"owner")
-        await state.announced(stream)
+        assert state.announced(stream) is None  # nothing to wait for: nobody else reads it
         assert await state.find_stream(stream.id, b"owner") is stream
         assert await state.find_stream("unknown", b"owner") is None
         assert not state.region_state.readable_elsewhere
@@ -59,7 +59,9 @@ async def test_with_redis_url_the_state_is_shared_through_redis(
             await state.region_state.started()
         assert not one.region_state.unreachable
         stream = one.new_stream(b"owner")
-        await one.announced(stream)
+        announcing = one.announced(stream)
+        assert announcing is not None
+        await announcing
         found = await other.find_stream(stream.id, b"owner")
         assert found is not None
         assert found is not stream  # read through Redis, not this process's store
