@@ -581,9 +581,10 @@ class RegionRouting:
 
         ``now``: the placement's moment (default: the clock's); ``room``: the request's
         :data:`~firstbyte.router.pipeline.chooser.Room` at that moment, if the caller has it."""
+        chooser = self.chooser
         if route_input is None:
             assert ctx.request is not None
-            route_input = self.chooser.route_input(ctx.request)
+            route_input = chooser.route_input(ctx.request)
         route = route_input
         if now is None:
             now = self.clock()
@@ -595,14 +596,18 @@ class RegionRouting:
         from_peer = bool(self.peer_key) and self.peer_authenticated(ctx)
         forwarded = from_peer and FORWARDED_HEADER in ctx.headers
         location = None if self.locator is None else self.locate(ctx, from_peer)
-        chosen_region = self.chooser.region_for(
+        chosen_region = chooser.region_for(
             route, location, now, forwarded=forwarded, draining=self.draining,
             sent_since=self.sent_since() if self.peer_routed else None,  # None: no peers
             room=room,
         )
         if isinstance(chosen_region, ModelMissing):
             return self.model_missing(ctx, route.model, chosen_region, now)
-        ctx.model_label = self.chooser.model_label(route.model, now)
+        model = route.model
+        # A model a local backend lists (nearly every request's): its own label, no call.
+        ctx.model_label = (
+            model if model in chooser.models.by_model else chooser.model_label(model, now)
+        )
         decision, serving = chosen_region.region, chosen_region.serving
         ctx.location = location
         ctx.region_decision = decision
@@ -616,7 +621,11 @@ class RegionRouting:
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:
-            chosen = self.chooser.local_backend(route, now, serving, room)
+            # RouteChooser.local_backend inlined for a room worked out for ``serving``.
+            chosen = (
+                chooser.backend(route, room[2], now) if room is not None and room[0] is serving
+                else chooser.local_backend(route, now, serving, room)
+            )
             if chosen is None:  # raced to saturation since the region check
                 return self.reject(ctx, now, "no_local_backend")
             self.choices[chosen.reason] += 1  # _counted inlined (every request's call)

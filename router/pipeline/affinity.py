@@ -50,7 +50,8 @@ def affinity_key(
         i = 0
     # Only the first message after the shared prompt: later messages grow turn by turn, and a
     # key that changes between turns would move the conversation away from its cache.
-    first = message_text(messages[i])
+    content = messages[i].content  # message_text inlined for a string (a call a request)
+    first = content if type(content) is str else message_text(messages[i])
     if warm_prefixes:  # none (no warmup): no sort, which cost ~1.6k instructions even empty
         for prefix in sorted(warm_prefixes, key=len, reverse=True):
             if prefix and first.startswith(prefix):

@@ -116,10 +116,12 @@ class RouteChooser:
     # --- a request's inputs
     def route_input(self, request: ChatCompletionRequest) -> RouteInput:
         """A chat request's routing inputs."""
-        prefix = self.prefix_of(request)
+        # No warm prefix configured (the default): nothing to look for, and no call for it.
+        prefix = self.prefix_of(request) if self.prefixes else None
         chars = 0
         for m in request.messages:  # not sum() over a generator: each of its steps is a call
-            chars += len(message_text(m))
+            content = m.content  # message_text inlined for a string (a call a message)
+            chars += len(content if type(content) is str else message_text(m))
         key = affinity_key(request, self.prefix_texts, self.affinity_chars)
         return RouteInput(request.model, key, prefix, int(chars / CHARS_PER_TOKEN))
 
