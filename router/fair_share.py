@@ -112,6 +112,15 @@ class FairShare(Generic[K]):
         return (not (self._asked_at or self._waiting or self._peak)
                 and self._total + 1 <= budget + _EPSILON)
 
+    def room_for(self, flow: K, budget: float) -> float | None:
+        """:meth:`has_room`, and if so what of ``budget`` the other flows in flight leave to
+        ``flow`` (its share: :meth:`decide` finds the same); None: no room. One call where
+        asking both took four (it is asked at every request's fair gate)."""
+        total = self._total
+        if self._asked_at or self._waiting or self._peak or not total + 1 <= budget + _EPSILON:
+            return None
+        return budget - (total - self._in_flight.get(flow, 0))
+
     def total(self) -> int:
         return self._total
 

@@ -450,7 +450,9 @@ class RouterState:
                 self._fair_capacity(pool) if room is None
                 else float(room[3] + self.routing.routed_to_peers(pool))
             )
-        refused = tenants.fair_refusal(
+        # Its common case first, without the call that would work out a refusal's
+        # Retry-After (a closure made a request) and fair_refusal's own call.
+        refused = None if tenants.has_room_for(ctx.owner, capacity) else tenants.fair_refusal(
             ctx, capacity, now, lambda: tracker.retry_after_s(now, pool), full=False,
         )
         if pool is not None:

@@ -330,6 +330,17 @@ class Tenants:
     def _subject_usage(self, owner: bytes, subject: str) -> float:
         return float(self.subjects_of(owner).in_flight(subject))
 
+    def has_room_for(self, owner: bytes, capacity: float) -> bool:
+        """:meth:`fair_refusal`'s common case when the region is not full (a region with room
+        and nobody asking for more): True admits ``owner``'s request (its answer is None)."""
+        # The key's share is what the other keys leave (as decide() finds); its subjects'
+        # turn is the same question within that share.
+        share = self.keys.room_for(owner, capacity)
+        if share is None:
+            return False
+        subjects = self.subjects.get(owner)
+        return subjects is None or subjects.has_room(share)
+
     def fair_refusal(
         self, ctx: RequestContext, capacity: float, now: float,
         retry_after_s: int | Callable[[], int], *, full: bool = True,
@@ -349,14 +360,8 @@ class Tenants:
         ``retry_after_s`` may be the call that computes it: only a refusal needs it, and
         most requests are admitted."""
         owner, subject = ctx.owner, ctx.subject or ""
-        if not full and self.keys.has_room(capacity):
-            # The common case, a region with room and nobody asking for more: the key is
-            # admitted and its share is what the other keys leave (as decide() finds); its
-            # subjects' turn is the same question within that share.
-            subjects = self.subjects.get(owner)
-            share = capacity - (self.keys.total() - self.keys.in_flight(owner))
-            if subjects is None or subjects.has_room(share):
-                return None
+        if not full and self.has_room_for(owner, capacity):
+            return None
         budget = min(capacity, float(self.keys.total())) if full else capacity
         key = self.keys.decide(owner, budget, now, weight_of=self.limiter.weight,
                                contended=True)
