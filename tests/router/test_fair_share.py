@@ -127,3 +127,23 @@ def test_room_for_one_more_is_what_decide_admits_without_working_out_shares() ->
     waited.wait("b", 0.0)
     assert not asked.has_room(100.0)
     assert not waited.has_room(100.0)
+
+
+def test_room_for_a_flow_is_has_room_and_what_the_others_leave_it() -> None:
+    """``room_for``: ``has_room`` and the flow's share (the budget less the other flows' in
+    flight) in one call; None exactly where ``has_room`` says no."""
+    rnd = random.Random(11)
+    for _ in range(500):
+        share: FairShare[str] = FairShare()
+        for flow in rnd.sample("abcdef", rnd.randint(0, 6)):
+            for _ in range(rnd.randint(1, 5)):
+                share.started(flow, 0.0)
+        if rnd.random() < 0.2:
+            share.asked(rnd.choice("abcdef"), 0.0)
+        budget = float(rnd.randint(1, 30))
+        for flow in "abcdefg":
+            room = share.room_for(flow, budget)
+            if share.has_room(budget):
+                assert room == budget - (share.total() - share.in_flight(flow))
+            else:
+                assert room is None
