@@ -11,7 +11,11 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
   A refused one (:class:`~.limits.ConnectionCounter`) gets a 503 after its request's head
   and is closed (:mod:`.accept`);
 - a connection that sends nothing is closed at the keep-alive timeout, as an idle one
-  between requests is (uvicorn's clock starts only after a first response);
+  between requests is (uvicorn's clock starts only after a first response). One timer a
+  connection serves every request (uvicorn makes one at each response's end and cancels it
+  at the next byte, ~8k instructions a request): a byte makes the connection busy, a
+  response's end idle, and the timer, when it fires, closes an idle connection past its
+  timeout or moves to that timeout's end (``_keep_alive_due``);
 - a request head must be complete within ``header_timeout_s`` of its first byte (slowloris),
   else 408 and close;
 - with ``limits.heads``, every piece of a request head passes a :class:`~.heads.HeadScanner`
@@ -68,6 +72,9 @@ _LINGER_IDLE_S = 2.0
 the client has sent nothing for this long (nginx's ``lingering_timeout`` is 5 s)..."""
 _LINGER_MAX_S = 30.0
 """... and at the latest this long after the response (nginx's ``lingering_time``)."""
+_TIMER_GRAIN_S = 0.001
+"""The event loop's timers count in milliseconds (uvloop's, libuv's): one due within this
+is due now, as uvicorn's own keep-alive timer would have fired."""
 
 
 def _client(protocol: Any) -> str:
@@ -89,6 +96,7 @@ def guarded_protocols(
     header of its balancers' connections first (:class:`.accept.ProxyRead`); ``cors`` gives
     a refused connection's 503 the CORS headers of its request's origin
     (:mod:`.refusal_cors`)."""
+    from httptools import HttpParserError, HttpParserUpgrade
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
@@ -219,6 +227,9 @@ def guarded_protocols(
         _plain_early = b""
         _proxy: ProxyRead | None = None
         _proxy_client: tuple[str, int] | None = None
+        _idle_from: float | None = None
+        """Since when the connection has been idle (its last response complete, or its start,
+        and no byte read since), for the keep-alive timer; None while a request is on."""
         _gone: tuple[tuple[Any, asyncio.Future[None]], ...] = ()
         """The ``firstbyte.disconnected`` futures (:mod:`.disconnected`) of the requests whose
         response may not be complete, with their request cycles: one, or more when requests
@@ -306,8 +317,9 @@ def guarded_protocols(
             # uvicorn starts its keep-alive clock only after a response: a connection that
             # never sends a byte would stay open for good. hypercorn's idle timer runs from
             # the start; so does this one (the first byte stops it, as between requests).
+            self._idle_from = self.loop.time()
             self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
+                self.timeout_keep_alive, self._keep_alive_due
             )
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -324,6 +336,9 @@ def guarded_protocols(
                 self._linger_timer = None
             _release(self.admission, self.ended)
             self.admission = None
+            # uvicorn cancels it on a clean close only; kept across requests (see
+            # _keep_alive_due), it may be pending whatever the cause.
+            self._unset_keepalive_if_required()
             gone, self._gone = self._gone, ()
             for cycle, future in gone:
                 _drop_writer(cycle)
@@ -392,8 +407,21 @@ def guarded_protocols(
                 # (nginx's client_header_timeout).
                 self._head_due = True
             self._feeding, self._scan_began_in_read = True, False
+            # uvicorn's data_received, in line (one call a read fewer), but for its first
+            # step, _unset_keepalive_if_required: the keep-alive timer stays, and finds the
+            # connection busy if it fires before the next response's end (_keep_alive_due).
+            self._idle_from = None
             try:
-                super().data_received(data)
+                self.parser.feed_data(data)
+            except HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+            except HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
             finally:
                 self._feeding = False
             if self._head_due:  # the head goes on in a later read: now it needs its timer
@@ -463,6 +491,7 @@ def guarded_protocols(
         def handle_websocket_upgrade(self) -> None:
             self._head_due = False
             self._stop_head_timer()
+            self._unset_keepalive_if_required()  # the socket is the WebSocket's from here
             counted, self.admission = self.admission, None
             ended, self.ended = self.ended, None
             super().handle_websocket_upgrade()
@@ -486,20 +515,54 @@ def guarded_protocols(
                 self._linger_timer = self.loop.call_later(_LINGER_IDLE_S, self._linger)
             if self.cycle is not None:
                 _drop_writer(self.cycle)
-            super().on_response_complete()
+            # uvicorn's on_response_complete, in line, but for its keep-alive timer: a timer
+            # made and cancelled for each request cost ~8k instructions; one made once and
+            # moved on when it fires (_keep_alive_due) closes the connection at the same time.
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            flow = self.flow
+            if flow.read_paused:  # FlowControl.resume_reading's own test, without its call
+                flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._idle_from = self.loop.time()
+                if self.timeout_keep_alive_task is None:
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self._keep_alive_due
+                    )
 
         def on_message_complete(self) -> None:
             if self._linger_timer is not None:  # the rest of the body came: serve on
                 self._linger_timer.cancel()
                 self._linger_timer = None
-                if self.timeout_keep_alive_task is None and not self.pipeline:
-                    self.timeout_keep_alive_task = self.loop.call_later(
-                        self.timeout_keep_alive, self.timeout_keep_alive_handler
-                    )
+                if not self.pipeline:  # idle again (the read of this end made it busy)
+                    self._idle_from = self.loop.time()
+                    if self.timeout_keep_alive_task is None:
+                        self.timeout_keep_alive_task = self.loop.call_later(
+                            self.timeout_keep_alive, self._keep_alive_due
+                        )
             super().on_message_complete()
             if heads is not None:
                 self._head_scan, self._head_fresh = None, True  # scanned from the next byte
                 self._scan_began_in_read = self._feeding
+
+        def _keep_alive_due(self) -> None:
+            """The keep-alive timer: uvicorn's handler (the close) once the connection has
+            been idle for ``timeout_keep_alive``; moved to that time if it became idle since
+            the timer was set; gone if a request is on (its response's end sets it again)."""
+            idle_from = self._idle_from
+            if idle_from is None:
+                self.timeout_keep_alive_task = None
+                return
+            left = idle_from + self.timeout_keep_alive - self.loop.time()
+            if left > _TIMER_GRAIN_S:
+                self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+                return
+            self.timeout_keep_alive_task = None
+            self.timeout_keep_alive_handler()
 
         def _linger(self) -> None:
             until = min(self._last_data + _LINGER_IDLE_S, self._linger_ends)
