@@ -25,7 +25,9 @@ descriptor reserve. :func:`guarded_protocol` gives its ``HttpToolsProtocol`` the
   keeps no bytes one could rescan: it is bounded by its size alone
   (:class:`~.heads.UnalignedHead`), counted after each read, so by one read more (256 KiB at
   most under uvloop). Done in this one subclass, not a second one around it: each of
-  httptools' callbacks then runs one layer of Python less, on every request;
+  httptools' callbacks then runs one layer of Python less, on every request. For the same
+  reason the overrides do what uvicorn's own methods beneath them do, in line, not through
+  ``super()`` (patch ``uvicorn-h1-in-line`` checks the shape of what they reproduce);
 - after a response sent before its request's body was all received (a 401 at the head, a
   413, a 408 when the body is too slow), uvicorn reads the rest and drops it; the connection
   closes if the client pauses for 2 s before the body's end, or at the latest after 30 s, so
@@ -48,8 +50,10 @@ is one throttled log line, as hypercorn's are.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import ssl
+from asyncio import Event
 from typing import Any
 
 from .accept import MAX_REFUSED_HEAD_BYTES, Admission, ProxyRead, TlsStart, admit
@@ -58,7 +62,7 @@ from .body_writer import uvicorn_shape_ok, uvicorn_writer
 from .disconnected import EXTENSION as DISCONNECTED
 from .hardening import LINGER_S, TIMEOUT_H1, Linger, busy_h1, report
 from .heads import HeadRefusal, HeadScanner, UnalignedHead, refusal_h1, too_many_fields
-from .http10 import close_delimited, is_http10
+from .http10 import close_delimited
 from .limits import ClientLimits, ConnectionCounter
 from .proxy_protocol import Proxied, ProxyProtocol, with_client
 from .refusal_cors import RefusalCors, h1_cors_lines
@@ -97,7 +101,11 @@ def guarded_protocols(
     a refused connection's 503 the CORS headers of its request's origin
     (:mod:`.refusal_cors`)."""
     from httptools import HttpParserError, HttpParserUpgrade
+    from uvicorn.protocols.http.flow_control import service_unavailable
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as Cycle
+
+    init_cycle = Cycle.__init__
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
 
@@ -227,6 +235,8 @@ def guarded_protocols(
         _plain_early = b""
         _proxy: ProxyRead | None = None
         _proxy_client: tuple[str, int] | None = None
+        _writer_ok: bool | None = None
+        """Does uvicorn's request cycle have what the body writer reads (asked once)?"""
         _idle_from: float | None = None
         """Since when the connection has been idle (its last response complete, or its start,
         and no byte read since), for the keep-alive timer; None while a request is on."""
@@ -460,7 +470,22 @@ def guarded_protocols(
                 self._head_fresh = False
             if self._head_timer is None:  # a head that began where a dropped body ended
                 self._head_due = True  # parsers call back from data_received only
-            super().on_message_begin()
+            # uvicorn's on_message_begin, in line (a call a request fewer)
+            self.url = b""
+            self.expect_100_continue = False
+            headers: list[tuple[bytes, bytes]] = []
+            self.headers = headers
+            self.scope = {  # type: ignore[typeddict-item]
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,  # type: ignore[typeddict-item]
+                "root_path": self.root_path,
+                "headers": headers,
+                "state": self.app_state.copy(),
+            }
 
         def on_headers_complete(self) -> None:
             self._head_scan = self._unaligned = None
@@ -469,14 +494,51 @@ def guarded_protocols(
             if timer is not None:
                 timer.cancel()
                 self._head_timer = None
+            # uvicorn's on_headers_complete and _start_asgi_task, in line: the cycle made
+            # without a keyword call (~4k instructions less), a URL parsed once (below), and
+            # the writer, send and disconnect future set before its task starts.
+            parser = self.parser
+            scope = self.scope
+            http_version = parser.get_http_version()
+            scope["method"] = parser.get_method().decode("ascii")
+            if http_version != "1.1":
+                scope["http_version"] = http_version
+            if parser.should_upgrade() and self._should_upgrade():
+                return
+            url = self.url
+            parsed = _URLS.get(url)
+            if parsed is None:
+                parsed = _parse_url(url)
+            path, raw_path, query = parsed
+            root_path = self.root_path
+            scope["path"] = root_path + path
+            scope["raw_path"] = root_path.encode("ascii") + raw_path
+            scope["query_string"] = query
+            limit = self.limit_concurrency
+            if limit is not None and (
+                len(self.connections) >= limit or len(self.tasks) >= limit
+            ):
+                app = service_unavailable
+                message = "Exceeded concurrency limit."
+                self.logger.warning(message)
+            else:
+                app = self.app
             before = self.cycle
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is not before and cycle is not None and uvicorn_shape_ok(cycle):
+            cycle = self.cycle = new_cycle(Cycle)
+            init_cycle(
+                cycle, scope, self.transport, self.flow, self.logger, self.access_logger,
+                self.access_log, self.server_state.default_headers, Event(),
+                self.expect_100_continue, http_version != "1.0" and parser.should_keep_alive(),
+                self.on_response_complete,
+            )
+            writer_ok = self._writer_ok
+            if writer_ok is None:
+                writer_ok = type(self)._writer_ok = uvicorn_shape_ok(cycle)
+            if writer_ok:
                 # Its task has not run yet: the app finds the writer in its scope, and the
                 # cycle's send is still ours to change.
-                extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
-                if is_http10(cycle.scope):
+                extensions: dict[str, Any] = scope.setdefault("extensions", {})
+                if http_version == "1.0":  # is_http10
                     close_delimited(cycle)  # no chunked coding: no chunk writer either
                 else:
                     extensions[BODY_WRITER] = uvicorn_writer(cycle)
@@ -487,6 +549,18 @@ def guarded_protocols(
                     if not pair[0].response_complete:
                         live.append(pair)
                 self._gone = tuple(live)
+            if before is None or before.response_complete:  # uvicorn's _start_asgi_task
+                if self.config.reset_contextvars:
+                    task = self.loop.create_task(
+                        cycle.run_asgi(app), context=contextvars.Context()
+                    )
+                else:
+                    task = self.loop.create_task(cycle.run_asgi(app))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)
+            else:  # pipelined: queued until the response before it is complete
+                self.flow.pause_reading()
+                self.pipeline.appendleft((cycle, app))
 
         def handle_websocket_upgrade(self) -> None:
             self._head_due = False
@@ -544,7 +618,14 @@ def guarded_protocols(
                         self.timeout_keep_alive_task = self.loop.call_later(
                             self.timeout_keep_alive, self._keep_alive_due
                         )
-            super().on_message_complete()
+            # uvicorn's on_message_complete, in line
+            cycle = self.cycle
+            if not (
+                (self.parser.should_upgrade() and self._should_upgrade())
+                or cycle.response_complete
+            ):
+                cycle.more_body = False
+                cycle.message_event.set()
             if heads is not None:
                 self._head_scan, self._head_fresh = None, True  # scanned from the next byte
                 self._scan_began_in_read = self._feeding
@@ -589,6 +670,37 @@ def guarded_protocols(
                 self._head_timer = None
 
     return GuardedHttpToolsProtocol, GuardedWebSocketProtocol
+
+
+_URLS: dict[bytes, tuple[str, bytes, bytes]] = {}
+"""What uvicorn makes of a request target (its path, raw path and query string), by the
+target's bytes: the same few come again and again, and ``httptools.parse_url`` makes an
+object of seven fields for each (~2.5k instructions, the lookup ~0.1k)."""
+_MAX_URLS = 512
+"""Past this many targets kept, a new one is parsed each time (a client sending made-up
+targets cannot grow the table)..."""
+_MAX_URL_BYTES = 64
+"""... and longer targets are parsed each time, never kept."""
+new_cycle = object.__new__
+
+
+def _parse_url(url: bytes) -> tuple[str, bytes, bytes]:
+    """uvicorn's reading of a request target (``on_headers_complete``): its path, decoded
+    and percent-unquoted; its raw path; its query string (``b""`` for none). Kept in
+    :data:`_URLS` within its bounds; an invalid target raises as ``parse_url`` does."""
+    from urllib.parse import unquote
+
+    from httptools import parse_url
+
+    parsed_url = parse_url(url)
+    raw_path = parsed_url.path
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        path = unquote(path)
+    parsed = (path, raw_path, parsed_url.query or b"")
+    if len(_URLS) < _MAX_URLS and len(url) <= _MAX_URL_BYTES:
+        _URLS[url] = parsed
+    return parsed
 
 
 def _drop_writer(cycle: Any) -> None:

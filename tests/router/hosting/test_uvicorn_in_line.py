@@ -1,0 +1,152 @@
+"""uvicorn's request callbacks as the default server's protocol does them in line
+(``uvicorn_limits``, patch ``uvicorn-h1-in-line``): for each request, the same scope, the
+same request cycle, the same bytes written and the same connection state as uvicorn's own
+``HttpToolsProtocol``. Both protocols are fed the same bytes through a transport that keeps
+what is written; the application answers through ``send`` as any would."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from firstbyte.router.hosting.limits import ClientLimits, ConnectionCounter
+from firstbyte.router.hosting.uvicorn_limits import guarded_protocols
+
+DATE = [(b"date", b"Mon, 07 Dec 2026 09:00:00 GMT")]
+_CYCLE_FIELDS = (
+    "keep_alive", "waiting_for_100_continue", "more_body", "body", "response_started",
+    "response_complete", "chunked_encoding", "expected_content_length", "disconnected",
+    "access_log", "default_headers",
+)
+
+
+class Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+async def _serve(guarded: bool, reads: list[bytes], **config: Any) -> dict[str, Any]:
+    """What one protocol does with ``reads``: the scopes its application saw (without the
+    router's extensions), the messages it received, its cycles' state, the bytes written."""
+    scopes: list[dict[str, Any]] = []
+    received: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        scopes.append({k: v for k, v in scope.items() if k != "extensions"})
+        message = await receive()
+        received.append(message)
+        body = b"%s %s %r" % (scope["method"].encode(), scope["raw_path"], message["body"])
+        headers = [(b"content-type", b"text/plain"), (b"x-a", b"1")]
+        if scope["http_version"] == "1.0":  # the router's 1.0 answers without one differ
+            headers.append((b"content-length", b"%d" % len(body)))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body[:5], "more_body": True})
+        await send({"type": "http.response.body", "body": body[5:], "more_body": False})
+
+    cls: Any = HttpToolsProtocol
+    if guarded:
+        limits = ClientLimits()
+        cls = guarded_protocols(limits, ConnectionCounter(limits, 1 << 20))[0]
+    uconfig = uvicorn.Config(app, http=cls, lifespan="off", access_log=False, log_config=None,
+                             **config)
+    uconfig.load()
+    state = ServerState()
+    state.default_headers = list(DATE)
+    protocol = cls(config=uconfig, server_state=state, app_state={"a": 1})
+    transport = Transport()
+    protocol.connection_made(transport)
+    cycles = []
+    for data in reads:
+        protocol.data_received(data)
+        cycles.append(protocol.cycle)
+        for _ in range(20):  # the app's task, through its sends
+            await asyncio.sleep(0)
+    keep_alive = protocol.timeout_keep_alive_task
+    try:
+        return {
+            "scopes": scopes,
+            "received": received,
+            "cycles": [
+                None if c is None else {name: getattr(c, name) for name in _CYCLE_FIELDS}
+                for c in cycles
+            ],
+            "writes": b"".join(transport.writes),
+            "closed": transport.closed,
+            "reading": transport.reading,
+            # The router's is armed from the connection's start, uvicorn's from a response's
+            # end: the same once a response is over, unless the connection was closed then.
+            "keep_alive_armed": not transport.closed
+            and keep_alive is not None
+            and not keep_alive.cancelled(),
+            "pipeline": len(protocol.pipeline),
+            "total_requests": state.total_requests,
+        }
+    finally:
+        protocol.connection_lost(None)
+
+
+CASES = {
+    "post": [b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+             b"\r\ncontent-length: 7\r\n\r\n{\"a\":1}"],
+    "quoted path and query": [b"GET /a%20b/c%2Fd?x=1&y=%20 HTTP/1.1\r\nhost: x\r\n\r\n"],
+    "the same target twice": [b"GET /v1/models?q=1 HTTP/1.1\r\nhost: x\r\n\r\n"] * 2,
+    "http/1.0": [b"GET /v1/models HTTP/1.0\r\nhost: x\r\n\r\n"],
+    "connection close": [b"GET /x HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"],
+    "100-continue": [b"POST /x HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                     b"content-length: 2\r\n\r\n", b"ab"],
+    "pipelined": [b"GET /1 HTTP/1.1\r\nhost: x\r\n\r\nGET /2 HTTP/1.1\r\nhost: x\r\n\r\n"],
+    "body in parts": [b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\n\r\nab", b"cdef"],
+    "invalid target": [b"GET http://[::1 HTTP/1.1\r\nhost: x\r\n\r\n"],
+    "invalid head": [b"GET /x HTTP/1.1\r\nho st: x\r\n\r\n"],
+    "long target": [b"GET /" + b"a" * 300 + b"?b=%20 HTTP/1.1\r\nhost: x\r\n\r\n"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_the_in_line_callbacks_do_what_uvicorns_do(case: str) -> None:
+    ours = await _serve(True, CASES[case])
+    uvicorns = await _serve(False, CASES[case])
+    if case == "body in parts":
+        # Answered before the body's end, then the rest came: the router's protocol serves
+        # on with the connection's keep-alive clock running (uvicorn_limits' lingering
+        # close); uvicorn's leaves the connection without one.
+        assert ours.pop("keep_alive_armed")
+        assert not uvicorns.pop("keep_alive_armed")
+    assert ours == uvicorns
+    assert ours["writes"]
+
+
+@pytest.mark.parametrize("config", [{"root_path": "/api"}, {"limit_concurrency": 1}])
+async def test_the_in_line_callbacks_follow_uvicorns_config(config: dict[str, Any]) -> None:
+    reads = [b"GET /v1/a%2Fb?x=1 HTTP/1.1\r\nhost: x\r\n\r\n"]
+    ours = await _serve(True, reads, **config)
+    assert ours == await _serve(False, reads, **config)
+    assert ours["writes"]
