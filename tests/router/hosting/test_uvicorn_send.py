@@ -132,6 +132,19 @@ async def test_fast_send_does_what_uvicorns_send_does(case: str) -> None:
     assert await _run(*ours, messages) == await _run(*theirs, messages)
 
 
+async def test_every_byte_of_a_value_is_taken_or_refused_as_uvicorn_does() -> None:
+    # The values are checked at once, by deleting the bytes uvicorn's pattern matches: each
+    # of the 256, alone, amid others and in a later header, as uvicorn's own check has it.
+    for byte in range(256):
+        for value in (bytes((byte,)), b"a%cz" % byte):
+            headers = [*SSE, (b"x-a", b"ok"), (b"x-b", value), (b"x-c", b"\t\x80\xff")]
+            messages = [start(headers=headers), part(b"a", False)]
+            theirs = _cycle()
+            ours = _cycle()
+            fast_send(ours[0])
+            assert await _run(*ours, messages) == await _run(*theirs, messages), (byte, value)
+
+
 WITH_FIRST: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "stream": ({}, start()),
     "no-keep-alive": ({"keep_alive": False}, start()),
