@@ -46,7 +46,8 @@ message, the first part of the body (more parts to follow), written with the hea
 _SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 """Names whose value changes the framing or the connection: uvicorn's ``send`` has them."""
 _NAMES: dict[bytes, bytes] = {}
-"""Header names as sent (lower-cased), by the bytes the application gave: checked once."""
+"""Header lines' starts as sent (the name lower-cased, then ``: ``), by the name's bytes the
+application gave: checked once."""
 _MAX_NAMES = 512
 """Past this many names kept, a new one is checked each time (made-up names cannot grow
 the table)..."""
@@ -72,8 +73,9 @@ def _bind() -> None:
 
 
 def _learn(name: bytes) -> bytes | None:
-    """``name`` lower-cased, if uvicorn takes it and it changes neither the framing nor the
-    connection; else None (uvicorn's ``send`` then sends the head)."""
+    """The start of ``name``'s line (lower-cased, then ``: ``), if uvicorn takes it and it
+    changes neither the framing nor the connection; else None (uvicorn's ``send`` then sends
+    the head)."""
     from uvicorn.protocols.http.httptools_impl import HEADER_RE
 
     if type(name) is not bytes or HEADER_RE.search(name):
@@ -81,9 +83,10 @@ def _learn(name: bytes) -> bytes | None:
     lowered = name.lower()
     if lowered in _SPECIAL:
         return None
+    start = lowered + b": "
     if len(_NAMES) < _MAX_NAMES and len(name) <= _MAX_NAME_BYTES:
-        _NAMES[name] = lowered
-    return lowered
+        _NAMES[name] = start
+    return start
 
 
 def _head(message: Any, default_headers: Any) -> tuple[int, list[bytes]] | None:
@@ -93,20 +96,20 @@ def _head(message: Any, default_headers: Any) -> tuple[int, list[bytes]] | None:
     if type(status) is not int or status not in _STATUS_LINE:
         return None
     parts = [_STATUS_LINE[status]]
-    values: list[bytes] = []
     names = _NAMES
     # A loop over both lists, not their concatenation: uvicorn's default headers (the
     # date) come first, as uvicorn sends them.
     for headers in (default_headers, message.get("headers", ())):
         for name, value in headers:
-            lowered = names.get(name)
-            if lowered is None:
-                lowered = _learn(name)
-                if lowered is None:
+            try:  # a subscript, not get(): no call for a name learnt
+                start = names[name]
+            except KeyError:
+                learnt = _learn(name)
+                if learnt is None:
                     return None
-            parts += (lowered, b": ", value, b"\r\n")
-            values.append(value)
-    joined = b"".join(values)
+                start = learnt
+            parts += (start, value, b"\r\n")
+    joined = b"".join(parts[2::3])  # the values (each line: its start, value, end)
     if len(joined.translate(None, _REFUSED)) != len(joined):
         return None  # uvicorn refuses the first bad value
     return status, parts
