@@ -520,8 +520,12 @@ def guarded_protocols(
                 parsed = _parse_url(url)
             path, raw_path, query = parsed
             root_path = self.root_path
-            scope["path"] = root_path + path
-            scope["raw_path"] = root_path.encode("ascii") + raw_path
+            if root_path:
+                scope["path"] = root_path + path
+                scope["raw_path"] = root_path.encode("ascii") + raw_path
+            else:  # the same values, without an encode() and two joins
+                scope["path"] = path
+                scope["raw_path"] = raw_path
             scope["query_string"] = query
             limit = self.limit_concurrency
             if limit is not None and (
@@ -586,7 +590,8 @@ def guarded_protocols(
                 _release(counted, ended)
 
         def on_response_complete(self) -> None:
-            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
                 # Answered before its body was all here. uvicorn reads the rest and drops it,
                 # then serves the next request; closing at once instead would make the kernel
                 # reset a connection with a body still arriving, and the client would lose
@@ -596,8 +601,14 @@ def guarded_protocols(
                 now = self.loop.time()
                 self._last_data, self._linger_ends = now, now + _LINGER_MAX_S
                 self._linger_timer = self.loop.call_later(_LINGER_IDLE_S, self._linger)
-            if self.cycle is not None:
-                _drop_writer(self.cycle)
+            if cycle is not None:  # _drop_writer, in line (once a request)
+                extensions = cycle.scope.get("extensions")
+                if extensions:
+                    extensions.pop(BODY_WRITER, None)
+                try:  # noqa: SIM105
+                    del cycle.send
+                except AttributeError:
+                    pass
             # uvicorn's on_response_complete, in line, but for its keep-alive timer: a timer
             # made and cancelled for each request cost ~8k instructions; one made once and
             # moved on when it fires (_keep_alive_due) closes the connection at the same time.
@@ -719,7 +730,8 @@ def _drop_writer(cycle: Any) -> None:
     for the cyclic GC, which a router tuned for serving runs rarely. Whoever still holds
     the writer keeps it working (it says False from now on); the scope no longer does.
     The cycle's own ``send`` (:mod:`.uvicorn_send`, :mod:`.http10`) goes too, for the same
-    loop: whoever holds it (the application) keeps it, and uvicorn's is the cycle's again."""
+    loop: whoever holds it (the application) keeps it, and uvicorn's is the cycle's again.
+    At a response's end the protocol does this in line (``on_response_complete``)."""
     extensions = cycle.scope.get("extensions")
     if extensions:
         extensions.pop(BODY_WRITER, None)
