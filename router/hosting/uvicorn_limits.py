@@ -104,11 +104,10 @@ def guarded_protocols(
     from uvicorn.protocols.http.flow_control import service_unavailable
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as Cycle
-
-    init_cycle = Cycle.__init__
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
     from websockets.exceptions import PayloadTooBig
 
+    init_cycle = Cycle.__init__  # called on a new object: no class call with keywords
     heads = limits.heads
     writer_ok: bool | None = None  # uvicorn's cycle has what the body writer reads? (once)
     # HeadScanner.feed's fast path, for a head's first read (below): a head that ends in it
@@ -335,7 +334,8 @@ def guarded_protocols(
                 return
             # uvicorn starts its keep-alive clock only after a response: a connection that
             # never sends a byte would stay open for good. hypercorn's idle timer runs from
-            # the start; so does this one (the first byte stops it, as between requests).
+            # the start; so does this one (the first byte makes the connection busy, as
+            # between requests: _keep_alive_due).
             self._idle_from = self.loop.time()
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self._keep_alive_due
