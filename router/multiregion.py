@@ -992,16 +992,28 @@ class RegionRouting:
 
     def finished(self, obs: Observation, ctx: RequestContext, ok: bool) -> None:
         duration_ms = (time.perf_counter() - obs.started) * 1000
-        self._uncount(obs)
+        # _uncount in line, and the two spill slots tested one by one, not looped over as a
+        # tuple: a call, a tuple and a loop a request fewer (~1k instructions).
+        model = obs.route.model if obs.route is not None else ""  # _model_of, inlined
+        active = self.active_by_model
+        left = active.get(model, 0) - 1
+        if left > 0:
+            active[model] = left
+        else:
+            active.pop(model, None)
         if obs.local:
             self.tracker.finished(obs.backend, duration_ms)
             if self.released is not None:
                 self.released(obs.backend)
         else:
+            _decrement(self.peer_routed_by_model, model)
             self.peer_routed[obs.region] -= 1
-        for slot in (obs.slot, obs.claim[1] if obs.claim else None):
-            if slot is not None:
-                self.spill.release(slot)
+        slot = obs.slot
+        if slot is not None:
+            self.spill.release(slot)
+        claim = obs.claim
+        if claim and claim[1] is not None:
+            self.spill.release(claim[1])
         outcome = "ok" if ok else "error"
         self.outcomes[(obs.region, obs.backend, outcome, ctx.model_label)] += 1
 
