@@ -43,6 +43,7 @@ __all__ = [
     "SpanSink",
     "Usage",
     "bounded",
+    "hundredths",
     "reply_usage",
     "stream_ending",
     "stream_usage",
@@ -111,6 +112,26 @@ def bounded(value: str | None, limit: int = MAX_FIELD_CHARS) -> str | None:
     if value is None or len(value) <= limit:
         return value
     return f"{value[:limit]}...[+{len(value) - limit}]"
+
+
+def hundredths(value: float) -> float:
+    """``round(value, 2)``, the same float, without its decimal conversions where the answer
+    is plain (~1.8k instructions a call: a dtoa, a snprintf and a strtod; twice a line).
+
+    ``value * 100`` is within a 2**-17 of the exact value times 100 below 1e11, so where its
+    fraction is clear of a half by 1e-4 the integer it rounds to is the one ``round`` rounds
+    the exact value to, and that integer divided by 100 (both exact, the division correctly
+    rounded) is the float nearest that decimal: ``round``'s answer. Near a half, zero or
+    below, past 1e11 or not finite: ``round`` itself."""
+    scaled = value * 100
+    if 0.0 < scaled < 1e11:
+        whole = int(scaled)
+        fraction = scaled - whole  # exact: scaled's integer part is exact below 2**52
+        if fraction < 0.4999:
+            return whole / 100
+        if fraction > 0.5001:
+            return (whole + 1) / 100
+    return round(value, 2)
 
 
 def _decode_chunk(data: bytes) -> _Chunk | None:
@@ -348,8 +369,8 @@ class AccessRecord(msgspec.Struct, gc=False):
             self.path,
             self.endpoint,
             self.status,
-            None if first_token_at is None else round((first_token_at - started_at) * 1000, 2),
-            round((self.ended_at - started_at) * 1000, 2),
+            None if first_token_at is None else hundredths((first_token_at - started_at) * 1000),
+            hundredths((self.ended_at - started_at) * 1000),
             usage.input_tokens,
             usage.output_tokens,
             self.outcome,
@@ -708,8 +729,8 @@ class RequestLog:
                 endpoint,  # endpoint
                 status,  # status
                 (None if first_token_at is None  # ttft_ms
-                 else round((first_token_at - started_at) * 1000, 2)),
-                round((ended_at - started_at) * 1000, 2),  # duration_ms
+                 else hundredths((first_token_at - started_at) * 1000)),
+                hundredths((ended_at - started_at) * 1000),  # duration_ms
                 usage.input_tokens,  # input_tokens
                 usage.output_tokens,  # output_tokens
                 outcome,  # outcome

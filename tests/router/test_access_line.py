@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ from firstbyte.router.observability.access import (
     AccessRecord,
     RequestLog,
     Usage,
+    hundredths,
 )
 from firstbyte.router.observability.logs import LogFormat
 from firstbyte.router.observability.usage import TokenUsage
@@ -491,3 +494,42 @@ async def test_an_operational_request_s_record_is_built_only_to_be_written(
         assert out.getvalue().splitlines()[0] == HEALTHZ_DEBUG_LINE
     # Traced at either level: the request a pipeline ran for, not an operational one.
     assert [(r.method, r.path) for r in spans.records] == [("POST", "/v1/edge/warm")]
+
+
+def _hundredths_cases() -> Iterator[float]:
+    """Durations in ms as a line sees them, and the values where a shortcut would go wrong:
+    near halves of a hundredth, both sides of each, tiny, huge, zero, negative, not finite."""
+    import random
+
+    rng = random.Random(26)
+    for _ in range(200_000):
+        yield rng.uniform(0, 10) ** rng.uniform(0, 7)
+        yield (rng.uniform(0, 1e6) - rng.uniform(0, 1e6)) / 7
+    for whole in range(0, 100_000, 7):
+        tie = (whole + 0.5) / 100
+        yield tie
+        yield math.nextafter(tie, 0)
+        yield math.nextafter(tie, math.inf)
+        for step in (1e-13, 1e-9, 1e-7, 1e-6, 9.99e-7, 1.0001e-6):
+            yield tie - step
+            yield tie + step
+        yield whole / 100
+        yield math.nextafter(whole / 100, 0)
+        yield math.nextafter(whole / 100, math.inf)
+    for scale in range(-330, 309):
+        yield 10.0 ** scale
+        yield 1.2345 * 10.0 ** scale
+        yield math.nextafter(1e9 * 10.0 ** (scale % 5), math.inf)
+    yield from (0.0, -0.0, -0.004, -0.005, 0.004, 0.005, 0.015, 1e9, 1e9 + 0.005,
+                5e-324, math.inf, -math.inf, 1e308)
+
+
+def test_hundredths_is_round_to_two_places_bit_for_bit() -> None:
+    """The line's ``ttft_ms`` and ``duration_ms`` are ``round(ms, 2)``: the shortcut gives
+    the same float (sign of zero included), or the same error."""
+    for value in _hundredths_cases():
+        expected = round(value, 2)
+        got = hundredths(value)
+        assert struct.pack("<d", got) == struct.pack("<d", expected), value
+    for bad in (math.nan,):
+        assert math.isnan(hundredths(bad))
