@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import struct
 import time
@@ -533,3 +534,52 @@ def test_hundredths_is_round_to_two_places_bit_for_bit() -> None:
         assert struct.pack("<d", got) == struct.pack("<d", expected), value
     for bad in (math.nan,):
         assert math.isnan(hundredths(bad))
+
+
+@pytest.mark.parametrize("change", ["level", "disabled", "disable"])
+async def test_logging_turned_off_mid_request_writes_no_line(
+    change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a line is written is asked again when the request is over: logging made quiet
+    while the request ran (the access logger's level raised, the logger disabled, or
+    ``logging.disable``) writes none, though it was on when the request came in (the
+    answer then was known from the logger's cache)."""
+    from firstbyte.router.observability import access
+
+    request_log = RequestLog("eu-1", clock=lambda: 5.0)
+    with configured("json") as (out, _), monkeypatch.context() as patch:
+        patch.setattr(time, "time", lambda: NOW)
+        ctx = RequestContext("GET", "/v1/models", {}, received_at=5.0)
+        await _serve(request_log, "/v1/models", ctx, 200)  # the cache warm: on
+        assert len(out.getvalue().splitlines()) == 1
+        level = access.log.level
+
+        def quieted(self: RequestLog, *args: Any) -> Any:
+            raise AssertionError("no line: nothing to make")
+
+        def turn_off() -> None:
+            if change == "level":
+                access.log.setLevel(logging.WARNING)
+            elif change == "disabled":
+                patch.setattr(access.log, "disabled", True)
+            else:
+                logging.disable(logging.INFO)
+
+        served = RequestLog.serve
+
+        async def serve_then_turn_off(self: RequestLog, scope: Any, receive: Any, send: Any,
+                                      handler: Any) -> None:
+            async def handler_then_off(scope: Any, receive: Any, send: Any) -> None:
+                await handler(scope, receive, send)
+                turn_off()
+
+            await served(self, scope, receive, send, handler_then_off)
+
+        patch.setattr(RequestLog, "serve", serve_then_turn_off)
+        patch.setattr(RequestLog, "_make", quieted)
+        try:
+            await _serve(request_log, "/v1/models", ctx, 200)
+        finally:
+            logging.disable(logging.NOTSET)
+            access.log.setLevel(level)
+        assert len(out.getvalue().splitlines()) == 1
