@@ -454,6 +454,36 @@ def test_a_workers_lines_name_it_in_both_formats(monkeypatch: pytest.MonkeyPatch
     )
 
 
+def test_a_struct_s_json_line_is_its_mapping_s_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A struct's line (an access line) is made apart from a mapping's, its members between
+    time and msg encoded once a logger and level: the same bytes as the mapping's line, with
+    and without a worker, at each level, for loggers and messages that need escaping."""
+
+    class Fields(msgspec.Struct):
+        status: int
+        path: str
+        left_out: str | msgspec.UnsetType = msgspec.UNSET
+
+    fields = Fields(200, '/v1/"x"\u00e9')
+    formatter = JsonFormatter()
+    for worker in (None, 3, 0):
+        monkeypatch.setattr(logs, "_worker", worker)
+        for level in ("INFO", "DEBUG", "WARNING", "Level 5"):
+            for logger in ("firstbyte.access", 'odd "name"\\', "\u00e9"):
+                for msg in ("POST /v1/chat/completions 200", 'a "quoted"\n msg', ""):
+                    for created in (1_700_000_000.25, 1_700_000_000.5, 1_700_000_001.999,
+                                    1_700_000_001.001, 1_700_000_000.25):
+                        line = formatter.line(created, level, logger, msg, fields)
+                        assert line == formatter.line(
+                            created, level, logger, msg, logs.struct_fields(fields))
+                        decoded = json.loads(line)
+                        assert decoded["level"] == level.lower()
+                        assert decoded["logger"] == logger
+                        assert decoded["msg"] == msg
+                        assert decoded.get("worker") == worker
+                        assert list(decoded)[-2:] == ["status", "path"]
+
+
 @contextmanager
 def configured(
     fmt: LogFormat, level: str = "info"
