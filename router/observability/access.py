@@ -640,9 +640,17 @@ class RequestLog:
                 end = len(events)
                 if end and events[-1].data == DONE_DATA:
                     end -= 1
-                if end:
+                if end and not traced and codec is CHAT:
                     # A chat stream's first event is decoded for its model only, which only
-                    # a trace says: not for a line alone (a JSON decode a request).
+                    # a trace says: not for a line alone (a JSON decode a request). Then
+                    # stream_ending's answer is (None, "ok") unless its last event is an
+                    # error: its call (a frame and a tuple) only for that one.
+                    last = events[end - 1].data
+                    if last.startswith(b'{"error"'):
+                        model, ended = stream_ending(None, last, codec)
+                    else:
+                        model, ended = None, "ok"
+                elif end:
                     model, ended = stream_ending(
                         events[0].data if traced or codec is not CHAT else None,
                         events[end - 1].data, codec)

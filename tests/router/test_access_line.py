@@ -583,3 +583,30 @@ async def test_logging_turned_off_mid_request_writes_no_line(
             logging.disable(logging.NOTSET)
             access.log.setLevel(level)
         assert len(out.getvalue().splitlines()) == 1
+
+
+@pytest.mark.parametrize("last", [
+    _chunk("b"),
+    b'{"error":{"message":"x","code":"upstream_eof"}}',
+    b'{"error":{"message":"x"}}',
+    b'{"error":"not an object"}',
+    b'{"error":',
+    b' {"error":{"code":"not at the start"}}',
+])
+@pytest.mark.parametrize("done", [True, False])
+def test_a_line_alone_has_the_record_s_outcome(last: bytes, done: bool) -> None:
+    """A chat stream with the relay's usage: the line made without a record (no trace) has
+    the outcome the record has (the last event's error code, ``error``, or ``ok``), though
+    the line reads the last event alone."""
+    from firstbyte.router.observability.access import _Exchange
+
+    ctx = _streamed()
+    ctx.stream = _stream(_chunk(""), _chunk("a"), last, done=done, usage=TokenUsage(11, 2))
+    request_log = RequestLog("eu-1")
+    exchange = _Exchange("POST", "/v1/chat/completions", "1.1", 10.0, 200, True)
+    record = request_log.record(exchange, ctx, False, 11.0, ctx.stream)
+    line = request_log._make(exchange, ctx, False, 11.0, ctx.stream, False, True)
+    assert line == record.line_fields()
+    assert record.usage.outcome == (
+        "upstream_eof" if b"upstream_eof" in last
+        else "error" if last.startswith(b'{"error"') else "ok")
