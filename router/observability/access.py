@@ -50,11 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("firstbyte.access")
-_enabled: dict[int, bool] = log._cache  # type: ignore[attr-defined]
-"""``log.isEnabledFor``'s answers by level: the dict it reads first, cleared in place (never
-replaced) when logging is reconfigured. A level found true there, with ``log`` not disabled,
-is the answer ``isEnabledFor`` would give, without its call (twice a request); any other
-case asks ``isEnabledFor`` itself."""
 
 CONTEXT_KEY = "firstbyte.context"
 """The ASGI scope key under which the endpoints leave the request's context."""
@@ -510,9 +505,7 @@ class RequestLog:
         handler: Callable[[Scope, Receive, Send], Awaitable[None]],
     ) -> None:
         """Run ``handler`` for one HTTP request and record it when it is over."""
-        if self.spans is None and not (  # not self.enabled; isEnabledFor's cache first
-                (_enabled.get(logging.INFO) and not log.disabled)
-                or log.isEnabledFor(logging.INFO)):
+        if self.spans is None and not log.isEnabledFor(logging.INFO):  # not self.enabled
             await handler(scope, receive, send)
             return
         method, path = scope.get("method", "GET"), scope.get("path", "")
@@ -592,7 +585,7 @@ class RequestLog:
         record: AccessRecord | None = None
         if traced:
             record = self.record(exchange, ctx, websocket, ended_at, stream)
-        if (_enabled.get(level) and not log.disabled) or log.isEnabledFor(level):
+        if log.isEnabledFor(level):
             # Without a trace, the line's fields alone: no record made to be read once.
             line = (record.line_fields() if record is not None
                     else self._make(exchange, ctx, websocket, ended_at, stream, False, True))
