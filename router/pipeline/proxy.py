@@ -57,6 +57,7 @@ from ..upstream_h1 import (
 )
 from .backend import PEER_PREFIX, Backend
 from .context import FailCause, Observer, RequestContext
+from .deadlines import Deadlines
 from .relay import (
     Action,
     Append,
@@ -167,6 +168,17 @@ class Proxy:
         self._stream_heads: dict[tuple[Origin, str, str | None], tuple[bytes, bytes] | None] = {}
         """A stream request's bytes but its traceparent and length, by origin, path and key
         (:meth:`_stream_request`)."""
+        self._first_bytes: Deadlines | None = None
+        """The producers' first-byte deadlines, on the loop they run in (see
+        :meth:`first_byte_deadlines`)."""
+
+    def first_byte_deadlines(self, loop: asyncio.AbstractEventLoop) -> Deadlines:
+        """The first-byte deadlines of the producers running on ``loop``: one loop timer for
+        all of them (nearly every one is cancelled by its answer's head, seconds early)."""
+        deadlines = self._first_bytes
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._first_bytes = Deadlines(loop)
+        return deadlines
 
     @staticmethod
     def _new_client(
@@ -348,6 +360,8 @@ class Proxy:
         for task in list(self.producers):
             task.cancel()
         await asyncio.gather(*self.producers, return_exceptions=True)
+        if self._first_bytes is not None:
+            self._first_bytes.close()
         for client in (self.client, self.peer_client):
             await client.aclose()
         await self.streams_pool.aclose()
@@ -449,7 +463,8 @@ class _Producer:
         """Why the last attempt could not connect (its result was ``unreachable``), or why
         its backend failed it (``failed``, :attr:`_cause`)."""
         self._cause: FailCause = "refused"
-        self._first_byte_timer: asyncio.TimerHandle | None = None
+        self._first_byte: list[Any] | None = None
+        """The attempt's first-byte deadline (:meth:`Proxy.first_byte_deadlines`), if set."""
         self._start_observed = False
         self._compiled = chunkpath.READ_PATH is not None and not ctx.codec.named_events
         """The compiled path (:mod:`~firstbyte.router.chunkpath`) may take this stream's
@@ -479,7 +494,7 @@ class _Producer:
                     result = await self._via_httpx(proxy.peer_client)
                 else:
                     result = await self._via_h1()
-                if self._first_byte_timer is not None:
+                if self._first_byte is not None:
                     self._cancel_first_byte()
                 if result == "failed":
                     # The backend accepted the request and failed it before anything reached
@@ -531,7 +546,7 @@ class _Producer:
         finally:
             if self._timer is not None:
                 self._cancel_deadline()
-            if self._first_byte_timer is not None:
+            if self._first_byte is not None:
                 self._cancel_first_byte()
             if not self.head.done():
                 self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
@@ -674,10 +689,10 @@ class _Producer:
     def on_head(self, status: int) -> None:
         if self.outcome.done():
             return
-        timer = self._first_byte_timer
-        if timer is not None:  # _cancel_first_byte inlined (a call a request)
-            timer.cancel()
-            self._first_byte_timer = None
+        deadline = self._first_byte
+        if deadline is not None:  # _cancel_first_byte inlined (a call a request)
+            deadline[1] = None  # Deadlines.cancel inlined (another)
+            self._first_byte = None
         if status == 200:
             self._apply(self.relay.receive_head(200, time.perf_counter()))
             if self._compiled and self._conn is not None:
@@ -862,25 +877,25 @@ class _Producer:
     def _arm_first_byte(self) -> None:
         """A local backend that sends no byte of its answer by its first-byte deadline
         (from its observed TTFT) is failing, not slow: the attempt ends there."""
-        if self._first_byte_timer is not None:
+        if self._first_byte is not None:
             self._cancel_first_byte()
         timeout_s = None if self.observer is None else self.observer.first_byte_timeout_s()
         if timeout_s is not None:
-            self._first_byte_timer = self.loop.call_later(
+            self._first_byte = self.proxy.first_byte_deadlines(self.loop).call_later(
                 timeout_s, self._first_byte_late, timeout_s
             )
 
     def _first_byte_late(self, timeout_s: float) -> None:
-        self._first_byte_timer = None
+        self._first_byte = None
         late = httpx.ReadTimeout(f"no response within {timeout_s:.1f} s (first-byte deadline)")
         self._fail(late, "first_byte_timeout")
 
     # The request's own path tests each timer before calling to cancel it: most are None
     # there, and a call costs more than the test.
     def _cancel_first_byte(self) -> None:
-        if self._first_byte_timer is not None:
-            self._first_byte_timer.cancel()
-            self._first_byte_timer = None
+        if self._first_byte is not None:
+            Deadlines.cancel(self._first_byte)
+            self._first_byte = None
 
     # -- the one timer: the first-token deadline
     def _arm_deadline(self) -> None:
