@@ -369,12 +369,14 @@ async def completion(
             ],
         )
         return
-    # place() made room in the store (nothing awaited since): no eviction here.
-    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    # place() made room in the store (nothing awaited since): no eviction here. Nor a clock
+    # reading: the stream starts when the request was placed (placed_at).
+    now = state.clock() if ctx.placed_at is None else ctx.placed_at
+    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject, now)
     stream.format = codec.name  # before its metadata is written (queued, not yet sent)
-    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
+    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, now)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
-    stream.attach(state.clock())
+    stream.attach(now)
     disconnect = Disconnect(receive, scope)  # one listener for the head's wait and the body
     try:
         await _stream_response(state, scope, receive, send, ctx, stream, endpoint, disconnect)
@@ -503,9 +505,10 @@ async def start_detached_stream(
     if ctx is None:
         return
     assert isinstance(wait, float)
-    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject)
+    now = state.clock() if ctx.placed_at is None else ctx.placed_at  # placed this loop turn
+    stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject, now)
     stream.format = ctx.codec.name  # a lost producer's end comes in this format
-    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, state.clock())
+    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, now)
     started = state.proxy.start_stream(ctx, stream)
     announcing = state.announced(stream)
     if announcing is not None:

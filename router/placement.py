@@ -101,6 +101,7 @@ async def place_later(
     """The rest of a placement :func:`place_now` answered :data:`PLACE_LATER` for."""
     outcome = await state.region_state.place_later(state, ctx, gone)
     if outcome is CONTINUE:
+        ctx.placed_at = state.clock()  # after the wait
         _hold(state, ctx)
     return outcome
 
@@ -112,7 +113,7 @@ def place_in_memory(state: RouterState, ctx: RequestContext) -> Outcome:
     # One moment for the stages, and one scan of the backends' room at it (the fair gate,
     # the region's choice and the backend's each scanned them): nothing between them
     # changes a backend's load or health, and no await separates them unless it waits.
-    now = state.clock()
+    ctx.placed_at = now = state.clock()  # the hold and the stream's start read it too
     outcome = limit_key(ctx, state.limiter, state.store, now, state.tenants)
     if outcome is CONTINUE:
         room = state.room(ctx, now)
@@ -174,7 +175,7 @@ async def _wait_and_route(
 def _hold(state: RouterState, ctx: RequestContext) -> None:
     """Count the admitted request for its key and subject until it ends (with the region-wide
     key slot, if any: both go back through ``ctx.release_key_slot``)."""
-    release_share = state.hold(ctx)
+    release_share = state.hold(ctx, ctx.placed_at)
     release_slot = ctx.release_key_slot
     if release_slot is None:  # no region-wide slot (in memory): no call around the share's
         ctx.release_key_slot = release_share

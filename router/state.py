@@ -305,13 +305,13 @@ class RouterState:
 
     def new_stream(
         self, owner: bytes, on_finish: Callable[[], object] | None = None,
-        subject: str | None = None,
+        subject: str | None = None, now: float | None = None,
     ) -> Stream:
         """A new stream of ``owner`` (for ``subject``) in this process's store, shared when
-        the state is; ``on_finish`` runs when it ends (e.g.
-        :attr:`RequestContext.release_key_slot`)."""
+        the state is, made at ``now`` (the clock's time if None); ``on_finish`` runs when it
+        ends (e.g. :attr:`RequestContext.release_key_slot`)."""
         stream_id = self.region_state.announced_id(owner, subject)
-        stream = self.store.create(owner, self.clock(), stream_id)
+        stream = self.store.create(owner, self.clock() if now is None else now, stream_id)
         stream.subject = subject
         stream.on_finish = on_finish
         self.region_state.publish(stream, announced=stream_id is not None)
@@ -384,10 +384,11 @@ class RouterState:
         if tenants is not None and not tenants.active():
             del self.pools[pool]
 
-    def hold(self, ctx: RequestContext) -> Callable[[], None]:
+    def hold(self, ctx: RequestContext, now: float | None = None) -> Callable[[], None]:
         """Count ``ctx`` in flight for its key and subject, in the region and in its model's
-        pool, from now; the call that ends it (once)."""
-        now = self.clock()
+        pool, from ``now`` (the clock's time if None); the call that ends it (once)."""
+        if now is None:
+            now = self.clock()
         release_region = self.tenants.hold(ctx.owner, ctx.subject, now)
         pool = self.fair_pool(ctx)
         if pool is None:

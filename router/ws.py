@@ -186,12 +186,14 @@ class _Session:
             self.state.metrics.count("ws", "unavailable", ctx.model_label)
             await self.send(_reply(None, unavailable))
             return
+        # Placed this loop turn: the stream starts then (placed_at), no clock read again.
+        now = self.state.clock() if ctx.placed_at is None else ctx.placed_at
         stream = ctx.stream = self.state.new_stream(
-            ctx.owner, ctx.release_key_slot, ctx.subject
+            ctx.owner, ctx.release_key_slot, ctx.subject, now
         )
         stream.format = ctx.codec.name  # a lost producer's end comes in this format
         self.state.client_latency.stream_started(
-            ctx.owner, ctx.region or self.state.region, self.state.clock()
+            ctx.owner, ctx.region or self.state.region, now
         )
         started = self.state.proxy.start_stream(ctx, stream)
         announcing = self.state.announced(stream)

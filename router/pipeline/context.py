@@ -277,6 +277,9 @@ class RequestContext:
     """Extra headers for the upstream request (to a peer region: its key, ours forwarded)."""
     response_headers: list[tuple[str, str]] = field(default_factory=list, repr=False)
     """Extra headers for the client's response (e.g. ``x-firstbyte-better-region``)."""
+    placed_at: float | None = field(default=None, repr=False)
+    """The router state's clock (not ``perf_counter``) when the request was placed and held
+    for its key: its stream starts at that moment too (no await comes between)."""
     release_key_slot: Callable[[], object] | None = field(default=None, repr=False)
     """Gives back the slot the request holds of its API key's limit region-wide (shared
     state; :mod:`firstbyte.router.placement`): when the stream finishes, or the reply is out."""
