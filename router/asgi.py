@@ -211,14 +211,11 @@ async def _within(receive: Receive, timeout_s: float, started: Started | None = 
     which waits."""
     steps: Iterator[Any]
     if started is None:
-        steps = receive().__await__()
-        try:
-            waits_on = next(steps)  # not send(None): a bare iterator has no send
-        except StopIteration as done:  # answered without waiting
-            answered: Message = done.value
-            return answered
-    else:
-        steps, waits_on = started
+        begun = receive_now(receive)
+        if not isinstance(begun, tuple):  # answered without waiting
+            return begun
+        started = begun
+    steps, waits_on = started
     task = asyncio.current_task()
     assert task is not None  # an ASGI app runs in a task
     expired: list[bool] = []

@@ -372,13 +372,7 @@ class Relay:
         self._appended_full -= self.appended
         actions = self.receive_data(data, now)
         self._appended_full += self.appended
-        if not actions:
-            return []
-        first = actions[0]
-        if len(actions) == 1 and type(first) is Append:
-            return first.payloads
-        self._pending = actions
-        return None
+        return self._payloads_or_pending(actions)
 
     def feed_events(self, payloads: list[bytes], now: float) -> list[bytes] | None:
         """:meth:`feed` for a read already cut into its events' payloads (the compiled read
@@ -388,6 +382,11 @@ class Relay:
         self._appended_full -= self.appended
         actions = self.receive_events(payloads, now)
         self._appended_full += self.appended
+        return self._payloads_or_pending(actions)
+
+    def _payloads_or_pending(self, actions: list[Action]) -> list[bytes] | None:
+        """What :meth:`feed` answers for a read's ``actions``: its payloads when they are one
+        append, else None with the actions kept for :meth:`take_actions`."""
         if not actions:
             return []
         first = actions[0]

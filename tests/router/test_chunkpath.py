@@ -629,13 +629,9 @@ async def test_a_scripted_stream_reaches_the_client_the_same_on_both_paths(
     assert sum(written) >= sum(taken)
 
 
-async def test_every_token_after_the_first_goes_the_compiled_way(
-    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The read with the first content goes through the relay's actions (its first-token
-    # hooks, the response head); the compiled path is offered before it, so the second
-    # token's read is taken in C too, not left to the Python fast path (however the reads
-    # come: a token's read that waited for the next one is taken with it).
+def _made_read_paths(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The compiled read paths the router makes from now on (one per streamed answer),
+    listed as they are made."""
     paths: list[Any] = []
     real_read = chunkpath.READ_PATH
 
@@ -645,6 +641,17 @@ async def test_every_token_after_the_first_goes_the_compiled_way(
         return path
 
     monkeypatch.setattr(chunkpath, "READ_PATH", counting)
+    return paths
+
+
+async def test_every_token_after_the_first_goes_the_compiled_way(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The read with the first content goes through the relay's actions (its first-token
+    # hooks, the response head); the compiled path is offered before it, so the second
+    # token's read is taken in C too, not left to the Python fast path (however the reads
+    # come: a token's read that waited for the next one is taken with it).
+    paths = _made_read_paths(monkeypatch)
     tokens = [_chunk(_event(n)) for n in range(3)]
     writes = [_chunk(ROLE), *tokens, _chunk(USAGE), _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"]
     reads: list[str] = []
@@ -694,15 +701,7 @@ async def test_reads_cut_in_c_but_not_taken_are_relayed_as_the_python_path_relay
     # own (the first content, a usage chunk, [DONE], the body's end) is cut in C and handed
     # to the producer's on_events: the client, the usage and the metrics are as the Python
     # path alone has them.
-    paths: list[Any] = []
-    real_read = chunkpath.READ_PATH
-
-    def counting(*args: Any) -> Any:
-        path = real_read(*args)
-        paths.append(path)
-        return path
-
-    monkeypatch.setattr(chunkpath, "READ_PATH", counting)
+    paths = _made_read_paths(monkeypatch)
     seen: dict[str, list[str]] = {"compiled": [], "python": []}
     compiled = await _relayed(start_router, writes, 0.05, usage=usage, metrics=seen["compiled"])
     monkeypatch.setattr(chunkpath, "READ_PATH", None)

@@ -16,6 +16,7 @@ from uvicorn.server import ServerState
 
 from firstbyte.router.hosting.limits import ClientLimits, ConnectionCounter
 from firstbyte.router.hosting.uvicorn_limits import guarded_protocols
+from tests.router.hosting.transports import KeepingTransport as Transport
 
 DATE = [(b"date", b"Mon, 07 Dec 2026 09:00:00 GMT")]
 _CYCLE_FIELDS = (
@@ -23,34 +24,6 @@ _CYCLE_FIELDS = (
     "response_complete", "chunked_encoding", "expected_content_length", "disconnected",
     "access_log", "default_headers",
 )
-
-
-class Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closed = False
-        self.reading = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(
-            name, default
-        )
-
-    def write(self, data: Any) -> None:
-        self.writes.append(bytes(data))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
 
 
 async def _serve(guarded: bool, reads: list[bytes], **config: Any) -> dict[str, Any]:

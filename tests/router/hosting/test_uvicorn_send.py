@@ -20,32 +20,11 @@ from firstbyte.router.asgi import LastPart, stream_body
 from firstbyte.router.hosting import uvicorn_limits
 from firstbyte.router.hosting.uvicorn_send import EXTENSION, fast_send
 from tests.router.conftest import RouterFactory, auth
+from tests.router.hosting.transports import KeepingTransport as Transport
 from tests.router.streamtext import sse_text
 
 DATE = [(b"date", b"Mon, 07 Dec 2026 09:00:00 GMT")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-
-
-class Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: Any) -> None:
-        self.writes.append(bytes(data))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 def _cycle(
