@@ -88,11 +88,12 @@ async def place(
 def place_now(state: RouterState, ctx: RequestContext) -> Outcome:
     """:func:`place` as far as it goes without an await: its outcome, or :data:`PLACE_LATER`
     (await :func:`place_later` then). A coroutine less (two, with the region state's) for a
-    placement that does not wait, which is nearly every one."""
-    outcome = state.region_state.place_now(state, ctx)
-    if outcome is CONTINUE:
-        _hold(state, ctx)
-    return outcome
+    placement that does not wait, which is nearly every one.
+
+    The region state's own ``place_now``, which holds the request for its key when it
+    answers CONTINUE (only :func:`place_in_memory` does), called here; a caller on the
+    request path may call that one itself (a call less)."""
+    return state.region_state.place_now(state, ctx)
 
 
 async def place_later(
@@ -107,9 +108,9 @@ async def place_later(
 
 
 def place_in_memory(state: RouterState, ctx: RequestContext) -> Outcome:
-    """:func:`place_now` in memory (:class:`~firstbyte.router.regionstate.InMemory`), before
-    the request is held for its key: :data:`PLACE_LATER` when the request waits for a slot
-    (:func:`wait_in_memory` goes on from there)."""
+    """:func:`place_now` in memory (:class:`~firstbyte.router.regionstate.InMemory`): placed
+    and held for its key (CONTINUE), refused, or :data:`PLACE_LATER` when the request waits
+    for a slot (:func:`wait_in_memory` goes on from there; :func:`place_later` holds it)."""
     # One moment for the stages, and one scan of the backends' room at it (the fair gate,
     # the region's choice and the backend's each scanned them): nothing between them
     # changes a backend's load or health, and no await separates them unless it waits.
@@ -126,6 +127,10 @@ def place_in_memory(state: RouterState, ctx: RequestContext) -> Outcome:
                 return PLACE_LATER
     if outcome is CONTINUE:
         outcome = choose_backend(ctx, state.pool)
+        if outcome is CONTINUE:
+            # _hold for a request without a region-wide slot (none in memory), with its pool
+            # from its room (RouterState.fair_pool's answer): two calls a request less.
+            ctx.release_key_slot = state.hold(ctx, now, room)
     return outcome
 
 

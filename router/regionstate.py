@@ -88,9 +88,9 @@ class RegionState(Protocol):
 
     def place_now(self, state: RouterState, ctx: RequestContext) -> Outcome:
         """Apply the key's limits and choose the region and backend, claiming what the choice
-        takes, as far as that goes without an await; CONTINUE, or a refusal with nothing left
-        claimed, or :data:`~firstbyte.router.placement.PLACE_LATER`: :meth:`place_later`
-        finishes it."""
+        takes, as far as that goes without an await; CONTINUE (the request held for its key
+        as well), or a refusal with nothing left claimed, or
+        :data:`~firstbyte.router.placement.PLACE_LATER`: :meth:`place_later` finishes it."""
         ...
 
     async def place_later(self, state: RouterState, ctx: RequestContext, gone: Gone) -> Outcome:

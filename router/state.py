@@ -384,13 +384,17 @@ class RouterState:
         if tenants is not None and not tenants.active():
             del self.pools[pool]
 
-    def hold(self, ctx: RequestContext, now: float | None = None) -> Callable[[], None]:
+    def hold(
+        self, ctx: RequestContext, now: float | None = None, room: Room | None = None
+    ) -> Callable[[], None]:
         """Count ``ctx`` in flight for its key and subject, in the region and in its model's
-        pool, from ``now`` (the clock's time if None); the call that ends it (once)."""
+        pool, from ``now`` (the clock's time if None); the call that ends it (once).
+        ``room``: ``ctx``'s (:meth:`room`), if the caller has it (its pool is
+        :meth:`fair_pool`'s)."""
         if now is None:
             now = self.clock()
         release_region = self.tenants.hold(ctx.owner, ctx.subject, now)
-        pool = self.fair_pool(ctx)
+        pool = self.fair_pool(ctx) if room is None else room[1]
         if pool is None:
             return release_region
         release_pool = self.tenants_of(pool).hold(ctx.owner, ctx.subject, now)
