@@ -83,7 +83,6 @@ from .readers import (
 )
 from .shared.errors import RETRY_AFTER_S, StateUnavailable, unavailable_reply
 from .state import CLIENT_GONE, RouterState
-from .streams import Stream
 from .tenancy import refusal
 
 if TYPE_CHECKING:
@@ -379,62 +378,58 @@ async def completion(
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(now)
     disconnect = Disconnect(receive, scope)  # one listener for the head's wait and the body
+    # Start the upstream for the attached stream, then answer with its head: the SSE body, or
+    # the upstream's error. In line, not a coroutine of its own: one made, run and closed a
+    # stream less, and one frame less for each of the task's wake-ups to pass through.
     try:
-        await _stream_response(state, scope, receive, send, ctx, stream, endpoint, disconnect)
+        try:
+            # The listener's loop is the running one: no lookup (a getpid() on Python 3.11).
+            started = state.proxy.start_stream(ctx, stream, disconnect.listener.get_loop())
+            if not await disconnect.unless_gone(started):
+                # Gone before the response head, so before learning the stream id: nobody can
+                # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
+                if stream.cancel_producer is not None:
+                    stream.cancel_producer()
+                state.metrics.count(endpoint, "client_gone", ctx.model_label)
+                return
+            head = started.result()
+            # None in memory: nothing to wait for. The region state's, not through
+            # RouterState.announced: a call less.
+            announcing = state.region_state.announced(stream)
+            if announcing is not None:  # written by now: it went out while upstream answered
+                await announcing
+        finally:
+            stream.detach(state.clock())
+        headers = [
+            *_common_headers(ctx),
+            (STREAM_HEADER, stream.id),
+            ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
+        ]
+        if head.status != 200:
+            headers += upstream_retry_after(state, head.status)
+            await send_bytes(send, head.status, head.body, headers=headers)
+            return
+        await stream_body(
+            receive,
+            send,
+            200,
+            headers,
+            sse_events(
+                stream,
+                0,
+                heartbeat_s=state.config.limits.heartbeat_interval_s,
+                clock=state.clock,
+                direct=body_writer(scope),
+                tally=state.metrics.sse_events,
+            ),
+            disconnect=disconnect,
+            # Its first event (the role chunk) came with the upstream's head, as a rule: then
+            # it goes out with ours.
+            first_at_hand=stream.last_seq > 0 and head_body(scope),
+            encoded=_SSE_HEADERS_ENCODED,  # before ``headers``, as SSE_HEADERS were
+        )
     finally:
         disconnect.stop()
-
-
-async def _stream_response(
-    state: RouterState, scope: Scope, receive: Receive, send: Send, ctx: RequestContext,
-    stream: Stream, endpoint: str, disconnect: Disconnect,
-) -> None:
-    """Start the upstream for the attached ``stream``, then answer with its head: the SSE
-    body, or the upstream's error."""
-    try:
-        # The listener's loop is the running one: no lookup (a getpid() on Python 3.11).
-        started = state.proxy.start_stream(ctx, stream, disconnect.listener.get_loop())
-        if not await disconnect.unless_gone(started):
-            # Gone before the response head, so before learning the stream id: nobody can
-            # ever read this stream (an HTTP/2 rapid reset, or a client giving up).
-            if stream.cancel_producer is not None:
-                stream.cancel_producer()
-            state.metrics.count(endpoint, "client_gone", ctx.model_label)
-            return
-        head = started.result()
-        announcing = state.announced(stream)  # None in memory: nothing to wait for
-        if announcing is not None:  # written by now: it went out while upstream answered
-            await announcing
-    finally:
-        stream.detach(state.clock())
-    headers = [
-        *_common_headers(ctx),
-        (STREAM_HEADER, stream.id),
-        ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
-    ]
-    if head.status != 200:
-        headers += upstream_retry_after(state, head.status)
-        await send_bytes(send, head.status, head.body, headers=headers)
-        return
-    await stream_body(
-        receive,
-        send,
-        200,
-        headers,
-        sse_events(
-            stream,
-            0,
-            heartbeat_s=state.config.limits.heartbeat_interval_s,
-            clock=state.clock,
-            direct=body_writer(scope),
-            tally=state.metrics.sse_events,
-        ),
-        disconnect=disconnect,
-        # Its first event (the role chunk) came with the upstream's head, as a rule: then
-        # it goes out with ours.
-        first_at_hand=stream.last_seq > 0 and head_body(scope),
-        encoded=_SSE_HEADERS_ENCODED,  # before ``headers``, as SSE_HEADERS were
-    )
 
 
 chat_completions = functools.partial(completion, codec=CHAT)
