@@ -147,7 +147,8 @@ def _point(lat: float | None, lon: float | None, name: str) -> GeoPoint | None:
     return known.point if known is not None else None
 
 
-@dataclass(eq=False)
+# Slots: made once a request, its ~20 fields set and read faster than in an instance dict.
+@dataclass(eq=False, slots=True)
 class Observation:
     """One request's routing record; the proxy calls its hooks (see the module docstring)."""
 
@@ -210,7 +211,15 @@ class Observation:
     def first_byte_timeout_s(self) -> float | None:
         """How long the current attempt may wait for its backend's first byte (a local
         backend's, from its observed TTFT); None for a peer region."""
-        return self.routing.first_byte_timeout_s(self.backend) if self.local else None
+        if not self.local:
+            return None
+        # RegionRouting.first_byte_timeout_s inlined (a call a request).
+        routing = self.routing
+        config = routing.config.routing
+        return routing.tracker.first_byte_timeout_s(
+            self.backend, multiple=config.first_byte_timeout_ttft_multiple,
+            min_s=config.first_byte_timeout_min_s, max_s=config.first_byte_timeout_max_s,
+        )
 
     async def fail_over(
         self, ctx: RequestContext, exc: Exception, cause: FailCause = "refused"
@@ -604,20 +613,23 @@ class RegionRouting:
         if isinstance(chosen_region, ModelMissing):
             return self.model_missing(ctx, route.model, chosen_region, now)
         model = route.model
-        # A model a local backend lists (nearly every request's): its own label, no call.
+        # A model a local backend lists (nearly every request's): its own label, no call; nor
+        # for another without peers (RouteChooser.model_label's answer then: none lists it).
         ctx.model_label = (
-            model if model in chooser.models.by_model else chooser.model_label(model, now)
+            model if model in chooser.models.by_model
+            else chooser.model_label(model, now) if chooser.peer_table.peers else ""
         )
         decision, serving = chosen_region.region, chosen_region.serving
         ctx.location = location
         ctx.region_decision = decision
-        headers: list[tuple[str, str]] = []
         if decision.better_region is not None:
-            headers.append((BETTER_REGION_HEADER, decision.better_region))
+            headers = [(BETTER_REGION_HEADER, decision.better_region)]
             url = self.peer_urls.get(decision.better_region)
             if url:
                 headers.append((BETTER_REGION_URL_HEADER, url))
-        ctx.response_headers = headers
+            ctx.response_headers = headers
+        elif ctx.response_headers:  # a route before this one's (nearly always none: no list)
+            ctx.response_headers = []
         if self.draining and decision.verdict in (Verdict.LOCAL, Verdict.REJECT):
             return draining_reply()
         if decision.verdict is Verdict.LOCAL:

@@ -166,8 +166,11 @@ class AffinityPolicy:
             # fallback takes a new key), so only the reason and the key's memory are left,
             # without the ranks, loads and shares worked out for several (~8k instructions).
             backend = available[0]
-            self._expire(now)
             keys = self._keys
+            if keys:  # _expire's first test in line: nearly always nothing has expired
+                _, seen = next(iter(keys.values()))
+                if now - seen > self.ttl_s or len(keys) > self.max_keys:
+                    self._expire(now)
             known = keys.get(key)
             if known is not None and known[0] == backend:  # _remember's own first case
                 keys[key] = (backend, now)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from enum import Enum
+from types import MappingProxyType
 
 import msgspec
 
@@ -36,6 +37,9 @@ __all__ = [
 ]
 
 CHARS_PER_TOKEN = 4.0
+
+_NO_ESTIMATES: Mapping[str, float] = MappingProxyType({})
+"""The ``expected_ms`` of a decision with no estimate (read-only: shared by decisions)."""
 
 Room = tuple[frozenset[str], frozenset[str] | None, list[str], int]
 """A request's room at one moment: the backends serving its model (:meth:`RouteChooser.serving`),
@@ -112,6 +116,12 @@ class RouteChooser:
         self.policy = policy
         self.affinity_chars = affinity_chars
         self.max_queue_wait_ms = max_queue_wait_ms
+        # This region's answers when it is alone (no peer serves the model), made once: they
+        # are the same for every such request (frozen, with no estimates to hold).
+        self._alone = {
+            verdict: RegionDecision(verdict, region, _NO_ESTIMATES)
+            for verdict in (Verdict.LOCAL, Verdict.REJECT)
+        }
 
     # --- a request's inputs
     def route_input(self, request: ChatCompletionRequest) -> RouteInput:
@@ -249,7 +259,7 @@ class RouteChooser:
             else:
                 saturated = self.tracker.region_saturated(now, serving)
                 verdict = Verdict.REJECT if saturated else Verdict.LOCAL
-            return RouteDecision(RegionDecision(verdict, self.region), serving)
+            return RouteDecision(self._alone[verdict], serving)
         prefix = route.prefix
         decision = choose_region(
             self.model, self.here(now, serving, draining=draining), peers, client=location,
