@@ -218,8 +218,13 @@ async def _admitted(
         return None
     limit = state.config.limits.max_body_bytes
     # A body come whole with its head, as sent (nearly every request's), is taken without an
-    # await: reading it through _read_request_body made four coroutines.
-    first = _begin_body(ctx, receive, query, limit)
+    # await: reading it through _read_request_body made four coroutines. Its receive is begun
+    # (receive_now) where _read_request_body would read the body at once: no coding, not
+    # too big to read.
+    first = (
+        None if body_coding(ctx, query) is not Coding.IDENTITY or _too_big_to_read(ctx, limit)
+        else receive_now(receive)
+    )
     if (
         type(first) is dict
         and first["type"] != "http.disconnect"
@@ -249,17 +254,6 @@ async def _admitted(
     return ctx
 
 
-def _begin_body(
-    ctx: RequestContext, receive: Receive, query: dict[str, str], limit: int
-) -> Message | Started | None:
-    """Begin reading an inference request's body where :func:`_read_request_body` would read
-    it at once (no coding, not too big to read): its first message, or that receive begun
-    (:func:`~.asgi.receive_now`); None when nothing was received."""
-    if body_coding(ctx, query) is not Coding.IDENTITY or _too_big_to_read(ctx, limit):
-        return None
-    return receive_now(receive)
-
-
 async def _read_request_body(
     state: RouterState, receive: Receive, send: Send, ctx: RequestContext,
     query: dict[str, str], endpoint: str, first: Message | Started | None = None,
@@ -267,7 +261,7 @@ async def _read_request_body(
     """Read an inference request's body into ``ctx.body``, inflated if its head names a
     coding (:mod:`.pipeline.content_coding`); False once a reply was sent or the client went
     away. Past ``max_body_bytes`` (read or inflated) the body is cut and admission answers
-    413. ``first``: what :func:`_begin_body` received, if it was asked."""
+    413. ``first``: what :func:`_admitted` received (its receive begun), if it asked."""
     coding = body_coding(ctx, query)
     if isinstance(coding, LocalReply):  # refused on the head: nothing read
         await _finish(state, send, ctx, coding, endpoint)

@@ -212,7 +212,9 @@ async def place_shared(
     limiter, routing = state.limiter, state.routing
     owner = ctx.owner
     policy = limiter.policy(owner)
-    refused = subject_refusal(ctx, limiter, state.tenants, 0, state.clock())
+    refused = subject_refusal(
+        ctx, limiter, state.tenants, 0, state.clock(), limiter.max_streams(owner)
+    )
     if refused is not None:  # its own cap (the key's is counted region-wide, below)
         return refusal(refused), None
     gate = state.fair_gate(ctx)  # this process's flows (docs/limits.md, "Shared state")

@@ -432,10 +432,12 @@ _STORE_MESSAGES = {
 
 
 def subject_refusal(
-    ctx: RequestContext, limiter: KeyLimiter, tenants: Tenants, key_in_flight: int, now: float
+    ctx: RequestContext, limiter: KeyLimiter, tenants: Tenants, key_in_flight: int, now: float,
+    key_cap: int | None,
 ) -> Refusal | None:
     """The subject's caps: its own (the token's ``max_streams``, else the key's
-    ``max_streams_per_subject``), then, at the key's cap, its fair share of that cap."""
+    ``max_streams_per_subject``), then, at the key's cap (``key_cap``:
+    :meth:`KeyLimiter.max_streams`, which the caller has), its fair share of that cap."""
     owner, subject = ctx.owner, ctx.subject or ""
     subjects = tenants.subjects.get(owner)
     cap = ctx.subject_max_streams or (
@@ -449,10 +451,7 @@ def subject_refusal(
                 f"This user of the application has {mine} completions in flight, its limit"
                 f" is {cap}; retry when one has finished.",
             )
-    if subjects is None:  # before the key's cap is looked up: nobody else of the key holds
-        return None
-    key_cap = limiter.max_streams(owner)
-    if key_cap is None:
+    if subjects is None or key_cap is None:  # nobody else of the key holds, or no cap
         return None
     decision = subjects.decide(subject, key_cap, now, weight_of=_one,
                                contended=key_in_flight >= key_cap)
@@ -472,22 +471,34 @@ def limit_key(
     The rate is checked last so that a request refused for another reason spends no token.
     """
     owner = ctx.owner
+    # The key's policy looked up once, here (KeyLimiter.policy inlined), where
+    # KeyLimiter.max_streams (twice) and take each looked it up: None on a router without API
+    # keys, which has no per-key cap or rate.
+    policy = limiter.table.get(owner, limiter.default) if limiter.enabled else None
+    key_cap = None if policy is None else policy.max_streams
     # The key's completions in flight are counted only for a key with a cap (none by default,
     # none without API keys): nothing else here reads the count (subject_refusal's share of
     # the key's cap neither), and counting it is three calls a request.
     refused: Refusal | None = None
     in_flight = 0
-    if limiter.max_streams(owner) is not None:
+    if key_cap is not None:
         in_flight = store.live_streams(owner) + limiter.unstreamed(owner)
         refused = limiter.over_concurrency(owner, in_flight)
         if refused is not None and tenants is not None:
             tenants.subjects_of(owner).asked(ctx.subject or "", now)  # a slot that frees is its
-    if refused is None and tenants is not None:
-        refused = subject_refusal(ctx, limiter, tenants, in_flight, now)
+    # Nothing for subject_refusal to refuse without a cap of the key's or of the subject's
+    # (a subject's own cap, or the key's per-subject cap, needs a subject): no call then.
+    if (
+        refused is None and tenants is not None
+        and (key_cap is not None or ctx.subject or ctx.subject_max_streams)
+    ):
+        refused = subject_refusal(ctx, limiter, tenants, in_flight, now, key_cap)
     if refused is None and ctx.stream_requested:
-        refused = store_refusal(store, owner, now)
-    if refused is None:
-        refused = limiter.take(owner, now)
+        full = store.make_room(owner, now)  # store_refusal inlined (a call a stream)
+        if full is not None:
+            refused = Refusal(full.value, 1, _STORE_MESSAGES[full])
+    if refused is None and policy is not None and policy.rate_per_s > 0:
+        refused = limiter.take(owner, now)  # no rate (the default): no token to take
     return CONTINUE if refused is None else refusal(refused)
 
 

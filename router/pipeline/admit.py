@@ -183,7 +183,7 @@ def name_subject(ctx: RequestContext) -> None:
     """Set ``ctx.subject`` for a request by API key: the ``x-firstbyte-subject`` header, else
     the body's ``safety_identifier``, else its ``user`` (OpenAI's end-user fields). A client
     token's subject is the one its app minted it for and nothing in the request changes it."""
-    if ctx.by_client_token:
+    if ctx._token_owner is not None:  # by_client_token, not through the property (a call)
         return
     name = ctx.headers.get(SUBJECT_HEADER)
     request = ctx.request
