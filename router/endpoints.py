@@ -207,8 +207,9 @@ async def _admitted(
     query = _query(scope)
     # Each outcome is tested for CONTINUE before awaiting _finish: the stages nearly always
     # continue, and an awaited call is a coroutine made, run and closed (five a request).
-    # A browser's preflight-free start carries its client token in the URL.
-    outcome = adopt_query_token(ctx, query, state.cors)
+    # A browser's preflight-free start carries its client token in the URL (none without a
+    # query, nearly every request's: no call then).
+    outcome = adopt_query_token(ctx, query, state.cors) if query else CONTINUE
     if outcome is not CONTINUE and await _finish(state, send, ctx, outcome, endpoint):
         return None
     # The key is checked on the head, before any body is read: a client without one cannot
@@ -368,7 +369,8 @@ async def completion(
     now = state.clock() if ctx.placed_at is None else ctx.placed_at
     stream = ctx.stream = state.new_stream(ctx.owner, ctx.release_key_slot, ctx.subject, now)
     stream.format = codec.name  # before its metadata is written (queued, not yet sent)
-    state.client_latency.stream_started(ctx.owner, ctx.region or state.region, now)
+    # ClientLatency.stream_started's own call (a call a stream less).
+    state.client_latency.served.started(ctx.owner, ctx.region or state.region, now)
     # Attached while waiting for the upstream's head, so a slow queue is not "unattended".
     stream.attach(now)
     disconnect = Disconnect(receive, scope)  # one listener for the head's wait and the body
@@ -394,11 +396,11 @@ async def completion(
                 await announcing
         finally:
             stream.detach(state.clock())
-        headers = [
-            *_common_headers(ctx),
+        headers = _common_headers(ctx)  # a new list: added to, not copied
+        headers += (
             (STREAM_HEADER, stream.id),
             ("server-timing", ctx.server_timing(upstream_headers=head.elapsed_ms)),
-        ]
+        )
         if head.status != 200:
             headers += upstream_retry_after(state, head.status)
             await send_bytes(send, head.status, head.body, headers=headers)

@@ -166,9 +166,10 @@ class Observation:
     ttft_ms: float | None = None
     upstream_ttft_ms: float | None = None
     """From sending the request to its backend (the attempt that served) to its first token."""
-    gaps: GapTimer = field(init=False, repr=False)
+    gaps: GapTimer = field(kw_only=True, repr=False)
     """The gaps between its chunks, into the region's inter-token histogram (ticked from
-    the first token on)."""
+    the first token on): ``GapTimer(routing.itl)``, given by its maker (a
+    ``__post_init__`` making it was a Python call a request)."""
     switched: bool = False
     done: bool = False
     reason: str = ""
@@ -180,9 +181,6 @@ class Observation:
     route: RouteInput | None = None
     """What of the request decided where it went (its model, affinity key, ...): a failover
     or a late first token's switch decides by it again."""
-
-    def __post_init__(self) -> None:
-        self.gaps = GapTimer(self.routing.itl)
 
     def first_token(self, ctx: RequestContext, ttft_ms: float) -> None:
         self.ttft_ms = ttft_ms
@@ -715,6 +713,7 @@ class RegionRouting:
         _init_observation(
             observer, self, self.region, name, True, False, time.perf_counter(), location,
             self.deadline_s if ctx.stream_requested else None, choice.reason, route=route,
+            gaps=GapTimer(self.itl),
         )
         return CONTINUE
 
@@ -763,7 +762,7 @@ class RegionRouting:
         else:
             ctx.observer = observer = Observation(
                 self, peer, backend.name, False, slot is not None, time.perf_counter(), location,
-                slot=slot, route=route,
+                slot=slot, route=route, gaps=GapTimer(self.itl),
             )
             model = _model_of(observer)
             self.active_by_model[model] += 1

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -126,7 +127,10 @@ def place_in_memory(state: RouterState, ctx: RequestContext) -> Outcome:
             if outcome is WAIT_FOR_SLOT:
                 return PLACE_LATER
     if outcome is CONTINUE:
-        outcome = choose_backend(ctx, state.pool)
+        if ctx.backend is not None:  # routing chose it (nearly always): choose_backend's stamp
+            ctx.routed_at = time.perf_counter()
+        else:
+            outcome = choose_backend(ctx, state.pool)
         if outcome is CONTINUE:
             # _hold for a request without a region-wide slot (none in memory), with its pool
             # from its room (RouterState.fair_pool's answer): two calls a request less.
