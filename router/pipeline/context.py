@@ -340,11 +340,16 @@ class RequestContext:
 
     def server_timing(self, **more_ms: float) -> str:
         """``Server-Timing`` for what is known now: queue, route, then ``more_ms`` entries."""
-        parts: list[str] = []
-        if self.admitted_at is not None:
-            parts.append(f"queue;dur={(self.admitted_at - self.received_at) * 1000:.2f}")
-            if self.routed_at is not None:
-                parts.append(f"route;dur={(self.routed_at - self.admitted_at) * 1000:.2f}")
+        # Once a request, on every answer: queue and route in one f-string, no list joined.
+        admitted_at = self.admitted_at
+        if admitted_at is None:
+            text = ""
+        else:
+            queue_ms = (admitted_at - self.received_at) * 1000
+            routed_at = self.routed_at
+            text = (f"queue;dur={queue_ms:.2f}" if routed_at is None else
+                    f"queue;dur={queue_ms:.2f}, route;dur={(routed_at - admitted_at) * 1000:.2f}")
         for name, ms in more_ms.items():  # a loop: a generator is a call and a step each
-            parts.append(f"{name.replace('_', '-')};dur={ms:.2f}")
-        return ", ".join(parts)
+            entry = f"{name.replace('_', '-')};dur={ms:.2f}"
+            text = f"{text}, {entry}" if text else entry
+        return text

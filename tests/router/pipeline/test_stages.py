@@ -149,6 +149,29 @@ def test_server_timing_names_what_is_known() -> None:
     assert timing == "queue;dur=2.00, route;dur=1.00, upstream-ttft;dur=12.50"
 
 
+def test_server_timing_durations_are_two_decimal_formats() -> None:
+    """Each duration is its value in ms as ``format(ms, ".2f")`` writes it (halves, signs,
+    zero's sign, huge and not-finite values included), whatever builds the text."""
+    values = [0.0, -0.0, 0.005, 0.015, 2.675, 1.005, -3.14159, 123456789.125, 1e300, 1e-300,
+              float("inf"), float("-inf"), float("nan")]
+    for queue_ms in values:
+        for route_ms in values[:4]:
+            request = ctx()
+            request.received_at = 1000.0
+            request.admitted_at = request.received_at + queue_ms / 1000
+            request.routed_at = request.admitted_at + route_ms / 1000
+            queue = (request.admitted_at - request.received_at) * 1000
+            route = (request.routed_at - request.admitted_at) * 1000
+            assert request.server_timing(upstream_headers=queue_ms, a_b=route_ms) == (
+                f"queue;dur={queue:.2f}, route;dur={route:.2f}, "
+                f"upstream-headers;dur={queue_ms:.2f}, a-b;dur={route_ms:.2f}"
+            )
+            request.routed_at = None
+            assert request.server_timing() == f"queue;dur={queue:.2f}"
+    request = ctx()
+    assert request.server_timing(only=1.005) == f"only;dur={1.005:.2f}"
+
+
 def _body(**more: str) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **more}
                       ).encode()
