@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -214,10 +215,12 @@ class JsonFormatter(_LineFormatter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._second = -1
-        self._head = b""
+        self._second = math.inf
+        """The second (a float, whole) whose text :attr:`_head` holds; none yet: inf."""
+        self._head = bytearray()
         """``{"time":"`` and the text of the second ``_second`` (the JSON encoding of
-        ``_timestamp.text`` without its closing quote): a struct's line starts with it."""
+        ``_timestamp.text`` without its closing quote): a struct's line starts with a copy
+        of it (a bytearray's copy: a third of ``bytearray(bytes)``'s instructions)."""
 
     def line(
         self, created: float, level: str, logger: str, msg: str, fields: Fields,
@@ -239,17 +242,22 @@ class JsonFormatter(_LineFormatter):
                     if middle is None:
                         middle = _middle(level, logger)
                     # The time as _Timestamps.format makes it, its second's part encoded
-                    # once a second (_head), its ending from _MILLIS_JSON.
-                    second = int(created)
-                    millis = int((created - second) * 1000)
-                    if second == self._second and 0 <= millis < 1000:
-                        buffer = bytearray(self._head)
+                    # once a second (_head), its ending from _MILLIS_JSON. Within _head's
+                    # second int(created) is that second: one int() a line, not two.
+                    second = self._second
+                    millis = (int((created - second) * 1000)
+                              if second <= created < second + 1.0 else 1000)
+                    if millis < 1000:
+                        buffer = self._head.copy()
                         buffer += _MILLIS_JSON[millis]
                     else:
                         buffer = bytearray(b'{"time":')
                         _ENCODER.encode_into(self._timestamp.format(created), buffer, 8)
-                        self._second = self._timestamp.second
-                        self._head = b'{"time":' + _ENCODER.encode(self._timestamp.text)[:-1]
+                        # A second before 1970 is not kept: int() does not floor it.
+                        whole = self._timestamp.second
+                        self._second = float(whole) if whole >= 0 else math.inf
+                        self._head = bytearray(
+                            b'{"time":' + _ENCODER.encode(self._timestamp.text)[:-1])
                     buffer += middle[0]
                     _ENCODER.encode_into(msg, buffer, len(buffer))
                     buffer += middle[1]

@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import math
 import signal
 import socket
 import time
@@ -482,6 +483,23 @@ def test_a_struct_s_json_line_is_its_mapping_s_bytes(monkeypatch: pytest.MonkeyP
                         assert decoded["msg"] == msg
                         assert decoded.get("worker") == worker
                         assert list(decoded)[-2:] == ["status", "path"]
+
+
+def test_a_struct_s_line_time_is_the_mapping_s_in_any_order_of_times() -> None:
+    """A struct's line keeps its second's text from line to line: line after line, the
+    time is a mapping's line's for times that go back, stay in a second, end it, or come
+    before 1970, and for a fraction that rounds up to a thousand milliseconds."""
+
+    class Fields(msgspec.Struct):
+        status: int
+
+    by_struct, by_mapping = JsonFormatter(), JsonFormatter()
+    times = [1_700_000_000.25, 1_700_000_000.999, 1_700_000_000.9999999, 1_699_999_999.5,
+             1_700_000_000.0, 1_700_000_001.0, math.nextafter(1_700_000_001.0, 0), 0.5,
+             0.9999999999999999, 0.0, -0.5, -1.5, -0.5, -1.0, 0.25, 1e-300, 1_700_000_000.75]
+    for created in times:
+        line = by_struct.line(created, "INFO", "firstbyte.access", "m", Fields(200))
+        assert line == by_mapping.line(created, "INFO", "firstbyte.access", "m", {"status": 200})
 
 
 @contextmanager
