@@ -125,12 +125,13 @@ def hundredths(value: float) -> float:
     below, past 1e11 or not finite: ``round`` itself."""
     scaled = value * 100
     if 0.0 < scaled < 1e11:
-        whole = int(scaled)
-        fraction = scaled - whole  # exact: scaled's integer part is exact below 2**52
+        # The integer as a float (exact below 2**53, as its sum with 1), not an int: int()
+        # parses its arguments, and a float's true division is an int's, correctly rounded.
+        fraction = scaled % 1.0  # exact (fmod)
         if fraction < 0.4999:
-            return whole / 100
+            return (scaled - fraction) / 100
         if fraction > 0.5001:
-            return (whole + 1) / 100
+            return (scaled - fraction + 1) / 100
     return round(value, 2)
 
 
@@ -685,7 +686,9 @@ class RequestLog:
             path = _path_template(path)
         method, http_version = exchange.method, exchange.http_version
         model = request.model if request is not None else None
-        host = ctx.headers.get("host")
+        # server_address is the record's only (bounded alone: bounded() bounds each value by
+        # itself), not a line's: not read for a line.
+        host = None if line else ctx.headers.get("host")
         if (len(path) > MAX_FIELD_CHARS or len(method) > MAX_FIELD_CHARS
                 or len(http_version) > MAX_FIELD_CHARS
                 or (model is not None and len(model) > MAX_FIELD_CHARS)
