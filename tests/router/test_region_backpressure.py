@@ -228,3 +228,33 @@ def test_room_is_available_and_capacity_in_one_loop() -> None:
             assert tracker.room(1.0, among) == (
                 tracker.available(1.0, among), tracker.capacity(among)
             ), (among, loads)
+
+
+async def test_a_first_token_is_observed_at_the_time_the_proxy_read() -> None:
+    """The routing's first-token hook takes the arrival the proxy read (the request's
+    ``first_token_at``): the inter-token timer starts there, the upstream TTFT is counted
+    from the request's sending to there, and the region's TTFT histogram has the TTFT."""
+    from firstbyte.router.config import parse_config
+    from firstbyte.router.multiregion import Observation
+    from firstbyte.router.pipeline.context import RequestContext
+    from firstbyte.router.state import RouterState
+
+    state = RouterState(parse_config({
+        "upstreams": [{"url": "http://127.0.0.1:9/v1", "name": "b0"}],
+        "auth": {"allow_anonymous": True}, "listen": {"insecure_plain_http": True},
+    }, "test"))
+    try:
+        routing = state.routing
+        obs = Observation(routing, routing.region, "b0", True, False, 100.0, None)
+        ctx = RequestContext("POST", "/v1/chat/completions", {}, received_at=100.0)
+        ctx.stream_requested = True
+        ctx.upstream_sent_at, ctx.first_token_at = 100.25, 100.75
+        obs.first_token(ctx, 750.0)
+        assert obs.gaps.last == 100.75
+        assert obs.upstream_ttft_ms == 500.0
+        assert routing.tracker["b0"].ttft_recent[-1] == 500.0
+        hist = routing.ttft[(routing.region, "sse", "")]
+        assert (hist.count, hist.total, sum(hist.counts)) == (1, 0.75, 1)
+        assert hist.counts[7] == 1  # the 1.0 s bucket: 0.75 s
+    finally:
+        await state.aclose()
