@@ -32,7 +32,7 @@ whatever clients send. Refused reports are counted by reason.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from firstbyte.protocol.timings import (
     ORDER_SLACK_MS,
@@ -168,7 +168,11 @@ class ClientLatency:
         self.max_records = max_records
         self.countries = CountryLabels(max_countries, max_countries_per_key)
         self.served = Served()
-        """The streams each key may still report (:meth:`stream_started`)."""
+        """The streams each key may still report (:attr:`stream_started`)."""
+        self.stream_started: Callable[[bytes, str, float], None] = self.served.started
+        """``stream_started(owner, region, now)``: a stream of ``owner`` served by ``region``
+        started here, one record it may report. :meth:`Served.started` itself, once a
+        stream: a method passing it on was a Python call more."""
         self.ttft: dict[Series, Histogram] = {}
         self.network: dict[Series, Histogram] = {}
         self.records: Counter[str] = Counter()
@@ -178,10 +182,6 @@ class ClientLatency:
     def too_many(self, report: TimingsReport) -> bool:
         """More records than a report may hold (checked before any record is looked at)."""
         return len(report.records) > self.max_records
-
-    def stream_started(self, owner: bytes, region: str, now: float) -> None:
-        """A stream of ``owner`` served by ``region`` started here: one record it may report."""
-        self.served.started(owner, region, now)
 
     def refusal(
         self,
