@@ -450,6 +450,15 @@ class H1Pool:
                 raise httpx.ConnectTimeout(message) from None
             raise httpx.PoolTimeout("no upstream connection free in time") from None
 
+    def take_idle(
+        self, origin: Origin, loop: asyncio.AbstractEventLoop
+    ) -> H1Connection | None:
+        """:meth:`acquire` where it need not wait, from a callback: the most recently used
+        idle connection to ``origin``, else None (nothing made, nothing waited for).
+        ``loop``: the running loop."""
+        self.loop = loop
+        return self._take_idle(origin)
+
     def release(self, conn: H1Connection) -> None:
         """Give ``conn`` back after a response: kept if reusable, else closed."""
         # The connection's detach and reusable inlined (calls a request; same module).

@@ -1,11 +1,13 @@
 """The proxy stage: the one stage that does IO. Sends the request to the chosen upstream
 and, for streams, feeds the stream store.
 
-A streamed completion is produced by a task of its own, not by the client's connection. The
-upstream's answer goes through the sans-IO relay core (:mod:`.relay`), whose actions this
-module carries out: append the events to the :class:`Stream` (re-framed with ``id: SEQ`` by
-whichever reader sends them on), release the client's response head, switch backend at the
-first-token deadline, finish. Local upstreams are spoken to over the router's own HTTP/1.1
+A streamed completion is produced apart from the client's connection: in the callbacks of
+its upstream connection where the router's pool had one idle to give it (no task: see
+:meth:`_Producer.start`), else by a task of its own. The upstream's answer goes through the
+sans-IO relay core (:mod:`.relay`), whose actions this module carries out: append the
+events to the :class:`Stream` (re-framed with ``id: SEQ`` by whichever reader sends them
+on), release the client's response head, switch backend at the first-token deadline,
+finish. Local upstreams are spoken to over the router's own HTTP/1.1
 pool (:mod:`firstbyte.router.upstream_h1`: the relay core runs in the socket's data callback,
 no task per chunk); peer regions over httpx's HTTP/2 client. A client that disconnects does
 not lose the stream; the upstream request goes on into the store for ``resume_grace_s`` and
@@ -164,6 +166,8 @@ class Proxy:
         # pool for a whole stream to end (spilled TTFT 300+ ms where the peer answers in 30).
         self.peer_client = self._new_client(limits, max_connections, tls, http2=True)
         self.producers: set[asyncio.Task[None]] = set()
+        self._untasked: set[_Producer] = set()
+        """The producers running without a task (:meth:`_Producer.start`), for :meth:`aclose`."""
         self._origins: dict[str, Origin] = {}
         self._stream_heads: dict[tuple[Origin, str, str | None], tuple[bytes, bytes] | None] = {}
         """A stream request's bytes but its traceparent and length, by origin, path and key
@@ -263,6 +267,14 @@ class Proxy:
         producer = _Producer(self, ctx, stream, head, loop)
         if stream.loop is None:
             stream.loop = loop
+        if producer.untasked:
+            # Its first step a loop turn from now, as a task's would be, without the task
+            # (~21k instructions a request: the task, its two steps, its registry's weak
+            # set and its done callback).
+            producer.handle = loop.call_soon(producer.start)
+            self._untasked.add(producer)
+            stream.cancel_producer = producer.cancel
+            return head
         task = loop.create_task(producer.run())
         self.producers.add(task)
         task.add_done_callback(self.producers.discard)
@@ -357,9 +369,13 @@ class Proxy:
 
     async def aclose(self) -> None:
         """Cancel every producer and close the pool."""
+        for producer in list(self._untasked):
+            producer.cancel()
         for task in list(self.producers):
             task.cancel()
         await asyncio.gather(*self.producers, return_exceptions=True)
+        if self._untasked:  # each ends at its outcome's callback, which its cancel scheduled
+            await asyncio.sleep(0)
         if self._first_bytes is not None:
             self._first_bytes.close()
         for client in (self.client, self.peer_client):
@@ -471,29 +487,54 @@ class _Producer:
         reads once the relay's fast path applies (it cuts ``data:`` events only)."""
         self._compiled_paths: list[Any] = []
         """The compiled read paths offered (one an attempt): their counts, at the end."""
+        self.untasked = deadline is None and not self.backend.name.startswith(PEER_PREFIX)
+        """The producer starts without a task (:meth:`start`): a local backend and no
+        first-token timer to switch at."""
+        self.handle: asyncio.Handle | None = None
+        """:meth:`start`, scheduled by :meth:`Proxy.start_stream` (until it runs)."""
+        self._task: asyncio.Task[None] | None = None
+        """The task :meth:`run` goes on in, once an untasked producer needs one."""
+        self._begun = False
+        """:meth:`run` began (its task took its first step)."""
+        self._cancel: tuple[Any, ...] | None = None
+        """The arguments of a :meth:`cancel` that :meth:`run` or :meth:`_decided` are
+        still to act on."""
+        self._ended = False
 
-    async def run(self) -> None:
-        proxy, ctx, stream = self.proxy, self.ctx, self.stream
+    async def run(self, resumed: H1Connection | None = None) -> None:
+        """Produce the stream: each attempt, the failovers, the end. ``resumed``: the
+        connection of the first attempt, made by :meth:`start` and decided, that the rest
+        goes on from."""
+        self._begun = True
+        proxy, ctx = self.proxy, self.ctx
         metrics = proxy.metrics
-        self.backend.in_flight += 1
-        self.backend.requests += 1
-        metrics.in_flight += 1
+        if resumed is None:
+            self.backend.in_flight += 1
+            self.backend.requests += 1
+            metrics.in_flight += 1
         failovers = 0
         try:
+            if resumed is None and self._cancel is not None:
+                # Cancelled before this task's first step (see cancel): as if in its wait.
+                raise asyncio.CancelledError(*self._cancel)
             while True:
-                # The first attempt has the outcome future and read list __init__ made; the
-                # others get their own at the loop's end.
-                observer = self.observer
-                if observer is not None and observer.first_token_deadline_s is not None:
-                    self._arm_deadline()
-                elif self._timer is not None:  # _arm_deadline's work then, without its call
-                    self._cancel_deadline()
-                ctx.upstream_sent_at = sent_at = time.perf_counter()
-                self.relay.start(sent_at)
-                if self.backend.name.startswith(PEER_PREFIX):
-                    result = await self._via_httpx(proxy.peer_client)
+                if resumed is not None:  # its attempt made and decided (start)
+                    result = await self._via_h1(resumed)
+                    resumed = None
                 else:
-                    result = await self._via_h1()
+                    # The first attempt has the outcome future and read list __init__ made;
+                    # the others get their own at the loop's end.
+                    observer = self.observer
+                    if observer is not None and observer.first_token_deadline_s is not None:
+                        self._arm_deadline()
+                    elif self._timer is not None:  # _arm_deadline's work, without its call
+                        self._cancel_deadline()
+                    ctx.upstream_sent_at = sent_at = time.perf_counter()
+                    self.relay.start(sent_at)
+                    if self.backend.name.startswith(PEER_PREFIX):
+                        result = await self._via_httpx(proxy.peer_client)
+                    else:
+                        result = await self._via_h1()
                 if self._first_byte is not None:
                     self._cancel_first_byte()
                 if result == "failed":
@@ -537,37 +578,150 @@ class _Producer:
                 self._refused = None
                 self._read.clear()
         except asyncio.CancelledError as exc:
-            drained = exc.args == (DRAIN_CANCEL,)
-            stream.append(self._cancelled_event(drained), proxy.clock())
-            metrics.count(
-                ctx.codec.name, "draining" if drained else "cancelled", ctx.model_label
-            )
+            self._cancelled(exc.args)
             raise
         finally:
-            if self._timer is not None:
-                self._cancel_deadline()
-            if self._first_byte is not None:
-                self._cancel_first_byte()
-            if not self.head.done():
-                self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
-            self._count_usage()  # before the stream ends: its access line reads the usage
-            reads = metrics.relay_reads
-            for path in self._compiled_paths:  # their events are in the relay's count
-                reads["compiled"] += path.reads
-                reads["fast"] -= path.events
-            # Each path holds this producer (its on_events): dropped, so the two make no
-            # cycle for the cyclic GC to find (the connection let go of it at its release).
-            self._compiled_paths.clear()
-            reads["fast"] += self.relay.fast_reads
-            reads["full"] += self.relay.full_reads
-            stream.finish(proxy.clock())
-            # Nothing left to cancel: a finished stream kept for resumes no longer holds this
-            # task (its coroutine, its context and what they refer to) until it is evicted.
-            stream.cancel_producer = None
-            self.backend.in_flight -= 1
-            metrics.in_flight -= 1
-            if self.observer is not None:
-                self.observer.finished(ctx, self.ok)
+            self._end()
+
+    def _cancelled(self, args: tuple[Any, ...]) -> None:
+        """The producer was cancelled (``args``: its cancel's): the stream ends with an error
+        event, ``draining`` if the drain timed out."""
+        drained = args == (DRAIN_CANCEL,)
+        ctx = self.ctx
+        self.stream.append(self._cancelled_event(drained), self.proxy.clock())
+        self.proxy.metrics.count(
+            ctx.codec.name, "draining" if drained else "cancelled", ctx.model_label
+        )
+
+    def _end(self) -> None:
+        """The producer's end, however it ended: timers, head, usage, counts, the stream's
+        end."""
+        proxy, ctx, stream = self.proxy, self.ctx, self.stream
+        metrics = proxy.metrics
+        self._ended = True
+        self._task = None  # no cycle: the task's coroutine holds this producer
+        if self.untasked:
+            proxy._untasked.discard(self)
+        if self._timer is not None:
+            self._cancel_deadline()
+        if self._first_byte is not None:
+            self._cancel_first_byte()
+        if not self.head.done():
+            self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
+        self._count_usage()  # before the stream ends: its access line reads the usage
+        reads = metrics.relay_reads
+        for path in self._compiled_paths:  # their events are in the relay's count
+            reads["compiled"] += path.reads
+            reads["fast"] -= path.events
+        # Each path holds this producer (its on_events): dropped, so the two make no
+        # cycle for the cyclic GC to find (the connection let go of it at its release).
+        self._compiled_paths.clear()
+        reads["fast"] += self.relay.fast_reads
+        reads["full"] += self.relay.full_reads
+        stream.finish(proxy.clock())
+        # Nothing left to cancel: a finished stream kept for resumes no longer holds this
+        # producer (its task, coroutine, context and what they refer to) until it is evicted.
+        stream.cancel_producer = None
+        self.backend.in_flight -= 1
+        metrics.in_flight -= 1
+        if self.observer is not None:
+            self.observer.finished(ctx, self.ok)
+
+    # -- an untasked producer (Proxy.start_stream)
+    def start(self) -> None:
+        """:meth:`run`'s first step (a loop turn after :meth:`Proxy.start_stream`, as a
+        task's would be) without a task where the pool has an idle connection: the request
+        is sent, and the rest happens in the connection's callbacks; :meth:`_decided` ends
+        the producer when its attempt finished, else :meth:`run` goes on in a task from
+        there (a failover, a stale connection's retry, the wait for the body's end). Where
+        the pool has none, :meth:`run` does it all in a task."""
+        self.handle = None
+        proxy, ctx = self.proxy, self.ctx
+        backend = self.backend
+        origin = proxy.origin(backend)
+        try:
+            request = proxy._stream_request(ctx, backend, origin, _stream_body(ctx))
+        except Exception:  # raised again in run, which ends the producer as it fails
+            conn = None
+        else:
+            conn = proxy.streams_pool.take_idle(origin, self.loop)
+        if conn is None:  # a connection to make or wait for: in a task
+            self._continue(self.run())
+            return
+        metrics = proxy.metrics
+        backend.in_flight += 1
+        backend.requests += 1
+        metrics.in_flight += 1
+        ctx.upstream_sent_at = sent_at = time.perf_counter()
+        self.relay.start(sent_at)
+        self._conn = conn
+        try:
+            conn.send(request, self, chunks=self._compiled)
+        except BaseException:
+            self._conn = None
+            proxy.streams_pool.release(conn)
+            self._end()
+            raise
+        self._start_observed = True
+        metrics.observe_start(time.perf_counter() - ctx.received_at)
+        self._arm_first_byte()
+        self.outcome.add_done_callback(self._decided)
+
+    def _decided(self, outcome: asyncio.Future[str]) -> None:
+        """The untasked attempt's outcome (a loop turn after it was decided, as a task would
+        have woken): the producer ends here as :meth:`run` would have, after a ``finished``
+        attempt whose body ended or a cancel, else it goes on in a task."""
+        conn = self._conn
+        assert conn is not None
+        cancel = self._cancel
+        if cancel is None:
+            result = outcome.result()
+            if result != "finished" or (
+                self.relay.done and self._refused is None and not conn.complete
+            ):  # the rest of _via_h1 and run's loop
+                self._continue(self.run(conn))
+                return
+        self._conn = None
+        self.proxy.streams_pool.release(conn)  # an unfinished one is dropped
+        try:
+            if cancel is not None:
+                self._cancelled(cancel)
+        finally:
+            self._end()
+
+    def _continue(self, coro: Any) -> None:
+        """The rest of the producer in a task of its own, as a tasked producer."""
+        self.proxy._untasked.discard(self)
+        self._task = task = self.loop.create_task(coro)
+        producers = self.proxy.producers
+        producers.add(task)
+        task.add_done_callback(producers.discard)
+
+    def cancel(self, msg: Any = None) -> bool:
+        """An untasked producer's ``stream.cancel_producer``: what ``Task.cancel`` does to a
+        tasked one's (its stream ends with an error event at its next step, a loop turn from
+        now; before its first step, it never runs)."""
+        if self._ended:
+            return False
+        task = self._task
+        if task is not None and (self._begun or task.done()):
+            return task.cancel(msg)
+        handle = self.handle
+        if handle is not None:  # start has not run: nothing of the producer will
+            handle.cancel()
+            self.handle = None
+            self._ended = True
+            self.proxy._untasked.discard(self)
+            return True
+        if self._cancel is not None:
+            return False  # as a task's second cancel before its step
+        # A task not begun raises it as it begins (run), an attempt under way is cancelled
+        # as a task's wait would be (its callbacks take nothing more), a decided one is
+        # ended as cancelled (_decided).
+        self._cancel = () if msg is None else (msg,)
+        if task is None:
+            self.outcome.cancel(msg)
+        return True
 
     def _cancelled_event(self, drained: bool) -> bytes:
         """The error event a cancelled or drained stream ends with, in its own format."""
@@ -600,8 +754,9 @@ class _Producer:
         body = _stream_body(self.ctx)
         return body, self.proxy._headers(self.ctx, self.backend, "text/event-stream")
 
-    async def _via_h1(self) -> str:
+    async def _via_h1(self, resumed: H1Connection | None = None) -> str:
         """One attempt over the router's HTTP/1.1 pool; the relay runs in its callbacks.
+        ``resumed``: the connection :meth:`start` sent the request on, its outcome decided.
 
         A kept-alive connection the upstream closed while it was idle fails before any byte
         of the answer: the request goes again on another one (at most
@@ -614,24 +769,35 @@ class _Producer:
         request = proxy._stream_request(self.ctx, self.backend, origin, _stream_body(self.ctx))
         result = "retry"
         for _ in range(STALE_RETRIES + 1):
+            sent = resumed
+            if sent is not None:  # the request went on it; its outcome is decided
+                conn, resumed = sent, None
+            else:
+                try:
+                    self._conn = conn = await pool.acquire(origin, self.loop)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    if self.outcome.done():  # a first-token switch was claimed meanwhile
+                        return self.outcome.result()
+                    self._unreachable = exc  # the upstream never saw the request
+                    self.ctx.upstream_error = describe_error(exc)
+                    return "unreachable"
+                except (httpx.HTTPError, OSError) as exc:
+                    self.on_error(exc)
+                    return "finished"
             try:
-                self._conn = conn = await pool.acquire(origin, self.loop)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if self.outcome.done():  # a first-token switch was claimed meanwhile
-                    return self.outcome.result()
-                self._unreachable = exc  # the upstream never saw the request
-                self.ctx.upstream_error = describe_error(exc)
-                return "unreachable"
-            except (httpx.HTTPError, OSError) as exc:
-                self.on_error(exc)
-                return "finished"
-            try:
-                conn.send(request, self, chunks=self._compiled)
-                if not self._start_observed:  # once a stream, not again on a retry
-                    self._start_observed = True
-                    proxy.metrics.observe_start(time.perf_counter() - self.ctx.received_at)
-                # From here, not from the pool's wait: a full pool is not the backend's fault.
-                self._arm_first_byte()
+                if sent is None:
+                    conn.send(request, self, chunks=self._compiled)
+                    if not self._start_observed:  # once a stream, not again on a retry
+                        self._start_observed = True
+                        proxy.metrics.observe_start(
+                            time.perf_counter() - self.ctx.received_at
+                        )
+                    # From here, not from the pool's wait: a full pool is not the backend's
+                    # fault.
+                    self._arm_first_byte()
+                elif self._cancel is not None:
+                    # Cancelled before this task's first step (see cancel): as in its wait.
+                    raise asyncio.CancelledError(*self._cancel)
                 result = await self.outcome
                 if (
                     result == "finished"
