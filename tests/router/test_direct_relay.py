@@ -24,9 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
+from firstbyte.protocol import error_codes
 from firstbyte.protocol.sse import HEARTBEAT, SSEDecoder
 from firstbyte.router.asgi import stream_body
 from firstbyte.router.hosting import uvicorn_limits
+from firstbyte.router.pipeline.proxy import DRAIN_CANCEL
 from firstbyte.router.readers import sse_events
 from firstbyte.router.serve import RouterEndpoints
 from firstbyte.router.streams import Stream, StreamStore, owner_of
@@ -493,6 +495,40 @@ async def test_a_streamed_response_costs_no_task_of_the_router(
             loop.set_task_factory(None)
     assert sse_text(response.content)[0] == words(20)
     assert made == [], made
+
+
+async def test_a_producer_without_a_task_is_cancelled_as_its_task_was(
+    start_router: RouterFactory,
+) -> None:
+    # A stream's producer runs in its upstream connection's callbacks (no task) when the
+    # pool has an idle connection: its stream's cancel_producer does what Task.cancel did,
+    # the upstream request is dropped, and the stream ends with the error event its cancel
+    # names (here the drain's) after what it had, counted as such.
+    async with routed(start_router) as (up, router), httpx.AsyncClient(timeout=30) as client:
+        url = router.base_url + "/v1/chat/completions"
+        await client.post(url, json=body(3), headers=auth())  # connections and lists warm
+        up.pause = asyncio.Event()  # each stream waits after its first word
+        answer = asyncio.ensure_future(client.post(url, json=body(20), headers=auth()))
+        await _until(lambda: up.started == 2)
+        await asyncio.sleep(0.05)  # its first word relayed
+        state = router.app.state
+        (stream,) = [s for s in state.store._streams.values() if not s.done]
+        assert stream.cancel_producer is not None
+        assert not state.proxy.producers  # no task
+        stream.cancel_producer(DRAIN_CANCEL)
+        response = await asyncio.wait_for(answer, 30)
+        up.pause.set()  # the upstream finds its client gone at its next word
+        await _until(lambda: up.cancelled == 1)
+        requests = state.metrics.requests
+    events = SSEDecoder().receive_data(response.content)
+    assert sse_text(response.content)[0] == "w0"
+    assert events[-1].data == "[DONE]"
+    error = json.loads(events[-2].data)["error"]
+    assert error["code"] == error_codes.DRAINING, error
+    assert stream.done
+    assert stream.cancel_producer is None
+    assert requests[("chat", "draining", "test-model")] == 1, requests
+    assert up.completed == 1  # the warm-up's
 
 
 async def test_a_streamed_request_leaves_nothing_for_the_cyclic_gc(
