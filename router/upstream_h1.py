@@ -295,6 +295,26 @@ class H1Connection(asyncio.Protocol):
                 return False
         return self.reusable
 
+    def wait_end_then(self, timeout_s: float, callback: Callable[[], object]) -> None:
+        """:meth:`wait_end` for a caller without a task: ``callback()`` once, at the
+        response's end (clean or not) or in ``timeout_s``, whichever comes first."""
+        loop = self.pool.loop
+        ended = self._ended
+        if ended is None:
+            ended = self._ended = loop.create_future()
+        fired = False
+
+        def once(_: object = None) -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                timer.cancel()
+                ended.remove_done_callback(once)
+                callback()
+
+        timer = loop.call_later(timeout_s, once)
+        ended.add_done_callback(once)
+
     def offer_fast(self, take: Callable[[bytes], bool]) -> None:
         """From the next read that starts at a chunk boundary of the body, ``take(data)``
         is asked first: True means it took the read whole (nothing goes to the parser; the

@@ -493,13 +493,16 @@ class _Producer:
         self.handle: asyncio.Handle | None = None
         """:meth:`start`, scheduled by :meth:`Proxy.start_stream` (until it runs)."""
         self._task: asyncio.Task[None] | None = None
-        """The task :meth:`run` goes on in, once an untasked producer needs one."""
+        """The task :meth:`run` goes on in, once an untasked producer needs one (a failover,
+        a stale connection's retry)."""
         self._begun = False
         """:meth:`run` began (its task took its first step)."""
         self._cancel: tuple[Any, ...] | None = None
         """The arguments of a :meth:`cancel` that :meth:`run` or :meth:`_decided` are
         still to act on."""
         self._ended = False
+        self._draining = False
+        """An untasked producer reads on to its body's end after ``[DONE]`` (:meth:`_drained`)."""
 
     async def run(self, resumed: H1Connection | None = None) -> None:
         """Produce the stream: each attempt, the failovers, the end. ``resumed``: the
@@ -633,8 +636,8 @@ class _Producer:
         task's would be) without a task where the pool has an idle connection: the request
         is sent, and the rest happens in the connection's callbacks; :meth:`_decided` ends
         the producer when its attempt finished, else :meth:`run` goes on in a task from
-        there (a failover, a stale connection's retry, the wait for the body's end). Where
-        the pool has none, :meth:`run` does it all in a task."""
+        there (a failover, a stale connection's retry). Where the pool has none,
+        :meth:`run` does it all in a task."""
         self.handle = None
         proxy, ctx = self.proxy, self.ctx
         backend = self.backend
@@ -670,22 +673,44 @@ class _Producer:
     def _decided(self, outcome: asyncio.Future[str]) -> None:
         """The untasked attempt's outcome (a loop turn after it was decided, as a task would
         have woken): the producer ends here as :meth:`run` would have, after a ``finished``
-        attempt whose body ended or a cancel, else it goes on in a task."""
+        attempt or a cancel, else it goes on in a task."""
         conn = self._conn
         assert conn is not None
-        cancel = self._cancel
-        if cancel is None:
-            result = outcome.result()
-            if result != "finished" or (
-                self.relay.done and self._refused is None and not conn.complete
-            ):  # the rest of _via_h1 and run's loop
+        if self._cancel is None:
+            if outcome.result() != "finished":  # the rest of _via_h1 and run's loop
                 self._continue(self.run(conn))
                 return
+            if self.relay.done and self._refused is None and not conn.complete:
+                # After [DONE], read on to the end of the body (briefly), as _via_h1 does.
+                self._draining = True
+                conn.wait_end_then(_DRAIN_AFTER_DONE_S, self._drained)
+                return
+        # _close inlined (a call a request)
         self._conn = None
         self.proxy.streams_pool.release(conn)  # an unfinished one is dropped
         try:
-            if cancel is not None:
-                self._cancelled(cancel)
+            if self._cancel is not None:
+                self._cancelled(self._cancel)
+        finally:
+            self._end()
+
+    def _drained(self) -> None:
+        """The body's end after ``[DONE]`` came, or the wait for it ran out, or a cancel
+        came meanwhile (the first of them)."""
+        if self._draining:
+            self._draining = False
+            self._close()
+
+    def _close(self) -> None:
+        """An untasked producer's end: its connection back to the pool (dropped if
+        unfinished), and the stream's end, cancelled if a cancel came."""
+        conn = self._conn
+        assert conn is not None
+        self._conn = None
+        self.proxy.streams_pool.release(conn)
+        try:
+            if self._cancel is not None:
+                self._cancelled(self._cancel)
         finally:
             self._end()
 
@@ -719,8 +744,8 @@ class _Producer:
         # as a task's wait would be (its callbacks take nothing more), a decided one is
         # ended as cancelled (_decided).
         self._cancel = () if msg is None else (msg,)
-        if task is None:
-            self.outcome.cancel(msg)
+        if task is None and not self.outcome.cancel(msg) and self._draining:
+            self.loop.call_soon(self._drained)  # as a task in wait_end wakes cancelled
         return True
 
     def _cancelled_event(self, drained: bool) -> bytes:

@@ -531,6 +531,73 @@ async def test_a_producer_without_a_task_is_cancelled_as_its_task_was(
     assert up.completed == 1  # the warm-up's
 
 
+async def test_a_body_that_ends_after_its_done_keeps_its_connection_without_a_task(
+    start_router: RouterFactory,
+) -> None:
+    # A server that writes [DONE] and its chunked body's end apart (Starlette's
+    # StreamingResponse does): the producer, with no task, reads on to the body's end, so
+    # the connection goes back to the pool and the next stream goes on it.
+    connections: list[int] = []
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    done = b"data: [DONE]\n\n"
+
+    def chunked(data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                     if line.lower().startswith(b"content-length:")), 0
+                )
+                await reader.readexactly(length)
+                if not head.startswith(b"POST /v1/chat/completions "):
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n" + chunked(chunk) + chunked(done)
+                )
+                await asyncio.sleep(0.05)
+                writer.write(b"0\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    made: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **options: Any) -> asyncio.Task[Any]:
+        if "Producer" in getattr(coro, "__qualname__", ""):
+            made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **options)
+
+    try:
+        async with start_router([f"http://127.0.0.1:{port}"], tls=False) as router, \
+                httpx.AsyncClient(timeout=30) as client:
+            url = router.base_url + "/v1/chat/completions"
+            await client.post(url, json=body(1), headers=auth())  # a connection in the pool
+            before = len(connections)
+            loop.set_task_factory(counting)
+            try:
+                for _ in range(2):
+                    response = await client.post(url, json=body(1), headers=auth())
+                    assert sse_text(response.content)[0] == "hi"
+            finally:
+                loop.set_task_factory(None)
+            await asyncio.sleep(0.1)
+            after = len(connections)
+            requests = router.app.state.metrics.requests
+    finally:
+        server.close()
+    assert made == []
+    assert after == before  # both streams on the pooled connection
+    assert requests[("chat", "ok", "")] == 3, requests  # (a model no list names)
+
+
 async def test_a_streamed_request_leaves_nothing_for_the_cyclic_gc(
     start_router: RouterFactory,
 ) -> None:
