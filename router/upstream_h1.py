@@ -446,15 +446,15 @@ class H1Pool:
         """A connection to ``origin``: the most recently used idle one, else a new one.
         ``loop``: the running loop where the caller holds it (saves looking it up: on
         Python 3.11 a getpid() system call)."""
-        self.loop = loop if loop is not None else asyncio.get_running_loop()
-        conn = self._take_idle(origin)
+        self.loop = loop = loop if loop is not None else asyncio.get_running_loop()
+        conn = self.take_idle(origin, loop)
         if conn is not None:
             return conn  # the common case: no deadline to arm and cancel
         connecting = False
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 while True:
-                    conn = self._take_idle(origin)
+                    conn = self.take_idle(origin, loop)
                     if conn is not None:
                         return conn
                     if len(self._open) + self._connecting < self.max_connections:
@@ -477,7 +477,15 @@ class H1Pool:
         idle connection to ``origin``, else None (nothing made, nothing waited for).
         ``loop``: the running loop."""
         self.loop = loop
-        return self._take_idle(origin)
+        idle = self._idle.get(origin)
+        now = loop.time()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since <= self.keepalive_expiry_s:
+                conn.reused = True
+                return conn
+            conn.abort()
+        return None
 
     def release(self, conn: H1Connection) -> None:
         """Give ``conn`` back after a response: kept if reusable, else closed."""
@@ -488,7 +496,9 @@ class H1Pool:
             conn.abort()
             return
         conn.idle_since = self.loop.time()
-        idle = self._idle.setdefault(conn.origin, collections.deque())
+        idle = self._idle.get(conn.origin)
+        if idle is None:  # not setdefault: its default deque was made on every release
+            idle = self._idle[conn.origin] = collections.deque()
         idle.append(conn)
         expiry = self.keepalive_expiry_s
         while idle and (idle[0].closed or conn.idle_since - idle[0].idle_since > expiry):
@@ -500,17 +510,6 @@ class H1Pool:
         for conn in list(self._open):
             conn.abort()
         self._idle.clear()
-
-    def _take_idle(self, origin: Origin) -> H1Connection | None:
-        idle = self._idle.get(origin)
-        now = self.loop.time()
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and now - conn.idle_since <= self.keepalive_expiry_s:
-                conn.reused = True
-                return conn
-            conn.abort()
-        return None
 
     def _close_oldest_idle(self) -> bool:
         oldest: collections.deque[H1Connection] | None = None

@@ -410,10 +410,10 @@ def _stream_body(ctx: RequestContext) -> bytes:
         data["stream"] = True
         return encode(data)
     if request is not None and request.stream:
-        if request.wants_usage_chunk:
-            return ctx.body
         if request.stream_options is None:  # the usual case: one member put in, no re-encode
             return with_usage_option(ctx.body)
+        if request.wants_usage_chunk:
+            return ctx.body
     data = msgspec.json.decode(ctx.body)
     data["stream"] = True
     options = data.get("stream_options")
@@ -456,8 +456,14 @@ class _Producer:
             hold_head=deadline is not None,
             codec=codec,
             # The usage chunk is the router's unless the client asked for it too.
+            # (stream_options tested first: without them, no call of wants_usage_chunk)
             strip_usage=not (
-                codec.named_events or (request is not None and request.wants_usage_chunk)
+                codec.named_events
+                or (
+                    request is not None
+                    and request.stream_options is not None
+                    and request.wants_usage_chunk
+                )
             ),
         )
         self.loop = loop  # the running loop, as start_stream looked it up
@@ -613,13 +619,14 @@ class _Producer:
             self.head.set_result(UpstreamHead(502, error_event("The upstream request failed.")))
         self._count_usage()  # before the stream ends: its access line reads the usage
         reads = metrics.relay_reads
+        fast = self.relay.fast_reads
         for path in self._compiled_paths:  # their events are in the relay's count
             reads["compiled"] += path.reads
-            reads["fast"] -= path.events
+            fast -= path.events
         # Each path holds this producer (its on_events): dropped, so the two make no
         # cycle for the cyclic GC to find (the connection let go of it at its release).
         self._compiled_paths.clear()
-        reads["fast"] += self.relay.fast_reads
+        reads["fast"] += fast
         reads["full"] += self.relay.full_reads
         stream.finish(proxy.clock())
         # Nothing left to cancel: a finished stream kept for resumes no longer holds this
@@ -641,7 +648,9 @@ class _Producer:
         self.handle = None
         proxy, ctx = self.proxy, self.ctx
         backend = self.backend
-        origin = proxy.origin(backend)
+        origin = proxy._origins.get(backend.url)  # Proxy.origin inlined (a call a request)
+        if origin is None:
+            origin = proxy.origin(backend)
         try:
             request = proxy._stream_request(ctx, backend, origin, _stream_body(ctx))
         except Exception:  # raised again in run, which ends the producer as it fails
@@ -1072,9 +1081,10 @@ class _Producer:
             self._cancel_first_byte()
         timeout_s = None if self.observer is None else self.observer.first_byte_timeout_s()
         if timeout_s is not None:
-            self._first_byte = self.proxy.first_byte_deadlines(self.loop).call_later(
-                timeout_s, self._first_byte_late, timeout_s
-            )
+            deadlines = self.proxy._first_bytes  # first_byte_deadlines inlined (a call)
+            if deadlines is None or deadlines.loop is not self.loop:
+                deadlines = self.proxy.first_byte_deadlines(self.loop)
+            self._first_byte = deadlines.call_later(timeout_s, self._first_byte_late, timeout_s)
 
     def _first_byte_late(self, timeout_s: float) -> None:
         self._first_byte = None
