@@ -292,6 +292,11 @@ class SSEFramer:
             # Chat's path, as cheap as before. One look per batch is enough: a stream of
             # a named format holds named events only (the relay names a bare one
             # ``message``), but for the error and [DONE] that end an abandoned one.
+            if chunkpath.SSE_FRAMES is not None:
+                # encode_event's frames in one C call: None if an event has a line end.
+                frames: bytes | None = chunkpath.SSE_FRAMES(batch)
+                if frames is not None:
+                    return frames
             return b"".join([encode_event(e.data, id=e.seq) for e in batch])
         self.named = True
         return b"".join(

@@ -41,6 +41,7 @@ def test_the_compiled_path_is_built() -> None:
     assert chunkpath.BUILT, "firstbyte.router._chunkpath was not built by the install"
     assert chunkpath.READ_PATH is not None
     assert chunkpath.SSE_WRITER is not None
+    assert chunkpath.SSE_FRAMES is not None
     assert chunkpath.PACK_XADDS is not None
     assert chunkpath.MIRROR is not None
 
@@ -113,6 +114,26 @@ def test_the_compiled_writer_writes_what_the_python_writer_writes() -> None:
     assert compiled.transport.parts == python.transport.parts
     assert framer_c.direct == framer_p.direct == sum(map(len, BATCHES))
     assert framer_c.named == framer_p.named
+
+
+def test_the_compiled_frames_are_the_python_framers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reader's batch from the store (SSEFramer.frame): the same bytes and the same framer
+    # state with sse_frames as with encode_event alone, whatever the batch holds.
+    batches = [
+        *BATCHES,
+        [StreamEvent(9, b"[DONE]")],
+        [StreamEvent(0, b"zero"), StreamEvent(10, "text")],  # not bytes: Python's
+        [StreamEvent(-1, b"{}")],  # not a sequence number C writes: Python's
+        [StreamEvent(n, b"e" * n) for n in range(1, 300)],  # more than C keeps on its stack
+    ]
+    framed: list[list[bytes]] = []
+    for frames in (chunkpath.SSE_FRAMES, None):
+        monkeypatch.setattr(chunkpath, "SSE_FRAMES", frames)
+        framer = SSEFramer()
+        framed.append([framer.frame(batch) for batch in batches])
+        assert not framer.named
+    assert framed[0] == framed[1]
+    assert framed[0][0] == b'id: 1\ndata: {"a":1}\n\n'
 
 
 @pytest.mark.parametrize(
