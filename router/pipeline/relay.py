@@ -173,9 +173,11 @@ class EventFramer:
         """Feed bytes; return the payloads of the events they complete, in order."""
         if self._decoder is not None:
             return self._payloads(self._decoder.receive_data(data))
-        if not self._buffer and self._started:
+        if not self._buffer:
             # The common read: one whole ``data: ...`` event, its first line end the
-            # blank line's. A few C calls instead of the loop below (same payload).
+            # blank line's. A few C calls instead of the loop below (same payload, same
+            # state after). The stream's first read too (its role chunk, as a rule): one
+            # that starts with ``data: `` starts with no BOM.
             end = len(data) - 2
             if (
                 data.find(b"\n") == end
@@ -183,6 +185,8 @@ class EventFramer:
                 and data[:6] == b"data: "
                 and _CR not in data
             ):
+                if not self._started:
+                    self._started = self.idle = True
                 return [data[6:end]]
         buffer = self._buffer + data if self._buffer else data
         if not self._started:

@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -114,6 +115,20 @@ def test_framer_matches_the_full_decoder_for_any_stream_and_split(
     for a, b in itertools.pairwise(bounds):
         got += framer.receive_data(data[a:b])
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "later",
+    [b"\xef\xbb\xbfdata: b\n\n", b"data: b\n\n", b"data: b\r\n\r\n", b": c\n\ndata: b\n\n"],
+)
+def test_a_first_read_of_one_event_leaves_the_framer_as_the_loop_does(later: bytes) -> None:
+    # The stream's first read cut on its own (its role chunk): past the start (a BOM
+    # later is no BOM), between events (idle: Relay.feed cuts the next read itself).
+    framer = EventFramer()
+    assert framer.receive_data(b"data: a\n\n") == [b"a"]
+    assert framer.idle
+    expected = [e.data.encode() for e in SSEDecoder().receive_data(b"data: a\n\n" + later)]
+    assert [b"a", *framer.receive_data(later)] == expected
 
 
 def test_head_waits_for_the_first_token_under_a_deadline() -> None:
