@@ -340,14 +340,21 @@ class Relay:
         if not payloads or self.done:
             return []
         actions: list[Action] = []
+        payloads = self._events(payloads, now, actions)
+        if payloads:
+            actions.insert(0, Append(payloads))
+        return actions
+
+    def _events(self, payloads: list[bytes], now: float, actions: list[Action]) -> list[bytes]:
+        """What :meth:`receive_events` does with a read's ``payloads`` (some; not done): the
+        payloads to append, counted as appended, and its other actions added to
+        ``actions``."""
         if not self.first_content or self._skip_preamble or self._every or DONE_BYTES in payloads:
             payloads = self._scan(payloads, now, actions)
         elif payloads[-1][-2:] == b"}}" and self._usage(payloads[-1]):
             payloads = payloads[:-1]
-        if payloads:
-            self.appended += len(payloads)
-            actions.insert(0, Append(payloads))
-        return actions
+        self.appended += len(payloads)
+        return payloads
 
     def feed(self, data: bytes, now: float) -> list[bytes] | None:
         """:meth:`receive_data` for the hot path: when all the bytes make is events to
@@ -372,30 +379,33 @@ class Relay:
             ):
                 self.appended += 1
                 return [data[6:end]]
-        self.full_reads += 1
-        self._appended_full -= self.appended
-        actions = self.receive_data(data, now)
-        self._appended_full += self.appended
-        return self._payloads_or_pending(actions)
+        # receive_data's steps, answered as feed answers (feed_events past the framer).
+        if self.done:
+            self.full_reads += 1
+            return []
+        try:
+            payloads = self._framer.receive_data(data)
+        except SSEProtocolError as exc:
+            self.full_reads += 1
+            self._pending = self.fail(type(exc).__name__, now)
+            return None
+        return self.feed_events(payloads, now)
 
     def feed_events(self, payloads: list[bytes], now: float) -> list[bytes] | None:
         """:meth:`feed` for a read already cut into its events' payloads (the compiled read
         path cuts whole chunks of one-line ``data:`` events, as the framer would at an event
         boundary): the same outcome, from :meth:`receive_events` on."""
         self.full_reads += 1
-        self._appended_full -= self.appended
-        actions = self.receive_events(payloads, now)
-        self._appended_full += self.appended
-        return self._payloads_or_pending(actions)
-
-    def _payloads_or_pending(self, actions: list[Action]) -> list[bytes] | None:
-        """What :meth:`feed` answers for a read's ``actions``: its payloads when they are one
-        append, else None with the actions kept for :meth:`take_actions`."""
-        if not actions:
+        if not payloads or self.done:
             return []
-        first = actions[0]
-        if len(actions) == 1 and type(first) is Append:
-            return first.payloads
+        # receive_events' work, its actions made only when there is more than an append.
+        actions: list[Action] = []
+        payloads = self._events(payloads, now, actions)
+        self._appended_full += len(payloads)
+        if not actions:
+            return payloads
+        if payloads:
+            actions.insert(0, Append(payloads))
         self._pending = actions
         return None
 
