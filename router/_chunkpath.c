@@ -16,6 +16,10 @@
  *                   read (a partial chunk, an event of another shape, trailers, a decided
  *                   attempt) returns False having changed nothing, and the Python path takes
  *                   the read as before.
+ *   StreamAdder(stream, payloads, read_at)
+ *                   Stream.add (and Stream.append of an event that does not finish the
+ *                   stream) called from Python, done as ReadPath does it for its reads;
+ *                   None where Stream.add's Python must (it trims or reclaims).
  *   pack_xadds(batch, start, limit, names, name_of, trim, done, every)
  *                   the Redis writer's per-event packing (router/shared/streams.py,
  *                   _Writer._pack): the XADD operations of a run of plain events, packed
@@ -429,11 +433,12 @@ perf_counter(void)
  * holding most of a full store stays over its share, and its reads come here too); anywhere
  * else (no store, a finished stream, a store these would take past its bound while an owner
  * is over its share) it returns 0 having changed nothing and Stream.add runs, which stays the
- * definition. 1 done, -1 error. */
+ * definition. 1 done, -1 error. `read_at` NULL: the idle clock is read if a reader is
+ * written to; `last_event`, unless NULL: the last event added, once done. */
 static int
-stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_at)
+stream_add(PyObject *stream, PyObject *event_type, PyObject *payloads, Py_ssize_t size,
+           PyObject *read_at, PyObject **last_event)
 {
-    PyObject *stream = self->stream;
     int open = attr_none(stream, &stream_finished_at);
     if (open <= 0)
         return open;
@@ -443,7 +448,7 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     int status = 0;
     PyObject *owners = NULL, *owner = NULL, *usage = NULL, *events = NULL, *trimmed = NULL;
     PyObject *added = NULL, *last = NULL, *mirror = NULL, *taps = NULL, *waiters = NULL;
-    PyObject *marked = NULL;
+    PyObject *marked = NULL, *idle_now = NULL;
     if (store == Py_None)
         goto out;
     status = -1;
@@ -513,7 +518,7 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
         if (number == NULL)
             goto out;
         PyObject *args[2] = {number, PyList_GET_ITEM(payloads, i)};
-        PyObject *event = PyObject_Vectorcall(self->event_type, args, 2, NULL);
+        PyObject *event = PyObject_Vectorcall(event_type, args, 2, NULL);
         Py_DECREF(number);
         if (event == NULL)
             goto out;
@@ -549,6 +554,11 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
         last = PyLong_FromLongLong(seq);
         if (last == NULL)
             goto out;
+        if (read_at == NULL) { /* the idle clock, read only for readers to write to */
+            read_at = idle_now = PyFloat_FromDouble(perf_counter());
+            if (read_at == NULL)
+                goto out;
+        }
         int refused = 0;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(taps); i++) {
             PyObject *tap = Py_NewRef(PyList_GET_ITEM(taps, i));
@@ -588,7 +598,10 @@ stream_add(ReadPath *self, PyObject *payloads, Py_ssize_t size, PyObject *read_a
     if (waiting && discard(PyObject_CallMethodNoArgs(stream, s_wake)) < 0)
         goto out;
     status = 1;
+    if (last_event != NULL && count > 0)
+        *last_event = Py_NewRef(PyList_GET_ITEM(added, count - 1));
 out:
+    Py_XDECREF(idle_now);
     Py_XDECREF(marked);
     Py_XDECREF(waiters);
     Py_XDECREF(taps);
@@ -784,7 +797,7 @@ read_path(ReadPath *self, PyObject *data)
     read_at = PyFloat_FromDouble(now);
     if (read_at == NULL)
         goto out;
-    int added = stream_add(self, payloads, size, read_at);
+    int added = stream_add(self->stream, self->event_type, payloads, size, read_at, NULL);
     if (added < 0)
         goto out;
     if (added == 0) {
@@ -861,6 +874,103 @@ static PyTypeObject ReadPathType = {
     .tp_traverse = (traverseproc)ReadPath_traverse,
     .tp_clear = (inquiry)ReadPath_clear,
     .tp_vectorcall_offset = offsetof(ReadPath, vectorcall),
+    .tp_call = PyVectorcall_Call,
+};
+
+/* ---------------------------------------------------------------- StreamAdder
+ *
+ * Stream.add and Stream.append (router/streams.py) of events that do not finish the stream,
+ * called from Python (the reads the producer relays itself: a stream's first events, its
+ * first content): stream_add above, the same work ReadPath does for the reads it takes. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *event_type; /* StreamEvent */
+    Py_ssize_t overhead;  /* EVENT_OVERHEAD_BYTES */
+    vectorcallfunc vectorcall;
+} StreamAdder;
+
+static PyObject *
+StreamAdder_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                       PyObject *kwnames)
+{
+    StreamAdder *self = (StreamAdder *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "StreamAdder takes (stream, payloads, read_at)");
+        return NULL;
+    }
+    PyObject *stream = args[0], *payloads = args[1], *read_at = args[2];
+    if (!PyList_CheckExact(payloads) || PyList_GET_SIZE(payloads) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(payloads); i++) {
+        PyObject *payload = PyList_GET_ITEM(payloads, i);
+        if (!PyBytes_CheckExact(payload))
+            Py_RETURN_NONE; /* Stream.add says what it makes of it */
+        size += PyBytes_GET_SIZE(payload) + self->overhead;
+    }
+    PyObject *last = NULL;
+    int added = stream_add(stream, self->event_type, payloads, size,
+                           read_at == Py_None ? NULL : read_at, &last);
+    if (added < 0)
+        return NULL;
+    if (added == 0 || last == NULL)
+        Py_RETURN_NONE;
+    return last;
+}
+
+static int
+StreamAdder_traverse(StreamAdder *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->event_type);
+    return 0;
+}
+
+static int
+StreamAdder_clear(StreamAdder *self)
+{
+    Py_CLEAR(self->event_type);
+    return 0;
+}
+
+static void
+StreamAdder_dealloc(StreamAdder *self)
+{
+    PyObject_GC_UnTrack(self);
+    StreamAdder_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+StreamAdder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"event_type", "event_overhead", NULL};
+    PyObject *event_type;
+    Py_ssize_t overhead;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "On:StreamAdder", kwlist, &event_type,
+                                     &overhead))
+        return NULL;
+    StreamAdder *self = (StreamAdder *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->event_type = Py_NewRef(event_type);
+    self->overhead = overhead;
+    self->vectorcall = StreamAdder_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject StreamAdderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "firstbyte.router._chunkpath.StreamAdder",
+    .tp_doc = "StreamAdder(event_type, event_overhead)(stream, payloads, read_at) -> the last "
+              "event added, or None (nothing done: Stream.add's Python does it).",
+    .tp_basicsize = sizeof(StreamAdder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = StreamAdder_new,
+    .tp_dealloc = (destructor)StreamAdder_dealloc,
+    .tp_traverse = (traverseproc)StreamAdder_traverse,
+    .tp_clear = (inquiry)StreamAdder_clear,
+    .tp_vectorcall_offset = offsetof(StreamAdder, vectorcall),
     .tp_call = PyVectorcall_Call,
 };
 
@@ -1506,14 +1616,15 @@ PyInit__chunkpath(void)
     for (Slot *const *slot = all_slots; *slot != NULL; slot++)
         INTERN((*slot)->name, (*slot)->text);
     if (PyType_Ready(&ReadPathType) < 0 || PyType_Ready(&SSEWriterType) < 0 ||
-        PyType_Ready(&MirrorType) < 0)
+        PyType_Ready(&MirrorType) < 0 || PyType_Ready(&StreamAdderType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&chunkpath_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "ReadPath", (PyObject *)&ReadPathType) < 0 ||
         PyModule_AddObjectRef(module, "SSEWriter", (PyObject *)&SSEWriterType) < 0 ||
-        PyModule_AddObjectRef(module, "Mirror", (PyObject *)&MirrorType) < 0) {
+        PyModule_AddObjectRef(module, "Mirror", (PyObject *)&MirrorType) < 0 ||
+        PyModule_AddObjectRef(module, "StreamAdder", (PyObject *)&StreamAdderType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

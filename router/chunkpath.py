@@ -9,18 +9,20 @@ neither trims nor reclaims) and the inter-token metric
 (:class:`~firstbyte.router.hosting.prometheus.GapTimer`), and writes a direct SSE reader's
 frame on uvicorn's transport (:class:`SSEWriter`); a reader's batch from the store (the
 events a stream had before its reader came, its ``[DONE]``) is framed in one call too
-(:data:`SSE_FRAMES`, in :meth:`~firstbyte.router.readers.SSEFramer.frame`). The objects it
-reads per chunk keep their fields in ``__slots__`` (the stream, its store and owner, the
-relay and its framer, the connection, the reader's tap and framer, the timer and histogram);
-the C reads and writes those at the slots' offsets, as CPython's specialized
-``LOAD_ATTR_SLOT`` does, and any other object through ``getattr``. A read of whole chunks of
-one-line ``data:`` events that is not such a read (the first content, the usage chunk,
-``[DONE]``, the body's end) is cut in C and its events handed to the producer's
-``on_events``: the relay's Python path from its framer on, without httptools' callbacks, the
-read's join and the framer. Any other read (a partial chunk, another shape of event, a named
-event), and a reader that fell behind, go the Python way, which stays the one definition of
-what a read means; the compiled path gives the same store, bytes and counters
-(``tests/router/test_chunkpath.py``).
+(:data:`SSE_FRAMES`, in :meth:`~firstbyte.router.readers.SSEFramer.frame`), and the events
+the producer appends itself (a stream's first events, its first content) are stored as the
+reads it takes (:data:`STREAM_ADDER`, in :meth:`~firstbyte.router.streams.Stream.add` and
+:meth:`~firstbyte.router.streams.Stream.append`). The objects it reads per chunk keep their
+fields in ``__slots__`` (the stream, its store and owner, the relay and its framer, the
+connection, the reader's tap and framer, the timer and histogram); the C reads and writes
+those at the slots' offsets, as CPython's specialized ``LOAD_ATTR_SLOT`` does, and any other
+object through ``getattr``. A read of whole chunks of one-line ``data:`` events that is not
+such a read (the first content, the usage chunk, ``[DONE]``, the body's end) is cut in C and
+its events handed to the producer's ``on_events``: the relay's Python path from its framer
+on, without httptools' callbacks, the read's join and the framer. Any other read (a partial
+chunk, another shape of event, a named event), and a reader that fell behind, go the Python
+way, which stays the one definition of what a read means; the compiled path gives the same
+store, bytes and counters (``tests/router/test_chunkpath.py``).
 
 With shared state it also queues each event for the Redis writer (:data:`MIRROR`, in place
 of :meth:`~firstbyte.router.shared.streams._Writer.push`) and packs the writer's operation
@@ -29,9 +31,9 @@ for each plain event (:data:`PACK_XADDS`, in place of
 everything else).
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
-``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``MIRROR`` and ``PACK_XADDS`` are None and
-the Python path runs alone, as it does with ``FIRSTBYTE_CHUNKPATH=python`` in the
-environment (to compare the two).
+``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR`` and
+``PACK_XADDS`` are None and the Python path runs alone, as it does with
+``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["BUILT", "MIRROR", "PACK_XADDS", "READ_PATH", "SSE_FRAMES", "SSE_WRITER"]
+__all__ = [
+    "BUILT", "MIRROR", "PACK_XADDS", "READ_PATH", "SSE_FRAMES", "SSE_WRITER", "STREAM_ADDER",
+]
 
 READ_PATH: Any = None
 SSE_WRITER: Any = None
 SSE_FRAMES: Any = None
+STREAM_ADDER: Any = None
 PACK_XADDS: Any = None
 MIRROR: Any = None
 BUILT = False
@@ -59,5 +64,6 @@ else:
         READ_PATH = _chunkpath.ReadPath
         SSE_WRITER = _chunkpath.SSEWriter
         SSE_FRAMES = _chunkpath.sse_frames
+        STREAM_ADDER = _chunkpath.StreamAdder
         PACK_XADDS = _chunkpath.pack_xadds
         MIRROR = _chunkpath.Mirror

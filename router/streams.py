@@ -50,6 +50,7 @@ import msgspec
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.sse import DONE
 
+from . import chunkpath
 from .observability.usage import TokenUsage
 
 __all__ = [
@@ -155,6 +156,16 @@ class StreamEvent(msgspec.Struct, frozen=True, gc=False):
         return self.data == DONE_DATA
 
 
+_compiled_add = (
+    None
+    if chunkpath.STREAM_ADDER is None
+    else chunkpath.STREAM_ADDER(StreamEvent, EVENT_OVERHEAD_BYTES)
+)
+""":meth:`Stream.add`'s work in C (``router/_chunkpath.c``, ``stream_add``, what the compiled
+read path does for the reads it takes): the last event added, or None where it did nothing
+and the Python that follows runs (no store, a finished stream, a trim or a reclaim to do)."""
+
+
 @dataclass(eq=False, slots=True)
 class Stream:
     """One stream: its events, its owner, and who is reading it. Slots: the compiled
@@ -215,6 +226,12 @@ class Stream:
         """Add one event; returns it, or ``None`` if the stream is already finished."""
         if self.finished_at is not None:
             return None
+        if _compiled_add is not None and data != DONE_DATA:
+            # add's work in C for an event that does not finish the stream (the first
+            # content, as a rule): the same effects, the idle clock read in C if needed.
+            stored: StreamEvent | None = _compiled_add(self, [data], None)
+            if stored is not None:
+                return stored
         events = self.events
         event = StreamEvent(self.trimmed + len(events) + 1, data)
         events.append(event)
@@ -295,8 +312,12 @@ class Stream:
         The compiled read path (``router/_chunkpath.c``, ``stream_add``) does the same in C
         for the reads where this neither trims nor reclaims, reading this stream's and its
         store's slots at their offsets; it calls this method for every other read, so this
-        stays the definition (``tests/router/test_chunkpath.py`` compares the two)."""
+        stays the definition (``tests/router/test_chunkpath.py`` compares the two). The same
+        C does this method's reads where it can (:data:`_compiled_add`: the reads the
+        producer relays itself, a stream's first events as a rule)."""
         if self.finished_at is not None:
+            return
+        if _compiled_add is not None and _compiled_add(self, payloads, read_at) is not None:
             return
         events = self.events
         seq = self.trimmed + len(events)

@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from firstbyte.router import chunkpath
+from firstbyte.router import streams as streams_module
 from firstbyte.router.hosting.body_writer import uvicorn_writer
 from firstbyte.router.hosting.prometheus import GapTimer, Histogram
 from firstbyte.router.pipeline.relay import EventFramer, Relay
@@ -214,7 +215,8 @@ class _Side:
         return True
 
     def feed_python(self, payloads: list[bytes], now: float) -> None:
-        self.stream.add(payloads, now)
+        with _python_store():
+            self.stream.add(payloads, now)
         self.gaps.tick(now)
 
     def state(self) -> tuple[object, ...]:
@@ -227,6 +229,17 @@ class _Side:
             self.tap.seq, self.tap.released, self.stream._taps == [self.tap],
             self.waiter.done(), hist.count, sum(hist.counts),
         )
+
+
+@contextlib.contextmanager
+def _python_store() -> Iterator[None]:
+    """Stream.add and Stream.append as their Python defines them, without the C that does
+    their work where it can (streams._compiled_add)."""
+    compiled, streams_module._compiled_add = streams_module._compiled_add, None
+    try:
+        yield
+    finally:
+        streams_module._compiled_add = compiled
 
 
 def _reads(count: int, size: int = 40) -> list[list[bytes]]:
@@ -287,6 +300,68 @@ def test_the_compiled_read_path_adds_as_stream_add_does(case: str) -> None:
         if case == "finished":
             assert compiled.stream.events[-1].data == b"[DONE]"
             assert [event.data for event in compiled.mirrored] == [b"[DONE]"]  # nothing after
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "refused", "over_share", "two_owners", "finished"]
+)
+def test_stream_add_and_append_in_c_do_what_their_python_does(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stream.add and Stream.append called from Python (the events the producer relays
+    # itself: a stream's role chunk, its first content) do their work in C where they can:
+    # the same store, readers, mirror and wake-ups as their Python alone.
+    loop = asyncio.new_event_loop()
+    try:
+        bounds = {
+            "over_share": {"max_total_bytes": 1_500, "max_owner_bytes": 600},
+            "two_owners": {"max_total_bytes": 2_500, "max_owner_bytes": 1_500},
+        }.get(case, {})
+        compiled, python = _Side(loop, **bounds), _Side(loop, **bounds)
+        in_c: list[StreamEvent] = []
+        adder = streams_module._compiled_add
+        assert adder is not None
+
+        def counted(stream: Stream, payloads: list[bytes], read_at: float | None) -> Any:
+            last = adder(stream, payloads, read_at)
+            if last is not None:
+                in_c.append(last)
+            return last
+
+        monkeypatch.setattr(streams_module, "_compiled_add", counted)
+        for side in (compiled, python):
+            if case == "refused":
+                side.refuse_from = 7
+            if case == "finished":
+                side.stream.finish(0.5)
+            if case == "two_owners":  # another owner's stream, within its share
+                other = side.store.create(b"p" * 32, 0.0)
+                other.add([b"y" * 900], 0.0)
+        in_c.clear()
+        appended: list[list[StreamEvent | None]] = [[], []]
+        for n, payloads in enumerate(_reads(12)):
+            now = 1.0 + n * 0.004
+            for index, side in enumerate((compiled, python)):
+                with contextlib.nullcontext() if side is compiled else _python_store():
+                    if len(payloads) == 1:
+                        appended[index].append(side.stream.append(payloads[0], now))
+                    else:
+                        side.stream.add(payloads, now)
+        assert appended[0] == appended[1]
+        state = compiled.state(), python.state()
+        assert state[0][:-2] == state[1][:-2]  # but the ITL histogram, not fed here
+        if case in ("plain", "refused"):
+            assert len(in_c) == 12  # every one in C
+            assert compiled.written
+            assert compiled.waiter.done()
+        if case == "finished":
+            assert in_c == []
+            assert appended[0] == [None] * len(appended[0])
+        if case == "over_share":  # the store went full: Python trims
+            assert compiled.stream.trimmed > 0
+            assert len(in_c) < 12
     finally:
         loop.close()
 
