@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from firstbyte.protocol.codec import CHAT, Codec, Usage, event_data, event_name, named_event
 from firstbyte.protocol.formats import (
@@ -180,3 +183,105 @@ def test_event_data_of_several_data_lines() -> None:
     assert payload == b'event: e\ndata: {"a":\ndata: 1}'
     assert json.loads(event_data(payload)) == {"a": 1}
     assert event_data(b'{"plain":1}') == b'{"plain":1}'
+
+
+def _content_as_dicts(payload: bytes) -> bool:
+    """Chat's first-content test as it reads a chunk decoded into dicts: the definition
+    :meth:`ChatCodec.is_content` answers as, whichever way it decodes."""
+    if b'"delta"' not in payload:
+        return False
+    try:
+        chunk: Any = msgspec.json.decode(payload)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls") or delta.get("refusal"):
+                return True
+    except (msgspec.DecodeError, AttributeError, TypeError):
+        return False
+    return False
+
+
+_CHUNK_HEAD = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+_CHAT_CHUNKS = [
+    _CHUNK_HEAD + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}]}',
+    _CHUNK_HEAD + b'"system_fingerprint":null,"choices":[{"index":0,"delta":{"content":" w"},'
+    b'"logprobs":null,"finish_reason":null}],"usage":null}',
+    _CHUNK_HEAD + b'"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}',
+    b'{"choices":[{"delta":{"content":"x","content":""}}]}',  # the last of a member counts
+    b'{"choices":[{"delta":{"content":""},"delta":{"content":"x"}}]}',
+    b'{"choices":[{"delta":{"content":"x"}}],"choices":null}',
+    b'{"choices":[{"delta":{"content":"x"},"delta":1}]}',
+    b'{"choices":[{"delta":{"content":"x"}}, "junk"]}',  # content first: content
+    b'{"choices":["junk", {"delta":{"content":"x"}}]}',  # junk first: none
+    b'{"choices":[{"delta":null}]}',
+    b'{"choices":[{"delta":0}]}',
+    b'{"choices":[{"delta":"s"}]}',
+    b'{"choices":{}}',
+    b'{"choices":"ab"}',
+    b'{"choices":0}',
+    b'[{"delta":{"content":"x"}}]',
+    b'"delta"',
+    b'{"delta": 1}',
+    b'{"choices":[{"delta":{"tool_calls":[{}]}}]}',
+    b'{"choices":[{"delta":{"tool_calls":[]}}]}',
+    b'{"choices":[{"delta":{"refusal":"no"}}]}',
+    b'{"choices":[{"delta":{"content":0}}]}',
+    b'{"choices":[{"delta":{"content":1.5}}]}',
+    b'{"choices":[{"delta":{"content":{"a":1}}}]}',
+    b'{"choices":[{"delta":{"content":"x"}}],"extra":1}',  # another member
+    b'{"choices":[{"delta":{"content":"x","extra":{"deep":[1e999]}}}]}',
+    b'{"\\u0063hoices":[{"delta":{"content":"x"}}]}',  # an escaped member name
+    b'{"choices":[{"\\u0064elta":{"content":"x"}}]}',
+    b'{"choices":[{"delta":{"content":"caf\xc3\xa9 \\u00e9"}}]}',
+    # What decoding refuses and skipping a member would not: not content.
+    b'{"model":"\xff\xfe","choices":[{"delta":{"content":"x"}}]}',
+    b'{"id":1e999,"choices":[{"delta":{"content":"x"}}]}',
+    b'{"choices":[{"delta":{"content":"x"}}],"usage":{"a":-1e999}}',
+    b'{"id":"\\ud800","choices":[{"delta":{"content":"x"}}]}',
+    b'{"choices":[{"delta":{"content":"x"}}],"id":01}',
+    b'{"choices":[{"delta":{"content":"x"}}]} x',
+    b'{"choices":[{"delta":{"content":"x"}}',
+    b'{"created":123456789012345678901234567890,"choices":[{"delta":{"content":"x"}}]}',
+]
+
+
+@pytest.mark.parametrize("payload", _CHAT_CHUNKS)
+def test_chat_content_is_what_the_chunk_read_as_dicts_says(payload: bytes) -> None:
+    assert CHAT.is_content(payload) is _content_as_dicts(payload)
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner,
+                                                                max_size=2),
+    max_leaves=4,
+)
+_DELTAS = st.one_of(
+    _JSON_VALUES,
+    st.dictionaries(
+        st.sampled_from(["role", "content", "tool_calls", "refusal", "reasoning", "other"]),
+        _JSON_VALUES, max_size=3,
+    ),
+)
+_CHOICES = st.one_of(
+    _JSON_VALUES,
+    st.dictionaries(
+        st.sampled_from(["index", "delta", "logprobs", "finish_reason", "other"]),
+        _DELTAS, max_size=3,
+    ),
+)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["id", "created", "model", "choices", "usage", "other"]),
+        st.one_of(_JSON_VALUES, st.lists(_CHOICES, max_size=3)),
+        max_size=4,
+    )
+)
+def test_chat_content_of_any_chunk_is_what_it_read_as_dicts_says(chunk: dict[str, Any]) -> None:
+    payload = json.dumps(chunk).encode()
+    if b'"delta"' not in payload:
+        payload = payload.replace(b"{", b'{"delta": {}, ', 1) if chunk else b'{"delta": 1}'
+    assert CHAT.is_content(payload) is _content_as_dicts(payload)
