@@ -159,7 +159,7 @@ class EventFramer:
     # Slots: the compiled read path (router/_chunkpath.c) reads ``idle`` at its offset.
     __slots__ = ("_buffer", "_decoder", "_max", "_named", "_started", "idle")
 
-    def __init__(self, *, max_event_bytes: int = MAX_EVENT_BYTES, named: bool = False) -> None:
+    def __init__(self, named: bool = False, *, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._max = max_event_bytes
         self._named = named
         self._buffer = b""
@@ -286,7 +286,7 @@ class Relay:
         self.first_content = False
         self.done = False
         self.head_released = False
-        self._framer = EventFramer(named=codec.named_events)
+        self._framer = EventFramer(codec.named_events)  # positional: no keyword dict
         self._sent_at = 0.0
         self._status = 0
         self._head_ms = 0.0
@@ -303,7 +303,7 @@ class Relay:
     def start(self, now: float) -> None:
         """A request to a (new) upstream was sent at ``now``."""
         if self._framer._started:  # the one made with the relay serves its first attempt
-            self._framer = EventFramer(named=self.codec.named_events)
+            self._framer = EventFramer(self.codec.named_events)
         self._sent_at = now
         self._status = 0
         self._skip_preamble = self.appended > 0
