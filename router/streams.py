@@ -288,6 +288,11 @@ class Stream:
         together: a reader written directly (:meth:`relay_live`) gets one write for what one
         upstream read brought, not one per event (a write is a system call and a TCP
         segment on the reader's connection)."""
+        if payloads and DONE_DATA not in payloads:
+            # Nothing finishes: add's work, which has these effects in one call (in C
+            # where it can) rather than an append per event.
+            self.add(payloads, _idle_clock())
+            return
         taps, self._taps = self._taps, []  # held while appending: they get the batch
         added = []
         try:

@@ -366,6 +366,50 @@ def test_stream_add_and_append_in_c_do_what_their_python_does(
         loop.close()
 
 
+def _extend_by_appends(stream: Stream, payloads: list[bytes], now: float) -> None:
+    """Stream.extend as it was defined: append each, the direct readers held meanwhile and
+    handed the batch after."""
+    taps, stream._taps = stream._taps, []
+    added = []
+    try:
+        for data in payloads:
+            event = stream.append(data, now)
+            if event is None:
+                break
+            added.append(event)
+    finally:
+        stream._taps = taps
+    if added and taps:
+        stream._feed_taps(added)
+
+
+@pytest.mark.parametrize("case", ["plain", "refused", "over_share", "finished", "done_inside"])
+def test_stream_extend_does_what_its_appends_did(case: str) -> None:
+    # Stream.extend of events that do not finish the stream is Stream.add's work (in C where
+    # it can): the same store, readers, mirror and wake-ups as an append each.
+    loop = asyncio.new_event_loop()
+    try:
+        bounds = {"over_share": {"max_total_bytes": 1_500, "max_owner_bytes": 600}}.get(case, {})
+        extended, appended = _Side(loop, **bounds), _Side(loop, **bounds)
+        for side in (extended, appended):
+            if case == "refused":
+                side.refuse_from = 7
+            if case == "finished":
+                side.stream.finish(0.5)
+        reads = [[b"[DONE]" if case == "done_inside" and n == 9 and i == 1 else payload
+                  for i, payload in enumerate(payloads)] for n, payloads in enumerate(_reads(12))]
+        for n, payloads in enumerate(reads):
+            now = 1.0 + n * 0.004
+            extended.stream.extend(payloads, now)
+            with _python_store():
+                _extend_by_appends(appended.stream, payloads, now)
+        assert extended.state()[:-2] == appended.state()[:-2]
+        if case == "done_inside":
+            assert extended.stream.done
+    finally:
+        loop.close()
+
+
 def test_a_key_over_its_share_in_a_store_with_room_is_added_in_c(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
