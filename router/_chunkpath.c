@@ -32,6 +32,9 @@
  *                   a reader's batch from the store framed as SSE (SSEFramer.frame), as
  *                   SSEWriter frames a direct reader's events; None for a batch with an
  *                   event of several lines (or a named one), which the Python framer frames.
+ *   render_head(...)
+ *                   once a request, not a chunk: a response head as uvicorn's HTTP/1.1
+ *                   writes it (see "HTTP/1.1 heads" below).
  *   SSEWriter(events)
  *                   a direct reader's write (SSEFramer.writer with uvicorn's body writer):
  *                   `id: SEQ\ndata: DATA\n\n` per event, one HTTP chunk, one transport.write;
@@ -1577,6 +1580,146 @@ error:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- HTTP/1.1 heads
+ *
+ * Once a request, not a chunk: a response head as uvicorn's HTTP/1.1 writes it
+ * (router/hosting/uvicorn_send.py, _render), where the Python's loop over the headers cost
+ * ~16k instructions (~1.5k here). It takes only heads the Python takes in the same way,
+ * names it already knows and values of exact types in lists or tuples of pairs, and returns
+ * None for any other, having changed nothing: the Python, which stays the one definition,
+ * then does its work (learns a new name, leaves the head to uvicorn's send). So either gives
+ * the same bytes (tests/router/hosting/test_uvicorn_send.py). */
+
+/* The items of `seq` (an exact list or tuple) at *items, their count at *count: 1, or 0 if
+ * `seq` is not such a sequence. Each item is checked by the caller. */
+static int
+pairs_of(PyObject *seq, PyObject *const **items, Py_ssize_t *count)
+{
+    if (PyList_CheckExact(seq)) {
+        *count = PyList_GET_SIZE(seq);
+        *items = ((PyListObject *)seq)->ob_item; /* NULL for an empty list */
+        return 1;
+    }
+    if (PyTuple_CheckExact(seq)) {
+        *count = PyTuple_GET_SIZE(seq);
+        *items = ((PyTupleObject *)seq)->ob_item;
+        return 1;
+    }
+    return 0;
+}
+
+/* An exact 2-tuple of two objects of exact type `type`. */
+static inline int
+pair_of(PyObject *pair, PyTypeObject *type)
+{
+    return PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2 &&
+           Py_IS_TYPE(PyTuple_GET_ITEM(pair, 0), type) &&
+           Py_IS_TYPE(PyTuple_GET_ITEM(pair, 1), type);
+}
+
+#define HEAD_LISTS 2
+#define MAX_HEAD_LINES 64 /* more header lines than this: the Python's */
+
+/* render_head(status_line, defaults, headers, names, refused, tail, first) -> bytes | None:
+ * status_line, then a line "START VALUE\r\n" for each (name, value) of `defaults` and then of
+ * `headers`, START being names[name] (the name as sent, then ": "), then `tail`, then, if
+ * `first` is not empty, `first` as a chunk of the chunked coding. None (nothing made) if a
+ * list is not an exact list or tuple of exact 2-tuples of bytes, a name is not in `names`,
+ * a value holds a byte whose entry in `refused` (256 bytes) is not zero, or `first` is not
+ * None or bytes. */
+static PyObject *
+render_head(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "render_head takes 7 arguments");
+        return NULL;
+    }
+    PyObject *status_line = args[0], *names = args[3], *refused = args[4], *tail = args[5],
+             *first = args[6];
+    if (!PyBytes_CheckExact(status_line) || !PyDict_CheckExact(names) ||
+        !PyBytes_CheckExact(refused) || PyBytes_GET_SIZE(refused) != 256 ||
+        !PyBytes_CheckExact(tail)) {
+        PyErr_SetString(PyExc_TypeError, "render_head: bytes, _, _, dict, 256 bytes, bytes, _");
+        return NULL;
+    }
+    Py_ssize_t first_size = 0;
+    if (first != Py_None) {
+        if (!PyBytes_Check(first))
+            Py_RETURN_NONE;
+        first_size = PyBytes_GET_SIZE(first);
+    }
+    const unsigned char *bad = (const unsigned char *)PyBytes_AS_STRING(refused);
+    PyObject *const *lists[HEAD_LISTS];
+    Py_ssize_t counts[HEAD_LISTS];
+    PyObject *starts[MAX_HEAD_LINES]; /* borrowed from `names`: nothing runs meanwhile */
+    Py_ssize_t lines = 0;
+    Py_ssize_t size = PyBytes_GET_SIZE(status_line) + PyBytes_GET_SIZE(tail);
+    for (int l = 0; l < HEAD_LISTS; l++) {
+        if (!pairs_of(args[1 + l], &lists[l], &counts[l]) ||
+            lines + counts[l] > MAX_HEAD_LINES)
+            Py_RETURN_NONE;
+        for (Py_ssize_t i = 0; i < counts[l]; i++) {
+            PyObject *pair = lists[l][i];
+            if (!pair_of(pair, &PyBytes_Type))
+                Py_RETURN_NONE;
+            PyObject *start = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(pair, 0));
+            if (start == NULL) {
+                if (PyErr_Occurred())
+                    return NULL;
+                Py_RETURN_NONE; /* a name not learnt yet (or refused): the Python's */
+            }
+            if (!PyBytes_CheckExact(start))
+                Py_RETURN_NONE;
+            PyObject *value = PyTuple_GET_ITEM(pair, 1);
+            const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(value);
+            Py_ssize_t n = PyBytes_GET_SIZE(value);
+            for (Py_ssize_t j = 0; j < n; j++)
+                if (bad[v[j]])
+                    Py_RETURN_NONE;
+            starts[lines++] = start;
+            size += PyBytes_GET_SIZE(start) + n + 2;
+        }
+    }
+    char size_line[24];
+    int size_line_len = 0;
+    if (first_size) {
+        size_line_len = (int)(write_hex(size_line, (size_t)first_size) - size_line);
+        size_line[size_line_len++] = '\r';
+        size_line[size_line_len++] = '\n';
+        size += size_line_len + first_size + 2;
+    }
+    PyObject *head = PyBytes_FromStringAndSize(NULL, size);
+    if (head == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(head);
+    memcpy(p, PyBytes_AS_STRING(status_line), PyBytes_GET_SIZE(status_line));
+    p += PyBytes_GET_SIZE(status_line);
+    lines = 0;
+    for (int l = 0; l < HEAD_LISTS; l++) {
+        for (Py_ssize_t i = 0; i < counts[l]; i++) {
+            PyObject *start = starts[lines++];
+            PyObject *value = PyTuple_GET_ITEM(lists[l][i], 1);
+            memcpy(p, PyBytes_AS_STRING(start), PyBytes_GET_SIZE(start));
+            p += PyBytes_GET_SIZE(start);
+            memcpy(p, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
+            p += PyBytes_GET_SIZE(value);
+            *p++ = '\r';
+            *p++ = '\n';
+        }
+    }
+    memcpy(p, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail));
+    p += PyBytes_GET_SIZE(tail);
+    if (first_size) {
+        memcpy(p, size_line, size_line_len);
+        p += size_line_len;
+        memcpy(p, PyBytes_AS_STRING(first), first_size);
+        p += first_size;
+        *p++ = '\r';
+        *p++ = '\n';
+    }
+    return head;
+}
+
 static PyMethodDef chunkpath_functions[] = {
     {"sse_frames", (PyCFunction)sse_frames, METH_O,
      "sse_frames(events) -> bytes | None: the SSE frames (`id: SEQ\\ndata: DATA\\n\\n`) of a "
@@ -1584,6 +1727,9 @@ static PyMethodDef chunkpath_functions[] = {
     {"pack_xadds", (PyCFunction)(void (*)(void))pack_xadds, METH_FASTCALL,
      "pack_xadds(batch, start, limit, names, name_of, trim, done, every) -> (end, names_packed, "
      "values_packed, streams): the Redis writer's XADD operations for a run of plain events."},
+    {"render_head", (PyCFunction)(void (*)(void))render_head, METH_FASTCALL,
+     "render_head(status_line, defaults, headers, names, refused, tail, first) -> bytes | None:"
+     " a response head as sent (router/hosting/uvicorn_send.py, _render), or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,9 +30,14 @@ for each plain event (:data:`PACK_XADDS`, in place of
 :meth:`~firstbyte.router.shared.streams._Writer._pack`'s loop for that event; the loop packs
 everything else).
 
+One function of it runs once a request, not a chunk: :data:`RENDER_HEAD`, a response head
+as uvicorn's HTTP/1.1 writes it (:mod:`.hosting.uvicorn_send`), where a Python loop over the
+headers cost ~16k instructions. It takes only the common head (names already known, exact
+types) and says None for any other, which the Python function it stands in for then does.
+
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
-``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR`` and
-``PACK_XADDS`` are None and the Python path runs alone, as it does with
+``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``, ``PACK_XADDS``
+and ``RENDER_HEAD`` are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -42,7 +47,14 @@ import os
 from typing import Any
 
 __all__ = [
-    "BUILT", "MIRROR", "PACK_XADDS", "READ_PATH", "SSE_FRAMES", "SSE_WRITER", "STREAM_ADDER",
+    "BUILT",
+    "MIRROR",
+    "PACK_XADDS",
+    "READ_PATH",
+    "RENDER_HEAD",
+    "SSE_FRAMES",
+    "SSE_WRITER",
+    "STREAM_ADDER",
 ]
 
 READ_PATH: Any = None
@@ -51,6 +63,7 @@ SSE_FRAMES: Any = None
 STREAM_ADDER: Any = None
 PACK_XADDS: Any = None
 MIRROR: Any = None
+RENDER_HEAD: Any = None
 BUILT = False
 """The compiled module imported (whether or not the environment turned it off)."""
 
@@ -67,3 +80,4 @@ else:
         STREAM_ADDER = _chunkpath.StreamAdder
         PACK_XADDS = _chunkpath.pack_xadds
         MIRROR = _chunkpath.Mirror
+        RENDER_HEAD = _chunkpath.render_head

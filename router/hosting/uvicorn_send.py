@@ -11,7 +11,9 @@ headers of a response are almost always the same few names with new values, so
   framing or the connection: ``content-length``, ``transfer-encoding``, ``connection``),
   and checks all the values against uvicorn's value pattern at once, over their
   concatenation (the pattern matches single characters: it finds one in the concatenation
-  exactly when it finds one in a value), by deleting the bytes it matches (learnt once);
+  exactly when it finds one in a value), by deleting the bytes it matches (learnt once); a
+  head of learnt names is written in one C call where the module was built
+  (:data:`_RENDER_HEAD`);
 - writes a part of a chunked body and ends it as uvicorn's does;
 - takes the body's first part in the response start (:data:`EXTENSION`, which the scope's
   extensions list): the head and that part go out in one write, where the head and then
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from .. import chunkpath
 
 __all__ = ["EXTENSION", "fast_send"]
 
@@ -64,11 +68,17 @@ whole, which ``bytes.translate`` tells in a C loop of a few instructions a byte,
 regular expression's search took ~25 (~8k instructions for a streamed answer's head)."""
 
 
+_REFUSED_TABLE: bytes = b"\x01" * 256
+""":data:`_REFUSED` as the compiled :func:`_render` reads it: a byte's entry not zero if
+refused."""
+
+
 def _bind() -> None:
-    global _STATUS_LINE, _REFUSED
+    global _STATUS_LINE, _REFUSED, _REFUSED_TABLE
     from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
 
     _REFUSED = bytes(b for b in range(256) if HEADER_VALUE_RE.search(bytes((b,))))
+    _REFUSED_TABLE = bytes(1 if b in _REFUSED else 0 for b in range(256))
     _STATUS_LINE = STATUS_LINE
 
 
@@ -89,18 +99,20 @@ def _learn(name: bytes) -> bytes | None:
     return start
 
 
-def _head(message: Any, default_headers: Any) -> tuple[int, list[bytes]] | None:
-    """The status and the head's lines so far (status line, headers) of a response start,
-    or None where uvicorn's ``send`` must send it (see the module's docstring)."""
-    status = message["status"]
-    if type(status) is not int or status not in _STATUS_LINE:
-        return None
-    parts = [_STATUS_LINE[status]]
-    names = _NAMES
+def _render(
+    status_line: bytes, defaults: Any, headers: Any, names: dict[bytes, bytes], refused: bytes,
+    tail: bytes, first: Any,
+) -> bytes | None:
+    """A response head as sent: ``status_line``, a line for each of ``defaults`` (uvicorn's:
+    the date) then ``headers``, ``tail``, then ``first`` (if not empty) as a chunk; or None
+    where uvicorn's ``send`` must send it (see the module's docstring). ``names``:
+    :data:`_NAMES`, which this adds to; ``refused``: unused, as :data:`_RENDER_HEAD` has it
+    (the compiled one's table of :data:`_REFUSED`)."""
+    parts = [status_line]
     # A loop over both lists, not their concatenation: uvicorn's default headers (the
     # date) come first, as uvicorn sends them.
-    for headers in (default_headers, message.get("headers", ())):
-        for name, value in headers:
+    for given in (defaults, headers):
+        for name, value in given:
             try:  # a subscript, not get(): no call for a name learnt
                 start = names[name]
             except KeyError:
@@ -116,7 +128,26 @@ def _head(message: Any, default_headers: Any) -> tuple[int, list[bytes]] | None:
     joined = b"".join(parts[2::3])  # the values (each line: its start, value, end)
     if len(joined.translate(None, _REFUSED)) != len(joined):
         return None  # uvicorn refuses the first bad value
-    return status, parts
+    parts.append(tail)
+    if first:  # the body's first part, in the same write
+        parts.append(b"%x\r\n" % len(first))
+        parts.append(first)
+        parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+_RENDER_HEAD: Callable[..., bytes | None] = (
+    _render if chunkpath.RENDER_HEAD is None else chunkpath.RENDER_HEAD
+)
+""":func:`_render`, compiled where it was built (``render_head`` in ``router/_chunkpath.c``:
+~1.5k instructions where the loop above cost ~16k a streamed answer's head). The compiled one
+renders only heads whose every name is learnt and whose pairs are exact tuples of bytes, and
+says None for any other, which then goes to :func:`_render`: what it makes of a head is the
+same."""
+
+_CHUNKED = b"transfer-encoding: chunked\r\n\r\n"
+_CLOSE_CHUNKED = b"connection: close\r\n" + _CHUNKED
+_CLOSE = b"connection: close\r\n\r\n"
 
 
 def fast_send(cycle: Any) -> None:
@@ -138,31 +169,37 @@ def fast_send(cycle: Any) -> None:
             head = None
             if message["type"] == "http.response.start" and not cycle.access_log:
                 # try/except, not contextlib.suppress: no context manager made a response
-                try:  # noqa: SIM105
-                    head = _head(message, cycle.default_headers)
+                try:
+                    status = message["status"]
+                    line = _STATUS_LINE.get(status) if type(status) is int else None
+                    if line is not None:  # else uvicorn's send says what is wrong
+                        chunked = (cycle.chunked_encoding is None and status != 204
+                                   and status != 304)
+                        first = message.get(EXTENSION)
+                        if chunked:  # the body's first part goes in the same write
+                            tail = _CHUNKED if cycle.keep_alive else _CLOSE_CHUNKED
+                            with_head = first
+                        else:
+                            tail = b"\r\n" if cycle.keep_alive else _CLOSE
+                            with_head = None
+                        given = message.get("headers", ())
+                        defaults = cycle.default_headers
+                        head = _RENDER_HEAD(line, defaults, given, _NAMES, _REFUSED_TABLE, tail,
+                                            with_head)
+                        if head is None and _RENDER_HEAD is not _render:  # not one it takes
+                            head = _render(line, defaults, given, _NAMES, _REFUSED_TABLE, tail,
+                                           with_head)
                 except Exception:  # uvicorn raises it, as far into its state as it gets there
-                    pass
+                    head = None
             if head is None:
                 await _uvicorns(uvicorn_send, message)
                 return
-            status, parts = head
             cycle.response_started = True
             cycle.waiting_for_100_continue = False
-            if not cycle.keep_alive:
-                parts.append(b"connection: close\r\n")
-            first = message.get(EXTENSION)
-            if cycle.chunked_encoding is None and status != 204 and status != 304:
+            if chunked:
                 cycle.chunked_encoding = True
-                parts.append(b"transfer-encoding: chunked\r\n\r\n")
-                if first:  # the body's first part, in the same write
-                    parts.append(b"%x\r\n" % len(first))
-                    parts.append(first)
-                    parts.append(b"\r\n")
-                cycle.transport.write(b"".join(parts))
-                return
-            parts.append(b"\r\n")
-            cycle.transport.write(b"".join(parts))
-            if first:  # as the body message it stands for (which uvicorn refuses: no body)
+            cycle.transport.write(head)
+            if first and not chunked:  # as the body message it stands for (uvicorn: no body)
                 await uvicorn_send({"type": "http.response.body", "body": first, "more_body": True})
             return
         if (

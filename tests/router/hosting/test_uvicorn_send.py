@@ -1,7 +1,8 @@
 """uvicorn's send with the common case in fewer steps (router.hosting.uvicorn_send): for every
 message sequence, the same bytes written, the same state of the request cycle, the same
-errors and the same end-of-response calls as uvicorn's own ``send``; and the router's
-streamed answers take it without falling back."""
+errors and the same end-of-response calls as uvicorn's own ``send``, with the head written by
+the compiled ``render_head`` and by the Python it stands in for; and the router's streamed
+answers take it without falling back."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from firstbyte.benchmarks import chunk_instructions
+from firstbyte.router import chunkpath
 from firstbyte.router.asgi import LastPart, stream_body
-from firstbyte.router.hosting import uvicorn_limits
+from firstbyte.router.hosting import uvicorn_limits, uvicorn_send
 from firstbyte.router.hosting.uvicorn_send import EXTENSION, fast_send
 from tests.router.conftest import RouterFactory, auth
 from tests.router.hosting.transports import KeepingTransport as Transport
@@ -40,6 +42,17 @@ def _cycle(
         keep_alive, lambda: ended.append("response"),
     )
     return cycle, transport, ended
+
+
+@pytest.fixture(params=["compiled", "python"])
+def head_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The response head written by the compiled render_head, then by the Python alone."""
+    if request.param == "python":
+        monkeypatch.setattr(uvicorn_send, "_RENDER_HEAD", uvicorn_send._render)
+    else:
+        assert chunkpath.RENDER_HEAD is not None, "firstbyte.router._chunkpath was not built"
+        assert uvicorn_send._RENDER_HEAD is chunkpath.RENDER_HEAD
+    return str(request.param)
 
 
 _STATE = ("response_started", "response_complete", "chunked_encoding", "keep_alive",
@@ -99,11 +112,22 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {
     "after-the-end": ({}, [start(), part(b"a", False), part(b"b")]),
     "no-headers-key": ({}, [{"type": "http.response.start", "status": 200},
                             part(b"a", False)]),
+    # Shapes the compiled head leaves to the Python: the same bytes either way.
+    "list-pairs": ({}, [start(headers=[[b"x-a", b"v"], [b"cache-control", b"a"]]),
+                        part(b"a", False)]),
+    "tuple-of-headers": ({}, [start(headers=tuple(SSE)), part(b"a", False)]),
+    "bytearray-value": ({}, [start(headers=[(b"x-a", bytearray(b"v"))]), part(b"a", False)]),
+    "many-headers": ({}, [start(headers=[(b"x-%d" % i, b"v") for i in range(70)]),
+                          part(b"a", False)]),
+    "a-triple": ({}, [start(headers=[(b"x-a", b"v", b"w")])]),
+    "bool-status": ({}, [start(True)]),  # type: ignore[arg-type]
+    "server-header": ({"default_headers": [(b"server", b"uvicorn"), *DATE]},
+                      [start(), part(b"a", False)]),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-async def test_fast_send_does_what_uvicorns_send_does(case: str) -> None:
+async def test_fast_send_does_what_uvicorns_send_does(case: str, head_path: str) -> None:
     options, messages = CASES[case]
     theirs = _cycle(**options)
     ours = _cycle(**options)
@@ -111,7 +135,36 @@ async def test_fast_send_does_what_uvicorns_send_does(case: str) -> None:
     assert await _run(*ours, messages) == await _run(*theirs, messages)
 
 
-async def test_every_byte_of_a_value_is_taken_or_refused_as_uvicorn_does() -> None:
+def test_the_compiled_head_is_the_pythons_or_none() -> None:
+    """render_head writes what _render writes, or leaves the head to it (None): for heads it
+    takes (learnt names, tuples of bytes) and for every shape it does not."""
+    assert chunkpath.RENDER_HEAD is not None, "firstbyte.router._chunkpath was not built"
+    uvicorn_send._bind()
+    table, names = uvicorn_send._REFUSED_TABLE, uvicorn_send._NAMES
+    line = b"HTTP/1.1 200 OK\r\n"
+    uvicorn_send._render(line, DATE, SSE, names, table, b"\r\n", None)  # names learnt
+    taken = [
+        (DATE, SSE, b"\r\n", None), ([], [], b"", None), (DATE, tuple(SSE), b"x", b"first"),
+        (DATE, SSE, b"t", b""), (DATE, SSE, b"t", LastPart(b"end")),
+        ([], [(b"date", b"\t\x80\xff" * 100)], b"", b"\x00" * 300),
+    ]
+    for defaults, headers, tail, first in taken:
+        compiled = chunkpath.RENDER_HEAD(line, defaults, headers, names, table, tail, first)
+        assert compiled is not None
+        assert compiled == uvicorn_send._render(line, defaults, headers, names, table, tail,
+                                                first)
+    left = [
+        (DATE, [(b"x-never-seen", b"v")], None), (DATE, [[b"date", b"v"]], None),
+        (DATE, [(b"date", bytearray(b"v"))], None), (DATE, [(b"date", b"a\nb")], None),
+        (DATE, [(b"date", b"v", b"w")], None), (DATE, iter(SSE), None), (iter(DATE), SSE, None),
+        (DATE, [("date", "v")], None), (DATE, SSE, bytearray(b"first")),
+        (DATE, [(b"date", b"v")] * 64, None), (DATE, [(b"bad name", b"v")], None),
+    ]
+    for defaults, headers, first in left:
+        assert chunkpath.RENDER_HEAD(line, defaults, headers, names, table, b"", first) is None
+
+
+async def test_every_byte_of_a_value_is_taken_or_refused_as_uvicorn_does(head_path: str) -> None:
     # The values are checked at once, by deleting the bytes uvicorn's pattern matches: each
     # of the 256, alone, amid others and in a later header, as uvicorn's own check has it.
     for byte in range(256):
@@ -136,7 +189,9 @@ WITH_FIRST: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("case", WITH_FIRST)
-async def test_a_first_part_in_the_start_is_the_body_message_it_stands_for(case: str) -> None:
+async def test_a_first_part_in_the_start_is_the_body_message_it_stands_for(
+    case: str, head_path: str
+) -> None:
     options, head = WITH_FIRST[case]
     theirs = _cycle(**options)
     ours = _cycle(**options)
@@ -150,7 +205,7 @@ async def test_a_first_part_in_the_start_is_the_body_message_it_stands_for(case:
     assert [o for o in got[5] if o != "ok"][:1] == [o for o in expected[5] if o != "ok"][:1]
 
 
-async def test_a_streamed_head_and_its_first_part_are_one_write() -> None:
+async def test_a_streamed_head_and_its_first_part_are_one_write(head_path: str) -> None:
     cycle, transport, _ = _cycle()
     fast_send(cycle)
     await cycle.send({**start(), EXTENSION: b"id: 1\ndata: a\n\n"})  # type: ignore[arg-type]
@@ -202,7 +257,7 @@ async def test_stream_body_whose_first_part_fails_sends_the_head_first() -> None
     assert EXTENSION not in sent[0]
 
 
-async def test_a_head_with_the_first_part_is_one_write_each() -> None:
+async def test_a_head_with_the_first_part_is_one_write_each(head_path: str) -> None:
     cycle, transport, _ = _cycle()
     fast_send(cycle)
     await cycle.send(start())  # type: ignore[arg-type]
