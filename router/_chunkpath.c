@@ -32,9 +32,9 @@
  *                   a reader's batch from the store framed as SSE (SSEFramer.frame), as
  *                   SSEWriter frames a direct reader's events; None for a batch with an
  *                   event of several lines (or a named one), which the Python framer frames.
- *   render_head(...)
- *                   once a request, not a chunk: a response head as uvicorn's HTTP/1.1
- *                   writes it (see "HTTP/1.1 heads" below).
+ *   render_head(...), encode_headers(...), decode_headers(...)
+ *                   once a request, not a chunk: the request's header names decoded, the
+ *                   response's encoded and its head written (see "HTTP/1.1 heads" below).
  *   SSEWriter(events)
  *                   a direct reader's write (SSEFramer.writer with uvicorn's body writer):
  *                   `id: SEQ\ndata: DATA\n\n` per event, one HTTP chunk, one transport.write;
@@ -1582,13 +1582,15 @@ error:
 
 /* ---------------------------------------------------------------- HTTP/1.1 heads
  *
- * Once a request, not a chunk: a response head as uvicorn's HTTP/1.1 writes it
- * (router/hosting/uvicorn_send.py, _render), where the Python's loop over the headers cost
- * ~16k instructions (~1.5k here). It takes only heads the Python takes in the same way,
- * names it already knows and values of exact types in lists or tuples of pairs, and returns
- * None for any other, having changed nothing: the Python, which stays the one definition,
- * then does its work (learns a new name, leaves the head to uvicorn's send). So either gives
- * the same bytes (tests/router/hosting/test_uvicorn_send.py). */
+ * Once a request, not a chunk, the work on its headers that the Python did a header at a time
+ * in a loop (~7-16k instructions each, ~1-1.5k here): the request's header names decoded
+ * (router/asgi.py, header_dict), the response's encoded (asgi.py, _encode_headers) and its
+ * head written as uvicorn's HTTP/1.1 writes it (router/hosting/uvicorn_send.py, _render).
+ * Each takes only what its Python function takes in the same way, names it already knows
+ * and values of exact types in lists or tuples of pairs, and returns None for anything else,
+ * having changed nothing: the Python, which stays the one definition, then does its work
+ * (learns a new name, raises its error, leaves the head to uvicorn's send). So either gives
+ * the same result (tests/router/hosting/test_uvicorn_send.py, tests/router/test_asgi.py). */
 
 /* The items of `seq` (an exact list or tuple) at *items, their count at *count: 1, or 0 if
  * `seq` is not such a sequence. Each item is checked by the caller. */
@@ -1720,6 +1722,137 @@ render_head(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return head;
 }
 
+/* encode_headers(encoded, headers, names) -> list | None: the pairs of `encoded`, then for
+ * each (name, value) of `headers` (str) the pair (names[name], value in latin-1). None
+ * (nothing made) if `encoded` or `headers` is not an exact list or tuple, a header not an
+ * exact 2-tuple of str, its name not in `names`, or its value not latin-1. */
+static PyObject *
+encode_headers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyDict_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "encode_headers(encoded, headers, names: dict)");
+        return NULL;
+    }
+    PyObject *names = args[2];
+    Py_ssize_t kept, count;
+    PyObject *const *encoded, *const *headers;
+    if (!pairs_of(args[0], &encoded, &kept) || !pairs_of(args[1], &headers, &count) ||
+        count > MAX_HEAD_LINES)
+        Py_RETURN_NONE;
+    /* The list first: it is tracked by the cyclic GC, whose collection may run a finalizer,
+     * which may change the lists read below (the pairs made at the end hold what they take). */
+    PyObject *out = PyList_New(kept + count);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t kept_now = -1, count_now = -1;
+    if (!pairs_of(args[0], &encoded, &kept_now) || !pairs_of(args[1], &headers, &count_now) ||
+        kept_now != kept || count_now != count) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    PyObject *held[MAX_HEAD_LINES], *values[MAX_HEAD_LINES];
+    Py_ssize_t i;
+    for (i = 0; i < count; i++) { /* nothing tracked by the GC is made in this loop */
+        if (!pair_of(headers[i], &PyUnicode_Type))
+            goto none;
+        PyObject *name = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(headers[i], 0));
+        if (name == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            goto none; /* a name not seen yet: the Python's */
+        }
+        values[i] = PyUnicode_AsLatin1String(PyTuple_GET_ITEM(headers[i], 1));
+        if (values[i] == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+                goto error;
+            PyErr_Clear();
+            goto none; /* the Python raises it */
+        }
+        held[i] = Py_NewRef(name);
+    }
+    for (Py_ssize_t j = 0; j < kept; j++)
+        PyList_SET_ITEM(out, j, Py_NewRef(encoded[j]));
+    for (i = 0; i < count; i++) {
+        PyObject *pair = PyTuple_New(2);
+        if (pair == NULL) {
+            for (; i < count; i++) {
+                Py_DECREF(held[i]);
+                Py_DECREF(values[i]);
+            }
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(pair, 0, held[i]);
+        PyTuple_SET_ITEM(pair, 1, values[i]);
+        PyList_SET_ITEM(out, kept + i, pair);
+    }
+    return out;
+none:
+    for (Py_ssize_t j = 0; j < i; j++) {
+        Py_DECREF(held[j]);
+        Py_DECREF(values[j]);
+    }
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+error:
+    for (Py_ssize_t j = 0; j < i; j++) {
+        Py_DECREF(held[j]);
+        Py_DECREF(values[j]);
+    }
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* decode_headers(headers, names) -> dict | None: for each (name, value) of `headers` (bytes),
+ * names[name] -> the value decoded from latin-1, in order (the last of a repeated name wins).
+ * None (nothing made) if `headers` is not an exact list or tuple, a header not an exact
+ * 2-tuple of bytes, or its name not in `names`. */
+static PyObject *
+decode_headers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "decode_headers(headers, names: dict)");
+        return NULL;
+    }
+    PyObject *names = args[1];
+    Py_ssize_t count;
+    PyObject *const *headers;
+    if (!pairs_of(args[0], &headers, &count))
+        Py_RETURN_NONE;
+    /* The dict first: it is tracked by the cyclic GC, whose collection may run a finalizer,
+     * which may change the list read below; nothing made after is tracked. */
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    pairs_of(args[0], &headers, &count);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!pair_of(headers[i], &PyBytes_Type))
+            goto none;
+        PyObject *name = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(headers[i], 0));
+        if (name == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            goto none; /* a name not seen yet: the Python's */
+        }
+        PyObject *raw = PyTuple_GET_ITEM(headers[i], 1);
+        PyObject *value = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw),
+                                                 NULL);
+        if (value == NULL)
+            goto error;
+        int failed = PyDict_SetItem(out, name, value);
+        Py_DECREF(value);
+        if (failed < 0)
+            goto error;
+    }
+    return out;
+none:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef chunkpath_functions[] = {
     {"sse_frames", (PyCFunction)sse_frames, METH_O,
      "sse_frames(events) -> bytes | None: the SSE frames (`id: SEQ\\ndata: DATA\\n\\n`) of a "
@@ -1730,6 +1863,12 @@ static PyMethodDef chunkpath_functions[] = {
     {"render_head", (PyCFunction)(void (*)(void))render_head, METH_FASTCALL,
      "render_head(status_line, defaults, headers, names, refused, tail, first) -> bytes | None:"
      " a response head as sent (router/hosting/uvicorn_send.py, _render), or None."},
+    {"encode_headers", (PyCFunction)(void (*)(void))encode_headers, METH_FASTCALL,
+     "encode_headers(encoded, headers, names) -> list | None: response headers in bytes"
+     " (router/asgi.py, _encode_headers), or None."},
+    {"decode_headers", (PyCFunction)(void (*)(void))decode_headers, METH_FASTCALL,
+     "decode_headers(headers, names) -> dict | None: request headers by their names"
+     " (router/asgi.py, header_dict), or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from firstbyte.tasks import cancel_and_wait
 
+from . import chunkpath
 from .hosting.body_writer import EXTENSION as BODY_WRITER
 from .hosting.disconnected import EXTENSION as DISCONNECTED
 from .hosting.uvicorn_send import EXTENSION as HEAD_BODY
@@ -81,6 +82,15 @@ _MAX_NAME_BYTES = 64
 names clients send (a head may hold names of kilobytes)."""
 
 
+_DECODE_HEADERS: Callable[[Any, dict[bytes, str]], dict[str, str] | None] | None = (
+    chunkpath.DECODE_HEADERS
+)
+""":func:`header_dict`'s loop in one C call where it was built (``decode_headers`` in
+``router/_chunkpath.c``: ~8k instructions a request in Python): a request's headers whose
+names are all in :data:`_NAMES`, in a list of tuples of bytes; None for any other, which the
+loop then decodes (learning its new names)."""
+
+
 def header_dict(scope: Scope) -> dict[str, str]:
     """Request headers with lower-cased names (the last value of a repeated header wins).
 
@@ -88,6 +98,11 @@ def header_dict(scope: Scope) -> dict[str, str]:
     returned each time, so it is read-only; copy it to change it."""
     found: dict[str, str] | None = scope.get(_HEADER_DICT)
     if found is None:
+        if _DECODE_HEADERS is not None:
+            found = _DECODE_HEADERS(scope.get("headers", []), _NAMES)
+            if found is not None:
+                scope[_HEADER_DICT] = found
+                return found
         found = scope[_HEADER_DICT] = {}
         for k, v in scope.get("headers", []):  # a loop: a dict comprehension is a call
             name = _NAMES.get(k)
@@ -309,10 +324,23 @@ name's ``encode`` cost ~350 instructions where the lookup costs a fraction (with
 :data:`_MAX_NAMES` names of at most :data:`_MAX_NAME_BYTES`, as :data:`_NAMES`)."""
 
 
+_ENCODE_HEADERS: (
+    Callable[[Any, Any, dict[str, bytes]], list[tuple[bytes, bytes]] | None] | None
+) = chunkpath.ENCODE_HEADERS
+""":func:`_encode_headers` in one C call where it was built (``encode_headers`` in
+``router/_chunkpath.c``: ~7k instructions a streamed answer in Python): headers whose names
+are all in :data:`_ENCODED_NAMES`, in a list or tuple of tuples of str, values in Latin-1;
+None for any other, which the loop then encodes (learning its new names, or raising)."""
+
+
 def _encode_headers(
     headers: Headers, encoded: tuple[tuple[bytes, bytes], ...] = ()
 ) -> list[tuple[bytes, bytes]]:
     """``encoded`` (headers already in bytes), then ``headers`` encoded, in one list."""
+    if _ENCODE_HEADERS is not None:
+        done = _ENCODE_HEADERS(encoded, headers, _ENCODED_NAMES)
+        if done is not None:
+            return done
     out = list(encoded)
     names = _ENCODED_NAMES
     for k, v in headers:  # a loop: a list comprehension is a call

@@ -30,14 +30,16 @@ for each plain event (:data:`PACK_XADDS`, in place of
 :meth:`~firstbyte.router.shared.streams._Writer._pack`'s loop for that event; the loop packs
 everything else).
 
-One function of it runs once a request, not a chunk: :data:`RENDER_HEAD`, a response head
-as uvicorn's HTTP/1.1 writes it (:mod:`.hosting.uvicorn_send`), where a Python loop over the
-headers cost ~16k instructions. It takes only the common head (names already known, exact
-types) and says None for any other, which the Python function it stands in for then does.
+Three functions of it run once a request, not a chunk, where a Python loop over the headers
+cost ~7-16k instructions each: :data:`RENDER_HEAD` (a response head as uvicorn's HTTP/1.1
+writes it: :mod:`.hosting.uvicorn_send`), :data:`ENCODE_HEADERS` and :data:`DECODE_HEADERS`
+(a response's headers in bytes, a request's by their names: :mod:`.asgi`). Each takes only
+the common case (names already known, exact types) and says None for any other, which the
+Python function it stands in for then does.
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
 ``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``, ``PACK_XADDS``
-and ``RENDER_HEAD`` are None and the Python path runs alone, as it does with
+and the three above are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -48,6 +50,8 @@ from typing import Any
 
 __all__ = [
     "BUILT",
+    "DECODE_HEADERS",
+    "ENCODE_HEADERS",
     "MIRROR",
     "PACK_XADDS",
     "READ_PATH",
@@ -64,6 +68,8 @@ STREAM_ADDER: Any = None
 PACK_XADDS: Any = None
 MIRROR: Any = None
 RENDER_HEAD: Any = None
+ENCODE_HEADERS: Any = None
+DECODE_HEADERS: Any = None
 BUILT = False
 """The compiled module imported (whether or not the environment turned it off)."""
 
@@ -81,3 +87,5 @@ else:
         PACK_XADDS = _chunkpath.pack_xadds
         MIRROR = _chunkpath.Mirror
         RENDER_HEAD = _chunkpath.render_head
+        ENCODE_HEADERS = _chunkpath.encode_headers
+        DECODE_HEADERS = _chunkpath.decode_headers
