@@ -1592,22 +1592,26 @@ error:
  * (learns a new name, raises its error, leaves the head to uvicorn's send). So either gives
  * the same result (tests/router/hosting/test_uvicorn_send.py, tests/router/test_asgi.py). */
 
-/* The items of `seq` (an exact list or tuple) at *items, their count at *count: 1, or 0 if
- * `seq` is not such a sequence. Each item is checked by the caller. */
-static int
-pairs_of(PyObject *seq, PyObject *const **items, Py_ssize_t *count)
+/* The size of `seq`, an exact list or tuple: read again at each step, as a list's iterator
+ * does (a lookup below may run Python code, an __eq__, which may change a list). */
+static inline Py_ssize_t
+pairs_size(PyObject *seq)
 {
-    if (PyList_CheckExact(seq)) {
-        *count = PyList_GET_SIZE(seq);
-        *items = ((PyListObject *)seq)->ob_item; /* NULL for an empty list */
-        return 1;
-    }
-    if (PyTuple_CheckExact(seq)) {
-        *count = PyTuple_GET_SIZE(seq);
-        *items = ((PyTupleObject *)seq)->ob_item;
-        return 1;
-    }
-    return 0;
+    return PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+}
+
+/* Item `i` of `seq`, an exact list or tuple, `i` below pairs_size(seq): a new reference. */
+static inline PyObject *
+pairs_item(PyObject *seq, Py_ssize_t i)
+{
+    return Py_NewRef(PyList_CheckExact(seq) ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i));
+}
+
+/* An exact list or tuple. */
+static inline int
+pairs_ok(PyObject *seq)
+{
+    return PyList_CheckExact(seq) || PyTuple_CheckExact(seq);
 }
 
 /* An exact 2-tuple of two objects of exact type `type`. */
@@ -1627,8 +1631,8 @@ pair_of(PyObject *pair, PyTypeObject *type)
  * `headers`, START being names[name] (the name as sent, then ": "), then `tail`, then, if
  * `first` is not empty, `first` as a chunk of the chunked coding. None (nothing made) if a
  * list is not an exact list or tuple of exact 2-tuples of bytes, a name is not in `names`,
- * a value holds a byte whose entry in `refused` (256 bytes) is not zero, or `first` is not
- * None or bytes. */
+ * a value holds a byte whose entry in `refused` (256 bytes) is not zero, there are more than
+ * MAX_HEAD_LINES lines, or `first` is not None or bytes. */
 static PyObject *
 render_head(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1651,34 +1655,37 @@ render_head(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         first_size = PyBytes_GET_SIZE(first);
     }
     const unsigned char *bad = (const unsigned char *)PyBytes_AS_STRING(refused);
-    PyObject *const *lists[HEAD_LISTS];
-    Py_ssize_t counts[HEAD_LISTS];
-    PyObject *starts[MAX_HEAD_LINES]; /* borrowed from `names`: nothing runs meanwhile */
+    PyObject *pairs[MAX_HEAD_LINES], *starts[MAX_HEAD_LINES]; /* held until the end */
     Py_ssize_t lines = 0;
     Py_ssize_t size = PyBytes_GET_SIZE(status_line) + PyBytes_GET_SIZE(tail);
+    PyObject *head = Py_None; /* None unless made */
     for (int l = 0; l < HEAD_LISTS; l++) {
-        if (!pairs_of(args[1 + l], &lists[l], &counts[l]) ||
-            lines + counts[l] > MAX_HEAD_LINES)
-            Py_RETURN_NONE;
-        for (Py_ssize_t i = 0; i < counts[l]; i++) {
-            PyObject *pair = lists[l][i];
-            if (!pair_of(pair, &PyBytes_Type))
-                Py_RETURN_NONE;
-            PyObject *start = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(pair, 0));
-            if (start == NULL) {
-                if (PyErr_Occurred())
-                    return NULL;
-                Py_RETURN_NONE; /* a name not learnt yet (or refused): the Python's */
+        PyObject *seq = args[1 + l];
+        if (!pairs_ok(seq))
+            goto done;
+        for (Py_ssize_t i = 0; i < pairs_size(seq); i++) {
+            if (lines == MAX_HEAD_LINES)
+                goto done;
+            PyObject *pair = pairs_item(seq, i);
+            if (!pair_of(pair, &PyBytes_Type)) {
+                Py_DECREF(pair);
+                goto done;
             }
-            if (!PyBytes_CheckExact(start))
-                Py_RETURN_NONE;
+            PyObject *start = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(pair, 0));
+            if (start == NULL || !PyBytes_CheckExact(start)) {
+                Py_DECREF(pair);
+                if (PyErr_Occurred())
+                    head = NULL;
+                goto done; /* a name not learnt yet (or refused): the Python's */
+            }
+            pairs[lines] = pair;
+            starts[lines++] = Py_NewRef(start);
             PyObject *value = PyTuple_GET_ITEM(pair, 1);
             const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(value);
             Py_ssize_t n = PyBytes_GET_SIZE(value);
             for (Py_ssize_t j = 0; j < n; j++)
                 if (bad[v[j]])
-                    Py_RETURN_NONE;
-            starts[lines++] = start;
+                    goto done;
             size += PyBytes_GET_SIZE(start) + n + 2;
         }
     }
@@ -1690,24 +1697,20 @@ render_head(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         size_line[size_line_len++] = '\n';
         size += size_line_len + first_size + 2;
     }
-    PyObject *head = PyBytes_FromStringAndSize(NULL, size);
+    head = PyBytes_FromStringAndSize(NULL, size);
     if (head == NULL)
-        return NULL;
+        goto done;
     char *p = PyBytes_AS_STRING(head);
     memcpy(p, PyBytes_AS_STRING(status_line), PyBytes_GET_SIZE(status_line));
     p += PyBytes_GET_SIZE(status_line);
-    lines = 0;
-    for (int l = 0; l < HEAD_LISTS; l++) {
-        for (Py_ssize_t i = 0; i < counts[l]; i++) {
-            PyObject *start = starts[lines++];
-            PyObject *value = PyTuple_GET_ITEM(lists[l][i], 1);
-            memcpy(p, PyBytes_AS_STRING(start), PyBytes_GET_SIZE(start));
-            p += PyBytes_GET_SIZE(start);
-            memcpy(p, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
-            p += PyBytes_GET_SIZE(value);
-            *p++ = '\r';
-            *p++ = '\n';
-        }
+    for (Py_ssize_t i = 0; i < lines; i++) {
+        PyObject *value = PyTuple_GET_ITEM(pairs[i], 1);
+        memcpy(p, PyBytes_AS_STRING(starts[i]), PyBytes_GET_SIZE(starts[i]));
+        p += PyBytes_GET_SIZE(starts[i]);
+        memcpy(p, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
+        p += PyBytes_GET_SIZE(value);
+        *p++ = '\r';
+        *p++ = '\n';
     }
     memcpy(p, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail));
     p += PyBytes_GET_SIZE(tail);
@@ -1719,7 +1722,12 @@ render_head(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         *p++ = '\r';
         *p++ = '\n';
     }
-    return head;
+done:
+    for (Py_ssize_t i = 0; i < lines; i++) {
+        Py_DECREF(pairs[i]);
+        Py_DECREF(starts[i]);
+    }
+    return head == Py_None ? Py_NewRef(Py_None) : head;
 }
 
 /* encode_headers(encoded, headers, names) -> list | None: the pairs of `encoded`, then for
@@ -1733,72 +1741,60 @@ encode_headers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "encode_headers(encoded, headers, names: dict)");
         return NULL;
     }
-    PyObject *names = args[2];
-    Py_ssize_t kept, count;
-    PyObject *const *encoded, *const *headers;
-    if (!pairs_of(args[0], &encoded, &kept) || !pairs_of(args[1], &headers, &count) ||
-        count > MAX_HEAD_LINES)
+    PyObject *encoded = args[0], *headers = args[1], *names = args[2];
+    if (!pairs_ok(encoded) || !pairs_ok(headers))
         Py_RETURN_NONE;
-    /* The list first: it is tracked by the cyclic GC, whose collection may run a finalizer,
-     * which may change the lists read below (the pairs made at the end hold what they take). */
-    PyObject *out = PyList_New(kept + count);
+    PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
-    Py_ssize_t kept_now = -1, count_now = -1;
-    if (!pairs_of(args[0], &encoded, &kept_now) || !pairs_of(args[1], &headers, &count_now) ||
-        kept_now != kept || count_now != count) {
-        Py_DECREF(out);
-        Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < pairs_size(encoded); i++) {
+        PyObject *item = pairs_item(encoded, i);
+        int failed = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (failed < 0)
+            goto error;
     }
-    PyObject *held[MAX_HEAD_LINES], *values[MAX_HEAD_LINES];
-    Py_ssize_t i;
-    for (i = 0; i < count; i++) { /* nothing tracked by the GC is made in this loop */
-        if (!pair_of(headers[i], &PyUnicode_Type))
+    for (Py_ssize_t i = 0; i < pairs_size(headers); i++) {
+        PyObject *pair = pairs_item(headers, i);
+        if (!pair_of(pair, &PyUnicode_Type)) {
+            Py_DECREF(pair);
             goto none;
-        PyObject *name = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(headers[i], 0));
+        }
+        PyObject *name = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(pair, 0));
         if (name == NULL) {
+            Py_DECREF(pair);
             if (PyErr_Occurred())
                 goto error;
             goto none; /* a name not seen yet: the Python's */
         }
-        values[i] = PyUnicode_AsLatin1String(PyTuple_GET_ITEM(headers[i], 1));
-        if (values[i] == NULL) {
+        Py_INCREF(name);
+        PyObject *value = PyUnicode_AsLatin1String(PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
+        if (value == NULL) {
+            Py_DECREF(name);
             if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
                 goto error;
             PyErr_Clear();
             goto none; /* the Python raises it */
         }
-        held[i] = Py_NewRef(name);
-    }
-    for (Py_ssize_t j = 0; j < kept; j++)
-        PyList_SET_ITEM(out, j, Py_NewRef(encoded[j]));
-    for (i = 0; i < count; i++) {
-        PyObject *pair = PyTuple_New(2);
-        if (pair == NULL) {
-            for (; i < count; i++) {
-                Py_DECREF(held[i]);
-                Py_DECREF(values[i]);
-            }
-            Py_DECREF(out);
-            return NULL;
+        PyObject *made = PyTuple_New(2);
+        if (made == NULL) {
+            Py_DECREF(name);
+            Py_DECREF(value);
+            goto error;
         }
-        PyTuple_SET_ITEM(pair, 0, held[i]);
-        PyTuple_SET_ITEM(pair, 1, values[i]);
-        PyList_SET_ITEM(out, kept + i, pair);
+        PyTuple_SET_ITEM(made, 0, name);
+        PyTuple_SET_ITEM(made, 1, value);
+        int failed = PyList_Append(out, made);
+        Py_DECREF(made);
+        if (failed < 0)
+            goto error;
     }
     return out;
 none:
-    for (Py_ssize_t j = 0; j < i; j++) {
-        Py_DECREF(held[j]);
-        Py_DECREF(values[j]);
-    }
     Py_DECREF(out);
     Py_RETURN_NONE;
 error:
-    for (Py_ssize_t j = 0; j < i; j++) {
-        Py_DECREF(held[j]);
-        Py_DECREF(values[j]);
-    }
     Py_DECREF(out);
     return NULL;
 }
@@ -1814,34 +1810,34 @@ decode_headers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "decode_headers(headers, names: dict)");
         return NULL;
     }
-    PyObject *names = args[1];
-    Py_ssize_t count;
-    PyObject *const *headers;
-    if (!pairs_of(args[0], &headers, &count))
+    PyObject *headers = args[0], *names = args[1];
+    if (!pairs_ok(headers))
         Py_RETURN_NONE;
-    /* The dict first: it is tracked by the cyclic GC, whose collection may run a finalizer,
-     * which may change the list read below; nothing made after is tracked. */
     PyObject *out = PyDict_New();
     if (out == NULL)
         return NULL;
-    pairs_of(args[0], &headers, &count);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (!pair_of(headers[i], &PyBytes_Type))
+    for (Py_ssize_t i = 0; i < pairs_size(headers); i++) {
+        PyObject *pair = pairs_item(headers, i);
+        if (!pair_of(pair, &PyBytes_Type)) {
+            Py_DECREF(pair);
             goto none;
-        PyObject *name = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(headers[i], 0));
+        }
+        PyObject *name = PyDict_GetItemWithError(names, PyTuple_GET_ITEM(pair, 0));
         if (name == NULL) {
+            Py_DECREF(pair);
             if (PyErr_Occurred())
                 goto error;
             goto none; /* a name not seen yet: the Python's */
         }
-        PyObject *raw = PyTuple_GET_ITEM(headers[i], 1);
+        Py_INCREF(name);
+        PyObject *raw = PyTuple_GET_ITEM(pair, 1);
         PyObject *value = PyUnicode_DecodeLatin1(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw),
                                                  NULL);
-        if (value == NULL)
-            goto error;
-        int failed = PyDict_SetItem(out, name, value);
-        Py_DECREF(value);
-        if (failed < 0)
+        Py_DECREF(pair);
+        int failed = value == NULL || PyDict_SetItem(out, name, value) < 0;
+        Py_DECREF(name);
+        Py_XDECREF(value);
+        if (failed)
             goto error;
     }
     return out;

@@ -79,3 +79,21 @@ def test_headers_that_are_no_list_or_tuple_are_the_loops(decode_path: str) -> No
     assert found == {"host": "x", "x-a": "1"}
     with pytest.raises(AttributeError):
         asgi.header_dict({"headers": [("host", "x")]})
+
+
+def test_the_compiled_decode_holds_what_it_reads_while_a_lookup_runs_python() -> None:
+    """A lookup running Python that empties the list being read: the pair read is held, the
+    list read again (as a list's iterator does)."""
+    decode = chunkpath.DECODE_HEADERS
+    assert decode is not None, "firstbyte.router._chunkpath was not built"
+    headers: list[object] = []
+
+    class Emptying(bytes):
+        def __eq__(self, other: object) -> bool:
+            headers.clear()
+            return bytes.__eq__(self, other)  # type: ignore[operator]
+
+        __hash__ = bytes.__hash__
+
+    headers.extend([(b"x-a", b"1" * 100), (b"x-b", b"2")])
+    assert decode(headers, {Emptying(b"x-a"): "x-a", b"x-b": "x-b"}) == {"x-a": "1" * 100}

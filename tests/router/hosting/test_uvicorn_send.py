@@ -339,3 +339,25 @@ async def test_the_routers_streamed_answer_never_falls_back_to_uvicorns_send(
     assert calls == []
     # The role chunk came with the upstream's head: it went out with ours.
     assert sent[0] == "http.response.start+first"
+
+
+def test_the_compiled_head_holds_what_it_reads_while_a_lookup_runs_python() -> None:
+    """A lookup may run Python (a name's __eq__) that empties the list being read: the
+    compiled head reads the list again at each step and holds each pair, as a list's
+    iterator does, so it writes the lines it read and never a freed one."""
+    assert chunkpath.RENDER_HEAD is not None, "firstbyte.router._chunkpath was not built"
+    headers: list[Any] = []
+
+    class Emptying(bytes):
+        def __eq__(self, other: object) -> bool:
+            headers.clear()
+            return bytes.__eq__(self, other)  # type: ignore[operator]
+
+        __hash__ = bytes.__hash__
+
+    names = {Emptying(b"x-a"): b"x-a: ", b"x-b": b"x-b: "}
+    headers.extend([(b"x-a", b"1" * 100), (b"x-b", b"2" * 100)])
+    table = b"\x00" * 256
+    head = chunkpath.RENDER_HEAD(b"S\r\n", [], headers, names, table, b"\r\n", None)
+    assert head == b"S\r\nx-a: " + b"1" * 100 + b"\r\n\r\n"
+    assert headers == []
