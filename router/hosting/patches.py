@@ -719,7 +719,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         (),
         _nothing,
-        "tests/router/test_direct_relay.py::test_a_streamed_response_costs_one_task_of_the_router",
+        "tests/router/test_direct_relay.py::test_a_streamed_response_costs_no_task_of_the_router",
     ),
     Patch(
         "httpcore-asyncio-backend",
