@@ -235,6 +235,7 @@ async def test_a_first_token_is_observed_at_the_time_the_proxy_read() -> None:
     ``first_token_at``): the inter-token timer starts there, the upstream TTFT is counted
     from the request's sending to there, and the region's TTFT histogram has the TTFT."""
     from firstbyte.router.config import parse_config
+    from firstbyte.router.hosting.prometheus import GapTimer
     from firstbyte.router.multiregion import Observation
     from firstbyte.router.pipeline.context import RequestContext
     from firstbyte.router.state import RouterState
@@ -245,7 +246,9 @@ async def test_a_first_token_is_observed_at_the_time_the_proxy_read() -> None:
     }, "test"))
     try:
         routing = state.routing
-        obs = Observation(routing, routing.region, "b0", True, False, 100.0, None)
+        obs = Observation(
+            routing, routing.region, "b0", True, False, 100.0, None, gaps=GapTimer(routing.itl)
+        )
         ctx = RequestContext("POST", "/v1/chat/completions", {}, received_at=100.0)
         ctx.stream_requested = True
         ctx.upstream_sent_at, ctx.first_token_at = 100.25, 100.75
