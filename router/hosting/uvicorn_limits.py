@@ -697,8 +697,9 @@ _URLS: dict[bytes, tuple[str, bytes, bytes]] = {}
 target's bytes: the same few come again and again, and ``httptools.parse_url`` makes an
 object of seven fields for each (~2.5k instructions, the lookup ~0.1k)."""
 _MAX_URLS = 512
-"""Past this many targets kept, a new one is parsed each time (a client sending made-up
-targets cannot grow the table)..."""
+"""A new target past this many kept empties the table first: a client sending made-up
+targets (before any key is checked) cannot grow it, nor fill it for good so that the
+targets every request uses are parsed each time; they are kept again on their next use..."""
 _MAX_URL_BYTES = 64
 """... and longer targets are parsed each time, never kept."""
 new_cycle = object.__new__
@@ -718,7 +719,9 @@ def _parse_url(url: bytes) -> tuple[str, bytes, bytes]:
     if "%" in path:
         path = unquote(path)
     parsed = (path, raw_path, parsed_url.query or b"")
-    if len(_URLS) < _MAX_URLS and len(url) <= _MAX_URL_BYTES:
+    if len(url) <= _MAX_URL_BYTES:
+        if len(_URLS) >= _MAX_URLS:
+            _URLS.clear()
         _URLS[url] = parsed
     return parsed
 

@@ -123,3 +123,22 @@ async def test_the_in_line_callbacks_follow_uvicorns_config(config: dict[str, An
     ours = await _serve(True, reads, **config)
     assert ours == await _serve(False, reads, **config)
     assert ours["writes"]
+
+
+def test_made_up_targets_neither_grow_nor_fill_the_parsed_target_table() -> None:
+    # Targets come before any key is checked: a client sending made-up ones must not grow
+    # the table, nor fill it for good so that the target every request uses is parsed each
+    # time from then on (it was: a full table kept no new target).
+    from firstbyte.router.hosting import uvicorn_limits as limits
+
+    limits._URLS.clear()
+    usual = b"/v1/chat/completions"
+    for i in range(3 * limits._MAX_URLS):
+        limits._parse_url(b"/x%d?q=%%41" % i)
+        assert len(limits._URLS) <= limits._MAX_URLS
+    assert limits._parse_url(b"/x1?q=%41") == ("/x1", b"/x1", b"q=%41")
+    assert limits._parse_url(usual) == ("/v1/chat/completions", usual, b"")
+    assert usual in limits._URLS  # kept, though made-up targets came first
+    long = b"/v1/" + b"a" * limits._MAX_URL_BYTES
+    assert limits._parse_url(long)[1] == long
+    assert long not in limits._URLS
