@@ -588,7 +588,8 @@ PATCHES: tuple[Patch, ...] = (
         " below the router's; uvicorn_limits.py's protocol does what uvicorn's data_received,"
         " on_message_begin, on_headers_complete (with _start_asgi_task), on_message_complete"
         " and on_response_complete do, in line, with one keep-alive timer kept across"
-        " requests that closes an idle connection at the same time",
+        " requests that closes an idle connection at the same time; its cycles' receive"
+        " takes a message already here without their event's wait() and clear() (~3k)",
         (
             Shape("uvicorn.protocols.http.httptools_impl:HttpToolsProtocol",
                   ("_unset_keepalive_if_required", "timeout_keep_alive_handler",
@@ -690,11 +691,26 @@ PATCHES: tuple[Patch, ...] = (
                            "self.timeout_keep_alive, self.timeout_keep_alive_handler"),
                           ("_unset_keepalive_if_required", "self.timeout_keep_alive_task.cancel()"),
                           ("timeout_keep_alive_handler", "self.transport.close()"))),
-            Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle", ("run_asgi",),
+            Shape("uvicorn.protocols.http.httptools_impl:RequestResponseCycle",
+                  ("run_asgi", "receive"),
                   (("__init__", ("self", "scope", "transport", "flow", "logger",
                                  "access_logger", "access_log", "default_headers",
                                  "message_event", "expect_100_continue", "keep_alive",
-                                 "on_response")),)),
+                                 "on_response")),),
+                  # ReceivingCycle.receive: uvicorn's where its event's wait() would not wait
+                  source=(("__init__", "self.body = bytearray()"),
+                          ("__init__", "self.more_body = True"),
+                          ("receive", "if self.waiting_for_100_continue"),
+                          ("receive",
+                           "if not self.disconnected and not self.response_complete:"),
+                          ("receive", "self.flow.resume_reading()"),
+                          ("receive", "await self.message_event.wait()"),
+                          ("receive", "self.message_event.clear()"),
+                          ("receive", "if self.disconnected or self.response_complete:"),
+                          ("receive", 'return {"type": "http.disconnect"}'),
+                          ("receive", '{"type": "http.request", "body": bytes(self.body),'
+                                      ' "more_body": self.more_body}'),
+                          ("receive", "self.body = bytearray()"))),
             Shape("uvicorn.protocols.http.flow_control:FlowControl", ("resume_reading",),
                   source=(("__init__", "self.read_paused"),
                           ("resume_reading", "if self.read_paused:"))),

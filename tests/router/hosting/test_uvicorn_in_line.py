@@ -97,6 +97,7 @@ CASES = {
                      b"content-length: 2\r\n\r\n", b"ab"],
     "pipelined": [b"GET /1 HTTP/1.1\r\nhost: x\r\n\r\nGET /2 HTTP/1.1\r\nhost: x\r\n\r\n"],
     "body in parts": [b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\n\r\nab", b"cdef"],
+    "body after its head": [b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n", b"ab"],
     "invalid target": [b"GET http://[::1 HTTP/1.1\r\nhost: x\r\n\r\n"],
     "invalid head": [b"GET /x HTTP/1.1\r\nho st: x\r\n\r\n"],
     "long target": [b"GET /" + b"a" * 300 + b"?b=%20 HTTP/1.1\r\nhost: x\r\n\r\n"],
@@ -142,3 +143,52 @@ def test_made_up_targets_neither_grow_nor_fill_the_parsed_target_table() -> None
     long = b"/v1/" + b"a" * limits._MAX_URL_BYTES
     assert limits._parse_url(long)[1] == long
     assert long not in limits._URLS
+
+
+async def test_a_body_come_with_its_head_is_received_without_uvicorns_receive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The cycle's own receive takes a message already here in line; uvicorn's (its event's
+    # wait() and clear()) is left for the rest (a wait, 100-continue, a client gone).
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    uvicorns = RequestResponseCycle.receive
+    calls: list[str] = []
+
+    async def counted(self: Any) -> Any:
+        message = await uvicorns(self)
+        calls.append(message["type"])
+        return message
+
+    monkeypatch.setattr(RequestResponseCycle, "receive", counted)
+    ours = await _serve(True, CASES["post"])
+    assert ours["received"] == [
+        {"type": "http.request", "body": b'{"a":1}', "more_body": False}
+    ]
+    assert calls == []
+    ours = await _serve(True, CASES["body after its head"])  # its receive waits: uvicorn's
+    assert ours["received"] == [{"type": "http.request", "body": b"ab", "more_body": False}]
+    assert calls == ["http.request"]
+
+
+async def test_the_message_event_does_what_asyncios_does() -> None:
+    from firstbyte.router.hosting.uvicorn_limits import MessageEvent
+
+    for event in (MessageEvent(), asyncio.Event()):
+        seen: list[Any] = [event.is_set()]
+        event.set()
+        seen += [event.is_set(), await event.wait()]
+        event.clear()
+        waiters = [asyncio.ensure_future(event.wait()) for _ in range(2)]
+        cancelled = asyncio.ensure_future(event.wait())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        seen += [event.is_set(), [w.done() for w in waiters], cancelled.cancelled()]
+        event.set()
+        event.set()
+        seen += [await asyncio.gather(*waiters), event.is_set()]
+        event.clear()
+        seen.append(event.is_set())
+        assert seen == [False, True, True, False, [False, False], True, [True, True], True,
+                        False]
