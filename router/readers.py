@@ -278,7 +278,8 @@ class SSEFramer:
 
     def frame(self, batch: list[StreamEvent], stream: ReadableStream | None = None) -> bytes:
         """The SSE bytes of ``batch`` (possibly none); ``stream``: where it came from, to
-        tell a named stream's leftover ``[DONE]`` on a resume after its terminal event."""
+        tell a named stream's leftover ``[DONE]`` on a resume after its terminal event (not
+        needed where this framer framed the event before ``batch``: it marked a named one)."""
         first = batch[0]
         if (
             not self.named
@@ -389,8 +390,12 @@ async def sse_events(
                 if len(pending) > 1:
                     pending = _capped(pending)
                 last = pending[-1]
+                # The stream only while this reader sent none of its events: after one, the
+                # event before ``pending`` went through ``framer``, which marked the stream
+                # named if it was (no look back into the stream for the [DONE] that ends
+                # every response: ~2.7k instructions a response, ``chunk_instructions``).
+                frames = framer.frame(pending, stream if seq == after else None)
                 seq = last.seq
-                frames = framer.frame(pending, stream)
                 if last.data == DONE_DATA:
                     if frames:
                         sent += len(pending)

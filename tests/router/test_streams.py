@@ -583,3 +583,39 @@ def test_making_room_evicts_the_streams_past_their_age_first() -> None:
     assert store.make_room(ALICE, 91.0) is None
     assert store.get(young.id, BOB) is None
     assert len(store) == 0
+
+
+async def test_a_named_streams_done_is_left_out_whichever_batch_brings_it() -> None:
+    # The [DONE] after a named stream's terminal event is never sent: in the batch of the
+    # terminal event, in a batch of its own after a reader sent the events before it, and
+    # to a reader resumed right after the terminal event (the one case where the reader
+    # has sent none of the stream's events and looks back into the stream).
+    terminal = _named("response.completed", {"type": "response.completed"})
+    store = StreamStore(max_total_bytes=1 << 20, max_age_s=60)
+    stream = store.create(ALICE, 0.0)
+    stream.format = "responses"
+    stream.append(_named("response.created", {"type": "response.created"}), 0.0)
+    reader = sse_events(stream, 0, heartbeat_s=5)
+    assert (await reader.__anext__()).startswith(b"id: 1\nevent: response.created\n")
+    stream.append(terminal, 0.0)
+    assert (await reader.__anext__()).startswith(b"id: 2\nevent: response.completed\n")
+    resumed = sse_events(stream, 2, heartbeat_s=5)
+    waiting = asyncio.ensure_future(resumed.__anext__())
+    stream.finish(0.0)
+    assert [piece async for piece in reader] == []  # its end: nothing more to send
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(waiting, 5)
+    together = b"".join([piece async for piece in sse_events(stream, 1, heartbeat_s=5)])
+    assert together.startswith(b"id: 2\nevent: response.completed\n")
+    assert b"[DONE]" not in together
+    assert stream.readers == 0
+    # A chat stream's [DONE] goes out after the events a reader sent, and on a resume.
+    chat = store.create(ALICE, 0.0)
+    chat.append(b'{"a":1}', 0.0)
+    reader = sse_events(chat, 0, heartbeat_s=5)
+    assert await reader.__anext__() == b'id: 1\ndata: {"a":1}\n\n'
+    chat.finish(0.0)
+    assert [piece async for piece in reader] == [b"id: 2\ndata: [DONE]\n\n"]
+    assert [piece async for piece in sse_events(chat, 1, heartbeat_s=5)] == [
+        b"id: 2\ndata: [DONE]\n\n"
+    ]
