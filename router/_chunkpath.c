@@ -35,6 +35,10 @@
  *   render_head(...), encode_headers(...), decode_headers(...)
  *                   once a request, not a chunk: the request's header names decoded, the
  *                   response's encoded and its head written (see "HTTP/1.1 heads" below).
+ *   receive_now(receive)
+ *                   once a request: its receive() begun (router/asgi.py, receive_now), the
+ *                   message of a coroutine that answers at once taken without a
+ *                   StopIteration.
  *   SSEWriter(events)
  *                   a direct reader's write (SSEFramer.writer with uvicorn's body writer):
  *                   `id: SEQ\ndata: DATA\n\n` per event, one HTTP chunk, one transport.write;
@@ -1799,6 +1803,71 @@ error:
     return NULL;
 }
 
+/* receive_now(receive) -> message | (steps, yielded): `receive()` begun, as router/asgi.py's
+ * receive_now begins it: its return value if its first step returned, else its `__await__`
+ * iterator and what that first step yielded. A coroutine (every server's receive() here) is
+ * stepped with PyIter_Send, which returns its value with no StopIteration made and caught;
+ * any other awaitable as `next(awaitable.__await__())`, with its errors. */
+static PyObject *
+receive_now(PyObject *module, PyObject *receive)
+{
+    PyObject *awaitable = PyObject_CallNoArgs(receive);
+    if (awaitable == NULL)
+        return NULL;
+    PyObject *steps, *result = NULL;
+    if (PyCoro_CheckExact(awaitable)) {
+        PySendResult sent = PyIter_Send(awaitable, Py_None, &result);
+        if (sent == PYGEN_RETURN) {
+            Py_DECREF(awaitable);
+            return result;
+        }
+        if (sent == PYGEN_ERROR) {
+            Py_DECREF(awaitable);
+            return NULL;
+        }
+        /* it waits: the rest through its __await__ iterator, as the Python function has it */
+        steps = Py_TYPE(awaitable)->tp_as_async->am_await(awaitable);
+        Py_DECREF(awaitable);
+        if (steps == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+    }
+    else {
+        steps = PyObject_CallMethod(awaitable, "__await__", NULL);
+        Py_DECREF(awaitable);
+        if (steps == NULL)
+            return NULL;
+        if (!PyIter_Check(steps)) {
+            PyErr_Format(PyExc_TypeError, "'%.200s' object is not an iterator",
+                         Py_TYPE(steps)->tp_name);
+            Py_DECREF(steps);
+            return NULL;
+        }
+        result = Py_TYPE(steps)->tp_iternext(steps);
+        if (result == NULL) {
+            Py_DECREF(steps);
+            /* answered without waiting: StopIteration's value (None if none) */
+            if (!PyErr_Occurred())
+                Py_RETURN_NONE;
+            if (!PyErr_ExceptionMatches(PyExc_StopIteration))
+                return NULL;
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            PyErr_NormalizeException(&type, &value, &traceback);
+            PyObject *answered = value == NULL ? NULL : PyObject_GetAttrString(value, "value");
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return answered;
+        }
+    }
+    PyObject *started = PyTuple_Pack(2, steps, result);
+    Py_DECREF(steps);
+    Py_DECREF(result);
+    return started;
+}
+
 /* decode_headers(headers, names) -> dict | None: for each (name, value) of `headers` (bytes),
  * names[name] -> the value decoded from latin-1, in order (the last of a repeated name wins).
  * None (nothing made) if `headers` is not an exact list or tuple, a header not an exact
@@ -1862,6 +1931,9 @@ static PyMethodDef chunkpath_functions[] = {
     {"encode_headers", (PyCFunction)(void (*)(void))encode_headers, METH_FASTCALL,
      "encode_headers(encoded, headers, names) -> list | None: response headers in bytes"
      " (router/asgi.py, _encode_headers), or None."},
+    {"receive_now", (PyCFunction)receive_now, METH_O,
+     "receive_now(receive) -> message | (steps, yielded): receive() begun"
+     " (router/asgi.py, receive_now)."},
     {"decode_headers", (PyCFunction)(void (*)(void))decode_headers, METH_FASTCALL,
      "decode_headers(headers, names) -> dict | None: request headers by their names"
      " (router/asgi.py, header_dict), or None."},

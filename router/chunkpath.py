@@ -35,11 +35,13 @@ cost ~7-16k instructions each: :data:`RENDER_HEAD` (a response head as uvicorn's
 writes it: :mod:`.hosting.uvicorn_send`), :data:`ENCODE_HEADERS` and :data:`DECODE_HEADERS`
 (a response's headers in bytes, a request's by their names: :mod:`.asgi`). Each takes only
 the common case (names already known, exact types) and says None for any other, which the
-Python function it stands in for then does.
+Python function it stands in for then does. A fourth, :data:`RECEIVE_NOW`, is
+:func:`.asgi.receive_now` whole (a request's ``receive()`` begun, its body taken without a
+StopIteration made and caught).
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
 ``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``, ``PACK_XADDS``
-and the three above are None and the Python path runs alone, as it does with
+and the four above are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -55,6 +57,7 @@ __all__ = [
     "MIRROR",
     "PACK_XADDS",
     "READ_PATH",
+    "RECEIVE_NOW",
     "RENDER_HEAD",
     "SSE_FRAMES",
     "SSE_WRITER",
@@ -70,6 +73,7 @@ MIRROR: Any = None
 RENDER_HEAD: Any = None
 ENCODE_HEADERS: Any = None
 DECODE_HEADERS: Any = None
+RECEIVE_NOW: Any = None
 BUILT = False
 """The compiled module imported (whether or not the environment turned it off)."""
 
@@ -89,3 +93,4 @@ else:
         RENDER_HEAD = _chunkpath.render_head
         ENCODE_HEADERS = _chunkpath.encode_headers
         DECODE_HEADERS = _chunkpath.decode_headers
+        RECEIVE_NOW = _chunkpath.receive_now

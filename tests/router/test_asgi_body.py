@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from firstbyte.router import asgi, chunkpath
 from firstbyte.router.asgi import BodyTimeout, ClientGone, Message, read_body, receive_now
 
 
@@ -220,3 +221,73 @@ async def test_a_receive_begun_by_hand_is_read_on_as_one_not_begun() -> None:
     task = asyncio.current_task()
     assert task is not None
     assert task.cancelling() == 0
+
+
+_BEGINNERS = [pytest.param(asgi._receive_now, id="python")] + (
+    [pytest.param(chunkpath.RECEIVE_NOW, id="compiled")] if chunkpath.RECEIVE_NOW else []
+)
+
+
+@pytest.mark.parametrize("begin", _BEGINNERS)
+async def test_receive_now_compiled_and_in_python_alike(
+    begin: Callable[[object], object],
+) -> None:
+    """The compiled receive_now and the Python one answer alike: a coroutine's message at
+    hand, a waiting one begun (its ``__await__`` iterator, read on by read_body), any other
+    awaitable through its ``__await__`` (a bare iterator, as granian's receive() has it) and
+    the errors of one that is none."""
+    at_hand = _parts(b"whole")[0]
+
+    async def answering() -> Message:
+        return at_hand
+
+    assert begin(answering) is at_hand
+    receive = _later(_parts(b"ab", b"cd"))
+    first = begin(receive)
+    assert isinstance(first, tuple)
+    assert type(first[0]).__name__ == "coroutine_wrapper"
+    assert await read_body(receive, 100, first=first) == b"abcd"  # type: ignore[arg-type]
+
+    class Bare:
+        def __init__(self, steps: list[object], answer: object = None) -> None:
+            self.steps, self.answer = steps, answer
+
+        def __await__(self) -> object:
+            return self
+
+        def __next__(self) -> object:
+            if self.steps:
+                return self.steps.pop(0)
+            raise StopIteration(self.answer) if self.answer is not None else StopIteration
+
+    bare = Bare([None])
+    assert begin(lambda: bare) == (bare, None)
+    assert begin(lambda: Bare([], at_hand)) is at_hand
+    assert begin(lambda: Bare([])) is None
+
+    class NotAwaitable:
+        pass
+
+    class NoIterator:
+        def __await__(self) -> object:
+            return 3
+
+    def failing() -> object:
+        raise ValueError("no receive")
+
+    for receive_of, error in (
+        (NotAwaitable, AttributeError),
+        (NoIterator, TypeError),
+        (failing, ValueError),
+    ):
+        with pytest.raises(error) as raised:
+            begin(receive_of)
+        with pytest.raises(error) as expected:
+            asgi._receive_now(receive_of)  # type: ignore[arg-type]
+        assert str(raised.value) == str(expected.value)
+
+    async def raising() -> Message:
+        raise ClientGone
+
+    with pytest.raises(ClientGone):
+        begin(raising)
