@@ -39,6 +39,7 @@ __all__ = [
     "BodyWriter",
     "HistoryTrimmed",
     "ReadableStream",
+    "SSEEvents",
     "SSEFramer",
     "follow",
     "parse_after",
@@ -352,74 +353,163 @@ class SSEFramer:
         return live
 
 
-async def sse_events(
-    stream: ReadableStream,
-    after: int,
-    *,
-    heartbeat_s: float,
-    clock: Callable[[], float] = time.monotonic,
-    direct: BodyWriter | None = None,
-    tally: MutableMapping[str, int] | None = None,
-) -> AsyncGenerator[bytes, None]:
+class SSEEvents:
     """SSE bytes for every event after ``after`` (:class:`SSEFramer`); :data:`HEARTBEAT`
     (no event for any SSE client) when idle. A reader overtaken by a trim gets a
     ``stream_history_trimmed`` error event in the stream's format (:func:`trimmed_event`) and
     the response ends.
 
     With ``direct`` (the connection's body writer), live events caught up with are written
-    by the producer as they are appended, not yielded (see :func:`follow`); what is
-    yielded goes out after them, in order, as the writer is idle while this generator runs.
+    by the producer as they are appended, not returned (see :func:`follow`); what is
+    returned goes out after them, in order, as the writer is idle while a step runs.
 
     ``tally``: when the response ends, the events it carried are added to ``tally["direct"]``
-    (written by the producer) and ``tally["send"]`` (yielded by this generator), once per
+    (written by the producer) and ``tally["send"]`` (returned by a step), once per
     response: which path a deployment's streams take shows on the metrics page.
-    """
-    framer = SSEFramer()
-    sent = 0
-    live = None if direct is None else framer.writer(direct)
-    # follow()'s loop, in line: one async generator a response instead of one stepping
-    # another (each ~1 us to set up and close, and a step of both per batch sent).
-    stream.attach(clock())
-    try:
-        seq = after
-        while True:
-            if stream.evicted:
-                return  # gone from the store: what it still holds is no longer sent
-            pending = stream.after(seq)
-            if pending:
-                if len(pending) > 1:
-                    pending = _capped(pending)
-                last = pending[-1]
-                # The stream only while this reader sent none of its events: after one, the
-                # event before ``pending`` went through ``framer``, which marked the stream
-                # named if it was (no look back into the stream for the [DONE] that ends
-                # every response: ~2.7k instructions a response, ``chunk_instructions``).
-                frames = framer.frame(pending, stream if seq == after else None)
-                seq = last.seq
-                if last.data == DONE_DATA:
-                    if frames:
-                        sent += len(pending)
-                        yield LastPart(frames)  # the stream's end: the response's too, at once
-                    return
-                if frames:
-                    sent += len(pending)
-                    yield frames
-                continue
-            if stream.evicted or stream.done:
-                return
-            if live is not None:
-                seq, idle = await stream.relay_live(seq, live, heartbeat_s)
-                if idle:
-                    yield HEARTBEAT
-            elif not await stream.wait(seq, heartbeat_s):
-                yield HEARTBEAT
-    except HistoryTrimmed as trimmed:
-        yield trimmed_event(stream, trimmed)
-    finally:
-        stream.detach(clock())
-        if tally is not None:
-            tally["direct"] += framer.direct
-            tally["send"] += sent
+
+    An async iterator as an async generator behaves: the reader attaches at the first step
+    and detaches (and tallies) when a step ends it, raises or is cancelled, or on
+    :meth:`aclose` (nothing, if never stepped). A class, not an async generator: its end is
+    a call, where a generator's ``aclose()`` threw ``GeneratorExit`` through its frame, and
+    the loop's first-iteration hook put each generator in a weak set (~1.9k instructions a
+    request, ``chunk_instructions``).
+
+    :func:`follow`'s loop, in line: one async iterator a response instead of one stepping
+    another (each ~1 us to set up and close, and a step of both per batch sent)."""
+
+    __slots__ = (
+        "after",
+        "clock",
+        "direct",
+        "framer",
+        "heartbeat_s",
+        "live",
+        "sent",
+        "seq",
+        "state",
+        "stream",
+        "tally",
+    )
+
+    def __init__(
+        self,
+        stream: ReadableStream,
+        after: int,
+        *,
+        heartbeat_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        direct: BodyWriter | None = None,
+        tally: MutableMapping[str, int] | None = None,
+    ) -> None:
+        self.stream = stream
+        self.after = after
+        self.seq = after
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        self.direct = direct
+        self.tally = tally
+        self.state = _UNSTARTED
+        self.framer = SSEFramer()
+        self.live: Callable[[list[StreamEvent]], bool] | None = None
+        self.sent = 0
+
+    def __aiter__(self) -> SSEEvents:
+        return self
+
+    async def __anext__(self) -> bytes:
+        state = self.state
+        stream = self.stream
+        if state:  # not reading: not started, or ended
+            if state != _UNSTARTED:
+                self._end()
+                raise StopAsyncIteration
+            framer = self.framer
+            direct = self.direct
+            live = self.live = None if direct is None else framer.writer(direct)
+            stream.attach(self.clock())
+            self.state = _READING
+        else:
+            framer = self.framer
+            live = self.live
+        try:
+            try:
+                seq = self.seq
+                while True:
+                    if stream.evicted:
+                        break  # gone from the store: what it still holds is no longer sent
+                    pending = stream.after(seq)
+                    if pending:
+                        if len(pending) > 1:
+                            pending = _capped(pending)
+                        last = pending[-1]
+                        # The stream only while this reader sent none of its events: after
+                        # one, the event before ``pending`` went through ``framer``, which
+                        # marked the stream named if it was (no look back into the stream
+                        # for the [DONE] that ends every response: ~3k instructions a
+                        # response, ``chunk_instructions``).
+                        frames = framer.frame(pending, stream if seq == self.after else None)
+                        seq = self.seq = last.seq
+                        if last.data == DONE_DATA:
+                            if frames:
+                                self.sent += len(pending)
+                                self.state = _ENDING
+                                # the stream's end: the response's too, at once
+                                return LastPart(frames)
+                            break
+                        if frames:
+                            self.sent += len(pending)
+                            return frames
+                        continue
+                    if stream.evicted or stream.done:
+                        break
+                    if live is not None:
+                        seq, idle = await stream.relay_live(seq, live, self.heartbeat_s)
+                        self.seq = seq
+                        if idle:
+                            return HEARTBEAT
+                    elif not await stream.wait(seq, self.heartbeat_s):
+                        return HEARTBEAT
+            except HistoryTrimmed as trimmed:
+                self.state = _ENDING
+                return trimmed_event(stream, trimmed)
+        except BaseException:  # the generator's ``finally``: an error, a cancel
+            self._end()
+            raise
+        self._end()
+        raise StopAsyncIteration
+
+    def _end(self) -> None:
+        """Detach and tally, once, if the reader attached."""
+        if self.state == _READING or self.state == _ENDING:
+            self.state = _ENDED
+            self.stream.detach(self.clock())
+            tally = self.tally
+            if tally is not None:
+                tally["direct"] += self.framer.direct
+                tally["send"] += self.sent
+
+    async def aclose(self) -> None:
+        """End the reading (detach, tally) unless a step already did; no step after."""
+        state = self.state
+        if state != _ENDED:
+            self.state = _ENDED
+            if state != _UNSTARTED:
+                self.stream.detach(self.clock())
+                tally = self.tally
+                if tally is not None:
+                    tally["direct"] += self.framer.direct
+                    tally["send"] += self.sent
+
+
+_READING = 0
+_UNSTARTED = 1
+_ENDING = 2
+"""Its last part was returned: the next step or :meth:`SSEEvents.aclose` ends it."""
+_ENDED = 3
+
+
+sse_events = SSEEvents
+"""The SSE reader of a stream: :class:`SSEEvents`."""
 
 
 async def poll(

@@ -619,3 +619,76 @@ async def test_a_named_streams_done_is_left_out_whichever_batch_brings_it() -> N
     assert [piece async for piece in sse_events(chat, 1, heartbeat_s=5)] == [
         b"id: 2\ndata: [DONE]\n\n"
     ]
+
+
+async def test_an_sse_reader_attaches_at_its_first_step_and_detaches_once_on_every_end() -> None:
+    # The reader's attach and detach (the resume grace period counts from the detach) and
+    # its tally, on each way a response ends: never stepped, closed mid-stream, read to its
+    # [DONE] then closed, cancelled while waiting, overtaken by a trim.
+    store = StreamStore(max_total_bytes=8_000, max_age_s=1e9, max_owner_bytes=4_000)
+    ticks = iter(range(1, 1000))
+
+    def clock() -> float:
+        return float(next(ticks))
+
+    def fresh() -> tuple[Stream, dict[str, int]]:
+        stream = store.create(ALICE, 0.0)
+        stream.append(b'{"a":1}', 0.0)
+        return stream, {"direct": 0, "send": 0}
+
+    stream, tally = fresh()
+    reader = sse_events(stream, 0, heartbeat_s=5, clock=clock, tally=tally)
+    await reader.aclose()  # never stepped: never attached
+    assert (stream.readers, stream.last_reader_at, tally) == (0, 0.0, {"direct": 0, "send": 0})
+    assert [piece async for piece in reader] == []  # closed: nothing more
+    assert stream.readers == 0
+
+    stream, tally = fresh()
+    reader = sse_events(stream, 0, heartbeat_s=5, clock=clock, tally=tally)
+    assert await reader.__anext__() == b'id: 1\ndata: {"a":1}\n\n'
+    assert stream.readers == 1
+    attached_at = stream.last_reader_at
+    await reader.aclose()
+    assert stream.readers == 0
+    assert stream.last_reader_at == attached_at + 1  # the clock read once more, to detach
+    assert tally == {"direct": 0, "send": 1}
+    await reader.aclose()  # once only
+    assert [piece async for piece in reader] == []
+    assert (stream.readers, stream.last_reader_at) == (0, attached_at + 1)
+    assert tally == {"direct": 0, "send": 1}
+
+    stream, tally = fresh()
+    reader = sse_events(stream, 0, heartbeat_s=5, clock=clock, tally=tally)
+    assert await reader.__anext__() == b'id: 1\ndata: {"a":1}\n\n'
+    stream.finish(0.0)
+    assert await reader.__anext__() == b"id: 2\ndata: [DONE]\n\n"
+    assert stream.readers == 1  # the last part is out: detached when closed
+    await reader.aclose()
+    assert stream.readers == 0
+    assert tally == {"direct": 0, "send": 2}
+
+    stream, tally = fresh()
+    reader = sse_events(stream, 0, heartbeat_s=5, clock=clock, tally=tally)
+    assert await reader.__anext__() == b'id: 1\ndata: {"a":1}\n\n'
+    waiting = asyncio.ensure_future(reader.__anext__())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert stream.readers == 0
+    assert tally == {"direct": 0, "send": 1}
+    await reader.aclose()
+    assert stream.readers == 0
+    assert tally == {"direct": 0, "send": 1}
+
+    stream, tally = fresh()
+    behind = sse_events(stream, 0, heartbeat_s=5, clock=clock, tally=tally)
+    assert await behind.__anext__() == b'id: 1\ndata: {"a":1}\n\n'
+    for _ in range(40):
+        stream.append(b"x" * 500, 1.0)
+    assert stream.trimmed > 1
+    assert b"stream_history_trimmed" in await behind.__anext__()
+    assert stream.readers == 1
+    assert [piece async for piece in behind] == []
+    assert stream.readers == 0
+    assert tally == {"direct": 0, "send": 1}
