@@ -57,7 +57,9 @@ class ResponseSink(Protocol):
     unasked-for response in the same read). ``on_read_end`` follows every read that reached
     the sink, once its ``on_body`` calls are made, but the read its ``on_end`` or
     ``on_error`` came in: a sink may hold the parts of one read and pass them on together
-    (it must pass on what it holds at ``on_end`` and ``on_error``)."""
+    (it must pass on what it holds at ``on_end`` and ``on_error``). A read whose body a
+    taker took (:meth:`H1Connection.offer_fast`) has no ``on_read_end``: none of it was
+    held."""
 
     def on_head(self, status: int) -> None: ...
     def on_body(self, data: bytes) -> None: ...
@@ -128,10 +130,10 @@ class H1Connection(asyncio.Protocol):
 
     # Slots: the compiled read path (router/_chunkpath.c) writes _last_read at its offset.
     __slots__ = (
-        "_boundary", "_callbacks", "_chunk_callbacks", "_ended", "_fast", "_fast_offer",
-        "_framed_by_close", "_has_length", "_keep_alive", "_last_read", "_marks", "_parser",
-        "_sink", "_timer", "answered", "closed", "complete", "content_type", "idle_since",
-        "origin", "pool", "reused", "transport",
+        "_boundary", "_callbacks", "_chunk_callbacks", "_chunked", "_ended", "_fast",
+        "_fast_offer", "_framed_by_close", "_has_length", "_keep_alive", "_last_read",
+        "_marks", "_parser", "_sink", "_split_head", "_timer", "answered", "closed",
+        "complete", "content_type", "idle_since", "origin", "pool", "reused", "transport",
     )
 
     def __init__(self, pool: H1Pool, origin: Origin) -> None:
@@ -161,7 +163,16 @@ class H1Connection(asyncio.Protocol):
         boundary only."""
         self._fast_offer: Callable[[bytes], bool] | None = None
         self._boundary = False
-        """The parser's last callback ended a chunk of the body (see :meth:`offer_fast`)."""
+        """The parser's last callback ended a chunk of the body, or the head of a body
+        surely in chunks (:attr:`_chunked`): see :meth:`offer_fast`."""
+        self._chunked: bool | None = None
+        """The head's one ``transfer-encoding`` is exactly ``chunked`` and it has no
+        ``content-length`` (None: neither header yet): the body is in chunks, as the parser
+        reads it, whatever else the head says (a stricter test than the parser's own, which
+        only means fewer heads qualify)."""
+        self._split_head = False
+        """The response's first read is to be cut after its head (the sink may
+        :meth:`offer_fast`; see :meth:`data_received`)."""
         # The parser's chunk callbacks (_ChunkCallbacks): each sets _boundary, and as
         # partials of setattr they are C calls, not a Python call per chunk's start and end
         # (ten a request of four chunks, before the compiled path takes its reads).
@@ -191,8 +202,28 @@ class H1Connection(asyncio.Protocol):
         self._last_read = self.pool.loop.time()
         self.answered = True
         sink = self._sink
+        parser = self._parser
         try:
-            self._parser.feed_data(data)
+            if self._split_head:
+                # The response's first read: its head alone first. A 200 head of a body in
+                # chunks, whose sink offered a taker, leaves the parser at the body's first
+                # chunk boundary: the rest of the read (the upstream's first event, as a
+                # rule) goes to the taker as a read of its own would, rather than through
+                # the parser's callbacks and the sink's Python path (~3k instructions). The
+                # head ends at its first blank line: the parser takes CRLF line ends only
+                # (tests/router/test_upstream_h1.py), so it parsed no byte of the body.
+                self._split_head = False
+                end = data.find(b"\r\n\r\n") + 4
+                if 3 < end < len(data):
+                    parser.feed_data(data[:end])
+                    data = data[end:]
+                    take = self._fast_offer
+                    if take is not None and self._boundary:
+                        self._fast = take
+                        if take(data):
+                            return  # no on_read_end: the head's part held no body
+                        self._fast = None
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
         if sink is not None and sink is self._sink:  # else its on_end or on_error came
@@ -219,8 +250,12 @@ class H1Connection(asyncio.Protocol):
     # -- httptools callbacks (the chunks' two: :attr:`_marks`)
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name in (b"content-length", b"transfer-encoding"):
+        if name == b"transfer-encoding":
             self._has_length = True
+            self._chunked = self._chunked is None and value == b"chunked"
+        elif name == b"content-length":
+            self._has_length = True
+            self._chunked = False
         elif name == b"content-type":
             self.content_type = value
 
@@ -231,6 +266,8 @@ class H1Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         self._framed_by_close = not self._has_length and status not in (204, 304)
         self._sink.on_head(status)
+        # The body's first chunk boundary, for a taker the sink offered (offer_fast).
+        self._boundary = self._chunked is True
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -263,6 +300,8 @@ class H1Connection(asyncio.Protocol):
         self._keep_alive = False
         self._framed_by_close = False  # known at the head's end
         self._has_length = False
+        self._chunked = None
+        self._split_head = chunks
         self.answered = False
         self.content_type = b""
         self._ended = None

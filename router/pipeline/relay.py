@@ -165,9 +165,13 @@ class EventFramer:
         self._buffer = b""
         self._decoder: SSEDecoder | None = None
         self._started = False
-        self.idle = False
-        """Between events, past the stream's start, on the fast framing: the next read's
-        bytes are cut on their own (what :meth:`Relay.feed` checks before cutting one)."""
+        """Bytes came (here, or cut elsewhere: :meth:`Relay.feed_events`): a BOM is no
+        longer the stream's start, where alone it is skipped."""
+        self.idle = True
+        """At an event boundary on the fast framing: the next read's bytes are cut on their
+        own (what :meth:`Relay.feed` checks before cutting one, and the compiled read path
+        before it cuts one). The stream's start is one: a read of whole ``data: ...`` events
+        starts with no BOM, and any other read comes here, which skips a BOM there."""
 
     def receive_data(self, data: bytes) -> list[bytes]:
         """Feed bytes; return the payloads of the events they complete, in order."""
@@ -185,8 +189,7 @@ class EventFramer:
                 and data[:6] == b"data: "
                 and _CR not in data
             ):
-                if not self._started:
-                    self._started = self.idle = True
+                self._started = True  # idle already: no buffer, no decoder
                 return [data[6:end]]
         buffer = self._buffer + data if self._buffer else data
         if not self._started:
@@ -394,7 +397,9 @@ class Relay:
     def feed_events(self, payloads: list[bytes], now: float) -> list[bytes] | None:
         """:meth:`feed` for a read already cut into its events' payloads (the compiled read
         path cuts whole chunks of one-line ``data:`` events, as the framer would at an event
-        boundary): the same outcome, from :meth:`receive_events` on."""
+        boundary): the same outcome, from :meth:`receive_events` on. A read cut elsewhere
+        also takes the framer past the stream's start (a later BOM is not skipped)."""
+        self._framer._started = True
         self.full_reads += 1
         if not payloads or self.done:
             return []

@@ -924,3 +924,29 @@ def test_a_read_is_offered_only_from_a_chunk_boundary(
         conn.data_received(data)
     assert (reads[-1] in offered) is offered_last
     assert b"".join(sink.body) in (b"abcdef", b"abc")  # the parser read every byte as sent
+
+
+@pytest.mark.parametrize(
+    ("head", "offered"),
+    [
+        (HEAD, True),
+        (HEAD.replace(b"chunked", b"Chunked"), False),  # the parser's chunks, but not ours
+        (HEAD.replace(b"chunked", b"gzip, chunked"), False),
+        (HEAD[:-2] + b"transfer-encoding: chunked\r\n\r\n", False),  # two of them
+    ],
+)
+def test_a_first_read_is_offered_from_its_heads_end_where_the_body_is_surely_in_chunks(
+    head: bytes, offered: bool
+) -> None:
+    # The response's first read: the rest after a head whose one transfer-encoding is
+    # exactly chunked (and no content-length) is offered as a read of its own; so is the
+    # next read after a read of the head alone. Elsewhere the parser reads it all.
+    conn, sink, seen = _connection()
+    conn.data_received(head + b"3\r\nabc\r\n")
+    assert (seen == [b"3\r\nabc\r\n"]) is offered, seen
+    assert b"".join(sink.body) == b"abc"
+    conn, sink, seen = _connection()
+    conn.data_received(head)
+    conn.data_received(b"3\r\nabc\r\n")
+    assert (seen == [b"3\r\nabc\r\n"]) is offered, seen
+    assert b"".join(sink.body) == b"abc"

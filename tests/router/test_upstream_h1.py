@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httptools
 import httpx
 import pytest
 
@@ -527,3 +528,19 @@ async def test_a_kept_alive_connection_keeps_one_read_timer_and_still_times_out(
         await upstreams.aclose()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\ntransfer-encoding: chunked\n\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\r\n b\r\ntransfer-encoding: chunked\r\n\r\n",
+    ],
+)
+def test_the_parser_takes_a_head_of_crlf_lines_only(head: bytes) -> None:
+    # H1Connection.data_received cuts a response's first read at its first blank line
+    # (CRLF CRLF) and counts on the parser having read the head and nothing more there.
+    parser = httptools.HttpResponseParser(object())
+    with pytest.raises(httptools.HttpParserError):
+        parser.feed_data(head + b"3\r\nabc\r\n")

@@ -131,6 +131,28 @@ def test_a_first_read_of_one_event_leaves_the_framer_as_the_loop_does(later: byt
     assert [b"a", *framer.receive_data(later)] == expected
 
 
+@pytest.mark.parametrize(
+    "later",
+    [b"\xef\xbb\xbfdata: b\n\n", b"data: b\n\n", b"data: b\r\n\r\n", b": c\n\ndata: b\n\n"],
+)
+def test_a_first_read_cut_elsewhere_leaves_the_framer_as_its_own_cut_does(
+    later: bytes,
+) -> None:
+    # The compiled read path cuts a stream's first read (its role chunk, even where it came
+    # with the head) when the framer is idle, which it is at the start: the relay takes the
+    # framer past the start as the framer's own cut would (a BOM later is no BOM).
+    assert EventFramer().idle
+    relay = Relay()
+    relay.start(1.0)
+    relay.receive_head(200, 1.01)
+    assert relay.feed_events([ROLE], 1.02) == [ROLE]
+    expected = [e.data.encode() for e in SSEDecoder().receive_data(b"data: x\n\n" + later)]
+    assert relay.feed(later, 1.03) == expected[1:]
+    framer = relay._framer  # the next attempt gets a framer of its own
+    relay.start(2.0)
+    assert relay._framer is not framer
+
+
 def test_head_waits_for_the_first_token_under_a_deadline() -> None:
     relay = Relay(hold_head=True)
     relay.start(1.0)
