@@ -301,7 +301,9 @@ class Relay:
         """Events appended by :meth:`receive_data` (the others were cut by :meth:`feed`)."""
         self._fast = False
         """:meth:`feed` may cut a read itself: past the first content, nothing to drop
-        or look at in every event, not done (:meth:`_update_fast`)."""
+        or look at in every event, not done: ``first_content and not (_skip_preamble or
+        _every or done)``, set where those change (:meth:`start`, :meth:`_scan`,
+        :meth:`_finish`)."""
 
     def start(self, now: float) -> None:
         """A request to a (new) upstream was sent at ``now``."""
@@ -309,8 +311,9 @@ class Relay:
             self._framer = EventFramer(self.codec.named_events)
         self._sent_at = now
         self._status = 0
-        self._skip_preamble = self.appended > 0
-        self._update_fast()
+        self._skip_preamble = skip = self.appended > 0
+        # The _fast rule (see __init__) here, where skip may change
+        self._fast = self.first_content and not (skip or self._every or self.done)
 
     def receive_head(self, status: int, now: float, body: bytes = b"") -> list[Action]:
         """The upstream's response head; for a status other than 200, with its (bounded) body,
@@ -325,7 +328,8 @@ class Relay:
             )
         if self.hold_head:
             return []
-        return [self._release()]
+        self.head_released = True  # _release inlined (a call a request)
+        return [ReleaseHead(200, b"", self._head_ms)]
 
     def receive_data(self, data: bytes, now: float) -> list[Action]:
         """Body bytes that arrived at ``now``."""
@@ -351,7 +355,7 @@ class Relay:
     def _events(self, payloads: list[bytes], now: float, actions: list[Action]) -> list[bytes]:
         """What :meth:`receive_events` does with a read's ``payloads`` (some; not done): the
         payloads to append, counted as appended, and its other actions added to
-        ``actions``."""
+        ``actions`` (inlined in :meth:`feed_events`: keep the two alike)."""
         if not self.first_content or self._skip_preamble or self._every or DONE_BYTES in payloads:
             payloads = self._scan(payloads, now, actions)
         elif payloads[-1][-2:] == b"}}" and self._usage(payloads[-1]):
@@ -403,10 +407,16 @@ class Relay:
         self.full_reads += 1
         if not payloads or self.done:
             return []
-        # receive_events' work, its actions made only when there is more than an append.
+        # receive_events' work, its actions made only when there is more than an append;
+        # _events inlined (two calls a request: the role chunk's read, the first content's).
         actions: list[Action] = []
-        payloads = self._events(payloads, now, actions)
-        self._appended_full += len(payloads)
+        if not self.first_content or self._skip_preamble or self._every or DONE_BYTES in payloads:
+            payloads = self._scan(payloads, now, actions)
+        elif payloads[-1][-2:] == b"}}" and self._usage(payloads[-1]):
+            payloads = payloads[:-1]
+        count = len(payloads)
+        self.appended += count
+        self._appended_full += count
         if not actions:
             return payloads
         if payloads:
@@ -449,7 +459,7 @@ class Relay:
             if not self.first_content and codec.is_content(payload):
                 self.first_content = True
                 self._skip_preamble = False
-                self._update_fast()
+                self._fast = not (every or self.done)  # the _fast rule, here
                 actions.append(FirstToken((now - self._sent_at) * 1000))
                 if not self.head_released:
                     actions.append(self._release())
@@ -530,11 +540,6 @@ class Relay:
     def _release(self, head: ReleaseHead | None = None) -> ReleaseHead:
         self.head_released = True
         return head or ReleaseHead(200, b"", self._head_ms)
-
-    def _update_fast(self) -> None:
-        self._fast = (
-            self.first_content and not (self._skip_preamble or self._every or self.done)
-        )
 
     def _finish(self, finish: Finish, head: ReleaseHead | None = None) -> list[Action]:
         self.done = True
