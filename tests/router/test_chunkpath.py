@@ -642,7 +642,11 @@ def _script() -> list[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def _scripted_upstream(writes: list[bytes], gap_s: float = 0.005) -> AsyncIterator[str]:
+async def _scripted_upstream(
+    writes: list[bytes], gap_s: float = 0.005, *, with_head: bool = False
+) -> AsyncIterator[str]:
+    """``with_head``: the first write goes out with the response head, in one write."""
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while True:
@@ -657,11 +661,15 @@ async def _scripted_upstream(writes: list[bytes], gap_s: float = 0.005) -> Async
                 if not request.startswith(b"POST /v1/chat/completions "):
                     writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                     continue
-                writer.write(
+                head = (
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     b"transfer-encoding: chunked\r\n\r\n"
                 )
-                for data in writes:
+                if with_head:
+                    writer.write(head + writes[0])
+                else:
+                    writer.write(head)
+                for data in writes[1:] if with_head else writes:
                     await asyncio.sleep(gap_s)
                     writer.write(data)
                     await writer.drain()
@@ -680,6 +688,7 @@ async def _relayed(
     gap_s: float = 0.005,
     *,
     usage: bool = False,
+    with_head: bool = False,
     metrics: list[str] | None = None,
     prefixes: tuple[str, ...] = (
         "firstbyte_router_requests", "firstbyte_key_", "firstbyte_route_",
@@ -694,7 +703,7 @@ async def _relayed(
     if usage:
         body["stream_options"] = {"include_usage": True}
     async with (
-        _scripted_upstream(writes, gap_s) as url,
+        _scripted_upstream(writes, gap_s, with_head=with_head) as url,
         start_router([url], tls=False) as router,
         httpx.AsyncClient(timeout=30) as client,
     ):
@@ -806,6 +815,31 @@ async def test_every_token_after_the_first_goes_the_compiled_way(
 
 
 _DONE_END = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+async def test_the_first_event_goes_the_compiled_way_with_its_head_or_after_it(
+    start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch, with_head: bool
+) -> None:
+    # The role chunk's read, whether it came with the response head (the parser reads the
+    # head alone, the rest is offered) or after it (the head's end is a chunk boundary),
+    # is cut in C: the framer is idle at the stream's start. The client and the metrics are
+    # as the Python path alone has them.
+    paths = _made_read_paths(monkeypatch)
+    writes = [_chunk(ROLE), _chunk(_event(0)), _chunk(USAGE) + _DONE_END]
+    seen: dict[str, list[str]] = {"compiled": [], "python": []}
+    compiled = await _relayed(
+        start_router, writes, 0.05, with_head=with_head, metrics=seen["compiled"]
+    )
+    assert len(paths) == 1
+    assert paths[0].handed == 3  # the role chunk's read, the first content's, the end's
+    monkeypatch.setattr(chunkpath, "READ_PATH", None)
+    python = await _relayed(
+        start_router, writes, 0.05, with_head=with_head, metrics=seen["python"]
+    )
+    assert compiled == python
+    assert seen["compiled"] == seen["python"]
+    assert sse_text(compiled)[0] == "w0 "
 
 
 @pytest.mark.parametrize(
