@@ -16,6 +16,12 @@
  *                   read (a partial chunk, an event of another shape, trailers, a decided
  *                   attempt) returns False having changed nothing, and the Python path takes
  *                   the read as before.
+ *   ConnReader(conn)(data)
+ *                   an upstream connection's data_received (router/upstream_h1.py): the read
+ *                   to the connection's `_fast` taker (a ReadPath) if it has one and it takes
+ *                   it, else to the connection's `_data_received` (which the taker's False
+ *                   leaves without one). A Python data_received only to call the taker cost
+ *                   ~750 instructions a read.
  *   StreamAdder(stream, payloads, read_at)
  *                   Stream.add (and Stream.append of an event that does not finish the
  *                   stream) called from Python, done as ReadPath does it for its reads;
@@ -60,7 +66,7 @@
 #define MAX_EVENTS 64 /* more chunks in one read than this: the Python path */
 
 static PyObject *s_done, *s_is_closing, *s_write, *s_transport, *s_flow, *s_add,
-    *s_drop_released_taps, *s_wake, *s_on_message_complete;
+    *s_drop_released_taps, *s_wake, *s_on_message_complete, *s_data_received;
 
 static PyTypeObject SSEWriterType;
 static PyObject *SSEWriter_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
@@ -240,6 +246,7 @@ static Slot relay_framer = {"_framer"};
 static Slot relay_appended = {"appended"};
 static Slot framer_idle = {"idle"};
 static Slot conn_last_read = {"_last_read"};
+static Slot conn_fast = {"_fast"};
 static Slot flow_write_paused = {"write_paused"};
 static Slot cycle_disconnected = {"disconnected"};
 static Slot cycle_chunked_encoding = {"chunked_encoding"};
@@ -260,7 +267,8 @@ static Slot *const all_slots[] = {
     &store_owners, &store_shares, &store_max_owner_bytes, &store_total_bytes,
     &store_max_total_bytes, &owner_bytes,
     &tap_write, &tap_seq, &tap_last_at, &tap_released, &relay_fast, &relay_framer,
-    &relay_appended, &framer_idle, &conn_last_read, &flow_write_paused, &cycle_disconnected,
+    &relay_appended, &framer_idle, &conn_last_read, &conn_fast, &flow_write_paused,
+    &cycle_disconnected,
     &cycle_chunked_encoding, &cycle_response_complete, &event_seq, &event_data, &framer_direct,
     &gaps_last, &gaps_hist, &hist_bounds, &hist_counts, &hist_total, &hist_count, &stream_id,
     NULL};
@@ -881,6 +889,115 @@ static PyTypeObject ReadPathType = {
     .tp_traverse = (traverseproc)ReadPath_traverse,
     .tp_clear = (inquiry)ReadPath_clear,
     .tp_vectorcall_offset = offsetof(ReadPath, vectorcall),
+    .tp_call = PyVectorcall_Call,
+};
+
+/* ---------------------------------------------------------------- ConnReader
+ *
+ * H1Connection.data_received: the connection's read taker (its `_fast`, a ReadPath or
+ * None) first; a read it leaves (False: nothing changed) drops the taker, as the Python
+ * did, and goes to the connection's `_data_received`, as does every read without one. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *conn; /* the H1Connection (a cycle: it holds this; the GC sees both) */
+    vectorcallfunc vectorcall;
+} ConnReader;
+
+static PyObject *
+ConnReader_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                      PyObject *kwnames)
+{
+    ConnReader *self = (ConnReader *)callable;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "ConnReader takes one argument: the read's bytes");
+        return NULL;
+    }
+    PyObject *conn = self->conn;
+    if (conn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ConnReader cleared");
+        return NULL;
+    }
+    Py_INCREF(conn); /* the taker may drop the connection's last other reference */
+    PyObject *result = NULL;
+    PyObject *fast = slot_get(conn, &conn_fast);
+    if (fast == NULL)
+        goto out;
+    if (fast != Py_None) {
+        PyObject *taken = PyObject_Vectorcall(fast, args, 1, NULL);
+        Py_DECREF(fast);
+        if (taken == NULL)
+            goto out;
+        int yes = taken == Py_True ? 1 : taken == Py_False ? 0 : PyObject_IsTrue(taken);
+        Py_DECREF(taken);
+        if (yes < 0)
+            goto out;
+        if (yes) {
+            result = Py_NewRef(Py_None);
+            goto out;
+        }
+        /* the parser's read: fast again at its next chunk boundary */
+        if (slot_set(conn, &conn_fast, Py_None) < 0)
+            goto out;
+    } else {
+        Py_DECREF(fast);
+    }
+    PyObject *call_args[2] = {conn, args[0]};
+    result = PyObject_VectorcallMethod(s_data_received, call_args, 2, NULL);
+out:
+    Py_DECREF(conn);
+    return result;
+}
+
+static int
+ConnReader_traverse(ConnReader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->conn);
+    return 0;
+}
+
+static int
+ConnReader_clear(ConnReader *self)
+{
+    Py_CLEAR(self->conn);
+    return 0;
+}
+
+static void
+ConnReader_dealloc(ConnReader *self)
+{
+    PyObject_GC_UnTrack(self);
+    ConnReader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+ConnReader_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"conn", NULL};
+    PyObject *conn;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:ConnReader", kwlist, &conn))
+        return NULL;
+    ConnReader *self = (ConnReader *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->conn = Py_NewRef(conn);
+    self->vectorcall = ConnReader_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject ConnReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "firstbyte.router._chunkpath.ConnReader",
+    .tp_doc = "ConnReader(conn)(data) -> None: conn._fast(data) if it has a taker and it takes "
+              "the read, else conn._data_received(data) (the taker dropped if it left it).",
+    .tp_basicsize = sizeof(ConnReader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = ConnReader_new,
+    .tp_dealloc = (destructor)ConnReader_dealloc,
+    .tp_traverse = (traverseproc)ConnReader_traverse,
+    .tp_clear = (inquiry)ConnReader_clear,
+    .tp_vectorcall_offset = offsetof(ConnReader, vectorcall),
     .tp_call = PyVectorcall_Call,
 };
 
@@ -1966,10 +2083,12 @@ PyInit__chunkpath(void)
     INTERN(s_drop_released_taps, "_drop_released_taps");
     INTERN(s_wake, "_wake");
     INTERN(s_on_message_complete, "on_message_complete");
+    INTERN(s_data_received, "_data_received");
     for (Slot *const *slot = all_slots; *slot != NULL; slot++)
         INTERN((*slot)->name, (*slot)->text);
     if (PyType_Ready(&ReadPathType) < 0 || PyType_Ready(&SSEWriterType) < 0 ||
-        PyType_Ready(&MirrorType) < 0 || PyType_Ready(&StreamAdderType) < 0)
+        PyType_Ready(&MirrorType) < 0 || PyType_Ready(&StreamAdderType) < 0 ||
+        PyType_Ready(&ConnReaderType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&chunkpath_module);
     if (module == NULL)
@@ -1977,7 +2096,8 @@ PyInit__chunkpath(void)
     if (PyModule_AddObjectRef(module, "ReadPath", (PyObject *)&ReadPathType) < 0 ||
         PyModule_AddObjectRef(module, "SSEWriter", (PyObject *)&SSEWriterType) < 0 ||
         PyModule_AddObjectRef(module, "Mirror", (PyObject *)&MirrorType) < 0 ||
-        PyModule_AddObjectRef(module, "StreamAdder", (PyObject *)&StreamAdderType) < 0) {
+        PyModule_AddObjectRef(module, "StreamAdder", (PyObject *)&StreamAdderType) < 0 ||
+        PyModule_AddObjectRef(module, "ConnReader", (PyObject *)&ConnReaderType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

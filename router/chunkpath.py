@@ -24,6 +24,10 @@ chunk, another shape of event, a named event), and a reader that fell behind, go
 way, which stays the one definition of what a read means; the compiled path gives the same
 store, bytes and counters (``tests/router/test_chunkpath.py``).
 
+An upstream connection's ``data_received`` is compiled too (:data:`CONN_READER`): a read
+goes to the connection's taker (a :class:`ReadPath`) without a Python call in between, and
+to the connection's Python ``_data_received`` where there is none or it leaves the read.
+
 With shared state it also queues each event for the Redis writer (:data:`MIRROR`, in place
 of :meth:`~firstbyte.router.shared.streams._Writer.push`) and packs the writer's operation
 for each plain event (:data:`PACK_XADDS`, in place of
@@ -40,8 +44,8 @@ Python function it stands in for then does. A fourth, :data:`RECEIVE_NOW`, is
 StopIteration made and caught).
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
-``READ_PATH``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``, ``PACK_XADDS``
-and the four above are None and the Python path runs alone, as it does with
+``READ_PATH``, ``CONN_READER``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``,
+``PACK_XADDS`` and the four above are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -52,6 +56,7 @@ from typing import Any
 
 __all__ = [
     "BUILT",
+    "CONN_READER",
     "DECODE_HEADERS",
     "ENCODE_HEADERS",
     "MIRROR",
@@ -65,6 +70,7 @@ __all__ = [
 ]
 
 READ_PATH: Any = None
+CONN_READER: Any = None
 SSE_WRITER: Any = None
 SSE_FRAMES: Any = None
 STREAM_ADDER: Any = None
@@ -85,6 +91,7 @@ else:
     BUILT = True
     if os.environ.get("FIRSTBYTE_CHUNKPATH", "") != "python":
         READ_PATH = _chunkpath.ReadPath
+        CONN_READER = _chunkpath.ConnReader
         SSE_WRITER = _chunkpath.SSEWriter
         SSE_FRAMES = _chunkpath.sse_frames
         STREAM_ADDER = _chunkpath.StreamAdder

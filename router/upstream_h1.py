@@ -38,6 +38,8 @@ import httptools
 import httpx
 import msgspec
 
+from . import chunkpath
+
 __all__ = [
     "STALE_RETRIES", "Answer", "H1Connection", "H1Pool", "Origin", "ResponseSink",
     "encode_request", "encode_request_parts", "fetch",
@@ -133,7 +135,8 @@ class H1Connection(asyncio.Protocol):
         "_boundary", "_callbacks", "_chunk_callbacks", "_chunked", "_ended", "_fast",
         "_fast_offer", "_framed_by_close", "_has_length", "_keep_alive", "_last_read",
         "_marks", "_parser", "_sink", "_split_head", "_timer", "answered", "closed",
-        "complete", "content_type", "idle_since", "origin", "pool", "reused", "transport",
+        "complete", "content_type", "data_received", "idle_since", "origin", "pool", "reused",
+        "transport",
     )
 
     def __init__(self, pool: H1Pool, origin: Origin) -> None:
@@ -172,7 +175,7 @@ class H1Connection(asyncio.Protocol):
         only means fewer heads qualify)."""
         self._split_head = False
         """The response's first read is to be cut after its head (the sink may
-        :meth:`offer_fast`; see :meth:`data_received`)."""
+        :meth:`offer_fast`; see :meth:`_data_received`)."""
         # The parser's chunk callbacks (_ChunkCallbacks): each sets _boundary, and as
         # partials of setattr they are C calls, not a Python call per chunk's start and end
         # (ten a request of four chunks, before the compiled path takes its reads).
@@ -185,12 +188,20 @@ class H1Connection(asyncio.Protocol):
         # take, and takes it off again (the parser keeps what it took, not these).
         self._callbacks = _Callbacks(self)
         self._chunk_callbacks = _ChunkCallbacks(self)
+        # data_received: a slot (the transport looks it up once, at its start), the read
+        # taker's call in C where it was built (no Python call a read: ~750 instructions),
+        # else the Python method, which asks the taker itself.
+        reader = chunkpath.CONN_READER
+        self.data_received = (  # type: ignore[method-assign]  # a callable in its place
+            self._data_received if reader is None else reader(self)
+        )
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
-    def data_received(self, data: bytes) -> None:
+    def _data_received(self, data: bytes) -> None:
+        """``data_received`` (the attribute: compiled where it could be, see __init__)."""
         fast = self._fast
         if fast is not None:
             if fast(data):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -984,3 +985,64 @@ def test_a_first_read_is_offered_from_its_heads_end_where_the_body_is_surely_in_
     conn.data_received(b"3\r\nabc\r\n")
     assert (seen == [b"3\r\nabc\r\n"]) is offered, seen
     assert b"".join(sink.body) == b"abc"
+
+
+# -- a connection's data_received: its taker first, in C --------------------------------
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_read_goes_to_the_taker_then_to_the_parser_as_the_python_reader_sends_it(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    # data_received is ConnReader where it was built: a read goes to the connection's taker
+    # first; one it takes goes nowhere else (the taker kept), one it leaves drops the taker
+    # and goes to the parser; without a taker the parser reads it. The Python method does
+    # the same where ConnReader is not there.
+    if not compiled:
+        monkeypatch.setattr(chunkpath, "CONN_READER", None)
+    conn, sink, offered = _connection()
+    assert (type(conn.data_received).__name__ == "ConnReader") is compiled
+
+    def taken(data: bytes) -> bool:
+        offered.append(data)
+        return True
+
+    conn.data_received(HEAD)
+    assert conn._fast is not None  # a head of a body in chunks: the next read is offered
+    conn._fast = taken
+    conn.data_received(b"not a chunk")
+    assert offered[-1] == b"not a chunk"
+    assert conn._fast is taken
+    assert sink.body == []
+    conn.offer_fast(lambda data: offered.append(data) or False)
+    conn._fast = conn._fast_offer
+    conn.data_received(b"3\r\nabc")  # left: the taker is dropped, the parser reads it
+    assert offered[-1] == b"3\r\nabc"
+    assert conn._fast is None
+    assert sink.body == [b"abc"]
+    conn.data_received(b"\r\n3\r\ndef\r\n")  # no taker: the parser's
+    assert offered[-1] == b"3\r\nabc"
+    assert sink.body == [b"abc", b"def"]
+
+    def failing(data: bytes) -> bool:
+        raise ValueError("taker")
+
+    conn._fast = failing
+    with pytest.raises(ValueError, match="taker"):
+        conn.data_received(b"3\r\nghi\r\n")
+
+
+def test_a_connection_and_its_compiled_reader_are_collected_together() -> None:
+    if chunkpath.CONN_READER is None:
+        pytest.skip("not built")
+
+    def readers() -> int:
+        return sum(type(o) is chunkpath.CONN_READER for o in gc.get_objects())
+
+    gc.collect()
+    before = readers()
+    conn, _, _ = _connection()
+    assert readers() == before + 1
+    del conn
+    gc.collect()
+    assert readers() == before
