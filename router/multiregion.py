@@ -178,7 +178,6 @@ class Observation:
     """The spill slot this request holds while it is served by a peer as a spill."""
     claim: tuple[str, SpillSlot] | None = None
     """A first-token-deadline switch decided (target peer, slot taken) but not yet made."""
-    extra_headers: dict[str, str] = field(default_factory=dict)
     route: RouteInput | None = None
     """What of the request decided where it went (its model, affinity key, ...): a failover
     or a late first token's switch decides by it again."""
@@ -241,6 +240,7 @@ class Observation:
 
 _new_observation = object.__new__
 _init_observation = Observation.__init__
+_new_gap_timer = object.__new__
 
 
 class RegionRouting:
@@ -716,10 +716,15 @@ class RegionRouting:
         # a RequestContext): a class's call with keywords passes them to a Python __init__
         # through a dict built for them (no vectorcall for it on 3.11).
         observer = ctx.observer = _new_observation(Observation)
+        # GapTimer(self.itl), its two slots set here: the class's call ran its Python
+        # __init__ from C (a frame of its own), a request.
+        gaps = _new_gap_timer(GapTimer)
+        gaps.hist = self.itl
+        gaps.last = None
         _init_observation(
             observer, self, self.region, name, True, False, time.perf_counter(), location,
             self.deadline_s if ctx.stream_requested else None, choice.reason, route=route,
-            gaps=GapTimer(self.itl),
+            gaps=gaps,
         )
         return CONTINUE
 

@@ -117,11 +117,10 @@ class RouteChooser:
         self.affinity_chars = affinity_chars
         self.max_queue_wait_ms = max_queue_wait_ms
         # This region's answers when it is alone (no peer serves the model), made once: they
-        # are the same for every such request (frozen, with no estimates to hold).
-        self._alone = {
-            verdict: RegionDecision(verdict, region, _NO_ESTIMATES)
-            for verdict in (Verdict.LOCAL, Verdict.REJECT)
-        }
+        # are the same for every such request (frozen, with no estimates to hold). Two
+        # attributes, not a dict by verdict: an Enum's hash is a Python call (a request).
+        self._alone_local = RegionDecision(Verdict.LOCAL, region, _NO_ESTIMATES)
+        self._alone_reject = RegionDecision(Verdict.REJECT, region, _NO_ESTIMATES)
 
     # --- a request's inputs
     def route_input(self, request: ChatCompletionRequest) -> RouteInput:
@@ -253,13 +252,13 @@ class RouteChooser:
             # is empty).
             # Not saturated: some backend serving is healthy (an unhealthy one is saturated).
             if draining:
-                verdict = Verdict.REJECT
+                alone = self._alone_reject
             elif room is not None and room[0] is serving:
-                verdict = Verdict.LOCAL if room[2] else Verdict.REJECT
+                alone = self._alone_local if room[2] else self._alone_reject
             else:
                 saturated = self.tracker.region_saturated(now, serving)
-                verdict = Verdict.REJECT if saturated else Verdict.LOCAL
-            return RouteDecision(self._alone[verdict], serving)
+                alone = self._alone_reject if saturated else self._alone_local
+            return RouteDecision(alone, serving)
         prefix = route.prefix
         decision = choose_region(
             self.model, self.here(now, serving, draining=draining), peers, client=location,
