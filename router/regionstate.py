@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .readers import ReadableStream
     from .shared import SharedState
     from .state import RouterState
-    from .streams import Stream
+    from .streams import Stream, StreamStore
 
 __all__ = ["InMemory", "InRedis", "RegionState", "region_state_for"]
 
@@ -100,6 +100,15 @@ class RegionState(Protocol):
 
     def release_backend(self, backend: str) -> None:
         """Give back the slot a request ending on (or moved away from) ``backend`` held."""
+        ...
+
+    def new_stream(
+        self, store: StreamStore, owner: bytes, now: float,
+        on_finish: Callable[[], object] | None, subject: str | None,
+    ) -> Stream:
+        """A new stream of ``owner`` (for ``subject``) in this process's ``store``, made at
+        ``now``, findable region-wide as :meth:`announced_id` and :meth:`publish` make it
+        (:meth:`~firstbyte.router.state.RouterState.new_stream`)."""
         ...
 
     def announced_id(self, owner: bytes, subject: str | None) -> str | None:
@@ -167,6 +176,17 @@ class InMemory:
 
     def release_backend(self, backend: str) -> None:
         pass
+
+    def new_stream(
+        self, store: StreamStore, owner: bytes, now: float,
+        on_finish: Callable[[], object] | None, subject: str | None,
+    ) -> Stream:
+        # No id announced, nothing to publish: announced_id and publish not called (two calls
+        # a stream).
+        stream = store.create(owner, now)
+        stream.subject = subject
+        stream.on_finish = on_finish
+        return stream
 
     def announced_id(self, owner: bytes, subject: str | None) -> str | None:
         return None
@@ -244,6 +264,17 @@ class InRedis:
 
     def release_backend(self, backend: str) -> None:
         self.shared.admission.release_backend(backend)
+
+    def new_stream(
+        self, store: StreamStore, owner: bytes, now: float,
+        on_finish: Callable[[], object] | None, subject: str | None,
+    ) -> Stream:
+        stream_id = self.announced_id(owner, subject)
+        stream = store.create(owner, now, stream_id)
+        stream.subject = subject
+        stream.on_finish = on_finish
+        self.publish(stream, announced=stream_id is not None)
+        return stream
 
     def announced_id(self, owner: bytes, subject: str | None) -> str | None:
         ids = self._announced.get((owner, subject))

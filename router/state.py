@@ -310,12 +310,10 @@ class RouterState:
         """A new stream of ``owner`` (for ``subject``) in this process's store, shared when
         the state is, made at ``now`` (the clock's time if None); ``on_finish`` runs when it
         ends (e.g. :attr:`RequestContext.release_key_slot`)."""
-        stream_id = self.region_state.announced_id(owner, subject)
-        stream = self.store.create(owner, self.clock() if now is None else now, stream_id)
-        stream.subject = subject
-        stream.on_finish = on_finish
-        self.region_state.publish(stream, announced=stream_id is not None)
-        return stream
+        # The region state's: in memory, no id announced nor stream published (no call).
+        return self.region_state.new_stream(
+            self.store, owner, self.clock() if now is None else now, on_finish, subject
+        )
 
     def announced(self, stream: Stream) -> Awaitable[None] | None:
         """Await it, unless None, before ``stream``'s id goes out: it returns once other
