@@ -45,25 +45,27 @@ class FairQueue(Generic[T]):
 
     def __init__(self) -> None:
         self._keys: dict[bytes, dict[str, deque[Waiter[T]]]] = {}
-        self._count = 0
+        self.waiting = 0
+        """How many wait (``len()``): an attribute, read where a request ends or arrives
+        (``__len__``, a Python method, is a call from C there)."""
         self._seq = 0
         self.handed = 0
         """Slots handed to waiters that have not taken them yet (:meth:`taken`): new
         arrivals leave them alone."""
 
     def __len__(self) -> int:
-        return self._count
+        return self.waiting
 
     def busy(self) -> bool:
         """Whether anyone waits or holds a handed slot: a new arrival does not jump them."""
-        return bool(self._count or self.handed)
+        return bool(self.waiting or self.handed)
 
     def push(self, key: bytes, subject: str, item: T) -> Waiter[T]:
         """Queue a request of ``key``/``subject`` behind that flow's others."""
         self._seq += 1
         waiter = Waiter(key, subject, item, self._seq)
         self._keys.setdefault(key, {}).setdefault(subject, deque()).append(waiter)
-        self._count += 1
+        self.waiting += 1
         return waiter
 
     def remove(self, waiter: Waiter[T]) -> bool:
@@ -85,7 +87,7 @@ class FairQueue(Generic[T]):
         requests in flight per unit of weight), then of that key's subject with the lowest
         ``subject_usage``; the longest waiting between equals. None if nobody waits. The slot
         counts in :attr:`handed` until :meth:`taken`."""
-        if not self._count:
+        if not self.waiting:
             return None
         key = min(self._keys, key=lambda k: (key_usage(k), self._first(k)))
         subjects = self._keys[key]
@@ -107,7 +109,7 @@ class FairQueue(Generic[T]):
         self, waiter: Waiter[T], subjects: dict[str, deque[Waiter[T]]], flow: deque[Waiter[T]]
     ) -> None:
         waiter.queued = False
-        self._count -= 1
+        self.waiting -= 1
         if not flow:
             del subjects[waiter.subject]
             if not subjects:

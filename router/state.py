@@ -122,7 +122,12 @@ class RouterState:
         self.region_state: RegionState = region_state_for(self.shared)
         """Placement, stream lookup and slots, in memory or in Redis (chosen once, here)."""
         self.routing.claim = self.region_state.claim_backend
-        self.routing.released = self._released
+        # A backend's slot freed: given back region-wide, then handed to a waiter. Without a
+        # region-wide claim (in memory) there is nothing to give back: handed only (two calls
+        # a request fewer, when nobody waits).
+        self.routing.released = (
+            self._released if self.region_state.claim_backend is not None else self._freed
+        )
         spans: SpanSink | None = None
         if config.telemetry.otlp_endpoint is not None:
             from .observability.traces import OtlpTraces
@@ -468,6 +473,13 @@ class RouterState:
         self.region_state.release_backend(backend)
         self.hand_slots()
 
+    def _freed(self, backend: str) -> None:
+        """:meth:`_released` for a region state without region-wide slots (in memory): hand
+        the slot to whoever waits for one (:meth:`hand_slots`, called only when somebody
+        may)."""
+        if self.tenants.queue.waiting or self.pools:
+            self.hand_slots()
+
     def hand_slots(self) -> int:
         """Wake, in the region and in each model pool, as many waiting requests as its
         backends have free slots not yet handed (:meth:`Tenants.hand_slots`); how many woke."""
@@ -475,12 +487,12 @@ class RouterState:
         # pools listed, only when somebody does.
         woken = 0
         now: float | None = None
-        if len(self.tenants.queue):
+        if self.tenants.queue.waiting:
             now = self.clock()
             woken += self.tenants.hand_slots(self.free_slots(now, None))
         if self.pools:
             for pool, tenants in list(self.pools.items()):
-                if len(tenants.queue):
+                if tenants.queue.waiting:
                     if now is None:
                         now = self.clock()
                     woken += tenants.hand_slots(self.free_slots(now, pool))
@@ -505,7 +517,11 @@ class RouterState:
         queue = (self.tenants if pool is None else self.tenants_of(pool)).queue
         if now is None:
             now = self.clock()
-        if not queue.busy() or (not len(queue) and self.free_slots(now, pool) > queue.handed):
+        # FairQueue.busy and len() in line: two calls a request (its attributes, read).
+        waiting = queue.waiting
+        if not (waiting or queue.handed) or (
+            not waiting and self.free_slots(now, pool) > queue.handed
+        ):
             if pool is not None:
                 self._forget_pool(pool)
             return CONTINUE
