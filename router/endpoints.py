@@ -27,7 +27,8 @@ import msgspec
 
 from firstbyte.protocol import error_codes
 from firstbyte.protocol.codec import CHAT, Codec
-from firstbyte.protocol.content_coding import Coding
+from firstbyte.protocol.content_coding import CONTENT_ENCODING_HEADER, Coding
+from firstbyte.protocol.content_coding import QUERY_PARAM as ENCODING_PARAM
 from firstbyte.protocol.edge import EdgeStatusReport, PublicEdgeStatus
 from firstbyte.protocol.formats import BY_PATH, MESSAGES, STREAMED
 from firstbyte.protocol.headers import REGION_HEADER, STREAM_HEADER
@@ -204,7 +205,8 @@ async def _admitted(
     endpoint = codec.name
     if codec is MESSAGES:
         adopt_api_key_header(ctx)  # Anthropic's header for the key
-    query = _query(scope)
+    # _query's answer without its call for a request without a query (nearly every one).
+    query = _query(scope) if scope.get("query_string") else {}
     # Each outcome is tested for CONTINUE before awaiting _finish: the stages nearly always
     # continue, and an awaited call is a coroutine made, run and closed (five a request).
     # A browser's preflight-free start carries its client token in the URL (none without a
@@ -222,8 +224,16 @@ async def _admitted(
     # await: reading it through _read_request_body made four coroutines. Its receive is begun
     # (receive_now) where _read_request_body would read the body at once: no coding, not
     # too big to read.
+    # body_coding's and _too_big_to_read's answers for nearly every request without their
+    # calls: no coding named (IDENTITY), and a declared length within the limit (within
+    # either drain limit, each at least ``limit``) or none.
+    headers = ctx.headers
+    declared = headers.get("content-length", "")
     first = (
-        None if body_coding(ctx, query) is not Coding.IDENTITY or _too_big_to_read(ctx, limit)
+        None if (
+            (headers.get(CONTENT_ENCODING_HEADER) is not None or ENCODING_PARAM in query)
+            and body_coding(ctx, query) is not Coding.IDENTITY
+        ) or (declared.isdigit() and int(declared) > limit and _too_big_to_read(ctx, limit))
         else receive_now(receive)
     )
     if (
