@@ -79,6 +79,7 @@ from .pipeline.context import (
     Outcome,
     RequestContext,
     error_reply,
+    transport_of,
 )
 from .pipeline.region import RegionCandidate, RegionModel, Verdict
 from .regions_config import warm_prefix_text
@@ -192,7 +193,28 @@ class Observation:
         self.gaps.last = now
         if ctx.upstream_sent_at is not None:
             self.upstream_ttft_ms = (now - ctx.upstream_sent_at) * 1000
-        self.routing.first_token(self, ttft_ms, ctx.transport, ctx.model_label)
+        # The region's part in line (it was RegionRouting.first_token's): a call a request.
+        routing = self.routing
+        if self.claim is not None:  # the token beat the switch it had claimed: no switch
+            routing.spill.release(self.claim[1])
+            self.claim = None
+        if self.local:
+            name = self.backend
+            routing.tracker.observe_ttft(name, ttft_ms, self.upstream_ttft_ms)
+            backend = routing.backends[name]
+            if backend.healthy and name in routing.runner.changes.down_since:
+                # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
+                routing.runner.changes.up(name, url=backend.url)
+        # transport_of, not the transport property (read through a call from C).
+        series = (self.region, transport_of(ctx), ctx.model_label)
+        hist = routing.ttft.get(series)
+        if hist is None:
+            hist = routing.ttft[series] = Histogram(TTFT_BUCKETS_S)
+        # Histogram.observe in line (as Metrics.observe_ttft has it): a call less a request.
+        seconds = ttft_ms / 1000.0
+        hist.counts[bisect_left(hist.bounds, seconds)] += 1
+        hist.total += seconds
+        hist.count += 1
 
     def chunk(self, ctx: RequestContext, now: float) -> None:
         self.gaps.tick(now)
@@ -233,9 +255,37 @@ class Observation:
         return await self.routing.fail_over(self, ctx, exc, cause)
 
     def finished(self, ctx: RequestContext, ok: bool) -> None:
-        if not self.done:
-            self.done = True
-            self.routing.finished(self, ctx, ok)
+        if self.done:
+            return
+        self.done = True
+        # The region's part in line (it was RegionRouting.finished's): a call a request.
+        routing = self.routing
+        duration_ms = (time.perf_counter() - self.started) * 1000
+        # _uncount in line, and the two spill slots tested one by one, not looped over as a
+        # tuple: a call, a tuple and a loop a request fewer (~1k instructions).
+        model = self.route.model if self.route is not None else ""  # _model_of, inlined
+        active = routing.active_by_model
+        left = active.get(model, 0) - 1
+        if left > 0:
+            active[model] = left
+        else:
+            active.pop(model, None)
+        if self.local:
+            routing.tracker.finished(self.backend, duration_ms)
+            released = routing.released
+            if released is not None:
+                released(self.backend)
+        else:
+            _decrement(routing.peer_routed_by_model, model)
+            routing.peer_routed[self.region] -= 1
+        slot = self.slot
+        if slot is not None:
+            routing.spill.release(slot)
+        claim = self.claim
+        if claim and claim[1] is not None:
+            routing.spill.release(claim[1])
+        outcome = "ok" if ok else "error"
+        routing.outcomes[(self.region, self.backend, outcome, ctx.model_label)] += 1
 
 
 _new_observation = object.__new__
@@ -837,29 +887,7 @@ class RegionRouting:
             outcome="rejected",
         )
 
-    # --- observer callbacks ------------------------------------------------------------
-    def first_token(
-        self, obs: Observation, ttft_ms: float, transport: str = "sse", model: str = ""
-    ) -> None:
-        if obs.claim is not None:  # the token beat the switch it had claimed: no switch
-            self.spill.release(obs.claim[1])
-            obs.claim = None
-        if obs.local:
-            self.tracker.observe_ttft(obs.backend, ttft_ms, obs.upstream_ttft_ms)
-            backend = self.backends[obs.backend]
-            if backend.healthy and obs.backend in self.runner.changes.down_since:
-                # Back in rotation after PASSIVE_DOWN_S, and it answered: say it is up.
-                self.runner.changes.up(obs.backend, url=backend.url)
-        series = (obs.region, transport, model)
-        hist = self.ttft.get(series)
-        if hist is None:
-            hist = self.ttft[series] = Histogram(TTFT_BUCKETS_S)
-        # Histogram.observe in line (as Metrics.observe_ttft has it): a call less a request.
-        seconds = ttft_ms / 1000.0
-        hist.counts[bisect_left(hist.bounds, seconds)] += 1
-        hist.total += seconds
-        hist.count += 1
-
+    # --- observer callbacks (first_token and finished are Observation's own) ----------
     def claim_switch(self, obs: Observation, ctx: RequestContext) -> bool:
         """A late first token: claim a peer and a spill slot for :meth:`switch`, or refuse."""
         if obs.switched or not obs.local:
@@ -1015,33 +1043,6 @@ class RegionRouting:
                 del self._down_until[name]
                 self.backends[name].healthy = True
                 self.tracker.set_health(name, True)
-
-    def finished(self, obs: Observation, ctx: RequestContext, ok: bool) -> None:
-        duration_ms = (time.perf_counter() - obs.started) * 1000
-        # _uncount in line, and the two spill slots tested one by one, not looped over as a
-        # tuple: a call, a tuple and a loop a request fewer (~1k instructions).
-        model = obs.route.model if obs.route is not None else ""  # _model_of, inlined
-        active = self.active_by_model
-        left = active.get(model, 0) - 1
-        if left > 0:
-            active[model] = left
-        else:
-            active.pop(model, None)
-        if obs.local:
-            self.tracker.finished(obs.backend, duration_ms)
-            if self.released is not None:
-                self.released(obs.backend)
-        else:
-            _decrement(self.peer_routed_by_model, model)
-            self.peer_routed[obs.region] -= 1
-        slot = obs.slot
-        if slot is not None:
-            self.spill.release(slot)
-        claim = obs.claim
-        if claim and claim[1] is not None:
-            self.spill.release(claim[1])
-        outcome = "ok" if ok else "error"
-        self.outcomes[(obs.region, obs.backend, outcome, ctx.model_label)] += 1
 
     # --- status and metrics ------------------------------------------------------------
     def status(self, *, unavailable: bool = False) -> EdgeStatus:
