@@ -362,3 +362,16 @@ class RequestContext:
             entry = f"{name.replace('_', '-')};dur={ms:.2f}"
             text = f"{text}, {entry}" if text else entry
         return text
+
+    def server_timing_upstream_headers(self, ms: float) -> str:
+        """``server_timing(upstream_headers=ms)``, a streamed request's head (once a
+        stream), without the keywords' dict, its loop and the name's replace."""
+        admitted_at = self.admitted_at
+        if admitted_at is None:
+            return f"upstream-headers;dur={ms:.2f}"
+        queue_ms = (admitted_at - self.received_at) * 1000
+        routed_at = self.routed_at
+        if routed_at is None:
+            return f"queue;dur={queue_ms:.2f}, upstream-headers;dur={ms:.2f}"
+        return (f"queue;dur={queue_ms:.2f}, route;dur={(routed_at - admitted_at) * 1000:.2f},"
+                f" upstream-headers;dur={ms:.2f}")

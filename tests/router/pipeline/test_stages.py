@@ -172,6 +172,25 @@ def test_server_timing_durations_are_two_decimal_formats() -> None:
     assert request.server_timing(only=1.005) == f"only;dur={1.005:.2f}"
 
 
+def test_server_timing_upstream_headers_is_server_timing_with_that_entry() -> None:
+    """The streamed head's own method writes what ``server_timing(upstream_headers=ms)``
+    writes, whatever of queue and route is known."""
+    values = [0.0, -0.0, 0.005, 2.675, 1.005, 123456789.125, float("inf"), float("nan")]
+    for ms in values:
+        request = ctx()
+        assert request.server_timing_upstream_headers(ms) == request.server_timing(
+            upstream_headers=ms
+        )
+        request.admitted_at = request.received_at + ms / 1000
+        assert request.server_timing_upstream_headers(ms) == request.server_timing(
+            upstream_headers=ms
+        )
+        request.routed_at = request.admitted_at + 0.0015
+        assert request.server_timing_upstream_headers(ms) == request.server_timing(
+            upstream_headers=ms
+        )
+
+
 def _body(**more: str) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **more}
                       ).encode()
