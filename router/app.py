@@ -19,6 +19,7 @@ from .asgi import Message, Receive, Scope, Send, header_dict, send_bytes
 from .config import RouterConfig
 from .cors import Preflight, ResponseHeaders
 from .edge_client import serve_client_file
+from .observability.access import CONTEXT_KEY
 from .overload import MemoryGuard
 from .pipeline.context import error_reply
 from .prewarm import edge_warm, warm_prompt
@@ -100,8 +101,20 @@ class RouterApp:
         if kind == "http":
             counted = scope["path"] not in _UNGATED
             self.requests_in_flight += counted
+            requests = self.state.requests
             try:
-                await self.state.requests.serve(scope, receive, send, self._route)
+                # RequestLog.serve's steps in this coroutine, not in one of its own that this
+                # one awaits: a frame less on each of the request's resumptions (~1.5k
+                # instructions a request).
+                watching = requests.watch(scope, send)
+                if watching is None:
+                    await self._route(scope, receive, send)
+                else:
+                    exchange, watched = watching
+                    try:
+                        await self._route(scope, receive, watched)
+                    finally:
+                        requests.finish(exchange, scope.get(CONTEXT_KEY))
             finally:
                 self.requests_in_flight -= counted
         else:

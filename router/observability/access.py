@@ -505,10 +505,28 @@ class RequestLog:
         send: Send,
         handler: Callable[[Scope, Receive, Send], Awaitable[None]],
     ) -> None:
-        """Run ``handler`` for one HTTP request and record it when it is over."""
-        if self.spans is None and not log.isEnabledFor(logging.INFO):  # not self.enabled
+        """Run ``handler`` for one HTTP request and record it when it is over: :meth:`watch`,
+        the handler, then :meth:`finish` (which the app calls itself, in its own coroutine)."""
+        watching = self.watch(scope, send)
+        if watching is None:
             await handler(scope, receive, send)
             return
+        exchange, watched = watching
+        try:
+            await handler(scope, receive, watched)
+        finally:
+            self.finish(exchange, scope.get(CONTEXT_KEY))
+
+    def watch(self, scope: Scope, send: Send) -> tuple[_Exchange, Send] | None:
+        """The start of :meth:`serve` for an HTTP request: the exchange that will be recorded
+        and the ``send`` to hand the handler in place of ``send`` (it notes the status and
+        the body's end), or None if nothing will be recorded (run the handler with ``send``).
+        A plain call, not a coroutine around the handler: the app awaits the handler in its
+        own, one coroutine frame less on each of the request's resumptions. The caller
+        calls :meth:`finish` with the exchange and the scope's context when the handler is
+        over, however it ends."""
+        if self.spans is None and not log.isEnabledFor(logging.INFO):  # not self.enabled
+            return None
         method, path = scope.get("method", "GET"), scope.get("path", "")
         # An operational request (a balancer's probe, a scrape, every second) is written at
         # debug and never traced (_write): below debug nothing would come of its record, so
@@ -517,8 +535,7 @@ class RequestLog:
         # no set lookup. Another method's 405 on those paths is rare: built, and not written.
         if (method == "GET" and path in _OPERATIONAL_GETS
                 and not log.isEnabledFor(logging.DEBUG)):
-            await handler(scope, receive, send)
-            return
+            return None
         exchange = _Exchange(method, path, scope.get("http_version", "1.1"), self.clock())
 
         # send's own awaitable, returned, not awaited in a coroutine of this one's: two
@@ -531,20 +548,21 @@ class RequestLog:
                 exchange.complete = True
             return send(message)
 
-        try:
-            await handler(scope, receive, watched)
-        finally:
-            ctx: RequestContext | None = scope.get(CONTEXT_KEY)
-            self._finish(exchange, ctx, websocket=False)
+        return exchange, watched
 
     def stream_started(self, ctx: RequestContext) -> None:
         """A WebSocket ``request`` message started ``ctx.stream``: record it when it ends."""
         if not self.enabled:
             return
         exchange = _Exchange("WS", paths.WEBSOCKET, ctx.http_version, ctx.received_at, None, True)
-        self._finish(exchange, ctx, websocket=True)
+        self.finish(exchange, ctx, True)
 
-    def _finish(self, exchange: _Exchange, ctx: RequestContext | None, *, websocket: bool) -> None:
+    def finish(
+        self, exchange: _Exchange, ctx: RequestContext | None, websocket: bool = False
+    ) -> None:
+        """The end of :meth:`serve` (and of a WebSocket's stream): ``exchange``, whose
+        context is ``ctx`` (the scope's :data:`CONTEXT_KEY`; None: no pipeline ran), is over;
+        its line is written now, or when the stream it started ends."""
         # The stream this request started in this process (its tokens are this request's),
         # or None: a request that read a stream, or started none.
         stream = ctx.stream if ctx is not None else None
