@@ -33,6 +33,7 @@ setup(
             "firstbyte.router._chunkpath",
             # Through the symlink: the sdist holds firstbyte/ only.
             sources=["firstbyte/router/_chunkpath.c"],
+            libraries=["m"],  # fmod (elapsed_ms)
             optional=True,
         )
     ],

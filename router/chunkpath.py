@@ -41,11 +41,13 @@ writes it: :mod:`.hosting.uvicorn_send`), :data:`ENCODE_HEADERS` and :data:`DECO
 the common case (names already known, exact types) and says None for any other, which the
 Python function it stands in for then does. A fourth, :data:`RECEIVE_NOW`, is
 :func:`.asgi.receive_now` whole (a request's ``receive()`` begun, its body taken without a
-StopIteration made and caught).
+StopIteration made and caught). :data:`ELAPSED_MS` is an access line's times in
+milliseconds rounded to hundredths (:func:`.observability.access.hundredths`'s shortcut,
+twice a request, without its Python frame), None where the Python must do it.
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
 ``READ_PATH``, ``CONN_READER``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``,
-``PACK_XADDS`` and the four above are None and the Python path runs alone, as it does with
+``PACK_XADDS`` and the five above are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -58,6 +60,7 @@ __all__ = [
     "BUILT",
     "CONN_READER",
     "DECODE_HEADERS",
+    "ELAPSED_MS",
     "ENCODE_HEADERS",
     "MIRROR",
     "PACK_XADDS",
@@ -80,6 +83,7 @@ RENDER_HEAD: Any = None
 ENCODE_HEADERS: Any = None
 DECODE_HEADERS: Any = None
 RECEIVE_NOW: Any = None
+ELAPSED_MS: Any = None
 BUILT = False
 """The compiled module imported (whether or not the environment turned it off)."""
 
@@ -101,3 +105,4 @@ else:
         ENCODE_HEADERS = _chunkpath.encode_headers
         DECODE_HEADERS = _chunkpath.decode_headers
         RECEIVE_NOW = _chunkpath.receive_now
+        ELAPSED_MS = _chunkpath.elapsed_ms

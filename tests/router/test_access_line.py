@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from firstbyte.protocol.openai import ChatCompletionRequest, Message
+from firstbyte.router.chunkpath import ELAPSED_MS
 from firstbyte.router.geo import GeoPoint, Location
 from firstbyte.router.observability import logs
 from firstbyte.router.observability.access import (
@@ -534,6 +535,52 @@ def test_hundredths_is_round_to_two_places_bit_for_bit() -> None:
         assert struct.pack("<d", got) == struct.pack("<d", expected), value
     for bad in (math.nan,):
         assert math.isnan(hundredths(bad))
+
+
+@pytest.mark.skipif(ELAPSED_MS is None, reason="the compiled module is not built")
+def test_the_compiled_elapsed_ms_is_the_python_s_bit_for_bit() -> None:
+    """A line's ``elapsed_ms(end, start) or hundredths((end - start) * 1000)`` is
+    ``hundredths((end - start) * 1000)`` (``round(..., 2)`` for floats: above): the compiled
+    shortcut gives its float, or None (or 0.0) for the Python to answer, for times as
+    perf_counter gives them, the rounding's hard cases, and values of other types (which it
+    never takes)."""
+    import random
+
+    def check(end: Any, start: Any) -> None:
+        expected = hundredths((end - start) * 1000)
+        got = ELAPSED_MS(end, start)
+        if got is None or got == 0.0:
+            if type(end) is float and type(start) is float and not math.isnan(expected):
+                scaled = (end - start) * 1000 * 100
+                # None or 0.0 only where hundredths' shortcut does not answer, or answers 0.0.
+                assert got == 0.0 or not 0.0 < scaled < 1e11 or (
+                    0.4999 <= scaled % 1.0 <= 0.5001), (end, start)
+            got = hundredths((end - start) * 1000)
+        if isinstance(expected, float) and math.isnan(expected):
+            assert math.isnan(got)
+        else:
+            assert type(got) is type(expected), (end, start)
+            assert struct.pack("<d", got) == struct.pack("<d", expected), (end, start)
+
+    rng = random.Random(55)
+    for _ in range(100_000):
+        start = rng.uniform(0, 1e7)
+        check(start + rng.uniform(0, 10) ** rng.uniform(-3, 3), start)
+    for value in _hundredths_cases():
+        check(value / 1000, 0.0)
+        check(value, value / 2)
+
+    class Float(float):
+        pass
+
+    for end, start in ((2, 1), (2.5, 1), (2, 1.5), (True, 0.0), (Float(2.5), 1.0),
+                       (2.5, Float(1.0)), (math.nan, 0.0), (math.inf, 0.0), (0.0, math.inf),
+                       (-1.0, 0.0), (1e300, -1e300)):
+        check(end, start)
+    assert ELAPSED_MS(None, 1.0) is None
+    assert ELAPSED_MS("2.5", 1.0) is None
+    assert ELAPSED_MS(2.5, 1.0, 0.0) is None
+    assert ELAPSED_MS(2.5, 1.0) == 1500.0
 
 
 @pytest.mark.parametrize("change", ["level", "disabled", "disable"])
