@@ -606,7 +606,7 @@ class RequestLog:
         stream: Stream | None,
     ) -> None:
         # A page keeping its connection warm asks GET /v1/edge/warm every 20 s: debug too (a
-        # prompt warm-up, its POST, spends tokens and is logged as any request). serve()
+        # prompt warm-up, its POST, spends tokens and is logged as any request). watch()
         # makes the same test to build no record where this would write none.
         operational = exchange.path in _OPERATIONAL or (
             exchange.path == paths.EDGE_WARM and exchange.method == "GET")
