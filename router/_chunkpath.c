@@ -48,6 +48,9 @@
  *   elapsed_ms(end, start)
  *                   once a request too, twice: an access line's times in ms, rounded to
  *                   hundredths (access.py's hundredths), without its Python frame.
+ *   hundredths_text(value)
+ *                   a Server-Timing duration's text (format(value, ".2f")) without
+ *                   float.__format__'s decimal conversion.
  *   SSEWriter(events)
  *                   a direct reader's write (SSEFramer.writer with uvicorn's body writer):
  *                   `id: SEQ\ndata: DATA\n\n` per event, one HTTP chunk, one transport.write;
@@ -2041,6 +2044,27 @@ error:
 
 /* ---------------------------------------------------------------- access line */
 
+/* round(value, 2) as access.py's hundredths shortcut takes it: 1 and the float (a whole
+ * number of hundredths, exactly) where value * 100 is in (0, 1e11) and its fraction clear of
+ * a half by 1e-4; 0 where only round() itself can say. */
+static inline int
+hundredths_shortcut(double value, double *hundredths)
+{
+    double scaled = value * 100;
+    if (0.0 < scaled && scaled < 1e11) {
+        double fraction = fmod(scaled, 1.0);
+        if (fraction < 0.4999) {
+            *hundredths = scaled - fraction;
+            return 1;
+        }
+        if (fraction > 0.5001) {
+            *hundredths = scaled - fraction + 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* elapsed_ms(end, start) -> float | None: round((end - start) * 1000, 2), the access line's
  * ttft_ms and duration_ms (router/observability/access.py, hundredths), for two exact floats
  * where hundredths' shortcut answers; None otherwise (the Python does it, round() included).
@@ -2049,18 +2073,39 @@ error:
 static PyObject *
 elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    double hundredths;
     if (nargs != 2 || !PyFloat_CheckExact(args[0]) || !PyFloat_CheckExact(args[1]))
         Py_RETURN_NONE;
-    double value = (PyFloat_AS_DOUBLE(args[0]) - PyFloat_AS_DOUBLE(args[1])) * 1000;
-    double scaled = value * 100;
-    if (0.0 < scaled && scaled < 1e11) {
-        double fraction = fmod(scaled, 1.0);
-        if (fraction < 0.4999)
-            return PyFloat_FromDouble((scaled - fraction) / 100);
-        if (fraction > 0.5001)
-            return PyFloat_FromDouble((scaled - fraction + 1) / 100);
-    }
+    if (hundredths_shortcut((PyFloat_AS_DOUBLE(args[0]) - PyFloat_AS_DOUBLE(args[1])) * 1000,
+                            &hundredths))
+        return PyFloat_FromDouble(hundredths / 100);
     Py_RETURN_NONE;
+}
+
+/* hundredths_text(value) -> str | None: format(value, ".2f") (a Server-Timing duration,
+ * router/pipeline/context.py), for an exact float where hundredths' shortcut answers: ".2f"
+ * is the exact value rounded to two places, the integer that shortcut finds (value * 100
+ * is off the exact product by less than the 1e-4 it keeps from a half), written as its
+ * hundreds, a point and its last two digits. None otherwise (format() does it). */
+static PyObject *
+hundredths_text(PyObject *module, PyObject *value)
+{
+    double hundredths;
+    if (!PyFloat_CheckExact(value) || !hundredths_shortcut(PyFloat_AS_DOUBLE(value), &hundredths))
+        Py_RETURN_NONE;
+    long long whole = (long long)hundredths; /* exact: a whole number below 1e11 */
+    char text[24];
+    char *end = text + sizeof(text), *at = end;
+    *--at = (char)('0' + whole % 10);
+    whole /= 10;
+    *--at = (char)('0' + whole % 10);
+    whole /= 10;
+    *--at = '.';
+    do {
+        *--at = (char)('0' + whole % 10);
+        whole /= 10;
+    } while (whole);
+    return PyUnicode_FromStringAndSize(at, end - at);
 }
 
 static PyMethodDef chunkpath_functions[] = {
@@ -2085,6 +2130,9 @@ static PyMethodDef chunkpath_functions[] = {
     {"elapsed_ms", (PyCFunction)(void (*)(void))elapsed_ms, METH_FASTCALL,
      "elapsed_ms(end, start) -> float | None: round((end - start) * 1000, 2) for two floats"
      " where router/observability/access.py's hundredths takes its shortcut, or None."},
+    {"hundredths_text", (PyCFunction)hundredths_text, METH_O,
+     "hundredths_text(value) -> str | None: format(value, '.2f') for a float where"
+     " router/observability/access.py's hundredths takes its shortcut, or None."},
     {NULL, NULL, 0, NULL},
 };
 

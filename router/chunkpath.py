@@ -43,11 +43,14 @@ Python function it stands in for then does. A fourth, :data:`RECEIVE_NOW`, is
 :func:`.asgi.receive_now` whole (a request's ``receive()`` begun, its body taken without a
 StopIteration made and caught). :data:`ELAPSED_MS` is an access line's times in
 milliseconds rounded to hundredths (:func:`.observability.access.hundredths`'s shortcut,
-twice a request, without its Python frame), None where the Python must do it.
+twice a request, without its Python frame), None where the Python must do it, and
+:data:`HUNDREDTHS_TEXT` a ``Server-Timing`` duration's text (``format(ms, ".2f")``, three a
+streamed request, in :meth:`.pipeline.context.RequestContext.server_timing`) without a
+decimal conversion.
 
 ``pip install`` builds it (setuptools, the machine's C compiler); where it was not built,
 ``READ_PATH``, ``CONN_READER``, ``SSE_WRITER``, ``SSE_FRAMES``, ``STREAM_ADDER``, ``MIRROR``,
-``PACK_XADDS`` and the five above are None and the Python path runs alone, as it does with
+``PACK_XADDS`` and the six above are None and the Python path runs alone, as it does with
 ``FIRSTBYTE_CHUNKPATH=python`` in the environment (to compare the two).
 """
 
@@ -62,6 +65,7 @@ __all__ = [
     "DECODE_HEADERS",
     "ELAPSED_MS",
     "ENCODE_HEADERS",
+    "HUNDREDTHS_TEXT",
     "MIRROR",
     "PACK_XADDS",
     "READ_PATH",
@@ -84,6 +88,7 @@ ENCODE_HEADERS: Any = None
 DECODE_HEADERS: Any = None
 RECEIVE_NOW: Any = None
 ELAPSED_MS: Any = None
+HUNDREDTHS_TEXT: Any = None
 BUILT = False
 """The compiled module imported (whether or not the environment turned it off)."""
 
@@ -106,3 +111,4 @@ else:
         DECODE_HEADERS = _chunkpath.decode_headers
         RECEIVE_NOW = _chunkpath.receive_now
         ELAPSED_MS = _chunkpath.elapsed_ms
+        HUNDREDTHS_TEXT = _chunkpath.hundredths_text

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from firstbyte.protocol.openai import ChatCompletionRequest, Message
-from firstbyte.router.chunkpath import ELAPSED_MS
+from firstbyte.router.chunkpath import ELAPSED_MS, HUNDREDTHS_TEXT
 from firstbyte.router.geo import GeoPoint, Location
 from firstbyte.router.observability import logs
 from firstbyte.router.observability.access import (
@@ -581,6 +581,43 @@ def test_the_compiled_elapsed_ms_is_the_python_s_bit_for_bit() -> None:
     assert ELAPSED_MS("2.5", 1.0) is None
     assert ELAPSED_MS(2.5, 1.0, 0.0) is None
     assert ELAPSED_MS(2.5, 1.0) == 1500.0
+
+
+@pytest.mark.skipif(HUNDREDTHS_TEXT is None, reason="the compiled module is not built")
+def test_the_compiled_hundredths_text_is_format_2f() -> None:
+    """A Server-Timing duration's ``hundredths_text(ms) or format(ms, ".2f")`` is
+    ``format(ms, ".2f")``: the compiled text is the same string where it answers (None, for
+    format to answer, only where :func:`hundredths`' shortcut does not), for durations as
+    a request has them, the rounding's hard cases, and values of other types."""
+    import random
+
+    def check(value: Any) -> None:
+        expected = format(value, ".2f")
+        got = HUNDREDTHS_TEXT(value)
+        if got is None:
+            if type(value) is float and not math.isnan(value):
+                scaled = value * 100
+                assert not 0.0 < scaled < 1e11 or 0.4999 <= scaled % 1.0 <= 0.5001, value
+            return
+        assert type(got) is str
+        assert got == expected, value
+
+    rng = random.Random(55)
+    for _ in range(100_000):
+        check(rng.uniform(0, 10) ** rng.uniform(-3, 3))
+        check(rng.uniform(0, 1e9))
+    for value in _hundredths_cases():
+        check(value)
+
+    class Float(float):
+        pass
+
+    for value in (2, True, Float(2.5), 1e9 - 0.001, 999999999.994, 1e9, -0.001):
+        check(value)
+    assert HUNDREDTHS_TEXT(Float(2.5)) is None
+    assert HUNDREDTHS_TEXT(2) is None
+    assert HUNDREDTHS_TEXT(0.07) == "0.07"
+    assert HUNDREDTHS_TEXT(1234.5) == "1234.50"
 
 
 @pytest.mark.parametrize("change", ["level", "disabled", "disable"])
