@@ -855,17 +855,10 @@ ReadPath_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, Py
 }
 
 static PyObject *
-ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+ReadPath_make(PyTypeObject *type, PyObject *conn, PyObject *outcome, PyObject *relay,
+              PyObject *stream, PyObject *event_type, Py_ssize_t overhead, PyObject *gaps,
+              PyObject *loop_time, PyObject *on_events)
 {
-    static char *kwlist[] = {"conn",           "outcome", "relay",     "stream",    "event_type",
-                             "event_overhead", "gaps",    "loop_time", "on_events", NULL};
-    PyObject *conn, *outcome, *relay, *stream, *event_type, *gaps, *loop_time;
-    PyObject *on_events = Py_None;
-    Py_ssize_t overhead;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOnOO|O:ReadPath", kwlist, &conn, &outcome,
-                                     &relay, &stream, &event_type, &overhead, &gaps, &loop_time,
-                                     &on_events))
-        return NULL;
     ReadPath *self = (ReadPath *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
@@ -882,6 +875,76 @@ ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
+static PyObject *
+ReadPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"conn",           "outcome", "relay",     "stream",    "event_type",
+                             "event_overhead", "gaps",    "loop_time", "on_events", NULL};
+    PyObject *conn, *outcome, *relay, *stream, *event_type, *gaps, *loop_time;
+    PyObject *on_events = Py_None;
+    Py_ssize_t overhead;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOnOO|O:ReadPath", kwlist, &conn, &outcome,
+                                     &relay, &stream, &event_type, &overhead, &gaps, &loop_time,
+                                     &on_events))
+        return NULL;
+    return ReadPath_make(type, conn, outcome, relay, stream, event_type, overhead, gaps,
+                         loop_time, on_events);
+}
+
+/* A type's tp_new called with a vectorcall's arguments, as type.__call__ calls it (the
+ * tp_init these types inherit, object's, does nothing with arguments when tp_new is
+ * overridden): the way for any call but the common one. */
+static PyObject *
+new_from_vectorcall(newfunc new, PyObject *type, PyObject *const *args, size_t nargsf,
+                    PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *tuple = PyTuple_New(nargs);
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject *kwargs = NULL;
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
+        kwargs = PyDict_New();
+        if (kwargs == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+                Py_DECREF(tuple);
+                Py_DECREF(kwargs);
+                return NULL;
+            }
+        }
+    }
+    PyObject *made = new((PyTypeObject *)type, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return made;
+}
+
+/* ReadPath(...) as the relay calls it, once a request: 8 or 9 positional arguments, the
+ * overhead an int, without PyArg_ParseTupleAndKeywords' format and keyword parsing (~1.2k
+ * instructions); any other call through ReadPath_new. */
+static PyObject *
+ReadPath_type_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
+                         PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if ((nargs == 8 || nargs == 9) && (kwnames == NULL || !PyTuple_GET_SIZE(kwnames)) &&
+        PyLong_CheckExact(args[5])) {
+        Py_ssize_t overhead = PyLong_AsSsize_t(args[5]);
+        if (overhead == -1 && PyErr_Occurred())
+            return NULL; /* as "n" says it: OverflowError */
+        return ReadPath_make((PyTypeObject *)type, args[0], args[1], args[2], args[3],
+                             args[4], overhead, args[6], args[7],
+                             nargs == 9 ? args[8] : Py_None);
+    }
+    return new_from_vectorcall(ReadPath_new, type, args, nargsf, kwnames);
+}
+
 static PyTypeObject ReadPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "firstbyte.router._chunkpath.ReadPath",
@@ -891,6 +954,7 @@ static PyTypeObject ReadPathType = {
     .tp_basicsize = sizeof(ReadPath),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = ReadPath_new,
+    .tp_vectorcall = ReadPath_type_vectorcall,
     .tp_members = ReadPath_members,
     .tp_dealloc = (destructor)ReadPath_dealloc,
     .tp_traverse = (traverseproc)ReadPath_traverse,
@@ -1312,13 +1376,8 @@ fail:
 }
 
 static PyObject *
-SSEWriter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+SSEWriter_make(PyTypeObject *type, PyObject *cycle, PyObject *framer, PyObject *fallback)
 {
-    static char *kwlist[] = {"cycle", "framer", "fallback", NULL};
-    PyObject *cycle, *framer, *fallback;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:SSEWriter", kwlist, &cycle, &framer,
-                                     &fallback))
-        return NULL;
     PyObject *transport = PyObject_GetAttr(cycle, s_transport);
     if (transport == NULL)
         return NULL;
@@ -1342,6 +1401,29 @@ SSEWriter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
+static PyObject *
+SSEWriter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"cycle", "framer", "fallback", NULL};
+    PyObject *cycle, *framer, *fallback;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:SSEWriter", kwlist, &cycle, &framer,
+                                     &fallback))
+        return NULL;
+    return SSEWriter_make(type, cycle, framer, fallback);
+}
+
+/* SSEWriter(cycle, framer, fallback) as the reader calls it, once a request: three
+ * positional arguments without PyArg_ParseTupleAndKeywords; any other call through
+ * SSEWriter_new (ReadPath_type_vectorcall's way). */
+static PyObject *
+SSEWriter_type_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
+                          PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) == 3 && (kwnames == NULL || !PyTuple_GET_SIZE(kwnames)))
+        return SSEWriter_make((PyTypeObject *)type, args[0], args[1], args[2]);
+    return new_from_vectorcall(SSEWriter_new, type, args, nargsf, kwnames);
+}
+
 static PyTypeObject SSEWriterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "firstbyte.router._chunkpath.SSEWriter",
@@ -1350,6 +1432,7 @@ static PyTypeObject SSEWriterType = {
     .tp_basicsize = sizeof(SSEWriter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = SSEWriter_new,
+    .tp_vectorcall = SSEWriter_type_vectorcall,
     .tp_dealloc = (destructor)SSEWriter_dealloc,
     .tp_traverse = (traverseproc)SSEWriter_traverse,
     .tp_clear = (inquiry)SSEWriter_clear,

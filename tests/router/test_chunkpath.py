@@ -1046,3 +1046,41 @@ def test_a_connection_and_its_compiled_reader_are_collected_together() -> None:
     del conn
     gc.collect()
     assert readers() == before
+@pytest.mark.skipif(not chunkpath.BUILT, reason="the compiled module is not built")
+def test_the_compiled_types_are_made_alike_by_position_or_keyword() -> None:
+    """ReadPath and SSEWriter are made without argument parsing when called as the relay and
+    the reader call them (by position); any other call is parsed as before: the same objects,
+    the same refusals."""
+    from firstbyte.router import _chunkpath  # type: ignore[attr-defined]
+
+    class Cycle:
+        transport = "transport"
+        flow = "flow"
+
+    args = ("conn", "outcome", "relay", "stream", StreamEvent, 6, None, len)
+    names = ("conn", "outcome", "relay", "stream", "event_type", "event_overhead", "gaps",
+             "loop_time")
+    made = [
+        _chunkpath.ReadPath(*args),
+        _chunkpath.ReadPath(*args, None),
+        _chunkpath.ReadPath(*args[:4], **dict(zip(names[4:], args[4:], strict=True))),
+        _chunkpath.ReadPath(**dict(zip(names, args, strict=True)), on_events=None),
+    ]
+    assert {(type(path), path.reads, path.events, path.handed) for path in made} == {
+        (_chunkpath.ReadPath, 0, 0, 0)}
+    with pytest.raises(TypeError, match="missing required argument 'relay'"):
+        _chunkpath.ReadPath("conn", "outcome")
+    with pytest.raises(TypeError):
+        _chunkpath.ReadPath(*args[:5], "6", *args[6:])
+    with pytest.raises(OverflowError):
+        _chunkpath.ReadPath(*args[:5], 2**70, *args[6:])
+    with pytest.raises(TypeError):
+        _chunkpath.ReadPath(*args, None, None)
+    assert type(_chunkpath.ReadPath(*args[:5], True, *args[6:])) is _chunkpath.ReadPath
+    for writer in (_chunkpath.SSEWriter(Cycle(), "framer", len),
+                   _chunkpath.SSEWriter(Cycle(), framer="framer", fallback=len)):
+        assert type(writer) is _chunkpath.SSEWriter
+    with pytest.raises(AttributeError, match="transport"):
+        _chunkpath.SSEWriter(object(), "framer", len)
+    with pytest.raises(TypeError, match="missing required argument 'fallback'"):
+        _chunkpath.SSEWriter(Cycle(), "framer")
