@@ -46,7 +46,7 @@ class Metrics:
         self.sse_events: Counter[str] = Counter()
         """Events sent to SSE readers, by path: ``direct`` (written from the upstream's data
         callback, :mod:`.hosting.body_writer`) or ``send`` (by the reader's task through ASGI
-        ``send``); added once per response (:func:`.readers.sse_events`'s ``tally``)."""
+        ``send``); added once per response (:class:`.readers.SSEEvents`' ``tally``)."""
         self.relay_reads: Counter[str] = Counter()
         """Upstream reads of streamed answers, by path: ``fast`` (one whole event past the
         first content, cut and appended without the relay's actions) or ``full``; added once
