@@ -46,6 +46,10 @@ def test_the_compiled_path_is_built() -> None:
     assert chunkpath.SSE_FRAMES is not None
     assert chunkpath.PACK_XADDS is not None
     assert chunkpath.MIRROR is not None
+    assert chunkpath.CONN_READER is not None
+    assert chunkpath.RECEIVE_NOW is not None
+    assert chunkpath.ELAPSED_MS is not None
+    assert chunkpath.HUNDREDTHS_TEXT is not None
 
 
 # -- the SSE writer, sans sockets -------------------------------------------------------
@@ -1033,8 +1037,7 @@ def test_a_read_goes_to_the_taker_then_to_the_parser_as_the_python_reader_sends_
 
 
 def test_a_connection_and_its_compiled_reader_are_collected_together() -> None:
-    if chunkpath.CONN_READER is None:
-        pytest.skip("not built")
+    assert chunkpath.CONN_READER is not None, "the compiled module is not built"
 
     def readers() -> int:
         return sum(type(o) is chunkpath.CONN_READER for o in gc.get_objects())
@@ -1046,7 +1049,6 @@ def test_a_connection_and_its_compiled_reader_are_collected_together() -> None:
     del conn
     gc.collect()
     assert readers() == before
-@pytest.mark.skipif(not chunkpath.BUILT, reason="the compiled module is not built")
 def test_the_compiled_types_are_made_alike_by_position_or_keyword() -> None:
     """ReadPath and SSEWriter are made without argument parsing when called as the relay and
     the reader call them (by position); any other call is parsed as before: the same objects,
