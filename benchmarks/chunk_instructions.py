@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from firstbyte.benchmarks.bare_relay import BARE_RELAY
+from firstbyte.benchmarks.conditions import process_cpu_seconds
 from firstbyte.benchmarks.redis_server import running_redis
 from firstbyte.benchmarks.scenarios.router_overhead import _PIPE, _ROUTER, _router_config
 
@@ -148,12 +149,6 @@ async def _pass(clients: list[_Client]) -> int:
     return sum(sizes)
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _callgrind(pid: int, *options: str) -> None:
     subprocess.run(["callgrind_control", *options, str(pid)], check=True, capture_output=True)
 
@@ -220,11 +215,11 @@ async def _measure(args: argparse.Namespace) -> dict[str, object]:
                 idle = await asyncio.to_thread(_totals, out)
                 idle_per_s = idle / (time.perf_counter() - idle_started)
             await asyncio.to_thread(_callgrind, proc.pid, "-z")
-        started, cpu_before = time.perf_counter(), _cpu_s(proc.pid)
+        started, cpu_before = time.perf_counter(), process_cpu_seconds(proc.pid)
         received = 0
         for _ in range(args.passes):
             received += await _pass(clients)
-        elapsed, cpu = time.perf_counter() - started, _cpu_s(proc.pid) - cpu_before
+        elapsed, cpu = time.perf_counter() - started, process_cpu_seconds(proc.pid) - cpu_before
         instructions = gc = 0
         events: dict[str, int] = {}
         if not args.no_valgrind:

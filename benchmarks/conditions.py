@@ -12,10 +12,43 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CpuWatch", "machine_cpu", "run_conditions"]
+__all__ = ["CpuWatch", "child_pids", "machine_cpu", "process_cpu_seconds", "run_conditions"]
+
+_CPUCLOCK_SCHED = 2
+"""Linux's process CPU clocks: ``clockid = (~pid << 3) | CPUCLOCK_SCHED``, what glibc's
+``clock_getcpuclockid`` returns (Python has no binding for it)."""
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid``, all its threads, exited ones included,
+    to the nanosecond; 0 where the process is gone.
+
+    Read from the process's CPU clock, not from ``/proc/PID/stat``: ``stat`` counts in clock
+    ticks (10 ms), and a benchmark phase that costs a process 60 ms would be measured
+    within +-17%. Where the clock cannot be read (not Linux), the ticks are the answer."""
+    try:
+        return time.clock_gettime_ns((~pid << 3) | _CPUCLOCK_SCHED) / 1e9
+    except (OSError, OverflowError):
+        pass
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (its own threads' children), from Linux ``/proc``;
+    none where it cannot be read."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
 def machine_cpu() -> tuple[float, float]:

@@ -54,7 +54,7 @@ import httpx
 
 from firstbyte.benchmarks._parent import stop_process
 from firstbyte.benchmarks.bare_relay import BARE_RELAY
-from firstbyte.benchmarks.conditions import machine_cpu
+from firstbyte.benchmarks.conditions import child_pids, machine_cpu, process_cpu_seconds
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.gc_hold import gc_held_off
 from firstbyte.benchmarks.progress import Progress
@@ -239,18 +239,9 @@ class _Child:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its live child processes (nginx's workers),
-    from Linux ``/proc``; 0 where it cannot be read."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        children = []
-    return own + sum(_cpu_seconds(int(child)) for child in children)
+    """CPU time of a process and its live child processes (nginx's workers), to the
+    nanosecond (:func:`process_cpu_seconds`); 0 where it cannot be read."""
+    return process_cpu_seconds(pid) + sum(_cpu_seconds(child) for child in child_pids(pid))
 
 
 @contextmanager

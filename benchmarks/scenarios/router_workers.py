@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from firstbyte.benchmarks.conditions import child_pids, process_cpu_seconds
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.gc_hold import gc_held_off
 from firstbyte.benchmarks.ports import free_port
@@ -83,27 +84,11 @@ _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
 def _rss_bytes(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
     except OSError:
         return 0
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
 
 
 @dataclass
@@ -112,14 +97,14 @@ class _Proc:
 
     def pids(self) -> list[int]:
         """The process and its workers (the supervisor forks them)."""
-        return [self.process.pid, *_children(self.process.pid)]
+        return [self.process.pid, *child_pids(self.process.pid)]
 
     def cpu_s(self) -> float:
-        return sum(_cpu_s(p) for p in self.pids())
+        return sum(process_cpu_seconds(p) for p in self.pids())
 
     def busiest_cpu_s(self) -> dict[int, float]:
         """CPU seconds per process (the supervisor and each worker)."""
-        return {p: _cpu_s(p) for p in self.pids()}
+        return {p: process_cpu_seconds(p) for p in self.pids()}
 
     def rss(self) -> int:
         return sum(_rss_bytes(p) for p in self.pids())
@@ -360,7 +345,7 @@ def _measure(
     sim_cpu0 = sim.cpu_s()
     self_cpu0 = _self_cpu_s()
     machine0 = _machine_busy_s()
-    redis_cpu0 = _cpu_s(redis_pid) if redis_pid else 0.0
+    redis_cpu0 = process_cpu_seconds(redis_pid) if redis_pid else 0.0
     exchanges0 = _redis_exchanges(redis_url) if redis_url else None
     peak: dict[str, int] = {"router_rss": 0, "redis_rss": 0, "live": 0}
 
@@ -388,7 +373,7 @@ def _measure(
         load = runner.run(main())
         wall_s = time.monotonic() - started
     router_cpu = (router.cpu_s() - router_cpu0) if router else 0.0
-    redis_cpu = (_cpu_s(redis_pid) - redis_cpu0) if redis_pid else 0.0
+    redis_cpu = (process_cpu_seconds(redis_pid) - redis_cpu0) if redis_pid else 0.0
     exchanges: dict[str, float | None] = {"reads": None, "evalsha": None, "eval": None}
     if exchanges0 is not None and redis_url:
         exchanges1 = _redis_exchanges(redis_url)

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from firstbyte.benchmarks._parent import stop_process
+from firstbyte.benchmarks.conditions import process_cpu_seconds
 from firstbyte.benchmarks.errors import PartFailed
 from firstbyte.benchmarks.ports import free_port
 
@@ -34,11 +35,10 @@ SERVERS = ("uvicorn", "hypercorn", "granian")
 TARGET_CHUNKS_PER_CPU_S = 20_000
 STREAMS = 200
 MAX_TOKENS = 64
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and all its live descendants."""
+    """CPU seconds of ``pid`` and all its live descendants (:func:`process_cpu_seconds`)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -50,9 +50,7 @@ def _proc_cpu_s(pid: int) -> float:
     stack = [pid]
     while stack:
         current = stack.pop()
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = _stat_fields(current)
-            total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        total += process_cpu_seconds(current)
         stack.extend(children.get(current, ()))
     return total
 
