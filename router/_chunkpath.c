@@ -227,6 +227,85 @@ add_to_attr(PyObject *obj, Slot *slot, Py_ssize_t delta)
     return set;
 }
 
+/* ---------------------------------------------------------------- methods
+ *
+ * A method called per chunk on one object a request holds (its transport's write and
+ * is_closing, its attempt's done). Called by name, each call looks it up on the type and
+ * in the object (PyObject_VectorcallMethod: ~150 instructions before the call). A Method is
+ * the function the type holds, found once where calling it with the object first is what
+ * the call by name does: the type is immutable (its methods cannot change), looks
+ * attributes up generically and holds a method descriptor by that name. An object's
+ * instance dict could shadow it, so a call checks the object has none (tp_dictoffset, as
+ * the generic lookup finds it) and its type is still the one seen; else, or where no
+ * Method was found, the call goes by name, so the result is the same either way. */
+
+typedef struct {
+    PyObject *type; /* the type it was found on (held) */
+    PyObject *func; /* the type's method descriptor (held) */
+} Method;
+
+/* The Method of `obj.<name>`, or one of NULLs where it must be called by name. */
+static void
+method_find(Method *method, PyObject *obj, PyObject *name)
+{
+    method->type = method->func = NULL;
+    PyTypeObject *type = Py_TYPE(obj);
+    PyObject *mro = type->tp_mro;
+    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_dictoffset < 0 ||
+        mro == NULL || !PyTuple_CheckExact(mro))
+        return;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++)
+        if (!PyType_HasFeature((PyTypeObject *)PyTuple_GET_ITEM(mro, i),
+                               Py_TPFLAGS_IMMUTABLETYPE))
+            return;
+    /* The type's own attribute (its MRO's, the one an instance's lookup finds, from the
+     * type's method cache): a metatype other than `type` could put its own first. A method
+     * descriptor read from its type is itself. */
+    if (!Py_IS_TYPE(type, &PyType_Type))
+        return;
+    PyObject *found = PyObject_GetAttr((PyObject *)type, name);
+    if (found == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (!PyType_HasFeature(Py_TYPE(found), Py_TPFLAGS_METHOD_DESCRIPTOR)) {
+        Py_DECREF(found);
+        return;
+    }
+    method->type = Py_NewRef((PyObject *)type);
+    method->func = found;
+}
+
+/* obj.<name>(arg), or obj.<name>() with `arg` NULL: a new reference, NULL with an
+ * exception. */
+static PyObject *
+method_call(Method *method, PyObject *obj, PyObject *name, PyObject *arg)
+{
+    PyObject *args[3] = {NULL, obj, arg};
+    size_t nargsf = (arg == NULL ? 1 : 2) | PY_VECTORCALL_ARGUMENTS_OFFSET;
+    if (method->func != NULL && (PyObject *)Py_TYPE(obj) == method->type) {
+        Py_ssize_t offset = Py_TYPE(obj)->tp_dictoffset;
+        if (offset == 0 || *(PyObject **)((char *)obj + offset) == NULL)
+            return PyObject_Vectorcall(method->func, args + 1, nargsf, NULL);
+    }
+    return PyObject_VectorcallMethod(name, args + 1, nargsf, NULL);
+}
+
+static int
+method_traverse(Method *method, visitproc visit, void *arg)
+{
+    Py_VISIT(method->type);
+    Py_VISIT(method->func);
+    return 0;
+}
+
+static void
+method_clear(Method *method)
+{
+    Py_CLEAR(method->type);
+    Py_CLEAR(method->func);
+}
+
 /* Every attribute read per chunk, by owner and name. */
 static Slot stream_finished_at = {"finished_at"};
 static Slot stream_store = {"_store"};
@@ -293,6 +372,7 @@ typedef struct {
     PyObject *gaps;      /* the observer's GapTimer (its chunk's work), or None */
     PyObject *loop_time; /* loop.time, bound */
     PyObject *on_events; /* the sink's on_events (a read cut into its events), or None */
+    Method done;         /* outcome.done */
     Py_ssize_t reads;    /* reads taken */
     Py_ssize_t events;   /* events they held */
     Py_ssize_t handed;   /* reads cut and handed to on_events */
@@ -318,7 +398,7 @@ ReadPath_traverse(ReadPath *self, visitproc visit, void *arg)
     Py_VISIT(self->gaps);
     Py_VISIT(self->loop_time);
     Py_VISIT(self->on_events);
-    return 0;
+    return method_traverse(&self->done, visit, arg);
 }
 
 static int
@@ -332,6 +412,7 @@ ReadPath_clear(ReadPath *self)
     Py_CLEAR(self->gaps);
     Py_CLEAR(self->loop_time);
     Py_CLEAR(self->on_events);
+    method_clear(&self->done);
     return 0;
 }
 
@@ -767,7 +848,7 @@ read_path(ReadPath *self, PyObject *data)
     if (!(all_fast && !ended) && self->on_events == Py_None)
         return 0;
 
-    PyObject *done = PyObject_CallMethodNoArgs(self->outcome, s_done);
+    PyObject *done = method_call(&self->done, self->outcome, s_done, NULL);
     if (done == NULL)
         return -1;
     int decided = PyObject_IsTrue(done);
@@ -871,6 +952,7 @@ ReadPath_make(PyTypeObject *type, PyObject *conn, PyObject *outcome, PyObject *r
     self->gaps = Py_NewRef(gaps);
     self->loop_time = Py_NewRef(loop_time);
     self->on_events = Py_NewRef(on_events);
+    method_find(&self->done, outcome, s_done);
     self->vectorcall = ReadPath_vectorcall;
     return (PyObject *)self;
 }
@@ -1178,6 +1260,8 @@ typedef struct {
     PyObject *flow;      /* its FlowControl */
     PyObject *framer;    /* the SSEFramer: direct */
     PyObject *fallback;  /* the Python writer, for events with line ends */
+    Method write;        /* transport.write */
+    Method is_closing;   /* transport.is_closing */
     vectorcallfunc vectorcall;
 } SSEWriter;
 
@@ -1189,7 +1273,8 @@ SSEWriter_traverse(SSEWriter *self, visitproc visit, void *arg)
     Py_VISIT(self->flow);
     Py_VISIT(self->framer);
     Py_VISIT(self->fallback);
-    return 0;
+    int err = method_traverse(&self->write, visit, arg);
+    return err ? err : method_traverse(&self->is_closing, visit, arg);
 }
 
 static int
@@ -1200,6 +1285,8 @@ SSEWriter_clear(SSEWriter *self)
     Py_CLEAR(self->flow);
     Py_CLEAR(self->framer);
     Py_CLEAR(self->fallback);
+    method_clear(&self->write);
+    method_clear(&self->is_closing);
     return 0;
 }
 
@@ -1262,7 +1349,7 @@ writable(SSEWriter *self)
     int complete = attr_true(self->cycle, &cycle_response_complete);
     if (complete != 0)
         return complete < 0 ? -1 : 0;
-    PyObject *closing = PyObject_CallMethodNoArgs(self->transport, s_is_closing);
+    PyObject *closing = method_call(&self->is_closing, self->transport, s_is_closing, NULL);
     if (closing == NULL)
         return -1;
     int is_closing = PyObject_IsTrue(closing);
@@ -1351,7 +1438,7 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
     out[head_len + size + 1] = '\n';
     if (_PyBytes_Resize(&part, head_len + size + 2) < 0)
         return NULL;
-    PyObject *written = PyObject_CallMethodOneArg(self->transport, s_write, part);
+    PyObject *written = method_call(&self->write, self->transport, s_write, part);
     Py_DECREF(part);
     if (written == NULL) {
         /* whatever a dying transport raises: its reader's send will say (uvicorn_writer) */
@@ -1397,6 +1484,8 @@ SSEWriter_make(PyTypeObject *type, PyObject *cycle, PyObject *framer, PyObject *
     self->flow = flow;
     self->framer = Py_NewRef(framer);
     self->fallback = Py_NewRef(fallback);
+    method_find(&self->write, transport, s_write);
+    method_find(&self->is_closing, transport, s_is_closing);
     self->vectorcall = SSEWriter_vectorcall;
     return (PyObject *)self;
 }

@@ -471,6 +471,26 @@ def test_the_per_chunk_objects_keep_their_fields_in_slots() -> None:
         loop.close()
 
 
+def test_a_method_the_compiled_path_calls_is_the_one_a_call_by_name_finds() -> None:
+    # The compiled path calls its attempt's done (and its transport's write and is_closing)
+    # as the function the type holds, found once; an instance attribute of that name, set
+    # after, is still what it calls, as a call by name would.
+    loop = asyncio.new_event_loop()
+    try:
+        side = _Side(loop)
+        read = _as_read([b'{"n":1}'])
+        assert side.path(read) is True
+        side.outcome.done = lambda: True  # type: ignore[method-assign]
+        assert side.path(read) is False  # decided: the Python path's
+        del side.outcome.done
+        assert side.path(read) is True
+        side.outcome.set_result(None)
+        assert side.path(read) is False
+        assert side.path.reads == 2
+    finally:
+        loop.close()
+
+
 # -- the Redis writer's packing, sans sockets ---------------------------------------------
 
 
