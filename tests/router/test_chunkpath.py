@@ -18,6 +18,7 @@ import contextlib
 import gc
 import json
 import re
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -487,6 +488,34 @@ def test_a_method_the_compiled_path_calls_is_the_one_a_call_by_name_finds() -> N
         side.outcome.set_result(None)
         assert side.path(read) is False
         assert side.path.reads == 2
+    finally:
+        loop.close()
+
+
+def test_a_count_the_compiled_path_adds_to_is_changed_in_place_only_where_none_holds_it() -> None:
+    # The ints and floats a read adds to are changed where they lie if their holder alone
+    # has them: one held anywhere else keeps its value, and the holder gets a new one.
+    loop = asyncio.new_event_loop()
+    try:
+        side = _Side(loop)
+        side.relay.appended = 1000  # past the ints CPython keeps made
+        hist = side.gaps.hist
+        for n in range(3):
+            assert side.path(_as_read([b'{"n":%d}' % n])) is True
+        where = id(side.stream.size_bytes), id(hist.total)
+        assert side.path(_as_read([b'{"n":3}'])) is True
+        if sys.version_info[:2] == (3, 11):  # the int layout it changes in place
+            assert (id(side.stream.size_bytes), id(hist.total)) == where
+        held = [side.relay.appended, side.stream.size_bytes, side.store.total_bytes,
+                side.store._owners[OWNER].bytes, hist.total, *hist.counts]
+        seen = [repr(value) for value in held]
+        for n in range(4, 7):
+            assert side.path(_as_read([b'{"n":%d}' % n])) is True
+        assert [repr(value) for value in held] == seen
+        assert (side.relay.appended, hist.count, sum(hist.counts)) == (1007, 6, 6)
+        assert side.stream.size_bytes == side.store.total_bytes == 7 * (7 + EVENT_OVERHEAD_BYTES)
+        assert side.store._owners[OWNER].bytes == side.store.total_bytes
+        assert hist.total > held[4]
     finally:
         loop.close()
 
