@@ -1364,6 +1364,31 @@ write_decimal(char *p, long long value)
     return p;
 }
 
+/* How many decimal digits write_decimal writes for `value`. */
+static int
+decimal_digits(long long value)
+{
+    unsigned long long v = value < 0 ? 0 : (unsigned long long)value;
+    int n = 1;
+    while (v >= 10) {
+        v /= 10;
+        n++;
+    }
+    return n;
+}
+
+/* How many hex digits write_hex writes for `value`. */
+static int
+hex_digits(size_t value)
+{
+    int n = 1;
+    while (value >= 16) {
+        value >>= 4;
+        n++;
+    }
+    return n;
+}
+
 /* `value` in lowercase hex at `p` (an HTTP chunk's size); returns the end. */
 static char *
 write_hex(char *p, size_t value)
@@ -1447,7 +1472,7 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
             i++;
             goto fall_back; /* several lines, or a named event: the Python framer */
         }
-        body += n + 40; /* "id: " + 20 digits + "\ndata: " + "\n\n" is 33 at most */
+        body += 4 + decimal_digits(seqs[i]) + 7 + n + 2; /* "id: " SEQ "\ndata: " DATA "\n\n" */
     }
     int ok = writable(self);
     if (ok <= 0) {
@@ -1457,14 +1482,16 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
             return NULL;
         Py_RETURN_FALSE;
     }
-    /* One HTTP chunk: "%x\r\n" body "\r\n", as uvicorn_writer frames it. */
-    PyObject *part = PyBytes_FromStringAndSize(NULL, body + 16 + 4);
+    /* One HTTP chunk: "%x\r\n" body "\r\n", as uvicorn_writer frames it, made at its size. */
+    int head_len = hex_digits((size_t)body) + 2;
+    PyObject *part = PyBytes_FromStringAndSize(NULL, head_len + body + 2);
     if (part == NULL) {
         i = count;
         goto fail;
     }
-    char *out = PyBytes_AS_STRING(part);
-    char *p = out + 16; /* room for the size line, moved down once the body's size is known */
+    char *p = write_hex(PyBytes_AS_STRING(part), (size_t)body);
+    *p++ = '\r';
+    *p++ = '\n';
     for (Py_ssize_t j = 0; j < count; j++) {
         memcpy(p, "id: ", 4);
         p = write_decimal(p + 4, seqs[j]);
@@ -1477,17 +1504,8 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
         *p++ = '\n';
         Py_DECREF(datas[j]);
     }
-    Py_ssize_t size = p - (out + 16);
-    char head[20];
-    int head_len = (int)(write_hex(head, (size_t)size) - head);
-    head[head_len++] = '\r';
-    head[head_len++] = '\n';
-    memmove(out + head_len, out + 16, (size_t)size);
-    memcpy(out, head, (size_t)head_len);
-    out[head_len + size] = '\r';
-    out[head_len + size + 1] = '\n';
-    if (_PyBytes_Resize(&part, head_len + size + 2) < 0)
-        return NULL;
+    *p++ = '\r';
+    *p++ = '\n';
     PyObject *written = method_call(&self->write, self->transport, s_write, part);
     Py_DECREF(part);
     if (written == NULL) {
