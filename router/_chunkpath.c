@@ -567,8 +567,8 @@ perf_counter(void)
 
 
 
-/* Stream.add (router/streams.py) for a read's `payloads` (`size`: what the store charges for
- * them), with the same effects in the same order: the events stored, the stream, its owner
+/* Stream.add (router/streams.py) for a read's `count` payloads (`size`: what the store
+ * charges for them), with the same effects in the same order: the events stored, the stream, its owner
  * and the store charged, the mirror called per event, the direct readers written (an
  * SSEWriter called here, in C) and the others woken; an owner that these take past its share
  * is marked for trimming, as Stream.add marks it. It runs where Stream.add would not reclaim:
@@ -579,8 +579,8 @@ perf_counter(void)
  * definition. 1 done, -1 error. `read_at` NULL: the idle clock is read if a reader is
  * written to; `last_event`, unless NULL: the last event added, once done. */
 static int
-stream_add(PyObject *stream, PyObject *event_type, PyObject *payloads, Py_ssize_t size,
-           PyObject *read_at, PyObject **last_event)
+stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py_ssize_t count,
+           Py_ssize_t size, PyObject *read_at, PyObject **last_event)
 {
     int open = attr_none(stream, &stream_finished_at);
     if (open <= 0)
@@ -652,7 +652,6 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *payloads, Py_ssize_
     if (seq == -1 && PyErr_Occurred())
         goto out;
     seq += PyList_GET_SIZE(events);
-    Py_ssize_t count = PyList_GET_SIZE(payloads);
     added = PyList_New(count);
     if (added == NULL)
         goto out;
@@ -660,7 +659,7 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *payloads, Py_ssize_
         PyObject *number = PyLong_FromLongLong(++seq);
         if (number == NULL)
             goto out;
-        PyObject *args[2] = {number, PyList_GET_ITEM(payloads, i)};
+        PyObject *args[2] = {number, payloads[i]};
         PyObject *event = PyObject_Vectorcall(event_type, args, 2, NULL);
         Py_DECREF(number);
         if (event == NULL)
@@ -927,21 +926,19 @@ read_path(ReadPath *self, PyObject *data)
 
     /* From here the read is taken, as Relay.feed would (same payloads, same counters). */
     double now = perf_counter();
-    PyObject *payloads = PyList_New(count);
-    if (payloads == NULL)
-        return -1;
-    Py_ssize_t size = 0; /* what the store charges for them */
+    PyObject *payloads[MAX_EVENTS]; /* a list only if Stream.add must take them */
+    Py_ssize_t size = 0;            /* what the store charges for them */
     for (Py_ssize_t i = 0; i < count; i++) {
         size += sizes[i] + self->overhead;
-        PyObject *payload = PyBytes_FromStringAndSize(buf + starts[i], sizes[i]);
-        if (payload == NULL) {
-            Py_DECREF(payloads);
+        payloads[i] = PyBytes_FromStringAndSize(buf + starts[i], sizes[i]);
+        if (payloads[i] == NULL) {
+            while (i--)
+                Py_DECREF(payloads[i]);
             return -1;
         }
-        PyList_SET_ITEM(payloads, i, payload);
     }
     int status = -1;
-    PyObject *read_at = NULL, *result = NULL;
+    PyObject *read_at = NULL, *result = NULL, *listed = NULL;
     PyObject *loop_now = PyObject_CallNoArgs(self->loop_time);
     if (loop_now == NULL || slot_set(self->conn, &conn_last_read, loop_now) < 0)
         goto out;
@@ -950,11 +947,16 @@ read_path(ReadPath *self, PyObject *data)
     read_at = PyFloat_FromDouble(now);
     if (read_at == NULL)
         goto out;
-    int added = stream_add(self->stream, self->event_type, payloads, size, read_at, NULL);
+    int added = stream_add(self->stream, self->event_type, payloads, count, size, read_at, NULL);
     if (added < 0)
         goto out;
     if (added == 0) {
-        PyObject *args[3] = {self->stream, payloads, read_at};
+        listed = PyList_New(count);
+        if (listed == NULL)
+            goto out;
+        for (Py_ssize_t i = 0; i < count; i++)
+            PyList_SET_ITEM(listed, i, Py_NewRef(payloads[i]));
+        PyObject *args[3] = {self->stream, listed, read_at};
         result = PyObject_VectorcallMethod(s_add, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (result == NULL)
             goto out;
@@ -966,9 +968,11 @@ read_path(ReadPath *self, PyObject *data)
     self->events += count;
 out:
     Py_XDECREF(result);
+    Py_XDECREF(listed);
     Py_XDECREF(read_at);
     Py_XDECREF(loop_now);
-    Py_DECREF(payloads);
+    for (Py_ssize_t i = 0; i < count; i++)
+        Py_DECREF(payloads[i]);
     return status;
 }
 
@@ -1237,7 +1241,8 @@ StreamAdder_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
         size += PyBytes_GET_SIZE(payload) + self->overhead;
     }
     PyObject *last = NULL;
-    int added = stream_add(stream, self->event_type, payloads, size,
+    int added = stream_add(stream, self->event_type, PySequence_Fast_ITEMS(payloads),
+                           PyList_GET_SIZE(payloads), size,
                            read_at == Py_None ? NULL : read_at, &last);
     if (added < 0)
         return NULL;
