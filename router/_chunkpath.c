@@ -76,7 +76,19 @@ static PyObject *s_done, *s_is_closing, *s_write, *s_transport, *s_flow, *s_add,
     *s_drop_released_taps, *s_wake, *s_on_message_complete, *s_data_received;
 
 static PyTypeObject SSEWriterType;
-static PyObject *SSEWriter_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
+typedef struct SSEWriter SSEWriter;
+static PyObject *sse_write(SSEWriter *, PyObject *const *, Py_ssize_t, PyObject **);
+
+/* A new list of `count` items (new references to them); NULL with an exception. */
+static PyObject *
+list_of(PyObject *const *items, Py_ssize_t count)
+{
+    PyObject *list = PyList_New(count);
+    if (list != NULL)
+        for (Py_ssize_t i = 0; i < count; i++)
+            PyList_SET_ITEM(list, i, Py_NewRef(items[i]));
+    return list;
+}
 
 /* ---------------------------------------------------------------- attributes
  *
@@ -592,6 +604,11 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
     PyObject *owners = NULL, *owner = NULL, *usage = NULL, *events = NULL, *trimmed = NULL;
     PyObject *added = NULL, *last = NULL, *mirror = NULL, *taps = NULL, *waiters = NULL;
     PyObject *marked = NULL, *idle_now = NULL;
+    /* The events made, in an array: a list of them (`added`) is made only for a reader's
+     * writer that is not an SSEWriter (or its Python fallback). */
+    PyObject *local_made[MAX_EVENTS];
+    PyObject **made = local_made;
+    Py_ssize_t made_n = 0;
     if (store == Py_None)
         goto out;
     status = -1;
@@ -652,22 +669,27 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
     if (seq == -1 && PyErr_Occurred())
         goto out;
     seq += PyList_GET_SIZE(events);
-    added = PyList_New(count);
-    if (added == NULL)
-        goto out;
-    for (Py_ssize_t i = 0; i < count; i++) {
+    if (count > MAX_EVENTS) {
+        made = PyMem_Malloc((size_t)count * sizeof(PyObject *));
+        if (made == NULL) {
+            made = local_made;
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
+    for (; made_n < count; made_n++) {
         PyObject *number = PyLong_FromLongLong(++seq);
         if (number == NULL)
             goto out;
-        PyObject *args[2] = {number, payloads[i]};
+        PyObject *args[2] = {number, payloads[made_n]};
         PyObject *event = PyObject_Vectorcall(event_type, args, 2, NULL);
         Py_DECREF(number);
         if (event == NULL)
             goto out;
-        PyList_SET_ITEM(added, i, event);
+        made[made_n] = event;
     }
     for (Py_ssize_t i = 0; i < count; i++)
-        if (PyList_Append(events, PyList_GET_ITEM(added, i)) < 0)
+        if (PyList_Append(events, made[i]) < 0)
             goto out;
     if (add_to_attr(stream, &stream_size_bytes, size) < 0 ||
         add_to_attr(store, &store_total_bytes, size) < 0 ||
@@ -680,7 +702,7 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
         goto out;
     if (mirror != Py_None) {
         for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *args[2] = {stream, PyList_GET_ITEM(added, i)};
+            PyObject *args[2] = {stream, made[i]};
             if (discard(PyObject_Vectorcall(mirror, args, 2, NULL)) < 0)
                 goto out;
         }
@@ -708,8 +730,8 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
             PyObject *written = NULL;
             if (write != NULL) {
                 if (Py_IS_TYPE(write, &SSEWriterType))
-                    written = SSEWriter_vectorcall(write, &added, 1, NULL);
-                else
+                    written = sse_write((SSEWriter *)write, made, count, &added);
+                else if (added != NULL || (added = list_of(made, count)) != NULL)
                     written = PyObject_Vectorcall(write, &added, 1, NULL);
                 Py_DECREF(write);
             }
@@ -741,8 +763,12 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
         goto out;
     status = 1;
     if (last_event != NULL && count > 0)
-        *last_event = Py_NewRef(PyList_GET_ITEM(added, count - 1));
+        *last_event = Py_NewRef(made[count - 1]);
 out:
+    while (made_n)
+        Py_DECREF(made[--made_n]);
+    if (made != local_made)
+        PyMem_Free(made);
     Py_XDECREF(idle_now);
     Py_XDECREF(marked);
     Py_XDECREF(waiters);
@@ -1316,7 +1342,7 @@ static PyTypeObject StreamAdderType = {
 
 /* ---------------------------------------------------------------- SSEWriter */
 
-typedef struct {
+struct SSEWriter {
     PyObject_HEAD
     PyObject *cycle;     /* uvicorn's RequestResponseCycle */
     PyObject *transport; /* its transport */
@@ -1326,7 +1352,7 @@ typedef struct {
     Method write;        /* transport.write */
     Method is_closing;   /* transport.is_closing */
     vectorcallfunc vectorcall;
-} SSEWriter;
+};
 
 static int
 SSEWriter_traverse(SSEWriter *self, visitproc visit, void *arg)
@@ -1447,24 +1473,29 @@ writable(SSEWriter *self)
     return 1;
 }
 
+/* The Python writer's write of the events: `*list` is them as a list, made here (for the
+ * caller to drop) if it is NULL. */
 static PyObject *
-SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+sse_fall_back(SSEWriter *self, PyObject *const *events, Py_ssize_t count, PyObject **list)
 {
-    SSEWriter *self = (SSEWriter *)callable;
-    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !PyList_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "SSEWriter takes one argument: a list of events");
+    if (*list == NULL && (*list = list_of(events, count)) == NULL)
         return NULL;
-    }
-    PyObject *events = args[0];
-    Py_ssize_t count = PyList_GET_SIZE(events);
+    return PyObject_Vectorcall(self->fallback, list, 1, NULL);
+}
+
+/* The write of `count` events: the SSEWriter's call, and stream_add's for a reader's batch
+ * it holds in an array (`*list` NULL: no list of them made, unless the fallback takes it). */
+static PyObject *
+sse_write(SSEWriter *self, PyObject *const *events, Py_ssize_t count, PyObject **list)
+{
     if (count == 0 || count > MAX_EVENTS)
-        return PyObject_Vectorcall(self->fallback, args, 1, NULL);
+        return sse_fall_back(self, events, count, list);
     PyObject *datas[MAX_EVENTS];
     long long seqs[MAX_EVENTS];
     Py_ssize_t body = 0;
     Py_ssize_t i;
     for (i = 0; i < count; i++) {
-        PyObject *event = PyList_GET_ITEM(events, i);
+        PyObject *event = events[i];
         PyObject *seq = slot_get(event, &event_seq);
         if (seq == NULL)
             goto fail;
@@ -1536,11 +1567,23 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
 fall_back:
     for (Py_ssize_t j = 0; j < i; j++)
         Py_DECREF(datas[j]);
-    return PyObject_Vectorcall(self->fallback, args, 1, NULL);
+    return sse_fall_back(self, events, count, list);
 fail:
     for (Py_ssize_t j = 0; j < i; j++)
         Py_XDECREF(datas[j]);
     return NULL;
+}
+
+static PyObject *
+SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "SSEWriter takes one argument: a list of events");
+        return NULL;
+    }
+    PyObject *list = args[0]; /* borrowed: sse_write makes none where it is given one */
+    return sse_write((SSEWriter *)callable, PySequence_Fast_ITEMS(list), PyList_GET_SIZE(list),
+                     &list);
 }
 
 static PyObject *

@@ -372,6 +372,30 @@ def test_stream_add_and_append_in_c_do_what_their_python_does(
         loop.close()
 
 
+@pytest.mark.parametrize("events", [3, 100])
+def test_stream_add_in_c_writes_its_readers_as_its_python_does(events: int) -> None:
+    # A batch for a direct reader (a compiled SSE writer) and for a Python writer, more
+    # events than the C keeps on its stack too: the same frames, store and readers.
+    loop = asyncio.new_event_loop()
+    try:
+        sides, frames = [], []
+        for compiled in (True, False):
+            side, (cycle, framer, live) = _Side(loop), _writers()[0]
+            side.stream._taps.append(_Tap(live, 0, loop.create_future(), 0.0, loop))
+            payloads = [b'{"n":%d}' % n for n in range(events)]
+            with contextlib.nullcontext() if compiled else _python_store():
+                side.stream.add(payloads, 1.0)
+                side.stream.add([b"two\nlines", b"{}"], 1.5)  # the Python framer's
+            sides.append(side)
+            frames.append((cycle.transport.parts, framer.direct))
+        assert sides[0].state() == sides[1].state()
+        assert frames[0] == frames[1]
+        assert frames[0][1] == events + 2
+        assert len(sides[0].written) == 2
+    finally:
+        loop.close()
+
+
 def _extend_by_appends(stream: Stream, payloads: list[bytes], now: float) -> None:
     """Stream.extend as it was defined: append each, the direct readers held meanwhile and
     handed the batch after."""
