@@ -253,8 +253,21 @@ static int
 add_to_attr(PyObject *obj, Slot *slot, Py_ssize_t delta)
 {
     PyObject **where = slot_where(obj, slot);
-    if (where != NULL && *where != NULL && long_add_in_place(*where, delta))
+    if (where != NULL && *where != NULL && PyLong_CheckExact(*where)) {
+        PyObject *old = *where;
+        if (long_add_in_place(old, delta))
+            return 0;
+        /* else a new int (a small one: CPython's own), put in the slot where it lies */
+        Py_ssize_t now = PyLong_AsSsize_t(old);
+        if (now == -1 && PyErr_Occurred())
+            return -1;
+        PyObject *total = PyLong_FromSsize_t(now + delta);
+        if (total == NULL)
+            return -1;
+        *where = total;
+        Py_DECREF(old);
         return 0;
+    }
     PyObject *value = slot_get(obj, slot);
     if (value == NULL)
         return -1;
