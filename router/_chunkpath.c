@@ -489,19 +489,18 @@ ReadPath_dealloc(ReadPath *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Is `p[0:n]` one whole one-line event, `data: DATA\n\n` with no CR or LF in DATA (what the
- * relay's framer cuts to DATA on its own, at an event boundary)? 2 if it is also one the
- * relay's fast path cuts (Relay.feed's test, byte for byte: not `[DONE]`, not ending with
- * `}}`), 1 if only the former, 0 if neither. */
+/* `p[0:n]` is a line and a blank line, `LINE\n\n` with no LF in LINE (cut_chunks found its
+ * first LF and the one after it, so it is not searched again). Is it one whole one-line
+ * event, `data: DATA\n\n` with no CR in DATA (what the relay's framer cuts to DATA on its
+ * own, at an event boundary)? 2 if it is also one the relay's fast path cuts (Relay.feed's
+ * test, byte for byte: not `[DONE]`, not ending with `}}`), 1 if only the former, 0 if
+ * neither. */
 static int
 plain_event(const char *p, Py_ssize_t n)
 {
     if (n < 8 || memcmp(p, "data: ", 6) != 0)
         return 0;
     Py_ssize_t end = n - 2;
-    const char *lf = memchr(p, '\n', (size_t)n);
-    if (lf == NULL || lf - p != end || p[n - 1] != '\n')
-        return 0;
     if (memchr(p, '\r', (size_t)n) != NULL)
         return 0;
     if (p[6] == '[' || (p[end - 2] == '}' && p[end - 1] == '}'))
