@@ -1177,12 +1177,18 @@ ConnReader_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (fast == NULL)
         goto out;
     if (fast != Py_None) {
-        PyObject *taken = PyObject_Vectorcall(fast, args, 1, NULL);
-        Py_DECREF(fast);
-        if (taken == NULL)
-            goto out;
-        int yes = taken == Py_True ? 1 : taken == Py_False ? 0 : PyObject_IsTrue(taken);
-        Py_DECREF(taken);
+        int yes;
+        if (Py_IS_TYPE(fast, &ReadPathType)) { /* its read_path, without the call's checks */
+            yes = read_path((ReadPath *)fast, args[0]);
+            Py_DECREF(fast);
+        } else {
+            PyObject *taken = PyObject_Vectorcall(fast, args, 1, NULL);
+            Py_DECREF(fast);
+            if (taken == NULL)
+                goto out;
+            yes = taken == Py_True ? 1 : taken == Py_False ? 0 : PyObject_IsTrue(taken);
+            Py_DECREF(taken);
+        }
         if (yes < 0)
             goto out;
         if (yes) {
