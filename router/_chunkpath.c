@@ -695,7 +695,7 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
             goto out;
         PyObject *args[2] = {number, payloads[made_n]};
         PyObject *event = PyObject_Vectorcall(event_type, args, 2, NULL);
-        Py_DECREF(number);
+        Py_XSETREF(last, number); /* the last one: the readers' seq once written, not made anew */
         if (event == NULL)
             goto out;
         made[made_n] = event;
@@ -727,9 +727,8 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
         goto out;
     }
     if (PyList_GET_SIZE(taps) > 0) {
-        last = PyLong_FromLongLong(seq);
-        if (last == NULL)
-            goto out;
+        if (last == NULL && (last = PyLong_FromLongLong(seq)) == NULL)
+            goto out; /* no event made */
         if (read_at == NULL) { /* the idle clock, read only for readers to write to */
             read_at = idle_now = PyFloat_FromDouble(perf_counter());
             if (read_at == NULL)
