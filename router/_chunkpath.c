@@ -77,7 +77,8 @@ static PyObject *s_done, *s_is_closing, *s_write, *s_transport, *s_flow, *s_add,
 
 static PyTypeObject SSEWriterType;
 typedef struct SSEWriter SSEWriter;
-static PyObject *sse_write(SSEWriter *, PyObject *const *, Py_ssize_t, PyObject **);
+static PyObject *sse_write(SSEWriter *, PyObject *const *, Py_ssize_t, PyObject **,
+                           PyObject *const *);
 
 /* A new list of `count` items (new references to them); NULL with an exception. */
 static PyObject *
@@ -600,11 +601,12 @@ perf_counter(void)
  * holding most of a full store stays over its share, and its reads come here too); anywhere
  * else (no store, a finished stream, a store these would take past its bound while an owner
  * is over its share) it returns 0 having changed nothing and Stream.add runs, which stays the
- * definition. 1 done, -1 error. `read_at` NULL: the idle clock is read if a reader is
+ * definition. 1 done, -1 error. `line_free`: the payloads hold no CR or LF (a direct
+ * reader's writer need not look); `read_at` NULL: the idle clock is read if a reader is
  * written to; `last_event`, unless NULL: the last event added, once done. */
 static int
 stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py_ssize_t count,
-           Py_ssize_t size, PyObject *read_at, PyObject **last_event)
+           int line_free, Py_ssize_t size, PyObject *read_at, PyObject **last_event)
 {
     int open = attr_none(stream, &stream_finished_at);
     if (open <= 0)
@@ -741,7 +743,8 @@ stream_add(PyObject *stream, PyObject *event_type, PyObject *const *payloads, Py
             PyObject *written = NULL;
             if (write != NULL) {
                 if (Py_IS_TYPE(write, &SSEWriterType))
-                    written = sse_write((SSEWriter *)write, made, count, &added);
+                    written = sse_write((SSEWriter *)write, made, count, &added,
+                                        line_free ? payloads : NULL);
                 else if (added != NULL || (added = list_of(made, count)) != NULL)
                     written = PyObject_Vectorcall(write, &added, 1, NULL);
                 Py_DECREF(write);
@@ -1006,7 +1009,8 @@ read_path(ReadPath *self, PyObject *data)
     read_at = PyFloat_FromDouble(now);
     if (read_at == NULL)
         goto out;
-    int added = stream_add(self->stream, self->event_type, payloads, count, size, read_at, NULL);
+    int added = stream_add(self->stream, self->event_type, payloads, count, 1, size, read_at,
+                           NULL); /* cut_chunks' payloads: no CR or LF in them */
     if (added < 0)
         goto out;
     if (added == 0) {
@@ -1307,7 +1311,7 @@ StreamAdder_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     }
     PyObject *last = NULL;
     int added = stream_add(stream, self->event_type, PySequence_Fast_ITEMS(payloads),
-                           PyList_GET_SIZE(payloads), size,
+                           PyList_GET_SIZE(payloads), 0, size,
                            read_at == Py_None ? NULL : read_at, &last);
     if (added < 0)
         return NULL;
@@ -1515,9 +1519,12 @@ sse_fall_back(SSEWriter *self, PyObject *const *events, Py_ssize_t count, PyObje
 }
 
 /* The write of `count` events: the SSEWriter's call, and stream_add's for a reader's batch
- * it holds in an array (`*list` NULL: no list of them made, unless the fallback takes it). */
+ * it holds in an array (`*list` NULL: no list of them made, unless the fallback takes it).
+ * `line_free`, unless NULL: bytes known to hold no CR or LF (a read's payloads, as cut); an
+ * event whose data is the same object is not searched for line ends again. */
 static PyObject *
-sse_write(SSEWriter *self, PyObject *const *events, Py_ssize_t count, PyObject **list)
+sse_write(SSEWriter *self, PyObject *const *events, Py_ssize_t count, PyObject **list,
+          PyObject *const *line_free)
 {
     if (count == 0 || count > MAX_EVENTS)
         return sse_fall_back(self, events, count, list);
@@ -1543,7 +1550,8 @@ sse_write(SSEWriter *self, PyObject *const *events, Py_ssize_t count, PyObject *
         }
         const char *d = PyBytes_AS_STRING(datas[i]);
         Py_ssize_t n = PyBytes_GET_SIZE(datas[i]);
-        if (memchr(d, '\n', (size_t)n) || memchr(d, '\r', (size_t)n)) {
+        if ((line_free == NULL || line_free[i] != datas[i]) &&
+            (memchr(d, '\n', (size_t)n) || memchr(d, '\r', (size_t)n))) {
             i++;
             goto fall_back; /* several lines, or a named event: the Python framer */
         }
@@ -1614,7 +1622,7 @@ SSEWriter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, P
     }
     PyObject *list = args[0]; /* borrowed: sse_write makes none where it is given one */
     return sse_write((SSEWriter *)callable, PySequence_Fast_ITEMS(list), PyList_GET_SIZE(list),
-                     &list);
+                     &list, NULL);
 }
 
 static PyObject *

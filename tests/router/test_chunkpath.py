@@ -396,6 +396,32 @@ def test_stream_add_in_c_writes_its_readers_as_its_python_does(events: int) -> N
         loop.close()
 
 
+def test_a_read_path_event_made_with_other_data_is_framed_by_what_it_holds() -> None:
+    # The read path's direct writer does not look for line ends in a read's payloads (cut
+    # with none), but only where the event holds that same payload: an event type that
+    # makes other data of it has it framed by the Python framer, as SSEWriter frames it.
+    def lined(seq: int, data: bytes) -> StreamEvent:
+        return StreamEvent(seq, data + b"\nmore")
+
+    loop = asyncio.new_event_loop()
+    try:
+        parts = []
+        for event_type in (StreamEvent, lined):
+            side, (cycle, _, live) = _Side(loop), _writers()[0]
+            side.stream._taps[:] = [_Tap(live, 0, loop.create_future(), 0.0, loop)]
+            side.path = chunkpath.READ_PATH(
+                _Conn(), side.outcome, side.relay, side.stream, event_type,
+                EVENT_OVERHEAD_BYTES, side.gaps, lambda: 1.0,
+            )
+            assert side.path(_as_read([b'{"n":1}', b'{"n":2}'])) is True
+            expected = SSEFramer().frame(side.stream.events)
+            assert b"".join(cycle.transport.parts).endswith(expected + b"\r\n")
+            parts.append(cycle.transport.parts)
+        assert parts[0] != parts[1]
+    finally:
+        loop.close()
+
+
 def _extend_by_appends(stream: Stream, payloads: list[bytes], now: float) -> None:
     """Stream.extend as it was defined: append each, the direct readers held meanwhile and
     handed the batch after."""
